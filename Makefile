@@ -1,0 +1,18 @@
+PY ?= python3
+
+.PHONY: install demo test test-all lint
+
+install:
+	bash scripts/install.sh
+
+demo: install
+	$(PY) examples/quickstart.py
+
+test: install
+	$(PY) -m pytest -q -m "not slow and not gpu" tests
+
+test-all: install
+	$(PY) -m pytest -q tests
+
+lint:
+	$(PY) -m ruff check structgen structgen_server tests benchmarks examples

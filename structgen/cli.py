@@ -1,0 +1,107 @@
+"""The `structgen` command: `structgen serve` runs the OpenAI-compatible server,
+`structgen generate` prints one constrained generation (a quick check of a model + schema)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from structgen.engine.config import EngineConfig
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF-style directory, .safetensors or .gguf (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--backend", default="auto", choices=["auto", "xgrammar", "llguidance"], help="grammar backend")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: per device)")
+    p.add_argument("--max-batch-size", type=int, default=EngineConfig.max_batch_size, help="concurrent requests")
+    p.add_argument("--max-seq-len", type=int, default=EngineConfig.max_seq_len, help="prompt + output tokens per request")
+    p.add_argument("--no-jump-forward", action="store_true", help="decode grammar-forced text token by token")
+
+
+def _engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        device=args.device,
+        dtype=args.dtype,
+        max_batch_size=args.max_batch_size,
+        max_seq_len=args.max_seq_len,
+        jump_forward=not args.no_jump_forward,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="structgen", description="Structured generation with an embedded engine.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    _engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all interfaces)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", default=None, help="the `model` id clients send (default: the model's name)")
+    serve.add_argument("--default-max-tokens", type=int, default=1024, help="max_tokens when a request omits it")
+    serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer <key>` on /v1/*")
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+    gen = sub.add_parser("generate", help="print one constrained generation")
+    _engine_args(gen)
+    kind = gen.add_mutually_exclusive_group()
+    kind.add_argument("--schema", help="JSON Schema: a file path or inline JSON")
+    kind.add_argument("--regex", help="a regular expression")
+    kind.add_argument("--grammar", help="a grammar file (EBNF/GBNF or Lark)")
+    kind.add_argument("--choice", nargs="+", help="one of these strings")
+    gen.add_argument("--max-tokens", type=int, default=256)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("prompt")
+    return parser
+
+
+def _output_type(args: argparse.Namespace) -> object:
+    from structgen.types import CFG, Choice, JsonSchema, Regex
+
+    if args.schema:
+        path = Path(args.schema)
+        return JsonSchema(path.read_text() if path.exists() else args.schema)
+    if args.regex:
+        return Regex(args.regex)
+    if args.grammar:
+        return CFG(Path(args.grammar).read_text())
+    if args.choice:
+        return Choice(args.choice)
+    return str
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from structgen.errors import StructgenError
+
+    try:
+        if args.command == "serve":
+            from structgen_server.app import run_server
+
+            run_server(
+                args.model,
+                host=args.host,
+                port=args.port,
+                served_model_name=args.served_model_name,
+                backend=args.backend,
+                config=_engine_config(args),
+                default_max_tokens=args.default_max_tokens,
+                api_key=args.api_key,
+                log_level=args.log_level,
+            )
+            return 0
+        from structgen.api import LLM
+
+        llm = LLM(args.model, backend=args.backend, config=_engine_config(args))
+        c = llm.complete(_output_type(args), args.prompt, max_tokens=args.max_tokens, temperature=args.temperature)
+        print(c.text if isinstance(c.value, str) else json.dumps(c.value, default=str))
+        return 0
+    except StructgenError as e:
+        print(f"structgen: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

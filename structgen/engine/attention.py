@@ -1,0 +1,80 @@
+"""Attention over the slot KV cache for a flat batch of new tokens.
+
+`AttentionBatch` is built once per step by the runner and shared by every layer. The torch
+path pads queries to [batch, max_new_tokens] and keys to the longest context in the batch, so
+it reads only valid KV (up to padding), never the full `max_seq_len`. CUDA decode uses the
+Triton kernel in `kernels/decode_attention.py` when available.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionBatch:
+    positions: torch.Tensor  # [N] absolute position of each new token
+    token_slots: torch.Tensor  # [N] KV slot of each new token
+    slots: torch.Tensor  # [B] KV slot of each sequence
+    context_lens: torch.Tensor  # [B] tokens in cache after this step (prefix + new)
+    pad_index: torch.Tensor  # [N] index of each new token in the padded [B * max_q] layout
+    mask: torch.Tensor | None  # [B, 1, max_q, max_ctx] bool, True = may attend
+    max_q: int  # most new tokens of any sequence this step
+    max_ctx: int  # longest context this step
+    decode_kernel: bool = False  # every sequence has one new token and the GPU kernel is usable
+
+    @classmethod
+    def build(cls, seqs: list[tuple[int, int, int]], device: torch.device, decode_kernel: bool = False) -> AttentionBatch:
+        """`seqs`: (slot, start position, number of new tokens) per sequence."""
+        max_q = max(n for _, _, n in seqs)
+        max_ctx = max(s + n for _, s, n in seqs)
+        positions, token_slots, pad_index = [], [], []
+        for b, (slot, start, n) in enumerate(seqs):
+            positions.extend(range(start, start + n))
+            token_slots.extend([slot] * n)
+            pad_index.extend(range(b * max_q, b * max_q + n))
+        as_long = dict(dtype=torch.long, device=device)
+        slots = torch.tensor([s for s, _, _ in seqs], **as_long)
+        starts = torch.tensor([s for _, s, _ in seqs], **as_long)
+        lens = torch.tensor([s + n for _, s, n in seqs], **as_long)
+        mask = None
+        if not decode_kernel:
+            q_pos = starts[:, None] + torch.arange(max_q, device=device)[None, :]  # [B, max_q]
+            k_pos = torch.arange(max_ctx, device=device)
+            mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < lens[:, None, None])
+            mask = mask.unsqueeze(1)
+        return cls(
+            positions=torch.tensor(positions, **as_long),
+            token_slots=torch.tensor(token_slots, **as_long),
+            slots=slots,
+            context_lens=lens,
+            pad_index=torch.tensor(pad_index, **as_long),
+            mask=mask,
+            max_q=max_q,
+            max_ctx=max_ctx,
+            decode_kernel=decode_kernel,
+        )
+
+
+def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+    """q: [N, heads, head_dim] -> [N, heads, head_dim], causal over each sequence's cache."""
+    if batch.decode_kernel:
+        from structgen.engine.kernels.decode_attention import decode_attention
+
+        return decode_attention(q, k_cache, v_cache, batch.slots, batch.context_lens)
+    n, heads, dim = q.shape
+    b = batch.slots.shape[0]
+    if batch.max_q == 1 and n == b:
+        qp = q.unsqueeze(2)  # [B, H, 1, D]
+    else:
+        qp = q.new_zeros(b * batch.max_q, heads, dim)
+        qp[batch.pad_index] = q
+        qp = qp.view(b, batch.max_q, heads, dim).transpose(1, 2)
+    k = k_cache[batch.slots, : batch.max_ctx].transpose(1, 2)  # [B, kv_heads, ctx, D]
+    v = v_cache[batch.slots, : batch.max_ctx].transpose(1, 2)
+    out = F.scaled_dot_product_attention(qp, k, v, attn_mask=batch.mask, enable_gqa=heads != k.shape[1])
+    out = out.transpose(1, 2).reshape(b * batch.max_q, heads, dim)
+    return out if batch.max_q == 1 and n == b else out[batch.pad_index]

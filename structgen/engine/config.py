@@ -1,0 +1,129 @@
+"""Configuration dataclasses: what the model is (ModelConfig, read from config.json) and how
+the engine runs it (EngineConfig). Plain data; no behaviour beyond parsing and defaults."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+
+@dataclass
+class ModelConfig:
+    """Hyper-parameters of a Llama-family decoder, named as in HF `config.json`."""
+
+    architecture: str = "LlamaForCausalLM"
+    vocab_size: int = 49152
+    hidden_size: int = 576
+    intermediate_size: int = 1536
+    num_hidden_layers: int = 30
+    num_attention_heads: int = 9
+    num_key_value_heads: int = 3
+    head_dim: int = 64
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 8192
+    tie_word_embeddings: bool = True
+    attention_bias: bool = False  # Qwen2 has q/k/v biases
+    qk_norm: bool = False  # Qwen3 normalises q and k per head
+    bos_token_id: int | None = None
+    eos_token_id: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        from structgen.errors import ModelLoadError
+
+        archs = d.get("architectures") or ["LlamaForCausalLM"]
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ModelLoadError(
+                f"unsupported architecture {arch!r}; structgen runs {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        n_heads = d["num_attention_heads"]
+        eos = d.get("eos_token_id")
+        eos_list = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        return cls(
+            architecture=arch,
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=n_heads,
+            num_key_value_heads=d.get("num_key_value_heads") or n_heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // n_heads,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=d.get("rope_theta", (d.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+            rope_scaling=d.get("rope_scaling"),
+            max_position_embeddings=d.get("max_position_embeddings", 4096),
+            tie_word_embeddings=d.get("tie_word_embeddings", False),
+            attention_bias=d.get("attention_bias", arch == "Qwen2ForCausalLM"),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=eos_list,
+        )
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> ModelConfig:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding (structgen/engine/spec/): a drafter proposes up to
+    `num_draft_tokens` tokens per step and the target checks them all in one forward.
+    Lossless: greedy requests keep their exact tokens, sampled ones their distribution."""
+
+    method: str = "ngram"  # "ngram" | "draft_model" | "self_draft" | "custom"
+    num_draft_tokens: int = 3  # k: most tokens proposed per step
+    grammar_aware: bool = True  # cut/mask drafts with the request's grammar before verifying
+    # n-gram / prompt lookup
+    ngram_max: int = 4  # longest suffix n-gram matched against the context
+    ngram_min: int = 1  # shortest suffix n-gram tried before giving up
+    ngram_shared: bool = False  # also look up finished requests' outputs (a shared pool)
+    # draft model ("draft_model": a checkpoint sharing the target's tokenizer; "self_draft":
+    # the target's first `self_draft_layers` layers + its LM head, on their own KV cache)
+    draft_model: str | None = None
+    self_draft_layers: int = 8
+    drafter: Any = None  # "custom": any object implementing spec.drafter.Drafter
+
+    def __post_init__(self) -> None:
+        from structgen.errors import InvalidParameterError
+
+        methods = ("ngram", "draft_model", "self_draft", "custom")
+        if self.method not in methods:
+            raise InvalidParameterError(f"speculative method must be one of {methods}, got {self.method!r}")
+        if self.num_draft_tokens < 1:
+            raise InvalidParameterError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise InvalidParameterError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+        if self.method == "draft_model" and not self.draft_model:
+            raise InvalidParameterError("method='draft_model' needs draft_model= (a checkpoint path)")
+        if self.method == "custom" and self.drafter is None:
+            raise InvalidParameterError("method='custom' needs drafter= (an object with propose(req, k))")
+
+
+@dataclass
+class EngineConfig:
+    """How the engine runs a model. Defaults suit one user on a laptop or one GPU."""
+
+    device: str | None = None  # None: "cuda" if available, else "cpu"
+    dtype: str | None = None  # None: bfloat16 on CUDA, float32 on CPU
+    max_batch_size: int = 64  # concurrent requests (KV slots)
+    max_seq_len: int = 4096  # per-request prompt + output tokens (capped by the model)
+    kv_cache_memory_fraction: float = 0.5  # of free GPU memory, when sizing slots on CUDA
+    prefill_chunk_tokens: int = 2048  # longest prefill piece scheduled in one step
+    use_cuda_graphs: bool = True  # decode/verify graphs on CUDA; ignored on CPU
+    cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    jump_forward: bool = True  # append grammar-forced text without a decode step per token
+    grammar_threads: int = 0  # 0: pick from os.cpu_count()
+    seed: int | None = None
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding

@@ -1,0 +1,185 @@
+"""Decode steps as CUDA graphs, with the grammar mask and the sampler inside.
+
+A decode step of a small model is hundreds of tiny kernels; launched one by one from Python
+the CPU cannot keep up with the GPU. `DecodeGraphs` captures, for each batch size in
+`EngineConfig.cuda_graph_batch_sizes` (a bucket), two graphs over static buffers:
+
+- forward: token ids, positions, slots, context lengths -> LM-head logits;
+- sample: logits + grammar bitmask (rows whose has-mask flag is 0 skip it) + temperature +
+  per-row Philox seeds -> one token per row (greedy, or Gumbel-max for temperature > 0).
+
+They are two graphs so the grammar work overlaps the forward: `run` launches the forward,
+then fills the bitmask on the CPU (the matchers were advanced with the previous step's
+tokens) while the GPU is busy, copies it to the device on a side stream ordered by CUDA
+events, and launches the sampler behind it. The one host sync per step is reading the
+sampled tokens. A batch is padded up to its bucket: padding rows decode token 0 at position
+0 of the KV cache's scratch slot and their outputs are ignored.
+
+With `capture=False` the same step functions run eagerly on the same buffers (for checking
+this module without a GPU, under Triton's interpreter).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from structgen.engine.attention import AttentionBatch
+from structgen.engine.kernels.sampling import sample_tokens
+
+if TYPE_CHECKING:
+    from structgen.engine.model_runner import ModelRunner
+
+# Rows of the int64 metadata buffer (one H2D copy per step).
+IDS, POSITIONS, SLOTS, LENS, SEEDS, HAS_MASK = range(6)
+
+
+class DecodeGraphs:
+    def __init__(self, runner: ModelRunner, batch_sizes: tuple[int, ...], capture: bool = True):
+        self.model, self.kv, self.device = runner.model, runner.kv, runner.device
+        self.batch_sizes = sorted(set(batch_sizes))
+        self.max_batch_size = self.batch_sizes[-1]
+        self.capture_graphs = capture
+        vocab = runner.model_config.vocab_size
+        words = (vocab + 31) // 32
+        n, dev = self.max_batch_size, self.device
+        pin = dev.type == "cuda"
+        # Device buffers the graphs read and write; they never move.
+        self.meta = torch.zeros(6, n, dtype=torch.int64, device=dev)
+        self.temperature = torch.zeros(n, dtype=torch.float32, device=dev)
+        self.bitmask = torch.zeros(n, words, dtype=torch.int32, device=dev)
+        self.tokens = torch.zeros(n, dtype=torch.int64, device=dev)
+        # Pinned host staging, written through numpy views (cheaper than torch indexing).
+        self.host_meta = torch.zeros(6, n, dtype=torch.int64, pin_memory=pin)
+        self.host_temperature = torch.zeros(n, dtype=torch.float32, pin_memory=pin)
+        self.host_bitmask = torch.zeros(n, words, dtype=torch.int32, pin_memory=pin)
+        self.host_tokens = torch.zeros(n, dtype=torch.int64, pin_memory=pin)
+        self._meta_np = self.host_meta.numpy()
+        self._temp_np = self.host_temperature.numpy()
+        self._tokens_np = self.host_tokens.numpy()
+        # bucket -> (launch forward, launch sampler); the graphs and their logits stay alive here.
+        self._steps: dict[int, tuple[Callable[[], None], Callable[[], None]]] = {}
+        self._captured: list[object] = []
+        if pin:
+            self.copy_stream = torch.cuda.Stream(dev)
+            self.mask_copied = torch.cuda.Event()
+            self.step_done = torch.cuda.Event()
+        self._capture_all()
+
+    # -- the step functions the graphs hold -------------------------------------------------
+    def _forward(self, bs: int) -> torch.Tensor:
+        m = self.meta
+        batch = AttentionBatch(
+            positions=m[POSITIONS, :bs], token_slots=m[SLOTS, :bs], slots=m[SLOTS, :bs],
+            context_lens=m[LENS, :bs], pad_index=m[POSITIONS, :0], mask=None,
+            max_q=1, max_ctx=self.kv.max_seq_len, decode_kernel=True,
+        )
+        hidden = self.model(m[IDS, :bs], batch, self.kv)
+        return self.model.lm_head(hidden)  # model dtype: the sampler reads it without a cast pass
+
+    def _sample(self, bs: int, logits: torch.Tensor) -> None:
+        m = self.meta
+        sample_tokens(logits, self.bitmask[:bs], m[HAS_MASK, :bs], self.temperature[:bs], m[SEEDS, :bs],
+                      out=self.tokens[:bs])
+
+    def _set_padding(self, lo: int, hi: int) -> None:
+        """Rows [lo, hi): token 0 at position 0 of the scratch slot, greedy, no mask."""
+        meta = self._meta_np
+        meta[:, lo:hi] = 0
+        meta[SLOTS, lo:hi] = self.kv.scratch_slot
+        meta[LENS, lo:hi] = 1
+        self._temp_np[lo:hi] = 0.0
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        self._set_padding(0, self.max_batch_size)
+        self.meta.copy_(self.host_meta)
+        self.temperature.copy_(self.host_temperature)
+        if not self.capture_graphs:
+            for bs in self.batch_sizes:
+                self._steps[bs] = self._eager_step(bs)
+            return
+        pool = torch.cuda.graph_pool_handle()  # shared: only one graph runs at a time
+        for bs in reversed(self.batch_sizes):  # largest first, so smaller ones fit in its memory
+            self._sample(bs, self._forward(bs))  # warm-up: compiles the Triton kernels
+            torch.cuda.synchronize(self.device)
+            forward, sample = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+            with torch.cuda.graph(forward, pool=pool):
+                logits = self._forward(bs)
+            with torch.cuda.graph(sample, pool=pool):
+                self._sample(bs, logits)
+            self._steps[bs] = (forward.replay, sample.replay)
+            self._captured += [forward, sample, logits]
+        torch.cuda.synchronize(self.device)
+
+    def _eager_step(self, bs: int) -> tuple[Callable[[], None], Callable[[], None]]:
+        logits: list[torch.Tensor] = []
+
+        def forward() -> None:
+            logits[:] = [self._forward(bs)]
+
+        def sample() -> None:
+            self._sample(bs, logits[0])
+
+        return forward, sample
+
+    # -- one step ------------------------------------------------------------------------------
+    def bucket(self, n: int) -> int | None:
+        """The smallest captured batch size >= n (None: run eagerly instead)."""
+        i = bisect.bisect_left(self.batch_sizes, n)
+        return self.batch_sizes[i] if i < len(self.batch_sizes) else None
+
+    @torch.inference_mode()
+    def run(
+        self,
+        token_ids: list[int],
+        positions: list[int],
+        slots: list[int],
+        temperatures: list[float],
+        seeds: list[int],
+        has_mask: list[bool],
+        fill_bitmask: Callable[[torch.Tensor], None],
+    ) -> list[int]:
+        """Decode one token for each of n sequences (n <= max_batch_size); return the n
+        sampled tokens. `fill_bitmask(host_bitmask)` is called while the forward runs and must
+        fill row i of the int32 [n, W] host tensor for every i with has_mask[i]."""
+        n = len(token_ids)
+        bs = self.bucket(n)
+        assert bs is not None, f"batch of {n} exceeds the largest captured size {self.max_batch_size}"
+        meta = self._meta_np
+        meta[IDS, :n] = token_ids
+        meta[POSITIONS, :n] = positions
+        meta[SLOTS, :n] = slots
+        meta[LENS, :n] = np.asarray(positions) + 1
+        meta[SEEDS, :n] = seeds
+        meta[HAS_MASK, :n] = has_mask
+        self._temp_np[:n] = temperatures
+        self._set_padding(n, bs)
+        forward, sample = self._steps[bs]
+        cuda = self.device.type == "cuda"
+        self.meta[:, :bs].copy_(self.host_meta[:, :bs], non_blocking=cuda)
+        self.temperature[:bs].copy_(self.host_temperature[:bs], non_blocking=cuda)
+        forward()
+        if any(has_mask):
+            fill_bitmask(self.host_bitmask[:n])  # CPU work, overlapping the forward
+            if cuda:
+                # The side stream copies the mask while the forward still runs; the sampler
+                # waits for the copy, and the copy never overwrites the buffer before the
+                # previous step's sampler has read it (its step_done precedes our host sync).
+                with torch.cuda.stream(self.copy_stream):
+                    self.bitmask[:n].copy_(self.host_bitmask[:n], non_blocking=True)
+                    self.mask_copied.record()
+                torch.cuda.current_stream(self.device).wait_event(self.mask_copied)
+            else:
+                self.bitmask[:n].copy_(self.host_bitmask[:n])
+        sample()
+        if not cuda:
+            return self.tokens[:n].tolist()
+        self.host_tokens[:bs].copy_(self.tokens[:bs], non_blocking=True)
+        self.step_done.record()
+        self.step_done.synchronize()
+        return self._tokens_np[:n].tolist()

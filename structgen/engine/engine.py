@@ -1,0 +1,279 @@
+"""Engine: the step loop. Each step schedules pending tokens, runs one `extend` forward, fills
+grammar bitmasks while the device works, samples under the masks, and advances every
+request's matcher. A failure inside one request finishes that request with an error and
+never touches the others.
+
+A pure decode step (every request runs one token and samples) goes through
+`ModelRunner.decode` instead, which samples on the device and returns tokens: on CUDA a
+captured graph whose grammar masks are filled while its forward runs."""
+
+from __future__ import annotations
+
+import logging
+import random
+from pathlib import Path
+
+import torch
+
+from structgen.engine.config import EngineConfig, ModelConfig
+from structgen.engine.model_runner import ExtendSeq, ModelRunner
+from structgen.engine.request import Request, RequestStatus
+from structgen.engine.sampler import (
+    SamplingParams,
+    allocate_bitmask,
+    apply_bitmask_,
+    bitmask_to_bool,
+    sample,
+    step_seed,
+)
+from structgen.engine.scheduler import Scheduler
+from structgen.errors import EngineError, PromptTooLongError
+
+log = logging.getLogger("structgen.engine")
+
+
+class Engine:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        config: EngineConfig | None = None,
+        model_dir: Path | None = None,
+        stop_token_ids: set[int] | None = None,
+    ):
+        self.stop_token_ids = set(stop_token_ids if stop_token_ids is not None else model_config.eos_token_id)
+        self.config = config or EngineConfig()
+        self.model_config = model_config
+        self.runner = ModelRunner(model_config, self.config, model_dir)
+        self.device = self.runner.device
+        self.vocab_size = model_config.vocab_size
+        self.scheduler = Scheduler(self.runner.kv, self.runner.kv.num_slots, self.config.prefill_chunk_tokens)
+        self.max_seq_len = self.runner.max_seq_len
+        self.jump_forward_hook = None  # set by structgen.grammar.jump_forward when available
+        self._rng = random.Random(self.config.seed)  # noise seeds of unseeded sampled rows
+        self.speculator = None  # speculative decoding (spec/speculator.py) when configured
+        if self.config.speculative is not None:
+            from structgen.engine.spec.speculator import Speculator
+
+            self.speculator = Speculator(self, self.config.speculative)
+
+    # -- requests -------------------------------------------------------------------------
+    def add_request(self, request: Request) -> Request:
+        """Queue a request; raises PromptTooLongError before it takes any resources."""
+        need = request.num_prompt + request.params.max_tokens
+        if request.num_prompt == 0:
+            raise EngineError("empty prompt: at least one token is needed")
+        if need > self.max_seq_len:
+            raise PromptTooLongError(
+                f"prompt of {request.num_prompt} tokens + max_tokens {request.params.max_tokens} = {need} "
+                f"exceeds the context of {self.max_seq_len} tokens; shorten the prompt or lower max_tokens"
+            )
+        if request.params.seed is not None:
+            request.generator = torch.Generator(device=self.device).manual_seed(request.params.seed)
+        jf = request.params.jump_forward
+        request.jump_forward = (self.config.jump_forward if jf is None else jf) and request.matcher is not None
+        if request.jump_forward and self.jump_forward_hook is not None:
+            # What the grammar forces before any sampling (`{"name": `) rides along with the
+            # prompt's prefill; a grammar that forces its whole output finishes right here.
+            self.jump_forward_hook(self, request)
+            if request.finished:
+                self._notify(request)
+                return request
+        self.scheduler.add(request)
+        return request
+
+    def abort(self, request: Request, reason: str = "abort", error: BaseException | None = None) -> None:
+        if not request.finished:
+            request.finish(reason, error)
+        self.scheduler.remove(request)
+        self._notify(request)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- the step ---------------------------------------------------------------------------
+    def step(self) -> list[Request]:
+        """Run one forward over every running request; return requests that finished."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        if self._is_decode_step(batch):
+            return self._decode_step([req for req, _ in batch])
+        seqs, sampling = [], []
+        drafts = self.speculator.propose(batch) if self.speculator is not None else None
+        for i, (req, n) in enumerate(batch):
+            start = req.num_cached
+            draft = drafts[i] if drafts is not None else []  # verified by the same forward
+            seqs.append(ExtendSeq(req.slot, start, req.token_ids[start : start + n] + draft, num_logits=1 + len(draft)))
+        try:
+            logits = self.runner.extend(seqs)  # async on CUDA: the mask work below overlaps it
+        except Exception as exc:  # a broken batch fails its requests, not the engine
+            log.exception("forward failed")
+            for req, _ in batch:
+                self.abort(req, "error", EngineError(f"forward pass failed: {exc}"))
+            return [req for req, _ in batch]
+        if drafts is not None:
+            finished = self.speculator.verify(logits, batch, drafts)
+        else:
+            for i, (req, n) in enumerate(batch):
+                req.num_cached += n
+                req.stats.forward_passes += 1
+                if req.num_cached == len(req.token_ids):
+                    sampling.append((i, req))
+            finished = self._sample_and_advance(logits, sampling)
+        for req, _ in batch:
+            if not req.finished:
+                self._notify(req)
+        return finished
+
+    def _is_decode_step(self, batch: list[tuple[Request, int]]) -> bool:
+        """Every request runs exactly its one pending token and samples after it, and none
+        needs top-k/top-p (those rows take the eager sampler)."""
+        if self.speculator is not None:
+            return False
+        for req, n in batch:
+            p = req.params
+            if n != 1 or req.num_pending != 1 or (not p.greedy and (p.top_k > 0 or p.top_p < 1.0)):
+                return False
+        return True
+
+    def _decode_step(self, reqs: list[Request]) -> list[Request]:
+        seqs = [ExtendSeq(r.slot, r.num_cached, r.token_ids[r.num_cached :]) for r in reqs]
+        constrained = [(i, r.matcher) for i, r in enumerate(reqs) if r.matcher is not None]
+        errors: dict[int, BaseException] = {}
+
+        def fill(bitmask: torch.Tensor) -> None:  # runs while the device computes the forward
+            errors.update(self._fill_masks(bitmask, constrained))
+
+        try:
+            tokens = self.runner.decode(
+                seqs, [r.params.temperature for r in reqs], [self._noise_seed(r) for r in reqs],
+                [r.matcher is not None for r in reqs], fill,
+            )
+        except Exception as exc:  # a broken batch fails its requests, not the engine
+            log.exception("decode step failed")
+            for req in reqs:
+                self.abort(req, "error", EngineError(f"forward pass failed: {exc}"))
+            return reqs
+        for req in reqs:
+            req.num_cached += 1
+            req.stats.forward_passes += 1
+        finished = self._advance_all(reqs, tokens, errors)
+        for req in reqs:
+            if not req.finished:
+                self._notify(req)
+        return finished
+
+    def _fill_masks(self, bitmask: torch.Tensor, rows: list[tuple[int, object]]) -> dict[int, BaseException]:
+        """Fill `bitmask[row]` from each matcher (batched through the backends' thread pools);
+        a matcher that fails is reported by row, the others' rows are still filled."""
+        from structgen.grammar import fill_bitmasks
+
+        if not rows:
+            return {}
+        try:
+            fill_bitmasks([m for _, m in rows], bitmask, [i for i, _ in rows], threads=self.config.grammar_threads)
+            return {}
+        except Exception:
+            errors: dict[int, BaseException] = {}
+            for i, m in rows:  # find the culprit(s) one by one
+                try:
+                    m.fill_bitmask(bitmask, i)
+                except Exception as exc:
+                    errors[i] = exc
+            return errors
+
+    def _noise_seed(self, req: Request) -> int:
+        """Seed of this step's sampling noise: a function of (seed, position) for seeded
+        requests, so they reproduce whatever they are batched with."""
+        if req.params.greedy:
+            return 0
+        if req.params.seed is None:
+            return self._rng.getrandbits(63)
+        return step_seed(req.params.seed, len(req.token_ids))
+
+    @torch.inference_mode()  # logits are the forward's inference tensors; masking writes them
+    def _sample_and_advance(self, logits: torch.Tensor, sampling: list[tuple[int, Request]]) -> list[Request]:
+        if not sampling:
+            return []
+        rows = torch.tensor([i for i, _ in sampling], device=self.device)
+        logits = logits.index_select(0, rows) if len(sampling) != logits.shape[0] else logits
+        constrained = [(j, r) for j, (_, r) in enumerate(sampling) if r.matcher is not None]
+        errors: dict[int, BaseException] = {}
+        if constrained:
+            bitmask = allocate_bitmask(len(constrained), self.vocab_size)
+            for k, exc in self._fill_masks(bitmask, [(k, r.matcher) for k, (_, r) in enumerate(constrained)]).items():
+                errors[constrained[k][0]] = exc
+            idx = torch.tensor([j for j, _ in constrained], device=self.device)
+            masked = apply_bitmask_(logits.index_select(0, idx), bitmask.to(self.device, non_blocking=True))
+            logits.index_copy_(0, idx, masked)
+        reqs = [r for _, r in sampling]
+        tokens = sample(logits, [r.params for r in reqs], [self._noise_seed(r) for r in reqs]).tolist()
+        return self._advance_all(reqs, tokens, errors)
+
+    def _advance_all(self, reqs: list[Request], tokens: list[int], errors: dict[int, BaseException]) -> list[Request]:
+        """Advance each request by its sampled token; `errors[i]` (its grammar failed this
+        step) finishes request i with that error instead. Returns those that finished."""
+        finished = []
+        for i, (req, tok) in enumerate(zip(reqs, tokens, strict=True)):
+            try:
+                if i in errors:
+                    raise EngineError(f"grammar failed while computing the token mask: {errors[i]}")
+                self._advance(req, tok)
+            except Exception as exc:
+                log.exception("request %d failed", req.id)
+                req.finish("error", exc if isinstance(exc, EngineError) else EngineError(str(exc)))
+            if req.finished:
+                self.scheduler.remove(req)
+                self._notify(req)
+                finished.append(req)
+        return finished
+
+    def _advance(self, req: Request, tok: int, jump_forward: bool = True) -> None:
+        """Feed one sampled token to the request's grammar and decide whether it is done.
+        `jump_forward=False`: more tokens of this step follow (accepted drafts), jump later."""
+        m = req.matcher
+        if m is not None:
+            if not m.accept_token(tok):
+                raise EngineError(f"grammar rejected sampled token {tok}; the mask and matcher disagree")
+            if m.is_terminated():
+                req.finish("stop")
+                return
+        elif tok in req.stop_token_ids:
+            req.finish("stop")
+            return
+        req.append([tok])
+        if req.num_output >= req.params.max_tokens:
+            req.finish("length")
+            return
+        if m is not None and m.is_completed() and self._only_stop_allowed(m):
+            # The grammar is complete and nothing can follow: skip the forward that would
+            # only ever sample the stop token.
+            req.finish("stop")
+            return
+        if jump_forward and req.jump_forward and self.jump_forward_hook is not None:
+            self.jump_forward_hook(self, req)
+
+    def _only_stop_allowed(self, matcher) -> bool:
+        mask = allocate_bitmask(1, self.vocab_size)
+        matcher.fill_bitmask(mask, 0)
+        allowed = bitmask_to_bool(mask, self.vocab_size)[0].nonzero().flatten().tolist()
+        return set(allowed) <= self.stop_token_ids
+
+    def _notify(self, req: Request) -> None:
+        if req.on_update is not None:
+            try:
+                req.on_update(req)
+            except Exception:  # a broken callback must not break the loop
+                log.exception("on_update callback of request %d failed", req.id)
+
+    # -- synchronous convenience ----------------------------------------------------------------
+    def run(self, requests: list[Request]) -> list[Request]:
+        """Add requests and step until all of them have finished (no background thread)."""
+        for r in requests:
+            self.add_request(r)
+        while any(not r.finished for r in requests):
+            self.step()
+        return requests
+
+
+__all__ = ["Engine", "Request", "RequestStatus", "SamplingParams"]

@@ -1,0 +1,44 @@
+"""Optional GPU kernels (Triton), each with a torch definition the tests compare it to:
+
+- `decode_attention.py`: flash-decoding over the slot KV cache (one query token per sequence).
+- `fused.py`: residual add + RMSNorm, RoPE + KV-cache write, SiLU(gate) * up.
+- `sampling.py`: grammar bitmask + temperature + Gumbel noise + argmax in one pass.
+
+`triton_enabled(device)` is the one switch: True on CUDA when Triton imports, and on the CPU
+only under Triton's interpreter (`TRITON_INTERPRET=1`, for debugging kernels without a GPU).
+CPU runs otherwise never import Triton.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+
+@functools.cache
+def _triton_imports() -> bool:
+    try:
+        import triton  # noqa: F401
+
+        return True
+    except Exception:  # pragma: no cover - depends on the machine
+        return False
+
+
+@functools.cache
+def _enabled(device_type: str) -> bool:
+    if device_type == "cuda":
+        return torch.cuda.is_available() and _triton_imports()
+    return device_type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1" and _triton_imports()
+
+
+def triton_enabled(device: torch.device | str) -> bool:
+    """Whether the Triton kernels run for tensors on `device`."""
+    return _enabled(torch.device(device).type)
+
+
+def decode_attention_available() -> bool:
+    """Kept for callers of the first API: the decode kernel runs on CUDA with Triton."""
+    return _enabled("cuda")

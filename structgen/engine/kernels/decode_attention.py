@@ -1,0 +1,180 @@
+"""Decode attention over the slot KV cache: one new query token per sequence, GQA.
+
+Flash-decoding: the grid is (sequence, kv head, split). Each program takes every query head
+of one KV group (so K/V are read once per group, not once per query head), walks its share
+of `[0, context_len)` in blocks, and writes an unnormalised partial (acc, max, sum); a second
+kernel merges the splits. The split count depends only on the batch size and the cache shape,
+and each program reads its sequence's slot and length from device tensors, so the launch is
+graph-safe: no host sync, and replaying a captured graph with new lengths is correct. Short
+contexts simply leave most splits empty (they exit after two loads).
+
+`decode_attention_reference` is the torch definition the kernel is tested against.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_N = 32  # keys per inner iteration
+
+
+@triton.jit
+def _split_kernel(
+    Q, K, V, slots_ptr, lens_ptr, Out, PartO, PartML,
+    stride_qn, stride_qh,
+    stride_ks, stride_kt, stride_kh,
+    stride_vs, stride_vt, stride_vh,
+    stride_on, stride_oh,
+    num_splits, sm_scale,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    ctx = tl.load(lens_ptr + b).to(tl.int32)
+    # Each split takes an equal, block-aligned share of this sequence's context.
+    per_split = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK) * BLOCK
+    start = split * per_split
+    end = tl.minimum(start + per_split, ctx)
+
+    g = tl.arange(0, GROUP_PAD)
+    heads = kvh * GROUP + g
+    hmask = g < GROUP
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + b * stride_qn + heads[:, None] * stride_qh + d[None, :], mask=hmask[:, None], other=0.0)
+    qk_scale = sm_scale * 1.4426950408889634  # softmax in the exp2 domain
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    k_base = K + slot * stride_ks + kvh * stride_kh
+    v_base = V + slot * stride_vs + kvh * stride_vh
+    for n0 in range(start, end, BLOCK):
+        offs = n0 + tl.arange(0, BLOCK)
+        nmask = offs < end
+        k = tl.load(k_base + offs[:, None].to(tl.int64) * stride_kt + d[None, :], mask=nmask[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale  # [GROUP_PAD, BLOCK] fp32
+        s = tl.where(nmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + offs[:, None].to(tl.int64) * stride_vt + d[None, :], mask=nmask[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    if SINGLE_SPLIT:
+        out = acc / l_i[:, None]
+        tl.store(Out + b * stride_on + heads[:, None] * stride_oh + d[None, :],
+                 out.to(Out.dtype.element_ty), mask=hmask[:, None])
+    else:
+        # PartO [B, H, splits, D], PartML [B, H, splits, 2]
+        row = (b * NUM_HEADS + heads) * num_splits + split
+        tl.store(PartO + row[:, None] * HEAD_DIM + d[None, :], acc, mask=hmask[:, None])
+        tl.store(PartML + row * 2, m_i, mask=hmask)
+        tl.store(PartML + row * 2 + 1, l_i, mask=hmask)
+
+
+@triton.jit
+def _merge_kernel(
+    PartO, PartML, Out, stride_on, stride_oh, num_splits,
+    NUM_HEADS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, SPLITS_PAD)
+    smask = s < num_splits
+    d = tl.arange(0, HEAD_DIM)
+    row = (b * NUM_HEADS + h) * num_splits + s
+    m = tl.load(PartML + row * 2, mask=smask, other=float("-inf"))
+    lsum = tl.load(PartML + row * 2 + 1, mask=smask, other=0.0)
+    m_max = tl.max(m, 0)
+    w = tl.where(smask & (lsum > 0), tl.exp2(m - m_max), 0.0)  # empty splits weigh nothing
+    acc = tl.load(PartO + row[:, None] * HEAD_DIM + d[None, :], mask=smask[:, None], other=0.0)
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(lsum * w, 0)
+    tl.store(Out + b * stride_on + h * stride_oh + d, out.to(Out.dtype.element_ty))
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_splits_for(batch: int, kv_heads: int, max_seq_len: int, device: torch.device) -> int:
+    """Splits per sequence: enough programs to cover every SM about twice, never more than
+    the cache has key blocks. A function of shapes only, so a captured graph stays valid."""
+    sms = _num_sms(device.index or 0) if device.type == "cuda" else 8
+    want = triton.cdiv(2 * sms, batch * kv_heads)
+    cap = max(1, min(32, triton.cdiv(max_seq_len, 4 * BLOCK_N)))
+    return max(1, min(want, cap))
+
+
+def decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, context_lens: torch.Tensor
+) -> torch.Tensor:
+    """Attention of one new token per sequence over its cached keys.
+
+    Parameters
+    ----------
+    q: [B, heads, head_dim], the new tokens' queries (already rotated).
+    k_cache, v_cache: [num_slots, max_seq_len, kv_heads, head_dim], one layer of the slot cache
+        (the new token's K/V already written).
+    slots: [B] int, each sequence's slot. context_lens: [B] int, tokens to attend to
+        (prefix + the new token); positions at and past it are never read.
+
+    Returns
+    -------
+    [B, heads, head_dim] in q's dtype.
+    """
+    batch, heads, dim = q.shape
+    kv_heads = k_cache.shape[2]
+    assert heads % kv_heads == 0 and dim & (dim - 1) == 0, "GQA group must divide heads; head_dim a power of 2"
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and q.stride(-1) == 1
+    group = heads // kv_heads
+    splits = num_splits_for(batch, kv_heads, k_cache.shape[1], q.device)
+    out = torch.empty_like(q)
+    if splits == 1:
+        part_o = part_ml = out  # unused
+    else:
+        part_o = torch.empty(batch, heads, splits, dim, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(batch, heads, splits, 2, dtype=torch.float32, device=q.device)
+    _split_kernel[(batch, kv_heads, splits)](
+        q, k_cache, v_cache, slots, context_lens, out, part_o, part_ml,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out.stride(0), out.stride(1),
+        splits, dim**-0.5,
+        NUM_HEADS=heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=dim, BLOCK=BLOCK_N, SINGLE_SPLIT=splits == 1,
+        num_warps=4, num_stages=2,
+    )
+    if splits > 1:
+        _merge_kernel[(batch, heads)](
+            part_o, part_ml, out, out.stride(0), out.stride(1), splits,
+            NUM_HEADS=heads, SPLITS_PAD=triton.next_power_of_2(splits), HEAD_DIM=dim,
+            num_warps=1,
+        )
+    return out
+
+
+def decode_attention_reference(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, context_lens: torch.Tensor
+) -> torch.Tensor:
+    """The definition, in float64 on the host: softmax(q k^T / sqrt(d)) v per sequence over
+    `[0, context_len)` of its slot, query head h reading KV head h // (heads / kv_heads)."""
+    heads, dim = q.shape[1], q.shape[2]
+    group = heads // k_cache.shape[2]
+    outs = []
+    for i, (slot, n) in enumerate(zip(slots.tolist(), context_lens.tolist(), strict=True)):
+        k = k_cache[slot, :n].double().cpu().repeat_interleave(group, dim=1)  # [n, heads, D]
+        v = v_cache[slot, :n].double().cpu().repeat_interleave(group, dim=1)
+        s = torch.einsum("hd,nhd->hn", q[i].double().cpu(), k) * dim**-0.5
+        outs.append(torch.einsum("hn,nhd->hd", torch.softmax(s, -1), v))
+    return torch.stack(outs).to(q.dtype)

@@ -1,0 +1,139 @@
+"""Fused Triton versions of the model's small element-wise stages.
+
+A decode step of a small model is a few hundred tiny kernels; what it costs is their count,
+not their bytes. These three kernels replace ~40 torch launches per layer with 3 (residual
+add + RMSNorm; RoPE on q and k + the KV-cache write; SiLU(gate) * up). Each rounds to the
+model dtype at the same points as the torch code in `models/llama.py` it replaces, so the
+two paths agree to the last bit in the common cases, and the tests compare them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(X, R, W, Out, ROut, stride_x, stride_r, stride_o, stride_ro, n_cols, eps,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+    dt = x.dtype
+    if HAS_RESIDUAL:
+        r = tl.load(R + row * stride_r + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(dt)
+        tl.store(ROut + row * stride_ro + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / n_cols + eps)
+    w = tl.load(W + cols, mask=mask, other=0.0)
+    y = (xf * inv).to(dt).to(tl.float32) * w.to(tl.float32)
+    tl.store(Out + row * stride_o + cols, y.to(Out.dtype.element_ty), mask=mask)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + residual) * weight, x + residual); residual=None means plain norm(x)."""
+    n, cols = x.shape
+    out = torch.empty_like(x)
+    res_out = torch.empty_like(x) if residual is not None else x
+    r = residual if residual is not None else x
+    _rms_norm_kernel[(n,)](
+        x, r, weight, out, res_out, x.stride(0), r.stride(0), out.stride(0), res_out.stride(0), cols, eps,
+        HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(cols),
+        num_warps=4 if cols <= 2048 else 8,
+    )
+    return out, res_out
+
+
+@triton.jit
+def _rope_kv_kernel(QKV, Pos, Slots, Cos, Sin, QOut, KC, VC,
+                    stride_qkv, stride_cos, stride_qo_n, stride_qo_h,
+                    stride_cs, stride_ct, stride_ch,
+                    N_HEADS: tl.constexpr, N_KV: tl.constexpr, HEADS_PAD: tl.constexpr,
+                    HEAD_DIM: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    pos = tl.load(Pos + n).to(tl.int64)
+    slot = tl.load(Slots + n).to(tl.int64)
+    half: tl.constexpr = HEAD_DIM // 2
+    h = tl.arange(0, HEADS_PAD)
+    d = tl.arange(0, half)
+    row = QKV + n * stride_qkv
+    dt = QOut.dtype.element_ty
+    # cos/sin rounded to the model dtype first, like `RotaryEmbedding.forward`.
+    c1 = tl.load(Cos + pos * stride_cos + d).to(dt).to(tl.float32)[None, :]
+    c2 = tl.load(Cos + pos * stride_cos + half + d).to(dt).to(tl.float32)[None, :]
+    s1 = tl.load(Sin + pos * stride_cos + d).to(dt).to(tl.float32)[None, :]
+    s2 = tl.load(Sin + pos * stride_cos + half + d).to(dt).to(tl.float32)[None, :]
+
+    # q heads: [0, N_HEADS), k heads follow, then v heads.
+    qm = (h < N_HEADS)[:, None]
+    x1 = tl.load(row + h[:, None] * HEAD_DIM + d[None, :], mask=qm, other=0.0).to(tl.float32)
+    x2 = tl.load(row + h[:, None] * HEAD_DIM + half + d[None, :], mask=qm, other=0.0).to(tl.float32)
+    o1 = ((x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)).to(dt)
+    o2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
+    qo = QOut + n * stride_qo_n + h[:, None] * stride_qo_h + d[None, :]
+    tl.store(qo, o1, mask=qm)
+    tl.store(qo + half, o2, mask=qm)
+
+    km = (h < N_KV)[:, None]
+    kbase = row + N_HEADS * HEAD_DIM
+    x1 = tl.load(kbase + h[:, None] * HEAD_DIM + d[None, :], mask=km, other=0.0).to(tl.float32)
+    x2 = tl.load(kbase + h[:, None] * HEAD_DIM + half + d[None, :], mask=km, other=0.0).to(tl.float32)
+    o1 = ((x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)).to(dt)
+    o2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
+    cache_off = slot * stride_cs + pos * stride_ct + h[:, None] * stride_ch + d[None, :]
+    tl.store(KC + cache_off, o1.to(KC.dtype.element_ty), mask=km)
+    tl.store(KC + cache_off + half, o2.to(KC.dtype.element_ty), mask=km)
+
+    vbase = kbase + N_KV * HEAD_DIM
+    v1 = tl.load(vbase + h[:, None] * HEAD_DIM + d[None, :], mask=km, other=0.0)
+    v2 = tl.load(vbase + h[:, None] * HEAD_DIM + half + d[None, :], mask=km, other=0.0)
+    tl.store(VC + cache_off, v1.to(VC.dtype.element_ty), mask=km)
+    tl.store(VC + cache_off + half, v2.to(VC.dtype.element_ty), mask=km)
+
+
+def rope_and_cache(
+    qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, n_heads: int, n_kv: int, head_dim: int,
+) -> torch.Tensor:
+    """Rotate q and k of each token (HF rotate-half layout), write k and v at
+    `k_cache[slot, position]`, and return the rotated q as [N, n_heads, head_dim]."""
+    n = qkv.shape[0]
+    assert qkv.stride(-1) == 1 and cos.stride(-1) == 1 and k_cache.stride(-1) == 1
+    assert k_cache.stride() == v_cache.stride()
+    q = torch.empty(n, n_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    _rope_kv_kernel[(n,)](
+        qkv, positions, slots, cos, sin, q, k_cache, v_cache,
+        qkv.stride(0), cos.stride(0), q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        N_HEADS=n_heads, N_KV=n_kv, HEADS_PAD=triton.next_power_of_2(max(n_heads, n_kv)),
+        HEAD_DIM=head_dim, num_warps=4,
+    )
+    return q
+
+
+@triton.jit
+def _silu_mul_kernel(X, Out, stride_x, stride_o, inter, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter
+    gate = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+    up = tl.load(X + row * stride_x + inter + cols, mask=mask, other=0.0)
+    dt = gate.dtype
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+    tl.store(Out + row * stride_o + cols, (act * up.to(tl.float32)).to(dt), mask=mask)
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """[N, 2I] (gate | up) -> silu(gate) * up, [N, I]."""
+    n, two_i = x.shape
+    inter = two_i // 2
+    out = torch.empty(n, inter, dtype=x.dtype, device=x.device)
+    block = 1024
+    _silu_mul_kernel[(n, triton.cdiv(inter, block))](x, out, x.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4)
+    return out

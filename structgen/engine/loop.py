@@ -1,0 +1,73 @@
+"""EngineLoop: one background thread owns the engine and steps it while there is work, so
+every caller (sync, async, server) shares the same batches. Callers hand requests over and
+get a `concurrent.futures.Future` that resolves when the request finishes."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+
+from structgen.engine.engine import Engine
+from structgen.engine.request import Request
+
+log = logging.getLogger("structgen.engine")
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._cond = threading.Condition()
+        self._incoming: deque[tuple[Request, Future]] = deque()
+        self._aborts: deque[Request] = deque()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, request: Request) -> Future:
+        """Queue `request`; the future resolves to it once finished (or to the add error)."""
+        future: Future = Future()
+        user_cb = request.on_update
+
+        def on_update(req: Request, _cb: Callable | None = user_cb) -> None:
+            if _cb is not None:
+                _cb(req)
+            if req.finished and not future.done():
+                future.set_result(req)
+
+        request.on_update = on_update
+        with self._cond:
+            self._incoming.append((request, future))
+            self._ensure_thread()
+            self._cond.notify()
+        return future
+
+    def abort(self, request: Request) -> None:
+        """Cancel a queued or running request; its slot is freed on the loop thread."""
+        with self._cond:
+            self._aborts.append(request)
+            self._cond.notify()
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="structgen-engine", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._incoming or self._aborts or self.engine.has_work()):
+                    self._cond.wait()
+                incoming, self._incoming = list(self._incoming), deque()
+                aborts, self._aborts = list(self._aborts), deque()
+            for req, future in incoming:
+                try:
+                    self.engine.add_request(req)
+                except Exception as exc:
+                    future.set_exception(exc)
+            for req in aborts:
+                self.engine.abort(req)
+            try:
+                self.engine.step()
+            except Exception:  # pragma: no cover - step guards its own failures
+                log.exception("engine step failed")

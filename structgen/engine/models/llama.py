@@ -1,0 +1,279 @@
+"""One readable Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3).
+
+The model runs a *flat* batch of new tokens (prefill chunks, decode tokens, forced or drafted
+tokens of many requests, concatenated) so linear layers never compute padding; only attention
+needs to know which request a token belongs to, and that lives in `AttentionBatch`.
+Projections are fused (qkv, gate+up) at load time: fewer, larger matmuls. On CUDA the small
+element-wise stages (residual add + RMSNorm, RoPE + KV write, SiLU * up) run as the fused
+Triton kernels of `kernels/fused.py` (`LlamaModel.use_fused_kernels`): a decode step of a
+small model is bound by its kernel count, not its bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from structgen.engine.attention import AttentionBatch, attend
+from structgen.engine.config import ModelConfig
+from structgen.engine.kv_cache import KVCache
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.fused = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused and x.dim() == 2:
+            from structgen.engine.kernels.fused import rms_norm
+
+            return rms_norm(x, self.weight, self.eps)[0]
+        # Normalise in float32 like the reference implementations, so bf16 runs match them.
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the residual add fused into the norm."""
+        if self.fused:
+            from structgen.engine.kernels.fused import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, residual)
+        residual = residual + x
+        return self.forward(residual), residual
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies, with Llama-3 style long-context scaling when configured."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    rs = cfg.rope_scaling or {}
+    rtype = rs.get("rope_type", rs.get("type"))
+    if rtype == "llama3":
+        factor = rs["factor"]
+        low, high = rs.get("low_freq_factor", 1.0), rs.get("high_freq_factor", 4.0)
+        old_ctx = rs.get("original_max_position_embeddings", 8192)
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = torch.where(is_mid, mid, scaled)
+    elif rtype == "linear":
+        inv_freq = inv_freq / rs["factor"]
+    return inv_freq.float()
+
+
+class RotaryEmbedding(nn.Module):
+    """Precomputed cos/sin table indexed by absolute position (HF 'rotate_half' layout)."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int):
+        super().__init__()
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, rope_inv_freq(cfg))
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x: [N, heads, head_dim]
+        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_size, self.kv_size = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.fused = False
+
+    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, batch: AttentionBatch, kv: KVCache) -> torch.Tensor:
+        n = x.shape[0]
+        qkv = self.qkv_proj(x)
+        if self.fused and self.q_norm is None:
+            from structgen.engine.kernels.fused import rope_and_cache
+
+            i = self.layer_idx
+            q = rope_and_cache(qkv, batch.positions, batch.token_slots, rope.cos, rope.sin, kv.k[i], kv.v[i],
+                               self.n_heads, self.n_kv, self.head_dim)
+            out = attend(q, kv.k[i], kv.v[i], batch)
+            return self.o_proj(out.reshape(n, self.q_size))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n, self.n_heads, self.head_dim)
+        k = k.view(n, self.n_kv, self.head_dim)
+        v = v.view(n, self.n_kv, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(q, batch.positions), rope(k, batch.positions)
+        kv.write(self.layer_idx, batch.token_slots, batch.positions, k, v)
+        out = attend(q, kv.k[self.layer_idx], kv.v[self.layer_idx], batch)
+        return self.o_proj(out.reshape(n, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.fused = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            from structgen.engine.kernels.fused import silu_mul
+
+            return self.down_proj(silu_mul(self.gate_up_proj(x)))
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, rope, batch, kv):
+        out, residual = self.forward_residual(x, None, rope, batch, kv)
+        return residual + out
+
+    def forward_residual(self, x, residual, rope, batch, kv):
+        """The layer with its output add left to the caller: returns (mlp output, residual
+        stream), so the model fuses that add into the next layer's input norm."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
+        h, residual = self.post_attention_layernorm.add_forward(self.self_attn(h, rope, batch, kv), residual)
+        return self.mlp(h), residual
+
+
+class LlamaModel(nn.Module):
+    """Decoder stack + LM head. `forward` returns hidden states of every new token; call
+    `logits` only on the rows whose next-token distribution is needed."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rope = RotaryEmbedding(cfg, max_positions)
+
+    def forward(self, input_ids: torch.Tensor, batch: AttentionBatch, kv: KVCache) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer.forward_residual(x, residual, self.rope, batch, kv)
+        return self.norm.add_forward(x, residual)[0]
+
+    def use_fused_kernels(self, enabled: bool) -> None:
+        """Route norms, RoPE + KV write and SiLU * up through the Triton kernels (CUDA)."""
+        for m in self.modules():
+            if hasattr(m, "fused"):
+                m.fused = enabled
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    @torch.no_grad()
+    def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Adopt HF-named weights, fusing q/k/v and gate/up. Tensors are assigned, not copied
+        into preallocated parameters: one pass over the weights instead of two."""
+        from structgen.errors import ModelLoadError
+
+        def take(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise ModelLoadError(f"weight {name!r} missing from checkpoint")
+            return weights[name]
+
+        def put(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+            if value.shape != param.shape:
+                raise ModelLoadError(f"weight shape {tuple(value.shape)} != expected {tuple(param.shape)}")
+            param.data = value.to(device=param.device, dtype=param.dtype)
+
+        put(self.embed_tokens.weight, take("model.embed_tokens.weight"))
+        put(self.norm.weight, take("model.norm.weight"))
+        if self.config.tie_word_embeddings or "lm_head.weight" not in weights:
+            self.lm_head.weight = self.embed_tokens.weight
+        else:
+            put(self.lm_head.weight, take("lm_head.weight"))
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            attn = layer.self_attn
+            put(attn.qkv_proj.weight, torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]))
+            if attn.qkv_proj.bias is not None:
+                put(attn.qkv_proj.bias, torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
+            put(attn.o_proj.weight, take(p + "self_attn.o_proj.weight"))
+            if attn.q_norm is not None:
+                put(attn.q_norm.weight, take(p + "self_attn.q_norm.weight"))
+                put(attn.k_norm.weight, take(p + "self_attn.k_norm.weight"))
+            put(layer.mlp.gate_up_proj.weight, torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]))
+            put(layer.mlp.down_proj.weight, take(p + "mlp.down_proj.weight"))
+            put(layer.input_layernorm.weight, take(p + "input_layernorm.weight"))
+            put(layer.post_attention_layernorm.weight, take(p + "post_attention_layernorm.weight"))
+
+    @torch.no_grad()
+    def init_random_weights(self, std: float = 0.02, seed: int = 0) -> None:
+        """Random weights of the real shapes, generated in place (speed work needs no files)."""
+        g = torch.Generator(device=self.embed_tokens.weight.device).manual_seed(seed)
+        for name, p in self.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, std, generator=g)
+
+
+@contextmanager
+def skip_init(dtype: torch.dtype) -> Iterator[None]:
+    """Build modules without initialising their parameters (they are overwritten by the
+    checkpoint or `init_random_weights`), in `dtype`: no wasted pass over the weights and no
+    full-precision copy of an 8B model."""
+    saved = nn.Linear.reset_parameters, nn.Embedding.reset_parameters, torch.get_default_dtype()
+    nn.Linear.reset_parameters = nn.Embedding.reset_parameters = lambda self: None
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        nn.Linear.reset_parameters, nn.Embedding.reset_parameters, _ = saved
+        torch.set_default_dtype(saved[2])
+
+
+@dataclass
+class ModelShape:
+    """Parameter count and bytes read per decode step (the HBM floor's numerator)."""
+
+    params: int
+    weight_bytes: int
+
+    @classmethod
+    def of(cls, model: LlamaModel) -> ModelShape:
+        # The embedding is a row lookup per token; everything else, the LM head included
+        # (tied or not), is read whole every decode step.
+        ps = [p for n, p in model.named_parameters() if not n.startswith("embed_tokens")]
+        if model.lm_head.weight is model.embed_tokens.weight:
+            ps.append(model.lm_head.weight)
+        n = sum(p.numel() for p in ps)
+        return cls(params=n, weight_bytes=sum(p.numel() * p.element_size() for p in ps))

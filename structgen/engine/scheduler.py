@@ -1,0 +1,64 @@
+"""Continuous batching: requests join when a KV slot is free and leave the moment they finish.
+
+Each step every running request gets its pending tokens scheduled: decode requests one token
+(or their forced jump-forward tokens), prefilling requests a chunk of their prompt from what
+is left of the step's token budget, so a long prompt never stalls everyone else's decoding.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from structgen.engine.kv_cache import KVCache
+from structgen.engine.request import Request, RequestStatus
+
+
+class Scheduler:
+    def __init__(self, kv_cache: KVCache, max_batch_size: int, chunk_tokens: int):
+        self.kv = kv_cache
+        self.max_batch_size = max_batch_size
+        self.chunk_tokens = chunk_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[tuple[Request, int]]:
+        """Admit what fits, then return (request, tokens to run) for this step."""
+        while self.waiting and len(self.running) < self.max_batch_size:
+            slot = self.kv.allocate()
+            if slot is None:
+                break
+            req = self.waiting.popleft()
+            req.slot, req.status = slot, RequestStatus.RUNNING
+            self.running.append(req)
+        budget = self.chunk_tokens
+        batch: list[tuple[Request, int]] = []
+        decoding = [r for r in self.running if r.num_cached >= r.num_prompt]
+        prefilling = [r for r in self.running if r.num_cached < r.num_prompt]
+        for req in decoding:  # short, latency-critical work first
+            n = req.num_pending
+            if n > 0:
+                batch.append((req, n))
+                budget -= n
+        for req in prefilling:
+            if budget <= 0 and batch:
+                break
+            n = min(req.num_pending, max(budget, 1))
+            batch.append((req, n))
+            budget -= n
+        return batch
+
+    def remove(self, request: Request) -> None:
+        """Free a finished/aborted request's slot; safe to call for waiting requests too."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        if request.slot is not None:
+            self.kv.release(request.slot)
+            request.slot = None

@@ -1,0 +1,67 @@
+"""Exception types. Every failure a user can cause maps to one of these, with a message that
+says what to change; nothing else should escape the public API."""
+
+from __future__ import annotations
+
+
+class StructgenError(Exception):
+    """Base class of every error structgen raises on purpose."""
+
+
+class UnsupportedSchemaError(StructgenError):
+    """A schema/type uses a feature no grammar backend can enforce (names the keyword and path)."""
+
+    def __init__(self, message: str, *, keyword: str | None = None, path: str | None = None):
+        super().__init__(message)
+        self.keyword = keyword
+        self.path = path
+
+
+class InvalidConstraintError(StructgenError):
+    """A regex, grammar or schema is malformed (names the position where known)."""
+
+
+class UnsupportedTypeError(StructgenError):
+    """An output type that cannot be turned into a constraint (e.g. an arbitrary class)."""
+
+
+class IncompleteOutputError(StructgenError):
+    """Generation stopped (max_tokens, cancellation) before the grammar was complete."""
+
+    def __init__(self, message: str, *, partial_text: str = "", token_ids: list[int] | None = None):
+        super().__init__(message)
+        self.partial_text = partial_text
+        self.token_ids = list(token_ids or [])
+
+
+class OutputValidationError(StructgenError):
+    """Decoded text did not validate against the requested type (should be impossible for
+    constraints the backend enforces fully; kept as a safety net)."""
+
+    def __init__(self, message: str, *, text: str = ""):
+        super().__init__(message)
+        self.text = text
+
+
+class ModelNotFoundError(StructgenError):
+    """The model path/name does not resolve to local weights (says how to install them)."""
+
+
+class ModelLoadError(StructgenError):
+    """Weights exist but cannot be read (unsupported architecture, quantisation, corrupt file)."""
+
+
+class PromptTooLongError(StructgenError):
+    """Prompt plus max_tokens does not fit the model's context or the KV cache."""
+
+
+class RequestCancelledError(StructgenError):
+    """The request was cancelled before it finished."""
+
+
+class EngineError(StructgenError):
+    """An internal failure in one request's processing; other requests are unaffected."""
+
+
+class InvalidParameterError(StructgenError, ValueError):
+    """A sampling or request parameter is out of range (names the parameter)."""

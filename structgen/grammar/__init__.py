@@ -1,0 +1,33 @@
+"""Grammars: compile a `Constraint` for a tokenizer, then match tokens against it.
+
+    compiler = GrammarCompiler(tokenizer, vocab_size, stop_token_ids)   # one per tokenizer
+    grammar = compiler.compile(to_constraint(Invoice))                  # cached
+    matcher = grammar.matcher()                                         # one per request
+    matcher.fill_bitmask(bitmask, row); ...; matcher.accept_token(tid)
+
+Backends (xgrammar, llguidance) are imported on first use.
+"""
+
+from structgen.grammar.backends.base import (
+    CompiledGrammar,
+    GrammarBackend,
+    GrammarMatcher,
+    allocate_bitmask,
+    bitmask_words,
+)
+from structgen.grammar.batch import fill_bitmasks
+from structgen.grammar.compiler import BACKENDS, GrammarCompiler
+from structgen.grammar.json_format import JSON_SEPARATORS, dump_json
+
+__all__ = [
+    "BACKENDS",
+    "JSON_SEPARATORS",
+    "CompiledGrammar",
+    "GrammarBackend",
+    "GrammarCompiler",
+    "GrammarMatcher",
+    "allocate_bitmask",
+    "bitmask_words",
+    "dump_json",
+    "fill_bitmasks",
+]

@@ -1,0 +1,1 @@
+"""Grammar backends: adapters around xgrammar and llguidance behind `base.GrammarBackend`."""

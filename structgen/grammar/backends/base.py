@@ -1,0 +1,142 @@
+"""The interface every grammar backend implements, and the token bitmask they share.
+
+The engine only ever talks to these three classes: a `GrammarBackend` turns a `Constraint` into
+a `CompiledGrammar` (expensive, cached by `GrammarCompiler`), which hands out one cheap
+`GrammarMatcher` per request. The bitmask layout is xgrammar's: an int32 tensor of shape
+`[rows, ceil(vocab_size / 32)]`, bit `i % 32` of word `i // 32` set when token `i` is allowed.
+llguidance fills the same layout, so one sampler kernel serves both backends.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # torch is imported lazily so `structgen.grammar` stays cheap to import
+    import torch
+
+    from structgen.types import Constraint
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """Number of int32 words per bitmask row for a vocabulary of `vocab_size` tokens."""
+    return (vocab_size + 31) // 32
+
+
+def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """Allocate a CPU int32 bitmask `[rows, ceil(vocab_size / 32)]` with every token allowed.
+
+    `vocab_size` is the MODEL's vocabulary (its lm_head rows), which may exceed the tokenizer's;
+    matchers clear the bits of ids the tokenizer does not have. The tensor is pinned when CUDA
+    is available so the per-step host-to-device copy can be asynchronous.
+    """
+    import torch
+
+    shape = (rows, bitmask_words(vocab_size))
+    pin = torch.cuda.is_available()
+    return torch.full(shape, -1, dtype=torch.int32, pin_memory=pin)
+
+
+def set_only_tokens(bitmask: torch.Tensor, row: int, token_ids: Sequence[int]) -> None:
+    """Write a row that allows exactly `token_ids` (used once a matcher has terminated)."""
+    bitmask[row].zero_()
+    for tid in token_ids:
+        word, bit = divmod(tid, 32)
+        if word < bitmask.shape[1]:
+            # int32 view of an unsigned word: bit 31 is the sign bit
+            value = (int(bitmask[row, word]) & 0xFFFFFFFF) | (1 << bit)
+            bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value
+
+
+class GrammarMatcher(ABC):
+    """Per-request grammar state: which tokens may come next, given the tokens so far.
+
+    Not thread-safe: one matcher belongs to one request and is driven by one thread at a time.
+    Different matchers may be used from different threads (see `structgen.grammar.batch`).
+    """
+
+    backend: str = ""
+
+    @abstractmethod
+    def accept_token(self, token_id: int) -> bool:
+        """Advance by one token; False (state unchanged) if the grammar forbids it.
+
+        A stop token is accepted only where the grammar may end; it terminates the matcher.
+        """
+
+    def accept_tokens(self, token_ids: Sequence[int]) -> int:
+        """Advance token by token until one is rejected; return how many were accepted
+        (the engine uses this to verify speculative draft tokens)."""
+        for n, tid in enumerate(token_ids):
+            if not self.accept_token(tid):
+                return n
+        return len(token_ids)
+
+    @abstractmethod
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into `bitmask[row]` (CPU int32, see module doc).
+
+        After termination the row allows only the stop tokens, so a finished request left in a
+        batch cannot crash the step."""
+
+    @abstractmethod
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens (including a stop token)."""
+
+    @abstractmethod
+    def jump_forward_string(self) -> str:
+        """The longest text the grammar forces from here ("" if none); does not change state."""
+
+    @abstractmethod
+    def is_terminated(self) -> bool:
+        """True once a stop token has been accepted."""
+
+    @abstractmethod
+    def is_completed(self) -> bool:
+        """True if the grammar may end here (a stop token would be accepted), or has ended."""
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Back to the initial state (no tokens accepted)."""
+
+
+class CompiledGrammar(ABC):
+    """A constraint compiled against one tokenizer by one backend; immutable and shareable
+    between threads and requests."""
+
+    def __init__(self, backend: str, constraint: Constraint):
+        self.backend = backend
+        self.constraint = constraint
+
+    @abstractmethod
+    def matcher(self) -> GrammarMatcher:
+        """A fresh matcher at the start of the grammar (cheap: microseconds)."""
+
+    @abstractmethod
+    def accepts(self, text: str) -> bool:
+        """Is `text` a complete output of this grammar? (Tests and evaluation use it.)"""
+
+    def __repr__(self) -> str:
+        return (
+            f"CompiledGrammar(backend={self.backend!r}, constraint={self.constraint.description!r})"
+        )
+
+
+class GrammarBackend(ABC):
+    """Adapter around one grammar library for one tokenizer.
+
+    Backends compile exactly what they are given; deciding whether a backend enforces every
+    keyword of a schema is `GrammarCompiler`'s job (see `structgen.grammar.keywords`).
+    """
+
+    name: str = ""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]):
+        self.vocab_size = vocab_size
+        self.stop_token_ids = list(stop_token_ids)
+
+    @abstractmethod
+    def compile(self, constraint: Constraint) -> CompiledGrammar:
+        """Compile `constraint`; raise `InvalidConstraintError` / `UnsupportedSchemaError`
+        (never a library exception) when the backend cannot."""

@@ -1,0 +1,235 @@
+"""llguidance backend: an Earley parser over a lazily built lexer; covers more of JSON Schema
+than xgrammar and refuses (instead of ignoring) what it cannot enforce."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import llguidance
+import llguidance.hf
+
+from structgen.errors import EngineError, InvalidConstraintError, UnsupportedSchemaError
+from structgen.grammar.backends.base import (
+    CompiledGrammar,
+    GrammarBackend,
+    GrammarMatcher,
+    set_only_tokens,
+)
+from structgen.grammar.json_format import JSON_SEPARATORS
+from structgen.grammar.keywords import strip_annotation_formats
+
+if TYPE_CHECKING:
+    import torch
+
+    from structgen.types import Constraint
+
+# Same fixed format as xgrammar (see json_format.py); applied as overrides so a schema's own
+# "x-guidance" options cannot bring back unbounded whitespace.
+JSON_OPTIONS = {
+    "whitespace_flexible": False,
+    "item_separator": JSON_SEPARATORS[0],
+    "key_separator": JSON_SEPARATORS[1],
+}
+# strict=False: best effort; ignore unimplemented keywords and treat oneOf as anyOf.
+LENIENT_OPTIONS = {**JSON_OPTIONS, "lenient": True, "coerce_one_of": True}
+ANY_TEXT_LARK = r"start: /(?s:.*)/"
+
+
+class LLGuidanceMatcher(GrammarMatcher):
+    """Adapts `llguidance.LLMatcher` to our semantics.
+
+    llguidance enters a permanent error state on a rejected token and does not count the stop
+    token in its rollback history, so tokens are offered with `try_consume_tokens` (which
+    leaves the state alone on rejection) and the stop token is tracked here.
+    """
+
+    backend = "llguidance"
+
+    def __init__(self, matcher: llguidance.LLMatcher, stop_token_ids: Sequence[int]):
+        self.ll_matcher = matcher
+        self._stop_token_ids = stop_token_ids
+        self._stop = frozenset(stop_token_ids)
+        self._terminated = False
+
+    def accept_token(self, token_id: int) -> bool:
+        return self.accept_tokens((token_id,)) == 1
+
+    def accept_tokens(self, token_ids: Sequence[int]) -> int:
+        if self._terminated:
+            return 0
+        ids = list(token_ids)
+        stop_at = next((i for i, t in enumerate(ids) if t in self._stop), len(ids))
+        n = self.ll_matcher.try_consume_tokens(ids[:stop_at]) if stop_at else 0
+        if n == stop_at < len(ids) and self.ll_matcher.is_accepting():
+            self._terminated = True
+            return n + 1
+        return n
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        if self._terminated:
+            set_only_tokens(bitmask, row, self._stop_token_ids)
+        else:
+            _check_bitmask(bitmask, row)
+            words = bitmask.shape[1]
+            self.ll_matcher.unsafe_compute_mask_ptr(bitmask[row].data_ptr(), words * 4)
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens <= 0:
+            return
+        if self._terminated:
+            self._terminated = False
+            num_tokens -= 1
+        if num_tokens and not self.ll_matcher.rollback(num_tokens):
+            raise EngineError(
+                f"grammar rollback of {num_tokens} tokens failed: {self.ll_matcher.get_error()}"
+            )
+
+    def jump_forward_string(self) -> str:
+        if self._terminated:
+            return ""
+        # Forced bytes may end inside a UTF-8 character; the rest comes with the next step.
+        return self.ll_matcher.compute_ff_bytes().decode("utf-8", errors="ignore")
+
+    def is_terminated(self) -> bool:
+        return self._terminated
+
+    def is_completed(self) -> bool:
+        return self._terminated or self.ll_matcher.is_accepting()
+
+    def reset(self) -> None:
+        self.ll_matcher.reset()
+        self._terminated = False
+
+
+class LLGuidanceCompiledGrammar(CompiledGrammar):
+    """Holds one matcher at the start state; new matchers are deep copies of it, which share
+    the compiled lexer and parser tables (microseconds instead of re-building the grammar)."""
+
+    def __init__(
+        self,
+        constraint: Constraint,
+        template: llguidance.LLMatcher,
+        tokenizer: llguidance.LLTokenizer,
+        stop_ids: list[int],
+    ):
+        super().__init__("llguidance", constraint)
+        self._template = template
+        self._tokenizer = tokenizer
+        self._stop_token_ids = stop_ids
+
+    def matcher(self) -> LLGuidanceMatcher:
+        return LLGuidanceMatcher(self._template.deep_copy(), self._stop_token_ids)
+
+    def accepts(self, text: str) -> bool:
+        m = self._template.deep_copy()
+        ids = self._tokenizer.tokenize_str(text)
+        return m.try_consume_tokens(ids) == len(ids) and m.is_accepting()
+
+
+class LLGuidanceBackend(GrammarBackend):
+    """Compiles constraints into llguidance grammars for one tokenizer."""
+
+    name = "llguidance"
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]):
+        super().__init__(tokenizer, vocab_size, stop_token_ids)
+        try:
+            self._tokenizer = llguidance.hf.from_tokenizer(
+                tokenizer, n_vocab=vocab_size, eos_token=list(stop_token_ids)
+            )
+        except ValueError as e:  # not a fast (Rust) tokenizer
+            raise InvalidConstraintError(f"llguidance needs a fast HF tokenizer: {e}") from e
+
+    def compile(self, constraint: Constraint) -> LLGuidanceCompiledGrammar:
+        grammar = self._grammar(constraint)
+        # The constructor builds the lexer and parser (GIL released) and records, instead of
+        # raising, any error in the grammar.
+        matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            what = (
+                f"llguidance cannot compile {constraint.description}: {_clean(matcher.get_error())}"
+            )
+            if constraint.kind == "json_schema":
+                raise UnsupportedSchemaError(
+                    what, keyword=_unimplemented_keyword(matcher.get_error())
+                )
+            raise InvalidConstraintError(what)
+        return LLGuidanceCompiledGrammar(constraint, matcher, self._tokenizer, self.stop_token_ids)
+
+    def _grammar(self, constraint: Constraint) -> str:
+        M = llguidance.LLMatcher
+        try:
+            if constraint.kind == "json_schema":
+                schema = strip_annotation_formats(json.loads(constraint.source))
+                options = JSON_OPTIONS if constraint.strict else LENIENT_OPTIONS
+                return M.grammar_from_json_schema(json.dumps(schema), overrides=options)
+            if constraint.kind == "regex":
+                return M.grammar_from_regex(constraint.source)
+            if constraint.kind == "grammar" and constraint.syntax == "lark":
+                return M.grammar_from_lark(constraint.source)
+            if constraint.kind == "grammar":
+                return llguidance.grammar_from("gbnf", constraint.source)
+            return M.grammar_from_lark(ANY_TEXT_LARK)
+        except ValueError as e:  # GBNF that does not convert to Lark, malformed JSON
+            raise InvalidConstraintError(
+                f"llguidance cannot read {constraint.description}: {e}"
+            ) from e
+
+
+def _clean(message: str) -> str:
+    """First lines of llguidance's message (it appends parser state dumps)."""
+    return " ".join(message.strip().split("\n<state>")[0].split())[:600]
+
+
+def _unimplemented_keyword(message: str) -> str | None:
+    # 'Unimplemented keys: ["uniqueItems"]'
+    if "Unimplemented keys: [" in message:
+        rest = message.split("Unimplemented keys: [", 1)[1]
+        return rest.split("]", 1)[0].split(",")[0].strip().strip('"') or None
+    return None
+
+
+def fill_bitmasks(
+    matchers: Sequence[LLGuidanceMatcher], rows: Sequence[int], bitmask: torch.Tensor, threads: int
+) -> None:
+    """Fill many rows at once with llguidance's thread pool (Rust, outside the GIL)."""
+    live = []
+    for m, r in zip(matchers, rows, strict=True):
+        if m.is_terminated():
+            m.fill_bitmask(bitmask, r)
+        else:
+            live.append((m.ll_matcher, r))
+    if live:
+        _check_bitmask(bitmask, max(r for _, r in live))
+        _executor(threads).unsafe_compute_mask_ptr(
+            live, bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0]
+        )
+
+
+def _check_bitmask(bitmask: torch.Tensor, row: int) -> None:
+    """llguidance writes through a raw pointer (what `llguidance.torch` does too; that module
+    is not imported because it compiles a torch kernel at import, ~7 s), so check first."""
+    import torch
+
+    if not (
+        bitmask.dtype == torch.int32
+        and bitmask.device.type == "cpu"
+        and bitmask.dim() == 2
+        and bitmask.is_contiguous()
+        and 0 <= row < bitmask.shape[0]
+    ):
+        raise ValueError(
+            f"bitmask must be a contiguous CPU int32 [rows, words] tensor with row {row} in range, "
+            f"got {tuple(bitmask.shape)} {bitmask.dtype} on {bitmask.device}"
+        )
+
+
+_EXECUTORS: dict[int, llguidance.LLExecutor] = {}
+
+
+def _executor(threads: int) -> llguidance.LLExecutor:
+    if threads not in _EXECUTORS:
+        _EXECUTORS[threads] = llguidance.LLExecutor(threads if threads > 0 else None)
+    return _EXECUTORS[threads]

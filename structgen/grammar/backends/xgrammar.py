@@ -1,0 +1,155 @@
+"""xgrammar backend: the default. Compiles a pushdown automaton with precomputed token masks;
+matchers are C++ objects whose mask filling releases the GIL."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import xgrammar as xgr
+
+from structgen.errors import EngineError, InvalidConstraintError, UnsupportedSchemaError
+from structgen.grammar.backends.base import (
+    CompiledGrammar,
+    GrammarBackend,
+    GrammarMatcher,
+    set_only_tokens,
+)
+from structgen.grammar.json_format import JSON_SEPARATORS
+
+if TYPE_CHECKING:
+    import torch
+
+    from structgen.types import Constraint
+
+ANY_TEXT_REGEX = r"[\s\S]*"
+_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # "[09:00:51] /project/cpp/x.cc:83: "
+
+
+class XGrammarMatcher(GrammarMatcher):
+    """Thin wrapper: xgrammar's matcher already has the semantics the engine wants."""
+
+    backend = "xgrammar"
+
+    def __init__(self, matcher: xgr.GrammarMatcher, stop_token_ids: Sequence[int]):
+        self.xgr_matcher = matcher
+        self._stop_token_ids = stop_token_ids
+
+    def accept_token(self, token_id: int) -> bool:
+        return self.xgr_matcher.accept_token(token_id)
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        if self.xgr_matcher.is_terminated():  # xgrammar raises here; see base class
+            set_only_tokens(bitmask, row, self._stop_token_ids)
+        else:
+            self.xgr_matcher.fill_next_token_bitmask(bitmask, row)
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens <= 0:
+            return
+        try:
+            self.xgr_matcher.rollback(num_tokens)
+        except RuntimeError as e:
+            raise EngineError(f"grammar rollback of {num_tokens} tokens failed: {_clean(e)}") from e
+
+    def jump_forward_string(self) -> str:
+        if self.xgr_matcher.is_terminated():
+            return ""
+        return self.xgr_matcher.find_jump_forward_string()
+
+    def is_terminated(self) -> bool:
+        return self.xgr_matcher.is_terminated()
+
+    def is_completed(self) -> bool:
+        return self.xgr_matcher.is_completed()
+
+    def reset(self) -> None:
+        self.xgr_matcher.reset()
+
+
+class XGrammarCompiledGrammar(CompiledGrammar):
+    def __init__(self, constraint: Constraint, compiled: xgr.CompiledGrammar, stop_ids: list[int]):
+        super().__init__("xgrammar", constraint)
+        self.xgr_compiled = compiled
+        self._stop_token_ids = stop_ids
+
+    def matcher(self) -> XGrammarMatcher:
+        return XGrammarMatcher(xgr.GrammarMatcher(self.xgr_compiled), self._stop_token_ids)
+
+    def accepts(self, text: str) -> bool:
+        m = xgr.GrammarMatcher(self.xgr_compiled)
+        return m.accept_string(text) and m.is_completed()
+
+
+class XGrammarBackend(GrammarBackend):
+    """Compiles constraints with `xgrammar.GrammarCompiler` for one tokenizer."""
+
+    name = "xgrammar"
+
+    def __init__(
+        self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int], threads: int = 8
+    ):
+        super().__init__(tokenizer, vocab_size, stop_token_ids)
+        info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids)
+        )
+        # GrammarCompiler (ours) caches compiled grammars; xgrammar's own cache would keep a
+        # second reference to each for the process lifetime.
+        self._compiler = xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
+
+    def compile(self, constraint: Constraint) -> XGrammarCompiledGrammar:
+        c = self._compiler
+        try:
+            if constraint.kind == "json_schema":
+                # strict_mode=False: objects stay open unless the schema closes them (JSON
+                # Schema semantics, same as llguidance); structgen.types closes model schemas.
+                compiled = c.compile_json_schema(
+                    constraint.source,
+                    any_whitespace=False,
+                    separators=JSON_SEPARATORS,
+                    strict_mode=False,
+                )
+            elif constraint.kind == "regex":
+                compiled = c.compile_regex(constraint.source)
+            elif constraint.kind == "grammar" and constraint.syntax == "lark":
+                compiled = c.compile_lark(constraint.source)
+            elif constraint.kind == "grammar":
+                compiled = c.compile_grammar(constraint.source)
+            else:  # text: any string; the engine may skip masking entirely for it
+                compiled = c.compile_regex(ANY_TEXT_REGEX)
+        except (RuntimeError, ValueError, TypeError) as e:
+            what = f"xgrammar cannot compile {constraint.description}: {_clean(e)}"
+            if constraint.kind == "json_schema":
+                raise UnsupportedSchemaError(what) from e
+            raise InvalidConstraintError(what) from e
+        return XGrammarCompiledGrammar(constraint, compiled, self.stop_token_ids)
+
+
+def _clean(e: BaseException) -> str:
+    """xgrammar's C++ messages start with a timestamp and a source path; keep the message."""
+    lines = [_LOG_PREFIX.sub("", line).strip() for line in str(e).strip().splitlines()]
+    return " ".join(line for line in lines if line) or type(e).__name__
+
+
+def fill_bitmasks(
+    matchers: Sequence[XGrammarMatcher], rows: Sequence[int], bitmask: torch.Tensor, threads: int
+) -> None:
+    """Fill many rows at once with xgrammar's thread pool (C++, outside the GIL)."""
+    live = [(m, r) for m, r in zip(matchers, rows, strict=True) if not m.is_terminated()]
+    for m, r in zip(matchers, rows, strict=True):
+        if m.is_terminated():
+            m.fill_bitmask(bitmask, r)
+    if live:
+        _batch_matcher(threads).batch_fill_next_token_bitmask(
+            [m.xgr_matcher for m, _ in live], bitmask, [r for _, r in live]
+        )
+
+
+_BATCH: dict[int, xgr.BatchGrammarMatcher] = {}
+
+
+def _batch_matcher(threads: int) -> xgr.BatchGrammarMatcher:
+    if threads not in _BATCH:
+        _BATCH[threads] = xgr.BatchGrammarMatcher(threads if threads > 0 else "auto")
+    return _BATCH[threads]

@@ -1,0 +1,177 @@
+"""GrammarCompiler: constraint -> CompiledGrammar for one tokenizer, with backend choice and a
+cache.
+
+One compiler per tokenizer. Compiling a JSON schema costs milliseconds to seconds; a cache hit
+costs about a microsecond (a dict lookup under a lock), so the API can call `compile` on every
+request.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from structgen.errors import InvalidConstraintError, StructgenError, UnsupportedSchemaError
+from structgen.grammar import keywords
+from structgen.grammar.backends.base import CompiledGrammar, GrammarBackend
+
+if TYPE_CHECKING:
+    from structgen.types import Constraint
+
+BACKENDS = ("xgrammar", "llguidance")  # preference order for "auto"
+
+
+class GrammarCompiler:
+    """Compiles constraints into grammars for one tokenizer and caches them.
+
+    Parameters
+    ----------
+    tokenizer : a HF fast tokenizer (`transformers.PreTrainedTokenizerFast`).
+    vocab_size : the MODEL's vocabulary size (lm_head rows), which sizes the bitmask; ids the
+        tokenizer does not have are never allowed.
+    stop_token_ids : tokens that end generation; a grammar allows them only where it may end.
+    backend : "auto" (per constraint, the first of xgrammar, llguidance that enforces all of
+        it), "xgrammar" or "llguidance".
+    cache_size : compiled grammars kept (least recently used are dropped).
+    threads : xgrammar compile threads (0: up to 8, one per core).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: Sequence[int],
+        backend: str = "auto",
+        *,
+        cache_size: int = 256,
+        threads: int = 0,
+    ):
+        _check_backend_name(backend)
+        if not stop_token_ids:
+            raise ValueError("stop_token_ids must name at least one token (e.g. the EOS id)")
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = list(stop_token_ids)
+        self.backend = backend
+        self.cache_size = cache_size
+        self.threads = threads or min(8, os.cpu_count() or 1)
+        self._backends: dict[str, GrammarBackend] = {}
+        self._cache: OrderedDict[tuple, CompiledGrammar] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def compile(self, constraint: Constraint, backend: str | None = None) -> CompiledGrammar:
+        """The compiled grammar for `constraint` (from the cache when seen before).
+
+        Raises `UnsupportedSchemaError` when no allowed backend enforces every keyword of a
+        JSON schema (unless the constraint was made with strict=False), and
+        `InvalidConstraintError` for malformed regexes and grammars.
+        """
+        name = backend or self.backend
+        key = (constraint.key, name)
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit
+        _check_backend_name(name)
+        compiled = self._compile(constraint, self._candidates(constraint, name))
+        with self._lock:  # two threads may compile the same key; either result is fine
+            self._cache[key] = compiled
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def _candidates(self, constraint: Constraint, name: str) -> list[str]:
+        """Backends to try, in order: those that enforce all of `constraint`."""
+        allowed = list(BACKENDS) if name == "auto" else [name]
+        kind = constraint.kind
+        if kind == "json_schema":
+            schema = json.loads(constraint.source)
+            issues = {b: keywords.find_issues(schema, b) for b in allowed}
+            if not constraint.strict:  # best effort: fewest unenforced keywords first
+                return sorted(allowed, key=lambda b: len(issues[b]))
+            ok = [b for b in allowed if not issues[b]]
+            if not ok:
+                raise unsupported_schema_error(issues)
+            return ok
+        if kind == "regex" and keywords.regex_issue(constraint.source) and "xgrammar" in allowed:
+            if name == "xgrammar":
+                raise InvalidConstraintError(
+                    f"xgrammar would silently drop the lookaround in regex {constraint.source!r}; "
+                    "rewrite it without (?=...), (?!...), (?<=...), (?<!...)"
+                )
+            allowed.remove("xgrammar")
+        if kind == "grammar" and constraint.syntax == "lark" and name == "auto":
+            return ["llguidance", "xgrammar"]  # Lark is llguidance's native syntax
+        return allowed
+
+    def _compile(self, constraint: Constraint, candidates: list[str]) -> CompiledGrammar:
+        errors: list[tuple[str, StructgenError]] = []
+        for name in candidates:
+            try:
+                return self._backend(name).compile(constraint)
+            except StructgenError as e:
+                errors.append((name, e))
+        if len(errors) == 1:
+            raise errors[0][1]
+        first = errors[0][1]
+        message = f"no grammar backend can compile {constraint.description}: " + "; ".join(
+            str(e) for _, e in errors
+        )
+        if isinstance(first, UnsupportedSchemaError):
+            keyword = next((e.keyword for _, e in errors if getattr(e, "keyword", None)), None)
+            raise UnsupportedSchemaError(message, keyword=keyword) from first
+        raise type(first)(message) from first
+
+    def _backend(self, name: str) -> GrammarBackend:
+        """The backend adapter, built on first use (building one reads the whole vocabulary)."""
+        with self._lock:
+            if name not in self._backends:
+                if name == "xgrammar":
+                    from structgen.grammar.backends.xgrammar import XGrammarBackend
+
+                    self._backends[name] = XGrammarBackend(
+                        self.tokenizer, self.vocab_size, self.stop_token_ids, threads=self.threads
+                    )
+                else:
+                    from structgen.grammar.backends.llguidance import LLGuidanceBackend
+
+                    self._backends[name] = LLGuidanceBackend(
+                        self.tokenizer, self.vocab_size, self.stop_token_ids
+                    )
+            return self._backends[name]
+
+
+def unsupported_schema_error(issues: dict[str, list[keywords.Issue]]) -> UnsupportedSchemaError:
+    """Name the keyword and JSON path that stops each backend, preferring one that stops all."""
+    firsts = {b: found[0] for b, found in issues.items()}
+    shared = [
+        i for i in next(iter(issues.values()))
+        if all(any((j.keyword, j.path) == (i.keyword, i.path) for j in found) for found in issues.values())
+    ]  # fmt: skip
+    lead = shared[0] if shared else next(iter(firsts.values()))
+    if shared:
+        detail = "; ".join(
+            str(next(j for j in found if (j.keyword, j.path) == (lead.keyword, lead.path)))
+            for found in issues.values()
+        )
+    else:
+        detail = "; ".join(str(i) for i in firsts.values())
+    return UnsupportedSchemaError(
+        f"JSON schema keyword '{lead.keyword}' at {lead.path} cannot be enforced by "
+        f"{' or '.join(issues)} ({detail}). Remove or rewrite it, or pass strict=False to "
+        "generate best-effort output that is validated afterwards.",
+        keyword=lead.keyword,
+        path=lead.path,
+    )
+
+
+def _check_backend_name(name: str) -> None:
+    if name != "auto" and name not in BACKENDS:
+        raise ValueError(
+            f"unknown grammar backend {name!r}; use 'auto', {', '.join(map(repr, BACKENDS))}"
+        )

@@ -1,0 +1,371 @@
+"""Which JSON-Schema keywords each grammar backend enforces, and a walker that finds the ones
+a given schema uses that a backend would not.
+
+A grammar that silently drops a keyword lets the model emit JSON that fails validation, so
+`GrammarCompiler(backend="auto")` only uses a backend for a schema when this module finds no
+issue for it; coverage is the union of the backends, not their intersection.
+
+The tables were found empirically (xgrammar 0.2.8, llguidance 1.9.1): one small schema per
+keyword with a valid and an invalid instance, then the MaskBench invalid instances that a
+backend accepted (see tests/test_grammar.py and benchmarks/eval_grammar.py). Statuses:
+
+- ENFORCED: the backend's grammar rejects every violating instance.
+- IGNORED: the backend compiles the schema but accepts instances that violate the keyword.
+- REJECTED: the backend refuses to compile the schema (a clean error; auto tries the next one).
+
+llguidance is built to refuse what it cannot enforce, so its issues are mostly REJECTED;
+xgrammar silently drops keywords, often depending on what stands next to them, so it also
+has the value rules in `_xgrammar_rules`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import unquote
+
+ENFORCED, IGNORED, REJECTED = "enforced", "ignored", "rejected"
+BACKENDS = ("xgrammar", "llguidance")
+
+# Keywords that never make an instance invalid (plus containers of subschemas). Keywords in
+# neither this set nor KEYWORDS are unknown to JSON Schema and are annotations too.
+ANNOTATIONS = frozenset(
+    {
+        "$schema", "$id", "$comment", "$vocabulary", "$anchor", "$defs", "definitions",
+        "title", "description", "default", "examples", "example", "deprecated", "readOnly",
+        "writeOnly", "contentMediaType", "contentEncoding", "contentSchema", "discriminator",
+        "nullable", "markdownDescription", "enumDescriptions", "errorMessage",
+    }
+)  # fmt: skip
+
+#            keyword                 xgrammar   llguidance
+KEYWORDS: dict[str, tuple[str, str]] = {
+    "type":                  (ENFORCED, ENFORCED),
+    "enum":                  (ENFORCED, ENFORCED),  # xgrammar: ignores siblings (rule)
+    "const":                 (ENFORCED, ENFORCED),  # xgrammar: ignores siblings (rule)
+    "minimum":               (ENFORCED, ENFORCED),
+    "maximum":               (ENFORCED, ENFORCED),
+    "exclusiveMinimum":      (ENFORCED, ENFORCED),  # xgrammar: rejects draft-4 booleans
+    "exclusiveMaximum":      (ENFORCED, ENFORCED),
+    "multipleOf":            (ENFORCED, ENFORCED),  # xgrammar: integers only (rule)
+    "minLength":             (ENFORCED, ENFORCED),  # xgrammar: not next to pattern/format
+    "maxLength":             (ENFORCED, ENFORCED),
+    "pattern":               (ENFORCED, ENFORCED),  # xgrammar: no lookaround, not with format
+    "format":                (ENFORCED, ENFORCED),  # per format: FORMATS below
+    "items":                 (ENFORCED, ENFORCED),  # xgrammar: rejects the draft-4 array form
+    "prefixItems":           (ENFORCED, ENFORCED),
+    "additionalItems":       (ENFORCED, ENFORCED),
+    "minItems":              (ENFORCED, ENFORCED),
+    "maxItems":              (ENFORCED, ENFORCED),
+    "uniqueItems":           (IGNORED, REJECTED),
+    "contains":              (IGNORED, REJECTED),
+    "minContains":           (IGNORED, REJECTED),
+    "maxContains":           (IGNORED, REJECTED),
+    "unevaluatedItems":      (ENFORCED, REJECTED),
+    "properties":            (ENFORCED, ENFORCED),
+    "required":              (ENFORCED, ENFORCED),  # xgrammar: only keys in properties (rule)
+    "additionalProperties":  (ENFORCED, ENFORCED),
+    "patternProperties":     (ENFORCED, ENFORCED),
+    "propertyNames":         (ENFORCED, REJECTED),  # xgrammar: not next to properties (rule)
+    "minProperties":         (ENFORCED, ENFORCED),  # llguidance: rejects unless all required
+    "maxProperties":         (ENFORCED, ENFORCED),
+    "dependentRequired":     (IGNORED, REJECTED),
+    "dependentSchemas":      (IGNORED, REJECTED),
+    "dependencies":          (IGNORED, REJECTED),
+    "unevaluatedProperties": (IGNORED, REJECTED),
+    "allOf":                 (IGNORED, ENFORCED),
+    "anyOf":                 (ENFORCED, ENFORCED),  # xgrammar: ignores siblings (rule)
+    "oneOf":                 (IGNORED, ENFORCED),   # xgrammar: treated as anyOf; llguidance:
+                                                    # rejects unless branches are disjoint
+    "not":                   (IGNORED, REJECTED),
+    "if":                    (IGNORED, REJECTED),
+    "then":                  (IGNORED, REJECTED),
+    "else":                  (IGNORED, REJECTED),
+    "$ref":                  (ENFORCED, ENFORCED),  # xgrammar: local pointers, no siblings
+    "$dynamicRef":           (IGNORED, REJECTED),
+    "$dynamicAnchor":        (IGNORED, REJECTED),
+    "$recursiveRef":         (IGNORED, REJECTED),
+    "$recursiveAnchor":      (IGNORED, REJECTED),
+}  # fmt: skip
+
+# `format` values. Formats outside SPEC_FORMATS are annotations (e.g. OpenAPI "int32"):
+# xgrammar ignores them, llguidance refuses them, so they are stripped before llguidance.
+SPEC_FORMATS = frozenset(
+    {
+        "date-time", "date", "time", "duration", "email", "idn-email", "hostname",
+        "idn-hostname", "ipv4", "ipv6", "uri", "uri-reference", "iri", "iri-reference",
+        "uri-template", "uuid", "json-pointer", "relative-json-pointer", "regex",
+    }
+)  # fmt: skip
+FORMATS = {
+    "xgrammar": frozenset(
+        {
+            "date-time",
+            "date",
+            "time",
+            "duration",
+            "email",
+            "hostname",
+            "ipv4",
+            "ipv6",
+            "uri",
+            "uri-reference",
+            "uri-template",
+            "uuid",
+            "json-pointer",
+            "relative-json-pointer",
+        }
+    ),  # fmt: skip
+    "llguidance": frozenset(
+        {
+            "date-time",
+            "date",
+            "time",
+            "duration",
+            "email",
+            "hostname",
+            "ipv4",
+            "ipv6",
+            "uri",
+            "uuid",
+        }
+    ),
+}
+
+# Keywords xgrammar applies only when the subschema declares a `type` they belong to.
+_TYPED_KEYWORDS = {
+    "minimum": "number", "maximum": "number", "exclusiveMinimum": "number",
+    "exclusiveMaximum": "number", "multipleOf": "number", "minLength": "string",
+    "maxLength": "string", "pattern": "string", "format": "string", "minItems": "array",
+    "maxItems": "array", "minProperties": "object", "maxProperties": "object",
+}  # fmt: skip
+
+# Subschema positions: keyword -> how its value holds subschemas.
+_SCHEMA_MAPS = ("properties", "patternProperties", "dependentSchemas")
+_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
+_SCHEMA_ONE = (
+    "additionalItems", "additionalProperties", "unevaluatedItems", "unevaluatedProperties",
+    "contains", "propertyNames", "not", "if", "then", "else",
+)  # fmt: skip
+
+_LOOKAROUND = re.compile(r"\(\?<?[=!]")
+
+
+@dataclass(frozen=True)
+class Issue:
+    """A keyword at `path` (a JSON pointer to its subschema) that `backend` would not enforce."""
+
+    keyword: str
+    path: str
+    backend: str
+    status: str  # IGNORED or REJECTED
+    reason: str = ""
+
+    def __str__(self) -> str:
+        how = "ignores" if self.status == IGNORED else "does not implement"
+        detail = f" ({self.reason})" if self.reason else ""
+        return f"{self.backend} {how} '{self.keyword}' at {self.path}{detail}"
+
+
+def resolve_ref(root: Any, ref: str) -> Any | None:
+    """Resolve a local `$ref` ("#", "#/$defs/x", ...) in `root`; None if it is not a local JSON
+    pointer or points nowhere."""
+    if ref == "#":
+        return root
+    if not ref.startswith("#/"):
+        return None
+    node = root
+    for part in ref[2:].split("/"):
+        part = unquote(part).replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def walk(root: Any) -> Iterator[tuple[dict, str]]:
+    """Every object subschema reachable from `root`, once, in document order, with its JSON
+    pointer. Local `$ref`s are followed; `$defs`/`definitions` are entered only through them,
+    so unused definitions do not count."""
+    seen: set[int] = set()
+    stack: list[tuple[Any, str]] = [(root, "#")]
+    while stack:
+        node, path = stack.pop()
+        if not isinstance(node, dict) or id(node) in seen:
+            continue
+        seen.add(id(node))
+        yield node, path
+        children: list[tuple[Any, str]] = []
+        for kw, value in node.items():
+            if kw in _SCHEMA_MAPS and isinstance(value, dict):
+                children += [(v, f"{path}/{kw}/{_escape(k)}") for k, v in value.items()]
+            elif kw in _SCHEMA_LISTS and isinstance(value, list):
+                children += [(v, f"{path}/{kw}/{i}") for i, v in enumerate(value)]
+            elif kw == "items" and isinstance(value, list):
+                children += [(v, f"{path}/items/{i}") for i, v in enumerate(value)]
+            elif kw == "items" or kw in _SCHEMA_ONE:
+                children.append((value, f"{path}/{kw}"))
+            elif kw == "dependencies" and isinstance(value, dict):
+                children += [(v, f"{path}/{kw}/{_escape(k)}") for k, v in value.items()]
+        ref = node.get("$ref")
+        if isinstance(ref, str):
+            target = resolve_ref(root, ref)
+            if target is not None:
+                children.append((target, ref))
+        stack.extend(reversed(children))
+
+
+def unresolved_refs(root: Any) -> list[tuple[str, str]]:
+    """(ref, path) of local `#/...` references that point nowhere: the schema is broken."""
+    return [
+        (node["$ref"], path)
+        for node, path in walk(root)
+        if isinstance(node.get("$ref"), str)
+        and node["$ref"].startswith("#/")
+        and resolve_ref(root, node["$ref"]) is None
+    ]
+
+
+def find_issues(schema: Any, backend: str) -> list[Issue]:
+    """Keywords of `schema` that `backend` would ignore or refuse, in document order."""
+    column = BACKENDS.index(backend)
+    issues: list[Issue] = []
+    for node, path in walk(schema):
+        for kw in node:
+            status = KEYWORDS.get(kw, (ENFORCED, ENFORCED))[column]
+            if status != ENFORCED:
+                issues.append(Issue(kw, path, backend, status))
+        fmt = node.get("format")
+        if fmt in SPEC_FORMATS and fmt not in FORMATS[backend]:
+            status = IGNORED if backend == "xgrammar" else REJECTED
+            issues.append(Issue("format", path, backend, status, f"format {fmt!r}"))
+        if backend == "xgrammar":
+            issues += [Issue(kw, path, backend, IGNORED, why) for kw, why in _xgrammar_rules(node)]
+        else:
+            issues += [
+                Issue(kw, path, backend, REJECTED, why) for kw, why in _llguidance_rules(node)
+            ]
+    return issues
+
+
+def enforcing_backends(schema: Any, order: tuple[str, ...] = BACKENDS) -> list[str]:
+    """The backends (in `order`) that enforce every keyword of `schema`."""
+    return [b for b in order if not find_issues(schema, b)]
+
+
+def strip_annotation_formats(schema: Any) -> Any:
+    """A copy of `schema` without `format` values outside the JSON-Schema spec (annotations
+    such as "int32" that llguidance would refuse). Walks every position, $defs included."""
+    if isinstance(schema, list):
+        return [strip_annotation_formats(v) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k == "format" and isinstance(v, str) and v not in SPEC_FORMATS:
+            continue
+        if k in ("enum", "const", "default", "examples", "example"):
+            out[k] = v  # instances, not schemas: a property named "format" is data here
+        else:
+            out[k] = strip_annotation_formats(v)
+    return out
+
+
+def regex_issue(pattern: str) -> str | None:
+    """Why xgrammar would not enforce `pattern` exactly (it drops lookahead silently)."""
+    if _LOOKAROUND.search(pattern):
+        return "lookaround in pattern"
+    return None
+
+
+def _xgrammar_rules(node: dict) -> Iterator[tuple[str, str]]:
+    """xgrammar's value- and sibling-dependent gaps, each found by a probe schema."""
+    declared = node.get("type")
+    types = set(declared) if isinstance(declared, list) else {declared} if declared else set()
+    siblings = {k for k in node if k not in ANNOTATIONS}
+
+    for kw in ("enum", "const"):
+        if kw in node and siblings - {"enum", "const"} and not _values_fit(node, kw):
+            yield kw, f"'{kw}' replaces the keywords next to it, and some values violate them"
+    if "enum" in node or "const" in node:
+        return  # xgrammar checks only the values here, which were just checked
+    for kw in ("anyOf", "oneOf"):
+        if kw in node and siblings - {kw}:
+            yield kw, f"keywords next to '{kw}' are ignored: {', '.join(sorted(siblings - {kw}))}"
+    ref = node.get("$ref")
+    if isinstance(ref, str):
+        if ref != "#" and not ref.startswith("#/"):
+            yield "$ref", f"non-local reference {ref!r}"
+        elif siblings - {"$ref"}:
+            yield (
+                "$ref",
+                f"keywords next to '$ref' are ignored: {', '.join(sorted(siblings - {'$ref'}))}",
+            )
+    if not types:
+        for kw, needs in _TYPED_KEYWORDS.items():
+            if kw in node:
+                yield kw, f'applied only when the subschema declares "type": "{needs}"'
+    fmt = node.get("format")
+    if "string" in types and fmt in FORMATS["xgrammar"]:
+        for kw in ("pattern", "minLength", "maxLength"):
+            if kw in node:
+                yield kw, f"ignored next to format {fmt!r}"
+    elif "string" in types and "pattern" in node:
+        for kw in ("minLength", "maxLength"):
+            if kw in node:
+                yield kw, "ignored next to 'pattern'"
+    for pattern, where in _patterns(node):
+        why = regex_issue(pattern)
+        if why:
+            yield where, why
+    if "multipleOf" in node and types & {"number", "integer"}:
+        if "number" in types or not isinstance(node["multipleOf"], int):
+            yield "multipleOf", "enforced only for integer types and integer divisors"
+    required = node.get("required")
+    if isinstance(required, list):
+        props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+        missing = [k for k in required if k not in props]
+        if missing:
+            yield "required", f"required keys not listed in 'properties': {missing}"
+    if "propertyNames" in node and "properties" in node:
+        yield "propertyNames", "ignored next to 'properties'"
+
+
+def _llguidance_rules(node: dict) -> Iterator[tuple[str, str]]:
+    """llguidance refuses these with an error; listing them saves a compile and names them."""
+    for pattern, where in _patterns(node):
+        if _LOOKAROUND.search(pattern):
+            yield where, "lookaround in pattern"
+
+
+def _patterns(node: dict) -> Iterator[tuple[str, str]]:
+    if isinstance(node.get("pattern"), str):
+        yield node["pattern"], "pattern"
+    if isinstance(node.get("patternProperties"), dict):
+        for p in node["patternProperties"]:
+            yield p, "patternProperties"
+
+
+def _values_fit(node: dict, kw: str) -> bool:
+    """Do all enum/const values satisfy the keywords next to them? (Then xgrammar's habit of
+    checking only the values is harmless.)"""
+    import jsonschema
+
+    rest = {k: v for k, v in node.items() if k not in ("enum", "const")}
+    if any(k in rest for k in ("$ref", "allOf", "anyOf", "oneOf", "not", "if")):
+        return False  # cannot check without the rest of the document
+    values = node[kw] if kw == "enum" and isinstance(node[kw], list) else [node[kw]]
+    try:
+        validator = jsonschema.Draft202012Validator(rest)
+        return all(validator.is_valid(v) for v in values)
+    except Exception:  # a malformed sibling: let the backend decide
+        return False
+
+
+def _escape(key: str) -> str:
+    return str(key).replace("~", "~0").replace("/", "~1")

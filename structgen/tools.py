@@ -1,0 +1,277 @@
+"""Tools for in-process agents: `@structgen.tool` turns a typed Python function into a tool,
+`call(llm, prompt, tools)` returns validated, typed tool calls, and `run_tools` runs the
+call -> invoke -> feed back loop.
+
+    @structgen.tool
+    def get_weather(city: str, unit: Literal["C", "F"] = "C") -> str:
+        '''Current weather in a city.'''
+
+    calls = llm.call("Weather in Paris?", tools=[get_weather])
+    calls[0].arguments.city   # "Paris", from a pydantic model built from the type hints
+    calls[0].invoke()         # get_weather(city="Paris", unit="C")
+
+The calls are valid by construction: the turn is decoded under one constraint built from every
+tool's parameter schema (see `structgen.tool_format`); the pydantic check here is the last step
+of turning JSON into Python values, not a retry loop.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import re
+import typing
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pydantic
+
+from structgen import tool_format
+from structgen.errors import OutputValidationError, UnsupportedTypeError
+
+
+class Tool:
+    """A function the model may call: its name, description and JSON-schema parameters, and
+    (for Python tools) the function itself and a pydantic model of its arguments."""
+
+    def __init__(
+        self,
+        name: str,
+        description: str = "",
+        parameters: dict[str, Any] | None = None,
+        fn: Callable[..., Any] | None = None,
+        arguments_model: type[pydantic.BaseModel] | None = None,
+    ):
+        self.name = name
+        self.description = description
+        self.parameters = parameters or {"type": "object", "properties": {}}
+        self.fn = fn
+        self.arguments_model = arguments_model
+
+    @classmethod
+    def from_function(cls, fn: Callable[..., Any], name: str | None = None, description: str | None = None) -> Tool:
+        """Build a tool from a type-hinted function: the arguments model has one field per
+        parameter (defaults kept, `*args`/`**kwargs` refused: a schema cannot express them)."""
+        doc = inspect.getdoc(fn) or ""
+        summary, arg_docs = _parse_docstring(doc)
+        hints = typing.get_type_hints(fn, include_extras=True)
+        fields: dict[str, Any] = {}
+        for p in inspect.signature(fn).parameters.values():
+            if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+                raise UnsupportedTypeError(f"tool {fn.__name__!r}: *args/**kwargs cannot be described by a schema")
+            default = ... if p.default is p.empty else p.default
+            fields[p.name] = (hints.get(p.name, Any), pydantic.Field(default, description=arg_docs.get(p.name)))
+        tool_name = name or fn.__name__
+        model = pydantic.create_model(  # type: ignore[call-overload]
+            f"{tool_name}_arguments", __config__=pydantic.ConfigDict(extra="forbid"), **fields
+        )
+        try:
+            schema = model.model_json_schema()
+        except pydantic.PydanticUserError as e:  # e.g. a parameter type pydantic cannot describe
+            raise UnsupportedTypeError(f"tool {tool_name!r}: {e}") from e
+        schema.pop("title", None)
+        return cls(tool_name, description or summary, schema, fn, model)
+
+    @classmethod
+    def from_openai(cls, spec: dict[str, Any]) -> Tool:
+        """A tool from an OpenAI tool dict; its calls carry plain dict arguments."""
+        fn = tool_format.function_of(spec)
+        return cls(fn["name"], fn.get("description") or "", tool_format.parameters_of(spec))
+
+    def to_openai(self) -> dict[str, Any]:
+        """The OpenAI `tools` entry for this tool."""
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+        }
+
+    def validate(self, arguments: dict[str, Any]) -> Any:
+        """JSON arguments -> the pydantic arguments model (or the dict for schema-only tools)."""
+        if self.arguments_model is None:
+            return arguments
+        try:
+            return self.arguments_model.model_validate(arguments)
+        except pydantic.ValidationError as e:
+            raise OutputValidationError(f"arguments of {self.name!r} do not validate: {e}", text=json.dumps(arguments)) from e
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.fn is None:
+            raise TypeError(f"tool {self.name!r} has no Python function to call")
+        return self.fn(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"Tool({self.name!r})"
+
+
+def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None, description: str | None = None) -> Any:
+    """Decorator: `@tool` or `@tool(name=..., description=...)` makes a `Tool` of a function.
+    The description defaults to the docstring's first paragraph; `Args:` lines in the
+    docstring become parameter descriptions."""
+    if fn is None:
+        return lambda f: Tool.from_function(f, name=name, description=description)
+    return Tool.from_function(fn, name=name, description=description)
+
+
+def as_tool(obj: Any) -> Tool:
+    """A `Tool`, a plain function or an OpenAI tool dict, as a `Tool`."""
+    if isinstance(obj, Tool):
+        return obj
+    if isinstance(obj, dict):
+        return Tool.from_openai(obj)
+    if callable(obj):
+        return Tool.from_function(obj)
+    raise UnsupportedTypeError(f"{obj!r} is not a tool: pass a @structgen.tool function, a function or a dict")
+
+
+@dataclass
+class ToolCall:
+    """One validated call: `.arguments` is the tool's pydantic arguments model (a dict for
+    tools given as OpenAI dicts)."""
+
+    name: str
+    arguments: Any
+    tool: Tool
+    id: str = field(default_factory=tool_format.new_call_id)
+
+    def invoke(self) -> Any:
+        """Run the tool's function with these arguments (typed values, not their JSON)."""
+        if isinstance(self.arguments, pydantic.BaseModel):
+            kwargs = {k: getattr(self.arguments, k) for k in type(self.arguments).model_fields}
+        else:
+            kwargs = dict(self.arguments)
+        return self.tool(**kwargs)
+
+    def arguments_json(self) -> str:
+        if isinstance(self.arguments, pydantic.BaseModel):
+            return self.arguments.model_dump_json()
+        return json.dumps(self.arguments)
+
+    def to_openai(self) -> dict[str, Any]:
+        """The entry of an assistant message's `tool_calls` for this call."""
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments_json()}}
+
+
+class ToolCalls(list):
+    """The calls of one assistant turn (a list of `ToolCall`). Empty when the model answered
+    in text instead (`tool_choice="auto"`); that answer is in `.text`."""
+
+    def __init__(self, calls: Sequence[ToolCall] = (), text: str | None = None, completion: Any = None):
+        super().__init__(calls)
+        self.text = text
+        self.completion = completion
+
+
+def call(
+    llm: Any,
+    prompt: str | Sequence[dict[str, Any]],
+    tools: Sequence[Any],
+    *,
+    tool_choice: Any = "required",
+    parallel_tool_calls: bool = True,
+    max_tokens: int = 512,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int | None = None,
+) -> ToolCalls:
+    """Ask the model for tool calls: `tool_choice` is "required" (at least one call, the
+    default), "auto" (a call or a text answer), "none", a tool name, or OpenAI's
+    `{"type": "function", "function": {"name": ...}}`. Works on `LLM` and `RemoteLLM`."""
+    specs = [as_tool(t) for t in tools]
+    messages = _as_messages(prompt)
+    if isinstance(tool_choice, str) and tool_choice in {t.name for t in specs}:
+        tool_choice = {"type": "function", "function": {"name": tool_choice}}
+    sampling = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    if hasattr(llm, "chat_tools"):  # a RemoteLLM: the server applies the tool format
+        return llm.chat_tools(messages, specs, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls, **sampling)
+    openai_tools = [t.to_openai() for t in specs]
+    choice = tool_format.resolve_tool_choice(tool_choice, openai_tools)
+    output_type = tool_format.tool_output_type(openai_tools, choice, parallel_tool_calls) or str
+    rendered, template_tools = tool_format.render_messages(llm.tokenizer, messages, openai_tools)
+    completion = llm.complete(output_type, rendered, tools=template_tools, **sampling)
+    return to_tool_calls(completion.text, specs, choice, completion)
+
+
+def to_tool_calls(text: str, specs: Sequence[Tool], choice: tool_format.ToolChoice, completion: Any = None) -> ToolCalls:
+    """Parse generated text into typed `ToolCalls` (the model's text answer when it made none)."""
+    by_name = {t.name: t for t in specs}
+    parsed, content = tool_format.parse_tool_calls(text, [t.to_openai() for t in specs], choice)
+    calls = [ToolCall(p.name, by_name[p.name].validate(p.arguments), by_name[p.name], p.id) for p in parsed]
+    return ToolCalls(calls, content, completion)
+
+
+@dataclass
+class ToolRun:
+    """The outcome of `run_tools`: the final answer, every call with its result, and the
+    conversation (OpenAI messages) that produced them."""
+
+    answer: str
+    calls: list[tuple[ToolCall, Any]]
+    messages: list[dict[str, Any]]
+
+
+def run_tools(
+    llm: Any,
+    prompt: str | Sequence[dict[str, Any]],
+    tools: Sequence[Any],
+    *,
+    max_rounds: int = 4,
+    max_tokens: int = 512,
+    temperature: float = 0.0,
+    seed: int | None = None,
+) -> ToolRun:
+    """The agent loop: let the model call tools ("auto"), run them, append their results as
+    `tool` messages, and repeat until it answers in text or `max_rounds` calls were made
+    (then one last turn with tool_choice="none" asks for the answer)."""
+    specs = [as_tool(t) for t in tools]
+    messages = _as_messages(prompt)
+    history: list[tuple[ToolCall, Any]] = []
+    sampling = dict(max_tokens=max_tokens, temperature=temperature, seed=seed)
+    for _ in range(max_rounds):
+        calls = call(llm, messages, specs, tool_choice="auto", **sampling)
+        if not calls:
+            return ToolRun(calls.text or "", history, messages)
+        messages.append({"role": "assistant", "content": None, "tool_calls": [c.to_openai() for c in calls]})
+        for c in calls:
+            result = c.invoke()
+            history.append((c, result))
+            messages.append({"role": "tool", "tool_call_id": c.id, "content": _result_text(result)})
+    final = call(llm, messages, specs, tool_choice="none", **sampling)
+    return ToolRun(final.text or "", history, messages)
+
+
+def _as_messages(prompt: str | Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+
+
+def _result_text(result: Any) -> str:
+    if isinstance(result, str):
+        return result
+    if isinstance(result, pydantic.BaseModel):
+        return result.model_dump_json()
+    try:
+        return json.dumps(result)
+    except TypeError:
+        return str(result)
+
+
+_ARG_LINE = re.compile(r"^\s{0,8}(\w+)\s*(?:\([^)]*\))?\s*:\s*(.+)$")
+
+
+def _parse_docstring(doc: str) -> tuple[str, dict[str, str]]:
+    """The summary paragraph and Google-style `Args:` descriptions of a docstring."""
+    summary = doc.split("\n\n", 1)[0].strip()
+    args: dict[str, str] = {}
+    in_args = False
+    for line in doc.splitlines():
+        if line.strip() in ("Args:", "Arguments:", "Parameters:"):
+            in_args = True
+            continue
+        if in_args:
+            if line.strip() and not line.startswith((" ", "\t")):
+                break  # the next section
+            m = _ARG_LINE.match(line)
+            if m:
+                args[m.group(1)] = m.group(2).strip()
+    return summary, args

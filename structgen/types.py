@@ -1,0 +1,365 @@
+"""Output types -> one `Constraint`.
+
+Everything a user can ask for (a pydantic model, a dataclass, a TypedDict, `int`, `str`,
+`Literal[...]`, an Enum, or one of the markers `JsonSchema`, `Regex`, `CFG`, `Choice`) becomes
+a `Constraint`: what the grammar compiler needs (`kind`, `source`, `syntax`, `key`) plus how to
+turn the generated text back into a typed, validated value (`parse`). All checks that need no
+tokenizer happen here, so a bad type fails before any model work.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import re
+import typing
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import jsonschema
+import pydantic
+
+from structgen.errors import (
+    InvalidConstraintError,
+    OutputValidationError,
+    StructgenError,
+    UnsupportedTypeError,
+)
+
+ConstraintKind = Literal["json_schema", "regex", "grammar", "text"]
+
+INT_REGEX = r"-?(0|[1-9][0-9]*)"
+FLOAT_REGEX = r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?"
+BOOL_REGEX = r"true|false"
+_SCALARS: dict[type, tuple[str, Callable[[str], Any]]] = {
+    int: (INT_REGEX, int),
+    float: (FLOAT_REGEX, float),
+    bool: (BOOL_REGEX, lambda text: text == "true"),
+}
+_REGEX_META = set("\\.^$|?*+()[]{}/")
+_EBNF_RULE = re.compile(r"^\s*[A-Za-z_][\w.-]*\s*::=", re.MULTILINE)
+
+
+# -- user-facing markers --------------------------------------------------------------------
+@dataclass(frozen=True)
+class JsonSchema:
+    """Output JSON valid against a JSON Schema (a dict or its JSON text); the value is the
+    parsed JSON (dict, list, ...), validated with `jsonschema`."""
+
+    schema: dict[str, Any] | bool | str
+
+
+@dataclass(frozen=True)
+class Regex:
+    """Output text that fully matches `pattern`; the value is the text."""
+
+    pattern: str
+
+
+@dataclass(frozen=True)
+class CFG:
+    """Output text in the language of a context-free grammar; the value is the text.
+
+    `syntax`: "ebnf" (GBNF as in llama.cpp / xgrammar, root rule `root`), "lark" (as
+    llguidance reads it, start rule `start`), or "auto" (EBNF if rules are written `name ::=`).
+    """
+
+    grammar: str
+    syntax: Literal["auto", "ebnf", "lark"] = "auto"
+
+
+@dataclass(frozen=True)
+class Choice:
+    """Output exactly one of `options` (strings, or numbers/bools/None written as JSON); the
+    value is the chosen option itself."""
+
+    options: tuple[Any, ...]
+
+    def __init__(self, options: Sequence[Any]):
+        object.__setattr__(self, "options", tuple(options))
+
+
+# -- the constraint -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Constraint:
+    """What to generate (for the grammar compiler) and how to read it back (for the caller).
+
+    kind: "json_schema" | "regex" | "grammar" | "text" (unconstrained, ends at a stop token).
+    source: canonical JSON-schema text / regex / grammar text ("" for text).
+    syntax: "ebnf" | "lark" for grammars, "" otherwise.
+    strict: JSON schemas only; False allows backends that enforce the schema partially.
+    """
+
+    kind: ConstraintKind
+    source: str = ""
+    syntax: str = ""
+    description: str = ""
+    strict: bool = True
+    parser: Callable[[str], Any] | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def key(self) -> tuple[str, str, bool, str]:
+        """Hashable identity of the grammar (two output types with the same schema share it)."""
+        return (self.kind, self.syntax, self.strict, self.source)
+
+    def parse(self, text: str) -> Any:
+        """The typed, validated value of generated `text`; `OutputValidationError` if invalid."""
+        if self.parser is None:
+            return text
+        try:
+            return self.parser(text)
+        except OutputValidationError:
+            raise
+        except Exception as e:  # pydantic / jsonschema / json errors, all the same to a caller
+            raise OutputValidationError(
+                f"output is not a valid {self.description}: {_one_line(e)}", text=text
+            ) from e
+
+
+def to_constraint(output_type: Any, *, strict: bool = True) -> Constraint:
+    """Turn an output type into a `Constraint`.
+
+    `strict=False` lets JSON schemas use keywords no grammar backend enforces; the output is
+    then generated best-effort and may fail validation in `parse`.
+
+    Raises `UnsupportedTypeError` (a type with no JSON schema), `InvalidConstraintError` (a
+    malformed schema/regex/grammar/choice) or `UnsupportedSchemaError` (a keyword no backend
+    enforces, with its JSON path).
+    """
+    if isinstance(output_type, Constraint):
+        return output_type
+    if isinstance(output_type, JsonSchema):
+        return _json_schema_constraint(output_type.schema, strict)
+    if isinstance(output_type, Regex):
+        return _regex_constraint(output_type.pattern)
+    if isinstance(output_type, CFG):
+        return _grammar_constraint(output_type.grammar, output_type.syntax)
+    if isinstance(output_type, Choice):
+        return _choice_constraint(list(output_type.options), list(output_type.options), "choice")
+    if output_type is str:
+        return Constraint("text", description="text")
+    if output_type in _SCALARS:
+        pattern, convert = _SCALARS[output_type]
+        return _regex_constraint(pattern, output_type.__name__, convert)
+    if typing.get_origin(output_type) is Literal:
+        options = list(typing.get_args(output_type))
+        return _choice_constraint(options, options, "Literal")
+    if isinstance(output_type, type) and issubclass(output_type, enum.Enum):
+        members = list(output_type)
+        return _choice_constraint([m.value for m in members], members, output_type.__name__)
+    return _pydantic_constraint(output_type, strict)
+
+
+# -- JSON -----------------------------------------------------------------------------------
+def _pydantic_constraint(output_type: Any, strict: bool) -> Constraint:
+    """Models, dataclasses, TypedDicts and containers of them, through a pydantic TypeAdapter
+    (which gives both the JSON schema and the validating parser)."""
+    name = getattr(output_type, "__name__", None) or repr(output_type)
+    try:
+        adapter = pydantic.TypeAdapter(output_type)
+        schema = adapter.json_schema()
+    except (pydantic.PydanticSchemaGenerationError, pydantic.PydanticUserError, TypeError) as e:
+        raise UnsupportedTypeError(
+            f"cannot generate a {name}: it has no JSON schema ({_one_line(e)}). Use a pydantic "
+            "model, dataclass, TypedDict, int/float/bool/str, Literal, Enum, or JsonSchema/"
+            "Regex/CFG/Choice"
+        ) from e
+    schema = _close_objects(schema)
+    _check_enforceable(schema, strict)
+    return Constraint(
+        "json_schema",
+        _canonical(schema),
+        description=f"JSON {name}",
+        strict=strict,
+        parser=adapter.validate_json,
+    )
+
+
+def _json_schema_constraint(schema: dict[str, Any] | bool | str, strict: bool) -> Constraint:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise InvalidConstraintError(
+                f"JSON schema text is not JSON: {e.msg} at line {e.lineno} column {e.colno}"
+            ) from e
+    if schema is True:
+        schema = {}
+    if schema is False or not isinstance(schema, dict):
+        raise InvalidConstraintError(
+            f"a JSON schema must be an object (or true), got {type(schema).__name__}: {schema!r:.80}"
+        )
+    validator_cls = jsonschema.validators.validator_for(
+        schema, default=jsonschema.Draft202012Validator
+    )
+    try:
+        validator_cls.check_schema(schema)
+    except jsonschema.SchemaError as e:
+        where = "#/" + "/".join(map(str, e.path)) if e.path else "#"
+        raise InvalidConstraintError(f"invalid JSON schema at {where}: {e.message}") from e
+    from structgen.grammar.keywords import unresolved_refs
+
+    broken = unresolved_refs(schema)
+    if broken:
+        ref, where = broken[0]
+        raise InvalidConstraintError(f"JSON schema $ref {ref!r} at {where} points nowhere")
+    _check_enforceable(schema, strict)
+    validator = validator_cls(schema)
+
+    def parse(text: str) -> Any:
+        value = json.loads(text)
+        error = jsonschema.exceptions.best_match(validator.iter_errors(value))
+        if error is not None:
+            where = "#/" + "/".join(map(str, error.absolute_path))
+            raise OutputValidationError(
+                f"output fails the JSON schema at {where}: {error.message}", text=text
+            )
+        return value
+
+    title = schema.get("title")
+    return Constraint(
+        "json_schema",
+        _canonical(schema),
+        description=f"JSON schema {title!r}" if isinstance(title, str) else "JSON schema",
+        strict=strict,
+        parser=parse,
+    )
+
+
+def _check_enforceable(schema: dict[str, Any], strict: bool) -> None:
+    """Fail now, naming keyword and path, if no grammar backend enforces the whole schema."""
+    if not strict:
+        return
+    # Imported here: the keyword tables are pure Python, but the grammar package is not
+    # needed by callers that only build constraints (e.g. the remote client).
+    from structgen.grammar.compiler import BACKENDS, unsupported_schema_error
+    from structgen.grammar.keywords import find_issues
+
+    issues = {b: find_issues(schema, b) for b in BACKENDS}
+    if all(issues.values()):
+        raise unsupported_schema_error(issues)
+
+
+def _close_objects(schema: Any) -> Any:
+    """Model schemas list every field; forbid extra ones so the model cannot ramble on in keys
+    pydantic would drop anyway (an explicit `extra="allow"` keeps additionalProperties).
+    Walks schema positions only, so a field named "properties" is not mistaken for one."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for kw, value in schema.items():
+        if kw in _SCHEMA_MAPS and isinstance(value, dict):
+            out[kw] = {k: _close_objects(v) for k, v in value.items()}
+        elif kw in _SCHEMA_LISTS and isinstance(value, list):
+            out[kw] = [_close_objects(v) for v in value]
+        elif kw in _SCHEMA_ONE:
+            out[kw] = _close_objects(value)
+    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+_SCHEMA_ONE = ("items", "additionalProperties", "not")
+
+
+def _canonical(schema: dict[str, Any]) -> str:
+    # Key order is kept: it is the order in which properties are generated.
+    return json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
+
+
+# -- regex, grammar, choice -----------------------------------------------------------------
+def _regex_constraint(
+    pattern: str, name: str = "", convert: Callable[[str], Any] = str
+) -> Constraint:
+    if not isinstance(pattern, str) or not pattern:
+        raise InvalidConstraintError("Regex needs a non-empty pattern string")
+    try:
+        compiled = re.compile(pattern)
+    except re.error as e:
+        raise InvalidConstraintError(
+            f"invalid regex {pattern!r}: {e.msg} at position {e.pos}"
+        ) from e
+
+    def parse(text: str) -> str:
+        if compiled.fullmatch(text) is None:
+            raise OutputValidationError(f"output does not fully match regex {pattern!r}", text=text)
+        return convert(text)
+
+    return Constraint("regex", pattern, description=name or f"regex /{pattern}/", parser=parse)
+
+
+def _grammar_constraint(grammar: str, syntax: str) -> Constraint:
+    if not isinstance(grammar, str) or not grammar.strip():
+        raise InvalidConstraintError("CFG needs a non-empty grammar string")
+    if syntax not in ("auto", "ebnf", "lark"):
+        raise InvalidConstraintError(f"CFG syntax must be 'auto', 'ebnf' or 'lark', got {syntax!r}")
+    if syntax == "auto":
+        syntax = "ebnf" if _EBNF_RULE.search(grammar) else "lark"
+    return Constraint("grammar", grammar, syntax=syntax, description=f"{syntax} grammar")
+
+
+def _choice_constraint(options: list[Any], values: list[Any], name: str) -> Constraint:
+    """One of fixed options, as a regex alternation of their texts (strings as themselves,
+    other literals as JSON)."""
+    if not options:
+        raise InvalidConstraintError(f"{name} needs at least one option")
+    texts: dict[str, Any] = {}
+    for option, value in zip(options, values, strict=True):
+        text = _option_text(option, name)
+        if text in texts:
+            raise InvalidConstraintError(
+                f"{name} options {texts[text]!r} and {value!r} are both written {text!r}"
+            )
+        texts[text] = value
+    # Longest first: both backends' alternations are unordered, but it keeps the regex readable
+    # and deterministic.
+    pattern = "|".join(_escape_regex(t) for t in sorted(texts, key=lambda t: (-len(t), t)))
+
+    def parse(text: str) -> Any:
+        if text not in texts:
+            raise OutputValidationError(f"output {text!r} is not one of {list(texts)}", text=text)
+        return texts[text]
+
+    shown = ", ".join(repr(t) for t in list(texts)[:5]) + (", ..." if len(texts) > 5 else "")
+    return Constraint("regex", pattern, description=f"{name} of {shown}", parser=parse)
+
+
+def _option_text(option: Any, name: str) -> str:
+    if isinstance(option, enum.Enum):
+        option = option.value
+    if isinstance(option, str):
+        if not option:
+            raise InvalidConstraintError(f"{name} options must be non-empty strings")
+        return option
+    if option is None or isinstance(option, (bool, int, float)):
+        return json.dumps(option)
+    raise InvalidConstraintError(
+        f"{name} options must be strings, numbers, bools or None, got {option!r}"
+    )
+
+
+def _escape_regex(text: str) -> str:
+    """Escape only true metacharacters: both backends' dialects (ECMAScript-like and Rust)
+    reject some escapes Python's `re.escape` writes."""
+    out = []
+    for ch in text:
+        if ch in _REGEX_META:
+            out.append("\\" + ch)
+        elif ch == "\n":
+            out.append("\\n")
+        elif ch == "\t":
+            out.append("\\t")
+        elif ch == "\r":
+            out.append("\\r")
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+def _one_line(e: BaseException) -> str:
+    if isinstance(e, StructgenError):
+        return str(e)
+    return " ".join(str(e).split())[:500]

@@ -1,0 +1,377 @@
+"""The OpenAI-compatible HTTP server: `create_app(llm)` returns a FastAPI app serving
+`/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/health` and `/metrics`.
+
+Every request runs on the LLM's shared engine loop through its async API, so concurrent HTTP
+requests are batched together exactly like concurrent in-process callers. A request is
+validated (protocol.py), turned into one output type (constraints.py), rendered into a prompt,
+run (serving.py) and formatted back; any failure becomes an OpenAI-shaped error for that
+request alone (errors.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from structgen import tool_format
+from structgen.errors import PromptTooLongError
+from structgen_server import responses, serving
+from structgen_server.constraints import RequestConstraint, request_constraint
+from structgen_server.errors import APIError, to_api_error
+from structgen_server.metrics import Metrics
+from structgen_server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    SamplingFields,
+)
+
+log = logging.getLogger("structgen.server")
+
+
+@dataclass
+class ServerState:
+    """What every handler needs: the LLM, the names it answers to, limits and metrics."""
+
+    llm: Any
+    model_name: str
+    aliases: frozenset[str]
+    default_max_tokens: int
+    api_key: str | None
+    metrics: Metrics
+
+    @property
+    def max_seq_len(self) -> int:
+        return int(self.llm.engine.max_seq_len)
+
+
+def create_app(
+    llm: Any,
+    *,
+    served_model_name: str | None = None,
+    default_max_tokens: int = 1024,
+    api_key: str | None = None,
+) -> FastAPI:
+    """The FastAPI app serving `llm`. `served_model_name` is the id clients send as `model`
+    (default: the LLM's own name, which is accepted too)."""
+    name = served_model_name or llm.model_name
+    state = ServerState(
+        llm, name, frozenset({name, llm.model_name}), default_max_tokens, api_key, Metrics(name)
+    )
+    app = FastAPI(title="structgen", version="0.1.0")
+    app.state.server = state
+    _install_error_handlers(app, state)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok", "model": state.model_name}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    def check_api_key(request: Request) -> None:
+        if state.api_key and request.headers.get("authorization") != f"Bearer {state.api_key}":
+            raise APIError(401, "missing or wrong API key (send Authorization: Bearer <key>)", code="invalid_api_key")
+
+    v1 = [Depends(check_api_key)]
+
+    @app.get("/v1/models", dependencies=v1)
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=state.model_name)])
+
+    @app.get("/v1/models/{model_id:path}", dependencies=v1)
+    async def model(model_id: str) -> ModelCard:
+        _check_model(state, model_id)
+        return ModelCard(id=state.model_name)
+
+    @app.post("/v1/chat/completions", dependencies=v1)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        return await _serve(state, "chat", body, request)
+
+    @app.post("/v1/completions", dependencies=v1)
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        return await _serve(state, "completions", body, request)
+
+    return app
+
+
+# --------------------------------------------------------------------------- handlers
+
+
+async def _serve(state: ServerState, endpoint: str, body: SamplingFields, request: Request) -> Any:
+    """Validate, run and format one request, recording its metrics."""
+    t0 = time.perf_counter()
+    state.metrics.started()
+    status, error_type, streaming = 200, None, False
+    try:
+        jobs, rc = await _plan(state, body)
+        if body.stream:
+            response = await _start_stream(state, endpoint, body, jobs, rc, t0)
+            streaming = True  # the stream records its own end
+            return response
+        gens = await serving.cancel_on_disconnect(_run_all(state.llm, jobs), request)
+        for g in gens:
+            state.metrics.record_stats(g.stats)
+        if endpoint == "chat":
+            return responses.chat_response(state.model_name, rc, gens)
+        return responses.completion_response(state.model_name, gens, body.n)
+    except serving.ClientDisconnected:
+        status, error_type = 499, "client_disconnected"
+        return APIError(499, "client disconnected", code="client_disconnected").response()
+    except Exception as exc:
+        err = to_api_error(exc)
+        if err.status >= 500:
+            log.exception("request failed")
+        status, error_type = err.status, err.code or err.type
+        return err.response()
+    finally:
+        if not streaming:
+            state.metrics.finished(endpoint, status, time.perf_counter() - t0, error_type)
+
+
+def _check_model(state: ServerState, model: str) -> None:
+    if model not in state.aliases:
+        raise APIError(
+            404,
+            f"model {model!r} does not exist; this server serves {state.model_name!r}",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def _check_supported(body: SamplingFields) -> None:
+    """Refuse OpenAI parameters we cannot honour rather than silently ignoring them."""
+    unsupported = {
+        "presence_penalty": body.presence_penalty not in (None, 0, 0.0),
+        "frequency_penalty": body.frequency_penalty not in (None, 0, 0.0),
+        "logit_bias": bool(body.logit_bias),
+        "logprobs": bool(getattr(body, "logprobs", None)),
+        "echo": bool(getattr(body, "echo", False)),
+        "suffix": getattr(body, "suffix", None) is not None,
+        "best_of": getattr(body, "best_of", None) not in (None, 1),
+    }
+    for param, bad in unsupported.items():
+        if bad:
+            raise APIError(400, f"{param} is not supported by this server", param=param, code="unsupported_parameter")
+    n_prompts = len(body.prompts()) if isinstance(body, CompletionRequest) else 1
+    if body.stream and (body.n > 1 or n_prompts > 1):
+        raise APIError(400, "stream=true supports one prompt and n=1", param="n" if body.n > 1 else "prompt")
+
+
+async def _plan(state: ServerState, body: SamplingFields) -> tuple[list[serving.Job], RequestConstraint]:
+    """The jobs (one per choice) a request asks for, fully validated before any decoding."""
+    _check_model(state, body.model)
+    _check_supported(body)
+    rc = request_constraint(body)
+    if rc.output_type is not None:
+        try:
+            # compile errors surface as a 400 before decoding; a worker thread, because a cache
+            # miss can take a while and must not stall the event loop for other requests
+            await asyncio.to_thread(state.llm.compile, rc.output_type)
+        except Exception as exc:
+            raise to_api_error(exc, param=rc.param) from exc
+    if isinstance(body, ChatCompletionRequest):
+        prompts = [_chat_messages(body)]
+        chat = True
+    else:
+        prompts, chat = body.prompts(), False
+    jobs = []
+    for prompt in prompts:
+        template_tools = None
+        if rc.tools:
+            prompt, template_tools = tool_format.render_messages(state.llm.tokenizer, prompt, rc.tools)
+        n_prompt = state.llm.count_prompt_tokens(prompt, chat=chat, tools=template_tools)
+        sampling = _sampling(state, body, n_prompt)
+        for j in range(body.n):
+            s = dict(sampling)
+            if s["seed"] is not None and body.n > 1:
+                s["seed"] += j  # distinct but reproducible samples per choice
+            jobs.append(serving.Job(rc.output_type or str, prompt, chat, template_tools, s, n_prompt, body.stop_strings()))
+    return jobs, rc
+
+
+def _chat_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The request's messages as plain dicts for the chat template."""
+    out = []
+    for i, m in enumerate(body.messages):
+        try:
+            content = m.text()
+        except ValueError as e:
+            raise APIError(400, str(e), param=f"messages.{i}.content") from e
+        role = {"developer": "system", "function": "tool"}.get(m.role, m.role)
+        msg: dict[str, Any] = {"role": role, "content": content}
+        if m.tool_calls:
+            msg["tool_calls"] = [tc.model_dump() for tc in m.tool_calls]
+        if m.tool_call_id:
+            msg["tool_call_id"] = m.tool_call_id
+        if m.name:
+            msg["name"] = m.name
+        out.append(msg)
+    return out
+
+
+def _sampling(state: ServerState, body: SamplingFields, prompt_tokens: int) -> dict[str, Any]:
+    """`SamplingParams` fields for one request; OpenAI defaults (temperature 1)."""
+    room = state.max_seq_len - prompt_tokens
+    limit = body.token_limit()
+    if room < 1 or (limit is not None and limit > room):
+        asked = f"{prompt_tokens} prompt tokens" + (f" + max_tokens={limit}" if limit else "")
+        raise PromptTooLongError(
+            f"this model's maximum context length is {state.max_seq_len} tokens, but the request "
+            f"needs {asked}; shorten the messages or lower max_tokens"
+        )
+    top_k = body.top_k if body.top_k and body.top_k > 0 else 0
+    return {
+        "max_tokens": limit or min(state.default_max_tokens, room),
+        "temperature": 1.0 if body.temperature is None else body.temperature,
+        "top_p": 1.0 if body.top_p is None else body.top_p,
+        "top_k": top_k,
+        "seed": body.seed,
+        "jump_forward": body.jump_forward,
+    }
+
+
+async def _run_all(llm: Any, jobs: list[serving.Job]) -> list[serving.Generation]:
+    return list(await asyncio.gather(*(serving.generate(llm, j) for j in jobs)))
+
+
+async def _start_stream(
+    state: ServerState, endpoint: str, body: SamplingFields, jobs: list[serving.Job], rc: RequestConstraint, t0: float
+) -> StreamingResponse:
+    """Start one streamed generation. The first delta is awaited before the response starts,
+    so errors raised while compiling or admitting the request still get a 4xx status."""
+    stream = serving.GenerationStream(state.llm, jobs[0])
+    deltas = stream.deltas()
+    try:
+        first: str | None = await deltas.__anext__()
+    except StopAsyncIteration:
+        first = None
+    except BaseException:
+        await deltas.aclose()
+        raise
+
+    async def pieces() -> AsyncIterator[str]:
+        if first is not None:
+            yield first
+        async for piece in deltas:
+            yield piece
+
+    def result() -> serving.Generation:
+        assert stream.result is not None
+        return stream.result
+
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    if endpoint == "chat":
+        events = responses.chat_stream(state.model_name, rc, pieces(), result, include_usage)
+    else:
+        events = responses.completion_stream(state.model_name, pieces(), result, include_usage)
+
+    async def send() -> AsyncIterator[str]:
+        status, error_type = 200, None
+        try:
+            async for event in events:
+                yield event
+        except Exception as exc:  # after the headers: report in-band, as OpenAI does
+            err = to_api_error(exc)
+            status, error_type = err.status, err.code or err.type
+            log.exception("stream failed")
+            yield responses.error_event({"message": err.message, "type": err.type, "param": err.param, "code": err.code})
+            yield responses.sse("[DONE]")
+        except BaseException:  # cancelled: the client went away
+            status, error_type = 499, "client_disconnected"
+            raise
+        finally:
+            await deltas.aclose()  # aborts the request if it is still running
+            if stream.result is not None:
+                state.metrics.record_stats(stream.result.stats)
+            state.metrics.finished(endpoint, status, time.perf_counter() - t0, error_type)
+
+    return StreamingResponse(send(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
+    """Every error leaves as OpenAI's `{"error": {...}}`, and is counted."""
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        err = _validation_error(exc)
+        state.metrics.rejected(_endpoint(request), err.status, err.code or err.type)
+        return err.response()
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        state.metrics.rejected(_endpoint(request), exc.status, exc.code or exc.type)
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        state.metrics.rejected(_endpoint(request), exc.status_code, code or "http_error")
+        return APIError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}", code=code).response()
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return to_api_error(exc).response()
+
+
+def _endpoint(request: Request) -> str:
+    return {"/v1/chat/completions": "chat", "/v1/completions": "completions"}.get(request.url.path, request.url.path)
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    """A 400 naming the first invalid field, or the JSON syntax error."""
+    errors = exc.errors()
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        ctx = first.get("ctx") or {}
+        return APIError(400, f"request body is not valid JSON: {ctx.get('error', first['msg'])}", code="invalid_json")
+    if not loc and first.get("type") == "missing":
+        return APIError(400, "request body is missing; send a JSON object", code="invalid_request")
+    param = ".".join(loc) or None
+    message = f"{param}: {first['msg']}" if param else first["msg"]
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more problems)"
+    return APIError(400, message, param=param, code="invalid_request")
+
+
+# --------------------------------------------------------------------------- running
+
+
+def run_server(
+    model: str | None = None,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    served_model_name: str | None = None,
+    backend: str = "auto",
+    config: Any = None,
+    default_max_tokens: int = 1024,
+    api_key: str | None = None,
+    log_level: str = "info",
+) -> None:
+    """Load the model, then serve it with uvicorn until interrupted."""
+    import uvicorn
+
+    from structgen import LLM
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    llm = LLM(model, backend=backend, config=config)
+    log.info("loaded %s in %.1fs", llm.model_name, getattr(llm, "load_time_s", 0.0))
+    app = create_app(llm, served_model_name=served_model_name, default_max_tokens=default_max_tokens, api_key=api_key)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

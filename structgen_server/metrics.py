@@ -1,0 +1,123 @@
+"""Prometheus metrics in the text exposition format, without a client library: a handful of
+counters and histograms are a dict and a few lines of formatting.
+
+Exposed at `/metrics`: requests by endpoint and status, errors by type, prompt/completion
+tokens, end-to-end latency and time to first token (histograms), requests in flight, and the
+engine's decoding counters (forward passes, jump-forward forced tokens, drafted and accepted
+speculative tokens) summed over finished requests.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from typing import Any
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+# counters summed from each finished request's GenerationStats
+STATS_COUNTERS = {
+    "prompt_tokens": "Prompt tokens processed.",
+    "output_tokens": "Completion tokens generated.",
+    "forward_passes": "Model forward passes requests took part in.",
+    "forced_tokens": "Tokens appended by grammar jump-forward without sampling.",
+    "drafted_tokens": "Speculative tokens proposed by a drafter.",
+    "accepted_tokens": "Speculative tokens accepted by the target model.",
+}
+
+
+class Histogram:
+    """Cumulative-bucket histogram, as Prometheus expects."""
+
+    def __init__(self, buckets: tuple[float, ...] = LATENCY_BUCKETS):
+        self.buckets = buckets
+        self.counts = [0] * len(buckets)
+        self.total = 0
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.total += 1
+        self.sum += value
+        for i, bound in enumerate(self.buckets):
+            if value <= bound:
+                self.counts[i] += 1
+
+    def lines(self, name: str, labels: str = "") -> list[str]:
+        sep = "," if labels else ""
+        out = [f'{name}_bucket{{{labels}{sep}le="{b}"}} {c}' for b, c in zip(self.buckets, self.counts, strict=True)]
+        out.append(f'{name}_bucket{{{labels}{sep}le="+Inf"}} {self.total}')
+        suffix = f"{{{labels}}}" if labels else ""
+        out += [f"{name}_sum{suffix} {self.sum:.6f}", f"{name}_count{suffix} {self.total}"]
+        return out
+
+
+class Metrics:
+    """All server metrics; thread-safe because the engine may report from its own thread."""
+
+    def __init__(self, model: str):
+        self.model = model
+        self._lock = threading.Lock()
+        self.requests: dict[tuple[str, int], int] = defaultdict(int)
+        self.errors: dict[str, int] = defaultdict(int)
+        self.stats: dict[str, int] = defaultdict(int)
+        self.latency: dict[str, Histogram] = defaultdict(Histogram)
+        self.ttft = Histogram()
+        self.in_flight = 0
+
+    def started(self) -> None:
+        with self._lock:
+            self.in_flight += 1
+
+    def finished(self, endpoint: str, status: int, latency_s: float, error_type: str | None = None) -> None:
+        with self._lock:
+            self.in_flight -= 1
+            self.requests[(endpoint, status)] += 1
+            self.latency[endpoint].observe(latency_s)
+            if error_type:
+                self.errors[error_type] += 1
+
+    def rejected(self, endpoint: str, status: int, error_type: str) -> None:
+        """A request refused before it started (validation, unknown model)."""
+        with self._lock:
+            self.requests[(endpoint, status)] += 1
+            self.errors[error_type] += 1
+
+    def record_stats(self, stats: Any) -> None:
+        """Add one finished generation's GenerationStats to the engine counters."""
+        if stats is None:
+            return
+        with self._lock:
+            for key in STATS_COUNTERS:
+                self.stats[key] += int(getattr(stats, key, 0) or 0)
+            ttft = getattr(stats, "ttft_s", 0.0)
+            if ttft:
+                self.ttft.observe(ttft)
+
+    def render(self) -> str:
+        """The Prometheus text exposition of every metric."""
+        m = f'model="{self.model}"'
+        lines: list[str] = []
+        with self._lock:
+            lines += ["# HELP structgen_requests_total HTTP requests by endpoint and status.",
+                      "# TYPE structgen_requests_total counter"]
+            for (endpoint, status), n in sorted(self.requests.items()):
+                lines.append(f'structgen_requests_total{{{m},endpoint="{endpoint}",status="{status}"}} {n}')
+            lines += ["# HELP structgen_errors_total Failed requests by error type.",
+                      "# TYPE structgen_errors_total counter"]
+            for etype, n in sorted(self.errors.items()):
+                lines.append(f'structgen_errors_total{{{m},type="{etype}"}} {n}')
+            for key, help_text in STATS_COUNTERS.items():
+                name = f"structgen_{key}_total"
+                lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter",
+                          f"{name}{{{m}}} {self.stats.get(key, 0)}"]
+            lines += ["# HELP structgen_requests_in_flight Requests being processed.",
+                      "# TYPE structgen_requests_in_flight gauge",
+                      f"structgen_requests_in_flight{{{m}}} {self.in_flight}"]
+            lines += ["# HELP structgen_request_latency_seconds End-to-end request latency.",
+                      "# TYPE structgen_request_latency_seconds histogram"]
+            for endpoint, hist in sorted(self.latency.items()):
+                lines += hist.lines("structgen_request_latency_seconds", f'{m},endpoint="{endpoint}"')
+            lines += ["# HELP structgen_time_to_first_token_seconds Arrival to first output token.",
+                      "# TYPE structgen_time_to_first_token_seconds histogram"]
+            lines += self.ttft.lines("structgen_time_to_first_token_seconds", m)
+        return "\n".join(lines) + "\n"

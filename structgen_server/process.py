@@ -1,0 +1,76 @@
+"""`ServerProcess`: run `python -m structgen_server` as a child process on a free loopback port
+and wait until it is healthy. Tests and benchmarks use it to exercise the real server."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`with ServerProcess(["--device", "cpu"]) as server: server.url` (".../v1").
+
+    The server's output goes to `log_path`; a server that exits or stays unhealthy for
+    `startup_timeout` seconds raises with that path in the message."""
+
+    def __init__(self, args: list[str] | None = None, host: str = "127.0.0.1", startup_timeout: float = 300.0):
+        self.host = host
+        self.port = free_port(host)
+        self.args = list(args or [])
+        self.startup_timeout = startup_timeout
+        self.log_path = Path(tempfile.gettempdir()) / f"structgen-server-{self.port}.log"
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def root(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"{self.root}/v1"
+
+    def start(self) -> ServerProcess:
+        cmd = [sys.executable, "-m", "structgen_server", "--host", self.host, "--port", str(self.port), *self.args]
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + self.startup_timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}; see {self.log_path}")
+            try:
+                if httpx.get(f"{self.root}/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"server not healthy after {self.startup_timeout:.0f} s; see {self.log_path}")
+            time.sleep(0.25)
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

