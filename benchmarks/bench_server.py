@@ -6,7 +6,9 @@ server on loopback; every request must come back 200 with output that validates.
 
 Records p50/p99 latency, requests/s and output tokens/s, failures (non-200 / transport
 errors / invalid JSON) and lost requests (no answer at all), in
-benchmarks/results/server-<device>-<date>.json.
+benchmarks/results/server-<device>-<date>.json; then the same kind of requests in-process
+through `LLM.acomplete` with the same concurrency (system "structgen-inprocess"), so the
+server's own overhead can be read off.
 """
 
 from __future__ import annotations
@@ -102,9 +104,48 @@ async def run_load(url: str, model: str, n_requests: int, concurrency: int, max_
     }
 
 
+async def run_inprocess(llm: Any, n_requests: int, concurrency: int, max_tokens: int) -> dict[str, Any]:
+    """The same requests through `LLM.acomplete` in this process, `concurrency` at a time (what
+    the server does per HTTP request): the engine's own figures, so the difference from
+    `run_load` is the cost of HTTP, JSON and the server."""
+    from structgen.errors import IncompleteOutputError
+    from structgen.types import JsonSchema
+
+    sem = asyncio.Semaphore(concurrency)
+    latencies: list[float] = []
+
+    async def one(i: int) -> int:
+        k = i % len(SCHEMAS)
+        async with sem:
+            t0 = time.perf_counter()
+            try:
+                c = await llm.acomplete(JsonSchema(SCHEMAS[k]), [{"role": "user", "content": PROMPTS[k].format(i=i)}],
+                                        max_tokens=max_tokens, temperature=0)
+                n = c.stats.output_tokens
+            except IncompleteOutputError as e:
+                n = len(e.token_ids)
+            latencies.append(time.perf_counter() - t0)
+            return n
+
+    t_start = time.perf_counter()
+    tokens = sum(await asyncio.gather(*(one(i) for i in range(n_requests))))
+    return {"latencies": latencies, "tokens": tokens, "wall_s": time.perf_counter() - t_start}
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def _rows(common: dict[str, Any], res: dict[str, Any]) -> list[dict[str, Any]]:
+    lat = res["latencies"]
+    return [
+        {**common, "metric": "p50_ms", "value": round(percentile(lat, 0.50) * 1e3, 1)},
+        {**common, "metric": "p99_ms", "value": round(percentile(lat, 0.99) * 1e3, 1)},
+        {**common, "metric": "latency_ms", "value": round(statistics.mean(lat) * 1e3, 1)},
+        {**common, "metric": "requests_per_s", "value": round(len(lat) / res["wall_s"], 2)},
+        {**common, "metric": "tokens_per_s", "value": round(res["tokens"] / res["wall_s"], 1)},
+    ]
 
 
 def main() -> None:
@@ -115,6 +156,8 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--device", default=None, help="for a started server: cpu or cuda")
+    ap.add_argument("--inprocess", type=int, default=128,
+                    help="also run this many of the requests in-process via LLM.acomplete (0: skip)")
     args = ap.parse_args()
 
     server = None
@@ -130,17 +173,17 @@ def main() -> None:
         if server is not None:
             server.stop()
 
-    lat = res["latencies"]
-    common = {"system": "structgen", "model": "smollm2-135m", "batch": args.concurrency, "constrained": True,
-              "requests": args.requests, "max_tokens": args.max_tokens}
-    rows = [
-        {**common, "metric": "p50_ms", "value": round(percentile(lat, 0.50) * 1e3, 1)},
-        {**common, "metric": "p99_ms", "value": round(percentile(lat, 0.99) * 1e3, 1)},
-        {**common, "metric": "latency_ms", "value": round(statistics.mean(lat) * 1e3, 1)},
-        {**common, "metric": "requests_per_s", "value": round(len(lat) / res["wall_s"], 2)},
-        {**common, "metric": "tokens_per_s", "value": round(res["tokens"] / res["wall_s"], 1)},
-        {**common, "metric": "errors", "value": len(res["failures"]), "lost": res["lost"], "truncated": res["truncated"]},
-    ]
+    common = {"model": "smollm2-135m", "batch": args.concurrency, "constrained": True, "max_tokens": args.max_tokens}
+    rows = _rows({**common, "system": "structgen", "requests": args.requests}, res)
+    rows.append({**common, "system": "structgen", "requests": args.requests, "metric": "errors",
+                 "value": len(res["failures"]), "lost": res["lost"], "truncated": res["truncated"]})
+    if args.inprocess:
+        import structgen
+
+        llm = structgen.LLM(config=structgen.EngineConfig(device=args.device, max_batch_size=args.concurrency, max_seq_len=1024))
+        asyncio.run(run_inprocess(llm, min(args.concurrency, 8), args.concurrency, args.max_tokens))  # warm-up
+        ref = asyncio.run(run_inprocess(llm, args.inprocess, args.concurrency, args.max_tokens))
+        rows += _rows({**common, "system": "structgen-inprocess", "requests": args.inprocess}, ref)
     print_table(rows)
     for f in res["failures"][:10]:
         print("FAILED", f)

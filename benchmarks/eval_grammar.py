@@ -19,19 +19,20 @@ rejected. Schemas run in worker processes (default 2) with a per-schema, per-bac
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import statistics
 import sys
 import time
-from collections import defaultdict, deque
+from collections import deque
+from dataclasses import replace
 from multiprocessing import get_context
 from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
 BACKENDS = ("xgrammar", "llguidance")
-TASK_MODES = (*BACKENDS, "auto")
 SYSTEMS = ("xgrammar", "llguidance", "structgen-xgrammar", "structgen-llguidance", "structgen")
 
 
@@ -47,11 +48,11 @@ def load_category(path: Path) -> list[dict[str, Any]]:
 
 # -- worker side ----------------------------------------------------------------------------
 class Evaluator:
-    """Holds the tokenizer, one raw adapter per backend and an auto compiler."""
+    """Holds the tokenizer and one adapter per backend; compiles schemas as given (no keyword
+    table: that is applied in the parent, see `outcomes`)."""
 
     def __init__(self) -> None:
         from structgen.engine.models.loader import load_model_config, load_tokenizer, resolve_model
-        from structgen.grammar import GrammarCompiler
         from structgen.grammar.backends.llguidance import LLGuidanceBackend
         from structgen.grammar.backends.xgrammar import XGrammarBackend
 
@@ -59,45 +60,46 @@ class Evaluator:
         tokenizer = load_tokenizer(model_dir)
         vocab = load_model_config(model_dir).vocab_size
         stop = [tokenizer.eos_token_id]
-        self.raw = {
+        self.backends = {
             "xgrammar": XGrammarBackend(tokenizer, vocab, stop, threads=1),
             "llguidance": LLGuidanceBackend(tokenizer, vocab, stop),
         }
-        self.auto = GrammarCompiler(tokenizer, vocab, stop, cache_size=1, threads=1)
         self._data: dict[str, list[dict[str, Any]]] = {}
 
-    def run(self, category: str, index: int, mode: str) -> dict[str, Any]:
+    def run(self, category: str, index: int, backend: str, source: str) -> dict[str, Any]:
         from structgen.errors import StructgenError
-        from structgen.grammar.keywords import find_issues
-        from structgen.types import Constraint, JsonSchema, to_constraint
+        from structgen.types import Constraint
 
         if category not in self._data:
             self._data[category] = load_category(maskbench_dir() / f"{category}.jsonl")
-        entry = self._data[category][index]
-        schema = entry["schema"]
-        out: dict[str, Any] = {"compiled": False, "error": None, "issues": []}
+        tests = self._data[category][index]["tests"]
+        out: dict[str, Any] = {"compiled": False, "error": None}
         t0 = time.perf_counter()
         try:
-            if mode == "auto":
-                grammar = self.auto.compile(to_constraint(JsonSchema(schema)))
-                out["backend"] = grammar.backend
-            else:
-                out["issues"] = [str(i) for i in find_issues(schema, mode)][:5]
-                source = json.dumps(schema, ensure_ascii=False)
-                grammar = self.raw[mode].compile(
-                    Constraint("json_schema", source, description="schema")
-                )
+            constraint = Constraint("json_schema", source, description="schema")
+            grammar = self.backends[backend].compile(constraint)
         except StructgenError as e:
             out["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             return out
         except Exception as e:  # a library exception we failed to wrap: a bug to report
-            out["error"] = f"LEAKED {type(e).__name__}: {str(e)[:300]}"
-            out["leaked"] = True
+            out.update(error=f"LEAKED {type(e).__name__}: {str(e)[:300]}", leaked=True)
             return out
         out["compiled"] = True
         out["compile_ms"] = (time.perf_counter() - t0) * 1000
-        out.update(check_instances(grammar, schema, entry["tests"]))
+        out.update(check_instances(grammar, json.loads(source), tests))
         return out
+
+
+def generation_source(schema: Any) -> str:
+    """The schema text structgen compiles (`to_constraint`: checked and normalized); the
+    schema as given when structgen refuses it, so the library-alone rows still see it."""
+    from structgen.errors import StructgenError
+    from structgen.types import JsonSchema, to_constraint
+
+    try:
+        return to_constraint(JsonSchema(schema), strict=False).source
+    except StructgenError:
+        return json.dumps(schema, ensure_ascii=False)
 
 
 def check_instances(grammar: Any, schema: Any, tests: list[dict[str, Any]]) -> dict[str, Any]:
@@ -182,28 +184,50 @@ class Pool:
             w["proc"].join(timeout=5)
 
 
-def gated(raw: dict[str, Any]) -> dict[str, Any]:
-    """What GrammarCompiler(backend=b) does with the raw result: refuse if the table objects."""
-    if raw.get("issues"):
-        return {"compiled": False, "error": "UnsupportedSchemaError: " + raw["issues"][0]}
-    return raw
+def outcomes(schema: Any, raw: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Every system's result for one schema, from the two raw compiles.
+
+    The structgen systems apply what the product applies before compiling: `to_constraint`
+    (schema checks, and for "auto" the enforceability check) and `candidate_backends` (the
+    keyword table). "auto" then gets the first candidate whose compile succeeded, exactly as
+    `GrammarCompiler.compile` does; a candidate that timed out stops it there.
+    """
+    from structgen.errors import StructgenError
+    from structgen.grammar import candidate_backends
+    from structgen.types import JsonSchema, to_constraint
+
+    def refused(e: StructgenError) -> dict[str, Any]:
+        return {"compiled": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+
+    out = dict(raw)
+    try:  # strict=False: the schema checks without the enforceability check
+        checked = replace(to_constraint(JsonSchema(schema), strict=False), strict=True)
+    except StructgenError as e:
+        return {**out, **{s: refused(e) for s in SYSTEMS if s.startswith("structgen")}}
+    for b in BACKENDS:
+        try:
+            candidate_backends(checked, b)
+            out[f"structgen-{b}"] = raw[b]
+        except StructgenError as e:
+            out[f"structgen-{b}"] = refused(e)
+    try:
+        order = candidate_backends(to_constraint(JsonSchema(schema)))
+    except StructgenError as e:
+        out["structgen"] = refused(e)
+        return out
+    chosen = next((b for b in order if raw[b]["compiled"] or raw[b].get("timeout")), order[-1])
+    out["structgen"] = {**raw[chosen], "backend": chosen}
+    return out
 
 
 def summarize(
-    results: dict[tuple[str, int, str], dict[str, Any]], categories: list[str]
+    results: dict[tuple[str, int], dict[str, Any]], categories: list[str]
 ) -> list[dict[str, Any]]:
     """One row per (category, system), plus an ALL row per system."""
-    per: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
-    for (cat, _, mode), r in results.items():
-        if mode == "auto":
-            per[(cat, "structgen")].append(r)
-        else:
-            per[(cat, mode)].append(r)
-            per[(cat, f"structgen-{mode}")].append(gated(r))
     rows = []
     for cat in [*categories, "ALL"]:
         for system in SYSTEMS:
-            rs = [r for (c, s), v in per.items() if s == system and cat in (c, "ALL") for r in v]
+            rs = [r[system] for (c, _), r in results.items() if cat in (c, "ALL")]
             if rs:
                 rows.append(_row(cat, system, rs))
     return rows
@@ -230,6 +254,83 @@ def _row(category: str, system: str, rs: list[dict[str, Any]]) -> dict[str, Any]
     }
 
 
+def run_backends(
+    categories: list[str], limit: int, workers: int, timeout_s: float, cache: Path | None
+) -> dict[tuple[str, int, str], dict[str, Any]]:
+    """Compile + instance check of every schema with every backend, in worker processes.
+
+    Results are appended to `cache` as they come and reused on the next run when the compiled
+    schema text is unchanged (so editing the normalizer re-runs only the schemas it changes).
+    """
+    cached: dict[tuple[str, int, str], dict[str, Any]] = {}
+    if cache and cache.exists():
+        for line in cache.read_text().splitlines():
+            r = json.loads(line)
+            cached[(r.pop("category"), r.pop("index"), r.pop("backend"))] = r
+    raw: dict[tuple[str, int, str], dict[str, Any]] = {}
+    tasks = []
+    for cat in categories:
+        entries = load_category(maskbench_dir() / f"{cat}.jsonl")
+        for i, entry in enumerate(entries[: limit or None]):
+            source = generation_source(entry["schema"])
+            sha = hashlib.sha1(source.encode()).hexdigest()
+            for b in BACKENDS:
+                hit = cached.get((cat, i, b))
+                if hit is not None and hit.get("sha") == sha:
+                    raw[(cat, i, b)] = hit
+                else:
+                    tasks.append((cat, i, b, source))
+    print(f"{len(raw)} cached results, {len(tasks)} to run", file=sys.stderr, flush=True)
+    t0 = time.time()
+    log = cache.open("a") if cache else None
+
+    def on_result(task: tuple, result: dict[str, Any]) -> None:
+        cat, i, b, source = task
+        result["sha"] = hashlib.sha1(source.encode()).hexdigest()
+        raw[(cat, i, b)] = result
+        if log:
+            log.write(json.dumps({"category": cat, "index": i, "backend": b, **result}) + "\n")
+            log.flush()
+        if len(raw) % 200 == 0:
+            print(f"  {len(raw)} done, {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
+
+    pool = Pool(workers, timeout_s)
+    try:
+        pool.run(tasks, on_result)
+    finally:
+        pool.close()
+        if log:
+            log.close()
+    return raw
+
+
+def write_results(rows: list[dict[str, Any]], settings: dict[str, Any], wall_s: float) -> Path:
+    """benchmarks/results/eval-grammar-<device>-<date>.json, format of shared/BENCHMARKS.md."""
+    from benchmarks.common import RESULTS_DIR, device_name, git_commit, slug
+
+    out = []
+    for r in rows:
+        base = {"system": r["system"], "model": "smollm2-135m", "category": r["category"]}
+        extra = {k: v for k, v in r.items() if k not in ("system", "category")}
+        out.append({**base, "metric": "coverage", "value": r["compiled"] / r["schemas"], **extra})
+        out.append({**base, "metric": "compliance", "value": r["passing"] / r["schemas"], **extra})
+    commit = git_commit()
+    doc = {
+        "benchmark": "eval",
+        "device": device_name(),
+        "date": time.strftime("%Y-%m-%d"),
+        "commit": commit if commit != "unknown" else "uncommitted",
+        "data": "MaskBench (guidance-ai/jsonschemabench), see shared/data/maskbench/SOURCE.json",
+        "settings": settings,
+        "wall_s": round(wall_s, 1),
+        "rows": out,
+    }
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"eval-grammar-{slug(doc['device'])}-{time.strftime('%Y%m%d')}.json"
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    return path
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -240,77 +341,44 @@ def main() -> None:
     parser.add_argument(
         "--timeout", type=float, default=60.0, help="seconds per schema and backend"
     )
-    parser.add_argument("--details", type=Path, help="write per-schema results (JSON lines) here")
+    parser.add_argument(
+        "--cache",
+        type=Path,
+        default=Path.home() / ".cache" / "structgen" / "eval-grammar-cache.jsonl",
+        help="per-schema results, reused while the compiled schema text is unchanged",
+    )
     parser.add_argument("--no-write", action="store_true", help="do not write benchmarks/results")
     args = parser.parse_args()
 
-    data = maskbench_dir()
-    if not data.is_dir():
-        sys.exit(f"MaskBench data not found at {data} (set STRUCTGEN_SHARED)")
-    categories = args.categories or sorted(p.stem for p in data.glob("*.jsonl"))
-    tasks = []
-    for cat in categories:
-        n = len(load_category(data / f"{cat}.jsonl"))
-        tasks += [(cat, i, m) for i in range(min(n, args.limit or n)) for m in TASK_MODES]
+    from benchmarks.common import print_table
 
-    results: dict[tuple[str, int, str], dict[str, Any]] = {}
+    if not maskbench_dir().is_dir():
+        sys.exit(f"MaskBench data not found at {maskbench_dir()} (set STRUCTGEN_SHARED)")
+    categories = args.categories or sorted(p.stem for p in maskbench_dir().glob("*.jsonl"))
     t0 = time.time()
-
-    def on_result(task: tuple, result: dict[str, Any]) -> None:
-        results[task] = result
-        if len(results) % 300 == 0:
-            print(
-                f"  {len(results)}/{len(tasks)} in {time.time() - t0:.0f}s",
-                file=sys.stderr,
-                flush=True,
-            )
-
-    pool = Pool(args.workers, args.timeout)
-    try:
-        pool.run(tasks, on_result)
-    finally:
-        pool.close()
+    args.cache.parent.mkdir(parents=True, exist_ok=True)
+    raw = run_backends(categories, args.limit, args.workers, args.timeout, args.cache)
     wall = time.time() - t0
 
-    from benchmarks.common import RESULTS_DIR, device_name, git_commit, print_table, slug
-
+    results = {}
+    for cat in categories:
+        for i, entry in enumerate(load_category(maskbench_dir() / f"{cat}.jsonl")):
+            if all((cat, i, b) in raw for b in BACKENDS):
+                results[(cat, i)] = outcomes(
+                    entry["schema"], {b: raw[(cat, i, b)] for b in BACKENDS}
+                )
     rows = summarize(results, categories)
     for cat in [*categories, "ALL"]:
         print(f"\n== {cat}")
         print_table(
             [{k: v for k, v in r.items() if k != "category"} for r in rows if r["category"] == cat]
         )
-    print(f"\n{len(tasks)} schema x backend runs in {wall:.0f}s with {args.workers} workers")
-
-    if args.details:
-        with args.details.open("w") as f:
-            for (cat, i, mode), r in sorted(results.items()):
-                f.write(json.dumps({"category": cat, "index": i, "mode": mode, **r}) + "\n")
+    print(
+        f"\n{len(results)} schemas x {len(BACKENDS)} backends in {wall:.0f}s, {args.workers} workers"
+    )
     if not args.no_write:
-        out = []
-        for r in rows:
-            base = {"system": r["system"], "model": "smollm2-135m", "category": r["category"]}
-            extra = {k: v for k, v in r.items() if k not in ("system", "category")}
-            out.append(
-                {**base, "metric": "coverage", "value": r["compiled"] / r["schemas"], **extra}
-            )
-            out.append(
-                {**base, "metric": "compliance", "value": r["passing"] / r["schemas"], **extra}
-            )
-        doc = {
-            "benchmark": "eval",
-            "device": device_name(),
-            "date": time.strftime("%Y-%m-%d"),
-            "commit": commit if (commit := git_commit()) != "unknown" else "uncommitted",
-            "data": "MaskBench (guidance-ai/jsonschemabench), see shared/data/maskbench/SOURCE.json",
-            "settings": {"workers": args.workers, "timeout_s": args.timeout, "limit": args.limit},
-            "wall_s": round(wall, 1),
-            "rows": out,
-        }
-        path = RESULTS_DIR / f"eval-grammar-{slug(doc['device'])}-{time.strftime('%Y%m%d')}.json"
-        RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(doc, indent=2) + "\n")
-        print(f"wrote {path}")
+        settings = {"workers": args.workers, "timeout_s": args.timeout, "limit": args.limit}
+        print(f"wrote {write_results(rows, settings, wall)}")
 
 
 if __name__ == "__main__":

@@ -58,8 +58,8 @@ def main() -> None:
     print("sentiment:", mood)
     answer = llm.generate(Literal["yes", "no"], "Is Paris the capital of France? Answer yes or no.")
     print("yes/no:", answer)
-    year = llm.generate(int, "In which year did the first person walk on the moon?", max_tokens=8)
-    print("year:", year)
+    flag = llm.generate(bool, "Is the Pacific the largest ocean on Earth? Answer true or false.")
+    print("bool:", flag)
     phone = llm.generate(structgen.Regex(r"\(\d{3}\) \d{3}-\d{4}"), "Write a US phone number.")
     print("phone:", phone)
 

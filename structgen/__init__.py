@@ -19,6 +19,7 @@ from structgen.errors import (
     UnsupportedSchemaError,
     UnsupportedTypeError,
 )
+from structgen.tools import run_tools, tool
 from structgen.types import CFG, Choice, JsonSchema, Regex
 
 __all__ = [
@@ -32,6 +33,8 @@ __all__ = [
     "Regex",
     "CFG",
     "Choice",
+    "tool",
+    "run_tools",
     "StructgenError",
     "UnsupportedSchemaError",
     "UnsupportedTypeError",

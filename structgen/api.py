@@ -85,6 +85,8 @@ class LLM:
             install_jump_forward(engine, tokenizer)
         except ImportError:
             pass
+        if engine.speculator is not None:  # drafters that match text need the tokenizer
+            engine.speculator.use_tokenizer(tokenizer)
 
     @classmethod
     def remote(cls, base_url: str, model: str, api_key: str | None = None, **kw: Any):
@@ -92,6 +94,13 @@ class LLM:
         from structgen.remote import RemoteLLM
 
         return RemoteLLM(base_url, model, api_key=api_key, **kw)
+
+    def call(self, prompt: Prompt, tools: Sequence[Any], **kw: Any):
+        """Typed tool calls (see `structgen.tools.call`): arguments validated against each
+        tool's signature; `tool_choice` "required" (default), "auto", "none" or a name."""
+        from structgen.tools import call
+
+        return call(self, prompt, tools, **kw)
 
     # -- constraints ------------------------------------------------------------------------
     def compile(self, output_type: Any, *, backend: str | None = None) -> CompiledGrammar:

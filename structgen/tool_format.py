@@ -13,7 +13,7 @@ The convention is Hermes-style, which Qwen2/Qwen3 templates use natively:
   `{"name": const, "arguments": <parameters schema>}`), or one call object when parallel
   calls are off; it compiles on every backend;
 - a named function: a JSON schema for one call of that function;
-- "auto": a Lark grammar whose start rule is either plain text that does not begin with
+- "auto": a Lark grammar whose start rule is either plain text that never contains
   `<tool_call>` or one or more Hermes calls, each call's JSON embedded with llguidance's
   `%json` so its arguments validate against the tool's schema.
 
@@ -187,9 +187,9 @@ def auto_grammar(tools: list[dict[str, Any]], parallel: bool) -> str:
     ]
     for rule, tool in zip(names, tools, strict=True):
         lines.append(f"{rule}: %json {json.dumps(call_schema(tool))}")
-    # Text must not open a tool call: otherwise a call could slip out through the text branch
-    # unvalidated. llguidance lexemes support `&` (and) and `~` (not).
-    lines.append(f"TEXT: /(.|\\n)*/ & ~/{TOOL_CALL_OPEN}(.|\\n)*/")
+    # Text never contains a tool-call tag: otherwise a call could slip out through the text
+    # branch unvalidated. llguidance lexemes support `&` (and) and `~` (not).
+    lines.append(f"TEXT: /(.|\\n)*/ & ~/(.|\\n)*{TOOL_CALL_OPEN}(.|\\n)*/")
     return "\n".join(lines) + "\n"
 
 
@@ -245,8 +245,7 @@ def parse_tool_calls(
         payload = _loads(text)
         items = payload if isinstance(payload, list) else [payload]
         return [_to_call(item, tools) for item in items], None
-    stripped = text.lstrip()
-    if choice.mode == "none" or not stripped.startswith(TOOL_CALL_OPEN):
+    if choice.mode == "none" or not text.lstrip().startswith(TOOL_CALL_OPEN):
         return [], text
     calls = []
     decoder = json.JSONDecoder()

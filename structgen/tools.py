@@ -216,20 +216,22 @@ def run_tools(
     prompt: str | Sequence[dict[str, Any]],
     tools: Sequence[Any],
     *,
+    tool_choice: Any = "auto",
     max_rounds: int = 4,
     max_tokens: int = 512,
     temperature: float = 0.0,
     seed: int | None = None,
 ) -> ToolRun:
-    """The agent loop: let the model call tools ("auto"), run them, append their results as
-    `tool` messages, and repeat until it answers in text or `max_rounds` calls were made
-    (then one last turn with tool_choice="none" asks for the answer)."""
+    """The agent loop: let the model call tools, run them, append their results as `tool`
+    messages, and repeat until it answers in text or `max_rounds` rounds of calls were made
+    (then one last turn with tool_choice="none" asks for the answer). `tool_choice` applies
+    to the first round (e.g. "required" to force a lookup first); later rounds are "auto"."""
     specs = [as_tool(t) for t in tools]
     messages = _as_messages(prompt)
     history: list[tuple[ToolCall, Any]] = []
     sampling = dict(max_tokens=max_tokens, temperature=temperature, seed=seed)
-    for _ in range(max_rounds):
-        calls = call(llm, messages, specs, tool_choice="auto", **sampling)
+    for round_ in range(max_rounds):
+        calls = call(llm, messages, specs, tool_choice=tool_choice if round_ == 0 else "auto", **sampling)
         if not calls:
             return ToolRun(calls.text or "", history, messages)
         messages.append({"role": "assistant", "content": None, "tool_calls": [c.to_openai() for c in calls]})

@@ -10,6 +10,7 @@ tokenizer happen here, so a bad type fails before any model work.
 from __future__ import annotations
 
 import enum
+import functools
 import json
 import re
 import typing
@@ -129,6 +130,21 @@ def to_constraint(output_type: Any, *, strict: bool = True) -> Constraint:
     """
     if isinstance(output_type, Constraint):
         return output_type
+    try:
+        hash(output_type)
+    except TypeError:  # e.g. JsonSchema holding a dict: built on every call
+        return _build(output_type, strict)
+    return _cached_build(output_type, strict)
+
+
+@functools.lru_cache(maxsize=1024)
+def _cached_build(output_type: Any, strict: bool) -> Constraint:
+    """Types are built once: a pydantic model costs milliseconds (schema, normalization,
+    keyword check), and the API calls `to_constraint` on every request."""
+    return _build(output_type, strict)
+
+
+def _build(output_type: Any, strict: bool) -> Constraint:
     if isinstance(output_type, JsonSchema):
         return _json_schema_constraint(output_type.schema, strict)
     if isinstance(output_type, Regex):
@@ -165,11 +181,10 @@ def _pydantic_constraint(output_type: Any, strict: bool) -> Constraint:
             "model, dataclass, TypedDict, int/float/bool/str, Literal, Enum, or JsonSchema/"
             "Regex/CFG/Choice"
         ) from e
-    schema = _close_objects(schema)
-    _check_enforceable(schema, strict)
+    generated = _generation_schema(_close_objects(schema), strict)
     return Constraint(
         "json_schema",
-        _canonical(schema),
+        _canonical(generated),
         description=f"JSON {name}",
         strict=strict,
         parser=adapter.validate_json,
@@ -204,7 +219,7 @@ def _json_schema_constraint(schema: dict[str, Any] | bool | str, strict: bool) -
     if broken:
         ref, where = broken[0]
         raise InvalidConstraintError(f"JSON schema $ref {ref!r} at {where} points nowhere")
-    _check_enforceable(schema, strict)
+    generated = _generation_schema(schema, strict)
     validator = validator_cls(schema)
 
     def parse(text: str) -> Any:
@@ -220,25 +235,32 @@ def _json_schema_constraint(schema: dict[str, Any] | bool | str, strict: bool) -
     title = schema.get("title")
     return Constraint(
         "json_schema",
-        _canonical(schema),
+        _canonical(generated),
         description=f"JSON schema {title!r}" if isinstance(title, str) else "JSON schema",
         strict=strict,
         parser=parse,
     )
 
 
-def _check_enforceable(schema: dict[str, Any], strict: bool) -> None:
-    """Fail now, naming keyword and path, if no grammar backend enforces the whole schema."""
-    if not strict:
-        return
-    # Imported here: the keyword tables are pure Python, but the grammar package is not
-    # needed by callers that only build constraints (e.g. the remote client).
+def _generation_schema(schema: dict[str, Any], strict: bool) -> dict[str, Any]:
+    """The equivalent schema the grammar is compiled from (see `grammar.normalize`); fails
+    now, naming keyword and path, if no grammar backend enforces all of it."""
+    # Imported here: the grammar package is pure Python at import time, but callers that only
+    # build constraints (the remote client) need not load it.
     from structgen.grammar.compiler import BACKENDS, unsupported_schema_error
     from structgen.grammar.keywords import find_issues
+    from structgen.grammar.normalize import normalize_schema
 
-    issues = {b: find_issues(schema, b) for b in BACKENDS}
-    if all(issues.values()):
-        raise unsupported_schema_error(issues)
+    generated = normalize_schema(schema)
+    if generated is False:
+        raise InvalidConstraintError(
+            "the JSON schema admits no value at all, so nothing can be generated"
+        )
+    if strict:
+        issues = {b: find_issues(generated, b) for b in BACKENDS}
+        if all(issues.values()):
+            raise unsupported_schema_error(issues)
+    return generated
 
 
 def _close_objects(schema: Any) -> Any:

@@ -20,10 +20,11 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from jinja2 import TemplateError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from structgen import tool_format
-from structgen.errors import PromptTooLongError
+from structgen.errors import PromptTooLongError, StructgenError
 from structgen_server import responses, serving
 from structgen_server.constraints import RequestConstraint, request_constraint
 from structgen_server.errors import APIError, to_api_error
@@ -73,12 +74,13 @@ def create_app(
     _install_error_handlers(app, state)
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok", "model": state.model_name}
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "model": state.model_name, **_engine_load(state.llm)}
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(state.metrics.render(), media_type="text/plain; version=0.0.4")
+        text = state.metrics.render(engine=_engine_load(state.llm))
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     def check_api_key(request: Request) -> None:
         if state.api_key and request.headers.get("authorization") != f"Bearer {state.api_key}":
@@ -106,6 +108,15 @@ def create_app(
     return app
 
 
+def _engine_load(llm: Any) -> dict[str, int]:
+    """Requests the engine holds right now (running ones own a KV slot); read without a lock,
+    so a snapshot that may be one step old."""
+    scheduler = getattr(getattr(llm, "engine", None), "scheduler", None)
+    if scheduler is None:
+        return {}
+    return {"running": len(scheduler.running), "waiting": len(scheduler.waiting)}
+
+
 # --------------------------------------------------------------------------- handlers
 
 
@@ -122,7 +133,7 @@ async def _serve(state: ServerState, endpoint: str, body: SamplingFields, reques
             return response
         gens = await serving.cancel_on_disconnect(_run_all(state.llm, jobs), request)
         for g in gens:
-            state.metrics.record_stats(g.stats)
+            state.metrics.record_generation(g.prompt_tokens, g.completion_tokens, g.stats)
         if endpoint == "chat":
             return responses.chat_response(state.model_name, rc, gens)
         return responses.completion_response(state.model_name, gens, body.n)
@@ -191,7 +202,12 @@ async def _plan(state: ServerState, body: SamplingFields) -> tuple[list[serving.
         template_tools = None
         if rc.tools:
             prompt, template_tools = tool_format.render_messages(state.llm.tokenizer, prompt, rc.tools)
-        n_prompt = state.llm.count_prompt_tokens(prompt, chat=chat, tools=template_tools)
+        try:
+            n_prompt = state.llm.count_prompt_tokens(prompt, chat=chat, tools=template_tools)
+        except (TemplateError, StructgenError) as e:  # e.g. a template that wants alternating roles
+            raise APIError(400, f"the model's chat template cannot render these messages: {e}", param="messages") from e
+        if n_prompt == 0:
+            raise APIError(400, "the prompt is empty; send at least one token of text", param="prompt")
         sampling = _sampling(state, body, n_prompt)
         for j in range(body.n):
             s = dict(sampling)
@@ -293,8 +309,8 @@ async def _start_stream(
             raise
         finally:
             await deltas.aclose()  # aborts the request if it is still running
-            if stream.result is not None:
-                state.metrics.record_stats(stream.result.stats)
+            if (g := stream.result) is not None:
+                state.metrics.record_generation(g.prompt_tokens, g.completion_tokens, g.stats)
             state.metrics.finished(endpoint, status, time.perf_counter() - t0, error_type)
 
     return StreamingResponse(send(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

@@ -4,7 +4,7 @@ counters and histograms are a dict and a few lines of formatting.
 Exposed at `/metrics`: requests by endpoint and status, errors by type, prompt/completion
 tokens, end-to-end latency and time to first token (histograms), requests in flight, and the
 engine's decoding counters (forward passes, jump-forward forced tokens, drafted and accepted
-speculative tokens) summed over finished requests.
+speculative tokens) summed over finished requests, and the engine's running/waiting requests.
 """
 
 from __future__ import annotations
@@ -82,19 +82,24 @@ class Metrics:
             self.requests[(endpoint, status)] += 1
             self.errors[error_type] += 1
 
-    def record_stats(self, stats: Any) -> None:
-        """Add one finished generation's GenerationStats to the engine counters."""
-        if stats is None:
-            return
+    def record_generation(self, prompt_tokens: int, output_tokens: int, stats: Any = None) -> None:
+        """Add one finished generation: its token counts, and the engine counters of its
+        GenerationStats when it has them (a truncated request may not)."""
         with self._lock:
+            self.stats["prompt_tokens"] += prompt_tokens
+            self.stats["output_tokens"] += output_tokens
+            if stats is None:
+                return
             for key in STATS_COUNTERS:
-                self.stats[key] += int(getattr(stats, key, 0) or 0)
+                if key not in ("prompt_tokens", "output_tokens"):
+                    self.stats[key] += int(getattr(stats, key, 0) or 0)
             ttft = getattr(stats, "ttft_s", 0.0)
             if ttft:
                 self.ttft.observe(ttft)
 
-    def render(self) -> str:
-        """The Prometheus text exposition of every metric."""
+    def render(self, engine: dict[str, int] | None = None) -> str:
+        """The Prometheus text exposition of every metric; `engine` adds gauges of the
+        engine's current load (running / waiting requests)."""
         m = f'model="{self.model}"'
         lines: list[str] = []
         with self._lock:
@@ -113,6 +118,10 @@ class Metrics:
             lines += ["# HELP structgen_requests_in_flight Requests being processed.",
                       "# TYPE structgen_requests_in_flight gauge",
                       f"structgen_requests_in_flight{{{m}}} {self.in_flight}"]
+            for key, n in (engine or {}).items():
+                name = f"structgen_engine_{key}_requests"
+                lines += [f"# HELP {name} Requests {key} in the engine.", f"# TYPE {name} gauge",
+                          f"{name}{{{m}}} {n}"]
             lines += ["# HELP structgen_request_latency_seconds End-to-end request latency.",
                       "# TYPE structgen_request_latency_seconds histogram"]
             for endpoint, hist in sorted(self.latency.items()):

@@ -37,3 +37,13 @@ def server_url(model_dir: Path):
     args = ["--device", "cpu", "--max-seq-len", "2048", "--max-batch-size", "32", "--log-level", "warning"]
     with ServerProcess(args) as server:
         yield server.url
+
+
+@pytest.fixture(scope="session")
+def grammar_compiler(model_dir: Path, tokenizer):
+    """A `GrammarCompiler` (backend "auto") for the default model: its vocab size and EOS."""
+    from structgen.engine.models.loader import load_model_config
+    from structgen.grammar import GrammarCompiler
+
+    vocab_size = load_model_config(model_dir).vocab_size
+    return GrammarCompiler(tokenizer, vocab_size, [tokenizer.eos_token_id])

@@ -41,7 +41,10 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 )
 @pytest.mark.parametrize("dtype", [torch.float32, LOW])
 def test_decode_attention_matches_reference(batch, heads, kv_heads, dim, max_len, dtype):
-    from structgen.engine.kernels.decode_attention import decode_attention, decode_attention_reference
+    from structgen.engine.kernels.decode_attention import (
+        decode_attention,
+        decode_attention_reference,
+    )
 
     g = torch.Generator().manual_seed(batch * 1000 + max_len)
     slots_total = batch + 3
@@ -113,6 +116,19 @@ def test_silu_mul_matches_torch():
     assert rel_err(silu_mul(x), F.silu(gate) * up) < 1e-2
 
 
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (100, 300)])
+def test_gemv_matches_linear(n, k):
+    import torch.nn.functional as F
+
+    from structgen.engine.kernels.gemv import gemv
+
+    x = torch.randn(1, k, device=DEVICE).to(LOW)
+    w = (torch.randn(n, k, device=DEVICE) * 0.05).to(LOW)
+    b = torch.randn(n, device=DEVICE).to(LOW)
+    assert rel_err(gemv(x, w), F.linear(x, w)) < 1e-2
+    assert rel_err(gemv(x, w, b), F.linear(x, w, b)) < 1e-2
+
+
 # ----------------------------------------------------------------------------- sampling
 
 
@@ -156,7 +172,6 @@ def test_sample_tokens_temperature_is_seeded_and_masked():
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(rows, vocab, generator=g).to(DEVICE)
     mask = _random_mask(rows, vocab, g)
-    allowed = mask.to(DEVICE)
     has = torch.ones(rows, dtype=torch.int32, device=DEVICE)
     temp = torch.full((rows,), 1.0, device=DEVICE)
     seeds = torch.tensor([5, 5, 6, 7, 8, 9, 10, 11], device=DEVICE)
@@ -170,7 +185,6 @@ def test_sample_tokens_temperature_is_seeded_and_masked():
 
     ok = bitmask_to_bool(mask, vocab)
     assert all(ok[r, t] for r, t in enumerate(a))
-    del allowed
 
 
 def test_sample_tokens_follows_softmax():
@@ -219,6 +233,9 @@ def test_cuda_graph_decode_equals_eager():
         eng = _tiny_engine(graphs)
         assert (eng.runner.graphs is not None) == graphs
         runs = []
+        alone = Request(prompts[0], SamplingParams(max_tokens=12))  # bucket 1: the GEMV path
+        eng.run([alone])
+        runs.append([alone.output_ids])
         for batch in (prompts[:1], prompts[:3], prompts[:4], prompts):
             reqs = [Request(p, SamplingParams(max_tokens=12)) for p in batch]
             reqs.append(Request(batch[0], SamplingParams(max_tokens=12, temperature=0.8, seed=3)))
@@ -228,5 +245,5 @@ def test_cuda_graph_decode_equals_eager():
         del eng
         torch.cuda.empty_cache()
     assert outputs[True] == outputs[False]
-    for run in outputs[True]:  # the seeded request samples the same whatever its batch
-        assert run[-1] == outputs[True][0][-1]
+    for run in outputs[True][1:]:  # the seeded request samples the same whatever its batch
+        assert run[-1] == outputs[True][1][-1]

@@ -82,9 +82,10 @@ def test_json_object(client: openai.OpenAI) -> None:
         ({"guided_choice": ["cat", "dog"]}, lambda t: t in ("cat", "dog")),
         ({"response_format": {"type": "choice", "choices": ["up", "down"]}}, lambda t: t in ("up", "down")),
         ({"structured_outputs": {"choice": ["left", "right"]}}, lambda t: t in ("left", "right")),
-        ({"grammar": 'root ::= "answer: " [0-9]+'}, lambda t: re.fullmatch(r"answer: [0-9]+", t)),
-        ({"response_format": {"type": "grammar", "grammar": 'root ::= ("a" | "b")+ "!"'}}, lambda t: re.fullmatch(r"[ab]+!", t)),
-        ({"guided_json": {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}},
+        ({"grammar": 'root ::= "answer: " [0-9] [0-9]?'}, lambda t: re.fullmatch(r"answer: [0-9]{1,2}", t)),
+        ({"response_format": {"type": "grammar", "grammar": 'root ::= ("a" | "b") ("a" | "b")? "!"'}},
+         lambda t: re.fullmatch(r"[ab]{1,2}!", t)),
+        ({"guided_json": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["n"]}},
          lambda t: isinstance(json.loads(t)["n"], int)),
         ({"structured_outputs": {"json": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3}}},
          lambda t: all(isinstance(x, bool) for x in json.loads(t))),
@@ -115,7 +116,8 @@ def test_n_choices_and_seed(client: openai.OpenAI) -> None:
 
 
 def test_length_returns_partial_text(client: openai.OpenAI) -> None:
-    r = chat(client, "Describe a city.", response_format={"type": "json_object"}, max_tokens=3)
+    schema = {"type": "json_schema", "json_schema": {"name": "w", "schema": Weather.model_json_schema()}}
+    r = chat(client, "Describe a city.", response_format=schema, max_tokens=3)
     assert r.choices[0].finish_reason == "length"
     assert r.choices[0].message.content.startswith("{")
     assert r.usage.completion_tokens == 3
@@ -296,11 +298,17 @@ def _in_flight(server_url: str) -> int:
     return int(float(re.search(r"^structgen_requests_in_flight\{.*\} (\S+)$", text, re.M).group(1)))
 
 
+def _busy(server_url: str) -> bool:
+    health = httpx.get(server_url.removesuffix("/v1") + "/health").json()
+    return bool(_in_flight(server_url) or health["running"] or health["waiting"])
+
+
 def _wait_idle(server_url: str) -> None:
+    """No request in the HTTP layer and none holding a KV slot in the engine."""
     deadline = time.monotonic() + 20
-    while _in_flight(server_url) and time.monotonic() < deadline:
+    while _busy(server_url) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _in_flight(server_url) == 0
+    assert not _busy(server_url)
 
 
 def test_client_disconnect_cancels(server_url: str, client: openai.OpenAI) -> None:
@@ -366,9 +374,10 @@ BAD_REQUESTS: list[tuple[str, str, object, int]] = [
     ("tool parameters not a schema", "chat/completions",
      {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}], "tool_choice": "required"}, 400),
     ("duplicate tool names", "chat/completions", {"tools": [WEATHER_TOOL, WEATHER_TOOL], "tool_choice": "required"}, 400),
-    ("prompt too long", "chat/completions", {"messages": [{"role": "user", "content": "word " * 5000}]}, 400),
+    ("prompt too long", "chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "word " * 5000}]}, 400),
     ("completions missing prompt", "completions", {"model": MODEL}, 400),
     ("completions empty prompt list", "completions", {"model": MODEL, "prompt": []}, 400),
+    ("completions empty prompt", "completions", {"model": MODEL, "prompt": ""}, 400),
     ("completions echo", "completions", {"model": MODEL, "prompt": "a", "echo": True}, 400),
     ("completions unknown model", "completions", {"model": "nope", "prompt": "a"}, 404),
     ("completions bad regex", "completions", {"model": MODEL, "prompt": "a", "regex": "("}, 400),
@@ -411,7 +420,7 @@ def test_error_messages_name_the_problem(server_url: str) -> None:
         return httpx.post(f"{server_url}/chat/completions", json=_full_body("chat/completions", body), timeout=60).json()["error"]
 
     assert error({"model": "gpt-17", "messages": [{"role": "user", "content": "hi"}]})["code"] == "model_not_found"
-    e = error({"messages": [{"role": "user", "content": "word " * 5000}]})
+    e = error({"model": MODEL, "messages": [{"role": "user", "content": "word " * 5000}]})
     assert e["code"] == "context_length_exceeded" and "2048" in e["message"]
     e = error({"max_tokens": -1})
     assert e["param"] == "max_tokens"

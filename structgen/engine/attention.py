@@ -73,8 +73,13 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch:
         qp = q.new_zeros(b * batch.max_q, heads, dim)
         qp[batch.pad_index] = q
         qp = qp.view(b, batch.max_q, heads, dim).transpose(1, 2)
-    k = k_cache[batch.slots, : batch.max_ctx].transpose(1, 2)  # [B, kv_heads, ctx, D]
-    v = v_cache[batch.slots, : batch.max_ctx].transpose(1, 2)
+    k = k_cache[batch.slots, : batch.max_ctx]  # a gathered copy [B, ctx, kv_heads, D]
+    v = v_cache[batch.slots, : batch.max_ctx]
+    # Past each sequence's length lies stale or never-written memory (the cache is torch.empty):
+    # zero it, or a NaN there would leak through the masked-out scores (0 * NaN = NaN).
+    stale = (torch.arange(batch.max_ctx, device=q.device)[None, :] >= batch.context_lens[:, None])[:, :, None, None]
+    k = k.masked_fill_(stale, 0.0).transpose(1, 2)  # [B, kv_heads, ctx, D]
+    v = v.masked_fill_(stale, 0.0).transpose(1, 2)
     out = F.scaled_dot_product_attention(qp, k, v, attn_mask=batch.mask, enable_gqa=heads != k.shape[1])
     out = out.transpose(1, 2).reshape(b * batch.max_q, heads, dim)
     return out if batch.max_q == 1 and n == b else out[batch.pad_index]

@@ -6,17 +6,30 @@ the CPU cannot keep up with the GPU. `DecodeGraphs` captures, for each batch siz
 
 - forward: token ids, positions, slots, context lengths -> LM-head logits;
 - sample: logits + grammar bitmask (rows whose has-mask flag is 0 skip it) + temperature +
-  per-row Philox seeds -> one token per row (greedy, or Gumbel-max for temperature > 0).
+  per-row Philox seeds -> one token per row (greedy, or Gumbel-max for temperature > 0); then
+  it advances the metadata in place to the predicted next step (ids = the sampled tokens,
+  positions + 1), so the next forward can start before the host has seen the tokens.
 
-They are two graphs so the grammar work overlaps the forward: `run` launches the forward,
-then fills the bitmask on the CPU (the matchers were advanced with the previous step's
-tokens) while the GPU is busy, copies it to the device on a side stream ordered by CUDA
-events, and launches the sampler behind it. The one host sync per step is reading the
-sampled tokens. A batch is padded up to its bucket: padding rows decode token 0 at position
-0 of the KV cache's scratch slot and their outputs are ignored.
+One step, as `run` issues it:
 
-With `capture=False` the same step functions run eagerly on the same buffers (for checking
-this module without a GPU, under Triton's interpreter).
+    GPU:  [forward i]............[sample i][forward i+1, pre-launched]..........[sample i+1]
+    CPU:   fill masks i, copy ->  wait i | advance matchers, schedule, fill masks i+1, copy
+
+The grammar masks of step i are filled on the CPU while forward i runs (the matchers were
+advanced with step i-1's tokens) and copied on a side stream ordered by CUDA events; the one
+host sync per step is reading the sampled tokens. With `run(..., predict_next=True)` (the
+engine's decode steps, where every row is its own sequence) forward i+1 is launched right
+behind sample i and kept only if step i+1 turns out to be exactly the predicted one (same
+rows and slots, positions + 1, the sampled tokens as inputs); otherwise it is discarded,
+which is harmless: it only wrote K/V one position past each sequence's length, which is
+rewritten before it is read. Callers whose rows share a slot (speculative verification runs
+one row per draft token) must not ask for it: there position + 1 is another row's valid K/V.
+Any other forward over the same cache (`ModelRunner.extend`) drops the prediction.
+
+A batch is padded up to its bucket: padding rows decode token 0 at position 0 of the KV
+cache's scratch slot and their outputs are ignored. With `capture=False` the same step
+functions run eagerly on the same buffers (to check this module without a GPU, under Triton's
+interpreter).
 """
 
 from __future__ import annotations
@@ -34,27 +47,29 @@ from structgen.engine.kernels.sampling import sample_tokens
 if TYPE_CHECKING:
     from structgen.engine.model_runner import ModelRunner
 
-# Rows of the int64 metadata buffer (one H2D copy per step).
-IDS, POSITIONS, SLOTS, LENS, SEEDS, HAS_MASK = range(6)
+# Rows of the int64 metadata buffer (one host-to-device copy per step). LIVE is 1 for real
+# rows, 0 for padding (padding rows never advance).
+IDS, POSITIONS, SLOTS, LENS, SEEDS, HAS_MASK, LIVE = range(7)
 
 
 class DecodeGraphs:
-    def __init__(self, runner: ModelRunner, batch_sizes: tuple[int, ...], capture: bool = True):
+    def __init__(self, runner: ModelRunner, batch_sizes: tuple[int, ...], capture: bool = True,
+                 prelaunch: bool | None = None):
         self.model, self.kv, self.device = runner.model, runner.kv, runner.device
         self.batch_sizes = sorted(set(batch_sizes))
         self.max_batch_size = self.batch_sizes[-1]
         self.capture_graphs = capture
-        vocab = runner.model_config.vocab_size
-        words = (vocab + 31) // 32
+        self.prelaunch = capture if prelaunch is None else prelaunch
+        words = (runner.model_config.vocab_size + 31) // 32
         n, dev = self.max_batch_size, self.device
         pin = dev.type == "cuda"
         # Device buffers the graphs read and write; they never move.
-        self.meta = torch.zeros(6, n, dtype=torch.int64, device=dev)
+        self.meta = torch.zeros(7, n, dtype=torch.int64, device=dev)
         self.temperature = torch.zeros(n, dtype=torch.float32, device=dev)
         self.bitmask = torch.zeros(n, words, dtype=torch.int32, device=dev)
         self.tokens = torch.zeros(n, dtype=torch.int64, device=dev)
         # Pinned host staging, written through numpy views (cheaper than torch indexing).
-        self.host_meta = torch.zeros(6, n, dtype=torch.int64, pin_memory=pin)
+        self.host_meta = torch.zeros(7, n, dtype=torch.int64, pin_memory=pin)
         self.host_temperature = torch.zeros(n, dtype=torch.float32, pin_memory=pin)
         self.host_bitmask = torch.zeros(n, words, dtype=torch.int32, pin_memory=pin)
         self.host_tokens = torch.zeros(n, dtype=torch.int64, pin_memory=pin)
@@ -64,6 +79,9 @@ class DecodeGraphs:
         # bucket -> (launch forward, launch sampler); the graphs and their logits stay alive here.
         self._steps: dict[int, tuple[Callable[[], None], Callable[[], None]]] = {}
         self._captured: list[object] = []
+        # The step whose forward is already queued: (bucket, slots, positions, token ids).
+        self._ahead: tuple | None = None
+        self.steps = self.steps_ahead = 0  # decode steps run / of those, pre-launched forwards used
         if pin:
             self.copy_stream = torch.cuda.Stream(dev)
             self.mask_copied = torch.cuda.Event()
@@ -82,9 +100,13 @@ class DecodeGraphs:
         return self.model.lm_head(hidden)  # model dtype: the sampler reads it without a cast pass
 
     def _sample(self, bs: int, logits: torch.Tensor) -> None:
-        m = self.meta
-        sample_tokens(logits, self.bitmask[:bs], m[HAS_MASK, :bs], self.temperature[:bs], m[SEEDS, :bs],
-                      out=self.tokens[:bs])
+        m, tokens = self.meta, self.tokens[:bs]
+        sample_tokens(logits, self.bitmask[:bs], m[HAS_MASK, :bs], self.temperature[:bs], m[SEEDS, :bs], out=tokens)
+        # Predict the next step: each live row feeds its token back at the next position.
+        live = m[LIVE, :bs]
+        torch.mul(tokens, live, out=m[IDS, :bs])
+        m[POSITIONS, :bs].add_(live).clamp_(max=self.kv.max_seq_len - 1)
+        torch.add(m[POSITIONS, :bs], 1, out=m[LENS, :bs])
 
     def _set_padding(self, lo: int, hi: int) -> None:
         """Rows [lo, hi): token 0 at position 0 of the scratch slot, greedy, no mask."""
@@ -133,6 +155,10 @@ class DecodeGraphs:
         i = bisect.bisect_left(self.batch_sizes, n)
         return self.batch_sizes[i] if i < len(self.batch_sizes) else None
 
+    def discard_ahead(self) -> None:
+        """Another forward ran (or will): the pre-launched one no longer matches the cache."""
+        self._ahead = None
+
     @torch.inference_mode()
     def run(
         self,
@@ -143,27 +169,39 @@ class DecodeGraphs:
         seeds: list[int],
         has_mask: list[bool],
         fill_bitmask: Callable[[torch.Tensor], None],
+        predict_next: bool = False,
     ) -> list[int]:
-        """Decode one token for each of n sequences (n <= max_batch_size); return the n
-        sampled tokens. `fill_bitmask(host_bitmask)` is called while the forward runs and must
-        fill row i of the int32 [n, W] host tensor for every i with has_mask[i]."""
+        """Decode one token for each of n rows (n <= max_batch_size); return the n sampled
+        tokens. `fill_bitmask(host_bitmask)` is called while the forward runs and must fill row
+        i of the int32 [n, W] host tensor for every i with has_mask[i]. `predict_next`: also
+        launch the next step's forward (see the module docstring); only when every row is a
+        different sequence."""
         n = len(token_ids)
         bs = self.bucket(n)
         assert bs is not None, f"batch of {n} exceeds the largest captured size {self.max_batch_size}"
+        predicted = self._ahead == (bs, tuple(slots), tuple(positions), tuple(token_ids))
+        self._ahead = None
+        self.steps += 1
+        self.steps_ahead += predicted
         meta = self._meta_np
+        self._set_padding(n, bs)
         meta[IDS, :n] = token_ids
         meta[POSITIONS, :n] = positions
         meta[SLOTS, :n] = slots
         meta[LENS, :n] = np.asarray(positions) + 1
         meta[SEEDS, :n] = seeds
         meta[HAS_MASK, :n] = has_mask
+        meta[LIVE, :n] = 1
         self._temp_np[:n] = temperatures
-        self._set_padding(n, bs)
         forward, sample = self._steps[bs]
         cuda = self.device.type == "cuda"
-        self.meta[:, :bs].copy_(self.host_meta[:, :bs], non_blocking=cuda)
-        self.temperature[:bs].copy_(self.host_temperature[:bs], non_blocking=cuda)
-        forward()
+        prelaunch = predict_next and self.prelaunch and len(set(slots)) == n
+        # Whole buffers: one contiguous copy each. When the forward is already queued this copy
+        # lands behind it and rewrites the rows it read with the same values.
+        self.meta.copy_(self.host_meta, non_blocking=cuda)
+        self.temperature.copy_(self.host_temperature, non_blocking=cuda)
+        if not predicted:
+            forward()
         if any(has_mask):
             fill_bitmask(self.host_bitmask[:n])  # CPU work, overlapping the forward
             if cuda:
@@ -177,9 +215,16 @@ class DecodeGraphs:
             else:
                 self.bitmask[:n].copy_(self.host_bitmask[:n])
         sample()
-        if not cuda:
-            return self.tokens[:n].tolist()
-        self.host_tokens[:bs].copy_(self.tokens[:bs], non_blocking=True)
-        self.step_done.record()
-        self.step_done.synchronize()
-        return self._tokens_np[:n].tolist()
+        if cuda:
+            self.host_tokens[:bs].copy_(self.tokens[:bs], non_blocking=True)
+            self.step_done.record()
+        else:
+            self.host_tokens[:bs].copy_(self.tokens[:bs])
+        if prelaunch:
+            forward()  # step i+1's forward, from the metadata the sampler just advanced
+        if cuda:
+            self.step_done.synchronize()  # waits for the sampler, not for that forward
+        tokens = self._tokens_np[:n].tolist()
+        if prelaunch:
+            self._ahead = (bs, tuple(slots), tuple(p + 1 for p in positions), tuple(tokens))
+        return tokens

@@ -98,12 +98,12 @@ class Engine:
             return []
         if self._is_decode_step(batch):
             return self._decode_step([req for req, _ in batch])
+        if self.speculator is not None:  # draft, then verify every draft in one forward (spec/)
+            return self.speculator.step(batch)
         seqs, sampling = [], []
-        drafts = self.speculator.propose(batch) if self.speculator is not None else None
-        for i, (req, n) in enumerate(batch):
+        for req, n in batch:
             start = req.num_cached
-            draft = drafts[i] if drafts is not None else []  # verified by the same forward
-            seqs.append(ExtendSeq(req.slot, start, req.token_ids[start : start + n] + draft, num_logits=1 + len(draft)))
+            seqs.append(ExtendSeq(req.slot, start, req.token_ids[start : start + n]))
         try:
             logits = self.runner.extend(seqs)  # async on CUDA: the mask work below overlaps it
         except Exception as exc:  # a broken batch fails its requests, not the engine
@@ -111,51 +111,63 @@ class Engine:
             for req, _ in batch:
                 self.abort(req, "error", EngineError(f"forward pass failed: {exc}"))
             return [req for req, _ in batch]
-        if drafts is not None:
-            finished = self.speculator.verify(logits, batch, drafts)
-        else:
-            for i, (req, n) in enumerate(batch):
-                req.num_cached += n
-                req.stats.forward_passes += 1
-                if req.num_cached == len(req.token_ids):
-                    sampling.append((i, req))
-            finished = self._sample_and_advance(logits, sampling)
+        for i, (req, n) in enumerate(batch):
+            req.num_cached += n
+            req.stats.forward_passes += 1
+            if req.num_cached == len(req.token_ids):
+                sampling.append((i, req))
+        finished = self._sample_and_advance(logits, sampling)
         for req, _ in batch:
             if not req.finished:
                 self._notify(req)
         return finished
 
     def _is_decode_step(self, batch: list[tuple[Request, int]]) -> bool:
-        """Every request runs exactly its one pending token and samples after it, and none
-        needs top-k/top-p (those rows take the eager sampler)."""
+        """Every request runs all its pending tokens and samples after the last, and none
+        needs top-k/top-p (those rows take the eager sampler). Pending tokens beyond one
+        (jump-forward text) ride in the decode graphs as extra rows, one per token, when
+        they fit a captured bucket: an eager extend costs ~10x a graph replay on a GPU."""
         if self.speculator is not None:
             return False
+        rows = 0
         for req, n in batch:
             p = req.params
-            if n != 1 or req.num_pending != 1 or (not p.greedy and (p.top_k > 0 or p.top_p < 1.0)):
+            if n != req.num_pending or (not p.greedy and (p.top_k > 0 or p.top_p < 1.0)):
                 return False
-        return True
+            if n > 1 and (self.runner.graphs is None or req.num_cached < req.num_prompt):
+                return False  # prefill, or no graphs to put the forced tokens in
+            rows += n
+        return rows == len(batch) or self.runner.graphs.bucket(rows) is not None
 
     def _decode_step(self, reqs: list[Request]) -> list[Request]:
-        seqs = [ExtendSeq(r.slot, r.num_cached, r.token_ids[r.num_cached :]) for r in reqs]
-        constrained = [(i, r.matcher) for i, r in enumerate(reqs) if r.matcher is not None]
-        errors: dict[int, BaseException] = {}
+        # One row per pending token: a row attends to its slot up to its own position, and
+        # every row's K/V is written before any attention reads it, so rows of one request
+        # are exactly a causal multi-token extend. Only each request's last row is sampled.
+        seqs: list[ExtendSeq] = []
+        last: list[int] = []
+        for r in reqs:
+            seqs += [ExtendSeq(r.slot, r.num_cached + j, [t]) for j, t in enumerate(r.token_ids[r.num_cached :])]
+            last.append(len(seqs) - 1)
+        temperatures, seeds, has_mask = [0.0] * len(seqs), [0] * len(seqs), [False] * len(seqs)
+        for row, r in zip(last, reqs, strict=True):
+            temperatures[row], seeds[row], has_mask[row] = r.params.temperature, self._noise_seed(r), r.matcher is not None
+        constrained = [(row, r.matcher) for row, r in zip(last, reqs, strict=True) if r.matcher is not None]
+        row_errors: dict[int, BaseException] = {}
 
         def fill(bitmask: torch.Tensor) -> None:  # runs while the device computes the forward
-            errors.update(self._fill_masks(bitmask, constrained))
+            row_errors.update(self._fill_masks(bitmask, constrained))
 
         try:
-            tokens = self.runner.decode(
-                seqs, [r.params.temperature for r in reqs], [self._noise_seed(r) for r in reqs],
-                [r.matcher is not None for r in reqs], fill,
-            )
+            tokens = self.runner.decode(seqs, temperatures, seeds, has_mask, fill, predict_next=True)
         except Exception as exc:  # a broken batch fails its requests, not the engine
             log.exception("decode step failed")
             for req in reqs:
                 self.abort(req, "error", EngineError(f"forward pass failed: {exc}"))
             return reqs
+        tokens = [tokens[row] for row in last]
+        errors = {i: row_errors[row] for i, row in enumerate(last) if row in row_errors}
         for req in reqs:
-            req.num_cached += 1
+            req.num_cached = len(req.token_ids)
             req.stats.forward_passes += 1
         finished = self._advance_all(reqs, tokens, errors)
         for req in reqs:

@@ -89,6 +89,8 @@ class ModelRunner:
     @torch.inference_mode()
     def extend(self, seqs: list[ExtendSeq]) -> torch.Tensor:
         """Run the new tokens of every sequence; return float32 logits [sum(num_logits), vocab]."""
+        if self.graphs is not None:
+            self.graphs.discard_ahead()  # this forward changes what a pre-launched one assumed
         flat: list[int] = []
         logit_rows: list[int] = []
         for s in seqs:
@@ -130,18 +132,21 @@ class ModelRunner:
         seeds: list[int],
         has_mask: list[bool],
         fill_bitmask: Callable[[torch.Tensor], None],
+        predict_next: bool = False,
     ) -> list[int]:
         """One decode step that returns tokens instead of logits: every sequence has exactly
         one new token; row i is sampled at `temperatures[i]` (0: greedy) with noise seed
         `seeds[i]`, under its grammar bitmask where `has_mask[i]`.
 
         `fill_bitmask(host_bitmask)` fills those rows of an int32 [len(seqs), W] CPU tensor;
-        it is called after the forward is launched, so on CUDA it overlaps the GPU."""
+        it is called after the forward is launched, so on CUDA it overlaps the GPU.
+        `predict_next`: every row is a different request that will likely decode again: the
+        graphs launch the next step's forward early (cuda_graphs.py)."""
         if self.graphs is not None and self.graphs.bucket(len(seqs)) is not None:
             self.forward_passes += 1
             return self.graphs.run(
                 [s.token_ids[0] for s in seqs], [s.start for s in seqs], [s.slot for s in seqs],
-                temperatures, seeds, has_mask, fill_bitmask,
+                temperatures, seeds, has_mask, fill_bitmask, predict_next=predict_next,
             )
         from structgen.engine.kernels import triton_enabled
         from structgen.engine.sampler import allocate_bitmask, sample_tokens_reference

@@ -16,7 +16,7 @@ from structgen.grammar.backends.base import (
     bitmask_words,
 )
 from structgen.grammar.batch import fill_bitmasks
-from structgen.grammar.compiler import BACKENDS, GrammarCompiler
+from structgen.grammar.compiler import BACKENDS, GrammarCompiler, candidate_backends
 from structgen.grammar.json_format import JSON_SEPARATORS, dump_json
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "GrammarMatcher",
     "allocate_bitmask",
     "bitmask_words",
+    "candidate_backends",
     "dump_json",
     "fill_bitmasks",
 ]

@@ -71,49 +71,33 @@ class GrammarCompiler:
         `InvalidConstraintError` for malformed regexes and grammars.
         """
         name = backend or self.backend
-        key = (constraint.key, name)
-        with self._lock:
-            hit = self._cache.get(key)
-            if hit is not None:
-                self._cache.move_to_end(key)
-                return hit
-        _check_backend_name(name)
-        compiled = self._compile(constraint, self._candidates(constraint, name))
+        hit = self._cached((constraint.key, name))
+        if hit is not None:
+            return hit
+        candidates = candidate_backends(constraint, name)
+        # "auto" and an explicit backend share what either compiled
+        compiled = next(filter(None, (self._cached((constraint.key, b)) for b in candidates)), None)
+        if compiled is None:
+            compiled = self._compile(constraint, candidates)
         with self._lock:  # two threads may compile the same key; either result is fine
-            self._cache[key] = compiled
+            self._cache[(constraint.key, name)] = compiled
+            self._cache[(constraint.key, compiled.backend)] = compiled
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
         return compiled
 
-    def _candidates(self, constraint: Constraint, name: str) -> list[str]:
-        """Backends to try, in order: those that enforce all of `constraint`."""
-        allowed = list(BACKENDS) if name == "auto" else [name]
-        kind = constraint.kind
-        if kind == "json_schema":
-            schema = json.loads(constraint.source)
-            issues = {b: keywords.find_issues(schema, b) for b in allowed}
-            if not constraint.strict:  # best effort: fewest unenforced keywords first
-                return sorted(allowed, key=lambda b: len(issues[b]))
-            ok = [b for b in allowed if not issues[b]]
-            if not ok:
-                raise unsupported_schema_error(issues)
-            return ok
-        if kind == "regex" and keywords.regex_issue(constraint.source) and "xgrammar" in allowed:
-            if name == "xgrammar":
-                raise InvalidConstraintError(
-                    f"xgrammar would silently drop the lookaround in regex {constraint.source!r}; "
-                    "rewrite it without (?=...), (?!...), (?<=...), (?<!...)"
-                )
-            allowed.remove("xgrammar")
-        if kind == "grammar" and constraint.syntax == "lark" and name == "auto":
-            return ["llguidance", "xgrammar"]  # Lark is llguidance's native syntax
-        return allowed
+    def _cached(self, key: tuple) -> CompiledGrammar | None:
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+            return hit
 
     def _compile(self, constraint: Constraint, candidates: list[str]) -> CompiledGrammar:
         errors: list[tuple[str, StructgenError]] = []
         for name in candidates:
             try:
-                return self._backend(name).compile(constraint)
+                return self.adapter(name).compile(constraint)
             except StructgenError as e:
                 errors.append((name, e))
         if len(errors) == 1:
@@ -127,8 +111,9 @@ class GrammarCompiler:
             raise UnsupportedSchemaError(message, keyword=keyword) from first
         raise type(first)(message) from first
 
-    def _backend(self, name: str) -> GrammarBackend:
-        """The backend adapter, built on first use (building one reads the whole vocabulary)."""
+    def adapter(self, name: str) -> GrammarBackend:
+        """The adapter of backend `name` for this tokenizer, built on first use (it reads the
+        whole vocabulary); it compiles without the keyword table, see `candidate_backends`."""
         with self._lock:
             if name not in self._backends:
                 if name == "xgrammar":
@@ -144,6 +129,41 @@ class GrammarCompiler:
                         self.tokenizer, self.vocab_size, self.stop_token_ids
                     )
             return self._backends[name]
+
+
+def candidate_backends(constraint: Constraint, backend: str = "auto") -> list[str]:
+    """The backends `GrammarCompiler.compile` tries for `constraint`, in order: for JSON
+    schemas, those that enforce every keyword (see `keywords`), so "auto" never falls back to
+    one that would silently ignore a keyword; xgrammar (fastest masks) first, unless its
+    compile would be slow for this schema (`keywords.xgrammar_compile_cost`). Needs no
+    tokenizer.
+
+    Raises `UnsupportedSchemaError` when none qualifies (strict constraints only).
+    """
+    _check_backend_name(backend)
+    allowed = list(BACKENDS) if backend == "auto" else [backend]
+    kind = constraint.kind
+    if kind == "json_schema":
+        schema = json.loads(constraint.source)
+        issues = {b: keywords.find_issues(schema, b) for b in allowed}
+        if not constraint.strict:  # best effort: fewest unenforced keywords first
+            return sorted(allowed, key=lambda b: len(issues[b]))
+        ok = [b for b in allowed if not issues[b]]
+        if not ok:
+            raise unsupported_schema_error(issues)
+        if backend == "auto" and ok[0] == "xgrammar" and keywords.xgrammar_compile_cost(schema):
+            ok.reverse()  # both enforce it; llguidance compiles in ms where xgrammar takes s
+        return ok
+    if kind == "regex" and keywords.regex_issue(constraint.source) and "xgrammar" in allowed:
+        if backend == "xgrammar":
+            raise InvalidConstraintError(
+                f"xgrammar would silently drop the lookaround in regex {constraint.source!r}; "
+                "rewrite it without (?=...), (?!...), (?<=...), (?<!...)"
+            )
+        allowed.remove("xgrammar")
+    if kind == "grammar" and constraint.syntax == "lark" and backend == "auto":
+        return ["llguidance", "xgrammar"]  # Lark is llguidance's native syntax
+    return allowed
 
 
 def unsupported_schema_error(issues: dict[str, list[keywords.Issue]]) -> UnsupportedSchemaError:

@@ -25,19 +25,7 @@ def dump_json(value: Any, schema: Any = None) -> str:
     without a schema, in their current order)."""
     if schema is not None:
         value = _ordered(value, schema, schema, 0)
-    return json.dumps(_canonical_numbers(value), separators=JSON_SEPARATORS, ensure_ascii=False)
-
-
-def _canonical_numbers(value: Any) -> Any:
-    """Integral floats as integers: JSON Schema counts 1.0 as an integer, the grammars only
-    generate `1`."""
-    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
-        return int(value)
-    if isinstance(value, dict):
-        return {k: _canonical_numbers(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_canonical_numbers(v) for v in value]
-    return value
+    return json.dumps(value, separators=JSON_SEPARATORS, ensure_ascii=False)
 
 
 def _ordered(value: Any, schema: Any, root: Any, depth: int) -> Any:

@@ -15,10 +15,11 @@ Forced text cannot simply be encoded on its own and appended. Two boundaries nee
   `chop_tokens` does), so the model picks between the short and the long token itself.
 
 The re-encoding is checked twice: its bytes must equal the text (tokenizers that normalise or
-add prefix spaces fail this), and the matcher must accept it. On a mismatch the jump falls back
-to the forced text encoded alone after the sampled tokens, then to the longest accepted prefix
-that still makes progress, then to not jumping at all; the matcher and the request are always
-left exactly as before a jump that did not happen.
+add prefix spaces fail this), and the matcher must accept it. If the matcher rejects a token,
+the longest accepted prefix is kept when it still covers the sampled text and adds forced text;
+otherwise the forced text is tried encoded alone after the untouched sampled tokens, and
+failing that nothing is jumped. A jump that does not happen leaves the matcher and the request
+exactly as they were.
 
 The forced tokens are appended as pending tokens; the scheduler runs every pending token of a
 request in one `extend`, batched with the other requests' decode steps, taking logits at the
@@ -28,16 +29,15 @@ last position only.
 from __future__ import annotations
 
 import bisect
-import logging
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from structgen.grammar.backends.base import allocate_bitmask
+
 if TYPE_CHECKING:
     from structgen.engine.engine import Engine
     from structgen.engine.request import Request
-
-log = logging.getLogger("structgen.grammar")
 
 MAX_BACKOFF = 4  # output tokens re-encoded with the forced text; merges span one pre-token
 
@@ -68,13 +68,21 @@ class VocabBytes:
         return sum(len(self.tokens[t]) for t in ids)
 
     def extensions(self, tid: int) -> np.ndarray:
-        """Ids of the tokens whose bytes start with token `tid`'s bytes and are longer."""
+        """Packed bitmask (uint32 words, the grammar bitmask layout) of the tokens whose bytes
+        start with token `tid`'s bytes and are longer; cached per token."""
         ext = self._extensions.get(tid)
         if ext is None:
             prefix = self.tokens[tid]
             lo = bisect.bisect_right(self._sorted, prefix)  # skips `prefix` itself
-            hi = bisect.bisect_left(self._sorted, _successor(prefix)) if prefix.strip(b"\xff") else len(self._sorted)
-            ext = self._extensions[tid] = self._sorted_ids[lo:hi]
+            hi = (
+                bisect.bisect_left(self._sorted, _successor(prefix))
+                if prefix.strip(b"\xff")
+                else len(self._sorted)
+            )
+            ids = self._sorted_ids[lo:hi]
+            ext = np.zeros((len(self.tokens) + 31) // 32, dtype=np.uint32)
+            np.bitwise_or.at(ext, ids >> 5, (np.uint32(1) << (ids & 31)).astype(np.uint32))
+            self._extensions[tid] = ext
         return ext
 
 
@@ -82,13 +90,6 @@ def _successor(prefix: bytes) -> bytes:
     """The smallest byte string greater than every string that starts with `prefix`."""
     head = prefix.rstrip(b"\xff")
     return head[:-1] + bytes([head[-1] + 1])
-
-
-def _any_allowed(bitmask: np.ndarray, ids: np.ndarray) -> bool:
-    """Is any of `ids` allowed by a packed int32 bitmask row (bit set = allowed)?"""
-    if ids.size == 0:
-        return False
-    return bool(((bitmask[ids >> 5] >> (ids & 31)) & 1).any())
 
 
 class JumpForward:
@@ -100,14 +101,16 @@ class JumpForward:
         tokenizer: Any,
         vocab_size: int,
         stop_token_ids: set[int],
+        vocab: VocabBytes | None = None,
         max_backoff: int = MAX_BACKOFF,
     ):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = set(stop_token_ids)
         self.max_backoff = max_backoff
-        self.vocab = VocabBytes(tokenizer, vocab_size, self.stop_token_ids)
-        self._fast = getattr(tokenizer, "backend_tokenizer", None)  # tokenizers.Tokenizer: ~10x cheaper
+        self.vocab = vocab or VocabBytes(tokenizer, vocab_size, self.stop_token_ids)
+        # The Rust `tokenizers.Tokenizer` behind a fast HF tokenizer: ~5x cheaper per call.
+        self._fast = getattr(tokenizer, "backend_tokenizer", None)
         self._mask = None
 
     def __call__(self, engine: Engine, req: Request) -> None:
@@ -123,16 +126,14 @@ class JumpForward:
         room = req.num_prompt + req.params.max_tokens - len(req.token_ids)
         if room <= 0:
             return
-        jumped = self._jump(req, forced.encode("utf-8"), self._backoff(req))
-        if not jumped and self._backoff(req) > 0:  # the merged re-encoding failed: try plain
+        k = min(self.max_backoff, req.num_output)
+        jumped = self._jump(req, forced.encode("utf-8"), k)
+        if not jumped and k > 0:  # the merged re-encoding failed: try the forced text alone
             jumped = self._jump(req, forced.encode("utf-8"), 0)
         if jumped:
             self._maybe_finish(req)
 
     # -- one attempt --------------------------------------------------------------------------
-    def _backoff(self, req: Request) -> int:
-        return min(self.max_backoff, req.num_output)
-
     def _jump(self, req: Request, forced: bytes, k: int) -> bool:
         """Re-encode the last `k` output tokens + `forced` and splice the result in. Returns
         False (with the request and matcher untouched) when it cannot make progress."""
@@ -182,7 +183,9 @@ class JumpForward:
         if ids is None or any(t in self.vocab.special for t in ids):
             # The slow path never turns text like "<|im_end|>" inside a JSON string into the
             # special token.
-            ids = self.tokenizer(s, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+            ids = self.tokenizer(s, add_special_tokens=False, split_special_tokens=True)[
+                "input_ids"
+            ]
         if not ids or any(t >= self.vocab_size for t in ids) or self.vocab.join(ids) != text:
             return None
         return ids
@@ -197,24 +200,25 @@ class JumpForward:
             if length - len(self.vocab.tokens[last]) < old_len:
                 break
             ext = self.vocab.extensions(last)
-            if ext.size == 0:
+            if not ext.any():
                 break
             m.rollback(1)
-            if not _any_allowed(self._allowed(m), ext):
+            if not np.bitwise_and(self._allowed(m), ext).any():
                 if not m.accept_token(last):  # pragma: no cover - it was just accepted
-                    raise RuntimeError("grammar matcher could not restore its state after jump-forward")
+                    raise RuntimeError(
+                        "grammar matcher could not restore its state after jump-forward"
+                    )
                 break
             kept = kept[:-1]
             length -= len(self.vocab.tokens[last])
         return kept
 
     def _allowed(self, m: Any) -> np.ndarray:
-        from structgen.engine.sampler import allocate_bitmask
-
+        """The matcher's allowed-token bitmask as uint32 words (a view of a reused buffer)."""
         if self._mask is None:
             self._mask = allocate_bitmask(1, self.vocab_size)
         m.fill_bitmask(self._mask, 0)  # writes the whole row
-        return self._mask[0].numpy()
+        return self._mask[0].numpy().view(np.uint32)
 
     # -- after the jump ---------------------------------------------------------------------------
     def _maybe_finish(self, req: Request) -> None:
@@ -222,7 +226,7 @@ class JumpForward:
         rather than spend a forward that could only sample the stop token."""
         m = req.matcher
         if m.is_completed():
-            allowed = self._allowed(m).view(np.uint32).copy()
+            allowed = self._allowed(m).copy()
             for t in self.stop_token_ids:
                 allowed[t >> 5] &= ~np.uint32(1 << (t & 31))
             if not allowed.any():

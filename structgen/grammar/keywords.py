@@ -49,7 +49,7 @@ KEYWORDS: dict[str, tuple[str, str]] = {
     "maximum":               (ENFORCED, ENFORCED),
     "exclusiveMinimum":      (ENFORCED, ENFORCED),  # xgrammar: rejects draft-4 booleans
     "exclusiveMaximum":      (ENFORCED, ENFORCED),
-    "multipleOf":            (ENFORCED, ENFORCED),  # xgrammar: integers only (rule)
+    "multipleOf":            (ENFORCED, ENFORCED),  # xgrammar: integers, no bounds (rule)
     "minLength":             (ENFORCED, ENFORCED),  # xgrammar: not next to pattern/format
     "maxLength":             (ENFORCED, ENFORCED),
     "pattern":               (ENFORCED, ENFORCED),  # xgrammar: no lookaround, not with format
@@ -67,7 +67,7 @@ KEYWORDS: dict[str, tuple[str, str]] = {
     "properties":            (ENFORCED, ENFORCED),
     "required":              (ENFORCED, ENFORCED),  # xgrammar: only keys in properties (rule)
     "additionalProperties":  (ENFORCED, ENFORCED),
-    "patternProperties":     (ENFORCED, ENFORCED),
+    "patternProperties":     (ENFORCED, ENFORCED),  # xgrammar: not next to properties (rule)
     "propertyNames":         (ENFORCED, REJECTED),  # xgrammar: not next to properties (rule)
     "minProperties":         (ENFORCED, ENFORCED),  # llguidance: rejects unless all required
     "maxProperties":         (ENFORCED, ENFORCED),
@@ -245,7 +245,10 @@ def find_issues(schema: Any, backend: str) -> list[Issue]:
             status = IGNORED if backend == "xgrammar" else REJECTED
             issues.append(Issue("format", path, backend, status, f"format {fmt!r}"))
         if backend == "xgrammar":
-            issues += [Issue(kw, path, backend, IGNORED, why) for kw, why in _xgrammar_rules(node)]
+            # property names are strings whatever the subschema says
+            implied = "string" if path.endswith("/propertyNames") else None
+            rules = _xgrammar_rules(node, implied)
+            issues += [Issue(kw, path, backend, IGNORED, why) for kw, why in rules]
         else:
             issues += [
                 Issue(kw, path, backend, REJECTED, why) for kw, why in _llguidance_rules(node)
@@ -253,9 +256,32 @@ def find_issues(schema: Any, backend: str) -> list[Issue]:
     return issues
 
 
-def enforcing_backends(schema: Any, order: tuple[str, ...] = BACKENDS) -> list[str]:
-    """The backends (in `order`) that enforce every keyword of `schema`."""
-    return [b for b in order if not find_issues(schema, b)]
+def xgrammar_compile_cost(schema: Any) -> str | None:
+    """Why xgrammar's ahead-of-time compile would take seconds to minutes for `schema`, if it
+    would; llguidance builds its lexer lazily and compiles the same schemas in milliseconds.
+
+    xgrammar precomputes token masks for every grammar state, and two shapes multiply the
+    states (measured on MaskBench, 2 cores): an open object that lists properties (every
+    optional property may be followed by any other key: median 1 s with one such property,
+    17 s with 32+, against 30 ms for closed objects) and long bounded repetitions
+    (`maxLength: 100` is 100 states: median 21 s at 64+).
+    """
+    for node, path in walk(schema):
+        props = node.get("properties")
+        if isinstance(props, dict) and props and node.get("additionalProperties") is not False:
+            return f"open object with properties at {path}"
+        for kw in ("maxLength", "minLength", "maxItems", "minItems"):
+            if isinstance(node.get(kw), int) and node[kw] >= _LONG_REPEAT and "pattern" not in node:
+                return f"{kw} {node[kw]} at {path}"
+        for pattern, _ in _patterns(node):
+            pairs = re.findall(r"\{(\d+)(?:,(\d*))?\}", pattern)
+            counts = [int(x) for pair in pairs for x in pair if x]
+            if counts and max(counts) >= _LONG_REPEAT:
+                return f"repetition {{{max(counts)}}} in a pattern at {path}"
+    return None
+
+
+_LONG_REPEAT = 32
 
 
 def strip_annotation_formats(schema: Any) -> Any:
@@ -283,9 +309,9 @@ def regex_issue(pattern: str) -> str | None:
     return None
 
 
-def _xgrammar_rules(node: dict) -> Iterator[tuple[str, str]]:
+def _xgrammar_rules(node: dict, implied_type: str | None = None) -> Iterator[tuple[str, str]]:
     """xgrammar's value- and sibling-dependent gaps, each found by a probe schema."""
-    declared = node.get("type")
+    declared = node.get("type", implied_type)
     types = set(declared) if isinstance(declared, list) else {declared} if declared else set()
     siblings = {k for k in node if k not in ANNOTATIONS}
 
@@ -326,14 +352,20 @@ def _xgrammar_rules(node: dict) -> Iterator[tuple[str, str]]:
     if "multipleOf" in node and types & {"number", "integer"}:
         if "number" in types or not isinstance(node["multipleOf"], int):
             yield "multipleOf", "enforced only for integer types and integer divisors"
+        elif set(node) & {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}:
+            yield "multipleOf", "ignored next to a minimum or maximum"
     required = node.get("required")
     if isinstance(required, list):
         props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
         missing = [k for k in required if k not in props]
         if missing:
             yield "required", f"required keys not listed in 'properties': {missing}"
+    if "patternProperties" in node and ("properties" in node or not types):
+        yield "patternProperties", 'applied only with "type": "object" and no \'properties\''
     if "propertyNames" in node and "properties" in node:
-        yield "propertyNames", "ignored next to 'properties'"
+        yield "propertyNames", "not applied to the keys listed in 'properties'"
+    elif "propertyNames" in node and not types:
+        yield "propertyNames", 'applied only with "type": "object" or \'properties\''
 
 
 def _llguidance_rules(node: dict) -> Iterator[tuple[str, str]]:

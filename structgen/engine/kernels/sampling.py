@@ -35,6 +35,9 @@ def _block_argmax_kernel(Logits, stride_l, Bitmask, stride_b, HasMask, Temp, See
     if t > 0:
         u = tl.rand(tl.load(Seeds + row), offs)
         x = x / t - tl.log(-tl.log(u))
+    # NaN never wins (torch.argmax would pick it, but then no grammar could accept it), and
+    # an all -inf block ties at its first lane, always a real token id.
+    x = tl.where(x == x, x, float("-inf"))
     best = tl.max(x, 0)
     idx = tl.argmax(x, 0)
     tl.store(PVal + row * n_blocks + blk, best)

@@ -75,6 +75,17 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return inv_freq.float()
 
 
+def project(linear: nn.Linear, x: torch.Tensor, fused: bool) -> torch.Tensor:
+    """`linear(x)`, except that one-row products of small matrices take the Triton GEMV
+    (faster than cuBLAS there; see kernels/gemv.py)."""
+    if fused:
+        from structgen.engine.kernels.gemv import gemv, use_gemv
+
+        if use_gemv(x.shape[0], linear.weight):
+            return gemv(x, linear.weight, linear.bias)
+    return linear(x)
+
+
 class RotaryEmbedding(nn.Module):
     """Precomputed cos/sin table indexed by absolute position (HF 'rotate_half' layout)."""
 
@@ -109,7 +120,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, batch: AttentionBatch, kv: KVCache) -> torch.Tensor:
         n = x.shape[0]
-        qkv = self.qkv_proj(x)
+        qkv = project(self.qkv_proj, x, self.fused)
         if self.fused and self.q_norm is None:
             from structgen.engine.kernels.fused import rope_and_cache
 
@@ -117,7 +128,7 @@ class Attention(nn.Module):
             q = rope_and_cache(qkv, batch.positions, batch.token_slots, rope.cos, rope.sin, kv.k[i], kv.v[i],
                                self.n_heads, self.n_kv, self.head_dim)
             out = attend(q, kv.k[i], kv.v[i], batch)
-            return self.o_proj(out.reshape(n, self.q_size))
+            return project(self.o_proj, out.reshape(n, self.q_size), self.fused)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.n_heads, self.head_dim)
         k = k.view(n, self.n_kv, self.head_dim)
@@ -142,7 +153,7 @@ class MLP(nn.Module):
         if self.fused:
             from structgen.engine.kernels.fused import silu_mul
 
-            return self.down_proj(silu_mul(self.gate_up_proj(x)))
+            return project(self.down_proj, silu_mul(project(self.gate_up_proj, x, True)), True)
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 

@@ -1,5 +1,5 @@
 """Draft-model drafting: a small model sharing the target's tokenizer guesses the next k
-tokens greedily, one batched forward per draft position, on its own KV cache.
+tokens greedily, one batched step per draft position, on its own KV cache.
 
 Two sources of a draft model:
 - `from_checkpoint(path, runner)`: any Llama-family checkpoint the loader reads, with the
@@ -9,15 +9,19 @@ Two sources of a draft model:
 
 Its KV cache uses the target's slot numbers (a request's draft K/V live in `req.slot` of the
 draft cache). What the draft cache holds is tracked as the token list fed to it, so rejected
-drafts, accepted drafts and re-tokenised jump-forward text are all handled the same way: the
-next proposal re-runs the tokens after the longest prefix still shared with the request.
+drafts, accepted drafts and re-tokenised jump-forward text are all handled alike: the next
+proposal re-runs the tokens after the longest prefix still shared with the request.
 With a grammar, the draft's logits are masked at every position, so it never drafts a token
 the grammar forbids (the matcher is advanced along the draft and rolled back afterwards).
+
+On CUDA each draft step replays a `DecodeGraphs` of the draft model (forward + masked argmax
+in two graphs), with every new token as a one-token row, as the target's verify step does.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,21 +29,21 @@ from torch import nn
 
 from structgen.engine.attention import AttentionBatch
 from structgen.engine.kv_cache import KVCache
+from structgen.engine.models.llama import LlamaModel
 from structgen.engine.sampler import allocate_bitmask, apply_bitmask_
 from structgen.errors import ModelLoadError
 
 if TYPE_CHECKING:
     from structgen.engine.model_runner import ModelRunner
-    from structgen.engine.models.llama import LlamaModel
     from structgen.engine.request import Request
 
 
-class EarlyExitModel(nn.Module):
+class EarlyExitModel(LlamaModel):
     """The target's first `num_layers` decoder layers + its final norm and LM head. The
-    modules are the target's own (shared, not copied)."""
+    modules are the target's own (shared, not copied); forward and logits are LlamaModel's."""
 
     def __init__(self, target: LlamaModel, num_layers: int):
-        super().__init__()
+        nn.Module.__init__(self)
         if not 1 <= num_layers < len(target.layers):
             raise ModelLoadError(f"self_draft_layers must be in [1, {len(target.layers) - 1}], got {num_layers}")
         self.config = target.config
@@ -48,15 +52,6 @@ class EarlyExitModel(nn.Module):
         self.norm = target.norm
         self.lm_head = target.lm_head
         self.rope = target.rope
-
-    def forward(self, input_ids: torch.Tensor, batch: AttentionBatch, kv: KVCache) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(x, self.rope, batch, kv)
-        return self.norm(x)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -69,17 +64,27 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
     return i
 
 
+# One draft step's work per request: (request, first position, tokens to run).
+Rows = list[tuple["Request", int, list[int]]]
+
+
 class DraftModelDrafter:
     """Greedy drafts from a small model (see the module docstring)."""
 
-    def __init__(self, model: nn.Module, kv: KVCache, device: torch.device, grammar_aware: bool = True):
+    def __init__(self, model: LlamaModel, kv: KVCache, runner: ModelRunner, grammar_aware: bool = True):
         self.model = model
         self.kv = kv
-        self.device = device
+        self.device = runner.device
         self.grammar_aware = grammar_aware
         self.vocab_size = model.config.vocab_size
         self.fed: dict[int, list[int]] = {}  # req.id -> tokens whose K/V are in the draft cache
         self.forward_passes = 0
+        self.graphs = None
+        if runner.graphs is not None:  # the target captured graphs: capture the draft's too
+            from structgen.engine.cuda_graphs import DecodeGraphs
+
+            owner = SimpleNamespace(model=model, kv=kv, device=self.device, model_config=model.config)
+            self.graphs = DecodeGraphs(owner, tuple(runner.graphs.batch_sizes), capture=runner.graphs.capture_graphs)
 
     @classmethod
     def self_draft(cls, runner: ModelRunner, num_layers: int, grammar_aware: bool = True) -> DraftModelDrafter:
@@ -89,12 +94,13 @@ class DraftModelDrafter:
         model = EarlyExitModel(runner.model, num_layers)
         cfg = replace(runner.model_config, num_hidden_layers=num_layers)
         kv = KVCache(cfg, runner.kv.num_slots, runner.kv.max_seq_len, runner.dtype, runner.device)
-        return cls(model, kv, runner.device, grammar_aware)
+        return cls(model, kv, runner, grammar_aware)
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, runner: ModelRunner, grammar_aware: bool = True) -> DraftModelDrafter:
         """A separate checkpoint (HF dir, .safetensors or .gguf) with the target's vocabulary."""
-        from structgen.engine.models.llama import LlamaModel, RotaryEmbedding
+        from structgen.engine.kernels import triton_enabled
+        from structgen.engine.models.llama import skip_init
         from structgen.engine.models.loader import load_model_config, load_weights, resolve_model
 
         model_dir = resolve_model(str(path))
@@ -104,13 +110,12 @@ class DraftModelDrafter:
                 f"draft model {path} has vocab_size {cfg.vocab_size}, the target {runner.model_config.vocab_size}; "
                 "a draft model must share the target's tokenizer"
             )
-        with torch.device("meta"):
-            model = LlamaModel(cfg, max_positions=1)
-        model = model.to_empty(device=runner.device).to(runner.dtype)
+        with skip_init(runner.dtype), runner.device:
+            model = LlamaModel(cfg, max_positions=runner.kv.max_seq_len)
         model.load_hf_weights(load_weights(model_dir, dtype=runner.dtype, device=runner.device))
-        model.rope = RotaryEmbedding(cfg, runner.kv.max_seq_len).to(runner.device)
+        model.use_fused_kernels(triton_enabled(runner.device))
         kv = KVCache(cfg, runner.kv.num_slots, runner.kv.max_seq_len, runner.dtype, runner.device)
-        return cls(model.eval(), kv, runner.device, grammar_aware)
+        return cls(model.eval(), kv, runner, grammar_aware)
 
     # -- Drafter protocol ---------------------------------------------------------------------
     def propose(self, req: Request, k: int) -> list[int]:
@@ -118,52 +123,37 @@ class DraftModelDrafter:
 
     @torch.inference_mode()
     def propose_batch(self, reqs: list[Request], ks: list[int]) -> list[list[int]]:
-        drafts: list[list[int]] = [[] for _ in reqs]
-        walked = [0] * len(reqs)  # draft tokens each matcher was advanced by
-        live, seqs = [], []
-        for i, (req, k) in enumerate(zip(reqs, ks, strict=True)):
+        drafts: dict[Request, list[int]] = {r: [] for r in reqs}
+        walked: dict[Request, int] = {}  # draft tokens each matcher was advanced by
+        rows: Rows = []
+        for req, k in zip(reqs, ks, strict=True):
             if k <= 0:
                 continue
-            fed = self.fed.get(req.id, [])
             # Re-run at least the last token: its logits are where the draft starts.
-            start = min(common_prefix_len(fed, req.token_ids), len(req.token_ids) - 1)
-            live.append(i)
-            seqs.append((req.slot, start, req.token_ids[start:]))
+            start = min(common_prefix_len(self.fed.get(req.id, []), req.token_ids), len(req.token_ids) - 1)
+            rows.append((req, start, req.token_ids[start:]))
             self.fed[req.id] = list(req.token_ids)
+        budget = dict(zip(reqs, ks, strict=True))
         try:
-            while live:
-                logits = self._extend(seqs)
-                constrained = [
-                    (row, reqs[i].matcher) for row, i in enumerate(live) if self.grammar_aware and reqs[i].matcher
-                ]
-                if constrained:
-                    mask = allocate_bitmask(len(constrained), self.vocab_size)
-                    for j, (_, m) in enumerate(constrained):
-                        m.fill_bitmask(mask, j)
-                    idx = torch.tensor([row for row, _ in constrained], device=self.device)
-                    masked = apply_bitmask_(logits.index_select(0, idx), mask.to(self.device, non_blocking=True))
-                    logits.index_copy_(0, idx, masked)
-                tokens = torch.argmax(logits, dim=-1).tolist()
-                next_live, next_seqs = [], []
-                for row, i in enumerate(live):
-                    req, tok = reqs[i], tokens[row]
+            while rows:
+                tokens = self._step(rows)
+                next_rows: Rows = []
+                for (req, _, _), tok in zip(rows, tokens, strict=True):
                     m = req.matcher if self.grammar_aware else None
                     if m is not None:
                         if not m.accept_token(tok):
                             continue  # nothing allowed (should not happen under the mask)
-                        walked[i] += 1
-                    drafts[i].append(tok)
+                        walked[req] = walked.get(req, 0) + 1
+                    drafts[req].append(tok)
                     done = m.is_terminated() if m is not None else tok in req.stop_token_ids
-                    if len(drafts[i]) < ks[i] and not done:
-                        next_live.append(i)
-                        next_seqs.append((req.slot, len(req.token_ids) + len(drafts[i]) - 1, [tok]))
+                    if len(drafts[req]) < budget[req] and not done:
+                        next_rows.append((req, len(req.token_ids) + len(drafts[req]) - 1, [tok]))
                         self.fed[req.id].append(tok)
-                live, seqs = next_live, next_seqs
+                rows = next_rows
         finally:
-            for i, n in enumerate(walked):
-                if n:
-                    reqs[i].matcher.rollback(n)
-        return drafts
+            for req, n in walked.items():
+                req.matcher.rollback(n)
+        return [drafts[r] for r in reqs]
 
     def on_verified(self, req: Request, num_drafted: int, num_accepted: int) -> None:
         """Nothing to do: the next proposal finds the shared prefix itself."""
@@ -171,24 +161,51 @@ class DraftModelDrafter:
     def release(self, req: Request) -> None:
         self.fed.pop(req.id, None)
 
-    # -- the draft forward ----------------------------------------------------------------------
-    def _extend(self, seqs: list[tuple[int, int, list[int]]]) -> torch.Tensor:
-        """Run each (slot, start, tokens) on the draft model; logits of each one's last token."""
+    # -- one draft step ---------------------------------------------------------------------------
+    def _masked(self, req: Request) -> bool:
+        return self.grammar_aware and req.matcher is not None
+
+    def _step(self, rows: Rows) -> list[int]:
+        """Run each request's tokens on the draft model; the (masked) argmax after its last."""
+        self.forward_passes += 1
+        ends, n = [], 0
+        for _, _, toks in rows:
+            n += len(toks)
+            ends.append(n - 1)
+        if self.graphs is not None and self.graphs.bucket(n) is not None:
+            ids = [t for _, _, toks in rows for t in toks]
+            pos = [start + j for _, start, toks in rows for j in range(len(toks))]
+            slots = [req.slot for req, _, toks in rows for _ in toks]
+            has_mask = [False] * n
+            for (req, _, _), e in zip(rows, ends, strict=True):
+                has_mask[e] = self._masked(req)
+
+            def fill(bitmask: torch.Tensor) -> None:  # runs while the draft forward computes
+                for (req, _, _), e in zip(rows, ends, strict=True):
+                    if self._masked(req):
+                        req.matcher.fill_bitmask(bitmask, e)
+
+            out = self.graphs.run(ids, pos, slots, [0.0] * n, [0] * n, has_mask, fill)
+            return [out[e] for e in ends]
+        logits = self._extend(rows)
+        masked = [i for i, (req, _, _) in enumerate(rows) if self._masked(req)]
+        if masked:
+            bitmask = allocate_bitmask(len(masked), self.vocab_size)
+            for j, i in enumerate(masked):
+                rows[i][0].matcher.fill_bitmask(bitmask, j)
+            idx = torch.tensor(masked, device=self.device)
+            logits.index_copy_(0, idx, apply_bitmask_(logits.index_select(0, idx), bitmask.to(self.device)))
+        return torch.argmax(logits, dim=-1).tolist()
+
+    def _extend(self, rows: Rows) -> torch.Tensor:
+        """Eager forward of every request's tokens; logits [len(rows), V] at each one's last."""
         flat: list[int] = []
         last: list[int] = []
-        for _, _, toks in seqs:
+        for _, _, toks in rows:
             flat.extend(toks)
             last.append(len(flat) - 1)
-        batch = AttentionBatch.build([(s, p, len(t)) for s, p, t in seqs], self.device, decode_kernel=self._decode_kernel(seqs))
+        batch = AttentionBatch.build([(r.slot, p, len(t)) for r, p, t in rows], self.device, decode_kernel=False)
         hidden = self.model(torch.tensor(flat, dtype=torch.long, device=self.device), batch, self.kv)
         if len(last) != hidden.shape[0]:
             hidden = hidden[torch.tensor(last, dtype=torch.long, device=self.device)]
-        self.forward_passes += 1
         return self.model.logits(hidden)
-
-    def _decode_kernel(self, seqs: list[tuple[int, int, list[int]]]) -> bool:
-        if self.device.type != "cuda" or any(len(t) != 1 for _, _, t in seqs):
-            return False
-        from structgen.engine.kernels import decode_attention_available
-
-        return decode_attention_available()

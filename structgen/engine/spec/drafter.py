@@ -25,7 +25,8 @@ class Drafter(Protocol):
     - `candidates(req, k) -> list[list[int]]`: several alternative drafts, best first, from
       which grammar-aware drafting keeps the one the grammar allows furthest;
     - `on_verified(req, num_drafted, num_accepted)`: the target's verdict on the last draft;
-    - `release(req)`: the request finished; drop any state kept for it.
+    - `release(req)`: the request finished; drop any state kept for it;
+    - `use_tokenizer(tokenizer)`: called once by `LLM` with the model's tokenizer.
     """
 
     def propose(self, req: Request, k: int) -> list[int]:

@@ -1,4 +1,4 @@
-"""Speculative decoding inside the engine step: draft before the forward, verify after it.
+"""Speculative decoding as the engine step: draft, verify every draft in one forward, accept.
 
 Per step, for every request whose pending tokens all run this step (a decode step, or the
 last chunk of its prompt):
@@ -7,28 +7,34 @@ last chunk of its prompt):
    walked through the request's grammar matcher and cut at the first token the grammar
    forbids (a draft model masks its own logits instead); among a drafter's alternative
    candidates the one the grammar allows furthest wins. The matcher is rolled back after.
-2. The engine runs pending + draft tokens in one `extend` with `num_logits = 1 + len(draft)`.
-   Jump-forward tokens are part of the pending tokens: a free draft that needs no checking.
-3. `verify`: the mask of every draft position is filled by advancing the matcher along the
-   draft (then rolled back), applied to the target's rows, and the acceptance rule of
-   `verify.py` picks the tokens: exact match for greedy requests, rejection sampling for
-   sampled ones. The emitted tokens go through the engine's `_advance` (matcher, stop,
-   max_tokens, jump-forward after the last one); the KV cache keeps the accepted prefix
-   (`num_cached` moves back over rejected drafts, whose K/V are overwritten later).
+   Jump-forward tokens are already pending: a free draft that needs no checking.
+2. One forward runs pending + draft tokens and samples a token at each of the 1 + k sampling
+   positions under that position's grammar mask (filled by advancing the matcher along the
+   draft while the device computes, then rolled back), with the engine's sampler and noise.
+   A verify step is a decode step over *rows*: each token is a one-token row with its own
+   slot, position and context length, so when the whole step fits a captured batch size it
+   replays the runner's decode CUDA graph (forward + masked sampler); otherwise it is an
+   eager `extend` with `num_logits = 1 + k`.
+3. `verify.accept_draft` keeps drafts while they equal the target's token (exact match for
+   greedy, point-mass rejection sampling for sampled requests; see verify.py). The emitted
+   tokens go through the engine's `_advance` (matcher, stop, max_tokens; jump-forward after
+   the last one); `num_cached` keeps pending + accepted drafts, the rejected drafts' K/V are
+   overwritten later.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from structgen.engine.config import SpeculativeConfig
-from structgen.engine.sampler import allocate_bitmask, apply_bitmask_
+from structgen.engine.model_runner import ExtendSeq
+from structgen.engine.sampler import allocate_bitmask, apply_bitmask_, sample, step_seed
 from structgen.engine.spec import drafter as drafter_hooks
 from structgen.engine.spec.drafter import Drafter
-from structgen.engine.spec.verify import accept_greedy, accept_sampled, target_probs
+from structgen.engine.spec.verify import accept_draft
 from structgen.errors import EngineError
 
 if TYPE_CHECKING:
@@ -77,9 +83,16 @@ class Speculator:
         self.drafter = build_drafter(config, engine)
         self._tracked: set[Request] = set()  # requests the drafter may hold state for
 
+    def use_tokenizer(self, tokenizer: Any) -> None:
+        """Hand the tokenizer to a drafter that can use it (n-gram: space-insensitive matching)."""
+        hook = getattr(self.drafter, "use_tokenizer", None)
+        if hook is not None:
+            hook(tokenizer)
+
     # -- before the forward -------------------------------------------------------------------
     def propose(self, batch: list[tuple[Request, int]]) -> list[list[int]]:
-        """Draft tokens for each (request, pending tokens run this step) of the batch."""
+        """Draft tokens for each (request, pending tokens run this step) of the batch. A
+        drafter that fails costs this step its drafts, nothing else."""
         self._release_gone()
         ks = [self._budget(req, n) for req, n in batch]
         todo = [i for i, k in enumerate(ks) if k > 0]
@@ -89,12 +102,17 @@ class Speculator:
         reqs = [batch[i][0] for i in todo]
         self._tracked.update(reqs)
         candidates = getattr(self.drafter, "candidates", None)
-        if candidates is not None and self.config.grammar_aware:
-            proposed = [self._best_candidate(r, candidates(r, ks[i])) for r, i in zip(reqs, todo, strict=True)]
-        else:
-            proposed = drafter_hooks.propose_all(self.drafter, reqs, [ks[i] for i in todo])
-        for req, i, d in zip(reqs, todo, proposed, strict=True):
-            drafts[i] = self._cut(req, [int(t) for t in d[: ks[i]]])
+        pick = candidates is not None and self.config.grammar_aware  # choose among alternatives
+        try:
+            if pick:
+                proposed = [self._best_candidate(r, candidates(r, ks[i])) for r, i in zip(reqs, todo, strict=True)]
+            else:
+                proposed = drafter_hooks.propose_all(self.drafter, reqs, [ks[i] for i in todo])
+            for req, i, d in zip(reqs, todo, proposed, strict=True):
+                drafts[i] = self._cut(req, [int(t) for t in d[: ks[i]]], grammar_checked=pick)
+        except Exception:
+            log.exception("drafter %s failed; this step runs without drafts", type(self.drafter).__name__)
+            return [[] for _ in batch]
         return drafts
 
     def _budget(self, req: Request, n: int) -> int:
@@ -105,22 +123,33 @@ class Speculator:
         return max(0, min(self.config.num_draft_tokens, req.params.max_tokens - req.num_output - 1))
 
     def _best_candidate(self, req: Request, cands: list[list[int]]) -> list[int]:
+        """The candidate with the longest grammar-valid prefix, cut there."""
         if req.matcher is None or not cands:
             return cands[0] if cands else []
-        best, best_len = [], -1
+        best: list[int] = []
         for c in cands:
+            c = self._in_vocab(c)
             n = grammar_prefix_len(req, c)
-            if n > best_len:
-                best, best_len = c, n
+            if n > len(best):
+                best = c[:n]
             if n == len(c):
                 break
         return best
 
-    def _cut(self, req: Request, draft: list[int]) -> list[int]:
-        """Drop what can never be used: tokens after a stop token, and (grammar-aware) tokens
-        from the first one the grammar forbids."""
+    def _in_vocab(self, draft: list[int]) -> list[int]:
+        if not draft or (min(draft) >= 0 and max(draft) < self.engine.vocab_size):
+            return draft
+        for j, t in enumerate(draft):
+            if not 0 <= t < self.engine.vocab_size:
+                return draft[:j]
+        return draft
+
+    def _cut(self, req: Request, draft: list[int], grammar_checked: bool = False) -> list[int]:
+        """Drop what can never be used: ids outside the vocabulary, tokens after a stop
+        token, and (grammar-aware) tokens from the first one the grammar forbids."""
+        draft = self._in_vocab(draft)
         if req.matcher is not None:
-            if self.config.grammar_aware:
+            if self.config.grammar_aware and not grammar_checked:
                 return draft[: grammar_prefix_len(req, draft)]
             return draft
         for j, t in enumerate(draft):
@@ -135,82 +164,180 @@ class Speculator:
             self._tracked.discard(r)
             drafter_hooks.release(self.drafter, r)
 
-    # -- after the forward --------------------------------------------------------------------
-    def verify(self, logits: torch.Tensor, batch: list[tuple[Request, int]], drafts: list[list[int]]) -> list[Request]:
-        """Accept/reject every draft, advance the requests; return those that finished.
-        `logits` has 1 + len(draft) rows per request, in batch order."""
+    # -- the step -------------------------------------------------------------------------------
+    def step(self, batch: list[tuple[Request, int]]) -> list[Request]:
+        """Draft, run pending + draft tokens in one forward sampling every position under its
+        mask, accept, advance. Returns the requests that finished."""
         eng = self.engine
-        sampling: list[tuple[Request, int, int, list[int]]] = []  # req, first row, cached, draft
-        row = 0
-        for (req, n), draft in zip(batch, drafts, strict=True):
-            req.num_cached += n
+        drafts = self.propose(batch)
+        spans = self._spans(batch, drafts)
+        try:
+            tokens, errors = self._forward_and_sample(batch, drafts, spans)
+        except Exception as exc:  # a broken batch fails its requests, not the engine
+            log.exception("verify forward failed")
+            for req, _ in batch:
+                eng.abort(req, "error", EngineError(f"forward pass failed: {exc}"))
+            return [req for req, _ in batch]
+        finished = []
+        for (req, n), draft, span in zip(batch, drafts, spans, strict=True):
             req.stats.forward_passes += 1
-            if req.num_cached == len(req.token_ids):
-                sampling.append((req, row, req.num_cached, draft))
-            row += 1 + len(draft)
-        if not sampling:
-            return []
-        rows = torch.tensor([r + j for _, r, _, d in sampling for j in range(1 + len(d))], device=eng.device)
-        logits = logits.index_select(0, rows) if rows.numel() != logits.shape[0] else logits
-        self._mask(logits, sampling)
-        greedy_tokens = torch.argmax(logits, dim=-1).tolist()
-        finished, offset = [], 0
-        for req, _, cached, draft in sampling:
-            span = slice(offset, offset + 1 + len(draft))
-            offset = span.stop
-            try:
-                if req.params.greedy:
-                    emitted = accept_greedy(greedy_tokens[span], draft)
-                else:
-                    emitted = accept_sampled(target_probs(logits[span], req.params), draft, req.generator)
-                accepted = len(emitted) - 1
-                req.num_cached = cached + accepted  # K/V of rejected drafts are left to be overwritten
-                req.stats.drafted_tokens += len(draft)
-                req.stats.accepted_tokens += accepted
-                req.stats.verify_steps += 1
-                drafter_hooks.notify_verified(self.drafter, req, len(draft), accepted)
-                for j, tok in enumerate(emitted):
-                    eng._advance(req, tok, jump_forward=j == len(emitted) - 1)
-                    if req.finished:
-                        break
-            except Exception as exc:
-                log.exception("request %d failed", req.id)
-                req.finish("error", exc if isinstance(exc, EngineError) else EngineError(str(exc)))
+            if span is None:  # a prefill chunk: nothing to sample yet
+                req.num_cached += n
+                continue
+            self._accept(req, n, draft, tokens[span[0] : span[0] + 1 + len(draft)], errors.get(req))
             if req.finished:
                 eng.scheduler.remove(req)
                 eng._notify(req)
                 self._tracked.discard(req)
                 drafter_hooks.release(self.drafter, req)
                 finished.append(req)
+        for req, _ in batch:
+            if not req.finished:
+                eng._notify(req)
         return finished
 
-    def _mask(self, logits: torch.Tensor, sampling: list[tuple[Request, int, int, list[int]]]) -> None:
-        """Apply each constrained request's grammar mask at each of its rows, in place. Rows
-        after a draft token the grammar forbids stay unmasked: acceptance stops before them."""
+    @staticmethod
+    def _spans(batch: list[tuple[Request, int]], drafts: list[list[int]]) -> list[tuple[int, int] | None]:
+        """Per request, (first row, first row in the flat token order) of its sampling
+        positions, or None when it does not sample this step. Rows count sampling positions
+        only; the flat order counts every token the forward runs."""
+        spans: list[tuple[int, int] | None] = []
+        row = flat = 0
+        for (req, n), draft in zip(batch, drafts, strict=True):
+            if req.num_cached + n == len(req.token_ids):
+                spans.append((row, flat + n - 1))
+                row += 1 + len(draft)
+            else:
+                spans.append(None)
+            flat += n + len(draft)
+        return spans
+
+    @torch.inference_mode()  # the forward's logits are inference tensors; masking writes them
+    def _forward_and_sample(
+        self, batch: list[tuple[Request, int]], drafts: list[list[int]], spans: list[tuple[int, int] | None]
+    ) -> tuple[list[int], dict[Request, BaseException]]:
+        """One forward over every pending + draft token; a sampled token at every sampling
+        position (in row order). Uses the runner's decode graphs when the whole step fits one,
+        treating each token as a one-token row (its own position and context length)."""
+        eng, runner = self.engine, self.engine.runner
+        samplers = [(req, d, s) for (req, _), d, s in zip(batch, drafts, spans, strict=True) if s is not None]
+        temps, seeds = [], []
+        for req, d, _ in samplers:
+            pos = len(req.token_ids)
+            temps += [req.params.temperature] * (1 + len(d))
+            seeds += [self._noise_seed(req, pos + j) for j in range(1 + len(d))]
+        errors: dict[Request, BaseException] = {}
+        if not samplers:  # only prefill chunks this step
+            runner.extend([ExtendSeq(r.slot, r.num_cached, r.token_ids[r.num_cached : r.num_cached + n], 0) for r, n in batch])
+            return [], errors
+        num_tokens = sum(n + len(d) for (_, n), d in zip(batch, drafts, strict=True))
+        filtered = any(not r.params.greedy and (r.params.top_k > 0 or r.params.top_p < 1.0) for r, _, _ in samplers)
+        graphs = runner.graphs
+        if graphs is not None and not filtered and graphs.bucket(num_tokens) is not None:
+            rows, at = [], {}  # one ExtendSeq per token; `at`: flat index -> sampling row
+            for (req, n), d, s in zip(batch, drafts, spans, strict=True):
+                toks = req.token_ids[req.num_cached : req.num_cached + n] + d
+                if s is not None:
+                    at.update({s[1] + j: s[0] + j for j in range(1 + len(d))})
+                for j, t in enumerate(toks):
+                    rows.append(ExtendSeq(req.slot, req.num_cached + j, [t]))
+            order = sorted(at)  # flat indices of sampling rows, in row order
+            flat_temps, flat_seeds, has_mask = [0.0] * len(rows), [0] * len(rows), [False] * len(rows)
+            for f in order:
+                r = at[f]
+                flat_temps[f], flat_seeds[f] = temps[r], seeds[r]
+            for req, d, (_, f0) in samplers:
+                if req.matcher is not None:
+                    has_mask[f0 : f0 + 1 + len(d)] = [True] * (1 + len(d))
+            spans_flat = [(req, f0, d) for req, d, (_, f0) in samplers if req.matcher is not None]
+            out = runner.decode(
+                rows, flat_temps, flat_seeds, has_mask, lambda bm: errors.update(self._fill_masks(bm, spans_flat))
+            )
+            return [out[f] for f in order], errors
+        seqs = []
+        for (req, n), d, s in zip(batch, drafts, spans, strict=True):
+            start = req.num_cached
+            seqs.append(ExtendSeq(req.slot, start, req.token_ids[start : start + n] + d, num_logits=0 if s is None else 1 + len(d)))
+        logits = runner.extend(seqs)  # async on CUDA: the mask walk below overlaps it
+        constrained = [(req, s[0], d) for req, d, s in samplers if req.matcher is not None]
+        if constrained:
+            idx = [s + j for _, s, d in constrained for j in range(1 + len(d))]
+            bitmask = allocate_bitmask(len(idx), eng.vocab_size)
+            local, r = [], 0
+            for req, _, d in constrained:
+                local.append((req, r, d))
+                r += 1 + len(d)
+            errors.update(self._fill_masks(bitmask, local))
+            bitmask = bitmask.to(eng.device, non_blocking=True)
+            if len(idx) == logits.shape[0]:  # every row constrained: mask in place
+                apply_bitmask_(logits, bitmask)
+            else:
+                idx_t = torch.tensor(idx, device=eng.device)
+                logits.index_copy_(0, idx_t, apply_bitmask_(logits.index_select(0, idx_t), bitmask))
+        tokens = torch.argmax(logits, dim=-1).tolist()  # greedy rows' answer
+        for req, d, (r0, _) in samplers:
+            if req.params.greedy:
+                continue
+            # Sampled rows one at a time, stopping at the first mismatch: the rows after it
+            # are never read (same noise per row, so the same tokens as sampling them all).
+            for j in range(r0, r0 + 1 + len(d)):
+                tokens[j] = int(sample(logits[j : j + 1], [req.params], [seeds[j]])[0])
+                if j - r0 == len(d) or tokens[j] != d[j - r0]:
+                    break
+        return tokens, errors
+
+    def _noise_seed(self, req: Request, position: int) -> int:
+        """The sampling noise of the token at `position`: the engine's rule (a function of
+        (seed, position) for seeded requests), so speculation does not change seeded outputs."""
+        if req.params.greedy:
+            return 0
+        if req.params.seed is None:
+            return self.engine._rng.getrandbits(63)
+        return step_seed(req.params.seed, position)
+
+    @staticmethod
+    def _fill_masks(bitmask: torch.Tensor, spans: list[tuple[Request, int, list[int]]]) -> dict[Request, BaseException]:
+        """Rows r0..r0+m of `bitmask` get the grammar's mask after the pending tokens and after
+        each draft prefix (the matcher walks the draft, then rolls back). Rows after a draft
+        token the grammar forbids are set all-allowed: acceptance stops before them."""
+        errors: dict[Request, BaseException] = {}
+        for req, r0, draft in spans:
+            m, walked = req.matcher, 0
+            try:
+                m.fill_bitmask(bitmask, r0)
+                for d in draft:
+                    if not m.accept_token(d):
+                        break
+                    walked += 1
+                    if m.is_terminated():  # a drafted stop token: nothing follows it
+                        break
+                    m.fill_bitmask(bitmask, r0 + walked)
+            except Exception as exc:
+                errors[req] = exc
+            finally:
+                if walked:
+                    m.rollback(walked)
+            bitmask[r0 + walked + 1 : r0 + len(draft) + 1] = -1
+        return errors
+
+    def _accept(self, req: Request, n: int, draft: list[int], tokens: list[int], error: BaseException | None) -> None:
+        """Keep the accepted prefix of the draft, emit it and the target's token through the
+        engine's `_advance`; the KV cache keeps pending + accepted drafts."""
         eng = self.engine
-        spans, offset = [], 0
-        for req, _, _, draft in sampling:
-            if req.matcher is not None:
-                spans.append((req, offset, draft))
-            offset += 1 + len(draft)
-        if not spans:
-            return
-        idx = torch.tensor([o + j for _, o, d in spans for j in range(1 + len(d))], device=eng.device)
-        bitmask = allocate_bitmask(idx.numel(), eng.vocab_size)
-        r = 0
-        for req, _, draft in spans:
-            m = req.matcher
-            m.fill_bitmask(bitmask, r)
-            walked = 0
-            for d in draft:
-                if not m.accept_token(d):
+        try:
+            if error is not None:
+                raise EngineError(f"grammar failed while computing the token mask: {error}")
+            emitted = accept_draft(tokens, draft)
+            accepted = len(emitted) - 1
+            req.num_cached += n + accepted  # rejected drafts' K/V are overwritten later
+            req.stats.drafted_tokens += len(draft)
+            req.stats.accepted_tokens += accepted
+            req.stats.verify_steps += 1
+            drafter_hooks.notify_verified(self.drafter, req, len(draft), accepted)
+            for j, tok in enumerate(emitted):
+                eng._advance(req, tok, jump_forward=j == len(emitted) - 1)
+                if req.finished:
                     break
-                walked += 1
-                if m.is_terminated():  # a drafted stop token: nothing follows it
-                    break
-                m.fill_bitmask(bitmask, r + walked)
-            if walked:
-                m.rollback(walked)
-            r += 1 + len(draft)
-        masked = apply_bitmask_(logits.index_select(0, idx), bitmask.to(eng.device, non_blocking=True))
-        logits.index_copy_(0, idx, masked)
+        except Exception as exc:
+            log.exception("request %d failed", req.id)
+            req.finish("error", exc if isinstance(exc, EngineError) else EngineError(str(exc)))

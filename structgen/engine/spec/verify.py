@@ -1,23 +1,32 @@
-"""Acceptance rules: which draft tokens the target keeps, given its (already grammar-masked)
-logits at every draft position. Pure functions of tensors, so they are tested on their own.
+"""The acceptance rule: which draft tokens the target keeps.
 
-A request with draft d_1..d_m has m + 1 target rows: row j is the target's next-token
-distribution after d_1..d_j. Both rules emit the accepted prefix d_1..d_a plus one token of
-the target's own (the correction at the first rejection, or the bonus token after a fully
-accepted draft), so every verify step produces between 1 and m + 1 tokens.
+A request with draft d_1..d_m is verified at m + 1 positions: position j is the next token
+after the pending tokens and d_1..d_j. The target *samples* one token t_j at every position,
+each from its own masked (and temperature / top-k / top-p filtered) distribution p_j, the way
+the non-speculative sampler would; the drafts are kept while t_j == d_{j+1}, and the first t_j
+that differs (or t_m after a fully accepted draft: the bonus token) is emitted too:
+
+    emitted = d_1..d_a, t_a        a = the first j with t_j != d_{j+1} (or m)
+
+For greedy requests t_j is the masked argmax, so this is exact-match acceptance and the
+output is token for token what greedy decoding without speculation emits.
+
+For sampled requests it is rejection sampling with a point-mass draft distribution, carried
+out with one draw per position: the draft d is accepted with probability P(t = d) = p(d), and
+when it is rejected the emitted token is t conditioned on t != d, i.e. drawn from p with d
+removed and renormalised. So every emitted token is distributed exactly as p_j given the
+accepted prefix: the output has the target's distribution for *any* drafter whose proposals do
+not depend on the target's random draws (n-gram lookup, a draft model's argmax, a user's
+guess). Because the draws use the engine's per-(seed, position) noise, a seeded request even
+samples the same tokens with and without speculation.
 """
 
 from __future__ import annotations
 
-import torch
 
-from structgen.engine.sampler import SamplingParams, filter_top_k_top_p
-
-
-def accept_greedy(target_tokens: list[int], draft: list[int]) -> list[int]:
-    """Exact-match acceptance for greedy requests: keep drafts while they equal the target's
-    argmax. `target_tokens` holds the argmax of each of the m + 1 rows. The result is exactly
-    what greedy decoding without speculation emits."""
+def accept_draft(target_tokens: list[int], draft: list[int]) -> list[int]:
+    """The emitted tokens: the accepted draft prefix plus the target's own next token.
+    `target_tokens` holds the target's token at each of the len(draft) + 1 positions."""
     out: list[int] = []
     for j, d in enumerate(draft):
         out.append(target_tokens[j])
@@ -25,42 +34,3 @@ def accept_greedy(target_tokens: list[int], draft: list[int]) -> list[int]:
             return out
     out.append(target_tokens[len(draft)])
     return out
-
-
-def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution the non-speculative sampler draws from, for every row of `logits`
-    [rows, V]: temperature, then top-k / top-p, then softmax (the mask is already applied)."""
-    rows = [filter_top_k_top_p(row / params.temperature, params.top_k, params.top_p) for row in logits]
-    return torch.softmax(torch.stack(rows).float(), dim=-1)
-
-
-def accept_sampled(probs: torch.Tensor, draft: list[int], generator: torch.Generator | None) -> list[int]:
-    """Rejection sampling with a point-mass draft, which keeps the target distribution exactly.
-
-    Draft d is accepted with probability p(d); on rejection the token is drawn from p with d
-    removed and renormalised. Then P(emit x) = p(x) for every x: for x = d it is p(d), for
-    x != d it is (1 - p(d)) * p(x) / (1 - p(d)). Each position's row is conditioned on the
-    accepted prefix, so the whole emitted sequence has the target's distribution. This holds for
-    any drafter whose proposal does not depend on the target's random draws (an n-gram lookup,
-    a draft model's argmax, a user's guess), because it holds for every fixed d.
-
-    `probs` [m + 1, V] from `target_probs`; one uniform draw per draft token, one categorical
-    draw at the end, all from the request's generator.
-    """
-    m = len(draft)
-    if m:
-        d = torch.tensor(draft, device=probs.device)
-        p_draft = probs[torch.arange(m, device=probs.device), d]
-        u = torch.rand(m, device=probs.device, generator=generator)
-        rejected = (u >= p_draft).tolist()
-        a = rejected.index(True) if True in rejected else m
-    else:
-        a = 0
-    row = probs[a]
-    if a < m:
-        residual = row.clone()
-        residual[draft[a]] = 0.0
-        if residual.sum() > 0:  # p(d) == 1 can only be "rejected" by rounding: keep d then
-            row = residual
-    tok = int(torch.multinomial(row, 1, generator=generator)[0])
-    return draft[:a] + [tok]

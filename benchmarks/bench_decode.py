@@ -1,0 +1,263 @@
+"""Decode-step benchmark: ms per decode step of our engine (CUDA graphs, grammar mask inside,
+mask filling overlapped with the forward) against transformers eager `generate`, with and
+without xgrammar's HF logits processor, on the same device, weights and prompts.
+
+Models: SmolLM2-135M-Instruct (real weights), random-weight Llama-3.2-1B and Llama-3.1-8B
+shapes. Batches 1, 8, 64; unconstrained and constrained by a typical JSON schema (a record
+of six fields). Only full pure-decode steps are timed: each round prefills the batch, skips
+two steps, and times steps until the first request finishes; rounds repeat until `--steps`
+steps are timed. Also: the HBM floor (decode weight bytes over measured copy bandwidth),
+tokens/s of 64 concurrent JSON requests end to end through `LLM.acomplete`, and a
+self-check that greedy outputs are identical with graphs on and off.
+
+    python -m benchmarks.bench_decode                       # everything (on the GPU)
+    python -m benchmarks.bench_decode --models llama-8b-shape --batches 1 --no-peers
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import (
+    decode_weight_bytes,
+    hbm_floor_ms,
+    measure_copy_bandwidth_gbps,
+    model_config,
+    print_table,
+    random_weights,
+    write_results,
+)
+from structgen.engine.config import EngineConfig
+from structgen.engine.engine import Engine
+from structgen.engine.request import Request
+from structgen.engine.sampler import SamplingParams
+
+MODELS = ("smollm2-135m", "llama-1b-shape", "llama-8b-shape")
+# A typical extraction record: strings, an integer, a boolean and a list.
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "city": {"type": "string"},
+                   "email": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}},
+                   "active": {"type": "boolean"}},
+    "required": ["name", "age", "city", "email", "tags", "active"],
+}
+PROMPT = "Write a JSON record for a fictional person: name, age, city, email, a few tags, active."
+E2E_SCHEMA = {
+    "type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                     "city": {"type": "string"}},
+    "required": ["name", "age", "city"],
+}
+NAMES = ["Ana", "Bo", "Chen", "Dara", "Eli", "Fatima", "Gus", "Hana"]
+CITIES = ["Lisbon", "Oslo", "Lima", "Osaka", "Nairobi", "Quito", "Perth", "Riga"]
+
+
+def load(model: str, tok_dir: Path | None) -> tuple[Any, Any, Path | None, set[int]]:
+    """(ModelConfig, tokenizer, weights dir or None for random weights, stop ids)."""
+    from structgen.engine.models.loader import load_model_config, load_tokenizer, resolve_model
+
+    if model == "smollm2-135m":
+        d = resolve_model(None, progress=False)
+        cfg = load_model_config(d)
+        return cfg, load_tokenizer(d), d, set(cfg.eos_token_id)
+    cfg = model_config(model.removesuffix("-shape"))
+    tok = load_tokenizer(tok_dir or resolve_model(None, progress=False))
+    return cfg, tok, None, set(cfg.eos_token_id)
+
+
+def build_engine(cfg, model_dir: Path | None, stop: set[int], graphs: bool) -> Engine:
+    ec = EngineConfig(max_batch_size=64, max_seq_len=1024, jump_forward=False, use_cuda_graphs=False)
+    engine = Engine(cfg, ec, model_dir, stop_token_ids=stop)
+    if model_dir is None:  # the peers' random weights (benchmarks.common), copied in place
+        engine.runner.model.load_hf_weights(random_weights(cfg, engine.runner.dtype, engine.device, seed=0))
+        gc.collect()
+        torch.cuda.empty_cache()  # before capture: nothing a graph uses may be released after it
+    engine.config.use_cuda_graphs = graphs
+    if graphs:
+        engine.runner.capture_decode_graphs()
+    return engine
+
+
+def chat(tokenizer, text: str) -> str:
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+
+
+def time_decode(engine: Engine, prompt_ids: list[int], batch: int, grammar, steps: int) -> dict[str, float]:
+    """ms per pure decode step with `batch` requests all alive and sampling (stop tokens off
+    for free text; constrained rows end with their grammar, which ends a round)."""
+    elapsed, timed, rounds = 0.0, 0, 0
+    while timed < steps and rounds < 50:
+        rounds += 1
+        reqs = [Request(prompt_ids, SamplingParams(max_tokens=steps + 16),
+                        grammar.matcher() if grammar is not None else None,
+                        frozenset(engine.stop_token_ids) if grammar is not None else frozenset())
+                for _ in range(batch)]
+        for r in reqs:
+            engine.add_request(r)
+        while any(r.num_output == 0 for r in reqs):
+            engine.step()
+        for _ in range(2):  # the first decode step after a prefill cannot be pre-launched
+            engine.step()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        while timed < steps and all(not r.finished for r in reqs):
+            engine.step()
+            timed += 1
+        elapsed += time.perf_counter() - t0
+        for r in reqs:
+            engine.abort(r)
+    return {"value": elapsed * 1e3 / max(timed, 1), "steps": timed, "rounds": rounds}
+
+
+def self_check(cfg, model_dir, stop, tokenizer, grammar) -> dict[str, Any]:
+    """Greedy outputs with graphs on == graphs off (free text and JSON rows; a full bucket
+    of 8 and a batch of 3 padded to 4)."""
+    prompts = [tokenizer.encode(chat(tokenizer, f"Describe {n} from {c}."), add_special_tokens=False)
+               for n, c in zip(NAMES, CITIES, strict=True)]
+    outs = {}
+    for graphs in (True, False):
+        engine = build_engine(cfg, model_dir, stop, graphs)
+        runs = []
+        for batch in (prompts, prompts[:3]):
+            reqs = [Request(p, SamplingParams(max_tokens=40), grammar.matcher() if i % 2 else None,
+                            frozenset(stop)) for i, p in enumerate(batch)]
+            engine.run(reqs)
+            runs.append([r.output_ids for r in reqs])
+        outs[graphs] = runs
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+    same = outs[True] == outs[False]
+    rows_differing = sum(a != b for ra, rb in zip(outs[True], outs[False], strict=True)
+                         for a, b in zip(ra, rb, strict=True))
+    return {"graphs_equal_eager": same, "rows_differing": rows_differing}
+
+
+def end_to_end(engine: Engine, tokenizer, n: int = 64) -> dict[str, Any]:
+    """n concurrent JSON extraction requests through LLM.acomplete (jump-forward on)."""
+    from structgen.api import LLM
+    from structgen.types import JsonSchema
+
+    engine.config.jump_forward = True
+    llm = LLM.from_engine(engine, tokenizer, "SmolLM2-135M-Instruct")
+    prompts = [f"Extract the person as JSON: {NAMES[i % 8]} {NAMES[(i // 8) % 8]}son is {20 + i} years "
+               f"old and lives in {CITIES[(i * 3) % 8]}." for i in range(n)]
+    schema = JsonSchema(E2E_SCHEMA)
+    llm.generate(schema, prompts[0], max_tokens=64)  # warm: grammar compile, jump-forward tables
+
+    async def go():
+        return await asyncio.gather(*(llm.acomplete(schema, p, max_tokens=64) for p in prompts),
+                                    return_exceptions=True)
+
+    t0 = time.perf_counter()
+    results = asyncio.run(go())
+    wall = time.perf_counter() - t0
+    ok = [r for r in results if not isinstance(r, BaseException)]
+    tokens = sum(len(r.token_ids) for r in ok)
+    engine.config.jump_forward = False
+    return {"tokens_per_s": tokens / wall, "wall_s": wall, "tokens": tokens, "valid": len(ok), "requests": n,
+            "errors": sorted({type(r).__name__ for r in results if isinstance(r, BaseException)})}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--steps", type=int, default=48)
+    ap.add_argument("--peer-tokens", type=int, default=32)
+    ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--no-write", action="store_true", help="print only (debug runs)")
+    ap.add_argument("--dump", type=Path, default=None, help="also write rows/floors here after each model")
+    ap.add_argument("--merge", type=Path, default=None, help="start from rows/floors dumped by an earlier run")
+    ap.add_argument("--tokenizer-dir", type=Path, default=None,
+                    help="SmolLM2 tokenizer files for the random-shape models (when the model is absent)")
+    args = ap.parse_args()
+    assert torch.cuda.is_available(), "bench_decode measures the GPU engine; run it on a CUDA machine"
+    from benchmarks.peers import compile_xgrammar, load_hf_model, transformers_generate
+    from structgen.grammar import GrammarCompiler
+    from structgen.types import JsonSchema, to_constraint
+
+    batches = [int(b) for b in args.batches.split(",")]
+    bandwidth = measure_copy_bandwidth_gbps()
+    rows: list[dict[str, Any]] = []
+    floors: dict[str, float] = {}
+    extra: dict[str, Any] = {"copy_bandwidth_gbps": bandwidth, "schema": SCHEMA, "steps": args.steps,
+                             "settings": "max_seq_len=1024, jump_forward off for ms/step, bf16, greedy"}
+    if args.merge is not None and args.merge.is_file():
+        earlier = json.loads(args.merge.read_text())
+        rows, floors = earlier["rows"], earlier["floors"]
+        extra = {**earlier["extra"], **extra}
+    for model in args.models.split(","):
+        t_load = time.perf_counter()
+        cfg, tok, model_dir, stop = load(model, args.tokenizer_dir)
+        floors[model] = hbm_floor_ms(decode_weight_bytes(cfg, torch.bfloat16), bandwidth)
+        prompt_ids = tok.encode(chat(tok, PROMPT), add_special_tokens=False)
+        grammar = GrammarCompiler(tok, cfg.vocab_size, sorted(stop)).compile(to_constraint(JsonSchema(SCHEMA)))
+        engine = build_engine(cfg, model_dir, stop, graphs=True)
+        print(f"[{model}] engine ready in {time.perf_counter() - t_load:.1f}s "
+              f"(graphs {engine.runner.graphs.batch_sizes if engine.runner.graphs else None})", flush=True)
+        for batch in batches:
+            for constrained in (False, True):
+                r = time_decode(engine, prompt_ids, batch, grammar if constrained else None, args.steps)
+                rows.append({"system": "structgen", "model": model, "batch": batch, "constrained": constrained,
+                             "metric": "ms_per_step", **r, "floor_ms": floors[model]})
+                print(rows[-1], flush=True)
+        if model == "smollm2-135m":
+            e2e = end_to_end(engine, tok)
+            rows.append({"system": "structgen", "model": model, "batch": e2e["requests"], "constrained": True,
+                         "metric": "tokens_per_s", "value": e2e["tokens_per_s"],
+                         **{k: v for k, v in e2e.items() if k != "tokens_per_s"}})
+            print(rows[-1], flush=True)
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+        if model == "smollm2-135m":
+            extra["self_check"] = self_check(cfg, model_dir, stop, tok, grammar)
+            print("self-check:", extra["self_check"], flush=True)
+        if not args.no_peers:
+            hf = load_hf_model(model_dir if model_dir is not None else model, torch.bfloat16, "cuda", seed=0)
+            xg = compile_xgrammar(tok, cfg.vocab_size, sorted(stop), json_schema=SCHEMA)
+            text = chat(tok, PROMPT)
+            if tok.pad_token is None:  # equal prompts never pad; transformers still wants one
+                tok.pad_token = tok.eos_token
+            for batch in batches:
+                for constrained in (False, True):
+                    run = transformers_generate(hf, tok, [text] * batch, args.peer_tokens,
+                                                compiled_grammar=xg if constrained else None,
+                                                ignore_eos=not constrained)
+                    rows.append({"system": run.system, "model": model, "batch": batch, "constrained": constrained,
+                                 "metric": "ms_per_step", "value": run.ms_per_step, "steps": run.steps,
+                                 "floor_ms": floors[model]})
+                    print(rows[-1], flush=True)
+            del hf
+            gc.collect()
+            torch.cuda.empty_cache()
+        if args.dump is not None:
+            args.dump.write_text(json.dumps({"rows": rows, "floors": floors, "extra": extra}, default=str))
+
+    table = [{k: r.get(k) for k in ("system", "model", "batch", "constrained", "metric", "value", "floor_ms")}
+             for r in rows]
+    print(f"\ndevice: {torch.cuda.get_device_name()}  copy bandwidth: {bandwidth:.0f} GB/s")
+    print_table(table)
+    for model in sorted(floors):
+        base = {(r["batch"], r["constrained"]): r["value"] for r in rows
+                if r["system"] == "structgen" and r["model"] == model and r["metric"] == "ms_per_step"}
+        for b in batches:
+            if (b, False) in base and (b, True) in base:
+                print(f"{model} batch {b}: grammar overhead {100 * (base[b, True] / base[b, False] - 1):+.1f}%"
+                      + (f", {base[b, False] / floors[model]:.2f}x floor" if b == 1 else ""))
+    if "self_check" in extra:
+        print("self-check (greedy, graphs on == off):", json.dumps(extra["self_check"]))
+    if not args.no_write:
+        print("wrote", write_results("decode", rows, floors, extra))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,305 @@
+"""Jump-forward benchmark: forward passes per output token and latency with jump-forward on and
+off, at batch 1 and 16, on object-heavy shared schemas (MaskBench JME, Kubernetes, GitHub)
+with extraction-style prompts (the schema's valid instance rendered as facts).
+
+Two ways to pick the tokens:
+
+- `model`: the model chooses (real weights). Outputs differ between on and off (re-tokenised
+  boundaries change what a model sees), so figures are per output token, and every output is
+  validated against its schema.
+- `replay`: the output is the schema's valid instance (in the grammar's JSON format), fed as
+  the only allowed token at each step on top of the real grammar mask. On and off produce
+  identical text, so passes and latency compare exactly; any weights will do, which lets the
+  GPU run use random weights of the real shape when the real ones are not on the machine.
+
+    python -m benchmarks.bench_jump_forward                          # model + replay, batches 1,16
+    python -m benchmarks.bench_jump_forward --modes replay --weights random --tokenizer-dir DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import print_table, write_results
+from structgen import LLM, JsonSchema
+from structgen.engine.config import EngineConfig, ModelConfig
+from structgen.engine.engine import Engine
+from structgen.engine.request import Request
+from structgen.engine.sampler import SamplingParams
+from structgen.errors import StructgenError
+from structgen.grammar import GrammarMatcher, dump_json
+from structgen.grammar.backends.base import set_only_tokens
+from structgen.grammar.jump_forward import JumpForward, VocabBytes
+from structgen.types import to_constraint
+
+MASKBENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "maskbench"
+CATEGORIES = ("JME", "Kubernetes", "Github_easy", "Github_medium")
+
+
+@dataclass
+class Case:
+    id: str
+    schema: dict
+    prompt_ids: list[int]
+    target: str  # the valid instance in the grammar's format (replay mode)
+
+
+# -- workload -------------------------------------------------------------------------------------
+def extraction_prompt(instance: dict) -> str:
+    facts = "; ".join(f"{k}: {json.dumps(v, ensure_ascii=False)}" for k, v in instance.items())
+    return f"Extract the record as JSON. Facts: {facts}"
+
+
+def load_cases(
+    llm: LLM, data_dir: Path, categories: Sequence[str], per_category: int, max_tokens: int
+) -> list[Case]:
+    """Object schemas whose valid instance compiles, is accepted by its grammar, and fits."""
+    tok = llm.tokenizer
+    cases: list[Case] = []
+    for cat in categories:
+        n = 0
+        for line in (data_dir / f"{cat}.jsonl").read_text().splitlines():
+            row = json.loads(line)
+            schema = row["schema"]
+            valid = [t["data"] for t in row["tests"] if t["valid"] and isinstance(t["data"], dict) and t["data"]]
+            if not isinstance(schema, dict) or not valid:
+                continue
+            try:
+                grammar = llm.compile(JsonSchema(schema))
+                target = dump_json(valid[0], schema)
+            except (StructgenError, ValueError, TypeError, RecursionError):
+                continue
+            ids = tok.encode(target, add_special_tokens=False)
+            if not grammar.accepts(target) or len(ids) > max_tokens - 8:
+                continue
+            prompt = llm.encode_prompt(extraction_prompt(valid[0]))
+            cases.append(Case(row["id"], schema, prompt, target))
+            n += 1
+            if n == per_category:
+                break
+    return cases
+
+
+class ReplayMatcher(GrammarMatcher):
+    """The real grammar matcher, with its mask narrowed to the next token of a known output.
+
+    The real mask is still computed (its cost is part of a step) and the jump-forward hook
+    reads the real one through `inner`, so forced text and held-back tokens are decided by
+    the grammar, not by the replayed text."""
+
+    backend = "replay"
+
+    def __init__(self, inner: GrammarMatcher, target: bytes, vocab: VocabBytes, tokenizer: Any, stop_ids: list[int]):
+        self.inner, self.target, self.vocab, self.tokenizer, self.stop_ids = inner, target, vocab, tokenizer, stop_ids
+        self.history: list[int] = []
+        self.offset = 0
+
+    def next_token(self) -> list[int]:
+        if self.offset >= len(self.target):
+            return self.stop_ids
+        rest = self.target[self.offset :].decode("utf-8", errors="ignore")
+        return self.tokenizer.encode(rest, add_special_tokens=False)[:1]
+
+    def accept_token(self, token_id: int) -> bool:
+        if not self.inner.accept_token(token_id):
+            return False
+        self.history.append(token_id)
+        self.offset += len(self.vocab.tokens[token_id])
+        return True
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        self.inner.fill_bitmask(bitmask, row)
+        set_only_tokens(bitmask, row, self.next_token())
+
+    def rollback(self, num_tokens: int) -> None:
+        self.inner.rollback(num_tokens)
+        for _ in range(num_tokens):
+            self.offset -= len(self.vocab.tokens[self.history.pop()])
+
+    def jump_forward_string(self) -> str:
+        return self.inner.jump_forward_string()
+
+    def is_terminated(self) -> bool:
+        return self.inner.is_terminated()
+
+    def is_completed(self) -> bool:
+        return self.inner.is_completed()
+
+    def reset(self) -> None:
+        self.inner.reset()
+        self.history, self.offset = [], 0
+
+
+class ReplayJumpForward(JumpForward):
+    """Hold-back decisions read the grammar's own mask, not the replay-narrowed one."""
+
+    def _allowed(self, m: Any):
+        return super()._allowed(m.inner if isinstance(m, ReplayMatcher) else m)
+
+
+# -- running ------------------------------------------------------------------------------------
+def make_requests(llm: LLM, cases: list[Case], mode: str, jf: bool, max_tokens: int) -> list[Request]:
+    stop = sorted(llm.engine.stop_token_ids)
+    reqs = []
+    for c in cases:
+        matcher = llm.compile(JsonSchema(c.schema)).matcher()
+        if mode == "replay":
+            matcher = ReplayMatcher(matcher, c.target.encode(), llm.engine.jump_forward_hook.vocab, llm.tokenizer, stop)
+        reqs.append(Request(c.prompt_ids, SamplingParams(max_tokens=max_tokens, jump_forward=jf), matcher, frozenset(stop)))
+    return reqs
+
+
+class StepTimer:
+    """Times engine steps, split into pure decode steps and steps that also run forced tokens."""
+
+    def __init__(self, engine: Engine):
+        self.engine, self.decode, self.extend = engine, [], []
+
+    def run(self, reqs: list[Request]) -> float:
+        e = self.engine
+        t0 = time.perf_counter()
+        for r in reqs:
+            e.add_request(r)
+        while any(not r.finished for r in reqs):
+            prefill = any(r.num_cached < r.num_prompt for r in e.scheduler.running) or e.scheduler.waiting
+            multi = any(r.num_pending > 1 for r in e.scheduler.running)
+            t = time.perf_counter()
+            e.step()
+            if e.device.type == "cuda":
+                torch.cuda.synchronize()
+            if not prefill:
+                (self.extend if multi else self.decode).append(time.perf_counter() - t)
+        return time.perf_counter() - t0
+
+
+def measure(llm: LLM, cases: list[Case], mode: str, jf: bool, batch: int, max_tokens: int) -> dict[str, Any]:
+    constraint = {c.id: to_constraint(JsonSchema(c.schema)) for c in cases}
+    timer = StepTimer(llm.engine)
+    latencies, done = [], []
+    if batch == 1:
+        for c in cases:
+            (req,) = make_requests(llm, [c], mode, jf, max_tokens)
+            latencies.append(timer.run([req]))
+            done.append((c, req))
+        wall = sum(latencies)
+    else:
+        group = (cases * (batch // len(cases) + 1))[:batch]
+        reqs = make_requests(llm, group, mode, jf, max_tokens)
+        wall = timer.run(reqs)
+        done = list(zip(group, reqs, strict=True))
+        latencies = [r.stats.ttft_s + r.stats.decode_s for r in reqs]
+    tokens = sum(r.num_output for _, r in done)
+    passes = sum(r.stats.forward_passes for _, r in done)
+    valid = 0
+    for c, r in done:
+        text = llm.tokenizer.decode(r.output_ids)
+        try:
+            if r.finish_reason == "stop":
+                constraint[c.id].parse(text)
+                valid += mode != "replay" or text == c.target
+        except StructgenError:
+            pass
+    return {
+        "tokens": tokens, "forward_passes": passes, "forced": sum(r.stats.forced_tokens for _, r in done),
+        "passes_per_token": passes / max(tokens, 1), "wall_s": wall,
+        "latency_ms": 1e3 * statistics.mean(latencies), "ms_per_token": 1e3 * wall / max(tokens, 1),
+        "valid": valid, "n": len(done),
+        "decode_step_ms": 1e3 * statistics.mean(timer.decode) if timer.decode else None,
+        "extend_step_ms": 1e3 * statistics.mean(timer.extend) if timer.extend else None,
+    }
+
+
+def build_llm(weights: str, tokenizer_dir: Path | None, device: str | None, graphs: bool) -> tuple[LLM, str]:
+    config = EngineConfig(device=device, max_batch_size=16, max_seq_len=1536, use_cuda_graphs=graphs)
+    if weights == "real":
+        return LLM(config=config), "smollm2-135m"
+    from structgen.engine.models.loader import load_tokenizer, resolve_model
+
+    src = tokenizer_dir or resolve_model(progress=False)
+    tokenizer = load_tokenizer(src)
+    cfg = ModelConfig.from_file(Path(src) / "config.json")
+    engine = Engine(cfg, config, None, stop_token_ids={tokenizer.eos_token_id, *cfg.eos_token_id})
+    return LLM.from_engine(engine, tokenizer, "smollm2-135m-shape"), "smollm2-135m-shape"
+
+
+def add_rows(rows: list, table: list, res: dict, model: str, mode: str, batch: int, note: dict) -> None:
+    """Result rows (BENCHMARKS.md format) and table lines for one (mode, batch) on/off pair."""
+    off, on = res[False], res[True]
+    for jf, r in res.items():
+        common = {"system": "structgen" if jf else "structgen-nojf", "model": model, "batch": batch,
+                  "constrained": True, "mode": mode, "jump_forward": jf, **note, "tokens": r["tokens"],
+                  "forced_tokens": r["forced"], "valid": r["valid"], "n": r["n"],
+                  "decode_step_ms": r["decode_step_ms"], "extend_step_ms": r["extend_step_ms"]}
+        rows.append({**common, "metric": "forward_passes_per_token", "value": r["passes_per_token"]})
+        rows.append({**common, "metric": "latency_ms", "value": r["latency_ms"]})
+        rows.append({**common, "metric": "ms_per_token", "value": r["ms_per_token"]})
+        table.append({"mode": mode, **note, "batch": batch, "jf": "on" if jf else "off",
+                      "valid": f"{r['valid']}/{r['n']}", "tokens": r["tokens"], "forced": r["forced"],
+                      "passes/tok": r["passes_per_token"], "latency_ms": r["latency_ms"],
+                      "ms/tok": r["ms_per_token"], "wall_s": r["wall_s"],
+                      "decode_step_ms": r["decode_step_ms"], "extend_step_ms": r["extend_step_ms"]})
+    rows.append({"system": "structgen", "model": model, "batch": batch, "constrained": True, "mode": mode,
+                 **note, "metric": "speedup", "value": off["wall_s"] / on["wall_s"]})
+    table.append({"mode": mode, **note, "batch": batch, "jf": "on/off",
+                  "passes/tok": on["passes_per_token"] / off["passes_per_token"],
+                  "latency_ms": on["latency_ms"] / off["latency_ms"], "wall_s": off["wall_s"] / on["wall_s"]})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--modes", default="model,replay", help="model and/or replay")
+    ap.add_argument("--weights", default="real", choices=["real", "random"])
+    ap.add_argument("--tokenizer-dir", type=Path, default=None, help="tokenizer + config.json (random weights)")
+    ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--categories", default=",".join(CATEGORIES))
+    ap.add_argument("--data-dir", type=Path, default=MASKBENCH, help="MaskBench *.jsonl files")
+    ap.add_argument("--graphs", default="on", help="CUDA graphs: on, off or on,off (GPU only)")
+    ap.add_argument("--per-category", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=384)
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args()
+
+    modes = [m for m in args.modes.split(",") if m]
+    if args.weights == "random" and "model" in modes:
+        modes.remove("model")  # a random model's free choices mean nothing
+    rows: list[dict[str, Any]] = []
+    table: list[dict[str, Any]] = []
+    cases: list[Case] = []
+    for graphs in args.graphs.split(","):
+        llm, model = build_llm(args.weights, args.tokenizer_dir, args.device, graphs == "on")
+        engine = llm.engine
+        engine.jump_forward_hook = ReplayJumpForward(
+            llm.tokenizer, engine.vocab_size, engine.stop_token_ids, vocab=engine.jump_forward_hook.vocab
+        )
+        cases = load_cases(llm, args.data_dir, args.categories.split(","), args.per_category, args.max_tokens)
+        print(f"{len(cases)} cases: {', '.join(c.id for c in cases)}", flush=True)
+        # warm-up: first forwards allocate, fill caches
+        measure(llm, cases[:2], "replay", True, 1, args.max_tokens)
+        measure(llm, cases[:2], "replay", False, 1, args.max_tokens)
+        graph_note = {} if engine.device.type != "cuda" else {"cuda_graphs": graphs == "on"}
+        for mode in modes:
+            for batch in (int(b) for b in args.batches.split(",")):
+                res = {jf: measure(llm, cases, mode, jf, batch, args.max_tokens) for jf in (False, True)}
+                add_rows(rows, table, res, model, mode, batch, graph_note)
+                print_table(table[-3:])
+        del llm, engine
+    print_table(table)
+    print("(last row per group: passes/tok = on/off ratio, wall_s = speedup off/on)")
+    if not args.no_write:
+        extra = {"cases": [c.id for c in cases], "weights": args.weights,
+                 "note": "batch 1: requests one after another (latency = per request); batch 16: all at once"}
+        print("wrote", write_results("jump_forward", rows, extra=extra))
+
+
+if __name__ == "__main__":
+    main()

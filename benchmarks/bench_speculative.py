@@ -1,0 +1,246 @@
+"""Speculative decoding benchmark: mean acceptance length and end-to-end speedup over no
+speculation, on extraction prompts built from MaskBench JME (NousResearch json-mode-eval).
+
+Each prompt holds the schema and the schema's valid instance rendered as prose; the model
+(real SmolLM2-135M-Instruct weights, greedy) extracts the JSON under the schema's grammar.
+Variants: no speculation; n-gram (prompt lookup) drafting with and without grammar-aware
+drafting; the self-draft (the target's first layers + its LM head); each with jump-forward on
+and off. Greedy speculation is lossless, so every variant must produce the baseline's exact
+tokens (`identical` counts those that do).
+
+    python -m benchmarks.bench_speculative                       # 20 prompts, batch 1, k = 3
+    python -m benchmarks.bench_speculative --limit 3 --methods ngram --jump-forward on   # smoke
+
+Metrics: `mean_acceptance_length` = tokens sampled per verify step (accepted drafts + the
+target's own token; forced jump-forward tokens excluded), `forward_passes_per_token`,
+`ms_per_token` (wall time / output tokens), `speedup` (no-speculation ms_per_token / this),
+`decode_ms_per_token` / `decode_speedup` (the same from each request's first token on, i.e.
+without the prompt's prefill step, which speculation does not touch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import print_table, write_results
+from structgen import LLM, JsonSchema
+from structgen.engine.config import EngineConfig, SpeculativeConfig
+from structgen.engine.request import Request
+from structgen.engine.sampler import SamplingParams
+from structgen.engine.spec.speculator import Speculator
+from structgen.errors import StructgenError
+
+JME = Path(__file__).resolve().parents[2] / "shared" / "data" / "maskbench" / "JME.jsonl"
+
+
+@dataclass
+class Case:
+    id: str
+    prompt_ids: list[int]
+    schema: dict
+
+
+# -- workload ---------------------------------------------------------------------------------
+def words(key: str) -> str:
+    """`securityProtocol` / `security_protocol` -> `security protocol`."""
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", " ", key).replace("_", " ").strip().lower()
+
+
+def prose(value: Any, path: tuple[str, ...] = ()) -> list[str]:
+    """Sentences stating every leaf of a JSON instance: "The ssid is OfficeNetSecure." """
+    subject = "The " + " ".join(path) if path else "The record"
+    if isinstance(value, dict):
+        return [s for k, v in value.items() for s in prose(v, (*path, words(k)))]
+    if isinstance(value, list):
+        if all(not isinstance(v, dict | list) for v in value):
+            items = [str(v) for v in value]
+            listed = ", ".join(items[:-1]) + f" and {items[-1]}" if len(items) > 1 else "".join(items) or "none"
+            return [f"{subject} are {listed}."]
+        return [s for i, v in enumerate(value) for s in prose(v, (*path, f"item {i + 1}"))]
+    if value is None:
+        return [f"{subject} is unknown."]
+    if isinstance(value, bool):
+        return [f"{subject} is {'yes' if value else 'no'}."]
+    return [f"{subject} is {value}."]
+
+
+def extraction_prompt(schema: dict, instance: dict) -> str:
+    return (
+        "Extract the information in the text as JSON that follows the schema.\n\n"
+        f"Schema:\n{json.dumps(schema)}\n\nText:\n{' '.join(prose(instance))}"
+    )
+
+
+def load_cases(llm: LLM, path: Path, limit: int, max_prompt_tokens: int) -> list[Case]:
+    cases: list[Case] = []
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        valid = [t["data"] for t in row["tests"] if t["valid"] and isinstance(t["data"], dict) and t["data"]]
+        if not isinstance(row["schema"], dict) or not valid:
+            continue
+        try:
+            llm.compile(JsonSchema(row["schema"]))
+        except (StructgenError, ValueError, TypeError, RecursionError):
+            continue
+        ids = llm.encode_prompt(extraction_prompt(row["schema"], valid[0]))
+        if len(ids) > max_prompt_tokens:
+            continue
+        cases.append(Case(row["id"], ids, row["schema"]))
+        if len(cases) == limit:
+            break
+    return cases
+
+
+# -- running ------------------------------------------------------------------------------------
+def run(llm: LLM, cases: list[Case], batch: int, jump_forward: bool, max_tokens: int) -> tuple[float, list[Request]]:
+    """Wall time and finished requests for `cases`, `batch` at a time (engine stepped here)."""
+    eng, stop = llm.engine, frozenset(llm.engine.stop_token_ids)
+    done: list[Request] = []
+    t0 = time.perf_counter()
+    for i in range(0, len(cases), batch):
+        reqs = [
+            Request(c.prompt_ids, SamplingParams(max_tokens=max_tokens, jump_forward=jump_forward),
+                    llm.compile(JsonSchema(c.schema)).matcher(), stop)
+            for c in cases[i : i + batch]
+        ]
+        eng.run(reqs)
+        done += reqs
+    return time.perf_counter() - t0, done
+
+
+def summarize(name: str, batch: int, jf: bool, k: int, wall: float, reqs: list[Request], base: list[Request] | None) -> dict:
+    tokens = sum(r.num_output for r in reqs)
+    steps = sum(r.stats.verify_steps for r in reqs)
+    accepted = sum(r.stats.accepted_tokens for r in reqs)
+    row = {
+        "system": name, "model": "smollm2-135m", "batch": batch, "constrained": True, "jump_forward": jf,
+        "draft_len": k, "prompts": len(reqs), "tokens": tokens,
+        "mean_acceptance_length": (accepted + steps) / steps if steps else 1.0,
+        "drafted": sum(r.stats.drafted_tokens for r in reqs), "accepted": accepted,
+        "forced": sum(r.stats.forced_tokens for r in reqs),
+        "forward_passes_per_token": sum(r.stats.forward_passes for r in reqs) / max(tokens, 1),
+        "ms_per_token": 1e3 * wall / max(tokens, 1), "wall_s": wall,
+        # First token -> finish: without the prompt's prefill step, which speculation cannot speed up.
+        "decode_ms_per_token": 1e3 * sum(r.stats.decode_s for r in reqs) / max(sum(r.num_output - 1 for r in reqs), 1),
+        "errors": sum(r.finish_reason == "error" for r in reqs),
+    }
+    if base is not None:
+        row["identical"] = sum(a.output_ids == b.output_ids for a, b in zip(reqs, base, strict=True))
+    return row
+
+
+class StepProfile:
+    """`--profile`: wall time inside the step's phases (host clock; the graphs sync each step)."""
+
+    PHASES = {"Speculator": ("propose", "_forward_and_sample", "_accept"), "Engine": ("step",)}
+
+    def __init__(self) -> None:
+        import structgen.engine.engine as engine_mod
+        import structgen.engine.spec.speculator as spec_mod
+
+        self.totals: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+        for cls, names in ((spec_mod.Speculator, self.PHASES["Speculator"]), (engine_mod.Engine, self.PHASES["Engine"])):
+            for name in names:
+                setattr(cls, name, self._timed(f"{cls.__name__}.{name}", getattr(cls, name)))
+
+    def _timed(self, key: str, fn):
+        def wrapper(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.totals[key] = self.totals.get(key, 0.0) + time.perf_counter() - t
+                self.counts[key] = self.counts.get(key, 0) + 1
+        return wrapper
+
+    def report(self, label: str) -> None:
+        parts = [f"{k.split('.')[-1]} {1e3 * v / self.counts[k]:.3f} ms x{self.counts[k]}" for k, v in self.totals.items()]
+        print(f"  profile {label}: " + "; ".join(parts))
+        self.totals.clear()
+        self.counts.clear()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--data", type=Path, default=JME)
+    ap.add_argument("--limit", type=int, default=20)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--max-prompt-tokens", type=int, default=1536)
+    ap.add_argument("--draft-len", type=int, default=3)
+    ap.add_argument("--batches", default="1")
+    ap.add_argument("--methods", default="ngram,self_draft", help="comma list of ngram, self_draft")
+    ap.add_argument("--self-draft-layers", type=int, default=8)
+    ap.add_argument("--jump-forward", choices=("on", "off", "both"), default="both")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--backend", default="auto", help="grammar backend: auto, xgrammar, llguidance")
+    ap.add_argument("--profile", action="store_true", help="time the step's phases per variant")
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args()
+
+    # 64 slots: the decode graphs are captured up to 64 rows, which a verify step of 16 x (1 + 3) fills.
+    llm = LLM(backend=args.backend, config=EngineConfig(device=args.device, max_seq_len=2048, max_batch_size=64))
+    profile = StepProfile() if args.profile else None
+    eng = llm.engine
+    cases = load_cases(llm, args.data, args.limit, args.max_prompt_tokens)
+    print(f"{len(cases)} JME extraction prompts on {eng.device}, "
+          f"prompt tokens {min(len(c.prompt_ids) for c in cases)}..{max(len(c.prompt_ids) for c in cases)}")
+    k = args.draft_len
+    variants: list[tuple[str, SpeculativeConfig | None]] = [("structgen-nospec", None)]
+    methods = args.methods.split(",")
+    if "ngram" in methods:
+        variants += [("structgen-ngram", SpeculativeConfig(num_draft_tokens=k)),
+                     ("structgen-ngram-nogrammar", SpeculativeConfig(num_draft_tokens=k, grammar_aware=False))]
+    if "self_draft" in methods:
+        for aware, suffix in ((True, ""), (False, "-nogrammar")):
+            variants.append((f"structgen-selfdraft{args.self_draft_layers}{suffix}", SpeculativeConfig(
+                method="self_draft", self_draft_layers=args.self_draft_layers, num_draft_tokens=k, grammar_aware=aware)))
+    speculators = {name: None if spec is None else Speculator(eng, spec) for name, spec in variants}
+    for s in speculators.values():
+        if s is not None:
+            s.use_tokenizer(llm.tokenizer)  # what LLM does for a speculator it is built with
+    jfs = {"on": [True], "off": [False], "both": [True, False]}[args.jump_forward]
+
+    rows = []
+    for batch in [int(b) for b in args.batches.split(",")]:
+        for jf in jfs:
+            # Only prompts whose greedy output completes within max_tokens: a 135M model sometimes
+            # loops on a schema with open properties, and a loop is trivially easy to draft.
+            eng.speculator = None
+            _, first = run(llm, cases, 1, jf, args.max_tokens)
+            kept = [c for c, r in zip(cases, first, strict=True) if r.finish_reason == "stop"]
+            print(f"batch {batch}, jump_forward={jf}: {len(kept)} of {len(cases)} outputs complete")
+            base = None
+            for name, spec in variants:
+                eng.speculator = speculators[name]  # one engine, its drafters swapped between runs
+                run(llm, kept[:1], 1, jf, args.max_tokens)  # warm-up: Triton JIT, allocator
+                if profile:
+                    profile.report("warm-up")  # dropped
+                wall, reqs = run(llm, kept, batch, jf, args.max_tokens)
+                if profile:
+                    profile.report(f"{name} batch={batch} jf={jf}")
+                row = summarize(name, batch, jf, 0 if spec is None else k, wall, reqs, base)
+                base = base or reqs
+                rows.append(row)
+            ref = next(r for r in rows if r["system"] == "structgen-nospec" and r["batch"] == batch and r["jump_forward"] == jf)
+            for r in rows:
+                if r["batch"] == batch and r["jump_forward"] == jf:
+                    r["speedup"] = ref["ms_per_token"] / r["ms_per_token"]
+                    r["decode_speedup"] = ref["decode_ms_per_token"] / r["decode_ms_per_token"]
+    eng.speculator = None
+    shown = ["system", "batch", "jump_forward", "tokens", "identical", "mean_acceptance_length",
+             "forward_passes_per_token", "ms_per_token", "speedup", "decode_ms_per_token", "decode_speedup", "errors"]
+    print_table([{c: r.get(c) for c in shown} for r in rows])
+    if not args.no_write:
+        path = write_results("speculative", rows, extra={"settings": vars(args) | {"data": str(args.data)}})
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

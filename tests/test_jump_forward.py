@@ -1,0 +1,262 @@
+"""Jump-forward decoding on the real tokenizer, real grammars (both backends) and the real
+default model on CPU.
+
+Two kinds of test: the hook driven directly on a request whose "sampled" tokens we choose
+(boundary cases: quote + comma, a forced closing quote, text the tokenizer would turn into a
+special token, a tokenizer that changes text), and whole generations with jump-forward on and
+off (validity on shared MaskBench schemas, fewer forward passes, the on/off switches).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from structgen import LLM, JsonSchema
+from structgen.engine.config import EngineConfig
+from structgen.engine.request import Request
+from structgen.engine.sampler import SamplingParams
+from structgen.errors import IncompleteOutputError, UnsupportedSchemaError
+from structgen.grammar.jump_forward import JumpForward
+from structgen.types import to_constraint
+
+BACKENDS = ["xgrammar", "llguidance"]
+MASKBENCH = Path(__file__).parents[2] / "shared" / "data" / "maskbench"
+TWO_STRINGS = {
+    "type": "object",
+    "properties": {"a": {"type": "string"}, "b": {"type": "string"}},
+    "required": ["a", "b"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(config=EngineConfig(device="cpu", max_batch_size=4, max_seq_len=1024))
+
+
+def sampled(llm: LLM, schema: dict, text: str, backend: str, max_tokens: int = 64) -> Request:
+    """A request whose matcher has accepted `text` tokenised canonically, as if sampled."""
+    grammar = llm.grammars.compile(to_constraint(JsonSchema(schema)), backend=backend)
+    req = Request([1], SamplingParams(max_tokens=max_tokens), grammar.matcher(), frozenset(llm.engine.stop_token_ids))
+    for t in llm.tokenizer.encode(text, add_special_tokens=False):
+        assert req.matcher.accept_token(t)
+        req.append([t])
+    return req
+
+
+def text_of(llm: LLM, req: Request) -> str:
+    return llm.tokenizer.decode(req.output_ids)
+
+
+def assert_matcher_consistent(llm: LLM, req: Request, schema: dict, backend: str) -> None:
+    """The rolled-back-and-re-advanced matcher must be where a fresh one fed the final tokens is."""
+    from structgen.grammar import allocate_bitmask
+
+    fresh = llm.grammars.compile(to_constraint(JsonSchema(schema)), backend=backend).matcher()
+    assert fresh.accept_tokens(req.output_ids) == len(req.output_ids)
+    a, b = allocate_bitmask(1, llm.engine.vocab_size), allocate_bitmask(1, llm.engine.vocab_size)
+    req.matcher.fill_bitmask(a, 0)
+    fresh.fill_bitmask(b, 0)
+    assert (a == b).all()
+    assert req.matcher.jump_forward_string() == fresh.jump_forward_string()
+
+
+# -- the hook on chosen tokens --------------------------------------------------------------------
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_quote_comma_boundary_is_retokenized(llm, backend):
+    """The model sampled `"` alone; the grammar forces `, "b": `. The model itself writes `",`
+    as one token, so the `"` must be re-spelled, not left with `,` appended after it."""
+    req = sampled(llm, TWO_STRINGS, '{"a": "x', backend)
+    quote = llm.tokenizer.convert_tokens_to_ids('"')
+    assert req.matcher.accept_token(quote)
+    req.append([quote])
+    llm.engine.jump_forward_hook(llm.engine, req)
+    text = text_of(llm, req)
+    # ` "` is held back: the model may want ` "(` or ` "$` for b's value.
+    assert text == '{"a": "x", "b":'
+    assert req.output_ids == llm.tokenizer.encode(text, add_special_tokens=False)
+    assert llm.tokenizer.convert_ids_to_tokens(req.output_ids[-4:]) == ['",', 'Ġ"', "b", '":']
+    assert req.stats.forced_tokens == 3  # `",` replaces the sampled `"`; ` "`, `b`, `":` are forced
+    assert_matcher_consistent(llm, req, TWO_STRINGS, backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_forced_closing_quote_merges_and_finishes(llm, backend):
+    """maxLength reached: the grammar forces `"}`. It must merge with nothing it should not,
+    end in the model's own `"}` token, and finish the request without another forward."""
+    schema = {"type": "object", "properties": {"code": {"type": "string", "maxLength": 3}},
+              "required": ["code"], "additionalProperties": False}
+    req = sampled(llm, schema, '{"code": "abc', backend)
+    llm.engine.jump_forward_hook(llm.engine, req)
+    assert text_of(llm, req) == '{"code": "abc"}'
+    assert llm.tokenizer.convert_ids_to_tokens(req.output_ids[-2:]) == ["abc", '"}']
+    assert req.finished and req.finish_reason == "stop"
+    assert req.stats.forced_tokens == 1
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_string_that_must_be_closed_after_forced_text(llm, backend):
+    """enum ["cm", "cms"]: the grammar forces `{"unit": "cm` and leaves `"` vs `s"` open.
+    `cm` is held back (the model may want the single token `cms`), and the model can still
+    close the string: `"}` is allowed next."""
+    schema = {"type": "object", "properties": {"unit": {"enum": ["cm", "cms"]}},
+              "required": ["unit"], "additionalProperties": False}
+    req = sampled(llm, schema, "", backend)
+    llm.engine.jump_forward_hook(llm.engine, req)
+    assert text_of(llm, req) == '{"unit": "'
+    for close in ('cm"}', 'cms"}'):
+        ids = llm.tokenizer.encode(close, add_special_tokens=False)
+        assert req.matcher.accept_tokens(ids) == len(ids)
+        req.matcher.rollback(len(ids))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_special_token_text_inside_forced_string(llm, backend):
+    """Forced text spelling `<|im_end|>` must be encoded as plain text, never as the stop token."""
+    schema = {"type": "object", "properties": {"k": {"const": "a<|im_end|>b"}}, "required": ["k"],
+              "additionalProperties": False}
+    req = sampled(llm, schema, "", backend)
+    llm.engine.jump_forward_hook(llm.engine, req)
+    assert text_of(llm, req) == '{"k": "a<|im_end|>b"}'
+    assert not set(req.output_ids) & llm.engine.stop_token_ids
+    assert req.finished and req.finish_reason == "stop"
+
+
+class PrefixSpaceTokenizer:
+    """A real tokenizer that, like SentencePiece ones, adds a leading space to every encode."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.all_special_ids = tokenizer.all_special_ids
+        self.backend_tokenizer = None
+
+    def __call__(self, text: str, **kw):
+        return self.tokenizer(" " + text, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
+def test_tokenizer_that_changes_text_means_no_jump(llm):
+    """When no encoding spells the text exactly, nothing is appended and the matcher and the
+    request are left exactly as they were."""
+    installed = llm.engine.jump_forward_hook
+    hook = JumpForward(PrefixSpaceTokenizer(llm.tokenizer), llm.engine.vocab_size, llm.engine.stop_token_ids,
+                       vocab=installed.vocab)
+    req = sampled(llm, TWO_STRINGS, '{"a": "x"', "xgrammar")
+    before = list(req.output_ids)
+    hook(llm.engine, req)
+    assert req.output_ids == before and req.stats.forced_tokens == 0 and not req.finished
+    assert req.matcher.jump_forward_string() == ', "b": "'
+    assert_matcher_consistent(llm, req, TWO_STRINGS, "xgrammar")
+
+
+# -- whole generations ------------------------------------------------------------------------
+def extraction_prompt(instance: dict) -> str:
+    facts = "; ".join(f"{k}: {json.dumps(v)}" for k, v in instance.items())
+    return f"Extract the record as JSON. Facts: {facts}"
+
+
+def jme_rows(n: int) -> list[dict]:
+    rows = [json.loads(line) for line in (MASKBENCH / "JME.jsonl").read_text().splitlines()]
+    return [r for r in rows if any(t["valid"] for t in r["tests"])][:n]
+
+
+def run_both(llm: LLM, schema: dict, prompt: str, max_tokens: int = 160, backend: str | None = None):
+    """(completion with jump-forward, completion without); None if the schema is unsupported
+    or either run is cut by max_tokens (a small model can loop on open objects)."""
+    output = JsonSchema(schema)
+    if backend is not None:
+        llm.grammars.backend = backend
+    try:
+        on = llm.complete(output, prompt, max_tokens=max_tokens)
+        off = llm.complete(output, prompt, max_tokens=max_tokens, jump_forward=False)
+    except (UnsupportedSchemaError, IncompleteOutputError):
+        return None
+    finally:
+        llm.grammars.backend = "auto"
+    return on, off
+
+
+def test_whole_output_forced_finishes_without_a_forward(llm):
+    schema = {"type": "object", "properties": {"kind": {"const": "point"}}, "required": ["kind"],
+              "additionalProperties": False}
+    c = llm.complete(JsonSchema(schema), "Say something.")
+    assert c.value == {"kind": "point"} and c.finish_reason == "stop"
+    assert c.stats.forward_passes == 0 and c.stats.forced_tokens == c.stats.output_tokens
+
+
+def test_max_tokens_caps_forced_text(llm):
+    schema = {"type": "object", "properties": {"kind": {"const": "a fairly long constant string"}},
+              "required": ["kind"], "additionalProperties": False}
+    with pytest.raises(IncompleteOutputError) as info:
+        llm.complete(JsonSchema(schema), "Say something.", max_tokens=4)
+    assert len(info.value.token_ids) == 4
+
+
+def test_extraction_valid_with_fewer_forward_passes(llm):
+    """Two JME extraction schemas: valid output (Constraint.parse validates it), forced tokens,
+    and fewer forward passes per output token than without jump-forward."""
+    compared = 0
+    for row in jme_rows(4):
+        instance = next(t["data"] for t in row["tests"] if t["valid"])
+        result = run_both(llm, row["schema"], extraction_prompt(instance), max_tokens=64)
+        if result is None:
+            continue
+        on, off = result
+        compared += 1
+        assert on.stats.forced_tokens > 0
+        assert off.stats.forced_tokens == 0
+        per_token_on = on.stats.forward_passes / on.stats.output_tokens
+        per_token_off = off.stats.forward_passes / off.stats.output_tokens
+        assert per_token_on < 0.8 * per_token_off, (row["id"], on.stats, off.stats)
+        if compared == 2:
+            break
+    assert compared == 2
+
+
+def test_jump_forward_off_globally_and_in_batches(llm):
+    output = JsonSchema(TWO_STRINGS)
+    prompts = ["a is red and b is blue", "a is one, b is two", "a: sun, b: moon"]
+    batch = llm.complete_batch(output, prompts, max_tokens=40)
+    assert all(c.stats.forced_tokens > 0 for c in batch)
+    llm.engine.config.jump_forward = False
+    try:
+        plain = llm.complete_batch(output, prompts, max_tokens=40)
+        forced_on_request = llm.complete(output, prompts[0], max_tokens=40, jump_forward=True)
+    finally:
+        llm.engine.config.jump_forward = True
+    assert all(c.stats.forced_tokens == 0 for c in plain)
+    assert forced_on_request.stats.forced_tokens > 0
+    assert sum(c.stats.forward_passes for c in batch) < sum(c.stats.forward_passes for c in plain)
+
+
+def test_stream_with_jump_forward_matches_complete(llm):
+    prompt = "a is red and b is blue"
+    text = "".join(llm.stream(JsonSchema(TWO_STRINGS), prompt, max_tokens=40))
+    assert text == llm.complete(JsonSchema(TWO_STRINGS), prompt, max_tokens=40).text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("category,n", [("JME", 8), ("Kubernetes", 3), ("Github_easy", 3)])
+def test_maskbench_schemas_valid_with_jump_forward(llm, backend, category, n):
+    """Object-heavy shared schemas: every jump-forward output is valid for its schema."""
+    rows = [json.loads(line) for line in (MASKBENCH / f"{category}.jsonl").read_text().splitlines()]
+    done = 0
+    for row in rows:
+        valid = [t["data"] for t in row["tests"] if t["valid"] and isinstance(t["data"], dict)]
+        if not valid or not isinstance(row["schema"], dict):
+            continue
+        result = run_both(llm, row["schema"], extraction_prompt(valid[0]), max_tokens=256, backend=backend)
+        if result is None:
+            continue
+        on, _ = result
+        assert on.finish_reason == "stop"
+        done += 1
+        if done == n:
+            break
+    assert done == n

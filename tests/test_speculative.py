@@ -1,0 +1,305 @@
+"""Speculative decoding (structgen/engine/spec/): lossless for greedy requests on the real
+default model, distribution-preserving for sampled ones, and the drafters on their own."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+from dataclasses import replace
+
+import pytest
+import torch
+
+from structgen.api import LLM
+from structgen.engine.config import EngineConfig, ModelConfig, SpeculativeConfig
+from structgen.engine.engine import Engine
+from structgen.engine.models.loader import load_model_config
+from structgen.engine.request import GenerationStats, Request
+from structgen.engine.sampler import SamplingParams, allocate_bitmask, apply_bitmask_
+from structgen.engine.spec.ngram import NgramDrafter
+from structgen.engine.spec.speculator import Speculator
+from structgen.engine.spec.verify import accept_draft
+from structgen.errors import InvalidParameterError
+from structgen.grammar import GrammarCompiler
+from structgen.types import Choice, JsonSchema, to_constraint
+
+SOURCE = (
+    "Maria Gonzalez is a 34 year old software engineer living in Barcelona. "
+    "Her employee id is EMP-20931 and her email is maria.gonzalez@example.com."
+)
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer"},
+        "city": {"type": "string"},
+        "email": {"type": "string"},
+    },
+    "required": ["name", "age", "city", "email"],
+    "additionalProperties": False,
+}
+PROMPT = f"Extract the person as JSON with keys name, age, city, email.\n\nText: {SOURCE}"
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir, tokenizer) -> LLM:
+    """The real default model on CPU; each test swaps `engine.speculator` in and out."""
+    cfg = EngineConfig(device="cpu", max_batch_size=4, max_seq_len=1024)
+    engine = Engine(load_model_config(model_dir), cfg, model_dir)
+    from structgen.api import _stop_token_ids
+
+    engine.stop_token_ids = _stop_token_ids(tokenizer, engine.model_config.eos_token_id)
+    return LLM.from_engine(engine, tokenizer, "smollm2-135m")
+
+
+def speculate(llm: LLM, spec: SpeculativeConfig | None) -> None:
+    llm.engine.speculator = None if spec is None else Speculator(llm.engine, spec)
+
+
+def complete(llm: LLM, spec: SpeculativeConfig | None, output_type, prompt: str, **kw):
+    speculate(llm, spec)
+    try:
+        return llm.complete(output_type, prompt, **kw)
+    finally:
+        speculate(llm, None)
+
+
+def test_greedy_constrained_output_is_unchanged(llm):
+    """The same tokens with and without speculation (n-gram, with and without grammar-aware
+    drafting, jump-forward on), and the drafts really were used."""
+    base = complete(llm, None, JsonSchema(SCHEMA), PROMPT, max_tokens=80)
+    for aware in (True, False):
+        spec = SpeculativeConfig(num_draft_tokens=4, grammar_aware=aware)
+        out = complete(llm, spec, JsonSchema(SCHEMA), PROMPT, max_tokens=80)
+        assert out.token_ids == base.token_ids, f"grammar_aware={aware}"
+        assert out.value == base.value
+        s = out.stats
+        assert s.drafted_tokens > 0 and s.accepted_tokens > 0
+        assert s.mean_acceptance_length == (s.accepted_tokens + s.verify_steps) / s.verify_steps > 1.0
+        assert s.forward_passes < base.stats.forward_passes
+    assert llm.engine.runner.kv.free_slots == llm.engine.runner.kv.num_slots
+
+
+def test_greedy_unconstrained_output_is_unchanged(llm):
+    """Plain text, batched: every request keeps its greedy tokens, stop tokens included."""
+    prompts = [
+        "Repeat this sentence twice: the quick brown fox jumps over the lazy dog.",
+        f"Summarise in one sentence: {SOURCE}",
+    ]
+    ids = [llm.encode_prompt(p) for p in prompts]
+
+    def run(spec):
+        speculate(llm, spec)
+        reqs = [Request(p, SamplingParams(max_tokens=40), stop_token_ids=frozenset(llm.engine.stop_token_ids)) for p in ids]
+        llm.engine.run(reqs)
+        speculate(llm, None)
+        return reqs
+
+    base = run(None)
+    spec = run(SpeculativeConfig(num_draft_tokens=3, ngram_max=3))
+    assert [r.output_ids for r in spec] == [r.output_ids for r in base]
+    assert [r.finish_reason for r in spec] == [r.finish_reason for r in base]
+    assert sum(r.stats.accepted_tokens for r in spec) > 0
+
+
+@pytest.mark.slow
+def test_self_draft_is_lossless(llm):
+    """The target's first layers as a draft model, its logits masked by the grammar."""
+    base = complete(llm, None, JsonSchema(SCHEMA), PROMPT, max_tokens=80)
+    spec = SpeculativeConfig(method="self_draft", self_draft_layers=6, num_draft_tokens=3)
+    out = complete(llm, spec, JsonSchema(SCHEMA), PROMPT, max_tokens=80)
+    assert out.token_ids == base.token_ids
+    assert out.stats.drafted_tokens > 0
+
+
+def test_seeded_sampling_is_unchanged(llm):
+    """Sampling noise is keyed by (seed, position), so a seeded request draws the same
+    tokens whether or not a draft covered the position."""
+    kw = dict(max_tokens=60, temperature=0.8, seed=11)
+    base = complete(llm, None, JsonSchema(SCHEMA), PROMPT, **kw)
+    out = complete(llm, SpeculativeConfig(num_draft_tokens=3), JsonSchema(SCHEMA), PROMPT, **kw)
+    assert out.token_ids == base.token_ids
+
+
+class RandomGuess:
+    """A user drafter: proposes the rest of a random complete output (drawn from `weights`),
+    or random junk; its guesses never depend on the target's random draws."""
+
+    def __init__(self, outputs: list[tuple[int, ...]], weights: list[float], junk: list[int], seed: int = 0):
+        self.outputs, self.weights, self.junk = outputs, weights, junk
+        self.rng = random.Random(seed)
+
+    def propose(self, req: Request, k: int) -> list[int]:
+        if self.rng.random() < 0.25:
+            return [self.rng.choice(self.junk) for _ in range(k)]
+        out = tuple(req.output_ids)
+        guess = self.rng.choices(self.outputs, self.weights)[0]
+        return list(guess[len(out) : len(out) + k]) if guess[: len(out)] == out else []
+
+
+def exact_distribution(engine: Engine, prompt: list[int], matcher, stop: set[int], temperature: float) -> dict[tuple, float]:
+    """P(output tokens) of masked sampling without speculation, by walking every path."""
+    model = engine.runner.model
+    out: dict[tuple, float] = {}
+
+    def logits_after(ids: list[int]) -> torch.Tensor:
+        from structgen.engine.attention import AttentionBatch
+
+        slot = engine.runner.kv.scratch_slot
+        batch = AttentionBatch.build([(slot, 0, len(ids))], engine.device)
+        hidden = model(torch.tensor(ids), batch, engine.runner.kv)
+        return model.logits(hidden[-1:]).float()
+
+    def walk(prefix: list[int], prob: float) -> None:
+        mask = allocate_bitmask(1, engine.vocab_size)
+        matcher.fill_bitmask(mask, 0)
+        p = torch.softmax(apply_bitmask_(logits_after(prompt + prefix), mask)[0] / temperature, -1)
+        for tok in p.nonzero().flatten().tolist():
+            q = prob * float(p[tok])
+            if tok in stop:
+                out[tuple(prefix)] = out.get(tuple(prefix), 0.0) + q
+                continue
+            assert matcher.accept_token(tok)
+            if matcher.is_completed() and engine._only_stop_allowed(matcher):
+                out[tuple(prefix + [tok])] = out.get(tuple(prefix + [tok]), 0.0) + q
+            else:
+                walk(prefix + [tok], q)
+            matcher.rollback(1)
+
+    with torch.inference_mode():
+        walk([], 1.0)
+    return out
+
+
+@pytest.mark.parametrize("aware", [True, False])
+def test_rejection_sampling_keeps_the_distribution(tokenizer, aware):
+    """Many samples with a random user drafter on a tiny random-weight model match the
+    exactly computed masked target distribution (chi-square, far tail)."""
+    cfg = ModelConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+    stop = {tokenizer.eos_token_id}
+    grammar = GrammarCompiler(tokenizer, cfg.vocab_size, sorted(stop)).compile(to_constraint(Choice(["red", "blue", "cyan"])))
+    # Unseeded requests: noise from the engine's generator, so every variant draws afresh.
+    engine = Engine(cfg, EngineConfig(device="cpu", max_batch_size=64, max_seq_len=64, seed=7), None, stop)
+    engine.runner.model.init_random_weights(std=0.4, seed=3)
+    prompt = tokenizer.encode("Pick a colour:", add_special_tokens=False)
+    exact = exact_distribution(engine, prompt, grammar.matcher(), stop, temperature=1.0)
+    assert abs(sum(exact.values()) - 1) < 1e-4
+    # The drafter guesses from a flattened version of the true distribution: often right, often not.
+    outputs = sorted(exact)
+    weights = [exact[o] ** 0.5 for o in outputs]
+    junk = sorted({t for o in outputs for t in o})
+    drafter = RandomGuess(outputs, weights, junk)
+    engine.speculator = Speculator(engine, SpeculativeConfig(method="custom", drafter=drafter, grammar_aware=aware))
+
+    n = 600
+    reqs = [Request(prompt, SamplingParams(max_tokens=8, temperature=1.0), grammar.matcher(), frozenset(stop))
+            for _ in range(n)]
+    engine.run(reqs)
+    counts = Counter(tuple(r.output_ids) for r in reqs)
+    assert set(counts) <= set(exact), "sampled an output the masked target cannot produce"
+    assert sum(r.stats.accepted_tokens for r in reqs) > n // 2  # drafts were accepted...
+    assert sum(r.stats.drafted_tokens - r.stats.accepted_tokens for r in reqs) > n // 4  # ...and rejected
+    # Chi-square over outcomes expected >= 5 times, the rest pooled in one bin.
+    big = [o for o, p in exact.items() if p * n >= 5]
+    rest_p = 1 - sum(exact[o] for o in big)
+    cells = [(counts.get(o, 0), exact[o] * n) for o in big]
+    if rest_p * n >= 5:
+        cells.append((n - sum(c for c, _ in cells), rest_p * n))
+    chi2 = sum((c - e) ** 2 / e for c, e in cells)
+    df = len(cells) - 1
+    assert df >= 3
+    print(f"chi2={chi2:.1f} df={df}")
+    assert chi2 < df + 6 * math.sqrt(2 * df), f"chi2={chi2:.1f} for {df} degrees of freedom"
+
+
+class Misbehaving:
+    """A user drafter that proposes ids outside the vocabulary, then raises."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def propose(self, req: Request, k: int) -> list[int]:
+        self.calls += 1
+        if self.calls % 2:
+            return [1, -5, 10**9][:k]
+        raise RuntimeError("drafter bug")
+
+
+def test_a_broken_user_drafter_costs_only_its_drafts():
+    cfg = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, eos_token_id=[])
+    eng = Engine(cfg, EngineConfig(device="cpu", max_batch_size=2, max_seq_len=64), None, set())
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
+    base = [Request(p, SamplingParams(max_tokens=10)) for p in prompts]
+    eng.run(base)
+    eng.speculator = Speculator(eng, SpeculativeConfig(method="custom", drafter=Misbehaving()))
+    reqs = [Request(p, SamplingParams(max_tokens=10)) for p in prompts]
+    eng.run(reqs)
+    assert [r.output_ids for r in reqs] == [r.output_ids for r in base]
+    assert all(r.finish_reason == "length" for r in reqs)
+    assert eng.speculator.drafter.calls > 4
+
+
+def test_accept_draft_rule():
+    assert accept_draft([5, 6, 7], [5, 6]) == [5, 6, 7]  # all accepted + bonus
+    assert accept_draft([5, 9, 7], [5, 6]) == [5, 9]  # rejected at the second: correction
+    assert accept_draft([4], []) == [4]  # no draft: a plain decode step
+
+
+def test_ngram_drafter_copies_spans_of_the_prompt(tokenizer):
+    ids = tokenizer.encode(f"{SOURCE} Email: maria.gonzalez@", add_special_tokens=False)
+    after = ids.index(ids[-1]) + 1  # just after the first "@": the span to copy
+    req = Request(ids, SamplingParams())
+    drafter = NgramDrafter(n_min=1, n_max=4)
+    draft = drafter.propose(req, 4)
+    assert draft == ids[after : after + 4]
+    assert tokenizer.decode(draft).startswith("example")
+    req.append(draft[:2])  # the index follows the growing output
+    assert drafter.propose(req, 2) == draft[2:4]
+    req.truncate(len(ids))  # and a rollback
+    assert drafter.propose(req, 4) == draft
+    drafter.release(req)
+    assert not drafter.indexes
+
+
+def test_ngram_matches_across_a_dropped_leading_space(tokenizer):
+    """Prose has ` Office` (with a space), the JSON string starts `"Office`: exact ids do not
+    match, space classes do, and the continuation is the prose's own tokens."""
+    prompt = tokenizer.encode("The ssid is OfficeNetSecure. Answer:", add_special_tokens=False)
+    req = Request(prompt, SamplingParams())
+    req.append(tokenizer.encode('{"ssid": "Office', add_special_tokens=False))
+    assert tokenizer.decode(NgramDrafter(n_min=1, n_max=3).propose(req, 2)) != "NetSec"
+    drafter = NgramDrafter(n_min=1, n_max=3)
+    drafter.use_tokenizer(tokenizer)
+    assert tokenizer.decode(drafter.propose(req, 3)) == "NetSecure"
+
+
+def test_ngram_shared_pool_drafts_from_finished_outputs(tokenizer):
+    done = Request([1, 2, 3], SamplingParams())
+    done.append(tokenizer.encode('{"status": "shipped", "carrier": "DHL"}', add_special_tokens=False))
+    done.finish("stop")
+    fresh = Request(tokenizer.encode('Order 7: {"status": "', add_special_tokens=False), SamplingParams())
+    assert NgramDrafter(n_min=2, n_max=4).propose(fresh, 2) == []  # nothing to copy from alone
+    drafter = NgramDrafter(n_min=2, n_max=4, shared=True)
+    drafter.release(done)  # a finished request's output joins the pool
+    text = tokenizer.decode(drafter.propose(fresh, 2))
+    assert text and ("shipped".startswith(text) or text.startswith("shipped"))
+
+
+def test_mean_acceptance_length_counts_tokens_per_verify_step():
+    assert GenerationStats().mean_acceptance_length == 1.0
+    s = GenerationStats(drafted_tokens=9, accepted_tokens=6, verify_steps=4)
+    assert s.mean_acceptance_length == 2.5
+    assert s.as_dict()["mean_acceptance_length"] == 2.5
+
+
+def test_bad_speculative_config_names_the_field():
+    with pytest.raises(InvalidParameterError, match="num_draft_tokens"):
+        SpeculativeConfig(num_draft_tokens=0)
+    with pytest.raises(InvalidParameterError, match="method"):
+        SpeculativeConfig(method="eagle")
+    with pytest.raises(InvalidParameterError, match="draft_model"):
+        SpeculativeConfig(method="draft_model")
+    assert replace(SpeculativeConfig(), num_draft_tokens=5).num_draft_tokens == 5

@@ -1,0 +1,356 @@
+"""Output type -> Constraint: every supported type, the parse/validation path, error messages.
+No tokenizer needed; grammar-level behaviour is in test_grammar.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import re
+from typing import Annotated, Literal
+
+import pydantic
+import pytest
+from pydantic import Field, conint, constr
+from typing_extensions import TypedDict  # pydantic needs it on Python < 3.12
+
+from structgen.errors import (
+    InvalidConstraintError,
+    OutputValidationError,
+    UnsupportedSchemaError,
+    UnsupportedTypeError,
+)
+from structgen.types import CFG, Choice, Constraint, JsonSchema, Regex, to_constraint
+
+
+class Color(enum.Enum):
+    RED = "red"
+    GREEN = "green"
+
+
+class Priority(enum.IntEnum):
+    LOW = 1
+    HIGH = 2
+
+
+class Address(pydantic.BaseModel):
+    street: str
+    zip: constr(pattern=r"^[0-9]{5}$")  # type: ignore[valid-type]
+
+
+class Cat(pydantic.BaseModel):
+    kind: Literal["cat"]
+    lives: conint(ge=0, le=9)  # type: ignore[valid-type]
+
+
+class Dog(pydantic.BaseModel):
+    kind: Literal["dog"]
+    good: bool
+
+
+class Invoice(pydantic.BaseModel):
+    id: str = Field(pattern=r"^INV-\d{4}$")
+    total: float = Field(ge=0)
+    items: list[str] = Field(max_length=3)
+    color: Color
+    address: Address | None = None
+    pet: Cat | Dog
+    counts: dict[str, int] = {}
+
+
+INVOICE = {
+    "id": "INV-0001",
+    "total": 12.5,
+    "items": ["a", "b"],
+    "color": "red",
+    "address": {"street": "Main", "zip": "12345"},
+    "pet": {"kind": "cat", "lives": 7},
+    "counts": {"x": 1},
+}
+
+
+def test_pydantic_model_schema_is_closed_and_ordered():
+    c = to_constraint(Invoice)
+    assert c.kind == "json_schema" and c.strict
+    schema = json.loads(c.source)
+    assert list(schema["properties"]) == [
+        "id",
+        "total",
+        "items",
+        "color",
+        "address",
+        "pet",
+        "counts",
+    ]
+    assert schema["additionalProperties"] is False  # the model may not invent keys
+    assert schema["$defs"]["Address"]["additionalProperties"] is False
+    assert schema["properties"]["counts"]["additionalProperties"] == {"type": "integer"}
+    assert "Invoice" in c.description
+
+
+def test_pydantic_parse_returns_validated_instance():
+    c = to_constraint(Invoice)
+    value = c.parse(json.dumps(INVOICE))
+    assert isinstance(value, Invoice)
+    assert value.color is Color.RED and isinstance(value.pet, Cat) and value.address.zip == "12345"
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"id": "INV-1"}, {"total": -1}, {"items": ["a"] * 4}, {"pet": {"kind": "cat", "lives": 10}}],
+)
+def test_pydantic_parse_rejects_invalid(change):
+    c = to_constraint(Invoice)
+    text = json.dumps({**INVOICE, **change})
+    with pytest.raises(OutputValidationError) as e:
+        c.parse(text)
+    assert e.value.text == text
+    assert "Invoice" in str(e.value)
+
+
+def test_parse_rejects_non_json():
+    with pytest.raises(OutputValidationError):
+        to_constraint(Invoice).parse('{"id": ')
+
+
+def test_field_constraints_reach_the_schema():
+    c = to_constraint(Invoice)
+    props = json.loads(c.source)["properties"]
+    assert props["id"]["pattern"] == r"^INV-\d{4}$"
+    assert props["total"]["minimum"] == 0
+    assert props["items"]["maxItems"] == 3
+
+
+def test_dataclass_and_typeddict():
+    @dataclasses.dataclass
+    class Point:
+        x: int
+        y: int = 0
+
+    class Movie(TypedDict):
+        title: str
+        year: int
+
+    p = to_constraint(Point).parse('{"x": 1, "y": 2}')
+    assert p == Point(1, 2)
+    m = to_constraint(Movie).parse('{"title": "Alien", "year": 1979}')
+    assert m == {"title": "Alien", "year": 1979}
+    with pytest.raises(OutputValidationError):
+        to_constraint(Movie).parse('{"title": "Alien"}')
+
+
+def test_containers_and_optional_at_top_level():
+    assert to_constraint(list[int]).parse("[1, 2]") == [1, 2]
+    assert to_constraint(int | None).parse("null") is None
+    assert to_constraint(dict[str, float]).parse('{"a": 1.5}') == {"a": 1.5}
+    assert to_constraint(Annotated[int, Field(ge=3)]).kind == "json_schema"
+
+
+@pytest.mark.parametrize(
+    "typ, text, value",
+    [
+        (int, "-12", -12),
+        (int, "0", 0),
+        (float, "1.5e3", 1500.0),
+        (bool, "true", True),
+        (bool, "false", False),
+    ],
+)
+def test_scalars_are_regexes(typ, text, value):
+    c = to_constraint(typ)
+    assert c.kind == "regex" and re.fullmatch(c.source, text)
+    assert c.parse(text) == value and type(c.parse(text)) is typ
+
+
+@pytest.mark.parametrize(
+    "typ, text", [(int, "01"), (int, "1_000"), (int, " 1"), (float, "1."), (bool, "True")]
+)
+def test_scalar_parse_is_strict(typ, text):
+    with pytest.raises(OutputValidationError):
+        to_constraint(typ).parse(text)
+
+
+def test_plain_str_is_unconstrained_text():
+    c = to_constraint(str)
+    assert (c.kind, c.source) == ("text", "")
+    assert c.parse("anything at all\n") == "anything at all\n"
+
+
+def test_json_schema_dict_and_text():
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 1}},
+        "required": ["n"],
+    }
+    for spec in (schema, json.dumps(schema)):
+        c = to_constraint(JsonSchema(spec))
+        assert c.kind == "json_schema"
+        assert c.parse('{"n": 2}') == {"n": 2}
+        with pytest.raises(OutputValidationError, match="#/n"):
+            c.parse('{"n": 0}')
+    assert to_constraint(JsonSchema(True)).parse("[1]") == [1]
+
+
+def test_json_schema_errors_name_the_problem():
+    with pytest.raises(InvalidConstraintError, match="line 1 column"):
+        to_constraint(JsonSchema('{"type": '))
+    with pytest.raises(InvalidConstraintError, match="#/properties/a"):
+        to_constraint(JsonSchema({"properties": {"a": {"type": "integr"}}}))
+    with pytest.raises(InvalidConstraintError, match="#/definitions/nope"):
+        to_constraint(JsonSchema({"properties": {"a": {"$ref": "#/definitions/nope"}}}))
+    with pytest.raises(InvalidConstraintError, match="admits no value"):
+        to_constraint(JsonSchema({"allOf": [{"const": 1}, {"const": 2}]}))
+    with pytest.raises(InvalidConstraintError):
+        to_constraint(JsonSchema(["not", "a", "schema"]))
+
+
+def test_unenforceable_schema_names_keyword_and_path():
+    schema = {"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}
+    with pytest.raises(UnsupportedSchemaError) as e:
+        to_constraint(JsonSchema(schema))
+    assert (e.value.keyword, e.value.path) == ("uniqueItems", "#/properties/tags")
+    assert "strict=False" in str(e.value)
+    loose = to_constraint(JsonSchema(schema), strict=False)  # best effort, validated afterwards
+    assert not loose.strict and loose.key != to_constraint(JsonSchema({})).key
+    with pytest.raises(OutputValidationError):
+        loose.parse('{"tags": [1, 1]}')
+
+
+def test_schemas_are_normalized_for_the_backends():
+    # finite: allOf[enum, not] keeps only the values the whole schema admits
+    c = to_constraint(JsonSchema({"allOf": [{"enum": [1, 2, 3]}, {"not": {"const": 2}}]}))
+    assert json.loads(c.source) == {"enum": [1, 3]}
+    assert c.parse("1") == 1
+    with pytest.raises(OutputValidationError):
+        c.parse("2")  # validated against the user's schema, not the rewritten one
+    # dependentRequired becomes anyOf[key absent, key and its dependencies present]
+    dep = {"type": "object", "properties": {"a": {}, "b": {}}, "dependentRequired": {"a": ["b"]}}
+    rewritten = json.loads(to_constraint(JsonSchema(dep)).source)
+    assert "dependentRequired" not in rewritten
+    assert rewritten["allOf"] == [
+        {"anyOf": [{"properties": {"a": False}}, {"required": ["a", "b"]}]}
+    ]
+    # not {minimum} is a bound of the opposite kind
+    neg = json.loads(to_constraint(JsonSchema({"type": "integer", "not": {"minimum": 3}})).source)
+    assert neg == {"type": "integer", "allOf": [{"type": "number", "exclusiveMaximum": 3}]}
+    # enum objects become their structure (so they are written in our JSON format)
+    obj = json.loads(to_constraint(JsonSchema({"const": {"a": [1]}})).source)
+    assert obj["properties"]["a"]["prefixItems"] == [{"const": 1}]
+    # drafts 4-7 ignore keywords next to $ref, so the rewrite drops them
+    d7 = {
+        "$schema": "http://json-schema.org/draft-07/schema#",
+        "definitions": {"s": {"type": "string"}},
+        "properties": {"k": {"$ref": "#/definitions/s", "enum": ["a"]}},
+    }
+    assert json.loads(to_constraint(JsonSchema(d7)).source)["properties"]["k"] == {
+        "$ref": "#/definitions/s"
+    }
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"not": {"enum": ["ab", "a", "b-c", 1, True, None]}},
+        {"not": {"const": 2.5}},
+        {"type": "object", "not": {"required": ["a", "b"]}},
+        {"not": {"type": ["array", "object", "null"]}},
+        {
+            "if": {"properties": {"k": {"const": "x"}}},
+            "then": {"required": ["a"]},
+            "else": {"required": ["b"]},
+        },
+        {
+            "$schema": "http://json-schema.org/draft-07/schema#",
+            "dependencies": {"a": {"required": ["b"]}},
+        },
+        {"allOf": [{"enum": [1, "a", [1], {"k": 2}]}, {"not": {"type": "string"}}]},
+    ],
+)
+def test_normalization_keeps_the_valid_instances(schema):
+    """The rewritten schema accepts exactly what the original does (checked with jsonschema
+    on probe values; test_maskbench does the same on real test instances)."""
+    import jsonschema
+
+    rewritten = json.loads(to_constraint(JsonSchema(schema)).source)
+    probes = ["", "a", "ab", "abc", "b-c", "b", 0, 1, 2.5, 3, True, False, None, [], [1], {}]
+    probes += [
+        {"k": 2},
+        {"a": 1},
+        {"b": 1},
+        {"a": 1, "b": 2},
+        {"k": "x", "a": 1},
+        {"k": "x"},
+        {"k": "y"},
+    ]
+    validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    for value in probes:
+        expected = validator(schema).is_valid(value)
+        assert validator(rewritten).is_valid(value) == expected, value
+
+
+def test_regex():
+    c = to_constraint(Regex(r"[a-z]+-\d{2}"))
+    assert (c.kind, c.source) == ("regex", r"[a-z]+-\d{2}")
+    assert c.parse("ab-12") == "ab-12"
+    with pytest.raises(OutputValidationError):
+        c.parse("ab-12x")  # must match fully
+    with pytest.raises(InvalidConstraintError, match="position 3"):
+        to_constraint(Regex("abc(d"))
+    with pytest.raises(InvalidConstraintError):
+        to_constraint(Regex(""))
+
+
+def test_cfg_syntax_detection():
+    ebnf = to_constraint(CFG('root ::= "a" rest\nrest ::= [b-z]*'))
+    lark = to_constraint(CFG('start: "a" REST\nREST: /[b-z]*/'))
+    assert (ebnf.kind, ebnf.syntax) == ("grammar", "ebnf")
+    assert (lark.kind, lark.syntax) == ("grammar", "lark")
+    assert to_constraint(CFG("start: x", syntax="ebnf")).syntax == "ebnf"  # explicit wins
+    assert ebnf.parse("abc") == "abc"
+    with pytest.raises(InvalidConstraintError):
+        to_constraint(CFG("root ::= x", syntax="bnf"))  # type: ignore[arg-type]
+
+
+def test_choice_and_top_level_literal_and_enum():
+    c = to_constraint(Choice(["a.b", "c|d", "e(f)"]))
+    assert c.kind == "regex"
+    for option in ("a.b", "c|d", "e(f)"):
+        assert re.fullmatch(c.source, option) and c.parse(option) == option
+    assert not re.fullmatch(c.source, "axb")  # metacharacters are escaped
+    lit = to_constraint(Literal["yes", "no", 3, None])
+    assert lit.parse("3") == 3 and lit.parse("null") is None and lit.parse("no") == "no"
+    assert to_constraint(Color).parse("green") is Color.GREEN
+    assert to_constraint(Priority).parse("2") is Priority.HIGH
+    with pytest.raises(OutputValidationError):
+        to_constraint(Color).parse("blue")
+
+
+def test_choice_errors():
+    with pytest.raises(InvalidConstraintError, match="at least one"):
+        to_constraint(Choice([]))
+    with pytest.raises(InvalidConstraintError, match="both written '1'"):
+        to_constraint(Choice(["1", 1]))
+    with pytest.raises(InvalidConstraintError):
+        to_constraint(Choice([["nested"]]))
+
+
+def test_unsupported_type():
+    class Plain:
+        pass
+
+    with pytest.raises(UnsupportedTypeError, match="Plain"):
+        to_constraint(Plain)
+
+
+def test_constraint_key_identifies_the_grammar():
+    class A(pydantic.BaseModel):
+        x: int
+
+    class B(pydantic.BaseModel):
+        x: int
+
+    a, b = to_constraint(A), to_constraint(B)
+    assert hash(a.key) == hash(to_constraint(A).key)
+    assert a.key != b.key  # titles differ, and so may generation
+    assert to_constraint(a) is a  # a Constraint passes through
+    assert isinstance(a, Constraint) and {a.key: 1}[to_constraint(A).key] == 1
