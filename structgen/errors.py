@@ -3,6 +3,8 @@ says what to change; nothing else should escape the public API."""
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class StructgenError(Exception):
     """Base class of every error structgen raises on purpose."""
@@ -28,10 +30,13 @@ class UnsupportedTypeError(StructgenError):
 class IncompleteOutputError(StructgenError):
     """Generation stopped (max_tokens, cancellation) before the grammar was complete."""
 
-    def __init__(self, message: str, *, partial_text: str = "", token_ids: list[int] | None = None):
+    def __init__(
+        self, message: str, *, partial_text: str = "", token_ids: list[int] | None = None, stats: Any = None
+    ):
         super().__init__(message)
         self.partial_text = partial_text
         self.token_ids = list(token_ids or [])
+        self.stats = stats  # GenerationStats of the truncated request (usage accounting)
 
 
 class OutputValidationError(StructgenError):

@@ -1,0 +1,220 @@
+// Python callables as CUDA host callbacks (cudaLaunchHostFunc), capturable in CUDA graphs,
+// plus the GIL-free waits that keep them deadlock-free. Also the Python binding of the fused
+// mask kernel in mask.cu (one extension module, `structgen_csrc`, built from both files).
+//
+// Why: a guided speculative step wants the grammar work (advance matchers, fill the next
+// bitmask) ordered *inside* one CUDA graph with the GPU work, instead of the host waiting for
+// the GPU, doing the work, and launching again. A host node in a graph runs a C function on a
+// CUDA-internal thread each time the graph replays; this file makes that function call Python.
+//
+// Lifetime of the argument block (`HostCall`: the callable and its args, one reference each):
+//   - not capturing: the callback runs once, then drops the references and frees the block;
+//   - capturing: the host node keeps a raw pointer that every replay uses, so the block lives
+//     in a registry until `release(id)` / `release_all()` (the Python loader calls the latter
+//     at exit) - release only once no graph that captured it will replay again.
+//
+// Deadlock-free rules (see docs/kernels.md): the callback takes the GIL (PyGILState_Ensure),
+// so (1) the main thread must not hold the GIL while it blocks on the GPU - use the waits
+// below, which drop it, never an implicit sync such as `.item()` behind a pending callback;
+// (2) callbacks make no CUDA calls (CUDA forbids them there; with the GIL they can also hang);
+// (3) what a callback reads of request state is a snapshot queued per iteration.
+
+#include <cuda_runtime.h>
+#include <pybind11/pybind11.h>
+
+#include <atomic>
+#include <cstdint>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+
+namespace py = pybind11;
+
+// Defined in mask.cu (raw pointers; returns a cudaError_t).
+int sg_mask_apply(void* logits, int dtype, int64_t rows, int64_t vocab, int64_t logits_stride,
+                  const int32_t* bitmask, int64_t bitmask_stride, int64_t bitmask_words,
+                  const void* flags, int flag_kind, const void* d2t, int d2t_is64,
+                  const float* temperature, int64_t* argmax_out, void* workspace, int write,
+                  void* stream);
+
+namespace {
+
+struct HostCall {
+  PyObject* fn;
+  PyObject* args;
+  bool captured;
+};
+
+std::mutex g_mutex;                                 // guards g_captured and g_next_id
+std::unordered_map<uint64_t, HostCall*> g_captured;  // id -> block kept alive for replays
+uint64_t g_next_id = 1;
+std::atomic<uint64_t> g_calls{0};     // callbacks that ran (successful or not)
+std::atomic<uint64_t> g_errors{0};    // callbacks whose Python call raised
+std::atomic<bool> g_shutdown{false};  // set at interpreter exit: callbacks become no-ops
+
+void check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess)
+    throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(err));
+}
+
+void free_block(HostCall* call) {  // caller holds the GIL
+  Py_XDECREF(call->fn);
+  Py_XDECREF(call->args);
+  delete call;
+}
+
+// Runs on a CUDA-internal thread, in stream order. Never calls CUDA.
+void CUDART_CB trampoline(void* data) {
+  auto* call = static_cast<HostCall*>(data);
+  if (g_shutdown.load(std::memory_order_acquire) || !Py_IsInitialized()) return;
+  PyGILState_STATE gil = PyGILState_Ensure();
+  PyObject* result = PyObject_Call(call->fn, call->args, nullptr);
+  if (result == nullptr) {
+    g_errors.fetch_add(1, std::memory_order_relaxed);
+    PyErr_WriteUnraisable(call->fn);  // nobody to raise to here; the decorator records errors
+  } else {
+    Py_DECREF(result);
+  }
+  g_calls.fetch_add(1, std::memory_order_release);
+  if (!call->captured) free_block(call);
+  PyGILState_Release(gil);
+}
+
+// Enqueue fn(*args) on `stream`. Returns the block's id when the stream is capturing (keep it
+// to release the block later), 0 otherwise.
+uint64_t launch(py::object fn, py::tuple args, uintptr_t stream) {
+  if (!PyCallable_Check(fn.ptr())) throw py::type_error("hostfunc.launch: fn must be callable");
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  check(cudaStreamIsCapturing(s, &status), "cudaStreamIsCapturing");
+  if (status == cudaStreamCaptureStatusInvalidated)
+    throw std::runtime_error("hostfunc.launch: the stream's capture was invalidated");
+  const bool captured = status == cudaStreamCaptureStatusActive;
+  auto* call = new HostCall{fn.inc_ref().ptr(), args.inc_ref().ptr(), captured};
+  uint64_t id = 0;
+  if (captured) {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    id = g_next_id++;
+    g_captured[id] = call;
+  }
+  // We hold the GIL, so an uncaptured callback that starts at once waits for us to return.
+  const cudaError_t err = cudaLaunchHostFunc(s, trampoline, call);
+  if (err != cudaSuccess) {
+    if (captured) {
+      std::lock_guard<std::mutex> lock(g_mutex);
+      g_captured.erase(id);
+    }
+    free_block(call);
+    check(err, "cudaLaunchHostFunc");
+  }
+  return id;
+}
+
+bool release(uint64_t id) {
+  HostCall* call = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    auto it = g_captured.find(id);
+    if (it == g_captured.end()) return false;
+    call = it->second;
+    g_captured.erase(it);
+  }
+  free_block(call);
+  return true;
+}
+
+size_t release_all() {
+  std::unordered_map<uint64_t, HostCall*> blocks;
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    blocks.swap(g_captured);
+  }
+  for (auto& kv : blocks) free_block(kv.second);
+  return blocks.size();
+}
+
+size_t captured_count() {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  return g_captured.size();
+}
+
+// The waits: each drops the GIL so a pending callback can take it.
+void stream_synchronize(uintptr_t stream) {
+  cudaError_t err;
+  {
+    py::gil_scoped_release nogil;
+    err = cudaStreamSynchronize(reinterpret_cast<cudaStream_t>(stream));
+  }
+  check(err, "cudaStreamSynchronize");
+}
+
+void event_synchronize(uintptr_t event) {
+  cudaError_t err;
+  {
+    py::gil_scoped_release nogil;
+    err = cudaEventSynchronize(reinterpret_cast<cudaEvent_t>(event));
+  }
+  check(err, "cudaEventSynchronize");
+}
+
+void device_synchronize() {
+  cudaError_t err;
+  {
+    py::gil_scoped_release nogil;
+    err = cudaDeviceSynchronize();
+  }
+  check(err, "cudaDeviceSynchronize");
+}
+
+// cudaGraphLaunch of an instantiated graph (torch's CUDAGraph.raw_cuda_graph_exec()). Launches
+// are asynchronous but can block when the launch queue is full, so the GIL goes here too.
+void graph_launch(uintptr_t graph_exec, uintptr_t stream) {
+  cudaError_t err;
+  {
+    py::gil_scoped_release nogil;
+    err = cudaGraphLaunch(reinterpret_cast<cudaGraphExec_t>(graph_exec),
+                          reinterpret_cast<cudaStream_t>(stream));
+  }
+  check(err, "cudaGraphLaunch");
+}
+
+void mask_apply(uintptr_t logits, int dtype, int64_t rows, int64_t vocab, int64_t logits_stride,
+                uintptr_t bitmask, int64_t bitmask_stride, int64_t bitmask_words, uintptr_t flags,
+                int flag_kind, uintptr_t d2t, int d2t_is64, uintptr_t temperature,
+                uintptr_t argmax_out, uintptr_t workspace, int write, uintptr_t stream) {
+  const int err = sg_mask_apply(
+      reinterpret_cast<void*>(logits), dtype, rows, vocab, logits_stride,
+      reinterpret_cast<const int32_t*>(bitmask), bitmask_stride, bitmask_words,
+      reinterpret_cast<const void*>(flags), flag_kind, reinterpret_cast<const void*>(d2t),
+      d2t_is64, reinterpret_cast<const float*>(temperature),
+      reinterpret_cast<int64_t*>(argmax_out), reinterpret_cast<void*>(workspace), write,
+      reinterpret_cast<void*>(stream));
+  check(static_cast<cudaError_t>(err), "structgen mask kernel launch");
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "structgen CUDA extension: host callbacks in CUDA graphs, fused grammar mask";
+  m.def("launch", &launch, py::arg("fn"), py::arg("args"), py::arg("stream"),
+        "Enqueue fn(*args) as a host callback on `stream`; returns the captured block's id or 0.");
+  m.def("release", &release, py::arg("id"), "Free one captured callback block; False if unknown.");
+  m.def("release_all", &release_all, "Free every captured callback block; returns how many.");
+  m.def("captured_count", &captured_count, "Captured callback blocks still alive.");
+  m.def("calls", [] { return g_calls.load(std::memory_order_acquire); },
+        "Host callbacks run so far.");
+  m.def("errors", [] { return g_errors.load(std::memory_order_acquire); },
+        "Host callbacks whose Python call raised.");
+  m.def("shutdown", [] { g_shutdown.store(true, std::memory_order_release); },
+        "Make later callbacks no-ops (interpreter exit).");
+  m.def("stream_synchronize", &stream_synchronize, py::arg("stream"));
+  m.def("event_synchronize", &event_synchronize, py::arg("event"));
+  m.def("device_synchronize", &device_synchronize);
+  m.def("graph_launch", &graph_launch, py::arg("graph_exec"), py::arg("stream"));
+  m.def("mask_apply", &mask_apply, py::arg("logits"), py::arg("dtype"), py::arg("rows"),
+        py::arg("vocab"), py::arg("logits_stride"), py::arg("bitmask"), py::arg("bitmask_stride"),
+        py::arg("bitmask_words"), py::arg("flags"), py::arg("flag_kind"), py::arg("d2t"),
+        py::arg("d2t_is64"), py::arg("temperature"), py::arg("argmax_out"),
+        py::arg("workspace"), py::arg("write"), py::arg("stream"));
+}
