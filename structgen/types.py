@@ -13,6 +13,7 @@ import enum
 import functools
 import json
 import re
+import sys
 import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -30,8 +31,10 @@ from structgen.errors import (
 
 ConstraintKind = Literal["json_schema", "regex", "grammar", "text"]
 
-INT_REGEX = r"-?(0|[1-9][0-9]*)"
-FLOAT_REGEX = r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?"
+# Bounded (int64 / double range): a small model asked for a number sometimes keeps adding
+# digits forever when it cannot write the words it wanted; a bound makes it stop.
+INT_REGEX = r"-?(0|[1-9][0-9]{0,17})"
+FLOAT_REGEX = r"-?(0|[1-9][0-9]{0,15})(\.[0-9]{1,16})?([eE][+-]?[0-9]{1,3})?"
 BOOL_REGEX = r"true|false"
 _SCALARS: dict[type, tuple[str, Callable[[str], Any]]] = {
     int: (INT_REGEX, int),
@@ -173,7 +176,7 @@ def _pydantic_constraint(output_type: Any, strict: bool) -> Constraint:
     (which gives both the JSON schema and the validating parser)."""
     name = getattr(output_type, "__name__", None) or repr(output_type)
     try:
-        adapter = pydantic.TypeAdapter(output_type)
+        adapter = pydantic.TypeAdapter(_portable_typeddicts(output_type))
         schema = adapter.json_schema()
     except (pydantic.PydanticSchemaGenerationError, pydantic.PydanticUserError, TypeError) as e:
         raise UnsupportedTypeError(
@@ -189,6 +192,31 @@ def _pydantic_constraint(output_type: Any, strict: bool) -> Constraint:
         strict=strict,
         parser=adapter.validate_json,
     )
+
+
+def _portable_typeddicts(tp: Any) -> Any:
+    """pydantic refuses `typing.TypedDict` before Python 3.12 (it lacks `__orig_bases__`);
+    rebuild such classes, also nested in fields and generics, as `typing_extensions.TypedDict`."""
+    if sys.version_info >= (3, 12):
+        return tp
+    import typing_extensions
+
+    if typing.is_typeddict(tp) and type(tp).__module__ == "typing":
+        hints = typing.get_type_hints(tp, include_extras=True)
+        fields = {k: v if k in tp.__required_keys__ else typing_extensions.NotRequired[v] for k, v in hints.items()}
+        rebuilt = typing_extensions.TypedDict(tp.__name__, {k: _portable_typeddicts(v) for k, v in fields.items()})
+        rebuilt.__doc__ = tp.__doc__
+        return rebuilt
+    args = typing.get_args(tp)
+    origin = typing.get_origin(tp)
+    if args and origin is not None and origin is not Literal:
+        new = tuple(_portable_typeddicts(a) for a in args)
+        if new != args:
+            try:
+                return tp.copy_with(new)
+            except AttributeError:
+                return origin[new]
+    return tp
 
 
 def _json_schema_constraint(schema: dict[str, Any] | bool | str, strict: bool) -> Constraint:

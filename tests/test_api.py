@@ -1,0 +1,161 @@
+"""End to end through the public API on the real default model (CPU): every kind of output
+type comes back typed and validated, with both grammar backends; truncation is an error;
+chat prompts, batches, streams and the module-level shortcut work."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import re
+from enum import Enum
+from typing import Literal, TypedDict
+
+import pytest
+from pydantic import BaseModel, Field
+
+import structgen
+from structgen.engine.config import EngineConfig
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+class Address(BaseModel):
+    street: str
+    city: str
+    zip: str = Field(pattern=r"^[0-9]{5}$")
+
+
+class Customer(BaseModel):
+    name: str
+    age: int = Field(ge=0, le=130)
+    email: str
+    address: Address
+    tags: list[str] = Field(max_length=3)
+    member: bool
+
+
+class Sentiment(Enum):
+    positive = "positive"
+    negative = "negative"
+    neutral = "neutral"
+
+
+@dataclasses.dataclass
+class City:
+    name: str
+    population: int
+
+
+class Point(TypedDict):
+    x: int
+    y: int
+
+
+CUSTOMER_PROMPT = (
+    "Extract the customer as JSON: John Smith, 42 years old, john.smith@example.com, lives at "
+    "12 Oak Street, Springfield 62704. Tags: vip, newsletter. He is a member."
+)
+ARITH_EBNF = 'root ::= num (" " op " " num)*\nnum ::= [1-9] [0-9]?\nop ::= "+" | "-" | "*"'
+ARITH_LARK = 'start: NUM (" " OP " " NUM)*\nNUM: /[1-9][0-9]?/\nOP: "+" | "-" | "*"'
+ARITH_RE = r"[1-9][0-9]?( [+\-*] [1-9][0-9]?)*"
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir) -> structgen.LLM:
+    """The shared default LLM (backend "auto"): also what `structgen.generate` uses."""
+    from structgen.api import default_llm
+
+    return default_llm()
+
+
+@pytest.fixture(scope="module", params=["xgrammar", "llguidance"])
+def backend_llm(request, model_dir) -> structgen.LLM:
+    return structgen.LLM(backend=request.param, config=EngineConfig(device="cpu", max_seq_len=1024))
+
+
+def test_pydantic_model_both_backends(backend_llm):
+    done = backend_llm.complete(Customer, CUSTOMER_PROMPT, max_tokens=200)
+    assert isinstance(done.value, Customer)
+    assert Customer.model_validate_json(done.text) == done.value
+    assert re.fullmatch(r"[0-9]{5}", done.value.address.zip) and len(done.value.tags) <= 3
+    s = done.stats
+    assert s.prompt_tokens > 20 and s.output_tokens == len(done.token_ids) > 10
+    assert 0 < s.forward_passes <= s.output_tokens and s.ttft_s > 0 and s.decode_s > 0
+
+
+@pytest.mark.parametrize("syntax", ["ebnf", "lark"])
+def test_cfg_output_parses_with_the_grammar(backend_llm, syntax):
+    grammar = structgen.CFG(ARITH_EBNF if syntax == "ebnf" else ARITH_LARK)
+    text = backend_llm.generate(grammar, "Write a short arithmetic expression such as 3 + 4 * 2.", max_tokens=40)
+    assert re.fullmatch(ARITH_RE, text), text
+    assert backend_llm.compile(grammar).accepts(text)
+    assert eval(text) == eval(text)  # noqa: S307 - digits and operators only, checked above
+
+
+def test_regex_choice_and_scalars(backend_llm):
+    phone = backend_llm.generate(structgen.Regex(r"\(\d{3}\) \d{3}-\d{4}"), "Write a US phone number.")
+    assert re.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", phone)
+    colour = backend_llm.generate(structgen.Choice(["red", "green", "blue"]), "Name a primary colour of light.")
+    assert colour in ("red", "green", "blue")
+    assert isinstance(backend_llm.generate(int, "How many legs does a spider have?"), int)
+    assert isinstance(backend_llm.generate(bool, "Is the sky blue? Answer true or false."), bool)
+
+
+def test_enum_literal_dataclass_typeddict(llm):
+    assert isinstance(llm.generate(Sentiment, "Review: 'Loved it, will buy again.' Sentiment?"), Sentiment)
+    assert llm.generate(Literal["yes", "no"], "Is Paris in France? Answer yes or no.") in ("yes", "no")
+    city = llm.generate(City, "Give the largest city of Japan and its population as JSON.", max_tokens=60)
+    assert isinstance(city, City) and isinstance(city.population, int)
+    point = llm.generate(Point, "A point on the grid as JSON with x and y.", max_tokens=40)
+    assert isinstance(point, dict) and set(point) == {"x", "y"} and all(isinstance(v, int) for v in point.values())
+
+
+def test_json_schema_dict(llm):
+    schema = {"type": "object", "properties": {"items": {"type": "array", "items": {"type": "string"},
+                                                         "minItems": 2, "maxItems": 3}},
+              "required": ["items"]}
+    value = llm.generate(structgen.JsonSchema(schema), "List two or three fruits as JSON.", max_tokens=60)
+    assert 2 <= len(value["items"]) <= 3 and all(isinstance(x, str) for x in value["items"])
+
+
+def test_truncation_is_an_error_with_the_partial_text(llm):
+    with pytest.raises(structgen.IncompleteOutputError) as e:
+        llm.generate(Customer, CUSTOMER_PROMPT, max_tokens=6)
+    assert e.value.partial_text.startswith("{") and len(e.value.token_ids) == 6
+    assert e.value.stats is not None and e.value.stats.output_tokens == 6
+
+
+def test_chat_messages_batch_and_module_shortcut(llm):
+    messages = [{"role": "system", "content": "You extract data as JSON."},
+                {"role": "user", "content": CUSTOMER_PROMPT}]
+    assert isinstance(llm.generate(Customer, messages, max_tokens=200), Customer)
+    cities = llm.generate_batch(City, [f"Give {c} and its population as JSON." for c in ("Oslo", "Lima", "Perth")],
+                                max_tokens=60)
+    assert len(cities) == 3 and all(isinstance(c, City) for c in cities)
+    assert isinstance(structgen.generate(Sentiment, "Review: 'Terrible.' Sentiment?"), Sentiment)
+
+
+def test_compile_accepts(llm):
+    grammar = llm.compile(Customer)
+    good = ('{"name": "A", "age": 3, "email": "a@b.c", "address": {"street": "s", "city": "c", '
+            '"zip": "12345"}, "tags": [], "member": true}')
+    assert grammar.accepts(good)
+    assert not grammar.accepts(good.replace('"12345"', '"1234"'))  # zip pattern
+    assert not grammar.accepts(good[:-1])  # incomplete
+    assert llm.compile(Customer) is grammar  # cached
+
+
+def test_stream_reassembles_and_errors_surface(llm):
+    parts = list(llm.stream(Customer, CUSTOMER_PROMPT, max_tokens=200))
+    assert len(parts) > 3
+    Customer.model_validate_json("".join(parts))
+    too_long = "word " * (llm.engine.max_seq_len + 10)
+    with pytest.raises(structgen.PromptTooLongError):
+        list(llm.stream(Customer, too_long))
+
+    async def consume() -> None:
+        async for _ in llm.astream(Customer, too_long):
+            pass
+
+    with pytest.raises(structgen.PromptTooLongError):
+        asyncio.run(asyncio.wait_for(consume(), timeout=60))
