@@ -12,8 +12,10 @@
 //                 is disallowed, so a padded vocabulary can never be sampled)
 //   v(j)       = allowed(j) ? x(j) : -inf, then divided by temperature[r] when it is > 0
 //   write      : logits[r, j] = v(j) (only where it changes)
-//   argmax_out : argmax_out[r] = t(argmax_j v(j)), NaN counts as -inf, ties go to the lowest j
-//                (torch.argmax's rule), so a drafter gets a target-vocabulary id directly.
+//   argmax_out : argmax_out[r] = t(argmax_j v(j)) taken before the temperature divide (which
+//                is monotonic: greedy picks the same token, and a read-only pass divides
+//                nothing); NaN counts as -inf, ties go to the lowest j (torch.argmax's rule).
+//                t() maps it, so a drafter gets a target-vocabulary id directly.
 // The argmax crosses blocks through a per-row 64-bit key (ordered float << 32 | ~index) and a
 // per-row arrival counter in `workspace` (rows * 12 bytes, zero on first use): the last block to
 // arrive writes the answer and puts both back to zero, so the next launch (or graph replay)
@@ -51,7 +53,6 @@ struct Args {
   unsigned long long* keys;
   unsigned int* counters;
   int write;
-  int64_t tokens_per_block;
 };
 
 __device__ __forceinline__ float to_float(float x) { return x; }
@@ -93,97 +94,98 @@ __device__ __forceinline__ unsigned long long max_key(unsigned long long a, unsi
   return a > b ? a : b;
 }
 
-template <typename T, int VEC>
+// Each thread owns STEPS vectors of VEC tokens, kThreads * VEC apart (coalesced); it issues
+// all of its loads before using any, so STEPS * 16 bytes per thread are in flight.
+template <typename T, int VEC, int STEPS>
 __global__ void __launch_bounds__(kThreads) mask_kernel(Args a) {
   const int64_t row = blockIdx.y;
   bool masked = true;
   if (a.flag_kind == kFlagI32) masked = static_cast<const int32_t*>(a.flags)[row] != 0;
   if (a.flag_kind == kFlagU8) masked = static_cast<const uint8_t*>(a.flags)[row] != 0;
   const float temp = a.temperature ? a.temperature[row] : 0.0f;
-  const bool scale = temp > 0.0f;
+  const bool write = a.write != 0 && (masked || temp > 0.0f);
+  const bool scale = write && temp > 0.0f;  // the divide only matters for written values
   const bool want_max = a.argmax_out != nullptr;
-  const bool write = a.write != 0 && (masked || scale);
   if (!write && !want_max) return;  // an unconstrained row with nothing to compute
 
   T* x = static_cast<T*>(a.logits) + row * a.logits_stride;
   const int32_t* bm = a.bitmask + row * a.bitmask_stride;
-  const int64_t begin = static_cast<int64_t>(blockIdx.x) * a.tokens_per_block;
-  const int64_t end = min(begin + a.tokens_per_block, a.vocab);
+  const int64_t words_end = a.bitmask_words * 32;
+  const int64_t begin = static_cast<int64_t>(blockIdx.x) * (kThreads * VEC * STEPS);
   constexpr uint32_t kFull = (VEC == 32) ? 0xFFFFFFFFu : ((1u << VEC) - 1u);
-  unsigned long long best = 0;
+  const bool pure_mask = !scale && !want_max;
 
-  for (int64_t j0 = begin + static_cast<int64_t>(threadIdx.x) * VEC; j0 < end;
-       j0 += static_cast<int64_t>(kThreads) * VEC) {
-    const int n = static_cast<int>(min(static_cast<int64_t>(VEC), end - j0));
-    // Which of the VEC tokens are allowed, as bits. Without d2t the VEC tokens share one word
-    // (VEC divides 32 and j0 is a multiple of VEC).
-    uint32_t allow = kFull;
-    if (masked) {
+  alignas(16) T v[STEPS][VEC];
+  uint32_t allow[STEPS];
+  int n[STEPS];
+#pragma unroll
+  for (int s = 0; s < STEPS; ++s) {
+    const int64_t j0 = begin + (static_cast<int64_t>(s) * kThreads + threadIdx.x) * VEC;
+    n[s] = static_cast<int>(max(int64_t(0), min(static_cast<int64_t>(VEC), a.vocab - j0)));
+    const uint32_t lanes = n[s] == VEC ? kFull : ((1u << n[s]) - 1u);
+    uint32_t ok = lanes;
+    if (masked && n[s] > 0) {
       if (a.d2t == nullptr) {
-        // A word covers all VEC tokens or none of them, so the mask's end needs no lane check.
-        allow = (j0 < a.bitmask_words * 32)
-                    ? (static_cast<uint32_t>(bm[j0 >> 5]) >> (j0 & 31)) & kFull
-                    : 0u;
+        // VEC divides 32 and j0 is a multiple of VEC: one word covers all VEC tokens or none.
+        ok = j0 < words_end ? (static_cast<uint32_t>(bm[j0 >> 5]) >> (j0 & 31)) & lanes : 0u;
       } else {
-        allow = 0u;
+        ok = 0u;
 #pragma unroll
         for (int i = 0; i < VEC; ++i)
-          if (i < n && bit_allowed(bm, a.bitmask_words, target_id(a, j0 + i))) allow |= 1u << i;
+          if (i < n[s] && bit_allowed(bm, a.bitmask_words, target_id(a, j0 + i))) ok |= 1u << i;
       }
     }
-    const uint32_t lanes = (n == VEC) ? kFull : ((1u << n) - 1u);
-    allow &= lanes;
-
-    if (!scale && !want_max) {
-      // Pure mask: skip the read when nothing or everything is masked (xgrammar's trick).
-      if (allow == lanes) continue;
-      if constexpr (VEC > 1) {
-        if (allow == 0u && n == VEC) {
-          alignas(16) T v[VEC];
-#pragma unroll
-          for (int i = 0; i < VEC; ++i) v[i] = from_float<T>(-INFINITY);
-          *reinterpret_cast<uint4*>(x + j0) = *reinterpret_cast<const uint4*>(v);
-          continue;
-        }
-      }
+    allow[s] = ok;
+    // A pure mask skips the read of an all-allowed or all-masked vector (xgrammar's trick).
+    const bool read = n[s] > 0 && !(pure_mask && (ok == lanes || (ok == 0u && n[s] == VEC)));
+    if (!read) {
+      if (pure_mask && ok == lanes) n[s] = 0;  // nothing to write either
+      continue;
     }
-
-    alignas(16) T v[VEC];
     if constexpr (VEC > 1) {
-      if (n == VEC) {
-        *reinterpret_cast<uint4*>(v) = *reinterpret_cast<const uint4*>(x + j0);
-      } else {
-#pragma unroll
-        for (int i = 0; i < VEC; ++i)
-          if (i < n) v[i] = x[j0 + i];  // constant indices keep v in registers
+      if (n[s] == VEC) {
+        *reinterpret_cast<uint4*>(v[s]) = *reinterpret_cast<const uint4*>(x + j0);
+        continue;
       }
-    } else {
-      v[0] = x[j0];
     }
+#pragma unroll
+    for (int i = 0; i < VEC; ++i)
+      if (i < n[s]) v[s][i] = x[j0 + i];  // constant indices keep v in registers
+  }
+
+  float best_v = -INFINITY;
+  int64_t best_j = -1;
+#pragma unroll
+  for (int s = 0; s < STEPS; ++s) {
+    if (n[s] == 0) continue;
+    const int64_t j0 = begin + (static_cast<int64_t>(s) * kThreads + threadIdx.x) * VEC;
 #pragma unroll
     for (int i = 0; i < VEC; ++i) {
-      if (i >= n) break;
-      float f = ((allow >> i) & 1u) ? to_float(v[i]) : -INFINITY;
-      if (scale) f = f / temp;
-      if (want_max) best = max_key(best, argmax_key(f, j0 + i));
-      v[i] = from_float<T>(f);
-    }
-    if (write) {
-      if constexpr (VEC > 1) {
-        if (n == VEC) {
-          *reinterpret_cast<uint4*>(x + j0) = *reinterpret_cast<const uint4*>(v);
-        } else {
-#pragma unroll
-          for (int i = 0; i < VEC; ++i)
-            if (i < n) x[j0 + i] = v[i];
+      if (i >= n[s]) break;
+      float f = ((allow[s] >> i) & 1u) ? to_float(v[s][i]) : -INFINITY;
+      if (want_max) {  // tokens arrive in increasing j: strict > keeps the lowest index on ties
+        if (best_j < 0 || f > best_v) {
+          best_v = f != f ? -INFINITY : f;  // NaN never wins
+          best_j = j0 + i;
         }
-      } else {
-        x[j0] = v[0];
+      }
+      if (scale) f = f / temp;
+      v[s][i] = from_float<T>(f);
+    }
+    if (!write) continue;
+    if constexpr (VEC > 1) {
+      if (n[s] == VEC) {
+        *reinterpret_cast<uint4*>(x + j0) = *reinterpret_cast<const uint4*>(v[s]);
+        continue;
       }
     }
+#pragma unroll
+    for (int i = 0; i < VEC; ++i)
+      if (i < n[s]) x[j0 + i] = v[s][i];
   }
 
   if (!want_max) return;
+  unsigned long long best = best_j < 0 ? 0ull : argmax_key(best_v, best_j);
   // Block max of the keys: warp shuffles, then one warp over the warps' results.
   __shared__ unsigned long long warp_best[kWarps];
   for (int off = 16; off > 0; off >>= 1) best = max_key(best, __shfl_xor_sync(0xFFFFFFFFu, best, off));
@@ -204,23 +206,24 @@ __global__ void __launch_bounds__(kThreads) mask_kernel(Args a) {
   }
 }
 
-template <typename T>
-cudaError_t launch_typed(Args a, int64_t rows, bool vector_ok, cudaStream_t stream) {
-  constexpr int kVec = 16 / sizeof(T);
-  const int vec = vector_ok ? kVec : 1;
-  // One vector per thread per block-step; at least 4 steps per block once the grid is large,
-  // so small batches still spread over many SMs and big ones do not pay per-block overheads.
-  const int64_t step = static_cast<int64_t>(kThreads) * vec;
-  const int64_t blocks_1 = (a.vocab + step - 1) / step;
-  const int64_t steps = (rows * blocks_1 >= 4096) ? 4 : 1;
-  a.tokens_per_block = step * steps;
-  const dim3 grid(static_cast<unsigned>((a.vocab + a.tokens_per_block - 1) / a.tokens_per_block),
-                  static_cast<unsigned>(rows));
-  if (vector_ok)
-    mask_kernel<T, kVec><<<grid, kThreads, 0, stream>>>(a);
+template <typename T, int VEC>
+cudaError_t launch_steps(const Args& a, int64_t rows, cudaStream_t stream) {
+  // Few rows: one vector per thread, so a single row still spreads over many SMs. Many rows:
+  // four per thread, for more bytes in flight and fewer blocks.
+  const int64_t one = static_cast<int64_t>(kThreads) * VEC;
+  const bool many = rows * ((a.vocab + one - 1) / one) >= 4096;
+  const int64_t per_block = one * (many ? 4 : 1);
+  const dim3 grid(static_cast<unsigned>((a.vocab + per_block - 1) / per_block), static_cast<unsigned>(rows));
+  if (many)
+    mask_kernel<T, VEC, 4><<<grid, kThreads, 0, stream>>>(a);
   else
-    mask_kernel<T, 1><<<grid, kThreads, 0, stream>>>(a);
+    mask_kernel<T, VEC, 1><<<grid, kThreads, 0, stream>>>(a);
   return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launch_typed(const Args& a, int64_t rows, bool vector_ok, cudaStream_t stream) {
+  return vector_ok ? launch_steps<T, 16 / sizeof(T)>(a, rows, stream) : launch_steps<T, 1>(a, rows, stream);
 }
 
 }  // namespace
@@ -252,7 +255,6 @@ int sg_mask_apply(void* logits, int dtype, int64_t rows, int64_t vocab, int64_t 
   a.keys = static_cast<unsigned long long*>(workspace);
   a.counters = workspace ? reinterpret_cast<unsigned int*>(a.keys + rows) : nullptr;
   a.write = write;
-  a.tokens_per_block = 0;
   auto s = static_cast<cudaStream_t>(stream);
   const uintptr_t base = reinterpret_cast<uintptr_t>(logits);
   const int elt = dtype == kF32 ? 4 : 2;

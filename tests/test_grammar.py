@@ -289,3 +289,26 @@ def test_keyword_table_matches_the_library(
         assert not accepts_invalid, f"{backend} ignores '{keyword}': mark it IGNORED in KEYWORDS"
     elif status == IGNORED:
         assert issues, f"'{keyword}' is IGNORED for {backend} but find_issues does not flag it"
+
+
+def test_padded_vocab_masks_equal_the_tokenizer_sized_ones(tokenizer):
+    """A 128k-row LM head with this 49k tokenizer (the random-weight benchmark shapes): the
+    xgrammar adapter fills only the tokenizer's words (through a strided view) and zeroes the
+    rest, single and batched, over a buffer holding garbage from an earlier step."""
+    exact, padded = len(tokenizer), 128256
+    grammars = {v: GrammarCompiler(tokenizer, v, [tokenizer.eos_token_id], backend="xgrammar") for v in (exact, padded)}
+    matchers = {v: [g.compile(to_constraint(Person)).matcher() for _ in range(3)] for v, g in grammars.items()}
+    for v in matchers:
+        for m in matchers[v]:
+            m.accept_tokens(tokenizer.encode('{"name": "A'))
+    want = allocate_bitmask(3, exact)
+    fill_bitmasks(matchers[exact], want, [0, 1, 2], threads=1)
+    for batched in (False, True):
+        got = allocate_bitmask(3, padded).fill_(-1)
+        if batched:
+            fill_bitmasks(matchers[padded], got, [2, 0, 1], threads=2)
+        else:
+            for r, m in zip([2, 0, 1], matchers[padded], strict=True):
+                m.fill_bitmask(got, r)
+        assert got[:, : want.shape[1]].equal(want) and not got[:, want.shape[1] :].any()
+    assert not matchers[padded][0].accept_token(padded - 1)

@@ -7,6 +7,7 @@ import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import torch
 import xgrammar as xgr
 
 from structgen.errors import EngineError, InvalidConstraintError, UnsupportedSchemaError
@@ -19,8 +20,6 @@ from structgen.grammar.backends.base import (
 from structgen.grammar.json_format import JSON_SEPARATORS
 
 if TYPE_CHECKING:
-    import torch
-
     from structgen.types import Constraint
 
 ANY_TEXT_REGEX = r"[\s\S]*"
@@ -32,9 +31,10 @@ class XGrammarMatcher(GrammarMatcher):
 
     backend = "xgrammar"
 
-    def __init__(self, matcher: xgr.GrammarMatcher, stop_token_ids: Sequence[int]):
+    def __init__(self, matcher: xgr.GrammarMatcher, stop_token_ids: Sequence[int], words: int | None = None):
         self.xgr_matcher = matcher
         self._stop_token_ids = stop_token_ids
+        self._words = words  # bitmask words xgrammar fills; the rest (padding ids) stay 0
 
     def accept_token(self, token_id: int) -> bool:
         return self.xgr_matcher.accept_token(token_id)
@@ -42,8 +42,13 @@ class XGrammarMatcher(GrammarMatcher):
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         if self.xgr_matcher.is_terminated():  # xgrammar raises here; see base class
             set_only_tokens(bitmask, row, self._stop_token_ids)
-        else:
+        elif self._words is None:
             self.xgr_matcher.fill_next_token_bitmask(bitmask, row)
+        else:  # xgrammar ignores row strides: fill a tokenizer-wide row, then place it
+            row_mask = bitmask.new_empty((1, self._words))
+            self.xgr_matcher.fill_next_token_bitmask(row_mask, 0)
+            bitmask[row, : self._words] = row_mask[0]
+            bitmask[row, self._words :] = 0
 
     def rollback(self, num_tokens: int) -> None:
         if num_tokens <= 0:
@@ -69,13 +74,16 @@ class XGrammarMatcher(GrammarMatcher):
 
 
 class XGrammarCompiledGrammar(CompiledGrammar):
-    def __init__(self, constraint: Constraint, compiled: xgr.CompiledGrammar, stop_ids: list[int]):
+    def __init__(
+        self, constraint: Constraint, compiled: xgr.CompiledGrammar, stop_ids: list[int], words: int | None = None
+    ):
         super().__init__("xgrammar", constraint)
         self.xgr_compiled = compiled
         self._stop_token_ids = stop_ids
+        self._words = words
 
     def matcher(self) -> XGrammarMatcher:
-        return XGrammarMatcher(xgr.GrammarMatcher(self.xgr_compiled), self._stop_token_ids)
+        return XGrammarMatcher(xgr.GrammarMatcher(self.xgr_compiled), self._stop_token_ids, self._words)
 
     def accepts(self, text: str) -> bool:
         m = xgr.GrammarMatcher(self.xgr_compiled)
@@ -91,8 +99,17 @@ class XGrammarBackend(GrammarBackend):
         self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int], threads: int = 8
     ):
         super().__init__(tokenizer, vocab_size, stop_token_ids)
+        # A model whose embedding is wider than its tokenizer (padded vocabularies, or a
+        # random-weight 128k-vocab shape with a 49k tokenizer): xgrammar would treat every
+        # padding id as a special token and check it on every step (10x slower fills). Give
+        # it the tokenizer's own size and leave the padding words of each mask row at zero.
+        tokenizer_size = len(tokenizer)
+        self._words = (tokenizer_size + 31) // 32 if tokenizer_size < vocab_size else None
+        if self._words is not None and any(t >= tokenizer_size for t in stop_token_ids):
+            self._words = None  # a stop id in the padding: keep the full width
         info = xgr.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids)
+            tokenizer, vocab_size=vocab_size if self._words is None else tokenizer_size,
+            stop_token_ids=list(stop_token_ids),
         )
         # GrammarCompiler (ours) caches compiled grammars; xgrammar's own cache would keep a
         # second reference to each for the process lifetime.
@@ -123,7 +140,7 @@ class XGrammarBackend(GrammarBackend):
             if constraint.kind == "json_schema":
                 raise UnsupportedSchemaError(what) from e
             raise InvalidConstraintError(what) from e
-        return XGrammarCompiledGrammar(constraint, compiled, self.stop_token_ids)
+        return XGrammarCompiledGrammar(constraint, compiled, self.stop_token_ids, self._words)
 
 
 def _clean(e: BaseException) -> str:
@@ -140,10 +157,22 @@ def fill_bitmasks(
     for m, r in zip(matchers, rows, strict=True):
         if m.is_terminated():
             m.fill_bitmask(bitmask, r)
-    if live:
-        _batch_matcher(threads).batch_fill_next_token_bitmask(
-            [m.xgr_matcher for m, _ in live], bitmask, [r for _, r in live]
-        )
+    if not live:
+        return
+    words = live[0][0]._words  # one backend (one tokenizer) per batch
+    rows_live = [r for _, r in live]
+    if words is None:
+        _batch_matcher(threads).batch_fill_next_token_bitmask([m.xgr_matcher for m, _ in live], bitmask, rows_live)
+        return
+    # Padded vocabulary: xgrammar ignores row strides, so fill a contiguous tokenizer-wide
+    # block and place its rows; the padding words stay zero.
+    block = bitmask.new_empty((len(live), words))
+    _batch_matcher(threads).batch_fill_next_token_bitmask(
+        [m.xgr_matcher for m, _ in live], block, list(range(len(live)))
+    )
+    index = torch.tensor(rows_live)
+    bitmask[index, :words] = block
+    bitmask[index, words:] = 0
 
 
 _BATCH: dict[int, xgr.BatchGrammarMatcher] = {}
