@@ -181,6 +181,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--out", default=None, help="also copy the JSON here (the device's $OUT)")
+    ap.add_argument("--quick", action="store_true",
+                    help="large batches only, no xgrammar CUDA build, no batch-1 step; prints, writes nothing")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels needs a CUDA device")
@@ -195,6 +197,12 @@ def main() -> None:
     dtypes = [getattr(torch, d) for d in args.dtypes.split(",")]
     bw = statistics.median(measure_copy_bandwidth_gbps() for _ in range(3))
     print(f"device-to-device copy: {bw:.0f} GB/s (read + write)")
+    if args.quick:
+        systems = mask_systems(xgr)
+        systems.pop("xgrammar-cuda", None)  # its first use compiles for about a minute
+        print_table([r for rows in (256, 512) for vocab in VOCABS for dtype in dtypes
+                     for r in bench_mask_case(*random_inputs(rows, vocab, dtype), bw, systems)])
+        return
     rows = bench_mask(dtypes, bw, xgr) + bench_batch1(xgr, dtypes[0])
     print_table(rows)
     path = write_results("kernels", rows, extra={"copy_bandwidth_gbps": bw, "ops_per_graph": REPEAT,

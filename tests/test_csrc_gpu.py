@@ -53,7 +53,8 @@ def run_all(logits, bm, **kw):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("rows,vocab", [(1, 151936), (7, 49152), (64, 128256), (3, 1003)])
+# (300, 49155): unaligned rows, scalar path; (512, 151936): four vectors per thread.
+@pytest.mark.parametrize("rows,vocab", [(1, 151936), (7, 49152), (64, 128256), (3, 1003), (300, 49155), (512, 151936)])
 def test_mask_kernel_matches_torch_and_triton(ext, rows, vocab, dtype):
     _, logits, bm = case(rows, vocab, dtype, seed=rows + vocab)
     res = run_all(logits, bm)
@@ -65,7 +66,7 @@ def test_mask_kernel_matches_torch_and_triton(ext, rows, vocab, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("flag_dtype", [torch.int32, torch.bool])
-@pytest.mark.parametrize("rows,vocab", [(1, 32000), (9, 49152), (33, 1003)])
+@pytest.mark.parametrize("rows,vocab", [(1, 32000), (9, 49152), (33, 1003), (200, 49152)])
 def test_fused_flags_d2t_temperature_argmax(ext, rows, vocab, dtype, flag_dtype):
     g, logits, bm = case(rows, vocab, dtype, seed=3 * rows + vocab, words=(vocab + 31) // 32 + 8)
     flags = (torch.rand(rows, generator=g) < 0.7).to(flag_dtype).to(DEV)

@@ -23,7 +23,7 @@ def random_case(rows: int, vocab: int, seed: int, words: int | None = None, dtyp
 
 
 def loop_reference(logits, bitmask, flags=None, d2t=None, temperature=None):
-    """Token by token, in float64 Python: (values [rows][V], argmax target ids [rows])."""
+    """Token by token, in float64 Python: (written values [rows][V], argmax target ids [rows])."""
     rows, vocab = logits.shape
     words = bitmask.shape[1]
     x, bm = logits.double().tolist(), bitmask.tolist()
@@ -36,11 +36,11 @@ def loop_reference(logits, bitmask, flags=None, d2t=None, temperature=None):
             if flags is not None and not flags[r]:
                 ok = True
             v = x[r][j] if ok else -math.inf
+            if v > top:  # the argmax is taken before the temperature divide
+                top, arg = v, j
             if temperature is not None and temperature[r] > 0:
                 v = v / float(temperature[r])
             row.append(v)
-            if v > top:
-                top, arg = v, j
         values.append(row)
         best.append(int(d2t[arg]) if d2t is not None else arg)
     return torch.tensor(values, dtype=torch.float64), best

@@ -46,6 +46,9 @@ def build_dir() -> Path:
 def _why_unavailable() -> str | None:
     if os.environ.get("STRUCTGEN_DISABLE_CSRC") == "1":
         return "disabled by STRUCTGEN_DISABLE_CSRC=1"
+    missing = [s for s in SOURCES if not (CSRC_DIR / s).is_file()]
+    if missing:
+        return f"sources {', '.join(missing)} not found in {CSRC_DIR} (they ship with a source checkout)"
     if not torch.cuda.is_available():
         return "no CUDA device"
     if torch.version.cuda is None:

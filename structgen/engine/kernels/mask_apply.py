@@ -11,9 +11,12 @@ For each row r and token j < V (V = logits.shape[1]):
     t(j)       = d2t[j] if d2t is given else j          # the token's id in the mask's vocabulary
     allowed(j) = bit t(j) of bitmask[r] (xgrammar layout; ids past the mask are disallowed),
                  or True when row_flags[r] == 0          # unconstrained rows skip the mask
-    v(j)       = (x(j) if allowed(j) else -inf) / temperature[r]   # divide only where T > 0
-    write      : logits[r, j] = v(j) rounded to the logits' dtype
-    argmax     : out[r] = t(argmax_j v(j)) on float32 v, NaN as -inf, ties to the lowest j
+    m(j)       = x(j) if allowed(j) else -inf
+    write      : logits[r, j] = m(j) / temperature[r] (divided only where T > 0), rounded to
+                 the logits' dtype
+    argmax     : out[r] = t(argmax_j m(j)), NaN as -inf, ties to the lowest j. Taken before the
+                 divide, which is monotonic: the greedy token is the same, and an argmax-only
+                 pass (write=False) divides nothing.
 
 Why fused: at batch 1 the step after the LM head is latency, not bandwidth: apply-mask, divide
 and argmax are three or more launches over a few hundred KB; here it is one.
@@ -176,15 +179,15 @@ def _triton_kernels():
         if HAS_FLAGS:
             allowed = allowed | (tl.load(Flags + row) == 0)
         v = tl.where(allowed, x, float("-inf"))
-        if HAS_TEMP:
-            t = tl.load(Temp + row)
-            v = tl.where(t > 0, tl.math.div_rn(v, tl.where(t > 0, t, 1.0)), v)  # IEEE, like torch
-        if WRITE:
-            tl.store(X + row * stride_x + offs, v.to(X.dtype.element_ty), mask=valid)
         if ARGMAX:
-            v = tl.where(valid & (v == v), v, float("-inf"))  # NaN never wins
-            tl.store(PVal + row * n_blocks + blk, tl.max(v, 0))
-            tl.store(PIdx + row * n_blocks + blk, blk * BLOCK + tl.argmax(v, 0))
+            m = tl.where(valid & (v == v), v, float("-inf"))  # NaN never wins
+            tl.store(PVal + row * n_blocks + blk, tl.max(m, 0))
+            tl.store(PIdx + row * n_blocks + blk, blk * BLOCK + tl.argmax(m, 0))
+        if WRITE:
+            if HAS_TEMP:
+                t = tl.load(Temp + row)
+                v = tl.where(t > 0, tl.math.div_rn(v, tl.where(t > 0, t, 1.0)), v)  # IEEE, like torch
+            tl.store(X + row * stride_x + offs, v.to(X.dtype.element_ty), mask=valid)
 
     @triton.jit
     def pick_kernel(PVal, PIdx, D2T, Out, n_blocks, HAS_D2T: tl.constexpr, BLOCKS_PAD: tl.constexpr):
@@ -242,13 +245,13 @@ def apply_token_bitmask_reference(
     if row_flags is not None:
         allowed |= (row_flags[:rows] == 0).unsqueeze(1)
     v = logits.float().masked_fill(~allowed, float("-inf"))
-    if temperature is not None:
-        temp = temperature[:rows].unsqueeze(1)
-        v = torch.where(temp > 0, v / torch.where(temp > 0, temp, 1.0), v)
     result = None
     if argmax:
         idx = torch.nan_to_num(v, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf")).argmax(1)
         result = tid[idx]
     if write:
+        if temperature is not None:
+            temp = temperature[:rows].unsqueeze(1)
+            v = torch.where(temp > 0, v / torch.where(temp > 0, temp, 1.0), v)
         logits.copy_(v)
     return result

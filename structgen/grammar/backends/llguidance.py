@@ -8,7 +8,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import llguidance
-import llguidance.hf
 
 from structgen.errors import EngineError, InvalidConstraintError, UnsupportedSchemaError
 from structgen.grammar.backends.base import (
@@ -128,6 +127,32 @@ class LLGuidanceCompiledGrammar(CompiledGrammar):
         return m.try_consume_tokens(ids) == len(ids) and m.is_accepting()
 
 
+class _VocabBytes:
+    """What `llguidance.TokenizerWrapper` reads: every token's bytes, the special ids and an
+    encode function (used for text the grammar forces, never in the mask hot path)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]):
+        import xgrammar as xgr
+
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        tokens = [bytes(t) for t in info.decoded_vocab][:vocab_size]
+        special = set(info.special_token_ids) | set(getattr(tokenizer, "all_special_ids", []) or [])
+        special = {t for t in special if t < vocab_size}
+        for t in special:  # llguidance marks specials itself; give them their text
+            name = tokenizer.convert_ids_to_tokens(t) if t < len(tokenizer) else None
+            tokens[t] = (name or f"<special_{t}>").encode()
+        self.tokens = tokens + [b""] * (vocab_size - len(tokens))
+        self.special_token_ids = sorted(special)
+        self.eos_token_id = stop_token_ids[0] if stop_token_ids else tokenizer.eos_token_id
+        self.bos_token_id = tokenizer.bos_token_id
+        self._tokenizer = tokenizer
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")
+        return self._tokenizer.encode(text, add_special_tokens=False)
+
+
 class LLGuidanceBackend(GrammarBackend):
     """Compiles constraints into llguidance grammars for one tokenizer."""
 
@@ -135,12 +160,14 @@ class LLGuidanceBackend(GrammarBackend):
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]):
         super().__init__(tokenizer, vocab_size, stop_token_ids)
-        try:
-            self._tokenizer = llguidance.hf.from_tokenizer(
-                tokenizer, n_vocab=vocab_size, eos_token=list(stop_token_ids)
-            )
-        except ValueError as e:  # not a fast (Rust) tokenizer
-            raise InvalidConstraintError(f"llguidance needs a fast HF tokenizer: {e}") from e
+        # Token bytes come from xgrammar's TokenizerInfo rather than from llguidance.hf, which
+        # re-parses the tokenizer's JSON: with transformers 5.17 (the GPU machine) that JSON
+        # no longer reads as byte-level BPE there, every "Ġ" stays a literal character, and
+        # the masks go wrong (after `":` only `:` was allowed).
+        vocab = _VocabBytes(tokenizer, vocab_size, list(stop_token_ids))
+        self._tokenizer = llguidance.LLTokenizer(
+            llguidance.TokenizerWrapper(vocab), n_vocab=vocab_size, eos_token=list(stop_token_ids)
+        )
 
     def compile(self, constraint: Constraint) -> LLGuidanceCompiledGrammar:
         grammar = self._grammar(constraint)
