@@ -27,6 +27,7 @@ SCHEMA = {
     "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "city": {"type": "string"},
                    "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 3}},
     "required": ["name", "age", "city", "tags"],
+    "additionalProperties": False,  # closed: a 135M model may otherwise add keys until max_tokens
 }
 PEOPLE = [("Ana", 31, "Lisbon"), ("Bo", 45, "Oslo"), ("Chen", 27, "Lima"), ("Dara", 52, "Osaka"),
           ("Eli", 38, "Nairobi"), ("Fatima", 61, "Quito"), ("Gus", 19, "Perth"), ("Hana", 33, "Riga")]

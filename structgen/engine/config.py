@@ -122,7 +122,9 @@ class EngineConfig:
     kv_cache_memory_fraction: float = 0.5  # of free GPU memory, when sizing slots on CUDA
     prefill_chunk_tokens: int = 2048  # longest prefill piece scheduled in one step
     use_cuda_graphs: bool = True  # decode/verify graphs on CUDA; ignored on CPU
-    cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    # Rows, not requests: forced (jump-forward) and draft tokens ride as extra rows, so the
+    # sizes reach past max_batch_size (model_runner keeps those below 4x the slot count).
+    cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     jump_forward: bool = True  # append grammar-forced text without a decode step per token
     grammar_threads: int = 0  # 0: pick from os.cpu_count()
     seed: int | None = None

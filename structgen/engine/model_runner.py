@@ -114,12 +114,13 @@ class ModelRunner:
         return decode_attention_available()
 
     def capture_decode_graphs(self, capture: bool = True) -> None:
-        """Capture decode graphs at the configured batch sizes that a full cache can use (the
-        smallest size >= the slot count is kept, so every batch has a bucket)."""
+        """Capture decode graphs at the configured sizes a step can use: rows are requests
+        plus their forced or draft tokens, so sizes up to the first >= 4x the slot count."""
         from structgen.engine.cuda_graphs import DecodeGraphs
 
         sizes = sorted(self.config.cuda_graph_batch_sizes)
-        keep = [b for b in sizes if b < self.kv.num_slots] + [b for b in sizes if b >= self.kv.num_slots][:1]
+        rows = 4 * self.kv.num_slots  # a step's rows: requests x (1 + forced or draft tokens)
+        keep = [b for b in sizes if b < rows] + [b for b in sizes if b >= rows][:1]
         if keep:
             self.graphs = DecodeGraphs(self, tuple(keep), capture=capture)
             log.info("captured decode graphs for batch sizes %s", keep)
