@@ -354,3 +354,38 @@ def test_constraint_key_identifies_the_grammar():
     assert a.key != b.key  # titles differ, and so may generation
     assert to_constraint(a) is a  # a Constraint passes through
     assert isinstance(a, Constraint) and {a.key: 1}[to_constraint(A).key] == 1
+
+
+D7 = "http://json-schema.org/draft-07/schema#"
+
+
+@pytest.mark.parametrize(
+    "schema,rewritten",
+    [
+        ({"oneOf": [{"type": "string"}, {"type": "array"}]}, True),  # types
+        ({"oneOf": [{"type": "number"}, {"type": "integer"}]}, False),  # 3 matches both
+        ({"oneOf": [{"const": 1}, {"const": 1.0}]}, False),  # the same JSON value
+        ({"oneOf": [{"const": True}, {"const": 1}]}, True),
+        ({"$defs": {"a": {"type": "object", "properties": {"k": {"const": "a"}}, "required": ["k"]},
+                    "b": {"type": "object", "properties": {"k": {"enum": ["b", "c"]}}, "required": ["k"]}},
+          "oneOf": [{"$ref": "#/$defs/a"}, {"$ref": "#/$defs/b"}]}, True),  # discriminator
+        ({"oneOf": [{"type": "object", "required": ["a"]}, {"type": "object", "required": ["b"]}]}, False),
+        ({"oneOf": [{"type": "object", "required": ["a"], "additionalProperties": False, "properties": {"a": {}}},
+                    {"type": "object", "required": ["b"], "additionalProperties": False, "properties": {"b": {}}}]},
+         True),
+        ({"oneOf": [{"required": ["a"]}, {"type": "string"}]}, False),  # "required" alone admits strings
+        ({"$schema": D7, "definitions": {"x": {"type": ["integer", "string"]}},
+          "oneOf": [{"$ref": "#/definitions/x", "type": "string"}, {"type": "integer"}]}, False),  # inert sibling
+    ],
+)
+def test_disjoint_one_of_becomes_any_of(schema, rewritten):
+    import jsonschema
+
+    from structgen.grammar.normalize import normalize_schema
+
+    out = normalize_schema(schema)
+    assert ("anyOf" in out and "oneOf" not in out) == rewritten
+    probes = [None, True, 1, 1.0, 3, 2.5, "a", [], {}, {"k": "a"}, {"k": "b"}, {"a": 1}, {"b": 1}, {"a": 1, "b": 2}]
+    for v in probes:  # the same instances either way
+        assert jsonschema.validators.validator_for(out)(out).is_valid(v) == jsonschema.validators.validator_for(schema)(
+            schema).is_valid(v), v

@@ -16,6 +16,7 @@ backends can compile:
   e.g. `not {minimum: 3}` is `{type: number, exclusiveMaximum: 3}` and `not {enum: ["a"]}`
   is "another type, or a string matching an exclusion pattern"; left alone otherwise.
 - `if`/`then`/`else`: `anyOf: [allOf [if, then], allOf [not if, else]]` when `not if` is.
+- `oneOf` whose branches provably share no instance (`disjoint.py`) is `anyOf`.
 - draft-4 boolean `exclusiveMinimum`/`exclusiveMaximum` become the numeric form, and in
   drafts 4-7 the keywords next to a `$ref` (which those drafts ignore) are dropped.
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from structgen.grammar.disjoint import pairwise_disjoint
 from structgen.grammar.keywords import ANNOTATIONS, resolve_ref
 
 _TYPES = ("null", "boolean", "object", "array", "string", "number")
@@ -93,6 +95,9 @@ class _Normalizer:
                 out[kw] = {k: self.node(v, depth + 1) for k, v in value.items()}
             else:
                 out[kw] = value
+        branches = schema.get("oneOf")
+        if isinstance(branches, list) and "anyOf" not in out and pairwise_disjoint(branches, self.root, self.ref_overrides):
+            out["anyOf"] = out.pop("oneOf")  # no two branches share an instance: same set
         _draft4_exclusive_bounds(out)
         _dependencies_as_any_of(out)
         _if_then_else_as_any_of(out)
