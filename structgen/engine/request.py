@@ -98,7 +98,9 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
     def append(self, token_ids: list[int], *, forced: bool = False) -> None:
-        if self.first_token_at is None:
+        if self.first_token_at is None and not forced:
+            # The first token the model chose: text forced before any forward (an opening
+            # `{"name": "`) is known at once and would make the time to first token ~0.
             self.first_token_at = time.perf_counter()
             self.stats.ttft_s = self.first_token_at - self.arrival
         self.token_ids.extend(token_ids)
