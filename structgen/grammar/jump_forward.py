@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from structgen.grammar.backends.base import allocate_bitmask
+from structgen.grammar.backends.base import allocate_bitmask, token_bytes
 
 if TYPE_CHECKING:
     from structgen.engine.engine import Engine
@@ -45,16 +45,11 @@ MAX_BACKOFF = 4  # output tokens re-encoded with the forced text; merges span on
 class VocabBytes:
     """The byte string of every token id, plus "which tokens extend this one" lookups.
 
-    Built from xgrammar's `TokenizerInfo`, which knows how every tokenizer family (byte-level
-    BPE, SentencePiece with byte fallback, tiktoken) spells its tokens as bytes.
+    The bytes are `backends.base.token_bytes` (shared with the llguidance adapter).
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, exclude: set[int]):
-        import xgrammar as xgr
-
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
-        self.tokens: list[bytes] = list(info.decoded_vocab)[:vocab_size]
-        self.tokens += [b""] * (vocab_size - len(self.tokens))
+        self.tokens = token_bytes(tokenizer, vocab_size)
         self.special = set(exclude) | set(getattr(tokenizer, "all_special_ids", []) or [])
         order = sorted((b, i) for i, b in enumerate(self.tokens) if b and i not in self.special)
         self._sorted = [b for b, _ in order]

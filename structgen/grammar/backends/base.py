@@ -9,6 +9,7 @@ llguidance fills the same layout, so one sampler kernel serves both backends.
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -17,6 +18,20 @@ if TYPE_CHECKING:  # torch is imported lazily so `structgen.grammar` stays cheap
     import torch
 
     from structgen.types import Constraint
+
+
+@functools.lru_cache(maxsize=4)
+def token_bytes(tokenizer: Any, vocab_size: int) -> tuple[bytes, ...]:
+    """The byte string of every token id below `vocab_size` (b"" for ids the tokenizer lacks).
+
+    Read from xgrammar's `TokenizerInfo`, which knows how every tokenizer family (byte-level
+    BPE, SentencePiece with byte fallback, tiktoken) spells its tokens; jump-forward and the
+    llguidance adapter share one table (building it takes ~0.3 s)."""
+    import xgrammar as xgr
+
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+    tokens = [bytes(t) for t in info.decoded_vocab][:vocab_size]
+    return tuple(tokens + [b""] * (vocab_size - len(tokens)))
 
 
 def bitmask_words(vocab_size: int) -> int:

@@ -15,6 +15,7 @@ from structgen.grammar.backends.base import (
     GrammarBackend,
     GrammarMatcher,
     set_only_tokens,
+    token_bytes,
 )
 from structgen.grammar.json_format import JSON_SEPARATORS
 from structgen.grammar.keywords import strip_annotation_formats
@@ -129,19 +130,17 @@ class LLGuidanceCompiledGrammar(CompiledGrammar):
 
 class _VocabBytes:
     """What `llguidance.TokenizerWrapper` reads: every token's bytes, the special ids and an
-    encode function (used for text the grammar forces, never in the mask hot path)."""
+    encode function (for text the grammar forces; not used to compute masks)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]):
-        import xgrammar as xgr
-
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
-        tokens = [bytes(t) for t in info.decoded_vocab][:vocab_size]
-        special = set(info.special_token_ids) | set(getattr(tokenizer, "all_special_ids", []) or [])
-        special = {t for t in special if t < vocab_size}
+        tokens = list(token_bytes(tokenizer, vocab_size))
+        # Special: the tokenizer's own, and ids without bytes (padding of a wider LM head).
+        special = {t for t in getattr(tokenizer, "all_special_ids", []) or [] if t < vocab_size}
+        special |= {t for t, b in enumerate(tokens) if not b}
         for t in special:  # llguidance marks specials itself; give them their text
             name = tokenizer.convert_ids_to_tokens(t) if t < len(tokenizer) else None
             tokens[t] = (name or f"<special_{t}>").encode()
-        self.tokens = tokens + [b""] * (vocab_size - len(tokens))
+        self.tokens = tokens
         self.special_token_ids = sorted(special)
         self.eos_token_id = stop_token_ids[0] if stop_token_ids else tokenizer.eos_token_id
         self.bos_token_id = tokenizer.bos_token_id
