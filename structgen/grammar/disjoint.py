@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from structgen.grammar.keywords import resolve_ref
+from structgen.grammar.keywords import finite_values, resolve_ref
 
 _ALL = frozenset({"null", "boolean", "object", "array", "string", "number", "integer"})
 _MAX_DEPTH = 12
@@ -27,101 +27,75 @@ _MAX_DEPTH = 12
 def pairwise_disjoint(branches: list[Any], root: Any, ref_overrides: bool = False) -> bool:
     """No instance matches two of `branches` (refs resolve in `root`; `ref_overrides`: drafts
     4-7, where a `$ref` makes the keywords next to it inert)."""
-    if ref_overrides:
-        root = _RefOverrides(root)
-    return all(
-        disjoint(a, b, root) for i, a in enumerate(branches) for b in branches[i + 1 :]
-    )
+    proof = _Disjointness(root, ref_overrides)
+    return all(proof.disjoint(a, b) for i, a in enumerate(branches) for b in branches[i + 1 :])
 
 
-class _RefOverrides:
-    """A root marker: follow `$ref` alone, ignoring its siblings (drafts 4-7)."""
-
-    def __init__(self, root: Any):
+class _Disjointness:
+    def __init__(self, root: Any, ref_overrides: bool):
         self.root = root
+        self.ref_overrides = ref_overrides
 
-
-def _follow(schema: Any, root: Any) -> tuple[Any, Any]:
-    """(the schema to read, the document its refs resolve in): under drafts 4-7 a node with a
-    `$ref` is its target."""
-    if isinstance(root, _RefOverrides):
+    def follow(self, schema: Any) -> Any:
+        """A `$ref` alone (or, under drafts 4-7, with inert siblings) is its target; a `$ref`
+        with live siblings is left as is (its target is read where needed)."""
         for _ in range(_MAX_DEPTH):
             if not (isinstance(schema, dict) and isinstance(schema.get("$ref"), str)):
-                break
-            schema = resolve_ref(root.root, schema["$ref"])
-        return schema, root
-    return schema, root
+                return schema
+            if not self.ref_overrides and set(schema) - {"$ref", "description", "title", "$comment"}:
+                return schema
+            schema = resolve_ref(self.root, schema["$ref"])
+        return None
 
-
-def _doc(root: Any) -> Any:
-    return root.root if isinstance(root, _RefOverrides) else root
-
-
-def disjoint(a: Any, b: Any, root: Any, depth: int = 0) -> bool:
-    if depth > _MAX_DEPTH:
-        return False
-    a, _ = _follow(a, root)
-    b, _ = _follow(b, root)
-    if a is None or b is None:
-        return False
-    if a is False or b is False:
-        return True
-    ta, tb = json_types(a, root), json_types(b, root)
-    if not ta & tb:
-        return True
-    va, vb = _values(a, root), _values(b, root)
-    if va is not None and vb is not None and not ({_key(v) for v in va} & {_key(v) for v in vb}):
-        return True
-    if ta == {"object"} and tb == {"object"}:
-        oa, ob = _resolved(a, root), _resolved(b, root)
-        if isinstance(oa, dict) and isinstance(ob, dict):
-            return _objects_disjoint(oa, ob, root, depth)
-    return False
-
-
-def json_types(schema: Any, root: Any, depth: int = 0) -> frozenset[str]:
-    """The JSON types `schema` may admit (all of them when it says nothing)."""
-    schema, _ = _follow(schema, root)
-    if schema is False:
-        return frozenset()
-    if not isinstance(schema, dict) or depth > _MAX_DEPTH:
-        return _ALL
-    types = _ALL
-    declared = schema.get("type")
-    if isinstance(declared, str):
-        types &= _expand({declared})
-    elif isinstance(declared, list) and all(isinstance(t, str) for t in declared):
-        types &= _expand(set(declared))
-    values = schema.get("enum") if isinstance(schema.get("enum"), list) else None
-    if "const" in schema:
-        values = [schema["const"]]
-    if values is not None:
-        types &= frozenset(_type_of(v) for v in values)
-    ref = schema.get("$ref")
-    if isinstance(ref, str):
-        target = resolve_ref(_doc(root), ref)
-        if target is not None:
-            types &= json_types(target, root, depth + 1)
-    for part in _list(schema, "allOf"):
-        types &= json_types(part, root, depth + 1)
-    for kw in ("anyOf", "oneOf"):
-        parts = _list(schema, kw)
-        if parts:
-            union: frozenset[str] = frozenset()
-            for part in parts:
-                union |= json_types(part, root, depth + 1)
-            types &= union
-    return types
-
-
-# -- helpers ------------------------------------------------------------------------------------
-def _objects_disjoint(a: dict, b: dict, root: Any, depth: int) -> bool:
-    req_a, req_b = set(_list(a, "required")), set(_list(b, "required"))
-    props_a, props_b = _props(a), _props(b)
-    for p in req_a & req_b:
-        if p in props_a and p in props_b and disjoint(props_a[p], props_b[p], root, depth + 1):
+    def disjoint(self, a: Any, b: Any, depth: int = 0) -> bool:
+        a, b = self.follow(a), self.follow(b)
+        if depth > _MAX_DEPTH or a is None or b is None:
+            return False
+        if a is False or b is False:
             return True
-    return any(_forbids(b, p) for p in req_a) or any(_forbids(a, p) for p in req_b)
+        ta, tb = self.types(a), self.types(b)
+        if not ta & tb:
+            return True
+        va, vb = finite_values(a, self.root), finite_values(b, self.root)
+        if va is not None and vb is not None and not ({_key(v) for v in va} & {_key(v) for v in vb}):
+            return True
+        if ta == tb == {"object"} and isinstance(a, dict) and isinstance(b, dict):
+            return self._objects_disjoint(a, b, depth)
+        return False
+
+    def types(self, schema: Any, depth: int = 0) -> frozenset[str]:
+        """The JSON types `schema` may admit (all of them when it says nothing)."""
+        schema = self.follow(schema)
+        if schema is False:
+            return frozenset()
+        if not isinstance(schema, dict) or depth > _MAX_DEPTH:
+            return _ALL
+        types = _ALL
+        declared = schema.get("type")
+        if isinstance(declared, str):
+            types &= _expand({declared})
+        elif isinstance(declared, list) and all(isinstance(t, str) for t in declared):
+            types &= _expand(set(declared))
+        values = finite_values(schema, self.root)
+        if values is not None:
+            types &= frozenset(_type_of(v) for v in values)
+        if isinstance(schema.get("$ref"), str):  # a $ref with live siblings
+            types &= self.types(resolve_ref(self.root, schema["$ref"]), depth + 1)
+        for part in _list(schema, "allOf"):
+            types &= self.types(part, depth + 1)
+        for kw in ("anyOf", "oneOf"):
+            parts = _list(schema, kw)
+            if parts:
+                types &= frozenset().union(*(self.types(p, depth + 1) for p in parts))
+        return types
+
+    def _objects_disjoint(self, a: dict, b: dict, depth: int) -> bool:
+        req_a, req_b = set(_list(a, "required")), set(_list(b, "required"))
+        props_a, props_b = _props(a), _props(b)
+        for p in req_a & req_b:
+            if p in props_a and p in props_b and self.disjoint(props_a[p], props_b[p], depth + 1):
+                return True
+        return any(_forbids(b, p) for p in req_a) or any(_forbids(a, p) for p in req_b)
 
 
 def _forbids(schema: dict, prop: str) -> bool:
@@ -136,31 +110,6 @@ def _forbids(schema: dict, prop: str) -> bool:
 def _props(schema: dict) -> dict[str, Any]:
     props = schema.get("properties")
     return props if isinstance(props, dict) else {}
-
-
-def _resolved(schema: Any, root: Any) -> Any:
-    """Follow a bare `$ref` chain; a `$ref` with siblings is left alone (no merge here)."""
-    for _ in range(_MAX_DEPTH):
-        if not (isinstance(schema, dict) and isinstance(schema.get("$ref"), str)):
-            return schema
-        if set(schema) - {"$ref", "description", "title", "$comment"}:
-            return schema
-        schema = resolve_ref(_doc(root), schema["$ref"])
-    return None
-
-
-def _values(schema: Any, root: Any, depth: int = 0) -> list[Any] | None:
-    schema, _ = _follow(schema, root)
-    if not isinstance(schema, dict) or depth > _MAX_DEPTH:
-        return None
-    if "const" in schema:
-        return [schema["const"]]
-    if isinstance(schema.get("enum"), list):
-        return list(schema["enum"])
-    ref = schema.get("$ref")
-    if isinstance(ref, str):
-        return _values(resolve_ref(_doc(root), ref), root, depth + 1)
-    return None
 
 
 def _key(value: Any) -> str:

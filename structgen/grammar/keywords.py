@@ -188,6 +188,27 @@ def resolve_ref(root: Any, ref: str) -> Any | None:
     return node
 
 
+def finite_values(schema: Any, root: Any, depth: int = 0) -> list[Any] | None:
+    """The enum/const values that bound `schema`, if any (found through local `$ref`s and in
+    `allOf` parts too)."""
+    if not isinstance(schema, dict) or depth > 16:
+        return None
+    if "const" in schema:
+        return [schema["const"]]
+    if isinstance(schema.get("enum"), list):
+        return list(schema["enum"])
+    ref = schema.get("$ref")
+    if isinstance(ref, str):
+        found = finite_values(resolve_ref(root, ref), root, depth + 1)
+        if found is not None:
+            return found
+    for part in schema.get("allOf", []) if isinstance(schema.get("allOf"), list) else []:
+        found = finite_values(part, root, depth + 1)
+        if found is not None:
+            return found
+    return None
+
+
 def walk(root: Any) -> Iterator[tuple[dict, str]]:
     """Every object subschema reachable from `root`, once, in document order, with its JSON
     pointer. Local `$ref`s are followed; `$defs`/`definitions` are entered only through them,

@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 from structgen.grammar.disjoint import pairwise_disjoint
-from structgen.grammar.keywords import ANNOTATIONS, resolve_ref
+from structgen.grammar.keywords import ANNOTATIONS, finite_values
 
 _TYPES = ("null", "boolean", "object", "array", "string", "number")
 # keyword -> (its negation's keyword, offset, the type it constrains): not {minLength: n} is
@@ -78,7 +78,7 @@ class _Normalizer:
             return schema
         if self.ref_overrides and "$ref" in schema:
             schema = {k: v for k, v in schema.items() if k == "$ref" or k in ANNOTATIONS}
-        values = self._finite_values(schema, 0)
+        values = finite_values(schema, self.root)
         if values is not None:
             return self._finite(schema, values)
         out: dict[str, Any] = {}
@@ -106,26 +106,6 @@ class _Normalizer:
             del out["not"]
             out["allOf"] = [*out.get("allOf", []), negated]
         return out
-
-    def _finite_values(self, schema: Any, depth: int) -> list[Any] | None:
-        """The enum/const values that bound `schema`, if any (checked in allOf parts and
-        through $refs too)."""
-        if not isinstance(schema, dict) or depth > 16:
-            return None
-        if "const" in schema:
-            return [schema["const"]]
-        if isinstance(schema.get("enum"), list):
-            return list(schema["enum"])
-        ref = schema.get("$ref")
-        if isinstance(ref, str):
-            found = self._finite_values(resolve_ref(self.root, ref), depth + 1)
-            if found is not None:
-                return found
-        for part in schema.get("allOf", []) if isinstance(schema.get("allOf"), list) else []:
-            found = self._finite_values(part, depth + 1)
-            if found is not None:
-                return found
-        return None
 
     def _finite(self, schema: dict[str, Any], values: list[Any]) -> Any:
         try:
