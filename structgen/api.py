@@ -179,15 +179,12 @@ class LLM:
     def stream(self, output_type: Any, prompt: Prompt, **kw: Any) -> Iterator[str]:
         """Yield text deltas as they are decoded; raises like `complete` at the end."""
         req, constraint = self._request(output_type, prompt, kw)
-        updates: queue.Queue[Request | None] = queue.Queue()
+        updates: queue.Queue[Request] = queue.Queue()
         req.on_update = updates.put
         future = self.loop.submit(req)
-        future.add_done_callback(lambda f: f.exception() is not None and updates.put(None))
         decoder = _DeltaDecoder(self.tokenizer)
         while True:
             r = updates.get()
-            if r is None:  # the engine refused the request (e.g. prompt too long)
-                future.result()
             delta = decoder.delta(r.output_ids, final=r.finished)
             if delta:
                 yield delta
@@ -234,18 +231,13 @@ class CompletionStream:
         req, constraint = await asyncio.to_thread(llm._request, *self._args)
         self.request = req
         aloop = asyncio.get_running_loop()
-        updates: asyncio.Queue[Request | None] = asyncio.Queue()
+        updates: asyncio.Queue[Request] = asyncio.Queue()
         req.on_update = lambda r: aloop.call_soon_threadsafe(updates.put_nowait, r)
-        future = llm.loop.submit(req)
-        future.add_done_callback(
-            lambda f: f.exception() is not None and aloop.call_soon_threadsafe(updates.put_nowait, None)
-        )
+        llm.loop.submit(req)
         decoder = _DeltaDecoder(llm.tokenizer)
         try:
             while True:
                 r = await updates.get()
-                if r is None:  # the engine refused the request (e.g. prompt too long)
-                    future.result()
                 delta = decoder.delta(r.output_ids, final=r.finished)
                 if delta:
                     yield delta

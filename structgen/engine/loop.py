@@ -20,12 +20,13 @@ class EngineLoop:
     def __init__(self, engine: Engine):
         self.engine = engine
         self._cond = threading.Condition()
-        self._incoming: deque[tuple[Request, Future]] = deque()
+        self._incoming: deque[Request] = deque()
         self._aborts: deque[Request] = deque()
         self._thread: threading.Thread | None = None
 
     def submit(self, request: Request) -> Future:
-        """Queue `request`; the future resolves to it once finished (or to the add error)."""
+        """Queue `request`; the future resolves to it once finished (a request the engine
+        refuses finishes at once with reason "error" and the refusal in `.error`)."""
         future: Future = Future()
         user_cb = request.on_update
 
@@ -37,7 +38,7 @@ class EngineLoop:
 
         request.on_update = on_update
         with self._cond:
-            self._incoming.append((request, future))
+            self._incoming.append(request)
             self._ensure_thread()
             self._cond.notify()
         return future
@@ -60,11 +61,12 @@ class EngineLoop:
                     self._cond.wait()
                 incoming, self._incoming = list(self._incoming), deque()
                 aborts, self._aborts = list(self._aborts), deque()
-            for req, future in incoming:
+            for req in incoming:
                 try:
                     self.engine.add_request(req)
-                except Exception as exc:
-                    future.set_exception(exc)
+                except Exception as exc:  # refused (prompt too long...): finished with the error,
+                    req.finish("error", exc)  # so waiters and streams all hear of it
+                    self.engine._notify(req)
             for req in aborts:
                 self.engine.abort(req)
             try:
