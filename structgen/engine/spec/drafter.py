@@ -22,7 +22,8 @@ class Drafter(Protocol):
     Required: `propose`. Optional (the speculator calls them when present):
     - `propose_batch(reqs, ks) -> list[list[int]]`: draft for many requests at once (a draft
       model runs one batched forward per draft position instead of one per request);
-    - `candidates(req, k) -> list[list[int]]`: several alternative drafts, best first, from
+    - `candidates(req, k) -> Iterable[list[int]]`: alternative drafts, best first (a generator is
+      fine: it is read only until a draft the grammar takes whole), from
       which grammar-aware drafting keeps the one the grammar allows furthest;
     - `on_verified(req, num_drafted, num_accepted)`: the target's verdict on the last draft;
     - `release(req)`: the request finished; drop any state kept for it;

@@ -11,6 +11,7 @@ go to a small pool that later requests also search (same schema, same keys and p
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -21,41 +22,59 @@ class NgramIndex:
     """n-gram (a tuple of n_min..n_max tokens) -> positions just after each of its occurrences,
     over one token list that grows (and is sometimes cut back). Entries made stale by a cut
     are re-checked against the tokens at lookup time, never trusted. With `classes`, n-grams
-    are keyed by token class (see `space_classes`) instead of token id."""
+    are keyed by token class (see `space_classes`) instead of token id.
 
-    def __init__(self, n_min: int, n_max: int, classes: list[int] | None = None):
+    Lookups are lazy (`continuations` is a generator): grammar-aware drafting stops at the
+    first candidate the grammar takes whole, usually the first one, so a step rarely pays
+    for more than a few probes. A common short n-gram (`", "`) occurs hundreds of times in
+    a long prompt; only its latest `max_scan` occurrences are looked at."""
+
+    def __init__(self, n_min: int, n_max: int, classes: list[int] | None = None, max_scan: int = 32):
         self.n_min, self.n_max = n_min, n_max
         self.classes = classes
+        self.max_scan = max_scan
         self.table: dict[tuple[int, ...], list[int]] = {}
         self.indexed = 1  # continuation positions below this are in the table
 
     def key(self, tokens: list[int]) -> tuple[int, ...]:
         c = self.classes
-        return tuple(tokens) if c is None else tuple(c[t] if t < len(c) else t for t in tokens)
+        if c is None:
+            return tuple(tokens)
+        try:
+            return tuple(map(c.__getitem__, tokens))
+        except IndexError:  # an id past the tokenizer's vocabulary is its own class
+            return tuple(c[t] if t < len(c) else t for t in tokens)
 
     def update(self, tokens: list[int]) -> None:
         """Index every continuation position p < len(tokens) not indexed yet."""
         self.indexed = min(self.indexed, max(len(tokens), 1))  # after a truncation
+        if self.indexed >= len(tokens):
+            return
+        lo = max(self.indexed - self.n_max, 0)
+        keys = self.key(tokens[lo:])  # class ids of tokens[lo:], mapped once
+        table = self.table
         for p in range(self.indexed, len(tokens)):
             for n in range(self.n_min, min(self.n_max, p) + 1):
-                self.table.setdefault(self.key(tokens[p - n : p]), []).append(p)
-        self.indexed = max(self.indexed, len(tokens))
+                table.setdefault(keys[p - n - lo : p - lo], []).append(p)
+        self.indexed = len(tokens)
 
-    def continuations(self, tokens: list[int], context: list[int], k: int, limit: int) -> list[list[int]]:
-        """Up to `limit` continuations (of up to k tokens, taken from `tokens`) of the longest
+    def continuations(self, tokens: list[int], context: list[int], k: int) -> Iterator[list[int]]:
+        """Distinct continuations (of up to k tokens, taken from `tokens`) of the longest
         suffixes of `context` found in the table; longer matches and later occurrences first."""
-        out: list[list[int]] = []
+        seen: set[tuple[int, ...]] = set()
+        tail = self.key(context[-self.n_max :])
         for n in range(min(self.n_max, len(context)), self.n_min - 1, -1):
-            key = self.key(context[len(context) - n :])
-            for p in reversed(self.table.get(key, ())):
+            key = tail[len(tail) - n :]
+            hits = self.table.get(key)
+            if not hits:
+                continue
+            for p in reversed(hits[-self.max_scan :]):
                 if p >= len(tokens) or self.key(tokens[p - n : p]) != key:
                     continue  # stale: the tokens were cut back since
-                cont = tokens[p : p + k]
-                if cont and cont not in out:
-                    out.append(cont)
-                    if len(out) >= limit:
-                        return out
-        return out
+                cont = tuple(tokens[p : p + k])
+                if cont and cont not in seen:
+                    seen.add(cont)
+                    yield list(cont)
 
 
 def space_classes(tokenizer: Any) -> list[int]:
@@ -101,27 +120,28 @@ class NgramDrafter:
         """Match n-grams modulo leading spaces (see `space_classes`)."""
         self.token_classes = space_classes(tokenizer)
 
-    def candidates(self, req: Request, k: int) -> list[list[int]]:
-        """Alternative drafts of up to k tokens, best first."""
+    def candidates(self, req: Request, k: int) -> Iterator[list[int]]:
+        """Alternative drafts of up to k tokens, best first, produced lazily (the grammar-aware
+        picker usually takes the first)."""
         if k <= 0:
-            return []
+            return
         index = self.indexes.get(req.id)
         if index is None:
             index = self.indexes[req.id] = NgramIndex(self.n_min, self.n_max, self.token_classes)
         tokens = req.token_ids
         index.update(tokens)
-        found = index.continuations(tokens, tokens, k, self.max_candidates)
-        for seq, seq_index in reversed(self.pool):
-            if len(found) >= self.max_candidates:
-                break
-            for c in seq_index.continuations(seq, tokens, k, self.max_candidates - len(found)):
+        found: list[list[int]] = []
+        sources = [(tokens, index)] + [(seq, seq_index) for seq, seq_index in reversed(self.pool)]
+        for seq, seq_index in sources:
+            for c in seq_index.continuations(seq, tokens, k):
                 if c not in found:
                     found.append(c)
-        return found
+                    yield c
+                    if len(found) >= self.max_candidates:
+                        return
 
     def propose(self, req: Request, k: int) -> list[int]:
-        found = self.candidates(req, k)
-        return found[0] if found else []
+        return next(iter(self.candidates(req, k)), [])
 
     def release(self, req: Request) -> None:
         self.indexes.pop(req.id, None)

@@ -25,6 +25,7 @@ last chunk of its prompt):
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -122,10 +123,11 @@ class Speculator:
             return 0
         return max(0, min(self.config.num_draft_tokens, req.params.max_tokens - req.num_output - 1))
 
-    def _best_candidate(self, req: Request, cands: list[list[int]]) -> list[int]:
-        """The candidate with the longest grammar-valid prefix, cut there."""
-        if req.matcher is None or not cands:
-            return cands[0] if cands else []
+    def _best_candidate(self, req: Request, cands: Iterable[list[int]]) -> list[int]:
+        """The candidate with the longest grammar-valid prefix, cut there. `cands` is read
+        only up to the first one the grammar takes whole."""
+        if req.matcher is None:
+            return next(iter(cands), [])
         best: list[int] = []
         for c in cands:
             c = self._in_vocab(c)
