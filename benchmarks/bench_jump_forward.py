@@ -213,6 +213,7 @@ def measure(llm: LLM, cases: list[Case], mode: str, jf: bool, batch: int, max_to
         "passes_per_token": passes / max(tokens, 1), "wall_s": wall,
         "latency_ms": 1e3 * statistics.mean(latencies), "ms_per_token": 1e3 * wall / max(tokens, 1),
         "valid": valid, "n": len(done),
+        "per_case": {c.id: (r.num_output, r.stats.forward_passes) for c, r in done},
         "decode_step_ms": 1e3 * statistics.mean(timer.decode) if timer.decode else None,
         "extend_step_ms": 1e3 * statistics.mean(timer.extend) if timer.extend else None,
     }
@@ -254,6 +255,16 @@ def add_rows(rows: list, table: list, res: dict, model: str, mode: str, batch: i
                   "latency_ms": on["latency_ms"] / off["latency_ms"], "wall_s": off["wall_s"] / on["wall_s"]})
 
 
+def case_rows(res: dict, note: dict) -> list[dict[str, Any]]:
+    """Per schema (replay, batch 1, identical outputs): forward passes per token off and on."""
+    out = []
+    for cid, (tokens, passes_off) in res[False]["per_case"].items():
+        _, passes_on = res[True]["per_case"][cid]
+        out.append({"case": cid, **note, "tokens": tokens, "passes/tok off": passes_off / max(tokens, 1),
+                    "passes/tok on": passes_on / max(tokens, 1), "fewer_passes_pct": 100 * (1 - passes_on / max(passes_off, 1))})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--modes", default="model,replay", help="model and/or replay")
@@ -275,6 +286,7 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     table: list[dict[str, Any]] = []
     cases: list[Case] = []
+    per_case: list[dict[str, Any]] = []
     for graphs in args.graphs.split(","):
         llm, model = build_llm(args.weights, args.tokenizer_dir, args.device, graphs == "on")
         engine = llm.engine
@@ -294,12 +306,15 @@ def main() -> None:
                 measure(llm, cases[: max(2, min(batch, len(cases)))], mode, True, batch, args.max_tokens)
                 res = {jf: measure(llm, cases, mode, jf, batch, args.max_tokens) for jf in (False, True)}
                 add_rows(rows, table, res, model, mode, batch, graph_note)
+                if mode == "replay" and batch == 1:
+                    per_case = case_rows(res, graph_note)
+                    print_table(per_case)
                 print_table(table[-3:])
         del llm, engine
     print_table(table)
     print("(last row per group: passes/tok = on/off ratio, wall_s = speedup off/on)")
     if not args.no_write:
-        extra = {"cases": [c.id for c in cases], "weights": args.weights,
+        extra = {"cases": [c.id for c in cases], "weights": args.weights, "per_case_replay_batch1": per_case,
                  "note": "batch 1: requests one after another (latency = per request); batch 16: all at once"}
         name = "jump_forward" if args.weights == "real" else "jump_forward-random-weights"
         print("wrote", write_results(name, rows, extra=extra))

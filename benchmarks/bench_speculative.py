@@ -15,7 +15,10 @@ Metrics: `mean_acceptance_length` = tokens sampled per verify step (accepted dra
 target's own token; forced jump-forward tokens excluded), `forward_passes_per_token`,
 `ms_per_token` (wall time / output tokens), `speedup` (no-speculation ms_per_token / this),
 `decode_ms_per_token` / `decode_speedup` (the same from each request's first token on, i.e.
-without the prompt's prefill step, which speculation does not touch).
+without the prompt's prefill step, which speculation does not touch), and
+`decode_speedup_identical`: the same ratio over only the prompts whose output equals the
+baseline's token for token (on the GPU, bf16 near-ties can flip a greedy choice because the
+verify forward runs a different batch shape; a changed output changes the token count).
 """
 
 from __future__ import annotations
@@ -131,24 +134,45 @@ def summarize(name: str, batch: int, jf: bool, k: int, wall: float, reqs: list[R
         "errors": sum(r.finish_reason == "error" for r in reqs),
     }
     if base is not None:
-        row["identical"] = sum(a.output_ids == b.output_ids for a, b in zip(reqs, base, strict=True))
+        same = [(a, b) for a, b in zip(reqs, base, strict=True) if a.output_ids == b.output_ids]
+        row["identical"] = len(same)
+        # On the prompts whose output equals the baseline's (same tokens, so a fair ratio):
+        # bf16 near-ties can flip a greedy choice when the verify forward's batch shape differs.
+        spec_s = sum(a.stats.decode_s for a, _ in same)
+        row["decode_speedup_identical"] = sum(b.stats.decode_s for _, b in same) / spec_s if spec_s else None
     return row
 
 
 class StepProfile:
-    """`--profile`: wall time inside the step's phases (host clock; the graphs sync each step)."""
+    """`--profile`: wall time inside the step's phases (host clock). `wait` is the host blocked
+    on the device (the graphs' one sync per step): step time minus wait is host work the
+    device does not overlap."""
 
-    PHASES = {"Speculator": ("propose", "_forward_and_sample", "_accept"), "Engine": ("step",)}
+    PHASES = {
+        "structgen.engine.spec.speculator:Speculator": ("propose", "_forward_and_sample", "_accept", "_fill_masks"),
+        "structgen.engine.engine:Engine": ("step", "_decode_step", "_advance", "_fill_masks"),
+        "structgen.engine.scheduler:Scheduler": ("schedule",),
+        "structgen.engine.cuda_graphs:DecodeGraphs": ("run",),
+        "structgen.engine.model_runner:ModelRunner": ("extend",),
+        "structgen.grammar.jump_forward:JumpForward": ("__call__",),
+    }
 
     def __init__(self) -> None:
-        import structgen.engine.engine as engine_mod
-        import structgen.engine.spec.speculator as spec_mod
+        import importlib
+
+        import torch
 
         self.totals: dict[str, float] = {}
         self.counts: dict[str, int] = {}
-        for cls, names in ((spec_mod.Speculator, self.PHASES["Speculator"]), (engine_mod.Engine, self.PHASES["Engine"])):
+        for where, names in self.PHASES.items():
+            mod, cls_name = where.split(":")
+            cls = getattr(importlib.import_module(mod), cls_name)
             for name in names:
-                setattr(cls, name, self._timed(f"{cls.__name__}.{name}", getattr(cls, name)))
+                fn = cls.__dict__[name]
+                wrapped = self._timed(f"{cls_name}.{name}", fn.__func__ if isinstance(fn, staticmethod) else fn)
+                setattr(cls, name, staticmethod(wrapped) if isinstance(fn, staticmethod) else wrapped)
+        if torch.cuda.is_available():
+            torch.cuda.Event.synchronize = self._timed("wait", torch.cuda.Event.synchronize)
 
     def _timed(self, key: str, fn):
         def wrapper(*a, **kw):
@@ -161,7 +185,8 @@ class StepProfile:
         return wrapper
 
     def report(self, label: str) -> None:
-        parts = [f"{k.split('.')[-1]} {1e3 * v / self.counts[k]:.3f} ms x{self.counts[k]}" for k, v in self.totals.items()]
+        parts = [f"{k.split('.')[-1] if k.count('.') == 0 else k} {1e3 * v / self.counts[k]:.3f} ms x{self.counts[k]}"
+                 for k, v in sorted(self.totals.items())]
         print(f"  profile {label}: " + "; ".join(parts))
         self.totals.clear()
         self.counts.clear()
@@ -216,6 +241,8 @@ def main() -> None:
             _, first = run(llm, cases, 1, jf, args.max_tokens)
             kept = [c for c, r in zip(cases, first, strict=True) if r.finish_reason == "stop"]
             print(f"batch {batch}, jump_forward={jf}: {len(kept)} of {len(cases)} outputs complete")
+            if not kept:
+                continue
             base = None
             for name, spec in variants:
                 eng.speculator = speculators[name]  # one engine, its drafters swapped between runs
@@ -235,7 +262,7 @@ def main() -> None:
                     r["decode_speedup"] = ref["decode_ms_per_token"] / r["decode_ms_per_token"]
     eng.speculator = None
     shown = ["system", "batch", "jump_forward", "tokens", "identical", "mean_acceptance_length",
-             "forward_passes_per_token", "ms_per_token", "speedup", "decode_ms_per_token", "decode_speedup", "errors"]
+             "forward_passes_per_token", "ms_per_token", "speedup", "decode_ms_per_token", "decode_speedup", "decode_speedup_identical", "errors"]
     print_table([{c: r.get(c) for c in shown} for r in rows])
     if not args.no_write:
         path = write_results("speculative", rows, extra={"settings": vars(args) | {"data": str(args.data)}})
