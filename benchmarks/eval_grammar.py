@@ -254,14 +254,39 @@ def _row(category: str, system: str, rs: list[dict[str, Any]]) -> dict[str, Any]
     }
 
 
+def raw_fingerprint() -> str:
+    """What a raw result depends on besides the schema text: the backend adapters, the JSON
+    writer the instances go through, and the library versions. A cached result made with
+    other code is stale (Github_easy #176 kept, for hours, an 'invalid accepted' from when
+    the writer still turned 12345.0 into 12345)."""
+    from importlib.metadata import version
+
+    import structgen.grammar as grammar
+
+    root = Path(grammar.__file__).parent
+    files = sorted((root / "backends").glob("*.py")) + [root / "json_format.py"]
+    h = hashlib.sha1()
+    for f in files:
+        h.update(f.read_bytes())
+    for lib in BACKENDS:
+        h.update(version(lib).encode())
+    return h.hexdigest()
+
+
 def run_backends(
     categories: list[str], limit: int, workers: int, timeout_s: float, cache: Path | None
 ) -> dict[tuple[str, int, str], dict[str, Any]]:
     """Compile + instance check of every schema with every backend, in worker processes.
 
     Results are appended to `cache` as they come and reused on the next run when the compiled
-    schema text is unchanged (so editing the normalizer re-runs only the schemas it changes).
+    schema text and `raw_fingerprint()` are unchanged (so editing the normalizer re-runs only
+    the schemas it changes).
     """
+    fingerprint = raw_fingerprint()
+
+    def key(source: str) -> str:
+        return hashlib.sha1((fingerprint + source).encode()).hexdigest()
+
     cached: dict[tuple[str, int, str], dict[str, Any]] = {}
     if cache and cache.exists():
         for line in cache.read_text().splitlines():
@@ -273,7 +298,7 @@ def run_backends(
         entries = load_category(maskbench_dir() / f"{cat}.jsonl")
         for i, entry in enumerate(entries[: limit or None]):
             source = generation_source(entry["schema"])
-            sha = hashlib.sha1(source.encode()).hexdigest()
+            sha = key(source)
             for b in BACKENDS:
                 hit = cached.get((cat, i, b))
                 if hit is not None and hit.get("sha") == sha:
@@ -286,7 +311,7 @@ def run_backends(
 
     def on_result(task: tuple, result: dict[str, Any]) -> None:
         cat, i, b, source = task
-        result["sha"] = hashlib.sha1(source.encode()).hexdigest()
+        result["sha"] = key(source)
         raw[(cat, i, b)] = result
         if log:
             log.write(json.dumps({"category": cat, "index": i, "backend": b, **result}) + "\n")
@@ -345,7 +370,7 @@ def main() -> None:
         "--cache",
         type=Path,
         default=Path.home() / ".cache" / "structgen" / "eval-grammar-cache.jsonl",
-        help="per-schema results, reused while the compiled schema text is unchanged",
+        help="per-schema results, reused while the compiled schema text and the code are unchanged",
     )
     parser.add_argument("--no-write", action="store_true", help="do not write benchmarks/results")
     args = parser.parse_args()

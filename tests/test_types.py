@@ -364,28 +364,34 @@ D7 = "http://json-schema.org/draft-07/schema#"
     [
         ({"oneOf": [{"type": "string"}, {"type": "array"}]}, True),  # types
         ({"oneOf": [{"type": "number"}, {"type": "integer"}]}, False),  # 3 matches both
-        ({"oneOf": [{"const": 1}, {"const": 1.0}]}, False),  # the same JSON value
+        ({"oneOf": [{"const": 1}, {"const": 1.0}]}, True),  # the same value: nothing is valid
         ({"oneOf": [{"const": True}, {"const": 1}]}, True),
         ({"$defs": {"a": {"type": "object", "properties": {"k": {"const": "a"}}, "required": ["k"]},
                     "b": {"type": "object", "properties": {"k": {"enum": ["b", "c"]}}, "required": ["k"]}},
           "oneOf": [{"$ref": "#/$defs/a"}, {"$ref": "#/$defs/b"}]}, True),  # discriminator
-        ({"oneOf": [{"type": "object", "required": ["a"]}, {"type": "object", "required": ["b"]}]}, False),
+        ({"oneOf": [{"type": "object", "required": ["a"]}, {"type": "object", "required": ["b"]}]},
+         True),  # overlap: each branch excludes the other's key
         ({"oneOf": [{"type": "object", "required": ["a"], "additionalProperties": False, "properties": {"a": {}}},
                     {"type": "object", "required": ["b"], "additionalProperties": False, "properties": {"b": {}}}]},
          True),
-        ({"oneOf": [{"required": ["a"]}, {"type": "string"}]}, False),  # "required" alone admits strings
+        ({"oneOf": [{"required": ["a"]}, {"type": "string"}]}, True),  # "required" alone admits strings
         ({"$schema": D7, "definitions": {"x": {"type": ["integer", "string"]}},
-          "oneOf": [{"$ref": "#/definitions/x", "type": "string"}, {"type": "integer"}]}, False),  # inert sibling
+          "oneOf": [{"$ref": "#/definitions/x", "type": "string"}, {"type": "integer"}]}, True),  # inert sibling
+        ({"oneOf": [{"type": "object", "properties": {"a": {"type": "array", "items": {"type": "string"}}}},
+                    {"type": "object", "required": ["b"]}]}, False),  # "an item that is not a string"
     ],
 )
-def test_disjoint_one_of_becomes_any_of(schema, rewritten):
+def test_one_of_becomes_any_of(schema, rewritten):
+    """oneOf is anyOf when the branches are disjoint, or made so by excluding each other
+    (disjoint.one_of_as_any_of); never when a needed negation is unknown."""
     import jsonschema
 
     from structgen.grammar.normalize import normalize_schema
 
     out = normalize_schema(schema)
     assert ("anyOf" in out and "oneOf" not in out) == rewritten
-    probes = [None, True, 1, 1.0, 3, 2.5, "a", [], {}, {"k": "a"}, {"k": "b"}, {"a": 1}, {"b": 1}, {"a": 1, "b": 2}]
+    probes = [None, True, 1, 1.0, 3, 2.5, "a", [], {}, {"k": "a"}, {"k": "b"}, {"a": 1}, {"b": 1}, {"a": 1, "b": 2},
+              {"a": ["x"], "b": 1}, {"a": [1], "b": 1}]
     for v in probes:  # the same instances either way
         assert jsonschema.validators.validator_for(out)(out).is_valid(v) == jsonschema.validators.validator_for(schema)(
             schema).is_valid(v), v

@@ -3,19 +3,22 @@
 `oneOf` means "exactly one branch matches". Neither backend enforces that in general
 (xgrammar reads it as `anyOf`; llguidance refuses it), but when no two branches can match the
 same instance, `oneOf` and `anyOf` admit exactly the same instances, and the normalizer may
-rewrite one into the other. The proof here is conservative (False = "could not prove"):
+rewrite one into the other; branches that may overlap are made disjoint by excluding each
+other (`one_of_as_any_of`). The proof here is conservative (False = "could not prove"):
 
 - the branches admit disjoint JSON types (from `type`, `const`/`enum` values, `$ref`,
   `allOf` / `anyOf` / `oneOf` parts; "integer" overlaps "number");
 - both are finite (`const`/`enum`) with no common value;
-- both admit only objects, and some property is required by both with disjoint subschemas
-  (the usual discriminator, `"kind": {"const": "a"}`), or required by one and forbidden by the
-  other (`properties: {p: false}`, or `additionalProperties: false` without `p`).
+- both admit only objects, and some property is required by one (so present in any common
+  instance) and has disjoint subschemas in the two (the usual discriminator,
+  `"kind": {"const": "a"}`), or is required by one and forbidden by the other
+  (`properties: {p: false}`, or `additionalProperties: false` without `p`).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from structgen.grammar.keywords import finite_values, resolve_ref
@@ -24,11 +27,52 @@ _ALL = frozenset({"null", "boolean", "object", "array", "string", "number", "int
 _MAX_DEPTH = 12
 
 
-def pairwise_disjoint(branches: list[Any], root: Any, ref_overrides: bool = False) -> bool:
-    """No instance matches two of `branches` (refs resolve in `root`; `ref_overrides`: drafts
-    4-7, where a `$ref` makes the keywords next to it inert)."""
+def one_of_as_any_of(
+    branches: list[Any],
+    parent: dict[str, Any],
+    root: Any,
+    ref_overrides: bool,
+    negate: Callable[[Any, Any, Any], Any | None],
+) -> list[Any] | None:
+    """`anyOf` branches admitting exactly what `oneOf: branches` admits next to the keywords
+    `parent` (the rest of the subschema), or None.
+
+    oneOf [B1..Bn] is anyOf [Bi and not Bj, for every j != i]: an instance is valid when it
+    matches some Bi and no other. "not Bj" is needed only where Bi and Bj may overlap (the
+    proofs of this module), and only its alternatives that may overlap Bi (and the parent)
+    are kept; a branch left with no alternative is contained in Bj, so it never matches
+    alone and is dropped. `negate(schema, within, proofs)` (`negate.negate` with the
+    document's refs) may answer for "within Bi" only, since the result is used next to Bi.
+    None when some needed negation is unknown.
+    """
     proof = _Disjointness(root, ref_overrides)
-    return all(proof.disjoint(a, b) for i, a in enumerate(branches) for b in branches[i + 1 :])
+    scopes = [proof.in_context(b, parent) for b in branches]
+    out = []
+    for i, branch in enumerate(branches):
+        parts = [branch]
+        for j, other in enumerate(branches):
+            if j == i or proof.disjoint(scopes[i], scopes[j]):
+                continue
+            neg = negate(other, scopes[i], proof)
+            if neg is None:
+                return None
+            alternatives = [a for a in _alternatives(neg) if not proof.disjoint(a, scopes[i])]
+            if not alternatives:
+                parts = []  # every instance of branch i also matches branch j
+                break
+            parts.append(alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives})
+        if parts:
+            out.append(parts[0] if len(parts) == 1 else {"allOf": parts})
+    return out
+
+
+def _alternatives(schema: Any) -> list[Any]:
+    """The branches of a (possibly nested) `anyOf`-only schema; [schema] otherwise."""
+    if schema is False:
+        return []
+    if isinstance(schema, dict) and set(schema) == {"anyOf"} and isinstance(schema["anyOf"], list):
+        return [a for part in schema["anyOf"] for a in _alternatives(part)]
+    return [schema]
 
 
 class _Disjointness:
@@ -46,6 +90,30 @@ class _Disjointness:
                 return schema
             schema = resolve_ref(self.root, schema["$ref"])
         return None
+
+    def in_context(self, branch: Any, parent: dict[str, Any]) -> Any:
+        """A schema admitting at least every instance of `branch` that also satisfies
+        `parent` (the keywords next to the `oneOf`), for the proofs: the branch (its `$ref`
+        followed) with the parent's type, required keys, and properties it does not list.
+        Weaker than the true conjunction where both list a property, which only makes the
+        proofs more conservative."""
+        branch = self.follow(branch)
+        if not isinstance(branch, dict):
+            return branch
+        out = dict(branch)
+        if "type" in parent and "type" not in out:
+            out["type"] = parent["type"]
+        required = set(_list(out, "required")) | set(_list(parent, "required"))
+        if required:
+            out["required"] = sorted(required)
+        props = {**_props(parent), **_props(out)}
+        if props:
+            out["properties"] = props
+        if parent.get("additionalProperties") is False and not (
+            parent.get("patternProperties") or out.get("patternProperties")
+        ):
+            out["additionalProperties"] = False
+        return out
 
     def disjoint(self, a: Any, b: Any, depth: int = 0) -> bool:
         a, b = self.follow(a), self.follow(b)
@@ -92,7 +160,7 @@ class _Disjointness:
     def _objects_disjoint(self, a: dict, b: dict, depth: int) -> bool:
         req_a, req_b = set(_list(a, "required")), set(_list(b, "required"))
         props_a, props_b = _props(a), _props(b)
-        for p in req_a & req_b:
+        for p in req_a | req_b:  # present in every common instance, valid against both
             if p in props_a and p in props_b and self.disjoint(props_a[p], props_b[p], depth + 1):
                 return True
         return any(_forbids(b, p) for p in req_a) or any(_forbids(a, p) for p in req_b)

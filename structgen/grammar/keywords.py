@@ -371,7 +371,9 @@ def _xgrammar_rules(node: dict, implied_type: str | None = None) -> Iterator[tup
             if kw in node:
                 yield kw, "ignored next to 'pattern'"
     for pattern, where in _patterns(node):
-        why = regex_issue(pattern)
+        why = regex_issue(pattern) or (
+            None if _anchored(pattern) else "matched against the whole string, not searched"
+        )
         if why:
             yield where, why
     if "multipleOf" in node and types & {"number", "integer"}:
@@ -391,6 +393,29 @@ def _xgrammar_rules(node: dict, implied_type: str | None = None) -> Iterator[tup
         yield "propertyNames", "not applied to the keys listed in 'properties'"
     elif "propertyNames" in node and not types:
         yield "propertyNames", 'applied only with "type": "object" or \'properties\''
+
+
+def _anchored(pattern: str) -> bool:
+    """Does `pattern` match only whole strings (every alternative starts with `^` and ends
+    with `$`)? Then matching it whole, as xgrammar does, is the same as JSON Schema's
+    search; for "[a-z]+" it is not ("ab1" is valid)."""
+    import re._parser as sre  # the stdlib's regex parser, for the structure
+
+    def edge(seq: list, at: Any, i: int) -> bool:
+        if not seq:
+            return False
+        op, av = seq[i]
+        if op is sre.BRANCH:
+            return all(edge(list(b), at, i) for b in av[1])
+        if op is sre.SUBPATTERN:
+            return edge(list(av[-1]), at, i)
+        return (op, av) == (sre.AT, at)
+
+    try:
+        parsed = list(sre.parse(pattern))
+    except (re.error, RecursionError, OverflowError):
+        return False
+    return edge(parsed, sre.AT_BEGINNING, 0) and edge(parsed, sre.AT_END, -1)
 
 
 def _llguidance_rules(node: dict) -> Iterator[tuple[str, str]]:

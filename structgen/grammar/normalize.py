@@ -12,39 +12,30 @@ backends can compile:
   becomes `anyOf: [{k absent}, {k present and ...}]`, with "absent" as `properties: {k: false}`.
   (`dependencies` is applied under every draft: 2019-09 split it in two, but a schema that
   still uses it means it.)
-- `not`: pushed inward (De Morgan) where the negation of each keyword is itself a keyword,
-  e.g. `not {minimum: 3}` is `{type: number, exclusiveMaximum: 3}` and `not {enum: ["a"]}`
-  is "another type, or a string matching an exclusion pattern"; left alone otherwise.
+- `not`: replaced by its negation where `negate.py` knows one (De Morgan down to keywords
+  whose negation is a keyword: `not {minimum: 3}` is `{type: number, exclusiveMaximum: 3}`);
+  left alone otherwise.
 - `if`/`then`/`else`: `anyOf: [allOf [if, then], allOf [not if, else]]` when `not if` is.
-- `oneOf` whose branches provably share no instance (`disjoint.py`) is `anyOf`.
+- `oneOf` is `anyOf` of its branches, each excluding the branches it may overlap
+  (`disjoint.py`), where those exclusions are known.
+- `minProperties`/`maxProperties` of a closed object: which of its keys are present.
+- `propertyNames` as a `patternProperties` pattern or a list of properties.
 - draft-4 boolean `exclusiveMinimum`/`exclusiveMaximum` become the numeric form, and in
   drafts 4-7 the keywords next to a `$ref` (which those drafts ignore) are dropped.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
+import re
+from collections.abc import Callable
 from typing import Any
 
-from structgen.grammar.disjoint import pairwise_disjoint
-from structgen.grammar.keywords import ANNOTATIONS, finite_values
+from structgen.grammar.disjoint import one_of_as_any_of
+from structgen.grammar.keywords import ANNOTATIONS, finite_values, resolve_ref
+from structgen.grammar.negate import Proofs, negate
 
-_TYPES = ("null", "boolean", "object", "array", "string", "number")
-# keyword -> (its negation's keyword, offset, the type it constrains): not {minLength: n} is
-# {type: string, maxLength: n - 1}.
-_COUNT_BOUNDS = {
-    "minLength": ("maxLength", -1, "string"),
-    "maxLength": ("minLength", +1, "string"),
-    "minItems": ("maxItems", -1, "array"),
-    "maxItems": ("minItems", +1, "array"),
-    "minProperties": ("maxProperties", -1, "object"),
-    "maxProperties": ("minProperties", +1, "object"),
-}
-_NUMBER_BOUNDS = {
-    "minimum": "exclusiveMaximum",
-    "maximum": "exclusiveMinimum",
-    "exclusiveMinimum": "maximum",
-    "exclusiveMaximum": "minimum",
-}
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
 _SUBSCHEMA_ONE = (
@@ -72,6 +63,26 @@ class _Normalizer:
         self.root = root
         self.validator = validator  # resolves $refs against the original document
         self.ref_overrides = ref_overrides  # drafts <= 7: "$ref" makes its siblings inert
+        self._resolved: dict[str, Any] = {}
+        self._resolving: set[str] = set()
+
+    def resolve(self, ref: str) -> Any | None:
+        """The normalized subschema a local `$ref` points to (for negating it); None when it
+        points nowhere or back into a subschema being resolved (a cycle)."""
+        if ref not in self._resolved:
+            target = resolve_ref(self.root, ref)
+            if target is None or ref in self._resolving:
+                return None
+            self._resolving.add(ref)
+            try:
+                self._resolved[ref] = self.node(target, 0)
+            finally:
+                self._resolving.discard(ref)
+        return self._resolved[ref]
+
+    def negate(self, schema: Any, within: Any = None, proofs: Proofs | None = None) -> Any | None:
+        """`negate.negate` with this document's `$ref`s."""
+        return negate(schema, self.resolve, within, proofs)
 
     def node(self, schema: Any, depth: int) -> Any:
         if not isinstance(schema, dict) or depth > 200:
@@ -95,17 +106,32 @@ class _Normalizer:
                 out[kw] = {k: self.node(v, depth + 1) for k, v in value.items()}
             else:
                 out[kw] = value
-        branches = schema.get("oneOf")
-        if isinstance(branches, list) and "anyOf" not in out and pairwise_disjoint(branches, self.root, self.ref_overrides):
-            out["anyOf"] = out.pop("oneOf")  # no two branches share an instance: same set
         _draft4_exclusive_bounds(out)
+        if isinstance(out.get("oneOf"), list):
+            self._one_of_as_any_of(out)
         _dependencies_as_any_of(out)
-        _if_then_else_as_any_of(out)
-        negated = negate(out["not"]) if "not" in out else None
+        _property_counts_as_keys(out)
+        _property_names_as_keys(out)
+        _if_then_else_as_any_of(out, self.negate)
+        negated = self.negate(out["not"]) if "not" in out else None
         if negated is not None:
             del out["not"]
             out["allOf"] = [*out.get("allOf", []), negated]
         return out
+
+    def _one_of_as_any_of(self, node: dict[str, Any]) -> None:
+        """`oneOf` as `anyOf` of branches that exclude each other (see `disjoint.py`)."""
+        parent = {k: v for k, v in node.items() if k != "oneOf"}
+        branches = one_of_as_any_of(
+            node["oneOf"], parent, self.root, self.ref_overrides, self.negate
+        )
+        if branches is None:
+            return
+        del node["oneOf"]
+        if "anyOf" not in node:
+            node["anyOf"] = branches
+        else:
+            node["allOf"] = [*node.get("allOf", []), {"anyOf": branches}]
 
     def _finite(self, schema: dict[str, Any], values: list[Any]) -> Any:
         try:
@@ -132,146 +158,7 @@ class _Normalizer:
         return {**keep, "anyOf": alternatives}
 
 
-def negate(schema: Any) -> Any | None:
-    """A schema valid exactly where `schema` is not, using only enforceable keywords; None if
-    this module does not know one."""
-    if schema is True:
-        return False
-    if schema is False:
-        return {}
-    if not isinstance(schema, dict):
-        return None
-    parts = {k: v for k, v in schema.items() if k not in ANNOTATIONS}
-    if not parts:
-        return False
-    if "not" in parts and len(parts) == 1:
-        return parts["not"]
-    if set(parts) & {"additionalProperties", "patternProperties", "unevaluatedProperties"}:
-        return None  # these depend on their neighbours; no per-keyword negation
-    alternatives = []
-    for kw, value in parts.items():
-        alt = _negate_keyword(kw, value)
-        if alt is None:
-            return None
-        alternatives.append(alt)
-    return alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
-
-
-def _negate_keyword(kw: str, value: Any) -> Any | None:
-    """not {kw: value}. Keywords that only constrain one type are vacuously true for other
-    types, so their negation is of that type."""
-    if kw == "type":
-        types = (
-            {value} if isinstance(value, str) else set(value) if isinstance(value, list) else None
-        )
-        if types is None or ("integer" in types and "number" not in types):
-            return None  # "a number that is not an integer" has no keyword
-        rest = [t for t in _TYPES if t not in types and not (t == "number" and "integer" in types)]
-        return {"type": rest} if rest else False
-    if kw == "required" and isinstance(value, list):
-        if not value:
-            return False
-        absent = [{"properties": {k: False}} for k in value]
-        return {"type": "object", **(absent[0] if len(absent) == 1 else {"anyOf": absent})}
-    if kw in _NUMBER_BOUNDS and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return {"type": "number", _NUMBER_BOUNDS[kw]: value}
-    if kw in _COUNT_BOUNDS and isinstance(value, int) and not isinstance(value, bool):
-        other, step, typ = _COUNT_BOUNDS[kw]
-        if value + step < 0:
-            return False
-        return {"type": typ, other: value + step}
-    if kw == "properties" and isinstance(value, dict):
-        alts = []
-        for k, sub in value.items():
-            neg = negate(sub)
-            if neg is None:
-                return None
-            if neg is not False:
-                alts.append({"type": "object", "required": [k], "properties": {k: neg}})
-        if not alts:
-            return False
-        return alts[0] if len(alts) == 1 else {"anyOf": alts}
-    if kw == "anyOf" and isinstance(value, list):
-        negs = [negate(v) for v in value]
-        return None if any(n is None for n in negs) else {"allOf": negs}
-    if kw == "allOf" and isinstance(value, list):
-        negs = [negate(v) for v in value]
-        return None if any(n is None for n in negs) else {"anyOf": negs}
-    if kw == "not":
-        return value
-    if kw == "enum" and isinstance(value, list):
-        return _negate_values(value)
-    if kw == "const":
-        return _negate_values([value])
-    return None
-
-
-def _negate_values(values: list[Any]) -> Any | None:
-    """Any JSON value except `values` (scalars only): the other types whole, plus the
-    complement within each type (strings by an exclusion pattern, numbers by intervals)."""
-    if any(isinstance(v, (dict, list)) for v in values):
-        return None
-    strings = sorted({v for v in values if isinstance(v, str)})
-    numbers = sorted({v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)})
-    bools = {v for v in values if isinstance(v, bool)}
-    if len(numbers) > 32 or any(ord(c) < 0x20 for v in strings for c in v):
-        return None
-    free = ["object", "array"] + [t for t, hit in (("null", None in values),) if not hit]
-    alternatives: list[Any] = []
-    if not bools:
-        free.append("boolean")
-    elif len(bools) == 1:
-        alternatives.append({"const": not next(iter(bools))})
-    if strings:
-        alternatives.append({"type": "string", "pattern": f"^(?:{_exclusion_regex(strings)})$"})
-    else:
-        free.append("string")
-    if numbers:
-        bounds = [{"exclusiveMaximum": numbers[0]}]
-        bounds += [
-            {"exclusiveMinimum": a, "exclusiveMaximum": b}
-            for a, b in zip(numbers, numbers[1:], strict=False)
-        ]
-        bounds.append({"exclusiveMinimum": numbers[-1]})
-        alternatives += [{"type": "number", **b} for b in bounds]
-    else:
-        free.append("number")
-    return {"anyOf": [{"type": free}, *alternatives]}
-
-
-def _exclusion_regex(words: list[str]) -> str:
-    """A regex (JSON Schema dialect, to be anchored) for every string except `words`: walk
-    their trie; leave it early (a character no word has there), stop at a node that ends no
-    word, or run on past a node that does."""
-    trie: dict[str, Any] = {}
-    for w in words:
-        node = trie
-        for ch in w:
-            node = node.setdefault(ch, {})
-        node[""] = {}  # end of a word
-
-    def regex(node: dict[str, Any]) -> str:
-        children = sorted(k for k in node if k)
-        alts = [] if "" in node else [""]
-        if children:
-            alts.append(f"[^{''.join(_class_escape(c) for c in children)}][\\s\\S]*")
-        else:
-            alts.append("[\\s\\S]+")
-        alts += [_escape(c) + regex(node[c]) for c in children]
-        return "(?:" + "|".join(alts) + ")"
-
-    return regex(trie)
-
-
-def _escape(ch: str) -> str:
-    return "\\" + ch if ch in "\\.^$|?*+()[]{}/" else ch
-
-
-def _class_escape(ch: str) -> str:
-    return "\\" + ch if ch in "\\]^-[" else ch
-
-
-def _if_then_else_as_any_of(node: dict[str, Any]) -> None:
+def _if_then_else_as_any_of(node: dict[str, Any], negate: Callable[[Any], Any]) -> None:
     """`if I then T else E` is `anyOf: [allOf [I, T], allOf [not I, E]]` when `not I` has
     keywords; `then`/`else` without `if` do nothing and are dropped."""
     if "if" not in node:
@@ -312,6 +199,97 @@ def _dependencies_as_any_of(node: dict[str, Any]) -> None:
         alternatives.append({"anyOf": [{"properties": {key: False}}, present]})
     if alternatives:
         node["allOf"] = [*node.get("allOf", []), *alternatives]
+
+
+def _property_counts_as_keys(node: dict[str, Any]) -> None:
+    """`minProperties`/`maxProperties` as which keys are present. Dropped when the required
+    keys alone reach the minimum; in a closed object (additionalProperties false, no
+    patternProperties) with required keys R and optional keys O, "at least n keys" is "some
+    n - |R| keys of O are present" and "at most m" is "some |O| - (m - |R|) keys of O are
+    absent", an `anyOf` over those subsets of O (when there are few)."""
+    props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+    required = set(node["required"]) if isinstance(node.get("required"), list) else set()
+    closed = node.get("additionalProperties") is False and not node.get("patternProperties")
+    optional = [k for k, v in props.items() if k not in required and v is not False]
+    lo, hi = node.get("minProperties"), node.get("maxProperties")
+    if isinstance(lo, int) and not isinstance(lo, bool):
+        if lo <= len(required):
+            del node["minProperties"]
+        elif closed and required <= set(props) and 0 < lo - len(required) <= len(optional):
+            alternatives = _subsets(optional, lo - len(required), lambda ks: {"required": ks})
+            if alternatives is not None:
+                del node["minProperties"]
+                node["allOf"] = [*node.get("allOf", []), {"anyOf": alternatives}]
+    if isinstance(hi, int) and not isinstance(hi, bool) and closed and required <= set(props):
+        absent = len(optional) - (hi - len(required))
+        if absent <= 0:
+            del node["maxProperties"]
+        elif absent <= len(optional) and hi >= len(required):
+            alternatives = _subsets(
+                optional, absent, lambda ks: {"properties": {k: False for k in ks}}
+            )
+            if alternatives is not None:
+                del node["maxProperties"]
+                node["allOf"] = [*node.get("allOf", []), {"anyOf": alternatives}]
+
+
+_EVERY_STRING = frozenset({"", ".*", "^.*", "(.*)", "^(.*)", ".*?"})  # searched patterns
+
+
+def _property_names_as_keys(node: dict[str, Any]) -> None:
+    """`propertyNames` (which llguidance does not implement) as which keys may appear:
+    `{pattern: P}` is `patternProperties: {P: <additionalProperties>}` with no other
+    additional keys, and `{enum: names}` lists the names in `properties`. Listed properties
+    whose names fail it are forbidden. Only where the rewrite is exact: no patternProperties
+    already, and, for a pattern, no listed property that additionalProperties would now
+    constrain."""
+    names = node.get("propertyNames")
+    if not isinstance(names, dict) or "unevaluatedProperties" in node:
+        return
+    rule = {k: v for k, v in names.items() if k not in ANNOTATIONS}
+    if rule.pop("type", "string") != "string":
+        return
+    if not rule:  # keys are strings
+        del node["propertyNames"]
+        return
+    props = node.get("properties", {})
+    extra = node.get("additionalProperties", True)
+    patterns = node.get("patternProperties", {})
+    if not isinstance(props, dict) or not isinstance(patterns, dict):
+        return
+    if patterns:
+        # only patterns every key matches (".*"): their subschemas then apply to every key
+        if props or not set(patterns) <= _EVERY_STRING:
+            return
+        extra = _all_of(*patterns.values())
+    if set(rule) == {"pattern"} and isinstance(rule["pattern"], str):
+        if props and extra is not True and extra != {}:
+            return
+        try:
+            keep = {k: v if re.search(rule["pattern"], k) else False for k, v in props.items()}
+        except re.error:
+            return
+        new_patterns = {rule["pattern"]: extra}
+    elif set(rule) == {"enum"} and all(isinstance(k, str) for k in rule["enum"]):
+        keep = {k: v if k in rule["enum"] else False for k, v in props.items()}
+        keep.update({k: extra for k in rule["enum"] if k not in props})
+        new_patterns = {}
+    else:
+        return
+    if keep:
+        node["properties"] = keep
+    node["additionalProperties"] = False
+    del node["propertyNames"]
+    node.pop("patternProperties", None)
+    if new_patterns:
+        node["patternProperties"] = new_patterns
+
+
+def _subsets(keys: list[str], n: int, schema: Callable[[list[str]], Any]) -> list[Any] | None:
+    """`schema(subset)` for every n-subset of `keys`; None when there are more than 64."""
+    if math.comb(len(keys), n) > 64:
+        return None
+    return [schema(list(ks)) for ks in itertools.combinations(keys, n)]
 
 
 def _draft4_exclusive_bounds(node: dict[str, Any]) -> None:
