@@ -198,7 +198,7 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=20)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--max-prompt-tokens", type=int, default=1536)
-    ap.add_argument("--draft-len", type=int, default=3)
+    ap.add_argument("--draft-len", default="3", help="draft length k, or a comma list (n-gram only beyond the first)")
     ap.add_argument("--batches", default="1")
     ap.add_argument("--methods", default="ngram,self_draft", help="comma list of ngram, self_draft")
     ap.add_argument("--self-draft-layers", type=int, default=8)
@@ -216,16 +216,18 @@ def main() -> None:
     cases = load_cases(llm, args.data, args.limit, args.max_prompt_tokens)
     print(f"{len(cases)} JME extraction prompts on {eng.device}, "
           f"prompt tokens {min(len(c.prompt_ids) for c in cases)}..{max(len(c.prompt_ids) for c in cases)}")
-    k = args.draft_len
+    ks = [int(x) for x in args.draft_len.split(",")]
     variants: list[tuple[str, SpeculativeConfig | None]] = [("structgen-nospec", None)]
     methods = args.methods.split(",")
-    if "ngram" in methods:
-        variants += [("structgen-ngram", SpeculativeConfig(num_draft_tokens=k)),
-                     ("structgen-ngram-nogrammar", SpeculativeConfig(num_draft_tokens=k, grammar_aware=False))]
-    if "self_draft" in methods:
-        for aware, suffix in ((True, ""), (False, "-nogrammar")):
-            variants.append((f"structgen-selfdraft{args.self_draft_layers}{suffix}", SpeculativeConfig(
-                method="self_draft", self_draft_layers=args.self_draft_layers, num_draft_tokens=k, grammar_aware=aware)))
+    for i, k in enumerate(ks):
+        tag = "" if i == 0 else f"-k{k}"  # the first draft length keeps the plain names
+        if "ngram" in methods:
+            variants += [(f"structgen-ngram{tag}", SpeculativeConfig(num_draft_tokens=k)),
+                         (f"structgen-ngram-nogrammar{tag}", SpeculativeConfig(num_draft_tokens=k, grammar_aware=False))]
+        if "self_draft" in methods and i == 0:
+            for aware, suffix in ((True, ""), (False, "-nogrammar")):
+                variants.append((f"structgen-selfdraft{args.self_draft_layers}{suffix}", SpeculativeConfig(
+                    method="self_draft", self_draft_layers=args.self_draft_layers, num_draft_tokens=k, grammar_aware=aware)))
     speculators = {name: None if spec is None else Speculator(eng, spec) for name, spec in variants}
     for s in speculators.values():
         if s is not None:
@@ -252,7 +254,7 @@ def main() -> None:
                 wall, reqs = run(llm, kept, batch, jf, args.max_tokens)
                 if profile:
                     profile.report(f"{name} batch={batch} jf={jf}")
-                row = summarize(name, batch, jf, 0 if spec is None else k, wall, reqs, base)
+                row = summarize(name, batch, jf, 0 if spec is None else spec.num_draft_tokens, wall, reqs, base)
                 base = base or reqs
                 rows.append(row)
             ref = next(r for r in rows if r["system"] == "structgen-nospec" and r["batch"] == batch and r["jump_forward"] == jf)
