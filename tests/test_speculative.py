@@ -17,7 +17,7 @@ from structgen.engine.engine import Engine
 from structgen.engine.models.loader import load_model_config
 from structgen.engine.request import GenerationStats, Request
 from structgen.engine.sampler import SamplingParams, allocate_bitmask, apply_bitmask_
-from structgen.engine.spec.ngram import NgramDrafter
+from structgen.engine.spec.ngram import NgramDrafter, NgramIndex
 from structgen.engine.spec.speculator import Speculator
 from structgen.engine.spec.verify import accept_draft
 from structgen.errors import InvalidParameterError
@@ -262,6 +262,19 @@ def test_ngram_drafter_copies_spans_of_the_prompt(tokenizer):
     assert drafter.propose(req, 4) == draft
     drafter.release(req)
     assert not drafter.indexes
+
+
+def test_ngram_index_never_trusts_entries_made_stale_by_a_cut():
+    index = NgramIndex(1, 3)
+    tokens = [5, 6, 7, 5, 6, 8]
+    index.update(tokens)
+    assert list(index.continuations(tokens, [5, 6], 2)) == [[8], [7, 5]]  # latest first, no repeats
+    tokens = [5, 6, 7, 5, 9, 6]  # cut back to 4 tokens and regrown differently
+    index.update(tokens[:4])
+    index.update(tokens)
+    assert list(index.continuations(tokens, [5, 6], 2)) == [[7, 5]]  # (5, 6) -> 8 no longer holds
+    lazy = index.continuations(tokens, [5], 2)
+    assert next(lazy) == [9, 6]  # a generator: later candidates are never computed
 
 
 def test_ngram_matches_across_a_dropped_leading_space(tokenizer):
