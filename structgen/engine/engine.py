@@ -28,6 +28,7 @@ from structgen.engine.sampler import (
 )
 from structgen.engine.scheduler import Scheduler
 from structgen.errors import EngineError, PromptTooLongError
+from structgen.grammar.backends.base import allows_only
 
 log = logging.getLogger("structgen.engine")
 
@@ -267,18 +268,10 @@ class Engine:
             self.jump_forward_hook(self, req)
 
     def _only_stop_allowed(self, matcher) -> bool:
-        """Does the grammar allow nothing but stop tokens now? numpy on one row: torch's
-        CPU ops would start its thread pool for a 49k-bit unpack (ms on a many-core host)."""
         if self._one_row is None:
             self._one_row = allocate_bitmask(1, self.vocab_size)
         matcher.fill_bitmask(self._one_row, 0)
-        words = self._one_row[0].numpy().view(np.uint32).copy()
-        for t in self.stop_token_ids:
-            if t < self.vocab_size:
-                words[t >> 5] &= ~np.uint32(1 << (t & 31))
-        if self.vocab_size % 32:  # bits past the vocabulary in the last word mean nothing
-            words[-1] &= np.uint32((1 << (self.vocab_size % 32)) - 1)
-        return not words.any()
+        return allows_only(self._one_row[0].numpy().view(np.uint32), self.stop_token_ids, self.vocab_size)
 
     def _notify(self, req: Request) -> None:
         if req.on_update is not None:

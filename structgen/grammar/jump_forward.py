@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from structgen.grammar.backends.base import allocate_bitmask, token_bytes
+from structgen.grammar.backends.base import allocate_bitmask, allows_only, token_bytes
 
 if TYPE_CHECKING:
     from structgen.engine.engine import Engine
@@ -220,13 +220,9 @@ class JumpForward:
         """A jump can complete the grammar (a closing brace) or reach max_tokens: finish now
         rather than spend a forward that could only sample the stop token."""
         m = req.matcher
-        if m.is_completed():
-            allowed = self._allowed(m).copy()
-            for t in self.stop_token_ids:
-                allowed[t >> 5] &= ~np.uint32(1 << (t & 31))
-            if not allowed.any():
-                req.finish("stop")
-                return
+        if m.is_completed() and allows_only(self._allowed(m), self.stop_token_ids, self.vocab_size):
+            req.finish("stop")
+            return
         if req.num_output >= req.params.max_tokens:
             req.finish("length")
 

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import functools
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 if TYPE_CHECKING:  # torch is imported lazily so `structgen.grammar` stays cheap to import
     import torch
@@ -62,6 +64,19 @@ def set_only_tokens(bitmask: torch.Tensor, row: int, token_ids: Sequence[int]) -
             # int32 view of an unsigned word: bit 31 is the sign bit
             value = (int(bitmask[row, word]) & 0xFFFFFFFF) | (1 << bit)
             bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value
+
+
+def allows_only(words: np.ndarray, token_ids: Iterable[int], vocab_size: int) -> bool:
+    """Does a bitmask row (`words`: its uint32 view) allow nothing outside `token_ids`? Bits
+    past `vocab_size` in the last word are ignored. numpy on purpose: torch's CPU ops start
+    its thread pool for a 49k-bit unpack, milliseconds on a many-core host."""
+    rest = words[: bitmask_words(vocab_size)].copy()
+    for t in token_ids:
+        if t < vocab_size:
+            rest[t >> 5] &= ~np.uint32(1 << (t & 31))
+    if vocab_size % 32:
+        rest[-1] &= np.uint32((1 << (vocab_size % 32)) - 1)
+    return not rest.any()
 
 
 class GrammarMatcher(ABC):

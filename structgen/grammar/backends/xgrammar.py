@@ -48,9 +48,7 @@ class XGrammarMatcher(GrammarMatcher):
         else:  # xgrammar ignores row strides: fill a tokenizer-wide row, then place it
             row_mask = np.empty((1, self._words), dtype=np.int32)
             self.xgr_matcher.fill_next_token_bitmask(torch.from_numpy(row_mask), 0)
-            out = bitmask.numpy()
-            out[row, : self._words] = row_mask[0]
-            out[row, self._words :] = 0
+            _place_rows(bitmask, [row], row_mask)
 
     def rollback(self, num_tokens: int) -> None:
         if num_tokens <= 0:
@@ -169,19 +167,21 @@ def fill_bitmasks(
         _batch_matcher(threads).batch_fill_next_token_bitmask(live, bitmask, rows_live)
         return
     # Padded vocabulary: xgrammar ignores row strides, so fill a contiguous tokenizer-wide
-    # block and place its rows; the padding words stay zero. numpy, not torch: torch's CPU
-    # ops start its intra-op threads, which fight xgrammar's pool for the cores (~4 ms a
-    # step at 64 rows on the 16-core GPU host).
+    # block and place its rows.
     block = np.empty((len(live), words), dtype=np.int32)
     _batch_matcher(threads).batch_fill_next_token_bitmask(live, torch.from_numpy(block), list(range(len(live))))
-    out = bitmask.numpy()
-    lo = rows_live[0]
-    if rows_live == list(range(lo, lo + len(live))):
-        out[lo : lo + len(live), :words] = block
-        out[lo : lo + len(live), words:] = 0
-    else:
-        out[rows_live, :words] = block
-        out[rows_live, words:] = 0
+    _place_rows(bitmask, rows_live, block)
+
+
+def _place_rows(bitmask: torch.Tensor, rows: list[int], block: np.ndarray) -> None:
+    """Copy tokenizer-wide mask rows into `rows` of a model-wide bitmask; the padding words
+    are zero (those ids never exist). numpy, not torch: torch's CPU ops start its intra-op
+    threads, which fight xgrammar's pool for the cores (~4 ms a step at 64 rows on the
+    16-core GPU host)."""
+    out, words, lo = bitmask.numpy(), block.shape[1], rows[0]
+    index = slice(lo, lo + len(rows)) if rows == list(range(lo, lo + len(rows))) else rows
+    out[index, :words] = block
+    out[index, words:] = 0
 
 
 _BATCH: dict[int, xgr.BatchGrammarMatcher] = {}
