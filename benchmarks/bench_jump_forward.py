@@ -195,6 +195,8 @@ class StepTimer:
 def measure(llm: LLM, cases: list[Case], mode: str, jf: bool, batch: int, max_tokens: int) -> dict[str, Any]:
     constraint = {c.id: to_constraint(JsonSchema(c.schema)) for c in cases}
     timer = StepTimer(llm.engine)
+    graphs = llm.engine.runner.graphs
+    steps0 = (graphs.steps, graphs.steps_ahead) if graphs is not None else (0, 0)
     latencies, done = [], []
     if batch == 1:
         for c in cases:
@@ -210,6 +212,8 @@ def measure(llm: LLM, cases: list[Case], mode: str, jf: bool, batch: int, max_to
         latencies = [r.stats.ttft_s + r.stats.decode_s for r in reqs]
     tokens = sum(r.num_output for _, r in done)
     passes = sum(r.stats.forward_passes for _, r in done)
+    graph_steps = graphs.steps - steps0[0] if graphs is not None else 0
+    ahead = graphs.steps_ahead - steps0[1] if graphs is not None else 0
     valid = 0
     for c, r in done:
         text = llm.tokenizer.decode(r.output_ids)
@@ -227,6 +231,8 @@ def measure(llm: LLM, cases: list[Case], mode: str, jf: bool, batch: int, max_to
         "per_case": {c.id: (r.num_output, r.stats.forward_passes) for c, r in done},
         "decode_step_ms": 1e3 * statistics.mean(timer.decode) if timer.decode else None,
         "extend_step_ms": 1e3 * statistics.mean(timer.extend) if timer.extend else None,
+        # Graph steps whose forward was already running when the host got to them.
+        "prelaunched_pct": 100 * ahead / graph_steps if graph_steps else None,
     }
 
 
@@ -250,7 +256,8 @@ def add_rows(rows: list, table: list, res: dict, model: str, mode: str, batch: i
         common = {"system": "structgen" if jf else "structgen-nojf", "model": model, "batch": batch,
                   "constrained": True, "mode": mode, "jump_forward": jf, **note, "tokens": r["tokens"],
                   "forced_tokens": r["forced"], "valid": r["valid"], "n": r["n"],
-                  "decode_step_ms": r["decode_step_ms"], "extend_step_ms": r["extend_step_ms"]}
+                  "decode_step_ms": r["decode_step_ms"], "extend_step_ms": r["extend_step_ms"],
+                  "prelaunched_pct": r["prelaunched_pct"]}
         rows.append({**common, "metric": "forward_passes_per_token", "value": r["passes_per_token"]})
         rows.append({**common, "metric": "latency_ms", "value": r["latency_ms"]})
         rows.append({**common, "metric": "ms_per_token", "value": r["ms_per_token"]})
@@ -258,7 +265,8 @@ def add_rows(rows: list, table: list, res: dict, model: str, mode: str, batch: i
                       "valid": f"{r['valid']}/{r['n']}", "tokens": r["tokens"], "forced": r["forced"],
                       "passes/tok": r["passes_per_token"], "latency_ms": r["latency_ms"],
                       "ms/tok": r["ms_per_token"], "wall_s": r["wall_s"],
-                      "decode_step_ms": r["decode_step_ms"], "extend_step_ms": r["extend_step_ms"]})
+                      "decode_step_ms": r["decode_step_ms"], "extend_step_ms": r["extend_step_ms"],
+                      "prelaunched_pct": r["prelaunched_pct"]})
     rows.append({"system": "structgen", "model": model, "batch": batch, "constrained": True, "mode": mode,
                  **note, "metric": "speedup", "value": off["wall_s"] / on["wall_s"]})
     table.append({"mode": mode, **note, "batch": batch, "jf": "on/off",

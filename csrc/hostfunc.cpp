@@ -1,6 +1,7 @@
 // Python callables as CUDA host callbacks (cudaLaunchHostFunc), capturable in CUDA graphs,
-// plus the GIL-free waits that keep them deadlock-free. Also the Python binding of the fused
-// mask kernel in mask.cu (one extension module, `structgen_csrc`, built from both files).
+// plus the GIL-free waits that keep them deadlock-free. Also the Python bindings of the fused
+// mask kernel in mask.cu and the gated graphs in gate.cu (one extension module,
+// `structgen_csrc`, built from all three files).
 //
 // Why: a guided speculative step wants the grammar work (advance matchers, fill the next
 // bitmask) ordered *inside* one CUDA graph with the GPU work, instead of the host waiting for
@@ -37,6 +38,11 @@ int sg_mask_apply(void* logits, int dtype, int64_t rows, int64_t vocab, int64_t 
                   const void* flags, int flag_kind, const void* d2t, int d2t_is64,
                   const float* temperature, int64_t* argmax_out, void* workspace, int write,
                   void* stream);
+
+// Defined in gate.cu: a captured graph behind a host-decided conditional node.
+uintptr_t sg_gate_build(uintptr_t body, uintptr_t flag, uintptr_t launches, uintptr_t outcome,
+                        int64_t timeout_ns);
+void sg_gate_destroy(uintptr_t exec);
 
 namespace {
 
@@ -212,6 +218,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("event_synchronize", &event_synchronize, py::arg("event"));
   m.def("device_synchronize", &device_synchronize);
   m.def("graph_launch", &graph_launch, py::arg("graph_exec"), py::arg("stream"));
+  m.def("gate_build", &sg_gate_build, py::arg("body"), py::arg("flag"), py::arg("launches"),
+        py::arg("outcome"), py::arg("timeout_ns"),
+        "Instantiate [gate] -> IF(host verdict) { body graph }; returns the cudaGraphExec_t.");
+  m.def("gate_destroy", &sg_gate_destroy, py::arg("exec"));
   m.def("mask_apply", &mask_apply, py::arg("logits"), py::arg("dtype"), py::arg("rows"),
         py::arg("vocab"), py::arg("logits_stride"), py::arg("bitmask"), py::arg("bitmask_stride"),
         py::arg("bitmask_words"), py::arg("flags"), py::arg("flag_kind"), py::arg("d2t"),

@@ -130,3 +130,25 @@ def test_seeded_sampling_does_not_depend_on_the_batch(engine, grammar, tokenizer
     different = make(tokenizer, engine, grammar, 0, temperature=0.8, seed=12)
     engine.run([different])
     assert different.output_ids != alone.output_ids
+
+
+def test_decodes_plainly_predicts_jumps_and_stops_without_moving_the_grammar(engine, grammar, tokenizer):
+    """The check that gates a late pre-launched forward (cuda_graphs.py `confirm_next`): a
+    token inside a string keeps decoding plainly; a closing quote makes the grammar force
+    `, "age": ` (a jump), a stop token ends the request; the matcher is left untouched."""
+    req = make(tokenizer, engine, grammar, 0)
+    req.jump_forward = True
+    for t in tokenizer.encode('{"name": "Ann', add_special_tokens=False):
+        assert req.matcher.accept_token(t)
+    inside = tokenizer.encode("e", add_special_tokens=False)
+    close = tokenizer.encode('"', add_special_tokens=False)
+    assert len(inside) == len(close) == 1
+    stop = min(engine.stop_token_ids)
+    assert engine._decodes_plainly([req], inside)
+    assert not engine._decodes_plainly([req], close)
+    assert not engine._decodes_plainly([req], [stop])
+    other = make(tokenizer, engine, grammar, 1)  # free text: only stop tokens and max_tokens matter
+    assert engine._decodes_plainly([other, req], [inside[0], inside[0]])
+    assert not engine._decodes_plainly([other, req], [inside[0], close[0]])
+    assert req.matcher.jump_forward_string() == ""  # still inside the string: nothing moved
+    assert req.matcher.accept_token(close[0]) and req.matcher.jump_forward_string().startswith(",")

@@ -247,3 +247,60 @@ def test_cuda_graph_decode_equals_eager():
     assert outputs[True] == outputs[False]
     for run in outputs[True][1:]:  # the seeded request samples the same whatever its batch
         assert run[-1] == outputs[True][1][-1]
+
+
+def test_prelaunched_forward_after_multi_row_steps_equals_launching_late():
+    """Steps that run several rows of one sequence (jump-forward text) still pre-launch the
+    next step's forward (one row per sequence, gathered inside the sampler); where the next
+    step is the predicted one it is used, elsewhere discarded, and every sampled token equals
+    a run that never pre-launches. Runs on the CPU under TRITON_INTERPRET=1 (graphs eager)."""
+    from structgen.engine.config import EngineConfig, ModelConfig
+    from structgen.engine.cuda_graphs import DecodeGraphs
+    from structgen.engine.model_runner import ExtendSeq, ModelRunner
+
+    cfg = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, eos_token_id=[])
+    ec = EngineConfig(device=str(DEVICE), dtype="float32", max_batch_size=4, max_seq_len=64, use_cuda_graphs=False)
+    runner = ModelRunner(cfg, ec)
+    g = torch.Generator().manual_seed(1)
+    prompts = {0: torch.randint(0, 512, (5,), generator=g).tolist(), 1: torch.randint(0, 512, (7,), generator=g).tolist()}
+    forced = torch.randint(0, 512, (3,), generator=g).tolist()
+    allowed = torch.zeros(16, dtype=torch.int32)  # a mask allowing tokens 0..31 only
+    allowed[0] = -1
+
+    def fill(bitmask: torch.Tensor) -> None:
+        bitmask.zero_()
+        bitmask[:, :16] = allowed
+
+    def decode_run(prelaunch: bool, confirm=None) -> tuple[list[list[int]], int]:
+        runner.graphs = DecodeGraphs(runner, (1, 2, 4, 8), capture=CUDA, prelaunch=prelaunch)
+        runner.extend([ExtendSeq(0, 0, prompts[0]), ExtendSeq(1, 0, prompts[1][:-1])])
+        seqs = {0: prompts[0] + forced, 1: list(prompts[1])}  # slot 0 starts with three forced tokens
+        cached = {0: len(prompts[0]), 1: len(prompts[1]) - 1}
+        out = []
+        for step in range(6):
+            rows = []
+            for s in (0, 1):
+                rows += [ExtendSeq(s, cached[s] + j, [t]) for j, t in enumerate(seqs[s][cached[s]:])]
+                cached[s] = len(seqs[s])
+            n = len(rows)
+            last = [i for i in range(n) if i == n - 1 or rows[i + 1].slot != rows[i].slot]
+            tokens = runner.decode(rows, [0.0] * n, [0] * n, [i in last for i in range(n)], fill, True, confirm)
+            out.append(tokens)
+            for s, i in zip((0, 1), last, strict=True):
+                seqs[s].append(tokens[i])
+            seqs[0] += forced[:2] if step == 2 else []  # forced text after the sampled token
+            seqs[1] += forced[:1] if step == 3 else []
+        return out, runner.graphs.steps_ahead
+
+    late, used_late = decode_run(prelaunch=False)
+    early, used_early = decode_run(prelaunch=True)
+    assert used_late == 0
+    assert used_early == 3  # steps 1, 2 and 5 follow a step whose rows were all predicted
+    assert early == late
+    seen: list[list[int]] = []
+    confirmed, used_confirmed = decode_run(prelaunch=True, confirm=lambda toks: seen.append(toks) or len(seen) != 2)
+    assert used_confirmed == 2  # the check after step 1 said no: step 2's forward launched late
+    assert confirmed == late
+    assert seen[0] == [late[0][2], late[0][3]]  # the tokens of each sequence's last row
+    assert all(t < 32 for step in early for t in step[-1:])

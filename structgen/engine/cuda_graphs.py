@@ -7,8 +7,10 @@ the CPU cannot keep up with the GPU. `DecodeGraphs` captures, for each batch siz
 - forward: token ids, positions, slots, context lengths -> LM-head logits;
 - sample: logits + grammar bitmask (rows whose has-mask flag is 0 skip it) + temperature +
   per-row Philox seeds -> one token per row (greedy, or Gumbel-max for temperature > 0); then
-  it advances the metadata in place to the predicted next step (ids = the sampled tokens,
-  positions + 1), so the next forward can start before the host has seen the tokens.
+  it rewrites the metadata to the predicted next step, one row per sequence: the sequence's
+  last row this step, its sampled token as input, position + 1. So the next forward can start
+  before the host has seen the tokens, also after a step that ran several rows of a sequence
+  (jump-forward text).
 
 One step, as `run` issues it:
 
@@ -20,10 +22,20 @@ advanced with step i-1's tokens) and copied on a side stream ordered by CUDA eve
 host sync per step is reading the sampled tokens. With `run(..., predict_next=True)` (the
 engine's decode steps, where every row is its own sequence) forward i+1 is launched right
 behind sample i and kept only if step i+1 turns out to be exactly the predicted one (same
-rows and slots, positions + 1, the sampled tokens as inputs); otherwise it is discarded,
+sequences and slots, positions + 1, the sampled tokens as inputs); otherwise it is discarded,
 which is harmless: it only wrote K/V one position past each sequence's length, which is
-rewritten before it is read. Callers whose rows share a slot (speculative verification runs
-one row per draft token) must not ask for it: there position + 1 is another row's valid K/V.
+rewritten before it is read. A sequence's rows must be adjacent with consecutive positions
+(forced tokens); callers whose rows share a slot for another reason (speculative verification
+runs one row per draft token, all sampled) must not ask for it.
+
+Where the next step is often *not* the predicted one (jump-forward: a sampled `"` makes the
+grammar force `, "age": `, so the next step runs those tokens instead), launching blind costs a
+whole wasted forward on the device before the real one. `run(..., confirm_next=f)` launches
+the predicted forward only if `f(tokens)` says yes once the host has read the tokens. Where
+the CUDA extension is built, that forward is still launched right behind the sampler, as a
+gated graph (kernels/gated_graph.py) whose body the device runs or skips on the host's
+verdict: the device idles only for the sync and that check (tens of microseconds). Without
+the extension it is launched after the check, with the launch itself on the critical path.
 Any other forward over the same cache (`ModelRunner.extend`) drops the prediction.
 
 A batch is padded up to its bucket: padding rows decode token 0 at position 0 of the KV
@@ -48,8 +60,11 @@ if TYPE_CHECKING:
     from structgen.engine.model_runner import ModelRunner
 
 # Rows of the int64 metadata buffer (one host-to-device copy per step). LIVE is 1 for real
-# rows, 0 for padding (padding rows never advance).
-IDS, POSITIONS, SLOTS, LENS, SEEDS, HAS_MASK, LIVE = range(7)
+# rows, 0 for padding (padding rows never advance). NEXT[j]: the row that becomes row j of the
+# predicted next step (the last row of sequence j; the padding column for j >= sequences).
+# The first four rows are what the sampler carries over to the next step.
+IDS, POSITIONS, SLOTS, LIVE, LENS, SEEDS, HAS_MASK, NEXT = range(8)
+_CARRIED = 4
 
 
 class DecodeGraphs:
@@ -63,13 +78,15 @@ class DecodeGraphs:
         words = (runner.model_config.vocab_size + 31) // 32
         n, dev = self.max_batch_size, self.device
         pin = dev.type == "cuda"
-        # Device buffers the graphs read and write; they never move.
-        self.meta = torch.zeros(7, n, dtype=torch.int64, device=dev)
+        # Device buffers the graphs read and write; they never move. Metadata has one column
+        # more than the largest bucket: a padding column that NEXT points padding rows at.
+        self.pad_column = n
+        self.meta = torch.zeros(8, n + 1, dtype=torch.int64, device=dev)
         self.temperature = torch.zeros(n, dtype=torch.float32, device=dev)
         self.bitmask = torch.zeros(n, words, dtype=torch.int32, device=dev)
         self.tokens = torch.zeros(n, dtype=torch.int64, device=dev)
         # Pinned host staging, written through numpy views (cheaper than torch indexing).
-        self.host_meta = torch.zeros(7, n, dtype=torch.int64, pin_memory=pin)
+        self.host_meta = torch.zeros(8, n + 1, dtype=torch.int64, pin_memory=pin)
         self.host_temperature = torch.zeros(n, dtype=torch.float32, pin_memory=pin)
         self.host_bitmask = torch.zeros(n, words, dtype=torch.int32, pin_memory=pin)
         self.host_tokens = torch.zeros(n, dtype=torch.int64, pin_memory=pin)
@@ -79,8 +96,10 @@ class DecodeGraphs:
         # bucket -> (launch forward, launch sampler); the graphs and their logits stay alive here.
         self._steps: dict[int, tuple[Callable[[], None], Callable[[], None]]] = {}
         self._captured: list[object] = []
+        self._gated: dict[int, object] = {}  # bucket -> GatedGraph of its forward (CUDA + csrc)
         # The step whose forward is already queued: (bucket, slots, positions, token ids).
         self._ahead: tuple | None = None
+        self._gate_ahead = None  # the GatedGraph that ran the pre-launched forward, if one did
         self.steps = self.steps_ahead = 0  # decode steps run / of those, pre-launched forwards used
         if pin:
             self.copy_stream = torch.cuda.Stream(dev)
@@ -102,10 +121,12 @@ class DecodeGraphs:
     def _sample(self, bs: int, logits: torch.Tensor) -> None:
         m, tokens = self.meta, self.tokens[:bs]
         sample_tokens(logits, self.bitmask[:bs], m[HAS_MASK, :bs], self.temperature[:bs], m[SEEDS, :bs], out=tokens)
-        # Predict the next step: each live row feeds its token back at the next position.
+        # Predict the next step: each live row feeds its token back at the next position, and
+        # row j of the next step is this step's row NEXT[j] (a sequence's last row).
         live = m[LIVE, :bs]
         torch.mul(tokens, live, out=m[IDS, :bs])
         m[POSITIONS, :bs].add_(live).clamp_(max=self.kv.max_seq_len - 1)
+        m[:_CARRIED, :bs] = m[:_CARRIED].index_select(1, m[NEXT, :bs])
         torch.add(m[POSITIONS, :bs], 1, out=m[LENS, :bs])
 
     def _set_padding(self, lo: int, hi: int) -> None:
@@ -114,26 +135,33 @@ class DecodeGraphs:
         meta[:, lo:hi] = 0
         meta[SLOTS, lo:hi] = self.kv.scratch_slot
         meta[LENS, lo:hi] = 1
+        meta[NEXT, lo:hi] = self.pad_column
         self._temp_np[lo:hi] = 0.0
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
-        self._set_padding(0, self.max_batch_size)
+        self._set_padding(0, self.max_batch_size + 1)
         self.meta.copy_(self.host_meta)
         self.temperature.copy_(self.host_temperature)
         if not self.capture_graphs:
             for bs in self.batch_sizes:
                 self._steps[bs] = self._eager_step(bs)
             return
+        from structgen.engine.kernels import gated_graph
+
+        gate = self.prelaunch and gated_graph.available()
         pool = torch.cuda.graph_pool_handle()  # shared: only one graph runs at a time
         for bs in reversed(self.batch_sizes):  # largest first, so smaller ones fit in its memory
             self._sample(bs, self._forward(bs))  # warm-up: compiles the Triton kernels
             torch.cuda.synchronize(self.device)
-            forward, sample = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+            forward, sample = torch.cuda.CUDAGraph(keep_graph=gate), torch.cuda.CUDAGraph()
             with torch.cuda.graph(forward, pool=pool):
                 logits = self._forward(bs)
             with torch.cuda.graph(sample, pool=pool):
                 self._sample(bs, logits)
+            if gate:
+                forward.instantiate()
+                self._gated[bs] = gated_graph.GatedGraph(forward)
             self._steps[bs] = (forward.replay, sample.replay)
             self._captured += [forward, sample, logits]
         torch.cuda.synchronize(self.device)
@@ -170,17 +198,22 @@ class DecodeGraphs:
         has_mask: list[bool],
         fill_bitmask: Callable[[torch.Tensor], None],
         predict_next: bool = False,
+        confirm_next: Callable[[list[int]], bool] | None = None,
     ) -> list[int]:
         """Decode one token for each of n rows (n <= max_batch_size); return the n sampled
         tokens. `fill_bitmask(host_bitmask)` is called while the forward runs and must fill row
         i of the int32 [n, W] host tensor for every i with has_mask[i]. `predict_next`: also
-        launch the next step's forward (see the module docstring); only when every row is a
-        different sequence."""
+        launch the next step's forward (see the module docstring); only when each sequence's
+        rows are adjacent, with consecutive positions. `confirm_next(tokens)`, given the token
+        sampled at each sequence's last row: launch it only if this returns True, once the
+        tokens are on the host."""
         n = len(token_ids)
         bs = self.bucket(n)
         assert bs is not None, f"batch of {n} exceeds the largest captured size {self.max_batch_size}"
         predicted = self._ahead == (bs, tuple(slots), tuple(positions), tuple(token_ids))
         self._ahead = None
+        gated = (self._gate_ahead, self._gate_ahead.launches) if predicted and self._gate_ahead else None
+        self._gate_ahead = None
         self.steps += 1
         self.steps_ahead += predicted
         meta = self._meta_np
@@ -192,10 +225,13 @@ class DecodeGraphs:
         meta[SEEDS, :n] = seeds
         meta[HAS_MASK, :n] = has_mask
         meta[LIVE, :n] = 1
+        last = [i for i in range(n) if i == n - 1 or slots[i + 1] != slots[i]]  # a sequence's last row
+        meta[NEXT, len(last) : n] = self.pad_column
+        meta[NEXT, : len(last)] = last
         self._temp_np[:n] = temperatures
         forward, sample = self._steps[bs]
         cuda = self.device.type == "cuda"
-        prelaunch = predict_next and self.prelaunch and len(set(slots)) == n
+        prelaunch = predict_next and self.prelaunch and len(set(slots)) == len(last)
         # Whole buffers: one contiguous copy each. When the forward is already queued this copy
         # lands behind it and rewrites the rows it read with the same values.
         self.meta.copy_(self.host_meta, non_blocking=cuda)
@@ -220,11 +256,31 @@ class DecodeGraphs:
             self.step_done.record()
         else:
             self.host_tokens[:bs].copy_(self.tokens[:bs])
+        next_bs = self.bucket(len(last))
+        gate = self._gated.get(next_bs) if prelaunch and confirm_next is not None else None
+        if prelaunch and confirm_next is None:
+            self._steps[next_bs][0]()  # step i+1's forward, from the metadata the sampler advanced
+        elif gate is not None:
+            gate.launch()  # the same forward, run or skipped on the verdict below
+        try:
+            if cuda:
+                self.step_done.synchronize()  # waits for the sampler, not for that forward
+            if gated is not None and not gated[0].ran(gated[1]):  # never sample stale logits silently
+                raise RuntimeError("the pre-launched forward's gate timed out waiting for the host")
+            tokens = self._tokens_np[:n].tolist()
+            if prelaunch and confirm_next is not None:
+                prelaunch = confirm_next([tokens[i] for i in last])
+                if prelaunch and gate is None:
+                    self._steps[next_bs][0]()
+        finally:
+            if gate is not None:
+                gate.decide(prelaunch)
+        self._gate_ahead = gate if prelaunch else None
         if prelaunch:
-            forward()  # step i+1's forward, from the metadata the sampler just advanced
-        if cuda:
-            self.step_done.synchronize()  # waits for the sampler, not for that forward
-        tokens = self._tokens_np[:n].tolist()
-        if prelaunch:
-            self._ahead = (bs, tuple(slots), tuple(p + 1 for p in positions), tuple(tokens))
+            self._ahead = (
+                next_bs,
+                tuple(slots[i] for i in last),
+                tuple(positions[i] + 1 for i in last),
+                tuple(tokens[i] for i in last),
+            )
         return tokens

@@ -159,8 +159,14 @@ class Engine:
         def fill(bitmask: torch.Tensor) -> None:  # runs while the device computes the forward
             row_errors.update(self._fill_masks(bitmask, constrained))
 
+        confirm = None
+        if any(r.jump_forward for r in reqs):  # a jump would waste a blindly launched forward
+
+            def confirm(toks: list[int]) -> bool:
+                return self._decodes_plainly(reqs, toks)
+
         try:
-            tokens = self.runner.decode(seqs, temperatures, seeds, has_mask, fill, predict_next=True)
+            tokens = self.runner.decode(seqs, temperatures, seeds, has_mask, fill, True, confirm)
         except Exception as exc:  # a broken batch fails its requests, not the engine
             log.exception("decode step failed")
             for req in reqs:
@@ -176,6 +182,28 @@ class Engine:
             if not req.finished:
                 self._notify(req)
         return finished
+
+    def _decodes_plainly(self, reqs: list[Request], tokens: list[int]) -> bool:
+        """Will the next step be one plain decode row per request, each feeding back its token?
+        Not if a request stops, hits max_tokens, or its grammar forces text after the token
+        (a jump). Peeks with accept + rollback, ~10 us a row; a wrong guess only costs time."""
+        try:
+            for req, tok in zip(reqs, tokens, strict=True):
+                if tok in req.stop_token_ids or req.num_output + 1 >= req.params.max_tokens:
+                    return False
+                m = req.matcher
+                if m is None or not req.jump_forward:
+                    continue
+                if not m.accept_token(tok):
+                    return False
+                try:
+                    if m.is_terminated() or m.is_completed() or m.jump_forward_string():
+                        return False
+                finally:
+                    m.rollback(1)
+        except Exception:  # the step's own advance reports grammar failures
+            return False
+        return True
 
     def _fill_masks(self, bitmask: torch.Tensor, rows: list[tuple[int, object]]) -> dict[int, BaseException]:
         """Fill `bitmask[row]` from each matcher (batched through the backends' thread pools);

@@ -1,4 +1,4 @@
-"""Lazy loader of the CUDA extension built from `csrc/` (`hostfunc.cpp` + `mask.cu`).
+"""Lazy loader of the CUDA extension built from `csrc/` (`hostfunc.cpp`, `mask.cu`, `gate.cu`).
 
 Built with `torch.utils.cpp_extension.load` on first use on a GPU machine, never at install
 time, into a cached build directory (`$STRUCTGEN_CSRC_DIR`, else `$TORCH_EXTENSIONS_DIR/
@@ -22,7 +22,7 @@ from types import ModuleType
 import torch
 
 CSRC_DIR = Path(__file__).resolve().parents[3] / "csrc"
-SOURCES = ("hostfunc.cpp", "mask.cu")
+SOURCES = ("hostfunc.cpp", "mask.cu", "gate.cu")
 NAME = "structgen_csrc"
 
 

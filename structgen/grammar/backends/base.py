@@ -56,14 +56,14 @@ def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
 
 
 def set_only_tokens(bitmask: torch.Tensor, row: int, token_ids: Sequence[int]) -> None:
-    """Write a row that allows exactly `token_ids` (used once a matcher has terminated)."""
-    bitmask[row].zero_()
+    """Write a row (of a CPU bitmask) that allows exactly `token_ids` (used once a matcher has
+    terminated). numpy, not torch indexing: a third of the cost here, and no torch CPU ops."""
+    words = bitmask.numpy().view(np.uint32)
+    words[row] = 0
     for tid in token_ids:
         word, bit = divmod(tid, 32)
-        if word < bitmask.shape[1]:
-            # int32 view of an unsigned word: bit 31 is the sign bit
-            value = (int(bitmask[row, word]) & 0xFFFFFFFF) | (1 << bit)
-            bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value
+        if word < words.shape[1]:
+            words[row, word] |= np.uint32(1 << bit)
 
 
 def allows_only(words: np.ndarray, token_ids: Iterable[int], vocab_size: int) -> bool:

@@ -1,0 +1,117 @@
+// Gated graphs: a captured CUDA graph wrapped in a conditional (IF) node whose condition the
+// host decides *after* the launch.
+//
+// Why: a decode step launches the next step's forward before the host has seen the sampled
+// tokens, so the GPU never idles on the host. When the guess is wrong (a sampled `"` makes
+// the grammar force `, "age": `, the next step runs those tokens instead) that forward is a
+// whole wasted pass the real one queues behind. Launching after the host has looked costs the
+// graph launch itself on the critical path (~0.2 ms for a 30-layer model on the H100 host).
+// A gated graph is launched early, as before; its first node spins on a word of pinned host
+// memory until the host writes its verdict, then runs the body or skips it. The device waits
+// only for the sync plus the host's check (tens of microseconds) and never for a launch.
+//
+// Protocol (one gate, one host thread): launch k (k = 1, 2, ...) is decided by the host writing
+// `2k + go` to the flag word. The gate kernel counts its launches in a device word, waits for
+// a flag >= 2k, and records what it did in the outcome word (`2k + ran`), so the host can tell
+// a body that ran from one skipped after the timeout (the host failed to decide in time).
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+namespace {
+
+__device__ __forceinline__ uint64_t global_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__global__ void gate_kernel(cudaGraphConditionalHandle handle, const volatile int64_t* flag,
+                            int64_t* launches, volatile int64_t* outcome, int64_t timeout_ns) {
+  const int64_t k = ++(*launches);
+  const uint64_t start = global_ns();
+  unsigned go = 0;
+  for (;;) {
+    const int64_t v = *flag;
+    if ((v >> 1) >= k) {
+      go = ((v >> 1) == k) && (v & 1);
+      break;
+    }
+    if (global_ns() - start > static_cast<uint64_t>(timeout_ns)) break;
+    __nanosleep(256);
+  }
+  *outcome = 2 * k + go;
+  __threadfence_system();
+  cudaGraphSetConditional(handle, go);
+}
+
+void check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess)
+    throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(err));
+}
+
+}  // namespace
+
+// Build and instantiate [gate] -> IF(go) { body }. `flag` and `outcome` are pinned host words
+// (their device aliases are looked up here), `launches` a device word starting at zero. The
+// body is copied in as a child graph: it keeps the captured graph's buffers (fixed addresses).
+// Returns the cudaGraphExec_t; the caller frees it with sg_gate_destroy.
+uintptr_t sg_gate_build(uintptr_t body, uintptr_t flag, uintptr_t launches, uintptr_t outcome,
+                        int64_t timeout_ns) {
+  void* dflag = nullptr;
+  void* doutcome = nullptr;
+  check(cudaHostGetDevicePointer(&dflag, reinterpret_cast<void*>(flag), 0), "flag: cudaHostGetDevicePointer");
+  check(cudaHostGetDevicePointer(&doutcome, reinterpret_cast<void*>(outcome), 0),
+        "outcome: cudaHostGetDevicePointer");
+
+  cudaGraph_t graph;
+  check(cudaGraphCreate(&graph, 0), "cudaGraphCreate");
+  try {
+    cudaGraphConditionalHandle handle;
+    check(cudaGraphConditionalHandleCreate(&handle, graph, 0, cudaGraphCondAssignDefault),
+          "cudaGraphConditionalHandleCreate");
+
+    const int64_t* flag_arg = static_cast<const int64_t*>(dflag);
+    int64_t* launches_arg = reinterpret_cast<int64_t*>(launches);
+    int64_t* outcome_arg = static_cast<int64_t*>(doutcome);
+    void* args[] = {&handle, &flag_arg, &launches_arg, &outcome_arg, &timeout_ns};
+    cudaKernelNodeParams kp = {};
+    kp.func = reinterpret_cast<void*>(gate_kernel);
+    kp.gridDim = dim3(1, 1, 1);
+    kp.blockDim = dim3(1, 1, 1);
+    kp.kernelParams = args;
+    cudaGraphNode_t gate;
+    check(cudaGraphAddKernelNode(&gate, graph, nullptr, 0, &kp), "gate: cudaGraphAddKernelNode");
+
+    cudaGraphNodeParams cp = {};
+    cp.type = cudaGraphNodeTypeConditional;
+    cp.conditional.handle = handle;
+    cp.conditional.type = cudaGraphCondTypeIf;
+    cp.conditional.size = 1;
+    cudaGraphNode_t cond;
+#if CUDART_VERSION >= 13000
+    check(cudaGraphAddNode(&cond, graph, &gate, nullptr, 1, &cp), "cudaGraphAddNode(conditional)");
+#else
+    check(cudaGraphAddNode(&cond, graph, &gate, 1, &cp), "cudaGraphAddNode(conditional)");
+#endif
+    cudaGraphNode_t child;
+    check(cudaGraphAddChildGraphNode(&child, cp.conditional.phGraph_out[0], nullptr, 0,
+                                     reinterpret_cast<cudaGraph_t>(body)),
+          "body: cudaGraphAddChildGraphNode");
+
+    cudaGraphExec_t exec;
+    check(cudaGraphInstantiate(&exec, graph, 0), "cudaGraphInstantiate(gated)");
+    cudaGraphDestroy(graph);  // the executable keeps what it needs
+    return reinterpret_cast<uintptr_t>(exec);
+  } catch (...) {
+    cudaGraphDestroy(graph);
+    throw;
+  }
+}
+
+void sg_gate_destroy(uintptr_t exec) {
+  check(cudaGraphExecDestroy(reinterpret_cast<cudaGraphExec_t>(exec)), "cudaGraphExecDestroy");
+}
