@@ -126,6 +126,6 @@ class EngineConfig:
     # sizes reach past max_batch_size (model_runner keeps those below 4x the slot count).
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     jump_forward: bool = True  # append grammar-forced text without a decode step per token
-    grammar_threads: int = 0  # 0: grammar.batch.default_threads() (up to 4)
+    grammar_threads: int = 0  # 0: grammar.batch.default_threads(backend) (xgrammar 1, llguidance <= 4)
     seed: int | None = None
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
