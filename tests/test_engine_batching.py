@@ -152,3 +152,11 @@ def test_decodes_plainly_predicts_jumps_and_stops_without_moving_the_grammar(eng
     assert not engine._decodes_plainly([other, req], [inside[0], close[0]])
     assert req.matcher.jump_forward_string() == ""  # still inside the string: nothing moved
     assert req.matcher.accept_token(close[0]) and req.matcher.jump_forward_string().startswith(",")
+    # After `"age":` the grammar forces a lone space, which jump-forward holds back (` 4`
+    # extends it): that step decodes plainly.
+    later = make(tokenizer, engine, grammar, 2)
+    later.jump_forward = True
+    *head, colon = tokenizer.encode('{"name": "Ann", "age":', add_special_tokens=False)
+    for t in head:
+        assert later.matcher.accept_token(t)
+    assert engine._decodes_plainly([later], [colon])

@@ -197,8 +197,11 @@ class Engine:
                 if not m.accept_token(tok):
                     return False
                 try:
-                    if m.is_terminated() or m.is_completed() or m.jump_forward_string():
+                    if m.is_terminated() or m.is_completed():
                         return False
+                    forced = m.jump_forward_string()
+                    if forced and not forced.isspace():  # a lone forced space is held back (` "`
+                        return False  # and ` 4` extend it), so no jump follows
                 finally:
                     m.rollback(1)
         except Exception:  # the step's own advance reports grammar failures

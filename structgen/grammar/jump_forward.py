@@ -40,6 +40,10 @@ if TYPE_CHECKING:
     from structgen.engine.request import Request
 
 MAX_BACKOFF = 4  # output tokens re-encoded with the forced text; merges span one pre-token
+# Hold-back asks "does the grammar allow any longer token starting with this one?". Up to this
+# many candidates are tried one by one (accept + rollback, ~2 us each); more take one mask fill
+# (35-150 us, and on the critical path of a jump step).
+PROBE_EXTENSIONS = 32
 
 
 class VocabBytes:
@@ -54,7 +58,7 @@ class VocabBytes:
         order = sorted((b, i) for i, b in enumerate(self.tokens) if b and i not in self.special)
         self._sorted = [b for b, _ in order]
         self._sorted_ids = np.array([i for _, i in order], dtype=np.int64)
-        self._extensions: dict[int, np.ndarray] = {}
+        self._extensions: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     def join(self, ids: list[int]) -> bytes:
         return b"".join([self.tokens[t] for t in ids])
@@ -65,8 +69,15 @@ class VocabBytes:
     def extensions(self, tid: int) -> np.ndarray:
         """Packed bitmask (uint32 words, the grammar bitmask layout) of the tokens whose bytes
         start with token `tid`'s bytes and are longer; cached per token."""
-        ext = self._extensions.get(tid)
-        if ext is None:
+        return self._extension_entry(tid)[0]
+
+    def extension_ids(self, tid: int) -> np.ndarray:
+        """The same tokens as ids (int64, ascending by bytes)."""
+        return self._extension_entry(tid)[1]
+
+    def _extension_entry(self, tid: int) -> tuple[np.ndarray, np.ndarray]:
+        entry = self._extensions.get(tid)
+        if entry is None:
             prefix = self.tokens[tid]
             lo = bisect.bisect_right(self._sorted, prefix)  # skips `prefix` itself
             hi = (
@@ -77,8 +88,8 @@ class VocabBytes:
             ids = self._sorted_ids[lo:hi]
             ext = np.zeros((len(self.tokens) + 31) // 32, dtype=np.uint32)
             np.bitwise_or.at(ext, ids >> 5, (np.uint32(1) << (ids & 31)).astype(np.uint32))
-            self._extensions[tid] = ext
-        return ext
+            entry = self._extensions[tid] = (ext, ids)
+        return entry
 
 
 def _successor(prefix: bytes) -> bytes:
@@ -194,11 +205,10 @@ class JumpForward:
             last = kept[-1]
             if length - len(self.vocab.tokens[last]) < old_len:
                 break
-            ext = self.vocab.extensions(last)
-            if not ext.any():
+            if not len(self.vocab.extension_ids(last)):
                 break
             m.rollback(1)
-            if not np.bitwise_and(self._allowed(m), ext).any():
+            if not self._allows_extension(m, last):
                 if not m.accept_token(last):  # pragma: no cover - it was just accepted
                     raise RuntimeError(
                         "grammar matcher could not restore its state after jump-forward"
@@ -207,6 +217,17 @@ class JumpForward:
             kept = kept[:-1]
             length -= len(self.vocab.tokens[last])
         return kept
+
+    def _allows_extension(self, m: Any, tid: int) -> bool:
+        """Does the grammar, in its current state, allow a token that extends token `tid`?"""
+        ids = self.vocab.extension_ids(tid)
+        if len(ids) > PROBE_EXTENSIONS:
+            return bool(np.bitwise_and(self._allowed(m), self.vocab.extensions(tid)).any())
+        for t in ids.tolist():
+            if m.accept_token(t):
+                m.rollback(1)
+                return True
+        return False
 
     def _allowed(self, m: Any) -> np.ndarray:
         """The matcher's allowed-token bitmask as uint32 words (a view of a reused buffer)."""
