@@ -1,6 +1,8 @@
-"""The normalizer's rewrites (grammar/normalize.py, negate.py, disjoint.py) on real schema
-shapes from MaskBench: each rewritten schema is compiled by "auto" on the real tokenizer, and
-every probe instance is accepted exactly when `jsonschema` says the original schema is valid.
+"""The normalizer's rewrites (grammar/normalize.py and the modules it calls: negate, disjoint,
+refs, patterns, regex_dfa, arrays, numbers) on real schema shapes from MaskBench (each case
+names the schema it comes from): each rewritten schema is compiled by "auto" on the real
+tokenizer, and every probe instance is accepted exactly when `jsonschema` says the original
+schema is valid. Also: what stays refused, and the key order `dump_json` writes.
 """
 
 from __future__ import annotations
@@ -10,11 +12,19 @@ import json
 import jsonschema
 import pytest
 
+from structgen.errors import UnsupportedSchemaError
 from structgen.grammar import candidate_backends, dump_json
 from structgen.grammar.negate import negate_pattern
 from structgen.grammar.normalize import normalize_schema
 from structgen.types import JsonSchema, to_constraint
 
+NODE = {  # a recursive definition without a `type` of its own
+    "properties": {
+        "n": {"type": "integer"},
+        "child": {"anyOf": [{"$ref": "#/$defs/node"}, {"type": "null"}], "type": ["object", "null"]},
+    },
+    "additionalProperties": False,
+}
 CASES = [
     (  # Github_trivial 90: overlapping open objects; each branch must exclude the other
         "one_of_overlapping_objects",
@@ -95,6 +105,149 @@ CASES = [
         },
         [{}, {"a": 1}, {"b": 1, "c": 2}, {"a": 1, "b": 2, "c": 3}, {"d": 1}],
     ),
+    (  # WashingtonPost 0: llguidance refuses a recursive $ref it must merge "type" into
+        "recursive_ref_with_sibling_type",
+        {"$defs": {"node": NODE}, "anyOf": [{"$ref": "#/$defs/node"}], "type": "object"},
+        [{}, {"n": 1}, {"child": {"n": 2}}, {"child": None}, {"child": {"child": {"n": 3}}},
+         {"child": 5}, {"child": {"m": 1}}, None, "x"],
+    ),
+    (  # WashingtonPost 0 (credits): a listed key that a patternProperties regex also matches
+        "pattern_properties_over_a_listed_key",
+        {
+            "$defs": {"node": NODE},
+            "type": "object",
+            "properties": {"by": {"type": "array", "items": {"$ref": "#/$defs/node"}}},
+            "patternProperties": {"^[a-z_]*": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 2}},
+        },
+        [{}, {"by": []}, {"by": [{"n": 1}, {"n": 2}]}, {"by": [{}, {}, {}]}, {"photos_by": [{"n": 1}]},
+         {"photos_by": [1]}, {"by": [{"child": {"n": 1}}]}, {"B": 1}],
+    ),
+    (  # WashingtonPost 0 (taxonomy): branches told apart by a key required in an allOf part
+        "one_of_discriminator_in_all_of",
+        {
+            "$defs": {
+                "section": {"type": "object", "properties": {"type": {"enum": ["section"]}}, "required": ["type"]},
+                "reference": {"type": "object", "properties": {"type": {"enum": ["reference"]}, "id": {"type": "string"}}, "required": ["type", "id"]},
+            },
+            "oneOf": [
+                {"$ref": "#/$defs/section"},
+                {"allOf": [{"$ref": "#/$defs/reference"}, {"properties": {"id": {"minLength": 2}}}]},
+            ],
+        },
+        [{"type": "section"}, {"type": "reference", "id": "ab"}, {"type": "reference", "id": "a"},
+         {"type": "other"}, {}],
+    ),
+    (  # Github_ultra 32: an object with two required keys never has at most one key
+        "one_of_disjoint_by_key_count",
+        {
+            "type": "object",
+            "oneOf": [
+                {"required": ["type", "url"], "properties": {"type": {"type": "string"}}},
+                {"additionalProperties": {"enum": [False]}, "minProperties": 1, "maxProperties": 1},
+            ],
+        },
+        [{"type": "vcs", "url": "u"}, {"x": False}, {"x": True}, {}, {"type": "a"}, {"type": 1, "url": 2}],
+    ),
+    (  # JsonSchemaStore 152: not a pattern negate_pattern's shapes do not cover
+        "not_any_pattern",
+        {"type": "string", "minLength": 1, "not": {"pattern": "//"}},
+        ["a", "a/b", "a//b", "//", "", "/x/"],
+    ),
+    (  # Github_medium 124: oneOf two patterns that overlap (digit-only uuids match both)
+        "one_of_overlapping_patterns",
+        {
+            "type": "string",
+            "oneOf": [
+                {"pattern": "^[0-9a-f]{4}-[0-9a-f]{2}$"},
+                {"pattern": "^[0-9A-F]{4}-[0-9A-F]{2}$"},
+            ],
+        },
+        ["abcd-ef", "ABCD-EF", "1234-56", "abCD-ef", "x"],
+    ),
+    (  # Github_medium 172: open object branches told apart by a discriminator overlap only
+        # on non-objects (where both are vacuously true)
+        "one_of_open_objects_with_a_discriminator",
+        {
+            "$defs": {
+                "stage": {"properties": {"type": {"enum": ["stage"]}}, "required": ["type"]},
+                "teaser": {"properties": {"type": {"enum": ["teaser"]}}, "required": ["type"], "additionalProperties": False},
+            },
+            "oneOf": [{"$ref": "#/$defs/stage"}, {"$ref": "#/$defs/teaser"}],
+        },
+        [{"type": "stage"}, {"type": "stage", "x": 1}, {"type": "teaser"}, {"type": "teaser", "x": 1}, "s", 1, {}],
+    ),
+    (  # JsonSchemaStore 30: a key that none of the (closed) branches in scope lists
+        "one_of_with_closed_branches_in_scope",
+        {
+            "$defs": {
+                "item": {"oneOf": [
+                    {"type": "object", "properties": {"step": {"type": "string"}}, "additionalProperties": False},
+                    {"type": "object", "properties": {"stage": {"type": "string"}}, "additionalProperties": False},
+                ]},
+            },
+            "oneOf": [
+                {"type": "object", "properties": {"variables": {"type": "array", "items": {"type": "string"}}}, "additionalProperties": False},
+                {"$ref": "#/$defs/item"},
+            ],
+        },
+        [{"variables": ["a"]}, {"step": "s"}, {"stage": "t"}, {}, {"step": "s", "stage": "t"}, {"variables": [1]}],
+    ),
+    (  # Handwritten 17: `not` of a `not` gives the original patterns back
+        "double_negation",
+        {
+            "type": "string",
+            "$defs": {"n": {"not": {"anyOf": [{"pattern": "ab1"}, {"pattern": "b12"}]}}},
+            "not": {"$ref": "#/$defs/n"},
+            "maxLength": 8,
+        },
+        ["ab1", "xb12", "abc", "", "ab"],
+    ),
+    (  # JsonSchemaStore 45, 49: a leading negative lookahead, `$` inside a pattern
+        "lookahead_and_inner_anchor",
+        {
+            "type": "object",
+            "properties": {
+                "main": {"type": "string", "pattern": "^(?!org\\.bukkit\\.)[a-z.]+$"},
+                "list": {"type": "string", "pattern": "^([^,]+(,|$)){2,}$"},
+            },
+        },
+        [{"main": "org.x"}, {"main": "org.bukkit.x"}, {"list": "a,b"}, {"list": "a"}, {"list": "a,b,"}],
+    ),
+    (  # Handwritten 10: a string schema combining patterns with anyOf / not / $ref
+        "string_patterns_combined",
+        {
+            "type": "string",
+            "$defs": {"start": {"anyOf": [{"pattern": "^a"}, {"pattern": "^b"}]}},
+            "allOf": [{"$ref": "#/$defs/start"}, {"not": {"pattern": "x$"}}],
+        },
+        ["ab", "ax", "cb", "b", "bx", ""],
+    ),
+    (  # Handwritten 9: bounded numbers on a grid are listed, then filtered (here by a `not`)
+        "bounded_numbers_on_a_grid",
+        {
+            "type": "number",
+            "exclusiveMinimum": -30,
+            "exclusiveMaximum": 0,
+            "anyOf": [{"multipleOf": 4}, {"multipleOf": 6}],
+            "not": {"multipleOf": 12},
+        },
+        [-4, -6, -12, -24, -8, -18, 5, -3, 0, -32, -4.5, "x"],
+    ),
+    (  # brief of issue #2: unique arrays of a small enum are listed
+        "unique_items_of_an_enum",
+        {"type": "array", "items": {"enum": ["GET", "PUT", "POST"]}, "uniqueItems": True, "minItems": 1},
+        [["GET"], ["GET", "PUT"], ["POST", "PUT", "GET"], ["GET", "GET"], [], ["HEAD"]],
+    ),
+    (  # JsonSchemaStore 245 (availabilities): at most one item is always unique
+        "unique_items_of_at_most_one",
+        {"type": "array", "items": {"type": "string"}, "uniqueItems": True, "maxItems": 1},
+        [[], ["a"], ["a", "a"]],
+    ),
+    (  # contains, in an array of at most three items
+        "contains_in_a_bounded_array",
+        {"type": "array", "items": {"type": ["string", "integer"]}, "contains": {"type": "integer"}, "maxItems": 3},
+        [[1], ["a", 2], ["a", "b", 3], ["a"], [], ["a", "b"], [1, 2, 3, 4]],
+    ),
 ]
 
 
@@ -134,3 +287,38 @@ def test_xgrammar_is_not_used_for_searched_patterns(grammar_compiler):
     assert g.accepts('"ab1"') and not g.accepts('"12"')
     whole = to_constraint(JsonSchema({"type": "string", "pattern": "^$|^[a-z]+$"}))
     assert candidate_backends(whole)[0] == "xgrammar"
+
+
+def test_what_stays_refused():
+    # uniqueItems over strings, and contains in an unbounded array: no grammar can
+    for schema in (
+        {"type": "array", "items": {"type": "string"}, "uniqueItems": True},
+        {"type": "array", "contains": {"type": "integer"}},
+        {"type": "array", "items": {"type": "integer"}, "uniqueItems": True, "maxItems": 3},
+        {"type": "integer", "minimum": 0, "not": {"multipleOf": 3}},  # unbounded: not finite
+    ):
+        with pytest.raises(UnsupportedSchemaError) as e:
+            to_constraint(JsonSchema(schema))
+        assert e.value.keyword in ("uniqueItems", "contains", "not")
+    # too many unique arrays to list (6 values: 1,957 arrays) stays uniqueItems
+    many = {"type": "array", "items": {"enum": list("abcdef")}, "uniqueItems": True}
+    assert normalize_schema(many)["uniqueItems"] is True
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"additionalProperties": False, "allOf": [{"properties": {"s": {}}}], "properties": {"a": {}, "s": {}}},
+        {"allOf": [{"properties": {"s": {}}}], "properties": {"a": {}, "s": {}}},
+        {"properties": {"a": {}}, "patternProperties": {"^r": {}}, "required": ["r1", "r2"]},
+    ],
+    ids=["own_properties_first", "all_of_first", "required_after_properties"],
+)
+def test_dump_json_writes_keys_in_llguidance_order(grammar_compiler, schema):
+    """JsonSchemaStore 60 / 158, Github_hard 14: the order llguidance merges keys in."""
+    schema = {"type": "object", **schema}
+    grammar = grammar_compiler.compile(to_constraint(JsonSchema(schema)), backend="llguidance")
+    value = {"x": 1, "r2": 2, "s": 3, "a": 4, "r1": 5} if "required" in schema else {"s": 1, "a": 2}
+    if schema.get("additionalProperties") is False:
+        value = {"s": 1, "a": 2}
+    assert grammar.accepts(dump_json(value, schema)), dump_json(value, schema)

@@ -12,7 +12,13 @@ other (`one_of_as_any_of`). The proof here is conservative (False = "could not p
 - both admit only objects, and some property is required by one (so present in any common
   instance) and has disjoint subschemas in the two (the usual discriminator,
   `"kind": {"const": "a"}`), or is required by one and forbidden by the other
-  (`properties: {p: false}`, or `additionalProperties: false` without `p`).
+  (`properties: {p: false}`, or `additionalProperties: false` without `p`); `required` and
+  `properties` count from `allOf` parts (and their `$ref`s) too;
+- both admit only objects and one needs more keys than the other allows (`required` of two
+  keys against `maxProperties: 1`).
+Where branches overlap only on types one of them says nothing about (open object branches
+told apart by a discriminator both accept every string), `apart_by_type` gives the exclusion
+as a `type` instead of a negation.
 """
 
 from __future__ import annotations
@@ -21,7 +27,13 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from structgen.grammar.keywords import finite_values, resolve_ref
+from structgen.grammar.keywords import (
+    ANNOTATIONS,
+    KEYWORD_TYPE,
+    KEYWORDS,
+    finite_values,
+    resolve_ref,
+)
 
 _ALL = frozenset({"null", "boolean", "object", "array", "string", "number", "integer"})
 _MAX_DEPTH = 12
@@ -45,13 +57,20 @@ def one_of_as_any_of(
     document's refs) may answer for "within Bi" only, since the result is used next to Bi.
     None when some needed negation is unknown.
     """
-    proof = _Disjointness(root, ref_overrides)
+    proof = Disjointness(root, ref_overrides)
     scopes = [proof.in_context(b, parent) for b in branches]
     out = []
     for i, branch in enumerate(branches):
         parts = [branch]
         for j, other in enumerate(branches):
             if j == i or proof.disjoint(scopes[i], scopes[j]):
+                continue
+            apart = proof.apart_by_type(scopes[i], scopes[j])
+            if apart is not None:  # branch i is outside branch j exactly for these types
+                if not apart:
+                    parts = []
+                    break
+                parts.append({"type": sorted(apart)})
                 continue
             neg = negate(other, scopes[i], proof)
             if neg is None:
@@ -75,7 +94,7 @@ def _alternatives(schema: Any) -> list[Any]:
     return [schema]
 
 
-class _Disjointness:
+class Disjointness:
     def __init__(self, root: Any, ref_overrides: bool):
         self.root = root
         self.ref_overrides = ref_overrides
@@ -141,9 +160,9 @@ class _Disjointness:
         types = _ALL
         declared = schema.get("type")
         if isinstance(declared, str):
-            types &= _expand({declared})
+            types &= expand_types({declared})
         elif isinstance(declared, list) and all(isinstance(t, str) for t in declared):
-            types &= _expand(set(declared))
+            types &= expand_types(set(declared))
         values = finite_values(schema, self.root)
         if values is not None:
             types &= frozenset(_type_of(v) for v in values)
@@ -158,12 +177,112 @@ class _Disjointness:
         return types
 
     def _objects_disjoint(self, a: dict, b: dict, depth: int) -> bool:
-        req_a, req_b = set(_list(a, "required")), set(_list(b, "required"))
-        props_a, props_b = _props(a), _props(b)
+        if self.min_keys(a, 0) > self.max_keys(b) or self.min_keys(b, 0) > self.max_keys(a):
+            return True
+        views_a, views_b = self.views(a, 0), self.views(b, 0)
+        req_a = {p for v in views_a for p in _list(v, "required")}
+        req_b = {p for v in views_b for p in _list(v, "required")}
         for p in req_a | req_b:  # present in every common instance, valid against both
-            if p in props_a and p in props_b and self.disjoint(props_a[p], props_b[p], depth + 1):
+            subs_a = [_props(v)[p] for v in views_a if p in _props(v)]
+            subs_b = [_props(v)[p] for v in views_b if p in _props(v)]
+            if any(self.disjoint(x, y, depth + 1) for x in subs_a for y in subs_b):
                 return True
-        return any(_forbids(b, p) for p in req_a) or any(_forbids(a, p) for p in req_b)
+        return any(_forbids(v, p) for v in views_b for p in req_a) or any(
+            _forbids(v, p) for v in views_a for p in req_b
+        )
+
+    def apart_by_type(self, a: Any, b: Any) -> frozenset[str] | None:
+        """The JSON types (number covering integer) for which no instance of `a` is in `b`,
+        when for each other type every instance is in `b` (`b` says nothing about that
+        type); None when some type is neither. Then "a and not b" is "a of those types":
+        two open object branches told apart by a discriminator overlap only on the values
+        that are not objects, where both are vacuously true."""
+        types_a, types_b = self.types(a), self.types(b)
+        out = set()
+        for t in ("null", "boolean", "object", "array", "string", "number"):
+            family = {"number", "integer"} if t == "number" else {t}
+            if not types_a & family:
+                continue
+            if not types_b & family:
+                out.add(t)
+            elif self._says_nothing_of(b, family):
+                continue
+            elif self.disjoint({"allOf": [a, {"type": t}]}, {"allOf": [b, {"type": t}]}):
+                out.add(t)
+            else:
+                return None
+        return frozenset(out)
+
+    def _says_nothing_of(self, schema: Any, family: set[str]) -> bool:
+        """Does every value of these types satisfy `schema` (its keywords are all about
+        other types)?"""
+        schema = self.follow(schema)
+        if schema is True or schema == {}:
+            return True
+        if not isinstance(schema, dict):
+            return False
+        live = [k for k in schema if k in KEYWORDS and k not in ANNOTATIONS]
+        return all(KEYWORD_TYPE.get(k) not in (None, *family) for k in live)
+
+    def closed_keys(self, schema: Any, depth: int = 0) -> list[str] | None:
+        """The only keys an object of `schema` can have, when it is closed
+        (additionalProperties false, no patternProperties; for `anyOf`/`oneOf`, every
+        branch closed); None otherwise."""
+        schema = self.follow(schema)
+        if not isinstance(schema, dict) or depth > _MAX_DEPTH:
+            return None
+        if schema.get("additionalProperties") is False and not schema.get("patternProperties"):
+            return [k for k, v in _props(schema).items() if v is not False]
+        for part in _list(schema, "allOf"):
+            keys = self.closed_keys(part, depth + 1)
+            if keys is not None:
+                return keys
+        for kw in ("anyOf", "oneOf"):
+            branches = _list(schema, kw)
+            if branches:
+                found = [self.closed_keys(b, depth + 1) for b in branches]
+                if any(keys is None for keys in found):
+                    return None
+                return list(dict.fromkeys(k for keys in found for k in keys))
+        return None
+
+    def min_keys(self, schema: Any, depth: int) -> int:
+        """A lower bound on the number of keys of an object `schema` admits (from
+        `required`, `minProperties`, and the least of its `anyOf`/`oneOf` branches)."""
+        schema = self.follow(schema)
+        if not isinstance(schema, dict) or depth > _MAX_DEPTH:
+            return 0
+        low = max(len(set(_list(schema, "required"))), _count(schema, "minProperties", 0))
+        if isinstance(schema.get("$ref"), str):
+            low = max(low, self.min_keys(resolve_ref(self.root, schema["$ref"]), depth + 1))
+        for part in _list(schema, "allOf"):
+            low = max(low, self.min_keys(part, depth + 1))
+        for kw in ("anyOf", "oneOf"):
+            if _list(schema, kw):
+                low = max(low, min(self.min_keys(b, depth + 1) for b in _list(schema, kw)))
+        return low
+
+    def max_keys(self, schema: Any) -> float:
+        """An upper bound on the number of keys (`maxProperties` of it and its `allOf`)."""
+        counts = [_count(v, "maxProperties", float("inf")) for v in self.views(schema, 0)]
+        return min(counts, default=float("inf"))
+
+    def views(self, schema: Any, depth: int) -> list[dict]:
+        """`schema` and the `allOf` parts (their `$ref`s followed) that all apply with it."""
+        schema = self.follow(schema)
+        if not isinstance(schema, dict) or depth > _MAX_DEPTH:
+            return []
+        out = [schema]
+        if isinstance(schema.get("$ref"), str):  # a $ref with live siblings
+            out += self.views(resolve_ref(self.root, schema["$ref"]), depth + 1)
+        for part in _list(schema, "allOf"):
+            out += self.views(part, depth + 1)
+        return out
+
+
+def _count(schema: dict, kw: str, default: float) -> float:
+    value = schema.get(kw)
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
 
 
 def _forbids(schema: dict, prop: str) -> bool:
@@ -201,7 +320,7 @@ def _type_of(value: Any) -> str:
     return "array" if isinstance(value, list) else "object"
 
 
-def _expand(types: set[str]) -> frozenset[str]:
+def expand_types(types: set[str]) -> frozenset[str]:
     """"number" admits integers too."""
     return frozenset(types | {"integer"}) if "number" in types else frozenset(types)
 

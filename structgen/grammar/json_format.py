@@ -29,26 +29,54 @@ def dump_json(value: Any, schema: Any = None) -> str:
 
 
 def _ordered(value: Any, schema: Any, root: Any, depth: int) -> Any:
-    """Reorder the keys of every object in `value` the way the grammar for `schema` emits them:
-    the subschema's `properties`, then those of its `allOf` parts, then those of the first
-    `anyOf`/`oneOf` branch the value matches; keys the schema does not list keep their order
-    at the end."""
+    """Reorder the keys of every object in `value` the way the grammar for `schema` emits them
+    (see `_key_order`); keys the schema does not place keep their order at the end."""
     if depth > 64 or not isinstance(value, (dict, list)):
         return value
     parts = list(_parts(schema, value, root, 0))
     if isinstance(value, dict):
-        order: list[str] = []
-        for part in parts:
-            props = part.get("properties")
-            if isinstance(props, dict):
-                order += [k for k in props if k not in order]
+        order = _key_order(schema, value, root)
         keys = [k for k in order if k in value] + [k for k in value if k not in order]
         return {k: _ordered(value[k], _property_schema(parts, k), root, depth + 1) for k in keys}
     return [_ordered(v, _item_schema(parts, i), root, depth + 1) for i, v in enumerate(value)]
 
 
+def _key_order(schema: Any, value: Any, root: Any) -> list[str]:
+    """The order the grammar emits an object's keys in. llguidance merges a subschema with its
+    `allOf` parts, `$ref` target and matching `anyOf`/`oneOf` branch in the order those
+    keywords appear in it, its own `properties` counting from the first of `properties` /
+    `additionalProperties` (`{"allOf": [B], "properties": {a}}` emits B's keys before a,
+    `{"additionalProperties": X, "allOf": [B], "properties": {a}}` a first); then come the
+    required keys no `properties` lists, in `required` order; then the rest. (Measured on
+    llguidance 1.9, whose docs call this order unstable; xgrammar is only used for schemas
+    without such combinations, see `keywords._xgrammar_rules`.)"""
+    listed: list[str] = []
+    required: list[str] = []
+
+    def visit(node: Any, depth: int) -> None:
+        if not isinstance(node, dict) or depth > 32:
+            return
+        own = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+        for kw, sub in node.items():
+            if kw in ("properties", "additionalProperties"):
+                listed.extend(k for k in own if k not in listed)
+            elif kw == "required" and isinstance(sub, list):
+                required.extend(k for k in sub if isinstance(k, str) and k not in required)
+            elif kw == "allOf" and isinstance(sub, list):
+                for part in sub:
+                    visit(part, depth + 1)
+            elif kw in ("anyOf", "oneOf") and isinstance(sub, list):
+                branch = next((b for b in sub if _matches(b, value, root)), None)
+                visit(branch, depth + 1)
+            elif kw == "$ref" and isinstance(sub, str):
+                visit(resolve_ref(root, sub), depth + 1)
+
+    visit(schema, 0)
+    return listed + [k for k in required if k not in listed]
+
+
 def _parts(schema: Any, value: Any, root: Any, depth: int) -> Iterator[dict]:
-    """The object subschemas that apply to `value`, in the order the grammar combines them."""
+    """The object subschemas that apply to `value` (for the subschemas of its members)."""
     while isinstance(schema, dict) and isinstance(schema.get("$ref"), str) and depth < 32:
         yield schema  # its siblings apply too
         schema = resolve_ref(root, schema["$ref"])

@@ -21,7 +21,7 @@ has the value rules in `_xgrammar_rules`.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
@@ -90,6 +90,27 @@ KEYWORDS: dict[str, tuple[str, str]] = {
     "$recursiveAnchor":      (IGNORED, REJECTED),
 }  # fmt: skip
 
+# Keywords that constrain one JSON type only: every value of another type satisfies them.
+KEYWORD_TYPE = {
+    **{k: "string" for k in ("minLength", "maxLength", "pattern", "format")},
+    **{k: "number" for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")},
+    **{
+        k: "array"
+        for k in (
+            "items", "prefixItems", "additionalItems", "contains", "minContains", "maxContains",
+            "uniqueItems", "minItems", "maxItems", "unevaluatedItems",
+        )
+    },
+    **{
+        k: "object"
+        for k in (
+            "properties", "patternProperties", "additionalProperties", "required",
+            "propertyNames", "minProperties", "maxProperties", "dependentRequired",
+            "dependentSchemas", "dependencies", "unevaluatedProperties",
+        )
+    },
+}  # fmt: skip
+
 # `format` values. Formats outside SPEC_FORMATS are annotations (e.g. OpenAPI "int32"):
 # xgrammar ignores them, llguidance refuses them, so they are stripped before llguidance.
 SPEC_FORMATS = frozenset(
@@ -151,6 +172,26 @@ _SCHEMA_ONE = (
 )  # fmt: skip
 
 _LOOKAROUND = re.compile(r"\(\?<?[=!]")
+
+
+def map_subschemas(
+    schema: dict[str, Any], fn: Callable[[Any], Any], containers: Iterable[str] = ()
+) -> dict[str, Any]:
+    """A copy of `schema` with `fn` applied to each of its direct subschemas (at the schema
+    positions above, `dependencies` values, and the schemas held in `containers`, e.g.
+    "$defs"); other keywords are copied as they are."""
+    holders = {"dependencies", *containers}
+    out: dict[str, Any] = {}
+    for kw, value in schema.items():
+        if (kw in _SCHEMA_MAPS or kw in holders) and isinstance(value, dict):
+            out[kw] = {k: fn(v) for k, v in value.items()}
+        elif (kw in _SCHEMA_LISTS or kw == "items") and isinstance(value, list):
+            out[kw] = [fn(v) for v in value]
+        elif kw in _SCHEMA_ONE or kw == "items":
+            out[kw] = fn(value)
+        else:
+            out[kw] = value
+    return out
 
 
 @dataclass(frozen=True)

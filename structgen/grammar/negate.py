@@ -11,12 +11,14 @@ for `if` (the `else` branch) and for overlapping `oneOf` branches (`disjoint.py`
 
 from __future__ import annotations
 
+import json
 import re
 import re._parser as sre  # the stdlib's regex parser: the structure of a pattern
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from structgen.grammar.keywords import ANNOTATIONS, KEYWORDS
+from structgen.grammar.keywords import ANNOTATIONS, KEYWORD_TYPE, KEYWORDS
+from structgen.grammar.regex_dfa import Language
 
 _TYPES = ("null", "boolean", "object", "array", "string", "number")
 # keyword -> (its negation's keyword, offset, the type it constrains): not {minLength: n} is
@@ -37,26 +39,6 @@ _NUMBER_BOUNDS = {
 }
 _MAX_DEPTH = 8  # $refs followed (and subschemas entered) before giving up
 _ALL = frozenset(_TYPES) | {"integer"}
-# Keywords that constrain one JSON type only: every value of another type satisfies them.
-_KEYWORD_TYPE = {
-    **{k: "string" for k in ("minLength", "maxLength", "pattern", "format")},
-    **{k: "number" for k in (*_NUMBER_BOUNDS, "multipleOf")},
-    **{
-        k: "array"
-        for k in (
-            "items", "prefixItems", "additionalItems", "contains", "minContains", "maxContains",
-            "uniqueItems", "minItems", "maxItems", "unevaluatedItems",
-        )
-    },
-    **{
-        k: "object"
-        for k in (
-            "properties", "patternProperties", "additionalProperties", "required",
-            "propertyNames", "minProperties", "maxProperties", "dependentRequired",
-            "dependentSchemas", "dependencies", "unevaluatedProperties",
-        )
-    },
-}  # fmt: skip
 _CATEGORIES = {
     sre.CATEGORY_DIGIT: r"\d", sre.CATEGORY_NOT_DIGIT: r"\D", sre.CATEGORY_WORD: r"\w",
     sre.CATEGORY_NOT_WORD: r"\W", sre.CATEGORY_SPACE: r"\s", sre.CATEGORY_NOT_SPACE: r"\S",
@@ -69,9 +51,14 @@ def negate(
     resolve: Callable[[str], Any] | None = None,
     within: Any = None,
     proofs: Proofs | None = None,
+    known: dict[str, Any] | None = None,
 ) -> Any | None:
     """A schema valid exactly where `schema` is not, using only enforceable keywords; None if
     this module does not know one.
+
+    `known` maps (the `json_key` of) schemas that are themselves rewritten negations to the
+    schema they negate, so a double negation gives the original back instead of negating
+    the rewrite (whose patterns would be complements of complements).
 
     `resolve(ref)` returns the (normalized) subschema a local `$ref` points to, or None (e.g.
     a cycle); without it a `$ref` cannot be negated. With `within` (a schema every instance
@@ -82,15 +69,22 @@ def negate(
     which extra keys can appear; and where `within`'s items are disjoint from `items`, "some
     item is not valid" is "some item".
     """
-    return _Negation(resolve, proofs).of(schema, 0, within)
+    return _Negation(resolve, proofs, {} if known is None else known).of(schema, 0, within)
+
+
+def json_key(schema: Any) -> str:
+    """A schema's identity for `negate`'s `known`."""
+    return json.dumps(schema, sort_keys=True)
 
 
 class Proofs(Protocol):
-    """What `disjoint._Disjointness` proves about subschemas."""
+    """What `disjoint.Disjointness` proves about subschemas."""
 
     def types(self, schema: Any) -> frozenset[str]: ...
 
     def disjoint(self, a: Any, b: Any) -> bool: ...
+
+    def closed_keys(self, schema: Any) -> list[str] | None: ...
 
 
 class _Negation:
@@ -98,9 +92,11 @@ class _Negation:
         self,
         resolve: Callable[[str], Any] | None,
         proofs: Proofs | None,
+        known: dict[str, Any],
     ):
         self.resolve = resolve
         self.proofs = proofs
+        self.known = known
 
     def types(self, within: Any) -> frozenset[str]:
         return _ALL if within is None or self.proofs is None else self.proofs.types(within)
@@ -112,6 +108,8 @@ class _Negation:
             return {}
         if not isinstance(schema, dict) or depth > _MAX_DEPTH:
             return None
+        if self.known and json_key(schema) in self.known:
+            return self.known[json_key(schema)]
         if within is not None and schema == within:
             return False  # every instance in scope is valid against it
         types = self.types(within)
@@ -128,7 +126,7 @@ class _Negation:
             return parts["not"]
         alternatives = []
         if set(parts) & set(_NEIGHBOURLY):
-            extra = _extra_keys(parts, within)
+            extra = self.extra_keys(parts, depth, within)
             if extra is None:
                 return None  # these depend on their neighbours; no per-keyword negation
             alternatives += extra
@@ -173,7 +171,10 @@ class _Negation:
         if kw == "properties" and isinstance(value, dict):
             alts = []
             inner = _props(within)
+            keys = self.proofs.closed_keys(within) if self.proofs and within is not None else None
             for k, sub in value.items():
+                if keys is not None and k not in keys:
+                    continue  # no instance in scope has this key
                 neg = self.of(sub, depth + 1, inner.get(k))
                 if neg is None:
                     return None
@@ -194,7 +195,7 @@ class _Negation:
         if kw == "const":
             return _negate_values([value])
         if kw == "pattern" and isinstance(value, str):
-            other = negate_pattern(value)
+            other = negate_pattern(value) or _complement_pattern(value)
             return None if other is None else {"type": "string", "pattern": other}
         if kw == "prefixItems" and isinstance(value, list):
             return self.prefix_items(value, depth, within)
@@ -205,6 +206,31 @@ class _Negation:
             return None if target is None else self.of(target, depth + 1, within)
         return None
 
+
+    def extra_keys(self, parts: dict[str, Any], depth: int, within: Any) -> list[Any] | None:
+        """not {additionalProperties: S} (next to `properties`): some key the schema does
+        not list has a value outside S. Only known when the objects in scope are closed
+        (`within`, or each of its branches, has additionalProperties false): the candidate
+        keys are then the ones they list."""
+        if "additionalProperties" not in parts or set(parts) & {
+            "patternProperties",
+            "unevaluatedProperties",
+        }:
+            return None
+        extra = parts["additionalProperties"]
+        if extra is True or extra == {}:
+            return []
+        keys = self.proofs.closed_keys(within) if self.proofs and within is not None else None
+        if keys is None:
+            return None
+        alts = []
+        for k in [k for k in keys if k not in _props(parts)]:
+            neg = self.of(extra, depth + 1, _props(within).get(k))
+            if neg is None:
+                return None
+            if neg is not False:
+                alts.append({"type": "object", "required": [k], "properties": {k: neg}})
+        return alts
 
     def prefix_items(self, prefix: list[Any], depth: int, within: Any) -> Any | None:
         """not {prefixItems: [S0, ...]}: some item i exists and is outside Si."""
@@ -249,34 +275,10 @@ class _Negation:
 
 
 def _may_apply(kw: str, types: frozenset[str]) -> bool:
-    typ = _KEYWORD_TYPE.get(kw)
+    typ = KEYWORD_TYPE.get(kw)
     if typ is None:
         return True
     return bool(types & ({"number", "integer"} if typ == "number" else {typ}))
-
-
-def _extra_keys(parts: dict[str, Any], within: Any) -> list[Any] | None:
-    """not {additionalProperties: S} (next to `properties`): some key the schema does not list
-    has a value outside S. Only known when `within` is a closed object: the candidates are
-    then its listed keys."""
-    if "additionalProperties" not in parts or set(parts) & {
-        "patternProperties",
-        "unevaluatedProperties",
-    }:
-        return None
-    if not (isinstance(within, dict) and within.get("additionalProperties") is False):
-        return None
-    if within.get("patternProperties"):
-        return None
-    listed = _props(parts)
-    extra = parts["additionalProperties"]
-    if extra is True or extra == {}:
-        return []
-    if extra is not False:
-        return None  # would need the negation of S for every candidate key
-    return [
-        {"type": "object", "required": [k]} for k in _props(within) if k not in listed
-    ]
 
 
 def _props(schema: Any) -> dict[str, Any]:
@@ -353,6 +355,12 @@ def negate_pattern(pattern: str) -> str | None:
     if len(seq) == 2 and seq[1] == end and (other := _other_chars(seq[0])):
         return f"^$|{other}$"
     return None
+
+
+def _complement_pattern(pattern: str) -> str | None:
+    """The general case of `negate_pattern`, through an automaton (`regex_dfa`)."""
+    language = Language.of_pattern(pattern)
+    return None if language is None else language.complement().to_pattern()
 
 
 def _other_chars(item: tuple) -> str | None:

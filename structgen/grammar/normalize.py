@@ -22,6 +22,14 @@ backends can compile:
 - `propertyNames` as a `patternProperties` pattern or a list of properties.
 - draft-4 boolean `exclusiveMinimum`/`exclusiveMaximum` become the numeric form, and in
   drafts 4-7 the keywords next to a `$ref` (which those drafts ignore) are dropped.
+- more finite schemas: arrays with `uniqueItems` over a few values (`arrays.py`), bounded
+  numbers on a grid (`numbers.py`); both listed, then filtered by the whole subschema.
+- `uniqueItems` that always holds, and `contains` in short arrays (`arrays.py`).
+- patterns (`patterns.py`, through automata in `regex_dfa.py`): lookahead and inner anchors
+  rewritten away, a string schema's combined patterns as one, `not` of any pattern.
+- no-op keywords (`"additionalProperties": {}`) and a `type` that its `anyOf`/`$ref` already
+  implies are dropped; last, recursive `$ref`s with sibling keywords get merged definitions
+  of their own (`refs.py`), which llguidance otherwise refuses.
 """
 
 from __future__ import annotations
@@ -32,16 +40,24 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from structgen.grammar.disjoint import one_of_as_any_of
-from structgen.grammar.keywords import ANNOTATIONS, finite_values, resolve_ref
-from structgen.grammar.negate import Proofs, negate
-
-_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
-_SUBSCHEMA_ONE = (
-    "additionalItems", "additionalProperties", "unevaluatedItems", "unevaluatedProperties",
-    "contains", "propertyNames", "not", "if", "then", "else",
-)  # fmt: skip
+from structgen.grammar.arrays import contains_as_positions, drop_trivial_unique, unique_arrays
+from structgen.grammar.disjoint import Disjointness, expand_types, one_of_as_any_of
+from structgen.grammar.keywords import (
+    ANNOTATIONS,
+    KEYWORDS,
+    finite_values,
+    map_subschemas,
+    resolve_ref,
+    walk,
+)
+from structgen.grammar.negate import Proofs, json_key, negate
+from structgen.grammar.numbers import number_candidates
+from structgen.grammar.patterns import (
+    merge_string_patterns,
+    patterns_for_backends,
+    string_schema,
+)
+from structgen.grammar.refs import specialize_recursive_refs
 
 
 def normalize_schema(schema: Any) -> Any:
@@ -55,7 +71,8 @@ def normalize_schema(schema: Any) -> Any:
         jsonschema.Draft6Validator,
         jsonschema.Draft7Validator,
     )
-    return _Normalizer(schema, cls(schema), ref_overrides=cls in old_drafts).node(schema, 0)
+    normalized = _Normalizer(schema, cls(schema), ref_overrides=cls in old_drafts).node(schema, 0)
+    return specialize_recursive_refs(normalized)
 
 
 class _Normalizer:
@@ -65,6 +82,14 @@ class _Normalizer:
         self.ref_overrides = ref_overrides  # drafts <= 7: "$ref" makes its siblings inert
         self._resolved: dict[str, Any] = {}
         self._resolving: set[str] = set()
+        self.proofs = Disjointness(root, ref_overrides)
+        # top-level keys that "#/key/name" $refs point into, other than the known containers
+        self.ref_containers = {
+            n["$ref"].split("/")[1]
+            for n, _ in walk(root)
+            if isinstance(n.get("$ref"), str) and n["$ref"].count("/") == 2
+        } - set(KEYWORDS) - {"$defs", "definitions"}
+        self._negations: dict[str, Any] = {}  # json_key(rewritten `not X`) -> X
 
     def resolve(self, ref: str) -> Any | None:
         """The normalized subschema a local `$ref` points to (for negating it); None when it
@@ -80,33 +105,41 @@ class _Normalizer:
                 self._resolving.discard(ref)
         return self._resolved[ref]
 
+    def _target(self, ref: str) -> Any | None:
+        """What a local `$ref` points to, as written (inert `$ref` siblings dropped)."""
+        target = resolve_ref(self.root, ref)
+        if self.ref_overrides and isinstance(target, dict) and "$ref" in target:
+            target = {k: v for k, v in target.items() if k == "$ref" or k in ANNOTATIONS}
+        return target
+
     def negate(self, schema: Any, within: Any = None, proofs: Proofs | None = None) -> Any | None:
-        """`negate.negate` with this document's `$ref`s."""
-        return negate(schema, self.resolve, within, proofs)
+        """`negate.negate` with this document's `$ref`s and the negations made so far."""
+        return negate(schema, self.resolve, within, proofs, self._negations)
 
     def node(self, schema: Any, depth: int) -> Any:
         if not isinstance(schema, dict) or depth > 200:
             return schema
         if self.ref_overrides and "$ref" in schema:
             schema = {k: v for k, v in schema.items() if k == "$ref" or k in ANNOTATIONS}
+        as_pattern = string_schema(schema, self._target)
+        if as_pattern is not None:
+            return as_pattern
         values = finite_values(schema, self.root)
+        if values is None and schema.get("uniqueItems") is True:
+            values = unique_arrays(schema, self.root)
+        if values is None:
+            values = number_candidates(schema, self.root)
         if values is not None:
             return self._finite(schema, values)
-        out: dict[str, Any] = {}
-        for kw, value in schema.items():
-            if kw in _SUBSCHEMA_MAPS and isinstance(value, dict):
-                out[kw] = {k: self.node(v, depth + 1) for k, v in value.items()}
-            elif kw in _SUBSCHEMA_LISTS and isinstance(value, list):
-                out[kw] = [self.node(v, depth + 1) for v in value]
-            elif kw == "items" and isinstance(value, list):
-                out[kw] = [self.node(v, depth + 1) for v in value]
-            elif kw in _SUBSCHEMA_ONE or kw == "items":
-                out[kw] = self.node(value, depth + 1)
-            elif kw == "dependencies" and isinstance(value, dict):
-                out[kw] = {k: self.node(v, depth + 1) for k, v in value.items()}
-            else:
-                out[kw] = value
+        # definitions, and at the root any other container "#/key/name" $refs point into
+        containers = ("$defs", "definitions", *(self.ref_containers if schema is self.root else ()))
+        out = map_subschemas(schema, lambda v: self.node(v, depth + 1), containers)
         _draft4_exclusive_bounds(out)
+        patterns_for_backends(out)
+        _drop_trivial_keywords(out)
+        drop_trivial_unique(out, self.proofs.disjoint)
+        contains_as_positions(out)
+        self._drop_implied_type(out)
         if isinstance(out.get("oneOf"), list):
             self._one_of_as_any_of(out)
         _dependencies_as_any_of(out)
@@ -115,9 +148,25 @@ class _Normalizer:
         _if_then_else_as_any_of(out, self.negate)
         negated = self.negate(out["not"]) if "not" in out else None
         if negated is not None:
-            del out["not"]
+            self._negations[json_key(negated)] = out.pop("not")
             out["allOf"] = [*out.get("allOf", []), negated]
+        merge_string_patterns(out)
         return out
+
+    def _drop_implied_type(self, node: dict[str, Any]) -> None:
+        """Drop a `type` that the `anyOf` / `$ref` / ... next to it already implies:
+        llguidance merges such siblings into every branch and target, which it cannot do
+        for a recursive `$ref` ("circular references with sibling keys": WashingtonPost's
+        `{"anyOf": [{"$ref": "#/definitions/content_json"}, ...], "type": "object"}`)."""
+        declared = node.get("type")
+        if not (set(node) & {"anyOf", "oneOf", "allOf", "$ref"}) or declared is None:
+            return
+        names = [declared] if isinstance(declared, str) else declared
+        if not isinstance(names, list) or not all(isinstance(t, str) for t in names):
+            return
+        rest = {k: v for k, v in node.items() if k != "type"}
+        if self.proofs.types(rest) <= expand_types(set(names)):
+            del node["type"]
 
     def _one_of_as_any_of(self, node: dict[str, Any]) -> None:
         """`oneOf` as `anyOf` of branches that exclude each other (see `disjoint.py`)."""
@@ -127,6 +176,9 @@ class _Normalizer:
         )
         if branches is None:
             return
+        for branch in branches:
+            if isinstance(branch, dict):
+                merge_string_patterns(branch)
         del node["oneOf"]
         if "anyOf" not in node:
             node["anyOf"] = branches
@@ -171,6 +223,20 @@ def _if_then_else_as_any_of(node: dict[str, Any], negate: Callable[[Any], Any]) 
     cond, then, other = node.pop("if"), node.pop("then", True), node.pop("else", True)
     branch = [_all_of(cond, then), _all_of(neg, other)]
     node["allOf"] = [*node.get("allOf", []), {"anyOf": branch}]
+
+
+_TRIVIAL_WHEN_EMPTY = (
+    "additionalProperties", "items", "additionalItems", "unevaluatedItems",
+    "unevaluatedProperties", "propertyNames",
+)  # fmt: skip
+
+
+def _drop_trivial_keywords(node: dict[str, Any]) -> None:
+    """Keywords whose subschema is `true` / `{}` constrain nothing (`"additionalProperties":
+    {}`); dropping them leaves fewer siblings for the backends to merge."""
+    for kw in _TRIVIAL_WHEN_EMPTY:
+        if kw in node and (node[kw] is True or node[kw] == {}):
+            del node[kw]
 
 
 def _all_of(*schemas: Any) -> Any:

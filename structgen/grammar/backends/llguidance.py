@@ -35,6 +35,11 @@ JSON_OPTIONS = {
 # strict=False: best effort; ignore unimplemented keywords and treat oneOf as anyOf.
 LENIENT_OPTIONS = {**JSON_OPTIONS, "lenient": True, "coerce_one_of": True}
 ANY_TEXT_LARK = r"start: /(?s:.*)/"
+# llguidance analyses each lexeme's regex (a pattern and its length bounds together) with a
+# budget; past it, the lexeme silently matches less than it should (MaskBench Github_medium
+# 132/133: strings with pattern "^(?:\\S+\\s+){0,49}\\S+$" and maxLength 500 rejected valid
+# text). 20x the default (1M, ~20 ms of analysis) fixes those at a bounded compile cost.
+LIMITS = llguidance.LLParserLimits(initial_lexer_fuel=20_000_000)
 
 
 class LLGuidanceMatcher(GrammarMatcher):
@@ -179,7 +184,7 @@ class LLGuidanceBackend(GrammarBackend):
         grammar = self._grammar(constraint)
         # The constructor builds the lexer and parser (GIL released) and records, instead of
         # raising, any error in the grammar.
-        matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+        matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=LIMITS)
         if matcher.is_error():
             what = (
                 f"llguidance cannot compile {constraint.description}: {_clean(matcher.get_error())}"

@@ -1,0 +1,183 @@
+"""Patterns rewritten into forms the backends handle, through automata (`regex_dfa`).
+
+- Lookaround and `^`/`$` inside a pattern: neither backend implements them (llguidance
+  refuses, xgrammar ignores the anchor); where `regex_dfa` reads the pattern, it is written
+  back as the same language without them.
+- Several patterns on one string (a `pattern` and `allOf` parts that only add patterns, as
+  `oneOf` branches made exclusive get; or a string schema that combines patterns with
+  `anyOf`/`oneOf`/`not`/`$ref`): llguidance must decide whether their combination is empty
+  and sometimes cannot, xgrammar and llguidance implement no `not`; they become one pattern.
+Each rewrite keeps the schema as it is when an automaton is unsupported or too large.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from structgen.grammar.keywords import ANNOTATIONS, KEYWORD_TYPE, KEYWORDS, regex_issue
+from structgen.grammar.regex_dfa import Language, has_inner_anchor
+
+
+def patterns_for_backends(node: dict[str, Any]) -> None:
+    """Neither backend implements lookaround, nor `^`/`$` inside a pattern (`(a(,|$))+`);
+    where `regex_dfa` handles one (a leading `^(?!...)`, a trailing `(?=...)`, any anchor),
+    the pattern is rewritten as the same language without it."""
+    if isinstance(node.get("pattern"), str):
+        node["pattern"] = backend_pattern(node["pattern"])
+    patterns = node.get("patternProperties")
+    if isinstance(patterns, dict):
+        node["patternProperties"] = {backend_pattern(p): sub for p, sub in patterns.items()}
+
+
+def backend_pattern(pattern: str) -> str:
+    if not (regex_issue(pattern) or has_inner_anchor(pattern)):
+        return pattern
+    language = Language.of_pattern(pattern)
+    rewritten = language.to_pattern() if language is not None else None
+    return pattern if rewritten is None else rewritten
+
+
+def merge_string_patterns(node: dict[str, Any]) -> None:
+    """A node's `pattern` and the `allOf` parts that only add a pattern (`{"pattern": p}`,
+    `{"type": "string", "pattern": p}`) become one pattern, their intersection."""
+    parts = node.get("allOf")
+    if not isinstance(parts, list):
+        return
+    only_pattern = [i for i, part in enumerate(parts) if _pattern_only(part)]
+    own = [node["pattern"]] if isinstance(node.get("pattern"), str) else []
+    if len(only_pattern) + len(own) < 2:
+        return
+    language: Language | None = None
+    for pattern in [*own, *(parts[i]["pattern"] for i in only_pattern)]:
+        other = Language.of_pattern(pattern)
+        if other is None:
+            return
+        language = other if language is None else language.intersect(other)
+        if language is None:
+            return
+    pattern = language.to_pattern() if language is not None else None
+    if pattern is None:
+        return
+    typed = any(parts[i].get("type") == "string" for i in only_pattern)
+    rest = [part for i, part in enumerate(parts) if i not in only_pattern]
+    if typed and node.get("type") != "string":
+        rest.append({"type": "string"})  # the parts also required a string
+    node["pattern"] = pattern
+    if rest:
+        node["allOf"] = rest
+    else:
+        del node["allOf"]
+
+
+def _pattern_only(part: Any) -> bool:
+    if not isinstance(part, dict) or not isinstance(part.get("pattern"), str):
+        return False
+    live = _live(part)
+    return live == {"pattern"} or (live == {"pattern", "type"} and part["type"] == "string")
+
+
+def _live(schema: dict[str, Any]) -> set[str]:
+    """The keywords of `schema` that can fail an instance (unknown ones are annotations)."""
+    return {k for k in schema if k in KEYWORDS and k not in ANNOTATIONS}
+
+
+_STRING_KEYWORDS = frozenset(
+    {"type", "pattern", "enum", "const", "allOf", "anyOf", "oneOf", "not", "$ref", "minLength", "maxLength"}
+)
+_MAX_LENGTH_AS_PATTERN = 64
+
+
+def string_schema(schema: dict[str, Any], resolve: Callable[[str], Any]) -> dict[str, Any] | None:
+    """A string schema whose patterns are combined by `allOf`/`anyOf`/`oneOf`/`not`/`$ref`
+    as one `pattern` (the language of the combination); None when it is not such a schema
+    or an automaton is unsupported. `type: string` is required at the top: below it, a
+    `not` only has to be exact among strings. Lengths at the top stay keywords (llguidance
+    counts them better than a regex could)."""
+    if schema.get("type") != "string" or not set(schema) & {"allOf", "anyOf", "oneOf", "not", "$ref"}:
+        return None
+    if _live(schema) - _STRING_KEYWORDS:
+        return None
+    top = {k: schema[k] for k in ("minLength", "maxLength") if k in schema}
+    inner = {k: v for k, v in schema.items() if k not in top}
+    language = _string_language(inner, resolve, 0)
+    pattern = language.to_pattern() if language is not None else None
+    if pattern is None:
+        return None
+    notes = {k: v for k, v in schema.items() if k not in KEYWORDS or k in ANNOTATIONS}
+    return {**notes, "type": "string", "pattern": pattern, **top}
+
+
+def _string_language(schema: Any, resolve: Callable[[str], Any], depth: int) -> Language | None:
+    """The strings `schema` admits, as an automaton; None if unknown."""
+    if schema is True or schema == {}:
+        return Language.of_pattern("")
+    if schema is False:
+        return Language.of_strings([])
+    if not isinstance(schema, dict) or depth > 16:
+        return None
+    if {k for k in _live(schema) if KEYWORD_TYPE.get(k, "string") == "string"} - _STRING_KEYWORDS:
+        return None  # (keywords of other types are true for every string)
+    parts: list[Language | None] = []
+    declared = schema.get("type")
+    if declared is not None and declared != "string" and not (
+        isinstance(declared, list) and "string" in declared
+    ):
+        return Language.of_strings([])
+    if isinstance(schema.get("pattern"), str):
+        parts.append(Language.of_pattern(schema["pattern"]))
+    if "minLength" in schema or "maxLength" in schema:
+        low, high = schema.get("minLength", 0), schema.get("maxLength")
+        bounds = [low] if high is None else [low, high]
+        if not all(_count(b) for b in bounds) or max(bounds) > _MAX_LENGTH_AS_PATTERN:
+            return None
+        parts.append(Language.of_pattern(f"\\A[\\s\\S]{{{low},{'' if high is None else high}}}\\Z"))
+    values = schema.get("enum", [schema["const"]] if "const" in schema else None)
+    if values is not None:
+        if not isinstance(values, list):
+            return None
+        parts.append(Language.of_strings([v for v in values if isinstance(v, str)]))
+    if isinstance(schema.get("$ref"), str):
+        parts.append(_string_language(resolve(schema["$ref"]), resolve, depth + 1))
+    for part in schema.get("allOf", []) if isinstance(schema.get("allOf"), list) else []:
+        parts.append(_string_language(part, resolve, depth + 1))
+    for kw in ("anyOf", "oneOf"):
+        if isinstance(schema.get(kw), list):
+            branches = [_string_language(b, resolve, depth + 1) for b in schema[kw]]
+            parts.append(_union(branches) if kw == "anyOf" else _exactly_one(branches))
+    if "not" in schema:
+        negated = _string_language(schema["not"], resolve, depth + 1)
+        parts.append(negated.complement() if negated is not None else None)
+    language: Language | None = Language.of_pattern("")
+    for part in parts:
+        if part is None or language is None:
+            return None
+        language = language.intersect(part)
+    return language
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _union(languages: list[Language | None]) -> Language | None:
+    out: Language | None = Language.of_strings([])
+    for language in languages:
+        if language is None or out is None:
+            return None
+        both_out = out.complement().intersect(language.complement())
+        out = both_out.complement() if both_out is not None else None
+    return out
+
+
+def _exactly_one(languages: list[Language | None]) -> Language | None:
+    """Strings in exactly one of `languages`."""
+    if any(language is None for language in languages):
+        return None
+    pieces = []
+    for i, language in enumerate(languages):
+        others = _union([x for j, x in enumerate(languages) if j != i])
+        if others is None:
+            return None
+        pieces.append(language.intersect(others.complement()))
+    return _union(pieces)
