@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 BACKENDS = ("xgrammar", "llguidance")
+FALLBACK = "~fallback"  # raw results of a schema's stricter fallback: backend + FALLBACK
 SYSTEMS = ("xgrammar", "llguidance", "structgen-xgrammar", "structgen-llguidance", "structgen")
 
 
@@ -77,7 +78,7 @@ class Evaluator:
         t0 = time.perf_counter()
         try:
             constraint = Constraint("json_schema", source, description="schema")
-            grammar = self.backends[backend].compile(constraint)
+            grammar = self.backends[backend.removesuffix(FALLBACK)].compile(constraint)
         except StructgenError as e:
             out["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             return out
@@ -90,16 +91,18 @@ class Evaluator:
         return out
 
 
-def generation_source(schema: Any) -> str:
-    """The schema text structgen compiles (`to_constraint`: checked and normalized); the
-    schema as given when structgen refuses it, so the library-alone rows still see it."""
+def generation_sources(schema: Any) -> tuple[str, str | None]:
+    """The schema text structgen compiles (`to_constraint`: checked and normalized), and its
+    stricter fallback (`Constraint.fallback`) if it has one; the schema as given when
+    structgen refuses it, so the library-alone rows still see it."""
     from structgen.errors import StructgenError
     from structgen.types import JsonSchema, to_constraint
 
     try:
-        return to_constraint(JsonSchema(schema), strict=False).source
+        constraint = to_constraint(JsonSchema(schema), strict=False)
     except StructgenError:
-        return json.dumps(schema, ensure_ascii=False)
+        return json.dumps(schema, ensure_ascii=False), None
+    return constraint.source, constraint.fallback and constraint.fallback.source
 
 
 def check_instances(grammar: Any, schema: Any, tests: list[dict[str, Any]]) -> dict[str, Any]:
@@ -185,12 +188,14 @@ class Pool:
 
 
 def outcomes(schema: Any, raw: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Every system's result for one schema, from the two raw compiles.
+    """Every system's result for one schema, from the raw compiles (`raw[backend]`, and
+    `raw[backend + FALLBACK]` for the schema's stricter fallback when it has one).
 
     The structgen systems apply what the product applies before compiling: `to_constraint`
     (schema checks, and for "auto" the enforceability check) and `candidate_backends` (the
-    keyword table). "auto" then gets the first candidate whose compile succeeded, exactly as
-    `GrammarCompiler.compile` does; a candidate that timed out stops it there.
+    keyword table). They then get the first candidate whose compile succeeded, exactly as
+    `GrammarCompiler.compile` does (a candidate that timed out stops it there), and when none
+    did, the same for the fallback.
     """
     from structgen.errors import StructgenError
     from structgen.grammar import candidate_backends
@@ -199,24 +204,33 @@ def outcomes(schema: Any, raw: dict[str, dict[str, Any]]) -> dict[str, dict[str,
     def refused(e: StructgenError) -> dict[str, Any]:
         return {"compiled": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
 
+    def compile_as_product(constraint: Any, backend: str, tail: str = "") -> dict[str, Any]:
+        try:
+            order = candidate_backends(constraint, backend)
+        except StructgenError as e:
+            result = refused(e)
+        else:
+            ok = [b for b in order if raw[b + tail]["compiled"] or raw[b + tail].get("timeout")]
+            chosen = ok[0] if ok else order[-1]
+            result = {**raw[chosen + tail], "backend": chosen + tail}
+        if result["compiled"] or result.get("timeout") or constraint.fallback is None:
+            return result
+        fallback = compile_as_product(constraint.fallback, backend, FALLBACK)
+        return fallback if fallback["compiled"] or fallback.get("timeout") else result
+
     out = dict(raw)
     try:  # strict=False: the schema checks without the enforceability check
-        checked = replace(to_constraint(JsonSchema(schema), strict=False), strict=True)
+        loose = to_constraint(JsonSchema(schema), strict=False)
     except StructgenError as e:
         return {**out, **{s: refused(e) for s in SYSTEMS if s.startswith("structgen")}}
+    fallback = loose.fallback and replace(loose.fallback, strict=True)
+    checked = replace(loose, strict=True, fallback=fallback)
     for b in BACKENDS:
-        try:
-            candidate_backends(checked, b)
-            out[f"structgen-{b}"] = raw[b]
-        except StructgenError as e:
-            out[f"structgen-{b}"] = refused(e)
+        out[f"structgen-{b}"] = compile_as_product(checked, b)
     try:
-        order = candidate_backends(to_constraint(JsonSchema(schema)))
+        out["structgen"] = compile_as_product(to_constraint(JsonSchema(schema)), "auto")
     except StructgenError as e:
         out["structgen"] = refused(e)
-        return out
-    chosen = next((b for b in order if raw[b]["compiled"] or raw[b].get("timeout")), order[-1])
-    out["structgen"] = {**raw[chosen], "backend": chosen}
     return out
 
 
@@ -297,14 +311,16 @@ def run_backends(
     for cat in categories:
         entries = load_category(maskbench_dir() / f"{cat}.jsonl")
         for i, entry in enumerate(entries[: limit or None]):
-            source = generation_source(entry["schema"])
-            sha = key(source)
-            for b in BACKENDS:
+            source, fallback = generation_sources(entry["schema"])
+            variants = [(b, source) for b in BACKENDS]
+            if fallback is not None:
+                variants += [(b + FALLBACK, fallback) for b in BACKENDS]
+            for b, text in variants:
                 hit = cached.get((cat, i, b))
-                if hit is not None and hit.get("sha") == sha:
+                if hit is not None and hit.get("sha") == key(text):
                     raw[(cat, i, b)] = hit
                 else:
-                    tasks.append((cat, i, b, source))
+                    tasks.append((cat, i, b, text))
     print(f"{len(raw)} cached results, {len(tasks)} to run", file=sys.stderr, flush=True)
     t0 = time.time()
     log = cache.open("a") if cache else None
@@ -389,8 +405,9 @@ def main() -> None:
     for cat in categories:
         for i, entry in enumerate(load_category(maskbench_dir() / f"{cat}.jsonl")):
             if all((cat, i, b) in raw for b in BACKENDS):
+                names = [b + tail for b in BACKENDS for tail in ("", FALLBACK)]
                 results[(cat, i)] = outcomes(
-                    entry["schema"], {b: raw[(cat, i, b)] for b in BACKENDS}
+                    entry["schema"], {b: raw[(cat, i, b)] for b in names if (cat, i, b) in raw}
                 )
     rows = summarize(results, categories)
     for cat in [*categories, "ALL"]:

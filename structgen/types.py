@@ -93,6 +93,9 @@ class Constraint:
     source: canonical JSON-schema text / regex / grammar text ("" for text).
     syntax: "ebnf" | "lark" for grammars, "" otherwise.
     strict: JSON schemas only; False allows backends that enforce the schema partially.
+    fallback: JSON schemas only: a stricter schema (every instance valid, some valid ones
+        excluded) the compiler tries when every backend refuses `source`; see
+        `grammar.normalize.normalize_schema(tighten=True)`.
     """
 
     kind: ConstraintKind
@@ -101,6 +104,7 @@ class Constraint:
     description: str = ""
     strict: bool = True
     parser: Callable[[str], Any] | None = field(default=None, compare=False, repr=False)
+    fallback: Constraint | None = field(default=None, compare=False, repr=False)
 
     @property
     def key(self) -> tuple[str, str, bool, str]:
@@ -184,14 +188,8 @@ def _pydantic_constraint(output_type: Any, strict: bool) -> Constraint:
             "model, dataclass, TypedDict, int/float/bool/str, Literal, Enum, or JsonSchema/"
             "Regex/CFG/Choice"
         ) from e
-    generated = _generation_schema(_close_objects(schema), strict)
-    return Constraint(
-        "json_schema",
-        _canonical(generated),
-        description=f"JSON {name}",
-        strict=strict,
-        parser=adapter.validate_json,
-    )
+    generated, tightened = _generation_schema(_close_objects(schema), strict)
+    return _json_constraint(generated, tightened, f"JSON {name}", strict, adapter.validate_json)
 
 
 def _portable_typeddicts(tp: Any) -> Any:
@@ -236,18 +234,14 @@ def _json_schema_constraint(schema: dict[str, Any] | bool | str, strict: bool) -
     validator_cls = jsonschema.validators.validator_for(
         schema, default=jsonschema.Draft202012Validator
     )
-    try:
-        validator_cls.check_schema(schema)
-    except jsonschema.SchemaError as e:
-        where = "#/" + "/".join(map(str, e.path)) if e.path else "#"
-        raise InvalidConstraintError(f"invalid JSON schema at {where}: {e.message}") from e
+    _check_schema(validator_cls, schema)
     from structgen.grammar.keywords import unresolved_refs
 
     broken = unresolved_refs(schema)
     if broken:
         ref, where = broken[0]
         raise InvalidConstraintError(f"JSON schema $ref {ref!r} at {where} points nowhere")
-    generated = _generation_schema(schema, strict)
+    generated, tightened = _generation_schema(schema, strict)
     validator = validator_cls(schema)
 
     def parse(text: str) -> Any:
@@ -261,34 +255,66 @@ def _json_schema_constraint(schema: dict[str, Any] | bool | str, strict: bool) -
         return value
 
     title = schema.get("title")
+    description = f"JSON schema {title!r}" if isinstance(title, str) else "JSON schema"
+    return _json_constraint(generated, tightened, description, strict, parse)
+
+
+def _check_schema(validator_cls: Any, schema: dict[str, Any]) -> None:
+    """The metaschema check, less one rule: an `enum` listing a value twice (draft 4 forbids
+    it, later drafts only advise against it; it changes nothing, MaskBench Github_ultra 3)."""
+    meta = validator_cls(validator_cls.META_SCHEMA)
+    errors = [
+        e for e in meta.iter_errors(schema)
+        if not (e.validator == "uniqueItems" and e.path and e.path[-1] == "enum")
+    ]  # fmt: skip
+    e = jsonschema.exceptions.best_match(errors)
+    if e is not None:
+        where = "#/" + "/".join(map(str, e.path)) if e.path else "#"
+        raise InvalidConstraintError(f"invalid JSON schema at {where}: {e.message}")
+
+
+def _json_constraint(
+    generated: Any, tightened: Any, description: str, strict: bool, parse: Callable[[str], Any]
+) -> Constraint:
+    fallback = None
+    if tightened is not None:
+        fallback = _json_constraint(tightened, None, description, strict, parse)
     return Constraint(
         "json_schema",
         _canonical(generated),
-        description=f"JSON schema {title!r}" if isinstance(title, str) else "JSON schema",
+        description=description,
         strict=strict,
         parser=parse,
+        fallback=fallback,
     )
 
 
-def _generation_schema(schema: dict[str, Any], strict: bool) -> dict[str, Any]:
-    """The equivalent schema the grammar is compiled from (see `grammar.normalize`); fails
-    now, naming keyword and path, if no grammar backend enforces all of it."""
+def _generation_schema(schema: dict[str, Any], strict: bool) -> tuple[Any, Any | None]:
+    """The equivalent schema the grammar is compiled from (see `grammar.normalize`), and a
+    stricter one for when the backends refuse it (None if there is none); fails now, naming
+    keyword and path, if no grammar backend enforces all of either.
+
+    The compiler tries the exact one first: llguidance may prove an overlapping `oneOf`
+    disjoint where `disjoint.py` could not."""
     # Imported here: the grammar package is pure Python at import time, but callers that only
     # build constraints (the remote client) need not load it.
     from structgen.grammar.compiler import BACKENDS, unsupported_schema_error
     from structgen.grammar.keywords import find_issues
-    from structgen.grammar.normalize import normalize_schema
+    from structgen.grammar.normalize import normalize_exact, normalize_schema, surely_empty
 
-    generated = normalize_schema(schema)
+    generated, inexact = normalize_exact(schema)
+    tightened = normalize_schema(schema, tighten=True) if inexact else None
     if generated is False:
         raise InvalidConstraintError(
             "the JSON schema admits no value at all, so nothing can be generated"
         )
-    if strict:
-        issues = {b: find_issues(generated, b) for b in BACKENDS}
-        if all(issues.values()):
+    if tightened is not None and surely_empty(tightened):
+        tightened = None  # tightening lost everything: refuse rather than generate nothing
+    issues = {b: find_issues(generated, b) for b in BACKENDS}
+    if strict and all(issues.values()):
+        if tightened is None or all(find_issues(tightened, b) for b in BACKENDS):
             raise unsupported_schema_error(issues)
-    return generated
+    return generated, tightened
 
 
 def _close_objects(schema: Any) -> Any:

@@ -264,7 +264,7 @@ def test_rewrite_is_enforced_and_exact(grammar_compiler, name, schema, probes):
 
 
 def test_unknown_negations_are_left_alone():
-    # "an item that is not a string" has no keyword: the oneOf stays, and is refused
+    # "an item that is not a string" has no keyword: the oneOf stays in the exact rewrite
     schema = {
         "type": "object",
         "oneOf": [
@@ -277,6 +277,101 @@ def test_unknown_negations_are_left_alone():
     # propertyNames other than a pattern or an enum stays, and so does what stood next to it
     names = {"type": "object", "propertyNames": {"maxLength": 2}, "patternProperties": {".*": {"type": "integer"}}}
     assert normalize_schema(names) == names
+
+
+TIGHTENED = [
+    (  # Snowplow 191 (auth): open objects that may overlap; "not an integer" has no keyword
+        {
+            "type": "object",
+            "properties": {"auth": {"oneOf": [
+                {"type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]},
+                {"type": "object", "properties": {"secs": {"type": "integer", "minimum": 900}},
+                 "required": ["secs"]},
+                {"type": "null"},
+            ]}},
+            "required": ["auth"],
+        },
+        [{"auth": None}, {"auth": {"key": "k"}}, {"auth": {"secs": 900}}],  # kept
+        [{"auth": {"key": "k", "secs": 1000.5}}],  # valid, lost: secs is a non-integer number
+        [{"auth": {"key": "k", "secs": 900}}, {"auth": {}}, {"auth": 1}],  # invalid
+    ),
+    (  # an item that is not a string has no keyword; "a is not an array" is kept
+        {
+            "type": "object",
+            "oneOf": [
+                {"properties": {"a": {"type": "array", "items": {"type": "string"}}}},
+                {"required": ["b"]},
+            ],
+        },
+        [{"a": ["x"]}, {}, {"b": 1, "a": "s"}],
+        [{"b": 1, "a": [1]}],
+        [{"b": 1}, {"a": ["x"], "b": 1}, {"a": [1]}],
+    ),
+    (  # if/then/else with an unknown "not if": then-and-else instances are kept too
+        {
+            "type": "object",
+            "if": {"properties": {"n": {"type": "integer"}}, "required": ["n"]},
+            "then": {"required": ["i"]},
+            "else": {"required": ["e"]},
+        },
+        [{"n": 1, "i": 0}, {"i": 0, "e": 0}, {"e": 0}, {"n": "x", "e": 0}],
+        [{"n": 1.5, "e": 0}],
+        [{"n": 1}, {"n": 1, "e": 0}, {}],
+    ),
+]
+
+
+@pytest.mark.parametrize("schema, kept, lost, invalid", TIGHTENED)
+def test_unknown_negations_fall_back_to_a_stricter_schema(
+    grammar_compiler, schema, kept, lost, invalid
+):
+    """Where an exact rewrite needs a negation `negate` does not know, the constraint carries
+    a stricter fallback (a subset of the needed negation) that the compiler uses when every
+    backend refuses the exact one: every output stays valid, some valid ones are lost."""
+    constraint = to_constraint(JsonSchema(schema))
+    assert constraint.fallback is not None
+    grammar = grammar_compiler.compile(constraint)
+    assert grammar.constraint.source == constraint.fallback.source
+    validator = jsonschema.Draft202012Validator(schema)
+    rewritten = json.loads(grammar.constraint.source)
+    for values, accepted in ((kept, True), (lost, False), (invalid, False)):
+        for value in values:
+            assert validator.is_valid(value) == (values is not invalid), value
+            assert grammar.accepts(dump_json(value, rewritten)) == accepted, value
+
+
+def test_exact_rewrite_is_tried_before_the_fallback(grammar_compiler):
+    """llguidance proves some `oneOf` disjoint where `disjoint.py` cannot (Github_ultra 25:
+    tightening it instead grew the schema past llguidance's size limit)."""
+    from structgen.types import Constraint
+
+    stricter = Constraint("json_schema", json.dumps({"type": "string"}))
+    exact = json.dumps({"oneOf": [{"type": "string"}, {"type": "integer"}]})  # left as is
+    grammar = grammar_compiler.compile(Constraint("json_schema", exact, fallback=stricter))
+    assert grammar.backend == "llguidance" and grammar.accepts("5") and grammar.accepts('"s"')
+
+
+def test_not_property_names_is_some_named_key(grammar_compiler):
+    """Handwritten 32 / 86: `not {propertyNames: not {enum}}` is "one of these keys is there"."""
+    schema = {"type": "object", "not": {"propertyNames": {"not": {"enum": ["1", "3"]}}}}
+    constraint = to_constraint(JsonSchema(schema))
+    assert constraint.fallback is None  # exact
+    grammar = grammar_compiler.compile(constraint)
+    for value in ({"1": 0}, {"3": 0, "x": 1}, {"x": 1}, {}):
+        expected = jsonschema.Draft202012Validator(schema).is_valid(value)
+        assert grammar.accepts(dump_json(value, json.loads(constraint.source))) == expected
+
+
+def test_auto_prefers_llguidance_where_xgrammar_drops_escapes(grammar_compiler):
+    """Github_hard 242: xgrammar allows no escape sequence in a length-bounded string."""
+    schema = {"type": "object", "properties": {"html": {"type": "string", "minLength": 1}}}
+    constraint = to_constraint(JsonSchema(schema))
+    assert candidate_backends(constraint) == ["llguidance", "xgrammar"]
+    text = dump_json({"html": '<a href="x">\n</a>'}, schema)
+    assert grammar_compiler.compile(constraint).accepts(text)
+    assert not grammar_compiler.compile(constraint, backend="xgrammar").accepts(text)
+    plain = to_constraint(JsonSchema({"type": "array", "items": {"type": "string"}}))
+    assert candidate_backends(plain)[0] == "xgrammar"
 
 
 def test_xgrammar_is_not_used_for_searched_patterns(grammar_compiler):

@@ -202,6 +202,9 @@ def test_json_schema_errors_name_the_problem():
         to_constraint(JsonSchema({"allOf": [{"const": 1}, {"const": 2}]}))
     with pytest.raises(InvalidConstraintError):
         to_constraint(JsonSchema(["not", "a", "schema"]))
+    # a value listed twice in an enum is harmless (draft 4 forbids it; Github_ultra 3 does it)
+    draft4 = {"$schema": "http://json-schema.org/draft-04/schema#", "enum": ["GB", "AF", "GB"]}
+    assert json.loads(to_constraint(JsonSchema(draft4)).source)["enum"] == ["GB", "AF"]
 
 
 def test_unenforceable_schema_names_keyword_and_path():

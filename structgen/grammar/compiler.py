@@ -9,6 +9,7 @@ request.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 from collections import OrderedDict
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
     from structgen.types import Constraint
 
 BACKENDS = ("xgrammar", "llguidance")  # preference order for "auto"
+log = logging.getLogger("structgen")
 
 
 class GrammarCompiler:
@@ -67,18 +69,33 @@ class GrammarCompiler:
         """The compiled grammar for `constraint` (from the cache when seen before).
 
         Raises `UnsupportedSchemaError` when no allowed backend enforces every keyword of a
-        JSON schema (unless the constraint was made with strict=False), and
+        JSON schema (unless the constraint was made with strict=False) nor of its stricter
+        `fallback`, and
         `InvalidConstraintError` for malformed regexes and grammars.
         """
         name = backend or self.backend
         hit = self._cached((constraint.key, name))
         if hit is not None:
             return hit
-        candidates = candidate_backends(constraint, name)
-        # "auto" and an explicit backend share what either compiled
-        compiled = next(filter(None, (self._cached((constraint.key, b)) for b in candidates)), None)
-        if compiled is None:
-            compiled = self._compile(constraint, candidates)
+        try:
+            candidates = candidate_backends(constraint, name)
+            # "auto" and an explicit backend share what either compiled
+            compiled = next(
+                filter(None, (self._cached((constraint.key, b)) for b in candidates)), None
+            )
+            if compiled is None:
+                compiled = self._compile(constraint, candidates)
+        except UnsupportedSchemaError as refused:
+            if constraint.fallback is None:
+                raise
+            try:  # the stricter schema (see `Constraint.fallback`)
+                compiled = self.compile(constraint.fallback, backend)
+            except StructgenError:
+                raise refused from None
+            log.warning(
+                "%s: %s; compiled a stricter equivalent instead (every output valid, some "
+                "valid outputs excluded)", constraint.description, refused,
+            )  # fmt: skip
         with self._lock:  # two threads may compile the same key; either result is fine
             self._cache[(constraint.key, name)] = compiled
             self._cache[(constraint.key, compiled.backend)] = compiled
@@ -135,8 +152,8 @@ def candidate_backends(constraint: Constraint, backend: str = "auto") -> list[st
     """The backends `GrammarCompiler.compile` tries for `constraint`, in order: for JSON
     schemas, those that enforce every keyword (see `keywords`), so "auto" never falls back to
     one that would silently ignore a keyword; xgrammar (fastest masks) first, unless its
-    compile would be slow for this schema (`keywords.xgrammar_compile_cost`). Needs no
-    tokenizer.
+    compile would be slow for this schema (`keywords.xgrammar_compile_cost`) or its grammar
+    stricter than the schema (`keywords.xgrammar_narrows`). Needs no tokenizer.
 
     Raises `UnsupportedSchemaError` when none qualifies (strict constraints only).
     """
@@ -151,8 +168,11 @@ def candidate_backends(constraint: Constraint, backend: str = "auto") -> list[st
         ok = [b for b in allowed if not issues[b]]
         if not ok:
             raise unsupported_schema_error(issues)
-        if backend == "auto" and ok[0] == "xgrammar" and keywords.xgrammar_compile_cost(schema):
-            ok.reverse()  # both enforce it; llguidance compiles in ms where xgrammar takes s
+        if backend == "auto" and ok[0] == "xgrammar" and (
+            keywords.xgrammar_compile_cost(schema) or keywords.xgrammar_narrows(schema)
+        ):
+            ok.reverse()  # both enforce it; llguidance compiles in ms where xgrammar takes
+            # seconds, or admits strings xgrammar does not
         return ok
     if kind == "regex" and keywords.regex_issue(constraint.source) and "xgrammar" in allowed:
         if backend == "xgrammar":

@@ -350,6 +350,20 @@ def xgrammar_compile_cost(schema: Any) -> str | None:
 _LONG_REPEAT = 32
 
 
+def xgrammar_narrows(schema: Any) -> str | None:
+    """Where xgrammar's grammar for `schema` is stricter than the schema, if it is: a string
+    with `minLength` / `maxLength` (and no `pattern`, which xgrammar prefers over them) gets
+    no escape sequences, so `"a \\"b\\""` or a newline is refused there (xgrammar 0.1.x;
+    MaskBench Github_hard 242: an HTML snippet in a `minLength: 1` string). Still sound,
+    so not an issue for `find_issues`; "auto" then tries llguidance first."""
+    for node, path in walk(schema):
+        if "pattern" in node or node.get("type") not in ("string", ["string"]):
+            continue
+        if any(isinstance(node.get(kw), int) for kw in ("minLength", "maxLength")):
+            return f"length-bounded string at {path}"
+    return None
+
+
 def strip_annotation_formats(schema: Any) -> Any:
     """A copy of `schema` without `format` values outside the JSON-Schema spec (annotations
     such as "int32" that llguidance would refuse). Walks every position, $defs included."""

@@ -52,6 +52,7 @@ def negate(
     within: Any = None,
     proofs: Proofs | None = None,
     known: dict[str, Any] | None = None,
+    subset: bool = False,
 ) -> Any | None:
     """A schema valid exactly where `schema` is not, using only enforceable keywords; None if
     this module does not know one.
@@ -68,8 +69,15 @@ def negate(
     negation is empty there; an object `within` closes (additionalProperties false) bounds
     which extra keys can appear; and where `within`'s items are disjoint from `items`, "some
     item is not valid" is "some item".
+
+    With `subset`, a part whose negation is unknown is left out instead of failing the whole:
+    the result is then a subset of the negation (`false` at worst), never None. Used next to
+    a branch, a subset of "not B" makes a stricter schema, not a looser one: generation
+    stays valid, at the price of some valid instances (the normalizer uses it only where the
+    exact rewrite is unknown, which would otherwise refuse the schema).
     """
-    return _Negation(resolve, proofs, {} if known is None else known).of(schema, 0, within)
+    negation = _Negation(resolve, proofs, {} if known is None else known, subset)
+    return negation.of(schema, 0, within)
 
 
 def json_key(schema: Any) -> str:
@@ -93,10 +101,16 @@ class _Negation:
         resolve: Callable[[str], Any] | None,
         proofs: Proofs | None,
         known: dict[str, Any],
+        subset: bool = False,
     ):
         self.resolve = resolve
         self.proofs = proofs
         self.known = known
+        self.subset = subset
+
+    def unknown(self) -> Any | None:
+        """What an unknown negation stands for: None (exact mode), or its empty subset."""
+        return False if self.subset else None
 
     def types(self, within: Any) -> frozenset[str]:
         return _ALL if within is None or self.proofs is None else self.proofs.types(within)
@@ -107,7 +121,7 @@ class _Negation:
         if schema is False:
             return {}
         if not isinstance(schema, dict) or depth > _MAX_DEPTH:
-            return None
+            return self.unknown()
         if self.known and json_key(schema) in self.known:
             return self.known[json_key(schema)]
         if within is not None and schema == within:
@@ -127,21 +141,23 @@ class _Negation:
         alternatives = []
         if set(parts) & set(_NEIGHBOURLY):
             extra = self.extra_keys(parts, depth, within)
-            if extra is None:
+            if extra is None and not self.subset:
                 return None  # these depend on their neighbours; no per-keyword negation
-            alternatives += extra
+            alternatives += extra or []
         if isinstance(parts.get("prefixItems"), list) and "items" in parts:
             # `items` then counts from the end of prefixItems: false is "no more items"
             tail = parts.pop("items")
             if tail is False:
                 alternatives.append({"type": "array", "minItems": len(parts["prefixItems"]) + 1})
-            elif tail is not True and tail != {}:
+            elif tail is not True and tail != {} and not self.subset:
                 return None
         for kw, value in parts.items():
             if kw in _NEIGHBOURLY:
                 continue
             alt = self.keyword(kw, value, depth, within)
             if alt is None:
+                if self.subset:
+                    continue
                 return None
             if alt == {}:
                 return {}
@@ -155,7 +171,10 @@ class _Negation:
         """not {kw: value}. Keywords that only constrain one type are vacuously true for other
         types, so their negation is of that type."""
         if kw == "type":
-            return _negate_type(value, self.types(within))
+            neg = _negate_type(value, self.types(within))
+            if neg is None and self.subset:  # all but "a number that is not an integer"
+                neg = _negate_type(value, self.types(within) - {"number"})
+            return neg
         if kw == "required" and isinstance(value, list):
             if not value:
                 return False
@@ -187,7 +206,12 @@ class _Negation:
             negs = [self.of(v, depth + 1, within) for v in value]
             if any(n is None for n in negs):
                 return None
-            return {"allOf" if kw == "anyOf" else "anyOf": negs}
+            if kw == "anyOf" and False in negs:
+                return False
+            negs = [n for n in negs if n is not False]
+            if not negs:
+                return False
+            return negs[0] if len(negs) == 1 else {"allOf" if kw == "anyOf" else "anyOf": negs}
         if kw == "not":
             return value
         if kw == "enum" and isinstance(value, list):
@@ -197,6 +221,12 @@ class _Negation:
         if kw == "pattern" and isinstance(value, str):
             other = negate_pattern(value) or _complement_pattern(value)
             return None if other is None else {"type": "string", "pattern": other}
+        if kw == "propertyNames":
+            if isinstance(value, dict) and list(value) == ["allOf"] and len(value["allOf"]) == 1:
+                value = value["allOf"][0]  # the normalizer's form of a rewritten `not`
+            if isinstance(value, dict) and json_key(value) in self.known:
+                value = {"not": self.known[json_key(value)]}
+            return _negate_property_names(value)
         if kw == "prefixItems" and isinstance(value, list):
             return self.prefix_items(value, depth, within)
         if kw == "items" and isinstance(value, (dict, bool)):
@@ -272,6 +302,23 @@ class _Negation:
         if not alts:
             return False
         return alts[0] if len(alts) == 1 else {"anyOf": alts}
+
+
+def _negate_property_names(names: Any) -> Any | None:
+    """not {propertyNames: S}: some key is outside S. Known when that leaves any key (S is
+    false) or a few named keys (S is `not` of an enum/const of strings)."""
+    if names is False:
+        return {"type": "object", "minProperties": 1}
+    inner = names.get("not") if isinstance(names, dict) and len(names) == 1 else None
+    if not isinstance(inner, dict) or not set(inner) <= {"enum", "const", "type"}:
+        return None
+    keys = inner["enum"] if "enum" in inner else [inner["const"]] if "const" in inner else None
+    if not isinstance(keys, list) or not keys or not all(isinstance(k, str) for k in keys):
+        return None
+    if inner.get("type", "string") not in ("string", ["string"]):
+        return None
+    some = [{"type": "object", "required": [k]} for k in dict.fromkeys(keys)]
+    return some[0] if len(some) == 1 else {"anyOf": some}
 
 
 def _may_apply(kw: str, types: frozenset[str]) -> bool:

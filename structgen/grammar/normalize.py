@@ -2,7 +2,10 @@
 
 Every rewrite here keeps the set of valid instances exactly the same (outputs are still
 validated against the user's original schema); it only moves the schema into the subset the
-backends can compile:
+backends can compile. The one exception is asked for: `tighten=True` (the compiler's fallback
+when every backend refuses the exact rewrite) gives a `not` / `if` / overlapping `oneOf`
+whose needed negation is unknown a subset of that negation instead, so the schema gets
+stricter (never looser) rather than refused. The rewrites:
 
 - finite schemas: a subschema with `enum`/`const` (directly or in an `allOf` part) admits at
   most those values, so it becomes `{"enum": [the values that pass the whole subschema]}`.
@@ -35,6 +38,8 @@ backends can compile:
 from __future__ import annotations
 
 import itertools
+import json
+import logging
 import math
 import re
 from collections.abc import Callable
@@ -59,9 +64,27 @@ from structgen.grammar.patterns import (
 )
 from structgen.grammar.refs import specialize_recursive_refs
 
+log = logging.getLogger("structgen.grammar")
 
-def normalize_schema(schema: Any) -> Any:
-    """An equivalent schema the backends can enforce more of (see module doc)."""
+
+def normalize_schema(schema: Any, *, tighten: bool = False) -> Any:
+    """An equivalent schema the backends can enforce more of (see module doc).
+
+    With `tighten`, a `not` / `if` / overlapping `oneOf` whose exact rewrite is unknown gets
+    a stricter one (a subset of the negation it needs, `negate(subset=True)`): every instance
+    of the result is valid, some valid ones are lost. Callers use it only where the exact
+    schema is refused (`normalize_exact` says whether it would change anything)."""
+    return _normalize(schema, tighten)[0]
+
+
+def normalize_exact(schema: Any) -> tuple[Any, bool]:
+    """`normalize_schema(schema)`, and whether it met a negation it does not know (so that
+    `normalize_schema(schema, tighten=True)` differs)."""
+    normalized, unknown = _normalize(schema, False)
+    return normalized, unknown > 0
+
+
+def _normalize(schema: Any, tighten: bool) -> tuple[Any, int]:
     import jsonschema
 
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
@@ -71,12 +94,28 @@ def normalize_schema(schema: Any) -> Any:
         jsonschema.Draft6Validator,
         jsonschema.Draft7Validator,
     )
-    normalized = _Normalizer(schema, cls(schema), ref_overrides=cls in old_drafts).node(schema, 0)
-    return specialize_recursive_refs(normalized)
+    normalizer = _Normalizer(schema, cls(schema), cls in old_drafts, tighten)
+    normalized = normalizer.node(schema, 0)
+    return specialize_recursive_refs(normalized), normalizer.unknown
+
+
+def surely_empty(schema: Any) -> bool:
+    """Does `schema` obviously admit nothing (`false`, or an `allOf` part / every `anyOf`
+    branch that does)? Tightening can come to that; a backend would then refuse it with an
+    error that no longer names the keyword at fault."""
+    if schema is False:
+        return True
+    if not isinstance(schema, dict):
+        return False
+    parts = schema.get("allOf")
+    if isinstance(parts, list) and any(surely_empty(p) for p in parts):
+        return True
+    branches = schema.get("anyOf")
+    return isinstance(branches, list) and all(surely_empty(b) for b in branches)
 
 
 class _Normalizer:
-    def __init__(self, root: Any, validator: Any, ref_overrides: bool):
+    def __init__(self, root: Any, validator: Any, ref_overrides: bool, tighten: bool = False):
         self.root = root
         self.validator = validator  # resolves $refs against the original document
         self.ref_overrides = ref_overrides  # drafts <= 7: "$ref" makes its siblings inert
@@ -90,6 +129,8 @@ class _Normalizer:
             if isinstance(n.get("$ref"), str) and n["$ref"].count("/") == 2
         } - set(KEYWORDS) - {"$defs", "definitions"}
         self._negations: dict[str, Any] = {}  # json_key(rewritten `not X`) -> X
+        self.tighten = tighten
+        self.unknown = 0  # negations needed and not known exactly
 
     def resolve(self, ref: str) -> Any | None:
         """The normalized subschema a local `$ref` points to (for negating it); None when it
@@ -115,6 +156,17 @@ class _Normalizer:
     def negate(self, schema: Any, within: Any = None, proofs: Proofs | None = None) -> Any | None:
         """`negate.negate` with this document's `$ref`s and the negations made so far."""
         return negate(schema, self.resolve, within, proofs, self._negations)
+
+    def negate_subset(
+        self, schema: Any, within: Any = None, proofs: Proofs | None = None
+    ) -> Any | None:
+        """Where `negate` has no answer: a subset of the negation when tightening (logged),
+        None otherwise; either way the miss is counted."""
+        self.unknown += 1
+        if not self.tighten:
+            return None
+        log.info("tightened: no exact negation of %s", json.dumps(schema)[:200])
+        return negate(schema, self.resolve, within, proofs, self._negations, subset=True)
 
     def node(self, schema: Any, depth: int) -> Any:
         if not isinstance(schema, dict) or depth > 200:
@@ -145,11 +197,16 @@ class _Normalizer:
         _dependencies_as_any_of(out)
         _property_counts_as_keys(out)
         _property_names_as_keys(out)
-        _if_then_else_as_any_of(out, self.negate)
-        negated = self.negate(out["not"]) if "not" in out else None
-        if negated is not None:
-            self._negations[json_key(negated)] = out.pop("not")
-            out["allOf"] = [*out.get("allOf", []), negated]
+        _if_then_else_as_any_of(out, self.negate, self.negate_subset)
+        if "not" in out:
+            negated = self.negate(out["not"])
+            if negated is not None:
+                self._negations[json_key(negated)] = out["not"]
+            else:  # (a subset: a double negation of it must not give the original back)
+                negated = self.negate_subset(out["not"])
+            if negated is not None:
+                del out["not"]
+                out["allOf"] = [*out.get("allOf", []), negated]
         merge_string_patterns(out)
         return out
 
@@ -171,9 +228,10 @@ class _Normalizer:
     def _one_of_as_any_of(self, node: dict[str, Any]) -> None:
         """`oneOf` as `anyOf` of branches that exclude each other (see `disjoint.py`)."""
         parent = {k: v for k, v in node.items() if k != "oneOf"}
-        branches = one_of_as_any_of(
-            node["oneOf"], parent, self.root, self.ref_overrides, self.negate
-        )
+        args = (node["oneOf"], parent, self.root, self.ref_overrides)
+        branches = one_of_as_any_of(*args, self.negate)
+        if branches is None:
+            branches = one_of_as_any_of(*args, self.negate_subset)
         if branches is None:
             return
         for branch in branches:
@@ -210,19 +268,27 @@ class _Normalizer:
         return {**keep, "anyOf": alternatives}
 
 
-def _if_then_else_as_any_of(node: dict[str, Any], negate: Callable[[Any], Any]) -> None:
-    """`if I then T else E` is `anyOf: [allOf [I, T], allOf [not I, E]]` when `not I` has
-    keywords; `then`/`else` without `if` do nothing and are dropped."""
+def _if_then_else_as_any_of(
+    node: dict[str, Any], negate: Callable[[Any], Any], negate_subset: Callable[[Any], Any]
+) -> None:
+    """`if I then T else E` is `anyOf: [allOf [I, T], allOf [not I, E]]`; `then`/`else`
+    without `if` do nothing and are dropped. Where `not I` is unknown, a subset of it, plus
+    `allOf [T, E]` (valid whichever way I goes), which keeps most of what is lost."""
     if "if" not in node:
         node.pop("then", None)
         node.pop("else", None)
         return
     neg = negate(node["if"])
-    if neg is None:
-        return
+    exact = neg is not None
+    if not exact:
+        neg = negate_subset(node["if"])
+        if neg is None:
+            return
     cond, then, other = node.pop("if"), node.pop("then", True), node.pop("else", True)
-    branch = [_all_of(cond, then), _all_of(neg, other)]
-    node["allOf"] = [*node.get("allOf", []), {"anyOf": branch}]
+    branch = [_all_of(cond, then)] + ([] if neg is False else [_all_of(neg, other)])
+    if not exact:
+        branch.append(_all_of(then, other))
+    node["allOf"] = [*node.get("allOf", []), {"anyOf": _dedupe(branch)}]
 
 
 _TRIVIAL_WHEN_EMPTY = (
@@ -392,8 +458,6 @@ def _literal_schema(value: Any) -> Any:
 
 
 def _dedupe(values: list[Any]) -> list[Any]:
-    import json
-
     seen, out = set(), []
     for v in values:
         key = json.dumps(v, sort_keys=True)
