@@ -8,7 +8,9 @@ Triton kernel in `kernels/decode_attention.py` when available.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -80,6 +82,23 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch:
     stale = (torch.arange(batch.max_ctx, device=q.device)[None, :] >= batch.context_lens[:, None])[:, :, None, None]
     k = k.masked_fill_(stale, 0.0).transpose(1, 2)  # [B, kv_heads, ctx, D]
     v = v.masked_fill_(stale, 0.0).transpose(1, 2)
-    out = F.scaled_dot_product_attention(qp, k, v, attn_mask=batch.mask, enable_gqa=heads != k.shape[1])
+    with _no_cudnn_attention(q.is_cuda):
+        out = F.scaled_dot_product_attention(
+            qp, k, v, attn_mask=batch.mask, enable_gqa=heads != k.shape[1]
+        )
     out = out.transpose(1, 2).reshape(b * batch.max_q, heads, dim)
     return out if batch.max_q == 1 and n == b else out[batch.pad_index]
+
+
+def _no_cudnn_attention(cuda: bool) -> Any:
+    """Keep SDPA off its cuDNN backend (the one it picks for a masked prefill on H100 with
+    torch 2.11): cuDNN builds a graph for every new query/key length, 60-130 ms of host time
+    (1 s for the first ones) measured on the lent H100, i.e. on nearly every new prompt. The
+    efficient-attention and math backends need no per-shape build."""
+    if not cuda:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(
+        [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    )
