@@ -160,3 +160,37 @@ def test_decodes_plainly_predicts_jumps_and_stops_without_moving_the_grammar(eng
     for t in head:
         assert later.matcher.accept_token(t)
     assert engine._decodes_plainly([later], [colon])
+
+
+def test_decodes_plainly_expects_a_lone_extendable_token_to_be_held_back(engine, tokenizer):
+    """After `"a",` in an array of strings the grammar forces ` "`, one token that longer
+    ones extend (` "(`): the jump-forward hook holds it back whole, so the check that gates
+    the pre-launched forward predicts a plain decode, and the hook indeed declines."""
+    from structgen.grammar import GrammarCompiler
+    from structgen.grammar.jump_forward import JumpForward
+    from structgen.types import JsonSchema, to_constraint
+
+    schema = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"}}},
+              "required": ["tags"], "additionalProperties": False}
+    compiler = GrammarCompiler(tokenizer, engine.vocab_size, sorted(engine.stop_token_ids))
+    grammar = compiler.compile(to_constraint(JsonSchema(schema)))
+    req = Request(ids(tokenizer, "Tags as JSON."), SamplingParams(max_tokens=40), grammar.matcher(),
+                  frozenset(engine.stop_token_ids))
+    req.jump_forward = True
+    *head, comma = tokenizer.encode('{"tags": ["a",', add_special_tokens=False)
+    for t in head:
+        assert req.matcher.accept_token(t)
+    hook, previous = JumpForward(tokenizer, engine.vocab_size, engine.stop_token_ids), engine.jump_forward_hook
+    engine.jump_forward_hook = None
+    assert not engine._decodes_plainly([req], [comma])  # no hook: any forced text vetoes
+    engine.jump_forward_hook = hook
+    try:
+        assert engine._decodes_plainly([req], [comma])
+        assert req.matcher.accept_token(comma) and req.matcher.jump_forward_string() == ' "'
+        assert hook.holds_back(' "') and not hook.holds_back(', "name": ')
+        req.token_ids.extend([*head, comma])  # the hook re-encodes the request's tail
+        before = list(req.token_ids)
+        hook(engine, req)
+        assert req.token_ids == before  # declined: nothing appended
+    finally:
+        engine.jump_forward_hook = previous

@@ -187,6 +187,7 @@ class Engine:
         """Will the next step be one plain decode row per request, each feeding back its token?
         Not if a request stops, hits max_tokens, or its grammar forces text after the token
         (a jump). Peeks with accept + rollback, ~10 us a row; a wrong guess only costs time."""
+        held = getattr(self.jump_forward_hook, "holds_back", None)
         try:
             for req, tok in zip(reqs, tokens, strict=True):
                 if tok in req.stop_token_ids or req.num_output + 1 >= req.params.max_tokens:
@@ -200,8 +201,10 @@ class Engine:
                     if m.is_terminated() or m.is_completed():
                         return False
                     forced = m.jump_forward_string()
-                    if forced and not forced.isspace():  # a lone forced space is held back (` "`
-                        return False  # and ` 4` extend it), so no jump follows
+                    # a lone forced space, or one token longer ones extend (` "`), is held
+                    # back by the hook (` "(` and ` 4` extend them), so no jump follows
+                    if forced and not forced.isspace() and not (held and held(forced)):
+                        return False
                 finally:
                     m.rollback(1)
         except Exception:  # the step's own advance reports grammar failures
