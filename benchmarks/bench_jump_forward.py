@@ -14,6 +14,7 @@ Two ways to pick the tokens:
 
     python -m benchmarks.bench_jump_forward                          # model + replay, batches 1,16
     python -m benchmarks.bench_jump_forward --modes replay --weights random --tokenizer-dir DIR
+    python -m benchmarks.bench_jump_forward --modes replay --weights random --shape llama-8b --tokenizer-dir DIR
 """
 
 from __future__ import annotations
@@ -23,13 +24,13 @@ import json
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmarks.common import print_table, write_results
+from benchmarks.common import model_config, print_table, write_results
 from structgen import LLM, JsonSchema
 from structgen.engine.config import EngineConfig, ModelConfig
 from structgen.engine.engine import Engine
@@ -51,6 +52,7 @@ class Case:
     schema: dict
     prompt_ids: list[int]
     target: str  # the valid instance in the grammar's format (replay mode)
+    next_tokens: dict[int, list[int]] = field(default_factory=dict)  # replay: byte offset -> next token
 
 
 # -- workload -------------------------------------------------------------------------------------
@@ -92,29 +94,34 @@ def load_cases(
 class ReplayMatcher(GrammarMatcher):
     """The real grammar matcher, with its mask narrowed to the next token of a known output.
 
-    The real mask is still computed (its cost is part of a step) and the jump-forward hook
-    reads the real one through `inner`, so forced text and held-back tokens are decided by
-    the grammar, not by the replayed text."""
+    The real mask is still computed (its cost is part of a step; `batch_replay_fills` batches
+    it like the engine's own rows) and the jump-forward hook reads the real one through
+    `inner`, so forced text and held-back tokens are decided by the grammar, not by the
+    replayed text."""
 
     backend = "replay"
 
-    def __init__(self, inner: GrammarMatcher, target: bytes, vocab: VocabBytes, tokenizer: Any, stop_ids: list[int]):
-        self.inner, self.target, self.vocab, self.tokenizer, self.stop_ids = inner, target, vocab, tokenizer, stop_ids
+    def __init__(self, inner: GrammarMatcher, case: Case, vocab: VocabBytes, tokenizer: Any, stop_ids: list[int]):
+        self.inner, self.target, self.vocab, self.tokenizer, self.stop_ids = inner, case.target.encode(), vocab, tokenizer, stop_ids
+        self.cache = case.next_tokens
         self.history: list[int] = []
         self.offset = 0
 
     def next_token(self) -> list[int]:
-        """The first token of the remaining text. Encoding a 64-byte window gives the same
+        """The first token of the remaining text, cached per offset (harness time, not the
+        engine's: the warm-up runs fill the cache). Encoding a 64-byte window gives the same
         first token as encoding it all unless that token nearly fills the window; the whole
-        rest is encoded only then (encoding it every step would cost the harness ~0.3 ms a
-        step on long targets, time that is not the engine's)."""
+        rest is encoded only then."""
         if self.offset >= len(self.target):
             return self.stop_ids
-        window = self.target[self.offset : self.offset + 64]
-        ids = self.tokenizer.encode(window.decode("utf-8", errors="ignore"), add_special_tokens=False)[:1]
-        if ids and len(window) == 64 and len(self.vocab.tokens[ids[0]]) >= 32:
-            rest = self.target[self.offset :].decode("utf-8", errors="ignore")
-            ids = self.tokenizer.encode(rest, add_special_tokens=False)[:1]
+        ids = self.cache.get(self.offset)
+        if ids is None:
+            window = self.target[self.offset : self.offset + 64]
+            ids = self.tokenizer.encode(window.decode("utf-8", errors="ignore"), add_special_tokens=False)[:1]
+            if ids and len(window) == 64 and len(self.vocab.tokens[ids[0]]) >= 32:
+                rest = self.target[self.offset :].decode("utf-8", errors="ignore")
+                ids = self.tokenizer.encode(rest, add_special_tokens=False)[:1]
+            self.cache[self.offset] = ids
         return ids
 
     def accept_token(self, token_id: int) -> bool:
@@ -154,6 +161,21 @@ class ReplayJumpForward(JumpForward):
         return super()._allowed(m.inner if isinstance(m, ReplayMatcher) else m)
 
 
+def batch_replay_fills(engine: Engine) -> None:
+    """Fill replay rows' real masks in one batch per backend, as the engine fills its own
+    rows (`Engine._fill_masks`: one call to the backends' pools), then narrow each row."""
+    fill_real = engine._fill_masks
+
+    def fill(bitmask: torch.Tensor, rows: list[tuple[int, Any]]) -> dict[int, BaseException]:
+        errors = fill_real(bitmask, [(i, m.inner if isinstance(m, ReplayMatcher) else m) for i, m in rows])
+        for i, m in rows:
+            if isinstance(m, ReplayMatcher) and i not in errors:
+                set_only_tokens(bitmask, i, m.next_token())
+        return errors
+
+    engine._fill_masks = fill
+
+
 # -- running ------------------------------------------------------------------------------------
 def make_requests(llm: LLM, cases: list[Case], mode: str, jf: bool, max_tokens: int) -> list[Request]:
     stop = sorted(llm.engine.stop_token_ids)
@@ -161,7 +183,7 @@ def make_requests(llm: LLM, cases: list[Case], mode: str, jf: bool, max_tokens: 
     for c in cases:
         matcher = llm.compile(JsonSchema(c.schema)).matcher()
         if mode == "replay":
-            matcher = ReplayMatcher(matcher, c.target.encode(), llm.engine.jump_forward_hook.vocab, llm.tokenizer, stop)
+            matcher = ReplayMatcher(matcher, c, llm.engine.jump_forward_hook.vocab, llm.tokenizer, stop)
         reqs.append(Request(c.prompt_ids, SamplingParams(max_tokens=max_tokens, jump_forward=jf), matcher, frozenset(stop)))
     return reqs
 
@@ -236,7 +258,11 @@ def measure(llm: LLM, cases: list[Case], mode: str, jf: bool, batch: int, max_to
     }
 
 
-def build_llm(weights: str, tokenizer_dir: Path | None, device: str | None, graphs: bool) -> tuple[LLM, str]:
+def build_llm(weights: str, tokenizer_dir: Path | None, device: str | None, graphs: bool,
+              shape: str | None = None) -> tuple[LLM, str]:
+    """The real default model, or random weights of its shape (config.json next to the
+    tokenizer) or of a `benchmarks.common` shape (`llama-1b`, `llama-8b`: the SmolLM2
+    tokenizer on the real vocab width), where the forward weighs more against the host."""
     config = EngineConfig(device=device, max_batch_size=16, max_seq_len=1536, use_cuda_graphs=graphs)
     if weights == "real":
         return LLM(config=config), "smollm2-135m"
@@ -244,9 +270,10 @@ def build_llm(weights: str, tokenizer_dir: Path | None, device: str | None, grap
 
     src = tokenizer_dir or resolve_model(progress=False)
     tokenizer = load_tokenizer(src)
-    cfg = ModelConfig.from_file(Path(src) / "config.json")
+    cfg = model_config(shape) if shape else ModelConfig.from_file(Path(src) / "config.json")
+    name = f"{shape or 'smollm2-135m'}-shape"
     engine = Engine(cfg, config, None, stop_token_ids={tokenizer.eos_token_id, *cfg.eos_token_id})
-    return LLM.from_engine(engine, tokenizer, "smollm2-135m-shape"), "smollm2-135m-shape"
+    return LLM.from_engine(engine, tokenizer, name), name
 
 
 def add_rows(rows: list, table: list, res: dict, model: str, mode: str, batch: int, note: dict) -> None:
@@ -257,7 +284,7 @@ def add_rows(rows: list, table: list, res: dict, model: str, mode: str, batch: i
                   "constrained": True, "mode": mode, "jump_forward": jf, **note, "tokens": r["tokens"],
                   "forced_tokens": r["forced"], "valid": r["valid"], "n": r["n"],
                   "decode_step_ms": r["decode_step_ms"], "extend_step_ms": r["extend_step_ms"],
-                  "prelaunched_pct": r["prelaunched_pct"]}
+                  "prelaunched_pct": r["prelaunched_pct"], "walls_s": r.get("walls_s")}
         rows.append({**common, "metric": "forward_passes_per_token", "value": r["passes_per_token"]})
         rows.append({**common, "metric": "latency_ms", "value": r["latency_ms"]})
         rows.append({**common, "metric": "ms_per_token", "value": r["ms_per_token"]})
@@ -272,6 +299,12 @@ def add_rows(rows: list, table: list, res: dict, model: str, mode: str, batch: i
     table.append({"mode": mode, **note, "batch": batch, "jf": "on/off",
                   "passes/tok": on["passes_per_token"] / off["passes_per_token"],
                   "latency_ms": on["latency_ms"] / off["latency_ms"], "wall_s": off["wall_s"] / on["wall_s"]})
+
+
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run of median wall time, with every run's wall time alongside."""
+    ordered = sorted(runs, key=lambda r: r["wall_s"])
+    return {**ordered[(len(ordered) - 1) // 2], "walls_s": [round(r["wall_s"], 4) for r in runs]}
 
 
 def case_rows(res: dict, note: dict) -> list[dict[str, Any]]:
@@ -289,6 +322,8 @@ def main() -> None:
     ap.add_argument("--modes", default="model,replay", help="model and/or replay")
     ap.add_argument("--weights", default="real", choices=["real", "random"])
     ap.add_argument("--tokenizer-dir", type=Path, default=None, help="tokenizer + config.json (random weights)")
+    ap.add_argument("--shape", default=None, choices=["llama-1b", "llama-8b"],
+                    help="random weights of this shape instead of the tokenizer dir's config.json")
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--categories", default=",".join(CATEGORIES))
     ap.add_argument("--data-dir", type=Path, default=MASKBENCH, help="MaskBench *.jsonl files")
@@ -296,10 +331,13 @@ def main() -> None:
     ap.add_argument("--per-category", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=384)
     ap.add_argument("--device", default=None)
+    ap.add_argument("--repeat", type=int, default=3, help="off/on runs, interleaved; the median wall is kept")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
 
     modes = [m for m in args.modes.split(",") if m]
+    if args.shape and args.weights != "random":
+        ap.error("--shape needs --weights random")
     if args.weights == "random" and "model" in modes:
         modes.remove("model")  # a random model's free choices mean nothing
     rows: list[dict[str, Any]] = []
@@ -307,23 +345,29 @@ def main() -> None:
     cases: list[Case] = []
     per_case: list[dict[str, Any]] = []
     for graphs in args.graphs.split(","):
-        llm, model = build_llm(args.weights, args.tokenizer_dir, args.device, graphs == "on")
+        llm, model = build_llm(args.weights, args.tokenizer_dir, args.device, graphs == "on", args.shape)
         engine = llm.engine
         engine.jump_forward_hook = ReplayJumpForward(
             llm.tokenizer, engine.vocab_size, engine.stop_token_ids, vocab=engine.jump_forward_hook.vocab
         )
         cases = load_cases(llm, args.data_dir, args.categories.split(","), args.per_category, args.max_tokens)
         print(f"{len(cases)} cases: {', '.join(c.id for c in cases)}", flush=True)
-        # warm-up: first forwards allocate, fill caches
+        batch_replay_fills(engine)
+        # warm-up: first forwards allocate, fill caches (the replay targets' tokens too)
         measure(llm, cases[:2], "replay", True, 1, args.max_tokens)
-        measure(llm, cases[:2], "replay", False, 1, args.max_tokens)
+        for jf in (False, True):
+            measure(llm, cases, "replay", jf, len(cases), args.max_tokens)
         graph_note = {} if engine.device.type != "cuda" else {"cuda_graphs": graphs == "on"}
         for mode in modes:
             for batch in (int(b) for b in args.batches.split(",")):
                 # Steady state: new step shapes (Triton specialisations, SDPA plans) cost
                 # tens of ms the first time; a server pays that once, not per request.
                 measure(llm, cases[: max(2, min(batch, len(cases)))], mode, True, batch, args.max_tokens)
-                res = {jf: measure(llm, cases, mode, jf, batch, args.max_tokens) for jf in (False, True)}
+                runs: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
+                for _ in range(args.repeat):  # interleaved: slow phases of the host hit both
+                    for jf in (False, True):
+                        runs[jf].append(measure(llm, cases, mode, jf, batch, args.max_tokens))
+                res = {jf: median_run(r) for jf, r in runs.items()}
                 add_rows(rows, table, res, model, mode, batch, graph_note)
                 if mode == "replay" and batch == 1:
                     per_case = case_rows(res, graph_note)
@@ -335,7 +379,7 @@ def main() -> None:
     if not args.no_write:
         extra = {"cases": [c.id for c in cases], "weights": args.weights, "per_case_replay_batch1": per_case,
                  "note": "batch 1: requests one after another (latency = per request); batch 16: all at once"}
-        name = "jump_forward" if args.weights == "real" else "jump_forward-random-weights"
+        name = "jump_forward" if args.weights == "real" else f"jump_forward-random-{model}"
         print("wrote", write_results(name, rows, extra=extra))
 
 

@@ -132,65 +132,48 @@ def test_seeded_sampling_does_not_depend_on_the_batch(engine, grammar, tokenizer
     assert different.output_ids != alone.output_ids
 
 
-def test_decodes_plainly_predicts_jumps_and_stops_without_moving_the_grammar(engine, grammar, tokenizer):
-    """The check that gates a late pre-launched forward (cuda_graphs.py `confirm_next`): a
-    token inside a string keeps decoding plainly; a closing quote makes the grammar force
-    `, "age": ` (a jump), a stop token ends the request; the matcher is left untouched."""
-    req = make(tokenizer, engine, grammar, 0)
-    req.jump_forward = True
-    for t in tokenizer.encode('{"name": "Ann', add_special_tokens=False):
-        assert req.matcher.accept_token(t)
-    inside = tokenizer.encode("e", add_special_tokens=False)
-    close = tokenizer.encode('"', add_special_tokens=False)
-    assert len(inside) == len(close) == 1
-    stop = min(engine.stop_token_ids)
-    assert engine._decodes_plainly([req], inside)
-    assert not engine._decodes_plainly([req], close)
-    assert not engine._decodes_plainly([req], [stop])
-    other = make(tokenizer, engine, grammar, 1)  # free text: only stop tokens and max_tokens matter
-    assert engine._decodes_plainly([other, req], [inside[0], inside[0]])
-    assert not engine._decodes_plainly([other, req], [inside[0], close[0]])
-    assert req.matcher.jump_forward_string() == ""  # still inside the string: nothing moved
-    assert req.matcher.accept_token(close[0]) and req.matcher.jump_forward_string().startswith(",")
-    # After `"age":` the grammar forces a lone space, which jump-forward holds back (` 4`
-    # extends it): that step decodes plainly.
-    later = make(tokenizer, engine, grammar, 2)
-    later.jump_forward = True
-    *head, colon = tokenizer.encode('{"name": "Ann", "age":', add_special_tokens=False)
-    for t in head:
-        assert later.matcher.accept_token(t)
-    assert engine._decodes_plainly([later], [colon])
-
-
-def test_decodes_plainly_expects_a_lone_extendable_token_to_be_held_back(engine, tokenizer):
-    """After `"a",` in an array of strings the grammar forces ` "`, one token that longer
-    ones extend (` "(`): the jump-forward hook holds it back whole, so the check that gates
-    the pre-launched forward predicts a plain decode, and the hook indeed declines."""
-    from structgen.grammar import GrammarCompiler
+def test_planned_decode_steps_are_the_steps_the_engine_runs(engine, grammar, tokenizer):
+    """With jump-forward, a decode step takes its sampled tokens in (advance, jump) inside the
+    runner's `plan_next` callback, before the next forward is launched, and returns the next
+    step's rows, forced text included, so the CUDA graphs launch that forward early
+    (cuda_graphs.py). Through the runner seam on the CPU: every plan equals the rows of the
+    next decode step, and outputs equal a run that never plans. Without graphs forced text runs
+    as an extend step, so here the step after a jump is planned as None (not a decode step);
+    the GPU tests cover planned forced rows."""
     from structgen.grammar.jump_forward import JumpForward
-    from structgen.types import JsonSchema, to_constraint
 
-    schema = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"}}},
-              "required": ["tags"], "additionalProperties": False}
-    compiler = GrammarCompiler(tokenizer, engine.vocab_size, sorted(engine.stop_token_ids))
-    grammar = compiler.compile(to_constraint(JsonSchema(schema)))
-    req = Request(ids(tokenizer, "Tags as JSON."), SamplingParams(max_tokens=40), grammar.matcher(),
-                  frozenset(engine.stop_token_ids))
-    req.jump_forward = True
-    *head, comma = tokenizer.encode('{"tags": ["a",', add_special_tokens=False)
-    for t in head:
-        assert req.matcher.accept_token(t)
-    hook, previous = JumpForward(tokenizer, engine.vocab_size, engine.stop_token_ids), engine.jump_forward_hook
-    engine.jump_forward_hook = None
-    assert not engine._decodes_plainly([req], [comma])  # no hook: any forced text vetoes
-    engine.jump_forward_hook = hook
+    real = engine.runner.decode
+    steps: list[tuple[list, list | None]] = []  # (rows run, rows planned for the next step)
+
+    def planning_decode(seqs, temperatures, seeds, has_mask, fill, predict_next=False, plan_next=None):
+        tokens = real(seqs, temperatures, seeds, has_mask, fill, predict_next)
+        planned = None
+        if plan_next is not None:
+            last = [i for i in range(len(seqs)) if i == len(seqs) - 1 or seqs[i + 1].slot != seqs[i].slot]
+            rows = plan_next([tokens[i] for i in last])
+            planned = None if rows is None else [(s.slot, s.start, s.token_ids) for s in rows]
+        steps.append(([(s.slot, s.start, s.token_ids) for s in seqs], planned))
+        return tokens
+
+    def outputs() -> list[list[int]]:
+        reqs = [make(tokenizer, engine, grammar, i, max_tokens=30, jump_forward=True) for i in range(3)]
+        engine.run(reqs)
+        assert all(r.finish_reason in ("stop", "length") for r in reqs)
+        assert sum(r.stats.forced_tokens for r in reqs) > 0  # jumps happened
+        return [r.output_ids for r in reqs]
+
+    previous = engine.jump_forward_hook
+    engine.jump_forward_hook = JumpForward(tokenizer, engine.vocab_size, engine.stop_token_ids)
     try:
-        assert engine._decodes_plainly([req], [comma])
-        assert req.matcher.accept_token(comma) and req.matcher.jump_forward_string() == ' "'
-        assert hook.holds_back(' "') and not hook.holds_back(', "name": ')
-        req.token_ids.extend([*head, comma])  # the hook re-encodes the request's tail
-        before = list(req.token_ids)
-        hook(engine, req)
-        assert req.token_ids == before  # declined: nothing appended
+        unplanned = outputs()
+        engine.runner.decode = planning_decode
+        planned = outputs()
     finally:
+        del engine.runner.decode  # back to the class's method
         engine.jump_forward_hook = previous
+    assert planned == unplanned
+    plans = [(plan, steps[k + 1][0] if k + 1 < len(steps) else None) for k, (_, plan) in enumerate(steps)]
+    made = [(plan, ran) for plan, ran in plans if plan is not None]
+    assert len(made) >= 10
+    assert all(plan == ran for plan, ran in made)
+    assert any(plan is None for _, plan in steps[:-1])  # after a jump: an extend step comes

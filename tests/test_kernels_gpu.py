@@ -253,7 +253,9 @@ def test_prelaunched_forward_after_multi_row_steps_equals_launching_late():
     """Steps that run several rows of one sequence (jump-forward text) still pre-launch the
     next step's forward (one row per sequence, gathered inside the sampler); where the next
     step is the predicted one it is used, elsewhere discarded, and every sampled token equals
-    a run that never pre-launches. Runs on the CPU under TRITON_INTERPRET=1 (graphs eager)."""
+    a run that never pre-launches. A planner (`plan_next`, the engine's advance) that names
+    the next step's rows gets their forward launched early even when forced text makes them
+    differ from the prediction. Runs on the CPU under TRITON_INTERPRET=1 (graphs eager)."""
     from structgen.engine.config import EngineConfig, ModelConfig
     from structgen.engine.cuda_graphs import DecodeGraphs
     from structgen.engine.model_runner import ExtendSeq, ModelRunner
@@ -272,25 +274,39 @@ def test_prelaunched_forward_after_multi_row_steps_equals_launching_late():
         bitmask.zero_()
         bitmask[:, :16] = allowed
 
-    def decode_run(prelaunch: bool, confirm=None) -> tuple[list[list[int]], int]:
+    def decode_run(prelaunch: bool, planner=None) -> tuple[list[list[int]], int]:
         runner.graphs = DecodeGraphs(runner, (1, 2, 4, 8), capture=CUDA, prelaunch=prelaunch)
         runner.extend([ExtendSeq(0, 0, prompts[0]), ExtendSeq(1, 0, prompts[1][:-1])])
         seqs = {0: prompts[0] + forced, 1: list(prompts[1])}  # slot 0 starts with three forced tokens
         cached = {0: len(prompts[0]), 1: len(prompts[1]) - 1}
+        state = {"step": 0, "taken": False}
+
+        def take(toks: list[int]) -> None:  # a step's tokens, then forced text after some
+            for s, t in zip((0, 1), toks, strict=True):
+                seqs[s].append(t)
+            seqs[0] += forced[:2] if state["step"] == 2 else []
+            seqs[1] += forced[:1] if state["step"] == 3 else []
+            state["taken"] = True
+
+        def rows_now() -> list[ExtendSeq]:
+            return [ExtendSeq(s, cached[s] + j, [t]) for s in (0, 1) for j, t in enumerate(seqs[s][cached[s]:])]
+
+        def plan(toks: list[int]) -> list[ExtendSeq] | None:
+            take(toks)
+            return planner(state["step"], rows_now())
+
         out = []
         for step in range(6):
-            rows = []
-            for s in (0, 1):
-                rows += [ExtendSeq(s, cached[s] + j, [t]) for j, t in enumerate(seqs[s][cached[s]:])]
-                cached[s] = len(seqs[s])
+            state.update(step=step, taken=False)
+            rows = rows_now()
+            cached.update({s: len(seqs[s]) for s in (0, 1)})
             n = len(rows)
             last = [i for i in range(n) if i == n - 1 or rows[i + 1].slot != rows[i].slot]
-            tokens = runner.decode(rows, [0.0] * n, [0] * n, [i in last for i in range(n)], fill, True, confirm)
+            tokens = runner.decode(rows, [0.0] * n, [0] * n, [i in last for i in range(n)], fill, True,
+                                   plan if planner else None)
             out.append(tokens)
-            for s, i in zip((0, 1), last, strict=True):
-                seqs[s].append(tokens[i])
-            seqs[0] += forced[:2] if step == 2 else []  # forced text after the sampled token
-            seqs[1] += forced[:1] if step == 3 else []
+            if not state["taken"]:
+                take([tokens[i] for i in last])
         return out, runner.graphs.steps_ahead
 
     late, used_late = decode_run(prelaunch=False)
@@ -298,9 +314,10 @@ def test_prelaunched_forward_after_multi_row_steps_equals_launching_late():
     assert used_late == 0
     assert used_early == 3  # steps 1, 2 and 5 follow a step whose rows were all predicted
     assert early == late
-    seen: list[list[int]] = []
-    confirmed, used_confirmed = decode_run(prelaunch=True, confirm=lambda toks: seen.append(toks) or len(seen) != 2)
-    assert used_confirmed == 2  # the check after step 1 said no: step 2's forward launched late
-    assert confirmed == late
-    assert seen[0] == [late[0][2], late[0][3]]  # the tokens of each sequence's last row
+    planned, used_planned = decode_run(prelaunch=True, planner=lambda step, rows: rows)
+    assert used_planned == 5  # forced text too: every step after the first was launched early
+    assert planned == late
+    partly, used_partly = decode_run(prelaunch=True, planner=lambda step, rows: None if step == 1 else rows)
+    assert used_partly == 4  # no plan after step 1: step 2's forward launched late
+    assert partly == late
     assert all(t < 32 for step in early for t in step[-1:])

@@ -30,13 +30,16 @@ runs one row per draft token, all sampled) must not ask for it.
 
 Where the next step is often *not* the predicted one (jump-forward: a sampled `"` makes the
 grammar force `, "age": `, so the next step runs those tokens instead), launching blind costs a
-whole wasted forward on the device before the real one. `run(..., confirm_next=f)` launches
-the predicted forward only if `f(tokens)` says yes once the host has read the tokens. Where
-the CUDA extension is built, that forward is still launched right behind the sampler, as a
-gated graph (kernels/gated_graph.py) whose body the device runs or skips on the host's
-verdict: the device idles only for the sync and that check (tens of microseconds). Without
-the extension it is launched after the check, with the launch itself on the critical path.
-Any other forward over the same cache (`ModelRunner.extend`) drops the prediction.
+whole wasted forward on the device before the real one. `run(..., plan_next=f)` asks instead,
+once the host has read the tokens: `f(tokens)` (the engine advances its requests right there,
+jump-forward included) returns the next step's rows, or None when it cannot know them, and
+their forward (the predicted one, or rows of forced text from a staging buffer of their own)
+is launched before the host goes back to scheduling. The device idles for the sync and that
+advance (~60 us a step at batch 1 on the H100 host). A gated graph launched behind the sampler
+and run or skipped on the host's verdict (kernels/gated_graph.py) measured slower than this
+plain launch (replay benchmark, SmolLM2 shape, median of 5: 1.387 vs 1.347 s at batch 1,
+0.373 vs 0.365 s at batch 16), so it is not used here. Any other forward over the same cache
+(`ModelRunner.extend`) drops the prediction.
 
 A batch is padded up to its bucket: padding rows decode token 0 at position 0 of the KV
 cache's scratch slot and their outputs are ignored. With `capture=False` the same step
@@ -58,6 +61,8 @@ from structgen.engine.kernels.sampling import sample_tokens
 
 if TYPE_CHECKING:
     from structgen.engine.model_runner import ModelRunner
+
+StepRows = tuple[list[int], list[int], list[int]]  # a step's rows: (token ids, positions, slots)
 
 # Rows of the int64 metadata buffer (one host-to-device copy per step). LIVE is 1 for real
 # rows, 0 for padding (padding rows never advance). NEXT[j]: the row that becomes row j of the
@@ -93,13 +98,15 @@ class DecodeGraphs:
         self._meta_np = self.host_meta.numpy()
         self._temp_np = self.host_temperature.numpy()
         self._tokens_np = self.host_tokens.numpy()
+        # Staging for a planned next step's forward rows (IDS..LENS), apart from host_meta: its
+        # copy may still be in flight when the next `run` rewrites host_meta.
+        self.host_plan = torch.zeros(LENS + 1, n + 1, dtype=torch.int64, pin_memory=pin)
+        self._plan_np = self.host_plan.numpy()
         # bucket -> (launch forward, launch sampler); the graphs and their logits stay alive here.
         self._steps: dict[int, tuple[Callable[[], None], Callable[[], None]]] = {}
         self._captured: list[object] = []
-        self._gated: dict[int, object] = {}  # bucket -> GatedGraph of its forward (CUDA + csrc)
         # The step whose forward is already queued: (bucket, slots, positions, token ids).
         self._ahead: tuple | None = None
-        self._gate_ahead = None  # the GatedGraph that ran the pre-launched forward, if one did
         self.steps = self.steps_ahead = 0  # decode steps run / of those, pre-launched forwards used
         if pin:
             self.copy_stream = torch.cuda.Stream(dev)
@@ -147,21 +154,15 @@ class DecodeGraphs:
             for bs in self.batch_sizes:
                 self._steps[bs] = self._eager_step(bs)
             return
-        from structgen.engine.kernels import gated_graph
-
-        gate = self.prelaunch and gated_graph.available()
         pool = torch.cuda.graph_pool_handle()  # shared: only one graph runs at a time
         for bs in reversed(self.batch_sizes):  # largest first, so smaller ones fit in its memory
             self._sample(bs, self._forward(bs))  # warm-up: compiles the Triton kernels
             torch.cuda.synchronize(self.device)
-            forward, sample = torch.cuda.CUDAGraph(keep_graph=gate), torch.cuda.CUDAGraph()
+            forward, sample = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
             with torch.cuda.graph(forward, pool=pool):
                 logits = self._forward(bs)
             with torch.cuda.graph(sample, pool=pool):
                 self._sample(bs, logits)
-            if gate:
-                forward.instantiate()
-                self._gated[bs] = gated_graph.GatedGraph(forward)
             self._steps[bs] = (forward.replay, sample.replay)
             self._captured += [forward, sample, logits]
         torch.cuda.synchronize(self.device)
@@ -198,22 +199,21 @@ class DecodeGraphs:
         has_mask: list[bool],
         fill_bitmask: Callable[[torch.Tensor], None],
         predict_next: bool = False,
-        confirm_next: Callable[[list[int]], bool] | None = None,
+        plan_next: Callable[[list[int]], StepRows | bool | None] | None = None,
     ) -> list[int]:
         """Decode one token for each of n rows (n <= max_batch_size); return the n sampled
         tokens. `fill_bitmask(host_bitmask)` is called while the forward runs and must fill row
         i of the int32 [n, W] host tensor for every i with has_mask[i]. `predict_next`: also
         launch the next step's forward (see the module docstring); only when each sequence's
-        rows are adjacent, with consecutive positions. `confirm_next(tokens)`, given the token
-        sampled at each sequence's last row: launch it only if this returns True, once the
-        tokens are on the host."""
+        rows are adjacent, with consecutive positions. `plan_next(tokens)`, given the token
+        sampled at each sequence's last row once it is on the host: the next step's rows
+        `(token_ids, positions, slots)` (True: the predicted ones), whose forward is then
+        launched; None or False: launch nothing."""
         n = len(token_ids)
         bs = self.bucket(n)
         assert bs is not None, f"batch of {n} exceeds the largest captured size {self.max_batch_size}"
         predicted = self._ahead == (bs, tuple(slots), tuple(positions), tuple(token_ids))
         self._ahead = None
-        gated = (self._gate_ahead, self._gate_ahead.launches) if predicted and self._gate_ahead else None
-        self._gate_ahead = None
         self.steps += 1
         self.steps_ahead += predicted
         meta = self._meta_np
@@ -257,30 +257,41 @@ class DecodeGraphs:
         else:
             self.host_tokens[:bs].copy_(self.tokens[:bs])
         next_bs = self.bucket(len(last))
-        gate = self._gated.get(next_bs) if prelaunch and confirm_next is not None else None
-        if prelaunch and confirm_next is None:
+        if prelaunch and plan_next is None:
             self._steps[next_bs][0]()  # step i+1's forward, from the metadata the sampler advanced
-        elif gate is not None:
-            gate.launch()  # the same forward, run or skipped on the verdict below
-        try:
-            if cuda:
-                self.step_done.synchronize()  # waits for the sampler, not for that forward
-            if gated is not None and not gated[0].ran(gated[1]):  # never sample stale logits silently
-                raise RuntimeError("the pre-launched forward's gate timed out waiting for the host")
-            tokens = self._tokens_np[:n].tolist()
-            if prelaunch and confirm_next is not None:
-                prelaunch = confirm_next([tokens[i] for i in last])
-                if prelaunch and gate is None:
-                    self._steps[next_bs][0]()
-        finally:
-            if gate is not None:
-                gate.decide(prelaunch)
-        self._gate_ahead = gate if prelaunch else None
+        if cuda:
+            self.step_done.synchronize()  # waits for the sampler, not for that forward
+        tokens = self._tokens_np[:n].tolist()
+        ids, pos, sl = [tokens[i] for i in last], [positions[i] + 1 for i in last], [slots[i] for i in last]
+        if prelaunch and plan_next is not None:
+            planned = plan_next(ids)
+            if isinstance(planned, tuple) and tuple(map(list, planned)) != (ids, pos, sl):
+                self._launch_planned(*planned)  # forced text, or fewer sequences
+                return tokens
+            if not planned:
+                return tokens
+            self._steps[next_bs][0]()  # the predicted step: the sampler advanced its metadata
         if prelaunch:
-            self._ahead = (
-                next_bs,
-                tuple(slots[i] for i in last),
-                tuple(positions[i] + 1 for i in last),
-                tuple(tokens[i] for i in last),
-            )
+            self._ahead = (next_bs, tuple(sl), tuple(pos), tuple(ids))
         return tokens
+
+    def _launch_planned(self, token_ids: list[int], positions: list[int], slots: list[int]) -> None:
+        """Launch the forward of a next step the host planned (forced text, fewer sequences):
+        its rows go through `host_plan`, so the next `run` can rewrite host_meta at once."""
+        n = len(token_ids)
+        bs = self.bucket(n)
+        if bs is None or n == 0:
+            return
+        plan = self._plan_np  # whole rows (contiguous, one copy), padding from row n on
+        plan[:, n:] = 0
+        plan[SLOTS, n:] = self.kv.scratch_slot
+        plan[LENS, n:] = 1
+        plan[IDS, :n] = token_ids
+        plan[POSITIONS, :n] = positions
+        plan[SLOTS, :n] = slots
+        plan[LIVE, :n] = 1
+        plan[LENS, :n] = np.asarray(positions) + 1
+        cuda = self.device.type == "cuda"
+        self.meta[: LENS + 1].copy_(self.host_plan, non_blocking=cuda)
+        self._steps[bs][0]()
+        self._ahead = (bs, tuple(slots), tuple(positions), tuple(token_ids))

@@ -142,14 +142,7 @@ class Engine:
         return rows == len(batch) or self.runner.graphs.bucket(rows) is not None
 
     def _decode_step(self, reqs: list[Request]) -> list[Request]:
-        # One row per pending token: a row attends to its slot up to its own position, and
-        # every row's K/V is written before any attention reads it, so rows of one request
-        # are exactly a causal multi-token extend. Only each request's last row is sampled.
-        seqs: list[ExtendSeq] = []
-        last: list[int] = []
-        for r in reqs:
-            seqs += [ExtendSeq(r.slot, r.num_cached + j, [t]) for j, t in enumerate(r.token_ids[r.num_cached :])]
-            last.append(len(seqs) - 1)
+        seqs, last = self._decode_rows(reqs)
         temperatures, seeds, has_mask = [0.0] * len(seqs), [0] * len(seqs), [False] * len(seqs)
         for row, r in zip(last, reqs, strict=True):
             temperatures[row], seeds[row], has_mask[row] = r.params.temperature, self._noise_seed(r), r.matcher is not None
@@ -159,57 +152,62 @@ class Engine:
         def fill(bitmask: torch.Tensor) -> None:  # runs while the device computes the forward
             row_errors.update(self._fill_masks(bitmask, constrained))
 
-        confirm = None
-        if any(r.jump_forward for r in reqs):  # a jump would waste a blindly launched forward
+        finished: list[list[Request]] = []  # set once the step's tokens are taken in
 
-            def confirm(toks: list[int]) -> bool:
-                return self._decodes_plainly(reqs, toks)
+        def take(tokens: list[int]) -> None:
+            errors = {i: row_errors[row] for i, row in enumerate(last) if row in row_errors}
+            for req in reqs:
+                req.num_cached = len(req.token_ids)
+                req.stats.forward_passes += 1
+            finished.append(self._advance_all(reqs, tokens, errors))
+
+        plan = None
+        if any(r.jump_forward for r in reqs):
+            # After a sampled `"` the grammar may force `, "age": `: the next step is that
+            # text, not the predicted token. Taking the tokens in (jump-forward included) before
+            # the next forward is launched tells which rows it runs.
+            def plan(tokens: list[int]) -> list[ExtendSeq] | None:
+                take(tokens)
+                return self._plan_decode_step()
 
         try:
-            tokens = self.runner.decode(seqs, temperatures, seeds, has_mask, fill, True, confirm)
+            tokens = self.runner.decode(seqs, temperatures, seeds, has_mask, fill, True, plan)
         except Exception as exc:  # a broken batch fails its requests, not the engine
             log.exception("decode step failed")
             for req in reqs:
                 self.abort(req, "error", EngineError(f"forward pass failed: {exc}"))
             return reqs
-        tokens = [tokens[row] for row in last]
-        errors = {i: row_errors[row] for i, row in enumerate(last) if row in row_errors}
-        for req in reqs:
-            req.num_cached = len(req.token_ids)
-            req.stats.forward_passes += 1
-        finished = self._advance_all(reqs, tokens, errors)
+        if not finished:
+            take([tokens[row] for row in last])
         for req in reqs:
             if not req.finished:
                 self._notify(req)
-        return finished
+        return finished[0]
 
-    def _decodes_plainly(self, reqs: list[Request], tokens: list[int]) -> bool:
-        """Will the next step be one plain decode row per request, each feeding back its token?
-        Not if a request stops, hits max_tokens, or its grammar forces text after the token
-        (a jump). Peeks with accept + rollback, ~10 us a row; a wrong guess only costs time."""
-        held = getattr(self.jump_forward_hook, "holds_back", None)
+    @staticmethod
+    def _decode_rows(reqs: list[Request]) -> tuple[list[ExtendSeq], list[int]]:
+        """One row per pending token: a row attends to its slot up to its own position, and
+        every row's K/V is written before any attention reads it, so rows of one request are
+        exactly a causal multi-token extend. Returns the rows and each request's last row
+        (the one sampled)."""
+        seqs: list[ExtendSeq] = []
+        last: list[int] = []
+        for r in reqs:
+            seqs += [ExtendSeq(r.slot, r.num_cached + j, [t]) for j, t in enumerate(r.token_ids[r.num_cached :])]
+            last.append(len(seqs) - 1)
+        return seqs, last
+
+    def _plan_decode_step(self) -> list[ExtendSeq] | None:
+        """The rows of the next step when it will surely be a decode step (nobody to admit or
+        prefill); None otherwise. A wrong plan only costs a discarded forward."""
         try:
-            for req, tok in zip(reqs, tokens, strict=True):
-                if tok in req.stop_token_ids or req.num_output + 1 >= req.params.max_tokens:
-                    return False
-                m = req.matcher
-                if m is None or not req.jump_forward:
-                    continue
-                if not m.accept_token(tok):
-                    return False
-                try:
-                    if m.is_terminated() or m.is_completed():
-                        return False
-                    forced = m.jump_forward_string()
-                    # a lone forced space, or one token longer ones extend (` "`), is held
-                    # back by the hook (` "(` and ` 4` extend them), so no jump follows
-                    if forced and not forced.isspace() and not (held and held(forced)):
-                        return False
-                finally:
-                    m.rollback(1)
-        except Exception:  # the step's own advance reports grammar failures
-            return False
-        return True
+            batch = self.scheduler.peek()
+            if not batch or not self._is_decode_step(batch):
+                return None
+            return self._decode_rows([r for r, _ in batch])[0]
+        except Exception:  # pragma: no cover - planning must never fail the step
+            log.exception("planning the next decode step failed")
+            return None
 
     def _fill_masks(self, bitmask: torch.Tensor, rows: list[tuple[int, object]]) -> dict[int, BaseException]:
         """Fill `bitmask[row]` from each matcher (batched through the backends' thread pools);

@@ -134,7 +134,7 @@ class ModelRunner:
         has_mask: list[bool],
         fill_bitmask: Callable[[torch.Tensor], None],
         predict_next: bool = False,
-        confirm_next: Callable[[list[int]], bool] | None = None,
+        plan_next: Callable[[list[int]], list[ExtendSeq] | None] | None = None,
     ) -> list[int]:
         """One decode step that returns tokens instead of logits: every sequence has exactly
         one new token; row i is sampled at `temperatures[i]` (0: greedy) with noise seed
@@ -143,13 +143,24 @@ class ModelRunner:
         `fill_bitmask(host_bitmask)` fills those rows of an int32 [len(seqs), W] CPU tensor;
         it is called after the forward is launched, so on CUDA it overlaps the GPU.
         `predict_next`: every row is a different request that will likely decode again: the
-        graphs launch the next step's forward early (cuda_graphs.py), or once
-        `confirm_next(tokens)` approves the sampled tokens."""
+        graphs launch the next step's forward early (cuda_graphs.py). `plan_next(tokens)`,
+        given the token sampled at each sequence's last row: the next step's one-token rows
+        (or None), whose forward the graphs then launch before returning. It is called only
+        where the graphs pre-launch; callers must not count on it."""
         if self.graphs is not None and self.graphs.bucket(len(seqs)) is not None:
             self.forward_passes += 1
+            plan = None
+            if plan_next is not None:
+
+                def plan(tokens: list[int]) -> tuple[list[int], list[int], list[int]] | None:
+                    rows = plan_next(tokens)
+                    if rows is None:
+                        return None
+                    return [s.token_ids[0] for s in rows], [s.start for s in rows], [s.slot for s in rows]
+
             return self.graphs.run(
                 [s.token_ids[0] for s in seqs], [s.start for s in seqs], [s.slot for s in seqs],
-                temperatures, seeds, has_mask, fill_bitmask, predict_next, confirm_next,
+                temperatures, seeds, has_mask, fill_bitmask, predict_next, plan,
             )
         from structgen.engine.kernels import triton_enabled
         from structgen.engine.sampler import allocate_bitmask, sample_tokens_reference

@@ -53,6 +53,13 @@ class Scheduler:
             budget -= n
         return batch
 
+    def peek(self) -> list[tuple[Request, int]] | None:
+        """What `schedule` will return, where that is certain now: nobody is waiting to be
+        admitted and nobody is prefilling. None otherwise."""
+        if self.waiting or any(r.num_cached < r.num_prompt for r in self.running):
+            return None
+        return [(r, r.num_pending) for r in self.running if r.num_pending > 0]
+
     def remove(self, request: Request) -> None:
         """Free a finished/aborted request's slot; safe to call for waiting requests too."""
         if request in self.running:

@@ -60,11 +60,6 @@ class VocabBytes:
         self._sorted_ids = np.array([i for _, i in order], dtype=np.int64)
         self._extensions: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
-    def token_id(self, data: bytes) -> int | None:
-        """The (non-special) token whose bytes are exactly `data`, if there is one."""
-        i = bisect.bisect_left(self._sorted, data)
-        return int(self._sorted_ids[i]) if i < len(self._sorted) and self._sorted[i] == data else None
-
     def join(self, ids: list[int]) -> bytes:
         return b"".join([self.tokens[t] for t in ids])
 
@@ -143,17 +138,6 @@ class JumpForward:
             jumped = self._jump(req, forced.encode("utf-8"), 0)
         if jumped:
             self._maybe_finish(req)
-
-    def holds_back(self, forced: str) -> bool:
-        """Would a jump over `forced` most likely be declined? When the forced text is one
-        token that longer tokens extend (` "`, `"`, ` [`, ` {`: the grammar then nearly always
-        allows one, e.g. ` "(` in a string), `_hold_back` keeps it back whole. A cheap guess
-        for the engine's pre-launch check (`Engine._decodes_plainly`): a wrong one costs a
-        wasted forward, not a wrong result. On the replayed benchmark outputs (16 schemas,
-        1,613 tokens) such texts were a third of the steps the check vetoed as jumps, and the
-        hook declined 151 jumps in that run, these above all."""
-        tid = self.vocab.token_id(forced.encode("utf-8"))
-        return tid is not None and len(self.vocab.extension_ids(tid)) > 0
 
     # -- one attempt --------------------------------------------------------------------------
     def _jump(self, req: Request, forced: bytes, k: int) -> bool:

@@ -14,6 +14,9 @@ the critical path. Here the launch happens early and the device waits, spinning 
 host word, for the verdict alone (csrc/gate.cu, a CUDA conditional node around a child copy
 of the graph).
 
+The decode graphs no longer use it: a plain launch right after the host's verdict measured
+faster (docs/kernels.md, "Gated graphs"). It stays for the capturable mode of docs/kernels.md.
+
 Rules: every `launch` must be followed by exactly one `decide` (wrap the host work in
 try/finally); a launch left undecided runs nothing after `timeout_s`, which `ran()` then
 reports, and blocks the stream until then. Needs the csrc extension (`available()`).
