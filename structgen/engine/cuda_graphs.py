@@ -35,10 +35,11 @@ once the host has read the tokens: `f(tokens)` (the engine advances its requests
 jump-forward included) returns the next step's rows, or None when it cannot know them, and
 their forward (the predicted one, or rows of forced text from a staging buffer of their own)
 is launched before the host goes back to scheduling. The device idles for the sync and that
-advance (~60 us a step at batch 1 on the H100 host). A gated graph launched behind the sampler
-and run or skipped on the host's verdict (kernels/gated_graph.py) measured slower than this
-plain launch (replay benchmark, SmolLM2 shape, median of 5: 1.387 vs 1.347 s at batch 1,
-0.373 vs 0.365 s at batch 16), so it is not used here. Any other forward over the same cache
+advance (p50 20-40 us, p90 150-260 us with a jump, at batch 1 on the H100 host) plus the
+launch. A gated graph launched behind the sampler and run or skipped on the host's verdict
+(kernels/gated_graph.py) saves only part of that launch (25-60 us) and measured no faster here
+(replay benchmark, SmolLM2 shape, five runs each: 1.306-1.508 s gated vs 1.307-1.425 s plain
+at batch 1), so the plain launch is used. Any other forward over the same cache
 (`ModelRunner.extend`) drops the prediction.
 
 A batch is padded up to its bucket: padding rows decode token 0 at position 0 of the KV

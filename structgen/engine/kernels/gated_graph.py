@@ -14,8 +14,9 @@ the critical path. Here the launch happens early and the device waits, spinning 
 host word, for the verdict alone (csrc/gate.cu, a CUDA conditional node around a child copy
 of the graph).
 
-The decode graphs no longer use it: a plain launch right after the host's verdict measured
-faster (docs/kernels.md, "Gated graphs"). It stays for the capturable mode of docs/kernels.md.
+The decode graphs no longer use it: once the host plans the next step itself, the gate saves
+only a graph launch (tens of microseconds) and measured no faster there (docs/kernels.md,
+"Gated graphs"). It stays for the capturable mode of docs/kernels.md.
 
 Rules: every `launch` must be followed by exactly one `decide` (wrap the host work in
 try/finally); a launch left undecided runs nothing after `timeout_s`, which `ran()` then
