@@ -74,3 +74,43 @@ def test_constrained_json_through_graphs_is_valid_and_equals_eager(setup, model_
         ]
     same = sum(a.output_ids == b.output_ids for a, b in zip(got[True], got[False], strict=True))
     assert same >= batch - 1, f"graphs vs eager: only {same} of {batch} outputs identical"  # bf16 near-ties aside
+
+
+def test_cancel_and_join_between_planned_steps_spare_the_other_rows(setup, model_dir, tokenizer):
+    """With jump-forward, each decode step launches the next step's forward from the engine's
+    own plan (cuda_graphs.py `plan_next`). A request cancelled or added between steps makes
+    that plan wrong; the discarded forward only wrote K/V past each row's length, so the other
+    rows finish valid and as they would have without the cancel and the join (bf16 near-ties
+    aside), and every KV slot comes back."""
+    cfg, stop, grammar, prompts = setup
+    ec = EngineConfig(device="cuda", max_batch_size=16, max_seq_len=1024, jump_forward=True)
+    engine = Engine(cfg, ec, model_dir, stop_token_ids=stop)
+    install_jump_forward(engine, tokenizer)
+
+    def make(i: int) -> Request:
+        return Request(prompts[i], SamplingParams(max_tokens=96), grammar.matcher(), frozenset(stop))
+
+    base = engine.run([make(i) for i in range(4)])
+    used_before = engine.runner.graphs.steps_ahead
+    reqs = [make(i) for i in range(4)]
+    for r in reqs:
+        engine.add_request(r)
+    for _ in range(6):
+        engine.step()
+    engine.abort(reqs[1])
+    late = make(4)
+    engine.add_request(late)
+    for _ in range(3):
+        engine.step()
+    engine.abort(reqs[3])
+    while not all(r.finished for r in (*reqs, late)):
+        engine.step()
+    assert [reqs[1].finish_reason, reqs[3].finish_reason] == ["abort", "abort"]
+    for r in (reqs[0], reqs[2], late):
+        text = tokenizer.decode(r.output_ids)
+        assert r.finish_reason in ("stop", "length"), (r.finish_reason, r.error, text)
+        if r.finish_reason == "stop":
+            jsonschema.validate(json.loads(text), SCHEMA)
+    assert sum(reqs[i].output_ids == base[i].output_ids for i in (0, 2)) >= 1
+    assert engine.runner.graphs.steps_ahead > used_before  # planned forwards were used
+    assert engine.runner.kv.free_slots == engine.runner.kv.num_slots
