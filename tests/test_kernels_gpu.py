@@ -129,6 +129,32 @@ def test_gemv_matches_linear(n, k):
     assert rel_err(gemv(x, w, b), F.linear(x, w, b)) < 1e-2
 
 
+@needs_cuda
+def test_timed_gemv_plan_is_cached_and_falls_back_inside_a_capture():
+    """`gemv.plan` times cuBLAS against the block shapes once per (rows, shape) and keeps the
+    answer; inside a graph capture an untimed shape takes the fixed rule instead of timing;
+    `project` computes the same product whichever way it goes."""
+    import torch.nn as nn
+
+    from structgen.engine.kernels import gemv
+    from structgen.engine.models.llama import project
+
+    lin = nn.Linear(576, 960, bias=True, device=DEVICE, dtype=LOW)
+    for rows in (1, 2):
+        x = torch.randn(rows, 576, device=DEVICE).to(LOW)
+        first = gemv.plan(rows, lin.weight)
+        assert first is None or first in gemv.CONFIGS
+        assert gemv.plan(rows, lin.weight) == first  # cached: timed once
+        assert rel_err(project(lin, x, True), lin(x)) < 1e-2
+    untimed = torch.empty(1000, 576, device=DEVICE, dtype=LOW)
+    g, buf = torch.cuda.CUDAGraph(), torch.zeros(8, device=DEVICE)
+    with torch.cuda.graph(g):
+        inside = gemv.plan(1, untimed)
+        buf.add_(1)  # a graph needs a node
+    assert inside == gemv.DEFAULT  # the fixed rule: one row of a small matrix
+    assert (1, (1000, 576), LOW, untimed.device) not in gemv._plans
+
+
 # ----------------------------------------------------------------------------- sampling
 
 

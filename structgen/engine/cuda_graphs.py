@@ -124,7 +124,7 @@ class DecodeGraphs:
             max_q=1, max_ctx=self.kv.max_seq_len, decode_kernel=True,
         )
         hidden = self.model(m[IDS, :bs], batch, self.kv)
-        return self.model.lm_head(hidden)  # model dtype: the sampler reads it without a cast pass
+        return self.model.head(hidden)  # model dtype: the sampler reads it without a cast pass
 
     def _sample(self, bs: int, logits: torch.Tensor) -> None:
         m, tokens = self.meta, self.tokens[:bs]

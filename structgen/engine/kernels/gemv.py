@@ -1,27 +1,83 @@
-"""Matrix-vector products `y = x @ W^T` for one-row decode steps of small models (Triton).
+"""Matrix-vector products `y = x @ W^T` for decode steps of one or a few rows (Triton).
 
-At one row a projection is bound by reading W once, but for a small model's matrices (a few
-MB) cuBLAS's fixed cost per call dominates: measured on an H100 (2026-11, CUDA graphs, cold
-weights) its kernels took 3.3-5.2 us on SmolLM2-135M's four projections where this one takes
-2.5-4.0 us, i.e. ~0.1 ms of a 0.9 ms step. From ~4M weights up cuBLAS is as fast or faster,
-and at 4 rows it always was, so `use_gemv` sends only single rows of small matrices here.
+At one row a projection is bound by reading W once. cuBLAS is not always best at it: for a
+small model's matrices (a few MB) its fixed cost per call dominates, and for some large ones
+its kernels stream W slower than this one does. Measured on an H100 (2026-11, CUDA graphs,
+weights cold in L2): SmolLM2-135M's four projections 3.3-5.2 us in cuBLAS, 2.5-4.0 us here;
+Llama-8B's lm_head 371 vs 331 us (2.83 vs 3.17 TB/s) and gate_up 82 vs 78 us, while its qkv
+projection is cuBLAS's (20.6 us) and the best block shape differs per matrix. So `plan` times
+cuBLAS against a few block shapes once per (rows, weight shape) on the device, outside any
+graph capture (the decode graphs' warm-up runs every shape first), and keeps the fastest;
+inside a capture an untimed shape falls back to `use_gemv`'s fixed rule.
 Each program owns BLOCK_N output features, streams their [BLOCK_N, K] slab of W in BLOCK_K
 chunks and keeps its accumulator in registers.
 """
 
 from __future__ import annotations
 
+import statistics
+
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 MAX_ROWS = 4
-MAX_WEIGHT = 4 << 20  # elements: above this cuBLAS reads W at least as fast
+MAX_WEIGHT = 4 << 20  # elements: above this cuBLAS reads W at least as fast (the untimed rule)
+TIMED_ROWS = 2  # products of up to this many rows are timed; more rows take cuBLAS
+# (block_n, block_k, num_warps, num_stages) timed against cuBLAS: the best shapes of a sweep
+# over SmolLM2, Llama-1B and Llama-8B matrices on the H100.
+CONFIGS = ((4, 1024, 4, 4), (2, 2048, 4, 4), (2, 4096, 8, 3))
+DEFAULT = CONFIGS[0]
+MARGIN = 0.97  # a block shape must beat cuBLAS by 3 %: near-ties stay with cuBLAS
+_plans: dict[tuple, tuple[int, int, int, int] | None] = {}
 
 
 def use_gemv(rows: int, weight: torch.Tensor) -> bool:
-    """Whether `gemv` beats cuBLAS for this product (see the module docstring)."""
+    """The untimed rule: single rows of small matrices (see the module docstring)."""
     return rows == 1 and weight.numel() <= MAX_WEIGHT
+
+
+def plan(rows: int, weight: torch.Tensor) -> tuple[int, int, int, int] | None:
+    """The block shape to run `x[rows] @ weight.T` with, or None for cuBLAS. Timed on first
+    use per (rows, shape, dtype, device); a CUDA weight only."""
+    if rows > TIMED_ROWS or not weight.is_cuda:
+        return DEFAULT if weight.is_cuda and use_gemv(rows, weight) else None
+    key = (rows, tuple(weight.shape), weight.dtype, weight.device)
+    if key not in _plans:
+        if torch.cuda.is_current_stream_capturing():  # no timing inside a capture
+            return DEFAULT if use_gemv(rows, weight) else None
+        _plans[key] = _time(rows, weight)
+    return _plans[key]
+
+
+def _time(rows: int, weight: torch.Tensor, reps: int = 15) -> tuple[int, int, int, int] | None:
+    """Median time of cuBLAS and of each block shape on `weight`, L2 flushed before each call
+    (a forward reads every matrix cold: the model is far larger than L2)."""
+    x = torch.randn(rows, weight.shape[1], device=weight.device, dtype=weight.dtype)
+    flush = torch.empty(96 << 20, dtype=torch.int8, device=weight.device)
+    ref = F.linear(x, weight).float()
+    times: dict[tuple[int, int, int, int] | None, float] = {}
+    for cfg in (None, *CONFIGS):
+        def run(cfg=cfg) -> torch.Tensor:
+            if cfg is None:
+                return F.linear(x, weight)
+            bn, bk, nw, ns = cfg
+            return gemv(x, weight, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
+
+        y = run().float()  # compiles; a shape that computes wrong is never chosen
+        if cfg is not None and (y - ref).norm() > 1e-2 * ref.norm():
+            continue
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+        for start, end in events:
+            flush.zero_()
+            start.record()
+            run()
+            end.record()
+        torch.cuda.synchronize(weight.device)
+        times[cfg] = statistics.median(s.elapsed_time(e) for s, e in events)
+    best = min((c for c in times if c is not None), key=times.__getitem__, default=None)
+    return best if best is not None and times[best] < MARGIN * times[None] else None
 
 
 @triton.jit

@@ -76,13 +76,15 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 def project(linear: nn.Linear, x: torch.Tensor, fused: bool) -> torch.Tensor:
-    """`linear(x)`, except that one-row products of small matrices take the Triton GEMV
-    (faster than cuBLAS there; see kernels/gemv.py)."""
-    if fused:
-        from structgen.engine.kernels.gemv import gemv, use_gemv
+    """`linear(x)`, except that products of one or two rows take the Triton GEMV where it
+    was timed faster than cuBLAS for that matrix (kernels/gemv.py)."""
+    if fused and x.dim() == 2:
+        from structgen.engine.kernels import gemv
 
-        if use_gemv(x.shape[0], linear.weight):
-            return gemv(x, linear.weight, linear.bias)
+        cfg = gemv.plan(x.shape[0], linear.weight)
+        if cfg is not None:
+            bn, bk, nw, ns = cfg
+            return gemv.gemv(x, linear.weight, linear.bias, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
     return linear(x)
 
 
@@ -193,6 +195,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg, max_positions)
+        self.fused = False  # Triton kernels and timed GEMVs (use_fused_kernels)
 
     def forward(self, input_ids: torch.Tensor, batch: AttentionBatch, kv: KVCache) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
@@ -206,8 +209,12 @@ class LlamaModel(nn.Module):
             if hasattr(m, "fused"):
                 m.fused = enabled
 
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM-head logits in the model dtype."""
+        return project(self.lm_head, hidden, self.fused)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return self.head(hidden).float()
 
     @torch.no_grad()
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
