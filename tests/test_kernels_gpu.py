@@ -131,28 +131,32 @@ def test_gemv_matches_linear(n, k):
 
 @needs_cuda
 def test_timed_gemv_plan_is_cached_and_falls_back_inside_a_capture():
-    """`gemv.plan` times cuBLAS against the block shapes once per (rows, shape) and keeps the
-    answer; inside a graph capture an untimed shape takes the fixed rule instead of timing;
-    `project` computes the same product whichever way it goes."""
+    """`gemv.plan`: small matrices keep the fixed rule (one row: the default block shape);
+    one row of a large matrix is timed once against cuBLAS and the answer kept; inside a
+    graph capture an untimed matrix takes cuBLAS instead of timing; `project` computes the
+    same product whichever way it goes."""
     import torch.nn as nn
 
     from structgen.engine.kernels import gemv
     from structgen.engine.models.llama import project
 
-    lin = nn.Linear(576, 960, bias=True, device=DEVICE, dtype=LOW)
-    for rows in (1, 2):
-        x = torch.randn(rows, 576, device=DEVICE).to(LOW)
-        first = gemv.plan(rows, lin.weight)
-        assert first is None or first in gemv.CONFIGS
-        assert gemv.plan(rows, lin.weight) == first  # cached: timed once
-        assert rel_err(project(lin, x, True), lin(x)) < 1e-2
-    untimed = torch.empty(1000, 576, device=DEVICE, dtype=LOW)
+    small = nn.Linear(576, 960, bias=True, device=DEVICE, dtype=LOW)
+    assert gemv.plan(1, small.weight) == gemv.DEFAULT and gemv.plan(2, small.weight) is None
+    large = nn.Linear(2048, 3072, bias=False, device=DEVICE, dtype=LOW)
+    first = gemv.plan(1, large.weight)
+    assert first is None or first in gemv.CONFIGS
+    assert gemv.plan(1, large.weight) == first  # cached: timed once
+    for lin in (small, large):
+        for rows in (1, 2):
+            x = torch.randn(rows, lin.in_features, device=DEVICE).to(LOW)
+            assert rel_err(project(lin, x, True), lin(x)) < 1e-2
+    untimed = torch.empty(4096, 2048, device=DEVICE, dtype=LOW)
     g, buf = torch.cuda.CUDAGraph(), torch.zeros(8, device=DEVICE)
     with torch.cuda.graph(g):
         inside = gemv.plan(1, untimed)
         buf.add_(1)  # a graph needs a node
-    assert inside == gemv.DEFAULT  # the fixed rule: one row of a small matrix
-    assert (1, (1000, 576), LOW, untimed.device) not in gemv._plans
+    assert inside is None
+    assert (1, (4096, 2048), LOW, untimed.device) not in gemv._plans
 
 
 # ----------------------------------------------------------------------------- sampling

@@ -6,9 +6,10 @@ its kernels stream W slower than this one does. Measured on an H100 (2026-11, CU
 weights cold in L2): SmolLM2-135M's four projections 3.3-5.2 us in cuBLAS, 2.5-4.0 us here;
 Llama-8B's lm_head 371 vs 331 us (2.83 vs 3.17 TB/s) and gate_up 82 vs 78 us, while its qkv
 projection is cuBLAS's (20.6 us) and the best block shape differs per matrix. So `plan` times
-cuBLAS against a few block shapes once per (rows, weight shape) on the device, outside any
-graph capture (the decode graphs' warm-up runs every shape first), and keeps the fastest;
-inside a capture an untimed shape falls back to `use_gemv`'s fixed rule.
+cuBLAS against a few block shapes once per large matrix on the device, outside any graph
+capture (the decode graphs' warm-up runs every shape first), and keeps the fastest. Small
+matrices keep the fixed rule: timed in isolation they picked shapes that ran slower inside the
+decode graph (SmolLM2 batch 1 0.90 instead of 0.79 ms/step). Rows past one take cuBLAS.
 Each program owns BLOCK_N output features, streams their [BLOCK_N, K] slab of W in BLOCK_K
 chunks and keeps its accumulator in registers.
 """
@@ -24,7 +25,6 @@ import triton.language as tl
 
 MAX_ROWS = 4
 MAX_WEIGHT = 4 << 20  # elements: above this cuBLAS reads W at least as fast (the untimed rule)
-TIMED_ROWS = 2  # products of up to this many rows are timed; more rows take cuBLAS
 # (block_n, block_k, num_warps, num_stages) timed against cuBLAS: the best shapes of a sweep
 # over SmolLM2, Llama-1B and Llama-8B matrices on the H100.
 CONFIGS = ((4, 1024, 4, 4), (2, 2048, 4, 4), (2, 4096, 8, 3))
@@ -39,14 +39,14 @@ def use_gemv(rows: int, weight: torch.Tensor) -> bool:
 
 
 def plan(rows: int, weight: torch.Tensor) -> tuple[int, int, int, int] | None:
-    """The block shape to run `x[rows] @ weight.T` with, or None for cuBLAS. Timed on first
-    use per (rows, shape, dtype, device); a CUDA weight only."""
-    if rows > TIMED_ROWS or not weight.is_cuda:
+    """The block shape to run `x[rows] @ weight.T` with, or None for cuBLAS: the fixed rule,
+    except one row of a large CUDA matrix, timed on first use per (shape, dtype, device)."""
+    if rows != 1 or not weight.is_cuda or weight.numel() <= MAX_WEIGHT:
         return DEFAULT if weight.is_cuda and use_gemv(rows, weight) else None
     key = (rows, tuple(weight.shape), weight.dtype, weight.device)
     if key not in _plans:
         if torch.cuda.is_current_stream_capturing():  # no timing inside a capture
-            return DEFAULT if use_gemv(rows, weight) else None
+            return None
         _plans[key] = _time(rows, weight)
     return _plans[key]
 

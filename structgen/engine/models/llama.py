@@ -76,8 +76,8 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 def project(linear: nn.Linear, x: torch.Tensor, fused: bool) -> torch.Tensor:
-    """`linear(x)`, except that products of one or two rows take the Triton GEMV where it
-    was timed faster than cuBLAS for that matrix (kernels/gemv.py)."""
+    """`linear(x)`, except that one-row products take the Triton GEMV where it is faster
+    than cuBLAS: small matrices always, large ones where timing says so (kernels/gemv.py)."""
     if fused and x.dim() == 2:
         from structgen.engine.kernels import gemv
 
