@@ -200,7 +200,7 @@ class DecodeGraphs:
         has_mask: list[bool],
         fill_bitmask: Callable[[torch.Tensor], None],
         predict_next: bool = False,
-        plan_next: Callable[[list[int]], StepRows | bool | None] | None = None,
+        plan_next: Callable[[list[int]], StepRows | None] | None = None,
     ) -> list[int]:
         """Decode one token for each of n rows (n <= max_batch_size); return the n sampled
         tokens. `fill_bitmask(host_bitmask)` is called while the forward runs and must fill row
@@ -208,8 +208,7 @@ class DecodeGraphs:
         launch the next step's forward (see the module docstring); only when each sequence's
         rows are adjacent, with consecutive positions. `plan_next(tokens)`, given the token
         sampled at each sequence's last row once it is on the host: the next step's rows
-        `(token_ids, positions, slots)` (True: the predicted ones), whose forward is then
-        launched; None or False: launch nothing."""
+        `(token_ids, positions, slots)`, whose forward is then launched; None: launch nothing."""
         n = len(token_ids)
         bs = self.bucket(n)
         assert bs is not None, f"batch of {n} exceeds the largest captured size {self.max_batch_size}"
@@ -266,10 +265,10 @@ class DecodeGraphs:
         ids, pos, sl = [tokens[i] for i in last], [positions[i] + 1 for i in last], [slots[i] for i in last]
         if prelaunch and plan_next is not None:
             planned = plan_next(ids)
-            if isinstance(planned, tuple) and tuple(map(list, planned)) != (ids, pos, sl):
-                self._launch_planned(*planned)  # forced text, or fewer sequences
+            if planned is None:
                 return tokens
-            if not planned:
+            if tuple(map(list, planned)) != (ids, pos, sl):
+                self._launch_planned(*planned)  # forced text, or fewer sequences
                 return tokens
             self._steps[next_bs][0]()  # the predicted step: the sampler advanced its metadata
         if prelaunch:

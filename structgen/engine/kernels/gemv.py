@@ -1,4 +1,4 @@
-"""Matrix-vector products `y = x @ W^T` for decode steps of one or a few rows (Triton).
+"""Matrix-vector products `y = x @ W^T` for one-row decode steps (Triton; up to 4 rows work).
 
 At one row a projection is bound by reading W once. cuBLAS is not always best at it: for a
 small model's matrices (a few MB) its fixed cost per call dominates, and for some large ones
