@@ -52,6 +52,7 @@ class EarlyExitModel(LlamaModel):
         self.norm = target.norm
         self.lm_head = target.lm_head
         self.rope = target.rope
+        self.fused = target.fused  # LlamaModel.head reads it (kernels/gemv.py)
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
