@@ -266,6 +266,35 @@ def test_a_broken_user_drafter_costs_only_its_drafts():
     assert [r.output_ids for r in reqs] == [r.output_ids for r in base]
     assert all(r.finish_reason == "length" for r in reqs)
     assert eng.speculator.drafter.calls > 4
+    assert eng.speculator.disabled is None  # 10 steps: fewer failures in a row than the limit
+
+
+class AlwaysFails:
+    def __init__(self):
+        self.calls = 0
+
+    def propose(self, req: Request, k: int) -> list[int]:
+        self.calls += 1
+        raise RuntimeError("drafter bug")
+
+
+def test_a_drafter_failing_every_step_is_switched_off():
+    from structgen.engine.spec.speculator import MAX_FAILURES_IN_A_ROW
+
+    cfg = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, eos_token_id=[])
+    eng = Engine(cfg, EngineConfig(device="cpu", max_batch_size=2, max_seq_len=96), None, set())
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
+    base = [Request(p, SamplingParams(max_tokens=40)) for p in prompts]
+    eng.run(base)
+    drafter = AlwaysFails()
+    eng.speculator = Speculator(eng, SpeculativeConfig(method="custom", drafter=drafter))
+    reqs = [Request(p, SamplingParams(max_tokens=40)) for p in prompts]
+    eng.run(reqs)
+    assert [r.output_ids for r in reqs] == [r.output_ids for r in base]
+    assert drafter.calls == MAX_FAILURES_IN_A_ROW  # one call per step (propose_all), then off
+    assert eng.speculator.drafter_failures == MAX_FAILURES_IN_A_ROW
+    assert "AlwaysFails" in eng.speculator.disabled and "drafter bug" in eng.speculator.disabled
 
 
 def test_accept_draft_rule():

@@ -77,12 +77,18 @@ def grammar_prefix_len(req: Request, tokens: list[int]) -> int:
     return n
 
 
+MAX_FAILURES_IN_A_ROW = 16  # drafting steps that raise before the drafter is switched off
+
+
 class Speculator:
     def __init__(self, engine: Engine, config: SpeculativeConfig):
         self.engine = engine
         self.config = config
         self.drafter = build_drafter(config, engine)
         self._tracked: set[Request] = set()  # requests the drafter may hold state for
+        self.drafter_failures = 0  # steps whose drafting raised
+        self._failing = 0  # of those, in a row
+        self.disabled: str | None = None  # why drafting stopped for good, if it did
 
     def use_tokenizer(self, tokenizer: Any) -> None:
         """Hand the tokenizer to a drafter that can use it (n-gram: space-insensitive matching)."""
@@ -93,12 +99,14 @@ class Speculator:
     # -- before the forward -------------------------------------------------------------------
     def propose(self, batch: list[tuple[Request, int]]) -> list[list[int]]:
         """Draft tokens for each (request, pending tokens run this step) of the batch. A
-        drafter that fails costs this step its drafts, nothing else."""
+        drafter that fails costs this step its drafts, nothing else; one that fails
+        MAX_FAILURES_IN_A_ROW steps in a row is switched off (`disabled` says why), rather
+        than paying for it, and logging a traceback, on every step."""
         self._release_gone()
         ks = [self._budget(req, n) for req, n in batch]
         todo = [i for i, k in enumerate(ks) if k > 0]
         drafts: list[list[int]] = [[] for _ in batch]
-        if not todo:
+        if not todo or self.disabled is not None:
             return drafts
         reqs = [batch[i][0] for i in todo]
         self._tracked.update(reqs)
@@ -111,9 +119,17 @@ class Speculator:
                 proposed = drafter_hooks.propose_all(self.drafter, reqs, [ks[i] for i in todo])
             for req, i, d in zip(reqs, todo, proposed, strict=True):
                 drafts[i] = self._cut(req, [int(t) for t in d[: ks[i]]], grammar_checked=pick)
-        except Exception:
-            log.exception("drafter %s failed; this step runs without drafts", type(self.drafter).__name__)
+        except Exception as exc:
+            self.drafter_failures += 1
+            self._failing += 1
+            name = type(self.drafter).__name__
+            if self._failing >= MAX_FAILURES_IN_A_ROW:
+                self.disabled = f"drafter {name} failed {self._failing} steps in a row, last with {exc!r}"
+                log.error("%s; speculative decoding is off for this engine", self.disabled)
+            else:
+                log.exception("drafter %s failed; this step runs without drafts", name)
             return [[] for _ in batch]
+        self._failing = 0
         return drafts
 
     def _budget(self, req: Request, n: int) -> int:
