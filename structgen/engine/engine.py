@@ -5,7 +5,10 @@ never touches the others.
 
 A pure decode step (every request runs one token and samples) goes through
 `ModelRunner.decode` instead, which samples on the device and returns tokens: on CUDA a
-captured graph whose grammar masks are filled while its forward runs."""
+captured graph whose grammar masks are filled while its forward runs. With jump-forward
+requests the step takes its tokens in (advance, jump) inside the runner's `plan_next`
+callback and hands back the next step's rows, so that forward, forced text included, is
+launched before the engine goes back to scheduling."""
 
 from __future__ import annotations
 
