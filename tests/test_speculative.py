@@ -253,16 +253,24 @@ class Misbehaving:
         raise RuntimeError("drafter bug")
 
 
-def test_a_broken_user_drafter_costs_only_its_drafts():
+def run_with_drafter(drafter, max_tokens: int) -> tuple[Engine, list[Request], list[Request]]:
+    """Two greedy requests on a small random model, without speculation and then with
+    `drafter` as a custom drafter: (engine, requests without, requests with)."""
     cfg = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, eos_token_id=[])
-    eng = Engine(cfg, EngineConfig(device="cpu", max_batch_size=2, max_seq_len=64), None, set())
+    ec = EngineConfig(device="cpu", max_batch_size=2, max_seq_len=16 + 2 * max_tokens)
+    eng = Engine(cfg, ec, None, set())
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
-    base = [Request(p, SamplingParams(max_tokens=10)) for p in prompts]
+    base = [Request(p, SamplingParams(max_tokens=max_tokens)) for p in prompts]
     eng.run(base)
-    eng.speculator = Speculator(eng, SpeculativeConfig(method="custom", drafter=Misbehaving()))
-    reqs = [Request(p, SamplingParams(max_tokens=10)) for p in prompts]
+    eng.speculator = Speculator(eng, SpeculativeConfig(method="custom", drafter=drafter))
+    reqs = [Request(p, SamplingParams(max_tokens=max_tokens)) for p in prompts]
     eng.run(reqs)
+    return eng, base, reqs
+
+
+def test_a_broken_user_drafter_costs_only_its_drafts():
+    eng, base, reqs = run_with_drafter(Misbehaving(), max_tokens=10)
     assert [r.output_ids for r in reqs] == [r.output_ids for r in base]
     assert all(r.finish_reason == "length" for r in reqs)
     assert eng.speculator.drafter.calls > 4
@@ -281,16 +289,8 @@ class AlwaysFails:
 def test_a_drafter_failing_every_step_is_switched_off():
     from structgen.engine.spec.speculator import MAX_FAILURES_IN_A_ROW
 
-    cfg = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, eos_token_id=[])
-    eng = Engine(cfg, EngineConfig(device="cpu", max_batch_size=2, max_seq_len=96), None, set())
-    prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
-    base = [Request(p, SamplingParams(max_tokens=40)) for p in prompts]
-    eng.run(base)
     drafter = AlwaysFails()
-    eng.speculator = Speculator(eng, SpeculativeConfig(method="custom", drafter=drafter))
-    reqs = [Request(p, SamplingParams(max_tokens=40)) for p in prompts]
-    eng.run(reqs)
+    eng, base, reqs = run_with_drafter(drafter, max_tokens=40)
     assert [r.output_ids for r in reqs] == [r.output_ids for r in base]
     assert drafter.calls == MAX_FAILURES_IN_A_ROW  # one call per step (propose_all), then off
     assert eng.speculator.drafter_failures == MAX_FAILURES_IN_A_ROW

@@ -137,14 +137,17 @@ class DecodeGraphs:
         m[:_CARRIED, :bs] = m[:_CARRIED].index_select(1, m[NEXT, :bs])
         torch.add(m[POSITIONS, :bs], 1, out=m[LENS, :bs])
 
-    def _set_padding(self, lo: int, hi: int) -> None:
-        """Rows [lo, hi): token 0 at position 0 of the scratch slot, greedy, no mask."""
-        meta = self._meta_np
+    def _set_padding(self, lo: int, hi: int | None, meta: np.ndarray | None = None) -> None:
+        """Rows [lo, hi) of `meta` (default: the step's host_meta): token 0 at position 0 of
+        the scratch slot, greedy, no mask."""
+        step = meta is None
+        meta = self._meta_np if step else meta
         meta[:, lo:hi] = 0
         meta[SLOTS, lo:hi] = self.kv.scratch_slot
         meta[LENS, lo:hi] = 1
-        meta[NEXT, lo:hi] = self.pad_column
-        self._temp_np[lo:hi] = 0.0
+        if step:
+            meta[NEXT, lo:hi] = self.pad_column
+            self._temp_np[lo:hi] = 0.0
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -262,17 +265,18 @@ class DecodeGraphs:
         if cuda:
             self.step_done.synchronize()  # waits for the sampler, not for that forward
         tokens = self._tokens_np[:n].tolist()
+        if not prelaunch:
+            return tokens
         ids, pos, sl = [tokens[i] for i in last], [positions[i] + 1 for i in last], [slots[i] for i in last]
-        if prelaunch and plan_next is not None:
+        if plan_next is not None:
             planned = plan_next(ids)
             if planned is None:
                 return tokens
-            if tuple(map(list, planned)) != (ids, pos, sl):
+            if tuple(planned) != (ids, pos, sl):
                 self._launch_planned(*planned)  # forced text, or fewer sequences
                 return tokens
             self._steps[next_bs][0]()  # the predicted step: the sampler advanced its metadata
-        if prelaunch:
-            self._ahead = (next_bs, tuple(sl), tuple(pos), tuple(ids))
+        self._ahead = (next_bs, tuple(sl), tuple(pos), tuple(ids))
         return tokens
 
     def _launch_planned(self, token_ids: list[int], positions: list[int], slots: list[int]) -> None:
@@ -283,9 +287,7 @@ class DecodeGraphs:
         if bs is None or n == 0:
             return
         plan = self._plan_np  # whole rows (contiguous, one copy), padding from row n on
-        plan[:, n:] = 0
-        plan[SLOTS, n:] = self.kv.scratch_slot
-        plan[LENS, n:] = 1
+        self._set_padding(n, None, plan)
         plan[IDS, :n] = token_ids
         plan[POSITIONS, :n] = positions
         plan[SLOTS, :n] = slots
