@@ -116,7 +116,7 @@ def test_silu_mul_matches_torch():
     assert rel_err(silu_mul(x), F.silu(gate) * up) < 1e-2
 
 
-@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (100, 300)])
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (100, 300), (256, 2048), (2056, 2048)])
 def test_gemv_matches_linear(n, k):
     import torch.nn.functional as F
 
@@ -127,6 +127,102 @@ def test_gemv_matches_linear(n, k):
     b = torch.randn(n, device=DEVICE).to(LOW)
     assert rel_err(gemv(x, w), F.linear(x, w)) < 1e-2
     assert rel_err(gemv(x, w, b), F.linear(x, w, b)) < 1e-2
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_norm_silu_gemv_matches_the_unfused_stages(rows, with_residual):
+    """rmsnorm(x + r) -> gate_up -> silu(gate) * up in one kernel, against the three torch
+    stages it replaces; the residual stream comes back bit-exact."""
+    import torch.nn.functional as F
+
+    from structgen.engine.kernels.fused_gemv import CONFIGS, norm_silu_gemv
+    from structgen.engine.models.llama import RMSNorm
+
+    k, inter = 576, 1536
+    norm = RMSNorm(k, 1e-5).to(DEVICE, LOW)
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.2)
+    w = (torch.randn(2 * inter, k, device=DEVICE) * 0.05).to(LOW)
+    x = torch.randn(rows, k, device=DEVICE).to(LOW)
+    r = torch.randn(rows, k, device=DEVICE).to(LOW) if with_residual else None
+    summed = x + r if with_residual else x
+    with torch.no_grad():
+        gate, up = F.linear(norm(summed), w).split(inter, dim=-1)
+    ref = F.silu(gate) * up
+    for cfg in (CONFIGS[0], CONFIGS[2]):  # 4 and 8 features a program
+        with torch.inference_mode():
+            out, res = norm_silu_gemv(x, w, norm.weight, 1e-5, r, cfg=cfg)
+        assert out.shape == (rows, inter)
+        assert rel_err(out, ref) < 2e-2
+        assert torch.equal(res, summed)
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("bias", [False, True])
+def test_norm_qkv_rope_gemv_matches_the_unfused_stages(rows, bias):
+    """rmsnorm -> qkv (+ bias) -> RoPE on q and k -> k, v into the cache, in one kernel,
+    against the torch stages; cache entries other rows own are left alone."""
+    import torch.nn.functional as F
+
+    from structgen.engine.config import ModelConfig
+    from structgen.engine.kernels.fused_gemv import CONFIGS, norm_qkv_rope_gemv
+    from structgen.engine.models.llama import RMSNorm, RotaryEmbedding
+
+    heads, kv_heads, dim, hidden = 6, 2, 64, 384
+    cfg = ModelConfig(num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=dim)
+    rope = RotaryEmbedding(cfg, 256).to(DEVICE)
+    norm = RMSNorm(hidden, 1e-5).to(DEVICE, LOW)
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.2)
+    q_size, kv_size = heads * dim, kv_heads * dim
+    w = (torch.randn(q_size + 2 * kv_size, hidden, device=DEVICE) * 0.05).to(LOW)
+    b = torch.randn(q_size + 2 * kv_size, device=DEVICE).to(LOW) if bias else None
+    x = torch.randn(rows, hidden, device=DEVICE).to(LOW)
+    r = torch.randn(rows, hidden, device=DEVICE).to(LOW)
+    positions = torch.tensor([5, 200, 17, 0][:rows], device=DEVICE)
+    slots = torch.tensor([1, 0, 2, 3][:rows], device=DEVICE)
+    with torch.no_grad():
+        qkv = F.linear(norm(x + r), w, b)
+    q_ref, k_ref, v_ref = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    for block in (CONFIGS[0], CONFIGS[2]):
+        kc = torch.full((4, 256, kv_heads, dim), float("nan"), device=DEVICE).to(LOW)
+        vc = kc.clone()
+        with torch.inference_mode():
+            q, res = norm_qkv_rope_gemv(x, w, b, norm.weight, 1e-5, r, positions, slots, rope.cos, rope.sin,
+                                        kc, vc, heads, kv_heads, dim, cfg=block)
+        assert torch.equal(res, x + r)
+        assert rel_err(q, rope(q_ref.reshape(rows, heads, dim), positions)) < 2e-2
+        assert rel_err(kc[slots, positions], rope(k_ref.reshape(rows, kv_heads, dim), positions)) < 2e-2
+        assert rel_err(vc[slots, positions], v_ref.reshape(rows, kv_heads, dim)) < 2e-2
+        written = torch.zeros(4, 256, dtype=torch.bool, device=DEVICE)
+        written[slots, positions] = True
+        assert kc[~written].isnan().all() and vc[~written].isnan().all()
+
+
+def test_fused_layers_match_the_unfused_model():
+    """A whole decode step (a few rows) through the fused projections gives the logits of the
+    unfused path, for a GQA model with and without attention bias."""
+    from structgen.engine.attention import AttentionBatch
+    from structgen.engine.config import ModelConfig
+    from structgen.engine.kv_cache import KVCache
+    from structgen.engine.models.llama import LlamaModel, skip_init
+
+    for bias in (False, True):
+        cfg = ModelConfig(vocab_size=300, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=64, attention_bias=bias)
+        with skip_init(LOW):
+            model = LlamaModel(cfg, 128).to(DEVICE)
+        model.init_random_weights(std=0.05)
+        logits = []
+        for fused in (False, True):
+            model.use_fused_kernels(fused)
+            kv = KVCache(cfg, num_slots=3, max_seq_len=128, dtype=LOW, device=DEVICE)
+            with torch.inference_mode():
+                model(torch.arange(1, 9, device=DEVICE), AttentionBatch.build([(1, 0, 8)], DEVICE), kv)
+                step = AttentionBatch.build([(1, 8, 2)], DEVICE)  # two rows: forced text
+                logits.append(model.logits(model(torch.tensor([7, 9], device=DEVICE), step, kv)))
+        assert rel_err(logits[1], logits[0]) < 3e-2
 
 
 @needs_cuda

@@ -2,6 +2,8 @@
 
 - `decode_attention.py`: flash-decoding over the slot KV cache (one query token per sequence).
 - `fused.py`: residual add + RMSNorm, RoPE + KV-cache write, SiLU(gate) * up.
+- `gemv.py`: one-row projections (block shapes timed against cuBLAS for large matrices).
+- `fused_gemv.py`: few-row projections with the norm before them and RoPE / SiLU * up after.
 - `sampling.py`: grammar bitmask + temperature + Gumbel noise + argmax in one pass.
 
 `triton_enabled(device)` is the one switch: True on CUDA when Triton imports, and on the CPU

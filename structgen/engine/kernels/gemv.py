@@ -1,22 +1,23 @@
 """Matrix-vector products `y = x @ W^T` for one-row decode steps (Triton; up to 4 rows work).
 
 At one row a projection is bound by reading W once. cuBLAS is not always best at it: for a
-small model's matrices (a few MB) its fixed cost per call dominates, and for some large ones
-its kernels stream W slower than this one does. Measured on an H100 (2026-11, CUDA graphs,
-weights cold in L2): SmolLM2-135M's four projections 3.3-5.2 us in cuBLAS, 2.5-4.0 us here;
-Llama-8B's lm_head 371 vs 331 us (2.83 vs 3.17 TB/s) and gate_up 82 vs 78 us, while its qkv
-projection is cuBLAS's (20.6 us) and the best block shape differs per matrix. So `plan` times
-cuBLAS against a few block shapes once per large matrix on the device, outside any graph
-capture (the decode graphs' warm-up runs every shape first), and keeps the fastest. Small
-matrices keep the fixed rule: timed in isolation they picked shapes that ran slower inside the
-decode graph (SmolLM2 batch 1 0.90 instead of 0.79 ms/step). Rows past one take cuBLAS.
-Each program owns BLOCK_N output features, streams their [BLOCK_N, K] slab of W in BLOCK_K
-chunks and keeps its accumulator in registers.
+small model's matrices (a few MB) its fixed cost per call dominates, and for large ones its
+kernels stream W slower than this one does. Measured on an H100 (2026-11-25, weights cold in
+L2): SmolLM2-135M's four projections 3.3-5.2 us in cuBLAS, 2.5-4.0 us here; Llama-8B's
+projections 26.8 / 19.9 / 87.6 / 52.0 us (qkv / o / gate_up / down) against cuBLAS's 30.7 /
+22.9 / 94.6 / 56.0, its LM head 341 vs 384 us (3.1 vs 2.7 TB/s). The best block shape differs
+per matrix, so `plan` times cuBLAS against a few block shapes once per large matrix on the
+device, outside any graph capture (the decode graphs' warm-up runs every shape first), and
+keeps the fastest. Small matrices keep the fixed rule (an earlier timing that picked slower
+shapes for them measured launch cost as much as the kernel: see `time_cold`). Rows past one
+take cuBLAS. Each program owns BLOCK_N output features and streams their [BLOCK_N, K] slab of
+W in BLOCK_K chunks, its accumulator in registers.
 """
 
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +28,7 @@ MAX_ROWS = 4
 MAX_WEIGHT = 4 << 20  # elements: above this cuBLAS reads W at least as fast (the untimed rule)
 # (block_n, block_k, num_warps, num_stages) timed against cuBLAS: the best shapes of a sweep
 # over SmolLM2, Llama-1B and Llama-8B matrices on the H100.
-CONFIGS = ((4, 1024, 4, 4), (2, 2048, 4, 4), (2, 4096, 8, 3))
+CONFIGS = ((4, 1024, 4, 4), (2, 1024, 4, 4), (2, 2048, 8, 2), (4, 1024, 8, 3), (4, 512, 4, 4))
 DEFAULT = CONFIGS[0]
 MARGIN = 0.97  # a block shape must beat cuBLAS by 3 %: near-ties stay with cuBLAS
 _plans: dict[tuple, tuple[int, int, int, int] | None] = {}
@@ -52,10 +53,9 @@ def plan(rows: int, weight: torch.Tensor) -> tuple[int, int, int, int] | None:
 
 
 def _time(rows: int, weight: torch.Tensor, reps: int = 15) -> tuple[int, int, int, int] | None:
-    """Median time of cuBLAS and of each block shape on `weight`, L2 flushed before each call
-    (a forward reads every matrix cold: the model is far larger than L2)."""
+    """cuBLAS against each block shape on `weight` (see `time_cold`); a block shape must win by
+    MARGIN and compute the right product."""
     x = torch.randn(rows, weight.shape[1], device=weight.device, dtype=weight.dtype)
-    flush = torch.empty(96 << 20, dtype=torch.int8, device=weight.device)
     ref = F.linear(x, weight).float()
     times: dict[tuple[int, int, int, int] | None, float] = {}
     for cfg in (None, *CONFIGS):
@@ -68,37 +68,88 @@ def _time(rows: int, weight: torch.Tensor, reps: int = 15) -> tuple[int, int, in
         y = run().float()  # compiles; a shape that computes wrong is never chosen
         if cfg is not None and (y - ref).norm() > 1e-2 * ref.norm():
             continue
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-        for start, end in events:
-            flush.zero_()
-            start.record()
-            run()
-            end.record()
-        torch.cuda.synchronize(weight.device)
-        times[cfg] = statistics.median(s.elapsed_time(e) for s, e in events)
+        times[cfg] = time_cold(run, weight.device, reps)
+    for cfg in times:  # again, now that the clocks are up: cuBLAS, timed first, read 30 % slow
+        times[cfg] = min(times[cfg], time_cold(lambda cfg=cfg: run(cfg), weight.device, reps))
     best = min((c for c in times if c is not None), key=times.__getitem__, default=None)
     return best if best is not None and times[best] < MARGIN * times[None] else None
 
 
+def time_cold(run: Callable[[], object], device: torch.device, reps: int = 15) -> float:
+    """Median ms of `run()` with L2 flushed before each call (a forward reads every matrix
+    cold: the model is far larger than L2). The device first sleeps while the host queues every
+    call: timed one launch at a time, a kernel that runs in 10-30 us would be timed waiting for
+    its own Python launch after the flush, which once ranked block shapes by launch cost."""
+    flush = torch.empty(96 << 20, dtype=torch.int8, device=device)
+    run()
+    torch.cuda.synchronize(device)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    torch.cuda._sleep(500_000 * reps)  # ~0.3 ms a call at the H100's clock: the queue stays ahead
+    for start, end in events:
+        flush.zero_()
+        start.record()
+        run()
+        end.record()
+    torch.cuda.synchronize(device)
+    return statistics.median(s.elapsed_time(e) for s, e in events)
+
+
 @triton.jit
-def _gemv_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym,
-                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS: tl.constexpr,
+                 EVEN_K: tl.constexpr, SUM_LATE: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
+    w_ptr = W + n[:, None].to(tl.int64) * stride_wn
     m = tl.arange(0, BLOCK_M)
     mmask = m < M
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    w_ptr = W + n[:, None].to(tl.int64) * stride_wn
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        kmask = k < K
-        w = tl.load(w_ptr + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-        x = tl.load(X + m[:, None] * stride_xm + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
-        acc += tl.sum(x.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
-    if HAS_BIAS:
-        acc += tl.load(B + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    tl.store(Y + m[:, None] * stride_ym + n[None, :], acc.to(Y.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+    # Large matrices (SUM_LATE) accumulate products element-wise and sum them once after the
+    # loop: a sum per chunk puts a cross-warp reduction (a barrier) between two loads of W. The
+    # one-row case is written apart, with no mask on K where chunks divide it: the general form
+    # streamed W 5-15 % slower (H100, Llama-8B shape, L2 cold: down 59.5 vs 52.0 us, o 22.8 vs
+    # 20.0). Small matrices keep the sum per chunk, in the general form: on SmolLM2-135M
+    # either change made the forward graph slower (0.88 vs 0.76 ms, same process).
+    if not SUM_LATE:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            kmask = k < K
+            w = tl.load(w_ptr + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+            x = tl.load(X + m[:, None] * stride_xm + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+            acc += tl.sum(x.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
+        if HAS_BIAS:
+            acc += tl.load(B + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        tl.store(Y + m[:, None] * stride_ym + n[None, :], acc.to(Y.dtype.element_ty),
+                 mask=mmask[:, None] & nmask[None, :])
+    elif BLOCK_M == 1:
+        acc1 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            if EVEN_K:
+                w = tl.load(w_ptr + k[None, :], mask=nmask[:, None], other=0.0)
+                x = tl.load(X + k)
+            else:
+                w = tl.load(w_ptr + k[None, :], mask=nmask[:, None] & (k < K)[None, :], other=0.0)
+                x = tl.load(X + k, mask=k < K, other=0.0)
+            acc1 += x.to(tl.float32)[None, :] * w.to(tl.float32)
+        out = tl.sum(acc1, 1)
+        if HAS_BIAS:
+            out += tl.load(B + n, mask=nmask, other=0.0).to(tl.float32)
+        tl.store(Y + n, out.to(Y.dtype.element_ty), mask=nmask)
+    else:
+        acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            kmask = k < K
+            w = tl.load(w_ptr + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+            x = tl.load(X + m[:, None] * stride_xm + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+            acc3 += x.to(tl.float32)[:, None, :] * w[None, :, :]
+        acc2 = tl.sum(acc3, 2)
+        if HAS_BIAS:
+            acc2 += tl.load(B + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        tl.store(Y + m[:, None] * stride_ym + n[None, :], acc2.to(Y.dtype.element_ty),
+                 mask=mmask[:, None] & nmask[None, :])
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -108,9 +159,14 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     n = weight.shape[0]
     assert m <= MAX_ROWS and x.stride(-1) == 1 and weight.stride(-1) == 1
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    late = weight.numel() > MAX_WEIGHT
+    bm = triton.next_power_of_2(m)
+    # A late sum's accumulator holds BLOCK_M x BLOCK_N x BLOCK_K products: rows share the chunk.
+    bk = min(block_k // bm if late else block_k, triton.next_power_of_2(k))
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
+        HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, SUM_LATE=late,
+        BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=bk,
         num_warps=num_warps, num_stages=num_stages,
     )
     return y

@@ -24,6 +24,8 @@ from structgen.engine.attention import AttentionBatch, attend
 from structgen.engine.config import ModelConfig
 from structgen.engine.kv_cache import KVCache
 
+FUSED_ROWS = 4  # steps of up to this many rows run norms inside the projections (fused_gemv.MAX_ROWS)
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -142,6 +144,19 @@ class Attention(nn.Module):
         out = attend(q, kv.k[self.layer_idx], kv.v[self.layer_idx], batch)
         return self.o_proj(out.reshape(n, self.q_size))
 
+    def norm_forward(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, rope: RotaryEmbedding,
+                     batch: AttentionBatch, kv: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(norm(x + residual)), x + residual) for a few rows: norm, qkv, RoPE and the KV
+        write in one kernel (kernels/fused_gemv.py)."""
+        from structgen.engine.kernels.fused_gemv import norm_qkv_rope_gemv
+
+        i, n = self.layer_idx, x.shape[0]
+        q, residual = norm_qkv_rope_gemv(
+            x, self.qkv_proj.weight, self.qkv_proj.bias, norm.weight, norm.eps, residual, batch.positions,
+            batch.token_slots, rope.cos, rope.sin, kv.k[i], kv.v[i], self.n_heads, self.n_kv, self.head_dim)
+        out = attend(q, kv.k[i], kv.v[i], batch)
+        return project(self.o_proj, out.reshape(n, self.q_size), True), residual
+
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -159,6 +174,14 @@ class MLP(nn.Module):
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
+    def norm_forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(norm(x + residual)), x + residual) for a few rows: norm, gate_up and SiLU * up
+        in one kernel."""
+        from structgen.engine.kernels.fused_gemv import norm_silu_gemv
+
+        h, residual = norm_silu_gemv(x, self.gate_up_proj.weight, norm.weight, norm.eps, residual)
+        return project(self.down_proj, h, True), residual
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
@@ -167,6 +190,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        self.fused_rows = 0  # steps of up to this many rows take the fused projections
 
     def forward(self, x, rope, batch, kv):
         out, residual = self.forward_residual(x, None, rope, batch, kv)
@@ -175,6 +199,9 @@ class DecoderLayer(nn.Module):
     def forward_residual(self, x, residual, rope, batch, kv):
         """The layer with its output add left to the caller: returns (mlp output, residual
         stream), so the model fuses that add into the next layer's input norm."""
+        if x.dim() == 2 and x.shape[0] <= self.fused_rows and self.self_attn.q_norm is None:
+            h, residual = self.self_attn.norm_forward(x, residual, self.input_layernorm, rope, batch, kv)
+            return self.mlp.norm_forward(h, residual, self.post_attention_layernorm)
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
@@ -203,11 +230,18 @@ class LlamaModel(nn.Module):
             x, residual = layer.forward_residual(x, residual, self.rope, batch, kv)
         return self.norm.add_forward(x, residual)[0]
 
-    def use_fused_kernels(self, enabled: bool) -> None:
-        """Route norms, RoPE + KV write and SiLU * up through the Triton kernels (CUDA)."""
+    def use_fused_kernels(self, enabled: bool, projection_rows: int = FUSED_ROWS) -> None:
+        """Route norms, RoPE + KV write and SiLU * up through the Triton kernels (CUDA); steps
+        of up to `projection_rows` rows run them inside the projections (fused_gemv.py)."""
         for m in self.modules():
             if hasattr(m, "fused"):
                 m.fused = enabled
+            if isinstance(m, DecoderLayer):
+                m.fused_rows = 0
+                if enabled and projection_rows:
+                    from structgen.engine.kernels.fused_gemv import max_rows
+
+                    m.fused_rows = min(projection_rows, max_rows(m.mlp.gate_up_proj.weight))
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM-head logits in the model dtype."""

@@ -1,0 +1,235 @@
+"""One-row projections with their neighbouring stages fused in (Triton).
+
+A Llama layer at batch 1 is ten kernels: norm, qkv, RoPE + KV write, attention (two), o, norm,
+gate_up, SiLU * up, down. The four small ones each read a few KB, but each costs a launch gap
+and a ramp-up, which on an 8B model added up to about a third of the distance to the HBM
+floor. Here they ride along inside the projections that read megabytes anyway:
+
+- **RMSNorm prologue** (`norm_weight`): each program streams all of x to multiply it with its
+  rows of W, so it can also sum x^2 on the way and scale its dot products by 1/rms at the end
+  (`W @ (x * w_norm) / rms(x)` is the norm's output times W). With `residual`, x is
+  `x + residual`; program 0 also writes that sum out as the new residual stream.
+- **Paired epilogues**: a program owns BLOCK_N output features *and* their partners, so the
+  element-wise stage after the projection needs no other program's output.
+  `silu_mul`: gate rows j and up rows `inter + j` -> `silu(gate) * up`.
+  `rope`: rows d and `d + head_dim / 2` of one head -> rotated q (returned), rotated k and v
+  written into the KV cache at each row's slot and position.
+
+So a layer is six kernels: qkv (+norm, +RoPE, +KV write), attention (two), o, gate_up (+norm,
++SiLU * up), down. Numerics: the norm is applied to the fp32 dot product instead of to x
+rounded to the model dtype, so results differ from the unfused path by bf16 rounding (the tests
+compare with a tolerance); the epilogues round the projection's output to the model dtype first
+and then follow `fused.py` exactly. Up to `MAX_ROWS` rows; larger steps take the unfused path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_ROWS = 4
+EPI_SILU, EPI_ROPE = tl.constexpr(1), tl.constexpr(2)  # constexpr: the kernel reads them
+# (block_n, block_k, num_warps, num_stages): block_n output features (pairs, for the paired
+# epilogues) per program. Large matrices are timed over these once per shape; small ones take
+# the first (timed in isolation, small-matrix shapes lose inside the decode graph: gemv.py).
+CONFIGS = ((4, 1024, 4, 4), (2, 2048, 4, 4), (8, 512, 4, 4), (4, 2048, 8, 3), (2, 1024, 4, 4))
+TIMED_ABOVE = 4 << 20  # weight elements
+_plans: dict[tuple, tuple[int, int, int, int]] = {}
+
+
+@triton.jit
+def _fused_gemv_kernel(
+    X, R, NW, W, B, Y, ROut, M, K, stride_xm, stride_rm, stride_wn, stride_ym, eps, pair_offset,
+    Pos, Slots, Cos, Sin, KC, VC, stride_cos, stride_cs, stride_ct, stride_ch,
+    NORM: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, EPI: tl.constexpr, EVEN_K: tl.constexpr,
+    N_HEADS: tl.constexpr, N_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    j = tl.arange(0, BLOCK_N)
+    if EPI == EPI_ROPE:  # programs walk heads; each owns BLOCK_N dims of a head's first half
+        half: tl.constexpr = HEAD_DIM // 2
+        per_head: tl.constexpr = half // BLOCK_N
+        head = pid // per_head
+        d = (pid % per_head) * BLOCK_N + j
+        lo = head * HEAD_DIM + d
+    else:
+        lo = pid * BLOCK_N + j
+    hi = lo + pair_offset
+    m = tl.arange(0, BLOCK_M)
+    mmask = m < M
+    # Each chunk's products are summed at once (not kept element-wise to the end as in
+    # gemv.py): two element-wise accumulators cost more registers than the sums cost barriers
+    # (H100, in the decode graph: Llama-8B shape 5.99 vs 6.03 ms, SmolLM2 at 2 rows 0.72 vs 0.80).
+    acc_lo = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_hi = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    ss = tl.zeros([BLOCK_M], tl.float32)
+    w_lo = W + lo[:, None].to(tl.int64) * stride_wn
+    w_hi = W + hi[:, None].to(tl.int64) * stride_wn
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        # No mask on K where chunks divide it: masked loads streamed W 5-15 % slower (gemv.py).
+        kmask = (k < K) | EVEN_K
+        xmask = mmask[:, None] & kmask[None, :]
+        x = tl.load(X + m[:, None] * stride_xm + k[None, :], mask=xmask, other=0.0)
+        if HAS_RES:  # the residual add, rounded to the model dtype like `fused.rms_norm`
+            r = tl.load(R + m[:, None] * stride_rm + k[None, :], mask=xmask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+            if pid == 0:
+                tl.store(ROut + m[:, None] * stride_xm + k[None, :], x, mask=xmask)
+        xf = x.to(tl.float32)
+        if NORM:
+            ss += tl.sum(xf * xf, 1)
+            xf = xf * tl.load(NW + k, mask=kmask, other=0.0).to(tl.float32)[None, :]
+        if EVEN_K:
+            w = tl.load(w_lo + k[None, :]).to(tl.float32)
+            w2 = tl.load(w_hi + k[None, :]).to(tl.float32)
+        else:
+            w = tl.load(w_lo + k[None, :], mask=kmask[None, :], other=0.0).to(tl.float32)
+            w2 = tl.load(w_hi + k[None, :], mask=kmask[None, :], other=0.0).to(tl.float32)
+        acc_lo += tl.sum(xf[:, None, :] * w[None, :, :], axis=2)
+        acc_hi += tl.sum(xf[:, None, :] * w2[None, :, :], axis=2)
+    if NORM:
+        inv = 1.0 / tl.sqrt(ss / K + eps)
+        acc_lo = acc_lo * inv[:, None]
+        acc_hi = acc_hi * inv[:, None]
+    if HAS_BIAS:
+        acc_lo += tl.load(B + lo).to(tl.float32)[None, :]
+        acc_hi += tl.load(B + hi).to(tl.float32)[None, :]
+    dt = Y.dtype.element_ty
+    rows = m[:, None] * stride_ym
+    if EPI == EPI_SILU:
+        g = acc_lo.to(dt).to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        tl.store(Y + rows + lo[None, :], (act * acc_hi.to(dt).to(tl.float32)).to(dt), mask=mmask[:, None])
+    else:
+        a = acc_lo.to(dt).to(tl.float32)
+        b = acc_hi.to(dt).to(tl.float32)
+        if head >= N_HEADS + N_KV:  # v: no rotation, straight into the cache
+            pos = tl.load(Pos + m, mask=mmask, other=0).to(tl.int64)
+            slot = tl.load(Slots + m, mask=mmask, other=0).to(tl.int64)
+            off = slot[:, None] * stride_cs + pos[:, None] * stride_ct + (head - N_HEADS - N_KV) * stride_ch + d[None, :]
+            tl.store(VC + off, a.to(VC.dtype.element_ty), mask=mmask[:, None])
+            tl.store(VC + off + half, b.to(VC.dtype.element_ty), mask=mmask[:, None])
+        else:
+            pos = tl.load(Pos + m, mask=mmask, other=0).to(tl.int64)
+            cs = pos[:, None] * stride_cos + d[None, :]
+            # cos/sin rounded to the model dtype first, like `RotaryEmbedding.forward`.
+            c1 = tl.load(Cos + cs, mask=mmask[:, None], other=0.0).to(dt).to(tl.float32)
+            c2 = tl.load(Cos + cs + half, mask=mmask[:, None], other=0.0).to(dt).to(tl.float32)
+            s1 = tl.load(Sin + cs, mask=mmask[:, None], other=0.0).to(dt).to(tl.float32)
+            s2 = tl.load(Sin + cs + half, mask=mmask[:, None], other=0.0).to(dt).to(tl.float32)
+            o1 = ((a * c1).to(dt).to(tl.float32) + (-b * s1).to(dt).to(tl.float32)).to(dt)
+            o2 = ((b * c2).to(dt).to(tl.float32) + (a * s2).to(dt).to(tl.float32)).to(dt)
+            if head < N_HEADS:  # q: out [M, n_heads * head_dim]
+                tl.store(Y + rows + lo[None, :], o1, mask=mmask[:, None])
+                tl.store(Y + rows + lo[None, :] + half, o2, mask=mmask[:, None])
+            else:
+                slot = tl.load(Slots + m, mask=mmask, other=0).to(tl.int64)
+                off = slot[:, None] * stride_cs + pos[:, None] * stride_ct + (head - N_HEADS) * stride_ch + d[None, :]
+                tl.store(KC + off, o1.to(KC.dtype.element_ty), mask=mmask[:, None])
+                tl.store(KC + off + half, o2.to(KC.dtype.element_ty), mask=mmask[:, None])
+
+
+def _launch(x, weight, bias, out, *, norm_weight, residual, eps, epi, grid, pair_offset, cfg,
+            rope=None, heads=(1, 1, 2)) -> torch.Tensor | None:
+    m, k = x.shape
+    assert m <= MAX_ROWS and x.stride(-1) == 1 and weight.stride(-1) == 1
+    res_out = torch.empty_like(x) if residual is not None else None
+    bn, bk, nw, ns = cfg
+    block_k = min(bk, triton.next_power_of_2(k))
+    pos, slots, cos, sin, kc, vc = rope or (x, x, x, x, x, x)
+    stride_c = kc.stride() if rope else (0, 0, 0, 0)
+    _fused_gemv_kernel[grid(bn)](
+        x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, weight,
+        bias if bias is not None else weight, out, res_out if res_out is not None else x,
+        m, k, x.stride(0), residual.stride(0) if residual is not None else 0, weight.stride(0), out.stride(0),
+        eps, pair_offset, pos, slots, cos, sin, kc, vc, cos.stride(0) if rope else 0, *stride_c[:3],
+        NORM=norm_weight is not None, HAS_RES=residual is not None, HAS_BIAS=bias is not None, EPI=epi.value,
+        N_HEADS=heads[0], N_KV=heads[1], HEAD_DIM=heads[2],
+        EVEN_K=k % block_k == 0, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=bn, BLOCK_K=block_k,
+        num_warps=nw, num_stages=ns,
+    )
+    return res_out
+
+
+def norm_silu_gemv(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                   residual: torch.Tensor | None = None,
+                   cfg: tuple[int, int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(silu(gate) * up, x + residual) for `gate | up = rmsnorm(x + residual) @ weight.T`;
+    weight is the fused [2I, K] gate_up matrix. Without residual the second item is x."""
+    inter = weight.shape[0] // 2
+    cfg = cfg or plan("silu", x.shape[0], weight, lambda c: norm_silu_gemv(x, weight, norm_weight, eps, residual, c))
+    out = torch.empty(x.shape[0], inter, dtype=x.dtype, device=x.device)
+    grid = lambda bn: (triton.cdiv(inter, bn),)  # noqa: E731
+    assert inter % cfg[0] == 0
+    res = _launch(x, weight, None, out, norm_weight=norm_weight, residual=residual, eps=eps, epi=EPI_SILU,
+                  grid=grid, pair_offset=inter, cfg=cfg)
+    return out, (res if res is not None else x)
+
+
+def norm_qkv_rope_gemv(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+    residual: torch.Tensor | None, positions: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor,
+    sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, n_heads: int, n_kv: int, head_dim: int,
+    cfg: tuple[int, int, int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [M, n_heads, head_dim], x + residual): `qkv = rmsnorm(x + residual) @ weight.T + bias`,
+    q and k rotated (HF rotate-half layout), k and v written at `k_cache[slot, position]` (the
+    work of `fused.rms_norm` + projection + `fused.rope_and_cache` in one kernel)."""
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and cos.stride(-1) == 1
+    if cfg is None:
+        cfg = plan("rope", x.shape[0], weight, lambda c: norm_qkv_rope_gemv(
+            x, weight, bias, norm_weight, eps, residual, positions, slots, cos, sin, k_cache, v_cache,
+            n_heads, n_kv, head_dim, c))
+    half = head_dim // 2
+    bn = min(cfg[0], half)
+    q = torch.empty(x.shape[0], n_heads, head_dim, dtype=x.dtype, device=x.device)
+    grid = lambda bn: ((n_heads + 2 * n_kv) * (half // bn),)  # noqa: E731
+    res = _launch(x, weight, bias, q.view(x.shape[0], -1), norm_weight=norm_weight, residual=residual, eps=eps,
+                  epi=EPI_ROPE, grid=grid, pair_offset=half, cfg=(bn, *cfg[1:]),
+                  rope=(positions, slots, cos, sin, k_cache, v_cache), heads=(n_heads, n_kv, head_dim))
+    return q, (res if res is not None else x)
+
+
+def max_rows(gate_up: torch.Tensor) -> int:
+    """The most rows a step may have for a layer with this gate_up matrix to take these kernels.
+    They pay where kernel count is the cost and lose where streaming W is: each program reads
+    x, the residual and the norm weight besides its rows of W, and does every row's FMAs on CUDA
+    cores. Measured on the H100, forward graph at 1 / 2 / 4 rows, fused vs not: SmolLM2-135M
+    0.61 vs 0.76, 0.72 vs 0.87, 0.80 vs 0.87 ms; Llama-1B shape 1.19 vs 1.28 ms, then 1.36 vs
+    1.30 and 1.76 vs 1.31; Llama-8B shape 5.99 vs 5.92 ms, and worse past one row."""
+    if gate_up.numel() <= TIMED_ABOVE:
+        return MAX_ROWS
+    return 1 if gate_up.numel() <= 64 << 20 else 0
+
+
+def plan(kind: str, rows: int, weight: torch.Tensor,
+         run: Callable[[tuple[int, int, int, int]], object]) -> tuple[int, int, int, int]:
+    """The block shape for this (kind, matrix): timed once per shape for large CUDA matrices,
+    outside any graph capture; else the first of CONFIGS."""
+    if not weight.is_cuda or weight.numel() <= TIMED_ABOVE:
+        return CONFIGS[0]
+    key = (kind, rows, tuple(weight.shape), weight.dtype, weight.device)
+    if key not in _plans:
+        if torch.cuda.is_current_stream_capturing():
+            return CONFIGS[0]
+        _plans[key] = _time(run, weight.device)
+    return _plans[key]
+
+
+def _time(run: Callable[[tuple[int, int, int, int]], object], device: torch.device) -> tuple[int, int, int, int]:
+    """The fastest of CONFIGS (`gemv.time_cold`). Runs the real call, so its side effects (KV
+    writes) must be harmless: the decode graphs' warm-up, on padding rows, is where this happens."""
+    from structgen.engine.kernels.gemv import time_cold
+
+    times = {}
+    for cfg in CONFIGS:
+        try:
+            times[cfg] = time_cold(lambda cfg=cfg: run(cfg), device)
+        except AssertionError:  # a block shape this matrix cannot take
+            continue
+    return min(times, key=times.__getitem__)
