@@ -4,7 +4,8 @@ speculation, on extraction prompts built from MaskBench JME (NousResearch json-m
 Each prompt holds the schema and the schema's valid instance rendered as prose; the model
 (real SmolLM2-135M-Instruct weights, greedy) extracts the JSON under the schema's grammar.
 Variants: no speculation; n-gram (prompt lookup) drafting with and without grammar-aware
-drafting; the self-draft (the target's first layers + its LM head); each with jump-forward on
+drafting, and `-late` without drafting the next step while the device waits (its verify forward
+is launched after this step's bookkeeping instead of at once); the self-draft (the target's first layers + its LM head); each with jump-forward on
 and off. Greedy speculation is lossless, so every variant must produce the baseline's exact
 tokens (`identical` counts those that do).
 
@@ -223,12 +224,16 @@ def main() -> None:
         tag = "" if i == 0 else f"-k{k}"  # the first draft length keeps the plain names
         if "ngram" in methods:
             variants += [(f"structgen-ngram{tag}", SpeculativeConfig(num_draft_tokens=k)),
+                         (f"structgen-ngram-late{tag}", SpeculativeConfig(num_draft_tokens=k)),
                          (f"structgen-ngram-nogrammar{tag}", SpeculativeConfig(num_draft_tokens=k, grammar_aware=False))]
         if "self_draft" in methods and i == 0:
             for aware, suffix in ((True, ""), (False, "-nogrammar")):
                 variants.append((f"structgen-selfdraft{args.self_draft_layers}{suffix}", SpeculativeConfig(
                     method="self_draft", self_draft_layers=args.self_draft_layers, num_draft_tokens=k, grammar_aware=aware)))
     speculators = {name: None if spec is None else Speculator(eng, spec) for name, spec in variants}
+    for name, s in speculators.items():
+        if "-late" in name:  # each verify forward launched after the step's bookkeeping, as before
+            s.drafter.host_only = False
     for s in speculators.values():
         if s is not None:
             s.use_tokenizer(llm.tokenizer)  # what LLM does for a speculator it is built with

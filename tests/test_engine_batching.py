@@ -149,8 +149,7 @@ def test_planned_decode_steps_are_the_steps_the_engine_runs(engine, grammar, tok
         tokens = real(seqs, temperatures, seeds, has_mask, fill, predict_next)
         planned = None
         if plan_next is not None:
-            last = [i for i in range(len(seqs)) if i == len(seqs) - 1 or seqs[i + 1].slot != seqs[i].slot]
-            rows = plan_next([tokens[i] for i in last])
+            rows = plan_next(tokens)
             planned = None if rows is None else [(s.slot, s.start, s.token_ids) for s in rows]
         steps.append(([(s.slot, s.start, s.token_ids) for s in seqs], planned))
         return tokens

@@ -417,10 +417,6 @@ def test_prelaunched_forward_after_multi_row_steps_equals_launching_late():
         def rows_now() -> list[ExtendSeq]:
             return [ExtendSeq(s, cached[s] + j, [t]) for s in (0, 1) for j, t in enumerate(seqs[s][cached[s]:])]
 
-        def plan(toks: list[int]) -> list[ExtendSeq] | None:
-            take(toks)
-            return planner(state["step"], rows_now())
-
         out = []
         for step in range(6):
             state.update(step=step, taken=False)
@@ -428,6 +424,11 @@ def test_prelaunched_forward_after_multi_row_steps_equals_launching_late():
             cached.update({s: len(seqs[s]) for s in (0, 1)})
             n = len(rows)
             last = [i for i in range(n) if i == n - 1 or rows[i + 1].slot != rows[i].slot]
+
+            def plan(toks: list[int], last=last) -> list[ExtendSeq] | None:  # every row's token
+                take([toks[i] for i in last])
+                return planner(state["step"], rows_now())
+
             tokens = runner.decode(rows, [0.0] * n, [0] * n, [i in last for i in range(n)], fill, True,
                                    plan if planner else None)
             out.append(tokens)
@@ -447,3 +448,60 @@ def test_prelaunched_forward_after_multi_row_steps_equals_launching_late():
     assert used_partly == 4  # no plan after step 1: step 2's forward launched late
     assert partly == late
     assert all(t < 32 for step in early for t in step[-1:])
+
+
+def test_speculative_prelaunched_verify_equals_launching_late():
+    """With a drafter that runs on the host, a verify step takes its sampled tokens in inside
+    the graphs' `plan_next`, drafts the next step there and has its forward launched at once
+    (speculator.py `_plan_next`). Outputs equal a run that never pre-launches, the planned
+    drafts are the ones verified, and most forwards after the first were launched early. Runs
+    on the CPU under TRITON_INTERPRET=1 (graphs eager)."""
+    from structgen.engine.config import EngineConfig, ModelConfig, SpeculativeConfig
+    from structgen.engine.cuda_graphs import DecodeGraphs
+    from structgen.engine.engine import Engine
+    from structgen.engine.request import Request
+    from structgen.engine.sampler import SamplingParams
+
+    cfg = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, eos_token_id=[])
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (6, 11)]
+
+    class ReplayDrafter:  # the reference output, every 4th token corrupted
+        host_only = True
+
+        def __init__(self) -> None:
+            self.reference: dict[tuple[int, ...], list[int]] = {}
+            self.calls = 0
+
+        def propose(self, req: Request, k: int) -> list[int]:
+            self.calls += 1
+            ref, n = self.reference.get(tuple(req.token_ids[: req.num_prompt]), []), req.num_output
+            return [(t + 1) % 512 if (n + j) % 4 == 3 else t for j, t in enumerate(ref[n : n + k])]
+
+    drafter = ReplayDrafter()
+
+    def run(prelaunch: bool, speculate: bool = True) -> tuple[list[list[int]], int, int]:
+        """(outputs, graph steps whose forward was pre-launched, graph steps)."""
+        spec = SpeculativeConfig(method="custom", drafter=drafter, num_draft_tokens=3) if speculate else None
+        ec = EngineConfig(device=str(DEVICE), dtype="float32", max_batch_size=4, max_seq_len=64,
+                          use_cuda_graphs=False, speculative=spec)
+        eng = Engine(cfg, ec, model_dir=None, stop_token_ids=set())
+        eng.runner.model.init_random_weights(std=0.1)
+        eng.runner.graphs = DecodeGraphs(eng.runner, (1, 2, 4, 8), capture=CUDA, prelaunch=prelaunch)
+        reqs = [Request(p, SamplingParams(max_tokens=30)) for p in prompts]
+        drafter.calls = 0
+        eng.run(reqs)
+        return [r.output_ids for r in reqs], eng.runner.graphs.steps_ahead, eng.runner.graphs.steps
+
+    base, _, _ = run(prelaunch=False, speculate=False)
+    drafter.reference = {tuple(p): o for p, o in zip(prompts, base, strict=True)}
+    late, ahead_late, _ = run(prelaunch=False)
+    calls_late = drafter.calls
+    early, ahead_early, steps = run(prelaunch=True)
+    assert ahead_late == 0
+    assert early == late
+    if not CUDA:  # exact on the CPU; on a GPU verify rows may round differently (ties)
+        assert late == base
+    assert steps >= 5 and ahead_early == steps - 1  # all but the first graph step (after the prefill)
+    assert drafter.calls == calls_late  # planned drafts are the ones verified, not proposed again

@@ -20,7 +20,10 @@ CFG = ModelConfig(vocab_size=4096, hidden_size=256, intermediate_size=512, num_h
 
 class ReplayDrafter:
     """Proposes the reference output from where the request is, every 4th token corrupted:
-    long accepted runs and regular rejections, deterministically."""
+    long accepted runs and regular rejections, deterministically. Host-only, so verify steps
+    pre-launch the next one (speculator.py `_plan_next`)."""
+
+    host_only = True
 
     def __init__(self, reference: dict[tuple[int, ...], list[int]]):
         self.reference = reference

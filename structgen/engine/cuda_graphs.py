@@ -209,9 +209,11 @@ class DecodeGraphs:
         tokens. `fill_bitmask(host_bitmask)` is called while the forward runs and must fill row
         i of the int32 [n, W] host tensor for every i with has_mask[i]. `predict_next`: also
         launch the next step's forward (see the module docstring); only when each sequence's
-        rows are adjacent, with consecutive positions. `plan_next(tokens)`, given the token
-        sampled at each sequence's last row once it is on the host: the next step's rows
-        `(token_ids, positions, slots)`, whose forward is then launched; None: launch nothing."""
+        rows are adjacent, with consecutive positions. `plan_next(tokens)`, given the n sampled
+        tokens once they are on the host: the next step's rows `(token_ids, positions, slots)`,
+        whose forward is then launched; None: launch nothing. With `plan_next`, rows of one
+        sequence may all be sampled (speculative verification): the plan, not the blind
+        prediction, says what runs next."""
         n = len(token_ids)
         bs = self.bucket(n)
         assert bs is not None, f"batch of {n} exceeds the largest captured size {self.max_batch_size}"
@@ -269,7 +271,7 @@ class DecodeGraphs:
             return tokens
         ids, pos, sl = [tokens[i] for i in last], [positions[i] + 1 for i in last], [slots[i] for i in last]
         if plan_next is not None:
-            planned = plan_next(ids)
+            planned = plan_next(tokens)
             if planned is None:
                 return tokens
             if tuple(planned) != (ids, pos, sl):

@@ -170,7 +170,7 @@ class Engine:
             # text, not the predicted token. Taking the tokens in (jump-forward included) before
             # the next forward is launched tells which rows it runs.
             def plan(tokens: list[int]) -> list[ExtendSeq] | None:
-                take(tokens)
+                take([tokens[row] for row in last])
                 return self._plan_decode_step()
 
         try:

@@ -144,9 +144,9 @@ class ModelRunner:
         it is called after the forward is launched, so on CUDA it overlaps the GPU.
         `predict_next`: every row is a different request that will likely decode again: the
         graphs launch the next step's forward early (cuda_graphs.py). `plan_next(tokens)`,
-        given the token sampled at each sequence's last row: the next step's one-token rows
-        (or None), whose forward the graphs then launch before returning. It is called only
-        where the graphs pre-launch; callers must not count on it."""
+        given every row's sampled token: the next step's one-token rows (or None), whose
+        forward the graphs then launch before returning. It is called only where the graphs
+        pre-launch; callers must not count on it."""
         if self.graphs is not None and self.graphs.bucket(len(seqs)) is not None:
             self.forward_passes += 1
             plan = None

@@ -28,6 +28,9 @@ class Drafter(Protocol):
     - `on_verified(req, num_drafted, num_accepted)`: the target's verdict on the last draft;
     - `release(req)`: the request finished; drop any state kept for it;
     - `use_tokenizer(tokenizer)`: called once by `LLM` with the model's tokenizer.
+    - `host_only = True`: proposing makes no GPU calls, so the speculator may draft the next
+      step while the device waits and launch its verify forward at once (speculator.py
+      `_plan_next`); a drafter that runs forwards of its own must not say so.
     """
 
     def propose(self, req: Request, k: int) -> list[int]:

@@ -107,6 +107,8 @@ class NgramDrafter:
         continuation is still the source's own tokens.
     """
 
+    host_only = True  # lookups on the host: the next step can be drafted while the device waits
+
     def __init__(self, n_min: int = 1, n_max: int = 4, shared: bool = False, max_candidates: int = 8,
                  pool_size: int = 32, token_classes: list[int] | None = None):
         self.n_min, self.n_max = n_min, n_max

@@ -20,12 +20,18 @@ last chunk of its prompt):
    tokens go through the engine's `_advance` (matcher, stop, max_tokens; jump-forward after
    the last one); `num_cached` keeps pending + accepted drafts, the rejected drafts' K/V are
    overwritten later.
+4. With a drafter that runs on the host (`host_only`: n-gram) and a step in the decode graphs,
+   3 happens inside the graphs' `plan_next`, as soon as the tokens are on the host, followed
+   by 1 for the next step (`_plan_next`); that step's verify forward is launched right then,
+   and the next `step` reuses those drafts. The device waits for the accept and the draft,
+   not for the rest of the step's bookkeeping (H100, SmolLM2, JME, k=3: 0.308 vs 0.320 ms
+   per decoded token).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -89,6 +95,7 @@ class Speculator:
         self.drafter_failures = 0  # steps whose drafting raised
         self._failing = 0  # of those, in a row
         self.disabled: str | None = None  # why drafting stopped for good, if it did
+        self._planned: tuple[tuple, list[list[int]]] | None = None  # (batch key, drafts) from _plan_next
 
     def use_tokenizer(self, tokenizer: Any) -> None:
         """Hand the tokenizer to a drafter that can use it (n-gram: space-insensitive matching)."""
@@ -187,15 +194,32 @@ class Speculator:
         """Draft, run pending + draft tokens in one forward sampling every position under its
         mask, accept, advance. Returns the requests that finished."""
         eng = self.engine
-        drafts = self.propose(batch)
+        drafts = self._planned_drafts(batch)
+        if drafts is None:
+            drafts = self.propose(batch)
         spans = self._spans(batch, drafts)
+        finished: list[list[Request]] = []
+
+        def take(tokens: list[int], errors: dict[Request, BaseException]) -> None:
+            finished.append(self._take(batch, drafts, spans, tokens, errors))
+
         try:
-            tokens, errors = self._forward_and_sample(batch, drafts, spans)
+            self._forward_and_sample(batch, drafts, spans, take)
         except Exception as exc:  # a broken batch fails its requests, not the engine
             log.exception("verify forward failed")
             for req, _ in batch:
                 eng.abort(req, "error", EngineError(f"forward pass failed: {exc}"))
             return [req for req, _ in batch]
+        for req, _ in batch:
+            if not req.finished:
+                eng._notify(req)
+        return finished[0]
+
+    def _take(self, batch: list[tuple[Request, int]], drafts: list[list[int]], spans: list[tuple[int, int] | None],
+              tokens: list[int], errors: dict[Request, BaseException]) -> list[Request]:
+        """Accept each request's drafts against the sampled tokens (row order) and advance it;
+        returns the requests that finished (removed from the scheduler and notified)."""
+        eng = self.engine
         finished = []
         for (req, n), draft, span in zip(batch, drafts, spans, strict=True):
             req.stats.forward_passes += 1
@@ -209,10 +233,46 @@ class Speculator:
                 self._tracked.discard(req)
                 drafter_hooks.release(self.drafter, req)
                 finished.append(req)
-        for req, _ in batch:
-            if not req.finished:
-                eng._notify(req)
         return finished
+
+    # -- the next step, planned while the device waits --------------------------------------------
+    def _plan_next(self) -> list[ExtendSeq] | None:
+        """The next verify step's rows, drafts included, when that step is sure (nobody to admit
+        or prefill) and fits the decode graphs, so its forward is launched as soon as this
+        step's tokens are taken in. Its drafts are proposed here and kept for that step. Only
+        for drafters that run on the host: a draft model's forwards would queue behind it."""
+        try:
+            batch = self.engine.scheduler.peek()
+            if not batch:
+                return None
+            drafts = self.propose(batch)
+            self._planned = (self._batch_key(batch), drafts)
+            spans = self._spans(batch, drafts)
+            graphs = self.engine.runner.graphs
+            rows, _ = self._token_rows(batch, drafts, spans)
+            if any(s is None for s in spans) or self._filtered(batch) or graphs.bucket(len(rows)) is None:
+                return None
+            return rows
+        except Exception:  # pragma: no cover - planning must never fail the step
+            log.exception("planning the next verify step failed")
+            return None
+
+    def _planned_drafts(self, batch: list[tuple[Request, int]]) -> list[list[int]] | None:
+        """Drafts proposed for this very batch by the previous step's plan, if any."""
+        planned, self._planned = self._planned, None
+        if planned is None or planned[0] != self._batch_key(batch):
+            return None
+        return planned[1]
+
+    @staticmethod
+    def _batch_key(batch: list[tuple[Request, int]]) -> tuple:
+        """What a proposal depends on: the requests, the tokens each runs, and their tokens."""
+        return tuple((id(r), n, len(r.token_ids)) for r, n in batch)
+
+    @staticmethod
+    def _filtered(batch: list[tuple[Request, int]]) -> bool:
+        """top-k / top-p rows sample in the eager path (the graphs' sampler does neither)."""
+        return any(not r.params.greedy and (r.params.top_k > 0 or r.params.top_p < 1.0) for r, _ in batch)
 
     @staticmethod
     def _spans(batch: list[tuple[Request, int]], drafts: list[list[int]]) -> list[tuple[int, int] | None]:
@@ -230,13 +290,31 @@ class Speculator:
             flat += n + len(draft)
         return spans
 
+    @staticmethod
+    def _token_rows(batch: list[tuple[Request, int]], drafts: list[list[int]],
+                    spans: list[tuple[int, int] | None]) -> tuple[list[ExtendSeq], dict[int, int]]:
+        """One one-token row per pending and draft token (its own position and context), and
+        `at`: flat index -> sampling row."""
+        rows, at = [], {}
+        for (req, n), d, s in zip(batch, drafts, spans, strict=True):
+            toks = req.token_ids[req.num_cached : req.num_cached + n] + d
+            if s is not None:
+                at.update({s[1] + j: s[0] + j for j in range(1 + len(d))})
+            for j, t in enumerate(toks):
+                rows.append(ExtendSeq(req.slot, req.num_cached + j, [t]))
+        return rows, at
+
     @torch.inference_mode()  # the forward's logits are inference tensors; masking writes them
     def _forward_and_sample(
-        self, batch: list[tuple[Request, int]], drafts: list[list[int]], spans: list[tuple[int, int] | None]
-    ) -> tuple[list[int], dict[Request, BaseException]]:
-        """One forward over every pending + draft token; a sampled token at every sampling
-        position (in row order). Uses the runner's decode graphs when the whole step fits one,
-        treating each token as a one-token row (its own position and context length)."""
+        self, batch: list[tuple[Request, int]], drafts: list[list[int]], spans: list[tuple[int, int] | None],
+        take: Callable[[list[int], dict[Request, BaseException]], None],
+    ) -> None:
+        """One forward over every pending + draft token; `take(tokens, errors)` gets a sampled
+        token at every sampling position (in row order). Uses the runner's decode graphs when
+        the whole step fits one, treating each token as a one-token row (its own position and
+        context length); there, with a host-side drafter, `take` runs as soon as the tokens
+        are on the host and the next verify step's forward is launched right behind it
+        (`_plan_next`), before this step's bookkeeping."""
         eng, runner = self.engine, self.engine.runner
         samplers = [(req, d, s) for (req, _), d, s in zip(batch, drafts, spans, strict=True) if s is not None]
         temps, seeds = [], []
@@ -247,18 +325,12 @@ class Speculator:
         errors: dict[Request, BaseException] = {}
         if not samplers:  # only prefill chunks this step
             runner.extend([ExtendSeq(r.slot, r.num_cached, r.token_ids[r.num_cached : r.num_cached + n], 0) for r, n in batch])
-            return [], errors
+            take([], errors)
+            return
         num_tokens = sum(n + len(d) for (_, n), d in zip(batch, drafts, strict=True))
-        filtered = any(not r.params.greedy and (r.params.top_k > 0 or r.params.top_p < 1.0) for r, _, _ in samplers)
         graphs = runner.graphs
-        if graphs is not None and not filtered and graphs.bucket(num_tokens) is not None:
-            rows, at = [], {}  # one ExtendSeq per token; `at`: flat index -> sampling row
-            for (req, n), d, s in zip(batch, drafts, spans, strict=True):
-                toks = req.token_ids[req.num_cached : req.num_cached + n] + d
-                if s is not None:
-                    at.update({s[1] + j: s[0] + j for j in range(1 + len(d))})
-                for j, t in enumerate(toks):
-                    rows.append(ExtendSeq(req.slot, req.num_cached + j, [t]))
+        if graphs is not None and not self._filtered(batch) and graphs.bucket(num_tokens) is not None:
+            rows, at = self._token_rows(batch, drafts, spans)
             order = sorted(at)  # flat indices of sampling rows, in row order
             flat_temps, flat_seeds, has_mask = [0.0] * len(rows), [0] * len(rows), [False] * len(rows)
             for f in order:
@@ -268,10 +340,22 @@ class Speculator:
                 if req.matcher is not None:
                     has_mask[f0 : f0 + 1 + len(d)] = [True] * (1 + len(d))
             spans_flat = [(req, f0, d) for req, d, (_, f0) in samplers if req.matcher is not None]
+            taken: list[bool] = []
+            plan = None
+            if getattr(self.drafter, "host_only", False) and len(samplers) == len(batch):
+
+                def plan(tokens: list[int]) -> list[ExtendSeq] | None:
+                    taken.append(True)
+                    take([tokens[f] for f in order], errors)
+                    return self._plan_next()
+
             out = runner.decode(
-                rows, flat_temps, flat_seeds, has_mask, lambda bm: errors.update(self._fill_masks(bm, spans_flat))
+                rows, flat_temps, flat_seeds, has_mask, lambda bm: errors.update(self._fill_masks(bm, spans_flat)),
+                plan is not None, plan,
             )
-            return [out[f] for f in order], errors
+            if not taken:
+                take([out[f] for f in order], errors)
+            return
         seqs = []
         for (req, n), d, s in zip(batch, drafts, spans, strict=True):
             start = req.num_cached
@@ -302,7 +386,7 @@ class Speculator:
                 tokens[j] = int(sample(logits[j : j + 1], [req.params], [seeds[j]])[0])
                 if j - r0 == len(d) or tokens[j] != d[j - r0]:
                     break
-        return tokens, errors
+        take(tokens, errors)
 
     def _noise_seed(self, req: Request, position: int) -> int:
         """The sampling noise of the token at `position`: the engine's rule (a function of
