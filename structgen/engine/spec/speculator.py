@@ -42,6 +42,7 @@ from structgen.engine.sampler import allocate_bitmask, apply_bitmask_, sample, s
 from structgen.engine.spec import drafter as drafter_hooks
 from structgen.engine.spec.drafter import Drafter
 from structgen.engine.spec.verify import accept_draft
+from structgen.engine.spec.verify_rows import fill_draft_masks, sampling_spans, token_rows
 from structgen.errors import EngineError
 
 if TYPE_CHECKING:
@@ -197,7 +198,7 @@ class Speculator:
         drafts = self._planned_drafts(batch)
         if drafts is None:
             drafts = self.propose(batch)
-        spans = self._spans(batch, drafts)
+        spans = sampling_spans(batch, drafts)
         finished: list[list[Request]] = []
 
         def take(tokens: list[int], errors: dict[Request, BaseException]) -> None:
@@ -247,9 +248,9 @@ class Speculator:
                 return None
             drafts = self.propose(batch)
             self._planned = (self._batch_key(batch), drafts)
-            spans = self._spans(batch, drafts)
+            spans = sampling_spans(batch, drafts)
             graphs = self.engine.runner.graphs
-            rows, _ = self._token_rows(batch, drafts, spans)
+            rows, _ = token_rows(batch, drafts, spans)
             if any(s is None for s in spans) or self._filtered(batch) or graphs.bucket(len(rows)) is None:
                 return None
             return rows
@@ -273,36 +274,6 @@ class Speculator:
     def _filtered(batch: list[tuple[Request, int]]) -> bool:
         """top-k / top-p rows sample in the eager path (the graphs' sampler does neither)."""
         return any(not r.params.greedy and (r.params.top_k > 0 or r.params.top_p < 1.0) for r, _ in batch)
-
-    @staticmethod
-    def _spans(batch: list[tuple[Request, int]], drafts: list[list[int]]) -> list[tuple[int, int] | None]:
-        """Per request, (first row, first row in the flat token order) of its sampling
-        positions, or None when it does not sample this step. Rows count sampling positions
-        only; the flat order counts every token the forward runs."""
-        spans: list[tuple[int, int] | None] = []
-        row = flat = 0
-        for (req, n), draft in zip(batch, drafts, strict=True):
-            if req.num_cached + n == len(req.token_ids):
-                spans.append((row, flat + n - 1))
-                row += 1 + len(draft)
-            else:
-                spans.append(None)
-            flat += n + len(draft)
-        return spans
-
-    @staticmethod
-    def _token_rows(batch: list[tuple[Request, int]], drafts: list[list[int]],
-                    spans: list[tuple[int, int] | None]) -> tuple[list[ExtendSeq], dict[int, int]]:
-        """One one-token row per pending and draft token (its own position and context), and
-        `at`: flat index -> sampling row."""
-        rows, at = [], {}
-        for (req, n), d, s in zip(batch, drafts, spans, strict=True):
-            toks = req.token_ids[req.num_cached : req.num_cached + n] + d
-            if s is not None:
-                at.update({s[1] + j: s[0] + j for j in range(1 + len(d))})
-            for j, t in enumerate(toks):
-                rows.append(ExtendSeq(req.slot, req.num_cached + j, [t]))
-        return rows, at
 
     @torch.inference_mode()  # the forward's logits are inference tensors; masking writes them
     def _forward_and_sample(
@@ -330,7 +301,7 @@ class Speculator:
         num_tokens = sum(n + len(d) for (_, n), d in zip(batch, drafts, strict=True))
         graphs = runner.graphs
         if graphs is not None and not self._filtered(batch) and graphs.bucket(num_tokens) is not None:
-            rows, at = self._token_rows(batch, drafts, spans)
+            rows, at = token_rows(batch, drafts, spans)
             order = sorted(at)  # flat indices of sampling rows, in row order
             flat_temps, flat_seeds, has_mask = [0.0] * len(rows), [0] * len(rows), [False] * len(rows)
             for f in order:
@@ -350,7 +321,7 @@ class Speculator:
                     return self._plan_next()
 
             out = runner.decode(
-                rows, flat_temps, flat_seeds, has_mask, lambda bm: errors.update(self._fill_masks(bm, spans_flat)),
+                rows, flat_temps, flat_seeds, has_mask, lambda bm: errors.update(fill_draft_masks(bm, spans_flat)),
                 plan is not None, plan,
             )
             if not taken:
@@ -369,7 +340,7 @@ class Speculator:
             for req, _, d in constrained:
                 local.append((req, r, d))
                 r += 1 + len(d)
-            errors.update(self._fill_masks(bitmask, local))
+            errors.update(fill_draft_masks(bitmask, local))
             bitmask = bitmask.to(eng.device, non_blocking=True)
             if len(idx) == logits.shape[0]:  # every row constrained: mask in place
                 apply_bitmask_(logits, bitmask)
@@ -396,31 +367,6 @@ class Speculator:
         if req.params.seed is None:
             return self.engine._rng.getrandbits(63)
         return step_seed(req.params.seed, position)
-
-    @staticmethod
-    def _fill_masks(bitmask: torch.Tensor, spans: list[tuple[Request, int, list[int]]]) -> dict[Request, BaseException]:
-        """Rows r0..r0+m of `bitmask` get the grammar's mask after the pending tokens and after
-        each draft prefix (the matcher walks the draft, then rolls back). Rows after a draft
-        token the grammar forbids are set all-allowed: acceptance stops before them."""
-        errors: dict[Request, BaseException] = {}
-        for req, r0, draft in spans:
-            m, walked = req.matcher, 0
-            try:
-                m.fill_bitmask(bitmask, r0)
-                for d in draft:
-                    if not m.accept_token(d):
-                        break
-                    walked += 1
-                    if m.is_terminated():  # a drafted stop token: nothing follows it
-                        break
-                    m.fill_bitmask(bitmask, r0 + walked)
-            except Exception as exc:
-                errors[req] = exc
-            finally:
-                if walked:
-                    m.rollback(walked)
-            bitmask[r0 + walked + 1 : r0 + len(draft) + 1] = -1
-        return errors
 
     def _accept(self, req: Request, n: int, draft: list[int], tokens: list[int], error: BaseException | None) -> None:
         """Keep the accepted prefix of the draft, emit it and the target's token through the
