@@ -1,14 +1,14 @@
-"""One-row projections with their neighbouring stages fused in (Triton).
+"""Projections of steps with a few rows, with their neighbouring stages fused in (Triton).
 
-A Llama layer at batch 1 is ten kernels: norm, qkv, RoPE + KV write, attention (two), o, norm,
+A Llama layer is ten kernels at batch 1: norm, qkv, RoPE + KV write, attention (two), o, norm,
 gate_up, SiLU * up, down. The four small ones each read a few KB, but each costs a launch gap
-and a ramp-up, which on an 8B model added up to about a third of the distance to the HBM
-floor. Here they ride along inside the projections that read megabytes anyway:
+and a ramp-up, and for a small model that count is the step's cost. Here they ride along inside
+the projections that read the weights anyway:
 
-- **RMSNorm prologue** (`norm_weight`): each program streams all of x to multiply it with its
-  rows of W, so it can also sum x^2 on the way and scale its dot products by 1/rms at the end
-  (`W @ (x * w_norm) / rms(x)` is the norm's output times W). With `residual`, x is
-  `x + residual`; program 0 also writes that sum out as the new residual stream.
+- **RMSNorm prologue**: each program streams all of x to multiply it with its rows of W, so it
+  also sums x^2 on the way and scales its dot products by 1/rms at the end (`W @ (x * w_norm)
+  / rms(x)` is the norm's output times W). With `residual`, x is `x + residual`; program 0
+  also writes that sum out as the new residual stream.
 - **Paired epilogues**: a program owns BLOCK_N output features *and* their partners, so the
   element-wise stage after the projection needs no other program's output.
   `silu_mul`: gate rows j and up rows `inter + j` -> `silu(gate) * up`.
@@ -16,10 +16,13 @@ floor. Here they ride along inside the projections that read megabytes anyway:
   written into the KV cache at each row's slot and position.
 
 So a layer is six kernels: qkv (+norm, +RoPE, +KV write), attention (two), o, gate_up (+norm,
-+SiLU * up), down. Numerics: the norm is applied to the fp32 dot product instead of to x
-rounded to the model dtype, so results differ from the unfused path by bf16 rounding (the tests
-compare with a tolerance); the epilogues round the projection's output to the model dtype first
-and then follow `fused.py` exactly. Up to `MAX_ROWS` rows; larger steps take the unfused path.
++SiLU * up), down. SmolLM2-135M's forward graph at one row: 0.61 instead of 0.76 ms (H100).
+Where streaming W is the cost these kernels lose (every program also reads x, the residual
+and the norm weight, and does each row's FMAs on CUDA cores), so `max_rows` keeps them to
+small models and single rows of mid-sized ones. Numerics: the norm is applied to the fp32 dot
+product instead of to x rounded to the model dtype, so results differ from the unfused path by
+bf16 rounding (the tests compare with a tolerance); the epilogues round the projection's output
+to the model dtype first and then follow `fused.py` exactly.
 """
 
 from __future__ import annotations
@@ -32,9 +35,9 @@ import triton.language as tl
 
 MAX_ROWS = 4
 EPI_SILU, EPI_ROPE = tl.constexpr(1), tl.constexpr(2)  # constexpr: the kernel reads them
-# (block_n, block_k, num_warps, num_stages): block_n output features (pairs, for the paired
-# epilogues) per program. Large matrices are timed over these once per shape; small ones take
-# the first (timed in isolation, small-matrix shapes lose inside the decode graph: gemv.py).
+# (block_n, block_k, num_warps, num_stages): block_n output features (and their partners) per
+# program. Large matrices are timed over these once per shape; small ones take the first, as
+# gemv.py's small matrices keep their fixed shape.
 CONFIGS = ((4, 1024, 4, 4), (2, 2048, 4, 4), (8, 512, 4, 4), (4, 2048, 8, 3), (2, 1024, 4, 4))
 TIMED_ABOVE = 4 << 20  # weight elements
 _plans: dict[tuple, tuple[int, int, int, int]] = {}
@@ -44,7 +47,7 @@ _plans: dict[tuple, tuple[int, int, int, int]] = {}
 def _fused_gemv_kernel(
     X, R, NW, W, B, Y, ROut, M, K, stride_xm, stride_rm, stride_wn, stride_ym, eps, pair_offset,
     Pos, Slots, Cos, Sin, KC, VC, stride_cos, stride_cs, stride_ct, stride_ch,
-    NORM: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, EPI: tl.constexpr, EVEN_K: tl.constexpr,
+    HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, EPI: tl.constexpr, EVEN_K: tl.constexpr,
     N_HEADS: tl.constexpr, N_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -61,9 +64,9 @@ def _fused_gemv_kernel(
     hi = lo + pair_offset
     m = tl.arange(0, BLOCK_M)
     mmask = m < M
-    # Each chunk's products are summed at once (not kept element-wise to the end as in
-    # gemv.py): two element-wise accumulators cost more registers than the sums cost barriers
-    # (H100, in the decode graph: Llama-8B shape 5.99 vs 6.03 ms, SmolLM2 at 2 rows 0.72 vs 0.80).
+    # Each chunk's products are summed at once, not kept element-wise to the end as gemv.py
+    # does for large matrices: with two accumulators the late sum measured slower (H100, forward
+    # graph, two runs on different hosts: SmolLM2 at 2 rows 0.80 vs 0.72 ms, 4 rows 0.89 vs 0.80).
     acc_lo = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_hi = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     ss = tl.zeros([BLOCK_M], tl.float32)
@@ -81,9 +84,8 @@ def _fused_gemv_kernel(
             if pid == 0:
                 tl.store(ROut + m[:, None] * stride_xm + k[None, :], x, mask=xmask)
         xf = x.to(tl.float32)
-        if NORM:
-            ss += tl.sum(xf * xf, 1)
-            xf = xf * tl.load(NW + k, mask=kmask, other=0.0).to(tl.float32)[None, :]
+        ss += tl.sum(xf * xf, 1)
+        xf = xf * tl.load(NW + k, mask=kmask, other=0.0).to(tl.float32)[None, :]
         if EVEN_K:
             w = tl.load(w_lo + k[None, :]).to(tl.float32)
             w2 = tl.load(w_hi + k[None, :]).to(tl.float32)
@@ -92,10 +94,9 @@ def _fused_gemv_kernel(
             w2 = tl.load(w_hi + k[None, :], mask=kmask[None, :], other=0.0).to(tl.float32)
         acc_lo += tl.sum(xf[:, None, :] * w[None, :, :], axis=2)
         acc_hi += tl.sum(xf[:, None, :] * w2[None, :, :], axis=2)
-    if NORM:
-        inv = 1.0 / tl.sqrt(ss / K + eps)
-        acc_lo = acc_lo * inv[:, None]
-        acc_hi = acc_hi * inv[:, None]
+    inv = 1.0 / tl.sqrt(ss / K + eps)
+    acc_lo = acc_lo * inv[:, None]
+    acc_hi = acc_hi * inv[:, None]
     if HAS_BIAS:
         acc_lo += tl.load(B + lo).to(tl.float32)[None, :]
         acc_hi += tl.load(B + hi).to(tl.float32)[None, :]
@@ -144,11 +145,11 @@ def _launch(x, weight, bias, out, *, norm_weight, residual, eps, epi, grid, pair
     pos, slots, cos, sin, kc, vc = rope or (x, x, x, x, x, x)
     stride_c = kc.stride() if rope else (0, 0, 0, 0)
     _fused_gemv_kernel[grid(bn)](
-        x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, weight,
+        x, residual if residual is not None else x, norm_weight, weight,
         bias if bias is not None else weight, out, res_out if res_out is not None else x,
         m, k, x.stride(0), residual.stride(0) if residual is not None else 0, weight.stride(0), out.stride(0),
         eps, pair_offset, pos, slots, cos, sin, kc, vc, cos.stride(0) if rope else 0, *stride_c[:3],
-        NORM=norm_weight is not None, HAS_RES=residual is not None, HAS_BIAS=bias is not None, EPI=epi.value,
+        HAS_RES=residual is not None, HAS_BIAS=bias is not None, EPI=epi.value,
         N_HEADS=heads[0], N_KV=heads[1], HEAD_DIM=heads[2],
         EVEN_K=k % block_k == 0, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=bn, BLOCK_K=block_k,
         num_warps=nw, num_stages=ns,
