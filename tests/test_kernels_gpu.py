@@ -200,6 +200,34 @@ def test_norm_qkv_rope_gemv_matches_the_unfused_stages(rows, bias):
         assert kc[~written].isnan().all() and vc[~written].isnan().all()
 
 
+def test_fused_projections_are_kept_to_the_shapes_they_win_on():
+    """`max_rows`: up to 4 rows for small models, 1 row for mid-sized ones, never for an 8B
+    shape or where no block width divides the intermediate size or half a head; the model
+    takes that rule layer by layer."""
+    from structgen.engine.config import ModelConfig
+    from structgen.engine.kernels.fused_gemv import MAX_ROWS, max_rows
+    from structgen.engine.models.llama import LlamaModel, skip_init
+
+    def gate_up(hidden: int, inter: int) -> torch.Tensor:
+        return torch.empty(2 * inter, hidden, device="meta")
+
+    assert max_rows(gate_up(576, 1536), 64) == MAX_ROWS  # SmolLM2-135M
+    assert max_rows(gate_up(2048, 8192), 64) == 1  # Llama-3.2-1B
+    assert max_rows(gate_up(4096, 14336), 128) == 0  # Llama-3.1-8B
+    assert max_rows(gate_up(576, 1530), 64) == 0  # 1530 = 2 x 765: no block width divides it
+    assert max_rows(gate_up(576, 1536), 36) == 0  # half a head of 18
+    cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    with skip_init(LOW):
+        model = LlamaModel(cfg, 32)
+    model.use_fused_kernels(True)
+    assert [layer.fused_rows for layer in model.layers] == [MAX_ROWS, MAX_ROWS]
+    model.use_fused_kernels(True, projection_rows=1)
+    assert [layer.fused_rows for layer in model.layers] == [1, 1]
+    model.use_fused_kernels(False)
+    assert [layer.fused_rows for layer in model.layers] == [0, 0]
+
+
 def test_fused_layers_match_the_unfused_model():
     """A whole decode step (a few rows) through the fused projections gives the logits of the
     unfused path, for a GQA model with and without attention bias."""

@@ -241,7 +241,7 @@ class LlamaModel(nn.Module):
                 if enabled and projection_rows:
                     from structgen.engine.kernels.fused_gemv import max_rows
 
-                    m.fused_rows = min(projection_rows, max_rows(m.mlp.gate_up_proj.weight))
+                    m.fused_rows = min(projection_rows, max_rows(m.mlp.gate_up_proj.weight, m.self_attn.head_dim))
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM-head logits in the model dtype."""
