@@ -136,17 +136,18 @@ def _fused_gemv_kernel(
 
 
 def _launch(x, weight, bias, out, *, norm_weight, residual, eps, epi, grid, pair_offset, cfg,
-            rope=None, heads=(1, 1, 2)) -> torch.Tensor | None:
+            rope=None, heads=(1, 1, 2)) -> torch.Tensor:
+    """Launch the kernel; returns the residual stream after it (x + residual, or x)."""
     m, k = x.shape
     assert m <= MAX_ROWS and x.stride(-1) == 1 and weight.stride(-1) == 1
-    res_out = torch.empty_like(x) if residual is not None else None
+    res_out = torch.empty_like(x) if residual is not None else x  # written only with a residual
     bn, bk, nw, ns = cfg
     block_k = min(bk, triton.next_power_of_2(k))
     pos, slots, cos, sin, kc, vc = rope or (x, x, x, x, x, x)
     stride_c = kc.stride() if rope else (0, 0, 0, 0)
     _fused_gemv_kernel[grid(bn)](
         x, residual if residual is not None else x, norm_weight, weight,
-        bias if bias is not None else weight, out, res_out if res_out is not None else x,
+        bias if bias is not None else weight, out, res_out,
         m, k, x.stride(0), residual.stride(0) if residual is not None else 0, weight.stride(0), out.stride(0),
         eps, pair_offset, pos, slots, cos, sin, kc, vc, cos.stride(0) if rope else 0, *stride_c[:3],
         HAS_RES=residual is not None, HAS_BIAS=bias is not None, EPI=epi.value,
@@ -167,9 +168,8 @@ def norm_silu_gemv(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Ten
     out = torch.empty(x.shape[0], inter, dtype=x.dtype, device=x.device)
     grid = lambda bn: (triton.cdiv(inter, bn),)  # noqa: E731
     assert inter % cfg[0] == 0
-    res = _launch(x, weight, None, out, norm_weight=norm_weight, residual=residual, eps=eps, epi=EPI_SILU,
-                  grid=grid, pair_offset=inter, cfg=cfg)
-    return out, (res if res is not None else x)
+    return out, _launch(x, weight, None, out, norm_weight=norm_weight, residual=residual, eps=eps, epi=EPI_SILU,
+                        grid=grid, pair_offset=inter, cfg=cfg)
 
 
 def norm_qkv_rope_gemv(
@@ -190,10 +190,9 @@ def norm_qkv_rope_gemv(
     bn = min(cfg[0], half)
     q = torch.empty(x.shape[0], n_heads, head_dim, dtype=x.dtype, device=x.device)
     grid = lambda bn: ((n_heads + 2 * n_kv) * (half // bn),)  # noqa: E731
-    res = _launch(x, weight, bias, q.view(x.shape[0], -1), norm_weight=norm_weight, residual=residual, eps=eps,
-                  epi=EPI_ROPE, grid=grid, pair_offset=half, cfg=(bn, *cfg[1:]),
-                  rope=(positions, slots, cos, sin, k_cache, v_cache), heads=(n_heads, n_kv, head_dim))
-    return q, (res if res is not None else x)
+    return q, _launch(x, weight, bias, q.view(x.shape[0], -1), norm_weight=norm_weight, residual=residual,
+                      eps=eps, epi=EPI_ROPE, grid=grid, pair_offset=half, cfg=(bn, *cfg[1:]),
+                      rope=(positions, slots, cos, sin, k_cache, v_cache), heads=(n_heads, n_kv, head_dim))
 
 
 def max_rows(gate_up: torch.Tensor, head_dim: int) -> int:
@@ -228,16 +227,10 @@ def plan(kind: str, rows: int, weight: torch.Tensor,
 
 
 def _time(run: Callable[[tuple[int, int, int, int]], object], device: torch.device) -> tuple[int, int, int, int]:
-    """The fastest of CONFIGS (`gemv.time_cold`). Runs the real call, so its side effects (KV
-    writes) must be harmless: the decode graphs' warm-up, on padding rows, is where this happens."""
-    from structgen.engine.kernels.gemv import time_cold
+    """The fastest of CONFIGS (`gemv.time_all`). Runs the real call, so its side effects (KV
+    writes) must be harmless: the decode graphs' warm-up, on padding rows, is where this happens.
+    Every block width divides the shapes that get here (`max_rows`)."""
+    from structgen.engine.kernels.gemv import time_all
 
-    times = {}
-    for cfg in CONFIGS:
-        try:
-            times[cfg] = time_cold(lambda cfg=cfg: run(cfg), device)
-        except AssertionError:  # a block shape this matrix cannot take
-            continue
-    for cfg in times:  # again, with the clocks up: the first shape timed reads slow
-        times[cfg] = min(times[cfg], time_cold(lambda cfg=cfg: run(cfg), device))
+    times = time_all(run, list(CONFIGS), device)
     return min(times, key=times.__getitem__)

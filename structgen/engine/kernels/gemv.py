@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +33,7 @@ CONFIGS = ((4, 1024, 4, 4), (2, 1024, 4, 4), (2, 2048, 8, 2), (4, 1024, 8, 3), (
 DEFAULT = CONFIGS[0]
 MARGIN = 0.97  # a block shape must beat cuBLAS by 3 %: near-ties stay with cuBLAS
 _plans: dict[tuple, tuple[int, int, int, int] | None] = {}
+T = TypeVar("T")
 
 
 def use_gemv(rows: int, weight: torch.Tensor) -> bool:
@@ -53,26 +55,29 @@ def plan(rows: int, weight: torch.Tensor) -> tuple[int, int, int, int] | None:
 
 
 def _time(rows: int, weight: torch.Tensor, reps: int = 15) -> tuple[int, int, int, int] | None:
-    """cuBLAS against each block shape on `weight` (see `time_cold`); a block shape must win by
+    """cuBLAS against each block shape on `weight` (`time_all`); a block shape must win by
     MARGIN and compute the right product."""
     x = torch.randn(rows, weight.shape[1], device=weight.device, dtype=weight.dtype)
     ref = F.linear(x, weight).float()
-    times: dict[tuple[int, int, int, int] | None, float] = {}
-    for cfg in (None, *CONFIGS):
-        def run(cfg=cfg) -> torch.Tensor:
-            if cfg is None:
-                return F.linear(x, weight)
-            bn, bk, nw, ns = cfg
-            return gemv(x, weight, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
 
-        y = run().float()  # compiles; a shape that computes wrong is never chosen
-        if cfg is not None and (y - ref).norm() > 1e-2 * ref.norm():
-            continue
-        times[cfg] = time_cold(run, weight.device, reps)
-    for cfg in times:  # again, now that the clocks are up: cuBLAS, timed first, read 30 % slow
-        times[cfg] = min(times[cfg], time_cold(lambda cfg=cfg: run(cfg), weight.device, reps))
-    best = min((c for c in times if c is not None), key=times.__getitem__, default=None)
+    def run(cfg: tuple[int, int, int, int] | None) -> torch.Tensor:
+        if cfg is None:
+            return F.linear(x, weight)
+        bn, bk, nw, ns = cfg
+        return gemv(x, weight, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
+
+    # A shape that computes wrong is never chosen (this first call also compiles it).
+    right = [c for c in CONFIGS if (run(c).float() - ref).norm() <= 1e-2 * ref.norm()]
+    times = time_all(run, [None, *right], weight.device, reps)
+    best = min(right, key=times.__getitem__, default=None)
     return best if best is not None and times[best] < MARGIN * times[None] else None
+
+
+def time_all(run: Callable[[T], object], candidates: list[T], device: torch.device, reps: int = 15) -> dict[T, float]:
+    """`time_cold` of `run(c)` for each candidate, every one timed twice and its better time
+    kept: the first timed (cuBLAS, in `_time`) read ~30 % slow until the clocks were up."""
+    times = {c: time_cold(lambda c=c: run(c), device, reps) for c in candidates}
+    return {c: min(t, time_cold(lambda c=c: run(c), device, reps)) for c, t in times.items()}
 
 
 def time_cold(run: Callable[[], object], device: torch.device, reps: int = 15) -> float:
@@ -104,9 +109,9 @@ def _gemv_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS:
     w_ptr = W + n[:, None].to(tl.int64) * stride_wn
     m = tl.arange(0, BLOCK_M)
     mmask = m < M
-    # Large matrices (SUM_LATE) accumulate products element-wise and sum them once after the
-    # loop: a sum per chunk puts a cross-warp reduction (a barrier) between two loads of W. The
-    # one-row case is written apart, with no mask on K where chunks divide it: the general form
+    # One row of a large matrix (SUM_LATE) accumulates products element-wise and sums them once
+    # after the loop: a sum per chunk puts a cross-warp reduction (a barrier) between two loads
+    # of W. It is written apart, with no mask on K where chunks divide it: the general form
     # streamed W 5-15 % slower (H100, Llama-8B shape, L2 cold: down 59.5 vs 52.0 us, o 22.8 vs
     # 20.0). Small matrices keep the sum per chunk, in the general form: on SmolLM2-135M
     # either change made the forward graph slower (0.88 vs 0.76 ms, same process).
@@ -122,7 +127,7 @@ def _gemv_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS:
             acc += tl.load(B + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
         tl.store(Y + m[:, None] * stride_ym + n[None, :], acc.to(Y.dtype.element_ty),
                  mask=mmask[:, None] & nmask[None, :])
-    elif BLOCK_M == 1:
+    else:  # one row of a large matrix
         acc1 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
@@ -137,19 +142,6 @@ def _gemv_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS:
         if HAS_BIAS:
             out += tl.load(B + n, mask=nmask, other=0.0).to(tl.float32)
         tl.store(Y + n, out.to(Y.dtype.element_ty), mask=nmask)
-    else:
-        acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            kmask = k < K
-            w = tl.load(w_ptr + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-            x = tl.load(X + m[:, None] * stride_xm + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
-            acc3 += x.to(tl.float32)[:, None, :] * w[None, :, :]
-        acc2 = tl.sum(acc3, 2)
-        if HAS_BIAS:
-            acc2 += tl.load(B + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-        tl.store(Y + m[:, None] * stride_ym + n[None, :], acc2.to(Y.dtype.element_ty),
-                 mask=mmask[:, None] & nmask[None, :])
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -159,14 +151,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     n = weight.shape[0]
     assert m <= MAX_ROWS and x.stride(-1) == 1 and weight.stride(-1) == 1
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    late = weight.numel() > MAX_WEIGHT
-    bm = triton.next_power_of_2(m)
-    # A late sum's accumulator holds BLOCK_M x BLOCK_N x BLOCK_K products: rows share the chunk.
-    bk = min(block_k // bm if late else block_k, triton.next_power_of_2(k))
+    late = m == 1 and weight.numel() > MAX_WEIGHT
+    bk = min(block_k, triton.next_power_of_2(k))
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, SUM_LATE=late,
-        BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=bk,
+        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=bk,
         num_warps=num_warps, num_stages=num_stages,
     )
     return y

@@ -249,11 +249,10 @@ class Speculator:
             drafts = self.propose(batch)
             self._planned = (self._batch_key(batch), drafts)
             spans = sampling_spans(batch, drafts)
-            graphs = self.engine.runner.graphs
-            rows, _ = token_rows(batch, drafts, spans)
-            if any(s is None for s in spans) or self._filtered(batch) or graphs.bucket(len(rows)) is None:
+            if any(s is None for s in spans):
                 return None
-            return rows
+            rows, _ = token_rows(batch, drafts, spans)
+            return rows if self._in_graphs(batch, len(rows)) else None
         except Exception:  # pragma: no cover - planning must never fail the step
             log.exception("planning the next verify step failed")
             return None
@@ -270,10 +269,12 @@ class Speculator:
         """What a proposal depends on: the requests, the tokens each runs, and their tokens."""
         return tuple((id(r), n, len(r.token_ids)) for r, n in batch)
 
-    @staticmethod
-    def _filtered(batch: list[tuple[Request, int]]) -> bool:
-        """top-k / top-p rows sample in the eager path (the graphs' sampler does neither)."""
-        return any(not r.params.greedy and (r.params.top_k > 0 or r.params.top_p < 1.0) for r, _ in batch)
+    def _in_graphs(self, batch: list[tuple[Request, int]], num_tokens: int) -> bool:
+        """Whether a verify step of `num_tokens` rows runs in the decode graphs: a captured
+        bucket fits it, and no row needs top-k / top-p (the graphs' sampler does neither)."""
+        graphs = self.engine.runner.graphs
+        filtered = any(not r.params.greedy and (r.params.top_k > 0 or r.params.top_p < 1.0) for r, _ in batch)
+        return graphs is not None and not filtered and graphs.bucket(num_tokens) is not None
 
     @torch.inference_mode()  # the forward's logits are inference tensors; masking writes them
     def _forward_and_sample(
@@ -299,8 +300,7 @@ class Speculator:
             take([], errors)
             return
         num_tokens = sum(n + len(d) for (_, n), d in zip(batch, drafts, strict=True))
-        graphs = runner.graphs
-        if graphs is not None and not self._filtered(batch) and graphs.bucket(num_tokens) is not None:
+        if self._in_graphs(batch, num_tokens):
             rows, at = token_rows(batch, drafts, spans)
             order = sorted(at)  # flat indices of sampling rows, in row order
             flat_temps, flat_seeds, has_mask = [0.0] * len(rows), [0] * len(rows), [False] * len(rows)
