@@ -205,7 +205,8 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     floors: dict[str, float] = {}
     extra: dict[str, Any] = {"copy_bandwidth_gbps": bandwidth, "schema": SCHEMA, "steps": args.steps,
-                             "settings": "max_seq_len=1024, jump_forward off for ms/step (median of 3 passes after an untimed one), bf16, greedy"}
+                             "settings": "max_seq_len=1024, jump_forward off for ms/step (median of 3 passes after an untimed one), bf16, greedy",
+                             "grammar_workers": EngineConfig().grammar_workers}
     if args.merge is not None and args.merge.is_file():
         earlier = json.loads(args.merge.read_text())
         rows, floors = earlier["rows"], earlier["floors"]
@@ -223,6 +224,14 @@ def main() -> None:
             for constrained in (False, True):
                 r = time_decode(engine, prompt_ids, batch, grammar if constrained else None, args.steps)
                 rows.append({"system": "structgen", "model": model, "batch": batch, "constrained": constrained,
+                             "metric": "ms_per_step", **r, "floor_ms": floors[model]})
+                print(rows[-1], flush=True)
+            if engine.prefetcher is not None and batch >= engine.prefetcher.min_rows:
+                # The same JSON steps with every mask filled on the main thread (no prefetch).
+                prefetcher, engine.prefetcher = engine.prefetcher, None
+                r = time_decode(engine, prompt_ids, batch, grammar, args.steps)
+                engine.prefetcher = prefetcher
+                rows.append({"system": "structgen-noprefetch", "model": model, "batch": batch, "constrained": True,
                              "metric": "ms_per_step", **r, "floor_ms": floors[model]})
                 print(rows[-1], flush=True)
         if model == "smollm2-135m":

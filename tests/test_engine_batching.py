@@ -16,6 +16,7 @@ from structgen.engine.models.loader import load_model_config
 from structgen.engine.request import Request
 from structgen.engine.sampler import SamplingParams
 from structgen.errors import EngineError
+from structgen.grammar.prefetch import MIN_ROWS
 
 SCHEMA = {
     "type": "object",
@@ -176,3 +177,76 @@ def test_planned_decode_steps_are_the_steps_the_engine_runs(engine, grammar, tok
     assert len(made) >= 10
     assert all(plan == ran for plan, ran in made)
     assert any(plan is None for _, plan in steps[:-1])  # after a jump: an extend step comes
+
+
+def test_prefetched_masks_change_nothing(engine, grammar, tokenizer):
+    """The next step's masks are filled on worker threads while the engine does its
+    bookkeeping (grammar/prefetch.py): outputs equal those of an engine that fills every mask
+    on the spot, and the prefetched rows are really the ones used."""
+    assert engine.prefetcher is not None  # on by default (grammar_workers=2)
+    engine.prefetcher.min_rows = 1  # two JSON rows here; by default it waits for 32
+
+    def outputs() -> list[list[int]]:
+        reqs = [make(tokenizer, engine, grammar, i, max_tokens=20) for i in range(3)]
+        engine.run(reqs)
+        return [r.output_ids for r in reqs]
+
+    served = engine.prefetcher.served
+    with_prefetch = outputs()
+    assert engine.prefetcher.served - served >= 20  # two JSON rows, most of their steps
+    prefetcher, engine.prefetcher = engine.prefetcher, None
+    try:
+        assert outputs() == with_prefetch
+    finally:
+        engine.prefetcher = prefetcher
+        prefetcher.min_rows = MIN_ROWS
+
+
+def test_mask_prefetcher_serves_only_unchanged_matchers(engine, grammar, tokenizer):
+    """A prefetched row is used only for the same matcher in the same state; rows that moved
+    are copied; a matcher that advanced since, or a chunk that raised, is left to the caller."""
+    import torch
+
+    from structgen.grammar import allocate_bitmask
+    from structgen.grammar.prefetch import MaskPrefetcher
+
+    def advanced(text: str):
+        m = grammar.matcher()
+        for tid in tokenizer.encode(text, add_special_tokens=False):
+            assert m.accept_token(tid)
+        return m
+
+    # Two states whose masks differ: inside the name string, and at the age number.
+    ms = [advanced('{"name": "Al' if k % 2 else '{"name": "Al", "age": ') for k in range(40)]
+    vocab = engine.vocab_size
+    expected = allocate_bitmask(len(ms), vocab)
+    for k, m in enumerate(ms):
+        m.fill_bitmask(expected, k)
+    assert not torch.equal(expected[0], expected[1])
+
+    pf = MaskPrefetcher(threads=3, min_rows=1)  # 40 rows: three chunks on three threads
+    target = allocate_bitmask(48, vocab)
+    pf.start(target, list(enumerate(ms)))
+    assert ms[5].accept_token(tokenizer.encode("x", add_special_tokens=False)[0])  # advanced meanwhile
+    out = torch.full_like(target, -1)
+    rest = pf.take(out, [(k + 1, m) for k, m in enumerate(ms)])  # laid out one row lower
+    assert [row for row, _ in rest] == [6]
+    assert all(torch.equal(out[k + 1], expected[k]) for k in range(len(ms)) if k != 5)
+    assert pf.served == len(ms) - 1
+
+    # The prefetch's own buffer at the same rows: served in place, nothing copied.
+    pf.start(target, list(enumerate(ms)))
+    assert pf.take(target, list(enumerate(ms[:5]))) == []
+    assert torch.equal(target[:5], expected[:5])
+    assert pf.take(target, [(0, ms[0])]) == [(0, ms[0])]  # taken already: nothing pending
+
+    class Broken:
+        backend, version = "broken", 0
+
+        def fill_bitmask(self, bitmask, row):
+            raise RuntimeError("grammar exploded")
+
+    broken = Broken()
+    pf.start(target, [(0, broken), (1, ms[1])])  # one chunk, and it raised
+    assert pf.take(target, [(0, broken), (1, ms[1])]) == [(0, broken), (1, ms[1])]
+    pf.close()

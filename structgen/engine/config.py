@@ -127,5 +127,8 @@ class EngineConfig:
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     jump_forward: bool = True  # append grammar-forced text without a decode step per token
     grammar_threads: int = 0  # 0: grammar.batch.default_threads(backend) (xgrammar 1, llguidance <= 4)
+    # Threads that fill the next decode step's masks while the main thread does the step's
+    # bookkeeping (grammar/prefetch.py); 0: masks are filled on the main thread only.
+    grammar_workers: int = 2
     seed: int | None = None
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding

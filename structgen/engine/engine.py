@@ -60,6 +60,14 @@ class Engine:
             from structgen.engine.spec.speculator import Speculator
 
             self.speculator = Speculator(self, self.config.speculative)
+        # Next step's masks filled on worker threads during the bookkeeping (grammar/prefetch.py).
+        # Not with speculation: its steps drive the matchers through drafts and rollbacks.
+        self.prefetcher = None
+        self._prefetch_buffer: torch.Tensor | None = None  # its target without decode graphs
+        if self.config.grammar_workers > 0 and self.speculator is None:
+            from structgen.grammar.prefetch import MaskPrefetcher
+
+            self.prefetcher = MaskPrefetcher(self.config.grammar_workers)
 
     # -- requests -------------------------------------------------------------------------
     def add_request(self, request: Request) -> Request:
@@ -162,7 +170,7 @@ class Engine:
             for req in reqs:
                 req.num_cached = len(req.token_ids)
                 req.stats.forward_passes += 1
-            finished.append(self._advance_all(reqs, tokens, errors))
+            finished.append(self._advance_all(reqs, tokens, errors, prefetch=True))
 
         plan = None
         if any(r.jump_forward for r in reqs):
@@ -212,11 +220,38 @@ class Engine:
             log.exception("planning the next decode step failed")
             return None
 
+    def _prefetch_masks(self) -> None:
+        """Start filling the masks of the step that will most likely come next (every running
+        request decodes; its sampled row as `_decode_rows` lays it out) on the prefetcher's
+        threads. The guess is checked row by row when the masks are taken."""
+        pairs, row = [], -1
+        for r in self.scheduler.running:
+            if not r.finished and r.num_cached >= r.num_prompt:
+                row += len(r.token_ids) - r.num_cached  # its last pending token is sampled
+                if r.matcher is not None:
+                    pairs.append((row, r.matcher))
+        if not pairs:
+            return
+        graphs = self.runner.graphs
+        if graphs is not None:
+            target = graphs.host_bitmask
+        else:
+            if self._prefetch_buffer is None:
+                self._prefetch_buffer = allocate_bitmask(4 * self.scheduler.max_batch_size, self.vocab_size)
+            target = self._prefetch_buffer
+        try:
+            self.prefetcher.start(target, pairs)
+        except Exception:  # pragma: no cover - the masks are then filled on the spot
+            log.exception("starting the mask prefetch failed")
+
     def _fill_masks(self, bitmask: torch.Tensor, rows: list[tuple[int, object]]) -> dict[int, BaseException]:
         """Fill `bitmask[row]` from each matcher (batched through the backends' thread pools);
-        a matcher that fails is reported by row, the others' rows are still filled."""
+        a matcher that fails is reported by row, the others' rows are still filled. Rows a
+        prefetch already filled are taken from it."""
         from structgen.grammar import fill_bitmasks
 
+        if self.prefetcher is not None:
+            rows = self.prefetcher.take(bitmask, rows)
         if not rows:
             return {}
         try:
@@ -259,10 +294,13 @@ class Engine:
         tokens = sample(logits, [r.params for r in reqs], [self._noise_seed(r) for r in reqs]).tolist()
         return self._advance_all(reqs, tokens, errors)
 
-    def _advance_all(self, reqs: list[Request], tokens: list[int], errors: dict[int, BaseException]) -> list[Request]:
+    def _advance_all(
+        self, reqs: list[Request], tokens: list[int], errors: dict[int, BaseException], prefetch: bool = False
+    ) -> list[Request]:
         """Advance each request by its sampled token; `errors[i]` (its grammar failed this
-        step) finishes request i with that error instead. Returns those that finished."""
-        finished = []
+        step) finishes request i with that error instead. Returns those that finished.
+        `prefetch`: the next step's masks start filling once every matcher has advanced, and
+        the rest (freeing slots, callbacks) runs meanwhile."""
         for i, (req, tok) in enumerate(zip(reqs, tokens, strict=True)):
             try:
                 if i in errors:
@@ -271,10 +309,12 @@ class Engine:
             except Exception as exc:
                 log.exception("request %d failed", req.id)
                 req.finish("error", exc if isinstance(exc, EngineError) else EngineError(str(exc)))
-            if req.finished:
-                self.scheduler.remove(req)
-                self._notify(req)
-                finished.append(req)
+        if prefetch and self.prefetcher is not None:
+            self._prefetch_masks()
+        finished = [req for req in reqs if req.finished]
+        for req in finished:
+            self.scheduler.remove(req)
+            self._notify(req)
         return finished
 
     def _advance(self, req: Request, tok: int, jump_forward: bool = True) -> None:

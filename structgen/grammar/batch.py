@@ -9,7 +9,7 @@ their sum.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from structgen.grammar.backends.base import GrammarMatcher
@@ -30,26 +30,52 @@ def fill_bitmasks(
     `threads` sizes the backends' pools (0: `default_threads(backend)`). Rows of
     other requests are left untouched. Matchers must not be used by another thread meanwhile.
     """
+    for run, finish in fill_jobs(matchers, bitmask, rows, threads=threads):
+        if run is not None:
+            run()
+        if finish is not None:
+            finish()
+
+
+FillJob = tuple[Callable[[], None] | None, Callable[[], None] | None]  # (run, finish)
+
+
+def fill_jobs(
+    matchers: Sequence[GrammarMatcher],
+    bitmask: torch.Tensor,
+    rows: Sequence[int] | None = None,
+    *,
+    threads: int = 0,
+) -> list[FillJob]:
+    """`fill_bitmasks` split in parts, one (run, finish) per backend in the batch: `run` is
+    the backend's native batch fill (it releases the GIL, so it may run on a worker thread
+    while this one runs Python), `finish` what must follow on the calling thread. Either may
+    be None. Everything else (grouping, terminated rows) happens here, now."""
     rows = list(range(len(matchers))) if rows is None else list(rows)
     groups: dict[str, tuple[list, list[int]]] = {}
     for m, r in zip(matchers, rows, strict=True):
         ms, rs = groups.setdefault(m.backend, ([], []))
         ms.append(m)
         rs.append(r)
+    jobs: list[FillJob] = []
     for backend, (ms, rs) in groups.items():
-        if len(ms) == 1:
-            ms[0].fill_bitmask(bitmask, rs[0])
-        elif backend == "xgrammar":
+        n = threads or default_threads(backend)
+        if backend == "xgrammar":
             from structgen.grammar.backends import xgrammar
 
-            xgrammar.fill_bitmasks(ms, rs, bitmask, threads or default_threads(backend))
+            jobs.append(xgrammar.fill_job(ms, rs, bitmask, n))
         elif backend == "llguidance":
             from structgen.grammar.backends import llguidance
 
-            llguidance.fill_bitmasks(ms, rs, bitmask, threads or default_threads(backend))
-        else:
-            for m, r in zip(ms, rs, strict=True):
-                m.fill_bitmask(bitmask, r)
+            jobs.append(llguidance.fill_job(ms, rs, bitmask, n))
+        else:  # a backend without a batch call: row by row
+
+            def one_by_one(ms: list = ms, rs: list[int] = rs) -> None:
+                for m, r in zip(ms, rs, strict=True):
+                    m.fill_bitmask(bitmask, r)
+
+            jobs.append((one_by_one, None))
+    return jobs
 
 
 def default_threads(backend: str = "llguidance") -> int:

@@ -87,6 +87,9 @@ class GrammarMatcher(ABC):
     """
 
     backend: str = ""
+    # Bumped by every call that may change the state (accept, rollback, reset): a mask filled
+    # earlier (grammar/prefetch.py) is still this matcher's mask while the version is unchanged.
+    version: int = 0
 
     @abstractmethod
     def accept_token(self, token_id: int) -> bool:

@@ -4,7 +4,7 @@ than xgrammar and refuses (instead of ignoring) what it cannot enforce."""
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import llguidance
@@ -64,6 +64,7 @@ class LLGuidanceMatcher(GrammarMatcher):
     def accept_tokens(self, token_ids: Sequence[int]) -> int:
         if self._terminated:
             return 0
+        self.version += 1
         ids = list(token_ids)
         stop_at = next((i for i, t in enumerate(ids) if t in self._stop), len(ids))
         n = self.ll_matcher.try_consume_tokens(ids[:stop_at]) if stop_at else 0
@@ -83,6 +84,7 @@ class LLGuidanceMatcher(GrammarMatcher):
     def rollback(self, num_tokens: int) -> None:
         if num_tokens <= 0:
             return
+        self.version += 1
         if self._terminated:
             self._terminated = False
             num_tokens -= 1
@@ -104,6 +106,7 @@ class LLGuidanceMatcher(GrammarMatcher):
         return self._terminated or self.ll_matcher.is_accepting()
 
     def reset(self) -> None:
+        self.version += 1
         self.ll_matcher.reset()
         self._terminated = False
 
@@ -229,21 +232,22 @@ def _unimplemented_keyword(message: str) -> str | None:
     return None
 
 
-def fill_bitmasks(
+def fill_job(
     matchers: Sequence[LLGuidanceMatcher], rows: Sequence[int], bitmask: torch.Tensor, threads: int
-) -> None:
-    """Fill many rows at once with llguidance's thread pool (Rust, outside the GIL)."""
+) -> tuple[Callable[[], None] | None, None]:
+    """Fill many rows at once with llguidance's thread pool: `run` is one native call (Rust,
+    outside the GIL) that may run on another thread; terminated rows are written here."""
     live = []
     for m, r in zip(matchers, rows, strict=True):
         if m.is_terminated():
             m.fill_bitmask(bitmask, r)
         else:
             live.append((m.ll_matcher, r))
-    if live:
-        _check_bitmask(bitmask, max(r for _, r in live))
-        _executor(threads).unsafe_compute_mask_ptr(
-            live, bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0]
-        )
+    if not live:
+        return None, None
+    _check_bitmask(bitmask, max(r for _, r in live))
+    executor, ptr, words, n = _executor(threads), bitmask.data_ptr(), bitmask.shape[1], bitmask.shape[0]
+    return (lambda: executor.unsafe_compute_mask_ptr(live, ptr, words * 4, n)), None
 
 
 def _check_bitmask(bitmask: torch.Tensor, row: int) -> None:

@@ -4,7 +4,7 @@ matchers are C++ objects whose mask filling releases the GIL."""
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -38,6 +38,7 @@ class XGrammarMatcher(GrammarMatcher):
         self._words = words  # bitmask words xgrammar fills; the rest (padding ids) stay 0
 
     def accept_token(self, token_id: int) -> bool:
+        self.version += 1
         return self.xgr_matcher.accept_token(token_id)
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
@@ -53,6 +54,7 @@ class XGrammarMatcher(GrammarMatcher):
     def rollback(self, num_tokens: int) -> None:
         if num_tokens <= 0:
             return
+        self.version += 1
         try:
             self.xgr_matcher.rollback(num_tokens)
         except RuntimeError as e:
@@ -70,6 +72,7 @@ class XGrammarMatcher(GrammarMatcher):
         return self.xgr_matcher.is_completed()
 
     def reset(self) -> None:
+        self.version += 1
         self.xgr_matcher.reset()
 
 
@@ -149,10 +152,14 @@ def _clean(e: BaseException) -> str:
     return " ".join(line for line in lines if line) or type(e).__name__
 
 
-def fill_bitmasks(
+def fill_job(
     matchers: Sequence[XGrammarMatcher], rows: Sequence[int], bitmask: torch.Tensor, threads: int
-) -> None:
-    """Fill many rows at once with xgrammar's thread pool (C++, outside the GIL)."""
+) -> tuple[Callable[[], None] | None, Callable[[], None] | None]:
+    """Fill many rows at once with xgrammar's thread pool, in two parts: `run`, one native
+    call that releases the GIL (may run on another thread), then `finish` (None: nothing
+    left), on the caller's thread. Terminated matchers' rows are written here and now: their
+    checks are native calls that each release and retake the GIL, which must not happen on a
+    worker while another thread runs Python (see grammar/prefetch.py)."""
     live, rows_live = [], []
     for m, r in zip(matchers, rows, strict=True):
         if m.xgr_matcher.is_terminated():
@@ -161,16 +168,19 @@ def fill_bitmasks(
             live.append(m.xgr_matcher)
             rows_live.append(r)
     if not live:
-        return
+        return None, None
+    batch = _batch_matcher(threads)
     words = matchers[0]._words  # one backend (one tokenizer) per batch
     if words is None:
-        _batch_matcher(threads).batch_fill_next_token_bitmask(live, bitmask, rows_live)
-        return
+        return (lambda: batch.batch_fill_next_token_bitmask(live, bitmask, rows_live)), None
     # Padded vocabulary: xgrammar ignores row strides, so fill a contiguous tokenizer-wide
     # block and place its rows.
     block = np.empty((len(live), words), dtype=np.int32)
-    _batch_matcher(threads).batch_fill_next_token_bitmask(live, torch.from_numpy(block), list(range(len(live))))
-    _place_rows(bitmask, rows_live, block)
+    block_rows = list(range(len(live)))
+    block_t = torch.from_numpy(block)
+    return (lambda: batch.batch_fill_next_token_bitmask(live, block_t, block_rows)), (
+        lambda: _place_rows(bitmask, rows_live, block)
+    )
 
 
 def _place_rows(bitmask: torch.Tensor, rows: list[int], block: np.ndarray) -> None:
