@@ -165,20 +165,29 @@ class Engine:
 
         finished: list[list[Request]] = []  # set once the step's tokens are taken in
 
+        accepted: set[int] = set()  # requests whose matcher took this step's token already
+
         def take(tokens: list[int]) -> None:
             errors = {i: row_errors[row] for i, row in enumerate(last) if row in row_errors}
             for req in reqs:
                 req.num_cached = len(req.token_ids)
                 req.stats.forward_passes += 1
-            finished.append(self._advance_all(reqs, tokens, errors, prefetch=True))
+            finished.append(self._advance_all(reqs, tokens, errors, prefetch=True, accepted=accepted))
 
         plan = None
         if any(r.jump_forward for r in reqs):
             # After a sampled `"` the grammar may force `, "age": `: the next step is that
-            # text, not the predicted token. Taking the tokens in (jump-forward included) before
-            # the next forward is launched tells which rows it runs.
+            # text, not the predicted token. The device waits while the host decides, so the
+            # common case (nothing forced, nobody finishes) is decided by the grammar alone and
+            # its forward launched before the rest of taking the tokens in; otherwise the
+            # tokens are taken in (jump-forward included) and the next step planned from that.
             def plan(tokens: list[int]) -> list[ExtendSeq] | None:
-                take([tokens[row] for row in last])
+                toks = [tokens[row] for row in last]
+                if not row_errors:
+                    rows = self._plain_next_step(reqs, toks, accepted)
+                    if rows is not None:
+                        return rows  # `take` runs once this forward is launched
+                take(toks)
                 return self._plan_decode_step()
 
         try:
@@ -207,6 +216,33 @@ class Engine:
             seqs += [ExtendSeq(r.slot, r.num_cached + j, [t]) for j, t in enumerate(r.token_ids[r.num_cached :])]
             last.append(len(seqs) - 1)
         return seqs, last
+
+    def _plain_next_step(self, reqs: list[Request], tokens: list[int], accepted: set[int]) -> list[ExtendSeq] | None:
+        """The next step's rows when it is surely the predicted one: every running request
+        is in this step, takes its sampled token (its grammar accepts it here; their ids go
+        into `accepted`), stays unfinished and has no forced text after it. None otherwise."""
+        s = self.scheduler
+        if s.waiting or len(s.running) != len(reqs):
+            return None
+        rows = []
+        for req, tok in zip(reqs, tokens, strict=True):
+            if req.num_output + 1 >= req.params.max_tokens:
+                return None
+            m = req.matcher
+            if m is None:
+                if tok in req.stop_token_ids:
+                    return None
+            else:
+                if not m.accept_token(tok):  # taking the tokens in reports it
+                    return None
+                accepted.add(req.id)
+                try:
+                    if m.is_completed() or (req.jump_forward and self.jump_forward_hook and m.jump_forward_string()):
+                        return None
+                except Exception:  # e.g. forced bytes ending inside a character: the hook decides
+                    return None
+            rows.append(ExtendSeq(req.slot, len(req.token_ids), [tok]))
+        return rows
 
     def _plan_decode_step(self) -> list[ExtendSeq] | None:
         """The rows of the next step when it will surely be a decode step (nobody to admit or
@@ -295,17 +331,19 @@ class Engine:
         return self._advance_all(reqs, tokens, errors)
 
     def _advance_all(
-        self, reqs: list[Request], tokens: list[int], errors: dict[int, BaseException], prefetch: bool = False
+        self, reqs: list[Request], tokens: list[int], errors: dict[int, BaseException], prefetch: bool = False,
+        accepted: set[int] = frozenset(),
     ) -> list[Request]:
         """Advance each request by its sampled token; `errors[i]` (its grammar failed this
         step) finishes request i with that error instead. Returns those that finished.
         `prefetch`: the next step's masks start filling once every matcher has advanced, and
-        the rest (freeing slots, callbacks) runs meanwhile."""
+        the rest (freeing slots, callbacks) runs meanwhile. `accepted`: ids of requests whose
+        matcher has taken the token already."""
         for i, (req, tok) in enumerate(zip(reqs, tokens, strict=True)):
             try:
                 if i in errors:
                     raise EngineError(f"grammar failed while computing the token mask: {errors[i]}")
-                self._advance(req, tok)
+                self._advance(req, tok, accepted=req.id in accepted)
             except Exception as exc:
                 log.exception("request %d failed", req.id)
                 req.finish("error", exc if isinstance(exc, EngineError) else EngineError(str(exc)))
@@ -317,12 +355,13 @@ class Engine:
             self._notify(req)
         return finished
 
-    def _advance(self, req: Request, tok: int, jump_forward: bool = True) -> None:
+    def _advance(self, req: Request, tok: int, jump_forward: bool = True, accepted: bool = False) -> None:
         """Feed one sampled token to the request's grammar and decide whether it is done.
-        `jump_forward=False`: more tokens of this step follow (accepted drafts), jump later."""
+        `jump_forward=False`: more tokens of this step follow (accepted drafts), jump later.
+        `accepted`: the matcher has taken the token already (`_plain_next_step`)."""
         m = req.matcher
         if m is not None:
-            if not m.accept_token(tok):
+            if not accepted and not m.accept_token(tok):
                 raise EngineError(f"grammar rejected sampled token {tok}; the mask and matcher disagree")
             if m.is_terminated():
                 req.finish("stop")
