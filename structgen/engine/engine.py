@@ -12,6 +12,7 @@ launched before the engine goes back to scheduling."""
 
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 import random
@@ -424,6 +425,9 @@ def freeze_heap() -> None:
     if not _HEAP_FROZEN:
         gc.collect()
         gc.freeze()
+        # At exit the frozen objects go back to the collector, so the interpreter's final
+        # collection still finalises them (nanobind modules report "leaked" objects otherwise).
+        atexit.register(gc.unfreeze)
         _HEAP_FROZEN = True
 
 

@@ -28,21 +28,33 @@ _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # "[09:00:51] /project/cpp/x
 
 
 class XGrammarMatcher(GrammarMatcher):
-    """Thin wrapper: xgrammar's matcher already has the semantics the engine wants."""
+    """Thin wrapper: xgrammar's matcher already has the semantics the engine wants.
+
+    Termination is tracked here (xgrammar terminates exactly when it accepts one of the stop
+    tokens its tokenizer info was built with, the ones given here): every native call lets
+    the GIL go and takes it back, which costs ~0.2 us alone but several microseconds while
+    mask-filling threads run (grammar/prefetch.py), and the engine asks every row every step."""
 
     backend = "xgrammar"
 
     def __init__(self, matcher: xgr.GrammarMatcher, stop_token_ids: Sequence[int], words: int | None = None):
         self.xgr_matcher = matcher
         self._stop_token_ids = stop_token_ids
+        self._stop = frozenset(stop_token_ids)
+        self._terminated = False
         self._words = words  # bitmask words xgrammar fills; the rest (padding ids) stay 0
 
     def accept_token(self, token_id: int) -> bool:
         self.version += 1
-        return self.xgr_matcher.accept_token(token_id)
+        if self._terminated:
+            return False
+        ok = self.xgr_matcher.accept_token(token_id)
+        if ok and token_id in self._stop:
+            self._terminated = True
+        return ok
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        if self.xgr_matcher.is_terminated():  # xgrammar raises here; see base class
+        if self._terminated:  # xgrammar raises here; see base class
             set_only_tokens(bitmask, row, self._stop_token_ids)
         elif self._words is None:
             self.xgr_matcher.fill_next_token_bitmask(bitmask, row)
@@ -59,14 +71,15 @@ class XGrammarMatcher(GrammarMatcher):
             self.xgr_matcher.rollback(num_tokens)
         except RuntimeError as e:
             raise EngineError(f"grammar rollback of {num_tokens} tokens failed: {_clean(e)}") from e
+        self._terminated = False  # a stop token is always the last one accepted
 
     def jump_forward_string(self) -> str:
-        if self.xgr_matcher.is_terminated():
+        if self._terminated:
             return ""
         return self.xgr_matcher.find_jump_forward_string()
 
     def is_terminated(self) -> bool:
-        return self.xgr_matcher.is_terminated()
+        return self._terminated
 
     def is_completed(self) -> bool:
         return self.xgr_matcher.is_completed()
@@ -74,6 +87,7 @@ class XGrammarMatcher(GrammarMatcher):
     def reset(self) -> None:
         self.version += 1
         self.xgr_matcher.reset()
+        self._terminated = False
 
 
 class XGrammarCompiledGrammar(CompiledGrammar):
@@ -157,12 +171,12 @@ def fill_job(
 ) -> tuple[Callable[[], None] | None, Callable[[], None] | None]:
     """Fill many rows at once with xgrammar's thread pool, in two parts: `run`, one native
     call that releases the GIL (may run on another thread), then `finish` (None: nothing
-    left), on the caller's thread. Terminated matchers' rows are written here and now: their
-    checks are native calls that each release and retake the GIL, which must not happen on a
-    worker while another thread runs Python (see grammar/prefetch.py)."""
+    left), on the caller's thread. Terminated matchers' rows are written here and now. The
+    worker must make no other native call before `run`'s: each releases and retakes the GIL,
+    which would leave it waiting while another thread runs Python (grammar/prefetch.py)."""
     live, rows_live = [], []
     for m, r in zip(matchers, rows, strict=True):
-        if m.xgr_matcher.is_terminated():
+        if m._terminated:
             m.fill_bitmask(bitmask, r)
         else:
             live.append(m.xgr_matcher)
