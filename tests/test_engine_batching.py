@@ -16,7 +16,7 @@ from structgen.engine.models.loader import load_model_config
 from structgen.engine.request import Request
 from structgen.engine.sampler import SamplingParams
 from structgen.errors import EngineError
-from structgen.grammar.prefetch import MIN_ROWS
+from structgen.grammar.prefetch import MIN_FILL_S, MIN_ROWS
 
 SCHEMA = {
     "type": "object",
@@ -184,7 +184,8 @@ def test_prefetched_masks_change_nothing(engine, grammar, tokenizer):
     bookkeeping (grammar/prefetch.py): outputs equal those of an engine that fills every mask
     on the spot, and the prefetched rows are really the ones used."""
     assert engine.prefetcher is not None  # on by default (grammar_workers=2)
-    engine.prefetcher.min_rows = 1  # two JSON rows here; by default it waits for 32
+    engine.prefetcher.min_rows = 1  # two JSON rows here; by default it waits for 32 ...
+    engine.prefetcher.min_fill_s = 0.0  # ... whose masks took 0.3 ms or more to fill
 
     def outputs() -> list[list[int]]:
         reqs = [make(tokenizer, engine, grammar, i, max_tokens=20) for i in range(3)]
@@ -199,7 +200,7 @@ def test_prefetched_masks_change_nothing(engine, grammar, tokenizer):
         assert outputs() == with_prefetch
     finally:
         engine.prefetcher = prefetcher
-        prefetcher.min_rows = MIN_ROWS
+        prefetcher.min_rows, prefetcher.min_fill_s = MIN_ROWS, MIN_FILL_S
 
 
 def test_mask_prefetcher_serves_only_unchanged_matchers(engine, grammar, tokenizer):
@@ -224,9 +225,20 @@ def test_mask_prefetcher_serves_only_unchanged_matchers(engine, grammar, tokeniz
         m.fill_bitmask(expected, k)
     assert not torch.equal(expected[0], expected[1])
 
-    pf = MaskPrefetcher(threads=3, min_rows=1)  # 40 rows: three chunks on three threads
+    # Fills that have been cheap are left to the caller; costly ones are prefetched.
+    pf = MaskPrefetcher(threads=3, min_rows=1)
     target = allocate_bitmask(48, vocab)
     pf.start(target, list(enumerate(ms)))
+    assert pf.take(target, list(enumerate(ms))) == list(enumerate(ms)) and pf.started == 0
+    for _ in range(10):
+        pf.observe(1e-3)
+    assert pf.fill_s > MIN_FILL_S
+    pf.min_fill_s = 0.0  # from here on, whatever the fills below cost
+
+    # 40 rows: three chunks on three threads.
+    target = allocate_bitmask(48, vocab)
+    pf.start(target, list(enumerate(ms)))
+    assert pf.started == len(ms)
     assert ms[5].accept_token(tokenizer.encode("x", add_special_tokens=False)[0])  # advanced meanwhile
     out = torch.full_like(target, -1)
     rest = pf.take(out, [(k + 1, m) for k, m in enumerate(ms)])  # laid out one row lower

@@ -16,6 +16,7 @@ import atexit
 import gc
 import logging
 import random
+import time
 from pathlib import Path
 
 import numpy as np
@@ -294,7 +295,10 @@ class Engine:
         if not rows:
             return {}
         try:
+            t = time.perf_counter()
             fill_bitmasks([m for _, m in rows], bitmask, [i for i, _ in rows], threads=self.config.grammar_threads)
+            if self.prefetcher is not None and len(rows) >= self.prefetcher.min_rows:
+                self.prefetcher.observe(time.perf_counter() - t)  # worth prefetching next time?
             return {}
         except Exception:
             errors: dict[int, BaseException] = {}

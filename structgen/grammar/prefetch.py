@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -39,9 +40,15 @@ if TYPE_CHECKING:
     import torch
 
 # Handing the fill to a worker costs the main thread ~100-250 us on the H100 host (its thread
-# wake-ups, then the GIL's way back); 32 JSON rows take about that long to fill.
+# wake-ups, then the GIL's way back), and while workers run, every native call the main thread
+# makes is slower (each one lets the GIL go). So a prefetch starts only for enough rows whose
+# masks have lately been costly to fill (an average of the fill times seen, inline or on the
+# workers): at batch 64 on the H100, JSON rows of the SmolLM2 shape that filled cheaply ran
+# +7 % over free text inline and +51 % with a prefetch; 1B-shape rows whose states were costly
+# (escapes inside strings: 0.4 ms a row) ran +46 % inline and +2 % with a prefetch.
 MIN_ROWS = 32
 MIN_ROWS_PER_THREAD = 16
+MIN_FILL_S = 300e-6
 
 
 @dataclass
@@ -56,9 +63,11 @@ class _Prefetch:
 class MaskPrefetcher:
     """Fills grammar mask rows on `threads` worker threads, one prefetch in flight at a time."""
 
-    def __init__(self, threads: int = 1, min_rows: int = MIN_ROWS):
+    def __init__(self, threads: int = 1, min_rows: int = MIN_ROWS, min_fill_s: float = MIN_FILL_S):
         self.threads = max(1, threads)
         self.min_rows = min_rows  # fewer rows are left to the caller (filled during the forward)
+        self.min_fill_s = min_fill_s  # cheaper fills are left to the caller too
+        self.fill_s = 0.0  # recent time to fill one step's masks (moving average, `observe`)
         self._pool: ThreadPoolExecutor | None = None
         self._pending: _Prefetch | None = None
         self.started = self.served = 0  # rows prefetched / of those, used by `take`
@@ -68,7 +77,7 @@ class MaskPrefetcher:
         matchers should be passed (their masks are the ones worth the trip)."""
         self.wait()
         rows = [(r, m) for r, m in rows if 0 <= r < target.shape[0]]
-        if len(rows) < max(1, self.min_rows):
+        if len(rows) < max(1, self.min_rows) or self.fill_s < self.min_fill_s:
             return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="structgen-mask")
@@ -106,9 +115,11 @@ class MaskPrefetcher:
         if p is None:
             return list(rows)
         failed: set[int] = set()
+        spent = 0.0
         for fut, chunk, jobs in zip(p.futures, p.chunks, p.finishes, strict=True):
             try:
                 if fut.exception() is None:
+                    spent += fut.result()
                     for _, finish in jobs:
                         if finish is not None:
                             finish()
@@ -116,6 +127,7 @@ class MaskPrefetcher:
             except Exception:
                 pass
             failed.update(chunk)  # the caller's own fill finds and reports the culprit
+        self.observe(spent)
         same = bitmask.data_ptr() == p.target.data_ptr() and bitmask.stride() == p.target.stride()
         rest, src, dst = [], [], []
         for row, m in rows:
@@ -129,6 +141,11 @@ class MaskPrefetcher:
             bitmask.numpy()[dst] = p.target.numpy()[src]
         self.served += len(rows) - len(rest)
         return rest
+
+    def observe(self, seconds: float) -> None:
+        """Count one step's mask fill time (the caller reports its inline fills of at least
+        `min_rows` rows; prefetched ones are counted by `take`)."""
+        self.fill_s += 0.2 * (seconds - self.fill_s)
 
     def wait(self) -> None:
         """Let a prefetch in flight finish (its matchers may be used again) and drop it."""
@@ -145,8 +162,10 @@ class MaskPrefetcher:
             self._pool = None
 
 
-def _run(jobs: list[FillJob], ready: threading.Event) -> None:
+def _run(jobs: list[FillJob], ready: threading.Event) -> float:
     ready.set()
+    t = time.perf_counter()
     for run, _ in jobs:
         if run is not None:
             run()
+    return time.perf_counter() - t
