@@ -40,6 +40,7 @@ from structgen.engine.config import EngineConfig
 from structgen.engine.engine import Engine
 from structgen.engine.request import Request
 from structgen.engine.sampler import SamplingParams
+from structgen.grammar.prefetch import MIN_ROWS, MaskPrefetcher
 
 MODELS = ("smollm2-135m", "llama-1b-shape", "llama-8b-shape")
 # A typical extraction record: strings, an integer, a boolean and a list.
@@ -226,12 +227,17 @@ def main() -> None:
                 rows.append({"system": "structgen", "model": model, "batch": batch, "constrained": constrained,
                              "metric": "ms_per_step", **r, "floor_ms": floors[model]})
                 print(rows[-1], flush=True)
-            if engine.prefetcher is not None and batch >= engine.prefetcher.min_rows:
-                # The same JSON steps with every mask filled on the main thread (no prefetch).
-                prefetcher, engine.prefetcher = engine.prefetcher, None
+            if batch >= MIN_ROWS:
+                # The same JSON steps with the other mask-filling mode (grammar/prefetch.py):
+                # with a prefetch on two threads if the engine has none, without if it has.
+                default = engine.prefetcher
+                engine.prefetcher = MaskPrefetcher(2) if default is None else None
                 r = time_decode(engine, prompt_ids, batch, grammar, args.steps)
-                engine.prefetcher = prefetcher
-                rows.append({"system": "structgen-noprefetch", "model": model, "batch": batch, "constrained": True,
+                if engine.prefetcher is not None:
+                    engine.prefetcher.close()
+                engine.prefetcher = default
+                rows.append({"system": "structgen-prefetch" if default is None else "structgen-noprefetch",
+                             "model": model, "batch": batch, "constrained": True,
                              "metric": "ms_per_step", **r, "floor_ms": floors[model]})
                 print(rows[-1], flush=True)
         if model == "smollm2-135m":

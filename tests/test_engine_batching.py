@@ -16,7 +16,7 @@ from structgen.engine.models.loader import load_model_config
 from structgen.engine.request import Request
 from structgen.engine.sampler import SamplingParams
 from structgen.errors import EngineError
-from structgen.grammar.prefetch import MIN_FILL_S, MIN_ROWS
+from structgen.grammar.prefetch import MIN_FILL_S
 
 SCHEMA = {
     "type": "object",
@@ -183,24 +183,24 @@ def test_prefetched_masks_change_nothing(engine, grammar, tokenizer):
     """The next step's masks are filled on worker threads while the engine does its
     bookkeeping (grammar/prefetch.py): outputs equal those of an engine that fills every mask
     on the spot, and the prefetched rows are really the ones used."""
-    assert engine.prefetcher is not None  # on by default (grammar_workers=2)
-    engine.prefetcher.min_rows = 1  # two JSON rows here; by default it waits for 32 ...
-    engine.prefetcher.min_fill_s = 0.0  # ... whose masks took 0.3 ms or more to fill
+    from structgen.grammar.prefetch import MaskPrefetcher
+
+    assert engine.prefetcher is None  # off by default (EngineConfig.grammar_workers=0)
+    # Two JSON rows here; by default it waits for 32 whose masks took 0.3 ms or more to fill.
+    engine.prefetcher = MaskPrefetcher(2, min_rows=1, min_fill_s=0.0)
 
     def outputs() -> list[list[int]]:
         reqs = [make(tokenizer, engine, grammar, i, max_tokens=20) for i in range(3)]
         engine.run(reqs)
         return [r.output_ids for r in reqs]
 
-    served = engine.prefetcher.served
-    with_prefetch = outputs()
-    assert engine.prefetcher.served - served >= 20  # two JSON rows, most of their steps
-    prefetcher, engine.prefetcher = engine.prefetcher, None
     try:
-        assert outputs() == with_prefetch
+        with_prefetch = outputs()
+        assert engine.prefetcher.served >= 20  # two JSON rows, most of their steps
     finally:
-        engine.prefetcher = prefetcher
-        prefetcher.min_rows, prefetcher.min_fill_s = MIN_ROWS, MIN_FILL_S
+        engine.prefetcher.close()
+        engine.prefetcher = None
+    assert outputs() == with_prefetch
 
 
 def test_mask_prefetcher_serves_only_unchanged_matchers(engine, grammar, tokenizer):
