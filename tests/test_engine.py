@@ -99,3 +99,27 @@ def test_abort_frees_slot_and_spares_others(engine, tokenizer):
 def test_bad_sampling_params_name_the_parameter(kw):
     with pytest.raises(InvalidParameterError, match=next(iter(kw))):
         SamplingParams(**kw)
+
+
+def test_the_heap_is_frozen_once_and_dropped_engines_are_still_collected(model_dir):
+    """`freeze_heap` takes the import-time heap out of the cyclic collector (full collections
+    had stalled the step loop 100+ ms) once per process, before the first engine: an engine
+    built later and dropped, a reference cycle with its speculator included, is still freed."""
+    import gc
+    import weakref
+
+    from structgen.engine.config import SpeculativeConfig
+
+    cfg = load_model_config(model_dir)
+    cfg.num_hidden_layers = 1  # a small engine: the weights do not matter here
+    ec = EngineConfig(device="cpu", max_batch_size=1, max_seq_len=64, speculative=SpeculativeConfig(method="ngram"))
+    engine = Engine(cfg, ec)
+    frozen = gc.get_freeze_count()
+    assert frozen > 10_000  # torch, transformers, ... are out of the collector's sight
+    assert engine.speculator.engine is engine  # a cycle: only the collector can free it
+    ref = weakref.ref(engine)
+    del engine
+    gc.collect()
+    assert ref() is None
+    Engine(cfg, ec)  # a second engine does not freeze again
+    assert gc.get_freeze_count() == frozen

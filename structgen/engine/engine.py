@@ -40,6 +40,10 @@ log = logging.getLogger("structgen.engine")
 
 
 class Engine:
+    def __new__(cls, *args: object, **kwargs: object) -> Engine:
+        freeze_heap()  # before this engine exists: a dropped engine must stay collectable
+        return super().__new__(cls)
+
     def __init__(
         self,
         model_config: ModelConfig,
@@ -47,7 +51,6 @@ class Engine:
         model_dir: Path | None = None,
         stop_token_ids: set[int] | None = None,
     ):
-        freeze_heap()
         self.stop_token_ids = set(stop_token_ids if stop_token_ids is not None else model_config.eos_token_id)
         self.config = config or EngineConfig()
         self.model_config = model_config
@@ -423,8 +426,8 @@ def freeze_heap() -> None:
     each walked that whole heap: 100+ ms stalls in the middle of requests (jump-forward replay
     on the CPU: five gen-2 collections of up to 120 ms in 1,100 steps; on the H100 a heavy
     tail on decode steps and SmolLM2 prefill steps twice as long with jump-forward on).
-    Engines themselves are created after the freeze, so an engine that is dropped is still
-    collected, cycles and GPU memory included."""
+    `Engine.__new__` calls it before the engine object exists, so engines are never frozen:
+    one that is dropped is still collected, reference cycles and GPU memory included."""
     global _HEAP_FROZEN
     if not _HEAP_FROZEN:
         gc.collect()
