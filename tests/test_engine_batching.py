@@ -261,4 +261,11 @@ def test_mask_prefetcher_serves_only_unchanged_matchers(engine, grammar, tokeniz
     broken = Broken()
     pf.start(target, [(0, broken), (1, ms[1])])  # one chunk, and it raised
     assert pf.take(target, [(0, broken), (1, ms[1])]) == [(0, broken), (1, ms[1])]
+
+    class NotReallyXGrammar:  # preparing its chunk raises, before any thread is involved
+        backend, version = "xgrammar", 0
+
+    odd = NotReallyXGrammar()
+    pf.start(target, [(0, odd), (1, ms[1])])
+    assert pf.take(target, [(0, odd), (1, ms[1])]) == [(0, odd), (1, ms[1])]
     pf.close()

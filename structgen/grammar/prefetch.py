@@ -99,6 +99,8 @@ class MaskPrefetcher:
             try:
                 jobs = fill_jobs([m for _, m in chunk], target, [r for r, _ in chunk], threads=1)
             except Exception:  # left to the caller, who reports the culprit
+                for _, m in chunk:
+                    del p.rows[id(m)]
                 continue
             ev = threading.Event()
             p.futures.append(self._pool.submit(_run, jobs, ev))
