@@ -533,3 +533,40 @@ def test_speculative_prelaunched_verify_equals_launching_late():
         assert late == base
     assert steps >= 5 and ahead_early == steps - 1  # all but the first graph step (after the prefill)
     assert drafter.calls == calls_late  # planned drafts are the ones verified, not proposed again
+
+
+def test_prefill_in_graphs_equals_eager_prefill():
+    """With `prefill_in_graphs`, a prompt that fits a bucket runs as one decode-graph step,
+    one row per token (each row attends to its slot up to its own position), alongside other
+    requests' decode rows; greedy and seeded sampled tokens equal those of eager prefill.
+    Runs on the CPU under TRITON_INTERPRET=1 (graphs eager) and on the GPU."""
+    from structgen.engine.config import EngineConfig, ModelConfig
+    from structgen.engine.engine import Engine
+    from structgen.engine.request import Request
+    from structgen.engine.sampler import SamplingParams
+
+    cfg = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, eos_token_id=[])
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 512, (int(n),), generator=g).tolist() for n in (5, 13, 9, 3)]
+    outputs, graph_steps = {}, {}
+    for in_graphs in (True, False):
+        ec = EngineConfig(device=str(DEVICE), dtype="float32", max_batch_size=8, max_seq_len=64,
+                          use_cuda_graphs=False, cuda_graph_batch_sizes=(1, 2, 4, 8, 16, 32),
+                          prefill_in_graphs=in_graphs)  # buckets up to 4 x 8 slots = 32 rows
+        eng = Engine(cfg, ec, model_dir=None, stop_token_ids=set())
+        eng.runner.capture_decode_graphs(capture=CUDA)
+        reqs = [Request(p, SamplingParams(max_tokens=6)) for p in prompts[:3]]
+        reqs.append(Request(prompts[3], SamplingParams(max_tokens=6, temperature=0.9, seed=5)))
+        for r in reqs[:2]:
+            eng.add_request(r)
+        eng.step()  # two prompts (5 + 13 rows)
+        eng.step()  # their first decode step
+        for r in reqs[2:]:
+            eng.add_request(r)  # joins while the others decode: 9 + 3 + 1 + 1 rows
+        while not all(r.finished for r in reqs):
+            eng.step()
+        outputs[in_graphs] = [r.output_ids for r in reqs]
+        graph_steps[in_graphs] = eng.runner.graphs.steps
+    assert outputs[True] == outputs[False]
+    assert graph_steps[True] == graph_steps[False] + 2  # both prefill steps ran in the graphs

@@ -154,8 +154,9 @@ class Engine:
             p = req.params
             if n != req.num_pending or (not p.greedy and (p.top_k > 0 or p.top_p < 1.0)):
                 return False
-            if n > 1 and (self.runner.graphs is None or req.num_cached < req.num_prompt):
-                return False  # prefill, or no graphs to put the forced tokens in
+            if n > 1 and (self.runner.graphs is None
+                          or (req.num_cached < req.num_prompt and not self.config.prefill_in_graphs)):
+                return False  # no graphs to put the forced tokens in, or a prefill kept eager
             rows += n
         return rows == len(batch) or self.runner.graphs.bucket(rows) is not None
 

@@ -115,12 +115,15 @@ class ModelRunner:
 
     def capture_decode_graphs(self, capture: bool = True) -> None:
         """Capture decode graphs at the configured sizes a step can use: rows are requests
-        plus their forced or draft tokens, so sizes up to the first >= 4x the slot count."""
+        plus their forced or draft tokens, so sizes up to the first >= 4x the slot count; all
+        of them with `prefill_in_graphs` (a prompt is a row per token)."""
         from structgen.engine.cuda_graphs import DecodeGraphs
 
         sizes = sorted(self.config.cuda_graph_batch_sizes)
         rows = 4 * self.kv.num_slots  # a step's rows: requests x (1 + forced or draft tokens)
         keep = [b for b in sizes if b < rows] + [b for b in sizes if b >= rows][:1]
+        if self.config.prefill_in_graphs:
+            keep = sizes
         if keep:
             self.graphs = DecodeGraphs(self, tuple(keep), capture=capture)
             log.info("captured decode graphs for batch sizes %s", keep)
