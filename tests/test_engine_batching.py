@@ -8,6 +8,8 @@ use), mixed steps through `extend`, so both paths are covered.
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from structgen.engine.config import EngineConfig
@@ -50,7 +52,7 @@ def ids(tokenizer, text: str) -> list[int]:
 class FaultyMatcher:
     """A real matcher that breaks on purpose after `fail_after` masks (fault injection; the
     engine under test is real). `mode`: "fill" raises from fill_bitmask, "reject" makes
-    accept_token refuse the sampled token."""
+    accept_token refuse the sampled token, "accept" makes it raise."""
 
     backend = "faulty"  # not a real backend: the batch filler calls it row by row
 
@@ -66,6 +68,9 @@ class FaultyMatcher:
     def accept_token(self, tid):
         if self.mode == "reject" and self.fills > self.fail_after:
             return False
+        if self.mode == "accept" and self.fills > self.fail_after:
+            self.raised_in = sys._getframe(1).f_code.co_name  # which engine path asked
+            raise RuntimeError("grammar exploded while accepting")
         return self.inner.accept_token(tid)
 
     def __getattr__(self, name):
@@ -269,3 +274,74 @@ def test_mask_prefetcher_serves_only_unchanged_matchers(engine, grammar, tokeniz
     pf.start(target, [(0, odd), (1, ms[1])])
     assert pf.take(target, [(0, odd), (1, ms[1])]) == [(0, odd), (1, ms[1])]
     pf.close()
+
+
+def test_failing_grammars_spare_other_rows_in_planned_steps(engine, grammar, tokenizer):
+    """With jump-forward, a decode step takes its tokens in inside the runner's `plan_next`,
+    first through the grammar-only check that launches the next forward early
+    (`Engine._plain_next_step`). A grammar that rejects its token or raises there still fails
+    its own request alone. Through the runner seam on the CPU, as in the planning test above."""
+    from structgen.grammar.jump_forward import JumpForward
+
+    real = engine.runner.decode
+
+    def planning_decode(seqs, temperatures, seeds, has_mask, fill, predict_next=False, plan_next=None):
+        tokens = real(seqs, temperatures, seeds, has_mask, fill, predict_next)
+        if plan_next is not None:
+            plan_next(tokens)
+        return tokens
+
+    def run(faulty_mode: str | None, fail_after: int = 0) -> list[Request]:
+        reqs = [make(tokenizer, engine, grammar, i, max_tokens=20, jump_forward=True) for i in range(3)]
+        if faulty_mode:
+            reqs[0].matcher = FaultyMatcher(reqs[0].matcher, fail_after=fail_after, mode=faulty_mode)
+        engine.run(reqs)
+        return reqs
+
+    previous = engine.jump_forward_hook
+    engine.jump_forward_hook = JumpForward(tokenizer, engine.vocab_size, engine.stop_token_ids)
+    engine.runner.decode = planning_decode
+    paths = set()
+    try:
+        clean = run(None)
+        for mode in ("reject", "accept"):
+            for fail_after in (2, 4, 6, 8):  # failing in different steps, planned ones among them
+                reqs = run(mode, fail_after)
+                assert reqs[0].finish_reason == "error" and isinstance(reqs[0].error, EngineError), mode
+                assert [r.output_ids for r in reqs[1:]] == [r.output_ids for r in clean[1:]], mode
+                paths.add(getattr(reqs[0].matcher, "raised_in", None))
+    finally:
+        del engine.runner.decode
+        engine.jump_forward_hook = previous
+    assert paths >= {"_advance"}  # some failed while the tokens were taken in
+    assert engine.runner.kv.free_slots == engine.runner.kv.num_slots
+
+    # The grammar-only check itself: a grammar that raises there (or rejects) makes it give the
+    # step back to taking the tokens in, which fails that request alone; nothing is accepted.
+    reqs = [make(tokenizer, engine, grammar, i, max_tokens=20, jump_forward=True) for i in (0, 2)]
+    for r in reqs:
+        engine.add_request(r)
+    engine.step()  # both prefilled: each has its sampled token pending
+    for mode in ("accept", "reject"):
+        reqs[1].matcher = FaultyMatcher(reqs[1].matcher, fail_after=-1, mode=mode)
+        accepted: set[int] = set()
+        before = reqs[0].matcher.version
+        toks = [allowed_token(reqs[0].matcher, engine.vocab_size), 0]  # the second fails anyway
+        assert engine._plain_next_step(reqs, toks, accepted) is None
+        assert accepted == {reqs[0].id} and reqs[0].matcher.version == before + 1
+        reqs[0].matcher.rollback(1)
+        reqs[1].matcher = reqs[1].matcher.inner
+    for r in reqs:
+        engine.abort(r)
+
+
+def allowed_token(matcher, vocab_size: int) -> int:
+    """The lowest token id `matcher` accepts next (from its own mask)."""
+    import numpy as np
+
+    from structgen.grammar import allocate_bitmask
+
+    mask = allocate_bitmask(1, vocab_size)
+    matcher.fill_bitmask(mask, 0)
+    bits = np.unpackbits(mask[0].numpy().view(np.uint8), bitorder="little")
+    return int(np.flatnonzero(bits)[0])

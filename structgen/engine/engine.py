@@ -241,13 +241,16 @@ class Engine:
                 if tok in req.stop_token_ids:
                     return None
             else:
-                if not m.accept_token(tok):  # taking the tokens in reports it
-                    return None
-                accepted.add(req.id)
+                # A rejected token or a grammar that raises is left to taking the tokens in,
+                # which fails that request alone (so are forced bytes that end inside a
+                # character: the jump-forward hook decides those).
                 try:
+                    if not m.accept_token(tok):
+                        return None
+                    accepted.add(req.id)
                     if m.is_completed() or (req.jump_forward and self.jump_forward_hook and m.jump_forward_string()):
                         return None
-                except Exception:  # e.g. forced bytes ending inside a character: the hook decides
+                except Exception:
                     return None
             rows.append(ExtendSeq(req.slot, len(req.token_ids), [tok]))
         return rows
