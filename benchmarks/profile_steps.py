@@ -1,0 +1,105 @@
+"""Where the wall time of engine steps goes, step kind by step kind: a profiler for the
+jump-forward replay (bench_jump_forward's harness), with jump-forward off and on.
+
+Every `Engine.step` is timed on the wall clock and labelled (its kind: prefill, decode, or
+extend when forced rows are pending; the kind of the step before it; whether its forward was
+already queued when the host got to it). The table groups the labels, so a cost that only one
+kind of step pays stands out. On the H100 this found the garbage-collection stalls (prefill
+steps 29 ms with jump-forward on against 14 off) and the 8B shape's decode-after-decode and
+forced-row penalties (docs/performance.md). No device sync is added between steps: the
+engine's own per-step sync is what a caller sees.
+
+    python -m benchmarks.profile_steps --tokenizer-dir DIR --data-dir DIR            # SmolLM2 shape
+    python -m benchmarks.profile_steps --shape llama-8b --tokenizer-dir DIR --data-dir DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from benchmarks.bench_jump_forward import (
+    CATEGORIES,
+    MASKBENCH,
+    ReplayJumpForward,
+    batch_replay_fills,
+    build_llm,
+    load_cases,
+    measure,
+)
+from structgen.engine.engine import Engine
+
+
+class StepLabels:
+    """Wraps `engine.step` to record (kind, previous kind, pre-launched, ms) per step."""
+
+    def __init__(self, engine: Engine):
+        self.engine, self.records, self._previous = engine, [], None
+        self._step = engine.step
+        engine.step = self._timed_step  # instance attribute: the class is left alone
+
+    def _timed_step(self) -> list:
+        e = self.engine
+        running = e.scheduler.running
+        if e.scheduler.waiting or any(r.num_cached < r.num_prompt for r in running):
+            kind = "prefill"
+        else:
+            kind = "extend" if any(r.num_pending > 1 for r in running) else "decode"
+        graphs = e.runner.graphs
+        ahead = graphs.steps_ahead if graphs is not None else 0
+        t = time.perf_counter()
+        out = self._step()
+        ms = 1e3 * (time.perf_counter() - t)
+        queued = graphs is not None and graphs.steps_ahead > ahead
+        self.records.append((kind, self._previous, queued, ms))
+        self._previous = kind
+        return out
+
+    def table(self) -> list[dict[str, Any]]:
+        groups: dict[tuple, list[float]] = defaultdict(list)
+        for kind, previous, queued, ms in self.records:
+            groups[(kind, previous, queued)].append(ms)
+        rows = [{"step": k, "after": p, "prelaunched": q, "n": len(v), "mean_ms": statistics.mean(v),
+                 "p50_ms": statistics.median(v), "total_ms": sum(v)} for (k, p, q), v in groups.items()]
+        return sorted(rows, key=lambda r: -r["total_ms"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokenizer-dir", type=Path, default=None, help="tokenizer + config.json (random weights)")
+    ap.add_argument("--shape", default=None, choices=["llama-1b", "llama-8b"])
+    ap.add_argument("--weights", default="random", choices=["real", "random"])
+    ap.add_argument("--data-dir", type=Path, default=MASKBENCH)
+    ap.add_argument("--per-category", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=384)
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--prefill-in-graphs", action="store_true")
+    args = ap.parse_args()
+    from benchmarks.common import print_table
+
+    llm, model = build_llm(args.weights, args.tokenizer_dir, args.device, True, args.shape, args.prefill_in_graphs)
+    engine = llm.engine
+    engine.jump_forward_hook = ReplayJumpForward(
+        llm.tokenizer, engine.vocab_size, engine.stop_token_ids, vocab=engine.jump_forward_hook.vocab
+    )
+    cases = load_cases(llm, args.data_dir, CATEGORIES, args.per_category, args.max_tokens)
+    batch_replay_fills(engine)
+    measure(llm, cases, "replay", True, 1, args.max_tokens)  # warm-up: shapes, caches
+    for jf in (False, True):
+        measure(llm, cases, "replay", jf, 1, args.max_tokens)
+    for jf in (False, True):
+        labels = StepLabels(engine)
+        r = measure(llm, cases, "replay", jf, 1, args.max_tokens)
+        del engine.step  # back to the class's method
+        print(f"\n{model}, jump-forward {'on' if jf else 'off'}, batch 1: {len(cases)} requests, "
+              f"wall {r['wall_s'] * 1e3:.0f} ms, {r['forward_passes']} passes for {r['tokens']} tokens")
+        print_table([{k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}
+                     for row in labels.table()])
+
+
+if __name__ == "__main__":
+    main()
