@@ -1,0 +1,205 @@
+"""Host cost of a decode step with the device stubbed out: what the CPU spends per step on
+scheduling, grammar masks, advancing matchers and the engine's bookkeeping.
+
+At batch 64 a JSON decode step of a small model is host-bound on the lent H100 (SmolLM2:
+1.41 ms JSON against 1.01 ms free, docs/performance.md), and how much so depends on which host
+the lend gives. This measures the host side alone, on any machine: the engine runs its real
+decode path (the decode graphs' `run`, run eagerly) with the forward replaced by nothing and
+the sampler by a stub, so every figure is host time. Constrained rows follow a valid instance
+of bench_decode's schema token by token (their masks are real xgrammar masks of realistic
+states), free rows take random tokens. The stub's own time is subtracted.
+
+    python -m benchmarks.profile_host                       # batches 1, 8, 64; free and JSON
+    python -m benchmarks.profile_host --batches 64 --grammar-workers 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from benchmarks.bench_decode import PROMPT, SCHEMA, chat
+from benchmarks.common import model_config, print_table, write_results
+from structgen.engine import cuda_graphs as cg
+from structgen.engine.config import EngineConfig
+from structgen.engine.engine import Engine
+from structgen.engine.request import Request
+from structgen.engine.sampler import SamplingParams
+from structgen.engine.scheduler import Scheduler
+
+INSTANCE = {"name": "Ada Lovelace", "age": 36, "city": "London", "email": "ada.lovelace@example.com",
+            "tags": ["mathematics", "poetry", "engines"], "active": True}
+PHASES = (("Engine", "_fill_masks"), ("Engine", "_advance_all"), ("Scheduler", "schedule"))
+
+
+class StubDevice:
+    """Replaces each bucket's (forward, sample) with host-only stand-ins: no forward, and a
+    sampler that writes, for a constrained row, the first token of what is left of `text`
+    after the row's output so far (its first token came from the real sampler of the prefill
+    step, so the rest is re-encoded), a random token for a free row, and advances the
+    metadata as the real sampler does."""
+
+    def __init__(self, engine: Engine, tokenizer: Any, text: str, stop: int):
+        self.engine, self.tokenizer, self.text, self.stop = engine, tokenizer, text, stop
+        self._next: dict[tuple[int, ...], int] = {}  # output so far -> next token
+        self.graphs = engine.runner.graphs
+        self.rng = np.random.default_rng(0)
+        self.seconds = 0.0
+        for bs in self.graphs.batch_sizes:
+            self.graphs._steps[bs] = (lambda: None, functools.partial(self._sample, bs))
+
+    def _sample(self, bs: int) -> None:
+        t = time.perf_counter()
+        g, m = self.graphs, self.graphs.meta
+        by_slot = {r.slot: r for r in self.engine.scheduler.running}
+        out = np.zeros(bs, dtype=np.int64)
+        for row, (slot, live) in enumerate(zip(m[cg.SLOTS, :bs].tolist(), m[cg.LIVE, :bs].tolist(), strict=True)):
+            req = by_slot.get(slot) if live else None
+            if req is None:
+                continue
+            if req.matcher is None:
+                out[row] = self.rng.integers(1000, 40000)
+            else:
+                out[row] = self.next_token(req.output_ids)
+        g.tokens[:bs] = torch.from_numpy(out)
+        live = m[cg.LIVE, :bs]
+        torch.mul(g.tokens[:bs], live, out=m[cg.IDS, :bs])
+        m[cg.POSITIONS, :bs].add_(live)
+        m[: cg._CARRIED, :bs] = m[: cg._CARRIED].index_select(1, m[cg.NEXT, :bs])
+        torch.add(m[cg.POSITIONS, :bs], 1, out=m[cg.LENS, :bs])
+        self.seconds += time.perf_counter() - t
+
+    def next_token(self, output: list[int]) -> int:
+        key = tuple(output)
+        if key not in self._next:
+            done = self.tokenizer.decode(output)
+            rest = self.text[len(done):] if self.text.startswith(done) else ""
+            ids = self.tokenizer.encode(rest, add_special_tokens=False) if rest else []
+            self._next[key] = ids[0] if ids else self.stop
+        return self._next[key]
+
+
+class PhaseTimer:
+    """Wall time inside a few engine methods while `on` (wrappers on the classes)."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.on = False
+        self._saved = []
+        for owner, name in PHASES:
+            cls = {"Engine": Engine, "Scheduler": Scheduler}[owner]
+            original = getattr(cls, name)
+            self._saved.append((cls, name, original))
+            setattr(cls, name, self._wrap(name, original))
+
+    def _wrap(self, name: str, f):
+        @functools.wraps(f)
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return f(*args, **kwargs)
+            finally:
+                if self.on:
+                    self.seconds[name] += time.perf_counter() - t
+
+        return timed
+
+    def restore(self) -> None:
+        for cls, name, original in self._saved:
+            setattr(cls, name, original)
+
+
+def host_us_per_step(engine: Engine, stub: StubDevice, phases: PhaseTimer, prompt: list[int], batch: int,
+                     grammar, steps: int) -> dict[str, Any]:
+    """Mean host microseconds per pure decode step (the stub's time taken out), over rounds of
+    `batch` requests until `steps` steps were timed."""
+    stop = frozenset(engine.stop_token_ids) if grammar is not None else frozenset()
+    timed, wall = 0, 0.0
+    stub_before = stub.seconds
+    phases.seconds.clear()
+    rounds = 0
+    while timed < steps:
+        rounds += 1
+        if rounds > 4 * steps:
+            raise RuntimeError("no decode step could be timed: requests finish at once (stub tokens rejected?)")
+        reqs = [Request(prompt, SamplingParams(max_tokens=128),
+                        grammar.matcher() if grammar is not None else None, stop) for _ in range(batch)]
+        for r in reqs:
+            engine.add_request(r)
+        while any(r.num_output == 0 for r in reqs):
+            engine.step()
+        engine.step()
+        stub_before = stub.seconds
+        phases.on = True
+        t = time.perf_counter()
+        while timed < steps and all(not r.finished for r in reqs):
+            engine.step()
+            timed += 1
+        wall += time.perf_counter() - t
+        phases.on = False
+        stub_spent = stub.seconds - stub_before
+        wall -= stub_spent
+        for r in reqs:
+            engine.abort(r)
+    out = {"host_us_per_step": 1e6 * wall / timed, "steps": timed}
+    out.update({f"{k}_us": 1e6 * v / timed for k, v in phases.seconds.items()})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--steps", type=int, default=120)
+    ap.add_argument("--grammar-workers", type=int, default=0, help="EngineConfig.grammar_workers")
+    ap.add_argument("--tokenizer-dir", type=Path, default=None, help="SmolLM2 tokenizer files (default: the model's)")
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args()
+    from structgen.engine.models.loader import load_tokenizer, resolve_model
+    from structgen.grammar import GrammarCompiler, dump_json
+    from structgen.types import JsonSchema, to_constraint
+
+    tokenizer = load_tokenizer(args.tokenizer_dir or resolve_model(progress=False))
+    cfg = model_config("smollm2-135m")  # the real vocabulary; one tiny layer (its cost is stubbed)
+    cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size = 1, 64, 128
+    cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim = 2, 1, 32
+    batches = [int(b) for b in args.batches.split(",")]
+    ec = EngineConfig(device="cpu", max_batch_size=max(batches), max_seq_len=1024, jump_forward=False,
+                      use_cuda_graphs=False, grammar_workers=args.grammar_workers)
+    engine = Engine(cfg, ec, None, stop_token_ids=set(cfg.eos_token_id))
+    engine.runner.capture_decode_graphs(capture=False)
+    engine.runner.graphs.prelaunch = True  # the GPU path: next forward queued behind the sampler
+    grammar = GrammarCompiler(tokenizer, cfg.vocab_size, sorted(engine.stop_token_ids)).compile(
+        to_constraint(JsonSchema(SCHEMA)))
+    text = dump_json(INSTANCE, SCHEMA)
+    assert grammar.accepts(text), "the instance must be valid for the schema"
+    stub = StubDevice(engine, tokenizer, text, min(engine.stop_token_ids))
+    phases = PhaseTimer()
+    prompt = tokenizer.encode(chat(tokenizer, PROMPT), add_special_tokens=False)
+    rows = []
+    try:
+        host_us_per_step(engine, stub, phases, prompt, batches[0], grammar, 16)  # warm-up
+        for batch in batches:
+            for constrained in (False, True):
+                r = host_us_per_step(engine, stub, phases, prompt, batch, grammar if constrained else None, args.steps)
+                rows.append({"batch": batch, "constrained": constrained,
+                             **{k: round(v, 1) if isinstance(v, float) else v for k, v in r.items()}})
+                print(rows[-1], flush=True)
+    finally:
+        phases.restore()
+    print_table(rows)
+    if not args.no_write:
+        print("wrote", write_results("host", rows, extra={
+            "device": "cpu", "grammar_workers": args.grammar_workers, "instance": text,
+            "note": "host microseconds per decode step, device stubbed (forward: none; sampler: the "
+                    "next token of a valid instance for JSON rows); SmolLM2 vocabulary, xgrammar"}))
+
+
+if __name__ == "__main__":
+    main()
