@@ -164,7 +164,10 @@ class Engine:
         seqs, last = self._decode_rows(reqs)
         temperatures, seeds, has_mask = [0.0] * len(seqs), [0] * len(seqs), [False] * len(seqs)
         for row, r in zip(last, reqs, strict=True):
-            temperatures[row], seeds[row], has_mask[row] = r.params.temperature, self._noise_seed(r), r.matcher is not None
+            t = r.params.temperature
+            temperatures[row], has_mask[row] = t, r.matcher is not None
+            if t != 0.0:  # greedy rows draw no noise (seed 0)
+                seeds[row] = self._noise_seed(r)
         constrained = [(row, r.matcher) for row, r in zip(last, reqs, strict=True) if r.matcher is not None]
         row_errors: dict[int, BaseException] = {}
 
@@ -221,7 +224,11 @@ class Engine:
         seqs: list[ExtendSeq] = []
         last: list[int] = []
         for r in reqs:
-            seqs += [ExtendSeq(r.slot, r.num_cached + j, [t]) for j, t in enumerate(r.token_ids[r.num_cached :])]
+            start, ids = r.num_cached, r.token_ids
+            if start == len(ids) - 1:  # the common case: one sampled token (a step at batch 64
+                seqs.append(ExtendSeq(r.slot, start, [ids[start]]))  # is host-bound: keep it lean)
+            else:
+                seqs += [ExtendSeq(r.slot, start + j, [t]) for j, t in enumerate(ids[start:])]
             last.append(len(seqs) - 1)
         return seqs, last
 
