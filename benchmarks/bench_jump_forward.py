@@ -188,6 +188,15 @@ def make_requests(llm: LLM, cases: list[Case], mode: str, jf: bool, max_tokens: 
     return reqs
 
 
+def step_kind(engine: Engine) -> str:
+    """What the engine's next step will be: "prefill" (someone is admitted or prefilling),
+    "extend" (forced tokens are pending) or "decode"."""
+    running = engine.scheduler.running
+    if engine.scheduler.waiting or any(r.num_cached < r.num_prompt for r in running):
+        return "prefill"
+    return "extend" if any(r.num_pending > 1 for r in running) else "decode"
+
+
 class StepTimer:
     """Times engine steps, split into pure decode steps and steps that also run forced tokens.
     No device sync between steps: the engine's own per-step sync (reading the sampled tokens)
@@ -203,12 +212,11 @@ class StepTimer:
         for r in reqs:
             e.add_request(r)
         while any(not r.finished for r in reqs):
-            prefill = any(r.num_cached < r.num_prompt for r in e.scheduler.running) or e.scheduler.waiting
-            multi = any(r.num_pending > 1 for r in e.scheduler.running)
+            kind = step_kind(e)
             t = time.perf_counter()
             e.step()
-            if not prefill:
-                (self.extend if multi else self.decode).append(time.perf_counter() - t)
+            if kind != "prefill":
+                (self.extend if kind == "extend" else self.decode).append(time.perf_counter() - t)
         if e.device.type == "cuda":
             torch.cuda.synchronize()  # a discarded pre-launched forward belongs to this run
         return time.perf_counter() - t0

@@ -30,6 +30,7 @@ from benchmarks.bench_jump_forward import (
     build_llm,
     load_cases,
     measure,
+    step_kind,
 )
 from structgen.engine.engine import Engine
 
@@ -44,11 +45,7 @@ class StepLabels:
 
     def _timed_step(self) -> list:
         e = self.engine
-        running = e.scheduler.running
-        if e.scheduler.waiting or any(r.num_cached < r.num_prompt for r in running):
-            kind = "prefill"
-        else:
-            kind = "extend" if any(r.num_pending > 1 for r in running) else "decode"
+        kind = step_kind(e)
         graphs = e.runner.graphs
         ahead = graphs.steps_ahead if graphs is not None else 0
         t = time.perf_counter()

@@ -96,11 +96,8 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch:
     v = v_cache[batch.slots, : batch.max_ctx]
     # Past each sequence's length lies stale or never-written memory (the cache is torch.empty):
     # zero it, or a NaN there would leak through the masked-out scores (0 * NaN = NaN).
-    stale = batch.stale
-    if stale is None:
-        stale = (torch.arange(batch.max_ctx, device=q.device)[None, :] >= batch.context_lens[:, None])[:, :, None, None]
-    k = k.masked_fill_(stale, 0.0).transpose(1, 2)  # [B, kv_heads, ctx, D]
-    v = v.masked_fill_(stale, 0.0).transpose(1, 2)
+    k = k.masked_fill_(batch.stale, 0.0).transpose(1, 2)  # [B, kv_heads, ctx, D]
+    v = v.masked_fill_(batch.stale, 0.0).transpose(1, 2)
     out = _sdpa(qp, k, v, batch)
     out = out.transpose(1, 2).reshape(b * batch.max_q, heads, dim)
     return out if batch.max_q == 1 and n == b else out[batch.pad_index]

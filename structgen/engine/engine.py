@@ -177,13 +177,14 @@ class Engine:
         finished: list[list[Request]] = []  # set once the step's tokens are taken in
 
         accepted: set[int] = set()  # requests whose matcher took this step's token already
+        plain = [False]  # `_plain_next_step` checked every request: only the bookkeeping is left
 
         def take(tokens: list[int]) -> None:
             errors = {i: row_errors[row] for i, row in enumerate(last) if row in row_errors}
             for req in reqs:
                 req.num_cached = len(req.token_ids)
                 req.stats.forward_passes += 1
-            finished.append(self._advance_all(reqs, tokens, errors, prefetch=True, accepted=accepted))
+            finished.append(self._advance_all(reqs, tokens, errors, prefetch=True, accepted=accepted, plain=plain[0]))
 
         plan = None
         if any(r.jump_forward for r in reqs):
@@ -197,6 +198,7 @@ class Engine:
                 if not row_errors:
                     rows = self._plain_next_step(reqs, toks, accepted)
                     if rows is not None:
+                        plain[0] = True
                         return rows  # `take` runs once this forward is launched
                 take(toks)
                 return self._plan_decode_step()
@@ -309,9 +311,10 @@ class Engine:
         if not rows:
             return {}
         try:
-            t = time.perf_counter()
+            timed = self.prefetcher is not None and len(rows) >= self.prefetcher.min_rows
+            t = time.perf_counter() if timed else 0.0
             fill_bitmasks([m for _, m in rows], bitmask, [i for i, _ in rows], threads=self.config.grammar_threads)
-            if self.prefetcher is not None and len(rows) >= self.prefetcher.min_rows:
+            if timed:
                 self.prefetcher.observe(time.perf_counter() - t)  # worth prefetching next time?
             return {}
         except Exception:
@@ -353,14 +356,19 @@ class Engine:
 
     def _advance_all(
         self, reqs: list[Request], tokens: list[int], errors: dict[int, BaseException], prefetch: bool = False,
-        accepted: set[int] = frozenset(),
+        accepted: set[int] = frozenset(), plain: bool = False,
     ) -> list[Request]:
         """Advance each request by its sampled token; `errors[i]` (its grammar failed this
         step) finishes request i with that error instead. Returns those that finished.
         `prefetch`: the next step's masks start filling once every matcher has advanced, and
         the rest (freeing slots, callbacks) runs meanwhile. `accepted`: ids of requests whose
-        matcher has taken the token already."""
+        matcher has taken the token already. `plain`: every request was checked by
+        `_plain_next_step` (token accepted, not complete, nothing forced, no stop or length
+        limit reached), so only appending the token is left."""
         for i, (req, tok) in enumerate(zip(reqs, tokens, strict=True)):
+            if plain:
+                req.append([tok])
+                continue
             try:
                 if i in errors:
                     raise EngineError(f"grammar failed while computing the token mask: {errors[i]}")

@@ -121,9 +121,7 @@ class ModelRunner:
 
         sizes = sorted(self.config.cuda_graph_batch_sizes)
         rows = 4 * self.kv.num_slots  # a step's rows: requests x (1 + forced or draft tokens)
-        keep = [b for b in sizes if b < rows] + [b for b in sizes if b >= rows][:1]
-        if self.config.prefill_in_graphs:
-            keep = sizes
+        keep = sizes if self.config.prefill_in_graphs else [b for b in sizes if b < rows] + [b for b in sizes if b >= rows][:1]
         if keep:
             self.graphs = DecodeGraphs(self, tuple(keep), capture=capture)
             log.info("captured decode graphs for batch sizes %s", keep)
