@@ -267,7 +267,7 @@ def measure(llm: LLM, cases: list[Case], mode: str, jf: bool, batch: int, max_to
 
 
 def build_llm(weights: str, tokenizer_dir: Path | None, device: str | None, graphs: bool,
-              shape: str | None = None, prefill_in_graphs: bool = False) -> tuple[LLM, str]:
+              shape: str | None = None, prefill_in_graphs: bool = True) -> tuple[LLM, str]:
     """The real default model, or random weights of its shape (config.json next to the
     tokenizer) or of a `benchmarks.common` shape (`llama-1b`, `llama-8b`: the SmolLM2
     tokenizer on the real vocab width), where the forward weighs more against the host."""
@@ -341,8 +341,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=384)
     ap.add_argument("--device", default=None)
     ap.add_argument("--repeat", type=int, default=3, help="off/on runs, interleaved; the median wall is kept")
-    ap.add_argument("--prefill-in-graphs", action="store_true",
-                    help="prompts that fit a bucket run through the decode graphs (EngineConfig.prefill_in_graphs)")
+    ap.add_argument("--eager-prefill", action="store_true",
+                    help="prompts run as eager extends (EngineConfig(prefill_in_graphs=False))")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
 
@@ -357,7 +357,7 @@ def main() -> None:
     per_case: list[dict[str, Any]] = []
     for graphs in args.graphs.split(","):
         llm, model = build_llm(args.weights, args.tokenizer_dir, args.device, graphs == "on", args.shape,
-                               args.prefill_in_graphs)
+                               not args.eager_prefill)
         engine = llm.engine
         engine.jump_forward_hook = ReplayJumpForward(
             llm.tokenizer, engine.vocab_size, engine.stop_token_ids, vocab=engine.jump_forward_hook.vocab
@@ -390,7 +390,7 @@ def main() -> None:
     print("(last row per group: passes/tok = on/off ratio, wall_s = speedup off/on)")
     if not args.no_write:
         extra = {"cases": [c.id for c in cases], "weights": args.weights, "per_case_replay_batch1": per_case,
-                 "prefill_in_graphs": args.prefill_in_graphs,
+                 "prefill_in_graphs": not args.eager_prefill,
                  "note": "batch 1: requests one after another (latency = per request); batch 16: all at once"}
         name = "jump_forward" if args.weights == "real" else f"jump_forward-random-{model}"
         print("wrote", write_results(name, rows, extra=extra))

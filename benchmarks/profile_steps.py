@@ -74,11 +74,11 @@ def main() -> None:
     ap.add_argument("--per-category", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=384)
     ap.add_argument("--device", default=None)
-    ap.add_argument("--prefill-in-graphs", action="store_true")
+    ap.add_argument("--eager-prefill", action="store_true", help="EngineConfig(prefill_in_graphs=False)")
     args = ap.parse_args()
     from benchmarks.common import print_table
 
-    llm, model = build_llm(args.weights, args.tokenizer_dir, args.device, True, args.shape, args.prefill_in_graphs)
+    llm, model = build_llm(args.weights, args.tokenizer_dir, args.device, True, args.shape, not args.eager_prefill)
     engine = llm.engine
     engine.jump_forward_hook = ReplayJumpForward(
         llm.tokenizer, engine.vocab_size, engine.stop_token_ids, vocab=engine.jump_forward_hook.vocab

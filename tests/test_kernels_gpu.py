@@ -536,9 +536,10 @@ def test_speculative_prelaunched_verify_equals_launching_late():
 
 
 def test_prefill_in_graphs_equals_eager_prefill():
-    """With `prefill_in_graphs`, a prompt that fits a bucket runs as one decode-graph step,
-    one row per token (each row attends to its slot up to its own position), alongside other
-    requests' decode rows; greedy and seeded sampled tokens equal those of eager prefill.
+    """With `prefill_in_graphs`, prompts run as decode-graph steps, one row per token (each
+    row attends to its slot up to its own position), alongside other requests' decode rows,
+    in chunks of at most the largest bucket (a 45-token prompt against 32 rows); greedy and
+    seeded sampled tokens equal those of eager prefill, and no step runs eagerly.
     Runs on the CPU under TRITON_INTERPRET=1 (graphs eager) and on the GPU."""
     from structgen.engine.config import EngineConfig, ModelConfig
     from structgen.engine.engine import Engine
@@ -548,25 +549,29 @@ def test_prefill_in_graphs_equals_eager_prefill():
     cfg = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, eos_token_id=[])
     g = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(0, 512, (int(n),), generator=g).tolist() for n in (5, 13, 9, 3)]
-    outputs, graph_steps = {}, {}
+    prompts = [torch.randint(0, 512, (int(n),), generator=g).tolist() for n in (5, 13, 9, 3, 45)]
+    outputs, graph_steps, eager_steps = {}, {}, {}
     for in_graphs in (True, False):
         ec = EngineConfig(device=str(DEVICE), dtype="float32", max_batch_size=8, max_seq_len=64,
                           use_cuda_graphs=False, cuda_graph_batch_sizes=(1, 2, 4, 8, 16, 32),
                           prefill_in_graphs=in_graphs)  # buckets up to 4 x 8 slots = 32 rows
         eng = Engine(cfg, ec, model_dir=None, stop_token_ids=set())
         eng.runner.capture_decode_graphs(capture=CUDA)
-        reqs = [Request(p, SamplingParams(max_tokens=6)) for p in prompts[:3]]
-        reqs.append(Request(prompts[3], SamplingParams(max_tokens=6, temperature=0.9, seed=5)))
+        reqs = [Request(p, SamplingParams(max_tokens=6)) for p in prompts]
+        reqs[3] = Request(prompts[3], SamplingParams(max_tokens=6, temperature=0.9, seed=5))
         for r in reqs[:2]:
             eng.add_request(r)
         eng.step()  # two prompts (5 + 13 rows)
         eng.step()  # their first decode step
         for r in reqs[2:]:
-            eng.add_request(r)  # joins while the others decode: 9 + 3 + 1 + 1 rows
+            eng.add_request(r)  # join while the others decode
         while not all(r.finished for r in reqs):
             eng.step()
         outputs[in_graphs] = [r.output_ids for r in reqs]
         graph_steps[in_graphs] = eng.runner.graphs.steps
+        eager_steps[in_graphs] = eng.runner.forward_passes - eng.runner.graphs.steps
     assert outputs[True] == outputs[False]
-    assert graph_steps[True] == graph_steps[False] + 2  # both prefill steps ran in the graphs
+    assert eager_steps[True] == 0 and eager_steps[False] >= 2
+    # Both eager prefill steps ran in the graphs, and the 45-token prompt took one step more
+    # there: the join step holds 32 rows (2 decode + 9 + 3 + 18), the next one its other 27.
+    assert graph_steps[True] == graph_steps[False] + eager_steps[False] + 1

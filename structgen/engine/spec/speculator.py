@@ -295,12 +295,13 @@ class Speculator:
             temps += [req.params.temperature] * (1 + len(d))
             seeds += [self._noise_seed(req, pos + j) for j in range(1 + len(d))]
         errors: dict[Request, BaseException] = {}
-        if not samplers:  # only prefill chunks this step
+        num_tokens = sum(n + len(d) for (_, n), d in zip(batch, drafts, strict=True))
+        in_graphs = self._in_graphs(batch, num_tokens)
+        if not samplers and not (in_graphs and eng.config.prefill_in_graphs):  # only prefill chunks
             runner.extend([ExtendSeq(r.slot, r.num_cached, r.token_ids[r.num_cached : r.num_cached + n], 0) for r, n in batch])
             take([], errors)
             return
-        num_tokens = sum(n + len(d) for (_, n), d in zip(batch, drafts, strict=True))
-        if self._in_graphs(batch, num_tokens):
+        if in_graphs:
             rows, at = token_rows(batch, drafts, spans)
             order = sorted(at)  # flat indices of sampling rows, in row order
             flat_temps, flat_seeds, has_mask = [0.0] * len(rows), [0] * len(rows), [False] * len(rows)
