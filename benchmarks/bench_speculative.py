@@ -4,8 +4,10 @@ speculation, on extraction prompts built from MaskBench JME (NousResearch json-m
 Each prompt holds the schema and the schema's valid instance rendered as prose; the model
 (real SmolLM2-135M-Instruct weights, greedy) extracts the JSON under the schema's grammar.
 Variants: no speculation; n-gram (prompt lookup) drafting with and without grammar-aware
-drafting, and `-late` without drafting the next step while the device waits (its verify forward
-is launched after this step's bookkeeping instead of at once); the self-draft (the target's first layers + its LM head); each with jump-forward on
+drafting, `-late` without drafting the next step while the device waits (its verify forward
+is launched after this step's bookkeeping instead of at once), `-capturable` in the capturable
+guided decoding mode (engine/guided_loop.py: the step's host work as callbacks inside a loop of
+CUDA graphs; `identical_to_usual_mode` counts its outputs equal to the plain n-gram variant's); the self-draft (the target's first layers + its LM head); each with jump-forward on
 and off. Greedy speculation is lossless, so every variant must produce the baseline's exact
 tokens (`identical` counts those that do).
 
@@ -225,6 +227,7 @@ def main() -> None:
         if "ngram" in methods:
             variants += [(f"structgen-ngram{tag}", SpeculativeConfig(num_draft_tokens=k)),
                          (f"structgen-ngram-late{tag}", SpeculativeConfig(num_draft_tokens=k)),
+                         (f"structgen-ngram-capturable{tag}", SpeculativeConfig(num_draft_tokens=k)),
                          (f"structgen-ngram-nogrammar{tag}", SpeculativeConfig(num_draft_tokens=k, grammar_aware=False))]
         if "self_draft" in methods and i == 0:
             for aware, suffix in ((True, ""), (False, "-nogrammar")):
@@ -234,6 +237,8 @@ def main() -> None:
     for name, s in speculators.items():
         if "-late" in name:  # each verify forward launched after the step's bookkeeping, as before
             s.drafter.host_only = False
+        if "-capturable" in name:  # the capturable mode: verify steps in guided_loop.py's loop
+            s.capturable = True
     for s in speculators.values():
         if s is not None:
             s.use_tokenizer(llm.tokenizer)  # what LLM does for a speculator it is built with
@@ -251,6 +256,7 @@ def main() -> None:
             if not kept:
                 continue
             base = None
+            outputs: dict[str, list[list[int]]] = {}
             for name, spec in variants:
                 eng.speculator = speculators[name]  # one engine, its drafters swapped between runs
                 run(llm, kept[:1], 1, jf, args.max_tokens)  # warm-up: Triton JIT, allocator
@@ -261,6 +267,10 @@ def main() -> None:
                     profile.report(f"{name} batch={batch} jf={jf}")
                 row = summarize(name, batch, jf, 0 if spec is None else spec.num_draft_tokens, wall, reqs, base)
                 base = base or reqs
+                outputs[name] = [r.output_ids for r in reqs]
+                usual = outputs.get(name.replace("-capturable", ""))
+                if "-capturable" in name and usual is not None:  # greedy: the mode must not change outputs
+                    row["identical_to_usual_mode"] = sum(a == b for a, b in zip(outputs[name], usual, strict=True))
                 rows.append(row)
             ref = next(r for r in rows if r["system"] == "structgen-nospec" and r["batch"] == batch and r["jump_forward"] == jf)
             for r in rows:
@@ -269,7 +279,7 @@ def main() -> None:
                     r["decode_speedup"] = ref["decode_ms_per_token"] / r["decode_ms_per_token"]
     eng.speculator = None
     shown = ["system", "batch", "jump_forward", "tokens", "identical", "mean_acceptance_length",
-             "forward_passes_per_token", "ms_per_token", "speedup", "decode_ms_per_token", "decode_speedup", "decode_speedup_identical", "errors"]
+             "forward_passes_per_token", "ms_per_token", "speedup", "decode_ms_per_token", "decode_speedup", "decode_speedup_identical", "identical_to_usual_mode", "errors"]
     print_table([{c: r.get(c) for c in shown} for r in rows])
     if not args.no_write:
         path = write_results("speculative", rows, extra={"settings": vars(args) | {"data": str(args.data)}})

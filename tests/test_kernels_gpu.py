@@ -535,6 +535,101 @@ def test_speculative_prelaunched_verify_equals_launching_late():
     assert drafter.calls == calls_late  # planned drafts are the ones verified, not proposed again
 
 
+def test_capturable_guided_loop_equals_the_engines_path():
+    """The capturable mode (guided_loop.py): verify steps run as a loop whose `take` callback
+    accepts, drafts and stages the next step. Outputs (greedy, and a seeded sampled request)
+    equal the usual path's; most verify steps ran in the loop; a loop stops for a waiting
+    caller (`Engine.interrupted`) and for a step with more rows than its bucket, and the
+    engine goes on from there. On the CPU under TRITON_INTERPRET=1 (loop steps run eagerly)
+    and on the GPU (host callbacks inside the captured graph)."""
+    from structgen.engine.config import EngineConfig, ModelConfig, SpeculativeConfig
+    from structgen.engine.engine import Engine
+    from structgen.engine.request import Request
+    from structgen.engine.sampler import SamplingParams
+
+    cfg = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, eos_token_id=[])
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (6, 11)]
+
+    class ReplayDrafter:  # the reference output, every 4th token corrupted
+        host_only = True
+
+        def __init__(self) -> None:
+            self.reference: dict[tuple[int, ...], list[int]] = {}
+
+        def propose(self, req: Request, k: int) -> list[int]:
+            ref, n = self.reference.get(tuple(req.token_ids[: req.num_prompt]), []), req.num_output
+            return [(t + 1) % 512 if (n + j) % 4 == 3 else t for j, t in enumerate(ref[n : n + k])]
+
+    drafter = ReplayDrafter()
+
+    def engine(capturable: bool, k: int = 3) -> Engine:
+        spec = SpeculativeConfig(method="custom", drafter=drafter, num_draft_tokens=k)
+        ec = EngineConfig(device=str(DEVICE), dtype="float32", max_batch_size=4, max_seq_len=96,
+                          use_cuda_graphs=False, cuda_graph_batch_sizes=(1, 2, 4, 8, 16), speculative=spec,
+                          capturable_guided=capturable)
+        eng = Engine(cfg, ec, model_dir=None, stop_token_ids=set())
+        eng.runner.model.init_random_weights(std=0.1)
+        eng.runner.capture_decode_graphs(capture=CUDA)
+        return eng
+
+    def requests() -> list[Request]:
+        return [Request(prompts[0], SamplingParams(max_tokens=40)),
+                Request(prompts[1], SamplingParams(max_tokens=40, temperature=0.8, seed=11))]
+
+    base = engine(False)
+    drafter.reference = {}
+    reference = [r.output_ids for r in base.run(requests())]  # the drafts: this output, corrupted
+    drafter.reference = {tuple(p): o for p, o in zip(prompts, reference, strict=True)}
+    usual = [r.output_ids for r in engine(False).run(requests())]
+    eng = engine(True)
+    looped = [r.output_ids for r in eng.run(requests())]
+    loops = eng.runner.graphs._loops
+    assert looped == usual
+    assert list(loops) == [8]  # 2 requests x (1 + 3) rows
+    assert loops[8].steps >= 8 and loops[8].steps >= eng.runner.forward_passes - 2  # all but the prompts
+
+    # A waiting caller ends the loop after the step in flight; the engine takes over.
+    eng = engine(True)
+    calls = []
+    eng.interrupted = lambda: calls.append(1) is None and len(calls) >= 2
+    reqs = requests()
+    for r in reqs:
+        eng.add_request(r)
+    eng.step()  # the prompts (one graph step)
+    before = eng.runner.graphs._loops.get(8)
+    eng.step()  # loop: step 1 asks (no), step 2 asks (yes) and stops
+    assert eng.runner.graphs._loops[8].steps - (before.steps if before else 0) == 2
+    eng.interrupted = lambda: False
+    while not all(r.finished for r in reqs):
+        eng.step()
+    assert [r.output_ids for r in reqs] == usual
+
+    # A step that needs more rows than the loop's bucket ends the run; so does a take that raises
+    # (after the run, on the caller's thread).
+    from structgen.engine.guided_loop import LoopStep
+
+    loop = eng.runner.graphs.guided_loop(2)
+    taken: list[list[int]] = []
+
+    def step(n: int, then: int) -> LoopStep:
+        def take(tokens: list[int], plan: bool) -> LoopStep | None:
+            taken.append(tokens)
+            if then < 0:
+                raise ValueError("broken take")
+            return step(then, then - 1 if then > 1 else 3) if plan else None
+
+        return LoopStep([1] * n, list(range(n)), [0] * n, [0.0] * n, [0] * n, [False] * n, lambda bm: None, take)
+
+    assert loop.run(step(1, 2), 10) == 3 and [len(t) for t in taken] == [1, 2, 1]  # then 3 rows > 2
+    taken.clear()
+    assert loop.run(step(2, 1), 2) == 2 and [len(t) for t in taken] == [2, 1]  # the budget: 2 steps
+    with pytest.raises(ValueError, match="broken take"):
+        loop.run(step(1, -1), 10)
+    assert loop.stopped
+
+
 def test_prefill_in_graphs_equals_eager_prefill():
     """With `prefill_in_graphs`, prompts run as decode-graph steps, one row per token (each
     row attends to its slot up to its own position), alongside other requests' decode rows,

@@ -131,6 +131,11 @@ class EngineConfig:
     # SmolLM2 prompt of 48-397 tokens took 23 ms to the first token eagerly (host-bound)
     # against 2.0 ms in graphs (median of 16 MaskBench prompts, random weights, 2026-11-25).
     prefill_in_graphs: bool = True
+    # The capturable guided decoding mode (engine/guided_loop.py): speculative verify steps
+    # with a host-side drafter (n-gram) run as a loop of CUDA graphs whose grammar work and
+    # next-step planning are host callbacks inside the graph. Needs the csrc extension on CUDA;
+    # other steps keep the usual path.
+    capturable_guided: bool = False
     grammar_threads: int = 0  # 0: grammar.batch.default_threads(backend) (xgrammar 1, llguidance <= 4)
     # Threads that fill the next decode step's masks while the main thread does the step's
     # bookkeeping (grammar/prefetch.py); 0 (default): masks are filled on the main thread,

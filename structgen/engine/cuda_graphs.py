@@ -61,6 +61,7 @@ from structgen.engine.attention import AttentionBatch
 from structgen.engine.kernels.sampling import sample_tokens
 
 if TYPE_CHECKING:
+    from structgen.engine.guided_loop import GuidedLoop
     from structgen.engine.model_runner import ModelRunner
 
 StepRows = tuple[list[int], list[int], list[int]]  # a step's rows: (token ids, positions, slots)
@@ -106,6 +107,8 @@ class DecodeGraphs:
         # bucket -> (launch forward, launch sampler); the graphs and their logits stay alive here.
         self._steps: dict[int, tuple[Callable[[], None], Callable[[], None]]] = {}
         self._captured: list[object] = []
+        self.pool = None  # the graphs' shared memory pool, once captured
+        self._loops: dict[int, GuidedLoop] = {}  # the capturable mode's graphs (guided_loop.py)
         # The step whose forward is already queued: (bucket, slots, positions, token ids).
         self._ahead: tuple | None = None
         self.steps = self.steps_ahead = 0  # decode steps run / of those, pre-launched forwards used
@@ -158,7 +161,7 @@ class DecodeGraphs:
             for bs in self.batch_sizes:
                 self._steps[bs] = self._eager_step(bs)
             return
-        pool = torch.cuda.graph_pool_handle()  # shared: only one graph runs at a time
+        pool = self.pool = torch.cuda.graph_pool_handle()  # shared: only one graph runs at a time
         for bs in reversed(self.batch_sizes):  # largest first, so smaller ones fit in its memory
             self._sample(bs, self._forward(bs))  # warm-up: compiles the Triton kernels
             torch.cuda.synchronize(self.device)
@@ -187,6 +190,17 @@ class DecodeGraphs:
         """The smallest captured batch size >= n (None: run eagerly instead)."""
         i = bisect.bisect_left(self.batch_sizes, n)
         return self.batch_sizes[i] if i < len(self.batch_sizes) else None
+
+    def guided_loop(self, bucket: int) -> GuidedLoop:
+        """The capturable mode's loop over `bucket` rows (guided_loop.py), captured on first
+        use. It replaces whatever forward was launched ahead."""
+        loop = self._loops.get(bucket)
+        if loop is None:
+            from structgen.engine.guided_loop import GuidedLoop
+
+            loop = self._loops[bucket] = GuidedLoop(self, bucket, capture=self.capture_graphs)
+        self._ahead = None
+        return loop
 
     def discard_ahead(self) -> None:
         """Another forward ran (or will): the pre-launched one no longer matches the cache."""

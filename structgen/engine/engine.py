@@ -17,6 +17,7 @@ import gc
 import logging
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -60,6 +61,9 @@ class Engine:
         self.scheduler = Scheduler(self.runner.kv, self.runner.kv.num_slots, self.config.prefill_chunk_tokens)
         self.max_seq_len = self.runner.max_seq_len
         self.jump_forward_hook = None  # set by structgen.grammar.jump_forward when available
+        # Whether someone waits to hand the engine requests or aborts (EngineLoop sets it):
+        # runs of steps that do not come back to `step` between them stop for it.
+        self.interrupted: Callable[[], bool] = _nobody_waits
         self._rng = random.Random(self.config.seed)  # noise seeds of unseeded sampled rows
         self._one_row: torch.Tensor | None = None  # scratch bitmask row for _only_stop_allowed
         self.speculator = None  # speculative decoding (spec/speculator.py) when configured
@@ -445,6 +449,10 @@ class Engine:
         while any(not r.finished for r in requests):
             self.step()
         return requests
+
+
+def _nobody_waits() -> bool:
+    return False
 
 
 _HEAP_FROZEN = False

@@ -23,6 +23,10 @@ class EngineLoop:
         self._incoming: deque[Request] = deque()
         self._aborts: deque[Request] = deque()
         self._thread: threading.Thread | None = None
+        engine.interrupted = self._has_news
+
+    def _has_news(self) -> bool:
+        return bool(self._incoming or self._aborts)
 
     def submit(self, request: Request) -> Future:
         """Queue `request`; the future resolves to it once finished (a request the engine

@@ -13,6 +13,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,6 +23,9 @@ from structgen.engine.kv_cache import KVCache
 from structgen.engine.models.llama import LlamaModel, skip_init
 
 log = logging.getLogger("structgen.engine")
+
+if TYPE_CHECKING:
+    from structgen.engine.guided_loop import LoopStep
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -125,6 +129,17 @@ class ModelRunner:
         if keep:
             self.graphs = DecodeGraphs(self, tuple(keep), capture=capture)
             log.info("captured decode graphs for batch sizes %s", keep)
+
+    def run_guided(self, first: LoopStep, bucket: int, max_steps: int) -> int:
+        """Run `first` and the steps its `take` plans in the capturable mode's loop
+        (guided_loop.py) over `bucket` rows; returns how many steps ran."""
+        loop = self.graphs.guided_loop(bucket)
+        before = loop.steps
+        try:
+            return loop.run(first, max_steps)
+        finally:  # a failed run still ran its steps
+            self.forward_passes += loop.steps - before
+            self.graphs.steps += loop.steps - before
 
     @torch.inference_mode()
     def decode(

@@ -42,11 +42,17 @@ from structgen.engine.sampler import allocate_bitmask, apply_bitmask_, sample, s
 from structgen.engine.spec import drafter as drafter_hooks
 from structgen.engine.spec.drafter import Drafter
 from structgen.engine.spec.verify import accept_draft
-from structgen.engine.spec.verify_rows import fill_draft_masks, sampling_spans, token_rows
+from structgen.engine.spec.verify_rows import (
+    fill_draft_masks,
+    graph_rows,
+    sampling_spans,
+    token_rows,
+)
 from structgen.errors import EngineError
 
 if TYPE_CHECKING:
     from structgen.engine.engine import Engine
+    from structgen.engine.guided_loop import LoopStep
     from structgen.engine.request import Request
 
 log = logging.getLogger("structgen.engine")
@@ -85,6 +91,7 @@ def grammar_prefix_len(req: Request, tokens: list[int]) -> int:
 
 
 MAX_FAILURES_IN_A_ROW = 16  # drafting steps that raise before the drafter is switched off
+LOOP_STEPS = 64  # most verify steps one engine step runs in the capturable mode's loop
 
 
 class Speculator:
@@ -97,6 +104,7 @@ class Speculator:
         self._failing = 0  # of those, in a row
         self.disabled: str | None = None  # why drafting stopped for good, if it did
         self._planned: tuple[tuple, list[list[int]]] | None = None  # (batch key, drafts) from _plan_next
+        self.capturable = engine.config.capturable_guided  # verify steps in guided_loop.py's loop
 
     def use_tokenizer(self, tokenizer: Any) -> None:
         """Hand the tokenizer to a drafter that can use it (n-gram: space-insensitive matching)."""
@@ -199,6 +207,14 @@ class Speculator:
         if drafts is None:
             drafts = self.propose(batch)
         spans = sampling_spans(batch, drafts)
+        if self._capturable():
+            bucket = self._loop_bucket(batch)
+            fitted = self._fit(batch, drafts, bucket)
+            if fitted is not None:
+                done: list[Request] = []
+                first = self._loop_step(batch, fitted, sampling_spans(batch, fitted), done, bucket)
+                if first is not None:
+                    return self._run_loop(first, bucket, done)
         finished: list[list[Request]] = []
 
         def take(tokens: list[int], errors: dict[Request, BaseException]) -> None:
@@ -233,6 +249,93 @@ class Speculator:
                 eng._notify(req)
                 self._tracked.discard(req)
                 drafter_hooks.release(self.drafter, req)
+                finished.append(req)
+        return finished
+
+    # -- the capturable mode (guided_loop.py) -----------------------------------------------------
+    def _capturable(self) -> bool:
+        """Verify steps run in the capturable mode's loop: asked for, a host-side drafter, decode
+        graphs, and on CUDA the csrc extension (host callbacks)."""
+        eng = self.engine
+        if not (self.capturable and getattr(self.drafter, "host_only", False)) or self.disabled:
+            return False
+        if eng.runner.graphs is None:
+            return False
+        if eng.device.type != "cuda":
+            return True  # graphs run eagerly (tests): the loop does too
+        from structgen.engine.kernels import csrc_ext
+
+        return csrc_ext.available()
+
+    def _loop_bucket(self, batch: list[tuple[Request, int]]) -> int:
+        """The loop's rows: 1 + k a request (steps with more are cut to fit, see `_fit`)."""
+        graphs = self.engine.runner.graphs
+        return graphs.bucket(min(len(batch) * (1 + self.config.num_draft_tokens), graphs.max_batch_size))
+
+    @staticmethod
+    def _fit(batch: list[tuple[Request, int]], drafts: list[list[int]], rows: int) -> list[list[int]] | None:
+        """`drafts` cut (longest first) so the step runs at most `rows` tokens; None if its
+        pending tokens alone (forced text, prompts) are more."""
+        excess = sum(n + len(d) for (_, n), d in zip(batch, drafts, strict=True)) - rows
+        if excess <= 0:
+            return drafts
+        drafts = [list(d) for d in drafts]
+        while excess > 0:
+            longest = max(drafts, key=len)
+            if not longest:
+                return None
+            longest.pop()
+            excess -= 1
+        return drafts
+
+    def _loop_step(self, batch: list[tuple[Request, int]], drafts: list[list[int]],
+                   spans: list[tuple[int, int] | None], finished: list[Request], bucket: int) -> LoopStep | None:
+        """This verify step as a step of the loop over `bucket` rows (its `take` plans the next
+        one, drafts cut to fit); None where it cannot be one: a request that does not sample,
+        or rows the graphs do not take."""
+        from structgen.engine.guided_loop import LoopStep
+
+        samplers = [(req, d, s) for (req, _), d, s in zip(batch, drafts, spans, strict=True) if s is not None]
+        num_tokens = sum(n + len(d) for (_, n), d in zip(batch, drafts, strict=True))
+        if len(samplers) != len(batch) or not self._in_graphs(batch, num_tokens):
+            return None
+        g = graph_rows(batch, drafts, spans, *self._sampling(samplers))
+        errors: dict[Request, BaseException] = {}
+
+        def fill(bitmask: torch.Tensor) -> None:
+            errors.update(fill_draft_masks(bitmask, g.masks))
+
+        def take(tokens: list[int], plan: bool) -> LoopStep | None:
+            finished.extend(self._take(batch, drafts, spans, [tokens[f] for f in g.order], errors))
+            for req, _ in batch:
+                if not req.finished:
+                    self.engine._notify(req)
+            if not plan or self.engine.interrupted():
+                return None
+            nxt = self.engine.scheduler.peek()
+            if not nxt:
+                return None
+            nxt_drafts = self.propose(nxt)
+            self._planned = (self._batch_key(nxt), nxt_drafts)  # for the engine's step, if the loop stops
+            fitted = self._fit(nxt, nxt_drafts, bucket)
+            if fitted is None:
+                return None
+            return self._loop_step(nxt, fitted, sampling_spans(nxt, fitted), finished, bucket)
+
+        rows = g.rows
+        return LoopStep([r.token_ids[0] for r in rows], [r.start for r in rows], [r.slot for r in rows],
+                        g.temperatures, g.seeds, g.has_mask, fill, take)
+
+    def _run_loop(self, first: LoopStep, bucket: int, finished: list[Request]) -> list[Request]:
+        """Run verify steps in the loop from `first` until one cannot continue it; returns the
+        requests that finished."""
+        eng = self.engine
+        try:
+            eng.runner.run_guided(first, bucket, LOOP_STEPS)
+        except Exception as exc:  # a broken loop fails the running requests, not the engine
+            log.exception("capturable guided loop failed")
+            for req in list(eng.scheduler.running):
+                eng.abort(req, "error", EngineError(f"guided loop step failed: {exc}"))
                 finished.append(req)
         return finished
 
@@ -289,11 +392,7 @@ class Speculator:
         (`_plan_next`), before this step's bookkeeping."""
         eng, runner = self.engine, self.engine.runner
         samplers = [(req, d, s) for (req, _), d, s in zip(batch, drafts, spans, strict=True) if s is not None]
-        temps, seeds = [], []
-        for req, d, _ in samplers:
-            pos = len(req.token_ids)
-            temps += [req.params.temperature] * (1 + len(d))
-            seeds += [self._noise_seed(req, pos + j) for j in range(1 + len(d))]
+        temps, seeds = self._sampling(samplers)
         errors: dict[Request, BaseException] = {}
         num_tokens = sum(n + len(d) for (_, n), d in zip(batch, drafts, strict=True))
         in_graphs = self._in_graphs(batch, num_tokens)
@@ -302,31 +401,22 @@ class Speculator:
             take([], errors)
             return
         if in_graphs:
-            rows, at = token_rows(batch, drafts, spans)
-            order = sorted(at)  # flat indices of sampling rows, in row order
-            flat_temps, flat_seeds, has_mask = [0.0] * len(rows), [0] * len(rows), [False] * len(rows)
-            for f in order:
-                r = at[f]
-                flat_temps[f], flat_seeds[f] = temps[r], seeds[r]
-            for req, d, (_, f0) in samplers:
-                if req.matcher is not None:
-                    has_mask[f0 : f0 + 1 + len(d)] = [True] * (1 + len(d))
-            spans_flat = [(req, f0, d) for req, d, (_, f0) in samplers if req.matcher is not None]
+            g = graph_rows(batch, drafts, spans, temps, seeds)
             taken: list[bool] = []
             plan = None
             if getattr(self.drafter, "host_only", False) and len(samplers) == len(batch):
 
                 def plan(tokens: list[int]) -> list[ExtendSeq] | None:
                     taken.append(True)
-                    take([tokens[f] for f in order], errors)
+                    take([tokens[f] for f in g.order], errors)
                     return self._plan_next()
 
             out = runner.decode(
-                rows, flat_temps, flat_seeds, has_mask, lambda bm: errors.update(fill_draft_masks(bm, spans_flat)),
+                g.rows, g.temperatures, g.seeds, g.has_mask, lambda bm: errors.update(fill_draft_masks(bm, g.masks)),
                 plan is not None, plan,
             )
             if not taken:
-                take([out[f] for f in order], errors)
+                take([out[f] for f in g.order], errors)
             return
         seqs = []
         for (req, n), d, s in zip(batch, drafts, spans, strict=True):
@@ -359,6 +449,15 @@ class Speculator:
                 if j - r0 == len(d) or tokens[j] != d[j - r0]:
                     break
         take(tokens, errors)
+
+    def _sampling(self, samplers: list[tuple[Request, list[int], tuple[int, int]]]) -> tuple[list[float], list[int]]:
+        """Temperature and noise seed of every sampling row (row order)."""
+        temps, seeds = [], []
+        for req, d, _ in samplers:
+            pos = len(req.token_ids)
+            temps += [req.params.temperature] * (1 + len(d))
+            seeds += [self._noise_seed(req, pos + j) for j in range(1 + len(d))]
+        return temps, seeds
 
     def _noise_seed(self, req: Request, position: int) -> int:
         """The sampling noise of the token at `position`: the engine's rule (a function of

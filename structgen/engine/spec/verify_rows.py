@@ -9,6 +9,7 @@ per token (so a verify step is a decode step over rows and fits the decode CUDA 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from structgen.engine.model_runner import ExtendSeq
@@ -47,6 +48,38 @@ def token_rows(batch: list[tuple[Request, int]], drafts: list[list[int]],
         for j, t in enumerate(toks):
             rows.append(ExtendSeq(req.slot, req.num_cached + j, [t]))
     return rows, at
+
+
+@dataclass
+class GraphRows:
+    """A verify step laid out for the decode graphs: a one-token row per token, the flat
+    indices of its sampling rows in row order, and each row's sampling temperature, noise
+    seed and has-mask flag; `masks` are the (request, first flat row, draft) spans whose
+    rows `fill_draft_masks` fills."""
+
+    rows: list[ExtendSeq]
+    order: list[int]
+    temperatures: list[float]
+    seeds: list[int]
+    has_mask: list[bool]
+    masks: list[tuple[Request, int, list[int]]]
+
+
+def graph_rows(batch: list[tuple[Request, int]], drafts: list[list[int]], spans: list[tuple[int, int] | None],
+               temperatures: list[float], seeds: list[int]) -> GraphRows:
+    """Lay a verify step out as decode-graph rows; `temperatures` and `seeds` are per
+    sampling row (row order)."""
+    rows, at = token_rows(batch, drafts, spans)
+    order = sorted(at)
+    temps, flat_seeds, has_mask = [0.0] * len(rows), [0] * len(rows), [False] * len(rows)
+    for f in order:
+        temps[f], flat_seeds[f] = temperatures[at[f]], seeds[at[f]]
+    masks = []
+    for (req, _), d, s in zip(batch, drafts, spans, strict=True):
+        if s is not None and req.matcher is not None:
+            has_mask[s[1] : s[1] + 1 + len(d)] = [True] * (1 + len(d))
+            masks.append((req, s[1], d))
+    return GraphRows(rows, order, temps, flat_seeds, has_mask, masks)
 
 
 def fill_draft_masks(bitmask: torch.Tensor, spans: list[tuple[Request, int, list[int]]]) -> dict[Request, BaseException]:
