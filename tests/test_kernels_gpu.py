@@ -478,6 +478,22 @@ def test_prelaunched_forward_after_multi_row_steps_equals_launching_late():
     assert all(t < 32 for step in early for t in step[-1:])
 
 
+class ReplayDrafter:
+    """A host-side drafter that proposes a known output (`reference`, by prompt) with every
+    4th token corrupted, so verify steps both accept and reject."""
+
+    host_only = True
+
+    def __init__(self) -> None:
+        self.reference: dict[tuple[int, ...], list[int]] = {}
+        self.calls = 0
+
+    def propose(self, req, k: int) -> list[int]:
+        self.calls += 1
+        ref, n = self.reference.get(tuple(req.token_ids[: req.num_prompt]), []), req.num_output
+        return [(t + 1) % 512 if (n + j) % 4 == 3 else t for j, t in enumerate(ref[n : n + k])]
+
+
 def test_speculative_prelaunched_verify_equals_launching_late():
     """With a drafter that runs on the host, a verify step takes its sampled tokens in inside
     the graphs' `plan_next`, drafts the next step there and has its forward launched at once
@@ -494,18 +510,6 @@ def test_speculative_prelaunched_verify_equals_launching_late():
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, eos_token_id=[])
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (6, 11)]
-
-    class ReplayDrafter:  # the reference output, every 4th token corrupted
-        host_only = True
-
-        def __init__(self) -> None:
-            self.reference: dict[tuple[int, ...], list[int]] = {}
-            self.calls = 0
-
-        def propose(self, req: Request, k: int) -> list[int]:
-            self.calls += 1
-            ref, n = self.reference.get(tuple(req.token_ids[: req.num_prompt]), []), req.num_output
-            return [(t + 1) % 512 if (n + j) % 4 == 3 else t for j, t in enumerate(ref[n : n + k])]
 
     drafter = ReplayDrafter()
 
@@ -551,16 +555,6 @@ def test_capturable_guided_loop_equals_the_engines_path():
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, eos_token_id=[])
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (6, 11)]
-
-    class ReplayDrafter:  # the reference output, every 4th token corrupted
-        host_only = True
-
-        def __init__(self) -> None:
-            self.reference: dict[tuple[int, ...], list[int]] = {}
-
-        def propose(self, req: Request, k: int) -> list[int]:
-            ref, n = self.reference.get(tuple(req.token_ids[: req.num_prompt]), []), req.num_output
-            return [(t + 1) % 512 if (n + j) % 4 == 3 else t for j, t in enumerate(ref[n : n + k])]
 
     drafter = ReplayDrafter()
 
