@@ -199,7 +199,7 @@ class DecodeGraphs:
             from structgen.engine.guided_loop import GuidedLoop
 
             loop = self._loops[bucket] = GuidedLoop(self, bucket, capture=self.capture_graphs)
-        self._ahead = None
+        self.discard_ahead()
         return loop
 
     def discard_ahead(self) -> None:

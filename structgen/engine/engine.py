@@ -162,7 +162,7 @@ class Engine:
         rows = 0
         for req, n in batch:
             p = req.params
-            if n != req.num_pending and not (self.config.prefill_in_graphs and n < req.num_pending):
+            if n < req.num_pending and not self.config.prefill_in_graphs:  # a chunk that samples nothing
                 return False
             if not p.greedy and (p.top_k > 0 or p.top_p < 1.0):
                 return False

@@ -90,9 +90,10 @@ class GuidedLoop:
         if capture:
             from structgen.engine.kernels import hostfunc
 
+            # Their captured argument blocks live as long as the process (hostfunc frees them at
+            # exit): a loop is kept for as long as its decode graphs.
             self._fill_cb = hostfunc.hostfunc(self._on_fill)
             self._take_cb = hostfunc.hostfunc(self._on_tokens)
-            self._blocks: list[int] = []
             self._capture()
 
     # -- staging ------------------------------------------------------------------------------
@@ -157,28 +158,18 @@ class GuidedLoop:
             ready.record(main)
             with torch.cuda.stream(g.copy_stream):
                 g.copy_stream.wait_event(ready)
-                self._blocks.append(self._fill_cb.launch(stream=g.copy_stream))
+                self._fill_cb.launch(stream=g.copy_stream)
                 g.bitmask[:n].copy_(self.stage_bitmask, non_blocking=True)
                 masked.record(g.copy_stream)
             logits = g._forward(n)
             main.wait_event(masked)
             g._sample(n, logits)
             self.stage_tokens.copy_(g.tokens[:n], non_blocking=True)
-            self._blocks.append(self._take_cb.launch(stream=main))
+            self._take_cb.launch(stream=main)
         torch.cuda.synchronize(g.device)
         hf.raise_pending()
         self.graph, self._logits = graph, logits
         self._events = [torch.cuda.Event() for _ in range(DEPTH)]
-
-    def release(self) -> None:
-        """Free the captured callbacks' argument blocks (the graph must not replay again)."""
-        if self.capture:
-            from structgen.engine.kernels import hostfunc as hf
-
-            for b in self._blocks:
-                hf.release(b)
-            self._blocks.clear()
-            self.graph = None
 
     def run(self, first: LoopStep, max_steps: int) -> int:
         """Run `first` and the steps its `take` plans, at most `max_steps`; returns how many

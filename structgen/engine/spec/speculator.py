@@ -312,11 +312,10 @@ class Speculator:
                     self.engine._notify(req)
             if not plan or self.engine.interrupted():
                 return None
-            nxt = self.engine.scheduler.peek()
-            if not nxt:
+            proposed = self._propose_next()  # its drafts serve the engine's step if the loop stops
+            if proposed is None:
                 return None
-            nxt_drafts = self.propose(nxt)
-            self._planned = (self._batch_key(nxt), nxt_drafts)  # for the engine's step, if the loop stops
+            nxt, nxt_drafts = proposed
             fitted = self._fit(nxt, nxt_drafts, bucket)
             if fitted is None:
                 return None
@@ -346,11 +345,10 @@ class Speculator:
         step's tokens are taken in. Its drafts are proposed here and kept for that step. Only
         for drafters that run on the host: a draft model's forwards would queue behind it."""
         try:
-            batch = self.engine.scheduler.peek()
-            if not batch:
+            proposed = self._propose_next()
+            if proposed is None:
                 return None
-            drafts = self.propose(batch)
-            self._planned = (self._batch_key(batch), drafts)
+            batch, drafts = proposed
             spans = sampling_spans(batch, drafts)
             if any(s is None for s in spans):
                 return None
@@ -359,6 +357,16 @@ class Speculator:
         except Exception:  # pragma: no cover - planning must never fail the step
             log.exception("planning the next verify step failed")
             return None
+
+    def _propose_next(self) -> tuple[list[tuple[Request, int]], list[list[int]]] | None:
+        """The next step's batch and its drafts, when that step is sure (nobody to admit or
+        prefill); the drafts are kept for it (`_planned_drafts`)."""
+        batch = self.engine.scheduler.peek()
+        if not batch:
+            return None
+        drafts = self.propose(batch)
+        self._planned = (self._batch_key(batch), drafts)
+        return batch, drafts
 
     def _planned_drafts(self, batch: list[tuple[Request, int]]) -> list[list[int]] | None:
         """Drafts proposed for this very batch by the previous step's plan, if any."""
