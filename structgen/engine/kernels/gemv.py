@@ -8,17 +8,24 @@ projections 26.8 / 19.9 / 87.6 / 52.0 us (qkv / o / gate_up / down) against cuBL
 22.9 / 94.6 / 56.0, its LM head 341 vs 384 us (3.1 vs 2.7 TB/s). The best block shape differs
 per matrix, so `plan` times cuBLAS against a few block shapes once per large matrix on the
 device, outside any graph capture (the decode graphs' warm-up runs every shape first), and
-keeps the fastest. Small matrices keep the fixed rule (an earlier timing that picked slower
-shapes for them measured launch cost as much as the kernel: see `time_cold`). Rows past one
-take cuBLAS. Each program owns BLOCK_N output features and streams their [BLOCK_N, K] slab of
-W in BLOCK_K chunks, its accumulator in registers.
+keeps the fastest. Small matrices keep the fixed rule at one row (an earlier timing that
+picked slower shapes for them measured launch cost as much as the kernel: see `time_cold`).
+
+Two to four rows (forced text, speculative verify steps, small batches) are timed for every
+matrix, small ones included: there W is still read once for all rows, and cuBLAS's kernels for
+a few rows cost more than one row's GEMV. Measured on the H100 (2026-11-25, L2 cold, best
+shape of a sweep; docs/performance.md): SmolLM2's o and down projections at 2-4
+rows 5.4-7.2 us against cuBLAS's 6.4-8.6; the 8B shape's o / gate_up / down / LM head at 2 rows
+21.3 / 92.4 / 54.4 / 358 us against 22.9 / 94.4 / 56.0 / 386. At 3-4 rows of large matrices and
+for SmolLM2's LM head cuBLAS wins and keeps them. Each program owns BLOCK_N output features and
+streams their [BLOCK_N, K] slab of W in BLOCK_K chunks, its accumulator in registers.
 """
 
 from __future__ import annotations
 
 import statistics
 from collections.abc import Callable
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -27,12 +34,31 @@ import triton.language as tl
 
 MAX_ROWS = 4
 MAX_WEIGHT = 4 << 20  # elements: above this cuBLAS reads W at least as fast (the untimed rule)
-# (block_n, block_k, num_warps, num_stages) timed against cuBLAS: the best shapes of a sweep
-# over SmolLM2, Llama-1B and Llama-8B matrices on the H100.
-CONFIGS = ((4, 1024, 4, 4), (2, 1024, 4, 4), (2, 2048, 8, 2), (4, 1024, 8, 3), (4, 512, 4, 4))
+
+
+class Block(NamedTuple):
+    """A launch shape: output features and K chunk per program, warps, pipeline stages, and
+    whether products are summed once after the K loop (`late`) or once per chunk."""
+
+    n: int
+    k: int
+    warps: int
+    stages: int
+    late: bool
+
+
+# One row, timed against cuBLAS for large matrices: the best shapes of a sweep over SmolLM2,
+# Llama-1B and Llama-8B matrices on the H100 (late sum: one row of a large matrix).
+CONFIGS = tuple(Block(n, k, w, s, False) for n, k, w, s in
+                ((4, 1024, 4, 4), (2, 1024, 4, 4), (2, 2048, 8, 2), (4, 1024, 8, 3), (4, 512, 4, 4)))
 DEFAULT = CONFIGS[0]
+# Two to four rows, timed against cuBLAS for every matrix: the shapes that won a sweep of
+# those row counts (the late sum keeps a [rows, n, k] accumulator, hence the smaller chunks).
+MULTI_ROW = (*(Block(n, k, w, s, False) for n, k, w, s in ((2, 1024, 4, 4), (4, 1024, 4, 4), (2, 2048, 8, 2))),
+             *(Block(n, k, w, s, True) for n, k, w, s in ((1, 1024, 4, 4), (2, 512, 4, 4), (4, 512, 4, 3),
+                                                          (8, 256, 4, 3))))
 MARGIN = 0.97  # a block shape must beat cuBLAS by 3 %: near-ties stay with cuBLAS
-_plans: dict[tuple, tuple[int, int, int, int] | None] = {}
+_plans: dict[tuple, Block | None] = {}
 T = TypeVar("T")
 
 
@@ -41,10 +67,11 @@ def use_gemv(rows: int, weight: torch.Tensor) -> bool:
     return rows == 1 and weight.numel() <= MAX_WEIGHT
 
 
-def plan(rows: int, weight: torch.Tensor) -> tuple[int, int, int, int] | None:
-    """The block shape to run `x[rows] @ weight.T` with, or None for cuBLAS: the fixed rule,
-    except one row of a large CUDA matrix, timed on first use per (shape, dtype, device)."""
-    if rows != 1 or not weight.is_cuda or weight.numel() <= MAX_WEIGHT:
+def plan(rows: int, weight: torch.Tensor) -> Block | None:
+    """The block shape to run `x[rows] @ weight.T` with, or None for cuBLAS: the fixed rule
+    for one row of a small matrix; one row of a large CUDA matrix and 2-4 rows of any are
+    timed on first use per (rows, shape, dtype, device)."""
+    if not weight.is_cuda or rows > MAX_ROWS or (rows == 1 and weight.numel() <= MAX_WEIGHT):
         return DEFAULT if weight.is_cuda and use_gemv(rows, weight) else None
     key = (rows, tuple(weight.shape), weight.dtype, weight.device)
     if key not in _plans:
@@ -54,20 +81,19 @@ def plan(rows: int, weight: torch.Tensor) -> tuple[int, int, int, int] | None:
     return _plans[key]
 
 
-def _time(rows: int, weight: torch.Tensor, reps: int = 15) -> tuple[int, int, int, int] | None:
+def _time(rows: int, weight: torch.Tensor, reps: int = 15) -> Block | None:
     """cuBLAS against each block shape on `weight` (`time_all`); a block shape must win by
     MARGIN and compute the right product."""
     x = torch.randn(rows, weight.shape[1], device=weight.device, dtype=weight.dtype)
     ref = F.linear(x, weight).float()
+    late = weight.numel() > MAX_WEIGHT
+    candidates = [b._replace(late=late) for b in CONFIGS] if rows == 1 else list(MULTI_ROW)
 
-    def run(cfg: tuple[int, int, int, int] | None) -> torch.Tensor:
-        if cfg is None:
-            return F.linear(x, weight)
-        bn, bk, nw, ns = cfg
-        return gemv(x, weight, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
+    def run(cfg: Block | None) -> torch.Tensor:
+        return F.linear(x, weight) if cfg is None else gemv(x, weight, block=cfg)
 
     # A shape that computes wrong is never chosen (this first call also compiles it).
-    right = [c for c in CONFIGS if (run(c).float() - ref).norm() <= 1e-2 * ref.norm()]
+    right = [c for c in candidates if (run(c).float() - ref).norm() <= 1e-2 * ref.norm()]
     times = time_all(run, [None, *right], weight.device, reps)
     best = min(right, key=times.__getitem__, default=None)
     return best if best is not None and times[best] < MARGIN * times[None] else None
@@ -114,7 +140,8 @@ def _gemv_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS:
     # of W. It is written apart, with no mask on K where chunks divide it: the general form
     # streamed W 5-15 % slower (H100, Llama-8B shape, L2 cold: down 59.5 vs 52.0 us, o 22.8 vs
     # 20.0). Small matrices keep the sum per chunk, in the general form: on SmolLM2-135M
-    # either change made the forward graph slower (0.88 vs 0.76 ms, same process).
+    # either change made the forward graph slower (0.88 vs 0.76 ms, same process). Two to four
+    # rows of a matrix can take either form (`plan` times both).
     if not SUM_LATE:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -126,6 +153,23 @@ def _gemv_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS:
         if HAS_BIAS:
             acc += tl.load(B + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
         tl.store(Y + m[:, None] * stride_ym + n[None, :], acc.to(Y.dtype.element_ty),
+                 mask=mmask[:, None] & nmask[None, :])
+    elif BLOCK_M > 1:  # 2-4 rows of a large matrix: W streamed once for every row, summed late
+        acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            if EVEN_K:
+                w = tl.load(w_ptr + k[None, :], mask=nmask[:, None], other=0.0)
+                x = tl.load(X + m[:, None] * stride_xm + k[None, :], mask=mmask[:, None], other=0.0)
+            else:
+                kmask = k < K
+                w = tl.load(w_ptr + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+                x = tl.load(X + m[:, None] * stride_xm + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+            acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        out2 = tl.sum(acc3, 2)
+        if HAS_BIAS:
+            out2 += tl.load(B + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        tl.store(Y + m[:, None] * stride_ym + n[None, :], out2.to(Y.dtype.element_ty),
                  mask=mmask[:, None] & nmask[None, :])
     else:  # one row of a large matrix
         acc1 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
@@ -145,18 +189,17 @@ def _gemv_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-         block_n: int = 4, block_k: int = 1024, num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
+         block: Block = DEFAULT) -> torch.Tensor:
     """x [M, K] (M <= MAX_ROWS), weight [N, K] -> [M, N] in x's dtype."""
     m, k = x.shape
     n = weight.shape[0]
     assert m <= MAX_ROWS and x.stride(-1) == 1 and weight.stride(-1) == 1
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    late = m == 1 and weight.numel() > MAX_WEIGHT
-    bk = min(block_k, triton.next_power_of_2(k))
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
+    bk = min(block.k, triton.next_power_of_2(k))
+    _gemv_kernel[(triton.cdiv(n, block.n),)](
         x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, SUM_LATE=late,
-        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=bk,
-        num_warps=num_warps, num_stages=num_stages,
+        HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, SUM_LATE=block.late,
+        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block.n, BLOCK_K=bk,
+        num_warps=block.warps, num_stages=block.stages,
     )
     return y

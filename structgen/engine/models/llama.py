@@ -78,15 +78,15 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 def project(linear: nn.Linear, x: torch.Tensor, fused: bool) -> torch.Tensor:
-    """`linear(x)`, except that one-row products take the Triton GEMV where it is faster
-    than cuBLAS: small matrices always, large ones where timing says so (kernels/gemv.py)."""
+    """`linear(x)`, except that products of one to four rows take the Triton GEMV where it is
+    faster than cuBLAS: one row of a small matrix always, the rest where timing says so
+    (kernels/gemv.py)."""
     if fused and x.dim() == 2:
         from structgen.engine.kernels import gemv
 
-        cfg = gemv.plan(x.shape[0], linear.weight)
-        if cfg is not None:
-            bn, bk, nw, ns = cfg
-            return gemv.gemv(x, linear.weight, linear.bias, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
+        block = gemv.plan(x.shape[0], linear.weight)
+        if block is not None:
+            return gemv.gemv(x, linear.weight, linear.bias, block=block)
     return linear(x)
 
 
