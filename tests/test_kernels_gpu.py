@@ -118,17 +118,19 @@ def test_silu_mul_matches_torch():
 
 @pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (100, 300), (256, 2048), (2056, 2048)])
 def test_gemv_matches_linear(n, k):
-    """Every block shape `plan` may pick, with either sum, for 1-4 rows (K not a multiple of
+    """Every block shape `plan` may pick, in every form, for 1-16 rows (K not a multiple of
     the chunk included: 300, 576 and 1536 against 1024-wide chunks)."""
     import torch.nn.functional as F
 
-    from structgen.engine.kernels.gemv import CONFIGS, MULTI_ROW, gemv
+    from structgen.engine.kernels.gemv import CONFIGS, DOT, MULTI_ROW, gemv
 
     w = (torch.randn(n, k, device=DEVICE) * 0.05).to(LOW)
     b = torch.randn(n, device=DEVICE).to(LOW)
-    for rows in (1, 2, 3, 4):
+    for rows in (1, 2, 3, 4, 7, 16):
         x = torch.randn(rows, k, device=DEVICE).to(LOW)
-        blocks = [*CONFIGS, *(c._replace(late=True) for c in CONFIGS)] if rows == 1 else MULTI_ROW
+        blocks = [*CONFIGS, *(c._replace(form="late") for c in CONFIGS)] if rows == 1 else [*DOT]
+        if 1 < rows <= 4:
+            blocks += MULTI_ROW
         for block in blocks:
             assert rel_err(gemv(x, w, block=block), F.linear(x, w)) < 1e-2, (rows, block)
             assert rel_err(gemv(x, w, b, block=block), F.linear(x, w, b)) < 1e-2, (rows, block)
@@ -261,25 +263,27 @@ def test_fused_layers_match_the_unfused_model():
 @needs_cuda
 def test_timed_gemv_plan_is_cached_and_falls_back_inside_a_capture():
     """`gemv.plan`: one row of a small matrix keeps the fixed rule (the default block shape);
-    one row of a large matrix and 2-4 rows of any are timed once against cuBLAS and the answer
-    kept; five rows take cuBLAS; inside a graph capture an untimed matrix takes cuBLAS instead
-    of timing; `project` computes the same product whichever way it goes."""
+    one row of a large matrix and 2-16 rows of any are timed once per power-of-two row count
+    against cuBLAS and the answer kept; 17 rows take cuBLAS; inside a graph capture an untimed
+    matrix takes cuBLAS instead of timing; `project` computes the same product whichever way
+    it goes."""
     import torch.nn as nn
 
     from structgen.engine.kernels import gemv
     from structgen.engine.models.llama import project
 
     small = nn.Linear(576, 960, bias=True, device=DEVICE, dtype=LOW)
-    assert gemv.plan(1, small.weight) == gemv.DEFAULT and gemv.plan(5, small.weight) is None
+    assert gemv.plan(1, small.weight) == gemv.DEFAULT and gemv.plan(17, small.weight) is None
     large = nn.Linear(2048, 3072, bias=False, device=DEVICE, dtype=LOW)
     first = gemv.plan(1, large.weight)
-    assert first is None or (first.late and first._replace(late=False) in gemv.CONFIGS)
+    assert first is None or (first.form == "late" and first._replace(form="chunk") in gemv.CONFIGS)
     assert gemv.plan(1, large.weight) == first  # cached: timed once
     for lin in (small, large):
         two = gemv.plan(2, lin.weight)
-        assert two is None or two in gemv.MULTI_ROW
-        assert (2, tuple(lin.weight.shape), LOW, lin.weight.device) in gemv._plans
-        for rows in (1, 2, 4, 5):
+        assert two is None or two in (*gemv.MULTI_ROW, *gemv.DOT)
+        assert gemv.plan(5, lin.weight) in (None, *gemv.DOT)  # timed as 8 rows
+        assert (8, tuple(lin.weight.shape), LOW, lin.weight.device) in gemv._plans
+        for rows in (1, 2, 4, 5, 16, 17):
             x = torch.randn(rows, lin.in_features, device=DEVICE).to(LOW)
             assert rel_err(project(lin, x, True), lin(x)) < 1e-2
     untimed = torch.empty(4096, 2048, device=DEVICE, dtype=LOW)

@@ -1,4 +1,4 @@
-"""Matrix-vector products `y = x @ W^T` for one-row decode steps (Triton; up to 4 rows work).
+"""Matrix-vector products `y = x @ W^T` for decode steps of 1-16 rows (Triton).
 
 At one row a projection is bound by reading W once. cuBLAS is not always best at it: for a
 small model's matrices (a few MB) its fixed cost per call dominates, and for large ones its
@@ -11,13 +11,15 @@ device, outside any graph capture (the decode graphs' warm-up runs every shape f
 keeps the fastest. Small matrices keep the fixed rule at one row (an earlier timing that
 picked slower shapes for them measured launch cost as much as the kernel: see `time_cold`).
 
-Two to four rows (forced text, speculative verify steps, small batches) are timed for every
-matrix, small ones included: there W is still read once for all rows, and cuBLAS's kernels for
-a few rows cost more than one row's GEMV. Measured on the H100 (2026-11-25, L2 cold, best
-shape of a sweep; docs/performance.md): SmolLM2's o and down projections at 2-4
-rows 5.4-7.2 us against cuBLAS's 6.4-8.6; the 8B shape's o / gate_up / down / LM head at 2 rows
-21.3 / 92.4 / 54.4 / 358 us against 22.9 / 94.4 / 56.0 / 386. At 3-4 rows of large matrices and
-for SmolLM2's LM head cuBLAS wins and keeps them. Each program owns BLOCK_N output features and
+Two to sixteen rows (forced text, speculative verify steps, small batches) are timed for every
+matrix, small ones included, per power-of-two row count: W is still read once for all rows,
+and cuBLAS's kernels for a few rows stream it slower. Two more forms run there: the GEMV with
+several rows (2-4), and a skinny GEMM whose rows are padded to 16 for `tl.dot`, so its cost
+barely moves from 1 to 16 rows. Measured on the H100 (2026-11-25, L2 cold, best shape of a
+sweep; docs/performance.md), at 2-16 rows: the 8B shape's qkv / o / gate_up / down / LM head
+28.2 / 20.5 / 93.3 / 54.1 / 352-361 us in the skinny GEMM against cuBLAS's 29.3 / 22.9 / 95.0 /
+55.8 / 387-391; SmolLM2's o and down at 2-4 rows 5.5-6.8 us in the GEMV against 6.5-8.7. The
+1B shape's down projection stays with cuBLAS. Each program owns BLOCK_N output features and
 streams their [BLOCK_N, K] slab of W in BLOCK_K chunks, its accumulator in registers.
 """
 
@@ -32,31 +34,38 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-MAX_ROWS = 4
+MAX_ROWS = 16
+GEMV_ROWS = 4  # the GEMV forms keep a [rows, n, k] or [rows, n] accumulator: few rows only
+DOT_ROWS = 16  # the skinny GEMM's rows, padded (tl.dot's smallest M)
 MAX_WEIGHT = 4 << 20  # elements: above this cuBLAS reads W at least as fast (the untimed rule)
 
 
 class Block(NamedTuple):
     """A launch shape: output features and K chunk per program, warps, pipeline stages, and
-    whether products are summed once after the K loop (`late`) or once per chunk."""
+    the form: "chunk" (products summed per K chunk), "late" (summed once after the K loop) or
+    "dot" (the skinny GEMM)."""
 
     n: int
     k: int
     warps: int
     stages: int
-    late: bool
+    form: str
 
 
 # One row, timed against cuBLAS for large matrices: the best shapes of a sweep over SmolLM2,
 # Llama-1B and Llama-8B matrices on the H100 (late sum: one row of a large matrix).
-CONFIGS = tuple(Block(n, k, w, s, False) for n, k, w, s in
+CONFIGS = tuple(Block(n, k, w, s, "chunk") for n, k, w, s in
                 ((4, 1024, 4, 4), (2, 1024, 4, 4), (2, 2048, 8, 2), (4, 1024, 8, 3), (4, 512, 4, 4)))
 DEFAULT = CONFIGS[0]
 # Two to four rows, timed against cuBLAS for every matrix: the shapes that won a sweep of
 # those row counts (the late sum keeps a [rows, n, k] accumulator, hence the smaller chunks).
-MULTI_ROW = (*(Block(n, k, w, s, False) for n, k, w, s in ((2, 1024, 4, 4), (4, 1024, 4, 4), (2, 2048, 8, 2))),
-             *(Block(n, k, w, s, True) for n, k, w, s in ((1, 1024, 4, 4), (2, 512, 4, 4), (4, 512, 4, 3),
-                                                          (8, 256, 4, 3))))
+MULTI_ROW = (*(Block(n, k, w, s, "chunk") for n, k, w, s in ((2, 1024, 4, 4), (4, 1024, 4, 4), (2, 2048, 8, 2))),
+             *(Block(n, k, w, s, "late") for n, k, w, s in ((1, 1024, 4, 4), (2, 512, 4, 4), (4, 512, 4, 3),
+                                                           (8, 256, 4, 3))))
+# The skinny GEMM's shapes that won a sweep at 1-16 rows (it is not timed for one row: the
+# GEMV streams W faster there).
+DOT = tuple(Block(n, k, w, s, "dot") for n, k, w, s in
+            ((32, 128, 4, 5), (32, 256, 4, 4), (64, 256, 8, 3), (16, 512, 4, 3), (64, 128, 4, 4)))
 MARGIN = 0.97  # a block shape must beat cuBLAS by 3 %: near-ties stay with cuBLAS
 _plans: dict[tuple, Block | None] = {}
 T = TypeVar("T")
@@ -69,10 +78,12 @@ def use_gemv(rows: int, weight: torch.Tensor) -> bool:
 
 def plan(rows: int, weight: torch.Tensor) -> Block | None:
     """The block shape to run `x[rows] @ weight.T` with, or None for cuBLAS: the fixed rule
-    for one row of a small matrix; one row of a large CUDA matrix and 2-4 rows of any are
-    timed on first use per (rows, shape, dtype, device)."""
+    for one row of a small matrix; one row of a large CUDA matrix and 2-16 rows of any are
+    timed on first use per (rows rounded up to a power of two, shape, dtype, device): the
+    decode graphs' buckets, which their warm-up times before any capture."""
     if not weight.is_cuda or rows > MAX_ROWS or (rows == 1 and weight.numel() <= MAX_WEIGHT):
         return DEFAULT if weight.is_cuda and use_gemv(rows, weight) else None
+    rows = triton.next_power_of_2(rows)
     key = (rows, tuple(weight.shape), weight.dtype, weight.device)
     if key not in _plans:
         if torch.cuda.is_current_stream_capturing():  # no timing inside a capture
@@ -86,8 +97,10 @@ def _time(rows: int, weight: torch.Tensor, reps: int = 15) -> Block | None:
     MARGIN and compute the right product."""
     x = torch.randn(rows, weight.shape[1], device=weight.device, dtype=weight.dtype)
     ref = F.linear(x, weight).float()
-    late = weight.numel() > MAX_WEIGHT
-    candidates = [b._replace(late=late) for b in CONFIGS] if rows == 1 else list(MULTI_ROW)
+    if rows == 1:
+        candidates = [b._replace(form="late" if weight.numel() > MAX_WEIGHT else "chunk") for b in CONFIGS]
+    else:
+        candidates = [*(MULTI_ROW if rows <= GEMV_ROWS else ()), *DOT]
 
     def run(cfg: Block | None) -> torch.Tensor:
         return F.linear(x, weight) if cfg is None else gemv(x, weight, block=cfg)
@@ -188,17 +201,51 @@ def _gemv_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS:
         tl.store(Y + n, out.to(Y.dtype.element_ty), mask=nmask)
 
 
+@triton.jit
+def _dot_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS: tl.constexpr,
+                EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The skinny GEMM: rows padded to BLOCK_M (16, tl.dot's smallest), W streamed once through
+    the tensor cores, so 16 rows cost about what 2 do."""
+    pid = tl.program_id(0)
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < N
+    m = tl.arange(0, BLOCK_M)
+    mmask = m < M
+    w_ptr = W + n[:, None].to(tl.int64) * stride_wn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            w = tl.load(w_ptr + k[None, :], mask=nmask[:, None], other=0.0)
+            x = tl.load(X + m[:, None] * stride_xm + k[None, :], mask=mmask[:, None], other=0.0)
+        else:
+            kmask = k < K
+            w = tl.load(w_ptr + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+            x = tl.load(X + m[:, None] * stride_xm + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc)
+    if HAS_BIAS:
+        acc += tl.load(B + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + m[:, None] * stride_ym + n[None, :], acc.to(Y.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
          block: Block = DEFAULT) -> torch.Tensor:
-    """x [M, K] (M <= MAX_ROWS), weight [N, K] -> [M, N] in x's dtype."""
+    """x [M, K] (M <= GEMV_ROWS, or DOT_ROWS for the skinny GEMM), weight [N, K] -> [M, N] in
+    x's dtype."""
     m, k = x.shape
     n = weight.shape[0]
-    assert m <= MAX_ROWS and x.stride(-1) == 1 and weight.stride(-1) == 1
+    dot = block.form == "dot"
+    assert m <= (DOT_ROWS if dot else GEMV_ROWS) and x.stride(-1) == 1 and weight.stride(-1) == 1
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     bk = min(block.k, triton.next_power_of_2(k))
-    _gemv_kernel[(triton.cdiv(n, block.n),)](
-        x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, SUM_LATE=block.late,
+    args = (x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0))
+    grid = (triton.cdiv(n, block.n),)
+    if dot:
+        _dot_kernel[grid](*args, HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, BLOCK_M=DOT_ROWS,
+                          BLOCK_N=block.n, BLOCK_K=bk, num_warps=block.warps, num_stages=block.stages)
+        return y
+    _gemv_kernel[grid](
+        *args, HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, SUM_LATE=block.form == "late",
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block.n, BLOCK_K=bk,
         num_warps=block.warps, num_stages=block.stages,
     )
