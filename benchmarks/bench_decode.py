@@ -210,7 +210,8 @@ def main() -> None:
     floors: dict[str, float] = {}
     extra: dict[str, Any] = {"copy_bandwidth_gbps": bandwidth, "schema": SCHEMA, "steps": args.steps,
                              "settings": "max_seq_len=1024, jump_forward off for ms/step (median of 3 passes after an untimed one), bf16, greedy",
-                             "grammar_workers": EngineConfig().grammar_workers}
+                             "grammar_workers": EngineConfig().grammar_workers,
+                             "mask_prefetch": EngineConfig().mask_prefetch}
     if args.merge is not None and args.merge.is_file():
         earlier = json.loads(args.merge.read_text())
         rows, floors = earlier["rows"], earlier["floors"]
@@ -227,22 +228,25 @@ def main() -> None:
         for batch in batches:
             for constrained in (False, True):
                 r = time_decode(engine, prompt_ids, batch, grammar if constrained else None, args.steps)
+                tuner = engine.prefetcher.tuner if engine.prefetcher is not None else None
+                if constrained and batch >= MIN_ROWS and tuner is not None:
+                    r["prefetch_decisions"] = list(tuner.decisions)  # what "auto" chose, in order
                 rows.append({"system": "structgen", "model": model, "batch": batch, "constrained": constrained,
                              "metric": "ms_per_step", **r, "floor_ms": floors[model]})
                 print(rows[-1], flush=True)
             if batch >= MIN_ROWS:
-                # The same JSON steps with the other mask-filling mode (grammar/prefetch.py):
-                # with a prefetch on two threads if the engine has none, without if it has.
+                # The same JSON steps with the mask prefetch (grammar/prefetch.py) forced on and
+                # off; the row above ran with the engine's default (tuned on this host).
                 default = engine.prefetcher
-                engine.prefetcher = MaskPrefetcher(2) if default is None else None
-                r = time_decode(engine, prompt_ids, batch, grammar, args.steps)
-                if engine.prefetcher is not None:
-                    engine.prefetcher.close()
+                for mode in ("on", "off"):
+                    engine.prefetcher = MaskPrefetcher(2) if mode == "on" else None
+                    r = time_decode(engine, prompt_ids, batch, grammar, args.steps)
+                    if engine.prefetcher is not None:
+                        engine.prefetcher.close()
+                    rows.append({"system": f"structgen-prefetch-{mode}", "model": model, "batch": batch,
+                                 "constrained": True, "metric": "ms_per_step", **r, "floor_ms": floors[model]})
+                    print(rows[-1], flush=True)
                 engine.prefetcher = default
-                rows.append({"system": "structgen-prefetch" if default is None else "structgen-noprefetch",
-                             "model": model, "batch": batch, "constrained": True,
-                             "metric": "ms_per_step", **r, "floor_ms": floors[model]})
-                print(rows[-1], flush=True)
         if model == "smollm2-135m":
             e2e = end_to_end(engine, tok)
             rows.append({"system": "structgen", "model": model, "batch": e2e["requests"], "constrained": True,

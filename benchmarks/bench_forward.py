@@ -1,11 +1,13 @@
 """Forward-only benchmark: ms per decode forward (one CUDA-graph replay, no host in the loop)
-per bucket of rows, against the HBM floor, with the fused projections of
-`kernels/fused_gemv.py` on and off in the same process.
+per bucket of rows, against the HBM floor, in three variants in the same process: the default
+(fused projections of `kernels/fused_gemv.py`, and 2-16 rows through `kernels/gemv.py` where
+timed faster than cuBLAS), without the fused projections, and with cuBLAS for every product of
+more than one row.
 
 This isolates the GPU side of a decode step: bench_decode's ms/step also holds the sampler and
 whatever the host does between steps. Random weights of real shapes; no tokenizer or files.
 
-    python -m benchmarks.bench_forward                        # all shapes, buckets 1,2,4,8
+    python -m benchmarks.bench_forward                        # all shapes, buckets 1,2,4,8,16
     python -m benchmarks.bench_forward --models llama-8b --buckets 1 --replays 300
 """
 
@@ -27,6 +29,7 @@ from benchmarks.common import (
     write_results,
 )
 from structgen.engine.config import EngineConfig
+from structgen.engine.kernels import gemv
 from structgen.engine.model_runner import ModelRunner
 from structgen.engine.models.llama import FUSED_ROWS
 
@@ -55,7 +58,7 @@ def time_forward(runner: ModelRunner, bucket: int, replays: int, repeats: int = 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default=",".join(MODELS))
-    ap.add_argument("--buckets", default="1,2,4,8")
+    ap.add_argument("--buckets", default="1,2,4,8,16")
     ap.add_argument("--replays", type=int, default=200)
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
@@ -67,23 +70,29 @@ def main() -> None:
     for model in args.models.split(","):
         cfg = model_config(model)
         floors[model] = hbm_floor_ms(decode_weight_bytes(cfg, torch.bfloat16), bandwidth)
-        ec = EngineConfig(max_batch_size=8, max_seq_len=1024, use_cuda_graphs=False,
+        ec = EngineConfig(max_batch_size=max(8, max(buckets)), max_seq_len=1024, use_cuda_graphs=False,
                           cuda_graph_batch_sizes=tuple(buckets))
         runner = ModelRunner(cfg, ec, None)
-        timed: dict[tuple[int, int], list[float]] = {}
-        used: dict[int, int] = {}  # asked projection_rows -> what the layers took (fused_gemv.max_rows)
-        for _ in range(2):  # on, off, on, off: the better of two captures each
-            for fused_rows in (FUSED_ROWS, 0):
+        timed: dict[tuple[str, int], list[float]] = {}
+        used: dict[str, int] = {}  # variant -> projection rows the layers took (fused_gemv.max_rows)
+        # (fused projection rows asked, most rows of a product the Triton kernels may take)
+        variants = {"default": (FUSED_ROWS, gemv.MAX_ROWS), "unfused": (0, gemv.MAX_ROWS),
+                    "cublas_multirow": (FUSED_ROWS, 1)}
+        for _ in range(2):  # each variant twice, interleaved: the better of two captures each
+            for name, (fused_rows, gemv_rows) in variants.items():
                 runner.model.use_fused_kernels(True, projection_rows=fused_rows)
-                used[fused_rows] = runner.model.layers[0].fused_rows
+                used[name] = runner.model.layers[0].fused_rows
+                gemv.MAX_ROWS = gemv_rows
                 runner.graphs = None
                 gc.collect()
                 runner.capture_decode_graphs()
                 for b in buckets:
-                    timed.setdefault((fused_rows, b), []).append(time_forward(runner, b, args.replays))
-        for (fused_rows, b), ms in sorted(timed.items()):
+                    timed.setdefault((name, b), []).append(time_forward(runner, b, args.replays))
+        gemv.MAX_ROWS = variants["default"][1]
+        for (name, b), ms in sorted(timed.items(), key=lambda kv: (kv[0][1], list(variants).index(kv[0][0]))):
             value = min(ms)
-            rows.append({"model": f"{model}-shape", "rows": b, "fused_projections": used[fused_rows] >= b,
+            rows.append({"model": f"{model}-shape", "rows": b, "variant": name,
+                         "fused_projections": used[name] >= b, "multi_row_timed": variants[name][1] >= b > 1,
                          "ms": round(value, 4), "runs_ms": [round(v, 4) for v in ms],
                          "x_floor": round(value / floors[model], 3), "floor_ms": round(floors[model], 4)})
             print(rows[-1], flush=True)
@@ -91,7 +100,8 @@ def main() -> None:
         gc.collect()
         torch.cuda.empty_cache()
     print(f"\ndevice: {torch.cuda.get_device_name()}  copy bandwidth: {bandwidth:.0f} GB/s")
-    print_table([{k: r[k] for k in ("model", "rows", "fused_projections", "ms", "x_floor", "floor_ms")} for r in rows])
+    print_table([{k: r[k] for k in ("model", "rows", "variant", "fused_projections", "multi_row_timed", "ms", "x_floor",
+                                    "floor_ms")} for r in rows])
     if not args.no_write:
         print("wrote", write_results("forward", rows, floors, {"copy_bandwidth_gbps": bandwidth,
                                                                "replays": args.replays}))

@@ -190,7 +190,9 @@ def test_prefetched_masks_change_nothing(engine, grammar, tokenizer):
     on the spot, and the prefetched rows are really the ones used."""
     from structgen.grammar.prefetch import MaskPrefetcher
 
-    assert engine.prefetcher is None  # off by default (EngineConfig.grammar_workers=0)
+    # On by default, tuned (EngineConfig.mask_prefetch="auto"): off until timing says it pays.
+    default = engine.prefetcher
+    assert default is not None and default.tuner is not None and not default.tuner.enabled
     # Two JSON rows here; by default it waits for 32 whose masks took 0.3 ms or more to fill.
     engine.prefetcher = MaskPrefetcher(2, min_rows=1, min_fill_s=0.0)
 
@@ -205,7 +207,56 @@ def test_prefetched_masks_change_nothing(engine, grammar, tokenizer):
     finally:
         engine.prefetcher.close()
         engine.prefetcher = None
-    assert outputs() == with_prefetch
+    try:
+        assert outputs() == with_prefetch
+    finally:
+        engine.prefetcher = default
+
+
+def test_prefetch_tuner_keeps_the_faster_mode_on_this_host():
+    """`PrefetchTuner` alternates the prefetch off and on in blocks of decode steps of one
+    shape, keeps whichever mode gave shorter steps (on must win by min_gain), holds that for
+    `hold` steps and then times both again; a change of shape, or a step it may not time,
+    starts the timing over. Step times come from a fake clock: each mode's cost is given."""
+    from structgen.grammar.prefetch import PrefetchTuner
+
+    def run(tuner: PrefetchTuner, cost: dict[bool, float], steps: int, t: float = 0.0) -> float:
+        """Up to `steps` steps of one shape, stopping right after a decision."""
+        made = len(tuner.decisions)
+        for _ in range(steps):
+            tuner.step(t, "b64")
+            t += cost[tuner.enabled]
+            if len(tuner.decisions) > made:
+                break
+        return t
+
+    tuner = PrefetchTuner(block=4, samples=6, hold=50)
+    t = run(tuner, {False: 1.2e-3, True: 1.0e-3}, 40)
+    assert tuner.decisions == [True] and tuner.enabled  # the prefetch was faster here
+    t = run(tuner, {False: 1.0e-3, True: 1.0e-3}, 50, t=t)  # held: no new timing
+    assert tuner.decisions == [True] and tuner.enabled
+    t = run(tuner, {False: 1.0e-3, True: 1.2e-3}, 40, t=t)  # this host, now: the prefetch costs
+    assert tuner.decisions == [True, False] and not tuner.enabled
+
+    tuner = PrefetchTuner(block=4, samples=6, hold=50, min_gain=0.05)
+    run(tuner, {False: 1.0e-3, True: 0.98e-3}, 40)  # a 2 % gain is not enough
+    assert tuner.decisions == [False] and not tuner.enabled
+
+    tuner = PrefetchTuner(block=4, samples=6, hold=50)
+    t = 0.0
+    for i in range(200):  # the shape changes every 9 steps: never 6 samples of each in a row
+        tuner.step(t, i // 9)
+        t += 1e-3 if tuner.enabled else 2e-3
+    assert tuner.decisions == []
+    for i in range(200):  # a step it may not time after every 5 (an eager extend, say)
+        tuner.step(t, None if i % 5 == 4 else "b64")
+        t += 1e-3 if tuner.enabled else 2e-3
+    assert tuner.decisions == []
+
+    from structgen.errors import InvalidParameterError
+
+    with pytest.raises(InvalidParameterError, match="mask_prefetch"):
+        EngineConfig(mask_prefetch="sometimes")
 
 
 def test_mask_prefetcher_serves_only_unchanged_matchers(engine, grammar, tokenizer):

@@ -138,10 +138,18 @@ class EngineConfig:
     capturable_guided: bool = False
     grammar_threads: int = 0  # 0: grammar.batch.default_threads(backend) (xgrammar 1, llguidance <= 4)
     # Threads that fill the next decode step's masks while the main thread does the step's
-    # bookkeeping (grammar/prefetch.py); 0 (default): masks are filled on the main thread,
-    # overlapping the forward. On the H100 host a prefetch helped where fills were costly
-    # (1B shape, batch 64 JSON: 2.09 -> 1.81 ms a step) and cost 5 % on the real SmolLM2 at
-    # batch 64 (1.41 -> 1.49 ms): turn it on for large batches of grammars with costly states.
-    grammar_workers: int = 0
+    # bookkeeping (grammar/prefetch.py; 0: masks are always filled on the main thread,
+    # overlapping the forward), and when they do: "auto" times decode steps of 32+ constrained
+    # rows both ways on this host and keeps the faster (lent H100 hosts, real SmolLM2, batch 64
+    # JSON: 1.65 -> 1.13 ms a step with the prefetch on one, 1.02 -> 1.20 ms on another),
+    # "on" whenever the fills have been costly, "off" never.
+    grammar_workers: int = 2
+    mask_prefetch: str = "auto"
     seed: int | None = None
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+
+    def __post_init__(self) -> None:
+        from structgen.errors import InvalidParameterError
+
+        if self.mask_prefetch not in ("auto", "on", "off"):
+            raise InvalidParameterError(f"mask_prefetch must be 'auto', 'on' or 'off', got {self.mask_prefetch!r}")

@@ -75,10 +75,11 @@ class Engine:
         # Not with speculation: its steps drive the matchers through drafts and rollbacks.
         self.prefetcher = None
         self._prefetch_buffer: torch.Tensor | None = None  # its target without decode graphs
-        if self.config.grammar_workers > 0 and self.speculator is None:
-            from structgen.grammar.prefetch import MaskPrefetcher
+        if self.config.grammar_workers > 0 and self.config.mask_prefetch != "off" and self.speculator is None:
+            from structgen.grammar.prefetch import MaskPrefetcher, PrefetchTuner
 
-            self.prefetcher = MaskPrefetcher(self.config.grammar_workers)
+            tuner = PrefetchTuner() if self.config.mask_prefetch == "auto" else None
+            self.prefetcher = MaskPrefetcher(self.config.grammar_workers, tuner=tuner)
 
     # -- requests -------------------------------------------------------------------------
     def add_request(self, request: Request) -> Request:
@@ -125,6 +126,7 @@ class Engine:
             return []
         if self._is_decode_step(batch):
             return self._decode_step(batch)
+        self._time_step(None)
         if self.speculator is not None:  # draft, then verify every draft in one forward (spec/)
             return self.speculator.step(batch)
         seqs, sampling = [], []
@@ -184,6 +186,11 @@ class Engine:
             if t != 0.0:  # greedy rows draw no noise (seed 0)
                 seeds[row] = self._noise_seed(r)
         constrained = [(row, r.matcher) for row, r in zip(last, reqs, strict=True) if r.matcher is not None]
+        if self.prefetcher is not None and len(constrained) >= self.prefetcher.min_rows:
+            graphs = self.runner.graphs
+            self._time_step((graphs.bucket(len(seqs)) if graphs is not None else len(seqs), len(constrained) // 16))
+        else:
+            self._time_step(None)
         row_errors: dict[int, BaseException] = {}
 
         def fill(bitmask: torch.Tensor) -> None:  # runs while the device computes the forward
@@ -293,6 +300,13 @@ class Engine:
         except Exception:  # pragma: no cover - planning must never fail the step
             log.exception("planning the next decode step failed")
             return None
+
+    def _time_step(self, shape: tuple[int, int] | None) -> None:
+        """Tell the prefetch's tuner a step starts; `shape`: (rows bucket, constrained rows //
+        16) for a decode step it may time, None for one it may not."""
+        tuner = self.prefetcher.tuner if self.prefetcher is not None else None
+        if tuner is not None:
+            tuner.step(time.perf_counter(), shape)
 
     def _prefetch_masks(self) -> None:
         """Start filling the masks of the step that will most likely come next (every running

@@ -10,11 +10,13 @@ the host, not the GPU, set the pace of a 64-row SmolLM2 step (1.50 ms JSON again
 free on the H100). `MaskPrefetcher.start` hands the fill to worker threads right after the
 matchers have advanced; `take` collects it when the step needs its masks.
 
-It is off by default (`EngineConfig.grammar_workers=0`) because on the lent H100's host it
-paid off only where fills were costly: the hand-off costs the main thread 100-250 us (thread
+Whether it pays depends on the host: the hand-off costs the main thread 100-300 us (thread
 wake-ups, the GIL's way back), and while workers run, every small native call the main thread
-makes (accept a token, is the grammar complete) waits for the GIL. Measured at batch 64 JSON,
-same process: 1B shape 2.09 -> 1.81 ms a step with it; the real SmolLM2 1.41 -> 1.49 ms.
+makes (accept a token, is the grammar complete) waits for the GIL. Measured at batch 64 JSON on
+lent H100 hosts, same process each: 1B shape 2.09 -> 1.81 ms a step with it; the real SmolLM2
+1.41 -> 1.49 ms on one host, 1.65 -> 1.13 ms on another and 1.02 -> 1.20 ms on a third. So by
+default (`EngineConfig.mask_prefetch="auto"`) a `PrefetchTuner` times decode steps of the same
+shape with and without it, keeps the faster, and asks again every so often.
 
 Rules that keep it correct and deadlock-free:
 - A prefetched row is used only where the same matcher, at the same `version` (bumped by every
@@ -32,6 +34,7 @@ Rules that keep it correct and deadlock-free:
 from __future__ import annotations
 
 import math
+import statistics
 import threading
 import time
 from collections.abc import Sequence
@@ -66,10 +69,64 @@ class _Prefetch:
     finishes: list[list[FillJob]] = field(default_factory=list)  # each chunk's jobs
 
 
-class MaskPrefetcher:
-    """Fills grammar mask rows on `threads` worker threads, one prefetch in flight at a time."""
+class PrefetchTuner:
+    """Turns the prefetch on or off by timing it on this host: decode steps alternate between
+    the two modes in blocks of `block` steps until each mode has `samples` step times, the
+    faster mode (on must win by `min_gain`) is kept for `hold` steps, then the two are timed
+    again. A step time is the interval between two decode steps of the same shape (`key`: the
+    rows' bucket and the constrained rows, which set the GPU's and the grammar's work); a
+    change of shape while timing starts the timing over, and the first interval after a
+    switch is dropped (the previous step ran in the other mode)."""
 
-    def __init__(self, threads: int = 1, min_rows: int = MIN_ROWS, min_fill_s: float = MIN_FILL_S):
+    def __init__(self, block: int = 8, samples: int = 16, hold: int = 2048, min_gain: float = 0.03):
+        self.block, self.samples, self.hold, self.min_gain = block, samples, hold, min_gain
+        self.enabled = False
+        self.decisions: list[bool] = []  # every choice made, for benchmarks and tests
+        self._times: dict[bool, list[float]] = {False: [], True: []}
+        self._last: tuple[float, object] | None = None
+        self._held = 0  # steps left before timing again (0: timing now)
+        self._in_block = 0
+        self._skip = False
+
+    def step(self, now: float, key: object) -> None:
+        """Called as each engine step starts (`now`: perf_counter), with its shape (None: a
+        step not to time)."""
+        last, self._last = self._last, (now, key)
+        if key is None:
+            key = object()  # a step nobody times: the interval around it compares with nothing
+            self._last = (now, key)
+        if self._held > 0:
+            self._held -= 1
+            if self._held == 0:
+                self._times = {False: [], True: []}
+            return
+        if last is None or last[1] != key:
+            self._times = {False: [], True: []}  # a new shape: its times are not comparable
+            return
+        if self._skip:
+            self._skip = False
+        else:
+            self._times[self.enabled].append(now - last[0])
+        off, on = self._times[False], self._times[True]
+        if len(off) >= self.samples and len(on) >= self.samples:
+            self.enabled = statistics.median(on) < (1.0 - self.min_gain) * statistics.median(off)
+            self.decisions.append(self.enabled)
+            self._held, self._skip = self.hold, True
+            return
+        self._in_block += 1
+        if self._in_block >= self.block:
+            self._in_block = 0
+            self.enabled = not self.enabled
+            self._skip = True
+
+
+class MaskPrefetcher:
+    """Fills grammar mask rows on `threads` worker threads, one prefetch in flight at a time.
+    With a `tuner`, only while the tuner says it pays (`PrefetchTuner`)."""
+
+    def __init__(self, threads: int = 1, min_rows: int = MIN_ROWS, min_fill_s: float = MIN_FILL_S,
+                 tuner: PrefetchTuner | None = None):
+        self.tuner = tuner
         self.threads = max(1, threads)
         self.min_rows = min_rows  # fewer rows are left to the caller (filled during the forward)
         self.min_fill_s = min_fill_s  # cheaper fills are left to the caller too
@@ -82,6 +139,8 @@ class MaskPrefetcher:
         """Fill `target[row]` for each (row, matcher), in the background. Only non-terminated
         matchers should be passed (their masks are the ones worth the trip)."""
         self.wait()
+        if self.tuner is not None and not self.tuner.enabled:
+            return
         rows = [(r, m) for r, m in rows if 0 <= r < target.shape[0]]
         if len(rows) < max(1, self.min_rows) or self.fill_s < self.min_fill_s:
             return
