@@ -140,9 +140,10 @@ class EngineConfig:
     # Threads that fill the next decode step's masks while the main thread does the step's
     # bookkeeping (grammar/prefetch.py; 0: masks are always filled on the main thread,
     # overlapping the forward), and when they do: "auto" times decode steps of 32+ constrained
-    # rows both ways on this host and keeps the faster (lent H100 hosts, real SmolLM2, batch 64
-    # JSON: 1.65 -> 1.13 ms a step with the prefetch on one, 1.02 -> 1.20 ms on another),
-    # "on" whenever the fills have been costly, "off" never.
+    # rows both ways on this host and keeps the faster (lent H100 hosts, batch 64 JSON: real
+    # SmolLM2 1.65 -> 1.13 ms a step with the prefetch on one host, 1.02 -> 1.20 and 1.29 ->
+    # 1.44 ms on two others; Llama-1B shape 2.21 -> 1.63 ms), "on" whenever the fills have
+    # been costly, "off" never.
     grammar_workers: int = 2
     mask_prefetch: str = "auto"
     seed: int | None = None

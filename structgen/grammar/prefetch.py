@@ -78,7 +78,10 @@ class PrefetchTuner:
     change of shape while timing starts the timing over, and the first interval after a
     switch is dropped (the previous step ran in the other mode)."""
 
-    def __init__(self, block: int = 8, samples: int = 16, hold: int = 2048, min_gain: float = 0.03):
+    # Short blocks and many samples: a lent host's jitter comes in phases of tens of steps
+    # (one 48-step pass of SmolLM2 at batch 64 ran 1.79 ms a step, the next 1.27), which
+    # blocks of 8 and 16 samples a mode once let pick the slower mode (2026-11-25).
+    def __init__(self, block: int = 4, samples: int = 32, hold: int = 1024, min_gain: float = 0.03):
         self.block, self.samples, self.hold, self.min_gain = block, samples, hold, min_gain
         self.enabled = False
         self.decisions: list[bool] = []  # every choice made, for benchmarks and tests
