@@ -2,7 +2,7 @@
 
 - `decode_attention.py`: flash-decoding over the slot KV cache (one query token per sequence).
 - `fused.py`: residual add + RMSNorm, RoPE + KV-cache write, SiLU(gate) * up.
-- `gemv.py`: one-row projections (block shapes timed against cuBLAS for large matrices).
+- `gemv.py`: projections of 1-16 rows (GEMV and a skinny GEMM, timed against cuBLAS).
 - `fused_gemv.py`: few-row projections with the norm before them and RoPE / SiLU * up after.
 - `sampling.py`: grammar bitmask + temperature + Gumbel noise + argmax in one pass.
 
