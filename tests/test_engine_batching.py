@@ -214,10 +214,11 @@ def test_prefetched_masks_change_nothing(engine, grammar, tokenizer):
 
 
 def test_prefetch_tuner_keeps_the_faster_mode_on_this_host():
-    """`PrefetchTuner` alternates the prefetch off and on in blocks of decode steps of one
-    shape, keeps whichever mode gave shorter steps (on must win by min_gain), holds that for
-    `hold` steps and then times both again; a change of shape, or a step it may not time,
-    starts the timing over. Step times come from a fake clock: each mode's cost is given."""
+    """`PrefetchTuner` alternates the prefetch off and on in blocks of decode steps, keeps
+    whichever mode gave shorter steps of one shape (on must win by min_gain), holds that for
+    `hold` steps and then times both again; intervals across a change of shape, or around a
+    step it may not time, are not counted, but each shape keeps its times. Step times come
+    from a fake clock: each mode's cost is given."""
     from structgen.grammar.prefetch import PrefetchTuner
 
     def run(tuner: PrefetchTuner, cost: dict[bool, float], steps: int, t: float = 0.0) -> float:
@@ -244,14 +245,22 @@ def test_prefetch_tuner_keeps_the_faster_mode_on_this_host():
 
     tuner = PrefetchTuner(block=4, samples=6, hold=50)
     t = 0.0
-    for i in range(200):  # the shape changes every 9 steps: never 6 samples of each in a row
+    for i in range(200):  # a new shape every 9 steps, never seen again: no shape gets 6 + 6
         tuner.step(t, i // 9)
         t += 1e-3 if tuner.enabled else 2e-3
     assert tuner.decisions == []
-    for i in range(200):  # a step it may not time after every 5 (an eager extend, say)
+    tuner = PrefetchTuner(block=4, samples=6, hold=500)
+    for i in range(200):  # runs of 5 steps of one shape, cut by steps it may not time
         tuner.step(t, None if i % 5 == 4 else "b64")
         t += 1e-3 if tuner.enabled else 2e-3
-    assert tuner.decisions == []
+    assert tuner.decisions == [True] and tuner.enabled  # the shape's times added up
+
+    tuner = PrefetchTuner(block=4, samples=6, hold=500)
+    for i in range(400):  # two shapes taking turns in runs of 7 (requests come and go)
+        shape = "b64" if (i // 7) % 2 else "b32"
+        tuner.step(t, shape)
+        t += (2e-3 if tuner.enabled else 1e-3) * (2 if shape == "b64" else 1)
+    assert tuner.decisions == [False] and not tuner.enabled  # here the prefetch costs
 
     from structgen.errors import InvalidParameterError
 

@@ -71,12 +71,13 @@ class _Prefetch:
 
 class PrefetchTuner:
     """Turns the prefetch on or off by timing it on this host: decode steps alternate between
-    the two modes in blocks of `block` steps until each mode has `samples` step times, the
-    faster mode (on must win by `min_gain`) is kept for `hold` steps, then the two are timed
-    again. A step time is the interval between two decode steps of the same shape (`key`: the
-    rows' bucket and the constrained rows, which set the GPU's and the grammar's work); a
-    change of shape while timing starts the timing over, and the first interval after a
-    switch is dropped (the previous step ran in the other mode)."""
+    the two modes in blocks of `block` steps until one shape has `samples` step times in each
+    mode; the faster mode (on must win by `min_gain`) is kept for `hold` steps, then the two
+    are timed again. A step time is the interval between two consecutive decode steps of the
+    same shape (`key`: the rows' bucket and the constrained rows, which set the GPU's and the
+    grammar's work); times are kept per shape, so a run of steps cut short by a new request
+    still counts. The first interval after a switch of mode or shape is dropped (the step
+    before it ran in the other mode or layout)."""
 
     # Short blocks and many samples: a lent host's jitter comes in phases of tens of steps
     # (one 48-step pass of SmolLM2 at batch 64 ran 1.79 ms a step, the next 1.27), which
@@ -85,7 +86,7 @@ class PrefetchTuner:
         self.block, self.samples, self.hold, self.min_gain = block, samples, hold, min_gain
         self.enabled = False
         self.decisions: list[bool] = []  # every choice made, for benchmarks and tests
-        self._times: dict[bool, list[float]] = {False: [], True: []}
+        self._times: dict[object, dict[bool, list[float]]] = {}  # shape -> mode -> step times
         self._last: tuple[float, object] | None = None
         self._held = 0  # steps left before timing again (0: timing now)
         self._in_block = 0
@@ -95,24 +96,21 @@ class PrefetchTuner:
         """Called as each engine step starts (`now`: perf_counter), with its shape (None: a
         step not to time)."""
         last, self._last = self._last, (now, key)
-        if key is None:
-            key = object()  # a step nobody times: the interval around it compares with nothing
-            self._last = (now, key)
         if self._held > 0:
             self._held -= 1
             if self._held == 0:
-                self._times = {False: [], True: []}
+                self._times.clear()
             return
-        if last is None or last[1] != key:
-            self._times = {False: [], True: []}  # a new shape: its times are not comparable
+        if key is None or last is None or last[1] != key:
+            self._skip = True  # the interval that starts here follows another layout
             return
         if self._skip:
             self._skip = False
         else:
-            self._times[self.enabled].append(now - last[0])
-        off, on = self._times[False], self._times[True]
-        if len(off) >= self.samples and len(on) >= self.samples:
-            self.enabled = statistics.median(on) < (1.0 - self.min_gain) * statistics.median(off)
+            self._times.setdefault(key, {False: [], True: []})[self.enabled].append(now - last[0])
+        times = self._times.get(key)
+        if times is not None and min(len(times[False]), len(times[True])) >= self.samples:
+            self.enabled = statistics.median(times[True]) < (1.0 - self.min_gain) * statistics.median(times[False])
             self.decisions.append(self.enabled)
             self._held, self._skip = self.hold, True
             return
