@@ -167,7 +167,7 @@ def _gemv_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS:
             acc += tl.load(B + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
         tl.store(Y + m[:, None] * stride_ym + n[None, :], acc.to(Y.dtype.element_ty),
                  mask=mmask[:, None] & nmask[None, :])
-    elif BLOCK_M > 1:  # 2-4 rows of a large matrix: W streamed once for every row, summed late
+    elif BLOCK_M > 1:  # 2-4 rows: W streamed once for every row, products summed after the loop
         acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
