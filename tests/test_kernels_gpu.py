@@ -299,7 +299,7 @@ def test_timed_gemv_plan_is_cached_and_falls_back_inside_a_capture():
 
 
 def _random_mask(rows: int, vocab: int, g: torch.Generator) -> torch.Tensor:
-    from structgen.engine.sampler import allocate_bitmask
+    from structgen.grammar import allocate_bitmask
 
     allowed = torch.rand(rows, vocab, generator=g) < 0.05
     allowed[:, 7] = True  # never empty

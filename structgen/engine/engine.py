@@ -28,14 +28,13 @@ from structgen.engine.model_runner import ExtendSeq, ModelRunner
 from structgen.engine.request import Request, RequestStatus
 from structgen.engine.sampler import (
     SamplingParams,
-    allocate_bitmask,
     apply_bitmask_,
     sample,
     step_seed,
 )
 from structgen.engine.scheduler import Scheduler
 from structgen.errors import EngineError, PromptTooLongError
-from structgen.grammar.backends.base import allows_only
+from structgen.grammar.backends.base import allocate_bitmask, allows_only
 
 log = logging.getLogger("structgen.engine")
 
@@ -443,9 +442,8 @@ class Engine:
             self.jump_forward_hook(self, req)
 
     def _only_stop_allowed(self, matcher) -> bool:
-        if self._one_row is None:  # read on the host only: not pinned (a first pinned
-            # allocation in a process costs ~0.1 s, paid by whichever request completes first)
-            self._one_row = torch.full((1, (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
+        if self._one_row is None:
+            self._one_row = allocate_bitmask(1, self.vocab_size, host_only=True)
         matcher.fill_bitmask(self._one_row, 0)
         return allows_only(self._one_row[0].numpy().view(np.uint32), self.stop_token_ids, self.vocab_size)
 

@@ -179,7 +179,8 @@ class ModelRunner:
                 temperatures, seeds, has_mask, fill_bitmask, predict_next, plan,
             )
         from structgen.engine.kernels import triton_enabled
-        from structgen.engine.sampler import allocate_bitmask, sample_tokens_reference
+        from structgen.engine.sampler import sample_tokens_reference
+        from structgen.grammar.backends.base import allocate_bitmask
 
         logits = self.extend(seqs)
         bitmask = allocate_bitmask(len(seqs), self.model_config.vocab_size)

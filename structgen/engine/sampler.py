@@ -42,13 +42,6 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
-    """An all-allowed int32 [rows, ceil(V/32)] bitmask (xgrammar's layout), pinned on CUDA
-    machines so the host->device copy can be asynchronous."""
-    mask = torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
-    return mask.pin_memory() if torch.cuda.is_available() else mask
-
-
 _BIT_SHIFTS: dict[torch.device, torch.Tensor] = {}
 
 

@@ -232,7 +232,7 @@ class JumpForward:
     def _allowed(self, m: Any) -> np.ndarray:
         """The matcher's allowed-token bitmask as uint32 words (a view of a reused buffer)."""
         if self._mask is None:
-            self._mask = allocate_bitmask(1, self.vocab_size)
+            self._mask = allocate_bitmask(1, self.vocab_size, host_only=True)
         m.fill_bitmask(self._mask, 0)  # writes the whole row
         return self._mask[0].numpy().view(np.uint32)
 

@@ -30,8 +30,9 @@ from torch import nn
 from structgen.engine.attention import AttentionBatch
 from structgen.engine.kv_cache import KVCache
 from structgen.engine.models.llama import LlamaModel
-from structgen.engine.sampler import allocate_bitmask, apply_bitmask_
+from structgen.engine.sampler import apply_bitmask_
 from structgen.errors import ModelLoadError
+from structgen.grammar.backends.base import allocate_bitmask
 
 if TYPE_CHECKING:
     from structgen.engine.model_runner import ModelRunner

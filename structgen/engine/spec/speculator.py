@@ -38,7 +38,7 @@ import torch
 
 from structgen.engine.config import SpeculativeConfig
 from structgen.engine.model_runner import ExtendSeq
-from structgen.engine.sampler import allocate_bitmask, apply_bitmask_, sample, step_seed
+from structgen.engine.sampler import apply_bitmask_, sample, step_seed
 from structgen.engine.spec import drafter as drafter_hooks
 from structgen.engine.spec.drafter import Drafter
 from structgen.engine.spec.verify import accept_draft
@@ -49,6 +49,7 @@ from structgen.engine.spec.verify_rows import (
     token_rows,
 )
 from structgen.errors import EngineError
+from structgen.grammar.backends.base import allocate_bitmask
 
 if TYPE_CHECKING:
     from structgen.engine.engine import Engine

@@ -41,17 +41,19 @@ def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+def allocate_bitmask(rows: int, vocab_size: int, *, host_only: bool = False) -> torch.Tensor:
     """Allocate a CPU int32 bitmask `[rows, ceil(vocab_size / 32)]` with every token allowed.
 
     `vocab_size` is the MODEL's vocabulary (its lm_head rows), which may exceed the tokenizer's;
     matchers clear the bits of ids the tokenizer does not have. The tensor is pinned when CUDA
-    is available so the per-step host-to-device copy can be asynchronous.
+    is available so the per-step host-to-device copy can be asynchronous, unless `host_only`
+    (a mask only read on the host: a process's first pinned allocation took 0.11 s on a GPU
+    host, paid by whichever request needed the mask first).
     """
     import torch
 
     shape = (rows, bitmask_words(vocab_size))
-    pin = torch.cuda.is_available()
+    pin = not host_only and torch.cuda.is_available()
     return torch.full(shape, -1, dtype=torch.int32, pin_memory=pin)
 
 
