@@ -25,6 +25,7 @@ streams their [BLOCK_N, K] slab of W in BLOCK_K chunks, its accumulator in regis
 
 from __future__ import annotations
 
+import logging
 import statistics
 from collections.abc import Callable
 from typing import NamedTuple, TypeVar
@@ -34,6 +35,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+log = logging.getLogger(__name__)
 MAX_ROWS = 16
 GEMV_ROWS = 4  # the GEMV forms keep a [rows, n, k] or [rows, n] accumulator: few rows only
 DOT_ROWS = 16  # the skinny GEMM's rows, padded (tl.dot's smallest M)
@@ -105,11 +107,21 @@ def _time(rows: int, weight: torch.Tensor, reps: int = 15) -> Block | None:
     def run(cfg: Block | None) -> torch.Tensor:
         return F.linear(x, weight) if cfg is None else gemv(x, weight, block=cfg)
 
-    # A shape that computes wrong is never chosen (this first call also compiles it).
-    right = [c for c in candidates if (run(c).float() - ref).norm() <= 1e-2 * ref.norm()]
+    right = [c for c in candidates if _computes(run, c, ref)]
     times = time_all(run, [None, *right], weight.device, reps)
     best = min(right, key=times.__getitem__, default=None)
     return best if best is not None and times[best] < MARGIN * times[None] else None
+
+
+def _computes(run: Callable[[Block], torch.Tensor], block: Block, ref: torch.Tensor) -> bool:
+    """Does `block` compute the right product here? A shape that computes wrong, or that this
+    device or Triton version cannot compile (`tl.dot` on an older GPU, say), is never chosen;
+    this first call also compiles it."""
+    try:
+        return bool((run(block).float() - ref).norm() <= 1e-2 * ref.norm())
+    except Exception as exc:  # noqa: BLE001 - any failure means: not this shape
+        log.info("gemv block %s unusable for %s: %s", block, tuple(ref.shape), exc)
+        return False
 
 
 def time_all(run: Callable[[T], object], candidates: list[T], device: torch.device, reps: int = 15) -> dict[T, float]:
