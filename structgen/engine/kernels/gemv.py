@@ -83,8 +83,10 @@ def plan(rows: int, weight: torch.Tensor) -> Block | None:
     for one row of a small matrix; one row of a large CUDA matrix and 2-16 rows of any are
     timed on first use per (rows rounded up to a power of two, shape, dtype, device): the
     decode graphs' buckets, which their warm-up times before any capture."""
-    if not weight.is_cuda or rows > MAX_ROWS or (rows == 1 and weight.numel() <= MAX_WEIGHT):
-        return DEFAULT if weight.is_cuda and use_gemv(rows, weight) else None
+    if not weight.is_cuda or rows > MAX_ROWS:
+        return None
+    if use_gemv(rows, weight):
+        return DEFAULT
     rows = triton.next_power_of_2(rows)
     key = (rows, tuple(weight.shape), weight.dtype, weight.device)
     if key not in _plans:
@@ -151,6 +153,20 @@ def time_cold(run: Callable[[], object], device: torch.device, reps: int = 15) -
 
 
 @triton.jit
+def _load_chunk(w_ptr, X, stride_xm, m, mmask, nmask, k, K, EVEN_K: tl.constexpr):
+    """W's [BLOCK_N, BLOCK_K] and x's [BLOCK_M, BLOCK_K] chunks at columns `k` of the
+    multi-row forms, masked on K only where the chunks do not divide it."""
+    if EVEN_K:
+        w = tl.load(w_ptr + k[None, :], mask=nmask[:, None], other=0.0)
+        x = tl.load(X + m[:, None] * stride_xm + k[None, :], mask=mmask[:, None], other=0.0)
+    else:
+        kmask = k < K
+        w = tl.load(w_ptr + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        x = tl.load(X + m[:, None] * stride_xm + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+    return w, x
+
+
+@triton.jit
 def _gemv_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS: tl.constexpr,
                  EVEN_K: tl.constexpr, SUM_LATE: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -182,14 +198,7 @@ def _gemv_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS:
     elif BLOCK_M > 1:  # 2-4 rows: W streamed once for every row, products summed after the loop
         acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            if EVEN_K:
-                w = tl.load(w_ptr + k[None, :], mask=nmask[:, None], other=0.0)
-                x = tl.load(X + m[:, None] * stride_xm + k[None, :], mask=mmask[:, None], other=0.0)
-            else:
-                kmask = k < K
-                w = tl.load(w_ptr + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-                x = tl.load(X + m[:, None] * stride_xm + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+            w, x = _load_chunk(w_ptr, X, stride_xm, m, mmask, nmask, k0 + tl.arange(0, BLOCK_K), K, EVEN_K)
             acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
         out2 = tl.sum(acc3, 2)
         if HAS_BIAS:
@@ -226,14 +235,7 @@ def _dot_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS: 
     w_ptr = W + n[:, None].to(tl.int64) * stride_wn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        if EVEN_K:
-            w = tl.load(w_ptr + k[None, :], mask=nmask[:, None], other=0.0)
-            x = tl.load(X + m[:, None] * stride_xm + k[None, :], mask=mmask[:, None], other=0.0)
-        else:
-            kmask = k < K
-            w = tl.load(w_ptr + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-            x = tl.load(X + m[:, None] * stride_xm + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+        w, x = _load_chunk(w_ptr, X, stride_xm, m, mmask, nmask, k0 + tl.arange(0, BLOCK_K), K, EVEN_K)
         acc = tl.dot(x, tl.trans(w), acc)
     if HAS_BIAS:
         acc += tl.load(B + n, mask=nmask, other=0.0).to(tl.float32)[None, :]

@@ -78,8 +78,8 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 def project(linear: nn.Linear, x: torch.Tensor, fused: bool) -> torch.Tensor:
-    """`linear(x)`, except that products of one to four rows take the Triton GEMV where it is
-    faster than cuBLAS: one row of a small matrix always, the rest where timing says so
+    """`linear(x)`, except that products of 1-16 rows take a Triton kernel where it is faster
+    than cuBLAS: one row of a small matrix always, the rest where timing says so
     (kernels/gemv.py)."""
     if fused and x.dim() == 2:
         from structgen.engine.kernels import gemv
