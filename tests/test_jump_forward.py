@@ -114,6 +114,27 @@ def test_string_that_must_be_closed_after_forced_text(llm, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_forced_text_held_back_whole_is_tried_once(llm, backend, monkeypatch):
+    """The next array item must be a string: the grammar forces ` "`, which the model may
+    extend (` "(`), so it is held back and nothing is jumped. Encoding ` "` alone after the
+    sampled `",` would end in the same held-back token: it is not tried (it cost a second
+    encode and advance on the critical path of one step in four with forced text)."""
+    schema = {"type": "object", "properties": {"t": {"type": "array", "items": {"type": "string"}}},
+              "required": ["t"], "additionalProperties": False}
+    req = sampled(llm, schema, '{"t": ["a",', backend)
+    assert req.matcher.jump_forward_string() == ' "'
+    hook = llm.engine.jump_forward_hook
+    attempts = []
+    real = hook._jump
+    monkeypatch.setattr(hook, "_jump", lambda r, forced, k: attempts.append(k) or real(r, forced, k))
+    before = list(req.output_ids)
+    hook(llm.engine, req)
+    assert attempts == [4]  # the merged re-encoding only
+    assert req.output_ids == before and req.stats.forced_tokens == 0
+    assert_matcher_consistent(llm, req, schema, backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_special_token_text_inside_forced_string(llm, backend):
     """Forced text spelling `<|im_end|>` must be encoded as plain text, never as the stop token."""
     schema = {"type": "object", "properties": {"k": {"const": "a<|im_end|>b"}}, "required": ["k"],

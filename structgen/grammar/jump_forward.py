@@ -17,8 +17,9 @@ Forced text cannot simply be encoded on its own and appended. Two boundaries nee
 The re-encoding is checked twice: its bytes must equal the text (tokenizers that normalise or
 add prefix spaces fail this), and the matcher must accept it. If the matcher rejects a token,
 the longest accepted prefix is kept when it still covers the sampled text and adds forced text;
-otherwise the forced text is tried encoded alone after the untouched sampled tokens, and
-failing that nothing is jumped. A jump that does not happen leaves the matcher and the request
+otherwise the forced text is tried encoded alone after the untouched sampled tokens (not when
+the hold-back below took every forced token: alone it ends in the same token), and failing
+that nothing is jumped. A jump that does not happen leaves the matcher and the request
 exactly as they were.
 
 The forced tokens are appended as pending tokens; the scheduler runs every pending token of a
@@ -42,8 +43,13 @@ if TYPE_CHECKING:
 MAX_BACKOFF = 4  # output tokens re-encoded with the forced text; merges span one pre-token
 # Hold-back asks "does the grammar allow any longer token starting with this one?". Up to this
 # many candidates are tried one by one (accept + rollback, ~2 us each); more take one mask fill
-# (35-150 us, and on the critical path of a jump step).
+# (35-150 us, and on the critical path of a jump step) unless a sample of them is allowed.
 PROBE_EXTENSIONS = 32
+PROBE_SAMPLE = 8  # with more candidates, this many (spread over them) are tried before the mask
+# What one attempt at a jump did. After HELD_BACK the forced text alone is not tried: its last
+# token is the one just held back, in the same grammar state (on MaskBench replays every such
+# retry, 67 of 67, was held back again, each a second encode + advance on the critical path).
+JUMPED, HELD_BACK, FAILED = "jumped", "held back", "failed"
 
 
 class VocabBytes:
@@ -133,23 +139,24 @@ class JumpForward:
         if room <= 0:
             return
         k = min(self.max_backoff, req.num_output)
-        jumped = self._jump(req, forced.encode("utf-8"), k)
-        if not jumped and k > 0:  # the merged re-encoding failed: try the forced text alone
-            jumped = self._jump(req, forced.encode("utf-8"), 0)
-        if jumped:
+        outcome = self._jump(req, forced.encode("utf-8"), k)
+        if outcome == FAILED and k > 0:  # the merged re-encoding failed: try the forced text alone
+            outcome = self._jump(req, forced.encode("utf-8"), 0)
+        if outcome == JUMPED:
             self._maybe_finish(req)
 
     # -- one attempt --------------------------------------------------------------------------
-    def _jump(self, req: Request, forced: bytes, k: int) -> bool:
+    def _jump(self, req: Request, forced: bytes, k: int) -> str:
         """Re-encode the last `k` output tokens + `forced` and splice the result in. Returns
-        False (with the request and matcher untouched) when it cannot make progress."""
+        JUMPED, or (with the request and matcher untouched) HELD_BACK when every forced token
+        was held back, FAILED when the re-encoding or the grammar got in the way."""
         m = req.matcher
         start = len(req.token_ids) - k
         old = req.token_ids[start:]
         old_bytes = self.vocab.join(old)
         new = self._encode(old_bytes + forced)
         if new is None:
-            return False
+            return FAILED
         c = 0  # tokens shared with the old tail stay (and stay cached)
         while c < min(len(old), len(new)) and old[c] == new[c]:
             c += 1
@@ -162,6 +169,7 @@ class JumpForward:
                 break
             accepted += 1
         kept = new[: c + accepted]
+        covers = self.vocab.length(kept) > len(old_bytes)
         kept = self._hold_back(m, kept, c, len(old_bytes))
         if self.vocab.length(kept) <= len(old_bytes):  # no forced byte survived: undo
             m.rollback(len(kept) - c)
@@ -170,14 +178,14 @@ class JumpForward:
                     raise RuntimeError(
                         "grammar matcher could not restore its state after jump-forward"
                     )
-            return False
+            return HELD_BACK if covers else FAILED
         req.truncate(start + c)
         replaced = max(0, min(len(old), len(kept)) - c)  # re-spelled sampled text, not forced
         if replaced:
             req.append(kept[c : c + replaced])
         if len(kept) > c + replaced:
             req.append(kept[c + replaced :], forced=True)
-        return True
+        return JUMPED
 
     def _encode(self, text: bytes) -> list[int] | None:
         """Token ids spelling exactly `text`, or None (not UTF-8, or the tokenizer changes it)."""
@@ -221,13 +229,14 @@ class JumpForward:
     def _allows_extension(self, m: Any, tid: int) -> bool:
         """Does the grammar, in its current state, allow a token that extends token `tid`?"""
         ids = self.vocab.extension_ids(tid)
-        if len(ids) > PROBE_EXTENSIONS:
-            return bool(np.bitwise_and(self._allowed(m), self.vocab.extensions(tid)).any())
-        for t in ids.tolist():
+        few = len(ids) <= PROBE_EXTENSIONS
+        # Many extensions (` "` has hundreds): a sample spread over them first, since a free
+        # string allows nearly all of them; the mask decides only when the sample is refused.
+        for t in (ids if few else ids[:: -(-len(ids) // PROBE_SAMPLE)]).tolist():
             if m.accept_token(t):
                 m.rollback(1)
                 return True
-        return False
+        return not few and bool(np.bitwise_and(self._allowed(m), self.vocab.extensions(tid)).any())
 
     def _allowed(self, m: Any) -> np.ndarray:
         """The matcher's allowed-token bitmask as uint32 words (a view of a reused buffer)."""
