@@ -232,10 +232,13 @@ def test_prefetch_tuner_keeps_the_faster_mode_on_this_host():
         return t
 
     tuner = PrefetchTuner(block=4, samples=6, hold=50)
+    assert not tuner.holding
     t = run(tuner, {False: 1.2e-3, True: 1.0e-3}, 40)
-    assert tuner.decisions == [True] and tuner.enabled  # the prefetch was faster here
-    t = run(tuner, {False: 1.0e-3, True: 1.0e-3}, 50, t=t)  # held: no new timing
-    assert tuner.decisions == [True] and tuner.enabled
+    assert tuner.decisions == [True] and tuner.enabled and tuner.holding  # the prefetch was faster here
+    t = run(tuner, {False: 1.0e-3, True: 1.0e-3}, 49, t=t)  # held: no new timing
+    assert tuner.decisions == [True] and tuner.enabled and tuner.holding
+    t = run(tuner, {False: 1.0e-3, True: 1.0e-3}, 1, t=t)
+    assert not tuner.holding  # timing both again
     t = run(tuner, {False: 1.0e-3, True: 1.2e-3}, 40, t=t)  # this host, now: the prefetch costs
     assert tuner.decisions == [True, False] and not tuner.enabled
 

@@ -95,6 +95,11 @@ class PrefetchTuner:
         self._in_block = 0
         self._skip = False
 
+    @property
+    def holding(self) -> bool:
+        """A mode is chosen and kept for now (False while the two are being timed)."""
+        return self._held > 0
+
     def step(self, now: float, key: object) -> None:
         """Called as each engine step starts (`now`: perf_counter), with its shape (None: a
         step not to time)."""
