@@ -9,6 +9,13 @@ steps 29 ms with jump-forward on against 14 off) and the 8B shape's decode-after
 forced-row penalties (docs/performance.md). No device sync is added between steps: the
 engine's own per-step sync is what a caller sees.
 
+A second table (`DeviceGaps`) shows how long the device waits for the host: a CUDA event is
+recorded behind each sampler and before each forward launch, and the time between a sampler's
+event and the next launch's is the device's idle gap (the host reading the tokens, deciding
+what runs next, launching it). The host pieces on that path are timed beside it. On the 8B
+shape it put 389-410 ms of a 6.75 s run on slow lent hosts in those gaps, 166 ms on a fast one
+(docs/performance.md).
+
     python -m benchmarks.profile_steps --tokenizer-dir DIR --data-dir DIR            # SmolLM2 shape
     python -m benchmarks.profile_steps --shape llama-8b --tokenizer-dir DIR --data-dir DIR
 """
@@ -21,6 +28,8 @@ import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from benchmarks.bench_jump_forward import (
     CATEGORIES,
@@ -65,6 +74,86 @@ class StepLabels:
         return sorted(rows, key=lambda r: -r["total_ms"])
 
 
+class DeviceGaps:
+    """Events behind each sampler and before each forward launch, and host timings of the
+    verdict (`Engine._plain_next_step`), the jump-forward hook and planned launches; `close`
+    restores the engine. CUDA graphs only."""
+
+    def __init__(self, engine: Engine):
+        g = engine.runner.graphs
+        self.engine, self.graphs = engine, g
+        self.events: list[tuple[str, torch.cuda.Event]] = []
+        self.host: dict[str, list[float]] = defaultdict(list)
+        self._saved = (g.step_done, dict(g._steps), engine.jump_forward_hook)
+        done, mark = g.step_done, self._mark
+
+        class SamplerDone:  # the graphs record and wait on it; it also marks the log
+            def record(self) -> None:
+                done.record()
+                mark("sampler")
+
+            def synchronize(self) -> None:
+                done.synchronize()
+
+        g.step_done = SamplerDone()
+        for bs, (forward, sample) in list(g._steps.items()):
+            g._steps[bs] = (self._marked(forward), sample)
+        g._launch_planned = self._timed(g._launch_planned, "launch of a planned forward")
+        engine._plain_next_step = self._timed(engine._plain_next_step, "verdict (_plain_next_step)")
+        hook = engine.jump_forward_hook
+        timed = self._timed(hook, "jump-forward hook")
+
+        class TimedHook:  # the engine calls it; the harness reads its vocabulary
+            vocab = hook.vocab
+
+            def __call__(self, eng: Engine, req: Any) -> None:
+                timed(eng, req)
+
+        engine.jump_forward_hook = TimedHook()
+
+    def _mark(self, what: str) -> None:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        self.events.append((what, ev))
+
+    def _marked(self, forward: Any) -> Any:
+        def launch() -> None:
+            self._mark("forward")
+            forward()
+
+        return launch
+
+    def _timed(self, fn: Any, what: str) -> Any:
+        def timed(*args: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                self.host[what].append(time.perf_counter() - t)
+
+        return timed
+
+    def close(self) -> None:
+        g, e = self.graphs, self.engine
+        g.step_done, steps, e.jump_forward_hook = self._saved
+        g._steps.update(steps)
+        del g._launch_planned, e._plain_next_step  # back to the classes' methods
+
+    def table(self, wall_s: float) -> list[dict[str, Any]]:
+        torch.cuda.synchronize()
+        gaps = [1e3 * a.elapsed_time(b) for (x, a), (y, b) in zip(self.events, self.events[1:], strict=False)
+                if x == "sampler" and y == "forward"]  # us; a pre-launched forward reads ~0
+        rows = []
+        for what, us in [("device idle, sampler -> next forward", gaps),
+                         *((k, [1e6 * t for t in v]) for k, v in self.host.items())]:
+            if us:
+                us = sorted(us)
+                rows.append({"what": what, "n": len(us), "p50_us": us[len(us) // 2],
+                             "p90_us": us[int(0.9 * len(us))], "mean_us": statistics.mean(us),
+                             "total_ms": sum(us) / 1e3, "of_wall_pct": sum(us) / 1e4 / wall_s})
+        return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokenizer-dir", type=Path, default=None, help="tokenizer + config.json (random weights)")
@@ -90,12 +179,18 @@ def main() -> None:
         measure(llm, cases, "replay", jf, 1, args.max_tokens)
     for jf in (False, True):
         labels = StepLabels(engine)
+        gaps = DeviceGaps(engine) if engine.runner.graphs is not None and engine.device.type == "cuda" else None
         r = measure(llm, cases, "replay", jf, 1, args.max_tokens)
         del engine.step  # back to the class's method
+        if gaps is not None:
+            gaps.close()
         print(f"\n{model}, jump-forward {'on' if jf else 'off'}, batch 1: {len(cases)} requests, "
               f"wall {r['wall_s'] * 1e3:.0f} ms, {r['forward_passes']} passes for {r['tokens']} tokens")
         print_table([{k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}
                      for row in labels.table()])
+        if gaps is not None:
+            print_table([{k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}
+                         for row in gaps.table(r["wall_s"])])
 
 
 if __name__ == "__main__":
