@@ -138,10 +138,10 @@ class JumpForward:
         room = req.num_prompt + req.params.max_tokens - len(req.token_ids)
         if room <= 0:
             return
-        k = min(self.max_backoff, req.num_output)
-        outcome = self._jump(req, forced.encode("utf-8"), k)
+        k, text = min(self.max_backoff, req.num_output), forced.encode("utf-8")
+        outcome = self._jump(req, text, k)
         if outcome == FAILED and k > 0:  # the merged re-encoding failed: try the forced text alone
-            outcome = self._jump(req, forced.encode("utf-8"), 0)
+            outcome = self._jump(req, text, 0)
         if outcome == JUMPED:
             self._maybe_finish(req)
 

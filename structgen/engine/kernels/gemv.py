@@ -104,8 +104,8 @@ def _time(rows: int, weight: torch.Tensor, reps: int = 15) -> Block | None:
     MARGIN and compute the right product."""
     x = torch.randn(rows, weight.shape[1], device=weight.device, dtype=weight.dtype)
     ref = F.linear(x, weight).float()
-    if rows == 1:
-        candidates = [b._replace(form="late" if weight.numel() > MAX_WEIGHT else "chunk") for b in CONFIGS]
+    if rows == 1:  # a large matrix (`use_gemv` settles small ones untimed): the late sum
+        candidates = [b._replace(form="late") for b in CONFIGS]
     else:
         candidates = [*(MULTI_ROW if rows <= GEMV_ROWS else ()), *DOT]
 

@@ -46,6 +46,7 @@ from structgen.engine.spec.verify_rows import (
     fill_draft_masks,
     graph_rows,
     sampling_spans,
+    step_tokens,
     token_rows,
 )
 from structgen.errors import EngineError
@@ -277,7 +278,7 @@ class Speculator:
     def _fit(batch: list[tuple[Request, int]], drafts: list[list[int]], rows: int) -> list[list[int]] | None:
         """`drafts` cut (longest first) so the step runs at most `rows` tokens; None if its
         pending tokens alone (forced text, prompts) are more."""
-        excess = sum(n + len(d) for (_, n), d in zip(batch, drafts, strict=True)) - rows
+        excess = step_tokens(batch, drafts) - rows
         if excess <= 0:
             return drafts
         drafts = [list(d) for d in drafts]
@@ -297,8 +298,7 @@ class Speculator:
         from structgen.engine.guided_loop import LoopStep
 
         samplers = [(req, d, s) for (req, _), d, s in zip(batch, drafts, spans, strict=True) if s is not None]
-        num_tokens = sum(n + len(d) for (_, n), d in zip(batch, drafts, strict=True))
-        if len(samplers) != len(batch) or not self._in_graphs(batch, num_tokens):
+        if len(samplers) != len(batch) or not self._in_graphs(batch, step_tokens(batch, drafts)):
             return None
         g = graph_rows(batch, drafts, spans, *self._sampling(samplers))
         errors: dict[Request, BaseException] = {}
@@ -403,8 +403,7 @@ class Speculator:
         samplers = [(req, d, s) for (req, _), d, s in zip(batch, drafts, spans, strict=True) if s is not None]
         temps, seeds = self._sampling(samplers)
         errors: dict[Request, BaseException] = {}
-        num_tokens = sum(n + len(d) for (_, n), d in zip(batch, drafts, strict=True))
-        in_graphs = self._in_graphs(batch, num_tokens)
+        in_graphs = self._in_graphs(batch, step_tokens(batch, drafts))
         if not samplers and not (in_graphs and eng.config.prefill_in_graphs):  # only prefill chunks
             runner.extend([ExtendSeq(r.slot, r.num_cached, r.token_ids[r.num_cached : r.num_cached + n], 0) for r, n in batch])
             take([], errors)

@@ -36,6 +36,11 @@ def sampling_spans(batch: list[tuple[Request, int]], drafts: list[list[int]]) ->
     return spans
 
 
+def step_tokens(batch: list[tuple[Request, int]], drafts: list[list[int]]) -> int:
+    """Tokens a verify step's forward runs: every request's pending tokens and its draft."""
+    return sum(n + len(d) for (_, n), d in zip(batch, drafts, strict=True))
+
+
 def token_rows(batch: list[tuple[Request, int]], drafts: list[list[int]],
                spans: list[tuple[int, int] | None]) -> tuple[list[ExtendSeq], dict[int, int]]:
     """One one-token row per pending and draft token (its own position and context), and
