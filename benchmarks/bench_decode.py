@@ -40,6 +40,7 @@ from structgen.engine.config import EngineConfig
 from structgen.engine.engine import Engine
 from structgen.engine.request import Request
 from structgen.engine.sampler import SamplingParams
+from structgen.grammar import native
 from structgen.grammar.prefetch import MIN_ROWS, MaskPrefetcher
 
 MODELS = ("smollm2-135m", "llama-1b-shape", "llama-8b-shape")
@@ -221,6 +222,7 @@ def main() -> None:
     extra: dict[str, Any] = {"copy_bandwidth_gbps": bandwidth, "schema": SCHEMA, "steps": args.steps,
                              "settings": "max_seq_len=1024, jump_forward off for ms/step (median of 3 passes after an untimed one), bf16, greedy",
                              "grammar_workers": EngineConfig().grammar_workers,
+                             "native_fill_threads": native.load().threads if native.load() else 0,
                              "mask_prefetch": EngineConfig().mask_prefetch}
     if args.merge is not None and args.merge.is_file():
         earlier = json.loads(args.merge.read_text())
@@ -257,6 +259,17 @@ def main() -> None:
                                  "constrained": True, "metric": "ms_per_step", **r, "floor_ms": floors[model]})
                     print(rows[-1], flush=True)
                 engine.prefetcher = default
+                # Mask fills without grammar.native's pool (xgrammar's own batch fill), as on a
+                # machine with one thread for it or no compiler.
+                pool = native.load()
+                if pool is not None and pool.threads > 1:
+                    threads = pool.threads
+                    pool.set_threads(1)
+                    r = time_decode(engine, prompt_ids, batch, grammar, args.steps)
+                    pool.set_threads(threads)
+                    rows.append({"system": "structgen-native-off", "model": model, "batch": batch,
+                                 "constrained": True, "metric": "ms_per_step", **r, "floor_ms": floors[model]})
+                    print(rows[-1], flush=True)
         if model == "smollm2-135m":
             e2e = end_to_end(engine, tok)
             rows.append({"system": "structgen", "model": model, "batch": e2e["requests"], "constrained": True,

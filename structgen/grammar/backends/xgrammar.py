@@ -12,6 +12,7 @@ import torch
 import xgrammar as xgr
 
 from structgen.errors import EngineError, InvalidConstraintError, UnsupportedSchemaError
+from structgen.grammar import native
 from structgen.grammar.backends.base import (
     CompiledGrammar,
     GrammarBackend,
@@ -39,6 +40,7 @@ class XGrammarMatcher(GrammarMatcher):
 
     def __init__(self, matcher: xgr.GrammarMatcher, stop_token_ids: Sequence[int], words: int | None = None):
         self.xgr_matcher = matcher
+        self._handle = native.handle(matcher)  # for grammar.native's batch fills
         self._stop_token_ids = stop_token_ids
         self._stop = frozenset(stop_token_ids)
         self._terminated = False
@@ -169,22 +171,27 @@ def _clean(e: BaseException) -> str:
 def fill_job(
     matchers: Sequence[XGrammarMatcher], rows: Sequence[int], bitmask: torch.Tensor, threads: int
 ) -> tuple[Callable[[], None] | None, Callable[[], None] | None]:
-    """Fill many rows at once with xgrammar's thread pool, in two parts: `run`, one native
-    call that releases the GIL (may run on another thread), then `finish` (None: nothing
-    left), on the caller's thread. Terminated matchers' rows are written here and now. The
+    """Fill many rows at once, in two parts: `run`, one native call that releases the GIL (may
+    run on another thread), then `finish` (None: nothing left), on the caller's thread. The
+    call is `grammar.native`'s pool where that library builds with two threads or more
+    (`threads` is then its own), else xgrammar's thread pool with `threads`. Terminated matchers' rows are written here and now. The
     worker must make no other native call before `run`'s: each releases and retakes the GIL,
     which would leave it waiting while another thread runs Python (grammar/prefetch.py)."""
-    live, rows_live = [], []
+    live, handles, rows_live = [], [], []
     for m, r in zip(matchers, rows, strict=True):
         if m._terminated:
             m.fill_bitmask(bitmask, r)
         else:
             live.append(m.xgr_matcher)
+            handles.append(m._handle)
             rows_live.append(r)
     if not live:
         return None, None
-    batch = _batch_matcher(threads)
     words = matchers[0]._words  # one backend (one tokenizer) per batch
+    pool = native.load()
+    if pool is not None and pool.threads > 1:  # one GIL-free call, spread over its threads
+        return (lambda: pool.fill(handles, bitmask, rows_live, words)), None
+    batch = _batch_matcher(threads)
     if words is None:
         return (lambda: batch.batch_fill_next_token_bitmask(live, bitmask, rows_live)), None
     # Padded vocabulary: xgrammar ignores row strides, so fill a contiguous tokenizer-wide
@@ -195,7 +202,6 @@ def fill_job(
     return (lambda: batch.batch_fill_next_token_bitmask(live, block_t, block_rows)), (
         lambda: _place_rows(bitmask, rows_live, block)
     )
-
 
 def _place_rows(bitmask: torch.Tensor, rows: list[int], block: np.ndarray) -> None:
     """Copy tokenizer-wide mask rows into `rows` of a model-wide bitmask; the padding words

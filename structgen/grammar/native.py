@@ -1,0 +1,162 @@
+"""xgrammar mask fills on a pool of native threads (`csrc/grammar_step.cpp`), off the GIL.
+
+At batch 64 a JSON decode step on the lent H100 hosts was host-bound, ~0.4 ms of it mask
+fills on one core (docs/performance.md): xgrammar's own pool was slower with more threads
+there, and Python threads pass the GIL around. xgrammar 0.2's matchers are apache-tvm-ffi
+objects, so a small C++ library can call their fill method through tvm-ffi's C ABI: one ctypes
+call a batch (ctypes lets the GIL go for it), spread over native threads that stay awake
+between steps. With one thread it is no faster than xgrammar's batch call (on the 2-core CI
+machine, 64 JSON rows: 45 vs 26 us in a number, 371 vs 299 us in a string), so the backend
+uses it only where the pool has two threads or more.
+
+Built with the system C++ compiler on first use (about a second; no torch or Python headers)
+into `~/.cache/structgen/native/` (`$STRUCTGEN_CACHE/native`), one file per source and
+tvm-ffi version. `load()` returns None where it cannot be built (no compiler, an xgrammar
+whose matchers are not tvm-ffi objects, `STRUCTGEN_DISABLE_NATIVE=1`), and the backends then
+make their usual Python calls.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger("structgen.grammar")
+
+SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "grammar_step.cpp"
+MATCHER_TYPE_KEY = "xgrammar.tvm_ffi_binding.GrammarMatcher"
+# Workers stay awake this long after a batch: the next decode step's comes within a
+# millisecond, and waking a sleeping thread costs tens of microseconds on the lent hosts.
+SPIN_US = 2000
+_ERROR_BYTES = 1024
+
+
+class NativeGrammarError(RuntimeError):
+    """A matcher raised inside a native batch call; the message is xgrammar's."""
+
+
+def default_threads() -> int:
+    """Pool size: `$STRUCTGEN_GRAMMAR_THREADS`, else half the cores, at most 4 (a 64-row
+    JSON step is ~0.3 ms of fills on one core)."""
+    if os.environ.get("STRUCTGEN_GRAMMAR_THREADS"):
+        return max(1, int(os.environ["STRUCTGEN_GRAMMAR_THREADS"]))
+    return max(1, min(4, (os.cpu_count() or 2) // 2))
+
+
+class NativeGrammar:
+    """Mask fills of xgrammar matchers (given by their tvm-ffi handles, `handle()`) on a pool
+    of native threads, one per process. Calls may come from several threads (the prefetch's
+    workers): one has the pool, the others fill on their own thread. A matcher must not be in
+    two calls at once."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self._lib = lib
+
+    @property
+    def threads(self) -> int:
+        """Threads a batch is spread over, the caller's included."""
+        return self._lib.sg_threads()
+
+    def set_threads(self, threads: int) -> None:
+        """Restart the pool with `threads` threads; no call may be in flight."""
+        if self._lib.sg_init(MATCHER_TYPE_KEY.encode(), max(1, threads), SPIN_US) != 0:
+            raise NativeGrammarError(self._error())
+
+    def _error(self) -> str:
+        buf = ctypes.create_string_buffer(_ERROR_BYTES)
+        self._lib.sg_take_error(buf, _ERROR_BYTES)
+        return buf.value.decode("utf-8", "replace")
+
+    def fill(self, handles: Sequence[int], bitmask: Any, rows: Sequence[int], fill_words: int | None = None) -> None:
+        """Fill `bitmask[rows[i]]` from the matcher whose handle is `handles[i]`. `bitmask`: a
+        CPU int32 tensor or array `[*, W]` with contiguous rows; xgrammar writes the first
+        `fill_words` words a row (default W) and the rest are zeroed. Raises
+        NativeGrammarError if any matcher raised (the other rows are filled)."""
+        n = len(handles)
+        if n == 0:
+            return
+        ptr, row_words = _row_major(bitmask)
+        rows_arr = np.asarray(rows, dtype=np.int32)
+        failed = np.zeros(n, dtype=np.uint8)
+        bad = self._lib.sg_fill((ctypes.c_void_p * n)(*handles), n, ctypes.c_void_p(ptr), row_words,
+                                row_words if fill_words is None else fill_words,
+                                rows_arr.ctypes.data_as(ctypes.c_void_p), failed.ctypes.data_as(ctypes.c_void_p))
+        if bad:
+            raise NativeGrammarError(f"{bad} of {n} mask rows failed: {self._error()}")
+
+
+def handle(matcher: Any) -> int:
+    """The tvm-ffi object handle of an `xgr.GrammarMatcher` (valid while it lives)."""
+    return matcher._handle.__chandle__()
+
+
+def _row_major(bitmask: Any) -> tuple[int, int]:
+    if isinstance(bitmask, np.ndarray):
+        if bitmask.dtype != np.int32 or bitmask.ndim != 2 or bitmask.strides[1] != 4:
+            raise ValueError("bitmask must be an int32 [rows, words] array with contiguous rows")
+        return bitmask.ctypes.data, bitmask.strides[0] // 4
+    import torch
+
+    if bitmask.dtype != torch.int32 or bitmask.dim() != 2 or bitmask.stride(1) != 1 or bitmask.device.type != "cpu":
+        raise ValueError("bitmask must be a CPU int32 [rows, words] tensor with contiguous rows")
+    return bitmask.data_ptr(), bitmask.stride(0)
+
+
+@functools.cache
+def load() -> NativeGrammar | None:
+    """The native library with its pool of `default_threads()`, built on first use; None
+    (logged once) where it cannot be had."""
+    if os.environ.get("STRUCTGEN_DISABLE_NATIVE") == "1":
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build()))
+        lib.sg_init.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int]
+        lib.sg_fill.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64,
+                                ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+        lib.sg_take_error.argtypes = [ctypes.c_char_p, ctypes.c_int]
+        import xgrammar  # noqa: F401  (registers the matcher type with tvm-ffi)
+
+        native = NativeGrammar(lib)
+        native.set_threads(default_threads())
+        return native
+    except Exception as exc:  # no compiler, no tvm-ffi headers, an xgrammar of another make
+        log.warning("native grammar mask fills unavailable (%s); using xgrammar's batch fill", exc)
+        return None
+
+
+def _build() -> Path:
+    import tvm_ffi
+    from tvm_ffi import libinfo
+
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (g++) on PATH")
+    include, lib = Path(libinfo.find_include_path()), Path(libinfo.find_libtvm_ffi())
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + tvm_ffi.__version__.encode() + str(include).encode()).hexdigest()[:16]
+    root = Path(os.environ.get("STRUCTGEN_CACHE") or Path.home() / ".cache" / "structgen") / "native"
+    out = root / f"grammar_step-{key}.so"
+    if out.is_file():
+        return out
+    root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=root) as tmp:  # concurrent builders each rename whole
+        partial = Path(tmp) / out.name
+        cmd = [compiler, "-O2", "-std=c++17", "-shared", "-fPIC", "-pthread",
+               f"-I{include}", f"-I{libinfo.find_dlpack_include_path()}", str(SOURCE),
+               f"-L{lib.parent}", "-ltvm_ffi", f"-Wl,-rpath,{lib.parent}", "-o", str(partial)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"building {SOURCE.name} failed: {done.stderr.strip()[-2000:]}")
+        os.replace(partial, out)
+    return out
