@@ -47,11 +47,19 @@ class NativeGrammarError(RuntimeError):
 
 
 def default_threads() -> int:
-    """Pool size: `$STRUCTGEN_GRAMMAR_THREADS`, else half the cores, at most 4 (a 64-row
-    JSON step is ~0.3 ms of fills on one core)."""
+    """Pool size: `$STRUCTGEN_GRAMMAR_THREADS`, else half the cores, at most 8. On a 16-core
+    lent H100 host 64 JSON rows filled in 452 / 745 us (spread / lock-step in a string) with
+    xgrammar's batch call, 176 / 238 us on 4 threads here and 105 / 144 us on 8
+    (bench_grammar_fill, 2026-11-25); a 2-core machine gets one, and so xgrammar's call."""
     if os.environ.get("STRUCTGEN_GRAMMAR_THREADS"):
         return max(1, int(os.environ["STRUCTGEN_GRAMMAR_THREADS"]))
-    return max(1, min(4, (os.cpu_count() or 2) // 2))
+    return max(1, min(8, (os.cpu_count() or 2) // 2))
+
+
+def pool_in_use() -> bool:
+    """Whether xgrammar batch fills go through the pool here (it builds, with 2+ threads)."""
+    pool = load()
+    return pool is not None and pool.threads > 1
 
 
 class NativeGrammar:

@@ -188,8 +188,8 @@ def fill_job(
     if not live:
         return None, None
     words = matchers[0]._words  # one backend (one tokenizer) per batch
-    pool = native.load()
-    if pool is not None and pool.threads > 1:  # one GIL-free call, spread over its threads
+    if native.pool_in_use():  # one GIL-free call, spread over the pool's threads
+        pool = native.load()
         return (lambda: pool.fill(handles, bitmask, rows_live, words)), None
     batch = _batch_matcher(threads)
     if words is None:
