@@ -76,9 +76,10 @@ class NativeGrammar:
         """Threads a batch is spread over, the caller's included."""
         return self._lib.sg_threads()
 
-    def set_threads(self, threads: int) -> None:
-        """Restart the pool with `threads` threads; no call may be in flight."""
-        if self._lib.sg_init(MATCHER_TYPE_KEY.encode(), max(1, threads), SPIN_US) != 0:
+    def set_threads(self, threads: int, spin_us: int = SPIN_US) -> None:
+        """Restart the pool with `threads` threads whose workers stay awake `spin_us` after a
+        batch; no call may be in flight."""
+        if self._lib.sg_init(MATCHER_TYPE_KEY.encode(), max(1, threads), spin_us) != 0:
             raise NativeGrammarError(self._error())
 
     def _error(self) -> str:
