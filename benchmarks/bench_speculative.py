@@ -22,6 +22,9 @@ without the prompt's prefill step, which speculation does not touch), and
 `decode_speedup_identical`: the same ratio over only the prompts whose output equals the
 baseline's token for token (on the GPU, bf16 near-ties can flip a greedy choice because the
 verify forward runs a different batch shape; a changed output changes the token count).
+On a GPU, `graph_floor_ms_per_token` is the variant's decode steps re-timed as back-to-back
+graph replays (no host in between; `GraphFloor`) and `x_graph_floor` its decode ms over that:
+no mode that only moves the host's work (the capturable one) can go below the floor.
 """
 
 from __future__ import annotations
@@ -146,6 +149,58 @@ def summarize(name: str, batch: int, jf: bool, k: int, wall: float, reqs: list[R
     return row
 
 
+class GraphFloor:
+    """What a variant would cost with no host time at all: each decode step it ran through the
+    decode graphs (buckets of at most 16 rows: prompts run in larger ones), re-timed as
+    back-to-back replays of that bucket's forward + sampler, summed over the variant's decoded
+    tokens. A mode that only moves host work (the capturable mode) cannot beat it."""
+
+    def __init__(self, graphs: Any) -> None:
+        from structgen.engine.cuda_graphs import DecodeGraphs
+
+        self.graphs, self.counts = graphs, {}
+        self.on = False
+        original = DecodeGraphs.run
+
+        def counted(this, token_ids, *a, **kw):
+            if self.on and this is self.graphs:
+                bs = this.bucket(len(token_ids))
+                if bs is not None and bs <= 16:
+                    self.counts[bs] = self.counts.get(bs, 0) + 1
+            return original(this, token_ids, *a, **kw)
+
+        DecodeGraphs.run = counted
+        self._ms: dict[int, float] = {}
+
+    def step_ms(self, bs: int, n: int = 200) -> float:
+        """ms per back-to-back (forward, sampler) replay of bucket `bs`."""
+        import torch
+
+        if bs not in self._ms:
+            forward, sample = self.graphs._steps[bs]
+            for _ in range(10):
+                forward()
+                sample()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            for _ in range(n):
+                forward()
+                sample()
+            end.record()
+            end.synchronize()
+            self._ms[bs] = start.elapsed_time(end) / n
+            self.graphs.discard_ahead()  # the replays rewrote what a pre-launched forward computed
+        return self._ms[bs]
+
+    def take(self, decoded_tokens: int) -> dict[str, Any]:
+        """The floor of the steps counted since the last call, per decoded token."""
+        counts, self.counts = self.counts, {}
+        ms = sum(c * self.step_ms(bs) for bs, c in counts.items())
+        return {"graph_steps": dict(sorted(counts.items())),
+                "graph_floor_ms_per_token": ms / max(decoded_tokens, 1)}
+
+
 class StepProfile:
     """`--profile`: wall time inside the step's phases (host clock). `wait` is the host blocked
     on the device (the graphs' one sync per step): step time minus wait is host work the
@@ -244,6 +299,7 @@ def main() -> None:
             s.use_tokenizer(llm.tokenizer)  # what LLM does for a speculator it is built with
     jfs = {"on": [True], "off": [False], "both": [True, False]}[args.jump_forward]
 
+    floor = GraphFloor(eng.runner.graphs) if eng.runner.graphs is not None and eng.runner.graphs.capture_graphs else None
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
         for jf in jfs:
@@ -262,11 +318,18 @@ def main() -> None:
                 run(llm, kept[:1], 1, jf, args.max_tokens)  # warm-up: Triton JIT, allocator
                 if profile:
                     profile.report("warm-up")  # dropped
+                if floor is not None:
+                    floor.on, floor.counts = True, {}
                 wall, reqs = run(llm, kept, batch, jf, args.max_tokens)
+                if floor is not None:
+                    floor.on = False
                 if profile:
                     profile.report(f"{name} batch={batch} jf={jf}")
                 row = summarize(name, batch, jf, 0 if spec is None else spec.num_draft_tokens, wall, reqs, base)
                 base = base or reqs
+                if floor is not None and "-capturable" not in name:  # its loop steps are not `run`s
+                    row.update(floor.take(sum(r.num_output - 1 for r in reqs)))
+                    row["x_graph_floor"] = row["decode_ms_per_token"] / row["graph_floor_ms_per_token"]
                 outputs[name] = [r.output_ids for r in reqs]
                 usual = outputs.get(name.replace("-capturable", ""))
                 if "-capturable" in name and usual is not None:  # greedy: the mode must not change outputs
@@ -279,7 +342,8 @@ def main() -> None:
                     r["decode_speedup"] = ref["decode_ms_per_token"] / r["decode_ms_per_token"]
     eng.speculator = None
     shown = ["system", "batch", "jump_forward", "tokens", "identical", "mean_acceptance_length",
-             "forward_passes_per_token", "ms_per_token", "speedup", "decode_ms_per_token", "decode_speedup", "decode_speedup_identical", "identical_to_usual_mode", "errors"]
+             "forward_passes_per_token", "ms_per_token", "speedup", "decode_ms_per_token", "decode_speedup",
+             "decode_speedup_identical", "identical_to_usual_mode", "graph_floor_ms_per_token", "x_graph_floor", "errors"]
     print_table([{c: r.get(c) for c in shown} for r in rows])
     if not args.no_write:
         path = write_results("speculative", rows, extra={"settings": vars(args) | {"data": str(args.data)}})
