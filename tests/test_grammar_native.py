@@ -167,3 +167,61 @@ def test_unavailable_without_the_library(monkeypatch):
         monkeypatch.delenv("STRUCTGEN_DISABLE_NATIVE")
         native.load.cache_clear()
     assert native.load() is not None
+
+
+def test_fill_begin_returns_at_once_and_fill_end_finishes(pool, compiled, tokenizer, grammar_compiler):
+    matchers = spread(compiled, tokenizer, 20)
+    vocab = grammar_compiler.vocab_size
+    want = allocate_bitmask(20, vocab, host_only=True)
+    for i, m in enumerate(matchers):
+        m.xgr_matcher.fill_next_token_bitmask(want, i)
+    got = allocate_bitmask(20, vocab, host_only=True).fill_(0)
+    handles = [m._handle for m in matchers]
+    assert pool.fill_begin(handles, got, list(range(20)))
+    assert not pool.fill_begin(handles[:2], got, [0, 1])  # the pool is the first batch's until its end
+    other = allocate_bitmask(2, vocab, host_only=True)
+    pool.fill(handles[18:], other, [0, 1])  # a blocking call meanwhile runs on this thread alone
+    assert pool.fill_end() == [] and got.equal(want) and other.equal(want[18:])
+    assert pool.fill_end() == []  # nothing in flight
+
+    stopped = compiled.matcher().xgr_matcher
+    assert stopped.accept_string(INSTANCE) and stopped.accept_token(tokenizer.eos_token_id)
+    got.fill_(7)
+    assert pool.fill_begin(handles[:3] + [native.handle(stopped)], got, [0, 1, 2, 3])
+    assert pool.fill_end() == [3]
+    assert got[:3].equal(want[:3]) and (got[3] == 7).all()
+
+
+def test_native_prefetch_changes_no_outputs(pool, model_dir, tokenizer):
+    """The engine's prefetch on the pool's workers (grammar.prefetch.NativeMaskPrefetcher):
+    the same outputs as filling every mask on the spot, with most masks served from it."""
+    from structgen.engine.config import EngineConfig
+    from structgen.engine.engine import Engine
+    from structgen.engine.models.loader import load_model_config
+    from structgen.engine.request import Request
+    from structgen.engine.sampler import SamplingParams
+    from structgen.grammar.prefetch import NativeMaskPrefetcher
+
+    cfg = load_model_config(model_dir)
+    engine = Engine(cfg, EngineConfig(device="cpu", max_batch_size=4, max_seq_len=512, jump_forward=False), model_dir)
+    assert isinstance(engine.prefetcher, NativeMaskPrefetcher)  # the pool is in use (3 threads)
+    grammar = GrammarCompiler(tokenizer, engine.vocab_size, sorted(engine.stop_token_ids),
+                              backend="xgrammar").compile(to_constraint(Person))
+    prompts = ["Describe a person as JSON.", "Tell me about the sea.", "Give a fictional customer."]
+
+    def outputs() -> list[list[int]]:
+        reqs = []
+        for i, text in enumerate(prompts):
+            chat = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                 tokenize=False)
+            reqs.append(Request(tokenizer.encode(chat, add_special_tokens=False), SamplingParams(max_tokens=16),
+                                grammar.matcher() if i != 1 else None, frozenset(engine.stop_token_ids)))
+        engine.run(reqs)
+        return [r.output_ids for r in reqs]
+
+    prefetcher = engine.prefetcher
+    prefetcher.min_rows = 1  # two JSON rows here
+    with_prefetch = outputs()
+    assert prefetcher.served >= 16  # two JSON rows, most of their steps
+    engine.prefetcher = None
+    assert outputs() == with_prefetch
