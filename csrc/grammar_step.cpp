@@ -26,7 +26,6 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
-#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -59,7 +58,8 @@ class Pool {
   // Runs job(i) for i in [0, n) on the pool and the calling thread; returns when all are done.
   // A call made while another thread's batch holds the pool runs on its own thread alone.
   void Run(int n, const std::function<void(int)>& job) {
-    if (workers_.empty() || n < 2 || !Acquire()) {
+    std::unique_lock<std::mutex> busy(run_mu_, std::try_to_lock);
+    if (!busy.owns_lock() || workers_.empty() || n < 2) {
       for (int i = 0; i < n; ++i) job(i);
       return;
     }
@@ -74,44 +74,9 @@ class Pool {
     if (sleeping_.load(std::memory_order_acquire) > 0) cv_.notify_all();
     Work(generation_ << 32);
     while (done_.load(std::memory_order_acquire) < n) std::this_thread::yield();
-    busy_.store(false, std::memory_order_release);
-  }
-
-  // Starts job(i) for i in [0, n) on the workers alone and returns at once; Wait() finishes it.
-  // The pool stays this batch's until then (other calls run on their own threads). False,
-  // with nothing started, when the pool is busy or has no workers.
-  bool Post(int n, std::function<void(int)> job) {
-    if (workers_.empty() || !Acquire()) return false;
-    posted_ = true;
-    posted_job_ = std::move(job);
-    posted_n_ = n;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      job_ = &posted_job_;
-      done_.store(0, std::memory_order_relaxed);
-      ++generation_;
-      limit_.store((generation_ << 32) | static_cast<uint32_t>(n), std::memory_order_release);
-      ticket_.store(generation_ << 32, std::memory_order_release);
-    }
-    if (sleeping_.load(std::memory_order_acquire) > 0) cv_.notify_all();
-    return true;
-  }
-
-  // Waits for the posted batch (the calling thread takes items still unclaimed) and frees the pool.
-  void Wait() {
-    if (!posted_) return;
-    Work(generation_ << 32);
-    while (done_.load(std::memory_order_acquire) < posted_n_) std::this_thread::yield();
-    posted_ = false;
-    busy_.store(false, std::memory_order_release);
   }
 
  private:
-  bool Acquire() {  // the pool for one batch; false while another batch has it
-    bool idle = false;
-    return busy_.compare_exchange_strong(idle, true, std::memory_order_acq_rel);
-  }
-
   void Work(uint64_t gen_bits) {
     const uint64_t gen = gen_bits >> 32;
     // An item is claimed only while the ticket and the limit are both of this generation, so
@@ -155,10 +120,7 @@ class Pool {
   }
 
   std::vector<std::thread> workers_;
-  std::atomic<bool> busy_{false};  // a batch has the pool
-  bool posted_ = false;  // ... and it is a posted one, finished by Wait()
-  std::function<void(int)> posted_job_;
-  int posted_n_ = 0;
+  std::mutex run_mu_;  // held by the batch that has the pool
   std::mutex mu_;
   std::condition_variable cv_;
   const std::function<void(int)>* job_ = nullptr;
@@ -189,45 +151,14 @@ ObjectRef Borrow(void* handle) {  // a new reference to an object the caller kee
       static_cast<tvm::ffi::Object*>(handle)));
 }
 
-// One row: xgrammar writes fill_words words at `row`, the rest of the row is zeroed. Returns 1
-// (and keeps the error) if the matcher raised, leaving the row as it was.
-uint8_t FillRow(void* matcher, int32_t* row, int64_t row_words, int64_t fill_words) {
-  int64_t shape[1] = {fill_words};
-  DLTensor t;
-  std::memset(&t, 0, sizeof t);
-  t.data = row;
-  t.device = DLDevice{kDLCPU, 0};
-  t.ndim = 1;
-  t.dtype = DLDataType{kDLInt, 32, 1};
-  t.shape = shape;
-  try {
-    g_methods->fill_next_token_bitmask(Borrow(matcher), &t, 0, false);
-  } catch (const std::exception& e) {
-    SetError(e.what());
-    return 1;
-  }
-  if (fill_words < row_words) std::memset(row + fill_words, 0, (row_words - fill_words) * sizeof(int32_t));
-  return 0;
-}
-
-struct Batch {  // a posted fill's arguments, owned until sg_fill_end
-  std::vector<void*> matchers;
-  std::vector<int32_t> rows;
-  std::vector<uint8_t> failed;
-};
-std::shared_ptr<Batch> g_posted;
-
 }  // namespace
 
 extern "C" {
 
 // Looks up the matcher type's fill method and starts `threads` - 1 workers. Returns 0, or -1 with
 // sg_take_error() saying why (an xgrammar whose matchers are not tvm-ffi objects, say).
-int sg_fill_end(uint8_t* failed);
-
 int sg_init(const char* matcher_type_key, int threads, int spin_us) {
   try {
-    if (g_pool != nullptr) sg_fill_end(nullptr);  // a posted batch finishes on the old pool
     auto* m = new Methods();
     m->fill_next_token_bitmask = tvm::ffi::reflection::GetMethod(matcher_type_key, "fill_next_token_bitmask");
     delete g_methods;
@@ -268,48 +199,27 @@ int sg_fill(void* const* matchers, int n, int32_t* bitmask, int64_t row_words, i
   }
   std::atomic<int> failures{0};
   std::function<void(int)> job = [&](int i) {
-    failed[i] = FillRow(matchers[i], bitmask + static_cast<int64_t>(rows[i]) * row_words, row_words, fill_words);
-    if (failed[i]) failures.fetch_add(1);
+    int32_t* row = bitmask + static_cast<int64_t>(rows[i]) * row_words;
+    int64_t shape[1] = {fill_words};
+    DLTensor t;
+    std::memset(&t, 0, sizeof t);
+    t.data = row;
+    t.device = DLDevice{kDLCPU, 0};
+    t.ndim = 1;
+    t.dtype = DLDataType{kDLInt, 32, 1};
+    t.shape = shape;
+    try {
+      g_methods->fill_next_token_bitmask(Borrow(matchers[i]), &t, 0, false);
+      if (fill_words < row_words) std::memset(row + fill_words, 0, (row_words - fill_words) * sizeof(int32_t));
+      failed[i] = 0;
+    } catch (const std::exception& e) {
+      failed[i] = 1;
+      failures.fetch_add(1);
+      SetError(e.what());
+    }
   };
   g_pool->Run(n, job);
   return failures.load();
-}
-
-// sg_fill in two halves: the fills start on the workers and the call returns at once, so the
-// caller's thread (Python, holding the GIL) goes on with other work; sg_fill_end waits for them.
-// The arguments are copied; the bitmask and matchers must stay alive and untouched until the
-// end. Returns 0 when started, -1 when the pool is busy or has no workers (nothing started).
-int sg_fill_begin(void* const* matchers, int n, int32_t* bitmask, int64_t row_words, int64_t fill_words,
-                  const int32_t* rows) {
-  if (g_methods == nullptr || g_pool == nullptr) {
-    SetError("sg_init was not called");
-    return -1;
-  }
-  auto batch = std::make_shared<Batch>();
-  batch->matchers.assign(matchers, matchers + n);
-  batch->rows.assign(rows, rows + n);
-  batch->failed.assign(n, 0);
-  std::function<void(int)> job = [batch, bitmask, row_words, fill_words](int i) {
-    batch->failed[i] = FillRow(batch->matchers[i], bitmask + static_cast<int64_t>(batch->rows[i]) * row_words,
-                               row_words, fill_words);
-  };
-  if (!g_pool->Post(n, std::move(job))) return -1;
-  g_posted = std::move(batch);
-  return 0;
-}
-
-// Waits for the fills sg_fill_begin started; copies their failed flags into `failed` (n of
-// them, may be null) and returns how many failed, or -1 when none were started.
-int sg_fill_end(uint8_t* failed) {
-  if (!g_posted) return -1;
-  g_pool->Wait();
-  std::shared_ptr<Batch> batch = std::move(g_posted);
-  int failures = 0;
-  for (size_t i = 0; i < batch->failed.size(); ++i) {
-    failures += batch->failed[i];
-    if (failed != nullptr) failed[i] = batch->failed[i];
-  }
-  return failures;
 }
 
 }  // extern "C"

@@ -143,8 +143,8 @@ class EngineConfig:
     # rows both ways on this host and keeps the faster (lent H100 hosts, batch 64 JSON: real
     # SmolLM2 1.65 -> 1.13 ms a step with the prefetch on one host, 1.02 -> 1.20 and 1.29 ->
     # 1.44 ms on two others; Llama-1B shape 2.21 -> 1.63 ms), "on" whenever the fills have
-    # been costly, "off" never. Where grammar.native's pool fills xgrammar masks (2+ threads:
-    # half the cores) the prefetch runs on its native workers instead, whenever not "off".
+    # been costly, "off" never. "auto" is "off" where grammar.native's pool fills the masks
+    # (2+ threads: half the cores), which is faster inline than any hand-off.
     grammar_workers: int = 2
     mask_prefetch: str = "auto"
     seed: int | None = None

@@ -70,7 +70,6 @@ class NativeGrammar:
 
     def __init__(self, lib: ctypes.CDLL):
         self._lib = lib
-        self._posted = 0  # rows of a fill_begin not yet ended
 
     @property
     def threads(self) -> int:
@@ -79,8 +78,7 @@ class NativeGrammar:
 
     def set_threads(self, threads: int, spin_us: int = SPIN_US) -> None:
         """Restart the pool with `threads` threads whose workers stay awake `spin_us` after a
-        batch; no call may be in flight (a `fill_begin` is ended first)."""
-        self._posted = 0
+        batch; no call may be in flight."""
         if self._lib.sg_init(MATCHER_TYPE_KEY.encode(), max(1, threads), spin_us) != 0:
             raise NativeGrammarError(self._error())
 
@@ -105,35 +103,6 @@ class NativeGrammar:
                                 rows_arr.ctypes.data_as(ctypes.c_void_p), failed.ctypes.data_as(ctypes.c_void_p))
         if bad:
             raise NativeGrammarError(f"{bad} of {n} mask rows failed: {self._error()}")
-
-
-    def fill_begin(self, handles: Sequence[int], bitmask: Any, rows: Sequence[int], fill_words: int | None = None) -> bool:
-        """`fill` in two halves: start it on the pool's workers and return at once (True), so
-        this thread goes on with other work; `fill_end` finishes it. The bitmask and the
-        matchers must stay alive and untouched until then. False (nothing started) while
-        another batch has the pool or the pool has no workers."""
-        n = len(handles)
-        if n == 0:
-            return False
-        ptr, row_words = _row_major(bitmask)
-        rows_arr = np.asarray(rows, dtype=np.int32)
-        started = self._lib.sg_fill_begin((ctypes.c_void_p * n)(*handles), n, ctypes.c_void_p(ptr), row_words,
-                                          row_words if fill_words is None else fill_words,
-                                          rows_arr.ctypes.data_as(ctypes.c_void_p)) == 0
-        if started:
-            self._posted = n
-        return started
-
-    def fill_end(self) -> list[int]:
-        """Wait for the fills `fill_begin` started; the indices (into its `handles`) of those
-        that failed ([] if none, or if nothing was started)."""
-        n, self._posted = self._posted, 0
-        if not n:
-            return []
-        failed = np.zeros(n, dtype=np.uint8)
-        if self._lib.sg_fill_end(failed.ctypes.data_as(ctypes.c_void_p)) > 0:
-            self._error()  # consumed: the caller's own fill of those rows reports the culprit
-        return np.flatnonzero(failed).tolist()
 
 
 def handle(matcher: Any) -> int:
@@ -164,8 +133,6 @@ def load() -> NativeGrammar | None:
         lib.sg_init.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int]
         lib.sg_fill.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64,
                                 ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
-        lib.sg_fill_begin.argtypes = lib.sg_fill.argtypes[:-1]
-        lib.sg_fill_end.argtypes = [ctypes.c_void_p]
         lib.sg_take_error.argtypes = [ctypes.c_char_p, ctypes.c_int]
         import xgrammar  # noqa: F401  (registers the matcher type with tvm-ffi)
 

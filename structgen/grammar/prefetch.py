@@ -204,7 +204,17 @@ class MaskPrefetcher:
                 pass
             failed.update(chunk)  # the caller's own fill finds and reports the culprit
         self.observe(spent)
-        rest = _serve(p, bitmask, rows, failed)
+        same = bitmask.data_ptr() == p.target.data_ptr() and bitmask.stride() == p.target.stride()
+        rest, src, dst = [], [], []
+        for row, m in rows:
+            entry = p.rows.get(id(m))
+            if entry is None or entry[1] is not m or entry[2] != m.version or entry[0] in failed:
+                rest.append((row, m))
+            elif not (same and entry[0] == row):
+                src.append(entry[0])
+                dst.append(row)
+        if dst:  # fancy indexing reads the sources before writing: overlapping rows are fine
+            bitmask.numpy()[dst] = p.target.numpy()[src]
         self.served += len(rows) - len(rest)
         return rest
 
@@ -226,87 +236,6 @@ class MaskPrefetcher:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
-
-
-class NativeMaskPrefetcher:
-    """The prefetch on `grammar.native`'s pool: the next step's xgrammar masks start filling
-    on its native workers right after the matchers advanced, and the main thread goes on with
-    the step's bookkeeping at once. Nothing in the hand-off needs the GIL, so it costs a
-    ctypes call rather than the 100-300 us of waking Python threads (`MaskPrefetcher`), and
-    there is nothing for a tuner to weigh. Same rules as `MaskPrefetcher`; rows of other
-    backends are left to the caller."""
-
-    tuner = None
-
-    def __init__(self, min_rows: int = 8):
-        from structgen.grammar import native
-
-        self._native = native.load()
-        self.min_rows = min_rows
-        self._pending: _Prefetch | None = None
-        self._rows: list[int] = []  # the posted rows, in the order the pool has them
-        self.started = self.served = 0
-
-    def start(self, target: torch.Tensor, rows: Sequence[tuple[int, GrammarMatcher]]) -> None:
-        """Start filling `target[row]` for each (row, matcher) and return."""
-        self.wait()
-        rows = [(r, m) for r, m in rows
-                if 0 <= r < target.shape[0] and m.backend == "xgrammar" and not m.is_terminated()]
-        if len(rows) < max(1, self.min_rows) or self._native is None:
-            return
-        words = rows[0][1]._words  # one tokenizer per engine
-        if not self._native.fill_begin([m._handle for _, m in rows], target, [r for r, _ in rows], words):
-            return
-        self._pending = _Prefetch(target, {id(m): (r, m, m.version) for r, m in rows})
-        self._rows = [r for r, _ in rows]
-        self.started += len(rows)
-
-    def take(
-        self, bitmask: torch.Tensor, rows: Sequence[tuple[int, GrammarMatcher]]
-    ) -> list[tuple[int, GrammarMatcher]]:
-        """As `MaskPrefetcher.take`: serve what was prefetched, return the rest."""
-        p = self._pending
-        if p is None:
-            return list(rows)
-        failed = {self._rows[i] for i in self._finish()}
-        rest = _serve(p, bitmask, rows, failed)
-        self.served += len(rows) - len(rest)
-        return rest
-
-    def observe(self, seconds: float) -> None:
-        """Inline fill times are not needed: this prefetch always pays."""
-
-    def wait(self) -> None:
-        """Let a prefetch in flight finish (its matchers may be used again) and drop it."""
-        if self._pending is not None:
-            self._finish()
-
-    def close(self) -> None:
-        self.wait()
-
-    def _finish(self) -> list[int]:
-        self._pending = None
-        return self._native.fill_end()
-
-
-def _serve(
-    p: _Prefetch, bitmask: torch.Tensor, rows: Sequence[tuple[int, GrammarMatcher]], failed: set[int]
-) -> list[tuple[int, GrammarMatcher]]:
-    """Put the prefetched masks of `rows` into `bitmask` (the prefetch's own buffer, or
-    another: rows are then copied); return the pairs it cannot serve: matchers not prefetched,
-    changed since (their `version`), or whose prefetched row (in `failed`) raised."""
-    same = bitmask.data_ptr() == p.target.data_ptr() and bitmask.stride() == p.target.stride()
-    rest, src, dst = [], [], []
-    for row, m in rows:
-        entry = p.rows.get(id(m))
-        if entry is None or entry[1] is not m or entry[2] != m.version or entry[0] in failed:
-            rest.append((row, m))
-        elif not (same and entry[0] == row):
-            src.append(entry[0])
-            dst.append(row)
-    if dst:  # fancy indexing reads the sources before writing: overlapping rows are fine
-        bitmask.numpy()[dst] = p.target.numpy()[src]
-    return rest
 
 
 def _run(jobs: list[FillJob], ready: threading.Event) -> float:
