@@ -248,9 +248,10 @@ def main() -> None:
                 print(rows[-1], flush=True)
             if batch >= MIN_ROWS:
                 # The same JSON steps with the mask prefetch (grammar/prefetch.py) forced on and
-                # off; the row above ran with the engine's default (tuned on this host).
+                # off; the row above ran with the engine's default (tuned on this host; where
+                # grammar.native's pool fills the masks, no prefetch: "off" is the default row).
                 default = engine.prefetcher
-                for mode in ("on", "off"):
+                for mode in ("on",) if native.pool_in_use() else ("on", "off"):
                     engine.prefetcher = MaskPrefetcher(2) if mode == "on" else None
                     r = time_decode(engine, prompt_ids, batch, grammar, args.steps)
                     if engine.prefetcher is not None:
@@ -262,7 +263,7 @@ def main() -> None:
                 # Mask fills without grammar.native's pool (xgrammar's own batch fill), as on a
                 # machine with one thread for it or no compiler.
                 pool = native.load()
-                if pool is not None and pool.threads > 1:
+                if native.pool_in_use():
                     threads = pool.threads
                     pool.set_threads(1)
                     r = time_decode(engine, prompt_ids, batch, grammar, args.steps)
