@@ -27,6 +27,8 @@
 #include <cstring>
 #include <functional>
 #include <mutex>
+#include <new>
+#include <pthread.h>
 #include <string>
 #include <thread>
 #include <vector>
@@ -157,7 +159,16 @@ extern "C" {
 
 // Looks up the matcher type's fill method and starts `threads` - 1 workers. Returns 0, or -1 with
 // sg_take_error() saying why (an xgrammar whose matchers are not tvm-ffi objects, say).
+// A forked child has none of the parent's workers, and a lock one of them held at the fork
+// stays locked there: the child starts over with a pool of its own thread alone.
+static void AfterForkInChild() {
+  g_pool = new Pool(1, 0);  // the parent's pool is leaked: its threads and locks are not ours
+  new (&g_error_mu) std::mutex();
+}
+
 int sg_init(const char* matcher_type_key, int threads, int spin_us) {
+  static const int registered = pthread_atfork(nullptr, nullptr, AfterForkInChild);
+  (void)registered;
   try {
     auto* m = new Methods();
     m->fill_next_token_bitmask = tvm::ffi::reflection::GetMethod(matcher_type_key, "fill_next_token_bitmask");

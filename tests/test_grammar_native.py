@@ -167,3 +167,26 @@ def test_unavailable_without_the_library(monkeypatch):
         monkeypatch.delenv("STRUCTGEN_DISABLE_NATIVE")
         native.load.cache_clear()
     assert native.load() is not None
+
+
+def test_a_forked_child_fills_on_its_own_thread(pool, compiled, tokenizer, grammar_compiler):
+    """A child forked while the pool runs has none of its workers: it still fills correctly."""
+    import multiprocessing as mp
+
+    matchers = spread(compiled, tokenizer, 8)
+    vocab = grammar_compiler.vocab_size
+    want = allocate_bitmask(8, vocab, host_only=True)
+    pool.fill([m._handle for m in matchers], want, list(range(8)))
+
+    def child(q) -> None:
+        got = allocate_bitmask(8, vocab, host_only=True).fill_(0)
+        native.load().fill([m._handle for m in matchers], got, list(range(8)))
+        q.put(bool(got.equal(want)))
+
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=child, args=(q,))
+    p.start()
+    assert q.get(timeout=60) is True
+    p.join(timeout=60)
+    assert p.exitcode == 0
