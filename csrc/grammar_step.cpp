@@ -153,19 +153,19 @@ ObjectRef Borrow(void* handle) {  // a new reference to an object the caller kee
       static_cast<tvm::ffi::Object*>(handle)));
 }
 
-}  // namespace
-
-extern "C" {
-
-// Looks up the matcher type's fill method and starts `threads` - 1 workers. Returns 0, or -1 with
-// sg_take_error() saying why (an xgrammar whose matchers are not tvm-ffi objects, say).
 // A forked child has none of the parent's workers, and a lock one of them held at the fork
 // stays locked there: the child starts over with a pool of its own thread alone.
-static void AfterForkInChild() {
+void AfterForkInChild() {
   g_pool = new Pool(1, 0);  // the parent's pool is leaked: its threads and locks are not ours
   new (&g_error_mu) std::mutex();
 }
 
+}  // namespace
+
+extern "C" {
+
+// Looks up the matcher type's fill method and starts `threads` - 1 workers. Returns 0, or -1
+// with sg_take_error() saying why (an xgrammar whose matchers are not tvm-ffi objects, say).
 int sg_init(const char* matcher_type_key, int threads, int spin_us) {
   static const int registered = pthread_atfork(nullptr, nullptr, AfterForkInChild);
   (void)registered;

@@ -173,10 +173,11 @@ def fill_job(
 ) -> tuple[Callable[[], None] | None, Callable[[], None] | None]:
     """Fill many rows at once, in two parts: `run`, one native call that releases the GIL (may
     run on another thread), then `finish` (None: nothing left), on the caller's thread. The
-    call is `grammar.native`'s pool where that library builds with two threads or more
-    (`threads` is then its own), else xgrammar's thread pool with `threads`. Terminated matchers' rows are written here and now. The
-    worker must make no other native call before `run`'s: each releases and retakes the GIL,
-    which would leave it waiting while another thread runs Python (grammar/prefetch.py)."""
+    call is `grammar.native`'s pool where it builds with two threads or more (`threads` is
+    then its own), else xgrammar's thread pool with `threads`. Terminated matchers' rows are
+    written here and now. The worker must make no other native call before `run`'s: each
+    releases and retakes the GIL, which would leave it waiting while another thread runs
+    Python (grammar/prefetch.py)."""
     live, handles, rows_live = [], [], []
     for m, r in zip(matchers, rows, strict=True):
         if m._terminated:
@@ -202,6 +203,7 @@ def fill_job(
     return (lambda: batch.batch_fill_next_token_bitmask(live, block_t, block_rows)), (
         lambda: _place_rows(bitmask, rows_live, block)
     )
+
 
 def _place_rows(bitmask: torch.Tensor, rows: list[int], block: np.ndarray) -> None:
     """Copy tokenizer-wide mask rows into `rows` of a model-wide bitmask; the padding words
