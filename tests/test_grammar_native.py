@@ -190,3 +190,41 @@ def test_a_forked_child_fills_on_its_own_thread(pool, compiled, tokenizer, gramm
     assert q.get(timeout=60) is True
     p.join(timeout=60)
     assert p.exitcode == 0
+
+
+def test_engine_outputs_are_the_same_with_the_pool(pool, model_dir, tokenizer):
+    """The engine's decode steps with masks filled on the pool (3 threads here) produce the
+    tokens they produce with xgrammar's own batch fill (the pool at one thread)."""
+    from structgen.engine.config import EngineConfig
+    from structgen.engine.engine import Engine
+    from structgen.engine.models.loader import load_model_config
+    from structgen.engine.request import Request
+    from structgen.engine.sampler import SamplingParams
+
+    cfg = load_model_config(model_dir)
+    engine = Engine(cfg, EngineConfig(device="cpu", max_batch_size=4, max_seq_len=512, jump_forward=False), model_dir)
+    grammar = GrammarCompiler(tokenizer, engine.vocab_size, sorted(engine.stop_token_ids),
+                              backend="xgrammar").compile(to_constraint(Person))
+    prompts = ["Describe a person as JSON.", "Tell me about the sea.", "Give a fictional customer."]
+
+    def outputs() -> list[list[int]]:
+        reqs = []
+        for i, text in enumerate(prompts):
+            chat = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                 tokenize=False)
+            reqs.append(Request(tokenizer.encode(chat, add_special_tokens=False), SamplingParams(max_tokens=16),
+                                grammar.matcher() if i != 1 else None, frozenset(engine.stop_token_ids)))
+        engine.run(reqs)
+        assert not any(r.finish_reason == "error" for r in reqs)
+        return [r.output_ids for r in reqs]
+
+    calls = []
+    fill = pool.fill
+    pool.fill = lambda *a, **kw: (calls.append(len(a[0])), fill(*a, **kw))[1]
+    try:
+        on_pool = outputs()
+    finally:
+        del pool.fill
+    assert calls and max(calls) == 2  # the two JSON rows, filled on the pool each step
+    pool.set_threads(1)
+    assert outputs() == on_pool
