@@ -222,7 +222,7 @@ def main() -> None:
     extra: dict[str, Any] = {"copy_bandwidth_gbps": bandwidth, "schema": SCHEMA, "steps": args.steps,
                              "settings": "max_seq_len=1024, jump_forward off for ms/step (median of 3 passes after an untimed one), bf16, greedy",
                              "grammar_workers": EngineConfig().grammar_workers,
-                             "native_fill_threads": native.load().threads if native.load() else 0,
+                             "native_fill_threads": native.load().threads if native.pool_in_use() else 0,
                              "mask_prefetch": EngineConfig().mask_prefetch}
     if args.merge is not None and args.merge.is_file():
         earlier = json.loads(args.merge.read_text())
@@ -262,8 +262,8 @@ def main() -> None:
                 engine.prefetcher = default
                 # Mask fills without grammar.native's pool (xgrammar's own batch fill), as on a
                 # machine with one thread for it or no compiler.
-                pool = native.load()
                 if native.pool_in_use():
+                    pool = native.load()
                     threads = pool.threads
                     pool.set_threads(1)
                     r = time_decode(engine, prompt_ids, batch, grammar, args.steps)

@@ -136,7 +136,10 @@ class EngineConfig:
     # next-step planning are host callbacks inside the graph. Needs the csrc extension on CUDA;
     # other steps keep the usual path.
     capturable_guided: bool = False
-    grammar_threads: int = 0  # 0: grammar.batch.default_threads(backend) (xgrammar 1, llguidance <= 4)
+    # Threads of the backends' own batch fills (0: grammar.batch.default_threads: xgrammar 1,
+    # llguidance <= 4). xgrammar rows go to grammar.native's process-wide pool instead where
+    # it is in use; that one is sized by $STRUCTGEN_GRAMMAR_THREADS (half the cores, <= 8).
+    grammar_threads: int = 0
     # Threads that fill the next decode step's masks while the main thread does the step's
     # bookkeeping (grammar/prefetch.py; 0: masks are always filled on the main thread,
     # overlapping the forward), and when they do: "auto" times decode steps of 32+ constrained

@@ -34,6 +34,7 @@ from structgen.engine.sampler import (
 )
 from structgen.engine.scheduler import Scheduler
 from structgen.errors import EngineError, PromptTooLongError
+from structgen.grammar import native
 from structgen.grammar.backends.base import allocate_bitmask, allows_only
 
 log = logging.getLogger("structgen.engine")
@@ -77,7 +78,7 @@ class Engine:
         # only added hand-offs (real SmolLM2, batch 64: 1.039 ms a step without it, 1.431 with).
         self.prefetcher = None
         self._prefetch_buffer: torch.Tensor | None = None  # its target without decode graphs
-        prefetch = self.config.mask_prefetch == "on" or (self.config.mask_prefetch == "auto" and not _native_fills())
+        prefetch = self.config.mask_prefetch == "on" or (self.config.mask_prefetch == "auto" and not native.pool_in_use())
         if self.config.grammar_workers > 0 and prefetch and self.speculator is None:
             from structgen.grammar.prefetch import MaskPrefetcher, PrefetchTuner
 
@@ -466,12 +467,6 @@ class Engine:
         while any(not r.finished for r in requests):
             self.step()
         return requests
-
-
-def _native_fills() -> bool:
-    from structgen.grammar import native
-
-    return native.pool_in_use()
 
 
 def _nobody_waits() -> bool:

@@ -178,20 +178,20 @@ def fill_job(
     written here and now. The worker must make no other native call before `run`'s: each
     releases and retakes the GIL, which would leave it waiting while another thread runs
     Python (grammar/prefetch.py)."""
-    live, handles, rows_live = [], [], []
+    on_pool = native.pool_in_use()  # then the matchers go by their tvm-ffi handles
+    live, rows_live = [], []
     for m, r in zip(matchers, rows, strict=True):
         if m._terminated:
             m.fill_bitmask(bitmask, r)
         else:
-            live.append(m.xgr_matcher)
-            handles.append(m._handle)
+            live.append(m._handle if on_pool else m.xgr_matcher)
             rows_live.append(r)
     if not live:
         return None, None
     words = matchers[0]._words  # one backend (one tokenizer) per batch
-    if native.pool_in_use():  # one GIL-free call, spread over the pool's threads
+    if on_pool:  # one GIL-free call, spread over the pool's threads
         pool = native.load()
-        return (lambda: pool.fill(handles, bitmask, rows_live, words)), None
+        return (lambda: pool.fill(live, bitmask, rows_live, words)), None
     batch = _batch_matcher(threads)
     if words is None:
         return (lambda: batch.batch_fill_next_token_bitmask(live, bitmask, rows_live)), None
