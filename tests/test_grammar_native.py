@@ -218,13 +218,63 @@ def test_engine_outputs_are_the_same_with_the_pool(pool, model_dir, tokenizer):
         assert not any(r.finish_reason == "error" for r in reqs)
         return [r.output_ids for r in reqs]
 
-    calls = []
-    fill = pool.fill
+    calls, prefilled = [], []
+    fill, not_prefilled = pool.fill, engine._not_prefilled
+
+    def count(bitmask, rows):
+        left = not_prefilled(bitmask, rows)
+        prefilled.append(len(rows) - len(left))
+        return left
+
     pool.fill = lambda *a, **kw: (calls.append(len(a[0])), fill(*a, **kw))[1]
+    engine._not_prefilled = count
     try:
         on_pool = outputs()
     finally:
-        del pool.fill
-    assert calls and max(calls) == 2  # the two JSON rows, filled on the pool each step
+        del pool.fill, engine._not_prefilled
+    assert calls and max(calls) == 2  # the two JSON rows, filled on the pool (prefill steps)
+    # Decode steps found both rows' masks filled as the last step's tokens were taken in.
+    assert prefilled.count(2) >= 10
     pool.set_threads(1)
     assert outputs() == on_pool
+
+
+def test_accept_tokens_on_the_pool_equals_row_by_row(pool, compiled, tokenizer, grammar_compiler):
+    """`grammar.accept_tokens` through the pool (one native call: accept, the state's bits,
+    the next mask) says what each matcher says from Python, and fills the masks they fill:
+    rows along a valid output, one that takes the stop token, one given a token it rejects."""
+    from structgen.grammar import accept_one, accept_tokens
+    from structgen.grammar.backends.base import ACCEPTED, COMPLETED, FILLED, JUMPS, TERMINATED
+
+    ids = tokenizer.encode(INSTANCE, add_special_tokens=False)
+    n = 20
+    native_ms, python_ms = spread(compiled, tokenizer, n), spread(compiled, tokenizer, n)
+    tokens = [ids[(i * len(ids)) // n] for i in range(n)]
+    for ms in (native_ms, python_ms):  # row n: the whole output, then the stop token
+        done = compiled.matcher()
+        assert done.accept_tokens(ids)
+        ms.append(done)
+        ms.append(compiled.matcher())  # row n + 1: a JSON object cannot start with the stop token
+    tokens += [tokenizer.eos_token_id, tokenizer.eos_token_id]
+    vocab = grammar_compiler.vocab_size
+    got = allocate_bitmask(n + 2, vocab, host_only=True).fill_(7)
+    rows = list(reversed(range(n + 2)))
+    versions = [m.version for m in native_ms]
+    status, errors = accept_tokens(native_ms, tokens, check_jump=True, bitmask=got, rows=rows)
+    assert not errors
+    want = [accept_one(m, t, check_jump=True) for m, t in zip(python_ms, tokens, strict=True)]
+    assert [st & ~FILLED for st in status] == want
+    assert want[n] == ACCEPTED | TERMINATED and want[n + 1] == 0
+    assert any(st & JUMPS for st in want) and any(not st & JUMPS for st in want[:n])
+    assert not any(st & COMPLETED for st in want[:n])
+    assert [m.version for m in native_ms] == [v + 1 for v in versions]
+    assert native_ms[n].is_terminated() and not native_ms[n + 1].is_terminated()
+    for i, (m, st) in enumerate(zip(python_ms, status, strict=True)):
+        r = rows[i]
+        if st & TERMINATED or not st & ACCEPTED:
+            assert not st & FILLED and (got[r] == 7).all()  # no next mask: the row is untouched
+            continue
+        assert st & FILLED
+        single = allocate_bitmask(1, vocab, host_only=True)
+        m.fill_bitmask(single, 0)
+        assert got[r].equal(single[0]), f"row {r} (matcher {i})"

@@ -202,6 +202,11 @@ class DecodeGraphs:
         self.discard_ahead()
         return loop
 
+    @property
+    def launched_ahead(self) -> bool:
+        """Whether the next step's forward is queued (pre-launched or planned)."""
+        return self._ahead is not None
+
     def discard_ahead(self) -> None:
         """Another forward ran (or will): the pre-launched one no longer matches the cache."""
         self._ahead = None

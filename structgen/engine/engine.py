@@ -34,10 +34,22 @@ from structgen.engine.sampler import (
 )
 from structgen.engine.scheduler import Scheduler
 from structgen.errors import EngineError, PromptTooLongError
-from structgen.grammar import native
-from structgen.grammar.backends.base import allocate_bitmask, allows_only
+from structgen.grammar import accept_one, accept_tokens, native
+from structgen.grammar.backends.base import (
+    ACCEPTED,
+    COMPLETED,
+    FAILED,
+    FILLED,
+    JUMPS,
+    TERMINATED,
+    allocate_bitmask,
+    allows_only,
+)
 
 log = logging.getLogger("structgen.engine")
+
+
+_NOT_PLAIN = ACCEPTED | TERMINATED | COMPLETED | FAILED  # of these bits, a plain step's rows have ACCEPTED only
 
 
 class Engine:
@@ -66,6 +78,9 @@ class Engine:
         self.interrupted: Callable[[], bool] = _nobody_waits
         self._rng = random.Random(self.config.seed)  # noise seeds of unseeded sampled rows
         self._one_row: torch.Tensor | None = None  # scratch bitmask row for _only_stop_allowed
+        # Masks of the next decode step filled while the last one's tokens were taken in
+        # (`_take_tokens`): the buffer's address and {row: (matcher, its version then)}.
+        self._prefilled: tuple[int, dict[int, tuple[object, int]]] = (0, {})
         self.speculator = None  # speculative decoding (spec/speculator.py) when configured
         if self.config.speculative is not None:
             from structgen.engine.spec.speculator import Speculator
@@ -198,14 +213,13 @@ class Engine:
         row_errors: dict[int, BaseException] = {}
 
         def fill(bitmask: torch.Tensor) -> None:  # runs while the device computes the forward
-            row_errors.update(self._fill_masks(bitmask, constrained))
+            row_errors.update(self._fill_masks(bitmask, self._not_prefilled(bitmask, constrained)))
 
         finished: list[list[Request]] = []  # set once the step's tokens are taken in
-
-        accepted: set[int] = set()  # requests whose matcher took this step's token already
+        taken: list = [None]  # what each request's matcher made of its token, once it has it
         plain = [False]  # `_plain_next_step` checked every request: only the bookkeeping is left
 
-        def take(tokens: list[int]) -> None:
+        def take(tokens: list[int], fill_next: bool) -> None:
             errors = {i: row_errors[row] for i, row in enumerate(last) if row in row_errors}
             for req, n in chunks:
                 req.num_cached += n
@@ -213,7 +227,8 @@ class Engine:
             for req in reqs:
                 req.num_cached = len(req.token_ids)
                 req.stats.forward_passes += 1
-            finished.append(self._advance_all(reqs, tokens, errors, prefetch=True, accepted=accepted, plain=plain[0]))
+            finished.append(self._advance_all(reqs, tokens, errors, prefetch=True, taken=taken[0], plain=plain[0],
+                                              fill_next=fill_next))
 
         plan = None
         if not chunks and any(r.jump_forward for r in reqs):
@@ -225,11 +240,11 @@ class Engine:
             def plan(tokens: list[int]) -> list[ExtendSeq] | None:
                 toks = [tokens[row] for row in last]
                 if not row_errors:
-                    rows = self._plain_next_step(reqs, toks, accepted)
+                    rows, taken[0] = self._plain_next_step(reqs, toks)
                     if rows is not None:
                         plain[0] = True
                         return rows  # `take` runs once this forward is launched
-                take(toks)
+                take(toks, fill_next=False)  # the device waits: no fills before the launch
                 return self._plan_decode_step()
 
         try:
@@ -240,7 +255,11 @@ class Engine:
                 self.abort(req, "error", EngineError(f"forward pass failed: {exc}"))
             return [req for req, _ in batch]
         if not finished:
-            take([tokens[row] for row in last])
+            # The next masks are filled as the tokens are taken in where the next forward is
+            # queued already (or on the CPU, where nothing overlaps anyway).
+            graphs = self.runner.graphs
+            ahead = self.device.type != "cuda" or (graphs is not None and graphs.launched_ahead)
+            take([tokens[row] for row in last], fill_next=ahead and not chunks and self.prefetcher is None)
         for req in reqs:
             if not req.finished:
                 self._notify(req)
@@ -263,35 +282,68 @@ class Engine:
             last.append(len(seqs) - 1 if start + n == len(ids) else None)
         return seqs, last
 
-    def _plain_next_step(self, reqs: list[Request], tokens: list[int], accepted: set[int]) -> list[ExtendSeq] | None:
+    def _plain_next_step(self, reqs: list[Request], tokens: list[int]) -> tuple[list[ExtendSeq] | None, list | None]:
         """The next step's rows when it is surely the predicted one: every running request
-        is in this step, takes its sampled token (its grammar accepts it here; their ids go
-        into `accepted`), stays unfinished and has no forced text after it. None otherwise."""
+        is in this step, takes its sampled token (its grammar accepts it here), stays
+        unfinished and has no forced text after it; else None. Also what the matchers made of
+        their tokens, aligned with `reqs` (None: nobody took one), for taking the tokens in."""
         s = self.scheduler
         if s.waiting or len(s.running) != len(reqs):
-            return None
-        rows = []
+            return None, None
         for req, tok in zip(reqs, tokens, strict=True):
-            if req.num_output + 1 >= req.params.max_tokens:
-                return None
-            m = req.matcher
-            if m is None:
-                if tok in req.stop_token_ids:
-                    return None
-            else:
-                # A rejected token or a grammar that raises is left to taking the tokens in,
-                # which fails that request alone (so are forced bytes that end inside a
-                # character: the jump-forward hook decides those).
-                try:
-                    if not m.accept_token(tok):
-                        return None
-                    accepted.add(req.id)
-                    if m.is_completed() or (req.jump_forward and self.jump_forward_hook and m.jump_forward_string()):
-                        return None
-                except Exception:
-                    return None
-            rows.append(ExtendSeq(req.slot, len(req.token_ids), [tok]))
-        return rows
+            if req.num_output + 1 >= req.params.max_tokens or (req.matcher is None and tok in req.stop_token_ids):
+                return None, None
+        taken, _ = self._take_tokens(reqs, tokens, {}, check_jump=self.jump_forward_hook is not None)
+        # A rejected token or a grammar that raised is left to taking the tokens in, which
+        # fails that request alone (so is forced text: the jump-forward hook decides it).
+        for req, st in zip(reqs, taken, strict=True):
+            if st is not None and (st & _NOT_PLAIN != ACCEPTED or (st & JUMPS and req.jump_forward)):
+                return None, taken
+        return [ExtendSeq(req.slot, len(req.token_ids), [tok]) for req, tok in zip(reqs, tokens, strict=True)], taken
+
+    def _take_tokens(
+        self, reqs: list[Request], tokens: list[int], errors: dict[int, BaseException], check_jump: bool = False,
+        fill_next: bool = False,
+    ) -> tuple[list, dict[int, BaseException]]:
+        """Hand every constrained request (but those in `errors`) its token in one batch
+        (`grammar.accept_tokens`); returns the statuses aligned with `reqs` (None: no matcher
+        took one) and the matchers' exceptions by index. `fill_next`: the next step's masks
+        are filled on the way where the grammar's pool can, at the rows they will most likely
+        have (request i at row i: the same requests, one token each); `_not_prefilled` checks
+        that guess row by row."""
+        matchers = [r.matcher for r in reqs]
+        if errors or None in matchers:
+            idx = [i for i, m in enumerate(matchers) if m is not None and i not in errors]
+            if not idx:
+                return [None] * len(reqs), {}
+            matchers, tokens = [matchers[i] for i in idx], [tokens[i] for i in idx]
+        else:
+            idx = range(len(reqs))
+        target = self.runner.mask_buffer(len(reqs)) if fill_next else None
+        status, failed = accept_tokens(matchers, tokens, check_jump=check_jump, bitmask=target,
+                                       rows=idx if target is not None else None)
+        if target is not None and any(st & FILLED for st in status):
+            self._prefilled = (target.data_ptr(), {i: (m, m.version) for i, m, st in zip(idx, matchers, status,
+                                                                                           strict=True) if st & FILLED})
+        if len(idx) == len(reqs):
+            return status, failed
+        taken: list = [None] * len(reqs)
+        for i, st in zip(idx, status, strict=True):
+            taken[i] = st
+        return taken, {idx[j]: exc for j, exc in failed.items()}
+
+    def _not_prefilled(self, bitmask: torch.Tensor, rows: list[tuple[int, object]]) -> list[tuple[int, object]]:
+        """`rows` (row, matcher) but those whose mask `_take_tokens` filled into this buffer at
+        that row for that matcher in its present state; forgets what it filled."""
+        (ptr, filled), self._prefilled = self._prefilled, (0, {})
+        if not filled or ptr != bitmask.data_ptr():
+            return rows
+        out = []
+        for row, m in rows:
+            got = filled.get(row)
+            if got is None or got[0] is not m or got[1] != m.version:
+                out.append((row, m))
+        return out
 
     def _plan_decode_step(self) -> list[ExtendSeq] | None:
         """The rows of the next step when it will surely be a decode step (nobody to admit or
@@ -392,26 +444,36 @@ class Engine:
 
     def _advance_all(
         self, reqs: list[Request], tokens: list[int], errors: dict[int, BaseException], prefetch: bool = False,
-        accepted: set[int] = frozenset(), plain: bool = False,
+        taken: list | None = None, plain: bool = False, fill_next: bool = False,
     ) -> list[Request]:
         """Advance each request by its sampled token; `errors[i]` (its grammar failed this
         step) finishes request i with that error instead. Returns those that finished.
         `prefetch`: the next step's masks start filling once every matcher has advanced, and
-        the rest (freeing slots, callbacks) runs meanwhile. `accepted`: ids of requests whose
-        matcher has taken the token already. `plain`: every request was checked by
-        `_plain_next_step` (token accepted, not complete, nothing forced, no stop or length
-        limit reached), so only appending the token is left."""
-        for i, (req, tok) in enumerate(zip(reqs, tokens, strict=True)):
-            if plain:
+        the rest (freeing slots, callbacks) runs meanwhile. `taken`: what each matcher made of
+        its token where it has taken it already (`_take_tokens`), else the tokens are handed
+        over here in one batch, filling the next step's masks on the way when `fill_next`.
+        `plain`: every request was checked by `_plain_next_step` (token accepted, not
+        complete, nothing forced, no stop or length limit reached), so only appending the
+        token is left."""
+        if plain:
+            for req, tok in zip(reqs, tokens, strict=True):
                 req.append([tok])
-                continue
-            try:
-                if i in errors:
-                    raise EngineError(f"grammar failed while computing the token mask: {errors[i]}")
-                self._advance(req, tok, accepted=req.id in accepted)
-            except Exception as exc:
-                log.exception("request %d failed", req.id)
-                req.finish("error", exc if isinstance(exc, EngineError) else EngineError(str(exc)))
+        else:
+            if taken is None:
+                hook = self.jump_forward_hook is not None and any(r.jump_forward for r in reqs)
+                taken, failed = self._take_tokens(reqs, tokens, errors, check_jump=hook, fill_next=fill_next)
+                errors = {**errors, **{i: EngineError(f"grammar failed on sampled token {tokens[i]}: {exc}")
+                                       for i, exc in failed.items()}}
+            for i, (req, tok) in enumerate(zip(reqs, tokens, strict=True)):
+                try:
+                    if i in errors:
+                        exc = errors[i]
+                        raise exc if isinstance(exc, EngineError) else EngineError(
+                            f"grammar failed while computing the token mask: {exc}")
+                    self._advance(req, tok, status=taken[i], jump_checked=True)
+                except Exception as exc:
+                    log.exception("request %d failed", req.id)
+                    req.finish("error", exc if isinstance(exc, EngineError) else EngineError(str(exc)))
         if prefetch and self.prefetcher is not None:
             self._prefetch_masks()
         finished = [req for req in reqs if req.finished]
@@ -420,15 +482,22 @@ class Engine:
             self._notify(req)
         return finished
 
-    def _advance(self, req: Request, tok: int, jump_forward: bool = True, accepted: bool = False) -> None:
+    def _advance(self, req: Request, tok: int, jump_forward: bool = True, status: int | None = None,
+                 jump_checked: bool = False) -> None:
         """Feed one sampled token to the request's grammar and decide whether it is done.
         `jump_forward=False`: more tokens of this step follow (accepted drafts), jump later.
-        `accepted`: the matcher has taken the token already (`_plain_next_step`)."""
+        `status`: what the matcher made of the token where it has taken it already
+        (`_take_tokens`; None: it takes it here); `jump_checked`: that status says whether
+        text is forced next (JUMPS), so the jump-forward hook runs only where it is."""
         m = req.matcher
         if m is not None:
-            if not accepted and not m.accept_token(tok):
+            if status is None:
+                status, jump_checked = accept_one(m, tok), False
+            if status & FAILED:
+                raise EngineError(f"grammar failed on sampled token {tok}")
+            if not status & ACCEPTED:
                 raise EngineError(f"grammar rejected sampled token {tok}; the mask and matcher disagree")
-            if m.is_terminated():
+            if status & TERMINATED:
                 req.finish("stop")
                 return
         elif tok in req.stop_token_ids:
@@ -438,12 +507,13 @@ class Engine:
         if req.num_output >= req.params.max_tokens:
             req.finish("length")
             return
-        if m is not None and m.is_completed() and self._only_stop_allowed(m):
+        if m is not None and status & COMPLETED and self._only_stop_allowed(m):
             # The grammar is complete and nothing can follow: skip the forward that would
             # only ever sample the stop token.
             req.finish("stop")
             return
-        if jump_forward and req.jump_forward and self.jump_forward_hook is not None:
+        if jump_forward and req.jump_forward and self.jump_forward_hook is not None and (
+                m is None or not jump_checked or status & JUMPS):
             self.jump_forward_hook(self, req)
 
     def _only_stop_allowed(self, matcher) -> bool:

@@ -64,6 +64,7 @@ class ModelRunner:
 
         self.model.use_fused_kernels(triton_enabled(self.device))
         self.graphs = None  # DecodeGraphs once captured (CUDA + use_cuda_graphs)
+        self._eager_bitmask: torch.Tensor | None = None  # the eager decode path's mask rows
         if self.device.type == "cuda" and config.use_cuda_graphs and triton_enabled(self.device):
             self.capture_decode_graphs()
 
@@ -116,6 +117,18 @@ class ModelRunner:
         from structgen.engine.kernels import decode_attention_available
 
         return decode_attention_available()
+
+    def mask_buffer(self, rows: int) -> torch.Tensor:
+        """The host bitmask (int32 [>= rows, W], pinned on CUDA) whose first `rows` rows a
+        decode step of `rows` rows fills: the graphs' staging, or the eager path's own. It
+        persists, so masks can be filled into it before the step (`Engine._take_tokens`)."""
+        if self.graphs is not None and self.graphs.bucket(rows) is not None:
+            return self.graphs.host_bitmask
+        if self._eager_bitmask is None or self._eager_bitmask.shape[0] < rows:
+            from structgen.grammar.backends.base import allocate_bitmask
+
+            self._eager_bitmask = allocate_bitmask(max(rows, self.config.max_batch_size), self.model_config.vocab_size)
+        return self._eager_bitmask
 
     def capture_decode_graphs(self, capture: bool = True) -> None:
         """Capture decode graphs at the configured sizes a step can use: rows are requests
@@ -180,10 +193,9 @@ class ModelRunner:
             )
         from structgen.engine.kernels import triton_enabled
         from structgen.engine.sampler import sample_tokens_reference
-        from structgen.grammar.backends.base import allocate_bitmask
 
         logits = self.extend(seqs)
-        bitmask = allocate_bitmask(len(seqs), self.model_config.vocab_size)
+        bitmask = self.mask_buffer(len(seqs))[: len(seqs)]
         if any(has_mask):
             fill_bitmask(bitmask)
         dev = self.device

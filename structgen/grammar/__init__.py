@@ -15,7 +15,7 @@ from structgen.grammar.backends.base import (
     allocate_bitmask,
     bitmask_words,
 )
-from structgen.grammar.batch import fill_bitmasks
+from structgen.grammar.batch import accept_one, accept_tokens, fill_bitmasks
 from structgen.grammar.compiler import BACKENDS, GrammarCompiler, candidate_backends
 from structgen.grammar.json_format import JSON_SEPARATORS, dump_json
 
@@ -26,6 +26,8 @@ __all__ = [
     "GrammarBackend",
     "GrammarCompiler",
     "GrammarMatcher",
+    "accept_one",
+    "accept_tokens",
     "allocate_bitmask",
     "bitmask_words",
     "candidate_backends",

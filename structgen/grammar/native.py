@@ -26,6 +26,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -80,9 +81,10 @@ class NativeGrammar:
         """Restart the pool with `threads` threads whose workers stay awake `spin_us` after a
         batch; no call may be in flight."""
         if self._lib.sg_init(MATCHER_TYPE_KEY.encode(), max(1, threads), spin_us) != 0:
-            raise NativeGrammarError(self._error())
+            raise NativeGrammarError(self.take_error())
 
-    def _error(self) -> str:
+    def take_error(self) -> str:
+        """The first matcher error since the last call that took it ("" if none)."""
         buf = ctypes.create_string_buffer(_ERROR_BYTES)
         self._lib.sg_take_error(buf, _ERROR_BYTES)
         return buf.value.decode("utf-8", "replace")
@@ -96,13 +98,58 @@ class NativeGrammar:
         if n == 0:
             return
         ptr, row_words = _row_major(bitmask)
-        rows_arr = np.asarray(rows, dtype=np.int32)
-        failed = np.zeros(n, dtype=np.uint8)
-        bad = self._lib.sg_fill((ctypes.c_void_p * n)(*handles), n, ctypes.c_void_p(ptr), row_words,
-                                row_words if fill_words is None else fill_words,
-                                rows_arr.ctypes.data_as(ctypes.c_void_p), failed.ctypes.data_as(ctypes.c_void_p))
+        a = _scratch(n)
+        a.handles[:n] = handles
+        a.rows[:n] = rows
+        bad = self._lib.sg_fill(a.at_handles, n, ptr, row_words, row_words if fill_words is None else fill_words,
+                                a.at_rows, a.at_status)
         if bad:
-            raise NativeGrammarError(f"{bad} of {n} mask rows failed: {self._error()}")
+            raise NativeGrammarError(f"{bad} of {n} mask rows failed: {self.take_error()}")
+
+    def advance(self, handles: Sequence[int], tokens: Sequence[int], check_jump: bool = False,
+                bitmask: Any = None, rows: Sequence[int] | None = None, fill_words: int | None = None) -> list[int]:
+        """Matcher i accepts `tokens[i]`; returns a status per matcher, the bits of
+        `backends.base.ACCEPTED`...: JUMPS only with `check_jump`, FILLED where its next mask
+        was filled into `bitmask[rows[i]]`, FAILED where it raised (`take_error()` says why).
+        Never raises for a matcher's failure: the caller fails that row alone."""
+        n = len(handles)
+        if n == 0:
+            return []
+        a = _scratch(n)
+        a.handles[:n] = handles
+        a.tokens[:n] = tokens
+        ptr = row_words = 0
+        if bitmask is not None:
+            ptr, row_words = _row_major(bitmask)
+            a.rows[:n] = rows
+        self._lib.sg_advance(a.at_handles, n, a.at_tokens, int(check_jump), ptr or None, row_words,
+                             row_words if fill_words is None else fill_words, a.at_rows, a.at_status)
+        return a.status[:n].tolist()
+
+
+class _Scratch(threading.local):
+    """A calling thread's argument arrays, kept between calls with their addresses: numpy's
+    `.ctypes` conversions cost ~1-2 us each, more than a small batch's native work."""
+
+    size = 0
+
+    def grow(self, n: int) -> None:
+        self.size = max(n, 2 * self.size, 64)
+        self.handles = np.zeros(self.size, dtype=np.uint64)
+        self.tokens = np.zeros(self.size, dtype=np.int32)
+        self.rows = np.zeros(self.size, dtype=np.int32)
+        self.status = np.zeros(self.size, dtype=np.uint8)
+        self.at_handles, self.at_tokens = self.handles.ctypes.data, self.tokens.ctypes.data
+        self.at_rows, self.at_status = self.rows.ctypes.data, self.status.ctypes.data
+
+
+_SCRATCH = _Scratch()
+
+
+def _scratch(n: int) -> _Scratch:
+    if _SCRATCH.size < n:
+        _SCRATCH.grow(n)
+    return _SCRATCH
 
 
 def handle(matcher: Any) -> int:
@@ -133,6 +180,8 @@ def load() -> NativeGrammar | None:
         lib.sg_init.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int]
         lib.sg_fill.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64,
                                 ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+        lib.sg_advance.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                                   ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
         lib.sg_take_error.argtypes = [ctypes.c_char_p, ctypes.c_int]
         import xgrammar  # noqa: F401  (registers the matcher type with tvm-ffi)
 

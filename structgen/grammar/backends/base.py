@@ -36,6 +36,13 @@ def token_bytes(tokenizer: Any, vocab_size: int) -> tuple[bytes, ...]:
     return tuple(tokens + [b""] * (vocab_size - len(tokens)))
 
 
+# What became of a matcher that was handed a sampled token (`grammar.accept_tokens`), as bits:
+# it took the token; it was a stop token (terminated); the output is a complete match; the
+# grammar forces text next (checked on request); its next mask was filled; it raised (the
+# other bits then say nothing). The values are csrc/grammar_step.cpp's.
+ACCEPTED, TERMINATED, COMPLETED, JUMPS, FILLED, FAILED = 1, 2, 4, 8, 16, 32
+
+
 def bitmask_words(vocab_size: int) -> int:
     """Number of int32 words per bitmask row for a vocabulary of `vocab_size` tokens."""
     return (vocab_size + 31) // 32

@@ -14,6 +14,7 @@ import xgrammar as xgr
 from structgen.errors import EngineError, InvalidConstraintError, UnsupportedSchemaError
 from structgen.grammar import native
 from structgen.grammar.backends.base import (
+    TERMINATED,
     CompiledGrammar,
     GrammarBackend,
     GrammarMatcher,
@@ -203,6 +204,21 @@ def fill_job(
     return (lambda: batch.batch_fill_next_token_bitmask(live, block_t, block_rows)), (
         lambda: _place_rows(bitmask, rows_live, block)
     )
+
+
+def accept_natively(
+    matchers: Sequence[XGrammarMatcher], tokens: Sequence[int], check_jump: bool,
+    bitmask: torch.Tensor | None, rows: Sequence[int] | None,
+) -> list[int]:
+    """`grammar.accept_tokens` for xgrammar matchers, where grammar.native builds: one call on
+    its pool, the next masks filled in it when `bitmask` is given. Statuses per matcher."""
+    words = matchers[0]._words
+    status = native.load().advance([m._handle for m in matchers], tokens, check_jump, bitmask, rows, words)
+    for m, st in zip(matchers, status, strict=True):
+        m.version += 1
+        if st & TERMINATED:
+            m._terminated = True
+    return status
 
 
 def _place_rows(bitmask: torch.Tensor, rows: list[int], block: np.ndarray) -> None:
