@@ -226,7 +226,7 @@ def measure(llm: LLM, cases: list[Case], mode: str, jf: bool, batch: int, max_to
     constraint = {c.id: to_constraint(JsonSchema(c.schema)) for c in cases}
     timer = StepTimer(llm.engine)
     graphs = llm.engine.runner.graphs
-    steps0 = (graphs.steps, graphs.steps_ahead) if graphs is not None else (0, 0)
+    steps0 = (graphs.steps, graphs.steps_ahead, graphs.gate_runs, graphs.gate_wasted) if graphs is not None else (0,) * 4
     latencies, done = [], []
     if batch == 1:
         for c in cases:
@@ -263,6 +263,9 @@ def measure(llm: LLM, cases: list[Case], mode: str, jf: bool, batch: int, max_to
         "extend_step_ms": 1e3 * statistics.mean(timer.extend) if timer.extend else None,
         # Graph steps whose forward was already running when the host got to them.
         "prelaunched_pct": 100 * ahead / graph_steps if graph_steps else None,
+        # Forwards the device's token gate ran before the host decided, and those it then wasted.
+        "gate_runs": graphs.gate_runs - steps0[2] if graphs is not None else 0,
+        "gate_wasted": graphs.gate_wasted - steps0[3] if graphs is not None else 0,
     }
 
 
@@ -302,12 +305,29 @@ def add_rows(rows: list, table: list, res: dict, model: str, mode: str, batch: i
                       "passes/tok": r["passes_per_token"], "latency_ms": r["latency_ms"],
                       "ms/tok": r["ms_per_token"], "wall_s": r["wall_s"],
                       "decode_step_ms": r["decode_step_ms"], "extend_step_ms": r["extend_step_ms"],
-                      "prelaunched_pct": r["prelaunched_pct"]})
+                      "prelaunched_pct": r["prelaunched_pct"], "gate_runs": r["gate_runs"],
+                      "gate_wasted": r["gate_wasted"]})
     rows.append({"system": "structgen", "model": model, "batch": batch, "constrained": True, "mode": mode,
                  **note, "metric": "speedup", "value": off["wall_s"] / on["wall_s"]})
     table.append({"mode": mode, **note, "batch": batch, "jf": "on/off",
                   "passes/tok": on["passes_per_token"] / off["passes_per_token"],
                   "latency_ms": on["latency_ms"] / off["latency_ms"], "wall_s": off["wall_s"] / on["wall_s"]})
+
+
+def add_gate_off_rows(rows: list, table: list, off_gate: dict, res: dict, model: str, mode: str, batch: int,
+                      note: dict) -> None:
+    """The jump-forward run with the token gate off, beside the default's on/off pair."""
+    common = {"system": "structgen-nogate", "model": model, "batch": batch, "constrained": True, "mode": mode,
+              "jump_forward": True, **note, "decode_step_ms": off_gate["decode_step_ms"],
+              "extend_step_ms": off_gate["extend_step_ms"], "walls_s": off_gate.get("walls_s")}
+    rows.append({**common, "metric": "ms_per_token", "value": off_gate["ms_per_token"]})
+    rows.append({**common, "metric": "speedup", "value": res[False]["wall_s"] / off_gate["wall_s"]})
+    table.append({"mode": mode, **note, "batch": batch, "jf": "on, no gate", "tokens": off_gate["tokens"],
+                  "passes/tok": off_gate["passes_per_token"], "ms/tok": off_gate["ms_per_token"],
+                  "wall_s": off_gate["wall_s"], "decode_step_ms": off_gate["decode_step_ms"],
+                  "extend_step_ms": off_gate["extend_step_ms"]})
+    table.append({"mode": mode, **note, "batch": batch, "jf": "speedup, no gate",
+                  "wall_s": res[False]["wall_s"] / off_gate["wall_s"]})
 
 
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -343,6 +363,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="off/on runs, interleaved; the median wall is kept")
     ap.add_argument("--eager-prefill", action="store_true",
                     help="prompts run as eager extends (EngineConfig(prefill_in_graphs=False))")
+    ap.add_argument("--token-gate", default="on", choices=["on", "off", "both"],
+                    help="batch-1 jump-forward steps behind the device-decided gate; both: also time it off")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
 
@@ -375,12 +397,18 @@ def main() -> None:
                 # Steady state: new step shapes (Triton specialisations, SDPA plans) cost
                 # tens of ms the first time; a server pays that once, not per request.
                 measure(llm, cases[: max(2, min(batch, len(cases)))], mode, True, batch, args.max_tokens)
-                runs: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
-                for _ in range(args.repeat):  # interleaved: slow phases of the host hit both
-                    for jf in (False, True):
-                        runs[jf].append(measure(llm, cases, mode, jf, batch, args.max_tokens))
-                res = {jf: median_run(r) for jf, r in runs.items()}
+                gate = args.token_gate != "off"
+                variants = [(False, gate), (True, gate)] + ([(True, False)] if args.token_gate == "both" else [])
+                runs: dict[tuple[bool, bool], list[dict[str, Any]]] = {v: [] for v in variants}
+                for _ in range(args.repeat):  # interleaved: slow phases of the host hit every variant
+                    for jf, g in variants:
+                        if engine.runner.graphs is not None:
+                            engine.runner.graphs.use_token_gate = g
+                        runs[(jf, g)].append(measure(llm, cases, mode, jf, batch, args.max_tokens))
+                res = {jf: median_run(runs[(jf, gate)]) for jf in (False, True)}
                 add_rows(rows, table, res, model, mode, batch, graph_note)
+                if args.token_gate == "both":
+                    add_gate_off_rows(rows, table, median_run(runs[(True, False)]), res, model, mode, batch, graph_note)
                 if mode == "replay" and batch == 1:
                     per_case = case_rows(res, graph_note)
                     print_table(per_case)

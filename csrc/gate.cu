@@ -14,6 +14,11 @@
 // `2k + go` to the flag word. The gate kernel counts its launches in a device word, waits for
 // a flag >= 2k, and records what it did in the outcome word (`2k + ran`), so the host can tell
 // a body that ran from one skipped after the timeout (the host failed to decide in time).
+//
+// A token gate decides on the device alone (jump-forward at batch 1): most decode steps of a
+// JSON output are inside a string, where a sampled token without a quote, backslash or JSON
+// punctuation cannot make the grammar force text, so the next forward can run at once. The
+// host still checks; where it disagrees (forced text after all) that forward is wasted.
 
 #include <cuda_runtime.h>
 
@@ -48,47 +53,47 @@ __global__ void gate_kernel(cudaGraphConditionalHandle handle, const volatile in
   cudaGraphSetConditional(handle, go);
 }
 
+// A gate decided on the device, with no host in the loop: the body (the next decode step's
+// forward) runs when row 0 is a grammar row whose mask allows at least `min_allowed` tokens
+// (a free-text-like state: inside a JSON string) and its sampled token is in `quiet` (tokens
+// after which such a state forces no text: no quote, backslash or JSON punctuation).
+__global__ void token_gate_kernel(cudaGraphConditionalHandle handle, const int64_t* token,
+                                  const int32_t* mask_row, const int64_t* has_mask,
+                                  const uint32_t* quiet, int words, int min_allowed) {
+  __shared__ int total;
+  if (threadIdx.x == 0) total = 0;
+  __syncthreads();
+  int count = 0;
+  for (int w = threadIdx.x; w < words; w += blockDim.x) count += __popc(static_cast<uint32_t>(mask_row[w]));
+  atomicAdd(&total, count);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const int64_t t = *token;
+    const bool is_quiet = t >= 0 && t < static_cast<int64_t>(words) * 32 && ((quiet[t >> 5] >> (t & 31)) & 1u);
+    cudaGraphSetConditional(handle, (*has_mask != 0 && total >= min_allowed && is_quiet) ? 1u : 0u);
+  }
+}
+
 void check(cudaError_t err, const char* what) {
   if (err != cudaSuccess)
     throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(err));
 }
 
-}  // namespace
-
-// Build and instantiate [gate] -> IF(go) { body }. `flag` and `outcome` are pinned host words
-// (their device aliases are looked up here), `launches` a device word starting at zero. The
-// body is copied in as a child graph: it keeps the captured graph's buffers (fixed addresses).
-// Returns the cudaGraphExec_t; the caller frees it with sg_gate_destroy.
-uintptr_t sg_gate_build(uintptr_t body, uintptr_t flag, uintptr_t launches, uintptr_t outcome,
-                        int64_t timeout_ns) {
-  void* dflag = nullptr;
-  void* doutcome = nullptr;
-  check(cudaHostGetDevicePointer(&dflag, reinterpret_cast<void*>(flag), 0), "flag: cudaHostGetDevicePointer");
-  check(cudaHostGetDevicePointer(&doutcome, reinterpret_cast<void*>(outcome), 0),
-        "outcome: cudaHostGetDevicePointer");
-
+// [kernel] -> IF(condition the kernel sets) { body }, instantiated. `params` is the kernel node
+// (its first argument the conditional handle, which is written here). The body is copied in
+// as a child graph: it keeps the captured graph's buffers (fixed addresses).
+uintptr_t BuildIf(uintptr_t body, cudaKernelNodeParams kp, cudaGraphConditionalHandle* handle_arg) {
   cudaGraph_t graph;
   check(cudaGraphCreate(&graph, 0), "cudaGraphCreate");
   try {
-    cudaGraphConditionalHandle handle;
-    check(cudaGraphConditionalHandleCreate(&handle, graph, 0, cudaGraphCondAssignDefault),
+    check(cudaGraphConditionalHandleCreate(handle_arg, graph, 0, cudaGraphCondAssignDefault),
           "cudaGraphConditionalHandleCreate");
-
-    const int64_t* flag_arg = static_cast<const int64_t*>(dflag);
-    int64_t* launches_arg = reinterpret_cast<int64_t*>(launches);
-    int64_t* outcome_arg = static_cast<int64_t*>(doutcome);
-    void* args[] = {&handle, &flag_arg, &launches_arg, &outcome_arg, &timeout_ns};
-    cudaKernelNodeParams kp = {};
-    kp.func = reinterpret_cast<void*>(gate_kernel);
-    kp.gridDim = dim3(1, 1, 1);
-    kp.blockDim = dim3(1, 1, 1);
-    kp.kernelParams = args;
     cudaGraphNode_t gate;
     check(cudaGraphAddKernelNode(&gate, graph, nullptr, 0, &kp), "gate: cudaGraphAddKernelNode");
 
     cudaGraphNodeParams cp = {};
     cp.type = cudaGraphNodeTypeConditional;
-    cp.conditional.handle = handle;
+    cp.conditional.handle = *handle_arg;
     cp.conditional.type = cudaGraphCondTypeIf;
     cp.conditional.size = 1;
     cudaGraphNode_t cond;
@@ -110,6 +115,50 @@ uintptr_t sg_gate_build(uintptr_t body, uintptr_t flag, uintptr_t launches, uint
     cudaGraphDestroy(graph);
     throw;
   }
+}
+
+}  // namespace
+
+// Build and instantiate [gate] -> IF(go) { body }. `flag` and `outcome` are pinned host words
+// (their device aliases are looked up here), `launches` a device word starting at zero.
+// Returns the cudaGraphExec_t; the caller frees it with sg_gate_destroy.
+uintptr_t sg_gate_build(uintptr_t body, uintptr_t flag, uintptr_t launches, uintptr_t outcome,
+                        int64_t timeout_ns) {
+  void* dflag = nullptr;
+  void* doutcome = nullptr;
+  check(cudaHostGetDevicePointer(&dflag, reinterpret_cast<void*>(flag), 0), "flag: cudaHostGetDevicePointer");
+  check(cudaHostGetDevicePointer(&doutcome, reinterpret_cast<void*>(outcome), 0),
+        "outcome: cudaHostGetDevicePointer");
+  cudaGraphConditionalHandle handle;
+  const int64_t* flag_arg = static_cast<const int64_t*>(dflag);
+  int64_t* launches_arg = reinterpret_cast<int64_t*>(launches);
+  int64_t* outcome_arg = static_cast<int64_t*>(doutcome);
+  void* args[] = {&handle, &flag_arg, &launches_arg, &outcome_arg, &timeout_ns};
+  cudaKernelNodeParams kp = {};
+  kp.func = reinterpret_cast<void*>(gate_kernel);
+  kp.gridDim = dim3(1, 1, 1);
+  kp.blockDim = dim3(1, 1, 1);
+  kp.kernelParams = args;
+  return BuildIf(body, kp, &handle);
+}
+
+// Build and instantiate [token gate] -> IF(quiet token in a wide state) { body }: device
+// pointers to the sampled token (int64), row 0 of the grammar bitmask (`words` int32 words),
+// row 0's has-mask flag (int64) and the quiet-token bitmask (`words` uint32 words).
+uintptr_t sg_token_gate_build(uintptr_t body, uintptr_t token, uintptr_t mask_row, uintptr_t has_mask,
+                              uintptr_t quiet, int words, int min_allowed) {
+  cudaGraphConditionalHandle handle;
+  const int64_t* token_arg = reinterpret_cast<const int64_t*>(token);
+  const int32_t* mask_arg = reinterpret_cast<const int32_t*>(mask_row);
+  const int64_t* has_mask_arg = reinterpret_cast<const int64_t*>(has_mask);
+  const uint32_t* quiet_arg = reinterpret_cast<const uint32_t*>(quiet);
+  void* args[] = {&handle, &token_arg, &mask_arg, &has_mask_arg, &quiet_arg, &words, &min_allowed};
+  cudaKernelNodeParams kp = {};
+  kp.func = reinterpret_cast<void*>(token_gate_kernel);
+  kp.gridDim = dim3(1, 1, 1);
+  kp.blockDim = dim3(256, 1, 1);
+  kp.kernelParams = args;
+  return BuildIf(body, kp, &handle);
 }
 
 void sg_gate_destroy(uintptr_t exec) {

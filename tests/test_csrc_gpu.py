@@ -333,3 +333,38 @@ def test_gated_graph_times_out_instead_of_hanging(ext):
     gate.decide(True)
     torch.cuda.synchronize()
     assert gate.ran() and int(x.item()) == 1
+
+
+def test_token_gate_runs_its_body_on_the_devices_verdict(ext):
+    """The body runs iff row 0 has a mask, the mask allows at least `min_allowed` tokens and
+    the sampled token is quiet; the host's `went` says the same for the same inputs."""
+    import numpy as np
+
+    from structgen.engine.kernels.gated_graph import TokenGate
+
+    x, graph = _counting_graph()
+    words = 64
+    token = torch.zeros(1, dtype=torch.int64, device=DEV)
+    mask = torch.zeros(words, dtype=torch.int32, device=DEV)
+    has_mask = torch.ones(1, dtype=torch.int64, device=DEV)
+    quiet = np.zeros(words, dtype=np.uint32)
+    quiet[1] = 0xFFFF  # tokens 32..47 are quiet
+    gate = TokenGate(graph, token, mask, has_mask, quiet, min_allowed=100)
+    cases = [  # (token, allowed tokens, has mask)
+        (40, 2048, 1), (40, 99, 1), (40, 100, 1), (50, 2048, 1), (40, 2048, 0), (3000, 2048, 1), (33, 1000, 1),
+    ]
+    ran = []
+    for tok, allowed, flag in cases:
+        bits = np.zeros(words * 32, dtype=np.uint8)
+        bits[:allowed] = 1
+        row = np.packbits(bits, bitorder="little").view(np.uint32)
+        token.fill_(tok)
+        has_mask.fill_(flag)
+        mask.copy_(torch.from_numpy(row.view(np.int32).copy()))
+        before = int(x.item())
+        gate.launch()
+        torch.cuda.synchronize()
+        went = int(x.item()) - before == 1
+        assert gate.went(tok, row, bool(flag)) == went, (tok, allowed, flag)
+        ran.append(went)
+    assert ran == [True, False, True, False, False, False, True]

@@ -131,3 +131,25 @@ def test_cancel_and_join_between_planned_steps_spare_the_other_rows(setup, model
     assert sum(reqs[i].output_ids == base[i].output_ids for i in (0, 2)) >= 1
     assert engine.runner.graphs.steps_ahead > used_before  # planned forwards were used
     assert engine.runner.kv.free_slots == engine.runner.kv.num_slots
+
+
+def test_token_gate_runs_forwards_early_and_changes_no_output(setup, model_dir, tokenizer):
+    """Jump-forward at batch 1 with the device-decided gate (the next forward runs at once after
+    a quiet token inside a string) gives the outputs of the host-decided launch."""
+    cfg, stop, grammar, prompts = setup
+    ec = EngineConfig(device="cuda", max_batch_size=16, max_seq_len=1024, jump_forward=True, prefill_in_graphs=False)
+    engine = Engine(cfg, ec, model_dir, stop_token_ids=stop)
+    install_jump_forward(engine, tokenizer)
+    graphs = engine.runner.graphs
+    assert graphs.token_gate is not None, "the CUDA extension must build on the GPU machine"
+    outs = {}
+    for gate in (True, False):
+        graphs.use_token_gate = gate
+        reqs = [Request(p, SamplingParams(max_tokens=96), grammar.matcher(), frozenset(stop)) for p in prompts[:4]]
+        for r in reqs:  # one at a time: batch 1
+            engine.run([r])
+            assert r.finish_reason == "stop", r.error
+            jsonschema.validate(json.loads(tokenizer.decode(r.output_ids, skip_special_tokens=True)), SCHEMA)
+        outs[gate] = [r.output_ids for r in reqs]
+    assert outs[True] == outs[False]
+    assert graphs.gate_runs > 20 and graphs.gate_wasted <= graphs.gate_runs // 4, (graphs.gate_runs, graphs.gate_wasted)

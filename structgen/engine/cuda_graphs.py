@@ -112,6 +112,13 @@ class DecodeGraphs:
         # The step whose forward is already queued: (bucket, slots, positions, token ids).
         self._ahead: tuple | None = None
         self.steps = self.steps_ahead = 0  # decode steps run / of those, pre-launched forwards used
+        # Jump-forward at batch 1: the next forward behind a gate the device decides
+        # (`enable_token_gate`); how often it ran, and how often the host then wanted another.
+        self.token_gate = None
+        self.use_token_gate = True
+        self.gate_runs = self.gate_wasted = 0
+        self._forward_one: torch.cuda.CUDAGraph | None = None  # bucket 1's forward, kept for the gate
+        self._bitmask_words = self.host_bitmask.numpy().view(np.uint32)
         if pin:
             self.copy_stream = torch.cuda.Stream(dev)
             self.mask_copied = torch.cuda.Event()
@@ -165,9 +172,13 @@ class DecodeGraphs:
         for bs in reversed(self.batch_sizes):  # largest first, so smaller ones fit in its memory
             self._sample(bs, self._forward(bs))  # warm-up: compiles the Triton kernels
             torch.cuda.synchronize(self.device)
-            forward, sample = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+            # Bucket 1's forward keeps its graph: a token gate wraps a copy of it.
+            forward, sample = torch.cuda.CUDAGraph(keep_graph=bs == 1), torch.cuda.CUDAGraph()
             with torch.cuda.graph(forward, pool=pool):
                 logits = self._forward(bs)
+            if bs == 1:
+                forward.instantiate()
+                self._forward_one = forward
             with torch.cuda.graph(sample, pool=pool):
                 self._sample(bs, logits)
             self._steps[bs] = (forward.replay, sample.replay)
@@ -201,6 +212,23 @@ class DecodeGraphs:
             loop = self._loops[bucket] = GuidedLoop(self, bucket, capture=self.capture_graphs)
         self.discard_ahead()
         return loop
+
+    def enable_token_gate(self, quiet: np.ndarray, min_allowed: int) -> bool:
+        """Put batch-1 jump-forward steps' next forward behind a device-decided gate
+        (kernels/gated_graph.py, `TokenGate`): it runs at once when the sampled token is in
+        `quiet` (uint32 words, the bitmask layout) and its grammar mask allows `min_allowed`
+        tokens or more. Returns whether the gate is in use (captured graphs, the extension and
+        CUDA 12.4+ needed)."""
+        from structgen.engine.kernels import gated_graph
+
+        if self._forward_one is None or not gated_graph.available():
+            return False
+        # The gate reads its own copy of row 0's mask, taken on the main stream right behind the
+        # sampler: the next step's mask copy (side stream) is not ordered after the gate.
+        self._gate_mask = torch.zeros_like(self.bitmask[0])
+        self.token_gate = gated_graph.TokenGate(self._forward_one, self.tokens[:1], self._gate_mask,
+                                                self.meta[HAS_MASK, :1], quiet, min_allowed)
+        return True
 
     @property
     def launched_ahead(self) -> bool:
@@ -281,14 +309,29 @@ class DecodeGraphs:
         else:
             self.host_tokens[:bs].copy_(self.tokens[:bs])
         next_bs = self.bucket(len(last))
+        gate = self.token_gate if plan_next is not None and prelaunch and n == 1 and self.use_token_gate else None
         if prelaunch and plan_next is None:
             self._steps[next_bs][0]()  # step i+1's forward, from the metadata the sampler advanced
+        elif gate is not None:
+            self._gate_mask.copy_(self.bitmask[0], non_blocking=True)
+            gate.launch()  # the same forward, run or skipped by the device on the sampled token
         if cuda:
             self.step_done.synchronize()  # waits for the sampler, not for that forward
         tokens = self._tokens_np[:n].tolist()
         if not prelaunch:
             return tokens
         ids, pos, sl = [tokens[i] for i in last], [positions[i] + 1 for i in last], [slots[i] for i in last]
+        if gate is not None and gate.went(tokens[0], self._bitmask_words[0], has_mask[0]):
+            # The forward is running: the host's plan only decides whether it was wasted.
+            self.gate_runs += 1
+            planned = plan_next(tokens)
+            if planned is not None and tuple(planned) == (ids, pos, sl):
+                self._ahead = (next_bs, tuple(sl), tuple(pos), tuple(ids))
+                return tokens
+            self.gate_wasted += 1
+            if planned is not None:
+                self._launch_planned(*planned)
+            return tokens
         if plan_next is not None:
             planned = plan_next(tokens)
             if planned is None:

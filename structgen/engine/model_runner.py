@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from structgen.engine.attention import AttentionBatch
@@ -65,6 +66,7 @@ class ModelRunner:
         self.model.use_fused_kernels(triton_enabled(self.device))
         self.graphs = None  # DecodeGraphs once captured (CUDA + use_cuda_graphs)
         self._eager_bitmask: torch.Tensor | None = None  # the eager decode path's mask rows
+        self._token_gate: tuple | None = None  # (quiet tokens, min allowed) once asked for
         if self.device.type == "cuda" and config.use_cuda_graphs and triton_enabled(self.device):
             self.capture_decode_graphs()
 
@@ -142,6 +144,16 @@ class ModelRunner:
         if keep:
             self.graphs = DecodeGraphs(self, tuple(keep), capture=capture)
             log.info("captured decode graphs for batch sizes %s", keep)
+            if self._token_gate is not None:
+                self.graphs.enable_token_gate(*self._token_gate)
+
+    def set_token_gate(self, quiet: np.ndarray, min_allowed: int) -> None:
+        """Jump-forward at batch 1: let the device run the next forward at once after tokens
+        in `quiet` sampled in wide grammar states (cuda_graphs.py, `enable_token_gate`), now
+        and in graphs captured later. A no-op without graphs or the CUDA extension."""
+        self._token_gate = (quiet, min_allowed)
+        if self.graphs is not None:
+            self.graphs.enable_token_gate(quiet, min_allowed)
 
     def run_guided(self, first: LoopStep, bucket: int, max_steps: int) -> int:
         """Run `first` and the steps its `take` plans in the capturable mode's loop

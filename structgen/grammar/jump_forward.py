@@ -257,9 +257,31 @@ class JumpForward:
             req.finish("length")
 
 
+# Tokens with none of these bytes, sampled where the grammar allows this many tokens or more
+# (inside a JSON string, not a number, keyword or enum), are taken not to make the grammar force
+# text: the device runs the next forward without waiting for the host (`quiet_tokens`). A wrong
+# guess costs one forward, never a wrong output (the host still decides what runs).
+LOUD_BYTES = b'"\\{}[],:'
+QUIET_MIN_ALLOWED = 1024
+
+
+def quiet_tokens(vocab: VocabBytes) -> np.ndarray:
+    """uint32 bitmask words (the grammar bitmask layout) of the tokens with none of
+    `LOUD_BYTES`, special tokens and empty ones excluded."""
+    loud = set(LOUD_BYTES)
+    ids = np.array([i for i, b in enumerate(vocab.tokens) if b and i not in vocab.special and not loud & set(b)],
+                   dtype=np.int64)
+    words = np.zeros((len(vocab.tokens) + 31) // 32, dtype=np.uint32)
+    np.bitwise_or.at(words, ids >> 5, (np.uint32(1) << (ids & 31)).astype(np.uint32))
+    return words
+
+
 def install_jump_forward(engine: Engine, tokenizer: Any) -> None:
-    """Set `engine.jump_forward_hook`; requests use it unless `jump_forward=False`."""
-    engine.jump_forward_hook = JumpForward(tokenizer, engine.vocab_size, engine.stop_token_ids)
+    """Set `engine.jump_forward_hook`; requests use it unless `jump_forward=False`. On CUDA
+    the batch-1 decode graphs also get the token gate (`quiet_tokens`)."""
+    hook = engine.jump_forward_hook = JumpForward(tokenizer, engine.vocab_size, engine.stop_token_ids)
+    if engine.device.type == "cuda":
+        engine.runner.set_token_gate(quiet_tokens(hook.vocab), QUIET_MIN_ALLOWED)
 
 
 __all__ = ["JumpForward", "VocabBytes", "install_jump_forward"]

@@ -14,7 +14,10 @@ the critical path. Here the launch happens early and the device waits, spinning 
 host word, for the verdict alone (csrc/gate.cu, a CUDA conditional node around a child copy
 of the graph).
 
-The decode graphs no longer use it: once the host plans the next step itself, the gate saves
+`TokenGate` is the same node with a verdict the device reaches alone (the sampled token and
+its grammar mask); the decode graphs use it for jump-forward at batch 1.
+
+The decode graphs no longer use `GatedGraph`: once the host plans the next step itself, the gate saves
 only a graph launch (tens of microseconds) and measured no faster there (docs/kernels.md,
 "Gated graphs"). It stays for the capturable mode of docs/kernels.md.
 
@@ -25,6 +28,7 @@ reports, and blocks the stream until then. Needs the csrc extension (`available(
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from structgen.engine.kernels import csrc_ext
@@ -85,4 +89,58 @@ class GatedGraph:
                 pass
 
 
-__all__ = ["GatedGraph", "available"]
+class TokenGate:
+    """A captured graph behind a gate the device decides from the step's sampled token
+    (csrc/gate.cu, `token_gate_kernel`): the body runs when row 0 is a grammar row whose mask
+    allows at least `min_allowed` tokens and its token is in `quiet` (uint32 words, the bitmask
+    layout). `went(...)` is the same test on the host, from the same mask and token.
+
+    Why: with jump-forward the next forward waited for the host to read the token and rule out
+    forced text (the whole sync + check + launch, 80 us p50 a step on a slow lent host). Inside
+    a JSON string a token without quote or punctuation cannot lead to forced text, so the device
+    needs no host to go on; elsewhere the host decides as before."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, token: torch.Tensor, bitmask_row: torch.Tensor,
+                 has_mask: torch.Tensor, quiet: np.ndarray, min_allowed: int):
+        self._ext = csrc_ext.load()
+        self.device = token.device
+        words = bitmask_row.numel()
+        assert quiet.dtype == np.uint32 and quiet.shape == (words,), "quiet: uint32 words of the bitmask row"
+        self._quiet = quiet
+        self._quiet_dev = torch.from_numpy(quiet.view(np.int32).copy()).to(self.device)
+        self.min_allowed = min_allowed
+        self._graph = graph  # owns the body's buffers; the child copy points at them
+        self._exec = self._ext.token_gate_build(
+            graph.raw_cuda_graph(), token.data_ptr(), bitmask_row.data_ptr(), has_mask.data_ptr(),
+            self._quiet_dev.data_ptr(), words, min_allowed,
+        )
+
+    def launch(self) -> None:
+        self._ext.graph_launch(self._exec, torch.cuda.current_stream(self.device).cuda_stream)
+
+    def went(self, token: int, mask_row: np.ndarray, has_mask: bool) -> bool:
+        """Whether a launch whose row 0 had this token, mask (uint32 words) and has-mask flag
+        ran its body."""
+        if not has_mask or not 0 <= token < 32 * len(self._quiet) or not (self._quiet[token >> 5] >> (token & 31)) & 1:
+            return False
+        return _popcount(mask_row) >= self.min_allowed
+
+    def __del__(self) -> None:
+        exec_, ext = getattr(self, "_exec", None), getattr(self, "_ext", None)
+        if exec_ and ext is not None:
+            try:
+                ext.gate_destroy(exec_)
+            except Exception:  # interpreter teardown: CUDA may already be gone
+                pass
+
+
+_BYTE_BITS = np.array([bin(i).count("1") for i in range(256)], dtype=np.int64)
+
+
+def _popcount(words: np.ndarray) -> int:
+    if hasattr(np, "bitwise_count"):
+        return int(np.bitwise_count(words).sum())
+    return int(_BYTE_BITS[words.view(np.uint8)].sum())
+
+
+__all__ = ["GatedGraph", "TokenGate", "available"]
