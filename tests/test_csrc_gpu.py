@@ -336,20 +336,24 @@ def test_gated_graph_times_out_instead_of_hanging(ext):
 
 
 def test_token_gate_runs_its_body_on_the_devices_verdict(ext):
-    """The body runs iff row 0 has a mask, the mask allows at least `min_allowed` tokens and
-    the sampled token is quiet; the host's `went` says the same for the same inputs."""
+    """The body runs iff the sampled row (its index on the device) has a mask, the mask allows at
+    least `min_allowed` tokens and the sampled token is quiet; the host's `went` says the same
+    for the same inputs."""
     import numpy as np
 
     from structgen.engine.kernels.gated_graph import TokenGate
 
     x, graph = _counting_graph()
     words = 64
-    token = torch.zeros(1, dtype=torch.int64, device=DEV)
+    row = torch.full((1,), 2, dtype=torch.int64, device=DEV)  # the sampled row: the third
+    tokens = torch.zeros(4, dtype=torch.int64, device=DEV)
+    token = tokens[2:3]
     mask = torch.zeros(words, dtype=torch.int32, device=DEV)
-    has_mask = torch.ones(1, dtype=torch.int64, device=DEV)
+    has_masks = torch.zeros(4, dtype=torch.int64, device=DEV)
+    has_mask = has_masks[2:3]
     quiet = np.zeros(words, dtype=np.uint32)
     quiet[1] = 0xFFFF  # tokens 32..47 are quiet
-    gate = TokenGate(graph, token, mask, has_mask, quiet, min_allowed=100)
+    gate = TokenGate(graph, row, tokens, mask, has_masks, quiet, min_allowed=100)
     cases = [  # (token, allowed tokens, has mask)
         (40, 2048, 1), (40, 99, 1), (40, 100, 1), (50, 2048, 1), (40, 2048, 0), (3000, 2048, 1), (33, 1000, 1),
     ]
