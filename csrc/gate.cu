@@ -55,25 +55,15 @@ __global__ void gate_kernel(cudaGraphConditionalHandle handle, const volatile in
 
 // A gate decided on the device, with no host in the loop: the body (the next decode step's
 // forward) runs when the sequence's sampled row (`row`, read from the device: the step may
-// have run forced tokens before it) is a grammar row whose mask allows at least `min_allowed`
-// tokens (a free-text-like state: inside a JSON string) and its sampled token is in `quiet`
-// (tokens after which such a state forces no text: no quote, backslash or JSON punctuation).
+// have run forced tokens before it) is a grammar row and its sampled token is in `quiet`
+// (tokens after which a free-text-like grammar state forces no text: no quote, backslash or
+// JSON punctuation). The host launches it only for such states (a wide mask: inside a string).
 __global__ void token_gate_kernel(cudaGraphConditionalHandle handle, const int64_t* row, const int64_t* tokens,
-                                  const int32_t* mask_row, const int64_t* has_mask,
-                                  const uint32_t* quiet, int words, int min_allowed) {
-  __shared__ int total;
-  if (threadIdx.x == 0) total = 0;
-  __syncthreads();
-  int count = 0;
-  for (int w = threadIdx.x; w < words; w += blockDim.x) count += __popc(static_cast<uint32_t>(mask_row[w]));
-  atomicAdd(&total, count);
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const int64_t r = *row;
-    const int64_t t = tokens[r];
-    const bool is_quiet = t >= 0 && t < static_cast<int64_t>(words) * 32 && ((quiet[t >> 5] >> (t & 31)) & 1u);
-    cudaGraphSetConditional(handle, (has_mask[r] != 0 && total >= min_allowed && is_quiet) ? 1u : 0u);
-  }
+                                  const int64_t* has_mask, const uint32_t* quiet, int64_t vocab) {
+  const int64_t r = *row;
+  const int64_t t = tokens[r];
+  const bool is_quiet = t >= 0 && t < vocab && ((quiet[t >> 5] >> (t & 31)) & 1u);
+  cudaGraphSetConditional(handle, (has_mask[r] != 0 && is_quiet) ? 1u : 0u);
 }
 
 void check(cudaError_t err, const char* what) {
@@ -144,23 +134,21 @@ uintptr_t sg_gate_build(uintptr_t body, uintptr_t flag, uintptr_t launches, uint
   return BuildIf(body, kp, &handle);
 }
 
-// Build and instantiate [token gate] -> IF(quiet token in a wide state) { body }: device
+// Build and instantiate [token gate] -> IF(grammar row with a quiet token) { body }: device
 // pointers to the sampled row's index (int64), the step's sampled tokens and has-mask flags
-// (int64 a row), that row's grammar mask (`words` int32 words) and the quiet-token bitmask
-// (`words` uint32 words).
-uintptr_t sg_token_gate_build(uintptr_t body, uintptr_t row, uintptr_t tokens, uintptr_t mask_row,
-                              uintptr_t has_mask, uintptr_t quiet, int words, int min_allowed) {
+// (int64 a row) and the quiet-token bitmask (uint32 words covering `vocab` ids).
+uintptr_t sg_token_gate_build(uintptr_t body, uintptr_t row, uintptr_t tokens, uintptr_t has_mask,
+                              uintptr_t quiet, int64_t vocab) {
   cudaGraphConditionalHandle handle;
   const int64_t* row_arg = reinterpret_cast<const int64_t*>(row);
   const int64_t* token_arg = reinterpret_cast<const int64_t*>(tokens);
-  const int32_t* mask_arg = reinterpret_cast<const int32_t*>(mask_row);
   const int64_t* has_mask_arg = reinterpret_cast<const int64_t*>(has_mask);
   const uint32_t* quiet_arg = reinterpret_cast<const uint32_t*>(quiet);
-  void* args[] = {&handle, &row_arg, &token_arg, &mask_arg, &has_mask_arg, &quiet_arg, &words, &min_allowed};
+  void* args[] = {&handle, &row_arg, &token_arg, &has_mask_arg, &quiet_arg, &vocab};
   cudaKernelNodeParams kp = {};
   kp.func = reinterpret_cast<void*>(token_gate_kernel);
   kp.gridDim = dim3(1, 1, 1);
-  kp.blockDim = dim3(256, 1, 1);
+  kp.blockDim = dim3(1, 1, 1);
   kp.kernelParams = args;
   return BuildIf(body, kp, &handle);
 }

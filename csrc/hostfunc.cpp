@@ -42,8 +42,8 @@ int sg_mask_apply(void* logits, int dtype, int64_t rows, int64_t vocab, int64_t 
 // Defined in gate.cu: a captured graph behind a conditional node the host or the device decides.
 uintptr_t sg_gate_build(uintptr_t body, uintptr_t flag, uintptr_t launches, uintptr_t outcome,
                         int64_t timeout_ns);
-uintptr_t sg_token_gate_build(uintptr_t body, uintptr_t row, uintptr_t tokens, uintptr_t mask_row,
-                              uintptr_t has_mask, uintptr_t quiet, int words, int min_allowed);
+uintptr_t sg_token_gate_build(uintptr_t body, uintptr_t row, uintptr_t tokens, uintptr_t has_mask,
+                              uintptr_t quiet, int64_t vocab);
 void sg_gate_destroy(uintptr_t exec);
 
 namespace {
@@ -224,9 +224,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("outcome"), py::arg("timeout_ns"),
         "Instantiate [gate] -> IF(host verdict) { body graph }; returns the cudaGraphExec_t.");
   m.def("token_gate_build", &sg_token_gate_build, py::arg("body"), py::arg("row"), py::arg("tokens"),
-        py::arg("mask_row"),
-        py::arg("has_mask"), py::arg("quiet"), py::arg("words"), py::arg("min_allowed"),
-        "Instantiate [token gate] -> IF(quiet token in a wide grammar state) { body graph }.");
+        py::arg("has_mask"), py::arg("quiet"), py::arg("vocab"),
+        "Instantiate [token gate] -> IF(grammar row with a quiet token) { body graph }.");
   m.def("gate_destroy", &sg_gate_destroy, py::arg("exec"));
   m.def("mask_apply", &mask_apply, py::arg("logits"), py::arg("dtype"), py::arg("rows"),
         py::arg("vocab"), py::arg("logits_stride"), py::arg("bitmask"), py::arg("bitmask_stride"),

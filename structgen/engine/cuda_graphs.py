@@ -223,11 +223,8 @@ class DecodeGraphs:
 
         if self._forward_one is None or not gated_graph.available():
             return False
-        # The gate reads its own copy of row 0's mask, taken on the main stream right behind the
-        # sampler: the next step's mask copy (side stream) is not ordered after the gate.
-        self._gate_mask = torch.zeros_like(self.bitmask[0])
         # The sampled row of a one-sequence step is NEXT[0] (its last row, after forced tokens).
-        self.token_gate = gated_graph.TokenGate(self._forward_one, self.meta[NEXT, :1], self.tokens, self._gate_mask,
+        self.token_gate = gated_graph.TokenGate(self._forward_one, self.meta[NEXT, :1], self.tokens,
                                                 self.meta[HAS_MASK], quiet, min_allowed)
         return True
 
@@ -310,13 +307,13 @@ class DecodeGraphs:
         else:
             self.host_tokens[:bs].copy_(self.tokens[:bs])
         next_bs = self.bucket(len(last))
-        gate = None
-        if plan_next is not None and prelaunch and len(last) == 1 and self.use_token_gate:
-            gate = self.token_gate  # one sequence: its next step is one row, the bucket-1 forward
+        gate = self.token_gate  # one sequence in a wide grammar state: its next step is the bucket-1 forward
+        if (gate is None or plan_next is None or not prelaunch or len(last) != 1 or not self.use_token_gate
+                or not has_mask[last[0]] or not gate.wide(self._bitmask_words[last[0]])):
+            gate = None
         if prelaunch and plan_next is None:
             self._steps[next_bs][0]()  # step i+1's forward, from the metadata the sampler advanced
         elif gate is not None:
-            self._gate_mask.copy_(self.bitmask[last[0]], non_blocking=True)
             gate.launch()  # the same forward, run or skipped by the device on the sampled token
         if cuda:
             self.step_done.synchronize()  # waits for the sampler, not for that forward
@@ -324,7 +321,7 @@ class DecodeGraphs:
         if not prelaunch:
             return tokens
         ids, pos, sl = [tokens[i] for i in last], [positions[i] + 1 for i in last], [slots[i] for i in last]
-        if gate is not None and gate.went(tokens[last[0]], self._bitmask_words[last[0]], has_mask[last[0]]):
+        if gate is not None and gate.went(tokens[last[0]]):
             # The forward is running: the host's plan only decides whether it was wasted.
             self.gate_runs += 1
             planned = plan_next(tokens)

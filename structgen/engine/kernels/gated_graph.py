@@ -92,39 +92,38 @@ class GatedGraph:
 class TokenGate:
     """A captured graph behind a gate the device decides from a step's sampled token
     (csrc/gate.cu, `token_gate_kernel`): the body runs when the sampled row (its index read from
-    `row` on the device) is a grammar row whose mask (`mask_row`, a copy the caller writes) allows
-    at least `min_allowed` tokens and its token is in `quiet` (uint32 words, the bitmask layout).
-    `went(...)` is the same test on the host, from the same mask and token.
+    `row` on the device) is a grammar row (`has_mask`) and its token is in `quiet` (uint32 words,
+    the bitmask layout). `went(token)` is the same test on the host.
 
     Why: with jump-forward the next forward waited for the host to read the token and rule out
     forced text (the whole sync + check + launch, 80 us p50 a step on a slow lent host). Inside
     a JSON string a token without quote or punctuation cannot lead to forced text, so the device
-    needs no host to go on; elsewhere the host decides as before."""
+    needs no host to go on. The caller launches it only where the grammar state is like that
+    (`wide`: its mask allows many tokens); elsewhere the host decides as before."""
 
-    def __init__(self, graph: torch.cuda.CUDAGraph, row: torch.Tensor, tokens: torch.Tensor, bitmask_row: torch.Tensor,
-                 has_mask: torch.Tensor, quiet: np.ndarray, min_allowed: int):
+    def __init__(self, graph: torch.cuda.CUDAGraph, row: torch.Tensor, tokens: torch.Tensor, has_mask: torch.Tensor,
+                 quiet: np.ndarray, min_allowed: int):
         self._ext = csrc_ext.load()
         self.device = tokens.device
-        words = bitmask_row.numel()
-        assert quiet.dtype == np.uint32 and quiet.shape == (words,), "quiet: uint32 words of the bitmask row"
+        assert quiet.dtype == np.uint32 and quiet.ndim == 1, "quiet: uint32 bitmask words"
         self._quiet = quiet
         self._quiet_dev = torch.from_numpy(quiet.view(np.int32).copy()).to(self.device)
         self.min_allowed = min_allowed
         self._graph = graph  # owns the body's buffers; the child copy points at them
-        self._exec = self._ext.token_gate_build(
-            graph.raw_cuda_graph(), row.data_ptr(), tokens.data_ptr(), bitmask_row.data_ptr(), has_mask.data_ptr(),
-            self._quiet_dev.data_ptr(), words, min_allowed,
-        )
+        self._exec = self._ext.token_gate_build(graph.raw_cuda_graph(), row.data_ptr(), tokens.data_ptr(),
+                                                has_mask.data_ptr(), self._quiet_dev.data_ptr(), 32 * len(quiet))
+
+    def wide(self, mask_row: np.ndarray) -> bool:
+        """Whether a grammar mask (uint32 words) allows `min_allowed` tokens or more: a state
+        where the gate is worth launching."""
+        return _popcount(mask_row) >= self.min_allowed
 
     def launch(self) -> None:
         self._ext.graph_launch(self._exec, torch.cuda.current_stream(self.device).cuda_stream)
 
-    def went(self, token: int, mask_row: np.ndarray, has_mask: bool) -> bool:
-        """Whether a launch whose sampled row had this token, mask (uint32 words) and has-mask
-        flag ran its body."""
-        if not has_mask or not 0 <= token < 32 * len(self._quiet) or not (self._quiet[token >> 5] >> (token & 31)) & 1:
-            return False
-        return _popcount(mask_row) >= self.min_allowed
+    def went(self, token: int) -> bool:
+        """Whether a launch whose grammar row sampled `token` ran its body."""
+        return 0 <= token < 32 * len(self._quiet) and bool((self._quiet[token >> 5] >> (token & 31)) & 1)
 
     def __del__(self) -> None:
         exec_, ext = getattr(self, "_exec", None), getattr(self, "_ext", None)
