@@ -71,10 +71,16 @@ void check(cudaError_t err, const char* what) {
     throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(err));
 }
 
-// [kernel] -> IF(condition the kernel sets) { body }, instantiated. `params` is the kernel node
-// (its first argument the conditional handle, which is written here). The body is copied in
-// as a child graph: it keeps the captured graph's buffers (fixed addresses).
-uintptr_t BuildIf(uintptr_t body, cudaKernelNodeParams kp, cudaGraphConditionalHandle* handle_arg) {
+// [kernel] -> IF(condition the kernel sets) { body }, instantiated. `kernel` runs on one
+// thread with `args`, whose first entry points at `*handle_arg` (written here before the node
+// copies the arguments). The body is copied in as a child graph: it keeps the captured graph's
+// buffers (fixed addresses).
+uintptr_t BuildIf(uintptr_t body, void* kernel, void** args, cudaGraphConditionalHandle* handle_arg) {
+  cudaKernelNodeParams kp = {};
+  kp.func = kernel;
+  kp.gridDim = dim3(1, 1, 1);
+  kp.blockDim = dim3(1, 1, 1);
+  kp.kernelParams = args;
   cudaGraph_t graph;
   check(cudaGraphCreate(&graph, 0), "cudaGraphCreate");
   try {
@@ -126,12 +132,7 @@ uintptr_t sg_gate_build(uintptr_t body, uintptr_t flag, uintptr_t launches, uint
   int64_t* launches_arg = reinterpret_cast<int64_t*>(launches);
   int64_t* outcome_arg = static_cast<int64_t*>(doutcome);
   void* args[] = {&handle, &flag_arg, &launches_arg, &outcome_arg, &timeout_ns};
-  cudaKernelNodeParams kp = {};
-  kp.func = reinterpret_cast<void*>(gate_kernel);
-  kp.gridDim = dim3(1, 1, 1);
-  kp.blockDim = dim3(1, 1, 1);
-  kp.kernelParams = args;
-  return BuildIf(body, kp, &handle);
+  return BuildIf(body, reinterpret_cast<void*>(gate_kernel), args, &handle);
 }
 
 // Build and instantiate [token gate] -> IF(grammar row with a quiet token) { body }: device
@@ -145,12 +146,7 @@ uintptr_t sg_token_gate_build(uintptr_t body, uintptr_t row, uintptr_t tokens, u
   const int64_t* has_mask_arg = reinterpret_cast<const int64_t*>(has_mask);
   const uint32_t* quiet_arg = reinterpret_cast<const uint32_t*>(quiet);
   void* args[] = {&handle, &row_arg, &token_arg, &has_mask_arg, &quiet_arg, &vocab};
-  cudaKernelNodeParams kp = {};
-  kp.func = reinterpret_cast<void*>(token_gate_kernel);
-  kp.gridDim = dim3(1, 1, 1);
-  kp.blockDim = dim3(1, 1, 1);
-  kp.kernelParams = args;
-  return BuildIf(body, kp, &handle);
+  return BuildIf(body, reinterpret_cast<void*>(token_gate_kernel), args, &handle);
 }
 
 void sg_gate_destroy(uintptr_t exec) {

@@ -150,7 +150,10 @@ class ModelRunner:
     def set_token_gate(self, quiet: np.ndarray, min_allowed: int) -> None:
         """Jump-forward at batch 1: let the device run the next forward at once after tokens
         in `quiet` sampled in wide grammar states (cuda_graphs.py, `enable_token_gate`), now
-        and in graphs captured later. A no-op without graphs or the CUDA extension."""
+        and in graphs captured later. A no-op without graphs or the CUDA extension, or with
+        `EngineConfig.token_gate` off."""
+        if not self.config.token_gate:
+            return
         self._token_gate = (quiet, min_allowed)
         if self.graphs is not None:
             self.graphs.enable_token_gate(quiet, min_allowed)
