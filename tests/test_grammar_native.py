@@ -278,3 +278,36 @@ def test_accept_tokens_on_the_pool_equals_row_by_row(pool, compiled, tokenizer, 
         single = allocate_bitmask(1, vocab, host_only=True)
         m.fill_bitmask(single, 0)
         assert got[r].equal(single[0]), f"row {r} (matcher {i})"
+
+
+class Wrapped:
+    """A matcher of no known backend (delegating to a real one): taken row by row."""
+
+    backend = "wrapped"
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_accept_tokens_mixes_pool_and_row_by_row_matchers(pool, compiled, tokenizer):
+    """xgrammar matchers go to the pool, others (and their exceptions) row by row; statuses
+    come back in the batch's order."""
+    from structgen.grammar import accept_one, accept_tokens
+
+    ids = tokenizer.encode(INSTANCE, add_special_tokens=False)
+    n = 18
+    tokens = [ids[(i * len(ids)) // n] for i in range(n)]
+    want = [accept_one(m, t) for m, t in zip(spread(compiled, tokenizer, n), tokens, strict=True)]
+    ms = spread(compiled, tokenizer, n)
+    ms[3], ms[10] = Wrapped(ms[3]), Wrapped(ms[10])
+
+    def explode(tid):
+        raise RuntimeError("grammar exploded")
+
+    ms[10].accept_token = explode  # row 10 raises: its error comes back at its index
+    status, errors = accept_tokens(ms, tokens)
+    assert list(errors) == [10] and "exploded" in str(errors[10])
+    assert status[:10] + status[11:] == want[:10] + want[11:]

@@ -115,7 +115,7 @@ class DecodeGraphs:
         # Jump-forward at batch 1: the next forward behind a gate the device decides
         # (`enable_token_gate`); how often it ran, and how often the host then wanted another.
         self.token_gate = None
-        self.use_token_gate = True
+        self.use_token_gate = True  # benchmarks time the same engine with and without it
         self.gate_runs = self.gate_wasted = 0
         self._forward_one: torch.cuda.CUDAGraph | None = None  # bucket 1's forward, kept for the gate
         self._bitmask_words = self.host_bitmask.numpy().view(np.uint32)
@@ -215,10 +215,10 @@ class DecodeGraphs:
 
     def enable_token_gate(self, quiet: np.ndarray, min_allowed: int) -> bool:
         """Put batch-1 jump-forward steps' next forward behind a device-decided gate
-        (kernels/gated_graph.py, `TokenGate`): it runs at once when the sampled token is in
-        `quiet` (uint32 words, the bitmask layout) and its grammar mask allows `min_allowed`
-        tokens or more. Returns whether the gate is in use (captured graphs, the extension and
-        CUDA 12.4+ needed)."""
+        (kernels/gated_graph.py, `TokenGate`): `run` launches it where the sampled row's mask
+        allows `min_allowed` tokens or more, and the device runs it when the sampled token is in
+        `quiet` (uint32 words, the bitmask layout). Returns whether the gate is in use (captured
+        graphs, the extension and CUDA 12.4+ needed)."""
         from structgen.engine.kernels import gated_graph
 
         if self._forward_one is None or not gated_graph.available():

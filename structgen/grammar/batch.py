@@ -121,32 +121,31 @@ def accept_tokens(
         from structgen.grammar.backends.xgrammar import XGrammarMatcher
 
         pooled = [i for i, m in enumerate(matchers) if type(m) is XGrammarMatcher and not m._terminated]
-    status: list[int] = [0] * len(matchers)
-    errors: dict[int, BaseException] = {}
-    if pooled:
-        from structgen.grammar.backends.xgrammar import accept_natively
-
-        every = len(pooled) == len(matchers)
-        ms = matchers if every else [matchers[i] for i in pooled]
-        toks = tokens if every else [tokens[i] for i in pooled]
-        rs = (rows if every else [rows[i] for i in pooled]) if fill else None
-        got = accept_natively(ms, toks, check_jump, bitmask if fill else None, rs)
-        if any(st & FAILED for st in got):
-            exc = native.NativeGrammarError(pool.take_error())
-            errors.update((pooled[j], exc) for j, st in enumerate(got) if st & FAILED)
-        if every:
-            return got, errors
-        for i, st in zip(pooled, got, strict=True):
-            status[i] = st
     if not pooled:
         return _accept_each(matchers, tokens, check_jump)
+    from structgen.grammar.backends.xgrammar import accept_natively
+
+    every = len(pooled) == len(matchers)
+    ms = matchers if every else [matchers[i] for i in pooled]
+    toks = tokens if every else [tokens[i] for i in pooled]
+    rs = (rows if every else [rows[i] for i in pooled]) if fill else None
+    got = accept_natively(ms, toks, check_jump, bitmask if fill else None, rs)
+    errors: dict[int, BaseException] = {}
+    if any(st & FAILED for st in got):
+        exc = native.NativeGrammarError(pool.take_error())
+        errors.update((pooled[j], exc) for j, st in enumerate(got) if st & FAILED)
+    if every:
+        return got, errors
+    # Other backends' matchers (or terminated ones) in the same batch: row by row.
     done = set(pooled)
-    for i, (m, tok) in enumerate(zip(matchers, tokens, strict=True)):
-        if i not in done:
-            try:
-                status[i] = accept_one(m, tok, check_jump)
-            except Exception as exc:
-                status[i], errors[i] = FAILED, exc
+    rest = [i for i in range(len(matchers)) if i not in done]
+    rest_status, rest_errors = _accept_each([matchers[i] for i in rest], [tokens[i] for i in rest], check_jump)
+    status = [0] * len(matchers)
+    for i, st in zip(pooled, got, strict=True):
+        status[i] = st
+    for i, st in zip(rest, rest_status, strict=True):
+        status[i] = st
+    errors.update((rest[j], exc) for j, exc in rest_errors.items())
     return status, errors
 
 
