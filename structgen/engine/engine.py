@@ -79,8 +79,8 @@ class Engine:
         self._rng = random.Random(self.config.seed)  # noise seeds of unseeded sampled rows
         self._one_row: torch.Tensor | None = None  # scratch bitmask row for _only_stop_allowed
         # Masks of the next decode step filled while the last one's tokens were taken in
-        # (`_take_tokens`): the buffer's address and {row: (matcher, its version then)}.
-        self._prefilled: tuple[int, dict[int, tuple[object, int]]] = (0, {})
+        # (`_take_tokens`): the buffer and, as grammar.prefetch records them, which rows.
+        self._prefilled: tuple[torch.Tensor, dict] | None = None
         self.speculator = None  # speculative decoding (spec/speculator.py) when configured
         if self.config.speculative is not None:
             from structgen.engine.spec.speculator import Speculator
@@ -92,7 +92,6 @@ class Engine:
         # filled a 64-row JSON step's masks inline in a fraction of the time, and the prefetch
         # only added hand-offs (real SmolLM2, batch 64: 1.039 ms a step without it, 1.431 with).
         self.prefetcher = None
-        self._prefetch_buffer: torch.Tensor | None = None  # its target without decode graphs
         prefetch = self.config.mask_prefetch == "on" or (self.config.mask_prefetch == "auto" and not native.pool_in_use())
         if self.config.grammar_workers > 0 and prefetch and self.speculator is None:
             from structgen.grammar.prefetch import MaskPrefetcher, PrefetchTuner
@@ -323,8 +322,8 @@ class Engine:
         status, failed = accept_tokens(matchers, tokens, check_jump=check_jump, bitmask=target,
                                        rows=idx if target is not None else None)
         if target is not None and any(st & FILLED for st in status):
-            self._prefilled = (target.data_ptr(), {i: (m, m.version) for i, m, st in zip(idx, matchers, status,
-                                                                                           strict=True) if st & FILLED})
+            self._prefilled = (target, {id(m): (i, m, m.version) for i, m, st in zip(idx, matchers, status, strict=True)
+                                        if st & FILLED})
         if len(idx) == len(reqs):
             return status, failed
         taken: list = [None] * len(reqs)
@@ -333,17 +332,14 @@ class Engine:
         return taken, {idx[j]: exc for j, exc in failed.items()}
 
     def _not_prefilled(self, bitmask: torch.Tensor, rows: list[tuple[int, object]]) -> list[tuple[int, object]]:
-        """`rows` (row, matcher) but those whose mask `_take_tokens` filled into this buffer at
-        that row for that matcher in its present state; forgets what it filled."""
-        (ptr, filled), self._prefilled = self._prefilled, (0, {})
-        if not filled or ptr != bitmask.data_ptr():
+        """`rows` (row, matcher) but those whose mask `_take_tokens` filled for that matcher in
+        its present state (moved into `bitmask` at `row` if it went elsewhere); forgets them."""
+        from structgen.grammar.prefetch import serve_filled
+
+        prefilled, self._prefilled = self._prefilled, None
+        if prefilled is None:
             return rows
-        out = []
-        for row, m in rows:
-            got = filled.get(row)
-            if got is None or got[0] is not m or got[1] != m.version:
-                out.append((row, m))
-        return out
+        return serve_filled(*prefilled, bitmask, rows)
 
     def _plan_decode_step(self) -> list[ExtendSeq] | None:
         """The rows of the next step when it will surely be a decode step (nobody to admit or
@@ -376,15 +372,8 @@ class Engine:
                     pairs.append((row, r.matcher))
         if not pairs:
             return
-        graphs = self.runner.graphs
-        if graphs is not None:
-            target = graphs.host_bitmask
-        else:
-            if self._prefetch_buffer is None:
-                self._prefetch_buffer = allocate_bitmask(4 * self.scheduler.max_batch_size, self.vocab_size)
-            target = self._prefetch_buffer
         try:
-            self.prefetcher.start(target, pairs)
+            self.prefetcher.start(self.runner.mask_buffer(row + 1), pairs)  # the buffer that step fills
         except Exception:  # pragma: no cover - the masks are then filled on the spot
             log.exception("starting the mask prefetch failed")
 
@@ -462,8 +451,9 @@ class Engine:
             if taken is None:
                 hook = self.jump_forward_hook is not None and any(r.jump_forward for r in reqs)
                 taken, failed = self._take_tokens(reqs, tokens, errors, check_jump=hook, fill_next=fill_next)
-                errors = {**errors, **{i: EngineError(f"grammar failed on sampled token {tokens[i]}: {exc}")
-                                       for i, exc in failed.items()}}
+                if failed:
+                    errors = {**errors, **{i: EngineError(f"grammar failed on sampled token {tokens[i]}: {exc}")
+                                           for i, exc in failed.items()}}
             for i, (req, tok) in enumerate(zip(reqs, tokens, strict=True)):
                 try:
                     if i in errors:

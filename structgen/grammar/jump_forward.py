@@ -72,6 +72,12 @@ class VocabBytes:
     def length(self, ids: list[int]) -> int:
         return sum(len(self.tokens[t]) for t in ids)
 
+    def bitmask_of(self, ids: np.ndarray) -> np.ndarray:
+        """Packed bitmask (uint32 words, the grammar bitmask layout) of token ids (int64)."""
+        words = np.zeros((len(self.tokens) + 31) // 32, dtype=np.uint32)
+        np.bitwise_or.at(words, ids >> 5, (np.uint32(1) << (ids & 31)).astype(np.uint32))
+        return words
+
     def extensions(self, tid: int) -> np.ndarray:
         """Packed bitmask (uint32 words, the grammar bitmask layout) of the tokens whose bytes
         start with token `tid`'s bytes and are longer; cached per token."""
@@ -92,9 +98,7 @@ class VocabBytes:
                 else len(self._sorted)
             )
             ids = self._sorted_ids[lo:hi]
-            ext = np.zeros((len(self.tokens) + 31) // 32, dtype=np.uint32)
-            np.bitwise_or.at(ext, ids >> 5, (np.uint32(1) << (ids & 31)).astype(np.uint32))
-            entry = self._extensions[tid] = (ext, ids)
+            entry = self._extensions[tid] = (self.bitmask_of(ids), ids)
         return entry
 
 
@@ -269,11 +273,8 @@ def quiet_tokens(vocab: VocabBytes) -> np.ndarray:
     """uint32 bitmask words (the grammar bitmask layout) of the tokens with none of
     `LOUD_BYTES`, special tokens and empty ones excluded."""
     loud = set(LOUD_BYTES)
-    ids = np.array([i for i, b in enumerate(vocab.tokens) if b and i not in vocab.special and not loud & set(b)],
-                   dtype=np.int64)
-    words = np.zeros((len(vocab.tokens) + 31) // 32, dtype=np.uint32)
-    np.bitwise_or.at(words, ids >> 5, (np.uint32(1) << (ids & 31)).astype(np.uint32))
-    return words
+    return vocab.bitmask_of(np.array(
+        [i for i, b in enumerate(vocab.tokens) if b and i not in vocab.special and not loud & set(b)], dtype=np.int64))
 
 
 def install_jump_forward(engine: Engine, tokenizer: Any) -> None:

@@ -204,17 +204,7 @@ class MaskPrefetcher:
                 pass
             failed.update(chunk)  # the caller's own fill finds and reports the culprit
         self.observe(spent)
-        same = bitmask.data_ptr() == p.target.data_ptr() and bitmask.stride() == p.target.stride()
-        rest, src, dst = [], [], []
-        for row, m in rows:
-            entry = p.rows.get(id(m))
-            if entry is None or entry[1] is not m or entry[2] != m.version or entry[0] in failed:
-                rest.append((row, m))
-            elif not (same and entry[0] == row):
-                src.append(entry[0])
-                dst.append(row)
-        if dst:  # fancy indexing reads the sources before writing: overlapping rows are fine
-            bitmask.numpy()[dst] = p.target.numpy()[src]
+        rest = serve_filled(p.target, p.rows, bitmask, rows, failed)
         self.served += len(rows) - len(rest)
         return rest
 
@@ -236,6 +226,28 @@ class MaskPrefetcher:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+def serve_filled(
+    target: torch.Tensor, filled: dict[int, tuple[int, GrammarMatcher, int]], bitmask: torch.Tensor,
+    rows: Sequence[tuple[int, GrammarMatcher]], failed: set[int] | frozenset[int] = frozenset(),
+) -> list[tuple[int, GrammarMatcher]]:
+    """Masks filled ahead of a step into `target`, `filled` saying which: id(matcher) ->
+    (row, matcher, its version then). Put those of `rows` (row, matcher) into `bitmask` (the
+    same buffer: nothing to do; another: rows are copied) where the matcher is the same object
+    in the same state and its row is not in `failed`; return the pairs left to fill."""
+    same = bitmask.data_ptr() == target.data_ptr() and bitmask.stride() == target.stride()
+    rest, src, dst = [], [], []
+    for row, m in rows:
+        entry = filled.get(id(m))
+        if entry is None or entry[1] is not m or entry[2] != m.version or entry[0] in failed:
+            rest.append((row, m))
+        elif not (same and entry[0] == row):
+            src.append(entry[0])
+            dst.append(row)
+    if dst:  # fancy indexing reads the sources before writing: overlapping rows are fine
+        bitmask.numpy()[dst] = target.numpy()[src]
+    return rest
 
 
 def _run(jobs: list[FillJob], ready: threading.Event) -> float:
