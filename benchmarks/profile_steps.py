@@ -96,18 +96,23 @@ class DeviceGaps:
                 done.synchronize()
 
         g.step_done = SamplerDone()
+        self._gate = g.token_gate
+        if g.token_gate is not None:  # a gated forward counts as launched where the gate is
+            g.token_gate = _MarkedGate(g.token_gate, self._mark)
         for bs, (forward, sample) in list(g._steps.items()):
             g._steps[bs] = (self._marked(forward), sample)
         g._launch_planned = self._timed(g._launch_planned, "launch of a planned forward")
         engine._plain_next_step = self._timed(engine._plain_next_step, "verdict (_plain_next_step)")
-        hook = engine.jump_forward_hook
-        timed = self._timed(hook, "jump-forward hook")
+        hook, host = engine.jump_forward_hook, self.host
 
         class TimedHook:  # the engine calls it; the harness reads its vocabulary
             vocab = hook.vocab
 
             def __call__(self, eng: Engine, req: Any) -> None:
-                timed(eng, req)
+                n, t = len(req.token_ids), time.perf_counter()
+                hook(eng, req)
+                jumped = "jumped" if len(req.token_ids) != n or req.finished else "nothing jumped"
+                host[f"jump-forward hook, {jumped}"].append(time.perf_counter() - t)
 
         engine.jump_forward_hook = TimedHook()
 
@@ -136,15 +141,19 @@ class DeviceGaps:
     def close(self) -> None:
         g, e = self.graphs, self.engine
         g.step_done, steps, e.jump_forward_hook = self._saved
+        g.token_gate = self._gate
         g._steps.update(steps)
         del g._launch_planned, e._plain_next_step  # back to the classes' methods
 
     def table(self, wall_s: float) -> list[dict[str, Any]]:
         torch.cuda.synchronize()
-        gaps = [1e3 * a.elapsed_time(b) for (x, a), (y, b) in zip(self.events, self.events[1:], strict=False)
+        pairs = list(zip(self.events, self.events[1:], strict=False))
+        gaps = [1e3 * a.elapsed_time(b) for (x, a), (y, b) in pairs
                 if x == "sampler" and y == "forward"]  # us; a pre-launched forward reads ~0
+        gated = [1e3 * a.elapsed_time(b) for (x, a), (y, b) in pairs if x == "sampler" and y == "gate"]
         rows = []
         for what, us in [("device idle, sampler -> next forward", gaps),
+                         ("sampler -> gate launch (no idle: the gate is queued)", gated),
                          *((k, [1e6 * t for t in v]) for k, v in self.host.items())]:
             if us:
                 us = sorted(us)
@@ -154,12 +163,29 @@ class DeviceGaps:
         return rows
 
 
+class _MarkedGate:
+    """A TokenGate whose launches are marked in the event log (as "gate")."""
+
+    def __init__(self, gate: Any, mark: Any):
+        self._gate, self._mark = gate, mark
+
+    def launch(self) -> None:
+        self._mark("gate")
+        self._gate.launch()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._gate, name)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokenizer-dir", type=Path, default=None, help="tokenizer + config.json (random weights)")
     ap.add_argument("--shape", default=None, choices=["llama-1b", "llama-8b"])
     ap.add_argument("--weights", default="random", choices=["real", "random"])
     ap.add_argument("--data-dir", type=Path, default=MASKBENCH)
+    ap.add_argument("--mode", default="replay", choices=["replay", "model"],
+                    help="replay: the schemas' valid instances, forced token by token; model: the "
+                         "model's own outputs (real weights; the token gate fires only here)")
     ap.add_argument("--per-category", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=384)
     ap.add_argument("--device", default=None)
@@ -167,20 +193,24 @@ def main() -> None:
     args = ap.parse_args()
     from benchmarks.common import print_table
 
+    if args.mode == "model" and args.weights != "real":
+        ap.error("--mode model needs --weights real")
     llm, model = build_llm(args.weights, args.tokenizer_dir, args.device, True, args.shape, not args.eager_prefill)
     engine = llm.engine
-    engine.jump_forward_hook = ReplayJumpForward(
-        llm.tokenizer, engine.vocab_size, engine.stop_token_ids, vocab=engine.jump_forward_hook.vocab
-    )
+    if args.mode == "replay":
+        engine.jump_forward_hook = ReplayJumpForward(
+            llm.tokenizer, engine.vocab_size, engine.stop_token_ids, vocab=engine.jump_forward_hook.vocab
+        )
     cases = load_cases(llm, args.data_dir, CATEGORIES, args.per_category, args.max_tokens)
-    batch_replay_fills(engine)
-    measure(llm, cases, "replay", True, 1, args.max_tokens)  # warm-up: shapes, caches
+    if args.mode == "replay":
+        batch_replay_fills(engine)
+    measure(llm, cases, args.mode, True, 1, args.max_tokens)  # warm-up: shapes, caches
     for jf in (False, True):
-        measure(llm, cases, "replay", jf, 1, args.max_tokens)
+        measure(llm, cases, args.mode, jf, 1, args.max_tokens)
     for jf in (False, True):
         labels = StepLabels(engine)
         gaps = DeviceGaps(engine) if engine.runner.graphs is not None and engine.device.type == "cuda" else None
-        r = measure(llm, cases, "replay", jf, 1, args.max_tokens)
+        r = measure(llm, cases, args.mode, jf, 1, args.max_tokens)
         del engine.step  # back to the class's method
         if gaps is not None:
             gaps.close()
