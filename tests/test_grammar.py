@@ -312,3 +312,18 @@ def test_padded_vocab_masks_equal_the_tokenizer_sized_ones(tokenizer):
                 m.fill_bitmask(got, r)
         assert got[:, : want.shape[1]].equal(want) and not got[:, want.shape[1] :].any()
     assert not matchers[padded][0].accept_token(padded - 1)
+
+
+def test_llguidance_matcher_reports_its_error_state(tokenizer):
+    """llguidance keeps an error state (a token consumed without the try_ guard); `error()` says
+    what it is, so an engine error about a rejected token can quote the library's reason."""
+    from structgen.grammar import GrammarCompiler
+    from structgen.types import JsonSchema, to_constraint
+
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id], backend="llguidance")
+    m = compiler.compile(to_constraint(JsonSchema({"type": "integer"}))).matcher()
+    assert m.backend == "llguidance" and m.error() is None
+    letter = tokenizer.encode("x", add_special_tokens=False)[0]
+    assert not m.accept_token(letter) and m.error() is None  # the guarded path leaves no error
+    m.ll_matcher.consume_token(letter)
+    assert m.error()

@@ -19,7 +19,7 @@ from structgen.engine.config import EngineConfig
 from structgen.engine.request import Request
 from structgen.engine.sampler import SamplingParams
 from structgen.errors import IncompleteOutputError, UnsupportedSchemaError
-from structgen.grammar.jump_forward import JumpForward
+from structgen.grammar.jump_forward import HELD_BACK, JumpForward
 from structgen.types import to_constraint
 
 BACKENDS = ["xgrammar", "llguidance"]
@@ -116,9 +116,10 @@ def test_string_that_must_be_closed_after_forced_text(llm, backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_forced_text_held_back_whole_is_tried_once(llm, backend, monkeypatch):
     """The next array item must be a string: the grammar forces ` "`, which the model may
-    extend (` "(`), so it is held back and nothing is jumped. Encoding ` "` alone after the
-    sampled `",` would end in the same held-back token: it is not tried (it cost a second
-    encode and advance on the critical path of one step in four with forced text)."""
+    extend (` "(`), so it is held back and nothing is jumped. A lone forced token starting
+    with a space is held back without re-encoding anything (`_held_back_alone`), and that
+    answer is the one the re-encoding reaches; after it, ` "` alone is not tried either (it
+    would end in the same held-back token)."""
     schema = {"type": "object", "properties": {"t": {"type": "array", "items": {"type": "string"}}},
               "required": ["t"], "additionalProperties": False}
     req = sampled(llm, schema, '{"t": ["a",', backend)
@@ -129,7 +130,9 @@ def test_forced_text_held_back_whole_is_tried_once(llm, backend, monkeypatch):
     monkeypatch.setattr(hook, "_jump", lambda r, forced, k: attempts.append(k) or real(r, forced, k))
     before = list(req.output_ids)
     hook(llm.engine, req)
-    assert attempts == [4]  # the merged re-encoding only
+    assert attempts == []  # answered before any re-encoding
+    assert req.output_ids == before and req.stats.forced_tokens == 0
+    assert real(req, b' "', 4) == HELD_BACK  # the re-encoding's own answer, once
     assert req.output_ids == before and req.stats.forced_tokens == 0
     assert_matcher_consistent(llm, req, schema, backend)
 

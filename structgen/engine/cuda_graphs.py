@@ -51,8 +51,10 @@ interpreter).
 from __future__ import annotations
 
 import bisect
+import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -72,6 +74,20 @@ StepRows = tuple[list[int], list[int], list[int]]  # a step's rows: (token ids, 
 # The first four rows are what the sampler carries over to the next step.
 IDS, POSITIONS, SLOTS, LIVE, LENS, SEEDS, HAS_MASK, NEXT = range(8)
 _CARRIED = 4
+
+
+@dataclass(frozen=True)
+class _Native:
+    """The csrc extension and the raw pointers of the step's copies (`DecodeGraphs._use_native`):
+    step_copies (meta, temperature: dst, src, bytes each), plan_copy (dst, src, bytes), mask
+    (dst, src, bytes a row, side stream, its event), tokens (host dst, device src)."""
+
+    ext: Any
+    stream: int
+    step_copies: tuple[int, ...]
+    plan_copy: tuple[int, int, int]
+    mask: tuple[int, int, int, int, int]
+    tokens: tuple[int, int]
 
 
 class DecodeGraphs:
@@ -107,6 +123,7 @@ class DecodeGraphs:
         # bucket -> (launch forward, launch sampler); the graphs and their logits stay alive here.
         self._steps: dict[int, tuple[Callable[[], None], Callable[[], None]]] = {}
         self._captured: list[object] = []
+        self._graph_pairs: dict[int, tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph]] = {}
         self.pool = None  # the graphs' shared memory pool, once captured
         self._loops: dict[int, GuidedLoop] = {}  # the capturable mode's graphs (guided_loop.py)
         # The step whose forward is already queued: (bucket, slots, positions, token ids).
@@ -119,10 +136,15 @@ class DecodeGraphs:
         self.gate_runs = self.gate_wasted = 0
         self._forward_one: torch.cuda.CUDAGraph | None = None  # bucket 1's forward, kept for the gate
         self._bitmask_words = self.host_bitmask.numpy().view(np.uint32)
+        # Padding of every column (token 0 at position 0 of the scratch slot, greedy, no mask):
+        # rows are laid out by copying from it, one numpy call instead of one per metadata row.
+        self._pad = np.zeros_like(self._meta_np)
+        self._pad[SLOTS], self._pad[LENS], self._pad[NEXT] = self.kv.scratch_slot, 1, self.pad_column
         if pin:
             self.copy_stream = torch.cuda.Stream(dev)
             self.mask_copied = torch.cuda.Event()
             self.step_done = torch.cuda.Event()
+        self._native = None  # the csrc extension's launches (`_use_native`), once captured
         self._capture_all()
 
     # -- the step functions the graphs hold -------------------------------------------------
@@ -150,14 +172,11 @@ class DecodeGraphs:
     def _set_padding(self, lo: int, hi: int | None, meta: np.ndarray | None = None) -> None:
         """Rows [lo, hi) of `meta` (default: the step's host_meta): token 0 at position 0 of
         the scratch slot, greedy, no mask."""
-        step = meta is None
-        meta = self._meta_np if step else meta
-        meta[:, lo:hi] = 0
-        meta[SLOTS, lo:hi] = self.kv.scratch_slot
-        meta[LENS, lo:hi] = 1
-        if step:
-            meta[NEXT, lo:hi] = self.pad_column
+        if meta is None:
+            self._meta_np[:, lo:hi] = self._pad[:, lo:hi]
             self._temp_np[lo:hi] = 0.0
+        else:
+            meta[:, lo:hi] = self._pad[: len(meta), lo:hi]
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -182,8 +201,41 @@ class DecodeGraphs:
             with torch.cuda.graph(sample, pool=pool):
                 self._sample(bs, logits)
             self._steps[bs] = (forward.replay, sample.replay)
+            self._graph_pairs[bs] = (forward, sample)
             self._captured += [forward, sample, logits]
         torch.cuda.synchronize(self.device)
+        self._use_native()
+
+    def _use_native(self) -> None:
+        """Launch the captured graphs and do the step's copies through the csrc extension
+        (`copy_launch`, `side_copy`) where it builds: torch's `copy_` and `CUDAGraph.replay`
+        cost 18-48 us each on a slow lent host right after a wait for the device (a launch of
+        a planned forward took 133 us there, 165 us p50 inside the engine), and at batch 1 with
+        jump-forward that launch is on the device's critical path. Launches go to the stream
+        current now, the engine's; replay's RNG re-seeding is skipped, as no graph here draws
+        from torch's generator (the sampler's noise comes from its own seeds)."""
+        from structgen.engine.kernels import csrc_ext
+
+        if not csrc_ext.available():
+            return
+        ext, stream = csrc_ext.load(), torch.cuda.current_stream(self.device).cuda_stream
+        for bs, (forward, sample) in self._graph_pairs.items():
+            fwd, smp = forward.raw_cuda_graph_exec(), sample.raw_cuda_graph_exec()
+            self._steps[bs] = (functools.partial(ext.copy_launch, 0, 0, 0, 0, 0, 0, fwd, stream),
+                               functools.partial(ext.copy_launch, 0, 0, 0, 0, 0, 0, smp, stream))
+        self.mask_copied.record()  # torch creates its events lazily: make them exist
+        self.step_done.record()
+        torch.cuda.synchronize(self.device)
+        meta, temp, plan = self.meta, self.temperature, self.host_plan
+        self._native = _Native(
+            ext, stream,
+            step_copies=(meta.data_ptr(), self.host_meta.data_ptr(), meta.numel() * 8,
+                         temp.data_ptr(), self.host_temperature.data_ptr(), temp.numel() * 4),
+            plan_copy=(meta.data_ptr(), plan.data_ptr(), plan.numel() * 8),
+            mask=(self.bitmask.data_ptr(), self.host_bitmask.data_ptr(), self.bitmask.shape[1] * 4,
+                  self.copy_stream.cuda_stream, self.mask_copied.cuda_event),
+            tokens=(self.host_tokens.data_ptr(), self.tokens.data_ptr()),
+        )
 
     def _eager_step(self, bs: int) -> tuple[Callable[[], None], Callable[[], None]]:
         logits: list[torch.Tensor] = []
@@ -266,31 +318,31 @@ class DecodeGraphs:
         self._ahead = None
         self.steps += 1
         self.steps_ahead += predicted
-        meta = self._meta_np
         self._set_padding(n, bs)
-        meta[IDS, :n] = token_ids
-        meta[POSITIONS, :n] = positions
-        meta[SLOTS, :n] = slots
-        meta[LENS, :n] = np.asarray(positions) + 1
-        meta[SEEDS, :n] = seeds
-        meta[HAS_MASK, :n] = has_mask
-        meta[LIVE, :n] = 1
         last = [i for i in range(n) if i == n - 1 or slots[i + 1] != slots[i]]  # a sequence's last row
-        meta[NEXT, len(last) : n] = self.pad_column
-        meta[NEXT, : len(last)] = last
+        # The rows in IDS.. order, one numpy call (each costs microseconds on a slow host).
+        self._meta_np[:, :n] = (token_ids, positions, slots, [1] * n, [p + 1 for p in positions], seeds, has_mask,
+                                last + [self.pad_column] * (n - len(last)))
         self._temp_np[:n] = temperatures
         forward, sample = self._steps[bs]
         cuda = self.device.type == "cuda"
         prelaunch = predict_next and self.prelaunch and len(set(slots)) == len(last)
         # Whole buffers: one contiguous copy each. When the forward is already queued this copy
         # lands behind it and rewrites the rows it read with the same values.
-        self.meta.copy_(self.host_meta, non_blocking=cuda)
-        self.temperature.copy_(self.host_temperature, non_blocking=cuda)
+        native = self._native
+        if native is not None:
+            native.ext.copy_launch(*native.step_copies, 0, native.stream)
+        else:
+            self.meta.copy_(self.host_meta, non_blocking=cuda)
+            self.temperature.copy_(self.host_temperature, non_blocking=cuda)
         if not predicted:
             forward()
         if any(has_mask):
             fill_bitmask(self.host_bitmask[:n])  # CPU work, overlapping the forward
-            if cuda:
+            if native is not None:  # as below, in one call
+                dst, src, row_bytes, side, event = native.mask
+                native.ext.side_copy(dst, src, n * row_bytes, side, event, native.stream)
+            elif cuda:
                 # The side stream copies the mask while the forward still runs; the sampler
                 # waits for the copy, and the copy never overwrites the buffer before the
                 # previous step's sampler has read it (its step_done precedes our host sync).
@@ -301,7 +353,10 @@ class DecodeGraphs:
             else:
                 self.bitmask[:n].copy_(self.host_bitmask[:n])
         sample()
-        if cuda:
+        if native is not None:  # the sampled tokens to the host
+            native.ext.copy_launch(*native.tokens, 8 * bs, 0, 0, 0, 0, native.stream)
+            self.step_done.record()
+        elif cuda:
             self.host_tokens[:bs].copy_(self.tokens[:bs], non_blocking=True)
             self.step_done.record()
         else:
@@ -352,12 +407,10 @@ class DecodeGraphs:
             return
         plan = self._plan_np  # whole rows (contiguous, one copy), padding from row n on
         self._set_padding(n, None, plan)
-        plan[IDS, :n] = token_ids
-        plan[POSITIONS, :n] = positions
-        plan[SLOTS, :n] = slots
-        plan[LIVE, :n] = 1
-        plan[LENS, :n] = np.asarray(positions) + 1
-        cuda = self.device.type == "cuda"
-        self.meta[: LENS + 1].copy_(self.host_plan, non_blocking=cuda)
+        plan[:, :n] = (token_ids, positions, slots, [1] * n, [p + 1 for p in positions])
+        if self._native is not None:
+            self._native.ext.copy_launch(*self._native.plan_copy, 0, 0, 0, 0, self._native.stream)
+        else:
+            self.meta[: LENS + 1].copy_(self.host_plan, non_blocking=self.device.type == "cuda")
         self._steps[bs][0]()
         self._ahead = (bs, tuple(slots), tuple(positions), tuple(token_ids))

@@ -486,7 +486,9 @@ class Engine:
             if status & FAILED:
                 raise EngineError(f"grammar failed on sampled token {tok}")
             if not status & ACCEPTED:
-                raise EngineError(f"grammar rejected sampled token {tok}; the mask and matcher disagree")
+                why = m.error()
+                raise EngineError(f"grammar rejected sampled token {tok}; the mask and matcher disagree"
+                                  + (f" ({m.backend}: {why})" if why else ""))
             if status & TERMINATED:
                 req.finish("stop")
                 return

@@ -134,6 +134,11 @@ class GrammarMatcher(ABC):
     def is_terminated(self) -> bool:
         """True once a stop token has been accepted."""
 
+    def error(self) -> str | None:
+        """Why the matcher can go no further, where its library says (llguidance keeps an
+        error state); None otherwise. Error messages about a rejected token quote it."""
+        return None
+
     @abstractmethod
     def is_completed(self) -> bool:
         """True if the grammar may end here (a stop token would be accepted), or has ended."""

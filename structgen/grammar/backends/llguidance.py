@@ -102,6 +102,12 @@ class LLGuidanceMatcher(GrammarMatcher):
     def is_terminated(self) -> bool:
         return self._terminated
 
+    def error(self) -> str | None:
+        m = self.ll_matcher
+        if m.is_error():
+            return m.get_error()
+        return f"llguidance stopped: {m.stop_reason()}" if m.is_stopped() else None
+
     def is_completed(self) -> bool:
         return self._terminated or self.ll_matcher.is_accepting()
 
