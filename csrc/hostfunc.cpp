@@ -188,27 +188,20 @@ void graph_launch(uintptr_t graph_exec, uintptr_t stream) {
 }
 
 // Up to two async copies between pinned host memory and the device (nbytes 0: none; direction
-// from the pointers), then cudaGraphLaunch (graph_exec 0: none), in one call: the decode graphs'
-// step launches. From Python the same work is
-// a torch copy_ per buffer and CUDAGraph.replay, whose prologue also re-seeds torch's RNG with
-// two small fills the decode graphs never read: 60-80 us on a slow lent host, on the path
-// between a step's tokens and the next forward.
-void copy_launch(uintptr_t dst0, uintptr_t src0, int64_t nbytes0, uintptr_t dst1, uintptr_t src1,
-                 int64_t nbytes1, uintptr_t graph_exec, uintptr_t stream) {
+// from the pointers), in one call: the decode graphs' per-step uploads and the tokens' download.
+// From Python each is a torch copy_, 18-48 us on a slow lent host right after a wait for the
+// device, and one of them is on the path between a step's tokens and the next forward.
+void copy_async(uintptr_t dst0, uintptr_t src0, int64_t nbytes0, uintptr_t dst1, uintptr_t src1,
+                int64_t nbytes1, uintptr_t stream) {
   auto s = reinterpret_cast<cudaStream_t>(stream);
   cudaError_t err = cudaSuccess;
-  {
-    py::gil_scoped_release nogil;
-    if (nbytes0 > 0)
-      err = cudaMemcpyAsync(reinterpret_cast<void*>(dst0), reinterpret_cast<const void*>(src0),
-                            static_cast<size_t>(nbytes0), cudaMemcpyDefault, s);
-    if (err == cudaSuccess && nbytes1 > 0)
-      err = cudaMemcpyAsync(reinterpret_cast<void*>(dst1), reinterpret_cast<const void*>(src1),
-                            static_cast<size_t>(nbytes1), cudaMemcpyDefault, s);
-    if (err == cudaSuccess && graph_exec != 0)
-      err = cudaGraphLaunch(reinterpret_cast<cudaGraphExec_t>(graph_exec), s);
-  }
-  check(err, "copy_launch");
+  if (nbytes0 > 0)
+    err = cudaMemcpyAsync(reinterpret_cast<void*>(dst0), reinterpret_cast<const void*>(src0),
+                          static_cast<size_t>(nbytes0), cudaMemcpyDefault, s);
+  if (err == cudaSuccess && nbytes1 > 0)
+    err = cudaMemcpyAsync(reinterpret_cast<void*>(dst1), reinterpret_cast<const void*>(src1),
+                          static_cast<size_t>(nbytes1), cudaMemcpyDefault, s);
+  check(err, "copy_async");
 }
 
 // A copy on a side stream that the main stream then waits for (the grammar mask's upload while
@@ -256,9 +249,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("event_synchronize", &event_synchronize, py::arg("event"));
   m.def("device_synchronize", &device_synchronize);
   m.def("graph_launch", &graph_launch, py::arg("graph_exec"), py::arg("stream"));
-  m.def("copy_launch", &copy_launch, py::arg("dst0"), py::arg("src0"), py::arg("nbytes0"), py::arg("dst1"),
-        py::arg("src1"), py::arg("nbytes1"), py::arg("graph_exec"), py::arg("stream"),
-        "Up to two async copies to or from pinned memory (nbytes 0: skipped), then launch graph_exec (0: none).");
+  m.def("copy_async", &copy_async, py::arg("dst0"), py::arg("src0"), py::arg("nbytes0"), py::arg("dst1"),
+        py::arg("src1"), py::arg("nbytes1"), py::arg("stream"),
+        "Up to two async copies to or from pinned memory (nbytes 0: skipped) on stream.");
   m.def("side_copy", &side_copy, py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("side"),
         py::arg("event"), py::arg("main"), "Copy on stream side, record event there; main waits for it.");
   m.def("gate_build", &sg_gate_build, py::arg("body"), py::arg("flag"), py::arg("launches"),

@@ -208,10 +208,10 @@ class DecodeGraphs:
 
     def _use_native(self) -> None:
         """Launch the captured graphs and do the step's copies through the csrc extension
-        (`copy_launch`, `side_copy`) where it builds: torch's `copy_` and `CUDAGraph.replay`
-        cost 18-48 us each on a slow lent host right after a wait for the device (a launch of
-        a planned forward took 133 us there, 165 us p50 inside the engine), and at batch 1 with
-        jump-forward that launch is on the device's critical path. Launches go to the stream
+        (`graph_launch`, `copy_async`, `side_copy`) where it builds: torch's `copy_` and
+        `CUDAGraph.replay` cost 18-48 us each on a slow lent host right after a wait for the
+        device (a launch of a planned forward took 133 us there, 165 us p50 inside the engine),
+        and at batch 1 with jump-forward that launch is on the device's critical path. Launches go to the stream
         current now, the engine's; replay's RNG re-seeding is skipped, as no graph here draws
         from torch's generator (the sampler's noise comes from its own seeds)."""
         from structgen.engine.kernels import csrc_ext
@@ -221,8 +221,8 @@ class DecodeGraphs:
         ext, stream = csrc_ext.load(), torch.cuda.current_stream(self.device).cuda_stream
         for bs, (forward, sample) in self._graph_pairs.items():
             fwd, smp = forward.raw_cuda_graph_exec(), sample.raw_cuda_graph_exec()
-            self._steps[bs] = (functools.partial(ext.copy_launch, 0, 0, 0, 0, 0, 0, fwd, stream),
-                               functools.partial(ext.copy_launch, 0, 0, 0, 0, 0, 0, smp, stream))
+            self._steps[bs] = (functools.partial(ext.graph_launch, fwd, stream),
+                               functools.partial(ext.graph_launch, smp, stream))
         self.mask_copied.record()  # torch creates its events lazily: make them exist
         self.step_done.record()
         torch.cuda.synchronize(self.device)
@@ -331,7 +331,7 @@ class DecodeGraphs:
         # lands behind it and rewrites the rows it read with the same values.
         native = self._native
         if native is not None:
-            native.ext.copy_launch(*native.step_copies, 0, native.stream)
+            native.ext.copy_async(*native.step_copies, native.stream)
         else:
             self.meta.copy_(self.host_meta, non_blocking=cuda)
             self.temperature.copy_(self.host_temperature, non_blocking=cuda)
@@ -354,7 +354,7 @@ class DecodeGraphs:
                 self.bitmask[:n].copy_(self.host_bitmask[:n])
         sample()
         if native is not None:  # the sampled tokens to the host
-            native.ext.copy_launch(*native.tokens, 8 * bs, 0, 0, 0, 0, native.stream)
+            native.ext.copy_async(*native.tokens, 8 * bs, 0, 0, 0, native.stream)
             self.step_done.record()
         elif cuda:
             self.host_tokens[:bs].copy_(self.tokens[:bs], non_blocking=True)
@@ -409,7 +409,7 @@ class DecodeGraphs:
         self._set_padding(n, None, plan)
         plan[:, :n] = (token_ids, positions, slots, [1] * n, [p + 1 for p in positions])
         if self._native is not None:
-            self._native.ext.copy_launch(*self._native.plan_copy, 0, 0, 0, 0, self._native.stream)
+            self._native.ext.copy_async(*self._native.plan_copy, 0, 0, 0, self._native.stream)
         else:
             self.meta[: LENS + 1].copy_(self.host_plan, non_blocking=self.device.type == "cuda")
         self._steps[bs][0]()

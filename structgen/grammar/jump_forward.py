@@ -170,7 +170,7 @@ class JumpForward:
         if not forced.startswith(b" ") or not req.num_output:
             return False
         tid = self.vocab.token_id(forced)
-        if tid is None or not len(self.vocab.extension_ids(tid)):
+        if tid is None:
             return False
         if self.vocab.tokens[req.token_ids[-1]][-1:].isspace():
             return False  # the sampled text ends in whitespace: the space may join it
