@@ -163,8 +163,11 @@ def test_planned_decode_steps_are_the_steps_the_engine_runs(engine, grammar, tok
     real = engine.runner.decode
     steps: list[tuple[list, list | None]] = []  # (rows run, rows planned for the next step)
 
-    def planning_decode(seqs, temperatures, seeds, has_mask, fill, predict_next=False, plan_next=None):
+    def planning_decode(seqs, temperatures, seeds, has_mask, fill, predict_next=False, plan_next=None,
+                        before_wait=None):
         tokens = real(seqs, temperatures, seeds, has_mask, fill, predict_next)
+        if before_wait is not None:  # batch 1: jumps rehearsed as if the device still computed
+            before_wait(lambda: False)
         planned = None
         if plan_next is not None:
             rows = plan_next(tokens)
@@ -175,12 +178,18 @@ def test_planned_decode_steps_are_the_steps_the_engine_runs(engine, grammar, tok
     def outputs() -> list[list[int]]:
         reqs = [make(tokenizer, engine, grammar, i, max_tokens=30, jump_forward=True) for i in range(3)]
         engine.run(reqs)
+        solo = make(tokenizer, engine, grammar, 2, max_tokens=40, jump_forward=True)
+        engine.run([solo])  # batch 1: the jumps are rehearsed
+        reqs.append(solo)
         assert all(r.finish_reason in ("stop", "length") for r in reqs)
         assert sum(r.stats.forced_tokens for r in reqs) > 0  # jumps happened
         return [r.output_ids for r in reqs]
 
     previous = engine.jump_forward_hook
-    engine.jump_forward_hook = JumpForward(tokenizer, engine.vocab_size, engine.stop_token_ids)
+    engine.jump_forward_hook = hook = JumpForward(tokenizer, engine.vocab_size, engine.stop_token_ids)
+    replayed = []
+    real_replay = hook._replay
+    hook._replay = lambda req, plan: replayed.append(plan) or real_replay(req, plan)
     try:
         unplanned = outputs()
         engine.runner.decode = planning_decode
@@ -189,6 +198,7 @@ def test_planned_decode_steps_are_the_steps_the_engine_runs(engine, grammar, tok
         del engine.runner.decode  # back to the class's method
         engine.jump_forward_hook = previous
     assert planned == unplanned
+    assert any(p is not None for p in replayed)  # and some of its jumps were rehearsals replayed
     plans = [(plan, steps[k + 1][0] if k + 1 < len(steps) else None) for k, (_, plan) in enumerate(steps)]
     made = [(plan, ran) for plan, ran in plans if plan is not None]
     assert len(made) >= 10

@@ -153,3 +153,30 @@ def test_token_gate_runs_forwards_early_and_changes_no_output(setup, model_dir, 
         outs[gate] = [r.output_ids for r in reqs]
     assert outs[True] == outs[False]
     assert graphs.gate_runs > 20 and graphs.gate_wasted <= graphs.gate_runs // 4, (graphs.gate_runs, graphs.gate_wasted)
+
+
+def test_rehearsed_jumps_change_no_output(setup, model_dir, tokenizer, monkeypatch):
+    """Jump-forward at batch 1 with the jumps rehearsed while the device computes gives the
+    outputs of the hook deciding after the device, and the hook did replay rehearsals."""
+    from structgen.grammar.jump_forward import JumpForward
+
+    cfg, stop, grammar, prompts = setup
+    ec = EngineConfig(device="cuda", max_batch_size=16, max_seq_len=1024, jump_forward=True, prefill_in_graphs=False)
+    engine = Engine(cfg, ec, model_dir, stop_token_ids=stop)
+    install_jump_forward(engine, tokenizer)
+    replayed = []
+    real = JumpForward._replay
+    monkeypatch.setattr(JumpForward, "_replay", lambda self, req, plan: replayed.append(plan) or real(self, req, plan))
+    outs = {}
+    for rehearse in (True, False):
+        engine.config.rehearse_jumps = rehearse
+        reqs = [Request(p, SamplingParams(max_tokens=96), grammar.matcher(), frozenset(stop)) for p in prompts[:4]]
+        for r in reqs:  # one at a time: batch 1
+            engine.run([r])
+            assert r.finish_reason == "stop", r.error
+            jsonschema.validate(json.loads(tokenizer.decode(r.output_ids, skip_special_tokens=True)), SCHEMA)
+        outs[rehearse] = [r.output_ids for r in reqs]
+        if rehearse:
+            jumps = sum(p is not None for p in replayed)
+            assert jumps >= 8, f"{jumps} jumps replayed from rehearsals ({len(replayed)} replays)"
+    assert outs[True] == outs[False]

@@ -327,3 +327,25 @@ def test_llguidance_matcher_reports_its_error_state(tokenizer):
     assert not m.accept_token(letter) and m.error() is None  # the guarded path leaves no error
     m.ll_matcher.consume_token(letter)
     assert m.error()
+
+
+def test_llguidance_never_takes_a_stop_token_for_text(tokenizer, monkeypatch):
+    """Where the tokenizer does not list its stop token among `all_special_ids` (seen on the
+    GPU machine's transformers: MaskBench Kubernetes kb_0 sampled `<|im_end|>` inside a JSON
+    string, which llguidance's mask allowed as the text "<|im_end|>" while the adapter took it
+    as the stop token and rejected it), llguidance must still treat the stop token as special:
+    disallowed inside a string, allowed once the value is complete."""
+    from structgen.grammar import GrammarCompiler
+    from structgen.types import JsonSchema, to_constraint
+
+    eos = tokenizer.eos_token_id
+    monkeypatch.setattr(type(tokenizer), "all_special_ids", property(lambda self: []))
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [eos], backend="llguidance")
+    m = compiler.compile(to_constraint(JsonSchema({"type": "string"}))).matcher()
+    mask = allocate_bitmask(1, len(tokenizer), host_only=True)
+    assert m.accept_tokens(tokenizer.encode('"ab', add_special_tokens=False)) == 2
+    m.fill_bitmask(mask, 0)
+    assert eos not in allowed(mask, 0, len(tokenizer))
+    assert not m.accept_token(eos) and m.accept_token(tokenizer.encode('"', add_special_tokens=False)[0])
+    m.fill_bitmask(mask, 0)
+    assert allowed(mask, 0, len(tokenizer)) == {eos} and m.accept_token(eos) and m.is_terminated()

@@ -126,13 +126,13 @@ def test_forced_text_held_back_whole_is_tried_once(llm, backend, monkeypatch):
     assert req.matcher.jump_forward_string() == ' "'
     hook = llm.engine.jump_forward_hook
     attempts = []
-    real = hook._jump
-    monkeypatch.setattr(hook, "_jump", lambda r, forced, k: attempts.append(k) or real(r, forced, k))
+    real = hook._splice
+    monkeypatch.setattr(hook, "_splice", lambda m, ids, limit, forced, k: attempts.append(k) or real(m, ids, limit, forced, k))
     before = list(req.output_ids)
     hook(llm.engine, req)
     assert attempts == []  # answered before any re-encoding
     assert req.output_ids == before and req.stats.forced_tokens == 0
-    assert real(req, b' "', 4) == HELD_BACK  # the re-encoding's own answer, once
+    assert real(req.matcher, req.token_ids, 1000, b' "', 4)[0] == HELD_BACK  # the re-encoding's own answer, once
     assert req.output_ids == before and req.stats.forced_tokens == 0
     assert_matcher_consistent(llm, req, schema, backend)
 
@@ -147,6 +147,70 @@ def test_special_token_text_inside_forced_string(llm, backend):
     assert text_of(llm, req) == '{"k": "a<|im_end|>b"}'
     assert not set(req.output_ids) & llm.engine.stop_token_ids
     assert req.finished and req.finish_reason == "stop"
+
+
+RECORD = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"}, "age": {"type": "integer"}, "role": {"enum": ["admin", "user"]},
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "items": {"type": "array", "items": {"type": "object", "properties": {"id": {"type": "integer"},
+                                                                              "ok": {"type": "boolean"}},
+                                             "required": ["id", "ok"], "additionalProperties": False}},
+    },
+    "required": ["name", "age", "role", "tags", "items"],
+    "additionalProperties": False,
+}
+RECORD_TEXT = ('{"name": "Ann Lee", "age": 42, "role": "admin", "tags": ["x", "y z"], '
+               '"items": [{"id": 1, "ok": true}, {"id": 23, "ok": false}]}')
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rehearsed_jumps_equal_the_hooks_own(llm, backend, monkeypatch):
+    """Two requests write the same output token by token, the way the engine takes sampled
+    tokens; before each token, one of them rehearses the step's likely tokens (as the engine
+    does at batch 1 while the device computes). After every step both hold the same tokens
+    (forced ones included) and their grammars the same state, and the rehearsed request's
+    hook replayed rehearsals instead of deciding afresh."""
+    from structgen.grammar import allocate_bitmask
+
+    hook = llm.engine.jump_forward_hook
+    decided, replayed = [], []
+    real_decide, real_replay = hook._decide, hook._replay
+    monkeypatch.setattr(hook, "_decide", lambda *a: decided.append(1) or real_decide(*a))
+    monkeypatch.setattr(hook, "_replay", lambda req, plan: replayed.append(plan) or real_replay(req, plan))
+    mask = allocate_bitmask(1, llm.engine.vocab_size, host_only=True)
+    words = mask[0].numpy().view("uint32")
+    rehearsed, plain = sampled(llm, RECORD, "", backend), sampled(llm, RECORD, "", backend)
+    for req in (rehearsed, plain):
+        hook(llm.engine, req)  # the opening `{"name": "` rides with the prompt
+    steps, quote = 0, llm.tokenizer.encode('"', add_special_tokens=False)[0]
+    while not rehearsed.finished and len(text_of(llm, rehearsed)) < len(RECORD_TEXT):
+        rest = RECORD_TEXT[len(text_of(llm, rehearsed)):]
+        tok = llm.tokenizer.encode(rest, add_special_tokens=False)[0]
+        if llm.tokenizer.decode([tok]) in ('",', '"]'):  # the model may close with `"` alone:
+            tok = quote  # then the re-encoding merges it with the forced text and re-spells it
+        for req in (rehearsed, plain):
+            if req is rehearsed:
+                req.matcher.fill_bitmask(mask, 0)
+                version = req.matcher.version
+                hook.rehearse(req, words.copy(), lambda: True)  # the device finished: nothing done
+                assert req.matcher.version == version and hook._rehearsal is None
+                hook.rehearse(req, words.copy(), lambda: False)
+                n = len(decided)
+            assert req.matcher.accept_token(tok)
+            req.append([tok])
+            hook(llm.engine, req)
+            if req is rehearsed and replayed and replayed[-1] is not None and len(decided) == n:
+                steps += 1  # a jump replayed, no decision taken after the token
+        assert rehearsed.token_ids == plain.token_ids
+        assert rehearsed.stats.forced_tokens == plain.stats.forced_tokens
+        assert rehearsed.finished == plain.finished
+    assert text_of(llm, rehearsed) == RECORD_TEXT and rehearsed.matcher.is_completed()
+    assert rehearsed.stats.forced_tokens > 10
+    assert steps >= 4, f"only {steps} jumps replayed from rehearsals"
+    for req in (rehearsed, plain):
+        assert_matcher_consistent(llm, req, RECORD, backend)
 
 
 class PrefixSpaceTokenizer:

@@ -131,6 +131,10 @@ class EngineConfig:
     # (cuda_graphs.py, `enable_token_gate`). Lent H100 hosts, real SmolLM2: 1.282x vs 1.261x
     # and 1.340x vs 1.299x jump-forward speedup with it (docs/performance.md).
     token_gate: bool = True
+    # Jump-forward at batch 1 on CUDA: while the device computes a step, the host works out the
+    # jump each likely next token would make (`JumpForward.rehearse`), so after the device it
+    # only replays the one sampled instead of re-encoding on the critical path.
+    rehearse_jumps: bool = True
     # Prompts run through the decode graphs, a row per token, in chunks of the largest bucket
     # (prefill_chunk_tokens is capped there), instead of as eager extends: on the H100 a
     # SmolLM2 prompt of 48-397 tokens took 23 ms to the first token eagerly (host-bound)

@@ -301,6 +301,7 @@ class DecodeGraphs:
         fill_bitmask: Callable[[torch.Tensor], None],
         predict_next: bool = False,
         plan_next: Callable[[list[int]], StepRows | None] | None = None,
+        before_wait: Callable[[Callable[[], bool]], None] | None = None,
     ) -> list[int]:
         """Decode one token for each of n rows (n <= max_batch_size); return the n sampled
         tokens. `fill_bitmask(host_bitmask)` is called while the forward runs and must fill row
@@ -310,7 +311,9 @@ class DecodeGraphs:
         tokens once they are on the host: the next step's rows `(token_ids, positions, slots)`,
         whose forward is then launched; None: launch nothing. With `plan_next`, rows of one
         sequence may all be sampled (speculative verification): the plan, not the blind
-        prediction, says what runs next."""
+        prediction, says what runs next. `before_wait(done)`: host work for the time the
+        device still computes this step, called (on CUDA) just before the host waits for the
+        sampled tokens; `done()` says whether the sampler has finished."""
         n = len(token_ids)
         bs = self.bucket(n)
         assert bs is not None, f"batch of {n} exceeds the largest captured size {self.max_batch_size}"
@@ -371,6 +374,8 @@ class DecodeGraphs:
         elif gate is not None:
             gate.launch()  # the same forward, run or skipped by the device on the sampled token
         if cuda:
+            if before_wait is not None:
+                before_wait(self.step_done.query)
             self.step_done.synchronize()  # waits for the sampler, not for that forward
         tokens = self._tokens_np[:n].tolist()
         if not prelaunch:

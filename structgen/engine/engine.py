@@ -211,7 +211,10 @@ class Engine:
             self._time_step(None)
         row_errors: dict[int, BaseException] = {}
 
+        filled: list[torch.Tensor] = []
+
         def fill(bitmask: torch.Tensor) -> None:  # runs while the device computes the forward
+            filled.append(bitmask)
             row_errors.update(self._fill_masks(bitmask, self._not_prefilled(bitmask, constrained)))
 
         finished: list[list[Request]] = []  # set once the step's tokens are taken in
@@ -246,8 +249,20 @@ class Engine:
                 take(toks, fill_next=False)  # the device waits: no fills before the launch
                 return self._plan_decode_step()
 
+        rehearse = None
+        hook = self.jump_forward_hook
+        if plan is not None and self.config.rehearse_jumps and len(reqs) == 1 and reqs[0].jump_forward \
+                and reqs[0].matcher is not None and hasattr(hook, "rehearse"):
+            # Batch 1: the host has nothing else to do until the device has sampled the token.
+            def rehearse(done: Callable[[], bool]) -> None:
+                if filled and last[0] not in row_errors:
+                    try:
+                        hook.rehearse(reqs[0], filled[0][last[0]].numpy().view(np.uint32), done)
+                    except Exception:  # pragma: no cover - the hook then decides as usual
+                        log.exception("rehearsing jump-forward failed")
+
         try:
-            tokens = self.runner.decode(seqs, temperatures, seeds, has_mask, fill, not chunks, plan)
+            tokens = self.runner.decode(seqs, temperatures, seeds, has_mask, fill, not chunks, plan, rehearse)
         except Exception as exc:  # a broken batch fails its requests, not the engine
             log.exception("decode step failed")
             for req, _ in batch:

@@ -22,6 +22,11 @@ the hold-back below took every forced token: alone it ends in the same token), a
 that nothing is jumped. A jump that does not happen leaves the matcher and the request
 exactly as they were.
 
+At batch 1 on CUDA the host would wait for every jump while the device idles, so the engine
+rehearses: while the device computes a step, `rehearse` works out (and undoes) the jump after
+each token likely to trigger one, and after the device the hook only replays the outcome for
+the token sampled, checked to be from the same grammar state and forced text.
+
 The forced tokens are appended as pending tokens; the scheduler runs every pending token of a
 request in one `extend`, batched with the other requests' decode steps, taking logits at the
 last position only.
@@ -30,11 +35,20 @@ last position only.
 from __future__ import annotations
 
 import bisect
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from structgen.grammar.backends.base import allocate_bitmask, allows_only, token_bytes
+from structgen.grammar.backends.base import (
+    allocate_bitmask,
+    allowed_ids,
+    allows_only,
+    count_allowed,
+    token_bytes,
+)
 
 if TYPE_CHECKING:
     from structgen.engine.engine import Engine
@@ -50,6 +64,22 @@ PROBE_SAMPLE = 8  # with more candidates, this many (spread over them) are tried
 # token is the one just held back, in the same grammar state (on MaskBench replays every such
 # retry, 67 of 67, was held back again, each a second encode + advance on the critical path).
 JUMPED, HELD_BACK, FAILED = "jumped", "held back", "failed"
+# Rehearsal (`JumpForward.rehearse`): every allowed token where at most this many are, else up
+# to REHEARSE_MAX of the tokens that made the grammar force text most often. One rehearsal costs
+# about what the hook does after the device (an encode, an advance, a rollback).
+REHEARSE_ALL = 8
+REHEARSE_MAX = 4
+
+
+@dataclass
+class Rehearsal:
+    """Outcomes worked out before the token was sampled: for each rehearsed token, the
+    forced text after it and the jump `JumpForward._decide` made of it (None: nothing jumps).
+    Valid while the matcher has taken exactly one token since (`version` + 1)."""
+
+    req: Request
+    version: int
+    plans: dict[int, tuple[bytes, tuple[int, int, list[int]] | None]]
 
 
 class VocabBytes:
@@ -136,30 +166,62 @@ class JumpForward:
         # Per token, an extension the grammar allowed last time it was asked (`_allows_extension`):
         # tried first, it mostly answers with one accept instead of a sample or a mask fill.
         self._allowed_before: dict[int, int] = {}
+        self._triggers: Counter[int] = Counter()  # sampled tokens after which text was forced
+        self._rehearsal: Rehearsal | None = None
 
     def __call__(self, engine: Engine, req: Request) -> None:
         m = req.matcher
         if m is None or req.finished or m.is_terminated():
             return
+        rehearsal, self._rehearsal = self._rehearsal, None
         try:
             forced = m.jump_forward_string()
         except UnicodeDecodeError:  # forced bytes end inside a character: nothing to encode
             return
         if not forced:
             return
-        room = req.num_prompt + req.params.max_tokens - len(req.token_ids)
-        if room <= 0:
-            return
-        k, text = min(self.max_backoff, req.num_output), forced.encode("utf-8")
-        if self._held_back_alone(req, text):
-            return
-        outcome = self._jump(req, text, k)
-        if outcome == FAILED and k > 0:  # the merged re-encoding failed: try the forced text alone
-            outcome = self._jump(req, text, 0)
-        if outcome == JUMPED:
-            self._maybe_finish(req)
+        text = forced.encode("utf-8")
+        if rehearsal is not None and rehearsal.req is req and rehearsal.version + 1 == m.version:
+            # The matcher took one token (the sampled one) since the rehearsal: where that
+            # token was rehearsed, only the rehearsed outcome is left to replay.
+            plan = rehearsal.plans.get(req.token_ids[-1], False)
+            if plan is not False and plan[0] == text and self._replay(req, plan[1]):
+                return
+        plan = self._decide(m, req.token_ids, req.num_prompt, req.params.max_tokens, text)
+        if plan is not None:
+            self._apply(req, *plan)
 
-    def _held_back_alone(self, req: Request, forced: bytes) -> bool:
+    def _decide(self, m: Any, ids: list[int], num_prompt: int, max_tokens: int, forced: bytes
+                ) -> tuple[int, int, list[int]] | None:
+        """What the hook does with `forced` after `ids`: (start, c, kept), the jump, with the
+        matcher rolled back to `ids[:start + c]` and advanced by `kept[c:]`; None: nothing
+        jumps, and the matcher is as it was."""
+        if num_prompt + max_tokens - len(ids) <= 0:
+            return None
+        k = min(self.max_backoff, len(ids) - num_prompt)
+        if self._held_back_alone(m, ids, len(ids) - num_prompt, forced):
+            return None
+        limit = num_prompt + max_tokens  # max_tokens caps the tail
+        outcome, c, kept = self._splice(m, ids, limit, forced, k)
+        if outcome == FAILED and k > 0:  # the merged re-encoding failed: try the forced text alone
+            k = 0
+            outcome, c, kept = self._splice(m, ids, limit, forced, 0)
+        return (len(ids) - k, c, kept) if outcome == JUMPED else None
+
+    def _apply(self, req: Request, start: int, c: int, kept: list[int]) -> None:
+        """Splice a decided jump into the request (the matcher has it already)."""
+        old = len(req.token_ids) - start
+        if req.num_output:
+            self._triggers[req.token_ids[-1]] += 1
+        req.truncate(start + c)
+        replaced = max(0, min(old, len(kept)) - c)  # re-spelled sampled text, not forced
+        if replaced:
+            req.append(kept[c : c + replaced])
+        if len(kept) > c + replaced:
+            req.append(kept[c + replaced :], forced=True)
+        self._maybe_finish(req)
+
+    def _held_back_alone(self, m: Any, ids: list[int], num_output: int, forced: bytes) -> bool:
         """Whether `forced` is one token that hold-back would take back anyway: it starts with
         a space (so no tokenizer here joins it to the sampled text; the re-encoding would end
         in that token) and the grammar allows a longer token starting with it (` ` after `":`,
@@ -167,56 +229,117 @@ class JumpForward:
         without the re-encoding (40-100 us on the lent hosts: the tokenizer's tables are cold
         after a wait for the device), which the undone jump used to pay on the device's
         critical path (28 of 139 hook calls on MaskBench in model mode)."""
-        if not forced.startswith(b" ") or not req.num_output:
+        if not forced.startswith(b" ") or not num_output:
             return False
         tid = self.vocab.token_id(forced)
         if tid is None:
             return False
-        if self.vocab.tokens[req.token_ids[-1]][-1:].isspace():
+        if self.vocab.tokens[ids[-1]][-1:].isspace():
             return False  # the sampled text ends in whitespace: the space may join it
-        return self._allows_extension(req.matcher, tid)
+        return self._allows_extension(m, tid)
 
     # -- one attempt --------------------------------------------------------------------------
-    def _jump(self, req: Request, forced: bytes, k: int) -> str:
-        """Re-encode the last `k` output tokens + `forced` and splice the result in. Returns
-        JUMPED, or (with the request and matcher untouched) HELD_BACK when every forced token
-        was held back, FAILED when the re-encoding or the grammar got in the way."""
-        m = req.matcher
-        start = len(req.token_ids) - k
-        old = req.token_ids[start:]
+    def _splice(self, m: Any, ids: list[int], limit: int, forced: bytes, k: int) -> tuple[str, int, list[int]]:
+        """Re-encode the last `k` of `ids` + `forced` and advance the matcher through the
+        result, at most up to `limit` tokens in all. Returns (JUMPED, c, kept): the matcher
+        rolled back to `ids[:len(ids) - k + c]` and advanced by `kept[c:]`; or, with the
+        matcher untouched, HELD_BACK when every forced token was held back, FAILED when the
+        re-encoding or the grammar got in the way."""
+        start = len(ids) - k
+        old = ids[start:]
         old_bytes = self.vocab.join(old)
         new = self._encode(old_bytes + forced)
         if new is None:
-            return FAILED
+            return FAILED, 0, []
         c = 0  # tokens shared with the old tail stay (and stay cached)
         while c < min(len(old), len(new)) and old[c] == new[c]:
             c += 1
-        limit = req.num_prompt + req.params.max_tokens - start  # max_tokens caps the tail
         if c < len(old):
             m.rollback(len(old) - c)
-        accepted = 0
-        for t in new[c:limit]:
-            if not m.accept_token(t):
-                break
-            accepted += 1
+        accepted = m.accept_tokens(new[c : limit - start])
         kept = new[: c + accepted]
         covers = self.vocab.length(kept) > len(old_bytes)
         kept = self._hold_back(m, kept, c, len(old_bytes))
         if self.vocab.length(kept) <= len(old_bytes):  # no forced byte survived: undo
-            m.rollback(len(kept) - c)
-            for t in old[c:]:
-                if not m.accept_token(t):  # pragma: no cover - the matcher just accepted them
-                    raise RuntimeError(
-                        "grammar matcher could not restore its state after jump-forward"
-                    )
-            return HELD_BACK if covers else FAILED
-        req.truncate(start + c)
-        replaced = max(0, min(len(old), len(kept)) - c)  # re-spelled sampled text, not forced
-        if replaced:
-            req.append(kept[c : c + replaced])
-        if len(kept) > c + replaced:
-            req.append(kept[c + replaced :], forced=True)
-        return JUMPED
+            self._restore(m, len(kept) - c, old[c:])
+            return (HELD_BACK if covers else FAILED), 0, []
+        return JUMPED, c, kept
+
+    @staticmethod
+    def _restore(m: Any, taken: int, old: list[int]) -> None:
+        """Undo a splice: roll back the `taken` new tokens and re-take the `old` ones."""
+        m.rollback(taken)
+        if m.accept_tokens(old) != len(old):  # pragma: no cover - the matcher just accepted them
+            raise RuntimeError("grammar matcher could not restore its state after jump-forward")
+
+    # -- rehearsal: the jump worked out while the device computes ------------------------------
+    def rehearse(self, req: Request, allowed: np.ndarray, done: Callable[[], bool]) -> None:
+        """Work out, for the tokens likeliest to make the grammar force text (`_likely`) among
+        those `allowed` (the mask of the step now on the device), what the hook would do after
+        each, and undo it. Called while the device computes that step, at batch 1, with
+        `done()` saying whether it has finished (then this stops: it would delay the step).
+        After the device, the hook only replays the outcome for the token sampled (`_replay`),
+        instead of re-encoding and probing on the device's critical path (128-247 us a jump
+        on the lent hosts, p50)."""
+        self._rehearsal = None
+        m = req.matcher
+        if m is None or req.finished or m.is_terminated():
+            return
+        plans: dict[int, tuple[bytes, tuple[int, int, list[int]] | None]] = {}
+        ids = [*req.token_ids, 0]
+        for t in self._likely(allowed):
+            if done():
+                break
+            if not m.accept_token(t):
+                continue
+            try:
+                if m.is_terminated():
+                    continue
+                try:
+                    text = m.jump_forward_string().encode("utf-8")
+                except UnicodeDecodeError:
+                    continue
+                if not text:
+                    continue
+                ids[-1] = t
+                plan = self._decide(m, ids, req.num_prompt, req.params.max_tokens, text)
+                if plan is not None:
+                    start, c, kept = plan
+                    self._restore(m, len(kept) - c, ids[start + c :])
+                plans[t] = (text, plan)
+            finally:
+                m.rollback(1)
+        if plans:
+            self._rehearsal = Rehearsal(req, m.version, plans)
+
+    def _likely(self, allowed: np.ndarray) -> list[int]:
+        """The tokens to rehearse: every one allowed where few are (a key, a keyword, a
+        number's end), else those that made the grammar force text most often so far (`",`
+        and `":` in JSON) and are allowed now."""
+        if count_allowed(allowed) <= REHEARSE_ALL:
+            return [t for t in allowed_ids(allowed).tolist() if t not in self.vocab.special]
+        likely = []
+        for t, _ in self._triggers.most_common(4 * REHEARSE_MAX):
+            if allowed[t >> 5] >> (t & 31) & 1:
+                likely.append(t)
+                if len(likely) == REHEARSE_MAX:
+                    break
+        return likely
+
+    def _replay(self, req: Request, plan: tuple[int, int, list[int]] | None) -> bool:
+        """Apply a rehearsed outcome; False (nothing changed) if the grammar now disagrees."""
+        if plan is None:
+            return True
+        start, c, kept = plan
+        m, old = req.matcher, req.token_ids[start:]
+        if c < len(old):
+            m.rollback(len(old) - c)
+        taken = m.accept_tokens(kept[c:])
+        if taken != len(kept) - c:  # pragma: no cover - the rehearsal took the same tokens
+            self._restore(m, taken, old[c:])
+            return False
+        self._apply(req, start, c, kept)
+        return True
 
     def _encode(self, text: bytes) -> list[int] | None:
         """Token ids spelling exactly `text`, or None (not UTF-8, or the tokenizer changes it)."""

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from structgen.engine.kernels import csrc_ext
+from structgen.grammar.backends.base import count_allowed
 
 
 def available() -> bool:
@@ -116,7 +117,7 @@ class TokenGate:
     def wide(self, mask_row: np.ndarray) -> bool:
         """Whether a grammar mask (uint32 words) allows `min_allowed` tokens or more: a state
         where the gate is worth launching."""
-        return _popcount(mask_row) >= self.min_allowed
+        return count_allowed(mask_row) >= self.min_allowed
 
     def launch(self) -> None:
         self._ext.graph_launch(self._exec, torch.cuda.current_stream(self.device).cuda_stream)
@@ -132,15 +133,6 @@ class TokenGate:
                 ext.gate_destroy(exec_)
             except Exception:  # interpreter teardown: CUDA may already be gone
                 pass
-
-
-_BYTE_BITS = np.array([bin(i).count("1") for i in range(256)], dtype=np.int64)
-
-
-def _popcount(words: np.ndarray) -> int:
-    if hasattr(np, "bitwise_count"):
-        return int(np.bitwise_count(words).sum())
-    return int(_BYTE_BITS[words.view(np.uint8)].sum())
 
 
 __all__ = ["GatedGraph", "TokenGate", "available"]

@@ -88,6 +88,21 @@ def allows_only(words: np.ndarray, token_ids: Iterable[int], vocab_size: int) ->
     return not rest.any()
 
 
+_BYTE_BITS = np.array([bin(i).count("1") for i in range(256)], dtype=np.int64)
+
+
+def count_allowed(words: np.ndarray) -> int:
+    """How many tokens a bitmask row (its uint32 view) allows."""
+    if hasattr(np, "bitwise_count"):  # numpy 2
+        return int(np.bitwise_count(words).sum())
+    return int(_BYTE_BITS[words.view(np.uint8)].sum())
+
+
+def allowed_ids(words: np.ndarray) -> np.ndarray:
+    """The token ids a bitmask row (its uint32 view) allows, ascending."""
+    return np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little"))
+
+
 class GrammarMatcher(ABC):
     """Per-request grammar state: which tokens may come next, given the tokens so far.
 

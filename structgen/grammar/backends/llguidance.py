@@ -148,8 +148,11 @@ class _VocabBytes:
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]):
         tokens = list(token_bytes(tokenizer, vocab_size))
-        # Special: the tokenizer's own, and ids without bytes (padding of a wider LM head).
-        special = {t for t in getattr(tokenizer, "all_special_ids", []) or [] if t < vocab_size}
+        # Special: the stop tokens, the tokenizer's own, and ids without bytes (padding of a
+        # wider LM head). The stop tokens explicitly: where a tokenizer does not list one in
+        # `all_special_ids` (the GPU machine's transformers), llguidance took `<|im_end|>` for
+        # text and allowed it inside JSON strings, while the adapter stops on it.
+        special = {t for t in [*stop_token_ids, *(getattr(tokenizer, "all_special_ids", []) or [])] if t < vocab_size}
         special |= {t for t, b in enumerate(tokens) if not b}
         for t in special:  # llguidance marks specials itself; give them their text
             name = tokenizer.convert_ids_to_tokens(t) if t < len(tokenizer) else None
