@@ -258,7 +258,9 @@ def measure(llm: LLM, cases: list[Case], mode: str, jf: bool, batch: int, max_to
         "passes_per_token": passes / max(tokens, 1), "wall_s": wall,
         "latency_ms": 1e3 * statistics.mean(latencies), "ms_per_token": 1e3 * wall / max(tokens, 1),
         "valid": valid, "n": len(done),
-        "per_case": {c.id: (r.num_output, r.stats.forward_passes) for c, r in done},
+        # (output tokens, forward passes, finish reason, latency in s) per case.
+        "per_case": {c.id: (r.num_output, r.stats.forward_passes, r.finish_reason, lat)
+                     for (c, r), lat in zip(done, latencies, strict=True)},
         "decode_step_ms": 1e3 * statistics.mean(timer.decode) if timer.decode else None,
         "extend_step_ms": 1e3 * statistics.mean(timer.extend) if timer.extend else None,
         # Graph steps whose forward was already running when the host got to them.
@@ -309,9 +311,17 @@ def add_rows(rows: list, table: list, res: dict, model: str, mode: str, batch: i
                       "gate_wasted": r["gate_wasted"]})
     rows.append({"system": "structgen", "model": model, "batch": batch, "constrained": True, "mode": mode,
                  **note, "metric": "speedup", "value": off["wall_s"] / on["wall_s"]})
+    # A request that runs to max_tokens in one run (the model loops) weighs on that run's wall,
+    # at batch 16 all of it: also the speedup over the requests that stopped in both.
+    both = [c for c, v in on["per_case"].items() if v[2] == "stop" and off["per_case"][c][2] == "stop"]
+    stopped = sum(off["per_case"][c][3] for c in both) / max(sum(on["per_case"][c][3] for c in both), 1e-9)
+    rows.append({"system": "structgen", "model": model, "batch": batch, "constrained": True, "mode": mode,
+                 **note, "metric": "speedup_stopped_in_both", "value": stopped, "cases": len(both)})
     table.append({"mode": mode, **note, "batch": batch, "jf": "on/off",
                   "passes/tok": on["passes_per_token"] / off["passes_per_token"],
                   "latency_ms": on["latency_ms"] / off["latency_ms"], "wall_s": off["wall_s"] / on["wall_s"]})
+    table.append({"mode": mode, **note, "batch": batch, "jf": f"speedup, {len(both)} stopped in both",
+                  "wall_s": stopped})
 
 
 def add_gate_off_rows(rows: list, table: list, off_gate: dict, res: dict, model: str, mode: str, batch: int,
@@ -339,8 +349,8 @@ def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def case_rows(res: dict, note: dict) -> list[dict[str, Any]]:
     """Per schema (replay, batch 1, identical outputs): forward passes per token off and on."""
     out = []
-    for cid, (tokens, passes_off) in res[False]["per_case"].items():
-        _, passes_on = res[True]["per_case"][cid]
+    for cid, (tokens, passes_off, *_) in res[False]["per_case"].items():
+        passes_on = res[True]["per_case"][cid][1]
         out.append({"case": cid, **note, "tokens": tokens, "passes/tok off": passes_off / max(tokens, 1),
                     "passes/tok on": passes_on / max(tokens, 1), "fewer_passes_pct": 100 * (1 - passes_on / max(passes_off, 1))})
     return out
@@ -406,13 +416,14 @@ def main() -> None:
                             engine.runner.graphs.use_token_gate = g
                         runs[(jf, g)].append(measure(llm, cases, mode, jf, batch, args.max_tokens))
                 res = {jf: median_run(runs[(jf, gate)]) for jf in (False, True)}
+                group = len(table)
                 add_rows(rows, table, res, model, mode, batch, graph_note)
                 if args.token_gate == "both":
                     add_gate_off_rows(rows, table, median_run(runs[(True, False)]), res, model, mode, batch, graph_note)
                 if mode == "replay" and batch == 1:
                     per_case = case_rows(res, graph_note)
                     print_table(per_case)
-                print_table(table[-3:])
+                print_table(table[group:])
         del llm, engine
     print_table(table)
     print("(last row per group: passes/tok = on/off ratio, wall_s = speedup off/on)")
