@@ -22,10 +22,10 @@ the hold-back below took every forced token: alone it ends in the same token), a
 that nothing is jumped. A jump that does not happen leaves the matcher and the request
 exactly as they were.
 
-On CUDA the device idles while the host decides a jump, so the engine rehearses: while the
-device computes a step, `rehearse_step` works out (and undoes) the jump after each token
-likely to trigger one, and after the device the hook only replays the outcome for the token
-sampled, checked to be from the same grammar state and forced text.
+At batch 1 on CUDA the host would wait for every jump while the device idles, so the engine
+rehearses: while the device computes a step, `rehearse` works out (and undoes) the jump after
+each token likely to trigger one, and after the device the hook only replays the outcome for
+the token sampled, checked to be from the same grammar state and forced text.
 
 The forced tokens are appended as pending tokens; the scheduler runs every pending token of a
 request in one `extend`, batched with the other requests' decode steps, taking logits at the
@@ -167,13 +167,13 @@ class JumpForward:
         # tried first, it mostly answers with one accept instead of a sample or a mask fill.
         self._allowed_before: dict[int, int] = {}
         self._triggers: Counter[int] = Counter()  # sampled tokens after which text was forced
-        self._rehearsals: dict[int, Rehearsal] = {}  # by id(request), for the step on the device
+        self._rehearsal: Rehearsal | None = None
 
     def __call__(self, engine: Engine, req: Request) -> None:
         m = req.matcher
         if m is None or req.finished or m.is_terminated():
             return
-        rehearsal = self._rehearsals.pop(id(req), None)
+        rehearsal, self._rehearsal = self._rehearsal, None
         try:
             forced = m.jump_forward_string()
         except UnicodeDecodeError:  # forced bytes end inside a character: nothing to encode
@@ -273,32 +273,21 @@ class JumpForward:
             raise RuntimeError("grammar matcher could not restore its state after jump-forward")
 
     # -- rehearsal: the jump worked out while the device computes ------------------------------
-    def rehearse_step(self, rows: list[tuple[Request, np.ndarray]], done: Callable[[], bool]) -> None:
-        """Rehearse a step's requests (each with its row of the step's mask) in turn while
-        `done()` says the device is still computing. Alone, a request rehearses up to
-        REHEARSE_MAX tokens; in a batch, one each (the host's idle time is shared)."""
-        self._rehearsals.clear()  # earlier steps' are spent
-        most = REHEARSE_MAX if len(rows) == 1 else 1
-        for req, allowed in rows:
-            if done():
-                return
-            self.rehearse(req, allowed, done, most)
-
-    def rehearse(self, req: Request, allowed: np.ndarray, done: Callable[[], bool], most: int = REHEARSE_MAX) -> None:
-        """Work out, for the tokens likeliest to make the grammar force text (`_likely`, at
-        most `most` of those that made it before) among those `allowed` (the request's row of
-        the mask of the step now on the device), what the hook would do after each, and undo
-        it. Called while the device computes that step, with `done()` saying whether it has
-        finished (then this stops: it would delay the step). After the device, the hook only
-        replays the outcome for the token sampled (`_replay`), instead of re-encoding and
-        probing on the device's critical path (128-247 us a jump on the lent hosts, p50)."""
-        self._rehearsals.pop(id(req), None)
+    def rehearse(self, req: Request, allowed: np.ndarray, done: Callable[[], bool]) -> None:
+        """Work out, for the tokens likeliest to make the grammar force text (`_likely`) among
+        those `allowed` (the mask of the step now on the device), what the hook would do after
+        each, and undo it. Called while the device computes that step, at batch 1, with
+        `done()` saying whether it has finished (then this stops: it would delay the step).
+        After the device, the hook only replays the outcome for the token sampled (`_replay`),
+        instead of re-encoding and probing on the device's critical path (128-247 us a jump
+        on the lent hosts, p50)."""
+        self._rehearsal = None
         m = req.matcher
         if m is None or req.finished or m.is_terminated():
             return
         plans: dict[int, tuple[bytes, tuple[int, int, list[int]] | None]] = {}
         ids = [*req.token_ids, 0]
-        for t in self._likely(allowed, most):
+        for t in self._likely(allowed):
             if done():
                 break
             if not m.accept_token(t):
@@ -321,9 +310,9 @@ class JumpForward:
             finally:
                 m.rollback(1)
         if plans:
-            self._rehearsals[id(req)] = Rehearsal(req, m.version, plans)
+            self._rehearsal = Rehearsal(req, m.version, plans)
 
-    def _likely(self, allowed: np.ndarray, most: int) -> list[int]:
+    def _likely(self, allowed: np.ndarray) -> list[int]:
         """The tokens to rehearse: every one allowed where few are (a key, a keyword, a
         number's end), else those that made the grammar force text most often so far (`",`
         and `":` in JSON) and are allowed now."""
@@ -333,7 +322,7 @@ class JumpForward:
         for t, _ in self._triggers.most_common(4 * REHEARSE_MAX):
             if allowed[t >> 5] >> (t & 31) & 1:
                 likely.append(t)
-                if len(likely) == most:
+                if len(likely) == REHEARSE_MAX:
                     break
         return likely
 
