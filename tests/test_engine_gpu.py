@@ -133,24 +133,36 @@ def test_cancel_and_join_between_planned_steps_spare_the_other_rows(setup, model
     assert engine.runner.kv.free_slots == engine.runner.kv.num_slots
 
 
-def test_token_gate_runs_forwards_early_and_changes_no_output(setup, model_dir, tokenizer):
-    """Jump-forward at batch 1 with the device-decided gate (the next forward runs at once after
-    a quiet token inside a string) gives the outputs of the host-decided launch."""
-    cfg, stop, grammar, prompts = setup
+def batch1_engine(setup, model_dir, tokenizer) -> Engine:
+    """A CUDA engine with jump-forward installed, for requests run one at a time."""
+    cfg, stop, _, _ = setup
     ec = EngineConfig(device="cuda", max_batch_size=16, max_seq_len=1024, jump_forward=True, prefill_in_graphs=False)
     engine = Engine(cfg, ec, model_dir, stop_token_ids=stop)
     install_jump_forward(engine, tokenizer)
+    return engine
+
+
+def batch1_outputs(engine: Engine, setup, tokenizer) -> list[list[int]]:
+    """Four JSON requests run one after another (batch 1); each must be valid."""
+    _, stop, grammar, prompts = setup
+    reqs = [Request(p, SamplingParams(max_tokens=96), grammar.matcher(), frozenset(stop)) for p in prompts[:4]]
+    for r in reqs:
+        engine.run([r])
+        assert r.finish_reason == "stop", r.error
+        jsonschema.validate(json.loads(tokenizer.decode(r.output_ids, skip_special_tokens=True)), SCHEMA)
+    return [r.output_ids for r in reqs]
+
+
+def test_token_gate_runs_forwards_early_and_changes_no_output(setup, model_dir, tokenizer):
+    """Jump-forward at batch 1 with the device-decided gate (the next forward runs at once after
+    a quiet token inside a string) gives the outputs of the host-decided launch."""
+    engine = batch1_engine(setup, model_dir, tokenizer)
     graphs = engine.runner.graphs
     assert graphs.token_gate is not None, "the CUDA extension must build on the GPU machine"
     outs = {}
     for gate in (True, False):
         graphs.use_token_gate = gate
-        reqs = [Request(p, SamplingParams(max_tokens=96), grammar.matcher(), frozenset(stop)) for p in prompts[:4]]
-        for r in reqs:  # one at a time: batch 1
-            engine.run([r])
-            assert r.finish_reason == "stop", r.error
-            jsonschema.validate(json.loads(tokenizer.decode(r.output_ids, skip_special_tokens=True)), SCHEMA)
-        outs[gate] = [r.output_ids for r in reqs]
+        outs[gate] = batch1_outputs(engine, setup, tokenizer)
     assert outs[True] == outs[False]
     assert graphs.gate_runs > 20 and graphs.gate_wasted <= graphs.gate_runs // 4, (graphs.gate_runs, graphs.gate_wasted)
 
@@ -160,22 +172,14 @@ def test_rehearsed_jumps_change_no_output(setup, model_dir, tokenizer, monkeypat
     outputs of the hook deciding after the device, and the hook did replay rehearsals."""
     from structgen.grammar.jump_forward import JumpForward
 
-    cfg, stop, grammar, prompts = setup
-    ec = EngineConfig(device="cuda", max_batch_size=16, max_seq_len=1024, jump_forward=True, prefill_in_graphs=False)
-    engine = Engine(cfg, ec, model_dir, stop_token_ids=stop)
-    install_jump_forward(engine, tokenizer)
+    engine = batch1_engine(setup, model_dir, tokenizer)
     replayed = []
     real = JumpForward._replay
     monkeypatch.setattr(JumpForward, "_replay", lambda self, req, plan: replayed.append(plan) or real(self, req, plan))
     outs = {}
     for rehearse in (True, False):
         engine.config.rehearse_jumps = rehearse
-        reqs = [Request(p, SamplingParams(max_tokens=96), grammar.matcher(), frozenset(stop)) for p in prompts[:4]]
-        for r in reqs:  # one at a time: batch 1
-            engine.run([r])
-            assert r.finish_reason == "stop", r.error
-            jsonschema.validate(json.loads(tokenizer.decode(r.output_ids, skip_special_tokens=True)), SCHEMA)
-        outs[rehearse] = [r.output_ids for r in reqs]
+        outs[rehearse] = batch1_outputs(engine, setup, tokenizer)
         if rehearse:
             jumps = sum(p is not None for p in replayed)
             assert jumps >= 8, f"{jumps} jumps replayed from rehearsals ({len(replayed)} replays)"
