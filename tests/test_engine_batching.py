@@ -206,6 +206,42 @@ def test_planned_decode_steps_are_the_steps_the_engine_runs(engine, grammar, tok
     assert any(plan is None for _, plan in steps[:-1])  # after a jump: an extend step comes
 
 
+def test_failed_rehearsal_fails_only_its_request(engine, grammar, tokenizer):
+    """A rehearsal that raises may leave its request's matcher mid-way: that request ends with
+    an error naming it, and the engine serves the next request as before."""
+    from structgen.grammar.jump_forward import JumpForward
+
+    class BrokenRehearsal(JumpForward):
+        def rehearse(self, req, allowed, done):
+            raise RuntimeError("boom")
+
+    real = engine.runner.decode
+
+    def decode(seqs, temperatures, seeds, has_mask, fill, predict_next=False, plan_next=None, before_wait=None):
+        tokens = real(seqs, temperatures, seeds, has_mask, fill, predict_next)
+        if before_wait is not None:  # as the graphs call it, between the sampler and the wait
+            before_wait(lambda: False)
+        if plan_next is not None:
+            plan_next(tokens)
+        return tokens
+
+    previous = engine.jump_forward_hook
+    engine.runner.decode = decode
+    try:
+        engine.jump_forward_hook = BrokenRehearsal(tokenizer, engine.vocab_size, engine.stop_token_ids)
+        failed = make(tokenizer, engine, grammar, 0, max_tokens=20, jump_forward=True)
+        engine.run([failed])
+        engine.jump_forward_hook = previous
+        fine = make(tokenizer, engine, grammar, 0, max_tokens=20, jump_forward=True)
+        engine.run([fine])
+    finally:
+        del engine.runner.decode
+        engine.jump_forward_hook = previous
+    assert failed.finish_reason == "error" and "rehearsal failed: boom" in str(failed.error)
+    assert fine.finish_reason in ("stop", "length") and fine.num_output > 0
+    assert engine.runner.kv.free_slots == engine.runner.kv.num_slots
+
+
 def test_prefetched_masks_change_nothing(engine, grammar, tokenizer):
     """The next step's masks are filled on worker threads while the engine does its
     bookkeeping (grammar/prefetch.py): outputs equal those of an engine that fills every mask

@@ -261,8 +261,9 @@ class Engine:
                 if filled and last[0] not in row_errors:
                     try:
                         hook.rehearse(reqs[0], filled[0][last[0]].numpy().view(np.uint32), done)
-                    except Exception:  # pragma: no cover - the hook then decides as usual
+                    except Exception as exc:  # its matcher may be left mid-rehearsal: fail the request
                         log.exception("rehearsing jump-forward failed")
+                        row_errors[last[0]] = EngineError(f"jump-forward rehearsal failed: {exc}")
 
         try:
             tokens = self.runner.decode(seqs, temperatures, seeds, has_mask, fill, not chunks, plan, rehearse)
