@@ -23,11 +23,12 @@ import argparse
 import json
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from benchmarks.common import model_config, print_table, write_results
@@ -143,6 +144,10 @@ class ReplayMatcher(GrammarMatcher):
     def jump_forward_string(self) -> str:
         return self.inner.jump_forward_string()
 
+    @property
+    def version(self) -> int:  # every state change goes through inner
+        return self.inner.version
+
     def is_terminated(self) -> bool:
         return self.inner.is_terminated()
 
@@ -155,10 +160,16 @@ class ReplayMatcher(GrammarMatcher):
 
 
 class ReplayJumpForward(JumpForward):
-    """Hold-back decisions read the grammar's own mask, not the replay-narrowed one."""
+    """Hold-back decisions and rehearsals read the grammar's own mask, not the replay-narrowed
+    one (which would tell the rehearsal which token comes)."""
 
     def _allowed(self, m: Any):
         return super()._allowed(m.inner if isinstance(m, ReplayMatcher) else m)
+
+    def rehearse(self, req: Request, allowed: np.ndarray, done: Callable[[], bool]) -> None:
+        if isinstance(req.matcher, ReplayMatcher):
+            allowed = self._allowed(req.matcher).copy()
+        super().rehearse(req, allowed, done)
 
 
 def batch_replay_fills(engine: Engine) -> None:
