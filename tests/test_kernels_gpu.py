@@ -136,15 +136,14 @@ def test_gemv_matches_linear(n, k):
             assert rel_err(gemv(x, w, b, block=block), F.linear(x, w, b)) < 1e-2, (rows, block)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 16])
+@pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_norm_silu_gemv_matches_the_unfused_stages(rows, with_residual):
     """rmsnorm(x + r) -> gate_up -> silu(gate) * up in one kernel, against the three torch
-    stages it replaces; the residual stream comes back bit-exact. Past 4 rows the tensor-core
-    form runs."""
+    stages it replaces; the residual stream comes back bit-exact."""
     import torch.nn.functional as F
 
-    from structgen.engine.kernels.fused_gemv import CONFIGS, DOT_CONFIG, MAX_ROWS, norm_silu_gemv
+    from structgen.engine.kernels.fused_gemv import CONFIGS, norm_silu_gemv
     from structgen.engine.models.llama import RMSNorm
 
     k, inter = 576, 1536
@@ -158,7 +157,7 @@ def test_norm_silu_gemv_matches_the_unfused_stages(rows, with_residual):
     with torch.no_grad():
         gate, up = F.linear(norm(summed), w).split(inter, dim=-1)
     ref = F.silu(gate) * up
-    for cfg in (CONFIGS[0], CONFIGS[2]) if rows <= MAX_ROWS else (DOT_CONFIG, None):  # 4 / 8 / 16 features a program
+    for cfg in (CONFIGS[0], CONFIGS[2]):  # 4 and 8 features a program
         with torch.inference_mode():
             out, res = norm_silu_gemv(x, w, norm.weight, 1e-5, r, cfg=cfg)
         assert out.shape == (rows, inter)
@@ -166,21 +165,15 @@ def test_norm_silu_gemv_matches_the_unfused_stages(rows, with_residual):
         assert torch.equal(res, summed)
 
 
-@pytest.mark.parametrize("rows", [1, 4, 8, 16])
+@pytest.mark.parametrize("rows", [1, 4])
 @pytest.mark.parametrize("bias", [False, True])
 def test_norm_qkv_rope_gemv_matches_the_unfused_stages(rows, bias):
     """rmsnorm -> qkv (+ bias) -> RoPE on q and k -> k, v into the cache, in one kernel,
-    against the torch stages; cache entries other rows own are left alone. Past 4 rows the
-    tensor-core form runs."""
+    against the torch stages; cache entries other rows own are left alone."""
     import torch.nn.functional as F
 
     from structgen.engine.config import ModelConfig
-    from structgen.engine.kernels.fused_gemv import (
-        CONFIGS,
-        DOT_CONFIG,
-        MAX_ROWS,
-        norm_qkv_rope_gemv,
-    )
+    from structgen.engine.kernels.fused_gemv import CONFIGS, norm_qkv_rope_gemv
     from structgen.engine.models.llama import RMSNorm, RotaryEmbedding
 
     heads, kv_heads, dim, hidden = 6, 2, 64, 384
@@ -194,12 +187,12 @@ def test_norm_qkv_rope_gemv_matches_the_unfused_stages(rows, bias):
     b = torch.randn(q_size + 2 * kv_size, device=DEVICE).to(LOW) if bias else None
     x = torch.randn(rows, hidden, device=DEVICE).to(LOW)
     r = torch.randn(rows, hidden, device=DEVICE).to(LOW)
-    positions = torch.tensor([5, 200, 17, 0, *range(30, 42)][:rows], device=DEVICE)
-    slots = torch.tensor([1, 0, 2, 3, *(i % 4 for i in range(12))][:rows], device=DEVICE)
+    positions = torch.tensor([5, 200, 17, 0][:rows], device=DEVICE)
+    slots = torch.tensor([1, 0, 2, 3][:rows], device=DEVICE)
     with torch.no_grad():
         qkv = F.linear(norm(x + r), w, b)
     q_ref, k_ref, v_ref = qkv.split([q_size, kv_size, kv_size], dim=-1)
-    for block in (CONFIGS[0], CONFIGS[2]) if rows <= MAX_ROWS else (DOT_CONFIG, None):
+    for block in (CONFIGS[0], CONFIGS[2]):
         kc = torch.full((4, 256, kv_heads, dim), float("nan"), device=DEVICE).to(LOW)
         vc = kc.clone()
         with torch.inference_mode():
@@ -219,13 +212,13 @@ def test_fused_projections_are_kept_to_the_shapes_they_win_on():
     shape or where no block width divides the intermediate size or half a head; the model
     takes that rule layer by layer."""
     from structgen.engine.config import ModelConfig
-    from structgen.engine.kernels.fused_gemv import DOT_ROWS, MAX_ROWS, max_rows
+    from structgen.engine.kernels.fused_gemv import MAX_ROWS, max_rows
     from structgen.engine.models.llama import LlamaModel, skip_init
 
     def gate_up(hidden: int, inter: int) -> torch.Tensor:
         return torch.empty(2 * inter, hidden, device="meta")
 
-    assert max_rows(gate_up(576, 1536), 64) == DOT_ROWS  # SmolLM2-135M: up to 16, past 4 on tensor cores
+    assert max_rows(gate_up(576, 1536), 64) == MAX_ROWS  # SmolLM2-135M
     assert max_rows(gate_up(2048, 8192), 64) == 1  # Llama-3.2-1B
     assert max_rows(gate_up(4096, 14336), 128) == 0  # Llama-3.1-8B
     assert max_rows(gate_up(576, 1530), 64) == 0  # 1530 = 2 x 765: no block width divides it
@@ -262,10 +255,9 @@ def test_fused_layers_match_the_unfused_model():
             kv = KVCache(cfg, num_slots=3, max_seq_len=128, dtype=LOW, device=DEVICE)
             with torch.inference_mode():
                 model(torch.arange(1, 9, device=DEVICE), AttentionBatch.build([(1, 0, 8)], DEVICE), kv)
-                for n in (2, 8):  # rows of forced text: CUDA cores, then tensor cores
-                    step = AttentionBatch.build([(1, 8, n)], DEVICE)
-                    logits.append(model.logits(model(torch.arange(7, 7 + n, device=DEVICE), step, kv)))
-        assert rel_err(logits[2], logits[0]) < 3e-2 and rel_err(logits[3], logits[1]) < 3e-2
+                step = AttentionBatch.build([(1, 8, 2)], DEVICE)  # two rows: forced text
+                logits.append(model.logits(model(torch.tensor([7, 9], device=DEVICE), step, kv)))
+        assert rel_err(logits[1], logits[0]) < 3e-2
 
 
 @needs_cuda

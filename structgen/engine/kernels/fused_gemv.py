@@ -19,13 +19,10 @@ So a layer is six kernels: qkv (+norm, +RoPE, +KV write), attention (two), o, ga
 +SiLU * up), down. SmolLM2-135M's forward graph at one row: 0.61 instead of 0.76 ms (H100).
 Where streaming W is the cost these kernels lose (every program also reads x, the residual
 and the norm weight, and does each row's FMAs on CUDA cores), so `max_rows` keeps them to
-small models and single rows of mid-sized ones. Past MAX_ROWS rows (forced text, small
-batches) the products go through the tensor cores instead (`tl.dot`, rows padded to 16, x
-times the norm weight rounded to W's dtype first), so 5-16 rows keep the six-kernel layer.
-Numerics: the norm is applied to the fp32 dot product instead of to x rounded to the model
-dtype, so results differ from the unfused path by bf16 rounding (the tests compare with a
-tolerance); the epilogues round the projection's output to the model dtype first and then
-follow `fused.py` exactly.
+small models and single rows of mid-sized ones. Numerics: the norm is applied to the fp32 dot
+product instead of to x rounded to the model dtype, so results differ from the unfused path by
+bf16 rounding (the tests compare with a tolerance); the epilogues round the projection's output
+to the model dtype first and then follow `fused.py` exactly.
 """
 
 from __future__ import annotations
@@ -36,15 +33,12 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_ROWS = 4  # rows whose FMAs run on CUDA cores (every row streams W's products again)
-DOT_ROWS = 16  # more rows, up to this many, go through the tensor cores padded to 16 (`tl.dot`)
+MAX_ROWS = 4
 EPI_SILU, EPI_ROPE = tl.constexpr(1), tl.constexpr(2)  # constexpr: the kernel reads them
 # (block_n, block_k, num_warps, num_stages): block_n output features (and their partners) per
 # program. Large matrices are timed over these once per shape; small ones take the first, as
 # gemv.py's small matrices keep their fixed shape.
 CONFIGS = ((4, 1024, 4, 4), (2, 2048, 4, 4), (8, 512, 4, 4), (4, 2048, 8, 3), (2, 1024, 4, 4))
-# The tensor-core form's shape (16 features: tl.dot's smallest N; K in chunks of 64).
-DOT_CONFIG = (16, 64, 4, 3)
 TIMED_ABOVE = 4 << 20  # weight elements
 _plans: dict[tuple, tuple[int, int, int, int]] = {}
 
@@ -53,7 +47,7 @@ _plans: dict[tuple, tuple[int, int, int, int]] = {}
 def _fused_gemv_kernel(
     X, R, NW, W, B, Y, ROut, M, K, stride_xm, stride_rm, stride_wn, stride_ym, eps, pair_offset,
     Pos, Slots, Cos, Sin, KC, VC, stride_cos, stride_cs, stride_ct, stride_ch,
-    HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, EPI: tl.constexpr, EVEN_K: tl.constexpr, DOT: tl.constexpr,
+    HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, EPI: tl.constexpr, EVEN_K: tl.constexpr,
     N_HEADS: tl.constexpr, N_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -93,18 +87,13 @@ def _fused_gemv_kernel(
         ss += tl.sum(xf * xf, 1)
         xf = xf * tl.load(NW + k, mask=kmask, other=0.0).to(tl.float32)[None, :]
         if EVEN_K:
-            w = tl.load(w_lo + k[None, :])
-            w2 = tl.load(w_hi + k[None, :])
+            w = tl.load(w_lo + k[None, :]).to(tl.float32)
+            w2 = tl.load(w_hi + k[None, :]).to(tl.float32)
         else:
-            w = tl.load(w_lo + k[None, :], mask=kmask[None, :], other=0.0)
-            w2 = tl.load(w_hi + k[None, :], mask=kmask[None, :], other=0.0)
-        if DOT:  # rows padded to BLOCK_M = 16, x * norm weight rounded to W's dtype
-            xd = xf.to(w.dtype)
-            acc_lo = tl.dot(xd, tl.trans(w), acc_lo)
-            acc_hi = tl.dot(xd, tl.trans(w2), acc_hi)
-        else:
-            acc_lo += tl.sum(xf[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-            acc_hi += tl.sum(xf[:, None, :] * w2.to(tl.float32)[None, :, :], axis=2)
+            w = tl.load(w_lo + k[None, :], mask=kmask[None, :], other=0.0).to(tl.float32)
+            w2 = tl.load(w_hi + k[None, :], mask=kmask[None, :], other=0.0).to(tl.float32)
+        acc_lo += tl.sum(xf[:, None, :] * w[None, :, :], axis=2)
+        acc_hi += tl.sum(xf[:, None, :] * w2[None, :, :], axis=2)
     inv = 1.0 / tl.sqrt(ss / K + eps)
     acc_lo = acc_lo * inv[:, None]
     acc_hi = acc_hi * inv[:, None]
@@ -150,8 +139,7 @@ def _launch(x, weight, bias, out, *, norm_weight, residual, eps, epi, grid, pair
             rope=None, heads=(1, 1, 2)) -> torch.Tensor:
     """Launch the kernel; returns the residual stream after it (x + residual, or x)."""
     m, k = x.shape
-    dot = m > MAX_ROWS
-    assert m <= DOT_ROWS and x.stride(-1) == 1 and weight.stride(-1) == 1
+    assert m <= MAX_ROWS and x.stride(-1) == 1 and weight.stride(-1) == 1
     res_out = torch.empty_like(x) if residual is not None else x  # written only with a residual
     bn, bk, nw, ns = cfg
     block_k = min(bk, triton.next_power_of_2(k))
@@ -164,8 +152,7 @@ def _launch(x, weight, bias, out, *, norm_weight, residual, eps, epi, grid, pair
         eps, pair_offset, pos, slots, cos, sin, kc, vc, cos.stride(0) if rope else 0, *stride_c[:3],
         HAS_RES=residual is not None, HAS_BIAS=bias is not None, EPI=epi.value,
         N_HEADS=heads[0], N_KV=heads[1], HEAD_DIM=heads[2],
-        EVEN_K=k % block_k == 0, DOT=dot, BLOCK_M=DOT_ROWS if dot else triton.next_power_of_2(m),
-        BLOCK_N=bn, BLOCK_K=block_k,
+        EVEN_K=k % block_k == 0, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=bn, BLOCK_K=block_k,
         num_warps=nw, num_stages=ns,
     )
     return res_out
@@ -221,17 +208,14 @@ def max_rows(gate_up: torch.Tensor, head_dim: int) -> int:
     if any((gate_up.shape[0] // 2) % w or (head_dim // 2) % w for w in widths):
         return 0
     if gate_up.numel() <= TIMED_ABOVE:
-        dot = DOT_CONFIG[0]
-        return DOT_ROWS if not (gate_up.shape[0] // 2) % dot and not (head_dim // 2) % dot else MAX_ROWS
+        return MAX_ROWS
     return 1 if gate_up.numel() <= 64 << 20 else 0
 
 
 def plan(kind: str, rows: int, weight: torch.Tensor,
          run: Callable[[tuple[int, int, int, int]], object]) -> tuple[int, int, int, int]:
     """The block shape for this (kind, matrix): timed once per shape for large CUDA matrices,
-    outside any graph capture; else the first of CONFIGS. More than MAX_ROWS rows: DOT_CONFIG."""
-    if rows > MAX_ROWS:
-        return DOT_CONFIG
+    outside any graph capture; else the first of CONFIGS."""
     if not weight.is_cuda or weight.numel() <= TIMED_ABOVE:
         return CONFIGS[0]
     key = (kind, rows, tuple(weight.shape), weight.dtype, weight.device)

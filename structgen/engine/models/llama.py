@@ -24,7 +24,7 @@ from structgen.engine.attention import AttentionBatch, attend
 from structgen.engine.config import ModelConfig
 from structgen.engine.kv_cache import KVCache
 
-FUSED_ROWS = 16  # steps of up to this many rows run norms inside the projections (fused_gemv.DOT_ROWS)
+FUSED_ROWS = 4  # steps of up to this many rows run norms inside the projections (fused_gemv.MAX_ROWS)
 
 
 class RMSNorm(nn.Module):
