@@ -105,14 +105,15 @@ class DeviceGaps:
         engine._plain_next_step = self._timed(engine._plain_next_step, "verdict (_plain_next_step)")
         hook, host = engine.jump_forward_hook, self.host
 
-        class TimedHook:  # the engine calls it; the harness reads its vocabulary
-            vocab = hook.vocab
-
+        class TimedHook:  # the engine calls it; everything else (vocab, rehearse) is the hook's
             def __call__(self, eng: Engine, req: Any) -> None:
                 n, t = len(req.token_ids), time.perf_counter()
                 hook(eng, req)
                 jumped = "jumped" if len(req.token_ids) != n or req.finished else "nothing jumped"
                 host[f"jump-forward hook, {jumped}"].append(time.perf_counter() - t)
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(hook, name)
 
         engine.jump_forward_hook = TimedHook()
 
