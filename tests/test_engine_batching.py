@@ -409,7 +409,8 @@ def test_failing_grammars_spare_other_rows_in_planned_steps(engine, grammar, tok
 
     real = engine.runner.decode
 
-    def planning_decode(seqs, temperatures, seeds, has_mask, fill, predict_next=False, plan_next=None):
+    def planning_decode(seqs, temperatures, seeds, has_mask, fill, predict_next=False, plan_next=None,
+                        before_wait=None):
         tokens = real(seqs, temperatures, seeds, has_mask, fill, predict_next)
         if plan_next is not None:
             plan_next(tokens)
