@@ -451,7 +451,7 @@ def test_failing_grammars_spare_other_rows_in_planned_steps(engine, grammar, tok
         reqs[1].matcher = FaultyMatcher(reqs[1].matcher, fail_after=-1, mode=mode)
         before = reqs[0].matcher.version
         toks = [allowed_token(reqs[0].matcher, engine.vocab_size), 0]  # the second fails anyway
-        rows, taken = engine._plain_next_step(reqs, toks)
+        rows, taken, _ = engine._plain_next_step(reqs, toks)
         assert rows is None
         assert taken[0] & ACCEPTED and reqs[0].matcher.version == before + 1
         assert taken[1] == (FAILED if mode == "accept" else 0)  # what taking the tokens in then fails on

@@ -219,10 +219,11 @@ class Engine:
 
         finished: list[list[Request]] = []  # set once the step's tokens are taken in
         taken: list = [None]  # what each request's matcher made of its token, once it has it
+        failed: dict[int, EngineError] = {}  # by request index: its matcher raised on the token
         plain = [False]  # `_plain_next_step` checked every request: only the bookkeeping is left
 
         def take(tokens: list[int], fill_next: bool) -> None:
-            errors = {i: row_errors[row] for i, row in enumerate(last) if row in row_errors}
+            errors = {i: row_errors[row] for i, row in enumerate(last) if row in row_errors} | failed
             for req, n in chunks:
                 req.num_cached += n
                 req.stats.forward_passes += 1
@@ -242,7 +243,8 @@ class Engine:
             def plan(tokens: list[int]) -> list[ExtendSeq] | None:
                 toks = [tokens[row] for row in last]
                 if not row_errors:
-                    rows, taken[0] = self._plain_next_step(reqs, toks)
+                    rows, taken[0], raised = self._plain_next_step(reqs, toks)
+                    failed.update(raised)
                     if rows is not None:
                         plain[0] = True
                         return rows  # `take` runs once this forward is launched
@@ -300,32 +302,34 @@ class Engine:
             last.append(len(seqs) - 1 if start + n == len(ids) else None)
         return seqs, last
 
-    def _plain_next_step(self, reqs: list[Request], tokens: list[int]) -> tuple[list[ExtendSeq] | None, list | None]:
+    def _plain_next_step(self, reqs: list[Request], tokens: list[int]
+                         ) -> tuple[list[ExtendSeq] | None, list | None, dict[int, EngineError]]:
         """The next step's rows when it is surely the predicted one: every running request
         is in this step, takes its sampled token (its grammar accepts it here), stays
         unfinished and has no forced text after it; else None. Also what the matchers made of
-        their tokens, aligned with `reqs` (None: nobody took one), for taking the tokens in."""
+        their tokens, aligned with `reqs` (None: nobody took one), and the errors of those that
+        raised, by index, for taking the tokens in."""
         s = self.scheduler
         if s.waiting or len(s.running) != len(reqs):
-            return None, None
+            return None, None, {}
         for req, tok in zip(reqs, tokens, strict=True):
             if req.num_output + 1 >= req.params.max_tokens or (req.matcher is None and tok in req.stop_token_ids):
-                return None, None
-        taken, _ = self._take_tokens(reqs, tokens, {}, check_jump=self.jump_forward_hook is not None)
+                return None, None, {}
+        taken, failed = self._take_tokens(reqs, tokens, {}, check_jump=self.jump_forward_hook is not None)
         # A rejected token or a grammar that raised is left to taking the tokens in, which
         # fails that request alone (so is forced text: the jump-forward hook decides it).
         for req, st in zip(reqs, taken, strict=True):
             if st is not None and (st & _NOT_PLAIN != ACCEPTED or (st & JUMPS and req.jump_forward)):
-                return None, taken
-        return [ExtendSeq(req.slot, len(req.token_ids), [tok]) for req, tok in zip(reqs, tokens, strict=True)], taken
+                return None, taken, failed
+        return [ExtendSeq(req.slot, len(req.token_ids), [tok]) for req, tok in zip(reqs, tokens, strict=True)], taken, {}
 
     def _take_tokens(
         self, reqs: list[Request], tokens: list[int], errors: dict[int, BaseException], check_jump: bool = False,
         fill_next: bool = False,
-    ) -> tuple[list, dict[int, BaseException]]:
+    ) -> tuple[list, dict[int, EngineError]]:
         """Hand every constrained request (but those in `errors`) its token in one batch
         (`grammar.accept_tokens`); returns the statuses aligned with `reqs` (None: no matcher
-        took one) and the matchers' exceptions by index. `fill_next`: the next step's masks
+        took one) and, by index, an error quoting each matcher that raised. `fill_next`: the next step's masks
         are filled on the way where the grammar's pool can, at the rows they will most likely
         have (request i at row i: the same requests, one token each); `_not_prefilled` checks
         that guess row by row."""
@@ -338,8 +342,9 @@ class Engine:
         else:
             idx = range(len(reqs))
         target = self.runner.mask_buffer(len(reqs)) if fill_next else None
-        status, failed = accept_tokens(matchers, tokens, check_jump=check_jump, bitmask=target,
+        status, raised = accept_tokens(matchers, tokens, check_jump=check_jump, bitmask=target,
                                        rows=idx if target is not None else None)
+        failed = {j: EngineError(f"grammar failed on sampled token {tokens[j]}: {exc}") for j, exc in raised.items()}
         if target is not None and any(st & FILLED for st in status):
             self._prefilled = (target, {id(m): (i, m, m.version) for i, m, st in zip(idx, matchers, status, strict=True)
                                         if st & FILLED})
@@ -470,9 +475,7 @@ class Engine:
             if taken is None:
                 hook = self.jump_forward_hook is not None and any(r.jump_forward for r in reqs)
                 taken, failed = self._take_tokens(reqs, tokens, errors, check_jump=hook, fill_next=fill_next)
-                if failed:
-                    errors = {**errors, **{i: EngineError(f"grammar failed on sampled token {tokens[i]}: {exc}")
-                                           for i, exc in failed.items()}}
+                errors = errors | failed
             for i, (req, tok) in enumerate(zip(reqs, tokens, strict=True)):
                 try:
                     if i in errors:
