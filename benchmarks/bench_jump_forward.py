@@ -14,7 +14,10 @@ Two ways to pick the tokens:
 
 Speedups are off/on wall time, and (`speedup_stopped_in_both`) the ratio of summed request
 latencies over the requests that ended with a stop in both runs: a request that loops to
-max_tokens in one run otherwise sets the whole wall of a batch-16 run.
+max_tokens in one run otherwise sets the whole wall of a batch-16 run. At batch 1 the
+`speedup_ceiling` rows say what fewer passes alone could give: the speedup if every pass with
+jump-forward on cost what a pass costs with it off (the prompt's passes and time to first token
+as measured); the distance to it is what jump-forward costs per pass.
 
     python -m benchmarks.bench_jump_forward                          # model + replay, batches 1,16
     python -m benchmarks.bench_jump_forward --modes replay --weights random --tokenizer-dir DIR
@@ -24,6 +27,7 @@ max_tokens in one run otherwise sets the whole wall of a batch-16 run.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import statistics
 import time
@@ -220,6 +224,7 @@ class StepTimer:
 
     def __init__(self, engine: Engine):
         self.engine, self.decode, self.extend = engine, [], []
+        self.extend_rows: list[int] = []
 
     def run(self, reqs: list[Request]) -> float:
         e = self.engine
@@ -228,6 +233,8 @@ class StepTimer:
             e.add_request(r)
         while any(not r.finished for r in reqs):
             kind = step_kind(e)
+            if kind == "extend":
+                self.extend_rows.append(sum(r.num_pending for r in e.scheduler.running))
             t = time.perf_counter()
             e.step()
             if kind != "prefill":
@@ -273,9 +280,13 @@ def measure(llm: LLM, cases: list[Case], mode: str, jf: bool, batch: int, max_to
         "passes_per_token": passes / max(tokens, 1), "wall_s": wall,
         "latency_ms": 1e3 * statistics.mean(latencies), "ms_per_token": 1e3 * wall / max(tokens, 1),
         "valid": valid, "n": len(done),
-        # (output tokens, forward passes, finish reason, latency in s) per case.
-        "per_case": {c.id: (r.num_output, r.stats.forward_passes, r.finish_reason, lat)
+        # (output tokens, forward passes, finish reason, latency in s, time to first token in s,
+        # passes of the prompt) per case.
+        "per_case": {c.id: (r.num_output, r.stats.forward_passes, r.finish_reason, lat, r.stats.ttft_s,
+                            prompt_passes(llm.engine, len(c.prompt_ids)))
                      for (c, r), lat in zip(done, latencies, strict=True)},
+        # Rows of each step that ran forced tokens: which graph buckets jump-forward lands in.
+        "extend_rows": dict(sorted(collections.Counter(timer.extend_rows).items())),
         "decode_step_ms": 1e3 * statistics.mean(timer.decode) if timer.decode else None,
         "extend_step_ms": 1e3 * statistics.mean(timer.extend) if timer.extend else None,
         # Graph steps whose forward was already running when the host got to them.
@@ -284,6 +295,30 @@ def measure(llm: LLM, cases: list[Case], mode: str, jf: bool, batch: int, max_to
         "gate_runs": graphs.gate_runs - steps0[2] if graphs is not None else 0,
         "gate_wasted": graphs.gate_wasted - steps0[3] if graphs is not None else 0,
     }
+
+
+def prompt_passes(engine: Engine, prompt_len: int) -> int:
+    """Forward passes a prompt of this length takes alone (chunks of the step token budget)."""
+    graphs = engine.runner.graphs
+    chunk = engine.config.prefill_chunk_tokens
+    if graphs is not None and engine.config.prefill_in_graphs:
+        chunk = min(chunk, graphs.max_batch_size)
+    return -(-prompt_len // chunk)
+
+
+def ceiling(off: dict, on: dict, cases: list[str]) -> float:
+    """The speedup over `cases` if every jump-forward pass after the prompt cost what a pass
+    costs with it off: the most fewer passes can give, whatever the engine does per pass. Per
+    case, the off run's time after the first token spread over its passes after the prompt
+    (whose last pass samples the first token), times the on run's passes there, plus the on
+    run's own time to first token."""
+    ideal = 0.0
+    for c in cases:
+        _, passes_off, _, lat_off, ttft_off, prompt = off["per_case"][c]
+        _, passes_on, _, _, ttft_on, _ = on["per_case"][c]
+        per_pass = (lat_off - ttft_off) / max(passes_off - prompt, 1)
+        ideal += ttft_on + per_pass * (passes_on - prompt)
+    return sum(off["per_case"][c][3] for c in cases) / max(ideal, 1e-9)
 
 
 def build_llm(weights: str, tokenizer_dir: Path | None, device: str | None, graphs: bool,
@@ -337,6 +372,19 @@ def add_rows(rows: list, table: list, res: dict, model: str, mode: str, batch: i
                   "latency_ms": on["latency_ms"] / off["latency_ms"], "wall_s": off["wall_s"] / on["wall_s"]})
     table.append({"mode": mode, **note, "batch": batch, "jf": f"speedup, {len(both)} stopped in both",
                   "wall_s": stopped})
+    if batch == 1:  # requests one at a time: each one's latency is its own steps
+        for name, cases in (("speedup_ceiling", list(on["per_case"])), ("speedup_ceiling_stopped_in_both", both)):
+            value = ceiling(off, on, cases)
+            rows.append({"system": "structgen", "model": model, "batch": batch, "constrained": True, "mode": mode,
+                         **note, "metric": name, "value": value, "cases": len(cases)})
+            table.append({"mode": mode, **note, "batch": batch, "jf": f"{name}, {len(cases)} cases",
+                          "wall_s": value})
+    for jf, r in res.items():
+        rows.append({"system": "structgen" if jf else "structgen-nojf", "model": model, "batch": batch,
+                     "constrained": True, "mode": mode, "jump_forward": jf, **note, "metric": "per_case",
+                     "value": {c: {"tokens": v[0], "passes": v[1], "finish": v[2], "latency_ms": round(1e3 * v[3], 3),
+                                   "ttft_ms": round(1e3 * v[4], 3)} for c, v in r["per_case"].items()},
+                     "extend_rows": r["extend_rows"]})
 
 
 def add_gate_off_rows(rows: list, table: list, off_gate: dict, res: dict, model: str, mode: str, batch: int,
