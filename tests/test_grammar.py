@@ -349,3 +349,29 @@ def test_llguidance_never_takes_a_stop_token_for_text(tokenizer, monkeypatch):
     assert not m.accept_token(eos) and m.accept_token(tokenizer.encode('"', add_special_tokens=False)[0])
     m.fill_bitmask(mask, 0)
     assert allowed(mask, 0, len(tokenizer)) == {eos} and m.accept_token(eos) and m.is_terminated()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_control_tokens_are_never_text(grammar_compiler, tokenizer, backend):
+    """SmolLM2's added special tokens (`<|im_start|>`, `<repo_name>`, `<|endoftext|>`, ...)
+    are control tokens: no backend allows one inside a JSON string, though both allow the
+    same characters spelled as text; `<|im_end|>`, the stop token, only ends the output.
+    Before, xgrammar allowed all of them in strings, llguidance all but the listed specials."""
+    from structgen.grammar.backends.base import control_token_ids
+
+    eos, vocab = tokenizer.eos_token_id, len(tokenizer)
+    control = control_token_ids(tokenizer, vocab, [eos])
+    assert {0, 1, 3, 16, eos} <= control and len(control) == 17  # SmolLM2's 17 added tokens
+    m = grammar_compiler.compile(to_constraint(JsonSchema({"type": "string"})), backend=backend).matcher()
+    mask = allocate_bitmask(1, vocab, host_only=True)
+    assert m.accept_tokens(tokenizer.encode('"ab', add_special_tokens=False)) == 2
+    m.fill_bitmask(mask, 0)
+    ok = allowed(mask, 0, vocab)
+    assert not ok & control and len(ok) > 40_000
+    assert tokenizer.convert_tokens_to_ids("<") in ok
+    for t in (1, 3):  # the matcher refuses them too, and stays usable
+        assert not m.accept_token(t)
+    # The same text as characters is fine: a value may say "<repo_name>".
+    text = tokenizer("<repo_name>\"", add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    assert not set(text) & control
+    assert m.accept_tokens(text) == len(text) and m.is_completed()

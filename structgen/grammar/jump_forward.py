@@ -46,6 +46,7 @@ from structgen.grammar.backends.base import (
     allocate_bitmask,
     allowed_ids,
     allows_only,
+    control_token_ids,
     count_allowed,
     token_bytes,
 )
@@ -90,7 +91,7 @@ class VocabBytes:
 
     def __init__(self, tokenizer: Any, vocab_size: int, exclude: set[int]):
         self.tokens = token_bytes(tokenizer, vocab_size)
-        self.special = set(exclude) | set(getattr(tokenizer, "all_special_ids", []) or [])
+        self.special = set(exclude) | control_token_ids(tokenizer, vocab_size)
         order = sorted((b, i) for i, b in enumerate(self.tokens) if b and i not in self.special)
         self._sorted = [b for b, _ in order]
         self._sorted_ids = np.array([i for _, i in order], dtype=np.int64)

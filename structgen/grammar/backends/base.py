@@ -22,6 +22,18 @@ if TYPE_CHECKING:  # torch is imported lazily so `structgen.grammar` stays cheap
     from structgen.types import Constraint
 
 
+def control_token_ids(tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int] = ()) -> set[int]:
+    """Ids that are control tokens, never text: the stop tokens, the tokenizer's special ids and
+    its added tokens marked special (SmolLM2's `<|im_start|>`, `<repo_name>`, ...; Llama 3's
+    reserved tokens). Every backend keeps these out of grammar text, so a JSON string cannot
+    hold `<|im_start|>`; added tokens not marked special (Qwen's `<tool_call>`) stay text.
+    `all_special_ids` alone misses most of them on transformers 5."""
+    ids = set(stop_token_ids) | set(getattr(tokenizer, "all_special_ids", None) or [])
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    ids |= {i for i, t in added.items() if getattr(t, "special", False)}
+    return {i for i in ids if 0 <= i < vocab_size}
+
+
 @functools.lru_cache(maxsize=4)
 def token_bytes(tokenizer: Any, vocab_size: int) -> tuple[bytes, ...]:
     """The byte string of every token id below `vocab_size` (b"" for ids the tokenizer lacks).

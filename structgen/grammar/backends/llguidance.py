@@ -14,6 +14,7 @@ from structgen.grammar.backends.base import (
     CompiledGrammar,
     GrammarBackend,
     GrammarMatcher,
+    control_token_ids,
     set_only_tokens,
     token_bytes,
 )
@@ -148,11 +149,11 @@ class _VocabBytes:
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]):
         tokens = list(token_bytes(tokenizer, vocab_size))
-        # Special: the stop tokens, the tokenizer's own, and ids without bytes (padding of a
-        # wider LM head). The stop tokens explicitly: where a tokenizer does not list one in
-        # `all_special_ids` (the GPU machine's transformers), llguidance took `<|im_end|>` for
-        # text and allowed it inside JSON strings, while the adapter stops on it.
-        special = {t for t in [*stop_token_ids, *(getattr(tokenizer, "all_special_ids", []) or [])] if t < vocab_size}
+        # Special: the control tokens and ids without bytes (padding of a wider LM head). The
+        # stop tokens explicitly: where a tokenizer does not list one in `all_special_ids` (the
+        # GPU machine's transformers), llguidance took `<|im_end|>` for text and allowed it
+        # inside JSON strings, while the adapter stops on it.
+        special = control_token_ids(tokenizer, vocab_size, stop_token_ids)
         special |= {t for t, b in enumerate(tokens) if not b}
         for t in special:  # llguidance marks specials itself; give them their text
             name = tokenizer.convert_ids_to_tokens(t) if t < len(tokenizer) else None
