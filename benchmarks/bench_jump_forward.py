@@ -15,9 +15,10 @@ Two ways to pick the tokens:
 Speedups are off/on wall time, and (`speedup_stopped_in_both`) the ratio of summed request
 latencies over the requests that ended with a stop in both runs: a request that loops to
 max_tokens in one run otherwise sets the whole wall of a batch-16 run. At batch 1 the
-`speedup_ceiling` rows say what fewer passes alone could give: the speedup if every pass with
-jump-forward on cost what a pass costs with it off (the prompt's passes and time to first token
-as measured); the distance to it is what jump-forward costs per pass.
+`speedup_at_equal_pass_cost` rows say what fewer passes alone give: the speedup if every pass
+with jump-forward on cost what a pass costs with it off (the prompt's passes and time to first
+token as measured). On a GPU, where a pass with forced rows costs at least a decode pass, it is
+the ceiling, and the distance to it is what jump-forward costs per pass.
 
     python -m benchmarks.bench_jump_forward                          # model + replay, batches 1,16
     python -m benchmarks.bench_jump_forward --modes replay --weights random --tokenizer-dir DIR
@@ -225,23 +226,37 @@ class StepTimer:
     def __init__(self, engine: Engine):
         self.engine, self.decode, self.extend = engine, [], []
         self.extend_rows: list[int] = []
+        self.times: dict[int, tuple[float, float]] = {}  # request id -> (first token, finish) in s
 
     def run(self, reqs: list[Request]) -> float:
+        """Wall time of serving `reqs`, added at once; also each one's time to its first
+        sampled token and to its finish from that start (`self.times`). The requests' own
+        clocks start when they are built, and the harness builds a batch's requests one after
+        another (matchers, ~3 ms each), so the first ones' clocks would count the others'."""
         e = self.engine
         t0 = time.perf_counter()
         for r in reqs:
             e.add_request(r)
+        done: dict[int, float] = {}
         while any(not r.finished for r in reqs):
             kind = step_kind(e)
             if kind == "extend":
                 self.extend_rows.append(sum(r.num_pending for r in e.scheduler.running))
             t = time.perf_counter()
             e.step()
+            now = time.perf_counter()
             if kind != "prefill":
-                (self.extend if kind == "extend" else self.decode).append(time.perf_counter() - t)
+                (self.extend if kind == "extend" else self.decode).append(now - t)
+            for r in reqs:
+                if r.finished and r.id not in done:
+                    done[r.id] = now
         if e.device.type == "cuda":
             torch.cuda.synchronize()  # a discarded pre-launched forward belongs to this run
-        return time.perf_counter() - t0
+        end = time.perf_counter()
+        for r in reqs:
+            first = r.first_token_at if r.first_token_at is not None else t0
+            self.times[r.id] = (first - t0, done.get(r.id, end) - t0)
+        return end - t0
 
 
 def measure(llm: LLM, cases: list[Case], mode: str, jf: bool, batch: int, max_tokens: int) -> dict[str, Any]:
@@ -261,7 +276,7 @@ def measure(llm: LLM, cases: list[Case], mode: str, jf: bool, batch: int, max_to
         reqs = make_requests(llm, group, mode, jf, max_tokens)
         wall = timer.run(reqs)
         done = list(zip(group, reqs, strict=True))
-        latencies = [r.stats.ttft_s + r.stats.decode_s for r in reqs]
+        latencies = [timer.times[r.id][1] for r in reqs]
     tokens = sum(r.num_output for _, r in done)
     passes = sum(r.stats.forward_passes for _, r in done)
     graph_steps = graphs.steps - steps0[0] if graphs is not None else 0
@@ -282,7 +297,7 @@ def measure(llm: LLM, cases: list[Case], mode: str, jf: bool, batch: int, max_to
         "valid": valid, "n": len(done),
         # (output tokens, forward passes, finish reason, latency in s, time to first token in s,
         # passes of the prompt) per case.
-        "per_case": {c.id: (r.num_output, r.stats.forward_passes, r.finish_reason, lat, r.stats.ttft_s,
+        "per_case": {c.id: (r.num_output, r.stats.forward_passes, r.finish_reason, lat, timer.times[r.id][0],
                             prompt_passes(llm.engine, len(c.prompt_ids)))
                      for (c, r), lat in zip(done, latencies, strict=True)},
         # Rows of each step that ran forced tokens: which graph buckets jump-forward lands in.
@@ -306,9 +321,9 @@ def prompt_passes(engine: Engine, prompt_len: int) -> int:
     return -(-prompt_len // chunk)
 
 
-def ceiling(off: dict, on: dict, cases: list[str]) -> float:
+def equal_pass_cost_speedup(off: dict, on: dict, cases: list[str]) -> float:
     """The speedup over `cases` if every jump-forward pass after the prompt cost what a pass
-    costs with it off: the most fewer passes can give, whatever the engine does per pass. Per
+    costs with it off: on a GPU the most fewer passes can give, whatever the engine does per pass. Per
     case, the off run's time after the first token spread over its passes after the prompt
     (whose last pass samples the first token), times the on run's passes there, plus the on
     run's own time to first token."""
@@ -373,8 +388,9 @@ def add_rows(rows: list, table: list, res: dict, model: str, mode: str, batch: i
     table.append({"mode": mode, **note, "batch": batch, "jf": f"speedup, {len(both)} stopped in both",
                   "wall_s": stopped})
     if batch == 1:  # requests one at a time: each one's latency is its own steps
-        for name, cases in (("speedup_ceiling", list(on["per_case"])), ("speedup_ceiling_stopped_in_both", both)):
-            value = ceiling(off, on, cases)
+        for name, cases in (("speedup_at_equal_pass_cost", list(on["per_case"])),
+                            ("speedup_at_equal_pass_cost_stopped_in_both", both)):
+            value = equal_pass_cost_speedup(off, on, cases)
             rows.append({"system": "structgen", "model": model, "batch": batch, "constrained": True, "mode": mode,
                          **note, "metric": name, "value": value, "cases": len(cases)})
             table.append({"mode": mode, **note, "batch": batch, "jf": f"{name}, {len(cases)} cases",
