@@ -368,3 +368,41 @@ def test_token_gate_runs_its_body_on_the_devices_verdict(ext):
     assert not gate.wide(np.packbits(bits, bitorder="little").view(np.uint32))
     bits[:100] = 1
     assert gate.wide(np.packbits(bits, bitorder="little").view(np.uint32))
+
+
+def test_step_token_gate_runs_its_body_for_the_tokens_of_each_launch(ext):
+    """The tokens change with every launch (each launch's words are read by the device from
+    pinned host memory, two buffers taking turns); the body runs iff the sampled token is
+    among that launch's, `went` agrees, and launches queued back to back, before any of them
+    ran, each keep their own words."""
+    import numpy as np
+
+    from structgen.engine.kernels.gated_graph import StepTokenGate
+
+    x, graph = _counting_graph()
+    words = 64
+    row = torch.zeros(1, dtype=torch.int64, device=DEV)
+    tokens = torch.zeros(1, dtype=torch.int64, device=DEV)
+    has_mask = torch.ones(1, dtype=torch.int64, device=DEV)
+    gate = StepTokenGate(graph, row, tokens, has_mask, words)
+
+    def of(*ids: int) -> np.ndarray:
+        w = np.zeros(words, dtype=np.uint32)
+        for t in ids:
+            w[t >> 5] |= np.uint32(1 << (t & 31))
+        return w
+
+    for tok, allowed, expect in [(5, (5, 9), True), (9, (5,), False), (9, (9, 700), True), (700, (), False)]:
+        tokens.fill_(tok)
+        before = int(x.item())
+        gate.launch(of(*allowed))
+        torch.cuda.synchronize()
+        assert (int(x.item()) - before == 1) == expect == gate.went(tok), (tok, allowed)
+    # Two launches queued behind a sleeping stream: the second's words must not leak into the first.
+    before = int(x.item())
+    tokens.fill_(3)
+    torch.cuda._sleep(20_000_000)
+    gate.launch(of(3))
+    gate.launch(of(4))
+    torch.cuda.synchronize()
+    assert int(x.item()) - before == 1
