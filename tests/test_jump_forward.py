@@ -249,7 +249,6 @@ def test_rehearsal_names_the_tokens_after_which_the_next_step_is_plain(llm, back
         req.matcher.fill_bitmask(mask, 0)
         allowed = mask[0].numpy().view("uint32").copy()
         n = count_allowed(allowed)
-        late = hook.rehearse(req, allowed, lambda: True)  # the sampler done already: nothing rehearsed
         words = hook.rehearse(req, allowed, lambda: False)
         assert np.array_equal(allowed, mask[0].numpy().view("uint32"))  # the step's mask is left alone
         named = set() if words is None else set(allowed_ids(words).tolist())
@@ -260,10 +259,8 @@ def test_rehearsal_names_the_tokens_after_which_the_next_step_is_plain(llm, back
         elif n <= REHEARSE_ALL:
             seen["narrow"] += 1
             assert named == {t for t in ok if plain_after(t)}
-            assert late is None  # no bets where the state is narrow but was not rehearsed
         else:
             seen["mid"] += 1
-            assert set(allowed_ids(late).tolist()) == ok & quiet
             assert all(plain_after(t) for t in named - quiet)
             assert not any(plain_after(t) for t in (ok & quiet) - named)  # rehearsed, found forcing
         before = len(req.token_ids) + 1

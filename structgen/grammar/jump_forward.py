@@ -296,10 +296,8 @@ class JumpForward:
         other: list[int] = []
         ids = [*req.token_ids, 0]
         n = count_allowed(allowed)
-        cut = False
         for t in self._likely(allowed, n):
             if done():
-                cut = True
                 break
             if not m.accept_token(t):
                 other.append(t)
@@ -329,9 +327,9 @@ class JumpForward:
             self._rehearsal = Rehearsal(req, m.version, plans)
         if n >= QUIET_MIN_ALLOWED or req.num_output + 1 >= req.params.max_tokens:
             return None
-        return self._plain_tokens(allowed, plain, other, bet=not (cut and n <= REHEARSE_ALL))
+        return self._plain_tokens(allowed, plain, other)
 
-    def _plain_tokens(self, allowed: np.ndarray, plain: list[int], other: list[int], bet: bool) -> np.ndarray | None:
+    def _plain_tokens(self, allowed: np.ndarray, plain: list[int], other: list[int]) -> np.ndarray | None:
         """uint32 bitmask words of the tokens after which the next step is taken to be the
         plain decode step (nothing forced, nothing finished), in a state narrower than the
         static gate's: those rehearsed and found plain, and the allowed tokens without quote
@@ -339,9 +337,8 @@ class JumpForward:
         most REHEARSE_ALL allowed: a key, a keyword, an enum) that is exact. Elsewhere (a
         number, long enums or key lists) the unrehearsed ones are a bet, since such a token can
         still complete a key or a bounded number; a lost bet costs one forward, never an
-        output (the host still checks the token: `Engine._plain_next_step`). No bets
-        (`bet=False`) where the rehearsal of a narrow state was cut short."""
-        words = allowed & self._quiet if bet else np.zeros_like(allowed)
+        output (the host still checks the token: `Engine._plain_next_step`)."""
+        words = allowed & self._quiet
         for t in plain:
             words[t >> 5] |= np.uint32(1 << (t & 31))
         for t in other:
