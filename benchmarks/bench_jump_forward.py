@@ -175,10 +175,10 @@ class ReplayJumpForward(JumpForward):
     def _allowed(self, m: Any):
         return super()._allowed(m.inner if isinstance(m, ReplayMatcher) else m)
 
-    def rehearse(self, req: Request, allowed: np.ndarray, done: Callable[[], bool]) -> np.ndarray | None:
+    def rehearse(self, req: Request, allowed: np.ndarray, done: Callable[[], bool]) -> None:
         if isinstance(req.matcher, ReplayMatcher):
             allowed = self._allowed(req.matcher).copy()
-        return super().rehearse(req, allowed, done)
+        super().rehearse(req, allowed, done)
 
 
 def batch_replay_fills(engine: Engine) -> None:
@@ -263,8 +263,7 @@ def measure(llm: LLM, cases: list[Case], mode: str, jf: bool, batch: int, max_to
     constraint = {c.id: to_constraint(JsonSchema(c.schema)) for c in cases}
     timer = StepTimer(llm.engine)
     graphs = llm.engine.runner.graphs
-    counters = ("steps", "steps_ahead", "gate_runs", "gate_wasted", "step_gate_runs")
-    steps0 = [getattr(graphs, k) for k in counters] if graphs is not None else [0] * len(counters)
+    steps0 = (graphs.steps, graphs.steps_ahead, graphs.gate_runs, graphs.gate_wasted) if graphs is not None else (0,) * 4
     latencies, done = [], []
     if batch == 1:
         for c in cases:
@@ -310,8 +309,6 @@ def measure(llm: LLM, cases: list[Case], mode: str, jf: bool, batch: int, max_to
         # Forwards the device's token gate ran before the host decided, and those it then wasted.
         "gate_runs": graphs.gate_runs - steps0[2] if graphs is not None else 0,
         "gate_wasted": graphs.gate_wasted - steps0[3] if graphs is not None else 0,
-        # Of those runs, the step gate's (grammar states narrower than a string's).
-        "step_gate_runs": graphs.step_gate_runs - steps0[4] if graphs is not None else 0,
     }
 
 
@@ -366,8 +363,7 @@ def add_rows(rows: list, table: list, res: dict, model: str, mode: str, batch: i
                   "constrained": True, "mode": mode, "jump_forward": jf, **note, "tokens": r["tokens"],
                   "forced_tokens": r["forced"], "valid": r["valid"], "n": r["n"],
                   "decode_step_ms": r["decode_step_ms"], "extend_step_ms": r["extend_step_ms"],
-                  "prelaunched_pct": r["prelaunched_pct"], "walls_s": r.get("walls_s"),
-                  "gate_runs": r["gate_runs"], "step_gate_runs": r["step_gate_runs"], "gate_wasted": r["gate_wasted"]}
+                  "prelaunched_pct": r["prelaunched_pct"], "walls_s": r.get("walls_s")}
         rows.append({**common, "metric": "forward_passes_per_token", "value": r["passes_per_token"]})
         rows.append({**common, "metric": "latency_ms", "value": r["latency_ms"]})
         rows.append({**common, "metric": "ms_per_token", "value": r["ms_per_token"]})
@@ -377,7 +373,7 @@ def add_rows(rows: list, table: list, res: dict, model: str, mode: str, batch: i
                       "ms/tok": r["ms_per_token"], "wall_s": r["wall_s"],
                       "decode_step_ms": r["decode_step_ms"], "extend_step_ms": r["extend_step_ms"],
                       "prelaunched_pct": r["prelaunched_pct"], "gate_runs": r["gate_runs"],
-                      "step_gate_runs": r["step_gate_runs"], "gate_wasted": r["gate_wasted"]})
+                      "gate_wasted": r["gate_wasted"]})
     rows.append({"system": "structgen", "model": model, "batch": batch, "constrained": True, "mode": mode,
                  **note, "metric": "speedup", "value": off["wall_s"] / on["wall_s"]})
     # A request that runs to max_tokens in one run (the model loops) weighs on that run's wall,

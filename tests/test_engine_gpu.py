@@ -154,9 +154,8 @@ def batch1_outputs(engine: Engine, setup, tokenizer) -> list[list[int]]:
 
 
 def test_token_gate_runs_forwards_early_and_changes_no_output(setup, model_dir, tokenizer):
-    """Jump-forward at batch 1 with the device-decided gates (the next forward runs at once after
-    a quiet token inside a string, or after a token the rehearsal found leads to the plain
-    step) gives the outputs of the host-decided launch."""
+    """Jump-forward at batch 1 with the device-decided gate (the next forward runs at once after
+    a quiet token inside a string) gives the outputs of the host-decided launch."""
     engine = batch1_engine(setup, model_dir, tokenizer)
     graphs = engine.runner.graphs
     assert graphs.token_gate is not None, "the CUDA extension must build on the GPU machine"
@@ -166,7 +165,6 @@ def test_token_gate_runs_forwards_early_and_changes_no_output(setup, model_dir, 
         outs[gate] = batch1_outputs(engine, setup, tokenizer)
     assert outs[True] == outs[False]
     assert graphs.gate_runs > 20 and graphs.gate_wasted <= graphs.gate_runs // 4, (graphs.gate_runs, graphs.gate_wasted)
-    assert graphs.step_gate_runs > 5, "the step gate (narrower grammar states) never ran"
 
 
 def test_rehearsed_jumps_change_no_output(setup, model_dir, tokenizer, monkeypatch):

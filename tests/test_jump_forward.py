@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from structgen import LLM, JsonSchema
@@ -212,69 +211,6 @@ def test_rehearsed_jumps_equal_the_hooks_own(llm, backend, monkeypatch):
     assert steps >= 4, f"only {steps} jumps replayed from rehearsals"
     for req in (rehearsed, plain):
         assert_matcher_consistent(llm, req, RECORD, backend)
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_rehearsal_names_the_tokens_after_which_the_next_step_is_plain(llm, backend):
-    """While it rehearses, the hook names the tokens after which the next step is the plain
-    decode step (nothing forced, not finished): the device starts that step alone when one is
-    sampled (`StepTokenGate`). Where few tokens are allowed it names exactly those, checked
-    here token by token against the grammar; where more are (numbers), it also names the
-    unrehearsed ones without quote or punctuation, never one it found forcing text; in wide
-    states (strings) it names none: the fixed gate decides there. Walking a record, the
-    sampled token is named in every narrow state it leads to a plain step from."""
-    from structgen.grammar import allocate_bitmask
-    from structgen.grammar.backends.base import allowed_ids, count_allowed
-    from structgen.grammar.jump_forward import QUIET_MIN_ALLOWED, REHEARSE_ALL
-
-    hook = llm.engine.jump_forward_hook
-    quiet = set(allowed_ids(hook._quiet).tolist())
-    mask = allocate_bitmask(1, llm.engine.vocab_size, host_only=True)
-    req = sampled(llm, RECORD, "", backend)
-    hook(llm.engine, req)
-
-    def plain_after(t: int) -> bool:
-        m = req.matcher
-        if not m.accept_token(t):
-            return False
-        try:
-            return not m.is_terminated() and not m.is_completed() and m.jump_forward_string() == ""
-        finally:
-            m.rollback(1)
-
-    seen = {"narrow": 0, "mid": 0, "named_and_sampled": 0}
-    while not req.finished and len(text_of(llm, req)) < len(RECORD_TEXT):
-        rest = RECORD_TEXT[len(text_of(llm, req)):]
-        tok = llm.tokenizer.encode(rest, add_special_tokens=False)[0]
-        req.matcher.fill_bitmask(mask, 0)
-        allowed = mask[0].numpy().view("uint32").copy()
-        n = count_allowed(allowed)
-        words = hook.rehearse(req, allowed, lambda: False)
-        assert np.array_equal(allowed, mask[0].numpy().view("uint32"))  # the step's mask is left alone
-        named = set() if words is None else set(allowed_ids(words).tolist())
-        ok = set(allowed_ids(allowed).tolist()) - hook.vocab.special
-        assert named <= ok
-        if n >= QUIET_MIN_ALLOWED:
-            assert words is None
-        elif n <= REHEARSE_ALL:
-            seen["narrow"] += 1
-            assert named == {t for t in ok if plain_after(t)}
-        else:
-            seen["mid"] += 1
-            assert all(plain_after(t) for t in named - quiet)
-            assert not any(plain_after(t) for t in (ok & quiet) - named)  # rehearsed, found forcing
-        before = len(req.token_ids) + 1
-        assert req.matcher.accept_token(tok)
-        req.append([tok])
-        hook(llm.engine, req)
-        was_plain = len(req.token_ids) == before and not req.finished and not req.matcher.is_completed()
-        if tok in named:
-            seen["named_and_sampled"] += 1
-            assert was_plain or n > REHEARSE_ALL, "a narrow state named a token that forced text"
-        elif was_plain and n <= REHEARSE_ALL:
-            raise AssertionError(f"token {tok} led to a plain step but was not named")
-    assert text_of(llm, req) == RECORD_TEXT
-    assert seen["narrow"] >= 2 and seen["mid"] >= 2 and seen["named_and_sampled"] >= 3, seen
 
 
 class PrefixSpaceTokenizer:

@@ -132,10 +132,8 @@ class DecodeGraphs:
         # Jump-forward at batch 1: the next forward behind a gate the device decides
         # (`enable_token_gate`); how often it ran, and how often the host then wanted another.
         self.token_gate = None
-        self.step_gate = None  # the same, with tokens `before_wait` names each step (narrower states)
-        self.use_step_gate = True
-        self.use_token_gate = True  # benchmarks time the same engine with and without them
-        self.gate_runs = self.gate_wasted = self.step_gate_runs = 0  # runs: of either gate
+        self.use_token_gate = True  # benchmarks time the same engine with and without it
+        self.gate_runs = self.gate_wasted = 0
         self._forward_one: torch.cuda.CUDAGraph | None = None  # bucket 1's forward, kept for the gate
         self._bitmask_words = self.host_bitmask.numpy().view(np.uint32)
         # Padding of every column (token 0 at position 0 of the scratch slot, greedy, no mask):
@@ -280,8 +278,6 @@ class DecodeGraphs:
         # The sampled row of a one-sequence step is NEXT[0] (its last row, after forced tokens).
         self.token_gate = gated_graph.TokenGate(self._forward_one, self.meta[NEXT, :1], self.tokens,
                                                 self.meta[HAS_MASK], quiet, min_allowed)
-        self.step_gate = gated_graph.StepTokenGate(self._forward_one, self.meta[NEXT, :1], self.tokens,
-                                                   self.meta[HAS_MASK], len(quiet))
         return True
 
     @property
@@ -305,7 +301,7 @@ class DecodeGraphs:
         fill_bitmask: Callable[[torch.Tensor], None],
         predict_next: bool = False,
         plan_next: Callable[[list[int]], StepRows | None] | None = None,
-        before_wait: Callable[[Callable[[], bool]], np.ndarray | None] | None = None,
+        before_wait: Callable[[Callable[[], bool]], None] | None = None,
     ) -> list[int]:
         """Decode one token for each of n rows (n <= max_batch_size); return the n sampled
         tokens. `fill_bitmask(host_bitmask)` is called while the forward runs and must fill row
@@ -317,9 +313,7 @@ class DecodeGraphs:
         sequence may all be sampled (speculative verification): the plan, not the blind
         prediction, says what runs next. `before_wait(done)`: host work for the time the
         device still computes this step, called (on CUDA) just before the host waits for the
-        sampled tokens; `done()` says whether the sampler has finished. It may return uint32
-        bitmask words of the tokens after which the next step is the predicted one, for the
-        step gate (`StepTokenGate`) where the fixed one is not launched."""
+        sampled tokens; `done()` says whether the sampler has finished."""
         n = len(token_ids)
         bs = self.bucket(n)
         assert bs is not None, f"batch of {n} exceeds the largest captured size {self.max_batch_size}"
@@ -371,12 +365,9 @@ class DecodeGraphs:
         else:
             self.host_tokens[:bs].copy_(self.tokens[:bs])
         next_bs = self.bucket(len(last))
-        # One sequence with a grammar: its next step is likely the bucket-1 forward, which a
-        # gate runs at once on the device if the sampled token is one that leads there.
-        gated = (plan_next is not None and prelaunch and len(last) == 1 and self.use_token_gate
-                 and has_mask[last[0]])
-        gate = self.token_gate if gated else None  # wide grammar states: a fixed set of tokens
-        if gate is not None and not gate.wide(self._bitmask_words[last[0]]):
+        gate = self.token_gate  # one sequence in a wide grammar state: its next step is the bucket-1 forward
+        if (gate is None or plan_next is None or not prelaunch or len(last) != 1 or not self.use_token_gate
+                or not has_mask[last[0]] or not gate.wide(self._bitmask_words[last[0]])):
             gate = None
         if prelaunch and plan_next is None:
             self._steps[next_bs][0]()  # step i+1's forward, from the metadata the sampler advanced
@@ -384,10 +375,7 @@ class DecodeGraphs:
             gate.launch()  # the same forward, run or skipped by the device on the sampled token
         if cuda:
             if before_wait is not None:
-                words = before_wait(self.step_done.query)
-                if words is not None and gated and gate is None and self.step_gate is not None and self.use_step_gate:
-                    gate = self.step_gate  # narrower states: the tokens the host has just worked out
-                    gate.launch(words)
+                before_wait(self.step_done.query)
             self.step_done.synchronize()  # waits for the sampler, not for that forward
         tokens = self._tokens_np[:n].tolist()
         if not prelaunch:
@@ -396,7 +384,6 @@ class DecodeGraphs:
         if gate is not None and gate.went(tokens[last[0]]):
             # The forward is running: the host's plan only decides whether it was wasted.
             self.gate_runs += 1
-            self.step_gate_runs += gate is self.step_gate
             planned = plan_next(tokens)
             if planned is not None and tuple(planned) == (ids, pos, sl):
                 self._ahead = (next_bs, tuple(sl), tuple(pos), tuple(ids))

@@ -259,15 +259,13 @@ class Engine:
             # Not in batches: at 16 rows (one token rehearsed each, in turn) the rehearsals
             # rarely matched the sampled token and delayed reading it (H100, real SmolLM2,
             # MaskBench: 409 ms against 372 without; docs/performance.md).
-            def rehearse(done: Callable[[], bool]) -> np.ndarray | None:
-                """The tokens after which the next step is the plain one, for the step gate."""
+            def rehearse(done: Callable[[], bool]) -> None:
                 if filled and last[0] not in row_errors:
                     try:
-                        return hook.rehearse(reqs[0], filled[0][last[0]].numpy().view(np.uint32), done)
+                        hook.rehearse(reqs[0], filled[0][last[0]].numpy().view(np.uint32), done)
                     except Exception as exc:  # its matcher may be left mid-rehearsal: fail the request
                         log.exception("rehearsing jump-forward failed")
                         row_errors[last[0]] = EngineError(f"jump-forward rehearsal failed: {exc}")
-                return None
 
         try:
             tokens = self.runner.decode(seqs, temperatures, seeds, has_mask, fill, not chunks, plan, rehearse)

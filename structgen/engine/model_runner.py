@@ -179,7 +179,7 @@ class ModelRunner:
         fill_bitmask: Callable[[torch.Tensor], None],
         predict_next: bool = False,
         plan_next: Callable[[list[int]], list[ExtendSeq] | None] | None = None,
-        before_wait: Callable[[Callable[[], bool]], np.ndarray | None] | None = None,
+        before_wait: Callable[[Callable[[], bool]], None] | None = None,
     ) -> list[int]:
         """One decode step that returns tokens instead of logits: every sequence has exactly
         one new token; row i is sampled at `temperatures[i]` (0: greedy) with noise seed

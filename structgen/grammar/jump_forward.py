@@ -35,7 +35,6 @@ last position only.
 from __future__ import annotations
 
 import bisect
-import functools
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -275,46 +274,34 @@ class JumpForward:
             raise RuntimeError("grammar matcher could not restore its state after jump-forward")
 
     # -- rehearsal: the jump worked out while the device computes ------------------------------
-    def rehearse(self, req: Request, allowed: np.ndarray, done: Callable[[], bool]) -> np.ndarray | None:
+    def rehearse(self, req: Request, allowed: np.ndarray, done: Callable[[], bool]) -> None:
         """Work out, for the tokens likeliest to make the grammar force text (`_likely`) among
         those `allowed` (the mask of the step now on the device), what the hook would do after
         each, and undo it. Called while the device computes that step, at batch 1, with
         `done()` saying whether it has finished (then this stops: it would delay the step).
         After the device, the hook only replays the outcome for the token sampled (`_replay`),
         instead of re-encoding and probing on the device's critical path (128-247 us a jump
-        on the lent hosts, p50).
-
-        Returns the tokens after which the next step should be the plain decode step
-        (`_plain_tokens`), for the device to start it alone; None where the static gate of
-        wide states (`quiet_tokens`) decides, or nothing qualifies."""
+        on the lent hosts, p50)."""
         self._rehearsal = None
         m = req.matcher
         if m is None or req.finished or m.is_terminated():
-            return None
+            return
         plans: dict[int, tuple[bytes, tuple[int, int, list[int]] | None]] = {}
-        plain: list[int] = []  # accepted; no forced text; neither complete nor stopped
-        other: list[int] = []
         ids = [*req.token_ids, 0]
-        n = count_allowed(allowed)
-        for t in self._likely(allowed, n):
+        for t in self._likely(allowed):
             if done():
                 break
             if not m.accept_token(t):
-                other.append(t)
                 continue
             try:
                 if m.is_terminated():
-                    other.append(t)
                     continue
                 try:
                     text = m.jump_forward_string().encode("utf-8")
                 except UnicodeDecodeError:
-                    other.append(t)
                     continue
                 if not text:
-                    (other if m.is_completed() else plain).append(t)
                     continue
-                other.append(t)
                 ids[-1] = t
                 plan = self._decide(m, ids, req.num_prompt, req.params.max_tokens, text)
                 if plan is not None:
@@ -325,37 +312,14 @@ class JumpForward:
                 m.rollback(1)
         if plans:
             self._rehearsal = Rehearsal(req, m.version, plans)
-        if n >= QUIET_MIN_ALLOWED or req.num_output + 1 >= req.params.max_tokens:
-            return None
-        return self._plain_tokens(allowed, plain, other)
 
-    def _plain_tokens(self, allowed: np.ndarray, plain: list[int], other: list[int]) -> np.ndarray | None:
-        """uint32 bitmask words of the tokens after which the next step is taken to be the
-        plain decode step (nothing forced, nothing finished), in a state narrower than the
-        static gate's: those rehearsed and found plain, and the allowed tokens without quote
-        or punctuation that were not rehearsed. Where every allowed token was rehearsed (at
-        most REHEARSE_ALL allowed: a key, a keyword, an enum) that is exact. Elsewhere (a
-        number, long enums or key lists) the unrehearsed ones are a bet, since such a token can
-        still complete a key or a bounded number; a lost bet costs one forward, never an
-        output (the host still checks the token: `Engine._plain_next_step`)."""
-        words = allowed & self._quiet
-        for t in plain:
-            words[t >> 5] |= np.uint32(1 << (t & 31))
-        for t in other:
-            words[t >> 5] &= ~np.uint32(1 << (t & 31))
-        return words if words.any() else None
-
-    @functools.cached_property
-    def _quiet(self) -> np.ndarray:
-        return quiet_tokens(self.vocab)
-
-    def _likely(self, allowed: np.ndarray, n: int) -> list[int]:
+    def _likely(self, allowed: np.ndarray) -> list[int]:
         """The tokens to rehearse: every one allowed where few are (a key, a keyword, a
         number's end), else those that made the grammar force text most often so far and
         are allowed now (on MaskBench `",`, `"},`, then key prefixes such as `cor`). With 4
         of those, 138 of 186 jumps' tokens were rehearsed (the model's own outputs on 16
         schemas, CPU, once the counts had warmed up; 143 with 6 or 8)."""
-        if n <= REHEARSE_ALL:
+        if count_allowed(allowed) <= REHEARSE_ALL:
             return [t for t in allowed_ids(allowed).tolist() if t not in self.vocab.special]
         likely = []
         for t, _ in self._triggers.most_common(4 * REHEARSE_MAX):

@@ -103,16 +103,12 @@ class TokenGate:
     (`wide`: its mask allows many tokens); elsewhere the host decides as before."""
 
     def __init__(self, graph: torch.cuda.CUDAGraph, row: torch.Tensor, tokens: torch.Tensor, has_mask: torch.Tensor,
-                 quiet: np.ndarray | torch.Tensor, min_allowed: int):
+                 quiet: np.ndarray, min_allowed: int):
         self._ext = csrc_ext.load()
         self.device = tokens.device
-        if isinstance(quiet, torch.Tensor):  # pinned host words the device reads in place
-            assert quiet.is_pinned() and quiet.dtype == torch.int32, "quiet: pinned int32 words"
-            self._quiet_dev, self._quiet = quiet, quiet.numpy().view(np.uint32)
-        else:
-            assert quiet.dtype == np.uint32 and quiet.ndim == 1, "quiet: uint32 bitmask words"
-            self._quiet = quiet
-            self._quiet_dev = torch.from_numpy(quiet.view(np.int32).copy()).to(self.device)
+        assert quiet.dtype == np.uint32 and quiet.ndim == 1, "quiet: uint32 bitmask words"
+        self._quiet = quiet
+        self._quiet_dev = torch.from_numpy(quiet.view(np.int32).copy()).to(self.device)
         self.min_allowed = min_allowed
         self._graph = graph  # owns the body's buffers; the child copy points at them
         self._exec = self._ext.token_gate_build(graph.raw_cuda_graph(), row.data_ptr(), tokens.data_ptr(),
@@ -139,32 +135,4 @@ class TokenGate:
                 pass
 
 
-class StepTokenGate:
-    """A `TokenGate` whose tokens the host sets anew for each launch (`launch(words)`), for
-    states where a fixed set would guess badly: the jump-forward rehearsal works out, while the
-    device computes a step, which of the tokens it may sample lead to the plain next step
-    (`JumpForward.rehearse`), and only then launches the gate, behind the sampler.
-
-    The device reads the words from pinned host memory when the gate runs. Two buffers take
-    turns: a launch never rewrites the words of the launch before it, which may not have run
-    yet when the host moves on (it waits for the sampler, not for the gate behind it); the one
-    before that ran before the sampler the host last waited for."""
-
-    def __init__(self, graph: torch.cuda.CUDAGraph, row: torch.Tensor, tokens: torch.Tensor, has_mask: torch.Tensor,
-                 words: int):
-        self._words = [torch.zeros(words, dtype=torch.int32, pin_memory=True) for _ in range(2)]
-        self._gates = [TokenGate(graph, row, tokens, has_mask, w, 0) for w in self._words]
-        self._turn = 0
-
-    def launch(self, words: np.ndarray) -> None:
-        """Run the body if the sampled token is among `words` (uint32, the bitmask layout)."""
-        self._turn ^= 1
-        self._gates[self._turn]._quiet[:] = words
-        self._gates[self._turn].launch()
-
-    def went(self, token: int) -> bool:
-        """Whether the last launch, its grammar row having sampled `token`, ran its body."""
-        return self._gates[self._turn].went(token)
-
-
-__all__ = ["GatedGraph", "StepTokenGate", "TokenGate", "available"]
+__all__ = ["GatedGraph", "TokenGate", "available"]
