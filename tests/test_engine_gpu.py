@@ -18,7 +18,7 @@ from structgen.engine.request import Request
 from structgen.engine.sampler import SamplingParams
 from structgen.grammar import GrammarCompiler
 from structgen.grammar.jump_forward import install_jump_forward
-from structgen.types import JsonSchema, to_constraint
+from structgen.types import CFG, JsonSchema, Regex, to_constraint
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -183,4 +183,43 @@ def test_rehearsed_jumps_change_no_output(setup, model_dir, tokenizer, monkeypat
         if rehearse:
             jumps = sum(p is not None for p in replayed)
             assert jumps >= 8, f"{jumps} jumps replayed from rehearsals ({len(replayed)} replays)"
+    assert outs[True] == outs[False]
+
+
+# Constraint kinds besides JSON, with a prompt each; every grammar forces text along the way.
+KINDS = [
+    (Regex(r"Order #[0-9]{3}, status: (shipped|pending|lost)\."), "Write the status line of order 123, which was shipped."),
+    (CFG('root ::= "name=" [a-z]+ "; age=" [0-9]+ ";"'), "Write name and age of ana, 31, as name=...; age=...;"),
+    (CFG('start: "name=" NAME "; age=" AGE ";"\nNAME: /[a-z]+/\nAGE: /[0-9]+/'), "Write name and age of bo, 45."),
+]
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_every_constraint_kind_jumps_through_the_graphs(setup, model_dir, tokenizer, backend):
+    """Jump-forward on the GPU for a regex, an EBNF and a Lark grammar and a JSON schema, on
+    each backend, at batch 1 through the decode graphs: every output is a complete match of its
+    grammar with text forced into it, and the device-side shortcuts (the token gate, rehearsed
+    jumps) change no output."""
+    cfg, stop, _, prompts = setup
+    engine = batch1_engine(setup, model_dir, tokenizer)
+    compiler = GrammarCompiler(tokenizer, cfg.vocab_size, sorted(stop), backend=backend)
+
+    def chat(text: str) -> list[int]:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
+                                            add_generation_prompt=True)
+        return ids if isinstance(ids, list) else ids["input_ids"]
+
+    cases = [(compiler.compile(to_constraint(c)), chat(p)) for c, p in KINDS]
+    cases.append((compiler.compile(to_constraint(JsonSchema(SCHEMA))), prompts[0]))
+    outs = {}
+    for fast in (True, False):
+        engine.config.rehearse_jumps = engine.runner.graphs.use_token_gate = fast
+        outs[fast] = []
+        for grammar, prompt in cases:
+            r = Request(prompt, SamplingParams(max_tokens=64), grammar.matcher(), frozenset(stop))
+            engine.run([r])
+            text = tokenizer.decode(r.output_ids, skip_special_tokens=True)
+            assert r.finish_reason == "stop" and grammar.accepts(text), (backend, r.finish_reason, r.error, text)
+            assert r.stats.forced_tokens > 0, (backend, text)
+            outs[fast].append(r.output_ids)
     assert outs[True] == outs[False]
