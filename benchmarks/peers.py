@@ -131,7 +131,11 @@ def transformers_generate(model: Any, tokenizer: Any, prompts: str | list[str], 
                               temperature=None, top_p=None, top_k=None)
 
     if warmup:
-        run(min(4, max_new_tokens))
+        # On CUDA, PyTorch's SDPA picks its cuDNN kernel here and builds a cuDNN graph for every
+        # new key length, tens of ms each: a 4-token warm-up left the timed run paying one every
+        # step (bench_decode timed transformers' free decoding at 50-75 ms/step against 15-37
+        # with xgrammar, which ran second and found them built). Warm over every length timed.
+        run(max_new_tokens if device.type == "cuda" else min(4, max_new_tokens))
     _sync(device)
     t0 = time.perf_counter()
     out = run(max_new_tokens)
