@@ -131,10 +131,11 @@ def transformers_generate(model: Any, tokenizer: Any, prompts: str | list[str], 
                               temperature=None, top_p=None, top_k=None)
 
     if warmup:
-        # On CUDA, PyTorch's SDPA picks its cuDNN kernel here and builds a cuDNN graph for every
-        # new key length, tens of ms each: a 4-token warm-up left the timed run paying one every
-        # step (bench_decode timed transformers' free decoding at 50-75 ms/step against 15-37
-        # with xgrammar, which ran second and found them built). Warm over every length timed.
+        # On CUDA the first generate over a set of lengths is slow (H100: 107.6 ms a step, then
+        # 21.9; most likely SDPA's cuDNN kernel building a graph per new key length). A 4-token
+        # warm-up left the first timed run paying every step: bench_decode read transformers'
+        # free decoding at 50-76 ms/step against 15-37 with xgrammar, timed second. Warm over
+        # every length timed (docs/performance.md, "Peers").
         run(max_new_tokens if device.type == "cuda" else min(4, max_new_tokens))
     _sync(device)
     t0 = time.perf_counter()
