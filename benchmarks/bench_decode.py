@@ -211,7 +211,12 @@ def main() -> None:
                     help="SmolLM2 tokenizer files for the random-shape models (when the model is absent)")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "bench_decode measures the GPU engine; run it on a CUDA machine"
-    from benchmarks.peers import compile_xgrammar, load_hf_model, transformers_generate
+    from benchmarks.peers import (
+        compile_xgrammar,
+        load_hf_model,
+        outlines_json,
+        transformers_generate,
+    )
     from structgen.grammar import GrammarCompiler
     from structgen.types import JsonSchema, to_constraint
 
@@ -286,14 +291,16 @@ def main() -> None:
         if not args.no_peers:
             hf = load_hf_model(model_dir if model_dir is not None else model, torch.bfloat16, "cuda", seed=0)
             xg = compile_xgrammar(tok, cfg.vocab_size, sorted(stop), json_schema=SCHEMA)
+            outlines = outlines_json(hf, tok, SCHEMA)  # None without Outlines installed
             text = chat(tok, PROMPT)
             if tok.pad_token is None:  # equal prompts never pad; transformers still wants one
                 tok.pad_token = tok.eos_token
             for batch in batches:
-                for constrained in (False, True):
-                    run = transformers_generate(hf, tok, [text] * batch, args.peer_tokens,
-                                                compiled_grammar=xg if constrained else None,
-                                                ignore_eos=not constrained)
+                for constrained, peer_xg, peer_outlines in ((False, None, None), (True, xg, None), (True, None, outlines)):
+                    if constrained and peer_xg is None and peer_outlines is None:
+                        continue  # Outlines not installed
+                    run = transformers_generate(hf, tok, [text] * batch, args.peer_tokens, compiled_grammar=peer_xg,
+                                                outlines_processor=peer_outlines, ignore_eos=not constrained)
                     rows.append({"system": run.system, "model": model, "batch": batch, "constrained": constrained,
                                  "metric": "ms_per_step", "value": run.ms_per_step, "steps": run.steps,
                                  "floor_ms": floors[model]})

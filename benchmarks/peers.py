@@ -1,5 +1,7 @@
 """Peers we measure side by side with structgen: HF transformers `generate` (eager PyTorch, no
-compile, greedy), alone and with xgrammar's HF logits processor.
+compile, greedy), alone, with xgrammar's HF logits processor, and with Outlines' (its own
+outlines-core index, through `outlines.from_transformers`; optional: skipped where Outlines is
+not installed).
 
 Both run on the same device, prompts and weights as ours: `load_hf_model` takes the resolved
 model directory (real SmolLM2) or a shape name, whose random weights come from
@@ -101,15 +103,29 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def outlines_json(model: Any, tokenizer: Any, schema: dict) -> Any:
+    """Outlines' JSON-schema logits processor for this HF model, its index built here (outside
+    any timing, as xgrammar's compile is), or None where Outlines is not installed. Pass it to
+    `transformers_generate(outlines_processor=...)`."""
+    try:
+        import outlines
+        from outlines.types import JsonSchema
+    except ImportError:
+        return None
+    generator = outlines.Generator(outlines.from_transformers(model, tokenizer), JsonSchema(json.dumps(schema)))
+    return generator.logits_processor
+
+
 @torch.inference_mode()
 def transformers_generate(model: Any, tokenizer: Any, prompts: str | list[str], max_new_tokens: int, *,
-                          compiled_grammar: Any = None, ignore_eos: bool = False,
+                          compiled_grammar: Any = None, outlines_processor: Any = None, ignore_eos: bool = False,
                           warmup: bool = True) -> PeerRun:
     """Greedy `model.generate` over already formatted prompts (apply the chat template first).
 
     With `compiled_grammar`, each call gets a fresh `xgrammar.contrib.hf.LogitsProcessor`
-    (they are single-use). `ignore_eos` forces exactly max_new_tokens (random-weight models);
-    do not combine it with a grammar, which ends at its stop token.
+    (they are single-use); with `outlines_processor` (`outlines_json`), Outlines' processor,
+    reset before each call as its `Generator` does. `ignore_eos` forces exactly max_new_tokens
+    (random-weight models); do not combine it with a grammar, which ends at its stop token.
     """
     from transformers import LogitsProcessorList
 
@@ -126,6 +142,9 @@ def transformers_generate(model: Any, tokenizer: Any, prompts: str | list[str], 
             from xgrammar.contrib.hf import LogitsProcessor
 
             procs.append(LogitsProcessor(compiled_grammar))
+        if outlines_processor is not None:
+            outlines_processor.reset()
+            procs.append(outlines_processor)
         return model.generate(**enc, max_new_tokens=n, do_sample=False, logits_processor=procs,
                               min_new_tokens=n if ignore_eos else 0, pad_token_id=pad,
                               temperature=None, top_p=None, top_k=None)
@@ -144,7 +163,8 @@ def transformers_generate(model: Any, tokenizer: Any, prompts: str | list[str], 
     wall_ms = (time.perf_counter() - t0) * 1e3
     new = out[:, enc["input_ids"].shape[1]:]
     steps = new.shape[1]
-    system = "transformers+xgrammar" if compiled_grammar is not None else "transformers"
+    system = ("transformers+xgrammar" if compiled_grammar is not None
+              else "transformers+outlines" if outlines_processor is not None else "transformers")
     return PeerRun(system=system, batch=len(prompts), steps=steps, wall_ms=wall_ms,
                    ms_per_step=wall_ms / max(steps, 1), output_ids=new.tolist(),
                    texts=tokenizer.batch_decode(new, skip_special_tokens=True))
@@ -177,6 +197,9 @@ def main() -> None:
     grammar = compile_xgrammar(tokenizer, vocab, [2], json_schema=schema)
     runs = [transformers_generate(model, tokenizer, prompt, args.max_new_tokens, ignore_eos=shape),
             transformers_generate(model, tokenizer, prompt, args.max_new_tokens, compiled_grammar=grammar)]
+    processor = outlines_json(model, tokenizer, schema)
+    if processor is not None:
+        runs.append(transformers_generate(model, tokenizer, prompt, args.max_new_tokens, outlines_processor=processor))
     print_table([{"system": r.system, "batch": r.batch, "steps": r.steps, "wall_ms": r.wall_ms,
                   "ms_per_step": r.ms_per_step} for r in runs])
     for r in runs:

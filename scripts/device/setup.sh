@@ -2,7 +2,8 @@
 # Runs ON the device at the start of each command. Source it so the exports reach your shell:
 #     source scripts/device/setup.sh && python3 -m pytest ...
 # (run as a script it prints the export line instead). It
-#   1. installs carried wheels (.whl/*.whl) into /tmp/site, once per set of wheels;
+#   1. installs carried wheels (.whl/*.whl, and .whl-peers/*.whl where carried) into /tmp/site,
+#      once per set of wheels;
 #   2. exports PYTHONPATH=/tmp/site:$PWD, so `import structgen` and the wheels resolve;
 #   3. copies a carried GGUF half (.carry/gguf.partN) to /tmp, and once both halves are there,
 #      joins them, checks scripts/device/model.sha256 and installs the file as a minimal
@@ -17,7 +18,7 @@ _sg_setup() {
   mkdir -p "$site"
 
   local wheels stamp
-  wheels=$(ls "$repo"/.whl/*.whl 2>/dev/null)
+  wheels=$(ls "$repo"/.whl/*.whl "$repo"/.whl-peers/*.whl 2>/dev/null)
   if [[ -n "$wheels" ]]; then
     stamp=$(basename -a $wheels | sha256sum | cut -c1-16)
     if [[ "$(cat "$site/.wheels" 2>/dev/null)" != "$stamp" ]]; then
