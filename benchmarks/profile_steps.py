@@ -95,6 +95,9 @@ class DeviceGaps:
             def synchronize(self) -> None:
                 done.synchronize()
 
+            def __getattr__(self, name: str) -> Any:  # query and the rest: the real event's
+                return getattr(done, name)
+
         g.step_done = SamplerDone()
         self._gate = g.token_gate
         if g.token_gate is not None:  # a gated forward counts as launched where the gate is
@@ -215,6 +218,11 @@ def main() -> None:
         del engine.step  # back to the class's method
         if gaps is not None:
             gaps.close()
+        # The engine turns a broken step into failed requests, not an exception: a profile of
+        # failed requests is no profile (the wrapped event once lacked `query`, and every step failed).
+        failed = [c for c, v in r["per_case"].items() if v[2] == "error"]
+        if failed:
+            raise SystemExit(f"{len(failed)} requests failed while profiled ({', '.join(failed[:3])}, ...)")
         print(f"\n{model}, jump-forward {'on' if jf else 'off'}, batch 1: {len(cases)} requests, "
               f"wall {r['wall_s'] * 1e3:.0f} ms, {r['forward_passes']} passes for {r['tokens']} tokens")
         print_table([{k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}
