@@ -39,8 +39,8 @@ def token_bytes(tokenizer: Any, vocab_size: int) -> tuple[bytes, ...]:
     """The byte string of every token id below `vocab_size` (b"" for ids the tokenizer lacks).
 
     Read from xgrammar's `TokenizerInfo`, which knows how every tokenizer family (byte-level
-    BPE, SentencePiece with byte fallback, tiktoken) spells its tokens; jump-forward and the
-    llguidance adapter share one table (building it takes ~0.3 s)."""
+    BPE, SentencePiece with byte fallback, tiktoken) spells its tokens; jump-forward and both
+    backends share one table (building it takes ~0.3 s)."""
     import xgrammar as xgr
 
     info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)

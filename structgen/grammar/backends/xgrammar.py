@@ -20,6 +20,7 @@ from structgen.grammar.backends.base import (
     GrammarMatcher,
     control_token_ids,
     set_only_tokens,
+    token_bytes,
 )
 from structgen.grammar.json_format import JSON_SEPARATORS
 
@@ -129,15 +130,14 @@ class XGrammarBackend(GrammarBackend):
         if self._words is not None and any(t >= tokenizer_size for t in stop_token_ids):
             self._words = None  # a stop id in the padding: keep the full width
         size = vocab_size if self._words is None else tokenizer_size
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=size, stop_token_ids=list(stop_token_ids))
-        # xgrammar takes a token for a control token only where its text is empty; SmolLM2's
-        # `<|im_start|>` or `<repo_name>` it would allow inside JSON strings. Rebuild the info
-        # with those emptied (~0.2 s, once per backend).
-        control = control_token_ids(tokenizer, size) - set(stop_token_ids)
-        if control - set(info.special_token_ids):
-            vocab = [b"" if i in control else bytes(b) for i, b in enumerate(info.decoded_vocab)]
-            info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=size, stop_token_ids=list(stop_token_ids),
-                                     add_prefix_space=info.add_prefix_space)
+        # The tokens' bytes as xgrammar decodes them (`token_bytes`, shared with jump-forward and
+        # the llguidance adapter: one decode of the vocabulary), given raw. xgrammar takes a
+        # token for a control token only where its text is empty: SmolLM2's `<|im_start|>` or
+        # `<repo_name>` it would allow inside JSON strings, so those are emptied.
+        vocab = list(token_bytes(tokenizer, size))
+        for t in control_token_ids(tokenizer, size) - set(stop_token_ids):
+            vocab[t] = b""
+        info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=size, stop_token_ids=list(stop_token_ids))
         # GrammarCompiler (ours) caches compiled grammars; xgrammar's own cache would keep a
         # second reference to each for the process lifetime.
         self._compiler = xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
