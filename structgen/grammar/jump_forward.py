@@ -96,11 +96,12 @@ class VocabBytes:
         self._sorted = [b for b, _ in order]
         self._sorted_ids = np.array([i for _, i in order], dtype=np.int64)
         self._extensions: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        self._ids = {b: i for i, b in enumerate(self.tokens) if b and i not in self.special}  # last id wins
 
     def token_id(self, data: bytes) -> int | None:
-        """The (non-special) token whose bytes are exactly `data`, if any."""
-        return self._ids.get(data)
+        """The (non-special) token whose bytes are exactly `data`, if any (the lowest id where
+        several spell it)."""
+        i = bisect.bisect_left(self._sorted, data)
+        return int(self._sorted_ids[i]) if i < len(self._sorted) and self._sorted[i] == data else None
 
     def join(self, ids: list[int]) -> bytes:
         return b"".join([self.tokens[t] for t in ids])
