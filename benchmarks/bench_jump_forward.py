@@ -292,6 +292,9 @@ def measure(llm: LLM, cases: list[Case], mode: str, jf: bool, batch: int, max_to
             pass
     return {
         "tokens": tokens, "forward_passes": passes, "forced": sum(r.stats.forced_tokens for _, r in done),
+        # Held-back tokens run as drafts, and those the model picked (a pass saved each).
+        "drafted": sum(r.stats.drafted_tokens for _, r in done),
+        "accepted": sum(r.stats.accepted_tokens for _, r in done),
         "passes_per_token": passes / max(tokens, 1), "wall_s": wall,
         "latency_ms": 1e3 * statistics.mean(latencies), "ms_per_token": 1e3 * wall / max(tokens, 1),
         "valid": valid, "n": len(done),
@@ -361,7 +364,8 @@ def add_rows(rows: list, table: list, res: dict, model: str, mode: str, batch: i
     for jf, r in res.items():
         common = {"system": "structgen" if jf else "structgen-nojf", "model": model, "batch": batch,
                   "constrained": True, "mode": mode, "jump_forward": jf, **note, "tokens": r["tokens"],
-                  "forced_tokens": r["forced"], "valid": r["valid"], "n": r["n"],
+                  "forced_tokens": r["forced"], "drafted": r["drafted"], "accepted": r["accepted"],
+                  "valid": r["valid"], "n": r["n"],
                   "decode_step_ms": r["decode_step_ms"], "extend_step_ms": r["extend_step_ms"],
                   "prelaunched_pct": r["prelaunched_pct"], "walls_s": r.get("walls_s")}
         rows.append({**common, "metric": "forward_passes_per_token", "value": r["passes_per_token"]})
@@ -369,6 +373,7 @@ def add_rows(rows: list, table: list, res: dict, model: str, mode: str, batch: i
         rows.append({**common, "metric": "ms_per_token", "value": r["ms_per_token"]})
         table.append({"mode": mode, **note, "batch": batch, "jf": "on" if jf else "off",
                       "valid": f"{r['valid']}/{r['n']}", "tokens": r["tokens"], "forced": r["forced"],
+                      "drafts": f"{r['accepted']}/{r['drafted']}",
                       "passes/tok": r["passes_per_token"], "latency_ms": r["latency_ms"],
                       "ms/tok": r["ms_per_token"], "wall_s": r["wall_s"],
                       "decode_step_ms": r["decode_step_ms"], "extend_step_ms": r["extend_step_ms"],
@@ -403,20 +408,28 @@ def add_rows(rows: list, table: list, res: dict, model: str, mode: str, batch: i
                      "extend_rows": r["extend_rows"]})
 
 
-def add_gate_off_rows(rows: list, table: list, off_gate: dict, res: dict, model: str, mode: str, batch: int,
-                      note: dict) -> None:
-    """The jump-forward run with the token gate off, beside the default's on/off pair."""
-    common = {"system": "structgen-nogate", "model": model, "batch": batch, "constrained": True, "mode": mode,
-              "jump_forward": True, **note, "decode_step_ms": off_gate["decode_step_ms"],
-              "extend_step_ms": off_gate["extend_step_ms"], "walls_s": off_gate.get("walls_s")}
-    rows.append({**common, "metric": "ms_per_token", "value": off_gate["ms_per_token"]})
-    rows.append({**common, "metric": "speedup", "value": res[False]["wall_s"] / off_gate["wall_s"]})
-    table.append({"mode": mode, **note, "batch": batch, "jf": "on, no gate", "tokens": off_gate["tokens"],
-                  "passes/tok": off_gate["passes_per_token"], "ms/tok": off_gate["ms_per_token"],
-                  "wall_s": off_gate["wall_s"], "decode_step_ms": off_gate["decode_step_ms"],
-                  "extend_step_ms": off_gate["extend_step_ms"]})
-    table.append({"mode": mode, **note, "batch": batch, "jf": "speedup, no gate",
-                  "wall_s": res[False]["wall_s"] / off_gate["wall_s"]})
+def add_variant_rows(rows: list, table: list, run: dict, res: dict, model: str, mode: str, batch: int,
+                     note: dict, without: str) -> None:
+    """A jump-forward run `without` one of its parts ("gate": the token gate, "drafts": the
+    held-back drafts), beside the default's on/off pair."""
+    common = {"system": f"structgen-no{without}", "model": model, "batch": batch, "constrained": True, "mode": mode,
+              "jump_forward": True, **note, "decode_step_ms": run["decode_step_ms"],
+              "extend_step_ms": run["extend_step_ms"], "walls_s": run.get("walls_s"),
+              "tokens": run["tokens"], "passes_per_token": run["passes_per_token"]}
+    rows.append({**common, "metric": "ms_per_token", "value": run["ms_per_token"]})
+    rows.append({**common, "metric": "speedup", "value": res[False]["wall_s"] / run["wall_s"]})
+    off = res[False]
+    both = [c for c, v in run["per_case"].items() if v[2] == "stop" and off["per_case"][c][2] == "stop"]
+    stopped = sum(off["per_case"][c][3] for c in both) / max(sum(run["per_case"][c][3] for c in both), 1e-9)
+    rows.append({**common, "metric": "speedup_stopped_in_both", "value": stopped, "cases": len(both)})
+    table.append({"mode": mode, **note, "batch": batch, "jf": f"on, no {without}", "tokens": run["tokens"],
+                  "passes/tok": run["passes_per_token"], "ms/tok": run["ms_per_token"],
+                  "wall_s": run["wall_s"], "decode_step_ms": run["decode_step_ms"],
+                  "extend_step_ms": run["extend_step_ms"]})
+    table.append({"mode": mode, **note, "batch": batch, "jf": f"speedup, no {without}",
+                  "wall_s": res[False]["wall_s"] / run["wall_s"]})
+    table.append({"mode": mode, **note, "batch": batch, "jf": f"speedup, no {without}, {len(both)} stopped in both",
+                  "wall_s": stopped})
 
 
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -454,6 +467,8 @@ def main() -> None:
                     help="prompts run as eager extends (EngineConfig(prefill_in_graphs=False))")
     ap.add_argument("--token-gate", default="on", choices=["on", "off", "both"],
                     help="batch-1 jump-forward steps behind the device-decided gate; both: also time it off")
+    ap.add_argument("--drafts", default="on", choices=["on", "off", "both"],
+                    help="held-back tokens run as drafts (EngineConfig.draft_held_back); both: also time them off")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
 
@@ -486,19 +501,28 @@ def main() -> None:
                 # Steady state: new step shapes (Triton specialisations, SDPA plans) cost
                 # tens of ms the first time; a server pays that once, not per request.
                 measure(llm, cases[: max(2, min(batch, len(cases)))], mode, True, batch, args.max_tokens)
-                gate = args.token_gate != "off"
-                variants = [(False, gate), (True, gate)] + ([(True, False)] if args.token_gate == "both" else [])
-                runs: dict[tuple[bool, bool], list[dict[str, Any]]] = {v: [] for v in variants}
+                gate, drafts = args.token_gate != "off", args.drafts != "off"
+                variants = [(False, gate, drafts), (True, gate, drafts)]
+                if args.token_gate == "both":
+                    variants.append((True, False, drafts))
+                if args.drafts == "both":
+                    variants.append((True, gate, False))
+                runs: dict[tuple[bool, bool, bool], list[dict[str, Any]]] = {v: [] for v in variants}
                 for _ in range(args.repeat):  # interleaved: slow phases of the host hit every variant
-                    for jf, g in variants:
+                    for jf, g, d in variants:
                         if engine.runner.graphs is not None:
                             engine.runner.graphs.use_token_gate = g
-                        runs[(jf, g)].append(measure(llm, cases, mode, jf, batch, args.max_tokens))
-                res = {jf: median_run(runs[(jf, gate)]) for jf in (False, True)}
+                        engine.jump_forward_hook.drafts = d
+                        runs[(jf, g, d)].append(measure(llm, cases, mode, jf, batch, args.max_tokens))
+                res = {jf: median_run(runs[(jf, gate, drafts)]) for jf in (False, True)}
                 group = len(table)
                 add_rows(rows, table, res, model, mode, batch, graph_note)
                 if args.token_gate == "both":
-                    add_gate_off_rows(rows, table, median_run(runs[(True, False)]), res, model, mode, batch, graph_note)
+                    add_variant_rows(rows, table, median_run(runs[(True, False, drafts)]), res, model, mode, batch,
+                                     graph_note, "gate")
+                if args.drafts == "both":
+                    add_variant_rows(rows, table, median_run(runs[(True, gate, False)]), res, model, mode, batch,
+                                     graph_note, "drafts")
                 if mode == "replay" and batch == 1:
                     per_case = case_rows(res, graph_note)
                     print_table(per_case)

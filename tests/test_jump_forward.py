@@ -16,7 +16,7 @@ import pytest
 
 from structgen import LLM, JsonSchema
 from structgen.engine.config import EngineConfig
-from structgen.engine.request import Request
+from structgen.engine.request import Draft, Request
 from structgen.engine.sampler import SamplingParams
 from structgen.errors import IncompleteOutputError, UnsupportedSchemaError
 from structgen.grammar.jump_forward import HELD_BACK, JumpForward
@@ -211,6 +211,117 @@ def test_rehearsed_jumps_equal_the_hooks_own(llm, backend, monkeypatch):
     assert steps >= 4, f"only {steps} jumps replayed from rehearsals"
     for req in (rehearsed, plain):
         assert_matcher_consistent(llm, req, RECORD, backend)
+
+
+# -- held-back tokens as drafts -----------------------------------------------------------------
+def token(llm: LLM, text: str) -> int:
+    (tid,) = llm.tokenizer.encode(text, add_special_tokens=False)
+    return tid
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_held_back_token_is_the_draft(llm, backend):
+    """The held-back ` "` (the quote + comma case above) becomes the request's draft, and so
+    does a lone forced ` "` held back whole (the next array item). Proposing it leaves the
+    grammar where it was. No draft with drafts off, or without room for the draft and one
+    more token under max_tokens."""
+    hook = llm.engine.jump_forward_hook
+    quote, space_quote = token(llm, '"'), token(llm, ' "')
+    req = sampled(llm, TWO_STRINGS, '{"a": "x', backend)
+    assert req.matcher.accept_token(quote)
+    req.append([quote])
+    hook(llm.engine, req)
+    assert text_of(llm, req) == '{"a": "x", "b":'
+    assert req.draft == Draft(space_quote, space_quote)
+    assert_matcher_consistent(llm, req, TWO_STRINGS, backend)
+
+    array = {"type": "object", "properties": {"t": {"type": "array", "items": {"type": "string"}}},
+             "required": ["t"], "additionalProperties": False}
+    req = sampled(llm, array, '{"t": ["a",', backend)
+    hook(llm.engine, req)
+    assert req.stats.forced_tokens == 0 and req.draft == Draft(space_quote, space_quote)
+    assert_matcher_consistent(llm, req, array, backend)
+
+    hook.drafts = False
+    try:
+        req = sampled(llm, array, '{"t": ["a",', backend)
+        hook(llm.engine, req)
+        assert req.draft is None
+    finally:
+        hook.drafts = True
+    req = sampled(llm, array, '{"t": ["a",', backend, max_tokens=7)  # 6 output tokens: room for one
+    hook(llm.engine, req)
+    assert req.num_output == 6 and req.draft is None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_draft_is_what_the_model_picked_there(llm, backend):
+    """After `{"v"` the grammar forces `: `, and the ` ` is held back (a string or a number may
+    follow). The draft is the ` ` itself until the model has picked one token there at least
+    twice and at least half the time (here ` "`); where the grammar does not take that token
+    (an integer value), the ` ` again."""
+    from structgen.grammar.jump_forward import JumpForward
+
+    hook = JumpForward(llm.tokenizer, llm.engine.vocab_size, llm.engine.stop_token_ids,
+                       vocab=llm.engine.jump_forward_hook.vocab)
+    space, space_quote, space_bracket = token(llm, " "), token(llm, ' "'), token(llm, " [")
+    either = {"type": "object", "properties": {"v": {"type": ["string", "integer"]}}, "required": ["v"],
+              "additionalProperties": False}
+    number = {**either, "properties": {"v": {"type": "integer"}}}
+
+    def draft(schema: dict) -> Draft | None:
+        req = sampled(llm, schema, '{"v"', backend)
+        hook(llm.engine, req)
+        assert text_of(llm, req) == '{"v":'
+        return req.draft
+
+    assert draft(either) == Draft(space, space)
+    for picked in (space_quote, space_bracket):  # once each: no pick yet
+        hook.observe_draft(Draft(space, space), picked)
+    assert draft(either) == Draft(space, space)
+    hook.observe_draft(Draft(space, space), space_quote)  # 2 of 3
+    assert draft(either) == Draft(space_quote, space)
+    assert draft(number) == Draft(space, space)
+
+
+def test_drafts_keep_the_outputs_and_save_passes(llm):
+    """Real model: with held-back drafts the outputs are those without, token for token,
+    greedy and with a seeded temperature, alone and in a batch (the batch mixes steps with
+    forced text, which run as extends on the CPU, and decode steps whose draft is their only
+    extra row). Drafts were run; the model picked most, not all (a fresh hook drafts the
+    held-back ` ` before a value that may be a string until it has seen the model pick ` "`
+    there twice); each one picked saved a pass."""
+    from structgen.grammar.jump_forward import JumpForward
+
+    previous = llm.engine.jump_forward_hook
+    hook = llm.engine.jump_forward_hook = JumpForward(llm.tokenizer, llm.engine.vocab_size,
+                                                      llm.engine.stop_token_ids, vocab=previous.vocab)
+    row = jme_rows(1)[0]
+    instance = next(t["data"] for t in row["tests"] if t["valid"])
+    either = {"type": "object", "properties": {"v": {"type": ["string", "integer"]}, "w": {"type": ["string", "integer"]}},
+              "required": ["v", "w"], "additionalProperties": False}
+    jobs = [
+        (JsonSchema(either), ["v is the word apple and w is the word pear"], {}),
+        (JsonSchema(row["schema"]), [extraction_prompt(instance)], {}),
+        (JsonSchema(TWO_STRINGS), ["a is red and b is blue"], {"temperature": 0.8, "seed": 7}),
+        (JsonSchema(TWO_STRINGS), ["a is one, b is two", "a: sun, b: moon", "a and b: two birds"], {}),
+    ]
+    runs = {}
+    try:
+        for drafts in (True, False):
+            hook.drafts = drafts
+            runs[drafts] = [llm.complete_batch(output, prompts, max_tokens=96, **kw) for output, prompts, kw in jobs]
+    finally:
+        llm.engine.jump_forward_hook = previous
+    on = [c for batch in runs[True] for c in batch]
+    off = [c for batch in runs[False] for c in batch]
+    assert [c.token_ids for c in on] == [c.token_ids for c in off]
+    assert all(c.finish_reason == "stop" for c in on)
+    drafted, accepted = sum(c.stats.drafted_tokens for c in on), sum(c.stats.accepted_tokens for c in on)
+    assert drafted >= 8 and drafted // 2 <= accepted < drafted, (drafted, accepted)
+    assert sum(c.stats.drafted_tokens for c in off) == 0
+    passes_on, passes_off = sum(c.stats.forward_passes for c in on), sum(c.stats.forward_passes for c in off)
+    assert passes_off - passes_on == accepted  # a pass saved for each draft picked, no other change
 
 
 class PrefixSpaceTokenizer:

@@ -135,6 +135,11 @@ class EngineConfig:
     # jump each likely next token would make (`JumpForward.rehearse`), so after the device it
     # only replays the one sampled instead of re-encoding on the critical path.
     rehearse_jumps: bool = True
+    # Jump-forward: where it holds back the end of forced text (` "` before a string value),
+    # the step that runs the forced text also runs that token as a one-token draft, sampled at
+    # both rows (grammar/jump_forward.py, `Draft`): where the model picks it, a pass is saved.
+    # Off under speculative decoding (its drafter proposes the drafts there).
+    draft_held_back: bool = True
     # Prompts run through the decode graphs, a row per token, in chunks of the largest bucket
     # (prefill_chunk_tokens is capped there), instead of as eager extends: on the H100 a
     # SmolLM2 prompt of 48-397 tokens took 23 ms to the first token eagerly (host-bound)

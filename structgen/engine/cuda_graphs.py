@@ -302,6 +302,7 @@ class DecodeGraphs:
         predict_next: bool = False,
         plan_next: Callable[[list[int]], StepRows | None] | None = None,
         before_wait: Callable[[Callable[[], bool]], None] | None = None,
+        gate: bool = True,
     ) -> list[int]:
         """Decode one token for each of n rows (n <= max_batch_size); return the n sampled
         tokens. `fill_bitmask(host_bitmask)` is called while the forward runs and must fill row
@@ -313,7 +314,8 @@ class DecodeGraphs:
         sequence may all be sampled (speculative verification): the plan, not the blind
         prediction, says what runs next. `before_wait(done)`: host work for the time the
         device still computes this step, called (on CUDA) just before the host waits for the
-        sampled tokens; `done()` says whether the sampler has finished."""
+        sampled tokens; `done()` says whether the sampler has finished. `gate=False`: no token
+        gate this step (its forward would follow the last row, a draft the model may not pick)."""
         n = len(token_ids)
         bs = self.bucket(n)
         assert bs is not None, f"batch of {n} exceeds the largest captured size {self.max_batch_size}"
@@ -365,7 +367,7 @@ class DecodeGraphs:
         else:
             self.host_tokens[:bs].copy_(self.tokens[:bs])
         next_bs = self.bucket(len(last))
-        gate = self.token_gate  # one sequence in a wide grammar state: its next step is the bucket-1 forward
+        gate = self.token_gate if gate else None  # one sequence in a wide grammar state: its next step is the bucket-1 forward
         if (gate is None or plan_next is None or not prelaunch or len(last) != 1 or not self.use_token_gate
                 or not has_mask[last[0]] or not gate.wide(self._bitmask_words[last[0]])):
             gate = None

@@ -147,10 +147,13 @@ class Engine:
         self._time_step(None)
         if self.speculator is not None:  # draft, then verify every draft in one forward (spec/)
             return self.speculator.step(batch)
-        seqs, sampling = [], []
+        seqs, sampling, drafted = [], [], {}
         for req, n in batch:
             start = req.num_cached
-            seqs.append(ExtendSeq(req.slot, start, req.token_ids[start : start + n]))
+            ids = req.token_ids[start : start + n]
+            draft = req.draft if start + n == len(req.token_ids) else None
+            # A draft is one more token, with logits at it and at the token before it.
+            seqs.append(ExtendSeq(req.slot, start, [*ids, draft.token], 2) if draft else ExtendSeq(req.slot, start, ids))
         try:
             logits = self.runner.extend(seqs)  # async on CUDA: the mask work below overlaps it
         except Exception as exc:  # a broken batch fails its requests, not the engine
@@ -158,12 +161,16 @@ class Engine:
             for req, _ in batch:
                 self.abort(req, "error", EngineError(f"forward pass failed: {exc}"))
             return [req for req, _ in batch]
-        for i, (req, n) in enumerate(batch):
+        row = 0
+        for seq, (req, n) in zip(seqs, batch, strict=True):
             req.num_cached += n
             req.stats.forward_passes += 1
             if req.num_cached == len(req.token_ids):
-                sampling.append((i, req))
-        finished = self._sample_and_advance(logits, sampling)
+                if seq.num_logits == 2:
+                    drafted[len(sampling)] = row + 1
+                sampling.append((row + seq.num_logits - 1 - (seq.num_logits == 2), req))
+            row += seq.num_logits
+        finished = self._sample_and_advance(logits, sampling, drafted)
         for req, _ in batch:
             if not req.finished:
                 self._notify(req)
@@ -179,7 +186,7 @@ class Engine:
         graphs)."""
         if self.speculator is not None:
             return False
-        rows = 0
+        rows = drafts = 0
         for req, n in batch:
             p = req.params
             if n < req.num_pending and not self.config.prefill_in_graphs:  # a chunk that samples nothing
@@ -190,19 +197,31 @@ class Engine:
                           or (req.num_cached < req.num_prompt and not self.config.prefill_in_graphs)):
                 return False  # no graphs to put the forced tokens in, or a prefill kept eager
             rows += n
-        return rows == len(batch) or self.runner.graphs.bucket(rows) is not None
+            drafts += req.draft is not None and req.num_cached + n == len(req.token_ids)
+        graphs = self.runner.graphs
+        if drafts and graphs is not None and graphs.bucket(rows + drafts) is None:
+            for req, _ in batch:  # the drafts ride only where they fit the graphs
+                req.draft = None
+            drafts = 0
+        if graphs is None:
+            return rows == len(batch)
+        return rows + drafts == len(batch) or graphs.bucket(rows + drafts) is not None
 
     def _decode_step(self, batch: list[tuple[Request, int]]) -> list[Request]:
         seqs, rows_of = self._decode_rows(batch)
         chunks = [(r, n) for (r, n), row in zip(batch, rows_of, strict=True) if row is None]  # prompt chunks
         reqs = [r for (r, _), row in zip(batch, rows_of, strict=True) if row is not None]  # they sample
         last = [row for row in rows_of if row is not None]
+        # Request i's draft row follows its sampled row (`_decode_rows`); sampled under the
+        # grammar state after the draft, with the noise of the position after.
+        drafted = {i: row + 1 for i, (row, r) in enumerate(zip(last, reqs, strict=True)) if r.draft is not None}
         temperatures, seeds, has_mask = [0.0] * len(seqs), [0] * len(seqs), [False] * len(seqs)
-        for row, r in zip(last, reqs, strict=True):
+        for i, (row, r) in enumerate(zip(last, reqs, strict=True)):
             t = r.params.temperature
-            temperatures[row], has_mask[row] = t, r.matcher is not None
-            if t != 0.0:  # greedy rows draw no noise (seed 0)
-                seeds[row] = self._noise_seed(r)
+            for ahead, at in enumerate((row, drafted[i]) if i in drafted else (row,)):
+                temperatures[at], has_mask[at] = t, r.matcher is not None
+                if t != 0.0:  # greedy rows draw no noise (seed 0)
+                    seeds[at] = self._noise_seed(r, ahead)
         constrained = [(row, r.matcher) for row, r in zip(last, reqs, strict=True) if r.matcher is not None]
         if self.prefetcher is not None and len(constrained) >= self.prefetcher.min_rows:
             graphs = self.runner.graphs
@@ -210,19 +229,22 @@ class Engine:
         else:
             self._time_step(None)
         row_errors: dict[int, BaseException] = {}
+        bad_drafts: set[int] = set()  # requests whose draft row's mask could not be filled
 
         filled: list[torch.Tensor] = []
 
         def fill(bitmask: torch.Tensor) -> None:  # runs while the device computes the forward
             filled.append(bitmask)
             row_errors.update(self._fill_masks(bitmask, self._not_prefilled(bitmask, constrained)))
+            if drafted:
+                bad_drafts.update(self._fill_draft_rows(bitmask, [(i, reqs[i], row) for i, row in drafted.items()]))
 
         finished: list[list[Request]] = []  # set once the step's tokens are taken in
         taken: list = [None]  # what each request's matcher made of its token, once it has it
         failed: dict[int, EngineError] = {}  # by request index: its matcher raised on the token
         plain = [False]  # `_plain_next_step` checked every request: only the bookkeeping is left
 
-        def take(tokens: list[int], fill_next: bool) -> None:
+        def take(tokens: list[int], fill_next: bool) -> None:  # `tokens`: every row's
             errors = {i: row_errors[row] for i, row in enumerate(last) if row in row_errors} | failed
             for req, n in chunks:
                 req.num_cached += n
@@ -230,7 +252,10 @@ class Engine:
             for req in reqs:
                 req.num_cached = len(req.token_ids)
                 req.stats.forward_passes += 1
-            finished.append(self._advance_all(reqs, tokens, errors, prefetch=True, taken=taken[0], plain=plain[0],
+            toks = [tokens[row] for row in last]
+            if drafted:
+                toks = self._take_drafts(reqs, toks, {i: tokens[row] for i, row in drafted.items()}, bad_drafts, errors)
+            finished.append(self._advance_all(reqs, toks, errors, prefetch=True, taken=taken[0], plain=plain[0],
                                               fill_next=fill_next))
 
         plan = None
@@ -241,20 +266,19 @@ class Engine:
             # its forward launched before the rest of taking the tokens in; otherwise the
             # tokens are taken in (jump-forward included) and the next step planned from that.
             def plan(tokens: list[int]) -> list[ExtendSeq] | None:
-                toks = [tokens[row] for row in last]
-                if not row_errors:
-                    rows, taken[0], raised = self._plain_next_step(reqs, toks)
+                if not row_errors and not drafted:
+                    rows, taken[0], raised = self._plain_next_step(reqs, [tokens[row] for row in last])
                     failed.update(raised)
                     if rows is not None:
                         plain[0] = True
                         return rows  # `take` runs once this forward is launched
-                take(toks, fill_next=False)  # the device waits: no fills before the launch
+                take(tokens, fill_next=False)  # the device waits: no fills before the launch
                 return self._plan_decode_step()
 
         rehearse = None
         hook = self.jump_forward_hook
         if plan is not None and self.config.rehearse_jumps and len(reqs) == 1 and reqs[0].jump_forward \
-                and reqs[0].matcher is not None and hasattr(hook, "rehearse"):
+                and reqs[0].matcher is not None and hasattr(hook, "rehearse") and not drafted:
             # Batch 1: the host has nothing else to do until the device has sampled the token.
             # Not in batches: at 16 rows (one token rehearsed each, in turn) the rehearsals
             # rarely matched the sampled token and delayed reading it (H100, real SmolLM2,
@@ -268,7 +292,10 @@ class Engine:
                         row_errors[last[0]] = EngineError(f"jump-forward rehearsal failed: {exc}")
 
         try:
-            tokens = self.runner.decode(seqs, temperatures, seeds, has_mask, fill, not chunks, plan, rehearse)
+            # No token gate behind a draft: its forward would follow the draft's row, which the
+            # model may not have picked.
+            tokens = self.runner.decode(seqs, temperatures, seeds, has_mask, fill, not chunks, plan, rehearse,
+                                        gate=not drafted)
         except Exception as exc:  # a broken batch fails its requests, not the engine
             log.exception("decode step failed")
             for req, _ in batch:
@@ -279,7 +306,7 @@ class Engine:
             # queued already (or on the CPU, where nothing overlaps anyway).
             graphs = self.runner.graphs
             ahead = self.device.type != "cuda" or (graphs is not None and graphs.launched_ahead)
-            take([tokens[row] for row in last], fill_next=ahead and not chunks and self.prefetcher is None)
+            take(tokens, fill_next=ahead and not chunks and self.prefetcher is None)
         for req in reqs:
             if not req.finished:
                 self._notify(req)
@@ -290,7 +317,8 @@ class Engine:
         """One row per token run: a row attends to its slot up to its own position, and
         every row's K/V is written before any attention reads it, so rows of one request are
         exactly a causal multi-token extend. Returns the rows and each request's sampled row
-        (its last), or None for a prompt chunk that stops short of its pending tokens."""
+        (its last pending token's), or None for a prompt chunk that stops short of its pending
+        tokens. A request's draft runs as the row after its sampled row."""
         seqs: list[ExtendSeq] = []
         last: list[int | None] = []
         for r, n in batch:
@@ -300,6 +328,8 @@ class Engine:
             else:
                 seqs += [ExtendSeq(r.slot, start + j, [t]) for j, t in enumerate(ids[start : start + n])]
             last.append(len(seqs) - 1 if start + n == len(ids) else None)
+            if r.draft is not None and start + n == len(ids):  # sampled too: the row after the last
+                seqs.append(ExtendSeq(r.slot, len(ids), [r.draft.token]))
         return seqs, last
 
     def _plain_next_step(self, reqs: list[Request], tokens: list[int]
@@ -427,33 +457,102 @@ class Engine:
                     errors[i] = exc
             return errors
 
-    def _noise_seed(self, req: Request) -> int:
+    def _noise_seed(self, req: Request, ahead: int = 0) -> int:
         """Seed of this step's sampling noise: a function of (seed, position) for seeded
-        requests, so they reproduce whatever they are batched with."""
+        requests, so they reproduce whatever they are batched with (and with or without
+        drafts: `ahead` 1 is a draft row's, the position after)."""
         if req.params.greedy:
             return 0
         if req.params.seed is None:
             return self._rng.getrandbits(63)
-        return step_seed(req.params.seed, len(req.token_ids))
+        return step_seed(req.params.seed, len(req.token_ids) + ahead)
 
     @torch.inference_mode()  # logits are the forward's inference tensors; masking writes them
-    def _sample_and_advance(self, logits: torch.Tensor, sampling: list[tuple[int, Request]]) -> list[Request]:
+    def _sample_and_advance(self, logits: torch.Tensor, sampling: list[tuple[int, Request]],
+                            drafted: dict[int, int] | None = None) -> list[Request]:
+        """Sample at `sampling`'s (logits row, request) and advance; `drafted[i]`: the logits
+        row of request i's draft (see `_take_drafts`)."""
         if not sampling:
             return []
-        rows = torch.tensor([i for i, _ in sampling], device=self.device)
-        logits = logits.index_select(0, rows) if len(sampling) != logits.shape[0] else logits
-        constrained = [(j, r) for j, (_, r) in enumerate(sampling) if r.matcher is not None]
+        drafted = drafted or {}
+        reqs = [r for _, r in sampling]
+        n = len(sampling)
+        rows = torch.tensor([i for i, _ in sampling] + list(drafted.values()), device=self.device)
+        if drafted or len(rows) != logits.shape[0]:  # (draft rows come last, out of order)
+            logits = logits.index_select(0, rows)
+        constrained = [(j, r) for j, r in enumerate(reqs) if r.matcher is not None]
         errors: dict[int, BaseException] = {}
+        bad_drafts: set[int] = set()
         if constrained:
-            bitmask = allocate_bitmask(len(constrained), self.vocab_size)
+            bitmask = allocate_bitmask(len(constrained) + len(drafted), self.vocab_size)
             for k, exc in self._fill_masks(bitmask, [(k, r.matcher) for k, (_, r) in enumerate(constrained)]).items():
                 errors[constrained[k][0]] = exc
-            idx = torch.tensor([j for j, _ in constrained], device=self.device)
+            bad_drafts = self._fill_draft_rows(bitmask, [(i, reqs[i], len(constrained) + k)
+                                                         for k, i in enumerate(drafted)])
+            idx = torch.tensor([j for j, _ in constrained] + [n + k for k in range(len(drafted))], device=self.device)
             masked = apply_bitmask_(logits.index_select(0, idx), bitmask.to(self.device, non_blocking=True))
             logits.index_copy_(0, idx, masked)
-        reqs = [r for _, r in sampling]
-        tokens = sample(logits, [r.params for r in reqs], [self._noise_seed(r) for r in reqs]).tolist()
+        params = [r.params for r in reqs] + [reqs[i].params for i in drafted]
+        seeds = [self._noise_seed(r) for r in reqs] + [self._noise_seed(reqs[i], 1) for i in drafted]
+        tokens = sample(logits, params, seeds).tolist()
+        if drafted:
+            tokens = self._take_drafts(reqs, tokens[:n], dict(zip(drafted, tokens[n:], strict=True)), bad_drafts,
+                                       errors)
         return self._advance_all(reqs, tokens, errors)
+
+    @staticmethod
+    def _fill_draft_rows(bitmask: torch.Tensor, rows: list[tuple[int, Request, int]]) -> set[int]:
+        """Fill `bitmask[row]` with request i's grammar mask after its draft (the matcher takes
+        the draft, then rolls back), for each (i, request, row); returns the i where that
+        failed (their drafts are dropped: the row's token is not used)."""
+        bad = set()
+        for i, req, row in rows:
+            m = req.matcher
+            try:
+                if not m.accept_token(req.draft.token):
+                    bad.add(i)
+                    continue
+            except Exception:
+                bad.add(i)
+                continue
+            try:
+                m.fill_bitmask(bitmask, row)
+            except Exception:
+                bad.add(i)
+            finally:
+                m.rollback(1)
+        return bad
+
+    def _take_drafts(self, reqs: list[Request], tokens: list[int], after: dict[int, int], bad: set[int],
+                     errors: dict[int, BaseException]) -> list[int]:
+        """Request i ran its draft this step: `tokens[i]` was sampled where the draft stands,
+        `after[i]` after the draft. Where the model picked the draft, the draft is taken in
+        here (its K/V is cached) and `after[i]` becomes the token to advance by; elsewhere
+        the draft is dropped (its K/V is overwritten later). Returns the tokens to advance
+        by; a draft that fails to go in fails its request through `errors`."""
+        hook = self.jump_forward_hook
+        tokens = list(tokens)
+        for i, token in after.items():
+            req = reqs[i]
+            draft, req.draft = req.draft, None
+            req.stats.drafted_tokens += 1
+            if i in errors or draft is None:
+                continue
+            if hook is not None:
+                hook.observe_draft(draft, tokens[i])
+            if i in bad or tokens[i] != draft.token:
+                continue
+            try:
+                self._advance(req, draft.token, jump_forward=False)
+                if req.finished:  # pragma: no cover - a draft is proposed only where it cannot end the output
+                    raise EngineError("a draft token ended the output")
+            except Exception as exc:
+                errors[i] = exc
+                continue
+            req.num_cached = len(req.token_ids)
+            req.stats.accepted_tokens += 1
+            tokens[i] = token
+        return tokens
 
     def _advance_all(
         self, reqs: list[Request], tokens: list[int], errors: dict[int, BaseException], prefetch: bool = False,

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -53,6 +53,16 @@ class GenerationStats:
         return d
 
 
+class Draft(NamedTuple):
+    """A token run as one more row after a request's pending tokens and sampled at both
+    rows: where the model picks it at the first, the second row's token comes free with it.
+    Jump-forward proposes one where it held back the end of forced text (` "` before a string
+    value): the model usually picks that token itself, a pass later."""
+
+    token: int
+    held: int  # the held-back token it stands for (jump-forward learns what the model picks there)
+
+
 class Request:
     def __init__(
         self,
@@ -76,6 +86,7 @@ class Request:
         self.error: BaseException | None = None
         self.generator: torch.Generator | None = None
         self.jump_forward = False
+        self.draft: Draft | None = None  # for the next step that samples it (its matcher allows it)
         self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
         self.arrival = time.perf_counter()
         self.first_token_at: float | None = None
@@ -111,10 +122,12 @@ class Request:
     def truncate(self, length: int) -> None:
         """Drop tokens past `length` (re-tokenisation, rejected drafts); the KV cache follows."""
         del self.token_ids[length:]
+        self.draft = None
         self.num_cached = min(self.num_cached, length)
         self.stats.output_tokens = self.num_output
 
     def finish(self, reason: str, error: BaseException | None = None) -> None:
+        self.draft = None
         self.status = RequestStatus.FINISHED
         self.finish_reason = reason
         self.error = error
