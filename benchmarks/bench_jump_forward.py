@@ -175,10 +175,15 @@ class ReplayJumpForward(JumpForward):
     def _allowed(self, m: Any):
         return super()._allowed(m.inner if isinstance(m, ReplayMatcher) else m)
 
-    def rehearse(self, req: Request, allowed: np.ndarray, done: Callable[[], bool]) -> None:
-        if isinstance(req.matcher, ReplayMatcher):
-            allowed = self._allowed(req.matcher).copy()
-        super().rehearse(req, allowed, done)
+    def rehearse(self, req: Request, allowed: np.ndarray, done: Callable[[], bool], draft: int | None = None) -> None:
+        m = req.matcher
+        if isinstance(m, ReplayMatcher):
+            if draft is not None and not m.accept_token(draft):
+                return
+            allowed = self._allowed(m).copy()
+            if draft is not None:
+                m.rollback(1)
+        super().rehearse(req, allowed, done, draft)
 
 
 def batch_replay_fills(engine: Engine) -> None:
@@ -403,9 +408,12 @@ def add_rows(rows: list, table: list, res: dict, model: str, mode: str, batch: i
     for jf, r in res.items():
         rows.append({"system": "structgen" if jf else "structgen-nojf", "model": model, "batch": batch,
                      "constrained": True, "mode": mode, "jump_forward": jf, **note, "metric": "per_case",
-                     "value": {c: {"tokens": v[0], "passes": v[1], "finish": v[2], "latency_ms": round(1e3 * v[3], 3),
-                                   "ttft_ms": round(1e3 * v[4], 3)} for c, v in r["per_case"].items()},
-                     "extend_rows": r["extend_rows"]})
+                     "value": per_case_value(r), "extend_rows": r["extend_rows"]})
+
+
+def per_case_value(r: dict) -> dict[str, dict[str, Any]]:
+    return {c: {"tokens": v[0], "passes": v[1], "finish": v[2], "latency_ms": round(1e3 * v[3], 3),
+                "ttft_ms": round(1e3 * v[4], 3)} for c, v in r["per_case"].items()}
 
 
 def add_variant_rows(rows: list, table: list, run: dict, res: dict, model: str, mode: str, batch: int,
@@ -430,6 +438,7 @@ def add_variant_rows(rows: list, table: list, run: dict, res: dict, model: str, 
                   "wall_s": res[False]["wall_s"] / run["wall_s"]})
     table.append({"mode": mode, **note, "batch": batch, "jf": f"speedup, no {without}, {len(both)} stopped in both",
                   "wall_s": stopped})
+    rows.append({**common, "metric": "per_case", "value": per_case_value(run)})
 
 
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:

@@ -212,7 +212,7 @@ def test_failed_rehearsal_fails_only_its_request(engine, grammar, tokenizer):
     from structgen.grammar.jump_forward import JumpForward
 
     class BrokenRehearsal(JumpForward):
-        def rehearse(self, req, allowed, done):
+        def rehearse(self, req, allowed, done, draft=None):
             raise RuntimeError("boom")
 
     real = engine.runner.decode

@@ -284,6 +284,65 @@ def test_draft_is_what_the_model_picked_there(llm, backend):
     assert draft(number) == Draft(space, space)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_jump_rehearsed_after_a_draft_is_replayed(llm, backend, monkeypatch):
+    """A step that runs a draft rehearses the tokens after the draft (its row's mask). Where
+    the model picks the draft and then `"` (b left empty), the hook replays the rehearsed
+    jump (`",` re-spelled, ` "c":` forced) and ends where a hook deciding afresh ends; where
+    the model picks another token than the draft, the rehearsal is not used."""
+    from structgen.grammar import allocate_bitmask
+    from structgen.grammar.jump_forward import JumpForward
+
+    three = {"type": "object", "properties": {k: {"type": "string"} for k in "abc"}, "required": list("abc"),
+             "additionalProperties": False}
+    vocab = llm.engine.jump_forward_hook.vocab
+    hooks = [JumpForward(llm.tokenizer, llm.engine.vocab_size, llm.engine.stop_token_ids, vocab=vocab)
+             for _ in range(2)]
+    quote = token(llm, '"')
+    mask = allocate_bitmask(1, llm.engine.vocab_size, host_only=True)
+    replayed = []
+    real_replay = hooks[0]._replay
+    monkeypatch.setattr(hooks[0], "_replay", lambda req, plan: replayed.append(plan) or real_replay(req, plan))
+    reqs = []
+    for hook in hooks:
+        req = sampled(llm, three, '{"a": "x', backend)
+        assert req.matcher.accept_token(quote)
+        req.append([quote])
+        hook(llm.engine, req)  # `", "b":` with ` "` held back: the draft
+        assert req.draft is not None and llm.tokenizer.decode([req.draft.token]) == ' "'
+        reqs.append(req)
+    rehearsed, fresh = reqs
+    draft = rehearsed.draft.token
+    m = rehearsed.matcher
+    assert m.accept_token(draft)
+    m.fill_bitmask(mask, 0)
+    m.rollback(1)
+    hooks[0].rehearse(rehearsed, mask[0].numpy().view("uint32").copy(), lambda: False, draft)
+    assert quote in hooks[0]._rehearsal.plans
+    for req, hook in zip(reqs, hooks, strict=True):  # the engine takes the draft, then `"`
+        for t in (draft, quote):
+            assert req.matcher.accept_token(t)
+            req.append([t])
+        hook(llm.engine, req)
+    assert replayed and replayed[-1] is not None and replayed[-1][2]
+    assert rehearsed.token_ids == fresh.token_ids
+    assert text_of(llm, rehearsed) == '{"a": "x", "b": "", "c":'
+    assert_matcher_consistent(llm, rehearsed, three, backend)
+
+    other = sampled(llm, three, '{"a": "x", "b":', backend)  # the model did not pick the draft
+    assert other.matcher.accept_token(draft)
+    other.matcher.fill_bitmask(mask, 0)
+    other.matcher.rollback(1)
+    hooks[0].rehearse(other, mask[0].numpy().view("uint32").copy(), lambda: False, draft)
+    assert other.matcher.accept_token(token(llm, ' ""'))
+    other.append([token(llm, ' ""')])
+    n = len(replayed)
+    hooks[0](llm.engine, other)
+    assert len(replayed) == n  # decided afresh
+    assert text_of(llm, other) == '{"a": "x", "b": "", "c":'
+    assert_matcher_consistent(llm, other, three, backend)
+
+
 def test_drafts_keep_the_outputs_and_save_passes(llm):
     """Real model: with held-back drafts the outputs are those without, token for token,
     greedy and with a seeded temperature, alone and in a batch (the batch mixes steps with

@@ -278,15 +278,19 @@ class Engine:
         rehearse = None
         hook = self.jump_forward_hook
         if plan is not None and self.config.rehearse_jumps and len(reqs) == 1 and reqs[0].jump_forward \
-                and reqs[0].matcher is not None and hasattr(hook, "rehearse") and not drafted:
+                and reqs[0].matcher is not None and hasattr(hook, "rehearse"):
             # Batch 1: the host has nothing else to do until the device has sampled the token.
             # Not in batches: at 16 rows (one token rehearsed each, in turn) the rehearsals
             # rarely matched the sampled token and delayed reading it (H100, real SmolLM2,
-            # MaskBench: 409 ms against 372 without; docs/performance.md).
+            # MaskBench: 409 ms against 372 without; docs/performance.md). With a draft: the
+            # tokens after it, sampled at its row (what the step gives where the model picks it).
+            draft = reqs[0].draft.token if drafted else None
+            row = drafted.get(0, last[0])
+
             def rehearse(done: Callable[[], bool]) -> None:
-                if filled and last[0] not in row_errors:
+                if filled and last[0] not in row_errors and 0 not in bad_drafts:
                     try:
-                        hook.rehearse(reqs[0], filled[0][last[0]].numpy().view(np.uint32), done)
+                        hook.rehearse(reqs[0], filled[0][row].numpy().view(np.uint32), done, draft)
                     except Exception as exc:  # its matcher may be left mid-rehearsal: fail the request
                         log.exception("rehearsing jump-forward failed")
                         row_errors[last[0]] = EngineError(f"jump-forward rehearsal failed: {exc}")

@@ -333,44 +333,52 @@ class JumpForward:
             raise RuntimeError("grammar matcher could not restore its state after jump-forward")
 
     # -- rehearsal: the jump worked out while the device computes ------------------------------
-    def rehearse(self, req: Request, allowed: np.ndarray, done: Callable[[], bool]) -> None:
+    def rehearse(self, req: Request, allowed: np.ndarray, done: Callable[[], bool], draft: int | None = None) -> None:
         """Work out, for the tokens likeliest to make the grammar force text (`_likely`) among
         those `allowed` (the mask of the step now on the device), what the hook would do after
         each, and undo it. Called while the device computes that step, at batch 1, with
         `done()` saying whether it has finished (then this stops: it would delay the step).
         After the device, the hook only replays the outcome for the token sampled (`_replay`),
         instead of re-encoding and probing on the device's critical path (128-247 us a jump
-        on the lent hosts, p50)."""
+        on the lent hosts, p50). `draft`: the step runs this draft, and `allowed` is its
+        row's mask: the tokens rehearsed are those after the draft, valid where the model
+        picks the draft."""
         self._rehearsal = None
         m = req.matcher
         if m is None or req.finished or m.is_terminated():
             return
+        if draft is not None and not m.accept_token(draft):
+            return
         plans: dict[int, tuple[bytes, Plan | None]] = {}
-        ids = [*req.token_ids, 0]
-        for t in self._likely(allowed):
-            if done():
-                break
-            if not m.accept_token(t):
-                continue
-            try:
-                if m.is_terminated():
+        ids = [*req.token_ids, *([] if draft is None else [draft]), 0]
+        try:
+            for t in self._likely(allowed):
+                if done():
+                    break
+                if not m.accept_token(t):
                     continue
                 try:
-                    text = m.jump_forward_string().encode("utf-8")
-                except UnicodeDecodeError:
-                    continue
-                if not text:
-                    continue
-                ids[-1] = t
-                plan = self._decide(m, ids, req.num_prompt, req.params.max_tokens, text)
-                if plan is not None and plan[2]:
-                    start, c, kept, _ = plan
-                    self._restore(m, len(kept) - c, ids[start + c :])
-                plans[t] = (text, plan)
-            finally:
+                    if m.is_terminated():
+                        continue
+                    try:
+                        text = m.jump_forward_string().encode("utf-8")
+                    except UnicodeDecodeError:
+                        continue
+                    if not text:
+                        continue
+                    ids[-1] = t
+                    plan = self._decide(m, ids, req.num_prompt, req.params.max_tokens, text)
+                    if plan is not None and plan[2]:
+                        start, c, kept, _ = plan
+                        self._restore(m, len(kept) - c, ids[start + c :])
+                    plans[t] = (text, plan)
+                finally:
+                    m.rollback(1)
+        finally:
+            if draft is not None:
                 m.rollback(1)
-        if plans:
-            self._rehearsal = Rehearsal(req, m.version, plans)
+        if plans:  # the version once the engine has taken the draft back in
+            self._rehearsal = Rehearsal(req, m.version + (draft is not None), plans)
 
     def _likely(self, allowed: np.ndarray) -> list[int]:
         """The tokens to rehearse: every one allowed where few are (a key, a keyword, a
