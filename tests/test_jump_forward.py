@@ -16,7 +16,7 @@ import pytest
 
 from structgen import LLM, JsonSchema
 from structgen.engine.config import EngineConfig
-from structgen.engine.request import Draft, Request
+from structgen.engine.request import Request
 from structgen.engine.sampler import SamplingParams
 from structgen.errors import IncompleteOutputError, UnsupportedSchemaError
 from structgen.grammar.jump_forward import HELD_BACK, JumpForward
@@ -232,14 +232,14 @@ def test_held_back_token_is_the_draft(llm, backend):
     req.append([quote])
     hook(llm.engine, req)
     assert text_of(llm, req) == '{"a": "x", "b":'
-    assert req.draft == Draft(space_quote, space_quote)
+    assert req.draft == space_quote
     assert_matcher_consistent(llm, req, TWO_STRINGS, backend)
 
     array = {"type": "object", "properties": {"t": {"type": "array", "items": {"type": "string"}}},
              "required": ["t"], "additionalProperties": False}
     req = sampled(llm, array, '{"t": ["a",', backend)
     hook(llm.engine, req)
-    assert req.stats.forced_tokens == 0 and req.draft == Draft(space_quote, space_quote)
+    assert req.stats.forced_tokens == 0 and req.draft == space_quote
     assert_matcher_consistent(llm, req, array, backend)
 
     hook.drafts = False
@@ -255,33 +255,25 @@ def test_held_back_token_is_the_draft(llm, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_draft_is_what_the_model_picked_there(llm, backend):
+def test_held_back_space_drafts_a_quote_where_a_string_may_follow(llm, backend):
     """After `{"v"` the grammar forces `: `, and the ` ` is held back (a string or a number may
-    follow). The draft is the ` ` itself until the model has picked one token there at least
-    twice and at least half the time (here ` "`); where the grammar does not take that token
-    (an integer value), the ` ` again."""
-    from structgen.grammar.jump_forward import JumpForward
-
-    hook = JumpForward(llm.tokenizer, llm.engine.vocab_size, llm.engine.stop_token_ids,
-                       vocab=llm.engine.jump_forward_hook.vocab)
-    space, space_quote, space_bracket = token(llm, " "), token(llm, ' "'), token(llm, " [")
+    follow). Where a string may follow, the draft is ` "` (what the model mostly picks there);
+    where only an integer may, the ` ` itself. The same request always gets the same draft."""
+    space, space_quote = token(llm, " "), token(llm, ' "')
     either = {"type": "object", "properties": {"v": {"type": ["string", "integer"]}}, "required": ["v"],
               "additionalProperties": False}
     number = {**either, "properties": {"v": {"type": "integer"}}}
 
-    def draft(schema: dict) -> Draft | None:
+    def draft(schema: dict) -> int | None:
         req = sampled(llm, schema, '{"v"', backend)
-        hook(llm.engine, req)
+        llm.engine.jump_forward_hook(llm.engine, req)
         assert text_of(llm, req) == '{"v":'
+        assert_matcher_consistent(llm, req, schema, backend)
         return req.draft
 
-    assert draft(either) == Draft(space, space)
-    for picked in (space_quote, space_bracket):  # once each: no pick yet
-        hook.observe_draft(Draft(space, space), picked)
-    assert draft(either) == Draft(space, space)
-    hook.observe_draft(Draft(space, space), space_quote)  # 2 of 3
-    assert draft(either) == Draft(space_quote, space)
-    assert draft(number) == Draft(space, space)
+    assert draft(either) == space_quote
+    assert draft(number) == space
+    assert draft(either) == space_quote
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -309,10 +301,10 @@ def test_jump_rehearsed_after_a_draft_is_replayed(llm, backend, monkeypatch):
         assert req.matcher.accept_token(quote)
         req.append([quote])
         hook(llm.engine, req)  # `", "b":` with ` "` held back: the draft
-        assert req.draft is not None and llm.tokenizer.decode([req.draft.token]) == ' "'
+        assert req.draft == token(llm, ' "')
         reqs.append(req)
     rehearsed, fresh = reqs
-    draft = rehearsed.draft.token
+    draft = rehearsed.draft
     m = rehearsed.matcher
     assert m.accept_token(draft)
     m.fill_bitmask(mask, 0)
@@ -347,20 +339,15 @@ def test_drafts_keep_the_outputs_and_save_passes(llm):
     """Real model: with held-back drafts the outputs are those without, token for token,
     greedy and with a seeded temperature, alone and in a batch (the batch mixes steps with
     forced text, which run as extends on the CPU, and decode steps whose draft is their only
-    extra row). Drafts were run; the model picked most, not all (a fresh hook drafts the
-    held-back ` ` before a value that may be a string until it has seen the model pick ` "`
-    there twice); each one picked saved a pass."""
-    from structgen.grammar.jump_forward import JumpForward
-
-    previous = llm.engine.jump_forward_hook
-    hook = llm.engine.jump_forward_hook = JumpForward(llm.tokenizer, llm.engine.vocab_size,
-                                                      llm.engine.stop_token_ids, vocab=previous.vocab)
+    extra row). Drafts were run; the model picked most, not all (` "` is drafted before a
+    value that may be a string or a number: here both come); each one picked saved a pass."""
+    hook = llm.engine.jump_forward_hook
     row = jme_rows(1)[0]
     instance = next(t["data"] for t in row["tests"] if t["valid"])
     either = {"type": "object", "properties": {"v": {"type": ["string", "integer"]}, "w": {"type": ["string", "integer"]}},
               "required": ["v", "w"], "additionalProperties": False}
     jobs = [
-        (JsonSchema(either), ["v is the word apple and w is the word pear"], {}),
+        (JsonSchema(either), ["v = 3, w = 4", "v is the word apple and w is the word pear"], {}),
         (JsonSchema(row["schema"]), [extraction_prompt(instance)], {}),
         (JsonSchema(TWO_STRINGS), ["a is red and b is blue"], {"temperature": 0.8, "seed": 7}),
         (JsonSchema(TWO_STRINGS), ["a is one, b is two", "a: sun, b: moon", "a and b: two birds"], {}),
@@ -371,7 +358,7 @@ def test_drafts_keep_the_outputs_and_save_passes(llm):
             hook.drafts = drafts
             runs[drafts] = [llm.complete_batch(output, prompts, max_tokens=96, **kw) for output, prompts, kw in jobs]
     finally:
-        llm.engine.jump_forward_hook = previous
+        hook.drafts = True
     on = [c for batch in runs[True] for c in batch]
     off = [c for batch in runs[False] for c in batch]
     assert [c.token_ids for c in on] == [c.token_ids for c in off]

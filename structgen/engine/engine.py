@@ -153,7 +153,7 @@ class Engine:
             ids = req.token_ids[start : start + n]
             draft = req.draft if start + n == len(req.token_ids) else None
             # A draft is one more token, with logits at it and at the token before it.
-            seqs.append(ExtendSeq(req.slot, start, [*ids, draft.token], 2) if draft else ExtendSeq(req.slot, start, ids))
+            seqs.append(ExtendSeq(req.slot, start, ids) if draft is None else ExtendSeq(req.slot, start, [*ids, draft], 2))
         try:
             logits = self.runner.extend(seqs)  # async on CUDA: the mask work below overlaps it
         except Exception as exc:  # a broken batch fails its requests, not the engine
@@ -284,7 +284,7 @@ class Engine:
             # rarely matched the sampled token and delayed reading it (H100, real SmolLM2,
             # MaskBench: 409 ms against 372 without; docs/performance.md). With a draft: the
             # tokens after it, sampled at its row (what the step gives where the model picks it).
-            draft = reqs[0].draft.token if drafted else None
+            draft = reqs[0].draft if drafted else None
             row = drafted.get(0, last[0])
 
             def rehearse(done: Callable[[], bool]) -> None:
@@ -333,7 +333,7 @@ class Engine:
                 seqs += [ExtendSeq(r.slot, start + j, [t]) for j, t in enumerate(ids[start : start + n])]
             last.append(len(seqs) - 1 if start + n == len(ids) else None)
             if r.draft is not None and start + n == len(ids):  # sampled too: the row after the last
-                seqs.append(ExtendSeq(r.slot, len(ids), [r.draft.token]))
+                seqs.append(ExtendSeq(r.slot, len(ids), [r.draft]))
         return seqs, last
 
     def _plain_next_step(self, reqs: list[Request], tokens: list[int]
@@ -513,7 +513,7 @@ class Engine:
         for i, req, row in rows:
             m = req.matcher
             try:
-                if not m.accept_token(req.draft.token):
+                if not m.accept_token(req.draft):
                     bad.add(i)
                     continue
             except Exception:
@@ -534,20 +534,15 @@ class Engine:
         here (its K/V is cached) and `after[i]` becomes the token to advance by; elsewhere
         the draft is dropped (its K/V is overwritten later). Returns the tokens to advance
         by; a draft that fails to go in fails its request through `errors`."""
-        hook = self.jump_forward_hook
         tokens = list(tokens)
         for i, token in after.items():
             req = reqs[i]
             draft, req.draft = req.draft, None
             req.stats.drafted_tokens += 1
-            if i in errors or draft is None:
-                continue
-            if hook is not None:
-                hook.observe_draft(draft, tokens[i])
-            if i in bad or tokens[i] != draft.token:
+            if i in errors or i in bad or draft is None or tokens[i] != draft:
                 continue
             try:
-                self._advance(req, draft.token, jump_forward=False)
+                self._advance(req, draft, jump_forward=False)
                 if req.finished:  # pragma: no cover - a draft is proposed only where it cannot end the output
                     raise EngineError("a draft token ended the output")
             except Exception as exc:

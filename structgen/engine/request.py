@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -53,16 +53,6 @@ class GenerationStats:
         return d
 
 
-class Draft(NamedTuple):
-    """A token run as one more row after a request's pending tokens and sampled at both
-    rows: where the model picks it at the first, the second row's token comes free with it.
-    Jump-forward proposes one where it held back the end of forced text (` "` before a string
-    value): the model usually picks that token itself, a pass later."""
-
-    token: int
-    held: int  # the held-back token it stands for (jump-forward learns what the model picks there)
-
-
 class Request:
     def __init__(
         self,
@@ -86,7 +76,10 @@ class Request:
         self.error: BaseException | None = None
         self.generator: torch.Generator | None = None
         self.jump_forward = False
-        self.draft: Draft | None = None  # for the next step that samples it (its matcher allows it)
+        # A token for the next step that samples to run as one more row, sampled at both rows:
+        # where the model picks it at the first, the second row's token comes with it (a pass
+        # saved). Jump-forward sets it to the token it held back (grammar/jump_forward.py).
+        self.draft: int | None = None
         self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
         self.arrival = time.perf_counter()
         self.first_token_at: float | None = None
