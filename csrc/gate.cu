@@ -58,12 +58,16 @@ __global__ void gate_kernel(cudaGraphConditionalHandle handle, const volatile in
 // have run forced tokens before it) is a grammar row and its sampled token is in `quiet`
 // (tokens after which a free-text-like grammar state forces no text: no quote, backslash or
 // JSON punctuation). The host launches it only for such states (a wide mask: inside a string).
+// `check` = (row, token): where the row is >= 0 the step ran a draft after that row, and the
+// last row's token counts only if the model picked the draft there (tokens[row] == token).
 __global__ void token_gate_kernel(cudaGraphConditionalHandle handle, const int64_t* row, const int64_t* tokens,
-                                  const int64_t* has_mask, const uint32_t* quiet, int64_t vocab) {
+                                  const int64_t* has_mask, const uint32_t* quiet, int64_t vocab,
+                                  const int64_t* check) {
   const int64_t r = *row;
   const int64_t t = tokens[r];
   const bool is_quiet = t >= 0 && t < vocab && ((quiet[t >> 5] >> (t & 31)) & 1u);
-  cudaGraphSetConditional(handle, (has_mask[r] != 0 && is_quiet) ? 1u : 0u);
+  const bool drafted_ok = check[0] < 0 || tokens[check[0]] == check[1];
+  cudaGraphSetConditional(handle, (has_mask[r] != 0 && is_quiet && drafted_ok) ? 1u : 0u);
 }
 
 void check(cudaError_t err, const char* what) {
@@ -137,15 +141,17 @@ uintptr_t sg_gate_build(uintptr_t body, uintptr_t flag, uintptr_t launches, uint
 
 // Build and instantiate [token gate] -> IF(grammar row with a quiet token) { body }: device
 // pointers to the sampled row's index (int64), the step's sampled tokens and has-mask flags
-// (int64 a row) and the quiet-token bitmask (uint32 words covering `vocab` ids).
+// (int64 a row), the quiet-token bitmask (uint32 words covering `vocab` ids) and the draft
+// check (int64 row, token; row -1: no draft).
 uintptr_t sg_token_gate_build(uintptr_t body, uintptr_t row, uintptr_t tokens, uintptr_t has_mask,
-                              uintptr_t quiet, int64_t vocab) {
+                              uintptr_t quiet, int64_t vocab, uintptr_t check) {
   cudaGraphConditionalHandle handle;
   const int64_t* row_arg = reinterpret_cast<const int64_t*>(row);
   const int64_t* token_arg = reinterpret_cast<const int64_t*>(tokens);
   const int64_t* has_mask_arg = reinterpret_cast<const int64_t*>(has_mask);
   const uint32_t* quiet_arg = reinterpret_cast<const uint32_t*>(quiet);
-  void* args[] = {&handle, &row_arg, &token_arg, &has_mask_arg, &quiet_arg, &vocab};
+  const int64_t* check_arg = reinterpret_cast<const int64_t*>(check);
+  void* args[] = {&handle, &row_arg, &token_arg, &has_mask_arg, &quiet_arg, &vocab, &check_arg};
   return BuildIf(body, reinterpret_cast<void*>(token_gate_kernel), args, &handle);
 }
 

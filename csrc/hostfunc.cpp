@@ -43,7 +43,7 @@ int sg_mask_apply(void* logits, int dtype, int64_t rows, int64_t vocab, int64_t 
 uintptr_t sg_gate_build(uintptr_t body, uintptr_t flag, uintptr_t launches, uintptr_t outcome,
                         int64_t timeout_ns);
 uintptr_t sg_token_gate_build(uintptr_t body, uintptr_t row, uintptr_t tokens, uintptr_t has_mask,
-                              uintptr_t quiet, int64_t vocab);
+                              uintptr_t quiet, int64_t vocab, uintptr_t check);
 void sg_gate_destroy(uintptr_t exec);
 
 namespace {
@@ -258,7 +258,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("outcome"), py::arg("timeout_ns"),
         "Instantiate [gate] -> IF(host verdict) { body graph }; returns the cudaGraphExec_t.");
   m.def("token_gate_build", &sg_token_gate_build, py::arg("body"), py::arg("row"), py::arg("tokens"),
-        py::arg("has_mask"), py::arg("quiet"), py::arg("vocab"),
+        py::arg("has_mask"), py::arg("quiet"), py::arg("vocab"), py::arg("check"),
         "Instantiate [token gate] -> IF(grammar row with a quiet token) { body graph }.");
   m.def("gate_destroy", &sg_gate_destroy, py::arg("exec"));
   m.def("mask_apply", &mask_apply, py::arg("logits"), py::arg("dtype"), py::arg("rows"),

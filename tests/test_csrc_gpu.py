@@ -337,7 +337,8 @@ def test_gated_graph_times_out_instead_of_hanging(ext):
 
 def test_token_gate_runs_its_body_on_the_devices_verdict(ext):
     """The body runs iff the sampled row (its index read on the device) has a mask and its
-    token is quiet; the host's `went` says the same; `wide` counts a mask's allowed tokens."""
+    token is quiet, and, where the check names a row (a draft ran after it), that row sampled
+    the check's token; the host's `went` says the same; `wide` counts a mask's allowed tokens."""
     import numpy as np
 
     from structgen.engine.kernels.gated_graph import TokenGate
@@ -349,20 +350,27 @@ def test_token_gate_runs_its_body_on_the_devices_verdict(ext):
     has_masks = torch.zeros(4, dtype=torch.int64, device=DEV)
     quiet = np.zeros(words, dtype=np.uint32)
     quiet[1] = 0xFFFF  # tokens 32..47 are quiet
-    gate = TokenGate(graph, row, tokens, has_masks, quiet, min_allowed=100)
+    check = torch.tensor([-1, 0], dtype=torch.int64, device=DEV)
+    gate = TokenGate(graph, row, tokens, has_masks, quiet, min_allowed=100, check=check)
     ran = []
-    for tok, flag in [(40, 1), (50, 1), (40, 0), (3000, 1), (-1, 1), (33, 1)]:
+    # (sampled token, has mask, draft check: row 1 must have sampled token 9)
+    for tok, flag, drafted in [(40, 1, False), (50, 1, False), (40, 0, False), (3000, 1, False), (-1, 1, False),
+                               (33, 1, False), (40, 1, True), (40, 1, "picked")]:
         tokens.fill_(7)
         tokens[2] = tok
         has_masks.fill_(1 - flag)  # the other rows say the opposite: only row 2 counts
         has_masks[2] = flag
+        check[0] = 1 if drafted else -1
+        check[1] = 9
+        if drafted == "picked":
+            tokens[1] = 9
         before = int(x.item())
         gate.launch()
         torch.cuda.synchronize()
         went = int(x.item()) - before == 1
-        assert (gate.went(tok) and flag == 1) == went, (tok, flag)
+        assert (gate.went(tok) and flag == 1 and drafted in (False, "picked")) == went, (tok, flag, drafted)
         ran.append(went)
-    assert ran == [True, False, False, False, False, True]
+    assert ran == [True, False, False, False, False, True, False, True]
     bits = np.zeros(words * 32, dtype=np.uint8)
     bits[:99] = 1
     assert not gate.wide(np.packbits(bits, bitorder="little").view(np.uint32))

@@ -164,7 +164,7 @@ def test_planned_decode_steps_are_the_steps_the_engine_runs(engine, grammar, tok
     steps: list[tuple[list, list | None]] = []  # (rows run, rows planned for the next step)
 
     def planning_decode(seqs, temperatures, seeds, has_mask, fill, predict_next=False, plan_next=None,
-                        before_wait=None, gate=True):
+                        before_wait=None, draft=None):
         tokens = real(seqs, temperatures, seeds, has_mask, fill, predict_next)
         if before_wait is not None:  # batch 1: jumps rehearsed as if the device still computed
             before_wait(lambda: False)
@@ -218,7 +218,7 @@ def test_failed_rehearsal_fails_only_its_request(engine, grammar, tokenizer):
     real = engine.runner.decode
 
     def decode(seqs, temperatures, seeds, has_mask, fill, predict_next=False, plan_next=None, before_wait=None,
-               gate=True):
+               draft=None):
         tokens = real(seqs, temperatures, seeds, has_mask, fill, predict_next)
         if before_wait is not None:  # as the graphs call it, between the sampler and the wait
             before_wait(lambda: False)
@@ -411,7 +411,7 @@ def test_failing_grammars_spare_other_rows_in_planned_steps(engine, grammar, tok
     real = engine.runner.decode
 
     def planning_decode(seqs, temperatures, seeds, has_mask, fill, predict_next=False, plan_next=None,
-                        before_wait=None, gate=True):
+                        before_wait=None, draft=None):
         tokens = real(seqs, temperatures, seeds, has_mask, fill, predict_next)
         if plan_next is not None:
             plan_next(tokens)

@@ -71,8 +71,9 @@ StepRows = tuple[list[int], list[int], list[int]]  # a step's rows: (token ids, 
 # Rows of the int64 metadata buffer (one host-to-device copy per step). LIVE is 1 for real
 # rows, 0 for padding (padding rows never advance). NEXT[j]: the row that becomes row j of the
 # predicted next step (the last row of sequence j; the padding column for j >= sequences).
-# The first four rows are what the sampler carries over to the next step.
-IDS, POSITIONS, SLOTS, LIVE, LENS, SEEDS, HAS_MASK, NEXT = range(8)
+# The first four rows are what the sampler carries over to the next step. DRAFT[:2]: (row,
+# token) where the step runs a draft after that row (the token gate's check), else (-1, 0).
+IDS, POSITIONS, SLOTS, LIVE, LENS, SEEDS, HAS_MASK, NEXT, DRAFT = range(9)
 _CARRIED = 4
 
 
@@ -104,12 +105,12 @@ class DecodeGraphs:
         # Device buffers the graphs read and write; they never move. Metadata has one column
         # more than the largest bucket: a padding column that NEXT points padding rows at.
         self.pad_column = n
-        self.meta = torch.zeros(8, n + 1, dtype=torch.int64, device=dev)
+        self.meta = torch.zeros(DRAFT + 1, n + 1, dtype=torch.int64, device=dev)
         self.temperature = torch.zeros(n, dtype=torch.float32, device=dev)
         self.bitmask = torch.zeros(n, words, dtype=torch.int32, device=dev)
         self.tokens = torch.zeros(n, dtype=torch.int64, device=dev)
         # Pinned host staging, written through numpy views (cheaper than torch indexing).
-        self.host_meta = torch.zeros(8, n + 1, dtype=torch.int64, pin_memory=pin)
+        self.host_meta = torch.zeros(DRAFT + 1, n + 1, dtype=torch.int64, pin_memory=pin)
         self.host_temperature = torch.zeros(n, dtype=torch.float32, pin_memory=pin)
         self.host_bitmask = torch.zeros(n, words, dtype=torch.int32, pin_memory=pin)
         self.host_tokens = torch.zeros(n, dtype=torch.int64, pin_memory=pin)
@@ -139,7 +140,7 @@ class DecodeGraphs:
         # Padding of every column (token 0 at position 0 of the scratch slot, greedy, no mask):
         # rows are laid out by copying from it, one numpy call instead of one per metadata row.
         self._pad = np.zeros_like(self._meta_np)
-        self._pad[SLOTS], self._pad[LENS], self._pad[NEXT] = self.kv.scratch_slot, 1, self.pad_column
+        self._pad[SLOTS], self._pad[LENS], self._pad[NEXT], self._pad[DRAFT] = self.kv.scratch_slot, 1, self.pad_column, -1
         if pin:
             self.copy_stream = torch.cuda.Stream(dev)
             self.mask_copied = torch.cuda.Event()
@@ -277,7 +278,7 @@ class DecodeGraphs:
             return False
         # The sampled row of a one-sequence step is NEXT[0] (its last row, after forced tokens).
         self.token_gate = gated_graph.TokenGate(self._forward_one, self.meta[NEXT, :1], self.tokens,
-                                                self.meta[HAS_MASK], quiet, min_allowed)
+                                                self.meta[HAS_MASK], quiet, min_allowed, self.meta[DRAFT, :2])
         return True
 
     @property
@@ -302,7 +303,7 @@ class DecodeGraphs:
         predict_next: bool = False,
         plan_next: Callable[[list[int]], StepRows | None] | None = None,
         before_wait: Callable[[Callable[[], bool]], None] | None = None,
-        gate: bool = True,
+        draft: tuple[int, int] | None = None,
     ) -> list[int]:
         """Decode one token for each of n rows (n <= max_batch_size); return the n sampled
         tokens. `fill_bitmask(host_bitmask)` is called while the forward runs and must fill row
@@ -314,8 +315,9 @@ class DecodeGraphs:
         sequence may all be sampled (speculative verification): the plan, not the blind
         prediction, says what runs next. `before_wait(done)`: host work for the time the
         device still computes this step, called (on CUDA) just before the host waits for the
-        sampled tokens; `done()` says whether the sampler has finished. `gate=False`: no token
-        gate this step (its forward would follow the last row, a draft the model may not pick)."""
+        sampled tokens; `done()` says whether the sampler has finished. `draft`: (row, token),
+        the one sequence's last row is a draft run after that row: the token gate runs the
+        next forward only where the model picked the draft there."""
         n = len(token_ids)
         bs = self.bucket(n)
         assert bs is not None, f"batch of {n} exceeds the largest captured size {self.max_batch_size}"
@@ -326,8 +328,9 @@ class DecodeGraphs:
         self._set_padding(n, bs)
         last = [i for i in range(n) if i == n - 1 or slots[i + 1] != slots[i]]  # a sequence's last row
         # The rows in IDS.. order, one numpy call (each costs microseconds on a slow host).
-        self._meta_np[:, :n] = (token_ids, positions, slots, [1] * n, [p + 1 for p in positions], seeds, has_mask,
-                                last + [self.pad_column] * (n - len(last)))
+        self._meta_np[:DRAFT, :n] = (token_ids, positions, slots, [1] * n, [p + 1 for p in positions], seeds,
+                                     has_mask, last + [self.pad_column] * (n - len(last)))
+        self._meta_np[DRAFT, :2] = draft if draft is not None else (-1, 0)
         self._temp_np[:n] = temperatures
         forward, sample = self._steps[bs]
         cuda = self.device.type == "cuda"
@@ -367,7 +370,7 @@ class DecodeGraphs:
         else:
             self.host_tokens[:bs].copy_(self.tokens[:bs])
         next_bs = self.bucket(len(last))
-        gate = self.token_gate if gate else None  # one sequence in a wide grammar state: its next step is the bucket-1 forward
+        gate = self.token_gate  # one sequence in a wide grammar state: its next step is the bucket-1 forward
         if (gate is None or plan_next is None or not prelaunch or len(last) != 1 or not self.use_token_gate
                 or not has_mask[last[0]] or not gate.wide(self._bitmask_words[last[0]])):
             gate = None
@@ -383,7 +386,7 @@ class DecodeGraphs:
         if not prelaunch:
             return tokens
         ids, pos, sl = [tokens[i] for i in last], [positions[i] + 1 for i in last], [slots[i] for i in last]
-        if gate is not None and gate.went(tokens[last[0]]):
+        if gate is not None and gate.went(tokens[last[0]]) and (draft is None or tokens[draft[0]] == draft[1]):
             # The forward is running: the host's plan only decides whether it was wasted.
             self.gate_runs += 1
             planned = plan_next(tokens)

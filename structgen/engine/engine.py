@@ -243,8 +243,24 @@ class Engine:
         taken: list = [None]  # what each request's matcher made of its token, once it has it
         failed: dict[int, EngineError] = {}  # by request index: its matcher raised on the token
         plain = [False]  # `_plain_next_step` checked every request: only the bookkeeping is left
+        resolved: list[list[int]] = []  # each request's token to advance by, once drafts are in
+
+        def resolve(tokens: list[int]) -> list[int]:  # `tokens`: every row's
+            """Each request's token: its sampled row's, or, where the model picked its draft
+            (taken in here, once), the draft row's."""
+            if not resolved:
+                toks = [tokens[row] for row in last]
+                if drafted:
+                    errors = {i: row_errors[row] for i, row in enumerate(last) if row in row_errors}
+                    toks = self._take_drafts(reqs, toks, {i: tokens[row] for i, row in drafted.items()}, bad_drafts,
+                                             errors)
+                    failed.update({i: exc if isinstance(exc, EngineError) else EngineError(str(exc))
+                                   for i, exc in errors.items() if last[i] not in row_errors})
+                resolved.append(toks)
+            return resolved[0]
 
         def take(tokens: list[int], fill_next: bool) -> None:  # `tokens`: every row's
+            toks = resolve(tokens)
             errors = {i: row_errors[row] for i, row in enumerate(last) if row in row_errors} | failed
             for req, n in chunks:
                 req.num_cached += n
@@ -252,9 +268,6 @@ class Engine:
             for req in reqs:
                 req.num_cached = len(req.token_ids)
                 req.stats.forward_passes += 1
-            toks = [tokens[row] for row in last]
-            if drafted:
-                toks = self._take_drafts(reqs, toks, {i: tokens[row] for i, row in drafted.items()}, bad_drafts, errors)
             finished.append(self._advance_all(reqs, toks, errors, prefetch=True, taken=taken[0], plain=plain[0],
                                               fill_next=fill_next))
 
@@ -266,8 +279,9 @@ class Engine:
             # its forward launched before the rest of taking the tokens in; otherwise the
             # tokens are taken in (jump-forward included) and the next step planned from that.
             def plan(tokens: list[int]) -> list[ExtendSeq] | None:
-                if not row_errors and not drafted:
-                    rows, taken[0], raised = self._plain_next_step(reqs, [tokens[row] for row in last])
+                toks = resolve(tokens)  # drafts the model picked are in: the next token is the draft row's
+                if not row_errors and not failed:
+                    rows, taken[0], raised = self._plain_next_step(reqs, toks)
                     failed.update(raised)
                     if rows is not None:
                         plain[0] = True
@@ -296,10 +310,10 @@ class Engine:
                         row_errors[last[0]] = EngineError(f"jump-forward rehearsal failed: {exc}")
 
         try:
-            # No token gate behind a draft: its forward would follow the draft's row, which the
-            # model may not have picked.
-            tokens = self.runner.decode(seqs, temperatures, seeds, has_mask, fill, not chunks, plan, rehearse,
-                                        gate=not drafted)
+            # Behind a draft, the token gate runs the next forward (after the draft's row) only
+            # where the model picked the draft.
+            check = (last[0], reqs[0].draft) if drafted and len(reqs) == 1 else None
+            tokens = self.runner.decode(seqs, temperatures, seeds, has_mask, fill, not chunks, plan, rehearse, check)
         except Exception as exc:  # a broken batch fails its requests, not the engine
             log.exception("decode step failed")
             for req, _ in batch:

@@ -180,7 +180,7 @@ class ModelRunner:
         predict_next: bool = False,
         plan_next: Callable[[list[int]], list[ExtendSeq] | None] | None = None,
         before_wait: Callable[[Callable[[], bool]], None] | None = None,
-        gate: bool = True,
+        draft: tuple[int, int] | None = None,
     ) -> list[int]:
         """One decode step that returns tokens instead of logits: every sequence has exactly
         one new token; row i is sampled at `temperatures[i]` (0: greedy) with noise seed
@@ -193,8 +193,8 @@ class ModelRunner:
         given every row's sampled token: the next step's one-token rows (or None), whose
         forward the graphs then launch before returning. It is called only where the graphs
         pre-launch; callers must not count on it. `before_wait(done)`: host work for while
-        the device computes (cuda_graphs.py); also called only on the graphs' path. `gate`:
-        the token gate may run the next forward (cuda_graphs.py, `enable_token_gate`)."""
+        the device computes (cuda_graphs.py); also called only on the graphs' path. `draft`:
+        (row, token) where the last row is a draft run after that row (cuda_graphs.py)."""
         if self.graphs is not None and self.graphs.bucket(len(seqs)) is not None:
             self.forward_passes += 1
             plan = None
@@ -208,7 +208,7 @@ class ModelRunner:
 
             return self.graphs.run(
                 [s.token_ids[0] for s in seqs], [s.start for s in seqs], [s.slot for s in seqs],
-                temperatures, seeds, has_mask, fill_bitmask, predict_next, plan, before_wait, gate,
+                temperatures, seeds, has_mask, fill_bitmask, predict_next, plan, before_wait, draft,
             )
         from structgen.engine.kernels import triton_enabled
         from structgen.engine.sampler import sample_tokens_reference

@@ -94,7 +94,9 @@ class TokenGate:
     """A captured graph behind a gate the device decides from a step's sampled token
     (csrc/gate.cu, `token_gate_kernel`): the body runs when the sampled row (its index read from
     `row` on the device) is a grammar row (`has_mask`) and its token is in `quiet` (uint32 words,
-    the bitmask layout). `went(token)` is the same test on the host.
+    the bitmask layout), and where `check` (int64 row, token) names a row, the token sampled
+    there is that token (the step ran a draft after that row: the last row counts only where
+    the model picked the draft). `went(token)` is the same test on the host.
 
     Why: with jump-forward the next forward waited for the host to read the token and rule out
     forced text (the whole sync + check + launch, 80 us p50 a step on a slow lent host). Inside
@@ -103,7 +105,7 @@ class TokenGate:
     (`wide`: its mask allows many tokens); elsewhere the host decides as before."""
 
     def __init__(self, graph: torch.cuda.CUDAGraph, row: torch.Tensor, tokens: torch.Tensor, has_mask: torch.Tensor,
-                 quiet: np.ndarray, min_allowed: int):
+                 quiet: np.ndarray, min_allowed: int, check: torch.Tensor):
         self._ext = csrc_ext.load()
         self.device = tokens.device
         assert quiet.dtype == np.uint32 and quiet.ndim == 1, "quiet: uint32 bitmask words"
@@ -112,7 +114,8 @@ class TokenGate:
         self.min_allowed = min_allowed
         self._graph = graph  # owns the body's buffers; the child copy points at them
         self._exec = self._ext.token_gate_build(graph.raw_cuda_graph(), row.data_ptr(), tokens.data_ptr(),
-                                                has_mask.data_ptr(), self._quiet_dev.data_ptr(), 32 * len(quiet))
+                                                has_mask.data_ptr(), self._quiet_dev.data_ptr(), 32 * len(quiet),
+                                                check.data_ptr())
 
     def wide(self, mask_row: np.ndarray) -> bool:
         """Whether a grammar mask (uint32 words) allows `min_allowed` tokens or more: a state
