@@ -258,7 +258,8 @@ def test_held_back_token_is_the_draft(llm, backend):
 def test_held_back_space_drafts_a_quote_where_a_string_may_follow(llm, backend):
     """After `{"v"` the grammar forces `: `, and the ` ` is held back (a string or a number may
     follow). Where a string may follow, the draft is ` "` (what the model mostly picks there);
-    where only an integer may, the ` ` itself. The same request always gets the same draft."""
+    where only an integer may, the ` ` itself. The same request always gets the same draft
+    (no history: the first and the third ask agree)."""
     space, space_quote = token(llm, " "), token(llm, ' "')
     either = {"type": "object", "properties": {"v": {"type": ["string", "integer"]}}, "required": ["v"],
               "additionalProperties": False}
@@ -274,6 +275,23 @@ def test_held_back_space_drafts_a_quote_where_a_string_may_follow(llm, backend):
     assert draft(either) == space_quote
     assert draft(number) == space
     assert draft(either) == space_quote
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_held_back_opening_drafts_what_follows_it(llm, backend):
+    """A held-back ` {` or ` [` is drafted with what the grammar lets follow in one token:
+    ` {"` (a key), ` ["` (a string item), ` [{` (an object item)."""
+    def draft(items: dict | None, value: dict | None = None) -> str:
+        prop = value or {"type": "array", "items": items}
+        schema = {"type": "object", "properties": {"t": prop}, "required": ["t"], "additionalProperties": False}
+        req = sampled(llm, schema, '{"t"', backend)
+        llm.engine.jump_forward_hook(llm.engine, req)
+        assert text_of(llm, req) == '{"t":'
+        return llm.tokenizer.decode([req.draft])
+
+    assert draft({"type": "string"}) == ' ["'
+    assert draft({"type": "object", "properties": {"a": {"type": "string"}}}) == " [{"
+    assert draft(None, {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "string"}}}) == ' {"'
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
