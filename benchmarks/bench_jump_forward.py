@@ -12,6 +12,10 @@ Two ways to pick the tokens:
   identical text, so passes and latency compare exactly; any weights will do, which lets the
   GPU run use random weights of the real shape when the real ones are not on the machine.
 
+With jump-forward on, the held-back end of forced text runs as a one-token draft by default
+(`EngineConfig.draft_held_back`); `--drafts both` also times jump-forward without drafts
+(`structgen-nodrafts` rows).
+
 Speedups are off/on wall time, and (`speedup_stopped_in_both`) the ratio of summed request
 latencies over the requests that ended with a stop in both runs: a request that loops to
 max_tokens in one run otherwise sets the whole wall of a batch-16 run. At batch 1 the
