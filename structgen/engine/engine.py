@@ -165,10 +165,10 @@ class Engine:
         for seq, (req, n) in zip(seqs, batch, strict=True):
             req.num_cached += n
             req.stats.forward_passes += 1
-            if req.num_cached == len(req.token_ids):
+            if req.num_cached == len(req.token_ids):  # it samples at its first logits row
                 if seq.num_logits == 2:
-                    drafted[len(sampling)] = row + 1
-                sampling.append((row + seq.num_logits - 1 - (seq.num_logits == 2), req))
+                    drafted[len(sampling)] = row + 1  # and after its draft at the second
+                sampling.append((row, req))
             row += seq.num_logits
         finished = self._sample_and_advance(logits, sampling, drafted)
         for req, _ in batch:
