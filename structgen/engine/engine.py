@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from structgen.engine.config import EngineConfig, ModelConfig
+from structgen.engine.drafts import fill_draft_rows, take_drafts
 from structgen.engine.model_runner import ExtendSeq, ModelRunner
 from structgen.engine.request import Request, RequestStatus
 from structgen.engine.sampler import (
@@ -237,7 +238,7 @@ class Engine:
             filled.append(bitmask)
             row_errors.update(self._fill_masks(bitmask, self._not_prefilled(bitmask, constrained)))
             if drafted:
-                bad_drafts.update(self._fill_draft_rows(bitmask, [(i, reqs[i], row) for i, row in drafted.items()]))
+                bad_drafts.update(fill_draft_rows(bitmask, [(i, reqs[i], row) for i, row in drafted.items()]))
 
         finished: list[list[Request]] = []  # set once the step's tokens are taken in
         taken: list = [None]  # what each request's matcher made of its token, once it has it
@@ -252,8 +253,8 @@ class Engine:
                 toks = [tokens[row] for row in last]
                 if drafted:
                     errors = {i: row_errors[row] for i, row in enumerate(last) if row in row_errors}
-                    toks = self._take_drafts(reqs, toks, {i: tokens[row] for i, row in drafted.items()}, bad_drafts,
-                                             errors)
+                    toks = take_drafts(reqs, toks, {i: tokens[row] for i, row in drafted.items()}, bad_drafts, errors,
+                                       self._advance)
                     failed.update({i: exc if isinstance(exc, EngineError) else EngineError(str(exc))
                                    for i, exc in errors.items() if last[i] not in row_errors})
                 resolved.append(toks)
@@ -489,7 +490,7 @@ class Engine:
     def _sample_and_advance(self, logits: torch.Tensor, sampling: list[tuple[int, Request]],
                             drafted: dict[int, int] | None = None) -> list[Request]:
         """Sample at `sampling`'s (logits row, request) and advance; `drafted[i]`: the logits
-        row of request i's draft (see `_take_drafts`)."""
+        row of request i's draft (see `drafts.take_drafts`)."""
         if not sampling:
             return []
         drafted = drafted or {}
@@ -505,7 +506,7 @@ class Engine:
             bitmask = allocate_bitmask(len(constrained) + len(drafted), self.vocab_size)
             for k, exc in self._fill_masks(bitmask, [(k, r.matcher) for k, (_, r) in enumerate(constrained)]).items():
                 errors[constrained[k][0]] = exc
-            bad_drafts = self._fill_draft_rows(bitmask, [(i, reqs[i], len(constrained) + k)
+            bad_drafts = fill_draft_rows(bitmask, [(i, reqs[i], len(constrained) + k)
                                                          for k, i in enumerate(drafted)])
             idx = torch.tensor([j for j, _ in constrained] + [n + k for k in range(len(drafted))], device=self.device)
             masked = apply_bitmask_(logits.index_select(0, idx), bitmask.to(self.device, non_blocking=True))
@@ -514,58 +515,9 @@ class Engine:
         seeds = [self._noise_seed(r) for r in reqs] + [self._noise_seed(reqs[i], 1) for i in drafted]
         tokens = sample(logits, params, seeds).tolist()
         if drafted:
-            tokens = self._take_drafts(reqs, tokens[:n], dict(zip(drafted, tokens[n:], strict=True)), bad_drafts,
-                                       errors)
+            tokens = take_drafts(reqs, tokens[:n], dict(zip(drafted, tokens[n:], strict=True)), bad_drafts, errors,
+                                 self._advance)
         return self._advance_all(reqs, tokens, errors)
-
-    @staticmethod
-    def _fill_draft_rows(bitmask: torch.Tensor, rows: list[tuple[int, Request, int]]) -> set[int]:
-        """Fill `bitmask[row]` with request i's grammar mask after its draft (the matcher takes
-        the draft, then rolls back), for each (i, request, row); returns the i where that
-        failed (their drafts are dropped: the row's token is not used)."""
-        bad = set()
-        for i, req, row in rows:
-            m = req.matcher
-            try:
-                if not m.accept_token(req.draft):
-                    bad.add(i)
-                    continue
-            except Exception:
-                bad.add(i)
-                continue
-            try:
-                m.fill_bitmask(bitmask, row)
-            except Exception:
-                bad.add(i)
-            finally:
-                m.rollback(1)
-        return bad
-
-    def _take_drafts(self, reqs: list[Request], tokens: list[int], after: dict[int, int], bad: set[int],
-                     errors: dict[int, BaseException]) -> list[int]:
-        """Request i ran its draft this step: `tokens[i]` was sampled where the draft stands,
-        `after[i]` after the draft. Where the model picked the draft, the draft is taken in
-        here (its K/V is cached) and `after[i]` becomes the token to advance by; elsewhere
-        the draft is dropped (its K/V is overwritten later). Returns the tokens to advance
-        by; a draft that fails to go in fails its request through `errors`."""
-        tokens = list(tokens)
-        for i, token in after.items():
-            req = reqs[i]
-            draft, req.draft = req.draft, None
-            req.stats.drafted_tokens += 1
-            if i in errors or i in bad or draft is None or tokens[i] != draft:
-                continue
-            try:
-                self._advance(req, draft, jump_forward=False)
-                if req.finished:  # pragma: no cover - a draft is proposed only where it cannot end the output
-                    raise EngineError("a draft token ended the output")
-            except Exception as exc:
-                errors[i] = exc
-                continue
-            req.num_cached = len(req.token_ids)
-            req.stats.accepted_tokens += 1
-            tokens[i] = token
-        return tokens
 
     def _advance_all(
         self, reqs: list[Request], tokens: list[int], errors: dict[int, BaseException], prefetch: bool = False,

@@ -1,0 +1,70 @@
+"""A request's draft (`Request.draft`): one token run as the row after its sampled row and
+sampled too, so that where the model picks it, the step yields two tokens.
+
+Jump-forward proposes the token it held back at the end of forced text
+(grammar/jump_forward.py); the engine lays the row out (`Engine._decode_rows`, or a second
+logits row in an eager extend) and, with the two helpers here, fills the draft row's grammar
+mask while the device computes and takes the draft in where the model picked it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from structgen.errors import EngineError
+
+if TYPE_CHECKING:
+    import torch
+
+    from structgen.engine.request import Request
+
+
+def fill_draft_rows(bitmask: torch.Tensor, rows: list[tuple[int, Request, int]]) -> set[int]:
+    """Fill `bitmask[row]` with request i's grammar mask after its draft (the matcher takes
+    the draft, then rolls back), for each (i, request, row); returns the i where that failed
+    (their drafts are dropped: the row's token is not used)."""
+    bad = set()
+    for i, req, row in rows:
+        m = req.matcher
+        try:
+            if not m.accept_token(req.draft):
+                bad.add(i)
+                continue
+        except Exception:
+            bad.add(i)
+            continue
+        try:
+            m.fill_bitmask(bitmask, row)
+        except Exception:
+            bad.add(i)
+        finally:
+            m.rollback(1)
+    return bad
+
+
+def take_drafts(reqs: list[Request], tokens: list[int], after: dict[int, int], bad: set[int],
+                errors: dict[int, BaseException], advance: Callable[..., None]) -> list[int]:
+    """Request i ran its draft this step: `tokens[i]` was sampled where the draft stands,
+    `after[i]` after the draft. Where the model picked the draft, `advance(req, draft,
+    jump_forward=False)` takes it in (its K/V is cached) and `after[i]` becomes the token to
+    advance by; elsewhere the draft is dropped (its K/V is overwritten later). Returns the
+    tokens to advance by; a draft that fails to go in fails its request through `errors`."""
+    tokens = list(tokens)
+    for i, token in after.items():
+        req = reqs[i]
+        draft, req.draft = req.draft, None
+        req.stats.drafted_tokens += 1
+        if i in errors or i in bad or draft is None or tokens[i] != draft:
+            continue
+        try:
+            advance(req, draft, jump_forward=False)
+            if req.finished:  # pragma: no cover - a draft is proposed only where it cannot end the output
+                raise EngineError("a draft token ended the output")
+        except Exception as exc:
+            errors[i] = exc
+            continue
+        req.num_cached = len(req.token_ids)
+        req.stats.accepted_tokens += 1
+        tokens[i] = token
+    return tokens
