@@ -392,8 +392,7 @@ def add_rows(rows: list, table: list, res: dict, model: str, mode: str, batch: i
                  **note, "metric": "speedup", "value": off["wall_s"] / on["wall_s"]})
     # A request that runs to max_tokens in one run (the model loops) weighs on that run's wall,
     # at batch 16 all of it: also the speedup over the requests that stopped in both.
-    both = [c for c, v in on["per_case"].items() if v[2] == "stop" and off["per_case"][c][2] == "stop"]
-    stopped = sum(off["per_case"][c][3] for c in both) / max(sum(on["per_case"][c][3] for c in both), 1e-9)
+    both, stopped = stopped_in_both(off, on)
     rows.append({"system": "structgen", "model": model, "batch": batch, "constrained": True, "mode": mode,
                  **note, "metric": "speedup_stopped_in_both", "value": stopped, "cases": len(both)})
     table.append({"mode": mode, **note, "batch": batch, "jf": "on/off",
@@ -415,6 +414,12 @@ def add_rows(rows: list, table: list, res: dict, model: str, mode: str, batch: i
                      "value": per_case_value(r), "extend_rows": r["extend_rows"]})
 
 
+def stopped_in_both(off: dict, on: dict) -> tuple[list[str], float]:
+    """The cases that ended with a stop in both runs, and the speedup of their summed latencies."""
+    both = [c for c, v in on["per_case"].items() if v[2] == "stop" and off["per_case"][c][2] == "stop"]
+    return both, sum(off["per_case"][c][3] for c in both) / max(sum(on["per_case"][c][3] for c in both), 1e-9)
+
+
 def per_case_value(r: dict) -> dict[str, dict[str, Any]]:
     return {c: {"tokens": v[0], "passes": v[1], "finish": v[2], "latency_ms": round(1e3 * v[3], 3),
                 "ttft_ms": round(1e3 * v[4], 3)} for c, v in r["per_case"].items()}
@@ -430,9 +435,7 @@ def add_variant_rows(rows: list, table: list, run: dict, res: dict, model: str, 
               "tokens": run["tokens"], "passes_per_token": run["passes_per_token"]}
     rows.append({**common, "metric": "ms_per_token", "value": run["ms_per_token"]})
     rows.append({**common, "metric": "speedup", "value": res[False]["wall_s"] / run["wall_s"]})
-    off = res[False]
-    both = [c for c, v in run["per_case"].items() if v[2] == "stop" and off["per_case"][c][2] == "stop"]
-    stopped = sum(off["per_case"][c][3] for c in both) / max(sum(run["per_case"][c][3] for c in both), 1e-9)
+    both, stopped = stopped_in_both(res[False], run)
     rows.append({**common, "metric": "speedup_stopped_in_both", "value": stopped, "cases": len(both)})
     table.append({"mode": mode, **note, "batch": batch, "jf": f"on, no {without}", "tokens": run["tokens"],
                   "passes/tok": run["passes_per_token"], "ms/tok": run["ms_per_token"],

@@ -217,12 +217,14 @@ class Engine:
         # grammar state after the draft, with the noise of the position after.
         drafted = {i: row + 1 for i, (row, r) in enumerate(zip(last, reqs, strict=True)) if r.draft is not None}
         temperatures, seeds, has_mask = [0.0] * len(seqs), [0] * len(seqs), [False] * len(seqs)
-        for i, (row, r) in enumerate(zip(last, reqs, strict=True)):
+        for row, r in zip(last, reqs, strict=True):
             t = r.params.temperature
-            for ahead, at in enumerate((row, drafted[i]) if i in drafted else (row,)):
-                temperatures[at], has_mask[at] = t, r.matcher is not None
-                if t != 0.0:  # greedy rows draw no noise (seed 0)
-                    seeds[at] = self._noise_seed(r, ahead)
+            temperatures[row], has_mask[row] = t, r.matcher is not None
+            if t != 0.0:  # greedy rows draw no noise (seed 0)
+                seeds[row] = self._noise_seed(r)
+        for i, row in drafted.items():  # as its sampled row, with the next position's noise
+            r = reqs[i]
+            temperatures[row], has_mask[row], seeds[row] = r.params.temperature, True, self._noise_seed(r, 1)
         constrained = [(row, r.matcher) for row, r in zip(last, reqs, strict=True) if r.matcher is not None]
         if self.prefetcher is not None and len(constrained) >= self.prefetcher.min_rows:
             graphs = self.runner.graphs
@@ -251,12 +253,13 @@ class Engine:
             (taken in here, once), the draft row's."""
             if not resolved:
                 toks = [tokens[row] for row in last]
-                if drafted:
-                    errors = {i: row_errors[row] for i, row in enumerate(last) if row in row_errors}
-                    toks = take_drafts(reqs, toks, {i: tokens[row] for i, row in drafted.items()}, bad_drafts, errors,
+                if drafted:  # a request whose row failed keeps its draft out (`take` fails it)
+                    skip = bad_drafts | {i for i, row in enumerate(last) if row in row_errors}
+                    errors: dict[int, BaseException] = {}
+                    toks = take_drafts(reqs, toks, {i: tokens[row] for i, row in drafted.items()}, skip, errors,
                                        self._advance)
                     failed.update({i: exc if isinstance(exc, EngineError) else EngineError(str(exc))
-                                   for i, exc in errors.items() if last[i] not in row_errors})
+                                   for i, exc in errors.items()})
                 resolved.append(toks)
             return resolved[0]
 
