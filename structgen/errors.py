@@ -23,6 +23,17 @@ class InvalidConstraintError(StructgenError):
     """A regex, grammar or schema is malformed (names the position where known)."""
 
 
+class UnsatisfiableConstraintError(InvalidConstraintError):
+    """A schema, regex or grammar admits no finite output at all (an empty language): e.g.
+    `minimum > maximum`, a required property that refers back to its own object, or the EBNF
+    `root ::= "ab" root`. The message names the part that cannot be satisfied."""
+
+
+class ConstraintTooLargeError(InvalidConstraintError):
+    """A schema, regex or grammar is over a size limit (bytes, enum length, nesting depth) or
+    took longer to compile than the compiler's time budget; names the limit and its value."""
+
+
 class UnsupportedTypeError(StructgenError):
     """An output type that cannot be turned into a constraint (e.g. an arbitrary class)."""
 
