@@ -8,9 +8,9 @@ to padding), never the full `max_seq_len`; one sequence (a prompt's prefill, for
 attends to a view of its cache slot, with no gather, padding or stale rows. CUDA decode uses
 the Triton kernel in `kernels/decode_attention.py` when available.
 
-Why it matters: a prefill runs eagerly, and on the H100 host each small torch op costs about
-10 us of launch; SmolLM2's 30 layers made a 70-token prefill ~17 ms of host time against
-~1.5 ms of GPU work.
+Why it matters: an eager step (an extend, a CPU step) pays a host launch for every small
+torch op, so for a small model's many layers the host, not the GPU, sets its time
+(docs/performance.md, "Prefill and time to first token").
 """
 
 from __future__ import annotations
@@ -106,12 +106,12 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch:
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
     """SDPA over [B, H, q, D] queries and [B, kv_heads, ctx, D] keys/values.
 
-    On CUDA, never its cuDNN backend (the one it picks for a masked prefill on the H100 with
-    torch 2.11): cuDNN builds a graph for every new query/key length, 60-130 ms of host time
-    (1 s for the first ones), i.e. on nearly every new prompt. Instead: one sequence with no
-    cached prefix is plain causal attention (flash: 0.02-0.04 ms for 64-1000 tokens, 1B shape);
-    anything else takes the efficient kernel with the mask, on key/value heads repeated for
-    GQA (it has no GQA of its own, and the math fallback is 3-6x slower, 0.2-0.8 ms)."""
+    On CUDA, never its cuDNN backend (the one torch picks for a masked prefill): cuDNN builds
+    a graph for every new query/key length, a large host cost paid on nearly every new prompt
+    (docs/performance.md, "Prefill and time to first token"). Instead: one sequence with no
+    cached prefix is plain causal attention (flash); anything else takes the efficient kernel
+    with the mask, on key/value heads repeated for GQA (it has no GQA of its own, and the math
+    fallback is several times slower)."""
     group = q.shape[1] // k.shape[1]
     causal = batch.mask is None  # one sequence with no cached prefix
     if not q.is_cuda:

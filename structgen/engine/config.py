@@ -128,8 +128,8 @@ class EngineConfig:
     jump_forward: bool = True  # append grammar-forced text without a decode step per token
     # Jump-forward at batch 1 on CUDA: after a token without quote or JSON punctuation sampled
     # inside a string, the device runs the next forward without waiting for the host's verdict
-    # (cuda_graphs.py, `enable_token_gate`). Lent H100 hosts, real SmolLM2: 1.282x vs 1.261x
-    # and 1.340x vs 1.299x jump-forward speedup with it (docs/performance.md).
+    # (cuda_graphs.py, `enable_token_gate`). It pays where the host's verdict is slow and costs
+    # a little where it is fast (docs/performance.md, "Jump-forward").
     token_gate: bool = True
     # Jump-forward at batch 1 on CUDA: while the device computes a step, the host works out the
     # jump each likely next token would make (`JumpForward.rehearse`), so after the device it
@@ -141,9 +141,9 @@ class EngineConfig:
     # Off under speculative decoding (its drafter proposes the drafts there).
     draft_held_back: bool = True
     # Prompts run through the decode graphs, a row per token, in chunks of the largest bucket
-    # (prefill_chunk_tokens is capped there), instead of as eager extends: on the H100 a
-    # SmolLM2 prompt of 48-397 tokens took 23 ms to the first token eagerly (host-bound)
-    # against 2.0 ms in graphs (median of 16 MaskBench prompts, random weights, 2026-11-25).
+    # (prefill_chunk_tokens is capped there), instead of as eager extends: an eager prefill of
+    # a small model is host-bound kernel launches, several times the graphs' time to the first
+    # token (docs/performance.md, "Prefill and time to first token").
     prefill_in_graphs: bool = True
     # The capturable guided decoding mode (engine/guided_loop.py): speculative verify steps
     # with a host-side drafter (n-gram) run as a loop of CUDA graphs whose grammar work and
@@ -157,11 +157,11 @@ class EngineConfig:
     # Threads that fill the next decode step's masks while the main thread does the step's
     # bookkeeping (grammar/prefetch.py; 0: masks are always filled on the main thread,
     # overlapping the forward), and when they do: "auto" times decode steps of 32+ constrained
-    # rows both ways on this host and keeps the faster (lent H100 hosts, batch 64 JSON: real
-    # SmolLM2 1.65 -> 1.13 ms a step with the prefetch on one host, 1.02 -> 1.20 and 1.29 ->
-    # 1.44 ms on two others; Llama-1B shape 2.21 -> 1.63 ms), "on" whenever the fills have
-    # been costly, "off" never. "auto" is "off" where grammar.native's pool fills the masks
-    # (2+ threads: half the cores), which is faster inline than any hand-off.
+    # rows both ways on this host and keeps the faster (which one wins depends on the host),
+    # "on" whenever the fills have been costly, "off" never. "auto" is "off" where
+    # grammar.native's pool fills the masks (2+ threads: half the cores), which is faster
+    # inline than any hand-off (docs/performance.md, "Grammar overhead: mask fills and taking
+    # tokens").
     grammar_workers: int = 2
     mask_prefetch: str = "auto"
     seed: int | None = None

@@ -34,13 +34,12 @@ whole wasted forward on the device before the real one. `run(..., plan_next=f)` 
 once the host has read the tokens: `f(tokens)` (the engine advances its requests right there,
 jump-forward included) returns the next step's rows, or None when it cannot know them, and
 their forward (the predicted one, or rows of forced text from a staging buffer of their own)
-is launched before the host goes back to scheduling. The device idles for the sync and that
-advance (p50 20-40 us, p90 150-260 us with a jump, at batch 1 on the H100 host) plus the
-launch. A gated graph launched behind the sampler and run or skipped on the host's verdict
-(kernels/gated_graph.py) saves only part of that launch (25-60 us) and measured no faster here
-(replay benchmark, SmolLM2 shape, five runs each: 1.306-1.508 s gated vs 1.307-1.425 s plain
-at batch 1), so the plain launch is used. Any other forward over the same cache
-(`ModelRunner.extend`) drops the prediction.
+is launched before the host goes back to scheduling. The device idles for the sync, that
+advance and the launch. A graph run or skipped on the host's verdict would save only part of
+the launch, and measured no faster, so the plain launch is used; at batch 1 the token gate
+(`enable_token_gate`) lets the device itself decide instead (docs/performance.md,
+"Jump-forward"). Any other forward over the same cache (`ModelRunner.extend`) drops the
+prediction.
 
 A batch is padded up to its bucket: padding rows decode token 0 at position 0 of the KV
 cache's scratch slot and their outputs are ignored. With `capture=False` the same step
@@ -210,11 +209,11 @@ class DecodeGraphs:
     def _use_native(self) -> None:
         """Launch the captured graphs and do the step's copies through the csrc extension
         (`graph_launch`, `copy_async`, `side_copy`) where it builds: torch's `copy_` and
-        `CUDAGraph.replay` cost 18-48 us each on a slow lent host right after a wait for the
-        device (a launch of a planned forward took 133 us there, 165 us p50 inside the engine),
-        and at batch 1 with jump-forward that launch is on the device's critical path. Launches go to the stream
-        current now, the engine's; replay's RNG re-seeding is skipped, as no graph here draws
-        from torch's generator (the sampler's noise comes from its own seeds)."""
+        `CUDAGraph.replay` are several times slower right after a wait for the device (cold host
+        caches), and at batch 1 with jump-forward that launch is on the device's critical path
+        (docs/performance.md, "Jump-forward"). Launches go to the stream current now, the
+        engine's; replay's RNG re-seeding is skipped, as no graph here draws from torch's
+        generator (the sampler's noise comes from its own seeds)."""
         from structgen.engine.kernels import csrc_ext
 
         if not csrc_ext.available():

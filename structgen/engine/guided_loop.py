@@ -15,10 +15,11 @@ A step that ends the run (a request finished, someone waits to be admitted, the 
 more rows than the bucket, the budget of steps is spent) stages an empty step: a replay already
 queued behind it runs padding rows only and its callbacks do nothing.
 
-Why: this is the TensorRT-LLM/XGrammar design for guided speculative decoding. Here it measured
-only what the launch and the host's wake-up cost (docs/kernels.md): the engine's own path
-already launches the next forward right after taking the tokens in (`plan_next`), and a host
-callback does the same Python work on the critical path. It stays opt-in
+Why: this is the TensorRT-LLM/XGrammar design for guided speculative decoding. Here it can save
+only what the launch and the host's wake-up cost, and measured slower than the usual path
+(docs/performance.md, "Speculative decoding"; docs/kernels.md): the engine's own path already
+launches the next forward right after taking the tokens in (`plan_next`), and a host callback
+does the same Python work on the critical path. It stays opt-in
 (`EngineConfig.capturable_guided`), for the speculative step with a host-side drafter.
 
 Rules the callbacks follow (kernels/hostfunc.py): no CUDA calls in `take` or `fill` (engine

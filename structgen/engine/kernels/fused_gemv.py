@@ -16,13 +16,14 @@ the projections that read the weights anyway:
   written into the KV cache at each row's slot and position.
 
 So a layer is six kernels: qkv (+norm, +RoPE, +KV write), attention (two), o, gate_up (+norm,
-+SiLU * up), down. SmolLM2-135M's forward graph at one row: 0.61 instead of 0.76 ms (H100).
-Where streaming W is the cost these kernels lose (every program also reads x, the residual
-and the norm weight, and does each row's FMAs on CUDA cores), so `max_rows` keeps them to
-small models and single rows of mid-sized ones. Numerics: the norm is applied to the fp32 dot
-product instead of to x rounded to the model dtype, so results differ from the unfused path by
-bf16 rounding (the tests compare with a tolerance); the epilogues round the projection's output
-to the model dtype first and then follow `fused.py` exactly.
++SiLU * up), down; four fewer a layer, and kernel count is what a small model's forward pays for
+(docs/performance.md, "Decode step at batch 1"). Where streaming W is the cost these kernels
+lose (every program also reads x, the residual and the norm weight, and does each row's FMAs on
+CUDA cores), so `max_rows` keeps them to small models and single rows of mid-sized ones.
+Numerics: the norm is applied to the fp32 dot product instead of to x rounded to the model
+dtype, so results differ from the unfused path by bf16 rounding (the tests compare with a
+tolerance); the epilogues round the projection's output to the model dtype first and then
+follow `fused.py` exactly.
 """
 
 from __future__ import annotations
@@ -65,8 +66,8 @@ def _fused_gemv_kernel(
     m = tl.arange(0, BLOCK_M)
     mmask = m < M
     # Each chunk's products are summed at once, not kept element-wise to the end as gemv.py
-    # does for large matrices: with two accumulators the late sum measured slower (H100, forward
-    # graph, two runs on different hosts: SmolLM2 at 2 rows 0.80 vs 0.72 ms, 4 rows 0.89 vs 0.80).
+    # does for large matrices: with two accumulators the late sum made the forward graph slower
+    # at 2 and 4 rows.
     acc_lo = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_hi = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     ss = tl.zeros([BLOCK_M], tl.float32)
@@ -74,7 +75,7 @@ def _fused_gemv_kernel(
     w_hi = W + hi[:, None].to(tl.int64) * stride_wn
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        # No mask on K where chunks divide it: masked loads streamed W 5-15 % slower (gemv.py).
+        # No mask on K where chunks divide it: masked loads streamed W slower (gemv.py).
         kmask = (k < K) | EVEN_K
         xmask = mmask[:, None] & kmask[None, :]
         x = tl.load(X + m[:, None] * stride_xm + k[None, :], mask=xmask, other=0.0)
@@ -199,10 +200,9 @@ def max_rows(gate_up: torch.Tensor, head_dim: int) -> int:
     """The most rows a step may have for a layer with this gate_up matrix to take these kernels
     (0: never). They pay where kernel count is the cost and lose where streaming W is: each
     program reads x, the residual and the norm weight besides its rows of W, and does every
-    row's FMAs on CUDA cores. Measured on the H100, forward graph at 1 / 2 / 4 rows, fused vs
-    not: SmolLM2-135M 0.61 vs 0.76, 0.72 vs 0.87, 0.80 vs 0.87 ms; Llama-1B shape 1.19 vs
-    1.28 ms, then 1.36 vs 1.30 and 1.76 vs 1.31; Llama-8B shape 5.99 vs 5.92 ms, and worse past
-    one row. Shapes whose halves (intermediate size, half a head) some block width in CONFIGS
+    row's FMAs on CUDA cores. Timed in the forward graph, they win on SmolLM2-135M at 1-4 rows
+    and on the Llama-1B shape at one row only, and lose on the Llama-8B shape (docs/performance.md,
+    "Decode step at batch 1"; the notebook there has the per-row figures). Shapes whose halves (intermediate size, half a head) some block width in CONFIGS
     does not divide are left alone."""
     widths = {cfg[0] for cfg in CONFIGS}
     if any((gate_up.shape[0] // 2) % w or (head_dim // 2) % w for w in widths):

@@ -17,9 +17,9 @@ of the graph).
 `TokenGate` is the same node with a verdict the device reaches alone (the sampled token and
 its grammar mask); the decode graphs use it for jump-forward at batch 1.
 
-The decode graphs no longer use `GatedGraph`: once the host plans the next step itself, the gate saves
-only a graph launch (tens of microseconds) and measured no faster there (docs/kernels.md,
-"Gated graphs"). It stays for the capturable mode of docs/kernels.md.
+The decode graphs no longer use `GatedGraph`: once the host plans the next step itself, the gate
+saves only a graph launch and measured no faster there (docs/kernels.md, "Gated graphs"). It
+stays for the capturable mode of docs/kernels.md.
 
 Rules: every `launch` must be followed by exactly one `decide` (wrap the host work in
 try/finally); a launch left undecided runs nothing after `timeout_s`, which `ran()` then
@@ -99,10 +99,11 @@ class TokenGate:
     the model picked the draft). `went(token)` is the same test on the host.
 
     Why: with jump-forward the next forward waited for the host to read the token and rule out
-    forced text (the whole sync + check + launch, 80 us p50 a step on a slow lent host). Inside
-    a JSON string a token without quote or punctuation cannot lead to forced text, so the device
-    needs no host to go on. The caller launches it only where the grammar state is like that
-    (`wide`: its mask allows many tokens); elsewhere the host decides as before."""
+    forced text (sync, check and launch all on the device's critical path; docs/performance.md,
+    "Jump-forward"). Inside a JSON string a token without quote or punctuation cannot lead to
+    forced text, so the device needs no host to go on. The caller launches it only where the
+    grammar state is like that (`wide`: its mask allows many tokens); elsewhere the host decides
+    as before."""
 
     def __init__(self, graph: torch.cuda.CUDAGraph, row: torch.Tensor, tokens: torch.Tensor, has_mask: torch.Tensor,
                  quiet: np.ndarray, min_allowed: int, check: torch.Tensor):

@@ -2,10 +2,8 @@
 
 At one row a projection is bound by reading W once. cuBLAS is not always best at it: for a
 small model's matrices (a few MB) its fixed cost per call dominates, and for large ones its
-kernels stream W slower than this one does. Measured on an H100 (2026-11-25, weights cold in
-L2): SmolLM2-135M's four projections 3.3-5.2 us in cuBLAS, 2.5-4.0 us here; Llama-8B's
-projections 26.8 / 19.9 / 87.6 / 52.0 us (qkv / o / gate_up / down) against cuBLAS's 30.7 /
-22.9 / 94.6 / 56.0, its LM head 341 vs 384 us (3.1 vs 2.7 TB/s). The best block shape differs
+kernels stream W slower than this one does (per-matrix figures: docs/performance.md, "Decode
+step at batch 1"; `benchmarks/bench_gemv.py` reproduces them). The best block shape differs
 per matrix, so `plan` times cuBLAS against a few block shapes once per large matrix on the
 device, outside any graph capture (the decode graphs' warm-up runs every shape first), and
 keeps the fastest. Small matrices keep the fixed rule at one row (an earlier timing that
@@ -15,11 +13,9 @@ Two to sixteen rows (forced text, speculative verify steps, small batches) are t
 matrix, small ones included, per power-of-two row count: W is still read once for all rows,
 and cuBLAS's kernels for a few rows stream it slower. Two more forms run there: the GEMV with
 several rows (2-4), and a skinny GEMM whose rows are padded to 16 for `tl.dot`, so its cost
-barely moves from 1 to 16 rows. Measured on the H100 (2026-11-25, L2 cold, best shape of a
-sweep; docs/performance.md), at 2-16 rows: the 8B shape's qkv / o / gate_up / down / LM head
-28.2 / 20.5 / 93.3 / 54.1 / 352-361 us in the skinny GEMM against cuBLAS's 29.3 / 22.9 / 95.0 /
-55.8 / 387-391; SmolLM2's o and down at 2-4 rows 5.5-6.8 us in the GEMV against 6.5-8.7. The
-1B shape's down projection stays with cuBLAS. Each program owns BLOCK_N output features and
+barely moves from 1 to 16 rows. The skinny GEMM wins most large matrices there, the GEMV a
+small model's 2-4 rows, and cuBLAS keeps whatever neither beats (docs/performance.md, "Decode
+step at batch 1"). Each program owns BLOCK_N output features and
 streams their [BLOCK_N, K] slab of W in BLOCK_K chunks, its accumulator in registers.
 """
 
@@ -55,7 +51,7 @@ class Block(NamedTuple):
 
 
 # One row, timed against cuBLAS for large matrices: the best shapes of a sweep over SmolLM2,
-# Llama-1B and Llama-8B matrices on the H100 (late sum: one row of a large matrix).
+# Llama-1B and Llama-8B matrices (late sum: one row of a large matrix).
 CONFIGS = tuple(Block(n, k, w, s, "chunk") for n, k, w, s in
                 ((4, 1024, 4, 4), (2, 1024, 4, 4), (2, 2048, 8, 2), (4, 1024, 8, 3), (4, 512, 4, 4)))
 DEFAULT = CONFIGS[0]
@@ -66,8 +62,7 @@ MULTI_ROW = (*(Block(n, k, w, s, "chunk") for n, k, w, s in ((2, 1024, 4, 4), (4
                                                            (8, 256, 4, 3))))
 # The skinny GEMM's shapes that won a sweep at 1-16 rows (it is not timed for one row: the
 # GEMV streams W faster there). (32, 512, 4, 4) came out of a wider grid on the 8B shape's
-# matrices at 2 and 4 rows (2026-11-25): gate_up 90.6 against 92.4 us, down 53.3 against 54.2,
-# LM head 347.5 against 353.5, the rest level.
+# matrices at 2 and 4 rows, where it beat the others on gate_up, down and the LM head.
 DOT = tuple(Block(n, k, w, s, "dot") for n, k, w, s in
             ((32, 128, 4, 5), (32, 256, 4, 4), (64, 256, 8, 3), (16, 512, 4, 3), (64, 128, 4, 4),
              (32, 512, 4, 4)))
@@ -131,7 +126,7 @@ def _computes(run: Callable[[Block], torch.Tensor], block: Block, ref: torch.Ten
 
 def time_all(run: Callable[[T], object], candidates: list[T], device: torch.device, reps: int = 15) -> dict[T, float]:
     """`time_cold` of `run(c)` for each candidate, every one timed twice and its better time
-    kept: the first timed (cuBLAS, in `_time`) read ~30 % slow until the clocks were up."""
+    kept: the first timed (cuBLAS, in `_time`) reads slow until the clocks are up."""
     times = {c: time_cold(lambda c=c: run(c), device, reps) for c in candidates}
     return {c: min(t, time_cold(lambda c=c: run(c), device, reps)) for c, t in times.items()}
 
@@ -139,13 +134,13 @@ def time_all(run: Callable[[T], object], candidates: list[T], device: torch.devi
 def time_cold(run: Callable[[], object], device: torch.device, reps: int = 15) -> float:
     """Median ms of `run()` with L2 flushed before each call (a forward reads every matrix
     cold: the model is far larger than L2). The device first sleeps while the host queues every
-    call: timed one launch at a time, a kernel that runs in 10-30 us would be timed waiting for
-    its own Python launch after the flush, which once ranked block shapes by launch cost."""
+    call: timed one launch at a time, a kernel this short would be timed waiting for its own
+    Python launch after the flush, which once ranked block shapes by launch cost."""
     flush = torch.empty(96 << 20, dtype=torch.int8, device=device)
     run()
     torch.cuda.synchronize(device)
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    torch.cuda._sleep(500_000 * reps)  # ~0.3 ms a call at the H100's clock: the queue stays ahead
+    torch.cuda._sleep(500_000 * reps)  # cycles per call, longer than a launch: the queue stays ahead
     for start, end in events:
         flush.zero_()
         start.record()
@@ -182,10 +177,10 @@ def _gemv_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS:
     # One row of a large matrix (SUM_LATE) accumulates products element-wise and sums them once
     # after the loop: a sum per chunk puts a cross-warp reduction (a barrier) between two loads
     # of W. It is written apart, with no mask on K where chunks divide it: the general form
-    # streamed W 5-15 % slower (H100, Llama-8B shape, L2 cold: down 59.5 vs 52.0 us, o 22.8 vs
-    # 20.0). Small matrices keep the sum per chunk, in the general form: on SmolLM2-135M
-    # either change made the forward graph slower (0.88 vs 0.76 ms, same process). Two to four
-    # rows of a matrix can take either form (`plan` times both).
+    # streamed large matrices' W slower. Small matrices keep the sum per chunk, in the general
+    # form: on SmolLM2-135M either change made the forward graph slower (docs/performance.md,
+    # "Decode step at batch 1"). Two to four rows of a matrix can take either form (`plan`
+    # times both).
     if not SUM_LATE:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, K, BLOCK_K):
