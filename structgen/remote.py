@@ -24,7 +24,7 @@ import enum
 import json
 import time
 import typing
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -412,7 +412,7 @@ class RemoteCompletionStream:
     def __init__(self, llm: RemoteLLM, wire: _WireRequest):
         self._llm, self._wire = llm, wire
         self.completion: Completion | None = None
-        self._deltas: Iterator[str] | None = None
+        self._deltas: Generator[str, None, None] | None = None
 
     def __iter__(self) -> RemoteCompletionStream:
         return self
@@ -428,9 +428,9 @@ class RemoteCompletionStream:
     def close(self) -> None:
         """Stop reading a sync stream early and close its connection."""
         if self._deltas is not None:
-            self._deltas.close()  # type: ignore[attr-defined]
+            self._deltas.close()
 
-    def _read(self) -> Iterator[str]:
+    def _read(self) -> Generator[str, None, None]:
         events = _StreamEvents(self._llm, self._wire)
         try:
             with self._llm._client.stream("POST", self._wire.path, json=self._wire.body) as resp:
