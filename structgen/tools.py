@@ -262,12 +262,11 @@ def run_tools(
     A turn that hits `max_tokens` ends the run with what was done so far (no exception)."""
     specs = [as_tool(t) for t in tools]
     run = ToolRun("", [], _as_messages(prompt))
-    sampling = dict(max_tokens=max_tokens, temperature=temperature, seed=seed)
     for round_ in range(max_rounds + 1):
         last = round_ == max_rounds
         choice = "none" if last else tool_choice if round_ == 0 else "auto"
         try:
-            turn = call(llm, run.messages, specs, tool_choice=choice, **sampling)
+            turn = call(llm, run.messages, specs, tool_choice=choice, max_tokens=max_tokens, temperature=temperature, seed=seed)
         except IncompleteOutputError as e:
             run.finish_reason, run.partial_text = "length", e.partial_text
             return run
