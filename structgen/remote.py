@@ -118,7 +118,9 @@ class RemoteLLM:
     dialect:
         How non-JSON constraints are sent: "structgen" (`response_format` types
         regex/grammar/choice), "vllm" (`guided_regex`/`guided_grammar`/`guided_choice`),
-        "sglang" (top-level `regex`/`ebnf`), "openai" (JSON schemas only).
+        "sglang" (top-level `regex`/`ebnf`), "openai" (JSON schemas only: choices, Literal,
+        Enum and scalars travel as a JSON schema wrapped in an object; regexes and grammars
+        are refused).
     """
 
     def __init__(
@@ -168,7 +170,8 @@ class RemoteLLM:
         tools: list[dict[str, Any]] | None = None,
     ) -> Completion:
         """Generate one output of `output_type` on the server; same contract as `LLM.complete`
-        (raises `IncompleteOutputError` on truncation, returns a validated value)."""
+        (returns a validated value; truncation raises `IncompleteOutputError`, except for `str`,
+        which comes back cut with finish_reason "length")."""
         wire = self._wire_request(output_type, prompt, chat, tools)
         wire.body.update(self._sampling(max_tokens, temperature, top_p, top_k, seed, jump_forward))
         t0 = time.perf_counter()
@@ -193,32 +196,17 @@ class RemoteLLM:
         chat: bool | None = None,
         tools: list[dict[str, Any]] | None = None,
     ) -> RemoteCompletionStream:
-        """`for delta in llm.stream(...)`: text deltas from the server's event stream as they
-        arrive; then `.completion`. Raises like `complete` when the stream ends."""
+        """`for delta in llm.stream(...)` (or `async for` over `llm.astream(...)`): text deltas
+        from the server's event stream as they arrive; then `.completion`. Raises like
+        `complete` when the stream ends."""
         wire = self._wire_request(output_type, prompt, chat, tools)
         wire.body.update(self._sampling(max_tokens, temperature, top_p, top_k, seed, jump_forward))
         wire.body.update(stream=True, stream_options={"include_usage": True})
         return RemoteCompletionStream(self, wire)
 
-    def astream(
-        self,
-        output_type: Any,
-        prompt: Prompt,
-        *,
-        max_tokens: int = 512,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        seed: int | None = None,
-        jump_forward: bool | None = None,
-        chat: bool | None = None,
-        tools: list[dict[str, Any]] | None = None,
-    ) -> RemoteCompletionStream:
-        """`async for delta in llm.astream(...)`, then `.completion`, as `LLM.astream`."""
-        return self.stream(
-            output_type, prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-            seed=seed, jump_forward=jump_forward, chat=chat, tools=tools,
-        )
+    # One stream object serves both loops: `async for delta in llm.astream(...)`, then
+    # `.completion`, as with `LLM.astream`.
+    astream = stream
 
     def generate(self, output_type: Any, prompt: Prompt, **kw: Any) -> Any:
         """Generate and return just the typed value."""
