@@ -469,7 +469,10 @@ class _StreamEvents:
         data = line[len("data:") :].strip()
         if data == "[DONE]":
             return ""
-        event = json.loads(data)
+        try:
+            event = json.loads(data)
+        except json.JSONDecodeError as e:
+            raise EngineError(f"{self.llm.base_url} sent a stream event that is not JSON: {data[:200]!r}") from e
         if "error" in event:
             err = event["error"] if isinstance(event["error"], dict) else {"message": str(event["error"])}
             raise self.llm._error(None, str(err.get("message")), err.get("code"))
