@@ -3,9 +3,15 @@ OpenAI-compatible server — structgen's own, vLLM, SGLang.
 
 The output type becomes a `Constraint` locally, exactly as in-process; JSON types travel as
 `response_format={"type": "json_schema", ..., "strict": true}` (every server knows it), regexes,
-grammars and choices through the extension fields of the server's dialect. The reply is parsed
-and validated locally with `Constraint.parse`, so a server that ignored the constraint cannot
-hand back an invalid value: it raises `OutputValidationError` instead.
+grammars and choices through the extension fields of the server's dialect. On plain OpenAI
+servers (`dialect="openai"`) choices (`Choice`, `Literal`, `Enum`) and scalars travel as a JSON
+schema wrapped in an object (`{"value": ...}`, as OpenAI wants an object at the root) and are
+unwrapped on return. The reply is parsed and validated locally with `Constraint.parse`, so a
+server that ignored the constraint cannot hand back an invalid value: it raises
+`OutputValidationError` instead.
+
+Stats are what the server reports (`usage`) and what the client can measure (wall time; time to
+first token and decode time when streaming); anything neither knows is `None`.
 
     llm = structgen.LLM.remote("http://127.0.0.1:8000/v1", "SmolLM2-135M-Instruct")
     invoice = llm.generate(Invoice, "Extract the invoice: ...")
@@ -14,22 +20,26 @@ hand back an invalid value: it raises `OutputValidationError` instead.
 from __future__ import annotations
 
 import asyncio
+import enum
 import json
 import time
-from collections.abc import Sequence
+import typing
+from collections.abc import AsyncIterator, Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import httpx
 
+from structgen import tool_format
 from structgen.api import Completion
-from structgen.engine.request import GenerationStats
 from structgen.errors import (
     EngineError,
     IncompleteOutputError,
     InvalidConstraintError,
     InvalidParameterError,
     ModelNotFoundError,
+    OutputValidationError,
     PromptTooLongError,
     StructgenError,
     UnsupportedSchemaError,
@@ -50,6 +60,49 @@ _ERROR_CODES: dict[str, type[StructgenError]] = {
     "model_not_found": ModelNotFoundError,
 }
 
+# scalar types -> the JSON schema that carries them where regexes cannot travel
+_SCALAR_SCHEMAS: dict[type, dict[str, str]] = {bool: {"type": "boolean"}, int: {"type": "integer"}, float: {"type": "number"}}
+
+
+@dataclass
+class RemoteStats:
+    """Statistics of one remote generation, the same fields as the engine's `GenerationStats`
+    (plus `wall_s`), each `None` where neither the server's `usage` nor the client's clock
+    knows it: an unknown is never reported as a zero that looks like a measurement."""
+
+    prompt_tokens: int | None = None  # usage.prompt_tokens
+    output_tokens: int | None = None  # usage.completion_tokens
+    ttft_s: float | None = None  # request sent -> first text delta (streaming only)
+    decode_s: float | None = None  # first text delta -> end of the stream (streaming only)
+    wall_s: float | None = None  # request sent -> response complete, measured here
+    forward_passes: int | None = None
+    forced_tokens: int | None = None
+    drafted_tokens: int | None = None
+    accepted_tokens: int | None = None
+    verify_steps: int | None = None
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """Not reported over HTTP (no server says how many drafted tokens it accepted)."""
+        return None
+
+    def as_dict(self) -> dict[str, Any]:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d["mean_acceptance_length"] = self.mean_acceptance_length
+        return d
+
+
+@dataclass
+class _WireRequest:
+    """One request as sent: the endpoint, the JSON body, the constraint the reply is checked
+    against, and `unwrap`: how the reply's text maps back to that constraint's text ("" as
+    is, "json" a wrapped JSON value, "option" a wrapped choice option)."""
+
+    path: str
+    body: dict[str, Any]
+    constraint: Constraint
+    unwrap: Literal["", "json", "option"] = ""
+
 
 class RemoteLLM:
     """A model behind an OpenAI-compatible HTTP endpoint.
@@ -65,7 +118,9 @@ class RemoteLLM:
     dialect:
         How non-JSON constraints are sent: "structgen" (`response_format` types
         regex/grammar/choice), "vllm" (`guided_regex`/`guided_grammar`/`guided_choice`),
-        "sglang" (top-level `regex`/`ebnf`), "openai" (JSON schemas only).
+        "sglang" (top-level `regex`/`ebnf`), "openai" (JSON schemas only: choices, Literal,
+        Enum and scalars travel as a JSON schema wrapped in an object; regexes and grammars
+        are refused).
     """
 
     def __init__(
@@ -115,16 +170,43 @@ class RemoteLLM:
         tools: list[dict[str, Any]] | None = None,
     ) -> Completion:
         """Generate one output of `output_type` on the server; same contract as `LLM.complete`
-        (raises `IncompleteOutputError` on truncation, returns a validated value)."""
-        constraint = to_constraint(output_type)
-        path, body = self._request_body(output_type, constraint, prompt, chat, tools)
-        body.update(self._sampling(max_tokens, temperature, top_p, top_k, seed, jump_forward))
+        (returns a validated value; truncation raises `IncompleteOutputError`, except for `str`,
+        which comes back cut with finish_reason "length")."""
+        wire = self._wire_request(output_type, prompt, chat, tools)
+        wire.body.update(self._sampling(max_tokens, temperature, top_p, top_k, seed, jump_forward))
         t0 = time.perf_counter()
-        try:
-            resp = self._client.post(path, json=body)
-        except httpx.HTTPError as e:
-            raise EngineError(f"cannot reach {self.base_url}: {e}") from e
-        return self._completion(resp, constraint, path, time.perf_counter() - t0)
+        resp = self._post(wire.path, wire.body)
+        data = resp.json()
+        choice = data["choices"][0]
+        text = (choice["message"].get("content") if wire.path == "/chat/completions" else choice.get("text")) or ""
+        stats = _usage_stats(data.get("usage"), wall_s=time.perf_counter() - t0)
+        return self._finish(wire, text, choice.get("finish_reason"), stats)
+
+    def stream(
+        self,
+        output_type: Any,
+        prompt: Prompt,
+        *,
+        max_tokens: int = 512,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        jump_forward: bool | None = None,
+        chat: bool | None = None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> RemoteCompletionStream:
+        """`for delta in llm.stream(...)` (or `async for` over `llm.astream(...)`): text deltas
+        from the server's event stream as they arrive; then `.completion`. Raises like
+        `complete` when the stream ends."""
+        wire = self._wire_request(output_type, prompt, chat, tools)
+        wire.body.update(self._sampling(max_tokens, temperature, top_p, top_k, seed, jump_forward))
+        wire.body.update(stream=True, stream_options={"include_usage": True})
+        return RemoteCompletionStream(self, wire)
+
+    # One stream object serves both loops: `async for delta in llm.astream(...)`, then
+    # `.completion`, as with `LLM.astream`.
+    astream = stream
 
     def generate(self, output_type: Any, prompt: Prompt, **kw: Any) -> Any:
         """Generate and return just the typed value."""
@@ -184,24 +266,28 @@ class RemoteLLM:
             "parallel_tool_calls": parallel_tool_calls,
             **self._sampling(max_tokens, temperature, top_p, top_k, seed, None),
         }
-        resp = self._post("/chat/completions", body)
-        choice = resp.json()["choices"][0]
+        data = self._post("/chat/completions", body).json()
+        choice = data["choices"][0]
+        text = choice["message"].get("content")
         if choice.get("finish_reason") == "length":
-            text = choice["message"].get("content") or ""
-            raise IncompleteOutputError(f"tool call hit max_tokens={max_tokens}; raise max_tokens", partial_text=text)
+            if tool_choice == "none":  # a plain text answer: cut, as `str` is in-process
+                return ToolCalls([], text or "", data, "length")
+            raise IncompleteOutputError(f"tool call hit max_tokens={max_tokens}; raise max_tokens", partial_text=text or "")
         calls = []
         for tc in choice["message"].get("tool_calls") or []:
             fn = tc["function"]
             tool = by_name.get(fn["name"])
             if tool is None:
-                raise StructgenError(f"server returned a call of unknown tool {fn['name']!r}")
-            calls.append(ToolCall(fn["name"], tool.validate(json.loads(fn["arguments"])), tool, tc.get("id") or ""))
-        return ToolCalls(calls, None if calls else choice["message"].get("content"), resp.json())
+                raise OutputValidationError(f"server returned a call of unknown tool {fn['name']!r}", text=json.dumps(tc))
+            call_id = tc.get("id") or tool_format.new_call_id()
+            calls.append(ToolCall(fn["name"], tool.validate(json.loads(fn["arguments"])), tool, call_id))
+        return ToolCalls(calls, None if calls else text, data)
 
     # -- wire format ------------------------------------------------------------------------
-    def _request_body(
-        self, output_type: Any, constraint: Constraint, prompt: Prompt, chat: bool | None, tools: list[dict] | None
-    ) -> tuple[str, dict[str, Any]]:
+    def _wire_request(
+        self, output_type: Any, prompt: Prompt, chat: bool | None, tools: list[dict] | None
+    ) -> _WireRequest:
+        constraint = to_constraint(output_type)
         body: dict[str, Any] = {"model": self.model_name}
         if isinstance(prompt, str) and chat is False:
             path = "/completions"
@@ -211,27 +297,23 @@ class RemoteLLM:
             body["messages"] = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
             if tools:
                 body["tools"], body["tool_choice"] = tools, "none"
+        if self.dialect == "openai":
+            fields, unwrap = _openai_fields(output_type, constraint)
+            body.update(fields)
+            return _WireRequest(path, body, constraint, unwrap)
         body.update(self._constraint_fields(output_type, constraint))
-        return path, body
+        return _WireRequest(path, body, constraint)
 
     def _constraint_fields(self, output_type: Any, constraint: Constraint) -> dict[str, Any]:
-        """The request fields carrying `constraint` in this server's dialect."""
+        """The request fields carrying `constraint` in a dialect with structured-output
+        extensions (structgen, vLLM, SGLang)."""
         if constraint.kind == "text":
             return {}
         if constraint.kind == "json_schema":
-            name = getattr(output_type, "__name__", "output")
-            name = "".join(c if c.isalnum() or c in "_-" else "_" for c in name)[:64] or "output"
-            schema = json.loads(constraint.source)
-            return {"response_format": {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}}
+            return _json_schema_format(output_type, json.loads(constraint.source))
         options = None  # a Choice of strings travels as a choice list, anything else as regex
         if isinstance(output_type, Choice) and all(isinstance(o, str) for o in output_type.options):
             options = list(output_type.options)
-        if self.dialect == "openai":
-            raise UnsupportedSchemaError(
-                f"{constraint.kind} constraints need a server with structured-output extensions; "
-                "this RemoteLLM uses dialect='openai' (JSON schemas only)",
-                keyword=constraint.kind,
-            )
         if self.dialect == "vllm":
             if options is not None:
                 return {"guided_choice": options}
@@ -264,23 +346,20 @@ class RemoteLLM:
         self._raise_for_error(resp)
         return resp
 
-    def _completion(self, resp: httpx.Response, constraint: Constraint, path: str, wall_s: float) -> Completion:
-        self._raise_for_error(resp)
-        data = resp.json()
-        choice = data["choices"][0]
-        if path == "/chat/completions":
-            text = choice["message"].get("content") or ""
-        else:
-            text = choice.get("text") or ""
-        usage = data.get("usage") or {}
-        stats = GenerationStats(
-            prompt_tokens=usage.get("prompt_tokens", 0), output_tokens=usage.get("completion_tokens", 0), decode_s=wall_s
-        )
-        if choice.get("finish_reason") == "length":
+    def _finish(self, wire: _WireRequest, text: str, finish_reason: str | None, stats: RemoteStats) -> Completion:
+        """The reply as a validated `Completion`; truncation raises as in-process, except for
+        free text, which comes back cut with finish_reason "length" (as OpenAI does)."""
+        if finish_reason == "length":
+            if wire.constraint.kind == "text":
+                return Completion(text, text, [], "length", stats)  # type: ignore[arg-type]
             raise IncompleteOutputError(
-                "generation hit max_tokens before the output was complete; raise max_tokens", partial_text=text
+                "generation hit max_tokens before the output was complete; raise max_tokens",
+                partial_text=text,
+                stats=stats,
             )
-        return Completion(constraint.parse(text), text, [], "stop", stats)
+        if wire.unwrap:
+            text = _unwrapped_text(text, wire.unwrap)
+        return Completion(wire.constraint.parse(text), text, [], finish_reason or "stop", stats)  # type: ignore[arg-type]
 
     def _raise_for_error(self, resp: httpx.Response) -> None:
         """Raise the structgen exception an error response stands for."""
@@ -292,15 +371,201 @@ class RemoteLLM:
             code = err.get("code") if isinstance(err, dict) else None
         except (ValueError, AttributeError):
             message, code = resp.text[:500], None
-        message = f"{self.base_url} returned {resp.status_code}: {message}"
+        raise self._error(resp.status_code, str(message), code)
+
+    def _error(self, status: int | None, message: str, code: Any) -> StructgenError:
+        """The structgen exception for an error the server reported (`status` is None for an
+        error event inside a stream, after the response status was sent)."""
+        where = f"{self.base_url} returned {status}" if status else f"{self.base_url} stream failed"
+        message = f"{where}: {message}"
         cls = _ERROR_CODES.get(str(code))
         if cls is None:
-            if resp.status_code == 404:
+            if status == 404:
                 cls = ModelNotFoundError
-            elif resp.status_code < 500 and "context length" in message.lower():
+            elif status and status < 500 and "context length" in message.lower():
                 cls = PromptTooLongError
-            elif resp.status_code < 500:
+            elif status and status < 500:
                 cls = InvalidParameterError
             else:
                 cls = EngineError
-        raise cls(message)
+        return cls(message)
+
+
+class RemoteCompletionStream:
+    """Text deltas of one streamed remote generation: `for delta in stream` (from
+    `RemoteLLM.stream`) or `async for delta in stream` (from `RemoteLLM.astream`), then
+    `.completion`. Breaking out of the loop closes the connection, which the server takes as a
+    cancellation."""
+
+    def __init__(self, llm: RemoteLLM, wire: _WireRequest):
+        self._llm, self._wire = llm, wire
+        self.completion: Completion | None = None
+        self._deltas: Generator[str, None, None] | None = None
+
+    def __iter__(self) -> RemoteCompletionStream:
+        return self
+
+    def __next__(self) -> str:
+        if self._deltas is None:
+            self._deltas = self._read()
+        return next(self._deltas)
+
+    def __aiter__(self) -> AsyncIterator[str]:
+        return self._aread()
+
+    def close(self) -> None:
+        """Stop reading a sync stream early and close its connection."""
+        if self._deltas is not None:
+            self._deltas.close()
+
+    def _read(self) -> Generator[str, None, None]:
+        events = _StreamEvents(self._llm, self._wire)
+        try:
+            with self._llm._client.stream("POST", self._wire.path, json=self._wire.body) as resp:
+                if resp.status_code >= 400:
+                    resp.read()
+                    self._llm._raise_for_error(resp)
+                for line in resp.iter_lines():
+                    if delta := events.feed(line):
+                        yield delta
+        except httpx.HTTPError as e:
+            raise EngineError(f"stream from {self._llm.base_url} broke off: {e}") from e
+        self.completion = events.completion()
+
+    async def _aread(self) -> AsyncIterator[str]:
+        llm = self._llm
+        events = _StreamEvents(llm, self._wire)
+        try:
+            async with httpx.AsyncClient(base_url=llm.base_url, headers=llm._headers, timeout=llm._timeout) as client:
+                async with client.stream("POST", self._wire.path, json=self._wire.body) as resp:
+                    if resp.status_code >= 400:
+                        await resp.aread()
+                        llm._raise_for_error(resp)
+                    async for line in resp.aiter_lines():
+                        if delta := events.feed(line):
+                            yield delta
+        except httpx.HTTPError as e:
+            raise EngineError(f"stream from {llm.base_url} broke off: {e}") from e
+        self.completion = events.completion()
+
+
+@dataclass
+class _StreamEvents:
+    """Reads a server-sent event stream line by line: the text so far, the finish reason,
+    the usage chunk and the client-side times."""
+
+    llm: RemoteLLM
+    wire: _WireRequest
+    pieces: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: dict[str, Any] | None = None
+    sent_at: float = field(default_factory=time.perf_counter)
+    first_text_at: float | None = None
+
+    def feed(self, line: str) -> str:
+        """The text delta of one event line ("" for other lines and events)."""
+        if not line.startswith("data:"):
+            return ""
+        data = line[len("data:") :].strip()
+        if data == "[DONE]":
+            return ""
+        try:
+            event = json.loads(data)
+        except json.JSONDecodeError as e:
+            raise EngineError(f"{self.llm.base_url} sent a stream event that is not JSON: {data[:200]!r}") from e
+        if "error" in event:
+            err = event["error"] if isinstance(event["error"], dict) else {"message": str(event["error"])}
+            raise self.llm._error(None, str(err.get("message")), err.get("code"))
+        self.usage = event.get("usage") or self.usage
+        delta = ""
+        for choice in event.get("choices") or []:
+            part = choice.get("delta", {}).get("content") if "delta" in choice else choice.get("text")
+            delta += part or ""
+            self.finish_reason = choice.get("finish_reason") or self.finish_reason
+        if delta:
+            self.first_text_at = self.first_text_at or time.perf_counter()
+            self.pieces.append(delta)
+        return delta
+
+    def completion(self) -> Completion:
+        end = time.perf_counter()
+        stats = _usage_stats(self.usage, wall_s=end - self.sent_at)
+        if self.first_text_at is not None:
+            stats.ttft_s, stats.decode_s = self.first_text_at - self.sent_at, end - self.first_text_at
+        return self.llm._finish(self.wire, "".join(self.pieces), self.finish_reason, stats)
+
+
+def _usage_stats(usage: dict[str, Any] | None, wall_s: float) -> RemoteStats:
+    """Stats from an OpenAI `usage` object (None where it is missing) and the wall time."""
+    usage = usage or {}
+    return RemoteStats(prompt_tokens=usage.get("prompt_tokens"), output_tokens=usage.get("completion_tokens"), wall_s=wall_s)
+
+
+def _json_schema_format(output_type: Any, schema: dict[str, Any]) -> dict[str, Any]:
+    """`response_format` for a JSON schema, named after the output type."""
+    name = getattr(output_type, "__name__", "output")
+    name = "".join(c if c.isalnum() or c in "_-" else "_" for c in name)[:64] or "output"
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}}
+
+
+def _openai_fields(output_type: Any, constraint: Constraint) -> tuple[dict[str, Any], Literal["", "json", "option"]]:
+    """The request fields for a plain OpenAI server (JSON schemas with an object at the root
+    only) and how to unwrap the reply: other roots, choices and scalars are wrapped as
+    `{"value": ...}`; regexes and grammars cannot travel."""
+    if constraint.kind == "text":
+        return {}, ""
+    if constraint.kind == "json_schema":
+        schema = json.loads(constraint.source)
+        if schema.get("type") == "object":
+            return _json_schema_format(output_type, schema), ""
+        return _json_schema_format(output_type, _wrapped(schema)), "json"
+    options = _choice_options(output_type)
+    if options is not None:
+        return _json_schema_format(output_type, _wrapped({"enum": options})), "option"
+    if output_type in _SCALAR_SCHEMAS:
+        return _json_schema_format(output_type, _wrapped(_SCALAR_SCHEMAS[output_type])), "json"
+    raise UnsupportedSchemaError(
+        f"{constraint.kind} constraints need a server with structured-output extensions; this RemoteLLM uses "
+        "dialect='openai' (JSON schemas, choices and scalars only): use dialect='structgen', 'vllm' or 'sglang' "
+        "for a server that has them",
+        keyword=constraint.kind,
+    )
+
+
+def _choice_options(output_type: Any) -> list[Any] | None:
+    """The JSON values of a `Choice`, `Literal` or `Enum` output type (None for other types)."""
+    if isinstance(output_type, Choice):
+        options = list(output_type.options)
+    elif typing.get_origin(output_type) is Literal:
+        options = list(typing.get_args(output_type))
+    elif isinstance(output_type, type) and issubclass(output_type, enum.Enum):
+        options = list(output_type)
+    else:
+        return None
+    return [o.value if isinstance(o, enum.Enum) else o for o in options]
+
+
+def _wrapped(schema: dict[str, Any]) -> dict[str, Any]:
+    """`schema` as the `value` property of a closed object, its `$defs` moved to the root."""
+    body, defs = tool_format.hoist_defs(schema, prefix="")
+    root: dict[str, Any] = {
+        "type": "object",
+        "properties": {"value": body},
+        "required": ["value"],
+        "additionalProperties": False,
+    }
+    if defs:
+        root["$defs"] = defs
+    return root
+
+
+def _unwrapped_text(text: str, unwrap: str) -> str:
+    """The text the constraint parses, out of a wrapped reply `{"value": ...}`: a choice
+    option as written in-process (strings bare, other values as JSON), else the value's JSON."""
+    try:
+        value = json.loads(text)["value"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise OutputValidationError(f'reply is not the requested {{"value": ...}} object: {text[:200]!r}', text=text) from e
+    if unwrap == "option" and isinstance(value, str):
+        return value
+    return json.dumps(value)

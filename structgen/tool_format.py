@@ -140,7 +140,7 @@ def call_schema(tool: dict[str, Any]) -> dict[str, Any]:
     """JSON schema of one call of `tool`: `{"name": const, "arguments": <parameters>}`.
     Self-contained: `$ref`s inside the parameters are rewritten to the call's own `$defs`."""
     fn = function_of(tool)
-    params, defs = _hoist_defs(parameters_of(tool), prefix="")
+    params, defs = hoist_defs(parameters_of(tool), prefix="")
     schema: dict[str, Any] = {
         "type": "object",
         "properties": {"name": {"const": fn["name"]}, "arguments": params},
@@ -160,7 +160,7 @@ def required_schema(tools: list[dict[str, Any]], choice: ToolChoice, parallel: b
     branches = []
     for i, tool in enumerate(tools):
         fn = function_of(tool)
-        params, tool_defs = _hoist_defs(parameters_of(tool), prefix=f"t{i}_")
+        params, tool_defs = hoist_defs(parameters_of(tool), prefix=f"t{i}_")
         defs.update(tool_defs)
         branches.append(
             {
@@ -193,7 +193,7 @@ def auto_grammar(tools: list[dict[str, Any]], parallel: bool) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _hoist_defs(schema: dict[str, Any], prefix: str) -> tuple[dict[str, Any], dict[str, Any]]:
+def hoist_defs(schema: dict[str, Any], prefix: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """Move `$defs`/`definitions` out of a sub-schema so it can be nested in a larger one,
     renaming them with `prefix` and rewriting `$ref`s; a `#` self-reference becomes a def."""
     local = {**schema.get("definitions", {}), **schema.get("$defs", {})}

@@ -23,12 +23,12 @@ import re
 import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import pydantic
 
 from structgen import tool_format
-from structgen.errors import OutputValidationError, UnsupportedTypeError
+from structgen.errors import IncompleteOutputError, OutputValidationError, UnsupportedTypeError
 
 
 class Tool:
@@ -131,7 +131,7 @@ class ToolCall:
 
     name: str
     arguments: Any
-    tool: Tool
+    tool: Tool = field(repr=False)
     id: str = field(default_factory=tool_format.new_call_id)
 
     def invoke(self) -> Any:
@@ -156,10 +156,31 @@ class ToolCalls(list):
     """The calls of one assistant turn (a list of `ToolCall`). Empty when the model answered
     in text instead (`tool_choice="auto"`); that answer is in `.text`."""
 
-    def __init__(self, calls: Sequence[ToolCall] = (), text: str | None = None, completion: Any = None):
+    def __init__(
+        self,
+        calls: Sequence[ToolCall] = (),
+        text: str | None = None,
+        completion: Any = None,
+        finish_reason: str | None = None,
+    ):
         super().__init__(calls)
         self.text = text
         self.completion = completion
+        # "tool_calls" when the turn made calls, else "stop" or "length" (a text answer cut
+        # at max_tokens), as in an OpenAI choice.
+        self.finish_reason = finish_reason or ("tool_calls" if calls else "stop")
+
+    def to_message(self) -> dict[str, Any]:
+        """This turn as an OpenAI assistant message (calls in `tool_calls`, or the text)."""
+        if self:
+            return {"role": "assistant", "content": None, "tool_calls": [c.to_openai() for c in self]}
+        return {"role": "assistant", "content": self.text or ""}
+
+    def __repr__(self) -> str:
+        # An empty list would print as `[]` and hide the model's text answer.
+        return f"ToolCalls({list.__repr__(self)}, text={self.text!r})"
+
+    __str__ = __repr__
 
 
 def call(
@@ -198,17 +219,29 @@ def to_tool_calls(text: str, specs: Sequence[Tool], choice: tool_format.ToolChoi
     by_name = {t.name: t for t in specs}
     parsed, content = tool_format.parse_tool_calls(text, [t.to_openai() for t in specs], choice)
     calls = [ToolCall(p.name, by_name[p.name].validate(p.arguments), by_name[p.name], p.id) for p in parsed]
-    return ToolCalls(calls, content, completion)
+    finish_reason = None if calls else getattr(completion, "finish_reason", None)
+    return ToolCalls(calls, content, completion, finish_reason)
+
+
+ToolRunFinish = Literal["stop", "length", "max_rounds"]
 
 
 @dataclass
 class ToolRun:
     """The outcome of `run_tools`: the final answer, every call with its result, and the
-    conversation (OpenAI messages) that produced them."""
+    conversation (OpenAI messages, every assistant turn included) that produced them, ready to
+    send back to a model.
+
+    `finish_reason` says how the run ended: "stop" (the model answered in text), "max_rounds"
+    (the round limit was reached; `answer` is the reply to one last turn with tools off) or
+    "length" (a turn hit max_tokens: `answer` is "", that turn's cut text is `partial_text`, and
+    the calls made before it are kept)."""
 
     answer: str
     calls: list[tuple[ToolCall, Any]]
     messages: list[dict[str, Any]]
+    finish_reason: ToolRunFinish = "stop"
+    partial_text: str | None = None
 
 
 def run_tools(
@@ -225,22 +258,30 @@ def run_tools(
     """The agent loop: let the model call tools, run them, append their results as `tool`
     messages, and repeat until it answers in text or `max_rounds` rounds of calls were made
     (then one last turn with tool_choice="none" asks for the answer). `tool_choice` applies
-    to the first round (e.g. "required" to force a lookup first); later rounds are "auto"."""
+    to the first round (e.g. "required" to force a lookup first); later rounds are "auto".
+    A turn that hits `max_tokens` ends the run with what was done so far (no exception)."""
     specs = [as_tool(t) for t in tools]
-    messages = _as_messages(prompt)
-    history: list[tuple[ToolCall, Any]] = []
-    sampling = dict(max_tokens=max_tokens, temperature=temperature, seed=seed)
-    for round_ in range(max_rounds):
-        calls = call(llm, messages, specs, tool_choice=tool_choice if round_ == 0 else "auto", **sampling)
-        if not calls:
-            return ToolRun(calls.text or "", history, messages)
-        messages.append({"role": "assistant", "content": None, "tool_calls": [c.to_openai() for c in calls]})
-        for c in calls:
+    run = ToolRun("", [], _as_messages(prompt))
+    for round_ in range(max_rounds + 1):
+        last = round_ == max_rounds
+        choice = "none" if last else tool_choice if round_ == 0 else "auto"
+        try:
+            turn = call(llm, run.messages, specs, tool_choice=choice, max_tokens=max_tokens, temperature=temperature, seed=seed)
+        except IncompleteOutputError as e:
+            run.finish_reason, run.partial_text = "length", e.partial_text
+            return run
+        if turn.finish_reason == "length":  # a text turn cut at max_tokens
+            run.finish_reason, run.partial_text = "length", turn.text or ""
+            return run
+        run.messages.append(turn.to_message())
+        if not turn:
+            run.answer, run.finish_reason = turn.text or "", "max_rounds" if last else "stop"
+            return run
+        for c in turn:
             result = c.invoke()
-            history.append((c, result))
-            messages.append({"role": "tool", "tool_call_id": c.id, "content": _result_text(result)})
-    final = call(llm, messages, specs, tool_choice="none", **sampling)
-    return ToolRun(final.text or "", history, messages)
+            run.calls.append((c, result))
+            run.messages.append({"role": "tool", "tool_call_id": c.id, "content": _result_text(result)})
+    raise AssertionError("unreachable: the last round has tool_choice='none', so it makes no calls")
 
 
 def _as_messages(prompt: str | Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import re
-from typing import Literal
+from enum import Enum
+from typing import Annotated, Literal
 
 import pydantic
 import pytest
@@ -15,9 +16,10 @@ from structgen.errors import (
     InvalidConstraintError,
     ModelNotFoundError,
     PromptTooLongError,
+    UnsupportedSchemaError,
 )
 from structgen.remote import RemoteLLM
-from structgen.tools import tool
+from structgen.tools import run_tools, tool
 from structgen.types import CFG, Choice, JsonSchema, Regex
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -69,11 +71,90 @@ def test_other_dialects_accepted_by_our_server(server_url: str, dialect: str) ->
         assert llm.generate(Choice(["on", "off"]), "Switch?", max_tokens=8) in ("on", "off")
 
 
-def test_openai_dialect_refuses_regex(server_url: str) -> None:
+class Direction(Enum):
+    NORTH = "north"
+    SOUTH = "south"
+
+
+@pytest.mark.parametrize(
+    "output_type, expected",
+    [
+        (Choice(["north", "south"]), {"north", "south"}),
+        (Literal[1, 2, 3], {1, 2, 3}),
+        (Direction, set(Direction)),
+        (bool, {True, False}),
+    ],
+)
+def test_openai_dialect_carries_choices_and_scalars_as_wrapped_json(server_url: str, output_type, expected) -> None:
     with RemoteLLM(server_url, MODEL, dialect="openai") as llm:
-        assert isinstance(llm.generate(JsonSchema({"type": "boolean"}), "True or false?", max_tokens=8), bool)
-        with pytest.raises(Exception, match="JSON schemas only"):
+        c = llm.complete(output_type, "Pick one.", max_tokens=16)
+        assert c.value in expected and type(c.value) is type(next(iter(expected)))
+        schema = llm._wire_request(output_type, "x", None, None).body["response_format"]["json_schema"]["schema"]
+        assert schema["type"] == "object" and schema["required"] == ["value"] and schema["additionalProperties"] is False
+
+
+def test_openai_dialect_sends_a_choice_as_an_enum(server_url: str) -> None:
+    with RemoteLLM(server_url, MODEL, dialect="openai") as llm:
+        fmt = llm._wire_request(Choice(["on", "off", 3]), "x", None, None).body["response_format"]
+    assert fmt["type"] == "json_schema" and fmt["json_schema"]["strict"] is True
+    assert fmt["json_schema"]["schema"] == {
+        "type": "object",
+        "properties": {"value": {"enum": ["on", "off", 3]}},
+        "required": ["value"],
+        "additionalProperties": False,
+    }
+
+
+def test_openai_dialect_wraps_non_object_json_and_refuses_regex(server_url: str) -> None:
+    with RemoteLLM(server_url, MODEL, dialect="openai") as llm:
+        assert isinstance(llm.generate(JsonSchema({"type": "boolean"}), "True or false?", max_tokens=16), bool)
+        one_person = Annotated[list[Person], pydantic.Field(max_length=1)]  # an array root with $defs
+        people = llm.generate(one_person, "Alice is 30. List the people.", max_tokens=60)
+        assert isinstance(people, list) and all(isinstance(p, Person) for p in people)
+        with pytest.raises(UnsupportedSchemaError, match="dialect='structgen'"):
             llm.generate(Regex("a+"), "a", max_tokens=4)
+
+
+def test_stream_deltas_make_the_completion(remote: RemoteLLM) -> None:
+    stream = remote.stream(Person, "Alice is 30 years old. Extract the person as JSON.", max_tokens=48)
+    deltas = list(stream)
+    assert len(deltas) > 1 and stream.completion is not None
+    assert "".join(deltas) == stream.completion.text
+    assert isinstance(stream.completion.value, Person)
+    stats = stream.completion.stats
+    assert stats.prompt_tokens > 0 and stats.output_tokens > 0
+    assert 0 < stats.ttft_s <= stats.wall_s and stats.decode_s > 0
+    assert stats.forward_passes is None  # the server does not say: unknown, not zero
+
+
+def test_astream_deltas_make_the_completion(remote: RemoteLLM) -> None:
+    async def consume() -> tuple[list[str], object]:
+        stream = remote.astream(list[int], "Three small numbers as a JSON list:", max_tokens=24)
+        return [d async for d in stream], stream.completion
+
+    deltas, completion = asyncio.run(consume())
+    assert "".join(deltas) == completion.text and isinstance(completion.value, list)
+    assert all(isinstance(v, int) for v in completion.value)
+
+
+def test_stream_raises_like_complete(remote: RemoteLLM) -> None:
+    with pytest.raises(InvalidConstraintError):
+        list(remote.stream(CFG("root ::= ("), "x", max_tokens=4))
+    stream = remote.stream(Person, "Describe someone.", max_tokens=3)
+    with pytest.raises(IncompleteOutputError) as e:
+        list(stream)
+    assert e.value.partial_text.startswith("{") and e.value.stats.output_tokens == 3
+
+
+def test_stats_say_none_for_what_is_not_measured(remote: RemoteLLM) -> None:
+    stats = remote.complete(int, "What is 2+3?", max_tokens=8).stats
+    assert stats.prompt_tokens > 0 and stats.output_tokens > 0 and stats.wall_s > 0
+    assert stats.ttft_s is None and stats.decode_s is None and stats.mean_acceptance_length is None
+
+
+def test_text_at_max_tokens_comes_back_cut(remote: RemoteLLM) -> None:
+    c = remote.complete(str, "Write a long story about a dragon.", max_tokens=5)
+    assert c.finish_reason == "length" and c.value == c.text and c.text and c.stats.output_tokens == 5
 
 
 def test_generate_batch_and_async(remote: RemoteLLM) -> None:
@@ -128,3 +209,16 @@ def test_llm_remote_constructor(server_url: str) -> None:
     llm = structgen.LLM.remote(server_url, MODEL)
     assert isinstance(llm, RemoteLLM)
     assert llm.generate(Choice(["a", "b"]), "a or b?", max_tokens=4) in ("a", "b")
+
+
+def test_remote_run_tools_keeps_calls_when_the_answer_hits_max_tokens(remote: RemoteLLM) -> None:
+    @tool
+    def history(city: Literal["Paris", "Rome"]) -> str:
+        """The history of a city."""
+        return f"{city} was founded long ago. " + " ".join(f"In year {1000 + 50 * i} the city grew." for i in range(20))
+
+    # The call fits in 40 tokens; the answer, which echoes the long tool result, does not.
+    run = run_tools(remote, "Tell me the history of Paris.", [history], tool_choice="required", max_rounds=1, max_tokens=40)
+    assert [c.name for c, _ in run.calls] == ["history"] and run.calls[0][1].startswith("Paris was")
+    assert run.finish_reason == "length" and run.answer == "" and run.partial_text
+    assert [m["role"] for m in run.messages] == ["user", "assistant", "tool"]

@@ -14,7 +14,7 @@ import pytest
 
 from structgen import tool_format
 from structgen.errors import InvalidConstraintError, UnsupportedTypeError
-from structgen.tools import Tool, ToolCalls, as_tool, call, run_tools, tool
+from structgen.tools import Tool, ToolCall, ToolCalls, as_tool, call, run_tools, tool
 from structgen.types import CFG, JsonSchema
 
 DATA = Path("/work/shared/data/maskbench")
@@ -82,8 +82,6 @@ def test_tool_rejects_untypable_functions() -> None:
 def test_validate_and_invoke() -> None:
     args = distance.validate({"origin": {"city": "Paris", "country": "FR"}, "destination": {"city": "London", "country": "UK"}})
     assert isinstance(args.origin, Place)
-    from structgen.tools import ToolCall
-
     assert ToolCall("distance_km", args, distance).invoke() == 343.5
     assert ToolCall("get_weather", get_weather.validate({"city": "Oslo", "unit": "F"}), get_weather).invoke() == "21 degrees F in Oslo"
 
@@ -217,12 +215,41 @@ def test_run_tools_loop(llm) -> None:
         return {"city": city, "population": 2_100_000}
 
     result = run_tools(llm, "Population of Paris?", [lookup], tool_choice="required", max_rounds=1, max_tokens=60)
-    assert isinstance(result.answer, str)
+    assert result.finish_reason == "max_rounds" and result.partial_text is None
     assert [c.name for c, _ in result.calls] == ["lookup"] and len(seen) == 1
     assert result.calls[0][1] == {"city": seen[0], "population": 2_100_000}
     roles = [m["role"] for m in result.messages]
-    assert roles == ["user", "assistant", "tool"]
+    assert roles == ["user", "assistant", "tool", "assistant"]  # the final answer turn included
     assert result.messages[1]["tool_calls"][0]["id"] == result.messages[2]["tool_call_id"]
+    assert result.messages[3] == {"role": "assistant", "content": result.answer}
+    # The conversation goes back to a model as is.
+    again = call(llm, result.messages + [{"role": "user", "content": "And Rome?"}], [lookup], max_tokens=60)
+    assert again[0].name == "lookup"
+
+
+def test_run_tools_keeps_executed_calls_when_a_later_turn_hits_max_tokens(llm) -> None:
+    @tool
+    def history(city: Literal["Paris", "Rome"]) -> str:
+        """The history of a city."""
+        return f"{city} was founded long ago. " + " ".join(f"In year {1000 + 50 * i} the city grew." for i in range(20))
+
+    # The call fits in 40 tokens (most of it forced by the grammar); the answer, which echoes
+    # the long tool result, does not.
+    run = run_tools(llm, "Tell me the history of Paris.", [history], tool_choice="required", max_rounds=1, max_tokens=40)
+    assert run.finish_reason == "length" and run.answer == ""
+    assert [c.name for c, _ in run.calls] == ["history"] and run.calls[0][1].startswith("Paris was founded")
+    assert run.partial_text  # the cut turn's text is kept
+    assert [m["role"] for m in run.messages] == ["user", "assistant", "tool"]
+
+
+def test_tool_calls_show_their_calls_and_text(llm) -> None:
+    calls = ToolCalls([ToolCall("get_weather", get_weather.validate({"city": "Oslo"}), get_weather, "call_1")])
+    assert "get_weather" in repr(calls) and "Oslo" in str(calls) and calls.finish_reason == "tool_calls"
+    assert calls.to_message()["tool_calls"][0]["function"]["name"] == "get_weather"
+    answer = call(llm, "Say hi to me.", [get_weather], tool_choice="none", max_tokens=40)
+    assert answer == [] and answer.text and answer.finish_reason == "stop"
+    assert repr(answer) == f"ToolCalls([], text={answer.text!r})" == str(answer)
+    assert answer.to_message() == {"role": "assistant", "content": answer.text}
 
 
 def test_json_schema_of_required_compiles(llm) -> None:
