@@ -2,33 +2,46 @@
 `/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/health` and `/metrics`.
 
 Every request runs on the LLM's shared engine loop through its async API, so concurrent HTTP
-requests are batched together exactly like concurrent in-process callers. A request is
-validated (protocol.py), turned into one output type (constraints.py), rendered into a prompt,
-run (serving.py) and formatted back; any failure becomes an OpenAI-shaped error for that
-request alone (errors.py).
+requests are batched together exactly like concurrent in-process callers; each HTTP request is
+its own admission group, so the engine shares free slots fairly between requests however many
+generations one asks for. A request passes the guard (guard.py: Host, API key, body size), is
+validated (protocol.py), bounded (prompt characters and generations checked before any
+tokenizing, which runs off the event loop), turned into one output type (constraints.py),
+rendered into a prompt, run (serving.py) and formatted back; any failure becomes an
+OpenAI-shaped error for that request alone (errors.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from jinja2 import TemplateError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from structgen import tool_format
-from structgen.errors import PromptTooLongError, StructgenError
+from structgen.engine.request import request_group
+from structgen.errors import PromptTooLongError
+from structgen.types import to_constraint
 from structgen_server import responses, serving
+from structgen_server.connection import HeadDeadlineProtocol
 from structgen_server.constraints import RequestConstraint, request_constraint
-from structgen_server.errors import APIError, to_api_error
-from structgen_server.metrics import Metrics
+from structgen_server.errors import APIError, new_request_id, to_api_error
+from structgen_server.guard import (
+    DEFAULT_MAX_BODY_BYTES,
+    GuardConfig,
+    RequestGuard,
+    default_allowed_hosts,
+)
+from structgen_server.metrics import Metrics, endpoint_label
 from structgen_server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -39,6 +52,11 @@ from structgen_server.protocol import (
 
 log = logging.getLogger("structgen.server")
 
+# a token is rarely longer than this many characters, so a prompt of more characters than the
+# context's tokens times this can never fit: refused before any tokenizing
+MAX_CHARS_PER_TOKEN = 32
+DEFAULT_MAX_GENERATIONS = 128
+
 
 @dataclass
 class ServerState:
@@ -48,7 +66,7 @@ class ServerState:
     model_name: str
     aliases: frozenset[str]
     default_max_tokens: int
-    api_key: str | None
+    max_generations: int
     metrics: Metrics
 
     @property
@@ -62,15 +80,21 @@ def create_app(
     served_model_name: str | None = None,
     default_max_tokens: int = 1024,
     api_key: str | None = None,
+    allowed_hosts: frozenset[str] | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_generations: int = DEFAULT_MAX_GENERATIONS,
 ) -> FastAPI:
     """The FastAPI app serving `llm`. `served_model_name` is the id clients send as `model`
-    (default: the LLM's own name, which is accepted too)."""
+    (default: the LLM's own name, which is accepted too). With `api_key` every path but
+    `/health` needs it; `allowed_hosts` (None: any) are the Host headers answered;
+    `max_generations` caps prompts x n of one request."""
     name = served_model_name or llm.model_name
-    state = ServerState(
-        llm, name, frozenset({name, llm.model_name}), default_max_tokens, api_key, Metrics(name)
-    )
+    metrics = Metrics(name)
+    state = ServerState(llm, name, frozenset({name, llm.model_name}), default_max_tokens, max_generations, metrics)
     app = FastAPI(title="structgen", version="0.1.0")
     app.state.server = state
+    guard = GuardConfig(api_key=api_key, allowed_hosts=allowed_hosts, max_body_bytes=max_body_bytes)
+    app.add_middleware(RequestGuard, config=guard, metrics=metrics)
     _install_error_handlers(app, state)
 
     @app.get("/health")
@@ -82,26 +106,20 @@ def create_app(
         text = state.metrics.render(engine=_engine_load(state.llm))
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
-    def check_api_key(request: Request) -> None:
-        if state.api_key and request.headers.get("authorization") != f"Bearer {state.api_key}":
-            raise APIError(401, "missing or wrong API key (send Authorization: Bearer <key>)", code="invalid_api_key")
-
-    v1 = [Depends(check_api_key)]
-
-    @app.get("/v1/models", dependencies=v1)
+    @app.get("/v1/models")
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=state.model_name)])
 
-    @app.get("/v1/models/{model_id:path}", dependencies=v1)
+    @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> ModelCard:
         _check_model(state, model_id)
         return ModelCard(id=state.model_name)
 
-    @app.post("/v1/chat/completions", dependencies=v1)
+    @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         return await _serve(state, "chat", body, request)
 
-    @app.post("/v1/completions", dependencies=v1)
+    @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
         return await _serve(state, "completions", body, request)
 
@@ -124,6 +142,7 @@ async def _serve(state: ServerState, endpoint: str, body: SamplingFields, reques
     """Validate, run and format one request, recording its metrics."""
     t0 = time.perf_counter()
     state.metrics.started()
+    request_group.set(new_request_id())  # this request's generations share admission fairly
     status, error_type, streaming = 200, None, False
     try:
         jobs, rc = await _plan(state, body)
@@ -142,8 +161,6 @@ async def _serve(state: ServerState, endpoint: str, body: SamplingFields, reques
         return APIError(499, "client disconnected", code="client_disconnected").response()
     except Exception as exc:
         err = to_api_error(exc)
-        if err.status >= 500:
-            log.exception("request failed")
         status, error_type = err.status, err.code or err.type
         return err.response()
     finally:
@@ -180,41 +197,103 @@ def _check_supported(body: SamplingFields) -> None:
         raise APIError(400, "stream=true supports one prompt and n=1", param="n" if body.n > 1 else "prompt")
 
 
+def _check_size(state: ServerState, body: SamplingFields) -> None:
+    """Refusals that need no tokenizing: a misspelled constraint field (which would silently
+    give free text) and more generations than one request may ask for."""
+    misspelled = body.misspelled_constraint_field()
+    if misspelled:
+        name, meant = misspelled
+        raise APIError(
+            400,
+            f"unknown field {name!r}: did you mean {meant!r}? (as sent it would be ignored and "
+            "the output left unconstrained)",
+            param=name,
+            code="unknown_field",
+        )
+    n_prompts = len(body.prompts()) if isinstance(body, CompletionRequest) else 1
+    generations = n_prompts * body.n
+    if generations > state.max_generations:
+        raise APIError(
+            400,
+            f"this request asks for {generations} generations ({n_prompts} prompts x n={body.n}); "
+            f"this server runs at most {state.max_generations} per request "
+            "(--max-generations-per-request); split it into several requests",
+            param="prompt" if n_prompts > 1 else "n",
+            code="too_many_generations",
+        )
+
+
+def _check_prompt_chars(state: ServerState, prompt: str | list[dict[str, Any]], tools: Any, param: str) -> None:
+    """Refuse, before tokenizing it, a prompt with more characters than the context could
+    hold even at `MAX_CHARS_PER_TOKEN` characters a token."""
+    if isinstance(prompt, str):
+        chars = len(prompt)
+    else:
+        chars = sum(len(str(m.get("content") or "")) for m in prompt) + len(repr(tools or ""))
+    limit = state.max_seq_len * MAX_CHARS_PER_TOKEN
+    if chars > limit:
+        raise APIError(
+            400,
+            f"the prompt is {chars} characters, more than this model's maximum context length of "
+            f"{state.max_seq_len} tokens can ever hold (at most {limit} characters); shorten the {param}",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+
 async def _plan(state: ServerState, body: SamplingFields) -> tuple[list[serving.Job], RequestConstraint]:
     """The jobs (one per choice) a request asks for, fully validated before any decoding."""
     _check_model(state, body.model)
     _check_supported(body)
+    _check_size(state, body)
+    if isinstance(body, ChatCompletionRequest):
+        prompts, chat, param = [_chat_messages(body)], True, "messages"
+    else:
+        prompts, chat, param = body.prompts(), False, "prompt"
     rc = request_constraint(body)
+    for prompt in prompts:
+        _check_prompt_chars(state, prompt, rc.tools, param)
+    output_type: Any = str
     if rc.output_type is not None:
+        # a worker thread: building and compiling a grammar can take a while and must not
+        # stall the event loop for other requests; errors surface as a 400 before decoding
         try:
-            # compile errors surface as a 400 before decoding; a worker thread, because a cache
-            # miss can take a while and must not stall the event loop for other requests
-            await asyncio.to_thread(state.llm.compile, rc.output_type)
+            output_type = await asyncio.to_thread(_compile, state.llm, rc)
         except Exception as exc:
             raise to_api_error(exc, param=rc.param) from exc
-    if isinstance(body, ChatCompletionRequest):
-        prompts = [_chat_messages(body)]
-        chat = True
-    else:
-        prompts, chat = body.prompts(), False
     jobs = []
     for prompt in prompts:
-        template_tools = None
-        if rc.tools:
-            prompt, template_tools = tool_format.render_messages(state.llm.tokenizer, prompt, rc.tools)
-        try:
-            n_prompt = state.llm.count_prompt_tokens(prompt, chat=chat, tools=template_tools)
-        except (TemplateError, StructgenError) as e:  # e.g. a template that wants alternating roles
-            raise APIError(400, f"the model's chat template cannot render these messages: {e}", param="messages") from e
+        rendered, template_tools, n_prompt = await asyncio.to_thread(_render, state.llm, prompt, chat, rc.tools)
         if n_prompt == 0:
-            raise APIError(400, "the prompt is empty; send at least one token of text", param="prompt")
+            raise APIError(400, "the prompt is empty; send at least one token of text", param=param)
         sampling = _sampling(state, body, n_prompt)
         for j in range(body.n):
-            s = dict(sampling)
-            if s["seed"] is not None and body.n > 1:
-                s["seed"] += j  # distinct but reproducible samples per choice
-            jobs.append(serving.Job(rc.output_type or str, prompt, chat, template_tools, s, n_prompt, body.stop_strings()))
+            # distinct but reproducible samples per choice, still a 64-bit seed
+            seed = None if sampling["seed"] is None else sampling["seed"] ^ j
+            job_sampling = {**sampling, "seed": seed}
+            jobs.append(serving.Job(output_type, rendered, chat, template_tools, job_sampling, n_prompt, body.stop_strings()))
     return jobs, rc
+
+
+def _compile(llm: Any, rc: RequestConstraint) -> Any:
+    """The request's constraint, built with its strictness and compiled (cached)."""
+    constraint = to_constraint(rc.output_type, strict=rc.strict)
+    llm.compile(constraint)
+    return constraint
+
+
+def _render(
+    llm: Any, prompt: str | list[dict[str, Any]], chat: bool, tools: list[dict[str, Any]] | None
+) -> tuple[str | list[dict[str, Any]], list[dict[str, Any]] | None, int]:
+    """(prompt as the engine gets it, tools for the chat template, its token count); run in a
+    worker thread, as tokenizing a long prompt takes a while."""
+    template_tools = None
+    if tools:
+        prompt, template_tools = tool_format.render_messages(llm.tokenizer, prompt, tools)
+    try:
+        return prompt, template_tools, llm.count_prompt_tokens(prompt, chat=chat, tools=template_tools)
+    except TemplateError as e:  # e.g. a template that wants alternating roles
+        raise APIError(400, f"the model's chat template cannot render these messages: {e}", param="messages") from e
 
 
 def _chat_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
@@ -301,7 +380,6 @@ async def _start_stream(
         except Exception as exc:  # after the headers: report in-band, as OpenAI does
             err = to_api_error(exc)
             status, error_type = err.status, err.code or err.type
-            log.exception("stream failed")
             yield responses.error_event({"message": err.message, "type": err.type, "param": err.param, "code": err.code})
             yield responses.sse("[DONE]")
         except BaseException:  # cancelled: the client went away
@@ -337,16 +415,29 @@ def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         state.metrics.rejected(_endpoint(request), exc.status_code, code or "http_error")
-        return APIError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}", code=code).response()
+        where = f"{request.method} {request.url.path[:200]}"
+        return APIError(exc.status_code, f"{exc.detail}: {where}", code=code).response()
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return to_api_error(exc).response()
+        err = to_api_error(exc)  # logs it with the request id the body names
+        state.metrics.rejected(_endpoint(request), err.status, err.code or err.type)
+        return err.response()
 
 
 def _endpoint(request: Request) -> str:
-    return {"/v1/chat/completions": "chat", "/v1/completions": "completions"}.get(request.url.path, request.url.path)
+    return endpoint_label(request.url.path)
+
+
+_TYPE_ERRORS = {"bool_type", "int_type", "float_type", "string_type", "int_from_float", "literal_error"}
+
+
+def _json_preview(value: Any) -> str:
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _validation_error(exc: RequestValidationError) -> APIError:
@@ -361,6 +452,8 @@ def _validation_error(exc: RequestValidationError) -> APIError:
         return APIError(400, "request body is missing; send a JSON object", code="invalid_request")
     param = ".".join(loc) or None
     message = f"{param}: {first['msg']}" if param else first["msg"]
+    if param and first.get("type") in _TYPE_ERRORS:  # say what was sent: "yes" is no boolean
+        message += f", got {_json_preview(first.get('input'))}"
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more problems)"
     return APIError(400, message, param=param, code="invalid_request")
@@ -379,9 +472,13 @@ def run_server(
     config: Any = None,
     default_max_tokens: int = 1024,
     api_key: str | None = None,
+    allowed_hosts: list[str] | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_generations: int = DEFAULT_MAX_GENERATIONS,
     log_level: str = "info",
 ) -> None:
-    """Load the model, then serve it with uvicorn until interrupted."""
+    """Load the model, then serve it with uvicorn until interrupted. `allowed_hosts` None:
+    the loopback names when bound to loopback, any Host otherwise; ["*"]: any."""
     import uvicorn
 
     from structgen import LLM
@@ -389,5 +486,26 @@ def run_server(
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     llm = LLM(model, backend=backend, config=config)
     log.info("loaded %s in %.1fs", llm.model_name, getattr(llm, "load_time_s", 0.0))
-    app = create_app(llm, served_model_name=served_model_name, default_max_tokens=default_max_tokens, api_key=api_key)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    if allowed_hosts is None:
+        hosts = default_allowed_hosts(host, port)
+    else:
+        hosts = None if "*" in allowed_hosts else frozenset(h.strip().lower() for h in allowed_hosts)
+    app = create_app(
+        llm,
+        served_model_name=served_model_name,
+        default_max_tokens=default_max_tokens,
+        api_key=api_key,
+        allowed_hosts=hosts,
+        max_body_bytes=max_body_bytes,
+        max_generations=max_generations,
+    )
+    uvicorn.run(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        http=HeadDeadlineProtocol,  # drops connections that never finish a request head
+        timeout_keep_alive=5,
+        h11_max_incomplete_event_size=64 * 1024,  # request line + headers
+        timeout_graceful_shutdown=5,
+    )
