@@ -29,7 +29,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from structgen import tool_format
 from structgen.engine.request import request_group
-from structgen.errors import PromptTooLongError
 from structgen.types import to_constraint
 from structgen_server import responses, serving
 from structgen_server.connection import HeadDeadlineProtocol
@@ -229,7 +228,7 @@ def _check_prompt_chars(state: ServerState, prompt: str | list[dict[str, Any]], 
     if isinstance(prompt, str):
         chars = len(prompt)
     else:
-        chars = sum(len(str(m.get("content") or "")) for m in prompt) + len(repr(tools or ""))
+        chars = sum(len(str(m.get("content") or "")) for m in prompt) + (len(json.dumps(tools)) if tools else 0)
     limit = state.max_seq_len * MAX_CHARS_PER_TOKEN
     if chars > limit:
         raise APIError(
@@ -266,7 +265,7 @@ async def _plan(state: ServerState, body: SamplingFields) -> tuple[list[serving.
         rendered, template_tools, n_prompt = await asyncio.to_thread(_render, state.llm, prompt, chat, rc.tools)
         if n_prompt == 0:
             raise APIError(400, "the prompt is empty; send at least one token of text", param=param)
-        sampling = _sampling(state, body, n_prompt)
+        sampling = _sampling(state, body, n_prompt, param)
         for j in range(body.n):
             # distinct but reproducible samples per choice, still a 64-bit seed
             seed = None if sampling["seed"] is None else sampling["seed"] ^ j
@@ -316,15 +315,19 @@ def _chat_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
     return out
 
 
-def _sampling(state: ServerState, body: SamplingFields, prompt_tokens: int) -> dict[str, Any]:
-    """`SamplingParams` fields for one request; OpenAI defaults (temperature 1)."""
+def _sampling(state: ServerState, body: SamplingFields, prompt_tokens: int, param: str) -> dict[str, Any]:
+    """`SamplingParams` fields for one request; OpenAI defaults (temperature 1). `param`: the
+    field the prompt came from, named when it does not fit."""
     room = state.max_seq_len - prompt_tokens
     limit = body.token_limit()
     if room < 1 or (limit is not None and limit > room):
         asked = f"{prompt_tokens} prompt tokens" + (f" + max_tokens={limit}" if limit else "")
-        raise PromptTooLongError(
+        raise APIError(
+            400,
             f"this model's maximum context length is {state.max_seq_len} tokens, but the request "
-            f"needs {asked}; shorten the messages or lower max_tokens"
+            f"needs {asked}; shorten the {param} or lower max_tokens",
+            param=param,
+            code="context_length_exceeded",
         )
     top_k = body.top_k if body.top_k and body.top_k > 0 else 0
     return {
