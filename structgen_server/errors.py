@@ -2,8 +2,9 @@
 mapping from structgen's exceptions to HTTP statuses.
 
 Every `StructgenError` is a 4xx naming the problem (bad schema, bad regex, prompt too long,
-unknown model...); anything else is our bug: a 500 whose body carries only a request id, the
-exception itself going to the server log under that id. Either way the error belongs to one
+unknown model...), but `EngineError` (a forward pass or grammar step failed inside the engine),
+which like any exception not ours is a 500 whose body carries only a request id, the exception
+itself going to the server log under that id. Either way the error belongs to one
 request: the server and the other requests in its batch carry on.
 """
 
@@ -16,6 +17,7 @@ from fastapi.responses import JSONResponse
 
 from structgen.errors import (
     ConstraintTooLargeError,
+    EngineError,
     InvalidConstraintError,
     InvalidParameterError,
     ModelNotFoundError,
@@ -81,7 +83,7 @@ def to_api_error(exc: BaseException, param: str | None = None) -> APIError:
     if isinstance(exc, APIError):
         return exc
     for cls, status, code in _MAPPING:
-        if isinstance(exc, cls):
+        if isinstance(exc, cls) and not isinstance(exc, EngineError):
             if isinstance(exc, UnsupportedSchemaError) and exc.path:
                 message = f"{exc} (at {exc.path})" if exc.path not in str(exc) else str(exc)
             else:

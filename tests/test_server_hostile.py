@@ -18,6 +18,14 @@ from typing import Any
 import httpx
 import pytest
 
+from structgen.errors import (
+    ConstraintTooLargeError,
+    EngineError,
+    InvalidParameterError,
+    OutputValidationError,
+    StructgenError,
+    UnsatisfiableConstraintError,
+)
 from structgen_server.errors import to_api_error
 from structgen_server.process import ServerProcess
 
@@ -164,11 +172,19 @@ def test_bad_constraint_is_a_400_at_compile_time(server: Server, case) -> None:
     server.good_request_is_served()
 
 
-def test_an_unexpected_exception_is_a_500_with_a_request_id_only() -> None:
-    err = to_api_error(RuntimeError("secret internals at 0x7f"))
+@pytest.mark.parametrize("exc", [RuntimeError("secret internals at 0x7f"), EngineError("forward pass failed: secret")])
+def test_an_unexpected_exception_is_a_500_with_a_request_id_only(exc: Exception) -> None:
+    err = to_api_error(exc)
     assert err.status == 500 and err.code == "internal_error"
-    assert "secret" not in err.message and "RuntimeError" not in err.message
+    assert "secret" not in err.message and type(exc).__name__ not in err.message
     assert re.search(r"request id req_[0-9a-f]{16}", err.message)
+
+
+@pytest.mark.parametrize("exc", [UnsatisfiableConstraintError("x"), ConstraintTooLargeError("x"),
+                                 InvalidParameterError("x"), OutputValidationError("x"), StructgenError("x")])
+def test_every_structgen_error_of_a_request_is_a_4xx(exc: Exception) -> None:
+    err = to_api_error(exc)
+    assert 400 <= err.status < 500 and err.type == "invalid_request_error" and err.message == "x"
 
 
 # --------------------------------------------------------------------------- size and time
