@@ -27,6 +27,7 @@ from structgen.errors import (
     UnsatisfiableConstraintError,
 )
 from structgen_server.errors import to_api_error
+from structgen_server.guard import default_allowed_hosts, host_allowed
 from structgen_server.process import ServerProcess
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -342,3 +343,34 @@ def test_a_rejected_request_is_counted_with_a_fixed_label(server: Server) -> Non
     text = _metrics(server)
     assert re.search(r'endpoint="chat",status="400"\} [1-9]', text)
     assert json.dumps("ten") not in text
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+def test_host_allow_list_defaults_to_loopback_names_with_the_port() -> None:
+    allowed = default_allowed_hosts("127.0.0.1", 8000)
+    assert allowed is not None
+    assert host_allowed("localhost:8000", allowed) and host_allowed("[::1]:8000", allowed)
+    assert not host_allowed("localhost:9000", allowed) and not host_allowed("evil.test:8000", allowed)
+    assert default_allowed_hosts("0.0.0.0", 8000) is None
+    assert host_allowed("api.example.com:443", frozenset({"api.example.com"}))
+
+
+def test_the_api_key_comes_from_a_file_or_the_environment(tmp_path, monkeypatch) -> None:
+    from structgen.cli import _api_key, build_parser
+
+    def key(*argv: str) -> str | None:
+        return _api_key(build_parser().parse_args(["serve", *argv]))
+
+    (tmp_path / "key").write_text("from-file\n")
+    (tmp_path / "empty").write_text("\n")
+    monkeypatch.setenv("STRUCTGEN_API_KEY", "from-env")
+    assert key("--api-key-file", str(tmp_path / "key")) == "from-file"
+    assert key() == "from-env"
+    with pytest.raises(InvalidParameterError, match="is empty"):
+        key("--api-key-file", str(tmp_path / "empty"))
+    with pytest.raises(InvalidParameterError, match="not both"):
+        key("--api-key-file", str(tmp_path / "key"), "--api-key", "x")
+    monkeypatch.delenv("STRUCTGEN_API_KEY")
+    assert key() is None
