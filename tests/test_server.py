@@ -442,12 +442,13 @@ def test_error_messages_name_the_problem(server_url: str) -> None:
 
 
 def test_json_schema_strict_follows_openai(server_url: str) -> None:
-    """strict=false relaxes keywords no backend enforces (uniqueItems); left out they are
-    refused; strict=true closes objects that do not say otherwise."""
+    """strict=false relaxes keywords no backend enforces (uniqueItems, kept by any array of at
+    most one item); left out they are refused; strict=true closes objects that do not say
+    otherwise."""
     from structgen_server.constraints import request_constraint
     from structgen_server.protocol import ChatCompletionRequest
 
-    schema = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "uniqueItems": True, "maxItems": 3}
+    schema = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "uniqueItems": True, "maxItems": 1}
 
     def body(strict: bool | None) -> dict:
         json_schema = {"name": "x", "schema": schema} | ({} if strict is None else {"strict": strict})
