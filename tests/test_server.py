@@ -442,13 +442,13 @@ def test_error_messages_name_the_problem(server_url: str) -> None:
 
 
 def test_json_schema_strict_follows_openai(server_url: str) -> None:
-    """strict=false relaxes keywords no backend enforces (uniqueItems, kept by any array of at
-    most one item); left out they are refused; strict=true closes objects that do not say
-    otherwise."""
+    """strict=false relaxes keywords no backend enforces (uniqueItems: generated best effort,
+    so the output may fail it: a 422); left out they are refused; strict=true closes objects
+    that do not say otherwise."""
     from structgen_server.constraints import request_constraint
     from structgen_server.protocol import ChatCompletionRequest
 
-    schema = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "uniqueItems": True, "maxItems": 1}
+    schema = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "uniqueItems": True, "maxItems": 3}
 
     def body(strict: bool | None) -> dict:
         json_schema = {"name": "x", "schema": schema} | ({} if strict is None else {"strict": strict})
@@ -457,7 +457,7 @@ def test_json_schema_strict_follows_openai(server_url: str) -> None:
     r = httpx.post(f"{server_url}/chat/completions", json=body(None), timeout=60)
     assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_schema"
     r = httpx.post(f"{server_url}/chat/completions", json=body(False), timeout=60)
-    assert r.status_code == 200, r.text
+    assert r.status_code == 200 or (r.status_code == 422 and r.json()["error"]["code"] == "output_validation_failed"), r.text
     closed = request_constraint(ChatCompletionRequest.model_validate(_full_body("chat/completions", {
         "response_format": {"type": "json_schema", "json_schema": {"name": "w", "strict": True, "schema": Weather.model_json_schema()}},
     })))
