@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -41,7 +42,22 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--served-model-name", default=None, help="the `model` id clients send (default: the model's name)")
     serve.add_argument("--default-max-tokens", type=int, default=1024, help="max_tokens when a request omits it")
-    serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer <key>` on /v1/*")
+    serve.add_argument(
+        "--api-key-file", default=None,
+        help="require `Authorization: Bearer <key>` on every path but /health, the key read from "
+        "this file (or set STRUCTGEN_API_KEY)",
+    )
+    serve.add_argument("--api-key", default=None, help="the key itself (visible to other users in `ps`: prefer the file or variable)")
+    serve.add_argument(
+        "--allowed-hosts", default=None,
+        help="comma-separated Host headers to answer, '*' for any (default: 127.0.0.1/localhost/[::1] "
+        "with the port when bound to loopback, any otherwise)",
+    )
+    serve.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="largest request body accepted (413 beyond)")
+    serve.add_argument(
+        "--max-generations-per-request", type=int, default=128,
+        help="most generations (prompts x n) one request may ask for (400 beyond)",
+    )
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
     gen = sub.add_parser("generate", help="print one constrained generation")
@@ -72,6 +88,23 @@ def _output_type(args: argparse.Namespace) -> object:
     return str
 
 
+def _api_key(args: argparse.Namespace) -> str | None:
+    """The server's API key: --api-key-file, --api-key or $STRUCTGEN_API_KEY (None: no key)."""
+    from structgen.errors import InvalidParameterError
+
+    if args.api_key_file and args.api_key:
+        raise InvalidParameterError("give the API key once: --api-key-file or --api-key, not both")
+    if args.api_key_file:
+        try:
+            key = Path(args.api_key_file).read_text().strip()
+        except OSError as e:
+            raise InvalidParameterError(f"cannot read --api-key-file {args.api_key_file}: {e.strerror}") from e
+        if not key:
+            raise InvalidParameterError(f"--api-key-file {args.api_key_file} is empty; put the key in it")
+        return key
+    return args.api_key or os.environ.get("STRUCTGEN_API_KEY") or None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from structgen.errors import StructgenError
@@ -88,7 +121,10 @@ def main(argv: list[str] | None = None) -> int:
                 backend=args.backend,
                 config=_engine_config(args),
                 default_max_tokens=args.default_max_tokens,
-                api_key=args.api_key,
+                api_key=_api_key(args),
+                allowed_hosts=args.allowed_hosts.split(",") if args.allowed_hosts else None,
+                max_body_bytes=args.max_body_bytes,
+                max_generations=args.max_generations_per_request,
                 log_level=args.log_level,
             )
             return 0

@@ -2,33 +2,42 @@
 `/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/health` and `/metrics`.
 
 Every request runs on the LLM's shared engine loop through its async API, so concurrent HTTP
-requests are batched together exactly like concurrent in-process callers. A request is
-validated (protocol.py), turned into one output type (constraints.py), rendered into a prompt,
-run (serving.py) and formatted back; any failure becomes an OpenAI-shaped error for that
-request alone (errors.py).
+requests are batched together exactly like concurrent in-process callers; each HTTP request is
+its own admission group, so the engine shares free slots fairly between requests however many
+generations one asks for. A request passes the guard (guard.py: Host, API key, body size), is
+validated (protocol.py), checked, bounded and turned into jobs (planning.py: its output type
+from constraints.py, its prompt rendered and tokenized off the event loop), run (serving.py)
+and formatted back (responses.py); any failure becomes an OpenAI-shaped error for that request
+alone (errors.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from jinja2 import TemplateError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from structgen import tool_format
-from structgen.errors import PromptTooLongError, StructgenError
+from structgen.engine.request import request_group
 from structgen_server import responses, serving
-from structgen_server.constraints import RequestConstraint, request_constraint
-from structgen_server.errors import APIError, to_api_error
-from structgen_server.metrics import Metrics
+from structgen_server.connection import HeadDeadlineProtocol
+from structgen_server.constraints import RequestConstraint
+from structgen_server.errors import APIError, new_request_id, to_api_error
+from structgen_server.guard import (
+    DEFAULT_MAX_BODY_BYTES,
+    GuardConfig,
+    RequestGuard,
+    default_allowed_hosts,
+)
+from structgen_server.metrics import Metrics, endpoint_label
+from structgen_server.planning import DEFAULT_MAX_GENERATIONS, ServerState, check_model, plan
 from structgen_server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -40,37 +49,27 @@ from structgen_server.protocol import (
 log = logging.getLogger("structgen.server")
 
 
-@dataclass
-class ServerState:
-    """What every handler needs: the LLM, the names it answers to, limits and metrics."""
-
-    llm: Any
-    model_name: str
-    aliases: frozenset[str]
-    default_max_tokens: int
-    api_key: str | None
-    metrics: Metrics
-
-    @property
-    def max_seq_len(self) -> int:
-        return int(self.llm.engine.max_seq_len)
-
-
 def create_app(
     llm: Any,
     *,
     served_model_name: str | None = None,
     default_max_tokens: int = 1024,
     api_key: str | None = None,
+    allowed_hosts: frozenset[str] | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_generations: int = DEFAULT_MAX_GENERATIONS,
 ) -> FastAPI:
     """The FastAPI app serving `llm`. `served_model_name` is the id clients send as `model`
-    (default: the LLM's own name, which is accepted too)."""
+    (default: the LLM's own name, which is accepted too). With `api_key` every path but
+    `/health` needs it; `allowed_hosts` (None: any) are the Host headers answered;
+    `max_generations` caps prompts x n of one request."""
     name = served_model_name or llm.model_name
-    state = ServerState(
-        llm, name, frozenset({name, llm.model_name}), default_max_tokens, api_key, Metrics(name)
-    )
+    metrics = Metrics(name)
+    state = ServerState(llm, name, frozenset({name, llm.model_name}), default_max_tokens, max_generations, metrics)
     app = FastAPI(title="structgen", version="0.1.0")
     app.state.server = state
+    guard = GuardConfig(api_key=api_key, allowed_hosts=allowed_hosts, max_body_bytes=max_body_bytes)
+    app.add_middleware(RequestGuard, config=guard, metrics=metrics)
     _install_error_handlers(app, state)
 
     @app.get("/health")
@@ -82,26 +81,20 @@ def create_app(
         text = state.metrics.render(engine=_engine_load(state.llm))
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
-    def check_api_key(request: Request) -> None:
-        if state.api_key and request.headers.get("authorization") != f"Bearer {state.api_key}":
-            raise APIError(401, "missing or wrong API key (send Authorization: Bearer <key>)", code="invalid_api_key")
-
-    v1 = [Depends(check_api_key)]
-
-    @app.get("/v1/models", dependencies=v1)
+    @app.get("/v1/models")
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=state.model_name)])
 
-    @app.get("/v1/models/{model_id:path}", dependencies=v1)
+    @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> ModelCard:
-        _check_model(state, model_id)
+        check_model(state, model_id)
         return ModelCard(id=state.model_name)
 
-    @app.post("/v1/chat/completions", dependencies=v1)
+    @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         return await _serve(state, "chat", body, request)
 
-    @app.post("/v1/completions", dependencies=v1)
+    @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
         return await _serve(state, "completions", body, request)
 
@@ -124,9 +117,10 @@ async def _serve(state: ServerState, endpoint: str, body: SamplingFields, reques
     """Validate, run and format one request, recording its metrics."""
     t0 = time.perf_counter()
     state.metrics.started()
+    request_group.set(new_request_id())  # this request's generations share admission fairly
     status, error_type, streaming = 200, None, False
     try:
-        jobs, rc = await _plan(state, body)
+        jobs, rc = await plan(state, body)
         if body.stream:
             response = await _start_stream(state, endpoint, body, jobs, rc, t0)
             streaming = True  # the stream records its own end
@@ -142,120 +136,12 @@ async def _serve(state: ServerState, endpoint: str, body: SamplingFields, reques
         return APIError(499, "client disconnected", code="client_disconnected").response()
     except Exception as exc:
         err = to_api_error(exc)
-        if err.status >= 500:
-            log.exception("request failed")
         status, error_type = err.status, err.code or err.type
         return err.response()
     finally:
         if not streaming:
             state.metrics.finished(endpoint, status, time.perf_counter() - t0, error_type)
 
-
-def _check_model(state: ServerState, model: str) -> None:
-    if model not in state.aliases:
-        raise APIError(
-            404,
-            f"model {model!r} does not exist; this server serves {state.model_name!r}",
-            param="model",
-            code="model_not_found",
-        )
-
-
-def _check_supported(body: SamplingFields) -> None:
-    """Refuse OpenAI parameters we cannot honour rather than silently ignoring them."""
-    unsupported = {
-        "presence_penalty": body.presence_penalty not in (None, 0, 0.0),
-        "frequency_penalty": body.frequency_penalty not in (None, 0, 0.0),
-        "logit_bias": bool(body.logit_bias),
-        "logprobs": bool(getattr(body, "logprobs", None)),
-        "echo": bool(getattr(body, "echo", False)),
-        "suffix": getattr(body, "suffix", None) is not None,
-        "best_of": getattr(body, "best_of", None) not in (None, 1),
-    }
-    for param, bad in unsupported.items():
-        if bad:
-            raise APIError(400, f"{param} is not supported by this server", param=param, code="unsupported_parameter")
-    n_prompts = len(body.prompts()) if isinstance(body, CompletionRequest) else 1
-    if body.stream and (body.n > 1 or n_prompts > 1):
-        raise APIError(400, "stream=true supports one prompt and n=1", param="n" if body.n > 1 else "prompt")
-
-
-async def _plan(state: ServerState, body: SamplingFields) -> tuple[list[serving.Job], RequestConstraint]:
-    """The jobs (one per choice) a request asks for, fully validated before any decoding."""
-    _check_model(state, body.model)
-    _check_supported(body)
-    rc = request_constraint(body)
-    if rc.output_type is not None:
-        try:
-            # compile errors surface as a 400 before decoding; a worker thread, because a cache
-            # miss can take a while and must not stall the event loop for other requests
-            await asyncio.to_thread(state.llm.compile, rc.output_type)
-        except Exception as exc:
-            raise to_api_error(exc, param=rc.param) from exc
-    if isinstance(body, ChatCompletionRequest):
-        prompts = [_chat_messages(body)]
-        chat = True
-    else:
-        prompts, chat = body.prompts(), False
-    jobs = []
-    for prompt in prompts:
-        template_tools = None
-        if rc.tools:
-            prompt, template_tools = tool_format.render_messages(state.llm.tokenizer, prompt, rc.tools)
-        try:
-            n_prompt = state.llm.count_prompt_tokens(prompt, chat=chat, tools=template_tools)
-        except (TemplateError, StructgenError) as e:  # e.g. a template that wants alternating roles
-            raise APIError(400, f"the model's chat template cannot render these messages: {e}", param="messages") from e
-        if n_prompt == 0:
-            raise APIError(400, "the prompt is empty; send at least one token of text", param="prompt")
-        sampling = _sampling(state, body, n_prompt)
-        for j in range(body.n):
-            s = dict(sampling)
-            if s["seed"] is not None and body.n > 1:
-                s["seed"] += j  # distinct but reproducible samples per choice
-            jobs.append(serving.Job(rc.output_type or str, prompt, chat, template_tools, s, n_prompt, body.stop_strings()))
-    return jobs, rc
-
-
-def _chat_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
-    """The request's messages as plain dicts for the chat template."""
-    out = []
-    for i, m in enumerate(body.messages):
-        try:
-            content = m.text()
-        except ValueError as e:
-            raise APIError(400, str(e), param=f"messages.{i}.content") from e
-        role = {"developer": "system", "function": "tool"}.get(m.role, m.role)
-        msg: dict[str, Any] = {"role": role, "content": content}
-        if m.tool_calls:
-            msg["tool_calls"] = [tc.model_dump() for tc in m.tool_calls]
-        if m.tool_call_id:
-            msg["tool_call_id"] = m.tool_call_id
-        if m.name:
-            msg["name"] = m.name
-        out.append(msg)
-    return out
-
-
-def _sampling(state: ServerState, body: SamplingFields, prompt_tokens: int) -> dict[str, Any]:
-    """`SamplingParams` fields for one request; OpenAI defaults (temperature 1)."""
-    room = state.max_seq_len - prompt_tokens
-    limit = body.token_limit()
-    if room < 1 or (limit is not None and limit > room):
-        asked = f"{prompt_tokens} prompt tokens" + (f" + max_tokens={limit}" if limit else "")
-        raise PromptTooLongError(
-            f"this model's maximum context length is {state.max_seq_len} tokens, but the request "
-            f"needs {asked}; shorten the messages or lower max_tokens"
-        )
-    top_k = body.top_k if body.top_k and body.top_k > 0 else 0
-    return {
-        "max_tokens": limit or min(state.default_max_tokens, room),
-        "temperature": 1.0 if body.temperature is None else body.temperature,
-        "top_p": 1.0 if body.top_p is None else body.top_p,
-        "top_k": top_k,
-        "seed": body.seed,
-        "jump_forward": body.jump_forward,
-    }
 
 
 async def _run_all(llm: Any, jobs: list[serving.Job]) -> list[serving.Generation]:
@@ -301,7 +187,6 @@ async def _start_stream(
         except Exception as exc:  # after the headers: report in-band, as OpenAI does
             err = to_api_error(exc)
             status, error_type = err.status, err.code or err.type
-            log.exception("stream failed")
             yield responses.error_event({"message": err.message, "type": err.type, "param": err.param, "code": err.code})
             yield responses.sse("[DONE]")
         except BaseException:  # cancelled: the client went away
@@ -337,16 +222,29 @@ def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         state.metrics.rejected(_endpoint(request), exc.status_code, code or "http_error")
-        return APIError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}", code=code).response()
+        where = f"{request.method} {request.url.path[:200]}"
+        return APIError(exc.status_code, f"{exc.detail}: {where}", code=code).response()
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return to_api_error(exc).response()
+        err = to_api_error(exc)  # logs it with the request id the body names
+        state.metrics.rejected(_endpoint(request), err.status, err.code or err.type)
+        return err.response()
 
 
 def _endpoint(request: Request) -> str:
-    return {"/v1/chat/completions": "chat", "/v1/completions": "completions"}.get(request.url.path, request.url.path)
+    return endpoint_label(request.url.path)
+
+
+_TYPE_ERRORS = {"bool_type", "int_type", "float_type", "string_type", "int_from_float", "literal_error"}
+
+
+def _json_preview(value: Any) -> str:
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _validation_error(exc: RequestValidationError) -> APIError:
@@ -361,6 +259,8 @@ def _validation_error(exc: RequestValidationError) -> APIError:
         return APIError(400, "request body is missing; send a JSON object", code="invalid_request")
     param = ".".join(loc) or None
     message = f"{param}: {first['msg']}" if param else first["msg"]
+    if param and first.get("type") in _TYPE_ERRORS:  # say what was sent: "yes" is no boolean
+        message += f", got {_json_preview(first.get('input'))}"
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more problems)"
     return APIError(400, message, param=param, code="invalid_request")
@@ -379,9 +279,13 @@ def run_server(
     config: Any = None,
     default_max_tokens: int = 1024,
     api_key: str | None = None,
+    allowed_hosts: list[str] | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_generations: int = DEFAULT_MAX_GENERATIONS,
     log_level: str = "info",
 ) -> None:
-    """Load the model, then serve it with uvicorn until interrupted."""
+    """Load the model, then serve it with uvicorn until interrupted. `allowed_hosts` None:
+    the loopback names when bound to loopback, any Host otherwise; ["*"]: any."""
     import uvicorn
 
     from structgen import LLM
@@ -389,5 +293,26 @@ def run_server(
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     llm = LLM(model, backend=backend, config=config)
     log.info("loaded %s in %.1fs", llm.model_name, getattr(llm, "load_time_s", 0.0))
-    app = create_app(llm, served_model_name=served_model_name, default_max_tokens=default_max_tokens, api_key=api_key)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    if allowed_hosts is None:
+        hosts = default_allowed_hosts(host, port)
+    else:
+        hosts = None if "*" in allowed_hosts else frozenset(h.strip().lower() for h in allowed_hosts)
+    app = create_app(
+        llm,
+        served_model_name=served_model_name,
+        default_max_tokens=default_max_tokens,
+        api_key=api_key,
+        allowed_hosts=hosts,
+        max_body_bytes=max_body_bytes,
+        max_generations=max_generations,
+    )
+    uvicorn.run(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        http=HeadDeadlineProtocol,  # drops connections that never finish a request head
+        timeout_keep_alive=5,
+        h11_max_incomplete_event_size=64 * 1024,  # request line + headers
+        timeout_graceful_shutdown=5,
+    )

@@ -5,6 +5,11 @@ other servers use (vLLM's `guided_json`/`guided_regex`/`guided_choice`/`guided_g
 `structured_outputs`, SGLang's top-level `regex`/`ebnf`/`json_schema`, and `response_format`
 types `regex`/`grammar`/`choice`). At most one may be given; tools (when `tool_choice` is not
 "none") replace it with the tool-call constraint from `structgen.tool_format`.
+
+`response_format.json_schema.strict` has OpenAI's meaning: `true` closes every object that does
+not say otherwise (`additionalProperties: false`), `false` lets the schema use keywords no
+grammar backend enforces (generated best effort, validated afterwards); left out, the schema is
+enforced exactly as written.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from typing import Any
 
 from structgen import tool_format
 from structgen.errors import StructgenError
-from structgen.types import CFG, Choice, JsonSchema, Regex
+from structgen.types import CFG, Choice, JsonSchema, Regex, _close_objects
 from structgen_server.errors import APIError, to_api_error
 from structgen_server.protocol import ChatCompletionRequest, ResponseFormat, SamplingFields
 
@@ -23,12 +28,14 @@ from structgen_server.protocol import ChatCompletionRequest, ResponseFormat, Sam
 @dataclass
 class RequestConstraint:
     """What a request asked for: the output type (None: free text), the request field it came
-    from (for error messages), and the tool setup when the turn may call tools."""
+    from (for error messages), the tool setup when the turn may call tools, and whether
+    keywords no backend enforces are refused (`strict`, as `to_constraint` takes it)."""
 
     output_type: Any = None
     param: str | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: tool_format.ToolChoice | None = None
+    strict: bool = True
 
 
 def _json_schema(value: dict[str, Any] | str | bool, param: str) -> JsonSchema:
@@ -58,7 +65,8 @@ def _from_response_format(rf: ResponseFormat) -> Any:
     if rf.type == "json_schema":
         if rf.json_schema is None or rf.json_schema.schema_ is None:
             raise APIError(400, "response_format type 'json_schema' needs json_schema.schema", param=f"{p}.json_schema")
-        return _json_schema(rf.json_schema.schema_, f"{p}.json_schema.schema")
+        schema = _json_schema(rf.json_schema.schema_, f"{p}.json_schema.schema")
+        return JsonSchema(_close_objects(schema.schema)) if rf.json_schema.strict else schema
     if rf.type == "regex":
         pattern = rf.regex if rf.regex is not None else rf.pattern
         if not pattern:
@@ -121,10 +129,12 @@ def request_constraint(req: SamplingFields) -> RequestConstraint:
         names = ", ".join(name for name, _ in found)
         raise APIError(400, f"conflicting output constraints ({names}); send only one", param=found[1][0])
     output_type, param = (found[0][1], found[0][0]) if found else (None, None)
+    rf = req.response_format
+    strict = not (param == "response_format" and rf and rf.json_schema and rf.json_schema.strict is False)
     if not isinstance(req, ChatCompletionRequest) or not req.tools:
         if isinstance(req, ChatCompletionRequest) and req.tool_choice not in (None, "none"):
             raise APIError(400, "tool_choice is set but `tools` is empty", param="tool_choice")
-        return RequestConstraint(output_type, param)
+        return RequestConstraint(output_type, param, strict=strict)
     tools = [t.model_dump(exclude_none=True) for t in req.tools]
     tool_choice = req.tool_choice.model_dump() if hasattr(req.tool_choice, "model_dump") else req.tool_choice
     try:
@@ -136,7 +146,7 @@ def request_constraint(req: SamplingFields) -> RequestConstraint:
     except StructgenError as e:
         raise to_api_error(e, param="tools") from e
     if tool_type is None:
-        return RequestConstraint(output_type, param, tools, choice)
+        return RequestConstraint(output_type, param, tools, choice, strict)
     if output_type is not None and choice.mode in ("required", "named"):
         output_type = None  # the call payload is the output; response_format applies to text
     if output_type is not None:

@@ -1,16 +1,23 @@
 """Errors in OpenAI's JSON shape, `{"error": {"message", "type", "param", "code"}}`, and the
 mapping from structgen's exceptions to HTTP statuses.
 
-A user mistake (bad schema, bad regex, prompt too long, unknown model) is a 4xx naming the
-problem; only our own bugs are 5xx. Either way the error belongs to one request: the server
-and the other requests in its batch carry on.
+Every `StructgenError` is a 4xx naming the problem (bad schema, bad regex, prompt too long,
+unknown model...), but `EngineError` (a forward pass or grammar step failed inside the engine),
+which like any exception not ours is a 500 whose body carries only a request id, the exception
+itself going to the server log under that id. Either way the error belongs to one
+request: the server and the other requests in its batch carry on.
 """
 
 from __future__ import annotations
 
+import logging
+import uuid
+
 from fastapi.responses import JSONResponse
 
 from structgen.errors import (
+    ConstraintTooLargeError,
+    EngineError,
     InvalidConstraintError,
     InvalidParameterError,
     ModelNotFoundError,
@@ -18,10 +25,13 @@ from structgen.errors import (
     PromptTooLongError,
     RequestCancelledError,
     StructgenError,
+    UnsatisfiableConstraintError,
     UnsupportedSchemaError,
     UnsupportedTypeError,
 )
 from structgen_server.protocol import ErrorInfo, ErrorResponse
+
+log = logging.getLogger("structgen.server")
 
 
 class APIError(Exception):
@@ -48,36 +58,51 @@ class APIError(Exception):
         return JSONResponse(body.model_dump(), status_code=self.status)
 
 
-# structgen exception -> (status, code); the first matching class wins
+# structgen exception -> (status, code); the first matching class wins, StructgenError last
 _MAPPING: list[tuple[type[StructgenError], int, str]] = [
     (UnsupportedSchemaError, 400, "unsupported_schema"),
+    (UnsatisfiableConstraintError, 400, "unsatisfiable_constraint"),
+    (ConstraintTooLargeError, 400, "constraint_too_large"),
     (InvalidConstraintError, 400, "invalid_constraint"),
     (UnsupportedTypeError, 400, "unsupported_type"),
     (InvalidParameterError, 400, "invalid_parameter"),
     (PromptTooLongError, 400, "context_length_exceeded"),
     (ModelNotFoundError, 404, "model_not_found"),
     (RequestCancelledError, 499, "request_cancelled"),
-    (OutputValidationError, 500, "output_validation_failed"),
+    # the request's own constraint let through text it does not accept (a keyword enforced
+    # only in part): the request can be fixed, the server is fine
+    (OutputValidationError, 422, "output_validation_failed"),
+    (StructgenError, 400, "invalid_request"),
 ]
 
 
 def to_api_error(exc: BaseException, param: str | None = None) -> APIError:
     """The API error for any exception raised while serving a request. `param` names the
-    request field the exception is about (e.g. "response_format"), where the caller knows."""
+    request field the exception is about (e.g. "response_format"), where the caller knows.
+    An exception that is not ours is logged here, with the request id its 500 names."""
     if isinstance(exc, APIError):
         return exc
     for cls, status, code in _MAPPING:
-        if isinstance(exc, cls):
+        if isinstance(exc, cls) and not isinstance(exc, EngineError):
             if isinstance(exc, UnsupportedSchemaError) and exc.path:
                 message = f"{exc} (at {exc.path})" if exc.path not in str(exc) else str(exc)
             else:
                 message = str(exc)
-            error_type = "invalid_request_error" if status < 500 else "server_error"
             if status == 404:
                 param = "model"
             elif isinstance(exc, PromptTooLongError):
                 param = "messages"
-            return APIError(status, message, type=error_type, param=param, code=code)
-    if isinstance(exc, StructgenError):
-        return APIError(500, str(exc), type="server_error", code="engine_error")
-    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error", code="internal_error")
+            return APIError(status, message, param=param, code=code)
+    request_id = new_request_id()
+    log.error("request %s failed", request_id, exc_info=exc)
+    return APIError(
+        500,
+        f"internal server error (request id {request_id}); the server log has the details "
+        "under that id",
+        type="server_error",
+        code="internal_error",
+    )
+
+
+def new_request_id() -> str:
+    return f"req_{uuid.uuid4().hex[:16]}"

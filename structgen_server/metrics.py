@@ -5,6 +5,9 @@ Exposed at `/metrics`: requests by endpoint and status, errors by type, prompt/c
 tokens, end-to-end latency and time to first token (histograms), requests in flight, and the
 engine's decoding counters (forward passes, jump-forward forced tokens, drafted and accepted
 speculative tokens) summed over finished requests, and the engine's running/waiting requests.
+
+Label values come from a fixed set (`endpoint_label` maps every unknown path to "unknown") and
+are escaped, so no request can add series or break the exposition format.
 """
 
 from __future__ import annotations
@@ -12,6 +15,29 @@ from __future__ import annotations
 import threading
 from collections import defaultdict
 from typing import Any
+
+# request path -> the `endpoint` label; every other path is "unknown"
+ENDPOINTS = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+    "/v1/models": "models",
+    "/health": "health",
+    "/metrics": "metrics",
+    "/docs": "docs",
+    "/openapi.json": "openapi",
+}
+
+
+def endpoint_label(path: str) -> str:
+    if path.startswith("/v1/models/"):
+        return "models"
+    return ENDPOINTS.get(path, "unknown")
+
+
+def escape_label(value: str) -> str:
+    """A label value as the text exposition format requires: backslash, quote, newline escaped."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
@@ -100,17 +126,17 @@ class Metrics:
     def render(self, engine: dict[str, int] | None = None) -> str:
         """The Prometheus text exposition of every metric; `engine` adds gauges of the
         engine's current load (running / waiting requests)."""
-        m = f'model="{self.model}"'
+        m = f'model="{escape_label(self.model)}"'
         lines: list[str] = []
         with self._lock:
             lines += ["# HELP structgen_requests_total HTTP requests by endpoint and status.",
                       "# TYPE structgen_requests_total counter"]
             for (endpoint, status), n in sorted(self.requests.items()):
-                lines.append(f'structgen_requests_total{{{m},endpoint="{endpoint}",status="{status}"}} {n}')
+                lines.append(f'structgen_requests_total{{{m},endpoint="{escape_label(endpoint)}",status="{status}"}} {n}')
             lines += ["# HELP structgen_errors_total Failed requests by error type.",
                       "# TYPE structgen_errors_total counter"]
             for etype, n in sorted(self.errors.items()):
-                lines.append(f'structgen_errors_total{{{m},type="{etype}"}} {n}')
+                lines.append(f'structgen_errors_total{{{m},type="{escape_label(etype)}"}} {n}')
             for key, help_text in STATS_COUNTERS.items():
                 name = f"structgen_{key}_total"
                 lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter",
@@ -125,7 +151,7 @@ class Metrics:
             lines += ["# HELP structgen_request_latency_seconds End-to-end request latency.",
                       "# TYPE structgen_request_latency_seconds histogram"]
             for endpoint, hist in sorted(self.latency.items()):
-                lines += hist.lines("structgen_request_latency_seconds", f'{m},endpoint="{endpoint}"')
+                lines += hist.lines("structgen_request_latency_seconds", f'{m},endpoint="{escape_label(endpoint)}"')
             lines += ["# HELP structgen_time_to_first_token_seconds Arrival to first output token.",
                       "# TYPE structgen_time_to_first_token_seconds histogram"]
             lines += self.ttft.lines("structgen_time_to_first_token_seconds", m)

@@ -3,6 +3,8 @@ and wait until it is healthy. Tests and benchmarks use it to exercise the real s
 
 from __future__ import annotations
 
+import os
+import resource
 import socket
 import subprocess
 import sys
@@ -23,13 +25,24 @@ class ServerProcess:
     """`with ServerProcess(["--device", "cpu"]) as server: server.url` (".../v1").
 
     The server's output goes to `log_path`; a server that exits or stays unhealthy for
-    `startup_timeout` seconds raises with that path in the message."""
+    `startup_timeout` seconds raises with that path in the message. `env` adds environment
+    variables; `address_space_bytes` caps the process's virtual memory (RLIMIT_AS), so a
+    request that would take the host's memory fails inside the server instead."""
 
-    def __init__(self, args: list[str] | None = None, host: str = "127.0.0.1", startup_timeout: float = 300.0):
+    def __init__(
+        self,
+        args: list[str] | None = None,
+        host: str = "127.0.0.1",
+        startup_timeout: float = 300.0,
+        env: dict[str, str] | None = None,
+        address_space_bytes: int | None = None,
+    ):
         self.host = host
         self.port = free_port(host)
         self.args = list(args or [])
         self.startup_timeout = startup_timeout
+        self.env = {**os.environ, **(env or {})}
+        self.address_space_bytes = address_space_bytes
         self.log_path = Path(tempfile.gettempdir()) / f"structgen-server-{self.port}.log"
         self.proc: subprocess.Popen | None = None
 
@@ -44,7 +57,9 @@ class ServerProcess:
     def start(self) -> ServerProcess:
         cmd = [sys.executable, "-m", "structgen_server", "--host", self.host, "--port", str(self.port), *self.args]
         with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, preexec_fn=self._limit_memory
+            )
         deadline = time.monotonic() + self.startup_timeout
         while True:
             if self.proc.poll() is not None:
@@ -58,6 +73,12 @@ class ServerProcess:
                 self.stop()
                 raise RuntimeError(f"server not healthy after {self.startup_timeout:.0f} s; see {self.log_path}")
             time.sleep(0.25)
+
+    def _limit_memory(self) -> None:
+        """Runs in the child before exec."""
+        if self.address_space_bytes is not None:
+            limit = self.address_space_bytes
+            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:

@@ -2,8 +2,11 @@
 `/v1/completions` and `/v1/models`, as pydantic models.
 
 Requests validate here (types and ranges) so that a malformed body becomes a 400 naming the
-field before anything reaches the engine. Unknown fields are ignored, as vLLM does, because
-clients pass engine-specific extras through `extra_body`. The structured-output extensions
+field before anything reaches the engine. Integers and booleans are strict, as OpenAI's are
+(`"stream": "yes"` and `"max_tokens": true` are 400s, not coerced). Unknown fields are accepted,
+as vLLM does, because clients pass engine-specific extras through `extra_body`, except one that
+looks like a misspelled constraint field (`misspelled_constraint_field`), which would
+otherwise silently give free text. The structured-output extensions
 other servers accept (vLLM's `guided_*` and `structured_outputs`, SGLang's `regex`/`ebnf`,
 `response_format` types `regex`/`grammar`/`choice`) are declared here too; `constraints.py`
 turns them into one structgen output type.
@@ -11,11 +14,14 @@ turns them into one structgen output type.
 
 from __future__ import annotations
 
+import difflib
 import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+
+SEED_RANGE = (-(2**63), 2**63 - 1)  # a 64-bit signed integer, as OpenAI's `seed`
 
 # --------------------------------------------------------------------------- requests
 
@@ -32,7 +38,7 @@ class JsonSchemaFormat(_Lenient):
     name: str = "response"
     description: str | None = None
     schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
@@ -58,7 +64,7 @@ class StructuredOutputs(_Lenient):
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
-    json_object: bool | None = None
+    json_object: StrictBool | None = None
 
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
@@ -67,7 +73,7 @@ class FunctionDefinition(_Lenient):
     name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class ToolDefinition(_Lenient):
@@ -122,21 +128,31 @@ class ChatMessage(_Lenient):
 
 
 class StreamOptions(_Lenient):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
-class SamplingFields(_Lenient):
-    """Fields shared by chat and text completions: sampling, limits and the extensions."""
+# the fields that choose the output's constraint: a near miss of one of these is refused
+CONSTRAINT_FIELDS = (
+    "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+    "structured_outputs", "regex", "ebnf", "grammar", "choice", "json_schema", "tools", "tool_choice",
+)  # fmt: skip
+
+
+class SamplingFields(BaseModel):
+    """Fields shared by chat and text completions: sampling, limits and the extensions.
+    Unknown fields are kept in `model_extra` so that near misses can be named."""
+
+    model_config = ConfigDict(extra="allow")
 
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)  # extension; 0 or -1 = off (vLLM uses -1)
-    n: int = Field(default=1, ge=1, le=16)
-    seed: int | None = None
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0, strict=True)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0, strict=True)
+    top_k: StrictInt | None = Field(default=None, ge=-1)  # extension; 0 or -1 = off (vLLM uses -1)
+    n: StrictInt = Field(default=1, ge=1, le=16)
+    seed: StrictInt | None = Field(default=None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
@@ -154,7 +170,7 @@ class SamplingFields(_Lenient):
     grammar: str | None = None
     choice: list[str] | None = None
     json_schema: dict[str, Any] | str | None = None  # SGLang: top-level schema text
-    jump_forward: bool | None = None  # structgen: per-request override of the engine default
+    jump_forward: StrictBool | None = None  # structgen: per-request override of the engine default
 
     @field_validator("stop")
     @classmethod
@@ -170,15 +186,25 @@ class SamplingFields(_Lenient):
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
+    def misspelled_constraint_field(self) -> tuple[str, str] | None:
+        """(unknown field, the constraint field it most likely meant), e.g. ("response_fromat",
+        "response_format"); None when no unknown field is that close to one."""
+        known = [f for f in CONSTRAINT_FIELDS if f in type(self).model_fields]
+        for name in self.model_extra or {}:
+            close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
+            if close:
+                return name, close[0]
+        return None
+
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
+    parallel_tool_calls: StrictBool = True
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = None
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -186,10 +212,10 @@ class ChatCompletionRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] = Field(min_length=1)
-    echo: bool = False
+    echo: StrictBool = False
     suffix: str | None = None
-    best_of: int | None = None
-    logprobs: int | None = None
+    best_of: StrictInt | None = None
+    logprobs: StrictInt | None = None
 
     def token_limit(self) -> int | None:
         return self.max_tokens

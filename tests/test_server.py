@@ -341,6 +341,15 @@ BAD_REQUESTS: list[tuple[str, str, object, int]] = [
     ("negative max_tokens", "chat/completions", {"max_tokens": -1}, 400),
     ("zero max_tokens", "chat/completions", {"max_tokens": 0}, 400),
     ("max_tokens not a number", "chat/completions", {"max_tokens": "ten"}, 400),
+    ("max_tokens a boolean", "chat/completions", {"max_tokens": True}, 400),
+    ("max_tokens a numeric string", "chat/completions", {"max_tokens": "10"}, 400),
+    ("stream a string", "chat/completions", {"stream": "yes"}, 400),
+    ("temperature a string", "chat/completions", {"temperature": "0.5"}, 400),
+    ("seed beyond 64 bits", "chat/completions", {"seed": 2**64}, 400),
+    ("misspelled response_format", "chat/completions", {"response_fromat": {"type": "json_object"}}, 400),
+    ("misspelled guided_json", "chat/completions", {"guided_jsn": {"type": "object"}}, 400),
+    ("json_schema strict not a boolean", "chat/completions",
+     {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "strict": "yes"}}}, 400),
     ("max_tokens beyond context", "chat/completions", {"max_tokens": 100000}, 400),
     ("negative temperature", "chat/completions", {"temperature": -0.5}, 400),
     ("temperature too high", "chat/completions", {"temperature": 5}, 400),
@@ -426,6 +435,34 @@ def test_error_messages_name_the_problem(server_url: str) -> None:
     assert e["param"] == "max_tokens"
     e = error({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}})
     assert "nope" in e["message"] and e["param"] == "tool_choice"
+    e = error({"response_fromat": {"type": "json_object"}})
+    assert e["param"] == "response_fromat" and "did you mean 'response_format'" in e["message"]
+    e = error({"stream": "yes"})
+    assert e["param"] == "stream" and "boolean" in e["message"] and '"yes"' in e["message"]
+
+
+def test_json_schema_strict_follows_openai(server_url: str) -> None:
+    """strict=false relaxes keywords no backend enforces (uniqueItems: generated best effort,
+    so the output may fail it: a 422); left out they are refused; strict=true closes objects
+    that do not say otherwise."""
+    from structgen_server.constraints import request_constraint
+    from structgen_server.protocol import ChatCompletionRequest
+
+    schema = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "uniqueItems": True, "maxItems": 3}
+
+    def body(strict: bool | None) -> dict:
+        json_schema = {"name": "x", "schema": schema} | ({} if strict is None else {"strict": strict})
+        return _full_body("chat/completions", {"response_format": {"type": "json_schema", "json_schema": json_schema}, "max_tokens": 16})
+
+    r = httpx.post(f"{server_url}/chat/completions", json=body(None), timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_schema"
+    r = httpx.post(f"{server_url}/chat/completions", json=body(False), timeout=60)
+    assert r.status_code == 200 or (r.status_code == 422 and r.json()["error"]["code"] == "output_validation_failed"), r.text
+    closed = request_constraint(ChatCompletionRequest.model_validate(_full_body("chat/completions", {
+        "response_format": {"type": "json_schema", "json_schema": {"name": "w", "strict": True, "schema": Weather.model_json_schema()}},
+    })))
+    assert closed.output_type.schema["additionalProperties"] is False
+    assert closed.strict
 
 
 def test_metrics_count_requests_and_tokens(server_url: str, client: openai.OpenAI) -> None:

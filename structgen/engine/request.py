@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any
@@ -18,6 +19,11 @@ if TYPE_CHECKING:
     from structgen.grammar import GrammarMatcher
 
 _ids = itertools.count()
+
+# The admission group of requests created in this context when none is passed (the server sets
+# one per HTTP request; the scheduler shares free slots fairly between groups). None: the one
+# group all in-process callers share.
+request_group: ContextVar[Hashable | None] = ContextVar("structgen_request_group", default=None)
 
 
 class RequestStatus(Enum):
@@ -61,8 +67,10 @@ class Request:
         matcher: GrammarMatcher | None = None,
         stop_token_ids: frozenset[int] = frozenset(),
         on_update: Callable[[Request], None] | None = None,
+        group: Hashable | None = None,
     ):
         self.id = next(_ids)
+        self.group = group if group is not None else request_group.get()
         self.token_ids: list[int] = list(prompt_ids)
         self.num_prompt = len(prompt_ids)
         self.params = params

@@ -3,11 +3,16 @@
 Each step every running request gets its pending tokens scheduled: decode requests one token
 (or their forced jump-forward tokens), prefilling requests a chunk of their prompt from what
 is left of the step's token budget, so a long prompt never stalls everyone else's decoding.
+
+Admission is fair across request groups (`Request.group`, e.g. one per HTTP request): a free
+slot goes to the oldest waiting request of the group with the fewest requests running, so one
+caller's fan-out of thousands of generations cannot starve another's single request. Requests
+that share a group (all in-process callers by default) are admitted first come, first served.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 
 from structgen.engine.kv_cache import KVCache
 from structgen.engine.request import Request, RequestStatus
@@ -34,7 +39,7 @@ class Scheduler:
             slot = self.kv.allocate()
             if slot is None:
                 break
-            req = self.waiting.popleft()
+            req = self._next_waiting()
             req.slot, req.status = slot, RequestStatus.RUNNING
             self.running.append(req)
         budget = self.chunk_tokens if max_tokens is None else min(self.chunk_tokens, max_tokens)
@@ -53,6 +58,18 @@ class Scheduler:
             batch.append((req, n))
             budget -= n
         return batch
+
+    def _next_waiting(self) -> Request:
+        """Remove and return the oldest waiting request of the group with the fewest running."""
+        running = Counter(r.group for r in self.running)
+        chosen = self.waiting[0]
+        for req in self.waiting:
+            if running[chosen.group] == 0:
+                break  # no group can have fewer than none running
+            if running[req.group] < running[chosen.group]:
+                chosen = req
+        self.waiting.remove(chosen)
+        return chosen
 
     def peek(self) -> list[tuple[Request, int]] | None:
         """What `schedule` will return, where that is certain now: nobody is waiting to be

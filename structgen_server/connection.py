@@ -1,0 +1,45 @@
+"""uvicorn's HTTP/1.1 protocol with a deadline for each request head: a connection that opens
+and sends nothing, or sends its headers a few bytes at a time, is closed after
+`HEAD_TIMEOUT_S` instead of being held for ever (uvicorn's keep-alive timeout starts only after
+a response, and any byte received cancels it)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+HEAD_TIMEOUT_S = 10.0
+
+
+class HeadDeadlineProtocol(H11Protocol):
+    """`uvicorn.run(..., http=HeadDeadlineProtocol)`."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.head_deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_head_deadline()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm_head_deadline()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.head_deadline is not None:
+            self.head_deadline.cancel()
+        super().connection_lost(exc)
+
+    def _arm_head_deadline(self) -> None:
+        if self.head_deadline is not None:
+            self.head_deadline.cancel()
+        self.head_deadline = self.loop.call_later(HEAD_TIMEOUT_S, self._close_if_no_request)
+
+    def _close_if_no_request(self) -> None:
+        """A new request cycle starts once its head is complete; without one, drop the peer."""
+        waiting_for_head = self.cycle is None or self.cycle.response_complete
+        if waiting_for_head and not self.transport.is_closing():
+            self.transport.close()

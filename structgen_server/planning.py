@@ -1,0 +1,218 @@
+"""A request -> the jobs to run (one per choice), checked and bounded before any decoding:
+the model name, parameters the server cannot honour, misspelled constraint fields, the number
+of generations, the prompt's length in characters (before tokenizing), its constraint built and
+compiled and its prompt rendered and tokenized in worker threads (so the event loop stays free
+for other requests), then its length in tokens against the context.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from jinja2 import TemplateError
+
+from structgen import tool_format
+from structgen.types import to_constraint
+from structgen_server import serving
+from structgen_server.constraints import RequestConstraint, request_constraint
+from structgen_server.errors import APIError, to_api_error
+from structgen_server.metrics import Metrics
+from structgen_server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+
+# a token is rarely longer than this many characters, so a prompt of more characters than the
+# context's tokens times this can never fit: refused before any tokenizing
+MAX_CHARS_PER_TOKEN = 32
+DEFAULT_MAX_GENERATIONS = 128
+
+
+@dataclass
+class ServerState:
+    """What every handler needs: the LLM, the names it answers to, limits and metrics."""
+
+    llm: Any
+    model_name: str
+    aliases: frozenset[str]
+    default_max_tokens: int
+    max_generations: int
+    metrics: Metrics
+
+    @property
+    def max_seq_len(self) -> int:
+        return int(self.llm.engine.max_seq_len)
+
+
+def check_model(state: ServerState, model: str) -> None:
+    if model not in state.aliases:
+        raise APIError(
+            404,
+            f"model {model!r} does not exist; this server serves {state.model_name!r}",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def _check_supported(body: SamplingFields) -> None:
+    """Refuse OpenAI parameters we cannot honour rather than silently ignoring them."""
+    unsupported = {
+        "presence_penalty": body.presence_penalty not in (None, 0, 0.0),
+        "frequency_penalty": body.frequency_penalty not in (None, 0, 0.0),
+        "logit_bias": bool(body.logit_bias),
+        "logprobs": bool(getattr(body, "logprobs", None)),
+        "echo": bool(getattr(body, "echo", False)),
+        "suffix": getattr(body, "suffix", None) is not None,
+        "best_of": getattr(body, "best_of", None) not in (None, 1),
+    }
+    for param, bad in unsupported.items():
+        if bad:
+            raise APIError(400, f"{param} is not supported by this server", param=param, code="unsupported_parameter")
+    n_prompts = len(body.prompts()) if isinstance(body, CompletionRequest) else 1
+    if body.stream and (body.n > 1 or n_prompts > 1):
+        raise APIError(400, "stream=true supports one prompt and n=1", param="n" if body.n > 1 else "prompt")
+
+
+def _check_size(state: ServerState, body: SamplingFields) -> None:
+    """Refusals that need no tokenizing: a misspelled constraint field (which would silently
+    give free text) and more generations than one request may ask for."""
+    misspelled = body.misspelled_constraint_field()
+    if misspelled:
+        name, meant = misspelled
+        raise APIError(
+            400,
+            f"unknown field {name!r}: did you mean {meant!r}? (as sent it would be ignored and "
+            "the output left unconstrained)",
+            param=name,
+            code="unknown_field",
+        )
+    n_prompts = len(body.prompts()) if isinstance(body, CompletionRequest) else 1
+    generations = n_prompts * body.n
+    if generations > state.max_generations:
+        raise APIError(
+            400,
+            f"this request asks for {generations} generations ({n_prompts} prompts x n={body.n}); "
+            f"this server runs at most {state.max_generations} per request "
+            "(--max-generations-per-request); split it into several requests",
+            param="prompt" if n_prompts > 1 else "n",
+            code="too_many_generations",
+        )
+
+
+def _check_prompt_chars(state: ServerState, prompt: str | list[dict[str, Any]], tools: Any, param: str) -> None:
+    """Refuse, before tokenizing it, a prompt with more characters than the context could
+    hold even at `MAX_CHARS_PER_TOKEN` characters a token."""
+    if isinstance(prompt, str):
+        chars = len(prompt)
+    else:
+        chars = sum(len(str(m.get("content") or "")) for m in prompt) + (len(json.dumps(tools)) if tools else 0)
+    limit = state.max_seq_len * MAX_CHARS_PER_TOKEN
+    if chars > limit:
+        raise APIError(
+            400,
+            f"the prompt is {chars} characters, more than this model's maximum context length of "
+            f"{state.max_seq_len} tokens can ever hold (at most {limit} characters); shorten the {param}",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+
+async def plan(state: ServerState, body: SamplingFields) -> tuple[list[serving.Job], RequestConstraint]:
+    """The jobs (one per choice) a request asks for, fully validated before any decoding."""
+    check_model(state, body.model)
+    _check_supported(body)
+    _check_size(state, body)
+    if isinstance(body, ChatCompletionRequest):
+        prompts, chat, param = [_chat_messages(body)], True, "messages"
+    else:
+        prompts, chat, param = body.prompts(), False, "prompt"
+    rc = request_constraint(body)
+    for prompt in prompts:
+        _check_prompt_chars(state, prompt, rc.tools, param)
+    output_type: Any = str
+    if rc.output_type is not None:
+        # a worker thread: building and compiling a grammar can take a while and must not
+        # stall the event loop for other requests; errors surface as a 400 before decoding
+        try:
+            output_type = await asyncio.to_thread(_compile, state.llm, rc)
+        except Exception as exc:
+            raise to_api_error(exc, param=rc.param) from exc
+    jobs = []
+    for prompt in prompts:
+        rendered, template_tools, n_prompt = await asyncio.to_thread(_render, state.llm, prompt, chat, rc.tools)
+        if n_prompt == 0:
+            raise APIError(400, "the prompt is empty; send at least one token of text", param=param)
+        sampling = _sampling(state, body, n_prompt, param)
+        for j in range(body.n):
+            # distinct but reproducible samples per choice, still a 64-bit seed
+            seed = None if sampling["seed"] is None else sampling["seed"] ^ j
+            job_sampling = {**sampling, "seed": seed}
+            jobs.append(serving.Job(output_type, rendered, chat, template_tools, job_sampling, n_prompt, body.stop_strings()))
+    return jobs, rc
+
+
+def _compile(llm: Any, rc: RequestConstraint) -> Any:
+    """The request's constraint, built with its strictness and compiled (cached)."""
+    constraint = to_constraint(rc.output_type, strict=rc.strict)
+    llm.compile(constraint)
+    return constraint
+
+
+def _render(
+    llm: Any, prompt: str | list[dict[str, Any]], chat: bool, tools: list[dict[str, Any]] | None
+) -> tuple[str | list[dict[str, Any]], list[dict[str, Any]] | None, int]:
+    """(prompt as the engine gets it, tools for the chat template, its token count); run in a
+    worker thread, as tokenizing a long prompt takes a while."""
+    template_tools = None
+    if tools:
+        prompt, template_tools = tool_format.render_messages(llm.tokenizer, prompt, tools)
+    try:
+        return prompt, template_tools, llm.count_prompt_tokens(prompt, chat=chat, tools=template_tools)
+    except TemplateError as e:  # e.g. a template that wants alternating roles
+        raise APIError(400, f"the model's chat template cannot render these messages: {e}", param="messages") from e
+
+
+def _chat_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The request's messages as plain dicts for the chat template."""
+    out = []
+    for i, m in enumerate(body.messages):
+        try:
+            content = m.text()
+        except ValueError as e:
+            raise APIError(400, str(e), param=f"messages.{i}.content") from e
+        role = {"developer": "system", "function": "tool"}.get(m.role, m.role)
+        msg: dict[str, Any] = {"role": role, "content": content}
+        if m.tool_calls:
+            msg["tool_calls"] = [tc.model_dump() for tc in m.tool_calls]
+        if m.tool_call_id:
+            msg["tool_call_id"] = m.tool_call_id
+        if m.name:
+            msg["name"] = m.name
+        out.append(msg)
+    return out
+
+
+def _sampling(state: ServerState, body: SamplingFields, prompt_tokens: int, param: str) -> dict[str, Any]:
+    """`SamplingParams` fields for one request; OpenAI defaults (temperature 1). `param`: the
+    field the prompt came from, named when it does not fit."""
+    room = state.max_seq_len - prompt_tokens
+    limit = body.token_limit()
+    if room < 1 or (limit is not None and limit > room):
+        asked = f"{prompt_tokens} prompt tokens" + (f" + max_tokens={limit}" if limit else "")
+        raise APIError(
+            400,
+            f"this model's maximum context length is {state.max_seq_len} tokens, but the request "
+            f"needs {asked}; shorten the {param} or lower max_tokens",
+            param=param,
+            code="context_length_exceeded",
+        )
+    top_k = body.top_k if body.top_k and body.top_k > 0 else 0
+    return {
+        "max_tokens": limit or min(state.default_max_tokens, room),
+        "temperature": 1.0 if body.temperature is None else body.temperature,
+        "top_p": 1.0 if body.top_p is None else body.top_p,
+        "top_k": top_k,
+        "seed": body.seed,
+        "jump_forward": body.jump_forward,
+    }
+

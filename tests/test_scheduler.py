@@ -1,0 +1,66 @@
+"""Fair admission: one group's fan-out of many generations shares free KV slots with another
+group's single request instead of queueing it behind all of them. Real default model on CPU,
+real tokenizer, a batch of two so admission order decides who waits."""
+
+from __future__ import annotations
+
+import pytest
+
+from structgen.engine.config import EngineConfig
+from structgen.engine.engine import Engine
+from structgen.engine.models.loader import load_model_config
+from structgen.engine.request import Request, request_group
+from structgen.engine.sampler import SamplingParams
+
+FAN_OUT = 10
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir) -> Engine:
+    cfg = load_model_config(model_dir)
+    ec = EngineConfig(device="cpu", max_batch_size=2, max_seq_len=256, jump_forward=False)
+    return Engine(cfg, ec, model_dir)
+
+
+def finish_steps(engine: Engine, requests: list[Request]) -> dict[int, int]:
+    """Request id -> the engine step it finished in."""
+    for r in requests:
+        engine.add_request(r)
+    steps: dict[int, int] = {}
+    step = 0
+    while engine.has_work():
+        step += 1
+        steps.update({r.id: step for r in engine.step() if r.finished})
+    return steps
+
+
+def test_a_single_request_is_not_starved_by_another_groups_fan_out(engine: Engine, tokenizer) -> None:
+    prompt = tokenizer.encode("Count to ten:", add_special_tokens=False)
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    fan_out = [Request(prompt, params, group="fan-out") for _ in range(FAN_OUT)]
+    single = Request(prompt, params, group="single")
+    steps = finish_steps(engine, [*fan_out, single])
+    assert len(steps) == FAN_OUT + 1
+    # two slots: the single request takes the first slot that frees up, so it finishes with
+    # the second pair of fan-out generations (first come, first served: after all ten)
+    fan_out_ends = sorted(steps[r.id] for r in fan_out)
+    assert steps[single.id] <= fan_out_ends[3] < fan_out_ends[-1]
+
+
+def test_requests_without_a_group_are_first_come_first_served(engine: Engine, tokenizer) -> None:
+    prompt = tokenizer.encode("Count to ten:", add_special_tokens=False)
+    requests = [Request(prompt, SamplingParams(max_tokens=4, temperature=0.0)) for _ in range(5)]
+    assert {r.group for r in requests} == {None}
+    steps = finish_steps(engine, requests)
+    in_order = [steps[r.id] for r in requests]
+    assert in_order == sorted(in_order) and in_order[0] < in_order[-1]
+
+
+def test_the_group_comes_from_the_context_when_not_passed() -> None:
+    token = request_group.set("http-1")
+    try:
+        assert Request([1, 2], SamplingParams()).group == "http-1"
+        assert Request([1, 2], SamplingParams(), group="explicit").group == "explicit"
+    finally:
+        request_group.reset(token)
+    assert Request([1, 2], SamplingParams()).group is None
