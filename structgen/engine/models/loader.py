@@ -170,6 +170,7 @@ def _write_atomically(path: Path, text: str) -> None:
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
+        os.chmod(tmp, 0o666 & ~_current_umask())  # mkstemp's 0600 would hide it from other users
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -209,10 +210,15 @@ def _converted_gguf(gguf_path: Path, cache_dir: Path, progress: bool) -> Path:
     return final
 
 
-def _make_readable(directory: Path) -> None:
-    """mkdtemp creates 0700 and safetensors writes 0600; a shared cache wants the usual modes."""
+def _current_umask() -> int:
     umask = os.umask(0)
     os.umask(umask)
+    return umask
+
+
+def _make_readable(directory: Path) -> None:
+    """mkdtemp creates 0700 and safetensors writes 0600; a shared cache wants the usual modes."""
+    umask = _current_umask()
     directory.chmod(0o777 & ~umask)
     for p in directory.iterdir():
         p.chmod(0o666 & ~umask)
