@@ -2,8 +2,9 @@ PY ?= python3
 
 .PHONY: install demo test test-all lint
 
+# PYTHON tells scripts/install.sh which interpreter to install into: the one the targets run.
 install:
-	bash scripts/install.sh
+	PYTHON="$(PY)" bash scripts/install.sh
 
 demo: install
 	$(PY) examples/quickstart.py

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="session")
@@ -47,3 +50,21 @@ def grammar_compiler(model_dir: Path, tokenizer):
 
     vocab_size = load_model_config(model_dir).vocab_size
     return GrammarCompiler(tokenizer, vocab_size, [tokenizer.eos_token_id])
+
+
+@pytest.fixture(scope="session")
+def maskbench_dir() -> Path:
+    """The shared MaskBench corpus: `$STRUCTGEN_SHARED/data/maskbench`, else
+    `<repo>/../shared/data/maskbench`.
+
+    Skips (with the folder it looked for) when absent, so a checkout without the shared corpus
+    still passes; the few records default tests need are vendored in tests/data/ instead.
+    """
+    shared = os.environ.get("STRUCTGEN_SHARED")
+    path = (Path(shared).expanduser() if shared else REPO_ROOT.parent / "shared") / "data" / "maskbench"
+    if not path.is_dir():
+        pytest.skip(
+            f"MaskBench corpus not found at {path}: set STRUCTGEN_SHARED to the folder that "
+            "holds data/maskbench (default: ../shared beside the repository)"
+        )
+    return path

@@ -7,7 +7,10 @@ nothing sensible, which the negative control demonstrates.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import shutil
 import time
 from pathlib import Path
 
@@ -17,10 +20,12 @@ import torch
 
 from structgen.engine.config import ModelConfig
 from structgen.engine.models import gguf as gguf_conv
+from structgen.engine.models import loader
 from structgen.engine.models.loader import (
     INSTALL_HINT,
     MARKER,
     default_gguf_path,
+    gguf_cache_key,
     load_model_config,
     load_weights,
     resolve_model,
@@ -55,7 +60,9 @@ def test_layout(model_dir: Path) -> None:
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", MARKER):
         assert (model_dir / name).is_file(), name
     marker = json.loads((model_dir / MARKER).read_text())
-    assert marker["source"] == str(default_gguf_path().resolve())
+    source = default_gguf_path()
+    assert marker["source_sha256"] == hashlib.sha256(source.read_bytes()).hexdigest()
+    assert marker["source_size"] == source.stat().st_size
     assert marker["conversion_version"] == gguf_conv.CONVERSION_VERSION
 
 
@@ -149,6 +156,47 @@ def test_second_resolve_is_a_cache_hit(model_dir: Path) -> None:
     assert (model_dir / "model.safetensors").stat().st_mtime_ns == before
 
 
+def same_bytes_elsewhere(source: Path, target: Path) -> Path:
+    """`source`'s bytes at another path: a hard link where the filesystem allows, else a copy."""
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copyfile(source, target)
+    return target
+
+
+def test_identical_gguf_at_another_path_reuses_the_conversion(model_dir: Path, tmp_path: Path,
+                                                               monkeypatch) -> None:
+    """The cache is keyed by content: what another virtualenv's copy of the package (another
+    path, the same bytes) resolves to is the directory already converted, untouched."""
+    def must_not_convert(*args, **kwargs):
+        raise AssertionError("the GGUF was converted again")
+
+    monkeypatch.setattr(loader, "convert_gguf", must_not_convert)
+    before = (model_dir / "model.safetensors").stat().st_mtime_ns
+    other = same_bytes_elsewhere(default_gguf_path(), tmp_path / "another-venv-copy.gguf")
+    assert resolve_model(other, progress=False) == model_dir
+    assert (model_dir / "model.safetensors").stat().st_mtime_ns == before
+
+
+def test_cache_key_follows_the_bytes_not_the_path(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    first = tmp_path / "a.gguf"
+    first.write_bytes(b"GGUF" + bytes(range(256)) * 64)
+    second = tmp_path / "b.gguf"
+    shutil.copyfile(first, second)
+    key = gguf_cache_key(first, cache)
+    assert gguf_cache_key(second, cache) == key
+    stamp = first.stat().st_mtime_ns
+    first.write_bytes(b"GGUF" + bytes(reversed(range(256))) * 64)  # same size, other bytes
+    os.utime(first, ns=(stamp + 10**9, stamp + 10**9))  # coarse clocks could repeat the mtime
+    assert gguf_cache_key(first, cache) != key
+    with first.open("ab") as f:
+        f.write(b"more")
+    assert gguf_cache_key(first, cache) not in (key, gguf_cache_key(second, cache))
+    assert gguf_cache_key(second, cache) == key
+
+
 def test_directory_and_safetensors_paths_resolve_to_themselves(model_dir: Path) -> None:
     assert resolve_model(model_dir) == model_dir
     assert resolve_model(model_dir / "model.safetensors") == model_dir
@@ -176,7 +224,8 @@ def test_failed_conversion_leaves_no_cache_entry(tmp_path: Path, monkeypatch) ->
     monkeypatch.setattr(gguf_conv, "_save_tokenizer", interrupted)
     with pytest.raises(KeyboardInterrupt):
         resolve_model(gguf_file, cache_dir=cache, progress=False)
-    assert [p.name for p in cache.iterdir() if not p.name.endswith(".lock")] == []
+    leftovers = [p.name for p in cache.iterdir() if not p.name.endswith(".lock") and p.name != "digests"]
+    assert leftovers == []  # neither a converted directory nor its temporary one
 
 
 def test_unsupported_gguf_is_a_load_error(tmp_path: Path) -> None:

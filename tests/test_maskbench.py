@@ -10,7 +10,6 @@ must be clean structgen errors. The full run over all 3,300 schemas is
 from __future__ import annotations
 
 import json
-import os
 import threading
 from collections import defaultdict
 from pathlib import Path
@@ -28,15 +27,10 @@ COMPILE_TIMEOUT_S = 20.0
 SYSTEMS = ("xgrammar", "llguidance", "auto")
 
 
-def maskbench_dir() -> Path:
-    shared = os.environ.get("STRUCTGEN_SHARED") or Path(__file__).resolve().parents[2] / "shared"
-    return Path(shared) / "data" / "maskbench"
-
-
-def sample() -> list[tuple[str, int, dict[str, Any]]]:
+def sample(maskbench_dir: Path) -> list[tuple[str, int, dict[str, Any]]]:
     """The first PER_CATEGORY small schemas of each category that have test instances."""
     picked = []
-    for path in sorted(maskbench_dir().glob("*.jsonl")):
+    for path in sorted(maskbench_dir.glob("*.jsonl")):
         n = 0
         for i, line in enumerate(path.read_text().splitlines()):
             entry = json.loads(line)
@@ -68,18 +62,12 @@ def compile_with_timeout(compiler, constraint, backend: str) -> Any:
     return box["grammar"]
 
 
-needs_data = pytest.mark.skipif(
-    not maskbench_dir().is_dir(), reason="MaskBench data not found (STRUCTGEN_SHARED)"
-)
-
-
-@needs_data
-def test_normalized_schemas_keep_every_verdict():
+def test_normalized_schemas_keep_every_verdict(maskbench_dir: Path):
     """The schema a grammar is compiled from (`grammar.normalize`) must judge every test
     instance exactly as the original schema does."""
     import jsonschema
 
-    for category, index, entry in sample():
+    for category, index, entry in sample(maskbench_dir):
         schema = entry["schema"]
         try:
             rewritten = json.loads(to_constraint(JsonSchema(schema), strict=False).source)
@@ -91,11 +79,10 @@ def test_normalized_schemas_keep_every_verdict():
             assert cls(rewritten).is_valid(test["data"]) == verdict, f"{category}[{index}]"
 
 
-@needs_data
-def test_maskbench_sample(grammar_compiler):
+def test_maskbench_sample(maskbench_dir: Path, grammar_compiler):
     stats: dict[tuple[str, str], dict[str, int]] = defaultdict(lambda: defaultdict(int))
     invalid_accepted, leaked = [], []
-    for category, index, entry in sample():
+    for category, index, entry in sample(maskbench_dir):
         for system in SYSTEMS:
             s = stats[(category, system)]
             s["schemas"] += 1
@@ -153,11 +140,10 @@ FIXED = ["WashingtonPost/0", "JsonSchemaStore/60", "Github_medium/132", "Github_
          "Github_medium/172", "JsonSchemaStore/30"]  # fmt: skip
 
 
-@needs_data
 @pytest.mark.parametrize("name", FIXED)
-def test_fixed_maskbench_schemas_pass(grammar_compiler, name):
+def test_fixed_maskbench_schemas_pass(maskbench_dir: Path, grammar_compiler, name):
     category, index = name.split("/")
-    line = (maskbench_dir() / f"{category}.jsonl").read_text().splitlines()[int(index)]
+    line = (maskbench_dir / f"{category}.jsonl").read_text().splitlines()[int(index)]
     entry = json.loads(line)
     constraint = to_constraint(JsonSchema(entry["schema"]))
     grammar = grammar_compiler.compile(constraint)

