@@ -45,7 +45,9 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from structgen.errors import StructgenError
 from structgen.grammar.arrays import contains_as_positions, drop_trivial_unique, unique_arrays
+from structgen.grammar.budget import check_budget
 from structgen.grammar.disjoint import Disjointness, expand_types, one_of_as_any_of
 from structgen.grammar.keywords import (
     ANNOTATIONS,
@@ -171,6 +173,7 @@ class _Normalizer:
     def node(self, schema: Any, depth: int) -> Any:
         if not isinstance(schema, dict) or depth > 200:
             return schema
+        check_budget()
         if self.ref_overrides and "$ref" in schema:
             schema = {k: v for k, v in schema.items() if k == "$ref" or k in ANNOTATIONS}
         as_pattern = string_schema(schema, self._target)
@@ -244,9 +247,20 @@ class _Normalizer:
             node["allOf"] = [*node.get("allOf", []), {"anyOf": branches}]
 
     def _finite(self, schema: dict[str, Any], values: list[Any]) -> Any:
+        # Values taken from this schema's own enum/const pass it: checking them against the
+        # rest keeps this linear in their number (each enum check is a scan of the enum).
+        own = "const" if "const" in schema else "enum" if isinstance(schema.get("enum"), list) else None
+        rest = {k: v for k, v in schema.items() if k != own} if own else schema
         try:
-            check = self.validator.evolve(schema=schema)
-            kept = [v for v in values if check.is_valid(v)]
+            check = self.validator.evolve(schema=rest)
+            kept = []
+            for i, v in enumerate(values):
+                if not i % 1024:
+                    check_budget()
+                if check.is_valid(v):
+                    kept.append(v)
+        except StructgenError:
+            raise
         except Exception:  # something jsonschema cannot evaluate: leave it to the backends
             return schema
         if not kept:
