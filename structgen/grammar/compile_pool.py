@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from structgen.errors import CompilerBusyError
 from structgen.grammar.budget import CompileBudget, within
@@ -20,7 +20,6 @@ from structgen.grammar.budget import CompileBudget, within
 if TYPE_CHECKING:
     from structgen.grammar.backends.base import CompiledGrammar
     from structgen.grammar.compiler import GrammarCompiler
-    from structgen.types import Constraint
 
 
 class _CompileJob:
@@ -59,15 +58,21 @@ class CompilePool:
         self._jobs: dict[tuple, _CompileJob] = {}
         self._lock = threading.Lock()
 
-    def submit(self, constraint: Constraint, backend: str | None) -> Future[CompiledGrammar]:
-        key = (constraint.key, backend or self._compiler.backend)
-        hit = self._compiler._cached(key)
-        if hit is not None:
-            done: Future[CompiledGrammar] = Future()
-            done.set_result(hit)
-            return done
+    def submit(self, output: Any, backend: str | None, strict: bool = True) -> Future[CompiledGrammar]:
+        from structgen.types import Constraint
+
+        name = backend or self._compiler.backend
+        if isinstance(output, Constraint):
+            key: tuple | None = (output.key, name)
+            hit = self._compiler._cached(key)
+            if hit is not None:
+                done: Future[CompiledGrammar] = Future()
+                done.set_result(hit)
+                return done
+        else:  # an output type: `to_constraint` runs on the pool too (normalization is slow)
+            key = ("output type", output, strict, name) if _hashable(output) else None
         with self._lock:
-            job = self._jobs.get(key)
+            job = self._jobs.get(key) if key is not None else None
             if job is None or job.budget.cancelled:  # a cancelled job is not joined: start anew
                 if len(self._jobs) >= self._max_queued:
                     raise CompilerBusyError(
@@ -75,30 +80,32 @@ class CompilePool:
                         f"(max_queued={self._max_queued}); retry shortly, or raise "
                         "GrammarCompiler(max_queued=...)"
                     )
-                job = self._jobs[key] = _CompileJob(
-                    CompileBudget(self._compiler.compile_timeout, constraint.description)
-                )
-                self._start(key, job, constraint, backend)
+                description = getattr(output, "description", None) or f"{output!r:.80}"
+                job = _CompileJob(CompileBudget(self._compiler.compile_timeout, description))
+                self._jobs[key if key is not None else ("unshared", id(job))] = job
+                self._start(job, output, backend, strict)
             future = CompileFuture(self, job)
             job.waiters.append(future)
         return future
 
-    def _start(self, key: tuple, job: _CompileJob, constraint: Constraint, backend: str | None) -> None:
+    def _start(self, job: _CompileJob, output: Any, backend: str | None, strict: bool) -> None:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(self._workers, thread_name_prefix="structgen-compile")
-        self._executor.submit(self._run, key, job, constraint, backend)
+        self._executor.submit(self._run, job, output, backend, strict)
 
-    def _run(self, key: tuple, job: _CompileJob, constraint: Constraint, backend: str | None) -> None:
+    def _run(self, job: _CompileJob, output: Any, backend: str | None, strict: bool) -> None:
+        from structgen.types import to_constraint
+
         result: CompiledGrammar | None = None
         error: BaseException | None = None
         try:
             job.budget.check()  # cancelled or out of time while queued
             with within(job.budget):
-                result = self._compiler.compile(constraint, backend)
+                result = self._compiler.compile(to_constraint(output, strict=strict), backend)
         except BaseException as e:  # handed to the waiters, whatever it is
             error = e
         with self._lock:
-            if self._jobs.get(key) is job:
+            for key in [k for k, j in self._jobs.items() if j is job]:
                 del self._jobs[key]
             waiters, job.waiters = job.waiters, []
         for future in waiters:
@@ -114,3 +121,11 @@ class CompilePool:
         with self._lock:
             if job.waiters and all(f.cancelled() for f in job.waiters):
                 job.budget.cancel()
+
+
+def _hashable(value: Any) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True

@@ -83,13 +83,18 @@ class GrammarCompiler:
         self.compile_timeout = compile_timeout
         self._pool = CompilePool(self, workers, max_queued)
 
-    def submit(self, constraint: Constraint, backend: str | None = None) -> Future[CompiledGrammar]:
-        """`compile` on this compiler's own pool: a Future of the compiled grammar (done at
-        once on a cache hit). Requests for a constraint already compiling share that compile.
+    def submit(
+        self, output: Constraint | Any, backend: str | None = None, *, strict: bool = True
+    ) -> Future[CompiledGrammar]:
+        """`compile(to_constraint(output, strict=strict), backend)` on this compiler's own
+        pool: a Future of the compiled grammar (done at once on a cache hit). `output`: a
+        `Constraint` or any output type (its schema is then normalized on the pool too).
+        Requests for a constraint (or hashable type) already compiling share that compile.
         `future.cancel()` stops waiting; once every request for it has cancelled, the compile
-        stops at its next budget check. Raises `CompilerBusyError` when `max_queued`
-        compiles are already waiting or running."""
-        return self._pool.submit(constraint, backend)
+        stops at its next budget check (`RequestCancelledError` inside). The Future raises
+        what `compile` and `to_constraint` raise. Raises `CompilerBusyError` at once when
+        `max_queued` compiles are already waiting or running."""
+        return self._pool.submit(output, backend, strict)
 
     def compile(self, constraint: Constraint, backend: str | None = None) -> CompiledGrammar:
         """The compiled grammar for `constraint` (from the cache when seen before).

@@ -55,7 +55,20 @@ def check_source(kind: str, source: str, description: str, limits: ConstraintLim
     if depth > limits.max_depth:
         raise _too_large(description, "max_depth", f"nests {depth} levels deep", limits.max_depth)
     if kind == "json_schema":
-        check_schema(json.loads(source), description, limits)
+        try:
+            schema = json.loads(source)
+        except ValueError:
+            return  # not JSON: the caller's parse says where
+        check_schema(schema, description, limits)
+
+
+def check_json_schema(schema: Any, limits: ConstraintLimits = DEFAULT_LIMITS) -> None:
+    """`check_source` for JSON-schema text, `check_schema` for a parsed schema: what
+    `to_constraint` runs before its recursive work (metaschema check, normalization)."""
+    if isinstance(schema, str):
+        check_source("json_schema", schema, "JSON schema", limits)
+    else:
+        check_schema(schema, "JSON schema", limits)
 
 
 def check_schema(schema: Any, description: str = "JSON schema", limits: ConstraintLimits = DEFAULT_LIMITS) -> None:
@@ -65,7 +78,7 @@ def check_schema(schema: Any, description: str = "JSON schema", limits: Constrai
     stack: list[tuple[Any, int]] = [(schema, 1)]
     while stack:
         node, depth = stack.pop()
-        if depth > limits.max_depth:
+        if depth > limits.max_depth and isinstance(node, (dict, list)):
             raise _too_large(description, "max_depth", f"nests more than {depth - 1} levels deep", limits.max_depth)
         if isinstance(node, dict):
             enum = node.get("enum")

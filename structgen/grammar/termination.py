@@ -89,7 +89,7 @@ def grammar_lengths(grammar: Any) -> GrammarLengths:
     while changed:
         check_budget()
         changed = False
-        for r in range(len(g.rules)):
+        for r in reversed(range(len(g.rules))):  # xgrammar lists a rule before those it uses
             n = _shortest(g, g.body(r), shortest)
             if n < shortest[r]:
                 shortest[r], changed = n, True
