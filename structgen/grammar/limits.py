@@ -28,12 +28,13 @@ class ConstraintLimits:
 
     max_source_bytes: the schema / regex / grammar text, UTF-8.
     max_depth: bracket nesting of the text (JSON `{`/`[`, regex and grammar parentheses); a
-        schema level nested through `properties` counts two.
+        schema level nested through `properties` counts two. `to_constraint` refuses JSON
+        schemas deeper than the default whatever a compiler allows (`BUILD_LIMITS`).
     max_enum_values: `enum` and `const` values in a whole JSON schema.
     """
 
     max_source_bytes: int = 1_000_000
-    max_depth: int = 128
+    max_depth: int = 64
     max_enum_values: int = 10_000
 
 
@@ -62,13 +63,18 @@ def check_source(kind: str, source: str, description: str, limits: ConstraintLim
         check_schema(schema, description, limits)
 
 
-def check_json_schema(schema: Any, limits: ConstraintLimits = DEFAULT_LIMITS) -> None:
-    """`check_source` for JSON-schema text, `check_schema` for a parsed schema: what
-    `to_constraint` runs before its recursive work (metaschema check, normalization)."""
+# What `to_constraint` refuses before its recursive work (metaschema check, normalization):
+# the default bytes and depth, not enum values (linear there; a compiler's limit counts them).
+BUILD_LIMITS = ConstraintLimits(max_enum_values=1 << 62)
+
+
+def check_json_schema(schema: Any) -> None:
+    """`check_source` for JSON-schema text, `check_schema` for a parsed schema, with
+    `BUILD_LIMITS`: what `to_constraint` runs first."""
     if isinstance(schema, str):
-        check_source("json_schema", schema, "JSON schema", limits)
+        check_source("json_schema", schema, "JSON schema", BUILD_LIMITS)
     else:
-        check_schema(schema, "JSON schema", limits)
+        check_schema(schema, "JSON schema", BUILD_LIMITS)
 
 
 def check_schema(schema: Any, description: str = "JSON schema", limits: ConstraintLimits = DEFAULT_LIMITS) -> None:
@@ -103,7 +109,9 @@ def nesting_depth(text: str, opening: str, closing: str) -> int:
 
 
 def _too_large(description: str, limit: str, what: str, value: int) -> ConstraintTooLargeError:
-    return ConstraintTooLargeError(
-        f"{description} {what}, over the limit {limit}={value:,}; make it smaller, or raise the "
-        f"limit: GrammarCompiler(limits=ConstraintLimits({limit}=...))"
+    how = (
+        "(deeper schemas would overflow Python's recursion limit)"
+        if limit == "max_depth" and value == BUILD_LIMITS.max_depth
+        else f"or raise the limit: GrammarCompiler(limits=ConstraintLimits({limit}=...))"
     )
+    return ConstraintTooLargeError(f"{description} {what}, over the limit {limit}={value:,}; make it smaller {how}")
