@@ -81,3 +81,8 @@ class EngineError(StructgenError):
 
 class InvalidParameterError(StructgenError, ValueError):
     """A sampling or request parameter is out of range (names the parameter)."""
+
+
+class CompilerBusyError(StructgenError):
+    """The grammar compiler's queue is full (too many different constraints compiling at once);
+    retry shortly. Servers answer 503."""

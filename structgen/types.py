@@ -218,6 +218,9 @@ def _portable_typeddicts(tp: Any) -> Any:
 
 
 def _json_schema_constraint(schema: dict[str, Any] | bool | str, strict: bool) -> Constraint:
+    from structgen.grammar.limits import check_json_schema
+
+    check_json_schema(schema)  # size and nesting first: what follows recurses over the schema
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)

@@ -8,6 +8,7 @@ schema is valid. Also: what stays refused, and the key order `dump_json` writes.
 from __future__ import annotations
 
 import json
+import time
 
 import jsonschema
 import pytest
@@ -417,3 +418,15 @@ def test_dump_json_writes_keys_in_llguidance_order(grammar_compiler, schema):
     if schema.get("additionalProperties") is False:
         value = {"s": 1, "a": 2}
     assert grammar.accepts(dump_json(value, schema)), dump_json(value, schema)
+
+
+def test_a_20000_value_enum_normalizes_in_linear_time():
+    values = [f"value-{i}" for i in range(20_000)]
+    start = time.perf_counter()
+    normalized = normalize_schema({"type": "string", "enum": values})
+    assert time.perf_counter() - start < 3.0
+    assert normalized["enum"] == values
+
+
+def test_enum_values_are_still_filtered_by_their_sibling_keywords():
+    assert normalize_schema({"type": "string", "maxLength": 2, "enum": ["ab", "abc", 3]}) == {"enum": ["ab"]}

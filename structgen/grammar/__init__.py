@@ -2,6 +2,7 @@
 
     compiler = GrammarCompiler(tokenizer, vocab_size, stop_token_ids)   # one per tokenizer
     grammar = compiler.compile(to_constraint(Invoice))                  # cached
+    future = compiler.submit(Invoice)            # the same on the compiler's own pool
     matcher = grammar.matcher()                                         # one per request
     matcher.fill_bitmask(bitmask, row); ...; matcher.accept_token(tid)
 
@@ -18,11 +19,13 @@ from structgen.grammar.backends.base import (
 from structgen.grammar.batch import accept_one, accept_tokens, fill_bitmasks
 from structgen.grammar.compiler import BACKENDS, GrammarCompiler, candidate_backends
 from structgen.grammar.json_format import JSON_SEPARATORS, dump_json
+from structgen.grammar.limits import ConstraintLimits
 
 __all__ = [
     "BACKENDS",
     "JSON_SEPARATORS",
     "CompiledGrammar",
+    "ConstraintLimits",
     "GrammarBackend",
     "GrammarCompiler",
     "GrammarMatcher",

@@ -120,7 +120,9 @@ def accept_tokens(
     if pool is not None:
         from structgen.grammar.backends.xgrammar import XGrammarMatcher
 
-        pooled = [i for i, m in enumerate(matchers) if type(m) is XGrammarMatcher and not m._terminated]
+        # (the pool asks xgrammar's unbounded jump-forward: only where the grammar bounds it)
+        pooled = [i for i, m in enumerate(matchers) if type(m) is XGrammarMatcher and not m._terminated
+                  and (m.forced_text_bounded or not check_jump)]
     if not pooled:
         return _accept_each(matchers, tokens, check_jump)
     from structgen.grammar.backends.xgrammar import accept_natively

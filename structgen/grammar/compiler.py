@@ -14,11 +14,16 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from structgen.errors import InvalidConstraintError, StructgenError, UnsupportedSchemaError
 from structgen.grammar import keywords
 from structgen.grammar.backends.base import CompiledGrammar, GrammarBackend
+from structgen.grammar.budget import CompileBudget, check_budget, current_budget, within
+from structgen.grammar.compile_pool import CompilePool
+from structgen.grammar.limits import DEFAULT_LIMITS, ConstraintLimits, check_source
+from structgen.grammar.termination import analyse, check_not_empty
 
 if TYPE_CHECKING:
     from structgen.types import Constraint
@@ -40,6 +45,12 @@ class GrammarCompiler:
         it), "xgrammar" or "llguidance".
     cache_size : compiled grammars kept (least recently used are dropped).
     threads : xgrammar compile threads (0: up to 8, one per core).
+    limits : the largest constraint compiled (`ConstraintLimits`: source bytes, nesting depth,
+        enum values), checked before any other work; over one, `ConstraintTooLargeError`.
+    compile_timeout : seconds one compile may take (its Python-side work stops there, a native
+        compile's result is dropped); over it, `ConstraintTooLargeError`.
+    workers, max_queued : `submit`'s own pool: compiles run on `workers` threads, and more than
+        `max_queued` different constraints waiting or running fail at once (`CompilerBusyError`).
     """
 
     def __init__(
@@ -51,6 +62,10 @@ class GrammarCompiler:
         *,
         cache_size: int = 256,
         threads: int = 0,
+        limits: ConstraintLimits = DEFAULT_LIMITS,
+        compile_timeout: float = 30.0,
+        workers: int = 2,
+        max_queued: int = 64,
     ):
         _check_backend_name(backend)
         if not stop_token_ids:
@@ -64,19 +79,42 @@ class GrammarCompiler:
         self._backends: dict[str, GrammarBackend] = {}
         self._cache: OrderedDict[tuple, CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
+        self.limits = limits
+        self.compile_timeout = compile_timeout
+        self._pool = CompilePool(self, workers, max_queued)
+
+    def submit(
+        self, output: Constraint | Any, backend: str | None = None, *, strict: bool = True
+    ) -> Future[CompiledGrammar]:
+        """`compile(to_constraint(output, strict=strict), backend)` on this compiler's own
+        pool: a Future of the compiled grammar (done at once on a cache hit). `output`: a
+        `Constraint` or any output type (its schema is then normalized on the pool too).
+        Requests for a constraint (or hashable type) already compiling share that compile.
+        `future.cancel()` stops waiting; once every request for it has cancelled, the compile
+        stops at its next budget check (`RequestCancelledError` inside). The Future raises
+        what `compile` and `to_constraint` raise. Raises `CompilerBusyError` at once when
+        `max_queued` compiles are already waiting or running."""
+        return self._pool.submit(output, backend, strict)
 
     def compile(self, constraint: Constraint, backend: str | None = None) -> CompiledGrammar:
         """The compiled grammar for `constraint` (from the cache when seen before).
 
         Raises `UnsupportedSchemaError` when no allowed backend enforces every keyword of a
         JSON schema (unless the constraint was made with strict=False) nor of its stricter
-        `fallback`, and
-        `InvalidConstraintError` for malformed regexes and grammars.
+        `fallback`, `ConstraintTooLargeError` over a size limit or the time budget,
+        `UnsatisfiableConstraintError` for a constraint with no finite output (a rule or
+        `$ref` that never ends, a regex that matches nothing) and `InvalidConstraintError`
+        for malformed regexes and grammars.
         """
         name = backend or self.backend
         hit = self._cached((constraint.key, name))
         if hit is not None:
             return hit
+        with within(None if current_budget() else CompileBudget(self.compile_timeout, constraint.description)):
+            return self._compile_checked(constraint, name, backend)
+
+    def _compile_checked(self, constraint: Constraint, name: str, backend: str | None) -> CompiledGrammar:
+        check_source(constraint.kind, constraint.source, constraint.description, self.limits)
         try:
             candidates = candidate_backends(constraint, name)
             # "auto" and an explicit backend share what either compiled
@@ -111,12 +149,18 @@ class GrammarCompiler:
             return hit
 
     def _compile(self, constraint: Constraint, candidates: list[str]) -> CompiledGrammar:
+        lengths = analyse(constraint)  # refuses what never ends before masks are built
         errors: list[tuple[str, StructgenError]] = []
         for name in candidates:
             try:
-                return self.adapter(name).compile(constraint)
+                compiled = self.adapter(name).compile(constraint)
             except StructgenError as e:
                 errors.append((name, e))
+                continue
+            check_budget()
+            compiled.forced_text_bounded = lengths is not None and lengths.forced_text_bounded()
+            check_not_empty(compiled, self.vocab_size)
+            return compiled
         if len(errors) == 1:
             raise errors[0][1]
         first = errors[0][1]

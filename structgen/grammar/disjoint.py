@@ -27,6 +27,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from structgen.grammar.budget import check_budget
 from structgen.grammar.keywords import (
     ANNOTATIONS,
     KEYWORD_TYPE,
@@ -61,6 +62,7 @@ def one_of_as_any_of(
     scopes = [proof.in_context(b, parent) for b in branches]
     out = []
     for i, branch in enumerate(branches):
+        check_budget()  # pairwise proofs: quadratic in the branches
         parts = [branch]
         for j, other in enumerate(branches):
             if j == i or proof.disjoint(scopes[i], scopes[j]):

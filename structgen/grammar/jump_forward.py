@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from structgen.grammar.backends.base import (
+    FORCED_TEXT_MAX_BYTES,
     allocate_bitmask,
     allowed_ids,
     allows_only,
@@ -107,6 +108,7 @@ class VocabBytes:
     def __init__(self, tokenizer: Any, vocab_size: int, exclude: set[int]):
         self.tokens = token_bytes(tokenizer, vocab_size)
         self.special = set(exclude) | control_token_ids(tokenizer, vocab_size)
+        self.longest = max(map(len, self.tokens), default=1)  # bytes of the longest token
         order = sorted((b, i) for i, b in enumerate(self.tokens) if b and i not in self.special)
         self._sorted = [b for b, _ in order]
         self._sorted_ids = np.array([i for _, i in order], dtype=np.int64)
@@ -192,8 +194,11 @@ class JumpForward:
         if m is None or req.finished or m.is_terminated():
             return
         rehearsal, self._rehearsal = self._rehearsal, None
+        max_bytes = self.forced_bytes_limit(req.num_prompt + req.params.max_tokens - len(req.token_ids))
+        if max_bytes <= 0:
+            return
         try:
-            forced = m.jump_forward_string()
+            forced = m.jump_forward_string(max_bytes)
         except UnicodeDecodeError:  # forced bytes end inside a character: nothing to encode
             return
         if not forced:
@@ -208,6 +213,12 @@ class JumpForward:
         plan = self._decide(m, req.token_ids, req.num_prompt, req.params.max_tokens, text)
         if plan is not None:
             self._apply(req, *plan)
+
+    def forced_bytes_limit(self, tokens_left: int) -> int:
+        """The most forced text worth asking for with `tokens_left` tokens of budget: what
+        that many of the longest token spell, at most `FORCED_TEXT_MAX_BYTES` (forced text
+        can be unbounded; the rest is asked for a step later)."""
+        return max(0, min(FORCED_TEXT_MAX_BYTES, tokens_left * self.vocab.longest))
 
     def _decide(self, m: Any, ids: list[int], num_prompt: int, max_tokens: int, forced: bytes) -> Plan | None:
         """What the hook does with `forced` after `ids`: (start, c, kept, held), the jump, with
@@ -361,7 +372,8 @@ class JumpForward:
                     if m.is_terminated():
                         continue
                     try:
-                        text = m.jump_forward_string().encode("utf-8")
+                        limit = self.forced_bytes_limit(req.num_prompt + req.params.max_tokens - len(ids))
+                        text = m.jump_forward_string(limit).encode("utf-8")
                     except UnicodeDecodeError:
                         continue
                     if not text:

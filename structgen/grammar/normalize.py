@@ -45,7 +45,9 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from structgen.errors import StructgenError
 from structgen.grammar.arrays import contains_as_positions, drop_trivial_unique, unique_arrays
+from structgen.grammar.budget import check_budget
 from structgen.grammar.disjoint import Disjointness, expand_types, one_of_as_any_of
 from structgen.grammar.keywords import (
     ANNOTATIONS,
@@ -94,9 +96,45 @@ def _normalize(schema: Any, tighten: bool) -> tuple[Any, int]:
         jsonschema.Draft6Validator,
         jsonschema.Draft7Validator,
     )
-    normalizer = _Normalizer(schema, cls(schema), cls in old_drafts, tighten)
+    indexed = jsonschema.validators.extend(cls, {"enum": EnumIndex(cls.VALIDATORS["enum"])})
+    normalizer = _Normalizer(schema, indexed(schema), cls in old_drafts, tighten)
     normalized = normalizer.node(schema, 0)
     return specialize_recursive_refs(normalized), normalizer.unknown
+
+
+class EnumIndex:
+    """jsonschema's `enum` keyword with each enum's values in a set: every value of an enum is
+    checked against it when a finite schema is listed, and jsonschema scans the enum for each
+    (quadratic). A value the set misses goes to jsonschema's own check, which decides (and
+    words the error)."""
+
+    def __init__(self, scan: Any):
+        self._scan = scan
+        self._sets: dict[int, tuple[list[Any], set[str]]] = {}
+
+    def __call__(self, validator: Any, enums: Any, instance: Any, schema: Any) -> Any:
+        if isinstance(enums, list):
+            entry = self._sets.get(id(enums))
+            if entry is None or entry[0] is not enums:
+                entry = self._sets[id(enums)] = (enums, {_equality_key(v) for v in enums})
+            if _equality_key(instance) in entry[1]:
+                return
+        yield from self._scan(validator, enums, instance, schema)
+
+
+def _equality_key(value: Any) -> str:
+    """Equal for JSON values JSON Schema calls equal (1 and 1.0; not 1 and true)."""
+    return json.dumps(_integral_floats(value), sort_keys=True)
+
+
+def _integral_floats(value: Any) -> Any:
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [_integral_floats(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _integral_floats(v) for k, v in value.items()}
+    return value
 
 
 def surely_empty(schema: Any) -> bool:
@@ -171,6 +209,7 @@ class _Normalizer:
     def node(self, schema: Any, depth: int) -> Any:
         if not isinstance(schema, dict) or depth > 200:
             return schema
+        check_budget()
         if self.ref_overrides and "$ref" in schema:
             schema = {k: v for k, v in schema.items() if k == "$ref" or k in ANNOTATIONS}
         as_pattern = string_schema(schema, self._target)
@@ -246,7 +285,14 @@ class _Normalizer:
     def _finite(self, schema: dict[str, Any], values: list[Any]) -> Any:
         try:
             check = self.validator.evolve(schema=schema)
-            kept = [v for v in values if check.is_valid(v)]
+            kept = []
+            for i, v in enumerate(values):
+                if not i % 1024:
+                    check_budget()
+                if check.is_valid(v):
+                    kept.append(v)
+        except StructgenError:
+            raise
         except Exception:  # something jsonschema cannot evaluate: leave it to the backends
             return schema
         if not kept:

@@ -53,6 +53,17 @@ def token_bytes(tokenizer: Any, vocab_size: int) -> tuple[bytes, ...]:
 # grammar forces text next (checked on request); its next mask was filled; it raised (the
 # other bits then say nothing). The values are csrc/grammar_step.cpp's.
 ACCEPTED, TERMINATED, COMPLETED, JUMPS, FILLED, FAILED = 1, 2, 4, 8, 16, 32
+# The most forced text one jump-forward question returns: forced text can be arbitrarily long
+# (a 20,000-character const, a grammar that doubles its text per rule), and jump-forward takes
+# it in pieces of at most this size, one per step.
+FORCED_TEXT_MAX_BYTES = 4096
+
+
+def truncate_utf8(text: str, max_bytes: int) -> str:
+    """`text` cut to at most `max_bytes` UTF-8 bytes, at a character boundary."""
+    if len(text) * 4 <= max_bytes:  # short enough whatever its characters
+        return text
+    return text.encode("utf-8", errors="surrogatepass")[: max(0, max_bytes)].decode("utf-8", errors="ignore")
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -154,8 +165,9 @@ class GrammarMatcher(ABC):
         """Undo the last `num_tokens` accepted tokens (including a stop token)."""
 
     @abstractmethod
-    def jump_forward_string(self) -> str:
-        """The longest text the grammar forces from here ("" if none); does not change state."""
+    def jump_forward_string(self, max_bytes: int = FORCED_TEXT_MAX_BYTES) -> str:
+        """The text the grammar forces from here ("" if none), its first `max_bytes` UTF-8
+        bytes at most (cut at a character boundary); does not change state."""
 
     @abstractmethod
     def is_terminated(self) -> bool:
@@ -179,9 +191,12 @@ class CompiledGrammar(ABC):
     """A constraint compiled against one tokenizer by one backend; immutable and shareable
     between threads and requests."""
 
-    def __init__(self, backend: str, constraint: Constraint):
+    def __init__(self, backend: str, constraint: Constraint, forced_text_bounded: bool = True):
         self.backend = backend
         self.constraint = constraint
+        # False where grammar/termination.py found no small bound on the text the grammar can
+        # force: a backend whose jump-forward question cannot be stopped then forces nothing.
+        self.forced_text_bounded = forced_text_bounded
 
     @abstractmethod
     def matcher(self) -> GrammarMatcher:

@@ -11,6 +11,7 @@ import llguidance
 
 from structgen.errors import EngineError, InvalidConstraintError, UnsupportedSchemaError
 from structgen.grammar.backends.base import (
+    FORCED_TEXT_MAX_BYTES,
     CompiledGrammar,
     GrammarBackend,
     GrammarMatcher,
@@ -94,11 +95,12 @@ class LLGuidanceMatcher(GrammarMatcher):
                 f"grammar rollback of {num_tokens} tokens failed: {self.ll_matcher.get_error()}"
             )
 
-    def jump_forward_string(self) -> str:
+    def jump_forward_string(self, max_bytes: int = FORCED_TEXT_MAX_BYTES) -> str:
         if self._terminated:
             return ""
-        # Forced bytes may end inside a UTF-8 character; the rest comes with the next step.
-        return self.ll_matcher.compute_ff_bytes().decode("utf-8", errors="ignore")
+        # llguidance bounds its forced bytes itself; they may end inside a UTF-8 character
+        # (the rest comes with the next step).
+        return self.ll_matcher.compute_ff_bytes()[: max(0, max_bytes)].decode("utf-8", errors="ignore")
 
     def is_terminated(self) -> bool:
         return self._terminated

@@ -14,6 +14,7 @@ import xgrammar as xgr
 from structgen.errors import EngineError, InvalidConstraintError, UnsupportedSchemaError
 from structgen.grammar import native
 from structgen.grammar.backends.base import (
+    FORCED_TEXT_MAX_BYTES,
     TERMINATED,
     CompiledGrammar,
     GrammarBackend,
@@ -21,6 +22,7 @@ from structgen.grammar.backends.base import (
     control_token_ids,
     set_only_tokens,
     token_bytes,
+    truncate_utf8,
 )
 from structgen.grammar.json_format import JSON_SEPARATORS
 
@@ -41,8 +43,12 @@ class XGrammarMatcher(GrammarMatcher):
 
     backend = "xgrammar"
 
-    def __init__(self, matcher: xgr.GrammarMatcher, stop_token_ids: Sequence[int], words: int | None = None):
+    def __init__(self, matcher: xgr.GrammarMatcher, stop_token_ids: Sequence[int], words: int | None = None,
+                 forced_text_bounded: bool = True):
         self.xgr_matcher = matcher
+        # xgrammar's jump-forward string has no length limit: asked only where the grammar
+        # bounds it (`CompiledGrammar.forced_text_bounded`), then cut to the caller's limit.
+        self.forced_text_bounded = forced_text_bounded
         self._handle = native.handle(matcher)  # for grammar.native's batch fills
         self._stop_token_ids = stop_token_ids
         self._stop = frozenset(stop_token_ids)
@@ -78,10 +84,10 @@ class XGrammarMatcher(GrammarMatcher):
             raise EngineError(f"grammar rollback of {num_tokens} tokens failed: {_clean(e)}") from e
         self._terminated = False  # a stop token is always the last one accepted
 
-    def jump_forward_string(self) -> str:
-        if self._terminated:
+    def jump_forward_string(self, max_bytes: int = FORCED_TEXT_MAX_BYTES) -> str:
+        if self._terminated or not self.forced_text_bounded:
             return ""
-        return self.xgr_matcher.find_jump_forward_string()
+        return truncate_utf8(self.xgr_matcher.find_jump_forward_string(), max_bytes)
 
     def is_terminated(self) -> bool:
         return self._terminated
@@ -97,15 +103,18 @@ class XGrammarMatcher(GrammarMatcher):
 
 class XGrammarCompiledGrammar(CompiledGrammar):
     def __init__(
-        self, constraint: Constraint, compiled: xgr.CompiledGrammar, stop_ids: list[int], words: int | None = None
+        self, constraint: Constraint, compiled: xgr.CompiledGrammar, stop_ids: list[int], words: int | None = None,
+        forced_text_bounded: bool = True,
     ):
-        super().__init__("xgrammar", constraint)
+        super().__init__("xgrammar", constraint, forced_text_bounded)
         self.xgr_compiled = compiled
         self._stop_token_ids = stop_ids
         self._words = words
 
     def matcher(self) -> XGrammarMatcher:
-        return XGrammarMatcher(xgr.GrammarMatcher(self.xgr_compiled), self._stop_token_ids, self._words)
+        return XGrammarMatcher(
+            xgr.GrammarMatcher(self.xgr_compiled), self._stop_token_ids, self._words, self.forced_text_bounded
+        )
 
     def accepts(self, text: str) -> bool:
         m = xgr.GrammarMatcher(self.xgr_compiled)
@@ -143,31 +152,34 @@ class XGrammarBackend(GrammarBackend):
         self._compiler = xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
 
     def compile(self, constraint: Constraint) -> XGrammarCompiledGrammar:
-        c = self._compiler
         try:
-            if constraint.kind == "json_schema":
-                # strict_mode=False: objects stay open unless the schema closes them (JSON
-                # Schema semantics, same as llguidance); structgen.types closes model schemas.
-                compiled = c.compile_json_schema(
-                    constraint.source,
-                    any_whitespace=False,
-                    separators=JSON_SEPARATORS,
-                    strict_mode=False,
-                )
-            elif constraint.kind == "regex":
-                compiled = c.compile_regex(constraint.source)
-            elif constraint.kind == "grammar" and constraint.syntax == "lark":
-                compiled = c.compile_lark(constraint.source)
-            elif constraint.kind == "grammar":
-                compiled = c.compile_grammar(constraint.source)
-            else:  # text: any string; the engine may skip masking entirely for it
-                compiled = c.compile_regex(ANY_TEXT_REGEX)
+            compiled = self._compiler.compile_grammar(build_grammar(constraint))
         except (RuntimeError, ValueError, TypeError) as e:
             what = f"xgrammar cannot compile {constraint.description}: {_clean(e)}"
             if constraint.kind == "json_schema":
                 raise UnsupportedSchemaError(what) from e
             raise InvalidConstraintError(what) from e
         return XGrammarCompiledGrammar(constraint, compiled, self.stop_token_ids, self._words)
+
+
+def build_grammar(constraint: Constraint) -> xgr.Grammar:
+    """The xgrammar `Grammar` of a constraint: parsed only, no token masks (milliseconds), so
+    the compiler can analyse it (grammar/termination.py) before paying for the masks. Raises
+    xgrammar's RuntimeError / ValueError / TypeError where it cannot read it."""
+    if constraint.kind == "json_schema":
+        # strict_mode=False: objects stay open unless the schema closes them (JSON Schema
+        # semantics, same as llguidance); structgen.types closes model schemas.
+        return xgr.Grammar.from_json_schema(
+            constraint.source, any_whitespace=False, separators=JSON_SEPARATORS, strict_mode=False
+        )
+    if constraint.kind == "regex":
+        return xgr.Grammar.from_regex(constraint.source)
+    if constraint.kind == "grammar" and constraint.syntax == "lark":
+        return xgr.Grammar.from_lark(constraint.source)
+    if constraint.kind == "grammar":
+        return xgr.Grammar.from_ebnf(constraint.source)
+    # text: any string; the engine may skip masking entirely for it
+    return xgr.Grammar.from_regex(ANY_TEXT_REGEX)
 
 
 def _clean(e: BaseException) -> str:

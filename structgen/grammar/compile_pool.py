@@ -1,0 +1,131 @@
+"""`GrammarCompiler.submit`: compiles on a small pool of the compiler's own, so slow grammar
+work cannot take the threads other requests need, with a bounded queue, one compile per
+constraint in flight, and cancellation.
+
+Each `submit` gets its own Future; the Futures of one constraint share one `_CompileJob`. A
+Future is cancelled like any pending one (it never runs itself); when every Future of a job is
+cancelled, the job's `CompileBudget` is, and its Python-side work stops at the next
+`check_budget()`.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from structgen.errors import CompilerBusyError
+from structgen.grammar.budget import CompileBudget, within
+
+if TYPE_CHECKING:
+    from structgen.grammar.backends.base import CompiledGrammar
+    from structgen.grammar.compiler import GrammarCompiler
+
+
+class _CompileJob:
+    """One constraint compiling, and the Futures waiting for it."""
+
+    def __init__(self, budget: CompileBudget):
+        self.budget = budget
+        self.waiters: list[CompileFuture] = []
+
+
+class CompileFuture(Future):
+    """A caller's Future of a shared compile: cancelling it stops the compile once no other
+    caller still waits for it."""
+
+    def __init__(self, pool: CompilePool, job: _CompileJob):
+        super().__init__()
+        self._pool = pool
+        self._job = job
+
+    def cancel(self) -> bool:
+        cancelled = super().cancel()
+        if cancelled:
+            self._pool.forget(self._job)
+        return cancelled
+
+
+class CompilePool:
+    """`workers` threads compiling for one `GrammarCompiler`; at most `max_queued` jobs
+    waiting or running."""
+
+    def __init__(self, compiler: GrammarCompiler, workers: int, max_queued: int):
+        self._compiler = compiler
+        self._workers = workers
+        self._max_queued = max_queued
+        self._executor: ThreadPoolExecutor | None = None  # started on first use
+        self._jobs: dict[tuple, _CompileJob] = {}
+        self._lock = threading.Lock()
+
+    def submit(self, output: Any, backend: str | None, strict: bool = True) -> Future[CompiledGrammar]:
+        from structgen.types import Constraint
+
+        name = backend or self._compiler.backend
+        if isinstance(output, Constraint):
+            key: tuple | None = (output.key, name)
+            hit = self._compiler._cached(key)
+            if hit is not None:
+                done: Future[CompiledGrammar] = Future()
+                done.set_result(hit)
+                return done
+        else:  # an output type: `to_constraint` runs on the pool too (normalization is slow)
+            key = ("output type", output, strict, name) if _hashable(output) else None
+        with self._lock:
+            job = self._jobs.get(key) if key is not None else None
+            if job is None or job.budget.cancelled:  # a cancelled job is not joined: start anew
+                if len(self._jobs) >= self._max_queued:
+                    raise CompilerBusyError(
+                        f"{len(self._jobs)} grammars are already compiling or waiting to compile "
+                        f"(max_queued={self._max_queued}); retry shortly, or raise "
+                        "GrammarCompiler(max_queued=...)"
+                    )
+                description = getattr(output, "description", None) or f"{output!r:.80}"
+                job = _CompileJob(CompileBudget(self._compiler.compile_timeout, description))
+                self._jobs[key if key is not None else ("unshared", id(job))] = job
+                self._start(job, output, backend, strict)
+            future = CompileFuture(self, job)
+            job.waiters.append(future)
+        return future
+
+    def _start(self, job: _CompileJob, output: Any, backend: str | None, strict: bool) -> None:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(self._workers, thread_name_prefix="structgen-compile")
+        self._executor.submit(self._run, job, output, backend, strict)
+
+    def _run(self, job: _CompileJob, output: Any, backend: str | None, strict: bool) -> None:
+        from structgen.types import to_constraint
+
+        result: CompiledGrammar | None = None
+        error: BaseException | None = None
+        try:
+            job.budget.check()  # cancelled or out of time while queued
+            with within(job.budget):
+                result = self._compiler.compile(to_constraint(output, strict=strict), backend)
+        except BaseException as e:  # handed to the waiters, whatever it is
+            error = e
+        with self._lock:
+            for key in [k for k, j in self._jobs.items() if j is job]:
+                del self._jobs[key]
+            waiters, job.waiters = job.waiters, []
+        for future in waiters:
+            if not future.set_running_or_notify_cancel():
+                continue
+            if error is None:
+                future.set_result(result)
+            else:
+                future.set_exception(error)
+
+    def forget(self, job: _CompileJob) -> None:
+        """A waiter of `job` cancelled: cancel the job when none is left."""
+        with self._lock:
+            if job.waiters and all(f.cancelled() for f in job.waiters):
+                job.budget.cancel()
+
+
+def _hashable(value: Any) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
