@@ -57,8 +57,8 @@ class EngineLoop:
         request.on_update = on_update
         with self._cond:
             if self._closing:
-                raise EngineError("this LLM's engine loop is closed (LLM.close() was called or the "
-                                  "interpreter is exiting); create a new LLM to generate again")
+                raise EngineError("this LLM's engine loop is closed (the interpreter is exiting or its "
+                                  "close() was called); create a new LLM to generate again")
             self._incoming.append(request)
             self._ensure_thread()
             self._cond.notify()
