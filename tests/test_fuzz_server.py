@@ -1,0 +1,240 @@
+"""Hypothesis fuzzing of the server and of the constraint compiler, bounded in count and time.
+
+Against a real `structgen_server` subprocess under an address-space limit: request bodies for
+/v1/chat/completions and /v1/completions with random types in every field, random JSON-schema
+`response_format`s, lone surrogates and huge numbers. Every answer must be a 2xx, or a 4xx in
+OpenAI's error format; never a 5xx, never a dead server. In process: `to_constraint` and
+`GrammarCompiler.compile` raise only `StructgenError`s on random schemas.
+
+Generations stay short: `max_tokens` is always sent, at most 8 where it is a valid number."""
+
+from __future__ import annotations
+
+import json
+import resource
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from structgen.errors import StructgenError
+
+MAX_EXAMPLES = 60
+# Wall-clock seconds each fuzz test may spend on examples (`WallBudget`).
+WALL_BUDGET_S = 150.0
+ADDRESS_SPACE_BYTES = 6 * 2**30
+REQUEST_TIMEOUT_S = 60.0
+FUZZ_SETTINGS = settings(
+    max_examples=MAX_EXAMPLES, deadline=None, database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture],
+)
+ERROR_KEYS = {"message", "type", "param", "code"}
+
+# -- values of any JSON type, with the awkward ones over-represented -------------------------
+LONE_SURROGATES = st.sampled_from(["\ud800", "a\udfffb", "\udc00\ud800", '{"k": "\ud83d"}'])
+AWKWARD_TEXT = st.one_of(st.text(max_size=40), LONE_SURROGATES, st.sampled_from(["", " ", "\x00", "\u202e"]))
+HUGE_NUMBERS = st.sampled_from([2**63, 2**64, -(2**63) - 1, 10**30, 1e308, -1e308, 5e-324])
+JSON_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), HUGE_NUMBERS,
+                         st.floats(allow_nan=False, allow_infinity=False), AWKWARD_TEXT)
+ANY_JSON = st.recursive(
+    JSON_SCALARS,
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(AWKWARD_TEXT, inner, max_size=4)),
+    max_leaves=8,
+)
+
+# -- JSON-schema fragments --------------------------------------------------------------------
+TYPES = ["string", "integer", "number", "boolean", "null", "object", "array"]
+PATTERNS = st.one_of(st.sampled_from(["^[a-z]+$", "[0-9]{2,4}", "(a|b)*c", "\\d+", "[", "(?P<x>a)", "a{99999}"]),
+                     st.text(max_size=12))
+BOUND = st.one_of(st.integers(-5, 5), HUGE_NUMBERS)
+SCHEMA_LEAVES = st.one_of(
+    st.builds(lambda t: {"type": t}, st.sampled_from(TYPES)),
+    st.builds(lambda v: {"enum": v}, st.lists(JSON_SCALARS, max_size=5)),
+    st.builds(lambda v: {"const": v}, JSON_SCALARS),
+    st.builds(lambda p: {"type": "string", "pattern": p}, PATTERNS),
+    st.builds(lambda lo, hi: {"type": "integer", "minimum": lo, "maximum": hi}, BOUND, BOUND),
+    st.builds(lambda lo, hi: {"type": "string", "minLength": lo, "maxLength": hi}, BOUND, BOUND),
+    st.builds(lambda f: {"type": "string", "format": f},
+              st.sampled_from(["date", "date-time", "email", "uuid", "ipv4", "uri", "nonsense"])),
+    st.sampled_from([{"$ref": "#"}, {"$ref": "#/$defs/missing"}, {}, {"not": {}}, True, False]),
+    st.dictionaries(st.sampled_from(["type", "items", "properties", "required", "enum", "$ref", "anyOf"]),
+                    ANY_JSON, max_size=3),
+)
+
+
+def _object(props: dict[str, Any], required: list[str], extra: Any) -> dict[str, Any]:
+    return {"type": "object", "properties": props, "required": required, "additionalProperties": extra}
+
+
+SCHEMAS = st.recursive(
+    SCHEMA_LEAVES,
+    lambda inner: st.one_of(
+        st.builds(_object, st.dictionaries(AWKWARD_TEXT, inner, max_size=3),
+                  st.lists(st.sampled_from(["a", "b", "self", ""]), max_size=3), st.one_of(st.booleans(), inner)),
+        st.builds(lambda items, lo: {"type": "array", "items": items, "minItems": lo}, inner, BOUND),
+        st.builds(lambda k, xs: {k: xs}, st.sampled_from(["anyOf", "oneOf", "allOf"]), st.lists(inner, max_size=3)),
+        st.builds(lambda x: {"not": x}, inner),
+        st.builds(lambda d, r: {"$defs": {"d": d}, **({"$ref": "#/$defs/d"} if r else {})}, inner, st.booleans()),
+        st.builds(lambda x: _object({"self": {"$ref": "#"}, "x": x}, ["self"], False), inner),
+    ),
+    max_leaves=10,
+)
+
+# -- request bodies ---------------------------------------------------------------------------
+SMALL_MAX_TOKENS = st.one_of(st.integers(1, 8), st.sampled_from([0, -1, 2**31, 2**63, True, "4", 4.5, None]))
+SMALL_N = st.one_of(st.integers(1, 2), st.sampled_from([0, 17, 2**64, "2", None]))
+
+
+def _response_formats() -> st.SearchStrategy[Any]:
+    return st.one_of(
+        st.builds(lambda s, strict: {"type": "json_schema", "json_schema": {"name": "r", "schema": s, "strict": strict}},
+                  SCHEMAS, st.one_of(st.booleans(), ANY_JSON)),
+        st.builds(lambda p: {"type": "regex", "regex": p}, PATTERNS),
+        st.builds(lambda g: {"type": "grammar", "grammar": g},
+                  st.one_of(st.sampled_from(['root ::= "a"', 'root ::= root "a"', 'root ::= "ab" root',
+                                             'start: "x" | start "y"', "root ::= [a-"]), AWKWARD_TEXT)),
+        st.builds(lambda c: {"type": "choice", "choices": c}, st.lists(AWKWARD_TEXT, max_size=4)),
+        st.sampled_from([{"type": "json_object"}, {"type": "text"}, {"type": "nonsense"}]),
+        ANY_JSON,
+    )
+
+
+def _sampling_fields(model: str) -> dict[str, st.SearchStrategy[Any]]:
+    return {
+        "model": st.one_of(st.just(model), AWKWARD_TEXT, JSON_SCALARS),
+        "temperature": st.one_of(st.floats(0, 2), JSON_SCALARS),
+        "top_p": st.one_of(st.floats(0, 1), JSON_SCALARS),
+        "top_k": st.one_of(st.integers(-2, 50), JSON_SCALARS),
+        "seed": st.one_of(st.integers(0, 2**32), HUGE_NUMBERS, JSON_SCALARS),
+        "stop": st.one_of(AWKWARD_TEXT, st.lists(AWKWARD_TEXT, max_size=5), JSON_SCALARS),
+        "stream": st.one_of(st.booleans(), JSON_SCALARS),
+        "response_format": _response_formats(),
+        "guided_json": st.one_of(SCHEMAS, AWKWARD_TEXT),
+        "guided_regex": PATTERNS,
+        "guided_choice": st.lists(AWKWARD_TEXT, max_size=3),
+        "logit_bias": st.one_of(st.dictionaries(AWKWARD_TEXT, JSON_SCALARS, max_size=2), JSON_SCALARS),
+        "jump_forward": st.one_of(st.booleans(), JSON_SCALARS),
+    }
+
+
+def _messages() -> st.SearchStrategy[Any]:
+    message = st.fixed_dictionaries(
+        {"role": st.one_of(st.sampled_from(["user", "system", "assistant", "tool"]), AWKWARD_TEXT),
+         "content": st.one_of(AWKWARD_TEXT, st.lists(st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url"]),
+                                                                            "text": AWKWARD_TEXT}), max_size=2), JSON_SCALARS)},
+    )
+    return st.one_of(st.lists(message, min_size=1, max_size=3), ANY_JSON)
+
+
+def chat_bodies(model: str) -> st.SearchStrategy[dict[str, Any]]:
+    return st.fixed_dictionaries({"messages": _messages(), "max_tokens": SMALL_MAX_TOKENS},
+                                 optional={**_sampling_fields(model), "n": SMALL_N,
+                                           "max_completion_tokens": SMALL_MAX_TOKENS})
+
+
+def completion_bodies(model: str) -> st.SearchStrategy[dict[str, Any]]:
+    prompt = st.one_of(AWKWARD_TEXT, st.lists(AWKWARD_TEXT, min_size=1, max_size=3), ANY_JSON)
+    return st.fixed_dictionaries({"prompt": prompt, "max_tokens": SMALL_MAX_TOKENS},
+                                 optional={**_sampling_fields(model), "n": SMALL_N, "echo": st.one_of(st.booleans(), JSON_SCALARS)})
+
+
+# -- the wall-clock guard and the server -------------------------------------------------------
+@dataclass
+class WallBudget:
+    """Each fuzz test may try examples for WALL_BUDGET_S from its first one; later ones pass
+    untried (Hypothesis' shrinking included, which then reports the smallest failure so far)."""
+
+    started: dict[str, float] = field(default_factory=dict)
+
+    def left(self, test: str) -> bool:
+        return time.monotonic() - self.started.setdefault(test, time.monotonic()) < WALL_BUDGET_S
+
+
+BUDGET = WallBudget()
+
+
+@dataclass
+class FuzzServer:
+    root: str
+    model: str
+    client: httpx.Client
+
+    def post(self, path: str, body: Any) -> httpx.Response:
+        # ensure_ascii: lone surrogates travel as \\ud800 escapes, as a JSON client may send them
+        raw = json.dumps(body, ensure_ascii=True).encode()
+        return self.client.post(f"{self.root}{path}", content=raw, headers={"content-type": "application/json"})
+
+
+@pytest.fixture(scope="module")
+def fuzz_server(model_dir) -> Iterator[FuzzServer]:
+    """A server of its own (the fuzz must not disturb the session's shared one), its address
+    space capped after start-up so that a runaway request fails instead of taking the host."""
+    from structgen_server.process import ServerProcess
+
+    args = ["--device", "cpu", "--max-seq-len", "1024", "--max-batch-size", "8", "--log-level", "warning"]
+    with ServerProcess(args) as server, httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:
+        resource.prlimit(server.proc.pid, resource.RLIMIT_AS, (ADDRESS_SPACE_BYTES, ADDRESS_SPACE_BYTES))
+        model = client.get(f"{server.url}/models").json()["data"][0]["id"]
+        fuzz = FuzzServer(server.root, model, client)
+        yield fuzz
+        assert server.proc.poll() is None, f"the server died during the fuzz; see {server.log_path}"
+
+
+def assert_well_answered(server: FuzzServer, path: str, body: Any) -> None:
+    try:
+        response = server.post(path, body)
+    except httpx.TransportError as exc:
+        raise AssertionError(f"no answer ({type(exc).__name__}: {exc}); is the server alive?") from exc
+    assert response.status_code < 500, f"{response.status_code}: {response.text[:500]}"
+    if response.status_code >= 400:
+        error = response.json().get("error")
+        assert isinstance(error, dict) and ERROR_KEYS <= error.keys(), f"not OpenAI's error format: {response.text[:500]}"
+
+
+def assert_still_serving(server: FuzzServer) -> None:
+    assert httpx.get(f"{server.root}/health", timeout=10).status_code == 200
+    good = {"model": server.model, "messages": [{"role": "user", "content": "Say yes."}], "max_tokens": 4}
+    response = server.post("/v1/chat/completions", good)
+    assert response.status_code == 200, response.text[:500]
+    assert response.json()["choices"][0]["message"]["content"]
+
+
+def test_fuzzed_chat_bodies_get_a_2xx_or_an_openai_4xx(fuzz_server: FuzzServer) -> None:
+    @FUZZ_SETTINGS
+    @given(body=st.one_of(chat_bodies(fuzz_server.model), ANY_JSON))
+    def answered(body: Any) -> None:
+        if BUDGET.left("chat"):
+            assert_well_answered(fuzz_server, "/v1/chat/completions", body)
+
+    answered()
+    assert_still_serving(fuzz_server)
+
+
+def test_fuzzed_completion_bodies_get_a_2xx_or_an_openai_4xx(fuzz_server: FuzzServer) -> None:
+    @FUZZ_SETTINGS
+    @given(body=completion_bodies(fuzz_server.model))
+    def answered(body: Any) -> None:
+        if BUDGET.left("completions"):
+            assert_well_answered(fuzz_server, "/v1/completions", body)
+
+    answered()
+    assert_still_serving(fuzz_server)
+
+
+# -- in process -------------------------------------------------------------------------------
+@FUZZ_SETTINGS
+@given(schema=st.one_of(SCHEMAS, ANY_JSON))
+def test_random_schemas_compile_or_raise_a_structgen_error(grammar_compiler, schema: Any) -> None:
+    from structgen.types import JsonSchema, to_constraint
+
+    if not BUDGET.left("compile"):
+        return
+    try:
+        grammar_compiler.compile(to_constraint(JsonSchema(schema)))
+    except StructgenError:
+        pass
