@@ -85,62 +85,80 @@ SCHEMAS = st.recursive(
     max_leaves=10,
 )
 
-# -- request bodies ---------------------------------------------------------------------------
-SMALL_MAX_TOKENS = st.one_of(st.integers(1, 8), st.sampled_from([0, -1, 2**31, 2**63, True, "4", 4.5, None]))
-SMALL_N = st.one_of(st.integers(1, 2), st.sampled_from([0, 17, 2**64, "2", None]))
+# -- request bodies: a well-formed body with a few fields replaced by anything ----------------
+MAX_TOKENS_CAP = 8
+N_CAP = 2
+RESPONSE_FORMATS = st.one_of(
+    st.builds(lambda s, strict: {"type": "json_schema", "json_schema": {"name": "r", "schema": s, "strict": strict}},
+              SCHEMAS, st.booleans()),
+    st.builds(lambda p: {"type": "regex", "regex": p}, PATTERNS),
+    st.builds(lambda g: {"type": "grammar", "grammar": g},
+              st.one_of(st.sampled_from(['root ::= "a"', 'root ::= root "a"', 'root ::= "ab" root',
+                                         'start: "x" | start "y"', "root ::= [a-"]), AWKWARD_TEXT)),
+    st.builds(lambda c: {"type": "choice", "choices": c}, st.lists(AWKWARD_TEXT, max_size=4)),
+    st.sampled_from([{"type": "json_object"}, {"type": "text"}, {"type": "nonsense"}]),
+)
+SAMPLING_FIELDS = {
+    "temperature": st.floats(0, 2),
+    "top_p": st.floats(0.01, 1),
+    "top_k": st.integers(-1, 50),
+    "seed": st.one_of(st.integers(0, 2**32), HUGE_NUMBERS),
+    "stop": st.one_of(AWKWARD_TEXT, st.lists(AWKWARD_TEXT, max_size=5)),
+    "stream": st.booleans(),
+    "n": st.integers(1, N_CAP),
+    "logit_bias": st.dictionaries(AWKWARD_TEXT, JSON_SCALARS, max_size=2),
+    "jump_forward": st.booleans(),
+}
+# At most one of these goes in a body (two constraints are a 400 of their own).
+CONSTRAINT_FIELDS = {
+    "response_format": RESPONSE_FORMATS,
+    "guided_json": SCHEMAS,
+    "guided_regex": PATTERNS,
+    "guided_choice": st.lists(AWKWARD_TEXT, max_size=3),
+}
+TEXT_PART = st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url"]), "text": AWKWARD_TEXT})
+MESSAGE = st.fixed_dictionaries({
+    "role": st.sampled_from(["user", "system", "assistant", "tool"]),
+    "content": st.one_of(AWKWARD_TEXT, st.lists(TEXT_PART, max_size=2)),
+})
+MESSAGES = st.lists(MESSAGE, min_size=1, max_size=3)
+PROMPTS = st.one_of(AWKWARD_TEXT, st.lists(AWKWARD_TEXT, min_size=1, max_size=3))
 
 
-def _response_formats() -> st.SearchStrategy[Any]:
-    return st.one_of(
-        st.builds(lambda s, strict: {"type": "json_schema", "json_schema": {"name": "r", "schema": s, "strict": strict}},
-                  SCHEMAS, st.one_of(st.booleans(), ANY_JSON)),
-        st.builds(lambda p: {"type": "regex", "regex": p}, PATTERNS),
-        st.builds(lambda g: {"type": "grammar", "grammar": g},
-                  st.one_of(st.sampled_from(['root ::= "a"', 'root ::= root "a"', 'root ::= "ab" root',
-                                             'start: "x" | start "y"', "root ::= [a-"]), AWKWARD_TEXT)),
-        st.builds(lambda c: {"type": "choice", "choices": c}, st.lists(AWKWARD_TEXT, max_size=4)),
-        st.sampled_from([{"type": "json_object"}, {"type": "text"}, {"type": "nonsense"}]),
-        ANY_JSON,
-    )
+@st.composite
+def _bodies(draw: st.DrawFn, model: str, required: dict[str, Any], optional: dict[str, Any]) -> Any:
+    """A well-formed body (the model, a small max_tokens, `required`, a few of the optional
+    fields and at most one constraint), then up to two fields replaced by any JSON value."""
+    body = {"model": model, "max_tokens": draw(st.integers(1, MAX_TOKENS_CAP))}
+    body.update({name: draw(values) for name, values in required.items()})
+    optional = {**SAMPLING_FIELDS, **optional}
+    for name in draw(st.lists(st.sampled_from(sorted(optional)), max_size=3, unique=True)):
+        body[name] = draw(optional[name])
+    constraint = draw(st.one_of(st.none(), st.sampled_from(sorted(CONSTRAINT_FIELDS))))
+    if constraint is not None:
+        body[constraint] = draw(CONSTRAINT_FIELDS[constraint])
+    names = sorted({*body, *optional, *CONSTRAINT_FIELDS})
+    body.update(draw(st.dictionaries(st.sampled_from(names), ANY_JSON, max_size=2)))
+    return _short(body)
 
 
-def _sampling_fields(model: str) -> dict[str, st.SearchStrategy[Any]]:
-    return {
-        "model": st.one_of(st.just(model), AWKWARD_TEXT, JSON_SCALARS),
-        "temperature": st.one_of(st.floats(0, 2), JSON_SCALARS),
-        "top_p": st.one_of(st.floats(0, 1), JSON_SCALARS),
-        "top_k": st.one_of(st.integers(-2, 50), JSON_SCALARS),
-        "seed": st.one_of(st.integers(0, 2**32), HUGE_NUMBERS, JSON_SCALARS),
-        "stop": st.one_of(AWKWARD_TEXT, st.lists(AWKWARD_TEXT, max_size=5), JSON_SCALARS),
-        "stream": st.one_of(st.booleans(), JSON_SCALARS),
-        "response_format": _response_formats(),
-        "guided_json": st.one_of(SCHEMAS, AWKWARD_TEXT),
-        "guided_regex": PATTERNS,
-        "guided_choice": st.lists(AWKWARD_TEXT, max_size=3),
-        "logit_bias": st.one_of(st.dictionaries(AWKWARD_TEXT, JSON_SCALARS, max_size=2), JSON_SCALARS),
-        "jump_forward": st.one_of(st.booleans(), JSON_SCALARS),
-    }
+def _short(body: dict[str, Any]) -> dict[str, Any]:
+    """`body` with any valid length or fan-out clamped small, so generations stay short."""
+    for name, cap in (("max_tokens", MAX_TOKENS_CAP), ("max_completion_tokens", MAX_TOKENS_CAP), ("n", N_CAP)):
+        value = body.get(name)
+        if isinstance(value, (int, float)) and cap < value < 2**16:
+            body[name] = cap
+    return body
 
 
-def _messages() -> st.SearchStrategy[Any]:
-    message = st.fixed_dictionaries(
-        {"role": st.one_of(st.sampled_from(["user", "system", "assistant", "tool"]), AWKWARD_TEXT),
-         "content": st.one_of(AWKWARD_TEXT, st.lists(st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url"]),
-                                                                            "text": AWKWARD_TEXT}), max_size=2), JSON_SCALARS)},
-    )
-    return st.one_of(st.lists(message, min_size=1, max_size=3), ANY_JSON)
+def chat_bodies(model: str) -> st.SearchStrategy[Any]:
+    """Chat bodies; one in ten is any JSON value at all."""
+    bodies = _bodies(model, {"messages": MESSAGES}, {"max_completion_tokens": st.integers(1, MAX_TOKENS_CAP)})
+    return st.integers(0, 9).flatmap(lambda i: ANY_JSON if i == 0 else bodies)
 
 
-def chat_bodies(model: str) -> st.SearchStrategy[dict[str, Any]]:
-    return st.fixed_dictionaries({"messages": _messages(), "max_tokens": SMALL_MAX_TOKENS},
-                                 optional={**_sampling_fields(model), "n": SMALL_N,
-                                           "max_completion_tokens": SMALL_MAX_TOKENS})
-
-
-def completion_bodies(model: str) -> st.SearchStrategy[dict[str, Any]]:
-    prompt = st.one_of(AWKWARD_TEXT, st.lists(AWKWARD_TEXT, min_size=1, max_size=3), ANY_JSON)
-    return st.fixed_dictionaries({"prompt": prompt, "max_tokens": SMALL_MAX_TOKENS},
-                                 optional={**_sampling_fields(model), "n": SMALL_N, "echo": st.one_of(st.booleans(), JSON_SCALARS)})
+def completion_bodies(model: str) -> st.SearchStrategy[Any]:
+    return _bodies(model, {"prompt": PROMPTS}, {"echo": st.booleans()})
 
 
 # -- the wall-clock guard and the server -------------------------------------------------------
@@ -206,7 +224,7 @@ def assert_still_serving(server: FuzzServer) -> None:
 
 def test_fuzzed_chat_bodies_get_a_2xx_or_an_openai_4xx(fuzz_server: FuzzServer) -> None:
     @FUZZ_SETTINGS
-    @given(body=st.one_of(chat_bodies(fuzz_server.model), ANY_JSON))
+    @given(body=chat_bodies(fuzz_server.model))
     def answered(body: Any) -> None:
         if BUDGET.left("chat"):
             assert_well_answered(fuzz_server, "/v1/chat/completions", body)
