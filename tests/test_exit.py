@@ -75,3 +75,18 @@ def test_each_exit_script_exits_with_its_own_code_and_no_abort(model_dir: Path) 
 @pytest.mark.slow
 def test_fifty_exit_scripts_back_to_back_exit_cleanly(model_dir: Path) -> None:
     assert_all_clean(run_back_to_back(SCRIPTS * 5))
+
+
+def test_closing_the_engine_loop_aborts_its_requests_and_stops_its_thread(model_dir: Path) -> None:
+    import structgen
+    from structgen.errors import EngineError, RequestCancelledError
+
+    llm = structgen.LLM(config=structgen.EngineConfig(device="cpu", max_seq_len=1024))
+    stream = llm.stream(str, "Write a long story about the sea.", max_tokens=500)
+    next(stream)  # decoding has started
+    llm.loop.close()
+    assert not llm.loop._thread.is_alive()
+    with pytest.raises(RequestCancelledError):
+        list(stream)
+    with pytest.raises(EngineError, match="closed"):
+        llm.generate(str, "Hello", max_tokens=2)
