@@ -204,7 +204,8 @@ def _parse_args() -> argparse.Namespace:
                     help="a clean run, then the same load beside the worst requests (server_attacks.py)")
     ap.add_argument("--attack-scale", type=float, default=1.0,
                     help="size of the bad requests (prompt bytes, enum values, fan-out prompts) x this")
-    ap.add_argument("--timeout", type=float, default=600.0, help="seconds before a good request counts as lost")
+    ap.add_argument("--timeout", type=float, default=600.0,
+                    help="seconds before a good request counts as lost")
     ap.add_argument("--server-pid", type=int, help="with --url: the server's pid, for its peak RSS")
     ap.add_argument("--no-write", action="store_true", help="print the table only")
     return ap.parse_args()
@@ -221,11 +222,13 @@ def main() -> None:
     pid = server.proc.pid if server is not None else args.server_pid
     try:
         asyncio.run(run_load(url, args.model, min(args.concurrency, 8), args.concurrency, args.max_tokens))  # warm-up
-        res = asyncio.run(run_load(url, args.model, args.requests, args.concurrency, args.max_tokens, args.timeout))
+        res = asyncio.run(run_load(url, args.model, args.requests, args.concurrency, args.max_tokens,
+                                   args.timeout))
         if args.adversarial:
             rss_before = proc_status_mb(pid, "VmRSS") if pid else None
             bad = asyncio.run(run_adversarial(url, args.model, args))
-            memory = {"rss_before_attacks_mb": rss_before, "peak_rss_mb": proc_status_mb(pid, "VmHWM") if pid else None,
+            memory = {"rss_before_attacks_mb": rss_before,
+                      "peak_rss_mb": proc_status_mb(pid, "VmHWM") if pid else None,
                       "server_alive": server is None or server.proc.poll() is None}
     finally:
         if server is not None:
@@ -233,7 +236,8 @@ def main() -> None:
 
     common = {"model": "smollm2-135m", "batch": args.concurrency, "constrained": True, "max_tokens": args.max_tokens}
     if args.adversarial:
-        rows = adversarial_rows({**common, "system": "structgen", "requests": args.requests}, res, bad, memory)
+        common = {**common, "system": "structgen", "requests": args.requests}
+        rows = adversarial_rows(common, res, bad, memory)
         print_table(rows)
         print("bad requests' outcomes:", json.dumps(bad["attacks"], indent=1))
         _finish("server_adversarial", rows, [*res["failures"], *bad["failures"]], args,
@@ -264,7 +268,8 @@ def adversarial_rows(common: dict[str, Any], clean: dict[str, Any], bad: dict[st
                      "lost": res["lost"], "truncated": res["truncated"]})
     p99 = {r["load"]: r["value"] for r in rows if r["metric"] == "p99_ms"}
     ratio = p99["adversarial"] / p99["clean"] if p99["adversarial"] and p99["clean"] else None
-    rows.append({**common, "load": "adversarial", "metric": "p99_vs_clean", "value": ratio and round(ratio, 2)})
+    rows.append({**common, "load": "adversarial", "metric": "p99_vs_clean",
+                 "value": ratio and round(ratio, 2)})
     rows.append({**common, "load": "adversarial", "metric": "peak_rss_mb", "value": memory["peak_rss_mb"],
                  "server_alive": memory["server_alive"]})
     return rows

@@ -39,14 +39,24 @@ class AttackContext:
     stop: asyncio.Event
 
     def chat(self, content: str, schema: Any = None, **extra: Any) -> dict[str, Any]:
-        body = {"model": self.model, "messages": [{"role": "user", "content": content}], "max_tokens": 16, **extra}
+        body = {
+            "model": self.model,
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": 16,
+            **extra,
+        }
         if schema is not None:
-            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
+            body["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {"name": "a", "schema": schema},
+            }
         return body
 
 
 async def _post(ctx: AttackContext, path: str, body: dict[str, Any]) -> str:
-    r = await ctx.client.post(path, content=json.dumps(body).encode(), headers={"content-type": "application/json"})
+    r = await ctx.client.post(
+        path, content=json.dumps(body).encode(), headers={"content-type": "application/json"}
+    )
     return str(r.status_code)
 
 
@@ -56,7 +66,9 @@ async def huge_prompt(ctx: AttackContext) -> str:
 
 async def fan_out(ctx: AttackContext) -> str:
     prompts = [f"Count to {i}:" for i in range(max(1, int(500 * ctx.scale)))]
-    return await _post(ctx, "/completions", {"model": ctx.model, "prompt": prompts, "n": 16, "max_tokens": 16})
+    return await _post(
+        ctx, "/completions", {"model": ctx.model, "prompt": prompts, "n": 16, "max_tokens": 16}
+    )
 
 
 async def big_enum(ctx: AttackContext) -> str:
@@ -69,7 +81,9 @@ async def deep_nesting(ctx: AttackContext) -> str:
 
 
 async def self_reference(ctx: AttackContext) -> str:
-    return await _post(ctx, "/chat/completions", ctx.chat("Describe yourself.", self_referential_schema()))
+    return await _post(
+        ctx, "/chat/completions", ctx.chat("Describe yourself.", self_referential_schema())
+    )
 
 
 async def disconnect_mid_stream(ctx: AttackContext) -> str:
@@ -85,7 +99,9 @@ async def half_open(ctx: AttackContext) -> str:
     url = urlsplit(str(ctx.client.base_url))
     reader, writer = await asyncio.open_connection(url.hostname, url.port)
     try:
-        writer.write(f"POST {url.path}/chat/completions HTTP/1.1\r\nHost: {url.hostname}\r\n".encode())
+        writer.write(
+            f"POST {url.path}/chat/completions HTTP/1.1\r\nHost: {url.hostname}\r\n".encode()
+        )
         await writer.drain()
         while not ctx.stop.is_set():
             writer.write(b"X")
@@ -116,7 +132,9 @@ ATTACKS: dict[str, Callable[[AttackContext], Awaitable[str]]] = {
 class AttackLog:
     """What each attack got back: kind -> outcome (status or error name) -> count."""
 
-    outcomes: dict[str, collections.Counter] = field(default_factory=lambda: collections.defaultdict(collections.Counter))
+    outcomes: dict[str, collections.Counter] = field(
+        default_factory=lambda: collections.defaultdict(collections.Counter)
+    )
 
     def record(self, kind: str, outcome: str) -> None:
         self.outcomes[kind][outcome] += 1
@@ -138,13 +156,25 @@ async def attack_until_stopped(ctx: AttackContext, kind: str, log: AttackLog) ->
         log.record(kind, outcome)
 
 
-async def run_attacks(url: str, model: str, scale: float, stop: asyncio.Event, log: AttackLog,
-                      copies: int = 2, timeout_s: float = 120.0) -> None:
+async def run_attacks(
+    url: str,
+    model: str,
+    scale: float,
+    stop: asyncio.Event,
+    log: AttackLog,
+    copies: int = 2,
+    timeout_s: float = 120.0,
+) -> None:
     """`copies` attackers of every kind (twice as many half-open connections) until `stop`."""
-    async with httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=httpx.Limits(max_connections=None)) as client:
+    async with httpx.AsyncClient(
+        base_url=url, timeout=timeout_s, limits=httpx.Limits(max_connections=None)
+    ) as client:
         ctx = AttackContext(client, model, scale, stop)
-        tasks = [asyncio.create_task(attack_until_stopped(ctx, kind, log))
-                 for kind in ATTACKS for _ in range(copies * (2 if kind == "half_open" else 1))]
+        tasks = [
+            asyncio.create_task(attack_until_stopped(ctx, kind, log))
+            for kind in ATTACKS
+            for _ in range(copies * (2 if kind == "half_open" else 1))
+        ]
         await stop.wait()
         for t in tasks:
             t.cancel()  # in-flight attacks are dropped: their connections close

@@ -47,9 +47,18 @@ def expected_exit(script: Path) -> int:
 
 
 def run_script(script: Path) -> ScriptRun:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, str(script)], cwd=SCRIPTS_DIR, env=env, capture_output=True,
-                          text=True, timeout=SCRIPT_TIMEOUT_S)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=SCRIPTS_DIR,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=SCRIPT_TIMEOUT_S,
+    )
     return ScriptRun(script, expected_exit(script), done.returncode, done.stderr)
 
 

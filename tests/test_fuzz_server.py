@@ -30,27 +30,45 @@ WALL_BUDGET_S = 150.0
 ADDRESS_SPACE_BYTES = 6 * 2**30
 REQUEST_TIMEOUT_S = 60.0
 FUZZ_SETTINGS = settings(
-    max_examples=MAX_EXAMPLES, deadline=None, database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture],
+    max_examples=MAX_EXAMPLES,
+    deadline=None,
+    database=None,
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+        HealthCheck.function_scoped_fixture,
+    ],
 )
 ERROR_KEYS = {"message", "type", "param", "code"}
 
 # -- values of any JSON type, with the awkward ones over-represented -------------------------
 LONE_SURROGATES = st.sampled_from(["\ud800", "a\udfffb", "\udc00\ud800", '{"k": "\ud83d"}'])
-AWKWARD_TEXT = st.one_of(st.text(max_size=40), LONE_SURROGATES, st.sampled_from(["", " ", "\x00", "\u202e"]))
+AWKWARD_TEXT = st.one_of(
+    st.text(max_size=40), LONE_SURROGATES, st.sampled_from(["", " ", "\x00", "\u202e"])
+)
 HUGE_NUMBERS = st.sampled_from([2**63, 2**64, -(2**63) - 1, 10**30, 1e308, -1e308, 5e-324])
-JSON_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), HUGE_NUMBERS,
-                         st.floats(allow_nan=False, allow_infinity=False), AWKWARD_TEXT)
+JSON_SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    HUGE_NUMBERS,
+    st.floats(allow_nan=False, allow_infinity=False),
+    AWKWARD_TEXT,
+)
 ANY_JSON = st.recursive(
     JSON_SCALARS,
-    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(AWKWARD_TEXT, inner, max_size=4)),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4), st.dictionaries(AWKWARD_TEXT, inner, max_size=4)
+    ),
     max_leaves=8,
 )
 
 # -- JSON-schema fragments --------------------------------------------------------------------
 TYPES = ["string", "integer", "number", "boolean", "null", "object", "array"]
-PATTERNS = st.one_of(st.sampled_from(["^[a-z]+$", "[0-9]{2,4}", "(a|b)*c", "\\d+", "[", "(?P<x>a)", "a{99999}"]),
-                     st.text(max_size=12))
+PATTERNS = st.one_of(
+    st.sampled_from(["^[a-z]+$", "[0-9]{2,4}", "(a|b)*c", "\\d+", "[", "(?P<x>a)", "a{99999}"]),
+    st.text(max_size=12),
+)
 BOUND = st.one_of(st.integers(-5, 5), HUGE_NUMBERS)
 SCHEMA_LEAVES = st.one_of(
     st.builds(lambda t: {"type": t}, st.sampled_from(TYPES)),
@@ -59,27 +77,51 @@ SCHEMA_LEAVES = st.one_of(
     st.builds(lambda p: {"type": "string", "pattern": p}, PATTERNS),
     st.builds(lambda lo, hi: {"type": "integer", "minimum": lo, "maximum": hi}, BOUND, BOUND),
     st.builds(lambda lo, hi: {"type": "string", "minLength": lo, "maxLength": hi}, BOUND, BOUND),
-    st.builds(lambda f: {"type": "string", "format": f},
-              st.sampled_from(["date", "date-time", "email", "uuid", "ipv4", "uri", "nonsense"])),
+    st.builds(
+        lambda f: {"type": "string", "format": f},
+        st.sampled_from(["date", "date-time", "email", "uuid", "ipv4", "uri", "nonsense"]),
+    ),
     st.sampled_from([{"$ref": "#"}, {"$ref": "#/$defs/missing"}, {}, {"not": {}}, True, False]),
-    st.dictionaries(st.sampled_from(["type", "items", "properties", "required", "enum", "$ref", "anyOf"]),
-                    ANY_JSON, max_size=3),
+    st.dictionaries(
+        st.sampled_from(["type", "items", "properties", "required", "enum", "$ref", "anyOf"]),
+        ANY_JSON,
+        max_size=3,
+    ),
 )
 
 
 def _object(props: dict[str, Any], required: list[str], extra: Any) -> dict[str, Any]:
-    return {"type": "object", "properties": props, "required": required, "additionalProperties": extra}
+    return {
+        "type": "object",
+        "properties": props,
+        "required": required,
+        "additionalProperties": extra,
+    }
 
 
 SCHEMAS = st.recursive(
     SCHEMA_LEAVES,
     lambda inner: st.one_of(
-        st.builds(_object, st.dictionaries(AWKWARD_TEXT, inner, max_size=3),
-                  st.lists(st.sampled_from(["a", "b", "self", ""]), max_size=3), st.one_of(st.booleans(), inner)),
-        st.builds(lambda items, lo: {"type": "array", "items": items, "minItems": lo}, inner, BOUND),
-        st.builds(lambda k, xs: {k: xs}, st.sampled_from(["anyOf", "oneOf", "allOf"]), st.lists(inner, max_size=3)),
+        st.builds(
+            _object,
+            st.dictionaries(AWKWARD_TEXT, inner, max_size=3),
+            st.lists(st.sampled_from(["a", "b", "self", ""]), max_size=3),
+            st.one_of(st.booleans(), inner),
+        ),
+        st.builds(
+            lambda items, lo: {"type": "array", "items": items, "minItems": lo}, inner, BOUND
+        ),
+        st.builds(
+            lambda k, xs: {k: xs},
+            st.sampled_from(["anyOf", "oneOf", "allOf"]),
+            st.lists(inner, max_size=3),
+        ),
         st.builds(lambda x: {"not": x}, inner),
-        st.builds(lambda d, r: {"$defs": {"d": d}, **({"$ref": "#/$defs/d"} if r else {})}, inner, st.booleans()),
+        st.builds(
+            lambda d, r: {"$defs": {"d": d}, **({"$ref": "#/$defs/d"} if r else {})},
+            inner,
+            st.booleans(),
+        ),
         st.builds(lambda x: _object({"self": {"$ref": "#"}, "x": x}, ["self"], False), inner),
     ),
     max_leaves=10,
@@ -89,12 +131,30 @@ SCHEMAS = st.recursive(
 MAX_TOKENS_CAP = 8
 N_CAP = 2
 RESPONSE_FORMATS = st.one_of(
-    st.builds(lambda s, strict: {"type": "json_schema", "json_schema": {"name": "r", "schema": s, "strict": strict}},
-              SCHEMAS, st.booleans()),
+    st.builds(
+        lambda s, strict: {
+            "type": "json_schema",
+            "json_schema": {"name": "r", "schema": s, "strict": strict},
+        },
+        SCHEMAS,
+        st.booleans(),
+    ),
     st.builds(lambda p: {"type": "regex", "regex": p}, PATTERNS),
-    st.builds(lambda g: {"type": "grammar", "grammar": g},
-              st.one_of(st.sampled_from(['root ::= "a"', 'root ::= root "a"', 'root ::= "ab" root',
-                                         'start: "x" | start "y"', "root ::= [a-"]), AWKWARD_TEXT)),
+    st.builds(
+        lambda g: {"type": "grammar", "grammar": g},
+        st.one_of(
+            st.sampled_from(
+                [
+                    'root ::= "a"',
+                    'root ::= root "a"',
+                    'root ::= "ab" root',
+                    'start: "x" | start "y"',
+                    "root ::= [a-",
+                ]
+            ),
+            AWKWARD_TEXT,
+        ),
+    ),
     st.builds(lambda c: {"type": "choice", "choices": c}, st.lists(AWKWARD_TEXT, max_size=4)),
     st.sampled_from([{"type": "json_object"}, {"type": "text"}, {"type": "nonsense"}]),
 )
@@ -116,11 +176,15 @@ CONSTRAINT_FIELDS = {
     "guided_regex": PATTERNS,
     "guided_choice": st.lists(AWKWARD_TEXT, max_size=3),
 }
-TEXT_PART = st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url"]), "text": AWKWARD_TEXT})
-MESSAGE = st.fixed_dictionaries({
-    "role": st.sampled_from(["user", "system", "assistant", "tool"]),
-    "content": st.one_of(AWKWARD_TEXT, st.lists(TEXT_PART, max_size=2)),
-})
+TEXT_PART = st.fixed_dictionaries(
+    {"type": st.sampled_from(["text", "image_url"]), "text": AWKWARD_TEXT}
+)
+MESSAGE = st.fixed_dictionaries(
+    {
+        "role": st.sampled_from(["user", "system", "assistant", "tool"]),
+        "content": st.one_of(AWKWARD_TEXT, st.lists(TEXT_PART, max_size=2)),
+    }
+)
 MESSAGES = st.lists(MESSAGE, min_size=1, max_size=3)
 PROMPTS = st.one_of(AWKWARD_TEXT, st.lists(AWKWARD_TEXT, min_size=1, max_size=3))
 
@@ -144,7 +208,11 @@ def _bodies(draw: st.DrawFn, model: str, required: dict[str, Any], optional: dic
 
 def _short(body: dict[str, Any]) -> dict[str, Any]:
     """`body` with any valid length or fan-out clamped small, so generations stay short."""
-    for name, cap in (("max_tokens", MAX_TOKENS_CAP), ("max_completion_tokens", MAX_TOKENS_CAP), ("n", N_CAP)):
+    for name, cap in (
+        ("max_tokens", MAX_TOKENS_CAP),
+        ("max_completion_tokens", MAX_TOKENS_CAP),
+        ("n", N_CAP),
+    ):
         value = body.get(name)
         if isinstance(value, (int, float)) and cap < value < 2**16:
             body[name] = cap
@@ -153,7 +221,9 @@ def _short(body: dict[str, Any]) -> dict[str, Any]:
 
 def chat_bodies(model: str) -> st.SearchStrategy[Any]:
     """Chat bodies; one in ten is any JSON value at all."""
-    bodies = _bodies(model, {"messages": MESSAGES}, {"max_completion_tokens": st.integers(1, MAX_TOKENS_CAP)})
+    bodies = _bodies(
+        model, {"messages": MESSAGES}, {"max_completion_tokens": st.integers(1, MAX_TOKENS_CAP)}
+    )
     return st.integers(0, 9).flatmap(lambda i: ANY_JSON if i == 0 else bodies)
 
 
@@ -185,7 +255,9 @@ class FuzzServer:
     def post(self, path: str, body: Any) -> httpx.Response:
         # ensure_ascii: lone surrogates travel as \\ud800 escapes, as a JSON client may send them
         raw = json.dumps(body, ensure_ascii=True).encode()
-        return self.client.post(f"{self.root}{path}", content=raw, headers={"content-type": "application/json"})
+        return self.client.post(
+            f"{self.root}{path}", content=raw, headers={"content-type": "application/json"}
+        )
 
 
 @pytest.fixture(scope="module")
@@ -194,9 +266,20 @@ def fuzz_server(model_dir) -> Iterator[FuzzServer]:
     space capped after start-up so that a runaway request fails instead of taking the host."""
     from structgen_server.process import ServerProcess
 
-    args = ["--device", "cpu", "--max-seq-len", "1024", "--max-batch-size", "8", "--log-level", "warning"]
+    args = [
+        "--device",
+        "cpu",
+        "--max-seq-len",
+        "1024",
+        "--max-batch-size",
+        "8",
+        "--log-level",
+        "warning",
+    ]
     with ServerProcess(args) as server, httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:
-        resource.prlimit(server.proc.pid, resource.RLIMIT_AS, (ADDRESS_SPACE_BYTES, ADDRESS_SPACE_BYTES))
+        resource.prlimit(
+            server.proc.pid, resource.RLIMIT_AS, (ADDRESS_SPACE_BYTES, ADDRESS_SPACE_BYTES)
+        )
         model = client.get(f"{server.url}/models").json()["data"][0]["id"]
         fuzz = FuzzServer(server.root, model, client)
         yield fuzz
@@ -207,16 +290,24 @@ def assert_well_answered(server: FuzzServer, path: str, body: Any) -> None:
     try:
         response = server.post(path, body)
     except httpx.TransportError as exc:
-        raise AssertionError(f"no answer ({type(exc).__name__}: {exc}); is the server alive?") from exc
+        raise AssertionError(
+            f"no answer ({type(exc).__name__}: {exc}); is the server alive?"
+        ) from exc
     assert response.status_code < 500, f"{response.status_code}: {response.text[:500]}"
     if response.status_code >= 400:
         error = response.json().get("error")
-        assert isinstance(error, dict) and ERROR_KEYS <= error.keys(), f"not OpenAI's error format: {response.text[:500]}"
+        assert isinstance(error, dict) and ERROR_KEYS <= error.keys(), (
+            f"not OpenAI's error format: {response.text[:500]}"
+        )
 
 
 def assert_still_serving(server: FuzzServer) -> None:
     assert httpx.get(f"{server.root}/health", timeout=10).status_code == 200
-    good = {"model": server.model, "messages": [{"role": "user", "content": "Say yes."}], "max_tokens": 4}
+    good = {
+        "model": server.model,
+        "messages": [{"role": "user", "content": "Say yes."}],
+        "max_tokens": 4,
+    }
     response = server.post("/v1/chat/completions", good)
     assert response.status_code == 200, response.text[:500]
     assert response.json()["choices"][0]["message"]["content"]

@@ -11,8 +11,12 @@ import structgen
 
 YES_NO = Literal["yes", "no"]
 SMALL_OBJECT = structgen.JsonSchema(
-    {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
-     "required": ["n"], "additionalProperties": False}
+    {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
 )
 THREE_DIGITS = structgen.Regex(r"[0-9]{3}")
 LARK_WORD = structgen.CFG(r'start: "x" /[a-z]{2,4}/', syntax="lark")
