@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import resource
 import statistics
 import time
 from typing import Any
@@ -207,6 +208,9 @@ def _parse_args() -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=600.0,
                     help="seconds before a good request counts as lost")
     ap.add_argument("--server-pid", type=int, help="with --url: the server's pid, for its peak RSS")
+    ap.add_argument("--server-memory-gb", type=float, default=16.0,
+                    help="address-space cap of a started server, so a runaway request cannot take "
+                         "the host (0: none)")
     ap.add_argument("--no-write", action="store_true", help="print the table only")
     return ap.parse_args()
 
@@ -218,6 +222,9 @@ def main() -> None:
         extra = ["--device", args.device] if args.device else []
         server = ServerProcess([*extra, "--max-batch-size", str(args.concurrency), "--max-seq-len", "1024",
                                 "--log-level", "warning"]).start()
+        if args.server_memory_gb > 0:
+            cap = int(args.server_memory_gb * 2**30)
+            resource.prlimit(server.proc.pid, resource.RLIMIT_AS, (cap, cap))
     url = args.url or server.url
     pid = server.proc.pid if server is not None else args.server_pid
     try:

@@ -17,6 +17,9 @@ from urllib.parse import urlsplit
 
 import httpx
 
+# A half-open connection sends its next byte, and sees a stop, this often (seconds).
+HALF_OPEN_POLL_S = 1.0
+
 
 def self_referential_schema() -> dict[str, Any]:
     """An object that must contain itself: no finite JSON satisfies it."""
@@ -95,7 +98,7 @@ async def disconnect_mid_stream(ctx: AttackContext) -> str:
 
 
 async def half_open(ctx: AttackContext) -> str:
-    """Slowloris: a request line and one header, then a byte every few seconds, never the end."""
+    """Slowloris: a request line and one header, then a byte a second, never the end."""
     url = urlsplit(str(ctx.client.base_url))
     reader, writer = await asyncio.open_connection(url.hostname, url.port)
     try:
@@ -107,7 +110,7 @@ async def half_open(ctx: AttackContext) -> str:
             writer.write(b"X")
             await writer.drain()
             try:
-                if await asyncio.wait_for(reader.read(1), timeout=5.0) == b"":
+                if await asyncio.wait_for(reader.read(1), timeout=HALF_OPEN_POLL_S) == b"":
                     return "closed-by-server"
             except asyncio.TimeoutError:
                 continue
@@ -153,6 +156,9 @@ async def attack_until_stopped(ctx: AttackContext, kind: str, log: AttackLog) ->
         except (httpx.HTTPError, OSError) as exc:
             outcome = type(exc).__name__
             await asyncio.sleep(0.5)
+        except asyncio.CancelledError:
+            log.record(kind, "unanswered-at-end")
+            raise
         log.record(kind, outcome)
 
 
@@ -176,6 +182,7 @@ async def run_attacks(
             for _ in range(copies * (2 if kind == "half_open" else 1))
         ]
         await stop.wait()
+        await asyncio.wait(tasks, timeout=HALF_OPEN_POLL_S * 2)  # half-open ones see the stop
         for t in tasks:
             t.cancel()  # in-flight attacks are dropped: their connections close
         await asyncio.gather(*tasks, return_exceptions=True)
