@@ -208,9 +208,9 @@ def _parse_args() -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=600.0,
                     help="seconds before a good request counts as lost")
     ap.add_argument("--server-pid", type=int, help="with --url: the server's pid, for its peak RSS")
-    ap.add_argument("--server-memory-gb", type=float, default=16.0,
-                    help="address-space cap of a started server, so a runaway request cannot take "
-                         "the host (0: none)")
+    ap.add_argument("--server-memory-gb", type=float, default=None,
+                    help="address-space cap of a started server, so that a runaway request cannot "
+                         "take the host (default 8 on CPU; none on CUDA, whose driver maps more)")
     ap.add_argument("--no-write", action="store_true", help="print the table only")
     return ap.parse_args()
 
@@ -222,8 +222,9 @@ def main() -> None:
         extra = ["--device", args.device] if args.device else []
         server = ServerProcess([*extra, "--max-batch-size", str(args.concurrency), "--max-seq-len", "1024",
                                 "--log-level", "warning"]).start()
-        if args.server_memory_gb > 0:
-            cap = int(args.server_memory_gb * 2**30)
+        cap_gb = args.server_memory_gb if args.server_memory_gb is not None else 0 if args.device == "cuda" else 8
+        if cap_gb > 0:
+            cap = int(cap_gb * 2**30)
             resource.prlimit(server.proc.pid, resource.RLIMIT_AS, (cap, cap))
     url = args.url or server.url
     pid = server.proc.pid if server is not None else args.server_pid
