@@ -266,16 +266,7 @@ def fuzz_server(model_dir) -> Iterator[FuzzServer]:
     space capped after start-up so that a runaway request fails instead of taking the host."""
     from structgen_server.process import ServerProcess
 
-    args = [
-        "--device",
-        "cpu",
-        "--max-seq-len",
-        "1024",
-        "--max-batch-size",
-        "8",
-        "--log-level",
-        "warning",
-    ]
+    args = "--device cpu --max-seq-len 1024 --max-batch-size 8 --log-level warning".split()
     with ServerProcess(args) as server, httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:
         resource.prlimit(
             server.proc.pid, resource.RLIMIT_AS, (ADDRESS_SPACE_BYTES, ADDRESS_SPACE_BYTES)
@@ -313,26 +304,25 @@ def assert_still_serving(server: FuzzServer) -> None:
     assert response.json()["choices"][0]["message"]["content"]
 
 
-def test_fuzzed_chat_bodies_get_a_2xx_or_an_openai_4xx(fuzz_server: FuzzServer) -> None:
+def fuzz_endpoint(server: FuzzServer, path: str, bodies: st.SearchStrategy[Any]) -> None:
+    """Every body drawn from `bodies` is well answered at `path`; the server serves after."""
+
     @FUZZ_SETTINGS
-    @given(body=chat_bodies(fuzz_server.model))
+    @given(body=bodies)
     def answered(body: Any) -> None:
-        if BUDGET.left("chat"):
-            assert_well_answered(fuzz_server, "/v1/chat/completions", body)
+        if BUDGET.left(path):
+            assert_well_answered(server, path, body)
 
     answered()
-    assert_still_serving(fuzz_server)
+    assert_still_serving(server)
+
+
+def test_fuzzed_chat_bodies_get_a_2xx_or_an_openai_4xx(fuzz_server: FuzzServer) -> None:
+    fuzz_endpoint(fuzz_server, "/v1/chat/completions", chat_bodies(fuzz_server.model))
 
 
 def test_fuzzed_completion_bodies_get_a_2xx_or_an_openai_4xx(fuzz_server: FuzzServer) -> None:
-    @FUZZ_SETTINGS
-    @given(body=completion_bodies(fuzz_server.model))
-    def answered(body: Any) -> None:
-        if BUDGET.left("completions"):
-            assert_well_answered(fuzz_server, "/v1/completions", body)
-
-    answered()
-    assert_still_serving(fuzz_server)
+    fuzz_endpoint(fuzz_server, "/v1/completions", completion_bodies(fuzz_server.model))
 
 
 # -- in process -------------------------------------------------------------------------------
