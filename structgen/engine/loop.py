@@ -1,19 +1,31 @@
 """EngineLoop: one background thread owns the engine and steps it while there is work, so
 every caller (sync, async, server) shares the same batches. Callers hand requests over and
-get a `concurrent.futures.Future` that resolves when the request finishes."""
+get a `concurrent.futures.Future` that resolves when the request finishes.
+
+The thread is a daemon (a forgotten LLM must not keep the process alive), so it is stopped at
+interpreter exit by an `atexit` hook: a daemon thread still inside a step when the interpreter
+finalizes is killed as it next takes the GIL, and where that happens inside a C++ frame (a torch
+tensor's destructor, a grammar library's call) the process aborts with "terminate called
+without an active exception"."""
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 
 from structgen.engine.engine import Engine
 from structgen.engine.request import Request
+from structgen.errors import EngineError
 
 log = logging.getLogger("structgen.engine")
+# Seconds `close` waits for the step in progress: longer than the slowest step (a CPU prefill
+# of a full context).
+CLOSE_TIMEOUT_S = 30.0
 
 
 class EngineLoop:
@@ -23,10 +35,12 @@ class EngineLoop:
         self._incoming: deque[Request] = deque()
         self._aborts: deque[Request] = deque()
         self._thread: threading.Thread | None = None
+        self._closing = False
         engine.interrupted = self._has_news
+        _OPEN_LOOPS.add(self)
 
     def _has_news(self) -> bool:
-        return bool(self._incoming or self._aborts)
+        return bool(self._incoming or self._aborts or self._closing)
 
     def submit(self, request: Request) -> Future:
         """Queue `request`; the future resolves to it once finished (a request the engine
@@ -42,6 +56,9 @@ class EngineLoop:
 
         request.on_update = on_update
         with self._cond:
+            if self._closing:
+                raise EngineError("this LLM's engine loop is closed (the interpreter is exiting or its "
+                                  "close() was called); create a new LLM to generate again")
             self._incoming.append(request)
             self._ensure_thread()
             self._cond.notify()
@@ -53,6 +70,16 @@ class EngineLoop:
             self._aborts.append(request)
             self._cond.notify()
 
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """Abort every queued and running request and stop the loop thread, waiting up to
+        `timeout` seconds for the step in progress; later `submit`s raise EngineError."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
     def _ensure_thread(self) -> None:
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._run, name="structgen-engine", daemon=True)
@@ -61,10 +88,14 @@ class EngineLoop:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not (self._incoming or self._aborts or self.engine.has_work()):
+                while not (self._incoming or self._aborts or self._closing or self.engine.has_work()):
                     self._cond.wait()
                 incoming, self._incoming = list(self._incoming), deque()
                 aborts, self._aborts = list(self._aborts), deque()
+                closing = self._closing
+            if closing:
+                self._abort_all(incoming)
+                return
             for req in incoming:
                 try:
                     self.engine.add_request(req)
@@ -77,3 +108,19 @@ class EngineLoop:
                 self.engine.step()
             except Exception:  # pragma: no cover - step guards its own failures
                 log.exception("engine step failed")
+
+    def _abort_all(self, incoming: list[Request]) -> None:
+        """Finish every request the loop holds as aborted, so that no waiter hangs."""
+        scheduler = self.engine.scheduler
+        for req in [*incoming, *scheduler.waiting, *scheduler.running]:
+            self.engine.abort(req)
+
+
+# Loops whose thread may still run; weak, so that an LLM dropped by its owner is collected.
+_OPEN_LOOPS: weakref.WeakSet[EngineLoop] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_loops() -> None:
+    for loop in list(_OPEN_LOOPS):
+        loop.close()

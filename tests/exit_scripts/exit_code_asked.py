@@ -1,0 +1,8 @@
+# expect-exit: 3
+import sys
+
+from _shared import LARK_WORD, MAX_TOKENS, load
+
+llm = load("llguidance")
+print(llm.generate(LARK_WORD, "A short word:", max_tokens=MAX_TOKENS))
+sys.exit(3)

@@ -1,0 +1,4 @@
+from _shared import load
+
+llm = load("llguidance")
+print(llm.model_name)
