@@ -81,3 +81,8 @@ class EngineError(StructgenError):
 
 class InvalidParameterError(StructgenError, ValueError):
     """A sampling or request parameter is out of range (names the parameter)."""
+
+
+class StructgenWarning(UserWarning):
+    """Something structgen accepted but that is probably not what was meant (e.g. an unknown
+    JSON-Schema keyword, which validators ignore); the message names the likely intent."""
