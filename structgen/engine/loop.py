@@ -12,6 +12,7 @@ from concurrent.futures import Future
 
 from structgen.engine.engine import Engine
 from structgen.engine.request import Request
+from structgen.errors import EngineError
 
 log = logging.getLogger("structgen.engine")
 
@@ -23,6 +24,7 @@ class EngineLoop:
         self._incoming: deque[Request] = deque()
         self._aborts: deque[Request] = deque()
         self._thread: threading.Thread | None = None
+        self._closed = False
         engine.interrupted = self._has_news
 
     def _has_news(self) -> bool:
@@ -42,6 +44,8 @@ class EngineLoop:
 
         request.on_update = on_update
         with self._cond:
+            if self._closed:
+                raise EngineError("the engine loop is closed; create a new LLM to generate again")
             self._incoming.append(request)
             self._ensure_thread()
             self._cond.notify()
@@ -61,10 +65,13 @@ class EngineLoop:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not (self._incoming or self._aborts or self.engine.has_work()):
+                while not (self._incoming or self._aborts or self.engine.has_work() or self._closed):
                     self._cond.wait()
                 incoming, self._incoming = list(self._incoming), deque()
                 aborts, self._aborts = list(self._aborts), deque()
+                if self._closed:
+                    aborts += incoming + list(self.engine.scheduler.waiting) + self.engine.scheduler.running
+                    incoming = []
             for req in incoming:
                 try:
                     self.engine.add_request(req)
@@ -73,7 +80,18 @@ class EngineLoop:
                     self.engine._notify(req)
             for req in aborts:
                 self.engine.abort(req)
+            if self._closed:
+                return
             try:
                 self.engine.step()
             except Exception:  # pragma: no cover - step guards its own failures
                 log.exception("engine step failed")
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Abort every queued and running request and stop the loop thread (idempotent)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout_s)
