@@ -24,7 +24,6 @@ from structgen.arguments import (
     Options,
     check_prompt,
     checked_keywords,
-    prompt_characters,
 )
 from structgen.engine.config import EngineConfig
 from structgen.engine.engine import Engine
@@ -32,9 +31,10 @@ from structgen.engine.loop import EngineLoop
 from structgen.engine.request import GenerationStats, Request
 from structgen.engine.sampler import SamplingParams
 from structgen.errors import (
+    ConstraintTooLargeError,
     IncompleteOutputError,
+    InvalidConstraintError,
     InvalidParameterError,
-    PromptTooLongError,
     RequestCancelledError,
     StructgenError,
 )
@@ -182,13 +182,7 @@ class LLM:
         """Token ids of a prompt: message lists and (for chat models) plain strings go through
         the chat template; `chat=False` sends a string as raw text. A prompt far longer than
         the context is refused (`PromptTooLongError`) before it is tokenized."""
-        check_prompt(prompt)
-        chars, limit = prompt_characters(prompt), self.engine.max_seq_len * _MAX_CHARS_PER_TOKEN
-        if chars > limit:
-            raise PromptTooLongError(
-                f"prompt of {chars} characters cannot fit the context of {self.engine.max_seq_len} "
-                "tokens; shorten the prompt"
-            )
+        check_prompt(prompt, self.engine.max_seq_len * _MAX_CHARS_PER_TOKEN)
         try:
             return self._tokenize(prompt, chat, tools)
         except StructgenError:
@@ -216,10 +210,15 @@ class LLM:
     def _request(self, output_type: Any, prompt: Prompt, options: Options) -> tuple[Request, Constraint]:
         if self.closed:
             raise StructgenError("this LLM is closed; create a new structgen.LLM() to generate again")
-        constraint = to_constraint(output_type, strict=options.strict)
-        matcher = None
-        if constraint.kind != "text":
-            matcher = self.grammars.compile(constraint).matcher()
+        try:
+            constraint = to_constraint(output_type, strict=options.strict)
+            matcher = None if constraint.kind == "text" else self.grammars.compile(constraint).matcher()
+        except StructgenError:
+            raise
+        except RecursionError as e:
+            raise ConstraintTooLargeError("the output type is nested too deeply to compile; flatten it") from e
+        except Exception as e:  # a library failing on an input it should have refused
+            raise InvalidConstraintError(f"cannot build a grammar for {output_type!r:.80}: {e}") from e
         ids = self.encode_prompt(prompt, chat=options.chat, tools=options.tools)
         return Request(ids, options.params, matcher, frozenset(self.engine.stop_token_ids)), constraint
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, TypedDict, TypeVar
 
 from structgen.engine.sampler import SamplingParams
-from structgen.errors import InvalidParameterError
+from structgen.errors import InvalidParameterError, PromptTooLongError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -126,14 +126,16 @@ def _unknown_keyword(name: str, method: str, accepted: list[str]) -> str:
     return f"{method}() got an unknown keyword argument {name!r}{advice} It takes {', '.join(accepted)}"
 
 
-def check_prompt(prompt: Any) -> None:
-    """A prompt is non-empty text or a non-empty list of messages with known roles."""
+def check_prompt(prompt: Any, max_chars: int) -> None:
+    """A prompt is non-empty text or a non-empty list of messages with known roles, of at most
+    `max_chars` characters (checked before anything reads the whole text)."""
     if prompt is None:
         raise InvalidParameterError(
             "prompt is None; pass the prompt text, or messages such as "
             "[{'role': 'user', 'content': '...'}], as the second argument"
         )
     if isinstance(prompt, str):
+        _check_length(len(prompt), max_chars)
         if not prompt.strip():
             raise InvalidParameterError("prompt is empty; pass the text to generate from")
         check_text(prompt, "prompt")
@@ -153,6 +155,15 @@ def check_prompt(prompt: Any) -> None:
         raise InvalidParameterError("prompt is an empty list of messages; add at least one")
     for i, message in enumerate(prompt):
         _check_message(i, message)
+    _check_length(sum(len(str(m.get("content") or "")) for m in prompt), max_chars)
+
+
+def _check_length(chars: int, max_chars: int) -> None:
+    if chars > max_chars:
+        raise PromptTooLongError(
+            f"prompt of {chars} characters cannot fit the model's context (at most {max_chars} "
+            "characters); shorten the prompt"
+        )
 
 
 def _check_message(i: int, message: Any) -> None:
@@ -186,10 +197,3 @@ def check_text(text: str, where: str) -> None:
             f"{where} holds a lone surrogate {text[e.start]!r} at character {e.start}, which is "
             "not valid Unicode text; remove it (or decode the source with errors='replace')"
         ) from None
-
-
-def prompt_characters(prompt: str | Sequence[dict[str, Any]]) -> int:
-    """Characters of a (checked) prompt's text, without rendering it."""
-    if isinstance(prompt, str):
-        return len(prompt)
-    return sum(len(m["content"]) if isinstance(m.get("content"), str) else len(str(m.get("content") or "")) for m in prompt)
