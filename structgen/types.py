@@ -13,6 +13,7 @@ import dataclasses
 import enum
 import functools
 import json
+import os
 import re
 import sys
 import typing
@@ -336,8 +337,19 @@ def _warn_unknown_keywords(schema: dict[str, Any]) -> None:
                     f"unknown JSON Schema keyword {kw!r} at {path} is ignored; did you mean "
                     f"{close[0]!r}?",
                     StructgenWarning,
-                    stacklevel=5,
+                    stacklevel=_first_caller_outside_structgen(),
                 )
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _first_caller_outside_structgen() -> int:
+    """The `stacklevel` that points a warning at the caller's code, not at structgen's."""
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        level, frame = level + 1, frame.f_back
+    return level
 
 
 _BOUND_PAIRS = (
