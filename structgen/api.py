@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
 from structgen.arguments import (
+    DEFAULTS,
     GenerateOptions,
     Options,
     check_prompt,
@@ -48,7 +49,6 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 Prompt = str | Sequence[dict[str, Any]]
-_DEFAULTS = SamplingParams()
 # How often a blocked wait wakes to let Ctrl-C through (a bare lock wait does not on Windows,
 # nor for `_thread.interrupt_main`).
 _POLL_S = 0.1
@@ -269,9 +269,9 @@ class LLM:
     def complete(self, output_type: object, prompt: Prompt, **options: Unpack[GenerateOptions]) -> Completion[Any]: ...
     @checked_keywords
     def complete(
-        self, output_type: Any, prompt: Prompt, *, max_tokens: int = _DEFAULTS.max_tokens,
-        temperature: float = _DEFAULTS.temperature, top_p: float = _DEFAULTS.top_p,
-        top_k: int = _DEFAULTS.top_k, seed: int | None = None, jump_forward: bool | None = None,
+        self, output_type: Any, prompt: Prompt, *, max_tokens: int = DEFAULTS.max_tokens,
+        temperature: float = DEFAULTS.temperature, top_p: float = DEFAULTS.top_p,
+        top_k: int = DEFAULTS.top_k, seed: int | None = None, jump_forward: bool | None = None,
         strict: bool = True, chat: bool | None = None, tools: list[dict[str, Any]] | None = None,
         params: SamplingParams | None = None,
     ) -> Completion[Any]:  # fmt: skip
@@ -287,9 +287,9 @@ class LLM:
     def generate(self, output_type: object, prompt: Prompt, **options: Unpack[GenerateOptions]) -> Any: ...
     @checked_keywords
     def generate(
-        self, output_type: Any, prompt: Prompt, *, max_tokens: int = _DEFAULTS.max_tokens,
-        temperature: float = _DEFAULTS.temperature, top_p: float = _DEFAULTS.top_p,
-        top_k: int = _DEFAULTS.top_k, seed: int | None = None, jump_forward: bool | None = None,
+        self, output_type: Any, prompt: Prompt, *, max_tokens: int = DEFAULTS.max_tokens,
+        temperature: float = DEFAULTS.temperature, top_p: float = DEFAULTS.top_p,
+        top_k: int = DEFAULTS.top_k, seed: int | None = None, jump_forward: bool | None = None,
         strict: bool = True, chat: bool | None = None, tools: list[dict[str, Any]] | None = None,
         params: SamplingParams | None = None,
     ) -> Any:  # fmt: skip
@@ -319,9 +319,9 @@ class LLM:
     ) -> list[Completion[Any]]: ...
     @checked_keywords
     def complete_batch(
-        self, output_type: Any, prompts: Sequence[Prompt], *, max_tokens: int = _DEFAULTS.max_tokens,
-        temperature: float = _DEFAULTS.temperature, top_p: float = _DEFAULTS.top_p,
-        top_k: int = _DEFAULTS.top_k, seed: int | None = None, jump_forward: bool | None = None,
+        self, output_type: Any, prompts: Sequence[Prompt], *, max_tokens: int = DEFAULTS.max_tokens,
+        temperature: float = DEFAULTS.temperature, top_p: float = DEFAULTS.top_p,
+        top_k: int = DEFAULTS.top_k, seed: int | None = None, jump_forward: bool | None = None,
         strict: bool = True, chat: bool | None = None, tools: list[dict[str, Any]] | None = None,
         params: SamplingParams | None = None,
     ) -> list[Completion[Any]]:  # fmt: skip
@@ -343,9 +343,9 @@ class LLM:
     ) -> list[Any]: ...
     @checked_keywords
     def generate_batch(
-        self, output_type: Any, prompts: Sequence[Prompt], *, max_tokens: int = _DEFAULTS.max_tokens,
-        temperature: float = _DEFAULTS.temperature, top_p: float = _DEFAULTS.top_p,
-        top_k: int = _DEFAULTS.top_k, seed: int | None = None, jump_forward: bool | None = None,
+        self, output_type: Any, prompts: Sequence[Prompt], *, max_tokens: int = DEFAULTS.max_tokens,
+        temperature: float = DEFAULTS.temperature, top_p: float = DEFAULTS.top_p,
+        top_k: int = DEFAULTS.top_k, seed: int | None = None, jump_forward: bool | None = None,
         strict: bool = True, chat: bool | None = None, tools: list[dict[str, Any]] | None = None,
         params: SamplingParams | None = None,
     ) -> list[Any]:  # fmt: skip
@@ -355,9 +355,9 @@ class LLM:
 
     @checked_keywords
     def stream(
-        self, output_type: Any, prompt: Prompt, *, max_tokens: int = _DEFAULTS.max_tokens,
-        temperature: float = _DEFAULTS.temperature, top_p: float = _DEFAULTS.top_p,
-        top_k: int = _DEFAULTS.top_k, seed: int | None = None, jump_forward: bool | None = None,
+        self, output_type: Any, prompt: Prompt, *, max_tokens: int = DEFAULTS.max_tokens,
+        temperature: float = DEFAULTS.temperature, top_p: float = DEFAULTS.top_p,
+        top_k: int = DEFAULTS.top_k, seed: int | None = None, jump_forward: bool | None = None,
         strict: bool = True, chat: bool | None = None, tools: list[dict[str, Any]] | None = None,
         params: SamplingParams | None = None,
     ) -> Iterator[str]:  # fmt: skip
@@ -414,9 +414,9 @@ class LLM:
     ) -> Completion[Any]: ...
     @checked_keywords
     async def acomplete(
-        self, output_type: Any, prompt: Prompt, *, max_tokens: int = _DEFAULTS.max_tokens,
-        temperature: float = _DEFAULTS.temperature, top_p: float = _DEFAULTS.top_p,
-        top_k: int = _DEFAULTS.top_k, seed: int | None = None, jump_forward: bool | None = None,
+        self, output_type: Any, prompt: Prompt, *, max_tokens: int = DEFAULTS.max_tokens,
+        temperature: float = DEFAULTS.temperature, top_p: float = DEFAULTS.top_p,
+        top_k: int = DEFAULTS.top_k, seed: int | None = None, jump_forward: bool | None = None,
         strict: bool = True, chat: bool | None = None, tools: list[dict[str, Any]] | None = None,
         params: SamplingParams | None = None,
     ) -> Completion[Any]:  # fmt: skip
@@ -433,9 +433,9 @@ class LLM:
     async def agenerate(self, output_type: object, prompt: Prompt, **options: Unpack[GenerateOptions]) -> Any: ...
     @checked_keywords
     async def agenerate(
-        self, output_type: Any, prompt: Prompt, *, max_tokens: int = _DEFAULTS.max_tokens,
-        temperature: float = _DEFAULTS.temperature, top_p: float = _DEFAULTS.top_p,
-        top_k: int = _DEFAULTS.top_k, seed: int | None = None, jump_forward: bool | None = None,
+        self, output_type: Any, prompt: Prompt, *, max_tokens: int = DEFAULTS.max_tokens,
+        temperature: float = DEFAULTS.temperature, top_p: float = DEFAULTS.top_p,
+        top_k: int = DEFAULTS.top_k, seed: int | None = None, jump_forward: bool | None = None,
         strict: bool = True, chat: bool | None = None, tools: list[dict[str, Any]] | None = None,
         params: SamplingParams | None = None,
     ) -> Any:  # fmt: skip
@@ -445,9 +445,9 @@ class LLM:
 
     @checked_keywords
     def astream(
-        self, output_type: Any, prompt: Prompt, *, max_tokens: int = _DEFAULTS.max_tokens,
-        temperature: float = _DEFAULTS.temperature, top_p: float = _DEFAULTS.top_p,
-        top_k: int = _DEFAULTS.top_k, seed: int | None = None, jump_forward: bool | None = None,
+        self, output_type: Any, prompt: Prompt, *, max_tokens: int = DEFAULTS.max_tokens,
+        temperature: float = DEFAULTS.temperature, top_p: float = DEFAULTS.top_p,
+        top_k: int = DEFAULTS.top_k, seed: int | None = None, jump_forward: bool | None = None,
         strict: bool = True, chat: bool | None = None, tools: list[dict[str, Any]] | None = None,
         params: SamplingParams | None = None,
     ) -> CompletionStream:  # fmt: skip

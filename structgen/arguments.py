@@ -64,7 +64,7 @@ class GenerateOptions(TypedDict, total=False):
     params: SamplingParams | None
 
 
-_DEFAULTS = SamplingParams()
+DEFAULTS = SamplingParams()  # the defaults of the sampling keywords
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ class Options:
             params = sampling
         elif not isinstance(params, SamplingParams):
             raise InvalidParameterError(f"params must be a SamplingParams, got {type(params).__name__}")
-        elif sampling != _DEFAULTS:
+        elif sampling != DEFAULTS:
             raise InvalidParameterError(
                 "pass either params=SamplingParams(...) or sampling keywords (max_tokens, "
                 "temperature, ...), not both"
@@ -107,11 +107,23 @@ def checked_keywords(method: F) -> F:
         if p.kind is inspect.Parameter.KEYWORD_ONLY
     ]  # fmt: skip
 
-    @functools.wraps(method)
-    def checked(*args: Any, **kwargs: Any) -> Any:
+    def check(kwargs: dict[str, Any]) -> None:
         for name in kwargs:
             if name not in accepted:
                 raise InvalidParameterError(_unknown_keyword(name, method.__name__, accepted))
+
+    if inspect.iscoroutinefunction(method):
+
+        @functools.wraps(method)
+        async def checked_async(*args: Any, **kwargs: Any) -> Any:
+            check(kwargs)
+            return await method(*args, **kwargs)
+
+        return typing.cast(F, checked_async)
+
+    @functools.wraps(method)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        check(kwargs)
         return method(*args, **kwargs)
 
     return typing.cast(F, checked)

@@ -20,6 +20,7 @@ import typing
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any, Literal
 
 import jsonschema
@@ -346,7 +347,7 @@ _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 def _first_caller_outside_structgen() -> int:
     """The `stacklevel` that points a warning at the caller's code, not at structgen's."""
-    level, frame = 1, sys._getframe(1)
+    level, frame = 1, typing.cast("FrameType | None", sys._getframe(1))
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
         level, frame = level + 1, frame.f_back
     return level
@@ -406,7 +407,7 @@ def _necessary_subschemas(node: dict[str, Any], path: str) -> list[tuple[Any, st
     return out
 
 
-def _is_number(value: Any) -> bool:
+def _is_number(value: Any) -> typing.TypeGuard[float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
