@@ -8,6 +8,7 @@ the CPU it is `sample_tokens_reference`, the same rule written in torch."""
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -48,17 +49,19 @@ MAX_SEED = 2**63 - 1  # seeds are int64 on the device
 
 
 def _check_int(name: str, value: object, low: int, high: int | None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise InvalidParameterError(f"{name} must be an integer, got {value!r}")
-    if value < low or (high is not None and value > high):
+    number = int(value)
+    if number < low or (high is not None and number > high):
         bound = f"between {low} and {high}" if high is not None else f">= {low}"
         raise InvalidParameterError(f"{name} must be {bound}, got {value}")
 
 
 def _check_number(name: str, value: object, low: float, high: float | None, open_low: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or value != value:
         raise InvalidParameterError(f"{name} must be a number, got {value!r}")
-    if value < low or (open_low and value == low) or (high is not None and value > high):
+    number = float(value)
+    if number < low or (open_low and number == low) or (high is not None and number > high):
         lower = f"> {low}" if open_low else f">= {low}"
         bound = f"{lower} and <= {high}" if high is not None else lower
         raise InvalidParameterError(f"{name} must be {bound}, got {value}")
