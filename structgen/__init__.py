@@ -4,31 +4,56 @@
     customer = structgen.generate(Customer, "Extract the customer: ...")
 """
 
+from typing import TYPE_CHECKING, Any
+
 from structgen.api import LLM, Completion, generate
-from structgen.engine.config import EngineConfig
+from structgen.arguments import GenerateOptions
+from structgen.engine.config import EngineConfig, SpeculativeConfig
 from structgen.engine.request import GenerationStats
 from structgen.engine.sampler import SamplingParams
 from structgen.errors import (
+    ConstraintTooLargeError,
+    EngineError,
     IncompleteOutputError,
     InvalidConstraintError,
     InvalidParameterError,
+    ModelLoadError,
     ModelNotFoundError,
     OutputValidationError,
     PromptTooLongError,
+    RequestCancelledError,
     StructgenError,
+    StructgenWarning,
+    UnsatisfiableConstraintError,
     UnsupportedSchemaError,
     UnsupportedTypeError,
 )
 from structgen.tools import run_tools, tool
 from structgen.types import CFG, Choice, JsonSchema, Regex
 
+if TYPE_CHECKING:
+    from structgen.remote import RemoteLLM
+
+
+def __getattr__(name: str) -> Any:
+    # The HTTP client loads only for those who use it.
+    if name == "RemoteLLM":
+        from structgen.remote import RemoteLLM
+
+        return RemoteLLM
+    raise AttributeError(f"module 'structgen' has no attribute {name!r}")
+
+
 __all__ = [
     "LLM",
+    "RemoteLLM",
     "generate",
     "Completion",
     "GenerationStats",
+    "GenerateOptions",
     "SamplingParams",
     "EngineConfig",
+    "SpeculativeConfig",
     "JsonSchema",
     "Regex",
     "CFG",
@@ -36,12 +61,18 @@ __all__ = [
     "tool",
     "run_tools",
     "StructgenError",
+    "StructgenWarning",
     "UnsupportedSchemaError",
     "UnsupportedTypeError",
     "InvalidConstraintError",
+    "UnsatisfiableConstraintError",
+    "ConstraintTooLargeError",
     "InvalidParameterError",
     "IncompleteOutputError",
     "OutputValidationError",
     "ModelNotFoundError",
+    "ModelLoadError",
     "PromptTooLongError",
+    "RequestCancelledError",
+    "EngineError",
 ]

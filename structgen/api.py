@@ -2,8 +2,9 @@
 module-level `generate` on a shared default LLM.
 
 A call turns the output type into a `Constraint`, compiles it (cached), submits a request to
-the background engine loop and turns the finished request into a typed value. Truncation is an
-error, never a half-parsed result."""
+the background engine loop and turns the finished request into a typed value. A constrained
+output cut off by `max_tokens` is an error, never a half-parsed result; free text (`str`)
+comes back cut off, with `finish_reason="length"`."""
 
 from __future__ import annotations
 
@@ -12,33 +13,64 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
+from structgen.arguments import (
+    DEFAULTS,
+    GenerateOptions,
+    Options,
+    check_prompt,
+    checked_keywords,
+)
 from structgen.engine.config import EngineConfig
 from structgen.engine.engine import Engine
 from structgen.engine.loop import EngineLoop
 from structgen.engine.request import GenerationStats, Request
 from structgen.engine.sampler import SamplingParams
-from structgen.errors import IncompleteOutputError, RequestCancelledError, StructgenError
+from structgen.errors import (
+    ConstraintTooLargeError,
+    IncompleteOutputError,
+    InvalidConstraintError,
+    InvalidParameterError,
+    RequestCancelledError,
+    StructgenError,
+)
 from structgen.grammar import CompiledGrammar, GrammarCompiler
-from structgen.types import Constraint, to_constraint
+from structgen.types import CFG, Constraint, Regex, to_constraint
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from structgen.remote import RemoteLLM
+
+T = TypeVar("T")
 Prompt = str | Sequence[dict[str, Any]]
+# How often a blocked wait wakes to let Ctrl-C through (a bare lock wait does not on Windows,
+# nor for `_thread.interrupt_main`).
+_POLL_S = 0.1
+# No token is longer than this many characters in any tokenizer we load, so a prompt longer
+# than this many characters per context token cannot fit; refused before tokenizing it.
+_MAX_CHARS_PER_TOKEN = 32
 
 
 @dataclass
-class Completion:
-    value: Any  # the typed, validated result
+class Completion(Generic[T]):
+    """One finished generation: the typed, validated `value` and how it was made."""
+
+    value: T
     text: str
     token_ids: list[int]
-    finish_reason: str
+    finish_reason: str  # "stop", or "length" for free text cut off by max_tokens
     stats: GenerationStats
+    relaxed: tuple[str, ...] = ()  # strict=False: schema keywords left out of the grammar
 
 
 class LLM:
-    """A local model ready for structured generation.
+    """A local model ready for structured generation; a context manager (`close()` on exit).
 
     Parameters
     ----------
@@ -50,6 +82,22 @@ class LLM:
         "llguidance".
     config:
         Engine settings (device, dtype, batch size, context length, CUDA graphs...).
+
+    Generation methods take the output type first and the prompt second, then these keyword
+    arguments:
+
+    max_tokens: most tokens to generate (default 512).
+    temperature: 0 is greedy (the default); higher samples more freely.
+    top_p: sample from the smallest set of tokens whose probability reaches top_p (0 < p <= 1).
+    top_k: sample from the k most likely tokens (0: no cut).
+    seed: makes sampling reproducible (0 .. 2**63-1), whatever the batch.
+    jump_forward: append text the grammar forces without sampling it (None: engine default).
+    strict: False lets a JSON schema use keywords no backend enforces: they are left out of
+        the grammar, the output is validated against the whole schema afterwards
+        (`OutputValidationError`) and `Completion.relaxed` lists them.
+    chat: False sends a string prompt as raw text (None: through the chat template if any).
+    tools: OpenAI-style tool definitions for the chat template.
+    params: a ready `SamplingParams`, instead of the sampling keywords.
     """
 
     def __init__(self, model: str | Path | None = None, *, backend: str = "auto", config: EngineConfig | None = None):
@@ -79,6 +127,7 @@ class LLM:
         self.model_name = name
         self.grammars = GrammarCompiler(tokenizer, engine.vocab_size, sorted(engine.stop_token_ids), backend=backend)
         self.loop = EngineLoop(engine)
+        self.closed = False
         try:
             from structgen.grammar.jump_forward import install_jump_forward
 
@@ -88,14 +137,35 @@ class LLM:
         if engine.speculator is not None:  # drafters that match text need the tokenizer
             engine.speculator.use_tokenizer(tokenizer)
 
+    # -- lifetime ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """Abort requests in flight, stop the engine thread and the mask workers; idempotent.
+        Generating afterwards raises `StructgenError`."""
+        if self.closed:
+            return
+        self.closed = True
+        self.loop.close()
+        if self.engine.prefetcher is not None:
+            self.engine.prefetcher.close()
+        if self.engine.device.type == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     @classmethod
-    def remote(cls, base_url: str, model: str, api_key: str | None = None, **kw: Any):
+    def remote(cls, base_url: str, model: str, api_key: str | None = None, **kw: Any) -> RemoteLLM:
         """The same API against any OpenAI-compatible server (ours, vLLM, SGLang)."""
         from structgen.remote import RemoteLLM
 
         return RemoteLLM(base_url, model, api_key=api_key, **kw)
 
-    def call(self, prompt: Prompt, tools: Sequence[Any], **kw: Any):
+    def call(self, prompt: Prompt, tools: Sequence[Any], **kw: Any) -> Any:
         """Typed tool calls (see `structgen.tools.call`): arguments validated against each
         tool's signature; `tool_choice` "required" (default), "auto", "none" or a name."""
         from structgen.tools import call
@@ -103,41 +173,58 @@ class LLM:
         return call(self, prompt, tools, **kw)
 
     # -- constraints ------------------------------------------------------------------------
-    def compile(self, output_type: Any, *, backend: str | None = None) -> CompiledGrammar:
+    def compile(self, output_type: Any, *, backend: str | None = None, strict: bool = True) -> CompiledGrammar:
         """The compiled grammar of `output_type` for this model's tokenizer (cached)."""
-        return self.grammars.compile(to_constraint(output_type), backend=backend)
+        return self.grammars.compile(to_constraint(output_type, strict=strict), backend=backend)
 
     # -- prompts ----------------------------------------------------------------------------
-    def encode_prompt(self, prompt: Prompt, *, chat: bool | None = None, tools: list[dict] | None = None) -> list[int]:
+    def encode_prompt(self, prompt: Prompt, *, chat: bool | None = None, tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of a prompt: message lists and (for chat models) plain strings go through
-        the chat template; `chat=False` sends a string as raw text."""
+        the chat template; `chat=False` sends a string as raw text. A prompt far longer than
+        the context is refused (`PromptTooLongError`) before it is tokenized."""
+        check_prompt(prompt, self.engine.max_seq_len * _MAX_CHARS_PER_TOKEN)
+        try:
+            return self._tokenize(prompt, chat, tools)
+        except StructgenError:
+            raise
+        except Exception as e:  # tokenizer or template failures on what the caller passed
+            raise InvalidParameterError(f"the prompt could not be rendered and tokenized: {e}") from e
+
+    def _tokenize(self, prompt: Prompt, chat: bool | None, tools: list[dict[str, Any]] | None) -> list[int]:
         has_template = bool(getattr(self.tokenizer, "chat_template", None))
         if isinstance(prompt, str) and (chat is False or (chat is None and not has_template)):
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
+            return list(self.tokenizer.encode(prompt, add_special_tokens=False))
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         if not has_template:
-            raise StructgenError("this tokenizer has no chat template; pass the prompt as a string with chat=False")
+            raise InvalidParameterError(
+                "this tokenizer has no chat template; pass the prompt as a string with chat=False"
+            )
         kw = {"tools": tools} if tools else {}
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kw)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def count_prompt_tokens(self, prompt: Prompt, chat: bool | None = None, tools: list[dict] | None = None) -> int:
+    def count_prompt_tokens(self, prompt: Prompt, chat: bool | None = None, tools: list[dict[str, Any]] | None = None) -> int:
         return len(self.encode_prompt(prompt, chat=chat, tools=tools))
 
     # -- generation -------------------------------------------------------------------------
-    def _request(self, output_type: Any, prompt: Prompt, kw: dict[str, Any]) -> tuple[Request, Constraint]:
-        chat, tools = kw.pop("chat", None), kw.pop("tools", None)
-        params = kw.pop("params", None) or SamplingParams(**kw)
-        constraint = to_constraint(output_type)
-        matcher = None
-        if constraint.kind != "text":
-            matcher = self.grammars.compile(constraint).matcher()
-        ids = self.encode_prompt(prompt, chat=chat, tools=tools)
-        return Request(ids, params, matcher, frozenset(self.engine.stop_token_ids)), constraint
+    def _request(self, output_type: Any, prompt: Prompt, options: Options) -> tuple[Request, Constraint]:
+        if self.closed:
+            raise StructgenError("this LLM is closed; create a new structgen.LLM() to generate again")
+        try:
+            constraint = to_constraint(output_type, strict=options.strict)
+            matcher = None if constraint.kind == "text" else self.grammars.compile(constraint).matcher()
+        except StructgenError:
+            raise
+        except RecursionError as e:
+            raise ConstraintTooLargeError("the output type is nested too deeply to compile; flatten it") from e
+        except Exception as e:  # a library failing on an input it should have refused
+            raise InvalidConstraintError(f"cannot build a grammar for {output_type!r:.80}: {e}") from e
+        ids = self.encode_prompt(prompt, chat=options.chat, tools=options.tools)
+        return Request(ids, options.params, matcher, frozenset(self.engine.stop_token_ids)), constraint
 
-    def _finish(self, req: Request, constraint: Constraint) -> Completion:
+    def _finish(self, req: Request, constraint: Constraint) -> Completion[Any]:
         text = self.tokenizer.decode(req.output_ids, skip_special_tokens=False)
-        if req.finish_reason == "length":
+        if req.finish_reason == "length" and constraint.kind != "text":
             raise IncompleteOutputError(
                 f"generation hit max_tokens={req.params.max_tokens} before the output was complete; "
                 "raise max_tokens",
@@ -150,54 +237,161 @@ class LLM:
         if req.finish_reason == "error":
             raise req.error if isinstance(req.error, StructgenError) else StructgenError(str(req.error))
         value = constraint.parse(text)
-        return Completion(value, text, req.output_ids, req.finish_reason or "stop", req.stats)
+        return Completion(value, text, req.output_ids, req.finish_reason or "stop", req.stats, constraint.relaxed)
 
-    def complete(self, output_type: Any, prompt: Prompt, **kw: Any) -> Completion:
-        """Generate one output of `output_type`.
+    def _wait(self, futures: Sequence[Future[Request]], requests: Sequence[Request]) -> None:
+        """Block until every request finished; on any interruption (Ctrl-C) abort the
+        requests still running so their slots are freed at once."""
+        try:
+            for future in futures:
+                while True:
+                    try:
+                        future.result(timeout=_POLL_S)
+                        break
+                    except FutureTimeout:
+                        continue
+        except BaseException:
+            for req in requests:
+                if not req.finished:
+                    self.loop.abort(req)
+            raise
 
-        Keyword arguments are `SamplingParams` fields (max_tokens, temperature, top_p, top_k,
-        seed, jump_forward) plus `chat` and `tools` for prompt rendering, or `params=`."""
-        req, constraint = self._request(output_type, prompt, kw)
-        self.loop.submit(req).result()
+    def _complete(self, output_type: Any, prompt: Prompt, options: Options) -> Completion[Any]:
+        req, constraint = self._request(output_type, prompt, options)
+        self._wait([self.loop.submit(req)], [req])
         return self._finish(req, constraint)
 
-    def generate(self, output_type: Any, prompt: Prompt, **kw: Any) -> Any:
-        """Generate and return just the typed value."""
-        return self.complete(output_type, prompt, **kw).value
+    @overload
+    def complete(self, output_type: Regex | CFG, prompt: Prompt, **options: Unpack[GenerateOptions]) -> Completion[str]: ...
+    @overload
+    def complete(self, output_type: type[T], prompt: Prompt, **options: Unpack[GenerateOptions]) -> Completion[T]: ...
+    @overload
+    def complete(self, output_type: object, prompt: Prompt, **options: Unpack[GenerateOptions]) -> Completion[Any]: ...
+    @checked_keywords
+    def complete(
+        self, output_type: Any, prompt: Prompt, *, max_tokens: int = DEFAULTS.max_tokens,
+        temperature: float = DEFAULTS.temperature, top_p: float = DEFAULTS.top_p,
+        top_k: int = DEFAULTS.top_k, seed: int | None = None, jump_forward: bool | None = None,
+        strict: bool = True, chat: bool | None = None, tools: list[dict[str, Any]] | None = None,
+        params: SamplingParams | None = None,
+    ) -> Completion[Any]:  # fmt: skip
+        """Generate one output of `output_type` (keyword arguments: see `LLM`)."""
+        options = Options.of(max_tokens, temperature, top_p, top_k, seed, jump_forward, strict, chat, tools, params)
+        return self._complete(output_type, prompt, options)
 
-    def complete_batch(self, output_type: Any, prompts: Sequence[Prompt], **kw: Any) -> list[Completion]:
-        """Submit all prompts at once so they share batches; results in prompt order."""
-        built = [self._request(output_type, p, dict(kw)) for p in prompts]
-        futures = [self.loop.submit(r) for r, _ in built]
-        for f in futures:
-            f.result()
+    @overload
+    def generate(self, output_type: Regex | CFG, prompt: Prompt, **options: Unpack[GenerateOptions]) -> str: ...
+    @overload
+    def generate(self, output_type: type[T], prompt: Prompt, **options: Unpack[GenerateOptions]) -> T: ...
+    @overload
+    def generate(self, output_type: object, prompt: Prompt, **options: Unpack[GenerateOptions]) -> Any: ...
+    @checked_keywords
+    def generate(
+        self, output_type: Any, prompt: Prompt, *, max_tokens: int = DEFAULTS.max_tokens,
+        temperature: float = DEFAULTS.temperature, top_p: float = DEFAULTS.top_p,
+        top_k: int = DEFAULTS.top_k, seed: int | None = None, jump_forward: bool | None = None,
+        strict: bool = True, chat: bool | None = None, tools: list[dict[str, Any]] | None = None,
+        params: SamplingParams | None = None,
+    ) -> Any:  # fmt: skip
+        """Generate and return just the typed value (keyword arguments: see `LLM`)."""
+        options = Options.of(max_tokens, temperature, top_p, top_k, seed, jump_forward, strict, chat, tools, params)
+        return self._complete(output_type, prompt, options).value
+
+    def _complete_batch(self, output_type: Any, prompts: Sequence[Prompt], options: Options) -> list[Completion[Any]]:
+        if isinstance(prompts, str):
+            raise InvalidParameterError("prompts must be a list of prompts, got one string; wrap it: [prompt]")
+        built = [self._request(output_type, p, options) for p in prompts]
+        requests = [r for r, _ in built]
+        self._wait([self.loop.submit(r) for r in requests], requests)
         return [self._finish(r, c) for r, c in built]
 
-    def generate_batch(self, output_type: Any, prompts: Sequence[Prompt], **kw: Any) -> list[Any]:
-        return [c.value for c in self.complete_batch(output_type, prompts, **kw)]
+    @overload
+    def complete_batch(
+        self, output_type: Regex | CFG, prompts: Sequence[Prompt], **options: Unpack[GenerateOptions]
+    ) -> list[Completion[str]]: ...
+    @overload
+    def complete_batch(
+        self, output_type: type[T], prompts: Sequence[Prompt], **options: Unpack[GenerateOptions]
+    ) -> list[Completion[T]]: ...
+    @overload
+    def complete_batch(
+        self, output_type: object, prompts: Sequence[Prompt], **options: Unpack[GenerateOptions]
+    ) -> list[Completion[Any]]: ...
+    @checked_keywords
+    def complete_batch(
+        self, output_type: Any, prompts: Sequence[Prompt], *, max_tokens: int = DEFAULTS.max_tokens,
+        temperature: float = DEFAULTS.temperature, top_p: float = DEFAULTS.top_p,
+        top_k: int = DEFAULTS.top_k, seed: int | None = None, jump_forward: bool | None = None,
+        strict: bool = True, chat: bool | None = None, tools: list[dict[str, Any]] | None = None,
+        params: SamplingParams | None = None,
+    ) -> list[Completion[Any]]:  # fmt: skip
+        """Submit all prompts at once so they share batches; results in prompt order."""
+        options = Options.of(max_tokens, temperature, top_p, top_k, seed, jump_forward, strict, chat, tools, params)
+        return self._complete_batch(output_type, prompts, options)
 
-    def stream(self, output_type: Any, prompt: Prompt, **kw: Any) -> Iterator[str]:
-        """Yield text deltas as they are decoded; raises like `complete` at the end."""
-        req, constraint = self._request(output_type, prompt, kw)
+    @overload
+    def generate_batch(
+        self, output_type: Regex | CFG, prompts: Sequence[Prompt], **options: Unpack[GenerateOptions]
+    ) -> list[str]: ...
+    @overload
+    def generate_batch(
+        self, output_type: type[T], prompts: Sequence[Prompt], **options: Unpack[GenerateOptions]
+    ) -> list[T]: ...
+    @overload
+    def generate_batch(
+        self, output_type: object, prompts: Sequence[Prompt], **options: Unpack[GenerateOptions]
+    ) -> list[Any]: ...
+    @checked_keywords
+    def generate_batch(
+        self, output_type: Any, prompts: Sequence[Prompt], *, max_tokens: int = DEFAULTS.max_tokens,
+        temperature: float = DEFAULTS.temperature, top_p: float = DEFAULTS.top_p,
+        top_k: int = DEFAULTS.top_k, seed: int | None = None, jump_forward: bool | None = None,
+        strict: bool = True, chat: bool | None = None, tools: list[dict[str, Any]] | None = None,
+        params: SamplingParams | None = None,
+    ) -> list[Any]:  # fmt: skip
+        """`complete_batch`, returning just the typed values."""
+        options = Options.of(max_tokens, temperature, top_p, top_k, seed, jump_forward, strict, chat, tools, params)
+        return [c.value for c in self._complete_batch(output_type, prompts, options)]
+
+    @checked_keywords
+    def stream(
+        self, output_type: Any, prompt: Prompt, *, max_tokens: int = DEFAULTS.max_tokens,
+        temperature: float = DEFAULTS.temperature, top_p: float = DEFAULTS.top_p,
+        top_k: int = DEFAULTS.top_k, seed: int | None = None, jump_forward: bool | None = None,
+        strict: bool = True, chat: bool | None = None, tools: list[dict[str, Any]] | None = None,
+        params: SamplingParams | None = None,
+    ) -> Iterator[str]:  # fmt: skip
+        """Yield text deltas as they are decoded; raises like `complete` at the end. Leaving
+        the loop early (or Ctrl-C) aborts the request and frees its slot."""
+        options = Options.of(max_tokens, temperature, top_p, top_k, seed, jump_forward, strict, chat, tools, params)
+        req, constraint = self._request(output_type, prompt, options)
+        return self._stream(req, constraint)
+
+    def _stream(self, req: Request, constraint: Constraint) -> Iterator[str]:
         updates: queue.Queue[Request] = queue.Queue()
         req.on_update = updates.put
         future = self.loop.submit(req)
         decoder = _DeltaDecoder(self.tokenizer)
-        while True:
-            r = updates.get()
-            delta = decoder.delta(r.output_ids, final=r.finished)
-            if delta:
-                yield delta
-            if r.finished:
-                break
+        try:
+            while True:
+                try:
+                    r = updates.get(timeout=_POLL_S)
+                except queue.Empty:
+                    continue
+                delta = decoder.delta(r.output_ids, final=r.finished)
+                if delta:
+                    yield delta
+                if r.finished:
+                    break
+        finally:  # the consumer left early (break, close, garbage collection, Ctrl-C)
+            if not req.finished:
+                self.loop.abort(req)
         future.result()
         self._finish(req, constraint)
 
     # -- async ------------------------------------------------------------------------------
-    async def acomplete(self, output_type: Any, prompt: Prompt, **kw: Any) -> Completion:
-        """`complete` for asyncio: compiling runs in a worker thread, decoding on the shared
-        engine loop; cancelling the task cancels the request and frees its slot."""
-        req, constraint = await asyncio.to_thread(self._request, output_type, prompt, kw)
+    async def _acomplete(self, output_type: Any, prompt: Prompt, options: Options) -> Completion[Any]:
+        req, constraint = await asyncio.to_thread(self._request, output_type, prompt, options)
         future = self.loop.submit(req)
         try:
             await asyncio.wrap_future(future)
@@ -206,21 +400,69 @@ class LLM:
             raise
         return self._finish(req, constraint)
 
-    async def agenerate(self, output_type: Any, prompt: Prompt, **kw: Any) -> Any:
-        return (await self.acomplete(output_type, prompt, **kw)).value
+    @overload
+    async def acomplete(
+        self, output_type: Regex | CFG, prompt: Prompt, **options: Unpack[GenerateOptions]
+    ) -> Completion[str]: ...
+    @overload
+    async def acomplete(
+        self, output_type: type[T], prompt: Prompt, **options: Unpack[GenerateOptions]
+    ) -> Completion[T]: ...
+    @overload
+    async def acomplete(
+        self, output_type: object, prompt: Prompt, **options: Unpack[GenerateOptions]
+    ) -> Completion[Any]: ...
+    @checked_keywords
+    async def acomplete(
+        self, output_type: Any, prompt: Prompt, *, max_tokens: int = DEFAULTS.max_tokens,
+        temperature: float = DEFAULTS.temperature, top_p: float = DEFAULTS.top_p,
+        top_k: int = DEFAULTS.top_k, seed: int | None = None, jump_forward: bool | None = None,
+        strict: bool = True, chat: bool | None = None, tools: list[dict[str, Any]] | None = None,
+        params: SamplingParams | None = None,
+    ) -> Completion[Any]:  # fmt: skip
+        """`complete` for asyncio: compiling runs in a worker thread, decoding on the shared
+        engine loop; cancelling the task cancels the request and frees its slot."""
+        options = Options.of(max_tokens, temperature, top_p, top_k, seed, jump_forward, strict, chat, tools, params)
+        return await self._acomplete(output_type, prompt, options)
 
-    def astream(self, output_type: Any, prompt: Prompt, **kw: Any) -> CompletionStream:
+    @overload
+    async def agenerate(self, output_type: Regex | CFG, prompt: Prompt, **options: Unpack[GenerateOptions]) -> str: ...
+    @overload
+    async def agenerate(self, output_type: type[T], prompt: Prompt, **options: Unpack[GenerateOptions]) -> T: ...
+    @overload
+    async def agenerate(self, output_type: object, prompt: Prompt, **options: Unpack[GenerateOptions]) -> Any: ...
+    @checked_keywords
+    async def agenerate(
+        self, output_type: Any, prompt: Prompt, *, max_tokens: int = DEFAULTS.max_tokens,
+        temperature: float = DEFAULTS.temperature, top_p: float = DEFAULTS.top_p,
+        top_k: int = DEFAULTS.top_k, seed: int | None = None, jump_forward: bool | None = None,
+        strict: bool = True, chat: bool | None = None, tools: list[dict[str, Any]] | None = None,
+        params: SamplingParams | None = None,
+    ) -> Any:  # fmt: skip
+        """`generate` for asyncio (see `acomplete`)."""
+        options = Options.of(max_tokens, temperature, top_p, top_k, seed, jump_forward, strict, chat, tools, params)
+        return (await self._acomplete(output_type, prompt, options)).value
+
+    @checked_keywords
+    def astream(
+        self, output_type: Any, prompt: Prompt, *, max_tokens: int = DEFAULTS.max_tokens,
+        temperature: float = DEFAULTS.temperature, top_p: float = DEFAULTS.top_p,
+        top_k: int = DEFAULTS.top_k, seed: int | None = None, jump_forward: bool | None = None,
+        strict: bool = True, chat: bool | None = None, tools: list[dict[str, Any]] | None = None,
+        params: SamplingParams | None = None,
+    ) -> CompletionStream:  # fmt: skip
         """Async iterator of text deltas; `.completion` holds the final Completion after."""
-        return CompletionStream(self, output_type, prompt, kw)
+        options = Options.of(max_tokens, temperature, top_p, top_k, seed, jump_forward, strict, chat, tools, params)
+        return CompletionStream(self, output_type, prompt, options)
 
 
 class CompletionStream:
     """`async for delta in llm.astream(...)`; then `.completion`. Breaking out of the loop or
     cancelling the consuming task aborts the request."""
 
-    def __init__(self, llm: LLM, output_type: Any, prompt: Prompt, kw: dict[str, Any]):
-        self._llm, self._args = llm, (output_type, prompt, kw)
-        self.completion: Completion | None = None
+    def __init__(self, llm: LLM, output_type: Any, prompt: Prompt, options: Options):
+        self._llm, self._args = llm, (output_type, prompt, options)
+        self.completion: Completion[Any] | None = None
         self.request: Request | None = None
 
     def __aiter__(self) -> AsyncIterator[str]:
@@ -232,7 +474,11 @@ class CompletionStream:
         self.request = req
         aloop = asyncio.get_running_loop()
         updates: asyncio.Queue[Request] = asyncio.Queue()
-        req.on_update = lambda r: aloop.call_soon_threadsafe(updates.put_nowait, r)
+
+        def push(r: Request) -> None:
+            aloop.call_soon_threadsafe(updates.put_nowait, r)
+
+        req.on_update = push
         llm.loop.submit(req)
         decoder = _DeltaDecoder(llm.tokenizer)
         try:
@@ -285,14 +531,21 @@ _default_lock = threading.Lock()
 
 
 def default_llm() -> LLM:
-    """The shared default LLM, created on first use."""
+    """The shared default LLM, created on first use (again after it was closed)."""
     global _default
     with _default_lock:
-        if _default is None:
+        if _default is None or _default.closed:
             _default = LLM()
         return _default
 
 
-def generate(output_type: Any, prompt: Prompt, **kw: Any) -> Any:
-    """`LLM().generate` on a shared default model (loaded once per process)."""
-    return default_llm().generate(output_type, prompt, **kw)
+@overload
+def generate(output_type: Regex | CFG, prompt: Prompt, **options: Unpack[GenerateOptions]) -> str: ...
+@overload
+def generate(output_type: type[T], prompt: Prompt, **options: Unpack[GenerateOptions]) -> T: ...
+@overload
+def generate(output_type: object, prompt: Prompt, **options: Unpack[GenerateOptions]) -> Any: ...
+def generate(output_type: Any, prompt: Prompt, **options: Any) -> Any:
+    """`LLM().generate` on a shared default model (loaded once per process); keyword
+    arguments as `LLM.generate`."""
+    return default_llm().generate(output_type, prompt, **options)

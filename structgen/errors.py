@@ -86,3 +86,8 @@ class InvalidParameterError(StructgenError, ValueError):
 class CompilerBusyError(StructgenError):
     """The grammar compiler's queue is full (too many different constraints compiling at once);
     retry shortly. Servers answer 503."""
+
+
+class StructgenWarning(UserWarning):
+    """Something structgen accepted but that is probably not what was meant (e.g. an unknown
+    JSON-Schema keyword, which validators ignore); the message names the likely intent."""

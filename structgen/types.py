@@ -9,14 +9,18 @@ tokenizer happen here, so a bad type fails before any model work.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import json
+import os
 import re
 import sys
 import typing
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any, Literal
 
 import jsonschema
@@ -26,6 +30,9 @@ from structgen.errors import (
     InvalidConstraintError,
     OutputValidationError,
     StructgenError,
+    StructgenWarning,
+    UnsatisfiableConstraintError,
+    UnsupportedSchemaError,
     UnsupportedTypeError,
 )
 
@@ -96,6 +103,8 @@ class Constraint:
     fallback: JSON schemas only: a stricter schema (every instance valid, some valid ones
         excluded) the compiler tries when every backend refuses `source`; see
         `grammar.normalize.normalize_schema(tighten=True)`.
+    relaxed: with strict=False, the keywords left out of `source` because no backend enforces
+        them, as "keyword at path"; `parse` still validates against the full schema.
     """
 
     kind: ConstraintKind
@@ -103,6 +112,7 @@ class Constraint:
     syntax: str = ""
     description: str = ""
     strict: bool = True
+    relaxed: tuple[str, ...] = ()
     parser: Callable[[str], Any] | None = field(default=None, compare=False, repr=False)
     fallback: Constraint | None = field(default=None, compare=False, repr=False)
 
@@ -128,20 +138,69 @@ class Constraint:
 def to_constraint(output_type: Any, *, strict: bool = True) -> Constraint:
     """Turn an output type into a `Constraint`.
 
-    `strict=False` lets JSON schemas use keywords no grammar backend enforces; the output is
-    then generated best-effort and may fail validation in `parse`.
+    A plain dict is a JSON Schema (as `JsonSchema(schema)`). `strict=False` lets JSON schemas
+    use keywords no grammar backend enforces: those keywords are left out of the grammar (see
+    `Constraint.relaxed`) and `parse` validates the output against the full schema.
 
-    Raises `UnsupportedTypeError` (a type with no JSON schema), `InvalidConstraintError` (a
-    malformed schema/regex/grammar/choice) or `UnsupportedSchemaError` (a keyword no backend
-    enforces, with its JSON path).
+    Raises `UnsupportedTypeError` (a type with no JSON schema, an instance or a string where a
+    type belongs), `InvalidConstraintError` (a malformed schema/regex/grammar/choice),
+    `UnsatisfiableConstraintError` (a schema no value satisfies) or `UnsupportedSchemaError`
+    (a keyword no backend enforces, with its JSON path, when strict).
     """
     if isinstance(output_type, Constraint):
         return output_type
+    if isinstance(output_type, dict):
+        output_type = JsonSchema(_schema_text(output_type))
+    elif isinstance(output_type, JsonSchema) and isinstance(output_type.schema, dict):
+        output_type = JsonSchema(_schema_text(output_type.schema))
+    _check_is_a_type(output_type)
     try:
         hash(output_type)
-    except TypeError:  # e.g. JsonSchema holding a dict: built on every call
+    except TypeError:
         return _build(output_type, strict)
     return _cached_build(output_type, strict)
+
+
+def _schema_text(schema: dict[str, Any]) -> str:
+    """A dict schema as JSON text: hashable, so equal schemas share one cached constraint."""
+    try:
+        return json.dumps(schema, ensure_ascii=False)
+    except (TypeError, ValueError) as e:
+        raise InvalidConstraintError(f"a JSON schema must hold JSON values only: {e}") from e
+
+
+def _check_is_a_type(output_type: Any) -> None:
+    """Refuse the common mistakes before pydantic sees them: a string would be evaluated as a
+    forward reference (code), and an instance has no schema of its own."""
+    if isinstance(output_type, str):
+        raise UnsupportedTypeError(
+            f"the output type is the string {output_type!r:.60}; strings are not read as types. "
+            "Pass the type first and the prompt second, e.g. generate(Customer, prompt); for a "
+            "pattern use Regex(...), for JSON-schema text JsonSchema(...)"
+        )
+    if isinstance(output_type, (type, JsonSchema, Regex, CFG, Choice)):
+        return
+    if typing.get_origin(output_type) is not None:
+        return
+    if isinstance(output_type, pydantic.BaseModel) or (
+        dataclasses.is_dataclass(output_type) and not isinstance(output_type, type)
+    ) or isinstance(output_type, enum.Enum):
+        name = type(output_type).__name__
+        raise UnsupportedTypeError(
+            f"got an instance of {name}, not the class; pass the class itself: generate({name}, prompt)"
+        )
+    if isinstance(output_type, (list, tuple, set)):
+        kind = type(output_type).__name__
+        inner = ", ".join(getattr(t, "__name__", repr(t)) for t in output_type)
+        raise UnsupportedTypeError(
+            f"got the {kind} {output_type!r:.60}, not a type; write {kind}[{inner}] for a {kind} "
+            "of those, or Choice([...]) for one of fixed values"
+        )
+    if isinstance(output_type, (int, float, bytes)) or output_type is None:
+        raise UnsupportedTypeError(
+            f"got the value {output_type!r:.60}, not a type; pass a type such as int or "
+            "Literal[...] / Choice([...]) for fixed values"
+        )
 
 
 @functools.lru_cache(maxsize=1024)
@@ -188,8 +247,8 @@ def _pydantic_constraint(output_type: Any, strict: bool) -> Constraint:
             "model, dataclass, TypedDict, int/float/bool/str, Literal, Enum, or JsonSchema/"
             "Regex/CFG/Choice"
         ) from e
-    generated, tightened = _generation_schema(_close_objects(schema), strict)
-    return _json_constraint(generated, tightened, f"JSON {name}", strict, adapter.validate_json)
+    generated, tightened, relaxed = _generation_schema(_close_objects(schema), strict)
+    return _json_constraint(generated, tightened, f"JSON {name}", strict, adapter.validate_json, relaxed)
 
 
 def _portable_typeddicts(tp: Any) -> Any:
@@ -244,7 +303,9 @@ def _json_schema_constraint(schema: dict[str, Any] | bool | str, strict: bool) -
     if broken:
         ref, where = broken[0]
         raise InvalidConstraintError(f"JSON schema $ref {ref!r} at {where} points nowhere")
-    generated, tightened = _generation_schema(schema, strict)
+    _warn_unknown_keywords(schema)
+    _check_bounds(schema)
+    generated, tightened, relaxed = _generation_schema(schema, strict)
     validator = validator_cls(schema)
 
     def parse(text: str) -> Any:
@@ -259,7 +320,98 @@ def _json_schema_constraint(schema: dict[str, Any] | bool | str, strict: bool) -
 
     title = schema.get("title")
     description = f"JSON schema {title!r}" if isinstance(title, str) else "JSON schema"
-    return _json_constraint(generated, tightened, description, strict, parse)
+    return _json_constraint(generated, tightened, description, strict, parse, relaxed)
+
+
+def _warn_unknown_keywords(schema: dict[str, Any]) -> None:
+    """Validators ignore keywords they do not know, so a typo (`"tpye"`) silently means "any
+    value": warn where an unknown keyword is close to a known one."""
+    import difflib
+
+    from structgen.grammar.keywords import ANNOTATIONS, KEYWORDS, walk
+
+    known = sorted(ANNOTATIONS | set(KEYWORDS))
+    for node, path in walk(schema):
+        for kw in node:
+            if kw in ANNOTATIONS or kw in KEYWORDS:
+                continue
+            close = difflib.get_close_matches(kw, known, n=1, cutoff=0.7)
+            if close:
+                warnings.warn(
+                    f"unknown JSON Schema keyword {kw!r} at {path} is ignored; did you mean "
+                    f"{close[0]!r}?",
+                    StructgenWarning,
+                    stacklevel=_first_caller_outside_structgen(),
+                )
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _first_caller_outside_structgen() -> int:
+    """The `stacklevel` that points a warning at the caller's code, not at structgen's."""
+    level, frame = 1, typing.cast("FrameType | None", sys._getframe(1))
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        level, frame = level + 1, frame.f_back
+    return level
+
+
+_BOUND_PAIRS = (
+    ("minimum", "maximum"), ("minLength", "maxLength"), ("minItems", "maxItems"),
+    ("minProperties", "maxProperties"),
+)  # fmt: skip
+
+
+def _check_bounds(schema: dict[str, Any]) -> None:
+    """Lower bounds above upper bounds where a value must exist (the root, required
+    properties, allOf members, non-empty arrays' items), named with their path."""
+    from structgen.grammar.keywords import resolve_ref
+
+    stack: list[tuple[Any, str]] = [(schema, "#")]
+    seen: set[int] = set()
+    while stack:
+        node, path = stack.pop()
+        if not isinstance(node, dict) or id(node) in seen:
+            continue
+        seen.add(id(node))
+        for low, high in _BOUND_PAIRS:
+            lo, hi = node.get(low), node.get(high)
+            if _is_number(lo) and _is_number(hi) and lo > hi:
+                raise UnsatisfiableConstraintError(
+                    f"JSON schema at {path}: {low} {lo} is greater than {high} {hi}, so no value "
+                    f"fits; swap or correct the bounds"
+                )
+        lo = node.get("exclusiveMinimum", node.get("minimum"))
+        hi = node.get("exclusiveMaximum", node.get("maximum"))
+        if _is_number(lo) and _is_number(hi) and lo >= hi and (
+            "exclusiveMinimum" in node or "exclusiveMaximum" in node
+        ):
+            raise UnsatisfiableConstraintError(
+                f"JSON schema at {path}: no number lies between the lower bound {lo} and the "
+                f"exclusive upper bound {hi}; widen the range"
+            )
+        stack.extend(_necessary_subschemas(node, path))
+        ref = node.get("$ref")
+        if isinstance(ref, str):
+            stack.append((resolve_ref(schema, ref), ref))
+
+
+def _necessary_subschemas(node: dict[str, Any], path: str) -> list[tuple[Any, str]]:
+    """Subschemas every valid instance must satisfy somewhere."""
+    out = [(sub, f"{path}/allOf/{i}") for i, sub in enumerate(node.get("allOf") or [])]
+    properties = node.get("properties")
+    if isinstance(properties, dict):
+        for name in node.get("required") or []:
+            if isinstance(name, str) and name in properties:
+                out.append((properties[name], f"{path}/properties/{name}"))
+    min_items = node.get("minItems")
+    if isinstance(node.get("items"), dict) and _is_number(min_items) and min_items > 0:
+        out.append((node["items"], f"{path}/items"))
+    return out
+
+
+def _is_number(value: Any) -> typing.TypeGuard[float]:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _check_schema(validator_cls: Any, schema: dict[str, Any]) -> None:
@@ -277,7 +429,12 @@ def _check_schema(validator_cls: Any, schema: dict[str, Any]) -> None:
 
 
 def _json_constraint(
-    generated: Any, tightened: Any, description: str, strict: bool, parse: Callable[[str], Any]
+    generated: Any,
+    tightened: Any,
+    description: str,
+    strict: bool,
+    parse: Callable[[str], Any],
+    relaxed: tuple[str, ...] = (),
 ) -> Constraint:
     fallback = None
     if tightened is not None:
@@ -287,15 +444,18 @@ def _json_constraint(
         _canonical(generated),
         description=description,
         strict=strict,
+        relaxed=relaxed,
         parser=parse,
         fallback=fallback,
     )
 
 
-def _generation_schema(schema: dict[str, Any], strict: bool) -> tuple[Any, Any | None]:
-    """The equivalent schema the grammar is compiled from (see `grammar.normalize`), and a
-    stricter one for when the backends refuse it (None if there is none); fails now, naming
-    keyword and path, if no grammar backend enforces all of either.
+def _generation_schema(schema: dict[str, Any], strict: bool) -> tuple[Any, Any | None, tuple[str, ...]]:
+    """The equivalent schema the grammar is compiled from (see `grammar.normalize`), a
+    stricter one for when the backends refuse it (None if there is none), and the keywords
+    left out (strict=False only). Strict, it fails now, naming keyword and path, if no grammar
+    backend enforces all of either; not strict, it leaves out what the backend that enforces
+    the most cannot enforce.
 
     The compiler tries the exact one first: llguidance may prove an overlapping `oneOf`
     disjoint where `disjoint.py` could not."""
@@ -308,16 +468,46 @@ def _generation_schema(schema: dict[str, Any], strict: bool) -> tuple[Any, Any |
     generated, inexact = normalize_exact(schema)
     tightened = normalize_schema(schema, tighten=True) if inexact else None
     if generated is False:
-        raise InvalidConstraintError(
-            "the JSON schema admits no value at all, so nothing can be generated"
+        raise UnsatisfiableConstraintError(
+            "the JSON schema admits no value at all (e.g. an enum or const none of whose values "
+            "has the schema's type), so nothing can be generated; check its enum/const and type"
         )
     if tightened is not None and surely_empty(tightened):
         tightened = None  # tightening lost everything: refuse rather than generate nothing
     issues = {b: find_issues(generated, b) for b in BACKENDS}
-    if strict and all(issues.values()):
-        if tightened is None or all(find_issues(tightened, b) for b in BACKENDS):
-            raise unsupported_schema_error(issues)
-    return generated, tightened
+    if not all(issues.values()):
+        return generated, tightened, ()
+    if tightened is not None and not all(find_issues(tightened, b) for b in BACKENDS):
+        # strict: the compiler falls back to it; not strict: no keyword need be left out
+        return (generated, tightened, ()) if strict else (tightened, None, ())
+    if strict:
+        raise unsupported_schema_error(issues)
+    return _relax(generated, issues)
+
+
+def _relax(schema: Any, issues: dict[str, list[Any]]) -> tuple[Any, None, tuple[str, ...]]:
+    """`schema` less the keywords the backend with the fewest issues cannot enforce."""
+    import copy
+
+    from structgen.grammar.keywords import find_issues, resolve_ref
+
+    backend = min(issues, key=lambda b: len(issues[b]))
+    relaxed = copy.deepcopy(schema)
+    dropped: list[str] = []
+    found = issues[backend]
+    for _ in range(4):  # dropping a keyword can expose a rule on its siblings
+        for issue in found:
+            node = resolve_ref(relaxed, issue.path)
+            if isinstance(node, dict) and node.pop(issue.keyword, None) is not None:
+                dropped.append(f"{issue.keyword} at {issue.path}")
+        found = find_issues(relaxed, backend)
+        if not found:
+            return relaxed, None, tuple(dropped)
+    raise UnsupportedSchemaError(
+        f"even with strict=False, {backend} cannot enforce {found[0]}; remove that keyword",
+        keyword=found[0].keyword,
+        path=found[0].path,
+    )
 
 
 def _close_objects(schema: Any) -> Any:

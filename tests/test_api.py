@@ -4,9 +4,13 @@ chat prompts, batches, streams and the module-level shortcut work."""
 
 from __future__ import annotations
 
+import _thread
 import asyncio
 import dataclasses
 import re
+import threading
+import time
+import warnings
 from enum import Enum
 from typing import Literal, TypedDict
 
@@ -159,3 +163,107 @@ def test_stream_reassembles_and_errors_surface(llm):
 
     with pytest.raises(structgen.PromptTooLongError):
         asyncio.run(asyncio.wait_for(consume(), timeout=60))
+
+
+def test_a_value_complete_exactly_at_max_tokens_finishes_stop(llm):
+    done = llm.complete(Literal["yes", "no"], "Is Paris in France? Answer yes or no.", max_tokens=1)
+    assert done.value in ("yes", "no") and done.finish_reason == "stop" and len(done.token_ids) == 1
+
+
+def test_free_text_at_max_tokens_comes_back_cut_off(llm):
+    done = llm.complete(str, "Write a long poem about the sea.", max_tokens=3)
+    assert done.finish_reason == "length" and len(done.token_ids) == 3 and done.value == done.text != ""
+    assert llm.generate(str, "Write a long poem about the sea.", max_tokens=3) == done.text
+
+
+def test_strict_false_generates_what_no_backend_enforces(llm):
+    with pytest.raises(structgen.UnsupportedSchemaError, match="strict=False"):
+        llm.generate(set[str], "List three fruits as a JSON array.", max_tokens=30)
+    done = llm.complete(set[str], "List three fruits as a JSON array.", max_tokens=30, strict=False)
+    assert isinstance(done.value, set) and done.relaxed == ("uniqueItems at #",)
+    schema = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 12},
+                                                        "maxItems": 2, "uniqueItems": True}}, "required": ["tags"]}
+    value = llm.complete(schema, "Two tags for a blog post about cats, as JSON.", max_tokens=40, strict=False)
+    assert len(set(value.value["tags"])) == len(value.value["tags"]) <= 2  # validated: the whole schema
+    assert value.relaxed == ("uniqueItems at #/properties/tags",)
+
+
+def test_a_plain_dict_is_a_json_schema(llm):
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    assert isinstance(llm.generate(schema, "A JSON object with n = 3.", max_tokens=20)["n"], int)
+    assert llm.compile(schema) is llm.compile(structgen.JsonSchema(schema))  # one cached grammar
+
+
+@pytest.mark.parametrize(("output_type", "prompt", "kw", "error", "fix"), [
+    (Customer(name="A", age=1, email="e", address=Address(street="s", city="c", zip="12345"), tags=[], member=True),
+     "p", {}, structgen.UnsupportedTypeError, "pass the class itself"),
+    ("Extract the customer", Customer, {}, structgen.UnsupportedTypeError, "type first and the prompt second"),
+    ("not a type", "p", {}, structgen.UnsupportedTypeError, "strings are not read as types"),
+    (int, None, {}, structgen.InvalidParameterError, "prompt is None"),
+    (int, "  ", {}, structgen.InvalidParameterError, "prompt is empty"),
+    (int, [], {}, structgen.InvalidParameterError, "empty list of messages"),
+    (int, [{"role": "robot", "content": "hi"}], {}, structgen.InvalidParameterError, "use one of system"),
+    (int, [{"role": "user"}], {}, structgen.InvalidParameterError, "has no 'content'"),
+    (int, "p", {"max_new_tokens": 5}, structgen.InvalidParameterError, "did you mean max_tokens"),
+    (int, "p", {"temprature": 0.5}, structgen.InvalidParameterError, "did you mean temperature"),
+    (int, "p", {"seed": 2**63}, structgen.InvalidParameterError, "seed must be between 0 and"),
+    (int, "bad \ud800 text", {}, structgen.InvalidParameterError, "lone surrogate"),
+])  # fmt: skip
+def test_mistakes_raise_a_structgen_error_that_names_the_fix(llm, output_type, prompt, kw, error, fix):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a string output type must not be evaluated (SyntaxWarning)
+        with pytest.raises(error, match=re.escape(fix)):
+            llm.generate(output_type, prompt, **kw)
+
+
+def test_a_prompt_far_over_the_context_is_refused_before_tokenizing(llm):
+    huge = "word " * 2_000_000  # 10 MB: tokenizing it would take seconds
+    start = time.perf_counter()
+    with pytest.raises(structgen.PromptTooLongError, match="characters"):
+        llm.generate(str, huge)
+    assert time.perf_counter() - start < 1.0
+
+
+LETTERS = structgen.Regex("[a-z ]{3000}")  # never complete within max_tokens: decodes until aborted
+
+
+def _wait_all_slots_free(llm: structgen.LLM, timeout_s: float) -> float:
+    kv, start = llm.engine.runner.kv, time.perf_counter()
+    while kv.free_slots != kv.num_slots and time.perf_counter() - start < timeout_s:
+        time.sleep(0.01)
+    assert kv.free_slots == kv.num_slots and not llm.engine.has_work()
+    return time.perf_counter() - start
+
+
+def test_leaving_a_sync_stream_early_aborts_the_request(llm):
+    stream = llm.stream(LETTERS, "Write letters.", max_tokens=400)
+    assert next(stream)
+    stream.close()
+    _wait_all_slots_free(llm, timeout_s=1.0)
+    for _ in llm.stream(LETTERS, "Write letters.", max_tokens=400):
+        break
+    _wait_all_slots_free(llm, timeout_s=1.0)  # the generator left behind is collected and aborts
+
+
+def test_ctrl_c_in_generate_aborts_the_request(llm):
+    def interrupt_once_decoding() -> None:
+        deadline = time.perf_counter() + 30
+        while not llm.engine.has_work() and time.perf_counter() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)
+        _thread.interrupt_main()
+
+    threading.Thread(target=interrupt_once_decoding, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(LETTERS, "Write letters.", max_tokens=400)
+    _wait_all_slots_free(llm, timeout_s=1.0)
+
+
+def test_llm_is_a_context_manager_and_close_stops_the_engine(model_dir):
+    with structgen.LLM(config=EngineConfig(device="cpu", max_seq_len=256)) as local:
+        assert local.generate(Literal["yes", "no"], "Is water wet?", max_tokens=2) in ("yes", "no")
+        thread = local.loop._thread
+    assert thread is not None and not thread.is_alive()
+    local.close()  # idempotent
+    with pytest.raises(structgen.StructgenError, match="closed"):
+        local.generate(int, "One number.")

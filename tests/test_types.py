@@ -7,6 +7,7 @@ import dataclasses
 import enum
 import json
 import re
+import warnings
 from typing import Annotated, Literal
 
 import pydantic
@@ -17,6 +18,8 @@ from typing_extensions import TypedDict  # pydantic needs it on Python < 3.12
 from structgen.errors import (
     InvalidConstraintError,
     OutputValidationError,
+    StructgenWarning,
+    UnsatisfiableConstraintError,
     UnsupportedSchemaError,
     UnsupportedTypeError,
 )
@@ -398,3 +401,68 @@ def test_one_of_becomes_any_of(schema, rewritten):
     for v in probes:  # the same instances either way
         assert jsonschema.validators.validator_for(out)(out).is_valid(v) == jsonschema.validators.validator_for(schema)(
             schema).is_valid(v), v
+
+
+def test_a_plain_dict_is_a_json_schema_and_cached():
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    c = to_constraint(schema)
+    assert c == to_constraint(JsonSchema(schema)) and c.parse('{"n": 1}') == {"n": 1}
+    assert to_constraint(dict(schema)) is c  # equal dicts share one built constraint
+
+
+@pytest.mark.parametrize(("output_type", "fix"), [
+    ("Address", "strings are not read as types"),
+    ("__import__('os').system('false')", "strings are not read as types"),
+    (Address(street="s", zip="12345"), "pass the class itself: generate(Address, prompt)"),
+    (Color.RED, "pass the class itself"),
+    ([int], "write list[int]"),
+    (3, "not a type"),
+])  # fmt: skip
+def test_strings_and_instances_are_refused_never_evaluated(output_type, fix):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(UnsupportedTypeError, match=re.escape(fix)):
+            to_constraint(output_type)
+
+
+def test_an_unknown_keyword_near_a_known_one_warns():
+    with pytest.warns(StructgenWarning) as caught:
+        to_constraint({"tpye": "object", "properties": {"a": {"type": "string", "maxLenght": 3}}})
+    assert [str(w.message) for w in caught] == [
+        "unknown JSON Schema keyword 'tpye' at # is ignored; did you mean 'type'?",
+        "unknown JSON Schema keyword 'maxLenght' at #/properties/a is ignored; did you mean 'maxLength'?",
+    ]
+    assert caught[0].filename == __file__  # points at the caller's line
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        to_constraint({"type": "object", "x-vendor": 1, "properties": {"tpye": {"type": "string"}}})
+
+
+@pytest.mark.parametrize(("schema", "named"), [
+    ({"type": "integer", "minimum": 5, "maximum": 1}, "minimum 5 is greater than maximum 1"),
+    ({"type": "string", "minLength": 5, "maxLength": 1}, "minLength 5"),
+    ({"type": "array", "minItems": 3, "maxItems": 1}, "minItems 3"),
+    ({"type": "number", "exclusiveMinimum": 1, "maximum": 1}, "exclusive"),
+    ({"type": "integer", "enum": ["a", "b"]}, "admits no value"),
+    ({"type": "object", "properties": {"a": {"type": "integer", "minimum": 2, "maximum": 1}},
+      "required": ["a"]}, "#/properties/a"),
+])  # fmt: skip
+def test_an_unsatisfiable_schema_has_its_own_error(schema, named):
+    with pytest.raises(UnsatisfiableConstraintError, match=re.escape(named)):
+        to_constraint(schema)
+
+
+def test_contradictory_bounds_in_an_optional_part_are_left_to_the_backends():
+    optional = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 2, "maximum": 1}}}
+    assert to_constraint(optional).kind == "json_schema"
+
+
+def test_strict_false_leaves_out_what_no_backend_enforces_and_validates_it_after():
+    schema = {"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}
+    loose = to_constraint(schema, strict=False)
+    assert loose.relaxed == ("uniqueItems at #/properties/tags",)
+    assert "uniqueItems" not in loose.source and not to_constraint(JsonSchema({})).relaxed
+    assert loose.parse('{"tags": [1, 2]}') == {"tags": [1, 2]}
+    with pytest.raises(OutputValidationError, match="non-unique"):
+        loose.parse('{"tags": [1, 1]}')
+    assert to_constraint(set[str], strict=False).parse('["a", "b"]') == {"a", "b"}

@@ -586,7 +586,7 @@ class Engine:
             return
         req.append([tok])
         if req.num_output >= req.params.max_tokens:
-            req.finish("length")
+            req.finish_at_budget(m is not None and bool(status & COMPLETED))
             return
         if m is not None and status & COMPLETED and self._only_stop_allowed(m):
             # The grammar is complete and nothing can follow: skip the forward that would

@@ -127,6 +127,11 @@ class Request:
         self.num_cached = min(self.num_cached, length)
         self.stats.output_tokens = self.num_output
 
+    def finish_at_budget(self, complete: bool) -> None:
+        """max_tokens reached: an output the grammar may end with here is whole (`stop`);
+        any other output, free text included, is cut off (`length`)."""
+        self.finish("stop" if complete else "length")
+
     def finish(self, reason: str, error: BaseException | None = None) -> None:
         self.draft = None
         self.status = RequestStatus.FINISHED

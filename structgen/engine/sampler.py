@@ -8,6 +8,7 @@ the CPU it is `sample_tokens_reference`, the same rule written in torch."""
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -28,18 +29,42 @@ class SamplingParams:
     jump_forward: bool | None = None  # None: the engine's default
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise InvalidParameterError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise InvalidParameterError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise InvalidParameterError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise InvalidParameterError(f"top_k must be >= 0, got {self.top_k}")
+        _check_int("max_tokens", self.max_tokens, 1, None)
+        _check_number("temperature", self.temperature, 0.0, None)
+        _check_number("top_p", self.top_p, 0.0, 1.0, open_low=True)
+        _check_int("top_k", self.top_k, 0, None)
+        if self.seed is not None:
+            _check_int("seed", self.seed, 0, MAX_SEED)
+        if self.jump_forward is not None and not isinstance(self.jump_forward, bool):
+            raise InvalidParameterError(
+                f"jump_forward must be True, False or None, got {self.jump_forward!r}"
+            )
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+MAX_SEED = 2**63 - 1  # seeds are int64 on the device
+
+
+def _check_int(name: str, value: object, low: int, high: int | None) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise InvalidParameterError(f"{name} must be an integer, got {value!r}")
+    number = int(value)
+    if number < low or (high is not None and number > high):
+        bound = f"between {low} and {high}" if high is not None else f">= {low}"
+        raise InvalidParameterError(f"{name} must be {bound}, got {value}")
+
+
+def _check_number(name: str, value: object, low: float, high: float | None, open_low: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or value != value:
+        raise InvalidParameterError(f"{name} must be a number, got {value!r}")
+    number = float(value)
+    if number < low or (open_low and number == low) or (high is not None and number > high):
+        lower = f"> {low}" if open_low else f">= {low}"
+        bound = f"{lower} and <= {high}" if high is not None else lower
+        raise InvalidParameterError(f"{name} must be {bound}, got {value}")
 
 
 _BIT_SHIFTS: dict[torch.device, torch.Tensor] = {}

@@ -506,7 +506,7 @@ class JumpForward:
             req.finish("stop")
             return
         if req.num_output >= req.params.max_tokens:
-            req.finish("length")
+            req.finish_at_budget(m.is_completed())
 
 
 # Tokens with none of these bytes, sampled where the grammar allows this many tokens or more
