@@ -33,6 +33,7 @@ from structgen.engine.request import GenerationStats, Request
 from structgen.engine.sampler import SamplingParams
 from structgen.errors import (
     ConstraintTooLargeError,
+    EngineError,
     IncompleteOutputError,
     InvalidConstraintError,
     InvalidParameterError,
@@ -40,12 +41,13 @@ from structgen.errors import (
     StructgenError,
 )
 from structgen.grammar import CompiledGrammar, GrammarCompiler
+from structgen.grammar.budget import CompileBudget, within
 from structgen.types import CFG, Constraint, Regex, to_constraint
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-    from structgen.remote import RemoteLLM
+    from structgen.remote import RemoteLLM, RemoteStats
 
 T = TypeVar("T")
 Prompt = str | Sequence[dict[str, Any]]
@@ -65,7 +67,7 @@ class Completion(Generic[T]):
     text: str
     token_ids: list[int]
     finish_reason: str  # "stop", or "length" for free text cut off by max_tokens
-    stats: GenerationStats
+    stats: GenerationStats | RemoteStats  # RemoteStats: from `LLM.remote`, None where unknown
     relaxed: tuple[str, ...] = ()  # strict=False: schema keywords left out of the grammar
 
 
@@ -208,19 +210,56 @@ class LLM:
 
     # -- generation -------------------------------------------------------------------------
     def _request(self, output_type: Any, prompt: Prompt, options: Options) -> tuple[Request, Constraint]:
-        if self.closed:
-            raise StructgenError("this LLM is closed; create a new structgen.LLM() to generate again")
-        try:
-            constraint = to_constraint(output_type, strict=options.strict)
-            matcher = None if constraint.kind == "text" else self.grammars.compile(constraint).matcher()
-        except StructgenError:
-            raise
-        except RecursionError as e:
-            raise ConstraintTooLargeError("the output type is nested too deeply to compile; flatten it") from e
-        except Exception as e:  # a library failing on an input it should have refused
-            raise InvalidConstraintError(f"cannot build a grammar for {output_type!r:.80}: {e}") from e
+        constraint = self._constraint(output_type, options.strict)
+        matcher = None
+        if constraint.kind != "text":
+            try:
+                matcher = self.grammars.compile(constraint).matcher()
+            except Exception as e:
+                raise _grammar_error(output_type, e) from e
         ids = self.encode_prompt(prompt, chat=options.chat, tools=options.tools)
         return Request(ids, options.params, matcher, frozenset(self.engine.stop_token_ids)), constraint
+
+    async def _arequest(self, output_type: Any, prompt: Prompt, options: Options) -> tuple[Request, Constraint]:
+        """`_request` for asyncio: tokenizing and grammar work off the event loop."""
+        constraint, compiled = await self._acompile(output_type, options.strict)
+        matcher = compiled.matcher() if compiled is not None else None
+        ids = await asyncio.to_thread(self.encode_prompt, prompt, chat=options.chat, tools=options.tools)
+        return Request(ids, options.params, matcher, frozenset(self.engine.stop_token_ids)), constraint
+
+    async def aprepare(self, output_type: Any, *, strict: bool = True) -> Constraint:
+        """Build and compile the grammar of `output_type` ahead of generating (cached), off the
+        event loop; returns the `Constraint`, itself a valid output type. Raises what
+        `generate` raises for a bad output type. The server checks requests with it."""
+        return (await self._acompile(output_type, strict))[0]
+
+    async def _acompile(self, output_type: Any, strict: bool) -> tuple[Constraint, CompiledGrammar | None]:
+        """The constraint (built in a worker thread) and its grammar, compiled on the
+        compiler's own bounded pool (grammar/compile_pool.py); a caller that goes away cancels
+        its compile. No grammar for free text."""
+        constraint = await asyncio.to_thread(self._constraint, output_type, strict)
+        if constraint.kind == "text":
+            return constraint, None
+        future = self.grammars.submit(constraint)
+        try:
+            return constraint, await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            future.cancel()
+            raise
+        except Exception as e:
+            raise _grammar_error(output_type, e) from e
+
+    def _constraint(self, output_type: Any, strict: bool) -> Constraint:
+        """`to_constraint` under the compiler's time budget (normalizing a hostile schema is
+        Python work that could otherwise run for minutes)."""
+        if self.closed:
+            raise StructgenError("this LLM is closed; create a new structgen.LLM() to generate again")
+        budget = CompileBudget(self.grammars.compile_timeout, f"{output_type!r:.80}")
+        try:
+            with within(budget):
+                return to_constraint(output_type, strict=strict)
+        except Exception as e:
+            raise _grammar_error(output_type, e) from e
 
     def _finish(self, req: Request, constraint: Constraint) -> Completion[Any]:
         text = self.tokenizer.decode(req.output_ids, skip_special_tokens=False)
@@ -235,7 +274,7 @@ class LLM:
         if req.finish_reason == "abort":
             raise RequestCancelledError("request was cancelled")
         if req.finish_reason == "error":
-            raise req.error if isinstance(req.error, StructgenError) else StructgenError(str(req.error))
+            raise req.error if isinstance(req.error, StructgenError) else EngineError(str(req.error))
         value = constraint.parse(text)
         return Completion(value, text, req.output_ids, req.finish_reason or "stop", req.stats, constraint.relaxed)
 
@@ -391,7 +430,7 @@ class LLM:
 
     # -- async ------------------------------------------------------------------------------
     async def _acomplete(self, output_type: Any, prompt: Prompt, options: Options) -> Completion[Any]:
-        req, constraint = await asyncio.to_thread(self._request, output_type, prompt, options)
+        req, constraint = await self._arequest(output_type, prompt, options)
         future = self.loop.submit(req)
         try:
             await asyncio.wrap_future(future)
@@ -470,7 +509,7 @@ class CompletionStream:
 
     async def _run(self) -> AsyncIterator[str]:
         llm = self._llm
-        req, constraint = await asyncio.to_thread(llm._request, *self._args)
+        req, constraint = await llm._arequest(*self._args)
         self.request = req
         aloop = asyncio.get_running_loop()
         updates: asyncio.Queue[Request] = asyncio.Queue()
@@ -524,6 +563,15 @@ def _stop_token_ids(tokenizer: Any, eos_ids: list[int]) -> set[int]:
         if isinstance(tid, int) and tid != tokenizer.unk_token_id and tid is not None:
             ids.add(tid)
     return ids
+
+
+def _grammar_error(output_type: Any, error: Exception) -> StructgenError:
+    """The `StructgenError` for a library that failed on an output type it should have refused."""
+    if isinstance(error, StructgenError):
+        return error
+    if isinstance(error, RecursionError):
+        return ConstraintTooLargeError("the output type is nested too deeply to compile; flatten it")
+    return InvalidConstraintError(f"cannot build a grammar for {output_type!r:.80}: {error}")
 
 
 _default: LLM | None = None

@@ -34,6 +34,8 @@ import httpx
 from structgen import tool_format
 from structgen.api import Completion
 from structgen.errors import (
+    CompilerBusyError,
+    ConstraintTooLargeError,
     EngineError,
     IncompleteOutputError,
     InvalidConstraintError,
@@ -42,6 +44,7 @@ from structgen.errors import (
     OutputValidationError,
     PromptTooLongError,
     StructgenError,
+    UnsatisfiableConstraintError,
     UnsupportedSchemaError,
     UnsupportedTypeError,
 )
@@ -53,7 +56,11 @@ Dialect = Literal["structgen", "vllm", "sglang", "openai"]
 # error `code`s our server sends -> the exception the in-process API would have raised
 _ERROR_CODES: dict[str, type[StructgenError]] = {
     "unsupported_schema": UnsupportedSchemaError,
+    "unsatisfiable_constraint": UnsatisfiableConstraintError,
+    "constraint_too_large": ConstraintTooLargeError,
     "invalid_constraint": InvalidConstraintError,
+    "output_validation_failed": OutputValidationError,
+    "compiler_busy": CompilerBusyError,
     "unsupported_type": UnsupportedTypeError,
     "invalid_parameter": InvalidParameterError,
     "context_length_exceeded": PromptTooLongError,
@@ -351,7 +358,7 @@ class RemoteLLM:
         free text, which comes back cut with finish_reason "length" (as OpenAI does)."""
         if finish_reason == "length":
             if wire.constraint.kind == "text":
-                return Completion(text, text, [], "length", stats)  # type: ignore[arg-type]
+                return Completion(text, text, [], "length", stats)
             raise IncompleteOutputError(
                 "generation hit max_tokens before the output was complete; raise max_tokens",
                 partial_text=text,
@@ -359,7 +366,7 @@ class RemoteLLM:
             )
         if wire.unwrap:
             text = _unwrapped_text(text, wire.unwrap)
-        return Completion(wire.constraint.parse(text), text, [], finish_reason or "stop", stats)  # type: ignore[arg-type]
+        return Completion(wire.constraint.parse(text), text, [], finish_reason or "stop", stats)
 
     def _raise_for_error(self, resp: httpx.Response) -> None:
         """Raise the structgen exception an error response stands for."""

@@ -247,7 +247,7 @@ def _pydantic_constraint(output_type: Any, strict: bool) -> Constraint:
             "model, dataclass, TypedDict, int/float/bool/str, Literal, Enum, or JsonSchema/"
             "Regex/CFG/Choice"
         ) from e
-    generated, tightened, relaxed = _generation_schema(_close_objects(schema), strict)
+    generated, tightened, relaxed = _generation_schema(close_objects(schema), strict)
     return _json_constraint(generated, tightened, f"JSON {name}", strict, adapter.validate_json, relaxed)
 
 
@@ -510,7 +510,7 @@ def _relax(schema: Any, issues: dict[str, list[Any]]) -> tuple[Any, None, tuple[
     )
 
 
-def _close_objects(schema: Any) -> Any:
+def close_objects(schema: Any) -> Any:
     """Model schemas list every field; forbid extra ones so the model cannot ramble on in keys
     pydantic would drop anyway (an explicit `extra="allow"` keeps additionalProperties).
     Walks schema positions only, so a field named "properties" is not mistaken for one."""
@@ -519,11 +519,11 @@ def _close_objects(schema: Any) -> Any:
     out = dict(schema)
     for kw, value in schema.items():
         if kw in _SCHEMA_MAPS and isinstance(value, dict):
-            out[kw] = {k: _close_objects(v) for k, v in value.items()}
+            out[kw] = {k: close_objects(v) for k, v in value.items()}
         elif kw in _SCHEMA_LISTS and isinstance(value, list):
-            out[kw] = [_close_objects(v) for v in value]
+            out[kw] = [close_objects(v) for v in value]
         elif kw in _SCHEMA_ONE:
-            out[kw] = _close_objects(value)
+            out[kw] = close_objects(value)
     if isinstance(out.get("properties"), dict) and "additionalProperties" not in out:
         out["additionalProperties"] = False
     return out

@@ -20,7 +20,7 @@ from typing import Any
 
 from structgen import tool_format
 from structgen.errors import StructgenError
-from structgen.types import CFG, Choice, JsonSchema, Regex, _close_objects
+from structgen.types import CFG, Choice, JsonSchema, Regex, close_objects
 from structgen_server.errors import APIError, to_api_error
 from structgen_server.protocol import ChatCompletionRequest, ResponseFormat, SamplingFields
 
@@ -66,7 +66,7 @@ def _from_response_format(rf: ResponseFormat) -> Any:
         if rf.json_schema is None or rf.json_schema.schema_ is None:
             raise APIError(400, "response_format type 'json_schema' needs json_schema.schema", param=f"{p}.json_schema")
         schema = _json_schema(rf.json_schema.schema_, f"{p}.json_schema.schema")
-        return JsonSchema(_close_objects(schema.schema)) if rf.json_schema.strict else schema
+        return JsonSchema(close_objects(schema.schema)) if rf.json_schema.strict else schema
     if rf.type == "regex":
         pattern = rf.regex if rf.regex is not None else rf.pattern
         if not pattern:

@@ -16,6 +16,7 @@ import uuid
 from fastapi.responses import JSONResponse
 
 from structgen.errors import (
+    CompilerBusyError,
     ConstraintTooLargeError,
     EngineError,
     InvalidConstraintError,
@@ -68,6 +69,7 @@ _MAPPING: list[tuple[type[StructgenError], int, str]] = [
     (InvalidParameterError, 400, "invalid_parameter"),
     (PromptTooLongError, 400, "context_length_exceeded"),
     (ModelNotFoundError, 404, "model_not_found"),
+    (CompilerBusyError, 503, "compiler_busy"),
     (RequestCancelledError, 499, "request_cancelled"),
     # the request's own constraint let through text it does not accept (a keyword enforced
     # only in part): the request can be fixed, the server is fine

@@ -15,7 +15,6 @@ from typing import Any
 from jinja2 import TemplateError
 
 from structgen import tool_format
-from structgen.types import to_constraint
 from structgen_server import serving
 from structgen_server.constraints import RequestConstraint, request_constraint
 from structgen_server.errors import APIError, to_api_error
@@ -131,10 +130,10 @@ async def plan(state: ServerState, body: SamplingFields) -> tuple[list[serving.J
         _check_prompt_chars(state, prompt, rc.tools, param)
     output_type: Any = str
     if rc.output_type is not None:
-        # a worker thread: building and compiling a grammar can take a while and must not
-        # stall the event loop for other requests; errors surface as a 400 before decoding
+        # off the event loop, on the compiler's bounded pool, cancelled if the client leaves;
+        # errors surface as a 400 before decoding
         try:
-            output_type = await asyncio.to_thread(_compile, state.llm, rc)
+            output_type = await state.llm.aprepare(rc.output_type, strict=rc.strict)
         except Exception as exc:
             raise to_api_error(exc, param=rc.param) from exc
     jobs = []
@@ -149,13 +148,6 @@ async def plan(state: ServerState, body: SamplingFields) -> tuple[list[serving.J
             job_sampling = {**sampling, "seed": seed}
             jobs.append(serving.Job(output_type, rendered, chat, template_tools, job_sampling, n_prompt, body.stop_strings()))
     return jobs, rc
-
-
-def _compile(llm: Any, rc: RequestConstraint) -> Any:
-    """The request's constraint, built with its strictness and compiled (cached)."""
-    constraint = to_constraint(rc.output_type, strict=rc.strict)
-    llm.compile(constraint)
-    return constraint
 
 
 def _render(
