@@ -323,6 +323,10 @@ def _json_schema_constraint(schema: dict[str, Any] | bool | str, strict: bool) -
     return _json_constraint(generated, tightened, description, strict, parse, relaxed)
 
 
+# Keywords of drafts 3 and 4 that validators of those drafts know: not typos.
+_OLDER_DRAFT_KEYWORDS = frozenset({"id", "extends", "disallow", "divisibleBy"})
+
+
 def _warn_unknown_keywords(schema: dict[str, Any]) -> None:
     """Validators ignore keywords they do not know, so a typo (`"tpye"`) silently means "any
     value": warn where an unknown keyword is close to a known one."""
@@ -333,7 +337,7 @@ def _warn_unknown_keywords(schema: dict[str, Any]) -> None:
     known = sorted(ANNOTATIONS | set(KEYWORDS))
     for node, path in walk(schema):
         for kw in node:
-            if kw in ANNOTATIONS or kw in KEYWORDS:
+            if kw in ANNOTATIONS or kw in KEYWORDS or kw in _OLDER_DRAFT_KEYWORDS:
                 continue
             close = difflib.get_close_matches(kw, known, n=1, cutoff=0.7)
             if close:
