@@ -52,7 +52,7 @@ from structgen.engine.request import Request
 from structgen.engine.sampler import SamplingParams
 from structgen.errors import StructgenError
 from structgen.grammar import GrammarMatcher, dump_json
-from structgen.grammar.backends.base import set_only_tokens
+from structgen.grammar.backends.base import FORCED_TEXT_MAX_BYTES, set_only_tokens
 from structgen.grammar.jump_forward import JumpForward, VocabBytes
 from structgen.types import to_constraint
 
@@ -154,8 +154,8 @@ class ReplayMatcher(GrammarMatcher):
         for _ in range(num_tokens):
             self.offset -= len(self.vocab.tokens[self.history.pop()])
 
-    def jump_forward_string(self) -> str:
-        return self.inner.jump_forward_string()
+    def jump_forward_string(self, max_bytes: int = FORCED_TEXT_MAX_BYTES) -> str:
+        return self.inner.jump_forward_string(max_bytes)
 
     @property
     def version(self) -> int:  # every state change goes through inner

@@ -329,21 +329,26 @@ _OLDER_DRAFT_KEYWORDS = frozenset({"id", "extends", "disallow", "divisibleBy"})
 
 def _warn_unknown_keywords(schema: dict[str, Any]) -> None:
     """Validators ignore keywords they do not know, so a typo (`"tpye"`) silently means "any
-    value": warn where an unknown keyword is close to a known one."""
+    value": warn where an unknown keyword is close to a known one, once a keyword (with its
+    first place). Vendor keys (`_x`, `x-x`) are deliberate and pass."""
     import difflib
 
     from structgen.grammar.keywords import ANNOTATIONS, KEYWORDS, walk
 
     known = sorted(ANNOTATIONS | set(KEYWORDS))
+    seen: set[str] = set()
     for node, path in walk(schema):
         for kw in node:
-            if kw in ANNOTATIONS or kw in KEYWORDS or kw in _OLDER_DRAFT_KEYWORDS:
+            if kw in seen or kw in ANNOTATIONS or kw in KEYWORDS or kw in _OLDER_DRAFT_KEYWORDS:
+                continue
+            seen.add(kw)
+            if kw.startswith(("_", "x-")):
                 continue
             close = difflib.get_close_matches(kw, known, n=1, cutoff=0.7)
             if close:
                 warnings.warn(
-                    f"unknown JSON Schema keyword {kw!r} at {path} is ignored; did you mean "
-                    f"{close[0]!r}?",
+                    f"unknown JSON Schema keyword {kw!r} (first at {path}) is ignored; did you "
+                    f"mean {close[0]!r}?",
                     StructgenWarning,
                     stacklevel=_first_caller_outside_structgen(),
                 )

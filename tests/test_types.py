@@ -429,13 +429,17 @@ def test_an_unknown_keyword_near_a_known_one_warns():
     with pytest.warns(StructgenWarning) as caught:
         to_constraint({"tpye": "object", "properties": {"a": {"type": "string", "maxLenght": 3}}})
     assert [str(w.message) for w in caught] == [
-        "unknown JSON Schema keyword 'tpye' at # is ignored; did you mean 'type'?",
-        "unknown JSON Schema keyword 'maxLenght' at #/properties/a is ignored; did you mean 'maxLength'?",
+        "unknown JSON Schema keyword 'tpye' (first at #) is ignored; did you mean 'type'?",
+        "unknown JSON Schema keyword 'maxLenght' (first at #/properties/a) is ignored; did you mean 'maxLength'?",
     ]
     assert caught[0].filename == __file__  # points at the caller's line
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         to_constraint({"type": "object", "x-vendor": 1, "properties": {"tpye": {"type": "string"}}})
+        to_constraint({"type": "object", "properties": {"n": {"type": "integer", "_format": "int32"}}})
+    with pytest.warns(StructgenWarning) as repeated:  # one warning a keyword, however often it is used
+        to_constraint({"type": "object", "properties": {k: {"type": "string", "maxLenght": 3} for k in "abc"}})
+    assert len(repeated) == 1
 
 
 @pytest.mark.parametrize(("schema", "named"), [
