@@ -266,6 +266,9 @@ def _portable_typeddicts(tp: Any) -> Any:
         return rebuilt
     args = typing.get_args(tp)
     origin = typing.get_origin(tp)
+    if origin is typing.Annotated:  # its alias keeps the metadata apart from the type
+        inner = _portable_typeddicts(args[0])
+        return tp if inner is args[0] else typing.Annotated[(inner, *args[1:])]
     if args and origin is not None and origin is not Literal:
         new = tuple(_portable_typeddicts(a) for a in args)
         if new != args:

@@ -470,3 +470,19 @@ def test_strict_false_leaves_out_what_no_backend_enforces_and_validates_it_after
     with pytest.raises(OutputValidationError, match="non-unique"):
         loose.parse('{"tags": [1, 1]}')
     assert to_constraint(set[str], strict=False).parse('["a", "b"]') == {"a", "b"}
+
+
+def test_annotated_list_of_typeddicts_builds_a_constraint():
+    """`Annotated[list[TD], Field(...)]` with a `typing.TypedDict` (rebuilt for pydantic
+    before Python 3.12) keeps both the item type and the annotation."""
+    import typing as t
+
+    class Item(t.TypedDict):
+        name: str
+
+    constraint = to_constraint(t.Annotated[list[Item], pydantic.Field(min_length=1)])
+    schema = json.loads(constraint.source)
+    assert schema["minItems"] == 1
+    assert constraint.parse('[{"name": "a"}]') == [{"name": "a"}]
+    with pytest.raises(OutputValidationError):
+        constraint.parse("[]")
