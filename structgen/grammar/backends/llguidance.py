@@ -20,7 +20,7 @@ from structgen.grammar.backends.base import (
     token_bytes,
 )
 from structgen.grammar.json_format import JSON_SEPARATORS
-from structgen.grammar.keywords import strip_annotation_formats
+from structgen.grammar.keywords import llguidance_crash_issues, strip_annotation_formats
 
 if TYPE_CHECKING:
     import torch
@@ -216,6 +216,7 @@ class LLGuidanceBackend(GrammarBackend):
         try:
             if constraint.kind == "json_schema":
                 schema = strip_annotation_formats(json.loads(constraint.source))
+                _refuse_crashing(schema, constraint)
                 options = JSON_OPTIONS if constraint.strict else LENIENT_OPTIONS
                 return M.grammar_from_json_schema(json.dumps(schema), overrides=options)
             if constraint.kind == "regex":
@@ -229,6 +230,19 @@ class LLGuidanceBackend(GrammarBackend):
             raise InvalidConstraintError(
                 f"llguidance cannot read {constraint.description}: {e}"
             ) from e
+
+
+def _refuse_crashing(schema: Any, constraint: Constraint) -> None:
+    """Raise before llguidance sees a schema its native compiler would crash on (the process
+    dies, so its own errors never come); `GrammarCompiler` skips this backend for them, but a
+    best-effort compile (strict=False) still tries every backend."""
+    found = llguidance_crash_issues(schema)
+    if found:
+        raise UnsupportedSchemaError(
+            f"llguidance cannot compile {constraint.description}: {found[0]}",
+            keyword=found[0].keyword,
+            path=found[0].path,
+        )
 
 
 def _clean(message: str) -> str:
