@@ -107,7 +107,7 @@ from structgen.errors import StructgenError
 from structgen.grammar import GrammarCompiler
 from structgen.types import CFG, JsonSchema, to_constraint
 
-model_dir, kind, text = sys.argv[1:4]
+model_dir, kind, text = sys.argv[1], sys.argv[2], sys.stdin.read()
 output = JsonSchema(json.loads(text)) if kind == "json" else CFG(text, syntax="lark")
 tokenizer = load_tokenizer(model_dir)
 vocab_size = load_model_config(model_dir).vocab_size
@@ -142,8 +142,8 @@ def compile_in_child(model_dir: Path, kind: str, text: str) -> dict[tuple[str, b
     """{(backend, strict): outcome} from compiling a JSON schema or Lark grammar `text` in a
     fresh interpreter."""
     child = subprocess.run(
-        [sys.executable, "-c", COMPILE_IN_CHILD, str(model_dir), kind, text],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+        [sys.executable, "-c", COMPILE_IN_CHILD, str(model_dir), kind],
+        input=text, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert child.returncode == 0, f"the compile died (exit {child.returncode}): {child.stderr[-2000:]}"
     outcomes = {}
@@ -172,6 +172,28 @@ def test_a_tool_whose_parameters_hold_int64_min_never_crashes_the_tool_grammar(m
         "type": "object", "properties": {"n": {"const": INT64_MIN}}, "required": ["n"]}}}  # fmt: skip
     outcomes = compile_in_child(model_dir, "lark", auto_grammar([tool], parallel=False))
     assert outcomes[("llguidance", True)] == "UnsupportedSchemaError const", outcomes
+
+
+def ref_chain(length: int) -> dict:
+    """A schema whose `$ref`s go `length` definitions deep: [[[...1...]]]."""
+    defs = {f"d{i}": {"type": "array", "items": {"$ref": f"#/$defs/d{i + 1}"}} for i in range(length)}
+    return {"$defs": {**defs, f"d{length}": {"type": "integer"}}, "$ref": "#/$defs/d0"}
+
+
+def rule_chain(length: int) -> str:
+    """A Lark grammar whose rules go `length` deep, each starting with the next: b a a ... a."""
+    rules = "\n".join(f'r{i}: r{i + 1} "a"' for i in range(length))
+    return f'start: r0\n{rules}\nr{length}: "b"\n'
+
+
+@pytest.mark.parametrize(
+    ("kind", "text"),
+    [("json", json.dumps(ref_chain(3000))), ("lark", rule_chain(3000))],
+    ids=["3000-refs", "3000-lark-rules"],
+)
+def test_a_chain_of_3000_refs_or_rules_compiles_without_overflowing_a_native_stack(model_dir, kind, text):
+    outcomes = compile_in_child(model_dir, kind, text)
+    assert outcomes[("auto", True)] == outcomes[("llguidance", True)] == "compiled", outcomes
 
 
 def test_an_integer_range_just_inside_int64_compiles_with_llguidance(grammar_compiler):
