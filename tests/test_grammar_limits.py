@@ -21,6 +21,7 @@ from structgen.engine.config import EngineConfig
 from structgen.errors import (
     ConstraintTooLargeError,
     IncompleteOutputError,
+    InvalidConstraintError,
     UnsatisfiableConstraintError,
 )
 from structgen.grammar import GrammarCompiler
@@ -242,6 +243,16 @@ def test_a_9000_value_enum_is_built_and_compiled_in_seconds(grammar_compiler):
     grammar = grammar_compiler.compile(to_constraint(JsonSchema({"enum": [f"value-{i}" for i in range(9_000)]})))
     assert time.perf_counter() - start < 8.0
     assert grammar.accepts('"value-8999"') and not grammar.accepts('"value-9000"')
+
+
+@pytest.mark.parametrize(
+    ("pattern", "error"),
+    [("a{4294967295}", InvalidConstraintError), ("(" * 3000 + "a" + ")" * 3000, ConstraintTooLargeError)],
+    ids=["repetition-past-re", "3000-groups"],
+)
+def test_a_regex_past_pythons_re_limits_is_refused_with_a_structgen_error(pattern, error):
+    with pytest.raises(error):
+        to_constraint(Regex(pattern))
 
 
 def test_a_compiler_with_smaller_limits_refuses_larger_text(compiler_for):
