@@ -555,13 +555,21 @@ def _canonical(schema: dict[str, Any]) -> str:
 def _regex_constraint(
     pattern: str, name: str = "", convert: Callable[[str], Any] = str
 ) -> Constraint:
+    from structgen.grammar.limits import BUILD_LIMITS, check_source
+
     if not isinstance(pattern, str) or not pattern:
         raise InvalidConstraintError("Regex needs a non-empty pattern string")
+    check_source("regex", pattern, "regex", BUILD_LIMITS)  # before re's recursive parser
     try:
         compiled = re.compile(pattern)
     except re.error as e:
         raise InvalidConstraintError(
             f"invalid regex {pattern!r}: {e.msg} at position {e.pos}"
+        ) from e
+    except (OverflowError, RecursionError) as e:  # a repetition count past re's limits
+        raise InvalidConstraintError(
+            f"regex {pattern[:200]!r} is beyond what Python's re accepts ({e}); use smaller "
+            "repetition counts and less nesting"
         ) from e
 
     def parse(text: str) -> str:

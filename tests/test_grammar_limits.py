@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import json
 import resource
+import subprocess
+import sys
 import time
 from concurrent.futures import CancelledError
+from pathlib import Path
 
 import pytest
 
@@ -18,11 +21,13 @@ from structgen.engine.config import EngineConfig
 from structgen.errors import (
     ConstraintTooLargeError,
     IncompleteOutputError,
+    InvalidConstraintError,
     UnsatisfiableConstraintError,
 )
 from structgen.grammar import GrammarCompiler
 from structgen.grammar.backends.base import FORCED_TEXT_MAX_BYTES
 from structgen.grammar.json_format import JSON_SEPARATORS
+from structgen.grammar.keywords import llguidance_crash_issues
 from structgen.grammar.limits import ConstraintLimits
 from structgen.types import CFG, Regex, to_constraint
 
@@ -92,6 +97,119 @@ def test_a_regex_that_matches_nothing_is_refused(grammar_compiler):
     assert "matches no string" in message
 
 
+# -- schemas that crashed a native compiler: compiled in a child process ----------------------
+# Each compile runs in its own interpreter, so a regression fails the test instead of killing
+# pytest with the process. The child prints, per (backend, strict), "compiled" or the
+# StructgenError class and keyword; anything else (a crash, another exception) fails.
+COMPILE_IN_CHILD = """
+import json, sys
+from structgen.engine.models.loader import load_model_config, load_tokenizer
+from structgen.errors import StructgenError
+from structgen.grammar import GrammarCompiler
+from structgen.types import CFG, JsonSchema, to_constraint
+
+model_dir, kind, text = sys.argv[1], sys.argv[2], sys.stdin.read()
+output = JsonSchema(json.loads(text)) if kind == "json" else CFG(text, syntax="lark")
+tokenizer = load_tokenizer(model_dir)
+vocab_size = load_model_config(model_dir).vocab_size
+for backend in ("auto", "llguidance"):
+    for strict in (True, False):
+        compiler = GrammarCompiler(tokenizer, vocab_size, [tokenizer.eos_token_id])
+        try:
+            compiler.compile(to_constraint(output, strict=strict), backend)
+            print(backend, strict, "compiled", flush=True)
+        except StructgenError as e:
+            print(backend, strict, type(e).__name__, getattr(e, "keyword", None), flush=True)
+"""
+REPO_ROOT = Path(__file__).resolve().parent.parent
+INT64_MIN = -(2**63)
+# Found by a fuzzer: normalizing oneOf intersects {"enum": [-1e308]} with an integer type;
+# llguidance saturates that integer range to [-2**63, -2**63] and recursed without end.
+ONE_OF_HUGE_NEGATIVE_ENUM = {
+    "oneOf": [
+        {"type": "object", "properties": {"self": {"$ref": "#"}, "x": {"type": "string", "pattern": "true"}}},
+        {"type": "object", "properties": {"self": {"$ref": "#"}, "x": {"enum": [-1e308]}}},
+    ]
+}
+HOSTILE_INTEGER_SCHEMAS = {
+    "oneOf-enum-1e308": ONE_OF_HUGE_NEGATIVE_ENUM,
+    "const-int64-min": {"type": "object", "properties": {"n": {"const": INT64_MIN}}},
+    "integer-range-below-int64": {"type": "integer", "minimum": -1e20, "maximum": -1e19},
+    "allOf-bounds-below-int64": {"allOf": [{"type": "integer", "exclusiveMaximum": -1e20}, {"minimum": -1e21}]},
+}
+
+
+def compile_in_child(model_dir: Path, kind: str, text: str) -> dict[tuple[str, bool], str]:
+    """{(backend, strict): outcome} from compiling a JSON schema or Lark grammar `text` in a
+    fresh interpreter."""
+    child = subprocess.run(
+        [sys.executable, "-c", COMPILE_IN_CHILD, str(model_dir), kind],
+        input=text, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert child.returncode == 0, f"the compile died (exit {child.returncode}): {child.stderr[-2000:]}"
+    outcomes = {}
+    for line in child.stdout.splitlines():
+        backend, strict, outcome = line.split(" ", 2)
+        outcomes[(backend, strict == "True")] = outcome
+    assert len(outcomes) == 4, child.stdout
+    return outcomes
+
+
+@pytest.mark.parametrize("schema", HOSTILE_INTEGER_SCHEMAS.values(), ids=HOSTILE_INTEGER_SCHEMAS)
+def test_an_integer_at_or_below_int64_min_never_crashes_and_llguidance_refuses_it_naming_the_keyword(
+    model_dir, schema
+):
+    outcomes = compile_in_child(model_dir, "json", json.dumps(schema))
+    for strict in (True, False):
+        error, keyword = outcomes[("llguidance", strict)].split()
+        assert error == "UnsupportedSchemaError", outcomes
+        assert keyword in ("allOf", "const", "enum", "minimum", "maximum", "exclusiveMaximum"), outcomes
+
+
+def test_a_tool_whose_parameters_hold_int64_min_never_crashes_the_tool_grammar(model_dir):
+    from structgen.tool_format import auto_grammar
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"n": {"const": INT64_MIN}}, "required": ["n"]}}}  # fmt: skip
+    outcomes = compile_in_child(model_dir, "lark", auto_grammar([tool], parallel=False))
+    assert outcomes[("llguidance", True)] == "UnsupportedSchemaError const", outcomes
+
+
+def ref_chain(length: int) -> dict:
+    """A schema whose `$ref`s go `length` definitions deep: [[[...1...]]]."""
+    defs = {f"d{i}": {"type": "array", "items": {"$ref": f"#/$defs/d{i + 1}"}} for i in range(length)}
+    return {"$defs": {**defs, f"d{length}": {"type": "integer"}}, "$ref": "#/$defs/d0"}
+
+
+def rule_chain(length: int) -> str:
+    """A Lark grammar whose rules go `length` deep, each starting with the next: b a a ... a."""
+    rules = "\n".join(f'r{i}: r{i + 1} "a"' for i in range(length))
+    return f'start: r0\n{rules}\nr{length}: "b"\n'
+
+
+@pytest.mark.parametrize(
+    ("kind", "text"),
+    [("json", json.dumps(ref_chain(3000))), ("lark", rule_chain(3000))],
+    ids=["3000-refs", "3000-lark-rules"],
+)
+def test_a_chain_of_3000_refs_or_rules_compiles_without_overflowing_a_native_stack(model_dir, kind, text):
+    outcomes = compile_in_child(model_dir, kind, text)
+    assert outcomes[("auto", True)] == outcomes[("llguidance", True)] == "compiled", outcomes
+
+
+def test_an_integer_range_just_inside_int64_compiles_with_llguidance(grammar_compiler):
+    schema = {"type": "integer", "minimum": -9223372036854774000, "maximum": -9223372036854773000}
+    assert llguidance_crash_issues(schema) == []
+    grammar = grammar_compiler.compile(to_constraint(JsonSchema(schema)), backend="llguidance")
+    assert grammar.accepts("-9223372036854773500") and not grammar.accepts("-1")
+
+
+def test_a_huge_negative_float_is_left_to_llguidance_unless_an_integer_type_is_declared():
+    assert llguidance_crash_issues({"type": "number", "enum": [-1e308, 5]}) == []
+    found = llguidance_crash_issues({"anyOf": [{"type": "integer"}, {"const": [-1e300]}]})
+    assert [(i.keyword, i.path) for i in found] == [("const", "#/anyOf/1")]
+
+
 # -- size limits, before any recursive work ---------------------------------------------------
 def nested_arrays(depth: int) -> dict:
     schema: dict = {"type": "integer"}
@@ -125,6 +243,16 @@ def test_a_9000_value_enum_is_built_and_compiled_in_seconds(grammar_compiler):
     grammar = grammar_compiler.compile(to_constraint(JsonSchema({"enum": [f"value-{i}" for i in range(9_000)]})))
     assert time.perf_counter() - start < 8.0
     assert grammar.accepts('"value-8999"') and not grammar.accepts('"value-9000"')
+
+
+@pytest.mark.parametrize(
+    ("pattern", "error"),
+    [("a{4294967295}", InvalidConstraintError), ("(" * 3000 + "a" + ")" * 3000, ConstraintTooLargeError)],
+    ids=["repetition-past-re", "3000-groups"],
+)
+def test_a_regex_past_pythons_re_limits_is_refused_with_a_structgen_error(pattern, error):
+    with pytest.raises(error):
+        to_constraint(Regex(pattern))
 
 
 def test_a_compiler_with_smaller_limits_refuses_larger_text(compiler_for):

@@ -8,6 +8,7 @@ request.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -22,6 +23,7 @@ from structgen.grammar import keywords
 from structgen.grammar.backends.base import CompiledGrammar, GrammarBackend
 from structgen.grammar.budget import CompileBudget, check_budget, current_budget, within
 from structgen.grammar.compile_pool import CompilePool
+from structgen.grammar.large_stack import call_on_large_stack
 from structgen.grammar.limits import DEFAULT_LIMITS, ConstraintLimits, check_source
 from structgen.grammar.termination import analyse, check_not_empty
 
@@ -149,6 +151,10 @@ class GrammarCompiler:
             return hit
 
     def _compile(self, constraint: Constraint, candidates: list[str]) -> CompiledGrammar:
+        # the native parsers recurse once per nested rule: see large_stack
+        return call_on_large_stack(functools.partial(self._compile_here, constraint, candidates))
+
+    def _compile_here(self, constraint: Constraint, candidates: list[str]) -> CompiledGrammar:
         lengths = analyse(constraint)  # refuses what never ends before masks are built
         errors: list[tuple[str, StructgenError]] = []
         for name in candidates:

@@ -315,6 +315,8 @@ def find_issues(schema: Any, backend: str) -> list[Issue]:
             issues += [
                 Issue(kw, path, backend, REJECTED, why) for kw, why in _llguidance_rules(node)
             ]
+    if backend == "llguidance":
+        issues += llguidance_crash_issues(schema)
     return issues
 
 
@@ -478,6 +480,59 @@ def _llguidance_rules(node: dict) -> Iterator[tuple[str, str]]:
     for pattern, where in _patterns(node):
         if _LOOKAROUND.search(pattern):
             yield where, "lookaround in pattern"
+
+
+# llguidance turns integer ranges into regexes with 64-bit bounds (saturating), writing a
+# negative range as the negation of a positive one: a range whose ends both saturate to -2**63
+# negates to itself and recurses until the native stack overflows, killing the process. It
+# makes such a range from an integer literal in a const or enum (read as a 64-bit integer) and,
+# since allOf merges a number from one subschema with "type": "integer" from another, from any
+# number in a schema that declares an integer type.
+_NUMBER_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "const", "enum")
+_INT64_MIN = -(2.0**63)
+
+
+def llguidance_crash_issues(schema: Any) -> list[Issue]:
+    """What would crash llguidance's native compiler (a stack overflow, not an error) in
+    `schema`: numbers at or below -2**63 that it reads as 64-bit integers. The llguidance
+    adapter refuses these itself too, so best-effort (strict=False) compiles never reach it."""
+    nodes = list(walk(schema))
+    integers = any(_declares_integer(node) for node, _ in nodes)
+    return [
+        Issue(
+            kw, path, "llguidance", REJECTED,
+            "a number at or below -2**63 read as a 64-bit integer, whose range llguidance "
+            "cannot build; keep integers within -9.2e18..9.2e18",
+        )
+        for node, path in nodes
+        for kw in _NUMBER_BOUNDS
+        if kw in node and _has_int64_underflow(node[kw], integers)
+    ]  # fmt: skip
+
+
+def _declares_integer(node: dict) -> bool:
+    declared = node.get("type")
+    return declared == "integer" or (isinstance(declared, list) and "integer" in declared)
+
+
+def _has_int64_underflow(value: Any, integers: bool) -> bool:
+    """Is there, at any depth of `value`, a number at or below -2**63 (rounded to a double, as
+    llguidance reads it) that llguidance takes for an integer: an integer literal, or any
+    number when `integers` (the schema declares an integer type)?"""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, (int, float)):
+        if not (integers or isinstance(value, int)):
+            return False
+        try:
+            return float(value) <= _INT64_MIN
+        except OverflowError:  # an integer literal beyond the double range
+            return value < 0
+    if isinstance(value, list):
+        return any(_has_int64_underflow(v, integers) for v in value)
+    if isinstance(value, dict):
+        return any(_has_int64_underflow(v, integers) for v in value.values())
+    return False
 
 
 def _patterns(node: dict) -> Iterator[tuple[str, str]]:

@@ -4,7 +4,8 @@ than xgrammar and refuses (instead of ignoring) what it cannot enforce."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+import re
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import llguidance
@@ -20,7 +21,7 @@ from structgen.grammar.backends.base import (
     token_bytes,
 )
 from structgen.grammar.json_format import JSON_SEPARATORS
-from structgen.grammar.keywords import strip_annotation_formats
+from structgen.grammar.keywords import llguidance_crash_issues, strip_annotation_formats
 
 if TYPE_CHECKING:
     import torch
@@ -216,11 +217,14 @@ class LLGuidanceBackend(GrammarBackend):
         try:
             if constraint.kind == "json_schema":
                 schema = strip_annotation_formats(json.loads(constraint.source))
+                _refuse_crashing(schema, constraint.description)
                 options = JSON_OPTIONS if constraint.strict else LENIENT_OPTIONS
                 return M.grammar_from_json_schema(json.dumps(schema), overrides=options)
             if constraint.kind == "regex":
                 return M.grammar_from_regex(constraint.source)
             if constraint.kind == "grammar" and constraint.syntax == "lark":
+                for schema in _lark_json_schemas(constraint.source):
+                    _refuse_crashing(schema, f"the %json schema in {constraint.description}")
                 return M.grammar_from_lark(constraint.source)
             if constraint.kind == "grammar":
                 return llguidance.grammar_from("gbnf", constraint.source)
@@ -229,6 +233,33 @@ class LLGuidanceBackend(GrammarBackend):
             raise InvalidConstraintError(
                 f"llguidance cannot read {constraint.description}: {e}"
             ) from e
+
+
+def _refuse_crashing(schema: Any, what: str) -> None:
+    """Raise before llguidance sees a schema its native compiler would crash on (the process
+    dies, so its own errors never come); `GrammarCompiler` skips this backend for them, but a
+    best-effort compile (strict=False) and Lark's `%json` schemas still come here."""
+    found = llguidance_crash_issues(schema)
+    if found:
+        raise UnsupportedSchemaError(
+            f"llguidance cannot compile {what}: {found[0]}",
+            keyword=found[0].keyword,
+            path=found[0].path,
+        )
+
+
+_LARK_JSON = re.compile(r"%json\s*(?=\{)")
+
+
+def _lark_json_schemas(source: str) -> Iterator[Any]:
+    """The JSON schemas a Lark grammar inlines with `%json {...}` (tool-call grammars do);
+    text that does not parse as JSON is left to llguidance, which refuses it."""
+    decoder = json.JSONDecoder()
+    for found in _LARK_JSON.finditer(source):
+        try:
+            yield decoder.raw_decode(source, found.end())[0]
+        except (ValueError, RecursionError):
+            continue
 
 
 def _clean(message: str) -> str:
