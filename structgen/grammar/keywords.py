@@ -7,7 +7,7 @@ issue for it; coverage is the union of the backends, not their intersection.
 
 The tables were found empirically (xgrammar 0.2.8, llguidance 1.9.1): one small schema per
 keyword with a valid and an invalid instance, then the MaskBench invalid instances that a
-backend accepted (see tests/test_grammar.py and benchmarks/eval_grammar.py). Statuses:
+backend accepted (see tests/grammar/test_grammar.py and benchmarks/eval_grammar.py). Statuses:
 
 - ENFORCED: the backend's grammar rejects every violating instance.
 - IGNORED: the backend compiles the schema but accepts instances that violate the keyword.
