@@ -42,7 +42,7 @@ from structgen import LLM, JsonSchema
 from structgen.engine.config import EngineConfig, SpeculativeConfig
 from structgen.engine.request import Request
 from structgen.engine.sampler import SamplingParams
-from structgen.engine.spec.speculator import Speculator
+from structgen.engine.speculative.speculator import Speculator
 from structgen.errors import StructgenError
 
 JME = Path(__file__).resolve().parents[2] / "shared" / "data" / "maskbench" / "JME.jsonl"
@@ -207,7 +207,7 @@ class StepProfile:
     device does not overlap."""
 
     PHASES = {
-        "structgen.engine.spec.speculator:Speculator": ("propose", "_forward_and_sample", "_accept", "_fill_masks"),
+        "structgen.engine.speculative.speculator:Speculator": ("propose", "_forward_and_sample", "_accept", "_fill_masks"),
         "structgen.engine.engine:Engine": ("step", "_decode_step", "_advance", "_fill_masks"),
         "structgen.engine.scheduler:Scheduler": ("schedule",),
         "structgen.engine.cuda_graphs:DecodeGraphs": ("run",),

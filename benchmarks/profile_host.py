@@ -27,7 +27,7 @@ import torch
 
 from benchmarks.bench_decode import PROMPT, SCHEMA, chat
 from benchmarks.common import model_config, print_table, write_results
-from structgen.engine import cuda_graphs as cg
+from structgen.engine import graph_metadata as meta
 from structgen.engine.config import EngineConfig
 from structgen.engine.engine import Engine
 from structgen.engine.request import Request
@@ -60,7 +60,7 @@ class StubDevice:
         g, m = self.graphs, self.graphs.meta
         by_slot = {r.slot: r for r in self.engine.scheduler.running}
         out = np.zeros(bs, dtype=np.int64)
-        for row, (slot, live) in enumerate(zip(m[cg.SLOTS, :bs].tolist(), m[cg.LIVE, :bs].tolist(), strict=True)):
+        for row, (slot, live) in enumerate(zip(m[meta.SLOTS, :bs].tolist(), m[meta.LIVE, :bs].tolist(), strict=True)):
             req = by_slot.get(slot) if live else None
             if req is None:
                 continue
@@ -69,11 +69,11 @@ class StubDevice:
             else:
                 out[row] = self.next_token(req.output_ids)
         g.tokens[:bs] = torch.from_numpy(out)
-        live = m[cg.LIVE, :bs]
-        torch.mul(g.tokens[:bs], live, out=m[cg.IDS, :bs])
-        m[cg.POSITIONS, :bs].add_(live)
-        m[: cg._CARRIED, :bs] = m[: cg._CARRIED].index_select(1, m[cg.NEXT, :bs])
-        torch.add(m[cg.POSITIONS, :bs], 1, out=m[cg.LENS, :bs])
+        live = m[meta.LIVE, :bs]
+        torch.mul(g.tokens[:bs], live, out=m[meta.IDS, :bs])
+        m[meta.POSITIONS, :bs].add_(live)
+        m[: meta.CARRIED, :bs] = m[: meta.CARRIED].index_select(1, m[meta.NEXT, :bs])
+        torch.add(m[meta.POSITIONS, :bs], 1, out=m[meta.LENS, :bs])
         self.seconds += time.perf_counter() - t
 
     def next_token(self, output: list[int]) -> int:

@@ -6,8 +6,9 @@
 
 from typing import TYPE_CHECKING, Any
 
-from structgen.api import LLM, Completion, generate
+from structgen.api import LLM, generate
 from structgen.arguments import GenerateOptions
+from structgen.completion import Completion
 from structgen.engine.config import EngineConfig, SpeculativeConfig
 from structgen.engine.request import GenerationStats
 from structgen.engine.sampler import SamplingParams

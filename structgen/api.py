@@ -15,9 +15,8 @@ import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from structgen.arguments import (
     DEFAULTS,
@@ -26,10 +25,11 @@ from structgen.arguments import (
     check_prompt,
     checked_keywords,
 )
+from structgen.completion import Completion  # re-exported for `from structgen.api import`
 from structgen.engine.config import EngineConfig
 from structgen.engine.engine import Engine
 from structgen.engine.loop import EngineLoop
-from structgen.engine.request import GenerationStats, Request
+from structgen.engine.request import Request
 from structgen.engine.sampler import SamplingParams
 from structgen.errors import (
     ConstraintTooLargeError,
@@ -47,7 +47,7 @@ from structgen.types import CFG, Constraint, Regex, to_constraint
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-    from structgen.remote import RemoteLLM, RemoteStats
+    from structgen.remote import RemoteLLM
 
 T = TypeVar("T")
 Prompt = str | Sequence[dict[str, Any]]
@@ -57,18 +57,6 @@ _POLL_S = 0.1
 # No token is longer than this many characters in any tokenizer we load, so a prompt longer
 # than this many characters per context token cannot fit; refused before tokenizing it.
 _MAX_CHARS_PER_TOKEN = 32
-
-
-@dataclass
-class Completion(Generic[T]):
-    """One finished generation: the typed, validated `value` and how it was made."""
-
-    value: T
-    text: str
-    token_ids: list[int]
-    finish_reason: str  # "stop", or "length" for free text cut off by max_tokens
-    stats: GenerationStats | RemoteStats  # RemoteStats: from `LLM.remote`, None where unknown
-    relaxed: tuple[str, ...] = ()  # strict=False: schema keywords left out of the grammar
 
 
 class LLM:

@@ -32,7 +32,7 @@ from typing import Any, Literal
 import httpx
 
 from structgen import tool_format
-from structgen.api import Completion
+from structgen.completion import Completion
 from structgen.errors import (
     CompilerBusyError,
     ConstraintTooLargeError,

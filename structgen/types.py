@@ -471,10 +471,9 @@ def _generation_schema(schema: dict[str, Any], strict: bool) -> tuple[Any, Any |
 
     The compiler tries the exact one first: llguidance may prove an overlapping `oneOf`
     disjoint where `disjoint.py` could not."""
-    # Imported here: the grammar package is pure Python at import time, but callers that only
-    # build constraints (the remote client) need not load it.
-    from structgen.grammar.compiler import BACKENDS, unsupported_schema_error
-    from structgen.grammar.keywords import find_issues
+    # Imported here: the schema modules are pure Python at import time, but callers that only
+    # build constraints (the remote client) need not load them.
+    from structgen.grammar.keywords import BACKENDS, find_issues, unsupported_schema_error
     from structgen.grammar.normalize import normalize_exact, normalize_schema, surely_empty
 
     generated, inexact = normalize_exact(schema)

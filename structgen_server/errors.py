@@ -49,7 +49,8 @@ class APIError(Exception):
     ):
         super().__init__(message)
         self.status = status
-        self.message = message
+        # A client's lone surrogate ("\ud800") echoed in a message cannot be UTF-8: escape it.
+        self.message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         self.type = type
         self.param = param
         self.code = code

@@ -1,5 +1,5 @@
 """Output type -> Constraint: every supported type, the parse/validation path, error messages.
-No tokenizer needed; grammar-level behaviour is in test_grammar.py."""
+No tokenizer needed; grammar-level behaviour is in grammar/test_grammar.py."""
 
 from __future__ import annotations
 

@@ -78,7 +78,7 @@ class ModelConfig:
 
 @dataclass
 class SpeculativeConfig:
-    """Speculative decoding (structgen/engine/spec/): a drafter proposes up to
+    """Speculative decoding (structgen/engine/speculative/): a drafter proposes up to
     `num_draft_tokens` tokens per step and the target checks them all in one forward.
     Lossless: greedy requests keep their exact tokens, sampled ones their distribution."""
 
@@ -93,7 +93,7 @@ class SpeculativeConfig:
     # the target's first `self_draft_layers` layers + its LM head, on their own KV cache)
     draft_model: str | None = None
     self_draft_layers: int = 8
-    drafter: Any = None  # "custom": any object implementing spec.drafter.Drafter
+    drafter: Any = None  # "custom": any object implementing speculative.drafter.Drafter
 
     def __post_init__(self) -> None:
         from structgen.errors import InvalidParameterError

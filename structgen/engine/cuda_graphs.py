@@ -59,6 +59,18 @@ import numpy as np
 import torch
 
 from structgen.engine.attention import AttentionBatch
+from structgen.engine.graph_metadata import (  # the rows of the metadata buffer
+    CARRIED,
+    DRAFT,
+    HAS_MASK,
+    IDS,
+    LENS,
+    LIVE,
+    NEXT,
+    POSITIONS,
+    SEEDS,
+    SLOTS,
+)
 from structgen.engine.kernels.sampling import sample_tokens
 
 if TYPE_CHECKING:
@@ -67,13 +79,6 @@ if TYPE_CHECKING:
 
 StepRows = tuple[list[int], list[int], list[int]]  # a step's rows: (token ids, positions, slots)
 
-# Rows of the int64 metadata buffer (one host-to-device copy per step). LIVE is 1 for real
-# rows, 0 for padding (padding rows never advance). NEXT[j]: the row that becomes row j of the
-# predicted next step (the last row of sequence j; the padding column for j >= sequences).
-# The first four rows are what the sampler carries over to the next step. DRAFT[:2]: (row,
-# token) where the step runs a draft after that row (the token gate's check), else (-1, 0).
-IDS, POSITIONS, SLOTS, LIVE, LENS, SEEDS, HAS_MASK, NEXT, DRAFT = range(9)
-_CARRIED = 4
 
 
 @dataclass(frozen=True)
@@ -166,7 +171,7 @@ class DecodeGraphs:
         live = m[LIVE, :bs]
         torch.mul(tokens, live, out=m[IDS, :bs])
         m[POSITIONS, :bs].add_(live).clamp_(max=self.kv.max_seq_len - 1)
-        m[:_CARRIED, :bs] = m[:_CARRIED].index_select(1, m[NEXT, :bs])
+        m[:CARRIED, :bs] = m[:CARRIED].index_select(1, m[NEXT, :bs])
         torch.add(m[POSITIONS, :bs], 1, out=m[LENS, :bs])
 
     def _set_padding(self, lo: int, hi: int | None, meta: np.ndarray | None = None) -> None:

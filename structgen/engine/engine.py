@@ -84,7 +84,7 @@ class Engine:
         self._prefilled: tuple[torch.Tensor, dict] | None = None
         self.speculator = None  # speculative decoding (spec/speculator.py) when configured
         if self.config.speculative is not None:
-            from structgen.engine.spec.speculator import Speculator
+            from structgen.engine.speculative.speculator import Speculator
 
             self.speculator = Speculator(self, self.config.speculative)
         # Next step's masks filled on worker threads during the bookkeeping (grammar/prefetch.py).
@@ -140,13 +140,13 @@ class Engine:
         graphs = self.runner.graphs
         # With prompts in the graphs, a step's tokens are capped at the largest bucket.
         budget = graphs.max_batch_size if graphs is not None and self.config.prefill_in_graphs else None
-        batch = self.scheduler.schedule(budget)
+        batch = self.scheduler.schedule(token_budget=budget)
         if not batch:
             return []
         if self._is_decode_step(batch):
             return self._decode_step(batch)
         self._time_step(None)
-        if self.speculator is not None:  # draft, then verify every draft in one forward (spec/)
+        if self.speculator is not None:  # draft, then verify every draft in one forward (speculative/)
             return self.speculator.step(batch)
         seqs, sampling, drafted = [], [], {}
         for req, n in batch:

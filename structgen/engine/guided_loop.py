@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from structgen.engine.cuda_graphs import HAS_MASK, IDS, LENS, LIVE, NEXT, POSITIONS, SEEDS, SLOTS
+from structgen.engine.graph_metadata import HAS_MASK, IDS, LENS, LIVE, NEXT, POSITIONS, SEEDS, SLOTS
 
 if TYPE_CHECKING:
     from structgen.engine.cuda_graphs import DecodeGraphs

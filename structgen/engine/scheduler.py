@@ -32,9 +32,9 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self, max_tokens: int | None = None) -> list[tuple[Request, int]]:
+    def schedule(self, token_budget: int | None = None) -> list[tuple[Request, int]]:
         """Admit what fits, then return (request, tokens to run) for this step; prefill chunks
-        stop at `chunk_tokens`, or at `max_tokens` tokens for the whole step when smaller."""
+        stop at `chunk_tokens`, or at `token_budget` tokens for the whole step when smaller."""
         while self.waiting and len(self.running) < self.max_batch_size:
             slot = self.kv.allocate()
             if slot is None:
@@ -42,7 +42,7 @@ class Scheduler:
             req = self._next_waiting()
             req.slot, req.status = slot, RequestStatus.RUNNING
             self.running.append(req)
-        budget = self.chunk_tokens if max_tokens is None else min(self.chunk_tokens, max_tokens)
+        budget = self.chunk_tokens if token_budget is None else min(self.chunk_tokens, token_budget)
         batch: list[tuple[Request, int]] = []
         decoding = [r for r in self.running if r.num_cached >= r.num_prompt]
         prefilling = [r for r in self.running if r.num_cached < r.num_prompt]

@@ -23,6 +23,7 @@ from structgen.grammar import keywords
 from structgen.grammar.backends.base import CompiledGrammar, GrammarBackend
 from structgen.grammar.budget import CompileBudget, check_budget, current_budget, within
 from structgen.grammar.compile_pool import CompilePool
+from structgen.grammar.keywords import BACKENDS, unsupported_schema_error
 from structgen.grammar.large_stack import call_on_large_stack
 from structgen.grammar.limits import DEFAULT_LIMITS, ConstraintLimits, check_source
 from structgen.grammar.termination import analyse, check_not_empty
@@ -30,7 +31,6 @@ from structgen.grammar.termination import analyse, check_not_empty
 if TYPE_CHECKING:
     from structgen.types import Constraint
 
-BACKENDS = ("xgrammar", "llguidance")  # preference order for "auto"
 log = logging.getLogger("structgen")
 
 
@@ -234,30 +234,6 @@ def candidate_backends(constraint: Constraint, backend: str = "auto") -> list[st
     if kind == "grammar" and constraint.syntax == "lark" and backend == "auto":
         return ["llguidance", "xgrammar"]  # Lark is llguidance's native syntax
     return allowed
-
-
-def unsupported_schema_error(issues: dict[str, list[keywords.Issue]]) -> UnsupportedSchemaError:
-    """Name the keyword and JSON path that stops each backend, preferring one that stops all."""
-    firsts = {b: found[0] for b, found in issues.items()}
-    shared = [
-        i for i in next(iter(issues.values()))
-        if all(any((j.keyword, j.path) == (i.keyword, i.path) for j in found) for found in issues.values())
-    ]  # fmt: skip
-    lead = shared[0] if shared else next(iter(firsts.values()))
-    if shared:
-        detail = "; ".join(
-            str(next(j for j in found if (j.keyword, j.path) == (lead.keyword, lead.path)))
-            for found in issues.values()
-        )
-    else:
-        detail = "; ".join(str(i) for i in firsts.values())
-    return UnsupportedSchemaError(
-        f"JSON schema keyword '{lead.keyword}' at {lead.path} cannot be enforced by "
-        f"{' or '.join(issues)} ({detail}). Remove or rewrite it, or pass strict=False to "
-        "generate best-effort output that is validated afterwards.",
-        keyword=lead.keyword,
-        path=lead.path,
-    )
 
 
 def _check_backend_name(name: str) -> None:

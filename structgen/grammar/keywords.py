@@ -7,7 +7,7 @@ issue for it; coverage is the union of the backends, not their intersection.
 
 The tables were found empirically (xgrammar 0.2.8, llguidance 1.9.1): one small schema per
 keyword with a valid and an invalid instance, then the MaskBench invalid instances that a
-backend accepted (see tests/test_grammar.py and benchmarks/eval_grammar.py). Statuses:
+backend accepted (see tests/grammar/test_grammar.py and benchmarks/eval_grammar.py). Statuses:
 
 - ENFORCED: the backend's grammar rejects every violating instance.
 - IGNORED: the backend compiles the schema but accepts instances that violate the keyword.
@@ -26,8 +26,10 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
 
+from structgen.errors import UnsupportedSchemaError
+
 ENFORCED, IGNORED, REJECTED = "enforced", "ignored", "rejected"
-BACKENDS = ("xgrammar", "llguidance")
+BACKENDS = ("xgrammar", "llguidance")  # preference order for "auto"
 
 # Keywords that never make an instance invalid (plus containers of subschemas). Keywords in
 # neither this set nor KEYWORDS are unknown to JSON Schema and are annotations too.
@@ -318,6 +320,30 @@ def find_issues(schema: Any, backend: str) -> list[Issue]:
     if backend == "llguidance":
         issues += llguidance_crash_issues(schema)
     return issues
+
+
+def unsupported_schema_error(issues: dict[str, list[Issue]]) -> UnsupportedSchemaError:
+    """Name the keyword and JSON path that stops each backend, preferring one that stops all."""
+    firsts = {b: found[0] for b, found in issues.items()}
+    shared = [
+        i for i in next(iter(issues.values()))
+        if all(any((j.keyword, j.path) == (i.keyword, i.path) for j in found) for found in issues.values())
+    ]  # fmt: skip
+    lead = shared[0] if shared else next(iter(firsts.values()))
+    if shared:
+        detail = "; ".join(
+            str(next(j for j in found if (j.keyword, j.path) == (lead.keyword, lead.path)))
+            for found in issues.values()
+        )
+    else:
+        detail = "; ".join(str(i) for i in firsts.values())
+    return UnsupportedSchemaError(
+        f"JSON schema keyword '{lead.keyword}' at {lead.path} cannot be enforced by "
+        f"{' or '.join(issues)} ({detail}). Remove or rewrite it, or pass strict=False to "
+        "generate best-effort output that is validated afterwards.",
+        keyword=lead.keyword,
+        path=lead.path,
+    )
 
 
 def xgrammar_compile_cost(schema: Any) -> str | None:

@@ -121,7 +121,7 @@ for backend in ("auto", "llguidance"):
         except StructgenError as e:
             print(backend, strict, type(e).__name__, getattr(e, "keyword", None), flush=True)
 """
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 INT64_MIN = -(2**63)
 # Found by a fuzzer: normalizing oneOf intersects {"enum": [-1e308]} with an integer type;
 # llguidance saturates that integer range to [-2**63, -2**63] and recursed without end.

@@ -2,7 +2,7 @@
 references: xgrammar's own CPU `apply_token_bitmask_inplace` for the plain mask, and a
 per-token Python loop for flags, d2t, temperature and argmax. Fresh random inputs (never
 zeros); these pin down the meaning the CUDA and Triton kernels are compared to on the GPU
-(tests/test_csrc_gpu.py)."""
+(tests/engine/test_csrc.py)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Speculative decoding: drafters (n-gram / prompt lookup, draft model, self-draft, your own)
 propose tokens; the target verifies them all in one forward under the grammar mask."""
 
-from structgen.engine.spec.drafter import Drafter
-from structgen.engine.spec.ngram import NgramDrafter
+from structgen.engine.speculative.drafter import Drafter
+from structgen.engine.speculative.ngram import NgramDrafter
 
 __all__ = ["Drafter", "NgramDrafter"]

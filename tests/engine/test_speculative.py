@@ -1,4 +1,4 @@
-"""Speculative decoding (structgen/engine/spec/): lossless for greedy requests on the real
+"""Speculative decoding (structgen/engine/speculative/): lossless for greedy requests on the real
 default model, distribution-preserving for sampled ones, and the drafters on their own."""
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from structgen.engine.engine import Engine
 from structgen.engine.models.loader import load_model_config
 from structgen.engine.request import GenerationStats, Request
 from structgen.engine.sampler import SamplingParams, apply_bitmask_
-from structgen.engine.spec.ngram import NgramDrafter, NgramIndex
-from structgen.engine.spec.speculator import Speculator
-from structgen.engine.spec.verify import accept_draft
+from structgen.engine.speculative.ngram import NgramDrafter, NgramIndex
+from structgen.engine.speculative.speculator import Speculator
+from structgen.engine.speculative.verify import accept_draft
 from structgen.errors import InvalidParameterError
 from structgen.grammar import GrammarCompiler, allocate_bitmask
 from structgen.types import Choice, JsonSchema, to_constraint
@@ -287,7 +287,7 @@ class AlwaysFails:
 
 
 def test_a_drafter_failing_every_step_is_switched_off():
-    from structgen.engine.spec.speculator import MAX_FAILURES_IN_A_ROW
+    from structgen.engine.speculative.speculator import MAX_FAILURES_IN_A_ROW
 
     drafter = AlwaysFails()
     eng, base, reqs = run_with_drafter(drafter, max_tokens=40)

@@ -266,7 +266,7 @@ print("STRESS_OK", N, round(time.perf_counter() - t0, 2), hf.stats())
 
 
 def test_stress_10000_replays_with_callbacks_does_not_hang(ext):
-    root = str(Path(__file__).resolve().parents[1])
+    root = str(Path(__file__).resolve().parents[2])
     try:
         proc = subprocess.run([sys.executable, "-c", textwrap.dedent(STRESS.format(root=root))],
                               capture_output=True, text=True, timeout=240)

@@ -38,10 +38,10 @@ import torch
 from structgen.engine.config import SpeculativeConfig
 from structgen.engine.model_runner import ExtendSeq
 from structgen.engine.sampler import apply_bitmask_, sample, step_seed
-from structgen.engine.spec import drafter as drafter_hooks
-from structgen.engine.spec.drafter import Drafter
-from structgen.engine.spec.verify import accept_draft
-from structgen.engine.spec.verify_rows import (
+from structgen.engine.speculative import drafter as drafter_hooks
+from structgen.engine.speculative.drafter import Drafter
+from structgen.engine.speculative.verify import accept_draft
+from structgen.engine.speculative.verify_rows import (
     fill_draft_masks,
     graph_rows,
     sampling_spans,
@@ -62,15 +62,15 @@ log = logging.getLogger("structgen.engine")
 def build_drafter(config: SpeculativeConfig, engine: Engine) -> Drafter:
     """The drafter `config.method` names."""
     if config.method == "ngram":
-        from structgen.engine.spec.ngram import NgramDrafter
+        from structgen.engine.speculative.ngram import NgramDrafter
 
         return NgramDrafter(config.ngram_min, config.ngram_max, shared=config.ngram_shared)
     if config.method == "self_draft":
-        from structgen.engine.spec.draft_model import DraftModelDrafter
+        from structgen.engine.speculative.draft_model import DraftModelDrafter
 
         return DraftModelDrafter.self_draft(engine.runner, config.self_draft_layers, config.grammar_aware)
     if config.method == "draft_model":
-        from structgen.engine.spec.draft_model import DraftModelDrafter
+        from structgen.engine.speculative.draft_model import DraftModelDrafter
 
         return DraftModelDrafter.from_checkpoint(config.draft_model, engine.runner, config.grammar_aware)
     if not callable(getattr(config.drafter, "propose", None)):

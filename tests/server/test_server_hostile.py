@@ -156,6 +156,7 @@ BAD_CONSTRAINTS: list[tuple[str, dict[str, Any], str, tuple[str, ...]]] = [
     ("grammar with an empty language", {"grammar": 'root ::= root "a"'}, "unsatisfiable_constraint", ("root",)),
     ("schema nested 300 deep", {"guided_json": _nested(300)}, "constraint_too_large", ("depth",)),
     ("enum of 20,000 values", {"guided_json": {"enum": [f"v{i}" for i in range(20_000)]}}, "constraint_too_large", ("enum",)),
+    ("regex of a lone surrogate", {"guided_regex": "\ud800"}, "invalid_constraint", ("surrogate",)),
 ]
 
 

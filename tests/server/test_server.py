@@ -18,7 +18,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 MODEL = "SmolLM2-135M-Instruct"
-DATA = Path(__file__).parent / "data" / "maskbench"  # a few records of the corpus
+DATA = Path(__file__).resolve().parents[1] / "data" / "maskbench"  # a few records of the corpus
 
 
 class Weather(BaseModel):

@@ -206,7 +206,7 @@ def test_held_back_drafts_through_the_graphs_change_no_output(setup, model_dir, 
     assert all(r.finish_reason in ("stop", "length") for r in on), [(r.finish_reason, r.error) for r in on]
     # A draft row can move a step to a larger bucket, whose bf16 kernels round differently
     # (a 135M model's greedy near-ties), so allow two outputs to part; on the CPU (float32)
-    # every output is equal (test_jump_forward.py).
+    # every output is equal (tests/grammar/test_jump_forward.py).
     same = [(a, b) for a, b in zip(on, off, strict=True) if a.output_ids == b.output_ids]
     assert len(same) >= len(on) - 2, f"only {len(same)} of {len(on)} outputs equal"
     accepted = sum(a.stats.accepted_tokens for a, _ in same)

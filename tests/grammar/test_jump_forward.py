@@ -23,7 +23,7 @@ from structgen.grammar.jump_forward import HELD_BACK, JumpForward
 from structgen.types import to_constraint
 
 BACKENDS = ["xgrammar", "llguidance"]
-VENDORED_MASKBENCH = Path(__file__).parent / "data" / "maskbench"  # a few records of the corpus
+VENDORED_MASKBENCH = Path(__file__).resolve().parents[1] / "data" / "maskbench"  # a few records of the corpus
 TWO_STRINGS = {
     "type": "object",
     "properties": {"a": {"type": "string"}, "b": {"type": "string"}},

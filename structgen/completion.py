@@ -1,0 +1,25 @@
+"""`Completion`: one finished generation, the same shape from the local engine (`LLM`) and
+from a server (`LLM.remote`), so it lives below both."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Generic, TypeVar
+
+if TYPE_CHECKING:
+    from structgen.engine.request import GenerationStats
+    from structgen.remote import RemoteStats
+
+T = TypeVar("T")
+
+
+@dataclass
+class Completion(Generic[T]):
+    """One finished generation: the typed, validated `value` and how it was made."""
+
+    value: T
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop", or "length" for free text cut off by max_tokens
+    stats: GenerationStats | RemoteStats  # RemoteStats: from `LLM.remote`, None where unknown
+    relaxed: tuple[str, ...] = ()  # strict=False: schema keywords left out of the grammar
