@@ -210,9 +210,11 @@ def outcomes(schema: Any, raw: dict[str, dict[str, Any]]) -> dict[str, dict[str,
         except StructgenError as e:
             result = refused(e)
         else:
-            ok = [b for b in order if raw[b + tail]["compiled"] or raw[b + tail].get("timeout")]
+            # a variant compiled only where the product's constraint had it (no fallback: none)
+            tried = {b: raw.get(b + tail, {"compiled": False, "error": "not compiled"}) for b in order}
+            ok = [b for b in order if tried[b]["compiled"] or tried[b].get("timeout")]
             chosen = ok[0] if ok else order[-1]
-            result = {**raw[chosen + tail], "backend": chosen + tail}
+            result = {**tried[chosen], "backend": chosen + tail}
         if result["compiled"] or result.get("timeout") or constraint.fallback is None:
             return result
         fallback = compile_as_product(constraint.fallback, backend, FALLBACK)
