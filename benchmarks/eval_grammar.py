@@ -26,7 +26,6 @@ import statistics
 import sys
 import time
 from collections import deque
-from dataclasses import replace
 from multiprocessing import get_context
 from multiprocessing.connection import wait
 from pathlib import Path
@@ -93,13 +92,19 @@ class Evaluator:
 
 def generation_sources(schema: Any) -> tuple[str, str | None]:
     """The schema text structgen compiles (`to_constraint`: checked and normalized), and its
-    stricter fallback (`Constraint.fallback`) if it has one; the schema as given when
-    structgen refuses it, so the library-alone rows still see it."""
-    from structgen.errors import StructgenError
-    from structgen.types import JsonSchema, to_constraint
+    stricter fallback (`Constraint.fallback`) if it has one. Where no backend enforces every
+    keyword (structgen refuses it) the libraries alone still see the normalized schema, and
+    where structgen refuses it for another reason, the schema as given."""
+    from structgen.errors import StructgenError, UnsupportedSchemaError
+    from structgen.grammar.normalize import normalize_exact, normalize_schema
+    from structgen.types import JsonSchema, _canonical, to_constraint
 
     try:
-        constraint = to_constraint(JsonSchema(schema), strict=False)
+        constraint = to_constraint(JsonSchema(schema))
+    except UnsupportedSchemaError:
+        generated, inexact = normalize_exact(schema)
+        tightened = normalize_schema(schema, tighten=True) if inexact else None
+        return _canonical(generated), None if tightened is None else _canonical(tightened)
     except StructgenError:
         return json.dumps(schema, ensure_ascii=False), None
     return constraint.source, constraint.fallback and constraint.fallback.source
@@ -221,18 +226,12 @@ def outcomes(schema: Any, raw: dict[str, dict[str, Any]]) -> dict[str, dict[str,
         return fallback if fallback["compiled"] or fallback.get("timeout") else result
 
     out = dict(raw)
-    try:  # strict=False: the schema checks without the enforceability check
-        loose = to_constraint(JsonSchema(schema), strict=False)
+    try:  # as the product builds it by default (strict): refused where no backend enforces it
+        constraint = to_constraint(JsonSchema(schema))
     except StructgenError as e:
         return {**out, **{s: refused(e) for s in SYSTEMS if s.startswith("structgen")}}
-    fallback = loose.fallback and replace(loose.fallback, strict=True)
-    checked = replace(loose, strict=True, fallback=fallback)
-    for b in BACKENDS:
-        out[f"structgen-{b}"] = compile_as_product(checked, b)
-    try:
-        out["structgen"] = compile_as_product(to_constraint(JsonSchema(schema)), "auto")
-    except StructgenError as e:
-        out["structgen"] = refused(e)
+    for b in [*BACKENDS, "auto"]:
+        out["structgen" if b == "auto" else f"structgen-{b}"] = compile_as_product(constraint, b)
     return out
 
 
