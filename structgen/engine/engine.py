@@ -89,9 +89,9 @@ class Engine:
             self.speculator = Speculator(self, self.config.speculative)
         # Next step's masks filled on worker threads during the bookkeeping (grammar/prefetch.py).
         # Not with speculation: its steps drive the matchers through drafts and rollbacks. Nor,
-        # unless forced on, where grammar.native's pool fills masks: on the lent H100 host it
-        # filled a 64-row JSON step's masks inline in a fraction of the time, and the prefetch
-        # only added hand-offs (real SmolLM2, batch 64: 1.039 ms a step without it, 1.431 with).
+        # unless forced on, where grammar.native's pool fills masks: it fills a whole step's
+        # masks inline within the forward, and a prefetch only adds hand-offs
+        # (docs/performance.md, "Grammar overhead").
         self.prefetcher = None
         prefetch = self.config.mask_prefetch == "on" or (self.config.mask_prefetch == "auto" and not native.pool_in_use())
         if self.config.grammar_workers > 0 and prefetch and self.speculator is None:
@@ -182,9 +182,9 @@ class Engine:
         samples after the last, or (`prefill_in_graphs`) runs a chunk of its prompt and
         samples nothing; none needs top-k/top-p (those rows take the eager sampler). Tokens
         beyond one a request (jump-forward text, prompt chunks) ride in the decode graphs as
-        extra rows, one per token, when they fit a captured bucket: an eager extend costs
-        ~10x a graph replay on a GPU (SmolLM2 prefill on the H100: 23 ms eager, 2 ms in
-        graphs)."""
+        extra rows, one per token, when they fit a captured bucket: an eager extend is
+        host-bound launches, many times a graph replay on a GPU (docs/performance.md,
+        "Prefill and time to first token")."""
         if self.speculator is not None:
             return False
         rows = drafts = 0
@@ -299,8 +299,8 @@ class Engine:
                 and reqs[0].matcher is not None and hasattr(hook, "rehearse"):
             # Batch 1: the host has nothing else to do until the device has sampled the token.
             # Not in batches: at 16 rows (one token rehearsed each, in turn) the rehearsals
-            # rarely matched the sampled token and delayed reading it (H100, real SmolLM2,
-            # MaskBench: 409 ms against 372 without; docs/performance.md). With a draft: the
+            # rarely matched the sampled token and delayed reading it (docs/performance.md,
+            # "Jump-forward"). With a draft: the
             # tokens after it, sampled at its row (what the step gives where the model picks it).
             draft = reqs[0].draft if drafted else None
             row = drafted.get(0, last[0])
@@ -633,9 +633,9 @@ def freeze_heap() -> None:
     sight, once per process (`gc.freeze`).
 
     The step loop allocates enough to trigger a full collection every few hundred steps, and
-    each walked that whole heap: 100+ ms stalls in the middle of requests (jump-forward replay
-    on the CPU: five gen-2 collections of up to 120 ms in 1,100 steps; on the H100 a heavy
-    tail on decode steps and SmolLM2 prefill steps twice as long with jump-forward on).
+    each walked that whole heap: stalls of a tenth of a second in the middle of requests,
+    worst with jump-forward on (the notebook in docs/notes/,
+    "Garbage collection").
     `Engine.__new__` calls it before the engine object exists, so engines are never frozen:
     one that is dropped is still collected, reference cycles and GPU memory included."""
     global _HEAP_FROZEN

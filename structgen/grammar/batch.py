@@ -105,8 +105,8 @@ def accept_tokens(
 
     Why: the engine's decode step asked each row's matcher three or four small questions from
     Python, then filled the masks in a second pass. Natively (grammar.native, xgrammar's
-    matchers) the questions cost less from about 16 rows on (2-core CPU machine, the engine's
-    host step at 64 JSON rows: 122 against 155 us; at 8 rows 40 against 33), so batches of
+    matchers) the questions cost less from about 16 rows on (docs/performance.md, "Grammar
+    overhead"), so batches of
     `NATIVE_MIN_ROWS` or more go there, and any batch whose fills can join them on a pool of
     2+ threads."""
     small = len(matchers) < NATIVE_MIN_ROWS
@@ -182,10 +182,10 @@ def accept_one(m: GrammarMatcher, tok: int, check_jump: bool = False) -> int:
 
 
 def default_threads(backend: str = "llguidance") -> int:
-    """Mask-filling threads when none are configured. xgrammar: one. Its rows cost 1-16 us
-    (numbers vs strings), less than its pool's hand-off: on the 16-core H100 host, 64 JSON
-    rows took 0.40 ms on 1 thread, 0.94 on 2, 0.51 on 4 and 1.69 on 8 (the library's default
-    is half the cores). llguidance: up to 4 (its rows cost more; not measured per thread)."""
+    """Mask-filling threads when none are configured. xgrammar: one. Its rows cost less than
+    its pool's hand-off, so more threads were slower than one (the library's default is half
+    the cores; the notebook in docs/notes/, "Batch 64: host-bound with a grammar").
+    llguidance: up to 4 (its rows cost more)."""
     if backend == "xgrammar":
         return 1
     return max(1, min(4, (os.cpu_count() or 2) // 2))

@@ -65,8 +65,8 @@ if TYPE_CHECKING:
 
 MAX_BACKOFF = 4  # output tokens re-encoded with the forced text; merges span one pre-token
 # Hold-back asks "does the grammar allow any longer token starting with this one?". Up to this
-# many candidates are tried one by one (accept + rollback, ~2 us each); more take one mask fill
-# (35-150 us, and on the critical path of a jump step) unless a sample of them is allowed.
+# many candidates are tried one by one (accept + rollback: one probe is cheap); more take one
+# mask fill (far dearer, and on the critical path of a jump step) unless a sample is allowed.
 PROBE_EXTENSIONS = 32
 PROBE_SAMPLE = 8  # with more candidates, this many (spread over them) are tried before the mask
 # What one attempt at a jump did. After HELD_BACK the forced text alone is not tried: its last
@@ -179,7 +179,7 @@ class JumpForward:
         self.stop_token_ids = set(stop_token_ids)
         self.max_backoff = max_backoff
         self.vocab = vocab or VocabBytes(tokenizer, vocab_size, self.stop_token_ids)
-        # The Rust `tokenizers.Tokenizer` behind a fast HF tokenizer: ~5x cheaper per call.
+        # The Rust `tokenizers.Tokenizer` behind a fast HF tokenizer: much cheaper per call.
         self._fast = getattr(tokenizer, "backend_tokenizer", None)
         self._mask = None
         # Per token, an extension the grammar allowed last time it was asked (`_allows_extension`):
@@ -294,10 +294,9 @@ class JumpForward:
         a space (so no tokenizer here joins it to the sampled text; the re-encoding would end
         in that token) and the grammar allows a longer token starting with it (` ` after `":`,
         ` "` after `",` when the next key is open). Then nothing jumps, and this answers
-        without the re-encoding (40-100 us on the lent hosts: the tokenizer's tables are cold
-        after a wait for the device), which the undone jump used to pay on the device's
-        critical path (28 of 139 hook calls on MaskBench in model mode). Returns that token,
-        or None."""
+        without the re-encoding (slow right after a wait for the device: the tokenizer's
+        tables are cold), which the undone jump used to pay on the device's critical path.
+        Returns that token, or None."""
         if not forced.startswith(b" ") or not num_output:
             return None
         tid = self.vocab.token_id(forced)
@@ -350,8 +349,8 @@ class JumpForward:
         each, and undo it. Called while the device computes that step, at batch 1, with
         `done()` saying whether it has finished (then this stops: it would delay the step).
         After the device, the hook only replays the outcome for the token sampled (`_replay`),
-        instead of re-encoding and probing on the device's critical path (128-247 us a jump
-        on the lent hosts, p50). `draft`: the step runs this draft, and `allowed` is its
+        instead of re-encoding and probing on the device's critical path (docs/performance.md,
+        "Jump-forward"). `draft`: the step runs this draft, and `allowed` is its
         row's mask: the tokens rehearsed are those after the draft, valid where the model
         picks the draft."""
         self._rehearsal = None

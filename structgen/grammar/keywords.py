@@ -351,10 +351,10 @@ def xgrammar_compile_cost(schema: Any) -> str | None:
     would; llguidance builds its lexer lazily and compiles the same schemas in milliseconds.
 
     xgrammar precomputes token masks for every grammar state, and two shapes multiply the
-    states (measured on MaskBench, 2 cores): an open object that lists optional properties (every
-    optional property may be followed by any other key: median 1 s with one such property,
-    17 s with 32+, against 30 ms for closed objects) and long bounded repetitions
-    (`maxLength: 100` is 100 states: median 21 s at 64+).
+    states: an open object that lists optional properties (every optional property may be
+    followed by any other key; compile time grows steeply with their number) and long bounded
+    repetitions (`maxLength: 100` is 100 states); `benchmarks/eval_grammar.py` reports
+    compile times.
     """
     for node, path in walk(schema):
         props = node.get("properties")

@@ -1,12 +1,11 @@
 """xgrammar mask fills on a pool of native threads (`csrc/grammar_step.cpp`), off the GIL.
 
-At batch 64 a JSON decode step on the lent H100 hosts was host-bound, ~0.4 ms of it mask
-fills on one core (docs/performance.md): xgrammar's own pool was slower with more threads
-there, and Python threads pass the GIL around. xgrammar 0.2's matchers are apache-tvm-ffi
+At batch 64 a JSON decode step was host-bound on the lent GPU hosts, much of it mask fills on
+one core (docs/performance.md, "Grammar overhead"): xgrammar's own pool was slower with more
+threads there, and Python threads pass the GIL around. xgrammar 0.2's matchers are apache-tvm-ffi
 objects, so a small C++ library can call their fill method through tvm-ffi's C ABI: one ctypes
 call a batch (ctypes lets the GIL go for it), spread over native threads that stay awake
-between steps. With one thread it is no faster than xgrammar's batch call (on the 2-core CI
-machine, 64 JSON rows: 45 vs 26 us in a number, 371 vs 299 us in a string), so the backend
+between steps. With one thread it is no faster than xgrammar's batch call, so the backend
 uses it only where the pool has two threads or more.
 
 Built with the system C++ compiler on first use (about a second; no torch or Python headers)
@@ -48,10 +47,9 @@ class NativeGrammarError(RuntimeError):
 
 
 def default_threads() -> int:
-    """Pool size: `$STRUCTGEN_GRAMMAR_THREADS`, else half the cores, at most 8. On a 16-core
-    lent H100 host 64 JSON rows filled in 452 / 745 us (spread / lock-step in a string) with
-    xgrammar's batch call, 176 / 238 us on 4 threads here and 105 / 144 us on 8
-    (bench_grammar_fill, 2026-11-25); a 2-core machine gets one, and so xgrammar's call."""
+    """Pool size: `$STRUCTGEN_GRAMMAR_THREADS`, else half the cores, at most 8: fills kept
+    getting faster up to 8 threads on a 16-core host (`benchmarks/bench_grammar_fill.py`); a
+    2-core machine gets one, and so xgrammar's call."""
     if os.environ.get("STRUCTGEN_GRAMMAR_THREADS"):
         return max(1, int(os.environ["STRUCTGEN_GRAMMAR_THREADS"]))
     return max(1, min(8, (os.cpu_count() or 2) // 2))
@@ -129,7 +127,7 @@ class NativeGrammar:
 
 class _Scratch(threading.local):
     """A calling thread's argument arrays, kept between calls with their addresses: numpy's
-    `.ctypes` conversions cost ~1-2 us each, more than a small batch's native work."""
+    `.ctypes` conversions cost more than a small batch's native work."""
 
     size = 0
 

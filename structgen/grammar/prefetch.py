@@ -4,17 +4,15 @@ bookkeeping.
 On the host a decode step's critical path is: read the sampled tokens, advance the matchers,
 fill the next step's masks, copy them, launch the sampler. The rest of the engine's per-step
 work (finishing and notifying requests, scheduling, building the next step's rows) need not
-wait for the masks, and at batch 64 both are a few hundred microseconds: a JSON mask costs
-~5 us a row in xgrammar, the bookkeeping a few us a request in Python. With both on one thread
-the host, not the GPU, set the pace of a 64-row SmolLM2 step (1.50 ms JSON against 1.02 ms
-free on the H100). `MaskPrefetcher.start` hands the fill to worker threads right after the
-matchers have advanced; `take` collects it when the step needs its masks.
+wait for the masks, and at batch 64 both cost about as much: with both on one thread the
+host, not the GPU, can set the pace of a small model's step. `MaskPrefetcher.start` hands the
+fill to worker threads right after the matchers have advanced; `take` collects it when the step
+needs its masks.
 
-Whether it pays depends on the host: the hand-off costs the main thread 100-300 us (thread
-wake-ups, the GIL's way back), and while workers run, every small native call the main thread
-makes (accept a token, is the grammar complete) waits for the GIL. Measured at batch 64 JSON on
-lent H100 hosts, same process each: 1B shape 2.09 -> 1.81 ms a step with it; the real SmolLM2
-1.41 -> 1.49 ms on one host, 1.65 -> 1.13 ms on another and 1.02 -> 1.20 ms on a third. So by
+Whether it pays depends on the host: the hand-off costs the main thread thread wake-ups and the
+GIL's way back, and while workers run, every small native call the main thread makes (accept a
+token, is the grammar complete) waits for the GIL. It won on some lent hosts and lost on others
+(docs/notes/performance-notebook-2026-11.md, "Batch 64: host-bound with a grammar"). So by
 default (`EngineConfig.mask_prefetch="auto"`) a `PrefetchTuner` times decode steps of the same
 shape with and without it, keeps the faster, and asks again every so often.
 
@@ -26,7 +24,7 @@ Rules that keep it correct and deadlock-free:
   prefetch only after advancing them and every path that uses a matcher again goes through
   `take` first.
 - The GIL: a thread that waits for it while another runs Python gets it only after the switch
-  interval (5 ms), so a worker woken while the main thread does bookkeeping would start late.
+  interval, so a worker woken while the main thread does bookkeeping would start late.
   `start` therefore waits until every worker holds the GIL, and the workers release it inside
   the backends' native fill (xgrammar and llguidance both compute masks without the GIL).
 """
@@ -48,13 +46,12 @@ from structgen.grammar.batch import FillJob, fill_jobs
 if TYPE_CHECKING:
     import torch
 
-# Handing the fill to a worker costs the main thread ~100-250 us on the H100 host (its thread
-# wake-ups, then the GIL's way back), and while workers run, every native call the main thread
-# makes is slower (each one lets the GIL go). So a prefetch starts only for enough rows whose
-# masks have lately been costly to fill (an average of the fill times seen, inline or on the
-# workers): at batch 64 on the H100, JSON rows of the SmolLM2 shape that filled cheaply ran
-# +7 % over free text inline and +51 % with a prefetch; 1B-shape rows whose states were costly
-# (escapes inside strings: 0.4 ms a row) ran +46 % inline and +2 % with a prefetch.
+# Handing the fill to a worker costs the main thread its thread wake-ups and the GIL's way back,
+# and while workers run, every native call the main thread makes is slower (each one lets the
+# GIL go). So a prefetch starts only for enough rows whose masks have lately been costly to
+# fill (an average of the fill times seen, inline or on the workers): cheap rows lose to the
+# hand-off, costly ones (escapes inside strings) win (the notebook in docs/notes/, "Batch 64:
+# host-bound with a grammar").
 MIN_ROWS = 32
 MIN_ROWS_PER_THREAD = 16
 MIN_FILL_S = 300e-6
@@ -79,12 +76,10 @@ class PrefetchTuner:
     still counts. The first interval after a switch of mode or shape is dropped (the step
     before it ran in the other mode or layout)."""
 
-    # Short blocks and many samples: a lent host's jitter comes in phases of tens of steps
-    # (one 48-step pass of SmolLM2 at batch 64 ran 1.79 ms a step, the next 1.27), which
-    # blocks of 8 and 16 samples a mode once let pick the slower mode (2026-11-25).
-    # The margin only breaks near-ties toward fewer threads: both modes' costs are in the times.
-    # At 3 % it kept the prefetch off for the 1B shape at batch 64 where it won by 2.7 %
-    # (1.522 against 1.564 ms, 2026-11-25).
+    # Short blocks and many samples: a lent host's jitter comes in phases of tens of steps,
+    # which longer blocks with fewer samples let pick the slower mode (the notebook in
+    # docs/notes/, "Batch 64: host-bound with a grammar"). The margin only breaks near-ties toward fewer threads: both modes' costs are
+    # in the times, and a wider margin kept the prefetch off where it won.
     def __init__(self, block: int = 4, samples: int = 32, hold: int = 1024, min_gain: float = 0.01):
         self.block, self.samples, self.hold, self.min_gain = block, samples, hold, min_gain
         self.enabled = False

@@ -41,7 +41,7 @@ ANY_TEXT_LARK = r"start: /(?s:.*)/"
 # llguidance analyses each lexeme's regex (a pattern and its length bounds together) with a
 # budget; past it, the lexeme silently matches less than it should (MaskBench Github_medium
 # 132/133: strings with pattern "^(?:\\S+\\s+){0,49}\\S+$" and maxLength 500 rejected valid
-# text). 20x the default (1M, ~20 ms of analysis) fixes those at a bounded compile cost.
+# text). 20x the default (1M, a short analysis) fixes those at a bounded compile cost.
 LIMITS = llguidance.LLParserLimits(initial_lexer_fuel=20_000_000)
 
 
@@ -166,7 +166,7 @@ class _VocabBytes:
         self.eos_token_id = stop_token_ids[0] if stop_token_ids else tokenizer.eos_token_id
         self.bos_token_id = tokenizer.bos_token_id
         # llguidance calls back here for forced text (often, e.g. at every jump-forward check):
-        # the Rust tokenizer behind a fast HF tokenizer is ~5x cheaper than `encode`.
+        # the Rust tokenizer behind a fast HF tokenizer is much cheaper than `encode`.
         fast = getattr(tokenizer, "backend_tokenizer", None)
         self._encode = (
             (lambda s: fast.encode(s, add_special_tokens=False).ids)

@@ -38,8 +38,8 @@ class XGrammarMatcher(GrammarMatcher):
 
     Termination is tracked here (xgrammar terminates exactly when it accepts one of the stop
     tokens its tokenizer info was built with, the ones given here): every native call lets
-    the GIL go and takes it back, which costs ~0.2 us alone but several microseconds while
-    mask-filling threads run (grammar/prefetch.py), and the engine asks every row every step."""
+    the GIL go and takes it back, which is cheap alone but dear while mask-filling threads
+    run (grammar/prefetch.py), and the engine asks every row every step."""
 
     backend = "xgrammar"
 
@@ -132,7 +132,7 @@ class XGrammarBackend(GrammarBackend):
         super().__init__(tokenizer, vocab_size, stop_token_ids)
         # A model whose embedding is wider than its tokenizer (padded vocabularies, or a
         # random-weight 128k-vocab shape with a 49k tokenizer): xgrammar would treat every
-        # padding id as a special token and check it on every step (10x slower fills). Give
+        # padding id as a special token and check it on every step (much slower fills). Give
         # it the tokenizer's own size and leave the padding words of each mask row at zero.
         tokenizer_size = len(tokenizer)
         self._words = (tokenizer_size + 31) // 32 if tokenizer_size < vocab_size else None
@@ -243,8 +243,7 @@ def accept_natively(
 def _place_rows(bitmask: torch.Tensor, rows: list[int], block: np.ndarray) -> None:
     """Copy tokenizer-wide mask rows into `rows` of a model-wide bitmask; the padding words
     are zero (those ids never exist). numpy, not torch: torch's CPU ops start its intra-op
-    threads, which fight xgrammar's pool for the cores (~4 ms a step at 64 rows on the
-    16-core GPU host)."""
+    threads, which fight xgrammar's pool for the cores."""
     out, words, lo = bitmask.numpy(), block.shape[1], rows[0]
     index = slice(lo, lo + len(rows)) if rows == list(range(lo, lo + len(rows))) else rows
     out[index, :words] = block
