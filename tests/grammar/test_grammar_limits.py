@@ -160,10 +160,12 @@ def test_an_integer_at_or_below_int64_min_never_crashes_and_llguidance_refuses_i
     model_dir, schema
 ):
     outcomes = compile_in_child(model_dir, "json", json.dumps(schema))
-    for strict in (True, False):
-        error, keyword = outcomes[("llguidance", strict)].split()
-        assert error == "UnsupportedSchemaError", outcomes
-        assert keyword in ("allOf", "const", "enum", "minimum", "maximum", "exclusiveMaximum"), outcomes
+    error, keyword = outcomes[("llguidance", True)].split()
+    assert error == "UnsupportedSchemaError", outcomes
+    assert keyword in ("allOf", "const", "enum", "minimum", "maximum", "exclusiveMaximum"), outcomes
+    # strict=False may instead leave the keyword out of the grammar (validated afterwards)
+    relaxed = outcomes[("llguidance", False)]
+    assert relaxed == "compiled" or relaxed.split()[0] == "UnsupportedSchemaError", outcomes
 
 
 def test_a_tool_whose_parameters_hold_int64_min_never_crashes_the_tool_grammar(model_dir):
