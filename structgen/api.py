@@ -42,7 +42,8 @@ from structgen.errors import (
 )
 from structgen.grammar import CompiledGrammar, GrammarCompiler
 from structgen.grammar.budget import CompileBudget, within
-from structgen.types import CFG, Constraint, Regex, to_constraint
+from structgen.grammar.limits import check_schema, check_source
+from structgen.types import CFG, Constraint, JsonSchema, Regex, to_constraint
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -244,10 +245,21 @@ class LLM:
             raise StructgenError("this LLM is closed; create a new structgen.LLM() to generate again")
         budget = CompileBudget(self.grammars.compile_timeout, f"{output_type!r:.80}")
         try:
+            self._check_size(output_type)
             with within(budget):
                 return to_constraint(output_type, strict=strict)
         except Exception as e:
             raise _grammar_error(output_type, e) from e
+
+    def _check_size(self, output_type: Any) -> None:
+        """This compiler's size limits on a JSON schema before building it: normalizing a
+        schema the compiler will refuse anyway (a 20,000-value enum) costs far more than the
+        iterative check."""
+        schema = output_type.schema if isinstance(output_type, JsonSchema) else output_type
+        if isinstance(schema, dict):
+            check_schema(schema, "JSON schema", self.grammars.limits)
+        elif isinstance(output_type, JsonSchema) and isinstance(schema, str):
+            check_source("json_schema", schema, "JSON schema", self.grammars.limits)
 
     def _finish(self, req: Request, constraint: Constraint) -> Completion[Any]:
         text = self.tokenizer.decode(req.output_ids, skip_special_tokens=False)

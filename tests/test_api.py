@@ -267,3 +267,15 @@ def test_llm_is_a_context_manager_and_close_stops_the_engine(model_dir):
     local.close()  # idempotent
     with pytest.raises(structgen.StructgenError, match="closed"):
         local.generate(int, "One number.")
+
+
+@pytest.mark.parametrize("wrap", [dict, structgen.JsonSchema], ids=["dict", "JsonSchema"])
+def test_a_schema_over_the_compilers_size_limits_is_refused_before_it_is_built(llm, wrap):
+    """A 20,000-value enum is over the default compiler's limit: refused by the iterative size
+    check, not after normalizing it (which costs a hundred times more, per distinct schema:
+    what a hostile client sends over and over)."""
+    schema = wrap({"enum": [f"value-{i}" for i in range(20_000)]})
+    started = time.perf_counter()
+    with pytest.raises(structgen.ConstraintTooLargeError, match="max_enum_values=10,000"):
+        llm.generate(schema, "Pick one.", max_tokens=4)
+    assert time.perf_counter() - started < 0.05
