@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import resource
 import statistics
 import time
@@ -33,7 +34,7 @@ import httpx
 import jsonschema
 
 from benchmarks.common import print_table, write_results
-from benchmarks.server_attacks import AttackLog, run_attacks
+from benchmarks.server_attacks import attack_process
 from structgen_server.process import ServerProcess
 
 # Small extraction schemas with bounded fields, so outputs finish within a small max_tokens.
@@ -168,16 +169,20 @@ ATTACK_HEAD_START_S = 5.0
 
 
 async def run_adversarial(url: str, model: str, args: argparse.Namespace) -> dict[str, Any]:
-    """The good clients' load while `run_attacks` sends the worst requests alongside."""
-    stop, attacks = asyncio.Event(), AttackLog()
-    attackers = asyncio.create_task(run_attacks(url, model, args.attack_scale, stop, attacks))
+    """The good clients' load while a process of attackers (`server_attacks.attack_process`)
+    sends the worst requests alongside."""
+    ctx = multiprocessing.get_context("spawn")
+    stop, results = ctx.Event(), ctx.Queue()
+    attackers = ctx.Process(target=attack_process, args=(url, model, args.attack_scale, stop, results))
+    attackers.start()
     await asyncio.sleep(ATTACK_HEAD_START_S)
     try:
         res = await run_load(url, model, args.requests, args.concurrency, args.max_tokens, args.timeout)
     finally:
         stop.set()
-        await attackers
-    return {**res, "attacks": attacks.as_dict()}
+        attacks = await asyncio.to_thread(results.get, True, 60)
+        attackers.join(10)
+    return {**res, "attacks": attacks}
 
 
 def proc_status_mb(pid: int, field: str) -> float | None:

@@ -186,3 +186,20 @@ async def run_attacks(
         for t in tasks:
             t.cancel()  # in-flight attacks are dropped: their connections close
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def attack_process(url: str, model: str, scale: float, stop: Any, results: Any) -> None:
+    """`run_attacks` in a process of its own until the multiprocessing event `stop` is set;
+    puts the `AttackLog` (as a dict) on `results`. Its own process, so that building and sending
+    the attacks does not slow the good clients' event loop: the benchmark times the server."""
+
+    async def main() -> dict[str, dict[str, int]]:
+        done, log = asyncio.Event(), AttackLog()
+        task = asyncio.create_task(run_attacks(url, model, scale, done, log))
+        while not stop.is_set():
+            await asyncio.sleep(0.2)
+        done.set()
+        await task
+        return log.as_dict()
+
+    results.put(asyncio.run(main()))
