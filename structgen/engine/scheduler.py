@@ -13,6 +13,7 @@ that share a group (all in-process callers by default) are admitted first come, 
 from __future__ import annotations
 
 from collections import Counter, deque
+from collections.abc import Hashable
 
 from structgen.engine.kv_cache import KVCache
 from structgen.engine.request import Request, RequestStatus
@@ -25,9 +26,13 @@ class Scheduler:
         self.chunk_tokens = chunk_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # The waiting requests again, by group, each oldest first: admission looks at the
+        # groups' heads only, not at every waiting request.
+        self._waiting_by_group: dict[Hashable, deque[Request]] = {}
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
+        self._waiting_by_group.setdefault(request.group, deque()).append(request)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -61,14 +66,16 @@ class Scheduler:
 
     def _next_waiting(self) -> Request:
         """Remove and return the oldest waiting request of the group with the fewest running."""
-        running = Counter(r.group for r in self.running)
-        chosen = self.waiting[0]
-        for req in self.waiting:
-            if running[chosen.group] == 0:
-                break  # no group can have fewer than none running
-            if running[req.group] < running[chosen.group]:
-                chosen = req
-        self.waiting.remove(chosen)
+        groups = self._waiting_by_group
+        if len(groups) == 1:
+            group = next(iter(groups))
+        else:
+            running = Counter(r.group for r in self.running)
+            group = min(groups, key=lambda g: (running[g], groups[g][0].id))
+        chosen = groups[group].popleft()
+        if not groups[group]:
+            del groups[group]
+        self.waiting.remove(chosen)  # the oldest of its group: near the front
         return chosen
 
     def peek(self) -> list[tuple[Request, int]] | None:
@@ -84,6 +91,10 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+            queue = self._waiting_by_group[request.group]
+            queue.remove(request)
+            if not queue:
+                del self._waiting_by_group[request.group]
         if request.slot is not None:
             self.kv.release(request.slot)
             request.slot = None
