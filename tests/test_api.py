@@ -105,6 +105,15 @@ def test_regex_choice_and_scalars(backend_llm):
     assert isinstance(backend_llm.generate(bool, "Is the sky blue? Answer true or false."), bool)
 
 
+def test_a_constraint_the_vocabulary_cannot_spell_is_the_callers_error(backend_llm):
+    # SmolLM2 has no token holding the byte 0xF1 that starts U+40000: after "0" xgrammar's mask
+    # is empty and llguidance's allows a token its matcher then refuses. Both are a dead end
+    # of the constraint, named as such, and the engine goes on serving.
+    with pytest.raises(structgen.UnsatisfiableConstraintError, match="vocabulary"):
+        backend_llm.generate(structgen.Choice(["0\U00040000"]), "0", max_tokens=8)
+    assert backend_llm.generate(structgen.Choice(["yes", "no"]), "0", max_tokens=8) in ("yes", "no")
+
+
 def test_enum_literal_dataclass_typeddict(llm):
     assert isinstance(llm.generate(Sentiment, "Review: 'Loved it, will buy again.' Sentiment?"), Sentiment)
     assert llm.generate(Literal["yes", "no"], "Is Paris in France? Answer yes or no.") in ("yes", "no")

@@ -34,7 +34,12 @@ from structgen.engine.sampler import (
     step_seed,
 )
 from structgen.engine.scheduler import Scheduler
-from structgen.errors import EngineError, PromptTooLongError
+from structgen.errors import (
+    EngineError,
+    InvalidConstraintError,
+    PromptTooLongError,
+    UnsatisfiableConstraintError,
+)
 from structgen.grammar import accept_one, accept_tokens, native
 from structgen.grammar.backends.base import (
     ACCEPTED,
@@ -44,10 +49,22 @@ from structgen.grammar.backends.base import (
     JUMPS,
     TERMINATED,
     allocate_bitmask,
+    allowed_ids,
     allows_only,
 )
 
 log = logging.getLogger("structgen.engine")
+
+# A rejected token is a dead end of the constraint (not an engine fault) only where none of the
+# tokens the mask allows is accepted; beyond this many allowed tokens it is not a dead end.
+DEAD_END_PROBES = 256
+
+
+def _accepts_and_undoes(matcher, token: int) -> bool:
+    if not matcher.accept_token(token):
+        return False
+    matcher.rollback(1)
+    return True
 
 
 _NOT_PLAIN = ACCEPTED | TERMINATED | COMPLETED | FAILED  # of these bits, a plain step's rows have ACCEPTED only
@@ -550,9 +567,12 @@ class Engine:
                         raise exc if isinstance(exc, EngineError) else EngineError(
                             f"grammar failed while computing the token mask: {exc}")
                     self._advance(req, tok, status=taken[i], jump_checked=True)
+                except InvalidConstraintError as exc:  # the request's own fault: no traceback in the log
+                    log.info("request %d failed: %s", req.id, exc)
+                    req.finish("error", exc)
                 except Exception as exc:
                     log.exception("request %d failed", req.id)
-                    req.finish("error", exc if isinstance(exc, EngineError) else EngineError(str(exc)))
+                    req.finish("error", EngineError(str(exc)))
         if prefetch and self.prefetcher is not None:
             self._prefetch_masks()
         finished = [req for req in reqs if req.finished]
@@ -575,9 +595,7 @@ class Engine:
             if status & FAILED:
                 raise EngineError(f"grammar failed on sampled token {tok}")
             if not status & ACCEPTED:
-                why = m.error()
-                raise EngineError(f"grammar rejected sampled token {tok}; the mask and matcher disagree"
-                                  + (f" ({m.backend}: {why})" if why else ""))
+                self._raise_rejected(req, tok)
             if status & TERMINATED:
                 req.finish("stop")
                 return
@@ -596,6 +614,25 @@ class Engine:
         if jump_forward and req.jump_forward and self.jump_forward_hook is not None and (
                 m is None or not jump_checked or status & JUMPS):
             self.jump_forward_hook(self, req)
+
+    def _raise_rejected(self, req: Request, tok: int) -> None:
+        """The matcher refused the sampled token. Where no token its mask allows is accepted
+        (the mask is empty, or llguidance's mask over-approximates), the constraint needs text
+        this model's vocabulary cannot spell: the request's constraint is at fault."""
+        m = req.matcher
+        if self._one_row is None:
+            self._one_row = allocate_bitmask(1, self.vocab_size, host_only=True)
+        m.fill_bitmask(self._one_row, 0)
+        allowed = allowed_ids(self._one_row[0].numpy().view(np.uint32))
+        if not m.is_completed() and len(allowed) <= DEAD_END_PROBES and not any(
+                _accepts_and_undoes(m, int(t)) for t in allowed):
+            raise UnsatisfiableConstraintError(
+                f"the constraint cannot be continued after {req.num_output} output token(s): "
+                "no token of this model's vocabulary spells the text it requires next (often a "
+                "character the tokenizer has no bytes for); allow other text at that point")
+        why = m.error()
+        raise EngineError(f"grammar rejected sampled token {tok}; the mask and matcher disagree"
+                          + (f" ({m.backend}: {why})" if why else ""))
 
     def _only_stop_allowed(self, matcher) -> bool:
         if self._one_row is None:

@@ -44,7 +44,7 @@ ERROR_KEYS = {"message", "type", "param", "code"}
 # -- values of any JSON type, with the awkward ones over-represented -------------------------
 LONE_SURROGATES = st.sampled_from(["\ud800", "a\udfffb", "\udc00\ud800", '{"k": "\ud83d"}'])
 AWKWARD_TEXT = st.one_of(
-    st.text(max_size=40), LONE_SURROGATES, st.sampled_from(["", " ", "\x00", "\u202e"])
+    st.text(max_size=40), LONE_SURROGATES, st.sampled_from(["", " ", "\x00", "\u202e", "0\U00040000", "\U0010fffd"])
 )
 HUGE_NUMBERS = st.sampled_from([2**63, 2**64, -(2**63) - 1, 10**30, 1e308, -1e308, 5e-324])
 JSON_SCALARS = st.one_of(

@@ -157,6 +157,10 @@ BAD_CONSTRAINTS: list[tuple[str, dict[str, Any], str, tuple[str, ...]]] = [
     ("schema nested 300 deep", {"guided_json": _nested(300)}, "constraint_too_large", ("depth",)),
     ("enum of 20,000 values", {"guided_json": {"enum": [f"v{i}" for i in range(20_000)]}}, "constraint_too_large", ("enum",)),
     ("regex of a lone surrogate", {"guided_regex": "\ud800"}, "invalid_constraint", ("surrogate",)),
+    # Found while generating: SmolLM2's vocabulary has no token holding the byte 0xF1 that
+    # starts U+40000, so after "0" no token can follow (both backends' masks dead-end).
+    ("choice the vocabulary cannot spell", {"guided_choice": ["0\U00040000"]}, "unsatisfiable_constraint",
+     ("vocabulary",)),
 ]
 
 
@@ -171,6 +175,18 @@ def test_bad_constraint_is_a_400_at_compile_time(server: Server, case) -> None:
     assert err["code"] == code, err
     for word in words:
         assert word.lower() in err["message"].lower(), err
+    server.good_request_is_served()
+
+
+def test_a_dead_end_found_while_streaming_is_an_error_event(server: Server) -> None:
+    body = chat(guided_choice=["0\U00040000"], stream=True)
+    with server.client.stream("POST", f"{server.root}/v1/chat/completions", headers=AUTH, json=body,
+                              timeout=30) as r:
+        assert r.status_code == 200
+        events = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    err = json.loads(events[-2])["error"]
+    assert err["code"] == "unsatisfiable_constraint" and "vocabulary" in err["message"], err
     server.good_request_is_served()
 
 
