@@ -216,6 +216,8 @@ def _parse_args() -> argparse.Namespace:
     ap.add_argument("--server-memory-gb", type=float, default=None,
                     help="address-space cap of a started server, so that a runaway request cannot "
                          "take the host (default 8 on CPU; none on CUDA, whose driver maps more)")
+    ap.add_argument("--max-client-errors", type=int, default=None,
+                    help="a started server's --max-client-errors (default: the server's default)")
     ap.add_argument("--no-write", action="store_true", help="print the table only")
     return ap.parse_args()
 
@@ -225,6 +227,8 @@ def main() -> None:
     server = None
     if args.url is None:
         extra = ["--device", args.device] if args.device else []
+        if args.max_client_errors is not None:
+            extra += ["--max-client-errors", str(args.max_client_errors)]
         server = ServerProcess([*extra, "--max-batch-size", str(args.concurrency), "--max-seq-len", "1024",
                                 "--log-level", "warning"]).start()
         cap_gb = args.server_memory_gb if args.server_memory_gb is not None else 0 if args.device == "cuda" else 8

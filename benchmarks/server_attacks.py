@@ -19,6 +19,9 @@ import httpx
 
 # A half-open connection sends its next byte, and sees a stop, this often (seconds).
 HALF_OPEN_POLL_S = 1.0
+# The attackers' own loopback address: a server tells clients apart by address, and the good
+# clients of the benchmark connect from 127.0.0.1.
+ATTACKER_ADDRESS = "127.0.0.2"
 
 
 def self_referential_schema() -> dict[str, Any]:
@@ -100,7 +103,7 @@ async def disconnect_mid_stream(ctx: AttackContext) -> str:
 async def half_open(ctx: AttackContext) -> str:
     """Slowloris: a request line and one header, then a byte a second, never the end."""
     url = urlsplit(str(ctx.client.base_url))
-    reader, writer = await asyncio.open_connection(url.hostname, url.port)
+    reader, writer = await asyncio.open_connection(url.hostname, url.port, local_addr=(ATTACKER_ADDRESS, 0))
     try:
         writer.write(
             f"POST {url.path}/chat/completions HTTP/1.1\r\nHost: {url.hostname}\r\n".encode()
@@ -173,7 +176,11 @@ async def run_attacks(
 ) -> None:
     """`copies` attackers of every kind (twice as many half-open connections) until `stop`."""
     async with httpx.AsyncClient(
-        base_url=url, timeout=timeout_s, limits=httpx.Limits(max_connections=None)
+        base_url=url,
+        timeout=timeout_s,
+        transport=httpx.AsyncHTTPTransport(
+            local_address=ATTACKER_ADDRESS, limits=httpx.Limits(max_connections=None)
+        ),
     ) as client:
         ctx = AttackContext(client, model, scale, stop)
         tasks = [

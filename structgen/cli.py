@@ -58,6 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-generations-per-request", type=int, default=128,
         help="most generations (prompts x n) one request may ask for (400 beyond)",
     )
+    serve.add_argument(
+        "--max-client-errors", type=int, default=64,
+        help="4xx answers one client address may get within 10 s before it is answered 429 for "
+        "the rest of that window (0: never; raise it behind a reverse proxy)",
+    )
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
     gen = sub.add_parser("generate", help="print one constrained generation")
@@ -125,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                 allowed_hosts=args.allowed_hosts.split(",") if args.allowed_hosts else None,
                 max_body_bytes=args.max_body_bytes,
                 max_generations=args.max_generations_per_request,
+                max_client_errors=args.max_client_errors,
                 log_level=args.log_level,
             )
             return 0

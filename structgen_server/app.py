@@ -32,6 +32,7 @@ from structgen_server.constraints import RequestConstraint
 from structgen_server.errors import APIError, new_request_id, to_api_error
 from structgen_server.guard import (
     DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_CLIENT_ERRORS,
     GuardConfig,
     RequestGuard,
     default_allowed_hosts,
@@ -58,17 +59,20 @@ def create_app(
     allowed_hosts: frozenset[str] | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_generations: int = DEFAULT_MAX_GENERATIONS,
+    max_client_errors: int = DEFAULT_MAX_CLIENT_ERRORS,
 ) -> FastAPI:
     """The FastAPI app serving `llm`. `served_model_name` is the id clients send as `model`
     (default: the LLM's own name, which is accepted too). With `api_key` every path but
     `/health` needs it; `allowed_hosts` (None: any) are the Host headers answered;
-    `max_generations` caps prompts x n of one request."""
+    `max_generations` caps prompts x n of one request; a client (by address) whose requests
+    got `max_client_errors` 4xx answers within 10 s is answered 429 for a while (0: never)."""
     name = served_model_name or llm.model_name
     metrics = Metrics(name)
     state = ServerState(llm, name, frozenset({name, llm.model_name}), default_max_tokens, max_generations, metrics)
     app = FastAPI(title="structgen", version="0.1.0")
     app.state.server = state
-    guard = GuardConfig(api_key=api_key, allowed_hosts=allowed_hosts, max_body_bytes=max_body_bytes)
+    guard = GuardConfig(api_key=api_key, allowed_hosts=allowed_hosts, max_body_bytes=max_body_bytes,
+                        max_client_errors=max_client_errors)
     app.add_middleware(RequestGuard, config=guard, metrics=metrics)
     _install_error_handlers(app, state)
 
@@ -282,6 +286,7 @@ def run_server(
     allowed_hosts: list[str] | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_generations: int = DEFAULT_MAX_GENERATIONS,
+    max_client_errors: int = DEFAULT_MAX_CLIENT_ERRORS,
     log_level: str = "info",
 ) -> None:
     """Load the model, then serve it with uvicorn until interrupted. `allowed_hosts` None:
@@ -305,6 +310,7 @@ def run_server(
         allowed_hosts=hosts,
         max_body_bytes=max_body_bytes,
         max_generations=max_generations,
+        max_client_errors=max_client_errors,
     )
     uvicorn.run(
         app,

@@ -46,6 +46,7 @@ class APIError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.status = status
@@ -54,10 +55,11 @@ class APIError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.headers = headers
 
     def response(self) -> JSONResponse:
         body = ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code))
-        return JSONResponse(body.model_dump(), status_code=self.status)
+        return JSONResponse(body.model_dump(), status_code=self.status, headers=self.headers)
 
 
 # structgen exception -> (status, code); the first matching class wins, StructgenError last

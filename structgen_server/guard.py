@@ -5,9 +5,11 @@
 2. the API key, before a byte of the body is read, on every path but `/health`; the scheme is
    case-insensitive and the key compared in constant time;
 3. the body size: Content-Length first, then the bytes as they arrive, within a deadline for
-   the whole body, so no client can make the server hold a huge or endless body.
+   the whole body, so no client can make the server hold a huge or endless body;
+4. before all of these, the client's recent failures (`throttle.ClientThrottle`): a client
+   whose requests keep failing is refused before its body is read.
 
-A refusal is an OpenAI-format error (421, 401, 413, 408) and is counted in `/metrics`.
+A refusal is an OpenAI-format error (429, 421, 401, 413, 408) and is counted in `/metrics`.
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from structgen_server.errors import APIError
 from structgen_server.metrics import Metrics, endpoint_label
+from structgen_server.throttle import ClientThrottle
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+DEFAULT_MAX_CLIENT_ERRORS = 64
 
 
 def default_allowed_hosts(host: str, port: int) -> frozenset[str] | None:
@@ -53,6 +57,8 @@ class GuardConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     body_timeout_s: float = 30.0
     open_paths: frozenset[str] = frozenset({"/health"})
+    max_client_errors: int = DEFAULT_MAX_CLIENT_ERRORS  # 4xx answers a client may get within client_error_window_s
+    client_error_window_s: float = 10.0
 
 
 class RequestGuard:
@@ -63,11 +69,20 @@ class RequestGuard:
         self.app = app
         self.config = config
         self.metrics = metrics
+        self.throttle = ClientThrottle(config.max_client_errors, config.client_error_window_s)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        client = scope["client"][0] if scope.get("client") else ""
+        if self.throttle.enabled and scope["path"] not in self.config.open_paths:
+            send = CountedSend(send, self.throttle, client)
+            error = self.throttle.refusal(client)
+            if error is not None:  # refused before any other work, and not counted again
+                self.metrics.rejected(endpoint_label(scope["path"]), error.status, error.code or error.type)
+                await error.response()(scope, receive, send)
+                return
         headers = Headers(scope=scope)
         error = self._check_host(headers) or self._check_key(scope["path"], headers)
         if error is None:
@@ -149,3 +164,17 @@ class ReplayedBody:
         message: dict[str, Any] = {"type": "http.request", "body": self.body, "more_body": False}
         self.body = None
         return message
+
+
+class CountedSend:
+    """An ASGI `send` that tells the throttle the status of the response it starts."""
+
+    def __init__(self, send: Send, throttle: ClientThrottle, client: str):
+        self.send = send
+        self.throttle = throttle
+        self.client = client
+
+    async def __call__(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.throttle.record(self.client, message["status"])
+        await self.send(message)

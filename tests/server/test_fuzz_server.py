@@ -266,7 +266,8 @@ def fuzz_server(model_dir) -> Iterator[FuzzServer]:
     space capped after start-up so that a runaway request fails instead of taking the host."""
     from structgen_server.process import ServerProcess
 
-    args = "--device cpu --max-seq-len 1024 --max-batch-size 8 --log-level warning".split()
+    # --max-client-errors 0: every fuzzed body must reach the checks, not the throttle's 429
+    args = "--device cpu --max-seq-len 1024 --max-batch-size 8 --max-client-errors 0 --log-level warning".split()
     with ServerProcess(args) as server, httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:
         resource.prlimit(
             server.proc.pid, resource.RLIMIT_AS, (ADDRESS_SPACE_BYTES, ADDRESS_SPACE_BYTES)

@@ -35,6 +35,7 @@ KEY = "hostile-test-key"
 AUTH = {"authorization": f"Bearer {KEY}"}
 MAX_SEQ_LEN = 2048
 MAX_BODY = 8 * 1024 * 1024
+CLIENT_ERROR_LIMIT = 200
 GOOD = {"model": MODEL, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4, "temperature": 0}
 
 
@@ -70,7 +71,9 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(model_dir) -> Iterator[Server]:
-    args = ["--device", "cpu", "--max-seq-len", str(MAX_SEQ_LEN), "--max-batch-size", "4", "--log-level", "warning"]
+    # The module's own bad requests stay under the throttle's limit (tested from another address).
+    args = ["--device", "cpu", "--max-seq-len", str(MAX_SEQ_LEN), "--max-batch-size", "4",
+            "--max-client-errors", str(CLIENT_ERROR_LIMIT), "--log-level", "warning"]
     with ServerProcess(args, env={"STRUCTGEN_API_KEY": KEY}, address_space_bytes=6 * 2**30) as process, httpx.Client() as client:
         s = Server(process, client)
         times = []
@@ -331,6 +334,23 @@ def test_a_foreign_host_header_is_refused_on_loopback(server: Server, host: str)
     assert err["code"] == "host_not_allowed" and "--allowed-hosts" in err["message"]
     for ok in (f"localhost:{server.process.port}", f"127.0.0.1:{server.process.port}"):
         assert server.get("/v1/models", headers={**AUTH, "host": ok}).status_code == 200
+
+
+def test_a_client_whose_requests_keep_failing_is_refused_before_its_body_is_read(server: Server) -> None:
+    # From another loopback address: the throttle counts by client address.
+    transport = httpx.HTTPTransport(local_address="127.0.0.3")
+    with httpx.Client(transport=transport, base_url=server.root, headers=AUTH, timeout=30) as other:
+        statuses = [other.post("/v1/chat/completions", content=b"{not json",
+                               headers={"content-type": "application/json"}).status_code
+                    for _ in range(CLIENT_ERROR_LIMIT + 5)]
+        assert statuses[:CLIENT_ERROR_LIMIT] == [400] * CLIENT_ERROR_LIMIT
+        assert statuses[CLIENT_ERROR_LIMIT:] == [429] * 5
+        r = other.post("/v1/chat/completions", json=GOOD)  # even a good one, for the window
+        assert r.status_code == 429 and 1 <= int(r.headers["retry-after"]) <= 10
+        err = error_of(r)
+        assert err["code"] == "too_many_failed_requests" and "400" in err["message"], err
+        assert other.get("/health").status_code == 200
+    server.good_request_is_served()  # the other clients are not affected
 
 
 # --------------------------------------------------------------------------- metrics
