@@ -96,7 +96,7 @@ def generation_sources(schema: Any) -> tuple[str, str | None]:
     keyword (structgen refuses it) the libraries alone still see the normalized schema, and
     where structgen refuses it for another reason, the schema as given."""
     from structgen.errors import StructgenError, UnsupportedSchemaError
-    from structgen.grammar.normalize import normalize_exact, normalize_schema
+    from structgen.schema.normalize import normalize_exact, normalize_schema
     from structgen.types import JsonSchema, _canonical, to_constraint
 
     try:

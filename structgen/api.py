@@ -41,8 +41,8 @@ from structgen.errors import (
     StructgenError,
 )
 from structgen.grammar import CompiledGrammar, GrammarCompiler
-from structgen.grammar.budget import CompileBudget, within
-from structgen.grammar.limits import check_schema, check_source
+from structgen.schema.budget import CompileBudget, within
+from structgen.schema.limits import check_schema, check_source
 from structgen.types import CFG, Constraint, JsonSchema, Regex, to_constraint
 
 if TYPE_CHECKING:

@@ -102,7 +102,7 @@ class Constraint:
     strict: JSON schemas only; False allows backends that enforce the schema partially.
     fallback: JSON schemas only: a stricter schema (every instance valid, some valid ones
         excluded) the compiler tries when every backend refuses `source`; see
-        `grammar.normalize.normalize_schema(tighten=True)`.
+        `schema.normalize.normalize_schema(tighten=True)`.
     relaxed: with strict=False, the keywords left out of `source` because no backend enforces
         them, as "keyword at path"; `parse` still validates against the full schema.
     """
@@ -280,7 +280,7 @@ def _portable_typeddicts(tp: Any) -> Any:
 
 
 def _json_schema_constraint(schema: dict[str, Any] | bool | str, strict: bool) -> Constraint:
-    from structgen.grammar.limits import check_json_schema
+    from structgen.schema.limits import check_json_schema
 
     check_json_schema(schema)  # size and nesting first: what follows recurses over the schema
     if isinstance(schema, str):
@@ -300,7 +300,7 @@ def _json_schema_constraint(schema: dict[str, Any] | bool | str, strict: bool) -
         schema, default=jsonschema.Draft202012Validator
     )
     _check_schema(validator_cls, schema)
-    from structgen.grammar.keywords import unresolved_refs
+    from structgen.schema.keywords import unresolved_refs
 
     broken = unresolved_refs(schema)
     if broken:
@@ -336,7 +336,7 @@ def _warn_unknown_keywords(schema: dict[str, Any]) -> None:
     first place). Vendor keys (`_x`, `x-x`) are deliberate and pass."""
     import difflib
 
-    from structgen.grammar.keywords import ANNOTATIONS, KEYWORDS, walk
+    from structgen.schema.keywords import ANNOTATIONS, KEYWORDS, walk
 
     known = sorted(ANNOTATIONS | set(KEYWORDS))
     seen: set[str] = set()
@@ -377,7 +377,7 @@ _BOUND_PAIRS = (
 def _check_bounds(schema: dict[str, Any]) -> None:
     """Lower bounds above upper bounds where a value must exist (the root, required
     properties, allOf members, non-empty arrays' items), named with their path."""
-    from structgen.grammar.keywords import resolve_ref
+    from structgen.schema.keywords import resolve_ref
 
     stack: list[tuple[Any, str]] = [(schema, "#")]
     seen: set[int] = set()
@@ -463,7 +463,7 @@ def _json_constraint(
 
 
 def _generation_schema(schema: dict[str, Any], strict: bool) -> tuple[Any, Any | None, tuple[str, ...]]:
-    """The equivalent schema the grammar is compiled from (see `grammar.normalize`), a
+    """The equivalent schema the grammar is compiled from (see `schema.normalize`), a
     stricter one for when the backends refuse it (None if there is none), and the keywords
     left out (strict=False only). Strict, it fails now, naming keyword and path, if no grammar
     backend enforces all of either; not strict, it leaves out what the backend that enforces
@@ -473,8 +473,8 @@ def _generation_schema(schema: dict[str, Any], strict: bool) -> tuple[Any, Any |
     disjoint where `disjoint.py` could not."""
     # Imported here: the schema modules are pure Python at import time, but callers that only
     # build constraints (the remote client) need not load them.
-    from structgen.grammar.keywords import BACKENDS, find_issues, unsupported_schema_error
-    from structgen.grammar.normalize import normalize_exact, normalize_schema, surely_empty
+    from structgen.schema.keywords import BACKENDS, find_issues, unsupported_schema_error
+    from structgen.schema.normalize import normalize_exact, normalize_schema, surely_empty
 
     generated, inexact = normalize_exact(schema)
     tightened = normalize_schema(schema, tighten=True) if inexact else None
@@ -500,7 +500,7 @@ def _relax(schema: Any, issues: dict[str, list[Any]]) -> tuple[Any, None, tuple[
     """`schema` less the keywords the backend with the fewest issues cannot enforce."""
     import copy
 
-    from structgen.grammar.keywords import find_issues, resolve_ref
+    from structgen.schema.keywords import find_issues, resolve_ref
 
     backend = min(issues, key=lambda b: len(issues[b]))
     relaxed = copy.deepcopy(schema)
@@ -554,7 +554,7 @@ def _canonical(schema: dict[str, Any]) -> str:
 def _regex_constraint(
     pattern: str, name: str = "", convert: Callable[[str], Any] = str
 ) -> Constraint:
-    from structgen.grammar.limits import BUILD_LIMITS, check_source
+    from structgen.schema.limits import BUILD_LIMITS, check_source
 
     if not isinstance(pattern, str) or not pattern:
         raise InvalidConstraintError("Regex needs a non-empty pattern string")

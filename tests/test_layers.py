@@ -27,11 +27,6 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("structgen", "structgen_server")
 EXEMPT = {"structgen"}  # the package's __init__ re-exports every layer on purpose
 
-SCHEMA_MODULES = {  # JSON-Schema rewriting; moves to structgen/schema/ (issue 28 item 2)
-    "normalize", "negate", "keywords", "refs", "disjoint", "arrays", "numbers", "patterns",
-    "regex_dfa", "regex_text", "charsets", "json_format", "limits",
-    "budget",  # the compile-time budget the rewriting checks; it needs only errors
-}  # fmt: skip
 LAYER_NAMES = ("errors", "schema", "types", "grammar", "engine", "api", "server")
 
 
@@ -61,7 +56,7 @@ def layer_of(module: str) -> int:
     parts = module.split(".")
     if module == "structgen.errors":
         return 0
-    if parts[:2] == ["structgen", "grammar"] and len(parts) == 3 and parts[2] in SCHEMA_MODULES:
+    if parts[:2] == ["structgen", "schema"]:
         return 1
     if module in ("structgen.types", "structgen.arguments"):
         return 2

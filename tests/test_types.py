@@ -392,7 +392,7 @@ def test_one_of_becomes_any_of(schema, rewritten):
     (disjoint.one_of_as_any_of); never when a needed negation is unknown."""
     import jsonschema
 
-    from structgen.grammar.normalize import normalize_schema
+    from structgen.schema.normalize import normalize_schema
 
     out = normalize_schema(schema)
     assert ("anyOf" in out and "oneOf" not in out) == rewritten

@@ -18,8 +18,8 @@ from structgen.grammar.backends.base import (
 )
 from structgen.grammar.batch import accept_one, accept_tokens, fill_bitmasks
 from structgen.grammar.compiler import BACKENDS, GrammarCompiler, candidate_backends
-from structgen.grammar.json_format import JSON_SEPARATORS, dump_json
-from structgen.grammar.limits import ConstraintLimits
+from structgen.schema.json_format import JSON_SEPARATORS, dump_json
+from structgen.schema.limits import ConstraintLimits
 
 __all__ = [
     "BACKENDS",

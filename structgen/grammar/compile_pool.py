@@ -15,7 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from structgen.errors import CompilerBusyError
-from structgen.grammar.budget import CompileBudget, within
+from structgen.schema.budget import CompileBudget, within
 
 if TYPE_CHECKING:
     from structgen.grammar.backends.base import CompiledGrammar

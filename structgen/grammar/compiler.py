@@ -19,14 +19,14 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from structgen.errors import InvalidConstraintError, StructgenError, UnsupportedSchemaError
-from structgen.grammar import keywords
 from structgen.grammar.backends.base import CompiledGrammar, GrammarBackend
-from structgen.grammar.budget import CompileBudget, check_budget, current_budget, within
 from structgen.grammar.compile_pool import CompilePool
-from structgen.grammar.keywords import BACKENDS, unsupported_schema_error
 from structgen.grammar.large_stack import call_on_large_stack
-from structgen.grammar.limits import DEFAULT_LIMITS, ConstraintLimits, check_source
 from structgen.grammar.termination import analyse, check_not_empty
+from structgen.schema import keywords
+from structgen.schema.budget import CompileBudget, check_budget, current_budget, within
+from structgen.schema.keywords import BACKENDS, unsupported_schema_error
+from structgen.schema.limits import DEFAULT_LIMITS, ConstraintLimits, check_source
 
 if TYPE_CHECKING:
     from structgen.types import Constraint

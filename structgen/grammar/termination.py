@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 from structgen.errors import UnsatisfiableConstraintError
 from structgen.grammar.backends.base import FORCED_TEXT_MAX_BYTES, allocate_bitmask, count_allowed
-from structgen.grammar.budget import check_budget
-from structgen.grammar.keywords import resolve_ref
+from structgen.schema.budget import check_budget
+from structgen.schema.keywords import resolve_ref
 
 if TYPE_CHECKING:
     from structgen.grammar.backends.base import CompiledGrammar

@@ -18,7 +18,7 @@ from structgen.grammar import (
     dump_json,
     fill_bitmasks,
 )
-from structgen.grammar.keywords import ENFORCED, IGNORED, KEYWORDS, find_issues
+from structgen.schema.keywords import ENFORCED, IGNORED, KEYWORDS, find_issues
 from structgen.types import CFG, Choice, Constraint, JsonSchema, Regex, to_constraint
 
 BACKENDS = ("xgrammar", "llguidance")

@@ -26,9 +26,9 @@ from structgen.errors import (
 )
 from structgen.grammar import GrammarCompiler
 from structgen.grammar.backends.base import FORCED_TEXT_MAX_BYTES
-from structgen.grammar.json_format import JSON_SEPARATORS
-from structgen.grammar.keywords import llguidance_crash_issues
-from structgen.grammar.limits import ConstraintLimits
+from structgen.schema.json_format import JSON_SEPARATORS
+from structgen.schema.keywords import llguidance_crash_issues
+from structgen.schema.limits import ConstraintLimits
 from structgen.types import CFG, Regex, to_constraint
 
 SELF_REQUIRED = {

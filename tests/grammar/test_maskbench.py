@@ -63,7 +63,7 @@ def compile_with_timeout(compiler, constraint, backend: str) -> Any:
 
 
 def test_normalized_schemas_keep_every_verdict(maskbench_dir: Path):
-    """The schema a grammar is compiled from (`grammar.normalize`) must judge every test
+    """The schema a grammar is compiled from (`schema.normalize`) must judge every test
     instance exactly as the original schema does."""
     import jsonschema
 

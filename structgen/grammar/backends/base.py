@@ -216,7 +216,7 @@ class GrammarBackend(ABC):
     """Adapter around one grammar library for one tokenizer.
 
     Backends compile exactly what they are given; deciding whether a backend enforces every
-    keyword of a schema is `GrammarCompiler`'s job (see `structgen.grammar.keywords`).
+    keyword of a schema is `GrammarCompiler`'s job (see `structgen.schema.keywords`).
     """
 
     name: str = ""

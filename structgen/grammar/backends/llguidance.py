@@ -20,8 +20,8 @@ from structgen.grammar.backends.base import (
     set_only_tokens,
     token_bytes,
 )
-from structgen.grammar.json_format import JSON_SEPARATORS
-from structgen.grammar.keywords import llguidance_crash_issues, strip_annotation_formats
+from structgen.schema.json_format import JSON_SEPARATORS
+from structgen.schema.keywords import llguidance_crash_issues, strip_annotation_formats
 
 if TYPE_CHECKING:
     import torch

@@ -24,7 +24,7 @@ from structgen.grammar.backends.base import (
     token_bytes,
     truncate_utf8,
 )
-from structgen.grammar.json_format import JSON_SEPARATORS
+from structgen.schema.json_format import JSON_SEPARATORS
 
 if TYPE_CHECKING:
     from structgen.types import Constraint

@@ -21,7 +21,7 @@ import itertools
 from collections.abc import Callable
 from typing import Any
 
-from structgen.grammar.keywords import ANNOTATIONS, finite_values
+from structgen.schema.keywords import ANNOTATIONS, finite_values
 
 MAX_ARRAYS = 256  # listed valid arrays, at most
 MAX_CONTAINS_POSITIONS = 32  # `contains` as one alternative per position, up to this many

@@ -15,7 +15,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from structgen.grammar.keywords import resolve_ref
+from structgen.schema.keywords import resolve_ref
 
 JSON_SEPARATORS = (", ", ": ")
 

@@ -17,8 +17,8 @@ import re._parser as sre  # the stdlib's regex parser: the structure of a patter
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from structgen.grammar.keywords import ANNOTATIONS, KEYWORD_TYPE, KEYWORDS
-from structgen.grammar.regex_dfa import Language
+from structgen.schema.keywords import ANNOTATIONS, KEYWORD_TYPE, KEYWORDS
+from structgen.schema.regex_dfa import Language
 
 _TYPES = ("null", "boolean", "object", "array", "string", "number")
 # keyword -> (its negation's keyword, offset, the type it constrains): not {minLength: n} is

@@ -1,4 +1,4 @@
-"""The normalizer's rewrites (grammar/normalize.py and the modules it calls: negate, disjoint,
+"""The normalizer's rewrites (structgen/schema/normalize.py and the modules it calls: negate, disjoint,
 refs, patterns, regex_dfa, arrays, numbers) on real schema shapes from MaskBench (each case
 names the schema it comes from): each rewritten schema is compiled by "auto" on the real
 tokenizer, and every probe instance is accepted exactly when `jsonschema` says the original
@@ -15,8 +15,8 @@ import pytest
 
 from structgen.errors import UnsupportedSchemaError
 from structgen.grammar import candidate_backends, dump_json
-from structgen.grammar.negate import negate_pattern
-from structgen.grammar.normalize import normalize_schema
+from structgen.schema.negate import negate_pattern
+from structgen.schema.normalize import normalize_schema
 from structgen.types import JsonSchema, to_constraint
 
 NODE = {  # a recursive definition without a `type` of its own

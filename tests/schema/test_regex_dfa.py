@@ -1,4 +1,4 @@
-"""Patterns as automata (grammar/regex_dfa.py): the pattern written back for a language, its
+"""Patterns as automata (structgen/schema/regex_dfa.py): the pattern written back for a language, its
 complement and intersections must match exactly the strings Python's `re` says they should,
 on real MaskBench patterns and on random strings over the characters that matter to them."""
 
@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from structgen.grammar.regex_dfa import Language
+from structgen.schema.regex_dfa import Language
 
 PATTERNS = [
     "//",  # JsonSchemaStore 152: not {pattern: "//"}

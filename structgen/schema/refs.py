@@ -23,9 +23,9 @@ import json
 import re
 from typing import Any
 
-from structgen.grammar.disjoint import Disjointness
-from structgen.grammar.keywords import ANNOTATIONS, map_subschemas, resolve_ref, walk
-from structgen.grammar.regex_dfa import Language
+from structgen.schema.disjoint import Disjointness
+from structgen.schema.keywords import ANNOTATIONS, map_subschemas, resolve_ref, walk
+from structgen.schema.regex_dfa import Language
 
 _COMBINATORS = ("$ref", "anyOf", "oneOf", "allOf")
 _STAYS = ANNOTATIONS | {"id"}  # kept where they are (draft 4's "id" sets the base URI)

@@ -27,8 +27,8 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from structgen.grammar.budget import check_budget
-from structgen.grammar.keywords import (
+from structgen.schema.budget import check_budget
+from structgen.schema.keywords import (
     ANNOTATIONS,
     KEYWORD_TYPE,
     KEYWORDS,

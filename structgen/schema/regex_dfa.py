@@ -24,7 +24,7 @@ import re._constants as sc  # the stdlib regex parser's opcodes
 import re._parser as sre
 from dataclasses import dataclass
 
-from structgen.grammar.charsets import (
+from structgen.schema.charsets import (
     NEWLINE,
     TOP,
     Ranges,
@@ -33,7 +33,7 @@ from structgen.grammar.charsets import (
     clip,
     normalize,
 )
-from structgen.grammar.regex_text import MAX_PATTERN_CHARS, NOTHING, eliminate
+from structgen.schema.regex_text import MAX_PATTERN_CHARS, NOTHING, eliminate
 
 MAX_NFA_STATES = 4000
 MAX_DFA_STATES = 2000

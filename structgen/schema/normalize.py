@@ -46,10 +46,10 @@ from collections.abc import Callable
 from typing import Any
 
 from structgen.errors import StructgenError
-from structgen.grammar.arrays import contains_as_positions, drop_trivial_unique, unique_arrays
-from structgen.grammar.budget import check_budget
-from structgen.grammar.disjoint import Disjointness, expand_types, one_of_as_any_of
-from structgen.grammar.keywords import (
+from structgen.schema.arrays import contains_as_positions, drop_trivial_unique, unique_arrays
+from structgen.schema.budget import check_budget
+from structgen.schema.disjoint import Disjointness, expand_types, one_of_as_any_of
+from structgen.schema.keywords import (
     ANNOTATIONS,
     KEYWORDS,
     finite_values,
@@ -57,14 +57,14 @@ from structgen.grammar.keywords import (
     resolve_ref,
     walk,
 )
-from structgen.grammar.negate import Proofs, json_key, negate
-from structgen.grammar.numbers import number_candidates
-from structgen.grammar.patterns import (
+from structgen.schema.negate import Proofs, json_key, negate
+from structgen.schema.numbers import number_candidates
+from structgen.schema.patterns import (
     merge_string_patterns,
     patterns_for_backends,
     string_schema,
 )
-from structgen.grammar.refs import specialize_recursive_refs
+from structgen.schema.refs import specialize_recursive_refs
 
 log = logging.getLogger("structgen.grammar")
 

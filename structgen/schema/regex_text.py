@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from structgen.grammar.charsets import (
+from structgen.schema.charsets import (
     TOP,
     Ranges,
     category,
@@ -18,7 +18,7 @@ from structgen.grammar.charsets import (
 )
 
 if TYPE_CHECKING:
-    from structgen.grammar.regex_dfa import Language
+    from structgen.schema.regex_dfa import Language
 
 MAX_PATTERN_CHARS = 20000
 NOTHING = "\x00nothing"  # marker: the empty language

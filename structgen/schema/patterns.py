@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from structgen.grammar.keywords import ANNOTATIONS, KEYWORD_TYPE, KEYWORDS, regex_issue
-from structgen.grammar.regex_dfa import Language, has_inner_anchor
+from structgen.schema.keywords import ANNOTATIONS, KEYWORD_TYPE, KEYWORDS, regex_issue
+from structgen.schema.regex_dfa import Language, has_inner_anchor
 
 
 def patterns_for_backends(node: dict[str, Any]) -> None:

@@ -17,7 +17,7 @@ import math
 from fractions import Fraction
 from typing import Any
 
-from structgen.grammar.keywords import resolve_ref
+from structgen.schema.keywords import resolve_ref
 
 MAX_NUMBERS = 1024
 

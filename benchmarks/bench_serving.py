@@ -1,0 +1,284 @@
+"""Serving benchmark in the manner of vLLM's: many requests, closed and open loop, in process
+and over HTTP with the official `openai` client (issue 30).
+
+    python -m benchmarks.bench_serving --device cuda                      # everything
+    python -m benchmarks.bench_serving --workloads json --modes inprocess --requests 64
+
+Workloads:
+- `json`: MaskBench JME, Glaiveai2K and Github_easy schemas (round robin), one extraction or
+  form-filling prompt each, `response_format` = the schema;
+- `agent`: every request shares one system prompt of about 3,000 tokens (a tool catalogue
+  built from Glaiveai2K function schemas) and asks for a tool call (a JSON object naming one
+  of the tools), as a function-calling agent's turns do.
+
+Arrivals: `closed` submits every request at once; a rate (requests/s) sends them as a Poisson
+process. For each (workload, mode, arrival): output tokens/s, requests/s, TTFT and TPOT p50 /
+p99, valid outputs (jsonschema), lost requests. The decode-step bound beside them is the
+engine's constrained step at the run's batch size, measured in the same process
+(on a GPU; `--no-bound` to skip): what the GPU allows if every step were full.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import torch
+
+from benchmarks.common import print_table, write_results
+from benchmarks.eval_grammar import maskbench_dir
+
+JSON_CATEGORIES = ("JME", "Glaiveai2K", "Github_easy")
+CATALOGUE_TOKENS = 3_000
+
+
+@dataclass(frozen=True)
+class ServingRequest:
+    messages: list[dict[str, str]]
+    schema: dict[str, Any]
+
+
+@dataclass
+class Outcome:
+    """What one request got: latency, time to first token, output tokens, validity."""
+
+    latency_s: float = 0.0
+    ttft_s: float = 0.0
+    output_tokens: int = 0
+    valid: bool = False
+    error: str = ""
+
+
+@dataclass
+class RunResult:
+    outcomes: list[Outcome] = field(default_factory=list)
+    wall_s: float = 0.0
+
+
+# -- workloads ---------------------------------------------------------------------------------
+def _entries(category: str, data_dir: Path) -> list[dict[str, Any]]:
+    lines = (data_dir / f"{category}.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def _prompt(entry: dict[str, Any]) -> str:
+    valid = [t["data"] for t in entry.get("tests", []) if t.get("valid")]
+    if valid:  # an extraction: the reference instance rendered as text to read back
+        facts = "; ".join(f"{k}: {v}" for k, v in valid[0].items()) if isinstance(valid[0], dict) else valid[0]
+        return f"Extract the record as JSON from this text. {facts}"
+    return f"Fill in this form as JSON. {entry.get('description') or 'Use plausible values.'}"
+
+
+def json_workload(n: int, data_dir: Path, max_schema_chars: int = 4_000) -> list[ServingRequest]:
+    """`n` requests, round robin over the categories' schemas (small enough for a prompt)."""
+    pools = [[e for e in _entries(c, data_dir) if len(json.dumps(e["schema"])) <= max_schema_chars]
+             for c in JSON_CATEGORIES]
+    out = []
+    for i in range(n):
+        pool = pools[i % len(pools)]
+        entry = pool[(i // len(pools)) % len(pool)]
+        out.append(ServingRequest([{"role": "user", "content": _prompt(entry)}], entry["schema"]))
+    return out
+
+
+def agent_workload(n: int, data_dir: Path, tokenizer: Any) -> list[ServingRequest]:
+    """`n` tool-call turns sharing one system prompt: a catalogue of Glaiveai2K functions of
+    about CATALOGUE_TOKENS tokens."""
+    tools, text = [], "You are an agent. Answer with a JSON tool call. Tools:\n"
+    for i, entry in enumerate(_entries("Glaiveai2K", data_dir)):
+        line = json.dumps({"name": f"tool_{i}", "parameters": entry["schema"]}) + "\n"
+        if len(tokenizer.encode(text + line)) > CATALOGUE_TOKENS:
+            break
+        tools.append(f"tool_{i}")
+        text += line
+    schema = {"type": "object", "properties": {"name": {"enum": tools}, "arguments": {"type": "object"}},
+              "required": ["name", "arguments"], "additionalProperties": False}
+    return [ServingRequest([{"role": "system", "content": text},
+                            {"role": "user", "content": f"Request {i}: call the tool that fits task {i}."}],
+                           schema) for i in range(n)]
+
+
+# -- runners -----------------------------------------------------------------------------------
+def _valid(text: str, schema: dict[str, Any]) -> bool:
+    try:
+        jsonschema.validate(json.loads(text), schema)
+        return True
+    except (ValueError, jsonschema.ValidationError, jsonschema.SchemaError):
+        return False
+
+
+def inprocess_runner(llm: Any, max_tokens: int) -> Callable[[ServingRequest], Awaitable[Outcome]]:
+    from structgen import JsonSchema
+
+    async def run(req: ServingRequest) -> Outcome:
+        t0 = time.perf_counter()
+        c = await llm.acomplete(JsonSchema(req.schema), req.messages, max_tokens=max_tokens, temperature=0.0)
+        latency = time.perf_counter() - t0
+        return Outcome(latency, latency - c.stats.decode_s, c.stats.output_tokens, _valid(c.text, req.schema))
+
+    return run
+
+
+def http_runner(client: Any, model: str, max_tokens: int) -> Callable[[ServingRequest], Awaitable[Outcome]]:
+    async def run(req: ServingRequest) -> Outcome:
+        t0, ttft, parts, tokens = time.perf_counter(), 0.0, [], 0
+        stream = await client.chat.completions.create(
+            model=model, messages=req.messages, max_tokens=max_tokens, temperature=0.0, stream=True,
+            stream_options={"include_usage": True},
+            response_format={"type": "json_schema", "json_schema": {"name": "out", "schema": req.schema}})
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                ttft = ttft or time.perf_counter() - t0
+                parts.append(chunk.choices[0].delta.content)
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+        text = "".join(parts)
+        return Outcome(time.perf_counter() - t0, ttft, tokens, _valid(text, req.schema))
+
+    return run
+
+
+async def drive(run: Callable[[ServingRequest], Awaitable[Outcome]], requests: list[ServingRequest],
+                rate: float | None, timeout_s: float, seed: int = 0) -> RunResult:
+    """All requests at once (`rate` None) or as a Poisson process of `rate` requests/s."""
+    rng = random.Random(seed)
+
+    async def one(req: ServingRequest, delay: float) -> Outcome:
+        await asyncio.sleep(delay)
+        try:
+            return await asyncio.wait_for(run(req), timeout_s)
+        except Exception as exc:  # counted, and the run goes on
+            return Outcome(error=f"{type(exc).__name__}: {str(exc)[:200]}")
+
+    delays, t = [], 0.0
+    for _ in requests:
+        delays.append(t)
+        t += rng.expovariate(rate) if rate else 0.0
+    t0 = time.perf_counter()
+    outcomes = await asyncio.gather(*(one(r, d) for r, d in zip(requests, delays, strict=True)))
+    return RunResult(list(outcomes), time.perf_counter() - t0)
+
+
+# -- figures -----------------------------------------------------------------------------------
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return round(values[min(len(values) - 1, int(q * len(values)))] * 1000, 1)
+
+
+def summarize(res: RunResult) -> dict[str, Any]:
+    ok = [o for o in res.outcomes if not o.error]
+    tokens = sum(o.output_tokens for o in ok)
+    tpot = [(o.latency_s - o.ttft_s) / (o.output_tokens - 1) for o in ok if o.output_tokens > 1]
+    return {
+        "requests": len(res.outcomes), "lost": len(res.outcomes) - len(ok),
+        "valid": sum(o.valid for o in ok), "output_tokens": tokens,
+        "tok_per_s": round(tokens / res.wall_s, 1), "req_per_s": round(len(ok) / res.wall_s, 2),
+        "ttft_p50_ms": _pct([o.ttft_s for o in ok], 0.5), "ttft_p99_ms": _pct([o.ttft_s for o in ok], 0.99),
+        "tpot_p50_ms": _pct(tpot, 0.5), "tpot_p99_ms": _pct(tpot, 0.99),
+        "mean_output_tokens": round(tokens / len(ok), 1) if ok else None,
+        "first_errors": sorted({o.error for o in res.outcomes if o.error})[:3],
+    }
+
+
+def decode_bound_tok_per_s(llm: Any, batch: int) -> float:
+    """Output tokens/s if every step ran `batch` constrained rows: batch / step time of
+    bench_decode's measurement on this engine's model."""
+    from benchmarks.bench_decode import time_decode
+
+    engine = llm.engine
+    grammar = llm.compile({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]})
+    ids = llm.tokenizer.encode("Say something as JSON.")
+    step_ms = time_decode(engine, ids, batch, grammar, steps=32)["value"]
+    return round(batch / (step_ms / 1000.0), 1)
+
+
+def _parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=1000)
+    ap.add_argument("--workloads", default="json,agent")
+    ap.add_argument("--modes", default="inprocess,http")
+    ap.add_argument("--arrivals", default="closed,20,50,100", help="closed and/or request rates per second")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-batch-size", type=int, default=256)
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--data-dir", type=Path, default=None, help="MaskBench jsonl folder (default: ../shared)")
+    ap.add_argument("--no-bound", action="store_true", help="skip the decode-step bound")
+    ap.add_argument("--no-write", action="store_true")
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = _parse_args()
+    from structgen import LLM
+    from structgen.engine.config import EngineConfig
+
+    data_dir = args.data_dir or maskbench_dir()
+    cfg = EngineConfig(max_batch_size=args.max_batch_size, max_seq_len=4096,
+                       **({"device": args.device} if args.device else {}))
+    rows: list[dict[str, Any]] = []
+    with LLM(config=cfg) as llm:
+        workloads = {"json": lambda: json_workload(args.requests, data_dir),
+                     "agent": lambda: agent_workload(args.requests, data_dir, llm.tokenizer)}
+        on_gpu = torch.cuda.is_available() and args.device in (None, "cuda")
+        bound = decode_bound_tok_per_s(llm, min(args.max_batch_size, args.requests)) if on_gpu and not args.no_bound else None
+        for name in args.workloads.split(","):
+            requests = workloads[name]()
+            for mode in args.modes.split(","):
+                rows += run_mode(llm, mode, name, requests, args, bound)
+    print_table(rows)
+    if not args.no_write:
+        print("wrote", write_results("serving", rows, extra={"settings": {k: str(v) for k, v in vars(args).items()}}))
+
+
+def run_mode(llm: Any, mode: str, workload: str, requests: list[ServingRequest], args: argparse.Namespace,
+             bound: float | None) -> list[dict[str, Any]]:
+    rows = []
+    arrivals = [None if a == "closed" else float(a) for a in args.arrivals.split(",")]
+    if mode == "inprocess":
+        run = inprocess_runner(llm, args.max_tokens)
+        for rate in arrivals:
+            res = asyncio.run(drive(run, requests, rate, args.timeout))
+            rows.append(_row(workload, mode, rate, res, bound))
+        return rows
+    from structgen_server.process import ServerProcess
+
+    server_args = ["--max-batch-size", str(args.max_batch_size), "--max-seq-len", "4096", "--log-level", "warning"]
+    with ServerProcess([*server_args, *(["--device", args.device] if args.device else [])]) as server:
+        for rate in arrivals:
+            res = asyncio.run(_http(server.url, llm.model_name, requests, rate, args))
+            rows.append(_row(workload, mode, rate, res, bound))
+    return rows
+
+
+async def _http(url: str, model: str, requests: list[ServingRequest], rate: float | None,
+                args: argparse.Namespace) -> RunResult:
+    import httpx
+    import openai
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0,
+                                  http_client=httpx.AsyncClient(limits=limits, timeout=args.timeout)) as client:
+        return await drive(http_runner(client, model, args.max_tokens), requests, rate, args.timeout)
+
+
+def _row(workload: str, mode: str, rate: float | None, res: RunResult, bound: float | None) -> dict[str, Any]:
+    figures = summarize(res)
+    return {"model": "smollm2-135m", "workload": workload, "mode": mode,
+            "arrival": "closed" if rate is None else f"poisson {rate:g}/s", **figures,
+            "decode_bound_tok_per_s": bound,
+            "share_of_bound": round(figures["tok_per_s"] / bound, 3) if bound else None}
+
+
+if __name__ == "__main__":
+    main()
