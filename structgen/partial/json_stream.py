@@ -112,7 +112,7 @@ class JsonStreamParser:
     @property
     def open_string(self) -> str:
         """The decoded text so far of the string value being read ("" when none is)."""
-        return self.string.text() if self.string is not None else ""
+        return self.string.text() if self.string is not None and not self.string.is_key else ""
 
     @property
     def open_path(self) -> Path | None:

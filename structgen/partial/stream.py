@@ -17,9 +17,14 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
-def partial_tracker(output_type: Any, constraint: Constraint) -> PartialTracker[Any]:
-    """A tracker for one output of `output_type`; `InvalidParameterError` when the output is
-    not JSON (regexes, grammars, choices, scalars and free text have no fields to report)."""
+def partial_tracker(output_type: Any, constraint: Constraint | None = None) -> PartialTracker[Any]:
+    """A tracker for one output of `output_type` (whose `constraint` is built when not given);
+    `InvalidParameterError` when the output is not JSON (regexes, grammars, choices, scalars
+    and free text have no fields to report)."""
+    if constraint is None:
+        from structgen.types import to_constraint
+
+        constraint = to_constraint(output_type)
     if constraint.kind != "json_schema":
         raise InvalidParameterError(
             f"partial=True needs a JSON output type (a pydantic model, dataclass, TypedDict, list "

@@ -28,8 +28,10 @@ class Partial(Generic[T]):
         dict of the finished keys (TypedDicts, dicts, JSON schemas), a list of the finished
         items. Finished values are validated; an open string field shows its text so far; an
         open number, enum, Literal or list item is absent until it is complete.
-    finished: the paths of the values that finished since the previous snapshot, in the
-        order they were written (a path is a tuple of keys and list indices; () is the root).
+    finished: the paths of the values that finished since the previous snapshot and are now
+        in `value`, in the order they were written (a path is a tuple of keys and list
+        indices; () is the root). A list item's own members are not named: the item is, once
+        it is finished.
     path: the innermost value still open (None once the output is complete).
     done: True on the last snapshot, whose `value` is the final validated value.
     delta: the text that arrived since the previous snapshot.
@@ -111,7 +113,7 @@ class PartialTracker(Generic[T]):
         return Partial(value, finished, None, True, sent)
 
     def _apply(self, event: JsonEvent) -> Path | None:
-        """Follow one event; the path of a value that finished valid, else None."""
+        """Follow one event; the path of a value that finished valid and is shown, else None."""
         members = None
         closing = event.kind == "done" and self.open and self.open[-1].path == event.path
         if closing:
@@ -134,7 +136,8 @@ class PartialTracker(Generic[T]):
             parent.children[str(event.path[-1])] = value
         else:
             parent.children.append(value)
-        return event.path
+        hidden = any(c.kind == "array" for c in self.open[:-1])  # inside a list item still open
+        return None if hidden else event.path
 
     def _open_text_shape(self) -> Shape | None:
         """The shape of the open string value, if there is one and its place shows text."""
