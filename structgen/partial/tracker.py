@@ -52,6 +52,7 @@ class _OpenContainer:
     path: Path
     kind: Literal["object", "array"]
     children: Children
+    shown: Any = None  # an array as last shown: it changes only when an item finishes
 
 
 @dataclass
@@ -85,6 +86,7 @@ class PartialTracker(Generic[T]):
         self.parser = JsonStreamParser()
         self.text = _TextLog()
         self.open: list[_OpenContainer] = []
+        self.shown_depth = 0  # see _set_open
         self.value: Any = None  # the root, once finished
         self.last_path: Path | None = None  # the open path of the last snapshot
         self.unsent = ""  # text read since the last snapshot
@@ -96,8 +98,8 @@ class PartialTracker(Generic[T]):
         events = self.parser.feed(delta)
         finished = tuple(path for path in map(self._apply, events) if path is not None)
         shown_text = bool(delta) and self._open_text_shape() is not None
-        path, moved = self.parser.open_path, self.parser.open_path != self.last_path
-        self.last_path = path
+        path = self.parser.open_path
+        moved, self.last_path = path != self.last_path, path
         self.unsent += delta
         if not events and not shown_text and not moved:
             return None
@@ -119,13 +121,18 @@ class PartialTracker(Generic[T]):
         if closing:
             container = self.open.pop()
             shape, members = container.shape, container.children
+            self._set_open()
         parent = self.open[-1] if self.open else None
         if not closing:
             shape = parent.shape.child(event.path[-1]) if parent is not None else self.root
         if event.kind == "open":
             children: Children = {} if event.container == "object" else []
             self.open.append(_OpenContainer(shape, event.path, event.container or "object", children))
+            self._set_open()
             return None
+        hidden = self.shown_depth < len(self.open)  # inside a list item still open
+        if hidden and self.open[self.shown_depth].shape.adapter is not None:
+            return None  # that item is validated from its own text once it finishes
         try:
             value = shape.read(self.text.slice(event.start, event.end), members)
         except (pydantic.ValidationError, ValueError):
@@ -136,7 +143,7 @@ class PartialTracker(Generic[T]):
             parent.children[str(event.path[-1])] = value
         else:
             parent.children.append(value)
-        hidden = any(c.kind == "array" for c in self.open[:-1])  # inside a list item still open
+            parent.shown = None
         return None if hidden else event.path
 
     def _open_text_shape(self) -> Shape | None:
@@ -146,10 +153,15 @@ class PartialTracker(Generic[T]):
             return None
         if not self.open:
             return self.root if self.root.shows_text else None
-        if self.open[-1].kind == "array":  # list items are shown once finished
+        if self.shown_depth < len(self.open):  # in a list item still open
             return None
         shape = self.open[-1].shape.child(path[-1])
         return shape if shape.shows_text else None
+
+    def _set_open(self) -> None:
+        """After a container opened or closed: how many open containers, from the root, are
+        shown (up to the first array: its items are shown once finished)."""
+        self.shown_depth = next((i + 1 for i, c in enumerate(self.open) if c.kind == "array"), len(self.open))
 
     def _snapshot(self) -> Any:
         """The value so far: each open container rebuilt, innermost first, with the open
@@ -162,14 +174,15 @@ class PartialTracker(Generic[T]):
         inner_key: str | int | None = None
         if self._open_text_shape() is not None:
             inner, inner_key = self.parser.open_string, self.parser.open_string_path[-1]  # type: ignore[index]
-        for container in reversed(self.open):
-            children = container.children
-            if isinstance(children, dict):
-                children = dict(children)
+        for container in reversed(self.open[: self.shown_depth]):
+            if isinstance(container.children, dict):
+                members = dict(container.children)
                 if inner_key is not None:
-                    children[str(inner_key)] = inner
-            else:  # list items are shown once finished
-                children = list(children)
-            inner = container.shape.build(children)
+                    members[str(inner_key)] = inner
+                inner = container.shape.build(members)
+            else:  # list items are shown once finished, so the list changes only then
+                if container.shown is None:
+                    container.shown = container.shape.build(list(container.children))
+                inner = container.shown
             inner_key = container.path[-1] if container.path else None
         return inner
