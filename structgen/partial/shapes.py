@@ -36,7 +36,12 @@ class Shape:
 
     @functools.cached_property
     def adapter(self) -> pydantic.TypeAdapter[Any] | None:
-        return None if self.annotation is None else pydantic.TypeAdapter(self.annotation)
+        if self.annotation is None:
+            return None
+        try:
+            return pydantic.TypeAdapter(self.annotation)
+        except (pydantic.PydanticSchemaGenerationError, pydantic.PydanticUserError, NameError, TypeError):
+            return None  # a part pydantic cannot validate alone: shown as plain JSON until the whole is
 
     def read(self, text: str, children: Children | None) -> Any:
         """The value of finished JSON `text` here: validated by this place's type, or (no
@@ -166,12 +171,17 @@ def shape_of(annotation: Any) -> Shape:
         return Shape()
     core = _core(annotation)
     origin = typing.get_origin(core)
+    if isinstance(core, type) and issubclass(core, pydantic.RootModel):
+        return Shape(annotation, shows_text=False)  # its JSON is its root's: shown as plain JSON
     if isinstance(core, type) and issubclass(core, pydantic.BaseModel):
         return _ModelShape(annotation, core)
-    if dataclasses.is_dataclass(core) and isinstance(core, type):
-        return _DataclassShape(annotation, core)
-    if typing.is_typeddict(core):
-        return _FieldsShape(annotation, typing.get_type_hints(core, include_extras=True))
+    try:
+        if dataclasses.is_dataclass(core) and isinstance(core, type):
+            return _DataclassShape(annotation, core)
+        if typing.is_typeddict(core):
+            return _FieldsShape(annotation, typing.get_type_hints(core, include_extras=True))
+    except (NameError, TypeError):  # annotations that do not resolve here: fields as plain JSON
+        return Shape(annotation, shows_text=False)
     if core in _SEQUENCES or origin in _SEQUENCES:
         args = [a for a in typing.get_args(core) if a is not Ellipsis]
         return _SequenceShape(annotation, tuple(args) or (Any,))

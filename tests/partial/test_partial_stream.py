@@ -80,6 +80,8 @@ def snapshots_of(output_type: Any, text: str, step: int = 3) -> list[Partial[Any
 
 def plain(value: Any) -> Any:
     """A snapshot's value as JSON data: models and dataclasses by their fields set so far."""
+    if isinstance(value, pydantic.RootModel):
+        return plain(value.root)
     if isinstance(value, pydantic.BaseModel):
         return {type(value).model_fields[n].alias or n: plain(getattr(value, n)) for n in value.model_fields_set}
     if dataclasses.is_dataclass(value):
@@ -168,6 +170,22 @@ def test_dataclass_typeddict_list_and_dict_outputs() -> None:
         check_snapshots(snapshots, text, schema)
     city = snapshots_of(City, cases[0][1])[2].value
     assert isinstance(city, City) and city.name.startswith("O") and not hasattr(city, "population")
+
+
+class Optionals(pydantic.BaseModel):
+    note: str | None
+    home: Address | None
+    tags: pydantic.RootModel[list[int]]
+
+
+def test_optional_fields_and_root_models_are_typed_as_their_inner_type() -> None:
+    text = '{"note": "hi there", "home": {"city": "Rome", "zip": 1}, "tags": [1, 2]}'
+    snapshots = snapshots_of(Optionals, text, 2)
+    check_snapshots(snapshots, text, Optionals.model_json_schema(by_alias=True))
+    assert any(s.value.model_dump(exclude_unset=True) == {"note": "hi t"} for s in snapshots)
+    homes = [s.value.home for s in snapshots if "home" in s.value.model_fields_set]
+    assert all(isinstance(h, Address) for h in homes) and homes[0].model_fields_set == set()
+    assert snapshots[-1].value.tags.root == [1, 2]
 
 
 def test_json_schema_output_gives_dict_snapshots() -> None:
