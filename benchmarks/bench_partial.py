@@ -6,7 +6,8 @@
   with the output), and a long typed one (pydantic models, validated field by field). Reports
   microseconds per token for the parser alone and for parser + snapshot.
 - `decode` (the real model, GPU or CPU): the same prompts streamed with `partial=True` and as
-  text, at batch 1 and 64 (concurrent `astream`s), ms per output token each and the overhead.
+  text, at batch 1 and 64 (concurrent `astream`s), ms per output token each and the overhead;
+  and at batch 1 the time to the first finished field beside the time to first token.
 
     python -m benchmarks.bench_partial                      # tracker, on CPU
     python -m benchmarks.bench_partial --modes decode --batches 1 64 --device cuda
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -131,6 +133,29 @@ async def _stream_all(llm: Any, prompts: list[tuple[Any, str]], partial: bool, m
     return sum(await asyncio.gather(*(one(s, p) for s, p in prompts)))
 
 
+def first_field_rows(llm: Any, cases: list[tuple[Any, str]], max_tokens: int) -> list[dict[str, Any]]:
+    """At batch 1: time to the first snapshot (the first token's text, as TTFT) and to the
+    first finished top-level field, medians over the prompts."""
+    first_token, first_field = [], []
+    for schema, prompt in cases:
+        t0 = time.perf_counter()
+        seen = field = None
+        try:
+            for snapshot in llm.stream(schema, prompt, max_tokens=max_tokens, partial=True):
+                now = time.perf_counter() - t0
+                seen = seen if seen is not None else now
+                if field is None and any(len(p) == 1 for p in snapshot.finished):
+                    field = now
+        except IncompleteOutputError:
+            pass
+        if seen is not None and field is not None:
+            first_token.append(seen * 1e3)
+            first_field.append(field * 1e3)
+    return [{"system": "structgen-partial", "model": "smollm2-135m", "batch": 1, "metric": metric,
+             "value": round(statistics.median(values), 2)}
+            for metric, values in (("ttft_ms", first_token), ("time_to_first_field_ms", first_field))]  # fmt: skip
+
+
 def decode_rows(batches: list[int], device: str, max_tokens: int) -> list[dict[str, Any]]:
     from structgen import LLM
     from structgen.engine.config import EngineConfig
@@ -142,7 +167,7 @@ def decode_rows(batches: list[int], device: str, max_tokens: int) -> list[dict[s
         prompts = [cases[i % len(cases)] for i in range(batch)]
         asyncio.run(_stream_all(llm, prompts, False, max_tokens))  # warm up grammars and kernels
         timing = {}
-        for partial in (False, True, False, True):
+        for partial in (False, True) * 3:  # alternated, best of three each
             t0 = time.perf_counter()
             tokens = asyncio.run(_stream_all(llm, prompts, partial, max_tokens))
             ms = (time.perf_counter() - t0) * 1e3 / tokens
@@ -153,6 +178,7 @@ def decode_rows(batches: list[int], device: str, max_tokens: int) -> list[dict[s
         overhead = (timing[True] / timing[False] - 1) * 100
         rows.append({"system": "structgen-partial", "model": "smollm2-135m", "batch": batch,
                      "metric": "overhead_pct", "value": round(overhead, 2)})  # fmt: skip
+    rows += first_field_rows(llm, cases, max_tokens)
     llm.close()
     return rows
 
