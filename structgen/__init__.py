@@ -29,6 +29,7 @@ from structgen.errors import (
     UnsupportedSchemaError,
     UnsupportedTypeError,
 )
+from structgen.partial import Partial, PartialStream
 from structgen.tools import run_tools, tool
 from structgen.types import CFG, Choice, JsonSchema, Regex
 
@@ -50,6 +51,8 @@ __all__ = [
     "RemoteLLM",
     "generate",
     "Completion",
+    "Partial",
+    "PartialStream",
     "GenerationStats",
     "GenerateOptions",
     "SamplingParams",

@@ -12,11 +12,11 @@ import asyncio
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Generator, Iterator, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 from structgen.arguments import (
     DEFAULTS,
@@ -41,6 +41,7 @@ from structgen.errors import (
     StructgenError,
 )
 from structgen.grammar import CompiledGrammar, GrammarCompiler
+from structgen.partial import PartialStream, partial_tracker
 from structgen.schema.budget import CompileBudget, within
 from structgen.schema.limits import check_schema, check_source
 from structgen.types import CFG, Constraint, JsonSchema, Regex, to_constraint
@@ -392,21 +393,36 @@ class LLM:
         options = Options.of(max_tokens, temperature, top_p, top_k, seed, jump_forward, strict, chat, tools, params)
         return [c.value for c in self._complete_batch(output_type, prompts, options)]
 
+    @overload
+    def stream(
+        self, output_type: type[T], prompt: Prompt, *, partial: Literal[True], **options: Unpack[GenerateOptions]
+    ) -> PartialStream[T]: ...
+    @overload
+    def stream(
+        self, output_type: object, prompt: Prompt, *, partial: Literal[True], **options: Unpack[GenerateOptions]
+    ) -> PartialStream[Any]: ...
+    @overload
+    def stream(
+        self, output_type: object, prompt: Prompt, *, partial: Literal[False] = ..., **options: Unpack[GenerateOptions]
+    ) -> Iterator[str]: ...
     @checked_keywords
     def stream(
         self, output_type: Any, prompt: Prompt, *, max_tokens: int = DEFAULTS.max_tokens,
         temperature: float = DEFAULTS.temperature, top_p: float = DEFAULTS.top_p,
         top_k: int = DEFAULTS.top_k, seed: int | None = None, jump_forward: bool | None = None,
         strict: bool = True, chat: bool | None = None, tools: list[dict[str, Any]] | None = None,
-        params: SamplingParams | None = None,
-    ) -> Iterator[str]:  # fmt: skip
+        params: SamplingParams | None = None, partial: bool = False,
+    ) -> Iterator[str] | PartialStream[Any]:  # fmt: skip
         """Yield text deltas as they are decoded; raises like `complete` at the end. Leaving
-        the loop early (or Ctrl-C) aborts the request and frees its slot."""
+        the loop early (or Ctrl-C) aborts the request and frees its slot. `partial=True`
+        (JSON output types) yields `Partial` snapshots of the typed value instead."""
         options = Options.of(max_tokens, temperature, top_p, top_k, seed, jump_forward, strict, chat, tools, params)
         req, constraint = self._request(output_type, prompt, options)
+        if partial:
+            return PartialStream(partial_tracker(output_type, constraint), self._stream(req, constraint))
         return self._stream(req, constraint)
 
-    def _stream(self, req: Request, constraint: Constraint) -> Iterator[str]:
+    def _stream(self, req: Request, constraint: Constraint) -> Generator[str, None, Completion[Any]]:
         updates: queue.Queue[Request] = queue.Queue()
         req.on_update = updates.put
         future = self.loop.submit(req)
@@ -426,7 +442,7 @@ class LLM:
             if not req.finished:
                 self.loop.abort(req)
         future.result()
-        self._finish(req, constraint)
+        return self._finish(req, constraint)
 
     # -- async ------------------------------------------------------------------------------
     async def _acomplete(self, output_type: Any, prompt: Prompt, options: Options) -> Completion[Any]:
@@ -482,17 +498,34 @@ class LLM:
         options = Options.of(max_tokens, temperature, top_p, top_k, seed, jump_forward, strict, chat, tools, params)
         return (await self._acomplete(output_type, prompt, options)).value
 
+    @overload
+    def astream(
+        self, output_type: type[T], prompt: Prompt, *, partial: Literal[True], **options: Unpack[GenerateOptions]
+    ) -> PartialStream[T]: ...
+    @overload
+    def astream(
+        self, output_type: object, prompt: Prompt, *, partial: Literal[True], **options: Unpack[GenerateOptions]
+    ) -> PartialStream[Any]: ...
+    @overload
+    def astream(
+        self, output_type: object, prompt: Prompt, *, partial: Literal[False] = ..., **options: Unpack[GenerateOptions]
+    ) -> CompletionStream: ...
     @checked_keywords
     def astream(
         self, output_type: Any, prompt: Prompt, *, max_tokens: int = DEFAULTS.max_tokens,
         temperature: float = DEFAULTS.temperature, top_p: float = DEFAULTS.top_p,
         top_k: int = DEFAULTS.top_k, seed: int | None = None, jump_forward: bool | None = None,
         strict: bool = True, chat: bool | None = None, tools: list[dict[str, Any]] | None = None,
-        params: SamplingParams | None = None,
-    ) -> CompletionStream:  # fmt: skip
-        """Async iterator of text deltas; `.completion` holds the final Completion after."""
+        params: SamplingParams | None = None, partial: bool = False,
+    ) -> CompletionStream | PartialStream[Any]:  # fmt: skip
+        """Async iterator of text deltas; `.completion` holds the final Completion after.
+        `partial=True` (JSON output types) yields `Partial` snapshots instead."""
         options = Options.of(max_tokens, temperature, top_p, top_k, seed, jump_forward, strict, chat, tools, params)
-        return CompletionStream(self, output_type, prompt, options)
+        deltas = CompletionStream(self, output_type, prompt, options)
+        if partial:
+            constraint = self._constraint(output_type, options.strict)
+            return PartialStream(partial_tracker(output_type, constraint), deltas)
+        return deltas
 
 
 class CompletionStream:

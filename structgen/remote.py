@@ -27,7 +27,7 @@ import typing
 from collections.abc import AsyncIterator, Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar, overload
 
 import httpx
 
@@ -48,7 +48,10 @@ from structgen.errors import (
     UnsupportedSchemaError,
     UnsupportedTypeError,
 )
+from structgen.partial import PartialStream, partial_tracker
 from structgen.types import Choice, Constraint, to_constraint
+
+T = TypeVar("T")
 
 Prompt = str | Sequence[dict[str, Any]]
 Dialect = Literal["structgen", "vllm", "sglang", "openai"]
@@ -189,6 +192,14 @@ class RemoteLLM:
         stats = _usage_stats(data.get("usage"), wall_s=time.perf_counter() - t0)
         return self._finish(wire, text, choice.get("finish_reason"), stats)
 
+    @overload
+    def stream(self, output_type: type[T], prompt: Prompt, *, partial: Literal[True], **kw: Any) -> PartialStream[T]: ...
+    @overload
+    def stream(self, output_type: object, prompt: Prompt, *, partial: Literal[True], **kw: Any) -> PartialStream[Any]: ...
+    @overload
+    def stream(
+        self, output_type: object, prompt: Prompt, *, partial: Literal[False] = ..., **kw: Any
+    ) -> RemoteCompletionStream: ...
     def stream(
         self,
         output_type: Any,
@@ -202,14 +213,25 @@ class RemoteLLM:
         jump_forward: bool | None = None,
         chat: bool | None = None,
         tools: list[dict[str, Any]] | None = None,
-    ) -> RemoteCompletionStream:
+        partial: bool = False,
+    ) -> RemoteCompletionStream | PartialStream[Any]:
         """`for delta in llm.stream(...)` (or `async for` over `llm.astream(...)`): text deltas
         from the server's event stream as they arrive; then `.completion`. Raises like
-        `complete` when the stream ends."""
+        `complete` when the stream ends. `partial=True` (JSON output types) yields `Partial`
+        snapshots instead, parsed and validated here from the text deltas, so any
+        OpenAI-compatible server will do."""
         wire = self._wire_request(output_type, prompt, chat, tools)
         wire.body.update(self._sampling(max_tokens, temperature, top_p, top_k, seed, jump_forward))
         wire.body.update(stream=True, stream_options={"include_usage": True})
-        return RemoteCompletionStream(self, wire)
+        if not partial:
+            return RemoteCompletionStream(self, wire)
+        if wire.unwrap:
+            raise InvalidParameterError(
+                "partial=True with dialect='openai' needs an object at the root of the output "
+                "type (this one travels wrapped in {\"value\": ...}); use a model, dataclass or "
+                "TypedDict, or a server dialect with extensions"
+            )
+        return PartialStream(partial_tracker(output_type, wire.constraint), RemoteCompletionStream(self, wire))
 
     # One stream object serves both loops: `async for delta in llm.astream(...)`, then
     # `.completion`, as with `LLM.astream`.

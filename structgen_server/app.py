@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from structgen.engine.request import request_group
+from structgen.partial import partial_tracker
 from structgen_server import responses, serving
 from structgen_server.connection import HeadDeadlineProtocol
 from structgen_server.constraints import RequestConstraint
@@ -178,10 +179,11 @@ async def _start_stream(
         return stream.result
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    tracker = partial_tracker(jobs[0].output_type) if body.stream_options and body.stream_options.include_partial else None
     if endpoint == "chat":
-        events = responses.chat_stream(state.model_name, rc, pieces(), result, include_usage)
+        events = responses.chat_stream(state.model_name, rc, pieces(), result, include_usage, tracker)
     else:
-        events = responses.completion_stream(state.model_name, pieces(), result, include_usage)
+        events = responses.completion_stream(state.model_name, pieces(), result, include_usage, tracker)
 
     async def send() -> AsyncIterator[str]:
         status, error_type = 200, None

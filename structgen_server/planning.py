@@ -136,6 +136,7 @@ async def plan(state: ServerState, body: SamplingFields) -> tuple[list[serving.J
             output_type = await state.llm.aprepare(rc.output_type, strict=rc.strict)
         except Exception as exc:
             raise to_api_error(exc, param=rc.param) from exc
+    _check_partial(body, output_type, rc)
     jobs = []
     for prompt in prompts:
         rendered, template_tools, n_prompt = await asyncio.to_thread(_render, state.llm, prompt, chat, rc.tools)
@@ -148,6 +149,22 @@ async def plan(state: ServerState, body: SamplingFields) -> tuple[list[serving.J
             job_sampling = {**sampling, "seed": seed}
             jobs.append(serving.Job(output_type, rendered, chat, template_tools, job_sampling, n_prompt, body.stop_strings()))
     return jobs, rc
+
+
+def _check_partial(body: SamplingFields, output_type: Any, rc: RequestConstraint) -> None:
+    """`stream_options.include_partial` needs a stream of one JSON output (no tool calls)."""
+    if not (body.stream_options and body.stream_options.include_partial):
+        return
+    param = "stream_options.include_partial"
+    if not body.stream:
+        raise APIError(400, f"{param} needs stream=true; set stream or drop stream_options", param=param)
+    if getattr(output_type, "kind", None) != "json_schema" or rc.param == "tools":
+        raise APIError(
+            400,
+            f"{param} needs a JSON output: set response_format to a json_schema or json_object "
+            "(or guided_json / structured_outputs.json), or drop include_partial",
+            param=param,
+        )
 
 
 def _render(

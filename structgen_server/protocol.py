@@ -128,7 +128,11 @@ class ChatMessage(_Lenient):
 
 
 class StreamOptions(_Lenient):
+    """`include_usage` as OpenAI's; `include_partial` (structgen, JSON outputs): each chunk's
+    choice carries `partial`, the output parsed so far (see docs/guide/streaming-async.md)."""
+
     include_usage: StrictBool = False
+    include_partial: StrictBool = False
 
 
 # the fields that choose the output's constraint: a near miss of one of these is refused

@@ -1,7 +1,9 @@
 """Generations -> OpenAI responses, whole (`chat.completion`, `text_completion`) or streamed as
 server-sent events exactly as OpenAI sends them: a role delta first, content deltas, tool calls,
 a last chunk carrying `finish_reason`, an optional usage chunk (`stream_options.include_usage`),
-then `data: [DONE]`.
+then `data: [DONE]`. With `stream_options.include_partial` (a structgen extension) a chunk's
+choice also carries `partial`, the JSON output parsed so far, under a key OpenAI's clients
+ignore.
 
 Tool calls are read from the finished text (`tool_format.parse_tool_calls`). When streaming a
 turn that may call tools, text is held back only while it could still be the start of
@@ -15,6 +17,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from structgen import tool_format
+from structgen.partial import Partial, PartialTracker
 from structgen_server.constraints import RequestConstraint
 from structgen_server.protocol import (
     AssistantMessage,
@@ -69,10 +72,35 @@ def completion_response(model: str, gens: list[Generation], n: int) -> TextCompl
 # --------------------------------------------------------------------------- streaming
 
 
+def partial_payload(snapshot: Partial[Any]) -> dict[str, Any]:
+    """A snapshot as the `partial` key of a chunk's choice (its text is the chunk's content)."""
+    path = None if snapshot.path is None else list(snapshot.path)
+    finished = [list(p) for p in snapshot.finished]
+    return {"value": snapshot.value, "finished": finished, "path": path, "done": snapshot.done}
+
+
+def last_partial(tracker: PartialTracker[Any] | None, g: Generation) -> dict[str, Any] | None:
+    """The `partial` of the last chunk: the whole value, when the output ended complete."""
+    if tracker is None or g.finish_reason != "stop":
+        return None
+    try:
+        value = json.loads(g.text)
+    except ValueError:  # cut by a stop string
+        return None
+    return partial_payload(tracker.finish(value))
+
+
 def sse(payload: dict[str, Any] | str) -> str:
     """One server-sent event."""
     data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
     return f"data: {data}\n\n"
+
+
+def _snapshot(tracker: PartialTracker[Any] | None, text: str) -> dict[str, Any] | None:
+    """The `partial` of a chunk of `text`: None without the extension or when nothing
+    visible changed."""
+    snapshot = tracker.feed(text) if tracker is not None else None
+    return partial_payload(snapshot) if snapshot is not None else None
 
 
 class _ToolCallSplitter:
@@ -104,15 +132,20 @@ async def chat_stream(
     pieces: AsyncIterator[str],
     result: Any,
     include_usage: bool,
+    tracker: PartialTracker[Any] | None = None,
 ) -> AsyncIterator[str]:
     """SSE events of a streamed chat completion. `pieces` yields text deltas; `result()`
-    returns the `Generation` once they are exhausted."""
+    returns the `Generation` once they are exhausted; `tracker` (include_partial) makes the
+    snapshots each chunk carries."""
     cid, created = new_id("chatcmpl"), now()
 
-    def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
+    def chunk(delta: dict[str, Any], finish: str | None = None, partial: dict[str, Any] | None = None) -> str:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        if partial is not None:
+            choice["partial"] = partial
         body: dict[str, Any] = {
             "id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+            "choices": [choice],
         }
         if include_usage:
             body["usage"] = None
@@ -123,7 +156,7 @@ async def chat_stream(
     async for piece in pieces:
         content = splitter.feed(piece)
         if content:
-            yield chunk({"content": content})
+            yield chunk({"content": content}, partial=_snapshot(tracker, content))
     g: Generation = result()
     content, calls, finish = assistant_turn(rc, g)
     if calls:
@@ -133,7 +166,7 @@ async def chat_stream(
             yield chunk({"tool_calls": [delta]})
     elif splitter.held:  # held back as a possible tool call, but it was text after all
         yield chunk({"content": splitter.held})
-    yield chunk({}, finish)
+    yield chunk({}, finish, last_partial(tracker, g))
     if include_usage:
         yield sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
                    "choices": [], "usage": usage_of([g]).model_dump()})
@@ -141,24 +174,27 @@ async def chat_stream(
 
 
 async def completion_stream(
-    model: str, pieces: AsyncIterator[str], result: Any, include_usage: bool
-) -> AsyncIterator[str]:
-    """SSE events of a streamed text completion."""
+    model: str, pieces: AsyncIterator[str], result: Any, include_usage: bool,
+    tracker: PartialTracker[Any] | None = None,
+) -> AsyncIterator[str]:  # fmt: skip
+    """SSE events of a streamed text completion (`tracker`: as in `chat_stream`)."""
     cid, created = new_id("cmpl"), now()
 
-    def chunk(text: str, finish: str | None = None) -> str:
+    def chunk(text: str, finish: str | None = None, partial: dict[str, Any] | None = None) -> str:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        if partial is not None:
+            choice["partial"] = partial
         body: dict[str, Any] = {
-            "id": cid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+            "id": cid, "object": "text_completion", "created": created, "model": model, "choices": [choice],
         }
         if include_usage:
             body["usage"] = None
         return sse(body)
 
     async for piece in pieces:
-        yield chunk(piece)
+        yield chunk(piece, partial=_snapshot(tracker, piece))
     g: Generation = result()
-    yield chunk("", g.finish_reason)
+    yield chunk("", g.finish_reason, last_partial(tracker, g))
     if include_usage:
         yield sse({"id": cid, "object": "text_completion", "created": created, "model": model,
                    "choices": [], "usage": usage_of([g]).model_dump()})

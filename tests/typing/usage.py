@@ -62,6 +62,20 @@ async def typed_calls(llm: structgen.LLM) -> None:
         assert_type(delta, str)
     async for piece in llm.astream(Customer, "p"):
         assert_type(piece, str)
+    for snapshot in llm.stream(Customer, "p", partial=True, max_tokens=50):
+        assert_type(snapshot, structgen.Partial[Customer])
+        assert_type(snapshot.value, Customer)
+        assert_type(snapshot.finished, tuple[tuple[str | int, ...], ...])
+    for point in llm.stream(Point, "p", partial=True):
+        assert_type(point.value, Point)
+    for schema_snapshot in llm.stream({"type": "object"}, "p", partial=True):
+        assert_type(schema_snapshot.value, Any)
+    for text in llm.stream(Customer, "p", partial=False):
+        assert_type(text, str)
+    partial_stream = llm.astream(City, "p", partial=True)
+    async for city in partial_stream:
+        assert_type(city.value, City)
+    assert_type(partial_stream.completion, structgen.Completion[City] | None)
 
     assert_type(structgen.generate(Customer, "p"), Customer)
     assert_type(structgen.generate(structgen.Regex("a"), "p"), str)
@@ -77,6 +91,8 @@ def errors_are_exported() -> tuple[type[structgen.StructgenError], ...]:
 
 
 def remote_and_speculative(remote: structgen.RemoteLLM) -> structgen.SpeculativeConfig | None:
+    for snapshot in remote.stream(Customer, "p", partial=True):
+        assert_type(snapshot.value, Customer)
     return None
 
 
