@@ -54,6 +54,7 @@ class Outcome:
     ttft_s: float = 0.0
     output_tokens: int = 0
     valid: bool = False
+    incomplete: bool = False  # stopped at max_tokens before the output was complete
     error: str = ""
 
 
@@ -116,11 +117,15 @@ def _valid(text: str, schema: dict[str, Any]) -> bool:
 
 
 def inprocess_runner(llm: Any, max_tokens: int) -> Callable[[ServingRequest], Awaitable[Outcome]]:
-    from structgen import JsonSchema
+    from structgen import IncompleteOutputError, JsonSchema
 
     async def run(req: ServingRequest) -> Outcome:
         t0 = time.perf_counter()
-        c = await llm.acomplete(JsonSchema(req.schema), req.messages, max_tokens=max_tokens, temperature=0.0)
+        try:
+            c = await llm.acomplete(JsonSchema(req.schema), req.messages, max_tokens=max_tokens, temperature=0.0)
+        except IncompleteOutputError as exc:
+            latency = time.perf_counter() - t0
+            return Outcome(latency, latency - exc.stats.decode_s, exc.stats.output_tokens, incomplete=True)
         latency = time.perf_counter() - t0
         return Outcome(latency, latency - c.stats.decode_s, c.stats.output_tokens, _valid(c.text, req.schema))
 
@@ -129,7 +134,7 @@ def inprocess_runner(llm: Any, max_tokens: int) -> Callable[[ServingRequest], Aw
 
 def http_runner(client: Any, model: str, max_tokens: int) -> Callable[[ServingRequest], Awaitable[Outcome]]:
     async def run(req: ServingRequest) -> Outcome:
-        t0, ttft, parts, tokens = time.perf_counter(), 0.0, [], 0
+        t0, ttft, parts, tokens, finish = time.perf_counter(), 0.0, [], 0, None
         stream = await client.chat.completions.create(
             model=model, messages=req.messages, max_tokens=max_tokens, temperature=0.0, stream=True,
             stream_options={"include_usage": True},
@@ -138,10 +143,12 @@ def http_runner(client: Any, model: str, max_tokens: int) -> Callable[[ServingRe
             if chunk.choices and chunk.choices[0].delta.content:
                 ttft = ttft or time.perf_counter() - t0
                 parts.append(chunk.choices[0].delta.content)
+            if chunk.choices and chunk.choices[0].finish_reason:
+                finish = chunk.choices[0].finish_reason
             if chunk.usage is not None:
                 tokens = chunk.usage.completion_tokens
         text = "".join(parts)
-        return Outcome(time.perf_counter() - t0, ttft, tokens, _valid(text, req.schema))
+        return Outcome(time.perf_counter() - t0, ttft, tokens, _valid(text, req.schema), finish == "length")
 
     return run
 
@@ -181,7 +188,7 @@ def summarize(res: RunResult) -> dict[str, Any]:
     tpot = [(o.latency_s - o.ttft_s) / (o.output_tokens - 1) for o in ok if o.output_tokens > 1]
     return {
         "requests": len(res.outcomes), "lost": len(res.outcomes) - len(ok),
-        "valid": sum(o.valid for o in ok), "output_tokens": tokens,
+        "valid": sum(o.valid for o in ok), "incomplete": sum(o.incomplete for o in ok), "output_tokens": tokens,
         "tok_per_s": round(tokens / res.wall_s, 1), "req_per_s": round(len(ok) / res.wall_s, 2),
         "ttft_p50_ms": _pct([o.ttft_s for o in ok], 0.5), "ttft_p99_ms": _pct([o.ttft_s for o in ok], 0.99),
         "tpot_p50_ms": _pct(tpot, 0.5), "tpot_p99_ms": _pct(tpot, 0.99),
@@ -274,6 +281,7 @@ async def _http(url: str, model: str, requests: list[ServingRequest], rate: floa
 
 def _row(workload: str, mode: str, rate: float | None, res: RunResult, bound: float | None) -> dict[str, Any]:
     figures = summarize(res)
+    print(workload, mode, rate or "closed", json.dumps(figures), flush=True)  # progress on long runs
     return {"model": "smollm2-135m", "workload": workload, "mode": mode,
             "arrival": "closed" if rate is None else f"poisson {rate:g}/s", **figures,
             "decode_bound_tok_per_s": bound,
