@@ -26,6 +26,7 @@ from structgen.arguments import (
     checked_keywords,
 )
 from structgen.completion import Completion  # re-exported for `from structgen.api import`
+from structgen.engine.closing import incomplete_message
 from structgen.engine.config import EngineConfig
 from structgen.engine.engine import Engine
 from structgen.engine.loop import EngineLoop
@@ -125,6 +126,7 @@ class LLM:
             install_jump_forward(engine, tokenizer)
         except ImportError:
             pass
+        engine.closer.use_tokenizer(tokenizer, engine.vocab_size, engine.stop_token_ids)
         if engine.speculator is not None:  # drafters that match text need the tokenizer
             engine.speculator.use_tokenizer(tokenizer)
 
@@ -265,8 +267,7 @@ class LLM:
         text = self.tokenizer.decode(req.output_ids, skip_special_tokens=False)
         if req.finish_reason == "length" and constraint.kind != "text":
             raise IncompleteOutputError(
-                f"generation hit max_tokens={req.params.max_tokens} before the output was complete; "
-                "raise max_tokens",
+                incomplete_message(req.params, req.stats),
                 partial_text=text,
                 token_ids=req.output_ids,
                 stats=req.stats,

@@ -1,0 +1,250 @@
+"""Budget-aware closing: a constrained request that nears its `max_tokens` ends with a whole
+value instead of being cut off.
+
+Each request carries `close_at`, the output length at which the engine next asks this module
+(`BudgetCloser.at_budget`); until then the only cost is the comparison the engine already made
+against `max_tokens`. At a check the closer searches the grammar for a short completion from
+the request's state (`CompletionSearch`): while the budget is far it only schedules the next
+check (halfway to where closing must start, so checks get denser as the end nears); once the
+tokens left are within that completion's length plus `CLOSING_MARGIN`, it appends the
+completion as forced tokens and finishes the request with `stop` (an open string ends, arrays
+and objects close, optional fields are skipped). The request then needs no further forward, so
+this works alike in eager steps, the decode graphs, jump-forward and speculative verify steps.
+`length` is left only where even that completion does not fit the budget.
+
+The loop guard (`SamplingParams.loop_guards`) adds a check every `LOOP_CHECK_EVERY` tokens: a
+tail that repeats one short token pattern (a digit, a phrase, an array item) closes the request
+early the same way, and the stats say so.
+
+Neither xgrammar nor llguidance can answer "the shortest completion": the search walks the
+matcher itself (accept / rollback), one mask fill per step, preferring tokens that close
+(`"`, then `]`, `}`), then short values (`0`, `""`, `null`), then the longest other tokens, and at
+each step taking a token that completes the grammar at once where one of the candidates does.
+It is greedy, so its completion is short, not always the shortest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from structgen.errors import EngineError
+from structgen.grammar.backends.base import allocate_bitmask, control_token_ids, token_bytes
+
+if TYPE_CHECKING:
+    from structgen.engine.request import GenerationStats, Request
+    from structgen.engine.sampler import SamplingParams
+    from structgen.grammar import GrammarMatcher
+
+# Tokens of budget beyond the completion's own length at which closing starts: a sampled token
+# can lengthen the completion (a new optional field), so closing starts a little early.
+CLOSING_MARGIN = 2
+# The first check of a request comes this many tokens before its max_tokens (earlier would cost
+# searches for requests that end on their own; completions longer than this are rare).
+FIRST_CHECK_WINDOW = 64
+# How often the loop guard looks at the tail, and what counts as a loop: a pattern of at most
+# LOOP_MAX_PERIOD tokens repeated to fill at least max(LOOP_MIN_RUN, 3 periods) tokens after
+# its first occurrence (four copies at least).
+LOOP_CHECK_EVERY = 16
+LOOP_MAX_PERIOD = 32
+LOOP_MIN_RUN = 16
+# The search: candidates tried per step, and the most mask fills one search may spend.
+SEARCH_CANDIDATES = 16
+SEARCH_MAX_FILLS = 256
+
+_CLOSERS = frozenset(b'"]}')
+_SHORT_VALUES = frozenset([b'""', b"[]", b"{}", b"null", b"true", b"false", *(bytes([c]) for c in b"0123456789")])
+
+
+class CompletionSearch:
+    """Finds a short sequence of tokens that completes a matcher's grammar from its state."""
+
+    def __init__(self, tokens: Sequence[bytes], excluded: Iterable[int], vocab_size: int):
+        self.tokens = tokens
+        self.vocab_size = vocab_size
+        excluded = set(excluded)
+        ranks = np.array([_rank(b) if i not in excluded else _EXCLUDED for i, b in enumerate(tokens)], dtype=np.int64)
+        order = np.argsort(ranks, kind="stable")
+        self.order = order[ranks[order] < _EXCLUDED]  # token ids, best candidates first
+        self._row = allocate_bitmask(1, vocab_size, host_only=True)
+
+    def shortest(self, m: GrammarMatcher, limit: int) -> list[int] | None:
+        """Tokens after which `m` is complete, at most `limit` of them; None where the search
+        found none. `m` is left as it was."""
+        path: list[int] = []
+        try:
+            for _ in range(SEARCH_MAX_FILLS):
+                if m.is_completed():
+                    return path
+                if len(path) >= limit:
+                    return None
+                step = self._step(m)
+                if step is None:
+                    return None
+                path.append(step)
+                if not m.accept_token(step):  # pragma: no cover - `_step` checked it
+                    path.pop()
+                    return None
+            return None
+        finally:
+            m.rollback(len(path))
+
+    def _step(self, m: GrammarMatcher) -> int | None:
+        """The next token of the search: a candidate that completes the grammar, else the
+        first candidate the matcher accepts."""
+        first = None
+        for t in self._candidates(m):
+            if not m.accept_token(t):  # llguidance's mask may allow more than it accepts
+                continue
+            done = m.is_completed()
+            m.rollback(1)
+            if done:
+                return t
+            if first is None:
+                first = t
+        return first
+
+    def _candidates(self, m: GrammarMatcher) -> list[int]:
+        m.fill_bitmask(self._row, 0)
+        bits = np.unpackbits(self._row[0].numpy().view(np.uint8), bitorder="little")
+        allowed = self.order[bits[self.order].astype(bool)]
+        return allowed[:SEARCH_CANDIDATES].tolist()
+
+
+_EXCLUDED = 1 << 40
+
+
+def _rank(text: bytes) -> int:
+    """Lower first: a quote that may end a string and what closes after it (`"`, `"}`), then
+    closing brackets (`]`, `}}`; inside a string these are text, so they come after the quote),
+    then short whole values, then the other tokens, longer first."""
+    if not text:
+        return _EXCLUDED
+    length = min(len(text), 999)
+    if set(text) <= _CLOSERS:
+        return -length if text[:1] == b'"' else 1000 - length
+    if text in _SHORT_VALUES:
+        return 2000
+    return 3000 - length if text.strip() else 5000 - length
+
+
+class BudgetCloser:
+    """Decides, at each request's `close_at`, whether to close it now, and when to look next."""
+
+    def __init__(self) -> None:
+        self.search: CompletionSearch | None = None  # set by `use_tokenizer`
+
+    def use_tokenizer(self, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int]) -> None:
+        """Closing needs the tokens' text to rank its search; without it requests end at
+        max_tokens as they come."""
+        tokens = token_bytes(tokenizer, vocab_size)
+        self.search = CompletionSearch(tokens, control_token_ids(tokenizer, vocab_size, stop_token_ids), vocab_size)
+
+    def admit(self, req: Request) -> None:
+        """Set the request's first check."""
+        p = req.params
+        req.close_at = p.max_tokens
+        if req.matcher is None or self.search is None:
+            return
+        if p.close_at_budget:
+            req.close_at = max(0, p.max_tokens - FIRST_CHECK_WINDOW)
+        if p.loop_guards:
+            req.close_at = min(req.close_at, LOOP_CHECK_EVERY)
+
+    def at_budget(self, req: Request, completed: bool) -> None:
+        """The request's output reached `req.close_at` (`completed`: its grammar may end
+        here): finish it at max_tokens, close it, or set its next check."""
+        p, m = req.params, req.matcher
+        left = p.max_tokens - req.num_output
+        if left <= 0 or m is None or self.search is None:
+            if left <= 0:
+                self._note_incomplete(req, completed)
+                req.finish_at_budget(completed)
+            else:
+                req.close_at = p.max_tokens
+            return
+        looped = p.loop_guards and self._looped(req)
+        next_check = p.max_tokens
+        if p.close_at_budget or looped:
+            plan = self.search.shortest(m, left)
+            if plan is not None and (looped or len(plan) + CLOSING_MARGIN >= left):
+                self._close(req, plan, "repetition" if looped else "budget_closing")
+                return
+            if plan is not None:
+                next_check = req.num_output + max(1, (left - len(plan) - CLOSING_MARGIN) // 2)
+        if p.loop_guards:
+            next_check = min(next_check, req.num_output + LOOP_CHECK_EVERY)
+        req.close_at = min(next_check, p.max_tokens)
+
+    def _close(self, req: Request, plan: list[int], guard: str) -> None:
+        m = req.matcher
+        if m.accept_tokens(plan) != len(plan):
+            raise EngineError("the grammar refused the completion it was searched for")
+        req.append(plan, forced=True)
+        req.stats.closed_tokens = len(plan)
+        req.stats.guards_fired.append(guard)
+        req.finish("stop")
+
+    def _looped(self, req: Request) -> bool:
+        loop = find_loop(req.token_ids[max(req.num_prompt, len(req.token_ids) - 4 * LOOP_MAX_PERIOD):])
+        if loop is not None:
+            req.stats.loop = self._describe(req.token_ids[-loop:])
+        return loop is not None
+
+    def _note_incomplete(self, req: Request, completed: bool) -> None:
+        """Cut off at max_tokens: record what looped and the shortest completion from here,
+        for the error's message."""
+        if completed or req.matcher is None or self.search is None or req.matcher.is_terminated():
+            return
+        tail = req.token_ids[max(req.num_prompt, len(req.token_ids) - 4 * LOOP_MAX_PERIOD):]
+        loop = find_loop(tail)
+        if loop is not None:
+            req.stats.loop = self._describe(tail[-loop:])
+        plan = self.search.shortest(req.matcher, SEARCH_MAX_FILLS)
+        req.stats.shortest_completion = len(plan) if plan is not None else None
+
+    def _describe(self, unit: list[int]) -> str:
+        return b"".join(self.search.tokens[t] for t in unit).decode("utf-8", errors="replace")
+
+
+def find_loop(ids: Sequence[int]) -> int | None:
+    """The period of the pattern `ids` ends repeating (see LOOP_MIN_RUN), if any."""
+    n = len(ids)
+    for period in range(1, LOOP_MAX_PERIOD + 1):
+        need = max(LOOP_MIN_RUN, 3 * period)
+        if need + period > n:
+            return None
+        run = 0
+        while run < need and ids[n - 1 - run] == ids[n - 1 - run - period]:
+            run += 1
+        if run >= need:
+            return period
+    return None
+
+
+def incomplete_message(params: SamplingParams, stats: GenerationStats) -> str:
+    """The message of an output cut off at max_tokens: how far the shortest completion was,
+    what looped and the bound that stops it."""
+    msg = f"generation hit max_tokens={params.max_tokens} before the output was complete"
+    if stats.shortest_completion is not None:
+        msg += f"; even the shortest completion from there needed {stats.shortest_completion} more token(s)"
+    if not stats.loop:
+        return msg + "; raise max_tokens"
+    hint = _bound_hint(stats.loop)
+    if not params.loop_guards:
+        hint += ", or leave loop_guards on to close a looping output early"
+    return msg + f"; the output looped, repeating {stats.loop!r}: {hint}"
+
+
+def _bound_hint(unit: str) -> str:
+    bare = unit.strip().strip(".-")
+    if bare.isdigit():
+        return "bound the number (le=/ge= on the field, maximum/minimum in a JSON schema, or {1,n} on the digits of a regex or grammar)"
+    if any(c in unit for c in ",]}"):
+        return "bound the array (max_length= on the list field, maxItems in a JSON schema, or {0,n} in a regex or grammar)"
+    return "bound the text (max_length= on the str field, maxLength or a pattern in a JSON schema, or {1,n} in a regex or grammar)"
+
+
+__all__ = ["BudgetCloser", "CompletionSearch", "find_loop", "incomplete_message"]
