@@ -84,6 +84,10 @@ class LLM:
     top_k: sample from the k most likely tokens (0: no cut).
     seed: makes sampling reproducible (0 .. 2**63-1), whatever the batch.
     jump_forward: append text the grammar forces without sampling it (None: engine default).
+    close_at_budget: near max_tokens, steer a constrained output to its shortest completion
+        so it ends whole (`Completion.stats.guards_fired` says "budget_closing"); True.
+    loop_guards: close a constrained output early once it keeps repeating one pattern
+        (digits, a phrase, an array item; "repetition" in the stats); True.
     strict: False lets a JSON schema use keywords no backend enforces: they are left out of
         the grammar, the output is validated against the whole schema afterwards
         (`OutputValidationError`) and `Completion.relaxed` lists them.
@@ -312,11 +316,13 @@ class LLM:
         self, output_type: Any, prompt: Prompt, *, max_tokens: int = DEFAULTS.max_tokens,
         temperature: float = DEFAULTS.temperature, top_p: float = DEFAULTS.top_p,
         top_k: int = DEFAULTS.top_k, seed: int | None = None, jump_forward: bool | None = None,
+        close_at_budget: bool = True, loop_guards: bool = True,
         strict: bool = True, chat: bool | None = None, tools: list[dict[str, Any]] | None = None,
         params: SamplingParams | None = None,
     ) -> Completion[Any]:  # fmt: skip
         """Generate one output of `output_type` (keyword arguments: see `LLM`)."""
-        options = Options.of(max_tokens, temperature, top_p, top_k, seed, jump_forward, strict, chat, tools, params)
+        options = Options.of(max_tokens, temperature, top_p, top_k, seed, jump_forward, strict, chat, tools, params,
+                             close_at_budget, loop_guards)
         return self._complete(output_type, prompt, options)
 
     @overload
@@ -330,11 +336,13 @@ class LLM:
         self, output_type: Any, prompt: Prompt, *, max_tokens: int = DEFAULTS.max_tokens,
         temperature: float = DEFAULTS.temperature, top_p: float = DEFAULTS.top_p,
         top_k: int = DEFAULTS.top_k, seed: int | None = None, jump_forward: bool | None = None,
+        close_at_budget: bool = True, loop_guards: bool = True,
         strict: bool = True, chat: bool | None = None, tools: list[dict[str, Any]] | None = None,
         params: SamplingParams | None = None,
     ) -> Any:  # fmt: skip
         """Generate and return just the typed value (keyword arguments: see `LLM`)."""
-        options = Options.of(max_tokens, temperature, top_p, top_k, seed, jump_forward, strict, chat, tools, params)
+        options = Options.of(max_tokens, temperature, top_p, top_k, seed, jump_forward, strict, chat, tools, params,
+                             close_at_budget, loop_guards)
         return self._complete(output_type, prompt, options).value
 
     def _complete_batch(self, output_type: Any, prompts: Sequence[Prompt], options: Options) -> list[Completion[Any]]:
@@ -362,11 +370,13 @@ class LLM:
         self, output_type: Any, prompts: Sequence[Prompt], *, max_tokens: int = DEFAULTS.max_tokens,
         temperature: float = DEFAULTS.temperature, top_p: float = DEFAULTS.top_p,
         top_k: int = DEFAULTS.top_k, seed: int | None = None, jump_forward: bool | None = None,
+        close_at_budget: bool = True, loop_guards: bool = True,
         strict: bool = True, chat: bool | None = None, tools: list[dict[str, Any]] | None = None,
         params: SamplingParams | None = None,
     ) -> list[Completion[Any]]:  # fmt: skip
         """Submit all prompts at once so they share batches; results in prompt order."""
-        options = Options.of(max_tokens, temperature, top_p, top_k, seed, jump_forward, strict, chat, tools, params)
+        options = Options.of(max_tokens, temperature, top_p, top_k, seed, jump_forward, strict, chat, tools, params,
+                             close_at_budget, loop_guards)
         return self._complete_batch(output_type, prompts, options)
 
     @overload
@@ -386,11 +396,13 @@ class LLM:
         self, output_type: Any, prompts: Sequence[Prompt], *, max_tokens: int = DEFAULTS.max_tokens,
         temperature: float = DEFAULTS.temperature, top_p: float = DEFAULTS.top_p,
         top_k: int = DEFAULTS.top_k, seed: int | None = None, jump_forward: bool | None = None,
+        close_at_budget: bool = True, loop_guards: bool = True,
         strict: bool = True, chat: bool | None = None, tools: list[dict[str, Any]] | None = None,
         params: SamplingParams | None = None,
     ) -> list[Any]:  # fmt: skip
         """`complete_batch`, returning just the typed values."""
-        options = Options.of(max_tokens, temperature, top_p, top_k, seed, jump_forward, strict, chat, tools, params)
+        options = Options.of(max_tokens, temperature, top_p, top_k, seed, jump_forward, strict, chat, tools, params,
+                             close_at_budget, loop_guards)
         return [c.value for c in self._complete_batch(output_type, prompts, options)]
 
     @checked_keywords
@@ -398,12 +410,14 @@ class LLM:
         self, output_type: Any, prompt: Prompt, *, max_tokens: int = DEFAULTS.max_tokens,
         temperature: float = DEFAULTS.temperature, top_p: float = DEFAULTS.top_p,
         top_k: int = DEFAULTS.top_k, seed: int | None = None, jump_forward: bool | None = None,
+        close_at_budget: bool = True, loop_guards: bool = True,
         strict: bool = True, chat: bool | None = None, tools: list[dict[str, Any]] | None = None,
         params: SamplingParams | None = None,
     ) -> Iterator[str]:  # fmt: skip
         """Yield text deltas as they are decoded; raises like `complete` at the end. Leaving
         the loop early (or Ctrl-C) aborts the request and frees its slot."""
-        options = Options.of(max_tokens, temperature, top_p, top_k, seed, jump_forward, strict, chat, tools, params)
+        options = Options.of(max_tokens, temperature, top_p, top_k, seed, jump_forward, strict, chat, tools, params,
+                             close_at_budget, loop_guards)
         req, constraint = self._request(output_type, prompt, options)
         return self._stream(req, constraint)
 
@@ -457,12 +471,14 @@ class LLM:
         self, output_type: Any, prompt: Prompt, *, max_tokens: int = DEFAULTS.max_tokens,
         temperature: float = DEFAULTS.temperature, top_p: float = DEFAULTS.top_p,
         top_k: int = DEFAULTS.top_k, seed: int | None = None, jump_forward: bool | None = None,
+        close_at_budget: bool = True, loop_guards: bool = True,
         strict: bool = True, chat: bool | None = None, tools: list[dict[str, Any]] | None = None,
         params: SamplingParams | None = None,
     ) -> Completion[Any]:  # fmt: skip
         """`complete` for asyncio: compiling runs in a worker thread, decoding on the shared
         engine loop; cancelling the task cancels the request and frees its slot."""
-        options = Options.of(max_tokens, temperature, top_p, top_k, seed, jump_forward, strict, chat, tools, params)
+        options = Options.of(max_tokens, temperature, top_p, top_k, seed, jump_forward, strict, chat, tools, params,
+                             close_at_budget, loop_guards)
         return await self._acomplete(output_type, prompt, options)
 
     @overload
@@ -476,11 +492,13 @@ class LLM:
         self, output_type: Any, prompt: Prompt, *, max_tokens: int = DEFAULTS.max_tokens,
         temperature: float = DEFAULTS.temperature, top_p: float = DEFAULTS.top_p,
         top_k: int = DEFAULTS.top_k, seed: int | None = None, jump_forward: bool | None = None,
+        close_at_budget: bool = True, loop_guards: bool = True,
         strict: bool = True, chat: bool | None = None, tools: list[dict[str, Any]] | None = None,
         params: SamplingParams | None = None,
     ) -> Any:  # fmt: skip
         """`generate` for asyncio (see `acomplete`)."""
-        options = Options.of(max_tokens, temperature, top_p, top_k, seed, jump_forward, strict, chat, tools, params)
+        options = Options.of(max_tokens, temperature, top_p, top_k, seed, jump_forward, strict, chat, tools, params,
+                             close_at_budget, loop_guards)
         return (await self._acomplete(output_type, prompt, options)).value
 
     @checked_keywords
@@ -488,11 +506,13 @@ class LLM:
         self, output_type: Any, prompt: Prompt, *, max_tokens: int = DEFAULTS.max_tokens,
         temperature: float = DEFAULTS.temperature, top_p: float = DEFAULTS.top_p,
         top_k: int = DEFAULTS.top_k, seed: int | None = None, jump_forward: bool | None = None,
+        close_at_budget: bool = True, loop_guards: bool = True,
         strict: bool = True, chat: bool | None = None, tools: list[dict[str, Any]] | None = None,
         params: SamplingParams | None = None,
     ) -> CompletionStream:  # fmt: skip
         """Async iterator of text deltas; `.completion` holds the final Completion after."""
-        options = Options.of(max_tokens, temperature, top_p, top_k, seed, jump_forward, strict, chat, tools, params)
+        options = Options.of(max_tokens, temperature, top_p, top_k, seed, jump_forward, strict, chat, tools, params,
+                             close_at_budget, loop_guards)
         return CompletionStream(self, output_type, prompt, options)
 
 
