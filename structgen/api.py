@@ -43,6 +43,7 @@ from structgen.errors import (
 )
 from structgen.grammar import CompiledGrammar, GrammarCompiler
 from structgen.grammar.budget import CompileBudget, within
+from structgen.grammar.digit_bounds import bound_integers, reached_bound
 from structgen.grammar.limits import check_schema, check_source
 from structgen.types import CFG, Constraint, JsonSchema, Regex, to_constraint
 
@@ -205,7 +206,7 @@ class LLM:
 
     # -- generation -------------------------------------------------------------------------
     def _request(self, output_type: Any, prompt: Prompt, options: Options) -> tuple[Request, Constraint]:
-        constraint = self._constraint(output_type, options.strict)
+        constraint = self._constraint(output_type, options.strict, options.params.loop_guards)
         matcher = None
         if constraint.kind != "text":
             try:
@@ -217,7 +218,7 @@ class LLM:
 
     async def _arequest(self, output_type: Any, prompt: Prompt, options: Options) -> tuple[Request, Constraint]:
         """`_request` for asyncio: tokenizing and grammar work off the event loop."""
-        constraint, compiled = await self._acompile(output_type, options.strict)
+        constraint, compiled = await self._acompile(output_type, options.strict, options.params.loop_guards)
         matcher = compiled.matcher() if compiled is not None else None
         ids = await asyncio.to_thread(self.encode_prompt, prompt, chat=options.chat, tools=options.tools)
         return Request(ids, options.params, matcher, frozenset(self.engine.stop_token_ids)), constraint
@@ -228,11 +229,12 @@ class LLM:
         `generate` raises for a bad output type. The server checks requests with it."""
         return (await self._acompile(output_type, strict))[0]
 
-    async def _acompile(self, output_type: Any, strict: bool) -> tuple[Constraint, CompiledGrammar | None]:
+    async def _acompile(self, output_type: Any, strict: bool, loop_guards: bool = True,
+                        ) -> tuple[Constraint, CompiledGrammar | None]:
         """The constraint (built in a worker thread) and its grammar, compiled on the
         compiler's own bounded pool (grammar/compile_pool.py); a caller that goes away cancels
         its compile. No grammar for free text."""
-        constraint = await asyncio.to_thread(self._constraint, output_type, strict)
+        constraint = await asyncio.to_thread(self._constraint, output_type, strict, loop_guards)
         if constraint.kind == "text":
             return constraint, None
         future = self.grammars.submit(constraint)
@@ -244,16 +246,18 @@ class LLM:
         except Exception as e:
             raise _grammar_error(output_type, e) from e
 
-    def _constraint(self, output_type: Any, strict: bool) -> Constraint:
+    def _constraint(self, output_type: Any, strict: bool, loop_guards: bool = True) -> Constraint:
         """`to_constraint` under the compiler's time budget (normalizing a hostile schema is
-        Python work that could otherwise run for minutes)."""
+        Python work that could otherwise run for minutes); with `loop_guards`, its unbounded
+        integers bounded (grammar/digit_bounds.py)."""
         if self.closed:
             raise StructgenError("this LLM is closed; create a new structgen.LLM() to generate again")
         budget = CompileBudget(self.grammars.compile_timeout, f"{output_type!r:.80}")
         try:
             self._check_size(output_type)
             with within(budget):
-                return to_constraint(output_type, strict=strict)
+                constraint = to_constraint(output_type, strict=strict)
+                return bound_integers(constraint) if loop_guards else constraint
         except Exception as e:
             raise _grammar_error(output_type, e) from e
 
@@ -281,6 +285,8 @@ class LLM:
         if req.finish_reason == "error":
             raise req.error if isinstance(req.error, StructgenError) else EngineError(str(req.error))
         value = constraint.parse(text)
+        if req.params.loop_guards and constraint.kind == "json_schema" and reached_bound(text):
+            req.stats.guards_fired.append("integer_digits")
         return Completion(value, text, req.output_ids, req.finish_reason or "stop", req.stats, constraint.relaxed)
 
     def _wait(self, futures: Sequence[Future[Request]], requests: Sequence[Request]) -> None:

@@ -4,14 +4,17 @@ completion fits still raises, naming the completion's length."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from pydantic import BaseModel
 
-from structgen import CFG, LLM, IncompleteOutputError
+from structgen import CFG, LLM, IncompleteOutputError, JsonSchema
 from structgen.engine.closing import find_loop
 from structgen.engine.config import EngineConfig
 from structgen.engine.request import Request
 from structgen.engine.sampler import SamplingParams
+from structgen.grammar.digit_bounds import INTEGER_BOUND, bound_integers
 from structgen.types import to_constraint
 
 
@@ -101,3 +104,28 @@ def test_find_loop_finds_the_period_of_a_repeating_tail() -> None:
     assert find_loop([1, 2] + item * 4) == 10
     assert find_loop([1, 2] + item * 3) is None
     assert find_loop(list(range(200))) is None
+
+
+class Big(BaseModel):
+    value: int
+
+
+def test_an_unbounded_integer_stops_at_the_digit_bound_and_is_reported(llm: LLM) -> None:
+    c = llm.complete(Big, "Write one followed by forty zeros.", max_tokens=40)
+    assert abs(c.value.value) <= INTEGER_BOUND and "integer_digits" in c.stats.guards_fired
+    off = llm.complete(Big, "Write one followed by forty zeros.", max_tokens=40, loop_guards=False)
+    assert abs(off.value.value) > INTEGER_BOUND and "integer_digits" not in off.stats.guards_fired
+
+
+def test_the_digit_bound_leaves_bounded_integers_and_other_types_alone() -> None:
+    schema = {"type": "object", "properties": {
+        "free": {"type": "integer"}, "low": {"type": "integer", "minimum": 0},
+        "grid": {"type": "integer", "multipleOf": 5}, "x": {"type": "number"},
+        "ids": {"type": "array", "items": {"type": ["integer", "null"]}}}}
+    bounded = json.loads(bound_integers(to_constraint(JsonSchema(schema))).source)["properties"]
+    assert (bounded["free"]["minimum"], bounded["free"]["maximum"]) == (-INTEGER_BOUND, INTEGER_BOUND)
+    assert bounded["low"]["minimum"] == 0 and bounded["low"]["maximum"] == INTEGER_BOUND
+    assert "maximum" not in bounded["grid"] and "maximum" not in bounded["x"]
+    assert bounded["ids"]["items"]["maximum"] == INTEGER_BOUND
+    regex = to_constraint(int)
+    assert bound_integers(regex) is regex
