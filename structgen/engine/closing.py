@@ -127,6 +127,8 @@ def _rank(text: bytes) -> int:
         return -length if text[:1] == b'"' else 1000 - length
     if text in _SHORT_VALUES:
         return 2000
+    if text.strip() in (b"-", b"+"):  # a sign only lengthens a number
+        return 4000
     return 3000 - length if text.strip() else 5000 - length
 
 
@@ -143,44 +145,50 @@ class BudgetCloser:
         self.search = CompletionSearch(tokens, control_token_ids(tokenizer, vocab_size, stop_token_ids), vocab_size)
 
     def admit(self, req: Request) -> None:
-        """Set the request's first check."""
+        """Set the request's first checks."""
         p = req.params
-        req.close_at = p.max_tokens
+        req.close_at = req.budget_check_at = p.max_tokens
         if req.matcher is None or self.search is None:
             return
         if p.close_at_budget:
-            req.close_at = max(0, p.max_tokens - FIRST_CHECK_WINDOW)
-        if p.loop_guards:
-            req.close_at = min(req.close_at, LOOP_CHECK_EVERY)
+            req.budget_check_at = max(0, p.max_tokens - FIRST_CHECK_WINDOW)
+        self._schedule(req, 0)
 
     def at_budget(self, req: Request, completed: bool) -> None:
         """The request's output reached `req.close_at` (`completed`: its grammar may end
         here): finish it at max_tokens, close it, or set its next check."""
         p, m = req.params, req.matcher
         left = p.max_tokens - req.num_output
-        if left <= 0 or m is None or self.search is None:
-            if left <= 0:
-                self._note_incomplete(req, completed)
-                req.finish_at_budget(completed)
-            else:
-                req.close_at = p.max_tokens
+        if left <= 0:
+            self._note_incomplete(req, completed)
+            req.finish_at_budget(completed)
+            return
+        if m is None or self.search is None:
+            req.close_at = p.max_tokens
             return
         looped = p.loop_guards and self._looped(req)
-        next_check = p.max_tokens
-        if p.close_at_budget or looped:
+        if looped or (p.close_at_budget and req.num_output >= req.budget_check_at):
             plan = self.search.shortest(m, left)
             if plan is not None and (looped or len(plan) + CLOSING_MARGIN >= left):
                 self._close(req, plan, "repetition" if looped else "budget_closing")
                 return
-            if plan is not None:
-                next_check = req.num_output + max(1, (left - len(plan) - CLOSING_MARGIN) // 2)
-        if p.loop_guards:
-            next_check = min(next_check, req.num_output + LOOP_CHECK_EVERY)
-        req.close_at = min(next_check, p.max_tokens)
+            # Halfway to where closing must start: checks get denser as the end nears.
+            req.budget_check_at = p.max_tokens if plan is None else (
+                req.num_output + max(1, (left - len(plan) - CLOSING_MARGIN) // 2))
+        self._schedule(req, req.num_output)
+
+    @staticmethod
+    def _schedule(req: Request, now: int) -> None:
+        """`close_at`: the sooner of the next budget check and the next loop check."""
+        p = req.params
+        req.close_at = min(p.max_tokens, req.budget_check_at if p.close_at_budget else p.max_tokens,
+                           now + LOOP_CHECK_EVERY if p.loop_guards else p.max_tokens)
 
     def _close(self, req: Request, plan: list[int], guard: str) -> None:
         m = req.matcher
-        if m.accept_tokens(plan) != len(plan):
+        taken = m.accept_tokens(plan)
+        if taken != len(plan):  # pragma: no cover - the search took these very tokens
+            m.rollback(taken)
             raise EngineError("the grammar refused the completion it was searched for")
         req.append(plan, forced=True)
         req.stats.closed_tokens = len(plan)

@@ -93,6 +93,7 @@ class Request:
         # The output length at which engine/closing.py next looks at this request (max_tokens
         # unless a closer admitted it).
         self.close_at = params.max_tokens
+        self.budget_check_at = params.max_tokens  # where the closer next searches for a completion
         # A token for the next step that samples to run as one more row, sampled at both rows:
         # where the model picks it at the first, the second row's token comes with it (a pass
         # saved). Jump-forward sets it to the token it held back (grammar/jump_forward.py).
