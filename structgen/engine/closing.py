@@ -7,7 +7,7 @@ against `max_tokens`. At a check the closer searches the grammar for a short com
 the request's state (`CompletionSearch`): while the budget is far it only schedules the next
 check (halfway to where closing must start, so checks get denser as the end nears); once the
 tokens left are within that completion's length plus `CLOSING_MARGIN`, it appends the
-completion as forced tokens and finishes the request with `stop` (an open string ends, arrays
+completion without sampling it and finishes the request with `stop` (an open string ends, arrays
 and objects close, optional fields are skipped). The request then needs no further forward, so
 this works alike in eager steps, the decode graphs, jump-forward and speculative verify steps.
 `length` is left only where even that completion does not fit the budget.
@@ -25,6 +25,7 @@ It is greedy, so its completion is short, not always the shortest.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +38,8 @@ if TYPE_CHECKING:
     from structgen.engine.request import GenerationStats, Request
     from structgen.engine.sampler import SamplingParams
     from structgen.grammar import GrammarMatcher
+
+log = logging.getLogger("structgen.engine")
 
 # Tokens of budget beyond the completion's own length at which closing starts: a sampled token
 # can lengthen the completion (a new optional field), so closing starts a little early.
@@ -156,7 +159,15 @@ class BudgetCloser:
 
     def at_budget(self, req: Request, completed: bool) -> None:
         """The request's output reached `req.close_at` (`completed`: its grammar may end
-        here): finish it at max_tokens, close it, or set its next check."""
+        here): finish it at max_tokens, close it, or set its next check. A grammar that fails
+        meanwhile fails this request alone."""
+        try:
+            self._check(req, completed)
+        except Exception as exc:
+            log.exception("closing request %d failed", req.id)
+            req.finish("error", exc if isinstance(exc, EngineError) else EngineError(f"closing the output failed: {exc}"))
+
+    def _check(self, req: Request, completed: bool) -> None:
         p, m = req.params, req.matcher
         left = p.max_tokens - req.num_output
         if left <= 0:
@@ -190,7 +201,7 @@ class BudgetCloser:
         if taken != len(plan):  # pragma: no cover - the search took these very tokens
             m.rollback(taken)
             raise EngineError("the grammar refused the completion it was searched for")
-        req.append(plan, forced=True)
+        req.append(plan)  # counted apart from jump-forward's forced tokens (`closed_tokens`)
         req.stats.closed_tokens = len(plan)
         req.stats.guards_fired.append(guard)
         req.finish("stop")

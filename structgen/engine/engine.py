@@ -385,8 +385,7 @@ class Engine:
         if s.waiting or len(s.running) != len(reqs):
             return None, None, {}
         for req, tok in zip(reqs, tokens, strict=True):
-            # HOOK(closing): a request due a budget check (close_at <= max_tokens) is not plain.
-            if req.num_output + 1 >= req.close_at or (req.matcher is None and tok in req.stop_token_ids):
+            if req.num_output + 1 >= req.params.max_tokens or (req.matcher is None and tok in req.stop_token_ids):
                 return None, None, {}
         taken, failed = self._take_tokens(reqs, tokens, {}, check_jump=self.jump_forward_hook is not None)
         # A rejected token or a grammar that raised is left to taking the tokens in, which
@@ -559,6 +558,8 @@ class Engine:
         if plain:
             for req, tok in zip(reqs, tokens, strict=True):
                 req.append([tok])
+                if req.num_output >= req.close_at:  # HOOK(closing): a loop or budget check due
+                    self.closer.at_budget(req, completed=False)  # (a plain row's grammar is not complete)
         else:
             if taken is None:
                 hook = self.jump_forward_hook is not None and any(r.jump_forward for r in reqs)
