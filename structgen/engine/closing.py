@@ -26,7 +26,7 @@ It is greedy, so its completion is short, not always the shortest.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -64,8 +64,10 @@ _SHORT_VALUES = frozenset([b'""', b"[]", b"{}", b"null", b"true", b"false", *(by
 class CompletionSearch:
     """Finds a short sequence of tokens that completes a matcher's grammar from its state."""
 
-    def __init__(self, tokens: Sequence[bytes], excluded: Iterable[int], vocab_size: int):
+    def __init__(self, tokens: Sequence[bytes], excluded: Iterable[int], vocab_size: int,
+                 encode: Callable[[str], list[int]]):
         self.tokens = tokens
+        self.encode = encode  # text -> token ids, as the tokenizer spells it
         self.vocab_size = vocab_size
         excluded = set(excluded)
         ranks = np.array([_rank(b) if i not in excluded else _EXCLUDED for i, b in enumerate(tokens)], dtype=np.int64)
@@ -83,6 +85,10 @@ class CompletionSearch:
                     return path
                 if len(path) >= limit:
                     return None
+                forced = self._forced(m)
+                if forced:
+                    path += forced
+                    continue
                 step = self._step(m)
                 if step is None:
                     return None
@@ -93,6 +99,19 @@ class CompletionSearch:
             return None
         finally:
             m.rollback(len(path))
+
+    def _forced(self, m: GrammarMatcher) -> list[int]:
+        """Take the text the grammar forces (keys, punctuation) as the tokenizer spells it,
+        which is how jump-forward and the model write it: token by token it would take more
+        tokens. Returns the tokens the matcher took."""
+        try:
+            text = m.jump_forward_string()
+        except UnicodeDecodeError:
+            return []
+        if not text:
+            return []
+        ids = self.encode(text)
+        return ids[: m.accept_tokens(ids)]
 
     def _step(self, m: GrammarMatcher) -> int | None:
         """The next token of the search: a candidate that completes the grammar, else the
@@ -145,12 +164,15 @@ class BudgetCloser:
         """Closing needs the tokens' text to rank its search; without it requests end at
         max_tokens as they come."""
         tokens = token_bytes(tokenizer, vocab_size)
-        self.search = CompletionSearch(tokens, control_token_ids(tokenizer, vocab_size, stop_token_ids), vocab_size)
+        excluded = control_token_ids(tokenizer, vocab_size, stop_token_ids)
+        self.search = CompletionSearch(tokens, excluded, vocab_size,
+                                       lambda text: list(tokenizer.encode(text, add_special_tokens=False)))
 
     def admit(self, req: Request) -> None:
         """Set the request's first checks."""
         p = req.params
         req.close_at = req.budget_check_at = p.max_tokens
+        req.safe_point = None
         if req.matcher is None or self.search is None:
             return
         if p.close_at_budget:
@@ -171,8 +193,9 @@ class BudgetCloser:
         p, m = req.params, req.matcher
         left = p.max_tokens - req.num_output
         if left <= 0:
-            self._note_incomplete(req, completed)
-            req.finish_at_budget(completed)
+            if completed or not self._close_at_safe_point(req):
+                self._note_incomplete(req, completed)
+                req.finish_at_budget(completed)
             return
         if m is None or self.search is None:
             req.close_at = p.max_tokens
@@ -183,6 +206,10 @@ class BudgetCloser:
             if plan is not None and (looped or len(plan) + CLOSING_MARGIN >= left):
                 self._close(req, plan, "repetition" if looped else "budget_closing")
                 return
+            if plan is None and self._close_at_safe_point(req):
+                return
+            if plan is not None:
+                req.safe_point = req.num_output
             # Halfway to where closing must start: checks get denser as the end nears.
             req.budget_check_at = p.max_tokens if plan is None else (
                 req.num_output + max(1, (left - len(plan) - CLOSING_MARGIN) // 2))
@@ -194,6 +221,27 @@ class BudgetCloser:
         p = req.params
         req.close_at = min(p.max_tokens, req.budget_check_at if p.close_at_budget else p.max_tokens,
                            now + LOOP_CHECK_EVERY if p.loop_guards else p.max_tokens)
+
+    def _close_at_safe_point(self, req: Request) -> bool:
+        """No completion fits from here (since the last check the output opened more than its
+        budget can close, e.g. a new object with required fields): drop the tokens since the
+        last check that found one that fits, and close there. False (the request unchanged)
+        where there is no such point or it no longer fits."""
+        if req.safe_point is None or not req.params.close_at_budget or self.search is None:
+            return False
+        back = req.num_output - req.safe_point
+        m = req.matcher
+        dropped = req.token_ids[len(req.token_ids) - back:]
+        m.rollback(back)
+        plan = self.search.shortest(m, req.params.max_tokens - req.safe_point)
+        if plan is None:
+            m.accept_tokens(dropped)  # as it was: the request ends at max_tokens as it comes
+            req.safe_point = None
+            return False
+        req.truncate(len(req.token_ids) - back)
+        req.stats.dropped_tokens = back
+        self._close(req, plan, "budget_closing")
+        return True
 
     def _close(self, req: Request, plan: list[int], guard: str) -> None:
         m = req.matcher

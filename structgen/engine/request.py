@@ -49,6 +49,7 @@ class GenerationStats:
     guards_fired: list[str] = field(default_factory=list)
     loop: str = ""  # the text the output was found repeating, if it was
     shortest_completion: int | None = None  # cut off at max_tokens: tokens a completion still needed
+    dropped_tokens: int = 0  # generated, then dropped to close where a completion still fitted
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -94,6 +95,7 @@ class Request:
         # unless a closer admitted it).
         self.close_at = params.max_tokens
         self.budget_check_at = params.max_tokens  # where the closer next searches for a completion
+        self.safe_point: int | None = None  # the latest output length a completion was found to fit from
         # A token for the next step that samples to run as one more row, sampled at both rows:
         # where the model picks it at the first, the second row's token comes with it (a pass
         # saved). Jump-forward sets it to the token it held back (grammar/jump_forward.py).

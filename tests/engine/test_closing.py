@@ -129,3 +129,19 @@ def test_the_digit_bound_leaves_bounded_integers_and_other_types_alone() -> None
     assert bounded["ids"]["items"]["maximum"] == INTEGER_BOUND
     regex = to_constraint(int)
     assert bound_integers(regex) is regex
+
+
+class Scientist(BaseModel):
+    name: str
+    city: str
+    country: str
+
+
+def test_an_item_opened_past_the_budget_is_dropped_and_the_list_closed_before_it(llm: LLM) -> None:
+    prompt = ("Give a JSON list of five famous people, each with name, city and country: Einstein from Ulm, "
+              "Germany; Curie from Warsaw, Poland; Newton from Woolsthorpe, England; Darwin from Shrewsbury, "
+              "England; Tesla from Smiljan, Croatia.")
+    c = llm.complete(list[Scientist], prompt, max_tokens=40)
+    assert c.finish_reason == "stop" and len(c.value) >= 1 and all(isinstance(p, Scientist) for p in c.value)
+    assert c.stats.dropped_tokens > 0 and c.stats.guards_fired == ["budget_closing"]
+    assert c.stats.output_tokens <= 40
