@@ -2,42 +2,39 @@
 value instead of being cut off.
 
 Each request carries `close_at`, the output length at which the engine next asks this module
-(`BudgetCloser.at_budget`); until then the only cost is the comparison the engine already made
-against `max_tokens`. At a check the closer searches the grammar for a short completion from
+(`BudgetCloser.at_budget`); until then the only cost is one integer comparison per request and
+step. At a check the closer searches the grammar for a short completion from
 the request's state (`CompletionSearch`): while the budget is far it only schedules the next
 check (halfway to where closing must start, so checks get denser as the end nears); once the
 tokens left are within that completion's length plus `CLOSING_MARGIN`, it appends the
 completion without sampling it and finishes the request with `stop` (an open string ends, arrays
 and objects close, optional fields are skipped). The request then needs no further forward, so
 this works alike in eager steps, the decode graphs, jump-forward and speculative verify steps.
-`length` is left only where even that completion does not fit the budget.
+Where a check finds that no completion fits any more (the output opened an object with
+required fields its budget cannot close), the tokens since the last check that found one that
+fits are dropped and the output is closed there. `length` is left only where no check found a
+completion that fits the budget.
 
 The loop guard (`SamplingParams.loop_guards`) adds a check every `LOOP_CHECK_EVERY` tokens: a
 tail that repeats one short token pattern (a digit, a phrase, an array item) closes the request
 early the same way, and the stats say so.
 
-Neither xgrammar nor llguidance can answer "the shortest completion": the search walks the
-matcher itself (accept / rollback), one mask fill per step, preferring tokens that close
-(`"`, then `]`, `}`), then short values (`0`, `""`, `null`), then the longest other tokens, and at
-each step taking a token that completes the grammar at once where one of the candidates does.
-It is greedy, so its completion is short, not always the shortest.
+The completion comes from `completion_search.CompletionSearch`.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
+from structgen.engine.completion_search import SEARCH_MAX_FILLS, CompletionSearch
 from structgen.errors import EngineError
-from structgen.grammar.backends.base import allocate_bitmask, control_token_ids, token_bytes
+from structgen.grammar.backends.base import control_token_ids, token_bytes
 
 if TYPE_CHECKING:
     from structgen.engine.request import GenerationStats, Request
     from structgen.engine.sampler import SamplingParams
-    from structgen.grammar import GrammarMatcher
 
 log = logging.getLogger("structgen.engine")
 
@@ -53,105 +50,6 @@ FIRST_CHECK_WINDOW = 64
 LOOP_CHECK_EVERY = 16
 LOOP_MAX_PERIOD = 32
 LOOP_MIN_RUN = 16
-# The search: candidates tried per step, and the most mask fills one search may spend.
-SEARCH_CANDIDATES = 16
-SEARCH_MAX_FILLS = 256
-
-_CLOSERS = frozenset(b'"]}')
-_SHORT_VALUES = frozenset([b'""', b"[]", b"{}", b"null", b"true", b"false", *(bytes([c]) for c in b"0123456789")])
-
-
-class CompletionSearch:
-    """Finds a short sequence of tokens that completes a matcher's grammar from its state."""
-
-    def __init__(self, tokens: Sequence[bytes], excluded: Iterable[int], vocab_size: int,
-                 encode: Callable[[str], list[int]]):
-        self.tokens = tokens
-        self.encode = encode  # text -> token ids, as the tokenizer spells it
-        self.vocab_size = vocab_size
-        excluded = set(excluded)
-        ranks = np.array([_rank(b) if i not in excluded else _EXCLUDED for i, b in enumerate(tokens)], dtype=np.int64)
-        order = np.argsort(ranks, kind="stable")
-        self.order = order[ranks[order] < _EXCLUDED]  # token ids, best candidates first
-        self._row = allocate_bitmask(1, vocab_size, host_only=True)
-
-    def shortest(self, m: GrammarMatcher, limit: int) -> list[int] | None:
-        """Tokens after which `m` is complete, at most `limit` of them; None where the search
-        found none. `m` is left as it was."""
-        path: list[int] = []
-        try:
-            for _ in range(SEARCH_MAX_FILLS):
-                if m.is_completed():
-                    return path
-                if len(path) >= limit:
-                    return None
-                forced = self._forced(m)
-                if forced:
-                    path += forced
-                    continue
-                step = self._step(m)
-                if step is None:
-                    return None
-                path.append(step)
-                if not m.accept_token(step):  # pragma: no cover - `_step` checked it
-                    path.pop()
-                    return None
-            return None
-        finally:
-            m.rollback(len(path))
-
-    def _forced(self, m: GrammarMatcher) -> list[int]:
-        """Take the text the grammar forces (keys, punctuation) as the tokenizer spells it,
-        which is how jump-forward and the model write it: token by token it would take more
-        tokens. Returns the tokens the matcher took."""
-        try:
-            text = m.jump_forward_string()
-        except UnicodeDecodeError:
-            return []
-        if not text:
-            return []
-        ids = self.encode(text)
-        return ids[: m.accept_tokens(ids)]
-
-    def _step(self, m: GrammarMatcher) -> int | None:
-        """The next token of the search: a candidate that completes the grammar, else the
-        first candidate the matcher accepts."""
-        first = None
-        for t in self._candidates(m):
-            if not m.accept_token(t):  # llguidance's mask may allow more than it accepts
-                continue
-            done = m.is_completed()
-            m.rollback(1)
-            if done:
-                return t
-            if first is None:
-                first = t
-        return first
-
-    def _candidates(self, m: GrammarMatcher) -> list[int]:
-        m.fill_bitmask(self._row, 0)
-        bits = np.unpackbits(self._row[0].numpy().view(np.uint8), bitorder="little")
-        allowed = self.order[bits[self.order].astype(bool)]
-        return allowed[:SEARCH_CANDIDATES].tolist()
-
-
-_EXCLUDED = 1 << 40
-
-
-def _rank(text: bytes) -> int:
-    """Lower first: a quote that may end a string and what closes after it (`"`, `"}`), then
-    closing brackets (`]`, `}}`; inside a string these are text, so they come after the quote),
-    then short whole values, then the other tokens, longer first."""
-    if not text:
-        return _EXCLUDED
-    length = min(len(text), 999)
-    if set(text) <= _CLOSERS:
-        return -length if text[:1] == b'"' else 1000 - length
-    if text in _SHORT_VALUES:
-        return 2000
-    if text.strip() in (b"-", b"+"):  # a sign only lengthens a number
-        return 4000
-    return 3000 - length if text.strip() else 5000 - length
 
 
 class BudgetCloser:
@@ -255,9 +153,11 @@ class BudgetCloser:
         req.finish("stop")
 
     def _looped(self, req: Request) -> bool:
-        loop = find_loop(req.token_ids[max(req.num_prompt, len(req.token_ids) - 4 * LOOP_MAX_PERIOD):])
+        """Does the output end in a loop? Records what repeats in the stats."""
+        tail = req.token_ids[max(req.num_prompt, len(req.token_ids) - 4 * LOOP_MAX_PERIOD):]
+        loop = find_loop(tail)
         if loop is not None:
-            req.stats.loop = self._describe(req.token_ids[-loop:])
+            req.stats.loop = b"".join(self.search.tokens[t] for t in tail[-loop:]).decode("utf-8", errors="replace")
         return loop is not None
 
     def _note_incomplete(self, req: Request, completed: bool) -> None:
@@ -265,15 +165,9 @@ class BudgetCloser:
         for the error's message."""
         if completed or req.matcher is None or self.search is None or req.matcher.is_terminated():
             return
-        tail = req.token_ids[max(req.num_prompt, len(req.token_ids) - 4 * LOOP_MAX_PERIOD):]
-        loop = find_loop(tail)
-        if loop is not None:
-            req.stats.loop = self._describe(tail[-loop:])
+        self._looped(req)
         plan = self.search.shortest(req.matcher, SEARCH_MAX_FILLS)
         req.stats.shortest_completion = len(plan) if plan is not None else None
-
-    def _describe(self, unit: list[int]) -> str:
-        return b"".join(self.search.tokens[t] for t in unit).decode("utf-8", errors="replace")
 
 
 def find_loop(ids: Sequence[int]) -> int | None:
@@ -314,4 +208,4 @@ def _bound_hint(unit: str) -> str:
     return "bound the text (max_length= on the str field, maxLength or a pattern in a JSON schema, or {1,n} in a regex or grammar)"
 
 
-__all__ = ["BudgetCloser", "CompletionSearch", "find_loop", "incomplete_message"]
+__all__ = ["BudgetCloser", "find_loop", "incomplete_message"]
