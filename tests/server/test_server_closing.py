@@ -8,6 +8,9 @@ import openai
 import pytest
 from pydantic import BaseModel
 
+from structgen import IncompleteOutputError
+from structgen.remote import RemoteLLM
+
 MODEL = "SmolLM2-135M-Instruct"
 PROMPT = "Write a support ticket with a very long, detailed description."
 
@@ -35,3 +38,12 @@ def test_closing_turned_off_in_the_body_ends_at_length(client: openai.OpenAI) ->
         client.chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": PROMPT}],
                                       response_format=Ticket, max_tokens=30, seed=3,
                                       extra_body={"close_at_budget": False, "loop_guards": False})
+
+
+def test_remote_llm_passes_the_switches(server_url: str) -> None:
+    with RemoteLLM(server_url, MODEL) as remote:
+        closed = remote.complete(Ticket, PROMPT, max_tokens=30, temperature=1.0, seed=3)
+        assert isinstance(closed.value, Ticket) and closed.finish_reason == "stop"
+        with pytest.raises(IncompleteOutputError):
+            remote.complete(Ticket, PROMPT, max_tokens=30, temperature=1.0, seed=3, close_at_budget=False,
+                            loop_guards=False)
