@@ -26,6 +26,7 @@ from structgen.arguments import (
     checked_keywords,
 )
 from structgen.completion import Completion  # re-exported for `from structgen.api import`
+from structgen.engine.closing import incomplete_message
 from structgen.engine.config import EngineConfig
 from structgen.engine.engine import Engine
 from structgen.engine.loop import EngineLoop
@@ -41,6 +42,7 @@ from structgen.errors import (
     StructgenError,
 )
 from structgen.grammar import CompiledGrammar, GrammarCompiler
+from structgen.grammar.digit_bounds import bound_integers, reached_bound
 from structgen.partial import PartialStream, partial_tracker
 from structgen.schema.budget import CompileBudget, within
 from structgen.schema.limits import check_schema, check_source
@@ -84,6 +86,10 @@ class LLM:
     top_k: sample from the k most likely tokens (0: no cut).
     seed: makes sampling reproducible (0 .. 2**63-1), whatever the batch.
     jump_forward: append text the grammar forces without sampling it (None: engine default).
+    close_at_budget: near max_tokens, steer a constrained output to its shortest completion
+        so it ends whole (`Completion.stats.guards_fired` says "budget_closing"); True.
+    loop_guards: close a constrained output early once it keeps repeating one pattern
+        (digits, a phrase, an array item; "repetition" in the stats); True.
     strict: False lets a JSON schema use keywords no backend enforces: they are left out of
         the grammar, the output is validated against the whole schema afterwards
         (`OutputValidationError`) and `Completion.relaxed` lists them.
@@ -126,6 +132,7 @@ class LLM:
             install_jump_forward(engine, tokenizer)
         except ImportError:
             pass
+        engine.closer.use_tokenizer(tokenizer, engine.vocab_size, engine.stop_token_ids)
         if engine.speculator is not None:  # drafters that match text need the tokenizer
             engine.speculator.use_tokenizer(tokenizer)
 
@@ -200,7 +207,7 @@ class LLM:
 
     # -- generation -------------------------------------------------------------------------
     def _request(self, output_type: Any, prompt: Prompt, options: Options) -> tuple[Request, Constraint]:
-        constraint = self._constraint(output_type, options.strict)
+        constraint = self._constraint(output_type, options.strict, options.params.loop_guards)
         matcher = None
         if constraint.kind != "text":
             try:
@@ -212,7 +219,7 @@ class LLM:
 
     async def _arequest(self, output_type: Any, prompt: Prompt, options: Options) -> tuple[Request, Constraint]:
         """`_request` for asyncio: tokenizing and grammar work off the event loop."""
-        constraint, compiled = await self._acompile(output_type, options.strict)
+        constraint, compiled = await self._acompile(output_type, options.strict, options.params.loop_guards)
         matcher = compiled.matcher() if compiled is not None else None
         ids = await asyncio.to_thread(self.encode_prompt, prompt, chat=options.chat, tools=options.tools)
         return Request(ids, options.params, matcher, frozenset(self.engine.stop_token_ids)), constraint
@@ -223,11 +230,12 @@ class LLM:
         `generate` raises for a bad output type. The server checks requests with it."""
         return (await self._acompile(output_type, strict))[0]
 
-    async def _acompile(self, output_type: Any, strict: bool) -> tuple[Constraint, CompiledGrammar | None]:
+    async def _acompile(self, output_type: Any, strict: bool, loop_guards: bool = True,
+                        ) -> tuple[Constraint, CompiledGrammar | None]:
         """The constraint (built in a worker thread) and its grammar, compiled on the
         compiler's own bounded pool (grammar/compile_pool.py); a caller that goes away cancels
         its compile. No grammar for free text."""
-        constraint = await asyncio.to_thread(self._constraint, output_type, strict)
+        constraint = await asyncio.to_thread(self._constraint, output_type, strict, loop_guards)
         if constraint.kind == "text":
             return constraint, None
         future = self.grammars.submit(constraint)
@@ -239,16 +247,18 @@ class LLM:
         except Exception as e:
             raise _grammar_error(output_type, e) from e
 
-    def _constraint(self, output_type: Any, strict: bool) -> Constraint:
+    def _constraint(self, output_type: Any, strict: bool, loop_guards: bool = True) -> Constraint:
         """`to_constraint` under the compiler's time budget (normalizing a hostile schema is
-        Python work that could otherwise run for minutes)."""
+        Python work that could otherwise run for minutes); with `loop_guards`, its unbounded
+        integers bounded (grammar/digit_bounds.py)."""
         if self.closed:
             raise StructgenError("this LLM is closed; create a new structgen.LLM() to generate again")
         budget = CompileBudget(self.grammars.compile_timeout, f"{output_type!r:.80}")
         try:
             self._check_size(output_type)
             with within(budget):
-                return to_constraint(output_type, strict=strict)
+                constraint = to_constraint(output_type, strict=strict)
+                return bound_integers(constraint) if loop_guards else constraint
         except Exception as e:
             raise _grammar_error(output_type, e) from e
 
@@ -266,8 +276,7 @@ class LLM:
         text = self.tokenizer.decode(req.output_ids, skip_special_tokens=False)
         if req.finish_reason == "length" and constraint.kind != "text":
             raise IncompleteOutputError(
-                f"generation hit max_tokens={req.params.max_tokens} before the output was complete; "
-                "raise max_tokens",
+                incomplete_message(req.params, req.stats),
                 partial_text=text,
                 token_ids=req.output_ids,
                 stats=req.stats,
@@ -277,6 +286,8 @@ class LLM:
         if req.finish_reason == "error":
             raise req.error if isinstance(req.error, StructgenError) else EngineError(str(req.error))
         value = constraint.parse(text)
+        if req.params.loop_guards and constraint.kind == "json_schema" and reached_bound(text):
+            req.stats.guards_fired.append("integer_digits")
         return Completion(value, text, req.output_ids, req.finish_reason or "stop", req.stats, constraint.relaxed)
 
     def _wait(self, futures: Sequence[Future[Request]], requests: Sequence[Request]) -> None:
@@ -312,11 +323,13 @@ class LLM:
         self, output_type: Any, prompt: Prompt, *, max_tokens: int = DEFAULTS.max_tokens,
         temperature: float = DEFAULTS.temperature, top_p: float = DEFAULTS.top_p,
         top_k: int = DEFAULTS.top_k, seed: int | None = None, jump_forward: bool | None = None,
+        close_at_budget: bool = True, loop_guards: bool = True,
         strict: bool = True, chat: bool | None = None, tools: list[dict[str, Any]] | None = None,
         params: SamplingParams | None = None,
     ) -> Completion[Any]:  # fmt: skip
         """Generate one output of `output_type` (keyword arguments: see `LLM`)."""
-        options = Options.of(max_tokens, temperature, top_p, top_k, seed, jump_forward, strict, chat, tools, params)
+        options = Options.of(max_tokens, temperature, top_p, top_k, seed, jump_forward, strict, chat, tools, params,
+                             close_at_budget, loop_guards)
         return self._complete(output_type, prompt, options)
 
     @overload
@@ -330,11 +343,13 @@ class LLM:
         self, output_type: Any, prompt: Prompt, *, max_tokens: int = DEFAULTS.max_tokens,
         temperature: float = DEFAULTS.temperature, top_p: float = DEFAULTS.top_p,
         top_k: int = DEFAULTS.top_k, seed: int | None = None, jump_forward: bool | None = None,
+        close_at_budget: bool = True, loop_guards: bool = True,
         strict: bool = True, chat: bool | None = None, tools: list[dict[str, Any]] | None = None,
         params: SamplingParams | None = None,
     ) -> Any:  # fmt: skip
         """Generate and return just the typed value (keyword arguments: see `LLM`)."""
-        options = Options.of(max_tokens, temperature, top_p, top_k, seed, jump_forward, strict, chat, tools, params)
+        options = Options.of(max_tokens, temperature, top_p, top_k, seed, jump_forward, strict, chat, tools, params,
+                             close_at_budget, loop_guards)
         return self._complete(output_type, prompt, options).value
 
     def _complete_batch(self, output_type: Any, prompts: Sequence[Prompt], options: Options) -> list[Completion[Any]]:
@@ -362,11 +377,13 @@ class LLM:
         self, output_type: Any, prompts: Sequence[Prompt], *, max_tokens: int = DEFAULTS.max_tokens,
         temperature: float = DEFAULTS.temperature, top_p: float = DEFAULTS.top_p,
         top_k: int = DEFAULTS.top_k, seed: int | None = None, jump_forward: bool | None = None,
+        close_at_budget: bool = True, loop_guards: bool = True,
         strict: bool = True, chat: bool | None = None, tools: list[dict[str, Any]] | None = None,
         params: SamplingParams | None = None,
     ) -> list[Completion[Any]]:  # fmt: skip
         """Submit all prompts at once so they share batches; results in prompt order."""
-        options = Options.of(max_tokens, temperature, top_p, top_k, seed, jump_forward, strict, chat, tools, params)
+        options = Options.of(max_tokens, temperature, top_p, top_k, seed, jump_forward, strict, chat, tools, params,
+                             close_at_budget, loop_guards)
         return self._complete_batch(output_type, prompts, options)
 
     @overload
@@ -386,11 +403,13 @@ class LLM:
         self, output_type: Any, prompts: Sequence[Prompt], *, max_tokens: int = DEFAULTS.max_tokens,
         temperature: float = DEFAULTS.temperature, top_p: float = DEFAULTS.top_p,
         top_k: int = DEFAULTS.top_k, seed: int | None = None, jump_forward: bool | None = None,
+        close_at_budget: bool = True, loop_guards: bool = True,
         strict: bool = True, chat: bool | None = None, tools: list[dict[str, Any]] | None = None,
         params: SamplingParams | None = None,
     ) -> list[Any]:  # fmt: skip
         """`complete_batch`, returning just the typed values."""
-        options = Options.of(max_tokens, temperature, top_p, top_k, seed, jump_forward, strict, chat, tools, params)
+        options = Options.of(max_tokens, temperature, top_p, top_k, seed, jump_forward, strict, chat, tools, params,
+                             close_at_budget, loop_guards)
         return [c.value for c in self._complete_batch(output_type, prompts, options)]
 
     @overload
@@ -410,13 +429,15 @@ class LLM:
         self, output_type: Any, prompt: Prompt, *, max_tokens: int = DEFAULTS.max_tokens,
         temperature: float = DEFAULTS.temperature, top_p: float = DEFAULTS.top_p,
         top_k: int = DEFAULTS.top_k, seed: int | None = None, jump_forward: bool | None = None,
+        close_at_budget: bool = True, loop_guards: bool = True,
         strict: bool = True, chat: bool | None = None, tools: list[dict[str, Any]] | None = None,
         params: SamplingParams | None = None, partial: bool = False,
     ) -> Iterator[str] | PartialStream[Any]:  # fmt: skip
         """Yield text deltas as they are decoded; raises like `complete` at the end. Leaving
         the loop early (or Ctrl-C) aborts the request and frees its slot. `partial=True`
         (JSON output types) yields `Partial` snapshots of the typed value instead."""
-        options = Options.of(max_tokens, temperature, top_p, top_k, seed, jump_forward, strict, chat, tools, params)
+        options = Options.of(max_tokens, temperature, top_p, top_k, seed, jump_forward, strict, chat, tools, params,
+                             close_at_budget, loop_guards)
         req, constraint = self._request(output_type, prompt, options)
         if partial:
             return PartialStream(partial_tracker(output_type, constraint), self._stream(req, constraint))
@@ -472,12 +493,14 @@ class LLM:
         self, output_type: Any, prompt: Prompt, *, max_tokens: int = DEFAULTS.max_tokens,
         temperature: float = DEFAULTS.temperature, top_p: float = DEFAULTS.top_p,
         top_k: int = DEFAULTS.top_k, seed: int | None = None, jump_forward: bool | None = None,
+        close_at_budget: bool = True, loop_guards: bool = True,
         strict: bool = True, chat: bool | None = None, tools: list[dict[str, Any]] | None = None,
         params: SamplingParams | None = None,
     ) -> Completion[Any]:  # fmt: skip
         """`complete` for asyncio: compiling runs in a worker thread, decoding on the shared
         engine loop; cancelling the task cancels the request and frees its slot."""
-        options = Options.of(max_tokens, temperature, top_p, top_k, seed, jump_forward, strict, chat, tools, params)
+        options = Options.of(max_tokens, temperature, top_p, top_k, seed, jump_forward, strict, chat, tools, params,
+                             close_at_budget, loop_guards)
         return await self._acomplete(output_type, prompt, options)
 
     @overload
@@ -491,11 +514,13 @@ class LLM:
         self, output_type: Any, prompt: Prompt, *, max_tokens: int = DEFAULTS.max_tokens,
         temperature: float = DEFAULTS.temperature, top_p: float = DEFAULTS.top_p,
         top_k: int = DEFAULTS.top_k, seed: int | None = None, jump_forward: bool | None = None,
+        close_at_budget: bool = True, loop_guards: bool = True,
         strict: bool = True, chat: bool | None = None, tools: list[dict[str, Any]] | None = None,
         params: SamplingParams | None = None,
     ) -> Any:  # fmt: skip
         """`generate` for asyncio (see `acomplete`)."""
-        options = Options.of(max_tokens, temperature, top_p, top_k, seed, jump_forward, strict, chat, tools, params)
+        options = Options.of(max_tokens, temperature, top_p, top_k, seed, jump_forward, strict, chat, tools, params,
+                             close_at_budget, loop_guards)
         return (await self._acomplete(output_type, prompt, options)).value
 
     @overload
@@ -515,12 +540,14 @@ class LLM:
         self, output_type: Any, prompt: Prompt, *, max_tokens: int = DEFAULTS.max_tokens,
         temperature: float = DEFAULTS.temperature, top_p: float = DEFAULTS.top_p,
         top_k: int = DEFAULTS.top_k, seed: int | None = None, jump_forward: bool | None = None,
+        close_at_budget: bool = True, loop_guards: bool = True,
         strict: bool = True, chat: bool | None = None, tools: list[dict[str, Any]] | None = None,
         params: SamplingParams | None = None, partial: bool = False,
     ) -> CompletionStream | PartialStream[Any]:  # fmt: skip
         """Async iterator of text deltas; `.completion` holds the final Completion after.
         `partial=True` (JSON output types) yields `Partial` snapshots instead."""
-        options = Options.of(max_tokens, temperature, top_p, top_k, seed, jump_forward, strict, chat, tools, params)
+        options = Options.of(max_tokens, temperature, top_p, top_k, seed, jump_forward, strict, chat, tools, params,
+                             close_at_budget, loop_guards)
         deltas = CompletionStream(self, output_type, prompt, options)
         if partial:
             constraint = self._constraint(output_type, options.strict)

@@ -176,6 +176,8 @@ class RemoteLLM:
         top_k: int = 0,
         seed: int | None = None,
         jump_forward: bool | None = None,
+        close_at_budget: bool = True,
+        loop_guards: bool = True,
         chat: bool | None = None,
         tools: list[dict[str, Any]] | None = None,
     ) -> Completion:
@@ -184,6 +186,7 @@ class RemoteLLM:
         which comes back cut with finish_reason "length")."""
         wire = self._wire_request(output_type, prompt, chat, tools)
         wire.body.update(self._sampling(max_tokens, temperature, top_p, top_k, seed, jump_forward))
+        wire.body.update(self._guards(close_at_budget, loop_guards))
         t0 = time.perf_counter()
         resp = self._post(wire.path, wire.body)
         data = resp.json()
@@ -211,6 +214,8 @@ class RemoteLLM:
         top_k: int = 0,
         seed: int | None = None,
         jump_forward: bool | None = None,
+        close_at_budget: bool = True,
+        loop_guards: bool = True,
         chat: bool | None = None,
         tools: list[dict[str, Any]] | None = None,
         partial: bool = False,
@@ -222,6 +227,7 @@ class RemoteLLM:
         OpenAI-compatible server will do."""
         wire = self._wire_request(output_type, prompt, chat, tools)
         wire.body.update(self._sampling(max_tokens, temperature, top_p, top_k, seed, jump_forward))
+        wire.body.update(self._guards(close_at_budget, loop_guards))
         wire.body.update(stream=True, stream_options={"include_usage": True})
         if not partial:
             return RemoteCompletionStream(self, wire)
@@ -366,6 +372,13 @@ class RemoteLLM:
         if jump_forward is not None and self.dialect == "structgen":
             fields["jump_forward"] = jump_forward
         return fields
+
+    def _guards(self, close_at_budget: bool, loop_guards: bool) -> dict[str, Any]:
+        """The structgen server's closing and loop-guard switches, sent where turned off (an
+        OpenAI server knows neither)."""
+        if self.dialect != "structgen":
+            return {}
+        return {k: False for k, on in (("close_at_budget", close_at_budget), ("loop_guards", loop_guards)) if not on}
 
     def _post(self, path: str, body: dict[str, Any]) -> httpx.Response:
         try:

@@ -223,5 +223,7 @@ def _sampling(state: ServerState, body: SamplingFields, prompt_tokens: int, para
         "top_k": top_k,
         "seed": body.seed,
         "jump_forward": body.jump_forward,
+        "close_at_budget": body.close_at_budget,
+        "loop_guards": body.loop_guards,
     }
 

@@ -175,6 +175,9 @@ class SamplingFields(BaseModel):
     choice: list[str] | None = None
     json_schema: dict[str, Any] | str | None = None  # SGLang: top-level schema text
     jump_forward: StrictBool | None = None  # structgen: per-request override of the engine default
+    # structgen: budget-aware closing and loop guards (SamplingParams), on unless turned off
+    close_at_budget: StrictBool = True
+    loop_guards: StrictBool = True
 
     @field_validator("stop")
     @classmethod

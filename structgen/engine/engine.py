@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from structgen.engine.closing import BudgetCloser
 from structgen.engine.config import EngineConfig, ModelConfig
 from structgen.engine.drafts import fill_draft_rows, take_drafts
 from structgen.engine.model_runner import ExtendSeq, ModelRunner
@@ -91,6 +92,7 @@ class Engine:
         self.scheduler = Scheduler(self.runner.kv, self.runner.kv.num_slots, self.config.prefill_chunk_tokens)
         self.max_seq_len = self.runner.max_seq_len
         self.jump_forward_hook = None  # set by structgen.grammar.jump_forward when available
+        self.closer = BudgetCloser()  # closes outputs near max_tokens once given the tokenizer
         # Whether someone waits to hand the engine requests or aborts (EngineLoop sets it):
         # runs of steps that do not come back to `step` between them stop for it.
         self.interrupted: Callable[[], bool] = _nobody_waits
@@ -130,6 +132,7 @@ class Engine:
             )
         if request.params.seed is not None:
             request.generator = torch.Generator(device=self.device).manual_seed(request.params.seed)
+        self.closer.admit(request)  # HOOK(closing): the request's first budget check
         jf = request.params.jump_forward
         request.jump_forward = (self.config.jump_forward if jf is None else jf) and request.matcher is not None
         if request.jump_forward and self.jump_forward_hook is not None:
@@ -555,6 +558,8 @@ class Engine:
         if plain:
             for req, tok in zip(reqs, tokens, strict=True):
                 req.append([tok])
+                if req.num_output >= req.close_at:  # HOOK(closing): a loop or budget check due
+                    self.closer.at_budget(req, completed=False)  # (a plain row's grammar is not complete)
         else:
             if taken is None:
                 hook = self.jump_forward_hook is not None and any(r.jump_forward for r in reqs)
@@ -603,9 +608,10 @@ class Engine:
             req.finish("stop")
             return
         req.append([tok])
-        if req.num_output >= req.params.max_tokens:
-            req.finish_at_budget(m is not None and bool(status & COMPLETED))
-            return
+        if req.num_output >= req.close_at:  # HOOK(closing): max_tokens, or a budget check due
+            self.closer.at_budget(req, m is not None and bool(status & COMPLETED))
+            if req.finished:
+                return
         if m is not None and status & COMPLETED and self._only_stop_allowed(m):
             # The grammar is complete and nothing can follow: skip the forward that would
             # only ever sample the stop token.

@@ -7,7 +7,7 @@ import itertools
 import time
 from collections.abc import Callable, Hashable
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +43,13 @@ class GenerationStats:
     drafted_tokens: int = 0  # proposed by a drafter
     accepted_tokens: int = 0  # drafted tokens the target accepted
     verify_steps: int = 0  # forward passes that sampled under speculation (with or without a draft)
+    # engine/closing.py: tokens appended to close the output, and which guards fired
+    # ("budget_closing": max_tokens was near; "repetition": the output looped).
+    closed_tokens: int = 0
+    guards_fired: list[str] = field(default_factory=list)
+    loop: str = ""  # the text the output was found repeating, if it was
+    shortest_completion: int | None = None  # cut off at max_tokens: tokens a completion still needed
+    dropped_tokens: int = 0  # generated, then dropped to close where a completion still fitted
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -84,6 +91,11 @@ class Request:
         self.error: BaseException | None = None
         self.generator: torch.Generator | None = None
         self.jump_forward = False
+        # The output length at which engine/closing.py next looks at this request (max_tokens
+        # unless a closer admitted it).
+        self.close_at = params.max_tokens
+        self.budget_check_at = params.max_tokens  # where the closer next searches for a completion
+        self.safe_point: int | None = None  # the latest output length a completion was found to fit from
         # A token for the next step that samples to run as one more row, sampled at both rows:
         # where the model picks it at the first, the second row's token comes with it (a pass
         # saved). Jump-forward sets it to the token it held back (grammar/jump_forward.py).

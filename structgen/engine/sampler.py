@@ -27,6 +27,12 @@ class SamplingParams:
     top_k: int = 0  # 0: no top-k cut
     seed: int | None = None
     jump_forward: bool | None = None  # None: the engine's default
+    # A constrained output nearing max_tokens is closed (strings end, arrays and objects
+    # close) so it ends whole; engine/closing.py.
+    close_at_budget: bool = True
+    # A constrained output that keeps repeating one pattern (digits, a phrase, an array item)
+    # is closed early, and unbounded integers in JSON schemas get a sane digit count.
+    loop_guards: bool = True
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1, None)
@@ -39,6 +45,9 @@ class SamplingParams:
             raise InvalidParameterError(
                 f"jump_forward must be True, False or None, got {self.jump_forward!r}"
             )
+        for name in ("close_at_budget", "loop_guards"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidParameterError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
     @property
     def greedy(self) -> bool:

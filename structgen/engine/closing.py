@@ -1,0 +1,211 @@
+"""Budget-aware closing: a constrained request that nears its `max_tokens` ends with a whole
+value instead of being cut off.
+
+Each request carries `close_at`, the output length at which the engine next asks this module
+(`BudgetCloser.at_budget`); until then the only cost is one integer comparison per request and
+step. At a check the closer searches the grammar for a short completion from
+the request's state (`CompletionSearch`): while the budget is far it only schedules the next
+check (halfway to where closing must start, so checks get denser as the end nears); once the
+tokens left are within that completion's length plus `CLOSING_MARGIN`, it appends the
+completion without sampling it and finishes the request with `stop` (an open string ends, arrays
+and objects close, optional fields are skipped). The request then needs no further forward, so
+this works alike in eager steps, the decode graphs, jump-forward and speculative verify steps.
+Where a check finds that no completion fits any more (the output opened an object with
+required fields its budget cannot close), the tokens since the last check that found one that
+fits are dropped and the output is closed there. `length` is left only where no check found a
+completion that fits the budget.
+
+The loop guard (`SamplingParams.loop_guards`) adds a check every `LOOP_CHECK_EVERY` tokens: a
+tail that repeats one short token pattern (a digit, a phrase, an array item) closes the request
+early the same way, and the stats say so.
+
+The completion comes from `completion_search.CompletionSearch`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from structgen.engine.completion_search import SEARCH_MAX_FILLS, CompletionSearch
+from structgen.errors import EngineError
+from structgen.grammar.backends.base import control_token_ids, token_bytes
+
+if TYPE_CHECKING:
+    from structgen.engine.request import GenerationStats, Request
+    from structgen.engine.sampler import SamplingParams
+
+log = logging.getLogger("structgen.engine")
+
+# Tokens of budget beyond the completion's own length at which closing starts: a sampled token
+# can lengthen the completion (a new optional field), so closing starts a little early.
+CLOSING_MARGIN = 2
+# The first check of a request comes this many tokens before its max_tokens (earlier would cost
+# searches for requests that end on their own; completions longer than this are rare).
+FIRST_CHECK_WINDOW = 64
+# How often the loop guard looks at the tail, and what counts as a loop: a pattern of at most
+# LOOP_MAX_PERIOD tokens repeated to fill at least max(LOOP_MIN_RUN, 3 periods) tokens after
+# its first occurrence (four copies at least).
+LOOP_CHECK_EVERY = 16
+LOOP_MAX_PERIOD = 32
+LOOP_MIN_RUN = 16
+
+
+class BudgetCloser:
+    """Decides, at each request's `close_at`, whether to close it now, and when to look next."""
+
+    def __init__(self) -> None:
+        self.search: CompletionSearch | None = None  # set by `use_tokenizer`
+
+    def use_tokenizer(self, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int]) -> None:
+        """Closing needs the tokens' text to rank its search; without it requests end at
+        max_tokens as they come."""
+        tokens = token_bytes(tokenizer, vocab_size)
+        excluded = control_token_ids(tokenizer, vocab_size, stop_token_ids)
+        self.search = CompletionSearch(tokens, excluded, vocab_size,
+                                       lambda text: list(tokenizer.encode(text, add_special_tokens=False)))
+
+    def admit(self, req: Request) -> None:
+        """Set the request's first checks."""
+        p = req.params
+        req.close_at = req.budget_check_at = p.max_tokens
+        req.safe_point = None
+        if req.matcher is None or self.search is None:
+            return
+        if p.close_at_budget:
+            req.budget_check_at = max(0, p.max_tokens - FIRST_CHECK_WINDOW)
+        self._schedule(req, 0)
+
+    def at_budget(self, req: Request, completed: bool) -> None:
+        """The request's output reached `req.close_at` (`completed`: its grammar may end
+        here): finish it at max_tokens, close it, or set its next check. A grammar that fails
+        meanwhile fails this request alone."""
+        try:
+            self._check(req, completed)
+        except Exception as exc:
+            log.exception("closing request %d failed", req.id)
+            req.finish("error", exc if isinstance(exc, EngineError) else EngineError(f"closing the output failed: {exc}"))
+
+    def _check(self, req: Request, completed: bool) -> None:
+        p, m = req.params, req.matcher
+        left = p.max_tokens - req.num_output
+        if left <= 0:
+            if completed or not self._close_at_safe_point(req):
+                self._note_incomplete(req, completed)
+                req.finish_at_budget(completed)
+            return
+        if m is None or self.search is None:
+            req.close_at = p.max_tokens
+            return
+        looped = p.loop_guards and self._looped(req)
+        if looped or (p.close_at_budget and req.num_output >= req.budget_check_at):
+            plan = self.search.shortest(m, left)
+            if plan is not None and (looped or len(plan) + CLOSING_MARGIN >= left):
+                self._close(req, plan, "repetition" if looped else "budget_closing")
+                return
+            if plan is None and self._close_at_safe_point(req):
+                return
+            if plan is not None:
+                req.safe_point = req.num_output
+            # Halfway to where closing must start: checks get denser as the end nears.
+            req.budget_check_at = p.max_tokens if plan is None else (
+                req.num_output + max(1, (left - len(plan) - CLOSING_MARGIN) // 2))
+        self._schedule(req, req.num_output)
+
+    @staticmethod
+    def _schedule(req: Request, now: int) -> None:
+        """`close_at`: the sooner of the next budget check and the next loop check."""
+        p = req.params
+        req.close_at = min(p.max_tokens, req.budget_check_at if p.close_at_budget else p.max_tokens,
+                           now + LOOP_CHECK_EVERY if p.loop_guards else p.max_tokens)
+
+    def _close_at_safe_point(self, req: Request) -> bool:
+        """No completion fits from here (since the last check the output opened more than its
+        budget can close, e.g. a new object with required fields): drop the tokens since the
+        last check that found one that fits, and close there. False (the request unchanged)
+        where there is no such point or it no longer fits."""
+        if req.safe_point is None or not req.params.close_at_budget or self.search is None:
+            return False
+        back = req.num_output - req.safe_point
+        m = req.matcher
+        dropped = req.token_ids[len(req.token_ids) - back:]
+        m.rollback(back)
+        plan = self.search.shortest(m, req.params.max_tokens - req.safe_point)
+        if plan is None:
+            m.accept_tokens(dropped)  # as it was: the request ends at max_tokens as it comes
+            req.safe_point = None
+            return False
+        req.truncate(len(req.token_ids) - back)
+        req.stats.dropped_tokens = back
+        self._close(req, plan, "budget_closing")
+        return True
+
+    def _close(self, req: Request, plan: list[int], guard: str) -> None:
+        m = req.matcher
+        taken = m.accept_tokens(plan)
+        if taken != len(plan):  # pragma: no cover - the search took these very tokens
+            m.rollback(taken)
+            raise EngineError("the grammar refused the completion it was searched for")
+        req.append(plan)  # counted apart from jump-forward's forced tokens (`closed_tokens`)
+        req.stats.closed_tokens = len(plan)
+        req.stats.guards_fired.append(guard)
+        req.finish("stop")
+
+    def _looped(self, req: Request) -> bool:
+        """Does the output end in a loop? Records what repeats in the stats."""
+        tail = req.token_ids[max(req.num_prompt, len(req.token_ids) - 4 * LOOP_MAX_PERIOD):]
+        loop = find_loop(tail)
+        if loop is not None:
+            req.stats.loop = b"".join(self.search.tokens[t] for t in tail[-loop:]).decode("utf-8", errors="replace")
+        return loop is not None
+
+    def _note_incomplete(self, req: Request, completed: bool) -> None:
+        """Cut off at max_tokens: record what looped and the shortest completion from here,
+        for the error's message."""
+        if completed or req.matcher is None or self.search is None or req.matcher.is_terminated():
+            return
+        self._looped(req)
+        plan = self.search.shortest(req.matcher, SEARCH_MAX_FILLS)
+        req.stats.shortest_completion = len(plan) if plan is not None else None
+
+
+def find_loop(ids: Sequence[int]) -> int | None:
+    """The period of the pattern `ids` ends repeating (see LOOP_MIN_RUN), if any."""
+    n = len(ids)
+    for period in range(1, LOOP_MAX_PERIOD + 1):
+        need = max(LOOP_MIN_RUN, 3 * period)
+        if need + period > n:
+            return None
+        run = 0
+        while run < need and ids[n - 1 - run] == ids[n - 1 - run - period]:
+            run += 1
+        if run >= need:
+            return period
+    return None
+
+
+def incomplete_message(params: SamplingParams, stats: GenerationStats) -> str:
+    """The message of an output cut off at max_tokens: how far the shortest completion was,
+    what looped and the bound that stops it."""
+    msg = f"generation hit max_tokens={params.max_tokens} before the output was complete"
+    if stats.shortest_completion is not None:
+        msg += f"; even the shortest completion from there needed {stats.shortest_completion} more token(s)"
+    if not stats.loop:
+        return msg + "; raise max_tokens"
+    hint = _bound_hint(stats.loop)
+    if not params.loop_guards:
+        hint += ", or leave loop_guards on to close a looping output early"
+    return msg + f"; the output looped, repeating {stats.loop!r}: {hint}"
+
+
+def _bound_hint(unit: str) -> str:
+    bare = unit.strip().strip(".-")
+    if bare.isdigit():
+        return "bound the number (le=/ge= on the field, maximum/minimum in a JSON schema, or {1,n} on the digits of a regex or grammar)"
+    if any(c in unit for c in ",]}"):
+        return "bound the array (max_length= on the list field, maxItems in a JSON schema, or {0,n} in a regex or grammar)"
+    return "bound the text (max_length= on the str field, maxLength or a pattern in a JSON schema, or {1,n} in a regex or grammar)"
+
+
+__all__ = ["BudgetCloser", "find_loop", "incomplete_message"]

@@ -1,0 +1,147 @@
+"""Budget-aware closing and the loop guard (structgen/engine/closing.py) on the default model:
+outputs near max_tokens end whole, loops are closed early and reported, and a budget that no
+completion fits still raises, naming the completion's length."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import BaseModel
+
+from structgen import CFG, LLM, IncompleteOutputError, JsonSchema
+from structgen.engine.closing import find_loop
+from structgen.engine.config import EngineConfig
+from structgen.engine.request import Request
+from structgen.engine.sampler import SamplingParams
+from structgen.grammar.digit_bounds import INTEGER_BOUND, bound_integers
+from structgen.types import to_constraint
+
+
+class Ticket(BaseModel):
+    title: str
+    description: str
+    priority: int
+
+
+class City(BaseModel):
+    name: str
+    population_millions: float
+
+
+CITY_PROMPT = "Describe a huge city, with its population in millions written in full digits."
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(config=EngineConfig(device="cpu", max_batch_size=4, max_seq_len=512))
+
+
+def run(llm: LLM, output_type: object, prompt: str, backend: str, **params: object) -> tuple[Request, object]:
+    """Generate under `backend`'s grammar; the request and its parsed value."""
+    constraint = to_constraint(output_type)
+    matcher = llm.grammars.compile(constraint, backend=backend).matcher()
+    req = Request(llm.encode_prompt(prompt), SamplingParams(**params), matcher, frozenset(llm.engine.stop_token_ids))
+    llm.loop.submit(req).result(timeout=120)
+    assert req.finish_reason == "stop", (req.finish_reason, req.error, llm.tokenizer.decode(req.output_ids))
+    return req, constraint.parse(llm.tokenizer.decode(req.output_ids))
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_a_list_of_ints_at_a_small_budget_ends_whole(llm: LLM, backend: str) -> None:
+    req, value = run(llm, list[int], "List the numbers from 1 to 100.", backend, max_tokens=20)
+    assert isinstance(value, list) and all(isinstance(v, int) for v in value) and len(value) >= 3
+    assert req.num_output <= 20 and "budget_closing" in req.stats.guards_fired
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_an_ebnf_digit_repetition_ends_at_a_small_budget(llm: LLM, backend: str) -> None:
+    req, value = run(llm, CFG("root ::= [0-9]+"), "Write one followed by fifty zeros.", backend, max_tokens=12)
+    assert value.isdigit() and req.num_output <= 12
+
+
+def test_a_long_str_field_at_a_tight_budget_closes_into_a_valid_model(llm: LLM) -> None:
+    c = llm.complete(Ticket, "Write a support ticket with a very long, detailed description.", max_tokens=30,
+                     temperature=1.0, seed=1)
+    assert isinstance(c.value, Ticket) and c.finish_reason == "stop" and c.stats.output_tokens <= 30
+    assert c.stats.guards_fired == ["budget_closing"] and c.stats.closed_tokens > 0
+
+
+def test_closing_turned_off_leaves_the_output_cut_off(llm: LLM) -> None:
+    with pytest.raises(IncompleteOutputError) as e:
+        llm.complete(Ticket, "Write a support ticket with a very long, detailed description.", max_tokens=30,
+                     temperature=1.0, seed=1, close_at_budget=False, loop_guards=False)
+    assert len(e.value.token_ids) == 30 and e.value.stats.guards_fired == []
+
+
+def test_a_budget_below_the_shortest_completion_raises_naming_its_length(llm: LLM) -> None:
+    with pytest.raises(IncompleteOutputError) as e:
+        llm.complete(Ticket, "Write a ticket.", max_tokens=5)
+    needed = e.value.stats.shortest_completion
+    assert needed is not None and needed > 0
+    assert f"the shortest completion from there needed {needed} more token(s)" in str(e.value)
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_a_looping_number_is_closed_early_and_reported(llm: LLM, backend: str) -> None:
+    req, value = run(llm, City, CITY_PROMPT, backend, max_tokens=60)
+    assert isinstance(value, City) and req.num_output < 50
+    assert req.stats.guards_fired == ["repetition"] and req.stats.loop.strip().isdigit()
+
+
+def test_with_loop_guards_off_the_error_names_the_loop_and_the_bound_to_add(llm: LLM) -> None:
+    with pytest.raises(IncompleteOutputError) as e:
+        llm.complete(City, CITY_PROMPT, max_tokens=40, close_at_budget=False, loop_guards=False)
+    message = str(e.value)
+    assert "the output looped, repeating" in message and "le=" in message and "maximum" in message
+    assert "raise max_tokens" not in message and e.value.stats.guards_fired == []
+
+
+def test_find_loop_finds_the_period_of_a_repeating_tail() -> None:
+    assert find_loop([5, 6, 7] + [1] * 16) is None  # a run of 15 repeats: under the threshold
+    assert find_loop([5, 6, 7] + [1] * 17) == 1
+    item = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
+    assert find_loop([1, 2] + item * 4) == 10
+    assert find_loop([1, 2] + item * 3) is None
+    assert find_loop(list(range(200))) is None
+
+
+class Big(BaseModel):
+    value: int
+
+
+def test_an_unbounded_integer_stops_at_the_digit_bound_and_is_reported(llm: LLM) -> None:
+    c = llm.complete(Big, "Write one followed by forty zeros.", max_tokens=40)
+    assert abs(c.value.value) <= INTEGER_BOUND and "integer_digits" in c.stats.guards_fired
+    off = llm.complete(Big, "Write one followed by forty zeros.", max_tokens=40, loop_guards=False)
+    assert abs(off.value.value) > INTEGER_BOUND and "integer_digits" not in off.stats.guards_fired
+
+
+def test_the_digit_bound_leaves_bounded_integers_and_other_types_alone() -> None:
+    schema = {"type": "object", "properties": {
+        "free": {"type": "integer"}, "low": {"type": "integer", "minimum": 0},
+        "grid": {"type": "integer", "multipleOf": 5}, "x": {"type": "number"},
+        "ids": {"type": "array", "items": {"type": ["integer", "null"]}}}}
+    bounded = json.loads(bound_integers(to_constraint(JsonSchema(schema))).source)["properties"]
+    assert (bounded["free"]["minimum"], bounded["free"]["maximum"]) == (-INTEGER_BOUND, INTEGER_BOUND)
+    assert bounded["low"]["minimum"] == 0 and bounded["low"]["maximum"] == INTEGER_BOUND
+    assert "maximum" not in bounded["grid"] and "maximum" not in bounded["x"]
+    assert bounded["ids"]["items"]["maximum"] == INTEGER_BOUND
+    regex = to_constraint(int)
+    assert bound_integers(regex) is regex
+
+
+class Scientist(BaseModel):
+    name: str
+    city: str
+    country: str
+
+
+def test_an_item_opened_past_the_budget_is_dropped_and_the_list_closed_before_it(llm: LLM) -> None:
+    prompt = ("Give a JSON list of five famous people, each with name, city and country: Einstein from Ulm, "
+              "Germany; Curie from Warsaw, Poland; Newton from Woolsthorpe, England; Darwin from Shrewsbury, "
+              "England; Tesla from Smiljan, Croatia.")
+    c = llm.complete(list[Scientist], prompt, max_tokens=40)
+    assert c.finish_reason == "stop" and len(c.value) >= 1 and all(isinstance(p, Scientist) for p in c.value)
+    assert c.stats.dropped_tokens > 0 and c.stats.guards_fired == ["budget_closing"]
+    assert c.stats.output_tokens <= 40
