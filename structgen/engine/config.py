@@ -13,7 +13,9 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Gemma3ForCausalLM",
 )
+SLIDING, FULL = "sliding_attention", "full_attention"  # HF's names for a layer's attention
 
 
 @dataclass
@@ -37,6 +39,20 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3 normalises q and k per head
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
+    # Gemma 3 (models/gemma3.py): sliding-window layers with their own RoPE base, queries
+    # scaled by query_pre_attn_scalar, GeGLU, optional final logit soft-capping.
+    layer_types: tuple[str, ...] = ()  # per layer SLIDING or FULL; () is all FULL
+    sliding_window: int | None = None  # keys a SLIDING layer's query sees, itself included
+    rope_local_theta: float | None = None  # RoPE base of the SLIDING layers
+    query_pre_attn_scalar: float | None = None  # None: head_dim
+    final_logit_softcapping: float | None = None
+    hidden_act: str = "silu"
+
+    def window_of(self, layer: int) -> int | None:
+        """The attention window of `layer`, None where it attends to its whole context."""
+        if self.layer_types and self.layer_types[layer] == SLIDING:
+            return self.sliding_window
+        return None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
@@ -48,6 +64,8 @@ class ModelConfig:
             raise ModelLoadError(
                 f"unsupported architecture {arch!r}; structgen runs {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        if arch == "Gemma3ForCausalLM":
+            return cls._gemma3(d)
         n_heads = d["num_attention_heads"]
         eos = d.get("eos_token_id")
         eos_list = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
@@ -69,6 +87,52 @@ class ModelConfig:
             qk_norm=arch == "Qwen3ForCausalLM",
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=eos_list,
+        )
+
+    @classmethod
+    def _gemma3(cls, d: dict[str, Any]) -> ModelConfig:
+        """A Gemma 3 text config, in transformers 4's keys (rope_theta, rope_local_base_freq,
+        rope_scaling, sliding_window_pattern) or 5's (rope_parameters per layer type)."""
+        from structgen.errors import ModelLoadError
+
+        if d.get("attn_logit_softcapping") is not None:
+            raise ModelLoadError("attention logit soft-capping (Gemma 2) is not supported; structgen runs "
+                                 "Gemma 3 checkpoints, whose config has attn_logit_softcapping null")
+        if d.get("attention_bias"):
+            raise ModelLoadError("Gemma 3 with attention biases is not supported; structgen runs Gemma 3 "
+                                 "checkpoints whose config has attention_bias false")
+        n_layers, n_heads = d["num_hidden_layers"], d["num_attention_heads"]
+        pattern = d.get("sliding_window_pattern", 6)
+        types = d.get("layer_types") or [SLIDING if (i + 1) % pattern else FULL for i in range(n_layers)]
+        params = d.get("rope_parameters") or {}
+        full, local = params.get(FULL) or {}, params.get(SLIDING) or {}
+        scaling = d.get("rope_scaling") or {k: v for k, v in full.items() if k != "rope_theta"} or None
+        if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
+            scaling = None
+        eos = d.get("eos_token_id", 1)
+        return cls(
+            architecture="Gemma3ForCausalLM",
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=n_layers,
+            num_attention_heads=n_heads,
+            num_key_value_heads=d.get("num_key_value_heads") or n_heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // n_heads,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=full.get("rope_theta", d.get("rope_theta", 1_000_000.0)),
+            rope_scaling=scaling,
+            max_position_embeddings=d.get("max_position_embeddings", 131_072),
+            tie_word_embeddings=d.get("tie_word_embeddings", True),
+            qk_norm=True,
+            bos_token_id=d.get("bos_token_id", 2),
+            eos_token_id=[eos] if isinstance(eos, int) else list(eos),
+            layer_types=tuple(types),
+            sliding_window=d.get("sliding_window", 4096),
+            rope_local_theta=local.get("rope_theta", d.get("rope_local_base_freq", 10_000.0)),
+            query_pre_attn_scalar=d.get("query_pre_attn_scalar", 256),
+            final_logit_softcapping=d.get("final_logit_softcapping"),
+            hidden_act=d.get("hidden_activation") or "gelu_pytorch_tanh",
         )
 
     @classmethod

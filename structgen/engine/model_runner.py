@@ -21,7 +21,7 @@ import torch
 from structgen.engine.attention import AttentionBatch
 from structgen.engine.config import EngineConfig, ModelConfig
 from structgen.engine.kv_cache import KVCache
-from structgen.engine.models.llama import LlamaModel, skip_init
+from structgen.engine.models.llama import skip_init
 
 log = logging.getLogger("structgen.engine")
 
@@ -70,9 +70,11 @@ class ModelRunner:
         if self.device.type == "cuda" and config.use_cuda_graphs and triton_enabled(self.device):
             self.capture_decode_graphs()
 
-    def _build_model(self, model_dir: Path | None) -> LlamaModel:
+    def _build_model(self, model_dir: Path | None) -> torch.nn.Module:
+        from structgen.engine.models.registry import model_class
+
         with skip_init(self.dtype), self.device:
-            model = LlamaModel(self.model_config, max_positions=self.max_seq_len)
+            model = model_class(self.model_config)(self.model_config, max_positions=self.max_seq_len)
         if model_dir is None:
             model.init_random_weights()
         else:
