@@ -51,10 +51,21 @@ def pick_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
+def mask_padding_(logits: torch.Tensor, text_vocab_size: int) -> torch.Tensor:
+    """Rule out the logits past the tokenizer's last id (a padded LM head): no token has
+    them, so even free text must never sample one. In place; returns `logits`."""
+    if text_vocab_size < logits.shape[-1]:
+        logits[..., text_vocab_size:] = float("-inf")
+    return logits
+
+
 class ModelRunner:
-    def __init__(self, model_config: ModelConfig, config: EngineConfig, model_dir: Path | None = None):
+    def __init__(self, model_config: ModelConfig, config: EngineConfig, model_dir: Path | None = None,
+                 text_vocab_size: int | None = None):
         self.model_config = model_config
         self.config = config
+        # The tokenizer's vocabulary (tokenizer_conformance.py); logits past it are masked.
+        self.text_vocab_size = text_vocab_size or model_config.vocab_size
         self.device = pick_device(config)
         self.dtype = pick_dtype(config, self.device)
         self.max_seq_len = min(config.max_seq_len, model_config.max_position_embeddings)
@@ -113,7 +124,7 @@ class ModelRunner:
         if len(logit_rows) != hidden.shape[0]:
             hidden = hidden[torch.tensor(logit_rows, dtype=torch.long, device=self.device)]
         self.forward_passes += 1
-        return self.model.logits(hidden)
+        return mask_padding_(self.model.logits(hidden), self.text_vocab_size)
 
     def _use_decode_kernel(self, seqs: list[ExtendSeq]) -> bool:
         if self.device.type != "cuda" or any(len(s.token_ids) != 1 for s in seqs):
