@@ -5,6 +5,7 @@ Gemma's differences from Llama changes the tokens if it is wrong."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -93,6 +94,53 @@ def test_a_window_wider_than_the_sequence_changes_the_logits(tiny_gemma):
         logits[window] = engine.runner.extend([ExtendSeq(0, 0, seq, num_logits=len(seq))])
     assert torch.allclose(logits[WINDOW][:WINDOW], logits[1000][:WINDOW], atol=1e-5)
     assert not torch.allclose(logits[WINDOW][-1], logits[1000][-1], atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_in_bf16_match_eager_and_transformers(tiny_gemma):
+    """On the device in bf16: greedy tokens through the CUDA graphs (decode kernel with the
+    window) equal the eager path's, and prefill logits are within bf16 tolerance of
+    transformers'."""
+    path, ref = tiny_gemma
+    outs = {}
+    for graphs in (True, False):
+        ec = EngineConfig(device="cuda", dtype="bfloat16", max_batch_size=2, max_seq_len=128, use_cuda_graphs=graphs,
+                          prefill_in_graphs=False)
+        engine = Engine(load_model_config(path), ec, path)
+        reqs = [Request(p, SamplingParams(max_tokens=STEPS)) for p in PROMPTS]
+        engine.run(reqs)
+        outs[graphs] = [r.output_ids for r in reqs]
+        full = PROMPTS[0] + outs[graphs][0]
+        slot = engine.runner.kv.allocate()
+        ours = engine.runner.extend([ExtendSeq(slot, 0, full, num_logits=len(full))])
+    assert outs[True] == outs[False]
+    hf = ref.to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        expected = hf(torch.tensor([full], device="cuda")).logits[0].float()
+    ref.to("cpu", torch.float32)
+    assert float((ours - expected).norm() / expected.norm()) < 3e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
+                    reason="needs CUDA (or TRITON_INTERPRET=1)")
+def test_decode_graph_steps_equal_transformers_in_float32(tiny_gemma):
+    """The decode graphs' step (Triton decode attention with each layer's window, the GEMV
+    projections) in float32: transformers' greedy tokens. On the CPU under TRITON_INTERPRET=1
+    the graph steps run eagerly."""
+    from structgen.engine.cuda_graphs import DecodeGraphs
+
+    path, ref = tiny_gemma
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ec = EngineConfig(device=device, dtype="float32", max_batch_size=2, max_seq_len=64, use_cuda_graphs=False,
+                      prefill_in_graphs=False)
+    engine = Engine(load_model_config(path), ec, path)
+    engine.runner.graphs = DecodeGraphs(engine.runner, (1, 2, 4), capture=device == "cuda")
+    reqs = [Request(p, SamplingParams(max_tokens=20)) for p in PROMPTS]
+    engine.run(reqs)
+    assert engine.runner.graphs.steps >= 19
+    assert [r.output_ids for r in reqs] == [reference_greedy(ref, p)[:20] for p in PROMPTS]
 
 
 # ----------------------------------------------------------------------------- the real 270M

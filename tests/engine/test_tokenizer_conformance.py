@@ -58,6 +58,7 @@ def test_a_turn_marker_not_marked_special_is_refused(model_dir, tmp_path):
         check_tokenizer(tok, 49152, [tok.eos_token_id])
 
 
+@pytest.mark.slow
 def test_a_normalizer_that_changes_text_is_refused(model_dir, tmp_path):
     """A lowercasing normalizer: the tokens the model writes no longer spell the grammar's text."""
     tok = broken_copy(model_dir, tmp_path, lambda tj: tj.update(normalizer={"type": "Lowercase"}))
@@ -65,6 +66,7 @@ def test_a_normalizer_that_changes_text_is_refused(model_dir, tmp_path):
         check_tokenizer(tok, 49152, [tok.eos_token_id])
 
 
+@pytest.mark.slow
 def test_a_decoder_the_byte_table_disagrees_with_is_refused(model_dir, tmp_path):
     """A decoder that writes every token's bytes differently from what the table says."""
     decoder = {"type": "Sequence", "decoders": [{"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True,
@@ -75,6 +77,7 @@ def test_a_decoder_the_byte_table_disagrees_with_is_refused(model_dir, tmp_path)
         check_tokenizer(tok, 49152, [tok.eos_token_id])
 
 
+@pytest.mark.slow
 def test_a_chat_template_that_cannot_render_is_refused(model_dir, tmp_path):
     template = "{{ raise_exception('broken on purpose') }}"
     tok = broken_copy(model_dir, tmp_path)
@@ -89,8 +92,9 @@ def test_a_stop_token_outside_the_model_is_refused(tokenizer):
 
 
 def test_padded_logits_are_never_sampled(tokenizer):
-    """A model 64 rows wider than its tokenizer: the check reports the padding, and the engine
-    masks those logits, so even unconstrained sampling never picks one."""
+    """A model 64 rows wider than its tokenizer, whose padding rows would win every step: the
+    check reports the padding, and the engine masks those logits, so even unconstrained
+    sampling never picks one."""
     report = check_tokenizer(tokenizer, 49152 + 64, [tokenizer.eos_token_id])
     assert report.padded and report.text_vocab_size == 49152
     cfg = ModelConfig(vocab_size=49152 + 64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -100,6 +104,6 @@ def test_padded_logits_are_never_sampled(tokenizer):
     torch.nn.init.normal_(engine.runner.model.lm_head.weight[49152:], 5.0)  # padding rows would win
     logits = engine.runner.extend([ExtendSeq(0, 0, [1, 2, 3])])
     assert torch.isinf(logits[0, 49152:]).all() and torch.isfinite(logits[0, :49152]).all()
-    req = Request([1, 2, 3], SamplingParams(max_tokens=24, temperature=1.0, seed=1))
+    req = Request([1, 2, 3], SamplingParams(max_tokens=4, temperature=1.0, seed=1))
     engine.run([req])
     assert req.output_ids and max(req.output_ids) < 49152

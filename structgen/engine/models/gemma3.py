@@ -107,8 +107,9 @@ class Gemma3Model(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, batch: AttentionBatch, kv: KVCache) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        # transformers scales by sqrt(hidden) rounded to the model dtype; so do we.
-        x = x * torch.tensor(self.config.hidden_size**0.5, dtype=torch.float32).to(x.dtype)
+        # transformers scales by sqrt(hidden) rounded to the model dtype; so do we (a Python
+        # number: nothing to copy inside a CUDA graph).
+        x = x * torch.tensor(self.config.hidden_size**0.5).to(x.dtype).item()
         for layer in self.layers:
             rope = self.rope if layer.self_attn.window is None else self.local_rope
             x = layer(x, rope, batch, kv)
