@@ -72,7 +72,7 @@ from structgen.engine.graph_metadata import (  # the rows of the metadata buffer
     SLOTS,
 )
 from structgen.engine.kernels.sampling import sample_tokens
-from structgen.engine.model_runner import mask_padding_
+from structgen.engine.sampler import mask_padding_
 
 if TYPE_CHECKING:
     from structgen.engine.guided_loop import GuidedLoop

@@ -22,6 +22,7 @@ from structgen.engine.attention import AttentionBatch
 from structgen.engine.config import EngineConfig, ModelConfig
 from structgen.engine.kv_cache import KVCache
 from structgen.engine.models.llama import skip_init
+from structgen.engine.sampler import mask_padding_
 
 log = logging.getLogger("structgen.engine")
 
@@ -49,14 +50,6 @@ def pick_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
     if config.dtype:
         return _DTYPES[config.dtype]
     return torch.bfloat16 if device.type == "cuda" else torch.float32
-
-
-def mask_padding_(logits: torch.Tensor, text_vocab_size: int) -> torch.Tensor:
-    """Rule out the logits past the tokenizer's last id (a padded LM head): no token has
-    them, so even free text must never sample one. In place; returns `logits`."""
-    if text_vocab_size < logits.shape[-1]:
-        logits[..., text_vocab_size:] = float("-inf")
-    return logits
 
 
 class ModelRunner:
