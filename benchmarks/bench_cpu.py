@@ -76,13 +76,13 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    from benchmarks.bench_decode import chat
     from benchmarks.peers import (
         compile_xgrammar,
         load_hf_model,
         outlines_json,
         transformers_generate,
     )
-    from benchmarks.bench_decode import chat
     from structgen import LLM, JsonSchema
 
     extra: dict[str, Any] = {"threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "prompt": PROMPT,

@@ -14,6 +14,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Gemma3ForCausalLM",
+    "Phi3ForCausalLM",
 )
 SLIDING, FULL = "sliding_attention", "full_attention"  # HF's names for a layer's attention
 
@@ -47,6 +48,10 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # None: head_dim
     final_logit_softcapping: float | None = None
     hidden_act: str = "silu"
+    # Phi-3 / Phi-4-mini (models/phi3.py): RoPE on the first fraction of each head's dims, and
+    # LongRoPE's short factors below the pretraining context, long ones from it on.
+    partial_rotary_factor: float = 1.0
+    original_max_position_embeddings: int | None = None
 
     def window_of(self, layer: int) -> int | None:
         """The attention window of `layer`, None where it attends to its whole context."""
@@ -66,6 +71,8 @@ class ModelConfig:
             )
         if arch == "Gemma3ForCausalLM":
             return cls._gemma3(d)
+        if arch == "Phi3ForCausalLM":
+            return cls._phi3(d)
         n_heads = d["num_attention_heads"]
         eos = d.get("eos_token_id")
         eos_list = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
@@ -133,6 +140,43 @@ class ModelConfig:
             query_pre_attn_scalar=d.get("query_pre_attn_scalar", 256),
             final_logit_softcapping=d.get("final_logit_softcapping"),
             hidden_act=d.get("hidden_activation") or "gelu_pytorch_tanh",
+        )
+
+    @classmethod
+    def _phi3(cls, d: dict[str, Any]) -> ModelConfig:
+        """A Phi-3 / Phi-4-mini config (fused checkpoints; partial rotary; LongRoPE; Phi-3's
+        sliding window on every layer), in transformers 4's or 5's keys."""
+        from structgen.errors import ModelLoadError
+
+        rope = dict(d.get("rope_scaling") or d.get("rope_parameters") or {})
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        kind = "longrope" if kind in ("su", "longrope") else kind
+        if kind not in ("default", "longrope"):
+            raise ModelLoadError(f"Phi-3 rope type {kind!r} is not supported; structgen runs 'default' and 'longrope'")
+        n_layers, n_heads = d["num_hidden_layers"], d["num_attention_heads"]
+        window = d.get("sliding_window")
+        eos = d.get("eos_token_id")
+        original = d.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
+        return cls(
+            architecture="Phi3ForCausalLM",
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=n_layers,
+            num_attention_heads=n_heads,
+            num_key_value_heads=d.get("num_key_value_heads") or n_heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // n_heads,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-5),
+            rope_theta=d.get("rope_theta", rope.get("rope_theta", 10000.0)),
+            rope_scaling={**rope, "rope_type": "longrope"} if kind == "longrope" else None,
+            max_position_embeddings=d.get("max_position_embeddings", 4096),
+            tie_word_embeddings=d.get("tie_word_embeddings", False),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+            layer_types=(SLIDING,) * n_layers if window else (),
+            sliding_window=window,
+            partial_rotary_factor=d.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0)),
+            original_max_position_embeddings=original,
         )
 
     @classmethod

@@ -41,13 +41,12 @@ class GemmaRMSNorm(nn.Module):
 
 
 class GemmaAttention(Attention):
-    """Llama's attention with Gemma's q/k norms, query scale and (on sliding layers) a window."""
+    """Llama's attention (its window included) with Gemma's q/k norms and query scale."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__(cfg, layer_idx)
         self.q_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.window = cfg.window_of(layer_idx)
         # attend() scales by head_dim ** -0.5; Gemma by query_pre_attn_scalar ** -0.5.
         scalar = cfg.query_pre_attn_scalar or self.head_dim
         self.query_scale = (self.head_dim / scalar) ** 0.5

@@ -16,6 +16,10 @@ def model_class(cfg: ModelConfig) -> type[nn.Module]:
         from structgen.engine.models.gemma3 import Gemma3Model
 
         return Gemma3Model
+    if cfg.architecture == "Phi3ForCausalLM":
+        from structgen.engine.models.phi3 import Phi3Model
+
+        return Phi3Model
     from structgen.engine.models.llama import LlamaModel
 
     return LlamaModel
