@@ -73,18 +73,9 @@ class ModelConfig:
             return cls._gemma3(d)
         if arch == "Phi3ForCausalLM":
             return cls._phi3(d)
-        n_heads = d["num_attention_heads"]
-        eos = d.get("eos_token_id")
-        eos_list = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         return cls(
             architecture=arch,
-            vocab_size=d["vocab_size"],
-            hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"],
-            num_hidden_layers=d["num_hidden_layers"],
-            num_attention_heads=n_heads,
-            num_key_value_heads=d.get("num_key_value_heads") or n_heads,
-            head_dim=d.get("head_dim") or d["hidden_size"] // n_heads,
+            **_shape(d),
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             rope_theta=d.get("rope_theta", (d.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
             rope_scaling=d.get("rope_scaling"),
@@ -93,7 +84,7 @@ class ModelConfig:
             attention_bias=d.get("attention_bias", arch == "Qwen2ForCausalLM"),
             qk_norm=arch == "Qwen3ForCausalLM",
             bos_token_id=d.get("bos_token_id"),
-            eos_token_id=eos_list,
+            eos_token_id=_id_list(d.get("eos_token_id")),
         )
 
     @classmethod
@@ -108,7 +99,7 @@ class ModelConfig:
         if d.get("attention_bias"):
             raise ModelLoadError("Gemma 3 with attention biases is not supported; structgen runs Gemma 3 "
                                  "checkpoints whose config has attention_bias false")
-        n_layers, n_heads = d["num_hidden_layers"], d["num_attention_heads"]
+        n_layers = d["num_hidden_layers"]
         pattern = d.get("sliding_window_pattern", 6)
         types = d.get("layer_types") or [SLIDING if (i + 1) % pattern else FULL for i in range(n_layers)]
         params = d.get("rope_parameters") or {}
@@ -116,16 +107,9 @@ class ModelConfig:
         scaling = d.get("rope_scaling") or {k: v for k, v in full.items() if k != "rope_theta"} or None
         if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
             scaling = None
-        eos = d.get("eos_token_id", 1)
         return cls(
             architecture="Gemma3ForCausalLM",
-            vocab_size=d["vocab_size"],
-            hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"],
-            num_hidden_layers=n_layers,
-            num_attention_heads=n_heads,
-            num_key_value_heads=d.get("num_key_value_heads") or n_heads,
-            head_dim=d.get("head_dim") or d["hidden_size"] // n_heads,
+            **_shape(d),
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             rope_theta=full.get("rope_theta", d.get("rope_theta", 1_000_000.0)),
             rope_scaling=scaling,
@@ -133,7 +117,7 @@ class ModelConfig:
             tie_word_embeddings=d.get("tie_word_embeddings", True),
             qk_norm=True,
             bos_token_id=d.get("bos_token_id", 2),
-            eos_token_id=[eos] if isinstance(eos, int) else list(eos),
+            eos_token_id=_id_list(d.get("eos_token_id", 1)),
             layer_types=tuple(types),
             sliding_window=d.get("sliding_window", 4096),
             rope_local_theta=local.get("rope_theta", d.get("rope_local_base_freq", 10_000.0)),
@@ -153,27 +137,19 @@ class ModelConfig:
         kind = "longrope" if kind in ("su", "longrope") else kind
         if kind not in ("default", "longrope"):
             raise ModelLoadError(f"Phi-3 rope type {kind!r} is not supported; structgen runs 'default' and 'longrope'")
-        n_layers, n_heads = d["num_hidden_layers"], d["num_attention_heads"]
         window = d.get("sliding_window")
-        eos = d.get("eos_token_id")
         original = d.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
         return cls(
             architecture="Phi3ForCausalLM",
-            vocab_size=d["vocab_size"],
-            hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"],
-            num_hidden_layers=n_layers,
-            num_attention_heads=n_heads,
-            num_key_value_heads=d.get("num_key_value_heads") or n_heads,
-            head_dim=d.get("head_dim") or d["hidden_size"] // n_heads,
+            **_shape(d),
             rms_norm_eps=d.get("rms_norm_eps", 1e-5),
             rope_theta=d.get("rope_theta", rope.get("rope_theta", 10000.0)),
             rope_scaling={**rope, "rope_type": "longrope"} if kind == "longrope" else None,
             max_position_embeddings=d.get("max_position_embeddings", 4096),
             tie_word_embeddings=d.get("tie_word_embeddings", False),
             bos_token_id=d.get("bos_token_id"),
-            eos_token_id=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
-            layer_types=(SLIDING,) * n_layers if window else (),
+            eos_token_id=_id_list(d.get("eos_token_id")),
+            layer_types=(SLIDING,) * d["num_hidden_layers"] if window else (),
             sliding_window=window,
             partial_rotary_factor=d.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0)),
             original_max_position_embeddings=original,
@@ -182,6 +158,24 @@ class ModelConfig:
     @classmethod
     def from_file(cls, path: str | Path) -> ModelConfig:
         return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def _shape(d: dict[str, Any]) -> dict[str, int]:
+    """The sizes every family's config.json names alike (head_dim and the KV heads defaulted)."""
+    n_heads = d["num_attention_heads"]
+    return {
+        "vocab_size": d["vocab_size"],
+        "hidden_size": d["hidden_size"],
+        "intermediate_size": d["intermediate_size"],
+        "num_hidden_layers": d["num_hidden_layers"],
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": d.get("num_key_value_heads") or n_heads,
+        "head_dim": d.get("head_dim") or d["hidden_size"] // n_heads,
+    }
+
+
+def _id_list(ids: int | list[int] | None) -> list[int]:
+    return [] if ids is None else ([ids] if isinstance(ids, int) else list(ids))
 
 
 @dataclass
