@@ -1,7 +1,7 @@
 """Phi-3 / Phi-4-mini against transformers' Phi3ForCausalLM on tiny random-weight checkpoints
 (CPU, float32): fused qkv / gate_up tensors, partial rotary (3/4 of each head, as Phi-4-mini),
 LongRoPE's short factors and attention factor, and Phi-3's sliding window shorter than the
-sequence."""
+sequence; and the same checkpoint as a llama.cpp `phi3` GGUF."""
 
 from __future__ import annotations
 
@@ -78,3 +78,59 @@ def test_long_factors_take_over_at_the_pretraining_context(tmp_path):
         expected = (pos * base / torch.tensor(factors)).cos() * scale
         assert torch.allclose(rope.cos[pos, : r // 2], expected, atol=1e-5)
     assert (rope.cos[:, r // 2 : 16] == 1).all() and (rope.sin[:, r // 2 : 16] == 0).all()  # not rotated
+
+
+def write_phi3_gguf(model: torch.nn.Module, out: Path) -> None:
+    """The tiny checkpoint as llama.cpp's converter writes a Phi-3 GGUF: its tensor names
+    (from gguf-py's own name map), float32 tensors, LongRoPE factors as tensors, and a small
+    SentencePiece-style vocabulary."""
+    import gguf
+
+    cfg = model.config
+    rope = cfg.rope_parameters
+    w = gguf.GGUFWriter(str(out), "phi3")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_dimension_count(int(32 * rope["partial_rotary_factor"]))
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    w.add_tokenizer_model("llama")
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + [f"\u2581w{i}" for i in range(253)]
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * 3 + [0.0] * 256 + [-float(i) for i in range(253)])
+    w.add_token_types([2, 3, 3] + [6] * 256 + [1] * 253)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.PHI3, cfg.num_hidden_layers)
+    for name, tensor in model.state_dict().items():
+        w.add_tensor(names.get_name(name, try_suffixes=(".weight",)), tensor.float().numpy())
+    w.add_tensor("rope_factors_long.weight", torch.tensor(rope["long_factor"]).float().numpy())
+    w.add_tensor("rope_factors_short.weight", torch.tensor(rope["short_factor"]).float().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_a_phi3_gguf_converts_to_the_same_model(tmp_path):
+    """llama.cpp's `phi3` GGUF (fused tensors, rotary dims, LongRoPE factor tensors) converts
+    to a directory our engine runs with transformers' greedy tokens."""
+    from structgen.engine.models.loader import resolve_model
+
+    _, ref = tiny_phi3(tmp_path / "hf", partial_rotary_factor=0.75)
+    write_phi3_gguf(ref, tmp_path / "tiny-phi3.gguf")
+    model_dir = resolve_model(tmp_path / "tiny-phi3.gguf", cache_dir=tmp_path / "cache", progress=False)
+    cfg = load_model_config(model_dir)
+    assert (cfg.partial_rotary_factor, cfg.original_max_position_embeddings) == (0.75, 64)
+    engine = Engine(cfg, EngineConfig(device="cpu", max_batch_size=1, max_seq_len=64), model_dir)
+    req = Request(PROMPTS[0], SamplingParams(max_tokens=16))
+    engine.run([req])
+    with torch.no_grad():
+        out = ref.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
+    assert req.output_ids == out[0, len(PROMPTS[0]):].tolist()

@@ -52,7 +52,18 @@ _GEMMA3_BLOCK_NAMES = {
     "ffn_norm.weight": "pre_feedforward_layernorm.weight",
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
-_BLOCK_NAMES_BY_ARCH = {"llama": _BLOCK_NAMES, "gemma3": _GEMMA3_BLOCK_NAMES}
+# Phi-3's fused q/k/v and gate/up (llama.cpp's `ffn_up` holds gate then up, as HF's does).
+_PHI3_BLOCK_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_up.weight": "mlp.gate_up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_BLOCK_NAMES_BY_ARCH = {"llama": _BLOCK_NAMES, "gemma3": _GEMMA3_BLOCK_NAMES, "phi3": _PHI3_BLOCK_NAMES}
+# LongRoPE's factors, which llama.cpp stores as tensors: config values, not parameters.
+_PHI3_ROPE_FACTORS = {"rope_factors_long.weight": "long_factor", "rope_factors_short.weight": "short_factor"}
 SUPPORTED_GGUF_ARCHITECTURES = tuple(_BLOCK_NAMES_BY_ARCH)
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -61,7 +72,7 @@ _GLOBAL_NAMES = {
 }
 # Present in some llama GGUFs but derived data, not parameters: rope_freqs holds the llama3
 # rope-scaling factors (we rebuild them from config.json) and rope_embd tables are caches.
-_SKIPPED = {"rope_freqs.weight", "rope_embd.weight"}
+_SKIPPED = {"rope_freqs.weight", "rope_embd.weight", *_PHI3_ROPE_FACTORS}
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 # Pre-tokenizers that transformers' GGUF tokenizer conversion does not rebuild faithfully,
@@ -150,6 +161,8 @@ def gguf_config(reader: Any, tensor_names: set[str], n_vocab: int) -> dict[str, 
     arch = _field(reader, "general.architecture")
     if arch == "gemma3":
         return gemma3_gguf_config(reader, tensor_names, n_vocab)
+    if arch == "phi3":
+        return phi3_gguf_config(reader, tensor_names, n_vocab)
     if arch != "llama":
         raise ModelLoadError(
             f"GGUF architecture {arch!r} is not supported; structgen converts "
@@ -237,6 +250,52 @@ def gemma3_gguf_config(reader: Any, tensor_names: set[str], n_vocab: int) -> dic
         "bos_token_id": int(_field(reader, "tokenizer.ggml.bos_token_id", 2)),
         "eos_token_id": eos,
         "pad_token_id": int(_field(reader, "tokenizer.ggml.padding_token_id", 0)),
+        "torch_dtype": "float32",
+    }
+
+
+def phi3_gguf_config(reader: Any, tensor_names: set[str], n_vocab: int) -> dict[str, Any]:
+    """HF config.json (Phi3ForCausalLM) for a `phi3` GGUF. The rotary fraction is
+    `rope.dimension_count` over the head size; LongRoPE's factors are filled in from their
+    tensors while converting (`convert_gguf`)."""
+    p = "phi3."
+    hidden, n_heads = int(_field(reader, p + "embedding_length")), int(_field(reader, p + "attention.head_count"))
+    head_dim = hidden // n_heads
+    context = int(_field(reader, p + "context_length", 4096))
+    original = int(_field(reader, p + "rope.scaling.original_context_length", context))
+    eps = float(_field(reader, p + "attention.layer_norm_rms_epsilon", 1e-5))
+    eos = [int(_field(reader, "tokenizer.ggml.eos_token_id", 2))]
+    eot = _field(reader, "tokenizer.ggml.eot_token_id")
+    if eot is not None and int(eot) not in eos:
+        eos.append(int(eot))
+    rope: dict[str, Any] | None = None
+    if "rope_factors_long.weight" in tensor_names:
+        rope = {"rope_type": "longrope", "original_max_position_embeddings": original}
+        attn_factor = _field(reader, p + "rope.scaling.attn_factor")
+        if attn_factor is not None:
+            rope["attention_factor"] = float(attn_factor)
+    window = _field(reader, p + "attention.sliding_window")
+    return {
+        "architectures": ["Phi3ForCausalLM"],
+        "model_type": "phi3",
+        "hidden_size": hidden,
+        "intermediate_size": int(_field(reader, p + "feed_forward_length")),
+        "num_hidden_layers": int(_field(reader, p + "block_count")),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": int(_field(reader, p + "attention.head_count_kv", n_heads)),
+        "rms_norm_eps": float(f"{eps:.6g}"),
+        "rope_theta": float(_field(reader, p + "rope.freq_base", 10000.0)),
+        "rope_scaling": rope,
+        "partial_rotary_factor": int(_field(reader, p + "rope.dimension_count", head_dim)) / head_dim,
+        "max_position_embeddings": context,
+        "original_max_position_embeddings": original,
+        "sliding_window": None if window is None else int(window),
+        "vocab_size": n_vocab,
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "hidden_act": "silu",
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": eos[0] if len(eos) == 1 else eos,
+        "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id"),
         "torch_dtype": "float32",
     }
 
@@ -334,6 +393,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> No
         if t.name == "rope_freqs.weight":
             cfg["rope_scaling"] = _llama3_rope_scaling(
                 np.asarray(t.data, dtype=np.float64).reshape(-1), cfg["head_dim"], cfg["rope_theta"])
+        if t.name in _PHI3_ROPE_FACTORS:
+            cfg["rope_scaling"][_PHI3_ROPE_FACTORS[t.name]] = np.asarray(t.data, dtype=np.float64).reshape(-1).tolist()
         name = hf_tensor_name(t.name, arch)
         if name is None:
             continue
