@@ -67,14 +67,14 @@ class ModelRunner:
         self.forward_passes = 0
         from structgen.engine.kernels import triton_enabled
 
-        self.model.use_fused_kernels(triton_enabled(self.device))
+        # The Triton kernels (and so the graphs, which use them) take power-of-two head sizes;
+        # others (Phi-3-mini's 96) run eagerly through torch and SDPA.
+        self.head_dim_fits_kernels = model_config.head_dim & (model_config.head_dim - 1) == 0
+        self.model.use_fused_kernels(triton_enabled(self.device) and self.head_dim_fits_kernels)
         self.graphs = None  # DecodeGraphs once captured (CUDA + use_cuda_graphs)
         self._eager_bitmask: torch.Tensor | None = None  # the eager decode path's mask rows
         self._token_gate: tuple | None = None  # (quiet tokens, min allowed) once asked for
-        # The decode kernel (and so the graphs, which use it) takes power-of-two head sizes;
-        # others (Phi-3-mini's 96) run eagerly through SDPA.
-        self.decode_kernel_fits = model_config.head_dim & (model_config.head_dim - 1) == 0
-        if self.device.type == "cuda" and config.use_cuda_graphs and triton_enabled(self.device) and self.decode_kernel_fits:
+        if self.device.type == "cuda" and config.use_cuda_graphs and triton_enabled(self.device) and self.head_dim_fits_kernels:
             self.capture_decode_graphs()
 
     def _build_model(self, model_dir: Path | None) -> torch.nn.Module:
@@ -127,7 +127,7 @@ class ModelRunner:
             return False
         from structgen.engine.kernels import decode_attention_available
 
-        return self.decode_kernel_fits and decode_attention_available()
+        return self.head_dim_fits_kernels and decode_attention_available()
 
     def mask_buffer(self, rows: int) -> torch.Tensor:
         """The host bitmask (int32 [>= rows, W], pinned on CUDA) whose first `rows` rows a
