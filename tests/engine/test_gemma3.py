@@ -125,22 +125,13 @@ def test_cuda_graphs_in_bf16_match_eager_and_transformers(tiny_gemma):
 @pytest.mark.gpu
 @pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
                     reason="needs CUDA (or TRITON_INTERPRET=1)")
-def test_decode_graph_steps_equal_transformers_in_float32(tiny_gemma):
+def test_decode_graph_steps_equal_transformers_in_float32(tiny_gemma, greedy_through_graph_steps):
     """The decode graphs' step (Triton decode attention with each layer's window, the GEMV
     projections) in float32: transformers' greedy tokens. On the CPU under TRITON_INTERPRET=1
     the graph steps run eagerly."""
-    from structgen.engine.cuda_graphs import DecodeGraphs
-
     path, ref = tiny_gemma
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    ec = EngineConfig(device=device, dtype="float32", max_batch_size=2, max_seq_len=64, use_cuda_graphs=False,
-                      prefill_in_graphs=False)
-    engine = Engine(load_model_config(path), ec, path)
-    engine.runner.graphs = DecodeGraphs(engine.runner, (1, 2, 4), capture=device == "cuda")
-    reqs = [Request(p, SamplingParams(max_tokens=20)) for p in PROMPTS]
-    engine.run(reqs)
-    assert engine.runner.graphs.steps >= 19
-    assert [r.output_ids for r in reqs] == [reference_greedy(ref, p)[:20] for p in PROMPTS]
+    ours = greedy_through_graph_steps(path, PROMPTS, 20)
+    assert ours == [reference_greedy(ref, p)[:20] for p in PROMPTS]
 
 
 # ----------------------------------------------------------------------------- the real 270M

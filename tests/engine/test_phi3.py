@@ -140,22 +140,13 @@ def test_a_phi3_gguf_converts_to_the_same_model(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
                     reason="needs CUDA (or TRITON_INTERPRET=1)")
-def test_decode_graph_steps_equal_transformers_in_float32(tmp_path):
+def test_decode_graph_steps_equal_transformers_in_float32(tmp_path, greedy_through_graph_steps):
     """Llama's fused kernels (RoPE + KV write from the permuted partial-rotary table, the
     norm-in-projection GEMVs) and the decode graphs' step on Phi-4-mini's layout: transformers'
     greedy tokens. On the CPU under TRITON_INTERPRET=1 the graph steps run eagerly."""
-    from structgen.engine.cuda_graphs import DecodeGraphs
-
     path, ref = tiny_phi3(tmp_path, partial_rotary_factor=0.75, sliding_window=8)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    ec = EngineConfig(device=device, dtype="float32", max_batch_size=2, max_seq_len=64, use_cuda_graphs=False,
-                      prefill_in_graphs=False)
-    engine = Engine(load_model_config(path), ec, path)
-    engine.runner.graphs = DecodeGraphs(engine.runner, (1, 2, 4), capture=device == "cuda")
-    reqs = [Request(p, SamplingParams(max_tokens=20)) for p in PROMPTS]
-    engine.run(reqs)
-    assert engine.runner.graphs.steps >= 19
-    for prompt, req in zip(PROMPTS, reqs, strict=True):
+    ours = greedy_through_graph_steps(path, PROMPTS, 20)
+    for prompt, tokens in zip(PROMPTS, ours, strict=True):
         with torch.no_grad():
             out = ref.generate(torch.tensor([prompt]), max_new_tokens=20, min_new_tokens=20, do_sample=False)
-        assert req.output_ids == out[0, len(prompt):].tolist()
+        assert tokens == out[0, len(prompt):].tolist()
