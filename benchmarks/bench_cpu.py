@@ -9,6 +9,7 @@ tokens (stop tokens off); the JSON rows run until the schema's grammar completes
 
     python -m benchmarks.bench_cpu                  # ~3 min on 2 cores
     python -m benchmarks.bench_cpu --no-cold        # skip the 20-30 s cold conversion
+    python -m benchmarks.bench_cpu --model gemma-3-270m --no-cold
 """
 
 from __future__ import annotations
@@ -35,13 +36,14 @@ SCHEMA = {
     "required": ["name", "age", "city", "tags"], "additionalProperties": False,
 }
 PROMPT = "Extract the person as JSON: Ana Lopes is 31 years old, lives in Lisbon and likes tea and chess."
-START = "import time; t = time.perf_counter(); import structgen; structgen.LLM(); print(time.perf_counter() - t)"
+START = "import time; t = time.perf_counter(); import structgen; structgen.LLM({model!r}); print(time.perf_counter() - t)"
 
 
-def start_time(cache: str | None) -> float:
-    """Seconds for `import structgen; LLM()` in a fresh process (cache: STRUCTGEN_CACHE)."""
+def start_time(cache: str | None, model: str | None) -> float:
+    """Seconds for `import structgen; LLM(model)` in a fresh process (cache: STRUCTGEN_CACHE)."""
     env = dict(os.environ, **({"STRUCTGEN_CACHE": cache} if cache else {}))
-    out = subprocess.run([sys.executable, "-c", START], env=env, capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", START.format(model=model)], env=env, capture_output=True,
+                         text=True, check=True)
     return float(out.stdout.strip().splitlines()[-1])
 
 
@@ -70,9 +72,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--no-cold", action="store_true")
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--model", default=None, help="what LLM() takes (default: SmolLM2-135M), e.g. gemma-3-270m")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    from benchmarks.bench_decode import chat
     from benchmarks.peers import (
         compile_xgrammar,
         load_hf_model,
@@ -81,16 +85,18 @@ def main() -> None:
     )
     from structgen import LLM, JsonSchema
 
-    extra: dict[str, Any] = {"threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "prompt": PROMPT}
+    extra: dict[str, Any] = {"threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "prompt": PROMPT,
+                             "model": args.model or "smollm2-135m"}
     if not args.no_cold:
         with tempfile.TemporaryDirectory() as cache:
-            extra["cold_start_s"] = start_time(cache)
-    extra["warm_start_s"] = start_time(None)
+            extra["cold_start_s"] = start_time(cache, args.model)
+    extra["warm_start_s"] = start_time(None, args.model)
     print(f"LLM() start: cold {extra.get('cold_start_s', float('nan')):.1f} s, warm {extra['warm_start_s']:.1f} s")
 
-    llm = LLM(config=EngineConfig(device="cpu", dtype="float32", max_seq_len=1024))
+    llm = LLM(args.model, config=EngineConfig(device="cpu", dtype="float32", max_seq_len=1024))
+    extra["tokenizer_check_s"] = llm.tokenizer_report.seconds
     tok = llm.tokenizer
-    text = tok.apply_chat_template([{"role": "user", "content": PROMPT}], tokenize=False, add_generation_prompt=True)
+    text = chat(tok, PROMPT)
     prompt_ids = tok.encode(text, add_special_tokens=False)
     grammar = llm.compile(JsonSchema(SCHEMA))
     rows: list[dict[str, Any]] = []
@@ -101,7 +107,7 @@ def main() -> None:
 
     from structgen.engine.models.loader import resolve_model
 
-    hf = load_hf_model(resolve_model(None, progress=False), torch.float32, "cpu")
+    hf = load_hf_model(resolve_model(args.model, progress=False), torch.float32, "cpu")
     stop = sorted(llm.engine.stop_token_ids)
     xg = compile_xgrammar(tok, llm.engine.vocab_size, stop, json_schema=SCHEMA)
     for constrained in (False, True):
@@ -125,7 +131,8 @@ def main() -> None:
             print(f"{'JSON' if constrained else 'free'}: ours {a['ms_per_token']:.1f} ms/token vs {b['system']} "
                   f"{b['ms_per_token']:.1f} ({b['ms_per_token'] / a['ms_per_token']:.2f}x)")
     if not args.no_write:
-        print("wrote", write_results("runner", rows, extra=extra))
+        name = "runner" if args.model is None else f"runner-{args.model}"
+        print("wrote", write_results(name, rows, extra=extra))
 
 
 if __name__ == "__main__":

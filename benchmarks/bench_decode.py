@@ -2,8 +2,8 @@
 mask filling overlapped with the forward) against transformers eager `generate`, with and
 without xgrammar's HF logits processor, on the same device, weights and prompts.
 
-Models: SmolLM2-135M-Instruct (real weights), random-weight Llama-3.2-1B and Llama-3.1-8B
-shapes. Batches 1, 8, 64; unconstrained and constrained by a typical JSON schema (a record
+Models: SmolLM2-135M-Instruct and Gemma 3 270M (real weights; Gemma's 262k vocabulary is the
+mask-fill stress case), random-weight Llama-3.2-1B and Llama-3.1-8B shapes. Batches 1, 8, 64; unconstrained and constrained by a typical JSON schema (a record
 of six fields). Only full pure-decode steps are timed: each round prefills the batch, skips
 two steps, and times steps until the first request finishes; rounds repeat until `--steps`
 steps are timed. Also: the HBM floor (decode weight bytes over measured copy bandwidth),
@@ -12,6 +12,7 @@ self-check that greedy outputs are identical with graphs on and off.
 
     python -m benchmarks.bench_decode                       # everything (on the GPU)
     python -m benchmarks.bench_decode --models llama-8b-shape --batches 1 --no-peers
+    python -m benchmarks.bench_decode --models gemma-3-270m --batches 1,64
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ from structgen.engine.sampler import SamplingParams
 from structgen.grammar import native
 from structgen.grammar.prefetch import MIN_ROWS, MaskPrefetcher
 
-MODELS = ("smollm2-135m", "llama-1b-shape", "llama-8b-shape")
+MODELS = ("smollm2-135m", "gemma-3-270m", "llama-1b-shape", "llama-8b-shape")
+REAL_MODELS = {"smollm2-135m": None, "gemma-3-270m": "gemma-3-270m"}  # name -> resolve_model argument
 # A typical extraction record: strings, an integer, a boolean and a list.
 SCHEMA = {
     "type": "object",
@@ -66,8 +68,8 @@ def load(model: str, tok_dir: Path | None) -> tuple[Any, Any, Path | None, set[i
     """(ModelConfig, tokenizer, weights dir or None for random weights, stop ids)."""
     from structgen.engine.models.loader import load_model_config, load_tokenizer, resolve_model
 
-    if model == "smollm2-135m":
-        d = resolve_model(None, progress=False)
+    if model in REAL_MODELS:
+        d = resolve_model(REAL_MODELS[model], progress=False)
         cfg = load_model_config(d)
         return cfg, load_tokenizer(d), d, set(cfg.eos_token_id)
     cfg = model_config(model.removesuffix("-shape"))
@@ -90,6 +92,11 @@ def build_engine(cfg, model_dir: Path | None, stop: set[int], graphs: bool, pref
 
 
 def chat(tokenizer, text: str) -> str:
+    """The prompt as text: through the chat template, or, for a base model without one (Gemma 3
+    270M), the raw text behind the tokenizer's BOS, so encoding it without special tokens
+    (here and in the peers) gives the same ids either way."""
+    if not tokenizer.chat_template:
+        return (tokenizer.bos_token or "") + text
     return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
 
 

@@ -100,6 +100,7 @@ class LLM:
 
     def __init__(self, model: str | Path | None = None, *, backend: str = "auto", config: EngineConfig | None = None):
         from structgen.engine.models.loader import load_model_config, load_tokenizer, resolve_model
+        from structgen.engine.tokenizer_conformance import check_tokenizer
 
         t0 = time.perf_counter()
         model_dir = resolve_model(model)
@@ -107,7 +108,10 @@ class LLM:
         model_config = load_model_config(model_dir)
         name = "SmolLM2-135M-Instruct" if model is None else Path(str(model)).name.removesuffix(".gguf")
         stop_ids = _stop_token_ids(tokenizer, model_config.eos_token_id)
-        engine = Engine(model_config, config, model_dir, stop_token_ids=stop_ids)
+        # Refuses (ModelLoadError) a tokenizer whose grammar masks would be wrong.
+        self.tokenizer_report = check_tokenizer(tokenizer, model_config.vocab_size, stop_ids)
+        engine = Engine(model_config, config, model_dir, stop_token_ids=stop_ids,
+                        text_vocab_size=self.tokenizer_report.text_vocab_size)
         self._setup(engine, tokenizer, name, backend)
         self.load_time_s = time.perf_counter() - t0
 
@@ -192,7 +196,9 @@ class LLM:
     def _tokenize(self, prompt: Prompt, chat: bool | None, tools: list[dict[str, Any]] | None) -> list[int]:
         has_template = bool(getattr(self.tokenizer, "chat_template", None))
         if isinstance(prompt, str) and (chat is False or (chat is None and not has_template)):
-            return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+            # The tokenizer's own prefix (Gemma's <bos>, without which it degenerates); the
+            # chat templates below write theirs into the text.
+            return list(self.tokenizer.encode(prompt, add_special_tokens=True))
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         if not has_template:
             raise InvalidParameterError(
@@ -618,10 +624,12 @@ def _stop_token_ids(tokenizer: Any, eos_ids: list[int]) -> set[int]:
     ids = set(eos_ids)
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
+    # Only where the name is a control token: Gemma's vocabulary has "</s>" as plain text.
+    special = {t.content: i for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()
+               if getattr(t, "special", False)}
     for tok in ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "</s>"):
-        tid = tokenizer.convert_tokens_to_ids(tok)
-        if isinstance(tid, int) and tid != tokenizer.unk_token_id and tid is not None:
-            ids.add(tid)
+        if tok in special:
+            ids.add(special[tok])
     return ids
 
 

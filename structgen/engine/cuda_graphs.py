@@ -72,6 +72,7 @@ from structgen.engine.graph_metadata import (  # the rows of the metadata buffer
     SLOTS,
 )
 from structgen.engine.kernels.sampling import sample_tokens
+from structgen.engine.sampler import mask_padding_
 
 if TYPE_CHECKING:
     from structgen.engine.guided_loop import GuidedLoop
@@ -99,6 +100,7 @@ class DecodeGraphs:
     def __init__(self, runner: ModelRunner, batch_sizes: tuple[int, ...], capture: bool = True,
                  prelaunch: bool | None = None):
         self.model, self.kv, self.device = runner.model, runner.kv, runner.device
+        self.text_vocab_size = runner.text_vocab_size
         self.batch_sizes = sorted(set(batch_sizes))
         self.max_batch_size = self.batch_sizes[-1]
         self.capture_graphs = capture
@@ -161,7 +163,8 @@ class DecodeGraphs:
             max_q=1, max_ctx=self.kv.max_seq_len, decode_kernel=True,
         )
         hidden = self.model(m[IDS, :bs], batch, self.kv)
-        return self.model.head(hidden)  # model dtype: the sampler reads it without a cast pass
+        # Model dtype: the sampler reads it without a cast pass.
+        return mask_padding_(self.model.head(hidden), self.text_vocab_size)
 
     def _sample(self, bs: int, logits: torch.Tensor) -> None:
         m, tokens = self.meta, self.tokens[:bs]

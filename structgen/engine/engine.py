@@ -82,11 +82,14 @@ class Engine:
         config: EngineConfig | None = None,
         model_dir: Path | None = None,
         stop_token_ids: set[int] | None = None,
+        text_vocab_size: int | None = None,
     ):
         self.stop_token_ids = set(stop_token_ids if stop_token_ids is not None else model_config.eos_token_id)
         self.config = config or EngineConfig()
         self.model_config = model_config
-        self.runner = ModelRunner(model_config, self.config, model_dir)
+        # text_vocab_size: the tokenizer's ids (TokenizerReport); a wider LM head's extra
+        # logits are never sampled.
+        self.runner = ModelRunner(model_config, self.config, model_dir, text_vocab_size)
         self.device = self.runner.device
         self.vocab_size = model_config.vocab_size
         self.scheduler = Scheduler(self.runner.kv, self.runner.kv.num_slots, self.config.prefill_chunk_tokens)

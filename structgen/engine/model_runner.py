@@ -21,7 +21,8 @@ import torch
 from structgen.engine.attention import AttentionBatch
 from structgen.engine.config import EngineConfig, ModelConfig
 from structgen.engine.kv_cache import KVCache
-from structgen.engine.models.llama import LlamaModel, skip_init
+from structgen.engine.models.llama import skip_init
+from structgen.engine.sampler import mask_padding_
 
 log = logging.getLogger("structgen.engine")
 
@@ -52,9 +53,12 @@ def pick_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
 
 
 class ModelRunner:
-    def __init__(self, model_config: ModelConfig, config: EngineConfig, model_dir: Path | None = None):
+    def __init__(self, model_config: ModelConfig, config: EngineConfig, model_dir: Path | None = None,
+                 text_vocab_size: int | None = None):
         self.model_config = model_config
         self.config = config
+        # The tokenizer's vocabulary (tokenizer_conformance.py); logits past it are masked.
+        self.text_vocab_size = text_vocab_size or model_config.vocab_size
         self.device = pick_device(config)
         self.dtype = pick_dtype(config, self.device)
         self.max_seq_len = min(config.max_seq_len, model_config.max_position_embeddings)
@@ -63,16 +67,21 @@ class ModelRunner:
         self.forward_passes = 0
         from structgen.engine.kernels import triton_enabled
 
-        self.model.use_fused_kernels(triton_enabled(self.device))
+        # The Triton kernels (and so the graphs, which use them) take power-of-two head sizes;
+        # others (Phi-3-mini's 96) run eagerly through torch and SDPA.
+        self.head_dim_fits_kernels = model_config.head_dim & (model_config.head_dim - 1) == 0
+        self.model.use_fused_kernels(triton_enabled(self.device) and self.head_dim_fits_kernels)
         self.graphs = None  # DecodeGraphs once captured (CUDA + use_cuda_graphs)
         self._eager_bitmask: torch.Tensor | None = None  # the eager decode path's mask rows
         self._token_gate: tuple | None = None  # (quiet tokens, min allowed) once asked for
-        if self.device.type == "cuda" and config.use_cuda_graphs and triton_enabled(self.device):
+        if self.device.type == "cuda" and config.use_cuda_graphs and triton_enabled(self.device) and self.head_dim_fits_kernels:
             self.capture_decode_graphs()
 
-    def _build_model(self, model_dir: Path | None) -> LlamaModel:
+    def _build_model(self, model_dir: Path | None) -> torch.nn.Module:
+        from structgen.engine.models.registry import model_class
+
         with skip_init(self.dtype), self.device:
-            model = LlamaModel(self.model_config, max_positions=self.max_seq_len)
+            model = model_class(self.model_config)(self.model_config, max_positions=self.max_seq_len)
         if model_dir is None:
             model.init_random_weights()
         else:
@@ -111,14 +120,14 @@ class ModelRunner:
         if len(logit_rows) != hidden.shape[0]:
             hidden = hidden[torch.tensor(logit_rows, dtype=torch.long, device=self.device)]
         self.forward_passes += 1
-        return self.model.logits(hidden)
+        return mask_padding_(self.model.logits(hidden), self.text_vocab_size)
 
     def _use_decode_kernel(self, seqs: list[ExtendSeq]) -> bool:
         if self.device.type != "cuda" or any(len(s.token_ids) != 1 for s in seqs):
             return False
         from structgen.engine.kernels import decode_attention_available
 
-        return decode_attention_available()
+        return self.head_dim_fits_kernels and decode_attention_available()
 
     def mask_buffer(self, rows: int) -> torch.Tensor:
         """The host bitmask (int32 [>= rows, W], pinned on CUDA) whose first `rows` rows a

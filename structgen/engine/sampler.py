@@ -57,6 +57,14 @@ class SamplingParams:
 MAX_SEED = 2**63 - 1  # seeds are int64 on the device
 
 
+def mask_padding_(logits: torch.Tensor, text_vocab_size: int) -> torch.Tensor:
+    """Rule out the logits past the tokenizer's last id (a padded LM head): no token has
+    them, so even free text must never sample one. In place; returns `logits`."""
+    if text_vocab_size < logits.shape[-1]:
+        logits[..., text_vocab_size:] = float("-inf")
+    return logits
+
+
 def _check_int(name: str, value: object, low: int, high: int | None) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise InvalidParameterError(f"{name} must be an integer, got {value!r}")

@@ -66,6 +66,32 @@ def test_decode_attention_matches_reference(batch, heads, kv_heads, dim, max_len
     assert rel_err(out, ref) < tol
 
 
+@pytest.mark.parametrize("window", [1, 64, 300])
+@pytest.mark.parametrize("dtype", [torch.float32, LOW])
+def test_decode_attention_with_a_sliding_window_reads_only_the_last_keys(window, dtype):
+    """Gemma 3's sliding layers: the kernel reads the last `window` keys of each context and
+    nothing before them (NaN there would show), short contexts whole."""
+    from structgen.engine.kernels.decode_attention import (
+        decode_attention,
+        decode_attention_reference,
+    )
+
+    g = torch.Generator().manual_seed(window)
+    batch, heads, kv_heads, dim, max_len = 4, 4, 1, 256, 700
+    k = torch.randn(batch + 1, max_len, kv_heads, dim, generator=g).to(DEVICE, dtype)
+    v = torch.randn(batch + 1, max_len, kv_heads, dim, generator=g).to(DEVICE, dtype)
+    q = torch.randn(batch, heads, dim, generator=g).to(DEVICE, dtype)
+    slots = torch.arange(batch, device=DEVICE)
+    lens = torch.tensor([1, window, window + 37, max_len], device=DEVICE)
+    for slot, n in enumerate(lens.tolist()):
+        k[slot, n:] = v[slot, n:] = float("nan")  # past the length
+        k[slot, : max(0, n - window)] = v[slot, : max(0, n - window)] = float("nan")  # before the window
+    out = decode_attention(q, k, v, slots, lens, window=window)
+    ref = decode_attention_reference(q, k, v, slots, lens, window=window)
+    tol = 1e-4 if dtype == torch.float32 and not CUDA else 1e-2
+    assert rel_err(out, ref) < tol
+
+
 # ----------------------------------------------------------------------------- fused element-wise
 
 

@@ -29,7 +29,7 @@ def _split_kernel(
     stride_ks, stride_kt, stride_kh,
     stride_vs, stride_vt, stride_vh,
     stride_on, stride_oh,
-    num_splits, sm_scale,
+    num_splits, sm_scale, window,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
 ):
@@ -38,9 +38,11 @@ def _split_kernel(
     split = tl.program_id(2)
     slot = tl.load(slots_ptr + b).to(tl.int64)
     ctx = tl.load(lens_ptr + b).to(tl.int32)
-    # Each split takes an equal, block-aligned share of this sequence's context.
-    per_split = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK) * BLOCK
-    start = split * per_split
+    # A sliding-window layer (window > 0) reads only the last `window` keys.
+    lo = tl.where(window > 0, tl.maximum(ctx - window, 0), 0)
+    # Each split takes an equal, block-aligned share of the keys read.
+    per_split = tl.cdiv(tl.cdiv(ctx - lo, num_splits), BLOCK) * BLOCK
+    start = lo + split * per_split
     end = tl.minimum(start + per_split, ctx)
 
     g = tl.arange(0, GROUP_PAD)
@@ -116,7 +118,8 @@ def num_splits_for(batch: int, kv_heads: int, max_seq_len: int, device: torch.de
 
 
 def decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, context_lens: torch.Tensor
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, context_lens: torch.Tensor,
+    window: int = 0,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its cached keys.
 
@@ -127,6 +130,7 @@ def decode_attention(
         (the new token's K/V already written).
     slots: [B] int, each sequence's slot. context_lens: [B] int, tokens to attend to
         (prefix + the new token); positions at and past it are never read.
+    window: > 0 for a sliding-window layer: only the last `window` of those keys are read.
 
     Returns
     -------
@@ -150,7 +154,7 @@ def decode_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         out.stride(0), out.stride(1),
-        splits, dim**-0.5,
+        splits, dim**-0.5, window,
         NUM_HEADS=heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=dim, BLOCK=BLOCK_N, SINGLE_SPLIT=splits == 1,
         num_warps=4, num_stages=2,
@@ -165,16 +169,19 @@ def decode_attention(
 
 
 def decode_attention_reference(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, context_lens: torch.Tensor
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, context_lens: torch.Tensor,
+    window: int = 0,
 ) -> torch.Tensor:
     """The definition, in float64 on the host: softmax(q k^T / sqrt(d)) v per sequence over
-    `[0, context_len)` of its slot, query head h reading KV head h // (heads / kv_heads)."""
+    `[0, context_len)` of its slot (the last `window` positions of it where window > 0),
+    query head h reading KV head h // (heads / kv_heads)."""
     heads, dim = q.shape[1], q.shape[2]
     group = heads // k_cache.shape[2]
     outs = []
     for i, (slot, n) in enumerate(zip(slots.tolist(), context_lens.tolist(), strict=True)):
-        k = k_cache[slot, :n].double().cpu().repeat_interleave(group, dim=1)  # [n, heads, D]
-        v = v_cache[slot, :n].double().cpu().repeat_interleave(group, dim=1)
+        lo = max(0, n - window) if window > 0 else 0
+        k = k_cache[slot, lo:n].double().cpu().repeat_interleave(group, dim=1)  # [n, heads, D]
+        v = v_cache[slot, lo:n].double().cpu().repeat_interleave(group, dim=1)
         s = torch.einsum("hd,nhd->hn", q[i].double().cpu(), k) * dim**-0.5
         outs.append(torch.einsum("hn,nhd->hd", torch.softmax(s, -1), v))
     return torch.stack(outs).to(q.dtype)

@@ -42,6 +42,29 @@ _BLOCK_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Gemma 3's tensors beyond Llama's: q/k norms and the sandwich norms (llama.cpp's `ffn_norm`
+# is Gemma's pre-feedforward norm).
+_GEMMA3_BLOCK_NAMES = {
+    **_BLOCK_NAMES,
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+# Phi-3's fused q/k/v and gate/up (llama.cpp's `ffn_up` holds gate then up, as HF's does).
+_PHI3_BLOCK_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_up.weight": "mlp.gate_up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_BLOCK_NAMES_BY_ARCH = {"llama": _BLOCK_NAMES, "gemma3": _GEMMA3_BLOCK_NAMES, "phi3": _PHI3_BLOCK_NAMES}
+# LongRoPE's factors, which llama.cpp stores as tensors: config values, not parameters.
+_PHI3_ROPE_FACTORS = {"rope_factors_long.weight": "long_factor", "rope_factors_short.weight": "short_factor"}
+SUPPORTED_GGUF_ARCHITECTURES = tuple(_BLOCK_NAMES_BY_ARCH)
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -49,7 +72,7 @@ _GLOBAL_NAMES = {
 }
 # Present in some llama GGUFs but derived data, not parameters: rope_freqs holds the llama3
 # rope-scaling factors (we rebuild them from config.json) and rope_embd tables are caches.
-_SKIPPED = {"rope_freqs.weight", "rope_embd.weight"}
+_SKIPPED = {"rope_freqs.weight", "rope_embd.weight", *_PHI3_ROPE_FACTORS}
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 # Pre-tokenizers that transformers' GGUF tokenizer conversion does not rebuild faithfully,
@@ -65,16 +88,31 @@ _PRE_TOKENIZERS: dict[str, dict[str, Any]] = {
 }
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """HF name of a llama.cpp tensor, or None for tensors the HF model does not have."""
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """HF name of a llama.cpp tensor of architecture `arch`, or None for tensors the HF model
+    does not have."""
     if gguf_name in _SKIPPED:
         return None
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    block_names = _BLOCK_NAMES_BY_ARCH[arch]
     m = _BLOCK_RE.match(gguf_name)
-    if m and m.group(2) in _BLOCK_NAMES:
-        return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}"
-    raise ModelLoadError(f"GGUF tensor {gguf_name!r} has no llama equivalent; not a llama model?")
+    if m and m.group(2) in block_names:
+        return f"model.layers.{m.group(1)}.{block_names[m.group(2)]}"
+    raise ModelLoadError(f"GGUF tensor {gguf_name!r} has no {arch} equivalent; a file of another architecture?")
+
+
+def to_hf_layout(arch: str, gguf_name: str, w: np.ndarray, n_heads: int, n_kv: int) -> np.ndarray:
+    """Undo what llama.cpp's converter did to a tensor's values: llama's q/k row permutation
+    (`unpermute_rotary`); Gemma's norm weights, stored as `1 + w` because llama.cpp multiplies
+    by the weight where Gemma multiplies by one plus it."""
+    if arch == "gemma3":
+        return w - 1.0 if gguf_name.endswith("norm.weight") else w
+    if ".attn_q." in gguf_name:
+        return unpermute_rotary(w, n_heads)
+    if ".attn_k." in gguf_name:
+        return unpermute_rotary(w, n_kv)
+    return w
 
 
 def unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -119,10 +157,16 @@ def _llama3_rope_scaling(factors: np.ndarray, head_dim: int, theta: float) -> di
 
 
 def gguf_config(reader: Any, tensor_names: set[str], n_vocab: int) -> dict[str, Any]:
-    """HF config.json for a llama-architecture GGUF, from its `llama.*` metadata."""
+    """HF config.json for a GGUF of a supported architecture, from its metadata."""
     arch = _field(reader, "general.architecture")
+    if arch == "gemma3":
+        return gemma3_gguf_config(reader, tensor_names, n_vocab)
+    if arch == "phi3":
+        return phi3_gguf_config(reader, tensor_names, n_vocab)
     if arch != "llama":
-        raise ModelLoadError(f"GGUF architecture {arch!r} is not supported; structgen converts 'llama' GGUFs")
+        raise ModelLoadError(
+            f"GGUF architecture {arch!r} is not supported; structgen converts "
+            f"{', '.join(map(repr, SUPPORTED_GGUF_ARCHITECTURES))} GGUFs (or pass an HF directory)")
     p = f"{arch}."
     hidden = int(_field(reader, p + "embedding_length"))
     n_heads = int(_field(reader, p + "attention.head_count"))
@@ -160,6 +204,100 @@ def gguf_config(reader: Any, tensor_names: set[str], n_vocab: int) -> dict[str, 
         "torch_dtype": "float32",
     }
     return cfg
+
+
+def gemma3_gguf_config(reader: Any, tensor_names: set[str], n_vocab: int) -> dict[str, Any]:
+    """HF config.json (Gemma3ForCausalLM) for a `gemma3` GGUF.
+
+    llama.cpp keeps what it does not store fixed for the architecture: every sixth layer
+    global, the others sliding with RoPE base 10000, queries scaled by head_dim (by
+    hidden / heads for the 27B). Generation stops at `<eos>` and at `<end_of_turn>`, as in
+    the HF release's generation_config."""
+    p = "gemma3."
+    hidden, n_heads = int(_field(reader, p + "embedding_length")), int(_field(reader, p + "attention.head_count"))
+    head_dim = int(_field(reader, p + "attention.key_length", 256))
+    n_layers = int(_field(reader, p + "block_count"))
+    eps = float(_field(reader, p + "attention.layer_norm_rms_epsilon", 1e-6))
+    scaling = _field(reader, p + "rope.scaling.type")
+    factor = float(_field(reader, p + "rope.scaling.factor", 1.0))
+    tokens = _field(reader, "tokenizer.ggml.tokens") or []
+    eos = [int(_field(reader, "tokenizer.ggml.eos_token_id", 1))]
+    if "<end_of_turn>" in tokens and tokens.index("<end_of_turn>") not in eos:
+        eos.append(tokens.index("<end_of_turn>"))
+    is_27b = n_layers == 62
+    return {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "hidden_size": hidden,
+        "intermediate_size": int(_field(reader, p + "feed_forward_length")),
+        "num_hidden_layers": n_layers,
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": int(_field(reader, p + "attention.head_count_kv", n_heads)),
+        "head_dim": head_dim,
+        "rms_norm_eps": float(f"{eps:.6g}"),
+        "rope_theta": float(_field(reader, p + "rope.freq_base", 1_000_000.0)),
+        "rope_local_base_freq": 10_000.0,
+        "rope_scaling": {"rope_type": "linear", "factor": factor} if scaling == "linear" and factor != 1.0 else None,
+        "sliding_window": int(_field(reader, p + "attention.sliding_window", 4096)),
+        "sliding_window_pattern": int(_field(reader, p + "attention.sliding_window_pattern", 6)),
+        "query_pre_attn_scalar": hidden // n_heads if is_27b else head_dim,
+        "final_logit_softcapping": _field(reader, p + "final_logit_softcapping"),
+        "attn_logit_softcapping": None,
+        "max_position_embeddings": int(_field(reader, p + "context_length", 32768)),
+        "vocab_size": n_vocab,
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "bos_token_id": int(_field(reader, "tokenizer.ggml.bos_token_id", 2)),
+        "eos_token_id": eos,
+        "pad_token_id": int(_field(reader, "tokenizer.ggml.padding_token_id", 0)),
+        "torch_dtype": "float32",
+    }
+
+
+def phi3_gguf_config(reader: Any, tensor_names: set[str], n_vocab: int) -> dict[str, Any]:
+    """HF config.json (Phi3ForCausalLM) for a `phi3` GGUF. The rotary fraction is
+    `rope.dimension_count` over the head size; LongRoPE's factors are filled in from their
+    tensors while converting (`convert_gguf`)."""
+    p = "phi3."
+    hidden, n_heads = int(_field(reader, p + "embedding_length")), int(_field(reader, p + "attention.head_count"))
+    head_dim = hidden // n_heads
+    context = int(_field(reader, p + "context_length", 4096))
+    original = int(_field(reader, p + "rope.scaling.original_context_length", context))
+    eps = float(_field(reader, p + "attention.layer_norm_rms_epsilon", 1e-5))
+    eos = [int(_field(reader, "tokenizer.ggml.eos_token_id", 2))]
+    eot = _field(reader, "tokenizer.ggml.eot_token_id")
+    if eot is not None and int(eot) not in eos:
+        eos.append(int(eot))
+    rope: dict[str, Any] | None = None
+    if "rope_factors_long.weight" in tensor_names:
+        rope = {"rope_type": "longrope", "original_max_position_embeddings": original}
+        attn_factor = _field(reader, p + "rope.scaling.attn_factor")
+        if attn_factor is not None:
+            rope["attention_factor"] = float(attn_factor)
+    window = _field(reader, p + "attention.sliding_window")
+    return {
+        "architectures": ["Phi3ForCausalLM"],
+        "model_type": "phi3",
+        "hidden_size": hidden,
+        "intermediate_size": int(_field(reader, p + "feed_forward_length")),
+        "num_hidden_layers": int(_field(reader, p + "block_count")),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": int(_field(reader, p + "attention.head_count_kv", n_heads)),
+        "rms_norm_eps": float(f"{eps:.6g}"),
+        "rope_theta": float(_field(reader, p + "rope.freq_base", 10000.0)),
+        "rope_scaling": rope,
+        "partial_rotary_factor": int(_field(reader, p + "rope.dimension_count", head_dim)) / head_dim,
+        "max_position_embeddings": context,
+        "original_max_position_embeddings": original,
+        "sliding_window": None if window is None else int(window),
+        "vocab_size": n_vocab,
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "hidden_act": "silu",
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": eos[0] if len(eos) == 1 else eos,
+        "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id"),
+        "torch_dtype": "float32",
+    }
 
 
 def _save_tokenizer(gguf_path: Path, out_dir: Path, pre: str | None) -> None:
@@ -245,6 +383,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> No
     names = {t.name for t in reader.tensors}
     n_vocab = len(reader.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in reader.fields else 0
     cfg = gguf_config(reader, names, n_vocab)
+    arch = _field(reader, "general.architecture")
     n_heads, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
 
     writer = _ShardWriter(out_dir)
@@ -254,7 +393,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> No
         if t.name == "rope_freqs.weight":
             cfg["rope_scaling"] = _llama3_rope_scaling(
                 np.asarray(t.data, dtype=np.float64).reshape(-1), cfg["head_dim"], cfg["rope_theta"])
-        name = hf_tensor_name(t.name)
+        if t.name in _PHI3_ROPE_FACTORS:
+            cfg["rope_scaling"][_PHI3_ROPE_FACTORS[t.name]] = np.asarray(t.data, dtype=np.float64).reshape(-1).tolist()
+        name = hf_tensor_name(t.name, arch)
         if name is None:
             continue
         try:
@@ -264,14 +405,11 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> No
                                  f"which gguf {gguf.__version__} cannot dequantise") from e
         # F32 tensors come back as read-only views of the memory-mapped file; torch wants a copy.
         w = np.array(w, dtype=np.float32, copy=not w.flags.writeable)
-        if ".attn_q." in t.name:
-            w = unpermute_rotary(w, n_heads)
-        elif ".attn_k." in t.name:
-            w = unpermute_rotary(w, n_kv)
+        w = to_hf_layout(arch, t.name, w, n_heads, n_kv)
         writer.add(name, torch.from_numpy(np.ascontiguousarray(w)))
     bar.close()
     writer.close()
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg[k] is not None}
+    gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg.get(k) is not None}
     (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     _save_tokenizer(gguf_path, out_dir, _field(reader, "tokenizer.ggml.pre"))

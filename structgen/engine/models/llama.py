@@ -120,6 +120,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.window = cfg.window_of(layer_idx)  # sliding-window layers (Phi-3's config says so)
         self.fused = False
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, batch: AttentionBatch, kv: KVCache) -> torch.Tensor:
@@ -131,7 +132,7 @@ class Attention(nn.Module):
             i = self.layer_idx
             q = rope_and_cache(qkv, batch.positions, batch.token_slots, rope.cos, rope.sin, kv.k[i], kv.v[i],
                                self.n_heads, self.n_kv, self.head_dim)
-            out = attend(q, kv.k[i], kv.v[i], batch)
+            out = attend(q, kv.k[i], kv.v[i], batch, self.window)
             return project(self.o_proj, out.reshape(n, self.q_size), self.fused)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.n_heads, self.head_dim)
@@ -141,7 +142,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(q, batch.positions), rope(k, batch.positions)
         kv.write(self.layer_idx, batch.token_slots, batch.positions, k, v)
-        out = attend(q, kv.k[self.layer_idx], kv.v[self.layer_idx], batch)
+        out = attend(q, kv.k[self.layer_idx], kv.v[self.layer_idx], batch, self.window)
         return self.o_proj(out.reshape(n, self.q_size))
 
     def norm_forward(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, rope: RotaryEmbedding,
@@ -154,7 +155,7 @@ class Attention(nn.Module):
         q, residual = norm_qkv_rope_gemv(
             x, self.qkv_proj.weight, self.qkv_proj.bias, norm.weight, norm.eps, residual, batch.positions,
             batch.token_slots, rope.cos, rope.sin, kv.k[i], kv.v[i], self.n_heads, self.n_kv, self.head_dim)
-        out = attend(q, kv.k[i], kv.v[i], batch)
+        out = attend(q, kv.k[i], kv.v[i], batch, self.window)
         return project(self.o_proj, out.reshape(n, self.q_size), True), residual
 
 

