@@ -92,7 +92,10 @@ def test_greedy_unconstrained_output_is_unchanged(llm):
     def run(spec):
         speculate(llm, spec)
         reqs = [Request(p, SamplingParams(max_tokens=40), stop_token_ids=frozenset(llm.engine.stop_token_ids)) for p in ids]
-        llm.engine.run(reqs)
+        # Through the LLM's own engine loop: once an earlier test started it, a direct
+        # `engine.run` here would step the engine from two threads at once.
+        for future in [llm.loop.submit(r) for r in reqs]:
+            future.result(timeout=300)
         speculate(llm, None)
         return reqs
 
