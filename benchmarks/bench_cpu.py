@@ -27,7 +27,7 @@ import torch
 from benchmarks.common import print_table, write_results
 from structgen.engine.config import EngineConfig
 from structgen.engine.request import Request
-from structgen.engine.sampler import SamplingParams
+from structgen.sampling import SamplingParams
 
 SCHEMA = {
     "type": "object",

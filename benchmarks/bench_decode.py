@@ -40,9 +40,9 @@ from benchmarks.common import (
 from structgen.engine.config import EngineConfig
 from structgen.engine.engine import Engine
 from structgen.engine.request import Request
-from structgen.engine.sampler import SamplingParams
 from structgen.grammar import native
 from structgen.grammar.prefetch import MIN_ROWS, MaskPrefetcher
+from structgen.sampling import SamplingParams
 
 MODELS = ("smollm2-135m", "gemma-3-270m", "llama-1b-shape", "llama-8b-shape")
 REAL_MODELS = {"smollm2-135m": None, "gemma-3-270m": "gemma-3-270m"}  # name -> resolve_model argument

@@ -49,11 +49,11 @@ from structgen import LLM, JsonSchema
 from structgen.engine.config import EngineConfig, ModelConfig
 from structgen.engine.engine import Engine
 from structgen.engine.request import Request
-from structgen.engine.sampler import SamplingParams
 from structgen.errors import StructgenError
 from structgen.grammar import GrammarMatcher, dump_json
 from structgen.grammar.backends.base import FORCED_TEXT_MAX_BYTES, set_only_tokens
 from structgen.grammar.jump_forward import JumpForward, VocabBytes
+from structgen.sampling import SamplingParams
 from structgen.types import to_constraint
 
 MASKBENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "maskbench"

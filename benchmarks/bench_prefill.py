@@ -24,7 +24,7 @@ import torch
 from benchmarks.bench_jump_forward import CATEGORIES, MASKBENCH, build_llm, load_cases
 from benchmarks.common import print_table, write_results
 from structgen.engine.request import Request
-from structgen.engine.sampler import SamplingParams
+from structgen.sampling import SamplingParams
 from structgen.types import JsonSchema
 
 

@@ -41,9 +41,9 @@ from benchmarks.common import print_table, write_results
 from structgen import LLM, JsonSchema
 from structgen.engine.config import EngineConfig, SpeculativeConfig
 from structgen.engine.request import Request
-from structgen.engine.sampler import SamplingParams
 from structgen.engine.speculative.speculator import Speculator
 from structgen.errors import StructgenError
+from structgen.sampling import SamplingParams
 
 JME = Path(__file__).resolve().parents[2] / "shared" / "data" / "maskbench" / "JME.jsonl"
 

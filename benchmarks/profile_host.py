@@ -31,8 +31,8 @@ from structgen.engine import graph_metadata as meta
 from structgen.engine.config import EngineConfig
 from structgen.engine.engine import Engine
 from structgen.engine.request import Request
-from structgen.engine.sampler import SamplingParams
 from structgen.engine.scheduler import Scheduler
+from structgen.sampling import SamplingParams
 
 INSTANCE = {"name": "Ada Lovelace", "age": 36, "city": "London", "email": "ada.lovelace@example.com",
             "tags": ["mathematics", "poetry", "engines"], "active": True}

@@ -11,7 +11,6 @@ from structgen.arguments import GenerateOptions
 from structgen.completion import Completion
 from structgen.engine.config import EngineConfig, SpeculativeConfig
 from structgen.engine.request import GenerationStats
-from structgen.engine.sampler import SamplingParams
 from structgen.errors import (
     ConstraintTooLargeError,
     EngineError,
@@ -30,6 +29,7 @@ from structgen.errors import (
     UnsupportedTypeError,
 )
 from structgen.partial import Partial, PartialStream
+from structgen.sampling import SamplingParams
 from structgen.tools import run_tools, tool
 from structgen.types import CFG, Choice, JsonSchema, Regex
 

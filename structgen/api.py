@@ -31,7 +31,6 @@ from structgen.engine.config import EngineConfig
 from structgen.engine.engine import Engine
 from structgen.engine.loop import EngineLoop
 from structgen.engine.request import Request
-from structgen.engine.sampler import SamplingParams
 from structgen.errors import (
     ConstraintTooLargeError,
     EngineError,
@@ -44,6 +43,7 @@ from structgen.errors import (
 from structgen.grammar import CompiledGrammar, GrammarCompiler
 from structgen.grammar.digit_bounds import bound_integers, reached_bound
 from structgen.partial import PartialStream, partial_tracker
+from structgen.sampling import SamplingParams
 from structgen.schema.budget import CompileBudget, within
 from structgen.schema.limits import check_schema, check_source
 from structgen.types import CFG, Constraint, JsonSchema, Regex, to_constraint

@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypedDict, TypeVar
 
-from structgen.engine.sampler import SamplingParams
 from structgen.errors import InvalidParameterError, PromptTooLongError
+from structgen.sampling import SamplingParams
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -48,7 +48,7 @@ def greedy_through_graph_steps():
         from structgen.engine.engine import Engine
         from structgen.engine.models.loader import load_model_config
         from structgen.engine.request import Request
-        from structgen.engine.sampler import SamplingParams
+        from structgen.sampling import SamplingParams
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
         config = EngineConfig(device=device, dtype="float32", max_batch_size=len(prompts), max_seq_len=64,

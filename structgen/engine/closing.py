@@ -34,7 +34,7 @@ from structgen.grammar.backends.base import control_token_ids, token_bytes
 
 if TYPE_CHECKING:
     from structgen.engine.request import GenerationStats, Request
-    from structgen.engine.sampler import SamplingParams
+    from structgen.sampling import SamplingParams
 
 log = logging.getLogger("structgen.engine")
 

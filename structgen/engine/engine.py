@@ -28,12 +28,7 @@ from structgen.engine.config import EngineConfig, ModelConfig
 from structgen.engine.drafts import fill_draft_rows, take_drafts
 from structgen.engine.model_runner import ExtendSeq, ModelRunner
 from structgen.engine.request import Request, RequestStatus
-from structgen.engine.sampler import (
-    SamplingParams,
-    apply_bitmask_,
-    sample,
-    step_seed,
-)
+from structgen.engine.sampler import apply_bitmask_, sample, step_seed
 from structgen.engine.scheduler import Scheduler
 from structgen.errors import (
     EngineError,
@@ -53,6 +48,7 @@ from structgen.grammar.backends.base import (
     allowed_ids,
     allows_only,
 )
+from structgen.sampling import SamplingParams
 
 log = logging.getLogger("structgen.engine")
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from structgen.engine.sampler import SamplingParams
+from structgen.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from structgen.grammar import GrammarMatcher

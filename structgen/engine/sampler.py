@@ -8,53 +8,9 @@ the CPU it is `sample_tokens_reference`, the same rule written in torch."""
 
 from __future__ import annotations
 
-import numbers
-from dataclasses import dataclass
-
 import torch
 
-from structgen.errors import InvalidParameterError
-
-
-@dataclass
-class SamplingParams:
-    """Per-request decoding parameters. `temperature=0` is greedy (the default: structured
-    outputs are usually wanted deterministic)."""
-
-    max_tokens: int = 512
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: no top-k cut
-    seed: int | None = None
-    jump_forward: bool | None = None  # None: the engine's default
-    # A constrained output nearing max_tokens is closed (strings end, arrays and objects
-    # close) so it ends whole; engine/closing.py.
-    close_at_budget: bool = True
-    # A constrained output that keeps repeating one pattern (digits, a phrase, an array item)
-    # is closed early, and unbounded integers in JSON schemas get a sane digit count.
-    loop_guards: bool = True
-
-    def __post_init__(self) -> None:
-        _check_int("max_tokens", self.max_tokens, 1, None)
-        _check_number("temperature", self.temperature, 0.0, None)
-        _check_number("top_p", self.top_p, 0.0, 1.0, open_low=True)
-        _check_int("top_k", self.top_k, 0, None)
-        if self.seed is not None:
-            _check_int("seed", self.seed, 0, MAX_SEED)
-        if self.jump_forward is not None and not isinstance(self.jump_forward, bool):
-            raise InvalidParameterError(
-                f"jump_forward must be True, False or None, got {self.jump_forward!r}"
-            )
-        for name in ("close_at_budget", "loop_guards"):
-            if not isinstance(getattr(self, name), bool):
-                raise InvalidParameterError(f"{name} must be True or False, got {getattr(self, name)!r}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-
-MAX_SEED = 2**63 - 1  # seeds are int64 on the device
+from structgen.sampling import SamplingParams
 
 
 def mask_padding_(logits: torch.Tensor, text_vocab_size: int) -> torch.Tensor:
@@ -63,25 +19,6 @@ def mask_padding_(logits: torch.Tensor, text_vocab_size: int) -> torch.Tensor:
     if text_vocab_size < logits.shape[-1]:
         logits[..., text_vocab_size:] = float("-inf")
     return logits
-
-
-def _check_int(name: str, value: object, low: int, high: int | None) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise InvalidParameterError(f"{name} must be an integer, got {value!r}")
-    number = int(value)
-    if number < low or (high is not None and number > high):
-        bound = f"between {low} and {high}" if high is not None else f">= {low}"
-        raise InvalidParameterError(f"{name} must be {bound}, got {value}")
-
-
-def _check_number(name: str, value: object, low: float, high: float | None, open_low: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or value != value:
-        raise InvalidParameterError(f"{name} must be a number, got {value!r}")
-    number = float(value)
-    if number < low or (open_low and number == low) or (high is not None and number > high):
-        lower = f"> {low}" if open_low else f">= {low}"
-        bound = f"{lower} and <= {high}" if high is not None else lower
-        raise InvalidParameterError(f"{name} must be {bound}, got {value}")
 
 
 _BIT_SHIFTS: dict[torch.device, torch.Tensor] = {}

@@ -13,8 +13,8 @@ from structgen import CFG, LLM, IncompleteOutputError, JsonSchema
 from structgen.engine.closing import find_loop
 from structgen.engine.config import EngineConfig
 from structgen.engine.request import Request
-from structgen.engine.sampler import SamplingParams
 from structgen.grammar.digit_bounds import INTEGER_BOUND, bound_integers
+from structgen.sampling import SamplingParams
 from structgen.types import to_constraint
 
 

@@ -15,9 +15,9 @@ from structgen.engine.config import EngineConfig
 from structgen.engine.engine import Engine
 from structgen.engine.models.loader import load_model_config
 from structgen.engine.request import Request
-from structgen.engine.sampler import SamplingParams
 from structgen.grammar import GrammarCompiler
 from structgen.grammar.jump_forward import install_jump_forward
+from structgen.sampling import SamplingParams
 from structgen.types import CFG, JsonSchema, Regex, to_constraint
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

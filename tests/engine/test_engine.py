@@ -10,8 +10,8 @@ from structgen.engine.config import EngineConfig
 from structgen.engine.engine import Engine
 from structgen.engine.models.loader import load_model_config
 from structgen.engine.request import Request
-from structgen.engine.sampler import SamplingParams
 from structgen.errors import InvalidParameterError, PromptTooLongError
+from structgen.sampling import SamplingParams
 
 PROMPTS = [
     "What is the capital of France?",

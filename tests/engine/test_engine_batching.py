@@ -16,10 +16,10 @@ from structgen.engine.config import EngineConfig
 from structgen.engine.engine import Engine
 from structgen.engine.models.loader import load_model_config
 from structgen.engine.request import Request
-from structgen.engine.sampler import SamplingParams
 from structgen.errors import EngineError
 from structgen.grammar.backends.base import ACCEPTED, FAILED
 from structgen.grammar.prefetch import MIN_FILL_S
+from structgen.sampling import SamplingParams
 
 SCHEMA = {
     "type": "object",

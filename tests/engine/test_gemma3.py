@@ -18,8 +18,8 @@ from structgen.engine.engine import Engine
 from structgen.engine.model_runner import ExtendSeq
 from structgen.engine.models.loader import load_model_config
 from structgen.engine.request import Request
-from structgen.engine.sampler import SamplingParams
 from structgen.errors import InvalidParameterError
+from structgen.sampling import SamplingParams
 from structgen.types import Regex
 
 WINDOW = 8

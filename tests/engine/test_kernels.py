@@ -416,7 +416,7 @@ def test_cuda_graph_decode_equals_eager():
     """Greedy tokens are the same with graphs on and off, for batches that fill a bucket and
     batches padded up to one (3 -> 4, 11 -> 16); seeded sampling too."""
     from structgen.engine.request import Request
-    from structgen.engine.sampler import SamplingParams
+    from structgen.sampling import SamplingParams
 
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 4096, (int(n),), generator=g).tolist() for n in torch.randint(3, 60, (11,), generator=g)]
@@ -542,7 +542,7 @@ def test_speculative_prelaunched_verify_equals_launching_late():
     from structgen.engine.cuda_graphs import DecodeGraphs
     from structgen.engine.engine import Engine
     from structgen.engine.request import Request
-    from structgen.engine.sampler import SamplingParams
+    from structgen.sampling import SamplingParams
 
     cfg = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, eos_token_id=[])
@@ -587,7 +587,7 @@ def test_capturable_guided_loop_equals_the_engines_path():
     from structgen.engine.config import EngineConfig, ModelConfig, SpeculativeConfig
     from structgen.engine.engine import Engine
     from structgen.engine.request import Request
-    from structgen.engine.sampler import SamplingParams
+    from structgen.sampling import SamplingParams
 
     cfg = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, eos_token_id=[])
@@ -671,7 +671,7 @@ def test_prefill_in_graphs_equals_eager_prefill():
     from structgen.engine.config import EngineConfig, ModelConfig
     from structgen.engine.engine import Engine
     from structgen.engine.request import Request
-    from structgen.engine.sampler import SamplingParams
+    from structgen.sampling import SamplingParams
 
     cfg = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, eos_token_id=[])

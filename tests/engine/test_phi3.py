@@ -16,7 +16,7 @@ from structgen.engine.engine import Engine
 from structgen.engine.model_runner import ExtendSeq
 from structgen.engine.models.loader import load_model_config
 from structgen.engine.request import Request
-from structgen.engine.sampler import SamplingParams
+from structgen.sampling import SamplingParams
 
 STEPS = 32
 PROMPTS = [[1, 17, 301, 45, 9, 88, 120, 7, 33, 250, 61, 5], [1, 400, 3, 77]]

@@ -10,7 +10,7 @@ from structgen.engine.config import EngineConfig
 from structgen.engine.engine import Engine
 from structgen.engine.models.loader import load_model_config
 from structgen.engine.request import Request, request_group
-from structgen.engine.sampler import SamplingParams
+from structgen.sampling import SamplingParams
 
 FAN_OUT = 10
 

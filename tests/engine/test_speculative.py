@@ -16,12 +16,13 @@ from structgen.engine.config import EngineConfig, ModelConfig, SpeculativeConfig
 from structgen.engine.engine import Engine
 from structgen.engine.models.loader import load_model_config
 from structgen.engine.request import GenerationStats, Request
-from structgen.engine.sampler import SamplingParams, apply_bitmask_
+from structgen.engine.sampler import apply_bitmask_
 from structgen.engine.speculative.ngram import NgramDrafter, NgramIndex
 from structgen.engine.speculative.speculator import Speculator
 from structgen.engine.speculative.verify import accept_draft
 from structgen.errors import InvalidParameterError
 from structgen.grammar import GrammarCompiler, allocate_bitmask
+from structgen.sampling import SamplingParams
 from structgen.types import Choice, JsonSchema, to_constraint
 
 SOURCE = (

@@ -10,7 +10,7 @@ import torch
 from structgen.engine.config import EngineConfig, ModelConfig, SpeculativeConfig
 from structgen.engine.engine import Engine
 from structgen.engine.request import Request
-from structgen.engine.sampler import SamplingParams
+from structgen.sampling import SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -16,9 +16,9 @@ from structgen.engine.engine import Engine
 from structgen.engine.model_runner import ExtendSeq
 from structgen.engine.models.loader import load_tokenizer
 from structgen.engine.request import Request
-from structgen.engine.sampler import SamplingParams
 from structgen.engine.tokenizer_conformance import check_tokenizer
 from structgen.errors import ModelLoadError
+from structgen.sampling import SamplingParams
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 

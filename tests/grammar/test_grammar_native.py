@@ -199,7 +199,7 @@ def test_engine_outputs_are_the_same_with_the_pool(pool, model_dir, tokenizer):
     from structgen.engine.engine import Engine
     from structgen.engine.models.loader import load_model_config
     from structgen.engine.request import Request
-    from structgen.engine.sampler import SamplingParams
+    from structgen.sampling import SamplingParams
 
     cfg = load_model_config(model_dir)
     engine = Engine(cfg, EngineConfig(device="cpu", max_batch_size=4, max_seq_len=512, jump_forward=False), model_dir)

@@ -17,9 +17,9 @@ import pytest
 from structgen import LLM, JsonSchema
 from structgen.engine.config import EngineConfig
 from structgen.engine.request import Request
-from structgen.engine.sampler import SamplingParams
 from structgen.errors import IncompleteOutputError, UnsupportedSchemaError
 from structgen.grammar.jump_forward import HELD_BACK, JumpForward
+from structgen.sampling import SamplingParams
 from structgen.types import to_constraint
 
 BACKENDS = ["xgrammar", "llguidance"]
