@@ -93,7 +93,7 @@ class BudgetCloser:
         if left <= 0:
             if completed or not self._close_at_safe_point(req):
                 self._note_incomplete(req, completed)
-                req.finish_at_budget(completed)
+                req.finish_if_done(completed, lambda: False)  # at max_tokens: stop or length
             return
         if m is None or self.search is None:
             req.close_at = p.max_tokens

@@ -75,10 +75,16 @@ from structgen.engine.kernels.sampling import sample_tokens
 from structgen.engine.sampler import mask_padding_
 
 if TYPE_CHECKING:
+    from structgen.engine.decode_step import DecodeStep
     from structgen.engine.guided_loop import GuidedLoop
-    from structgen.engine.model_runner import ModelRunner
+    from structgen.engine.model_runner import ExtendSeq, ModelRunner
 
 StepRows = tuple[list[int], list[int], list[int]]  # a step's rows: (token ids, positions, slots)
+
+
+def step_rows(rows: list[ExtendSeq]) -> StepRows:
+    """One-token rows as (token ids, positions, slots)."""
+    return [s.token_ids[0] for s in rows], [s.start for s in rows], [s.slot for s in rows]
 
 
 
@@ -298,33 +304,22 @@ class DecodeGraphs:
         self._ahead = None
 
     @torch.inference_mode()
-    def run(
-        self,
-        token_ids: list[int],
-        positions: list[int],
-        slots: list[int],
-        temperatures: list[float],
-        seeds: list[int],
-        has_mask: list[bool],
-        fill_bitmask: Callable[[torch.Tensor], None],
-        predict_next: bool = False,
-        plan_next: Callable[[list[int]], StepRows | None] | None = None,
-        before_wait: Callable[[Callable[[], bool]], None] | None = None,
-        draft: tuple[int, int] | None = None,
-    ) -> list[int]:
-        """Decode one token for each of n rows (n <= max_batch_size); return the n sampled
-        tokens. `fill_bitmask(host_bitmask)` is called while the forward runs and must fill row
-        i of the int32 [n, W] host tensor for every i with has_mask[i]. `predict_next`: also
-        launch the next step's forward (see the module docstring); only when each sequence's
-        rows are adjacent, with consecutive positions. `plan_next(tokens)`, given the n sampled
-        tokens once they are on the host: the next step's rows `(token_ids, positions, slots)`,
-        whose forward is then launched; None: launch nothing. With `plan_next`, rows of one
-        sequence may all be sampled (speculative verification): the plan, not the blind
-        prediction, says what runs next. `before_wait(done)`: host work for the time the
-        device still computes this step, called (on CUDA) just before the host waits for the
-        sampled tokens; `done()` says whether the sampler has finished. `draft`: (row, token),
-        the one sequence's last row is a draft run after that row: the token gate runs the
-        next forward only where the model picked the draft there."""
+    def run(self, step: DecodeStep) -> list[int]:
+        """Decode one token for each of the n rows of `step` (n <= max_batch_size); return the
+        n sampled tokens. `step.fill_masks(host_bitmask)` is called while the forward runs and
+        must fill row i of the int32 [n, W] host tensor for every i with has_mask[i].
+        `step.predict_next`: also launch the next step's forward (see the module docstring);
+        only when each sequence's rows are adjacent, with consecutive positions. Where
+        `step.plans_next`, `step.plan_next(tokens)`, given the n sampled tokens once they are
+        on the host, returns the next step's rows, whose forward is then launched; None:
+        launch nothing. With a plan, rows of one sequence may all be sampled (speculative
+        verification): the plan, not the blind prediction, says what runs next.
+        `step.before_wait(done)`: host work for the time the device still computes this step,
+        called (on CUDA) just before the host waits for the sampled tokens; `done()` says
+        whether the sampler has finished. `step.draft`: (row, token), the one sequence's last
+        row is a draft run after that row: the token gate runs the next forward only where
+        the model picked the draft there."""
+        token_ids, positions, slots = step_rows(step.rows)
         n = len(token_ids)
         bs = self.bucket(n)
         assert bs is not None, f"batch of {n} exceeds the largest captured size {self.max_batch_size}"
@@ -332,43 +327,79 @@ class DecodeGraphs:
         self._ahead = None
         self.steps += 1
         self.steps_ahead += predicted
+        last = self._stage(step, token_ids, positions, slots, bs)
+        forward, sample = self._steps[bs]
+        cuda = self.device.type == "cuda"
+        prelaunch = step.predict_next and self.prelaunch and len(set(slots)) == len(last)
+        self._copy_step(cuda)
+        if not predicted:
+            forward()
+        if any(step.has_mask):
+            step.fill_masks(self.host_bitmask[:n])  # CPU work, overlapping the forward
+            self._copy_masks(n, cuda)
+        sample()
+        self._copy_tokens(bs, cuda)
+        next_bs = self.bucket(len(last))
+        gate = self._gate(step, prelaunch, last)
+        if prelaunch and not step.plans_next:
+            self._steps[next_bs][0]()  # step i+1's forward, from the metadata the sampler advanced
+        elif gate is not None:
+            gate.launch()  # the same forward, run or skipped by the device on the sampled token
+        if cuda:
+            step.before_wait(self.step_done.query)
+            self.step_done.synchronize()  # waits for the sampler, not for that forward
+        tokens = self._tokens_np[:n].tolist()
+        if prelaunch:
+            nxt = ([tokens[i] for i in last], [positions[i] + 1 for i in last], [slots[i] for i in last])
+            self._launch_next(step, tokens, nxt, next_bs, gate)
+        return tokens
+
+    def _stage(self, step: DecodeStep, token_ids: list[int], positions: list[int], slots: list[int],
+               bs: int) -> list[int]:
+        """Write the step's rows into the host staging, padded up to bucket `bs`; returns each
+        sequence's last row."""
+        n = len(token_ids)
         self._set_padding(n, bs)
         last = [i for i in range(n) if i == n - 1 or slots[i + 1] != slots[i]]  # a sequence's last row
         # The rows in IDS.. order, one numpy call (each costs microseconds on a slow host).
-        self._meta_np[:DRAFT, :n] = (token_ids, positions, slots, [1] * n, [p + 1 for p in positions], seeds,
-                                     has_mask, last + [self.pad_column] * (n - len(last)))
-        self._meta_np[DRAFT, :2] = draft if draft is not None else (-1, 0)
-        self._temp_np[:n] = temperatures
-        forward, sample = self._steps[bs]
-        cuda = self.device.type == "cuda"
-        prelaunch = predict_next and self.prelaunch and len(set(slots)) == len(last)
-        # Whole buffers: one contiguous copy each. When the forward is already queued this copy
-        # lands behind it and rewrites the rows it read with the same values.
+        self._meta_np[:DRAFT, :n] = (token_ids, positions, slots, [1] * n, [p + 1 for p in positions], step.seeds,
+                                     step.has_mask, last + [self.pad_column] * (n - len(last)))
+        self._meta_np[DRAFT, :2] = step.draft if step.draft is not None else (-1, 0)
+        self._temp_np[:n] = step.temperatures
+        return last
+
+    def _copy_step(self, cuda: bool) -> None:
+        """The staged metadata and temperatures to the device. Whole buffers: one contiguous
+        copy each. When the forward is already queued this copy lands behind it and rewrites
+        the rows it read with the same values."""
         native = self._native
         if native is not None:
             native.ext.copy_async(*native.step_copies, native.stream)
         else:
             self.meta.copy_(self.host_meta, non_blocking=cuda)
             self.temperature.copy_(self.host_temperature, non_blocking=cuda)
-        if not predicted:
-            forward()
-        if any(has_mask):
-            fill_bitmask(self.host_bitmask[:n])  # CPU work, overlapping the forward
-            if native is not None:  # as below, in one call
-                dst, src, row_bytes, side, event = native.mask
-                native.ext.side_copy(dst, src, n * row_bytes, side, event, native.stream)
-            elif cuda:
-                # The side stream copies the mask while the forward still runs; the sampler
-                # waits for the copy, and the copy never overwrites the buffer before the
-                # previous step's sampler has read it (its step_done precedes our host sync).
-                with torch.cuda.stream(self.copy_stream):
-                    self.bitmask[:n].copy_(self.host_bitmask[:n], non_blocking=True)
-                    self.mask_copied.record()
-                torch.cuda.current_stream(self.device).wait_event(self.mask_copied)
-            else:
-                self.bitmask[:n].copy_(self.host_bitmask[:n])
-        sample()
-        if native is not None:  # the sampled tokens to the host
+
+    def _copy_masks(self, n: int, cuda: bool) -> None:
+        """The filled host masks of the first `n` rows to the device, before the sampler."""
+        native = self._native
+        if native is not None:  # as below, in one call
+            dst, src, row_bytes, side, event = native.mask
+            native.ext.side_copy(dst, src, n * row_bytes, side, event, native.stream)
+        elif cuda:
+            # The side stream copies the mask while the forward still runs; the sampler
+            # waits for the copy, and the copy never overwrites the buffer before the
+            # previous step's sampler has read it (its step_done precedes our host sync).
+            with torch.cuda.stream(self.copy_stream):
+                self.bitmask[:n].copy_(self.host_bitmask[:n], non_blocking=True)
+                self.mask_copied.record()
+            torch.cuda.current_stream(self.device).wait_event(self.mask_copied)
+        else:
+            self.bitmask[:n].copy_(self.host_bitmask[:n])
+
+    def _copy_tokens(self, bs: int, cuda: bool) -> None:
+        """The sampled tokens to the host, behind the sampler."""
+        native = self._native
+        if native is not None:
             native.ext.copy_async(*native.tokens, 8 * bs, 0, 0, 0, native.stream)
             self.step_done.record()
         elif cuda:
@@ -376,44 +407,49 @@ class DecodeGraphs:
             self.step_done.record()
         else:
             self.host_tokens[:bs].copy_(self.tokens[:bs])
-        next_bs = self.bucket(len(last))
-        gate = self.token_gate  # one sequence in a wide grammar state: its next step is the bucket-1 forward
-        if (gate is None or plan_next is None or not prelaunch or len(last) != 1 or not self.use_token_gate
-                or not has_mask[last[0]] or not gate.wide(self._bitmask_words[last[0]])):
-            gate = None
-        if prelaunch and plan_next is None:
-            self._steps[next_bs][0]()  # step i+1's forward, from the metadata the sampler advanced
-        elif gate is not None:
-            gate.launch()  # the same forward, run or skipped by the device on the sampled token
-        if cuda:
-            if before_wait is not None:
-                before_wait(self.step_done.query)
-            self.step_done.synchronize()  # waits for the sampler, not for that forward
-        tokens = self._tokens_np[:n].tolist()
-        if not prelaunch:
-            return tokens
-        ids, pos, sl = [tokens[i] for i in last], [positions[i] + 1 for i in last], [slots[i] for i in last]
-        if gate is not None and gate.went(tokens[last[0]]) and (draft is None or tokens[draft[0]] == draft[1]):
+
+    def _gate(self, step: DecodeStep, prelaunch: bool, last: list[int]) -> Any:
+        """The token gate where this step's next forward goes behind it: one sequence in a
+        wide grammar state, whose next step is the bucket-1 forward; else None."""
+        gate = self.token_gate
+        if (gate is None or not step.plans_next or not prelaunch or len(last) != 1 or not self.use_token_gate
+                or not step.has_mask[last[0]] or not gate.wide(self._bitmask_words[last[0]])):
+            return None
+        return gate
+
+    def _launch_next(self, step: DecodeStep, tokens: list[int], predicted: StepRows, next_bs: int,
+                     gate: Any) -> None:
+        """After a pre-launching step: launch the next step's forward the host planned, or the
+        `predicted` one (each sequence's sampled token at the next position), and note which
+        forward is queued."""
+        ids, pos, sl = predicted
+        draft = step.draft
+        if gate is not None and gate.went(ids[0]) and (draft is None or tokens[draft[0]] == draft[1]):
             # The forward is running: the host's plan only decides whether it was wasted.
             self.gate_runs += 1
-            planned = plan_next(tokens)
-            if planned is not None and tuple(planned) == (ids, pos, sl):
+            planned = self._planned(step, tokens)
+            if planned is not None and planned == predicted:
                 self._ahead = (next_bs, tuple(sl), tuple(pos), tuple(ids))
-                return tokens
+                return
             self.gate_wasted += 1
             if planned is not None:
                 self._launch_planned(*planned)
-            return tokens
-        if plan_next is not None:
-            planned = plan_next(tokens)
+            return
+        if step.plans_next:
+            planned = self._planned(step, tokens)
             if planned is None:
-                return tokens
-            if tuple(planned) != (ids, pos, sl):
+                return
+            if planned != predicted:
                 self._launch_planned(*planned)  # forced text, or fewer sequences
-                return tokens
+                return
             self._steps[next_bs][0]()  # the predicted step: the sampler advanced its metadata
         self._ahead = (next_bs, tuple(sl), tuple(pos), tuple(ids))
-        return tokens
+
+    @staticmethod
+    def _planned(step: DecodeStep, tokens: list[int]) -> StepRows | None:
+        """The next step's rows as `step.plan_next` plans them (None: it does not know)."""
+        rows = step.plan_next(tokens)
+        return None if rows is None else step_rows(rows)
 
     def _launch_planned(self, token_ids: list[int], positions: list[int], slots: list[int]) -> None:
         """Launch the forward of a next step the host planned (forced text, fewer sequences):

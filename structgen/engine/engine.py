@@ -25,6 +25,7 @@ import torch
 
 from structgen.engine.closing import BudgetCloser
 from structgen.engine.config import EngineConfig, ModelConfig
+from structgen.engine.decode_step import EngineDecodeStep
 from structgen.engine.drafts import fill_draft_rows, take_drafts
 from structgen.engine.model_runner import ExtendSeq, ModelRunner
 from structgen.engine.request import Request, RequestStatus
@@ -228,130 +229,29 @@ class Engine:
         return rows + drafts == len(batch) or graphs.bucket(rows + drafts) is not None
 
     def _decode_step(self, batch: list[tuple[Request, int]]) -> list[Request]:
-        seqs, rows_of = self._decode_rows(batch)
-        chunks = [(r, n) for (r, n), row in zip(batch, rows_of, strict=True) if row is None]  # prompt chunks
-        reqs = [r for (r, _), row in zip(batch, rows_of, strict=True) if row is not None]  # they sample
-        last = [row for row in rows_of if row is not None]
-        # Request i's draft row follows its sampled row (`_decode_rows`); sampled under the
-        # grammar state after the draft, with the noise of the position after.
-        drafted = {i: row + 1 for i, (row, r) in enumerate(zip(last, reqs, strict=True)) if r.draft is not None}
-        temperatures, seeds, has_mask = [0.0] * len(seqs), [0] * len(seqs), [False] * len(seqs)
-        for row, r in zip(last, reqs, strict=True):
-            t = r.params.temperature
-            temperatures[row], has_mask[row] = t, r.matcher is not None
-            if t != 0.0:  # greedy rows draw no noise (seed 0)
-                seeds[row] = self._noise_seed(r)
-        for i, row in drafted.items():  # as its sampled row, with the next position's noise
-            r = reqs[i]
-            temperatures[row], has_mask[row], seeds[row] = r.params.temperature, True, self._noise_seed(r, 1)
-        constrained = [(row, r.matcher) for row, r in zip(last, reqs, strict=True) if r.matcher is not None]
-        if self.prefetcher is not None and len(constrained) >= self.prefetcher.min_rows:
-            graphs = self.runner.graphs
-            self._time_step((graphs.bucket(len(seqs)) if graphs is not None else len(seqs), len(constrained) // 16))
+        step = EngineDecodeStep(self, batch)
+        if self.prefetcher is not None and len(step.constrained) >= self.prefetcher.min_rows:
+            graphs, n = self.runner.graphs, len(step.rows)
+            self._time_step((graphs.bucket(n) if graphs is not None else n, len(step.constrained) // 16))
         else:
             self._time_step(None)
-        row_errors: dict[int, BaseException] = {}
-        bad_drafts: set[int] = set()  # requests whose draft row's mask could not be filled
-
-        filled: list[torch.Tensor] = []
-
-        def fill(bitmask: torch.Tensor) -> None:  # runs while the device computes the forward
-            filled.append(bitmask)
-            row_errors.update(self._fill_masks(bitmask, self._not_prefilled(bitmask, constrained)))
-            if drafted:
-                bad_drafts.update(fill_draft_rows(bitmask, [(i, reqs[i], row) for i, row in drafted.items()]))
-
-        finished: list[list[Request]] = []  # set once the step's tokens are taken in
-        taken: list = [None]  # what each request's matcher made of its token, once it has it
-        failed: dict[int, EngineError] = {}  # by request index: its matcher raised on the token
-        plain = [False]  # `_plain_next_step` checked every request: only the bookkeeping is left
-        resolved: list[list[int]] = []  # each request's token to advance by, once drafts are in
-
-        def resolve(tokens: list[int]) -> list[int]:  # `tokens`: every row's
-            """Each request's token: its sampled row's, or, where the model picked its draft
-            (taken in here, once), the draft row's."""
-            if not resolved:
-                toks = [tokens[row] for row in last]
-                if drafted:  # a request whose row failed keeps its draft out (`take` fails it)
-                    skip = bad_drafts | {i for i, row in enumerate(last) if row in row_errors}
-                    errors: dict[int, BaseException] = {}
-                    toks = take_drafts(reqs, toks, {i: tokens[row] for i, row in drafted.items()}, skip, errors,
-                                       self._advance)
-                    failed.update({i: exc if isinstance(exc, EngineError) else EngineError(str(exc))
-                                   for i, exc in errors.items()})
-                resolved.append(toks)
-            return resolved[0]
-
-        def take(tokens: list[int], fill_next: bool) -> None:  # `tokens`: every row's
-            toks = resolve(tokens)
-            errors = {i: row_errors[row] for i, row in enumerate(last) if row in row_errors} | failed
-            for req, n in chunks:
-                req.num_cached += n
-                req.stats.forward_passes += 1
-            for req in reqs:
-                req.num_cached = len(req.token_ids)
-                req.stats.forward_passes += 1
-            finished.append(self._advance_all(reqs, toks, errors, prefetch=True, taken=taken[0], plain=plain[0],
-                                              fill_next=fill_next))
-
-        plan = None
-        if not chunks and any(r.jump_forward for r in reqs):
-            # After a sampled `"` the grammar may force `, "age": `: the next step is that
-            # text, not the predicted token. The device waits while the host decides, so the
-            # common case (nothing forced, nobody finishes) is decided by the grammar alone and
-            # its forward launched before the rest of taking the tokens in; otherwise the
-            # tokens are taken in (jump-forward included) and the next step planned from that.
-            def plan(tokens: list[int]) -> list[ExtendSeq] | None:
-                toks = resolve(tokens)  # drafts the model picked are in: the next token is the draft row's
-                if not row_errors and not failed:
-                    rows, taken[0], raised = self._plain_next_step(reqs, toks)
-                    failed.update(raised)
-                    if rows is not None:
-                        plain[0] = True
-                        return rows  # `take` runs once this forward is launched
-                take(tokens, fill_next=False)  # the device waits: no fills before the launch
-                return self._plan_decode_step()
-
-        rehearse = None
-        hook = self.jump_forward_hook
-        if plan is not None and self.config.rehearse_jumps and len(reqs) == 1 and reqs[0].jump_forward \
-                and reqs[0].matcher is not None and hasattr(hook, "rehearse"):
-            # Batch 1: the host has nothing else to do until the device has sampled the token.
-            # Not in batches: at 16 rows (one token rehearsed each, in turn) the rehearsals
-            # rarely matched the sampled token and delayed reading it (docs/performance.md,
-            # "Jump-forward"). With a draft: the
-            # tokens after it, sampled at its row (what the step gives where the model picks it).
-            draft = reqs[0].draft if drafted else None
-            row = drafted.get(0, last[0])
-
-            def rehearse(done: Callable[[], bool]) -> None:
-                if filled and last[0] not in row_errors and 0 not in bad_drafts:
-                    try:
-                        hook.rehearse(reqs[0], filled[0][row].numpy().view(np.uint32), done, draft)
-                    except Exception as exc:  # its matcher may be left mid-rehearsal: fail the request
-                        log.exception("rehearsing jump-forward failed")
-                        row_errors[last[0]] = EngineError(f"jump-forward rehearsal failed: {exc}")
-
         try:
-            # Behind a draft, the token gate runs the next forward (after the draft's row) only
-            # where the model picked the draft.
-            check = (last[0], reqs[0].draft) if drafted and len(reqs) == 1 else None
-            tokens = self.runner.decode(seqs, temperatures, seeds, has_mask, fill, not chunks, plan, rehearse, check)
+            tokens = self.runner.decode(step)
         except Exception as exc:  # a broken batch fails its requests, not the engine
             log.exception("decode step failed")
             for req, _ in batch:
                 self.abort(req, "error", EngineError(f"forward pass failed: {exc}"))
             return [req for req, _ in batch]
-        if not finished:
+        if step.finished is None:
             # The next masks are filled as the tokens are taken in where the next forward is
             # queued already (or on the CPU, where nothing overlaps anyway).
             graphs = self.runner.graphs
             ahead = self.device.type != "cuda" or (graphs is not None and graphs.launched_ahead)
-            take(tokens, fill_next=ahead and not chunks and self.prefetcher is None)
-        for req in reqs:
+            step.take_tokens(tokens, fill_next=ahead and not step.chunks and self.prefetcher is None)
+        for req in step.reqs:
             if not req.finished:
                 self._notify(req)
-        return finished[0]
+        return step.finished
 
     @staticmethod
     def _decode_rows(batch: list[tuple[Request, int]]) -> tuple[list[ExtendSeq], list[int | None]]:
@@ -384,7 +284,7 @@ class Engine:
         if s.waiting or len(s.running) != len(reqs):
             return None, None, {}
         for req, tok in zip(reqs, tokens, strict=True):
-            if req.num_output + 1 >= req.params.max_tokens or (req.matcher is None and tok in req.stop_token_ids):
+            if req.may_finish_at(tok):
                 return None, None, {}
         taken, failed = self._take_tokens(reqs, tokens, {}, check_jump=self.jump_forward_hook is not None)
         # A rejected token or a grammar that raised is left to taking the tokens in, which
@@ -600,10 +500,7 @@ class Engine:
                 raise EngineError(f"grammar failed on sampled token {tok}")
             if not status & ACCEPTED:
                 self._raise_rejected(req, tok)
-            if status & TERMINATED:
-                req.finish("stop")
-                return
-        elif tok in req.stop_token_ids:
+        if req.ends_at(tok, terminated=m is not None and bool(status & TERMINATED)):
             req.finish("stop")
             return
         req.append([tok])
@@ -611,10 +508,7 @@ class Engine:
             self.closer.at_budget(req, m is not None and bool(status & COMPLETED))
             if req.finished:
                 return
-        if m is not None and status & COMPLETED and self._only_stop_allowed(m):
-            # The grammar is complete and nothing can follow: skip the forward that would
-            # only ever sample the stop token.
-            req.finish("stop")
+        if req.finish_if_done(m is not None and bool(status & COMPLETED), lambda: self._only_stop_allowed(m)):
             return
         if jump_forward and req.jump_forward and self.jump_forward_hook is not None and (
                 m is None or not jump_checked or status & JUMPS):

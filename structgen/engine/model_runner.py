@@ -10,7 +10,6 @@ on CUDA and through `extend` + the same sampling rule elsewhere."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -27,6 +26,7 @@ from structgen.engine.sampler import mask_padding_
 log = logging.getLogger("structgen.engine")
 
 if TYPE_CHECKING:
+    from structgen.engine.decode_step import DecodeStep
     from structgen.engine.guided_loop import LoopStep
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -179,59 +179,28 @@ class ModelRunner:
             self.graphs.steps += loop.steps - before
 
     @torch.inference_mode()
-    def decode(
-        self,
-        seqs: list[ExtendSeq],
-        temperatures: list[float],
-        seeds: list[int],
-        has_mask: list[bool],
-        fill_bitmask: Callable[[torch.Tensor], None],
-        predict_next: bool = False,
-        plan_next: Callable[[list[int]], list[ExtendSeq] | None] | None = None,
-        before_wait: Callable[[Callable[[], bool]], None] | None = None,
-        draft: tuple[int, int] | None = None,
-    ) -> list[int]:
-        """One decode step that returns tokens instead of logits: every sequence has exactly
-        one new token; row i is sampled at `temperatures[i]` (0: greedy) with noise seed
-        `seeds[i]`, under its grammar bitmask where `has_mask[i]`.
-
-        `fill_bitmask(host_bitmask)` fills those rows of an int32 [len(seqs), W] CPU tensor;
-        it is called after the forward is launched, so on CUDA it overlaps the GPU.
-        `predict_next`: every row is a different request that will likely decode again: the
-        graphs launch the next step's forward early (cuda_graphs.py). `plan_next(tokens)`,
-        given every row's sampled token: the next step's one-token rows (or None), whose
-        forward the graphs then launch before returning. It is called only where the graphs
-        pre-launch; callers must not count on it. `before_wait(done)`: host work for while
-        the device computes (cuda_graphs.py); also called only on the graphs' path. `draft`:
-        (row, token) where the last row is a draft run after that row (cuda_graphs.py)."""
-        if self.graphs is not None and self.graphs.bucket(len(seqs)) is not None:
+    def decode(self, step: DecodeStep) -> list[int]:
+        """One decode step that returns tokens instead of logits: every row of `step` has
+        exactly one new token, sampled as `step` says under its grammar mask (decode_step.py).
+        Through the decode graphs where a captured size fits (`step`'s other phases run there),
+        else an eager `extend` and the same sampling rule."""
+        if self.graphs is not None and self.graphs.bucket(len(step.rows)) is not None:
             self.forward_passes += 1
-            plan = None
-            if plan_next is not None:
-
-                def plan(tokens: list[int]) -> tuple[list[int], list[int], list[int]] | None:
-                    rows = plan_next(tokens)
-                    if rows is None:
-                        return None
-                    return [s.token_ids[0] for s in rows], [s.start for s in rows], [s.slot for s in rows]
-
-            return self.graphs.run(
-                [s.token_ids[0] for s in seqs], [s.start for s in seqs], [s.slot for s in seqs],
-                temperatures, seeds, has_mask, fill_bitmask, predict_next, plan, before_wait, draft,
-            )
+            return self.graphs.run(step)
         from structgen.engine.kernels import triton_enabled
         from structgen.engine.sampler import sample_tokens_reference
 
+        seqs = step.rows
         logits = self.extend(seqs)
         bitmask = self.mask_buffer(len(seqs))[: len(seqs)]
-        if any(has_mask):
-            fill_bitmask(bitmask)
+        if any(step.has_mask):
+            step.fill_masks(bitmask)
         dev = self.device
         args = (
             bitmask.to(dev, non_blocking=True),
-            torch.tensor(has_mask, dtype=torch.int32, device=dev),
-            torch.tensor(temperatures, dtype=torch.float32, device=dev),
-            torch.tensor(seeds, dtype=torch.int64, device=dev),
+            torch.tensor(step.has_mask, dtype=torch.int32, device=dev),
+            torch.tensor(step.temperatures, dtype=torch.float32, device=dev),
+            torch.tensor(step.seeds, dtype=torch.int64, device=dev),
         )
         if triton_enabled(dev):
             from structgen.engine.kernels.sampling import sample_tokens

@@ -11,8 +11,6 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from structgen.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -89,7 +87,6 @@ class Request:
         self.num_cached = 0  # leading tokens whose K/V are in the cache
         self.finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
         self.error: BaseException | None = None
-        self.generator: torch.Generator | None = None
         self.jump_forward = False
         # The output length at which engine/closing.py next looks at this request (max_tokens
         # unless a closer admitted it).
@@ -139,10 +136,34 @@ class Request:
         self.num_cached = min(self.num_cached, length)
         self.stats.output_tokens = self.num_output
 
-    def finish_at_budget(self, complete: bool) -> None:
-        """max_tokens reached: an output the grammar may end with here is whole (`stop`);
-        any other output, free text included, is cut off (`length`)."""
-        self.finish("stop" if complete else "length")
+    # -- the finish rule: the engine, jump-forward and the speculator all finish requests here --
+    @property
+    def tokens_left(self) -> int:
+        """Output tokens `max_tokens` still allows."""
+        return self.params.max_tokens - self.num_output
+
+    def ends_at(self, token: int, terminated: bool) -> bool:
+        """Whether sampled `token` ends the output, before it is appended: a constrained
+        request's grammar terminated on it (`terminated`), an unconstrained one sampled a
+        stop token. Such a token is not kept."""
+        return terminated if self.matcher is not None else token in self.stop_token_ids
+
+    def may_finish_at(self, token: int) -> bool:
+        """Whether taking `token` in could finish this request whatever its grammar says: it
+        is the last token `max_tokens` allows, or an unconstrained request's stop token."""
+        return self.tokens_left <= 1 or self.ends_at(token, terminated=False)
+
+    def finish_if_done(self, complete: bool, nothing_follows: Callable[[], bool]) -> bool:
+        """After tokens were appended: at `max_tokens` an output the grammar may end with here
+        (`complete`) is whole (`stop`), any other output, free text included, is cut off
+        (`length`); a complete output after which `nothing_follows()` (the grammar allows only
+        stop tokens) ends now (`stop`), sparing the forward that could only sample a stop
+        token. Returns whether the request finished."""
+        if self.tokens_left <= 0:
+            self.finish("stop" if complete else "length")
+        elif complete and nothing_follows():
+            self.finish("stop")
+        return self.finished
 
     def finish(self, reason: str, error: BaseException | None = None) -> None:
         self.draft = None

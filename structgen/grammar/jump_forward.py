@@ -502,11 +502,7 @@ class JumpForward:
         """A jump can complete the grammar (a closing brace) or reach max_tokens: finish now
         rather than spend a forward that could only sample the stop token."""
         m = req.matcher
-        if m.is_completed() and allows_only(self._allowed(m), self.stop_token_ids, self.vocab_size):
-            req.finish("stop")
-            return
-        if req.num_output >= req.params.max_tokens:
-            req.finish_at_budget(m.is_completed())
+        req.finish_if_done(m.is_completed(), lambda: allows_only(self._allowed(m), self.stop_token_ids, self.vocab_size))
 
 
 # Tokens with none of these bytes, sampled where the grammar allows this many tokens or more

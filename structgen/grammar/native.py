@@ -1,4 +1,4 @@
-"""xgrammar mask fills on a pool of native threads (`csrc/grammar_step.cpp`), off the GIL.
+"""xgrammar mask fills on a pool of native threads (`structgen/csrc/grammar_step.cpp`), off the GIL.
 
 At batch 64 a JSON decode step was host-bound on the lent GPU hosts, much of it mask fills on
 one core (docs/performance.md, "Grammar overhead"): xgrammar's own pool was slower with more
@@ -32,9 +32,11 @@ from typing import Any
 
 import numpy as np
 
+from structgen.csrc import source
+
 log = logging.getLogger("structgen.grammar")
 
-SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "grammar_step.cpp"
+SOURCE = source("grammar_step.cpp")
 MATCHER_TYPE_KEY = "xgrammar.tvm_ffi_binding.GrammarMatcher"
 # Workers stay awake this long after a batch: the next decode step's comes within a
 # millisecond, and waking a sleeping thread costs tens of microseconds on the lent hosts.

@@ -277,7 +277,7 @@ def test_stress_10000_replays_with_callbacks_does_not_hang(ext):
     print(proc.stdout.strip())
 
 
-# ----------------------------------------------------------------------------- gated graphs
+# ----------------------------------------------------------------------------- token gate
 
 
 def _counting_graph():
@@ -294,45 +294,6 @@ def _counting_graph():
     torch.cuda.synchronize()
     x.zero_()
     return x, graph
-
-
-def test_gated_graph_runs_its_body_only_on_the_hosts_verdict(ext):
-    """Launched before the verdict, the body runs iff the host says go; `ran(k)` reports
-    each launch; work queued behind the gate waits for the verdict and sees its effect."""
-    from structgen.engine.kernels.gated_graph import GatedGraph
-
-    x, graph = _counting_graph()
-    gate = GatedGraph(graph)
-    seen = []
-    for go in (True, False, True, True, False):
-        gate.launch()
-        after = x.clone()  # queued behind the gate: reads x after the body (if it runs)
-        gate.decide(go)
-        torch.cuda.synchronize()
-        seen.append((int(after.item()), gate.ran(gate.launches)))
-    assert seen == [(1, True), (1, False), (2, True), (3, True), (3, False)]
-    with pytest.raises(AssertionError):
-        gate.decide(True)  # no launch pending
-
-
-def test_gated_graph_times_out_instead_of_hanging(ext):
-    """A verdict that comes too late runs nothing, and `ran` says so (the engine then fails
-    the step instead of sampling stale logits); the gate is usable again afterwards."""
-    import time
-
-    from structgen.engine.kernels.gated_graph import GatedGraph
-
-    x, graph = _counting_graph()
-    gate = GatedGraph(graph, timeout_s=0.05)
-    gate.launch()
-    time.sleep(0.3)
-    gate.decide(True)
-    torch.cuda.synchronize()
-    assert not gate.ran() and int(x.item()) == 0
-    gate.launch()
-    gate.decide(True)
-    torch.cuda.synchronize()
-    assert gate.ran() and int(x.item()) == 1
 
 
 def test_token_gate_runs_its_body_on_the_devices_verdict(ext):

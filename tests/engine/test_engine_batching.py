@@ -163,16 +163,14 @@ def test_planned_decode_steps_are_the_steps_the_engine_runs(engine, grammar, tok
     real = engine.runner.decode
     steps: list[tuple[list, list | None]] = []  # (rows run, rows planned for the next step)
 
-    def planning_decode(seqs, temperatures, seeds, has_mask, fill, predict_next=False, plan_next=None,
-                        before_wait=None, draft=None):
-        tokens = real(seqs, temperatures, seeds, has_mask, fill, predict_next)
-        if before_wait is not None:  # batch 1: jumps rehearsed as if the device still computed
-            before_wait(lambda: False)
+    def planning_decode(step):
+        tokens = real(step)
+        step.before_wait(lambda: False)  # batch 1: jumps rehearsed as if the device still computed
         planned = None
-        if plan_next is not None:
-            rows = plan_next(tokens)
+        if step.plans_next:
+            rows = step.plan_next(tokens)
             planned = None if rows is None else [(s.slot, s.start, s.token_ids) for s in rows]
-        steps.append(([(s.slot, s.start, s.token_ids) for s in seqs], planned))
+        steps.append(([(s.slot, s.start, s.token_ids) for s in step.rows], planned))
         return tokens
 
     def outputs() -> list[list[int]]:
@@ -217,13 +215,11 @@ def test_failed_rehearsal_fails_only_its_request(engine, grammar, tokenizer):
 
     real = engine.runner.decode
 
-    def decode(seqs, temperatures, seeds, has_mask, fill, predict_next=False, plan_next=None, before_wait=None,
-               draft=None):
-        tokens = real(seqs, temperatures, seeds, has_mask, fill, predict_next)
-        if before_wait is not None:  # as the graphs call it, between the sampler and the wait
-            before_wait(lambda: False)
-        if plan_next is not None:
-            plan_next(tokens)
+    def decode(step):
+        tokens = real(step)
+        step.before_wait(lambda: False)  # as the graphs call it, between the sampler and the wait
+        if step.plans_next:
+            step.plan_next(tokens)
         return tokens
 
     previous = engine.jump_forward_hook
@@ -410,11 +406,10 @@ def test_failing_grammars_spare_other_rows_in_planned_steps(engine, grammar, tok
 
     real = engine.runner.decode
 
-    def planning_decode(seqs, temperatures, seeds, has_mask, fill, predict_next=False, plan_next=None,
-                        before_wait=None, draft=None):
-        tokens = real(seqs, temperatures, seeds, has_mask, fill, predict_next)
-        if plan_next is not None:
-            plan_next(tokens)
+    def planning_decode(step):
+        tokens = real(step)
+        if step.plans_next:
+            step.plan_next(tokens)
         return tokens
 
     def run(faulty_mode: str | None, fail_after: int = 0) -> list[Request]:

@@ -450,6 +450,7 @@ def test_prelaunched_forward_after_multi_row_steps_equals_launching_late():
     differ from the prediction. Runs on the CPU under TRITON_INTERPRET=1 (graphs eager)."""
     from structgen.engine.config import EngineConfig, ModelConfig
     from structgen.engine.cuda_graphs import DecodeGraphs
+    from structgen.engine.decode_step import DecodeStep
     from structgen.engine.model_runner import ExtendSeq, ModelRunner
 
     cfg = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -483,6 +484,14 @@ def test_prelaunched_forward_after_multi_row_steps_equals_launching_late():
         def rows_now() -> list[ExtendSeq]:
             return [ExtendSeq(s, cached[s] + j, [t]) for s in (0, 1) for j, t in enumerate(seqs[s][cached[s]:])]
 
+        class Step(DecodeStep):  # each sequence's last row sampled under the mask; the planner plans
+            def fill_masks(self, bitmask: torch.Tensor) -> None:
+                fill(bitmask)
+
+            def plan_next(self, toks: list[int]) -> list[ExtendSeq] | None:  # every row's token
+                take([toks[i] for i, masked in enumerate(self.has_mask) if masked])
+                return planner(state["step"], rows_now())
+
         out = []
         for step in range(6):
             state.update(step=step, taken=False)
@@ -490,13 +499,9 @@ def test_prelaunched_forward_after_multi_row_steps_equals_launching_late():
             cached.update({s: len(seqs[s]) for s in (0, 1)})
             n = len(rows)
             last = [i for i in range(n) if i == n - 1 or rows[i + 1].slot != rows[i].slot]
-
-            def plan(toks: list[int], last=last) -> list[ExtendSeq] | None:  # every row's token
-                take([toks[i] for i in last])
-                return planner(state["step"], rows_now())
-
-            tokens = runner.decode(rows, [0.0] * n, [0] * n, [i in last for i in range(n)], fill, True,
-                                   plan if planner else None)
+            step = Step(rows, [0.0] * n, [0] * n, [i in last for i in range(n)], predict_next=True,
+                        plans_next=planner is not None)
+            tokens = runner.decode(step)
             out.append(tokens)
             if not state["taken"]:
                 take([tokens[i] for i in last])

@@ -1,4 +1,4 @@
-"""Lazy loader of the CUDA extension built from `csrc/` (`hostfunc.cpp`, `mask.cu`, `gate.cu`).
+"""Lazy loader of the CUDA extension built from `structgen/csrc/` (`hostfunc.cpp`, `mask.cu`, `gate.cu`).
 
 Built with `torch.utils.cpp_extension.load` on first use on a GPU machine, never at install
 time, into a cached build directory (`$STRUCTGEN_CSRC_DIR`, else `$TORCH_EXTENSIONS_DIR/
@@ -21,7 +21,8 @@ from types import ModuleType
 
 import torch
 
-CSRC_DIR = Path(__file__).resolve().parents[3] / "csrc"
+from structgen.csrc import DIR as CSRC_DIR
+
 SOURCES = ("hostfunc.cpp", "mask.cu", "gate.cu")
 NAME = "structgen_csrc"
 
@@ -48,7 +49,7 @@ def _why_unavailable() -> str | None:
         return "disabled by STRUCTGEN_DISABLE_CSRC=1"
     missing = [s for s in SOURCES if not (CSRC_DIR / s).is_file()]
     if missing:
-        return f"sources {', '.join(missing)} not found in {CSRC_DIR} (they ship with a source checkout)"
+        return f"sources {', '.join(missing)} not found in {CSRC_DIR} (they ship as package data: reinstall structgen)"
     if not torch.cuda.is_available():
         return "no CUDA device"
     if torch.version.cuda is None:

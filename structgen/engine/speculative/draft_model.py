@@ -22,13 +22,15 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import SimpleNamespace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from structgen.engine.attention import AttentionBatch
+from structgen.engine.decode_step import DecodeStep
 from structgen.engine.kv_cache import KVCache
+from structgen.engine.model_runner import ExtendSeq
 from structgen.engine.models.llama import LlamaModel
 from structgen.engine.sampler import apply_bitmask_
 from structgen.errors import ModelLoadError
@@ -175,19 +177,9 @@ class DraftModelDrafter:
             n += len(toks)
             ends.append(n - 1)
         if self.graphs is not None and self.graphs.bucket(n) is not None:
-            ids = [t for _, _, toks in rows for t in toks]
-            pos = [start + j for _, start, toks in rows for j in range(len(toks))]
-            slots = [req.slot for req, _, toks in rows for _ in toks]
-            has_mask = [False] * n
-            for (req, _, _), e in zip(rows, ends, strict=True):
-                has_mask[e] = self._masked(req)
-
-            def fill(bitmask: torch.Tensor) -> None:  # runs while the draft forward computes
-                for (req, _, _), e in zip(rows, ends, strict=True):
-                    if self._masked(req):
-                        req.matcher.fill_bitmask(bitmask, e)
-
-            out = self.graphs.run(ids, pos, slots, [0.0] * n, [0] * n, has_mask, fill)
+            seqs = [ExtendSeq(req.slot, start + j, [t]) for req, start, toks in rows for j, t in enumerate(toks)]
+            masked = [(req.matcher, e) for (req, _, _), e in zip(rows, ends, strict=True) if self._masked(req)]
+            out = self.graphs.run(_DraftStep(seqs, masked))
             return [out[e] for e in ends]
         logits = self._extend(rows)
         masked = [i for i, (req, _, _) in enumerate(rows) if self._masked(req)]
@@ -211,3 +203,19 @@ class DraftModelDrafter:
         if len(last) != hidden.shape[0]:
             hidden = hidden[torch.tensor(last, dtype=torch.long, device=self.device)]
         return self.model.logits(hidden)
+
+
+class _DraftStep(DecodeStep):
+    """Greedy one-token rows of the draft model, each (matcher, row) in `masked` under that
+    matcher's grammar mask."""
+
+    def __init__(self, rows: list[ExtendSeq], masked: list[tuple[Any, int]]):
+        has_mask = [False] * len(rows)
+        for _, row in masked:
+            has_mask[row] = True
+        super().__init__(rows, [0.0] * len(rows), [0] * len(rows), has_mask)
+        self.masked = masked
+
+    def fill_masks(self, bitmask: torch.Tensor) -> None:  # runs while the draft forward computes
+        for matcher, row in self.masked:
+            matcher.fill_bitmask(bitmask, row)

@@ -36,12 +36,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from structgen.engine.config import SpeculativeConfig
+from structgen.engine.decode_step import DecodeStep
 from structgen.engine.model_runner import ExtendSeq
 from structgen.engine.sampler import apply_bitmask_, sample, step_seed
 from structgen.engine.speculative import drafter as drafter_hooks
 from structgen.engine.speculative.drafter import Drafter
 from structgen.engine.speculative.verify import accept_draft
 from structgen.engine.speculative.verify_rows import (
+    GraphRows,
     fill_draft_masks,
     graph_rows,
     sampling_spans,
@@ -154,7 +156,7 @@ class Speculator:
         position; never more than max_tokens leaves room for (drafts + the bonus token)."""
         if n != req.num_pending or req.num_cached + n < req.num_prompt:
             return 0
-        return max(0, min(self.config.num_draft_tokens, req.params.max_tokens - req.num_output - 1))
+        return max(0, min(self.config.num_draft_tokens, req.tokens_left - 1))
 
     def _best_candidate(self, req: Request, cands: Iterable[list[int]]) -> list[int]:
         """The candidate with the longest grammar-valid prefix, cut there. `cands` is read
@@ -188,7 +190,7 @@ class Speculator:
                 return draft[: grammar_prefix_len(req, draft)]
             return draft
         for j, t in enumerate(draft):
-            if t in req.stop_token_ids:
+            if req.ends_at(t, terminated=False):
                 return draft[: j + 1]
         return draft
 
@@ -408,22 +410,11 @@ class Speculator:
             take([], errors)
             return
         if in_graphs:
-            g = graph_rows(batch, drafts, spans, temps, seeds)
-            taken: list[bool] = []
-            plan = None
-            if getattr(self.drafter, "host_only", False) and len(samplers) == len(batch):
-
-                def plan(tokens: list[int]) -> list[ExtendSeq] | None:
-                    taken.append(True)
-                    take([tokens[f] for f in g.order], errors)
-                    return self._plan_next()
-
-            out = runner.decode(
-                g.rows, g.temperatures, g.seeds, g.has_mask, lambda bm: errors.update(fill_draft_masks(bm, g.masks)),
-                plan is not None, plan,
-            )
-            if not taken:
-                take([out[f] for f in g.order], errors)
+            plans = getattr(self.drafter, "host_only", False) and len(samplers) == len(batch)
+            step = VerifyStep(self, graph_rows(batch, drafts, spans, temps, seeds), errors, take, plans)
+            out = runner.decode(step)
+            if not step.taken:
+                take([out[f] for f in step.order], errors)
             return
         seqs = []
         for (req, n), d, s in zip(batch, drafts, spans, strict=True):
@@ -496,3 +487,23 @@ class Speculator:
         except Exception as exc:
             log.exception("request %d failed", req.id)
             req.finish("error", exc if isinstance(exc, EngineError) else EngineError(str(exc)))
+
+
+class VerifyStep(DecodeStep):
+    """A verify step in the decode graphs (`graph_rows`): its grammar rows are filled along
+    each draft, and with a host-side drafter (`plans_next`) its tokens are taken in (`take`,
+    in sampling order) as soon as they are on the host, then the next verify step planned."""
+
+    def __init__(self, speculator: Speculator, g: GraphRows, errors: dict[Request, BaseException],
+                 take: Callable[[list[int], dict[Request, BaseException]], None], plans: bool):
+        super().__init__(g.rows, g.temperatures, g.seeds, g.has_mask, predict_next=plans, plans_next=plans)
+        self.speculator, self.masks, self.order, self.errors, self.take = speculator, g.masks, g.order, errors, take
+        self.taken = False  # the tokens went in while planning
+
+    def fill_masks(self, bitmask: torch.Tensor) -> None:
+        self.errors.update(fill_draft_masks(bitmask, self.masks))
+
+    def plan_next(self, tokens: list[int]) -> list[ExtendSeq] | None:
+        self.taken = True
+        self.take([tokens[f] for f in self.order], self.errors)
+        return self.speculator._plan_next()

@@ -1,6 +1,6 @@
 // Python callables as CUDA host callbacks (cudaLaunchHostFunc), capturable in CUDA graphs,
 // plus the GIL-free waits that keep them deadlock-free. Also the Python bindings of the fused
-// mask kernel in mask.cu and the gated graphs in gate.cu (one extension module,
+// mask kernel in mask.cu and the token gate in gate.cu (one extension module,
 // `structgen_csrc`, built from all three files).
 //
 // Why: a guided speculative step wants the grammar work (advance matchers, fill the next
@@ -39,9 +39,7 @@ int sg_mask_apply(void* logits, int dtype, int64_t rows, int64_t vocab, int64_t 
                   const float* temperature, int64_t* argmax_out, void* workspace, int write,
                   void* stream);
 
-// Defined in gate.cu: a captured graph behind a conditional node the host or the device decides.
-uintptr_t sg_gate_build(uintptr_t body, uintptr_t flag, uintptr_t launches, uintptr_t outcome,
-                        int64_t timeout_ns);
+// Defined in gate.cu: a captured graph behind a conditional node the device decides.
 uintptr_t sg_token_gate_build(uintptr_t body, uintptr_t row, uintptr_t tokens, uintptr_t has_mask,
                               uintptr_t quiet, int64_t vocab, uintptr_t check);
 void sg_gate_destroy(uintptr_t exec);
@@ -254,9 +252,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Up to two async copies to or from pinned memory (nbytes 0: skipped) on stream.");
   m.def("side_copy", &side_copy, py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("side"),
         py::arg("event"), py::arg("main"), "Copy on stream side, record event there; main waits for it.");
-  m.def("gate_build", &sg_gate_build, py::arg("body"), py::arg("flag"), py::arg("launches"),
-        py::arg("outcome"), py::arg("timeout_ns"),
-        "Instantiate [gate] -> IF(host verdict) { body graph }; returns the cudaGraphExec_t.");
   m.def("token_gate_build", &sg_token_gate_build, py::arg("body"), py::arg("row"), py::arg("tokens"),
         py::arg("has_mask"), py::arg("quiet"), py::arg("vocab"), py::arg("check"),
         "Instantiate [token gate] -> IF(grammar row with a quiet token) { body graph }.");

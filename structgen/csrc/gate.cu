@@ -1,24 +1,11 @@
-// Gated graphs: a captured CUDA graph wrapped in a conditional (IF) node whose condition the
-// host decides *after* the launch.
+// The token gate: a captured CUDA graph wrapped in a conditional (IF) node whose condition a
+// one-thread kernel decides on the device, after the launch.
 //
-// Why: a decode step launches the next step's forward before the host has seen the sampled
-// tokens, so the GPU never idles on the host. When the guess is wrong (a sampled `"` makes
-// the grammar force `, "age": `, the next step runs those tokens instead) that forward is a
-// whole wasted pass the real one queues behind. Launching after the host has looked costs the
-// graph launch itself on the critical path (25-60 us on the H100 host, measured 2026-11-24).
-// A gated graph is launched early, as before; its first node spins on a word of pinned host
-// memory until the host writes its verdict, then runs the body or skips it. The device waits
-// only for the sync plus the host's check (tens of microseconds) and never for a launch.
-//
-// Protocol (one gate, one host thread): launch k (k = 1, 2, ...) is decided by the host writing
-// `2k + go` to the flag word. The gate kernel counts its launches in a device word, waits for
-// a flag >= 2k, and records what it did in the outcome word (`2k + ran`), so the host can tell
-// a body that ran from one skipped after the timeout (the host failed to decide in time).
-//
-// A token gate decides on the device alone (jump-forward at batch 1): most decode steps of a
-// JSON output are inside a string, where a sampled token without a quote, backslash or JSON
-// punctuation cannot make the grammar force text, so the next forward can run at once. The
-// host still checks; where it disagrees (forced text after all) that forward is wasted.
+// Why: with jump-forward at batch 1 the next decode forward waits for the host to read the
+// sampled token and rule out forced text. Most decode steps of a JSON output are inside a
+// string, where a sampled token without a quote, backslash or JSON punctuation cannot make the
+// grammar force text, so the next forward can run at once. The host still checks; where it
+// disagrees (forced text after all) that forward is wasted.
 
 #include <cuda_runtime.h>
 
@@ -27,31 +14,6 @@
 #include <string>
 
 namespace {
-
-__device__ __forceinline__ uint64_t global_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
-__global__ void gate_kernel(cudaGraphConditionalHandle handle, const volatile int64_t* flag,
-                            int64_t* launches, volatile int64_t* outcome, int64_t timeout_ns) {
-  const int64_t k = ++(*launches);
-  const uint64_t start = global_ns();
-  unsigned go = 0;
-  for (;;) {
-    const int64_t v = *flag;
-    if ((v >> 1) >= k) {
-      go = ((v >> 1) == k) && (v & 1);
-      break;
-    }
-    if (global_ns() - start > static_cast<uint64_t>(timeout_ns)) break;
-    __nanosleep(256);
-  }
-  *outcome = 2 * k + go;
-  __threadfence_system();
-  cudaGraphSetConditional(handle, go);
-}
 
 // A gate decided on the device, with no host in the loop: the body (the next decode step's
 // forward) runs when the sequence's sampled row (`row`, read from the device: the step may
@@ -120,24 +82,6 @@ uintptr_t BuildIf(uintptr_t body, void* kernel, void** args, cudaGraphConditiona
 }
 
 }  // namespace
-
-// Build and instantiate [gate] -> IF(go) { body }. `flag` and `outcome` are pinned host words
-// (their device aliases are looked up here), `launches` a device word starting at zero.
-// Returns the cudaGraphExec_t; the caller frees it with sg_gate_destroy.
-uintptr_t sg_gate_build(uintptr_t body, uintptr_t flag, uintptr_t launches, uintptr_t outcome,
-                        int64_t timeout_ns) {
-  void* dflag = nullptr;
-  void* doutcome = nullptr;
-  check(cudaHostGetDevicePointer(&dflag, reinterpret_cast<void*>(flag), 0), "flag: cudaHostGetDevicePointer");
-  check(cudaHostGetDevicePointer(&doutcome, reinterpret_cast<void*>(outcome), 0),
-        "outcome: cudaHostGetDevicePointer");
-  cudaGraphConditionalHandle handle;
-  const int64_t* flag_arg = static_cast<const int64_t*>(dflag);
-  int64_t* launches_arg = reinterpret_cast<int64_t*>(launches);
-  int64_t* outcome_arg = static_cast<int64_t*>(doutcome);
-  void* args[] = {&handle, &flag_arg, &launches_arg, &outcome_arg, &timeout_ns};
-  return BuildIf(body, reinterpret_cast<void*>(gate_kernel), args, &handle);
-}
 
 // Build and instantiate [token gate] -> IF(grammar row with a quiet token) { body }: device
 // pointers to the sampled row's index (int64), the step's sampled tokens and has-mask flags
