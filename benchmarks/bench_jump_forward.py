@@ -48,11 +48,11 @@ from benchmarks.common import model_config, print_table, write_results
 from structgen import LLM, JsonSchema
 from structgen.engine.config import EngineConfig, ModelConfig
 from structgen.engine.engine import Engine
+from structgen.engine.jump_forward import JumpForward, VocabBytes
 from structgen.engine.request import Request
 from structgen.errors import StructgenError
 from structgen.grammar import GrammarMatcher, dump_json
 from structgen.grammar.backends.base import FORCED_TEXT_MAX_BYTES, set_only_tokens
-from structgen.grammar.jump_forward import JumpForward, VocabBytes
 from structgen.sampling import SamplingParams
 from structgen.types import to_constraint
 

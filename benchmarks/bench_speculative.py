@@ -212,7 +212,7 @@ class StepProfile:
         "structgen.engine.scheduler:Scheduler": ("schedule",),
         "structgen.engine.cuda_graphs:DecodeGraphs": ("run",),
         "structgen.engine.model_runner:ModelRunner": ("extend",),
-        "structgen.grammar.jump_forward:JumpForward": ("__call__",),
+        "structgen.engine.jump_forward:JumpForward": ("__call__",),
     }
 
     def __init__(self) -> None:

@@ -130,15 +130,7 @@ class LLM:
         self.grammars = GrammarCompiler(tokenizer, engine.vocab_size, sorted(engine.stop_token_ids), backend=backend)
         self.loop = EngineLoop(engine)
         self.closed = False
-        try:
-            from structgen.grammar.jump_forward import install_jump_forward
-
-            install_jump_forward(engine, tokenizer)
-        except ImportError:
-            pass
-        engine.closer.use_tokenizer(tokenizer, engine.vocab_size, engine.stop_token_ids)
-        if engine.speculator is not None:  # drafters that match text need the tokenizer
-            engine.speculator.use_tokenizer(tokenizer)
+        engine.use_tokenizer(tokenizer)
 
     # -- lifetime ---------------------------------------------------------------------------
     def close(self) -> None:

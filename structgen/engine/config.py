@@ -239,7 +239,7 @@ class EngineConfig:
     rehearse_jumps: bool = True
     # Jump-forward: where it holds back the end of forced text (` "` before a string value),
     # the step that runs the forced text also runs that token as a one-token draft, sampled at
-    # both rows (grammar/jump_forward.py, `_propose`): where the model picks it, a pass is saved.
+    # both rows (engine/jump_forward.py, `_propose`): where the model picks it, a pass is saved.
     # Off under speculative decoding (its drafter proposes the drafts there).
     draft_held_back: bool = True
     # Prompts run through the decode graphs, a row per token, in chunks of the largest bucket

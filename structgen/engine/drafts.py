@@ -2,7 +2,7 @@
 sampled too, so that where the model picks it, the step yields two tokens.
 
 Jump-forward proposes the token it held back at the end of forced text
-(grammar/jump_forward.py); the engine lays the row out (`Engine._decode_rows`, or a second
+(engine/jump_forward.py); the engine lays the row out (`Engine._decode_rows`, or a second
 logits row in an eager extend) and, with the two helpers here, fills the draft row's grammar
 mask while the device computes and takes the draft in where the model picked it.
 """

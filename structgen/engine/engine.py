@@ -19,6 +19,7 @@ import random
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,6 +28,7 @@ from structgen.engine.closing import BudgetCloser
 from structgen.engine.config import EngineConfig, ModelConfig
 from structgen.engine.decode_step import EngineDecodeStep
 from structgen.engine.drafts import fill_draft_rows, take_drafts
+from structgen.engine.jump_forward import QUIET_MIN_ALLOWED, JumpForward, quiet_tokens
 from structgen.engine.model_runner import ExtendSeq, ModelRunner
 from structgen.engine.request import Request, RequestStatus
 from structgen.engine.sampler import apply_bitmask_, sample, step_seed
@@ -91,7 +93,7 @@ class Engine:
         self.vocab_size = model_config.vocab_size
         self.scheduler = Scheduler(self.runner.kv, self.runner.kv.num_slots, self.config.prefill_chunk_tokens)
         self.max_seq_len = self.runner.max_seq_len
-        self.jump_forward_hook = None  # set by structgen.grammar.jump_forward when available
+        self.jump_forward_hook: JumpForward | None = None  # built by use_tokenizer
         self.closer = BudgetCloser()  # closes outputs near max_tokens once given the tokenizer
         # Whether someone waits to hand the engine requests or aborts (EngineLoop sets it):
         # runs of steps that do not come back to `step` between them stop for it.
@@ -120,6 +122,18 @@ class Engine:
             self.prefetcher = MaskPrefetcher(self.config.grammar_workers, tuner=tuner)
 
     # -- requests -------------------------------------------------------------------------
+    def use_tokenizer(self, tokenizer: Any) -> None:
+        """Build the components that read text: jump-forward (requests use it unless
+        `jump_forward=False`; on CUDA the batch-1 decode graphs also get its token gate), the
+        budget closer and the speculator's text drafters."""
+        jump = self.jump_forward_hook = JumpForward(tokenizer, self.vocab_size, self.stop_token_ids)
+        jump.drafts = self.config.draft_held_back and self.config.speculative is None
+        if self.device.type == "cuda":
+            self.runner.set_token_gate(quiet_tokens(jump.vocab), QUIET_MIN_ALLOWED)
+        self.closer.use_tokenizer(tokenizer, self.vocab_size, self.stop_token_ids)
+        if self.speculator is not None:
+            self.speculator.use_tokenizer(tokenizer)
+
     def add_request(self, request: Request) -> Request:
         """Queue a request; raises PromptTooLongError before it takes any resources."""
         need = request.num_prompt + request.params.max_tokens

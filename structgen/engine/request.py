@@ -95,7 +95,7 @@ class Request:
         self.safe_point: int | None = None  # the latest output length a completion was found to fit from
         # A token for the next step that samples to run as one more row, sampled at both rows:
         # where the model picks it at the first, the second row's token comes with it (a pass
-        # saved). Jump-forward sets it to the token it held back (grammar/jump_forward.py).
+        # saved). Jump-forward sets it to the token it held back (engine/jump_forward.py).
         self.draft: int | None = None
         self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
         self.arrival = time.perf_counter()

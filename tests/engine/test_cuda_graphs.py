@@ -16,7 +16,6 @@ from structgen.engine.engine import Engine
 from structgen.engine.models.loader import load_model_config
 from structgen.engine.request import Request
 from structgen.grammar import GrammarCompiler
-from structgen.grammar.jump_forward import install_jump_forward
 from structgen.sampling import SamplingParams
 from structgen.types import CFG, JsonSchema, Regex, to_constraint
 
@@ -54,7 +53,7 @@ def run(setup, model_dir, tokenizer, graphs: bool, jump_forward: bool, batch: in
     ec = EngineConfig(device="cuda", max_batch_size=16, max_seq_len=1024, use_cuda_graphs=graphs,
                       jump_forward=jump_forward, prefill_in_graphs=prefill_in_graphs)
     engine = Engine(cfg, ec, model_dir, stop_token_ids=stop)
-    install_jump_forward(engine, tokenizer)
+    engine.use_tokenizer(tokenizer)
     reqs = [Request(p, SamplingParams(max_tokens=96), grammar.matcher(), frozenset(stop)) for p in prompts[:batch]]
     engine.run(reqs)
     return reqs
@@ -102,7 +101,7 @@ def test_cancel_and_join_between_planned_steps_spare_the_other_rows(setup, model
     cfg, stop, grammar, prompts = setup
     ec = EngineConfig(device="cuda", max_batch_size=16, max_seq_len=1024, jump_forward=True)
     engine = Engine(cfg, ec, model_dir, stop_token_ids=stop)
-    install_jump_forward(engine, tokenizer)
+    engine.use_tokenizer(tokenizer)
 
     def make(i: int) -> Request:
         return Request(prompts[i], SamplingParams(max_tokens=96), grammar.matcher(), frozenset(stop))
@@ -138,7 +137,7 @@ def batch1_engine(setup, model_dir, tokenizer) -> Engine:
     cfg, stop, _, _ = setup
     ec = EngineConfig(device="cuda", max_batch_size=16, max_seq_len=1024, jump_forward=True, prefill_in_graphs=False)
     engine = Engine(cfg, ec, model_dir, stop_token_ids=stop)
-    install_jump_forward(engine, tokenizer)
+    engine.use_tokenizer(tokenizer)
     return engine
 
 
@@ -170,7 +169,7 @@ def test_token_gate_runs_forwards_early_and_changes_no_output(setup, model_dir, 
 def test_rehearsed_jumps_change_no_output(setup, model_dir, tokenizer, monkeypatch):
     """Jump-forward at batch 1 with the jumps rehearsed while the device computes gives the
     outputs of the hook deciding after the device, and the hook did replay rehearsals."""
-    from structgen.grammar.jump_forward import JumpForward
+    from structgen.engine.jump_forward import JumpForward
 
     engine = batch1_engine(setup, model_dir, tokenizer)
     replayed = []
@@ -206,7 +205,7 @@ def test_held_back_drafts_through_the_graphs_change_no_output(setup, model_dir, 
     assert all(r.finish_reason in ("stop", "length") for r in on), [(r.finish_reason, r.error) for r in on]
     # A draft row can move a step to a larger bucket, whose bf16 kernels round differently
     # (a 135M model's greedy near-ties), so allow two outputs to part; on the CPU (float32)
-    # every output is equal (tests/grammar/test_jump_forward.py).
+    # every output is equal (tests/engine/test_jump_forward.py).
     same = [(a, b) for a, b in zip(on, off, strict=True) if a.output_ids == b.output_ids]
     assert len(same) >= len(on) - 2, f"only {len(same)} of {len(on)} outputs equal"
     accepted = sum(a.stats.accepted_tokens for a, _ in same)

@@ -187,7 +187,7 @@ class JumpForward:
         self._allowed_before: dict[int, int] = {}
         self._triggers: Counter[int] = Counter()  # sampled tokens after which text was forced
         self._rehearsal: Rehearsal | None = None
-        self.drafts = True  # propose held-back tokens as drafts (`install_jump_forward` sets it)
+        self.drafts = True  # propose held-back tokens as drafts (`Engine.use_tokenizer` sets it)
 
     def __call__(self, engine: Engine, req: Request) -> None:
         m = req.matcher
@@ -521,13 +521,4 @@ def quiet_tokens(vocab: VocabBytes) -> np.ndarray:
         [i for i, b in enumerate(vocab.tokens) if b and i not in vocab.special and not loud & set(b)], dtype=np.int64))
 
 
-def install_jump_forward(engine: Engine, tokenizer: Any) -> None:
-    """Set `engine.jump_forward_hook`; requests use it unless `jump_forward=False`. On CUDA
-    the batch-1 decode graphs also get the token gate (`quiet_tokens`)."""
-    hook = engine.jump_forward_hook = JumpForward(tokenizer, engine.vocab_size, engine.stop_token_ids)
-    hook.drafts = engine.config.draft_held_back and engine.config.speculative is None
-    if engine.device.type == "cuda":
-        engine.runner.set_token_gate(quiet_tokens(hook.vocab), QUIET_MIN_ALLOWED)
-
-
-__all__ = ["JumpForward", "VocabBytes", "install_jump_forward"]
+__all__ = ["JumpForward", "VocabBytes"]

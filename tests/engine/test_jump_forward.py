@@ -16,9 +16,9 @@ import pytest
 
 from structgen import LLM, JsonSchema
 from structgen.engine.config import EngineConfig
+from structgen.engine.jump_forward import HELD_BACK, JumpForward
 from structgen.engine.request import Request
 from structgen.errors import IncompleteOutputError, UnsupportedSchemaError
-from structgen.grammar.jump_forward import HELD_BACK, JumpForward
 from structgen.sampling import SamplingParams
 from structgen.types import to_constraint
 
@@ -300,8 +300,8 @@ def test_jump_rehearsed_after_a_draft_is_replayed(llm, backend, monkeypatch):
     the model picks the draft and then `"` (b left empty), the hook replays the rehearsed
     jump (`",` re-spelled, ` "c":` forced) and ends where a hook deciding afresh ends; where
     the model picks another token than the draft, the rehearsal is not used."""
+    from structgen.engine.jump_forward import JumpForward
     from structgen.grammar import allocate_bitmask
-    from structgen.grammar.jump_forward import JumpForward
 
     three = {"type": "object", "properties": {k: {"type": "string"} for k in "abc"}, "required": list("abc"),
              "additionalProperties": False}
