@@ -75,7 +75,8 @@ class QuantizedLinear(nn.Module):
         lead, dtype = x.shape[:-1], x.dtype
         x2 = x.reshape(-1, self.in_features).float()
         if x2.shape[0] > cpu_quant.MAX_KERNEL_ROWS:
-            y = torch.cat([x2 @ p.dequantize().T for p in self.parts], dim=-1)
+            products = [x2 @ p.dequantize().T for p in self.parts]
+            y = products[0] if len(products) == 1 else torch.cat(products, dim=-1)
         else:
             y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
             start = 0
