@@ -270,21 +270,74 @@ SGQ_AVX2 void DequantRowAvx(int type, const uint8_t* row, int64_t blocks, float*
   }
 }
 
-bool HasAvx2() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                          __builtin_cpu_supports("f16c");
-  return yes;
+#define SGQ_AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
+
+// The 32 weights of a Q4_0/Q4_1/Q8_0 block as two vectors of sixteen.
+template <int kType>
+SGQ_AVX512 inline void BlockAvx512(const uint8_t* b, __m512* w) {
+  const float d = _cvtsh_ss(Load16(b));
+  if constexpr (kType == kQ8_0) {
+    for (int v = 0; v < 2; ++v) {
+      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 + 16 * v));
+      w[v] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), _mm512_set1_ps(d));
+    }
+    return;
+  }
+  const uint8_t* qs = b + (kType == kQ4_1 ? 4 : 2);
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i mask = _mm_set1_epi8(0xf);
+  const __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+  // q * d is exact in fp32 (4-bit q, 11-bit d), so one fma rounds like the scalar q * d + m.
+  const __m512 vd = _mm512_set1_ps(d);
+  const __m512 offset = _mm512_set1_ps(kType == kQ4_1 ? _cvtsh_ss(Load16(b + 2)) : -8.0f * d);
+  w[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), vd, offset);
+  w[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), vd, offset);
+}
+
+template <int kType, int kBytes>
+SGQ_AVX512 void MatmulRowAvx512(const uint8_t* row, int64_t cols, const float* x, int64_t n, float* y,
+                                int64_t y_stride) {
+  for (int64_t i0 = 0; i0 < n; i0 += kRowGroup) {
+    const int64_t g = n - i0 < kRowGroup ? n - i0 : kRowGroup;
+    __m512 acc[kRowGroup] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                             _mm512_setzero_ps()};
+    const float* x0 = x + i0 * cols;
+    for (int64_t c = 0, blk = 0; c < cols; c += 32, ++blk) {
+      __m512 w[2];
+      BlockAvx512<kType>(row + blk * kBytes, w);
+      for (int64_t k = 0; k < g; ++k) {
+        const float* xk = x0 + k * cols + c;
+        acc[k] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xk + 16),
+                                 _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xk), acc[k]));
+      }
+    }
+    for (int64_t k = 0; k < g; ++k) y[(i0 + k) * y_stride] = _mm512_reduce_add_ps(acc[k]);
+  }
+}
+
+// 2 where AVX-512F kernels run, 1 for AVX2/FMA/F16C, 0 for the scalar code.
+int SimdLevel() {
+  static const int level = !(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                             __builtin_cpu_supports("f16c"))
+                               ? 0
+                               : (__builtin_cpu_supports("avx512f") ? 2 : 1);
+  return level;
 }
 #else
-bool HasAvx2() { return false; }
+int SimdLevel() { return 0; }
 #endif
 
 bool SmallBlocks(int type) { return type == kQ4_0 || type == kQ4_1 || type == kQ8_0; }
 
 void MatmulRow(int type, const Format& f, const uint8_t* row, int64_t cols, const float* x,
-               int64_t n, float* y, int64_t y_stride, bool simd) {
+               int64_t n, float* y, int64_t y_stride, int simd) {
 #ifdef SGQ_X86
-  if (simd) {
+  if (simd >= 2 && SmallBlocks(type)) {
+    if (type == kQ4_1) return MatmulRowAvx512<kQ4_1, 20>(row, cols, x, n, y, y_stride);
+    if (type == kQ4_0) return MatmulRowAvx512<kQ4_0, 18>(row, cols, x, n, y, y_stride);
+    return MatmulRowAvx512<kQ8_0, 34>(row, cols, x, n, y, y_stride);
+  }
+  if (simd >= 1) {
     if (type == kQ4_1) return MatmulRowAvx<kQ4_1, 20>(row, cols, x, n, y, y_stride);
     if (type == kQ4_0) return MatmulRowAvx<kQ4_0, 18>(row, cols, x, n, y, y_stride);
     if (type == kQ8_0) return MatmulRowAvx<kQ8_0, 34>(row, cols, x, n, y, y_stride);
@@ -295,7 +348,7 @@ void MatmulRow(int type, const Format& f, const uint8_t* row, int64_t cols, cons
 }
 
 void DequantRow(int type, const Format& f, const uint8_t* row, int64_t cols, float* out,
-                bool simd) {
+                int simd) {
 #ifdef SGQ_X86
   if (simd && SmallBlocks(type)) return DequantRowAvx(type, row, cols / 32, out);
 #endif
@@ -319,16 +372,16 @@ int sgq_block_elems(int type) {
   return FormatOf(type, &f) ? f.block_elems : 0;
 }
 
-// 1 where the AVX2/FMA/F16C kernels run, 0 on the scalar fallback.
-int sgq_simd() { return HasAvx2() ? 1 : 0; }
+// The best SIMD level this CPU runs: 2 AVX-512F, 1 AVX2/FMA/F16C, 0 scalar only.
+int sgq_simd() { return SimdLevel(); }
 
 // y[i * y_stride + r] = sum_c x[i * cols + c] * W[r, c] for i < n, r < rows, where W's rows are
-// `row_bytes` apart in `w`. `simd` 0 forces the scalar path. Returns 0, or -1 for a bad type.
+// `row_bytes` apart in `w`. `simd` caps the SIMD level (0: the scalar path). Returns 0, or -1 for a bad type.
 int sgq_matmul(int type, const uint8_t* w, int64_t rows, int64_t cols, int64_t row_bytes,
                const float* x, int64_t n, float* y, int64_t y_stride, int threads, int simd) {
   Format f;
   if (!FormatOf(type, &f) || cols % f.block_elems != 0) return -1;
-  const bool vec = simd && HasAvx2();
+  const int vec = simd < SimdLevel() ? simd : SimdLevel();
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows * cols * n >= kParallelWork)
   for (int64_t r = 0; r < rows; ++r) MatmulRow(type, f, w + r * row_bytes, cols, x, n, y + r, y_stride, vec);
   return 0;
@@ -339,7 +392,7 @@ int sgq_dequantize_rows(int type, const uint8_t* w, int64_t cols, int64_t row_by
                         const int64_t* ids, int64_t n, float* out, int threads, int simd) {
   Format f;
   if (!FormatOf(type, &f) || cols % f.block_elems != 0) return -1;
-  const bool vec = simd && HasAvx2();
+  const int vec = simd < SimdLevel() ? simd : SimdLevel();
 #pragma omp parallel for num_threads(threads) schedule(static) if (n > 16)
   for (int64_t i = 0; i < n; ++i) DequantRow(type, f, w + ids[i] * row_bytes, cols, out + i * cols, vec);
   return 0;
@@ -350,7 +403,7 @@ int sgq_dequantize(int type, const uint8_t* w, int64_t rows, int64_t cols, int64
                    float* out, int threads, int simd) {
   Format f;
   if (!FormatOf(type, &f) || cols % f.block_elems != 0) return -1;
-  const bool vec = simd && HasAvx2();
+  const int vec = simd < SimdLevel() ? simd : SimdLevel();
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows * cols >= kParallelWork)
   for (int64_t r = 0; r < rows; ++r) DequantRow(type, f, w + r * row_bytes, cols, out + r * cols, vec);
   return 0;

@@ -36,6 +36,15 @@ def kernels() -> cpu_quant.QuantKernels:
     return k
 
 
+SIMD_LEVELS, SIMD_IDS = [0, 1, 2], ["scalar", "avx2", "avx512"]
+
+
+def at_level(kernels: cpu_quant.QuantKernels, level: int) -> cpu_quant.QuantKernels:
+    if level > kernels.simd:
+        pytest.skip(f"this CPU runs SIMD level {kernels.simd} at most")
+    return kernels.at_simd_level(level)
+
+
 def random_blocks(qtype: str, rows: int, cols: int = COLS, seed: int = 0) -> torch.Tensor:
     """Random packed weights: random quant bits, fp16 scales of a trained model's size."""
     nbytes, elems, scales = LAYOUT[qtype]
@@ -48,9 +57,9 @@ def random_blocks(qtype: str, rows: int, cols: int = COLS, seed: int = 0) -> tor
 
 
 @pytest.mark.parametrize("qtype", sorted(LAYOUT))
-@pytest.mark.parametrize("simd", [True, False], ids=["simd", "scalar"])
-def test_dequantize_equals_gguf_reference_exactly(kernels, qtype: str, simd: bool) -> None:
-    k = kernels if simd else kernels.without_simd()
+@pytest.mark.parametrize("simd", SIMD_LEVELS, ids=SIMD_IDS)
+def test_dequantize_equals_gguf_reference_exactly(kernels, qtype: str, simd: int) -> None:
+    k = at_level(kernels, simd)
     packed = random_blocks(qtype, 13)
     ref = cpu_quant.dequantize_reference(packed, qtype)
     assert torch.equal(k.dequantize(packed, qtype, COLS), ref)
@@ -60,9 +69,9 @@ def test_dequantize_equals_gguf_reference_exactly(kernels, qtype: str, simd: boo
 
 @pytest.mark.parametrize("qtype", sorted(LAYOUT))
 @pytest.mark.parametrize("rows,n", [(1, 1), (37, 1), (37, 3), (129, 6)])
-@pytest.mark.parametrize("simd", [True, False], ids=["simd", "scalar"])
-def test_matmul_equals_dequantize_then_matmul(kernels, qtype: str, rows: int, n: int, simd: bool) -> None:
-    k = kernels if simd else kernels.without_simd()
+@pytest.mark.parametrize("simd", SIMD_LEVELS, ids=SIMD_IDS)
+def test_matmul_equals_dequantize_then_matmul(kernels, qtype: str, rows: int, n: int, simd: int) -> None:
+    k = at_level(kernels, simd)
     packed = random_blocks(qtype, rows, seed=rows + n)
     x = torch.randn(n, COLS, generator=torch.Generator().manual_seed(n))
     got = k.matmul(x, packed, qtype, COLS)

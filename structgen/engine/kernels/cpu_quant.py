@@ -42,7 +42,7 @@ class QuantKernels:
 
     def __init__(self, lib: ctypes.CDLL):
         self._lib = lib
-        self.simd = bool(lib.sgq_simd())
+        self.simd = int(lib.sgq_simd())  # 2: AVX-512F, 1: AVX2/FMA/F16C, 0: scalar code
 
     def matmul(self, x: torch.Tensor, packed: torch.Tensor, qtype: str, cols: int,
                out: torch.Tensor | None = None, threads: int = 0) -> torch.Tensor:
@@ -54,7 +54,7 @@ class QuantKernels:
             out = torch.empty(n, rows, dtype=torch.float32)
         rc = self._lib.sgq_matmul(FORMATS[qtype], packed.data_ptr(), rows, cols, packed.stride(0),
                                   x.data_ptr(), n, out.data_ptr(), out.stride(0),
-                                  threads or torch.get_num_threads(), int(self.simd))
+                                  threads or torch.get_num_threads(), self.simd)
         if rc != 0:
             raise ValueError(f"{qtype} matmul of {cols} columns is not supported")
         return out
@@ -64,7 +64,7 @@ class QuantKernels:
         out = torch.empty(packed.shape[0], cols, dtype=torch.float32)
         rc = self._lib.sgq_dequantize(FORMATS[qtype], packed.data_ptr(), packed.shape[0], cols,
                                       packed.stride(0), out.data_ptr(), threads or torch.get_num_threads(),
-                                      int(self.simd))
+                                      self.simd)
         if rc != 0:
             raise ValueError(f"{qtype} de-quantization of {cols} columns is not supported")
         return out
@@ -76,14 +76,14 @@ class QuantKernels:
         if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < packed.shape[0]:
             raise IndexError(f"row id out of range for a weight of {packed.shape[0]} rows")
         self._lib.sgq_dequantize_rows(FORMATS[qtype], packed.data_ptr(), cols, packed.stride(0), ids.data_ptr(),
-                                      ids.numel(), out.data_ptr(), torch.get_num_threads(), int(self.simd))
+                                      ids.numel(), out.data_ptr(), torch.get_num_threads(), self.simd)
         return out
 
-    def without_simd(self) -> QuantKernels:
-        """The same library on its scalar path (tests compare both against the reference)."""
-        scalar = QuantKernels(self._lib)
-        scalar.simd = False
-        return scalar
+    def at_simd_level(self, level: int) -> QuantKernels:
+        """The same library capped at SIMD `level` (tests compare every path to the reference)."""
+        capped = QuantKernels(self._lib)
+        capped.simd = min(level, self.simd)
+        return capped
 
 
 def dequantize_reference(packed: torch.Tensor, qtype: str) -> torch.Tensor:
