@@ -140,13 +140,13 @@ class Attention(nn.Module):
                                self.n_heads, self.n_kv, self.head_dim)
             out = attend(q, kv.k[i], kv.v[i], batch)
             return project(self.o_proj, out.reshape(n, self.q_size), self.fused)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(n, self.n_heads, self.head_dim)
-        k = k.view(n, self.n_kv, self.head_dim)
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = qk.reshape(n, self.n_heads + self.n_kv, self.head_dim)
         v = v.view(n, self.n_kv, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(q, batch.positions), rope(k, batch.positions)
+            q, k = qk.split([self.n_heads, self.n_kv], dim=1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
+        q, k = rope(qk, batch.positions).split([self.n_heads, self.n_kv], dim=1)  # one rotation for q and k
         kv.write(self.layer_idx, batch.token_slots, batch.positions, k, v)
         out = attend(q, kv.k[self.layer_idx], kv.v[self.layer_idx], batch)
         return self.o_proj(out.reshape(n, self.q_size))
