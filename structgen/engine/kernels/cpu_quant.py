@@ -33,7 +33,7 @@ SOURCE = Path(__file__).resolve().parents[3] / "csrc" / "quant_matmul.cpp"
 FORMATS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
 # Products of more rows than this de-quantize the weight once and use torch's matmul: a prompt's
 # rows amortise the de-quantization and torch's GEMM reuses each weight across many rows.
-MAX_KERNEL_ROWS = 8
+MAX_KERNEL_ROWS = 32
 
 
 class QuantKernels:
