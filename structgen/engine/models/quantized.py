@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from structgen.engine.kernels import cpu_quant
+from structgen.errors import ModelLoadError
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,11 @@ class QuantizedWeight:
         return cpu_quant.dequantize_reference(self.packed, self.qtype)
 
 
+def _kernels_missing() -> ModelLoadError:
+    return ModelLoadError("quantized weights need the native CPU kernels, which did not build here "
+                          "(see the warning above); install g++ or pass EngineConfig(quantized_weights=False)")
+
+
 def stack_rows(parts: list[QuantizedWeight]) -> list[QuantizedWeight]:
     """Row-concatenation of weights (fused q/k/v, gate/up): neighbours of one format are merged
     into one packed tensor; a mixed checkpoint keeps one part per format run."""
@@ -58,14 +64,15 @@ class QuantizedLinear(nn.Module):
     def __init__(self, parts: list[QuantizedWeight], bias: torch.Tensor | None = None):
         super().__init__()
         if len({p.cols for p in parts}) != 1:
-            raise ValueError("the parts of a quantized linear layer must have the same column count")
+            raise ModelLoadError("the row blocks of a fused projection have different column counts; "
+                                 "the checkpoint does not match config.json")
         self.parts = stack_rows(parts)
         self.in_features = self.parts[0].cols
         self.out_features = sum(p.shape[0] for p in self.parts)
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
         self.kernels = cpu_quant.load()
         if self.kernels is None:
-            raise RuntimeError("QuantizedLinear needs the native kernels; check cpu_quant.load() first")
+            raise _kernels_missing()
 
     @property
     def weight_bytes(self) -> int:
@@ -98,7 +105,7 @@ class QuantizedEmbedding(nn.Module):
         self.dtype = dtype
         self.kernels = cpu_quant.load()
         if self.kernels is None:
-            raise RuntimeError("QuantizedEmbedding needs the native kernels; check cpu_quant.load() first")
+            raise _kernels_missing()
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         w = self.weight
@@ -123,8 +130,6 @@ def adopt_linear(owner: nn.Module, attr: str, weight: torch.Tensor | QuantizedWe
     parts = [weight] if isinstance(weight, QuantizedWeight) else weight
     shape = (sum(p.shape[0] for p in parts), parts[0].cols) if isinstance(parts, list) else tuple(weight.shape)
     if shape != tuple(linear.weight.shape):
-        from structgen.errors import ModelLoadError
-
         raise ModelLoadError(f"weight shape {shape} != expected {tuple(linear.weight.shape)}; "
                              f"the checkpoint does not match config.json")
     if isinstance(parts, list):
