@@ -1,15 +1,19 @@
-"""CPU benchmark (issue 2's closing figures): start-up time of `LLM()` cold (GGUF converted
-into an empty cache) and warm (cache hit), and ms per generated token of our runner against
-transformers eager `generate` (with and without xgrammar's logits processor), same weights,
-dtype (float32), prompt and greedy decoding, at batch 1.
+"""CPU benchmark of the default model at batch 1: start-up of `LLM()` cold (GGUF converted into
+an empty cache) and warm, the converted cache's size, ms per generated token (free text and a
+JSON schema) and time to first token for a 50-token prompt, for structgen with its weights kept
+quantized (the default) and de-quantized to fp32 (`quantized_weights=False`, the old path),
+beside llama.cpp (llama-cpp-python, when installed) and transformers eager `generate` (with and
+without xgrammar / Outlines) on the same GGUF, prompt tokens, threads and greedy decoding.
 
-Both sides are timed the same way: wall time of one whole generation (prefill included)
-divided by its new tokens, after a warm-up generation. Free text runs a fixed number of
-tokens (stop tokens off); the JSON rows run until the schema's grammar completes.
+Quality of the quantized path against the fp32-de-quantized one: greedy agreement over 32
+tokens on a handful of prompts, and the perplexity of both on a fixed text.
 
-    python -m benchmarks.bench_cpu                  # ~3 min on 2 cores
-    python -m benchmarks.bench_cpu --no-cold        # skip the 20-30 s cold conversion
-    python -m benchmarks.bench_cpu --model gemma-3-270m --no-cold
+Every system is timed the same way: wall time of one whole generation (prefill included)
+divided by its new tokens, after a warm-up generation. Free text runs a fixed number of tokens
+(stop tokens off); the JSON rows run until the schema's grammar completes.
+
+    python -m benchmarks.bench_cpu --threads 2                  # a few minutes on 2 cores
+    python -m benchmarks.bench_cpu --threads 2 --no-cold --no-transformers
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,7 +32,7 @@ import torch
 from benchmarks.common import print_table, write_results
 from structgen.engine.config import EngineConfig
 from structgen.engine.request import Request
-from structgen.sampling import SamplingParams
+from structgen.engine.sampler import SamplingParams
 
 SCHEMA = {
     "type": "object",
@@ -36,14 +41,26 @@ SCHEMA = {
     "required": ["name", "age", "city", "tags"], "additionalProperties": False,
 }
 PROMPT = "Extract the person as JSON: Ana Lopes is 31 years old, lives in Lisbon and likes tea and chess."
-START = "import time; t = time.perf_counter(); import structgen; structgen.LLM({model!r}); print(time.perf_counter() - t)"
+TTFT_TOKENS = 50
+START = "import time; t = time.perf_counter(); import structgen; structgen.LLM(); print(time.perf_counter() - t)"
+QUALITY_PROMPTS = [
+    "What is the capital of France?", "Write a haiku about the sea.", "Explain what a hash map is.",
+    "Give three tips for learning a language.", "Describe a cat in one sentence.",
+    "What is 12 times 7?", "Name the planets of the solar system.", "Write a short thank-you note.",
+]
+PERPLEXITY_TEXT = (
+    "The printing press, developed in the fifteenth century, changed how knowledge spread across "
+    "Europe. Before it, books were copied by hand, which made them rare and expensive. Within a few "
+    "decades, printed books became common, literacy rose, and ideas travelled faster than ever. "
+    "Scholars could compare the same text in different cities, errors were easier to find, and new "
+    "fields of study grew around the exchange of printed work."
+)
 
 
-def start_time(cache: str | None, model: str | None) -> float:
-    """Seconds for `import structgen; LLM(model)` in a fresh process (cache: STRUCTGEN_CACHE)."""
+def start_time(cache: str | None) -> float:
+    """Seconds for `import structgen; LLM()` in a fresh process (cache: STRUCTGEN_CACHE)."""
     env = dict(os.environ, **({"STRUCTGEN_CACHE": cache} if cache else {}))
-    out = subprocess.run([sys.executable, "-c", START.format(model=model)], env=env, capture_output=True,
-                         text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", START], env=env, capture_output=True, text=True, check=True)
     return float(out.stdout.strip().splitlines()[-1])
 
 
@@ -66,73 +83,162 @@ def ours(llm: Any, prompt_ids: list[int], tokens: int, grammar: Any) -> dict[str
             "tokens": req.num_output, "text": llm.tokenizer.decode(req.output_ids)[:80]}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", type=int, default=48)
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    ap.add_argument("--no-cold", action="store_true")
-    ap.add_argument("--no-write", action="store_true")
-    ap.add_argument("--model", default=None, help="what LLM() takes (default: SmolLM2-135M), e.g. gemma-3-270m")
-    args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    from benchmarks.bench_decode import chat
+def time_to_first_token(llm: Any, prompt_ids: list[int], repeats: int = 5) -> float:
+    """Best of `repeats` wall times (ms) of a one-token generation: prefill + one step."""
+    best = float("inf")
+    for i in range(repeats + 1):
+        req = Request(prompt_ids, SamplingParams(max_tokens=1), None, frozenset())
+        t0 = time.perf_counter()
+        llm.engine.run([req])
+        if i:  # the first is a warm-up
+            best = min(best, time.perf_counter() - t0)
+    return 1e3 * best
+
+
+def greedy_outputs(llm: Any, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+    reqs = [Request(p, SamplingParams(max_tokens=tokens), None, frozenset()) for p in prompts]
+    llm.engine.run(reqs)
+    return [r.output_ids for r in reqs]
+
+
+@torch.inference_mode()
+def perplexity(llm: Any, ids: list[int]) -> float:
+    """exp(mean next-token NLL) of `ids` under the engine's model, in one forward."""
+    from structgen.engine.model_runner import ExtendSeq
+
+    logits = llm.engine.runner.extend([ExtendSeq(0, 0, ids, num_logits=len(ids))])
+    nll = torch.nn.functional.cross_entropy(logits[:-1].float(), torch.tensor(ids[1:]))
+    return float(torch.exp(nll))
+
+
+def quality(quantized: Any, dequantized: Any) -> dict[str, Any]:
+    """Greedy agreement over 32 tokens and the perplexity delta, quantized vs fp32 weights."""
+    tok = quantized.tokenizer
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                                  add_generation_prompt=True), add_special_tokens=False)
+               for p in QUALITY_PROMPTS]
+    a, b = greedy_outputs(quantized, prompts, 32), greedy_outputs(dequantized, prompts, 32)
+    common = [next((i for i, (x, y) in enumerate(zip(s, t, strict=False)) if x != y), min(len(s), len(t))) for s, t in zip(a, b, strict=True)]
+    text_ids = tok.encode(PERPLEXITY_TEXT, add_special_tokens=False)
+    ppl_q, ppl_f = perplexity(quantized, text_ids), perplexity(dequantized, text_ids)
+    return {"prompts": len(prompts), "tokens": 32, "identical": sum(s == t for s, t in zip(a, b, strict=True)),
+            "mean_common_prefix": sum(common) / len(common), "perplexity_quantized": ppl_q,
+            "perplexity_fp32": ppl_f, "perplexity_delta": ppl_q - ppl_f, "text_tokens": len(text_ids)}
+
+
+def structgen_rows(llm: Any, system: str, prompt_ids: list[int], ttft_ids: list[int], tokens: int) -> list[dict[str, Any]]:
+    from structgen import JsonSchema
+
+    grammar = llm.compile(JsonSchema(SCHEMA))
+    rows = []
+    for constrained in (False, True):
+        r = ours(llm, prompt_ids, tokens if not constrained else 128, grammar if constrained else None)
+        rows.append({"system": system, "model": "smollm2-135m", "batch": 1, "constrained": constrained,
+                     "metric": "ms_per_token", "value": r["ms_per_token"], **r})
+        print(rows[-1], flush=True)
+    rows.append({"system": system, "model": "smollm2-135m", "batch": 1, "constrained": False,
+                 "metric": "ttft_ms", "value": time_to_first_token(llm, ttft_ids), "prompt_tokens": len(ttft_ids)})
+    print(rows[-1], flush=True)
+    return rows
+
+
+def llamacpp_rows(threads: int, prompt_ids: list[int], ttft_ids: list[int], tokens: int, json_tokens: int,
+                  stop_ids: list[int]) -> list[dict[str, Any]]:
+    from benchmarks import peer_llamacpp
+    from structgen.engine.models.loader import default_gguf_path
+
+    why = peer_llamacpp.available()
+    if why is not None:
+        print(f"llama.cpp peer skipped: {why}")
+        return []
+    peer = peer_llamacpp.LlamaCppPeer(default_gguf_path(), threads)
+    base = {"system": "llama.cpp", "model": "smollm2-135m", "batch": 1}
+    free = peer.generate(prompt_ids, tokens, ban_tokens=tuple(stop_ids))
+    schema = peer.generate(prompt_ids, json_tokens, schema=SCHEMA)
+    first = peer.generate(ttft_ids, 1)
+    rows = [{**base, "constrained": False, "metric": "ms_per_token", "value": free["ms_per_token"], **free},
+            {**base, "constrained": True, "metric": "ms_per_token", "value": schema["ms_per_token"], **schema},
+            {**base, "constrained": False, "metric": "ttft_ms", "value": first["ttft_ms"], "prompt_tokens": len(ttft_ids)}]
+    for r in rows:
+        print(r, flush=True)
+    return rows
+
+
+def transformers_rows(llm: Any, text: str, tokens: int, json_tokens: int) -> list[dict[str, Any]]:
     from benchmarks.peers import (
         compile_xgrammar,
         load_hf_model,
         outlines_json,
         transformers_generate,
     )
-    from structgen import LLM, JsonSchema
-
-    extra: dict[str, Any] = {"threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "prompt": PROMPT,
-                             "model": args.model or "smollm2-135m"}
-    if not args.no_cold:
-        with tempfile.TemporaryDirectory() as cache:
-            extra["cold_start_s"] = start_time(cache, args.model)
-    extra["warm_start_s"] = start_time(None, args.model)
-    print(f"LLM() start: cold {extra.get('cold_start_s', float('nan')):.1f} s, warm {extra['warm_start_s']:.1f} s")
-
-    llm = LLM(args.model, config=EngineConfig(device="cpu", dtype="float32", max_seq_len=1024))
-    extra["tokenizer_check_s"] = llm.tokenizer_report.seconds
-    tok = llm.tokenizer
-    text = chat(tok, PROMPT)
-    prompt_ids = tok.encode(text, add_special_tokens=False)
-    grammar = llm.compile(JsonSchema(SCHEMA))
-    rows: list[dict[str, Any]] = []
-    for constrained in (False, True):
-        r = ours(llm, prompt_ids, args.tokens if not constrained else 128, grammar if constrained else None)
-        rows.append({"system": "structgen", "constrained": constrained, **r})
-        print(rows[-1], flush=True)
-
     from structgen.engine.models.loader import resolve_model
 
-    hf = load_hf_model(resolve_model(args.model, progress=False), torch.float32, "cpu")
+    tok = llm.tokenizer
+    hf = load_hf_model(resolve_model(None, progress=False), torch.float32, "cpu")
     stop = sorted(llm.engine.stop_token_ids)
     xg = compile_xgrammar(tok, llm.engine.vocab_size, stop, json_schema=SCHEMA)
+    rows = []
     for constrained in (False, True):
-        n = args.tokens if not constrained else rows[1]["tokens"]
-        run = transformers_generate(hf, tok, text, n, compiled_grammar=xg if constrained else None,
-                                    ignore_eos=not constrained)
-        rows.append({"system": run.system, "constrained": constrained, "ms_per_token": run.ms_per_step,
-                     "tokens": run.steps, "text": run.texts[0][:80]})
+        run = transformers_generate(hf, tok, text, json_tokens if constrained else tokens,
+                                    compiled_grammar=xg if constrained else None, ignore_eos=not constrained)
+        rows.append({"system": run.system, "model": "smollm2-135m", "batch": 1, "constrained": constrained,
+                     "metric": "ms_per_token", "value": run.ms_per_step, "tokens": run.steps, "text": run.texts[0][:80]})
         print(rows[-1], flush=True)
     processor = outlines_json(hf, tok, SCHEMA)
     if processor is not None:
-        run = transformers_generate(hf, tok, text, rows[1]["tokens"], outlines_processor=processor)
-        rows.append({"system": run.system, "constrained": True, "ms_per_token": run.ms_per_step,
-                     "tokens": run.steps, "text": run.texts[0][:80]})
+        run = transformers_generate(hf, tok, text, json_tokens, outlines_processor=processor)
+        rows.append({"system": run.system, "model": "smollm2-135m", "batch": 1, "constrained": True,
+                     "metric": "ms_per_token", "value": run.ms_per_step, "tokens": run.steps, "text": run.texts[0][:80]})
         print(rows[-1], flush=True)
-    print_table([{k: r.get(k) for k in ("system", "constrained", "tokens", "ms_per_token", "decode_ms_per_step")}
-                 for r in rows])
-    for constrained in (False, True):
-        a = next(r for r in rows if r["system"] == "structgen" and r["constrained"] == constrained)
-        for b in (r for r in rows if r["system"] != "structgen" and r["constrained"] == constrained):
-            print(f"{'JSON' if constrained else 'free'}: ours {a['ms_per_token']:.1f} ms/token vs {b['system']} "
-                  f"{b['ms_per_token']:.1f} ({b['ms_per_token'] / a['ms_per_token']:.2f}x)")
+    return rows
+
+
+def cache_megabytes() -> float:
+    from structgen.engine.models.loader import resolve_model
+
+    return sum(p.stat().st_size for p in Path(resolve_model(None, progress=False)).iterdir()) / 2**20
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--threads", type=int, default=2, help="threads of every system (0: torch's default)")
+    ap.add_argument("--no-cold", action="store_true")
+    ap.add_argument("--no-transformers", action="store_true", help="skip the transformers peers")
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from structgen import LLM
+
+    extra: dict[str, Any] = {"threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "prompt": PROMPT,
+                             "load_average": os.getloadavg()[0]}
+    if not args.no_cold:
+        with tempfile.TemporaryDirectory() as cache:
+            extra["cold_start_s"] = start_time(cache)
+    extra["warm_start_s"] = start_time(None)
+    extra["converted_cache_mb"] = cache_megabytes()
+    print(f"LLM() start: cold {extra.get('cold_start_s', float('nan')):.1f} s, warm {extra['warm_start_s']:.1f} s; "
+          f"converted cache {extra['converted_cache_mb']:.0f} MB")
+
+    llms = {q: LLM(config=EngineConfig(device="cpu", dtype="float32", max_seq_len=1024, quantized_weights=q))
+            for q in (True, False)}
+    tok = llms[True].tokenizer
+    text = tok.apply_chat_template([{"role": "user", "content": PROMPT}], tokenize=False, add_generation_prompt=True)
+    prompt_ids = tok.encode(text, add_special_tokens=False)
+    ttft_ids = tok.encode(" ".join([PERPLEXITY_TEXT] * 2), add_special_tokens=False)[:TTFT_TOKENS]
+    rows = structgen_rows(llms[True], "structgen", prompt_ids, ttft_ids, args.tokens)
+    rows += structgen_rows(llms[False], "structgen-fp32", prompt_ids, ttft_ids, args.tokens)
+    json_tokens = rows[1]["tokens"]
+    rows += llamacpp_rows(torch.get_num_threads(), prompt_ids, ttft_ids, args.tokens, json_tokens,
+                          sorted(llms[True].engine.stop_token_ids))
+    if not args.no_transformers:
+        rows += transformers_rows(llms[True], text, args.tokens, json_tokens)
+    extra["quality"] = quality(llms[True], llms[False])
+    print("quality (quantized vs fp32-de-quantized):", extra["quality"])
+    print_table([{k: r.get(k) for k in ("system", "constrained", "metric", "value", "tokens")} for r in rows])
     if not args.no_write:
-        name = "runner" if args.model is None else f"runner-{args.model}"
-        print("wrote", write_results(name, rows, extra=extra))
+        print("wrote", write_results("cpu", rows, extra=extra))
 
 
 if __name__ == "__main__":

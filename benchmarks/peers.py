@@ -60,8 +60,10 @@ def load_hf_model(model: str | Path, dtype: torch.dtype, device: str | torch.dev
         if cfg.tie_word_embeddings:
             m.tie_weights()
         return m.eval()
-    m = AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype, local_files_only=True,
-                                             attn_implementation=attn_implementation)
+    from structgen.engine.models.loader import load_transformers_model
+
+    m = load_transformers_model(model, dtype)  # a converted GGUF's weights are stored packed
+    m.config._attn_implementation = attn_implementation
     return m.to(device).eval()
 
 

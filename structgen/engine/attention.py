@@ -138,6 +138,8 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBat
     fallback is several times slower)."""
     group = q.shape[1] // k.shape[1]
     causal = batch.mask is None  # one sequence with no cached prefix
+    if not q.is_cuda and q.shape[2] == 1:
+        return _one_query_attention(q, k, v, batch.mask)
     if not q.is_cuda:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=batch.mask, is_causal=causal, enable_gqa=group > 1)
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -149,3 +151,14 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBat
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=batch.mask)
+
+
+def _one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Attention of one query a sequence ([B, H, 1, D]) on the CPU in three small products:
+    SDPA's CPU kernel has a fixed cost per call that dominates a decode step's attention."""
+    b, heads, _, dim = q.shape
+    kv_heads = k.shape[1]
+    scores = torch.matmul(q.reshape(b, kv_heads, heads // kv_heads, dim), k.transpose(-1, -2)) * dim**-0.5
+    if mask is not None:
+        scores = scores.masked_fill(~mask.view(b, 1, 1, -1), float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v).reshape(b, heads, 1, dim)

@@ -219,6 +219,9 @@ class EngineConfig:
 
     device: str | None = None  # None: "cuda" if available, else "cpu"
     dtype: str | None = None  # None: bfloat16 on CUDA, float32 on CPU
+    # CPU: GGUF block-format weights stay packed and are de-quantized inside the products
+    # (models/quantized.py); False de-quantizes them at load, as on CUDA (for debugging).
+    quantized_weights: bool = True
     max_batch_size: int = 64  # concurrent requests (KV slots)
     max_seq_len: int = 4096  # per-request prompt + output tokens (capped by the model)
     kv_cache_memory_fraction: float = 0.5  # of free GPU memory, when sizing slots on CUDA

@@ -87,8 +87,19 @@ class ModelRunner:
         else:
             from structgen.engine.models.loader import load_weights
 
-            model.load_hf_weights(load_weights(model_dir, dtype=self.dtype, device=self.device))
+            weights = load_weights(model_dir, dtype=self.dtype, device=self.device,
+                                   keep_quantized=self.keeps_weights_quantized())
+            model.load_hf_weights(weights)
         return model.eval()
+
+    def keeps_weights_quantized(self) -> bool:
+        """Whether packed GGUF weights stay packed: on the CPU where the kernels build, unless
+        `EngineConfig.quantized_weights` is off."""
+        if self.device.type != "cpu" or not self.config.quantized_weights:
+            return False
+        from structgen.engine.kernels import cpu_quant
+
+        return cpu_quant.load() is not None
 
     def _num_slots(self) -> int:
         if self.device.type != "cuda":

@@ -38,11 +38,12 @@ def greedy(engine: Engine, prompts: list[list[int]], n: int) -> list[list[int]]:
 
 
 def test_greedy_tokens_equal_transformers(engine, model_dir, tokenizer):
-    """Our runner (fused projections, slot cache, chunked prefill) must produce exactly the
-    reference model's greedy tokens for the same weights and prompt."""
-    from transformers import AutoModelForCausalLM
+    """Our runner (fused projections, slot cache, chunked prefill, weights kept quantized on
+    the CPU) must produce exactly the reference model's greedy tokens for the same weights
+    (transformers', de-quantized to float32) and prompt."""
+    from structgen.engine.models.loader import load_transformers_model
 
-    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ref = load_transformers_model(model_dir, torch.float32)
     ids = chat_ids(tokenizer, PROMPTS[2])
     with torch.no_grad():
         out = ref.generate(torch.tensor([ids]), max_new_tokens=40, min_new_tokens=40, do_sample=False)

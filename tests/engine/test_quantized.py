@@ -1,0 +1,145 @@
+"""Weights kept in GGUF block formats on the CPU: each kernel (csrc/quant_matmul.cpp, SIMD and
+scalar paths) against de-quantize-then-matmul with gguf-py's independent de-quantization, the
+quantized layers, and the default model loaded quantized against the same model de-quantized."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from structgen.engine.config import EngineConfig
+from structgen.engine.kernels import cpu_quant
+from structgen.engine.models.quantized import QuantizedLinear, QuantizedWeight
+
+# Bytes per block, elements per block and the offsets of the block's fp16 scales.
+LAYOUT = {"Q4_0": (18, 32, (0,)), "Q4_1": (20, 32, (0, 2)), "Q8_0": (34, 32, (0,)),
+          "Q4_K": (144, 256, (0, 2)), "Q6_K": (210, 256, (208,))}
+COLS = 512  # a multiple of every block size
+
+
+def assert_same_product(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """`got` equals `x @ w.T` up to fp32 rounding in another summation order: each entry
+    within 1e-5 of the sum of its products' magnitudes."""
+    ref = x.double() @ w.double().T
+    bound = 1e-5 * (x.double().abs() @ w.double().abs().T) + 1e-7
+    assert ((got.double() - ref).abs() <= bound).all(), (got.double() - ref).abs().max()
+
+
+@pytest.fixture(scope="module")
+def kernels() -> cpu_quant.QuantKernels:
+    k = cpu_quant.load()
+    if k is None:
+        pytest.fail("the quantized CPU kernels did not build (is g++ installed?)")
+    return k
+
+
+SIMD_LEVELS, SIMD_IDS = [0, 1, 2], ["scalar", "avx2", "avx512"]
+
+
+def at_level(kernels: cpu_quant.QuantKernels, level: int) -> cpu_quant.QuantKernels:
+    if level > kernels.simd:
+        pytest.skip(f"this CPU runs SIMD level {kernels.simd} at most")
+    return kernels.at_simd_level(level)
+
+
+def random_blocks(qtype: str, rows: int, cols: int = COLS, seed: int = 0) -> torch.Tensor:
+    """Random packed weights: random quant bits, fp16 scales of a trained model's size."""
+    nbytes, elems, scales = LAYOUT[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows, cols // elems, nbytes), dtype=np.uint8)
+    for off in scales:
+        s = rng.uniform(-0.02, 0.02, size=(rows, cols // elems)).astype(np.float16)
+        raw[:, :, off:off + 2] = s.view(np.uint8).reshape(rows, cols // elems, 2)
+    return torch.from_numpy(raw.reshape(rows, -1))
+
+
+@pytest.mark.parametrize("qtype", sorted(LAYOUT))
+@pytest.mark.parametrize("simd", SIMD_LEVELS, ids=SIMD_IDS)
+def test_dequantize_equals_gguf_reference_exactly(kernels, qtype: str, simd: int) -> None:
+    k = at_level(kernels, simd)
+    packed = random_blocks(qtype, 13)
+    ref = cpu_quant.dequantize_reference(packed, qtype)
+    assert torch.equal(k.dequantize(packed, qtype, COLS), ref)
+    ids = torch.tensor([12, 0, 5, 5])
+    assert torch.equal(k.dequantize_rows(packed, qtype, COLS, ids), ref[ids])
+
+
+@pytest.mark.parametrize("qtype", sorted(LAYOUT))
+@pytest.mark.parametrize("rows,n", [(1, 1), (37, 1), (37, 3), (129, 6)])
+@pytest.mark.parametrize("simd", SIMD_LEVELS, ids=SIMD_IDS)
+def test_matmul_equals_dequantize_then_matmul(kernels, qtype: str, rows: int, n: int, simd: int) -> None:
+    k = at_level(kernels, simd)
+    packed = random_blocks(qtype, rows, seed=rows + n)
+    x = torch.randn(n, COLS, generator=torch.Generator().manual_seed(n))
+    got = k.matmul(x, packed, qtype, COLS)
+    assert_same_product(got, x, cpu_quant.dequantize_reference(packed, qtype))
+    torch.testing.assert_close(got, cpu_quant.matmul_reference(x, packed, qtype), rtol=1e-4, atol=1e-3)
+
+
+def test_matmul_writes_into_a_column_slice(kernels) -> None:
+    packed = random_blocks("Q4_1", 7)
+    x = torch.randn(2, COLS)
+    out = torch.zeros(2, 20)
+    kernels.matmul(x, packed, "Q4_1", COLS, out=out[:, 5:12])
+    assert_same_product(out[:, 5:12], x, cpu_quant.dequantize_reference(packed, "Q4_1"))
+    assert not out[:, :5].any() and not out[:, 12:].any()
+
+
+@pytest.mark.parametrize("n", [1, 5, cpu_quant.MAX_KERNEL_ROWS + 3], ids=["decode", "few", "prefill"])
+def test_linear_of_mixed_formats_equals_reference(kernels, n: int) -> None:
+    """A fused projection whose parts are in different formats (as in Q4_K_M files), with a
+    bias, at batch 1, a few rows (kernel) and many rows (de-quantized tile + torch matmul)."""
+    parts = [QuantizedWeight("Q4_K", random_blocks("Q4_K", 9), COLS),
+             QuantizedWeight("Q6_K", random_blocks("Q6_K", 4), COLS),
+             QuantizedWeight("Q6_K", random_blocks("Q6_K", 3, seed=1), COLS)]
+    bias = torch.randn(16)
+    layer = QuantizedLinear(parts, bias)
+    assert len(layer.parts) == 2  # the two Q6_K neighbours share one packed tensor
+    x = torch.randn(n, COLS)
+    w = torch.cat([cpu_quant.dequantize_reference(p.packed, p.qtype) for p in parts])
+    assert_same_product(layer(x) - bias, x, w)
+
+
+def test_converted_default_model_stays_quantized_on_disk(model_dir: Path) -> None:
+    from safetensors import safe_open
+
+    from structgen.engine.models.loader import packed_formats
+
+    assert (model_dir / "model.safetensors").stat().st_size <= 120 * 2**20
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as st:
+        formats = packed_formats(st.metadata())
+    assert formats["model.layers.0.mlp.down_proj.weight"] == ("Q4_1", 1536)
+    assert formats["model.embed_tokens.weight"] == ("Q8_0", 576)
+
+
+PROMPTS = ["What is the capital of France?", "Give me a JSON object with a name and an age."]
+
+
+def test_quantized_model_matches_dequantized_model(model_dir: Path, tokenizer) -> None:
+    """The default model with packed weights against the same weights de-quantized to fp32:
+    logits of a prompt equal up to fp32 summation order, and greedy continuations agree."""
+    from structgen.engine.engine import Engine
+    from structgen.engine.model_runner import ExtendSeq
+    from structgen.engine.models.loader import load_model_config
+    from structgen.engine.request import Request
+    from structgen.engine.sampler import SamplingParams
+
+    cfg = load_model_config(model_dir)
+    engines = [Engine(cfg, EngineConfig(device="cpu", max_batch_size=4, max_seq_len=256, quantized_weights=q),
+                      model_dir) for q in (True, False)]
+    assert isinstance(engines[0].runner.model.layers[0].mlp.down_proj, QuantizedLinear)
+    assert not isinstance(engines[1].runner.model.layers[0].mlp.down_proj, QuantizedLinear)
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                             tokenize=False) for p in PROMPTS]
+    ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+    logits = [e.runner.extend([ExtendSeq(0, 0, ids[0], num_logits=len(ids[0]))]) for e in engines]
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=2e-3)
+    outputs = []
+    for e in engines:
+        reqs = [Request(p, SamplingParams(max_tokens=8)) for p in ids]
+        e.run(reqs)
+        outputs.append([r.output_ids for r in reqs])
+    assert outputs[0] == outputs[1]
