@@ -80,21 +80,22 @@ class ModelRunner:
     def _build_model(self, model_dir: Path | None) -> torch.nn.Module:
         from structgen.engine.models.registry import model_class
 
+        cls = model_class(self.model_config)
         with skip_init(self.dtype), self.device:
-            model = model_class(self.model_config)(self.model_config, max_positions=self.max_seq_len)
+            model = cls(self.model_config, max_positions=self.max_seq_len)
         if model_dir is None:
             model.init_random_weights()
         else:
             from structgen.engine.models.loader import load_weights
 
-            weights = load_weights(model_dir, dtype=self.dtype, device=self.device,
-                                   keep_quantized=self.keeps_weights_quantized())
+            packed = getattr(cls, "takes_packed_weights", False) and self.keeps_weights_quantized()
+            weights = load_weights(model_dir, dtype=self.dtype, device=self.device, keep_quantized=packed)
             model.load_hf_weights(weights)
         return model.eval()
 
     def keeps_weights_quantized(self) -> bool:
         """Whether packed GGUF weights stay packed: on the CPU where the kernels build, unless
-        `EngineConfig.quantized_weights` is off."""
+        `EngineConfig.quantized_weights` is off (and for model classes that take them)."""
         if self.device.type != "cpu" or not self.config.quantized_weights:
             return False
         from structgen.engine.kernels import cpu_quant

@@ -222,6 +222,9 @@ class LlamaModel(nn.Module):
     """Decoder stack + LM head. `forward` returns hidden states of every new token; call
     `logits` only on the rows whose next-token distribution is needed."""
 
+    # `load_hf_weights` takes packed GGUF weights (`QuantizedWeight`) on the CPU.
+    takes_packed_weights = True
+
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
         self.config = cfg

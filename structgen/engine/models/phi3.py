@@ -74,6 +74,8 @@ class PartialRotaryEmbedding(RotaryEmbedding):
 class Phi3Model(LlamaModel):
     """`LlamaModel` with the permuted partial-rotary table and Phi-3's checkpoint names."""
 
+    takes_packed_weights = False  # its fused tensors are split and permuted as floats
+
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__(cfg, max_positions)
         if cfg.partial_rotary_factor != 1.0 or cfg.rope_scaling:
