@@ -139,8 +139,10 @@ class EngineDecodeStep(DecodeStep):
     def before_wait(self, done: Callable[[], bool]) -> None:
         """Rehearse the jumps of the sampled row's likely tokens (with a draft: the tokens after
         it, sampled at its row, which the step gives where the model picks it)."""
+        if not self.rehearses or self.filled is None or not self.sampled_rows:
+            return
         first = self.sampled_rows[0]
-        if not self.rehearses or self.filled is None or first in self.row_errors or 0 in self.bad_drafts:
+        if first in self.row_errors or 0 in self.bad_drafts:
             return
         row = self.drafted.get(0, first)
         try:

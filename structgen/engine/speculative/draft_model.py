@@ -87,7 +87,8 @@ class DraftModelDrafter:
         if runner.graphs is not None:  # the target captured graphs: capture the draft's too
             from structgen.engine.cuda_graphs import DecodeGraphs
 
-            owner = SimpleNamespace(model=model, kv=kv, device=self.device, model_config=model.config)
+            owner = SimpleNamespace(model=model, kv=kv, device=self.device, model_config=model.config,
+                                    text_vocab_size=runner.text_vocab_size)
             self.graphs = DecodeGraphs(owner, tuple(runner.graphs.batch_sizes), capture=runner.graphs.capture_graphs)
 
     @classmethod
