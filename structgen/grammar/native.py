@@ -19,12 +19,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
-import shutil
-import subprocess
-import tempfile
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from structgen.csrc import source
+from structgen.csrc import build_library, source
 
 log = logging.getLogger("structgen.grammar")
 
@@ -197,24 +193,11 @@ def _build() -> Path:
     import tvm_ffi
     from tvm_ffi import libinfo
 
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        raise RuntimeError("no C++ compiler (g++) on PATH")
     include, lib = Path(libinfo.find_include_path()), Path(libinfo.find_libtvm_ffi())
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + tvm_ffi.__version__.encode() + str(include).encode()).hexdigest()[:16]
-    root = Path(os.environ.get("STRUCTGEN_CACHE") or Path.home() / ".cache" / "structgen") / "native"
-    out = root / f"grammar_step-{key}.so"
-    if out.is_file():
-        return out
-    root.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=root) as tmp:  # concurrent builders each rename whole
-        partial = Path(tmp) / out.name
-        cmd = [compiler, "-O2", "-std=c++17", "-shared", "-fPIC", "-pthread",
-               f"-I{include}", f"-I{libinfo.find_dlpack_include_path()}", str(SOURCE),
-               f"-L{lib.parent}", "-ltvm_ffi", f"-Wl,-rpath,{lib.parent}", "-o", str(partial)]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"building {SOURCE.name} failed: {done.stderr.strip()[-2000:]}")
-        os.replace(partial, out)
-    return out
+
+    def commands(compiler: str, source: Path, output: Path) -> list[list[str]]:
+        return [[compiler, "-O2", "-std=c++17", "-shared", "-fPIC", "-pthread",
+                 f"-I{include}", f"-I{libinfo.find_dlpack_include_path()}", str(source),
+                 f"-L{lib.parent}", "-ltvm_ffi", f"-Wl,-rpath,{lib.parent}", "-o", str(output)]]
+
+    return build_library(SOURCE.name, commands, key=tvm_ffi.__version__.encode() + str(include).encode())

@@ -15,12 +15,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -120,23 +116,8 @@ def load() -> QuantKernels | None:
 
 
 def _build() -> Path:
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        raise RuntimeError("no C++ compiler (g++) on PATH")
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + compiler.encode()).hexdigest()[:16]
-    root = Path(os.environ.get("STRUCTGEN_CACHE") or Path.home() / ".cache" / "structgen") / "native"
-    out = root / f"quant_matmul-{key}.so"
-    if out.is_file():
-        return out
-    root.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=root) as tmp:  # concurrent builders each rename whole
-        partial = Path(tmp) / out.name
-        base = [compiler, "-O3", "-std=c++17", "-shared", "-fPIC", str(SOURCE), "-o", str(partial)]
-        done = subprocess.run([*base, "-fopenmp"], capture_output=True, text=True)
-        if done.returncode != 0:  # a compiler without OpenMP: one thread, still packed
-            done = subprocess.run(base, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"building {SOURCE.name} failed: {done.stderr.strip()[-2000:]}")
-        os.replace(partial, out)
-    return out
+    def commands(compiler: str, source: Path, output: Path) -> list[list[str]]:
+        base = [compiler, "-O3", "-std=c++17", "-shared", "-fPIC", str(source), "-o", str(output)]
+        return [[*base, "-fopenmp"], base]  # a compiler without OpenMP: one thread, still packed
+
+    return csrc.build_library(SOURCE.name, commands)
