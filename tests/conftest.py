@@ -74,10 +74,13 @@ def tokenizer(model_dir: Path):
 @pytest.fixture(scope="session")
 def server_url(model_dir: Path):
     """Base URL (".../v1") of a real `python -m structgen_server` on 127.0.0.1 and a free port,
-    serving the default model on CPU; one process per test session, stopped at the end."""
+    serving the default model on CPU; one process per test session, stopped at the end. Its
+    failing-client throttle is off: the session's test modules send it hundreds of bad requests
+    on purpose (the throttle has its own tests in tests/server/test_server_hostile.py)."""
     from structgen_server.process import ServerProcess
 
-    args = ["--device", "cpu", "--max-seq-len", "2048", "--max-batch-size", "32", "--log-level", "warning"]
+    args = ["--device", "cpu", "--max-seq-len", "2048", "--max-batch-size", "32", "--max-client-errors", "0",
+            "--log-level", "warning"]
     with ServerProcess(args) as server:
         yield server.url
 
