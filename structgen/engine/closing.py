@@ -120,6 +120,21 @@ class BudgetCloser:
         req.close_at = min(p.max_tokens, req.budget_check_at if p.close_at_budget else p.max_tokens,
                            now + LOOP_CHECK_EVERY if p.loop_guards else p.max_tokens)
 
+    @staticmethod
+    def room_for(req: Request, tokens: int) -> bool:
+        """Whether `tokens` more output tokens can come in one step with the request's next
+        check at the step's last token at the earliest: a check at max_tokens or a budget check
+        (which may close the output) stays where it is; a loop check waits (it finds the same
+        loop a few tokens later)."""
+        end = req.num_output + tokens
+        if end <= req.close_at:
+            return True
+        p = req.params
+        if end > min(p.max_tokens, req.budget_check_at if p.close_at_budget else p.max_tokens):
+            return False
+        req.close_at = end
+        return True
+
     def _close_at_safe_point(self, req: Request) -> bool:
         """No completion fits from here (since the last check the output opened more than its
         budget can close, e.g. a new object with required fields): drop the tokens since the

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from structgen.engine.closing import BudgetCloser
 from structgen.grammar.backends.base import (
     FORCED_TEXT_MAX_BYTES,
     allocate_bitmask,
@@ -265,11 +266,11 @@ class JumpForward:
         picked ` "` 48 times in 62 on MaskBench and ` ` 8 times; the schemas' own instances
         go on from ` {` with ` {"` 19 times in 19 and from ` [` with ` [{` or ` ["` 21 in 21.
         Only a token the grammar takes now, that forces no text after it and cannot end the
-        output, with room for it and one more token before the request's next budget check
-        (`Request.close_at`: a draft must not be the token that closes it). A function of the
+        output, with room for it and one more token before the request's next check
+        (`BudgetCloser.room_for`: a draft must not be the token that closes it). A function of the
         request alone, so outputs do not depend on what ran before (on a GPU a draft row
         moves the step's numerics)."""
-        if held is None or not self.drafts or req.finished or req.num_output + 2 > req.close_at:
+        if held is None or not self.drafts or req.finished or not BudgetCloser.room_for(req, 2):
             return
         m = req.matcher
         text = self.vocab.tokens[held]

@@ -10,7 +10,7 @@ import pytest
 from pydantic import BaseModel
 
 from structgen import CFG, LLM, IncompleteOutputError, JsonSchema
-from structgen.engine.closing import find_loop
+from structgen.engine.closing import BudgetCloser, find_loop
 from structgen.engine.config import EngineConfig
 from structgen.engine.request import Request
 from structgen.grammar.digit_bounds import INTEGER_BOUND, bound_integers
@@ -145,3 +145,20 @@ def test_an_item_opened_past_the_budget_is_dropped_and_the_list_closed_before_it
     assert c.finish_reason == "stop" and len(c.value) >= 1 and all(isinstance(p, Scientist) for p in c.value)
     assert c.stats.dropped_tokens > 0 and c.stats.guards_fired == ["budget_closing"]
     assert c.stats.output_tokens <= 40
+
+
+def test_a_draft_postpones_a_loop_check_but_never_a_budget_check() -> None:
+    """Jump-forward proposes a two-token draft only with room before the next check that may
+    close the output; a loop check waits for it (so the guards cost no drafts), a budget check
+    or max_tokens does not."""
+    req = Request(list(range(5)), SamplingParams(max_tokens=100))
+    req.token_ids += [7] * 40  # 40 output tokens
+    req.budget_check_at, req.close_at = 80, 41  # a loop check next
+    assert BudgetCloser.room_for(req, 2) and req.close_at == 42
+    req.budget_check_at, req.close_at = 41, 41  # a budget check next
+    assert not BudgetCloser.room_for(req, 2) and req.close_at == 41
+    off = Request(list(range(5)), SamplingParams(max_tokens=41, close_at_budget=False))
+    off.token_ids += [7] * 40
+    off.close_at = 41  # max_tokens next
+    assert not BudgetCloser.room_for(off, 2)
+    assert BudgetCloser.room_for(off, 1)
