@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.common import model_config, print_table, write_results
+from benchmarks.common import maskbench_dir, model_config, print_table, write_results
 from structgen import LLM, JsonSchema
 from structgen.engine.config import EngineConfig, ModelConfig
 from structgen.engine.engine import Engine
@@ -56,7 +56,7 @@ from structgen.grammar.backends.base import FORCED_TEXT_MAX_BYTES, set_only_toke
 from structgen.sampling import SamplingParams
 from structgen.types import to_constraint
 
-MASKBENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "maskbench"
+MASKBENCH = maskbench_dir()
 CATEGORIES = ("JME", "Kubernetes", "Github_easy", "Github_medium")
 
 

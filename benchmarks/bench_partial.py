@@ -20,16 +20,15 @@ import asyncio
 import json
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import pydantic
 
-from benchmarks.common import print_table, write_results
+from benchmarks.common import maskbench_dir, print_table, write_results
 from structgen.errors import IncompleteOutputError
 from structgen.partial import JsonStreamParser, partial_tracker
 
-MASKBENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "maskbench"
+MASKBENCH = maskbench_dir()
 
 
 class Dimensions(pydantic.BaseModel):

@@ -33,8 +33,7 @@ from typing import Any
 import jsonschema
 import torch
 
-from benchmarks.common import print_table, write_results
-from benchmarks.eval_grammar import maskbench_dir
+from benchmarks.common import maskbench_dir, print_table, write_results
 
 JSON_CATEGORIES = ("JME", "Glaiveai2K", "Github_easy")
 CATALOGUE_TOKENS = 3_000

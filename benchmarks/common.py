@@ -61,6 +61,12 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.ji
 # ----------------------------------------------------------------------------- results
 
 
+def maskbench_dir() -> Path:
+    """`$STRUCTGEN_SHARED/data/maskbench`, by default `<repo>/../shared/data/maskbench`."""
+    shared = os.environ.get("STRUCTGEN_SHARED") or Path(__file__).resolve().parents[2] / "shared"
+    return Path(shared) / "data" / "maskbench"
+
+
 def device_name() -> str:
     """torch.cuda.get_device_name() on a GPU machine, else "cpu"."""
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"

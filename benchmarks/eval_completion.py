@@ -145,8 +145,7 @@ def main() -> None:
     parser.add_argument("--no-write", action="store_true", help="do not write benchmarks/results")
     args = parser.parse_args()
 
-    from benchmarks.common import print_table, write_results
-    from benchmarks.eval_grammar import maskbench_dir
+    from benchmarks.common import maskbench_dir, print_table, write_results
 
     if not maskbench_dir().is_dir():
         sys.exit(f"MaskBench data not found at {maskbench_dir()} (set STRUCTGEN_SHARED)")

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import statistics
 import sys
 import time
@@ -31,15 +30,11 @@ from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common import maskbench_dir
+
 BACKENDS = ("xgrammar", "llguidance")
 FALLBACK = "~fallback"  # raw results of a schema's stricter fallback: backend + FALLBACK
 SYSTEMS = ("xgrammar", "llguidance", "structgen-xgrammar", "structgen-llguidance", "structgen")
-
-
-def maskbench_dir() -> Path:
-    """`$STRUCTGEN_SHARED/data/maskbench`, by default `<repo>/../shared/data/maskbench`."""
-    shared = os.environ.get("STRUCTGEN_SHARED") or Path(__file__).resolve().parents[2] / "shared"
-    return Path(shared) / "data" / "maskbench"
 
 
 def load_category(path: Path) -> list[dict[str, Any]]:
