@@ -5,7 +5,8 @@ MaskBench schemas (JME, Glaiveai2K, Github_easy: the first `--limit` of each tha
 each prompted to extract its own valid instance where it has one (else to write an example),
 x max_tokens x temperature, on the default model. All requests of one setting are submitted at
 once through the async API, so the engine batches them. Per category and setting: the share
-of outputs complete and valid, incomplete (`IncompleteOutputError`), invalid
+of outputs complete and valid (also among the cases whose shortest completion from the start,
+as the closer's search finds it, fits the budget: the target is all of them), incomplete (`IncompleteOutputError`), invalid
 (`OutputValidationError`), the mean output tokens, and for JME the field accuracy (top-level
 values equal to the reference instance; an output that is not complete and valid scores 0).
 
@@ -28,11 +29,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from structgen import LLM, JsonSchema
+from structgen.engine.closing import CLOSING_MARGIN
 from structgen.engine.config import EngineConfig
 from structgen.errors import IncompleteOutputError, OutputValidationError, StructgenError
 
 CATEGORIES = ("JME", "Glaiveai2K", "Github_easy")
 SYSTEMS = {"structgen-noguards": False, "structgen": True}  # closing and loop guards off / on
+SHORTEST_LIMIT = 512  # longest completion from the start searched for
 
 
 @dataclass
@@ -42,6 +45,7 @@ class Case:
     schema: dict
     prompt: str
     reference: dict | None  # the schema's valid instance, when it is an object
+    shortest: int | None  # tokens of the shortest completion from the start the closer's search finds
 
 
 def load_cases(llm: LLM, categories: list[str], limit: int) -> list[Case]:
@@ -56,12 +60,14 @@ def load_cases(llm: LLM, categories: list[str], limit: int) -> list[Case]:
             if not isinstance(schema, dict):
                 continue
             try:
-                llm.compile(JsonSchema(schema))
+                compiled = llm.compile(JsonSchema(schema))
             except (StructgenError, RecursionError):
                 continue
             valid = [t["data"] for t in row.get("tests", []) if t.get("valid") and isinstance(t.get("data"), dict)]
             reference = valid[0] if valid and valid[0] else None
-            cases.append(Case(row["id"], cat, schema, prompt_for(schema, reference), reference))
+            plan = llm.engine.closer.search.shortest(compiled.matcher(), SHORTEST_LIMIT)
+            shortest = len(plan) if plan is not None else None
+            cases.append(Case(row["id"], cat, schema, prompt_for(schema, reference), reference, shortest))
             n += 1
             if n == limit:
                 break
@@ -105,12 +111,20 @@ def field_accuracy(value: Any, reference: dict | None) -> float | None:
     return sum(value.get(k) == v for k, v in reference.items()) / len(reference)
 
 
-def summarize(cases: list[Case], outcomes: list[dict[str, Any]], category: str) -> dict[str, Any]:
+def fits(case: Case, max_tokens: int) -> bool:
+    """Whether the case's shortest completion from the start fits the budget, with the closer's margin."""
+    return case.shortest is not None and case.shortest + CLOSING_MARGIN <= max_tokens
+
+
+def summarize(cases: list[Case], outcomes: list[dict[str, Any]], category: str, max_tokens: int) -> dict[str, Any]:
     picked = [(c, o) for c, o in zip(cases, outcomes, strict=True) if c.category == category or category == "ALL"]
     n = len(picked)
+    fitting = [o for c, o in picked if fits(c, max_tokens)]
     share = {k: sum(o["outcome"] == k for _, o in picked) / n for k in ("valid", "incomplete", "invalid", "error")}
     tokens = [o["tokens"] for _, o in picked if o["tokens"] is not None]
     row = {"schemas": n, "complete_valid": share["valid"], "incomplete": share["incomplete"],
+           "fitting": len(fitting),
+           "fitting_complete_valid": sum(o["outcome"] == "valid" for o in fitting) / len(fitting) if fitting else None,
            "invalid": share["invalid"], "errors": share["error"],
            "mean_output_tokens": statistics.fmean(tokens) if tokens else None,
            "closed": sum("budget_closing" in o["guards"] for _, o in picked),
@@ -123,7 +137,8 @@ def summarize(cases: list[Case], outcomes: list[dict[str, Any]], category: str) 
 
 def to_result_rows(table: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per metric (shared/BENCHMARKS.md), the setting's keys alongside."""
-    metrics = ("complete_valid", "incomplete", "invalid", "mean_output_tokens", "jme_field_accuracy")
+    metrics = ("complete_valid", "fitting_complete_valid", "incomplete", "invalid", "mean_output_tokens",
+               "jme_field_accuracy")
     out = []
     for r in table:
         base = {k: r[k] for k in ("system", "category", "max_tokens", "temperature", "schemas")}
@@ -162,7 +177,11 @@ def main() -> None:
                 outcomes = asyncio.run(run_setting(llm, cases, max_tokens, temperature, guards, args.seed))
                 for cat in [*args.categories, "ALL"]:
                     table.append({"system": system, "category": cat, "max_tokens": max_tokens,
-                                  "temperature": temperature, **summarize(cases, outcomes, cat)})
+                                  "temperature": temperature, **summarize(cases, outcomes, cat, max_tokens)})
+                missed = [c.id for c, o in zip(cases, outcomes, strict=True)
+                          if fits(c, max_tokens) and o["outcome"] != "valid"]
+                if missed and guards:
+                    print(f"  fitting but not complete and valid: {missed}", file=sys.stderr)
                 print(f"max_tokens={max_tokens} temperature={temperature} {system}: {time.time() - t0:.0f}s",
                       file=sys.stderr)
     print_table(table)

@@ -255,16 +255,23 @@ def test_leaving_a_sync_stream_early_aborts_the_request(llm):
 
 
 def test_ctrl_c_in_generate_aborts_the_request(llm):
+    interrupted = threading.Event()
+
     def interrupt_once_decoding() -> None:
-        deadline = time.perf_counter() + 30
-        while not llm.engine.has_work() and time.perf_counter() < deadline:
-            time.sleep(0.01)
-        time.sleep(0.2)
-        _thread.interrupt_main()
+        # Interrupt once the request has output tokens (not merely queued): a loaded machine
+        # may take seconds to get there.
+        deadline = time.perf_counter() + 60
+        while time.perf_counter() < deadline:
+            if any(r.num_output > 0 for r in list(llm.engine.scheduler.running)):
+                interrupted.set()
+                _thread.interrupt_main()
+                return
+            time.sleep(0.005)
 
     threading.Thread(target=interrupt_once_decoding, daemon=True).start()
     with pytest.raises(KeyboardInterrupt):
         llm.generate(LETTERS, "Write letters.", max_tokens=400)
+    assert interrupted.is_set()
     _wait_all_slots_free(llm, timeout_s=1.0)
 
 
