@@ -37,6 +37,7 @@ from benchmarks.common import (
     random_weights,
     write_results,
 )
+from structgen.engine.closing import FIRST_CHECK_WINDOW
 from structgen.engine.config import EngineConfig
 from structgen.engine.engine import Engine
 from structgen.engine.request import Request
@@ -131,7 +132,7 @@ def _decode_steps(engine: Engine, prompt_ids: list[int], batch: int, grammar,
     elapsed, timed, rounds = 0.0, 0, 0
     while timed < steps and rounds < 50:
         rounds += 1
-        reqs = [Request(prompt_ids, SamplingParams(max_tokens=steps + 16),
+        reqs = [Request(prompt_ids, SamplingParams(max_tokens=steps + 16 + FIRST_CHECK_WINDOW),
                         grammar.matcher() if grammar is not None else None,
                         frozenset(engine.stop_token_ids) if grammar is not None else frozenset())
                 for _ in range(batch)]
@@ -247,6 +248,8 @@ def main() -> None:
         prompt_ids = tok.encode(chat(tok, PROMPT), add_special_tokens=False)
         grammar = GrammarCompiler(tok, cfg.vocab_size, sorted(stop)).compile(to_constraint(JsonSchema(SCHEMA)))
         engine = build_engine(cfg, model_dir, stop, graphs=True)
+        # The budget closer and loop guards, on as in the product (budgets stay out of reach).
+        engine.closer.use_tokenizer(tok, engine.vocab_size, engine.stop_token_ids)
         print(f"[{model}] engine ready in {time.perf_counter() - t_load:.1f}s "
               f"(graphs {engine.runner.graphs.batch_sizes if engine.runner.graphs else None})", flush=True)
         for batch in batches:
