@@ -13,7 +13,7 @@ Two ways to pick the tokens:
   GPU run use random weights of the real shape when the real ones are not on the machine.
 
 With jump-forward on, the held-back end of forced text runs as a one-token draft by default
-(`EngineConfig.draft_held_back`); `--drafts both` also times jump-forward without drafts
+(`JumpForward.drafts`); `--drafts both` also times jump-forward without drafts
 (`structgen-nodrafts` rows).
 
 Speedups are off/on wall time, and (`speedup_stopped_in_both`) the ratio of summed request
@@ -46,7 +46,7 @@ import torch
 
 from benchmarks.common import model_config, print_table, write_results
 from structgen import LLM, JsonSchema
-from structgen.engine.config import EngineConfig, ModelConfig
+from structgen.engine.config import EngineConfig, EngineTuning, ModelConfig
 from structgen.engine.engine import Engine
 from structgen.engine.jump_forward import JumpForward, VocabBytes
 from structgen.engine.request import Request
@@ -328,7 +328,7 @@ def prompt_passes(engine: Engine, prompt_len: int) -> int:
     """Forward passes a prompt of this length takes alone (chunks of the step token budget)."""
     graphs = engine.runner.graphs
     chunk = engine.config.prefill_chunk_tokens
-    if graphs is not None and engine.config.prefill_in_graphs:
+    if graphs is not None and engine.config.tuning.prefill_in_graphs:
         chunk = min(chunk, graphs.max_batch_size)
     return -(-prompt_len // chunk)
 
@@ -354,7 +354,7 @@ def build_llm(weights: str, tokenizer_dir: Path | None, device: str | None, grap
     tokenizer) or of a `benchmarks.common` shape (`llama-1b`, `llama-8b`: the SmolLM2
     tokenizer on the real vocab width), where the forward weighs more against the host."""
     config = EngineConfig(device=device, max_batch_size=16, max_seq_len=1536, use_cuda_graphs=graphs,
-                          prefill_in_graphs=prefill_in_graphs)
+                          tuning=EngineTuning(prefill_in_graphs=prefill_in_graphs))
     if weights == "real":
         return LLM(config=config), "smollm2-135m"
     from structgen.engine.models.loader import load_tokenizer, resolve_model
@@ -480,11 +480,11 @@ def main() -> None:
     ap.add_argument("--device", default=None)
     ap.add_argument("--repeat", type=int, default=3, help="off/on runs, interleaved; the median wall is kept")
     ap.add_argument("--eager-prefill", action="store_true",
-                    help="prompts run as eager extends (EngineConfig(prefill_in_graphs=False))")
+                    help="prompts run as eager extends (EngineTuning(prefill_in_graphs=False))")
     ap.add_argument("--token-gate", default="on", choices=["on", "off", "both"],
                     help="batch-1 jump-forward steps behind the device-decided gate; both: also time it off")
     ap.add_argument("--drafts", default="on", choices=["on", "off", "both"],
-                    help="held-back tokens run as drafts (EngineConfig.draft_held_back); both: also time them off")
+                    help="held-back tokens run as drafts (JumpForward.drafts); both: also time them off")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
 

@@ -125,8 +125,8 @@ class EngineDecodeStep(DecodeStep):
         batches: there the rehearsals rarely matched the sampled token and delayed reading it
         (docs/performance.md, "Jump-forward")."""
         req, hook = self.reqs[0], self.engine.jump_forward_hook
-        return (self.engine.config.rehearse_jumps and len(self.reqs) == 1 and req.jump_forward
-                and req.matcher is not None and hasattr(hook, "rehearse"))
+        return (len(self.reqs) == 1 and req.jump_forward
+                and req.matcher is not None and getattr(hook, "rehearses", False))
 
     # -- the phases ---------------------------------------------------------------------------
     def fill_masks(self, bitmask: torch.Tensor) -> None:

@@ -19,7 +19,7 @@ import random
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -39,7 +39,7 @@ from structgen.errors import (
     PromptTooLongError,
     UnsatisfiableConstraintError,
 )
-from structgen.grammar import accept_one, accept_tokens, native
+from structgen.grammar import GrammarThreads, accept_one, accept_tokens, native
 from structgen.grammar.backends.base import (
     ACCEPTED,
     COMPLETED,
@@ -52,6 +52,9 @@ from structgen.grammar.backends.base import (
     allows_only,
 )
 from structgen.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from structgen.grammar.prefetch import MaskPrefetcher
 
 log = logging.getLogger("structgen.engine")
 
@@ -108,18 +111,30 @@ class Engine:
             from structgen.engine.speculative.speculator import Speculator
 
             self.speculator = Speculator(self, self.config.speculative)
-        # Next step's masks filled on worker threads during the bookkeeping (grammar/prefetch.py).
-        # Not with speculation: its steps drive the matchers through drafts and rollbacks. Nor,
-        # unless forced on, where grammar.native's pool fills masks: it fills a whole step's
-        # masks inline within the forward, and a prefetch only adds hand-offs
-        # (docs/performance.md, "Grammar overhead").
-        self.prefetcher = None
-        prefetch = self.config.mask_prefetch == "on" or (self.config.mask_prefetch == "auto" and not native.pool_in_use())
-        if self.config.grammar_workers > 0 and prefetch and self.speculator is None:
-            from structgen.grammar.prefetch import MaskPrefetcher, PrefetchTuner
+        self.grammar_threads = self._size_grammar_threads()
+        self.prefetcher = self._mask_prefetcher()
 
-            tuner = PrefetchTuner() if self.config.mask_prefetch == "auto" else None
-            self.prefetcher = MaskPrefetcher(self.config.grammar_workers, tuner=tuner)
+    def _size_grammar_threads(self) -> GrammarThreads:
+        """The threads of the grammar work (`EngineTuning.grammar_threads`); a configured
+        number also resizes grammar.native's process-wide pool."""
+        configured = self.config.tuning.grammar_threads
+        threads = GrammarThreads.resolve(configured)
+        if configured:
+            native.size_pool(threads.pool)
+        return threads
+
+    def _mask_prefetcher(self) -> MaskPrefetcher | None:
+        """Next step's masks filled on worker threads during the bookkeeping (grammar/prefetch.py).
+        Not with speculation: its steps drive the matchers through drafts and rollbacks. Nor,
+        unless forced on, where grammar.native's pool fills masks: it fills a whole step's
+        masks inline within the forward, and a prefetch only adds hand-offs
+        (docs/performance.md, "Grammar overhead")."""
+        mode = self.config.tuning.mask_prefetch
+        if self.speculator is not None or mode == "off" or (mode == "auto" and native.pool_in_use()):
+            return None
+        from structgen.grammar.prefetch import MaskPrefetcher, PrefetchTuner
+
+        return MaskPrefetcher(self.grammar_threads.prefetch, tuner=PrefetchTuner() if mode == "auto" else None)
 
     # -- requests -------------------------------------------------------------------------
     def use_tokenizer(self, tokenizer: Any) -> None:
@@ -127,7 +142,7 @@ class Engine:
         `jump_forward=False`; on CUDA the batch-1 decode graphs also get its token gate), the
         budget closer and the speculator's text drafters."""
         jump = self.jump_forward_hook = JumpForward(tokenizer, self.vocab_size, self.stop_token_ids)
-        jump.drafts = self.config.draft_held_back and self.config.speculative is None
+        jump.drafts = self.config.speculative is None  # its drafter proposes the drafts there
         if self.device.type == "cuda":
             self.runner.set_token_gate(quiet_tokens(jump.vocab), QUIET_MIN_ALLOWED)
         self.closer.use_tokenizer(tokenizer, self.vocab_size, self.stop_token_ids)
@@ -173,7 +188,7 @@ class Engine:
         """Run one forward over every running request; return requests that finished."""
         graphs = self.runner.graphs
         # With prompts in the graphs, a step's tokens are capped at the largest bucket.
-        budget = graphs.max_batch_size if graphs is not None and self.config.prefill_in_graphs else None
+        budget = graphs.max_batch_size if graphs is not None and self.config.tuning.prefill_in_graphs else None
         batch = self.scheduler.schedule(token_budget=budget)
         if not batch:
             return []
@@ -224,12 +239,12 @@ class Engine:
         rows = drafts = 0
         for req, n in batch:
             p = req.params
-            if n < req.num_pending and not self.config.prefill_in_graphs:  # a chunk that samples nothing
+            if n < req.num_pending and not self.config.tuning.prefill_in_graphs:  # a chunk that samples nothing
                 return False
             if not p.greedy and (p.top_k > 0 or p.top_p < 1.0):
                 return False
             if n > 1 and (self.runner.graphs is None
-                          or (req.num_cached < req.num_prompt and not self.config.prefill_in_graphs)):
+                          or (req.num_cached < req.num_prompt and not self.config.tuning.prefill_in_graphs)):
                 return False  # no graphs to put the forced tokens in, or a prefill kept eager
             rows += n
             drafts += req.draft is not None and req.num_cached + n == len(req.token_ids)
@@ -399,7 +414,7 @@ class Engine:
         try:
             timed = self.prefetcher is not None and len(rows) >= self.prefetcher.min_rows
             t = time.perf_counter() if timed else 0.0
-            fill_bitmasks([m for _, m in rows], bitmask, [i for i, _ in rows], threads=self.config.grammar_threads)
+            fill_bitmasks([m for _, m in rows], bitmask, [i for i, _ in rows], threads=self.config.tuning.grammar_threads)
             if timed:
                 self.prefetcher.observe(time.perf_counter() - t)  # worth prefetching next time?
             return {}

@@ -189,6 +189,9 @@ class JumpForward:
         self._triggers: Counter[int] = Counter()  # sampled tokens after which text was forced
         self._rehearsal: Rehearsal | None = None
         self.drafts = True  # propose held-back tokens as drafts (`Engine.use_tokenizer` sets it)
+        # Work out jumps while the device computes a batch-1 step (`rehearse`); benchmarks and
+        # tests turn it off to time or compare the engine without it.
+        self.rehearses = True
 
     def __call__(self, engine: Engine, req: Request) -> None:
         m = req.matcher

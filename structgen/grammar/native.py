@@ -45,12 +45,20 @@ class NativeGrammarError(RuntimeError):
 
 
 def default_threads() -> int:
-    """Pool size: `$STRUCTGEN_GRAMMAR_THREADS`, else half the cores, at most 8: fills kept
-    getting faster up to 8 threads on a 16-core host (`benchmarks/bench_grammar_fill.py`); a
-    2-core machine gets one, and so xgrammar's call."""
+    """The pool's auto size (`EngineTuning.grammar_threads` 0): `$STRUCTGEN_GRAMMAR_THREADS`
+    where set, else half the cores, at most 8, where fills stopped getting faster
+    (docs/performance.md, "Grammar overhead"); a 2-core machine gets one, and so xgrammar's call."""
     if os.environ.get("STRUCTGEN_GRAMMAR_THREADS"):
         return max(1, int(os.environ["STRUCTGEN_GRAMMAR_THREADS"]))
     return max(1, min(8, (os.cpu_count() or 2) // 2))
+
+
+def size_pool(threads: int) -> None:
+    """Restart the process-wide pool with `threads` threads where it builds and has another
+    size (`EngineTuning.grammar_threads`); no batch may be in flight."""
+    pool = load()
+    if pool is not None and pool.threads != threads:
+        pool.set_threads(threads)
 
 
 def pool_in_use() -> bool:

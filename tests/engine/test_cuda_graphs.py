@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 import torch
 
-from structgen.engine.config import EngineConfig
+from structgen.engine.config import EngineConfig, EngineTuning
 from structgen.engine.engine import Engine
 from structgen.engine.models.loader import load_model_config
 from structgen.engine.request import Request
@@ -51,7 +51,8 @@ def run(setup, model_dir, tokenizer, graphs: bool, jump_forward: bool, batch: in
     paths, and a 135M model's near-ties then send some greedy outputs elsewhere)."""
     cfg, stop, grammar, prompts = setup
     ec = EngineConfig(device="cuda", max_batch_size=16, max_seq_len=1024, use_cuda_graphs=graphs,
-                      jump_forward=jump_forward, prefill_in_graphs=prefill_in_graphs)
+                      jump_forward=jump_forward,
+                      tuning=EngineTuning(prefill_in_graphs=prefill_in_graphs))
     engine = Engine(cfg, ec, model_dir, stop_token_ids=stop)
     engine.use_tokenizer(tokenizer)
     reqs = [Request(p, SamplingParams(max_tokens=96), grammar.matcher(), frozenset(stop)) for p in prompts[:batch]]
@@ -135,7 +136,8 @@ def test_cancel_and_join_between_planned_steps_spare_the_other_rows(setup, model
 def batch1_engine(setup, model_dir, tokenizer) -> Engine:
     """A CUDA engine with jump-forward installed, for requests run one at a time."""
     cfg, stop, _, _ = setup
-    ec = EngineConfig(device="cuda", max_batch_size=16, max_seq_len=1024, jump_forward=True, prefill_in_graphs=False)
+    ec = EngineConfig(device="cuda", max_batch_size=16, max_seq_len=1024, jump_forward=True,
+                      tuning=EngineTuning(prefill_in_graphs=False))
     engine = Engine(cfg, ec, model_dir, stop_token_ids=stop)
     engine.use_tokenizer(tokenizer)
     return engine
@@ -177,7 +179,7 @@ def test_rehearsed_jumps_change_no_output(setup, model_dir, tokenizer, monkeypat
     monkeypatch.setattr(JumpForward, "_replay", lambda self, req, plan: replayed.append(plan) or real(self, req, plan))
     outs = {}
     for rehearse in (True, False):
-        engine.config.rehearse_jumps = rehearse
+        engine.jump_forward_hook.rehearses = rehearse
         outs[rehearse] = batch1_outputs(engine, setup, tokenizer)
         if rehearse:
             jumps = sum(p is not None for p in replayed)
@@ -240,7 +242,7 @@ def test_every_constraint_kind_jumps_through_the_graphs(setup, model_dir, tokeni
     cases.append((compiler.compile(to_constraint(JsonSchema(SCHEMA))), prompts[0]))
     outs = {}
     for fast in (True, False):
-        engine.config.rehearse_jumps = engine.runner.graphs.use_token_gate = fast
+        engine.jump_forward_hook.rehearses = engine.runner.graphs.use_token_gate = fast
         outs[fast] = []
         for grammar, prompt in cases:
             r = Request(prompt, SamplingParams(max_tokens=64), grammar.matcher(), frozenset(stop))
