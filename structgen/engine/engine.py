@@ -594,13 +594,12 @@ _HEAP_FROZEN = False
 
 def freeze_heap() -> None:
     """Take the objects alive before the first engine (torch, transformers, xgrammar and the
-    rest of what was imported: ~240k container objects) out of the cyclic garbage collector's
-    sight, once per process (`gc.freeze`).
+    rest of what was imported: a large heap of container objects) out of the cyclic garbage
+    collector's sight, once per process (`gc.freeze`).
 
-    The step loop allocates enough to trigger a full collection every few hundred steps, and
-    each walked that whole heap: stalls of a tenth of a second in the middle of requests,
-    worst with jump-forward on (the notebook in docs/notes/,
-    "Garbage collection").
+    The step loop allocates enough to trigger full collections, and each walked that whole
+    heap: long stalls in the middle of requests, worst with jump-forward on (the notebook in
+    docs/notes/, "Garbage collection").
     `Engine.__new__` calls it before the engine object exists, so engines are never frozen:
     one that is dropped is still collected, reference cycles and GPU memory included."""
     global _HEAP_FROZEN
