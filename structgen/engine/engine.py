@@ -27,7 +27,7 @@ import torch
 from structgen.engine.closing import BudgetCloser
 from structgen.engine.config import EngineConfig, ModelConfig
 from structgen.engine.decode_step import EngineDecodeStep
-from structgen.engine.drafts import fill_draft_rows, take_drafts
+from structgen.engine.drafts import fill_guess_rows, take_guesses
 from structgen.engine.jump_forward import QUIET_MIN_ALLOWED, JumpForward, quiet_tokens
 from structgen.engine.model_runner import ExtendSeq, ModelRunner
 from structgen.engine.request import Request, RequestStatus
@@ -142,7 +142,7 @@ class Engine:
         `jump_forward=False`; on CUDA the batch-1 decode graphs also get its token gate), the
         budget closer and the speculator's text drafters."""
         jump = self.jump_forward_hook = JumpForward(tokenizer, self.vocab_size, self.stop_token_ids)
-        jump.drafts = self.config.speculative is None  # its drafter proposes the drafts there
+        jump.guesses = self.config.speculative is None  # its drafter proposes drafts there instead
         if self.device.type == "cuda":
             self.runner.set_token_gate(quiet_tokens(jump.vocab), QUIET_MIN_ALLOWED)
         self.closer.use_tokenizer(tokenizer, self.vocab_size, self.stop_token_ids)
@@ -197,13 +197,13 @@ class Engine:
         self._time_step(None)
         if self.speculator is not None:  # draft, then verify every draft in one forward (speculative/)
             return self.speculator.step(batch)
-        seqs, sampling, drafted = [], [], {}
+        seqs, sampling, guessed = [], [], {}
         for req, n in batch:
             start = req.num_cached
             ids = req.token_ids[start : start + n]
-            draft = req.draft if start + n == len(req.token_ids) else None
-            # A draft is one more token, with logits at it and at the token before it.
-            seqs.append(ExtendSeq(req.slot, start, ids) if draft is None else ExtendSeq(req.slot, start, [*ids, draft], 2))
+            guess = req.guess if start + n == len(req.token_ids) else None
+            # A guess is one more token, with logits at it and at the token before it.
+            seqs.append(ExtendSeq(req.slot, start, ids) if guess is None else ExtendSeq(req.slot, start, [*ids, guess], 2))
         try:
             logits = self.runner.extend(seqs)  # async on CUDA: the mask work below overlaps it
         except Exception as exc:  # a broken batch fails its requests, not the engine
@@ -217,10 +217,10 @@ class Engine:
             req.stats.forward_passes += 1
             if req.num_cached == len(req.token_ids):  # it samples at its first logits row
                 if seq.num_logits == 2:
-                    drafted[len(sampling)] = row + 1  # and after its draft at the second
+                    guessed[len(sampling)] = row + 1  # and after its guess at the second
                 sampling.append((row, req))
             row += seq.num_logits
-        finished = self._sample_and_advance(logits, sampling, drafted)
+        finished = self._sample_and_advance(logits, sampling, guessed)
         for req, _ in batch:
             if not req.finished:
                 self._notify(req)
@@ -236,7 +236,7 @@ class Engine:
         "Prefill and time to first token")."""
         if self.speculator is not None:
             return False
-        rows = drafts = 0
+        rows = guesses = 0
         for req, n in batch:
             p = req.params
             if n < req.num_pending and not self.config.tuning.prefill_in_graphs:  # a chunk that samples nothing
@@ -247,15 +247,15 @@ class Engine:
                           or (req.num_cached < req.num_prompt and not self.config.tuning.prefill_in_graphs)):
                 return False  # no graphs to put the forced tokens in, or a prefill kept eager
             rows += n
-            drafts += req.draft is not None and req.num_cached + n == len(req.token_ids)
+            guesses += req.guess is not None and req.num_cached + n == len(req.token_ids)
         graphs = self.runner.graphs
-        if drafts and graphs is not None and graphs.bucket(rows + drafts) is None:
-            for req, _ in batch:  # the drafts ride only where they fit the graphs
-                req.draft = None
-            drafts = 0
+        if guesses and graphs is not None and graphs.bucket(rows + guesses) is None:
+            for req, _ in batch:  # the guesses ride only where they fit the graphs
+                req.guess = None
+            guesses = 0
         if graphs is None:
             return rows == len(batch)
-        return rows + drafts == len(batch) or graphs.bucket(rows + drafts) is not None
+        return rows + guesses == len(batch) or graphs.bucket(rows + guesses) is not None
 
     def _decode_step(self, batch: list[tuple[Request, int]]) -> list[Request]:
         step = EngineDecodeStep(self, batch)
@@ -288,7 +288,7 @@ class Engine:
         every row's K/V is written before any attention reads it, so rows of one request are
         exactly a causal multi-token extend. Returns the rows and each request's sampled row
         (its last pending token's), or None for a prompt chunk that stops short of its pending
-        tokens. A request's draft runs as the row after its sampled row."""
+        tokens. A request's guess runs as the row after its sampled row."""
         seqs: list[ExtendSeq] = []
         last: list[int | None] = []
         for r, n in batch:
@@ -298,8 +298,8 @@ class Engine:
             else:
                 seqs += [ExtendSeq(r.slot, start + j, [t]) for j, t in enumerate(ids[start : start + n])]
             last.append(len(seqs) - 1 if start + n == len(ids) else None)
-            if r.draft is not None and start + n == len(ids):  # sampled too: the row after the last
-                seqs.append(ExtendSeq(r.slot, len(ids), [r.draft]))
+            if r.guess is not None and start + n == len(ids):  # sampled too: the row after the last
+                seqs.append(ExtendSeq(r.slot, len(ids), [r.guess]))
         return seqs, last
 
     def _plain_next_step(self, reqs: list[Request], tokens: list[int]
@@ -430,7 +430,7 @@ class Engine:
     def _noise_seed(self, req: Request, ahead: int = 0) -> int:
         """Seed of this step's sampling noise: a function of (seed, position) for seeded
         requests, so they reproduce whatever they are batched with (and with or without
-        drafts: `ahead` 1 is a draft row's, the position after)."""
+        guesses: `ahead` 1 is a guess row's, the position after)."""
         if req.params.greedy:
             return 0
         if req.params.seed is None:
@@ -439,34 +439,34 @@ class Engine:
 
     @torch.inference_mode()  # logits are the forward's inference tensors; masking writes them
     def _sample_and_advance(self, logits: torch.Tensor, sampling: list[tuple[int, Request]],
-                            drafted: dict[int, int] | None = None) -> list[Request]:
-        """Sample at `sampling`'s (logits row, request) and advance; `drafted[i]`: the logits
-        row of request i's draft (see `drafts.take_drafts`)."""
+                            guessed: dict[int, int] | None = None) -> list[Request]:
+        """Sample at `sampling`'s (logits row, request) and advance; `guessed[i]`: the logits
+        row of request i's guess (see `drafts.take_guesses`)."""
         if not sampling:
             return []
-        drafted = drafted or {}
+        guessed = guessed or {}
         reqs = [r for _, r in sampling]
         n = len(sampling)
-        rows = torch.tensor([i for i, _ in sampling] + list(drafted.values()), device=self.device)
-        if drafted or len(rows) != logits.shape[0]:  # (draft rows come last, out of order)
+        rows = torch.tensor([i for i, _ in sampling] + list(guessed.values()), device=self.device)
+        if guessed or len(rows) != logits.shape[0]:  # (guess rows come last, out of order)
             logits = logits.index_select(0, rows)
         constrained = [(j, r) for j, r in enumerate(reqs) if r.matcher is not None]
         errors: dict[int, BaseException] = {}
-        bad_drafts: set[int] = set()
+        bad_guesses: set[int] = set()
         if constrained:
-            bitmask = allocate_bitmask(len(constrained) + len(drafted), self.vocab_size)
+            bitmask = allocate_bitmask(len(constrained) + len(guessed), self.vocab_size)
             for k, exc in self._fill_masks(bitmask, [(k, r.matcher) for k, (_, r) in enumerate(constrained)]).items():
                 errors[constrained[k][0]] = exc
-            bad_drafts = fill_draft_rows(bitmask, [(i, reqs[i], len(constrained) + k)
-                                                         for k, i in enumerate(drafted)])
-            idx = torch.tensor([j for j, _ in constrained] + [n + k for k in range(len(drafted))], device=self.device)
+            bad_guesses = fill_guess_rows(bitmask, [(i, reqs[i], len(constrained) + k)
+                                                    for k, i in enumerate(guessed)])
+            idx = torch.tensor([j for j, _ in constrained] + [n + k for k in range(len(guessed))], device=self.device)
             masked = apply_bitmask_(logits.index_select(0, idx), bitmask.to(self.device, non_blocking=True))
             logits.index_copy_(0, idx, masked)
-        params = [r.params for r in reqs] + [reqs[i].params for i in drafted]
-        seeds = [self._noise_seed(r) for r in reqs] + [self._noise_seed(reqs[i], 1) for i in drafted]
+        params = [r.params for r in reqs] + [reqs[i].params for i in guessed]
+        seeds = [self._noise_seed(r) for r in reqs] + [self._noise_seed(reqs[i], 1) for i in guessed]
         tokens = sample(logits, params, seeds).tolist()
-        if drafted:
-            tokens = take_drafts(reqs, tokens[:n], dict(zip(drafted, tokens[n:], strict=True)), bad_drafts, errors,
+        if guessed:
+            tokens = take_guesses(reqs, tokens[:n], dict(zip(guessed, tokens[n:], strict=True)), bad_guesses, errors,
                                  self._advance)
         return self._advance_all(reqs, tokens, errors)
 

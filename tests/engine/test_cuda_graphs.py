@@ -187,25 +187,25 @@ def test_rehearsed_jumps_change_no_output(setup, model_dir, tokenizer, monkeypat
     assert outs[True] == outs[False]
 
 
-def test_held_back_drafts_through_the_graphs_change_no_output(setup, model_dir, tokenizer):
-    """Held-back tokens run as drafts (one more row of the decode graphs, sampled under the
-    grammar's mask after it): at batch 1 and 8 the outputs equal those without drafts, the
-    model picked drafts, and each one picked saved a pass."""
+def test_held_back_guesses_through_the_graphs_change_no_output(setup, model_dir, tokenizer):
+    """Held-back tokens run as guesses (one more row of the decode graphs, sampled under the
+    grammar's mask after it): at batch 1 and 8 the outputs equal those without guesses, the
+    model picked guesses, and each one picked saved a pass."""
     _, stop, grammar, prompts = setup
     engine = batch1_engine(setup, model_dir, tokenizer)
     hook = engine.jump_forward_hook
     got = {}
-    for drafts in (True, False):
-        hook.drafts = drafts
+    for guesses in (True, False):
+        hook.guesses = guesses
         alone = [Request(p, SamplingParams(max_tokens=96), grammar.matcher(), frozenset(stop)) for p in prompts[:4]]
         for r in alone:
             engine.run([r])
         batch = [Request(p, SamplingParams(max_tokens=96), grammar.matcher(), frozenset(stop)) for p in prompts[:8]]
         engine.run(batch)
-        got[drafts] = alone + batch
+        got[guesses] = alone + batch
     on, off = got[True], got[False]
     assert all(r.finish_reason in ("stop", "length") for r in on), [(r.finish_reason, r.error) for r in on]
-    # A draft row can move a step to a larger bucket, whose bf16 kernels round differently
+    # A guess row can move a step to a larger bucket, whose bf16 kernels round differently
     # (a 135M model's greedy near-ties), so allow two outputs to part; on the CPU (float32)
     # every output is equal (tests/engine/test_jump_forward.py).
     same = [(a, b) for a, b in zip(on, off, strict=True) if a.output_ids == b.output_ids]

@@ -215,7 +215,7 @@ def test_failed_rehearsal_fails_only_its_request(engine, grammar, tokenizer):
     from structgen.engine.jump_forward import JumpForward
 
     class BrokenRehearsal(JumpForward):
-        def rehearse(self, req, allowed, done, draft=None):
+        def rehearse(self, req, allowed, done, guess=None):
             raise RuntimeError("boom")
 
     real = engine.runner.decode
