@@ -2,7 +2,7 @@
 
 A decode step of a small model is hundreds of tiny kernels; launched one by one from Python
 the CPU cannot keep up with the GPU. `DecodeGraphs` captures, for each batch size in
-`EngineConfig.cuda_graph_batch_sizes` (a bucket), two graphs over static buffers:
+`EngineTuning.cuda_graph_batch_sizes` (a bucket), two graphs over static buffers:
 
 - forward: token ids, positions, slots, context lengths -> LM-head logits;
 - sample: logits + grammar bitmask (rows whose has-mask flag is 0 skip it) + temperature +

@@ -13,7 +13,7 @@ Whether it pays depends on the host: the hand-off costs the main thread thread w
 GIL's way back, and while workers run, every small native call the main thread makes (accept a
 token, is the grammar complete) waits for the GIL. It won on some hosts and lost on others
 (docs/performance.md, "Grammar overhead"). So by
-default (`EngineConfig.mask_prefetch="auto"`) a `PrefetchTuner` times decode steps of the same
+default (`EngineTuning.mask_prefetch="auto"`) a `PrefetchTuner` times decode steps of the same
 shape with and without it, keeps the faster, and asks again every so often.
 
 Rules that keep it correct and deadlock-free:
