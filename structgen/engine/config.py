@@ -219,8 +219,8 @@ class EngineTuning:
     is the measured best in docs/performance.md. Change one to reproduce a comparison there or
     to fit an unusual host: `EngineConfig(tuning=EngineTuning(...))`."""
 
-    # Row counts captured as decode graphs on CUDA: rows, not requests, since forced
-    # (jump-forward) and draft tokens ride as extra rows (docs/performance.md, "Decode step").
+    # Row counts captured as decode graphs on CUDA: rows, not requests, since forced, guessed
+    # and draft tokens ride as extra rows (docs/performance.md, "Decode step at batch 64").
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     # Prompts run through the decode graphs, a row per token, in chunks of the largest bucket,
     # instead of as eager extends, whose kernel launches set a small model's time to the first
