@@ -1,6 +1,6 @@
 PY ?= python3
 
-.PHONY: install demo test test-all lint
+.PHONY: install demo test test-gpu test-all lint
 
 # PYTHON tells scripts/install.sh which interpreter to install into: the one the targets run.
 install:
@@ -11,6 +11,10 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q -m "not slow and not gpu" tests
+
+# GPU tests wherever they live: they carry the `gpu` marker, whatever their file is called.
+test-gpu: install
+	$(PY) -m pytest -q -m gpu tests
 
 test-all: install
 	$(PY) -m pytest -q tests

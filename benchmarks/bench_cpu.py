@@ -1,7 +1,7 @@
 """CPU benchmark of the default model at batch 1: start-up of `LLM()` cold (GGUF converted into
 an empty cache) and warm, the converted cache's size, ms per generated token (free text and a
 JSON schema) and time to first token for a 50-token prompt, for structgen with its weights kept
-quantized (the default) and de-quantized to fp32 (`quantized_weights=False`, the old path),
+quantized (the default) and de-quantized to fp32 (`EngineTuning(quantized_weights=False)`, the old path),
 beside llama.cpp (llama-cpp-python, when installed) and transformers eager `generate` (with and
 without xgrammar / Outlines) on the same GGUF, prompt tokens, threads and greedy decoding.
 
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import print_table, write_results
-from structgen.engine.config import EngineConfig
+from structgen.engine.config import EngineConfig, EngineTuning
 from structgen.engine.request import Request
 from structgen.engine.sampler import SamplingParams
 
@@ -221,7 +221,8 @@ def main() -> None:
     print(f"LLM() start: cold {extra.get('cold_start_s', float('nan')):.1f} s, warm {extra['warm_start_s']:.1f} s; "
           f"converted cache {extra['converted_cache_mb']:.0f} MB")
 
-    llms = {q: LLM(config=EngineConfig(device="cpu", dtype="float32", max_seq_len=1024, quantized_weights=q))
+    llms = {q: LLM(config=EngineConfig(device="cpu", dtype="float32", max_seq_len=1024,
+                                               tuning=EngineTuning(quantized_weights=q)))
             for q in (True, False)}
     tok = llms[True].tokenizer
     text = tok.apply_chat_template([{"role": "user", "content": PROMPT}], tokenize=False, add_generation_prompt=True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gc
 import json
 import statistics
@@ -38,7 +39,7 @@ from benchmarks.common import (
     write_results,
 )
 from structgen.engine.closing import FIRST_CHECK_WINDOW
-from structgen.engine.config import EngineConfig
+from structgen.engine.config import EngineConfig, EngineTuning
 from structgen.engine.engine import Engine
 from structgen.engine.request import Request
 from structgen.grammar import native
@@ -80,7 +81,7 @@ def load(model: str, tok_dir: Path | None) -> tuple[Any, Any, Path | None, set[i
 
 def build_engine(cfg, model_dir: Path | None, stop: set[int], graphs: bool, prefill_in_graphs: bool = True) -> Engine:
     ec = EngineConfig(max_batch_size=64, max_seq_len=1024, jump_forward=False, use_cuda_graphs=False,
-                      prefill_in_graphs=prefill_in_graphs)
+                      tuning=EngineTuning(prefill_in_graphs=prefill_in_graphs))
     engine = Engine(cfg, ec, model_dir, stop_token_ids=stop)
     if model_dir is None:  # the peers' random weights (benchmarks.common), copied in place
         engine.runner.model.load_hf_weights(random_weights(cfg, engine.runner.dtype, engine.device, seed=0))
@@ -225,7 +226,7 @@ def main() -> None:
         outlines_json,
         transformers_generate,
     )
-    from structgen.grammar import GrammarCompiler
+    from structgen.grammar import GrammarCompiler, GrammarThreads
     from structgen.types import JsonSchema, to_constraint
 
     batches = [int(b) for b in args.batches.split(",")]
@@ -234,9 +235,9 @@ def main() -> None:
     floors: dict[str, float] = {}
     extra: dict[str, Any] = {"copy_bandwidth_gbps": bandwidth, "schema": SCHEMA, "steps": args.steps,
                              "settings": "max_seq_len=1024, jump_forward off for ms/step (median of 3 passes after an untimed one), bf16, greedy",
-                             "grammar_workers": EngineConfig().grammar_workers,
+                             "grammar_threads": dataclasses.asdict(GrammarThreads.resolve()),
                              "native_fill_threads": native.load().threads if native.pool_in_use() else 0,
-                             "mask_prefetch": EngineConfig().mask_prefetch}
+                             "mask_prefetch": EngineTuning().mask_prefetch}
     if args.merge is not None and args.merge.is_file():
         earlier = json.loads(args.merge.read_text())
         rows, floors = earlier["rows"], earlier["floors"]
@@ -267,7 +268,7 @@ def main() -> None:
                 # grammar.native's pool fills the masks, no prefetch: "off" is the default row).
                 default = engine.prefetcher
                 for mode in ("on",) if native.pool_in_use() else ("on", "off"):
-                    engine.prefetcher = MaskPrefetcher(2) if mode == "on" else None
+                    engine.prefetcher = MaskPrefetcher(engine.grammar_threads.prefetch) if mode == "on" else None
                     r = time_decode(engine, prompt_ids, batch, grammar, args.steps)
                     if engine.prefetcher is not None:
                         engine.prefetcher.close()

@@ -28,7 +28,7 @@ from benchmarks.common import (
     print_table,
     write_results,
 )
-from structgen.engine.config import EngineConfig
+from structgen.engine.config import EngineConfig, EngineTuning
 from structgen.engine.kernels import gemv
 from structgen.engine.model_runner import ModelRunner
 from structgen.engine.models.llama import FUSED_ROWS
@@ -71,7 +71,7 @@ def main() -> None:
         cfg = model_config(model)
         floors[model] = hbm_floor_ms(decode_weight_bytes(cfg, torch.bfloat16), bandwidth)
         ec = EngineConfig(max_batch_size=max(8, max(buckets)), max_seq_len=1024, use_cuda_graphs=False,
-                          cuda_graph_batch_sizes=tuple(buckets))
+                          tuning=EngineTuning(cuda_graph_batch_sizes=tuple(buckets)))
         runner = ModelRunner(cfg, ec, None)
         timed: dict[tuple[str, int], list[float]] = {}
         used: dict[str, int] = {}  # variant -> projection rows the layers took (fused_gemv.max_rows)

@@ -12,9 +12,9 @@ Two ways to pick the tokens:
   identical text, so passes and latency compare exactly; any weights will do, which lets the
   GPU run use random weights of the real shape when the real ones are not on the machine.
 
-With jump-forward on, the held-back end of forced text runs as a one-token draft by default
-(`EngineConfig.draft_held_back`); `--drafts both` also times jump-forward without drafts
-(`structgen-nodrafts` rows).
+With jump-forward on, the held-back end of forced text runs as a one-token guess by default
+(`JumpForward.guesses`); `--guesses both` also times jump-forward without guesses
+(`structgen-noguesses` rows).
 
 Speedups are off/on wall time, and (`speedup_stopped_in_both`) the ratio of summed request
 latencies over the requests that ended with a stop in both runs: a request that loops to
@@ -46,7 +46,7 @@ import torch
 
 from benchmarks.common import maskbench_dir, model_config, print_table, write_results
 from structgen import LLM, JsonSchema
-from structgen.engine.config import EngineConfig, ModelConfig
+from structgen.engine.config import EngineConfig, EngineTuning, ModelConfig
 from structgen.engine.engine import Engine
 from structgen.engine.jump_forward import JumpForward, VocabBytes
 from structgen.engine.request import Request
@@ -179,15 +179,15 @@ class ReplayJumpForward(JumpForward):
     def _allowed(self, m: Any):
         return super()._allowed(m.inner if isinstance(m, ReplayMatcher) else m)
 
-    def rehearse(self, req: Request, allowed: np.ndarray, done: Callable[[], bool], draft: int | None = None) -> None:
+    def rehearse(self, req: Request, allowed: np.ndarray, done: Callable[[], bool], guess: int | None = None) -> None:
         m = req.matcher
         if isinstance(m, ReplayMatcher):
-            if draft is not None and not m.accept_token(draft):
+            if guess is not None and not m.accept_token(guess):
                 return
             allowed = self._allowed(m).copy()
-            if draft is not None:
+            if guess is not None:
                 m.rollback(1)
-        super().rehearse(req, allowed, done, draft)
+        super().rehearse(req, allowed, done, guess)
 
 
 def batch_replay_fills(engine: Engine) -> None:
@@ -301,8 +301,8 @@ def measure(llm: LLM, cases: list[Case], mode: str, jf: bool, batch: int, max_to
             pass
     return {
         "tokens": tokens, "forward_passes": passes, "forced": sum(r.stats.forced_tokens for _, r in done),
-        # Held-back tokens run as drafts, and those the model picked (a pass saved each).
-        "drafted": sum(r.stats.drafted_tokens for _, r in done),
+        # Held-back tokens run as guesses, and those the model picked (a pass saved each).
+        "guessed": sum(r.stats.drafted_tokens for _, r in done),
         "accepted": sum(r.stats.accepted_tokens for _, r in done),
         "passes_per_token": passes / max(tokens, 1), "wall_s": wall,
         "latency_ms": 1e3 * statistics.mean(latencies), "ms_per_token": 1e3 * wall / max(tokens, 1),
@@ -328,7 +328,7 @@ def prompt_passes(engine: Engine, prompt_len: int) -> int:
     """Forward passes a prompt of this length takes alone (chunks of the step token budget)."""
     graphs = engine.runner.graphs
     chunk = engine.config.prefill_chunk_tokens
-    if graphs is not None and engine.config.prefill_in_graphs:
+    if graphs is not None and engine.config.tuning.prefill_in_graphs:
         chunk = min(chunk, graphs.max_batch_size)
     return -(-prompt_len // chunk)
 
@@ -354,7 +354,7 @@ def build_llm(weights: str, tokenizer_dir: Path | None, device: str | None, grap
     tokenizer) or of a `benchmarks.common` shape (`llama-1b`, `llama-8b`: the SmolLM2
     tokenizer on the real vocab width), where the forward weighs more against the host."""
     config = EngineConfig(device=device, max_batch_size=16, max_seq_len=1536, use_cuda_graphs=graphs,
-                          prefill_in_graphs=prefill_in_graphs)
+                          tuning=EngineTuning(prefill_in_graphs=prefill_in_graphs))
     if weights == "real":
         return LLM(config=config), "smollm2-135m"
     from structgen.engine.models.loader import load_tokenizer, resolve_model
@@ -373,7 +373,7 @@ def add_rows(rows: list, table: list, res: dict, model: str, mode: str, batch: i
     for jf, r in res.items():
         common = {"system": "structgen" if jf else "structgen-nojf", "model": model, "batch": batch,
                   "constrained": True, "mode": mode, "jump_forward": jf, **note, "tokens": r["tokens"],
-                  "forced_tokens": r["forced"], "drafted": r["drafted"], "accepted": r["accepted"],
+                  "forced_tokens": r["forced"], "guessed": r["guessed"], "accepted": r["accepted"],
                   "valid": r["valid"], "n": r["n"],
                   "decode_step_ms": r["decode_step_ms"], "extend_step_ms": r["extend_step_ms"],
                   "prelaunched_pct": r["prelaunched_pct"], "walls_s": r.get("walls_s")}
@@ -382,7 +382,7 @@ def add_rows(rows: list, table: list, res: dict, model: str, mode: str, batch: i
         rows.append({**common, "metric": "ms_per_token", "value": r["ms_per_token"]})
         table.append({"mode": mode, **note, "batch": batch, "jf": "on" if jf else "off",
                       "valid": f"{r['valid']}/{r['n']}", "tokens": r["tokens"], "forced": r["forced"],
-                      "drafts": f"{r['accepted']}/{r['drafted']}",
+                      "guesses": f"{r['accepted']}/{r['guessed']}",
                       "passes/tok": r["passes_per_token"], "latency_ms": r["latency_ms"],
                       "ms/tok": r["ms_per_token"], "wall_s": r["wall_s"],
                       "decode_step_ms": r["decode_step_ms"], "extend_step_ms": r["extend_step_ms"],
@@ -427,8 +427,8 @@ def per_case_value(r: dict) -> dict[str, dict[str, Any]]:
 
 def add_variant_rows(rows: list, table: list, run: dict, res: dict, model: str, mode: str, batch: int,
                      note: dict, without: str) -> None:
-    """A jump-forward run `without` one of its parts ("gate": the token gate, "drafts": the
-    held-back drafts), beside the default's on/off pair."""
+    """A jump-forward run `without` one of its parts ("gate": the token gate, "guesses": the
+    held-back guesses), beside the default's on/off pair."""
     common = {"system": f"structgen-no{without}", "model": model, "batch": batch, "constrained": True, "mode": mode,
               "jump_forward": True, **note, "decode_step_ms": run["decode_step_ms"],
               "extend_step_ms": run["extend_step_ms"], "walls_s": run.get("walls_s"),
@@ -480,11 +480,11 @@ def main() -> None:
     ap.add_argument("--device", default=None)
     ap.add_argument("--repeat", type=int, default=3, help="off/on runs, interleaved; the median wall is kept")
     ap.add_argument("--eager-prefill", action="store_true",
-                    help="prompts run as eager extends (EngineConfig(prefill_in_graphs=False))")
+                    help="prompts run as eager extends (EngineTuning(prefill_in_graphs=False))")
     ap.add_argument("--token-gate", default="on", choices=["on", "off", "both"],
                     help="batch-1 jump-forward steps behind the device-decided gate; both: also time it off")
-    ap.add_argument("--drafts", default="on", choices=["on", "off", "both"],
-                    help="held-back tokens run as drafts (EngineConfig.draft_held_back); both: also time them off")
+    ap.add_argument("--guesses", default="on", choices=["on", "off", "both"],
+                    help="held-back tokens run as guesses (JumpForward.guesses); both: also time them off")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
 
@@ -517,28 +517,28 @@ def main() -> None:
                 # Steady state: new step shapes (Triton specialisations, SDPA plans) cost
                 # tens of ms the first time; a server pays that once, not per request.
                 measure(llm, cases[: max(2, min(batch, len(cases)))], mode, True, batch, args.max_tokens)
-                gate, drafts = args.token_gate != "off", args.drafts != "off"
-                variants = [(False, gate, drafts), (True, gate, drafts)]
+                gate, guesses = args.token_gate != "off", args.guesses != "off"
+                variants = [(False, gate, guesses), (True, gate, guesses)]
                 if args.token_gate == "both":
-                    variants.append((True, False, drafts))
-                if args.drafts == "both":
+                    variants.append((True, False, guesses))
+                if args.guesses == "both":
                     variants.append((True, gate, False))
                 runs: dict[tuple[bool, bool, bool], list[dict[str, Any]]] = {v: [] for v in variants}
                 for _ in range(args.repeat):  # interleaved: slow phases of the host hit every variant
                     for jf, g, d in variants:
                         if engine.runner.graphs is not None:
                             engine.runner.graphs.use_token_gate = g
-                        engine.jump_forward_hook.drafts = d
+                        engine.jump_forward_hook.guesses = d
                         runs[(jf, g, d)].append(measure(llm, cases, mode, jf, batch, args.max_tokens))
-                res = {jf: median_run(runs[(jf, gate, drafts)]) for jf in (False, True)}
+                res = {jf: median_run(runs[(jf, gate, guesses)]) for jf in (False, True)}
                 group = len(table)
                 add_rows(rows, table, res, model, mode, batch, graph_note)
                 if args.token_gate == "both":
-                    add_variant_rows(rows, table, median_run(runs[(True, False, drafts)]), res, model, mode, batch,
+                    add_variant_rows(rows, table, median_run(runs[(True, False, guesses)]), res, model, mode, batch,
                                      graph_note, "gate")
-                if args.drafts == "both":
+                if args.guesses == "both":
                     add_variant_rows(rows, table, median_run(runs[(True, gate, False)]), res, model, mode, batch,
-                                     graph_note, "drafts")
+                                     graph_note, "guesses")
                 if mode == "replay" and batch == 1:
                     per_case = case_rows(res, graph_note)
                     print_table(per_case)

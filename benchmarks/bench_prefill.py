@@ -1,5 +1,5 @@
 """Time to first token: prompts through the decode CUDA graphs (a row per token, chunks of the
-largest bucket; `EngineConfig.prefill_in_graphs`, the default) against eager extends, in the
+largest bucket; `EngineTuning.prefill_in_graphs`, the default) against eager extends, in the
 same process on the same prompts.
 
 An eager prefill of a small model is host-bound: hundreds of kernels launched one by one from

@@ -28,7 +28,7 @@ import torch
 from benchmarks.bench_decode import PROMPT, SCHEMA, chat
 from benchmarks.common import model_config, print_table, write_results
 from structgen.engine import graph_metadata as meta
-from structgen.engine.config import EngineConfig
+from structgen.engine.config import EngineConfig, EngineTuning
 from structgen.engine.engine import Engine
 from structgen.engine.request import Request
 from structgen.engine.scheduler import Scheduler
@@ -157,7 +157,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--steps", type=int, default=120)
-    ap.add_argument("--grammar-workers", type=int, default=0, help="EngineConfig.grammar_workers")
+    ap.add_argument("--grammar-threads", type=int, default=0, help="EngineTuning.grammar_threads (0: auto)")
+    ap.add_argument("--mask-prefetch", default="off", choices=["auto", "on", "off"], help="EngineTuning.mask_prefetch")
     ap.add_argument("--tokenizer-dir", type=Path, default=None, help="SmolLM2 tokenizer files (default: the model's)")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
@@ -171,7 +172,8 @@ def main() -> None:
     cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim = 2, 1, 32
     batches = [int(b) for b in args.batches.split(",")]
     ec = EngineConfig(device="cpu", max_batch_size=max(batches), max_seq_len=1024, jump_forward=False,
-                      use_cuda_graphs=False, grammar_workers=args.grammar_workers)
+                      use_cuda_graphs=False,
+                      tuning=EngineTuning(grammar_threads=args.grammar_threads, mask_prefetch=args.mask_prefetch))
     engine = Engine(cfg, ec, None, stop_token_ids=set(cfg.eos_token_id))
     engine.runner.capture_decode_graphs(capture=False)
     engine.runner.graphs.prelaunch = True  # the GPU path: next forward queued behind the sampler
@@ -196,7 +198,7 @@ def main() -> None:
     print_table(rows)
     if not args.no_write:
         print("wrote", write_results("host", rows, extra={
-            "device": "cpu", "grammar_workers": args.grammar_workers, "instance": text,
+            "device": "cpu", "grammar_threads": args.grammar_threads, "mask_prefetch": args.mask_prefetch, "instance": text,
             "note": "host microseconds per decode step, device stubbed (forward: none; sampler: the "
                     "next token of a valid instance for JSON rows); SmolLM2 vocabulary, xgrammar"}))
 

@@ -193,7 +193,7 @@ def main() -> None:
     ap.add_argument("--per-category", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=384)
     ap.add_argument("--device", default=None)
-    ap.add_argument("--eager-prefill", action="store_true", help="EngineConfig(prefill_in_graphs=False)")
+    ap.add_argument("--eager-prefill", action="store_true", help="EngineTuning(prefill_in_graphs=False)")
     args = ap.parse_args()
     from benchmarks.common import print_table
 

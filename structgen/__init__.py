@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from structgen.api import LLM, generate
 from structgen.arguments import GenerateOptions
 from structgen.completion import Completion
-from structgen.engine.config import EngineConfig, SpeculativeConfig
+from structgen.engine.config import EngineConfig, EngineTuning, SpeculativeConfig
 from structgen.engine.request import GenerationStats
 from structgen.errors import (
     ConstraintTooLargeError,
@@ -57,6 +57,7 @@ __all__ = [
     "GenerateOptions",
     "SamplingParams",
     "EngineConfig",
+    "EngineTuning",
     "SpeculativeConfig",
     "JsonSchema",
     "Regex",

@@ -43,7 +43,7 @@ def greedy_through_graph_steps():
     def run(model_dir: Path, prompts: list[list[int]], steps: int) -> list[list[int]]:
         import torch
 
-        from structgen.engine.config import EngineConfig
+        from structgen.engine.config import EngineConfig, EngineTuning
         from structgen.engine.cuda_graphs import DecodeGraphs
         from structgen.engine.engine import Engine
         from structgen.engine.models.loader import load_model_config
@@ -52,7 +52,7 @@ def greedy_through_graph_steps():
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
         config = EngineConfig(device=device, dtype="float32", max_batch_size=len(prompts), max_seq_len=64,
-                              use_cuda_graphs=False, prefill_in_graphs=False)
+                              use_cuda_graphs=False, tuning=EngineTuning(prefill_in_graphs=False))
         engine = Engine(load_model_config(model_dir), config, model_dir)
         engine.runner.graphs = DecodeGraphs(engine.runner, (1, 2, 4), capture=device == "cuda")
         reqs = [Request(p, SamplingParams(max_tokens=steps)) for p in prompts]

@@ -20,16 +20,16 @@ namespace {
 // have run forced tokens before it) is a grammar row and its sampled token is in `quiet`
 // (tokens after which a free-text-like grammar state forces no text: no quote, backslash or
 // JSON punctuation). The host launches it only for such states (a wide mask: inside a string).
-// `check` = (row, token): where the row is >= 0 the step ran a draft after that row, and the
-// last row's token counts only if the model picked the draft there (tokens[row] == token).
+// `check` = (row, token): where the row is >= 0 the step ran a guess after that row, and the
+// last row's token counts only if the model picked the guess there (tokens[row] == token).
 __global__ void token_gate_kernel(cudaGraphConditionalHandle handle, const int64_t* row, const int64_t* tokens,
                                   const int64_t* has_mask, const uint32_t* quiet, int64_t vocab,
                                   const int64_t* check) {
   const int64_t r = *row;
   const int64_t t = tokens[r];
   const bool is_quiet = t >= 0 && t < vocab && ((quiet[t >> 5] >> (t & 31)) & 1u);
-  const bool drafted_ok = check[0] < 0 || tokens[check[0]] == check[1];
-  cudaGraphSetConditional(handle, (has_mask[r] != 0 && is_quiet && drafted_ok) ? 1u : 0u);
+  const bool guessed_ok = check[0] < 0 || tokens[check[0]] == check[1];
+  cudaGraphSetConditional(handle, (has_mask[r] != 0 && is_quiet && guessed_ok) ? 1u : 0u);
 }
 
 void check(cudaError_t err, const char* what) {
@@ -85,8 +85,8 @@ uintptr_t BuildIf(uintptr_t body, void* kernel, void** args, cudaGraphConditiona
 
 // Build and instantiate [token gate] -> IF(grammar row with a quiet token) { body }: device
 // pointers to the sampled row's index (int64), the step's sampled tokens and has-mask flags
-// (int64 a row), the quiet-token bitmask (uint32 words covering `vocab` ids) and the draft
-// check (int64 row, token; row -1: no draft).
+// (int64 a row), the quiet-token bitmask (uint32 words covering `vocab` ids) and the guess
+// check (int64 row, token; row -1: no guess).
 uintptr_t sg_token_gate_build(uintptr_t body, uintptr_t row, uintptr_t tokens, uintptr_t has_mask,
                               uintptr_t quiet, int64_t vocab, uintptr_t check) {
   cudaGraphConditionalHandle handle;

@@ -1,15 +1,14 @@
 // Grammar mask fills (and a decode step's token accepts) of a batch of xgrammar matchers on a
 // persistent pool of native threads.
 //
-// A decode step of 64 JSON rows spends ~0.4 ms filling masks on the host (docs/performance.md),
-// on one core: xgrammar's own batch fill gave no speed-up from more threads on the lent GPU
-// hosts (64 rows: 0.40 ms on 1 thread, 0.94 on 2, 1.69 on 8), and Python threads hand the GIL
-// back and forth. xgrammar 0.2's matchers are apache-tvm-ffi objects, so their methods can be
+// A large batch's decode step can be host-bound on filling masks on one core: xgrammar's own
+// batch fill got slower with more threads, and Python threads hand the GIL back and forth
+// (docs/performance.md, "Grammar overhead"). xgrammar 0.2's matchers are apache-tvm-ffi objects, so their methods can be
 // called through tvm-ffi's C ABI from any thread: here a batch is one call from Python (ctypes
 // releases the GIL for it), spread over workers that stay awake between decode steps.
 //
 // Plain C ABI (loaded with ctypes by structgen/grammar/native.py); no Python or torch headers,
-// so it builds with g++ in about a second on first use, CPU machines included.
+// so it builds quickly with g++ on first use, CPU machines included.
 //
 // Rules: matchers in one call are distinct objects, and no other thread uses them meanwhile
 // (different matchers of one compiled grammar may run on different threads; one matcher may
@@ -256,7 +255,7 @@ enum : uint8_t {
 // A decode step's tokens for a batch: matcher i accepts tokens[i] and reports on its new state
 // in status[i]. Where it accepted and is not terminated: with check_jump, whether text is forced
 // next; with a bitmask, its next mask is filled into row rows[i] (as sg_fill). The engine's
-// per-row Python (accept, is-complete, jump check: ~2 us a row, 2-3x that on slow hosts) becomes
+// per-row Python (accept, is-complete, jump check) becomes
 // one GIL-free call spread over the pool, fused with the next step's fill.
 int sg_advance(void* const* matchers, int n, const int32_t* tokens, int check_jump, int32_t* bitmask,
                int64_t row_words, int64_t fill_words, const int32_t* rows, uint8_t* status) {

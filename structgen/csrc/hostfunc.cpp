@@ -187,8 +187,9 @@ void graph_launch(uintptr_t graph_exec, uintptr_t stream) {
 
 // Up to two async copies between pinned host memory and the device (nbytes 0: none; direction
 // from the pointers), in one call: the decode graphs' per-step uploads and the tokens' download.
-// From Python each is a torch copy_, 18-48 us on a slow lent host right after a wait for the
-// device, and one of them is on the path between a step's tokens and the next forward.
+// From Python each is a torch copy_, slow on a cold host right after a wait for the device, and
+// one of them is on the path between a step's tokens and the next forward (docs/performance.md,
+// "Jump-forward").
 void copy_async(uintptr_t dst0, uintptr_t src0, int64_t nbytes0, uintptr_t dst1, uintptr_t src1,
                 int64_t nbytes1, uintptr_t stream) {
   auto s = reinterpret_cast<cudaStream_t>(stream);

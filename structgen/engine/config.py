@@ -214,66 +214,58 @@ class SpeculativeConfig:
 
 
 @dataclass
-class EngineConfig:
-    """How the engine runs a model. Defaults suit one user on a laptop or one GPU."""
+class EngineTuning:
+    """Knobs that tune how fast the engine runs, not what a request may generate: each default
+    is the measured best in docs/performance.md. Change one to reproduce a comparison there or
+    to fit an unusual host: `EngineConfig(tuning=EngineTuning(...))`."""
 
-    device: str | None = None  # None: "cuda" if available, else "cpu"
-    dtype: str | None = None  # None: bfloat16 on CUDA, float32 on CPU
-    # CPU: GGUF block-format weights stay packed and are de-quantized inside the products
-    # (models/quantized.py); False de-quantizes them at load, as on CUDA (for debugging).
-    quantized_weights: bool = True
-    max_batch_size: int = 64  # concurrent requests (KV slots)
-    max_seq_len: int = 4096  # per-request prompt + output tokens (capped by the model)
-    kv_cache_memory_fraction: float = 0.5  # of free GPU memory, when sizing slots on CUDA
-    prefill_chunk_tokens: int = 2048  # longest prefill piece scheduled in one step
-    use_cuda_graphs: bool = True  # decode/verify graphs on CUDA; ignored on CPU
-    # Rows, not requests: forced (jump-forward) and draft tokens ride as extra rows, so the
-    # sizes reach past max_batch_size (model_runner keeps those below 4x the slot count).
+    # Row counts captured as decode graphs on CUDA: rows, not requests, since forced, guessed
+    # and draft tokens ride as extra rows (docs/performance.md, "Decode step at batch 64").
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-    jump_forward: bool = True  # append grammar-forced text without a decode step per token
-    # Jump-forward at batch 1 on CUDA: after a token without quote or JSON punctuation sampled
-    # inside a string, the device runs the next forward without waiting for the host's verdict
-    # (cuda_graphs.py, `enable_token_gate`). It pays where the host's verdict is slow and costs
-    # a little where it is fast (docs/performance.md, "Jump-forward").
-    token_gate: bool = True
-    # Jump-forward at batch 1 on CUDA: while the device computes a step, the host works out the
-    # jump each likely next token would make (`JumpForward.rehearse`), so after the device it
-    # only replays the one sampled instead of re-encoding on the critical path.
-    rehearse_jumps: bool = True
-    # Jump-forward: where it holds back the end of forced text (` "` before a string value),
-    # the step that runs the forced text also runs that token as a one-token draft, sampled at
-    # both rows (engine/jump_forward.py, `_propose`): where the model picks it, a pass is saved.
-    # Off under speculative decoding (its drafter proposes the drafts there).
-    draft_held_back: bool = True
-    # Prompts run through the decode graphs, a row per token, in chunks of the largest bucket
-    # (prefill_chunk_tokens is capped there), instead of as eager extends: an eager prefill of
-    # a small model is host-bound kernel launches, several times the graphs' time to the first
+    # Prompts run through the decode graphs, a row per token, in chunks of the largest bucket,
+    # instead of as eager extends, whose kernel launches set a small model's time to the first
     # token (docs/performance.md, "Prefill and time to first token").
     prefill_in_graphs: bool = True
-    # The capturable guided decoding mode (engine/guided_loop.py): speculative verify steps
-    # with a host-side drafter (n-gram) run as a loop of CUDA graphs whose grammar work and
-    # next-step planning are host callbacks inside the graph. Needs the csrc extension on CUDA;
-    # other steps keep the usual path.
+    # Speculative verify steps with a host-side drafter run as a loop of CUDA graphs with the
+    # grammar work as host callbacks inside (engine/guided_loop.py; needs the csrc extension);
+    # opt-in because it did not beat the usual path (docs/performance.md, "Speculative decoding").
     capturable_guided: bool = False
-    # Threads of the backends' own batch fills (0: grammar.batch.default_threads: xgrammar 1,
-    # llguidance <= 4). xgrammar rows go to grammar.native's process-wide pool instead where
-    # it is in use; that one is sized by $STRUCTGEN_GRAMMAR_THREADS (half the cores, <= 8).
+    # Threads of all grammar work: grammar.native's pool, the backends' own batch fills and the
+    # mask prefetch's workers (grammar.batch.GrammarThreads). 0: auto, sized per part from half
+    # the cores (docs/performance.md, "Grammar overhead").
     grammar_threads: int = 0
-    # Threads that fill the next decode step's masks while the main thread does the step's
-    # bookkeeping (grammar/prefetch.py; 0: masks are always filled on the main thread,
-    # overlapping the forward), and when they do: "auto" times decode steps of 32+ constrained
-    # rows both ways on this host and keeps the faster (which one wins depends on the host),
-    # "on" whenever the fills have been costly, "off" never. "auto" is "off" where
-    # grammar.native's pool fills the masks (2+ threads: half the cores), which is faster
-    # inline than any hand-off (docs/performance.md, "Grammar overhead: mask fills and taking
-    # tokens").
-    grammar_workers: int = 2
+    # When the next step's masks are filled on worker threads during the bookkeeping
+    # (grammar/prefetch.py): "auto" times both ways on this host and keeps the faster (off where
+    # grammar.native's pool fills the masks), "on" where fills have been costly, "off" never
+    # (docs/performance.md, "Grammar overhead").
     mask_prefetch: str = "auto"
-    seed: int | None = None
-    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+    # CPU: GGUF block-format weights stay packed and are de-quantized inside the products
+    # (models/quantized.py); False de-quantizes them at load, as on CUDA, where no C++ compiler
+    # is at hand (docs/performance.md, "Quantized weights on the CPU").
+    quantized_weights: bool = True
 
     def __post_init__(self) -> None:
         from structgen.errors import InvalidParameterError
 
         if self.mask_prefetch not in ("auto", "on", "off"):
             raise InvalidParameterError(f"mask_prefetch must be 'auto', 'on' or 'off', got {self.mask_prefetch!r}")
+        if self.grammar_threads < 0:
+            raise InvalidParameterError(f"grammar_threads must be >= 0 (0: auto), got {self.grammar_threads}")
+
+
+@dataclass
+class EngineConfig:
+    """How the engine runs a model: the user's choices. Defaults suit one user on a laptop or
+    one GPU; `tuning` holds the knobs that change speed only (EngineTuning)."""
+
+    device: str | None = None  # None: "cuda" if available, else "cpu"
+    dtype: str | None = None  # None: bfloat16 on CUDA, float32 on CPU
+    max_batch_size: int = 64  # concurrent requests (KV slots)
+    max_seq_len: int = 4096  # per-request prompt + output tokens (capped by the model)
+    kv_cache_memory_fraction: float = 0.5  # of free GPU memory, when sizing slots on CUDA
+    prefill_chunk_tokens: int = 2048  # longest prefill piece scheduled in one step
+    use_cuda_graphs: bool = True  # decode/verify graphs on CUDA; ignored on CPU
+    jump_forward: bool = True  # append grammar-forced text without a decode step per token
+    seed: int | None = None
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+    tuning: EngineTuning = field(default_factory=EngineTuning)

@@ -2,7 +2,7 @@
 
 A decode step of a small model is hundreds of tiny kernels; launched one by one from Python
 the CPU cannot keep up with the GPU. `DecodeGraphs` captures, for each batch size in
-`EngineConfig.cuda_graph_batch_sizes` (a bucket), two graphs over static buffers:
+`EngineTuning.cuda_graph_batch_sizes` (a bucket), two graphs over static buffers:
 
 - forward: token ids, positions, slots, context lengths -> LM-head logits;
 - sample: logits + grammar bitmask (rows whose has-mask flag is 0 skip it) + temperature +
@@ -61,7 +61,7 @@ import torch
 from structgen.engine.attention import AttentionBatch
 from structgen.engine.graph_metadata import (  # the rows of the metadata buffer
     CARRIED,
-    DRAFT,
+    GUESS,
     HAS_MASK,
     IDS,
     LENS,
@@ -117,12 +117,12 @@ class DecodeGraphs:
         # Device buffers the graphs read and write; they never move. Metadata has one column
         # more than the largest bucket: a padding column that NEXT points padding rows at.
         self.pad_column = n
-        self.meta = torch.zeros(DRAFT + 1, n + 1, dtype=torch.int64, device=dev)
+        self.meta = torch.zeros(GUESS + 1, n + 1, dtype=torch.int64, device=dev)
         self.temperature = torch.zeros(n, dtype=torch.float32, device=dev)
         self.bitmask = torch.zeros(n, words, dtype=torch.int32, device=dev)
         self.tokens = torch.zeros(n, dtype=torch.int64, device=dev)
         # Pinned host staging, written through numpy views (cheaper than torch indexing).
-        self.host_meta = torch.zeros(DRAFT + 1, n + 1, dtype=torch.int64, pin_memory=pin)
+        self.host_meta = torch.zeros(GUESS + 1, n + 1, dtype=torch.int64, pin_memory=pin)
         self.host_temperature = torch.zeros(n, dtype=torch.float32, pin_memory=pin)
         self.host_bitmask = torch.zeros(n, words, dtype=torch.int32, pin_memory=pin)
         self.host_tokens = torch.zeros(n, dtype=torch.int64, pin_memory=pin)
@@ -152,7 +152,7 @@ class DecodeGraphs:
         # Padding of every column (token 0 at position 0 of the scratch slot, greedy, no mask):
         # rows are laid out by copying from it, one numpy call instead of one per metadata row.
         self._pad = np.zeros_like(self._meta_np)
-        self._pad[SLOTS], self._pad[LENS], self._pad[NEXT], self._pad[DRAFT] = self.kv.scratch_slot, 1, self.pad_column, -1
+        self._pad[SLOTS], self._pad[LENS], self._pad[NEXT], self._pad[GUESS] = self.kv.scratch_slot, 1, self.pad_column, -1
         if pin:
             self.copy_stream = torch.cuda.Stream(dev)
             self.mask_copied = torch.cuda.Event()
@@ -291,7 +291,7 @@ class DecodeGraphs:
             return False
         # The sampled row of a one-sequence step is NEXT[0] (its last row, after forced tokens).
         self.token_gate = gated_graph.TokenGate(self._forward_one, self.meta[NEXT, :1], self.tokens,
-                                                self.meta[HAS_MASK], quiet, min_allowed, self.meta[DRAFT, :2])
+                                                self.meta[HAS_MASK], quiet, min_allowed, self.meta[GUESS, :2])
         return True
 
     @property
@@ -316,9 +316,9 @@ class DecodeGraphs:
         verification): the plan, not the blind prediction, says what runs next.
         `step.before_wait(done)`: host work for the time the device still computes this step,
         called (on CUDA) just before the host waits for the sampled tokens; `done()` says
-        whether the sampler has finished. `step.draft`: (row, token), the one sequence's last
-        row is a draft run after that row: the token gate runs the next forward only where
-        the model picked the draft there."""
+        whether the sampler has finished. `step.guess`: (row, token), the one sequence's last
+        row is a guess run after that row: the token gate runs the next forward only where
+        the model picked the guess there."""
         token_ids, positions, slots = step_rows(step.rows)
         n = len(token_ids)
         bs = self.bucket(n)
@@ -362,9 +362,9 @@ class DecodeGraphs:
         self._set_padding(n, bs)
         last = [i for i in range(n) if i == n - 1 or slots[i + 1] != slots[i]]  # a sequence's last row
         # The rows in IDS.. order, one numpy call (each costs microseconds on a slow host).
-        self._meta_np[:DRAFT, :n] = (token_ids, positions, slots, [1] * n, [p + 1 for p in positions], step.seeds,
+        self._meta_np[:GUESS, :n] = (token_ids, positions, slots, [1] * n, [p + 1 for p in positions], step.seeds,
                                      step.has_mask, last + [self.pad_column] * (n - len(last)))
-        self._meta_np[DRAFT, :2] = step.draft if step.draft is not None else (-1, 0)
+        self._meta_np[GUESS, :2] = step.guess if step.guess is not None else (-1, 0)
         self._temp_np[:n] = step.temperatures
         return last
 
@@ -423,8 +423,8 @@ class DecodeGraphs:
         `predicted` one (each sequence's sampled token at the next position), and note which
         forward is queued."""
         ids, pos, sl = predicted
-        draft = step.draft
-        if gate is not None and gate.went(ids[0]) and (draft is None or tokens[draft[0]] == draft[1]):
+        guess = step.guess
+        if gate is not None and gate.went(ids[0]) and (guess is None or tokens[guess[0]] == guess[1]):
             # The forward is running: the host's plan only decides whether it was wasted.
             self.gate_runs += 1
             planned = self._planned(step, tokens)

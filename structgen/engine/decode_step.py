@@ -1,7 +1,7 @@
 """A decode step as one object: its rows, how each row is sampled, and its phases.
 
 `DecodeStep` is what `ModelRunner.decode` and the decode graphs run: one-token rows (a
-request's sampled token, or forced, prompt and draft tokens as extra rows), a temperature,
+request's sampled token, or forced, prompt and guessed tokens as extra rows), a temperature,
 noise seed and has-mask flag per row, and the hooks the runner calls at each phase:
 
     fill_masks(host_bitmask)   while the forward runs
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from structgen.engine.drafts import fill_draft_rows, take_drafts
+from structgen.engine.drafts import fill_guess_rows, take_guesses
 from structgen.engine.model_runner import ExtendSeq
 from structgen.errors import EngineError
 
@@ -41,9 +41,9 @@ class DecodeStep:
     `seeds[i]`, under its grammar mask where `has_mask[i]`. `predict_next`: every request's
     rows are adjacent with consecutive positions and it will likely decode again, so the
     graphs may launch the next step's forward early (cuda_graphs.py). `plans_next`: ask
-    `plan_next` for that forward instead of predicting it. `draft`: (row, token) where the
-    last row is a draft run after that row (the token gate runs the next forward only where
-    the model picked the draft)."""
+    `plan_next` for that forward instead of predicting it. `guess`: (row, token) where the
+    last row is a guess run after that row (the token gate runs the next forward only where
+    the model picked the guess)."""
 
     rows: list[ExtendSeq]
     temperatures: list[float]
@@ -51,7 +51,7 @@ class DecodeStep:
     has_mask: list[bool]
     predict_next: bool = False
     plans_next: bool = False
-    draft: tuple[int, int] | None = None
+    guess: tuple[int, int] | None = None
 
     def fill_masks(self, bitmask: torch.Tensor) -> None:
         """Fill row i of the int32 [len(rows), W] host tensor for every i with `has_mask[i]`;
@@ -70,7 +70,7 @@ class DecodeStep:
 
 class EngineDecodeStep(DecodeStep):
     """The engine's decode step over `batch` (requests and the tokens each runs): request i
-    samples at row `sampled_rows[i]`, and where it runs a draft, at `drafted[i]` after it.
+    samples at row `sampled_rows[i]`, and where it runs a guess, at `guessed[i]` after it.
     Prompt chunks (`chunks`) run their tokens and sample nothing."""
 
     def __init__(self, engine: Engine, batch: list[tuple[Request, int]]):
@@ -80,26 +80,26 @@ class EngineDecodeStep(DecodeStep):
         self.chunks = [(r, n) for (r, n), row in zip(batch, rows_of, strict=True) if row is None]
         self.reqs = [r for (r, _), row in zip(batch, rows_of, strict=True) if row is not None]  # they sample
         self.sampled_rows = [row for row in rows_of if row is not None]
-        # Request i's draft row follows its sampled row (`Engine._decode_rows`); sampled under
-        # the grammar state after the draft, with the noise of the position after.
-        self.drafted = {i: row + 1 for i, (row, r) in enumerate(zip(self.sampled_rows, self.reqs, strict=True))
-                        if r.draft is not None}
+        # Request i's guess row follows its sampled row (`Engine._decode_rows`); sampled under
+        # the grammar state after the guess, with the noise of the position after.
+        self.guessed = {i: row + 1 for i, (row, r) in enumerate(zip(self.sampled_rows, self.reqs, strict=True))
+                        if r.guess is not None}
         self.constrained = [(row, r.matcher) for row, r in zip(self.sampled_rows, self.reqs, strict=True)
                             if r.matcher is not None]
         # After a sampled `"` the grammar may force `, "age": `: the next step is that text, not
         # the predicted token, so jump-forward steps plan the next step themselves.
         plans = not self.chunks and any(r.jump_forward for r in self.reqs)
-        # Behind a draft, the token gate runs the next forward (after the draft's row) only
-        # where the model picked the draft.
-        check = (self.sampled_rows[0], self.reqs[0].draft) if self.drafted and len(self.reqs) == 1 else None
+        # Behind a guess, the token gate runs the next forward (after the guess's row) only
+        # where the model picked the guess.
+        check = (self.sampled_rows[0], self.reqs[0].guess) if self.guessed and len(self.reqs) == 1 else None
         super().__init__(rows, *self._sampling(len(rows)), predict_next=not self.chunks, plans_next=plans,
-                         draft=check)
+                         guess=check)
         self.rehearses = plans and self._rehearses()
-        self.rehearsed_draft = self.reqs[0].draft if self.rehearses and self.drafted else None
+        self.rehearsed_guess = self.reqs[0].guess if self.rehearses and self.guessed else None
         self.row_errors: dict[int, BaseException] = {}  # by row: its mask could not be filled
-        self.bad_drafts: set[int] = set()  # requests whose draft row's mask could not be filled
+        self.bad_guesses: set[int] = set()  # requests whose guess row's mask could not be filled
         self.filled: torch.Tensor | None = None  # the host bitmask the masks went into
-        self.tokens: list[int] | None = None  # each request's token, once drafts are in
+        self.tokens: list[int] | None = None  # each request's token, once guesses are in
         self.failed: dict[int, EngineError] = {}  # by request: its matcher raised on the token
         self.taken: list | None = None  # what each matcher made of its token, once it has it
         self.plain = False  # `Engine._plain_next_step` checked every request: only appending is left
@@ -114,7 +114,7 @@ class EngineDecodeStep(DecodeStep):
             temperatures[row], has_mask[row] = t, r.matcher is not None
             if t != 0.0:  # greedy rows draw no noise (seed 0)
                 seeds[row] = self.engine._noise_seed(r)
-        for i, row in self.drafted.items():  # as its sampled row, with the next position's noise
+        for i, row in self.guessed.items():  # as its sampled row, with the next position's noise
             r = self.reqs[i]
             temperatures[row], has_mask[row], seeds[row] = r.params.temperature, True, self.engine._noise_seed(r, 1)
         return temperatures, seeds, has_mask
@@ -125,29 +125,29 @@ class EngineDecodeStep(DecodeStep):
         batches: there the rehearsals rarely matched the sampled token and delayed reading it
         (docs/performance.md, "Jump-forward")."""
         req, hook = self.reqs[0], self.engine.jump_forward_hook
-        return (self.engine.config.rehearse_jumps and len(self.reqs) == 1 and req.jump_forward
-                and req.matcher is not None and hasattr(hook, "rehearse"))
+        return (len(self.reqs) == 1 and req.jump_forward
+                and req.matcher is not None and getattr(hook, "rehearses", False))
 
     # -- the phases ---------------------------------------------------------------------------
     def fill_masks(self, bitmask: torch.Tensor) -> None:
         eng = self.engine
         self.filled = bitmask
         self.row_errors.update(eng._fill_masks(bitmask, eng._not_prefilled(bitmask, self.constrained)))
-        if self.drafted:
-            self.bad_drafts.update(fill_draft_rows(bitmask, [(i, self.reqs[i], row) for i, row in self.drafted.items()]))
+        if self.guessed:
+            self.bad_guesses.update(fill_guess_rows(bitmask, [(i, self.reqs[i], row) for i, row in self.guessed.items()]))
 
     def before_wait(self, done: Callable[[], bool]) -> None:
-        """Rehearse the jumps of the sampled row's likely tokens (with a draft: the tokens after
+        """Rehearse the jumps of the sampled row's likely tokens (with a guess: the tokens after
         it, sampled at its row, which the step gives where the model picks it)."""
         if not self.rehearses or self.filled is None or not self.sampled_rows:
             return
         first = self.sampled_rows[0]
-        if first in self.row_errors or 0 in self.bad_drafts:
+        if first in self.row_errors or 0 in self.bad_guesses:
             return
-        row = self.drafted.get(0, first)
+        row = self.guessed.get(0, first)
         try:
             self.engine.jump_forward_hook.rehearse(self.reqs[0], self.filled[row].numpy().view(np.uint32), done,
-                                                   self.rehearsed_draft)
+                                                   self.rehearsed_guess)
         except Exception as exc:  # its matcher may be left mid-rehearsal: fail the request
             log.exception("rehearsing jump-forward failed")
             self.row_errors[first] = EngineError(f"jump-forward rehearsal failed: {exc}")
@@ -157,7 +157,7 @@ class EngineDecodeStep(DecodeStep):
         finishes) is decided by the grammar alone and its forward launched before the rest of
         taking the tokens in; otherwise the tokens are taken in (jump-forward included) and the
         next step planned from that."""
-        toks = self.request_tokens(tokens)  # drafts the model picked are in: the next token is the draft row's
+        toks = self.request_tokens(tokens)  # guesses the model picked are in: the next token is the guess row's
         if not self.row_errors and not self.failed:
             rows, self.taken, raised = self.engine._plain_next_step(self.reqs, toks)
             self.failed.update(raised)
@@ -169,13 +169,13 @@ class EngineDecodeStep(DecodeStep):
 
     def request_tokens(self, tokens: list[int]) -> list[int]:
         """Each request's token, given every row's: its sampled row's, or, where the model
-        picked its draft (taken in here, once), the draft row's."""
+        picked its guess (taken in here, once), the guess row's."""
         if self.tokens is None:
             toks = [tokens[row] for row in self.sampled_rows]
-            if self.drafted:  # a request whose row failed keeps its draft out (`take_tokens` fails it)
-                skip = self.bad_drafts | {i for i, row in enumerate(self.sampled_rows) if row in self.row_errors}
+            if self.guessed:  # a request whose row failed keeps its guess out (`take_tokens` fails it)
+                skip = self.bad_guesses | {i for i, row in enumerate(self.sampled_rows) if row in self.row_errors}
                 errors: dict[int, BaseException] = {}
-                toks = take_drafts(self.reqs, toks, {i: tokens[row] for i, row in self.drafted.items()}, skip, errors,
+                toks = take_guesses(self.reqs, toks, {i: tokens[row] for i, row in self.guessed.items()}, skip, errors,
                                    self.engine._advance)
                 self.failed.update({i: exc if isinstance(exc, EngineError) else EngineError(str(exc))
                                     for i, exc in errors.items()})

@@ -1,10 +1,11 @@
-"""A request's draft (`Request.draft`): one token run as the row after its sampled row and
-sampled too, so that where the model picks it, the step yields two tokens.
+"""Jump-forward's guess (`Request.guess`; speculative decoding's proposals are its drafts):
+one token run as the row after its sampled row and sampled too, so that where the model picks
+it, the step yields two tokens.
 
 Jump-forward proposes the token it held back at the end of forced text
 (engine/jump_forward.py); the engine lays the row out (`Engine._decode_rows`, or a second
-logits row in an eager extend) and, with the two helpers here, fills the draft row's grammar
-mask while the device computes and takes the draft in where the model picked it.
+logits row in an eager extend) and, with the two helpers here, fills the guess row's grammar
+mask while the device computes and takes the guess in where the model picked it.
 """
 
 from __future__ import annotations
@@ -20,15 +21,15 @@ if TYPE_CHECKING:
     from structgen.engine.request import Request
 
 
-def fill_draft_rows(bitmask: torch.Tensor, rows: list[tuple[int, Request, int]]) -> set[int]:
-    """Fill `bitmask[row]` with request i's grammar mask after its draft (the matcher takes
-    the draft, then rolls back), for each (i, request, row); returns the i where that failed
-    (their drafts are dropped: the row's token is not used)."""
+def fill_guess_rows(bitmask: torch.Tensor, rows: list[tuple[int, Request, int]]) -> set[int]:
+    """Fill `bitmask[row]` with request i's grammar mask after its guess (the matcher takes
+    the guess, then rolls back), for each (i, request, row); returns the i where that failed
+    (their guesses are dropped: the row's token is not used)."""
     bad = set()
     for i, req, row in rows:
         m = req.matcher
         try:
-            if not m.accept_token(req.draft):
+            if not m.accept_token(req.guess):
                 bad.add(i)
                 continue
         except Exception:
@@ -43,24 +44,24 @@ def fill_draft_rows(bitmask: torch.Tensor, rows: list[tuple[int, Request, int]])
     return bad
 
 
-def take_drafts(reqs: list[Request], tokens: list[int], after: dict[int, int], bad: set[int],
+def take_guesses(reqs: list[Request], tokens: list[int], after: dict[int, int], bad: set[int],
                 errors: dict[int, BaseException], advance: Callable[..., None]) -> list[int]:
-    """Request i ran its draft this step: `tokens[i]` was sampled where the draft stands,
-    `after[i]` after the draft. Where the model picked the draft, `advance(req, draft,
+    """Request i ran its guess this step: `tokens[i]` was sampled where the guess stands,
+    `after[i]` after the guess. Where the model picked the guess, `advance(req, guess,
     jump_forward=False)` takes it in (its K/V is cached) and `after[i]` becomes the token to
-    advance by; elsewhere the draft is dropped (its K/V is overwritten later). Returns the
-    tokens to advance by; a draft that fails to go in fails its request through `errors`."""
+    advance by; elsewhere the guess is dropped (its K/V is overwritten later). Returns the
+    tokens to advance by; a guess that fails to go in fails its request through `errors`."""
     tokens = list(tokens)
     for i, token in after.items():
         req = reqs[i]
-        draft, req.draft = req.draft, None
+        guess, req.guess = req.guess, None
         req.stats.drafted_tokens += 1
-        if i in errors or i in bad or draft is None or tokens[i] != draft:
+        if i in errors or i in bad or guess is None or tokens[i] != guess:
             continue
         try:
-            advance(req, draft, jump_forward=False)
-            if req.finished:  # pragma: no cover - a draft is proposed only where it cannot end the output
-                raise EngineError("a draft token ended the output")
+            advance(req, guess, jump_forward=False)
+            if req.finished:  # pragma: no cover - a guess is proposed only where it cannot end the output
+                raise EngineError("a guess token ended the output")
         except Exception as exc:
             errors[i] = exc
             continue

@@ -19,7 +19,7 @@ import random
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -27,7 +27,7 @@ import torch
 from structgen.engine.closing import BudgetCloser
 from structgen.engine.config import EngineConfig, ModelConfig
 from structgen.engine.decode_step import EngineDecodeStep
-from structgen.engine.drafts import fill_draft_rows, take_drafts
+from structgen.engine.drafts import fill_guess_rows, take_guesses
 from structgen.engine.jump_forward import QUIET_MIN_ALLOWED, JumpForward, quiet_tokens
 from structgen.engine.model_runner import ExtendSeq, ModelRunner
 from structgen.engine.request import Request, RequestStatus
@@ -39,7 +39,7 @@ from structgen.errors import (
     PromptTooLongError,
     UnsatisfiableConstraintError,
 )
-from structgen.grammar import accept_one, accept_tokens, native
+from structgen.grammar import GrammarThreads, accept_one, accept_tokens, native
 from structgen.grammar.backends.base import (
     ACCEPTED,
     COMPLETED,
@@ -52,6 +52,9 @@ from structgen.grammar.backends.base import (
     allows_only,
 )
 from structgen.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from structgen.grammar.prefetch import MaskPrefetcher
 
 log = logging.getLogger("structgen.engine")
 
@@ -108,18 +111,30 @@ class Engine:
             from structgen.engine.speculative.speculator import Speculator
 
             self.speculator = Speculator(self, self.config.speculative)
-        # Next step's masks filled on worker threads during the bookkeeping (grammar/prefetch.py).
-        # Not with speculation: its steps drive the matchers through drafts and rollbacks. Nor,
-        # unless forced on, where grammar.native's pool fills masks: it fills a whole step's
-        # masks inline within the forward, and a prefetch only adds hand-offs
-        # (docs/performance.md, "Grammar overhead").
-        self.prefetcher = None
-        prefetch = self.config.mask_prefetch == "on" or (self.config.mask_prefetch == "auto" and not native.pool_in_use())
-        if self.config.grammar_workers > 0 and prefetch and self.speculator is None:
-            from structgen.grammar.prefetch import MaskPrefetcher, PrefetchTuner
+        self.grammar_threads = self._size_grammar_threads()
+        self.prefetcher = self._mask_prefetcher()
 
-            tuner = PrefetchTuner() if self.config.mask_prefetch == "auto" else None
-            self.prefetcher = MaskPrefetcher(self.config.grammar_workers, tuner=tuner)
+    def _size_grammar_threads(self) -> GrammarThreads:
+        """The threads of the grammar work (`EngineTuning.grammar_threads`); a configured
+        number also resizes grammar.native's process-wide pool."""
+        configured = self.config.tuning.grammar_threads
+        threads = GrammarThreads.resolve(configured)
+        if configured:
+            native.size_pool(threads.pool)
+        return threads
+
+    def _mask_prefetcher(self) -> MaskPrefetcher | None:
+        """Next step's masks filled on worker threads during the bookkeeping (grammar/prefetch.py).
+        Not with speculation: its steps drive the matchers through drafts and rollbacks. Nor,
+        unless forced on, where grammar.native's pool fills masks: it fills a whole step's
+        masks inline within the forward, and a prefetch only adds hand-offs
+        (docs/performance.md, "Grammar overhead")."""
+        mode = self.config.tuning.mask_prefetch
+        if self.speculator is not None or mode == "off" or (mode == "auto" and native.pool_in_use()):
+            return None
+        from structgen.grammar.prefetch import MaskPrefetcher, PrefetchTuner
+
+        return MaskPrefetcher(self.grammar_threads.prefetch, tuner=PrefetchTuner() if mode == "auto" else None)
 
     # -- requests -------------------------------------------------------------------------
     def use_tokenizer(self, tokenizer: Any) -> None:
@@ -127,7 +142,7 @@ class Engine:
         `jump_forward=False`; on CUDA the batch-1 decode graphs also get its token gate), the
         budget closer and the speculator's text drafters."""
         jump = self.jump_forward_hook = JumpForward(tokenizer, self.vocab_size, self.stop_token_ids)
-        jump.drafts = self.config.draft_held_back and self.config.speculative is None
+        jump.guesses = self.config.speculative is None  # its drafter proposes drafts there instead
         if self.device.type == "cuda":
             self.runner.set_token_gate(quiet_tokens(jump.vocab), QUIET_MIN_ALLOWED)
         self.closer.use_tokenizer(tokenizer, self.vocab_size, self.stop_token_ids)
@@ -173,7 +188,7 @@ class Engine:
         """Run one forward over every running request; return requests that finished."""
         graphs = self.runner.graphs
         # With prompts in the graphs, a step's tokens are capped at the largest bucket.
-        budget = graphs.max_batch_size if graphs is not None and self.config.prefill_in_graphs else None
+        budget = graphs.max_batch_size if graphs is not None and self.config.tuning.prefill_in_graphs else None
         batch = self.scheduler.schedule(token_budget=budget)
         if not batch:
             return []
@@ -182,13 +197,13 @@ class Engine:
         self._time_step(None)
         if self.speculator is not None:  # draft, then verify every draft in one forward (speculative/)
             return self.speculator.step(batch)
-        seqs, sampling, drafted = [], [], {}
+        seqs, sampling, guessed = [], [], {}
         for req, n in batch:
             start = req.num_cached
             ids = req.token_ids[start : start + n]
-            draft = req.draft if start + n == len(req.token_ids) else None
-            # A draft is one more token, with logits at it and at the token before it.
-            seqs.append(ExtendSeq(req.slot, start, ids) if draft is None else ExtendSeq(req.slot, start, [*ids, draft], 2))
+            guess = req.guess if start + n == len(req.token_ids) else None
+            # A guess is one more token, with logits at it and at the token before it.
+            seqs.append(ExtendSeq(req.slot, start, ids) if guess is None else ExtendSeq(req.slot, start, [*ids, guess], 2))
         try:
             logits = self.runner.extend(seqs)  # async on CUDA: the mask work below overlaps it
         except Exception as exc:  # a broken batch fails its requests, not the engine
@@ -202,10 +217,10 @@ class Engine:
             req.stats.forward_passes += 1
             if req.num_cached == len(req.token_ids):  # it samples at its first logits row
                 if seq.num_logits == 2:
-                    drafted[len(sampling)] = row + 1  # and after its draft at the second
+                    guessed[len(sampling)] = row + 1  # and after its guess at the second
                 sampling.append((row, req))
             row += seq.num_logits
-        finished = self._sample_and_advance(logits, sampling, drafted)
+        finished = self._sample_and_advance(logits, sampling, guessed)
         for req, _ in batch:
             if not req.finished:
                 self._notify(req)
@@ -221,26 +236,26 @@ class Engine:
         "Prefill and time to first token")."""
         if self.speculator is not None:
             return False
-        rows = drafts = 0
+        rows = guesses = 0
         for req, n in batch:
             p = req.params
-            if n < req.num_pending and not self.config.prefill_in_graphs:  # a chunk that samples nothing
+            if n < req.num_pending and not self.config.tuning.prefill_in_graphs:  # a chunk that samples nothing
                 return False
             if not p.greedy and (p.top_k > 0 or p.top_p < 1.0):
                 return False
             if n > 1 and (self.runner.graphs is None
-                          or (req.num_cached < req.num_prompt and not self.config.prefill_in_graphs)):
+                          or (req.num_cached < req.num_prompt and not self.config.tuning.prefill_in_graphs)):
                 return False  # no graphs to put the forced tokens in, or a prefill kept eager
             rows += n
-            drafts += req.draft is not None and req.num_cached + n == len(req.token_ids)
+            guesses += req.guess is not None and req.num_cached + n == len(req.token_ids)
         graphs = self.runner.graphs
-        if drafts and graphs is not None and graphs.bucket(rows + drafts) is None:
-            for req, _ in batch:  # the drafts ride only where they fit the graphs
-                req.draft = None
-            drafts = 0
+        if guesses and graphs is not None and graphs.bucket(rows + guesses) is None:
+            for req, _ in batch:  # the guesses ride only where they fit the graphs
+                req.guess = None
+            guesses = 0
         if graphs is None:
             return rows == len(batch)
-        return rows + drafts == len(batch) or graphs.bucket(rows + drafts) is not None
+        return rows + guesses == len(batch) or graphs.bucket(rows + guesses) is not None
 
     def _decode_step(self, batch: list[tuple[Request, int]]) -> list[Request]:
         step = EngineDecodeStep(self, batch)
@@ -273,7 +288,7 @@ class Engine:
         every row's K/V is written before any attention reads it, so rows of one request are
         exactly a causal multi-token extend. Returns the rows and each request's sampled row
         (its last pending token's), or None for a prompt chunk that stops short of its pending
-        tokens. A request's draft runs as the row after its sampled row."""
+        tokens. A request's guess runs as the row after its sampled row."""
         seqs: list[ExtendSeq] = []
         last: list[int | None] = []
         for r, n in batch:
@@ -283,8 +298,8 @@ class Engine:
             else:
                 seqs += [ExtendSeq(r.slot, start + j, [t]) for j, t in enumerate(ids[start : start + n])]
             last.append(len(seqs) - 1 if start + n == len(ids) else None)
-            if r.draft is not None and start + n == len(ids):  # sampled too: the row after the last
-                seqs.append(ExtendSeq(r.slot, len(ids), [r.draft]))
+            if r.guess is not None and start + n == len(ids):  # sampled too: the row after the last
+                seqs.append(ExtendSeq(r.slot, len(ids), [r.guess]))
         return seqs, last
 
     def _plain_next_step(self, reqs: list[Request], tokens: list[int]
@@ -399,7 +414,7 @@ class Engine:
         try:
             timed = self.prefetcher is not None and len(rows) >= self.prefetcher.min_rows
             t = time.perf_counter() if timed else 0.0
-            fill_bitmasks([m for _, m in rows], bitmask, [i for i, _ in rows], threads=self.config.grammar_threads)
+            fill_bitmasks([m for _, m in rows], bitmask, [i for i, _ in rows], threads=self.config.tuning.grammar_threads)
             if timed:
                 self.prefetcher.observe(time.perf_counter() - t)  # worth prefetching next time?
             return {}
@@ -415,7 +430,7 @@ class Engine:
     def _noise_seed(self, req: Request, ahead: int = 0) -> int:
         """Seed of this step's sampling noise: a function of (seed, position) for seeded
         requests, so they reproduce whatever they are batched with (and with or without
-        drafts: `ahead` 1 is a draft row's, the position after)."""
+        guesses: `ahead` 1 is a guess row's, the position after)."""
         if req.params.greedy:
             return 0
         if req.params.seed is None:
@@ -424,34 +439,34 @@ class Engine:
 
     @torch.inference_mode()  # logits are the forward's inference tensors; masking writes them
     def _sample_and_advance(self, logits: torch.Tensor, sampling: list[tuple[int, Request]],
-                            drafted: dict[int, int] | None = None) -> list[Request]:
-        """Sample at `sampling`'s (logits row, request) and advance; `drafted[i]`: the logits
-        row of request i's draft (see `drafts.take_drafts`)."""
+                            guessed: dict[int, int] | None = None) -> list[Request]:
+        """Sample at `sampling`'s (logits row, request) and advance; `guessed[i]`: the logits
+        row of request i's guess (see `drafts.take_guesses`)."""
         if not sampling:
             return []
-        drafted = drafted or {}
+        guessed = guessed or {}
         reqs = [r for _, r in sampling]
         n = len(sampling)
-        rows = torch.tensor([i for i, _ in sampling] + list(drafted.values()), device=self.device)
-        if drafted or len(rows) != logits.shape[0]:  # (draft rows come last, out of order)
+        rows = torch.tensor([i for i, _ in sampling] + list(guessed.values()), device=self.device)
+        if guessed or len(rows) != logits.shape[0]:  # (guess rows come last, out of order)
             logits = logits.index_select(0, rows)
         constrained = [(j, r) for j, r in enumerate(reqs) if r.matcher is not None]
         errors: dict[int, BaseException] = {}
-        bad_drafts: set[int] = set()
+        bad_guesses: set[int] = set()
         if constrained:
-            bitmask = allocate_bitmask(len(constrained) + len(drafted), self.vocab_size)
+            bitmask = allocate_bitmask(len(constrained) + len(guessed), self.vocab_size)
             for k, exc in self._fill_masks(bitmask, [(k, r.matcher) for k, (_, r) in enumerate(constrained)]).items():
                 errors[constrained[k][0]] = exc
-            bad_drafts = fill_draft_rows(bitmask, [(i, reqs[i], len(constrained) + k)
-                                                         for k, i in enumerate(drafted)])
-            idx = torch.tensor([j for j, _ in constrained] + [n + k for k in range(len(drafted))], device=self.device)
+            bad_guesses = fill_guess_rows(bitmask, [(i, reqs[i], len(constrained) + k)
+                                                    for k, i in enumerate(guessed)])
+            idx = torch.tensor([j for j, _ in constrained] + [n + k for k in range(len(guessed))], device=self.device)
             masked = apply_bitmask_(logits.index_select(0, idx), bitmask.to(self.device, non_blocking=True))
             logits.index_copy_(0, idx, masked)
-        params = [r.params for r in reqs] + [reqs[i].params for i in drafted]
-        seeds = [self._noise_seed(r) for r in reqs] + [self._noise_seed(reqs[i], 1) for i in drafted]
+        params = [r.params for r in reqs] + [reqs[i].params for i in guessed]
+        seeds = [self._noise_seed(r) for r in reqs] + [self._noise_seed(reqs[i], 1) for i in guessed]
         tokens = sample(logits, params, seeds).tolist()
-        if drafted:
-            tokens = take_drafts(reqs, tokens[:n], dict(zip(drafted, tokens[n:], strict=True)), bad_drafts, errors,
+        if guessed:
+            tokens = take_guesses(reqs, tokens[:n], dict(zip(guessed, tokens[n:], strict=True)), bad_guesses, errors,
                                  self._advance)
         return self._advance_all(reqs, tokens, errors)
 
@@ -579,13 +594,12 @@ _HEAP_FROZEN = False
 
 def freeze_heap() -> None:
     """Take the objects alive before the first engine (torch, transformers, xgrammar and the
-    rest of what was imported: ~240k container objects) out of the cyclic garbage collector's
-    sight, once per process (`gc.freeze`).
+    rest of what was imported: a large heap of container objects) out of the cyclic garbage
+    collector's sight, once per process (`gc.freeze`).
 
-    The step loop allocates enough to trigger a full collection every few hundred steps, and
-    each walked that whole heap: stalls of a tenth of a second in the middle of requests,
-    worst with jump-forward on (the notebook in docs/notes/,
-    "Garbage collection").
+    The step loop allocates enough to trigger full collections, and each walked that whole
+    heap: long stalls in the middle of requests, worst with jump-forward on (the notebook in
+    docs/notes/, "Garbage collection").
     `Engine.__new__` calls it before the engine object exists, so engines are never frozen:
     one that is dropped is still collected, reference cycles and GPU memory included."""
     global _HEAP_FROZEN

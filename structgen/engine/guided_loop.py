@@ -20,7 +20,7 @@ only what the launch and the host's wake-up cost, and measured slower than the u
 (docs/performance.md, "Speculative decoding"; docs/kernels.md): the engine's own path already
 launches the next forward right after taking the tokens in (`plan_next`), and a host callback
 does the same Python work on the critical path. It stays opt-in
-(`EngineConfig.capturable_guided`), for the speculative step with a host-side drafter.
+(`EngineTuning.capturable_guided`), for the speculative step with a host-side drafter.
 
 Rules the callbacks follow (kernels/hostfunc.py): no CUDA calls in `take` or `fill` (engine
 bookkeeping, grammar matchers, tokenizer and `on_update` callbacks only); per-step state is

@@ -15,9 +15,9 @@ Forced text cannot simply be encoded on its own and appended. Two boundaries nee
   `chop_tokens` does), so the model picks between the short and the long token itself.
   That choice would cost a pass of its own, and the model mostly picks the held-back token
   (` "`: 88 of 89 times on MaskBench; after a held-back ` ` it mostly picks ` "`). So the
-  request gets that token as a one-token draft (`Request.draft`): the step that runs the
-  forced text also runs the draft as one more row and samples at both; where the model's
-  token at the first is the draft, the second row's token is the next one, sampled after the
+  request gets that token as a one-token guess (`Request.guess`): the step that runs the
+  forced text also runs the guess as one more row and samples at both; where the model's
+  token at the first is the guess, the second row's token is the next one, sampled after the
   right text. The model still picks every token itself, from the same distribution (with a
   seed, the same tokens). Only a token the grammar allows that forces nothing after it.
 
@@ -79,12 +79,12 @@ JUMPED, HELD_BACK, FAILED = "jumped", "held back", "failed"
 # about what the hook does after the device (an encode, an advance, a rollback).
 REHEARSE_ALL = 8
 REHEARSE_MAX = 4
-# A held-back token ending in one of these is drafted with a quote after it where that is one
+# A held-back token ending in one of these is guessed with a quote after it where that is one
 # token the grammar takes (` "`, ` {"`, ` ["`), then, after `[`, with a brace (` [{`): what the
 # model and the schemas' own instances mostly write next (`_propose`).
 OPENERS = (b" ", b"\n", b"\t", b"{", b"[")
 # A jump's outcome: (start, c, kept, held): the request's tokens from `start + c` on become
-# `kept[c:]`; `held` is the first held-back token (the draft's basis), or None. With `kept`
+# `kept[c:]`; `held` is the first held-back token (the guess's basis), or None. With `kept`
 # empty nothing jumps and only `held` is left.
 Plan = tuple[int, int, list[int], int | None]
 
@@ -188,7 +188,10 @@ class JumpForward:
         self._allowed_before: dict[int, int] = {}
         self._triggers: Counter[int] = Counter()  # sampled tokens after which text was forced
         self._rehearsal: Rehearsal | None = None
-        self.drafts = True  # propose held-back tokens as drafts (`Engine.use_tokenizer` sets it)
+        self.guesses = True  # propose held-back tokens as guesses (`Engine.use_tokenizer` sets it)
+        # Work out jumps while the device computes a batch-1 step (`rehearse`); benchmarks and
+        # tests turn it off to time or compare the engine without it.
+        self.rehearses = True
 
     def __call__(self, engine: Engine, req: Request) -> None:
         m = req.matcher
@@ -243,7 +246,7 @@ class JumpForward:
 
     def _apply(self, req: Request, start: int, c: int, kept: list[int], held: int | None) -> None:
         """Splice a decided jump into the request (the matcher has it already), and propose
-        its held-back token as the request's draft."""
+        its held-back token as the request's guess."""
         if not kept:
             self._propose(req, held)
             return
@@ -259,18 +262,18 @@ class JumpForward:
         self._maybe_finish(req)
         self._propose(req, held)
 
-    # -- the held-back token as a draft ---------------------------------------------------------
+    # -- the held-back token as a guess ---------------------------------------------------------
     def _propose(self, req: Request, held: int | None) -> None:
-        """Give `req` the held-back token as a draft for its next step, or a longer one
+        """Give `req` the held-back token as a guess for its next step, or a longer one
         (`OPENERS`): after a held-back ` ` (`":` then a value, mostly a string) the model
         picked ` "` 48 times in 62 on MaskBench and ` ` 8 times; the schemas' own instances
         go on from ` {` with ` {"` 19 times in 19 and from ` [` with ` [{` or ` ["` 21 in 21.
         Only a token the grammar takes now, that forces no text after it and cannot end the
         output, with room for it and one more token before the request's next check
-        (`BudgetCloser.room_for`: a draft must not be the token that closes it). A function of the
-        request alone, so outputs do not depend on what ran before (on a GPU a draft row
+        (`BudgetCloser.room_for`: a guess must not be the token that closes it). A function of the
+        request alone, so outputs do not depend on what ran before (on a GPU a guess row
         moves the step's numerics)."""
-        if held is None or not self.drafts or req.finished or not BudgetCloser.room_for(req, 2):
+        if held is None or not self.guesses or req.finished or not BudgetCloser.room_for(req, 2):
             return
         m = req.matcher
         text = self.vocab.tokens[held]
@@ -288,7 +291,7 @@ class JumpForward:
             finally:
                 m.rollback(1)
             if ok:
-                req.draft = d
+                req.guess = d
                 return
 
     def _held_back_alone(self, m: Any, ids: list[int], num_output: int, forced: bytes) -> int | None:
@@ -345,24 +348,24 @@ class JumpForward:
             raise RuntimeError("grammar matcher could not restore its state after jump-forward")
 
     # -- rehearsal: the jump worked out while the device computes ------------------------------
-    def rehearse(self, req: Request, allowed: np.ndarray, done: Callable[[], bool], draft: int | None = None) -> None:
+    def rehearse(self, req: Request, allowed: np.ndarray, done: Callable[[], bool], guess: int | None = None) -> None:
         """Work out, for the tokens likeliest to make the grammar force text (`_likely`) among
         those `allowed` (the mask of the step now on the device), what the hook would do after
         each, and undo it. Called while the device computes that step, at batch 1, with
         `done()` saying whether it has finished (then this stops: it would delay the step).
         After the device, the hook only replays the outcome for the token sampled (`_replay`),
         instead of re-encoding and probing on the device's critical path (docs/performance.md,
-        "Jump-forward"). `draft`: the step runs this draft, and `allowed` is its
-        row's mask: the tokens rehearsed are those after the draft, valid where the model
-        picks the draft."""
+        "Jump-forward"). `guess`: the step runs this guess, and `allowed` is its
+        row's mask: the tokens rehearsed are those after the guess, valid where the model
+        picks the guess."""
         self._rehearsal = None
         m = req.matcher
         if m is None or req.finished or m.is_terminated():
             return
-        if draft is not None and not m.accept_token(draft):
+        if guess is not None and not m.accept_token(guess):
             return
         plans: dict[int, tuple[bytes, Plan | None]] = {}
-        ids = [*req.token_ids, *([] if draft is None else [draft]), 0]
+        ids = [*req.token_ids, *([] if guess is None else [guess]), 0]
         try:
             for t in self._likely(allowed):
                 if done():
@@ -388,10 +391,10 @@ class JumpForward:
                 finally:
                     m.rollback(1)
         finally:
-            if draft is not None:
+            if guess is not None:
                 m.rollback(1)
-        if plans:  # the version once the engine has taken the draft back in
-            self._rehearsal = Rehearsal(req, m.version + (draft is not None), plans)
+        if plans:  # the version once the engine has taken the guess back in
+            self._rehearsal = Rehearsal(req, m.version + (guess is not None), plans)
 
     def _likely(self, allowed: np.ndarray) -> list[int]:
         """The tokens to rehearse: every one allowed where few are (a key, a keyword, a

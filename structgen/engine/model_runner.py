@@ -95,8 +95,8 @@ class ModelRunner:
 
     def keeps_weights_quantized(self) -> bool:
         """Whether packed GGUF weights stay packed: on the CPU where the kernels build, unless
-        `EngineConfig.quantized_weights` is off (and for model classes that take them)."""
-        if self.device.type != "cpu" or not self.config.quantized_weights:
+        `EngineTuning.quantized_weights` is off (and for model classes that take them)."""
+        if self.device.type != "cpu" or not self.config.tuning.quantized_weights:
             return False
         from structgen.engine.kernels import cpu_quant
 
@@ -159,9 +159,9 @@ class ModelRunner:
         of them with `prefill_in_graphs` (a prompt is a row per token)."""
         from structgen.engine.cuda_graphs import DecodeGraphs
 
-        sizes = sorted(self.config.cuda_graph_batch_sizes)
+        sizes = sorted(self.config.tuning.cuda_graph_batch_sizes)
         rows = 4 * self.kv.num_slots  # a step's rows: requests x (1 + forced or draft tokens)
-        keep = sizes if self.config.prefill_in_graphs else [b for b in sizes if b < rows] + [b for b in sizes if b >= rows][:1]
+        keep = sizes if self.config.tuning.prefill_in_graphs else [b for b in sizes if b < rows] + [b for b in sizes if b >= rows][:1]
         if keep:
             self.graphs = DecodeGraphs(self, tuple(keep), capture=capture)
             log.info("captured decode graphs for batch sizes %s", keep)
@@ -171,10 +171,7 @@ class ModelRunner:
     def set_token_gate(self, quiet: np.ndarray, min_allowed: int) -> None:
         """Jump-forward at batch 1: let the device run the next forward at once after tokens
         in `quiet` sampled in wide grammar states (cuda_graphs.py, `enable_token_gate`), now
-        and in graphs captured later. A no-op without graphs or the CUDA extension, or with
-        `EngineConfig.token_gate` off."""
-        if not self.config.token_gate:
-            return
+        and in graphs captured later. A no-op without graphs or the CUDA extension."""
         self._token_gate = (quiet, min_allowed)
         if self.graphs is not None:
             self.graphs.enable_token_gate(quiet, min_allowed)

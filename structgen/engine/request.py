@@ -38,7 +38,7 @@ class GenerationStats:
     ttft_s: float = 0.0  # arrival -> first output token
     decode_s: float = 0.0  # first output token -> finish
     forced_tokens: int = 0  # appended by jump-forward without sampling
-    drafted_tokens: int = 0  # proposed by a drafter
+    drafted_tokens: int = 0  # proposed by a drafter, or guessed by jump-forward
     accepted_tokens: int = 0  # drafted tokens the target accepted
     verify_steps: int = 0  # forward passes that sampled under speculation (with or without a draft)
     # engine/closing.py: tokens appended to close the output, and which guards fired
@@ -93,10 +93,11 @@ class Request:
         self.close_at = params.max_tokens
         self.budget_check_at = params.max_tokens  # where the closer next searches for a completion
         self.safe_point: int | None = None  # the latest output length a completion was found to fit from
-        # A token for the next step that samples to run as one more row, sampled at both rows:
-        # where the model picks it at the first, the second row's token comes with it (a pass
-        # saved). Jump-forward sets it to the token it held back (engine/jump_forward.py).
-        self.draft: int | None = None
+        # Jump-forward's guess (not a speculative draft): a token for the next step that samples
+        # to run as one more row, sampled at both rows: where the model picks it at the first,
+        # the second row's token comes with it (a pass saved). Jump-forward sets it to the token
+        # it held back (engine/jump_forward.py).
+        self.guess: int | None = None
         self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
         self.arrival = time.perf_counter()
         self.first_token_at: float | None = None
@@ -132,7 +133,7 @@ class Request:
     def truncate(self, length: int) -> None:
         """Drop tokens past `length` (re-tokenisation, rejected drafts); the KV cache follows."""
         del self.token_ids[length:]
-        self.draft = None
+        self.guess = None
         self.num_cached = min(self.num_cached, length)
         self.stats.output_tokens = self.num_output
 
@@ -166,7 +167,7 @@ class Request:
         return self.finished
 
     def finish(self, reason: str, error: BaseException | None = None) -> None:
-        self.draft = None
+        self.guess = None
         self.status = RequestStatus.FINISHED
         self.finish_reason = reason
         self.error = error

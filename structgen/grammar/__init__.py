@@ -16,7 +16,7 @@ from structgen.grammar.backends.base import (
     allocate_bitmask,
     bitmask_words,
 )
-from structgen.grammar.batch import accept_one, accept_tokens, fill_bitmasks
+from structgen.grammar.batch import GrammarThreads, accept_one, accept_tokens, fill_bitmasks
 from structgen.grammar.compiler import BACKENDS, GrammarCompiler, candidate_backends
 from structgen.schema.json_format import JSON_SEPARATORS, dump_json
 from structgen.schema.limits import ConstraintLimits
@@ -29,6 +29,7 @@ __all__ = [
     "GrammarBackend",
     "GrammarCompiler",
     "GrammarMatcher",
+    "GrammarThreads",
     "accept_one",
     "accept_tokens",
     "allocate_bitmask",

@@ -9,8 +9,8 @@ through it too, fused with the next step's fills.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from structgen.grammar import native
@@ -36,7 +36,7 @@ def fill_bitmasks(
 ) -> None:
     """Fill `bitmask[rows[i]]` from `matchers[i]` for every i (rows default to 0..n-1).
 
-    `threads` sizes the backends' pools (0: `default_threads(backend)`). Rows of
+    `threads` sizes the backends' pools (0: auto, `GrammarThreads.resolve`). Rows of
     other requests are left untouched. Matchers must not be used by another thread meanwhile.
     """
     for run, finish in fill_jobs(matchers, bitmask, rows, threads=threads):
@@ -68,8 +68,9 @@ def fill_jobs(
         ms.append(m)
         rs.append(r)
     jobs: list[FillJob] = []
+    sizes = GrammarThreads.resolve(threads)
     for backend, (ms, rs) in groups.items():
-        n = threads or default_threads(backend)
+        n = sizes.for_backend(backend)
         if backend == "xgrammar":
             from structgen.grammar.backends import xgrammar
 
@@ -181,12 +182,28 @@ def accept_one(m: GrammarMatcher, tok: int, check_jump: bool = False) -> int:
     return status
 
 
-def default_threads(backend: str = "llguidance") -> int:
-    """Mask-filling threads when none are configured. xgrammar: one. Its rows cost less than
-    its pool's hand-off, so more threads were slower than one (the library's default is half
-    the cores; the notebook in docs/notes/, "Batch 64: host-bound with a grammar").
-    llguidance: up to 4 (its rows cost more)."""
-    if backend == "xgrammar":
-        return 1
-    return max(1, min(4, (os.cpu_count() or 2) // 2))
+@dataclass(frozen=True)
+class GrammarThreads:
+    """The threads each part of a batch's grammar work gets, from one setting
+    (`EngineTuning.grammar_threads`): a number sizes every part alike; 0 (auto) sizes each
+    part for its work (docs/performance.md, "Grammar overhead")."""
 
+    pool: int  # grammar.native's pool, which fills xgrammar rows where it has 2+ threads
+    xgrammar: int  # xgrammar's own batch call, where the pool does not run
+    llguidance: int  # llguidance's executor
+    prefetch: int  # workers of the mask prefetch (grammar/prefetch.py)
+
+    @classmethod
+    def resolve(cls, configured: int = 0) -> GrammarThreads:
+        """`configured` threads for every part, or with 0 the auto sizes: the pool
+        `native.default_threads()` (half the cores, at most 8, or $STRUCTGEN_GRAMMAR_THREADS);
+        xgrammar's own call one, since its rows cost less than its pool's hand-off; llguidance
+        up to 4 of the pool's, its rows cost more; the prefetch two workers."""
+        if configured > 0:
+            return cls(pool=configured, xgrammar=configured, llguidance=configured, prefetch=configured)
+        pool = native.default_threads()
+        return cls(pool=pool, xgrammar=1, llguidance=min(4, pool), prefetch=2)
+
+    def for_backend(self, backend: str) -> int:
+        """Threads of `backend`'s own batch fill."""
+        return self.xgrammar if backend == "xgrammar" else self.llguidance

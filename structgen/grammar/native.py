@@ -1,14 +1,14 @@
 """xgrammar mask fills on a pool of native threads (`structgen/csrc/grammar_step.cpp`), off the GIL.
 
-At batch 64 a JSON decode step was host-bound on the lent GPU hosts, much of it mask fills on
-one core (docs/performance.md, "Grammar overhead"): xgrammar's own pool was slower with more
+A large batch's JSON decode step can be host-bound, much of it mask fills on one core
+(docs/performance.md, "Grammar overhead"): xgrammar's own pool was slower with more
 threads there, and Python threads pass the GIL around. xgrammar 0.2's matchers are apache-tvm-ffi
 objects, so a small C++ library can call their fill method through tvm-ffi's C ABI: one ctypes
 call a batch (ctypes lets the GIL go for it), spread over native threads that stay awake
 between steps. With one thread it is no faster than xgrammar's batch call, so the backend
 uses it only where the pool has two threads or more.
 
-Built with the system C++ compiler on first use (about a second; no torch or Python headers)
+Built with the system C++ compiler on first use (no torch or Python headers)
 into `~/.cache/structgen/native/` (`$STRUCTGEN_CACHE/native`), one file per source and
 tvm-ffi version. `load()` returns None where it cannot be built (no compiler, an xgrammar
 whose matchers are not tvm-ffi objects, `STRUCTGEN_DISABLE_NATIVE=1`), and the backends then
@@ -35,7 +35,7 @@ log = logging.getLogger("structgen.grammar")
 SOURCE = source("grammar_step.cpp")
 MATCHER_TYPE_KEY = "xgrammar.tvm_ffi_binding.GrammarMatcher"
 # Workers stay awake this long after a batch: the next decode step's comes within a
-# millisecond, and waking a sleeping thread costs tens of microseconds on the lent hosts.
+# millisecond, and waking a sleeping thread would cost more than the wait.
 SPIN_US = 2000
 _ERROR_BYTES = 1024
 
@@ -45,12 +45,20 @@ class NativeGrammarError(RuntimeError):
 
 
 def default_threads() -> int:
-    """Pool size: `$STRUCTGEN_GRAMMAR_THREADS`, else half the cores, at most 8: fills kept
-    getting faster up to 8 threads on a 16-core host (`benchmarks/bench_grammar_fill.py`); a
-    2-core machine gets one, and so xgrammar's call."""
+    """The pool's auto size (`EngineTuning.grammar_threads` 0): `$STRUCTGEN_GRAMMAR_THREADS`
+    where set, else half the cores, at most 8, where fills stopped getting faster
+    (docs/performance.md, "Grammar overhead"); a 2-core machine gets one, and so xgrammar's call."""
     if os.environ.get("STRUCTGEN_GRAMMAR_THREADS"):
         return max(1, int(os.environ["STRUCTGEN_GRAMMAR_THREADS"]))
     return max(1, min(8, (os.cpu_count() or 2) // 2))
+
+
+def size_pool(threads: int) -> None:
+    """Restart the process-wide pool with `threads` threads where it builds and has another
+    size (`EngineTuning.grammar_threads`); no batch may be in flight."""
+    pool = load()
+    if pool is not None and pool.threads != threads:
+        pool.set_threads(threads)
 
 
 def pool_in_use() -> bool:

@@ -11,9 +11,9 @@ needs its masks.
 
 Whether it pays depends on the host: the hand-off costs the main thread thread wake-ups and the
 GIL's way back, and while workers run, every small native call the main thread makes (accept a
-token, is the grammar complete) waits for the GIL. It won on some lent hosts and lost on others
-(docs/notes/performance-notebook-2026-11.md, "Batch 64: host-bound with a grammar"). So by
-default (`EngineConfig.mask_prefetch="auto"`) a `PrefetchTuner` times decode steps of the same
+token, is the grammar complete) waits for the GIL. It won on some hosts and lost on others
+(docs/performance.md, "Grammar overhead"). So by
+default (`EngineTuning.mask_prefetch="auto"`) a `PrefetchTuner` times decode steps of the same
 shape with and without it, keeps the faster, and asks again every so often.
 
 Rules that keep it correct and deadlock-free:
@@ -50,8 +50,7 @@ if TYPE_CHECKING:
 # and while workers run, every native call the main thread makes is slower (each one lets the
 # GIL go). So a prefetch starts only for enough rows whose masks have lately been costly to
 # fill (an average of the fill times seen, inline or on the workers): cheap rows lose to the
-# hand-off, costly ones (escapes inside strings) win (the notebook in docs/notes/, "Batch 64:
-# host-bound with a grammar").
+# hand-off, costly ones (escapes inside strings) win (docs/performance.md, "Grammar overhead").
 MIN_ROWS = 32
 MIN_ROWS_PER_THREAD = 16
 MIN_FILL_S = 300e-6
@@ -76,9 +75,9 @@ class PrefetchTuner:
     still counts. The first interval after a switch of mode or shape is dropped (the step
     before it ran in the other mode or layout)."""
 
-    # Short blocks and many samples: a lent host's jitter comes in phases of tens of steps,
-    # which longer blocks with fewer samples let pick the slower mode (the notebook in
-    # docs/notes/, "Batch 64: host-bound with a grammar"). The margin only breaks near-ties toward fewer threads: both modes' costs are
+    # Short blocks and many samples: a host's jitter comes in phases of many steps, which
+    # longer blocks with fewer samples let pick the slower mode (docs/performance.md, "Grammar
+    # overhead"). The margin only breaks near-ties toward fewer threads: both modes' costs are
     # in the times, and a wider margin kept the prefetch off where it won.
     def __init__(self, block: int = 4, samples: int = 32, hold: int = 1024, min_gain: float = 0.01):
         self.block, self.samples, self.hold, self.min_gain = block, samples, hold, min_gain

@@ -37,7 +37,7 @@ _GROUPS = (
     frozenset({"contains", "minContains", "maxContains"}),
 )
 _MAX_DEFINITIONS = 256  # more specialized copies than this: leave the schema as it is
-_MAX_WORK = 20000  # merges (about 0.1 s)
+_MAX_WORK = 20000  # merges: a bound that keeps the rewrite a small part of a compile
 
 
 def specialize_recursive_refs(root: Any) -> Any:

@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 import torch
 
-from structgen.engine.config import EngineConfig
+from structgen.engine.config import EngineConfig, EngineTuning
 from structgen.engine.engine import Engine
 from structgen.engine.models.loader import load_model_config
 from structgen.engine.request import Request
@@ -51,7 +51,8 @@ def run(setup, model_dir, tokenizer, graphs: bool, jump_forward: bool, batch: in
     paths, and a 135M model's near-ties then send some greedy outputs elsewhere)."""
     cfg, stop, grammar, prompts = setup
     ec = EngineConfig(device="cuda", max_batch_size=16, max_seq_len=1024, use_cuda_graphs=graphs,
-                      jump_forward=jump_forward, prefill_in_graphs=prefill_in_graphs)
+                      jump_forward=jump_forward,
+                      tuning=EngineTuning(prefill_in_graphs=prefill_in_graphs))
     engine = Engine(cfg, ec, model_dir, stop_token_ids=stop)
     engine.use_tokenizer(tokenizer)
     reqs = [Request(p, SamplingParams(max_tokens=96), grammar.matcher(), frozenset(stop)) for p in prompts[:batch]]
@@ -135,7 +136,8 @@ def test_cancel_and_join_between_planned_steps_spare_the_other_rows(setup, model
 def batch1_engine(setup, model_dir, tokenizer) -> Engine:
     """A CUDA engine with jump-forward installed, for requests run one at a time."""
     cfg, stop, _, _ = setup
-    ec = EngineConfig(device="cuda", max_batch_size=16, max_seq_len=1024, jump_forward=True, prefill_in_graphs=False)
+    ec = EngineConfig(device="cuda", max_batch_size=16, max_seq_len=1024, jump_forward=True,
+                      tuning=EngineTuning(prefill_in_graphs=False))
     engine = Engine(cfg, ec, model_dir, stop_token_ids=stop)
     engine.use_tokenizer(tokenizer)
     return engine
@@ -177,7 +179,7 @@ def test_rehearsed_jumps_change_no_output(setup, model_dir, tokenizer, monkeypat
     monkeypatch.setattr(JumpForward, "_replay", lambda self, req, plan: replayed.append(plan) or real(self, req, plan))
     outs = {}
     for rehearse in (True, False):
-        engine.config.rehearse_jumps = rehearse
+        engine.jump_forward_hook.rehearses = rehearse
         outs[rehearse] = batch1_outputs(engine, setup, tokenizer)
         if rehearse:
             jumps = sum(p is not None for p in replayed)
@@ -185,25 +187,25 @@ def test_rehearsed_jumps_change_no_output(setup, model_dir, tokenizer, monkeypat
     assert outs[True] == outs[False]
 
 
-def test_held_back_drafts_through_the_graphs_change_no_output(setup, model_dir, tokenizer):
-    """Held-back tokens run as drafts (one more row of the decode graphs, sampled under the
-    grammar's mask after it): at batch 1 and 8 the outputs equal those without drafts, the
-    model picked drafts, and each one picked saved a pass."""
+def test_held_back_guesses_through_the_graphs_change_no_output(setup, model_dir, tokenizer):
+    """Held-back tokens run as guesses (one more row of the decode graphs, sampled under the
+    grammar's mask after it): at batch 1 and 8 the outputs equal those without guesses, the
+    model picked guesses, and each one picked saved a pass."""
     _, stop, grammar, prompts = setup
     engine = batch1_engine(setup, model_dir, tokenizer)
     hook = engine.jump_forward_hook
     got = {}
-    for drafts in (True, False):
-        hook.drafts = drafts
+    for guesses in (True, False):
+        hook.guesses = guesses
         alone = [Request(p, SamplingParams(max_tokens=96), grammar.matcher(), frozenset(stop)) for p in prompts[:4]]
         for r in alone:
             engine.run([r])
         batch = [Request(p, SamplingParams(max_tokens=96), grammar.matcher(), frozenset(stop)) for p in prompts[:8]]
         engine.run(batch)
-        got[drafts] = alone + batch
+        got[guesses] = alone + batch
     on, off = got[True], got[False]
     assert all(r.finish_reason in ("stop", "length") for r in on), [(r.finish_reason, r.error) for r in on]
-    # A draft row can move a step to a larger bucket, whose bf16 kernels round differently
+    # A guess row can move a step to a larger bucket, whose bf16 kernels round differently
     # (a 135M model's greedy near-ties), so allow two outputs to part; on the CPU (float32)
     # every output is equal (tests/engine/test_jump_forward.py).
     same = [(a, b) for a, b in zip(on, off, strict=True) if a.output_ids == b.output_ids]
@@ -240,7 +242,7 @@ def test_every_constraint_kind_jumps_through_the_graphs(setup, model_dir, tokeni
     cases.append((compiler.compile(to_constraint(JsonSchema(SCHEMA))), prompts[0]))
     outs = {}
     for fast in (True, False):
-        engine.config.rehearse_jumps = engine.runner.graphs.use_token_gate = fast
+        engine.jump_forward_hook.rehearses = engine.runner.graphs.use_token_gate = fast
         outs[fast] = []
         for grammar, prompt in cases:
             r = Request(prompt, SamplingParams(max_tokens=64), grammar.matcher(), frozenset(stop))

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from structgen.engine.config import EngineConfig
+from structgen.engine.config import EngineConfig, EngineTuning
 from structgen.engine.engine import Engine
 from structgen.engine.models.loader import load_model_config
 from structgen.engine.request import Request
@@ -215,7 +215,7 @@ def test_failed_rehearsal_fails_only_its_request(engine, grammar, tokenizer):
     from structgen.engine.jump_forward import JumpForward
 
     class BrokenRehearsal(JumpForward):
-        def rehearse(self, req, allowed, done, draft=None):
+        def rehearse(self, req, allowed, done, guess=None):
             raise RuntimeError("boom")
 
     real = engine.runner.decode
@@ -254,7 +254,7 @@ def test_prefetched_masks_change_nothing(engine, grammar, tokenizer):
     default = engine.prefetcher
     if native.pool_in_use():  # masks are filled inline on grammar.native's pool instead
         assert default is None
-    else:  # on by default, tuned (EngineConfig.mask_prefetch="auto"): off until timing says it pays
+    else:  # on by default, tuned (EngineTuning.mask_prefetch="auto"): off until timing says it pays
         assert default is not None and default.tuner is not None and not default.tuner.enabled
     # Two JSON rows here; by default it waits for 32 whose masks took 0.3 ms or more to fill.
     engine.prefetcher = MaskPrefetcher(2, min_rows=1, min_fill_s=0.0)
@@ -331,7 +331,7 @@ def test_prefetch_tuner_keeps_the_faster_mode_on_this_host():
     from structgen.errors import InvalidParameterError
 
     with pytest.raises(InvalidParameterError, match="mask_prefetch"):
-        EngineConfig(mask_prefetch="sometimes")
+        EngineTuning(mask_prefetch="sometimes")
 
 
 def test_mask_prefetcher_serves_only_unchanged_matchers(engine, grammar, tokenizer):

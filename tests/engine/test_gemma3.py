@@ -13,7 +13,7 @@ import pytest
 import torch
 from pydantic import BaseModel
 
-from structgen.engine.config import EngineConfig
+from structgen.engine.config import EngineConfig, EngineTuning
 from structgen.engine.engine import Engine
 from structgen.engine.model_runner import ExtendSeq
 from structgen.engine.models.loader import load_model_config
@@ -106,7 +106,7 @@ def test_cuda_graphs_in_bf16_match_eager_and_transformers(tiny_gemma):
     outs = {}
     for graphs in (True, False):
         ec = EngineConfig(device="cuda", dtype="bfloat16", max_batch_size=2, max_seq_len=128, use_cuda_graphs=graphs,
-                          prefill_in_graphs=False)
+                          tuning=EngineTuning(prefill_in_graphs=False))
         engine = Engine(load_model_config(path), ec, path)
         reqs = [Request(p, SamplingParams(max_tokens=STEPS)) for p in PROMPTS]
         engine.run(reqs)

@@ -213,17 +213,17 @@ def test_rehearsed_jumps_equal_the_hooks_own(llm, backend, monkeypatch):
         assert_matcher_consistent(llm, req, RECORD, backend)
 
 
-# -- held-back tokens as drafts -----------------------------------------------------------------
+# -- held-back tokens as guesses -----------------------------------------------------------------
 def token(llm: LLM, text: str) -> int:
     (tid,) = llm.tokenizer.encode(text, add_special_tokens=False)
     return tid
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_held_back_token_is_the_draft(llm, backend):
-    """The held-back ` "` (the quote + comma case above) becomes the request's draft, and so
+def test_held_back_token_is_the_guess(llm, backend):
+    """The held-back ` "` (the quote + comma case above) becomes the request's guess, and so
     does a lone forced ` "` held back whole (the next array item). Proposing it leaves the
-    grammar where it was. No draft with drafts off, or without room for the draft and one
+    grammar where it was. No guess with guesses off, or without room for the guess and one
     more token under max_tokens."""
     hook = llm.engine.jump_forward_hook
     quote, space_quote = token(llm, '"'), token(llm, ' "')
@@ -232,74 +232,74 @@ def test_held_back_token_is_the_draft(llm, backend):
     req.append([quote])
     hook(llm.engine, req)
     assert text_of(llm, req) == '{"a": "x", "b":'
-    assert req.draft == space_quote
+    assert req.guess == space_quote
     assert_matcher_consistent(llm, req, TWO_STRINGS, backend)
 
     array = {"type": "object", "properties": {"t": {"type": "array", "items": {"type": "string"}}},
              "required": ["t"], "additionalProperties": False}
     req = sampled(llm, array, '{"t": ["a",', backend)
     hook(llm.engine, req)
-    assert req.stats.forced_tokens == 0 and req.draft == space_quote
+    assert req.stats.forced_tokens == 0 and req.guess == space_quote
     assert_matcher_consistent(llm, req, array, backend)
 
-    hook.drafts = False
+    hook.guesses = False
     try:
         req = sampled(llm, array, '{"t": ["a",', backend)
         hook(llm.engine, req)
-        assert req.draft is None
+        assert req.guess is None
     finally:
-        hook.drafts = True
+        hook.guesses = True
     req = sampled(llm, array, '{"t": ["a",', backend, max_tokens=7)  # 6 output tokens: room for one
     hook(llm.engine, req)
-    assert req.num_output == 6 and req.draft is None
+    assert req.num_output == 6 and req.guess is None
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_held_back_space_drafts_a_quote_where_a_string_may_follow(llm, backend):
+def test_held_back_space_guesses_a_quote_where_a_string_may_follow(llm, backend):
     """After `{"v"` the grammar forces `: `, and the ` ` is held back (a string or a number may
-    follow). Where a string may follow, the draft is ` "` (what the model mostly picks there);
-    where only an integer may, the ` ` itself. The same request always gets the same draft
+    follow). Where a string may follow, the guess is ` "` (what the model mostly picks there);
+    where only an integer may, the ` ` itself. The same request always gets the same guess
     (no history: the first and the third ask agree)."""
     space, space_quote = token(llm, " "), token(llm, ' "')
     either = {"type": "object", "properties": {"v": {"type": ["string", "integer"]}}, "required": ["v"],
               "additionalProperties": False}
     number = {**either, "properties": {"v": {"type": "integer"}}}
 
-    def draft(schema: dict) -> int | None:
+    def guess(schema: dict) -> int | None:
         req = sampled(llm, schema, '{"v"', backend)
         llm.engine.jump_forward_hook(llm.engine, req)
         assert text_of(llm, req) == '{"v":'
         assert_matcher_consistent(llm, req, schema, backend)
-        return req.draft
+        return req.guess
 
-    assert draft(either) == space_quote
-    assert draft(number) == space
-    assert draft(either) == space_quote
+    assert guess(either) == space_quote
+    assert guess(number) == space
+    assert guess(either) == space_quote
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_held_back_opening_drafts_what_follows_it(llm, backend):
-    """A held-back ` {` or ` [` is drafted with what the grammar lets follow in one token:
+def test_held_back_opening_guesses_what_follows_it(llm, backend):
+    """A held-back ` {` or ` [` is guessed with what the grammar lets follow in one token:
     ` {"` (a key), ` ["` (a string item), ` [{` (an object item)."""
-    def draft(items: dict | None, value: dict | None = None) -> str:
+    def guess(items: dict | None, value: dict | None = None) -> str:
         prop = value or {"type": "array", "items": items}
         schema = {"type": "object", "properties": {"t": prop}, "required": ["t"], "additionalProperties": False}
         req = sampled(llm, schema, '{"t"', backend)
         llm.engine.jump_forward_hook(llm.engine, req)
         assert text_of(llm, req) == '{"t":'
-        return llm.tokenizer.decode([req.draft])
+        return llm.tokenizer.decode([req.guess])
 
-    assert draft({"type": "string"}) == ' ["'
-    assert draft({"type": "object", "properties": {"a": {"type": "string"}}}) == " [{"
-    assert draft(None, {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "string"}}}) == ' {"'
+    assert guess({"type": "string"}) == ' ["'
+    assert guess({"type": "object", "properties": {"a": {"type": "string"}}}) == " [{"
+    assert guess(None, {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "string"}}}) == ' {"'
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_jump_rehearsed_after_a_draft_is_replayed(llm, backend, monkeypatch):
-    """A step that runs a draft rehearses the tokens after the draft (its row's mask). Where
-    the model picks the draft and then `"` (b left empty), the hook replays the rehearsed
+def test_jump_rehearsed_after_a_guess_is_replayed(llm, backend, monkeypatch):
+    """A step that runs a guess rehearses the tokens after the guess (its row's mask). Where
+    the model picks the guess and then `"` (b left empty), the hook replays the rehearsed
     jump (`",` re-spelled, ` "c":` forced) and ends where a hook deciding afresh ends; where
-    the model picks another token than the draft, the rehearsal is not used."""
+    the model picks another token than the guess, the rehearsal is not used."""
     from structgen.engine.jump_forward import JumpForward
     from structgen.grammar import allocate_bitmask
 
@@ -318,19 +318,19 @@ def test_jump_rehearsed_after_a_draft_is_replayed(llm, backend, monkeypatch):
         req = sampled(llm, three, '{"a": "x', backend)
         assert req.matcher.accept_token(quote)
         req.append([quote])
-        hook(llm.engine, req)  # `", "b":` with ` "` held back: the draft
-        assert req.draft == token(llm, ' "')
+        hook(llm.engine, req)  # `", "b":` with ` "` held back: the guess
+        assert req.guess == token(llm, ' "')
         reqs.append(req)
     rehearsed, fresh = reqs
-    draft = rehearsed.draft
+    guess = rehearsed.guess
     m = rehearsed.matcher
-    assert m.accept_token(draft)
+    assert m.accept_token(guess)
     m.fill_bitmask(mask, 0)
     m.rollback(1)
-    hooks[0].rehearse(rehearsed, mask[0].numpy().view("uint32").copy(), lambda: False, draft)
+    hooks[0].rehearse(rehearsed, mask[0].numpy().view("uint32").copy(), lambda: False, guess)
     assert quote in hooks[0]._rehearsal.plans
-    for req, hook in zip(reqs, hooks, strict=True):  # the engine takes the draft, then `"`
-        for t in (draft, quote):
+    for req, hook in zip(reqs, hooks, strict=True):  # the engine takes the guess, then `"`
+        for t in (guess, quote):
             assert req.matcher.accept_token(t)
             req.append([t])
         hook(llm.engine, req)
@@ -339,11 +339,11 @@ def test_jump_rehearsed_after_a_draft_is_replayed(llm, backend, monkeypatch):
     assert text_of(llm, rehearsed) == '{"a": "x", "b": "", "c":'
     assert_matcher_consistent(llm, rehearsed, three, backend)
 
-    other = sampled(llm, three, '{"a": "x", "b":', backend)  # the model did not pick the draft
-    assert other.matcher.accept_token(draft)
+    other = sampled(llm, three, '{"a": "x", "b":', backend)  # the model did not pick the guess
+    assert other.matcher.accept_token(guess)
     other.matcher.fill_bitmask(mask, 0)
     other.matcher.rollback(1)
-    hooks[0].rehearse(other, mask[0].numpy().view("uint32").copy(), lambda: False, draft)
+    hooks[0].rehearse(other, mask[0].numpy().view("uint32").copy(), lambda: False, guess)
     assert other.matcher.accept_token(token(llm, ' ""'))
     other.append([token(llm, ' ""')])
     n = len(replayed)
@@ -353,11 +353,11 @@ def test_jump_rehearsed_after_a_draft_is_replayed(llm, backend, monkeypatch):
     assert_matcher_consistent(llm, other, three, backend)
 
 
-def test_drafts_keep_the_outputs_and_save_passes(llm):
-    """Real model: with held-back drafts the outputs are those without, token for token,
+def test_guesses_keep_the_outputs_and_save_passes(llm):
+    """Real model: with held-back guesses the outputs are those without, token for token,
     greedy and with a seeded temperature, alone and in a batch (the batch mixes steps with
-    forced text, which run as extends on the CPU, and decode steps whose draft is their only
-    extra row). Drafts were run; the model picked most, not all (` "` is drafted before a
+    forced text, which run as extends on the CPU, and decode steps whose guess is their only
+    extra row). Guesses were run; the model picked most, not all (` "` is guessed before a
     value that may be a string or a number: here both come); each one picked saved a pass."""
     hook = llm.engine.jump_forward_hook
     row = jme_rows(1)[0]
@@ -372,20 +372,20 @@ def test_drafts_keep_the_outputs_and_save_passes(llm):
     ]
     runs = {}
     try:
-        for drafts in (True, False):
-            hook.drafts = drafts
-            runs[drafts] = [llm.complete_batch(output, prompts, max_tokens=96, **kw) for output, prompts, kw in jobs]
+        for guesses in (True, False):
+            hook.guesses = guesses
+            runs[guesses] = [llm.complete_batch(output, prompts, max_tokens=96, **kw) for output, prompts, kw in jobs]
     finally:
-        hook.drafts = True
+        hook.guesses = True
     on = [c for batch in runs[True] for c in batch]
     off = [c for batch in runs[False] for c in batch]
     assert [c.token_ids for c in on] == [c.token_ids for c in off]
     assert all(c.finish_reason == "stop" for c in on)
-    drafted, accepted = sum(c.stats.drafted_tokens for c in on), sum(c.stats.accepted_tokens for c in on)
-    assert drafted >= 8 and drafted // 2 <= accepted < drafted, (drafted, accepted)
+    guessed, accepted = sum(c.stats.drafted_tokens for c in on), sum(c.stats.accepted_tokens for c in on)
+    assert guessed >= 8 and guessed // 2 <= accepted < guessed, (guessed, accepted)
     assert sum(c.stats.drafted_tokens for c in off) == 0
     passes_on, passes_off = sum(c.stats.forward_passes for c in on), sum(c.stats.forward_passes for c in off)
-    assert passes_off - passes_on == accepted  # a pass saved for each draft picked, no other change
+    assert passes_off - passes_on == accepted  # a pass saved for each guess picked, no other change
 
 
 class PrefixSpaceTokenizer:

@@ -401,13 +401,13 @@ def test_sample_tokens_follows_softmax():
 
 
 def _tiny_engine(use_graphs: bool, **kw):
-    from structgen.engine.config import EngineConfig, ModelConfig
+    from structgen.engine.config import EngineConfig, EngineTuning, ModelConfig
     from structgen.engine.engine import Engine
 
     cfg = ModelConfig(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
                       num_attention_heads=8, num_key_value_heads=2, head_dim=32, eos_token_id=[])
     ec = EngineConfig(device="cuda", dtype="float32", max_batch_size=16, max_seq_len=512,
-                      use_cuda_graphs=use_graphs, cuda_graph_batch_sizes=(1, 2, 4, 8, 16), **kw)
+                      use_cuda_graphs=use_graphs, tuning=EngineTuning(cuda_graph_batch_sizes=(1, 2, 4, 8, 16)), **kw)
     return Engine(cfg, ec, model_dir=None, stop_token_ids=set())
 
 
@@ -589,7 +589,7 @@ def test_capturable_guided_loop_equals_the_engines_path():
     caller (`Engine.interrupted`) and for a step with more rows than its bucket, and the
     engine goes on from there. On the CPU under TRITON_INTERPRET=1 (loop steps run eagerly)
     and on the GPU (host callbacks inside the captured graph)."""
-    from structgen.engine.config import EngineConfig, ModelConfig, SpeculativeConfig
+    from structgen.engine.config import EngineConfig, EngineTuning, ModelConfig, SpeculativeConfig
     from structgen.engine.engine import Engine
     from structgen.engine.request import Request
     from structgen.sampling import SamplingParams
@@ -604,8 +604,8 @@ def test_capturable_guided_loop_equals_the_engines_path():
     def engine(capturable: bool, k: int = 3) -> Engine:
         spec = SpeculativeConfig(method="custom", drafter=drafter, num_draft_tokens=k)
         ec = EngineConfig(device=str(DEVICE), dtype="float32", max_batch_size=4, max_seq_len=96,
-                          use_cuda_graphs=False, cuda_graph_batch_sizes=(1, 2, 4, 8, 16), speculative=spec,
-                          capturable_guided=capturable)
+                          use_cuda_graphs=False, speculative=spec,
+                          tuning=EngineTuning(cuda_graph_batch_sizes=(1, 2, 4, 8, 16), capturable_guided=capturable))
         eng = Engine(cfg, ec, model_dir=None, stop_token_ids=set())
         eng.runner.model.init_random_weights(std=0.1)
         eng.runner.capture_decode_graphs(capture=CUDA)
@@ -673,7 +673,7 @@ def test_prefill_in_graphs_equals_eager_prefill():
     in chunks of at most the largest bucket (a 45-token prompt against 32 rows); greedy and
     seeded sampled tokens equal those of eager prefill, and no step runs eagerly.
     Runs on the CPU under TRITON_INTERPRET=1 (graphs eager) and on the GPU."""
-    from structgen.engine.config import EngineConfig, ModelConfig
+    from structgen.engine.config import EngineConfig, EngineTuning, ModelConfig
     from structgen.engine.engine import Engine
     from structgen.engine.request import Request
     from structgen.sampling import SamplingParams
@@ -685,8 +685,8 @@ def test_prefill_in_graphs_equals_eager_prefill():
     outputs, graph_steps, eager_steps = {}, {}, {}
     for in_graphs in (True, False):
         ec = EngineConfig(device=str(DEVICE), dtype="float32", max_batch_size=8, max_seq_len=64,
-                          use_cuda_graphs=False, cuda_graph_batch_sizes=(1, 2, 4, 8, 16, 32),
-                          prefill_in_graphs=in_graphs)  # buckets up to 4 x 8 slots = 32 rows
+                          use_cuda_graphs=False,
+                          tuning=EngineTuning(cuda_graph_batch_sizes=(1, 2, 4, 8, 16, 32), prefill_in_graphs=in_graphs))  # buckets up to 4 x 8 slots = 32 rows
         eng = Engine(cfg, ec, model_dir=None, stop_token_ids=set())
         eng.runner.capture_decode_graphs(capture=CUDA)
         reqs = [Request(p, SamplingParams(max_tokens=6)) for p in prompts]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from structgen.engine.config import EngineConfig
+from structgen.engine.config import EngineConfig, EngineTuning
 from structgen.engine.kernels import cpu_quant
 from structgen.engine.models.quantized import QuantizedLinear, QuantizedWeight
 
@@ -128,7 +128,8 @@ def test_quantized_model_matches_dequantized_model(model_dir: Path, tokenizer) -
     from structgen.engine.sampler import SamplingParams
 
     cfg = load_model_config(model_dir)
-    engines = [Engine(cfg, EngineConfig(device="cpu", max_batch_size=4, max_seq_len=256, quantized_weights=q),
+    engines = [Engine(cfg, EngineConfig(device="cpu", max_batch_size=4, max_seq_len=256,
+                                        tuning=EngineTuning(quantized_weights=q)),
                       model_dir) for q in (True, False)]
     assert isinstance(engines[0].runner.model.layers[0].mlp.down_proj, QuantizedLinear)
     assert not isinstance(engines[1].runner.model.layers[0].mlp.down_proj, QuantizedLinear)

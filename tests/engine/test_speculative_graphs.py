@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from structgen.engine.config import EngineConfig, ModelConfig, SpeculativeConfig
+from structgen.engine.config import EngineConfig, EngineTuning, ModelConfig, SpeculativeConfig
 from structgen.engine.engine import Engine
 from structgen.engine.request import Request
 from structgen.sampling import SamplingParams
@@ -36,7 +36,8 @@ class ReplayDrafter:
 
 def engine(graphs: bool, spec: SpeculativeConfig | None = None) -> Engine:
     ec = EngineConfig(device="cuda", dtype="float32", max_batch_size=16, max_seq_len=512, use_cuda_graphs=graphs,
-                      cuda_graph_batch_sizes=(1, 2, 4, 8, 16, 32, 64), speculative=spec)
+                      speculative=spec,
+                      tuning=EngineTuning(cuda_graph_batch_sizes=(1, 2, 4, 8, 16, 32, 64)))
     eng = Engine(CFG, ec, model_dir=None, stop_token_ids=set())
     eng.runner.model.init_random_weights(std=0.1)  # spread logits: no near-ties between paths
     return eng

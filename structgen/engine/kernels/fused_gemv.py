@@ -200,10 +200,9 @@ def max_rows(gate_up: torch.Tensor, head_dim: int) -> int:
     """The most rows a step may have for a layer with this gate_up matrix to take these kernels
     (0: never). They pay where kernel count is the cost and lose where streaming W is: each
     program reads x, the residual and the norm weight besides its rows of W, and does every
-    row's FMAs on CUDA cores. Timed in the forward graph, they win on SmolLM2-135M at 1-4 rows
-    and on the Llama-1B shape at one row only, and lose on the Llama-8B shape (docs/performance.md,
-    "Decode step at batch 1"; the notebook there has the per-row figures). Shapes whose halves (intermediate size, half a head) some block width in CONFIGS
-    does not divide are left alone."""
+    row's FMAs on CUDA cores, so they are taken for small models at few rows only (the limits
+    below and their figures: docs/performance.md, "Decode step at batch 1"). Shapes whose halves
+    (intermediate size, half a head) some block width in CONFIGS does not divide are left alone."""
     widths = {cfg[0] for cfg in CONFIGS}
     if any((gate_up.shape[0] // 2) % w or (head_dim // 2) % w for w in widths):
         return 0

@@ -30,8 +30,8 @@ class TokenGate:
     (csrc/gate.cu, `token_gate_kernel`): the body runs when the sampled row (its index read from
     `row` on the device) is a grammar row (`has_mask`) and its token is in `quiet` (uint32 words,
     the bitmask layout), and where `check` (int64 row, token) names a row, the token sampled
-    there is that token (the step ran a draft after that row: the last row counts only where
-    the model picked the draft). `went(token)` is the same test on the host.
+    there is that token (the step ran a guess after that row: the last row counts only where
+    the model picked the guess). `went(token)` is the same test on the host.
 
     Why: with jump-forward the next forward waited for the host to read the token and rule out
     forced text (sync, check and launch all on the device's critical path; docs/performance.md,

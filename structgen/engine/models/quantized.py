@@ -43,7 +43,7 @@ class QuantizedWeight:
 
 def _kernels_missing() -> ModelLoadError:
     return ModelLoadError("quantized weights need the native CPU kernels, which did not build here "
-                          "(see the warning above); install g++ or pass EngineConfig(quantized_weights=False)")
+                          "(see the warning above); install g++ or pass EngineConfig(tuning=EngineTuning(quantized_weights=False))")
 
 
 def stack_rows(parts: list[QuantizedWeight]) -> list[QuantizedWeight]:

@@ -107,7 +107,7 @@ class Speculator:
         self._failing = 0  # of those, in a row
         self.disabled: str | None = None  # why drafting stopped for good, if it did
         self._planned: tuple[tuple, list[list[int]]] | None = None  # (batch key, drafts) from _plan_next
-        self.capturable = engine.config.capturable_guided  # verify steps in guided_loop.py's loop
+        self.capturable = engine.config.tuning.capturable_guided  # verify steps in guided_loop.py's loop
 
     def use_tokenizer(self, tokenizer: Any) -> None:
         """Hand the tokenizer to a drafter that can use it (n-gram: space-insensitive matching)."""
@@ -405,7 +405,7 @@ class Speculator:
         temps, seeds = self._sampling(samplers)
         errors: dict[Request, BaseException] = {}
         in_graphs = self._in_graphs(batch, step_tokens(batch, drafts))
-        if not samplers and not (in_graphs and eng.config.prefill_in_graphs):  # only prefill chunks
+        if not samplers and not (in_graphs and eng.config.tuning.prefill_in_graphs):  # only prefill chunks
             runner.extend([ExtendSeq(r.slot, r.num_cached, r.token_ids[r.num_cached : r.num_cached + n], 0) for r, n in batch])
             take([], errors)
             return

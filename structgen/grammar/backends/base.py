@@ -40,7 +40,7 @@ def token_bytes(tokenizer: Any, vocab_size: int) -> tuple[bytes, ...]:
 
     Read from xgrammar's `TokenizerInfo`, which knows how every tokenizer family (byte-level
     BPE, SentencePiece with byte fallback, tiktoken) spells its tokens; jump-forward and both
-    backends share one table (building it takes ~0.3 s)."""
+    backends share one table, since building it is a noticeable part of loading a model."""
     import xgrammar as xgr
 
     info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
@@ -77,8 +77,8 @@ def allocate_bitmask(rows: int, vocab_size: int, *, host_only: bool = False) -> 
     `vocab_size` is the MODEL's vocabulary (its lm_head rows), which may exceed the tokenizer's;
     matchers clear the bits of ids the tokenizer does not have. The tensor is pinned when CUDA
     is available so the per-step host-to-device copy can be asynchronous, unless `host_only`
-    (a mask only read on the host: a process's first pinned allocation took 0.11 s on a GPU
-    host, paid by whichever request needed the mask first).
+    (a mask only read on the host: a process's first pinned allocation is slow, and would be
+    paid by whichever request needed the mask first).
     """
     import torch
 

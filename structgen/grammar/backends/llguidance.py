@@ -295,7 +295,7 @@ def fill_job(
 
 def _check_bitmask(bitmask: torch.Tensor, row: int) -> None:
     """llguidance writes through a raw pointer (what `llguidance.torch` does too; that module
-    is not imported because it compiles a torch kernel at import, ~7 s), so check first."""
+    is not imported because it compiles a torch kernel at import, which takes seconds), so check first."""
     import torch
 
     if not (
