@@ -3,8 +3,9 @@ the engine runs it (EngineConfig). Plain data; no behaviour beyond parsing and d
 
 from __future__ import annotations
 
+import functools
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -269,3 +270,31 @@ class EngineConfig:
     seed: int | None = None
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
     tuning: EngineTuning = field(default_factory=EngineTuning)
+
+
+# Knobs that were EngineConfig fields: a newcomer following older docs gets the fix, not a
+# bare TypeError. The last four became fixed behaviour.
+_MOVED_TO_TUNING = frozenset(f.name for f in fields(EngineTuning))
+_RETIRED = frozenset({"token_gate", "rehearse_jumps", "draft_held_back", "grammar_workers"})
+_dataclass_init = EngineConfig.__init__
+
+
+@functools.wraps(_dataclass_init)
+def _engine_config_init(self: EngineConfig, *args: Any, **kwargs: Any) -> None:
+    from structgen.errors import InvalidParameterError
+
+    for name in kwargs:
+        if name in _MOVED_TO_TUNING:
+            raise InvalidParameterError(f"EngineConfig({name}=...) moved to the tuning knobs: pass "
+                                        f"EngineConfig(tuning=EngineTuning({name}=...))")
+        if name == "grammar_workers":
+            raise InvalidParameterError("EngineConfig(grammar_workers=...) is gone: one setting sizes all "
+                                        "grammar threads, EngineConfig(tuning=EngineTuning(grammar_threads=...))")
+        if name in _RETIRED:
+            raise InvalidParameterError(f"EngineConfig({name}=...) is no longer a setting (it is always on); "
+                                        "remove it")
+    _dataclass_init(self, *args, **kwargs)
+
+
+EngineConfig.__init__ = _engine_config_init  # type: ignore[method-assign]
+

@@ -21,8 +21,14 @@ def test_user_fields_construct_by_keyword_and_tuning_sits_apart():
                                     jump_forward=False, seed=3, speculative=None)
     assert config.tuning == structgen.EngineTuning()
     assert config.tuning is not EngineConfig().tuning  # each config its own
+    with pytest.raises(InvalidParameterError, match=r"tuning=EngineTuning\(prefill_in_graphs=...\)"):
+        EngineConfig(prefill_in_graphs=False)  # a knob, not a user field
+    with pytest.raises(InvalidParameterError, match="grammar_threads"):
+        EngineConfig(grammar_workers=2)
+    with pytest.raises(InvalidParameterError, match="always on"):
+        EngineConfig(token_gate=False)
     with pytest.raises(TypeError):
-        EngineConfig(prefill_in_graphs=False)  # a knob, not a user field: EngineTuning(prefill_in_graphs=...)
+        EngineConfig(no_such_field=1)
     with pytest.raises(InvalidParameterError, match="grammar_threads"):
         EngineTuning(grammar_threads=-1)
 
