@@ -121,6 +121,14 @@ class BudgetCloser:
                            now + LOOP_CHECK_EVERY if p.loop_guards else p.max_tokens)
 
     @staticmethod
+    def forced_text_end(req: Request) -> int:
+        """How many output tokens jump-forward's forced text may fill up to: the next budget
+        check, where the closer must see the output before the budget is spent (forced text
+        running past it to max_tokens left nothing to close with)."""
+        p = req.params
+        return min(p.max_tokens, max(req.budget_check_at, req.num_output) if p.close_at_budget else p.max_tokens)
+
+    @staticmethod
     def room_for(req: Request, tokens: int) -> bool:
         """Whether `tokens` more output tokens can come in one step with the request's next
         check at the step's last token at the earliest: a check at max_tokens or a budget check

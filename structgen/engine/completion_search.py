@@ -4,7 +4,7 @@ search finds it (engine/closing.py closes outputs with it).
 Neither xgrammar nor llguidance can answer "the shortest completion": the search walks the
 matcher itself (accept / rollback), one mask fill per step. Text the grammar forces (keys,
 punctuation) is taken as the tokenizer spells it; elsewhere it prefers tokens that close (`"`,
-then `]`, `}`), then short values (`0`, `""`, `null`), then the longest other tokens, and at
+then `]`, `}`), then a comma, then short values (`0`, `""`, `null`), then the longest other tokens, and at
 each step takes a token that completes the grammar at once where one of the candidates does.
 It is greedy, so its completion is short, not always the shortest.
 """
@@ -109,12 +109,15 @@ _EXCLUDED = 1 << 40
 def _rank(text: bytes) -> int:
     """Lower first: a quote that may end a string and what closes after it (`"`, `"}`), then
     closing brackets (`]`, `}}`; inside a string these are text, so they come after the quote),
-    then short whole values, then the other tokens, longer first."""
+    then a comma (which ends a number where no bracket may close yet), then short whole
+    values, then the other tokens, longer first."""
     if not text:
         return _EXCLUDED
     length = min(len(text), 999)
     if set(text) <= _CLOSERS:
         return -length if text[:1] == b'"' else 1000 - length
+    if text.strip() == b",":  # ends a number (more digits would only lengthen it)
+        return 1500
     if text in _SHORT_VALUES:
         return 2000
     if text.strip() in (b"-", b"+"):  # a sign only lengthens a number

@@ -198,7 +198,7 @@ class JumpForward:
         if m is None or req.finished or m.is_terminated():
             return
         rehearsal, self._rehearsal = self._rehearsal, None
-        max_bytes = self.forced_bytes_limit(req.num_prompt + req.params.max_tokens - len(req.token_ids))
+        max_bytes = self.forced_bytes_limit(req.num_prompt + BudgetCloser.forced_text_end(req) - len(req.token_ids))
         if max_bytes <= 0:
             return
         try:
@@ -214,7 +214,7 @@ class JumpForward:
             plan = rehearsal.plans.get(req.token_ids[-1], False)
             if plan is not False and plan[0] == text and self._replay(req, plan[1]):
                 return
-        plan = self._decide(m, req.token_ids, req.num_prompt, req.params.max_tokens, text)
+        plan = self._decide(m, req.token_ids, req.num_prompt, BudgetCloser.forced_text_end(req), text)
         if plan is not None:
             self._apply(req, *plan)
 
@@ -376,14 +376,14 @@ class JumpForward:
                     if m.is_terminated():
                         continue
                     try:
-                        limit = self.forced_bytes_limit(req.num_prompt + req.params.max_tokens - len(ids))
+                        limit = self.forced_bytes_limit(req.num_prompt + BudgetCloser.forced_text_end(req) - len(ids))
                         text = m.jump_forward_string(limit).encode("utf-8")
                     except UnicodeDecodeError:
                         continue
                     if not text:
                         continue
                     ids[-1] = t
-                    plan = self._decide(m, ids, req.num_prompt, req.params.max_tokens, text)
+                    plan = self._decide(m, ids, req.num_prompt, BudgetCloser.forced_text_end(req), text)
                     if plan is not None and plan[2]:
                         start, c, kept, _ = plan
                         self._restore(m, len(kept) - c, ids[start + c :])

@@ -162,3 +162,33 @@ def test_a_draft_postpones_a_loop_check_but_never_a_budget_check() -> None:
     off.close_at = 41  # max_tokens next
     assert not BudgetCloser.room_for(off, 2)
     assert BudgetCloser.room_for(off, 1)
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_the_search_ends_a_number_where_more_fields_are_required(llm: LLM, backend: str) -> None:
+    """After a number's first digit, more digits are always allowed: the search must end the
+    number with a comma (then the forced next key) instead of writing digits forever."""
+    schema = {"type": "array", "items": {"type": "object", "additionalProperties": False,
+              "properties": {"a": {"type": "number"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}
+    constraint = to_constraint(JsonSchema(schema))
+    m = llm.grammars.compile(constraint, backend=backend).matcher()
+    prefix = llm.tokenizer.encode('[{"a": 2', add_special_tokens=False)
+    assert m.accept_tokens(prefix) == len(prefix)
+    plan = llm.engine.closer.search.shortest(m, 32)
+    assert plan is not None and len(plan) <= 12
+    value = json.loads(llm.tokenizer.decode(prefix + plan))
+    assert value[0]["a"] == 2 and isinstance(value[0]["b"], int)
+
+
+def test_forced_text_stops_at_the_next_budget_check() -> None:
+    """Jump-forward's forced text fills output only up to the next budget check, so the closer
+    sees the output before the budget is spent; with closing off, up to max_tokens."""
+    req = Request(list(range(5)), SamplingParams(max_tokens=100))
+    req.token_ids += [7] * 30
+    req.budget_check_at = 40
+    assert BudgetCloser.forced_text_end(req) == 40
+    req.budget_check_at = 20  # due now: the check runs at the next token
+    assert BudgetCloser.forced_text_end(req) == 30
+    off = Request(list(range(5)), SamplingParams(max_tokens=100, close_at_budget=False))
+    off.budget_check_at = 40
+    assert BudgetCloser.forced_text_end(off) == 100
