@@ -81,6 +81,11 @@ def test_reasoning_off_changes_nothing(llm):
     assert off.text == plain.text and off.token_ids == plain.token_ids
 
 
+def test_free_text_answer_after_thinking(llm):
+    c = llm.complete(str, PROMPT, max_tokens=24, reasoning=True, max_reasoning_tokens=8)
+    assert c.reasoning and c.value == c.text and OPEN_TAG not in c.text
+
+
 def _thinking_request(llm: LLM, **params: object) -> Request:
     matcher = llm.compile(City).matcher()
     prompt = llm.encode_prompt(PROMPT)
