@@ -5,9 +5,11 @@ turns reasoning on by itself; reasoning=False changes nothing."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 
 import pytest
+import torch
 from pydantic import BaseModel
 
 from structgen import LLM, InvalidParameterError, SamplingParams
@@ -60,6 +62,15 @@ def test_reasoning_request_thinks_then_returns_a_valid_typed_value(llm):
     assert llm.tokenizer.decode(c.token_ids) == c.text
 
 
+def test_the_model_closing_its_think_section_starts_the_answer(llm):
+    prompt = ("Think inside <think></think> tags first, repeat the question twice. "
+              "Which city is the capital of France?")
+    c = llm.complete(City, prompt, max_tokens=80, reasoning=True, max_reasoning_tokens=40)
+    assert c.reasoning.strip() and isinstance(c.value, City)
+    assert not any(g.startswith("reasoning_") for g in c.stats.guards_fired)  # no forced close
+    assert c.stats.output_tokens < 40
+
+
 def test_reasoning_budget_forces_the_close_and_keeps_room_for_the_answer(llm):
     # The budget asks for more thinking than max_tokens has: the answer's room is kept anyway.
     c = llm.complete(City, PROMPT, max_tokens=40, reasoning=True, max_reasoning_tokens=1000)
@@ -84,6 +95,43 @@ def test_reasoning_off_changes_nothing(llm):
 def test_free_text_answer_after_thinking(llm):
     c = llm.complete(str, PROMPT, max_tokens=24, reasoning=True, max_reasoning_tokens=8)
     assert c.reasoning and c.value == c.text and OPEN_TAG not in c.text
+
+
+def _mixed_batch(llm: LLM) -> list:
+    """Four requests at once, every other one thinking: thinking rows sample unmasked beside
+    constrained rows in the same decode steps."""
+    async def run() -> list:
+        return list(await asyncio.gather(*(
+            llm.acomplete(City, PROMPT, max_tokens=48, reasoning=i % 2 == 0,
+                          max_reasoning_tokens=16 if i % 2 == 0 else None)
+            for i in range(4))))
+
+    done = asyncio.run(run())
+    for i, c in enumerate(done):
+        assert isinstance(c.value, City) and c.finish_reason == "stop"
+        assert (c.reasoning is not None) == (i % 2 == 0)
+    return done
+
+
+def test_thinking_rows_beside_constrained_rows_in_one_batch(llm):
+    done = _mixed_batch(llm)
+    assert done[0].text == done[2].text and done[1].text == done[3].text  # greedy: rows alike
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_thinking_rows_through_the_cuda_graphs_equal_eager(model_dir, tokenizer, llm):
+    from structgen.engine.models.loader import load_model_config
+
+    got = {}
+    for graphs in (True, False):
+        config = EngineConfig(device="cuda", max_batch_size=8, max_seq_len=512, use_cuda_graphs=graphs,
+                              prefill_in_graphs=False)
+        engine = Engine(load_model_config(model_dir), config, model_dir, stop_token_ids=llm.engine.stop_token_ids)
+        with LLM.from_engine(engine, tokenizer, f"graphs={graphs}") as on_gpu:
+            got[graphs] = _mixed_batch(on_gpu)
+    same = sum(a.text == b.text and a.reasoning == b.reasoning for a, b in zip(got[True], got[False], strict=True))
+    assert same >= 3, "graphs vs eager differ beyond a bf16 near-tie"
 
 
 def _thinking_request(llm: LLM, **params: object) -> Request:
