@@ -112,8 +112,9 @@ class Reasoner:
     def admit(self, req: Request) -> None:
         """A request that reasons starts thinking: its matcher is parked, the opening tag is
         appended unless the prompt ends with it. A prompt that ends with the closing tag (the
-        template turned thinking off) has no think section."""
-        if not self.reasons(req):
+        template turned thinking off) has no think section, nor has a request whose max_tokens
+        cannot hold the two tags and a token of answer."""
+        if not self.reasons(req) or req.params.max_tokens <= len(self.tags.open_ids) + len(self.tags.close_ids):
             return
         tail = self._text(req.token_ids[max(0, req.num_prompt - len(self.tags.close_ids) - _TAIL_SLACK) : req.num_prompt])
         if tail.rstrip().endswith(CLOSE_TAG):
