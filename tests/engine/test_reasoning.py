@@ -13,9 +13,10 @@ import torch
 from pydantic import BaseModel
 
 from structgen import LLM, InvalidParameterError, SamplingParams
+from structgen.engine.closing import BudgetCloser
 from structgen.engine.config import EngineConfig
 from structgen.engine.engine import Engine
-from structgen.engine.reasoning import CLOSE_TAG, OPEN_TAG, Reasoner
+from structgen.engine.reasoning import CLOSE_TAG, OPEN_TAG, Reasoner, ThinkTags
 from structgen.engine.request import Request
 
 
@@ -196,6 +197,16 @@ def test_bad_reasoning_parameters_name_the_fix(llm, params, fix):
 
 
 def test_reasoner_without_think_tags_in_the_template_stays_off(tokenizer):
-    reasoner = Reasoner(closer=None)
+    reasoner = Reasoner(BudgetCloser())
     reasoner.use_tokenizer(tokenizer, len(tokenizer), {tokenizer.eos_token_id})
     assert not reasoner.template_thinks
+
+
+def test_think_tags_that_are_special_tokens_are_one_token_each(tokenizer):
+    spelt = ThinkTags.of(tokenizer, len(tokenizer))
+    assert len(spelt.open_ids) > 1 and len(spelt.close_ids) > 1  # SmolLM2: the tags' text
+    special = copy.deepcopy(tokenizer)
+    special.add_special_tokens({"additional_special_tokens": [OPEN_TAG, CLOSE_TAG]})
+    tags = ThinkTags.of(special, len(special))
+    assert tags.open_ids == (special.convert_tokens_to_ids(OPEN_TAG),)
+    assert tags.close_ids == (special.convert_tokens_to_ids(CLOSE_TAG),) and tags.close_ids[0] in tags.close_enders
