@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from structgen.api import LLM, generate
 from structgen.arguments import GenerateOptions
-from structgen.completion import Completion
+from structgen.completion import Completion, ReasoningDelta
 from structgen.engine.config import EngineConfig, EngineTuning, SpeculativeConfig
 from structgen.engine.request import GenerationStats
 from structgen.errors import (
@@ -51,6 +51,7 @@ __all__ = [
     "RemoteLLM",
     "generate",
     "Completion",
+    "ReasoningDelta",
     "Partial",
     "PartialStream",
     "GenerationStats",

@@ -25,11 +25,15 @@ from structgen.arguments import (
     check_prompt,
     checked_keywords,
 )
-from structgen.completion import Completion  # re-exported for `from structgen.api import`
+from structgen.completion import (  # Completion re-exported for `from structgen.api import`
+    Completion,
+    ReasoningDelta,
+)
 from structgen.engine.closing import incomplete_message
 from structgen.engine.config import EngineConfig
 from structgen.engine.engine import Engine
 from structgen.engine.loop import EngineLoop
+from structgen.engine.reasoning import CLOSE_TAG
 from structgen.engine.request import Request
 from structgen.errors import (
     ConstraintTooLargeError,
@@ -90,6 +94,11 @@ class LLM:
         so it ends whole (`Completion.stats.guards_fired` says "budget_closing"); True.
     loop_guards: close a constrained output early once it keeps repeating one pattern
         (digits, a phrase, an array item; "repetition" in the stats); True.
+    reasoning: think freely between <think> and </think> first, then the constrained answer
+        (`Completion.reasoning` holds the thinking); None: on where the chat template has
+        think tags.
+    max_reasoning_tokens: the most think tokens (None: half of max_tokens); the closing tag
+        is then appended, and the answer's shortest completion always keeps its room.
     strict: False lets a JSON schema use keywords no backend enforces: they are left out of
         the grammar, the output is validated against the whole schema afterwards
         (`OutputValidationError`) and `Completion.relaxed` lists them.
@@ -271,12 +280,16 @@ class LLM:
             check_source("json_schema", schema, "JSON schema", self.grammars.limits)
 
     def _finish(self, req: Request, constraint: Constraint) -> Completion[Any]:
-        text = self.tokenizer.decode(req.output_ids, skip_special_tokens=False)
+        phase = req.reasoning  # the think section's tokens are not the answer's (engine/reasoning.py)
+        answer_ids = req.output_ids if phase is None else phase.answer_ids(req.output_ids)
+        text = self.tokenizer.decode(answer_ids, skip_special_tokens=False)
+        reasoning = None if phase is None else self.tokenizer.decode(
+            phase.reasoning_ids(req.output_ids), skip_special_tokens=False)
         if req.finish_reason == "length" and constraint.kind != "text":
             raise IncompleteOutputError(
                 incomplete_message(req.params, req.stats),
                 partial_text=text,
-                token_ids=req.output_ids,
+                token_ids=answer_ids,
                 stats=req.stats,
             )
         if req.finish_reason == "abort":
@@ -286,7 +299,8 @@ class LLM:
         value = constraint.parse(text)
         if req.params.loop_guards and constraint.kind == "json_schema" and reached_bound(text):
             req.stats.guards_fired.append("integer_digits")
-        return Completion(value, text, req.output_ids, req.finish_reason or "stop", req.stats, constraint.relaxed)
+        return Completion(value, text, answer_ids, req.finish_reason or "stop", req.stats, constraint.relaxed,
+                          reasoning)
 
     def _wait(self, futures: Sequence[Future[Request]], requests: Sequence[Request]) -> None:
         """Block until every request finished; on any interruption (Ctrl-C) abort the
@@ -322,12 +336,13 @@ class LLM:
         temperature: float = DEFAULTS.temperature, top_p: float = DEFAULTS.top_p,
         top_k: int = DEFAULTS.top_k, seed: int | None = None, jump_forward: bool | None = None,
         close_at_budget: bool = True, loop_guards: bool = True,
+        reasoning: bool | None = None, max_reasoning_tokens: int | None = None,
         strict: bool = True, chat: bool | None = None, tools: list[dict[str, Any]] | None = None,
         params: SamplingParams | None = None,
     ) -> Completion[Any]:  # fmt: skip
         """Generate one output of `output_type` (keyword arguments: see `LLM`)."""
         options = Options.of(max_tokens, temperature, top_p, top_k, seed, jump_forward, strict, chat, tools, params,
-                             close_at_budget, loop_guards)
+                             close_at_budget, loop_guards, reasoning, max_reasoning_tokens)
         return self._complete(output_type, prompt, options)
 
     @overload
@@ -342,12 +357,13 @@ class LLM:
         temperature: float = DEFAULTS.temperature, top_p: float = DEFAULTS.top_p,
         top_k: int = DEFAULTS.top_k, seed: int | None = None, jump_forward: bool | None = None,
         close_at_budget: bool = True, loop_guards: bool = True,
+        reasoning: bool | None = None, max_reasoning_tokens: int | None = None,
         strict: bool = True, chat: bool | None = None, tools: list[dict[str, Any]] | None = None,
         params: SamplingParams | None = None,
     ) -> Any:  # fmt: skip
         """Generate and return just the typed value (keyword arguments: see `LLM`)."""
         options = Options.of(max_tokens, temperature, top_p, top_k, seed, jump_forward, strict, chat, tools, params,
-                             close_at_budget, loop_guards)
+                             close_at_budget, loop_guards, reasoning, max_reasoning_tokens)
         return self._complete(output_type, prompt, options).value
 
     def _complete_batch(self, output_type: Any, prompts: Sequence[Prompt], options: Options) -> list[Completion[Any]]:
@@ -376,12 +392,13 @@ class LLM:
         temperature: float = DEFAULTS.temperature, top_p: float = DEFAULTS.top_p,
         top_k: int = DEFAULTS.top_k, seed: int | None = None, jump_forward: bool | None = None,
         close_at_budget: bool = True, loop_guards: bool = True,
+        reasoning: bool | None = None, max_reasoning_tokens: int | None = None,
         strict: bool = True, chat: bool | None = None, tools: list[dict[str, Any]] | None = None,
         params: SamplingParams | None = None,
     ) -> list[Completion[Any]]:  # fmt: skip
         """Submit all prompts at once so they share batches; results in prompt order."""
         options = Options.of(max_tokens, temperature, top_p, top_k, seed, jump_forward, strict, chat, tools, params,
-                             close_at_budget, loop_guards)
+                             close_at_budget, loop_guards, reasoning, max_reasoning_tokens)
         return self._complete_batch(output_type, prompts, options)
 
     @overload
@@ -402,12 +419,13 @@ class LLM:
         temperature: float = DEFAULTS.temperature, top_p: float = DEFAULTS.top_p,
         top_k: int = DEFAULTS.top_k, seed: int | None = None, jump_forward: bool | None = None,
         close_at_budget: bool = True, loop_guards: bool = True,
+        reasoning: bool | None = None, max_reasoning_tokens: int | None = None,
         strict: bool = True, chat: bool | None = None, tools: list[dict[str, Any]] | None = None,
         params: SamplingParams | None = None,
     ) -> list[Any]:  # fmt: skip
         """`complete_batch`, returning just the typed values."""
         options = Options.of(max_tokens, temperature, top_p, top_k, seed, jump_forward, strict, chat, tools, params,
-                             close_at_budget, loop_guards)
+                             close_at_budget, loop_guards, reasoning, max_reasoning_tokens)
         return [c.value for c in self._complete_batch(output_type, prompts, options)]
 
     @overload
@@ -428,6 +446,7 @@ class LLM:
         temperature: float = DEFAULTS.temperature, top_p: float = DEFAULTS.top_p,
         top_k: int = DEFAULTS.top_k, seed: int | None = None, jump_forward: bool | None = None,
         close_at_budget: bool = True, loop_guards: bool = True,
+        reasoning: bool | None = None, max_reasoning_tokens: int | None = None,
         strict: bool = True, chat: bool | None = None, tools: list[dict[str, Any]] | None = None,
         params: SamplingParams | None = None, partial: bool = False,
     ) -> Iterator[str] | PartialStream[Any]:  # fmt: skip
@@ -435,7 +454,7 @@ class LLM:
         the loop early (or Ctrl-C) aborts the request and frees its slot. `partial=True`
         (JSON output types) yields `Partial` snapshots of the typed value instead."""
         options = Options.of(max_tokens, temperature, top_p, top_k, seed, jump_forward, strict, chat, tools, params,
-                             close_at_budget, loop_guards)
+                             close_at_budget, loop_guards, reasoning, max_reasoning_tokens)
         req, constraint = self._request(output_type, prompt, options)
         if partial:
             return PartialStream(partial_tracker(output_type, constraint), self._stream(req, constraint))
@@ -445,16 +464,14 @@ class LLM:
         updates: queue.Queue[Request] = queue.Queue()
         req.on_update = updates.put
         future = self.loop.submit(req)
-        decoder = _DeltaDecoder(self.tokenizer)
+        decoder = _OutputDeltas(self.tokenizer)
         try:
             while True:
                 try:
                     r = updates.get(timeout=_POLL_S)
                 except queue.Empty:
                     continue
-                delta = decoder.delta(r.output_ids, final=r.finished)
-                if delta:
-                    yield delta
+                yield from decoder.deltas(r)
                 if r.finished:
                     break
         finally:  # the consumer left early (break, close, garbage collection, Ctrl-C)
@@ -492,13 +509,14 @@ class LLM:
         temperature: float = DEFAULTS.temperature, top_p: float = DEFAULTS.top_p,
         top_k: int = DEFAULTS.top_k, seed: int | None = None, jump_forward: bool | None = None,
         close_at_budget: bool = True, loop_guards: bool = True,
+        reasoning: bool | None = None, max_reasoning_tokens: int | None = None,
         strict: bool = True, chat: bool | None = None, tools: list[dict[str, Any]] | None = None,
         params: SamplingParams | None = None,
     ) -> Completion[Any]:  # fmt: skip
         """`complete` for asyncio: compiling runs in a worker thread, decoding on the shared
         engine loop; cancelling the task cancels the request and frees its slot."""
         options = Options.of(max_tokens, temperature, top_p, top_k, seed, jump_forward, strict, chat, tools, params,
-                             close_at_budget, loop_guards)
+                             close_at_budget, loop_guards, reasoning, max_reasoning_tokens)
         return await self._acomplete(output_type, prompt, options)
 
     @overload
@@ -513,12 +531,13 @@ class LLM:
         temperature: float = DEFAULTS.temperature, top_p: float = DEFAULTS.top_p,
         top_k: int = DEFAULTS.top_k, seed: int | None = None, jump_forward: bool | None = None,
         close_at_budget: bool = True, loop_guards: bool = True,
+        reasoning: bool | None = None, max_reasoning_tokens: int | None = None,
         strict: bool = True, chat: bool | None = None, tools: list[dict[str, Any]] | None = None,
         params: SamplingParams | None = None,
     ) -> Any:  # fmt: skip
         """`generate` for asyncio (see `acomplete`)."""
         options = Options.of(max_tokens, temperature, top_p, top_k, seed, jump_forward, strict, chat, tools, params,
-                             close_at_budget, loop_guards)
+                             close_at_budget, loop_guards, reasoning, max_reasoning_tokens)
         return (await self._acomplete(output_type, prompt, options)).value
 
     @overload
@@ -539,13 +558,14 @@ class LLM:
         temperature: float = DEFAULTS.temperature, top_p: float = DEFAULTS.top_p,
         top_k: int = DEFAULTS.top_k, seed: int | None = None, jump_forward: bool | None = None,
         close_at_budget: bool = True, loop_guards: bool = True,
+        reasoning: bool | None = None, max_reasoning_tokens: int | None = None,
         strict: bool = True, chat: bool | None = None, tools: list[dict[str, Any]] | None = None,
         params: SamplingParams | None = None, partial: bool = False,
     ) -> CompletionStream | PartialStream[Any]:  # fmt: skip
         """Async iterator of text deltas; `.completion` holds the final Completion after.
         `partial=True` (JSON output types) yields `Partial` snapshots instead."""
         options = Options.of(max_tokens, temperature, top_p, top_k, seed, jump_forward, strict, chat, tools, params,
-                             close_at_budget, loop_guards)
+                             close_at_budget, loop_guards, reasoning, max_reasoning_tokens)
         deltas = CompletionStream(self, output_type, prompt, options)
         if partial:
             constraint = self._constraint(output_type, options.strict)
@@ -577,12 +597,11 @@ class CompletionStream:
 
         req.on_update = push
         llm.loop.submit(req)
-        decoder = _DeltaDecoder(llm.tokenizer)
+        decoder = _OutputDeltas(llm.tokenizer)
         try:
             while True:
                 r = await updates.get()
-                delta = decoder.delta(r.output_ids, final=r.finished)
-                if delta:
+                for delta in decoder.deltas(r):
                     yield delta
                 if r.finished:
                     break
@@ -592,17 +611,42 @@ class CompletionStream:
         self.completion = llm._finish(req, constraint)
 
 
-class _DeltaDecoder:
-    """Incremental detokenisation that never emits half a multi-byte character."""
+class _OutputDeltas:
+    """A request's output as deltas while it grows: its think section's text as
+    `ReasoningDelta`s (a tail that may begin the closing tag held back until the thinking
+    ends), then its answer's text as plain `str`."""
 
     def __init__(self, tokenizer: Any):
+        self.reasoning = _DeltaDecoder(tokenizer, hold=CLOSE_TAG)
+        self.answer = _DeltaDecoder(tokenizer)
+
+    def deltas(self, req: Request) -> list[str]:
+        phase, ids = req.reasoning, req.output_ids
+        if phase is None:
+            return [d] if (d := self.answer.delta(ids, final=req.finished)) else []
+        out: list[str] = []
+        if d := self.reasoning.delta(phase.reasoning_ids(ids), final=req.finished or not phase.thinking):
+            out.append(ReasoningDelta(d))
+        if not phase.thinking and (d := self.answer.delta(phase.answer_ids(ids), final=req.finished)):
+            out.append(d)
+        return out
+
+
+class _DeltaDecoder:
+    """Incremental detokenisation that never emits half a multi-byte character, nor, until
+    `final`, a tail that may be the start of `hold`."""
+
+    def __init__(self, tokenizer: Any, hold: str = ""):
         self.tokenizer = tokenizer
+        self.hold = hold
         self.sent = ""
 
     def delta(self, ids: list[int], final: bool) -> str:
         text = self.tokenizer.decode(ids, skip_special_tokens=False)
         if not final and text.endswith("\ufffd"):
             return ""
+        if not final and self.hold:
+            text = text[: len(text) - _held_tail(text, self.hold)]
         if not text.startswith(self.sent):  # re-tokenised tail: resend from the divergence
             common = 0
             while common < min(len(text), len(self.sent)) and text[common] == self.sent[common]:
@@ -610,6 +654,16 @@ class _DeltaDecoder:
             self.sent = self.sent[:common]
         out, self.sent = text[len(self.sent) :], text
         return out
+
+
+def _held_tail(text: str, hold: str) -> int:
+    """Characters at the end of `text` that `hold` may start with (or that hold it)."""
+    at = text.find(hold[0], max(0, len(text) - len(hold)))
+    while at >= 0:
+        if hold.startswith(text[at:]) or text[at:].startswith(hold):
+            return len(text) - at
+        at = text.find(hold[0], at + 1)
+    return 0
 
 
 def _stop_token_ids(tokenizer: Any, eos_ids: list[int]) -> set[int]:

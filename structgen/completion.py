@@ -23,3 +23,14 @@ class Completion(Generic[T]):
     finish_reason: str  # "stop", or "length" for free text cut off by max_tokens
     stats: GenerationStats | RemoteStats  # RemoteStats: from `LLM.remote`, None where unknown
     relaxed: tuple[str, ...] = ()  # strict=False: schema keywords left out of the grammar
+    # What a reasoning model wrote in its think section, apart from the answer (`text`,
+    # `token_ids`); None where the request did not reason.
+    reasoning: str | None = None
+
+
+class ReasoningDelta(str):
+    """A streamed piece of a reasoning model's think section: `stream` and `astream` yield
+    these before the answer's text deltas (plain `str`), so `isinstance(delta,
+    ReasoningDelta)` tells them apart."""
+
+    __slots__ = ()

@@ -32,7 +32,7 @@ from typing import Any, Literal, TypeVar, overload
 import httpx
 
 from structgen import tool_format
-from structgen.completion import Completion
+from structgen.completion import Completion, ReasoningDelta
 from structgen.errors import (
     CompilerBusyError,
     ConstraintTooLargeError,
@@ -178,6 +178,8 @@ class RemoteLLM:
         jump_forward: bool | None = None,
         close_at_budget: bool = True,
         loop_guards: bool = True,
+        reasoning: bool | None = None,
+        max_reasoning_tokens: int | None = None,
         chat: bool | None = None,
         tools: list[dict[str, Any]] | None = None,
     ) -> Completion:
@@ -187,13 +189,15 @@ class RemoteLLM:
         wire = self._wire_request(output_type, prompt, chat, tools)
         wire.body.update(self._sampling(max_tokens, temperature, top_p, top_k, seed, jump_forward))
         wire.body.update(self._guards(close_at_budget, loop_guards))
+        wire.body.update(self._reasoning(reasoning, max_reasoning_tokens))
         t0 = time.perf_counter()
         resp = self._post(wire.path, wire.body)
         data = resp.json()
         choice = data["choices"][0]
-        text = (choice["message"].get("content") if wire.path == "/chat/completions" else choice.get("text")) or ""
+        message = choice.get("message") or {}
+        text = (message.get("content") if wire.path == "/chat/completions" else choice.get("text")) or ""
         stats = _usage_stats(data.get("usage"), wall_s=time.perf_counter() - t0)
-        return self._finish(wire, text, choice.get("finish_reason"), stats)
+        return self._finish(wire, text, choice.get("finish_reason"), stats, _reasoning_of(message))
 
     @overload
     def stream(self, output_type: type[T], prompt: Prompt, *, partial: Literal[True], **kw: Any) -> PartialStream[T]: ...
@@ -216,6 +220,8 @@ class RemoteLLM:
         jump_forward: bool | None = None,
         close_at_budget: bool = True,
         loop_guards: bool = True,
+        reasoning: bool | None = None,
+        max_reasoning_tokens: int | None = None,
         chat: bool | None = None,
         tools: list[dict[str, Any]] | None = None,
         partial: bool = False,
@@ -228,6 +234,7 @@ class RemoteLLM:
         wire = self._wire_request(output_type, prompt, chat, tools)
         wire.body.update(self._sampling(max_tokens, temperature, top_p, top_k, seed, jump_forward))
         wire.body.update(self._guards(close_at_budget, loop_guards))
+        wire.body.update(self._reasoning(reasoning, max_reasoning_tokens))
         wire.body.update(stream=True, stream_options={"include_usage": True})
         if not partial:
             return RemoteCompletionStream(self, wire)
@@ -380,6 +387,14 @@ class RemoteLLM:
             return {}
         return {k: False for k, on in (("close_at_budget", close_at_budget), ("loop_guards", loop_guards)) if not on}
 
+    def _reasoning(self, reasoning: bool | None, max_reasoning_tokens: int | None) -> dict[str, Any]:
+        """The structgen server's reasoning fields, sent where set (other servers choose by
+        their own reasoning parser; their thinking comes back as `reasoning_content` too)."""
+        if self.dialect != "structgen":
+            return {}
+        fields = {"reasoning": reasoning, "max_reasoning_tokens": max_reasoning_tokens}
+        return {k: v for k, v in fields.items() if v is not None}
+
     def _post(self, path: str, body: dict[str, Any]) -> httpx.Response:
         try:
             resp = self._client.post(path, json=body)
@@ -388,12 +403,13 @@ class RemoteLLM:
         self._raise_for_error(resp)
         return resp
 
-    def _finish(self, wire: _WireRequest, text: str, finish_reason: str | None, stats: RemoteStats) -> Completion:
+    def _finish(self, wire: _WireRequest, text: str, finish_reason: str | None, stats: RemoteStats,
+                reasoning: str | None = None) -> Completion:
         """The reply as a validated `Completion`; truncation raises as in-process, except for
         free text, which comes back cut with finish_reason "length" (as OpenAI does)."""
         if finish_reason == "length":
             if wire.constraint.kind == "text":
-                return Completion(text, text, [], "length", stats)
+                return Completion(text, text, [], "length", stats, reasoning=reasoning)
             raise IncompleteOutputError(
                 "generation hit max_tokens before the output was complete; raise max_tokens",
                 partial_text=text,
@@ -401,7 +417,7 @@ class RemoteLLM:
             )
         if wire.unwrap:
             text = _unwrapped_text(text, wire.unwrap)
-        return Completion(wire.constraint.parse(text), text, [], finish_reason or "stop", stats)
+        return Completion(wire.constraint.parse(text), text, [], finish_reason or "stop", stats, reasoning=reasoning)
 
     def _raise_for_error(self, resp: httpx.Response) -> None:
         """Raise the structgen exception an error response stands for."""
@@ -468,8 +484,7 @@ class RemoteCompletionStream:
                     resp.read()
                     self._llm._raise_for_error(resp)
                 for line in resp.iter_lines():
-                    if delta := events.feed(line):
-                        yield delta
+                    yield from events.feed(line)
         except httpx.HTTPError as e:
             raise EngineError(f"stream from {self._llm.base_url} broke off: {e}") from e
         self.completion = events.completion()
@@ -484,7 +499,7 @@ class RemoteCompletionStream:
                         await resp.aread()
                         llm._raise_for_error(resp)
                     async for line in resp.aiter_lines():
-                        if delta := events.feed(line):
+                        for delta in events.feed(line):
                             yield delta
         except httpx.HTTPError as e:
             raise EngineError(f"stream from {llm.base_url} broke off: {e}") from e
@@ -493,24 +508,26 @@ class RemoteCompletionStream:
 
 @dataclass
 class _StreamEvents:
-    """Reads a server-sent event stream line by line: the text so far, the finish reason,
-    the usage chunk and the client-side times."""
+    """Reads a server-sent event stream line by line: the text so far (and the thinking, from
+    `reasoning_content` deltas), the finish reason, the usage chunk and the client-side times."""
 
     llm: RemoteLLM
     wire: _WireRequest
     pieces: list[str] = field(default_factory=list)
+    thinking: list[str] | None = None
     finish_reason: str | None = None
     usage: dict[str, Any] | None = None
     sent_at: float = field(default_factory=time.perf_counter)
     first_text_at: float | None = None
 
-    def feed(self, line: str) -> str:
-        """The text delta of one event line ("" for other lines and events)."""
+    def feed(self, line: str) -> list[str]:
+        """The deltas of one event line: `ReasoningDelta`s of thinking, then the answer's text
+        (none for other lines and events)."""
         if not line.startswith("data:"):
-            return ""
+            return []
         data = line[len("data:") :].strip()
         if data == "[DONE]":
-            return ""
+            return []
         try:
             event = json.loads(data)
         except json.JSONDecodeError as e:
@@ -519,22 +536,35 @@ class _StreamEvents:
             err = event["error"] if isinstance(event["error"], dict) else {"message": str(event["error"])}
             raise self.llm._error(None, str(err.get("message")), err.get("code"))
         self.usage = event.get("usage") or self.usage
-        delta = ""
+        delta, thought = "", ""
         for choice in event.get("choices") or []:
             part = choice.get("delta", {}).get("content") if "delta" in choice else choice.get("text")
             delta += part or ""
+            thought += _reasoning_of(choice.get("delta") or {}) or ""
             self.finish_reason = choice.get("finish_reason") or self.finish_reason
-        if delta:
+        if delta or thought:
             self.first_text_at = self.first_text_at or time.perf_counter()
+        if thought:
+            self.thinking = self.thinking if self.thinking is not None else []
+            self.thinking.append(thought)
+        if delta:
             self.pieces.append(delta)
-        return delta
+        return [d for d in (ReasoningDelta(thought), delta) if d]
 
     def completion(self) -> Completion:
         end = time.perf_counter()
         stats = _usage_stats(self.usage, wall_s=end - self.sent_at)
         if self.first_text_at is not None:
             stats.ttft_s, stats.decode_s = self.first_text_at - self.sent_at, end - self.first_text_at
-        return self.llm._finish(self.wire, "".join(self.pieces), self.finish_reason, stats)
+        thinking = None if self.thinking is None else "".join(self.thinking)
+        return self.llm._finish(self.wire, "".join(self.pieces), self.finish_reason, stats, thinking)
+
+
+def _reasoning_of(message: dict[str, Any]) -> str | None:
+    """A message's (or delta's) thinking: `reasoning_content` (DeepSeek, vLLM, structgen), or
+    `reasoning` (newer vLLM)."""
+    text = message.get("reasoning_content") or message.get("reasoning")
+    return text if isinstance(text, str) else None
 
 
 def _usage_stats(usage: dict[str, Any] | None, wall_s: float) -> RemoteStats:

@@ -26,6 +26,12 @@ class SamplingParams:
     # A constrained output that keeps repeating one pattern (digits, a phrase, an array item)
     # is closed early, and unbounded integers in JSON schemas get a sane digit count.
     loop_guards: bool = True
+    # Reasoning models (engine/reasoning.py): think freely between <think> and </think>, then
+    # the grammar applies. None: on where the chat template has think tags.
+    reasoning: bool | None = None
+    # The most think tokens (None: half of max_tokens); the answer's shortest completion is
+    # kept out of it, so the answer still ends whole.
+    max_reasoning_tokens: int | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1, None)
@@ -41,6 +47,27 @@ class SamplingParams:
         for name in ("close_at_budget", "loop_guards"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidParameterError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        self._check_reasoning()
+
+    def _check_reasoning(self) -> None:
+        if self.reasoning is not None and not isinstance(self.reasoning, bool):
+            raise InvalidParameterError(
+                f"reasoning must be True, False or None (None: on where the chat template has think "
+                f"tags), got {self.reasoning!r}"
+            )
+        if self.max_reasoning_tokens is None:
+            return
+        if isinstance(self.max_reasoning_tokens, bool) or not isinstance(self.max_reasoning_tokens, numbers.Integral) \
+                or self.max_reasoning_tokens < 0:
+            raise InvalidParameterError(
+                f"max_reasoning_tokens must be an integer >= 0 (0: answer without thinking), got "
+                f"{self.max_reasoning_tokens!r}; or leave it None for half of max_tokens"
+            )
+        if self.reasoning is False:
+            raise InvalidParameterError(
+                "max_reasoning_tokens bounds the think section, which reasoning=False turns off; "
+                "pass reasoning=True (or None) or leave max_reasoning_tokens out"
+            )
 
     @property
     def greedy(self) -> bool:

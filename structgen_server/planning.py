@@ -225,5 +225,7 @@ def _sampling(state: ServerState, body: SamplingFields, prompt_tokens: int, para
         "jump_forward": body.jump_forward,
         "close_at_budget": body.close_at_budget,
         "loop_guards": body.loop_guards,
+        "reasoning": body.reasoning,
+        "max_reasoning_tokens": body.max_reasoning_tokens,
     }
 

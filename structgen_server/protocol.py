@@ -178,6 +178,9 @@ class SamplingFields(BaseModel):
     # structgen: budget-aware closing and loop guards (SamplingParams), on unless turned off
     close_at_budget: StrictBool = True
     loop_guards: StrictBool = True
+    # structgen: reasoning models (SamplingParams); the thinking comes back as reasoning_content
+    reasoning: StrictBool | None = None
+    max_reasoning_tokens: StrictInt | None = Field(default=None, ge=0)
 
     @field_validator("stop")
     @classmethod
@@ -251,6 +254,7 @@ class Usage(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # a reasoning model's thinking (as DeepSeek and vLLM send it)
     refusal: str | None = None
     tool_calls: list[ToolCall] | None = None
 

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from structgen import tool_format
+from structgen.completion import ReasoningDelta
 from structgen.partial import Partial, PartialTracker
 from structgen_server.constraints import RequestConstraint
 from structgen_server.protocol import (
@@ -58,7 +59,7 @@ def chat_response(model: str, rc: RequestConstraint, gens: list[Generation]) -> 
     choices = []
     for i, g in enumerate(gens):
         content, calls, finish = assistant_turn(rc, g)
-        message = AssistantMessage(content=content, tool_calls=calls)
+        message = AssistantMessage(content=content, reasoning_content=g.reasoning, tool_calls=calls)
         choices.append(ChatChoice(index=i, message=message, finish_reason=finish))
     return ChatCompletion(id=new_id("chatcmpl"), model=model, choices=choices, usage=usage_of(gens, n=len(gens)))
 
@@ -154,6 +155,9 @@ async def chat_stream(
     yield chunk({"role": "assistant", "content": ""})
     splitter = _ToolCallSplitter(rc)
     async for piece in pieces:
+        if isinstance(piece, ReasoningDelta):  # a reasoning model's thinking, before the answer
+            yield chunk({"reasoning_content": str(piece)})
+            continue
         content = splitter.feed(piece)
         if content:
             yield chunk({"content": content}, partial=_snapshot(tracker, content))
@@ -192,6 +196,8 @@ async def completion_stream(
         return sse(body)
 
     async for piece in pieces:
+        if isinstance(piece, ReasoningDelta):  # text completions carry the answer only
+            continue
         yield chunk(piece, partial=_snapshot(tracker, piece))
     g: Generation = result()
     yield chunk("", g.finish_reason, last_partial(tracker, g))

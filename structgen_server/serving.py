@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 from starlette.requests import Request as HTTPRequest
 
+from structgen.completion import ReasoningDelta
 from structgen.errors import IncompleteOutputError
 
 T = TypeVar("T")
@@ -52,6 +53,7 @@ class Generation:
     prompt_tokens: int
     completion_tokens: int
     stats: Any = None  # GenerationStats when the engine finished the request
+    reasoning: str | None = None  # a reasoning model's thinking, apart from `text`
 
 
 async def generate(llm: Any, job: Job) -> Generation:
@@ -68,7 +70,8 @@ async def generate(llm: Any, job: Job) -> Generation:
         c = await llm.acomplete(job.output_type, job.prompt, **job.kwargs())
     except IncompleteOutputError as e:
         return _truncated(job, e)
-    return Generation(c.text, c.finish_reason, c.stats.prompt_tokens or job.prompt_tokens, c.stats.output_tokens, c.stats)
+    return Generation(c.text, c.finish_reason, c.stats.prompt_tokens or job.prompt_tokens, c.stats.output_tokens, c.stats,
+                      c.reasoning)
 
 
 def _truncated(job: Job, e: IncompleteOutputError) -> Generation:
@@ -76,7 +79,8 @@ def _truncated(job: Job, e: IncompleteOutputError) -> Generation:
 
 
 class GenerationStream:
-    """Text deltas of one job with stop strings applied; `.result` is set once it ends.
+    """Text deltas of one job with stop strings applied; `.result` is set once it ends. A
+    reasoning model's thinking comes first as `ReasoningDelta`s, which stop strings do not cut.
 
     Closing the `deltas()` iterator early (client gone, stop string found) closes the engine
     stream, which aborts the request and frees its KV slot."""
@@ -92,9 +96,14 @@ class GenerationStream:
         hold = max((len(s) for s in job.stop), default=1) - 1  # chars that may start a stop string
         text, sent = "", 0
         finish = "stop"
+        thinking: list[str] = []
         async with contextlib.aclosing(inner.__aiter__()) as pieces:
             try:
                 async for piece in pieces:
+                    if isinstance(piece, ReasoningDelta):
+                        thinking.append(piece)
+                        yield piece
+                        continue
                     text += piece
                     cut = _find_stop(text, job.stop, start=max(sent - hold, 0))
                     if cut is not None:
@@ -112,9 +121,10 @@ class GenerationStream:
         request = getattr(inner, "request", None)
         stats = completion.stats if completion is not None else getattr(request, "stats", None)
         n_out = len(request.output_ids) if request is not None else 0
+        reasoning = "".join(thinking) or None
         if completion is not None:  # finished without a stop string: trust the engine
-            text, finish = completion.text, completion.finish_reason
-        self.result = Generation(text, finish, job.prompt_tokens, n_out, stats)
+            text, finish, reasoning = completion.text, completion.finish_reason, completion.reasoning
+        self.result = Generation(text, finish, job.prompt_tokens, n_out, stats, reasoning)
 
 
 def _find_stop(text: str, stops: list[str], start: int) -> int | None:

@@ -295,3 +295,40 @@ def test_a_schema_over_the_compilers_size_limits_is_refused_before_it_is_built(l
     with pytest.raises(structgen.ConstraintTooLargeError, match="max_enum_values=10,000"):
         llm.generate(schema, "Pick one.", max_tokens=4)
     assert time.perf_counter() - started < 0.05
+
+
+THINK_PROMPT = "Think inside <think></think> tags first, then give the point (1, 2) as JSON."
+
+
+def test_reasoning_through_every_entry_point(llm):
+    """reasoning=True reaches the engine from the batch methods, the async ones and the module
+    shortcut; each value is typed, `.reasoning` holds the thinking apart from `.text`."""
+    kw = {"max_tokens": 40, "reasoning": True, "max_reasoning_tokens": 8}
+    batch = llm.complete_batch(Point, [THINK_PROMPT, THINK_PROMPT], **kw)
+    assert all(c.reasoning and "<think>" not in c.text and c.value == batch[0].value for c in batch)
+    assert llm.generate_batch(Point, [THINK_PROMPT], **kw) == [batch[0].value]
+    assert asyncio.run(llm.acomplete(Point, THINK_PROMPT, **kw)).reasoning == batch[0].reasoning
+    assert asyncio.run(llm.agenerate(Point, THINK_PROMPT, **kw)) == batch[0].value
+    assert structgen.generate(Point, THINK_PROMPT, **kw) == batch[0].value
+
+
+def test_streams_yield_reasoning_deltas_then_the_answer(llm):
+    kw = {"max_tokens": 40, "reasoning": True, "max_reasoning_tokens": 8}
+    done = llm.complete(Point, THINK_PROMPT, **kw)
+    deltas = list(llm.stream(Point, THINK_PROMPT, **kw))
+    kinds = [isinstance(d, structgen.ReasoningDelta) for d in deltas]
+    assert kinds[0] and not kinds[-1] and kinds == sorted(kinds, reverse=True)  # thinking first
+    assert "".join(d for d in deltas if isinstance(d, structgen.ReasoningDelta)) == done.reasoning
+    assert "".join(d for d in deltas if not isinstance(d, structgen.ReasoningDelta)) == done.text
+
+    async def consume():
+        stream = llm.astream(Point, THINK_PROMPT, **kw)
+        pieces = [d async for d in stream]
+        return pieces, stream.completion
+
+    pieces, completion = asyncio.run(asyncio.wait_for(consume(), timeout=60))
+    assert pieces == deltas and completion.reasoning == done.reasoning
+    partial = llm.stream(Point, THINK_PROMPT, partial=True, **kw)
+    snapshots = list(partial)  # the snapshots follow the answer only
+    assert snapshots[-1].done and snapshots[-1].value == done.value
+    assert partial.completion.reasoning == done.reasoning

@@ -84,6 +84,8 @@ class EngineDecodeStep(DecodeStep):
         # the grammar state after the guess, with the noise of the position after.
         self.guessed = {i: row + 1 for i, (row, r) in enumerate(zip(self.sampled_rows, self.reqs, strict=True))
                         if r.guess is not None}
+        # Rows without a matcher (free text, a request still thinking: engine/reasoning.py)
+        # sample unmasked beside the constrained ones (`has_mask`).
         self.constrained = [(row, r.matcher) for row, r in zip(self.sampled_rows, self.reqs, strict=True)
                             if r.matcher is not None]
         # After a sampled `"` the grammar may force `, "age": `: the next step is that text, not

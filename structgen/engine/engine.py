@@ -30,6 +30,7 @@ from structgen.engine.decode_step import EngineDecodeStep
 from structgen.engine.drafts import fill_guess_rows, take_guesses
 from structgen.engine.jump_forward import QUIET_MIN_ALLOWED, JumpForward, quiet_tokens
 from structgen.engine.model_runner import ExtendSeq, ModelRunner
+from structgen.engine.reasoning import Reasoner
 from structgen.engine.request import Request, RequestStatus
 from structgen.engine.sampler import apply_bitmask_, sample, step_seed
 from structgen.engine.scheduler import Scheduler
@@ -98,6 +99,7 @@ class Engine:
         self.max_seq_len = self.runner.max_seq_len
         self.jump_forward_hook: JumpForward | None = None  # built by use_tokenizer
         self.closer = BudgetCloser()  # closes outputs near max_tokens once given the tokenizer
+        self.reasoner = Reasoner(self.closer)  # think sections before constrained answers
         # Whether someone waits to hand the engine requests or aborts (EngineLoop sets it):
         # runs of steps that do not come back to `step` between them stop for it.
         self.interrupted: Callable[[], bool] = _nobody_waits
@@ -146,6 +148,7 @@ class Engine:
         if self.device.type == "cuda":
             self.runner.set_token_gate(quiet_tokens(jump.vocab), QUIET_MIN_ALLOWED)
         self.closer.use_tokenizer(tokenizer, self.vocab_size, self.stop_token_ids)
+        self.reasoner.use_tokenizer(tokenizer, self.vocab_size, self.stop_token_ids)
         if self.speculator is not None:
             self.speculator.use_tokenizer(tokenizer)
 
@@ -161,9 +164,10 @@ class Engine:
             )
         if request.params.seed is not None:
             request.generator = torch.Generator(device=self.device).manual_seed(request.params.seed)
-        self.closer.admit(request)  # HOOK(closing): the request's first budget check
         jf = request.params.jump_forward
         request.jump_forward = (self.config.jump_forward if jf is None else jf) and request.matcher is not None
+        self.reasoner.admit(request)  # HOOK(reasoning): a think section first, its matcher parked
+        self.closer.admit(request)  # HOOK(closing): the request's first budget check
         if request.jump_forward and self.jump_forward_hook is not None:
             # What the grammar forces before any sampling (`{"name": `) rides along with the
             # prompt's prefill; a grammar that forces its whole output finishes right here.
@@ -450,6 +454,7 @@ class Engine:
         rows = torch.tensor([i for i, _ in sampling] + list(guessed.values()), device=self.device)
         if guessed or len(rows) != logits.shape[0]:  # (guess rows come last, out of order)
             logits = logits.index_select(0, rows)
+        # No mask for free text, nor while a request thinks (engine/reasoning.py parks its matcher).
         constrained = [(j, r) for j, r in enumerate(reqs) if r.matcher is not None]
         errors: dict[int, BaseException] = {}
         bad_guesses: set[int] = set()
@@ -486,6 +491,8 @@ class Engine:
         if plain:
             for req, tok in zip(reqs, tokens, strict=True):
                 req.append([tok])
+                if req.thinking:  # HOOK(reasoning): the closing tag, a stop token or the budget
+                    self.reasoner.after_token(req)
                 if req.num_output >= req.close_at:  # HOOK(closing): a loop or budget check due
                     self.closer.at_budget(req, completed=False)  # (a plain row's grammar is not complete)
         else:
@@ -533,6 +540,8 @@ class Engine:
             req.finish("stop")
             return
         req.append([tok])
+        if req.thinking:  # HOOK(reasoning): the closing tag, a stop token or the budget
+            self.reasoner.after_token(req)
         if req.num_output >= req.close_at:  # HOOK(closing): max_tokens, or a budget check due
             self.closer.at_budget(req, m is not None and bool(status & COMPLETED))
             if req.finished:

@@ -214,7 +214,7 @@ class JumpForward:
             plan = rehearsal.plans.get(req.token_ids[-1], False)
             if plan is not False and plan[0] == text and self._replay(req, plan[1]):
                 return
-        plan = self._decide(m, req.token_ids, req.num_prompt, BudgetCloser.forced_text_end(req), text)
+        plan = self._decide(m, req.token_ids, req.grammar_start, req.num_prompt + BudgetCloser.forced_text_end(req), text)
         if plan is not None:
             self._apply(req, *plan)
 
@@ -224,18 +224,18 @@ class JumpForward:
         can be unbounded; the rest is asked for a step later)."""
         return max(0, min(FORCED_TEXT_MAX_BYTES, tokens_left * self.vocab.longest))
 
-    def _decide(self, m: Any, ids: list[int], num_prompt: int, max_tokens: int, forced: bytes) -> Plan | None:
-        """What the hook does with `forced` after `ids`: (start, c, kept, held), the jump, with
+    def _decide(self, m: Any, ids: list[int], grammar_start: int, limit: int, forced: bytes) -> Plan | None:
+        """What the hook does with `forced` after `ids` (the matcher took `ids[grammar_start:]`;
+        `limit`: the length max_tokens allows): (start, c, kept, held), the jump, with
         the matcher rolled back to `ids[:start + c]` and advanced by `kept[c:]`, or with `kept`
         empty when every forced token was held back; None: nothing jumps and nothing was held
         back. The matcher is as it was where nothing jumps."""
-        if num_prompt + max_tokens - len(ids) <= 0:
+        if limit - len(ids) <= 0:
             return None
-        k = min(self.max_backoff, len(ids) - num_prompt)
-        alone = self._held_back_alone(m, ids, len(ids) - num_prompt, forced)
+        k = min(self.max_backoff, len(ids) - grammar_start)
+        alone = self._held_back_alone(m, ids, len(ids) - grammar_start, forced)
         if alone is not None:
             return len(ids), 0, [], alone
-        limit = num_prompt + max_tokens  # max_tokens caps the tail
         outcome, c, kept, held = self._splice(m, ids, limit, forced, k)
         if outcome == FAILED and k > 0:  # the merged re-encoding failed: try the forced text alone
             k = 0
@@ -383,7 +383,7 @@ class JumpForward:
                     if not text:
                         continue
                     ids[-1] = t
-                    plan = self._decide(m, ids, req.num_prompt, BudgetCloser.forced_text_end(req), text)
+                    plan = self._decide(m, ids, req.grammar_start, req.num_prompt + BudgetCloser.forced_text_end(req), text)
                     if plan is not None and plan[2]:
                         start, c, kept, _ = plan
                         self._restore(m, len(kept) - c, ids[start + c :])

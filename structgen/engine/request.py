@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from structgen.sampling import SamplingParams
 
 if TYPE_CHECKING:
+    from structgen.engine.reasoning import ReasoningPhase
     from structgen.grammar import GrammarMatcher
 
 _ids = itertools.count()
@@ -98,6 +99,9 @@ class Request:
         # the second row's token comes with it (a pass saved). Jump-forward sets it to the token
         # it held back (engine/jump_forward.py).
         self.guess: int | None = None
+        # engine/reasoning.py: the think section before the answer, where the request reasons
+        # (its matcher is parked there while it thinks).
+        self.reasoning: ReasoningPhase | None = None
         self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
         self.arrival = time.perf_counter()
         self.first_token_at: float | None = None
@@ -109,6 +113,17 @@ class Request:
     @property
     def num_output(self) -> int:
         return len(self.token_ids) - self.num_prompt
+
+    @property
+    def thinking(self) -> bool:
+        """In its think section: unconstrained, and a stop token ends the thinking only."""
+        return self.reasoning is not None and self.reasoning.thinking
+
+    @property
+    def grammar_start(self) -> int:
+        """Index in `token_ids` of the first token the grammar took: the answer's first."""
+        answer = self.reasoning.answer_start if self.reasoning is not None else None
+        return self.num_prompt + (answer or 0)
 
     @property
     def num_pending(self) -> int:
@@ -146,7 +161,10 @@ class Request:
     def ends_at(self, token: int, terminated: bool) -> bool:
         """Whether sampled `token` ends the output, before it is appended: a constrained
         request's grammar terminated on it (`terminated`), an unconstrained one sampled a
-        stop token. Such a token is not kept."""
+        stop token. Such a token is not kept. While thinking, no token ends the output
+        (engine/reasoning.py turns a stop token into the end of the thinking)."""
+        if self.thinking:
+            return False
         return terminated if self.matcher is not None else token in self.stop_token_ids
 
     def may_finish_at(self, token: int) -> bool:

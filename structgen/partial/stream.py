@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from structgen.completion import ReasoningDelta
 from structgen.errors import InvalidParameterError
 from structgen.partial.shapes import root_shape
 from structgen.partial.tracker import Partial, PartialTracker
@@ -68,6 +69,8 @@ class PartialStream(Generic[T]):
                 except StopIteration as stop:
                     returned = stop.value
                     break
+                if isinstance(delta, ReasoningDelta):  # the snapshots follow the answer only
+                    continue
                 if (snapshot := self.tracker.feed(delta)) is not None:
                     yield snapshot
         finally:  # the consumer left early: close the source, which aborts the request
@@ -80,6 +83,8 @@ class PartialStream(Generic[T]):
         source = deltas.__aiter__()
         try:
             async for delta in source:
+                if isinstance(delta, ReasoningDelta):  # the snapshots follow the answer only
+                    continue
                 if (snapshot := self.tracker.feed(delta)) is not None:
                     yield snapshot
         finally:

@@ -375,3 +375,15 @@ def test_bad_speculative_config_names_the_field():
     with pytest.raises(InvalidParameterError, match="draft_model"):
         SpeculativeConfig(method="draft_model")
     assert replace(SpeculativeConfig(), num_draft_tokens=5).num_draft_tokens == 5
+
+
+def test_greedy_reasoning_output_is_unchanged(llm):
+    """A thinking request's draft tokens go in until its closing tag; the grammar takes the
+    rest (engine/reasoning.py), so speculation keeps the thinking and the answer."""
+    prompt = ("Think inside <think></think> tags first, repeat the question twice. "
+              "Which city is the capital of France? Answer as JSON.")
+    kw = {"max_tokens": 80, "reasoning": True, "max_reasoning_tokens": 40}
+    base = complete(llm, None, JsonSchema(SCHEMA), prompt, **kw)
+    spec = complete(llm, SpeculativeConfig(num_draft_tokens=3), JsonSchema(SCHEMA), prompt, **kw)
+    assert base.reasoning and spec.stats.accepted_tokens > 0
+    assert (spec.reasoning, spec.text) == (base.reasoning, base.text)

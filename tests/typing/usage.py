@@ -54,6 +54,7 @@ async def typed_calls(llm: structgen.LLM) -> None:
     assert_type(llm.complete(Customer, "p").value, Customer)
     assert_type(llm.complete(structgen.Regex("a"), "p"), structgen.Completion[str])
     assert_type(llm.complete({"type": "object"}, "p", strict=False).relaxed, tuple[str, ...])
+    assert_type(llm.complete(Customer, "p", reasoning=True, max_reasoning_tokens=64).reasoning, str | None)
     assert_type(llm.complete_batch(City, ["p"]), list[structgen.Completion[City]])
     assert_type(llm.generate_batch(Customer, ["p", "q"], max_tokens=5), list[Customer])
     assert_type(await llm.agenerate(Customer, "p"), Customer)

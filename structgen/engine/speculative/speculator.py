@@ -480,9 +480,13 @@ class Speculator:
             req.stats.accepted_tokens += accepted
             req.stats.verify_steps += 1
             drafter_hooks.notify_verified(self.drafter, req, len(draft), accepted)
+            base, thinking = len(req.token_ids), req.thinking
             for j, tok in enumerate(emitted):
                 eng._advance(req, tok, jump_forward=j == len(emitted) - 1)
                 if req.finished:
+                    break
+                if thinking and not req.thinking:  # the think section closed: the grammar takes the rest
+                    req.num_cached = min(req.num_cached, base + j + 1, len(req.token_ids))
                     break
         except Exception as exc:
             log.exception("request %d failed", req.id)
