@@ -49,8 +49,8 @@ class CompletionSearch:
         path: list[int] = []
         try:
             for _ in range(SEARCH_MAX_FILLS):
-                if m.is_completed():
-                    return path
+                if m.is_completed():  # forced text may have overrun the limit in one go
+                    return path if len(path) <= limit else None
                 if len(path) >= limit:
                     return None
                 forced = self._forced(m)

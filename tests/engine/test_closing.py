@@ -192,3 +192,13 @@ def test_forced_text_stops_at_the_next_budget_check() -> None:
     off = Request(list(range(5)), SamplingParams(max_tokens=100, close_at_budget=False))
     off.budget_check_at = 40
     assert BudgetCloser.forced_text_end(off) == 100
+
+
+def test_the_search_never_returns_a_completion_longer_than_its_limit(llm: LLM) -> None:
+    """Forced text can overrun the limit in one go: the search then has no completion within
+    it, and the closer must not append one (max_tokens=4 cannot hold this constant)."""
+    schema = {"type": "object", "properties": {"kind": {"const": "a fairly long constant string"}},
+              "required": ["kind"], "additionalProperties": False}
+    m = llm.grammars.compile(to_constraint(JsonSchema(schema))).matcher()
+    assert llm.engine.closer.search.shortest(m, 4) is None
+    assert len(llm.engine.closer.search.shortest(m, 64) or []) > 4
