@@ -48,6 +48,7 @@ class GenerateOptions(TypedDict, total=False):
     jump_forward: append text the grammar forces without sampling it (None: engine default).
     close_at_budget: a constrained output nearing max_tokens is closed so it ends whole.
     loop_guards: a constrained output that keeps repeating one pattern is closed early.
+    repair: decode a field a validator rejects again, at most this many times per field.
     strict: False relaxes JSON-schema keywords no backend enforces (validated afterwards).
     chat: False sends a string prompt as raw text instead of through the chat template.
     tools: OpenAI-style tool definitions for the chat template.
@@ -62,6 +63,7 @@ class GenerateOptions(TypedDict, total=False):
     jump_forward: bool | None
     close_at_budget: bool
     loop_guards: bool
+    repair: int
     strict: bool
     chat: bool | None
     tools: list[dict[str, Any]] | None
@@ -85,9 +87,10 @@ class Options:
         cls, max_tokens: int, temperature: float, top_p: float, top_k: int, seed: int | None,
         jump_forward: bool | None, strict: bool, chat: bool | None,
         tools: list[dict[str, Any]] | None, params: SamplingParams | None,
-        close_at_budget: bool = True, loop_guards: bool = True,
+        close_at_budget: bool = True, loop_guards: bool = True, repair: int = 0,
     ) -> Options:  # fmt: skip
-        sampling = SamplingParams(max_tokens, temperature, top_p, top_k, seed, jump_forward, close_at_budget, loop_guards)
+        sampling = SamplingParams(max_tokens, temperature, top_p, top_k, seed, jump_forward, close_at_budget, loop_guards,
+                                  repair)
         if params is None:
             params = sampling
         elif not isinstance(params, SamplingParams):

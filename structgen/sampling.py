@@ -26,12 +26,16 @@ class SamplingParams:
     # A constrained output that keeps repeating one pattern (digits, a phrase, an array item)
     # is closed early, and unbounded integers in JSON schemas get a sane digit count.
     loop_guards: bool = True
+    # Where a validator rejects a field of the finished output, roll back to that field and
+    # decode it again, at most this many times per field (structgen/repair.py); 0: never.
+    repair: int = 0
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1, None)
         _check_number("temperature", self.temperature, 0.0, None)
         _check_number("top_p", self.top_p, 0.0, 1.0, open_low=True)
         _check_int("top_k", self.top_k, 0, None)
+        _check_int("repair", self.repair, 0, None)
         if self.seed is not None:
             _check_int("seed", self.seed, 0, MAX_SEED)
         if self.jump_forward is not None and not isinstance(self.jump_forward, bool):

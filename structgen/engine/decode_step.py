@@ -135,6 +135,9 @@ class EngineDecodeStep(DecodeStep):
         self.row_errors.update(eng._fill_masks(bitmask, eng._not_prefilled(bitmask, self.constrained)))
         if self.drafted:
             self.bad_drafts.update(fill_draft_rows(bitmask, [(i, self.reqs[i], row) for i, row in self.drafted.items()]))
+        if any(r.rejected for r in self.reqs):  # HOOK(repair)
+            eng.ban_rejected(bitmask, [(row, r, None) for row, r in zip(self.sampled_rows, self.reqs, strict=True)]
+                             + [(row, self.reqs[i], self.reqs[i].draft) for i, row in self.drafted.items()])
 
     def before_wait(self, done: Callable[[], bool]) -> None:
         """Rehearse the jumps of the sampled row's likely tokens (with a draft: the tokens after

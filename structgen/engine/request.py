@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from structgen.sampling import SamplingParams
 
 if TYPE_CHECKING:
+    from structgen.engine.repair import OutputValidator, RejectedText
     from structgen.grammar import GrammarMatcher
 
 _ids = itertools.count()
@@ -48,6 +49,10 @@ class GenerationStats:
     loop: str = ""  # the text the output was found repeating, if it was
     shortest_completion: int | None = None  # cut off at max_tokens: tokens a completion still needed
     dropped_tokens: int = 0  # generated, then dropped to close where a completion still fitted
+    # engine/repair.py: fields a validator rejected and that were decoded again, and the
+    # tokens those rollbacks dropped (decoded once more: the repair's extra tokens).
+    repairs: int = 0
+    repair_tokens: int = 0
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -73,6 +78,7 @@ class Request:
         stop_token_ids: frozenset[int] = frozenset(),
         on_update: Callable[[Request], None] | None = None,
         group: Hashable | None = None,
+        validator: OutputValidator | None = None,
     ):
         self.id = next(_ids)
         self.group = group if group is not None else request_group.get()
@@ -98,6 +104,9 @@ class Request:
         # saved). Jump-forward sets it to the token it held back (engine/jump_forward.py).
         self.draft: int | None = None
         self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
+        # Checks a finished output; may send the request back to a field (engine/repair.py).
+        self.validator = validator
+        self.rejected: list[RejectedText] = []  # text a validator rejected, never written again
         self.arrival = time.perf_counter()
         self.first_token_at: float | None = None
 
@@ -135,6 +144,15 @@ class Request:
         self.draft = None
         self.num_cached = min(self.num_cached, length)
         self.stats.output_tokens = self.num_output
+
+    def reopen(self, length: int) -> None:
+        """Finished, back to running from its first `length` tokens (engine/repair.py): the
+        last kept token runs again, so the next step has its logits to sample from."""
+        self.truncate(length)
+        self.num_cached = min(self.num_cached, length - 1)
+        self.status = RequestStatus.RUNNING
+        self.finish_reason = None
+        self.error = None
 
     # -- the finish rule: the engine, jump-forward and the speculator all finish requests here --
     @property
