@@ -59,8 +59,9 @@ class FieldRepair:
         except OutputValidationError as error:
             spans = value_spans(text)
             field = failing_field(error, spans) if spans else ()
+            forced = any(a.text == text for a in self.attempts)  # the grammar left no other value
             self.attempts.append(RepairAttempt(text, str(error), field))
-            if not spans or self.repairs[field] >= self.max_repairs:
+            if not spans or forced or self.repairs[field] >= self.max_repairs:
                 return None
             self.repairs[field] += 1
             return _rewind(text, spans[field], ids, self.tokens)

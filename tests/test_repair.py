@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Literal
 
 import pytest
 from pydantic import BaseModel, field_validator, model_validator
@@ -100,6 +101,23 @@ def test_a_validator_that_always_fails_uses_every_repair_and_the_error_lists_eac
     assert len(set(countries)) == 3  # the retry never writes a rejected value again
     assert all("no country is right" in a.error for a in attempts)
     assert "repair=2" in str(info.value) and "country" in str(info.value)
+
+
+class ForcedKind(BaseModel):
+    kind: Literal["city"]
+    name: str
+
+    @field_validator("kind")
+    @classmethod
+    def never(cls, value: str) -> str:
+        raise ValueError("not this kind")
+
+
+def test_repair_stops_once_the_grammar_leaves_no_other_value(llm):
+    with pytest.raises(structgen.OutputValidationError) as info:
+        llm.generate(ForcedKind, PROMPT, max_tokens=30, repair=3)
+    first, again = info.value.attempts  # the retry could only write the same text
+    assert first.text == again.text and first.field == ("kind",)
 
 
 def test_a_model_validator_naming_no_field_rolls_back_the_whole_object(llm):
