@@ -653,7 +653,7 @@ def _validated(req: Request, constraint: Constraint, text: str) -> Any:
     except OutputValidationError as e:
         if repair is None:
             raise
-        raise repair.exhausted(e) from e.__cause__
+        raise repair.exhausted(e, req.stats) from e.__cause__
 
 
 def _no_repair_in_streams(options: Options) -> None:

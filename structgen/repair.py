@@ -66,16 +66,17 @@ class FieldRepair:
             self.repairs[field] += 1
             return _rewind(text, spans[field], ids, self.tokens)
 
-    def exhausted(self, error: OutputValidationError) -> OutputValidationError:
+    def exhausted(self, error: OutputValidationError, stats: Any) -> OutputValidationError:
         """The error to raise where repair gave up: `error`, naming the field and carrying
-        every attempt."""
+        every attempt and the request's `stats`."""
         if not self.attempts:
+            error.stats = stats
             return error
         field = ".".join(map(str, self.attempts[-1].field)) or "the whole output"
         return OutputValidationError(
             f"{error} (repair={self.max_repairs}: {field} was decoded again {self.repairs[self.attempts[-1].field]} "
             f"time(s) and {len(self.attempts)} output(s) failed, see .attempts; raise repair, or relax the "
-            "validator)", text=error.text, attempts=self.attempts)
+            "validator)", text=error.text, attempts=self.attempts, stats=stats)
 
 
 def value_spans(text: str) -> dict[Path, tuple[int, int]] | None:

@@ -101,6 +101,7 @@ def test_a_validator_that_always_fails_uses_every_repair_and_the_error_lists_eac
     assert len(set(countries)) == 3  # the retry never writes a rejected value again
     assert all("no country is right" in a.error for a in attempts)
     assert "repair=2" in str(info.value) and "country" in str(info.value)
+    assert info.value.stats.repairs == 2 and info.value.stats.repair_tokens >= 2
 
 
 class ForcedKind(BaseModel):
