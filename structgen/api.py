@@ -41,7 +41,7 @@ from structgen.errors import (
     RequestCancelledError,
     StructgenError,
 )
-from structgen.grammar import CompiledGrammar, GrammarCompiler
+from structgen.grammar import CompiledGrammar, GrammarCompiler, GrammarMatcher
 from structgen.grammar.backends.base import token_bytes
 from structgen.grammar.digit_bounds import bound_integers, reached_bound
 from structgen.partial import PartialStream, partial_tracker
@@ -221,7 +221,8 @@ class LLM:
         ids = self.encode_prompt(prompt, chat=options.chat, tools=options.tools)
         return self._new_request(ids, options.params, matcher, constraint), constraint
 
-    def _new_request(self, ids: list[int], params: SamplingParams, matcher: Any, constraint: Constraint) -> Request:
+    def _new_request(self, ids: list[int], params: SamplingParams, matcher: GrammarMatcher | None,
+                     constraint: Constraint) -> Request:
         """The engine request; with `repair`, a JSON output is validated where it would finish
         and a rejected field decoded again (structgen/repair.py)."""
         validator = None
