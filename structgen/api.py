@@ -41,12 +41,15 @@ from structgen.errors import (
     IncompleteOutputError,
     InvalidConstraintError,
     InvalidParameterError,
+    OutputValidationError,
     RequestCancelledError,
     StructgenError,
 )
-from structgen.grammar import CompiledGrammar, GrammarCompiler
+from structgen.grammar import CompiledGrammar, GrammarCompiler, GrammarMatcher
+from structgen.grammar.backends.base import token_bytes
 from structgen.grammar.digit_bounds import bound_integers, reached_bound
 from structgen.partial import PartialStream, partial_tracker
+from structgen.repair import FieldRepair
 from structgen.sampling import SamplingParams
 from structgen.schema.budget import CompileBudget, within
 from structgen.schema.limits import check_schema, check_source
@@ -99,6 +102,9 @@ class LLM:
         think tags.
     max_reasoning_tokens: the most think tokens (None: half of max_tokens); the closing tag
         is then appended, and the answer's shortest completion always keeps its room.
+    repair: where a validator rejects a field of a JSON output, roll back to that field and
+        decode it again, at most this many times per field (0, the default: raise
+        `OutputValidationError` at once); `Completion.stats.repairs` counts them.
     strict: False lets a JSON schema use keywords no backend enforces: they are left out of
         the grammar, the output is validated against the whole schema afterwards
         (`OutputValidationError`) and `Completion.relaxed` lists them.
@@ -222,14 +228,24 @@ class LLM:
             except Exception as e:
                 raise _grammar_error(output_type, e) from e
         ids = self.encode_prompt(prompt, chat=options.chat, tools=options.tools)
-        return Request(ids, options.params, matcher, frozenset(self.engine.stop_token_ids)), constraint
+        return self._new_request(ids, options.params, matcher, constraint), constraint
+
+    def _new_request(self, ids: list[int], params: SamplingParams, matcher: GrammarMatcher | None,
+                     constraint: Constraint) -> Request:
+        """The engine request; with `repair`, a JSON output is validated where it would finish
+        and a rejected field decoded again (structgen/repair.py)."""
+        validator = None
+        if params.repair and constraint.kind == "json_schema":
+            vocab = token_bytes(self.tokenizer, self.engine.vocab_size)
+            validator = FieldRepair(constraint, vocab, params.repair)
+        return Request(ids, params, matcher, frozenset(self.engine.stop_token_ids), validator=validator)
 
     async def _arequest(self, output_type: Any, prompt: Prompt, options: Options) -> tuple[Request, Constraint]:
         """`_request` for asyncio: tokenizing and grammar work off the event loop."""
         constraint, compiled = await self._acompile(output_type, options.strict, options.params.loop_guards)
         matcher = compiled.matcher() if compiled is not None else None
         ids = await asyncio.to_thread(self.encode_prompt, prompt, chat=options.chat, tools=options.tools)
-        return Request(ids, options.params, matcher, frozenset(self.engine.stop_token_ids)), constraint
+        return self._new_request(ids, options.params, matcher, constraint), constraint
 
     async def aprepare(self, output_type: Any, *, strict: bool = True) -> Constraint:
         """Build and compile the grammar of `output_type` ahead of generating (cached), off the
@@ -296,7 +312,7 @@ class LLM:
             raise RequestCancelledError("request was cancelled")
         if req.finish_reason == "error":
             raise req.error if isinstance(req.error, StructgenError) else EngineError(str(req.error))
-        value = constraint.parse(text)
+        value = _validated(req, constraint, text)
         if req.params.loop_guards and constraint.kind == "json_schema" and reached_bound(text):
             req.stats.guards_fired.append("integer_digits")
         return Completion(value, text, answer_ids, req.finish_reason or "stop", req.stats, constraint.relaxed,
@@ -336,13 +352,13 @@ class LLM:
         temperature: float = DEFAULTS.temperature, top_p: float = DEFAULTS.top_p,
         top_k: int = DEFAULTS.top_k, seed: int | None = None, jump_forward: bool | None = None,
         close_at_budget: bool = True, loop_guards: bool = True,
-        reasoning: bool | None = None, max_reasoning_tokens: int | None = None,
+        reasoning: bool | None = None, max_reasoning_tokens: int | None = None, repair: int = 0,
         strict: bool = True, chat: bool | None = None, tools: list[dict[str, Any]] | None = None,
         params: SamplingParams | None = None,
     ) -> Completion[Any]:  # fmt: skip
         """Generate one output of `output_type` (keyword arguments: see `LLM`)."""
         options = Options.of(max_tokens, temperature, top_p, top_k, seed, jump_forward, strict, chat, tools, params,
-                             close_at_budget, loop_guards, reasoning, max_reasoning_tokens)
+                             close_at_budget, loop_guards, reasoning, max_reasoning_tokens, repair)
         return self._complete(output_type, prompt, options)
 
     @overload
@@ -357,13 +373,13 @@ class LLM:
         temperature: float = DEFAULTS.temperature, top_p: float = DEFAULTS.top_p,
         top_k: int = DEFAULTS.top_k, seed: int | None = None, jump_forward: bool | None = None,
         close_at_budget: bool = True, loop_guards: bool = True,
-        reasoning: bool | None = None, max_reasoning_tokens: int | None = None,
+        reasoning: bool | None = None, max_reasoning_tokens: int | None = None, repair: int = 0,
         strict: bool = True, chat: bool | None = None, tools: list[dict[str, Any]] | None = None,
         params: SamplingParams | None = None,
     ) -> Any:  # fmt: skip
         """Generate and return just the typed value (keyword arguments: see `LLM`)."""
         options = Options.of(max_tokens, temperature, top_p, top_k, seed, jump_forward, strict, chat, tools, params,
-                             close_at_budget, loop_guards, reasoning, max_reasoning_tokens)
+                             close_at_budget, loop_guards, reasoning, max_reasoning_tokens, repair)
         return self._complete(output_type, prompt, options).value
 
     def _complete_batch(self, output_type: Any, prompts: Sequence[Prompt], options: Options) -> list[Completion[Any]]:
@@ -392,13 +408,13 @@ class LLM:
         temperature: float = DEFAULTS.temperature, top_p: float = DEFAULTS.top_p,
         top_k: int = DEFAULTS.top_k, seed: int | None = None, jump_forward: bool | None = None,
         close_at_budget: bool = True, loop_guards: bool = True,
-        reasoning: bool | None = None, max_reasoning_tokens: int | None = None,
+        reasoning: bool | None = None, max_reasoning_tokens: int | None = None, repair: int = 0,
         strict: bool = True, chat: bool | None = None, tools: list[dict[str, Any]] | None = None,
         params: SamplingParams | None = None,
     ) -> list[Completion[Any]]:  # fmt: skip
         """Submit all prompts at once so they share batches; results in prompt order."""
         options = Options.of(max_tokens, temperature, top_p, top_k, seed, jump_forward, strict, chat, tools, params,
-                             close_at_budget, loop_guards, reasoning, max_reasoning_tokens)
+                             close_at_budget, loop_guards, reasoning, max_reasoning_tokens, repair)
         return self._complete_batch(output_type, prompts, options)
 
     @overload
@@ -419,13 +435,13 @@ class LLM:
         temperature: float = DEFAULTS.temperature, top_p: float = DEFAULTS.top_p,
         top_k: int = DEFAULTS.top_k, seed: int | None = None, jump_forward: bool | None = None,
         close_at_budget: bool = True, loop_guards: bool = True,
-        reasoning: bool | None = None, max_reasoning_tokens: int | None = None,
+        reasoning: bool | None = None, max_reasoning_tokens: int | None = None, repair: int = 0,
         strict: bool = True, chat: bool | None = None, tools: list[dict[str, Any]] | None = None,
         params: SamplingParams | None = None,
     ) -> list[Any]:  # fmt: skip
         """`complete_batch`, returning just the typed values."""
         options = Options.of(max_tokens, temperature, top_p, top_k, seed, jump_forward, strict, chat, tools, params,
-                             close_at_budget, loop_guards, reasoning, max_reasoning_tokens)
+                             close_at_budget, loop_guards, reasoning, max_reasoning_tokens, repair)
         return [c.value for c in self._complete_batch(output_type, prompts, options)]
 
     @overload
@@ -446,7 +462,7 @@ class LLM:
         temperature: float = DEFAULTS.temperature, top_p: float = DEFAULTS.top_p,
         top_k: int = DEFAULTS.top_k, seed: int | None = None, jump_forward: bool | None = None,
         close_at_budget: bool = True, loop_guards: bool = True,
-        reasoning: bool | None = None, max_reasoning_tokens: int | None = None,
+        reasoning: bool | None = None, max_reasoning_tokens: int | None = None, repair: int = 0,
         strict: bool = True, chat: bool | None = None, tools: list[dict[str, Any]] | None = None,
         params: SamplingParams | None = None, partial: bool = False,
     ) -> Iterator[str] | PartialStream[Any]:  # fmt: skip
@@ -454,7 +470,8 @@ class LLM:
         the loop early (or Ctrl-C) aborts the request and frees its slot. `partial=True`
         (JSON output types) yields `Partial` snapshots of the typed value instead."""
         options = Options.of(max_tokens, temperature, top_p, top_k, seed, jump_forward, strict, chat, tools, params,
-                             close_at_budget, loop_guards, reasoning, max_reasoning_tokens)
+                             close_at_budget, loop_guards, reasoning, max_reasoning_tokens, repair)
+        _no_repair_in_streams(options)
         req, constraint = self._request(output_type, prompt, options)
         if partial:
             return PartialStream(partial_tracker(output_type, constraint), self._stream(req, constraint))
@@ -509,14 +526,14 @@ class LLM:
         temperature: float = DEFAULTS.temperature, top_p: float = DEFAULTS.top_p,
         top_k: int = DEFAULTS.top_k, seed: int | None = None, jump_forward: bool | None = None,
         close_at_budget: bool = True, loop_guards: bool = True,
-        reasoning: bool | None = None, max_reasoning_tokens: int | None = None,
+        reasoning: bool | None = None, max_reasoning_tokens: int | None = None, repair: int = 0,
         strict: bool = True, chat: bool | None = None, tools: list[dict[str, Any]] | None = None,
         params: SamplingParams | None = None,
     ) -> Completion[Any]:  # fmt: skip
         """`complete` for asyncio: compiling runs in a worker thread, decoding on the shared
         engine loop; cancelling the task cancels the request and frees its slot."""
         options = Options.of(max_tokens, temperature, top_p, top_k, seed, jump_forward, strict, chat, tools, params,
-                             close_at_budget, loop_guards, reasoning, max_reasoning_tokens)
+                             close_at_budget, loop_guards, reasoning, max_reasoning_tokens, repair)
         return await self._acomplete(output_type, prompt, options)
 
     @overload
@@ -531,13 +548,13 @@ class LLM:
         temperature: float = DEFAULTS.temperature, top_p: float = DEFAULTS.top_p,
         top_k: int = DEFAULTS.top_k, seed: int | None = None, jump_forward: bool | None = None,
         close_at_budget: bool = True, loop_guards: bool = True,
-        reasoning: bool | None = None, max_reasoning_tokens: int | None = None,
+        reasoning: bool | None = None, max_reasoning_tokens: int | None = None, repair: int = 0,
         strict: bool = True, chat: bool | None = None, tools: list[dict[str, Any]] | None = None,
         params: SamplingParams | None = None,
     ) -> Any:  # fmt: skip
         """`generate` for asyncio (see `acomplete`)."""
         options = Options.of(max_tokens, temperature, top_p, top_k, seed, jump_forward, strict, chat, tools, params,
-                             close_at_budget, loop_guards, reasoning, max_reasoning_tokens)
+                             close_at_budget, loop_guards, reasoning, max_reasoning_tokens, repair)
         return (await self._acomplete(output_type, prompt, options)).value
 
     @overload
@@ -558,14 +575,15 @@ class LLM:
         temperature: float = DEFAULTS.temperature, top_p: float = DEFAULTS.top_p,
         top_k: int = DEFAULTS.top_k, seed: int | None = None, jump_forward: bool | None = None,
         close_at_budget: bool = True, loop_guards: bool = True,
-        reasoning: bool | None = None, max_reasoning_tokens: int | None = None,
+        reasoning: bool | None = None, max_reasoning_tokens: int | None = None, repair: int = 0,
         strict: bool = True, chat: bool | None = None, tools: list[dict[str, Any]] | None = None,
         params: SamplingParams | None = None, partial: bool = False,
     ) -> CompletionStream | PartialStream[Any]:  # fmt: skip
         """Async iterator of text deltas; `.completion` holds the final Completion after.
         `partial=True` (JSON output types) yields `Partial` snapshots instead."""
         options = Options.of(max_tokens, temperature, top_p, top_k, seed, jump_forward, strict, chat, tools, params,
-                             close_at_budget, loop_guards, reasoning, max_reasoning_tokens)
+                             close_at_budget, loop_guards, reasoning, max_reasoning_tokens, repair)
+        _no_repair_in_streams(options)
         deltas = CompletionStream(self, output_type, prompt, options)
         if partial:
             constraint = self._constraint(output_type, options.strict)
@@ -677,6 +695,27 @@ def _stop_token_ids(tokenizer: Any, eos_ids: list[int]) -> set[int]:
         if tok in special:
             ids.add(special[tok])
     return ids
+
+
+def _validated(req: Request, constraint: Constraint, text: str) -> Any:
+    """The typed value of a finished output: as its repair validated it where it did, else
+    parsed now; a failure after repair carries every attempt."""
+    repair = req.validator if isinstance(req.validator, FieldRepair) else None
+    if repair is not None and repair.value is not None and repair.value[0] == text:
+        return repair.value[1]
+    try:
+        return constraint.parse(text)
+    except OutputValidationError as e:
+        if repair is None:
+            raise
+        raise repair.exhausted(e, req.stats) from e.__cause__
+
+
+def _no_repair_in_streams(options: Options) -> None:
+    if options.params.repair:
+        raise InvalidParameterError(
+            "repair is not available while streaming (a repaired field would take back text already "
+            "sent); use generate/complete with repair, or stream with repair=0")
 
 
 def _grammar_error(output_type: Any, error: Exception) -> StructgenError:

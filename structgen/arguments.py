@@ -50,6 +50,7 @@ class GenerateOptions(TypedDict, total=False):
     loop_guards: a constrained output that keeps repeating one pattern is closed early.
     reasoning: think between <think> tags first, then answer (None: from the chat template).
     max_reasoning_tokens: the most think tokens (None: half of max_tokens).
+    repair: decode a field a validator rejects again, at most this many times per field.
     strict: False relaxes JSON-schema keywords no backend enforces (validated afterwards).
     chat: False sends a string prompt as raw text instead of through the chat template.
     tools: OpenAI-style tool definitions for the chat template.
@@ -66,6 +67,7 @@ class GenerateOptions(TypedDict, total=False):
     loop_guards: bool
     reasoning: bool | None
     max_reasoning_tokens: int | None
+    repair: int
     strict: bool
     chat: bool | None
     tools: list[dict[str, Any]] | None
@@ -90,10 +92,10 @@ class Options:
         jump_forward: bool | None, strict: bool, chat: bool | None,
         tools: list[dict[str, Any]] | None, params: SamplingParams | None,
         close_at_budget: bool = True, loop_guards: bool = True, reasoning: bool | None = None,
-        max_reasoning_tokens: int | None = None,
+        max_reasoning_tokens: int | None = None, repair: int = 0,
     ) -> Options:  # fmt: skip
         sampling = SamplingParams(max_tokens, temperature, top_p, top_k, seed, jump_forward, close_at_budget, loop_guards,
-                                  reasoning=reasoning, max_reasoning_tokens=max_reasoning_tokens)
+                                  reasoning=reasoning, max_reasoning_tokens=max_reasoning_tokens, repair=repair)
         if params is None:
             params = sampling
         elif not isinstance(params, SamplingParams):

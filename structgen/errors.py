@@ -51,12 +51,16 @@ class IncompleteOutputError(StructgenError):
 
 
 class OutputValidationError(StructgenError):
-    """Decoded text did not validate against the requested type (should be impossible for
-    constraints the backend enforces fully; kept as a safety net)."""
+    """Decoded text did not validate against the requested type: a validator the grammar
+    cannot enforce rejected it, or a constraint was enforced only partly. With `repair=N`,
+    `attempts` holds every output tried (`structgen.repair.RepairAttempt`: text and error)
+    and `stats` the request's GenerationStats (usage accounting; None where no request ran)."""
 
-    def __init__(self, message: str, *, text: str = ""):
+    def __init__(self, message: str, *, text: str = "", attempts: list[Any] | None = None, stats: Any = None):
         super().__init__(message)
         self.text = text
+        self.attempts = list(attempts or [])
+        self.stats = stats
 
 
 class ModelNotFoundError(StructgenError):

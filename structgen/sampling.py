@@ -32,12 +32,16 @@ class SamplingParams:
     # The most think tokens (None: half of max_tokens); the answer's shortest completion is
     # kept out of it, so the answer still ends whole.
     max_reasoning_tokens: int | None = None
+    # Where a validator rejects a field of the finished output, roll back to that field and
+    # decode it again, at most this many times per field (structgen/repair.py); 0: never.
+    repair: int = 0
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1, None)
         _check_number("temperature", self.temperature, 0.0, None)
         _check_number("top_p", self.top_p, 0.0, 1.0, open_low=True)
         _check_int("top_k", self.top_k, 0, None)
+        _check_int("repair", self.repair, 0, None)
         if self.seed is not None:
             _check_int("seed", self.seed, 0, MAX_SEED)
         if self.jump_forward is not None and not isinstance(self.jump_forward, bool):

@@ -137,6 +137,9 @@ class EngineDecodeStep(DecodeStep):
         self.row_errors.update(eng._fill_masks(bitmask, eng._not_prefilled(bitmask, self.constrained)))
         if self.guessed:
             self.bad_guesses.update(fill_guess_rows(bitmask, [(i, self.reqs[i], row) for i, row in self.guessed.items()]))
+        if any(r.rejected for r in self.reqs):  # HOOK(repair)
+            eng.ban_rejected(bitmask, [(row, r, None) for row, r in zip(self.sampled_rows, self.reqs, strict=True)]
+                             + [(row, self.reqs[i], self.reqs[i].guess) for i, row in self.guessed.items()])
 
     def before_wait(self, done: Callable[[], bool]) -> None:
         """Rehearse the jumps of the sampled row's likely tokens (with a guess: the tokens after

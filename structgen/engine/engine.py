@@ -31,12 +31,14 @@ from structgen.engine.drafts import fill_guess_rows, take_guesses
 from structgen.engine.jump_forward import QUIET_MIN_ALLOWED, JumpForward, quiet_tokens
 from structgen.engine.model_runner import ExtendSeq, ModelRunner
 from structgen.engine.reasoning import Reasoner
+from structgen.engine.repair import ban_rejected, reopen_if_rejected
 from structgen.engine.request import Request, RequestStatus
 from structgen.engine.sampler import apply_bitmask_, sample, step_seed
 from structgen.engine.scheduler import Scheduler
 from structgen.errors import (
     EngineError,
     InvalidConstraintError,
+    InvalidParameterError,
     PromptTooLongError,
     UnsatisfiableConstraintError,
 )
@@ -162,6 +164,9 @@ class Engine:
                 f"prompt of {request.num_prompt} tokens + max_tokens {request.params.max_tokens} = {need} "
                 f"exceeds the context of {self.max_seq_len} tokens; shorten the prompt or lower max_tokens"
             )
+        if request.validator is not None and self.speculator is not None:
+            raise InvalidParameterError("repair does not run with speculative decoding; pass repair=0, or build "
+                                        "the LLM without EngineConfig.speculative")
         if request.params.seed is not None:
             request.generator = torch.Generator(device=self.device).manual_seed(request.params.seed)
         jf = request.params.jump_forward
@@ -431,6 +436,12 @@ class Engine:
                     errors[i] = exc
             return errors
 
+    def ban_rejected(self, bitmask: torch.Tensor, rows: list[tuple[int, Request, int | None]]) -> None:
+        """HOOK(repair): keep repaired requests off the text their validator rejected
+        (engine/repair.py); `rows`: (bitmask row, request, draft it samples after)."""
+        if self.jump_forward_hook is not None:
+            ban_rejected(bitmask, rows, self.jump_forward_hook.vocab)
+
     def _noise_seed(self, req: Request, ahead: int = 0) -> int:
         """Seed of this step's sampling noise: a function of (seed, position) for seeded
         requests, so they reproduce whatever they are batched with (and with or without
@@ -464,6 +475,9 @@ class Engine:
                 errors[constrained[k][0]] = exc
             bad_guesses = fill_guess_rows(bitmask, [(i, reqs[i], len(constrained) + k)
                                                     for k, i in enumerate(guessed)])
+            if any(r.rejected for r in reqs):
+                self.ban_rejected(bitmask, [(k, r, None) for k, (_, r) in enumerate(constrained)]
+                                  + [(len(constrained) + k, reqs[i], reqs[i].guess) for k, i in enumerate(guessed)])
             idx = torch.tensor([j for j, _ in constrained] + [n + k for k in range(len(guessed))], device=self.device)
             masked = apply_bitmask_(logits.index_select(0, idx), bitmask.to(self.device, non_blocking=True))
             logits.index_copy_(0, idx, masked)
@@ -515,7 +529,8 @@ class Engine:
                     req.finish("error", EngineError(str(exc)))
         if prefetch and self.prefetcher is not None:
             self._prefetch_masks()
-        finished = [req for req in reqs if req.finished]
+        # HOOK(repair): a rejected output goes back to its bad field, keeping its slot.
+        finished = [req for req in reqs if req.finished and not reopen_if_rejected(self, req)]
         for req in finished:
             self.scheduler.remove(req)
             self._notify(req)

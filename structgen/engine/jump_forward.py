@@ -142,6 +142,15 @@ class VocabBytes:
         """The same tokens as ids (int64, ascending by bytes)."""
         return self._extension_entry(tid)[1]
 
+    def consistent_with(self, text: bytes) -> np.ndarray:
+        """The tokens (ids, int64) that keep an output on `text`: those spelling a prefix of
+        it, and those starting with all of it (engine/repair.py bans them)."""
+        spans = [(bisect.bisect_left(self._sorted, text[:k]), bisect.bisect_right(self._sorted, text[:k]))
+                 for k in range(1, min(len(text), self.longest + 1))]
+        spans.append((bisect.bisect_left(self._sorted, text),
+                      bisect.bisect_left(self._sorted, _successor(text)) if text.strip(b"\xff") else len(self._sorted)))
+        return np.concatenate([self._sorted_ids[lo:hi] for lo, hi in spans]) if text else self._sorted_ids[:0]
+
     def _extension_entry(self, tid: int) -> tuple[np.ndarray, np.ndarray]:
         entry = self._extensions.get(tid)
         if entry is None:

@@ -15,6 +15,7 @@ from structgen.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from structgen.engine.reasoning import ReasoningPhase
+    from structgen.engine.repair import OutputValidator, RejectedText
     from structgen.grammar import GrammarMatcher
 
 _ids = itertools.count()
@@ -49,6 +50,10 @@ class GenerationStats:
     loop: str = ""  # the text the output was found repeating, if it was
     shortest_completion: int | None = None  # cut off at max_tokens: tokens a completion still needed
     dropped_tokens: int = 0  # generated, then dropped to close where a completion still fitted
+    # engine/repair.py: fields a validator rejected and that were decoded again, and the
+    # tokens those rollbacks dropped (decoded once more: the repair's extra tokens).
+    repairs: int = 0
+    repair_tokens: int = 0
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -74,6 +79,7 @@ class Request:
         stop_token_ids: frozenset[int] = frozenset(),
         on_update: Callable[[Request], None] | None = None,
         group: Hashable | None = None,
+        validator: OutputValidator | None = None,
     ):
         self.id = next(_ids)
         self.group = group if group is not None else request_group.get()
@@ -103,6 +109,9 @@ class Request:
         # (its matcher is parked there while it thinks).
         self.reasoning: ReasoningPhase | None = None
         self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
+        # Checks a finished output; may send the request back to a field (engine/repair.py).
+        self.validator = validator
+        self.rejected: list[RejectedText] = []  # text a validator rejected, never written again
         self.arrival = time.perf_counter()
         self.first_token_at: float | None = None
 
@@ -118,6 +127,11 @@ class Request:
     def thinking(self) -> bool:
         """In its think section: unconstrained, and a stop token ends the thinking only."""
         return self.reasoning is not None and self.reasoning.thinking
+
+    @property
+    def answer_ids(self) -> list[int]:
+        """The output tokens the grammar took: the output after any think section."""
+        return self.token_ids[self.grammar_start :]
 
     @property
     def grammar_start(self) -> int:
@@ -151,6 +165,15 @@ class Request:
         self.guess = None
         self.num_cached = min(self.num_cached, length)
         self.stats.output_tokens = self.num_output
+
+    def reopen(self, length: int) -> None:
+        """Finished, back to running from its first `length` tokens (engine/repair.py): the
+        last kept token runs again, so the next step has its logits to sample from."""
+        self.truncate(length)
+        self.num_cached = min(self.num_cached, length - 1)
+        self.status = RequestStatus.RUNNING
+        self.finish_reason = None
+        self.error = None
 
     # -- the finish rule: the engine, jump-forward and the speculator all finish requests here --
     @property
