@@ -15,6 +15,8 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Gemma3ForCausalLM",
     "Phi3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
 )
 SLIDING, FULL = "sliding_attention", "full_attention"  # HF's names for a layer's attention
 
@@ -52,6 +54,16 @@ class ModelConfig:
     # LongRoPE's short factors below the pretraining context, long ones from it on.
     partial_rotary_factor: float = 1.0
     original_max_position_embeddings: int | None = None
+    # Mixture of experts (models/moe.py: Qwen3-MoE, Mixtral): each token's feed-forward is the
+    # routing-weighted sum of its top `num_experts_per_tok` of `num_experts` SwiGLU experts.
+    num_experts: int = 0  # 0: every layer dense
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to one
+    dense_layers: tuple[int, ...] = ()  # layers with a dense MLP of intermediate_size instead
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     def window_of(self, layer: int) -> int | None:
         """The attention window of `layer`, None where it attends to its whole context."""
@@ -73,6 +85,8 @@ class ModelConfig:
             return cls._gemma3(d)
         if arch == "Phi3ForCausalLM":
             return cls._phi3(d)
+        if arch in ("Qwen3MoeForCausalLM", "MixtralForCausalLM"):
+            return cls._moe(d, arch)
         return cls(
             architecture=arch,
             **_shape(d),
@@ -153,6 +167,44 @@ class ModelConfig:
             sliding_window=window,
             partial_rotary_factor=d.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0)),
             original_max_position_embeddings=original,
+        )
+
+    @classmethod
+    def _moe(cls, d: dict[str, Any], arch: str) -> ModelConfig:
+        """Qwen3-MoE (Qwen3's attention with q/k norms; `mlp_only_layers` and
+        `decoder_sparse_step` pick dense layers) or Mixtral (Mistral's attention, every layer
+        sparse, top-k weights always renormalised)."""
+        from structgen.errors import ModelLoadError
+
+        n_layers = d["num_hidden_layers"]
+        qwen = arch == "Qwen3MoeForCausalLM"
+        if d.get("sliding_window") and d.get("use_sliding_window", not qwen):
+            raise ModelLoadError(f"{arch} with a sliding window is not supported; structgen runs MoE "
+                                 "checkpoints whose config has sliding_window null")
+        step = d.get("decoder_sparse_step", 1) if qwen else 1
+        dense = set(d.get("mlp_only_layers") or []) | {i for i in range(n_layers) if (i + 1) % step}
+        experts = d.get("num_experts") or d.get("num_local_experts") or 0
+        if experts < 1 or not d.get("num_experts_per_tok"):
+            raise ModelLoadError(f"{arch} config has no experts (num_experts / num_experts_per_tok); "
+                                 "pass the checkpoint's own config.json")
+        inter = d["intermediate_size"]
+        return cls(
+            architecture=arch,
+            **_shape(d),
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=d.get("rope_theta", (d.get("rope_parameters") or {}).get("rope_theta", 1_000_000.0)),
+            rope_scaling=d.get("rope_scaling"),
+            max_position_embeddings=d.get("max_position_embeddings", 32768),
+            tie_word_embeddings=d.get("tie_word_embeddings", False),
+            attention_bias=d.get("attention_bias", False),
+            qk_norm=qwen,
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=_id_list(d.get("eos_token_id")),
+            num_experts=experts,
+            num_experts_per_tok=d["num_experts_per_tok"],
+            moe_intermediate_size=d.get("moe_intermediate_size", inter) if qwen else inter,
+            norm_topk_prob=d.get("norm_topk_prob", False) if qwen else True,
+            dense_layers=tuple(sorted(dense)),
         )
 
     @classmethod

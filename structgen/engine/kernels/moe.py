@@ -1,0 +1,148 @@
+"""Grouped expert kernels for mixture-of-experts layers: every (token, chosen expert) pair of a
+step in one launch for gate/up (+ SiLU * up) and one for down (+ the routing weight).
+
+The pairs are sorted by expert and each expert's run padded to whole blocks of BLOCK_M rows
+(`align_by_expert`), so a program multiplies one block of rows by one expert's weights, read
+once per block. Every shape depends only on the number of tokens, never on the routing: the
+alignment is a fixed-size sort and scatter, blocks past the padded total return at once, and
+pairs fill padding rows with a sentinel. Nothing reads a value back to the host, so a decode
+step captures into a CUDA graph. At decode batch sizes each block holds the one or few
+tokens routed to its expert: a gather-GEMV over the top-k experts' weights.
+
+The torch reference the tests compare to is `models/moe.experts_reference`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass
+class ExpertBlocks:
+    """Pairs (token * top_k + slot) sorted by expert and padded to blocks of `block_m` rows."""
+
+    sorted_pairs: torch.Tensor  # [max_blocks * block_m] pair index, `num_pairs` on padding rows
+    block_experts: torch.Tensor  # [max_blocks] the expert of each block
+    padded_total: torch.Tensor  # [1] rows in use; blocks from there on have nothing to do
+    block_m: int
+    num_pairs: int
+
+
+def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
+    """Sort the pairs of `topk_ids` [tokens, top_k] by expert, each expert's run padded to a
+    multiple of `block_m`, in shapes fixed by the token count (at most min(E, pairs) partial
+    blocks beyond ceil(pairs / block_m) full ones)."""
+    flat = topk_ids.flatten().long()
+    pairs, device = flat.numel(), flat.device
+    counts = torch.zeros(num_experts, dtype=torch.long, device=device).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = padded.cumsum(0)
+    order = torch.argsort(flat, stable=True)
+    by_expert = flat[order]
+    rank = torch.arange(pairs, device=device) - (counts.cumsum(0) - counts)[by_expert]
+    max_blocks = min(num_experts, pairs) + triton.cdiv(pairs, block_m)
+    sorted_pairs = torch.full((max_blocks * block_m,), pairs, dtype=torch.int32, device=device)
+    sorted_pairs.scatter_(0, (padded_end - padded)[by_expert] + rank, order.to(torch.int32))
+    starts = torch.arange(max_blocks, device=device) * block_m
+    block_experts = torch.searchsorted(padded_end, starts, right=True).clamp_(max=num_experts - 1)
+    return ExpertBlocks(sorted_pairs, block_experts.to(torch.int32), padded_end[-1:], block_m, pairs)
+
+
+@triton.jit
+def _gate_up_kernel(X, W, Out, SortedPairs, BlockExperts, PaddedTotal,
+                    stride_x, stride_we, stride_wn, stride_o, num_pairs, inter, hidden,
+                    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    PRECISION: tl.constexpr):
+    """Out[pair, n] = silu(x[token] . W[e, n]) * (x[token] . W[e, inter + n]) for one block."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(PaddedTotal):
+        return
+    pair = tl.load(SortedPairs + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = pair < num_pairs
+    token = (pair // TOP_K).to(tl.int64)
+    expert = tl.load(BlockExperts + pid_m).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < inter
+    w_gate = W + expert * stride_we + cols[None, :] * stride_wn
+    w_up = w_gate + inter * stride_wn
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < hidden
+        a = tl.load(X + token[:, None] * stride_x + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+        w_mask = k_ok[:, None] & col_ok[None, :]
+        acc_gate = tl.dot(a, tl.load(w_gate + ks[:, None], mask=w_mask, other=0.0), acc_gate,
+                          input_precision=PRECISION)
+        acc_up = tl.dot(a, tl.load(w_up + ks[:, None], mask=w_mask, other=0.0), acc_up,
+                        input_precision=PRECISION)
+    dt = Out.dtype.element_ty
+    # Rounded to the model dtype where the torch path rounds: the projection, then SiLU * up.
+    gate, up = acc_gate.to(dt).to(tl.float32), acc_up.to(dt).to(tl.float32)
+    h = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32) * up
+    tl.store(Out + pair[:, None].to(tl.int64) * stride_o + cols[None, :], h.to(dt),
+             mask=valid[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(H, W, RouteWeights, Out, SortedPairs, BlockExperts, PaddedTotal,
+                 stride_h, stride_we, stride_wn, stride_o, num_pairs, hidden, inter,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """Out[pair, n] = route_weight[pair] * (h[pair] . W[e, n]) for one block, in float32."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(PaddedTotal):
+        return
+    pair = tl.load(SortedPairs + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = pair < num_pairs
+    row = pair.to(tl.int64)
+    expert = tl.load(BlockExperts + pid_m).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < hidden
+    w_rows = W + expert * stride_we + cols[None, :] * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < inter
+        a = tl.load(H + row[:, None] * stride_h + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.dot(a, tl.load(w_rows + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0), acc,
+                     input_precision=PRECISION)
+    dt = H.dtype.element_ty
+    route = tl.load(RouteWeights + row, mask=valid, other=0.0).to(tl.float32)
+    out = acc.to(dt).to(tl.float32) * route[:, None]
+    tl.store(Out + row[:, None] * stride_o + cols[None, :], out, mask=valid[:, None] & col_ok[None, :])
+
+
+def block_m_for(pairs: int) -> int:
+    """Rows per block: 16 (tl.dot's least) while experts see a token or two, 64 for prefills."""
+    return 16 if pairs <= 512 else 64
+
+
+def grouped_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                    gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) for SwiGLU experts stored
+    stacked: gate_up [E, 2I, H] (gate rows then up rows), down [E, H, I]."""
+    tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    num_experts, two_inter, _ = gate_up.shape
+    inter = two_inter // 2
+    blocks = align_by_expert(topk_ids, num_experts, block_m_for(tokens * top_k))
+    n_blocks = blocks.block_experts.numel()
+    x = x.contiguous()
+    h = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
+    block_n, block_k = 64, 64
+    # float32 models multiply in full precision (TF32 would drift from the torch path).
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    _gate_up_kernel[(n_blocks, triton.cdiv(inter, block_n))](
+        x, gate_up, h, blocks.sorted_pairs, blocks.block_experts, blocks.padded_total,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0), blocks.num_pairs, inter, hidden,
+        TOP_K=top_k, BLOCK_M=blocks.block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, num_warps=4)
+    out = torch.empty(tokens * top_k, hidden, dtype=torch.float32, device=x.device)
+    _down_kernel[(n_blocks, triton.cdiv(hidden, block_n))](
+        h, down, topk_weights.contiguous().view(-1), out, blocks.sorted_pairs, blocks.block_experts,
+        blocks.padded_total, h.stride(0), down.stride(0), down.stride(1), out.stride(0), blocks.num_pairs,
+        hidden, inter, BLOCK_M=blocks.block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, num_warps=4)
+    return out.view(tokens, top_k, hidden).sum(1).to(x.dtype)

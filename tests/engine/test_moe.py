@@ -1,0 +1,169 @@
+"""Mixture of experts against transformers' Qwen3MoeForCausalLM (and MixtralForCausalLM) on tiny
+random-weight checkpoints (CPU, float32): top-2 of 8 experts with renormalised weights, a dense
+layer among sparse ones, Qwen3's q/k norms; the grouped Triton expert kernel against the torch
+reference; and the same checkpoint as a llama.cpp `qwen3moe` GGUF."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+import pytest
+import torch
+
+from structgen.engine.config import EngineConfig
+from structgen.engine.engine import Engine
+from structgen.engine.model_runner import ExtendSeq
+from structgen.engine.models.loader import load_model_config
+from structgen.engine.request import Request
+from structgen.sampling import SamplingParams
+
+STEPS = 32
+PROMPTS = [[1, 17, 301, 45, 9, 88, 120, 7, 33, 250, 61, 5], [1, 400, 3, 77]]
+KERNELS = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def tiny_qwen3_moe(path: Path, **overrides) -> tuple[Path, torch.nn.Module]:
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    settings = {"vocab_size": 512, "norm_topk_prob": True, "bos_token_id": 1, "eos_token_id": None, **overrides}
+    cfg = Qwen3MoeConfig(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+                         num_experts_per_tok=2, mlp_only_layers=[1], max_position_embeddings=256, **settings)
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(cfg).eval()
+    with torch.no_grad():  # routers far from uniform, so a wrong top-k changes the tokens
+        for name, p in model.named_parameters():
+            p.normal_(1.0 if "norm" in name else 0.0, 0.3 if "norm" in name or "gate.weight" in name else 0.08)
+    model.save_pretrained(path)
+    return path, model
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
+    return tiny_qwen3_moe(tmp_path_factory.mktemp("tiny-qwen3-moe"))
+
+
+def reference_greedy(model: torch.nn.Module, prompt: list[int], steps: int = STEPS) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def assert_equals_transformers(path: Path, ref: torch.nn.Module) -> None:
+    """32 greedy steps of two prompts batched and prefilled in chunks of 5: transformers'
+    tokens; logits of the whole sequence close to transformers'."""
+    engine = Engine(load_model_config(path), EngineConfig(device="cpu", max_batch_size=2, max_seq_len=64,
+                                                          prefill_chunk_tokens=5), path)
+    reqs = [Request(p, SamplingParams(max_tokens=STEPS)) for p in PROMPTS]
+    engine.run(reqs)
+    for prompt, req in zip(PROMPTS, reqs, strict=True):
+        assert req.output_ids == reference_greedy(ref, prompt)
+    full = PROMPTS[0] + reqs[0].output_ids
+    with torch.no_grad():
+        expected = ref(torch.tensor([full])).logits[0]
+    ours = engine.runner.extend([ExtendSeq(0, 0, full, num_logits=len(full))])
+    assert torch.allclose(ours, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_config_reads_the_experts_and_the_dense_layer(tiny_moe):
+    cfg = load_model_config(tiny_moe[0])
+    assert cfg.architecture == "Qwen3MoeForCausalLM" and cfg.qk_norm
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (8, 2, 32)
+    assert [cfg.is_moe_layer(i) for i in range(3)] == [True, False, True] and cfg.norm_topk_prob
+
+
+def test_greedy_tokens_and_logits_equal_transformers(tiny_moe):
+    assert_equals_transformers(*tiny_moe)
+
+
+def test_routing_without_renormalised_weights_equals_transformers(tmp_path):
+    """norm_topk_prob false: the experts' outputs are weighted by the raw softmax probabilities."""
+    assert_equals_transformers(*tiny_qwen3_moe(tmp_path, norm_topk_prob=False))
+
+
+def test_mixtral_equals_transformers(tmp_path):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(vocab_size=512, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
+                        max_position_embeddings=256, bos_token_id=1, eos_token_id=None)
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0 if "norm" in name else 0.0, 0.3 if "norm" in name or "gate.weight" in name else 0.08)
+    model.save_pretrained(tmp_path)
+    assert_equals_transformers(tmp_path, model)
+
+
+def test_llm_on_a_moe_folder_returns_a_valid_typed_value(tmp_path, model_dir):
+    """`LLM(folder)` on a Qwen3-MoE directory with the default model's tokenizer: a constrained
+    generation (random weights, so only validity is asserted) returns one of the literals."""
+    import shutil
+
+    from structgen import LLM
+
+    path, _ = tiny_qwen3_moe(tmp_path, vocab_size=49152, eos_token_id=2)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
+        if (model_dir / name).is_file():
+            shutil.copy2(model_dir / name, path / name)
+    with LLM(path, config=EngineConfig(device="cpu", max_batch_size=1, max_seq_len=128)) as llm:
+        assert llm.generate(Literal["red", "green", "blue"], "Pick a colour.", max_tokens=8) in ("red", "green", "blue")
+
+
+@pytest.mark.skipif(not KERNELS, reason="needs CUDA (or TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_grouped_expert_kernel_equals_the_torch_reference(tokens):
+    """Decode-sized steps (a block per routed expert) and a prefill-sized one (several tokens
+    per expert, experts left out), top-2 of 8, float32."""
+    from structgen.engine.kernels.moe import grouped_experts
+    from structgen.engine.models.moe import experts_reference
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator(device=device).manual_seed(tokens)
+    x = torch.randn(tokens, 64, device=device, generator=g)
+    gate_up = torch.randn(8, 2 * 48, 64, device=device, generator=g) * 0.1
+    down = torch.randn(8, 64, 48, device=device, generator=g) * 0.1
+    probs = torch.randn(tokens, 8, device=device, generator=g).softmax(-1)
+    weights, ids = probs.topk(2, dim=-1)
+    expected = experts_reference(x, ids, weights, gate_up, down)
+    assert torch.allclose(grouped_experts(x, ids, weights, gate_up, down), expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_in_bf16_match_eager_and_transformers(tiny_moe):
+    """On the device in bf16: greedy tokens through the CUDA graphs (the grouped expert kernel
+    captured) equal the eager path's, and prefill logits are within bf16 tolerance of
+    transformers'."""
+    path, ref = tiny_moe
+    outs = {}
+    for graphs in (True, False):
+        ec = EngineConfig(device="cuda", dtype="bfloat16", max_batch_size=2, max_seq_len=64, use_cuda_graphs=graphs,
+                          prefill_in_graphs=False)
+        engine = Engine(load_model_config(path), ec, path)
+        assert (engine.runner.graphs is not None) == graphs
+        reqs = [Request(p, SamplingParams(max_tokens=STEPS)) for p in PROMPTS]
+        engine.run(reqs)
+        outs[graphs] = [r.output_ids for r in reqs]
+        full = PROMPTS[0] + outs[graphs][0]
+        slot = engine.runner.kv.allocate()
+        ours = engine.runner.extend([ExtendSeq(slot, 0, full, num_logits=len(full))])
+    assert outs[True] == outs[False]
+    hf = ref.to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        expected = hf(torch.tensor([full], device="cuda")).logits[0].float()
+    ref.to("cpu", torch.float32)
+    assert float((ours - expected).norm() / expected.norm()) < 3e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not KERNELS, reason="needs CUDA (or TRITON_INTERPRET=1)")
+def test_decode_graph_steps_equal_transformers_in_float32(tiny_moe, greedy_through_graph_steps):
+    """The decode graphs' step (grouped expert kernel, decode attention) in float32:
+    transformers' greedy tokens. On the CPU under TRITON_INTERPRET=1 the steps run eagerly."""
+    path, ref = tiny_moe
+    ours = greedy_through_graph_steps(path, PROMPTS, 20)
+    assert ours == [reference_greedy(ref, p, 20) for p in PROMPTS]
