@@ -27,10 +27,11 @@ KERNELS = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 def tiny_qwen3_moe(path: Path, **overrides) -> tuple[Path, torch.nn.Module]:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    settings = {"vocab_size": 512, "norm_topk_prob": True, "bos_token_id": 1, "eos_token_id": None, **overrides}
+    settings = {"vocab_size": 512, "norm_topk_prob": True, "mlp_only_layers": [1], "bos_token_id": 1,
+                "eos_token_id": None, **overrides}
     cfg = Qwen3MoeConfig(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
-                         num_experts_per_tok=2, mlp_only_layers=[1], max_position_embeddings=256, **settings)
+                         num_experts_per_tok=2, max_position_embeddings=256, **settings)
     torch.manual_seed(0)
     model = Qwen3MoeForCausalLM(cfg).eval()
     with torch.no_grad():  # routers far from uniform, so a wrong top-k changes the tokens
@@ -111,6 +112,65 @@ def test_llm_on_a_moe_folder_returns_a_valid_typed_value(tmp_path, model_dir):
             shutil.copy2(model_dir / name, path / name)
     with LLM(path, config=EngineConfig(device="cpu", max_batch_size=1, max_seq_len=128)) as llm:
         assert llm.generate(Literal["red", "green", "blue"], "Pick a colour.", max_tokens=8) in ("red", "green", "blue")
+
+
+def write_qwen3moe_gguf(model: torch.nn.Module, out: Path) -> None:
+    """The tiny checkpoint as llama.cpp's converter writes a `qwen3moe` GGUF: its tensor names
+    (gguf-py's name map; gate and up experts stacked apart), float32 tensors, the expert
+    counts, and a small SentencePiece-style vocabulary."""
+    import gguf
+
+    cfg = model.config
+    w = gguf.GGUFWriter(str(out), "qwen3moe")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_expert_count(cfg.num_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_tokenizer_model("llama")
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + [f"\u2581w{i}" for i in range(253)]
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * 259 + [-float(i) for i in range(253)])
+    w.add_token_types([2, 3, 3] + [6] * 256 + [1] * 253)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3MOE, cfg.num_hidden_layers)
+    for name, tensor in model.state_dict().items():
+        if name.endswith("experts.gate_up_proj"):  # llama.cpp stores the two halves apart
+            for half, part in zip(("gate_proj", "up_proj"), tensor.chunk(2, dim=1), strict=True):
+                w.add_tensor(names.get_name(name.replace("gate_up_proj", half)) + ".weight", part.float().numpy())
+        else:
+            w.add_tensor(names.get_name(name, try_suffixes=(".weight",)) + (".weight" * ("experts" in name)),
+                         tensor.float().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_a_qwen3moe_gguf_converts_to_the_same_model(tmp_path):
+    """llama.cpp's `qwen3moe` GGUF (router, stacked expert tensors, q/k norms, no rotary
+    permutation) converts to a directory our engine runs with transformers' greedy tokens."""
+    from structgen.engine.models.loader import resolve_model
+
+    _, ref = tiny_qwen3_moe(tmp_path / "hf", mlp_only_layers=[])
+    write_qwen3moe_gguf(ref, tmp_path / "tiny-qwen3moe.gguf")
+    model_dir = resolve_model(tmp_path / "tiny-qwen3moe.gguf", cache_dir=tmp_path / "cache", progress=False)
+    cfg = load_model_config(model_dir)
+    assert (cfg.architecture, cfg.num_experts, cfg.num_experts_per_tok, cfg.dense_layers) == (
+        "Qwen3MoeForCausalLM", 8, 2, ())
+    engine = Engine(cfg, EngineConfig(device="cpu", max_batch_size=1, max_seq_len=64), model_dir)
+    req = Request(PROMPTS[0], SamplingParams(max_tokens=16))
+    engine.run([req])
+    assert req.output_ids == reference_greedy(ref, PROMPTS[0], 16)
 
 
 @pytest.mark.skipif(not KERNELS, reason="needs CUDA (or TRITON_INTERPRET=1)")
