@@ -79,24 +79,10 @@ def test_greedy_tokens_and_logits_equal_transformers(tiny_moe):
     assert_equals_transformers(*tiny_moe)
 
 
+@pytest.mark.slow
 def test_routing_without_renormalised_weights_equals_transformers(tmp_path):
     """norm_topk_prob false: the experts' outputs are weighted by the raw softmax probabilities."""
     assert_equals_transformers(*tiny_qwen3_moe(tmp_path, norm_topk_prob=False))
-
-
-def test_mixtral_equals_transformers(tmp_path):
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    cfg = MixtralConfig(vocab_size=512, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
-                        max_position_embeddings=256, bos_token_id=1, eos_token_id=None)
-    torch.manual_seed(0)
-    model = MixtralForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(1.0 if "norm" in name else 0.0, 0.3 if "norm" in name or "gate.weight" in name else 0.08)
-    model.save_pretrained(tmp_path)
-    assert_equals_transformers(tmp_path, model)
 
 
 def test_llm_on_a_moe_folder_returns_a_valid_typed_value(tmp_path, model_dir):
@@ -114,25 +100,57 @@ def test_llm_on_a_moe_folder_returns_a_valid_typed_value(tmp_path, model_dir):
         assert llm.generate(Literal["red", "green", "blue"], "Pick a colour.", max_tokens=8) in ("red", "green", "blue")
 
 
-def write_qwen3moe_gguf(model: torch.nn.Module, out: Path) -> None:
-    """The tiny checkpoint as llama.cpp's converter writes a `qwen3moe` GGUF: its tensor names
-    (gguf-py's name map; gate and up experts stacked apart), float32 tensors, the expert
-    counts, and a small SentencePiece-style vocabulary."""
+def tiny_mixtral(path: Path) -> tuple[Path, torch.nn.Module]:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(vocab_size=512, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
+                        max_position_embeddings=256, bos_token_id=1, eos_token_id=None)
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0 if "norm" in name else 0.0, 0.3 if "norm" in name or "gate.weight" in name else 0.08)
+    model.save_pretrained(path)
+    return path, model
+
+
+def test_mixtral_equals_transformers(tmp_path):
+    assert_equals_transformers(*tiny_mixtral(tmp_path))
+
+
+def llama_cpp_tensor(arch: str, name: str, tensor: torch.Tensor, cfg) -> torch.Tensor:
+    """A tensor as llama.cpp's converter stores it: the `llama` architecture's q/k rows in
+    interleaved rotary pairs."""
+    heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}
+    kind = name.split(".")[-2]
+    if arch != "llama" or kind not in heads:
+        return tensor
+    rows = tensor.shape[0]
+    return tensor.reshape(heads[kind], 2, rows // heads[kind] // 2, -1).swapaxes(1, 2).reshape(tensor.shape)
+
+
+def write_moe_gguf(model: torch.nn.Module, out: Path, arch: str) -> None:
+    """The tiny checkpoint as llama.cpp's converter writes it (`qwen3moe`, or Mixtral as
+    `llama`): gguf-py's tensor names with gate and up experts stacked apart, float32 tensors,
+    the expert counts, and a small SentencePiece-style vocabulary."""
     import gguf
 
     cfg = model.config
-    w = gguf.GGUFWriter(str(out), "qwen3moe")
+    w = gguf.GGUFWriter(str(out), arch)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if arch == "qwen3moe":
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     w.add_expert_count(cfg.num_experts)
     w.add_expert_used_count(cfg.num_experts_per_tok)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
+    head_dim = cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_tokenizer_model("llama")
@@ -142,31 +160,37 @@ def write_qwen3moe_gguf(model: torch.nn.Module, out: Path) -> None:
     w.add_token_types([2, 3, 3] + [6] * 256 + [1] * 253)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3MOE, cfg.num_hidden_layers)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3MOE if arch == "qwen3moe" else gguf.MODEL_ARCH.LLAMA,
+                                     cfg.num_hidden_layers)
     for name, tensor in model.state_dict().items():
         if name.endswith("experts.gate_up_proj"):  # llama.cpp stores the two halves apart
             for half, part in zip(("gate_proj", "up_proj"), tensor.chunk(2, dim=1), strict=True):
                 w.add_tensor(names.get_name(name.replace("gate_up_proj", half)) + ".weight", part.float().numpy())
         else:
             w.add_tensor(names.get_name(name, try_suffixes=(".weight",)) + (".weight" * ("experts" in name)),
-                         tensor.float().numpy())
+                         llama_cpp_tensor(arch, name, tensor, cfg).float().numpy())
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
 
 
-def test_a_qwen3moe_gguf_converts_to_the_same_model(tmp_path):
+@pytest.mark.parametrize("arch", ["qwen3moe", pytest.param("llama", marks=pytest.mark.slow)])
+def test_a_moe_gguf_converts_to_the_same_model(tmp_path, arch):
     """llama.cpp's `qwen3moe` GGUF (router, stacked expert tensors, q/k norms, no rotary
-    permutation) converts to a directory our engine runs with transformers' greedy tokens."""
+    permutation) and its Mixtral (a `llama` GGUF with experts, q/k permuted) convert to
+    directories our engine runs with transformers' greedy tokens."""
     from structgen.engine.models.loader import resolve_model
 
-    _, ref = tiny_qwen3_moe(tmp_path / "hf", mlp_only_layers=[])
-    write_qwen3moe_gguf(ref, tmp_path / "tiny-qwen3moe.gguf")
-    model_dir = resolve_model(tmp_path / "tiny-qwen3moe.gguf", cache_dir=tmp_path / "cache", progress=False)
+    if arch == "qwen3moe":
+        _, ref = tiny_qwen3_moe(tmp_path / "hf", mlp_only_layers=[])
+    else:
+        _, ref = tiny_mixtral(tmp_path / "hf")
+    write_moe_gguf(ref, tmp_path / "tiny-moe.gguf", arch)
+    model_dir = resolve_model(tmp_path / "tiny-moe.gguf", cache_dir=tmp_path / "cache", progress=False)
     cfg = load_model_config(model_dir)
     assert (cfg.architecture, cfg.num_experts, cfg.num_experts_per_tok, cfg.dense_layers) == (
-        "Qwen3MoeForCausalLM", 8, 2, ())
+        type(ref).__name__, 8, 2, ())
     engine = Engine(cfg, EngineConfig(device="cpu", max_batch_size=1, max_seq_len=64), model_dir)
     req = Request(PROMPTS[0], SamplingParams(max_tokens=16))
     engine.run([req])

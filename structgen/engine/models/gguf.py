@@ -68,19 +68,24 @@ _PHI3_BLOCK_NAMES = {
     "ffn_up.weight": "mlp.gate_up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
-# Qwen3-MoE: Qwen3's q/k norms, the router (`ffn_gate_inp`) and the experts stacked per layer;
-# gate and up are joined into transformers' `gate_up_proj` while converting (`_ExpertJoiner`).
-_QWEN3MOE_BLOCK_NAMES = {
-    **{k: v for k, v in _BLOCK_NAMES.items() if not k.startswith(("ffn_gate.", "ffn_up.", "ffn_down."))},
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
+# A sparse layer's router (`ffn_gate_inp`) and experts, stacked per layer, in transformers 5's
+# names; gate and up are joined into `gate_up_proj` while converting (`_ExpertJoiner`).
+# llama.cpp writes Mixtral as the `llama` architecture with these tensors.
+_EXPERT_BLOCK_NAMES = {
     "ffn_gate_inp.weight": "mlp.gate.weight",
     "ffn_gate_exps.weight": "mlp.experts.gate_proj",
     "ffn_up_exps.weight": "mlp.experts.up_proj",
     "ffn_down_exps.weight": "mlp.experts.down_proj",
 }
-_BLOCK_NAMES_BY_ARCH = {"llama": _BLOCK_NAMES, "gemma3": _GEMMA3_BLOCK_NAMES, "phi3": _PHI3_BLOCK_NAMES,
-                        "qwen3moe": _QWEN3MOE_BLOCK_NAMES}
+# Qwen3-MoE: Qwen3's q/k norms and every layer sparse.
+_QWEN3MOE_BLOCK_NAMES = {
+    **{k: v for k, v in _BLOCK_NAMES.items() if not k.startswith(("ffn_gate.", "ffn_up.", "ffn_down."))},
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    **_EXPERT_BLOCK_NAMES,
+}
+_BLOCK_NAMES_BY_ARCH = {"llama": {**_BLOCK_NAMES, **_EXPERT_BLOCK_NAMES}, "gemma3": _GEMMA3_BLOCK_NAMES,
+                        "phi3": _PHI3_BLOCK_NAMES, "qwen3moe": _QWEN3MOE_BLOCK_NAMES}
 # LongRoPE's factors, which llama.cpp stores as tensors: config values, not parameters.
 _PHI3_ROPE_FACTORS = {"rope_factors_long.weight": "long_factor", "rope_factors_short.weight": "short_factor"}
 SUPPORTED_GGUF_ARCHITECTURES = tuple(_BLOCK_NAMES_BY_ARCH)
@@ -226,6 +231,8 @@ def gguf_config(reader: Any, tensor_names: set[str], n_vocab: int) -> dict[str, 
     }
     if arch == "qwen3moe":
         cfg.update(qwen3moe_gguf_fields(reader))
+    elif _field(reader, p + "expert_count"):
+        cfg.update(mixtral_gguf_fields(reader))
     return cfg
 
 
@@ -244,6 +251,16 @@ def qwen3moe_gguf_fields(reader: Any) -> dict[str, Any]:
         "norm_topk_prob": bool(_field(reader, p + "expert_weights_norm", True)),
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
+    }
+
+
+def mixtral_gguf_fields(reader: Any) -> dict[str, Any]:
+    """A `llama` GGUF with experts is Mixtral: `feed_forward_length` is each expert's size."""
+    return {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "num_local_experts": int(_field(reader, "llama.expert_count")),
+        "num_experts_per_tok": int(_field(reader, "llama.expert_used_count")),
     }
 
 

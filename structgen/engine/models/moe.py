@@ -19,14 +19,14 @@ from torch import nn
 from structgen.engine.config import ModelConfig
 from structgen.engine.models.llama import LlamaModel, project
 
-# HF names of a sparse layer's tensors inside `model.layers.N.`, per checkpoint family:
-# (router, per-expert prefix, gate, up, down). transformers 5 also writes the stacked
-# `mlp.experts.gate_up_proj` / `mlp.experts.down_proj`, which are read as they are.
+# HF names of a sparse layer's tensors inside `model.layers.N.` in released checkpoints, per
+# family: (router, per-expert prefix, gate, up, down).
 _EXPERT_NAMES = {
     "Qwen3MoeForCausalLM": ("mlp.gate.weight", "mlp.experts", "gate_proj", "up_proj", "down_proj"),
     "MixtralForCausalLM": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts", "w1", "w3", "w2"),
 }
-STACKED_GATE_UP, STACKED_DOWN = "mlp.experts.gate_up_proj", "mlp.experts.down_proj"
+# transformers 5's module names (its state dicts, our GGUF conversions): experts stacked.
+STACKED_ROUTER, STACKED_GATE_UP, STACKED_DOWN = "mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"
 
 
 def experts_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -92,23 +92,26 @@ class MoeModel(LlamaModel):
     @torch.no_grad()
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Stack each sparse layer's experts (per-expert or already stacked tensors) and load
-        the rest under Llama's names."""
-        rest = dict(weights)
+        the rest under Llama's names. The expert tensors are taken out of `weights`, so each
+        layer's originals are freed once stacked (a large model never holds two copies)."""
         for i, layer in enumerate(self.layers):
             if isinstance(layer.mlp, SparseMoE):
-                self._adopt_experts(layer.mlp, f"model.layers.{i}.", rest)
-        super().load_hf_weights(rest)
+                self._adopt_experts(layer.mlp, f"model.layers.{i}.", weights)
+        super().load_hf_weights(weights)
 
     def _adopt_experts(self, moe: SparseMoE, prefix: str, weights: dict[str, torch.Tensor]) -> None:
         """Move one sparse layer's router and experts out of `weights` into `moe`."""
         from structgen.errors import ModelLoadError
 
         router, experts, gate, up, down = _EXPERT_NAMES[self.config.architecture]
+        stacked = prefix + STACKED_GATE_UP in weights
+        router = STACKED_ROUTER if stacked else router
         missing = f"missing from the {self.config.architecture} checkpoint; pass its complete directory or GGUF"
-        if prefix + router not in weights:
-            raise ModelLoadError(f"weight {prefix + router!r} {missing}")
+        for name in (router, STACKED_DOWN) if stacked else (router,):
+            if prefix + name not in weights:
+                raise ModelLoadError(f"weight {prefix + name!r} {missing}")
         tensors = {"gate": weights.pop(prefix + router)}
-        if prefix + STACKED_GATE_UP in weights:
+        if stacked:
             tensors["gate_up"] = weights.pop(prefix + STACKED_GATE_UP)
             tensors["down"] = weights.pop(prefix + STACKED_DOWN)
         else:
