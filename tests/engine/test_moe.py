@@ -200,8 +200,8 @@ def test_a_moe_gguf_converts_to_the_same_model(tmp_path, arch):
 @pytest.mark.skipif(not KERNELS, reason="needs CUDA (or TRITON_INTERPRET=1)")
 @pytest.mark.parametrize("tokens", [1, 3, 40])
 def test_grouped_expert_kernel_equals_the_torch_reference(tokens):
-    """Decode-sized steps (a block per routed expert) and a prefill-sized one (several tokens
-    per expert, experts left out), top-2 of 8, float32."""
+    """Decode-sized steps (one GEMV per token and chosen expert) and a prefill-sized one (pairs
+    sorted into blocks per expert, several tokens per block), top-2 of 8, float32."""
     from structgen.engine.kernels.moe import grouped_experts
     from structgen.engine.models.moe import experts_reference
 

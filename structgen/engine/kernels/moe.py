@@ -6,8 +6,9 @@ The pairs are sorted by expert and each expert's run padded to whole blocks of B
 once per block. Every shape depends only on the number of tokens, never on the routing: the
 alignment is a fixed-size sort and scatter, blocks past the padded total return at once, and
 pairs fill padding rows with a sentinel. Nothing reads a value back to the host, so a decode
-step captures into a CUDA graph. At decode batch sizes each block holds the one or few
-tokens routed to its expert: a gather-GEMV over the top-k experts' weights.
+step captures into a CUDA graph. Steps of at most `GEMV_MAX_PAIRS` pairs (decode batches)
+skip the sort: one GEMV per pair over its expert's weights, fewer launches where they, not the
+bytes, would cost.
 
 The torch reference the tests compare to is `models/moe.experts_reference`.
 """
@@ -19,6 +20,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+# Up to this many (token, expert) pairs a step runs one GEMV per pair (no sort): decode batches.
+GEMV_MAX_PAIRS = 64
 
 
 @dataclass
@@ -116,6 +120,53 @@ def _down_kernel(H, W, RouteWeights, Out, SortedPairs, BlockExperts, PaddedTotal
     tl.store(Out + row[:, None] * stride_o + cols[None, :], out, mask=valid[:, None] & col_ok[None, :])
 
 
+@triton.jit
+def _gate_up_gemv_kernel(X, W, Ids, Out, stride_x, stride_we, stride_wn, stride_o, inter, hidden,
+                         TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Out[pair, n] = silu(x[token] . W[e, n]) * (x[token] . W[e, inter + n]) for one pair."""
+    pair, pid_n = tl.program_id(0), tl.program_id(1)
+    token = (pair // TOP_K).to(tl.int64)
+    expert = tl.load(Ids + pair).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < inter
+    w_gate = W + expert * stride_we + cols[:, None] * stride_wn
+    w_up = w_gate + inter * stride_wn
+    acc_gate = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < hidden
+        a = tl.load(X + token * stride_x + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        w_mask = col_ok[:, None] & k_ok[None, :]
+        acc_gate += tl.sum(tl.load(w_gate + ks[None, :], mask=w_mask, other=0.0).to(tl.float32) * a, axis=1)
+        acc_up += tl.sum(tl.load(w_up + ks[None, :], mask=w_mask, other=0.0).to(tl.float32) * a, axis=1)
+    dt = Out.dtype.element_ty
+    gate, up = acc_gate.to(dt).to(tl.float32), acc_up.to(dt).to(tl.float32)
+    h = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32) * up
+    tl.store(Out + pair.to(tl.int64) * stride_o + cols, h.to(dt), mask=col_ok)
+
+
+@triton.jit
+def _down_gemv_kernel(H, W, Ids, RouteWeights, Out, stride_h, stride_we, stride_wn, stride_o, hidden, inter,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Out[pair, n] = route_weight[pair] * (h[pair] . W[e, n]) for one pair, in float32."""
+    pair, pid_n = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    expert = tl.load(Ids + pair).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < hidden
+    w_rows = W + expert * stride_we + cols[:, None] * stride_wn
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < inter
+        a = tl.load(H + pair * stride_h + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        acc += tl.sum(tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32) * a,
+                      axis=1)
+    dt = H.dtype.element_ty
+    out = acc.to(dt).to(tl.float32) * tl.load(RouteWeights + pair).to(tl.float32)
+    tl.store(Out + pair * stride_o + cols, out, mask=col_ok)
+
+
 def block_m_for(pairs: int) -> int:
     """Rows per block: 16 (tl.dot's least) while experts see a token or two, 64 for prefills."""
     return 16 if pairs <= 512 else 64
@@ -127,6 +178,8 @@ def grouped_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     stacked: gate_up [E, 2I, H] (gate rows then up rows), down [E, H, I]."""
     tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
+    if tokens * top_k <= GEMV_MAX_PAIRS:
+        return _gathered_experts(x, topk_ids, topk_weights, gate_up, down)
     num_experts, two_inter, _ = gate_up.shape
     inter = two_inter // 2
     blocks = align_by_expert(topk_ids, num_experts, block_m_for(tokens * top_k))
@@ -145,4 +198,23 @@ def grouped_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
         h, down, topk_weights.contiguous().view(-1), out, blocks.sorted_pairs, blocks.block_experts,
         blocks.padded_total, h.stride(0), down.stride(0), down.stride(1), out.stride(0), blocks.num_pairs,
         hidden, inter, BLOCK_M=blocks.block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, num_warps=4)
+    return out.view(tokens, top_k, hidden).sum(1).to(x.dtype)
+
+
+def _gathered_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                      gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """`grouped_experts` for a few pairs: one GEMV per (token, chosen expert), no sorting."""
+    tokens, hidden = x.shape
+    top_k, inter = topk_ids.shape[1], gate_up.shape[1] // 2
+    pairs = tokens * top_k
+    x, ids = x.contiguous(), topk_ids.contiguous().view(-1)
+    h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
+    block_n, block_k = 32, 128
+    _gate_up_gemv_kernel[(pairs, triton.cdiv(inter, block_n))](
+        x, gate_up, ids, h, x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0), inter, hidden,
+        TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+    out = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
+    _down_gemv_kernel[(pairs, triton.cdiv(hidden, block_n))](
+        h, down, ids, topk_weights.contiguous().view(-1), out, h.stride(0), down.stride(0), down.stride(1),
+        out.stride(0), hidden, inter, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
     return out.view(tokens, top_k, hidden).sum(1).to(x.dtype)
