@@ -4,7 +4,7 @@ the engine runs it (EngineConfig). Plain data; no behaviour beyond parsing and d
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -85,9 +85,7 @@ class ModelConfig:
             return cls._gemma3(d)
         if arch == "Phi3ForCausalLM":
             return cls._phi3(d)
-        if arch in ("Qwen3MoeForCausalLM", "MixtralForCausalLM"):
-            return cls._moe(d, arch)
-        return cls(
+        config = cls(
             architecture=arch,
             **_shape(d),
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
@@ -96,10 +94,11 @@ class ModelConfig:
             max_position_embeddings=d.get("max_position_embeddings", 4096),
             tie_word_embeddings=d.get("tie_word_embeddings", False),
             attention_bias=d.get("attention_bias", arch == "Qwen2ForCausalLM"),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=_id_list(d.get("eos_token_id")),
         )
+        return config._with_experts(d) if arch in ("Qwen3MoeForCausalLM", "MixtralForCausalLM") else config
 
     @classmethod
     def _gemma3(cls, d: dict[str, Any]) -> ModelConfig:
@@ -169,42 +168,29 @@ class ModelConfig:
             original_max_position_embeddings=original,
         )
 
-    @classmethod
-    def _moe(cls, d: dict[str, Any], arch: str) -> ModelConfig:
-        """Qwen3-MoE (Qwen3's attention with q/k norms; `mlp_only_layers` and
-        `decoder_sparse_step` pick dense layers) or Mixtral (Mistral's attention, every layer
-        sparse, top-k weights always renormalised)."""
+    def _with_experts(self, d: dict[str, Any]) -> ModelConfig:
+        """This Qwen3-MoE or Mixtral config with its experts: Qwen3-MoE picks dense layers by
+        `mlp_only_layers` and `decoder_sparse_step`; Mixtral's layers are all sparse, its
+        `intermediate_size` is an expert's and its top-k weights always renormalised."""
         from structgen.errors import ModelLoadError
 
-        n_layers = d["num_hidden_layers"]
-        qwen = arch == "Qwen3MoeForCausalLM"
+        qwen = self.architecture == "Qwen3MoeForCausalLM"
         if d.get("sliding_window") and d.get("use_sliding_window", not qwen):
-            raise ModelLoadError(f"{arch} with a sliding window is not supported; structgen runs MoE "
-                                 "checkpoints whose config has sliding_window null")
-        step = d.get("decoder_sparse_step", 1) if qwen else 1
-        dense = set(d.get("mlp_only_layers") or []) | {i for i in range(n_layers) if (i + 1) % step}
+            raise ModelLoadError(f"{self.architecture} with a sliding window is not supported; structgen runs "
+                                 "MoE checkpoints whose config has sliding_window null")
         experts = d.get("num_experts") or d.get("num_local_experts") or 0
         if experts < 1 or not d.get("num_experts_per_tok"):
-            raise ModelLoadError(f"{arch} config has no experts (num_experts / num_experts_per_tok); "
+            raise ModelLoadError(f"{self.architecture} config has no experts (num_experts / num_experts_per_tok); "
                                  "pass the checkpoint's own config.json")
-        inter = d["intermediate_size"]
-        return cls(
-            architecture=arch,
-            **_shape(d),
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=d.get("rope_theta", (d.get("rope_parameters") or {}).get("rope_theta", 1_000_000.0)),
-            rope_scaling=d.get("rope_scaling"),
-            max_position_embeddings=d.get("max_position_embeddings", 32768),
-            tie_word_embeddings=d.get("tie_word_embeddings", False),
-            attention_bias=d.get("attention_bias", False),
-            qk_norm=qwen,
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_id=_id_list(d.get("eos_token_id")),
+        step = d.get("decoder_sparse_step", 1) if qwen else 1
+        dense = set(d.get("mlp_only_layers") or []) | {i for i in range(self.num_hidden_layers) if (i + 1) % step}
+        return replace(
+            self,
             num_experts=experts,
             num_experts_per_tok=d["num_experts_per_tok"],
-            moe_intermediate_size=d.get("moe_intermediate_size", inter) if qwen else inter,
+            moe_intermediate_size=d.get("moe_intermediate_size", self.intermediate_size) if qwen else self.intermediate_size,
             norm_topk_prob=d.get("norm_topk_prob", False) if qwen else True,
-            dense_layers=tuple(sorted(dense)),
+            dense_layers=tuple(sorted(dense) if qwen else ()),
         )
 
     @classmethod

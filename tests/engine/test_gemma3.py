@@ -98,28 +98,11 @@ def test_a_window_wider_than_the_sequence_changes_the_logits(tiny_gemma):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_graphs_in_bf16_match_eager_and_transformers(tiny_gemma):
+def test_cuda_graphs_in_bf16_match_eager_and_transformers(tiny_gemma, bf16_graphs_match_eager_and_transformers):
     """On the device in bf16: greedy tokens through the CUDA graphs (decode kernel with the
     window) equal the eager path's, and prefill logits are within bf16 tolerance of
     transformers'."""
-    path, ref = tiny_gemma
-    outs = {}
-    for graphs in (True, False):
-        ec = EngineConfig(device="cuda", dtype="bfloat16", max_batch_size=2, max_seq_len=128, use_cuda_graphs=graphs,
-                          prefill_in_graphs=False)
-        engine = Engine(load_model_config(path), ec, path)
-        reqs = [Request(p, SamplingParams(max_tokens=STEPS)) for p in PROMPTS]
-        engine.run(reqs)
-        outs[graphs] = [r.output_ids for r in reqs]
-        full = PROMPTS[0] + outs[graphs][0]
-        slot = engine.runner.kv.allocate()
-        ours = engine.runner.extend([ExtendSeq(slot, 0, full, num_logits=len(full))])
-    assert outs[True] == outs[False]
-    hf = ref.to("cuda", torch.bfloat16)
-    with torch.no_grad():
-        expected = hf(torch.tensor([full], device="cuda")).logits[0].float()
-    ref.to("cpu", torch.float32)
-    assert float((ours - expected).norm() / expected.norm()) < 3e-2
+    bf16_graphs_match_eager_and_transformers(*tiny_gemma, PROMPTS, STEPS)
 
 
 @pytest.mark.gpu

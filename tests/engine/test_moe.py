@@ -218,29 +218,11 @@ def test_grouped_expert_kernel_equals_the_torch_reference(tokens):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_graphs_in_bf16_match_eager_and_transformers(tiny_moe):
-    """On the device in bf16: greedy tokens through the CUDA graphs (the grouped expert kernel
-    captured) equal the eager path's, and prefill logits are within bf16 tolerance of
-    transformers'."""
-    path, ref = tiny_moe
-    outs = {}
-    for graphs in (True, False):
-        ec = EngineConfig(device="cuda", dtype="bfloat16", max_batch_size=2, max_seq_len=64, use_cuda_graphs=graphs,
-                          prefill_in_graphs=False)
-        engine = Engine(load_model_config(path), ec, path)
-        assert (engine.runner.graphs is not None) == graphs
-        reqs = [Request(p, SamplingParams(max_tokens=STEPS)) for p in PROMPTS]
-        engine.run(reqs)
-        outs[graphs] = [r.output_ids for r in reqs]
-        full = PROMPTS[0] + outs[graphs][0]
-        slot = engine.runner.kv.allocate()
-        ours = engine.runner.extend([ExtendSeq(slot, 0, full, num_logits=len(full))])
-    assert outs[True] == outs[False]
-    hf = ref.to("cuda", torch.bfloat16)
-    with torch.no_grad():
-        expected = hf(torch.tensor([full], device="cuda")).logits[0].float()
-    ref.to("cpu", torch.float32)
-    assert float((ours - expected).norm() / expected.norm()) < 3e-2
+def test_cuda_graphs_in_bf16_match_eager_and_transformers(tiny_moe, bf16_graphs_match_eager_and_transformers):
+    """On the device in bf16: greedy tokens through the CUDA graphs (the expert kernels
+    captured) equal the eager path's; prefill logits (the grouped kernel over sorted blocks)
+    are within bf16 tolerance of transformers'."""
+    bf16_graphs_match_eager_and_transformers(*tiny_moe, PROMPTS, STEPS)
 
 
 @pytest.mark.gpu
