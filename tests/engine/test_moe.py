@@ -14,7 +14,6 @@ import torch
 
 from structgen.engine.config import EngineConfig
 from structgen.engine.engine import Engine
-from structgen.engine.model_runner import ExtendSeq
 from structgen.engine.models.loader import load_model_config
 from structgen.engine.request import Request
 from structgen.sampling import SamplingParams
@@ -52,22 +51,6 @@ def reference_greedy(model: torch.nn.Module, prompt: list[int], steps: int = STE
     return out[0, len(prompt):].tolist()
 
 
-def assert_equals_transformers(path: Path, ref: torch.nn.Module) -> None:
-    """32 greedy steps of two prompts batched and prefilled in chunks of 5: transformers'
-    tokens; logits of the whole sequence close to transformers'."""
-    engine = Engine(load_model_config(path), EngineConfig(device="cpu", max_batch_size=2, max_seq_len=64,
-                                                          prefill_chunk_tokens=5), path)
-    reqs = [Request(p, SamplingParams(max_tokens=STEPS)) for p in PROMPTS]
-    engine.run(reqs)
-    for prompt, req in zip(PROMPTS, reqs, strict=True):
-        assert req.output_ids == reference_greedy(ref, prompt)
-    full = PROMPTS[0] + reqs[0].output_ids
-    with torch.no_grad():
-        expected = ref(torch.tensor([full])).logits[0]
-    ours = engine.runner.extend([ExtendSeq(0, 0, full, num_logits=len(full))])
-    assert torch.allclose(ours, expected, atol=1e-4, rtol=1e-4)
-
-
 def test_config_reads_the_experts_and_the_dense_layer(tiny_moe):
     cfg = load_model_config(tiny_moe[0])
     assert cfg.architecture == "Qwen3MoeForCausalLM" and cfg.qk_norm
@@ -75,14 +58,16 @@ def test_config_reads_the_experts_and_the_dense_layer(tiny_moe):
     assert [cfg.is_moe_layer(i) for i in range(3)] == [True, False, True] and cfg.norm_topk_prob
 
 
-def test_greedy_tokens_and_logits_equal_transformers(tiny_moe):
-    assert_equals_transformers(*tiny_moe)
+def test_greedy_tokens_and_logits_equal_transformers(tiny_moe, greedy_and_logits_match_transformers):
+    """32 greedy steps of two prompts batched and prefilled in chunks of 5, a dense layer
+    between sparse ones: transformers' tokens and logits."""
+    greedy_and_logits_match_transformers(*tiny_moe, PROMPTS, STEPS)
 
 
 @pytest.mark.slow
-def test_routing_without_renormalised_weights_equals_transformers(tmp_path):
+def test_routing_without_renormalised_weights_equals_transformers(tmp_path, greedy_and_logits_match_transformers):
     """norm_topk_prob false: the experts' outputs are weighted by the raw softmax probabilities."""
-    assert_equals_transformers(*tiny_qwen3_moe(tmp_path, norm_topk_prob=False))
+    greedy_and_logits_match_transformers(*tiny_qwen3_moe(tmp_path, norm_topk_prob=False), PROMPTS, STEPS)
 
 
 def test_llm_on_a_moe_folder_returns_a_valid_typed_value(tmp_path, model_dir):
@@ -115,8 +100,8 @@ def tiny_mixtral(path: Path) -> tuple[Path, torch.nn.Module]:
     return path, model
 
 
-def test_mixtral_equals_transformers(tmp_path):
-    assert_equals_transformers(*tiny_mixtral(tmp_path))
+def test_mixtral_equals_transformers(tmp_path, greedy_and_logits_match_transformers):
+    greedy_and_logits_match_transformers(*tiny_mixtral(tmp_path), PROMPTS, STEPS)
 
 
 def llama_cpp_tensor(arch: str, name: str, tensor: torch.Tensor, cfg) -> torch.Tensor:
