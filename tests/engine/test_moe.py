@@ -201,6 +201,24 @@ def test_grouped_expert_kernel_equals_the_torch_reference(tokens):
     assert torch.allclose(grouped_experts(x, ids, weights, gate_up, down), expected, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.skipif(not KERNELS, reason="needs CUDA (or TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("normalize", [True, False])
+def test_route_kernel_equals_softmax_top_k(normalize):
+    """The one-launch router: torch's softmax + top-k (+ renormalisation), 128 experts, top 8,
+    from bf16 logits: the same experts, weights highest first."""
+    from structgen.engine.kernels.moe import route
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    logits = torch.randn(5, 128, device=device, generator=torch.Generator(device=device).manual_seed(1))
+    logits = logits.to(torch.bfloat16) * 4
+    weights, ids = route(logits, 8, normalize)
+    expected, expected_ids = torch.softmax(logits, dim=-1, dtype=torch.float32).topk(8, dim=-1)
+    if normalize:
+        expected = expected / expected.sum(-1, keepdim=True)
+    assert torch.equal(ids.sort(-1).values, expected_ids.sort(-1).values)  # bf16 ties come in either order
+    assert torch.allclose(weights, expected, atol=1e-6, rtol=1e-5)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graphs_in_bf16_match_eager_and_transformers(tiny_moe, bf16_graphs_match_eager_and_transformers):

@@ -57,6 +57,45 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> E
 
 
 @triton.jit
+def _route_kernel(Logits, Weights, Ids, stride_l, num_experts,
+                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, NORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr):
+    """One token's router: softmax over the experts in float32, the top k by probability
+    (highest first), renormalised to sum to one where NORMALIZE."""
+    row = tl.program_id(0).to(tl.int64)
+    experts = tl.arange(0, BLOCK_E)
+    logits = tl.load(Logits + row * stride_l + experts, mask=experts < num_experts, other=float("-inf"))
+    logits = logits.to(tl.float32)
+    probs = tl.exp(logits - tl.max(logits, 0))
+    probs = probs / tl.sum(probs, 0)
+    left = tl.where(experts < num_experts, probs, -1.0)
+    slots = tl.arange(0, K_PAD)
+    chosen_p = tl.zeros((K_PAD,), dtype=tl.float32)
+    chosen_id = tl.zeros((K_PAD,), dtype=tl.int64)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(left, 0)
+        best_id = tl.min(tl.where(left == best, experts, BLOCK_E), 0)
+        chosen_p = tl.where(slots == j, best, chosen_p)
+        chosen_id = tl.where(slots == j, best_id.to(tl.int64), chosen_id)
+        left = tl.where(experts == best_id, -1.0, left)
+    if NORMALIZE:
+        chosen_p = chosen_p / tl.sum(chosen_p, 0)
+    tl.store(Weights + row * TOP_K + slots, chosen_p, mask=slots < TOP_K)
+    tl.store(Ids + row * TOP_K + slots, chosen_id, mask=slots < TOP_K)
+
+
+def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float32 weights, int64 expert ids), both [tokens, top_k]: softmax, top k, optionally
+    renormalised, in one launch (`models/moe.SparseMoE.route`'s torch path is the reference)."""
+    tokens, num_experts = logits.shape
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
+    _route_kernel[(tokens,)](logits, weights, ids, logits.stride(0), num_experts, TOP_K=top_k,
+                             K_PAD=triton.next_power_of_2(top_k), NORMALIZE=normalize,
+                             BLOCK_E=triton.next_power_of_2(num_experts), num_warps=1)
+    return weights, ids
+
+
+@triton.jit
 def _gate_up_kernel(X, W, Out, SortedPairs, BlockExperts, PaddedTotal,
                     stride_x, stride_we, stride_wn, stride_o, num_pairs, inter, hidden,
                     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,

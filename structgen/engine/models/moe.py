@@ -56,8 +56,14 @@ class SparseMoE(nn.Module):
         self.fused = False  # the grouped Triton kernel (kernels/moe.py)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(float32 weights, expert ids), both [tokens, top_k]."""
-        probs = torch.softmax(project(self.gate, x, self.fused), dim=-1, dtype=torch.float32)
+        """(float32 weights, expert ids), both [tokens, top_k]: the top k experts by softmax
+        probability, highest first."""
+        logits = project(self.gate, x, self.fused)
+        if self.fused:
+            from structgen.engine.kernels.moe import route
+
+            return route(logits, self.top_k, self.norm_topk_prob)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
