@@ -44,16 +44,28 @@ def experts_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
 
 
 class SparseMoE(nn.Module):
-    """Router + stacked SwiGLU experts: the feed-forward of a sparse layer."""
+    """Router + stacked SwiGLU experts: the feed-forward of a sparse layer.
+
+    The experts, nearly all of the model's bytes, are built on the meta device and get their
+    memory from the checkpoint (`MoeModel.load_hf_weights`) or `materialize`: the checkpoint is
+    read into memory whole before it is adopted, and a second, empty copy of the experts beside
+    it would not fit where the model only just does."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         experts, hidden, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.gate = nn.Linear(hidden, experts, bias=False)
-        self.gate_up = nn.Parameter(torch.empty(experts, 2 * inter, hidden))
-        self.down = nn.Parameter(torch.empty(experts, hidden, inter))
+        self.gate_up = nn.Parameter(torch.empty(experts, 2 * inter, hidden, device="meta"))
+        self.down = nn.Parameter(torch.empty(experts, hidden, inter, device="meta"))
         self.fused = False  # the grouped Triton kernel (kernels/moe.py)
+
+    def materialize(self) -> None:
+        """Uninitialised expert memory beside the router, for weights drawn in place."""
+        like = self.gate.weight
+        for name in ("gate_up", "down"):
+            meta = getattr(self, name)
+            setattr(self, name, nn.Parameter(torch.empty(meta.shape, dtype=like.dtype, device=like.device)))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(float32 weights, expert ids), both [tokens, top_k]: the top k experts by softmax
@@ -96,6 +108,13 @@ class MoeModel(LlamaModel):
         super().use_fused_kernels(enabled, projection_rows=0)
 
     @torch.no_grad()
+    def init_random_weights(self, std: float = 0.02, seed: int = 0) -> None:
+        for m in self.modules():
+            if isinstance(m, SparseMoE):
+                m.materialize()
+        super().init_random_weights(std, seed)
+
+    @torch.no_grad()
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Stack each sparse layer's experts (per-expert or already stacked tensors) and load
         the rest under Llama's names. The expert tensors are taken out of `weights`, so each
@@ -128,9 +147,11 @@ class MoeModel(LlamaModel):
                 raise ModelLoadError(f"weight {absent[0]!r} {missing}")
             tensors["gate_up"] = torch.stack([torch.cat([weights.pop(g), weights.pop(u)]) for g, u, _ in per_expert])
             tensors["down"] = torch.stack([weights.pop(d) for _, _, d in per_expert])
+        like = moe.gate.weight
         for name, value in tensors.items():
-            param = moe.gate.weight if name == "gate" else getattr(moe, name)
-            if value.shape != param.shape:
+            expected = like.shape if name == "gate" else getattr(moe, name).shape
+            if value.shape != expected:
                 raise ModelLoadError(f"{prefix}{name} has shape {tuple(value.shape)}, the config says "
-                                     f"{tuple(param.shape)}; the config.json does not match the weights")
-            param.data = value.to(device=param.device, dtype=param.dtype)
+                                     f"{tuple(expected)}; the config.json does not match the weights")
+            owner, attr = (moe.gate, "weight") if name == "gate" else (moe, name)
+            setattr(owner, attr, nn.Parameter(value.to(device=like.device, dtype=like.dtype)))
