@@ -1,5 +1,6 @@
-"""Grouped expert kernels for mixture-of-experts layers: every (token, chosen expert) pair of a
-step in one launch for gate/up (+ SiLU * up) and one for down (+ the routing weight).
+"""Mixture-of-experts kernels: the router (softmax + top-k) in one launch, and every (token,
+chosen expert) pair of a step in one launch for gate/up (+ SiLU * up) and one for down (+ the
+routing weight).
 
 The pairs are sorted by expert and each expert's run padded to whole blocks of BLOCK_M rows
 (`align_by_expert`), so a program multiplies one block of rows by one expert's weights, read
@@ -10,7 +11,8 @@ step captures into a CUDA graph. Steps of at most `GEMV_MAX_PAIRS` pairs (decode
 skip the sort: one GEMV per pair over its expert's weights, fewer launches where they, not the
 bytes, would cost.
 
-The torch reference the tests compare to is `models/moe.experts_reference`.
+The torch references the tests compare to are `models/moe.experts_reference` and the torch
+path of `models/moe.SparseMoE.route`.
 """
 
 from __future__ import annotations
