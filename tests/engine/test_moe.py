@@ -194,10 +194,10 @@ def test_a_moe_gguf_converts_to_the_same_model(tmp_path, arch):
 
 
 @pytest.mark.skipif(not KERNELS, reason="needs CUDA (or TRITON_INTERPRET=1)")
-@pytest.mark.parametrize("tokens", [1, 3, 40])
+@pytest.mark.parametrize("tokens", [1, 3, 40, 300])
 def test_grouped_expert_kernel_equals_the_torch_reference(tokens):
-    """Decode-sized steps (one GEMV per token and chosen expert) and a prefill-sized one (pairs
-    sorted into blocks per expert, several tokens per block), top-2 of 8, float32."""
+    """Decode-sized steps (one GEMV per token and chosen expert) and prefill-sized ones (pairs
+    sorted into blocks of 16 or, past 512 pairs, 64 rows per expert), top-2 of 8, float32."""
     from structgen.engine.kernels.moe import grouped_experts
     from structgen.engine.models.moe import experts_reference
 
