@@ -213,6 +213,23 @@ def test_grouped_expert_kernel_equals_the_torch_reference(tokens):
 
 
 @pytest.mark.skipif(not KERNELS, reason="needs CUDA (or TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("tokens,experts,block_m", [(1, 8, 16), (40, 8, 16), (300, 128, 64), (70, 60, 16)])
+def test_alignment_kernel_equals_the_torch_sort(tokens, experts, block_m):
+    """The pairs sorted by expert and padded to blocks: the rows and blocks in use equal
+    torch's stable sort, with experts left out and a count that is not a power of two."""
+    from structgen.engine.kernels.moe import align_by_expert, align_by_expert_reference
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    scores = torch.rand(tokens, experts, device=device, generator=torch.Generator(device=device).manual_seed(tokens))
+    ids = scores.topk(2, dim=-1).indices
+    ours, expected = align_by_expert(ids, experts, block_m), align_by_expert_reference(ids, experts, block_m)
+    total = int(expected.padded_total)
+    assert int(ours.padded_total) == total
+    assert torch.equal(ours.sorted_pairs[:total], expected.sorted_pairs[:total])
+    assert torch.equal(ours.block_experts[: total // block_m], expected.block_experts[: total // block_m])
+
+
+@pytest.mark.skipif(not KERNELS, reason="needs CUDA (or TRITON_INTERPRET=1)")
 @pytest.mark.parametrize("normalize", [True, False])
 def test_route_kernel_equals_softmax_top_k(normalize):
     """The one-launch router: torch's softmax + top-k (+ renormalisation), 128 experts, top 8,

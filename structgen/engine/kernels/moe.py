@@ -5,8 +5,8 @@ routing weight).
 The pairs are sorted by expert and each expert's run padded to whole blocks of BLOCK_M rows
 (`align_by_expert`), so a program multiplies one block of rows by one expert's weights, read
 once per block. Every shape depends only on the number of tokens, never on the routing: the
-alignment is a fixed-size sort and scatter, blocks past the padded total return at once, and
-pairs fill padding rows with a sentinel. Nothing reads a value back to the host, so a decode
+alignment is one launch over fixed-size buffers, blocks past the padded total return at once,
+and padding rows hold a sentinel pair. Nothing reads a value back to the host, so a decode
 step captures into a CUDA graph. Steps of at most `GEMV_MAX_PAIRS` pairs (decode batches)
 skip the sort: one GEMV per pair over its expert's weights, fewer launches where they, not the
 bytes, would cost.
@@ -38,10 +38,63 @@ class ExpertBlocks:
     num_pairs: int
 
 
+def max_blocks(pairs: int, num_experts: int, block_m: int) -> int:
+    """Blocks the alignment may fill: at most min(E, pairs) partial ones beyond
+    ceil(pairs / block_m) full ones."""
+    return min(num_experts, pairs) + triton.cdiv(pairs, block_m)
+
+
+@triton.jit
+def _align_kernel(Ids, SortedPairs, BlockExperts, PaddedTotal, num_pairs,
+                  NUM_EXPERTS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr):
+    """One program per expert: count every expert's pairs (each program alike, no second
+    launch), place this expert's pairs in pair order after the padded runs of the experts
+    before it, fill its padding rows with the sentinel and name it as its blocks' expert."""
+    expert = tl.program_id(0)
+    experts = tl.arange(0, BLOCK_E)
+    counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    for p0 in range(0, num_pairs, BLOCK_P):
+        p = p0 + tl.arange(0, BLOCK_P)
+        ids = tl.load(Ids + p, mask=p < num_pairs, other=BLOCK_E)
+        counts += tl.sum((ids[None, :] == experts[:, None]).to(tl.int32), axis=1)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    start = tl.sum(tl.where(experts < expert, padded, 0), 0)
+    mine = tl.sum(tl.where(experts == expert, counts, 0), 0)
+    mine_padded = tl.sum(tl.where(experts == expert, padded, 0), 0)
+    if expert == 0:
+        tl.store(PaddedTotal, tl.sum(padded, 0).to(tl.int64))
+    placed = 0
+    for p0 in range(0, num_pairs, BLOCK_P):
+        p = p0 + tl.arange(0, BLOCK_P)
+        ids = tl.load(Ids + p, mask=p < num_pairs, other=BLOCK_E)
+        hit = (ids == expert).to(tl.int32)
+        rank = placed + tl.cumsum(hit, 0) - 1
+        tl.store(SortedPairs + start + rank, p, mask=hit == 1)
+        placed += tl.sum(hit, 0)
+    pad = mine + tl.arange(0, BLOCK_M)
+    tl.store(SortedPairs + start + pad, num_pairs, mask=pad < mine_padded)
+    for b in range(0, mine_padded // BLOCK_M):
+        tl.store(BlockExperts + start // BLOCK_M + b, expert)
+
+
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
-    """Sort the pairs of `topk_ids` [tokens, top_k] by expert, each expert's run padded to a
-    multiple of `block_m`, in shapes fixed by the token count (at most min(E, pairs) partial
-    blocks beyond ceil(pairs / block_m) full ones)."""
+    """Sort the pairs of `topk_ids` [tokens, top_k] by expert (in pair order within one),
+    each expert's run padded to a multiple of `block_m`, in one launch and shapes fixed by the
+    token count. Rows and blocks past `padded_total` are left unset: no kernel reads them."""
+    pairs, device = topk_ids.numel(), topk_ids.device
+    blocks = max_blocks(pairs, num_experts, block_m)
+    out = ExpertBlocks(torch.empty(blocks * block_m, dtype=torch.int32, device=device),
+                       torch.empty(blocks, dtype=torch.int32, device=device),
+                       torch.empty(1, dtype=torch.int64, device=device), block_m, pairs)
+    block_e = triton.next_power_of_2(num_experts)
+    _align_kernel[(num_experts,)](topk_ids.contiguous().view(-1), out.sorted_pairs, out.block_experts,
+                                  out.padded_total, pairs, NUM_EXPERTS=num_experts, BLOCK_E=block_e,
+                                  BLOCK_M=block_m, BLOCK_P=max(16, 16384 // block_e), num_warps=4)
+    return out
+
+
+def align_by_expert_reference(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
+    """`align_by_expert` in torch (a stable sort and scatters), which the tests compare it to."""
     flat = topk_ids.flatten().long()
     pairs, device = flat.numel(), flat.device
     counts = torch.zeros(num_experts, dtype=torch.long, device=device).scatter_add_(0, flat, torch.ones_like(flat))
@@ -50,10 +103,10 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> E
     order = torch.argsort(flat, stable=True)
     by_expert = flat[order]
     rank = torch.arange(pairs, device=device) - (counts.cumsum(0) - counts)[by_expert]
-    max_blocks = min(num_experts, pairs) + triton.cdiv(pairs, block_m)
-    sorted_pairs = torch.full((max_blocks * block_m,), pairs, dtype=torch.int32, device=device)
+    blocks = max_blocks(pairs, num_experts, block_m)
+    sorted_pairs = torch.full((blocks * block_m,), pairs, dtype=torch.int32, device=device)
     sorted_pairs.scatter_(0, (padded_end - padded)[by_expert] + rank, order.to(torch.int32))
-    starts = torch.arange(max_blocks, device=device) * block_m
+    starts = torch.arange(blocks, device=device) * block_m
     block_experts = torch.searchsorted(padded_end, starts, right=True).clamp_(max=num_experts - 1)
     return ExpertBlocks(sorted_pairs, block_experts.to(torch.int32), padded_end[-1:], block_m, pairs)
 
