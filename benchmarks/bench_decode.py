@@ -3,7 +3,9 @@ mask filling overlapped with the forward) against transformers eager `generate`,
 without xgrammar's HF logits processor, on the same device, weights and prompts.
 
 Models: SmolLM2-135M-Instruct and Gemma 3 270M (real weights; Gemma's 262k vocabulary is the
-mask-fill stress case), random-weight Llama-3.2-1B and Llama-3.1-8B shapes. Batches 1, 8, 64; unconstrained and constrained by a typical JSON schema (a record
+mask-fill stress case), random-weight Llama-3.2-1B, Llama-3.1-8B and Qwen3-8B shapes, and the
+Qwen3-30B-A3B mixture-of-experts shape (its floor counts the 8 experts a token is routed to,
+not all 128). Batches 1, 8, 64; unconstrained and constrained by a typical JSON schema (a record
 of six fields). Only full pure-decode steps are timed: each round prefills the batch, skips
 two steps, and times steps until the first request finishes; rounds repeat until `--steps`
 steps are timed. Also: the HBM floor (decode weight bytes over measured copy bandwidth),
@@ -12,6 +14,7 @@ self-check that greedy outputs are identical with graphs on and off.
 
     python -m benchmarks.bench_decode                       # everything (on the GPU)
     python -m benchmarks.bench_decode --models llama-8b-shape --batches 1 --no-peers
+    python -m benchmarks.bench_decode --models qwen3-8b-shape,qwen3-30b-a3b-shape --batches 1,8
     python -m benchmarks.bench_decode --models gemma-3-270m --batches 1,64
 """
 
@@ -31,6 +34,7 @@ import torch
 
 from benchmarks.common import (
     decode_weight_bytes,
+    fits_two_copies,
     hbm_floor_ms,
     measure_copy_bandwidth_gbps,
     model_config,
@@ -46,7 +50,7 @@ from structgen.grammar import native
 from structgen.grammar.prefetch import MIN_ROWS, MaskPrefetcher
 from structgen.sampling import SamplingParams
 
-MODELS = ("smollm2-135m", "gemma-3-270m", "llama-1b-shape", "llama-8b-shape")
+MODELS = ("smollm2-135m", "gemma-3-270m", "llama-1b-shape", "llama-8b-shape", "qwen3-8b-shape", "qwen3-30b-a3b-shape")
 REAL_MODELS = {"smollm2-135m": None, "gemma-3-270m": "gemma-3-270m"}  # name -> resolve_model argument
 # A typical extraction record: strings, an integer, a boolean and a list.
 SCHEMA = {
@@ -83,7 +87,9 @@ def build_engine(cfg, model_dir: Path | None, stop: set[int], graphs: bool, pref
     ec = EngineConfig(max_batch_size=64, max_seq_len=1024, jump_forward=False, use_cuda_graphs=False,
                       tuning=EngineTuning(prefill_in_graphs=prefill_in_graphs))
     engine = Engine(cfg, ec, model_dir, stop_token_ids=stop)
-    if model_dir is None:  # the peers' random weights (benchmarks.common), copied in place
+    if model_dir is None and fits_two_copies(cfg, engine.runner.dtype, engine.device):
+        # the peers' random weights (benchmarks.common), copied in place; a model too large
+        # for two copies keeps the random weights it was built with
         engine.runner.model.load_hf_weights(random_weights(cfg, engine.runner.dtype, engine.device, seed=0))
         gc.collect()
         torch.cuda.empty_cache()  # before capture: nothing a graph uses may be released after it

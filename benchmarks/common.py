@@ -3,8 +3,8 @@
 Benchmarks are scripts (run from the repo root as `python -m benchmarks.<name>`), not tests.
 Results follow /work/shared/BENCHMARKS.md: one JSON per benchmark, device and day.
 
-Random-weight models of real shapes (`llama-1b-shape`, `llama-8b-shape`) let us measure speed
-on sizes we cannot ship. Their weights are generated directly on the device by
+Random-weight models of real shapes (`llama-1b-shape`, `llama-8b-shape`, `qwen3-8b-shape`,
+the mixture of experts `qwen3-30b-a3b-shape`) let us measure speed on sizes we cannot ship. Their weights are generated directly on the device by
 `random_weights`, so an 8B model never touches disk; `random_llama_dir` writes only the small
 files (config.json, tokenizer) that loaders and peers expect.
 """
@@ -52,6 +52,21 @@ SHAPES: dict[str, dict[str, Any]] = {
         "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256,
         "rope_theta": 500000.0, "rope_scaling": {**_LLAMA3_ROPE, "factor": 8.0},
         "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+    },
+    "qwen3-8b": {  # Qwen3-8B: q/k norms
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+        "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+        "rope_theta": 1000000.0, "rope_scaling": None, "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+    },
+    "qwen3-30b-a3b": {  # Qwen3-30B-A3B: 128 experts, 8 per token, every layer sparse
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+        "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
+        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936,
+        "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
+        "mlp_only_layers": [], "rope_theta": 1000000.0, "rope_scaling": None, "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
     },
 }
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
@@ -192,14 +207,26 @@ def hf_config(shape: str) -> dict[str, Any]:
             "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
 
 
+def fits_two_copies(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device) -> bool:
+    """Whether the model and a `random_weights` dict of it fit on `device` at once; a model
+    that does not (the MoE shape on one GPU) draws its random weights in place instead, so it
+    and its peer hold different weights of the same shapes (speed only; outputs differ)."""
+    size = sum(_numel(s) for s in hf_param_shapes(cfg).values()) * torch.empty((), dtype=dtype).element_size()
+    if torch.device(device).type != "cuda":
+        return True
+    return 2 * size < torch.cuda.mem_get_info(device)[1] * 0.85
+
+
 def model_config(shape: str) -> ModelConfig:
     """ModelConfig of a shape, for building the engine without any files."""
     return ModelConfig.from_dict(hf_config(shape))
 
 
 def hf_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every parameter of the HF Llama checkpoint layout, by name (no lm_head when tied)."""
+    """Every parameter of the HF checkpoint layout, by name (no lm_head when tied); a sparse
+    layer's experts stacked as transformers 5 names them."""
     h, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    experts, expert_inter = cfg.num_experts, cfg.moe_intermediate_size
     q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
     for i in range(cfg.num_hidden_layers):
@@ -208,9 +235,14 @@ def hf_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
             p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
             p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
-            p + "mlp.down_proj.weight": (h, inter),
         })
+        if cfg.is_moe_layer(i):
+            shapes.update({p + "mlp.gate.weight": (experts, h),
+                           p + "mlp.experts.gate_up_proj": (experts, 2 * expert_inter, h),
+                           p + "mlp.experts.down_proj": (experts, h, expert_inter)})
+        else:
+            shapes.update({p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+                           p + "mlp.down_proj.weight": (h, inter)})
         if cfg.attention_bias:
             shapes.update({p + f"self_attn.{n}_proj.bias": (d,) for n, d in (("q", q), ("k", kv), ("v", kv))})
         if cfg.qk_norm:
@@ -222,9 +254,15 @@ def hf_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def decode_weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    """Bytes of weights one decode step reads: everything but the embedding table (a gather of
-    a few rows), plus the lm_head, which a tied model reads from that same table."""
-    n = sum(_numel(s) for name, s in hf_param_shapes(cfg).items() if name != "model.embed_tokens.weight")
+    """Bytes of weights one decode step of one sequence reads: everything but the embedding
+    table (a gather of a few rows), plus the lm_head, which a tied model reads from that same
+    table; of a sparse layer's experts only the `num_experts_per_tok` its token is routed to
+    (the active-weight floor; larger batches touch more experts)."""
+    n = 0
+    for name, shape in hf_param_shapes(cfg).items():
+        if name == "model.embed_tokens.weight":
+            continue
+        n += _numel(shape) * cfg.num_experts_per_tok // shape[0] if ".mlp.experts." in name else _numel(shape)
     if cfg.tie_word_embeddings:
         n += cfg.vocab_size * cfg.hidden_size
     return n * torch.empty((), dtype=dtype).element_size()

@@ -42,19 +42,28 @@ def load_hf_model(model: str | Path, dtype: torch.dtype, device: str | torch.dev
                   seed: int = 0, attn_implementation: str = "sdpa") -> Any:
     """A transformers causal LM: an HF directory with weights, or a SHAPES name whose random
     weights are built on `device` (never on disk) exactly as our engine gets them."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     device = torch.device(device)
     if isinstance(model, str) and model.removesuffix("-shape") in SHAPES:
         shape = model.removesuffix("-shape")
         cfg = model_config(shape)
-        from benchmarks.common import hf_config
+        from benchmarks.common import fits_two_copies, hf_config
 
-        hf_cfg = LlamaConfig(**hf_config(shape))
+        settings = hf_config(shape)
+        hf_cfg = AutoConfig.for_model(settings.pop("model_type"), **settings)
         # Build directly on the device in the target dtype, then overwrite HF's own init with
         # the shared random weights; meta + to_empty would leave rotary buffers uninitialised.
         with torch.device(device), _no_init_weights():
             m = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype, attn_implementation=attn_implementation)
+        if not fits_two_copies(cfg, dtype, device):  # drawn in place, as our engine then does
+            with torch.no_grad():
+                for name, p in m.named_parameters():
+                    if "norm" in name:
+                        p.fill_(1.0)
+                    else:
+                        p.normal_(0.0, 0.02)
+            return m.eval()
         missing, unexpected = m.load_state_dict(random_weights(cfg, dtype, device, seed=seed), strict=False)
         assert not unexpected and all(k == "lm_head.weight" for k in missing), (missing, unexpected)
         if cfg.tie_word_embeddings:

@@ -64,6 +64,79 @@ def greedy_through_graph_steps():
 
 
 @pytest.fixture(scope="session")
+def greedy_and_logits_match_transformers():
+    """`check(model_dir, reference, prompts, steps)` on the CPU in float32: the prompts batched
+    and prefilled in chunks of 5 decode transformers' greedy tokens, and the logits of the first
+    prompt and its output are within 1e-4 of transformers' `reference`."""
+
+    def check(model_dir: Path, reference, prompts: list[list[int]], steps: int) -> None:
+        import torch
+
+        from structgen.engine.config import EngineConfig
+        from structgen.engine.engine import Engine
+        from structgen.engine.model_runner import ExtendSeq
+        from structgen.engine.models.loader import load_model_config
+        from structgen.engine.request import Request
+        from structgen.sampling import SamplingParams
+
+        config = EngineConfig(device="cpu", max_batch_size=len(prompts), max_seq_len=128, prefill_chunk_tokens=5)
+        engine = Engine(load_model_config(model_dir), config, model_dir)
+        reqs = [Request(p, SamplingParams(max_tokens=steps)) for p in prompts]
+        engine.run(reqs)
+        with torch.no_grad():
+            for prompt, req in zip(prompts, reqs, strict=True):
+                out = reference.generate(torch.tensor([prompt]), max_new_tokens=steps, min_new_tokens=steps,
+                                         do_sample=False)
+                assert req.output_ids == out[0, len(prompt):].tolist()
+            full = prompts[0] + reqs[0].output_ids
+            expected = reference(torch.tensor([full])).logits[0]
+        slot = engine.runner.kv.allocate()
+        ours = engine.runner.extend([ExtendSeq(slot, 0, full, num_logits=len(full))])
+        engine.runner.kv.release(slot)
+        assert torch.allclose(ours, expected, atol=1e-4, rtol=1e-4)
+
+    return check
+
+
+@pytest.fixture(scope="session")
+def bf16_graphs_match_eager_and_transformers():
+    """`check(model_dir, reference, prompts, steps)`, on CUDA in bf16: greedy tokens through the
+    CUDA graphs equal the eager path's, and the logits of the first prompt and its output are
+    within bf16 tolerance of transformers' `reference` (a float32 CPU model, left as it was)."""
+
+    def check(model_dir: Path, reference, prompts: list[list[int]], steps: int) -> None:
+        import torch
+
+        from structgen.engine.config import EngineConfig, EngineTuning
+        from structgen.engine.engine import Engine
+        from structgen.engine.model_runner import ExtendSeq
+        from structgen.engine.models.loader import load_model_config
+        from structgen.engine.request import Request
+        from structgen.sampling import SamplingParams
+
+        outs = {}
+        for graphs in (True, False):
+            config = EngineConfig(device="cuda", dtype="bfloat16", max_batch_size=len(prompts), max_seq_len=128,
+                                  use_cuda_graphs=graphs, tuning=EngineTuning(prefill_in_graphs=False))
+            engine = Engine(load_model_config(model_dir), config, model_dir)
+            assert (engine.runner.graphs is not None) == graphs
+            reqs = [Request(p, SamplingParams(max_tokens=steps)) for p in prompts]
+            engine.run(reqs)
+            outs[graphs] = [r.output_ids for r in reqs]
+            full = prompts[0] + outs[graphs][0]
+            slot = engine.runner.kv.allocate()
+            ours = engine.runner.extend([ExtendSeq(slot, 0, full, num_logits=len(full))])
+        assert outs[True] == outs[False]
+        hf = reference.to("cuda", torch.bfloat16)
+        with torch.no_grad():
+            expected = hf(torch.tensor([full], device="cuda")).logits[0].float()
+        reference.to("cpu", torch.float32)
+        assert float((ours - expected).norm() / expected.norm()) < 3e-2
+
+    return check
+
+
+@pytest.fixture(scope="session")
 def tokenizer(model_dir: Path):
     """The default model's fast tokenizer (a transformers PreTrainedTokenizerFast)."""
     from structgen.engine.models.loader import load_tokenizer

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,8 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Gemma3ForCausalLM",
     "Phi3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
 )
 SLIDING, FULL = "sliding_attention", "full_attention"  # HF's names for a layer's attention
 
@@ -53,6 +55,16 @@ class ModelConfig:
     # LongRoPE's short factors below the pretraining context, long ones from it on.
     partial_rotary_factor: float = 1.0
     original_max_position_embeddings: int | None = None
+    # Mixture of experts (models/moe.py: Qwen3-MoE, Mixtral): each token's feed-forward is the
+    # routing-weighted sum of its top `num_experts_per_tok` of `num_experts` SwiGLU experts.
+    num_experts: int = 0  # 0: every layer dense
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to one
+    dense_layers: tuple[int, ...] = ()  # layers with a dense MLP of intermediate_size instead
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     def window_of(self, layer: int) -> int | None:
         """The attention window of `layer`, None where it attends to its whole context."""
@@ -74,7 +86,7 @@ class ModelConfig:
             return cls._gemma3(d)
         if arch == "Phi3ForCausalLM":
             return cls._phi3(d)
-        return cls(
+        config = cls(
             architecture=arch,
             **_shape(d),
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
@@ -83,10 +95,11 @@ class ModelConfig:
             max_position_embeddings=d.get("max_position_embeddings", 4096),
             tie_word_embeddings=d.get("tie_word_embeddings", False),
             attention_bias=d.get("attention_bias", arch == "Qwen2ForCausalLM"),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=_id_list(d.get("eos_token_id")),
         )
+        return config._with_experts(d) if arch in ("Qwen3MoeForCausalLM", "MixtralForCausalLM") else config
 
     @classmethod
     def _gemma3(cls, d: dict[str, Any]) -> ModelConfig:
@@ -154,6 +167,31 @@ class ModelConfig:
             sliding_window=window,
             partial_rotary_factor=d.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0)),
             original_max_position_embeddings=original,
+        )
+
+    def _with_experts(self, d: dict[str, Any]) -> ModelConfig:
+        """This Qwen3-MoE or Mixtral config with its experts: Qwen3-MoE picks dense layers by
+        `mlp_only_layers` and `decoder_sparse_step`; Mixtral's layers are all sparse, its
+        `intermediate_size` is an expert's and its top-k weights always renormalised."""
+        from structgen.errors import ModelLoadError
+
+        qwen = self.architecture == "Qwen3MoeForCausalLM"
+        if d.get("sliding_window") and d.get("use_sliding_window", not qwen):
+            raise ModelLoadError(f"{self.architecture} with a sliding window is not supported; structgen runs "
+                                 "MoE checkpoints whose config has sliding_window null")
+        experts = d.get("num_experts") or d.get("num_local_experts") or 0
+        if experts < 1 or not d.get("num_experts_per_tok"):
+            raise ModelLoadError(f"{self.architecture} config has no experts (num_experts / num_experts_per_tok); "
+                                 "pass the checkpoint's own config.json")
+        step = d.get("decoder_sparse_step", 1) if qwen else 1
+        dense = set(d.get("mlp_only_layers") or []) | {i for i in range(self.num_hidden_layers) if (i + 1) % step}
+        return replace(
+            self,
+            num_experts=experts,
+            num_experts_per_tok=d["num_experts_per_tok"],
+            moe_intermediate_size=d.get("moe_intermediate_size", self.intermediate_size) if qwen else self.intermediate_size,
+            norm_topk_prob=d.get("norm_topk_prob", False) if qwen else True,
+            dense_layers=tuple(sorted(dense) if qwen else ()),
         )
 
     @classmethod

@@ -13,13 +13,11 @@ import pytest
 import torch
 from pydantic import BaseModel
 
-from structgen.engine.config import EngineConfig, EngineTuning
+from structgen.engine.config import EngineConfig
 from structgen.engine.engine import Engine
 from structgen.engine.model_runner import ExtendSeq
 from structgen.engine.models.loader import load_model_config
-from structgen.engine.request import Request
 from structgen.errors import InvalidParameterError
-from structgen.sampling import SamplingParams
 from structgen.types import Regex
 
 WINDOW = 8
@@ -63,23 +61,10 @@ def test_config_reads_gemma3_layers(tiny_gemma):
     assert cfg.query_pre_attn_scalar == 24 and cfg.final_logit_softcapping == 5.0
 
 
-def test_greedy_tokens_and_logits_equal_transformers(tiny_gemma):
+def test_greedy_tokens_and_logits_equal_transformers(tiny_gemma, greedy_and_logits_match_transformers):
     """32 greedy steps past a window of 8, two prompts batched and prefilled in chunks of 5
     (windowed masks over cached prefixes): the same tokens as transformers, logits close."""
-    path, ref = tiny_gemma
-    engine = Engine(load_model_config(path), EngineConfig(device="cpu", max_batch_size=2, max_seq_len=128,
-                                                          prefill_chunk_tokens=5), path)
-    reqs = [Request(p, SamplingParams(max_tokens=STEPS)) for p in PROMPTS]
-    engine.run(reqs)
-    for prompt, req in zip(PROMPTS, reqs, strict=True):
-        assert req.output_ids == reference_greedy(ref, prompt)
-    full = PROMPTS[0] + reqs[0].output_ids
-    with torch.no_grad():
-        expected = ref(torch.tensor([full])).logits[0]
-    slot = engine.runner.kv.allocate()
-    ours = engine.runner.extend([ExtendSeq(slot, 0, full, num_logits=len(full))])
-    engine.runner.kv.release(slot)
-    assert torch.allclose(ours, expected, atol=1e-4, rtol=1e-4)
+    greedy_and_logits_match_transformers(*tiny_gemma, PROMPTS, STEPS)
 
 
 def test_a_window_wider_than_the_sequence_changes_the_logits(tiny_gemma):
@@ -98,28 +83,11 @@ def test_a_window_wider_than_the_sequence_changes_the_logits(tiny_gemma):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_graphs_in_bf16_match_eager_and_transformers(tiny_gemma):
+def test_cuda_graphs_in_bf16_match_eager_and_transformers(tiny_gemma, bf16_graphs_match_eager_and_transformers):
     """On the device in bf16: greedy tokens through the CUDA graphs (decode kernel with the
     window) equal the eager path's, and prefill logits are within bf16 tolerance of
     transformers'."""
-    path, ref = tiny_gemma
-    outs = {}
-    for graphs in (True, False):
-        ec = EngineConfig(device="cuda", dtype="bfloat16", max_batch_size=2, max_seq_len=128, use_cuda_graphs=graphs,
-                          tuning=EngineTuning(prefill_in_graphs=False))
-        engine = Engine(load_model_config(path), ec, path)
-        reqs = [Request(p, SamplingParams(max_tokens=STEPS)) for p in PROMPTS]
-        engine.run(reqs)
-        outs[graphs] = [r.output_ids for r in reqs]
-        full = PROMPTS[0] + outs[graphs][0]
-        slot = engine.runner.kv.allocate()
-        ours = engine.runner.extend([ExtendSeq(slot, 0, full, num_logits=len(full))])
-    assert outs[True] == outs[False]
-    hf = ref.to("cuda", torch.bfloat16)
-    with torch.no_grad():
-        expected = hf(torch.tensor([full], device="cuda")).logits[0].float()
-    ref.to("cpu", torch.float32)
-    assert float((ours - expected).norm() / expected.norm()) < 3e-2
+    bf16_graphs_match_eager_and_transformers(*tiny_gemma, PROMPTS, STEPS)
 
 
 @pytest.mark.gpu

@@ -13,7 +13,6 @@ import torch
 
 from structgen.engine.config import EngineConfig
 from structgen.engine.engine import Engine
-from structgen.engine.model_runner import ExtendSeq
 from structgen.engine.models.loader import load_model_config
 from structgen.engine.request import Request
 from structgen.sampling import SamplingParams
@@ -48,22 +47,11 @@ def tiny_phi3(tmp_path: Path, **overrides) -> tuple[Path, torch.nn.Module]:
     {"partial_rotary_factor": 0.75},  # Phi-4-mini
     {"sliding_window": 8},  # Phi-3-mini: every layer windowed
 ])
-def test_greedy_tokens_and_logits_equal_transformers(tmp_path, overrides):
+def test_greedy_tokens_and_logits_equal_transformers(tmp_path, overrides, greedy_and_logits_match_transformers):
     path, ref = tiny_phi3(tmp_path, **overrides)
     cfg = load_model_config(path)
     assert cfg.architecture == "Phi3ForCausalLM" and cfg.rope_scaling["rope_type"] == "longrope"
-    engine = Engine(cfg, EngineConfig(device="cpu", max_batch_size=2, max_seq_len=64, prefill_chunk_tokens=5), path)
-    reqs = [Request(p, SamplingParams(max_tokens=STEPS)) for p in PROMPTS]
-    engine.run(reqs)
-    for prompt, req in zip(PROMPTS, reqs, strict=True):
-        with torch.no_grad():
-            out = ref.generate(torch.tensor([prompt]), max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False)
-        assert req.output_ids == out[0, len(prompt):].tolist()
-    full = PROMPTS[0] + reqs[0].output_ids
-    with torch.no_grad():
-        expected = ref(torch.tensor([full])).logits[0]
-    ours = engine.runner.extend([ExtendSeq(0, 0, full, num_logits=len(full))])
-    assert torch.allclose(ours, expected, atol=1e-4, rtol=1e-4)
+    greedy_and_logits_match_transformers(path, ref, PROMPTS, STEPS)
 
 
 def test_long_factors_take_over_at_the_pretraining_context(tmp_path):

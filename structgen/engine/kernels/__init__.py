@@ -5,6 +5,8 @@
 - `gemv.py`: projections of 1-16 rows (GEMV and a skinny GEMM, timed against cuBLAS).
 - `fused_gemv.py`: few-row projections with the norm before them and RoPE / SiLU * up after.
 - `sampling.py`: grammar bitmask + temperature + Gumbel noise + argmax in one pass.
+- `moe.py`: a mixture of experts' router (softmax + top-k) and its experts, every (token,
+  chosen expert) pair of a step in one launch per projection.
 
 `triton_enabled(device)` is the one switch: True on CUDA when Triton imports, and on the CPU
 only under Triton's interpreter (`TRITON_INTERPRET=1`, for debugging kernels without a GPU).

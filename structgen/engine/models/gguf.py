@@ -68,7 +68,24 @@ _PHI3_BLOCK_NAMES = {
     "ffn_up.weight": "mlp.gate_up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
-_BLOCK_NAMES_BY_ARCH = {"llama": _BLOCK_NAMES, "gemma3": _GEMMA3_BLOCK_NAMES, "phi3": _PHI3_BLOCK_NAMES}
+# A sparse layer's router (`ffn_gate_inp`) and experts, stacked per layer, in transformers 5's
+# names; gate and up are joined into `gate_up_proj` while converting (`_ExpertJoiner`).
+# llama.cpp writes Mixtral as the `llama` architecture with these tensors.
+_EXPERT_BLOCK_NAMES = {
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.gate_proj",
+    "ffn_up_exps.weight": "mlp.experts.up_proj",
+    "ffn_down_exps.weight": "mlp.experts.down_proj",
+}
+# Qwen3-MoE: Qwen3's q/k norms and every layer sparse.
+_QWEN3MOE_BLOCK_NAMES = {
+    **{k: v for k, v in _BLOCK_NAMES.items() if not k.startswith(("ffn_gate.", "ffn_up.", "ffn_down."))},
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    **_EXPERT_BLOCK_NAMES,
+}
+_BLOCK_NAMES_BY_ARCH = {"llama": {**_BLOCK_NAMES, **_EXPERT_BLOCK_NAMES}, "gemma3": _GEMMA3_BLOCK_NAMES,
+                        "phi3": _PHI3_BLOCK_NAMES, "qwen3moe": _QWEN3MOE_BLOCK_NAMES}
 # LongRoPE's factors, which llama.cpp stores as tensors: config values, not parameters.
 _PHI3_ROPE_FACTORS = {"rope_factors_long.weight": "long_factor", "rope_factors_short.weight": "short_factor"}
 SUPPORTED_GGUF_ARCHITECTURES = tuple(_BLOCK_NAMES_BY_ARCH)
@@ -115,6 +132,8 @@ def to_hf_layout(arch: str, gguf_name: str, w: np.ndarray, n_heads: int, n_kv: i
     by the weight where Gemma multiplies by one plus it."""
     if arch == "gemma3":
         return w - 1.0 if gguf_name.endswith("norm.weight") else w
+    if arch == "qwen3moe":  # llama.cpp's converter permutes only the llama architecture's q/k
+        return w
     if ".attn_q." in gguf_name:
         return unpermute_rotary(w, n_heads)
     if ".attn_k." in gguf_name:
@@ -170,7 +189,7 @@ def gguf_config(reader: Any, tensor_names: set[str], n_vocab: int) -> dict[str, 
         return gemma3_gguf_config(reader, tensor_names, n_vocab)
     if arch == "phi3":
         return phi3_gguf_config(reader, tensor_names, n_vocab)
-    if arch != "llama":
+    if arch not in ("llama", "qwen3moe"):
         raise ModelLoadError(
             f"GGUF architecture {arch!r} is not supported; structgen converts "
             f"{', '.join(map(repr, SUPPORTED_GGUF_ARCHITECTURES))} GGUFs (or pass an HF directory)")
@@ -210,7 +229,39 @@ def gguf_config(reader: Any, tensor_names: set[str], n_vocab: int) -> dict[str, 
         "pad_token_id": None if pad is None else int(pad),
         "torch_dtype": "float32",
     }
+    if arch == "qwen3moe":
+        cfg.update(qwen3moe_gguf_fields(reader))
+    elif _field(reader, p + "expert_count"):
+        cfg.update(mixtral_gguf_fields(reader))
     return cfg
+
+
+def qwen3moe_gguf_fields(reader: Any) -> dict[str, Any]:
+    """What a `qwen3moe` GGUF's config has beyond llama's: the experts and q/k norms. Every
+    layer is sparse; llama.cpp renormalises the top-k weights unless the file says not to."""
+    p = "qwen3moe."
+    expert_inter = int(_field(reader, p + "expert_feed_forward_length"))
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "intermediate_size": int(_field(reader, p + "feed_forward_length", expert_inter)),
+        "moe_intermediate_size": expert_inter,
+        "num_experts": int(_field(reader, p + "expert_count")),
+        "num_experts_per_tok": int(_field(reader, p + "expert_used_count")),
+        "norm_topk_prob": bool(_field(reader, p + "expert_weights_norm", True)),
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    }
+
+
+def mixtral_gguf_fields(reader: Any) -> dict[str, Any]:
+    """A `llama` GGUF with experts is Mixtral: `feed_forward_length` is each expert's size."""
+    return {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "num_local_experts": int(_field(reader, "llama.expert_count")),
+        "num_experts_per_tok": int(_field(reader, "llama.expert_used_count")),
+    }
 
 
 def gemma3_gguf_config(reader: Any, tensor_names: set[str], n_vocab: int) -> dict[str, Any]:
@@ -396,6 +447,26 @@ def stored_tensor(t: Any) -> tuple[np.ndarray, tuple[str, int] | None]:
     return np.array(w, dtype=np.float32, copy=not w.flags.writeable), None
 
 
+class _ExpertJoiner:
+    """Joins a layer's stacked expert gate and up tensors, which GGUF keeps apart, into
+    transformers' `mlp.experts.gate_up_proj` [E, 2I, H] (gate rows first) once both are read."""
+
+    def __init__(self) -> None:
+        self.halves: dict[str, dict[str, np.ndarray]] = {}
+
+    def add(self, name: str, w: np.ndarray) -> tuple[str, np.ndarray] | None:
+        """(name, tensor) to write, or None while `name` waits for its other half."""
+        stem, _, half = name.rpartition(".")
+        if half not in ("gate_proj", "up_proj") or not stem.endswith("mlp.experts"):
+            return name, w
+        pair = self.halves.setdefault(stem, {})
+        pair[half] = w
+        if len(pair) < 2:
+            return None
+        del self.halves[stem]
+        return stem + ".gate_up_proj", np.concatenate([pair["gate_proj"], pair["up_proj"]], axis=1)
+
+
 def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> None:
     """Write an HF directory for `gguf_path` into `out_dir` (which must exist and be empty).
 
@@ -416,7 +487,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> No
     arch = _field(reader, "general.architecture")
     n_heads, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
 
-    writer = _ShardWriter(out_dir)
+    writer, experts = _ShardWriter(out_dir), _ExpertJoiner()
     bar = tqdm(reader.tensors, desc=f"converting {gguf_path.name}", unit="tensor",
                disable=not progress, leave=False)
     for t in bar:
@@ -430,7 +501,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> No
             continue
         w, packed_as = stored_tensor(t)
         w = to_hf_layout(arch, t.name, w, n_heads, n_kv)  # row operations: packed rows too
-        writer.add(name, torch.from_numpy(np.ascontiguousarray(w)), packed_as)
+        joined = experts.add(name, w) if packed_as is None else (name, w)
+        if joined is not None:
+            writer.add(joined[0], torch.from_numpy(np.ascontiguousarray(joined[1])), packed_as)
     bar.close()
     writer.close()
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")

@@ -290,8 +290,9 @@ class LlamaModel(nn.Module):
             if attn.q_norm is not None:
                 put(attn.q_norm.weight, take(p + "self_attn.q_norm.weight"))
                 put(attn.k_norm.weight, take(p + "self_attn.k_norm.weight"))
-            adopt_linear(layer.mlp, "gate_up_proj", cat_rows([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]))
-            adopt_linear(layer.mlp, "down_proj", take(p + "mlp.down_proj.weight"))
+            if isinstance(layer.mlp, MLP):  # another feed-forward (models/moe.py) is its model's to load
+                adopt_linear(layer.mlp, "gate_up_proj", cat_rows([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]))
+                adopt_linear(layer.mlp, "down_proj", take(p + "mlp.down_proj.weight"))
             put(layer.input_layernorm.weight, take(p + "input_layernorm.weight"))
             put(layer.post_attention_layernorm.weight, take(p + "post_attention_layernorm.weight"))
 

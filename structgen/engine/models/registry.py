@@ -20,6 +20,10 @@ def model_class(cfg: ModelConfig) -> type[nn.Module]:
         from structgen.engine.models.phi3 import Phi3Model
 
         return Phi3Model
+    if cfg.num_experts:
+        from structgen.engine.models.moe import MoeModel
+
+        return MoeModel
     from structgen.engine.models.llama import LlamaModel
 
     return LlamaModel

@@ -1,0 +1,266 @@
+"""Mixture of experts against transformers' Qwen3MoeForCausalLM (and MixtralForCausalLM) on tiny
+random-weight checkpoints (CPU, float32): top-2 of 8 experts with renormalised weights, a dense
+layer among sparse ones, Qwen3's q/k norms; the grouped Triton expert kernel against the torch
+reference; and the same checkpoint as a llama.cpp `qwen3moe` GGUF."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+import pytest
+import torch
+
+from structgen.engine.config import EngineConfig
+from structgen.engine.engine import Engine
+from structgen.engine.models.loader import load_model_config
+from structgen.engine.request import Request
+from structgen.sampling import SamplingParams
+
+STEPS = 32
+PROMPTS = [[1, 17, 301, 45, 9, 88, 120, 7, 33, 250, 61, 5], [1, 400, 3, 77]]
+KERNELS = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def tiny_qwen3_moe(path: Path, **overrides) -> tuple[Path, torch.nn.Module]:
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    settings = {"vocab_size": 512, "norm_topk_prob": True, "mlp_only_layers": [1], "bos_token_id": 1,
+                "eos_token_id": None, **overrides}
+    cfg = Qwen3MoeConfig(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+                         num_experts_per_tok=2, max_position_embeddings=256, **settings)
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(cfg).eval()
+    with torch.no_grad():  # routers far from uniform, so a wrong top-k changes the tokens
+        for name, p in model.named_parameters():
+            p.normal_(1.0 if "norm" in name else 0.0, 0.3 if "norm" in name or "gate.weight" in name else 0.08)
+    model.save_pretrained(path)
+    return path, model
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
+    return tiny_qwen3_moe(tmp_path_factory.mktemp("tiny-qwen3-moe"))
+
+
+def reference_greedy(model: torch.nn.Module, prompt: list[int], steps: int = STEPS) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def test_config_reads_the_experts_and_the_dense_layer(tiny_moe):
+    cfg = load_model_config(tiny_moe[0])
+    assert cfg.architecture == "Qwen3MoeForCausalLM" and cfg.qk_norm
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (8, 2, 32)
+    assert [cfg.is_moe_layer(i) for i in range(3)] == [True, False, True] and cfg.norm_topk_prob
+
+
+def test_greedy_tokens_and_logits_equal_transformers(tiny_moe, greedy_and_logits_match_transformers):
+    """32 greedy steps of two prompts batched and prefilled in chunks of 5, a dense layer
+    between sparse ones: transformers' tokens and logits."""
+    greedy_and_logits_match_transformers(*tiny_moe, PROMPTS, STEPS)
+
+
+@pytest.mark.slow
+def test_routing_without_renormalised_weights_equals_transformers(tmp_path, greedy_and_logits_match_transformers):
+    """norm_topk_prob false: the experts' outputs are weighted by the raw softmax probabilities."""
+    greedy_and_logits_match_transformers(*tiny_qwen3_moe(tmp_path, norm_topk_prob=False), PROMPTS, STEPS)
+
+
+def test_a_random_weight_moe_engine_needs_no_files(tiny_moe):
+    """Benchmarks build shapes without checkpoints: the experts (kept off memory until weights
+    come) are drawn in place and a step runs."""
+    engine = Engine(load_model_config(tiny_moe[0]), EngineConfig(device="cpu", max_batch_size=1, max_seq_len=64))
+    experts = engine.runner.model.layers[0].mlp.gate_up
+    assert experts.device.type == "cpu" and float(experts.detach().std()) > 0.01
+    req = Request(PROMPTS[1], SamplingParams(max_tokens=4))
+    engine.run([req])
+    assert len(req.output_ids) == 4
+
+
+def test_llm_on_a_moe_folder_returns_a_valid_typed_value(tmp_path, model_dir):
+    """`LLM(folder)` on a Qwen3-MoE directory with the default model's tokenizer: a constrained
+    generation (random weights, so only validity is asserted) returns one of the literals."""
+    import shutil
+
+    from structgen import LLM
+
+    path, _ = tiny_qwen3_moe(tmp_path, vocab_size=49152, eos_token_id=2)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
+        if (model_dir / name).is_file():
+            shutil.copy2(model_dir / name, path / name)
+    with LLM(path, config=EngineConfig(device="cpu", max_batch_size=1, max_seq_len=128)) as llm:
+        assert llm.generate(Literal["red", "green", "blue"], "Pick a colour.", max_tokens=8) in ("red", "green", "blue")
+
+
+def tiny_mixtral(path: Path) -> tuple[Path, torch.nn.Module]:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(vocab_size=512, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
+                        max_position_embeddings=256, bos_token_id=1, eos_token_id=None)
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0 if "norm" in name else 0.0, 0.3 if "norm" in name or "gate.weight" in name else 0.08)
+    model.save_pretrained(path)
+    return path, model
+
+
+def test_mixtral_equals_transformers(tmp_path, greedy_and_logits_match_transformers):
+    greedy_and_logits_match_transformers(*tiny_mixtral(tmp_path), PROMPTS, STEPS)
+
+
+def llama_cpp_tensor(arch: str, name: str, tensor: torch.Tensor, cfg) -> torch.Tensor:
+    """A tensor as llama.cpp's converter stores it: the `llama` architecture's q/k rows in
+    interleaved rotary pairs."""
+    heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}
+    kind = name.split(".")[-2]
+    if arch != "llama" or kind not in heads:
+        return tensor
+    rows = tensor.shape[0]
+    return tensor.reshape(heads[kind], 2, rows // heads[kind] // 2, -1).swapaxes(1, 2).reshape(tensor.shape)
+
+
+def write_moe_gguf(model: torch.nn.Module, out: Path, arch: str) -> None:
+    """The tiny checkpoint as llama.cpp's converter writes it (`qwen3moe`, or Mixtral as
+    `llama`): gguf-py's tensor names with gate and up experts stacked apart, float32 tensors,
+    the expert counts, and a small SentencePiece-style vocabulary."""
+    import gguf
+
+    cfg = model.config
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    if arch == "qwen3moe":
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_expert_count(cfg.num_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    head_dim = cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_tokenizer_model("llama")
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + [f"\u2581w{i}" for i in range(253)]
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * 259 + [-float(i) for i in range(253)])
+    w.add_token_types([2, 3, 3] + [6] * 256 + [1] * 253)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3MOE if arch == "qwen3moe" else gguf.MODEL_ARCH.LLAMA,
+                                     cfg.num_hidden_layers)
+    for name, tensor in model.state_dict().items():
+        if name.endswith("experts.gate_up_proj"):  # llama.cpp stores the two halves apart
+            for half, part in zip(("gate_proj", "up_proj"), tensor.chunk(2, dim=1), strict=True):
+                w.add_tensor(names.get_name(name.replace("gate_up_proj", half)) + ".weight", part.float().numpy())
+        else:
+            w.add_tensor(names.get_name(name, try_suffixes=(".weight",)) + (".weight" * ("experts" in name)),
+                         llama_cpp_tensor(arch, name, tensor, cfg).float().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", pytest.param("llama", marks=pytest.mark.slow)])
+def test_a_moe_gguf_converts_to_the_same_model(tmp_path, arch):
+    """llama.cpp's `qwen3moe` GGUF (router, stacked expert tensors, q/k norms, no rotary
+    permutation) and its Mixtral (a `llama` GGUF with experts, q/k permuted) convert to
+    directories our engine runs with transformers' greedy tokens."""
+    from structgen.engine.models.loader import resolve_model
+
+    if arch == "qwen3moe":
+        _, ref = tiny_qwen3_moe(tmp_path / "hf", mlp_only_layers=[])
+    else:
+        _, ref = tiny_mixtral(tmp_path / "hf")
+    write_moe_gguf(ref, tmp_path / "tiny-moe.gguf", arch)
+    model_dir = resolve_model(tmp_path / "tiny-moe.gguf", cache_dir=tmp_path / "cache", progress=False)
+    cfg = load_model_config(model_dir)
+    assert (cfg.architecture, cfg.num_experts, cfg.num_experts_per_tok, cfg.dense_layers) == (
+        type(ref).__name__, 8, 2, ())
+    engine = Engine(cfg, EngineConfig(device="cpu", max_batch_size=1, max_seq_len=64), model_dir)
+    req = Request(PROMPTS[0], SamplingParams(max_tokens=16))
+    engine.run([req])
+    assert req.output_ids == reference_greedy(ref, PROMPTS[0], 16)
+
+
+@pytest.mark.skipif(not KERNELS, reason="needs CUDA (or TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("tokens", [1, 3, 40, 300])
+def test_grouped_expert_kernel_equals_the_torch_reference(tokens):
+    """Decode-sized steps (one GEMV per token and chosen expert) and prefill-sized ones (pairs
+    sorted into blocks of 16 or, past 512 pairs, 64 rows per expert), top-2 of 8, float32."""
+    from structgen.engine.kernels.moe import grouped_experts
+    from structgen.engine.models.moe import experts_reference
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator(device=device).manual_seed(tokens)
+    x = torch.randn(tokens, 64, device=device, generator=g)
+    gate_up = torch.randn(8, 2 * 48, 64, device=device, generator=g) * 0.1
+    down = torch.randn(8, 64, 48, device=device, generator=g) * 0.1
+    probs = torch.randn(tokens, 8, device=device, generator=g).softmax(-1)
+    weights, ids = probs.topk(2, dim=-1)
+    expected = experts_reference(x, ids, weights, gate_up, down)
+    assert torch.allclose(grouped_experts(x, ids, weights, gate_up, down), expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not KERNELS, reason="needs CUDA (or TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("tokens,experts,block_m", [(1, 8, 16), (40, 8, 16), (300, 128, 64), (70, 60, 16)])
+def test_alignment_kernel_equals_the_torch_sort(tokens, experts, block_m):
+    """The pairs sorted by expert and padded to blocks: the rows and blocks in use equal
+    torch's stable sort, with experts left out and a count that is not a power of two."""
+    from structgen.engine.kernels.moe import align_by_expert, align_by_expert_reference
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    scores = torch.rand(tokens, experts, device=device, generator=torch.Generator(device=device).manual_seed(tokens))
+    ids = scores.topk(2, dim=-1).indices
+    ours, expected = align_by_expert(ids, experts, block_m), align_by_expert_reference(ids, experts, block_m)
+    total = int(expected.padded_total)
+    assert int(ours.padded_total) == total
+    assert torch.equal(ours.sorted_pairs[:total], expected.sorted_pairs[:total])
+    assert torch.equal(ours.block_experts[: total // block_m], expected.block_experts[: total // block_m])
+
+
+@pytest.mark.skipif(not KERNELS, reason="needs CUDA (or TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("normalize", [True, False])
+def test_route_kernel_equals_softmax_top_k(normalize):
+    """The one-launch router: torch's softmax + top-k (+ renormalisation), 128 experts, top 8,
+    from bf16 logits: the same experts, weights highest first."""
+    from structgen.engine.kernels.moe import route
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    logits = torch.randn(5, 128, device=device, generator=torch.Generator(device=device).manual_seed(1))
+    logits = logits.to(torch.bfloat16) * 4
+    weights, ids = route(logits, 8, normalize)
+    expected, expected_ids = torch.softmax(logits, dim=-1, dtype=torch.float32).topk(8, dim=-1)
+    if normalize:
+        expected = expected / expected.sum(-1, keepdim=True)
+    assert torch.equal(ids.sort(-1).values, expected_ids.sort(-1).values)  # bf16 ties come in either order
+    assert torch.allclose(weights, expected, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_in_bf16_match_eager_and_transformers(tiny_moe, bf16_graphs_match_eager_and_transformers):
+    """On the device in bf16: greedy tokens through the CUDA graphs (the expert kernels
+    captured) equal the eager path's; prefill logits (the grouped kernel over sorted blocks)
+    are within bf16 tolerance of transformers'."""
+    bf16_graphs_match_eager_and_transformers(*tiny_moe, PROMPTS, STEPS)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not KERNELS, reason="needs CUDA (or TRITON_INTERPRET=1)")
+def test_decode_graph_steps_equal_transformers_in_float32(tiny_moe, greedy_through_graph_steps):
+    """The decode graphs' step (grouped expert kernel, decode attention) in float32:
+    transformers' greedy tokens. On the CPU under TRITON_INTERPRET=1 the steps run eagerly."""
+    path, ref = tiny_moe
+    ours = greedy_through_graph_steps(path, PROMPTS, 20)
+    assert ours == [reference_greedy(ref, p, 20) for p in PROMPTS]
