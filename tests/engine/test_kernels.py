@@ -142,6 +142,27 @@ def test_silu_mul_matches_torch():
     assert rel_err(silu_mul(x), F.silu(gate) * up) < 1e-2
 
 
+def test_gemma_norm_and_geglu_match_torch():
+    """Gemma's `(1 + w)` RMSNorm (with and without the residual add) and tanh-GELU(gate) * up."""
+    import torch.nn.functional as F
+
+    from structgen.engine.kernels.fused import gelu_tanh_mul, rms_norm
+    from structgen.engine.models.gemma3 import GemmaRMSNorm
+
+    norm = GemmaRMSNorm(640, 1e-6).to(DEVICE, LOW)
+    with torch.no_grad():
+        norm.weight.normal_(0.0, 0.5)
+    x = torch.randn(7, 640, device=DEVICE).to(LOW)
+    r = torch.randn(7, 640, device=DEVICE).to(LOW)
+    with torch.inference_mode():
+        assert rel_err(rms_norm(x, norm.weight, 1e-6, unit_offset=True)[0], norm(x)) < 1e-2
+        out, res = rms_norm(x, norm.weight, 1e-6, r, unit_offset=True)
+        assert torch.equal(res, x + r) and rel_err(out, norm(x + r)) < 1e-2
+    g = torch.randn(5, 2 * 2048, device=DEVICE).to(LOW) * 3
+    gate, up = g.split(2048, dim=-1)
+    assert rel_err(gelu_tanh_mul(g), F.gelu(gate, approximate="tanh") * up) < 1e-2
+
+
 @pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (100, 300), (256, 2048), (2056, 2048)])
 def test_gemv_matches_linear(n, k):
     """Every block shape `plan` may pick, in every form, for 1-16 rows (K not a multiple of

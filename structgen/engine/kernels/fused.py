@@ -2,9 +2,10 @@
 
 A decode step of a small model is a few hundred tiny kernels; what it costs is their count,
 not their bytes. These three kernels replace ~40 torch launches per layer with 3 (residual
-add + RMSNorm; RoPE on q and k + the KV-cache write; SiLU(gate) * up). Each rounds to the
-model dtype at the same points as the torch code in `models/llama.py` it replaces, so the
-two paths agree to the last bit in the common cases, and the tests compare them.
+add + RMSNorm, also in Gemma's `(1 + w)` form; RoPE on q and k + the KV-cache write;
+SiLU(gate) * up, or Gemma's tanh-GELU(gate) * up). Each rounds to the model dtype at the same
+points as the torch code in `models/llama.py` / `models/gemma3.py` it replaces, so the two
+paths agree to the last bit in the common cases, and the tests compare them.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import triton.language as tl
 
 @triton.jit
 def _rms_norm_kernel(X, R, W, Out, ROut, stride_x, stride_r, stride_o, stride_ro, n_cols, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, UNIT_OFFSET: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -29,21 +30,26 @@ def _rms_norm_kernel(X, R, W, Out, ROut, stride_x, stride_r, stride_o, stride_ro
     xf = x.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / n_cols + eps)
     w = tl.load(W + cols, mask=mask, other=0.0)
-    y = (xf * inv).to(dt).to(tl.float32) * w.to(tl.float32)
+    if UNIT_OFFSET:  # Gemma: scaled by (1 + w) in float32, rounded once
+        y = (xf * inv) * (1.0 + w.to(tl.float32))
+    else:
+        y = (xf * inv).to(dt).to(tl.float32) * w.to(tl.float32)
     tl.store(Out + row * stride_o + cols, y.to(Out.dtype.element_ty), mask=mask)
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+    unit_offset: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(norm(x + residual) * weight, x + residual); residual=None means plain norm(x)."""
+    """(norm(x + residual) * weight, x + residual); residual=None means plain norm(x).
+    `unit_offset`: Gemma's norm, `norm(x) * (1 + weight)` in float32, rounded once."""
     n, cols = x.shape
     out = torch.empty_like(x)
     res_out = torch.empty_like(x) if residual is not None else x
     r = residual if residual is not None else x
     _rms_norm_kernel[(n,)](
         x, r, weight, out, res_out, x.stride(0), r.stride(0), out.stride(0), res_out.stride(0), cols, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(cols),
+        HAS_RESIDUAL=residual is not None, UNIT_OFFSET=unit_offset, BLOCK=triton.next_power_of_2(cols),
         num_warps=4 if cols <= 2048 else 8,
     )
     return out, res_out
@@ -117,7 +123,7 @@ def rope_and_cache(
 
 
 @triton.jit
-def _silu_mul_kernel(X, Out, stride_x, stride_o, inter, BLOCK: tl.constexpr):
+def _act_mul_kernel(X, Out, stride_x, stride_o, inter, GELU: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -125,15 +131,29 @@ def _silu_mul_kernel(X, Out, stride_x, stride_o, inter, BLOCK: tl.constexpr):
     up = tl.load(X + row * stride_x + inter + cols, mask=mask, other=0.0)
     dt = gate.dtype
     g = gate.to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+    if GELU:  # tanh-approximated GELU; tanh(z) = 1 - 2 / (exp(2z) + 1)
+        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        act = (0.5 * g * (2.0 - 2.0 / (tl.exp(2.0 * z) + 1.0))).to(dt).to(tl.float32)
+    else:
+        act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
     tl.store(Out + row * stride_o + cols, (act * up.to(tl.float32)).to(dt), mask=mask)
 
 
-def silu_mul(x: torch.Tensor) -> torch.Tensor:
-    """[N, 2I] (gate | up) -> silu(gate) * up, [N, I]."""
+def _act_mul(x: torch.Tensor, gelu: bool) -> torch.Tensor:
     n, two_i = x.shape
     inter = two_i // 2
     out = torch.empty(n, inter, dtype=x.dtype, device=x.device)
     block = 1024
-    _silu_mul_kernel[(n, triton.cdiv(inter, block))](x, out, x.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4)
+    _act_mul_kernel[(n, triton.cdiv(inter, block))](x, out, x.stride(0), out.stride(0), inter, GELU=gelu, BLOCK=block,
+                                                    num_warps=4)
     return out
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """[N, 2I] (gate | up) -> silu(gate) * up, [N, I]."""
+    return _act_mul(x, gelu=False)
+
+
+def gelu_tanh_mul(x: torch.Tensor) -> torch.Tensor:
+    """[N, 2I] (gate | up) -> gelu_tanh(gate) * up, [N, I] (Gemma's GeGLU)."""
+    return _act_mul(x, gelu=True)

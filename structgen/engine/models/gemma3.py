@@ -33,11 +33,25 @@ class GemmaRMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim))
         self.eps = eps
+        self.fused = False  # the Triton kernel on CUDA (kernels/fused.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused and x.dim() == 2:
+            from structgen.engine.kernels.fused import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, unit_offset=True)[0]
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the residual add fused into the norm."""
+        if self.fused and x.dim() == 2:
+            from structgen.engine.kernels.fused import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, residual, unit_offset=True)
+        total = x + residual
+        return self(total), total
 
 
 class GemmaAttention(Attention):
@@ -52,6 +66,8 @@ class GemmaAttention(Attention):
         self.query_scale = (self.head_dim / scalar) ** 0.5
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, batch: AttentionBatch, kv: KVCache) -> torch.Tensor:
+        if self.fused and x.dim() == 2:
+            return self._fused_forward(x, rope, batch, kv)
         n = x.shape[0]
         q, k, v = project(self.qkv_proj, x, self.fused).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = self.q_norm(q.reshape(n, self.n_heads, self.head_dim))
@@ -63,11 +79,32 @@ class GemmaAttention(Attention):
         out = attend(q, kv.k[self.layer_idx], kv.v[self.layer_idx], batch, self.window)
         return project(self.o_proj, out.reshape(n, self.q_size), self.fused)
 
+    def _fused_forward(self, x: torch.Tensor, rope: RotaryEmbedding, batch: AttentionBatch, kv: KVCache) -> torch.Tensor:
+        """The CUDA path: the q/k norms as one kernel each over every head, then Llama's fused
+        RoPE + KV write on the normed q, k and v (kernels/fused.py)."""
+        from structgen.engine.kernels.fused import rope_and_cache
+
+        n, i = x.shape[0], self.layer_idx
+        qkv = project(self.qkv_proj, x, True)
+        q = self.q_norm(qkv[:, : self.q_size].reshape(n * self.n_heads, self.head_dim))
+        k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].reshape(n * self.n_kv, self.head_dim))
+        qkv = torch.cat([q.view(n, self.q_size), k.view(n, self.kv_size), qkv[:, self.q_size + self.kv_size :]], dim=-1)
+        q = rope_and_cache(qkv, batch.positions, batch.token_slots, rope.cos, rope.sin, kv.k[i], kv.v[i],
+                           self.n_heads, self.n_kv, self.head_dim)
+        if self.query_scale != 1.0:
+            q = q * self.query_scale
+        out = attend(q, kv.k[i], kv.v[i], batch, self.window)
+        return project(self.o_proj, out.reshape(n, self.q_size), True)
+
 
 class GegluMLP(MLP):
     """gate/up fused as in Llama, with tanh-approximated GELU instead of SiLU."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused and x.dim() == 2:
+            from structgen.engine.kernels.fused import gelu_tanh_mul
+
+            return project(self.down_proj, gelu_tanh_mul(project(self.gate_up_proj, x, True)), True)
         gate, up = project(self.gate_up_proj, x, self.fused).split(self.inter, dim=-1)
         return project(self.down_proj, F.gelu(gate, approximate="tanh") * up, self.fused)
 
@@ -84,8 +121,9 @@ class Gemma3DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = GemmaRMSNorm(dim, eps)
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, batch: AttentionBatch, kv: KVCache) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, batch, kv))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        h = self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, batch, kv))
+        h, x = self.pre_feedforward_layernorm.add_forward(h, x)  # norm(x + h), x + h
+        return x + self.post_feedforward_layernorm(self.mlp(h))
 
 
 class Gemma3Model(nn.Module):
@@ -115,11 +153,11 @@ class Gemma3Model(nn.Module):
         return self.norm(x)
 
     def use_fused_kernels(self, enabled: bool, projection_rows: int = 0) -> None:
-        """Projections of few rows through the timed GEMV kernels on CUDA (kernels/gemv.py);
-        Gemma's norms and GeGLU stay in torch."""
+        """On CUDA: the norms, q/k norms + RoPE + KV write and GeGLU as Triton kernels
+        (kernels/fused.py), projections of few rows through the timed GEMVs (kernels/gemv.py)."""
         self.fused = enabled
         for m in self.modules():
-            if isinstance(m, (Attention, MLP)):
+            if isinstance(m, (Attention, MLP, GemmaRMSNorm)):
                 m.fused = enabled
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
