@@ -220,6 +220,10 @@ def _parse_args() -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--data-dir", type=Path, default=None, help="MaskBench jsonl folder (default: ../shared)")
     ap.add_argument("--no-bound", action="store_true", help="skip the decode-step bound")
+    ap.add_argument("--peer", action="append", default=[], metavar="NAME=URL",
+                    help="also run the HTTP workloads against this OpenAI-compatible server (e.g. "
+                         "vllm=http://127.0.0.1:8100/v1), serving the same weights as --peer-model")
+    ap.add_argument("--peer-model", default="smollm2", help="the model name the peers serve")
     ap.add_argument("--no-write", action="store_true")
     return ap.parse_args()
 
@@ -242,6 +246,8 @@ def main() -> None:
             requests = workloads[name]()
             for mode in args.modes.split(","):
                 rows += run_mode(llm, mode, name, requests, args, bound)
+            for peer in args.peer:
+                rows += run_peer(peer, name, requests, args, bound)
     print_table(rows)
     if not args.no_write:
         print("wrote", write_results("serving", rows, extra={"settings": {k: str(v) for k, v in vars(args).items()}}))
@@ -267,6 +273,18 @@ def run_mode(llm: Any, mode: str, workload: str, requests: list[ServingRequest],
     return rows
 
 
+def run_peer(peer: str, workload: str, requests: list[ServingRequest], args: argparse.Namespace,
+             bound: float | None) -> list[dict[str, Any]]:
+    """The same HTTP requests against a peer's OpenAI-compatible server (NAME=URL)."""
+    name, _, url = peer.partition("=")
+    rows = []
+    for a in args.arrivals.split(","):
+        rate = None if a == "closed" else float(a)
+        res = asyncio.run(_http(url, args.peer_model, requests, rate, args))
+        rows.append(_row(workload, "http", rate, res, bound, system=name))
+    return rows
+
+
 async def _http(url: str, model: str, requests: list[ServingRequest], rate: float | None,
                 args: argparse.Namespace) -> RunResult:
     import httpx
@@ -278,10 +296,11 @@ async def _http(url: str, model: str, requests: list[ServingRequest], rate: floa
         return await drive(http_runner(client, model, args.max_tokens), requests, rate, args.timeout)
 
 
-def _row(workload: str, mode: str, rate: float | None, res: RunResult, bound: float | None) -> dict[str, Any]:
+def _row(workload: str, mode: str, rate: float | None, res: RunResult, bound: float | None,
+         system: str = "structgen") -> dict[str, Any]:
     figures = summarize(res)
-    print(workload, mode, rate or "closed", json.dumps(figures), flush=True)  # progress on long runs
-    return {"model": "smollm2-135m", "workload": workload, "mode": mode,
+    print(system, workload, mode, rate or "closed", json.dumps(figures), flush=True)  # progress on long runs
+    return {"system": system, "model": "smollm2-135m", "workload": workload, "mode": mode,
             "arrival": "closed" if rate is None else f"poisson {rate:g}/s", **figures,
             "decode_bound_tok_per_s": bound,
             "share_of_bound": round(figures["tok_per_s"] / bound, 3) if bound else None}
