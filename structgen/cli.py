@@ -20,6 +20,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-size", type=int, default=EngineConfig.max_batch_size, help="concurrent requests")
     p.add_argument("--max-seq-len", type=int, default=EngineConfig.max_seq_len, help="prompt + output tokens per request")
     p.add_argument("--no-jump-forward", action="store_true", help="decode grammar-forced text token by token")
+    p.add_argument(
+        "--tensor-parallel", type=int, default=1,
+        help="split the model across N GPUs of this host (or across the processes torchrun launched: "
+        "docs/guide/multi-gpu.md)",
+    )
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -29,6 +34,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         max_batch_size=args.max_batch_size,
         max_seq_len=args.max_seq_len,
         jump_forward=not args.no_jump_forward,
+        tensor_parallel=args.tensor_parallel,
     )
 
 
@@ -110,11 +116,21 @@ def _api_key(args: argparse.Namespace) -> str | None:
     return args.api_key or os.environ.get("STRUCTGEN_API_KEY") or None
 
 
+def _is_torchrun_worker() -> bool:
+    """A rank above 0 of a torchrun launch: it holds a shard of the model for rank 0's engine."""
+    return int(os.environ.get("RANK", "0")) > 0 and "WORLD_SIZE" in os.environ
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from structgen.errors import StructgenError
 
     try:
+        if _is_torchrun_worker():
+            from structgen.engine.parallel import run_worker
+
+            run_worker(args.model, _engine_config(args))  # rank 0 runs the command itself
+            return 0
         if args.command == "serve":
             from structgen_server.app import run_server
 
@@ -136,8 +152,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         from structgen.api import LLM
 
-        llm = LLM(args.model, backend=args.backend, config=_engine_config(args))
-        c = llm.complete(_output_type(args), args.prompt, max_tokens=args.max_tokens, temperature=args.temperature)
+        with LLM(args.model, backend=args.backend, config=_engine_config(args)) as llm:  # stops worker ranks
+            c = llm.complete(_output_type(args), args.prompt, max_tokens=args.max_tokens, temperature=args.temperature)
         print(c.text if isinstance(c.value, str) else json.dumps(c.value, default=str))
         return 0
     except StructgenError as e:

@@ -68,9 +68,10 @@ class ModelRunner:
         self.dtype = pick_dtype(config, self.device)
         self.max_seq_len = min(config.max_seq_len, model_config.max_position_embeddings)
         self.model = self._build_model(model_dir)
-        if tensor_parallel is not None:
-            tensor_parallel.wait_for_ranks()
-        self.kv = KVCache(self.rank_config, self._num_slots(), self.max_seq_len, self.dtype, self.device)
+        num_slots = self._num_slots()
+        if tensor_parallel is not None:  # every rank the same slots, so the same graph buckets
+            num_slots = tensor_parallel.smallest(num_slots)
+        self.kv = KVCache(self.rank_config, num_slots, self.max_seq_len, self.dtype, self.device)
         self.forward_passes = 0
         from structgen.engine.kernels import triton_enabled
 

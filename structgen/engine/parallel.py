@@ -164,16 +164,19 @@ class TensorParallel:
         except RuntimeError as e:
             raise EngineError(f"a tensor-parallel worker rank is gone ({e}); restart the engine") from e
 
-    def wait_for_ranks(self) -> None:
-        """Every rank has its shard loaded (before the collectives of graph capture)."""
+    def smallest(self, value: int) -> int:
+        """The smallest of the ranks' `value`s (the KV slots every rank's memory fits); it also
+        waits for every rank to have loaded its shard, before the collectives of graph capture."""
         if self.workers is not None:
             self.workers.check()
+        t = torch.tensor([value], dtype=torch.int64)
         try:
-            dist.barrier(group=self.commands)
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.commands)
         except RuntimeError as e:
             if self.workers is not None:
                 self.workers.check()
             raise EngineError(f"a tensor-parallel rank failed while loading ({e}); see its log above") from e
+        return int(t.item())
 
     def close(self) -> None:
         """Stop the worker ranks (rank 0) and leave the process groups; idempotent."""
@@ -195,7 +198,10 @@ class TensorParallel:
         from structgen.engine.model_runner import ExtendSeq
 
         while True:
-            dist.broadcast(self._header, 0, group=self.commands)
+            try:
+                dist.broadcast(self._header, 0, group=self.commands)
+            except RuntimeError as e:
+                raise EngineError(f"tensor-parallel rank 0 is gone ({e}); this worker rank stops with it") from e
             command, a, b = self._header.tolist()
             if command == STOP:
                 return
