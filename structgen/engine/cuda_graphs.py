@@ -304,7 +304,8 @@ class DecodeGraphs:
         (kernels/gated_graph.py, `TokenGate`): `run` launches it where the sampled row's mask
         allows `min_allowed` tokens or more, and the device runs it when the sampled token is in
         `quiet` (uint32 words, the bitmask layout). Returns whether the gate is in use (captured
-        graphs, the extension and CUDA 12.4+ needed)."""
+        graphs, the extension and CUDA 12.4+ needed; not under tensor parallelism, where the
+        worker ranks could not follow a forward the device decides to run)."""
         from structgen.engine.kernels import gated_graph
 
         if self._forward_one is None or not gated_graph.available() or self.tensor_parallel is not None:

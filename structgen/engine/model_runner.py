@@ -188,9 +188,8 @@ class ModelRunner:
         """Jump-forward at batch 1: let the device run the next forward at once after tokens
         in `quiet` sampled in wide grammar states (cuda_graphs.py, `enable_token_gate`), now
         and in graphs captured later. A no-op without graphs or the CUDA extension, or with
-        `EngineConfig.token_gate` off, and under tensor parallelism (the device decides whether
-        that forward runs, and the worker ranks could not follow)."""
-        if not self.config.token_gate or self.tensor_parallel is not None:
+        `EngineConfig.token_gate` off."""
+        if not self.config.token_gate:
             return
         self._token_gate = (quiet, min_allowed)
         if self.graphs is not None:

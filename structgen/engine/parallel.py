@@ -193,6 +193,7 @@ class TensorParallel:
         dist.destroy_process_group()
 
     # -- worker ranks ------------------------------------------------------------------------------
+    @torch.inference_mode()
     def serve(self, runner: ModelRunner) -> None:
         """Run the forwards rank 0 announces until it says stop (worker ranks)."""
         from structgen.engine.model_runner import ExtendSeq
