@@ -59,6 +59,11 @@ class Rendezvous:
     world_size: int
     rank: int
     local_rank: int
+    torchrun: bool = False  # the launcher's own store serves the rendezvous (env://)
+
+    @property
+    def init_method(self) -> str:
+        return "env://" if self.torchrun else f"tcp://{self.address}:{self.port}"
 
     @classmethod
     def from_torchrun(cls) -> Rendezvous | None:
@@ -67,7 +72,7 @@ class Rendezvous:
         if "RANK" not in env or "WORLD_SIZE" not in env:
             return None
         return cls(env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", "29500")),
-                   int(env["WORLD_SIZE"]), int(env["RANK"]), int(env.get("LOCAL_RANK", env["RANK"])))
+                   int(env["WORLD_SIZE"]), int(env["RANK"]), int(env.get("LOCAL_RANK", env["RANK"])), torchrun=True)
 
     @classmethod
     def on_this_host(cls, world_size: int) -> Rendezvous:
@@ -105,7 +110,7 @@ class TensorParallel:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://{rendezvous.address}:{rendezvous.port}",
+        dist.init_process_group(backend, init_method=rendezvous.init_method,
                                 rank=self.rank, world_size=self.world_size, timeout=COLLECTIVE_TIMEOUT)
         self.commands = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
         self._header = torch.zeros(HEADER_INTS, dtype=torch.int64)

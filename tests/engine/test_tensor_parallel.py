@@ -125,6 +125,58 @@ def test_a_dead_worker_fails_requests_with_an_engine_error_instead_of_hanging(ti
     assert not worker.is_alive()
 
 
+# Both ranks build the decode graphs' step functions (uncaptured, so they run on the CPU under
+# TRITON_INTERPRET=1): rank 0 announces each graph forward, and each forward takes rank 0's rows.
+GRAPH_STEPS_SCRIPT = """
+import os, sys
+from structgen.engine.config import EngineConfig
+from structgen.engine.models.loader import load_model_config
+from structgen.engine.request import Request
+from structgen.sampling import SamplingParams
+model_dir = sys.argv[1]
+config = EngineConfig(tensor_parallel=int(os.environ.get("WORLD_SIZE", "1")), max_batch_size=4, max_seq_len=128,
+                      prefill_in_graphs=False, cuda_graph_batch_sizes=(1, 2, 4))
+if int(os.environ.get("RANK", "0")) > 0:
+    from structgen.engine.model_runner import ModelRunner
+    from structgen.engine.parallel import Rendezvous, TensorParallel, rank_device
+    rendezvous = Rendezvous.from_torchrun()
+    tp = TensorParallel(rendezvous, rank_device(config, rendezvous.local_rank))
+    runner = ModelRunner(load_model_config(model_dir), config, model_dir, tensor_parallel=tp)
+    runner.capture_decode_graphs(capture=False)
+    tp.serve(runner)
+    tp.close()
+    sys.exit(0)
+from structgen.engine.engine import Engine
+engine = Engine(load_model_config(model_dir), config, model_dir)
+engine.runner.capture_decode_graphs(capture=False)
+reqs = [Request([1, 2, 3, 4 + i], SamplingParams(max_tokens=6)) for i in range(3)]
+engine.run(reqs)
+print("GRAPH STEPS", engine.runner.graphs.steps, [r.output_ids for r in reqs])
+engine.close()
+"""
+
+
+@pytest.mark.slow
+def test_decode_graph_steps_under_torchrun_match_one_process(tiny_llama_dir, tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "graph_steps.py"
+    script.write_text(GRAPH_STEPS_SCRIPT)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    runs = [[sys.executable, str(script), str(tiny_llama_dir)],
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+             str(script), str(tiny_llama_dir)]]
+    outputs = []
+    for cmd in runs:
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("GRAPH STEPS")]
+        assert done.returncode == 0 and lines, done.stderr[-3000:]
+        outputs.append(lines[0])
+    assert outputs[1] == outputs[0]
+    assert int(outputs[0].split()[2]) >= 4  # the decoding went through the graph steps
+
+
 @pytest.mark.gpu
 def test_greedy_text_with_nccl_and_decode_graphs_on_two_gpus_equals_one_gpu(tiny_llama_dir):
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
