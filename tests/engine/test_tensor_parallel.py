@@ -3,13 +3,12 @@ generates what one process generates, under the grammar and jump-forward, and it
 rank is stopped on close. On the CPU the ranks are two processes meeting over gloo; the
 `gpu` test runs NCCL and the decode graphs on two GPUs.
 
-The default model's 9 heads / 3 KV heads do not split in two, so these tests build a tiny
-random-weight Llama with 4 heads / 2 KV heads and the default model's tokenizer."""
+The default model's 9 heads / 3 KV heads do not split in two, so these tests use the tiny
+random-weight Llama of conftest (`tiny_llama_dir`: 4 heads, 2 KV heads)."""
 
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import time
 from pathlib import Path
@@ -31,28 +30,6 @@ class Reading(BaseModel):
     sensor: str
     ok: bool
     value: int
-
-
-@pytest.fixture(scope="module")
-def tiny_llama_dir(tmp_path_factory, model_dir: Path) -> Path:
-    """A 2-layer Llama (4 heads, 2 KV heads, untied head) with weights far from their init
-    and the default model's tokenizer."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(0.0, 0.3 if "norm" in name else 0.08)
-    path = tmp_path_factory.mktemp("tiny-llama")
-    model.save_pretrained(path)
-    for f in model_dir.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(f, path / f.name)
-    return path
 
 
 def _config(tensor_parallel: int) -> EngineConfig:
