@@ -156,9 +156,10 @@ def _serve_replicas(args: argparse.Namespace) -> None:
                           gpus_per_replica=per_replica, log_level=args.log_level)
 
 
-def _is_torchrun_worker() -> bool:
-    """A rank above 0 of a torchrun launch: it holds a shard of the model for rank 0's engine."""
-    return int(os.environ.get("RANK", "0")) > 0 and "WORLD_SIZE" in os.environ
+def _is_torchrun_worker(args: argparse.Namespace) -> bool:
+    """A rank above 0 of a torchrun launch of a split model: it holds a shard of the model for
+    rank 0's engine."""
+    return args.tensor_parallel > 1 and int(os.environ.get("RANK", "0")) > 0 and "WORLD_SIZE" in os.environ
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     from structgen.errors import StructgenError
 
     try:
-        if _is_torchrun_worker():
+        if _is_torchrun_worker(args):
             from structgen.engine.parallel import run_worker
 
             run_worker(args.model, _engine_config(args))  # rank 0 runs the command itself
