@@ -109,11 +109,14 @@ class TensorParallel:
         self.workers = workers  # the processes rank 0 spawned (None under torchrun, and on workers)
         if device.type == "cuda":
             torch.cuda.set_device(device)
+            # NVLink SHARP needs multicast memory, which containers and some drivers refuse.
+            os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=rendezvous.init_method,
                                 rank=self.rank, world_size=self.world_size, timeout=COLLECTIVE_TIMEOUT)
         self.commands = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
         self._header = torch.zeros(HEADER_INTS, dtype=torch.int64)
+        self.ready = False  # every rank has loaded its shard: the ranks now follow announcements
         self.closed = False
 
     # -- the model's side ---------------------------------------------------------------------
@@ -181,20 +184,22 @@ class TensorParallel:
             if self.workers is not None:
                 self.workers.check()
             raise EngineError(f"a tensor-parallel rank failed while loading ({e}); see its log above") from e
+        self.ready = True
         return int(t.item())
 
     def close(self) -> None:
         """Stop the worker ranks (rank 0) and leave the process groups; idempotent."""
         if self.closed:
             return
-        if self.rank == 0:
+        stopping = self.rank == 0 and self.ready  # else the workers do not listen yet: terminated
+        if stopping:
             try:
                 self._announce(STOP, 0, 0)
             except EngineError:
-                pass  # a worker is gone already; the others are terminated below
+                stopping = False  # a worker is gone already; the others are terminated
         self.closed = True
         if self.workers is not None:
-            self.workers.join()
+            self.workers.join(SHUTDOWN_TIMEOUT_S if stopping else 0.0)
         dist.destroy_process_group()
 
     # -- worker ranks ------------------------------------------------------------------------------
@@ -252,11 +257,13 @@ class WorkerProcesses:
                 raise EngineError(f"tensor-parallel worker rank {rank} exited with code {p.exitcode}; "
                                   "its log says why. Restart the engine (close this LLM and create a new one)")
 
-    def join(self) -> None:
+    def join(self, timeout: float) -> None:
+        """Wait up to `timeout` seconds for each to stop, then terminate it."""
         for p in self.processes:
-            p.join(SHUTDOWN_TIMEOUT_S)
+            p.join(timeout)
             if p.exitcode is None:
-                log.warning("tensor-parallel worker %s did not stop; terminating it", p.name)
+                if timeout:
+                    log.warning("tensor-parallel worker %s did not stop; terminating it", p.name)
                 p.terminate()
                 p.join(SHUTDOWN_TIMEOUT_S)
 
