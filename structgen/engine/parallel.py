@@ -273,6 +273,9 @@ def start_tensor_parallel(model_config: ModelConfig, config: EngineConfig, model
     spawns the worker ranks on this host. Refuses a size that does not split the model before
     starting anything."""
     rank_config(model_config, config.tensor_parallel)
+    if dist.is_initialized():
+        raise EngineError("this process already belongs to a tensor-parallel group (another engine with "
+                          "tensor_parallel > 1 is open); close that LLM first")
     rendezvous = Rendezvous.from_torchrun()
     workers = None
     if rendezvous is None:

@@ -84,6 +84,11 @@ def test_a_batch_of_requests_under_two_ranks_matches_one_process(one_process, tw
     assert two == one
 
 
+def test_a_second_split_engine_in_the_same_process_is_refused(two_ranks, tiny_llama_dir):
+    with pytest.raises(EngineError, match="close that LLM first"):
+        Engine(load_model_config(tiny_llama_dir), _config(2), tiny_llama_dir)
+
+
 def test_close_stops_the_worker_rank(two_ranks):
     workers = two_ranks.engine.tensor_parallel.workers.processes
     two_ranks.close()
