@@ -133,8 +133,12 @@ class ModelRunner:
         """Run the new tokens of every sequence; return float32 logits [sum(num_logits), vocab]."""
         if self.graphs is not None:
             self.graphs.discard_ahead()  # this forward changes what a pre-launched one assumed
-        if self.tensor_parallel is not None:
-            self.tensor_parallel.announce_extend(seqs)  # the worker ranks run the same forward
+        if self.tensor_parallel is None:
+            return self._extend(seqs)
+        with self.tensor_parallel.extending(seqs):  # the worker ranks run the same forward
+            return self._extend(seqs)
+
+    def _extend(self, seqs: list[ExtendSeq]) -> torch.Tensor:
         flat: list[int] = []
         logit_rows: list[int] = []
         for s in seqs:

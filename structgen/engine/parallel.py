@@ -20,6 +20,8 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
@@ -117,6 +119,7 @@ class TensorParallel:
         self.commands = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
         self._header = torch.zeros(HEADER_INTS, dtype=torch.int64)
         self.ready = False  # every rank has loaded its shard: the ranks now follow announcements
+        self.broken: str | None = None  # why the ranks may no longer run the same collectives
         self.closed = False
 
     # -- the model's side ---------------------------------------------------------------------
@@ -145,14 +148,21 @@ class TensorParallel:
         return tensor
 
     # -- rank 0: announcing forwards ------------------------------------------------------------
-    def announce_extend(self, seqs: list[ExtendSeq]) -> None:
-        """Workers: run `ModelRunner.extend(seqs)` (a no-op on the worker ranks themselves)."""
-        if self.rank != 0:
-            return
-        ids = [t for s in seqs for t in s.token_ids]
-        self._announce(EXTEND, len(seqs), len(ids))
-        rows = [v for s in seqs for v in (s.slot, s.start, len(s.token_ids), s.num_logits)]
-        self._send(torch.tensor(rows + ids, dtype=torch.int64))
+    @contextmanager
+    def extending(self, seqs: list[ExtendSeq]) -> Iterator[None]:
+        """Around an eager forward: tells the workers to run `ModelRunner.extend(seqs)` (on
+        rank 0), and where the forward fails, leaves the group refusing further steps: the
+        ranks' collectives would no longer pair up."""
+        if self.rank == 0:
+            ids = [t for s in seqs for t in s.token_ids]
+            self._announce(EXTEND, len(seqs), len(ids))
+            rows = [v for s in seqs for v in (s.slot, s.start, len(s.token_ids), s.num_logits)]
+            self._send(torch.tensor(rows + ids, dtype=torch.int64))
+        try:
+            yield
+        except BaseException as e:
+            self.broken = f"a forward failed on rank {self.rank} ({e!r})"
+            raise
 
     def announce_graph_forward(self, bucket: int) -> None:
         """Workers: replay the decode graphs' forward of `bucket` rows."""
@@ -161,6 +171,9 @@ class TensorParallel:
     def _announce(self, command: int, a: int, b: int) -> None:
         if self.closed:
             raise EngineError("the tensor-parallel group is closed; create a new LLM to generate again")
+        if self.broken:
+            raise EngineError(f"the tensor-parallel ranks are out of step since {self.broken}; "
+                              "restart the engine (close this LLM and create a new one)")
         if self.workers is not None:
             self.workers.check()
         self._header[0], self._header[1], self._header[2] = command, a, b
@@ -191,7 +204,7 @@ class TensorParallel:
         """Stop the worker ranks (rank 0) and leave the process groups; idempotent."""
         if self.closed:
             return
-        stopping = self.rank == 0 and self.ready  # else the workers do not listen yet: terminated
+        stopping = self.rank == 0 and self.ready and not self.broken  # else the workers are terminated
         if stopping:
             try:
                 self._announce(STOP, 0, 0)
