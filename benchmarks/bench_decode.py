@@ -16,6 +16,13 @@ self-check that greedy outputs are identical with graphs on and off.
     python -m benchmarks.bench_decode --models llama-8b-shape --batches 1 --no-peers
     python -m benchmarks.bench_decode --models qwen3-8b-shape,qwen3-30b-a3b-shape --batches 1,8
     python -m benchmarks.bench_decode --models gemma-3-270m --batches 1,64
+
+Tensor parallelism (`--tensor-parallel 1,2`: each model at each size, on that many GPUs of
+this host; rows carry `tensor_parallel`, and their floor is the weight bytes over N times the
+measured copy bandwidth: each GPU reads its 1/N share):
+
+    python -m benchmarks.bench_decode --models llama-8b-shape --tensor-parallel 1,2 --batches 1,64 --no-peers
+    python -m benchmarks.bench_decode --models llama-70b-shape --tensor-parallel 4 --batches 1,16,64 --no-peers
 """
 
 from __future__ import annotations
@@ -83,7 +90,14 @@ def load(model: str, tok_dir: Path | None) -> tuple[Any, Any, Path | None, set[i
     return cfg, tok, None, set(cfg.eos_token_id)
 
 
-def build_engine(cfg, model_dir: Path | None, stop: set[int], graphs: bool, prefill_in_graphs: bool = True) -> Engine:
+def build_engine(cfg, model_dir: Path | None, stop: set[int], graphs: bool, prefill_in_graphs: bool = True,
+                 tensor_parallel: int = 1) -> Engine:
+    if tensor_parallel > 1:
+        # Every rank captures its graphs while it is built, with its own random shard
+        # (`init_random_weights`): the worker ranks could not follow a later capture.
+        ec = EngineConfig(max_batch_size=64, max_seq_len=1024, jump_forward=False, use_cuda_graphs=graphs,
+                          prefill_in_graphs=prefill_in_graphs, tensor_parallel=tensor_parallel)
+        return Engine(cfg, ec, model_dir, stop_token_ids=stop)
     ec = EngineConfig(max_batch_size=64, max_seq_len=1024, jump_forward=False, use_cuda_graphs=False,
                       tuning=EngineTuning(prefill_in_graphs=prefill_in_graphs))
     engine = Engine(cfg, ec, model_dir, stop_token_ids=stop)
@@ -186,6 +200,30 @@ def self_check(cfg, model_dir, stop, tokenizer, grammar) -> dict[str, Any]:
     return {"graphs_equal_eager": same, "rows_differing": rows_differing}
 
 
+def tensor_parallel_rows(model: str, cfg, model_dir: Path | None, stop: set[int], prompt_ids: list[int], grammar,
+                         batches: list[int], size: int, bandwidth: float, steps: int) -> tuple[list[dict], float]:
+    """ms per decode step, free and constrained, with the model split over `size` GPUs;
+    returns the rows and their floor: the weight bytes over `size` times the copy bandwidth
+    (each GPU reads its share at once)."""
+    floor = hbm_floor_ms(decode_weight_bytes(cfg, torch.bfloat16), bandwidth) / size
+    engine = build_engine(cfg, model_dir, stop, graphs=True, tensor_parallel=size)
+    rows = []
+    try:
+        for batch in batches:
+            for constrained in (False, True):
+                r = time_decode(engine, prompt_ids, batch, grammar if constrained else None, steps)
+                rows.append({"system": f"structgen-tp{size}", "model": model, "batch": batch,
+                             "constrained": constrained, "metric": "ms_per_step", "tensor_parallel": size,
+                             **r, "floor_ms": floor})
+                print(rows[-1], flush=True)
+    finally:
+        engine.close()
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+    return rows, floor
+
+
 def end_to_end(engine: Engine, tokenizer, n: int = 64) -> dict[str, Any]:
     """n concurrent JSON extraction requests through LLM.acomplete (jump-forward on)."""
     from structgen.api import LLM
@@ -212,10 +250,32 @@ def end_to_end(engine: Engine, tokenizer, n: int = 64) -> dict[str, Any]:
             "errors": sorted({type(r).__name__ for r in results if isinstance(r, BaseException)})}
 
 
+def summarize(rows: list[dict[str, Any]], batches: list[int]) -> None:
+    """Per model and tensor-parallel size: the grammar overhead at each batch, and at batch 1
+    the step time over its floor (and, split, the speedup over one GPU)."""
+    steps = {(r["model"], r.get("tensor_parallel", 1), r["batch"], r["constrained"]): r for r in rows
+             if r["system"] in ("structgen", f"structgen-tp{r.get('tensor_parallel', 1)}") and r["metric"] == "ms_per_step"}
+    for model, size in sorted({(m, n) for m, n, _, _ in steps}):
+        name = model if size == 1 else f"{model} TP {size}"
+        for b in batches:
+            free, json_ = steps.get((model, size, b, False)), steps.get((model, size, b, True))
+            if free is None or json_ is None:
+                continue
+            line = f"{name} batch {b}: grammar overhead {100 * (json_['value'] / free['value'] - 1):+.1f}%"
+            if b == 1:
+                line += f", {free['value'] / free['floor_ms']:.2f}x floor"
+                one = steps.get((model, 1, 1, False))
+                if size > 1 and one is not None:
+                    line += f", {one['value'] / free['value']:.2f}x faster than TP 1"
+            print(line)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--tensor-parallel", default="1",
+                    help="comma-separated tensor-parallel sizes to run each model at (GPUs of this host)")
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--peer-tokens", type=int, default=32)
     ap.add_argument("--no-peers", action="store_true")
@@ -236,6 +296,8 @@ def main() -> None:
     from structgen.types import JsonSchema, to_constraint
 
     batches = [int(b) for b in args.batches.split(",")]
+    tp_sizes = [int(n) for n in args.tensor_parallel.split(",")]
+    assert max(tp_sizes) <= torch.cuda.device_count(), f"--tensor-parallel {max(tp_sizes)} needs that many GPUs"
     bandwidth = measure_copy_bandwidth_gbps()
     rows: list[dict[str, Any]] = []
     floors: dict[str, float] = {}
@@ -254,6 +316,12 @@ def main() -> None:
         floors[model] = hbm_floor_ms(decode_weight_bytes(cfg, torch.bfloat16), bandwidth)
         prompt_ids = tok.encode(chat(tok, PROMPT), add_special_tokens=False)
         grammar = GrammarCompiler(tok, cfg.vocab_size, sorted(stop)).compile(to_constraint(JsonSchema(SCHEMA)))
+        for size in (n for n in tp_sizes if n > 1):
+            tp_rows, floors[f"{model}-tp{size}"] = tensor_parallel_rows(
+                model, cfg, model_dir, stop, prompt_ids, grammar, batches, size, bandwidth, args.steps)
+            rows += tp_rows
+        if 1 not in tp_sizes:
+            continue  # a shape that only fits split (llama-70b-shape)
         engine = build_engine(cfg, model_dir, stop, graphs=True)
         # The budget closer and loop guards, on as in the product (budgets stay out of reach).
         engine.closer.use_tokenizer(tok, engine.vocab_size, engine.stop_token_ids)
@@ -332,13 +400,7 @@ def main() -> None:
              for r in rows]
     print(f"\ndevice: {torch.cuda.get_device_name()}  copy bandwidth: {bandwidth:.0f} GB/s")
     print_table(table)
-    for model in sorted(floors):
-        base = {(r["batch"], r["constrained"]): r["value"] for r in rows
-                if r["system"] == "structgen" and r["model"] == model and r["metric"] == "ms_per_step"}
-        for b in batches:
-            if (b, False) in base and (b, True) in base:
-                print(f"{model} batch {b}: grammar overhead {100 * (base[b, True] / base[b, False] - 1):+.1f}%"
-                      + (f", {base[b, False] / floors[model]:.2f}x floor" if b == 1 else ""))
+    summarize(rows, batches)
     if "self_check" in extra:
         print("self-check (greedy, graphs on == off):", json.dumps(extra["self_check"]))
     if not args.no_write:

@@ -155,6 +155,7 @@ class LLM:
             return
         self.closed = True
         self.loop.close()
+        self.engine.close()
         if self.engine.prefetcher is not None:
             self.engine.prefetcher.close()
         if self.engine.device.type == "cuda":

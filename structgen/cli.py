@@ -20,6 +20,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-size", type=int, default=EngineConfig.max_batch_size, help="concurrent requests")
     p.add_argument("--max-seq-len", type=int, default=EngineConfig.max_seq_len, help="prompt + output tokens per request")
     p.add_argument("--no-jump-forward", action="store_true", help="decode grammar-forced text token by token")
+    p.add_argument(
+        "--tensor-parallel", type=int, default=1,
+        help="split the model across N GPUs of this host (or across the processes torchrun launched: "
+        "docs/guide/multi-gpu.md)",
+    )
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -29,6 +34,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         max_batch_size=args.max_batch_size,
         max_seq_len=args.max_seq_len,
         jump_forward=not args.no_jump_forward,
+        tensor_parallel=args.tensor_parallel,
     )
 
 
@@ -64,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
         "the rest of that window (0: never; raise it behind a reverse proxy)",
     )
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument(
+        "--data-parallel", type=int, default=1,
+        help="run N engine replicas (one GPU each, or --tensor-parallel GPUs each) behind this one server",
+    )
 
     gen = sub.add_parser("generate", help="print one constrained generation")
     _engine_args(gen)
@@ -110,11 +120,61 @@ def _api_key(args: argparse.Namespace) -> str | None:
     return args.api_key or os.environ.get("STRUCTGEN_API_KEY") or None
 
 
+def _replica_args(args: argparse.Namespace) -> list[str]:
+    """The `structgen serve` arguments of one data-parallel replica: the engine's and the
+    request limits; the front end keeps the address, Host checks and client throttle."""
+    out = ["--backend", args.backend, "--max-batch-size", str(args.max_batch_size),
+           "--max-seq-len", str(args.max_seq_len), "--tensor-parallel", str(args.tensor_parallel),
+           "--default-max-tokens", str(args.default_max_tokens), "--max-body-bytes", str(args.max_body_bytes),
+           "--max-generations-per-request", str(args.max_generations_per_request),
+           "--max-client-errors", "0", "--allowed-hosts", "*", "--log-level", args.log_level]
+    for flag, value in (("--model", args.model), ("--device", args.device), ("--dtype", args.dtype),
+                        ("--served-model-name", args.served_model_name)):
+        if value is not None:
+            out += [flag, str(value)]
+    return out + (["--no-jump-forward"] if args.no_jump_forward else [])
+
+
+def _serve_replicas(args: argparse.Namespace) -> None:
+    from structgen.errors import InvalidParameterError
+    from structgen_server.guard import default_allowed_hosts
+    from structgen_server.replicas import run_replicated_server, visible_gpus
+
+    gpus = 0 if args.device == "cpu" else len(visible_gpus())
+    per_replica = args.tensor_parallel if gpus else 0
+    if gpus and per_replica * args.data_parallel > gpus:
+        raise InvalidParameterError(
+            f"--data-parallel {args.data_parallel} x --tensor-parallel {args.tensor_parallel} needs "
+            f"{per_replica * args.data_parallel} GPUs and this host has {gpus}; lower one of them")
+    if args.allowed_hosts is None:
+        hosts = default_allowed_hosts(args.host, args.port)
+    else:
+        hosts = None if "*" in args.allowed_hosts else frozenset(h.strip().lower() for h in args.allowed_hosts.split(","))
+    run_replicated_server(_replica_args(args), args.data_parallel, host=args.host, port=args.port,
+                          api_key=_api_key(args), allowed_hosts=hosts, max_body_bytes=args.max_body_bytes,
+                          max_client_errors=args.max_client_errors, default_max_tokens=args.default_max_tokens,
+                          gpus_per_replica=per_replica, log_level=args.log_level)
+
+
+def _is_torchrun_worker(args: argparse.Namespace) -> bool:
+    """A rank above 0 of a torchrun launch of a split model: it holds a shard of the model for
+    rank 0's engine."""
+    return args.tensor_parallel > 1 and int(os.environ.get("RANK", "0")) > 0 and "WORLD_SIZE" in os.environ
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from structgen.errors import StructgenError
 
     try:
+        if _is_torchrun_worker(args):
+            from structgen.engine.parallel import run_worker
+
+            run_worker(args.model, _engine_config(args))  # rank 0 runs the command itself
+            return 0
+        if args.command == "serve" and args.data_parallel > 1:
+            _serve_replicas(args)
+            return 0
         if args.command == "serve":
             from structgen_server.app import run_server
 
@@ -136,8 +196,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         from structgen.api import LLM
 
-        llm = LLM(args.model, backend=args.backend, config=_engine_config(args))
-        c = llm.complete(_output_type(args), args.prompt, max_tokens=args.max_tokens, temperature=args.temperature)
+        with LLM(args.model, backend=args.backend, config=_engine_config(args)) as llm:  # stops worker ranks
+            c = llm.complete(_output_type(args), args.prompt, max_tokens=args.max_tokens, temperature=args.temperature)
         print(c.text if isinstance(c.value, str) else json.dumps(c.value, default=str))
         return 0
     except StructgenError as e:

@@ -314,13 +314,16 @@ def run_server(
         max_generations=max_generations,
         max_client_errors=max_client_errors,
     )
-    uvicorn.run(
-        app,
-        host=host,
-        port=port,
-        log_level=log_level,
-        http=HeadDeadlineProtocol,  # drops connections that never finish a request head
-        timeout_keep_alive=5,
-        h11_max_incomplete_event_size=64 * 1024,  # request line + headers
-        timeout_graceful_shutdown=5,
-    )
+    try:
+        uvicorn.run(
+            app,
+            host=host,
+            port=port,
+            log_level=log_level,
+            http=HeadDeadlineProtocol,  # drops connections that never finish a request head
+            timeout_keep_alive=5,
+            h11_max_incomplete_event_size=64 * 1024,  # request line + headers
+            timeout_graceful_shutdown=5,
+        )
+    finally:
+        llm.close()  # also stops tensor-parallel worker ranks

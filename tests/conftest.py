@@ -137,6 +137,32 @@ def bf16_graphs_match_eager_and_transformers():
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, model_dir: Path) -> Path:
+    """A 2-layer random-weight Llama (4 heads, 2 KV heads, untied head) with the default
+    model's tokenizer: loads in a second, and splits in two (tensor parallelism); its weights
+    are far from their init so each layer matters."""
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0.0, 0.3 if "norm" in name else 0.08)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(path)
+    for f in model_dir.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, path / f.name)
+    return path
+
+
+@pytest.fixture(scope="session")
 def tokenizer(model_dir: Path):
     """The default model's fast tokenizer (a transformers PreTrainedTokenizerFast)."""
     from structgen.engine.models.loader import load_tokenizer

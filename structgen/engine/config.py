@@ -308,6 +308,26 @@ class EngineConfig:
     seed: int | None = None
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
     tuning: EngineTuning = field(default_factory=EngineTuning)
+    # Ranks the model is split across (engine/parallel.py): each holds 1/N of the heads and
+    # MLP width; rank 0 runs the engine and spawns the others (one GPU each), unless torchrun
+    # launched them (several hosts: docs/guide/multi-gpu.md).
+    tensor_parallel: int = 1
+
+    def __post_init__(self) -> None:
+        self._check_tensor_parallel()
+
+    def _check_tensor_parallel(self) -> None:
+        from structgen.errors import InvalidParameterError
+
+        if self.tensor_parallel < 1:
+            raise InvalidParameterError(f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
+        if self.tensor_parallel == 1:
+            return
+        if self.speculative is not None and self.speculative.method == "self_draft":
+            raise InvalidParameterError("speculative method 'self_draft' runs the target's own layers, which are "
+                                        "split under tensor_parallel > 1; use 'ngram' or 'draft_model'")
+        if self.tuning.capturable_guided:
+            raise InvalidParameterError("capturable_guided is not supported with tensor_parallel > 1; turn it off")
 
 
 # Knobs that were EngineConfig fields: a newcomer following older docs gets the fix, not a

@@ -78,6 +78,7 @@ if TYPE_CHECKING:
     from structgen.engine.decode_step import DecodeStep
     from structgen.engine.guided_loop import GuidedLoop
     from structgen.engine.model_runner import ExtendSeq, ModelRunner
+    from structgen.engine.parallel import TensorParallel
 
 StepRows = tuple[list[int], list[int], list[int]]  # a step's rows: (token ids, positions, slots)
 
@@ -102,10 +103,19 @@ class _Native:
     tokens: tuple[int, int]
 
 
+def _announced(tensor_parallel: TensorParallel, bucket: int, forward: Callable[[], None]) -> None:
+    """Launch `forward` on rank 0 once the worker ranks were told to launch theirs."""
+    tensor_parallel.announce_graph_forward(bucket)
+    forward()
+
+
 class DecodeGraphs:
     def __init__(self, runner: ModelRunner, batch_sizes: tuple[int, ...], capture: bool = True,
-                 prelaunch: bool | None = None):
+                 prelaunch: bool | None = None, tensor_parallel: TensorParallel | None = None):
         self.model, self.kv, self.device = runner.model, runner.kv, runner.device
+        # Under tensor parallelism every rank captures the same graphs; each forward first
+        # takes rank 0's step rows, and rank 0 announces every launch (engine/parallel.py).
+        self.tensor_parallel = tensor_parallel
         self.text_vocab_size = runner.text_vocab_size
         self.batch_sizes = sorted(set(batch_sizes))
         self.max_batch_size = self.batch_sizes[-1]
@@ -159,10 +169,15 @@ class DecodeGraphs:
             self.step_done = torch.cuda.Event()
         self._native = None  # the csrc extension's launches (`_use_native`), once captured
         self._capture_all()
+        if tensor_parallel is not None and tensor_parallel.rank == 0:
+            self._steps = {bs: (functools.partial(_announced, tensor_parallel, bs, forward), sample)
+                           for bs, (forward, sample) in self._steps.items()}
 
     # -- the step functions the graphs hold -------------------------------------------------
     def _forward(self, bs: int) -> torch.Tensor:
         m = self.meta
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.broadcast_(m)
         batch = AttentionBatch(
             positions=m[POSITIONS, :bs], token_slots=m[SLOTS, :bs], slots=m[SLOTS, :bs],
             context_lens=m[LENS, :bs], pad_index=m[POSITIONS, :0], mask=None,
@@ -263,6 +278,11 @@ class DecodeGraphs:
         return forward, sample
 
     # -- one step ------------------------------------------------------------------------------
+    def launch_forward(self, bucket: int) -> None:
+        """The forward of `bucket` rows, on the rows in the device buffers (a worker rank's
+        replay of the forward rank 0 announced)."""
+        self._steps[bucket][0]()
+
     def bucket(self, n: int) -> int | None:
         """The smallest captured batch size >= n (None: run eagerly instead)."""
         i = bisect.bisect_left(self.batch_sizes, n)
@@ -284,10 +304,11 @@ class DecodeGraphs:
         (kernels/gated_graph.py, `TokenGate`): `run` launches it where the sampled row's mask
         allows `min_allowed` tokens or more, and the device runs it when the sampled token is in
         `quiet` (uint32 words, the bitmask layout). Returns whether the gate is in use (captured
-        graphs, the extension and CUDA 12.4+ needed)."""
+        graphs, the extension and CUDA 12.4+ needed; not under tensor parallelism, where the
+        worker ranks could not follow a forward the device decides to run)."""
         from structgen.engine.kernels import gated_graph
 
-        if self._forward_one is None or not gated_graph.available():
+        if self._forward_one is None or not gated_graph.available() or self.tensor_parallel is not None:
             return False
         # The sampled row of a one-sequence step is NEXT[0] (its last row, after forced tokens).
         self.token_gate = gated_graph.TokenGate(self._forward_one, self.meta[NEXT, :1], self.tokens,

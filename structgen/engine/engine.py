@@ -94,7 +94,18 @@ class Engine:
         self.model_config = model_config
         # text_vocab_size: the tokenizer's ids (TokenizerReport); a wider LM head's extra
         # logits are never sampled.
-        self.runner = ModelRunner(model_config, self.config, model_dir, text_vocab_size)
+        # Tensor parallelism: this process is rank 0 of a group whose other ranks run the same
+        # forwards on their shard of the model (engine/parallel.py).
+        self.tensor_parallel = None
+        if self.config.tensor_parallel > 1:
+            from structgen.engine.parallel import start_tensor_parallel
+
+            self.tensor_parallel = start_tensor_parallel(model_config, self.config, model_dir)
+        try:
+            self.runner = ModelRunner(model_config, self.config, model_dir, text_vocab_size, self.tensor_parallel)
+        except BaseException:
+            self.close()
+            raise
         self.device = self.runner.device
         self.vocab_size = model_config.vocab_size
         self.scheduler = Scheduler(self.runner.kv, self.runner.kv.num_slots, self.config.prefill_chunk_tokens)
@@ -139,6 +150,11 @@ class Engine:
         from structgen.grammar.prefetch import MaskPrefetcher, PrefetchTuner
 
         return MaskPrefetcher(self.grammar_threads.prefetch, tuner=PrefetchTuner() if mode == "auto" else None)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker ranks, if any; idempotent."""
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.close()
 
     # -- requests -------------------------------------------------------------------------
     def use_tokenizer(self, tokenizer: Any) -> None:

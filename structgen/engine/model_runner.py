@@ -28,6 +28,7 @@ log = logging.getLogger("structgen.engine")
 if TYPE_CHECKING:
     from structgen.engine.decode_step import DecodeStep
     from structgen.engine.guided_loop import LoopStep
+    from structgen.engine.parallel import TensorParallel
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -54,16 +55,23 @@ def pick_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, config: EngineConfig, model_dir: Path | None = None,
-                 text_vocab_size: int | None = None):
+                 text_vocab_size: int | None = None, tensor_parallel: TensorParallel | None = None):
         self.model_config = model_config
         self.config = config
+        # This rank's share of the model under tensor parallelism (engine/parallel.py): its
+        # model and KV cache are built from `rank_config`, its heads only.
+        self.tensor_parallel = tensor_parallel
+        self.rank_config = model_config if tensor_parallel is None else tensor_parallel.shard_config(model_config)
         # The tokenizer's vocabulary (tokenizer_conformance.py); logits past it are masked.
         self.text_vocab_size = text_vocab_size or model_config.vocab_size
-        self.device = pick_device(config)
+        self.device = pick_device(config) if tensor_parallel is None else tensor_parallel.device
         self.dtype = pick_dtype(config, self.device)
         self.max_seq_len = min(config.max_seq_len, model_config.max_position_embeddings)
         self.model = self._build_model(model_dir)
-        self.kv = KVCache(model_config, self._num_slots(), self.max_seq_len, self.dtype, self.device)
+        num_slots = self._num_slots()
+        if tensor_parallel is not None:  # every rank the same slots, so the same graph buckets
+            num_slots = tensor_parallel.smallest(num_slots)
+        self.kv = KVCache(self.rank_config, num_slots, self.max_seq_len, self.dtype, self.device)
         self.forward_passes = 0
         from structgen.engine.kernels import triton_enabled
 
@@ -81,22 +89,28 @@ class ModelRunner:
         from structgen.engine.models.registry import model_class
 
         cls = model_class(self.model_config)
+        tp = self.tensor_parallel
         with skip_init(self.dtype), self.device:
-            model = cls(self.model_config, max_positions=self.max_seq_len)
+            model = cls(self.rank_config, max_positions=self.max_seq_len)
+            if tp is not None:
+                from structgen.engine.models.sharding import apply_tensor_parallel
+
+                apply_tensor_parallel(model, tp)
         if model_dir is None:
-            model.init_random_weights()
+            model.init_random_weights(seed=0 if tp is None else tp.rank)
         else:
             from structgen.engine.models.loader import load_weights
 
             packed = getattr(cls, "takes_packed_weights", False) and self.keeps_weights_quantized()
-            weights = load_weights(model_dir, dtype=self.dtype, device=self.device, keep_quantized=packed)
+            weights = load_weights(model_dir, dtype=self.dtype, device=self.device, keep_quantized=packed,
+                                   shard=None if tp is None else tp.weight_shard())
             model.load_hf_weights(weights)
         return model.eval()
 
     def keeps_weights_quantized(self) -> bool:
         """Whether packed GGUF weights stay packed: on the CPU where the kernels build, unless
         `EngineTuning.quantized_weights` is off (and for model classes that take them)."""
-        if self.device.type != "cpu" or not self.config.tuning.quantized_weights:
+        if self.device.type != "cpu" or not self.config.tuning.quantized_weights or self.tensor_parallel is not None:
             return False
         from structgen.engine.kernels import cpu_quant
 
@@ -106,7 +120,7 @@ class ModelRunner:
         if self.device.type != "cuda":
             return self.config.max_batch_size
         free, _ = torch.cuda.mem_get_info(self.device)
-        per_slot = KVCache.bytes_per_slot(self.model_config, self.max_seq_len, self.dtype)
+        per_slot = KVCache.bytes_per_slot(self.rank_config, self.max_seq_len, self.dtype)
         fit = int(free * self.config.kv_cache_memory_fraction) // per_slot - 1  # - the scratch slot
         if fit < 1:
             from structgen.errors import EngineError
@@ -119,6 +133,12 @@ class ModelRunner:
         """Run the new tokens of every sequence; return float32 logits [sum(num_logits), vocab]."""
         if self.graphs is not None:
             self.graphs.discard_ahead()  # this forward changes what a pre-launched one assumed
+        if self.tensor_parallel is None:
+            return self._extend(seqs)
+        with self.tensor_parallel.extending(seqs):  # the worker ranks run the same forward
+            return self._extend(seqs)
+
+    def _extend(self, seqs: list[ExtendSeq]) -> torch.Tensor:
         flat: list[int] = []
         logit_rows: list[int] = []
         for s in seqs:
@@ -163,7 +183,7 @@ class ModelRunner:
         rows = 4 * self.kv.num_slots  # a step's rows: requests x (1 + forced or draft tokens)
         keep = sizes if self.config.tuning.prefill_in_graphs else [b for b in sizes if b < rows] + [b for b in sizes if b >= rows][:1]
         if keep:
-            self.graphs = DecodeGraphs(self, tuple(keep), capture=capture)
+            self.graphs = DecodeGraphs(self, tuple(keep), capture=capture, tensor_parallel=self.tensor_parallel)
             log.info("captured decode graphs for batch sizes %s", keep)
             if self._token_gate is not None:
                 self.graphs.enable_token_gate(*self._token_gate)

@@ -199,6 +199,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
         self.fused_rows = 0  # steps of up to this many rows take the fused projections
+        self.tensor_parallel = None  # this rank's group where the model is sharded (models/sharding.py)
+
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """A row-parallel projection's output: the ranks' partial sums added up."""
+        return x if self.tensor_parallel is None else self.tensor_parallel.all_reduce(x)
 
     def forward(self, x, rope, batch, kv):
         out, residual = self.forward_residual(x, None, rope, batch, kv)
@@ -209,13 +214,14 @@ class DecoderLayer(nn.Module):
         stream), so the model fuses that add into the next layer's input norm."""
         if x.dim() == 2 and x.shape[0] <= self.fused_rows and self.self_attn.q_norm is None:
             h, residual = self.self_attn.norm_forward(x, residual, self.input_layernorm, rope, batch, kv)
-            return self.mlp.norm_forward(h, residual, self.post_attention_layernorm)
+            h, residual = self.mlp.norm_forward(self.reduce(h), residual, self.post_attention_layernorm)
+            return self.reduce(h), residual
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm.add_forward(x, residual)
-        h, residual = self.post_attention_layernorm.add_forward(self.self_attn(h, rope, batch, kv), residual)
-        return self.mlp(h), residual
+        h, residual = self.post_attention_layernorm.add_forward(self.reduce(self.self_attn(h, rope, batch, kv)), residual)
+        return self.reduce(self.mlp(h)), residual
 
 
 class LlamaModel(nn.Module):
@@ -234,6 +240,7 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg, max_positions)
         self.fused = False  # Triton kernels and timed GEMVs (use_fused_kernels)
+        self.tensor_parallel = None  # this rank's group where the model is sharded (models/sharding.py)
 
     def forward(self, input_ids: torch.Tensor, batch: AttentionBatch, kv: KVCache) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
@@ -255,8 +262,11 @@ class LlamaModel(nn.Module):
                     m.fused_rows = min(projection_rows, max_rows(m.mlp.gate_up_proj.weight, m.self_attn.head_dim))
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """LM-head logits in the model dtype."""
-        return project(self.lm_head, hidden, self.fused)
+        """LM-head logits in the model dtype (gathered from every rank's vocabulary shard)."""
+        logits = project(self.lm_head, hidden, self.fused)
+        if self.tensor_parallel is not None:
+            logits = self.tensor_parallel.gather_vocab(logits, self.config.vocab_size)
+        return logits
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(hidden).float()

@@ -23,7 +23,7 @@ from structgen.engine.models.gguf import CONVERSION_VERSION, PACKED_METADATA_KEY
 from structgen.errors import ModelLoadError, ModelNotFoundError
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Callable, Iterator
 
     import torch
     from transformers import PreTrainedTokenizerFast
@@ -313,7 +313,8 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 
 def load_weights(
-    model_dir: str | Path, dtype: torch.dtype, device: str | torch.device, *, keep_quantized: bool = False
+    model_dir: str | Path, dtype: torch.dtype, device: str | torch.device, *, keep_quantized: bool = False,
+    shard: Callable[[str, Any], torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor | QuantizedWeight]:
     """All tensors of `model_dir`, by HF name, as `dtype` on `device`.
 
@@ -321,6 +322,8 @@ def load_weights(
     Floating tensors are moved in their stored dtype and cast on the device, where the cast is
     cheap; integer tensors keep their dtype. Weights a GGUF conversion stored packed come back
     as `QuantizedWeight`s (CPU) with `keep_quantized`, else de-quantized like the rest.
+    `shard(name, tensor)`: the part of each tensor to keep (tensor parallelism,
+    models/sharding.py), cut from the file's slice so the rest is never read.
     """
     import torch
     from safetensors import safe_open
@@ -332,10 +335,11 @@ def load_weights(
             with safe_open(str(f), framework="pt", device="cpu") as st:
                 packed = packed_formats(st.metadata())
                 for name in st.keys():  # safe_open is not a dict: keys() is needed
-                    t = st.get_tensor(name)
                     if name in packed:
-                        out[name] = _packed_weight(t, *packed[name], dtype, device, keep_quantized)
+                        t = _packed_weight(st.get_tensor(name), *packed[name], dtype, device, keep_quantized)
+                        out[name] = t if shard is None else shard(name, t)
                         continue
+                    t = st.get_tensor(name) if shard is None else shard(name, st.get_slice(name))
                     t = t.to(device)
                     out[name] = t.to(dtype) if t.is_floating_point() else t
         except (OSError, RuntimeError) as e:
