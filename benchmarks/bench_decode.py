@@ -96,7 +96,7 @@ def build_engine(cfg, model_dir: Path | None, stop: set[int], graphs: bool, pref
         # Every rank captures its graphs while it is built, with its own random shard
         # (`init_random_weights`): the worker ranks could not follow a later capture.
         ec = EngineConfig(max_batch_size=64, max_seq_len=1024, jump_forward=False, use_cuda_graphs=graphs,
-                          prefill_in_graphs=prefill_in_graphs, tensor_parallel=tensor_parallel)
+                          tuning=EngineTuning(prefill_in_graphs=prefill_in_graphs), tensor_parallel=tensor_parallel)
         return Engine(cfg, ec, model_dir, stop_token_ids=stop)
     ec = EngineConfig(max_batch_size=64, max_seq_len=1024, jump_forward=False, use_cuda_graphs=False,
                       tuning=EngineTuning(prefill_in_graphs=prefill_in_graphs))

@@ -14,7 +14,7 @@ from pydantic import BaseModel
 
 from structgen import LLM, InvalidParameterError, SamplingParams
 from structgen.engine.closing import BudgetCloser
-from structgen.engine.config import EngineConfig
+from structgen.engine.config import EngineConfig, EngineTuning
 from structgen.engine.engine import Engine
 from structgen.engine.reasoning import CLOSE_TAG, OPEN_TAG, Reasoner, ThinkTags
 from structgen.engine.request import Request
@@ -127,7 +127,7 @@ def test_thinking_rows_through_the_cuda_graphs_equal_eager(model_dir, tokenizer,
     got = {}
     for graphs in (True, False):
         config = EngineConfig(device="cuda", max_batch_size=8, max_seq_len=512, use_cuda_graphs=graphs,
-                              prefill_in_graphs=False)
+                              tuning=EngineTuning(prefill_in_graphs=False))
         engine = Engine(load_model_config(model_dir), config, model_dir, stop_token_ids=llm.engine.stop_token_ids)
         with LLM.from_engine(engine, tokenizer, f"graphs={graphs}") as on_gpu:
             got[graphs] = _mixed_batch(on_gpu)

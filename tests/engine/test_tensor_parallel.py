@@ -111,13 +111,13 @@ def test_a_dead_worker_fails_requests_with_an_engine_error_instead_of_hanging(ti
 # TRITON_INTERPRET=1): rank 0 announces each graph forward, and each forward takes rank 0's rows.
 GRAPH_STEPS_SCRIPT = """
 import os, sys
-from structgen.engine.config import EngineConfig
+from structgen.engine.config import EngineConfig, EngineTuning
 from structgen.engine.models.loader import load_model_config
 from structgen.engine.request import Request
 from structgen.sampling import SamplingParams
 model_dir = sys.argv[1]
 config = EngineConfig(tensor_parallel=int(os.environ.get("WORLD_SIZE", "1")), max_batch_size=4, max_seq_len=128,
-                      prefill_in_graphs=False, cuda_graph_batch_sizes=(1, 2, 4))
+                      tuning=EngineTuning(prefill_in_graphs=False, cuda_graph_batch_sizes=(1, 2, 4)))
 if int(os.environ.get("RANK", "0")) > 0:
     from structgen.engine.model_runner import ModelRunner
     from structgen.engine.parallel import Rendezvous, TensorParallel, rank_device
