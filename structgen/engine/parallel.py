@@ -211,9 +211,11 @@ class TensorParallel:
             except EngineError:
                 stopping = False  # a worker is gone already; the others are terminated
         self.closed = True
+        stopped = True
         if self.workers is not None:
-            self.workers.join(SHUTDOWN_TIMEOUT_S if stopping else 0.0)
-        dist.destroy_process_group()
+            stopped = self.workers.join(SHUTDOWN_TIMEOUT_S if stopping else 0.0)
+        if stopped:  # tearing NCCL down beside a peer that was killed mid-collective can block
+            dist.destroy_process_group()
 
     # -- worker ranks ------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -270,8 +272,10 @@ class WorkerProcesses:
                 raise EngineError(f"tensor-parallel worker rank {rank} exited with code {p.exitcode}; "
                                   "its log says why. Restart the engine (close this LLM and create a new one)")
 
-    def join(self, timeout: float) -> None:
-        """Wait up to `timeout` seconds for each to stop, then terminate it."""
+    def join(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for each to stop, then terminate it; False where one
+        had to be terminated."""
+        stopped = True
         for p in self.processes:
             p.join(timeout)
             if p.exitcode is None:
@@ -279,6 +283,8 @@ class WorkerProcesses:
                     log.warning("tensor-parallel worker %s did not stop; terminating it", p.name)
                 p.terminate()
                 p.join(SHUTDOWN_TIMEOUT_S)
+                stopped = False
+        return stopped
 
 
 def start_tensor_parallel(model_config: ModelConfig, config: EngineConfig, model_dir: Path | None) -> TensorParallel:
@@ -315,7 +321,7 @@ def _spawned_worker(rendezvous: Rendezvous, model_config: ModelConfig, config: E
     tp = TensorParallel(rendezvous, rank_device(config, rendezvous.local_rank))
     runner = ModelRunner(model_config, config, model_dir, tensor_parallel=tp)
     tp.serve(runner)
-    tp.close()
+    _leave(runner)
 
 
 def run_worker(model: str | Path | None, config: EngineConfig) -> None:
@@ -331,4 +337,14 @@ def run_worker(model: str | Path | None, config: EngineConfig) -> None:
     tp = TensorParallel(rendezvous, rank_device(config, rendezvous.local_rank))
     runner = ModelRunner(load_model_config(model_dir), replace(config, speculative=None), model_dir, tensor_parallel=tp)
     tp.serve(runner)
-    tp.close()
+    _leave(runner)
+
+
+def _leave(runner: ModelRunner) -> None:
+    """A worker rank told to stop: finish its device work and leave. Its captured graphs hold
+    the NCCL communicator; the process exits without tearing NCCL down (rank 0 does), which
+    could wait on a peer."""
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+    if dist.get_backend() != "nccl":
+        dist.destroy_process_group()
