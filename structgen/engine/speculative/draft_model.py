@@ -56,6 +56,7 @@ class EarlyExitModel(LlamaModel):
         self.lm_head = target.lm_head
         self.rope = target.rope
         self.fused = target.fused  # LlamaModel.head reads it (kernels/gemv.py)
+        self.tensor_parallel = None  # self-draft is refused under tensor parallelism (EngineConfig)
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
