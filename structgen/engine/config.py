@@ -269,7 +269,16 @@ class EngineConfig:
     jump_forward: bool = True  # append grammar-forced text without a decode step per token
     seed: int | None = None
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+    # "fp8" | "int4": a float checkpoint's projections quantized at load (less memory, fewer
+    # bytes per decode step); checkpoints stored quantized (AWQ, GPTQ, FP8, GGUF) need none.
+    quantization: str | None = None
     tuning: EngineTuning = field(default_factory=EngineTuning)
+
+    def __post_init__(self) -> None:
+        from structgen.errors import InvalidParameterError
+
+        if self.quantization not in (None, "fp8", "int4"):
+            raise InvalidParameterError(f"quantization must be None, 'fp8' or 'int4', got {self.quantization!r}")
 
 
 # Knobs that were EngineConfig fields: a newcomer following older docs gets the fix, not a

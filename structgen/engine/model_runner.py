@@ -88,19 +88,23 @@ class ModelRunner:
         else:
             from structgen.engine.models.loader import load_weights
 
-            packed = getattr(cls, "takes_packed_weights", False) and self.keeps_weights_quantized()
+            packed = getattr(cls, "takes_packed_weights", False) and self.config.tuning.quantized_weights
             weights = load_weights(model_dir, dtype=self.dtype, device=self.device, keep_quantized=packed)
+            if self.config.quantization:
+                weights = self._quantize_at_load(weights, packed)
             model.load_hf_weights(weights)
         return model.eval()
 
-    def keeps_weights_quantized(self) -> bool:
-        """Whether packed GGUF weights stay packed: on the CPU where the kernels build, unless
-        `EngineTuning.quantized_weights` is off (and for model classes that take them)."""
-        if self.device.type != "cpu" or not self.config.tuning.quantized_weights:
-            return False
-        from structgen.engine.kernels import cpu_quant
+    def _quantize_at_load(self, weights: dict, packed: bool) -> dict:
+        """`EngineConfig.quantization`: the float projections quantized (models/hf_quantized.py)."""
+        from structgen.engine.models.hf_quantized import quantize_linear_weights
+        from structgen.errors import ModelLoadError
 
-        return cpu_quant.load() is not None
+        if not packed:
+            raise ModelLoadError(f"EngineConfig(quantization={self.config.quantization!r}) needs a Llama-family "
+                                 f"model and EngineTuning(quantized_weights=True); "
+                                 f"{self.model_config.architecture} loads float weights only: pass quantization=None")
+        return quantize_linear_weights(weights, self.config.quantization)
 
     def _num_slots(self) -> int:
         if self.device.type != "cuda":

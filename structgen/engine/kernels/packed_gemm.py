@@ -52,7 +52,7 @@ def dot_block(rows: int) -> Block:
 
 
 @triton.jit
-def _weights(C, S, O, n, nmask, j, jmask, HALF, stride_cn, stride_sn, GROUP_N, GROUP_K,
+def _weights(C, S, OFF, n, nmask, j, jmask, HALF, stride_cn, stride_sn, GROUP_N, GROUP_K,
              CODE: tl.constexpr, HAS_OFFSET: tl.constexpr):
     """The float32 weights of columns j and j + HALF for rows n: two [BLOCK_N, BLOCK_J] tiles."""
     mask = nmask[:, None] & jmask[None, :]
@@ -70,13 +70,13 @@ def _weights(C, S, O, n, nmask, j, jmask, HALF, stride_cn, stride_sn, GROUP_N, G
     lo = lo * tl.load(S + s_lo, mask=mask, other=0.0).to(tl.float32)
     hi = hi * tl.load(S + s_hi, mask=mask, other=0.0).to(tl.float32)
     if HAS_OFFSET:
-        lo += tl.load(O + s_lo, mask=mask, other=0.0).to(tl.float32)
-        hi += tl.load(O + s_hi, mask=mask, other=0.0).to(tl.float32)
+        lo += tl.load(OFF + s_lo, mask=mask, other=0.0).to(tl.float32)
+        hi += tl.load(OFF + s_hi, mask=mask, other=0.0).to(tl.float32)
     return lo, hi
 
 
 @triton.jit
-def _gemv_kernel(X, C, S, O, B, Y, M, N, HALF, stride_xm, stride_cn, stride_sn, stride_ym, GROUP_N, GROUP_K,
+def _gemv_kernel(X, C, S, OFF, B, Y, M, N, HALF, stride_xm, stride_cn, stride_sn, stride_ym, GROUP_N, GROUP_K,
                  CODE: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -87,7 +87,7 @@ def _gemv_kernel(X, C, S, O, B, Y, M, N, HALF, stride_xm, stride_cn, stride_sn, 
     for j0 in range(0, HALF, BLOCK_J):
         j = j0 + tl.arange(0, BLOCK_J)
         jmask = j < HALF
-        w_lo, w_hi = _weights(C, S, O, n, nmask, j, jmask, HALF, stride_cn, stride_sn, GROUP_N, GROUP_K,
+        w_lo, w_hi = _weights(C, S, OFF, n, nmask, j, jmask, HALF, stride_cn, stride_sn, GROUP_N, GROUP_K,
                               CODE, HAS_OFFSET)
         xmask = mmask[:, None] & jmask[None, :]
         x_lo = tl.load(X + m[:, None] * stride_xm + j[None, :], mask=xmask, other=0.0).to(tl.float32)
@@ -99,7 +99,7 @@ def _gemv_kernel(X, C, S, O, B, Y, M, N, HALF, stride_xm, stride_cn, stride_sn, 
 
 
 @triton.jit
-def _dot_kernel(X, C, S, O, B, Y, M, N, HALF, stride_xm, stride_cn, stride_sn, stride_ym, GROUP_N, GROUP_K,
+def _dot_kernel(X, C, S, OFF, B, Y, M, N, HALF, stride_xm, stride_cn, stride_sn, stride_ym, GROUP_N, GROUP_K,
                 CODE: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -111,7 +111,7 @@ def _dot_kernel(X, C, S, O, B, Y, M, N, HALF, stride_xm, stride_cn, stride_sn, s
     for j0 in range(0, HALF, BLOCK_J):
         j = j0 + tl.arange(0, BLOCK_J)
         jmask = j < HALF
-        w_lo, w_hi = _weights(C, S, O, n, nmask, j, jmask, HALF, stride_cn, stride_sn, GROUP_N, GROUP_K,
+        w_lo, w_hi = _weights(C, S, OFF, n, nmask, j, jmask, HALF, stride_cn, stride_sn, GROUP_N, GROUP_K,
                               CODE, HAS_OFFSET)
         xmask = mmask[:, None] & jmask[None, :]
         x_lo = tl.load(x_row + j[None, :], mask=xmask, other=0.0)

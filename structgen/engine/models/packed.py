@@ -109,10 +109,10 @@ def int4_weight(q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, gr
 
 
 def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP) -> PackedWeight:
-    """`w` rounded to 16 levels per group of `group` columns between the group's min and max."""
+    """`w` rounded to 16 levels per group of `group` columns between the group's min and max
+    (one group per row where `group` does not divide the columns)."""
     rows, cols = w.shape
-    if cols % group:
-        raise ModelLoadError(f"int4 quantization needs columns divisible by {group}, got {cols}")
+    group = group if cols % group == 0 else cols
     g = w.float().reshape(rows, cols // group, group)
     lo, hi = g.amin(-1), g.amax(-1)
     scales = ((hi - lo) / 15).clamp(min=1e-8).half().float()  # float16 scales, as AWQ stores them
@@ -126,6 +126,50 @@ def quantize_fp8(w: torch.Tensor) -> PackedWeight:
     scales = (wf.abs().amax(1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
     codes = (wf / scales).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return PackedWeight("fp8", codes, scales, None, w.shape[1], w.shape[1])
+
+
+GGUF_BLOCK = 32  # elements per Q4_0 / Q4_1 / Q8_0 block
+GGUF_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_K": 144}
+
+
+def from_gguf(qtype: str, packed: torch.Tensor, cols: int) -> PackedWeight | None:
+    """A GGUF weight (uint8 `[rows, row_bytes]` blocks) as the same values in a PackedWeight;
+    None for block formats without one here (the caller de-quantizes those).
+
+    Each block is an fp16 scale d (Q4_1: then an fp16 minimum m) and 32 codes: Q4_0 / Q4_1
+    bytes hold elements i (low nibble) and i + 16 (high), Q8_0 bytes are int8;
+    `w = d * (q - 8)`, `d * q + m`, `d * q` respectively. Q4_K: `_q4_k`.
+    """
+    if qtype not in GGUF_BLOCK_BYTES:
+        return None
+    rows = packed.shape[0]
+    if qtype == "Q4_K":
+        return _q4_k(packed.reshape(rows, cols // 256, 144), cols)
+    blocks = packed.reshape(rows, cols // GGUF_BLOCK, GGUF_BLOCK_BYTES[qtype])
+    d = blocks[..., :2].contiguous().view(torch.float16)[..., 0].float()
+    if qtype == "Q8_0":
+        q = blocks[..., 2:].contiguous().view(torch.int8).reshape(rows, cols)
+        return PackedWeight("int8", q, compact(d), None, cols, GGUF_BLOCK)
+    qs = blocks[..., -16:]
+    q = torch.cat([qs & 0xF, qs >> 4], dim=-1).reshape(rows, cols)
+    offsets = -8 * d if qtype == "Q4_0" else blocks[..., 2:4].contiguous().view(torch.float16)[..., 0].float()
+    return int4_weight(q, d, offsets, GGUF_BLOCK)
+
+
+def _q4_k(blocks: torch.Tensor, cols: int) -> PackedWeight:
+    """Q4_K super-blocks of 256 (fp16 d and dmin, 8 six-bit scales and minimums, 128 bytes of
+    nibbles, 64 elements per 32 bytes: low nibbles first) as groups of 32 with float32 scales
+    `d * sc` and offsets `-dmin * m`: the values gguf-py computes."""
+    rows, nb = blocks.shape[:2]
+    d = blocks[..., 0:2].contiguous().view(torch.float16).float()
+    dmin = blocks[..., 2:4].contiguous().view(torch.float16).float()
+    packed = blocks[..., 4:16].reshape(rows, nb, 3, 4)
+    lo, hi, both = packed[..., 0, :], packed[..., 1, :], packed[..., 2, :]
+    sc = torch.cat([lo & 0x3F, (both & 0x0F) | ((lo >> 2) & 0x30)], dim=-1).float()
+    m = torch.cat([hi & 0x3F, (both >> 4) | ((hi >> 2) & 0x30)], dim=-1).float()
+    qs = blocks[..., 16:].reshape(rows, nb, 4, 1, 32)
+    q = torch.cat([qs & 0xF, qs >> 4], dim=3).reshape(rows, cols)
+    return int4_weight(q, (d * sc).reshape(rows, -1), (-(dmin * m)).reshape(rows, -1), GGUF_BLOCK)
 
 
 def stack_rows(parts: list[PackedWeight]) -> PackedWeight | None:
@@ -169,3 +213,21 @@ class PackedLinear(nn.Module):
         else:
             y = F.linear(x2, self.weight_packed.dequantize(x.dtype), self.bias)
         return y.reshape(*lead, self.out_features)
+
+
+class PackedEmbedding(nn.Module):
+    """Rows of a `PackedWeight` (one scale row per weight row), de-quantized on lookup."""
+
+    def __init__(self, weight: PackedWeight, dtype: torch.dtype):
+        super().__init__()
+        if weight.group_rows != 1:
+            raise ModelLoadError("an embedding with scales shared across rows is not supported; "
+                                 "the checkpoint's embedding must be float or quantized per row")
+        self.weight_packed = weight
+        self.dtype = dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        w, flat = self.weight_packed, ids.reshape(-1)
+        offsets = None if w.offsets is None else w.offsets[flat]
+        rows = replace(w, codes=w.codes[flat], scales=w.scales[flat], offsets=offsets)
+        return rows.dequantize(self.dtype).reshape(*ids.shape, w.cols)
