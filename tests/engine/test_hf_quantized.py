@@ -100,7 +100,7 @@ def write_dir(path: Path, tensors: dict[str, torch.Tensor], quantization: dict |
 def greedy(model_dir: Path, **engine: object) -> tuple[Engine, list[list[int]]]:
     cfg = ModelConfig.from_file(model_dir / "config.json")
     eng = Engine(cfg, EngineConfig(device="cpu", dtype="float32", max_batch_size=2, max_seq_len=64, **engine), model_dir)
-    reqs = [Request(p, SamplingParams(max_tokens=12)) for p in PROMPTS]
+    reqs = [Request(p, SamplingParams(max_tokens=8)) for p in PROMPTS]
     eng.run(reqs)
     return eng, [r.output_ids for r in reqs]
 
@@ -180,6 +180,7 @@ def test_default_model_gguf_weights_map_to_packed_weights_exactly(model_dir: Pat
             assert torch.equal(weight.dequantize(), cpu_quant.dequantize_reference(blocks, qtype))
 
 
+@pytest.mark.slow
 def test_default_model_with_gpu_packed_weights_decodes_like_dequantized(model_dir: Path) -> None:
     """The default model's weights loaded as the GPU would (int4 / int8 `PackedWeight`s), run
     through the torch reference, decode like its weights de-quantized to float32."""

@@ -49,6 +49,10 @@ class PackedWeight:
             raise ModelLoadError(f"unknown packed weight code {self.code!r}; one of {CODES}")
         if self.code == "int4" and self.cols % 2:
             raise ModelLoadError(f"an int4 weight needs an even column count, got {self.cols}")
+        for name in ("codes", "scales", "offsets"):  # the kernels step along rows by stride, columns by 1
+            t = getattr(self, name)
+            if t is not None and not t.is_contiguous():
+                object.__setattr__(self, name, t.contiguous())
 
     @property
     def shape(self) -> tuple[int, int]:
