@@ -81,6 +81,8 @@ class ModelRunner:
         from structgen.engine.models.registry import model_class
 
         cls = model_class(self.model_config)
+        if model_dir is None and self.config.quantization:
+            return self._random_quantized_model(cls).eval()
         with skip_init(self.dtype), self.device:
             model = cls(self.model_config, max_positions=self.max_seq_len)
         if model_dir is None:
@@ -105,6 +107,35 @@ class ModelRunner:
                                  f"model and EngineTuning(quantized_weights=True); "
                                  f"{self.model_config.architecture} loads float weights only: pass quantization=None")
         return quantize_linear_weights(weights, self.config.quantization)
+
+    def _random_quantized_model(self, cls: type) -> torch.nn.Module:
+        """Random weights of the real shapes (speed work), the decoder's projections quantized
+        as each is drawn: the model is laid out on the meta device first, so a model whose
+        float weights would not fit the device (Llama-70B's shape) fits quantized."""
+        from torch import nn
+
+        from structgen.engine.models.llama import RotaryEmbedding
+        from structgen.engine.models.packed import QUANTIZERS
+        from structgen.engine.models.quantized import adopt_linear
+        from structgen.errors import ModelLoadError
+
+        if not getattr(cls, "takes_packed_weights", False):
+            raise ModelLoadError(f"EngineConfig(quantization=...) runs Llama-family models; "
+                                 f"{self.model_config.architecture} loads float weights only: pass quantization=None")
+        with skip_init(self.dtype), torch.device("meta"):
+            model = cls(self.model_config, max_positions=self.max_seq_len)
+        quantize = QUANTIZERS[self.config.quantization]
+        gen = torch.Generator(device=self.device).manual_seed(0)
+        for layer in model.layers:
+            for owner in (layer.self_attn, layer.mlp):
+                for attr, child in list(owner.named_children()):
+                    if isinstance(child, nn.Linear):
+                        w = torch.empty(child.weight.shape, dtype=self.dtype, device=self.device)
+                        adopt_linear(owner, attr, quantize(w.normal_(0.0, 0.02, generator=gen)))
+        model.to_empty(device=self.device)  # what stays float: embedding, norms, LM head, biases
+        model.init_random_weights()
+        model.rope = RotaryEmbedding(self.model_config, self.max_seq_len).to(self.device)
+        return model
 
     def _num_slots(self) -> int:
         if self.device.type != "cuda":

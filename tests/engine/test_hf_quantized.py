@@ -139,6 +139,24 @@ def test_float_checkpoint_quantized_at_load_keeps_its_outputs_close(tmp_path: Pa
     assert torch.nn.functional.cosine_similarity(logits[0], logits[1], dim=-1).min() > 0.99
 
 
+def test_random_weights_quantized_at_load_leave_no_float_projection() -> None:
+    """Random weights with `quantization` (the benchmarks' big shapes) are drawn and quantized
+    one projection at a time; the rest of the model is materialized afterwards."""
+    from structgen.engine.models.llama import ModelShape
+
+    cfg = ModelConfig.from_dict(CONFIG)
+    eng = Engine(cfg, EngineConfig(device="cpu", max_batch_size=2, max_seq_len=64, quantization="int4"), None)
+    model = eng.runner.model
+    assert not any(p.is_meta for p in model.parameters()) and not model.rope.cos.is_meta
+    assert not any(isinstance(m, torch.nn.Linear) for layer in model.layers for m in layer.modules())
+    float_shape = ModelShape.of(Engine(cfg, EngineConfig(device="cpu", max_batch_size=2, max_seq_len=64), None).runner.model)
+    assert ModelShape.of(model).params == float_shape.params
+    assert ModelShape.of(model).weight_bytes < float_shape.weight_bytes
+    req = Request(PROMPTS[0], SamplingParams(max_tokens=4))
+    eng.run([req])
+    assert len(req.output_ids) == 4
+
+
 def test_unknown_load_quantization_is_refused() -> None:
     with pytest.raises(InvalidParameterError, match="'fp8' or 'int4'"):
         EngineConfig(quantization="int3")

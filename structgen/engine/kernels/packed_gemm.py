@@ -46,9 +46,11 @@ GEMV = Block(4, 4, 256, 4, 3)  # rows are set per call
 
 
 def dot_block(rows: int) -> Block:
-    """The GEMM's tile for `rows` rows: 16 rows (tl.dot's smallest) up to 64 per program."""
+    """The GEMM's tile for `rows` rows: 16 rows (tl.dot's smallest) up to 64 per program;
+    narrower in N while the rows fit one tile, so a decode step still has programs enough to
+    keep every multiprocessor reading W."""
     m = 16 if rows <= 16 else 32 if rows <= 32 else 64
-    return Block(m, 64, 64, 4, 3)
+    return Block(m, 32 if rows <= 64 else 64, 64, 4, 3)
 
 
 @triton.jit

@@ -26,12 +26,11 @@ from typing import Any
 
 import torch
 
-from structgen.engine.models.packed import PackedWeight, int4_weight, quantize_fp8, quantize_int4
+from structgen.engine.models.packed import QUANTIZERS, PackedWeight, int4_weight
 from structgen.errors import ModelLoadError
 
 AWQ_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # the nibble that holds each of 8 consecutive columns
 SCALE_SUFFIXES = (".scales", ".weight_scale", ".weight_scale_inv", ".input_scale")
-LOAD_QUANTIZATIONS = ("fp8", "int4")
 
 
 @dataclass(frozen=True)
@@ -178,7 +177,7 @@ def quantize_linear_weights(weights: dict[str, Any], method: str) -> dict[str, A
     """A float checkpoint's decoder projections (`*_proj.weight` of the layers) quantized to
     `method` ("fp8": per-channel scales; "int4": groups of 128 columns); the embedding and the
     LM head stay in their float dtype."""
-    quantize = quantize_fp8 if method == "fp8" else quantize_int4
+    quantize = QUANTIZERS[method]
     for name, t in list(weights.items()):
         if ".layers." in name and name.endswith("_proj.weight") and isinstance(t, torch.Tensor) and t.dim() == 2:
             weights[name] = quantize(t)

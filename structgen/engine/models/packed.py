@@ -176,6 +176,9 @@ def _q4_k(blocks: torch.Tensor, cols: int) -> PackedWeight:
     return int4_weight(q, (d * sc).reshape(rows, -1), (-(dmin * m)).reshape(rows, -1), GGUF_BLOCK)
 
 
+QUANTIZERS = {"fp8": quantize_fp8, "int4": quantize_int4}  # EngineConfig.quantization's methods
+
+
 def stack_rows(parts: list[PackedWeight]) -> PackedWeight | None:
     """The row concatenation of `parts` (fused q/k/v, gate/up) as one weight, or None where
     their formats differ (the caller de-quantizes them)."""

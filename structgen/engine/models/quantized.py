@@ -164,6 +164,6 @@ def adopt_linear(owner: nn.Module, attr: str, weight: AnyWeight | list[Quantized
     if isinstance(parts, list):
         setattr(owner, attr, QuantizedLinear(parts, bias))
     elif isinstance(weight, PackedWeight):
-        setattr(owner, attr, packed.PackedLinear(weight.to(linear.weight.device), bias))
+        setattr(owner, attr, packed.PackedLinear(weight, bias))
     else:
         linear.weight.data = weight.to(device=linear.weight.device, dtype=linear.weight.dtype)
