@@ -13,6 +13,7 @@ self-check that greedy outputs are identical with graphs on and off.
     python -m benchmarks.bench_decode                       # everything (on the GPU)
     python -m benchmarks.bench_decode --models llama-8b-shape --batches 1 --no-peers
     python -m benchmarks.bench_decode --models gemma-3-270m --batches 1,64
+    python -m benchmarks.bench_decode --models llama-8b-shape,llama-8b-shape-fp8,llama-8b-shape-int4 --batches 1,64 --no-peers
 """
 
 from __future__ import annotations
@@ -62,6 +63,24 @@ E2E_SCHEMA = {
                                      "city": {"type": "string"}},
     "required": ["name", "age", "city"],
 }
+# Quantized shapes (issue 35): random weights drawn and quantized at load
+# (`EngineConfig(quantization=...)`), each row's floor from the packed bytes a step reads and
+# `bf16_floor_ms` beside it. Llama-70B's float weights fit no single GPU: it runs quantized only.
+QUANTIZED_MODELS = ("llama-8b-shape-fp8", "llama-8b-shape-int4", "llama-70b-shape-fp8", "llama-70b-shape-int4")
+
+
+def quantization_of(model: str) -> str | None:
+    """"fp8" / "int4" for a quantized shape's name, else None."""
+    return model.rpartition("-")[2] if model.endswith(("-shape-fp8", "-shape-int4")) else None
+
+
+def packed_floor_ms(engine: Engine, bandwidth: float) -> float:
+    """The floor of the model as loaded: its packed projections plus the float rest."""
+    from structgen.engine.models.llama import ModelShape
+
+    return hbm_floor_ms(ModelShape.of(engine.runner.model).weight_bytes, bandwidth)
+
+
 NAMES = ["Ana", "Bo", "Chen", "Dara", "Eli", "Fatima", "Gus", "Hana"]
 CITIES = ["Lisbon", "Oslo", "Lima", "Osaka", "Nairobi", "Quito", "Perth", "Riga"]
 
@@ -74,16 +93,17 @@ def load(model: str, tok_dir: Path | None) -> tuple[Any, Any, Path | None, set[i
         d = resolve_model(REAL_MODELS[model], progress=False)
         cfg = load_model_config(d)
         return cfg, load_tokenizer(d), d, set(cfg.eos_token_id)
-    cfg = model_config(model.removesuffix("-shape"))
+    cfg = model_config(model.split("-shape")[0])
     tok = load_tokenizer(tok_dir or resolve_model(None, progress=False))
     return cfg, tok, None, set(cfg.eos_token_id)
 
 
-def build_engine(cfg, model_dir: Path | None, stop: set[int], graphs: bool, prefill_in_graphs: bool = True) -> Engine:
+def build_engine(cfg, model_dir: Path | None, stop: set[int], graphs: bool, prefill_in_graphs: bool = True,
+                 quantization: str | None = None) -> Engine:
     ec = EngineConfig(max_batch_size=64, max_seq_len=1024, jump_forward=False, use_cuda_graphs=False,
-                      tuning=EngineTuning(prefill_in_graphs=prefill_in_graphs))
+                      quantization=quantization, tuning=EngineTuning(prefill_in_graphs=prefill_in_graphs))
     engine = Engine(cfg, ec, model_dir, stop_token_ids=stop)
-    if model_dir is None:  # the peers' random weights (benchmarks.common), copied in place
+    if model_dir is None and quantization is None:  # the peers' random weights (benchmarks.common), copied in place
         engine.runner.model.load_hf_weights(random_weights(cfg, engine.runner.dtype, engine.device, seed=0))
         gc.collect()
         torch.cuda.empty_cache()  # before capture: nothing a graph uses may be released after it
@@ -208,7 +228,7 @@ def end_to_end(engine: Engine, tokenizer, n: int = 64) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--models", default=",".join(MODELS), help=f"also {', '.join(QUANTIZED_MODELS)}")
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--peer-tokens", type=int, default=32)
@@ -248,7 +268,10 @@ def main() -> None:
         floors[model] = hbm_floor_ms(decode_weight_bytes(cfg, torch.bfloat16), bandwidth)
         prompt_ids = tok.encode(chat(tok, PROMPT), add_special_tokens=False)
         grammar = GrammarCompiler(tok, cfg.vocab_size, sorted(stop)).compile(to_constraint(JsonSchema(SCHEMA)))
-        engine = build_engine(cfg, model_dir, stop, graphs=True)
+        engine = build_engine(cfg, model_dir, stop, graphs=True, quantization=quantization_of(model))
+        bf16_floor = floors[model]
+        if quantization_of(model):
+            floors[model] = packed_floor_ms(engine, bandwidth)
         # The budget closer and loop guards, on as in the product (budgets stay out of reach).
         engine.closer.use_tokenizer(tok, engine.vocab_size, engine.stop_token_ids)
         print(f"[{model}] engine ready in {time.perf_counter() - t_load:.1f}s "
@@ -260,7 +283,7 @@ def main() -> None:
                 if constrained and batch >= MIN_ROWS and tuner is not None:
                     r["prefetch_decisions"] = list(tuner.decisions)  # what "auto" chose, in order
                 rows.append({"system": "structgen", "model": model, "batch": batch, "constrained": constrained,
-                             "metric": "ms_per_step", **r, "floor_ms": floors[model]})
+                             "metric": "ms_per_step", **r, "floor_ms": floors[model], "bf16_floor_ms": bf16_floor})
                 print(rows[-1], flush=True)
             if batch >= MIN_ROWS:
                 # The same JSON steps with the mask prefetch (grammar/prefetch.py) forced on and
@@ -299,7 +322,7 @@ def main() -> None:
         if model == "smollm2-135m":
             extra["self_check"] = self_check(cfg, model_dir, stop, tok, grammar)
             print("self-check:", extra["self_check"], flush=True)
-        if not args.no_peers:
+        if not args.no_peers and quantization_of(model) is None:
             hf = load_hf_model(model_dir if model_dir is not None else model, torch.bfloat16, "cuda", seed=0)
             xg = compile_xgrammar(tok, cfg.vocab_size, sorted(stop), json_schema=SCHEMA)
             outlines = outlines_json(hf, tok, SCHEMA)  # None without Outlines installed

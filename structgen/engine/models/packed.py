@@ -119,7 +119,7 @@ def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP) -> PackedWeight:
     group = group if cols % group == 0 else cols
     g = w.float().reshape(rows, cols // group, group)
     lo, hi = g.amin(-1), g.amax(-1)
-    scales = ((hi - lo) / 15).clamp(min=1e-8).half().float()  # float16 scales, as AWQ stores them
+    scales = ((hi - lo) / 15).clamp(min=1e-12)  # a constant group still divides by a scale
     q = ((g - lo[..., None]) / scales[..., None]).round().clamp(0, 15).reshape(rows, cols)
     return int4_weight(q, scales, lo, group)
 
