@@ -240,9 +240,10 @@ class EngineTuning:
     # grammar.native's pool fills the masks), "on" where fills have been costly, "off" never
     # (docs/performance.md, "Grammar overhead").
     mask_prefetch: str = "auto"
-    # CPU: GGUF block-format weights stay packed and are de-quantized inside the products
-    # (models/quantized.py); False de-quantizes them at load, as on CUDA, where no C++ compiler
-    # is at hand (docs/performance.md, "Quantized weights on the CPU").
+    # Quantized weights stay packed and are de-quantized inside the products: GGUF blocks on
+    # the CPU (models/quantized.py), GGUF Q4/Q8 and AWQ / GPTQ / FP8 checkpoints as the GPU's
+    # int4 / int8 / FP8 weights (models/packed.py); False de-quantizes them at load
+    # (docs/performance.md, "Quantized weights on the CPU").
     quantized_weights: bool = True
 
     def __post_init__(self) -> None:
