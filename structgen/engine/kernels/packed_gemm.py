@@ -18,18 +18,32 @@ followed by a matmul, which the tests compare each form to.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 import triton
 import triton.language as tl
 
-if TYPE_CHECKING:
-    from structgen.engine.models.packed import PackedWeight
-
 GEMV_ROWS = 4  # the GEMV keeps a [rows, BLOCK_N, BLOCK_J] product in registers: few rows only
 SCALED_MM_ROWS = 128  # from here FP8 per-channel products run on the FP8 tensor cores
 _CODE_IDS = {"int4": 0, "int8": 1, "fp8": 1}  # int8 and FP8 codes both load and convert to float
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
+
+
+class PackedWeight(Protocol):
+    """What the kernels read of a weight (models/packed.py's `PackedWeight`, which imports this
+    module, not the other way round)."""
+
+    code: str
+    codes: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor | None
+    cols: int
+    group_cols: int
+    group_rows: int
+
+    @property
+    def shape(self) -> tuple[int, int]: ...
 
 
 class Block(NamedTuple):
@@ -162,8 +176,6 @@ def scaled_mm(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None =
               out: torch.Tensor | None = None) -> torch.Tensor:
     """The product on the FP8 tensor cores: x scaled to FP8 per row (its max magnitude to 448),
     W's per-channel scales applied to the output."""
-    from structgen.engine.models.packed import FP8_MAX
-
     x_scale = (x.float().abs().amax(1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
     x8 = (x.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     y = torch._scaled_mm(x8, weight.codes.t(), scale_a=x_scale, scale_b=weight.scales.float().reshape(1, -1),

@@ -28,7 +28,7 @@ from torch import nn
 from structgen.errors import ModelLoadError
 
 CODES = ("int4", "int8", "fp8")
-FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 INT4_GROUP = 128  # columns per scale when a float weight is quantized to int4 at load
 
 
