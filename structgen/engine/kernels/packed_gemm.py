@@ -92,32 +92,11 @@ def _weights(C, S, OFF, n, nmask, j, jmask, HALF, stride_cn, stride_sn, GROUP_N,
 
 
 @triton.jit
-def _gemv_kernel(X, C, S, OFF, B, Y, M, N, HALF, stride_xm, stride_cn, stride_sn, stride_ym, GROUP_N, GROUP_K,
-                 CODE: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr):
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = n < N
-    m = tl.arange(0, BLOCK_M)
-    mmask = m < M
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for j0 in range(0, HALF, BLOCK_J):
-        j = j0 + tl.arange(0, BLOCK_J)
-        jmask = j < HALF
-        w_lo, w_hi = _weights(C, S, OFF, n, nmask, j, jmask, HALF, stride_cn, stride_sn, GROUP_N, GROUP_K,
-                              CODE, HAS_OFFSET)
-        xmask = mmask[:, None] & jmask[None, :]
-        x_lo = tl.load(X + m[:, None] * stride_xm + j[None, :], mask=xmask, other=0.0).to(tl.float32)
-        x_hi = tl.load(X + m[:, None] * stride_xm + HALF + j[None, :], mask=xmask, other=0.0).to(tl.float32)
-        acc += tl.sum(x_lo[:, None, :] * w_lo[None, :, :] + x_hi[:, None, :] * w_hi[None, :, :], axis=2)
-    if HAS_BIAS:
-        acc += tl.load(B + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    tl.store(Y + m[:, None] * stride_ym + n[None, :], acc.to(Y.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
-
-
-@triton.jit
-def _dot_kernel(X, C, S, OFF, B, Y, M, N, HALF, stride_xm, stride_cn, stride_sn, stride_ym, GROUP_N, GROUP_K,
-                CODE: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr):
+def _packed_kernel(X, C, S, OFF, B, Y, M, N, HALF, stride_xm, stride_cn, stride_sn, stride_ym, GROUP_N, GROUP_K,
+                   CODE: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr, DOT: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr):
+    """Both forms: DOT feeds W's tiles (in x's dtype) to `tl.dot`, else float32 products are
+    summed per chunk (the GEMV: one program for all rows, W read once)."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
     m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -132,8 +111,12 @@ def _dot_kernel(X, C, S, OFF, B, Y, M, N, HALF, stride_xm, stride_cn, stride_sn,
         xmask = mmask[:, None] & jmask[None, :]
         x_lo = tl.load(x_row + j[None, :], mask=xmask, other=0.0)
         x_hi = tl.load(x_row + HALF + j[None, :], mask=xmask, other=0.0)
-        acc = tl.dot(x_lo, tl.trans(w_lo.to(x_lo.dtype)), acc)
-        acc = tl.dot(x_hi, tl.trans(w_hi.to(x_hi.dtype)), acc)
+        if DOT:
+            acc = tl.dot(x_lo, tl.trans(w_lo.to(x_lo.dtype)), acc)
+            acc = tl.dot(x_hi, tl.trans(w_hi.to(x_hi.dtype)), acc)
+        else:
+            products = x_lo.to(tl.float32)[:, None, :] * w_lo[None, :, :] + x_hi.to(tl.float32)[:, None, :] * w_hi[None, :, :]
+            acc += tl.sum(products, axis=2)
     if HAS_BIAS:
         acc += tl.load(B + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
     tl.store(Y + m[:, None] * stride_ym + n[None, :], acc.to(Y.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
@@ -159,10 +142,8 @@ def matmul(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = No
     consts = {"CODE": _CODE_IDS[weight.code], "HAS_OFFSET": weight.offsets is not None, "HAS_BIAS": bias is not None,
               "BLOCK_N": block.n, "BLOCK_J": min(block.j, triton.next_power_of_2(half)),
               "num_warps": block.warps, "num_stages": block.stages}
-    if block.m <= GEMV_ROWS:
-        _gemv_kernel[(triton.cdiv(n, block.n),)](*args, BLOCK_M=block.m, **consts)
-    else:
-        _dot_kernel[(triton.cdiv(n, block.n), triton.cdiv(rows, block.m))](*args, BLOCK_M=block.m, **consts)
+    grid = (triton.cdiv(n, block.n), triton.cdiv(rows, block.m))
+    _packed_kernel[grid](*args, DOT=block.m > GEMV_ROWS, BLOCK_M=block.m, **consts)
     return y
 
 
