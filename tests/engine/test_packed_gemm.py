@@ -124,3 +124,25 @@ def test_quantized_model_through_the_kernels_matches_its_float_weights(tmp_path,
         e.run(reqs)
         outputs.append([r.output_ids for r in reqs])
     assert outputs[0] == outputs[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="loads the default model on CUDA")
+def test_default_gguf_model_on_cuda_keeps_its_q4_1_weights_packed(model_dir) -> None:
+    """On CUDA the default model's Q4_1 projections load as int4 and its Q8_0 embedding (and
+    the tied LM head) as int8; prompt logits stay close to the model de-quantized to bf16."""
+    from structgen.engine.config import EngineConfig, EngineTuning
+    from structgen.engine.engine import Engine
+    from structgen.engine.model_runner import ExtendSeq
+    from structgen.engine.models.loader import load_model_config
+    from structgen.engine.models.packed import PackedLinear
+
+    cfg = load_model_config(model_dir)
+    engines = [Engine(cfg, EngineConfig(max_batch_size=2, max_seq_len=256, tuning=EngineTuning(quantized_weights=q)),
+                      model_dir) for q in (True, False)]
+    model = engines[0].runner.model
+    assert model.layers[0].mlp.down_proj.weight_packed.code == "int4"
+    assert isinstance(model.lm_head, PackedLinear) and model.lm_head.weight_packed.code == "int8"
+    ids = [1, 9690, 198, 2683, 314, 253, 5356, 30]
+    logits = [e.runner.extend([ExtendSeq(0, 0, ids, num_logits=len(ids))]) for e in engines]
+    assert rel_err(logits[0], logits[1]) < 2e-2
