@@ -69,8 +69,9 @@ def dot_block(rows: int) -> Block:
 
 @triton.jit
 def _weights(C, S, OFF, n, nmask, j, jmask, HALF, stride_cn, stride_sn, GROUP_N, GROUP_K,
-             CODE: tl.constexpr, HAS_OFFSET: tl.constexpr):
-    """The float32 weights of columns j and j + HALF for rows n: two [BLOCK_N, BLOCK_J] tiles."""
+             CODE: tl.constexpr, HAS_OFFSET: tl.constexpr, ROW_SCALE: tl.constexpr):
+    """The float32 weights of columns j and j + HALF for rows n: two [BLOCK_N, BLOCK_J] tiles
+    (with ROW_SCALE, the codes only: the kernel scales its output instead)."""
     mask = nmask[:, None] & jmask[None, :]
     row = C + n[:, None].to(tl.int64) * stride_cn
     if CODE == 0:  # int4: one byte, low nibble column j, high nibble column j + HALF
@@ -80,20 +81,22 @@ def _weights(C, S, OFF, n, nmask, j, jmask, HALF, stride_cn, stride_sn, GROUP_N,
     else:  # a byte per code, the halves of the row
         lo = tl.load(row + j[None, :], mask=mask, other=0.0).to(tl.float32)
         hi = tl.load(row + HALF + j[None, :], mask=mask, other=0.0).to(tl.float32)
-    srow = (n // GROUP_N)[:, None] * stride_sn
-    s_lo = srow + (j // GROUP_K)[None, :]
-    s_hi = srow + ((j + HALF) // GROUP_K)[None, :]
-    lo = lo * tl.load(S + s_lo, mask=mask, other=0.0).to(tl.float32)
-    hi = hi * tl.load(S + s_hi, mask=mask, other=0.0).to(tl.float32)
-    if HAS_OFFSET:
-        lo += tl.load(OFF + s_lo, mask=mask, other=0.0).to(tl.float32)
-        hi += tl.load(OFF + s_hi, mask=mask, other=0.0).to(tl.float32)
+    if not ROW_SCALE:
+        srow = (n // GROUP_N)[:, None] * stride_sn
+        s_lo = srow + (j // GROUP_K)[None, :]
+        s_hi = srow + ((j + HALF) // GROUP_K)[None, :]
+        lo = lo * tl.load(S + s_lo, mask=mask, other=0.0).to(tl.float32)
+        hi = hi * tl.load(S + s_hi, mask=mask, other=0.0).to(tl.float32)
+        if HAS_OFFSET:
+            lo += tl.load(OFF + s_lo, mask=mask, other=0.0).to(tl.float32)
+            hi += tl.load(OFF + s_hi, mask=mask, other=0.0).to(tl.float32)
     return lo, hi
 
 
 @triton.jit
 def _packed_kernel(X, C, S, OFF, B, Y, M, N, HALF, stride_xm, stride_cn, stride_sn, stride_ym, GROUP_N, GROUP_K,
-                   CODE: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr, DOT: tl.constexpr,
+                   CODE: tl.constexpr, HAS_OFFSET: tl.constexpr, ROW_SCALE: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, DOT: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr):
     """Both forms: DOT feeds W's tiles (in x's dtype) to `tl.dot`, else float32 products are
     summed per chunk (the GEMV: one program for all rows, W read once)."""
@@ -107,7 +110,7 @@ def _packed_kernel(X, C, S, OFF, B, Y, M, N, HALF, stride_xm, stride_cn, stride_
         j = j0 + tl.arange(0, BLOCK_J)
         jmask = j < HALF
         w_lo, w_hi = _weights(C, S, OFF, n, nmask, j, jmask, HALF, stride_cn, stride_sn, GROUP_N, GROUP_K,
-                              CODE, HAS_OFFSET)
+                              CODE, HAS_OFFSET, ROW_SCALE)
         xmask = mmask[:, None] & jmask[None, :]
         x_lo = tl.load(x_row + j[None, :], mask=xmask, other=0.0)
         x_hi = tl.load(x_row + HALF + j[None, :], mask=xmask, other=0.0)
@@ -117,6 +120,8 @@ def _packed_kernel(X, C, S, OFF, B, Y, M, N, HALF, stride_xm, stride_cn, stride_
         else:
             products = x_lo.to(tl.float32)[:, None, :] * w_lo[None, :, :] + x_hi.to(tl.float32)[:, None, :] * w_hi[None, :, :]
             acc += tl.sum(products, axis=2)
+    if ROW_SCALE:
+        acc *= tl.load(S + n * stride_sn, mask=nmask, other=0.0).to(tl.float32)[None, :]
     if HAS_BIAS:
         acc += tl.load(B + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
     tl.store(Y + m[:, None] * stride_ym + n[None, :], acc.to(Y.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
@@ -139,7 +144,9 @@ def matmul(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = No
     args = (x, weight.codes, weight.scales, weight.offsets if weight.offsets is not None else weight.scales,
             bias if bias is not None else weight.scales, y, rows, n, half, x.stride(0), weight.codes.stride(0),
             weight.scales.stride(0), y.stride(0), weight.group_rows, weight.group_cols)
-    consts = {"CODE": _CODE_IDS[weight.code], "HAS_OFFSET": weight.offsets is not None, "HAS_BIAS": bias is not None,
+    row_scale = weight.offsets is None and weight.group_rows == 1 and weight.group_cols >= weight.cols
+    consts = {"CODE": _CODE_IDS[weight.code], "HAS_OFFSET": weight.offsets is not None, "ROW_SCALE": row_scale,
+              "HAS_BIAS": bias is not None,
               "BLOCK_N": block.n, "BLOCK_J": min(block.j, triton.next_power_of_2(half)),
               "num_warps": block.warps, "num_stages": block.stages}
     grid = (triton.cdiv(n, block.n), triton.cdiv(rows, block.m))
