@@ -23,6 +23,7 @@ measured copy bandwidth: each GPU reads its 1/N share):
 
     python -m benchmarks.bench_decode --models llama-8b-shape --tensor-parallel 1,2 --batches 1,64 --no-peers
     python -m benchmarks.bench_decode --models llama-70b-shape --tensor-parallel 4 --batches 1,16,64 --no-peers
+    python -m benchmarks.bench_decode --models llama-8b-shape,llama-8b-shape-fp8,llama-8b-shape-int4 --batches 1,64 --no-peers
 """
 
 from __future__ import annotations
@@ -73,6 +74,24 @@ E2E_SCHEMA = {
                                      "city": {"type": "string"}},
     "required": ["name", "age", "city"],
 }
+# Quantized shapes (issue 35): random weights drawn and quantized at load
+# (`EngineConfig(quantization=...)`), each row's floor from the packed bytes a step reads and
+# `bf16_floor_ms` beside it. Llama-70B's float weights fit no single GPU: it runs quantized only.
+QUANTIZED_MODELS = ("llama-8b-shape-fp8", "llama-8b-shape-int4", "llama-70b-shape-fp8", "llama-70b-shape-int4")
+
+
+def quantization_of(model: str) -> str | None:
+    """"fp8" / "int4" for a quantized shape's name, else None."""
+    return model.rpartition("-")[2] if model.endswith(("-shape-fp8", "-shape-int4")) else None
+
+
+def packed_floor_ms(engine: Engine, bandwidth: float) -> float:
+    """The floor of the model as loaded: its packed projections plus the float rest."""
+    from structgen.engine.models.llama import ModelShape
+
+    return hbm_floor_ms(ModelShape.of(engine.runner.model).weight_bytes, bandwidth)
+
+
 NAMES = ["Ana", "Bo", "Chen", "Dara", "Eli", "Fatima", "Gus", "Hana"]
 CITIES = ["Lisbon", "Oslo", "Lima", "Osaka", "Nairobi", "Quito", "Perth", "Riga"]
 
@@ -85,13 +104,13 @@ def load(model: str, tok_dir: Path | None) -> tuple[Any, Any, Path | None, set[i
         d = resolve_model(REAL_MODELS[model], progress=False)
         cfg = load_model_config(d)
         return cfg, load_tokenizer(d), d, set(cfg.eos_token_id)
-    cfg = model_config(model.removesuffix("-shape"))
+    cfg = model_config(model.split("-shape")[0])
     tok = load_tokenizer(tok_dir or resolve_model(None, progress=False))
     return cfg, tok, None, set(cfg.eos_token_id)
 
 
 def build_engine(cfg, model_dir: Path | None, stop: set[int], graphs: bool, prefill_in_graphs: bool = True,
-                 tensor_parallel: int = 1) -> Engine:
+                 tensor_parallel: int = 1, quantization: str | None = None) -> Engine:
     if tensor_parallel > 1:
         # Every rank captures its graphs while it is built, with its own random shard
         # (`init_random_weights`): the worker ranks could not follow a later capture.
@@ -99,9 +118,9 @@ def build_engine(cfg, model_dir: Path | None, stop: set[int], graphs: bool, pref
                           tuning=EngineTuning(prefill_in_graphs=prefill_in_graphs), tensor_parallel=tensor_parallel)
         return Engine(cfg, ec, model_dir, stop_token_ids=stop)
     ec = EngineConfig(max_batch_size=64, max_seq_len=1024, jump_forward=False, use_cuda_graphs=False,
-                      tuning=EngineTuning(prefill_in_graphs=prefill_in_graphs))
+                      quantization=quantization, tuning=EngineTuning(prefill_in_graphs=prefill_in_graphs))
     engine = Engine(cfg, ec, model_dir, stop_token_ids=stop)
-    if model_dir is None and fits_two_copies(cfg, engine.runner.dtype, engine.device):
+    if model_dir is None and quantization is None and fits_two_copies(cfg, engine.runner.dtype, engine.device):
         # the peers' random weights (benchmarks.common), copied in place; a model too large
         # for two copies keeps the random weights it was built with
         engine.runner.model.load_hf_weights(random_weights(cfg, engine.runner.dtype, engine.device, seed=0))
@@ -272,7 +291,7 @@ def summarize(rows: list[dict[str, Any]], batches: list[int]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--models", default=",".join(MODELS), help=f"also {', '.join(QUANTIZED_MODELS)}")
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--tensor-parallel", default="1",
                     help="comma-separated tensor-parallel sizes to run each model at (GPUs of this host)")
@@ -322,7 +341,10 @@ def main() -> None:
             rows += tp_rows
         if 1 not in tp_sizes:
             continue  # a shape that only fits split (llama-70b-shape)
-        engine = build_engine(cfg, model_dir, stop, graphs=True)
+        engine = build_engine(cfg, model_dir, stop, graphs=True, quantization=quantization_of(model))
+        bf16_floor = floors[model]
+        if quantization_of(model):
+            floors[model] = packed_floor_ms(engine, bandwidth)
         # The budget closer and loop guards, on as in the product (budgets stay out of reach).
         engine.closer.use_tokenizer(tok, engine.vocab_size, engine.stop_token_ids)
         print(f"[{model}] engine ready in {time.perf_counter() - t_load:.1f}s "
@@ -334,7 +356,7 @@ def main() -> None:
                 if constrained and batch >= MIN_ROWS and tuner is not None:
                     r["prefetch_decisions"] = list(tuner.decisions)  # what "auto" chose, in order
                 rows.append({"system": "structgen", "model": model, "batch": batch, "constrained": constrained,
-                             "metric": "ms_per_step", **r, "floor_ms": floors[model]})
+                             "metric": "ms_per_step", **r, "floor_ms": floors[model], "bf16_floor_ms": bf16_floor})
                 print(rows[-1], flush=True)
             if batch >= MIN_ROWS:
                 # The same JSON steps with the mask prefetch (grammar/prefetch.py) forced on and
@@ -373,7 +395,7 @@ def main() -> None:
         if model == "smollm2-135m":
             extra["self_check"] = self_check(cfg, model_dir, stop, tok, grammar)
             print("self-check:", extra["self_check"], flush=True)
-        if not args.no_peers:
+        if not args.no_peers and quantization_of(model) is None:
             hf = load_hf_model(model_dir if model_dir is not None else model, torch.bfloat16, "cuda", seed=0)
             xg = compile_xgrammar(tok, cfg.vocab_size, sorted(stop), json_schema=SCHEMA)
             outlines = outlines_json(hf, tok, SCHEMA)  # None without Outlines installed

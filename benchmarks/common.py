@@ -68,7 +68,7 @@ SHAPES: dict[str, dict[str, Any]] = {
         "mlp_only_layers": [], "rope_theta": 1000000.0, "rope_scaling": None, "max_position_embeddings": 40960,
         "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
     },
-    "llama-70b": {  # Llama-3.1-70B (tensor-parallel rows: it does not fit one GPU)
+    "llama-70b": {  # Llama-3.1-70B: its float weights fit no single GPU (tensor-parallel or quantized rows)
         "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
         "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256,
         "rope_theta": 500000.0, "rope_scaling": {**_LLAMA3_ROPE, "factor": 8.0},

@@ -278,9 +278,10 @@ class EngineTuning:
     # grammar.native's pool fills the masks), "on" where fills have been costly, "off" never
     # (docs/performance.md, "Grammar overhead").
     mask_prefetch: str = "auto"
-    # CPU: GGUF block-format weights stay packed and are de-quantized inside the products
-    # (models/quantized.py); False de-quantizes them at load, as on CUDA, where no C++ compiler
-    # is at hand (docs/performance.md, "Quantized weights on the CPU").
+    # Quantized weights stay packed and are de-quantized inside the products: GGUF blocks on
+    # the CPU (models/quantized.py), GGUF Q4/Q8 and AWQ / GPTQ / FP8 checkpoints as the GPU's
+    # int4 / int8 / FP8 weights (models/packed.py); False de-quantizes them at load
+    # (docs/performance.md, "Quantized weights on the CPU").
     quantized_weights: bool = True
 
     def __post_init__(self) -> None:
@@ -307,6 +308,9 @@ class EngineConfig:
     jump_forward: bool = True  # append grammar-forced text without a decode step per token
     seed: int | None = None
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+    # "fp8" | "int4": a float checkpoint's projections quantized at load (less memory, fewer
+    # bytes per decode step); checkpoints stored quantized (AWQ, GPTQ, FP8, GGUF) need none.
+    quantization: str | None = None
     tuning: EngineTuning = field(default_factory=EngineTuning)
     # Ranks the model is split across (engine/parallel.py): each holds 1/N of the heads and
     # MLP width; rank 0 runs the engine and spawns the others (one GPU each), unless torchrun
@@ -314,6 +318,10 @@ class EngineConfig:
     tensor_parallel: int = 1
 
     def __post_init__(self) -> None:
+        from structgen.errors import InvalidParameterError
+
+        if self.quantization not in (None, "fp8", "int4"):
+            raise InvalidParameterError(f"quantization must be None, 'fp8' or 'int4', got {self.quantization!r}")
         self._check_tensor_parallel()
 
     def _check_tensor_parallel(self) -> None:
@@ -328,6 +336,9 @@ class EngineConfig:
                                         "split under tensor_parallel > 1; use 'ngram' or 'draft_model'")
         if self.tuning.capturable_guided:
             raise InvalidParameterError("capturable_guided is not supported with tensor_parallel > 1; turn it off")
+        if self.quantization is not None:
+            raise InvalidParameterError("quantized layers do not split across ranks yet: pass quantization=None "
+                                        "with tensor_parallel > 1, or tensor_parallel=1")
 
 
 # Knobs that were EngineConfig fields: a newcomer following older docs gets the fix, not a

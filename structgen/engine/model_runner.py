@@ -90,6 +90,8 @@ class ModelRunner:
 
         cls = model_class(self.model_config)
         tp = self.tensor_parallel
+        if model_dir is None and self.config.quantization:
+            return self._random_quantized_model(cls).eval()
         with skip_init(self.dtype), self.device:
             model = cls(self.rank_config, max_positions=self.max_seq_len)
             if tp is not None:
@@ -101,20 +103,54 @@ class ModelRunner:
         else:
             from structgen.engine.models.loader import load_weights
 
-            packed = getattr(cls, "takes_packed_weights", False) and self.keeps_weights_quantized()
+            # Packed weights stay packed (not under tensor parallelism: packed layers do not split).
+            packed = getattr(cls, "takes_packed_weights", False) and self.config.tuning.quantized_weights and tp is None
             weights = load_weights(model_dir, dtype=self.dtype, device=self.device, keep_quantized=packed,
                                    shard=None if tp is None else tp.weight_shard())
+            if self.config.quantization:
+                weights = self._quantize_at_load(weights, packed)
             model.load_hf_weights(weights)
         return model.eval()
 
-    def keeps_weights_quantized(self) -> bool:
-        """Whether packed GGUF weights stay packed: on the CPU where the kernels build, unless
-        `EngineTuning.quantized_weights` is off (and for model classes that take them)."""
-        if self.device.type != "cpu" or not self.config.tuning.quantized_weights or self.tensor_parallel is not None:
-            return False
-        from structgen.engine.kernels import cpu_quant
+    def _quantize_at_load(self, weights: dict, packed: bool) -> dict:
+        """`EngineConfig.quantization`: the float projections quantized (models/hf_quantized.py)."""
+        from structgen.engine.models.hf_quantized import quantize_linear_weights
+        from structgen.errors import ModelLoadError
 
-        return cpu_quant.load() is not None
+        if not packed:
+            raise ModelLoadError(f"EngineConfig(quantization={self.config.quantization!r}) needs a Llama-family "
+                                 f"model and EngineTuning(quantized_weights=True); "
+                                 f"{self.model_config.architecture} loads float weights only: pass quantization=None")
+        return quantize_linear_weights(weights, self.config.quantization)
+
+    def _random_quantized_model(self, cls: type) -> torch.nn.Module:
+        """Random weights of the real shapes (speed work), the decoder's projections quantized
+        as each is drawn: the model is laid out on the meta device first, so a model whose
+        float weights would not fit the device (Llama-70B's shape) fits quantized."""
+        from torch import nn
+
+        from structgen.engine.models.llama import RotaryEmbedding
+        from structgen.engine.models.packed import QUANTIZERS
+        from structgen.engine.models.quantized import adopt_linear
+        from structgen.errors import ModelLoadError
+
+        if not getattr(cls, "takes_packed_weights", False):
+            raise ModelLoadError(f"EngineConfig(quantization=...) runs Llama-family models; "
+                                 f"{self.model_config.architecture} loads float weights only: pass quantization=None")
+        with skip_init(self.dtype), torch.device("meta"):
+            model = cls(self.model_config, max_positions=self.max_seq_len)
+        quantize = QUANTIZERS[self.config.quantization]
+        gen = torch.Generator(device=self.device).manual_seed(0)
+        for layer in model.layers:
+            for owner in (layer.self_attn, layer.mlp):
+                for attr, child in list(owner.named_children()):
+                    if isinstance(child, nn.Linear):
+                        w = torch.empty(child.weight.shape, dtype=self.dtype, device=self.device)
+                        adopt_linear(owner, attr, quantize(w.normal_(0.0, 0.02, generator=gen)))
+        model.to_empty(device=self.device)  # what stays float: embedding, norms, LM head, biases
+        model.init_random_weights()
+        model.rope = RotaryEmbedding(self.model_config, self.max_seq_len).to(self.device)
+        return model
 
     def _num_slots(self) -> int:
         if self.device.type != "cuda":

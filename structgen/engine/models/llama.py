@@ -24,11 +24,11 @@ from structgen.engine.attention import AttentionBatch, attend
 from structgen.engine.config import ModelConfig
 from structgen.engine.kv_cache import KVCache
 from structgen.engine.models.quantized import (
-    QuantizedEmbedding,
-    QuantizedLinear,
+    QUANTIZED_LINEARS,
     QuantizedWeight,
     adopt_linear,
     cat_rows,
+    quantized_embedding,
 )
 
 FUSED_ROWS = 4  # steps of up to this many rows run norms inside the projections (fused_gemv.MAX_ROWS)
@@ -87,8 +87,8 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 def project(linear: nn.Linear, x: torch.Tensor, fused: bool) -> torch.Tensor:
     """`linear(x)`, except that products of 1-16 rows take a Triton kernel where it is faster
     than cuBLAS: one row of a small matrix always, the rest where timing says so
-    (kernels/gemv.py)."""
-    if fused and x.dim() == 2:
+    (kernels/gemv.py). Quantized layers choose their own kernels."""
+    if fused and x.dim() == 2 and isinstance(linear, nn.Linear):
         from structgen.engine.kernels import gemv
 
         block = gemv.plan(x.shape[0], linear.weight)
@@ -256,7 +256,8 @@ class LlamaModel(nn.Module):
                 m.fused = enabled
             if isinstance(m, DecoderLayer):
                 m.fused_rows = 0
-                if enabled and projection_rows:
+                dense = isinstance(m.self_attn.qkv_proj, nn.Linear) and isinstance(m.mlp.gate_up_proj, nn.Linear)
+                if enabled and projection_rows and dense:
                     from structgen.engine.kernels.fused_gemv import max_rows
 
                     m.fused_rows = min(projection_rows, max_rows(m.mlp.gate_up_proj.weight, m.self_attn.head_dim))
@@ -309,8 +310,8 @@ class LlamaModel(nn.Module):
     def _adopt_embeddings(self, embed: torch.Tensor | QuantizedWeight, lm_head: torch.Tensor | QuantizedWeight | None) -> None:
         """The token embedding and the LM head (the embedding itself when tied)."""
         tied = self.config.tie_word_embeddings or lm_head is None
-        if isinstance(embed, QuantizedWeight):
-            self.embed_tokens = QuantizedEmbedding(embed, self.norm.weight.dtype)
+        if not isinstance(embed, torch.Tensor):
+            self.embed_tokens = quantized_embedding(embed, self.norm.weight.dtype)
             if tied:
                 adopt_linear(self, "lm_head", embed)
         else:
@@ -360,7 +361,7 @@ class ModelShape:
         ps = [p for n, p in model.named_parameters() if not n.startswith("embed_tokens")]
         if isinstance(model.lm_head, nn.Linear) and model.lm_head.weight is getattr(model.embed_tokens, "weight", None):
             ps.append(model.lm_head.weight)
-        quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+        quantized = [m for m in model.modules() if isinstance(m, QUANTIZED_LINEARS)]
         n = sum(p.numel() for p in ps) + sum(m.in_features * m.out_features for m in quantized)
         packed = sum(m.weight_bytes for m in quantized)
         return cls(params=n, weight_bytes=packed + sum(p.numel() * p.element_size() for p in ps))

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedTokenizerFast
 
+    from structgen.engine.models.packed import PackedWeight
     from structgen.engine.models.quantized import QuantizedWeight
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -315,21 +316,26 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 def load_weights(
     model_dir: str | Path, dtype: torch.dtype, device: str | torch.device, *, keep_quantized: bool = False,
     shard: Callable[[str, Any], torch.Tensor] | None = None,
-) -> dict[str, torch.Tensor | QuantizedWeight]:
+) -> dict[str, torch.Tensor | QuantizedWeight | PackedWeight]:
     """All tensors of `model_dir`, by HF name, as `dtype` on `device`.
 
     Tied models have no `lm_head.weight` entry; the model reuses `model.embed_tokens.weight`.
     Floating tensors are moved in their stored dtype and cast on the device, where the cast is
-    cheap; integer tensors keep their dtype. Weights a GGUF conversion stored packed come back
-    as `QuantizedWeight`s (CPU) with `keep_quantized`, else de-quantized like the rest.
+    cheap; integer tensors keep their dtype. With `keep_quantized`, weights stored quantized
+    stay so: a GGUF conversion's packed blocks as `QuantizedWeight`s on the CPU and as
+    `PackedWeight`s on CUDA (Q4_0, Q4_1, Q8_0), an AWQ / GPTQ / FP8 checkpoint's layers as
+    `PackedWeight`s; without it (or for other block formats on CUDA) they are de-quantized.
     `shard(name, tensor)`: the part of each tensor to keep (tensor parallelism,
     models/sharding.py), cut from the file's slice so the rest is never read.
     """
     import torch
     from safetensors import safe_open
 
+    from structgen.engine.models import hf_quantized
+
     device = torch.device(device)
-    out: dict[str, torch.Tensor | QuantizedWeight] = {}
+    qc = hf_quantized.read_config(json.loads((Path(model_dir) / "config.json").read_text()))
+    out: dict[str, torch.Tensor | QuantizedWeight | PackedWeight] = {}
     for f in safetensors_files(Path(model_dir)):
         try:
             with safe_open(str(f), framework="pt", device="cpu") as st:
@@ -341,10 +347,18 @@ def load_weights(
                         continue
                     t = st.get_tensor(name) if shard is None else shard(name, st.get_slice(name))
                     t = t.to(device)
-                    out[name] = t.to(dtype) if t.is_floating_point() else t
+                    cast = t.is_floating_point() and not (qc and hf_quantized.stored_as_is(name, t))
+                    out[name] = t.to(dtype) if cast else t
         except (OSError, RuntimeError) as e:
             raise ModelLoadError(f"cannot read weights from {f}: {e}") from e
-    return out
+    if qc is None:
+        return out
+    out = hf_quantized.pack_checkpoint(out, qc)
+    if keep_quantized:
+        return out
+    from structgen.engine.models.packed import PackedWeight
+
+    return {n: w.dequantize(dtype) if isinstance(w, PackedWeight) else w for n, w in out.items()}
 
 
 def packed_formats(metadata: dict[str, str] | None) -> dict[str, tuple[str, int]]:
@@ -354,12 +368,19 @@ def packed_formats(metadata: dict[str, str] | None) -> dict[str, tuple[str, int]
 
 
 def _packed_weight(packed: torch.Tensor, qtype: str, cols: int, dtype: torch.dtype, device: torch.device,
-                   keep_quantized: bool) -> torch.Tensor | QuantizedWeight:
+                   keep_quantized: bool) -> torch.Tensor | QuantizedWeight | PackedWeight:
+    """A GGUF conversion's packed weight: kept for the CPU kernels (where they build), as a
+    `PackedWeight` on CUDA where its format maps to one, else de-quantized."""
+    from structgen.engine.kernels import cpu_quant
+    from structgen.engine.models.packed import from_gguf
     from structgen.engine.models.quantized import QuantizedWeight
 
     weight = QuantizedWeight(qtype, packed, cols)
-    if keep_quantized:
+    if keep_quantized and device.type == "cpu" and cpu_quant.load() is not None:
         return weight
+    gpu = from_gguf(qtype, packed, cols) if keep_quantized and device.type != "cpu" else None
+    if gpu is not None:
+        return gpu.to(device)
     return weight.dequantize().to(device=device, dtype=dtype)
 
 

@@ -14,6 +14,8 @@ import torch
 from torch import nn
 
 from structgen.engine.kernels import cpu_quant
+from structgen.engine.models import packed
+from structgen.engine.models.packed import PackedWeight
 from structgen.errors import ModelLoadError
 
 
@@ -113,26 +115,55 @@ class QuantizedEmbedding(nn.Module):
         return rows.reshape(*ids.shape, w.cols).to(self.dtype)
 
 
-def cat_rows(values: list[torch.Tensor | QuantizedWeight]) -> torch.Tensor | list[QuantizedWeight]:
-    """Weights stacked by rows (q/k/v into qkv): quantized parts stay quantized; a mix of
-    float and quantized tensors is de-quantized to the float ones' dtype."""
+AnyWeight = torch.Tensor | QuantizedWeight | PackedWeight
+QUANTIZED_LINEARS = (QuantizedLinear, packed.PackedLinear)  # the layers `ModelShape` counts by packed bytes
+
+
+def cat_rows(values: list[AnyWeight]) -> torch.Tensor | list[QuantizedWeight] | PackedWeight:
+    """Weights stacked by rows (q/k/v into qkv): quantized parts of one kind stay quantized;
+    a mix (or GPU parts of different formats) is de-quantized to the float ones' dtype."""
     if all(isinstance(v, QuantizedWeight) for v in values):
         return stack_rows(values)
+    if all(isinstance(v, PackedWeight) for v in values):
+        stacked = packed.stack_rows(values)
+        if stacked is not None:
+            return stacked
     floats = [v for v in values if isinstance(v, torch.Tensor)]
-    return torch.cat([v if isinstance(v, torch.Tensor) else v.dequantize().to(floats[0].dtype) for v in values])
+    dtype = floats[0].dtype if floats else torch.get_default_dtype()
+    return torch.cat([v if isinstance(v, torch.Tensor) else _dequantized(v, dtype) for v in values])
 
 
-def adopt_linear(owner: nn.Module, attr: str, weight: torch.Tensor | QuantizedWeight | list[QuantizedWeight]) -> None:
+def _dequantized(weight: QuantizedWeight | PackedWeight, dtype: torch.dtype) -> torch.Tensor:
+    if isinstance(weight, PackedWeight):
+        return weight.dequantize(dtype)
+    return weight.dequantize().to(dtype)
+
+
+def quantized_embedding(weight: QuantizedWeight | PackedWeight, dtype: torch.dtype) -> nn.Module:
+    """The embedding layer that looks rows up in a quantized weight."""
+    if isinstance(weight, PackedWeight):
+        return packed.PackedEmbedding(weight, dtype)
+    return QuantizedEmbedding(weight, dtype)
+
+
+def adopt_linear(owner: nn.Module, attr: str, weight: AnyWeight | list[QuantizedWeight]) -> None:
     """Give the `nn.Linear` at `owner.attr` its checkpoint weight: a tensor is assigned (cast to
     the layer's dtype and device), a quantized one replaces the layer by a `QuantizedLinear`
-    that keeps its bias."""
+    (GGUF blocks, CPU) or a `PackedLinear` (models/packed.py) that keeps its bias."""
     linear = getattr(owner, attr)
     parts = [weight] if isinstance(weight, QuantizedWeight) else weight
-    shape = (sum(p.shape[0] for p in parts), parts[0].cols) if isinstance(parts, list) else tuple(weight.shape)
+    if isinstance(parts, list):
+        shape = (sum(p.shape[0] for p in parts), parts[0].cols)
+    else:
+        shape = tuple(weight.shape)
     if shape != tuple(linear.weight.shape):
         raise ModelLoadError(f"weight shape {shape} != expected {tuple(linear.weight.shape)}; "
                              f"the checkpoint does not match config.json")
+    bias = getattr(linear, "bias", None)  # nn.Embedding (a tied head's table) has none
+    bias = None if bias is None else bias.data
     if isinstance(parts, list):
-        setattr(owner, attr, QuantizedLinear(parts, linear.bias.data if linear.bias is not None else None))
+        setattr(owner, attr, QuantizedLinear(parts, bias))
+    elif isinstance(weight, PackedWeight):
+        setattr(owner, attr, packed.PackedLinear(weight, bias))
     else:
         linear.weight.data = weight.to(device=linear.weight.device, dtype=linear.weight.dtype)

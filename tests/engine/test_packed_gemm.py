@@ -1,0 +1,148 @@
+"""The packed-weight products (kernels/packed_gemm.py) against their torch definition,
+`PackedWeight.dequantize` then a matmul: every code (int4 with offsets, int8, FP8 per channel
+and per block), the GEMV and GEMM forms, with and without a bias.
+
+GPU tests: they skip without CUDA; with `TRITON_INTERPRET=1` they run on the CPU through
+Triton's interpreter (float32 / float16 activations: the interpreter mis-computes bf16 dots).
+`torch._scaled_mm` runs on the CPU too, so its test is not GPU-only.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from structgen.engine.models.packed import PackedWeight, int4_weight, quantize_fp8
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+LOW = torch.bfloat16 if CUDA else torch.float16
+needs_kernels = pytest.mark.skipif(not (CUDA or INTERPRET), reason="needs CUDA (or TRITON_INTERPRET=1)")
+ROWS, COLS = 72, 192  # neither a multiple of the 64-row tile nor of the 256-pair chunk
+
+
+def weight(code: str, seed: int = 0) -> PackedWeight:
+    g = torch.Generator().manual_seed(seed)
+    if code == "int4":
+        q = torch.randint(0, 16, (ROWS, COLS), generator=g)
+        scales = torch.rand(ROWS, COLS // 32, generator=g) * 0.02
+        return int4_weight(q, scales, -torch.rand(ROWS, COLS // 32, generator=g) * 0.1, 32)
+    if code == "int8":
+        q = torch.randint(-127, 128, (ROWS, COLS), generator=g).to(torch.int8)
+        return PackedWeight("int8", q, (torch.rand(ROWS, COLS // 32, generator=g) * 1e-3).half(), None, COLS, 32)
+    if code == "fp8":
+        return quantize_fp8(torch.randn(ROWS, COLS, generator=g))
+    codes = (torch.randn(ROWS, COLS, generator=g) * 50).to(torch.float8_e4m3fn)  # "fp8-block": 32 x 64 blocks
+    return PackedWeight("fp8", codes, torch.rand(-(-ROWS // 32), COLS // 64, generator=g) * 0.01, None, COLS, 64, 32)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not torch.isnan(out).any()
+    return float((out.double().cpu() - ref.double().cpu()).norm() / ref.double().cpu().norm())
+
+
+@pytest.mark.gpu
+@needs_kernels
+@pytest.mark.parametrize("code", ["int4", "int8", "fp8", "fp8-block"])
+@pytest.mark.parametrize("rows", [1, 3, 9, 70])
+@pytest.mark.parametrize("dtype", [torch.float32, LOW])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_matmul_equals_dequantize_then_matmul(code: str, rows: int, dtype: torch.dtype, bias: bool) -> None:
+    from structgen.engine.kernels import packed_gemm
+
+    w = weight(code, seed=rows).to(DEVICE)
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, COLS, generator=g).to(DEVICE, dtype)
+    b = torch.randn(ROWS, generator=g).to(DEVICE, dtype) if bias else None
+    ref = x.float() @ w.dequantize().T + (b.float() if bias else 0)
+    out = packed_gemm.matmul(x, w, b)
+    assert out.dtype == dtype and out.shape == (rows, ROWS)
+    # float32 GEMV sums in another order; the GEMM rounds W's tile to x's dtype for tl.dot
+    assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.gpu
+@needs_kernels
+def test_packed_matmul_writes_into_a_column_slice() -> None:
+    from structgen.engine.kernels import packed_gemm
+
+    w = weight("int4").to(DEVICE)
+    x = torch.randn(2, COLS).to(DEVICE)
+    out = torch.zeros(2, ROWS + 10, device=DEVICE)
+    packed_gemm.matmul(x, w, out=out[:, 4:4 + ROWS])
+    assert rel_err(out[:, 4:4 + ROWS], x @ w.dequantize().T) < 1e-5
+    assert not out[:, :4].any() and not out[:, 4 + ROWS:].any()
+
+
+def test_scaled_mm_path_stays_close_to_the_weight_only_product() -> None:
+    """Prompt rows of an FP8 per-channel weight on the FP8 tensor cores: x is rounded to FP8
+    per row too, so the product is close, not equal (e4m3 keeps 3 mantissa bits)."""
+    pytest.importorskip("triton")
+    from structgen.engine.kernels import packed_gemm
+
+    g = torch.Generator().manual_seed(1)
+    w = quantize_fp8(torch.randn(80, COLS, generator=g)).to(DEVICE)
+    assert packed_gemm.scaled_mm_fits(w) and not packed_gemm.scaled_mm_fits(weight("fp8-block"))
+    x = torch.randn(32, COLS, generator=g).to(DEVICE, LOW)
+    bias = torch.randn(80, generator=g).to(DEVICE, LOW)
+    out = packed_gemm.scaled_mm(x, w, bias)
+    assert out.dtype == LOW
+    assert rel_err(out, x.float() @ w.dequantize().T + bias.float()) < 0.05
+
+
+@pytest.mark.gpu
+@pytest.mark.slow  # under the interpreter; seconds on a GPU
+@needs_kernels
+@pytest.mark.parametrize("method", ["awq", "fp8"])
+def test_quantized_model_through_the_kernels_matches_its_float_weights(tmp_path, method: str) -> None:
+    """A tiny AWQ / FP8 checkpoint run through the Triton kernels (the decode graphs on CUDA)
+    against the same model's float weights: prompt logits close, and greedy decoding through
+    the graphs gives the tokens eager decoding gives."""
+    from test_hf_quantized import PROMPTS, QUANT_CONFIGS, quantized_checkpoint, write_dir
+
+    from structgen.engine.config import EngineConfig, ModelConfig
+    from structgen.engine.engine import Engine
+    from structgen.engine.model_runner import ExtendSeq
+    from structgen.engine.request import Request
+    from structgen.engine.sampler import SamplingParams
+
+    stored, floats = quantized_checkpoint(method)
+    dirs = [write_dir(tmp_path / "q", stored, QUANT_CONFIGS[method]), write_dir(tmp_path / "f", floats, None)]
+    cfg = ModelConfig.from_file(dirs[0] / "config.json")
+    dtype = "bfloat16" if CUDA else "float32"
+    engines = [Engine(cfg, EngineConfig(device=str(DEVICE), dtype=dtype, max_batch_size=2, max_seq_len=64,
+                                        use_cuda_graphs=graphs), d) for d, graphs in ((dirs[0], True), (dirs[1], False),
+                                                                                      (dirs[0], False))]
+    logits = [e.runner.extend([ExtendSeq(0, 0, PROMPTS[0], num_logits=5)]) for e in engines[:2]]
+    assert rel_err(logits[0], logits[1]) < (2e-2 if CUDA else 1e-4)
+    outputs = []
+    for e in (engines[0], engines[2]):
+        reqs = [Request(p, SamplingParams(max_tokens=6)) for p in PROMPTS]
+        e.run(reqs)
+        outputs.append([r.output_ids for r in reqs])
+    assert outputs[0] == outputs[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="loads the default model on CUDA")
+def test_default_gguf_model_on_cuda_keeps_its_q4_1_weights_packed(model_dir) -> None:
+    """On CUDA the default model's Q4_1 projections load as int4 and its Q8_0 embedding (and
+    the tied LM head) as int8; prompt logits stay close to the model de-quantized to bf16."""
+    from structgen.engine.config import EngineConfig, EngineTuning
+    from structgen.engine.engine import Engine
+    from structgen.engine.model_runner import ExtendSeq
+    from structgen.engine.models.loader import load_model_config
+    from structgen.engine.models.packed import PackedLinear
+
+    cfg = load_model_config(model_dir)
+    engines = [Engine(cfg, EngineConfig(max_batch_size=2, max_seq_len=256, tuning=EngineTuning(quantized_weights=q)),
+                      model_dir) for q in (True, False)]
+    model = engines[0].runner.model
+    assert model.layers[0].mlp.down_proj.weight_packed.code == "int4"
+    assert isinstance(model.lm_head, PackedLinear) and model.lm_head.weight_packed.code == "int8"
+    ids = [1, 9690, 198, 2683, 314, 253, 5356, 30]
+    logits = [e.runner.extend([ExtendSeq(0, 0, ids, num_logits=len(ids))]) for e in engines]
+    assert rel_err(logits[0], logits[1]) < 2e-2
