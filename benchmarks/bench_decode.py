@@ -59,7 +59,8 @@ from structgen.grammar.prefetch import MIN_ROWS, MaskPrefetcher
 from structgen.sampling import SamplingParams
 
 MODELS = ("smollm2-135m", "gemma-3-270m", "llama-1b-shape", "llama-8b-shape", "qwen3-8b-shape", "qwen3-30b-a3b-shape")
-REAL_MODELS = {"smollm2-135m": None, "gemma-3-270m": "gemma-3-270m"}  # name -> resolve_model argument
+# name -> resolve_model argument; "-float": the GGUF's packed weights de-quantized at load
+REAL_MODELS = {"smollm2-135m": None, "smollm2-135m-float": None, "gemma-3-270m": "gemma-3-270m"}
 # A typical extraction record: strings, an integer, a boolean and a list.
 SCHEMA = {
     "type": "object",
@@ -110,7 +111,7 @@ def load(model: str, tok_dir: Path | None) -> tuple[Any, Any, Path | None, set[i
 
 
 def build_engine(cfg, model_dir: Path | None, stop: set[int], graphs: bool, prefill_in_graphs: bool = True,
-                 tensor_parallel: int = 1, quantization: str | None = None) -> Engine:
+                 tensor_parallel: int = 1, quantization: str | None = None, packed: bool = True) -> Engine:
     if tensor_parallel > 1:
         # Every rank captures its graphs while it is built, with its own random shard
         # (`init_random_weights`): the worker ranks could not follow a later capture.
@@ -118,7 +119,8 @@ def build_engine(cfg, model_dir: Path | None, stop: set[int], graphs: bool, pref
                           tuning=EngineTuning(prefill_in_graphs=prefill_in_graphs), tensor_parallel=tensor_parallel)
         return Engine(cfg, ec, model_dir, stop_token_ids=stop)
     ec = EngineConfig(max_batch_size=64, max_seq_len=1024, jump_forward=False, use_cuda_graphs=False,
-                      quantization=quantization, tuning=EngineTuning(prefill_in_graphs=prefill_in_graphs))
+                      quantization=quantization,
+                      tuning=EngineTuning(prefill_in_graphs=prefill_in_graphs, quantized_weights=packed))
     engine = Engine(cfg, ec, model_dir, stop_token_ids=stop)
     if model_dir is None and quantization is None and fits_two_copies(cfg, engine.runner.dtype, engine.device):
         # the peers' random weights (benchmarks.common), copied in place; a model too large
@@ -341,7 +343,8 @@ def main() -> None:
             rows += tp_rows
         if 1 not in tp_sizes:
             continue  # a shape that only fits split (llama-70b-shape)
-        engine = build_engine(cfg, model_dir, stop, graphs=True, quantization=quantization_of(model))
+        engine = build_engine(cfg, model_dir, stop, graphs=True, quantization=quantization_of(model),
+                              packed=not model.endswith("-float"))
         bf16_floor = floors[model]
         if quantization_of(model):
             floors[model] = packed_floor_ms(engine, bandwidth)
