@@ -1,5 +1,6 @@
-"""Per-request state. A `Request` owns its tokens, grammar matcher, KV slot and statistics;
-everything else about it (pending tokens, output text) is derived from those."""
+"""Per-request state. A `Request` owns its tokens, grammar matcher, KV slot (its row of the KV
+page table, while it runs) and statistics; everything else about it (pending tokens, output
+text) is derived from those."""
 
 from __future__ import annotations
 
@@ -48,6 +49,8 @@ class GenerationStats:
     loop: str = ""  # the text the output was found repeating, if it was
     shortest_completion: int | None = None  # cut off at max_tokens: tokens a completion still needed
     dropped_tokens: int = 0  # generated, then dropped to close where a completion still fitted
+    cached_prompt_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache, not prefilled
+    preemptions: int = 0  # times its KV pages were taken back and its tokens recomputed later
 
     @property
     def mean_acceptance_length(self) -> float:

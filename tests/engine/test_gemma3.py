@@ -76,9 +76,9 @@ def test_greedy_tokens_and_logits_equal_transformers(tiny_gemma):
     full = PROMPTS[0] + reqs[0].output_ids
     with torch.no_grad():
         expected = ref(torch.tensor([full])).logits[0]
-    slot = engine.runner.kv.allocate()
+    slot = engine.runner.kv.pages.allocate_slot()
     ours = engine.runner.extend([ExtendSeq(slot, 0, full, num_logits=len(full))])
-    engine.runner.kv.release(slot)
+    engine.runner.kv.pages.release_slot(slot)
     assert torch.allclose(ours, expected, atol=1e-4, rtol=1e-4)
 
 
@@ -112,7 +112,7 @@ def test_cuda_graphs_in_bf16_match_eager_and_transformers(tiny_gemma):
         engine.run(reqs)
         outs[graphs] = [r.output_ids for r in reqs]
         full = PROMPTS[0] + outs[graphs][0]
-        slot = engine.runner.kv.allocate()
+        slot = engine.runner.kv.pages.allocate_slot()
         ours = engine.runner.extend([ExtendSeq(slot, 0, full, num_logits=len(full))])
     assert outs[True] == outs[False]
     hf = ref.to("cuda", torch.bfloat16)
