@@ -43,6 +43,8 @@ class AttentionBatch:
     slot: int | None = None  # the slot, when the step has one sequence
     # [B, pages of max_ctx]: each sequence's pages, for the torch path (None in the graphs).
     block_table: torch.Tensor | None = None
+    # One sequence whose pages are consecutive: the first, so its keys are a view of the pool.
+    first_page: int | None = None
     # This batch seen through a sliding window, by window size: built on first use, shared by
     # every layer with that window.
     _windowed: dict[int, AttentionBatch] = field(default_factory=dict, repr=False)
@@ -64,9 +66,12 @@ class AttentionBatch:
         slots = torch.tensor(slot_list, **as_long)
         starts = torch.tensor([s for _, s, _ in seqs], **as_long)
         lens = torch.tensor([s + n for _, s, n in seqs], **as_long)
-        block_table = None
+        block_table = first_page = None
         if not decode_kernel:
-            block_table = torch.from_numpy(pages.host.numpy()[slot_list, : pages.pages_for(max_ctx)]).to(device)
+            rows = pages.host.numpy()[slot_list, : pages.pages_for(max_ctx)]
+            block_table = torch.from_numpy(rows).to(device)
+            if len(seqs) == 1 and (rows[0, -1] - rows[0, 0] == rows.shape[1] - 1) and (np.diff(rows[0]) == 1).all():
+                first_page = int(rows[0, 0])
         mask = stale = None
         one = len(seqs) == 1
         if not decode_kernel and not (one and seqs[0][1] == 0):  # a fresh prompt is plain causal
@@ -90,6 +95,7 @@ class AttentionBatch:
             stale=stale,
             slot=seqs[0][0] if one else None,
             block_table=block_table,
+            first_page=first_page,
         )
 
     def windowed(self, window: int) -> AttentionBatch:
@@ -143,7 +149,11 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch:
 
 def _gather_pages(cache: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
     """Each sequence's first `max_ctx` cached positions, contiguous: [B, max_ctx, kv_heads, D]
-    (a copy, gathered page by page through the batch's block table)."""
+    (gathered page by page through the batch's block table, or a view where one sequence's
+    pages are consecutive)."""
+    if batch.first_page is not None:
+        n = batch.block_table.shape[1]
+        return cache[batch.first_page : batch.first_page + n].view(1, -1, *cache.shape[2:])[:, : batch.max_ctx]
     pages = cache[batch.block_table]  # [B, pages, page_size, kv_heads, D]
     b, p, size = pages.shape[:3]
     return pages.view(b, p * size, *cache.shape[2:])[:, : batch.max_ctx]

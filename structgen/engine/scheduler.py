@@ -119,6 +119,7 @@ class Scheduler:
     def preempt(self, req: Request) -> None:
         """Free a running request's pages and queue it first, to be recomputed from its tokens."""
         self.running.remove(req)
+        self.pages.publish(req.slot, req.token_ids, req.num_cached, req.num_prompt)
         self.pages.release_slot(req.slot)
         req.slot, req.num_cached, req.draft = None, 0, None
         req.status = RequestStatus.WAITING

@@ -22,10 +22,11 @@ def paged_cache(seqs: list[tuple[int, int, int]], g: torch.Generator
                 ) -> tuple[PageTable, torch.Tensor, torch.Tensor, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
     """A page table whose sequences' pages interleave, a NaN pool with each sequence's
     prefix and new tokens written through it, and those K/V per slot, contiguous."""
-    pages = PageTable(SLOTS * MAX_LEN // PAGE + 1, PAGE, SLOTS, MAX_LEN, torch.device("cpu"))
-    for end in range(PAGE, MAX_LEN + 1, PAGE):  # one page per sequence in turn
+    pages = PageTable((SLOTS + 1) * MAX_LEN // PAGE + 1, PAGE, SLOTS + 1, MAX_LEN, torch.device("cpu"))
+    for end in range(PAGE, MAX_LEN + 1, PAGE):  # one page per sequence in turn, and one for a spare slot
         for slot, start, n in seqs:
             assert pages.cover(slot, min(end, start + n))
+        assert pages.cover(SLOTS, end)
     k_cache = torch.full((pages.num_pages, PAGE, KV_HEADS, DIM), float("nan"))
     v_cache = torch.full_like(k_cache, float("nan"))
     contiguous = {}
@@ -52,6 +53,7 @@ def reference(q_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
     "seqs",
     [
         [(1, 0, 9)],  # one fresh prompt
+        [(2, 0, 3)],  # one prompt within a page (a view of the pool, not a gather)
         [(3, 12, 5)],  # one sequence after a cached prefix of 12
         [(0, 0, 6), (2, 20, 1), (4, 7, 3)],  # three sequences, ragged
     ],
