@@ -107,7 +107,8 @@ class Scheduler:
             return False
         cached = pages.match_prefix(slot, req.token_ids, req.num_prompt)
         end = len(req.token_ids) + self.lookahead
-        if pages.pages_for(end) - pages.pages_for(cached) > pages.free_pages:
+        need = min(pages.pages_for(end), pages.max_pages_per_seq) - pages.pages_for(cached)
+        if need > pages.free_pages:
             pages.release_slot(slot)
             return False
         pages.cover(slot, end)
