@@ -25,9 +25,10 @@ engine's decode steps, where every row is its own sequence) forward i+1 is launc
 behind sample i and kept only if step i+1 turns out to be exactly the predicted one (same
 sequences and slots, positions + 1, the sampled tokens as inputs); otherwise it is discarded,
 which is harmless: it only wrote K/V one position past each sequence's length (whose page the
-scheduler reserves ahead), which is rewritten before it is read. A sequence's rows must be adjacent with consecutive positions
-(forced tokens); callers whose rows share a slot for another reason (speculative verification
-runs one row per draft token, all sampled) must not ask for it.
+scheduler reserves ahead), which is rewritten before it is read. A sequence's rows must be
+adjacent with consecutive positions (forced tokens); callers whose rows share a slot for
+another reason (speculative verification runs one row per draft token, all sampled) must not
+ask for it.
 
 Where the next step is often *not* the predicted one (jump-forward: a sampled `"` makes the
 grammar force `, "age": `, so the next step runs those tokens instead), launching blind costs a
@@ -43,9 +44,9 @@ the launch, and measured no faster, so the plain launch is used; at batch 1 the 
 prediction.
 
 A batch is padded up to its bucket: padding rows decode token 0 at position 0 of the KV
-cache's scratch slot (whose pages are all the scratch page) and their outputs are ignored. With `capture=False` the same step
-functions run eagerly on the same buffers (to check this module without a GPU, under Triton's
-interpreter).
+cache's scratch slot (whose pages are all the scratch page) and their outputs are ignored.
+With `capture=False` the same step functions run eagerly on the same buffers (to check this
+module without a GPU, under Triton's interpreter).
 """
 
 from __future__ import annotations

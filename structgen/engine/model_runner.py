@@ -106,20 +106,21 @@ class ModelRunner:
         return cpu_quant.load() is not None
 
     def _num_pages(self) -> int:
-        """Pages of the KV pool, the scratch page included: `kv_cache_tokens` where set, on
-        CUDA what `kv_cache_memory_fraction` of the free memory holds, elsewhere a full context
-        for every request (untouched pages of a torch.empty pool cost no memory on the CPU)."""
+        """Pages of the KV pool, the scratch page included: `kv_cache_tokens` where set, else
+        a full context for every request, on CUDA no more than `kv_cache_memory_fraction` of the
+        free memory holds (untouched pages of a torch.empty pool cost no memory on the CPU)."""
         from structgen.errors import EngineError
 
         per_seq = -(-self.max_seq_len // PAGE_SIZE)
+        full = self.config.max_batch_size * per_seq
         if self.config.kv_cache_tokens is not None:
             fit, source = self.config.kv_cache_tokens // PAGE_SIZE, f"kv_cache_tokens={self.config.kv_cache_tokens}"
         elif self.device.type != "cuda":
-            return self.config.max_batch_size * per_seq + 1
+            return full + 1
         else:
             free, _ = torch.cuda.mem_get_info(self.device)
-            fit = int(free * self.config.kv_cache_memory_fraction) // KVCache.bytes_per_page(
-                self.model_config, PAGE_SIZE, self.dtype)
+            fit = min(full, int(free * self.config.kv_cache_memory_fraction) // KVCache.bytes_per_page(
+                self.model_config, PAGE_SIZE, self.dtype))
             source = f"kv_cache_memory_fraction={self.config.kv_cache_memory_fraction} of free GPU memory"
         if fit < per_seq:
             raise EngineError(f"the KV cache holds {fit} pages of {PAGE_SIZE} tokens ({source}), fewer than one "
