@@ -275,9 +275,9 @@ class EngineConfig:
     # request whose prompt starts like an earlier one (a system prompt, a tool catalogue, the
     # previous chat turns) skips prefilling that part (engine/prefix_cache.py).
     prefix_caching: bool = True
-    # Size of the KV page pool in tokens (None: what kv_cache_memory_fraction of free memory
-    # holds on CUDA, a full max_seq_len for every request elsewhere). When requests outgrow
-    # it, the newest is preempted and recomputed later.
+    # Size of the KV page pool in tokens (None: a full max_seq_len for every request, on CUDA
+    # no more than kv_cache_memory_fraction of free memory holds). When requests outgrow it,
+    # the newest is preempted and recomputed later.
     kv_cache_tokens: int | None = None
 
     def __post_init__(self) -> None:
