@@ -472,7 +472,9 @@ def test_json_schema_strict_follows_openai(server_url: str) -> None:
 
 def test_metrics_count_requests_and_tokens(server_url: str, client: openai.OpenAI) -> None:
     chat(client, "Hi", max_tokens=4)
+    chat(client, "Hi", max_tokens=4)  # the same prompt again: its first pages come from the prefix cache
     text = httpx.get(server_url.removesuffix("/v1") + "/metrics").text
+    assert re.search(r"structgen_cached_prompt_tokens_total\{.*\} [1-9]", text)
     assert re.search(r'structgen_requests_total\{.*endpoint="chat",status="200"\} [1-9]', text)
     assert re.search(r"structgen_output_tokens_total\{.*\} [1-9]", text)
     assert "structgen_forced_tokens_total" in text and "structgen_errors_total" in text
