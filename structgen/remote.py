@@ -90,6 +90,7 @@ class RemoteStats:
     drafted_tokens: int | None = None
     accepted_tokens: int | None = None
     verify_steps: int | None = None
+    cached_prompt_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens
 
     @property
     def mean_acceptance_length(self) -> float | None:
@@ -570,7 +571,9 @@ def _reasoning_of(message: dict[str, Any]) -> str | None:
 def _usage_stats(usage: dict[str, Any] | None, wall_s: float) -> RemoteStats:
     """Stats from an OpenAI `usage` object (None where it is missing) and the wall time."""
     usage = usage or {}
-    return RemoteStats(prompt_tokens=usage.get("prompt_tokens"), output_tokens=usage.get("completion_tokens"), wall_s=wall_s)
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    return RemoteStats(prompt_tokens=usage.get("prompt_tokens"), output_tokens=usage.get("completion_tokens"),
+                       cached_prompt_tokens=cached, wall_s=wall_s)
 
 
 def _json_schema_format(output_type: Any, schema: dict[str, Any]) -> dict[str, Any]:

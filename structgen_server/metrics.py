@@ -49,6 +49,8 @@ STATS_COUNTERS = {
     "forced_tokens": "Tokens appended by grammar jump-forward without sampling.",
     "drafted_tokens": "Speculative tokens proposed by a drafter.",
     "accepted_tokens": "Speculative tokens accepted by the target model.",
+    "cached_prompt_tokens": "Prompt tokens whose KV came from the prefix cache instead of a prefill.",
+    "preemptions": "Times a request's KV pages were taken back and its tokens recomputed later.",
 }
 
 

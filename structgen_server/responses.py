@@ -25,6 +25,7 @@ from structgen_server.protocol import (
     ChatChoice,
     ChatCompletion,
     FunctionCall,
+    PromptTokensDetails,
     TextChoice,
     TextCompletion,
     ToolCall,
@@ -52,7 +53,9 @@ def usage_of(gens: list[Generation], n: int = 1) -> Usage:
     prompt), every choice's output tokens."""
     prompt = sum(g.prompt_tokens for g in gens[::n])
     completion = sum(g.completion_tokens for g in gens)
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    cached = sum(getattr(g.stats, "cached_prompt_tokens", 0) for g in gens[::n])
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 def chat_response(model: str, rc: RequestConstraint, gens: list[Generation]) -> ChatCompletion:

@@ -90,9 +90,9 @@ def greedy_and_logits_match_transformers():
                 assert req.output_ids == out[0, len(prompt):].tolist()
             full = prompts[0] + reqs[0].output_ids
             expected = reference(torch.tensor([full])).logits[0]
-        slot = engine.runner.kv.allocate()
+        slot = engine.runner.kv.pages.allocate_slot()
         ours = engine.runner.extend([ExtendSeq(slot, 0, full, num_logits=len(full))])
-        engine.runner.kv.release(slot)
+        engine.runner.kv.pages.release_slot(slot)
         assert torch.allclose(ours, expected, atol=1e-4, rtol=1e-4)
 
     return check
@@ -124,7 +124,7 @@ def bf16_graphs_match_eager_and_transformers():
             engine.run(reqs)
             outs[graphs] = [r.output_ids for r in reqs]
             full = prompts[0] + outs[graphs][0]
-            slot = engine.runner.kv.allocate()
+            slot = engine.runner.kv.pages.allocate_slot()
             ours = engine.runner.extend([ExtendSeq(slot, 0, full, num_logits=len(full))])
         assert outs[True] == outs[False]
         hf = reference.to("cuda", torch.bfloat16)

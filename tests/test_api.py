@@ -238,9 +238,9 @@ LETTERS = structgen.Regex("[a-z ]{3000}")  # never complete within max_tokens: d
 
 def _wait_all_slots_free(llm: structgen.LLM, timeout_s: float) -> float:
     kv, start = llm.engine.runner.kv, time.perf_counter()
-    while kv.free_slots != kv.num_slots and time.perf_counter() - start < timeout_s:
+    while kv.pages.free_slots != kv.num_slots and time.perf_counter() - start < timeout_s:
         time.sleep(0.01)
-    assert kv.free_slots == kv.num_slots and not llm.engine.has_work()
+    assert kv.pages.free_slots == kv.num_slots and not llm.engine.has_work()
     return time.perf_counter() - start
 
 

@@ -1,12 +1,13 @@
-"""Attention over the slot KV cache for a flat batch of new tokens.
+"""Attention over the paged KV cache for a flat batch of new tokens.
 
 `AttentionBatch` is built once per step by the runner and shared by every layer: whatever
-does not depend on the layer (the causal mask, which cache rows are stale) is computed there,
-once, not in each of the model's layers. The torch path pads queries to [batch,
-max_new_tokens] and keys to the longest context in the batch, so it reads only valid KV (up
-to padding), never the full `max_seq_len`; one sequence (a prompt's prefill, forced text)
-attends to a view of its cache slot, with no gather, padding or stale rows. CUDA decode uses
-the Triton kernel in `kernels/decode_attention.py` when available.
+does not depend on the layer (each token's cache row, the sequences' pages, the causal mask,
+which cache rows are stale) is computed there, once, not in each of the model's layers. The
+torch path gathers each sequence's pages (its row of the page table) into a contiguous
+[batch, max_ctx] view of its keys, pads queries to [batch, max_new_tokens] and keys to the
+longest context in the batch, so it reads only valid KV (up to padding), never the full
+`max_seq_len`. CUDA decode uses the Triton kernel in `kernels/decode_attention.py`, which reads
+the pages in place through the page table.
 
 Why it matters: an eager step (an extend, a CPU step) pays a host launch for every small
 torch op, so for a small model's many layers the host, not the GPU, sets its time
@@ -16,16 +17,22 @@ torch op, so for a small model's many layers the host, not the GPU, sets its tim
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from structgen.engine.page_table import PageTable
 
 
 @dataclass
 class AttentionBatch:
     positions: torch.Tensor  # [N] absolute position of each new token
-    token_slots: torch.Tensor  # [N] KV slot of each new token
-    slots: torch.Tensor  # [B] KV slot of each sequence
+    token_slots: torch.Tensor  # [N] cache row of each new token: page * page_size + offset
+    slots: torch.Tensor  # [B] each sequence's row of the page table
+    page_table: torch.Tensor  # [slots + 1, max pages a sequence] page of each slot's positions
     context_lens: torch.Tensor  # [B] tokens in cache after this step (prefix + new)
     pad_index: torch.Tensor  # [N] index of each new token in the padded [B * max_q] layout
     mask: torch.Tensor | None  # [B, 1, max_q, max_ctx] bool, True = may attend
@@ -33,25 +40,38 @@ class AttentionBatch:
     max_ctx: int  # longest context this step
     decode_kernel: bool = False  # every sequence has one new token and the GPU kernel is usable
     stale: torch.Tensor | None = None  # [B, max_ctx, 1, 1] bool: cache rows past a sequence's length
-    slot: int | None = None  # the slot, when the step has one sequence (its cache is a view)
+    slot: int | None = None  # the slot, when the step has one sequence
+    # [B, pages of max_ctx]: each sequence's pages, for the torch path (None in the graphs).
+    block_table: torch.Tensor | None = None
+    # One sequence whose pages are consecutive: the first, so its keys are a view of the pool.
+    first_page: int | None = None
     # This batch seen through a sliding window, by window size: built on first use, shared by
     # every layer with that window.
     _windowed: dict[int, AttentionBatch] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def build(cls, seqs: list[tuple[int, int, int]], device: torch.device, decode_kernel: bool = False) -> AttentionBatch:
-        """`seqs`: (slot, start position, number of new tokens) per sequence."""
+    def build(cls, seqs: list[tuple[int, int, int]], pages: PageTable, decode_kernel: bool = False) -> AttentionBatch:
+        """`seqs`: (slot, start position, number of new tokens) per sequence, whose pages
+        `pages` maps already."""
+        device = pages.table.device
         max_q = max(n for _, _, n in seqs)
         max_ctx = max(s + n for _, s, n in seqs)
-        positions, token_slots, pad_index = [], [], []
-        for b, (slot, start, n) in enumerate(seqs):
+        positions, pad_index = [], []
+        for b, (_, start, n) in enumerate(seqs):
             positions.extend(range(start, start + n))
-            token_slots.extend([slot] * n)
             pad_index.extend(range(b * max_q, b * max_q + n))
+        token_slots = np.concatenate([pages.token_slots(slot, start, n) for slot, start, n in seqs])
         as_long = dict(dtype=torch.long, device=device)
-        slots = torch.tensor([s for s, _, _ in seqs], **as_long)
+        slot_list = [s for s, _, _ in seqs]
+        slots = torch.tensor(slot_list, **as_long)
         starts = torch.tensor([s for _, s, _ in seqs], **as_long)
         lens = torch.tensor([s + n for _, s, n in seqs], **as_long)
+        block_table = first_page = None
+        if not decode_kernel:
+            rows = pages.host.numpy()[slot_list, : pages.pages_for(max_ctx)]
+            block_table = torch.from_numpy(rows).to(device)
+            if len(seqs) == 1 and (rows[0, -1] - rows[0, 0] == rows.shape[1] - 1) and (np.diff(rows[0]) == 1).all():
+                first_page = int(rows[0, 0])
         mask = stale = None
         one = len(seqs) == 1
         if not decode_kernel and not (one and seqs[0][1] == 0):  # a fresh prompt is plain causal
@@ -63,8 +83,9 @@ class AttentionBatch:
                 stale = (k_pos[None, :] >= lens[:, None])[:, :, None, None]
         return cls(
             positions=torch.tensor(positions, **as_long),
-            token_slots=torch.tensor(token_slots, **as_long),
+            token_slots=torch.from_numpy(token_slots).to(device),
             slots=slots,
+            page_table=pages.table,
             context_lens=lens,
             pad_index=torch.tensor(pad_index, **as_long),
             mask=mask,
@@ -73,8 +94,9 @@ class AttentionBatch:
             decode_kernel=decode_kernel,
             stale=stale,
             slot=seqs[0][0] if one else None,
+            block_table=block_table,
+            first_page=first_page,
         )
-
 
     def windowed(self, window: int) -> AttentionBatch:
         """This batch with each query seeing only the last `window` keys up to itself (keys at
@@ -100,14 +122,14 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch:
     if batch.decode_kernel:
         from structgen.engine.kernels.decode_attention import decode_attention
 
-        return decode_attention(q, k_cache, v_cache, batch.slots, batch.context_lens, window=window or 0)
+        return decode_attention(q, k_cache, v_cache, batch.page_table, batch.slots, batch.context_lens,
+                                window=window or 0)
     if window is not None:
         batch = batch.windowed(window)
     n, heads, dim = q.shape
-    if batch.slot is not None:  # one sequence: its new tokens are its queries, its slot a view
-        k = k_cache[batch.slot, : batch.max_ctx].unsqueeze(0).transpose(1, 2)  # [1, kv_heads, ctx, D]
-        v = v_cache[batch.slot, : batch.max_ctx].unsqueeze(0).transpose(1, 2)
-        out = _sdpa(q.unsqueeze(0).transpose(1, 2), k, v, batch)
+    k, v = _gather_pages(k_cache, batch), _gather_pages(v_cache, batch)  # [B, ctx, kv_heads, D]
+    if batch.slot is not None:  # one sequence: its new tokens are its queries
+        out = _sdpa(q.unsqueeze(0).transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), batch)
         return out.transpose(1, 2).reshape(n, heads, dim)
     b = batch.slots.shape[0]
     if batch.max_q == 1 and n == b:
@@ -116,8 +138,6 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch:
         qp = q.new_zeros(b * batch.max_q, heads, dim)
         qp[batch.pad_index] = q
         qp = qp.view(b, batch.max_q, heads, dim).transpose(1, 2)
-    k = k_cache[batch.slots, : batch.max_ctx]  # a gathered copy [B, ctx, kv_heads, D]
-    v = v_cache[batch.slots, : batch.max_ctx]
     # Past each sequence's length lies stale or never-written memory (the cache is torch.empty):
     # zero it, or a NaN there would leak through the masked-out scores (0 * NaN = NaN).
     k = k.masked_fill_(batch.stale, 0.0).transpose(1, 2)  # [B, kv_heads, ctx, D]
@@ -125,6 +145,18 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch:
     out = _sdpa(qp, k, v, batch)
     out = out.transpose(1, 2).reshape(b * batch.max_q, heads, dim)
     return out if batch.max_q == 1 and n == b else out[batch.pad_index]
+
+
+def _gather_pages(cache: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+    """Each sequence's first `max_ctx` cached positions, contiguous: [B, max_ctx, kv_heads, D]
+    (gathered page by page through the batch's block table, or a view where one sequence's
+    pages are consecutive)."""
+    if batch.first_page is not None:
+        n = batch.block_table.shape[1]
+        return cache[batch.first_page : batch.first_page + n].view(1, -1, *cache.shape[2:])[:, : batch.max_ctx]
+    pages = cache[batch.block_table]  # [B, pages, page_size, kv_heads, D]
+    b, p, size = pages.shape[:3]
+    return pages.view(b, p * size, *cache.shape[2:])[:, : batch.max_ctx]
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:

@@ -316,6 +316,14 @@ class EngineConfig:
     # MLP width; rank 0 runs the engine and spawns the others (one GPU each), unless torchrun
     # launched them (several hosts: docs/guide/multi-gpu.md).
     tensor_parallel: int = 1
+    # Automatic prefix caching: full KV pages of prompts are kept (LRU) and shared, so a
+    # request whose prompt starts like an earlier one (a system prompt, a tool catalogue, the
+    # previous chat turns) skips prefilling that part (engine/prefix_cache.py).
+    prefix_caching: bool = True
+    # Size of the KV page pool in tokens (None: a full max_seq_len for every request, on CUDA
+    # no more than kv_cache_memory_fraction of free memory holds). When requests outgrow it,
+    # the newest is preempted and recomputed later.
+    kv_cache_tokens: int | None = None
 
     def __post_init__(self) -> None:
         from structgen.errors import InvalidParameterError

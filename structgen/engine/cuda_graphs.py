@@ -4,7 +4,8 @@ A decode step of a small model is hundreds of tiny kernels; launched one by one 
 the CPU cannot keep up with the GPU. `DecodeGraphs` captures, for each batch size in
 `EngineTuning.cuda_graph_batch_sizes` (a bucket), two graphs over static buffers:
 
-- forward: token ids, positions, slots, context lengths -> LM-head logits;
+- forward: token ids, positions, slots, context lengths (and the KV page table, a static
+  buffer of its own: page_table.py) -> LM-head logits;
 - sample: logits + grammar bitmask (rows whose has-mask flag is 0 skip it) + temperature +
   per-row Philox seeds -> one token per row (greedy, or Gumbel-max for temperature > 0); then
   it rewrites the metadata to the predicted next step, one row per sequence: the sequence's
@@ -23,10 +24,11 @@ host sync per step is reading the sampled tokens. With `run(..., predict_next=Tr
 engine's decode steps, where every row is its own sequence) forward i+1 is launched right
 behind sample i and kept only if step i+1 turns out to be exactly the predicted one (same
 sequences and slots, positions + 1, the sampled tokens as inputs); otherwise it is discarded,
-which is harmless: it only wrote K/V one position past each sequence's length, which is
-rewritten before it is read. A sequence's rows must be adjacent with consecutive positions
-(forced tokens); callers whose rows share a slot for another reason (speculative verification
-runs one row per draft token, all sampled) must not ask for it.
+which is harmless: it only wrote K/V one position past each sequence's length (whose page the
+scheduler reserves ahead), which is rewritten before it is read. A sequence's rows must be
+adjacent with consecutive positions (forced tokens); callers whose rows share a slot for
+another reason (speculative verification runs one row per draft token, all sampled) must not
+ask for it.
 
 Where the next step is often *not* the predicted one (jump-forward: a sampled `"` makes the
 grammar force `, "age": `, so the next step runs those tokens instead), launching blind costs a
@@ -42,9 +44,9 @@ the launch, and measured no faster, so the plain launch is used; at batch 1 the 
 prediction.
 
 A batch is padded up to its bucket: padding rows decode token 0 at position 0 of the KV
-cache's scratch slot and their outputs are ignored. With `capture=False` the same step
-functions run eagerly on the same buffers (to check this module without a GPU, under Triton's
-interpreter).
+cache's scratch slot (whose pages are all the scratch page) and their outputs are ignored.
+With `capture=False` the same step functions run eagerly on the same buffers (to check this
+module without a GPU, under Triton's interpreter).
 """
 
 from __future__ import annotations
@@ -175,12 +177,13 @@ class DecodeGraphs:
 
     # -- the step functions the graphs hold -------------------------------------------------
     def _forward(self, bs: int) -> torch.Tensor:
-        m = self.meta
+        m, table, page = self.meta, self.kv.pages.table, self.kv.pages.page_size
         if self.tensor_parallel is not None:
             self.tensor_parallel.broadcast_(m)
+        slots, positions = m[SLOTS, :bs], m[POSITIONS, :bs]
         batch = AttentionBatch(
-            positions=m[POSITIONS, :bs], token_slots=m[SLOTS, :bs], slots=m[SLOTS, :bs],
-            context_lens=m[LENS, :bs], pad_index=m[POSITIONS, :0], mask=None,
+            positions=positions, token_slots=table[slots, positions // page] * page + positions % page,
+            slots=slots, page_table=table, context_lens=m[LENS, :bs], pad_index=m[POSITIONS, :0], mask=None,
             max_q=1, max_ctx=self.kv.max_seq_len, decode_kernel=True,
         )
         hidden = self.model(m[IDS, :bs], batch, self.kv)
@@ -352,6 +355,7 @@ class DecodeGraphs:
         forward, sample = self._steps[bs]
         cuda = self.device.type == "cuda"
         prelaunch = step.predict_next and self.prelaunch and len(set(slots)) == len(last)
+        self.kv.pages.sync()
         self._copy_step(cuda)
         if not predicted:
             forward()
@@ -477,8 +481,10 @@ class DecodeGraphs:
         its rows go through `host_plan`, so the next `run` can rewrite host_meta at once."""
         n = len(token_ids)
         bs = self.bucket(n)
-        if bs is None or n == 0:
-            return
+        pages = self.kv.pages
+        if bs is None or n == 0 or not all(pages.cover(s, p + 1) for s, p in zip(slots, positions, strict=True)):
+            return  # (no page for forced text: the next schedule makes room first)
+        pages.sync()
         plan = self._plan_np  # whole rows (contiguous, one copy), padding from row n on
         self._set_padding(n, None, plan)
         plan[:, :n] = (token_ids, positions, slots, [1] * n, [p + 1 for p in positions])

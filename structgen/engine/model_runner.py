@@ -19,8 +19,9 @@ import torch
 
 from structgen.engine.attention import AttentionBatch
 from structgen.engine.config import EngineConfig, ModelConfig
-from structgen.engine.kv_cache import KVCache
+from structgen.engine.kv_cache import PAGE_SIZE, KVCache
 from structgen.engine.models.llama import skip_init
+from structgen.engine.page_table import PageTable
 from structgen.engine.sampler import mask_padding_
 
 log = logging.getLogger("structgen.engine")
@@ -68,10 +69,14 @@ class ModelRunner:
         self.dtype = pick_dtype(config, self.device)
         self.max_seq_len = min(config.max_seq_len, model_config.max_position_embeddings)
         self.model = self._build_model(model_dir)
-        num_slots = self._num_slots()
-        if tensor_parallel is not None:  # every rank the same slots, so the same graph buckets
-            num_slots = tensor_parallel.smallest(num_slots)
-        self.kv = KVCache(self.rank_config, num_slots, self.max_seq_len, self.dtype, self.device)
+        num_pages = self._num_pages()
+        if tensor_parallel is not None:  # every rank the same pages, so the same page decisions
+            num_pages = tensor_parallel.smallest(num_pages)
+        pages = PageTable(num_pages, PAGE_SIZE, config.max_batch_size, self.max_seq_len, self.device,
+                          prefix_caching=self._prefix_caching())
+        self.kv = KVCache(self.rank_config, pages, self.dtype, self.device)
+        if tensor_parallel is not None:
+            tensor_parallel.pages = pages
         self.forward_passes = 0
         from structgen.engine.kernels import triton_enabled
 
@@ -152,17 +157,34 @@ class ModelRunner:
         model.rope = RotaryEmbedding(self.model_config, self.max_seq_len).to(self.device)
         return model
 
-    def _num_slots(self) -> int:
-        if self.device.type != "cuda":
-            return self.config.max_batch_size
-        free, _ = torch.cuda.mem_get_info(self.device)
-        per_slot = KVCache.bytes_per_slot(self.rank_config, self.max_seq_len, self.dtype)
-        fit = int(free * self.config.kv_cache_memory_fraction) // per_slot - 1  # - the scratch slot
-        if fit < 1:
-            from structgen.errors import EngineError
+    def _num_pages(self) -> int:
+        """Pages of the KV pool, the scratch page included: `kv_cache_tokens` where set, else
+        a full context for every request, on CUDA no more than `kv_cache_memory_fraction` of the
+        free memory holds (untouched pages of a torch.empty pool cost no memory on the CPU)."""
+        from structgen.errors import EngineError
 
-            raise EngineError("not enough GPU memory for one KV slot; lower max_seq_len")
-        return max(1, min(self.config.max_batch_size, fit))
+        per_seq = -(-self.max_seq_len // PAGE_SIZE)
+        full = self.config.max_batch_size * per_seq
+        if self.config.kv_cache_tokens is not None:
+            fit, source = self.config.kv_cache_tokens // PAGE_SIZE, f"kv_cache_tokens={self.config.kv_cache_tokens}"
+        elif self.device.type != "cuda":
+            return full + 1
+        else:
+            free, _ = torch.cuda.mem_get_info(self.device)
+            fit = min(full, int(free * self.config.kv_cache_memory_fraction) // KVCache.bytes_per_page(
+                self.rank_config, PAGE_SIZE, self.dtype))
+            source = f"kv_cache_memory_fraction={self.config.kv_cache_memory_fraction} of free GPU memory"
+        if fit < per_seq:
+            raise EngineError(f"the KV cache holds {fit} pages of {PAGE_SIZE} tokens ({source}), fewer than one "
+                              f"context of max_seq_len={self.max_seq_len} needs ({per_seq}); lower max_seq_len "
+                              "or give the cache more room")
+        return fit + 1
+
+    def _prefix_caching(self) -> bool:
+        """Whether pages are shared through the prefix cache: as configured, but not with a
+        draft model, whose own cache would need the prompts the target skips."""
+        spec = self.config.speculative
+        return self.config.prefix_caching and (spec is None or spec.method not in ("draft_model", "self_draft"))
 
     @torch.inference_mode()
     def extend(self, seqs: list[ExtendSeq]) -> torch.Tensor:
@@ -180,8 +202,15 @@ class ModelRunner:
         for s in seqs:
             flat.extend(s.token_ids)
             logit_rows.extend(range(len(flat) - s.num_logits, len(flat)))
+        pages = self.kv.pages
+        for s in seqs:
+            if not pages.cover(s.slot, s.start + len(s.token_ids)):
+                from structgen.errors import EngineError
+
+                raise EngineError("the KV cache has no free page for this forward; the scheduler reserves them")
+        pages.sync()
         batch = AttentionBatch.build(
-            [(s.slot, s.start, len(s.token_ids)) for s in seqs], self.device, decode_kernel=self._use_decode_kernel(seqs)
+            [(s.slot, s.start, len(s.token_ids)) for s in seqs], pages, decode_kernel=self._use_decode_kernel(seqs)
         )
         input_ids = torch.tensor(flat, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, batch, self.kv)
@@ -236,12 +265,27 @@ class ModelRunner:
         """Run `first` and the steps its `take` plans in the capturable mode's loop
         (guided_loop.py) over `bucket` rows; returns how many steps ran."""
         loop = self.graphs.guided_loop(bucket)
+        max_steps = self._reserve_pages(first, max_steps)
         before = loop.steps
         try:
             return loop.run(first, max_steps)
         finally:  # a failed run still ran its steps
             self.forward_passes += loop.steps - before
             self.graphs.steps += loop.steps - before
+
+    def _reserve_pages(self, first: LoopStep, max_steps: int) -> int:
+        """Pages for the positions a guided loop of `max_steps` steps like `first` may reach
+        (its steps are planned in host callbacks, which cannot copy a page table); where the
+        pool cannot hold them, the loop runs one step."""
+        pages = self.kv.pages
+        ends: dict[int, tuple[int, int]] = {}  # slot -> (rows a step, last position)
+        for slot, pos in zip(first.slots, first.positions, strict=True):
+            rows, last = ends.get(slot, (0, 0))
+            ends[slot] = (rows + 1, max(last, pos))
+        if not all(pages.cover(slot, last + 1 + max_steps * rows) for slot, (rows, last) in ends.items()):
+            max_steps = 1
+        pages.sync()
+        return max_steps
 
     @torch.inference_mode()
     def decode(self, step: DecodeStep) -> list[int]:

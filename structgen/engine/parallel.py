@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
     from structgen.engine.config import EngineConfig, ModelConfig
     from structgen.engine.model_runner import ExtendSeq, ModelRunner
+    from structgen.engine.page_table import PageTable
 
 log = logging.getLogger("structgen.engine")
 
@@ -121,6 +122,8 @@ class TensorParallel:
         self.ready = False  # every rank has loaded its shard: the ranks now follow announcements
         self.broken: str | None = None  # why the ranks may no longer run the same collectives
         self.closed = False
+        self.pages: PageTable | None = None  # the runner's KV pages, which rank 0 sends with forwards
+        self._pages_sent = -1  # the version of rank 0's table the workers have
 
     # -- the model's side ---------------------------------------------------------------------
     def shard_config(self, cfg: ModelConfig) -> ModelConfig:
@@ -158,6 +161,7 @@ class TensorParallel:
             self._announce(EXTEND, len(seqs), len(ids))
             rows = [v for s in seqs for v in (s.slot, s.start, len(s.token_ids), s.num_logits)]
             self._send(torch.tensor(rows + ids, dtype=torch.int64))
+            self._send_pages()
         try:
             yield
         except BaseException as e:
@@ -165,8 +169,24 @@ class TensorParallel:
             raise
 
     def announce_graph_forward(self, bucket: int) -> None:
-        """Workers: replay the decode graphs' forward of `bucket` rows."""
-        self._announce(GRAPH_FORWARD, bucket, 0)
+        """Workers: replay the decode graphs' forward of `bucket` rows (with rank 0's page
+        table first where it changed since the last forward)."""
+        changed = self.pages is not None and self.pages.version != self._pages_sent
+        self._announce(GRAPH_FORWARD, bucket, int(changed))
+        if changed:
+            self._send_pages()
+
+    def _send_pages(self) -> None:
+        """Rank 0's KV page table to the workers: they have no scheduler, so they follow it."""
+        assert self.pages is not None
+        self._send(self.pages.host)
+        self._pages_sent = self.pages.version
+
+    def _receive_pages(self) -> None:
+        assert self.pages is not None
+        table = torch.empty_like(self.pages.host)
+        dist.broadcast(table, 0, group=self.commands)
+        self.pages.replace_table(table)
 
     def _announce(self, command: int, a: int, b: int) -> None:
         if self.closed:
@@ -232,10 +252,14 @@ class TensorParallel:
             if command == STOP:
                 return
             if command == GRAPH_FORWARD:
+                if b:
+                    self._receive_pages()
+                runner.kv.pages.sync()
                 runner.graphs.launch_forward(a)
                 continue
             payload = torch.empty(4 * a + b, dtype=torch.int64)
             dist.broadcast(payload, 0, group=self.commands)
+            self._receive_pages()
             values, ids = payload[: 4 * a].view(a, 4).tolist(), payload[4 * a :].tolist()
             seqs, first = [], 0
             for slot, start, n, num_logits in values:

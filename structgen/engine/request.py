@@ -1,5 +1,6 @@
-"""Per-request state. A `Request` owns its tokens, grammar matcher, KV slot and statistics;
-everything else about it (pending tokens, output text) is derived from those."""
+"""Per-request state. A `Request` owns its tokens, grammar matcher, KV slot (its row of the KV
+page table, while it runs) and statistics; everything else about it (pending tokens, output
+text) is derived from those."""
 
 from __future__ import annotations
 
@@ -54,6 +55,8 @@ class GenerationStats:
     # tokens those rollbacks dropped (decoded once more: the repair's extra tokens).
     repairs: int = 0
     repair_tokens: int = 0
+    cached_prompt_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache, not prefilled
+    preemptions: int = 0  # times its KV pages were taken back and its tokens recomputed later
 
     @property
     def mean_acceptance_length(self) -> float:

@@ -1,11 +1,19 @@
-"""Continuous batching: requests join when a KV slot is free and leave the moment they finish.
+"""Continuous batching: requests join when the KV cache has pages for them and leave the
+moment they finish.
 
 Each step every running request gets its pending tokens scheduled: decode requests one token
 (or their forced jump-forward tokens), prefilling requests a chunk of their prompt from what
 is left of the step's token budget, so a long prompt never stalls everyone else's decoding.
 
+Admission is by pages (page_table.py): a request joins when the pool has pages for all its
+tokens plus `lookahead` positions, after taking the pages its prompt's start shares with the
+prefix cache (those tokens are not prefilled again). A running request grows a page at a time;
+where the pool runs out, the newest running request is preempted: its pages are freed and it
+waits at the front of the queue, to be recomputed from its prompt and its output so far (its
+grammar state and tokens are kept, so the stream continues where it was).
+
 Admission is fair across request groups (`Request.group`, e.g. one per HTTP request): a free
-slot goes to the oldest waiting request of the group with the fewest requests running, so one
+place goes to the oldest waiting request of the group with the fewest requests running, so one
 caller's fan-out of thousands of generations cannot starve another's single request. Requests
 that share a group (all in-process callers by default) are admitted first come, first served.
 """
@@ -15,15 +23,18 @@ from __future__ import annotations
 from collections import Counter, deque
 from collections.abc import Hashable
 
-from structgen.engine.kv_cache import KVCache
+from structgen.engine.page_table import PageTable
 from structgen.engine.request import Request, RequestStatus
 
 
 class Scheduler:
-    def __init__(self, kv_cache: KVCache, max_batch_size: int, chunk_tokens: int):
-        self.kv = kv_cache
+    def __init__(self, pages: PageTable, max_batch_size: int, chunk_tokens: int, lookahead: int = 2):
+        """`lookahead`: positions past a request's tokens that a step may write before the
+        next `schedule` (a draft token, a forward launched ahead); their pages are reserved."""
+        self.pages = pages
         self.max_batch_size = max_batch_size
         self.chunk_tokens = chunk_tokens
+        self.lookahead = lookahead
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         # The waiting requests again, by group, each oldest first: admission looks at the
@@ -38,15 +49,11 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self, token_budget: int | None = None) -> list[tuple[Request, int]]:
-        """Admit what fits, then return (request, tokens to run) for this step; prefill chunks
-        stop at `chunk_tokens`, or at `token_budget` tokens for the whole step when smaller."""
-        while self.waiting and len(self.running) < self.max_batch_size:
-            slot = self.kv.allocate()
-            if slot is None:
-                break
-            req = self._next_waiting()
-            req.slot, req.status = slot, RequestStatus.RUNNING
-            self.running.append(req)
+        """Fit the running requests' pages, admit what fits, then return (request, tokens to
+        run) for this step; prefill chunks stop at `chunk_tokens`, or at `token_budget` tokens
+        for the whole step when smaller."""
+        self._fit_running()
+        self._admit()
         budget = self.chunk_tokens if token_budget is None else min(self.chunk_tokens, token_budget)
         batch: list[tuple[Request, int]] = []
         decoding = [r for r in self.running if r.num_cached >= r.num_prompt]
@@ -64,19 +71,80 @@ class Scheduler:
             budget -= n
         return batch
 
+    def _fit_running(self) -> None:
+        """Publish each running request's computed prompt pages to the prefix cache, give its
+        page table its present length (a rollback lets go of pages, growth takes them), and
+        preempt the newest requests where the pool has no page left."""
+        pages = self.pages
+        for req in list(self.running):  # oldest first: the newest are preempted first
+            if req.slot is None:  # preempted in this loop
+                continue
+            pages.publish(req.slot, req.token_ids, req.num_cached, req.num_prompt)
+            req.num_cached = pages.writable_from(req.slot, req.num_cached)
+            end = len(req.token_ids) + self.lookahead
+            pages.shrink(req.slot, end)
+            while not pages.cover(req.slot, end):
+                victim = self.running[-1]
+                self.preempt(victim)
+                if victim is req:
+                    break
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_batch_size:
+            req = self._next_waiting()
+            if not self._place(req):
+                break
+            self._remove_waiting(req)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+
+    def _place(self, req: Request) -> bool:
+        """Give `req` a slot, the cached pages its prompt starts with and pages for the rest of
+        its tokens; False (nothing taken) where the pool cannot hold them now."""
+        pages = self.pages
+        slot = pages.allocate_slot()
+        if slot is None:
+            return False
+        cached = pages.match_prefix(slot, req.token_ids, req.num_prompt)
+        end = len(req.token_ids) + self.lookahead
+        need = min(pages.pages_for(end), pages.max_pages_per_seq) - pages.pages_for(cached)
+        if need > pages.free_pages:
+            pages.release_slot(slot)
+            return False
+        pages.cover(slot, end)
+        req.slot, req.num_cached = slot, cached
+        if not req.stats.preemptions:
+            req.stats.cached_prompt_tokens = cached
+        return True
+
+    def preempt(self, req: Request) -> None:
+        """Free a running request's pages and queue it first, to be recomputed from its tokens."""
+        self.running.remove(req)
+        self.pages.publish(req.slot, req.token_ids, req.num_cached, req.num_prompt)
+        self.pages.release_slot(req.slot)
+        req.slot, req.num_cached, req.draft = None, 0, None
+        req.status = RequestStatus.WAITING
+        req.stats.preemptions += 1
+        self.waiting.appendleft(req)
+        self._waiting_by_group.setdefault(req.group, deque()).appendleft(req)
+
     def _next_waiting(self) -> Request:
-        """Remove and return the oldest waiting request of the group with the fewest running."""
+        """The oldest waiting request of the group with the fewest running (preempted
+        requests are at their group's front)."""
         groups = self._waiting_by_group
         if len(groups) == 1:
             group = next(iter(groups))
         else:
             running = Counter(r.group for r in self.running)
             group = min(groups, key=lambda g: (running[g], groups[g][0].id))
-        chosen = groups[group].popleft()
-        if not groups[group]:
-            del groups[group]
-        self.waiting.remove(chosen)  # the oldest of its group: near the front
-        return chosen
+        return groups[group][0]
+
+    def _remove_waiting(self, request: Request) -> None:
+        self.waiting.remove(request)  # the oldest of its group: near the front
+        queue = self._waiting_by_group[request.group]
+        queue.remove(request)
+        if not queue:
+            del self._waiting_by_group[request.group]
 
     def peek(self) -> list[tuple[Request, int]] | None:
         """What `schedule` will return, where that is certain now: nobody is waiting to be
@@ -86,15 +154,14 @@ class Scheduler:
         return [(r, r.num_pending) for r in self.running if r.num_pending > 0]
 
     def remove(self, request: Request) -> None:
-        """Free a finished/aborted request's slot; safe to call for waiting requests too."""
+        """Free a finished/aborted request's pages; safe to call for waiting requests too.
+        Its computed prompt pages stay in the prefix cache unless it failed."""
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
-            self.waiting.remove(request)
-            queue = self._waiting_by_group[request.group]
-            queue.remove(request)
-            if not queue:
-                del self._waiting_by_group[request.group]
+            self._remove_waiting(request)
         if request.slot is not None:
-            self.kv.release(request.slot)
+            if request.finish_reason != "error":
+                self.pages.publish(request.slot, request.token_ids, request.num_cached, request.num_prompt)
+            self.pages.release_slot(request.slot)
             request.slot = None

@@ -130,7 +130,7 @@ def test_cancel_and_join_between_planned_steps_spare_the_other_rows(setup, model
             jsonschema.validate(json.loads(text), SCHEMA)
     assert sum(reqs[i].output_ids == base[i].output_ids for i in (0, 2)) >= 1
     assert engine.runner.graphs.steps_ahead > used_before  # planned forwards were used
-    assert engine.runner.kv.free_slots == engine.runner.kv.num_slots
+    assert engine.runner.kv.pages.free_slots == engine.runner.kv.num_slots
 
 
 def batch1_engine(setup, model_dir, tokenizer) -> Engine:

@@ -59,7 +59,7 @@ def test_batched_equals_single(engine, tokenizer):
     together = greedy(engine, prompts, 16)
     alone = [greedy(engine, [p], 16)[0] for p in prompts]
     assert together == alone
-    assert engine.runner.kv.free_slots == engine.runner.kv.num_slots  # every slot came back
+    assert engine.runner.kv.pages.free_slots == engine.runner.kv.num_slots  # every slot came back
 
 
 def test_seeded_sampling_is_reproducible(engine, tokenizer):
@@ -93,7 +93,7 @@ def test_abort_frees_slot_and_spares_others(engine, tokenizer):
         engine.step()
     assert a.finish_reason == "abort" and b.finish_reason == "length"
     assert b.output_ids == greedy(engine, [chat_ids(tokenizer, PROMPTS[1])], 12)[0]
-    assert engine.runner.kv.free_slots == engine.runner.kv.num_slots
+    assert engine.runner.kv.pages.free_slots == engine.runner.kv.num_slots
 
 
 @pytest.mark.parametrize("kw", [{"max_tokens": 0}, {"temperature": -1.0}, {"top_p": 0.0}, {"top_k": -2}])

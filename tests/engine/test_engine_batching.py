@@ -130,7 +130,7 @@ def test_cancel_and_failing_grammars_spare_other_rows(engine, grammar, tokenizer
         engine.run(reqs)
         assert reqs[0].finish_reason == "error" and isinstance(reqs[0].error, FAULT_ERRORS[mode])
         assert [reqs[1].output_ids, reqs[2].output_ids] == [alone[1], alone[2]]
-    assert engine.runner.kv.free_slots == engine.runner.kv.num_slots
+    assert engine.runner.kv.pages.free_slots == engine.runner.kv.num_slots
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch(engine, grammar, tokenizer):
@@ -241,7 +241,7 @@ def test_failed_rehearsal_fails_only_its_request(engine, grammar, tokenizer):
         engine.jump_forward_hook = previous
     assert failed.finish_reason == "error" and "rehearsal failed: boom" in str(failed.error)
     assert fine.finish_reason in ("stop", "length") and fine.num_output > 0
-    assert engine.runner.kv.free_slots == engine.runner.kv.num_slots
+    assert engine.runner.kv.pages.free_slots == engine.runner.kv.num_slots
 
 
 def test_prefetched_masks_change_nothing(engine, grammar, tokenizer):
@@ -445,7 +445,7 @@ def test_failing_grammars_spare_other_rows_in_planned_steps(engine, grammar, tok
         del engine.runner.decode
         engine.jump_forward_hook = previous
     assert any("_advance_all" in p for p in paths)  # some failed while the tokens were taken in
-    assert engine.runner.kv.free_slots == engine.runner.kv.num_slots
+    assert engine.runner.kv.pages.free_slots == engine.runner.kv.num_slots
 
     # The grammar-only check itself: a grammar that raises there (or rejects) makes it give the
     # step back to taking the tokens in, which fails that request alone; nothing is accepted.

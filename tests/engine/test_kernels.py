@@ -35,9 +35,23 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 # ----------------------------------------------------------------------------- decode attention
 
 
+def paged(k: torch.Tensor, v: torch.Tensor, page: int, g: torch.Generator
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-slot caches [slots, max_len, kv_heads, D] as a page pool in shuffled page order
+    (page 0 and one spare page hold NaN) and its page table [slots, max_len / page]."""
+    slots, max_len = k.shape[:2]
+    per_slot = max_len // page
+    table = (torch.randperm(slots * per_slot + 1, generator=g)[: slots * per_slot] + 1).view(slots, per_slot)
+    pool_k = torch.full((slots * per_slot + 2, page, *k.shape[2:]), float("nan"), dtype=k.dtype, device=k.device)
+    pool_v = pool_k.clone()
+    pool_k[table.flatten().to(k.device)] = k.reshape(slots * per_slot, page, *k.shape[2:])
+    pool_v[table.flatten().to(k.device)] = v.reshape(slots * per_slot, page, *k.shape[2:])
+    return pool_k, pool_v, table.to(k.device)
+
+
 @pytest.mark.parametrize(
     "batch,heads,kv_heads,dim,max_len",
-    [(1, 9, 3, 64, 256), (3, 9, 3, 64, 700), (5, 32, 8, 128, 2048), (64, 32, 8, 64, 512), (2, 4, 4, 64, 96)],
+    [(1, 9, 3, 64, 256), (3, 9, 3, 64, 704), (5, 32, 8, 128, 2048), (64, 32, 8, 64, 512), (2, 4, 4, 64, 96)],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, LOW])
 def test_decode_attention_matches_reference(batch, heads, kv_heads, dim, max_len, dtype):
@@ -55,13 +69,14 @@ def test_decode_attention_matches_reference(batch, heads, kv_heads, dim, max_len
     lens = torch.randint(1, max_len + 1, (batch,), generator=g)
     lens[0] = 1  # a sequence that sees only its own token
     if batch > 1:
-        lens[1] = max_len  # and one that fills its slot
+        lens[1] = max_len  # and one that fills its pages
     lens = lens.to(DEVICE)
     for slot, n in zip(slots.tolist(), lens.tolist(), strict=True):  # never read past a length
         k[slot, n:] = float("nan")
         v[slot, n:] = float("nan")
-    out = decode_attention(q, k, v, slots, lens)
-    ref = decode_attention_reference(q, k, v, slots, lens)
+    k, v, table = paged(k, v, 16, g)
+    out = decode_attention(q, k, v, table, slots, lens)
+    ref = decode_attention_reference(q, k, v, table, slots, lens)
     tol = 1e-4 if dtype == torch.float32 and not CUDA else 1e-2  # CUDA float32 dots run in tf32
     assert rel_err(out, ref) < tol
 
@@ -77,7 +92,7 @@ def test_decode_attention_with_a_sliding_window_reads_only_the_last_keys(window,
     )
 
     g = torch.Generator().manual_seed(window)
-    batch, heads, kv_heads, dim, max_len = 4, 4, 1, 256, 700
+    batch, heads, kv_heads, dim, max_len = 4, 4, 1, 256, 704
     k = torch.randn(batch + 1, max_len, kv_heads, dim, generator=g).to(DEVICE, dtype)
     v = torch.randn(batch + 1, max_len, kv_heads, dim, generator=g).to(DEVICE, dtype)
     q = torch.randn(batch, heads, dim, generator=g).to(DEVICE, dtype)
@@ -86,8 +101,9 @@ def test_decode_attention_with_a_sliding_window_reads_only_the_last_keys(window,
     for slot, n in enumerate(lens.tolist()):
         k[slot, n:] = v[slot, n:] = float("nan")  # past the length
         k[slot, : max(0, n - window)] = v[slot, : max(0, n - window)] = float("nan")  # before the window
-    out = decode_attention(q, k, v, slots, lens, window=window)
-    ref = decode_attention_reference(q, k, v, slots, lens, window=window)
+    k, v, table = paged(k, v, 16, g)
+    out = decode_attention(q, k, v, table, slots, lens, window=window)
+    ref = decode_attention_reference(q, k, v, table, slots, lens, window=window)
     tol = 1e-4 if dtype == torch.float32 and not CUDA else 1e-2
     assert rel_err(out, ref) < tol
 
@@ -122,14 +138,14 @@ def test_rope_and_cache_matches_torch():
     n, q_size, kv_size = 6, 9 * 64, 3 * 64
     qkv = torch.randn(n, q_size + 2 * kv_size, device=DEVICE).to(LOW)
     positions = torch.tensor([0, 1, 17, 200, 511, 3], device=DEVICE)
-    slots = torch.tensor([0, 0, 2, 1, 3, 2], device=DEVICE)
-    kc = torch.full((4, 512, 3, 64), float("nan"), device=DEVICE).to(LOW)
+    token_slots = torch.tensor([0, 1, 40, 17, 511, 38], device=DEVICE)  # cache rows of a [32, 16] pool
+    kc = torch.full((32, 16, 3, 64), float("nan"), device=DEVICE).to(LOW)
     vc = kc.clone()
-    q = rope_and_cache(qkv, positions, slots, rope.cos, rope.sin, kc, vc, 9, 3, 64)
+    q = rope_and_cache(qkv, positions, token_slots, rope.cos, rope.sin, kc, vc, 9, 3, 64)
     q_ref, k_ref, v_ref = qkv.split([q_size, kv_size, kv_size], dim=-1)
     assert rel_err(q, rope(q_ref.reshape(n, 9, 64), positions)) < 1e-2
-    assert rel_err(kc[slots, positions], rope(k_ref.reshape(n, 3, 64), positions)) < 1e-2
-    assert torch.equal(vc[slots, positions], v_ref.reshape(n, 3, 64))
+    assert rel_err(kc.view(-1, 3, 64)[token_slots], rope(k_ref.reshape(n, 3, 64), positions)) < 1e-2
+    assert torch.equal(vc.view(-1, 3, 64)[token_slots], v_ref.reshape(n, 3, 64))
 
 
 def test_silu_mul_matches_torch():
@@ -240,18 +256,20 @@ def test_norm_qkv_rope_gemv_matches_the_unfused_stages(rows, bias):
         qkv = F.linear(norm(x + r), w, b)
     q_ref, k_ref, v_ref = qkv.split([q_size, kv_size, kv_size], dim=-1)
     for block in (CONFIGS[0], CONFIGS[2]):
-        kc = torch.full((4, 256, kv_heads, dim), float("nan"), device=DEVICE).to(LOW)
+        kc = torch.full((64, 16, kv_heads, dim), float("nan"), device=DEVICE).to(LOW)  # a pool of 64 pages
         vc = kc.clone()
+        token_slots = slots * 256 + positions  # cache rows
         with torch.inference_mode():
-            q, res = norm_qkv_rope_gemv(x, w, b, norm.weight, 1e-5, r, positions, slots, rope.cos, rope.sin,
+            q, res = norm_qkv_rope_gemv(x, w, b, norm.weight, 1e-5, r, positions, token_slots, rope.cos, rope.sin,
                                         kc, vc, heads, kv_heads, dim, cfg=block)
         assert torch.equal(res, x + r)
         assert rel_err(q, rope(q_ref.reshape(rows, heads, dim), positions)) < 2e-2
-        assert rel_err(kc[slots, positions], rope(k_ref.reshape(rows, kv_heads, dim), positions)) < 2e-2
-        assert rel_err(vc[slots, positions], v_ref.reshape(rows, kv_heads, dim)) < 2e-2
-        written = torch.zeros(4, 256, dtype=torch.bool, device=DEVICE)
-        written[slots, positions] = True
-        assert kc[~written].isnan().all() and vc[~written].isnan().all()
+        k_rows, v_rows = kc.view(-1, kv_heads, dim), vc.view(-1, kv_heads, dim)
+        assert rel_err(k_rows[token_slots], rope(k_ref.reshape(rows, kv_heads, dim), positions)) < 2e-2
+        assert rel_err(v_rows[token_slots], v_ref.reshape(rows, kv_heads, dim)) < 2e-2
+        written = torch.zeros(64 * 16, dtype=torch.bool, device=DEVICE)
+        written[token_slots] = True
+        assert k_rows[~written].isnan().all() and v_rows[~written].isnan().all()
 
 
 def test_fused_projections_are_kept_to_the_shapes_they_win_on():
@@ -287,8 +305,9 @@ def test_fused_layers_match_the_unfused_model():
     unfused path, for a GQA model with and without attention bias."""
     from structgen.engine.attention import AttentionBatch
     from structgen.engine.config import ModelConfig
-    from structgen.engine.kv_cache import KVCache
+    from structgen.engine.kv_cache import PAGE_SIZE, KVCache
     from structgen.engine.models.llama import LlamaModel, skip_init
+    from structgen.engine.page_table import PageTable
 
     for bias in (False, True):
         cfg = ModelConfig(vocab_size=300, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
@@ -299,10 +318,12 @@ def test_fused_layers_match_the_unfused_model():
         logits = []
         for fused in (False, True):
             model.use_fused_kernels(fused)
-            kv = KVCache(cfg, num_slots=3, max_seq_len=128, dtype=LOW, device=DEVICE)
+            pages = PageTable(3 * 128 // PAGE_SIZE + 1, PAGE_SIZE, 3, 128, DEVICE)
+            assert pages.cover(1, 10)
+            kv = KVCache(cfg, pages, dtype=LOW, device=DEVICE)
             with torch.inference_mode():
-                model(torch.arange(1, 9, device=DEVICE), AttentionBatch.build([(1, 0, 8)], DEVICE), kv)
-                step = AttentionBatch.build([(1, 8, 2)], DEVICE)  # two rows: forced text
+                model(torch.arange(1, 9, device=DEVICE), AttentionBatch.build([(1, 0, 8)], pages), kv)
+                step = AttentionBatch.build([(1, 8, 2)], pages)  # two rows: forced text
                 logits.append(model.logits(model(torch.tensor([7, 9], device=DEVICE), step, kv)))
         assert rel_err(logits[1], logits[0]) < 3e-2
 

@@ -79,7 +79,7 @@ def test_greedy_constrained_output_is_unchanged(llm):
         assert s.drafted_tokens > 0 and s.accepted_tokens > 0
         assert s.mean_acceptance_length == (s.accepted_tokens + s.verify_steps) / s.verify_steps > 1.0
         assert s.forward_passes < base.stats.forward_passes
-    assert llm.engine.runner.kv.free_slots == llm.engine.runner.kv.num_slots
+    assert llm.engine.runner.kv.pages.free_slots == llm.engine.runner.kv.num_slots
 
 
 def test_greedy_unconstrained_output_is_unchanged(llm):
@@ -176,9 +176,13 @@ def exact_distribution(engine: Engine, prompt: list[int], matcher, stop: set[int
     def logits_after(ids: list[int]) -> torch.Tensor:
         from structgen.engine.attention import AttentionBatch
 
-        slot = engine.runner.kv.scratch_slot
-        batch = AttentionBatch.build([(slot, 0, len(ids))], engine.device)
-        hidden = model(torch.tensor(ids), batch, engine.runner.kv)
+        pages = engine.runner.kv.pages
+        slot = pages.allocate_slot()
+        try:
+            assert pages.cover(slot, len(ids))
+            hidden = model(torch.tensor(ids), AttentionBatch.build([(slot, 0, len(ids))], pages), engine.runner.kv)
+        finally:
+            pages.release_slot(slot)
         return model.logits(hidden[-1:]).float()
 
     def walk(prefix: list[int], prob: float) -> None:

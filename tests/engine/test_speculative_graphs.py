@@ -62,8 +62,9 @@ def assert_same_up_to_ties(eng: Engine, prompts, got, want, tol: float = 1e-2) -
         if i is None:
             assert len(a) == len(b)
             continue
-        slot = eng.runner.kv.scratch_slot
+        slot = eng.runner.kv.pages.allocate_slot()
         logits = eng.runner.extend([ExtendSeq(slot, 0, p + b[:i])])[0]
+        eng.runner.kv.pages.release_slot(slot)
         top = torch.topk(logits.float(), 2).values
         assert float(top[0] - top[1]) < tol, f"outputs part at token {i} where the target is not tied"
 

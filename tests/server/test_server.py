@@ -164,7 +164,12 @@ def test_stream_matches_non_stream(server_url: str, client: openai.OpenAI, respo
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks)
     usage_chunk, last = chunks[-1], chunks[-2]
-    assert usage_chunk["choices"] == [] and usage_chunk["usage"] == whole["usage"]
+    stream_usage, whole_usage = usage_chunk["usage"], whole["usage"]
+    # The second run of the same prompt finds its first pages in the prefix cache.
+    cached = stream_usage.pop("prompt_tokens_details")["cached_tokens"]
+    assert 0 < cached < stream_usage["prompt_tokens"]
+    whole_usage.pop("prompt_tokens_details")
+    assert usage_chunk["choices"] == [] and stream_usage == whole_usage
     assert last["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
     assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-2])
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks[:-1])
@@ -467,7 +472,9 @@ def test_json_schema_strict_follows_openai(server_url: str) -> None:
 
 def test_metrics_count_requests_and_tokens(server_url: str, client: openai.OpenAI) -> None:
     chat(client, "Hi", max_tokens=4)
+    chat(client, "Hi", max_tokens=4)  # the same prompt again: its first pages come from the prefix cache
     text = httpx.get(server_url.removesuffix("/v1") + "/metrics").text
+    assert re.search(r"structgen_cached_prompt_tokens_total\{.*\} [1-9]", text)
     assert re.search(r'structgen_requests_total\{.*endpoint="chat",status="200"\} [1-9]', text)
     assert re.search(r"structgen_output_tokens_total\{.*\} [1-9]", text)
     assert "structgen_forced_tokens_total" in text and "structgen_errors_total" in text

@@ -1,6 +1,6 @@
 """Optional GPU kernels (Triton), each with a torch definition the tests compare it to:
 
-- `decode_attention.py`: flash-decoding over the slot KV cache (one query token per sequence).
+- `decode_attention.py`: flash-decoding over the paged KV cache (one query token per sequence).
 - `fused.py`: residual add + RMSNorm, RoPE + KV-cache write, SiLU(gate) * up.
 - `gemv.py`: projections of 1-16 rows (GEMV and a skinny GEMM, timed against cuBLAS).
 - `fused_gemv.py`: few-row projections with the norm before them and RoPE / SiLU * up after.

@@ -1,12 +1,14 @@
-"""Decode attention over the slot KV cache: one new query token per sequence, GQA.
+"""Decode attention over the paged KV cache: one new query token per sequence, GQA.
 
 Flash-decoding: the grid is (sequence, kv head, split). Each program takes every query head
 of one KV group (so K/V are read once per group, not once per query head), walks its share
 of `[0, context_len)` in blocks, and writes an unnormalised partial (acc, max, sum); a second
-kernel merges the splits. The split count depends only on the batch size and the cache shape,
-and each program reads its sequence's slot and length from device tensors, so the launch is
-graph-safe: no host sync, and replaying a captured graph with new lengths is correct. Short
-contexts simply leave most splits empty (they exit after two loads).
+kernel merges the splits. Keys are read in place through the page table: key position p of
+a sequence is row p % page_size of page `page_table[slot, p // page_size]`. The split count
+depends only on the batch size and the table's shape, and each program reads its sequence's
+slot, pages and length from device tensors, so the launch is graph-safe: no host sync, and
+replaying a captured graph with new lengths and pages is correct. Short contexts simply leave
+most splits empty (they exit after two loads).
 
 `decode_attention_reference` is the torch definition the kernel is tested against.
 """
@@ -24,14 +26,14 @@ BLOCK_N = 32  # keys per inner iteration
 
 @triton.jit
 def _split_kernel(
-    Q, K, V, slots_ptr, lens_ptr, Out, PartO, PartML,
-    stride_qn, stride_qh,
-    stride_ks, stride_kt, stride_kh,
-    stride_vs, stride_vt, stride_vh,
+    Q, K, V, table_ptr, slots_ptr, lens_ptr, Out, PartO, PartML,
+    stride_qn, stride_qh, stride_table,
+    stride_kt, stride_kh,
+    stride_vt, stride_vh,
     stride_on, stride_oh,
     num_splits, sm_scale, window,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, PAGE: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -55,19 +57,22 @@ def _split_kernel(
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    k_base = K + slot * stride_ks + kvh * stride_kh
-    v_base = V + slot * stride_vs + kvh * stride_vh
+    pages = table_ptr + slot * stride_table
+    k_base = K + kvh * stride_kh
+    v_base = V + kvh * stride_vh
     for n0 in range(start, end, BLOCK):
         offs = n0 + tl.arange(0, BLOCK)
         nmask = offs < end
-        k = tl.load(k_base + offs[:, None].to(tl.int64) * stride_kt + d[None, :], mask=nmask[:, None], other=0.0)
+        page = tl.load(pages + offs // PAGE, mask=nmask, other=0).to(tl.int64)
+        rows = page * PAGE + offs % PAGE  # each key's row of the flattened pool
+        k = tl.load(k_base + rows[:, None] * stride_kt + d[None, :], mask=nmask[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k)) * qk_scale  # [GROUP_PAD, BLOCK] fp32
         s = tl.where(nmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + offs[:, None].to(tl.int64) * stride_vt + d[None, :], mask=nmask[:, None], other=0.0)
+        v = tl.load(v_base + rows[:, None] * stride_vt + d[None, :], mask=nmask[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
@@ -118,18 +123,19 @@ def num_splits_for(batch: int, kv_heads: int, max_seq_len: int, device: torch.de
 
 
 def decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, context_lens: torch.Tensor,
-    window: int = 0,
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor, slots: torch.Tensor,
+    context_lens: torch.Tensor, window: int = 0,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its cached keys.
 
     Parameters
     ----------
     q: [B, heads, head_dim], the new tokens' queries (already rotated).
-    k_cache, v_cache: [num_slots, max_seq_len, kv_heads, head_dim], one layer of the slot cache
+    k_cache, v_cache: [num_pages, page_size, kv_heads, head_dim], one layer of the paged cache
         (the new token's K/V already written).
-    slots: [B] int, each sequence's slot. context_lens: [B] int, tokens to attend to
-        (prefix + the new token); positions at and past it are never read.
+    page_table: [rows, max_pages] int64, the page of each slot's positions (page_table.py).
+    slots: [B] int, each sequence's row of the table. context_lens: [B] int, tokens to attend
+        to (prefix + the new token); positions at and past it are never read.
     window: > 0 for a sliding-window layer: only the last `window` of those keys are read.
 
     Returns
@@ -137,11 +143,12 @@ def decode_attention(
     [B, heads, head_dim] in q's dtype.
     """
     batch, heads, dim = q.shape
-    kv_heads = k_cache.shape[2]
+    page_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     assert heads % kv_heads == 0 and dim & (dim - 1) == 0, "GQA group must divide heads; head_dim a power of 2"
-    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and q.stride(-1) == 1
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and q.stride(-1) == 1 and page_table.stride(-1) == 1
+    k_rows, v_rows = k_cache.view(-1, kv_heads, dim), v_cache.view(-1, kv_heads, dim)
     group = heads // kv_heads
-    splits = num_splits_for(batch, kv_heads, k_cache.shape[1], q.device)
+    splits = num_splits_for(batch, kv_heads, page_table.shape[1] * page_size, q.device)
     out = torch.empty_like(q)
     if splits == 1:
         part_o = part_ml = out  # unused
@@ -149,14 +156,14 @@ def decode_attention(
         part_o = torch.empty(batch, heads, splits, dim, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(batch, heads, splits, 2, dtype=torch.float32, device=q.device)
     _split_kernel[(batch, kv_heads, splits)](
-        q, k_cache, v_cache, slots, context_lens, out, part_o, part_ml,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        q, k_rows, v_rows, page_table, slots, context_lens, out, part_o, part_ml,
+        q.stride(0), q.stride(1), page_table.stride(0),
+        k_rows.stride(0), k_rows.stride(1),
+        v_rows.stride(0), v_rows.stride(1),
         out.stride(0), out.stride(1),
         splits, dim**-0.5, window,
         NUM_HEADS=heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=dim, BLOCK=BLOCK_N, SINGLE_SPLIT=splits == 1,
+        HEAD_DIM=dim, BLOCK=BLOCK_N, PAGE=page_size, SINGLE_SPLIT=splits == 1,
         num_warps=4, num_stages=2,
     )
     if splits > 1:
@@ -169,19 +176,22 @@ def decode_attention(
 
 
 def decode_attention_reference(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, context_lens: torch.Tensor,
-    window: int = 0,
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor, slots: torch.Tensor,
+    context_lens: torch.Tensor, window: int = 0,
 ) -> torch.Tensor:
     """The definition, in float64 on the host: softmax(q k^T / sqrt(d)) v per sequence over
-    `[0, context_len)` of its slot (the last `window` positions of it where window > 0),
+    positions `[0, context_len)` of its pages (the last `window` of them where window > 0),
     query head h reading KV head h // (heads / kv_heads)."""
     heads, dim = q.shape[1], q.shape[2]
-    group = heads // k_cache.shape[2]
+    page_size, group = k_cache.shape[1], heads // k_cache.shape[2]
     outs = []
     for i, (slot, n) in enumerate(zip(slots.tolist(), context_lens.tolist(), strict=True)):
         lo = max(0, n - window) if window > 0 else 0
-        k = k_cache[slot, lo:n].double().cpu().repeat_interleave(group, dim=1)  # [n, heads, D]
-        v = v_cache[slot, lo:n].double().cpu().repeat_interleave(group, dim=1)
+        pages = page_table[slot, : -(-n // page_size)].cpu()
+        keys = k_cache.cpu()[pages].flatten(0, 1)[lo:n]  # [n - lo, kv_heads, D]
+        values = v_cache.cpu()[pages].flatten(0, 1)[lo:n]
+        k = keys.double().repeat_interleave(group, dim=1)  # [n, heads, D]
+        v = values.double().repeat_interleave(group, dim=1)
         s = torch.einsum("hd,nhd->hn", q[i].double().cpu(), k) * dim**-0.5
         outs.append(torch.einsum("hn,nhd->hd", torch.softmax(s, -1), v))
     return torch.stack(outs).to(q.dtype)

@@ -56,14 +56,14 @@ def rms_norm(
 
 
 @triton.jit
-def _rope_kv_kernel(QKV, Pos, Slots, Cos, Sin, QOut, KC, VC,
+def _rope_kv_kernel(QKV, Pos, Rows, Cos, Sin, QOut, KC, VC,
                     stride_qkv, stride_cos, stride_qo_n, stride_qo_h,
-                    stride_cs, stride_ct, stride_ch,
+                    stride_cr, stride_ch,
                     N_HEADS: tl.constexpr, N_KV: tl.constexpr, HEADS_PAD: tl.constexpr,
                     HEAD_DIM: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)
     pos = tl.load(Pos + n).to(tl.int64)
-    slot = tl.load(Slots + n).to(tl.int64)
+    cache_row = tl.load(Rows + n).to(tl.int64)
     half: tl.constexpr = HEAD_DIM // 2
     h = tl.arange(0, HEADS_PAD)
     d = tl.arange(0, half)
@@ -91,7 +91,7 @@ def _rope_kv_kernel(QKV, Pos, Slots, Cos, Sin, QOut, KC, VC,
     x2 = tl.load(kbase + h[:, None] * HEAD_DIM + half + d[None, :], mask=km, other=0.0).to(tl.float32)
     o1 = ((x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)).to(dt)
     o2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
-    cache_off = slot * stride_cs + pos * stride_ct + h[:, None] * stride_ch + d[None, :]
+    cache_off = cache_row * stride_cr + h[:, None] * stride_ch + d[None, :]
     tl.store(KC + cache_off, o1.to(KC.dtype.element_ty), mask=km)
     tl.store(KC + cache_off + half, o2.to(KC.dtype.element_ty), mask=km)
 
@@ -103,19 +103,20 @@ def _rope_kv_kernel(QKV, Pos, Slots, Cos, Sin, QOut, KC, VC,
 
 
 def rope_and_cache(
-    qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    qkv: torch.Tensor, positions: torch.Tensor, token_slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, n_heads: int, n_kv: int, head_dim: int,
 ) -> torch.Tensor:
-    """Rotate q and k of each token (HF rotate-half layout), write k and v at
-    `k_cache[slot, position]`, and return the rotated q as [N, n_heads, head_dim]."""
+    """Rotate q and k of each token (HF rotate-half layout), write k and v at the token's
+    cache row (`token_slots`, into the paged cache [pages, page_size, n_kv, head_dim] seen as
+    rows), and return the rotated q as [N, n_heads, head_dim]."""
     n = qkv.shape[0]
-    assert qkv.stride(-1) == 1 and cos.stride(-1) == 1 and k_cache.stride(-1) == 1
-    assert k_cache.stride() == v_cache.stride()
+    assert qkv.stride(-1) == 1 and cos.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    k_cache, v_cache = k_cache.view(-1, n_kv, head_dim), v_cache.view(-1, n_kv, head_dim)
     q = torch.empty(n, n_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     _rope_kv_kernel[(n,)](
-        qkv, positions, slots, cos, sin, q, k_cache, v_cache,
+        qkv, positions, token_slots, cos, sin, q, k_cache, v_cache,
         qkv.stride(0), cos.stride(0), q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        k_cache.stride(0), k_cache.stride(1),
         N_HEADS=n_heads, N_KV=n_kv, HEADS_PAD=triton.next_power_of_2(max(n_heads, n_kv)),
         HEAD_DIM=head_dim, num_warps=4,
     )

@@ -13,7 +13,7 @@ the projections that read the weights anyway:
   element-wise stage after the projection needs no other program's output.
   `silu_mul`: gate rows j and up rows `inter + j` -> `silu(gate) * up`.
   `rope`: rows d and `d + head_dim / 2` of one head -> rotated q (returned), rotated k and v
-  written into the KV cache at each row's slot and position.
+  written into the paged KV cache at each row's cache row (`AttentionBatch.token_slots`).
 
 So a layer is six kernels: qkv (+norm, +RoPE, +KV write), attention (two), o, gate_up (+norm,
 +SiLU * up), down; four fewer a layer, and kernel count is what a small model's forward pays for
@@ -47,7 +47,7 @@ _plans: dict[tuple, tuple[int, int, int, int]] = {}
 @triton.jit
 def _fused_gemv_kernel(
     X, R, NW, W, B, Y, ROut, M, K, stride_xm, stride_rm, stride_wn, stride_ym, eps, pair_offset,
-    Pos, Slots, Cos, Sin, KC, VC, stride_cos, stride_cs, stride_ct, stride_ch,
+    Pos, Rows, Cos, Sin, KC, VC, stride_cos, stride_cr, stride_ch,
     HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, EPI: tl.constexpr, EVEN_K: tl.constexpr,
     N_HEADS: tl.constexpr, N_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -111,9 +111,8 @@ def _fused_gemv_kernel(
         a = acc_lo.to(dt).to(tl.float32)
         b = acc_hi.to(dt).to(tl.float32)
         if head >= N_HEADS + N_KV:  # v: no rotation, straight into the cache
-            pos = tl.load(Pos + m, mask=mmask, other=0).to(tl.int64)
-            slot = tl.load(Slots + m, mask=mmask, other=0).to(tl.int64)
-            off = slot[:, None] * stride_cs + pos[:, None] * stride_ct + (head - N_HEADS - N_KV) * stride_ch + d[None, :]
+            cache_row = tl.load(Rows + m, mask=mmask, other=0).to(tl.int64)
+            off = cache_row[:, None] * stride_cr + (head - N_HEADS - N_KV) * stride_ch + d[None, :]
             tl.store(VC + off, a.to(VC.dtype.element_ty), mask=mmask[:, None])
             tl.store(VC + off + half, b.to(VC.dtype.element_ty), mask=mmask[:, None])
         else:
@@ -130,8 +129,8 @@ def _fused_gemv_kernel(
                 tl.store(Y + rows + lo[None, :], o1, mask=mmask[:, None])
                 tl.store(Y + rows + lo[None, :] + half, o2, mask=mmask[:, None])
             else:
-                slot = tl.load(Slots + m, mask=mmask, other=0).to(tl.int64)
-                off = slot[:, None] * stride_cs + pos[:, None] * stride_ct + (head - N_HEADS) * stride_ch + d[None, :]
+                cache_row = tl.load(Rows + m, mask=mmask, other=0).to(tl.int64)
+                off = cache_row[:, None] * stride_cr + (head - N_HEADS) * stride_ch + d[None, :]
                 tl.store(KC + off, o1.to(KC.dtype.element_ty), mask=mmask[:, None])
                 tl.store(KC + off + half, o2.to(KC.dtype.element_ty), mask=mmask[:, None])
 
@@ -144,13 +143,13 @@ def _launch(x, weight, bias, out, *, norm_weight, residual, eps, epi, grid, pair
     res_out = torch.empty_like(x) if residual is not None else x  # written only with a residual
     bn, bk, nw, ns = cfg
     block_k = min(bk, triton.next_power_of_2(k))
-    pos, slots, cos, sin, kc, vc = rope or (x, x, x, x, x, x)
-    stride_c = kc.stride() if rope else (0, 0, 0, 0)
+    pos, token_slots, cos, sin, kc, vc = rope or (x, x, x, x, x, x)
+    stride_c = kc.stride() if rope else (0, 0, 0)
     _fused_gemv_kernel[grid(bn)](
         x, residual if residual is not None else x, norm_weight, weight,
         bias if bias is not None else weight, out, res_out,
         m, k, x.stride(0), residual.stride(0) if residual is not None else 0, weight.stride(0), out.stride(0),
-        eps, pair_offset, pos, slots, cos, sin, kc, vc, cos.stride(0) if rope else 0, *stride_c[:3],
+        eps, pair_offset, pos, token_slots, cos, sin, kc, vc, cos.stride(0) if rope else 0, *stride_c[:2],
         HAS_RES=residual is not None, HAS_BIAS=bias is not None, EPI=epi.value,
         N_HEADS=heads[0], N_KV=heads[1], HEAD_DIM=heads[2],
         EVEN_K=k % block_k == 0, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=bn, BLOCK_K=block_k,
@@ -175,17 +174,19 @@ def norm_silu_gemv(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Ten
 
 def norm_qkv_rope_gemv(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-    residual: torch.Tensor | None, positions: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor,
+    residual: torch.Tensor | None, positions: torch.Tensor, token_slots: torch.Tensor, cos: torch.Tensor,
     sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, n_heads: int, n_kv: int, head_dim: int,
     cfg: tuple[int, int, int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(q [M, n_heads, head_dim], x + residual): `qkv = rmsnorm(x + residual) @ weight.T + bias`,
-    q and k rotated (HF rotate-half layout), k and v written at `k_cache[slot, position]` (the
-    work of `fused.rms_norm` + projection + `fused.rope_and_cache` in one kernel)."""
-    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and cos.stride(-1) == 1
+    q and k rotated (HF rotate-half layout), k and v written at each token's cache row
+    (`token_slots`, into the paged cache seen as rows; the work of `fused.rms_norm` +
+    projection + `fused.rope_and_cache` in one kernel)."""
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and cos.stride(-1) == 1
+    k_cache, v_cache = k_cache.view(-1, n_kv, head_dim), v_cache.view(-1, n_kv, head_dim)
     if cfg is None:
         cfg = plan("rope", x.shape[0], weight, lambda c: norm_qkv_rope_gemv(
-            x, weight, bias, norm_weight, eps, residual, positions, slots, cos, sin, k_cache, v_cache,
+            x, weight, bias, norm_weight, eps, residual, positions, token_slots, cos, sin, k_cache, v_cache,
             n_heads, n_kv, head_dim, c))
     half = head_dim // 2
     bn = min(cfg[0], half)
@@ -193,7 +194,7 @@ def norm_qkv_rope_gemv(
     grid = lambda bn: ((n_heads + 2 * n_kv) * (half // bn),)  # noqa: E731
     return q, _launch(x, weight, bias, q.view(x.shape[0], -1), norm_weight=norm_weight, residual=residual,
                       eps=eps, epi=EPI_ROPE, grid=grid, pair_offset=half, cfg=(bn, *cfg[1:]),
-                      rope=(positions, slots, cos, sin, k_cache, v_cache), heads=(n_heads, n_kv, head_dim))
+                      rope=(positions, token_slots, cos, sin, k_cache, v_cache), heads=(n_heads, n_kv, head_dim))
 
 
 def max_rows(gate_up: torch.Tensor, head_dim: int) -> int:

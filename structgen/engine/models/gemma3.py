@@ -75,7 +75,7 @@ class GemmaAttention(Attention):
         q, k = rope(q, batch.positions), rope(k, batch.positions)
         if self.query_scale != 1.0:
             q = q * self.query_scale
-        kv.write(self.layer_idx, batch.token_slots, batch.positions, k, v.reshape(n, self.n_kv, self.head_dim))
+        kv.write(self.layer_idx, batch.token_slots, k, v.reshape(n, self.n_kv, self.head_dim))
         out = attend(q, kv.k[self.layer_idx], kv.v[self.layer_idx], batch, self.window)
         return project(self.o_proj, out.reshape(n, self.q_size), self.fused)
 

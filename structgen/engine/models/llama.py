@@ -148,7 +148,7 @@ class Attention(nn.Module):
             q, k = qk.split([self.n_heads, self.n_kv], dim=1)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
         q, k = rope(qk, batch.positions).split([self.n_heads, self.n_kv], dim=1)  # one rotation for q and k
-        kv.write(self.layer_idx, batch.token_slots, batch.positions, k, v)
+        kv.write(self.layer_idx, batch.token_slots, k, v)
         out = attend(q, kv.k[self.layer_idx], kv.v[self.layer_idx], batch, self.window)
         return self.o_proj(out.reshape(n, self.q_size))
 

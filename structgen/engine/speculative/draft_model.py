@@ -7,8 +7,8 @@ Two sources of a draft model:
 - `self_draft(runner, n)`: the target's own first `n` layers followed by its final norm and LM
   head ("early exit"): no extra weights, only an `n`-layer KV cache.
 
-Its KV cache uses the target's slot numbers (a request's draft K/V live in `req.slot` of the
-draft cache). What the draft cache holds is tracked as the token list fed to it, so rejected
+Its KV cache shares the target's page table (a request's draft K/V live in the same pages of
+the draft cache's pool). What the draft cache holds is tracked as the token list fed to it, so rejected
 drafts, accepted drafts and re-tokenised jump-forward text are all handled alike: the next
 proposal re-runs the tokens after the longest prefix still shared with the request.
 With a grammar, the draft's logits are masked at every position, so it never drafts a token
@@ -99,7 +99,7 @@ class DraftModelDrafter:
 
         model = EarlyExitModel(runner.model, num_layers)
         cfg = replace(runner.model_config, num_hidden_layers=num_layers)
-        kv = KVCache(cfg, runner.kv.num_slots, runner.kv.max_seq_len, runner.dtype, runner.device)
+        kv = KVCache(cfg, runner.kv.pages, runner.dtype, runner.device)
         return cls(model, kv, runner, grammar_aware)
 
     @classmethod
@@ -120,7 +120,7 @@ class DraftModelDrafter:
             model = LlamaModel(cfg, max_positions=runner.kv.max_seq_len)
         model.load_hf_weights(load_weights(model_dir, dtype=runner.dtype, device=runner.device))
         model.use_fused_kernels(triton_enabled(runner.device))
-        kv = KVCache(cfg, runner.kv.num_slots, runner.kv.max_seq_len, runner.dtype, runner.device)
+        kv = KVCache(cfg, runner.kv.pages, runner.dtype, runner.device)
         return cls(model.eval(), kv, runner, grammar_aware)
 
     # -- Drafter protocol ---------------------------------------------------------------------
@@ -200,7 +200,7 @@ class DraftModelDrafter:
         for _, _, toks in rows:
             flat.extend(toks)
             last.append(len(flat) - 1)
-        batch = AttentionBatch.build([(r.slot, p, len(t)) for r, p, t in rows], self.device, decode_kernel=False)
+        batch = AttentionBatch.build([(r.slot, p, len(t)) for r, p, t in rows], self.kv.pages)
         hidden = self.model(torch.tensor(flat, dtype=torch.long, device=self.device), batch, self.kv)
         if len(last) != hidden.shape[0]:
             hidden = hidden[torch.tensor(last, dtype=torch.long, device=self.device)]

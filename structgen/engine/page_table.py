@@ -1,0 +1,184 @@
+"""Which KV pages each running request's positions live in.
+
+The KV cache is a pool of fixed-size pages per layer (kv_cache.py). A running request holds a
+slot: a row of the page table, `table[slot, i]` = the page of its positions [i * page_size,
+(i + 1) * page_size). The table has a fixed shape, [slots + 1, max_seq_len / page_size], so
+the CUDA graphs read it as a static input; the extra row is the scratch slot of the graphs'
+padding rows. Unmapped entries point at page 0, the scratch page, which no request owns: a
+write there (a padding row, a forward launched ahead and discarded) is harmless.
+
+Pages are reference-counted: a prompt page in the prefix cache (prefix_cache.py) may be held by
+several requests at once, read-only; a page goes back to the free list (or, when cached, to
+the cache's LRU) when nobody holds it. Only full pages of a prompt are cached, and only once
+their K/V are computed; a request writes only at positions past its cached ones, so a shared
+page is never written.
+
+The host copy (`host`) is the truth; `table` is the device copy, brought up to date by `sync`
+before a forward reads it (on the CPU they are one tensor).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from structgen.engine.prefix_cache import ROOT_HASH, PrefixCache, page_keys
+
+SCRATCH_PAGE = 0
+
+
+class PageTable:
+    def __init__(self, num_pages: int, page_size: int, num_slots: int, max_seq_len: int, device: torch.device,
+                 prefix_caching: bool = True):
+        self.page_size, self.num_pages, self.num_slots = page_size, num_pages, num_slots
+        self.scratch_slot, self.max_seq_len = num_slots, max_seq_len
+        self.max_pages_per_seq = -(-max_seq_len // page_size)
+        self.host = torch.full((num_slots + 1, self.max_pages_per_seq), SCRATCH_PAGE, dtype=torch.long)
+        self._host_np = self.host.numpy()
+        self.table = self.host if device.type == "cpu" else self.host.to(device)
+        self._dirty = False
+        self.version = 0  # counts changes of the table (tensor parallelism sends it when it moved)
+        self._free_pages = list(range(num_pages - 1, SCRATCH_PAGE, -1))
+        self._refs = [0] * num_pages
+        self._pages: list[list[int]] = [[] for _ in range(num_slots + 1)]
+        self._free_slots = list(range(num_slots - 1, -1, -1))
+        self.cache = PrefixCache() if prefix_caching else None
+        # Per slot, the key hashes of its leading pages that are keyed (found in the cache or
+        # put there): those pages may be shared, so the slot never writes them.
+        self._keyed: list[list[int]] = [[] for _ in range(num_slots + 1)]
+
+    # -- slots ------------------------------------------------------------------------------
+    @property
+    def free_slots(self) -> int:
+        return len(self._free_slots)
+
+    def allocate_slot(self) -> int | None:
+        return self._free_slots.pop() if self._free_slots else None
+
+    def release_slot(self, slot: int) -> None:
+        """Give back the slot and every page it holds."""
+        assert slot not in self._free_slots, f"slot {slot} released twice"
+        self.shrink(slot, 0)
+        self._free_slots.append(slot)
+
+    # -- pages ------------------------------------------------------------------------------
+    @property
+    def free_pages(self) -> int:
+        """Pages a request could take now: free ones and cached ones nobody holds."""
+        return len(self._free_pages) + (self.cache.num_idle if self.cache is not None else 0)
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def num_mapped(self, slot: int) -> int:
+        """Positions of `slot` that have a page."""
+        return len(self._pages[slot]) * self.page_size
+
+    def cover(self, slot: int, end: int) -> bool:
+        """Map pages for positions [0, end) of `slot`; False where the pool ran out (the pages
+        taken so far stay)."""
+        pages = self._pages[slot]
+        need = min(self.pages_for(end), self.max_pages_per_seq)
+        while len(pages) < need:
+            page = self._take_page()
+            if page is None:
+                return False
+            self._hold(slot, page)
+        return True
+
+    def shrink(self, slot: int, end: int) -> None:
+        """Let go of `slot`'s pages past those positions [0, end) need."""
+        pages = self._pages[slot]
+        keep = self.pages_for(end)
+        if len(pages) <= keep:
+            return
+        for page in reversed(pages[keep:]):  # a chain's tail becomes idle, so is evicted, first
+            self._let_go(page)
+        del pages[keep:]
+        del self._keyed[slot][keep:]
+        self._host_np[slot, keep:] = SCRATCH_PAGE
+        self._dirty = True
+        self.version += 1
+
+    def writable_from(self, slot: int, start: int) -> int:
+        """The first position at or below `start` from which `slot` may write: `start`, unless
+        a rollback went into its keyed (possibly shared) pages; those from there on are let
+        go, to be recomputed into fresh pages."""
+        keyed = len(self._keyed[slot])
+        if start >= keyed * self.page_size:
+            return start
+        keep = start // self.page_size
+        self.shrink(slot, keep * self.page_size)
+        return keep * self.page_size
+
+    def _take_page(self) -> int | None:
+        if self._free_pages:
+            return self._free_pages.pop()
+        return self.cache.evict() if self.cache is not None else None
+
+    def _hold(self, slot: int, page: int) -> None:
+        self._refs[page] += 1
+        if self._refs[page] == 1 and self.cache is not None:
+            self.cache.use(page)
+        pages = self._pages[slot]
+        self._host_np[slot, len(pages)] = page
+        pages.append(page)
+        self._dirty = True
+        self.version += 1
+
+    def _let_go(self, page: int) -> None:
+        self._refs[page] -= 1
+        if self._refs[page] == 0:
+            if self.cache is not None and self.cache.holds(page):
+                self.cache.idle(page)
+            else:
+                self._free_pages.append(page)
+
+    # -- the prefix cache -------------------------------------------------------------------
+    def match_prefix(self, slot: int, token_ids: list[int], num_prompt: int) -> int:
+        """Map the cached pages that `token_ids`' prompt starts with into the empty `slot`;
+        returns how many tokens they hold. The page of the prompt's last token is never taken:
+        that token is run again, so the request has logits to sample from."""
+        if self.cache is None:
+            return 0
+        parent = ROOT_HASH
+        for key in page_keys(token_ids, self.page_size, (num_prompt - 1) // self.page_size):
+            page = self.cache.find(key)
+            if page is None:
+                break
+            self._hold(slot, page)
+            parent = hash(key)
+            self._keyed[slot].append(parent)
+        return len(self._keyed[slot]) * self.page_size
+
+    def publish(self, slot: int, token_ids: list[int], num_computed: int, num_prompt: int) -> None:
+        """Put `slot`'s full prompt pages whose K/V are computed (the first `num_computed`
+        tokens) into the prefix cache."""
+        keyed = self._keyed[slot]
+        full = min(num_computed, num_prompt, len(self._pages[slot]) * self.page_size) // self.page_size
+        if self.cache is None or full <= len(keyed):
+            return
+        parent = keyed[-1] if keyed else ROOT_HASH
+        first = len(keyed)
+        for i, key in enumerate(page_keys(token_ids, self.page_size, full - first, parent, first)):
+            self.cache.insert(key, self._pages[slot][first + i])  # a page another request cached first stays ours
+            keyed.append(hash(key))
+
+    # -- the table the kernels read ---------------------------------------------------------
+    def token_slots(self, slot: int, start: int, n: int) -> np.ndarray:
+        """The cache rows (page * page_size + offset) of positions [start, start + n) of `slot`."""
+        pos = np.arange(start, start + n)
+        return self._host_np[slot, pos // self.page_size] * self.page_size + pos % self.page_size
+
+    def replace_table(self, host: torch.Tensor) -> None:
+        """Adopt another rank's table (a tensor-parallel worker follows rank 0's pages)."""
+        self.host.copy_(host)
+        self._dirty = True
+        self.version += 1
+
+    def sync(self) -> None:
+        """Bring the device copy up to date (queued on the current stream; the host copy is
+        pageable memory, so it may change as soon as this returns)."""
+        if self._dirty and self.table is not self.host:
+            self.table.copy_(self.host, non_blocking=True)
+        self._dirty = False

@@ -1,0 +1,222 @@
+"""The paged KV cache: the page table's allocator and reference counts, the prefix cache's hash
+chain and LRU, and the engine over them on the real default model (CPU, float32): prefix
+caching keeps greedy outputs and skips the shared prompt's prefill; a pool too small for
+every request preempts and recomputes instead of failing, with the same outputs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from structgen.engine.config import EngineConfig
+from structgen.engine.engine import Engine
+from structgen.engine.models.loader import load_model_config
+from structgen.engine.page_table import SCRATCH_PAGE, PageTable
+from structgen.engine.prefix_cache import page_keys
+from structgen.engine.request import Request
+from structgen.sampling import SamplingParams
+
+PAGE = 4
+CPU = torch.device("cpu")
+
+
+def table(num_pages: int = 9, slots: int = 3, prefix_caching: bool = True) -> PageTable:
+    return PageTable(num_pages, PAGE, slots, 64, CPU, prefix_caching)
+
+
+# ------------------------------------------------------------------------------ page table
+
+
+def test_pages_are_taken_a_page_at_a_time_and_given_back_on_shrink_and_release():
+    pages = table()
+    slot = pages.allocate_slot()
+    assert pages.cover(slot, 1) and pages.num_mapped(slot) == PAGE
+    assert pages.cover(slot, 9) and pages.num_mapped(slot) == 3 * PAGE
+    assert pages.free_pages == 8 - 3
+    mapped = pages.host[slot, :3].tolist()
+    assert SCRATCH_PAGE not in mapped and len(set(mapped)) == 3
+    assert (pages.host[slot, 3:] == SCRATCH_PAGE).all()  # unmapped positions: the scratch page
+    rows = pages.token_slots(slot, 3, 3).tolist()  # positions 3, 4, 5 cross a page boundary
+    assert rows == [mapped[0] * PAGE + 3, mapped[1] * PAGE, mapped[1] * PAGE + 1]
+    pages.shrink(slot, 5)  # a rollback to 5 positions keeps two pages
+    assert pages.num_mapped(slot) == 2 * PAGE and pages.free_pages == 6
+    pages.release_slot(slot)
+    assert pages.free_pages == 8 and pages.free_slots == 3
+
+
+def test_cover_reports_an_exhausted_pool_and_keeps_what_it_took():
+    pages = table(num_pages=4)  # three usable pages
+    a, b = pages.allocate_slot(), pages.allocate_slot()
+    assert pages.cover(a, 2 * PAGE)
+    assert not pages.cover(b, 2 * PAGE)
+    assert pages.num_mapped(b) == PAGE and pages.free_pages == 0
+    pages.release_slot(a)
+    assert pages.cover(b, 2 * PAGE)
+
+
+# ------------------------------------------------------------------------------ prefix cache
+
+
+def test_the_hash_chain_keys_a_page_by_everything_before_it():
+    a = page_keys([1, 2, 3, 4, 5, 6, 7, 8], PAGE, 2)
+    b = page_keys([9, 2, 3, 4, 5, 6, 7, 8], PAGE, 2)
+    assert a[0][1] == (1, 2, 3, 4) and a[1][1] == b[1][1] == (5, 6, 7, 8)
+    assert a[1] != b[1]  # same tokens, different prefix: another key
+    assert a == page_keys([1, 2, 3, 4, 5, 6, 7, 8, 0], PAGE, 2)
+    assert page_keys(list(range(12)), PAGE, 1, hash(a[1]), 2)[0][0] == hash(a[1])  # the chain goes on
+
+
+def test_published_prompt_pages_are_shared_then_kept_idle_then_evicted_tail_first():
+    pages = table(num_pages=9)
+    prompt = list(range(100, 111))  # 11 tokens: two full pages and a partial one
+    a = pages.allocate_slot()
+    assert pages.match_prefix(a, prompt, len(prompt)) == 0
+    assert pages.cover(a, len(prompt) + 2)
+    pages.publish(a, prompt, num_computed=6, num_prompt=len(prompt))  # only page 0 is computed
+    assert len(pages.cache) == 1
+    pages.publish(a, prompt, num_computed=11, num_prompt=len(prompt))
+    assert len(pages.cache) == 2  # the partial page is never cached
+    b = pages.allocate_slot()
+    assert pages.match_prefix(b, prompt, len(prompt)) == 2 * PAGE
+    assert pages.host[b, :2].tolist() == pages.host[a, :2].tolist()  # the same pages, shared
+    # The last prompt token is always run again: a prompt of exactly two pages matches one.
+    c = pages.allocate_slot()
+    assert pages.match_prefix(c, prompt[:8], 8) == PAGE
+    for slot in (a, b, c):
+        pages.release_slot(slot)
+    assert pages.free_pages == 8 and pages.cache.num_idle == 2  # cached, idle, still findable
+    hog = pages.allocate_slot()
+    assert pages.cover(hog, 7 * PAGE)  # needs one cached page: the least recently idle goes,
+    assert len(pages.cache) == 1  # the chain's tail (released before its head)
+    assert pages.match_prefix(pages.allocate_slot(), prompt, len(prompt)) == PAGE
+    assert not pages.cover(hog, 8 * PAGE)  # the head is held again: nothing left to evict
+
+
+def test_a_rollback_into_shared_pages_lets_go_of_them_for_recomputation():
+    pages = table()
+    prompt = list(range(13))
+    a = pages.allocate_slot()
+    pages.cover(a, 15)
+    pages.publish(a, prompt, 13, 13)
+    b = pages.allocate_slot()
+    assert pages.match_prefix(b, prompt, 13) == 3 * PAGE
+    shared = pages.host[b, 1].item()
+    assert pages.writable_from(b, 12) == 12  # past the shared pages: nothing to do
+    assert pages.writable_from(b, 6) == PAGE  # into page 1: it and those after are let go
+    assert pages.num_mapped(b) == PAGE and pages.host[a, 1].item() == shared
+    assert pages.cover(b, 8) and pages.host[b, 1].item() != shared
+
+
+# ------------------------------------------------------------------------------ the Triton kernel
+
+
+def test_the_paged_decode_kernel_equals_the_torch_reference_under_the_interpreter():
+    """A small case of tests/engine/test_kernels.py's comparison, in a process of its own so
+    Triton's interpreter is on from its first import."""
+    pytest.importorskip("triton")
+    code = (
+        "import torch\n"
+        "from structgen.engine.kernels.decode_attention import decode_attention, decode_attention_reference\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "k, v = torch.randn(2, 9, 16, 2, 32, generator=g)\n"
+        "table = torch.tensor([[3, 1, 7, 0], [2, 8, 5, 4]])\n"
+        "q = torch.randn(2, 4, 32, generator=g)\n"
+        "slots, lens = torch.tensor([1, 0]), torch.tensor([50, 17])\n"
+        "out = decode_attention(q, k, v, table, slots, lens)\n"
+        "ref = decode_attention_reference(q, k, v, table, slots, lens)\n"
+        "assert (out - ref).abs().max() < 1e-4, (out - ref).abs().max()\n"
+        "out = decode_attention(q, k, v, table, slots, lens, window=20)\n"
+        "assert (out - decode_attention_reference(q, k, v, table, slots, lens, window=20)).abs().max() < 1e-4\n"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+# ------------------------------------------------------------------------------ the engine
+
+
+def engine(model_dir, **config) -> Engine:
+    config = {"device": "cpu", "max_batch_size": 4, "max_seq_len": 4096, "jump_forward": False, **config}
+    return Engine(load_model_config(model_dir), EngineConfig(**config), model_dir)
+
+
+def run_greedy(eng: Engine, prompts: list[list[int]], max_tokens: int) -> list[Request]:
+    reqs = [Request(p, SamplingParams(max_tokens=max_tokens)) for p in prompts]
+    eng.run(reqs)
+    return reqs
+
+
+def chat(tokenizer, system: str, user: str) -> list[int]:
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+SYSTEM = ("You are a support agent for a hardware store. Answer briefly. Tools: " +
+          " ".join(f"tool_{i}(item, quantity) orders {i} boxes of screws;" for i in range(12)))
+QUESTIONS = ["Which tool orders three boxes?", "Say hello.", "What do you sell?"]
+
+
+def test_greedy_outputs_are_the_same_with_prefix_caching_on_and_off(model_dir, tokenizer):
+    prompts = [chat(tokenizer, SYSTEM, q) for q in QUESTIONS]
+    assert len(prompts[0]) > 200
+    outputs = {}
+    for caching in (False, True):
+        eng = engine(model_dir, prefix_caching=caching)
+        first = run_greedy(eng, prompts[:1], 6)  # the system prompt's pages are cached after it
+        rest = run_greedy(eng, prompts[1:], 6)  # these two run together, sharing them
+        outputs[caching] = [r.output_ids for r in first + rest]
+        cached = [r.stats.cached_prompt_tokens for r in first + rest]
+        if caching:
+            assert cached[0] == 0 and min(cached[1:]) > 0.8 * len(prompts[0])
+        else:
+            assert cached == [0, 0, 0]
+        assert eng.runner.kv.pages.free_slots == eng.runner.kv.num_slots
+    assert outputs[True] == outputs[False]
+
+
+def test_the_second_request_with_a_long_shared_prompt_prefills_a_fraction_of_it(model_dir, tokenizer):
+    system = SYSTEM * 13
+    first, second = (chat(tokenizer, system, q) for q in QUESTIONS[:2])
+    assert len(first) > 2500
+    eng = engine(model_dir)
+    a = run_greedy(eng, [first], 1)[0]
+    b = run_greedy(eng, [second], 1)[0]
+    prefilled = [r.stats.prompt_tokens - r.stats.cached_prompt_tokens for r in (a, b)]
+    assert prefilled[0] == len(first)
+    assert prefilled[1] < 0.05 * prefilled[0]
+
+
+def test_a_pool_too_small_for_every_request_preempts_and_keeps_the_outputs(model_dir, tokenizer):
+    prompts = [chat(tokenizer, "Be brief.", q) for q in [*QUESTIONS, "Name a color."]]
+    roomy = run_greedy(engine(model_dir, max_seq_len=128, prefix_caching=False), prompts, 24)
+    tight = engine(model_dir, max_seq_len=128, kv_cache_tokens=128, prefix_caching=False)  # 8 pages for 4
+    squeezed = run_greedy(tight, prompts, 24)
+    assert sum(r.stats.preemptions for r in squeezed) > 0
+    assert [r.output_ids for r in squeezed] == [r.output_ids for r in roomy]
+    assert all(r.finish_reason in ("stop", "length") for r in squeezed)
+    assert tight.runner.kv.pages.free_pages == tight.runner.kv.pages.num_pages - 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_graphs_prefix_caching_and_preemption_keep_greedy_outputs(model_dir, tokenizer):
+    """The decode graphs read the page table as a static input: shared pages (prefix caching)
+    and pages handed around by preemption give the outputs of a roomy cache without either."""
+    prompts = [chat(tokenizer, SYSTEM, q) for q in QUESTIONS]
+    base = engine(model_dir, device="cuda", dtype="float32", max_seq_len=1024, prefix_caching=False)
+    want = [r.output_ids for r in run_greedy(base, prompts, 32)]
+    cached = engine(model_dir, device="cuda", dtype="float32", max_seq_len=1024)
+    run_greedy(cached, prompts[:1], 1)
+    got = run_greedy(cached, prompts, 32)
+    assert min(r.stats.cached_prompt_tokens for r in got) > 200
+    assert [r.output_ids for r in got] == want
+    tight = engine(model_dir, device="cuda", dtype="float32", max_seq_len=1024, kv_cache_tokens=1024, prefix_caching=False)
+    squeezed = run_greedy(tight, prompts, 32)
+    assert sum(r.stats.preemptions for r in squeezed) > 0
+    assert [r.output_ids for r in squeezed] == want
