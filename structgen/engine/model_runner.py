@@ -191,10 +191,22 @@ class ModelRunner:
         """Run the new tokens of every sequence; return float32 logits [sum(num_logits), vocab]."""
         if self.graphs is not None:
             self.graphs.discard_ahead()  # this forward changes what a pre-launched one assumed
+        self._cover(seqs)  # before the workers are told: they follow rank 0's page table
         if self.tensor_parallel is None:
             return self._extend(seqs)
         with self.tensor_parallel.extending(seqs):  # the worker ranks run the same forward
             return self._extend(seqs)
+
+    def _cover(self, seqs: list[ExtendSeq]) -> None:
+        """Pages for every token of the forward (a tensor-parallel worker takes none: it
+        adopts rank 0's table)."""
+        if self.tensor_parallel is not None and self.tensor_parallel.rank > 0:
+            return
+        for s in seqs:
+            if not self.kv.pages.cover(s.slot, s.start + len(s.token_ids)):
+                from structgen.errors import EngineError
+
+                raise EngineError("the KV cache has no free page for this forward; the scheduler reserves them")
 
     def _extend(self, seqs: list[ExtendSeq]) -> torch.Tensor:
         flat: list[int] = []
@@ -203,11 +215,6 @@ class ModelRunner:
             flat.extend(s.token_ids)
             logit_rows.extend(range(len(flat) - s.num_logits, len(flat)))
         pages = self.kv.pages
-        for s in seqs:
-            if not pages.cover(s.slot, s.start + len(s.token_ids)):
-                from structgen.errors import EngineError
-
-                raise EngineError("the KV cache has no free page for this forward; the scheduler reserves them")
         pages.sync()
         batch = AttentionBatch.build(
             [(s.slot, s.start, len(s.token_ids)) for s in seqs], pages, decode_kernel=self._use_decode_kernel(seqs)
