@@ -256,7 +256,8 @@ class LlamaModel(nn.Module):
                 m.fused = enabled
             if isinstance(m, DecoderLayer):
                 m.fused_rows = 0
-                dense = isinstance(m.self_attn.qkv_proj, nn.Linear) and isinstance(m.mlp.gate_up_proj, nn.Linear)
+                dense = isinstance(m.self_attn.qkv_proj, nn.Linear) and isinstance(
+                    getattr(m.mlp, "gate_up_proj", None), nn.Linear)  # not packed, not experts (MoE)
                 if enabled and projection_rows and dense:
                     from structgen.engine.kernels.fused_gemv import max_rows
 
