@@ -283,6 +283,10 @@ class EngineTuning:
     # int4 / int8 / FP8 weights (models/packed.py); False de-quantizes them at load
     # (docs/performance.md, "Quantized weights on the CPU").
     quantized_weights: bool = True
+    # A GGUF's Q4 / Q8 blocks kept packed on CUDA too (int4 / int8 kernels) instead of
+    # de-quantized to bf16 at load: off until the packed multi-row GEMM matches its reference
+    # on the GPU (docs/performance.md, "Quantized weights on the GPU").
+    gguf_packed_on_cuda: bool = False
 
     def __post_init__(self) -> None:
         from structgen.errors import InvalidParameterError

@@ -111,6 +111,7 @@ class ModelRunner:
             # Packed weights stay packed (not under tensor parallelism: packed layers do not split).
             packed = getattr(cls, "takes_packed_weights", False) and self.config.tuning.quantized_weights and tp is None
             weights = load_weights(model_dir, dtype=self.dtype, device=self.device, keep_quantized=packed,
+                                   gguf_packed_on_cuda=self.config.tuning.gguf_packed_on_cuda,
                                    shard=None if tp is None else tp.weight_shard())
             if self.config.quantization:
                 weights = self._quantize_at_load(weights, packed)

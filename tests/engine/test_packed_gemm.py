@@ -129,7 +129,7 @@ def test_quantized_model_through_the_kernels_matches_its_float_weights(tmp_path,
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="loads the default model on CUDA")
 def test_default_gguf_model_on_cuda_keeps_its_q4_1_weights_packed(model_dir) -> None:
-    """On CUDA the default model's Q4_1 projections load as int4 and its Q8_0 embedding (and
+    """With `gguf_packed_on_cuda` the default model's Q4_1 projections load as int4 and its Q8_0 embedding (and
     the tied LM head) as int8; prompt logits stay close to the model de-quantized to bf16."""
     from structgen.engine.config import EngineConfig, EngineTuning
     from structgen.engine.engine import Engine
@@ -138,7 +138,8 @@ def test_default_gguf_model_on_cuda_keeps_its_q4_1_weights_packed(model_dir) -> 
     from structgen.engine.models.packed import PackedLinear
 
     cfg = load_model_config(model_dir)
-    engines = [Engine(cfg, EngineConfig(max_batch_size=2, max_seq_len=256, tuning=EngineTuning(quantized_weights=q)),
+    engines = [Engine(cfg, EngineConfig(max_batch_size=2, max_seq_len=256,
+                                        tuning=EngineTuning(quantized_weights=q, gguf_packed_on_cuda=q)),
                       model_dir) for q in (True, False)]
     model = engines[0].runner.model
     assert model.layers[0].mlp.down_proj.weight_packed.code == "int4"

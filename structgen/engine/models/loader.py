@@ -315,6 +315,7 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 def load_weights(
     model_dir: str | Path, dtype: torch.dtype, device: str | torch.device, *, keep_quantized: bool = False,
+    gguf_packed_on_cuda: bool = False,
     shard: Callable[[str, Any], torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor | QuantizedWeight | PackedWeight]:
     """All tensors of `model_dir`, by HF name, as `dtype` on `device`.
@@ -322,8 +323,8 @@ def load_weights(
     Tied models have no `lm_head.weight` entry; the model reuses `model.embed_tokens.weight`.
     Floating tensors are moved in their stored dtype and cast on the device, where the cast is
     cheap; integer tensors keep their dtype. With `keep_quantized`, weights stored quantized
-    stay so: a GGUF conversion's packed blocks as `QuantizedWeight`s on the CPU and as
-    `PackedWeight`s on CUDA (Q4_0, Q4_1, Q8_0), an AWQ / GPTQ / FP8 checkpoint's layers as
+    stay so: a GGUF conversion's packed blocks as `QuantizedWeight`s on the CPU and, with
+    `gguf_packed_on_cuda`, as `PackedWeight`s on CUDA (Q4_0, Q4_1, Q8_0), an AWQ / GPTQ / FP8 checkpoint's layers as
     `PackedWeight`s; without it (or for other block formats on CUDA) they are de-quantized.
     `shard(name, tensor)`: the part of each tensor to keep (tensor parallelism,
     models/sharding.py), cut from the file's slice so the rest is never read.
@@ -342,7 +343,8 @@ def load_weights(
                 packed = packed_formats(st.metadata())
                 for name in st.keys():  # safe_open is not a dict: keys() is needed
                     if name in packed:
-                        t = _packed_weight(st.get_tensor(name), *packed[name], dtype, device, keep_quantized)
+                        t = _packed_weight(st.get_tensor(name), *packed[name], dtype, device,
+                                           keep_quantized and (device.type == "cpu" or gguf_packed_on_cuda))
                         out[name] = t if shard is None else shard(name, t)
                         continue
                     t = st.get_tensor(name) if shard is None else shard(name, st.get_slice(name))
