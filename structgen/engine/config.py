@@ -267,6 +267,10 @@ class EngineConfig:
     prefill_chunk_tokens: int = 2048  # longest prefill piece scheduled in one step
     use_cuda_graphs: bool = True  # decode/verify graphs on CUDA; ignored on CPU
     jump_forward: bool = True  # append grammar-forced text without a decode step per token
+    # A token's logits do not depend on the rows that share its forward (other requests, its
+    # own draft or forced tokens), so greedy outputs are the same with or without speculative
+    # decoding, jump-forward and batching; CUDA kernels only: the CPU's are already.
+    batch_invariant: bool = True
     seed: int | None = None
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
     tuning: EngineTuning = field(default_factory=EngineTuning)
