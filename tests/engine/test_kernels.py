@@ -238,6 +238,7 @@ def test_fused_projections_are_kept_to_the_shapes_they_win_on():
     shape or where no block width divides the intermediate size or half a head; the model
     takes that rule layer by layer."""
     from structgen.engine.config import ModelConfig
+    from structgen.engine.kernels import use_batch_invariant
     from structgen.engine.kernels.fused_gemv import MAX_ROWS, max_rows
     from structgen.engine.models.llama import LlamaModel, skip_init
 
@@ -253,6 +254,7 @@ def test_fused_projections_are_kept_to_the_shapes_they_win_on():
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16)
     with skip_init(LOW):
         model = LlamaModel(cfg, 32)
+    use_batch_invariant(False)  # an engine built earlier in this process may have switched it on
     model.use_fused_kernels(True)
     assert [layer.fused_rows for layer in model.layers] == [MAX_ROWS, MAX_ROWS]
     model.use_fused_kernels(True, projection_rows=1)
