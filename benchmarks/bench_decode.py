@@ -79,9 +79,10 @@ def load(model: str, tok_dir: Path | None) -> tuple[Any, Any, Path | None, set[i
     return cfg, tok, None, set(cfg.eos_token_id)
 
 
-def build_engine(cfg, model_dir: Path | None, stop: set[int], graphs: bool, prefill_in_graphs: bool = True) -> Engine:
+def build_engine(cfg, model_dir: Path | None, stop: set[int], graphs: bool, prefill_in_graphs: bool = True,
+                 batch_invariant: bool = True) -> Engine:
     ec = EngineConfig(max_batch_size=64, max_seq_len=1024, jump_forward=False, use_cuda_graphs=False,
-                      tuning=EngineTuning(prefill_in_graphs=prefill_in_graphs))
+                      batch_invariant=batch_invariant, tuning=EngineTuning(prefill_in_graphs=prefill_in_graphs))
     engine = Engine(cfg, ec, model_dir, stop_token_ids=stop)
     if model_dir is None:  # the peers' random weights (benchmarks.common), copied in place
         engine.runner.model.load_hf_weights(random_weights(cfg, engine.runner.dtype, engine.device, seed=0))
@@ -216,6 +217,9 @@ def main() -> None:
     ap.add_argument("--no-write", action="store_true", help="print only (debug runs)")
     ap.add_argument("--dump", type=Path, default=None, help="also write rows/floors here after each model")
     ap.add_argument("--merge", type=Path, default=None, help="start from rows/floors dumped by an earlier run")
+    ap.add_argument("--batch-invariant", choices=("on", "off"), default="on",
+                    help="EngineConfig.batch_invariant (process-wide: one setting a run; rows of 'off' are "
+                         "named structgen-not-invariant, so --dump/--merge can join two runs)")
     ap.add_argument("--tokenizer-dir", type=Path, default=None,
                     help="SmolLM2 tokenizer files for the random-shape models (when the model is absent)")
     args = ap.parse_args()
@@ -248,7 +252,8 @@ def main() -> None:
         floors[model] = hbm_floor_ms(decode_weight_bytes(cfg, torch.bfloat16), bandwidth)
         prompt_ids = tok.encode(chat(tok, PROMPT), add_special_tokens=False)
         grammar = GrammarCompiler(tok, cfg.vocab_size, sorted(stop)).compile(to_constraint(JsonSchema(SCHEMA)))
-        engine = build_engine(cfg, model_dir, stop, graphs=True)
+        invariant = args.batch_invariant == "on"
+        engine = build_engine(cfg, model_dir, stop, graphs=True, batch_invariant=invariant)
         # The budget closer and loop guards, on as in the product (budgets stay out of reach).
         engine.closer.use_tokenizer(tok, engine.vocab_size, engine.stop_token_ids)
         print(f"[{model}] engine ready in {time.perf_counter() - t_load:.1f}s "
@@ -259,7 +264,8 @@ def main() -> None:
                 tuner = engine.prefetcher.tuner if engine.prefetcher is not None else None
                 if constrained and batch >= MIN_ROWS and tuner is not None:
                     r["prefetch_decisions"] = list(tuner.decisions)  # what "auto" chose, in order
-                rows.append({"system": "structgen", "model": model, "batch": batch, "constrained": constrained,
+                rows.append({"system": "structgen" if invariant else "structgen-not-invariant", "model": model,
+                             "batch": batch, "constrained": constrained, "batch_invariant": invariant,
                              "metric": "ms_per_step", **r, "floor_ms": floors[model]})
                 print(rows[-1], flush=True)
             if batch >= MIN_ROWS:
