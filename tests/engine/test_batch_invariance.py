@@ -155,7 +155,8 @@ def test_a_verify_steps_rows_get_the_logits_of_one_row_decode_steps(invariant):
 def test_speculative_and_jump_forward_outputs_equal_plain_greedy_outputs_on_jme(model_dir, maskbench_dir):
     """The issue's guarantee on 20 JME prompts, one at a time, the default model in bf16 with
     the batch-invariant mode on (the default): n-gram speculation (k = 3), jump-forward and
-    both give plain greedy decoding's tokens exactly."""
+    both give plain greedy decoding's tokens exactly. And verify steps leave the token gate
+    alone (its one-row forward would be wasted ahead of the next verify step)."""
     import json
 
     from structgen import LLM, JsonSchema
@@ -202,8 +203,12 @@ def test_speculative_and_jump_forward_outputs_equal_plain_greedy_outputs_on_jme(
         return done, extra_rows
 
     plain, _ = outputs(None, False)
+    graphs = eng.runner.graphs
     for speculator, jf in ((ngram, False), (None, True), (ngram, True)):
+        gate_runs = graphs.gate_runs
         got, extra_rows = outputs(speculator, jf)
         assert extra_rows > 0  # drafts were accepted / text was forced: multi-row steps ran
+        if speculator is not None:  # a verify step never runs the token gate's one-row forward
+            assert graphs.gate_runs == gate_runs
         differ = [i for i, (a, b) in enumerate(zip(got, plain, strict=True)) if a != b]
         assert not differ, f"speculative={speculator is not None} jump_forward={jf}: prompts {differ} differ"

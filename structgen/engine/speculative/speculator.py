@@ -519,7 +519,10 @@ class VerifyStep(DecodeStep):
 
     def __init__(self, speculator: Speculator, g: GraphRows, errors: dict[Request, BaseException],
                  take: Callable[[list[int], dict[Request, BaseException]], None], plans: bool):
-        super().__init__(g.rows, g.temperatures, g.seeds, g.has_mask, predict_next=plans, plans_next=plans)
+        # No token gate: the next step is a verify step of several rows, so the one-row forward
+        # the gate would run on the device ahead of it is almost always wasted.
+        super().__init__(g.rows, g.temperatures, g.seeds, g.has_mask, predict_next=plans, plans_next=plans,
+                         gate_next=False)
         self.speculator, self.masks, self.order, self.errors, self.take = speculator, g.masks, g.order, errors, take
         self.taken = False  # the tokens went in while planning
 
