@@ -228,35 +228,10 @@ def _gemv_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS:
 
 
 @triton.jit
-def _dot_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS: tl.constexpr,
-                EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The skinny GEMM: rows padded to BLOCK_M (16, tl.dot's smallest), W streamed once through
-    the tensor cores, so 16 rows cost about what 2 do."""
-    pid = tl.program_id(0)
-    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = n < N
-    m = tl.arange(0, BLOCK_M)
-    mmask = m < M
-    w_ptr = W + n[:, None].to(tl.int64) * stride_wn
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        w, x = _load_chunk(w_ptr, X, stride_xm, m, mmask, nmask, k0 + tl.arange(0, BLOCK_K), K, EVEN_K)
-        acc = tl.dot(x, tl.trans(w), acc)
-    if HAS_BIAS:
-        acc += tl.load(B + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    tl.store(Y + m[:, None] * stride_ym + n[None, :], acc.to(Y.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
-
-
-@triton.jit(do_not_specialize=["M"])
-def _invariant_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS: tl.constexpr,
-                      EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """`_dot_kernel` over row tiles: program p takes row tile p % tiles and feature block
-    p // tiles, so the tiles that read one slab of W run side by side and share it in L2. A
-    row's sums never involve another row, and the code is the same for every row count."""
-    pid = tl.program_id(0)
-    tiles = tl.cdiv(M, BLOCK_M)
-    n = (pid // tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m = (pid % tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
+def _dot_tile(X, W, B, Y, m, n, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS: tl.constexpr,
+              EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Rows `m` x features `n` of the product: W's slab streamed once through the tensor cores
+    in BLOCK_K chunks, summed in K order whichever rows the tile holds."""
     nmask = n < N
     mmask = m < M
     w_ptr = W + n[:, None].to(tl.int64) * stride_wn
@@ -270,12 +245,35 @@ def _invariant_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_
     tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
 
 
+@triton.jit
+def _dot_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS: tl.constexpr,
+                EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The skinny GEMM: rows padded to BLOCK_M (16, tl.dot's smallest), W streamed once through
+    the tensor cores, so 16 rows cost about what 2 do."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    _dot_tile(X, W, B, Y, tl.arange(0, BLOCK_M), n, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS, EVEN_K,
+              BLOCK_M, BLOCK_N, BLOCK_K)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _invariant_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS: tl.constexpr,
+                      EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """`_dot_kernel` over row tiles: program p takes row tile p % tiles and feature block
+    p // tiles, so the tiles that read one slab of W run side by side and share it in L2. A
+    row's sums never involve another row, and the code is the same for every row count."""
+    pid = tl.program_id(0)
+    tiles = tl.cdiv(M, BLOCK_M)
+    n = (pid // tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = (pid % tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
+    _dot_tile(X, W, B, Y, m, n, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
+
+
 def invariant_block(weight: torch.Tensor) -> Block:
     """The batch-invariant GEMM's launch shape: a function of W's shape only (never timed, so
     two processes compute the same bits), the widest K chunk that divides K."""
     n, k = weight.shape
     chunk = next((c for c in (256, 128, 64) if k % c == 0), 128)
-    return Block(32 if n >= 8192 else 16, chunk, 4, 4, "dot")
+    return Block(32 if n >= 8192 else 16, chunk, 4, 3, "dot")
 
 
 def invariant_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
