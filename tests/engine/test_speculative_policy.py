@@ -19,9 +19,18 @@ def measured(costs: dict[int, float]) -> DraftPolicy:
 
 
 def test_batch_one_drafts_its_whole_budget_where_rows_are_nearly_free():
-    policy = measured({1: 1.0, 2: 1.01, 4: 1.03})
+    policy = measured({1: 1.0, 2: 1.01, 4: 1.03, 64: 1.5})
     assert policy.draft_lengths(["r"], [3], rows=1) == [3]
     assert policy.draft_lengths(["r", "prefill"], [3, 0], rows=40) == [3, 0]  # a prompt chunk rides along
+
+
+def test_a_step_of_a_size_not_timed_yet_runs_without_drafts_first():
+    policy = DraftPolicy(BUCKETS)
+    assert policy.draft_lengths(["r"], [3], rows=1) == [0]
+    policy.record_step(1, 100.0)  # warm-up: dropped
+    assert policy.draft_lengths(["r"], [3], rows=1) == [0]
+    policy.record_step(1, 1.0)
+    assert policy.draft_lengths(["r"], [3], rows=1) == [3]  # bucket 4 priced from bucket 1
 
 
 def test_a_large_batch_stops_drafting_where_its_rows_cost_what_they_emit():

@@ -12,8 +12,10 @@ worth, and keeps the top D, the D (0 included) that maximises expected tokens pe
 
 `cost` is the measured mean wall time of steps of that row bucket (the decode graphs' batch
 sizes, or powers of two), and where a bucket has not been measured yet, a linear model
-`(FIXED_ROWS + rows)` scaled to the nearest measured bucket. Each request's acceptance rate
-is a decayed count of its accepted and rejected drafts, starting from the engine-wide one.
+`(FIXED_ROWS + rows)` scaled to the nearest measured bucket. A step whose rows without drafts
+fall in a bucket not measured yet drafts nothing: the comparison needs the plain step's cost.
+Each request's acceptance rate is a decayed count of its accepted and rejected drafts,
+starting from the engine-wide one.
 """
 
 from __future__ import annotations
@@ -82,6 +84,8 @@ class DraftPolicy:
     def draft_lengths(self, reqs: list[object], budgets: list[int], rows: int) -> list[int]:
         """How many tokens each of `reqs` drafts, at most its budget (0: it does not sample
         this step); `rows`: the step's rows without drafts."""
+        if self.bucket(rows) not in self.step_seconds:  # time the plain step first
+            return [0] * len(reqs)
         worths = []  # (worth, request index): a request's j-th draft token is worth a^j
         for i, (req, k) in enumerate(zip(reqs, budgets, strict=True)):
             a = self.acceptance(req)
