@@ -258,7 +258,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--max-prompt-tokens", type=int, default=1536)
     ap.add_argument("--draft-len", default="3", help="draft length k, or a comma list (n-gram only beyond the first)")
-    ap.add_argument("--batches", default="1")
+    ap.add_argument("--batches", default="1", help="comma list of batch sizes, e.g. 1,16,64")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run each prompt this many times (fills batch 64 from fewer prompts)")
     ap.add_argument("--methods", default="ngram,self_draft", help="comma list of ngram, self_draft")
     ap.add_argument("--self-draft-layers", type=int, default=8)
     ap.add_argument("--jump-forward", choices=("on", "off", "both"), default="both")
@@ -274,7 +276,7 @@ def main() -> None:
                                                         batch_invariant=args.batch_invariant == "on"))
     profile = StepProfile() if args.profile else None
     eng = llm.engine
-    cases = load_cases(llm, args.data, args.limit, args.max_prompt_tokens)
+    cases = load_cases(llm, args.data, args.limit, args.max_prompt_tokens) * args.repeat
     print(f"{len(cases)} JME extraction prompts on {eng.device}, "
           f"prompt tokens {min(len(c.prompt_ids) for c in cases)}..{max(len(c.prompt_ids) for c in cases)}")
     ks = [int(x) for x in args.draft_len.split(",")]
