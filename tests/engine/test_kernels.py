@@ -27,6 +27,18 @@ LOW = torch.bfloat16 if CUDA else torch.float16  # the model dtype these kernels
 needs_cuda = pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
 
 
+@pytest.fixture(autouse=True)
+def per_row_count_kernels() -> Iterator[None]:
+    """The kernels' usual mode (an engine built earlier in this process may have switched the
+    process-wide batch-invariant mode on); the `invariant` fixture switches it on."""
+    from structgen.engine.kernels import batch_invariant, use_batch_invariant
+
+    before = batch_invariant()
+    use_batch_invariant(False)
+    yield
+    use_batch_invariant(before)
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     out, ref = out.double().cpu(), ref.double().cpu()
     assert not torch.isnan(out).any()
@@ -239,7 +251,6 @@ def test_fused_projections_are_kept_to_the_shapes_they_win_on():
     shape or where no block width divides the intermediate size or half a head; the model
     takes that rule layer by layer."""
     from structgen.engine.config import ModelConfig
-    from structgen.engine.kernels import use_batch_invariant
     from structgen.engine.kernels.fused_gemv import MAX_ROWS, max_rows
     from structgen.engine.models.llama import LlamaModel, skip_init
 
@@ -255,7 +266,6 @@ def test_fused_projections_are_kept_to_the_shapes_they_win_on():
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16)
     with skip_init(LOW):
         model = LlamaModel(cfg, 32)
-    use_batch_invariant(False)  # an engine built earlier in this process may have switched it on
     model.use_fused_kernels(True)
     assert [layer.fused_rows for layer in model.layers] == [MAX_ROWS, MAX_ROWS]
     model.use_fused_kernels(True, projection_rows=1)
@@ -721,13 +731,11 @@ def test_prefill_in_graphs_equals_eager_prefill():
 
 
 @pytest.fixture
-def invariant() -> Iterator[None]:
-    from structgen.engine.kernels import batch_invariant, use_batch_invariant
+def invariant(per_row_count_kernels: None) -> None:
+    """The batch-invariant mode, for one test (`per_row_count_kernels` restores the mode after)."""
+    from structgen.engine.kernels import use_batch_invariant
 
-    before = batch_invariant()
     use_batch_invariant(True)
-    yield
-    use_batch_invariant(before)
 
 
 def alone(x: torch.Tensor, i: int) -> torch.Tensor:
