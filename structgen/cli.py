@@ -20,6 +20,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-size", type=int, default=EngineConfig.max_batch_size, help="concurrent requests")
     p.add_argument("--max-seq-len", type=int, default=EngineConfig.max_seq_len, help="prompt + output tokens per request")
     p.add_argument("--no-jump-forward", action="store_true", help="decode grammar-forced text token by token")
+    p.add_argument("--no-batch-invariant", action="store_true",
+                   help="let GPU kernels sum differently per step size (greedy outputs may then change with batching)")
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -29,6 +31,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         max_batch_size=args.max_batch_size,
         max_seq_len=args.max_seq_len,
         jump_forward=not args.no_jump_forward,
+        batch_invariant=not args.no_batch_invariant,
     )
 
 
