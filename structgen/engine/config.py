@@ -269,7 +269,7 @@ class EngineConfig:
     jump_forward: bool = True  # append grammar-forced text without a decode step per token
     # A token's logits do not depend on the rows that share its forward (other requests, its
     # own draft or forced tokens), so greedy outputs are the same with or without speculative
-    # decoding, jump-forward and batching. CUDA only: the CPU's matrix products still sum
+    # decoding and in any batch. CUDA only: the CPU's matrix products still sum
     # differently per row count (docs/guide/engine-settings.md, "Batch invariance").
     batch_invariant: bool = True
     seed: int | None = None
