@@ -111,15 +111,17 @@ def load(model: str, tok_dir: Path | None) -> tuple[Any, Any, Path | None, set[i
 
 
 def build_engine(cfg, model_dir: Path | None, stop: set[int], graphs: bool, prefill_in_graphs: bool = True,
-                 tensor_parallel: int = 1, quantization: str | None = None, packed: bool = True) -> Engine:
+                 tensor_parallel: int = 1, quantization: str | None = None, packed: bool = True,
+                 batch_invariant: bool = True) -> Engine:
     if tensor_parallel > 1:
         # Every rank captures its graphs while it is built, with its own random shard
         # (`init_random_weights`): the worker ranks could not follow a later capture.
         ec = EngineConfig(max_batch_size=64, max_seq_len=1024, jump_forward=False, use_cuda_graphs=graphs,
-                          tuning=EngineTuning(prefill_in_graphs=prefill_in_graphs), tensor_parallel=tensor_parallel)
+                          batch_invariant=batch_invariant, tuning=EngineTuning(prefill_in_graphs=prefill_in_graphs),
+                          tensor_parallel=tensor_parallel)
         return Engine(cfg, ec, model_dir, stop_token_ids=stop)
     ec = EngineConfig(max_batch_size=64, max_seq_len=1024, jump_forward=False, use_cuda_graphs=False,
-                      quantization=quantization,
+                      quantization=quantization, batch_invariant=batch_invariant,
                       tuning=EngineTuning(prefill_in_graphs=prefill_in_graphs, quantized_weights=packed))
     engine = Engine(cfg, ec, model_dir, stop_token_ids=stop)
     if model_dir is None and quantization is None and fits_two_copies(cfg, engine.runner.dtype, engine.device):
@@ -303,6 +305,9 @@ def main() -> None:
     ap.add_argument("--no-write", action="store_true", help="print only (debug runs)")
     ap.add_argument("--dump", type=Path, default=None, help="also write rows/floors here after each model")
     ap.add_argument("--merge", type=Path, default=None, help="start from rows/floors dumped by an earlier run")
+    ap.add_argument("--batch-invariant", choices=("on", "off"), default="on",
+                    help="EngineConfig.batch_invariant (process-wide: one setting a run; rows of 'off' are "
+                         "named structgen-not-invariant, so --dump/--merge can join two runs)")
     ap.add_argument("--tokenizer-dir", type=Path, default=None,
                     help="SmolLM2 tokenizer files for the random-shape models (when the model is absent)")
     args = ap.parse_args()
@@ -343,8 +348,9 @@ def main() -> None:
             rows += tp_rows
         if 1 not in tp_sizes:
             continue  # a shape that only fits split (llama-70b-shape)
+        invariant = args.batch_invariant == "on"
         engine = build_engine(cfg, model_dir, stop, graphs=True, quantization=quantization_of(model),
-                              packed=not model.endswith("-float"))
+                              packed=not model.endswith("-float"), batch_invariant=invariant)
         bf16_floor = floors[model]
         if quantization_of(model):
             floors[model] = packed_floor_ms(engine, bandwidth)
@@ -358,7 +364,8 @@ def main() -> None:
                 tuner = engine.prefetcher.tuner if engine.prefetcher is not None else None
                 if constrained and batch >= MIN_ROWS and tuner is not None:
                     r["prefetch_decisions"] = list(tuner.decisions)  # what "auto" chose, in order
-                rows.append({"system": "structgen", "model": model, "batch": batch, "constrained": constrained,
+                rows.append({"system": "structgen" if invariant else "structgen-not-invariant", "model": model,
+                             "batch": batch, "constrained": constrained, "batch_invariant": invariant,
                              "metric": "ms_per_step", **r, "floor_ms": floors[model], "bf16_floor_ms": bf16_floor})
                 print(rows[-1], flush=True)
             if batch >= MIN_ROWS:

@@ -1,8 +1,9 @@
 """Forward-only benchmark: ms per decode forward (one CUDA-graph replay, no host in the loop)
 per bucket of rows, against the HBM floor, in three variants in the same process: the default
 (fused projections of `kernels/fused_gemv.py`, and 2-16 rows through `kernels/gemv.py` where
-timed faster than cuBLAS), without the fused projections, and with cuBLAS for every product of
-more than one row.
+timed faster than cuBLAS), without the fused projections, with cuBLAS for every product of
+more than one row, and the batch-invariant mode (`EngineConfig.batch_invariant`: every product
+through `gemv.invariant_gemm`, no fused projections, attention split as at batch 1).
 
 This isolates the GPU side of a decode step: bench_decode's ms/step also holds the sampler and
 whatever the host does between steps. Random weights of real shapes; no tokenizer or files.
@@ -29,7 +30,7 @@ from benchmarks.common import (
     write_results,
 )
 from structgen.engine.config import EngineConfig, EngineTuning
-from structgen.engine.kernels import gemv
+from structgen.engine.kernels import gemv, use_batch_invariant
 from structgen.engine.model_runner import ModelRunner
 from structgen.engine.models.llama import FUSED_ROWS
 
@@ -71,15 +72,17 @@ def main() -> None:
         cfg = model_config(model)
         floors[model] = hbm_floor_ms(decode_weight_bytes(cfg, torch.bfloat16), bandwidth)
         ec = EngineConfig(max_batch_size=max(8, max(buckets)), max_seq_len=1024, use_cuda_graphs=False,
-                          tuning=EngineTuning(cuda_graph_batch_sizes=tuple(buckets)))
+                          batch_invariant=False, tuning=EngineTuning(cuda_graph_batch_sizes=tuple(buckets)))
         runner = ModelRunner(cfg, ec, None)
         timed: dict[tuple[str, int], list[float]] = {}
         used: dict[str, int] = {}  # variant -> projection rows the layers took (fused_gemv.max_rows)
-        # (fused projection rows asked, most rows of a product the Triton kernels may take)
-        variants = {"default": (FUSED_ROWS, gemv.MAX_ROWS), "unfused": (0, gemv.MAX_ROWS),
-                    "cublas_multirow": (FUSED_ROWS, 1)}
+        # (fused projection rows asked, most rows of a product the Triton kernels may take,
+        # the batch-invariant mode)
+        variants = {"default": (FUSED_ROWS, gemv.MAX_ROWS, False), "unfused": (0, gemv.MAX_ROWS, False),
+                    "cublas_multirow": (FUSED_ROWS, 1, False), "batch_invariant": (FUSED_ROWS, gemv.MAX_ROWS, True)}
         for _ in range(2):  # each variant twice, interleaved: the better of two captures each
-            for name, (fused_rows, gemv_rows) in variants.items():
+            for name, (fused_rows, gemv_rows, invariant) in variants.items():
+                use_batch_invariant(invariant)
                 runner.model.use_fused_kernels(True, projection_rows=fused_rows)
                 used[name] = runner.model.layers[0].fused_rows
                 gemv.MAX_ROWS = gemv_rows
@@ -89,10 +92,12 @@ def main() -> None:
                 for b in buckets:
                     timed.setdefault((name, b), []).append(time_forward(runner, b, args.replays))
         gemv.MAX_ROWS = variants["default"][1]
+        use_batch_invariant(False)
         for (name, b), ms in sorted(timed.items(), key=lambda kv: (kv[0][1], list(variants).index(kv[0][0]))):
             value = min(ms)
             rows.append({"model": f"{model}-shape", "rows": b, "variant": name,
-                         "fused_projections": used[name] >= b, "multi_row_timed": variants[name][1] >= b > 1,
+                         "fused_projections": used[name] >= b,
+                         "multi_row_timed": variants[name][1] >= b > 1 and not variants[name][2],
                          "ms": round(value, 4), "runs_ms": [round(v, 4) for v in ms],
                          "x_floor": round(value / floors[model], 3), "floor_ms": round(floors[model], 4)})
             print(rows[-1], flush=True)

@@ -5,7 +5,8 @@ Each prompt holds the schema and the schema's valid instance rendered as prose; 
 (real SmolLM2-135M-Instruct weights, greedy) extracts the JSON under the schema's grammar.
 Variants: no speculation; n-gram (prompt lookup) drafting with and without grammar-aware
 drafting, `-late` without drafting the next step while the device waits (its verify forward
-is launched after this step's bookkeeping instead of at once), `-capturable` in the capturable
+is launched after this step's bookkeeping instead of at once), `-fixed` drafting the whole k
+every step (no `DraftPolicy`: speculative/policy.py), `-capturable` in the capturable
 guided decoding mode (engine/guided_loop.py: the step's host work as callbacks inside a loop of
 CUDA graphs; `identical_to_usual_mode` counts its outputs equal to the plain n-gram variant's); the self-draft (the target's first layers + its LM head); each with jump-forward on
 and off. Greedy speculation is lossless, so every variant must produce the baseline's exact
@@ -257,21 +258,25 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--max-prompt-tokens", type=int, default=1536)
     ap.add_argument("--draft-len", default="3", help="draft length k, or a comma list (n-gram only beyond the first)")
-    ap.add_argument("--batches", default="1")
+    ap.add_argument("--batches", default="1", help="comma list of batch sizes, e.g. 1,16,64")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run each prompt this many times (fills batch 64 from fewer prompts)")
     ap.add_argument("--methods", default="ngram,self_draft", help="comma list of ngram, self_draft")
     ap.add_argument("--self-draft-layers", type=int, default=8)
     ap.add_argument("--jump-forward", choices=("on", "off", "both"), default="both")
     ap.add_argument("--device", default=None)
     ap.add_argument("--backend", default="auto", help="grammar backend: auto, xgrammar, llguidance")
     ap.add_argument("--profile", action="store_true", help="time the step's phases per variant")
+    ap.add_argument("--batch-invariant", choices=("on", "off"), default="on", help="EngineConfig.batch_invariant")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
 
     # 64 slots: the decode graphs are captured up to 64 rows, which a verify step of 16 x (1 + 3) fills.
-    llm = LLM(backend=args.backend, config=EngineConfig(device=args.device, max_seq_len=2048, max_batch_size=64))
+    llm = LLM(backend=args.backend, config=EngineConfig(device=args.device, max_seq_len=2048, max_batch_size=64,
+                                                        batch_invariant=args.batch_invariant == "on"))
     profile = StepProfile() if args.profile else None
     eng = llm.engine
-    cases = load_cases(llm, args.data, args.limit, args.max_prompt_tokens)
+    cases = load_cases(llm, args.data, args.limit, args.max_prompt_tokens) * args.repeat
     print(f"{len(cases)} JME extraction prompts on {eng.device}, "
           f"prompt tokens {min(len(c.prompt_ids) for c in cases)}..{max(len(c.prompt_ids) for c in cases)}")
     ks = [int(x) for x in args.draft_len.split(",")]
@@ -282,6 +287,7 @@ def main() -> None:
         if "ngram" in methods:
             variants += [(f"structgen-ngram{tag}", SpeculativeConfig(num_draft_tokens=k)),
                          (f"structgen-ngram-late{tag}", SpeculativeConfig(num_draft_tokens=k)),
+                         (f"structgen-ngram-fixed{tag}", SpeculativeConfig(num_draft_tokens=k)),
                          (f"structgen-ngram-capturable{tag}", SpeculativeConfig(num_draft_tokens=k)),
                          (f"structgen-ngram-nogrammar{tag}", SpeculativeConfig(num_draft_tokens=k, grammar_aware=False))]
         if "self_draft" in methods and i == 0:
@@ -294,6 +300,8 @@ def main() -> None:
             s.drafter.host_only = False
         if "-capturable" in name:  # the capturable mode: verify steps in guided_loop.py's loop
             s.capturable = True
+        if "-fixed" in name:  # every request drafts its whole budget, whatever the batch (no DraftPolicy)
+            s.adaptive = False
     for s in speculators.values():
         if s is not None:
             s.use_tokenizer(llm.tokenizer)  # what LLM does for a speculator it is built with

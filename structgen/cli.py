@@ -25,6 +25,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="split the model across N GPUs of this host (or across the processes torchrun launched: "
         "docs/guide/multi-gpu.md)",
     )
+    p.add_argument("--no-batch-invariant", action="store_true",
+                   help="let GPU kernels sum differently per step size (greedy outputs may then change with batching)")
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -35,6 +37,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         max_seq_len=args.max_seq_len,
         jump_forward=not args.no_jump_forward,
         tensor_parallel=args.tensor_parallel,
+        batch_invariant=not args.no_batch_invariant,
     )
 
 

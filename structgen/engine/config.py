@@ -310,6 +310,11 @@ class EngineConfig:
     prefill_chunk_tokens: int = 2048  # longest prefill piece scheduled in one step
     use_cuda_graphs: bool = True  # decode/verify graphs on CUDA; ignored on CPU
     jump_forward: bool = True  # append grammar-forced text without a decode step per token
+    # A token's logits do not depend on the rows that share its forward (other requests, its
+    # own draft or forced tokens), so greedy outputs are the same with or without speculative
+    # decoding and in any batch. CUDA only: the CPU's matrix products still sum
+    # differently per row count (docs/guide/engine-settings.md, "Batch invariance").
+    batch_invariant: bool = True
     seed: int | None = None
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
     # "fp8" | "int4": a float checkpoint's projections quantized at load (less memory, fewer

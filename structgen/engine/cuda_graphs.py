@@ -437,7 +437,8 @@ class DecodeGraphs:
         """The token gate where this step's next forward goes behind it: one sequence in a
         wide grammar state, whose next step is the bucket-1 forward; else None."""
         gate = self.token_gate
-        if (gate is None or not step.plans_next or not prelaunch or len(last) != 1 or not self.use_token_gate
+        if (gate is None or not step.plans_next or not step.gate_next or not prelaunch or len(last) != 1
+                or not self.use_token_gate
                 or not step.has_mask[last[0]] or not gate.wide(self._bitmask_words[last[0]])):
             return None
         return gate

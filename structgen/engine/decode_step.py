@@ -43,7 +43,8 @@ class DecodeStep:
     graphs may launch the next step's forward early (cuda_graphs.py). `plans_next`: ask
     `plan_next` for that forward instead of predicting it. `guess`: (row, token) where the
     last row is a guess run after that row (the token gate runs the next forward only where
-    the model picked the guess)."""
+    the model picked the guess). `gate_next`: the next step is likely one row a sequence, so
+    the token gate may run that forward before the host has planned it (cuda_graphs.py)."""
 
     rows: list[ExtendSeq]
     temperatures: list[float]
@@ -52,6 +53,7 @@ class DecodeStep:
     predict_next: bool = False
     plans_next: bool = False
     guess: tuple[int, int] | None = None
+    gate_next: bool = True
 
     def fill_masks(self, bitmask: torch.Tensor) -> None:
         """Fill row i of the int32 [len(rows), W] host tensor for every i with `has_mask[i]`;

@@ -19,6 +19,7 @@ import torch
 
 from structgen.engine.attention import AttentionBatch
 from structgen.engine.config import EngineConfig, ModelConfig
+from structgen.engine.kernels import batch_invariant, triton_enabled, use_batch_invariant
 from structgen.engine.kv_cache import PAGE_SIZE, KVCache
 from structgen.engine.models.llama import skip_init
 from structgen.engine.page_table import PageTable
@@ -68,6 +69,7 @@ class ModelRunner:
         self.device = pick_device(config) if tensor_parallel is None else tensor_parallel.device
         self.dtype = pick_dtype(config, self.device)
         self.max_seq_len = min(config.max_seq_len, model_config.max_position_embeddings)
+        use_batch_invariant(config.batch_invariant)  # before the model picks its kernels
         self.model = self._build_model(model_dir)
         num_pages = self._num_pages()
         if tensor_parallel is not None:  # every rank the same pages, so the same page decisions
@@ -78,8 +80,6 @@ class ModelRunner:
         if tensor_parallel is not None:
             tensor_parallel.pages = pages
         self.forward_passes = 0
-        from structgen.engine.kernels import triton_enabled
-
         # The Triton kernels (and so the graphs, which use them) take power-of-two head sizes;
         # others (Phi-3-mini's 96) run eagerly through torch and SDPA.
         self.head_dim_fits_kernels = model_config.head_dim & (model_config.head_dim - 1) == 0
@@ -217,9 +217,10 @@ class ModelRunner:
             logit_rows.extend(range(len(flat) - s.num_logits, len(flat)))
         pages = self.kv.pages
         pages.sync()
-        batch = AttentionBatch.build(
-            [(s.slot, s.start, len(s.token_ids)) for s in seqs], pages, decode_kernel=self._use_decode_kernel(seqs)
-        )
+        spans = [(s.slot, s.start, len(s.token_ids)) for s in seqs]
+        if batch_invariant() and self._use_decode_kernel([]):  # every token attends as its own row
+            spans = [(slot, start + j, 1) for slot, start, n in spans for j in range(n)]
+        batch = AttentionBatch.build(spans, pages, decode_kernel=self._use_decode_kernel(spans))
         input_ids = torch.tensor(flat, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, batch, self.kv)
         if len(logit_rows) != hidden.shape[0]:
@@ -227,8 +228,9 @@ class ModelRunner:
         self.forward_passes += 1
         return mask_padding_(self.model.logits(hidden), self.text_vocab_size)
 
-    def _use_decode_kernel(self, seqs: list[ExtendSeq]) -> bool:
-        if self.device.type != "cuda" or any(len(s.token_ids) != 1 for s in seqs):
+    def _use_decode_kernel(self, spans: list[tuple[int, int, int]]) -> bool:
+        """Whether the decode attention kernel runs these (slot, start, new tokens) spans."""
+        if self.device.type != "cuda" or any(n != 1 for _, _, n in spans):
             return False
         from structgen.engine.kernels import decode_attention_available
 
@@ -304,7 +306,6 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.bucket(len(step.rows)) is not None:
             self.forward_passes += 1
             return self.graphs.run(step)
-        from structgen.engine.kernels import triton_enabled
         from structgen.engine.sampler import sample_tokens_reference
 
         seqs = step.rows

@@ -92,3 +92,74 @@ def test_self_draft_graphs_equal_eager():
         eng = engine(graphs, spec)
         assert (eng.speculator.drafter.graphs is not None) == graphs
         assert_same_up_to_ties(eng, prompts, generate(eng, prompts), base)
+
+
+def test_speculative_and_jump_forward_outputs_equal_plain_greedy_outputs_on_jme(model_dir, maskbench_dir):
+    """The issue's guarantee on 20 JME prompts, one at a time, the default model in bf16 with
+    the batch-invariant mode on (the default): n-gram speculation (k = 3) gives plain greedy
+    decoding's tokens exactly, with jump-forward off and on, and jump-forward's guess rows
+    change nothing either. (Jump-forward on against off is not compared: its forced text is
+    tokenised canonically, which greedy decoding token by token need not pick.) And verify
+    steps leave the token gate alone (its one-row forward would be wasted ahead of the next
+    verify step)."""
+    import json
+
+    from structgen import LLM, JsonSchema
+    from structgen.engine.config import EngineConfig, SpeculativeConfig
+    from structgen.engine.request import Request
+    from structgen.engine.speculative.speculator import Speculator
+    from structgen.errors import StructgenError
+    from structgen.sampling import SamplingParams
+
+    llm = LLM(model_dir, config=EngineConfig(max_seq_len=2048, max_batch_size=4))
+    eng = llm.engine
+    assert eng.config.batch_invariant
+    cases = []
+    for line in (maskbench_dir / "JME.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        valid = [t["data"] for t in row["tests"] if t["valid"] and isinstance(t["data"], dict)]
+        if not valid or not isinstance(row["schema"], dict):
+            continue
+        try:
+            grammar = llm.compile(JsonSchema(row["schema"]))
+        except (StructgenError, ValueError, TypeError, RecursionError):
+            continue
+        text = f"Write this record as JSON.\nSchema: {json.dumps(row['schema'])}\nRecord: {json.dumps(valid[0])}"
+        ids = llm.encode_prompt(text)
+        if len(ids) <= 1500:
+            cases.append((ids, grammar))
+        if len(cases) == 20:
+            break
+    assert len(cases) == 20
+    ngram = Speculator(eng, SpeculativeConfig(method="ngram", num_draft_tokens=3))
+    ngram.use_tokenizer(llm.tokenizer)
+
+    def outputs(speculator: Speculator | None, jump_forward: bool, guesses: bool = True) -> tuple[list[list[int]], int]:
+        """Each prompt's output, and the tokens that ran as extra rows (accepted drafts, forced
+        text) or, `guesses` off, the guess rows that were not run."""
+        eng.speculator = speculator
+        eng.jump_forward_hook.guesses = guesses
+        done, extra_rows = [], 0
+        for ids, grammar in cases:
+            req = Request(ids, SamplingParams(max_tokens=96, jump_forward=jump_forward), grammar.matcher(),
+                          frozenset(eng.stop_token_ids))
+            eng.run([req])
+            assert req.finish_reason != "error", req.error
+            done.append(req.output_ids)
+            extra_rows += req.stats.accepted_tokens + req.stats.forced_tokens
+        return done, extra_rows
+
+    graphs = eng.runner.graphs
+    for jf in (False, True):
+        plain, forced = outputs(None, jf)
+        assert forced > 0 or not jf  # jump-forward ran forced rows
+        variants = [("n-gram", ngram, True)] + ([("no guess rows", None, False)] if jf else [])
+        for name, speculator, guesses in variants:
+            gate_runs = graphs.gate_runs
+            got, extra_rows = outputs(speculator, jf, guesses)
+            assert extra_rows > 0  # multi-row steps ran
+            if speculator is not None:  # a verify step never runs the token gate's one-row forward
+                assert graphs.gate_runs == gate_runs
+            differ = [i for i, (a, b) in enumerate(zip(got, plain, strict=True)) if a != b]
+            assert not differ, f"{name}, jump_forward={jf}: prompts {differ} differ from no speculation"
+    eng.jump_forward_hook.guesses = True

@@ -9,6 +9,12 @@
 - `moe.py`: a mixture of experts' router (softmax + top-k) and its experts, every (token,
   chosen expert) pair of a step in one launch per projection.
 
+`use_batch_invariant(True)` (`EngineConfig.batch_invariant`) makes every kernel compute a row
+the same way whatever number of rows share the launch: projections take `gemv.invariant_gemm`
+(one GEMM form for every row count), the norm-fused projections are off, and decode attention
+splits a sequence's keys by the cache shape only (`decode_attention.num_splits_for`). Like
+`torch.use_deterministic_algorithms` it is process-wide: engines in one process share it.
+
 `triton_enabled(device)` is the one switch: True on CUDA when Triton imports, and on the CPU
 only under Triton's interpreter (`TRITON_INTERPRET=1`, for debugging kernels without a GPU).
 CPU runs otherwise never import Triton.
@@ -42,6 +48,20 @@ def _enabled(device_type: str) -> bool:
 def triton_enabled(device: torch.device | str) -> bool:
     """Whether the Triton kernels run for tensors on `device`."""
     return _enabled(torch.device(device).type)
+
+
+_batch_invariant = False
+
+
+def use_batch_invariant(enabled: bool) -> None:
+    """Switch the kernels' batch-invariant mode on or off for this process (see above)."""
+    global _batch_invariant
+    _batch_invariant = bool(enabled)
+
+
+def batch_invariant() -> bool:
+    """Whether the kernels run in batch-invariant mode."""
+    return _batch_invariant
 
 
 def decode_attention_available() -> bool:

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from structgen.engine.kernels import batch_invariant
+
 BLOCK_N = 32  # keys per inner iteration
 
 
@@ -115,10 +117,14 @@ def _num_sms(device_index: int) -> int:
 
 def num_splits_for(batch: int, kv_heads: int, max_seq_len: int, device: torch.device) -> int:
     """Splits per sequence: enough programs to cover every SM about twice, never more than
-    the cache has key blocks. A function of shapes only, so a captured graph stays valid."""
+    the cache has key blocks. A function of shapes only, so a captured graph stays valid. In
+    the batch-invariant mode, the cap whatever the batch: where a sequence's keys are cut, and
+    so the order its softmax sums in, then depends on its own length only."""
+    cap = max(1, min(32, triton.cdiv(max_seq_len, 4 * BLOCK_N)))
+    if batch_invariant():
+        return cap
     sms = _num_sms(device.index or 0) if device.type == "cuda" else 8
     want = triton.cdiv(2 * sms, batch * kv_heads)
-    cap = max(1, min(32, triton.cdiv(max_seq_len, 4 * BLOCK_N)))
     return max(1, min(want, cap))
 
 

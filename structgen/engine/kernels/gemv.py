@@ -17,6 +17,13 @@ barely moves from 1 to 16 rows. The skinny GEMM wins most large matrices there, 
 small model's 2-4 rows, and cuBLAS keeps whatever neither beats (docs/performance.md, "Decode
 step at batch 1"). Each program owns BLOCK_N output features and
 streams their [BLOCK_N, K] slab of W in BLOCK_K chunks, its accumulator in registers.
+
+Those choices depend on the row count, and so does the order in which a row's products are
+summed: a row's output changes, in its last bits, with the rows sharing its launch. In the
+batch-invariant mode (`kernels.use_batch_invariant`) `invariant_gemm` runs every row count,
+one row to a prefill chunk, as the skinny GEMM over tiles of DOT_ROWS rows, with a block shape
+that is a function of the matrix's shape only: every row is then computed by the same code
+with the same reduction order, whichever tile it lands in and whatever the other rows hold.
 """
 
 from __future__ import annotations
@@ -221,14 +228,11 @@ def _gemv_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS:
 
 
 @triton.jit
-def _dot_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS: tl.constexpr,
-                EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The skinny GEMM: rows padded to BLOCK_M (16, tl.dot's smallest), W streamed once through
-    the tensor cores, so 16 rows cost about what 2 do."""
-    pid = tl.program_id(0)
-    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+def _dot_tile(X, W, B, Y, m, n, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS: tl.constexpr,
+              EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Rows `m` x features `n` of the product: W's slab streamed once through the tensor cores
+    in BLOCK_K chunks, summed in K order whichever rows the tile holds."""
     nmask = n < N
-    m = tl.arange(0, BLOCK_M)
     mmask = m < M
     w_ptr = W + n[:, None].to(tl.int64) * stride_wn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -237,7 +241,59 @@ def _dot_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS: 
         acc = tl.dot(x, tl.trans(w), acc)
     if HAS_BIAS:
         acc += tl.load(B + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    tl.store(Y + m[:, None] * stride_ym + n[None, :], acc.to(Y.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+    y_ptr = Y + m[:, None].to(tl.int64) * stride_ym + n[None, :]
+    tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _dot_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS: tl.constexpr,
+                EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The skinny GEMM: rows padded to BLOCK_M (16, tl.dot's smallest), W streamed once through
+    the tensor cores, so 16 rows cost about what 2 do."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    _dot_tile(X, W, B, Y, tl.arange(0, BLOCK_M), n, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS, EVEN_K,
+              BLOCK_M, BLOCK_N, BLOCK_K)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _invariant_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS: tl.constexpr,
+                      EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """`_dot_kernel` over row tiles: program p takes row tile p % tiles and feature block
+    p // tiles, so the tiles that read one slab of W run side by side and share it in L2. A
+    row's sums never involve another row, and the code is the same for every row count."""
+    pid = tl.program_id(0)
+    tiles = tl.cdiv(M, BLOCK_M)
+    n = (pid // tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = (pid % tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
+    _dot_tile(X, W, B, Y, m, n, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
+
+
+def invariant_block(weight: torch.Tensor) -> Block:
+    """The batch-invariant GEMM's launch shape: a function of W's shape only (never timed, so
+    two processes compute the same bits), the widest K chunk that divides K."""
+    n, k = weight.shape
+    chunk = next((c for c in (256, 128, 64) if k % c == 0), 128)
+    return Block(32 if n >= 8192 else 16, chunk, 4, 3, "dot")
+
+
+def invariant_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T (+ bias) -> [M, N] in x's dtype, for any M, each row
+    computed exactly as it would be alone (the module docstring)."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    m, k = x.shape
+    n = weight.shape[0]
+    assert weight.stride(-1) == 1
+    block = invariant_block(weight)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
+    bk = min(block.k, triton.next_power_of_2(k))
+    grid = (triton.cdiv(n, block.n) * triton.cdiv(m, DOT_ROWS),)
+    _invariant_kernel[grid](x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0),
+                            weight.stride(0), y.stride(0), HAS_BIAS=bias is not None, EVEN_K=k % bk == 0,
+                            BLOCK_M=DOT_ROWS, BLOCK_N=block.n, BLOCK_K=bk,
+                            num_warps=block.warps, num_stages=block.stages)
+    return y
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,

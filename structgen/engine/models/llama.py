@@ -87,10 +87,13 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 def project(linear: nn.Linear, x: torch.Tensor, fused: bool) -> torch.Tensor:
     """`linear(x)`, except that products of 1-16 rows take a Triton kernel where it is faster
     than cuBLAS: one row of a small matrix always, the rest where timing says so
-    (kernels/gemv.py). Quantized layers choose their own kernels."""
+    (kernels/gemv.py); in the batch-invariant mode every product takes `gemv.invariant_gemm`.
+    Quantized layers choose their own kernels."""
     if fused and x.dim() == 2 and isinstance(linear, nn.Linear):
-        from structgen.engine.kernels import gemv
+        from structgen.engine.kernels import batch_invariant, gemv
 
+        if batch_invariant():  # one GEMM form for every row count (kernels/gemv.py)
+            return gemv.invariant_gemm(x, linear.weight, linear.bias)
         block = gemv.plan(x.shape[0], linear.weight)
         if block is not None:
             return gemv.gemv(x, linear.weight, linear.bias, block=block)
@@ -250,7 +253,10 @@ class LlamaModel(nn.Module):
 
     def use_fused_kernels(self, enabled: bool, projection_rows: int = FUSED_ROWS) -> None:
         """Route norms, RoPE + KV write and SiLU * up through the Triton kernels (CUDA); steps
-        of up to `projection_rows` rows run them inside the projections (fused_gemv.py)."""
+        of up to `projection_rows` rows run them inside the projections (fused_gemv.py), except
+        in the batch-invariant mode (a row's numbers would depend on its step's row count)."""
+        from structgen.engine.kernels import batch_invariant
+
         for m in self.modules():
             if hasattr(m, "fused"):
                 m.fused = enabled
@@ -258,7 +264,7 @@ class LlamaModel(nn.Module):
                 m.fused_rows = 0
                 dense = isinstance(m.self_attn.qkv_proj, nn.Linear) and isinstance(
                     getattr(m.mlp, "gate_up_proj", None), nn.Linear)  # not packed, not experts (MoE)
-                if enabled and projection_rows and dense:
+                if enabled and projection_rows and dense and not batch_invariant():  # fused rows sum differently
                     from structgen.engine.kernels.fused_gemv import max_rows
 
                     m.fused_rows = min(projection_rows, max_rows(m.mlp.gate_up_proj.weight, m.self_attn.head_dim))

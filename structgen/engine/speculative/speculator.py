@@ -30,6 +30,7 @@ last chunk of its prompt):
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +42,7 @@ from structgen.engine.model_runner import ExtendSeq
 from structgen.engine.sampler import apply_bitmask_, sample, step_seed
 from structgen.engine.speculative import drafter as drafter_hooks
 from structgen.engine.speculative.drafter import Drafter
+from structgen.engine.speculative.policy import DraftPolicy
 from structgen.engine.speculative.verify import accept_draft
 from structgen.engine.speculative.verify_rows import (
     GraphRows,
@@ -108,6 +110,9 @@ class Speculator:
         self.disabled: str | None = None  # why drafting stopped for good, if it did
         self._planned: tuple[tuple, list[list[int]]] | None = None  # (batch key, drafts) from _plan_next
         self.capturable = engine.config.tuning.capturable_guided  # verify steps in guided_loop.py's loop
+        graphs = engine.runner.graphs
+        self.policy = DraftPolicy(tuple(graphs.batch_sizes) if graphs is not None else ())
+        self.adaptive = True  # draft lengths from `policy`; False: always the budget (benchmarks)
 
     def use_tokenizer(self, tokenizer: Any) -> None:
         """Hand the tokenizer to a drafter that can use it (n-gram: space-insensitive matching)."""
@@ -123,6 +128,8 @@ class Speculator:
         than paying for it, and logging a traceback, on every step."""
         self._release_gone()
         ks = [self._budget(req, n) for req, n in batch]
+        if self.adaptive:  # only the drafts that pay for their rows (policy.py)
+            ks = self.policy.draft_lengths([req for req, _ in batch], ks, sum(n for _, n in batch))
         todo = [i for i, k in enumerate(ks) if k > 0]
         drafts: list[list[int]] = [[] for _ in batch]
         if not todo or self.disabled is not None:
@@ -199,17 +206,18 @@ class Speculator:
         gone = [r for r in self._tracked if r.finished]
         for r in gone:
             self._tracked.discard(r)
+            self.policy.release(r)
             drafter_hooks.release(self.drafter, r)
 
     # -- the step -------------------------------------------------------------------------------
     def step(self, batch: list[tuple[Request, int]]) -> list[Request]:
         """Draft, run pending + draft tokens in one forward sampling every position under its
-        mask, accept, advance. Returns the requests that finished."""
-        eng = self.engine
+        mask, accept, advance. Returns the requests that finished. The step's wall time goes
+        to the draft policy (the capturable mode's loop, several steps at once, is not timed)."""
+        started = time.perf_counter()
         drafts = self._planned_drafts(batch)
         if drafts is None:
             drafts = self.propose(batch)
-        spans = sampling_spans(batch, drafts)
         if self._capturable():
             bucket = self._loop_bucket(batch)
             fitted = self._fit(batch, drafts, bucket)
@@ -218,6 +226,15 @@ class Speculator:
                 first = self._loop_step(batch, fitted, sampling_spans(batch, fitted), done, bucket)
                 if first is not None:
                     return self._run_loop(first, bucket, done)
+        finished = self._verify(batch, drafts)
+        self.policy.record_step(step_tokens(batch, drafts), time.perf_counter() - started)
+        return finished
+
+    def _verify(self, batch: list[tuple[Request, int]], drafts: list[list[int]]) -> list[Request]:
+        """One forward over every pending and draft token, then accept and advance; returns
+        the requests that finished."""
+        eng = self.engine
+        spans = sampling_spans(batch, drafts)
         finished: list[list[Request]] = []
 
         def take(tokens: list[int], errors: dict[Request, BaseException]) -> None:
@@ -251,6 +268,7 @@ class Speculator:
                 eng.scheduler.remove(req)
                 eng._notify(req)
                 self._tracked.discard(req)
+                self.policy.release(req)
                 drafter_hooks.release(self.drafter, req)
                 finished.append(req)
         return finished
@@ -480,6 +498,7 @@ class Speculator:
             req.stats.accepted_tokens += accepted
             req.stats.verify_steps += 1
             drafter_hooks.notify_verified(self.drafter, req, len(draft), accepted)
+            self.policy.record_verified(req, len(draft), accepted)
             base, thinking = len(req.token_ids), req.thinking
             for j, tok in enumerate(emitted):
                 eng._advance(req, tok, jump_forward=j == len(emitted) - 1)
@@ -500,7 +519,10 @@ class VerifyStep(DecodeStep):
 
     def __init__(self, speculator: Speculator, g: GraphRows, errors: dict[Request, BaseException],
                  take: Callable[[list[int], dict[Request, BaseException]], None], plans: bool):
-        super().__init__(g.rows, g.temperatures, g.seeds, g.has_mask, predict_next=plans, plans_next=plans)
+        # No token gate: the next step is a verify step of several rows, so the one-row forward
+        # the gate would run on the device ahead of it is almost always wasted.
+        super().__init__(g.rows, g.temperatures, g.seeds, g.has_mask, predict_next=plans, plans_next=plans,
+                         gate_next=False)
         self.speculator, self.masks, self.order, self.errors, self.take = speculator, g.masks, g.order, errors, take
         self.taken = False  # the tokens went in while planning
 
