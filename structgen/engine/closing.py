@@ -123,10 +123,13 @@ class BudgetCloser:
     @staticmethod
     def forced_text_end(req: Request) -> int:
         """How many output tokens jump-forward's forced text may fill up to: the next budget
-        check, where the closer must see the output before the budget is spent (forced text
-        running past it to max_tokens left nothing to close with)."""
+        check ahead, where the closer must see the output before the budget is spent (forced
+        text running past it to max_tokens left nothing to close with). A check already due
+        runs at the next token, and a closer that finds the output too long drops back."""
         p = req.params
-        return min(p.max_tokens, max(req.budget_check_at, req.num_output) if p.close_at_budget else p.max_tokens)
+        if not p.close_at_budget or req.budget_check_at <= req.num_output:
+            return p.max_tokens
+        return min(p.max_tokens, req.budget_check_at)
 
     @staticmethod
     def room_for(req: Request, tokens: int) -> bool:
