@@ -826,12 +826,13 @@ def test_decode_attention_of_a_sequence_is_the_same_in_any_batch(invariant):
     q = torch.randn(16, heads, dim, generator=g).to(DEVICE, LOW)
     slots = torch.randperm(slots_total, generator=g)[:16].to(DEVICE)
     lens = torch.randint(1, max_len + 1, (16,), generator=g).to(DEVICE)
-    full = decode_attention(q, k, v, slots, lens)
+    k, v, table = paged(k, v, 16, g)
+    full = decode_attention(q, k, v, table, slots, lens)
     for b in (1, 4):
-        part = decode_attention(q[:b], k, v, slots[:b], lens[:b])
+        part = decode_attention(q[:b], k, v, table, slots[:b], lens[:b])
         assert torch.equal(part, full[:b]), b
     for i in (0, 7, 15):
-        one = decode_attention(q[i : i + 1], k, v, slots[i : i + 1], lens[i : i + 1])
+        one = decode_attention(q[i : i + 1], k, v, table, slots[i : i + 1], lens[i : i + 1])
         assert torch.equal(one[0], full[i]), i
 
 

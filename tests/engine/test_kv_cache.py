@@ -214,7 +214,7 @@ def test_on_cuda_graphs_prefix_caching_and_preemption_keep_greedy_outputs(model_
     cached = engine(model_dir, device="cuda", dtype="float32", max_seq_len=1024)
     run_greedy(cached, prompts[:1], 1)
     got = run_greedy(cached, prompts, 32)
-    assert min(r.stats.cached_prompt_tokens for r in got) > 200
+    assert min(r.stats.cached_prompt_tokens for r in got) >= 192  # the shared 207 tokens' full pages
     assert [r.output_ids for r in got] == want
     tight = engine(model_dir, device="cuda", dtype="float32", max_seq_len=1024, kv_cache_tokens=1024, prefix_caching=False)
     squeezed = run_greedy(tight, prompts, 32)
