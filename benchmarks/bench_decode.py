@@ -112,7 +112,7 @@ def load(model: str, tok_dir: Path | None) -> tuple[Any, Any, Path | None, set[i
 
 def build_engine(cfg, model_dir: Path | None, stop: set[int], graphs: bool, prefill_in_graphs: bool = True,
                  tensor_parallel: int = 1, quantization: str | None = None, packed: bool = True,
-                 batch_invariant: bool = True) -> Engine:
+                 batch_invariant: bool = False) -> Engine:
     if tensor_parallel > 1:
         # Every rank captures its graphs while it is built, with its own random shard
         # (`init_random_weights`): the worker ranks could not follow a later capture.
@@ -305,7 +305,7 @@ def main() -> None:
     ap.add_argument("--no-write", action="store_true", help="print only (debug runs)")
     ap.add_argument("--dump", type=Path, default=None, help="also write rows/floors here after each model")
     ap.add_argument("--merge", type=Path, default=None, help="start from rows/floors dumped by an earlier run")
-    ap.add_argument("--batch-invariant", choices=("on", "off"), default="on",
+    ap.add_argument("--batch-invariant", choices=("on", "off"), default="off",
                     help="EngineConfig.batch_invariant (process-wide: one setting a run; rows of 'off' are "
                          "named structgen-not-invariant, so --dump/--merge can join two runs)")
     ap.add_argument("--tokenizer-dir", type=Path, default=None,

@@ -25,8 +25,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="split the model across N GPUs of this host (or across the processes torchrun launched: "
         "docs/guide/multi-gpu.md)",
     )
-    p.add_argument("--no-batch-invariant", action="store_true",
-                   help="let GPU kernels sum differently per step size (greedy outputs may then change with batching)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="GPU kernels that sum the same way at every step size: greedy outputs do not change with "
+                   "batching or speculation (slower: docs/performance.md)")
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -37,7 +38,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         max_seq_len=args.max_seq_len,
         jump_forward=not args.no_jump_forward,
         tensor_parallel=args.tensor_parallel,
-        batch_invariant=not args.no_batch_invariant,
+        batch_invariant=args.batch_invariant,
     )
 
 

@@ -313,8 +313,9 @@ class EngineConfig:
     # A token's logits do not depend on the rows that share its forward (other requests, its
     # own draft or forced tokens), so greedy outputs are the same with or without speculative
     # decoding and in any batch. CUDA only: the CPU's matrix products still sum
-    # differently per row count (docs/guide/engine-settings.md, "Batch invariance").
-    batch_invariant: bool = True
+    # differently per row count (docs/guide/engine-settings.md, "Batch invariance"). Off by
+    # default: it costs more than the 5 % budget (docs/performance.md, "Batch invariance").
+    batch_invariant: bool = False
     seed: int | None = None
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
     # "fp8" | "int4": a float checkpoint's projections quantized at load (less memory, fewer

@@ -63,7 +63,7 @@ def test_one_grammar_threads_setting_sizes_the_native_pool_and_the_prefetch():
 def test_batch_invariance_is_on_by_default_and_the_cli_turns_it_off():
     from structgen.cli import _engine_config, build_parser
 
-    assert EngineConfig().batch_invariant
-    serve = build_parser().parse_args(["serve", "--no-batch-invariant"])
-    assert _engine_config(serve).batch_invariant is False
-    assert _engine_config(build_parser().parse_args(["serve"])).batch_invariant is True
+    assert not EngineConfig().batch_invariant
+    serve = build_parser().parse_args(["serve", "--batch-invariant"])
+    assert _engine_config(serve).batch_invariant is True
+    assert _engine_config(build_parser().parse_args(["serve"])).batch_invariant is False
