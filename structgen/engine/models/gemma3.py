@@ -80,17 +80,9 @@ class GemmaAttention(Attention):
         return project(self.o_proj, out.reshape(n, self.q_size), self.fused)
 
     def _fused_forward(self, x: torch.Tensor, rope: RotaryEmbedding, batch: AttentionBatch, kv: KVCache) -> torch.Tensor:
-        """The CUDA path: the q/k norms as one kernel each over every head, then Llama's fused
-        RoPE + KV write on the normed q, k and v (kernels/fused.py)."""
-        from structgen.engine.kernels.fused import rope_and_cache
-
+        """The CUDA path: Llama's fused q/k norms, RoPE and KV write, then Gemma's query scale."""
         n, i = x.shape[0], self.layer_idx
-        qkv = project(self.qkv_proj, x, True)
-        q = self.q_norm(qkv[:, : self.q_size].reshape(n * self.n_heads, self.head_dim))
-        k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].reshape(n * self.n_kv, self.head_dim))
-        qkv = torch.cat([q.view(n, self.q_size), k.view(n, self.kv_size), qkv[:, self.q_size + self.kv_size :]], dim=-1)
-        q = rope_and_cache(qkv, batch.positions, batch.token_slots, rope.cos, rope.sin, kv.k[i], kv.v[i],
-                           self.n_heads, self.n_kv, self.head_dim)
+        q = self.fused_rope_and_cache(project(self.qkv_proj, x, True), rope, batch, kv)
         if self.query_scale != 1.0:
             q = q * self.query_scale
         out = attend(q, kv.k[i], kv.v[i], batch, self.window)

@@ -136,13 +136,9 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, batch: AttentionBatch, kv: KVCache) -> torch.Tensor:
         n = x.shape[0]
         qkv = project(self.qkv_proj, x, self.fused)
-        if self.fused and self.q_norm is None:
-            from structgen.engine.kernels.fused import rope_and_cache
-
+        if self.fused and qkv.dim() == 2:
             i = self.layer_idx
-            q = rope_and_cache(qkv, batch.positions, batch.token_slots, rope.cos, rope.sin, kv.k[i], kv.v[i],
-                               self.n_heads, self.n_kv, self.head_dim)
-            out = attend(q, kv.k[i], kv.v[i], batch, self.window)
+            out = attend(self.fused_rope_and_cache(qkv, rope, batch, kv), kv.k[i], kv.v[i], batch, self.window)
             return project(self.o_proj, out.reshape(n, self.q_size), self.fused)
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = qk.reshape(n, self.n_heads + self.n_kv, self.head_dim)
@@ -154,6 +150,21 @@ class Attention(nn.Module):
         kv.write(self.layer_idx, batch.token_slots, k, v)
         out = attend(q, kv.k[self.layer_idx], kv.v[self.layer_idx], batch, self.window)
         return self.o_proj(out.reshape(n, self.q_size))
+
+    def fused_rope_and_cache(self, qkv: torch.Tensor, rope: RotaryEmbedding, batch: AttentionBatch,
+                             kv: KVCache) -> torch.Tensor:
+        """q after RoPE, with k and v written to the cache, in Triton kernels (kernels/fused.py);
+        q/k norms (Qwen3, Gemma 3) first, one kernel each over every head."""
+        from structgen.engine.kernels.fused import rope_and_cache
+
+        if self.q_norm is not None:
+            n, q_end, k_end = qkv.shape[0], self.q_size, self.q_size + self.kv_size
+            q = self.q_norm(qkv[:, :q_end].reshape(n * self.n_heads, self.head_dim))
+            k = self.k_norm(qkv[:, q_end:k_end].reshape(n * self.n_kv, self.head_dim))
+            qkv = torch.cat([q.view(n, self.q_size), k.view(n, self.kv_size), qkv[:, k_end:]], dim=-1)
+        i = self.layer_idx
+        return rope_and_cache(qkv, batch.positions, batch.token_slots, rope.cos, rope.sin, kv.k[i], kv.v[i],
+                              self.n_heads, self.n_kv, self.head_dim)
 
     def norm_forward(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, rope: RotaryEmbedding,
                      batch: AttentionBatch, kv: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
