@@ -75,7 +75,15 @@ class BudgetCloser:
             return
         if p.close_at_budget:
             req.budget_check_at = max(0, p.max_tokens - FIRST_CHECK_WINDOW)
+            if req.budget_check_at <= req.num_output:  # a small budget: a point to drop back to
+                self._note_safe_point(req)
         self._schedule(req, 0)
+
+    def _note_safe_point(self, req: Request) -> None:
+        """The output as it is now is a safe point where a completion fits the budget (before
+        forced text or the model open what the budget cannot close)."""
+        if self.search.shortest(req.matcher, req.params.max_tokens - req.num_output) is not None:
+            req.safe_point = req.num_output
 
     def at_budget(self, req: Request, completed: bool) -> None:
         """The request's output reached `req.close_at` (`completed`: its grammar may end

@@ -202,3 +202,16 @@ def test_the_search_never_returns_a_completion_longer_than_its_limit(llm: LLM) -
     m = llm.grammars.compile(to_constraint(JsonSchema(schema))).matcher()
     assert llm.engine.closer.search.shortest(m, 4) is None
     assert len(llm.engine.closer.search.shortest(m, 64) or []) > 4
+
+
+def test_a_small_budget_drops_back_to_the_start_when_what_opened_cannot_close(llm: LLM) -> None:
+    """At max_tokens=48 the first budget check is due at once; the empty output is then noted
+    as a point where a completion fits, so an item whose `uri` field the search cannot close
+    (MaskBench Github_easy o10318) is dropped and the list closed: complete, never cut off."""
+    schema = {"type": "array", "readOnly": True, "items": {
+        "type": "object", "additionalProperties": False, "required": ["href", "rel"],
+        "properties": {"description": {"type": "string"}, "href": {"type": "string", "format": "uri"},
+                       "rel": {"type": "string"}}}}
+    prompt = f"Write an example JSON value for this schema: {json.dumps(schema)}"
+    c = llm.complete(JsonSchema(schema), prompt, max_tokens=48, temperature=0)
+    assert c.finish_reason == "stop" and isinstance(c.value, list)
