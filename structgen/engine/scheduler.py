@@ -12,6 +12,10 @@ where the pool runs out, the newest running request is preempted: its pages are 
 waits at the front of the queue, to be recomputed from its prompt and its output so far (its
 grammar state and tokens are kept, so the stream continues where it was).
 
+Requests that arrive together with a shared prompt start (agent turns with one tool catalogue)
+compute it once: while a running request is still prefilling pages a waiting request's prompt
+starts with, admission waits for them to be published (`_prefix_in_flight`).
+
 Admission is fair across request groups (`Request.group`, e.g. one per HTTP request): a free
 place goes to the oldest waiting request of the group with the fewest requests running, so one
 caller's fan-out of thousands of generations cannot starve another's single request. Requests
@@ -25,6 +29,9 @@ from collections.abc import Hashable
 
 from structgen.engine.page_table import PageTable
 from structgen.engine.request import Request, RequestStatus
+
+# Pages of a prompt another request is computing that are worth waiting for.
+MIN_SHARED_PAGES = 2
 
 
 class Scheduler:
@@ -106,6 +113,9 @@ class Scheduler:
         if slot is None:
             return False
         cached = pages.match_prefix(slot, req.token_ids, req.num_prompt)
+        if self._prefix_in_flight(req, cached):
+            pages.release_slot(slot)  # (the cached pages it took go back with the slot)
+            return False
         end = len(req.token_ids) + self.lookahead
         need = min(pages.pages_for(end), pages.max_pages_per_seq) - pages.pages_for(cached)
         if need > pages.free_pages:
@@ -117,12 +127,31 @@ class Scheduler:
             req.stats.cached_prompt_tokens = cached
         return True
 
+    def _prefix_in_flight(self, req: Request, cached: int) -> bool:
+        """Whether a running request is still prefilling pages of the prompt `req` starts
+        with (beyond the `cached` tokens it found): `req` then waits for them to be computed
+        once and published, instead of computing them again beside it (agent turns sharing a
+        tool catalogue arrive together)."""
+        if self.pages.cache is None:
+            return False
+        size, prompt = self.pages.page_size, req.token_ids[: req.num_prompt]
+        for other in self.running:
+            if other.num_cached >= other.num_prompt:
+                continue
+            theirs, shared = other.token_ids[: other.num_prompt], cached
+            while shared + size <= min(len(prompt), len(theirs)) and (
+                    prompt[shared : shared + size] == theirs[shared : shared + size]):
+                shared += size
+            if shared - cached >= MIN_SHARED_PAGES * size:
+                return True
+        return False
+
     def preempt(self, req: Request) -> None:
         """Free a running request's pages and queue it first, to be recomputed from its tokens."""
         self.running.remove(req)
         self.pages.publish(req.slot, req.token_ids, req.num_cached, req.num_prompt)
         self.pages.release_slot(req.slot)
-        req.slot, req.num_cached, req.draft = None, 0, None
+        req.slot, req.num_cached, req.guess = None, 0, None
         req.status = RequestStatus.WAITING
         req.stats.preemptions += 1
         self.waiting.appendleft(req)

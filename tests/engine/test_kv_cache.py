@@ -180,6 +180,18 @@ def test_greedy_outputs_are_the_same_with_prefix_caching_on_and_off(model_dir, t
     assert outputs[True] == outputs[False]
 
 
+def test_requests_arriving_together_with_a_shared_prompt_compute_it_once(model_dir, tokenizer):
+    """Agent turns sharing a tool catalogue arrive at once: the first computes the shared
+    pages, the others wait for them instead of computing them beside it."""
+    prompts = [chat(tokenizer, SYSTEM, q) for q in QUESTIONS]
+    eng = engine(model_dir, prefill_chunk_tokens=64)  # the first prompt takes several steps
+    reqs = run_greedy(eng, prompts, 4)
+    cached = [r.stats.cached_prompt_tokens for r in reqs]
+    assert cached[0] == 0 and min(cached[1:]) >= 192  # the shared 207 tokens' full pages
+    plain = run_greedy(engine(model_dir, prefix_caching=False), prompts, 4)
+    assert [r.output_ids for r in reqs] == [r.output_ids for r in plain]
+
+
 def test_the_second_request_with_a_long_shared_prompt_prefills_a_fraction_of_it(model_dir, tokenizer):
     system = SYSTEM * 13
     first, second = (chat(tokenizer, system, q) for q in QUESTIONS[:2])
