@@ -86,6 +86,14 @@ class PageTable:
             self._hold(slot, page)
         return True
 
+    def fitted(self, slot: int, num_prompt: int, end: int) -> bool:
+        """Whether a decoding request of `slot` (its prompt computed) already has what the
+        scheduler would give it for positions [0, end): its pages, no more, and its prompt's
+        full pages published. Most requests most steps, so checked in one call."""
+        pages = self._pages[slot]
+        return (len(pages) == min(-(-end // self.page_size), self.max_pages_per_seq)
+                and (self.cache is None or len(self._keyed[slot]) >= num_prompt // self.page_size))
+
     def shrink(self, slot: int, end: int) -> None:
         """Let go of `slot`'s pages past those positions [0, end) need."""
         pages = self._pages[slot]
