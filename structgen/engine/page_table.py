@@ -25,6 +25,7 @@ import torch
 from structgen.engine.prefix_cache import ROOT_HASH, PrefixCache, page_keys
 
 SCRATCH_PAGE = 0
+UNSETTLED = (1, 0)  # no request length lies in it
 
 
 class PageTable:
@@ -46,6 +47,11 @@ class PageTable:
         # Per slot, the key hashes of its leading pages that are keyed (found in the cache or
         # put there): those pages may be shared, so the slot never writes them.
         self._keyed: list[list[int]] = [[] for _ in range(num_slots + 1)]
+        # Per slot, whether its whole prompt is computed and its full pages published, and then
+        # the request lengths (tokens + lookahead) its pages fit as they are, (first, last):
+        # the scheduler leaves such a request alone, as most are most steps.
+        self._published = [False] * (num_slots + 1)
+        self.settled: list[tuple[int, int]] = [UNSETTLED] * (num_slots + 1)
 
     # -- slots ------------------------------------------------------------------------------
     @property
@@ -59,6 +65,8 @@ class PageTable:
         """Give back the slot and every page it holds."""
         assert slot not in self._free_slots, f"slot {slot} released twice"
         self.shrink(slot, 0)
+        self._published[slot] = False
+        self.settled[slot] = UNSETTLED
         self._free_slots.append(slot)
 
     # -- pages ------------------------------------------------------------------------------
@@ -82,17 +90,19 @@ class PageTable:
         while len(pages) < need:
             page = self._take_page()
             if page is None:
+                self._settle(slot)
                 return False
             self._hold(slot, page)
+        self._settle(slot)
         return True
 
-    def fitted(self, slot: int, num_prompt: int, end: int) -> bool:
-        """Whether a decoding request of `slot` (its prompt computed) already has what the
-        scheduler would give it for positions [0, end): its pages, no more, and its prompt's
-        full pages published. Most requests most steps, so checked in one call."""
-        pages = self._pages[slot]
-        return (len(pages) == min(-(-end // self.page_size), self.max_pages_per_seq)
-                and (self.cache is None or len(self._keyed[slot]) >= num_prompt // self.page_size))
+    def _settle(self, slot: int) -> None:
+        n = len(self._pages[slot])
+        if not self._published[slot] or n == 0:
+            self.settled[slot] = UNSETTLED
+        else:
+            last = 1 << 62 if n == self.max_pages_per_seq else n * self.page_size  # (no end needs more)
+            self.settled[slot] = ((n - 1) * self.page_size + 1, last)
 
     def shrink(self, slot: int, end: int) -> None:
         """Let go of `slot`'s pages past those positions [0, end) need."""
@@ -100,6 +110,8 @@ class PageTable:
         keep = self.pages_for(end)
         if len(pages) <= keep:
             return
+        if keep < len(self._keyed[slot]):
+            self._published[slot] = False
         for page in reversed(pages[keep:]):  # a chain's tail becomes idle, so is evicted, first
             self._let_go(page)
         del pages[keep:]
@@ -107,6 +119,7 @@ class PageTable:
         self._host_np[slot, keep:] = SCRATCH_PAGE
         self._dirty = True
         self.version += 1
+        self._settle(slot)
 
     def writable_from(self, slot: int, start: int) -> int:
         """The first position at or below `start` from which `slot` may write: `start`, unless
@@ -164,13 +177,15 @@ class PageTable:
         tokens) into the prefix cache."""
         keyed = self._keyed[slot]
         full = min(num_computed, num_prompt, len(self._pages[slot]) * self.page_size) // self.page_size
-        if self.cache is None or full <= len(keyed):
-            return
-        parent = keyed[-1] if keyed else ROOT_HASH
-        first = len(keyed)
-        for i, key in enumerate(page_keys(token_ids, self.page_size, full - first, parent, first)):
-            self.cache.insert(key, self._pages[slot][first + i])  # a page another request cached first stays ours
-            keyed.append(hash(key))
+        if self.cache is not None and full > len(keyed):
+            parent = keyed[-1] if keyed else ROOT_HASH
+            first = len(keyed)
+            for i, key in enumerate(page_keys(token_ids, self.page_size, full - first, parent, first)):
+                self.cache.insert(key, self._pages[slot][first + i])  # a page another request cached first stays ours
+                keyed.append(hash(key))
+        if num_computed >= num_prompt and not self._published[slot]:
+            self._published[slot] = True
+            self._settle(slot)
 
     # -- the table the kernels read ---------------------------------------------------------
     def token_slots(self, slot: int, start: int, n: int) -> np.ndarray:
