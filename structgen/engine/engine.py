@@ -444,7 +444,7 @@ class Engine:
         try:
             timed = self.prefetcher is not None and len(rows) >= self.prefetcher.min_rows
             t = time.perf_counter() if timed else 0.0
-            fill_bitmasks([m for _, m in rows], bitmask, [i for i, _ in rows], threads=self.config.tuning.grammar_threads)
+            fill_bitmasks([m for _, m in rows], bitmask, [i for i, _ in rows], threads=self.grammar_threads)
             if timed:
                 self.prefetcher.observe(time.perf_counter() - t)  # worth prefetching next time?
             return {}

@@ -14,7 +14,10 @@ their K/V are computed; a request writes only at positions past its cached ones,
 page is never written.
 
 The host copy (`host`) is the truth; `table` is the device copy, brought up to date by `sync`
-before a forward reads it (on the CPU they are one tensor).
+before a forward reads it (on the CPU they are one tensor). On CUDA the host copy is pinned, so
+`sync` copies just the rows that changed without blocking the host (a copy from pageable
+memory goes through a driver staging buffer), and a write to it waits until the last copy has
+read it (by then, nearly always).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch
 from structgen.engine.prefix_cache import ROOT_HASH, PrefixCache, page_keys
 
 SCRATCH_PAGE = 0
+UNSETTLED = (1, 0)  # no request length lies in it
 
 
 class PageTable:
@@ -33,10 +37,15 @@ class PageTable:
         self.page_size, self.num_pages, self.num_slots = page_size, num_pages, num_slots
         self.scratch_slot, self.max_seq_len = num_slots, max_seq_len
         self.max_pages_per_seq = -(-max_seq_len // page_size)
-        self.host = torch.full((num_slots + 1, self.max_pages_per_seq), SCRATCH_PAGE, dtype=torch.long)
+        cuda = device.type == "cuda"
+        self.host = torch.full((num_slots + 1, self.max_pages_per_seq), SCRATCH_PAGE, dtype=torch.long,
+                               pin_memory=cuda)
         self._host_np = self.host.numpy()
         self.table = self.host if device.type == "cpu" else self.host.to(device)
         self._dirty = False
+        self._dirty_rows = (num_slots + 1, -1)  # the first and last changed row since the last sync
+        self._copied = torch.cuda.Event() if cuda else None  # recorded behind the last copy
+        self._copy_pending = False
         self.version = 0  # counts changes of the table (tensor parallelism sends it when it moved)
         self._free_pages = list(range(num_pages - 1, SCRATCH_PAGE, -1))
         self._refs = [0] * num_pages
@@ -46,6 +55,11 @@ class PageTable:
         # Per slot, the key hashes of its leading pages that are keyed (found in the cache or
         # put there): those pages may be shared, so the slot never writes them.
         self._keyed: list[list[int]] = [[] for _ in range(num_slots + 1)]
+        # Per slot, whether its whole prompt is computed and its full pages published, and then
+        # the request lengths (tokens + lookahead) its pages fit as they are, (first, last):
+        # the scheduler leaves such a request alone, as most are most steps.
+        self._published = [False] * (num_slots + 1)
+        self.settled: list[tuple[int, int]] = [UNSETTLED] * (num_slots + 1)
 
     # -- slots ------------------------------------------------------------------------------
     @property
@@ -59,6 +73,8 @@ class PageTable:
         """Give back the slot and every page it holds."""
         assert slot not in self._free_slots, f"slot {slot} released twice"
         self.shrink(slot, 0)
+        self._published[slot] = False
+        self.settled[slot] = UNSETTLED
         self._free_slots.append(slot)
 
     # -- pages ------------------------------------------------------------------------------
@@ -82,9 +98,19 @@ class PageTable:
         while len(pages) < need:
             page = self._take_page()
             if page is None:
+                self._settle(slot)
                 return False
             self._hold(slot, page)
+        self._settle(slot)
         return True
+
+    def _settle(self, slot: int) -> None:
+        n = len(self._pages[slot])
+        if not self._published[slot] or n == 0:
+            self.settled[slot] = UNSETTLED
+        else:
+            last = 1 << 62 if n == self.max_pages_per_seq else n * self.page_size  # (no end needs more)
+            self.settled[slot] = ((n - 1) * self.page_size + 1, last)
 
     def shrink(self, slot: int, end: int) -> None:
         """Let go of `slot`'s pages past those positions [0, end) need."""
@@ -92,13 +118,15 @@ class PageTable:
         keep = self.pages_for(end)
         if len(pages) <= keep:
             return
+        if keep < len(self._keyed[slot]):
+            self._published[slot] = False
         for page in reversed(pages[keep:]):  # a chain's tail becomes idle, so is evicted, first
             self._let_go(page)
         del pages[keep:]
         del self._keyed[slot][keep:]
+        self._changing(slot, slot)
         self._host_np[slot, keep:] = SCRATCH_PAGE
-        self._dirty = True
-        self.version += 1
+        self._settle(slot)
 
     def writable_from(self, slot: int, start: int) -> int:
         """The first position at or below `start` from which `slot` may write: `start`, unless
@@ -121,10 +149,9 @@ class PageTable:
         if self._refs[page] == 1 and self.cache is not None:
             self.cache.use(page)
         pages = self._pages[slot]
+        self._changing(slot, slot)
         self._host_np[slot, len(pages)] = page
         pages.append(page)
-        self._dirty = True
-        self.version += 1
 
     def _let_go(self, page: int) -> None:
         self._refs[page] -= 1
@@ -156,13 +183,15 @@ class PageTable:
         tokens) into the prefix cache."""
         keyed = self._keyed[slot]
         full = min(num_computed, num_prompt, len(self._pages[slot]) * self.page_size) // self.page_size
-        if self.cache is None or full <= len(keyed):
-            return
-        parent = keyed[-1] if keyed else ROOT_HASH
-        first = len(keyed)
-        for i, key in enumerate(page_keys(token_ids, self.page_size, full - first, parent, first)):
-            self.cache.insert(key, self._pages[slot][first + i])  # a page another request cached first stays ours
-            keyed.append(hash(key))
+        if self.cache is not None and full > len(keyed):
+            parent = keyed[-1] if keyed else ROOT_HASH
+            first = len(keyed)
+            for i, key in enumerate(page_keys(token_ids, self.page_size, full - first, parent, first)):
+                self.cache.insert(key, self._pages[slot][first + i])  # a page another request cached first stays ours
+                keyed.append(hash(key))
+        if num_computed >= num_prompt and not self._published[slot]:
+            self._published[slot] = True
+            self._settle(slot)
 
     # -- the table the kernels read ---------------------------------------------------------
     def token_slots(self, slot: int, start: int, n: int) -> np.ndarray:
@@ -172,13 +201,25 @@ class PageTable:
 
     def replace_table(self, host: torch.Tensor) -> None:
         """Adopt another rank's table (a tensor-parallel worker follows rank 0's pages)."""
+        self._changing(0, self.num_slots)
         self.host.copy_(host)
+
+    def _changing(self, first: int, last: int) -> None:
+        """Rows [first, last] of the host copy are about to change: wait until the last copy to
+        the device has read them, and copy them at the next `sync`."""
+        if self._copy_pending:
+            self._copied.synchronize()
+            self._copy_pending = False
+        lo, hi = self._dirty_rows
+        self._dirty_rows = (min(lo, first), max(hi, last))
         self._dirty = True
         self.version += 1
 
     def sync(self) -> None:
-        """Bring the device copy up to date (queued on the current stream; the host copy is
-        pageable memory, so it may change as soon as this returns)."""
+        """Bring the device copy up to date: the changed rows, queued on the current stream."""
         if self._dirty and self.table is not self.host:
-            self.table.copy_(self.host, non_blocking=True)
-        self._dirty = False
+            lo, hi = self._dirty_rows
+            self.table[lo : hi + 1].copy_(self.host[lo : hi + 1], non_blocking=True)
+            self._copied.record()
+            self._copy_pending = True
+        self._dirty, self._dirty_rows = False, (self.num_slots + 1, -1)

@@ -189,7 +189,7 @@ class Request:
         request's grammar terminated on it (`terminated`), an unconstrained one sampled a
         stop token. Such a token is not kept. While thinking, no token ends the output
         (engine/reasoning.py turns a stop token into the end of the thinking)."""
-        if self.thinking:
+        if self.reasoning is not None and self.reasoning.thinking:  # (`thinking`, inline: every token)
             return False
         return terminated if self.matcher is not None else token in self.stop_token_ids
 

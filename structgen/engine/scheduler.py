@@ -82,13 +82,16 @@ class Scheduler:
         """Publish each running request's computed prompt pages to the prefix cache, give its
         page table its present length (a rollback lets go of pages, growth takes them), and
         preempt the newest requests where the pool has no page left."""
-        pages = self.pages
+        pages, lookahead, settled = self.pages, self.lookahead, self.pages.settled
         for req in list(self.running):  # oldest first: the newest are preempted first
             if req.slot is None:  # preempted in this loop
                 continue
+            end = len(req.token_ids) + lookahead
+            first, last = settled[req.slot]
+            if first <= end <= last and req.num_cached >= req.num_prompt:
+                continue  # nothing to publish, to give back or to take; a rollback stays in its output
             pages.publish(req.slot, req.token_ids, req.num_cached, req.num_prompt)
             req.num_cached = pages.writable_from(req.slot, req.num_cached)
-            end = len(req.token_ids) + self.lookahead
             pages.shrink(req.slot, end)
             while not pages.cover(req.slot, end):
                 victim = self.running[-1]

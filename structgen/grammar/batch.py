@@ -32,11 +32,12 @@ def fill_bitmasks(
     bitmask: torch.Tensor,
     rows: Sequence[int] | None = None,
     *,
-    threads: int = 0,
+    threads: int | GrammarThreads = 0,
 ) -> None:
     """Fill `bitmask[rows[i]]` from `matchers[i]` for every i (rows default to 0..n-1).
 
-    `threads` sizes the backends' pools (0: auto, `GrammarThreads.resolve`). Rows of
+    `threads` sizes the backends' pools (0: auto, `GrammarThreads.resolve`; a caller that
+    fills every step passes its resolved sizes, which are not looked up again). Rows of
     other requests are left untouched. Matchers must not be used by another thread meanwhile.
     """
     for run, finish in fill_jobs(matchers, bitmask, rows, threads=threads):
@@ -55,7 +56,7 @@ def fill_jobs(
     bitmask: torch.Tensor,
     rows: Sequence[int] | None = None,
     *,
-    threads: int = 0,
+    threads: int | GrammarThreads = 0,
 ) -> list[FillJob]:
     """`fill_bitmasks` split in parts, one (run, finish) per backend in the batch: `run` is
     the backend's native batch fill (it releases the GIL, so it may run on a worker thread
@@ -68,7 +69,7 @@ def fill_jobs(
         ms.append(m)
         rs.append(r)
     jobs: list[FillJob] = []
-    sizes = GrammarThreads.resolve(threads)
+    sizes = threads if isinstance(threads, GrammarThreads) else GrammarThreads.resolve(threads)
     for backend, (ms, rs) in groups.items():
         n = sizes.for_backend(backend)
         if backend == "xgrammar":

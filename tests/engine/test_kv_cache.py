@@ -30,6 +30,35 @@ def table(num_pages: int = 9, slots: int = 3, prefix_caching: bool = True) -> Pa
 
 # ------------------------------------------------------------------------------ page table
 
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_a_decoding_request_holds_exactly_the_pages_of_its_length_as_it_grows_and_rolls_back(prefix_caching):
+    from structgen.engine.scheduler import Scheduler
+
+    pages = table(num_pages=40, prefix_caching=prefix_caching)
+    sched = Scheduler(pages, max_batch_size=2, chunk_tokens=64, lookahead=2)
+    req = Request(list(range(100, 109)), SamplingParams(max_tokens=40), None, frozenset())
+    sched.add(req)
+
+    def step() -> None:
+        for r, n in sched.schedule():
+            r.num_cached += n
+        assert pages.num_mapped(req.slot) == pages.pages_for(len(req.token_ids) + 2) * PAGE
+
+    step()  # the prompt
+    for tok in range(30):  # one token a step, crossing page boundaries (and the context's end)
+        req.append([tok])
+        step()
+    assert len(pages._keyed[req.slot]) == (2 if prefix_caching else 0)  # the prompt's full pages
+    req.truncate(len(req.token_ids) - 9)  # a rollback of output tokens gives pages back
+    step()
+    req.truncate(5)  # into the published prompt pages: the shared one is recomputed
+    sched.schedule()
+    assert req.num_cached == (4 if prefix_caching else 5)
+    assert pages.num_mapped(req.slot) == 2 * PAGE
+    sched.remove(req)
+    assert pages.free_pages == 39
+
+
 
 def test_pages_are_taken_a_page_at_a_time_and_given_back_on_shrink_and_release():
     pages = table()
