@@ -14,10 +14,7 @@ their K/V are computed; a request writes only at positions past its cached ones,
 page is never written.
 
 The host copy (`host`) is the truth; `table` is the device copy, brought up to date by `sync`
-before a forward reads it (on the CPU they are one tensor). On CUDA the host copy is pinned, so
-`sync` copies just the rows that changed without blocking the host (a copy from pageable
-memory goes through a driver staging buffer), and a write to it waits until the last copy has
-read it (by then, nearly always).
+before a forward reads it (on the CPU they are one tensor).
 """
 
 from __future__ import annotations
@@ -37,15 +34,10 @@ class PageTable:
         self.page_size, self.num_pages, self.num_slots = page_size, num_pages, num_slots
         self.scratch_slot, self.max_seq_len = num_slots, max_seq_len
         self.max_pages_per_seq = -(-max_seq_len // page_size)
-        cuda = device.type == "cuda"
-        self.host = torch.full((num_slots + 1, self.max_pages_per_seq), SCRATCH_PAGE, dtype=torch.long,
-                               pin_memory=cuda)
+        self.host = torch.full((num_slots + 1, self.max_pages_per_seq), SCRATCH_PAGE, dtype=torch.long)
         self._host_np = self.host.numpy()
         self.table = self.host if device.type == "cpu" else self.host.to(device)
         self._dirty = False
-        self._dirty_rows = (num_slots + 1, -1)  # the first and last changed row since the last sync
-        self._copied = torch.cuda.Event() if cuda else None  # recorded behind the last copy
-        self._copy_pending = False
         self.version = 0  # counts changes of the table (tensor parallelism sends it when it moved)
         self._free_pages = list(range(num_pages - 1, SCRATCH_PAGE, -1))
         self._refs = [0] * num_pages
@@ -124,8 +116,9 @@ class PageTable:
             self._let_go(page)
         del pages[keep:]
         del self._keyed[slot][keep:]
-        self._changing(slot, slot)
         self._host_np[slot, keep:] = SCRATCH_PAGE
+        self._dirty = True
+        self.version += 1
         self._settle(slot)
 
     def writable_from(self, slot: int, start: int) -> int:
@@ -149,9 +142,10 @@ class PageTable:
         if self._refs[page] == 1 and self.cache is not None:
             self.cache.use(page)
         pages = self._pages[slot]
-        self._changing(slot, slot)
         self._host_np[slot, len(pages)] = page
         pages.append(page)
+        self._dirty = True
+        self.version += 1
 
     def _let_go(self, page: int) -> None:
         self._refs[page] -= 1
@@ -201,25 +195,13 @@ class PageTable:
 
     def replace_table(self, host: torch.Tensor) -> None:
         """Adopt another rank's table (a tensor-parallel worker follows rank 0's pages)."""
-        self._changing(0, self.num_slots)
         self.host.copy_(host)
-
-    def _changing(self, first: int, last: int) -> None:
-        """Rows [first, last] of the host copy are about to change: wait until the last copy to
-        the device has read them, and copy them at the next `sync`."""
-        if self._copy_pending:
-            self._copied.synchronize()
-            self._copy_pending = False
-        lo, hi = self._dirty_rows
-        self._dirty_rows = (min(lo, first), max(hi, last))
         self._dirty = True
         self.version += 1
 
     def sync(self) -> None:
-        """Bring the device copy up to date: the changed rows, queued on the current stream."""
+        """Bring the device copy up to date (queued on the current stream; the host copy is
+        pageable memory, so it may change as soon as this returns)."""
         if self._dirty and self.table is not self.host:
-            lo, hi = self._dirty_rows
-            self.table[lo : hi + 1].copy_(self.host[lo : hi + 1], non_blocking=True)
-            self._copied.record()
-            self._copy_pending = True
-        self._dirty, self._dirty_rows = False, (self.num_slots + 1, -1)
+            self.table.copy_(self.host, non_blocking=True)
+        self._dirty = False
