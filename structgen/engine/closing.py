@@ -75,15 +75,26 @@ class BudgetCloser:
             return
         if p.close_at_budget:
             req.budget_check_at = max(0, p.max_tokens - FIRST_CHECK_WINDOW)
-            if req.budget_check_at <= req.num_output:  # a small budget: a point to drop back to
-                self._note_safe_point(req)
-        self._schedule(req, 0)
+            if req.budget_check_at <= req.num_output:  # a small budget: check the empty output now
+                self._plan_from_here(req)
+        self._schedule(req, req.num_output)
 
-    def _note_safe_point(self, req: Request) -> None:
-        """The output as it is now is a safe point where a completion fits the budget (before
-        forced text or the model open what the budget cannot close)."""
-        if self.search.shortest(req.matcher, req.params.max_tokens - req.num_output) is not None:
+    def _plan_from_here(self, req: Request) -> None:
+        """At admission: where a completion fits, the output as it is becomes a safe point
+        (before forced text or the model open what the budget cannot close) and the next check
+        is set from it; a completion that only just fits leaves the check due at once."""
+        left = req.params.max_tokens - req.num_output
+        plan = self.search.shortest(req.matcher, left)
+        if plan is not None:
             req.safe_point = req.num_output
+            if len(plan) + CLOSING_MARGIN < left:
+                req.budget_check_at = self._halfway(req, left, plan)
+
+    @staticmethod
+    def _halfway(req: Request, left: int, plan: list[int]) -> int:
+        """The next budget check: halfway to where closing must start, so checks get denser
+        as the end nears."""
+        return req.num_output + max(1, (left - len(plan) - CLOSING_MARGIN) // 2)
 
     def at_budget(self, req: Request, completed: bool) -> None:
         """The request's output reached `req.close_at` (`completed`: its grammar may end
@@ -116,9 +127,7 @@ class BudgetCloser:
                 return
             if plan is not None:
                 req.safe_point = req.num_output
-            # Halfway to where closing must start: checks get denser as the end nears.
-            req.budget_check_at = p.max_tokens if plan is None else (
-                req.num_output + max(1, (left - len(plan) - CLOSING_MARGIN) // 2))
+            req.budget_check_at = p.max_tokens if plan is None else self._halfway(req, left, plan)
         self._schedule(req, req.num_output)
 
     @staticmethod
