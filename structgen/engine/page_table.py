@@ -37,8 +37,10 @@ class PageTable:
         self.host = torch.full((num_slots + 1, self.max_pages_per_seq), SCRATCH_PAGE, dtype=torch.long)
         self._host_np = self.host.numpy()
         self.table = self.host if device.type == "cpu" else self.host.to(device)
-        self._dirty = False
-        self.version = 0  # counts changes of the table (tensor parallelism sends it when it moved)
+        # Changes of the table: `sync` copies it to the device, and tensor parallelism sends it
+        # to the workers, where it moved since they last did.
+        self.version = 0
+        self._synced = 0
         self._free_pages = list(range(num_pages - 1, SCRATCH_PAGE, -1))
         self._refs = [0] * num_pages
         self._pages: list[list[int]] = [[] for _ in range(num_slots + 1)]
@@ -117,7 +119,6 @@ class PageTable:
         del pages[keep:]
         del self._keyed[slot][keep:]
         self._host_np[slot, keep:] = SCRATCH_PAGE
-        self._dirty = True
         self.version += 1
         self._settle(slot)
 
@@ -144,7 +145,6 @@ class PageTable:
         pages = self._pages[slot]
         self._host_np[slot, len(pages)] = page
         pages.append(page)
-        self._dirty = True
         self.version += 1
 
     def _let_go(self, page: int) -> None:
@@ -196,12 +196,11 @@ class PageTable:
     def replace_table(self, host: torch.Tensor) -> None:
         """Adopt another rank's table (a tensor-parallel worker follows rank 0's pages)."""
         self.host.copy_(host)
-        self._dirty = True
         self.version += 1
 
     def sync(self) -> None:
         """Bring the device copy up to date (queued on the current stream; the host copy is
         pageable memory, so it may change as soon as this returns)."""
-        if self._dirty and self.table is not self.host:
+        if self.version != self._synced and self.table is not self.host:
             self.table.copy_(self.host, non_blocking=True)
-        self._dirty = False
+        self._synced = self.version
