@@ -59,8 +59,7 @@ from structgen.grammar.prefetch import MIN_ROWS, MaskPrefetcher
 from structgen.sampling import SamplingParams
 
 MODELS = ("smollm2-135m", "gemma-3-270m", "llama-1b-shape", "llama-8b-shape", "qwen3-8b-shape", "qwen3-30b-a3b-shape")
-# name -> resolve_model argument; "-float": the GGUF's packed weights de-quantized at load
-REAL_MODELS = {"smollm2-135m": None, "smollm2-135m-float": None, "gemma-3-270m": "gemma-3-270m"}
+REAL_MODELS = {"smollm2-135m": None, "gemma-3-270m": "gemma-3-270m"}  # name -> resolve_model argument
 # A typical extraction record: strings, an integer, a boolean and a list.
 SCHEMA = {
     "type": "object",
@@ -111,7 +110,7 @@ def load(model: str, tok_dir: Path | None) -> tuple[Any, Any, Path | None, set[i
 
 
 def build_engine(cfg, model_dir: Path | None, stop: set[int], graphs: bool, prefill_in_graphs: bool = True,
-                 tensor_parallel: int = 1, quantization: str | None = None, packed: bool = True,
+                 tensor_parallel: int = 1, quantization: str | None = None,
                  batch_invariant: bool = False) -> Engine:
     if tensor_parallel > 1:
         # Every rank captures its graphs while it is built, with its own random shard
@@ -122,7 +121,7 @@ def build_engine(cfg, model_dir: Path | None, stop: set[int], graphs: bool, pref
         return Engine(cfg, ec, model_dir, stop_token_ids=stop)
     ec = EngineConfig(max_batch_size=64, max_seq_len=1024, jump_forward=False, use_cuda_graphs=False,
                       quantization=quantization, batch_invariant=batch_invariant,
-                      tuning=EngineTuning(prefill_in_graphs=prefill_in_graphs, quantized_weights=packed))
+                      tuning=EngineTuning(prefill_in_graphs=prefill_in_graphs))
     engine = Engine(cfg, ec, model_dir, stop_token_ids=stop)
     if model_dir is None and quantization is None and fits_two_copies(cfg, engine.runner.dtype, engine.device):
         # the peers' random weights (benchmarks.common), copied in place; a model too large
@@ -350,7 +349,7 @@ def main() -> None:
             continue  # a shape that only fits split (llama-70b-shape)
         invariant = args.batch_invariant == "on"
         engine = build_engine(cfg, model_dir, stop, graphs=True, quantization=quantization_of(model),
-                              packed=not model.endswith("-float"), batch_invariant=invariant)
+                              batch_invariant=invariant)
         bf16_floor = floors[model]
         if quantization_of(model):
             floors[model] = packed_floor_ms(engine, bandwidth)
