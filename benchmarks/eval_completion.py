@@ -50,7 +50,8 @@ class Case:
 
 def load_cases(llm: LLM, categories: list[str], limit: int) -> list[Case]:
     """The first `limit` schemas of each category that compile."""
-    from benchmarks.eval_grammar import load_category, maskbench_dir
+    from benchmarks.common import maskbench_dir
+    from benchmarks.eval_grammar import load_category
 
     cases = []
     for cat in categories:
