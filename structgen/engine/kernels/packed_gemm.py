@@ -68,8 +68,8 @@ def dot_block(rows: int) -> Block:
 
 
 @triton.jit
-def _weights(C, S, OFF, n, nmask, j, jmask, HALF, stride_cn, stride_sn, GROUP_N, GROUP_K,
-             CODE: tl.constexpr, HAS_OFFSET: tl.constexpr, ROW_SCALE: tl.constexpr):
+def _weights(C, S, OFF, n, nmask, j, jmask, HALF, stride_cn, stride_sn, GROUP_N: tl.constexpr,
+             GROUP_K: tl.constexpr, CODE: tl.constexpr, HAS_OFFSET: tl.constexpr, ROW_SCALE: tl.constexpr):
     """The float32 weights of columns j and j + HALF for rows n: two [BLOCK_N, BLOCK_J] tiles
     (with ROW_SCALE, the codes only: the kernel scales its output instead)."""
     mask = nmask[:, None] & jmask[None, :]
@@ -94,9 +94,10 @@ def _weights(C, S, OFF, n, nmask, j, jmask, HALF, stride_cn, stride_sn, GROUP_N,
 
 
 @triton.jit
-def _packed_kernel(X, C, S, OFF, B, Y, M, N, HALF, stride_xm, stride_cn, stride_sn, stride_ym, GROUP_N, GROUP_K,
+def _packed_kernel(X, C, S, OFF, B, Y, M, N, HALF, stride_xm, stride_cn, stride_sn, stride_ym,
+                   GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
                    CODE: tl.constexpr, HAS_OFFSET: tl.constexpr, ROW_SCALE: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, DOT: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr):
     """Both forms: DOT feeds W's tiles (in x's dtype) to `tl.dot`, else float32 products are
     summed per chunk (the GEMV: one program for all rows, W read once)."""
@@ -115,8 +116,8 @@ def _packed_kernel(X, C, S, OFF, B, Y, M, N, HALF, stride_xm, stride_cn, stride_
         x_lo = tl.load(x_row + j[None, :], mask=xmask, other=0.0)
         x_hi = tl.load(x_row + HALF + j[None, :], mask=xmask, other=0.0)
         if DOT:
-            acc = tl.dot(x_lo, tl.trans(w_lo.to(x_lo.dtype)), acc)
-            acc = tl.dot(x_hi, tl.trans(w_hi.to(x_hi.dtype)), acc)
+            acc = tl.dot(x_lo, tl.trans(w_lo.to(x_lo.dtype)), acc, input_precision=PRECISION)
+            acc = tl.dot(x_hi, tl.trans(w_hi.to(x_hi.dtype)), acc, input_precision=PRECISION)
         else:
             products = x_lo.to(tl.float32)[:, None, :] * w_lo[None, :, :] + x_hi.to(tl.float32)[:, None, :] * w_hi[None, :, :]
             acc += tl.sum(products, axis=2)
@@ -143,9 +144,12 @@ def matmul(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = No
     half = weight.cols // 2
     args = (x, weight.codes, weight.scales, weight.offsets if weight.offsets is not None else weight.scales,
             bias if bias is not None else weight.scales, y, rows, n, half, x.stride(0), weight.codes.stride(0),
-            weight.scales.stride(0), y.stride(0), weight.group_rows, weight.group_cols)
+            weight.scales.stride(0), y.stride(0))
     row_scale = weight.offsets is None and weight.group_rows == 1 and weight.group_cols >= weight.cols
-    consts = {"CODE": _CODE_IDS[weight.code], "HAS_OFFSET": weight.offsets is not None, "ROW_SCALE": row_scale,
+    # group sizes are constants so the scale index is a shift, not a division per weight; float32
+    # products stay float32 (tl.dot would round them to TF32 on the GPU)
+    consts = {"GROUP_N": weight.group_rows, "GROUP_K": weight.group_cols, "CODE": _CODE_IDS[weight.code],
+              "PRECISION": "ieee" if x.dtype == torch.float32 else "tf32", "HAS_OFFSET": weight.offsets is not None, "ROW_SCALE": row_scale,
               "HAS_BIAS": bias is not None,
               "BLOCK_N": block.n, "BLOCK_J": min(block.j, triton.next_power_of_2(half)),
               "num_warps": block.warps, "num_stages": block.stages}
