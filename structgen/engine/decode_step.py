@@ -138,7 +138,9 @@ class EngineDecodeStep(DecodeStep):
         self.filled = bitmask
         self.row_errors.update(eng._fill_masks(bitmask, eng._not_prefilled(bitmask, self.constrained)))
         if self.guessed:
-            self.bad_guesses.update(fill_guess_rows(bitmask, [(i, self.reqs[i], row) for i, row in self.guessed.items()]))
+            bad, broken = fill_guess_rows(bitmask, [(i, self.reqs[i], row) for i, row in self.guessed.items()])
+            self.bad_guesses |= bad
+            self.failed.update(broken)
         if any(r.rejected for r in self.reqs):  # HOOK(repair)
             eng.ban_rejected(bitmask, [(row, r, None) for row, r in zip(self.sampled_rows, self.reqs, strict=True)]
                              + [(row, self.reqs[i], self.reqs[i].guess) for i, row in self.guessed.items()])

@@ -21,11 +21,13 @@ if TYPE_CHECKING:
     from structgen.engine.request import Request
 
 
-def fill_guess_rows(bitmask: torch.Tensor, rows: list[tuple[int, Request, int]]) -> set[int]:
+def fill_guess_rows(bitmask: torch.Tensor, rows: list[tuple[int, Request, int]]) -> tuple[set[int], dict[int, EngineError]]:
     """Fill `bitmask[row]` with request i's grammar mask after its guess (the matcher takes
-    the guess, then rolls back), for each (i, request, row); returns the i where that failed
-    (their guesses are dropped: the row's token is not used)."""
-    bad = set()
+    the guess, then rolls back), for each (i, request, row). Returns the i where that failed
+    (their guesses are dropped: the row's token is not used) and, among them, those whose
+    matcher could not roll the guess back: that request fails alone, never its batch."""
+    bad: set[int] = set()
+    broken: dict[int, EngineError] = {}
     for i, req, row in rows:
         m = req.matcher
         try:
@@ -39,9 +41,12 @@ def fill_guess_rows(bitmask: torch.Tensor, rows: list[tuple[int, Request, int]])
             m.fill_bitmask(bitmask, row)
         except Exception:
             bad.add(i)
-        finally:
+        try:
             m.rollback(1)
-    return bad
+        except Exception as exc:
+            bad.add(i)
+            broken[i] = exc if isinstance(exc, EngineError) else EngineError(f"grammar rollback failed: {exc}")
+    return bad, broken
 
 
 def take_guesses(reqs: list[Request], tokens: list[int], after: dict[int, int], bad: set[int],

@@ -494,8 +494,9 @@ class Engine:
             bitmask = allocate_bitmask(len(constrained) + len(guessed), self.vocab_size)
             for k, exc in self._fill_masks(bitmask, [(k, r.matcher) for k, (_, r) in enumerate(constrained)]).items():
                 errors[constrained[k][0]] = exc
-            bad_guesses = fill_guess_rows(bitmask, [(i, reqs[i], len(constrained) + k)
-                                                    for k, i in enumerate(guessed)])
+            bad_guesses, broken = fill_guess_rows(bitmask, [(i, reqs[i], len(constrained) + k)
+                                                            for k, i in enumerate(guessed)])
+            errors.update(broken)
             if any(r.rejected for r in reqs):
                 self.ban_rejected(bitmask, [(k, r, None) for k, (_, r) in enumerate(constrained)]
                                   + [(len(constrained) + k, reqs[i], reqs[i].guess) for k, i in enumerate(guessed)])

@@ -53,7 +53,9 @@ def ids(tokenizer, text: str) -> list[int]:
 class FaultyMatcher:
     """A real matcher that breaks on purpose after `fail_after` masks (fault injection; the
     engine under test is real). `mode`: "fill" raises from fill_bitmask, "reject" makes
-    accept_token refuse every token (`FAULT_ERRORS`), "accept" makes it raise."""
+    accept_token refuse every token (`FAULT_ERRORS`), "accept" makes it raise, "guess-rollback"
+    makes rolling a jump-forward guess back raise (as llguidance does where a pattern's lexer
+    grows too complex)."""
 
     backend = "faulty"  # not a real backend: the batch filler calls it row by row
 
@@ -74,13 +76,21 @@ class FaultyMatcher:
             raise RuntimeError("grammar exploded while accepting")
         return self.inner.accept_token(tid)
 
+    def rollback(self, n):
+        caller = sys._getframe(1).f_code.co_name
+        if self.mode == "guess-rollback" and self.fills > self.fail_after and caller == "fill_guess_rows":
+            self.raised_in = caller
+            raise EngineError("grammar rollback of 1 tokens failed: lexer error: too many expressions constructed")
+        return self.inner.rollback(n)
+
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
 
 # What each fault finishes its request with: a matcher that refuses every token reads as a dead
 # end of the constraint where its mask allowed few tokens (all probed), else as a disagreement.
-FAULT_ERRORS = {"fill": EngineError, "reject": (EngineError, UnsatisfiableConstraintError), "accept": EngineError}
+FAULT_ERRORS = {"fill": EngineError, "reject": (EngineError, UnsatisfiableConstraintError), "accept": EngineError,
+                "guess-rollback": EngineError}
 
 
 def engine_path(frame) -> tuple[str, ...]:
@@ -207,6 +217,31 @@ def test_planned_decode_steps_are_the_steps_the_engine_runs(engine, grammar, tok
     assert len(made) >= 10
     assert all(plan == ran for plan, ran in made)
     assert any(plan is None for _, plan in steps[:-1])  # after a jump: an extend step comes
+
+
+def test_a_grammar_that_cannot_roll_back_fails_only_its_request(engine, grammar, tokenizer):
+    """Jump-forward's guess rows take the guess into the matcher and roll it back; where a
+    matcher raises on the rollback its request fails alone, and the batch's other rows
+    (jump-forward on) generate what they generate alone."""
+    from structgen.engine.jump_forward import JumpForward
+
+    previous = engine.jump_forward_hook
+    engine.jump_forward_hook = JumpForward(tokenizer, engine.vocab_size, engine.stop_token_ids)
+    try:
+        alone = []
+        for i in (1, 2):
+            req = make(tokenizer, engine, grammar, i, max_tokens=30, jump_forward=True)
+            engine.run([req])
+            alone.append(req.output_ids)
+        reqs = [make(tokenizer, engine, grammar, i, max_tokens=30, jump_forward=True) for i in range(3)]
+        reqs[0].matcher = faulty = FaultyMatcher(reqs[0].matcher, fail_after=2, mode="guess-rollback")
+        engine.run(reqs)
+    finally:
+        engine.jump_forward_hook = previous
+    assert getattr(faulty, "raised_in", None) == "fill_guess_rows"
+    assert reqs[0].finish_reason == "error" and "rollback" in str(reqs[0].error)
+    assert [reqs[1].output_ids, reqs[2].output_ids] == alone
+    assert engine.runner.kv.pages.free_slots == engine.runner.kv.num_slots
 
 
 def test_failed_rehearsal_fails_only_its_request(engine, grammar, tokenizer):
