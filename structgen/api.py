@@ -9,6 +9,7 @@ comes back cut off, with `finish_reason="length"`."""
 from __future__ import annotations
 
 import asyncio
+import os
 import queue
 import threading
 import time
@@ -142,7 +143,11 @@ class LLM:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = name
-        self.grammars = GrammarCompiler(tokenizer, engine.vocab_size, sorted(engine.stop_token_ids), backend=backend)
+        # Compiles get half the cores (at least 2, at most 8): a burst of requests with different
+        # schemas waits on them for its first tokens; the other half fills masks.
+        workers = max(2, min(8, (os.cpu_count() or 2) // 2))
+        self.grammars = GrammarCompiler(tokenizer, engine.vocab_size, sorted(engine.stop_token_ids), backend=backend,
+                                        workers=workers)
         self.loop = EngineLoop(engine)
         self.closed = False
         engine.use_tokenizer(tokenizer)
@@ -262,7 +267,10 @@ class LLM:
         constraint = await asyncio.to_thread(self._constraint, output_type, strict, loop_guards)
         if constraint.kind == "text":
             return constraint, None
-        future = self.grammars.submit(constraint)
+        try:
+            future = await self.grammars.asubmit(constraint)
+        except Exception as e:
+            raise _grammar_error(output_type, e) from e
         try:
             return constraint, await asyncio.wrap_future(future)
         except asyncio.CancelledError:
