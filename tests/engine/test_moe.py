@@ -278,6 +278,35 @@ def test_route_kernel_equals_softmax_top_k(normalize):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tokens", [1, 8, 64])
+def test_timed_launch_shapes_compute_the_reference_in_bf16(tokens):
+    """Decode-sized steps on Qwen3-30B-A3B's expert shape (16 of its experts, top 8): the
+    launch shapes timed on the device (pair kernels at 1 and 8 tokens, sorted blocks at 64)
+    are candidates, and compute the float32 torch reference within bf16 rounding."""
+    from structgen.engine.kernels.moe import (
+        GROUPED,
+        PAIR_DOWN,
+        PAIR_GATE_UP,
+        expert_tiles,
+        grouped_experts,
+    )
+    from structgen.engine.models.moe import experts_reference
+
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(tokens, 2048, device="cuda", generator=g).bfloat16()
+    gate_up = (torch.randn(16, 2 * 768, 2048, device="cuda", generator=g) * 0.02).bfloat16()
+    down = (torch.randn(16, 2048, 768, device="cuda", generator=g) * 0.02).bfloat16()
+    weights, ids = torch.randn(tokens, 16, device="cuda", generator=g).softmax(-1).topk(8, dim=-1)
+    tiles = expert_tiles(tokens, 8, gate_up, down)
+    pairs = tokens * 8 <= 64
+    assert tiles.gate_up in (PAIR_GATE_UP if pairs else GROUPED) and tiles.down in (PAIR_DOWN if pairs else GROUPED)
+    out = grouped_experts(x, ids, weights, gate_up, down).float()
+    expected = experts_reference(x.float(), ids, weights, gate_up.float(), down.float())
+    assert float((out - expected).norm() / expected.norm()) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graphs_in_bf16_match_eager_and_transformers(tiny_moe, bf16_graphs_match_eager_and_transformers):
     """On the device in bf16: greedy tokens through the CUDA graphs (the expert kernels
     captured) equal the eager path's; prefill logits (the grouped kernel over sorted blocks)
