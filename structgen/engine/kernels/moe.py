@@ -240,17 +240,16 @@ def _gate_up_pairs_kernel(X, W, Ids, Out, stride_x, stride_we, stride_wn, stride
     for k0 in range(0, hidden, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
-            x = tl.load(X + token * stride_x + k)
-            gate = tl.load(w_gate + k[None, :], mask=n_ok[:, None], other=0.0)
-            up = tl.load(w_up + k[None, :], mask=n_ok[:, None], other=0.0)
+            x_k = tl.load(X + token * stride_x + k)
+            gate_k = tl.load(w_gate + k[None, :], mask=n_ok[:, None], other=0.0)
+            up_k = tl.load(w_up + k[None, :], mask=n_ok[:, None], other=0.0)
         else:
             k_ok = k < hidden
-            x = tl.load(X + token * stride_x + k, mask=k_ok, other=0.0)
-            gate = tl.load(w_gate + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            up = tl.load(w_up + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        x = x.to(tl.float32)[None, :]
-        acc_gate += gate.to(tl.float32) * x
-        acc_up += up.to(tl.float32) * x
+            x_k = tl.load(X + token * stride_x + k, mask=k_ok, other=0.0)
+            gate_k = tl.load(w_gate + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            up_k = tl.load(w_up + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc_gate += gate_k.to(tl.float32) * x_k.to(tl.float32)[None, :]
+        acc_up += up_k.to(tl.float32) * x_k.to(tl.float32)[None, :]
     dt = Out.dtype.element_ty
     # Rounded to the model dtype where the torch path rounds: the projection, then SiLU * up.
     gate, up = tl.sum(acc_gate, 1).to(dt).to(tl.float32), tl.sum(acc_up, 1).to(dt).to(tl.float32)
@@ -277,13 +276,13 @@ def _down_tokens_kernel(H, W, Ids, RouteWeights, Out, stride_h, stride_we, strid
         expert = tl.load(Ids + pair).to(tl.int64)
         route = tl.load(RouteWeights + pair)
         if EVEN_K:
-            h = tl.load(H + pair.to(tl.int64) * stride_h + k)
-            w = tl.load(w_rows + expert * stride_we + k[None, :], mask=n_ok[:, None], other=0.0)
+            h_k = tl.load(H + pair.to(tl.int64) * stride_h + k)
+            w_k = tl.load(w_rows + expert * stride_we + k[None, :], mask=n_ok[:, None], other=0.0)
         else:
             k_ok = k < inter
-            h = tl.load(H + pair.to(tl.int64) * stride_h + k, mask=k_ok, other=0.0)
-            w = tl.load(w_rows + expert * stride_we + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += w.to(tl.float32) * (h.to(tl.float32) * route)[None, :]
+            h_k = tl.load(H + pair.to(tl.int64) * stride_h + k, mask=k_ok, other=0.0)
+            w_k = tl.load(w_rows + expert * stride_we + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += w_k.to(tl.float32) * (h_k.to(tl.float32) * route)[None, :]
     tl.store(Out + token.to(tl.int64) * stride_o + n, tl.sum(acc, 1).to(Out.dtype.element_ty), mask=n_ok)
 
 
@@ -301,7 +300,8 @@ class Tiles(NamedTuple):
 # few features with long K chunks, as the dense GEMV's winners do; the grouped kernels' are
 # tensor-core tiles over BLOCK_M rows.
 PAIR_GATE_UP = (Tiles(4, 1024, 4, 4), Tiles(2, 2048, 8, 2), Tiles(8, 512, 4, 3), Tiles(4, 512, 4, 4))
-PAIR_DOWN = (Tiles(4, 256, 4, 4), Tiles(2, 256, 4, 4), Tiles(8, 256, 4, 3), Tiles(16, 128, 4, 3))
+PAIR_DOWN = (Tiles(4, 256, 4, 4), Tiles(2, 256, 4, 4), Tiles(8, 256, 4, 3), Tiles(16, 128, 4, 3),
+             Tiles(4, 512, 4, 3))
 GROUPED = (Tiles(64, 64, 4, 3), Tiles(64, 128, 4, 3), Tiles(128, 64, 4, 3), Tiles(32, 128, 4, 4))
 # Steps of up to this many tokens (decode batches) have their tiles timed, once per power of two.
 TIMED_MAX_TOKENS = 64
