@@ -139,6 +139,7 @@ def step_profile(layers: int, batch: int, steps: int, bandwidth: float) -> dict[
     for row in out["layer"]["kernels"]:
         print(f"  {row['us']:7.2f} us  gap {row['gap_us']:5.2f} us  {row['name'][:90]}")
     print(f"  layer: {out['layer']['us']:.1f} us ({out['layer']['kernel_us']:.1f} in kernels)", flush=True)
+    engine.close()
     del engine
     torch.cuda.empty_cache()
     return out
