@@ -100,11 +100,16 @@ def greedy_and_logits_match_transformers():
 
 @pytest.fixture(scope="session")
 def bf16_graphs_match_eager_and_transformers():
-    """`check(model_dir, reference, prompts, steps)`, on CUDA in bf16: greedy tokens through the
-    CUDA graphs equal the eager path's, and the logits of the first prompt and its output are
-    within bf16 tolerance of transformers' `reference` (a float32 CPU model, left as it was)."""
+    """`check(model_dir, reference, prompts, steps, routed=False)`, on CUDA in bf16: greedy
+    tokens through the CUDA graphs equal the eager path's, and the logits of the first prompt
+    and its output are within bf16 tolerance of transformers' `reference` (a float32 CPU model,
+    left as it was: a bf16 copy runs). `routed` (mixtures of experts) compares the median
+    position's error: any two bf16 implementations send a few near-tied tokens to different
+    experts, a large error at those positions that says nothing about the kernels."""
 
-    def check(model_dir: Path, reference, prompts: list[list[int]], steps: int) -> None:
+    def check(model_dir: Path, reference, prompts: list[list[int]], steps: int, routed: bool = False) -> None:
+        import copy
+
         import torch
 
         from structgen.engine.config import EngineConfig, EngineTuning
@@ -127,11 +132,14 @@ def bf16_graphs_match_eager_and_transformers():
             slot = engine.runner.kv.pages.allocate_slot()
             ours = engine.runner.extend([ExtendSeq(slot, 0, full, num_logits=len(full))])
         assert outs[True] == outs[False]
-        hf = reference.to("cuda", torch.bfloat16)
+        hf = copy.deepcopy(reference).to("cuda", torch.bfloat16)  # rounding `reference` would change it
         with torch.no_grad():
             expected = hf(torch.tensor([full], device="cuda")).logits[0].float()
-        reference.to("cpu", torch.float32)
-        assert float((ours - expected).norm() / expected.norm()) < 3e-2
+        if routed:
+            err = ((ours - expected).norm(dim=-1) / expected.norm(dim=-1)).median()
+        else:
+            err = (ours - expected).norm() / expected.norm()
+        assert float(err) < 3e-2
 
     return check
 

@@ -213,6 +213,36 @@ def test_grouped_expert_kernel_equals_the_torch_reference(tokens):
 
 
 @pytest.mark.skipif(not KERNELS, reason="needs CUDA (or TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+def test_every_candidate_tile_shape_equals_the_torch_reference(tokens):
+    """Each launch shape the device may time and keep, on sizes no chunk divides (hidden 96,
+    expert width 40): the pair kernels (1 and 5 tokens, top-3 of 8, a token's experts summed
+    in one program) and the sorted ones (40 tokens), float32."""
+    from structgen.engine.kernels.moe import (
+        GROUPED,
+        PAIR_DOWN,
+        PAIR_GATE_UP,
+        PAIR_MAX,
+        ExpertTiles,
+        grouped_experts,
+    )
+    from structgen.engine.models.moe import experts_reference
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator(device=device).manual_seed(tokens)
+    x = torch.randn(tokens, 96, device=device, generator=g)
+    gate_up = torch.randn(8, 2 * 40, 96, device=device, generator=g) * 0.1
+    down = torch.randn(8, 96, 40, device=device, generator=g) * 0.1
+    weights, ids = torch.randn(tokens, 8, device=device, generator=g).softmax(-1).topk(3, dim=-1)
+    expected = experts_reference(x, ids, weights, gate_up, down)
+    firsts, seconds = (PAIR_GATE_UP, PAIR_DOWN) if tokens * 3 <= PAIR_MAX else (GROUPED, GROUPED)
+    shapes = [ExpertTiles(t, seconds[0]) for t in firsts] + [ExpertTiles(firsts[0], t) for t in seconds[1:]]
+    for tiles in shapes:
+        out = grouped_experts(x, ids, weights, gate_up, down, tiles)
+        assert torch.allclose(out, expected, atol=1e-4, rtol=1e-4), tiles
+
+
+@pytest.mark.skipif(not KERNELS, reason="needs CUDA (or TRITON_INTERPRET=1)")
 @pytest.mark.parametrize("tokens,experts,block_m", [(1, 8, 16), (40, 8, 16), (300, 128, 64), (70, 60, 16)])
 def test_alignment_kernel_equals_the_torch_sort(tokens, experts, block_m):
     """The pairs sorted by expert and padded to blocks: the rows and blocks in use equal
@@ -249,11 +279,41 @@ def test_route_kernel_equals_softmax_top_k(normalize):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tokens", [1, 8, 64])
+def test_timed_launch_shapes_compute_the_reference_in_bf16(tokens):
+    """Decode-sized steps on Qwen3-30B-A3B's expert shape (16 of its experts, top 8): the
+    launch shapes timed on the device (pair kernels at 1 and 8 tokens, sorted blocks at 64)
+    are candidates, and compute the float32 torch reference within bf16 rounding."""
+    from structgen.engine.kernels.moe import (
+        GROUPED,
+        PAIR_DOWN,
+        PAIR_GATE_UP,
+        expert_tiles,
+        grouped_experts,
+    )
+    from structgen.engine.models.moe import experts_reference
+
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(tokens, 2048, device="cuda", generator=g).bfloat16()
+    gate_up = (torch.randn(16, 2 * 768, 2048, device="cuda", generator=g) * 0.02).bfloat16()
+    down = (torch.randn(16, 2048, 768, device="cuda", generator=g) * 0.02).bfloat16()
+    weights, ids = torch.randn(tokens, 16, device="cuda", generator=g).softmax(-1).topk(8, dim=-1)
+    tiles = expert_tiles(tokens, 8, gate_up, down)
+    pairs = tokens * 8 <= 64
+    assert tiles.gate_up in (PAIR_GATE_UP if pairs else GROUPED) and tiles.down in (PAIR_DOWN if pairs else GROUPED)
+    out = grouped_experts(x, ids, weights, gate_up, down).float()
+    expected = experts_reference(x.float(), ids, weights, gate_up.float(), down.float())
+    assert float((out - expected).norm() / expected.norm()) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graphs_in_bf16_match_eager_and_transformers(tiny_moe, bf16_graphs_match_eager_and_transformers):
     """On the device in bf16: greedy tokens through the CUDA graphs (the expert kernels
     captured) equal the eager path's; prefill logits (the grouped kernel over sorted blocks)
-    are within bf16 tolerance of transformers'."""
-    bf16_graphs_match_eager_and_transformers(*tiny_moe, PROMPTS, STEPS)
+    are within bf16 tolerance of transformers' at the median position (bf16 routing flips a
+    few near-tied tokens in any two implementations, our torch path on the CPU included)."""
+    bf16_graphs_match_eager_and_transformers(*tiny_moe, PROMPTS, STEPS, routed=True)
 
 
 @pytest.mark.gpu

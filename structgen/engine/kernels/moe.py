@@ -1,30 +1,37 @@
-"""Mixture-of-experts kernels: the router (softmax + top-k) in one launch, and every (token,
-chosen expert) pair of a step in one launch for gate/up (+ SiLU * up) and one for down (+ the
-routing weight).
+"""Mixture-of-experts kernels: the router (softmax + top-k) in one launch, and a step's
+(token, chosen expert) pairs in one launch per projection.
 
-The pairs are sorted by expert and each expert's run padded to whole blocks of BLOCK_M rows
-(`align_by_expert`), so a program multiplies one block of rows by one expert's weights, read
-once per block. Every shape depends only on the number of tokens, never on the routing: the
-alignment is one launch over fixed-size buffers, blocks past the padded total return at once,
-and padding rows hold a sentinel pair. Nothing reads a value back to the host, so a decode
-step captures into a CUDA graph. Steps of at most `GEMV_MAX_PAIRS` pairs (decode batches)
-skip the sort: one GEMV per pair over its expert's weights, fewer launches where they, not the
-bytes, would cost.
+Decode steps (at most `PAIR_MAX` pairs) take the pair kernels, unsorted: gate_up (+ SiLU * up)
+over (pair, feature block), each program streaming its expert's gate and up rows once, and
+down over (token, feature block), each program streaming the rows of the token's top_k
+experts in turn, the routing weights applied and the top-k sum done in registers in a fixed
+order (deterministic, no atomics, no second launch). At one token that reads each routed
+expert's weights once, the floor of the step.
 
-The torch references the tests compare to are `models/moe.experts_reference` and the torch
-path of `models/moe.SparseMoE.route`.
+Larger steps (prefills) sort the pairs by expert and pad each expert's run to whole blocks
+of BLOCK_M rows (`align_by_expert`), so a program multiplies one block of rows by one
+expert's weights through the tensor cores, read once per block. Every shape depends only on
+the number of tokens, never on the routing: the alignment is one launch over fixed-size
+buffers, blocks past the padded total return at once, and padding rows hold a sentinel pair.
+
+Nothing reads a value back to the host, so a decode step captures into a CUDA graph. The
+launch shapes (`Tiles`) of decode-sized steps are timed once per shape on the device
+(`expert_tiles`), like the dense GEMV's (kernels/gemv.py); `benchmarks/profile_moe.py` prints
+the candidates' times. The torch references the tests compare to are
+`models/moe.experts_reference` and the torch path of `models/moe.SparseMoE.route`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-# Up to this many (token, expert) pairs a step runs one GEMV per pair (no sort): decode batches.
-GEMV_MAX_PAIRS = 64
+# Up to this many (token, expert) pairs a step takes the pair kernels (no sort): decode batches.
+PAIR_MAX = 64
 
 
 @dataclass
@@ -128,7 +135,8 @@ def _route_kernel(Logits, Weights, Ids, stride_l, num_experts,
     chosen_id = tl.zeros((K_PAD,), dtype=tl.int64)
     for j in tl.static_range(TOP_K):
         best = tl.max(left, 0)
-        best_id = tl.min(tl.where(left == best, experts, BLOCK_E), 0)
+        # never past the last expert, even for a row of NaNs (a padding row's garbage)
+        best_id = tl.minimum(tl.min(tl.where(left == best, experts, BLOCK_E), 0), num_experts - 1)
         chosen_p = tl.where(slots == j, best, chosen_p)
         chosen_id = tl.where(slots == j, best_id.to(tl.int64), chosen_id)
         left = tl.where(experts == best_id, -1.0, left)
@@ -215,100 +223,238 @@ def _down_kernel(H, W, RouteWeights, Out, SortedPairs, BlockExperts, PaddedTotal
 
 
 @triton.jit
-def _gate_up_gemv_kernel(X, W, Ids, Out, stride_x, stride_we, stride_wn, stride_o, inter, hidden,
-                         TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Out[pair, n] = silu(x[token] . W[e, n]) * (x[token] . W[e, inter + n]) for one pair."""
+def _gate_up_pairs_kernel(X, W, Ids, Out, stride_x, stride_we, stride_wn, stride_o, inter, hidden,
+                          TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """Out[pair, n] = silu(x[token] . W[e, n]) * (x[token] . W[e, inter + n]) for BLOCK_N
+    features of one pair: the gate and up rows streamed once in BLOCK_K chunks, products
+    summed once after the loop (a sum per chunk puts a barrier between two loads of W)."""
     pair, pid_n = tl.program_id(0), tl.program_id(1)
     token = (pair // TOP_K).to(tl.int64)
     expert = tl.load(Ids + pair).to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < inter
-    w_gate = W + expert * stride_we + cols[:, None] * stride_wn
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < inter
+    w_gate = W + expert * stride_we + n[:, None].to(tl.int64) * stride_wn
     w_up = w_gate + inter * stride_wn
-    acc_gate = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < hidden
-        a = tl.load(X + token * stride_x + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        w_mask = col_ok[:, None] & k_ok[None, :]
-        acc_gate += tl.sum(tl.load(w_gate + ks[None, :], mask=w_mask, other=0.0).to(tl.float32) * a, axis=1)
-        acc_up += tl.sum(tl.load(w_up + ks[None, :], mask=w_mask, other=0.0).to(tl.float32) * a, axis=1)
+        k = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            x_k = tl.load(X + token * stride_x + k)
+            gate_k = tl.load(w_gate + k[None, :], mask=n_ok[:, None], other=0.0)
+            up_k = tl.load(w_up + k[None, :], mask=n_ok[:, None], other=0.0)
+        else:
+            k_ok = k < hidden
+            x_k = tl.load(X + token * stride_x + k, mask=k_ok, other=0.0)
+            gate_k = tl.load(w_gate + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            up_k = tl.load(w_up + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc_gate += gate_k.to(tl.float32) * x_k.to(tl.float32)[None, :]
+        acc_up += up_k.to(tl.float32) * x_k.to(tl.float32)[None, :]
     dt = Out.dtype.element_ty
-    gate, up = acc_gate.to(dt).to(tl.float32), acc_up.to(dt).to(tl.float32)
+    # Rounded to the model dtype where the torch path rounds: the projection, then SiLU * up.
+    gate, up = tl.sum(acc_gate, 1).to(dt).to(tl.float32), tl.sum(acc_up, 1).to(dt).to(tl.float32)
     h = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32) * up
-    tl.store(Out + pair.to(tl.int64) * stride_o + cols, h.to(dt), mask=col_ok)
+    tl.store(Out + pair.to(tl.int64) * stride_o + n, h.to(dt), mask=n_ok)
 
 
 @triton.jit
-def _down_gemv_kernel(H, W, Ids, RouteWeights, Out, stride_h, stride_we, stride_wn, stride_o, hidden, inter,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Out[pair, n] = route_weight[pair] * (h[pair] . W[e, n]) for one pair, in float32."""
-    pair, pid_n = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    expert = tl.load(Ids + pair).to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < hidden
-    w_rows = W + expert * stride_we + cols[:, None] * stride_wn
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k0 in range(0, inter, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < inter
-        a = tl.load(H + pair * stride_h + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        acc += tl.sum(tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32) * a,
-                      axis=1)
-    dt = H.dtype.element_ty
-    out = acc.to(dt).to(tl.float32) * tl.load(RouteWeights + pair).to(tl.float32)
-    tl.store(Out + pair * stride_o + cols, out, mask=col_ok)
+def _down_tokens_kernel(H, W, Ids, RouteWeights, Out, stride_h, stride_we, stride_wn, stride_o, hidden, inter,
+                        TOP_K: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        EVEN_K: tl.constexpr):
+    """Out[token, n] = sum_k route_weight[pair k] * (h[pair k] . W[e_k, n]) for BLOCK_N
+    features of one token: its top_k experts' rows streamed in one loop of TOP_K * CHUNKS
+    chunks, the weights folded into h, every product summed in float32 in a fixed order (no
+    atomics) and rounded once."""
+    token, pid_n = tl.program_id(0), tl.program_id(1)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < hidden
+    w_rows = W + n[:, None].to(tl.int64) * stride_wn
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for i in range(0, TOP_K * CHUNKS):
+        pair = token * TOP_K + i // CHUNKS
+        k = (i % CHUNKS) * BLOCK_K + tl.arange(0, BLOCK_K)
+        expert = tl.load(Ids + pair).to(tl.int64)
+        route = tl.load(RouteWeights + pair)
+        if EVEN_K:
+            h_k = tl.load(H + pair.to(tl.int64) * stride_h + k)
+            w_k = tl.load(w_rows + expert * stride_we + k[None, :], mask=n_ok[:, None], other=0.0)
+        else:
+            k_ok = k < inter
+            h_k = tl.load(H + pair.to(tl.int64) * stride_h + k, mask=k_ok, other=0.0)
+            w_k = tl.load(w_rows + expert * stride_we + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += w_k.to(tl.float32) * (h_k.to(tl.float32) * route)[None, :]
+    tl.store(Out + token.to(tl.int64) * stride_o + n, tl.sum(acc, 1).to(Out.dtype.element_ty), mask=n_ok)
+
+
+class Tiles(NamedTuple):
+    """A launch shape: output features and K chunk per program, warps, pipeline stages."""
+
+    n: int
+    k: int
+    warps: int
+    stages: int
+
+
+# Candidates, the first the default (untimed: small matrices, the batch-invariant mode, a
+# launch first met inside a graph capture). The pair kernels' shapes stream one row of W per
+# few features with long K chunks, as the dense GEMV's winners do; the grouped kernels' are
+# tensor-core tiles over BLOCK_M rows.
+PAIR_GATE_UP = (Tiles(4, 1024, 4, 4), Tiles(2, 2048, 8, 2), Tiles(8, 512, 4, 3), Tiles(4, 512, 4, 4))
+PAIR_DOWN = (Tiles(4, 256, 4, 4), Tiles(2, 256, 4, 4), Tiles(8, 256, 4, 3), Tiles(16, 128, 4, 3),
+             Tiles(4, 512, 4, 3))
+GROUPED = (Tiles(64, 64, 4, 3), Tiles(64, 128, 4, 3), Tiles(128, 64, 4, 3), Tiles(32, 128, 4, 4))
+# Steps of up to this many tokens (decode batches) have their tiles timed, once per power of two.
+TIMED_MAX_TOKENS = 64
+# Experts smaller than this (elements of one expert's gate_up) keep the defaults, untimed.
+TIMED_MIN_EXPERT = 1 << 20
+
+
+@dataclass(frozen=True)
+class ExpertTiles:
+    """The launch shapes of one step's two expert kernels."""
+
+    gate_up: Tiles
+    down: Tiles
+
+
+_plans: dict[tuple, ExpertTiles] = {}
+
+
+def expert_tiles(tokens: int, top_k: int, gate_up: torch.Tensor, down: torch.Tensor) -> ExpertTiles:
+    """The tiles for a step of `tokens` tokens: timed on first use per (power of two of the
+    tokens, path, shapes, dtype, device) where `_worth_timing`, outside any graph capture (the
+    decode graphs' warm-up runs every bucket first); the defaults elsewhere."""
+    pairs = tokens * top_k <= PAIR_MAX
+    default = ExpertTiles(PAIR_GATE_UP[0], PAIR_DOWN[0]) if pairs else ExpertTiles(GROUPED[0], GROUPED[0])
+    if not _worth_timing(tokens, gate_up):
+        return default
+    bucket = triton.next_power_of_2(tokens)
+    key = (bucket, pairs, top_k, tuple(gate_up.shape), tuple(down.shape), gate_up.dtype, gate_up.device)
+    if key not in _plans:
+        if torch.cuda.is_current_stream_capturing():
+            return default
+        _plans[key] = fastest_tiles(bucket, top_k, gate_up, down, pairs)[0]
+    return _plans[key]
+
+
+def _worth_timing(tokens: int, gate_up: torch.Tensor) -> bool:
+    from structgen.engine.kernels import batch_invariant
+
+    return (gate_up.is_cuda and not batch_invariant() and tokens <= TIMED_MAX_TOKENS
+            and gate_up[0].numel() >= TIMED_MIN_EXPERT)
+
+
+def fastest_tiles(tokens: int, top_k: int, gate_up: torch.Tensor, down: torch.Tensor,
+                  pairs: bool) -> tuple[ExpertTiles, dict[str, dict[Tiles, float]]]:
+    """(the fastest tiles, ms of every candidate per kernel) for `tokens` tokens routed to
+    distinct random experts, on the pair kernels or the grouped ones; each kernel timed cold
+    (`gemv.time_all`), a candidate that fails or computes otherwise than the default left out."""
+    from structgen.engine.kernels.gemv import time_all
+
+    num_experts, two_inter, hidden = gate_up.shape
+    device, gen = gate_up.device, torch.Generator(device=gate_up.device).manual_seed(tokens)
+    x = torch.randn(tokens, hidden, device=device, dtype=gate_up.dtype, generator=gen)
+    ids = torch.rand(tokens, num_experts, device=device, generator=gen).argsort(-1)[:, :top_k]
+    weights = torch.rand(tokens, top_k, device=device, generator=gen).softmax(-1)
+    step = _PairLaunches(x, ids, weights) if pairs else _SortedLaunches(x, ids, weights, num_experts)
+    candidates = (PAIR_GATE_UP, PAIR_DOWN) if pairs else (GROUPED, GROUPED)
+    times = {}
+    h = step.gate_up(gate_up, candidates[0][0])
+    right = [t for t in candidates[0] if _computes(lambda t: step.gate_up(gate_up, t), t, h)]
+    times["gate_up"] = time_all(lambda t: step.gate_up(gate_up, t), right, device)
+    out = step.down(h, down, candidates[1][0])
+    right = [t for t in candidates[1] if _computes(lambda t: step.down(h, down, t), t, out)]
+    times["down"] = time_all(lambda t: step.down(h, down, t), right, device)
+    best = ExpertTiles(*(min(times[k], key=times[k].__getitem__) for k in ("gate_up", "down")))
+    return best, times
+
+
+def _computes(run, tiles: Tiles, expected: torch.Tensor) -> bool:
+    """Does `tiles` compile here and compute what the default tiles do?"""
+    try:
+        return bool((run(tiles).float() - expected.float()).norm() <= 1e-2 * expected.float().norm())
+    except Exception:  # noqa: BLE001 - any failure (shared memory, registers) means: not this shape
+        return False
 
 
 def block_m_for(pairs: int) -> int:
-    """Rows per block: 16 (tl.dot's least) while experts see a token or two, 64 for prefills."""
+    """Rows per sorted block: 16 (tl.dot's least) while experts see a token or two, 64 for prefills."""
     return 16 if pairs <= 512 else 64
 
 
 def grouped_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                    gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+                    gate_up: torch.Tensor, down: torch.Tensor, tiles: ExpertTiles | None = None) -> torch.Tensor:
     """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) for SwiGLU experts stored
-    stacked: gate_up [E, 2I, H] (gate rows then up rows), down [E, H, I]."""
-    tokens, hidden = x.shape
-    top_k = topk_ids.shape[1]
-    if tokens * top_k <= GEMV_MAX_PAIRS:
-        return _gathered_experts(x, topk_ids, topk_weights, gate_up, down)
-    num_experts, two_inter, _ = gate_up.shape
-    inter = two_inter // 2
-    blocks = align_by_expert(topk_ids, num_experts, block_m_for(tokens * top_k))
-    n_blocks = blocks.block_experts.numel()
-    x = x.contiguous()
-    h = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
-    block_n, block_k = 64, 64
-    # float32 models multiply in full precision (TF32 would drift from the torch path).
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    _gate_up_kernel[(n_blocks, triton.cdiv(inter, block_n))](
-        x, gate_up, h, blocks.sorted_pairs, blocks.block_experts, blocks.padded_total,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0), blocks.num_pairs, inter, hidden,
-        TOP_K=top_k, BLOCK_M=blocks.block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, num_warps=4)
-    out = torch.empty(tokens * top_k, hidden, dtype=torch.float32, device=x.device)
-    _down_kernel[(n_blocks, triton.cdiv(hidden, block_n))](
-        h, down, topk_weights.contiguous().view(-1), out, blocks.sorted_pairs, blocks.block_experts,
-        blocks.padded_total, h.stride(0), down.stride(0), down.stride(1), out.stride(0), blocks.num_pairs,
-        hidden, inter, BLOCK_M=blocks.block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, num_warps=4)
-    return out.view(tokens, top_k, hidden).sum(1).to(x.dtype)
+    stacked: gate_up [E, 2I, H] (gate rows then up rows), down [E, H, I]; launched with
+    `tiles`, by default `expert_tiles`'."""
+    tokens, top_k = topk_ids.shape
+    tiles = tiles or expert_tiles(tokens, top_k, gate_up, down)
+    if tokens * top_k <= PAIR_MAX:
+        step = _PairLaunches(x, topk_ids, topk_weights)
+    else:
+        step = _SortedLaunches(x, topk_ids, topk_weights, gate_up.shape[0])
+    return step.down(step.gate_up(gate_up, tiles.gate_up), down, tiles.down)
 
 
-def _gathered_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                      gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """`grouped_experts` for a few pairs: one GEMV per (token, chosen expert), no sorting."""
-    tokens, hidden = x.shape
-    top_k, inter = topk_ids.shape[1], gate_up.shape[1] // 2
-    pairs = tokens * top_k
-    x, ids = x.contiguous(), topk_ids.contiguous().view(-1)
-    h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
-    block_n, block_k = 32, 128
-    _gate_up_gemv_kernel[(pairs, triton.cdiv(inter, block_n))](
-        x, gate_up, ids, h, x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0), inter, hidden,
-        TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
-    out = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
-    _down_gemv_kernel[(pairs, triton.cdiv(hidden, block_n))](
-        h, down, ids, topk_weights.contiguous().view(-1), out, h.stride(0), down.stride(0), down.stride(1),
-        out.stride(0), hidden, inter, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
-    return out.view(tokens, top_k, hidden).sum(1).to(x.dtype)
+class _PairLaunches:
+    """A step's two launches over its (token, chosen expert) pairs, unsorted: gate_up per
+    (pair, feature block), down per (token, feature block) over the token's experts."""
+
+    def __init__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
+        self.x = x.contiguous()
+        self.ids = topk_ids.contiguous().view(-1)
+        self.weights = topk_weights.to(torch.float32).contiguous().view(-1)
+        self.tokens, self.top_k = topk_ids.shape
+
+    def gate_up(self, w: torch.Tensor, tiles: Tiles) -> torch.Tensor:
+        x, (_, two_inter, hidden) = self.x, w.shape
+        inter, pairs = two_inter // 2, self.ids.numel()
+        h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
+        bk = min(tiles.k, triton.next_power_of_2(hidden))
+        _gate_up_pairs_kernel[(pairs, triton.cdiv(inter, tiles.n))](
+            x, w, self.ids, h, x.stride(0), w.stride(0), w.stride(1), h.stride(0), inter, hidden,
+            TOP_K=self.top_k, BLOCK_N=tiles.n, BLOCK_K=bk, EVEN_K=hidden % bk == 0,
+            num_warps=tiles.warps, num_stages=tiles.stages)
+        return h
+
+    def down(self, h: torch.Tensor, w: torch.Tensor, tiles: Tiles) -> torch.Tensor:
+        _, hidden, inter = w.shape
+        out = torch.empty(self.tokens, hidden, dtype=h.dtype, device=h.device)
+        bk = min(tiles.k, triton.next_power_of_2(inter))
+        _down_tokens_kernel[(self.tokens, triton.cdiv(hidden, tiles.n))](
+            h, w, self.ids, self.weights, out, h.stride(0), w.stride(0), w.stride(1), out.stride(0), hidden, inter,
+            TOP_K=self.top_k, CHUNKS=triton.cdiv(inter, bk), BLOCK_N=tiles.n, BLOCK_K=bk, EVEN_K=inter % bk == 0,
+            num_warps=tiles.warps, num_stages=tiles.stages)
+        return out
+
+
+class _SortedLaunches:
+    """A step's launches over its pairs sorted by expert into blocks of BLOCK_M rows
+    (`align_by_expert`): each block multiplies its rows by its expert's weights, read once."""
+
+    def __init__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int):
+        self.x = x.contiguous()
+        self.weights = topk_weights.contiguous().view(-1)
+        self.tokens, self.top_k = topk_ids.shape
+        self.blocks = align_by_expert(topk_ids, num_experts, block_m_for(topk_ids.numel()))
+        # float32 models multiply in full precision (TF32 would drift from the torch path).
+        self.precision = "ieee" if x.dtype == torch.float32 else "tf32"
+
+    def gate_up(self, w: torch.Tensor, tiles: Tiles) -> torch.Tensor:
+        x, b, (_, two_inter, hidden) = self.x, self.blocks, w.shape
+        inter = two_inter // 2
+        h = torch.empty(b.num_pairs, inter, dtype=x.dtype, device=x.device)
+        _gate_up_kernel[(b.block_experts.numel(), triton.cdiv(inter, tiles.n))](
+            x, w, h, b.sorted_pairs, b.block_experts, b.padded_total, x.stride(0), w.stride(0), w.stride(1),
+            h.stride(0), b.num_pairs, inter, hidden, TOP_K=self.top_k, BLOCK_M=b.block_m, BLOCK_N=tiles.n,
+            BLOCK_K=tiles.k, PRECISION=self.precision, num_warps=tiles.warps, num_stages=tiles.stages)
+        return h
+
+    def down(self, h: torch.Tensor, w: torch.Tensor, tiles: Tiles) -> torch.Tensor:
+        b, (_, hidden, inter) = self.blocks, w.shape
+        out = torch.empty(b.num_pairs, hidden, dtype=torch.float32, device=h.device)
+        _down_kernel[(b.block_experts.numel(), triton.cdiv(hidden, tiles.n))](
+            h, w, self.weights, out, b.sorted_pairs, b.block_experts, b.padded_total, h.stride(0), w.stride(0),
+            w.stride(1), out.stride(0), b.num_pairs, hidden, inter, BLOCK_M=b.block_m, BLOCK_N=tiles.n,
+            BLOCK_K=tiles.k, PRECISION=self.precision, num_warps=tiles.warps, num_stages=tiles.stages)
+        return out.view(self.tokens, self.top_k, hidden).sum(1).to(h.dtype)

@@ -1,0 +1,190 @@
+"""Where a mixture-of-experts decode step goes, on the Qwen3-30B-A3B shape (random weights).
+
+Two parts, one GPU run:
+
+1. The expert kernels alone, each launch timed cold (L2 flushed) for every candidate launch
+   shape (`kernels/moe.fastest_tiles`, the timing the engine does once per shape), at 1, 2, 4,
+   8 and 64 tokens, beside the GB/s of the expert bytes it reads (the distinct experts the
+   tokens are routed to); and the router (projection + softmax/top-k) and a whole sparse
+   feed-forward at one token.
+2. The decode step of a `--layers`-layer model of the real shape through the CUDA graphs,
+   under torch.profiler: one layer's kernels in launch order (a layer is the stretch between
+   two router kernels), each kernel's mean time over the middle layers and the idle gap before
+   it, and the step's time against the weight bytes a step reads (its floor at the copy
+   bandwidth).
+
+    python -m benchmarks.profile_moe                      # both parts, --layers 8
+    python -m benchmarks.profile_moe --skip-step --tokens 1,8
+    python -m benchmarks.profile_moe --out /tmp/moe.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import (
+    decode_weight_bytes,
+    hbm_floor_ms,
+    hf_config,
+    measure_copy_bandwidth_gbps,
+)
+from structgen.engine.config import EngineConfig, ModelConfig
+from structgen.engine.kernels.gemv import time_cold
+from structgen.engine.kernels.moe import PAIR_MAX, fastest_tiles
+from structgen.engine.request import Request
+from structgen.sampling import SamplingParams
+
+SHAPE = "qwen3-30b-a3b"
+
+
+def shape_config(layers: int | None = None) -> ModelConfig:
+    """The MoE shape's config, with `layers` layers where given."""
+    d = hf_config(SHAPE)
+    return ModelConfig.from_dict(d if layers is None else {**d, "num_hidden_layers": layers})
+
+
+def expected_experts(tokens: int, top_k: int, num_experts: int) -> float:
+    """Distinct experts `tokens` tokens routed to uniformly at random touch on average."""
+    return num_experts * (1 - (1 - top_k / num_experts) ** tokens)
+
+
+def kernel_sweep(cfg: ModelConfig, tokens_list: list[int], bandwidth: float) -> list[dict[str, Any]]:
+    """Every candidate's cold ms and GB/s per expert kernel, per token count."""
+    experts, hidden, inter, top_k = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+    gate_up = torch.randn(experts, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16) * 0.02
+    down = torch.randn(experts, hidden, inter, device="cuda", dtype=torch.bfloat16) * 0.02
+    per_expert = {"gate_up": gate_up[0].numel() * 2, "down": down[0].numel() * 2}
+    rows = []
+    for tokens in tokens_list:
+        pairs = tokens * top_k <= PAIR_MAX
+        best, times = fastest_tiles(tokens, top_k, gate_up, down, pairs)
+        touched = expected_experts(tokens, top_k, experts)
+        for kernel, by_tiles in times.items():
+            nbytes = touched * per_expert[kernel]
+            for tiles, ms in sorted(by_tiles.items(), key=lambda kv: kv[1]):
+                rows.append({"tokens": tokens, "path": "pairs" if pairs else "sorted", "kernel": kernel,
+                             "tiles": list(tiles), "ms": round(ms, 5), "gb_per_s": round(nbytes / ms / 1e6),
+                             "floor_ms": round(nbytes / bandwidth / 1e6, 5), "chosen": tiles == getattr(best, kernel)})
+                print(f"tokens {tokens:3d} {rows[-1]['path']:6s} {kernel:7s} {tiles} {ms * 1e3:8.1f} us "
+                      f"{rows[-1]['gb_per_s']:5d} GB/s (floor {rows[-1]['floor_ms'] * 1e3:.1f} us)"
+                      f"{'  <- chosen' if rows[-1]['chosen'] else ''}", flush=True)
+    del gate_up, down
+    torch.cuda.empty_cache()
+    return rows
+
+
+def sparse_layer_times(cfg: ModelConfig) -> dict[str, float]:
+    """Cold ms at one token of the router (projection + softmax/top-k) and of a whole sparse
+    feed-forward (router + both expert kernels), eager launches."""
+    from structgen.engine.models.moe import SparseMoE
+
+    moe = SparseMoE(cfg)
+    moe.gate.to("cuda", torch.bfloat16)
+    moe.materialize()  # the experts beside the router: on the device, in bf16
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0.0, 0.02)
+    moe.fused = True
+    x = torch.randn(1, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        moe(x)  # compiles, and times the launch shapes once
+        out = {"router_ms": time_cold(lambda: moe.route(x), torch.device("cuda")),
+               "sparse_layer_ms": time_cold(lambda: moe(x), torch.device("cuda"))}
+    print(f"router {out['router_ms'] * 1e3:.1f} us, sparse feed-forward {out['sparse_layer_ms'] * 1e3:.1f} us "
+          "(one token, eager, cold)", flush=True)
+    return out
+
+
+def step_profile(layers: int, batch: int, steps: int, bandwidth: float) -> dict[str, Any]:
+    """One layer's kernels in a graph-replayed decode step at `batch` (see the module doc)."""
+    from structgen.engine.engine import Engine
+
+    cfg = shape_config(layers)
+    engine = Engine(cfg, EngineConfig(max_batch_size=max(batch, 8), max_seq_len=512, jump_forward=False),
+                    stop_token_ids=set())
+    prompt = [100 + i for i in range(32)]
+    reqs = [Request(prompt, SamplingParams(max_tokens=steps + 40)) for _ in range(batch)]
+    for r in reqs:
+        engine.add_request(r)
+    for _ in range(8):  # prefill and warm-up steps
+        engine.step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - t0) * 1e3 / steps
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    for r in reqs:
+        engine.abort(r)
+    floor = hbm_floor_ms(decode_weight_bytes(cfg, torch.bfloat16), bandwidth)
+    kernels = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                      if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda k: k[0])
+    out = {"batch": batch, "layers": layers, "ms_per_step": wall_ms, "floor_ms": floor,
+           "kernels_per_step": len(kernels) / steps, "layer": one_layer(kernels)}
+    print(f"batch {batch}: {wall_ms:.3f} ms/step over {layers} layers (floor {floor:.3f} ms, "
+          f"{wall_ms / floor:.2f}x), {out['kernels_per_step']:.0f} kernels a step", flush=True)
+    for row in out["layer"]["kernels"]:
+        print(f"  {row['us']:7.2f} us  gap {row['gap_us']:5.2f} us  {row['name'][:90]}")
+    print(f"  layer: {out['layer']['us']:.1f} us ({out['layer']['kernel_us']:.1f} in kernels)", flush=True)
+    engine.close()
+    del engine
+    torch.cuda.empty_cache()
+    return out
+
+
+def one_layer(kernels: list[tuple[float, float, str]]) -> dict[str, Any]:
+    """A layer's kernels (router kernel to router kernel), averaged over the stretches of the
+    most common length: mean µs of each and the idle gap before it."""
+    marks = [i for i, k in enumerate(kernels) if "_route_kernel" in k[2]]
+    spans = [(a, b) for a, b in zip(marks, marks[1:], strict=False)]
+    if not spans:
+        return {"kernels": [], "us": 0.0, "kernel_us": 0.0, "note": "no router kernels profiled"}
+    length = statistics.mode(b - a for a, b in spans)
+    spans = [(a, b) for a, b in spans if b - a == length]
+    rows = []
+    for j in range(length):
+        runs = [kernels[a + j] for a, _ in spans]
+        gaps = [kernels[a + j][0] - kernels[a + j - 1][1] for a, _ in spans if a + j > 0]
+        rows.append({"name": runs[0][2], "us": statistics.mean(e - s for s, e, _ in runs),
+                     "gap_us": statistics.mean(gaps) if gaps else 0.0})
+    period = statistics.mean(kernels[b][0] - kernels[a][0] for a, b in spans)
+    return {"kernels": rows, "us": period, "kernel_us": sum(r["us"] for r in rows), "spans": len(spans)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", default="1,2,4,8,64", help="token counts of the kernel sweep")
+    ap.add_argument("--layers", type=int, default=8, help="layers of the profiled model (real shape otherwise)")
+    ap.add_argument("--batches", default="1,64", help="decode batches of the step profile")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--skip-step", action="store_true", help="the kernel sweep only")
+    ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    args = ap.parse_args()
+    assert torch.cuda.is_available(), "profile_moe times the GPU kernels; run it on a CUDA machine"
+    bandwidth = measure_copy_bandwidth_gbps()
+    cfg = shape_config()
+    result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "copy_bandwidth_gbps": bandwidth}
+    result["sweep"] = kernel_sweep(cfg, [int(t) for t in args.tokens.split(",")], bandwidth)
+    result.update(sparse_layer_times(cfg))
+    if not args.skip_step:
+        result["steps"] = [step_profile(args.layers, int(b), args.steps, bandwidth) for b in args.batches.split(",")]
+    if args.out is not None:
+        args.out.write_text(json.dumps(result, indent=1, default=str))
+        print("wrote", args.out)
+
+
+if __name__ == "__main__":
+    main()
