@@ -272,30 +272,40 @@ def _invariant_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_
     _dot_tile(X, W, B, Y, m, n, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
-class InvariantTiles(NamedTuple):
-    """A tiling of the batch-invariant GEMM: `rows` per tile (`tl.dot`'s M: 16 takes the
-    warp-level MMA, 64 and more the warp-group MMA on Hopper), features per program for
-    matrices of fewer / at least WIDE_N outputs, the widest K chunk tried (the widest of
-    those that divide K is taken), warps and pipeline stages. `small_rows`, where non-zero,
-    is a second tile of that many rows for products of at most that many rows: invariant only
-    where the two MMA forms sum a K chunk alike, which the tests check per tiling."""
+class Tile(NamedTuple):
+    """One tile of the batch-invariant GEMM: `rows` (`tl.dot`'s M: 16 takes the warp-level MMA,
+    64 and more the warp-group MMA on Hopper), features per program for matrices of fewer / at
+    least WIDE_N outputs, warps and pipeline stages."""
 
     rows: int
     n: int
     n_wide: int
-    k: int
     warps: int
     stages: int
-    small_rows: int = 0
+
+
+class InvariantTiles(NamedTuple):
+    """A tiling of the batch-invariant GEMM: the widest K chunk tried (the widest of k, k/2,
+    k/4 that divides K is taken; one chunk for every tile), and (up to this many rows, tile)
+    pairs in ascending order, the last for any row count. With one tile a row is computed by
+    the same code at every row count; with two, only where both MMA shapes sum a K chunk
+    alike, which the tests check per tiling on the card."""
+
+    k: int
+    tiles: tuple[tuple[float, Tile], ...]
 
 
 WIDE_N = 8192
+ANY = float("inf")
+ROWS16, ROWS64 = Tile(16, 16, 32, 4, 3), Tile(64, 32, 64, 4, 4)
 INVARIANT_TILES = {
-    "rows16": InvariantTiles(16, 16, 32, 256, 4, 3),  # the first form: four tiles at a batch of 64
-    "rows64": InvariantTiles(64, 32, 64, 128, 4, 4),
-    "rows64-wide": InvariantTiles(64, 64, 128, 64, 4, 4),
-    "rows128": InvariantTiles(128, 64, 128, 64, 8, 3),
-    "rows16+64": InvariantTiles(64, 32, 64, 128, 4, 4, small_rows=16),
+    "rows16": InvariantTiles(256, ((ANY, ROWS16),)),  # the first form: four tiles at a batch of 64
+    "rows64": InvariantTiles(128, ((ANY, ROWS64),)),
+    "rows64-wide": InvariantTiles(64, ((ANY, Tile(64, 64, 128, 4, 4)),)),
+    "rows128": InvariantTiles(64, ((ANY, Tile(128, 64, 128, 8, 3)),)),
+    "rows16+64": InvariantTiles(128, ((16, ROWS16), (ANY, ROWS64))),
+    # 64-row tiles up to a batch of 64, square ones for prefill chunks and large verify steps.
+    "rows64+128": InvariantTiles(128, ((64, ROWS64), (ANY, Tile(128, 128, 128, 8, 3)))),
 }
 DEFAULT_INVARIANT_TILES = "rows64"
 _invariant_tiles = INVARIANT_TILES[DEFAULT_INVARIANT_TILES]
@@ -323,9 +333,8 @@ def invariant_block(weight: torch.Tensor, rows: int, tiles: InvariantTiles | Non
     t = tiles or _invariant_tiles
     n, k = weight.shape
     chunk = next((c for c in (t.k, t.k // 2, t.k // 4) if k % c == 0), t.k)
-    if t.small_rows and rows <= t.small_rows:
-        return t.small_rows, Block(16 if n < WIDE_N else 32, chunk, 4, 3, "dot")
-    return t.rows, Block(t.n if n < WIDE_N else t.n_wide, chunk, t.warps, t.stages, "dot")
+    tile = next(tile for most, tile in t.tiles if rows <= most)
+    return tile.rows, Block(tile.n if n < WIDE_N else tile.n_wide, chunk, tile.warps, tile.stages, "dot")
 
 
 def invariant_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
