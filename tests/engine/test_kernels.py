@@ -832,8 +832,13 @@ def test_invariant_gemm_computes_each_row_as_it_would_alone(n, k, bias, tiling):
 
 def test_decode_attention_of_a_sequence_is_the_same_in_any_batch(invariant):
     """The split count no longer follows the batch size, and a sequence's attention output is
-    the same bits in a batch of 1, 4 or 16 sequences."""
-    from structgen.engine.kernels.decode_attention import decode_attention, num_splits_for
+    the same bits in a batch of 1, 4 or 16 sequences, with and without a sliding window; the
+    mode's larger shares of keys per split still compute the right attention."""
+    from structgen.engine.kernels.decode_attention import (
+        decode_attention,
+        decode_attention_reference,
+        num_splits_for,
+    )
 
     assert len({num_splits_for(b, 8, 2048, DEVICE) for b in range(1, 65)}) == 1
     g = torch.Generator().manual_seed(3)
@@ -844,13 +849,15 @@ def test_decode_attention_of_a_sequence_is_the_same_in_any_batch(invariant):
     slots = torch.randperm(slots_total, generator=g)[:16].to(DEVICE)
     lens = torch.randint(1, max_len + 1, (16,), generator=g).to(DEVICE)
     k, v, table = paged(k, v, 16, g)
-    full = decode_attention(q, k, v, table, slots, lens)
-    for b in (1, 4):
-        part = decode_attention(q[:b], k, v, table, slots[:b], lens[:b])
-        assert torch.equal(part, full[:b]), b
-    for i in (0, 7, 15):
-        one = decode_attention(q[i : i + 1], k, v, table, slots[i : i + 1], lens[i : i + 1])
-        assert torch.equal(one[0], full[i]), i
+    for window in (0, 100):
+        full = decode_attention(q, k, v, table, slots, lens, window)
+        assert rel_err(full, decode_attention_reference(q, k, v, table, slots, lens, window)) < 1e-2
+        for b in (1, 4):
+            part = decode_attention(q[:b], k, v, table, slots[:b], lens[:b], window)
+            assert torch.equal(part, full[:b]), (window, b)
+        for i in (0, 7, 15):
+            one = decode_attention(q[i : i + 1], k, v, table, slots[i : i + 1], lens[i : i + 1], window)
+            assert torch.equal(one[0], full[i]), (window, i)
 
 
 def test_rms_norm_and_sampler_rows_do_not_depend_on_the_batch():
