@@ -14,6 +14,14 @@ tokens (`identical` counts those that do).
 
     python -m benchmarks.bench_speculative                       # 20 prompts, batch 1, k = 3
     python -m benchmarks.bench_speculative --limit 3 --methods ngram --jump-forward on   # smoke
+    python -m benchmarks.bench_speculative --targets    # issue #32's targets, one results file
+
+`--targets` measures what issue #32 asks, n-gram drafting with k = 3 and jump-forward on, in
+each `--modes` (batch_invariant off, the default, and on; one engine per mode, built in turn:
+the mode is process-wide): (a) the prompts at batch 1: decode speedup and how many greedy
+outputs equal plain decoding's; (b) `--target-batches` (16, 64) over as many requests (the
+prompts repeated): tokens/s with speculation over without (the target: never below 1.0x).
+It writes benchmarks/results/speculative_targets-<device>-<date>.json.
 
 Metrics: `mean_acceptance_length` = tokens sampled per verify step (accepted drafts + the
 target's own token; forced jump-forward tokens excluded), `forward_passes_per_token`,
@@ -251,6 +259,73 @@ class StepProfile:
         self.counts.clear()
 
 
+# -- issue #32's targets ------------------------------------------------------------------------
+TARGET_K = 3
+
+
+def timed_pair(llm: LLM, spec: Speculator, cases: list[Case], batch: int, max_tokens: int) -> dict[str, Any]:
+    """Plain decoding then n-gram speculation over `cases`, `batch` at a time (each after a
+    warm-up at that batch): the ratios the targets are about and the identical outputs."""
+    eng, result = llm.engine, {}
+    for name, speculator in (("plain", None), ("ngram", spec)):
+        eng.speculator = speculator
+        run(llm, cases[:batch], batch, True, max_tokens)  # warm-up: Triton JIT, graphs, allocator
+        result[name] = run(llm, cases, batch, True, max_tokens)
+    eng.speculator = None
+    (plain_s, plain), (spec_s, spec_reqs) = result["plain"], result["ngram"]
+    plain_tokens, spec_tokens = sum(r.num_output for r in plain), sum(r.num_output for r in spec_reqs)
+    decode = [sum(r.stats.decode_s for r in reqs) / max(sum(r.num_output - 1 for r in reqs), 1)
+              for reqs in (plain, spec_reqs)]
+    return {"batch": batch, "requests": len(cases),
+            "identical": sum(a.output_ids == b.output_ids for a, b in zip(spec_reqs, plain, strict=True)),
+            "plain_tokens_per_s": plain_tokens / plain_s, "ngram_tokens_per_s": spec_tokens / spec_s,
+            "tokens_per_s_ratio": (spec_tokens / spec_s) / (plain_tokens / plain_s),
+            "decode_ms_per_token_plain": 1e3 * decode[0], "decode_ms_per_token_ngram": 1e3 * decode[1],
+            "decode_speedup": decode[0] / decode[1] if decode[1] else None,
+            "errors": sum(r.finish_reason == "error" for r in (*plain, *spec_reqs))}
+
+
+def measure_targets(args: argparse.Namespace, invariant: bool) -> list[dict[str, Any]]:
+    """(a) and (b) of `--targets` (the module docstring) with one engine in one mode."""
+    llm = LLM(backend=args.backend, config=EngineConfig(device=args.device, max_seq_len=2048, max_batch_size=64,
+                                                        batch_invariant=invariant))
+    eng = llm.engine
+    cases = load_cases(llm, args.data, args.limit, args.max_prompt_tokens)
+    eng.speculator = None
+    _, first = run(llm, cases, 1, True, args.max_tokens)
+    # Only prompts whose greedy output completes: a looping output is trivially easy to draft.
+    kept = [c for c, r in zip(cases, first, strict=True) if r.finish_reason == "stop"]
+    spec = Speculator(eng, SpeculativeConfig(num_draft_tokens=TARGET_K))
+    spec.use_tokenizer(llm.tokenizer)
+    mode = {"batch_invariant": invariant, "prompts": len(cases), "complete": len(kept), "draft_len": TARGET_K}
+    rows = [mode | timed_pair(llm, spec, kept, 1, args.max_tokens)]
+    if not invariant or args.target_batches_invariant:
+        for batch in (int(b) for b in args.target_batches.split(",") if b):
+            work = (kept * -(-batch // max(len(kept), 1)))[:batch]
+            rows.append(mode | timed_pair(llm, spec, work, batch, args.max_tokens))
+    llm.close()
+    return rows
+
+
+def run_targets(args: argparse.Namespace) -> None:
+    """`--targets`: every mode in turn, one table, one results file."""
+    import gc
+
+    rows: list[dict[str, Any]] = []
+    for mode in args.modes.split(","):
+        rows += measure_targets(args, invariant=mode == "invariant")
+        gc.collect()
+    shown = ["batch_invariant", "batch", "requests", "complete", "identical", "decode_speedup",
+             "tokens_per_s_ratio", "plain_tokens_per_s", "ngram_tokens_per_s", "errors"]
+    print_table([{c: r.get(c) for c in shown} for r in rows])
+    if not args.no_write:
+        path = write_results("speculative_targets", rows, extra={
+            "settings": vars(args) | {"data": str(args.data)},
+            "targets": "batch 1: identical == complete and decode_speedup >= 1.8; batches 16, 64: "
+                       "tokens_per_s_ratio >= 1.0"})
+        print(f"wrote {path}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", type=Path, default=JME)
@@ -268,8 +343,16 @@ def main() -> None:
     ap.add_argument("--backend", default="auto", help="grammar backend: auto, xgrammar, llguidance")
     ap.add_argument("--profile", action="store_true", help="time the step's phases per variant")
     ap.add_argument("--batch-invariant", choices=("on", "off"), default="on", help="EngineConfig.batch_invariant")
+    ap.add_argument("--targets", action="store_true", help="issue #32's targets (the module docstring)")
+    ap.add_argument("--modes", default="default,invariant", help="--targets: comma list of default, invariant")
+    ap.add_argument("--target-batches", default="16,64", help="--targets: the batches of (b)")
+    ap.add_argument("--target-batches-invariant", action="store_true",
+                    help="--targets: (b) in the invariant mode too (by default in the default mode only)")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
+    if args.targets:
+        run_targets(args)
+        return
 
     # 64 slots: the decode graphs are captured up to 64 rows, which a verify step of 16 x (1 + 3) fills.
     llm = LLM(backend=args.backend, config=EngineConfig(device=args.device, max_seq_len=2048, max_batch_size=64,

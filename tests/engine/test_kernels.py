@@ -780,43 +780,65 @@ def invariant(per_row_count_kernels: None) -> None:
     use_batch_invariant(True)
 
 
-def alone(x: torch.Tensor, i: int) -> torch.Tensor:
+def alone(x: torch.Tensor, i: int, tile_rows: int) -> torch.Tensor:
     """Row i of `x` run without the others: alone on CUDA; on the CPU at the same place in its
-    16-row tile, the rows before it replaced by other numbers (see the module docstring)."""
+    tile of `tile_rows` rows, the rows before it replaced by other numbers (see above)."""
     if CUDA:
         return x[i : i + 1]
-    other = torch.randn(i % 16 + 1, x.shape[1]).to(x.device, x.dtype)
+    other = torch.randn(i % tile_rows + 1, x.shape[1]).to(x.device, x.dtype)
     other[-1] = x[i]
     return other
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, LOW])
+# On CUDA every row count 1..64 and a verify step of 64 sequences (256 rows); the interpreter
+# is slow, so there a few counts around the tile edges.
+ROW_COUNTS = (*range(1, 65), 100, 256) if CUDA else (1, 3, 16, 17, 64, 65)
+
+
+# The tilings of `gemv.INVARIANT_TILES` (the test checks the list is complete).
+TILINGS = ("rows16", "rows64", "rows64-wide", "rows128", "rows16+64", "rows64+128")
+
+
+@pytest.mark.parametrize("tiling", TILINGS)
 @pytest.mark.parametrize("n,k,bias", [(40, 96, True), (300, 256, False)])
-def test_invariant_gemm_computes_each_row_as_it_would_alone(n, k, bias, dtype):
-    """Rows 1..16 (one tile) and past it (17, 40: more tiles): row i of an M-row product equals
-    that row's product alone, and the product is right."""
+def test_invariant_gemm_computes_each_row_as_it_would_alone(n, k, bias, tiling):
+    """For each tiling: row i of an M-row product equals that row's product alone, for every
+    row count the engine launches (one tile, several, past a second tile size), and the
+    product is right."""
     import torch.nn.functional as F
 
-    from structgen.engine.kernels.gemv import invariant_gemm
+    from structgen.engine.kernels.gemv import INVARIANT_TILES, invariant_block, invariant_gemm
 
+    assert set(TILINGS) == set(INVARIANT_TILES)
+    tiles = INVARIANT_TILES[tiling]
+    if len(tiles.tiles) > 1 and not CUDA:
+        pytest.skip("whether two MMA forms sum alike shows on CUDA only (the interpreter's dot is numpy's)")
     g = torch.Generator().manual_seed(n + k)
-    w = (torch.randn(n, k, generator=g) * k**-0.5).to(DEVICE, dtype)
-    b = torch.randn(n, generator=g).to(DEVICE, dtype) if bias else None
-    x = torch.randn(40, k, generator=g).to(DEVICE, dtype)
-    full = invariant_gemm(x, w, b)
+    w = (torch.randn(n, k, generator=g) * k**-0.5).to(DEVICE, LOW)
+    b = torch.randn(n, generator=g).to(DEVICE, LOW) if bias else None
+    x = torch.randn(max(ROW_COUNTS), k, generator=g).to(DEVICE, LOW)
+    full = invariant_gemm(x, w, b, tiles)
     ref = F.linear(x.double(), w.double(), None if b is None else b.double())
     assert float((full.double() - ref).norm() / ref.norm()) < 1e-2
-    for m in (*range(1, 17), 17, 40):
-        rows = invariant_gemm(x[:m], w, b)
-        for i in range(m):
-            single = alone(x, i)
-            assert torch.equal(invariant_gemm(single, w, b)[-1], rows[i]), (m, i)
+    singles = {}
+    for m in ROW_COUNTS:
+        rows = invariant_gemm(x[:m], w, b, tiles)
+        tile_rows = invariant_block(w, m, tiles)[0]
+        for i in range(m) if CUDA else sorted({0, m // 2, m - 1}):
+            if (i, tile_rows) not in singles:
+                singles[i, tile_rows] = invariant_gemm(alone(x, i, tile_rows), w, b, tiles)[-1]
+            assert torch.equal(singles[i, tile_rows], rows[i]), (tiling, m, i)
 
 
 def test_decode_attention_of_a_sequence_is_the_same_in_any_batch(invariant):
     """The split count no longer follows the batch size, and a sequence's attention output is
-    the same bits in a batch of 1, 4 or 16 sequences."""
-    from structgen.engine.kernels.decode_attention import decode_attention, num_splits_for
+    the same bits in a batch of 1, 4 or 16 sequences, with and without a sliding window; the
+    mode's larger shares of keys per split still compute the right attention."""
+    from structgen.engine.kernels.decode_attention import (
+        decode_attention,
+        decode_attention_reference,
+        num_splits_for,
+    )
 
     assert len({num_splits_for(b, 8, 2048, DEVICE) for b in range(1, 65)}) == 1
     g = torch.Generator().manual_seed(3)
@@ -827,13 +849,15 @@ def test_decode_attention_of_a_sequence_is_the_same_in_any_batch(invariant):
     slots = torch.randperm(slots_total, generator=g)[:16].to(DEVICE)
     lens = torch.randint(1, max_len + 1, (16,), generator=g).to(DEVICE)
     k, v, table = paged(k, v, 16, g)
-    full = decode_attention(q, k, v, table, slots, lens)
-    for b in (1, 4):
-        part = decode_attention(q[:b], k, v, table, slots[:b], lens[:b])
-        assert torch.equal(part, full[:b]), b
-    for i in (0, 7, 15):
-        one = decode_attention(q[i : i + 1], k, v, table, slots[i : i + 1], lens[i : i + 1])
-        assert torch.equal(one[0], full[i]), i
+    for window in (0, 100):
+        full = decode_attention(q, k, v, table, slots, lens, window)
+        assert rel_err(full, decode_attention_reference(q, k, v, table, slots, lens, window)) < 1e-2
+        for b in (1, 4):
+            part = decode_attention(q[:b], k, v, table, slots[:b], lens[:b], window)
+            assert torch.equal(part, full[:b]), (window, b)
+        for i in (0, 7, 15):
+            one = decode_attention(q[i : i + 1], k, v, table, slots[i : i + 1], lens[i : i + 1], window)
+            assert torch.equal(one[0], full[i]), (window, i)
 
 
 def test_rms_norm_and_sampler_rows_do_not_depend_on_the_batch():
@@ -859,27 +883,45 @@ def test_rms_norm_and_sampler_rows_do_not_depend_on_the_batch():
         assert sample_tokens(logits[s], bitmask[s], flags[s], temps[s], seeds[s])[0] == tokens[i]
 
 
-def test_a_verify_steps_rows_get_the_logits_of_one_row_decode_steps(invariant):
+# Each family's own layers in the batch-invariant mode: Llama; Qwen3's q/k norms; Gemma 3's
+# sandwich and q/k norms (unit offset), GeGLU, sliding window and soft-capped head; Phi-3's
+# partial rotary table.
+FAMILIES = {
+    "llama": {},
+    "qwen3": {"qk_norm": True, "attention_bias": True},
+    "gemma3": {"architecture": "Gemma3ForCausalLM", "layer_types": ("sliding_attention", "full_attention"),
+               "sliding_window": 4, "rope_local_theta": 10000.0, "query_pre_attn_scalar": 24.0,
+               "final_logit_softcapping": 30.0, "hidden_act": "gelu_pytorch_tanh"},
+    "phi3": {"architecture": "Phi3ForCausalLM", "partial_rotary_factor": 0.75},
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_verify_steps_rows_get_the_logits_of_one_row_decode_steps(invariant, family):
     """The whole model in the batch-invariant mode: a token's logits are the same bits whether
-    it runs as a one-row decode step or as the first row of a four-row step (a verify step's
-    draft rows, or jump-forward's forced rows), and the fused norm projections are off."""
+    it runs as a one-row decode step or as a row of a four-row step (a verify step's draft
+    rows, or jump-forward's forced rows), and the fused norm projections are off."""
     from structgen.engine.attention import AttentionBatch
     from structgen.engine.config import ModelConfig
-    from structgen.engine.kv_cache import KVCache
-    from structgen.engine.models.llama import LlamaModel, skip_init
+    from structgen.engine.kv_cache import PAGE_SIZE, KVCache
+    from structgen.engine.models.llama import skip_init
+    from structgen.engine.models.registry import model_class
+    from structgen.engine.page_table import PageTable
 
     cfg = ModelConfig(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, **FAMILIES[family])
     with skip_init(LOW):
-        model = LlamaModel(cfg, 64).to(DEVICE)
+        model = model_class(cfg)(cfg, 64).to(DEVICE)
     model.init_random_weights(std=0.05)
     model.use_fused_kernels(True)
-    assert [layer.fused_rows for layer in model.layers] == [0, 0]
-    kv = KVCache(cfg, num_slots=2, max_seq_len=64, dtype=LOW, device=DEVICE)
+    assert all(getattr(layer, "fused_rows", 0) == 0 for layer in model.layers)
+    pages = PageTable(2 * 64 // PAGE_SIZE + 1, PAGE_SIZE, 2, 64, DEVICE)
+    assert pages.cover(1, 16)
+    kv = KVCache(cfg, pages, dtype=LOW, device=DEVICE)
 
     def rows(start: int, ids: list[int]) -> torch.Tensor:
         """The logits of `ids` run as one-token rows at positions start.. of slot 1."""
-        batch = AttentionBatch.build([(1, start + j, 1) for j in range(len(ids))], DEVICE, decode_kernel=True)
+        batch = AttentionBatch.build([(1, start + j, 1) for j in range(len(ids))], pages, decode_kernel=True)
         return model.logits(model(torch.tensor(ids, device=DEVICE), batch, kv))
 
     draft = [7, 31, 2, 250]

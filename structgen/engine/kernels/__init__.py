@@ -12,7 +12,8 @@
 `use_batch_invariant(True)` (`EngineConfig.batch_invariant`) makes every kernel compute a row
 the same way whatever number of rows share the launch: projections take `gemv.invariant_gemm`
 (one GEMM form for every row count), the norm-fused projections are off, and decode attention
-splits a sequence's keys by the cache shape only (`decode_attention.num_splits_for`). Like
+splits a sequence's keys by the cache shape and its own length only
+(`decode_attention.num_splits_for`, `INVARIANT_SPLIT_KEYS`). Like
 `torch.use_deterministic_algorithms` it is process-wide: engines in one process share it.
 
 `triton_enabled(device)` is the one switch: True on CUDA when Triton imports, and on the CPU

@@ -8,7 +8,8 @@ a sequence is row p % page_size of page `page_table[slot, p // page_size]`. The 
 depends only on the batch size and the table's shape, and each program reads its sequence's
 slot, pages and length from device tensors, so the launch is graph-safe: no host sync, and
 replaying a captured graph with new lengths and pages is correct. Short contexts simply leave
-most splits empty (they exit after two loads).
+most splits empty: they read no keys, write no partial, and the merge reads only the splits
+that hold keys (both compute them from the sequence's length, `_share`).
 
 `decode_attention_reference` is the torch definition the kernel is tested against.
 """
@@ -24,6 +25,21 @@ import triton.language as tl
 from structgen.engine.kernels import batch_invariant
 
 BLOCK_N = 32  # keys per inner iteration
+# Keys per split at least, in the batch-invariant mode: there the split count is the cap at
+# every batch size, and a large batch of short sequences would otherwise write and merge a
+# partial for every few keys.
+INVARIANT_SPLIT_KEYS = 2 * BLOCK_N
+
+
+@triton.jit
+def _share(ctx, window, num_splits, min_keys, BLOCK: tl.constexpr):
+    """(first key read, keys per split, splits holding keys) of a sequence of `ctx` keys: an
+    equal, block-aligned share of the keys read, at least `min_keys` of them; the split kernel
+    and the merge compute it alike, so splits past the last one that holds keys write nothing
+    and are never read."""
+    lo = tl.where(window > 0, tl.maximum(ctx - window, 0), 0)  # a sliding-window layer's first key
+    per_split = tl.maximum(tl.cdiv(tl.cdiv(ctx - lo, num_splits), BLOCK) * BLOCK, min_keys)
+    return lo, per_split, tl.cdiv(ctx - lo, per_split)
 
 
 @triton.jit
@@ -33,7 +49,7 @@ def _split_kernel(
     stride_kt, stride_kh,
     stride_vt, stride_vh,
     stride_on, stride_oh,
-    num_splits, sm_scale, window,
+    num_splits, sm_scale, window, min_keys,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, PAGE: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
 ):
@@ -42,10 +58,7 @@ def _split_kernel(
     split = tl.program_id(2)
     slot = tl.load(slots_ptr + b).to(tl.int64)
     ctx = tl.load(lens_ptr + b).to(tl.int32)
-    # A sliding-window layer (window > 0) reads only the last `window` keys.
-    lo = tl.where(window > 0, tl.maximum(ctx - window, 0), 0)
-    # Each split takes an equal, block-aligned share of the keys read.
-    per_split = tl.cdiv(tl.cdiv(ctx - lo, num_splits), BLOCK) * BLOCK
+    lo, per_split, used = _share(ctx, window, num_splits, min_keys, BLOCK)
     start = lo + split * per_split
     end = tl.minimum(start + per_split, ctx)
 
@@ -85,20 +98,24 @@ def _split_kernel(
     else:
         # PartO [B, H, splits, D], PartML [B, H, splits, 2]
         row = (b * NUM_HEADS + heads) * num_splits + split
-        tl.store(PartO + row[:, None] * HEAD_DIM + d[None, :], acc, mask=hmask[:, None])
-        tl.store(PartML + row * 2, m_i, mask=hmask)
-        tl.store(PartML + row * 2 + 1, l_i, mask=hmask)
+        # A split with no keys writes nothing (the merge skips it); the test as a vector, which
+        # Triton's interpreter needs to combine it with a vector mask.
+        wmask = hmask & (tl.zeros_like(g) + split < used)
+        tl.store(PartO + row[:, None] * HEAD_DIM + d[None, :], acc, mask=wmask[:, None])
+        tl.store(PartML + row * 2, m_i, mask=wmask)
+        tl.store(PartML + row * 2 + 1, l_i, mask=wmask)
 
 
 @triton.jit
 def _merge_kernel(
-    PartO, PartML, Out, stride_on, stride_oh, num_splits,
-    NUM_HEADS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PartO, PartML, Out, lens_ptr, stride_on, stride_oh, num_splits, window, min_keys,
+    NUM_HEADS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
+    used = _share(tl.load(lens_ptr + b).to(tl.int32), window, num_splits, min_keys, BLOCK)[2]
     s = tl.arange(0, SPLITS_PAD)
-    smask = s < num_splits
+    smask = s < used
     d = tl.arange(0, HEAD_DIM)
     row = (b * NUM_HEADS + h) * num_splits + s
     m = tl.load(PartML + row * 2, mask=smask, other=float("-inf"))
@@ -155,6 +172,7 @@ def decode_attention(
     k_rows, v_rows = k_cache.view(-1, kv_heads, dim), v_cache.view(-1, kv_heads, dim)
     group = heads // kv_heads
     splits = num_splits_for(batch, kv_heads, page_table.shape[1] * page_size, q.device)
+    min_keys = INVARIANT_SPLIT_KEYS if batch_invariant() else BLOCK_N  # a share is a block at least
     out = torch.empty_like(q)
     if splits == 1:
         part_o = part_ml = out  # unused
@@ -167,15 +185,15 @@ def decode_attention(
         k_rows.stride(0), k_rows.stride(1),
         v_rows.stride(0), v_rows.stride(1),
         out.stride(0), out.stride(1),
-        splits, dim**-0.5, window,
+        splits, dim**-0.5, window, min_keys,
         NUM_HEADS=heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=dim, BLOCK=BLOCK_N, PAGE=page_size, SINGLE_SPLIT=splits == 1,
         num_warps=4, num_stages=2,
     )
     if splits > 1:
         _merge_kernel[(batch, heads)](
-            part_o, part_ml, out, out.stride(0), out.stride(1), splits,
-            NUM_HEADS=heads, SPLITS_PAD=triton.next_power_of_2(splits), HEAD_DIM=dim,
+            part_o, part_ml, out, context_lens, out.stride(0), out.stride(1), splits, window, min_keys,
+            NUM_HEADS=heads, SPLITS_PAD=triton.next_power_of_2(splits), HEAD_DIM=dim, BLOCK=BLOCK_N,
             num_warps=1,
         )
     return out

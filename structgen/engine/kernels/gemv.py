@@ -21,9 +21,13 @@ streams their [BLOCK_N, K] slab of W in BLOCK_K chunks, its accumulator in regis
 Those choices depend on the row count, and so does the order in which a row's products are
 summed: a row's output changes, in its last bits, with the rows sharing its launch. In the
 batch-invariant mode (`kernels.use_batch_invariant`) `invariant_gemm` runs every row count,
-one row to a prefill chunk, as the skinny GEMM over tiles of DOT_ROWS rows, with a block shape
-that is a function of the matrix's shape only: every row is then computed by the same code
-with the same reduction order, whichever tile it lands in and whatever the other rows hold.
+one row to a prefill chunk, as one tiled `tl.dot` GEMM whose tile (`InvariantTiles`: rows,
+features, K chunk) is a function of the matrix's shape only, with no split of K: every row
+is then computed by the same code with the same reduction order, whichever tile it lands in
+and whatever the other rows hold. Several tilings are kept (`INVARIANT_TILES`, switched by
+`use_invariant_tiles`) so that one GPU run can time them all (`benchmarks/bench_invariant_gemm.py`)
+and check each one's invariance (tests/engine/test_kernels.py); 16-row tiles were the first,
+and cost a batch of 64 four tiles that each stream W.
 """
 
 from __future__ import annotations
@@ -268,30 +272,89 @@ def _invariant_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_
     _dot_tile(X, W, B, Y, m, n, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
-def invariant_block(weight: torch.Tensor) -> Block:
-    """The batch-invariant GEMM's launch shape: a function of W's shape only (never timed, so
-    two processes compute the same bits), the widest K chunk that divides K."""
+class Tile(NamedTuple):
+    """One tile of the batch-invariant GEMM: `rows` (`tl.dot`'s M: 16 takes the warp-level MMA,
+    64 and more the warp-group MMA on Hopper), features per program for matrices of fewer / at
+    least WIDE_N outputs, warps and pipeline stages."""
+
+    rows: int
+    n: int
+    n_wide: int
+    warps: int
+    stages: int
+
+
+class InvariantTiles(NamedTuple):
+    """A tiling of the batch-invariant GEMM: the widest K chunk tried (the widest of k, k/2,
+    k/4 that divides K is taken; one chunk for every tile), and (up to this many rows, tile)
+    pairs in ascending order, the last for any row count. With one tile a row is computed by
+    the same code at every row count; with two, only where both MMA shapes sum a K chunk
+    alike, which the tests check per tiling on the card."""
+
+    k: int
+    tiles: tuple[tuple[float, Tile], ...]
+
+
+WIDE_N = 8192
+ANY = float("inf")
+ROWS16, ROWS64 = Tile(16, 16, 32, 4, 3), Tile(64, 32, 64, 4, 4)
+INVARIANT_TILES = {
+    "rows16": InvariantTiles(256, ((ANY, ROWS16),)),  # the first form: four tiles at a batch of 64
+    "rows64": InvariantTiles(128, ((ANY, ROWS64),)),
+    "rows64-wide": InvariantTiles(64, ((ANY, Tile(64, 64, 128, 4, 4)),)),
+    "rows128": InvariantTiles(64, ((ANY, Tile(128, 64, 128, 8, 3)),)),
+    "rows16+64": InvariantTiles(128, ((16, ROWS16), (ANY, ROWS64))),
+    # 64-row tiles up to a batch of 64, square ones for prefill chunks and large verify steps.
+    "rows64+128": InvariantTiles(128, ((64, ROWS64), (ANY, Tile(128, 128, 128, 8, 3)))),
+}
+DEFAULT_INVARIANT_TILES = "rows64"
+_invariant_tiles = INVARIANT_TILES[DEFAULT_INVARIANT_TILES]
+
+
+def use_invariant_tiles(name: str) -> None:
+    """Switch the batch-invariant GEMM to another tiling of `INVARIANT_TILES`, process-wide
+    (a sweep or a test; an engine keeps the default, so two processes compute the same bits)."""
+    global _invariant_tiles
+    if name not in INVARIANT_TILES:
+        from structgen.errors import InvalidParameterError
+
+        raise InvalidParameterError(f"unknown invariant GEMM tiling {name!r}; pass one of {sorted(INVARIANT_TILES)}")
+    _invariant_tiles = INVARIANT_TILES[name]
+
+
+def invariant_tiles() -> InvariantTiles:
+    """The batch-invariant GEMM's current tiling."""
+    return _invariant_tiles
+
+
+def invariant_block(weight: torch.Tensor, rows: int, tiles: InvariantTiles | None = None) -> tuple[int, Block]:
+    """(rows per tile, launch shape) of the batch-invariant GEMM for `rows` rows: a function
+    of W's shape only, never timed, so two processes compute the same bits."""
+    t = tiles or _invariant_tiles
     n, k = weight.shape
-    chunk = next((c for c in (256, 128, 64) if k % c == 0), 128)
-    return Block(32 if n >= 8192 else 16, chunk, 4, 3, "dot")
+    chunk = next((c for c in (t.k, t.k // 2, t.k // 4) if k % c == 0), t.k)
+    tile = next(tile for most, tile in t.tiles if rows <= most)
+    return tile.rows, Block(tile.n if n < WIDE_N else tile.n_wide, chunk, tile.warps, tile.stages, "dot")
 
 
-def invariant_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def invariant_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                   tiles: InvariantTiles | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias) -> [M, N] in x's dtype, for any M, each row
-    computed exactly as it would be alone (the module docstring)."""
+    computed exactly as it would be alone (the module docstring); `tiles` defaults to the
+    process-wide tiling."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     m, k = x.shape
     n = weight.shape[0]
     assert weight.stride(-1) == 1
-    block = invariant_block(weight)
+    tile_rows, block = invariant_block(weight, m, tiles)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y
     bk = min(block.k, triton.next_power_of_2(k))
-    grid = (triton.cdiv(n, block.n) * triton.cdiv(m, DOT_ROWS),)
+    grid = (triton.cdiv(n, block.n) * triton.cdiv(m, tile_rows),)
     _invariant_kernel[grid](x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0),
                             weight.stride(0), y.stride(0), HAS_BIAS=bias is not None, EVEN_K=k % bk == 0,
-                            BLOCK_M=DOT_ROWS, BLOCK_N=block.n, BLOCK_K=bk,
+                            BLOCK_M=tile_rows, BLOCK_N=block.n, BLOCK_K=bk,
                             num_warps=block.warps, num_stages=block.stages)
     return y
 
