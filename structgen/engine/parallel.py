@@ -294,10 +294,11 @@ class TensorParallel:
         if self.left:
             return
         self.left = True
-        if clean and self.device.type != "cuda":
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        if (clean and self.device.type != "cuda") or abort is None:
             dist.destroy_process_group()
         else:
-            dist.distributed_c10d._abort_process_group()
+            abort()
 
     # -- worker ranks ------------------------------------------------------------------------------
     @torch.inference_mode()

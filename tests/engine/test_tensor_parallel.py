@@ -107,7 +107,8 @@ def test_a_dead_worker_fails_requests_with_an_engine_error_instead_of_hanging(ti
     assert not worker.is_alive()
 
 
-def test_closing_mid_stream_stops_the_worker_within_seconds(tiny_llama_dir):
+def test_closing_mid_stream_stops_the_worker_within_seconds(tiny_llama_dir, two_ranks):
+    two_ranks.close()  # one split engine per process at a time
     llm = LLM(tiny_llama_dir, config=_config(2))
     worker = llm.engine.tensor_parallel.workers.processes[0]
     stream = llm.stream(str, "Count to a hundred:", max_tokens=200, chat=False)
@@ -120,7 +121,8 @@ def test_closing_mid_stream_stops_the_worker_within_seconds(tiny_llama_dir):
         list(stream)  # the stream ends: its request was aborted by the close
 
 
-def test_closing_after_a_worker_died_returns_within_seconds_and_frees_the_group(tiny_llama_dir):
+def test_closing_after_a_worker_died_returns_within_seconds_and_frees_the_group(tiny_llama_dir, two_ranks):
+    two_ranks.close()
     llm = LLM(tiny_llama_dir, config=_config(2))
     worker = llm.engine.tensor_parallel.workers.processes[0]
     os.kill(worker.pid, signal.SIGKILL)
