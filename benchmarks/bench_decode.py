@@ -386,6 +386,8 @@ def main() -> None:
             tp_rows, floors[f"{model}-tp{size}"] = tensor_parallel_rows(
                 model, cfg, model_dir, stop, prompt_ids, grammar, batches, size, bandwidth, args.steps)
             rows += tp_rows
+            if args.dump is not None:  # each size's rows kept as soon as they exist
+                args.dump.write_text(json.dumps({"rows": rows, "floors": floors, "extra": extra}, default=str))
         if 1 not in tp_sizes:
             continue  # a shape that only fits split (llama-70b-shape)
         invariant = args.batch_invariant == "on"
