@@ -169,15 +169,22 @@ class TensorParallel:
                                   "stuck or unreachable: see the ranks' logs, then restart the engine")
             time.sleep(POLL_S)
 
-    def _finish(self, work: dist.Work, what: str, timeout_s: float) -> None:
-        """Wait, bounded, for a host-side collective of the command group."""
+    def _finish(self, work: dist.Work, what: str, timeout_s: float, watch_workers: bool = False) -> None:
+        """Wait, bounded, for a host-side collective of the command group; where the wait may
+        be long (`watch_workers`), a spawned rank that exits meanwhile ends it at once. A
+        failure leaves the group refusing further steps."""
         try:
-            self._wait_for(work.is_completed, what, timeout_s)
-            work.wait()
-        except RuntimeError as e:
+            if watch_workers:
+                self._wait_for(work.is_completed, what, timeout_s)
+            work.wait(timedelta(seconds=timeout_s))
+        except (RuntimeError, EngineError) as e:
+            self.broken = self.broken or f"the ranks did not {what} ({e})"
             if self.workers is not None:
                 self.workers.check()
-            raise EngineError(f"a tensor-parallel rank is gone ({e}); restart the engine") from e
+            if isinstance(e, EngineError):
+                raise
+            raise EngineError(f"the tensor-parallel ranks did not {what} within {timeout_s:.0f} s, or a rank is gone "
+                              f"({e}); restart the engine (close this LLM and create a new one)") from e
 
     # -- the model's side ---------------------------------------------------------------------
     def shard_config(self, cfg: ModelConfig) -> ModelConfig:
@@ -268,7 +275,7 @@ class TensorParallel:
         waits for every rank to have loaded its shard, before the collectives of graph capture."""
         t = torch.tensor([value], dtype=torch.int64)
         work = dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.commands, async_op=True)
-        self._finish(work, "load their shards", STARTUP_TIMEOUT_S)
+        self._finish(work, "load their shards", STARTUP_TIMEOUT_S, watch_workers=True)
         self.ready = True
         return int(t.item())
 
