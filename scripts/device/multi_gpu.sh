@@ -68,12 +68,12 @@ fi
 # a and d side by side on disjoint GPUs.
 CUDA_VISIBLE_DEVICES=0,1 piece "a: TP=2 == TP=1 (NCCL, graphs)" 150 "$OUT/pytest.txt" "${PYTEST[@]}" &
 A_PID=$!
-CUDA_VISIBLE_DEVICES=2,3 piece "d: DP=2 vs 1 replica" 170 "$OUT/bench_dp.log" "${DP[@]}" --dump "$OUT/dp.json"
+CUDA_VISIBLE_DEVICES=2,3 piece "d: DP=2 vs 1 replica" 160 "$OUT/bench_dp.log" "${DP[@]}" --dump "$OUT/dp.json"
 wait "$A_PID"
 find benchmarks/results -name 'replicas-*.json' -newer "$SUMMARY" -exec cp {} "$OUT/" \;
 
-piece "b: Llama-8B shape TP 1/2/4" 190 "$OUT/bench_tp.log" "${TP_SMALL[@]}" --dump "$OUT/tp_decode.json"
-piece "c: Llama-70B shape TP 4" 160 "$OUT/bench_tp.log" "${TP_LARGE[@]}" \
+piece "b: Llama-8B shape TP 1/2/4" 170 "$OUT/bench_tp.log" "${TP_SMALL[@]}" --dump "$OUT/tp_decode.json"
+piece "c: Llama-70B shape TP 4" 170 "$OUT/bench_tp.log" "${TP_LARGE[@]}" \
   --merge "$OUT/tp_decode.json" --dump "$OUT/tp_decode.json"
 find benchmarks/results -name 'decode-*.json' -newer "$SUMMARY" -exec cp {} "$OUT/" \;
 
