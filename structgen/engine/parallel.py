@@ -247,7 +247,7 @@ class TensorParallel:
         """Rank 0's table, straight into this rank's host copy (the device copy follows on sync)."""
         assert self.pages is not None
         dist.broadcast(self.pages.host, 0, group=self.commands)
-        self.pages.version += 1  # PageTable.sync compares versions to know the table changed
+        self.pages.host_replaced()
 
     def _announce(self, command: int, a: int, b: int, *payload: torch.Tensor) -> None:
         """Send the workers a command and its payload, as one message no other thread's
