@@ -23,6 +23,12 @@ measured copy bandwidth: each GPU reads its 1/N share):
 
     python -m benchmarks.bench_decode --models llama-8b-shape --tensor-parallel 1,2 --batches 1,64 --no-peers
     python -m benchmarks.bench_decode --models llama-70b-shape --tensor-parallel 4 --batches 1,16,64 --no-peers
+
+Each tensor-parallel row also says what rank 0 built (`rank0_weight_gb` against the whole
+model's `model_weight_gb`: each rank draws only its shard's random weights, on its GPU), each
+GPU's memory in use once the engine is up, and the engine's build time. `--cpu` runs the
+tensor-parallel rows on the CPU (gloo, `tiny-llama-shape`): a dry run of the code path whose
+times mean nothing (scripts/device/multi_gpu.sh --dry-run).
     python -m benchmarks.bench_decode --models llama-8b-shape,llama-8b-shape-fp8,llama-8b-shape-int4 --batches 1,64 --no-peers
 """
 
@@ -33,6 +39,7 @@ import asyncio
 import dataclasses
 import gc
 import json
+import math
 import statistics
 import time
 from pathlib import Path
@@ -44,6 +51,7 @@ from benchmarks.common import (
     decode_weight_bytes,
     fits_two_copies,
     hbm_floor_ms,
+    hf_param_shapes,
     measure_copy_bandwidth_gbps,
     model_config,
     print_table,
@@ -109,6 +117,13 @@ NAMES = ["Ana", "Bo", "Chen", "Dara", "Eli", "Fatima", "Gus", "Hana"]
 CITIES = ["Lisbon", "Oslo", "Lima", "Osaka", "Nairobi", "Quito", "Perth", "Riga"]
 
 
+def tiny_llama_shape() -> Any:
+    """A two-layer Llama of Llama-1B's layout, small enough for the CPU (dry runs)."""
+    return dataclasses.replace(model_config("llama-1b"), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=49152,
+                               tie_word_embeddings=False)
+
+
 def load(model: str, tok_dir: Path | None) -> tuple[Any, Any, Path | None, set[int]]:
     """(ModelConfig, tokenizer, weights dir or None for random weights, stop ids)."""
     from structgen.engine.models.loader import load_model_config, load_tokenizer, resolve_model
@@ -117,7 +132,7 @@ def load(model: str, tok_dir: Path | None) -> tuple[Any, Any, Path | None, set[i
         d = resolve_model(REAL_MODELS[model], progress=False)
         cfg = load_model_config(d)
         return cfg, load_tokenizer(d), d, set(cfg.eos_token_id)
-    cfg = model_config(model.split("-shape")[0])
+    cfg = tiny_llama_shape() if model == "tiny-llama-shape" else model_config(model.split("-shape")[0])
     tok = load_tokenizer(tok_dir or resolve_model(None, progress=False))
     return cfg, tok, None, set(cfg.eos_token_id)
 
@@ -198,7 +213,8 @@ def _decode_steps(engine: Engine, prompt_ids: list[int], batch: int, grammar,
             engine.step()
         for _ in range(2):  # the first decode step after a prefill cannot be pre-launched
             engine.step()
-        torch.cuda.synchronize()
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         while timed < steps and all(not r.finished for r in reqs):
             engine.step()
@@ -241,7 +257,10 @@ def tensor_parallel_rows(model: str, cfg, model_dir: Path | None, stop: set[int]
     returns the rows and their floor: the weight bytes over `size` times the copy bandwidth
     (each GPU reads its share at once)."""
     floor = hbm_floor_ms(decode_weight_bytes(cfg, torch.bfloat16), bandwidth) / size
-    engine = build_engine(cfg, model_dir, stop, graphs=True, tensor_parallel=size)
+    t_build = time.perf_counter()
+    engine = build_engine(cfg, model_dir, stop, graphs=torch.cuda.is_available(), tensor_parallel=size)
+    built = {"build_s": round(time.perf_counter() - t_build, 1), **shard_check(engine, cfg, size)}
+    print(f"[{model} TP {size}] built: {built}", flush=True)
     rows = []
     try:
         for batch in batches:
@@ -249,7 +268,7 @@ def tensor_parallel_rows(model: str, cfg, model_dir: Path | None, stop: set[int]
                 r = time_decode(engine, prompt_ids, batch, grammar if constrained else None, steps)
                 rows.append({"system": f"structgen-tp{size}", "model": model, "batch": batch,
                              "constrained": constrained, "metric": "ms_per_step", "tensor_parallel": size,
-                             **r, "floor_ms": floor})
+                             **r, "floor_ms": floor, **built})
                 print(rows[-1], flush=True)
     finally:
         engine.close()
@@ -257,6 +276,25 @@ def tensor_parallel_rows(model: str, cfg, model_dir: Path | None, stop: set[int]
         gc.collect()
         torch.cuda.empty_cache()
     return rows, floor
+
+
+def shard_check(engine: Engine, cfg, size: int) -> dict[str, Any]:
+    """What rank 0 holds against the whole model (its share is 1/size, plus the padded
+    vocabulary rows), and each GPU's memory in use as the driver reports it."""
+    import subprocess
+
+    mine = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+    whole = sum(math.prod(shape) for shape in hf_param_shapes(cfg).values()) * engine.runner.dtype.itemsize
+    out: dict[str, Any] = {"rank0_weight_gb": round(mine / 1e9, 2), "model_weight_gb": round(whole / 1e9, 2),
+                           "rank0_holds_only_its_shard": mine <= 1.02 * whole / size + 2 * cfg.hidden_size * 4}
+    if engine.device.type == "cuda":
+        try:
+            smi = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True, timeout=20, check=True)
+            out["gpu_used_gb"] = [round(int(v) / 1024, 1) for v in smi.stdout.split()]
+        except (OSError, subprocess.SubprocessError, ValueError):
+            out["gpu_used_gb"] = None
+    return out
 
 
 def end_to_end(engine: Engine, tokenizer, n: int = 64) -> dict[str, Any]:
@@ -289,7 +327,8 @@ def summarize(rows: list[dict[str, Any]], batches: list[int]) -> None:
     """Per model and tensor-parallel size: the grammar overhead at each batch, and at batch 1
     the step time over its floor (and, split, the speedup over one GPU)."""
     steps = {(r["model"], r.get("tensor_parallel", 1), r["batch"], r["constrained"]): r for r in rows
-             if r["system"] in ("structgen", f"structgen-tp{r.get('tensor_parallel', 1)}") and r["metric"] == "ms_per_step"}
+             if r["system"] in ("structgen", "structgen-not-invariant", f"structgen-tp{r.get('tensor_parallel', 1)}")
+             and r["metric"] == "ms_per_step"}
     for model, size in sorted({(m, n) for m, n, _, _ in steps}):
         name = model if size == 1 else f"{model} TP {size}"
         for b in batches:
@@ -324,8 +363,10 @@ def main() -> None:
                          "named structgen-not-invariant, so --dump/--merge can join two runs)")
     ap.add_argument("--tokenizer-dir", type=Path, default=None,
                     help="SmolLM2 tokenizer files for the random-shape models (when the model is absent)")
+    ap.add_argument("--cpu", action="store_true",
+                    help="dry run on the CPU (gloo; e.g. --models tiny-llama-shape --tensor-parallel 1,2 --no-peers)")
     args = ap.parse_args()
-    assert torch.cuda.is_available(), "bench_decode measures the GPU engine; run it on a CUDA machine"
+    assert args.cpu or torch.cuda.is_available(), "bench_decode measures the GPU engine; run it on a CUDA machine"
     from benchmarks.peers import (
         compile_xgrammar,
         load_hf_model,
@@ -337,7 +378,7 @@ def main() -> None:
 
     batches = [int(b) for b in args.batches.split(",")]
     tp_sizes = [int(n) for n in args.tensor_parallel.split(",")]
-    assert max(tp_sizes) <= torch.cuda.device_count(), f"--tensor-parallel {max(tp_sizes)} needs that many GPUs"
+    assert args.cpu or max(tp_sizes) <= torch.cuda.device_count(), f"--tensor-parallel {max(tp_sizes)} needs that many GPUs"
     bandwidth = measure_copy_bandwidth_gbps()
     rows: list[dict[str, Any]] = []
     floors: dict[str, float] = {}
@@ -360,10 +401,12 @@ def main() -> None:
             tp_rows, floors[f"{model}-tp{size}"] = tensor_parallel_rows(
                 model, cfg, model_dir, stop, prompt_ids, grammar, batches, size, bandwidth, args.steps)
             rows += tp_rows
+            if args.dump is not None:  # each size's rows kept as soon as they exist
+                args.dump.write_text(json.dumps({"rows": rows, "floors": floors, "extra": extra}, default=str))
         if 1 not in tp_sizes:
             continue  # a shape that only fits split (llama-70b-shape)
         invariant = args.batch_invariant == "on"
-        engine = build_engine(cfg, model_dir, stop, graphs=True, quantization=quantization_of(model),
+        engine = build_engine(cfg, model_dir, stop, graphs=not args.cpu, quantization=quantization_of(model),
                               batch_invariant=invariant)
         bf16_floor = floors[model]
         if quantization_of(model):
@@ -446,7 +489,7 @@ def main() -> None:
 
     table = [{k: r.get(k) for k in ("system", "model", "batch", "constrained", "metric", "value", "floor_ms")}
              for r in rows]
-    print(f"\ndevice: {torch.cuda.get_device_name()}  copy bandwidth: {bandwidth:.0f} GB/s")
+    print(f"\ndevice: {torch.cuda.get_device_name() if not args.cpu else 'cpu'}  copy bandwidth: {bandwidth:.0f} GB/s")
     print_table(table)
     summarize(rows, batches)
     if "self_check" in extra:

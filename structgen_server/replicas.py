@@ -4,19 +4,24 @@ Each replica is a whole `structgen serve` process (its own engine, one GPU each 
 are GPUs: `CUDA_VISIBLE_DEVICES`) on a loopback port. The front end checks Host, key and body
 size as a single server does (guard.py), then relays each request to the replica with the
 fewest outstanding tokens (prompt bytes / 4 + max_tokens of the requests it is running) and
-streams its answer back unchanged. A replica that exits is restarted; the requests it was
+streams its answer back unchanged. Prefix affinity: a request whose prompt starts as an earlier
+one did (the same tool catalogue and system prompt) goes to the replica that served that
+prefix, whose prefix cache holds its KV pages, unless that replica's outstanding tokens exceed
+the least loaded one's by more than `affinity_slack_tokens`. A replica that exits is restarted; the requests it was
 running end with a 503 (or, mid-stream, an error event) that names it, never a hang.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import os
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 from fastapi import FastAPI, Request
@@ -31,6 +36,14 @@ log = logging.getLogger("structgen.server")
 
 WATCH_INTERVAL_S = 0.5
 BYTES_PER_PROMPT_TOKEN = 4  # a rough count: the front end does not tokenize
+# Prompts are matched in blocks of this many characters (about 64 tokens): shorter shared
+# starts save too little prefill to be worth an unbalanced route.
+AFFINITY_BLOCK_CHARS = 256
+AFFINITY_BLOCKS = 64  # the longest prefix matched: a 16k-character tool catalogue
+AFFINITY_ENTRIES = 65536  # prefix blocks remembered, least recently routed forgotten first
+# How far a replica's outstanding tokens may exceed the least loaded one's and still get the
+# requests whose prefix it holds (a prefill of the shared part costs about this much).
+AFFINITY_SLACK_TOKENS = 4096
 # Headers that describe one hop of the connection, not the request or response itself.
 HOP_HEADERS = frozenset({"host", "content-length", "connection", "keep-alive", "transfer-encoding", "upgrade"})
 
@@ -57,11 +70,54 @@ class Replica:
         return self.process is not None and self.process.proc is not None and self.process.proc.poll() is not None
 
 
+@dataclass(frozen=True)
+class Route:
+    """What the front end routes a request by: the tokens it adds to its replica's load and
+    the hashes of its prompt's leading blocks (each hash covers every block before it)."""
+
+    cost: int
+    prefix: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, body: bytes, default_max_tokens: int) -> Route:
+        parsed = _json_object(body)
+        return cls(request_cost(body, parsed, default_max_tokens), prefix_blocks(prompt_text(parsed)))
+
+
+@dataclass
+class PrefixAffinity:
+    """Which replica last served each prompt prefix (the one whose prefix cache holds it)."""
+
+    entries: int = AFFINITY_ENTRIES
+    owners: OrderedDict[str, int] = field(default_factory=OrderedDict)
+
+    def owner(self, prefix: tuple[str, ...]) -> int | None:
+        """The replica that served the longest of `prefix`'s blocks, if any did."""
+        for block in reversed(prefix):
+            if block in self.owners:
+                return self.owners[block]
+        return None
+
+    def served(self, prefix: tuple[str, ...], replica: int) -> None:
+        for block in prefix:
+            self.owners[block] = replica
+            self.owners.move_to_end(block)
+        while len(self.owners) > self.entries:
+            self.owners.popitem(last=False)
+
+    def forget(self, replica: int) -> None:
+        """A restarted replica's cache is empty: route its prefixes afresh."""
+        for block in [b for b, r in self.owners.items() if r == replica]:
+            del self.owners[block]
+
+
 class ReplicaSet:
     """The replicas, the routing rule, and the watch that restarts a replica that exited."""
 
-    def __init__(self, replicas: list[Replica]):
+    def __init__(self, replicas: list[Replica], affinity_slack_tokens: int = AFFINITY_SLACK_TOKENS):
         self.replicas = replicas
+        self.affinity = PrefixAffinity()
+        self.affinity_slack_tokens = affinity_slack_tokens
 
     def start(self) -> None:
         from concurrent.futures import ThreadPoolExecutor
@@ -69,15 +125,21 @@ class ReplicaSet:
         with ThreadPoolExecutor(len(self.replicas)) as pool:
             list(pool.map(Replica.start, self.replicas))
 
-    def pick(self, cost: int, refused: frozenset[int] = frozenset()) -> Replica:
-        """The live replica with the fewest outstanding tokens (but those in `refused`); it
-        takes `cost` more."""
+    def pick(self, route: Route, refused: frozenset[int] = frozenset()) -> Replica:
+        """The live replica (but those in `refused`) that served the route's prefix, unless
+        it is more than the slack busier than the least loaded one, which is picked then
+        (ties: the one relayed fewer requests); it takes the route's cost."""
         live = [r for r in self.replicas if r.up and not r.exited() and r.index not in refused]
         if not live:
             raise APIError(503, "no engine replica is running (one is restarting); retry in a few seconds",
                            type="server_error", code="replica_unavailable")
-        replica = min(live, key=lambda r: (r.outstanding, r.index))
-        replica.outstanding += cost
+        replica = min(live, key=lambda r: (r.outstanding, r.requests, r.index))
+        owner = self.affinity.owner(route.prefix)
+        holder = next((r for r in live if r.index == owner), None)
+        if holder is not None and holder.outstanding - replica.outstanding <= self.affinity_slack_tokens:
+            replica = holder
+        self.affinity.served(route.prefix, replica.index)
+        replica.outstanding += route.cost
         replica.requests += 1
         return replica
 
@@ -99,6 +161,7 @@ class ReplicaSet:
             await asyncio.to_thread(replica.start)
             replica.restarts += 1
             replica.outstanding = 0
+            self.affinity.forget(replica.index)
             log.info("replica %d is back on port %d", replica.index, replica.process.port)
         except RuntimeError as e:
             log.error("replica %d did not restart: %s", replica.index, e)
@@ -116,14 +179,44 @@ class ReplicaSet:
                              for r in self.replicas]}
 
 
-def request_cost(body: bytes, default_max_tokens: int) -> int:
-    """Outstanding tokens a request adds: its prompt (estimated from its size) and its
-    max_tokens for each of its `n` generations."""
+def _json_object(body: bytes) -> dict:
     try:
         parsed = json.loads(body) if body else {}
     except ValueError:
-        parsed = {}
-    parsed = parsed if isinstance(parsed, dict) else {}
+        return {}
+    return parsed if isinstance(parsed, dict) else {}
+
+
+def prompt_text(parsed: dict) -> str:
+    """A request's prompt as the front end sees it, in the order a chat template lays it out
+    (tools, then the messages; or the completion prompt)."""
+    parts = [json.dumps(parsed["tools"], sort_keys=True)] if parsed.get("tools") else []
+    for message in parsed.get("messages") or []:
+        if isinstance(message, dict):
+            content = message.get("content")
+            if isinstance(content, list):
+                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+            parts.append(f"{message.get('role')}:{content}")
+    prompt = parsed.get("prompt")
+    if isinstance(prompt, str):
+        parts.append(prompt)
+    return "\n".join(parts)
+
+
+def prefix_blocks(text: str) -> tuple[str, ...]:
+    """Chained hashes of `text`'s whole leading blocks: two prompts share the first k hashes
+    exactly when they share their first k blocks."""
+    hashes, chain = [], hashlib.blake2b(digest_size=16)
+    for start in range(0, min(len(text), AFFINITY_BLOCKS * AFFINITY_BLOCK_CHARS) - AFFINITY_BLOCK_CHARS + 1,
+                       AFFINITY_BLOCK_CHARS):
+        chain.update(text[start : start + AFFINITY_BLOCK_CHARS].encode())
+        hashes.append(chain.copy().hexdigest())
+    return tuple(hashes)
+
+
+def request_cost(body: bytes, parsed: dict, default_max_tokens: int) -> int:
+    """Outstanding tokens a request adds: its prompt (estimated from its size) and its
+    max_tokens for each of its `n` generations."""
     max_tokens = parsed.get("max_completion_tokens") or parsed.get("max_tokens") or default_max_tokens
     n = parsed.get("n") or 1
     try:
@@ -189,11 +282,12 @@ def create_front_app(replicas: ReplicaSet, default_max_tokens: int) -> FastAPI:
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
     async def relay(path: str, request: Request) -> Response:
         body = await request.body()
-        cost = request_cost(body, default_max_tokens) if request.method == "POST" else 0
+        route = Route.of(body, default_max_tokens) if request.method == "POST" else Route(0)
+        cost = route.cost
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
         refused: set[int] = set()
         for _ in replicas.replicas:  # a replica that refuses the connection never saw the request
-            replica = replicas.pick(cost, frozenset(refused))
+            replica = replicas.pick(route, frozenset(refused))
             upstream = client.build_request(request.method, f"{replica.process.root}/{path}", headers=headers,
                                             params=request.query_params, content=body)
             try:

@@ -193,9 +193,9 @@ class PageTable:
         pos = np.arange(start, start + n)
         return self._host_np[slot, pos // self.page_size] * self.page_size + pos % self.page_size
 
-    def replace_table(self, host: torch.Tensor) -> None:
-        """Adopt another rank's table (a tensor-parallel worker follows rank 0's pages)."""
-        self.host.copy_(host)
+    def host_replaced(self) -> None:
+        """The host copy now holds another rank's table, received in place (a tensor-parallel
+        worker follows rank 0's pages); the device copy follows on the next `sync`."""
         self.version += 1
 
     def sync(self) -> None:

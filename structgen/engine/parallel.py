@@ -12,15 +12,18 @@ logits gather meet on the device group (NCCL on CUDA, gloo on the CPU).
 Ranks are processes the engine spawns (one host, `EngineConfig.tensor_parallel=N`) or that
 `torchrun` launched (any hosts: the rendezvous is MASTER_ADDR:MASTER_PORT, and ranks above 0
 run `run_worker`). A rank that dies makes rank 0's next announcement raise `EngineError`, so
-requests fail instead of waiting on a collective that never completes.
+requests fail instead of waiting on a collective that never completes. Every host-side wait
+(meeting, loading, announcing, stopping) has a deadline and polls the spawned ranks' liveness,
+so start-up and `close` end within seconds of a rank dying or hanging.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import socket
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -48,7 +51,12 @@ HEADER_INTS = 3  # command, then two integers whose meaning depends on it
 COLLECTIVE_TIMEOUT = timedelta(minutes=5)
 # The worker ranks wait for the next step for as long as the engine stays idle.
 IDLE_TIMEOUT = timedelta(days=365)
-SHUTDOWN_TIMEOUT_S = 15.0
+# Meeting and loading: a rank reads its shard of the checkpoint from disk meanwhile.
+STARTUP_TIMEOUT_S = 600.0
+# An announcement is a few bytes into each worker's socket; only a stuck worker delays it.
+ANNOUNCE_TIMEOUT_S = 30.0
+SHUTDOWN_TIMEOUT_S = 10.0
+POLL_S = 0.02
 # all_gather_into_tensor's newer name (the old one warns from torch 2.10 on).
 _all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
@@ -80,19 +88,22 @@ class Rendezvous:
     @classmethod
     def on_this_host(cls, world_size: int) -> Rendezvous:
         """Rank 0 of `world_size` processes on this host; MASTER_ADDR/MASTER_PORT if set,
-        else loopback and a free port."""
+        else loopback and a port the store picks (0 until then)."""
         address = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        port = int(os.environ.get("MASTER_PORT", "0")) or _free_port(address)
-        return cls(address, port, world_size, 0, 0)
+        return cls(address, int(os.environ.get("MASTER_PORT", "0")), world_size, 0, 0)
 
     def of_rank(self, rank: int) -> Rendezvous:
         return replace(self, rank=rank, local_rank=rank)
 
-
-def _free_port(address: str) -> int:
-    with socket.socket() as s:
-        s.bind((address, 0))
-        return s.getsockname()[1]
+    def open_store(self) -> dist.TCPStore:
+        """The key-value store the ranks meet through (rank 0 serves it; port 0 picks one)."""
+        try:
+            return dist.TCPStore(self.address, self.port, self.world_size, is_master=self.rank == 0,
+                                 timeout=timedelta(seconds=STARTUP_TIMEOUT_S), wait_for_workers=False)
+        except (RuntimeError, ValueError) as e:
+            raise EngineError(f"tensor-parallel rank {self.rank} could not reach the rendezvous at "
+                              f"{self.address}:{self.port} ({e}); check MASTER_ADDR/MASTER_PORT and that the "
+                              "port is open between the hosts") from e
 
 
 def rank_device(config: EngineConfig, local_rank: int) -> torch.device:
@@ -107,23 +118,73 @@ class TensorParallel:
     """One rank's membership: its rank, device and groups, the collectives the sharded model
     runs, and (rank 0) the announcements that start the worker ranks' forwards."""
 
-    def __init__(self, rendezvous: Rendezvous, device: torch.device, workers: WorkerProcesses | None = None):
+    def __init__(self, rendezvous: Rendezvous, device: torch.device, workers: WorkerProcesses | None = None,
+                 store: dist.Store | None = None):
         self.rank, self.world_size, self.device = rendezvous.rank, rendezvous.world_size, device
         self.workers = workers  # the processes rank 0 spawned (None under torchrun, and on workers)
         if device.type == "cuda":
             torch.cuda.set_device(device)
             # NVLink SHARP needs multicast memory, which containers and some drivers refuse.
             os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-        backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=rendezvous.init_method,
-                                rank=self.rank, world_size=self.world_size, timeout=COLLECTIVE_TIMEOUT)
+        self._join(rendezvous, store)
         self.commands = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
         self._header = torch.zeros(HEADER_INTS, dtype=torch.int64)
+        self._announcing = threading.Lock()  # the loop's steps and close's stop, one at a time
         self.ready = False  # every rank has loaded its shard: the ranks now follow announcements
         self.broken: str | None = None  # why the ranks may no longer run the same collectives
-        self.closed = False
+        self.closed = False  # no more forwards: stopped, or closing
+        self.left = False  # this rank has left the process groups
         self.pages: PageTable | None = None  # the runner's KV pages, which rank 0 sends with forwards
         self._pages_sent = -1  # the version of rank 0's table the workers have
+
+    def _join(self, rendezvous: Rendezvous, store: dist.Store | None) -> None:
+        """Meet the other ranks: through torchrun's store, or through rank 0's, where rank 0
+        first waits (polling its spawned ranks' liveness) until every rank has reached it."""
+        backend = "cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo"
+        where = {"init_method": "env://"}
+        if not rendezvous.torchrun:
+            store = store or rendezvous.open_store()
+            if self.rank:
+                store.set(f"structgen/joined/{self.rank}", "1")
+            else:
+                joined = [f"structgen/joined/{r}" for r in range(1, self.world_size)]
+                self._wait_for(lambda: store.check(joined), "reach the rendezvous", STARTUP_TIMEOUT_S)
+            where = {"store": store}
+        try:
+            dist.init_process_group(backend, rank=self.rank, world_size=self.world_size,
+                                    timeout=COLLECTIVE_TIMEOUT, **where)
+        except (RuntimeError, ValueError) as e:
+            raise EngineError(f"tensor-parallel rank {self.rank} could not join the group at {rendezvous.address}:"
+                              f"{rendezvous.port} ({e}); check that every rank started and the port is open") from e
+
+    def _wait_for(self, done: Callable[[], bool], what: str, timeout_s: float) -> None:
+        """Poll `done` until it holds; raise `EngineError` once a spawned rank exits or after
+        `timeout_s` seconds."""
+        deadline = time.monotonic() + timeout_s
+        while not done():
+            if self.workers is not None:
+                self.workers.check()
+            if time.monotonic() > deadline:
+                raise EngineError(f"the tensor-parallel ranks did not {what} within {timeout_s:.0f} s; a rank is "
+                                  "stuck or unreachable: see the ranks' logs, then restart the engine")
+            time.sleep(POLL_S)
+
+    def _finish(self, work: dist.Work, what: str, timeout_s: float, watch_workers: bool = False) -> None:
+        """Wait, bounded, for a host-side collective of the command group; where the wait may
+        be long (`watch_workers`), a spawned rank that exits meanwhile ends it at once. A
+        failure leaves the group refusing further steps."""
+        try:
+            if watch_workers:
+                self._wait_for(work.is_completed, what, timeout_s)
+            work.wait(timedelta(seconds=timeout_s))
+        except (RuntimeError, EngineError) as e:
+            self.broken = self.broken or f"the ranks did not {what} ({e})"
+            if self.workers is not None:
+                self.workers.check()
+            if isinstance(e, EngineError):
+                raise
+            raise EngineError(f"the tensor-parallel ranks did not {what} within {timeout_s:.0f} s, or a rank is gone "
+                              f"({e}); restart the engine (close this LLM and create a new one)") from e
 
     # -- the model's side ---------------------------------------------------------------------
     def shard_config(self, cfg: ModelConfig) -> ModelConfig:
@@ -158,12 +219,14 @@ class TensorParallel:
         ranks' collectives would no longer pair up."""
         if self.rank == 0:
             ids = [t for s in seqs for t in s.token_ids]
-            self._announce(EXTEND, len(seqs), len(ids))
             rows = [v for s in seqs for v in (s.slot, s.start, len(s.token_ids), s.num_logits)]
-            self._send(torch.tensor(rows + ids, dtype=torch.int64))
-            self._send_pages()
+            self._announce(EXTEND, len(seqs), len(ids), torch.tensor(rows + ids, dtype=torch.int64), self._pages())
         try:
             yield
+        except RuntimeError as e:  # a collective whose peer is gone
+            self.broken = f"a forward failed on rank {self.rank} ({e!r})"
+            raise EngineError(f"a tensor-parallel forward failed on rank {self.rank} ({e}); a rank is gone or out "
+                              "of step: restart the engine (close this LLM and create a new one)") from e
         except BaseException as e:
             self.broken = f"a forward failed on rank {self.rank} ({e!r})"
             raise
@@ -172,70 +235,77 @@ class TensorParallel:
         """Workers: replay the decode graphs' forward of `bucket` rows (with rank 0's page
         table first where it changed since the last forward)."""
         changed = self.pages is not None and self.pages.version != self._pages_sent
-        self._announce(GRAPH_FORWARD, bucket, int(changed))
-        if changed:
-            self._send_pages()
+        self._announce(GRAPH_FORWARD, bucket, int(changed), *([self._pages()] if changed else []))
 
-    def _send_pages(self) -> None:
-        """Rank 0's KV page table to the workers: they have no scheduler, so they follow it."""
+    def _pages(self) -> torch.Tensor:
+        """Rank 0's KV page table, for the workers: they have no scheduler, so they follow it."""
         assert self.pages is not None
-        self._send(self.pages.host)
         self._pages_sent = self.pages.version
+        return self.pages.host
 
     def _receive_pages(self) -> None:
+        """Rank 0's table, straight into this rank's host copy (the device copy follows on sync)."""
         assert self.pages is not None
-        table = torch.empty_like(self.pages.host)
-        dist.broadcast(table, 0, group=self.commands)
-        self.pages.replace_table(table)
+        dist.broadcast(self.pages.host, 0, group=self.commands)
+        self.pages.host_replaced()
 
-    def _announce(self, command: int, a: int, b: int) -> None:
-        if self.closed:
-            raise EngineError("the tensor-parallel group is closed; create a new LLM to generate again")
-        if self.broken:
-            raise EngineError(f"the tensor-parallel ranks are out of step since {self.broken}; "
-                              "restart the engine (close this LLM and create a new one)")
-        if self.workers is not None:
-            self.workers.check()
-        self._header[0], self._header[1], self._header[2] = command, a, b
-        self._send(self._header)
-
-    def _send(self, tensor: torch.Tensor) -> None:
+    def _announce(self, command: int, a: int, b: int, *payload: torch.Tensor) -> None:
+        """Send the workers a command and its payload, as one message no other thread's
+        announcement interleaves with."""
+        if not self._announcing.acquire(timeout=ANNOUNCE_TIMEOUT_S):
+            raise EngineError("another thread's tensor-parallel announcement did not finish; restart the engine")
         try:
-            dist.broadcast(tensor, 0, group=self.commands)
-        except RuntimeError as e:
-            raise EngineError(f"a tensor-parallel worker rank is gone ({e}); restart the engine") from e
+            if self.closed:
+                raise EngineError("the tensor-parallel group is closed; create a new LLM to generate again")
+            if self.broken:
+                raise EngineError(f"the tensor-parallel ranks are out of step since {self.broken}; "
+                                  "restart the engine (close this LLM and create a new one)")
+            if self.workers is not None:
+                self.workers.check()
+            self._header[0], self._header[1], self._header[2] = command, a, b
+            for tensor in (self._header, *payload):
+                work = dist.broadcast(tensor, 0, group=self.commands, async_op=True)
+                self._finish(work, "take the next step", ANNOUNCE_TIMEOUT_S)
+            self.closed = command == STOP
+        finally:
+            self._announcing.release()
 
     def smallest(self, value: int) -> int:
         """The smallest of the ranks' `value`s (the KV slots every rank's memory fits); it also
         waits for every rank to have loaded its shard, before the collectives of graph capture."""
-        if self.workers is not None:
-            self.workers.check()
         t = torch.tensor([value], dtype=torch.int64)
-        try:
-            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.commands)
-        except RuntimeError as e:
-            if self.workers is not None:
-                self.workers.check()
-            raise EngineError(f"a tensor-parallel rank failed while loading ({e}); see its log above") from e
+        work = dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.commands, async_op=True)
+        self._finish(work, "load their shards", STARTUP_TIMEOUT_S, watch_workers=True)
         self.ready = True
         return int(t.item())
 
     def close(self) -> None:
-        """Stop the worker ranks (rank 0) and leave the process groups; idempotent."""
-        if self.closed:
+        """Stop the worker ranks (rank 0) and leave the process groups; idempotent, and
+        bounded: a worker that does not stop within seconds is killed."""
+        if self.left:
             return
-        stopping = self.rank == 0 and self.ready and not self.broken  # else the workers are terminated
-        if stopping:
+        stopped = self.rank == 0 and self.ready and not self.broken  # else the workers are killed
+        if stopped:
             try:
                 self._announce(STOP, 0, 0)
             except EngineError:
-                stopping = False  # a worker is gone already; the others are terminated
+                stopped = False  # a worker is gone already; the others are killed
         self.closed = True
-        stopped = True
         if self.workers is not None:
-            stopped = self.workers.join(SHUTDOWN_TIMEOUT_S if stopping else 0.0)
-        if stopped:  # tearing NCCL down beside a peer that was killed mid-collective can block
+            stopped = self.workers.join(SHUTDOWN_TIMEOUT_S if stopped else 0.0) and stopped
+        self.leave(clean=stopped)
+
+    def leave(self, clean: bool) -> None:
+        """Leave the process groups. NCCL's orderly teardown waits on peers that may be gone,
+        so on CUDA, and after a failure, the groups are aborted, which never waits."""
+        if self.left:
+            return
+        self.left = True
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        if (clean and self.device.type != "cuda") or abort is None:
             dist.destroy_process_group()
+        else:
+            abort()
 
     # -- worker ranks ------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -297,18 +367,25 @@ class WorkerProcesses:
                                   "its log says why. Restart the engine (close this LLM and create a new one)")
 
     def join(self, timeout: float) -> bool:
-        """Wait up to `timeout` seconds for each to stop, then terminate it; False where one
-        had to be terminated."""
-        stopped = True
+        """Wait up to `timeout` seconds in all for them to stop, then terminate (and if need
+        be kill) the rest; False where one had to be."""
+        deadline = time.monotonic() + timeout
         for p in self.processes:
-            p.join(timeout)
-            if p.exitcode is None:
-                if timeout:
-                    log.warning("tensor-parallel worker %s did not stop; terminating it", p.name)
-                p.terminate()
-                p.join(SHUTDOWN_TIMEOUT_S)
-                stopped = False
-        return stopped
+            p.join(max(0.0, deadline - time.monotonic()))
+        left = [p for p in self.processes if p.exitcode is None]
+        for p in left:
+            if timeout:
+                log.warning("tensor-parallel worker %s did not stop; terminating it", p.name)
+            p.terminate()
+        for p in left:
+            p.join(2.0)
+            if p.exitcode is None:  # stopped, or stuck where a termination signal waits
+                p.kill()
+                p.join(2.0)
+        return not left
+
+    def kill(self) -> None:
+        self.join(0.0)
 
 
 def start_tensor_parallel(model_config: ModelConfig, config: EngineConfig, model_dir: Path | None) -> TensorParallel:
@@ -320,9 +397,11 @@ def start_tensor_parallel(model_config: ModelConfig, config: EngineConfig, model
         raise EngineError("this process already belongs to a tensor-parallel group (another engine with "
                           "tensor_parallel > 1 is open); close that LLM first")
     rendezvous = Rendezvous.from_torchrun()
-    workers = None
+    workers = store = None
     if rendezvous is None:
         rendezvous = Rendezvous.on_this_host(config.tensor_parallel)
+        store = rendezvous.open_store()
+        rendezvous = replace(rendezvous, port=store.port)
         workers = WorkerProcesses.spawn(rendezvous, model_config, config, model_dir)
     elif rendezvous.world_size != config.tensor_parallel or rendezvous.rank != 0:
         raise EngineError(
@@ -330,11 +409,10 @@ def start_tensor_parallel(model_config: ModelConfig, config: EngineConfig, model
             f"{config.tensor_parallel}: launch tensor_parallel processes, and call "
             "structgen.engine.parallel.run_worker on every rank but 0")
     try:
-        return TensorParallel(rendezvous, rank_device(config, rendezvous.local_rank), workers)
-    except Exception:
+        return TensorParallel(rendezvous, rank_device(config, rendezvous.local_rank), workers, store)
+    except BaseException:
         if workers is not None:
-            for p in workers.processes:
-                p.terminate()
+            workers.kill()
         raise
 
 
@@ -365,10 +443,8 @@ def run_worker(model: str | Path | None, config: EngineConfig) -> None:
 
 
 def _leave(runner: ModelRunner) -> None:
-    """A worker rank told to stop: finish its device work and leave. Its captured graphs hold
-    the NCCL communicator; the process exits without tearing NCCL down (rank 0 does), which
-    could wait on a peer."""
+    """A worker rank told to stop: finish its device work and leave the groups without
+    waiting on any peer."""
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
-    if dist.get_backend() != "nccl":
-        dist.destroy_process_group()
+    runner.tensor_parallel.leave(clean=True)

@@ -21,7 +21,7 @@ from structgen import LLM
 from structgen.engine.config import EngineConfig
 from structgen.engine.engine import Engine
 from structgen.engine.models.loader import load_model_config
-from structgen.errors import EngineError, InvalidParameterError
+from structgen.errors import EngineError, InvalidParameterError, StructgenError
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Invoice number"]
 
@@ -105,6 +105,32 @@ def test_a_dead_worker_fails_requests_with_an_engine_error_instead_of_hanging(ti
             llm.generate(str, "hello", max_tokens=4, chat=False)
         assert time.monotonic() - t0 < 30
     assert not worker.is_alive()
+
+
+def test_closing_mid_stream_stops_the_worker_within_seconds(tiny_llama_dir, two_ranks):
+    two_ranks.close()  # one split engine per process at a time
+    llm = LLM(tiny_llama_dir, config=_config(2))
+    worker = llm.engine.tensor_parallel.workers.processes[0]
+    stream = llm.stream(str, "Count to a hundred:", max_tokens=200, chat=False)
+    next(stream), next(stream)
+    t0 = time.monotonic()
+    llm.close()
+    assert time.monotonic() - t0 < 10
+    assert worker.exitcode == 0  # it took the stop; nothing had to kill it
+    with pytest.raises(StructgenError):
+        list(stream)  # the stream ends: its request was aborted by the close
+
+
+def test_closing_after_a_worker_died_returns_within_seconds_and_frees_the_group(tiny_llama_dir, two_ranks):
+    two_ranks.close()
+    llm = LLM(tiny_llama_dir, config=_config(2))
+    worker = llm.engine.tensor_parallel.workers.processes[0]
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.join(10)
+    t0 = time.monotonic()
+    llm.close()
+    assert time.monotonic() - t0 < 5
+    assert not torch.distributed.is_initialized()  # a new split engine may start in this process
 
 
 # Both ranks build the decode graphs' step functions (uncaptured, so they run on the CPU under

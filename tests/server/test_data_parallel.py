@@ -6,6 +6,7 @@ second, so three processes fit the test's budget."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -15,10 +16,43 @@ import httpx
 import pytest
 
 from structgen_server.process import ServerProcess
+from structgen_server.replicas import AFFINITY_SLACK_TOKENS, Replica, ReplicaSet, Route
+
+TOOL_CATALOGUE = [{"type": "function", "function": {"name": f"lookup_{i}", "description": "Look a record up " * 8,
+                                                   "parameters": {"type": "object", "properties": {}}}}
+                  for i in range(4)]
 
 
 def _chat(max_tokens: int, **extra: object) -> dict:
     return {"model": "tiny", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": max_tokens, **extra}
+
+
+def _with_system(system: str, question: str, max_tokens: int = 4) -> dict:
+    return {"model": "tiny", "max_tokens": max_tokens,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}
+
+
+SYSTEM_A = "You are the billing assistant of Acme. Answer briefly and politely. " * 8
+SYSTEM_B = "You are a weather bot for sailors; report wind and waves in knots and metres. " * 8
+
+
+def test_requests_sharing_a_tool_catalogue_go_to_the_replica_that_served_it_until_it_is_too_busy():
+    replicas = ReplicaSet([Replica(i, [], {}, up=True) for i in range(2)])
+
+    def route(question: str) -> Route:
+        body = {"model": "m", "tools": TOOL_CATALOGUE, "messages": [{"role": "user", "content": question}]}
+        return Route.of(json.dumps(body).encode(), 64)
+
+    first = replicas.pick(route("Find order 1."))
+    other = replicas.pick(Route.of(json.dumps(_with_system(SYSTEM_B, "Wind?")).encode(), 64))
+    assert other is not first  # a new prefix goes to the least loaded replica
+    assert replicas.pick(route("Find order 2.")) is first  # the catalogue's replica, though busier
+    first.outstanding = other.outstanding + AFFINITY_SLACK_TOKENS + 1
+    assert replicas.pick(route("Find order 3.")) is other  # too busy: balance wins
+    assert replicas.pick(route("Find order 4.")) is other  # and the prefix now lives there
+    first.outstanding = other.outstanding = 0  # every request finished
+    short = [replicas.pick(Route.of(json.dumps(_chat(4)).encode(), 64)) for _ in range(2)]
+    assert short[0] is not short[1]  # prompts shorter than a block are balanced, not pinned
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +76,16 @@ def test_concurrent_requests_are_answered_by_both_replicas(replicated):
     replicas = _health(replicated)["replicas"]
     assert all(r["up"] and r["requests"] > 0 for r in replicas)  # the second went to the idle one
     assert all(r["outstanding_tokens"] == 0 for r in replicas)  # given back as each finished
+
+
+def test_a_shared_system_prompt_keeps_its_requests_on_one_replica(replicated):
+    before = [r["requests"] for r in _health(replicated)["replicas"]]
+    url = f"{replicated.url}/chat/completions"
+    bodies = [_with_system(SYSTEM_A, "Hi."), _with_system(SYSTEM_B, "Wind?"),
+              _with_system(SYSTEM_B, "Waves?"), _with_system(SYSTEM_B, "Tide?")]
+    assert [httpx.post(url, json=b, timeout=120).status_code for b in bodies] == [200] * 4
+    served = [r["requests"] - b for r, b in zip(_health(replicated)["replicas"], before, strict=True)]
+    assert sorted(served) == [1, 3]  # by load alone they would have alternated 2 and 2
 
 
 def test_a_replica_that_dies_mid_stream_fails_its_request_and_is_restarted(replicated):
