@@ -158,6 +158,10 @@ def _gptq_layer(weights: dict[str, Any], layer: str, qc: QuantizationConfig) -> 
 def _fp8_layer(weights: dict[str, Any], layer: str, qc: QuantizationConfig) -> PackedWeight:
     codes = _take(weights, f"{layer}.weight")
     rows, cols = codes.shape
+    if bool(((codes.view(torch.uint8) & 0x7F) == 0x7F).any()):  # e4m3fn's only NaN pattern
+        raise ModelLoadError(f"{layer}.weight holds NaN FP8 codes, which make every output NaN; the checkpoint "
+                             "is corrupt or was cast to e4m3 without clamping to +-448 (re-quantize it, or "
+                             "load the float model with EngineConfig(quantization='fp8'))")
     name = f"{layer}.weight_scale" if f"{layer}.weight_scale" in weights else f"{layer}.weight_scale_inv"
     scale = _take(weights, name).float()
     if scale.numel() == 1:
