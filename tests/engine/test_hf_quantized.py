@@ -140,6 +140,21 @@ def test_float_checkpoint_quantized_at_load_keeps_its_outputs_close(tmp_path: Pa
     assert torch.nn.functional.cosine_similarity(logits[0], logits[1], dim=-1).min() > 0.99
 
 
+def test_default_gguf_model_quantized_at_load_takes_the_method(model_dir: Path) -> None:
+    """The default model's Q4_1 blocks are de-quantized, then quantized to FP8: the projections
+    are FP8 `PackedLinear`s (not left in their GGUF blocks), and greedy decoding still runs."""
+    from structgen.engine.models.loader import load_model_config
+
+    eng = Engine(load_model_config(model_dir), EngineConfig(device="cpu", max_batch_size=1, max_seq_len=64,
+                                                            quantization="fp8"), model_dir)
+    layer = eng.runner.model.layers[0]
+    assert isinstance(layer.mlp.down_proj, PackedLinear) and layer.mlp.down_proj.weight_packed.code == "fp8"
+    assert layer.self_attn.qkv_proj.weight_packed.code == "fp8"
+    req = Request([1, 9690, 198, 2683, 314], SamplingParams(max_tokens=3))
+    eng.run([req])
+    assert len(req.output_ids) == 3
+
+
 def test_random_weights_quantized_at_load_leave_no_float_projection() -> None:
     """Random weights with `quantization` (the benchmarks' big shapes) are drawn and quantized
     one projection at a time; the rest of the model is materialized afterwards."""
