@@ -75,7 +75,10 @@ GEMV_BLOCKS = {"int4": Block(1, 16, 256, 4, 2, "magic"), "int8": Block(1, 16, 25
 
 def gemv_block(weight: PackedWeight, rows: int) -> Block:
     """The GEMV's default launch for `weight` (its form where the group layout allows it)."""
-    block = GEMV_BLOCKS[weight.code]._replace(m=triton.next_power_of_2(rows))
+    m = triton.next_power_of_2(rows)
+    block = GEMV_BLOCKS[weight.code]
+    # the grouped forms keep a float32 sum per row and weight: fewer columns per chunk as rows grow
+    block = block._replace(m=m, j=block.j if block.form == "reduce" else max(64, block.j // m))
     return block if block.form == "reduce" or grouped_fits(weight, block.j) else block._replace(form="reduce")
 
 
@@ -202,14 +205,12 @@ def _group_weights(v, S, OFF, srow, col, gmask, GROUP_K: tl.constexpr, HAS_OFFSE
 def _grouped_gemv_kernel(X, C, S, OFF, B, Y, M, N, HALF, CHUNKS, stride_xm, stride_cn, stride_sn, stride_ys,
                          stride_ym, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, CODE: tl.constexpr,
                          HAS_OFFSET: tl.constexpr, ROW_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         MAGIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_J: tl.constexpr, RUN: tl.constexpr):
+                         MAGIC: tl.constexpr, MAGIC_INT4: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr, RUN: tl.constexpr, RUNS: tl.constexpr):
     """The GEMV of 1-4 rows: each chunk of BLOCK_J column pairs is read as runs of RUN columns
     that share a scale, its products added to a [rows, BLOCK_N, runs, RUN] float32 sum that
     is reduced once at the end. Program (i, s) sums chunks [s * CHUNKS, (s + 1) * CHUNKS) into
     Y's slice s (split-K; one slice: the output itself)."""
-    RUNS: tl.constexpr = BLOCK_J // RUN
-    magic_int4: tl.constexpr = MAGIC and CODE == 0
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
     m = tl.arange(0, BLOCK_M)
@@ -225,12 +226,12 @@ def _grouped_gemv_kernel(X, C, S, OFF, B, Y, M, N, HALF, CHUNKS, stride_xm, stri
         jmask = j < HALF
         lo, hi = _code_values(C, n, nmask, j, jmask, HALF, stride_cn, CODE, MAGIC)
         if ROW_SCALE:
-            if magic_int4:
+            if MAGIC_INT4:
                 lo, hi = lo * 16.0 - 16.0, hi * 16.0 - 16.0
         else:
             gmask = nmask[:, None] & (j0 + runs < HALF)[None, :]
-            lo = _group_weights(lo, S, OFF, srow, j0 + runs, gmask, GROUP_K, HAS_OFFSET, magic_int4)
-            hi = _group_weights(hi, S, OFF, srow, j0 + HALF + runs, gmask, GROUP_K, HAS_OFFSET, magic_int4)
+            lo = _group_weights(lo, S, OFF, srow, j0 + runs, gmask, GROUP_K, HAS_OFFSET, MAGIC_INT4)
+            hi = _group_weights(hi, S, OFF, srow, j0 + HALF + runs, gmask, GROUP_K, HAS_OFFSET, MAGIC_INT4)
         xmask = mmask[:, None, None] & jmask[None, :, :]
         x_lo = tl.load(x_row + j[None, :, :], mask=xmask, other=0.0).to(tl.float32)
         x_hi = tl.load(x_row + HALF + j[None, :, :], mask=xmask, other=0.0).to(tl.float32)
@@ -316,8 +317,8 @@ def _grouped_gemv(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | No
         bias if bias is not None and splits == 1 else scales, target, rows, n, half, chunks, x.stride(0),
         weight.codes.stride(0), scales.stride(0), target.stride(0) if splits > 1 else 0,
         target.stride(-2), **_layout(weight), HAS_BIAS=bias is not None and splits == 1,
-        MAGIC=block.form == "magic", BLOCK_M=triton.next_power_of_2(rows), BLOCK_N=block.n, BLOCK_J=block_j, RUN=run,
-        num_warps=block.warps, num_stages=block.stages)
+        MAGIC=block.form == "magic", MAGIC_INT4=block.form == "magic" and weight.code == "int4",
+        BLOCK_M=triton.next_power_of_2(rows), BLOCK_N=block.n, BLOCK_J=block_j, RUN=run, RUNS=block_j // run, num_warps=block.warps, num_stages=block.stages)
     if splits > 1:
         _sum_splits_kernel[(triton.cdiv(n, 1024), rows)](
             target, bias if bias is not None else scales, y, n, splits, target.stride(0), target.stride(1), y.stride(0),
