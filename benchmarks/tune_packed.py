@@ -6,7 +6,7 @@ every matrix cold), beside cuBLAS on the bf16 weight and the floor (packed bytes
 measured copy bandwidth). The summary names, per code and row count, the one block with the
 least total time over the 8B shapes: the candidate for `packed_gemm.GEMV_BLOCKS` / `dot_block`.
 
-    python -m benchmarks.tune_packed [--models llama-8b,llama-70b] [--rows 1,64] [--codes int4,fp8]
+    python -m benchmarks.tune_packed [--models llama-8b,llama-70b] [--rows 1,64] [--codes int4,fp8] [--budget-s 120]
 
 Writes benchmarks/results/tune_packed-<device>-<date>.json (and a copy under $OUT if set).
 """
@@ -17,6 +17,7 @@ import argparse
 import itertools
 import os
 import shutil
+import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -126,7 +127,10 @@ def main() -> None:
     ap.add_argument("--models", default="llama-8b,llama-70b")
     ap.add_argument("--rows", default="1,64")
     ap.add_argument("--codes", default="int4,fp8")
+    ap.add_argument("--budget-s", type=float, default=float("inf"),
+                    help="start no new matrix after this many seconds (the results so far are written)")
     args = ap.parse_args()
+    start = time.perf_counter()
     assert torch.cuda.is_available(), "tune_packed times CUDA kernels"
     bandwidth = measure_copy_bandwidth_gbps("cuda")
     print(f"copy bandwidth {bandwidth:.0f} GB/s", flush=True)
@@ -134,7 +138,7 @@ def main() -> None:
     results: list[dict[str, Any]] = []
     for model in args.models.split(","):
         for name, (n, k) in matrices(model).items():
-            if name != "head":
+            if name != "head" and time.perf_counter() - start < args.budget_s:
                 results += tune_matrix(model, name, n, k, codes, rows, bandwidth)
     totals = [s for model in args.models.split(",") for s in summary(results, model)]
     print_table(totals)
