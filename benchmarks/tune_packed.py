@@ -112,6 +112,8 @@ def summary(rows: list[dict[str, Any]], model: str) -> list[dict[str, Any]]:
             per_block[r["block"]].append(r)
         n_mats = len({r["matrix"] for r in rs})
         full = {b: v for b, v in per_block.items() if len(v) == n_mats}
+        if not full:
+            continue
         best = min(full, key=lambda b: sum(r["us"] for r in full[b]))
         for b in dict.fromkeys(["default", best]):
             v = full.get(b, [])
