@@ -77,8 +77,8 @@ def gemv_block(weight: PackedWeight, rows: int) -> Block:
     """The GEMV's default launch for `weight` (its form where the group layout allows it)."""
     m = triton.next_power_of_2(rows)
     block = GEMV_BLOCKS[weight.code]
-    # the grouped forms keep a float32 sum per row and weight: fewer columns per chunk as rows grow
-    block = block._replace(m=m, j=block.j if block.form == "reduce" else max(64, block.j // m))
+    # every form holds a float32 product per row and weight: fewer columns per chunk as rows grow
+    block = block._replace(m=m, j=max(64, block.j // m))
     return block if block.form == "reduce" or grouped_fits(weight, block.j) else block._replace(form="reduce")
 
 
