@@ -69,7 +69,8 @@ def quantized_checkpoint(method: str, seed: int = 0) -> tuple[dict[str, torch.Te
             stored[p + norm + ".weight"] = floats[p + norm + ".weight"] = torch.ones(h)
         for name, (rows, cols) in PROJECTIONS.items():
             if method == "fp8":
-                codes = (torch.randn(rows, cols, generator=g) * 100).to(torch.float8_e4m3fn)
+                # clamped first: before 2.12 torch casts a value past 464 to NaN, not 448
+                codes = (torch.randn(rows, cols, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
                 scale = torch.rand(rows, 1, generator=g) * 1e-3
                 stored |= {p + name + ".weight": codes, p + name + ".weight_scale": scale}
                 floats[p + name + ".weight"] = codes.float() * scale
@@ -139,6 +140,21 @@ def test_float_checkpoint_quantized_at_load_keeps_its_outputs_close(tmp_path: Pa
     assert torch.nn.functional.cosine_similarity(logits[0], logits[1], dim=-1).min() > 0.99
 
 
+def test_default_gguf_model_quantized_at_load_takes_the_method(model_dir: Path) -> None:
+    """The default model's Q4_1 blocks are de-quantized, then quantized to FP8: the projections
+    are FP8 `PackedLinear`s (not left in their GGUF blocks), and greedy decoding still runs."""
+    from structgen.engine.models.loader import load_model_config
+
+    eng = Engine(load_model_config(model_dir), EngineConfig(device="cpu", max_batch_size=1, max_seq_len=64,
+                                                            quantization="fp8"), model_dir)
+    layer = eng.runner.model.layers[0]
+    assert isinstance(layer.mlp.down_proj, PackedLinear) and layer.mlp.down_proj.weight_packed.code == "fp8"
+    assert layer.self_attn.qkv_proj.weight_packed.code == "fp8"
+    req = Request([1, 9690, 198, 2683, 314], SamplingParams(max_tokens=3))
+    eng.run([req])
+    assert len(req.output_ids) == 3
+
+
 def test_random_weights_quantized_at_load_leave_no_float_projection() -> None:
     """Random weights with `quantization` (the benchmarks' big shapes) are drawn and quantized
     one projection at a time; the rest of the model is materialized afterwards."""
@@ -155,6 +171,17 @@ def test_random_weights_quantized_at_load_leave_no_float_projection() -> None:
     req = Request(PROMPTS[0], SamplingParams(max_tokens=4))
     eng.run([req])
     assert len(req.output_ids) == 4
+
+
+def test_fp8_checkpoint_with_a_nan_code_is_refused(tmp_path: Path) -> None:
+    """One NaN code (e4m3fn has no infinity: an unclamped cast of a value past 464 gives NaN,
+    in torch before 2.12 too) would make every logit NaN; the loader names the layer."""
+    stored, _ = quantized_checkpoint("fp8")
+    codes = stored["model.layers.0.mlp.gate_proj.weight"].view(torch.uint8).clone()
+    codes[3, 5] = 0xFF
+    stored["model.layers.0.mlp.gate_proj.weight"] = codes.view(torch.float8_e4m3fn)
+    with pytest.raises(ModelLoadError, match="layers.0.mlp.gate_proj.weight holds NaN FP8 codes"):
+        greedy(write_dir(tmp_path, stored, QUANT_CONFIGS["fp8"]))
 
 
 def test_unknown_load_quantization_is_refused() -> None:

@@ -66,6 +66,36 @@ def test_packed_matmul_equals_dequantize_then_matmul(code: str, rows: int, dtype
 
 @pytest.mark.gpu
 @needs_kernels
+@pytest.mark.parametrize("code", ["int4", "int8", "fp8"])
+@pytest.mark.parametrize("form,splits", [("reduce", 1), ("cvt", 1), ("magic", 1), ("magic", 3)])
+def test_every_gemv_form_equals_dequantize_then_matmul(code: str, form: str, splits: int) -> None:
+    """The forms benchmarks/tune_packed.py chooses between, split-K included (3 splits of the
+    96 column pairs in chunks of 32: the last program's chunk is masked)."""
+    from structgen.engine.kernels import packed_gemm
+
+    w = weight(code, seed=5).to(DEVICE)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, COLS, generator=g).to(DEVICE)
+    b = torch.randn(ROWS, generator=g).to(DEVICE)
+    out = packed_gemm.matmul(x, w, b, block=packed_gemm.Block(4, 8, 32, 4, 1, form, splits))
+    assert rel_err(out, x @ w.dequantize().T + b) < 1e-5
+
+
+@pytest.mark.gpu
+@needs_kernels
+def test_grouped_gemv_refuses_groups_that_straddle_its_runs() -> None:
+    from structgen.engine.kernels import packed_gemm
+    from structgen.errors import InvalidParameterError
+
+    w = weight("fp8-block").to(DEVICE)  # groups of 64 columns; each half of a row holds 96
+    assert not packed_gemm.grouped_fits(w, 64) and packed_gemm.grouped_fits(w, 32)
+    assert packed_gemm.gemv_block(w, 1).form == "reduce"
+    with pytest.raises(InvalidParameterError, match="groups of 64 columns"):
+        packed_gemm.matmul(torch.randn(1, COLS).to(DEVICE), w, block=packed_gemm.Block(1, 8, 64, 4, 1, "magic"))
+
+
+@pytest.mark.gpu
+@needs_kernels
 def test_packed_matmul_writes_into_a_column_slice() -> None:
     from structgen.engine.kernels import packed_gemm
 

@@ -3,9 +3,12 @@ de-quantized in registers (Triton), so a decode step reads the packed bytes only
 
 Every program loops over the column pairs `(j, j + cols / 2)`: an int4 byte holds both, the
 byte formats read them from the two halves of a row, and x's two halves are read alike, so
-every load is contiguous whatever the code. Two forms:
+every load is contiguous whatever the code. Two kinds of kernel:
 
-- the GEMV (1-4 rows): products in float32 summed per chunk, W read once for every row;
+- the GEMV (1-4 rows, W read once for every row), in the forms of `GEMV_FORMS`: the grouped
+  ones load one scale (and offset) per run of columns that share it and reduce their float32
+  products once after the loop, optionally split along the columns (split-K) where a
+  projection has too few output blocks to keep every multiprocessor reading;
 - the tiled GEMM (more rows): each W tile de-quantized to x's dtype and fed to `tl.dot`,
   rows in blocks of 16 to 64.
 
@@ -23,6 +26,8 @@ from typing import NamedTuple, Protocol
 import torch
 import triton
 import triton.language as tl
+
+from structgen.errors import InvalidParameterError
 
 GEMV_ROWS = 4  # the GEMV keeps a [rows, BLOCK_N, BLOCK_J] product in registers: few rows only
 SCALED_MM_ROWS = 128  # from here FP8 per-channel products run on the FP8 tensor cores
@@ -47,24 +52,54 @@ class PackedWeight(Protocol):
 
 
 class Block(NamedTuple):
-    """A launch shape: rows, output features and column pairs per program; warps; stages."""
+    """A launch shape: rows, output features and column pairs per program; warps; stages;
+    for the GEMV also its form (`GEMV_FORMS`) and the programs that split each row's columns."""
 
     m: int
     n: int
     j: int
     warps: int
     stages: int
+    form: str = "magic"
+    splits: int = 1
 
 
-GEMV = Block(4, 4, 256, 4, 3)  # rows are set per call
+# "reduce": products summed across the chunk every iteration, scales gathered per weight (any
+# group layout); "cvt" / "magic": a [rows, n, j] float32 product reduced once after the loop,
+# scales loaded once per group; "magic" turns int4 nibbles into floats by bit operations
+# (the int-to-float conversion unit is slower than the memory for int4)
+GEMV_FORMS = ("reduce", "cvt", "magic")
+GEMV_BLOCKS = {"int4": Block(1, 16, 256, 4, 2, "magic"), "int8": Block(1, 16, 256, 4, 2, "magic"),
+               "fp8": Block(1, 16, 512, 4, 3, "reduce")}  # rows are set per call
 
 
-def dot_block(rows: int) -> Block:
+def gemv_block(weight: PackedWeight, rows: int) -> Block:
+    """The GEMV's default launch for `weight` (its form where the group layout allows it)."""
+    m = triton.next_power_of_2(rows)
+    block = GEMV_BLOCKS[weight.code]
+    # every form holds a float32 product per row and weight: fewer columns per chunk as rows grow
+    block = block._replace(m=m, j=max(64, block.j // m))
+    return block if block.form == "reduce" or grouped_fits(weight, block.j) else block._replace(form="reduce")
+
+
+def dot_block(rows: int, dtype: torch.dtype = torch.bfloat16) -> Block:
     """The GEMM's tile for `rows` rows: 16 rows (tl.dot's smallest) up to 64 per program;
     narrower in N while the rows fit one tile, so a decode step still has programs enough to
-    keep every multiprocessor reading W."""
+    keep every multiprocessor reading W. float32 tiles (tests, CPU-sized models) are not
+    pipelined: three stages of them overflow shared memory."""
     m = 16 if rows <= 16 else 32 if rows <= 32 else 64
-    return Block(m, 32 if rows <= 64 else 64, 64, 4, 3)
+    return Block(m, 32 if rows <= 64 else 64, 64, 4, 1 if dtype == torch.float32 else 3)
+
+
+def grouped_fits(weight: PackedWeight, block_j: int) -> bool:
+    """Whether the grouped GEMV forms can read `weight` in chunks of `block_j` column pairs:
+    every run of min(group, chunk) columns, in either half of a row, lies in one group."""
+    half = weight.cols // 2
+    if weight.group_cols >= weight.cols:
+        return True
+    g = weight.group_cols
+    run = min(g, triton.next_power_of_2(block_j))
+    return g & (g - 1) == 0 and half % run == 0
 
 
 @triton.jit
@@ -128,10 +163,107 @@ def _packed_kernel(X, C, S, OFF, B, Y, M, N, HALF, stride_xm, stride_cn, stride_
     tl.store(Y + m[:, None] * stride_ym + n[None, :], acc.to(Y.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
 
 
+@triton.jit
+def _code_values(C, n, nmask, j, jmask, HALF, stride_cn, CODE: tl.constexpr, MAGIC: tl.constexpr):
+    """Columns j and j + HALF of rows n ([BLOCK_N, runs, run] each) as float32 values v with
+    code = 16 v - 16 for MAGIC int4 (`1 + q / 16` built from the bits), else code = v."""
+    mask = nmask[:, None, None] & jmask[None, :, :]
+    row = C + n[:, None, None].to(tl.int64) * stride_cn + j[None, :, :]
+    if CODE == 0:
+        b = tl.load(row, mask=mask, other=0).to(tl.int32)
+        if MAGIC:  # the nibble as the top mantissa bits of 1.0
+            lo = (((b & 0xF) << 19) | 0x3F800000).to(tl.float32, bitcast=True)
+            hi = (((b & 0xF0) << 15) | 0x3F800000).to(tl.float32, bitcast=True)
+        else:
+            lo = (b & 0xF).to(tl.float32)
+            hi = (b >> 4).to(tl.float32)
+    else:
+        lo = tl.load(row, mask=mask, other=0.0).to(tl.float32)
+        hi = tl.load(row + HALF, mask=mask, other=0.0).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def _group_weights(v, S, OFF, srow, col, gmask, GROUP_K: tl.constexpr, HAS_OFFSET: tl.constexpr,
+                   MAGIC_INT4: tl.constexpr):
+    """`v` ([BLOCK_N, runs, run]) as weights: one scale (and offset) per run of columns from
+    `col` ([runs]), folded with the code's own affine map into one multiply-add per weight."""
+    idx = srow + (col // GROUP_K)[None, :]
+    s = tl.load(S + idx, mask=gmask, other=0.0).to(tl.float32)
+    if MAGIC_INT4:  # code = 16 v - 16
+        a = s * 16.0
+        b = s * -16.0
+    else:
+        a = s
+        b = tl.zeros_like(s)
+    if HAS_OFFSET:
+        b += tl.load(OFF + idx, mask=gmask, other=0.0).to(tl.float32)
+    return v * a[:, :, None] + b[:, :, None]
+
+
+@triton.jit
+def _grouped_gemv_kernel(X, C, S, OFF, B, Y, M, N, HALF, CHUNKS, stride_xm, stride_cn, stride_sn, stride_ys,
+                         stride_ym, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, CODE: tl.constexpr,
+                         HAS_OFFSET: tl.constexpr, ROW_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         MAGIC: tl.constexpr, MAGIC_INT4: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr, RUN: tl.constexpr, RUNS: tl.constexpr):
+    """The GEMV of 1-4 rows: each chunk of BLOCK_J column pairs is read as runs of RUN columns
+    that share a scale, its products added to a [rows, BLOCK_N, runs, RUN] float32 sum that
+    is reduced once at the end. Program (i, s) sums chunks [s * CHUNKS, (s + 1) * CHUNKS) into
+    Y's slice s (split-K; one slice: the output itself)."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < N
+    m = tl.arange(0, BLOCK_M)
+    mmask = m < M
+    runs = tl.arange(0, RUNS) * RUN
+    jj = runs[:, None] + tl.arange(0, RUN)[None, :]
+    x_row = X + m[:, None, None].to(tl.int64) * stride_xm
+    srow = (n // GROUP_N)[:, None] * stride_sn
+    acc = tl.zeros([BLOCK_M, BLOCK_N, RUNS, RUN], tl.float32)
+    first = tl.program_id(1) * CHUNKS * BLOCK_J
+    for j0 in range(first, tl.minimum(first + CHUNKS * BLOCK_J, HALF), BLOCK_J):
+        j = j0 + jj
+        jmask = j < HALF
+        lo, hi = _code_values(C, n, nmask, j, jmask, HALF, stride_cn, CODE, MAGIC)
+        if ROW_SCALE:
+            if MAGIC_INT4:
+                lo, hi = lo * 16.0 - 16.0, hi * 16.0 - 16.0
+        else:
+            gmask = nmask[:, None] & (j0 + runs < HALF)[None, :]
+            lo = _group_weights(lo, S, OFF, srow, j0 + runs, gmask, GROUP_K, HAS_OFFSET, MAGIC_INT4)
+            hi = _group_weights(hi, S, OFF, srow, j0 + HALF + runs, gmask, GROUP_K, HAS_OFFSET, MAGIC_INT4)
+        xmask = mmask[:, None, None] & jmask[None, :, :]
+        x_lo = tl.load(x_row + j[None, :, :], mask=xmask, other=0.0).to(tl.float32)
+        x_hi = tl.load(x_row + HALF + j[None, :, :], mask=xmask, other=0.0).to(tl.float32)
+        acc += x_lo[:, None, :, :] * lo[None, :, :, :] + x_hi[:, None, :, :] * hi[None, :, :, :]
+    out = tl.sum(tl.sum(acc, axis=3), axis=2)
+    if ROW_SCALE:
+        out *= tl.load(S + n * stride_sn, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    if HAS_BIAS:
+        out += tl.load(B + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    y = Y + tl.program_id(1) * stride_ys + m[:, None] * stride_ym + n[None, :]
+    tl.store(y, out.to(Y.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _sum_splits_kernel(P, B, Y, N, SPLITS, stride_ps, stride_pm, stride_ym, HAS_BIAS: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """Y's row `program_id(1)`: the split-K partial sums (float32 `[splits, rows, N]`) added up."""
+    n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = n < N
+    m = tl.program_id(1)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in range(SPLITS):
+        acc += tl.load(P + s * stride_ps + m * stride_pm + n, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(B + n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + m * stride_ym + n, acc.to(Y.dtype.element_ty), mask=mask)
+
+
 def matmul(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None, *,
            block: Block | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """`x [M, cols] @ W.T (+ bias)` in x's dtype; `block` forces a launch shape (tests),
-    `out` may be a column slice of a wider output."""
+    """`x [M, cols] @ W.T (+ bias)` in x's dtype; `block` forces a launch shape (tests,
+    benchmarks/tune_packed.py), `out` may be a column slice of a wider output."""
     rows = x.shape[0]
     if block is None and x.is_cuda and rows >= SCALED_MM_ROWS and rows % 16 == 0 and scaled_mm_fits(weight):
         return scaled_mm(x, weight, bias, out)
@@ -140,22 +272,57 @@ def matmul(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = No
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device) if out is None else out
     if rows == 0:
         return y
-    block = block or (GEMV._replace(m=triton.next_power_of_2(rows)) if rows <= GEMV_ROWS else dot_block(rows))
+    if block is None:
+        block = gemv_block(weight, rows) if rows <= GEMV_ROWS else dot_block(rows, x.dtype)
+    if block.m <= GEMV_ROWS and block.form != "reduce":
+        _grouped_gemv(x, weight, bias, y, block)
+        return y
     half = weight.cols // 2
     args = (x, weight.codes, weight.scales, weight.offsets if weight.offsets is not None else weight.scales,
             bias if bias is not None else weight.scales, y, rows, n, half, x.stride(0), weight.codes.stride(0),
             weight.scales.stride(0), y.stride(0))
-    row_scale = weight.offsets is None and weight.group_rows == 1 and weight.group_cols >= weight.cols
     # group sizes are constants so the scale index is a shift, not a division per weight; float32
     # products stay float32 (tl.dot would round them to TF32 on the GPU)
-    consts = {"GROUP_N": weight.group_rows, "GROUP_K": weight.group_cols, "CODE": _CODE_IDS[weight.code],
-              "PRECISION": "ieee" if x.dtype == torch.float32 else "tf32", "HAS_OFFSET": weight.offsets is not None, "ROW_SCALE": row_scale,
-              "HAS_BIAS": bias is not None,
-              "BLOCK_N": block.n, "BLOCK_J": min(block.j, triton.next_power_of_2(half)),
+    consts = {**_layout(weight), "PRECISION": "ieee" if x.dtype == torch.float32 else "tf32",
+              "HAS_BIAS": bias is not None, "BLOCK_N": block.n, "BLOCK_J": min(block.j, triton.next_power_of_2(half)),
               "num_warps": block.warps, "num_stages": block.stages}
     grid = (triton.cdiv(n, block.n), triton.cdiv(rows, block.m))
     _packed_kernel[grid](*args, DOT=block.m > GEMV_ROWS, BLOCK_M=block.m, **consts)
     return y
+
+
+def _layout(weight: PackedWeight) -> dict[str, object]:
+    """The kernels' constants that describe `weight`'s codes and groups."""
+    row_scale = weight.offsets is None and weight.group_rows == 1 and weight.group_cols >= weight.cols
+    return {"GROUP_N": weight.group_rows, "GROUP_K": weight.group_cols, "CODE": _CODE_IDS[weight.code],
+            "HAS_OFFSET": weight.offsets is not None, "ROW_SCALE": row_scale}
+
+
+def _grouped_gemv(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None, y: torch.Tensor,
+                  block: Block) -> None:
+    """The "cvt" / "magic" GEMV forms into `y`; with `block.splits` > 1 through float32 partial
+    sums and a second launch that adds them (no atomics: the same sum every run)."""
+    rows, n, half = x.shape[0], weight.shape[0], weight.cols // 2
+    block_j = min(block.j, triton.next_power_of_2(half))
+    if not grouped_fits(weight, block_j):
+        raise InvalidParameterError(f"the {block.form!r} GEMV cannot read groups of {weight.group_cols} columns in chunks of "
+                         f"{block_j}; use Block(form='reduce') for this weight")
+    run = block_j if weight.group_cols >= weight.cols else min(weight.group_cols, block_j)
+    chunks = triton.cdiv(triton.cdiv(half, block_j), block.splits)
+    splits = triton.cdiv(triton.cdiv(half, block_j), chunks)
+    target = y if splits == 1 else torch.empty(splits, rows, n, dtype=torch.float32, device=x.device)
+    scales = weight.scales
+    _grouped_gemv_kernel[(triton.cdiv(n, block.n), splits)](
+        x, weight.codes, scales, weight.offsets if weight.offsets is not None else scales,
+        bias if bias is not None and splits == 1 else scales, target, rows, n, half, chunks, x.stride(0),
+        weight.codes.stride(0), scales.stride(0), target.stride(0) if splits > 1 else 0,
+        target.stride(-2), **_layout(weight), HAS_BIAS=bias is not None and splits == 1,
+        MAGIC=block.form == "magic", MAGIC_INT4=block.form == "magic" and weight.code == "int4",
+        BLOCK_M=triton.next_power_of_2(rows), BLOCK_N=block.n, BLOCK_J=block_j, RUN=run, RUNS=block_j // run, num_warps=block.warps, num_stages=block.stages)
+    if splits > 1:
+        _sum_splits_kernel[(triton.cdiv(n, 1024), rows)](
+            target, bias if bias is not None else scales, y, n, splits, target.stride(0), target.stride(1), y.stride(0),
+            HAS_BIAS=bias is not None, BLOCK=1024)
 
 
 def scaled_mm_fits(weight: PackedWeight) -> bool:

@@ -158,6 +158,10 @@ def _gptq_layer(weights: dict[str, Any], layer: str, qc: QuantizationConfig) -> 
 def _fp8_layer(weights: dict[str, Any], layer: str, qc: QuantizationConfig) -> PackedWeight:
     codes = _take(weights, f"{layer}.weight")
     rows, cols = codes.shape
+    if bool(((codes.view(torch.uint8) & 0x7F) == 0x7F).any()):  # e4m3fn's only NaN pattern
+        raise ModelLoadError(f"{layer}.weight holds NaN FP8 codes, which make every output NaN; the checkpoint "
+                             "is corrupt or was cast to e4m3 without clamping to +-448 (re-quantize it, or "
+                             "load the float model with EngineConfig(quantization='fp8'))")
     name = f"{layer}.weight_scale" if f"{layer}.weight_scale" in weights else f"{layer}.weight_scale_inv"
     scale = _take(weights, name).float()
     if scale.numel() == 1:
@@ -174,11 +178,18 @@ def _fp8_layer(weights: dict[str, Any], layer: str, qc: QuantizationConfig) -> P
 
 
 def quantize_linear_weights(weights: dict[str, Any], method: str) -> dict[str, Any]:
-    """A float checkpoint's decoder projections (`*_proj.weight` of the layers) quantized to
-    `method` ("fp8": per-channel scales; "int4": groups of 128 columns); the embedding and the
-    LM head stay in their float dtype."""
+    """A checkpoint's decoder projections (`*_proj.weight` of the layers) quantized to
+    `method` ("fp8": per-channel scales; "int4": groups of 128 columns); weights stored
+    quantized otherwise (a GGUF's blocks, an AWQ layer) are de-quantized first, so the method
+    always applies. The embedding and the LM head stay as they are."""
+    from structgen.engine.models.quantized import QuantizedWeight
+
     quantize = QUANTIZERS[method]
     for name, t in list(weights.items()):
-        if ".layers." in name and name.endswith("_proj.weight") and isinstance(t, torch.Tensor) and t.dim() == 2:
+        if ".layers." not in name or not name.endswith("_proj.weight"):
+            continue
+        if isinstance(t, QuantizedWeight | PackedWeight):
+            t = t.dequantize()
+        if isinstance(t, torch.Tensor) and t.dim() == 2:
             weights[name] = quantize(t)
     return weights

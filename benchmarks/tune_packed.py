@@ -1,0 +1,155 @@
+"""The packed products' launch shapes on the GPU (kernels/packed_gemm.py), per projection of
+the Llama-8B and Llama-70B shapes: each code (int4 in groups of 128 with offsets, FP8 per
+channel) at 1 row (a decode step's GEMV) and 64 rows (a batch's GEMM), every candidate block
+(form, tile, warps, stages, split-K) timed with L2 flushed before each call (a forward reads
+every matrix cold), beside cuBLAS on the bf16 weight and the floor (packed bytes over the
+measured copy bandwidth). The summary names, per code and row count, the one block with the
+least total time over the 8B shapes: the candidate for `packed_gemm.GEMV_BLOCKS` / `dot_block`.
+
+    python -m benchmarks.tune_packed [--models llama-8b,llama-70b] [--rows 1,64] [--codes int4,fp8] [--budget-s 120]
+
+Writes benchmarks/results/tune_packed-<device>-<date>.json (and a copy under $OUT if set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import shutil
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.bench_gemv import matrices
+from benchmarks.common import measure_copy_bandwidth_gbps, print_table, write_results
+from structgen.engine.kernels import gemv as G
+from structgen.engine.kernels import packed_gemm as P
+from structgen.engine.models.packed import QUANTIZERS, PackedWeight
+
+# (n, j, warps) of the grouped forms; each also split along the columns 2 and 4 ways
+GROUPED_TILES = ((8, 256, 4), (8, 512, 4), (16, 256, 4), (16, 512, 4), (32, 128, 4), (32, 256, 4),
+                 (16, 256, 8), (32, 512, 8))
+REDUCE_TILES = ((8, 512, 4), (16, 512, 4), (4, 256, 4))
+DOT_TILES = ((32, 64), (64, 64), (32, 128), (64, 32))
+SCALED_MM = "scaled_mm"  # FP8 per channel on the FP8 tensor cores (x rounded to FP8 per row)
+
+
+def candidates(code: str, rows: int) -> list[P.Block | str | None]:
+    """None (the default) and the blocks tried for `rows` rows of a `code` weight."""
+    if rows <= P.GEMV_ROWS:
+        m = 1 if rows == 1 else 4
+        grouped = [P.Block(m, n, j, w, 2, form, s) for (n, j, w), s, form in
+                   itertools.product(GROUPED_TILES, (1, 2, 4), ("magic",))]
+        extra = [P.Block(m, 16, 256, 4, 2, "cvt")] if code == "int4" else []
+        return [None, *grouped, *extra, *(P.Block(m, n, j, w, 3, "reduce") for n, j, w in REDUCE_TILES)]
+    m = P.dot_block(rows).m
+    dots = [P.Block(m, n, j, 4, s) for (n, j), s in itertools.product(DOT_TILES, (3, 4))]
+    return [None, *dots, *([SCALED_MM] if code == "fp8" and rows % 16 == 0 else [])]
+
+
+def run_block(weight: PackedWeight, x: torch.Tensor, block: P.Block | str | None) -> torch.Tensor:
+    if block == SCALED_MM:
+        return P.scaled_mm(x, weight)
+    return P.matmul(x, weight, block=block)
+
+
+def label(block: P.Block | str | None) -> str:
+    if block is None or isinstance(block, str):
+        return block or "default"
+    return f"{block.form} n{block.n} j{block.j} w{block.warps} s{block.stages} k{block.splits}"
+
+
+def tune_matrix(model: str, name: str, n: int, k: int, codes: list[str], rows: list[int],
+                bandwidth: float) -> list[dict[str, Any]]:
+    """Every candidate of every code and row count on one projection, the bf16 product beside."""
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    out = [r for code in codes for m in rows for r in tune_case(f"{model}-shape", name, w, QUANTIZERS[code](w), m, bandwidth)]
+    torch.cuda.empty_cache()
+    return out
+
+
+def tune_case(model: str, name: str, w: torch.Tensor, weight: PackedWeight, m: int,
+              bandwidth: float) -> list[dict[str, Any]]:
+    """One code at one row count: each candidate's time, x floor and error (right ones only)."""
+    device = w.device
+    x = torch.randn(m, w.shape[1], device=device, dtype=torch.bfloat16)
+    ref = x.float() @ weight.dequantize().T
+    bf16_us = G.time_all(lambda _: F.linear(x, w), [None], device)[None] * 1e3
+    errors = {}
+    for b in candidates(weight.code, m):
+        try:
+            errors[b] = float((run_block(weight, x, b).float() - ref).norm() / ref.norm())
+        except Exception as e:  # a block the compiler or the layout refuses is skipped, not fatal
+            print(f"  {weight.code} {name} m={m} {label(b)}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+    del ref
+    times = G.time_all(lambda b: run_block(weight, x, b), [b for b, e in errors.items() if e < 2e-2], device)
+    floor_us = weight.nbytes / bandwidth / 1e3
+    best = min(times, key=times.__getitem__)
+    print(f"{model} {name} {weight.code} m={m}: default {times.get(None, float('nan')) * 1e3:.1f} us, best "
+          f"{label(best)} {times[best] * 1e3:.1f} us = {times[best] * 1e3 / floor_us:.2f}x floor "
+          f"{floor_us:.1f} us, bf16 {bf16_us:.1f} us", flush=True)
+    return [{"model": model, "matrix": name, "code": weight.code, "rows": m, "block": label(b), "us": t * 1e3,
+             "x_floor": t * 1e3 / floor_us, "floor_us": floor_us, "bf16_us": bf16_us, "err": errors[b]}
+            for b, t in times.items()]
+
+
+def summary(rows: list[dict[str, Any]], model: str) -> list[dict[str, Any]]:
+    """Per code and row count: the default's and the best common block's times over `model`'s
+    matrices (the block with the least total time among those that ran on every matrix)."""
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        if r["model"] == f"{model}-shape":
+            groups[(r["code"], r["rows"])].append(r)
+    out = []
+    for (code, m), rs in groups.items():
+        per_block: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        for r in rs:
+            per_block[r["block"]].append(r)
+        n_mats = len({r["matrix"] for r in rs})
+        full = {b: v for b, v in per_block.items() if len(v) == n_mats}
+        if not full:
+            continue
+        best = min(full, key=lambda b: sum(r["us"] for r in full[b]))
+        for b in dict.fromkeys(["default", best]):
+            v = full.get(b, [])
+            out.append({"model": f"{model}-shape", "code": code, "rows": m, "block": b,
+                        "us": sum(r["us"] for r in v), "floor_us": sum(r["floor_us"] for r in v),
+                        "x_floor": sum(r["us"] for r in v) / max(sum(r["floor_us"] for r in v), 1e-9),
+                        "bf16_us": sum(r["bf16_us"] for r in v)})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="llama-8b,llama-70b")
+    ap.add_argument("--rows", default="1,64")
+    ap.add_argument("--codes", default="int4,fp8")
+    ap.add_argument("--budget-s", type=float, default=float("inf"),
+                    help="start no new matrix after this many seconds (the results so far are written)")
+    args = ap.parse_args()
+    start = time.perf_counter()
+    assert torch.cuda.is_available(), "tune_packed times CUDA kernels"
+    bandwidth = measure_copy_bandwidth_gbps("cuda")
+    print(f"copy bandwidth {bandwidth:.0f} GB/s", flush=True)
+    rows, codes = [int(r) for r in args.rows.split(",")], args.codes.split(",")
+    results: list[dict[str, Any]] = []
+    for model in args.models.split(","):
+        for name, (n, k) in matrices(model).items():
+            if name != "head" and time.perf_counter() - start < args.budget_s:
+                results += tune_matrix(model, name, n, k, codes, rows, bandwidth)
+    totals = [s for model in args.models.split(",") for s in summary(results, model)]
+    print_table(totals)
+    path = write_results("tune_packed", [{"system": "structgen", "metric": "us", "value": r["us"], **r}
+                                         for r in results], extra={"bandwidth_gbs": bandwidth, "summary": totals})
+    print("wrote", path)
+    if os.environ.get("OUT"):
+        shutil.copy(path, Path(os.environ["OUT"]) / path.name)
+
+
+if __name__ == "__main__":
+    main()
