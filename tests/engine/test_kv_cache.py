@@ -87,6 +87,28 @@ def test_cover_reports_an_exhausted_pool_and_keeps_what_it_took():
     assert pages.cover(b, 2 * PAGE)
 
 
+def test_sync_copies_exactly_the_rows_changed_since_the_last_sync():
+    pages = table(num_pages=20, slots=6)
+    pages.table = torch.full_like(pages.host, -1)  # a separate device copy, as on CUDA
+    pages.sync()  # nothing changed yet: nothing is copied
+    assert (pages.table == -1).all()
+    slots = [pages.allocate_slot() for _ in range(6)]
+    for slot in (slots[1], slots[2], slots[4]):
+        pages.cover(slot, 2 * PAGE)
+    assert pages.changed_runs() == [(1, 3), (4, 5)]
+    version = pages.version
+    pages.sync()
+    copied = [row for row in range(7) if not (pages.table[row] == -1).all()]
+    assert copied == [1, 2, 4]
+    assert torch.equal(pages.table[copied], pages.host[copied])
+    assert pages.changed_runs() == [] and pages.version == version  # a sync changes no page
+    pages.table[1].fill_(-1)
+    pages.shrink(slots[2], PAGE)  # a rollback changes its row only
+    pages.sync()
+    assert (pages.table[1] == -1).all() and torch.equal(pages.table[2], pages.host[2])
+    assert pages.version > version
+
+
 # ------------------------------------------------------------------------------ prefix cache
 
 
