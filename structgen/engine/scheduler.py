@@ -32,6 +32,8 @@ from structgen.engine.request import Request, RequestStatus
 
 # Pages of a prompt another request is computing that are worth waiting for.
 MIN_SHARED_PAGES = 2
+# The part of a step's token budget kept for prompts while decode rows alone would fill it.
+PROMPT_SHARE = 0.5
 
 
 class Scheduler:
@@ -47,6 +49,9 @@ class Scheduler:
         # The waiting requests again, by group, each oldest first: admission looks at the
         # groups' heads only, not at every waiting request.
         self._waiting_by_group: dict[Hashable, deque[Request]] = {}
+        # Where decode rows did not all fit last step (prompts took their share), the first
+        # that did not: it goes first this step.
+        self._next_turn = 0
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -65,11 +70,23 @@ class Scheduler:
         batch: list[tuple[Request, int]] = []
         decoding = [r for r in self.running if r.num_cached >= r.num_prompt]
         prefilling = [r for r in self.running if r.num_cached < r.num_prompt]
-        for req in decoding:  # short, latency-critical work first
+        # Decode rows first (short, latency-critical), but where prompts wait they leave them a
+        # share of the budget, taking turns for the rest, so a burst's prompts are not starved
+        # by the requests already decoding.
+        decode_budget = budget - int(budget * PROMPT_SHARE) if prefilling else None
+        start = self._next_turn % len(decoding) if decoding and prefilling else 0
+        ran = 0
+        for req in decoding[start:] + decoding[:start]:
             n = req.num_pending
+            if decode_budget is not None and ran and n > decode_budget:
+                break  # the rest take their turn first next step
+            ran += 1
             if n > 0:
                 batch.append((req, n))
                 budget -= n
+                if decode_budget is not None:
+                    decode_budget -= n
+        self._next_turn = start + ran if ran < len(decoding) else 0
         for req in prefilling:
             if budget <= 0 and batch:
                 break
