@@ -9,9 +9,10 @@ write there (a padding row, a forward launched ahead and discarded) is harmless.
 
 Pages are reference-counted: a prompt page in the prefix cache (prefix_cache.py) may be held by
 several requests at once, read-only; a page goes back to the free list (or, when cached, to
-the cache's LRU) when nobody holds it. Only full pages of a prompt are cached, and only once
-their K/V are computed; a request writes only at positions past its cached ones, so a shared
-page is never written.
+the cache's LRU) when nobody holds it. Only full pages are cached, and only once their K/V are
+computed: a running request's prompt pages, and as it leaves its slot (finished or preempted)
+its output's too, so a chat's next turn finds its history; a request writes only at positions
+past its cached ones, so a shared page is never written.
 
 The host copy (`host`) is the truth; `table` is the device copy, brought up to date by `sync`
 before a forward reads it (on the CPU they are one tensor). On CUDA the host copy is pinned, so

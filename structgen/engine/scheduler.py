@@ -132,7 +132,7 @@ class Scheduler:
         slot = pages.allocate_slot()
         if slot is None:
             return False
-        cached = pages.match_prefix(slot, req.token_ids, req.num_prompt)
+        cached = pages.match_prefix(slot, req.token_ids, len(req.token_ids))  # (a preempted one's output too)
         if self._prefix_in_flight(req, cached):
             pages.release_slot(slot)  # (the cached pages it took go back with the slot)
             return False
@@ -169,13 +169,20 @@ class Scheduler:
     def preempt(self, req: Request) -> None:
         """Free a running request's pages and queue it first, to be recomputed from its tokens."""
         self.running.remove(req)
-        self.pages.publish(req.slot, req.token_ids, req.num_cached, req.num_prompt)
+        self._publish_all(req)
         self.pages.release_slot(req.slot)
         req.slot, req.num_cached, req.guess = None, 0, None
         req.status = RequestStatus.WAITING
         req.stats.preemptions += 1
         self.waiting.appendleft(req)
         self._waiting_by_group.setdefault(req.group, deque()).appendleft(req)
+
+    def _publish_all(self, req: Request) -> None:
+        """Put the full pages of every token of `req` whose K/V are computed, output included,
+        into the prefix cache as it leaves its slot: a preempted request finds them when it
+        comes back, and a chat's next turn (this turn's prompt, its answer, a new message)
+        finds its history."""
+        self.pages.publish(req.slot, req.token_ids, req.num_cached, req.num_cached)
 
     def _next_waiting(self) -> Request:
         """The oldest waiting request of the group with the fewest running (preempted
@@ -211,6 +218,6 @@ class Scheduler:
             self._remove_waiting(request)
         if request.slot is not None:
             if request.finish_reason != "error":
-                self.pages.publish(request.slot, request.token_ids, request.num_cached, request.num_prompt)
+                self._publish_all(request)
             self.pages.release_slot(request.slot)
             request.slot = None

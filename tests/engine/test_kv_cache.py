@@ -14,6 +14,7 @@ import torch
 
 from structgen.engine.config import EngineConfig
 from structgen.engine.engine import Engine
+from structgen.engine.kv_cache import PAGE_SIZE
 from structgen.engine.models.loader import load_model_config
 from structgen.engine.page_table import SCRATCH_PAGE, PageTable
 from structgen.engine.prefix_cache import page_keys
@@ -283,3 +284,21 @@ def test_on_cuda_graphs_prefix_caching_and_preemption_keep_greedy_outputs(model_
     squeezed = run_greedy(tight, prompts, 32)
     assert sum(r.stats.preemptions for r in squeezed) > 0
     assert [r.output_ids for r in squeezed] == want
+
+
+def test_a_chats_next_turn_finds_the_last_turns_answer_in_the_cache(model_dir, tokenizer):
+    """A finished request's full pages, its output's included, are cached: the next turn
+    (the history, the answer, a new message) prefills from past the answer's full pages."""
+    eng = engine(model_dir)
+    first = chat(tokenizer, SYSTEM, QUESTIONS[0])
+    answer = run_greedy(eng, [first], 40)[0]
+    assert answer.num_output >= 2 * PAGE_SIZE  # (the answer spans pages of its own)
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[0]},
+                {"role": "assistant", "content": tokenizer.decode(answer.output_ids)},
+                {"role": "user", "content": QUESTIONS[1]}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    second = tokenizer.encode(text, add_special_tokens=False)
+    assert second[: len(answer.token_ids)] == answer.token_ids  # the history is the same tokens
+    turn = run_greedy(eng, [second], 2)[0]
+    assert turn.stats.cached_prompt_tokens == (len(answer.token_ids) - 1) // PAGE_SIZE * PAGE_SIZE
+    assert turn.stats.cached_prompt_tokens > len(first)
