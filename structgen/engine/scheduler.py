@@ -144,7 +144,7 @@ class Scheduler:
         pages.cover(slot, end)
         req.slot, req.num_cached = slot, cached
         if not req.stats.preemptions:
-            req.stats.cached_prompt_tokens = cached
+            req.stats.cached_prompt_tokens = min(cached, req.num_prompt)  # (forced tokens may follow the prompt)
         return True
 
     def _prefix_in_flight(self, req: Request, cached: int) -> bool:
