@@ -130,3 +130,25 @@ def test_a_burst_of_distinct_schemas_beyond_the_compile_queue_all_complete(model
     finally:
         llm.close()
     assert [c.value for c in done] == [f"value {i}" for i in range(burst)]
+
+
+def test_closing_the_llm_ends_a_stream_in_progress(model_dir):
+    llm = structgen.LLM(model_dir, config=EngineConfig(max_batch_size=2))
+
+    async def main() -> str:
+        started = asyncio.Event()
+
+        async def consume() -> str:
+            try:
+                async for _ in llm.astream(str, "Write a long story.", max_tokens=400):
+                    started.set()
+            except structgen.StructgenError as exc:
+                return type(exc).__name__
+            return "finished"
+
+        task = asyncio.create_task(consume())
+        await asyncio.wait_for(started.wait(), 60)
+        await asyncio.to_thread(llm.close)  # its last update is delivered although no step follows
+        return await asyncio.wait_for(task, 30)
+
+    assert asyncio.run(main()) == "RequestCancelledError"

@@ -114,6 +114,7 @@ class EngineLoop:
                 closing = self._closing
             if closing:
                 self._abort_all(incoming)
+                self._run_after_step()  # the aborted streams' last updates
                 return
             for req in incoming:
                 try:
