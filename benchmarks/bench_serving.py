@@ -55,6 +55,22 @@ class Outcome:
     valid: bool = False
     incomplete: bool = False  # stopped at max_tokens before the output was complete
     error: str = ""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the prefix cache held
+
+
+@dataclass
+class Results:
+    """The rows so far, written out after each (a run cut short by a time limit keeps them)."""
+
+    settings: dict[str, str]
+    write: bool = True
+    rows: list[dict[str, Any]] = field(default_factory=list)
+
+    def add(self, row: dict[str, Any]) -> None:
+        self.rows.append(row)
+        if self.write:
+            write_results("serving", self.rows, extra={"settings": self.settings})
 
 
 @dataclass
@@ -123,17 +139,19 @@ def inprocess_runner(llm: Any, max_tokens: int) -> Callable[[ServingRequest], Aw
         try:
             c = await llm.acomplete(JsonSchema(req.schema), req.messages, max_tokens=max_tokens, temperature=0.0)
         except IncompleteOutputError as exc:
-            latency = time.perf_counter() - t0
-            return Outcome(latency, latency - exc.stats.decode_s, exc.stats.output_tokens, incomplete=True)
-        latency = time.perf_counter() - t0
-        return Outcome(latency, latency - c.stats.decode_s, c.stats.output_tokens, _valid(c.text, req.schema))
+            latency, st = time.perf_counter() - t0, exc.stats
+            return Outcome(latency, latency - st.decode_s, st.output_tokens, incomplete=True,
+                           prompt_tokens=st.prompt_tokens, cached_tokens=st.cached_prompt_tokens)
+        latency, st = time.perf_counter() - t0, c.stats
+        return Outcome(latency, latency - st.decode_s, st.output_tokens, _valid(c.text, req.schema),
+                       prompt_tokens=st.prompt_tokens, cached_tokens=st.cached_prompt_tokens)
 
     return run
 
 
 def http_runner(client: Any, model: str, max_tokens: int) -> Callable[[ServingRequest], Awaitable[Outcome]]:
     async def run(req: ServingRequest) -> Outcome:
-        t0, ttft, parts, tokens, finish = time.perf_counter(), 0.0, [], 0, None
+        t0, ttft, parts, tokens, finish, usage = time.perf_counter(), 0.0, [], 0, None, None
         stream = await client.chat.completions.create(
             model=model, messages=req.messages, max_tokens=max_tokens, temperature=0.0, stream=True,
             stream_options={"include_usage": True},
@@ -145,9 +163,12 @@ def http_runner(client: Any, model: str, max_tokens: int) -> Callable[[ServingRe
             if chunk.choices and chunk.choices[0].finish_reason:
                 finish = chunk.choices[0].finish_reason
             if chunk.usage is not None:
-                tokens = chunk.usage.completion_tokens
+                usage, tokens = chunk.usage, chunk.usage.completion_tokens
         text = "".join(parts)
-        return Outcome(time.perf_counter() - t0, ttft, tokens, _valid(text, req.schema), finish == "length")
+        details = getattr(usage, "prompt_tokens_details", None)
+        return Outcome(time.perf_counter() - t0, ttft, tokens, _valid(text, req.schema), finish == "length",
+                       prompt_tokens=usage.prompt_tokens if usage is not None else 0,
+                       cached_tokens=(getattr(details, "cached_tokens", None) or 0) if details is not None else 0)
 
     return run
 
@@ -185,9 +206,12 @@ def summarize(res: RunResult) -> dict[str, Any]:
     ok = [o for o in res.outcomes if not o.error]
     tokens = sum(o.output_tokens for o in ok)
     tpot = [(o.latency_s - o.ttft_s) / (o.output_tokens - 1) for o in ok if o.output_tokens > 1]
+    prompt = sum(o.prompt_tokens for o in ok)
     return {
         "requests": len(res.outcomes), "lost": len(res.outcomes) - len(ok),
-        "valid": sum(o.valid for o in ok), "incomplete": sum(o.incomplete for o in ok), "output_tokens": tokens,
+        "valid": sum(o.valid for o in ok), "invalid": sum(not o.valid for o in ok),
+        "incomplete": sum(o.incomplete for o in ok), "output_tokens": tokens,
+        "prefix_hit_rate": round(sum(o.cached_tokens for o in ok) / prompt, 3) if prompt else None,
         "tok_per_s": round(tokens / res.wall_s, 1), "req_per_s": round(len(ok) / res.wall_s, 2),
         "ttft_p50_ms": _pct([o.ttft_s for o in ok], 0.5), "ttft_p99_ms": _pct([o.ttft_s for o in ok], 0.99),
         "tpot_p50_ms": _pct(tpot, 0.5), "tpot_p99_ms": _pct(tpot, 0.99),
@@ -213,7 +237,7 @@ def _parse_args() -> argparse.Namespace:
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--workloads", default="json,agent")
     ap.add_argument("--modes", default="inprocess,http")
-    ap.add_argument("--arrivals", default="closed,20,50,100", help="closed and/or request rates per second")
+    ap.add_argument("--arrivals", default="closed,50,100", help="closed and/or request rates per second")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--max-batch-size", type=int, default=256)
     ap.add_argument("--device", default=None)
@@ -236,7 +260,7 @@ def main() -> None:
     data_dir = args.data_dir or maskbench_dir()
     cfg = EngineConfig(max_batch_size=args.max_batch_size, max_seq_len=4096,
                        **({"device": args.device} if args.device else {}))
-    rows: list[dict[str, Any]] = []
+    results = Results({k: str(v) for k, v in vars(args).items()}, write=not args.no_write)
     with LLM(config=cfg) as llm:
         workloads = {"json": lambda: json_workload(args.requests, data_dir),
                      "agent": lambda: agent_workload(args.requests, data_dir, llm.tokenizer)}
@@ -245,44 +269,40 @@ def main() -> None:
         for name in args.workloads.split(","):
             requests = workloads[name]()
             for mode in args.modes.split(","):
-                rows += run_mode(llm, mode, name, requests, args, bound)
+                run_mode(llm, mode, name, requests, args, bound, results)
             for peer in args.peer:
-                rows += run_peer(peer, name, requests, args, bound)
-    print_table(rows)
-    if not args.no_write:
-        print("wrote", write_results("serving", rows, extra={"settings": {k: str(v) for k, v in vars(args).items()}}))
+                run_peer(peer, name, requests, args, bound, results)
+    print_table(results.rows)
+    if results.write:
+        print("wrote", write_results("serving", results.rows, extra={"settings": results.settings}))
 
 
 def run_mode(llm: Any, mode: str, workload: str, requests: list[ServingRequest], args: argparse.Namespace,
-             bound: float | None) -> list[dict[str, Any]]:
-    rows = []
+             bound: float | None, results: Results) -> None:
     arrivals = [None if a == "closed" else float(a) for a in args.arrivals.split(",")]
     if mode == "inprocess":
         run = inprocess_runner(llm, args.max_tokens)
         for rate in arrivals:
             res = asyncio.run(drive(run, requests, rate, args.timeout))
-            rows.append(_row(workload, mode, rate, res, bound))
-        return rows
+            results.add(_row(workload, mode, rate, res, bound))
+        return
     from structgen_server.process import ServerProcess
 
     server_args = ["--max-batch-size", str(args.max_batch_size), "--max-seq-len", "4096", "--log-level", "warning"]
     with ServerProcess([*server_args, *(["--device", args.device] if args.device else [])]) as server:
         for rate in arrivals:
             res = asyncio.run(_http(server.url, llm.model_name, requests, rate, args))
-            rows.append(_row(workload, mode, rate, res, bound))
-    return rows
+            results.add(_row(workload, mode, rate, res, bound))
 
 
 def run_peer(peer: str, workload: str, requests: list[ServingRequest], args: argparse.Namespace,
-             bound: float | None) -> list[dict[str, Any]]:
+             bound: float | None, results: Results) -> None:
     """The same HTTP requests against a peer's OpenAI-compatible server (NAME=URL)."""
     name, _, url = peer.partition("=")
-    rows = []
     for a in args.arrivals.split(","):
         rate = None if a == "closed" else float(a)
         res = asyncio.run(_http(url, args.peer_model, requests, rate, args))
-        rows.append(_row(workload, "http", rate, res, bound, system=name))
-    return rows
+        results.add(_row(workload, "http", rate, res, bound, system=name))
 
 
 async def _http(url: str, model: str, requests: list[ServingRequest], rate: float | None,

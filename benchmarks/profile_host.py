@@ -14,6 +14,13 @@ passes) shows as the growth from batch 16 to 64: `us_per_request` divides by the
 
     python -m benchmarks.profile_host                       # batches 1, 16, 64; free and JSON
     python -m benchmarks.profile_host --batches 64 --grammar-workers 2
+    python -m benchmarks.profile_host --serving 256 --max-tokens 64   # the whole front, see below
+
+`--serving N` runs the whole in-process path on the same stubbed device: N streams
+(`LLM.astream`) with distinct MaskBench schemas submitted at once, through the asyncio front,
+grammar compiles, the engine loop, scheduling, masks and detokenization; constrained rows take
+a random token their mask allows. It reports the wall time, the engine's median host step and
+the time to the first token (compiles included).
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from __future__ import annotations
 import argparse
 import functools
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -67,10 +74,10 @@ class StubDevice:
             req = by_slot.get(slot) if live else None
             if req is None:
                 continue
-            if req.matcher is None:
+            if req.matcher is None or not m[meta.HAS_MASK, row]:
                 out[row] = self.rng.integers(1000, 40000)
             else:
-                out[row] = self.next_token(req.output_ids)
+                out[row] = self.next_token_at(row, req)
         g.tokens[:bs] = torch.from_numpy(out)
         live = m[meta.LIVE, :bs]
         torch.mul(g.tokens[:bs], live, out=m[meta.IDS, :bs])
@@ -78,6 +85,9 @@ class StubDevice:
         m[: meta.CARRIED, :bs] = m[: meta.CARRIED].index_select(1, m[meta.NEXT, :bs])
         torch.add(m[meta.POSITIONS, :bs], 1, out=m[meta.LENS, :bs])
         self.seconds += time.perf_counter() - t
+
+    def next_token_at(self, row: int, req: Request) -> int:
+        return self.next_token(req.output_ids)
 
     def next_token(self, output: list[int]) -> int:
         key = tuple(output)
@@ -87,6 +97,17 @@ class StubDevice:
             ids = self.tokenizer.encode(rest, add_special_tokens=False) if rest else []
             self._next[key] = ids[0] if ids else self.stop
         return self._next[key]
+
+
+class RandomAllowedDevice(StubDevice):
+    """The stub with, for a constrained row, a random token its host mask allows (any schema)."""
+
+    def next_token_at(self, row: int, req: Request) -> int:
+        words = self.graphs._bitmask_words[row]
+        nonzero = np.flatnonzero(words)
+        word = int(self.rng.choice(nonzero))
+        bits = [b for b in range(32) if int(words[word]) >> b & 1]
+        return word * 32 + int(self.rng.choice(bits))
 
 
 class PhaseTimer:
@@ -156,6 +177,72 @@ def host_us_per_step(engine: Engine, stub: StubDevice, phases: PhaseTimer, promp
     return out
 
 
+def tiny_engine(tokenizer: Any, max_batch_size: int, **config: Any) -> Engine:
+    """The real vocabulary with one tiny layer (its cost is stubbed), decode graphs run eagerly."""
+    cfg = model_config("smollm2-135m")
+    cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size = 1, 64, 128
+    cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim = 2, 1, 32
+    ec = EngineConfig(device="cpu", max_batch_size=max_batch_size, max_seq_len=1024, use_cuda_graphs=False, **config)
+    engine = Engine(cfg, ec, None, stop_token_ids=set(cfg.eos_token_id))
+    engine.runner.capture_decode_graphs(capture=False)
+    engine.runner.graphs.prelaunch = True  # the GPU path: next forward queued behind the sampler
+    return engine
+
+
+def serving_run(tokenizer: Any, n: int, max_tokens: int, grammar_threads: int) -> dict[str, Any]:
+    """`n` streams with distinct schemas at once through `LLM.astream` on the stubbed device."""
+    import asyncio
+
+    from benchmarks.bench_serving import json_workload
+    from benchmarks.common import maskbench_dir
+    from structgen import LLM, IncompleteOutputError, JsonSchema, StructgenError
+
+    engine = tiny_engine(tokenizer, n, tuning=EngineTuning(grammar_threads=grammar_threads))
+    llm = LLM.from_engine(engine, tokenizer, "stub")
+    stub = RandomAllowedDevice(engine, tokenizer, "", min(engine.stop_token_ids))
+    steps: list[float] = []
+    step = engine.step
+
+    def timed_step() -> list[Request]:
+        stub_before, t = stub.seconds, time.perf_counter()
+        try:
+            return step()
+        finally:
+            steps.append(time.perf_counter() - t - (stub.seconds - stub_before))
+
+    engine.step = timed_step
+    requests = json_workload(n, maskbench_dir())
+    ttft: list[float] = []
+    failed: list[str] = []
+
+    async def one(req: Any) -> None:
+        t0, first = time.perf_counter(), None
+        try:
+            async for _ in llm.astream(JsonSchema(req.schema), req.messages, max_tokens=max_tokens):
+                first = first or time.perf_counter() - t0
+        except IncompleteOutputError:  # an output cut at max_tokens raises at its end
+            pass
+        except StructgenError as exc:  # refused (a full compile queue, a compile budget spent)
+            failed.append(type(exc).__name__)
+        ttft.append(first if first is not None else float("nan"))
+
+    async def run_all() -> float:
+        t = time.perf_counter()
+        await asyncio.gather(*(one(r) for r in requests))
+        return time.perf_counter() - t
+
+    try:
+        wall = asyncio.run(run_all())
+    finally:
+        llm.close()
+    busy = [x for x in steps if x > 0]
+    return {"streams": n, "wall_s": round(wall, 2), "steps": len(busy),
+            "host_ms_per_step": round(1e3 * float(np.median(busy)), 2),
+            "engine_busy_s": round(sum(busy), 2), "ttft_p50_s": round(float(np.nanmedian(ttft)), 2),
+            "ttft_max_s": round(float(np.nanmax(ttft)), 2), "no_output": int(np.isnan(ttft).sum()),
+            "failed": dict(Counter(failed))}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", default="1,16,64")
@@ -164,6 +251,8 @@ def main() -> None:
     ap.add_argument("--grammar-threads", type=int, default=0, help="EngineTuning.grammar_threads (0: auto)")
     ap.add_argument("--mask-prefetch", default="off", choices=["auto", "on", "off"], help="EngineTuning.mask_prefetch")
     ap.add_argument("--tokenizer-dir", type=Path, default=None, help="SmolLM2 tokenizer files (default: the model's)")
+    ap.add_argument("--serving", type=int, default=0, metavar="N", help="N streams through the whole front (see above)")
+    ap.add_argument("--max-tokens", type=int, default=64, help="--serving: max_tokens of each stream")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     from structgen.engine.models.loader import load_tokenizer, resolve_model
@@ -171,16 +260,13 @@ def main() -> None:
     from structgen.types import JsonSchema, to_constraint
 
     tokenizer = load_tokenizer(args.tokenizer_dir or resolve_model(progress=False))
-    cfg = model_config("smollm2-135m")  # the real vocabulary; one tiny layer (its cost is stubbed)
-    cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size = 1, 64, 128
-    cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim = 2, 1, 32
+    if args.serving:
+        print(serving_run(tokenizer, args.serving, args.max_tokens, args.grammar_threads))
+        return
     batches = [int(b) for b in args.batches.split(",")]
-    ec = EngineConfig(device="cpu", max_batch_size=max(batches), max_seq_len=1024, jump_forward=False,
-                      use_cuda_graphs=False,
-                      tuning=EngineTuning(grammar_threads=args.grammar_threads, mask_prefetch=args.mask_prefetch))
-    engine = Engine(cfg, ec, None, stop_token_ids=set(cfg.eos_token_id))
-    engine.runner.capture_decode_graphs(capture=False)
-    engine.runner.graphs.prelaunch = True  # the GPU path: next forward queued behind the sampler
+    engine = tiny_engine(tokenizer, max(batches), jump_forward=False,
+                         tuning=EngineTuning(grammar_threads=args.grammar_threads, mask_prefetch=args.mask_prefetch))
+    cfg = engine.model_config
     grammar = GrammarCompiler(tokenizer, cfg.vocab_size, sorted(engine.stop_token_ids)).compile(
         to_constraint(JsonSchema(SCHEMA)))
     text = dump_json(INSTANCE, SCHEMA)

@@ -13,6 +13,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Generator, Iterator, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -26,6 +27,7 @@ from structgen.arguments import (
     check_prompt,
     checked_keywords,
 )
+from structgen.async_bridge import CompileGate, LoopWaker
 from structgen.completion import (  # Completion re-exported for `from structgen.api import`
     Completion,
     ReasoningDelta,
@@ -69,6 +71,12 @@ _POLL_S = 0.1
 # No token is longer than this many characters in any tokenizer we load, so a prompt longer
 # than this many characters per context token cannot fit; refused before tokenizing it.
 _MAX_CHARS_PER_TOKEN = 32
+# Threads compiling grammars: compiles are native code that releases the GIL, so a burst of
+# distinct schemas compiles on several cores, leaving the rest to the engine and the front.
+_COMPILE_WORKERS = max(2, min(8, (os.cpu_count() or 2) // 2))
+# Tokens before the new ones that a stream decodes again with them: a tokenizer's decoding of a
+# token can depend on the token before it (a leading space, a multi-byte character's bytes).
+_DECODE_CONTEXT_TOKENS = 4
 
 
 class LLM:
@@ -143,12 +151,16 @@ class LLM:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = name
-        # Compiles get half the cores (at least 2, at most 8): a burst of requests with different
-        # schemas waits on them for its first tokens; the other half fills masks.
-        workers = max(2, min(8, (os.cpu_count() or 2) // 2))
         self.grammars = GrammarCompiler(tokenizer, engine.vocab_size, sorted(engine.stop_token_ids), backend=backend,
-                                        workers=workers)
+                                        workers=_COMPILE_WORKERS)
+        # Async callers' compiles handed to the pool at once: enough to keep every worker busy;
+        # the rest wait their turn outside, where no compile budget runs.
+        self._compile_gate = CompileGate(2 * _COMPILE_WORKERS)
         self.loop = EngineLoop(engine)
+        # Per running event loop, what hands it the engine's stream updates (weak: a finished
+        # event loop takes its waker with it).
+        self._wakers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopWaker] = weakref.WeakKeyDictionary()
+        self._wakers_lock = threading.Lock()
         self.closed = False
         engine.use_tokenizer(tokenizer)
 
@@ -262,22 +274,28 @@ class LLM:
     async def _acompile(self, output_type: Any, strict: bool, loop_guards: bool = True,
                         ) -> tuple[Constraint, CompiledGrammar | None]:
         """The constraint (built in a worker thread) and its grammar, compiled on the
-        compiler's own bounded pool (grammar/compile_pool.py); a caller that goes away cancels
-        its compile. No grammar for free text."""
+        compiler's own bounded pool (grammar/compile_pool.py), which the compile gate keeps
+        from overflowing in a burst of distinct schemas; a caller that goes away cancels its
+        compile. No grammar for free text."""
         constraint = await asyncio.to_thread(self._constraint, output_type, strict, loop_guards)
         if constraint.kind == "text":
             return constraint, None
-        try:
-            future = await self.grammars.asubmit(constraint)
-        except Exception as e:
-            raise _grammar_error(output_type, e) from e
-        try:
-            return constraint, await asyncio.wrap_future(future)
-        except asyncio.CancelledError:
-            future.cancel()
-            raise
-        except Exception as e:
-            raise _grammar_error(output_type, e) from e
+        async with self._compile_gate:
+            future = self.grammars.submit(constraint)
+            try:
+                return constraint, await asyncio.wrap_future(future)
+            except asyncio.CancelledError:
+                future.cancel()
+                raise
+            except Exception as e:
+                raise _grammar_error(output_type, e) from e
+
+    def _waker(self, aloop: asyncio.AbstractEventLoop) -> LoopWaker:
+        with self._wakers_lock:
+            waker = self._wakers.get(aloop)
+            if waker is None:
+                waker = self._wakers[aloop] = LoopWaker(aloop, self.loop)
+            return waker
 
     def _constraint(self, output_type: Any, strict: bool, loop_guards: bool = True) -> Constraint:
         """`to_constraint` under the compiler's time budget (normalizing a hostile schema is
@@ -616,13 +634,8 @@ class CompletionStream:
         llm = self._llm
         req, constraint = await llm._arequest(*self._args)
         self.request = req
-        aloop = asyncio.get_running_loop()
         updates: asyncio.Queue[Request] = asyncio.Queue()
-
-        def push(r: Request) -> None:
-            aloop.call_soon_threadsafe(updates.put_nowait, r)
-
-        req.on_update = push
+        req.on_update = llm._waker(asyncio.get_running_loop()).pusher(updates)
         llm.loop.submit(req)
         decoder = _OutputDeltas(llm.tokenizer)
         try:
@@ -667,9 +680,28 @@ class _DeltaDecoder:
         self.tokenizer = tokenizer
         self.hold = hold
         self.sent = ""
+        # The tokens decoded last time and their text: the next call decodes only what follows
+        # them (and a few tokens before, for the context a tokenizer's decoding needs).
+        self._decoded_ids: list[int] = []
+        self._decoded_text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        """The text of `ids`, decoding only the tokens after those decoded last time where
+        `ids` still starts with them (a rollback or re-tokenized tail decodes all again)."""
+        n, decode = len(self._decoded_ids), self.tokenizer.decode
+        text: str | None = None
+        if n and len(ids) >= n and ids[:n] == self._decoded_ids:
+            start = max(0, n - _DECODE_CONTEXT_TOKENS)
+            context, tail = decode(ids[start:n], skip_special_tokens=False), decode(ids[start:], skip_special_tokens=False)
+            if tail.startswith(context) and not context.endswith("\ufffd"):
+                text = self._decoded_text + tail[len(context) :]
+        if text is None:
+            text = decode(ids, skip_special_tokens=False)
+        self._decoded_ids, self._decoded_text = list(ids), text
+        return text
 
     def delta(self, ids: list[int], final: bool) -> str:
-        text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        text = self._decode(ids)
         if not final and text.endswith("\ufffd"):
             return ""
         if not final and self.hold:

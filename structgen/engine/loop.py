@@ -36,6 +36,9 @@ class EngineLoop:
         self._aborts: deque[Request] = deque()
         self._thread: threading.Thread | None = None
         self._closing = False
+        # Run once after the step in progress (deduplicated): update callbacks that batch
+        # their hand-over to another thread put it here.
+        self._after_step: dict[Callable[[], None], None] = {}
         engine.interrupted = self._has_news
         _OPEN_LOOPS.add(self)
 
@@ -63,6 +66,22 @@ class EngineLoop:
             self._ensure_thread()
             self._cond.notify()
         return future
+
+    def after_step(self, callback: Callable[[], None]) -> None:
+        """Run `callback` once on the loop thread when the step in progress ends (at once when
+        called from another thread): a stream's updates of a whole step go over together."""
+        if threading.current_thread() is not self._thread:
+            callback()
+            return
+        self._after_step[callback] = None
+
+    def _run_after_step(self) -> None:
+        callbacks, self._after_step = self._after_step, {}
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception:  # a broken callback must not break the loop
+                log.exception("after-step callback failed")
 
     def abort(self, request: Request) -> None:
         """Cancel a queued or running request; its slot is freed on the loop thread."""
@@ -95,6 +114,7 @@ class EngineLoop:
                 closing = self._closing
             if closing:
                 self._abort_all(incoming)
+                self._run_after_step()  # the aborted streams' last updates
                 return
             for req in incoming:
                 try:
@@ -108,6 +128,7 @@ class EngineLoop:
                 self.engine.step()
             except Exception:  # pragma: no cover - step guards its own failures
                 log.exception("engine step failed")
+            self._run_after_step()
 
     def _abort_all(self, incoming: list[Request]) -> None:
         """Finish every request the loop holds as aborted, so that no waiter hangs."""

@@ -9,12 +9,16 @@ write there (a padding row, a forward launched ahead and discarded) is harmless.
 
 Pages are reference-counted: a prompt page in the prefix cache (prefix_cache.py) may be held by
 several requests at once, read-only; a page goes back to the free list (or, when cached, to
-the cache's LRU) when nobody holds it. Only full pages of a prompt are cached, and only once
-their K/V are computed; a request writes only at positions past its cached ones, so a shared
-page is never written.
+the cache's LRU) when nobody holds it. Only full pages are cached, and only once their K/V are
+computed: a running request's prompt pages, and as it leaves its slot (finished or preempted)
+its output's too, so a chat's next turn finds its history; a request writes only at positions
+past its cached ones, so a shared page is never written.
 
 The host copy (`host`) is the truth; `table` is the device copy, brought up to date by `sync`
-before a forward reads it (on the CPU they are one tensor).
+before a forward reads it (on the CPU they are one tensor). On CUDA the host copy is pinned, so
+`sync` copies just the rows that changed without blocking the host (a copy from pageable
+memory goes through a driver staging buffer), and a write to it waits until the last copy has
+read it (by then, nearly always).
 """
 
 from __future__ import annotations
@@ -34,13 +38,17 @@ class PageTable:
         self.page_size, self.num_pages, self.num_slots = page_size, num_pages, num_slots
         self.scratch_slot, self.max_seq_len = num_slots, max_seq_len
         self.max_pages_per_seq = -(-max_seq_len // page_size)
-        self.host = torch.full((num_slots + 1, self.max_pages_per_seq), SCRATCH_PAGE, dtype=torch.long)
+        cuda = device.type == "cuda"
+        self.host = torch.full((num_slots + 1, self.max_pages_per_seq), SCRATCH_PAGE, dtype=torch.long,
+                               pin_memory=cuda)
         self._host_np = self.host.numpy()
         self.table = self.host if device.type == "cpu" else self.host.to(device)
         # Changes of the table: `sync` copies it to the device, and tensor parallelism sends it
         # to the workers, where it moved since they last did.
         self.version = 0
-        self._synced = 0
+        self._changed_rows: set[int] = set()  # rows of `host` written since the last sync
+        self._copied = torch.cuda.Event() if cuda else None  # recorded behind the last copy
+        self._copy_pending = False
         self._free_pages = list(range(num_pages - 1, SCRATCH_PAGE, -1))
         self._refs = [0] * num_pages
         self._pages: list[list[int]] = [[] for _ in range(num_slots + 1)]
@@ -118,8 +126,8 @@ class PageTable:
             self._let_go(page)
         del pages[keep:]
         del self._keyed[slot][keep:]
+        self._changing(slot)
         self._host_np[slot, keep:] = SCRATCH_PAGE
-        self.version += 1
         self._settle(slot)
 
     def writable_from(self, slot: int, start: int) -> int:
@@ -143,9 +151,9 @@ class PageTable:
         if self._refs[page] == 1 and self.cache is not None:
             self.cache.use(page)
         pages = self._pages[slot]
+        self._changing(slot)
         self._host_np[slot, len(pages)] = page
         pages.append(page)
-        self.version += 1
 
     def _let_go(self, page: int) -> None:
         self._refs[page] -= 1
@@ -193,14 +201,38 @@ class PageTable:
         pos = np.arange(start, start + n)
         return self._host_np[slot, pos // self.page_size] * self.page_size + pos % self.page_size
 
-    def host_replaced(self) -> None:
-        """The host copy now holds another rank's table, received in place (a tensor-parallel
-        worker follows rank 0's pages); the device copy follows on the next `sync`."""
+    def host_to_replace(self) -> torch.Tensor:
+        """The host copy, for another rank's table to be written into it in place (a
+        tensor-parallel worker follows rank 0's pages), once the last copy to the device has
+        read it; the device copy follows at the next `sync`."""
+        self._changing(*range(self.num_slots + 1))
+        return self.host
+
+    def _changing(self, *rows: int) -> None:
+        """`rows` of the host copy are about to change: wait until the last copy to the device
+        has read them, and copy them at the next `sync`."""
+        if self._copy_pending:
+            self._copied.synchronize()
+            self._copy_pending = False
+        self._changed_rows.update(rows)
         self.version += 1
 
+    def changed_runs(self) -> list[tuple[int, int]]:
+        """The rows changed since the last sync, as runs [start, stop) of consecutive rows."""
+        runs: list[tuple[int, int]] = []
+        for row in sorted(self._changed_rows):
+            if runs and runs[-1][1] == row:
+                runs[-1] = (runs[-1][0], row + 1)
+            else:
+                runs.append((row, row + 1))
+        return runs
+
     def sync(self) -> None:
-        """Bring the device copy up to date (queued on the current stream; the host copy is
-        pageable memory, so it may change as soon as this returns)."""
-        if self.version != self._synced and self.table is not self.host:
-            self.table.copy_(self.host, non_blocking=True)
-        self._synced = self.version
+        """Bring the device copy up to date: the changed rows, queued on the current stream."""
+        if self._changed_rows and self.table is not self.host:
+            for start, stop in self.changed_runs():
+                self.table[start:stop].copy_(self.host[start:stop], non_blocking=True)
+            if self._copied is not None:
+                self._copied.record()
+                self._copy_pending = True
+        self._changed_rows.clear()

@@ -246,8 +246,7 @@ class TensorParallel:
     def _receive_pages(self) -> None:
         """Rank 0's table, straight into this rank's host copy (the device copy follows on sync)."""
         assert self.pages is not None
-        dist.broadcast(self.pages.host, 0, group=self.commands)
-        self.pages.host_replaced()
+        dist.broadcast(self.pages.host_to_replace(), 0, group=self.commands)
 
     def _announce(self, command: int, a: int, b: int, *payload: torch.Tensor) -> None:
         """Send the workers a command and its payload, as one message no other thread's

@@ -32,6 +32,8 @@ from structgen.engine.request import Request, RequestStatus
 
 # Pages of a prompt another request is computing that are worth waiting for.
 MIN_SHARED_PAGES = 2
+# The part of a step's token budget kept for prompts while decode rows alone would fill it.
+PROMPT_SHARE = 0.5
 
 
 class Scheduler:
@@ -47,6 +49,9 @@ class Scheduler:
         # The waiting requests again, by group, each oldest first: admission looks at the
         # groups' heads only, not at every waiting request.
         self._waiting_by_group: dict[Hashable, deque[Request]] = {}
+        # Where decode rows did not all fit last step (prompts took their share), the first
+        # that did not: it goes first this step.
+        self._next_turn = 0
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -65,11 +70,23 @@ class Scheduler:
         batch: list[tuple[Request, int]] = []
         decoding = [r for r in self.running if r.num_cached >= r.num_prompt]
         prefilling = [r for r in self.running if r.num_cached < r.num_prompt]
-        for req in decoding:  # short, latency-critical work first
+        # Decode rows first (short, latency-critical), but where prompts wait they leave them a
+        # share of the budget, taking turns for the rest, so a burst's prompts are not starved
+        # by the requests already decoding.
+        decode_budget = budget - int(budget * PROMPT_SHARE) if prefilling else None
+        start = self._next_turn % len(decoding) if decoding and prefilling else 0
+        ran = 0
+        for req in decoding[start:] + decoding[:start]:
             n = req.num_pending
+            if decode_budget is not None and ran and n > decode_budget:
+                break  # the rest take their turn first next step
+            ran += 1
             if n > 0:
                 batch.append((req, n))
                 budget -= n
+                if decode_budget is not None:
+                    decode_budget -= n
+        self._next_turn = start + ran if ran < len(decoding) else 0
         for req in prefilling:
             if budget <= 0 and batch:
                 break
@@ -115,7 +132,7 @@ class Scheduler:
         slot = pages.allocate_slot()
         if slot is None:
             return False
-        cached = pages.match_prefix(slot, req.token_ids, req.num_prompt)
+        cached = pages.match_prefix(slot, req.token_ids, len(req.token_ids))  # (a preempted one's output too)
         if self._prefix_in_flight(req, cached):
             pages.release_slot(slot)  # (the cached pages it took go back with the slot)
             return False
@@ -127,7 +144,7 @@ class Scheduler:
         pages.cover(slot, end)
         req.slot, req.num_cached = slot, cached
         if not req.stats.preemptions:
-            req.stats.cached_prompt_tokens = cached
+            req.stats.cached_prompt_tokens = min(cached, req.num_prompt)  # (forced tokens may follow the prompt)
         return True
 
     def _prefix_in_flight(self, req: Request, cached: int) -> bool:
@@ -152,13 +169,20 @@ class Scheduler:
     def preempt(self, req: Request) -> None:
         """Free a running request's pages and queue it first, to be recomputed from its tokens."""
         self.running.remove(req)
-        self.pages.publish(req.slot, req.token_ids, req.num_cached, req.num_prompt)
+        self._publish_all(req)
         self.pages.release_slot(req.slot)
         req.slot, req.num_cached, req.guess = None, 0, None
         req.status = RequestStatus.WAITING
         req.stats.preemptions += 1
         self.waiting.appendleft(req)
         self._waiting_by_group.setdefault(req.group, deque()).appendleft(req)
+
+    def _publish_all(self, req: Request) -> None:
+        """Put the full pages of every token of `req` whose K/V are computed, output included,
+        into the prefix cache as it leaves its slot: a preempted request finds them when it
+        comes back, and a chat's next turn (this turn's prompt, its answer, a new message)
+        finds its history."""
+        self.pages.publish(req.slot, req.token_ids, req.num_cached, req.num_cached)
 
     def _next_waiting(self) -> Request:
         """The oldest waiting request of the group with the fewest running (preempted
@@ -194,6 +218,6 @@ class Scheduler:
             self._remove_waiting(request)
         if request.slot is not None:
             if request.finish_reason != "error":
-                self.pages.publish(request.slot, request.token_ids, request.num_cached, request.num_prompt)
+                self._publish_all(request)
             self.pages.release_slot(request.slot)
             request.slot = None

@@ -1,8 +1,6 @@
 """`GrammarCompiler.submit`: compiles on a small pool of the compiler's own, so slow grammar
 work cannot take the threads other requests need, with a bounded queue, one compile per
-constraint in flight, and cancellation. Async callers that find the queue full wait their
-turn (`wait_for_room`, first come first served) instead of failing: a burst of requests with
-different schemas is normal traffic.
+constraint in flight, and cancellation.
 
 Each `submit` gets its own Future; the Futures of one constraint share one `_CompileJob`. A
 Future is cancelled like any pending one (it never runs itself); when every Future of a job is
@@ -12,9 +10,7 @@ cancelled, the job's `CompileBudget` is, and its Python-side work stops at the n
 
 from __future__ import annotations
 
-import asyncio
 import threading
-from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -61,7 +57,6 @@ class CompilePool:
         self._executor: ThreadPoolExecutor | None = None  # started on first use
         self._jobs: dict[tuple, _CompileJob] = {}
         self._lock = threading.Lock()
-        self._room: deque[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = deque()  # waiting callers
 
     def submit(self, output: Any, backend: str | None, strict: bool = True) -> Future[CompiledGrammar]:
         from structgen.types import Constraint
@@ -113,7 +108,6 @@ class CompilePool:
             for key in [k for k, j in self._jobs.items() if j is job]:
                 del self._jobs[key]
             waiters, job.waiters = job.waiters, []
-            self._wake_one()
         for future in waiters:
             if not future.set_running_or_notify_cancel():
                 continue
@@ -122,36 +116,11 @@ class CompilePool:
             else:
                 future.set_exception(error)
 
-    async def wait_for_room(self) -> None:
-        """Return once the queue has room for one more compile (at once if it has now); a
-        caller that gets `CompilerBusyError` from `submit` awaits this, then submits again."""
-        loop = asyncio.get_running_loop()
-        turn: asyncio.Future[None] = loop.create_future()
-        with self._lock:
-            if len(self._jobs) < self._max_queued:
-                return
-            self._room.append((loop, turn))
-        await turn
-
-    def _wake_one(self) -> None:
-        """A compile left the queue: the longest-waiting caller still waiting may submit (a
-        caller that gave up is skipped). Called with the lock held."""
-        while self._room:
-            loop, turn = self._room.popleft()
-            if not turn.done():
-                loop.call_soon_threadsafe(_resolve, turn)
-                return
-
     def forget(self, job: _CompileJob) -> None:
         """A waiter of `job` cancelled: cancel the job when none is left."""
         with self._lock:
             if job.waiters and all(f.cancelled() for f in job.waiters):
                 job.budget.cancel()
-
-
-def _resolve(turn: asyncio.Future[None]) -> None:
-    if not turn.done():
-        turn.set_result(None)
 
 
 def _hashable(value: Any) -> bool:

@@ -8,7 +8,6 @@ request.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import json
 import logging
@@ -19,12 +18,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-from structgen.errors import (
-    CompilerBusyError,
-    InvalidConstraintError,
-    StructgenError,
-    UnsupportedSchemaError,
-)
+from structgen.errors import InvalidConstraintError, StructgenError, UnsupportedSchemaError
 from structgen.grammar.backends.base import CompiledGrammar, GrammarBackend
 from structgen.grammar.compile_pool import CompilePool
 from structgen.grammar.large_stack import call_on_large_stack
@@ -58,8 +52,7 @@ class GrammarCompiler:
     compile_timeout : seconds one compile may take (its Python-side work stops there, a native
         compile's result is dropped); over it, `ConstraintTooLargeError`.
     workers, max_queued : `submit`'s own pool: compiles run on `workers` threads, and more than
-        `max_queued` different constraints waiting or running fail at once (`CompilerBusyError`);
-        `asubmit` waits its turn instead, up to `compile_timeout`.
+        `max_queued` different constraints waiting or running fail at once (`CompilerBusyError`).
     """
 
     def __init__(
@@ -104,28 +97,6 @@ class GrammarCompiler:
         what `compile` and `to_constraint` raise. Raises `CompilerBusyError` at once when
         `max_queued` compiles are already waiting or running."""
         return self._pool.submit(output, backend, strict)
-
-    async def asubmit(self, output: Constraint | Any, backend: str | None = None, *,
-                      strict: bool = True) -> Future[CompiledGrammar]:
-        """`submit` for async callers: where `max_queued` compiles are already waiting or
-        running, wait for room (first come first served) instead of failing; raises
-        `CompilerBusyError` only if no room came within `compile_timeout` seconds."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.compile_timeout
-        while True:
-            try:
-                return self._pool.submit(output, backend, strict)
-            except CompilerBusyError:
-                left = deadline - loop.time()
-                if left <= 0:
-                    raise
-                try:
-                    await asyncio.wait_for(self._pool.wait_for_room(), left)
-                except TimeoutError:
-                    raise CompilerBusyError(
-                        f"no room to compile within {self.compile_timeout:g} s: the compile queue stayed full "
-                        "(max_queued); retry later, or raise GrammarCompiler(max_queued=..., workers=...)"
-                    ) from None
 
     def compile(self, constraint: Constraint, backend: str | None = None) -> CompiledGrammar:
         """The compiled grammar for `constraint` (from the cache when seen before).

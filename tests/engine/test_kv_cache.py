@@ -14,6 +14,7 @@ import torch
 
 from structgen.engine.config import EngineConfig
 from structgen.engine.engine import Engine
+from structgen.engine.kv_cache import PAGE_SIZE
 from structgen.engine.models.loader import load_model_config
 from structgen.engine.page_table import SCRATCH_PAGE, PageTable
 from structgen.engine.prefix_cache import page_keys
@@ -85,6 +86,28 @@ def test_cover_reports_an_exhausted_pool_and_keeps_what_it_took():
     assert pages.num_mapped(b) == PAGE and pages.free_pages == 0
     pages.release_slot(a)
     assert pages.cover(b, 2 * PAGE)
+
+
+def test_sync_copies_exactly_the_rows_changed_since_the_last_sync():
+    pages = table(num_pages=20, slots=6)
+    pages.table = torch.full_like(pages.host, -1)  # a separate device copy, as on CUDA
+    pages.sync()  # nothing changed yet: nothing is copied
+    assert (pages.table == -1).all()
+    slots = [pages.allocate_slot() for _ in range(6)]
+    for slot in (slots[1], slots[2], slots[4]):
+        pages.cover(slot, 2 * PAGE)
+    assert pages.changed_runs() == [(1, 3), (4, 5)]
+    version = pages.version
+    pages.sync()
+    copied = [row for row in range(7) if not (pages.table[row] == -1).all()]
+    assert copied == [1, 2, 4]
+    assert torch.equal(pages.table[copied], pages.host[copied])
+    assert pages.changed_runs() == [] and pages.version == version  # a sync changes no page
+    pages.table[1].fill_(-1)
+    pages.shrink(slots[2], PAGE)  # a rollback changes its row only
+    pages.sync()
+    assert (pages.table[1] == -1).all() and torch.equal(pages.table[2], pages.host[2])
+    assert pages.version > version
 
 
 # ------------------------------------------------------------------------------ prefix cache
@@ -261,3 +284,21 @@ def test_on_cuda_graphs_prefix_caching_and_preemption_keep_greedy_outputs(model_
     squeezed = run_greedy(tight, prompts, 32)
     assert sum(r.stats.preemptions for r in squeezed) > 0
     assert [r.output_ids for r in squeezed] == want
+
+
+def test_a_chats_next_turn_finds_the_last_turns_answer_in_the_cache(model_dir, tokenizer):
+    """A finished request's full pages, its output's included, are cached: the next turn
+    (the history, the answer, a new message) prefills from past the answer's full pages."""
+    eng = engine(model_dir)
+    first = chat(tokenizer, SYSTEM, QUESTIONS[0])
+    answer = run_greedy(eng, [first], 40)[0]
+    assert answer.num_output >= 2 * PAGE_SIZE  # (the answer spans pages of its own)
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[0]},
+                {"role": "assistant", "content": tokenizer.decode(answer.output_ids)},
+                {"role": "user", "content": QUESTIONS[1]}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    second = tokenizer.encode(text, add_special_tokens=False)
+    assert second[: len(answer.token_ids)] == answer.token_ids  # the history is the same tokens
+    turn = run_greedy(eng, [second], 2)[0]
+    assert turn.stats.cached_prompt_tokens == (len(answer.token_ids) - 1) // PAGE_SIZE * PAGE_SIZE
+    assert turn.stats.cached_prompt_tokens > len(first)

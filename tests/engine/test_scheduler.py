@@ -5,6 +5,7 @@ real tokenizer, a batch of two so admission order decides who waits."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from structgen.engine.config import EngineConfig
 from structgen.engine.engine import Engine
@@ -64,3 +65,33 @@ def test_the_group_comes_from_the_context_when_not_passed() -> None:
     finally:
         request_group.reset(token)
     assert Request([1, 2], SamplingParams()).group is None
+
+
+def test_prompts_keep_a_share_of_the_step_while_decode_rows_take_turns() -> None:
+    from structgen.engine.page_table import PageTable
+    from structgen.engine.scheduler import PROMPT_SHARE, Scheduler
+
+    pages = PageTable(64, 4, 8, 64, torch.device("cpu"))
+    sched = Scheduler(pages, max_batch_size=8, chunk_tokens=8)
+    decoders = [Request([1, 2, 3], SamplingParams(max_tokens=20)) for _ in range(6)]
+    for r in decoders:
+        sched.add(r)
+    while any(r.num_cached < r.num_prompt for r in decoders):  # their prompts
+        for r, n in sched.schedule():
+            r.num_cached += n
+    for r in decoders:
+        r.append([5])  # each sampled its first token: one decode row a step from here
+    prompt = Request(list(range(10, 30)), SamplingParams(max_tokens=4))
+    sched.add(prompt)
+    ran: list[set[int]] = []
+    for _ in range(3):
+        batch = sched.schedule()
+        decode_rows = [r for r, _ in batch if r is not prompt]
+        prompt_tokens = sum(n for r, n in batch if r is prompt)
+        assert len(decode_rows) == 8 - int(8 * PROMPT_SHARE) and prompt_tokens == int(8 * PROMPT_SHARE)
+        ran.append({r.id for r in decode_rows})
+        for r, n in batch:
+            r.num_cached += n
+            if r is not prompt:
+                r.append([5])
+    assert ran[0] | ran[1] == {r.id for r in decoders}  # every decode row ran within two steps

@@ -315,34 +315,6 @@ def test_a_full_queue_fails_fast(compiler_for):
     busy.cancel()
 
 
-def test_async_callers_wait_their_turn_when_the_queue_is_full(compiler_for):
-    """A burst of different constraints from async callers (a server's traffic) is compiled in
-    turn, every one of them, where `submit` would refuse all but `max_queued`; with no room
-    within `compile_timeout` they fail with the queue named."""
-    import asyncio
-
-    from structgen.errors import CompilerBusyError
-
-    compiler = compiler_for(workers=1, max_queued=2)
-
-    async def burst() -> list[bool]:
-        futures = await asyncio.gather(*(compiler.asubmit(Regex(f"x{i}[ab]+")) for i in range(8)))
-        grammars = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
-        return [g.accepts(f"x{i}ab") for i, g in enumerate(grammars)]
-
-    assert asyncio.run(burst()) == [True] * 8
-
-    stuck = compiler_for(workers=1, max_queued=1, compile_timeout=0.5)
-    busy = stuck.submit(JsonSchema(json.dumps(SLOW_ONE_OF)))
-
-    async def late() -> None:
-        await stuck.asubmit(Regex("[xy]+"))
-
-    with pytest.raises(CompilerBusyError, match="max_queued"):
-        asyncio.run(late())
-    busy.cancel()
-
-
 # -- forced text: bounded per step, generation bounded by max_tokens -----------------------
 @pytest.fixture(scope="module")
 def llm() -> LLM:

@@ -1,0 +1,111 @@
+"""What event loops and the threads beside them (the engine loop, the grammar compile pool)
+hand each other, so that hundreds of async callers cost the engine thread little:
+
+- `LoopWaker`: the engine's stream updates reach an event loop with one wake-up of that loop
+  per engine step, not one per stream and step (each wake-up is a write to the loop's socket,
+  on which the engine thread lets the event loop take the GIL);
+- `CompileGate`: async callers hand the compile pool only as many compiles as it can start
+  soon; the rest wait in order on their own event loops, where waiting costs nothing of a
+  compile's time budget, instead of failing on a full compile queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from structgen.engine.loop import EngineLoop
+
+
+class LoopWaker:
+    """Puts request updates from the engine thread on one event loop's queues, all the
+    updates of a step with one wake-up, sent when the step ends."""
+
+    def __init__(self, aloop: asyncio.AbstractEventLoop, engine_loop: EngineLoop):
+        self._aloop, self._engine_loop = aloop, engine_loop
+        self._lock = threading.Lock()
+        self._pending: list[tuple[asyncio.Queue[Any], Any]] = []
+
+    def pusher(self, updates: asyncio.Queue[Any]) -> Callable[[Any], None]:
+        """The `on_update` callback that puts a request's updates on `updates`."""
+        return functools.partial(self._push, updates)
+
+    def _push(self, updates: asyncio.Queue[Any], req: Any) -> None:
+        with self._lock:
+            self._pending.append((updates, req))
+            if len(self._pending) > 1:
+                return  # a wake-up is on its way
+        self._engine_loop.after_step(self._wake)
+
+    def _wake(self) -> None:
+        try:
+            self._aloop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # the event loop is closed: nobody waits for the updates
+            with self._lock:
+                self._pending.clear()
+
+    def _deliver(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for updates, req in pending:
+            updates.put_nowait(req)
+
+
+class CompileGate:
+    """At most `limit` holders at once, across event loops; the others wait first come, first
+    served. `async with gate:` holds a place."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._held = 0
+        self._waiters: deque[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = deque()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    async def __aenter__(self) -> None:
+        aloop = asyncio.get_running_loop()
+        with self._lock:
+            if self._held < self.limit and not self._waiters:
+                self._held += 1
+                return
+            waiter = (aloop, aloop.create_future())
+            self._waiters.append(waiter)
+        try:
+            await waiter[1]
+        except asyncio.CancelledError:
+            with self._lock:
+                queued = waiter in self._waiters
+                if queued:
+                    self._waiters.remove(waiter)
+            if not queued and waiter[1].done() and not waiter[1].cancelled():
+                self._release()  # given a place just as it was cancelled: pass it on
+            raise
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._release()
+
+    def _release(self) -> None:
+        """Hand the place to the first waiter, or give it back."""
+        with self._lock:
+            if not self._waiters:
+                self._held -= 1
+                return
+            aloop, future = self._waiters.popleft()
+        try:
+            aloop.call_soon_threadsafe(self._grant, future)
+        except RuntimeError:  # that waiter's event loop is closed: the next one
+            self._release()
+
+    def _grant(self, future: asyncio.Future[None]) -> None:
+        if future.cancelled():
+            self._release()
+        else:
+            future.set_result(None)

@@ -1,0 +1,154 @@
+"""The hand-overs between event loops and the engine / compile threads (structgen/async_bridge.py)
+and the stream's incremental detokenization, on real objects: a burst of distinct schemas
+queues instead of failing, a stream's updates of one engine step arrive with one wake-up, and
+decoding only the new tokens gives the text a whole decode gives."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+
+import pytest
+
+import structgen
+from structgen.api import _DeltaDecoder
+from structgen.async_bridge import CompileGate, LoopWaker
+from structgen.engine.config import EngineConfig
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+def test_the_compile_gate_holds_its_limit_serves_in_order_and_passes_on_a_cancelled_place():
+    gate = CompileGate(2)
+    held, most, order = 0, 0, []
+
+    async def hold(name: str, release: asyncio.Event) -> None:
+        nonlocal held, most
+        async with gate:
+            held += 1
+            most = max(most, held)
+            order.append(name)
+            await release.wait()
+            held -= 1
+
+    async def main() -> None:
+        events = {n: asyncio.Event() for n in "abcde"}
+        tasks = {n: asyncio.create_task(hold(n, events[n])) for n in "abcde"}
+        await asyncio.sleep(0.01)
+        assert order == ["a", "b"] and gate.waiting == 3
+        tasks["c"].cancel()  # a waiter that leaves takes no place
+        events["a"].set()
+        await asyncio.sleep(0.01)
+        assert order == ["a", "b", "d"]
+        for e in events.values():
+            e.set()
+        await asyncio.gather(*(t for n, t in tasks.items() if n != "c"))
+        assert order == ["a", "b", "d", "e"] and gate.waiting == 0
+
+    asyncio.run(main())
+    assert most == 2
+
+
+class OneStep:
+    """The engine loop's side of `LoopWaker`: `after_step` callbacks run when `end` is called."""
+
+    def __init__(self):
+        self.callbacks: dict = {}
+
+    def after_step(self, callback) -> None:
+        self.callbacks[callback] = None
+
+    def end(self) -> None:
+        callbacks, self.callbacks = self.callbacks, {}
+        for callback in callbacks:
+            callback()
+
+
+def test_a_steps_updates_reach_the_event_loop_in_order_with_one_wake_up():
+    async def main() -> tuple[list, int]:
+        aloop = asyncio.get_running_loop()
+        engine_loop = OneStep()
+        waker = LoopWaker(aloop, engine_loop)
+        queues = [asyncio.Queue() for _ in range(3)]
+        pushers = [waker.pusher(q) for q in queues]
+        wake_ups = 0
+        deliver = waker._deliver
+
+        def counted() -> None:
+            nonlocal wake_ups
+            wake_ups += 1
+            deliver()
+
+        waker._deliver = counted
+
+        def engine_thread() -> None:
+            for step in range(2):
+                for i, push in enumerate(pushers):
+                    push((step, i))
+                engine_loop.end()
+
+        thread = threading.Thread(target=engine_thread)
+        thread.start()
+        got = [[await q.get() for _ in range(2)] for q in queues]
+        thread.join()
+        return got, wake_ups
+
+    got, wake_ups = asyncio.run(main())
+    assert got == [[(0, i), (1, i)] for i in range(3)]
+    assert wake_ups <= 2  # one a step (the second step's may find the first's undelivered)
+
+
+def test_incremental_detokenization_equals_decoding_everything(tokenizer):
+    text = 'Héllo wörld 😀 {"name": "Ada — Lovelace", "rocket": "🚀🚀", "中文": "汉字测试"} ' * 2
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    rng = random.Random(0)
+    for _ in range(10):
+        decoder, streamed, shown = _DeltaDecoder(tokenizer), "", []
+        end = 0
+        while end < len(ids):
+            end += rng.randint(1, 3)
+            shown = ids[:end]
+            if rng.random() < 0.1 and end > 6:  # a re-tokenized tail replaces the last tokens
+                shown = shown[:-3] + [rng.randint(100, 40_000)]
+                end = len(ids)
+            streamed += decoder.delta(shown, final=False)
+        decoder.delta(shown, final=True)
+        assert decoder.sent == tokenizer.decode(shown, skip_special_tokens=False)
+
+
+def test_a_burst_of_distinct_schemas_beyond_the_compile_queue_all_complete(model_dir):
+    llm = structgen.LLM(model_dir, config=EngineConfig(max_batch_size=16))
+    burst = 80  # more distinct schemas at once than the compiler queues (64)
+    schemas = [{"enum": [f"value {i}"]} for i in range(burst)]
+
+    async def main() -> list:
+        return await asyncio.gather(*(llm.acomplete(s, "Pick the value.", max_tokens=8) for s in schemas))
+
+    try:
+        done = asyncio.run(main())
+    finally:
+        llm.close()
+    assert [c.value for c in done] == [f"value {i}" for i in range(burst)]
+
+
+def test_closing_the_llm_ends_a_stream_in_progress(model_dir):
+    llm = structgen.LLM(model_dir, config=EngineConfig(max_batch_size=2))
+
+    async def main() -> str:
+        started = asyncio.Event()
+
+        async def consume() -> str:
+            try:
+                async for _ in llm.astream(str, "Write a long story.", max_tokens=400):
+                    started.set()
+            except structgen.StructgenError as exc:
+                return type(exc).__name__
+            return "finished"
+
+        task = asyncio.create_task(consume())
+        await asyncio.wait_for(started.wait(), 60)
+        await asyncio.to_thread(llm.close)  # its last update is delivered although no step follows
+        return await asyncio.wait_for(task, 30)
+
+    assert asyncio.run(main()) == "RequestCancelledError"
