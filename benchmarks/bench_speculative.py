@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import print_table, write_results
+from benchmarks.common import maskbench_dir, print_table, write_results
 from structgen import LLM, JsonSchema
 from structgen.engine.config import EngineConfig, SpeculativeConfig
 from structgen.engine.request import Request
@@ -54,7 +54,7 @@ from structgen.engine.speculative.speculator import Speculator
 from structgen.errors import StructgenError
 from structgen.sampling import SamplingParams
 
-JME = Path(__file__).resolve().parents[2] / "shared" / "data" / "maskbench" / "JME.jsonl"
+JME = maskbench_dir() / "JME.jsonl"  # $STRUCTGEN_SHARED honoured, as every benchmark does
 
 
 @dataclass
