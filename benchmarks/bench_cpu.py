@@ -107,7 +107,7 @@ def perplexity(llm: Any, ids: list[int]) -> float:
     from structgen.engine.model_runner import ExtendSeq
 
     logits = llm.engine.runner.extend([ExtendSeq(0, 0, ids, num_logits=len(ids))])
-    nll = torch.nn.functional.cross_entropy(logits[:-1].float(), torch.tensor(ids[1:]))
+    nll = torch.nn.functional.cross_entropy(logits[:-1].float(), torch.tensor(ids[1:], device=logits.device))
     return float(torch.exp(nll))
 
 
