@@ -26,7 +26,7 @@ import torch
 
 from structgen.engine.drafts import fill_guess_rows, take_guesses
 from structgen.engine.model_runner import ExtendSeq
-from structgen.errors import EngineError
+from structgen.errors import EngineError, InvalidConstraintError, StructgenError
 
 if TYPE_CHECKING:
     from structgen.engine.engine import Engine
@@ -104,7 +104,7 @@ class EngineDecodeStep(DecodeStep):
         self.bad_guesses: set[int] = set()  # requests whose guess row's mask could not be filled
         self.filled: torch.Tensor | None = None  # the host bitmask the masks went into
         self.tokens: list[int] | None = None  # each request's token, once guesses are in
-        self.failed: dict[int, EngineError] = {}  # by request: its matcher raised on the token
+        self.failed: dict[int, StructgenError] = {}  # by request: its matcher raised on the token
         self.taken: list | None = None  # what each matcher made of its token, once it has it
         self.plain = False  # `Engine._plain_next_step` checked every request: only appending is left
         self.finished: list[Request] | None = None  # once the tokens are taken in
@@ -186,7 +186,7 @@ class EngineDecodeStep(DecodeStep):
                 errors: dict[int, BaseException] = {}
                 toks = take_guesses(self.reqs, toks, {i: tokens[row] for i, row in self.guessed.items()}, skip, errors,
                                    self.engine._advance)
-                self.failed.update({i: exc if isinstance(exc, EngineError) else EngineError(str(exc))
+                self.failed.update({i: exc if isinstance(exc, (EngineError, InvalidConstraintError)) else EngineError(str(exc))
                                     for i, exc in errors.items()})
             self.tokens = toks
         return self.tokens

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from structgen.errors import EngineError
+from structgen.errors import EngineError, InvalidConstraintError, StructgenError
 
 if TYPE_CHECKING:
     import torch
@@ -21,13 +21,13 @@ if TYPE_CHECKING:
     from structgen.engine.request import Request
 
 
-def fill_guess_rows(bitmask: torch.Tensor, rows: list[tuple[int, Request, int]]) -> tuple[set[int], dict[int, EngineError]]:
+def fill_guess_rows(bitmask: torch.Tensor, rows: list[tuple[int, Request, int]]) -> tuple[set[int], dict[int, StructgenError]]:
     """Fill `bitmask[row]` with request i's grammar mask after its guess (the matcher takes
     the guess, then rolls back), for each (i, request, row). Returns the i where that failed
     (their guesses are dropped: the row's token is not used) and, among them, those whose
     matcher could not roll the guess back: that request fails alone, never its batch."""
     bad: set[int] = set()
-    broken: dict[int, EngineError] = {}
+    broken: dict[int, StructgenError] = {}
     for i, req, row in rows:
         m = req.matcher
         try:
@@ -45,7 +45,8 @@ def fill_guess_rows(bitmask: torch.Tensor, rows: list[tuple[int, Request, int]])
             m.rollback(1)
         except Exception as exc:
             bad.add(i)
-            broken[i] = exc if isinstance(exc, EngineError) else EngineError(f"grammar rollback failed: {exc}")
+            broken[i] = exc if isinstance(exc, (EngineError, InvalidConstraintError)) else EngineError(
+                f"grammar rollback failed: {exc}")
     return bad, broken
 
 

@@ -540,7 +540,7 @@ class Engine:
                 try:
                     if i in errors:
                         exc = errors[i]
-                        raise exc if isinstance(exc, EngineError) else EngineError(
+                        raise exc if isinstance(exc, (EngineError, InvalidConstraintError)) else EngineError(
                             f"grammar failed while computing the token mask: {exc}")
                     self._advance(req, tok, status=taken[i], jump_checked=True)
                 except InvalidConstraintError as exc:  # the request's own fault: no traceback in the log

@@ -360,3 +360,29 @@ def test_llguidance_jumps_a_long_const_in_pieces_up_to_max_tokens():
     assert time.perf_counter() - start < 20.0
     text = caught.value.partial_text
     assert len(caught.value.token_ids) == 40 and text.startswith('"xxxx') and set(text[1:]) == {"x"}
+
+
+# A MaskBench schema (Github_easy o21053) whose pattern grows llguidance's lexer past its limit
+# a few tokens into the output.
+WORDS = r"^$|(^(?:\S+\s+){0,99}\S+$)"
+LEXER_HEAVY = {"type": "object", "additionalProperties": False, "required": ["question", "answer"],
+               "properties": {name: {"type": "string", "minLength": 1, "maxLength": 5000, "pattern": WORDS}
+                              for name in ("question", "answer")}}
+
+
+def test_a_pattern_too_complex_for_the_lexer_fails_its_request_naming_the_fix(llm):
+    """The request fails as the constraint's fault (an HTTP 400, not an internal error), with
+    the way out named, and a request beside it in the same batch completes."""
+    import asyncio
+
+    async def both():
+        return await asyncio.gather(
+            llm.agenerate(JsonSchema(LEXER_HEAVY), "Ask and answer a question as JSON.", max_tokens=24),
+            llm.agenerate(JsonSchema({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}),
+                          "Give a number as JSON.", max_tokens=24),
+            return_exceptions=True)
+
+    heavy, plain = asyncio.run(both())
+    assert isinstance(heavy, ConstraintTooLargeError), heavy
+    assert "lexer" in str(heavy) and "backend='xgrammar'" in str(heavy)
+    assert isinstance(plain, dict) and isinstance(plain["n"], int)

@@ -10,7 +10,12 @@ from typing import TYPE_CHECKING, Any
 
 import llguidance
 
-from structgen.errors import EngineError, InvalidConstraintError, UnsupportedSchemaError
+from structgen.errors import (
+    ConstraintTooLargeError,
+    EngineError,
+    InvalidConstraintError,
+    UnsupportedSchemaError,
+)
 from structgen.grammar.backends.base import (
     FORCED_TEXT_MAX_BYTES,
     CompiledGrammar,
@@ -83,6 +88,8 @@ class LLGuidanceMatcher(GrammarMatcher):
             _check_bitmask(bitmask, row)
             words = bitmask.shape[1]
             self.ll_matcher.unsafe_compute_mask_ptr(bitmask[row].data_ptr(), words * 4)
+            if self.ll_matcher.is_error():
+                raise self._failure("computing the token mask")
 
     def rollback(self, num_tokens: int) -> None:
         if num_tokens <= 0:
@@ -92,9 +99,20 @@ class LLGuidanceMatcher(GrammarMatcher):
             self._terminated = False
             num_tokens -= 1
         if num_tokens and not self.ll_matcher.rollback(num_tokens):
-            raise EngineError(
-                f"grammar rollback of {num_tokens} tokens failed: {self.ll_matcher.get_error()}"
+            raise self._failure(f"rolling back {num_tokens} token(s)")
+
+    def _failure(self, action: str) -> EngineError | ConstraintTooLargeError:
+        """The error for a matcher that failed while `action`: the constraint's own fault where
+        llguidance's lexer grew past its limit (a bounded repeat of a group in a regex multiplies
+        its states: seen with `(?:\\S+\\s+){0,99}` in a MaskBench schema), else ours."""
+        error = self.ll_matcher.get_error()
+        if "too many expressions" in error or "LexerTooComplex" in error:
+            return ConstraintTooLargeError(
+                f"the constraint grew too complex for llguidance's lexer while {action} ({error.splitlines()[0]}); "
+                "simplify its regex patterns (bounded repeats of groups, such as (?:\\S+\\s+){0,99}, multiply "
+                "the lexer's states) or compile it with backend='xgrammar'"
             )
+        return EngineError(f"grammar failed while {action}: {error}")
 
     def jump_forward_string(self, max_bytes: int = FORCED_TEXT_MAX_BYTES) -> str:
         if self._terminated:
