@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -423,6 +424,12 @@ def _spawned_worker(rendezvous: Rendezvous, model_config: ModelConfig, config: E
     runner = ModelRunner(model_config, config, model_dir, tensor_parallel=tp)
     tp.serve(runner)
     _leave(runner)
+    # Nothing is left to do: exit without Python's teardown, which frees CUDA graphs, NCCL
+    # communicators and the shard one by one and outlasted rank 0's wait on an H100 host (the
+    # operating system frees them at once).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_worker(model: str | Path | None, config: EngineConfig) -> None:
