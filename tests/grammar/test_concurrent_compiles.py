@@ -33,8 +33,10 @@ def _compile_on_threads(backend, constraints) -> float:
     return (time.process_time() - cpu) / (time.perf_counter() - wall)
 
 
-@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two cores")
 def test_two_different_grammars_compile_on_two_cores_at_once(tokenizer, model_dir):
+    cores = os.cpu_count() or 1
+    if cores < 2 or os.getloadavg()[0] > cores - 0.5:
+        pytest.skip(f"a timing test: needs two idle cores of {cores} (load {os.getloadavg()[0]:.1f})")
     from structgen.engine.models.loader import load_model_config
     from structgen.grammar import GrammarCompiler
 
