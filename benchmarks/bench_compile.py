@@ -9,6 +9,11 @@ host time (the machine's cores, not its GPU). A schema the compiler refuses coun
 
     python -m benchmarks.bench_compile                  # 300 distinct schemas, one burst
     python -m benchmarks.bench_compile --n 1000 --serial   # also one at a time, same schemas
+    python -m benchmarks.bench_compile --n 100 --threads 1,2   # the compiler alone on 1, 2 threads
+
+`--threads` skips the API: `to_constraint`, `bound_integers` and `GrammarCompiler.compile` on
+that many plain threads, xgrammar's own threads at one, so the rows say how compiles of
+different schemas add up across cores.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import logging
 import os
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +86,34 @@ def _row(mode: str, n: int, wall: float, cpu: float, latencies: list[float], err
             "p99_ms": round(1e3 * float(np.percentile(latencies, 99)), 1), "refused": dict(errors)}
 
 
+def on_threads(tokenizer: Any, schemas: list[dict[str, Any]], workers: int) -> dict[str, Any]:
+    """The compiler alone, fresh caches, on `workers` threads."""
+    from structgen import JsonSchema, StructgenError
+    from structgen.grammar import GrammarCompiler
+    from structgen.grammar.digit_bounds import bound_integers
+    from structgen.types import _cached_build, to_constraint
+
+    _cached_build.cache_clear()
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id], threads=1, cache_size=len(schemas))
+    errors: Counter[str] = Counter()
+
+    def one(schema: dict[str, Any]) -> float:
+        t = time.perf_counter()
+        try:
+            compiler.compile(bound_integers(to_constraint(JsonSchema(schema))))
+        except StructgenError as e:
+            errors[type(e).__name__] += 1
+        return time.perf_counter() - t
+
+    for name in ("xgrammar", "llguidance"):
+        compiler.adapter(name)  # vocabulary tables built before the clock starts
+    cpu, t = time.process_time(), time.perf_counter()
+    with ThreadPoolExecutor(workers) as pool:
+        latencies = list(pool.map(one, schemas))
+    wall = time.perf_counter() - t
+    return _row(f"threads-{workers}", len(schemas), wall, time.process_time() - cpu, latencies, errors)
+
+
 def new_llm() -> Any:
     """An LLM over a one-layer engine with the default model's vocabulary (fresh caches)."""
     from benchmarks.profile_host import tiny_engine
@@ -94,13 +128,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=300, help="distinct schemas in the burst")
     ap.add_argument("--serial", action="store_true", help="also compile them one at a time (a fresh LLM)")
+    ap.add_argument("--threads", default="", help="comma-separated thread counts: the compiler alone (see above)")
     ap.add_argument("--data-dir", type=Path, default=None)
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     logging.getLogger("structgen").setLevel(logging.ERROR)  # fallbacks to stricter schemas
     schemas = distinct_schemas(args.n, args.data_dir or maskbench_dir())
-    modes = [burst] + ([one_at_a_time] if args.serial else [])
     rows = []
+    if args.threads:
+        from structgen.engine.models.loader import load_tokenizer, resolve_model
+
+        tokenizer = load_tokenizer(resolve_model(progress=False))
+        for workers in map(int, args.threads.split(",")):
+            rows.append(on_threads(tokenizer, schemas, workers))
+            print(rows[-1], flush=True)
+    modes = [] if args.threads else [burst] + ([one_at_a_time] if args.serial else [])
     for mode in modes:
         llm = new_llm()
         try:
