@@ -9,9 +9,9 @@ host time (the machine's cores, not its GPU). A schema the compiler refuses coun
 
     python -m benchmarks.bench_compile                  # 300 distinct schemas, one burst
     python -m benchmarks.bench_compile --n 1000 --serial   # also one at a time, same schemas
-    python -m benchmarks.bench_compile --n 100 --threads 1,2   # the compiler alone on 1, 2 threads
+    python -m benchmarks.bench_compile --n 100 --threads 1,2   # and the compiler alone on 1, 2 threads
 
-`--threads` skips the API: `to_constraint`, `bound_integers` and `GrammarCompiler.compile` on
+`--threads` adds rows without the API: `to_constraint`, `bound_integers` and `GrammarCompiler.compile` on
 that many plain threads, xgrammar's own threads at one, so the rows say how compiles of
 different schemas add up across cores.
 """
@@ -142,7 +142,7 @@ def main() -> None:
         for workers in map(int, args.threads.split(",")):
             rows.append(on_threads(tokenizer, schemas, workers))
             print(rows[-1], flush=True)
-    modes = [] if args.threads else [burst] + ([one_at_a_time] if args.serial else [])
+    modes = [burst] + ([one_at_a_time] if args.serial else [])
     for mode in modes:
         llm = new_llm()
         try:
