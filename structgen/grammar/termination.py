@@ -12,6 +12,7 @@ alternative (`GrammarLengths.longest_alternative`) bounds for each open rule.
 
 from __future__ import annotations
 
+import heapq
 import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -84,19 +85,37 @@ def grammar_lengths(grammar: Any) -> GrammarLengths:
     """The shortest output of every rule of an `xgrammar.Grammar`, by fixpoint iteration (a rule
     is finite once one alternative has only finite parts; lengths only shrink)."""
     g = _Exprs(grammar.serialize_json())
-    shortest = [NEVER] * len(g.rules)
-    changed = True
-    while changed:
-        check_budget()
-        changed = False
-        for r in reversed(range(len(g.rules))):  # xgrammar lists a rule before those it uses
-            n = _shortest(g, g.body(r), shortest)
-            if n < shortest[r]:
-                shortest[r], changed = n, True
+    shortest = _shortest_lengths(g)
     reachable = _reachable(g)
     longest = max((_longest_alternative(g, g.body(r), shortest) for r in reachable), default=0)
     names = [rule[0] for rule in g.rules]
     return GrammarLengths(names, shortest, reachable, longest)
+
+
+def _shortest_lengths(g: _Exprs) -> list[int]:
+    """Each rule's shortest output. xgrammar lists a rule before those it uses, so taking the
+    last pending rule first reads most rules once; a rule is read again only when one it uses
+    got shorter afterwards (recursion)."""
+    users: list[list[int]] = [[] for _ in g.rules]
+    for r in range(len(g.rules)):
+        for used in set(g.refs(g.body(r))):
+            users[used].append(r)
+    shortest = [NEVER] * len(g.rules)
+    pending = [-r for r in range(len(g.rules))]  # a heap of negated ids: the last rule first
+    heapq.heapify(pending)
+    queued = [True] * len(g.rules)
+    while pending:
+        check_budget()
+        r = -heapq.heappop(pending)
+        queued[r] = False
+        n = _shortest(g, g.body(r), shortest)
+        if n < shortest[r]:
+            shortest[r] = n
+            for user in users[r]:
+                if not queued[user]:
+                    queued[user] = True
+                    heapq.heappush(pending, -user)
+    return shortest
 
 
 def _shortest(g: _Exprs, expr_id: int, rules: list[int]) -> int:

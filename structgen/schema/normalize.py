@@ -37,6 +37,8 @@ stricter (never looser) rather than refused. The rewrites:
 
 from __future__ import annotations
 
+import contextvars
+import functools
 import itertools
 import json
 import logging
@@ -96,27 +98,45 @@ def _normalize(schema: Any, tighten: bool) -> tuple[Any, int]:
         jsonschema.Draft6Validator,
         jsonschema.Draft7Validator,
     )
-    indexed = jsonschema.validators.extend(cls, {"enum": EnumIndex(cls.VALIDATORS["enum"])})
-    normalizer = _Normalizer(schema, indexed(schema), cls in old_drafts, tighten)
-    normalized = normalizer.node(schema, 0)
-    return specialize_recursive_refs(normalized), normalizer.unknown
+    normalizer = _Normalizer(schema, _enum_indexed(cls)(schema), cls in old_drafts, tighten)
+    token = _ENUM_SETS.set({})
+    try:
+        normalized = normalizer.node(schema, 0)
+        return specialize_recursive_refs(normalized), normalizer.unknown
+    finally:
+        _ENUM_SETS.reset(token)
+
+
+@functools.cache
+def _enum_indexed(cls: Any) -> Any:
+    """The validator class `cls` with `EnumIndex` for `enum`, made once per draft (making a
+    validator class costs as much as normalizing a small schema)."""
+    import jsonschema
+
+    return jsonschema.validators.extend(cls, {"enum": EnumIndex(cls.VALIDATORS["enum"])})
+
+
+# The value sets of the enums met by the normalization running in this context (`EnumIndex`).
+_ENUM_SETS: contextvars.ContextVar[dict[int, tuple[list[Any], set[str]]] | None] = contextvars.ContextVar(
+    "structgen_enum_sets", default=None
+)
 
 
 class EnumIndex:
     """jsonschema's `enum` keyword with each enum's values in a set: every value of an enum is
     checked against it when a finite schema is listed, and jsonschema scans the enum for each
     (quadratic). A value the set misses goes to jsonschema's own check, which decides (and
-    words the error)."""
+    words the error). The sets live as long as one normalization (`_ENUM_SETS`)."""
 
     def __init__(self, scan: Any):
         self._scan = scan
-        self._sets: dict[int, tuple[list[Any], set[str]]] = {}
 
     def __call__(self, validator: Any, enums: Any, instance: Any, schema: Any) -> Any:
-        if isinstance(enums, list):
-            entry = self._sets.get(id(enums))
+        sets = _ENUM_SETS.get()
+        if isinstance(enums, list) and sets is not None:
+            entry = sets.get(id(enums))
             if entry is None or entry[0] is not enums:
-                entry = self._sets[id(enums)] = (enums, {_equality_key(v) for v in enums})
+                entry = sets[id(enums)] = (enums, {_equality_key(v) for v in enums})
             if _equality_key(instance) in entry[1]:
                 return
         yield from self._scan(validator, enums, instance, schema)

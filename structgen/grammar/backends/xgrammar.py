@@ -3,6 +3,7 @@ matchers are C++ objects whose mask filling releases the GIL."""
 
 from __future__ import annotations
 
+import queue
 import re
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -147,19 +148,32 @@ class XGrammarBackend(GrammarBackend):
         for t in control_token_ids(tokenizer, size) - set(stop_token_ids):
             vocab[t] = b""
         info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=size, stop_token_ids=list(stop_token_ids))
-        # GrammarCompiler (ours) caches compiled grammars; xgrammar's own cache would keep a
-        # second reference to each for the process lifetime.
-        self._compiler = xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
+        self._info, self._threads = info, threads
+        # One xgrammar compiler compiles one grammar at a time (a lock inside), so concurrent
+        # compiles each take an idle one; there are never more than compiles ever ran at once.
+        self._idle: queue.SimpleQueue[xgr.GrammarCompiler] = queue.SimpleQueue()
 
     def compile(self, constraint: Constraint) -> XGrammarCompiledGrammar:
         try:
-            compiled = self._compiler.compile_grammar(build_grammar(constraint))
+            compiled = self._compile_grammar(build_grammar(constraint))
         except (RuntimeError, ValueError, TypeError) as e:
             what = f"xgrammar cannot compile {constraint.description}: {_clean(e)}"
             if constraint.kind == "json_schema":
                 raise UnsupportedSchemaError(what) from e
             raise InvalidConstraintError(what) from e
         return XGrammarCompiledGrammar(constraint, compiled, self.stop_token_ids, self._words)
+
+    def _compile_grammar(self, grammar: xgr.Grammar) -> xgr.CompiledGrammar:
+        try:
+            compiler = self._idle.get_nowait()
+        except queue.Empty:
+            # GrammarCompiler (ours) caches compiled grammars; xgrammar's own cache would keep
+            # a second reference to each for the process lifetime.
+            compiler = xgr.GrammarCompiler(self._info, max_threads=self._threads, cache_enabled=False)
+        try:
+            return compiler.compile_grammar(grammar)
+        finally:
+            self._idle.put(compiler)
 
 
 def build_grammar(constraint: Constraint) -> xgr.Grammar:
