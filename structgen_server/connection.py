@@ -1,7 +1,13 @@
 """uvicorn's HTTP/1.1 protocol with a deadline for each request head: a connection that opens
 and sends nothing, or sends its headers a few bytes at a time, is closed after
 `HEAD_TIMEOUT_S` instead of being held for ever (uvicorn's keep-alive timeout starts only after
-a response, and any byte received cancels it)."""
+a response, and any byte received cancels it).
+
+Between requests an idle kept-alive connection is closed by uvicorn's keep-alive timeout
+alone, set longer than clients keep idle connections (`KEEP_ALIVE_S`): when the server closes
+one first, a client that picks it for its next request at that moment gets no answer, and a
+POST is not retried. The head deadline starts again with the first byte of the next request.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ from typing import Any
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 HEAD_TIMEOUT_S = 10.0
+KEEP_ALIVE_S = 20  # httpx (the openai client) keeps idle connections 5 s, aiohttp 15 s
 
 
 class HeadDeadlineProtocol(H11Protocol):
@@ -26,17 +33,25 @@ class HeadDeadlineProtocol(H11Protocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        self._arm_head_deadline()
+        self._disarm_head_deadline()  # idle now: the keep-alive timeout's business
+
+    def data_received(self, data: bytes) -> None:
+        if self.head_deadline is None:  # the first bytes of a request on a kept-alive connection
+            self._arm_head_deadline()
+        super().data_received(data)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self.head_deadline is not None:
-            self.head_deadline.cancel()
+        self._disarm_head_deadline()
         super().connection_lost(exc)
 
     def _arm_head_deadline(self) -> None:
+        self._disarm_head_deadline()
+        self.head_deadline = self.loop.call_later(HEAD_TIMEOUT_S, self._close_if_no_request)
+
+    def _disarm_head_deadline(self) -> None:
         if self.head_deadline is not None:
             self.head_deadline.cancel()
-        self.head_deadline = self.loop.call_later(HEAD_TIMEOUT_S, self._close_if_no_request)
+            self.head_deadline = None
 
     def _close_if_no_request(self) -> None:
         """A new request cycle starts once its head is complete; without one, drop the peer."""
