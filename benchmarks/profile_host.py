@@ -21,6 +21,18 @@ passes) shows as the growth from batch 16 to 64: `us_per_request` divides by the
 grammar compiles, the engine loop, scheduling, masks and detokenization; constrained rows take
 a random token their mask allows. It reports the wall time, the engine's median host step and
 the time to the first token (compiles included).
+
+`--http N` does the same over HTTP: `structgen serve`'s app with its uvicorn settings
+(`server_config`) on the stubbed device in a child process, and N streamed chat completions
+of bench_serving's agent workload (a ~3,000-token tool catalogue, one JSON schema) sent as the
+openai client sends them, all at once or as Poisson arrivals (`--rate`). It reports lost
+requests, TTFT, and the CPU time of the server's event loop thread per request and per output
+token: the host work the HTTP front adds, which holds the GIL the engine thread needs.
+`--profile FILE` records the event loop with cProfile (CPU time, so waits for the GIL do not
+count) and prints its top functions.
+
+    python -m benchmarks.profile_host --http 256 --max-tokens 48 --profile /tmp/server.prof
+    python -m benchmarks.profile_host --http 400 --max-tokens 48 --rate 100
 """
 
 from __future__ import annotations
