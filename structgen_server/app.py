@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from structgen.engine.request import request_group
 from structgen.partial import partial_tracker
 from structgen_server import responses, serving
-from structgen_server.connection import KEEP_ALIVE_S, HeadDeadlineProtocol
+from structgen_server.connection import KEEP_ALIVE_S, MAX_HEAD_BYTES, http_protocol
 from structgen_server.constraints import RequestConstraint
 from structgen_server.errors import APIError, new_request_id, to_api_error
 from structgen_server.event_stream import EventStream
@@ -331,10 +331,10 @@ def server_config(app: FastAPI, host: str, port: int, log_level: str = "info") -
         host=host,
         port=port,
         log_level=log_level,
-        http=HeadDeadlineProtocol,  # drops connections that never finish a request head
+        http=http_protocol(),  # drops connections that never finish a request head
         timeout_keep_alive=KEEP_ALIVE_S,
         access_log=False,  # a line per request is noise at hundreds of requests a second
         backlog=4096,  # a burst of new connections waits in the kernel, not refused
-        h11_max_incomplete_event_size=64 * 1024,  # request line + headers
+        h11_max_incomplete_event_size=MAX_HEAD_BYTES,
         timeout_graceful_shutdown=5,
     )

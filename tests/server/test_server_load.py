@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 
+from structgen_server.connection import HEAD_TIMEOUT_S
 from structgen_server.responses import ChunkEncoder
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -75,3 +76,21 @@ def test_a_text_chunk_is_the_chunk_serialized_whole(text: str, usage: bool) -> N
         assert fast.startswith("data: ") and fast.endswith("\n\n")
         assert json.loads(fast[6:]) == json.loads(whole[6:])
         assert ("usage" in json.loads(fast[6:])) == usage
+
+
+def test_a_request_head_growing_past_the_limit_is_refused_at_once(server_url: str) -> None:
+    """Headers that keep coming (no blank line yet) past 64 KB: the connection is closed then,
+    not at the head deadline, whichever HTTP parser uvicorn runs (h11 answers first)."""
+    url = httpx.URL(server_url)
+    with socket.create_connection((url.host, url.port)) as conn:
+        conn.settimeout(HEAD_TIMEOUT_S + 5)
+        head = f"GET /health HTTP/1.1\r\nHost: {url.host}:{url.port}\r\nX-Pad: {'a' * 100_000}\r\n"
+        t0, answer = time.monotonic(), b""
+        try:
+            conn.sendall(head.encode())
+            while chunk := conn.recv(65536):
+                answer += chunk
+        except (BrokenPipeError, ConnectionResetError):  # closed while it was still sending
+            pass
+        assert time.monotonic() - t0 < HEAD_TIMEOUT_S / 2
+    assert answer == b"" or answer.startswith((b"HTTP/1.1 400", b"HTTP/1.1 431")), answer[:100]
