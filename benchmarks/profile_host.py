@@ -21,6 +21,18 @@ passes) shows as the growth from batch 16 to 64: `us_per_request` divides by the
 grammar compiles, the engine loop, scheduling, masks and detokenization; constrained rows take
 a random token their mask allows. It reports the wall time, the engine's median host step and
 the time to the first token (compiles included).
+
+`--http N` does the same over HTTP: `structgen serve`'s app with its uvicorn settings
+(`server_config`) on the stubbed device in a child process, and N streamed chat completions
+of bench_serving's agent workload (a ~3,000-token tool catalogue, one JSON schema) sent as the
+openai client sends them, all at once or as Poisson arrivals (`--rate`). It reports lost
+requests, TTFT, and the CPU time of the server's event loop thread per request and per output
+token: the host work the HTTP front adds, which holds the GIL the engine thread needs.
+`--profile FILE` records the event loop with cProfile (CPU time, so waits for the GIL do not
+count) and prints its top functions.
+
+    python -m benchmarks.profile_host --http 256 --max-tokens 48 --profile /tmp/server.prof
+    python -m benchmarks.profile_host --http 400 --max-tokens 48 --rate 100
 """
 
 from __future__ import annotations
@@ -177,12 +189,12 @@ def host_us_per_step(engine: Engine, stub: StubDevice, phases: PhaseTimer, promp
     return out
 
 
-def tiny_engine(tokenizer: Any, max_batch_size: int, **config: Any) -> Engine:
+def tiny_engine(tokenizer: Any, max_batch_size: int, max_seq_len: int = 1024, **config: Any) -> Engine:
     """The real vocabulary with one tiny layer (its cost is stubbed), decode graphs run eagerly."""
     cfg = model_config("smollm2-135m")
     cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size = 1, 64, 128
     cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim = 2, 1, 32
-    ec = EngineConfig(device="cpu", max_batch_size=max_batch_size, max_seq_len=1024, use_cuda_graphs=False, **config)
+    ec = EngineConfig(device="cpu", max_batch_size=max_batch_size, max_seq_len=max_seq_len, use_cuda_graphs=False, **config)
     engine = Engine(cfg, ec, None, stop_token_ids=set(cfg.eos_token_id))
     engine.runner.capture_decode_graphs(capture=False)
     engine.runner.graphs.prelaunch = True  # the GPU path: next forward queued behind the sampler
@@ -243,6 +255,153 @@ def serving_run(tokenizer: Any, n: int, max_tokens: int, grammar_threads: int) -
             "failed": dict(Counter(failed))}
 
 
+# -- the HTTP server on the stubbed device -------------------------------------------------------
+def serve_stubbed(port: int, max_batch_size: int, stats_path: Path, profile_path: Path | None) -> None:
+    """The child of `--http`: the real app and uvicorn settings (`server_config`) on the stubbed
+    device until SIGINT/SIGTERM; then the event loop thread's CPU seconds (and its cProfile)."""
+    import cProfile
+    import json
+
+    import uvicorn
+
+    from structgen import LLM
+    from structgen.engine.models.loader import load_tokenizer, resolve_model
+    from structgen_server.app import create_app, server_config
+
+    tokenizer = load_tokenizer(resolve_model(progress=False))
+    engine = tiny_engine(tokenizer, max_batch_size, max_seq_len=4096)
+    RandomAllowedDevice(engine, tokenizer, "", min(engine.stop_token_ids))
+    llm = LLM.from_engine(engine, tokenizer, "stub")
+    server = uvicorn.Server(server_config(create_app(llm), "127.0.0.1", port, "warning"))
+    profiler = cProfile.Profile(time.thread_time) if profile_path else None  # CPU, not GIL waits
+    cpu = time.thread_time()
+    if profiler:
+        profiler.enable()
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn shuts down gracefully, then re-raises the signal
+        pass
+    finally:
+        if profiler:
+            profiler.disable()
+            profiler.dump_stats(profile_path)
+        stats_path.write_text(json.dumps({"loop_cpu_s": time.thread_time() - cpu}))
+        llm.close()
+
+
+async def stream_one(client: Any, messages: list[dict[str, Any]], schema: dict[str, Any], max_tokens: int,
+                     delay: float) -> dict[str, Any]:
+    """One streamed chat completion as the openai client sends it; its TTFT, SSE events and
+    completion tokens, or its error."""
+    import asyncio
+    import json
+
+    await asyncio.sleep(delay)
+    body = {"model": "stub", "messages": messages, "max_tokens": max_tokens, "stream": True,
+            "stream_options": {"include_usage": True},
+            "response_format": {"type": "json_schema", "json_schema": {"name": "out", "schema": schema}}}
+    t0, ttft, events, tokens = time.perf_counter(), None, 0, 0
+    try:
+        async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                return {"error": f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"}
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk, events = json.loads(line[6:]), events + 1
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+                if ttft is None and chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                    ttft = time.perf_counter() - t0
+    except Exception as exc:  # counted as lost, as bench_serving counts it
+        return {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+    return {"ttft_s": ttft, "events": events, "tokens": tokens, "latency_s": time.perf_counter() - t0}
+
+
+async def drive_http(url: str, requests: list[Any], max_tokens: int, rate: float | None) -> tuple[list[dict], float]:
+    """All requests at once (`rate` None) or Poisson arrivals, each over its own connection
+    from one pool (as `bench_serving` drives the server)."""
+    import asyncio
+    import random
+
+    import httpx
+
+    rng, delays, t = random.Random(0), [], 0.0
+    for _ in requests:
+        delays.append(t)
+        t += rng.expovariate(rate) if rate else 0.0
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=600) as client:
+        t0 = time.perf_counter()
+        out = await asyncio.gather(*(stream_one(client, r.messages, r.schema, max_tokens, d)
+                                     for r, d in zip(requests, delays, strict=True)))
+    return list(out), time.perf_counter() - t0
+
+
+def http_run(n: int, max_tokens: int, rate: float | None, profile_path: Path | None) -> dict[str, Any]:
+    """`n` agent-workload streams against `structgen serve`'s app on the stubbed device (a
+    child process), driven from this one; the server's event loop CPU per request and token."""
+    import asyncio
+    import json
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+
+    import httpx
+
+    from benchmarks.bench_serving import agent_workload
+    from benchmarks.common import maskbench_dir
+    from structgen.engine.models.loader import load_tokenizer, resolve_model
+    from structgen_server.process import free_port
+
+    port, stats = free_port(), Path(tempfile.mkstemp(suffix=".json")[1])
+    cmd = [sys.executable, "-m", "benchmarks.profile_host", "--serve-stubbed", str(port), "--max-batch", str(n),
+           "--stats-out", str(stats), *(["--profile-out", str(profile_path)] if profile_path else [])]
+    child = subprocess.Popen(cmd)
+    try:
+        _wait_healthy(httpx, f"http://127.0.0.1:{port}/health", child)
+        requests = agent_workload(n, maskbench_dir(), load_tokenizer(resolve_model(progress=False)))
+        results, wall = asyncio.run(drive_http(f"http://127.0.0.1:{port}", requests, max_tokens, rate))
+    finally:
+        child.send_signal(signal.SIGINT)
+        child.wait(60)
+    ok = [r for r in results if "error" not in r]
+    loop_cpu = json.loads(stats.read_text())["loop_cpu_s"]
+    tokens, events = sum(r["tokens"] for r in ok), sum(r["events"] for r in ok)
+    ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
+    return {"streams": n, "arrival": "closed" if rate is None else f"poisson {rate:g}/s", "wall_s": round(wall, 2),
+            "lost": len(results) - len(ok), "tokens": tokens, "sse_events": events,
+            "tok_per_s": round(tokens / wall, 1),
+            "ttft_p50_s": round(float(np.median(ttft)), 3) if ttft else None,
+            "ttft_p99_s": round(float(np.quantile(ttft, 0.99)), 3) if ttft else None,
+            "loop_cpu_s": round(loop_cpu, 2), "loop_ms_per_request": round(1e3 * loop_cpu / max(len(ok), 1), 2),
+            "loop_us_per_token": round(1e6 * loop_cpu / max(tokens, 1), 1),
+            "first_errors": sorted({r["error"] for r in results if "error" in r})[:3]}
+
+
+def _wait_healthy(httpx: Any, url: str, child: Any, timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if child.poll() is not None:
+            raise RuntimeError(f"the stubbed server exited with {child.returncode}")
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise RuntimeError(f"the stubbed server was not healthy within {timeout_s:.0f} s")
+
+
+def print_profile(path: Path, top: int = 30) -> None:
+    """The server event loop's functions by their own time, then by cumulative time."""
+    import pstats
+
+    for key in ("tottime", "cumulative"):
+        pstats.Stats(str(path)).sort_stats(key).print_stats(top)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", default="1,16,64")
@@ -253,8 +412,23 @@ def main() -> None:
     ap.add_argument("--tokenizer-dir", type=Path, default=None, help="SmolLM2 tokenizer files (default: the model's)")
     ap.add_argument("--serving", type=int, default=0, metavar="N", help="N streams through the whole front (see above)")
     ap.add_argument("--max-tokens", type=int, default=64, help="--serving: max_tokens of each stream")
+    ap.add_argument("--http", type=int, default=0, metavar="N", help="N streams over HTTP to the stubbed server")
+    ap.add_argument("--rate", type=float, default=None, help="--http: Poisson arrivals per second (default: all at once)")
+    ap.add_argument("--profile", type=Path, default=None, help="--http: cProfile the server's event loop into this file")
+    ap.add_argument("--serve-stubbed", type=int, default=0, metavar="PORT", help=argparse.SUPPRESS)
+    ap.add_argument("--max-batch", type=int, default=256, help=argparse.SUPPRESS)
+    ap.add_argument("--stats-out", type=Path, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--profile-out", type=Path, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
+    if args.serve_stubbed:
+        serve_stubbed(args.serve_stubbed, args.max_batch, args.stats_out, args.profile_out)
+        return
+    if args.http:
+        print(http_run(args.http, args.max_tokens, args.rate, args.profile))
+        if args.profile:
+            print_profile(args.profile)
+        return
     from structgen.engine.models.loader import load_tokenizer, resolve_model
     from structgen.grammar import GrammarCompiler, dump_json
     from structgen.types import JsonSchema, to_constraint

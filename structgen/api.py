@@ -9,12 +9,13 @@ comes back cut off, with `finish_reason="length"`."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import queue
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Generator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Generator, Iterator, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
@@ -678,6 +679,7 @@ class _DeltaDecoder:
 
     def __init__(self, tokenizer: Any, hold: str = ""):
         self.tokenizer = tokenizer
+        self._raw_decode = _raw_decoder(tokenizer)
         self.hold = hold
         self.sent = ""
         # The tokens decoded last time and their text: the next call decodes only what follows
@@ -688,15 +690,15 @@ class _DeltaDecoder:
     def _decode(self, ids: list[int]) -> str:
         """The text of `ids`, decoding only the tokens after those decoded last time where
         `ids` still starts with them (a rollback or re-tokenized tail decodes all again)."""
-        n, decode = len(self._decoded_ids), self.tokenizer.decode
+        n, decode = len(self._decoded_ids), self._raw_decode
         text: str | None = None
         if n and len(ids) >= n and ids[:n] == self._decoded_ids:
             start = max(0, n - _DECODE_CONTEXT_TOKENS)
-            context, tail = decode(ids[start:n], skip_special_tokens=False), decode(ids[start:], skip_special_tokens=False)
+            context, tail = decode(ids[start:n]), decode(ids[start:])
             if tail.startswith(context) and not context.endswith("\ufffd"):
                 text = self._decoded_text + tail[len(context) :]
         if text is None:
-            text = decode(ids, skip_special_tokens=False)
+            text = decode(ids)
         self._decoded_ids, self._decoded_text = list(ids), text
         return text
 
@@ -713,6 +715,16 @@ class _DeltaDecoder:
             self.sent = self.sent[:common]
         out, self.sent = text[len(self.sent) :], text
         return out
+
+
+def _raw_decoder(tokenizer: Any) -> Callable[[list[int]], str]:
+    """`tokenizer.decode(ids, skip_special_tokens=False)`; for a fast tokenizer that cleans
+    up no spaces, its Rust decoder called directly, as the Python wrapper costs more than the
+    decoding of the few tokens a stream decodes each step."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return functools.partial(backend.decode, skip_special_tokens=False)
+    return functools.partial(tokenizer.decode, skip_special_tokens=False)
 
 
 def _held_tail(text: str, hold: str) -> int:

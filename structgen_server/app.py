@@ -22,15 +22,16 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from structgen.engine.request import request_group
 from structgen.partial import partial_tracker
 from structgen_server import responses, serving
-from structgen_server.connection import HeadDeadlineProtocol
+from structgen_server.connection import KEEP_ALIVE_S, MAX_HEAD_BYTES, http_protocol
 from structgen_server.constraints import RequestConstraint
 from structgen_server.errors import APIError, new_request_id, to_api_error
+from structgen_server.event_stream import EventStream
 from structgen_server.guard import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_CLIENT_ERRORS,
@@ -155,7 +156,7 @@ async def _run_all(llm: Any, jobs: list[serving.Job]) -> list[serving.Generation
 
 async def _start_stream(
     state: ServerState, endpoint: str, body: SamplingFields, jobs: list[serving.Job], rc: RequestConstraint, t0: float
-) -> StreamingResponse:
+) -> EventStream:
     """Start one streamed generation. The first delta is awaited before the response starts,
     so errors raised while compiling or admitting the request still get a 4xx status."""
     stream = serving.GenerationStream(state.llm, jobs[0])
@@ -204,7 +205,7 @@ async def _start_stream(
                 state.metrics.record_generation(g.prompt_tokens, g.completion_tokens, g.stats)
             state.metrics.finished(endpoint, status, time.perf_counter() - t0, error_type)
 
-    return StreamingResponse(send(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return EventStream(send())
 
 
 # --------------------------------------------------------------------------- errors
@@ -315,15 +316,25 @@ def run_server(
         max_client_errors=max_client_errors,
     )
     try:
-        uvicorn.run(
-            app,
-            host=host,
-            port=port,
-            log_level=log_level,
-            http=HeadDeadlineProtocol,  # drops connections that never finish a request head
-            timeout_keep_alive=5,
-            h11_max_incomplete_event_size=64 * 1024,  # request line + headers
-            timeout_graceful_shutdown=5,
-        )
+        uvicorn.Server(server_config(app, host, port, log_level)).run()
     finally:
         llm.close()  # also stops tensor-parallel worker ranks
+
+
+def server_config(app: FastAPI, host: str, port: int, log_level: str = "info") -> Any:
+    """The uvicorn settings of `run_server` (a `uvicorn.Config`), apart so that the
+    server benchmark serves with exactly them."""
+    import uvicorn
+
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        http=http_protocol(),  # drops connections that never finish a request head
+        timeout_keep_alive=KEEP_ALIVE_S,
+        access_log=False,  # a line per request is noise at hundreds of requests a second
+        backlog=4096,  # a burst of new connections waits in the kernel, not refused
+        h11_max_incomplete_event_size=MAX_HEAD_BYTES,
+        timeout_graceful_shutdown=5,
+    )

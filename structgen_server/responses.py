@@ -94,10 +94,16 @@ def last_partial(tracker: PartialTracker[Any] | None, g: Generation) -> dict[str
     return partial_payload(tracker.finish(value))
 
 
+SEPARATORS = (",", ":")
+
+
 def sse(payload: dict[str, Any] | str) -> str:
     """One server-sent event."""
-    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=SEPARATORS)
     return f"data: {data}\n\n"
+
+
+DONE = sse("[DONE]")
 
 
 def _snapshot(tracker: PartialTracker[Any] | None, text: str) -> dict[str, Any] | None:
@@ -130,6 +136,33 @@ class _ToolCallSplitter:
         return ""
 
 
+class ChunkEncoder:
+    """The SSE events of one streamed response. The fields every chunk repeats are serialized
+    once, so a plain text delta, the event sent for nearly every engine step, costs one
+    `json.dumps` of its text; any other chunk is serialized whole."""
+
+    CHAT_TEXT = ('{"index":0,"delta":{"content":', '},"logprobs":null,"finish_reason":null}')
+    COMPLETION_TEXT = ('{"index":0,"text":', ',"logprobs":null,"finish_reason":null}')
+
+    def __init__(self, obj: str, cid: str, model: str, include_usage: bool, text_choice: tuple[str, str]):
+        self.fields = {"id": cid, "object": obj, "created": now(), "model": model}
+        self.head = "data: " + json.dumps(self.fields, separators=SEPARATORS)[:-1] + ',"choices":['
+        self.tail = "]" + (',"usage":null' if include_usage else "") + "}\n\n"
+        self.text_head = self.head + text_choice[0]
+        self.text_tail = text_choice[1] + self.tail
+
+    def text(self, text: str) -> str:
+        """A chunk whose one choice carries `text` and nothing else."""
+        return self.text_head + json.dumps(text) + self.text_tail
+
+    def choice(self, choice: dict[str, Any]) -> str:
+        return self.head + json.dumps(choice, separators=SEPARATORS) + self.tail
+
+    def usage(self, g: Generation) -> str:
+        """The last chunk of `stream_options.include_usage`: no choices, the usage."""
+        return sse({**self.fields, "choices": [], "usage": usage_of([g]).model_dump()})
+
+
 async def chat_stream(
     model: str,
     rc: RequestConstraint,
@@ -140,74 +173,71 @@ async def chat_stream(
 ) -> AsyncIterator[str]:
     """SSE events of a streamed chat completion. `pieces` yields text deltas; `result()`
     returns the `Generation` once they are exhausted; `tracker` (include_partial) makes the
-    snapshots each chunk carries."""
-    cid, created = new_id("chatcmpl"), now()
+    snapshots each chunk carries. What is ready at once leaves in one write: the role chunk
+    with the first delta, the last chunks with `[DONE]`."""
+    enc = ChunkEncoder("chat.completion.chunk", new_id("chatcmpl"), model, include_usage, ChunkEncoder.CHAT_TEXT)
 
     def chunk(delta: dict[str, Any], finish: str | None = None, partial: dict[str, Any] | None = None) -> str:
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
         if partial is not None:
             choice["partial"] = partial
-        body: dict[str, Any] = {
-            "id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [choice],
-        }
-        if include_usage:
-            body["usage"] = None
-        return sse(body)
+        return enc.choice(choice)
 
-    yield chunk({"role": "assistant", "content": ""})
+    opening = chunk({"role": "assistant", "content": ""})
     splitter = _ToolCallSplitter(rc)
     async for piece in pieces:
+        event = ""
         if isinstance(piece, ReasoningDelta):  # a reasoning model's thinking, before the answer
-            yield chunk({"reasoning_content": str(piece)})
-            continue
-        content = splitter.feed(piece)
-        if content:
-            yield chunk({"content": content}, partial=_snapshot(tracker, content))
+            event = chunk({"reasoning_content": str(piece)})
+        elif content := splitter.feed(piece):
+            partial = _snapshot(tracker, content)
+            event = enc.text(content) if partial is None else chunk({"content": content}, partial=partial)
+        if opening:
+            event, opening = opening + event, ""
+        if event:
+            yield event
     g: Generation = result()
     content, calls, finish = assistant_turn(rc, g)
+    closing = [opening]
     if calls:
         for i, call in enumerate(calls):
             delta = {"index": i, "id": call.id, "type": "function",
                      "function": {"name": call.function.name, "arguments": call.function.arguments}}
-            yield chunk({"tool_calls": [delta]})
+            closing.append(chunk({"tool_calls": [delta]}))
     elif splitter.held:  # held back as a possible tool call, but it was text after all
-        yield chunk({"content": splitter.held})
-    yield chunk({}, finish, last_partial(tracker, g))
+        closing.append(enc.text(splitter.held))
+    closing.append(chunk({}, finish, last_partial(tracker, g)))
     if include_usage:
-        yield sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                   "choices": [], "usage": usage_of([g]).model_dump()})
-    yield sse("[DONE]")
+        closing.append(enc.usage(g))
+    closing.append(DONE)
+    yield "".join(closing)
 
 
 async def completion_stream(
     model: str, pieces: AsyncIterator[str], result: Any, include_usage: bool,
     tracker: PartialTracker[Any] | None = None,
 ) -> AsyncIterator[str]:  # fmt: skip
-    """SSE events of a streamed text completion (`tracker`: as in `chat_stream`)."""
-    cid, created = new_id("cmpl"), now()
+    """SSE events of a streamed text completion (`tracker`: as in `chat_stream`); the last
+    chunks leave with `[DONE]` in one write."""
+    enc = ChunkEncoder("text_completion", new_id("cmpl"), model, include_usage, ChunkEncoder.COMPLETION_TEXT)
 
     def chunk(text: str, finish: str | None = None, partial: dict[str, Any] | None = None) -> str:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
         if partial is not None:
             choice["partial"] = partial
-        body: dict[str, Any] = {
-            "id": cid, "object": "text_completion", "created": created, "model": model, "choices": [choice],
-        }
-        if include_usage:
-            body["usage"] = None
-        return sse(body)
+        return enc.choice(choice)
 
     async for piece in pieces:
         if isinstance(piece, ReasoningDelta):  # text completions carry the answer only
             continue
-        yield chunk(piece, partial=_snapshot(tracker, piece))
+        partial = _snapshot(tracker, piece)
+        yield enc.text(piece) if partial is None else chunk(piece, partial=partial)
     g: Generation = result()
-    yield chunk("", g.finish_reason, last_partial(tracker, g))
+    closing = [chunk("", g.finish_reason, last_partial(tracker, g))]
     if include_usage:
-        yield sse({"id": cid, "object": "text_completion", "created": created, "model": model,
-                   "choices": [], "usage": usage_of([g]).model_dump()})
-    yield sse("[DONE]")
+        closing.append(enc.usage(g))
+    closing.append(DONE)
+    yield "".join(closing)
 
 
 def error_event(error: dict[str, Any]) -> str:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from starlette.requests import Request as HTTPRequest
+from starlette.types import Receive
 
 from structgen.completion import ReasoningDelta
 from structgen.errors import IncompleteOutputError
@@ -132,11 +133,11 @@ def _find_stop(text: str, stops: list[str], start: int) -> int | None:
     return min(hits) if hits else None
 
 
-async def wait_for_disconnect(request: HTTPRequest) -> None:
+async def wait_for_disconnect(receive: Receive) -> None:
     """Return when the client closes the connection (the body has been read already, so the
     next ASGI message is the disconnect)."""
     while True:
-        message = await request.receive()
+        message = await receive()
         if message["type"] == "http.disconnect":
             return
 
@@ -145,7 +146,7 @@ async def cancel_on_disconnect(work: Awaitable[T], request: HTTPRequest) -> T:
     """Await `work`, cancelling it (and so aborting its engine requests) if the client
     disconnects first; then raise `ClientDisconnected`."""
     task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(wait_for_disconnect(request))
+    watcher = asyncio.ensure_future(wait_for_disconnect(request.receive))
     try:
         done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:
