@@ -55,6 +55,7 @@ class Outcome:
     valid: bool = False
     incomplete: bool = False  # stopped at max_tokens before the output was complete
     error: str = ""
+    refused: bool = False  # a clear refusal of the request's schema (400), not a lost request
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens the prefix cache held
 
@@ -183,7 +184,7 @@ async def drive(run: Callable[[ServingRequest], Awaitable[Outcome]], requests: l
         try:
             return await asyncio.wait_for(run(req), timeout_s)
         except Exception as exc:  # counted, and the run goes on
-            return Outcome(error=f"{type(exc).__name__}: {str(exc)[:200]}")
+            return Outcome(error=f"{type(exc).__name__}: {str(exc)[:200]}", refused=_refusal(exc))
 
     delays, t = [], 0.0
     for _ in requests:
@@ -192,6 +193,16 @@ async def drive(run: Callable[[ServingRequest], Awaitable[Outcome]], requests: l
     t0 = time.perf_counter()
     outcomes = await asyncio.gather(*(one(r, d) for r, d in zip(requests, delays, strict=True)))
     return RunResult(list(outcomes), time.perf_counter() - t0)
+
+
+def _refusal(exc: BaseException) -> bool:
+    """The system said the request's schema cannot be served (a schema with no finite
+    instance, one over a limit, one its grammar backend cannot enforce), in process or as a
+    400 / 422: a clear answer, not a lost request."""
+    from structgen.errors import InvalidConstraintError, UnsupportedSchemaError
+
+    return (isinstance(exc, (InvalidConstraintError, UnsupportedSchemaError))
+            or getattr(exc, "status_code", None) in (400, 422))
 
 
 # -- figures -----------------------------------------------------------------------------------
@@ -208,7 +219,8 @@ def summarize(res: RunResult) -> dict[str, Any]:
     tpot = [(o.latency_s - o.ttft_s) / (o.output_tokens - 1) for o in ok if o.output_tokens > 1]
     prompt = sum(o.prompt_tokens for o in ok)
     return {
-        "requests": len(res.outcomes), "lost": len(res.outcomes) - len(ok),
+        "requests": len(res.outcomes), "refused": sum(o.refused for o in res.outcomes),
+        "lost": sum(bool(o.error) and not o.refused for o in res.outcomes),
         "valid": sum(o.valid for o in ok), "invalid": sum(not o.valid for o in ok),
         "incomplete": sum(o.incomplete for o in ok), "output_tokens": tokens,
         "prefix_hit_rate": round(sum(o.cached_tokens for o in ok) / prompt, 3) if prompt else None,
