@@ -47,10 +47,25 @@ def test_many_concurrent_streams_are_all_answered_in_full(server_url: str) -> No
 
 
 def _get_health(conn: socket.socket) -> bytes:
+    """One whole response to GET /health on `conn` (head and body may come in separate reads)."""
     host, port = conn.getpeername()[:2]
     conn.sendall(f"GET /health HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode())
     conn.settimeout(10)
-    return conn.recv(4096)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = conn.recv(4096)
+        if not chunk:
+            return data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                   if line.lower().startswith(b"content-length:")), 0)
+    while len(body) < length:
+        chunk = conn.recv(4096)
+        if not chunk:
+            break
+        body += chunk
+    return head + b"\r\n\r\n" + body
 
 
 def test_an_idle_kept_alive_connection_outlives_the_clients_keep_alive(server_url: str) -> None:
