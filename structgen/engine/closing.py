@@ -163,6 +163,15 @@ class BudgetCloser:
         req.close_at = end
         return True
 
+    @staticmethod
+    def retractable_from(req: Request) -> int | None:
+        """The output length past which closing may still drop the request's tokens (back to
+        its safe point, `_close_at_safe_point`); None where it drops none. Safe points only
+        move forward, so text before the one read here is never taken back."""
+        if req.finished or not req.params.close_at_budget:
+            return None
+        return req.safe_point
+
     def _close_at_safe_point(self, req: Request) -> bool:
         """No completion fits from here (since the last check the output opened more than its
         budget can close, e.g. a new object with required fields): drop the tokens since the

@@ -215,3 +215,23 @@ def test_a_small_budget_drops_back_to_the_start_when_what_opened_cannot_close(ll
     prompt = f"Write an example JSON value for this schema: {json.dumps(schema)}"
     c = llm.complete(JsonSchema(schema), prompt, max_tokens=48, temperature=0)
     assert c.finish_reason == "stop" and isinstance(c.value, list)
+
+
+SCIENTISTS_PROMPT = ("Give a JSON list of five famous people, each with name, city and country: Einstein from Ulm, "
+                     "Germany; Curie from Warsaw, Poland; Newton from Woolsthorpe, England; Darwin from "
+                     "Shrewsbury, England; Tesla from Smiljan, Croatia.")
+
+
+def test_a_stream_that_closing_rolls_back_sends_only_text_of_the_final_output(llm: LLM) -> None:
+    """Closing drops the item opened past the budget; the stream held that item back, so its
+    deltas add up to the final text (sent text cannot be taken back)."""
+    stream = llm.stream(list[Scientist], SCIENTISTS_PROMPT, max_tokens=40)
+    deltas = []
+    while True:
+        try:
+            deltas.append(next(stream))
+        except StopIteration as end:
+            c = end.value
+            break
+    assert c.stats.dropped_tokens > 0 and c.finish_reason == "stop"
+    assert "".join(deltas) == c.text
