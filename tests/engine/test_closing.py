@@ -5,6 +5,7 @@ completion fits still raises, naming the completion's length."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from pydantic import BaseModel
@@ -206,7 +207,7 @@ def test_the_search_never_returns_a_completion_longer_than_its_limit(llm: LLM) -
 
 def test_a_small_budget_drops_back_to_the_start_when_what_opened_cannot_close(llm: LLM) -> None:
     """At max_tokens=48 the first budget check is due at once; the empty output is then noted
-    as a point where a completion fits, so an item whose `uri` field the search cannot close
+    as a point where a completion fits, so an item with a required `uri` field that does not fit
     (MaskBench Github_easy o10318) is dropped and the list closed: complete, never cut off."""
     schema = {"type": "array", "readOnly": True, "items": {
         "type": "object", "additionalProperties": False, "required": ["href", "rel"],
@@ -235,3 +236,20 @@ def test_a_stream_that_closing_rolls_back_sends_only_text_of_the_final_output(ll
             break
     assert c.stats.dropped_tokens > 0 and c.finish_reason == "stop"
     assert "".join(deltas) == c.text
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+@pytest.mark.parametrize("field", [{"format": "uri"}, {"format": "email"}, {"format": "time"},
+                                   {"format": "duration"}, {"pattern": "^[a-z]+@[a-z]+\\.[a-z]+$"}])
+def test_the_search_closes_strings_whose_format_or_pattern_holds_the_quote_back(
+        llm: LLM, backend: str, field: dict) -> None:
+    """Greedy tokens alone never reach the quote of these strings (`[a-z]+` takes letters
+    forever where an `@` must come); the probe finds the few characters that let it come."""
+    schema = {"type": "object", "properties": {"v": {"type": "string", **field}}, "required": ["v"]}
+    matcher = llm.grammars.compile(to_constraint(JsonSchema(schema)), backend=backend).matcher()
+    plan = llm.engine.closer.search.shortest(matcher, 30)
+    assert plan is not None and matcher.accept_tokens(plan) == len(plan)
+    assert matcher.is_completed()
+    value = json.loads(llm.tokenizer.decode(plan))["v"]
+    if "pattern" in field:
+        assert re.fullmatch(field["pattern"], value)
