@@ -30,14 +30,18 @@ SEARCH_CANDIDATES = 16
 SEARCH_MAX_FILLS = 256
 # The probe: characters it tries (one of each kind the formats and patterns of JSON schemas
 # need: letters, digits, separators, the letters of dates and durations), the most
-# characters it appends, and the most paths it extends in one search (each tries every one).
+# characters it appends, and the most paths one probe extends (each tries every character).
 PROBE_ALPHABET = "a0A1.-:/@_T Z+PDS#"
-# Characters of one kind: a path grows by the first of a kind the matcher accepts only (`1`
-# where `0` may not come, `T` where no other letter may), so the probe does not branch on them.
-_PROBE_KINDS = {c: "digit" if c.isdigit() else "letter" if c.isalpha() else c for c in PROBE_ALPHABET}
-PROBE_MAX_DEPTH = 24
+PROBE_MAX_DEPTH = 32
 PROBE_MAX_NODES = 160
 SEARCH_MAX_PROBE_NODES = 480  # all the probes of one search together
+# Characters of one kind: a path grows by the first of a kind the matcher accepts only (`1`
+# where `0` may not come, `T` where no other letter may), so the probe does not branch on them.
+# The coarse kinds come first (a pattern's `.` accepts any character: branching on every
+# separator would spend the probe), the fine ones where those find nothing (`@` after a
+# letter where `.` may come too).
+_COARSE_KINDS = {c: "digit" if c.isdigit() else "letter" if c.isalpha() else "other" for c in PROBE_ALPHABET}
+_FINE_KINDS = {c: "digit" if c.isdigit() else "letter" if c.isalpha() else c for c in PROBE_ALPHABET}
 # The greedy choice taking one token this many times in a row is looping (a local part of an
 # email that takes `}` as text, the fraction of a second): the probe then looks for a quote.
 SEARCH_LOOP_RUN = 12
@@ -62,7 +66,8 @@ class CompletionSearch:
         self.order = order[ranks[order] < _EXCLUDED]  # token ids, best candidates first
         self.ranks = ranks
         self._row = allocate_bitmask(1, vocab_size, host_only=True)
-        self.probe_chars = [(t, _PROBE_KINDS[c]) for c in PROBE_ALPHABET for t in _single_tokens(c, encode)]
+        self.probe_chars = [[(t, kinds[c]) for c in PROBE_ALPHABET for t in _single_tokens(c, encode)]
+                            for kinds in (_COARSE_KINDS, _FINE_KINDS)]
         self.enders = _single_tokens('"]},', encode)  # a probe's goal: what ends a value
         self.quote = self.enders[:1]  # a looping string's goal
         self.probe_nodes_left = 0  # what the current search's probes may still spend
@@ -135,8 +140,15 @@ class CompletionSearch:
 
     def _probe(self, m: GrammarMatcher, enders: list[int]) -> list[int]:
         """The fewest probe characters after which a value may end (one of `enders` may come,
-        or the grammar is complete), breadth first; the matcher takes them, respelt
-        in fewer tokens where the tokenizer's spelling is accepted. [] where none is found."""
+        or the grammar is complete), breadth first over the coarse kinds, then the fine ones;
+        the matcher takes them, respelt in fewer tokens where the tokenizer's spelling is
+        accepted. [] where none is found."""
+        for chars in self.probe_chars:
+            if found := self._breadth_first(m, enders, chars):
+                return self._take(m, found)
+        return []
+
+    def _breadth_first(self, m: GrammarMatcher, enders: list[int], chars: list[tuple[int, str]]) -> list[int]:
         frontier: list[list[int]] = [[]]
         nodes = 0
         most = min(PROBE_MAX_NODES, self.probe_nodes_left)
@@ -146,18 +158,19 @@ class CompletionSearch:
                 nodes += 1
                 self.probe_nodes_left -= 1
                 taken = m.accept_tokens(path)
-                found = taken == len(path) and self._extend(m, path, grown, enders)
+                found = taken == len(path) and self._extend(m, path, grown, enders, chars)
                 m.rollback(taken)
                 if found:
-                    return self._take(m, grown[-1])
+                    return grown[-1]
             frontier = [p for p in grown if len(p) <= PROBE_MAX_DEPTH]
         return []
 
-    def _extend(self, m: GrammarMatcher, path: list[int], grown: list[list[int]], enders: list[int]) -> bool:
+    def _extend(self, m: GrammarMatcher, path: list[int], grown: list[list[int]], enders: list[int],
+                chars: list[tuple[int, str]]) -> bool:
         """Append to `grown` each path one probe character longer that the matcher accepts;
         True (that path last) where one can end a value."""
         kinds: set[str] = set()
-        for c, kind in self.probe_chars:
+        for c, kind in chars:
             if kind in kinds or not m.accept_token(c):
                 continue
             kinds.add(kind)
