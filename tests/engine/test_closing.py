@@ -253,3 +253,17 @@ def test_the_search_closes_strings_whose_format_or_pattern_holds_the_quote_back(
     value = json.loads(llm.tokenizer.decode(plan))["v"]
     if "pattern" in field:
         assert re.fullmatch(field["pattern"], value)
+
+
+def test_a_safe_point_that_respelt_tokens_moved_past_an_opened_item_still_closes(llm: LLM, maskbench_dir) -> None:
+    """Jump-forward respells `true` + `},` as `true},` after the check that found `}]` fits, so
+    the safe point's token count lands after the comma that opens a second item (MaskBench
+    Github_easy o23494); the rollback steps back a token more and closes the list."""
+    line = next(s for s in (maskbench_dir / "Github_easy.jsonl").read_text().splitlines() if '"Github_easy---o23494"' in s)
+    schema = json.loads(line)["schema"]
+    prompt = ("Extract the record as JSON from this text. [{'childno': 1, 'split': False, 'pause': True, "
+              "'relativeangle': 90.0, 'ejectmass': False}, {'childno': 2, 'split': True, 'pause': False, "
+              "'relativeangle': -45.0, 'ejectmass': True}, {'childno': 3, 'split': False, 'pause': False, "
+              "'relativeangle': 180.0, 'ejectmass': False}]")
+    c = llm.complete(JsonSchema(schema), [{"role": "user", "content": prompt}], max_tokens=48)
+    assert c.finish_reason == "stop" and c.stats.dropped_tokens > 0 and len(c.value) >= 1
