@@ -33,7 +33,7 @@ from structgen.completion import (  # Completion re-exported for `from structgen
     Completion,
     ReasoningDelta,
 )
-from structgen.engine.closing import incomplete_message
+from structgen.engine.closing import BudgetCloser, incomplete_message
 from structgen.engine.config import EngineConfig
 from structgen.engine.engine import Engine
 from structgen.engine.loop import EngineLoop
@@ -517,7 +517,7 @@ class LLM:
                 except queue.Empty:
                     continue
                 yield from decoder.deltas(r)
-                if r.finished:
+                if decoder.final:
                     break
         finally:  # the consumer left early (break, close, garbage collection, Ctrl-C)
             if not req.finished:
@@ -644,7 +644,7 @@ class CompletionStream:
                 r = await updates.get()
                 for delta in decoder.deltas(r):
                     yield delta
-                if r.finished:
+                if decoder.final:
                     break
         finally:
             if not req.finished:
@@ -655,20 +655,31 @@ class CompletionStream:
 class _OutputDeltas:
     """A request's output as deltas while it grows: its think section's text as
     `ReasoningDelta`s (a tail that may begin the closing tag held back until the thinking
-    ends), then its answer's text as plain `str`."""
+    ends), then its answer's text as plain `str`. Sent text is never taken back, so the
+    answer's tokens that budget closing may still drop (`BudgetCloser.retractable_from`)
+    wait until they are kept or the request ends: the deltas add up to the final text."""
 
     def __init__(self, tokenizer: Any):
         self.reasoning = _DeltaDecoder(tokenizer, hold=CLOSE_TAG)
         self.answer = _DeltaDecoder(tokenizer)
+        self.final = False  # the last call saw the request finished: nothing more comes
 
     def deltas(self, req: Request) -> list[str]:
+        # Read `finished` before the tokens: a request that finishes meanwhile sends one more
+        # update, whose call sends the rest.
+        self.final = final = req.finished
         phase, ids = req.reasoning, req.output_ids
+        kept = None if final else BudgetCloser.retractable_from(req)
         if phase is None:
-            return [d] if (d := self.answer.delta(ids, final=req.finished)) else []
+            ids = ids if kept is None else ids[:kept]
+            return [d] if (d := self.answer.delta(ids, final=final)) else []
         out: list[str] = []
-        if d := self.reasoning.delta(phase.reasoning_ids(ids), final=req.finished or not phase.thinking):
+        if d := self.reasoning.delta(phase.reasoning_ids(ids), final=final or not phase.thinking):
             out.append(ReasoningDelta(d))
-        if not phase.thinking and (d := self.answer.delta(phase.answer_ids(ids), final=req.finished)):
+        answer = phase.answer_ids(ids)
+        if kept is not None and phase.answer_start is not None:
+            answer = answer[: max(0, kept - phase.answer_start)]
+        if not phase.thinking and (d := self.answer.delta(answer, final=final)):
             out.append(d)
         return out
 

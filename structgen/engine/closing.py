@@ -48,6 +48,10 @@ FIRST_CHECK_WINDOW = 64
 # LOOP_MAX_PERIOD tokens repeated to fill at least max(LOOP_MIN_RUN, 3 periods) tokens after
 # its first occurrence (four copies at least).
 LOOP_CHECK_EVERY = 16
+# Tokens before the safe point that a rollback may also drop: jump-forward respells sampled
+# text with forced text after it (`true` + `},` as `true},`), so the token count of a safe
+# point can end up past a token that opened what cannot close.
+SAFE_POINT_SLACK = 3
 LOOP_MAX_PERIOD = 32
 LOOP_MIN_RUN = 16
 
@@ -163,20 +167,33 @@ class BudgetCloser:
         req.close_at = end
         return True
 
+    @staticmethod
+    def retractable_from(req: Request) -> int | None:
+        """The output length past which closing may still drop the request's tokens (back to
+        its safe point, `_close_at_safe_point`); None where it drops none. Safe points only
+        move forward, so text before the one read here is never taken back."""
+        if req.finished or not req.params.close_at_budget or req.safe_point is None:
+            return None
+        return max(0, req.safe_point - SAFE_POINT_SLACK)
+
     def _close_at_safe_point(self, req: Request) -> bool:
         """No completion fits from here (since the last check the output opened more than its
         budget can close, e.g. a new object with required fields): drop the tokens since the
-        last check that found one that fits, and close there. False (the request unchanged)
-        where there is no such point or it no longer fits."""
+        last check that found one that fits (or up to SAFE_POINT_SLACK before it, where
+        respelt tokens moved it), and close there. False (the request unchanged) where there
+        is no such point or none fits."""
         if req.safe_point is None or not req.params.close_at_budget or self.search is None:
             return False
+        m, p = req.matcher, req.params
         back = req.num_output - req.safe_point
-        m = req.matcher
-        dropped = req.token_ids[len(req.token_ids) - back:]
         m.rollback(back)
-        plan = self.search.shortest(m, req.params.max_tokens - req.safe_point)
+        plan = self.search.shortest(m, p.max_tokens - req.safe_point)
+        while plan is None and back < min(req.num_output, req.num_output - req.safe_point + SAFE_POINT_SLACK):
+            back += 1
+            m.rollback(1)
+            plan = self.search.shortest(m, p.max_tokens - (req.num_output - back))
         if plan is None:
-            m.accept_tokens(dropped)  # as it was: the request ends at max_tokens as it comes
+            m.accept_tokens(req.token_ids[len(req.token_ids) - back:])  # as it was: ends at max_tokens
             req.safe_point = None
             return False
         req.truncate(len(req.token_ids) - back)

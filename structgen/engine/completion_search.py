@@ -6,7 +6,11 @@ matcher itself (accept / rollback), one mask fill per step. Text the grammar for
 punctuation) is taken as the tokenizer spells it; elsewhere it prefers tokens that close (`"`,
 then `]`, `}`), then a comma, then short values (`0`, `""`, `null`), then the longest other tokens, and at
 each step takes a token that completes the grammar at once where one of the candidates does.
-It is greedy, so its completion is short, not always the shortest.
+It is greedy, so its completion is short, not always the shortest. Where nothing that ends a
+value may come next (inside a string with a format or a pattern, a number after its sign), the
+greedy choice can run on forever (`[a-z]+` takes letters while an `@` is what ends it), so a
+small breadth-first probe over a few characters, one of each kind, first finds the fewest after
+which a quote, bracket or comma may come.
 """
 
 from __future__ import annotations
@@ -24,6 +28,25 @@ if TYPE_CHECKING:
 # The search: candidates tried per step, and the most mask fills one search may spend.
 SEARCH_CANDIDATES = 16
 SEARCH_MAX_FILLS = 256
+# The probe: characters it tries (one of each kind the formats and patterns of JSON schemas
+# need: letters, digits, separators, the letters of dates and durations), the most
+# characters it appends, and the most paths one probe extends (each tries every character).
+PROBE_ALPHABET = "a0A1.-:/@_T Z+PDS#"
+PROBE_MAX_DEPTH = 32
+PROBE_MAX_NODES = 160
+SEARCH_MAX_PROBE_NODES = 480  # all the probes of one search together
+# Characters of one kind: a path grows by the first of a kind the matcher accepts only (`1`
+# where `0` may not come, `T` where no other letter may), so the probe does not branch on them.
+# The coarse kinds come first (a pattern's `.` accepts any character: branching on every
+# separator would spend the probe), the fine ones where those find nothing (`@` after a
+# letter where `.` may come too).
+_COARSE_KINDS = {c: "digit" if c.isdigit() else "letter" if c.isalpha() else "other" for c in PROBE_ALPHABET}
+_FINE_KINDS = {c: "digit" if c.isdigit() else "letter" if c.isalpha() else c for c in PROBE_ALPHABET}
+# The greedy choice taking one token this many times in a row is looping (a local part of an
+# email that takes `}` as text, the fraction of a second): the probe then looks for a quote.
+SEARCH_LOOP_RUN = 12
+# A rank below this (a quote, bracket or comma) can end the value being written.
+_ENDS_VALUE_RANK = 1600
 
 _CLOSERS = frozenset(b'"]}')
 _SHORT_VALUES = frozenset([b'""', b"[]", b"{}", b"null", b"true", b"false", *(bytes([c]) for c in b"0123456789")])
@@ -41,12 +64,19 @@ class CompletionSearch:
         ranks = np.array([_rank(b) if i not in excluded else _EXCLUDED for i, b in enumerate(tokens)], dtype=np.int64)
         order = np.argsort(ranks, kind="stable")
         self.order = order[ranks[order] < _EXCLUDED]  # token ids, best candidates first
+        self.ranks = ranks
         self._row = allocate_bitmask(1, vocab_size, host_only=True)
+        self.probe_chars = [[(t, kinds[c]) for c in PROBE_ALPHABET for t in _single_tokens(c, encode)]
+                            for kinds in (_COARSE_KINDS, _FINE_KINDS)]
+        self.enders = _single_tokens('"]},', encode)  # a probe's goal: what ends a value
+        self.quote = self.enders[:1]  # a looping string's goal
+        self.probe_nodes_left = 0  # what the current search's probes may still spend
 
     def shortest(self, m: GrammarMatcher, limit: int) -> list[int] | None:
         """Tokens after which `m` is complete, at most `limit` of them; None where the search
         found none. `m` is left as it was."""
         path: list[int] = []
+        self.probe_nodes_left = SEARCH_MAX_PROBE_NODES
         try:
             for _ in range(SEARCH_MAX_FILLS):
                 if m.is_completed():  # forced text may have overrun the limit in one go
@@ -57,7 +87,19 @@ class CompletionSearch:
                 if forced:
                     path += forced
                     continue
-                step = self._step(m)
+                candidates = self._candidates(m)
+                looping = len(path) >= SEARCH_LOOP_RUN and len(set(path[-SEARCH_LOOP_RUN:])) == 1
+                probing = self.probe_nodes_left > 0
+                if probing and looping:
+                    m.rollback(SEARCH_LOOP_RUN - 1)
+                    del path[1 - SEARCH_LOOP_RUN :]
+                    candidates = self._candidates(m)
+                if probing and (looping or not any(self.ranks[t] < _ENDS_VALUE_RANK for t in candidates)):
+                    probed = self._probe(m, self.quote if looping else self.enders)
+                    path += probed
+                    if probed:
+                        continue
+                step = self._step(m, candidates)
                 if step is None:
                     return None
                 path.append(step)
@@ -81,11 +123,11 @@ class CompletionSearch:
         ids = self.encode(text)
         return ids[: m.accept_tokens(ids)]
 
-    def _step(self, m: GrammarMatcher) -> int | None:
+    def _step(self, m: GrammarMatcher, candidates: list[int]) -> int | None:
         """The next token of the search: a candidate that completes the grammar, else the
         first candidate the matcher accepts."""
         first = None
-        for t in self._candidates(m):
+        for t in candidates:
             if not m.accept_token(t):  # llguidance's mask may allow more than it accepts
                 continue
             done = m.is_completed()
@@ -96,6 +138,67 @@ class CompletionSearch:
                 first = t
         return first
 
+    def _probe(self, m: GrammarMatcher, enders: list[int]) -> list[int]:
+        """The fewest probe characters after which a value may end (one of `enders` may come,
+        or the grammar is complete), breadth first over the coarse kinds, then the fine ones;
+        the matcher takes them, respelt in fewer tokens where the tokenizer's spelling is
+        accepted. [] where none is found."""
+        for chars in self.probe_chars:
+            if found := self._breadth_first(m, enders, chars):
+                return self._take(m, found)
+        return []
+
+    def _breadth_first(self, m: GrammarMatcher, enders: list[int], chars: list[tuple[int, str]]) -> list[int]:
+        frontier: list[list[int]] = [[]]
+        nodes = 0
+        most = min(PROBE_MAX_NODES, self.probe_nodes_left)
+        while frontier and nodes < most:
+            grown: list[list[int]] = []
+            for path in frontier[: most - nodes]:
+                nodes += 1
+                self.probe_nodes_left -= 1
+                taken = m.accept_tokens(path)
+                found = taken == len(path) and self._extend(m, path, grown, enders, chars)
+                m.rollback(taken)
+                if found:
+                    return grown[-1]
+            frontier = [p for p in grown if len(p) <= PROBE_MAX_DEPTH]
+        return []
+
+    def _extend(self, m: GrammarMatcher, path: list[int], grown: list[list[int]], enders: list[int],
+                chars: list[tuple[int, str]]) -> bool:
+        """Append to `grown` each path one probe character longer that the matcher accepts;
+        True (that path last) where one can end a value."""
+        kinds: set[str] = set()
+        for c, kind in chars:
+            if kind in kinds or not m.accept_token(c):
+                continue
+            kinds.add(kind)
+            ends = m.is_completed() or any(self._accepts(m, t) for t in enders)
+            m.rollback(1)
+            grown.append([*path, c])
+            if ends:
+                return True
+        return False
+
+    def _take(self, m: GrammarMatcher, chars: list[int]) -> list[int]:
+        """Accept the probe's characters, as the tokenizer spells their text where the
+        matcher accepts that spelling."""
+        ids = self.encode(b"".join(self.tokens[c] for c in chars).decode("utf-8"))
+        taken = m.accept_tokens(ids)
+        if taken == len(ids):
+            return ids
+        m.rollback(taken)
+        m.accept_tokens(chars)
+        return chars
+
+    @staticmethod
+    def _accepts(m: GrammarMatcher, token: int) -> bool:
+        if not m.accept_token(token):
+            return False
+        m.rollback(1)
+        return True
+
     def _candidates(self, m: GrammarMatcher) -> list[int]:
         m.fill_bitmask(self._row, 0)
         bits = np.unpackbits(self._row[0].numpy().view(np.uint8), bitorder="little")
@@ -104,6 +207,11 @@ class CompletionSearch:
 
 
 _EXCLUDED = 1 << 40
+
+
+def _single_tokens(chars: str, encode: Callable[[str], list[int]]) -> list[int]:
+    """The token of each character that the tokenizer spells in one token."""
+    return [ids[0] for c in chars if len(ids := encode(c)) == 1]
 
 
 def _rank(text: bytes) -> int:

@@ -5,6 +5,7 @@ completion fits still raises, naming the completion's length."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from pydantic import BaseModel
@@ -206,7 +207,7 @@ def test_the_search_never_returns_a_completion_longer_than_its_limit(llm: LLM) -
 
 def test_a_small_budget_drops_back_to_the_start_when_what_opened_cannot_close(llm: LLM) -> None:
     """At max_tokens=48 the first budget check is due at once; the empty output is then noted
-    as a point where a completion fits, so an item whose `uri` field the search cannot close
+    as a point where a completion fits, so an item with a required `uri` field that does not fit
     (MaskBench Github_easy o10318) is dropped and the list closed: complete, never cut off."""
     schema = {"type": "array", "readOnly": True, "items": {
         "type": "object", "additionalProperties": False, "required": ["href", "rel"],
@@ -215,3 +216,54 @@ def test_a_small_budget_drops_back_to_the_start_when_what_opened_cannot_close(ll
     prompt = f"Write an example JSON value for this schema: {json.dumps(schema)}"
     c = llm.complete(JsonSchema(schema), prompt, max_tokens=48, temperature=0)
     assert c.finish_reason == "stop" and isinstance(c.value, list)
+
+
+SCIENTISTS_PROMPT = ("Give a JSON list of five famous people, each with name, city and country: Einstein from Ulm, "
+                     "Germany; Curie from Warsaw, Poland; Newton from Woolsthorpe, England; Darwin from "
+                     "Shrewsbury, England; Tesla from Smiljan, Croatia.")
+
+
+def test_a_stream_that_closing_rolls_back_sends_only_text_of_the_final_output(llm: LLM) -> None:
+    """Closing drops the item opened past the budget; the stream held that item back, so its
+    deltas add up to the final text (sent text cannot be taken back)."""
+    stream = llm.stream(list[Scientist], SCIENTISTS_PROMPT, max_tokens=40)
+    deltas = []
+    while True:
+        try:
+            deltas.append(next(stream))
+        except StopIteration as end:
+            c = end.value
+            break
+    assert c.stats.dropped_tokens > 0 and c.finish_reason == "stop"
+    assert "".join(deltas) == c.text
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+@pytest.mark.parametrize("field", [{"format": "uri"}, {"format": "email"}, {"format": "time"},
+                                   {"format": "duration"}, {"pattern": "^[a-z]+@[a-z]+\\.[a-z]+$"}])
+def test_the_search_closes_strings_whose_format_or_pattern_holds_the_quote_back(
+        llm: LLM, backend: str, field: dict) -> None:
+    """Greedy tokens alone never reach the quote of these strings (`[a-z]+` takes letters
+    forever where an `@` must come); the probe finds the few characters that let it come."""
+    schema = {"type": "object", "properties": {"v": {"type": "string", **field}}, "required": ["v"]}
+    matcher = llm.grammars.compile(to_constraint(JsonSchema(schema)), backend=backend).matcher()
+    plan = llm.engine.closer.search.shortest(matcher, 30)
+    assert plan is not None and matcher.accept_tokens(plan) == len(plan)
+    assert matcher.is_completed()
+    value = json.loads(llm.tokenizer.decode(plan))["v"]
+    if "pattern" in field:
+        assert re.fullmatch(field["pattern"], value)
+
+
+def test_a_safe_point_that_respelt_tokens_moved_past_an_opened_item_still_closes(llm: LLM, maskbench_dir) -> None:
+    """Jump-forward respells `true` + `},` as `true},` after the check that found `}]` fits, so
+    the safe point's token count lands after the comma that opens a second item (MaskBench
+    Github_easy o23494); the rollback steps back a token more and closes the list."""
+    line = next(s for s in (maskbench_dir / "Github_easy.jsonl").read_text().splitlines() if '"Github_easy---o23494"' in s)
+    schema = json.loads(line)["schema"]
+    prompt = ("Extract the record as JSON from this text. [{'childno': 1, 'split': False, 'pause': True, "
+              "'relativeangle': 90.0, 'ejectmass': False}, {'childno': 2, 'split': True, 'pause': False, "
+              "'relativeangle': -45.0, 'ejectmass': True}, {'childno': 3, 'split': False, 'pause': False, "
+              "'relativeangle': 180.0, 'ejectmass': False}]")
+    c = llm.complete(JsonSchema(schema), [{"role": "user", "content": prompt}], max_tokens=48)
+    assert c.finish_reason == "stop" and c.stats.dropped_tokens > 0 and len(c.value) >= 1

@@ -4,9 +4,12 @@
 
 from __future__ import annotations
 
+import json
+
+import httpx
 import openai
 import pytest
-from pydantic import BaseModel
+from pydantic import BaseModel, TypeAdapter
 
 from structgen import IncompleteOutputError
 from structgen.remote import RemoteLLM
@@ -47,3 +50,29 @@ def test_remote_llm_passes_the_switches(server_url: str) -> None:
         with pytest.raises(IncompleteOutputError):
             remote.complete(Ticket, PROMPT, max_tokens=30, temperature=1.0, seed=3, close_at_budget=False,
                             loop_guards=False)
+
+
+class Scientist(BaseModel):
+    name: str
+    city: str
+    country: str
+
+
+SCIENTISTS_PROMPT = ("Give a JSON list of five famous people, each with name, city and country: Einstein from Ulm, "
+                     "Germany; Curie from Warsaw, Poland; Newton from Woolsthorpe, England; Darwin from "
+                     "Shrewsbury, England; Tesla from Smiljan, Croatia.")
+
+
+def test_a_stream_that_closing_rolls_back_adds_up_to_the_final_text(server_url: str) -> None:
+    """At max_tokens=40 the closer drops the item opened past the budget and closes the list
+    before it; the streamed deltas held that item back, so they add up to the unstreamed text."""
+    schema = TypeAdapter(list[Scientist]).json_schema()
+    body = {"model": MODEL, "messages": [{"role": "user", "content": SCIENTISTS_PROMPT}], "max_tokens": 40,
+            "temperature": 0, "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}
+    whole = httpx.post(f"{server_url}/chat/completions", json=body, timeout=120).json()["choices"][0]
+    with httpx.stream("POST", f"{server_url}/chat/completions", json={**body, "stream": True}, timeout=120) as r:
+        events = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: {")]
+    chunks = [json.loads(e)["choices"] for e in events]
+    text = "".join(c[0]["delta"].get("content") or "" for c in chunks if c)
+    assert whole["finish_reason"] == "stop" and len(json.loads(whole["message"]["content"])) >= 1
+    assert text == whole["message"]["content"]
