@@ -174,7 +174,9 @@ class BudgetCloser:
         move forward, so text before the one read here is never taken back."""
         if req.finished or not req.params.close_at_budget or req.safe_point is None:
             return None
-        return max(0, req.safe_point - SAFE_POINT_SLACK)
+        # Not minus SAFE_POINT_SLACK: tokens before the first safe point went out while there
+        # was none, and holding the slack back would take them back from the stream.
+        return req.safe_point
 
     def _close_at_safe_point(self, req: Request) -> bool:
         """No completion fits from here (since the last check the output opened more than its
