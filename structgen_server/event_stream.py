@@ -39,7 +39,8 @@ class EventStream(Response):
         except asyncio.CancelledError:
             if not (watcher.done() and not watcher.cancelled()):
                 raise  # cancelled from elsewhere (shutdown): not ours to swallow
-            self.task.uncancel()  # the client went away: the response just ends
+            if hasattr(self.task, "uncancel"):  # Python 3.11+; 3.10 keeps no cancel count
+                self.task.uncancel()  # the client went away: the response just ends
         except OSError:  # the connection broke while writing
             pass
         finally:

@@ -27,6 +27,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from structgen_server.connection import KEEP_ALIVE_S, MAX_HEAD_BYTES, http_protocol
 from structgen_server.errors import APIError
 from structgen_server.guard import GuardConfig, RequestGuard
 from structgen_server.metrics import Metrics
@@ -190,12 +191,15 @@ def _json_object(body: bytes) -> dict:
 def prompt_text(parsed: dict) -> str:
     """A request's prompt as the front end sees it, in the order a chat template lays it out
     (tools, then the messages; or the completion prompt)."""
-    parts = [json.dumps(parsed["tools"], sort_keys=True)] if parsed.get("tools") else []
-    for message in parsed.get("messages") or []:
+    # Any JSON may arrive here (the replica validates it, and answers a 400): read what is text.
+    tools = parsed.get("tools")
+    parts = [json.dumps(tools, sort_keys=True, default=str)] if tools else []
+    messages = parsed.get("messages")
+    for message in messages if isinstance(messages, list) else []:
         if isinstance(message, dict):
             content = message.get("content")
             if isinstance(content, list):
-                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+                content = "".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
             parts.append(f"{message.get('role')}:{content}")
     prompt = parsed.get("prompt")
     if isinstance(prompt, str):
@@ -325,7 +329,11 @@ def run_replicated_server(replica_args: list[str], count: int, *, host: str, por
                         max_client_errors=max_client_errors)
     app = RequestGuard(create_front_app(replicas, default_max_tokens), guard, Metrics("replicas"))
     try:
-        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+        # The replicas' connection settings: a keep-alive longer than clients' (a request sent on
+        # a connection the server is closing is lost), a deadline for request heads.
+        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
+                    http=http_protocol(), timeout_keep_alive=KEEP_ALIVE_S, access_log=False, backlog=4096,
+                    h11_max_incomplete_event_size=MAX_HEAD_BYTES)
     finally:
         replicas.stop()
 

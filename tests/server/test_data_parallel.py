@@ -55,6 +55,16 @@ def test_requests_sharing_a_tool_catalogue_go_to_the_replica_that_served_it_unti
     assert short[0] is not short[1]  # prompts shorter than a block are balanced, not pinned
 
 
+@pytest.mark.parametrize("body", [{"messages": 5}, {"messages": [{"role": "user", "content": [{"text": None}]}]},
+                                  {"messages": [{"content": [{"type": "text", "text": 5}]}]}, {"tools": "x", "prompt": 3},
+                                  ["not", "an", "object"]])
+def test_the_front_end_routes_any_json_body_and_leaves_refusing_it_to_the_replica(body):
+    """Routing reads only what is text: a malformed body goes to a replica, whose 400 names
+    the problem, instead of failing the front end with a 500."""
+    route = Route.of(json.dumps(body).encode(), 64)
+    assert ReplicaSet([Replica(0, [], {}, up=True)]).pick(route) is not None
+
+
 @pytest.fixture(scope="module")
 def replicated(tiny_llama_dir):
     with ServerProcess(["--data-parallel", "2", "--device", "cpu", "--model", str(tiny_llama_dir),
