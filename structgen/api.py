@@ -281,6 +281,9 @@ class LLM:
         constraint = await asyncio.to_thread(self._constraint, output_type, strict, loop_guards)
         if constraint.kind == "text":
             return constraint, None
+        hit = self.grammars.cached(constraint)  # a cached grammar waits behind no compile
+        if hit is not None:
+            return constraint, hit
         async with self._compile_gate:
             future = self.grammars.submit(constraint)
             try:
@@ -655,9 +658,10 @@ class CompletionStream:
 class _OutputDeltas:
     """A request's output as deltas while it grows: its think section's text as
     `ReasoningDelta`s (a tail that may begin the closing tag held back until the thinking
-    ends), then its answer's text as plain `str`. Sent text is never taken back, so the
+    ends), then its answer's text as plain `str`. Sent text cannot be taken back, so the
     answer's tokens that budget closing may still drop (`BudgetCloser.retractable_from`)
-    wait until they are kept or the request ends: the deltas add up to the final text."""
+    wait until they are kept or the request ends: the deltas add up to the final text (but
+    for a closing that steps back past its safe point, `SAFE_POINT_SLACK`)."""
 
     def __init__(self, tokenizer: Any):
         self.reasoning = _DeltaDecoder(tokenizer, hold=CLOSE_TAG)
@@ -668,8 +672,8 @@ class _OutputDeltas:
         # Read `finished` before the tokens: a request that finishes meanwhile sends one more
         # update, whose call sends the rest.
         self.final = final = req.finished
+        kept = None if final else BudgetCloser.retractable_from(req)  # before the tokens it bounds
         phase, ids = req.reasoning, req.output_ids
-        kept = None if final else BudgetCloser.retractable_from(req)
         if phase is None:
             ids = ids if kept is None else ids[:kept]
             return [d] if (d := self.answer.delta(ids, final=final)) else []

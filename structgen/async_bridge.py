@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -27,7 +28,9 @@ class LoopWaker:
     updates of a step with one wake-up, sent when the step ends."""
 
     def __init__(self, aloop: asyncio.AbstractEventLoop, engine_loop: EngineLoop):
-        self._aloop, self._engine_loop = aloop, engine_loop
+        # Weakly: the LLM keeps wakers in a dict keyed weakly by their loops, which a strong
+        # reference here would keep alive forever (one per `asyncio.run`).
+        self._aloop, self._engine_loop = weakref.ref(aloop), engine_loop
         self._lock = threading.Lock()
         self._pending: list[tuple[asyncio.Queue[Any], Any]] = []
 
@@ -43,9 +46,12 @@ class LoopWaker:
         self._engine_loop.after_step(self._wake)
 
     def _wake(self) -> None:
+        aloop = self._aloop()
         try:
-            self._aloop.call_soon_threadsafe(self._deliver)
-        except RuntimeError:  # the event loop is closed: nobody waits for the updates
+            if aloop is None:
+                raise RuntimeError("the event loop is gone")
+            aloop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # the event loop is closed or gone: nobody waits for the updates
             with self._lock:
                 self._pending.clear()
 

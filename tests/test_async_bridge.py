@@ -132,6 +132,20 @@ def test_a_burst_of_distinct_schemas_beyond_the_compile_queue_all_complete(model
     assert [c.value for c in done] == [f"value {i}" for i in range(burst)]
 
 
+def test_an_event_loop_that_ended_leaves_no_waker_behind(model_dir):
+    """Each `asyncio.run` brings a new event loop; the LLM's waker for one goes with it."""
+    import gc
+
+    llm = structgen.LLM(model_dir, config=EngineConfig(max_batch_size=2))
+    try:
+        for _ in range(3):
+            asyncio.run(llm.acomplete({"enum": ["a"]}, "Pick.", max_tokens=4))
+        gc.collect()
+        assert len(llm._wakers) == 0
+    finally:
+        llm.close()
+
+
 def test_closing_the_llm_ends_a_stream_in_progress(model_dir):
     llm = structgen.LLM(model_dir, config=EngineConfig(max_batch_size=2))
 

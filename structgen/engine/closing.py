@@ -171,8 +171,9 @@ class BudgetCloser:
     def retractable_from(req: Request) -> int | None:
         """The output length past which closing may still drop the request's tokens (back to
         its safe point, `_close_at_safe_point`); None where it drops none. Safe points only
-        move forward, so text before the one read here is never taken back."""
-        if req.finished or not req.params.close_at_budget or req.safe_point is None:
+        move forward, so text before the one read here is not taken back, but for a closing
+        that finds no completion there and steps back up to `SAFE_POINT_SLACK` tokens more."""
+        if not req.params.close_at_budget or req.safe_point is None:
             return None
         # Not minus SAFE_POINT_SLACK: tokens before the first safe point went out while there
         # was none, and holding the slack back would take them back from the stream.

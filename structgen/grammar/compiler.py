@@ -143,6 +143,10 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         return compiled
 
+    def cached(self, constraint: Constraint, backend: str | None = None) -> CompiledGrammar | None:
+        """The grammar `submit(constraint, backend)` would return at once from the cache, or None."""
+        return self._cached((constraint.key, backend or self.backend))
+
     def _cached(self, key: tuple) -> CompiledGrammar | None:
         with self._lock:
             hit = self._cache.get(key)
