@@ -24,8 +24,8 @@ batch-invariant mode (`kernels.use_batch_invariant`) `invariant_gemm` runs every
 one row to a prefill chunk, as one tiled `tl.dot` GEMM whose tile (`InvariantTiles`: rows,
 features, K chunk) is a function of the matrix's shape only, with no split of K: every row
 is then computed by the same code with the same reduction order, whichever tile it lands in
-and whatever the other rows hold. Several tilings are kept (`INVARIANT_TILES`, switched by
-`use_invariant_tiles`) so that one GPU run can time them all (`benchmarks/bench_invariant_gemm.py`)
+and whatever the other rows hold. Several tilings are kept (`INVARIANT_TILES`, passed as `tiles=`; the engine uses
+`DEFAULT_INVARIANT_TILES`) so that one GPU run can time them all (`benchmarks/bench_invariant_gemm.py`)
 and check each one's invariance (tests/engine/test_kernels.py); 16-row tiles were the first,
 and cost a batch of 64 four tiles that each stream W.
 """
@@ -308,29 +308,14 @@ INVARIANT_TILES = {
     "rows64+128": InvariantTiles(128, ((64, ROWS64), (ANY, Tile(128, 128, 128, 8, 3)))),
 }
 DEFAULT_INVARIANT_TILES = "rows64"
-_invariant_tiles = INVARIANT_TILES[DEFAULT_INVARIANT_TILES]
-
-
-def use_invariant_tiles(name: str) -> None:
-    """Switch the batch-invariant GEMM to another tiling of `INVARIANT_TILES`, process-wide
-    (a sweep or a test; an engine keeps the default, so two processes compute the same bits)."""
-    global _invariant_tiles
-    if name not in INVARIANT_TILES:
-        from structgen.errors import InvalidParameterError
-
-        raise InvalidParameterError(f"unknown invariant GEMM tiling {name!r}; pass one of {sorted(INVARIANT_TILES)}")
-    _invariant_tiles = INVARIANT_TILES[name]
-
-
-def invariant_tiles() -> InvariantTiles:
-    """The batch-invariant GEMM's current tiling."""
-    return _invariant_tiles
+# The engine's tiling; the others are there for the sweep and the tests, which pass `tiles=`.
+_INVARIANT_DEFAULT = INVARIANT_TILES[DEFAULT_INVARIANT_TILES]
 
 
 def invariant_block(weight: torch.Tensor, rows: int, tiles: InvariantTiles | None = None) -> tuple[int, Block]:
     """(rows per tile, launch shape) of the batch-invariant GEMM for `rows` rows: a function
     of W's shape only, never timed, so two processes compute the same bits."""
-    t = tiles or _invariant_tiles
+    t = tiles or _INVARIANT_DEFAULT
     n, k = weight.shape
     chunk = next((c for c in (t.k, t.k // 2, t.k // 4) if k % c == 0), t.k)
     tile = next(tile for most, tile in t.tiles if rows <= most)
