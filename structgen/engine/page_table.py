@@ -181,8 +181,11 @@ class PageTable:
         return len(self._keyed[slot]) * self.page_size
 
     def publish(self, slot: int, token_ids: list[int], num_computed: int, num_prompt: int) -> None:
-        """Put `slot`'s full prompt pages whose K/V are computed (the first `num_computed`
-        tokens) into the prefix cache."""
+        """Put `slot`'s full pages whose K/V are computed (the first `num_computed` tokens) and
+        that lie within its first `num_prompt` tokens into the prefix cache: the prompt's while
+        the request runs, every computed token's as it leaves its slot (the scheduler passes
+        `num_computed` as both; the slot is released right after, so `_published` no longer
+        matters there)."""
         keyed = self._keyed[slot]
         full = min(num_computed, num_prompt, len(self._pages[slot]) * self.page_size) // self.page_size
         if self.cache is not None and full > len(keyed):
