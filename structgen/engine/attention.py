@@ -52,7 +52,8 @@ class AttentionBatch:
     @classmethod
     def build(cls, seqs: list[tuple[int, int, int]], pages: PageTable, decode_kernel: bool = False) -> AttentionBatch:
         """`seqs`: (slot, start position, number of new tokens) per sequence, whose pages
-        `pages` maps already."""
+        `pages` maps already. Brings the device copy of the page table up to date first."""
+        pages.sync()
         device = pages.table.device
         max_q = max(n for _, _, n in seqs)
         max_ctx = max(s + n for _, s, n in seqs)

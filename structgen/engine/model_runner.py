@@ -216,7 +216,6 @@ class ModelRunner:
             flat.extend(s.token_ids)
             logit_rows.extend(range(len(flat) - s.num_logits, len(flat)))
         pages = self.kv.pages
-        pages.sync()
         spans = [(s.slot, s.start, len(s.token_ids)) for s in seqs]
         if batch_invariant() and self._use_decode_kernel([]):  # every token attends as its own row
             spans = [(slot, start + j, 1) for slot, start, n in spans for j in range(n)]
