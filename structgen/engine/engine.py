@@ -222,11 +222,11 @@ class Engine:
         batch = self.scheduler.schedule(token_budget=budget)
         if not batch:
             return []
+        if self.speculator is not None:
+            return self._speculative_step(batch)
         if self._is_decode_step(batch):
             return self._decode_step(batch)
         self._time_step(None)
-        if self.speculator is not None:  # draft, then verify every draft in one forward (speculative/)
-            return self.speculator.step(batch)
         seqs, sampling, guessed = [], [], {}
         for req, n in batch:
             start = req.num_cached
@@ -256,6 +256,21 @@ class Engine:
                 self._notify(req)
         return finished
 
+    def _speculative_step(self, batch: list[tuple[Request, int]]) -> list[Request]:
+        """Draft, then verify every draft in one forward (speculative/); where nobody drafts
+        (the draft policy found drafts do not pay at this batch), a plain decode step, timed
+        for the policy like a verify step."""
+        spec = self.speculator
+        assert spec is not None
+        started = time.perf_counter()
+        drafts = spec.drafts(batch)
+        if spec.may_skip_verify and not any(drafts) and self._is_decode_step(batch):
+            finished = self._decode_step(batch)
+            spec.policy.record_step(sum(n for _, n in batch), time.perf_counter() - started)
+            return finished
+        self._time_step(None)
+        return spec.verify_step(batch, drafts, started)
+
     def _is_decode_step(self, batch: list[tuple[Request, int]]) -> bool:
         """Every row fits the decode graphs: each request runs all its pending tokens and
         samples after the last, or (`prefill_in_graphs`) runs a chunk of its prompt and
@@ -264,8 +279,6 @@ class Engine:
         extra rows, one per token, when they fit a captured bucket: an eager extend is
         host-bound launches, many times a graph replay on a GPU (docs/performance.md,
         "Prefill and time to first token")."""
-        if self.speculator is not None:
-            return False
         rows = guesses = 0
         for req, n in batch:
             p = req.params
@@ -402,6 +415,8 @@ class Engine:
             batch = self.scheduler.peek()
             if not batch or not self._is_decode_step(batch):
                 return None
+            if self.speculator is not None and not self.speculator.plans_plain_step(batch):
+                return None  # a verify step comes next (its drafts are kept for it)
             return self._decode_rows(batch)[0]
         except Exception:  # pragma: no cover - planning must never fail the step
             log.exception("planning the next decode step failed")

@@ -617,6 +617,8 @@ def test_speculative_prelaunched_verify_equals_launching_late():
         ec = EngineConfig(device=str(DEVICE), dtype="float32", max_batch_size=4, max_seq_len=64,
                           use_cuda_graphs=False, speculative=spec)
         eng = Engine(cfg, ec, model_dir=None, stop_token_ids=set())
+        if eng.speculator is not None:  # every step drafts its budget, whatever steps cost here
+            eng.speculator.adaptive = False
         eng.runner.model.init_random_weights(std=0.1)
         eng.runner.graphs = DecodeGraphs(eng.runner, (1, 2, 4, 8), capture=CUDA, prelaunch=prelaunch)
         reqs = [Request(p, SamplingParams(max_tokens=30)) for p in prompts]
@@ -662,6 +664,9 @@ def test_capturable_guided_loop_equals_the_engines_path():
                           use_cuda_graphs=False, speculative=spec,
                           tuning=EngineTuning(cuda_graph_batch_sizes=(1, 2, 4, 8, 16), capturable_guided=capturable))
         eng = Engine(cfg, ec, model_dir=None, stop_token_ids=set())
+        # Every step drafts its budget: draft lengths chosen by measured step times would
+        # differ between the engines, and with them a sampled request's (equally likely) tokens.
+        eng.speculator.adaptive = False
         eng.runner.model.init_random_weights(std=0.1)
         eng.runner.capture_decode_graphs(capture=CUDA)
         return eng

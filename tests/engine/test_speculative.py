@@ -82,6 +82,27 @@ def test_greedy_constrained_output_is_unchanged(llm):
     assert llm.engine.runner.kv.pages.free_slots == llm.engine.runner.kv.num_slots
 
 
+def test_where_no_draft_pays_steps_run_as_plain_decode_steps(llm):
+    """A batch at which the policy finds that drafts cost more than they emit (here: every
+    bucket past one row priced at ten plain steps) runs the engine's plain decode steps, not
+    verify steps without drafts: no verify step, the plain output, and the plain steps are
+    timed for the policy. (A prompt's first step and forced text still go through the
+    speculator on the CPU, where only one-token rows take the plain path.)"""
+    base = complete(llm, None, JsonSchema(SCHEMA), PROMPT, max_tokens=40)
+    speculate(llm, SpeculativeConfig(num_draft_tokens=3))
+    policy = llm.engine.speculator.policy
+    for rows, seconds in ((1, 1.0), (2, 10.0), (4, 10.0), (8, 10.0)):
+        policy.record_step(rows, seconds)  # the warm-up step of a bucket is dropped
+        policy.record_step(rows, seconds)
+    try:
+        out = llm.complete(JsonSchema(SCHEMA), PROMPT, max_tokens=40)
+    finally:
+        speculate(llm, None)
+    assert out.token_ids == base.token_ids
+    assert out.stats.verify_steps <= out.stats.forward_passes // 4  # every pass was one before
+    assert policy.step_seconds[1] < 1.0  # plain steps replaced the made-up cost of one row
+
+
 def test_greedy_unconstrained_output_is_unchanged(llm):
     """Plain text, batched: every request keeps its greedy tokens, stop tokens included."""
     prompts = [

@@ -132,6 +132,7 @@ def test_speculative_and_jump_forward_outputs_equal_plain_greedy_outputs_on_jme(
             break
     assert len(cases) == 20
     ngram = Speculator(eng, SpeculativeConfig(method="ngram", num_draft_tokens=3))
+    ngram.adaptive = False  # every step a verify step (the gate check below), drafts or not
     ngram.use_tokenizer(llm.tokenizer)
 
     def outputs(speculator: Speculator | None, jump_forward: bool, guesses: bool = True) -> tuple[list[list[int]], int]:
@@ -161,5 +162,15 @@ def test_speculative_and_jump_forward_outputs_equal_plain_greedy_outputs_on_jme(
             if speculator is not None:  # a verify step never runs the token gate's one-row forward
                 assert graphs.gate_runs == gate_runs
             differ = [i for i, (a, b) in enumerate(zip(got, plain, strict=True)) if a != b]
-            assert not differ, f"{name}, jump_forward={jf}: prompts {differ} differ from no speculation"
+            assert not differ, f"{name}, jump_forward={jf}: prompts {differ} differ from no speculation: " + \
+                "; ".join(first_difference(llm.tokenizer, got[i], plain[i]) for i in differ)
     eng.jump_forward_hook.guesses = True
+
+
+def first_difference(tokenizer, got: list[int], want: list[int]) -> str:
+    """Where two outputs part, as token ids and text: a token boundary moved (the same text)
+    or a different token."""
+    at = next((j for j, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
+    same_text = tokenizer.decode(got) == tokenizer.decode(want)
+    return (f"token {at}: {got[at:at + 4]} vs {want[at:at + 4]} ({tokenizer.decode(got[at:at + 8])!r} vs "
+            f"{tokenizer.decode(want[at:at + 8])!r}; same text: {same_text})")

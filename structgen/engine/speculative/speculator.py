@@ -215,9 +215,33 @@ class Speculator:
         mask, accept, advance. Returns the requests that finished. The step's wall time goes
         to the draft policy (the capturable mode's loop, several steps at once, is not timed)."""
         started = time.perf_counter()
+        drafts = self.drafts(batch)
+        return self.verify_step(batch, drafts, started)
+
+    def drafts(self, batch: list[tuple[Request, int]]) -> list[list[int]]:
+        """This step's drafts: those the previous step planned for this very batch, else
+        proposed now."""
         drafts = self._planned_drafts(batch)
-        if drafts is None:
-            drafts = self.propose(batch)
+        return self.propose(batch) if drafts is None else drafts
+
+    @property
+    def may_skip_verify(self) -> bool:
+        """Whether a step where nobody drafts may run as a plain decode step (the engine's own
+        path, whose next forward is launched ahead and whose masks are filled during the
+        forward): only for a drafter that runs on the host (a draft model keeps a KV cache of
+        its own that follows every step), not in the capturable mode, nor with fixed draft
+        lengths."""
+        return self.adaptive and not self.capturable and getattr(self.drafter, "host_only", False)
+
+    def plans_plain_step(self, batch: list[tuple[Request, int]]) -> bool:
+        """Whether the next step, `batch`, will be a plain decode step; its drafts are proposed
+        now and kept for it either way (`drafts`)."""
+        drafts = self.propose(batch)
+        self._planned = (self._batch_key(batch), drafts)
+        return self.may_skip_verify and not any(drafts)
+
+    def verify_step(self, batch: list[tuple[Request, int]], drafts: list[list[int]], started: float) -> list[Request]:
+        """`step` with its drafts chosen; `started`: when the step began (perf_counter)."""
         if self._capturable():
             bucket = self._loop_bucket(batch)
             fitted = self._fit(batch, drafts, bucket)
