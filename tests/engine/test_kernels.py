@@ -161,6 +161,58 @@ def test_rope_and_cache_matches_torch():
     assert torch.equal(vc.view(-1, 3, 64)[token_slots], v_ref.reshape(n, 3, 64))
 
 
+def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many representable values lie between a and b (same-sign values)."""
+    as_int = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}[a.dtype]
+    return (a.view(as_int).long() - b.view(as_int).long()).abs()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, LOW])
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_rope_and_cache_with_head_norms_matches_torch(family, dtype):
+    """Qwen3's per-head q/k RMSNorm and Gemma 3's `(1 + w)` form, folded into the RoPE + KV
+    write kernel, give the torch path's norm-then-rotate: bit for bit almost everywhere in the
+    16-bit model dtype; in float32, where the kernel's sum order and 1/sqrt differ from torch's,
+    the norm itself (position 0: cos 1, sin 0) within a few ulps (more on the GPU, whose Triton
+    sqrt and division are approximate) and every rotated head within as many ulps of its
+    largest normed element."""
+    from structgen.engine.config import ModelConfig
+    from structgen.engine.kernels.fused import HeadNorms, rope_and_cache
+    from structgen.engine.models.gemma3 import GemmaRMSNorm
+    from structgen.engine.models.llama import RMSNorm, RotaryEmbedding
+
+    heads, kv_heads, dim = (8, 2, 128) if family == "qwen3" else (4, 1, 256)
+    norm_type, weight_mean = (RMSNorm, 1.0) if family == "qwen3" else (GemmaRMSNorm, 0.0)
+    rope = RotaryEmbedding(ModelConfig(num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=dim), 512)
+    rope = rope.to(DEVICE)
+    q_norm, k_norm = norm_type(dim, 1e-6).to(DEVICE, dtype), norm_type(dim, 1e-6).to(DEVICE, dtype)
+    g = torch.Generator().manual_seed(dim)
+    with torch.no_grad():
+        q_norm.weight.copy_(torch.randn(dim, generator=g) * 0.3 + weight_mean)
+        k_norm.weight.copy_(torch.randn(dim, generator=g) * 0.3 + weight_mean)
+    n, q_size, kv_size = 6, heads * dim, kv_heads * dim
+    qkv = (torch.randn(n, q_size + 2 * kv_size, generator=g) * 3).to(DEVICE, dtype)
+    positions = torch.tensor([0, 0, 17, 200, 511, 3], device=DEVICE)
+    token_slots = torch.tensor([0, 1, 40, 17, 511, 38], device=DEVICE)
+    kc = torch.full((32, 16, kv_heads, dim), float("nan"), device=DEVICE).to(dtype)
+    vc = kc.clone()
+    norms = HeadNorms(q_norm.weight, k_norm.weight, 1e-6, unit_offset=family == "gemma3")
+    with torch.inference_mode():
+        q = rope_and_cache(qkv, positions, token_slots, rope.cos, rope.sin, kc, vc, heads, kv_heads, dim, norms)
+        q_in, k_in, v_in = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q_normed, k_normed = q_norm(q_in.reshape(n, heads, dim)), k_norm(k_in.reshape(n, kv_heads, dim))
+    eps, at_zero, ulps = torch.finfo(dtype).eps, positions == 0, 8 if CUDA else 4
+    for out, normed in ((q, q_normed), (kc.view(-1, kv_heads, dim)[token_slots], k_normed)):
+        ref = rope(normed, positions)
+        if dtype == torch.float32:
+            assert ulps_apart(out[at_zero], normed[at_zero]).max() <= ulps
+        else:
+            assert (out == ref).float().mean() > 0.99
+        err = (out.float() - ref.float()).abs().amax(-1)
+        assert (err <= ulps * eps * normed.float().abs().amax(-1)).all()
+    assert torch.equal(vc.view(-1, kv_heads, dim)[token_slots], v_in.reshape(n, kv_heads, dim))
+
+
 def test_silu_mul_matches_torch():
     import torch.nn.functional as F
 

@@ -29,6 +29,8 @@ class GemmaRMSNorm(nn.Module):
     """`x / rms(x) * (1 + w)`, computed in float32 and cast back once (weights stored as HF
     stores them: zero is the identity)."""
 
+    unit_offset = True  # the `(1 + w)` form, as the fused kernels of kernels/fused.py take it
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim))

@@ -35,6 +35,8 @@ FUSED_ROWS = 4  # steps of up to this many rows run norms inside the projections
 
 
 class RMSNorm(nn.Module):
+    unit_offset = False  # scales by `weight`, not Gemma's `1 + weight` (kernels/fused.py reads it)
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
@@ -153,18 +155,16 @@ class Attention(nn.Module):
 
     def fused_rope_and_cache(self, qkv: torch.Tensor, rope: RotaryEmbedding, batch: AttentionBatch,
                              kv: KVCache) -> torch.Tensor:
-        """q after RoPE, with k and v written to the cache, in Triton kernels (kernels/fused.py);
-        q/k norms (Qwen3, Gemma 3) first, one kernel each over every head."""
-        from structgen.engine.kernels.fused import rope_and_cache
+        """q after RoPE, with k and v written to the cache, in one Triton kernel (kernels/fused.py)
+        that also applies the per-head q/k norms (Qwen3, Gemma 3)."""
+        from structgen.engine.kernels.fused import HeadNorms, rope_and_cache
 
+        norms = None
         if self.q_norm is not None:
-            n, q_end, k_end = qkv.shape[0], self.q_size, self.q_size + self.kv_size
-            q = self.q_norm(qkv[:, :q_end].reshape(n * self.n_heads, self.head_dim))
-            k = self.k_norm(qkv[:, q_end:k_end].reshape(n * self.n_kv, self.head_dim))
-            qkv = torch.cat([q.view(n, self.q_size), k.view(n, self.kv_size), qkv[:, k_end:]], dim=-1)
+            norms = HeadNorms(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.unit_offset)
         i = self.layer_idx
         return rope_and_cache(qkv, batch.positions, batch.token_slots, rope.cos, rope.sin, kv.k[i], kv.v[i],
-                              self.n_heads, self.n_kv, self.head_dim)
+                              self.n_heads, self.n_kv, self.head_dim, norms)
 
     def norm_forward(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, rope: RotaryEmbedding,
                      batch: AttentionBatch, kv: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
