@@ -264,7 +264,7 @@ class Engine:
         assert spec is not None
         started = time.perf_counter()
         drafts = spec.drafts(batch)
-        if spec.may_skip_verify and not any(drafts) and self._is_decode_step(batch):
+        if spec.skips_verify(batch, drafts) and self._is_decode_step(batch):
             finished = self._decode_step(batch)
             spec.policy.record_step(sum(n for _, n in batch), time.perf_counter() - started)
             return finished

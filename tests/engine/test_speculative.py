@@ -83,24 +83,35 @@ def test_greedy_constrained_output_is_unchanged(llm):
 
 
 def test_where_no_draft_pays_steps_run_as_plain_decode_steps(llm):
-    """A batch at which the policy finds that drafts cost more than they emit (here: every
-    bucket past one row priced at ten plain steps) runs the engine's plain decode steps, not
-    verify steps without drafts: no verify step, the plain output, and the plain steps are
-    timed for the policy. (A prompt's first step and forced text still go through the
-    speculator on the CPU, where only one-token rows take the plain path.)"""
-    base = complete(llm, None, JsonSchema(SCHEMA), PROMPT, max_tokens=40)
-    speculate(llm, SpeculativeConfig(num_draft_tokens=3))
-    policy = llm.engine.speculator.policy
-    for rows, seconds in ((1, 1.0), (2, 10.0), (4, 10.0), (8, 10.0)):
-        policy.record_step(rows, seconds)  # the warm-up step of a bucket is dropped
-        policy.record_step(rows, seconds)
-    try:
-        out = llm.complete(JsonSchema(SCHEMA), PROMPT, max_tokens=40)
-    finally:
-        speculate(llm, None)
-    assert out.token_ids == base.token_ids
-    assert out.stats.verify_steps <= out.stats.forward_passes // 4  # every pass was one before
-    assert policy.step_seconds[1] < 1.0  # plain steps replaced the made-up cost of one row
+    """Two requests at a batch where the policy finds that drafts cost more than they emit
+    (here: every bucket past two rows priced at ten plain steps) run the engine's plain decode
+    steps, not verify steps without drafts: the plain outputs, half the passes or fewer as
+    verify steps (the prompts' steps still are, and so are a lone request's), and the plain
+    steps are timed for the policy."""
+    ids = [llm.encode_prompt(p) for p in (PROMPT, f"Summarise in one sentence: {SOURCE}")]
+
+    def run(spec: SpeculativeConfig | None, costs: dict[int, float]) -> list[Request]:
+        speculate(llm, spec)
+        if spec is not None:
+            for rows, seconds in costs.items():
+                llm.engine.speculator.policy.record_step(rows, seconds)  # a bucket's first is dropped
+                llm.engine.speculator.policy.record_step(rows, seconds)
+        reqs = [Request(p, SamplingParams(max_tokens=30), stop_token_ids=frozenset(llm.engine.stop_token_ids)) for p in ids]
+        try:
+            for future in [llm.loop.submit(r) for r in reqs]:
+                future.result(timeout=300)
+            return reqs
+        finally:
+            if spec is not None:
+                run.policy = llm.engine.speculator.policy
+            speculate(llm, None)
+
+    base = run(None, {})
+    got = run(SpeculativeConfig(num_draft_tokens=3), {2: 1.0, 4: 10.0, 8: 10.0})
+    assert [r.output_ids for r in got] == [r.output_ids for r in base]
+    for r in got:
+        assert r.stats.verify_steps <= r.stats.forward_passes // 2  # every pass was one before
+    assert run.policy.step_seconds[2] < 1.0  # plain steps replaced the made-up cost of two rows
 
 
 def test_greedy_unconstrained_output_is_unchanged(llm):

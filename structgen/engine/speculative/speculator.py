@@ -224,21 +224,22 @@ class Speculator:
         drafts = self._planned_drafts(batch)
         return self.propose(batch) if drafts is None else drafts
 
-    @property
-    def may_skip_verify(self) -> bool:
-        """Whether a step where nobody drafts may run as a plain decode step (the engine's own
-        path, whose next forward is launched ahead and whose masks are filled during the
-        forward): only for a drafter that runs on the host (a draft model keeps a KV cache of
-        its own that follows every step), not in the capturable mode, nor with fixed draft
-        lengths."""
-        return self.adaptive and not self.capturable and getattr(self.drafter, "host_only", False)
+    def skips_verify(self, batch: list[tuple[Request, int]], drafts: list[list[int]]) -> bool:
+        """Whether this step, where nobody drafts, runs as a plain decode step (the engine's
+        own path, whose next forward is launched ahead and whose masks are filled during the
+        forward). Only with several requests: one request's steps stay verify steps, whose
+        next forward this speculator plans. Only for a drafter that runs on the host (a draft
+        model keeps a KV cache of its own that follows every step), not in the capturable
+        mode, nor with fixed draft lengths."""
+        return (len(batch) > 1 and not any(drafts) and self.adaptive and not self.capturable
+                and getattr(self.drafter, "host_only", False))
 
     def plans_plain_step(self, batch: list[tuple[Request, int]]) -> bool:
         """Whether the next step, `batch`, will be a plain decode step; its drafts are proposed
         now and kept for it either way (`drafts`)."""
         drafts = self.propose(batch)
         self._planned = (self._batch_key(batch), drafts)
-        return self.may_skip_verify and not any(drafts)
+        return self.skips_verify(batch, drafts)
 
     def verify_step(self, batch: list[tuple[Request, int]], drafts: list[list[int]], started: float) -> list[Request]:
         """`step` with its drafts chosen; `started`: when the step began (perf_counter)."""
