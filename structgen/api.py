@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 from structgen.arguments import (
     DEFAULTS,
+    EncodedPrompt,
     GenerateOptions,
     Options,
     check_prompt,
@@ -65,7 +66,7 @@ if TYPE_CHECKING:
     from structgen.remote import RemoteLLM
 
 T = TypeVar("T")
-Prompt = str | Sequence[dict[str, Any]]
+Prompt = str | Sequence[dict[str, Any]] | EncodedPrompt
 # How often a blocked wait wakes to let Ctrl-C through (a bare lock wait does not on Windows,
 # nor for `_thread.interrupt_main`).
 _POLL_S = 0.1
@@ -209,9 +210,16 @@ class LLM:
     # -- prompts ----------------------------------------------------------------------------
     def encode_prompt(self, prompt: Prompt, *, chat: bool | None = None, tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of a prompt: message lists and (for chat models) plain strings go through
-        the chat template; `chat=False` sends a string as raw text. A prompt far longer than
-        the context is refused (`PromptTooLongError`) before it is tokenized."""
+        the chat template; `chat=False` sends a string as raw text; an `EncodedPrompt` is
+        its ids. A prompt far longer than the context is refused (`PromptTooLongError`) before
+        it is tokenized."""
         check_prompt(prompt, self.engine.max_seq_len * _MAX_CHARS_PER_TOKEN)
+        if isinstance(prompt, EncodedPrompt):
+            if tools:
+                raise InvalidParameterError(
+                    "tools were given with an encoded prompt, which the chat template already "
+                    "rendered; pass the tools to encode_prompt instead")
+            return list(prompt.token_ids)
         try:
             return self._tokenize(prompt, chat, tools)
         except StructgenError:
@@ -263,7 +271,10 @@ class LLM:
         """`_request` for asyncio: tokenizing and grammar work off the event loop."""
         constraint, compiled = await self._acompile(output_type, options.strict, options.params.loop_guards)
         matcher = compiled.matcher() if compiled is not None else None
-        ids = await asyncio.to_thread(self.encode_prompt, prompt, chat=options.chat, tools=options.tools)
+        if isinstance(prompt, EncodedPrompt):  # nothing to tokenize: no worker thread
+            ids = self.encode_prompt(prompt, tools=options.tools)
+        else:
+            ids = await asyncio.to_thread(self.encode_prompt, prompt, chat=options.chat, tools=options.tools)
         return self._new_request(ids, options.params, matcher, constraint), constraint
 
     async def aprepare(self, output_type: Any, *, strict: bool = True) -> Constraint:
@@ -661,9 +672,11 @@ class _OutputDeltas:
     ends), then its answer's text as plain `str`. Sent text cannot be taken back, so the
     answer's tokens that budget closing may still drop (`BudgetCloser.retractable_from`)
     wait until they are kept or the request ends: the deltas add up to the final text (but
-    for a closing that steps back past its safe point, `SAFE_POINT_SLACK`)."""
+    for a closing that steps back past its safe point, `SAFE_POINT_SLACK`). Each update costs
+    the tokens it adds, not the whole output."""
 
     def __init__(self, tokenizer: Any):
+        self.tokens = _OutputTokens()
         self.reasoning = _DeltaDecoder(tokenizer, hold=CLOSE_TAG)
         self.answer = _DeltaDecoder(tokenizer)
         self.final = False  # the last call saw the request finished: nothing more comes
@@ -671,65 +684,130 @@ class _OutputDeltas:
     def deltas(self, req: Request) -> list[str]:
         # Read `finished` before the tokens: a request that finishes meanwhile sends one more
         # update, whose call sends the rest.
-        self.final = final = req.finished
+        final = req.finished
         kept = None if final else BudgetCloser.retractable_from(req)  # before the tokens it bounds
-        phase, ids = req.reasoning, req.output_ids
+        phase = req.reasoning
+        changed = self.tokens.read(req)
+        if changed is None:  # the engine is dropping tokens right now: its next update reads them
+            return []
+        self.final = final
+        ids = self.tokens.ids
+        self.reasoning.changed(changed)
+        self.answer.changed(changed)
         if phase is None:
-            ids = ids if kept is None else ids[:kept]
-            return [d] if (d := self.answer.delta(ids, final=final)) else []
+            end = len(ids) if kept is None else min(kept, len(ids))
+            return [d] if (d := self.answer.delta(ids, 0, end, final=final)) else []
         out: list[str] = []
-        if d := self.reasoning.delta(phase.reasoning_ids(ids), final=final or not phase.thinking):
+        think_end = len(ids) if phase.end is None else min(phase.end, len(ids))
+        if d := self.reasoning.delta(ids, phase.start, think_end, final=final or not phase.thinking):
             out.append(ReasoningDelta(d))
-        answer = phase.answer_ids(ids)
-        if kept is not None and phase.answer_start is not None:
-            answer = answer[: max(0, kept - phase.answer_start)]
-        if not phase.thinking and (d := self.answer.delta(answer, final=final)):
-            out.append(d)
+        if phase.answer_start is not None:
+            end = len(ids) if kept is None else max(phase.answer_start, min(kept, len(ids)))
+            if d := self.answer.delta(ids, phase.answer_start, end, final=final):
+                out.append(d)
         return out
+
+
+class _OutputTokens:
+    """This thread's copy of a request's output tokens while the engine thread grows them:
+    a read copies the tokens added since the last one, or, where the engine dropped some
+    meanwhile (`Request.truncations`), all of them."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self._truncations = 0  # the request's count when `ids` was last read whole
+
+    def read(self, req: Request) -> int | None:
+        """Bring `ids` up to date; the index of its first token that the last read did not
+        have, or None while the engine is dropping tokens (`ids` unchanged)."""
+        n, before = len(self.ids), req.truncations
+        if before == self._truncations:
+            tail = req.token_ids[req.num_prompt + n :]
+            if req.truncations == before:
+                self.ids += tail
+                return n
+        ids = req.output_ids
+        if before % 2 or req.truncations != before:
+            return None
+        first = min(n, len(ids))
+        if ids[:first] != self.ids[:first]:
+            first = next(i for i, (a, b) in enumerate(zip(ids, self.ids, strict=False)) if a != b)
+        self.ids, self._truncations = ids, before
+        return first
 
 
 class _DeltaDecoder:
-    """Incremental detokenisation that never emits half a multi-byte character, nor, until
-    `final`, a tail that may be the start of `hold`."""
+    """Incremental detokenisation of one section `ids[start:end]` of an output, that never
+    emits half a multi-byte character, nor, until `final`, a tail that may be the start of
+    `hold`. The text decoded so far is kept as chunks, one per call, each marked with the
+    tokens it ends at: a call decodes only the tokens after the last mark (with a few before,
+    for the context a tokenizer's decoding needs), and tokens replaced behind a mark decode
+    again from the mark before them. Text that no longer follows what was sent is sent again
+    from where it diverges."""
 
     def __init__(self, tokenizer: Any, hold: str = ""):
-        self.tokenizer = tokenizer
         self._raw_decode = _raw_decoder(tokenizer)
         self.hold = hold
-        self.sent = ""
-        # The tokens decoded last time and their text: the next call decodes only what follows
-        # them (and a few tokens before, for the context a tokenizer's decoding needs).
-        self._decoded_ids: list[int] = []
-        self._decoded_text = ""
+        self._start = 0  # the section's first token at the last call
+        self._marks = [(0, 0)]  # (tokens of the section, characters of its text) after each chunk
+        self._chunks: list[str] = []  # the text between consecutive marks
+        self._sent = 0  # characters sent: always a prefix of the chunks' text
+        self._changed_at = 0  # the first output token replaced since the last call (or later)
 
-    def _decode(self, ids: list[int]) -> str:
-        """The text of `ids`, decoding only the tokens after those decoded last time where
-        `ids` still starts with them (a rollback or re-tokenized tail decodes all again)."""
-        n, decode = len(self._decoded_ids), self._raw_decode
-        text: str | None = None
-        if n and len(ids) >= n and ids[:n] == self._decoded_ids:
-            start = max(0, n - _DECODE_CONTEXT_TOKENS)
-            context, tail = decode(ids[start:n]), decode(ids[start:])
-            if tail.startswith(context) and not context.endswith("\ufffd"):
-                text = self._decoded_text + tail[len(context) :]
-        if text is None:
-            text = decode(ids)
-        self._decoded_ids, self._decoded_text = list(ids), text
-        return text
+    def changed(self, at: int) -> None:
+        """Output tokens from `at` on may differ from those the last call saw."""
+        self._changed_at = min(self._changed_at, at)
 
-    def delta(self, ids: list[int], final: bool) -> str:
-        text = self._decode(ids)
+    def delta(self, ids: list[int], start: int, end: int, final: bool) -> str:
+        """The text to send now for the section `ids[start:end]`."""
+        unchanged = end - start if start == self._start else 0
+        k = self._mark_before(min(unchanged, self._changed_at - start))
+        tokens, chars = self._marks[k]
+        text = self._text_after(ids, start, start + tokens, end)
+        if text is None:  # decoding needs more context than a mark keeps: all of it again
+            k, tokens, chars = 0, 0, 0
+            text = self._raw_decode(ids[start:end])
         if not final and text.endswith("\ufffd"):
-            return ""
-        if not final and self.hold:
-            text = text[: len(text) - _held_tail(text, self.hold)]
-        if not text.startswith(self.sent):  # re-tokenised tail: resend from the divergence
-            common = 0
-            while common < min(len(text), len(self.sent)) and text[common] == self.sent[common]:
-                common += 1
-            self.sent = self.sent[:common]
-        out, self.sent = text[len(self.sent) :], text
-        return out
+            return ""  # half a character: wait for the rest
+        w0 = max(0, chars - len(self.hold))  # where a held tail may start, at the earliest
+        window = self._tail_before(k, chars - w0) + text
+        held = _held_tail(window, self.hold) if self.hold and not final else 0
+        cut = len(window) - held
+        was_sent = (window[: chars - w0] + "".join(self._chunks[k:]))[: self._sent - w0]
+        common = len(os.path.commonprefix([was_sent, window[:cut]]))
+        del self._marks[k + 1 :], self._chunks[k:]
+        self._marks.append((end - start, chars + len(text)))
+        self._chunks.append(text)
+        self._start, self._sent, self._changed_at = start, w0 + cut, len(ids)
+        return window[common:cut]
+
+    def _mark_before(self, tokens: int) -> int:
+        """The last mark at or before `tokens` tokens of the section."""
+        k = len(self._marks) - 1
+        while k > 0 and self._marks[k][0] > tokens:
+            k -= 1
+        return k
+
+    def _text_after(self, ids: list[int], start: int, at: int, end: int) -> str | None:
+        """The text of `ids[at:end]` as it follows `ids[start:at]`, decoded with a few tokens
+        before `at` as context; None where that context's text does not start the longer
+        decoding (or ends in half a character)."""
+        since = max(start, at - _DECODE_CONTEXT_TOKENS)
+        context = self._raw_decode(ids[since:at]) if since < at else ""
+        text = self._raw_decode(ids[since:end])
+        if not text.startswith(context) or context.endswith("\ufffd"):
+            return None
+        return text[len(context) :]
+
+    def _tail_before(self, k: int, n: int) -> str:
+        """The last `n` characters of the text before mark `k`."""
+        parts: list[str] = []
+        while n > 0 and k > 0:
+            k -= 1
+            piece = self._chunks[k][-n:]
+            parts.append(piece)
+            n -= len(piece)
+        return "".join(reversed(parts))
 
 
 def _raw_decoder(tokenizer: Any) -> Callable[[list[int]], str]:
