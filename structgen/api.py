@@ -12,6 +12,7 @@ import asyncio
 import functools
 import os
 import queue
+import sys
 import threading
 import time
 import weakref
@@ -687,13 +688,15 @@ class _OutputDeltas:
         final = req.finished
         kept = None if final else BudgetCloser.retractable_from(req)  # before the tokens it bounds
         phase = req.reasoning
+        had = len(self.tokens.ids)
         changed = self.tokens.read(req)
         if changed is None:  # the engine is dropping tokens right now: its next update reads them
             return []
         self.final = final
         ids = self.tokens.ids
-        self.reasoning.changed(changed)
-        self.answer.changed(changed)
+        if changed < had:  # tokens the decoders saw were replaced
+            self.reasoning.changed(changed)
+            self.answer.changed(changed)
         if phase is None:
             end = len(ids) if kept is None else min(kept, len(ids))
             return [d] if (d := self.answer.delta(ids, 0, end, final=final)) else []
@@ -751,8 +754,8 @@ class _DeltaDecoder:
         self._start = 0  # the section's first token at the last call
         self._marks = [(0, 0)]  # (tokens of the section, characters of its text) after each chunk
         self._chunks: list[str] = []  # the text between consecutive marks
-        self._sent = 0  # characters sent: always a prefix of the chunks' text
-        self._changed_at = 0  # the first output token replaced since the last call (or later)
+        self._unsent = ""  # the end of the chunks' text not sent yet (it may begin `hold`)
+        self._changed_at = sys.maxsize  # the first output token replaced since the last call
 
     def changed(self, at: int) -> None:
         """Output tokens from `at` on may differ from those the last call saw."""
@@ -760,46 +763,66 @@ class _DeltaDecoder:
 
     def delta(self, ids: list[int], start: int, end: int, final: bool) -> str:
         """The text to send now for the section `ids[start:end]`."""
-        unchanged = end - start if start == self._start else 0
-        k = self._mark_before(min(unchanged, self._changed_at - start))
+        tokens, chars = self._marks[-1]
+        if start == self._start and min(end, self._changed_at) >= start + tokens:
+            text = self._text_after(ids, start, start + tokens, end)
+            if text is not None:  # the tokens behind the last mark are as they were
+                if not final and text.endswith("\ufffd"):
+                    return ""  # half a character: wait for the rest
+                self._commit(len(self._marks) - 1, start, end, chars, text)
+                return self._send(self._unsent + text, 0, final)
+        return self._rewind(ids, start, end, final)
+
+    def _rewind(self, ids: list[int], start: int, end: int, final: bool) -> str:
+        """`delta` where tokens behind the last mark changed (or the section moved): decode
+        from the mark before the first changed token, and send again what differs from the
+        text sent."""
+        unchanged = min(end, self._changed_at) - start if start == self._start else 0
+        k = len(self._marks) - 1
+        while k > 0 and self._marks[k][0] > unchanged:
+            k -= 1
         tokens, chars = self._marks[k]
         text = self._text_after(ids, start, start + tokens, end)
         if text is None:  # decoding needs more context than a mark keeps: all of it again
-            k, tokens, chars = 0, 0, 0
-            text = self._raw_decode(ids[start:end])
+            k, chars, text = 0, 0, self._raw_decode(ids[start:end])
         if not final and text.endswith("\ufffd"):
-            return ""  # half a character: wait for the rest
-        w0 = max(0, chars - len(self.hold))  # where a held tail may start, at the earliest
-        window = self._tail_before(k, chars - w0) + text
+            return ""
+        sent = self._marks[-1][1] - len(self._unsent)
+        w0 = max(0, chars - len(self.hold))  # a held tail starts at w0 or after, the sent text too
+        before = self._text_before(k, chars - w0)
+        was_sent = (before + "".join(self._chunks[k:]))[: sent - w0]
+        self._commit(k, start, end, chars, text)
+        return self._send(before + text, len(os.path.commonprefix([was_sent, before + text])), final)
+
+    def _send(self, window: str, sent: int, final: bool) -> str:
+        """`window[sent:]`, the text to send, but for a tail that may begin `hold`; `window`
+        ends the text decoded so far and starts where a held tail could start, at the
+        earliest."""
         held = _held_tail(window, self.hold) if self.hold and not final else 0
         cut = len(window) - held
-        was_sent = (window[: chars - w0] + "".join(self._chunks[k:]))[: self._sent - w0]
-        common = len(os.path.commonprefix([was_sent, window[:cut]]))
+        self._unsent = window[cut:]
+        return window[min(sent, cut) : cut]
+
+    def _commit(self, k: int, start: int, end: int, chars: int, text: str) -> None:
+        """Keep the marks up to `k`, then `text` as the chunk up to `end`."""
         del self._marks[k + 1 :], self._chunks[k:]
         self._marks.append((end - start, chars + len(text)))
         self._chunks.append(text)
-        self._start, self._sent, self._changed_at = start, w0 + cut, len(ids)
-        return window[common:cut]
-
-    def _mark_before(self, tokens: int) -> int:
-        """The last mark at or before `tokens` tokens of the section."""
-        k = len(self._marks) - 1
-        while k > 0 and self._marks[k][0] > tokens:
-            k -= 1
-        return k
+        self._start, self._changed_at = start, sys.maxsize
 
     def _text_after(self, ids: list[int], start: int, at: int, end: int) -> str | None:
         """The text of `ids[at:end]` as it follows `ids[start:at]`, decoded with a few tokens
         before `at` as context; None where that context's text does not start the longer
         decoding (or ends in half a character)."""
         since = max(start, at - _DECODE_CONTEXT_TOKENS)
-        context = self._raw_decode(ids[since:at]) if since < at else ""
-        text = self._raw_decode(ids[since:end])
+        if since == at:
+            return self._raw_decode(ids[at:end])
+        context, text = self._raw_decode(ids[since:at]), self._raw_decode(ids[since:end])
         if not text.startswith(context) or context.endswith("\ufffd"):
             return None
         return text[len(context) :]
 
-    def _tail_before(self, k: int, n: int) -> str:
+    def _text_before(self, k: int, n: int) -> str:
         """The last `n` characters of the text before mark `k`."""
         parts: list[str] = []
         while n > 0 and k > 0:

@@ -7,12 +7,14 @@ from __future__ import annotations
 import os
 import random
 
+import pytest
+
 from structgen.api import _DeltaDecoder, _OutputDeltas
 from structgen.engine.reasoning import CLOSE_TAG, ReasoningPhase
 from structgen.engine.request import Request, RequestStatus
 from structgen.sampling import SamplingParams
 
-TEXT = 'Héllo wörld 😀 {"name": "Ada — Lovelace", "rocket": "🚀🚀", "中文": "汉字测试"} <b>x</b> '
+TEXT = 'Héllo wörld 😀 {"name": "Ada — Lovelace", "rocket": "🚀🚀", "中文": "汉字测试"} <b>x</b> </thin k <'
 
 
 def held_tail(text: str, hold: str) -> int:
@@ -55,12 +57,17 @@ def grow(req: Request, ids: list[int], rng: random.Random, rewinds: bool) -> lis
     return ids[n:]
 
 
-def test_deltas_match_decoding_everything_at_each_update_through_rewinds(tokenizer):
+@pytest.mark.parametrize("thinking", [False, True])
+def test_deltas_match_decoding_everything_at_each_update_through_rewinds(tokenizer, thinking: bool):
+    """An answer's deltas, or a think section's (which hold back what may begin its closing tag)."""
     ids = tokenizer.encode(TEXT * 2, add_special_tokens=False)
     rng = random.Random(0)
-    for _ in range(8):
+    for _ in range(6):
         req = Request([1, 2, 3], SamplingParams(max_tokens=1000, close_at_budget=False))
-        stream, reference, rest = _OutputDeltas(tokenizer), WholeDecoding(tokenizer), list(ids)
+        if thinking:
+            req.reasoning = ReasoningPhase(matcher=None, jump_forward=False, start=0, budget=1000)
+        reference = WholeDecoding(tokenizer, CLOSE_TAG if thinking else "")
+        stream, rest = _OutputDeltas(tokenizer), list(ids)
         while rest:
             rest = grow(req, rest, rng, rewinds=True)
             assert stream.deltas(req) == [d for d in [reference.delta(req.output_ids, final=False)] if d]
@@ -114,3 +121,17 @@ def test_a_section_decoder_sends_text_again_from_where_a_rewrite_diverges(tokeni
     assert decoder.delta(first, 0, len(first), final=False) == "The answer is forty-two"
     decoder.changed(len(os.path.commonprefix([first, second])))
     assert decoder.delta(second, 0, len(second), final=True) == "nine"
+
+
+def test_a_rewound_think_tail_that_now_begins_the_closing_tag_is_held_as_decoding_everything_holds_it(tokenizer):
+    """Sent "a <b", then "b" is replaced by "/": the text ends "</", which may begin the tag."""
+    pieces = [tokenizer.encode(t, add_special_tokens=False) for t in ("Think a", " <", "b", "/", "th", "ink", "> ok")]
+    req = Request([1], SamplingParams(max_tokens=100, close_at_budget=False))
+    req.reasoning = phase = ReasoningPhase(matcher=None, jump_forward=False, start=0, budget=100)
+    stream, reference = _OutputDeltas(tokenizer), WholeDecoding(tokenizer, CLOSE_TAG)
+    for i, piece in enumerate(pieces):
+        if i == 3:
+            req.truncate(len(req.token_ids) - len(pieces[2]))
+        req.append(piece)
+        want = reference.delta(phase.reasoning_ids(req.output_ids), final=False)
+        assert stream.deltas(req) == ([want] if want else [])
