@@ -650,21 +650,58 @@ class CompletionStream:
         llm = self._llm
         req, constraint = await llm._arequest(*self._args)
         self.request = req
-        updates: asyncio.Queue[Request] = asyncio.Queue()
-        req.on_update = llm._waker(asyncio.get_running_loop()).pusher(updates)
+        feed = _DeltaFeed(llm.tokenizer)
+        req.on_update = llm._waker(asyncio.get_running_loop()).pusher(feed)
         llm.loop.submit(req)
-        decoder = _OutputDeltas(llm.tokenizer)
         try:
             while True:
-                r = await updates.get()
-                for delta in decoder.deltas(r):
+                for delta in await feed.next():
                     yield delta
-                if decoder.final:
+                if feed.final and not feed.ready:
                     break
         finally:
             if not req.finished:
                 llm.loop.abort(req)
         self.completion = llm._finish(req, constraint)
+
+
+class _DeltaFeed:
+    """A stream's engine updates, taken on its event loop as they arrive (the `LoopWaker`
+    hands them over with `put_nowait`): each is decoded at once, and the stream's task wakes
+    only where there is text to send or the request ended, then takes all the text since it
+    last ran, consecutive deltas of one kind joined; an update that adds no text to send
+    costs no wake-up."""
+
+    def __init__(self, tokenizer: Any):
+        self._deltas = _OutputDeltas(tokenizer)
+        self.ready: list[str] = []  # deltas not taken yet
+        self.final = False  # the request ended: nothing more comes
+        self._error: BaseException | None = None  # a failure decoding, raised in the task
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put_nowait(self, req: Request) -> None:
+        if self.final:
+            return
+        try:
+            for delta in self._deltas.deltas(req):
+                if self.ready and type(self.ready[-1]) is type(delta):
+                    delta = type(delta)(self.ready.pop() + delta)
+                self.ready.append(delta)
+            self.final = self._deltas.final
+        except Exception as e:  # a callback of the event loop must not raise: the task does
+            self._error, self.final = e, True
+        if (self.ready or self.final) and self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def next(self) -> list[str]:
+        """The deltas since the last call, waiting for some (an empty list once it ended)."""
+        while not self.ready and not self.final:
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        if self._error is not None:
+            raise self._error
+        ready, self.ready = self.ready, []
+        return ready
 
 
 class _OutputDeltas:
@@ -814,6 +851,8 @@ class _DeltaDecoder:
         """The text of `ids[at:end]` as it follows `ids[start:at]`, decoded with a few tokens
         before `at` as context; None where that context's text does not start the longer
         decoding (or ends in half a character)."""
+        if at == end:
+            return ""
         since = max(start, at - _DECODE_CONTEXT_TOKENS)
         if since == at:
             return self._raw_decode(ids[at:end])
