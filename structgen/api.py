@@ -153,6 +153,7 @@ class LLM:
     def _setup(self, engine: Engine, tokenizer: Any, name: str, backend: str) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
+        self._decode = _raw_decoder(tokenizer)
         self.model_name = name
         self.grammars = GrammarCompiler(tokenizer, engine.vocab_size, sorted(engine.stop_token_ids), backend=backend,
                                         workers=_COMPILE_WORKERS)
@@ -290,7 +291,10 @@ class LLM:
         compiler's own bounded pool (grammar/compile_pool.py), which the compile gate keeps
         from overflowing in a burst of distinct schemas; a caller that goes away cancels its
         compile. No grammar for free text."""
-        constraint = await asyncio.to_thread(self._constraint, output_type, strict, loop_guards)
+        if isinstance(output_type, Constraint):  # built already (`aprepare`): cached work, no thread
+            constraint = self._constraint(output_type, strict, loop_guards)
+        else:
+            constraint = await asyncio.to_thread(self._constraint, output_type, strict, loop_guards)
         if constraint.kind == "text":
             return constraint, None
         hit = self.grammars.cached(constraint)  # a cached grammar waits behind no compile
@@ -341,9 +345,8 @@ class LLM:
     def _finish(self, req: Request, constraint: Constraint) -> Completion[Any]:
         phase = req.reasoning  # the think section's tokens are not the answer's (engine/reasoning.py)
         answer_ids = req.output_ids if phase is None else phase.answer_ids(req.output_ids)
-        text = self.tokenizer.decode(answer_ids, skip_special_tokens=False)
-        reasoning = None if phase is None else self.tokenizer.decode(
-            phase.reasoning_ids(req.output_ids), skip_special_tokens=False)
+        text = self._decode(answer_ids)
+        reasoning = None if phase is None else self._decode(phase.reasoning_ids(req.output_ids))
         if req.finish_reason == "length" and constraint.kind != "text":
             raise IncompleteOutputError(
                 incomplete_message(req.params, req.stats),
