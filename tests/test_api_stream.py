@@ -4,12 +4,13 @@ and real `Request`s grown and cut back as the engine does."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 
 import pytest
 
-from structgen.api import _DeltaDecoder, _OutputDeltas
+from structgen.api import _DeltaDecoder, _DeltaFeed, _OutputDeltas
 from structgen.engine.reasoning import CLOSE_TAG, ReasoningPhase
 from structgen.engine.request import Request, RequestStatus
 from structgen.sampling import SamplingParams
@@ -135,3 +136,30 @@ def test_a_rewound_think_tail_that_now_begins_the_closing_tag_is_held_as_decodin
         req.append(piece)
         want = reference.delta(phase.reasoning_ids(req.output_ids), final=False)
         assert stream.deltas(req) == ([want] if want else [])
+
+
+def test_a_feed_wakes_its_stream_only_with_text_and_joins_the_updates_that_came_meanwhile(tokenizer):
+    emoji = tokenizer.encode("😀", add_special_tokens=False)
+    words = [tokenizer.encode(w, add_special_tokens=False) for w in (" Hello", " there", ",")]
+    assert len(emoji) > 1  # a token alone is half the character
+    req = Request([1], SamplingParams(max_tokens=100, close_at_budget=False))
+
+    async def main() -> None:
+        feed = _DeltaFeed(tokenizer)
+        waiting = asyncio.ensure_future(feed.next())
+        await asyncio.sleep(0)
+        req.append(emoji[:1])
+        feed.put_nowait(req)  # nothing whole to send: the task sleeps on
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        req.append(emoji[1:])
+        feed.put_nowait(req)
+        for word in words:  # updates before the task runs again
+            req.append(word)
+            feed.put_nowait(req)
+        assert await waiting == ["😀 Hello there,"]
+        req.status = RequestStatus.FINISHED
+        feed.put_nowait(req)
+        assert await feed.next() == [] and feed.final
+
+    asyncio.run(main())
