@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import os
 import queue
 import sys
@@ -686,10 +687,7 @@ class _DeltaFeed:
         if self.final:
             return
         try:
-            for delta in self._deltas.deltas(req):
-                if self.ready and type(self.ready[-1]) is type(delta):
-                    delta = type(delta)(self.ready.pop() + delta)
-                self.ready.append(delta)
+            self.ready += self._deltas.deltas(req)
             self.final = self._deltas.final
         except Exception as e:  # a callback of the event loop must not raise: the task does
             self._error, self.final = e, True
@@ -704,7 +702,7 @@ class _DeltaFeed:
         if self._error is not None:
             raise self._error
         ready, self.ready = self.ready, []
-        return ready
+        return [kind("".join(group)) for kind, group in itertools.groupby(ready, type)]
 
 
 class _OutputDeltas:
