@@ -27,7 +27,9 @@ the time to the first token (compiles included).
 of bench_serving's agent workload (a ~3,000-token tool catalogue, one JSON schema) sent as the
 openai client sends them, all at once or as Poisson arrivals (`--rate`). It reports lost
 requests, TTFT, and the CPU time of the server's event loop thread per request and per output
-token: the host work the HTTP front adds, which holds the GIL the engine thread needs.
+token: the host work the HTTP front adds, which holds the GIL the engine thread needs; and the
+whole server process's CPU time per request (every thread: prompt tokenizing in worker threads
+and the stubbed engine's host work too).
 `--profile FILE` records the event loop with cProfile (CPU time, so waits for the GIL do not
 count) and prints its top functions.
 
@@ -274,7 +276,7 @@ def serve_stubbed(port: int, max_batch_size: int, stats_path: Path, profile_path
     llm = LLM.from_engine(engine, tokenizer, "stub")
     server = uvicorn.Server(server_config(create_app(llm), "127.0.0.1", port, "warning"))
     profiler = cProfile.Profile(time.thread_time) if profile_path else None  # CPU, not GIL waits
-    cpu = time.thread_time()
+    cpu, process_cpu = time.thread_time(), time.process_time()
     if profiler:
         profiler.enable()
     try:
@@ -285,7 +287,8 @@ def serve_stubbed(port: int, max_batch_size: int, stats_path: Path, profile_path
         if profiler:
             profiler.disable()
             profiler.dump_stats(profile_path)
-        stats_path.write_text(json.dumps({"loop_cpu_s": time.thread_time() - cpu}))
+        stats_path.write_text(json.dumps({"loop_cpu_s": time.thread_time() - cpu,
+                                          "process_cpu_s": time.process_time() - process_cpu}))
         llm.close()
 
 
@@ -367,7 +370,8 @@ def http_run(n: int, max_tokens: int, rate: float | None, profile_path: Path | N
         child.send_signal(signal.SIGINT)
         child.wait(60)
     ok = [r for r in results if "error" not in r]
-    loop_cpu = json.loads(stats.read_text())["loop_cpu_s"]
+    server = json.loads(stats.read_text())
+    loop_cpu = server["loop_cpu_s"]
     tokens, events = sum(r["tokens"] for r in ok), sum(r["events"] for r in ok)
     ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
     return {"streams": n, "arrival": "closed" if rate is None else f"poisson {rate:g}/s", "wall_s": round(wall, 2),
@@ -377,6 +381,7 @@ def http_run(n: int, max_tokens: int, rate: float | None, profile_path: Path | N
             "ttft_p99_s": round(float(np.quantile(ttft, 0.99)), 3) if ttft else None,
             "loop_cpu_s": round(loop_cpu, 2), "loop_ms_per_request": round(1e3 * loop_cpu / max(len(ok), 1), 2),
             "loop_us_per_token": round(1e6 * loop_cpu / max(tokens, 1), 1),
+            "server_cpu_ms_per_request": round(1e3 * server["process_cpu_s"] / max(len(ok), 1), 2),
             "first_errors": sorted({r["error"] for r in results if "error" in r})[:3]}
 
 

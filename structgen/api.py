@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import os
 import queue
+import sys
 import threading
 import time
 import weakref
@@ -23,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 from structgen.arguments import (
     DEFAULTS,
+    EncodedPrompt,
     GenerateOptions,
     Options,
     check_prompt,
@@ -65,7 +68,7 @@ if TYPE_CHECKING:
     from structgen.remote import RemoteLLM
 
 T = TypeVar("T")
-Prompt = str | Sequence[dict[str, Any]]
+Prompt = str | Sequence[dict[str, Any]] | EncodedPrompt
 # How often a blocked wait wakes to let Ctrl-C through (a bare lock wait does not on Windows,
 # nor for `_thread.interrupt_main`).
 _POLL_S = 0.1
@@ -151,6 +154,7 @@ class LLM:
     def _setup(self, engine: Engine, tokenizer: Any, name: str, backend: str) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
+        self._decode = _raw_decoder(tokenizer)
         self.model_name = name
         self.grammars = GrammarCompiler(tokenizer, engine.vocab_size, sorted(engine.stop_token_ids), backend=backend,
                                         workers=_COMPILE_WORKERS)
@@ -209,9 +213,16 @@ class LLM:
     # -- prompts ----------------------------------------------------------------------------
     def encode_prompt(self, prompt: Prompt, *, chat: bool | None = None, tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of a prompt: message lists and (for chat models) plain strings go through
-        the chat template; `chat=False` sends a string as raw text. A prompt far longer than
-        the context is refused (`PromptTooLongError`) before it is tokenized."""
+        the chat template; `chat=False` sends a string as raw text; an `EncodedPrompt` is
+        its ids. A prompt far longer than the context is refused (`PromptTooLongError`) before
+        it is tokenized."""
         check_prompt(prompt, self.engine.max_seq_len * _MAX_CHARS_PER_TOKEN)
+        if isinstance(prompt, EncodedPrompt):
+            if tools:
+                raise InvalidParameterError(
+                    "tools were given with an encoded prompt, which the chat template already "
+                    "rendered; pass the tools to encode_prompt instead")
+            return list(prompt.token_ids)
         try:
             return self._tokenize(prompt, chat, tools)
         except StructgenError:
@@ -263,7 +274,10 @@ class LLM:
         """`_request` for asyncio: tokenizing and grammar work off the event loop."""
         constraint, compiled = await self._acompile(output_type, options.strict, options.params.loop_guards)
         matcher = compiled.matcher() if compiled is not None else None
-        ids = await asyncio.to_thread(self.encode_prompt, prompt, chat=options.chat, tools=options.tools)
+        if isinstance(prompt, EncodedPrompt):  # nothing to tokenize: no worker thread
+            ids = self.encode_prompt(prompt, tools=options.tools)
+        else:
+            ids = await asyncio.to_thread(self.encode_prompt, prompt, chat=options.chat, tools=options.tools)
         return self._new_request(ids, options.params, matcher, constraint), constraint
 
     async def aprepare(self, output_type: Any, *, strict: bool = True) -> Constraint:
@@ -278,7 +292,10 @@ class LLM:
         compiler's own bounded pool (grammar/compile_pool.py), which the compile gate keeps
         from overflowing in a burst of distinct schemas; a caller that goes away cancels its
         compile. No grammar for free text."""
-        constraint = await asyncio.to_thread(self._constraint, output_type, strict, loop_guards)
+        if isinstance(output_type, Constraint):  # built already (`aprepare`): cached work, no thread
+            constraint = self._constraint(output_type, strict, loop_guards)
+        else:
+            constraint = await asyncio.to_thread(self._constraint, output_type, strict, loop_guards)
         if constraint.kind == "text":
             return constraint, None
         hit = self.grammars.cached(constraint)  # a cached grammar waits behind no compile
@@ -329,9 +346,8 @@ class LLM:
     def _finish(self, req: Request, constraint: Constraint) -> Completion[Any]:
         phase = req.reasoning  # the think section's tokens are not the answer's (engine/reasoning.py)
         answer_ids = req.output_ids if phase is None else phase.answer_ids(req.output_ids)
-        text = self.tokenizer.decode(answer_ids, skip_special_tokens=False)
-        reasoning = None if phase is None else self.tokenizer.decode(
-            phase.reasoning_ids(req.output_ids), skip_special_tokens=False)
+        text = self._decode(answer_ids)
+        reasoning = None if phase is None else self._decode(phase.reasoning_ids(req.output_ids))
         if req.finish_reason == "length" and constraint.kind != "text":
             raise IncompleteOutputError(
                 incomplete_message(req.params, req.stats),
@@ -638,21 +654,55 @@ class CompletionStream:
         llm = self._llm
         req, constraint = await llm._arequest(*self._args)
         self.request = req
-        updates: asyncio.Queue[Request] = asyncio.Queue()
-        req.on_update = llm._waker(asyncio.get_running_loop()).pusher(updates)
+        feed = _DeltaFeed(llm.tokenizer)
+        req.on_update = llm._waker(asyncio.get_running_loop()).pusher(feed)
         llm.loop.submit(req)
-        decoder = _OutputDeltas(llm.tokenizer)
         try:
             while True:
-                r = await updates.get()
-                for delta in decoder.deltas(r):
+                for delta in await feed.next():
                     yield delta
-                if decoder.final:
+                if feed.final and not feed.ready:
                     break
         finally:
             if not req.finished:
                 llm.loop.abort(req)
         self.completion = llm._finish(req, constraint)
+
+
+class _DeltaFeed:
+    """A stream's engine updates, taken on its event loop as they arrive (the `LoopWaker`
+    hands them over with `put_nowait`): each is decoded at once, and the stream's task wakes
+    only where there is text to send or the request ended, then takes all the text since it
+    last ran, consecutive deltas of one kind joined; an update that adds no text to send
+    costs no wake-up."""
+
+    def __init__(self, tokenizer: Any):
+        self._deltas = _OutputDeltas(tokenizer)
+        self.ready: list[str] = []  # deltas not taken yet
+        self.final = False  # the request ended: nothing more comes
+        self._error: BaseException | None = None  # a failure decoding, raised in the task
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put_nowait(self, req: Request) -> None:
+        if self.final:
+            return
+        try:
+            self.ready += self._deltas.deltas(req)
+            self.final = self._deltas.final
+        except Exception as e:  # a callback of the event loop must not raise: the task does
+            self._error, self.final = e, True
+        if (self.ready or self.final) and self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def next(self) -> list[str]:
+        """The deltas since the last call, waiting for some (an empty list once it ended)."""
+        while not self.ready and not self.final:
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        if self._error is not None:
+            raise self._error
+        ready, self.ready = self.ready, []
+        return [kind("".join(group)) for kind, group in itertools.groupby(ready, type)]
 
 
 class _OutputDeltas:
@@ -661,9 +711,11 @@ class _OutputDeltas:
     ends), then its answer's text as plain `str`. Sent text cannot be taken back, so the
     answer's tokens that budget closing may still drop (`BudgetCloser.retractable_from`)
     wait until they are kept or the request ends: the deltas add up to the final text (but
-    for a closing that steps back past its safe point, `SAFE_POINT_SLACK`)."""
+    for a closing that steps back past its safe point, `SAFE_POINT_SLACK`). Each update costs
+    the tokens it adds, not the whole output."""
 
     def __init__(self, tokenizer: Any):
+        self.tokens = _OutputTokens()
         self.reasoning = _DeltaDecoder(tokenizer, hold=CLOSE_TAG)
         self.answer = _DeltaDecoder(tokenizer)
         self.final = False  # the last call saw the request finished: nothing more comes
@@ -671,65 +723,154 @@ class _OutputDeltas:
     def deltas(self, req: Request) -> list[str]:
         # Read `finished` before the tokens: a request that finishes meanwhile sends one more
         # update, whose call sends the rest.
-        self.final = final = req.finished
+        final = req.finished
         kept = None if final else BudgetCloser.retractable_from(req)  # before the tokens it bounds
-        phase, ids = req.reasoning, req.output_ids
+        phase = req.reasoning
+        had = len(self.tokens.ids)
+        changed = self.tokens.read(req)
+        if changed is None:  # the engine is dropping tokens right now: its next update reads them
+            return []
+        self.final = final
+        ids = self.tokens.ids
+        if changed < had:  # tokens the decoders saw were replaced
+            self.reasoning.changed(changed)
+            self.answer.changed(changed)
         if phase is None:
-            ids = ids if kept is None else ids[:kept]
-            return [d] if (d := self.answer.delta(ids, final=final)) else []
+            end = len(ids) if kept is None else min(kept, len(ids))
+            return [d] if (d := self.answer.delta(ids, 0, end, final=final)) else []
         out: list[str] = []
-        if d := self.reasoning.delta(phase.reasoning_ids(ids), final=final or not phase.thinking):
+        think_end = len(ids) if phase.end is None else min(phase.end, len(ids))
+        if d := self.reasoning.delta(ids, phase.start, think_end, final=final or not phase.thinking):
             out.append(ReasoningDelta(d))
-        answer = phase.answer_ids(ids)
-        if kept is not None and phase.answer_start is not None:
-            answer = answer[: max(0, kept - phase.answer_start)]
-        if not phase.thinking and (d := self.answer.delta(answer, final=final)):
-            out.append(d)
+        if phase.answer_start is not None:
+            end = len(ids) if kept is None else max(phase.answer_start, min(kept, len(ids)))
+            if d := self.answer.delta(ids, phase.answer_start, end, final=final):
+                out.append(d)
         return out
+
+
+class _OutputTokens:
+    """This thread's copy of a request's output tokens while the engine thread grows them:
+    a read copies the tokens added since the last one, or, where the engine dropped some
+    meanwhile (`Request.truncations`), all of them."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self._truncations = 0  # the request's count when `ids` was last read whole
+
+    def read(self, req: Request) -> int | None:
+        """Bring `ids` up to date; the index of its first token that the last read did not
+        have, or None while the engine is dropping tokens (`ids` unchanged)."""
+        n, before = len(self.ids), req.truncations
+        if before == self._truncations:
+            tail = req.token_ids[req.num_prompt + n :]
+            if req.truncations == before:
+                self.ids += tail
+                return n
+        ids = req.output_ids
+        if before % 2 or req.truncations != before:
+            return None
+        first = min(n, len(ids))
+        if ids[:first] != self.ids[:first]:
+            first = next(i for i, (a, b) in enumerate(zip(ids, self.ids, strict=False)) if a != b)
+        self.ids, self._truncations = ids, before
+        return first
 
 
 class _DeltaDecoder:
-    """Incremental detokenisation that never emits half a multi-byte character, nor, until
-    `final`, a tail that may be the start of `hold`."""
+    """Incremental detokenisation of one section `ids[start:end]` of an output, that never
+    emits half a multi-byte character, nor, until `final`, a tail that may be the start of
+    `hold`. The text decoded so far is kept as chunks, one per call, each marked with the
+    tokens it ends at: a call decodes only the tokens after the last mark (with a few before,
+    for the context a tokenizer's decoding needs), and tokens replaced behind a mark decode
+    again from the mark before them. Text that no longer follows what was sent is sent again
+    from where it diverges."""
 
     def __init__(self, tokenizer: Any, hold: str = ""):
-        self.tokenizer = tokenizer
         self._raw_decode = _raw_decoder(tokenizer)
         self.hold = hold
-        self.sent = ""
-        # The tokens decoded last time and their text: the next call decodes only what follows
-        # them (and a few tokens before, for the context a tokenizer's decoding needs).
-        self._decoded_ids: list[int] = []
-        self._decoded_text = ""
+        self._start = 0  # the section's first token at the last call
+        self._marks = [(0, 0)]  # (tokens of the section, characters of its text) after each chunk
+        self._chunks: list[str] = []  # the text between consecutive marks
+        self._unsent = ""  # the end of the chunks' text not sent yet (it may begin `hold`)
+        self._changed_at = sys.maxsize  # the first output token replaced since the last call
 
-    def _decode(self, ids: list[int]) -> str:
-        """The text of `ids`, decoding only the tokens after those decoded last time where
-        `ids` still starts with them (a rollback or re-tokenized tail decodes all again)."""
-        n, decode = len(self._decoded_ids), self._raw_decode
-        text: str | None = None
-        if n and len(ids) >= n and ids[:n] == self._decoded_ids:
-            start = max(0, n - _DECODE_CONTEXT_TOKENS)
-            context, tail = decode(ids[start:n]), decode(ids[start:])
-            if tail.startswith(context) and not context.endswith("\ufffd"):
-                text = self._decoded_text + tail[len(context) :]
-        if text is None:
-            text = decode(ids)
-        self._decoded_ids, self._decoded_text = list(ids), text
-        return text
+    def changed(self, at: int) -> None:
+        """Output tokens from `at` on may differ from those the last call saw."""
+        self._changed_at = min(self._changed_at, at)
 
-    def delta(self, ids: list[int], final: bool) -> str:
-        text = self._decode(ids)
+    def delta(self, ids: list[int], start: int, end: int, final: bool) -> str:
+        """The text to send now for the section `ids[start:end]`."""
+        tokens, chars = self._marks[-1]
+        if start == self._start and min(end, self._changed_at) >= start + tokens:
+            text = self._text_after(ids, start, start + tokens, end)
+            if text is not None:  # the tokens behind the last mark are as they were
+                if not final and text.endswith("\ufffd"):
+                    return ""  # half a character: wait for the rest
+                self._commit(len(self._marks) - 1, start, end, chars, text)
+                return self._send(self._unsent + text, 0, final)
+        return self._rewind(ids, start, end, final)
+
+    def _rewind(self, ids: list[int], start: int, end: int, final: bool) -> str:
+        """`delta` where tokens behind the last mark changed (or the section moved): decode
+        from the mark before the first changed token, and send again what differs from the
+        text sent."""
+        unchanged = min(end, self._changed_at) - start if start == self._start else 0
+        k = len(self._marks) - 1
+        while k > 0 and self._marks[k][0] > unchanged:
+            k -= 1
+        tokens, chars = self._marks[k]
+        text = self._text_after(ids, start, start + tokens, end)
+        if text is None:  # decoding needs more context than a mark keeps: all of it again
+            k, chars, text = 0, 0, self._raw_decode(ids[start:end])
         if not final and text.endswith("\ufffd"):
             return ""
-        if not final and self.hold:
-            text = text[: len(text) - _held_tail(text, self.hold)]
-        if not text.startswith(self.sent):  # re-tokenised tail: resend from the divergence
-            common = 0
-            while common < min(len(text), len(self.sent)) and text[common] == self.sent[common]:
-                common += 1
-            self.sent = self.sent[:common]
-        out, self.sent = text[len(self.sent) :], text
-        return out
+        sent = self._marks[-1][1] - len(self._unsent)
+        w0 = max(0, chars - len(self.hold))  # a held tail starts at w0 or after, the sent text too
+        before = self._text_before(k, chars - w0)
+        was_sent = (before + "".join(self._chunks[k:]))[: sent - w0]
+        self._commit(k, start, end, chars, text)
+        return self._send(before + text, len(os.path.commonprefix([was_sent, before + text])), final)
+
+    def _send(self, window: str, sent: int, final: bool) -> str:
+        """`window[sent:]`, the text to send, but for a tail that may begin `hold`; `window`
+        ends the text decoded so far and starts where a held tail could start, at the
+        earliest."""
+        held = _held_tail(window, self.hold) if self.hold and not final else 0
+        cut = len(window) - held
+        self._unsent = window[cut:]
+        return window[min(sent, cut) : cut]
+
+    def _commit(self, k: int, start: int, end: int, chars: int, text: str) -> None:
+        """Keep the marks up to `k`, then `text` as the chunk up to `end`."""
+        del self._marks[k + 1 :], self._chunks[k:]
+        self._marks.append((end - start, chars + len(text)))
+        self._chunks.append(text)
+        self._start, self._changed_at = start, sys.maxsize
+
+    def _text_after(self, ids: list[int], start: int, at: int, end: int) -> str | None:
+        """The text of `ids[at:end]` as it follows `ids[start:at]`, decoded with a few tokens
+        before `at` as context; None where that context's text does not start the longer
+        decoding (or ends in half a character)."""
+        if at == end:
+            return ""
+        since = max(start, at - _DECODE_CONTEXT_TOKENS)
+        if since == at:
+            return self._raw_decode(ids[at:end])
+        context, text = self._raw_decode(ids[since:at]), self._raw_decode(ids[since:end])
+        if not text.startswith(context) or context.endswith("\ufffd"):
+            return None
+        return text[len(context) :]
+
+    def _text_before(self, k: int, n: int) -> str:
+        """The last `n` characters of the text before mark `k`."""
+        parts: list[str] = []
+        while n > 0 and k > 0:
+            k -= 1
+            piece = self._chunks[k][-n:]
+            parts.append(piece)
+            n -= len(piece)
+        return "".join(reversed(parts))
 
 
 def _raw_decoder(tokenizer: Any) -> Callable[[list[int]], str]:

@@ -78,6 +78,15 @@ DEFAULTS = SamplingParams()  # the defaults of the sampling keywords
 
 
 @dataclass(frozen=True)
+class EncodedPrompt:
+    """A prompt already rendered and tokenized (`LLM.encode_prompt`), passed in place of its
+    text or messages: a caller that needed the token ids first (the server counts them to
+    check the context) hands them on instead of having them tokenized again."""
+
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class Options:
     """The checked keyword arguments of one call."""
 
@@ -153,12 +162,17 @@ def _unknown_keyword(name: str, method: str, accepted: list[str]) -> str:
 
 def check_prompt(prompt: Any, max_chars: int) -> None:
     """A prompt is non-empty text or a non-empty list of messages with known roles, of at most
-    `max_chars` characters (checked before anything reads the whole text)."""
+    `max_chars` characters (checked before anything reads the whole text), or an
+    `EncodedPrompt` of at least one token."""
     if prompt is None:
         raise InvalidParameterError(
             "prompt is None; pass the prompt text, or messages such as "
             "[{'role': 'user', 'content': '...'}], as the second argument"
         )
+    if isinstance(prompt, EncodedPrompt):
+        if not prompt.token_ids:
+            raise InvalidParameterError("the encoded prompt has no tokens; encode a non-empty prompt")
+        return
     if isinstance(prompt, str):
         _check_length(len(prompt), max_chars)
         if not prompt.strip():

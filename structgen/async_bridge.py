@@ -17,10 +17,16 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from structgen.engine.loop import EngineLoop
+
+
+class UpdateSink(Protocol):
+    """Where a `LoopWaker` puts a request's updates, on the event loop's thread."""
+
+    def put_nowait(self, item: Any) -> None: ...
 
 
 class LoopWaker:
@@ -32,13 +38,14 @@ class LoopWaker:
         # reference here would keep alive forever (one per `asyncio.run`).
         self._aloop, self._engine_loop = weakref.ref(aloop), engine_loop
         self._lock = threading.Lock()
-        self._pending: list[tuple[asyncio.Queue[Any], Any]] = []
+        self._pending: list[tuple[UpdateSink, Any]] = []
 
-    def pusher(self, updates: asyncio.Queue[Any]) -> Callable[[Any], None]:
-        """The `on_update` callback that puts a request's updates on `updates`."""
+    def pusher(self, updates: UpdateSink) -> Callable[[Any], None]:
+        """The `on_update` callback that puts a request's updates on `updates` (an
+        `asyncio.Queue`, or what takes each update at once on the event loop)."""
         return functools.partial(self._push, updates)
 
-    def _push(self, updates: asyncio.Queue[Any], req: Any) -> None:
+    def _push(self, updates: UpdateSink, req: Any) -> None:
         with self._lock:
             self._pending.append((updates, req))
             if len(self._pending) > 1:

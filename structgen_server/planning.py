@@ -1,7 +1,7 @@
 """A request -> the jobs to run (one per choice), checked and bounded before any decoding:
 the model name, parameters the server cannot honour, misspelled constraint fields, the number
 of generations, the prompt's length in characters (before tokenizing), its constraint built and
-compiled and its prompt rendered and tokenized in worker threads (so the event loop stays free
+compiled and its prompt rendered and tokenized (once) in worker threads (so the event loop stays free
 for other requests), then its length in tokens against the context.
 """
 
@@ -15,6 +15,7 @@ from typing import Any
 from jinja2 import TemplateError
 
 from structgen import tool_format
+from structgen.arguments import EncodedPrompt
 from structgen_server import serving
 from structgen_server.constraints import RequestConstraint, request_constraint
 from structgen_server.errors import APIError, to_api_error
@@ -139,15 +140,15 @@ async def plan(state: ServerState, body: SamplingFields) -> tuple[list[serving.J
     _check_partial(body, output_type, rc)
     jobs = []
     for prompt in prompts:
-        rendered, template_tools, n_prompt = await asyncio.to_thread(_render, state.llm, prompt, chat, rc.tools)
-        if n_prompt == 0:
+        encoded = await asyncio.to_thread(_encode, state.llm, prompt, chat, rc.tools)
+        if not encoded.token_ids:
             raise APIError(400, "the prompt is empty; send at least one token of text", param=param)
-        sampling = _sampling(state, body, n_prompt, param)
+        sampling = _sampling(state, body, len(encoded.token_ids), param)
         for j in range(body.n):
             # distinct but reproducible samples per choice, still a 64-bit seed
             seed = None if sampling["seed"] is None else sampling["seed"] ^ j
             job_sampling = {**sampling, "seed": seed}
-            jobs.append(serving.Job(output_type, rendered, chat, template_tools, job_sampling, n_prompt, body.stop_strings()))
+            jobs.append(serving.Job(output_type, encoded, job_sampling, body.stop_strings()))
     return jobs, rc
 
 
@@ -167,16 +168,15 @@ def _check_partial(body: SamplingFields, output_type: Any, rc: RequestConstraint
         )
 
 
-def _render(
-    llm: Any, prompt: str | list[dict[str, Any]], chat: bool, tools: list[dict[str, Any]] | None
-) -> tuple[str | list[dict[str, Any]], list[dict[str, Any]] | None, int]:
-    """(prompt as the engine gets it, tools for the chat template, its token count); run in a
-    worker thread, as tokenizing a long prompt takes a while."""
+def _encode(llm: Any, prompt: str | list[dict[str, Any]], chat: bool,
+            tools: list[dict[str, Any]] | None) -> EncodedPrompt:
+    """The prompt as the engine gets it: rendered (with the tools, if any) and tokenized, once;
+    run in a worker thread, as tokenizing a long prompt takes a while."""
     template_tools = None
     if tools:
         prompt, template_tools = tool_format.render_messages(llm.tokenizer, prompt, tools)
     try:
-        return prompt, template_tools, llm.count_prompt_tokens(prompt, chat=chat, tools=template_tools)
+        return EncodedPrompt(tuple(llm.encode_prompt(prompt, chat=chat, tools=template_tools)))
     except TemplateError as e:  # e.g. a template that wants alternating roles
         raise APIError(400, f"the model's chat template cannot render these messages: {e}", param="messages") from e
 

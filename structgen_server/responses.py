@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from json.encoder import encode_basestring_ascii
 from typing import Any
 
 from structgen import tool_format
@@ -139,7 +140,7 @@ class _ToolCallSplitter:
 class ChunkEncoder:
     """The SSE events of one streamed response. The fields every chunk repeats are serialized
     once, so a plain text delta, the event sent for nearly every engine step, costs one
-    `json.dumps` of its text; any other chunk is serialized whole."""
+    encoding of its text as a JSON string; any other chunk is serialized whole."""
 
     CHAT_TEXT = ('{"index":0,"delta":{"content":', '},"logprobs":null,"finish_reason":null}')
     COMPLETION_TEXT = ('{"index":0,"text":', ',"logprobs":null,"finish_reason":null}')
@@ -152,8 +153,9 @@ class ChunkEncoder:
         self.text_tail = text_choice[1] + self.tail
 
     def text(self, text: str) -> str:
-        """A chunk whose one choice carries `text` and nothing else."""
-        return self.text_head + json.dumps(text) + self.text_tail
+        """A chunk whose one choice carries `text` and nothing else (`json.dumps(text)`
+        without the encoder object around the C function it ends in)."""
+        return self.text_head + encode_basestring_ascii(text) + self.text_tail
 
     def choice(self, choice: dict[str, Any]) -> str:
         return self.head + json.dumps(choice, separators=SEPARATORS) + self.tail

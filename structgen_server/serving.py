@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 from starlette.requests import Request as HTTPRequest
 from starlette.types import Receive
 
+from structgen.arguments import EncodedPrompt
 from structgen.completion import ReasoningDelta
 from structgen.errors import IncompleteOutputError
 
@@ -30,19 +31,21 @@ class ClientDisconnected(Exception):
 
 @dataclass
 class Job:
-    """Everything needed to run one choice: the output type, the rendered prompt, the
-    sampling settings for `LLM.acomplete`, and the request's stop strings."""
+    """Everything needed to run one choice: the output type, the prompt's token ids (tokenized
+    once, while planning), the sampling settings for `LLM.acomplete`, and the request's stop
+    strings."""
 
     output_type: Any
-    prompt: str | list[dict[str, Any]]
-    chat: bool
-    template_tools: list[dict[str, Any]] | None
+    prompt: EncodedPrompt
     sampling: dict[str, Any]
-    prompt_tokens: int
     stop: list[str] = field(default_factory=list)
 
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt.token_ids)
+
     def kwargs(self) -> dict[str, Any]:
-        return {"chat": self.chat, "tools": self.template_tools, **self.sampling}
+        return self.sampling
 
 
 @dataclass

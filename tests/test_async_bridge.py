@@ -6,13 +6,11 @@ decoding only the new tokens gives the text a whole decode gives."""
 from __future__ import annotations
 
 import asyncio
-import random
 import threading
 
 import pytest
 
 import structgen
-from structgen.api import _DeltaDecoder
 from structgen.async_bridge import CompileGate, LoopWaker
 from structgen.engine.config import EngineConfig
 
@@ -97,24 +95,6 @@ def test_a_steps_updates_reach_the_event_loop_in_order_with_one_wake_up():
     got, wake_ups = asyncio.run(main())
     assert got == [[(0, i), (1, i)] for i in range(3)]
     assert wake_ups <= 2  # one a step (the second step's may find the first's undelivered)
-
-
-def test_incremental_detokenization_equals_decoding_everything(tokenizer):
-    text = 'Héllo wörld 😀 {"name": "Ada — Lovelace", "rocket": "🚀🚀", "中文": "汉字测试"} ' * 2
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    rng = random.Random(0)
-    for _ in range(10):
-        decoder, streamed, shown = _DeltaDecoder(tokenizer), "", []
-        end = 0
-        while end < len(ids):
-            end += rng.randint(1, 3)
-            shown = ids[:end]
-            if rng.random() < 0.1 and end > 6:  # a re-tokenized tail replaces the last tokens
-                shown = shown[:-3] + [rng.randint(100, 40_000)]
-                end = len(ids)
-            streamed += decoder.delta(shown, final=False)
-        decoder.delta(shown, final=True)
-        assert decoder.sent == tokenizer.decode(shown, skip_special_tokens=False)
 
 
 def test_a_burst_of_distinct_schemas_beyond_the_compile_queue_all_complete(model_dir):

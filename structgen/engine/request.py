@@ -87,6 +87,10 @@ class Request:
         self.id = next(_ids)
         self.group = group if group is not None else request_group.get()
         self.token_ids: list[int] = list(prompt_ids)
+        # Odd while `truncate` drops tokens, and grown by 2 by each: a reader on another thread
+        # that sees the same even count before and after reading the tokens knows that none it
+        # read before were dropped since (structgen/api.py `_OutputTokens`).
+        self.truncations = 0
         self.num_prompt = len(prompt_ids)
         self.params = params
         self.matcher = matcher
@@ -164,7 +168,9 @@ class Request:
 
     def truncate(self, length: int) -> None:
         """Drop tokens past `length` (re-tokenisation, rejected drafts); the KV cache follows."""
+        self.truncations += 1
         del self.token_ids[length:]
+        self.truncations += 1
         self.guess = None
         self.num_cached = min(self.num_cached, length)
         self.stats.output_tokens = self.num_output
