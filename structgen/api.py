@@ -674,7 +674,9 @@ class _DeltaFeed:
     hands them over with `put_nowait`): each is decoded at once, and the stream's task wakes
     only where there is text to send or the request ended, then takes all the text since it
     last ran, consecutive deltas of one kind joined; an update that adds no text to send
-    costs no wake-up."""
+    costs no wake-up. While the task has text waiting, updates are not decoded: the task
+    decodes once, when it runs, what they added (a lagging loop decodes no more often than
+    its streams run)."""
 
     def __init__(self, tokenizer: Any):
         self._deltas = _OutputDeltas(tokenizer)
@@ -682,23 +684,33 @@ class _DeltaFeed:
         self.final = False  # the request ended: nothing more comes
         self._error: BaseException | None = None  # a failure decoding, raised in the task
         self._waiter: asyncio.Future[None] | None = None
+        self._behind: Request | None = None  # an update not decoded yet (text was waiting)
 
     def put_nowait(self, req: Request) -> None:
         if self.final:
             return
+        if self.ready:  # the task wakes anyway: it decodes this update then
+            self._behind = req
+            return
+        self._decode(req)
+        if (self.ready or self.final) and self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def _decode(self, req: Request) -> None:
+        self._behind = None
         try:
             self.ready += self._deltas.deltas(req)
             self.final = self._deltas.final
         except Exception as e:  # a callback of the event loop must not raise: the task does
             self._error, self.final = e, True
-        if (self.ready or self.final) and self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
 
     async def next(self) -> list[str]:
         """The deltas since the last call, waiting for some (an empty list once it ended)."""
         while not self.ready and not self.final:
             self._waiter = asyncio.get_running_loop().create_future()
             await self._waiter
+        if self._behind is not None and not self.final:
+            self._decode(self._behind)
         if self._error is not None:
             raise self._error
         ready, self.ready = self.ready, []
