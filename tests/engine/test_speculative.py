@@ -58,8 +58,12 @@ def speculate(llm: LLM, spec: SpeculativeConfig | None) -> None:
     llm.engine.speculator = None if spec is None else Speculator(llm.engine, spec)
 
 
-def complete(llm: LLM, spec: SpeculativeConfig | None, output_type, prompt: str, **kw):
+def complete(llm: LLM, spec: SpeculativeConfig | None, output_type, prompt: str, fixed: bool = False, **kw):
+    """`llm.complete` with `spec`; `fixed`: every step drafts its budget (no draft policy, whose
+    choices follow how long steps take on this machine now)."""
     speculate(llm, spec)
+    if fixed:
+        llm.engine.speculator.adaptive = False
     try:
         return llm.complete(output_type, prompt, **kw)
     finally:
@@ -72,7 +76,7 @@ def test_greedy_constrained_output_is_unchanged(llm):
     base = complete(llm, None, JsonSchema(SCHEMA), PROMPT, max_tokens=80)
     for aware in (True, False):
         spec = SpeculativeConfig(num_draft_tokens=4, grammar_aware=aware)
-        out = complete(llm, spec, JsonSchema(SCHEMA), PROMPT, max_tokens=80)
+        out = complete(llm, spec, JsonSchema(SCHEMA), PROMPT, fixed=True, max_tokens=80)
         assert out.token_ids == base.token_ids, f"grammar_aware={aware}"
         assert out.value == base.value
         s = out.stats
@@ -124,6 +128,8 @@ def test_greedy_unconstrained_output_is_unchanged(llm):
 
     def run(spec):
         speculate(llm, spec)
+        if spec is not None:  # every step drafts its budget (the policy follows this machine's timings)
+            llm.engine.speculator.adaptive = False
         reqs = [Request(p, SamplingParams(max_tokens=40), stop_token_ids=frozenset(llm.engine.stop_token_ids)) for p in ids]
         # Through the LLM's own engine loop: once an earlier test started it, a direct
         # `engine.run` here would step the engine from two threads at once.
@@ -144,7 +150,7 @@ def test_self_draft_is_lossless(llm):
     """The target's first layers as a draft model, its logits masked by the grammar."""
     base = complete(llm, None, JsonSchema(SCHEMA), PROMPT, max_tokens=80)
     spec = SpeculativeConfig(method="self_draft", self_draft_layers=6, num_draft_tokens=3)
-    out = complete(llm, spec, JsonSchema(SCHEMA), PROMPT, max_tokens=80)
+    out = complete(llm, spec, JsonSchema(SCHEMA), PROMPT, fixed=True, max_tokens=80)
     assert out.token_ids == base.token_ids
     assert out.stats.drafted_tokens > 0
 
@@ -420,6 +426,6 @@ def test_greedy_reasoning_output_is_unchanged(llm):
               "Which city is the capital of France? Answer as JSON.")
     kw = {"max_tokens": 80, "reasoning": True, "max_reasoning_tokens": 40}
     base = complete(llm, None, JsonSchema(SCHEMA), prompt, **kw)
-    spec = complete(llm, SpeculativeConfig(num_draft_tokens=3), JsonSchema(SCHEMA), prompt, **kw)
+    spec = complete(llm, SpeculativeConfig(num_draft_tokens=3), JsonSchema(SCHEMA), prompt, fixed=True, **kw)
     assert base.reasoning and spec.stats.accepted_tokens > 0
     assert (spec.reasoning, spec.text) == (base.reasoning, base.text)
