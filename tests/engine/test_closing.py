@@ -182,12 +182,13 @@ def test_the_search_ends_a_number_where_more_fields_are_required(llm: LLM, backe
 
 
 def test_forced_text_stops_at_the_next_budget_check() -> None:
-    """Jump-forward's forced text fills output only up to the next budget check, so the closer
-    sees the output before the budget is spent; with closing off, up to max_tokens."""
+    """Jump-forward's forced text fills output only up to the token before the next budget
+    check, so the closer sees the output before the budget is spent, at a sampled token (as
+    in any other step); with closing off, up to max_tokens."""
     req = Request(list(range(5)), SamplingParams(max_tokens=100))
     req.token_ids += [7] * 30
     req.budget_check_at = 40
-    assert BudgetCloser.forced_text_end(req) == 40
+    assert BudgetCloser.forced_text_end(req) == 39
     req.budget_check_at = 20  # due: it runs at the next token (forced text at the start, say)
     assert BudgetCloser.forced_text_end(req) == 100
     off = Request(list(range(5)), SamplingParams(max_tokens=100, close_at_budget=False))

@@ -3,6 +3,7 @@ default model, distribution-preserving for sampled ones, and the drafters on the
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from collections import Counter
@@ -116,6 +117,36 @@ def test_where_no_draft_pays_steps_run_as_plain_decode_steps(llm):
     for r in got:
         assert r.stats.verify_steps <= r.stats.forward_passes // 2  # every pass was one before
     assert run.policy.step_seconds[2] < 1.0  # plain steps replaced the made-up cost of two rows
+
+
+FSTAB_ENTRY = {"type": "object", "properties": {
+    "device": {"type": "string"}, "mount_point": {"type": "string"}, "file_system_type": {"type": "string"},
+    "options": {"type": "string"}, "dump": {"type": "string", "pattern": "^[0-1]$"},
+    "pass": {"type": "string", "pattern": "^[0-2]$"}},
+    "required": ["device", "mount_point", "file_system_type", "options", "dump", "pass"]}
+FSTAB = {"type": "object", "required": ["/"], "properties": {"/": FSTAB_ENTRY},
+         "patternProperties": {"^(/[^/]+)+$": FSTAB_ENTRY}, "additionalProperties": False}
+FSTAB_RECORD = {
+    "/": {"device": "/dev/sda1", "mount_point": "/", "file_system_type": "ext4", "options": "defaults",
+          "dump": "0", "pass": "1"},
+    "/home": {"device": "/dev/sda2", "mount_point": "/home", "file_system_type": "ext4", "options": "defaults",
+              "dump": "0", "pass": "2"},
+    "/var": {"device": "UUID=2e9e4e8b-08c0-4c7c-8d7d-2b5f65cc8cd0", "mount_point": "/var", "file_system_type": "xfs",
+             "options": "noatime,nodiratime", "dump": "0", "pass": "2"}}
+
+
+def test_an_output_closed_at_its_budget_is_the_same_with_speculation(llm):
+    """Budget closing checks the output at scheduled lengths; jump-forward's forced text stops
+    short of the next one, so every check lands on the same token whether steps add one token,
+    forced text or a verify step's drafts, and the output is closed at the same point (MaskBench
+    JME's fstab schema: forced text had carried plain decoding one token past a check, whose
+    later schedule then closed the two runs at different fields)."""
+    prompt = f"Write this record as JSON.\nSchema: {json.dumps(FSTAB)}\nRecord: {json.dumps(FSTAB_RECORD)}"
+    base = complete(llm, None, JsonSchema(FSTAB), prompt, max_tokens=96)
+    spec = complete(llm, SpeculativeConfig(num_draft_tokens=3), JsonSchema(FSTAB), prompt, fixed=True, max_tokens=96)
+    assert "budget_closing" in base.stats.guards_fired and base.stats.forced_tokens > 0
+    assert spec.stats.accepted_tokens > 0
+    assert spec.token_ids == base.token_ids
 
 
 def test_greedy_unconstrained_output_is_unchanged(llm):
