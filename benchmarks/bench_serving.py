@@ -9,10 +9,12 @@ Workloads:
   form-filling prompt each, `response_format` = the schema;
 - `agent`: every request shares one system prompt of about 3,000 tokens (a tool catalogue
   built from Glaiveai2K function schemas) and asks for a tool call (a JSON object naming one
-  of the tools), as a function-calling agent's turns do.
+  of the tools), as a function-calling agent's turns do;
+- `agent-short`: the same turns and schema with a one-line system prompt, the baseline of
+  issue 30's agent target (TTFT within 1.5x of it, concurrent and one at a time).
 
-Arrivals: `closed` submits every request at once; a rate (requests/s) sends them as a Poisson
-process. For each (workload, mode, arrival): output tokens/s, requests/s, TTFT and TPOT p50 /
+Arrivals: `closed` submits every request at once; `serial` sends them one at a time; a rate
+(requests/s) sends them as a Poisson process. For each (workload, mode, arrival): output tokens/s, requests/s, TTFT and TPOT p50 /
 p99, valid outputs (jsonschema), lost requests. The decode-step bound beside them is the
 engine's constrained step at the run's batch size, measured in the same process
 (on a GPU; `--no-bound` to skip): what the GPU allows if every step were full.
@@ -106,9 +108,9 @@ def json_workload(n: int, data_dir: Path, max_schema_chars: int = 4_000) -> list
     return out
 
 
-def agent_workload(n: int, data_dir: Path, tokenizer: Any) -> list[ServingRequest]:
+def agent_workload(n: int, data_dir: Path, tokenizer: Any, catalogue: bool = True) -> list[ServingRequest]:
     """`n` tool-call turns sharing one system prompt: a catalogue of Glaiveai2K functions of
-    about CATALOGUE_TOKENS tokens."""
+    about CATALOGUE_TOKENS tokens, or (`catalogue` False) one line."""
     tools, text = [], "You are an agent. Answer with a JSON tool call. Tools:\n"
     for i, entry in enumerate(_entries("Glaiveai2K", data_dir)):
         line = json.dumps({"name": f"tool_{i}", "parameters": entry["schema"]}) + "\n"
@@ -118,6 +120,8 @@ def agent_workload(n: int, data_dir: Path, tokenizer: Any) -> list[ServingReques
         text += line
     schema = {"type": "object", "properties": {"name": {"enum": tools}, "arguments": {"type": "object"}},
               "required": ["name", "arguments"], "additionalProperties": False}
+    if not catalogue:
+        text = "You are an agent. Answer with a JSON tool call."
     return [ServingRequest([{"role": "system", "content": text},
                             {"role": "user", "content": f"Request {i}: call the tool that fits task {i}."}],
                            schema) for i in range(n)]
@@ -174,9 +178,17 @@ def http_runner(client: Any, model: str, max_tokens: int) -> Callable[[ServingRe
     return run
 
 
+Arrival = float | str | None  # requests/s (Poisson), "serial" (one at a time) or None (all at once)
+
+
+def _arrival(text: str) -> Arrival:
+    return None if text == "closed" else text if text == "serial" else float(text)
+
+
 async def drive(run: Callable[[ServingRequest], Awaitable[Outcome]], requests: list[ServingRequest],
-                rate: float | None, timeout_s: float, seed: int = 0) -> RunResult:
-    """All requests at once (`rate` None) or as a Poisson process of `rate` requests/s."""
+                rate: Arrival, timeout_s: float, seed: int = 0) -> RunResult:
+    """All requests at once (`rate` None), one at a time ("serial") or as a Poisson process
+    of `rate` requests/s."""
     rng = random.Random(seed)
 
     async def one(req: ServingRequest, delay: float) -> Outcome:
@@ -186,11 +198,13 @@ async def drive(run: Callable[[ServingRequest], Awaitable[Outcome]], requests: l
         except Exception as exc:  # counted, and the run goes on
             return Outcome(error=f"{type(exc).__name__}: {str(exc)[:200]}", refused=_refusal(exc))
 
+    t0 = time.perf_counter()
+    if rate == "serial":
+        return RunResult([await one(r, 0.0) for r in requests], time.perf_counter() - t0)
     delays, t = [], 0.0
     for _ in requests:
         delays.append(t)
-        t += rng.expovariate(rate) if rate else 0.0
-    t0 = time.perf_counter()
+        t += rng.expovariate(rate) if isinstance(rate, float) else 0.0
     outcomes = await asyncio.gather(*(one(r, d) for r, d in zip(requests, delays, strict=True)))
     return RunResult(list(outcomes), time.perf_counter() - t0)
 
@@ -249,7 +263,8 @@ def _parse_args() -> argparse.Namespace:
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--workloads", default="json,agent")
     ap.add_argument("--modes", default="inprocess,http")
-    ap.add_argument("--arrivals", default="closed,50,100", help="closed and/or request rates per second")
+    ap.add_argument("--arrivals", default="closed,50,100",
+                    help="closed (all at once), serial (one at a time) and/or request rates per second")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--max-batch-size", type=int, default=256)
     ap.add_argument("--device", default=None)
@@ -275,7 +290,8 @@ def main() -> None:
     results = Results({k: str(v) for k, v in vars(args).items()}, write=not args.no_write)
     with LLM(config=cfg) as llm:
         workloads = {"json": lambda: json_workload(args.requests, data_dir),
-                     "agent": lambda: agent_workload(args.requests, data_dir, llm.tokenizer)}
+                     "agent": lambda: agent_workload(args.requests, data_dir, llm.tokenizer),
+                     "agent-short": lambda: agent_workload(args.requests, data_dir, llm.tokenizer, catalogue=False)}
         on_gpu = torch.cuda.is_available() and args.device in (None, "cuda")
         bound = decode_bound_tok_per_s(llm, min(args.max_batch_size, args.requests)) if on_gpu and not args.no_bound else None
         for name in args.workloads.split(","):
@@ -291,7 +307,7 @@ def main() -> None:
 
 def run_mode(llm: Any, mode: str, workload: str, requests: list[ServingRequest], args: argparse.Namespace,
              bound: float | None, results: Results) -> None:
-    arrivals = [None if a == "closed" else float(a) for a in args.arrivals.split(",")]
+    arrivals = [_arrival(a) for a in args.arrivals.split(",")]
     if mode == "inprocess":
         run = inprocess_runner(llm, args.max_tokens)
         for rate in arrivals:
@@ -312,12 +328,12 @@ def run_peer(peer: str, workload: str, requests: list[ServingRequest], args: arg
     """The same HTTP requests against a peer's OpenAI-compatible server (NAME=URL)."""
     name, _, url = peer.partition("=")
     for a in args.arrivals.split(","):
-        rate = None if a == "closed" else float(a)
+        rate = _arrival(a)
         res = asyncio.run(_http(url, args.peer_model, requests, rate, args))
         results.add(_row(workload, "http", rate, res, bound, system=name))
 
 
-async def _http(url: str, model: str, requests: list[ServingRequest], rate: float | None,
+async def _http(url: str, model: str, requests: list[ServingRequest], rate: Arrival,
                 args: argparse.Namespace) -> RunResult:
     import httpx
     import openai
@@ -328,12 +344,12 @@ async def _http(url: str, model: str, requests: list[ServingRequest], rate: floa
         return await drive(http_runner(client, model, args.max_tokens), requests, rate, args.timeout)
 
 
-def _row(workload: str, mode: str, rate: float | None, res: RunResult, bound: float | None,
+def _row(workload: str, mode: str, rate: Arrival, res: RunResult, bound: float | None,
          system: str = "structgen") -> dict[str, Any]:
     figures = summarize(res)
     print(system, workload, mode, rate or "closed", json.dumps(figures), flush=True)  # progress on long runs
     return {"system": system, "model": "smollm2-135m", "workload": workload, "mode": mode,
-            "arrival": "closed" if rate is None else f"poisson {rate:g}/s", **figures,
+            "arrival": "closed" if rate is None else rate if isinstance(rate, str) else f"poisson {rate:g}/s", **figures,
             "decode_bound_tok_per_s": bound,
             "share_of_bound": round(figures["tok_per_s"] / bound, 3) if bound else None}
 
