@@ -9,8 +9,14 @@
 //
 // Block layouts are ggml's (ggml-common.h); types are passed as ggml type ids.
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -406,6 +412,239 @@ int sgq_dequantize(int type, const uint8_t* w, int64_t rows, int64_t cols, int64
   const int vec = simd < SimdLevel() ? simd : SimdLevel();
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows * cols >= kParallelWork)
   for (int64_t r = 0; r < rows; ++r) DequantRow(type, f, w + r * row_bytes, cols, out + r * cols, vec);
+  return 0;
+}
+
+}  // extern "C"
+
+// ---- one decode step of a Llama-family decoder: every layer in one call ----
+//
+// A CPU decode step of a small model is bound by the host cost of its many small torch ops, not
+// by its weights, so the step's per-layer work (norms, packed products, RoPE, the KV write,
+// attention over the paged cache, SiLU * up, residual adds) runs here in one OpenMP region.
+
+namespace {
+
+// A packed weight, as sgq_matmul takes it, with an optional fp32 bias.
+struct Linear {
+  int32_t type;
+  int32_t pad;
+  const uint8_t* w;
+  int64_t rows, cols, row_bytes;
+  const float* bias;  // [rows] or null
+};
+
+struct DecoderLayer {
+  Linear qkv, o, gate_up, down;
+  const float* attn_norm;  // [hidden]
+  const float* mlp_norm;   // [hidden]
+  float* k_cache;          // [cache rows, kv_heads, head_dim]
+  float* v_cache;
+  int64_t window;          // sliding window in keys, 0: none
+};
+
+struct ModelShape {
+  int64_t hidden, heads, kv_heads, head_dim, inter;
+  float eps;
+  int32_t pad;
+};
+
+// One new token for each of `n` sequences.
+struct DecodeRows {
+  int64_t n;
+  const int64_t* positions;     // [n]
+  const int64_t* token_slots;   // [n] cache row of each new token
+  const int64_t* slots;         // [n] page-table row of each sequence
+  const int64_t* context_lens;  // [n] tokens in cache after this step
+  const int64_t* page_table;    // [slots + 1, table_stride]
+  int64_t table_stride, page_size;
+  const float* cos;  // [positions, head_dim] (rotate-half layout)
+  const float* sin;
+};
+
+// Work split of a parallel loop over `count` items: this thread's [begin, end).
+struct Share {
+  int64_t begin, end;
+};
+
+Share ShareOf(int64_t count, int thread, int threads) {
+  const int64_t per = count / threads, extra = count % threads;
+  const int64_t begin = thread * per + (thread < extra ? thread : extra);
+  return {begin, begin + per + (thread < extra ? 1 : 0)};
+}
+
+struct Team {
+  int thread, threads;
+};
+
+Team ThisTeam() {
+#ifdef _OPENMP
+  return {omp_get_thread_num(), omp_get_num_threads()};
+#else
+  return {0, 1};
+#endif
+}
+
+void Barrier() {
+#ifdef _OPENMP
+#pragma omp barrier
+#endif
+}
+
+// y[i, r] = x[i, :] . W[r, :] (+ bias[r]) for this thread's share of the rows r.
+void LinearShare(const Linear& l, const float* x, int64_t n, float* y, int simd, Team team) {
+  Format f;
+  FormatOf(l.type, &f);
+  const Share s = ShareOf(l.rows, team.thread, team.threads);
+  for (int64_t r = s.begin; r < s.end; ++r) {
+    MatmulRow(l.type, f, l.w + r * l.row_bytes, l.cols, x, n, y + r, l.rows, simd);
+    if (l.bias)
+      for (int64_t i = 0; i < n; ++i) y[i * l.rows + r] += l.bias[r];
+  }
+}
+
+// out[i] = x[i] * rsqrt(mean(x[i]^2) + eps) * weight, row by row.
+void RmsNorm(const float* x, const float* weight, int64_t n, int64_t dim, float eps, float* out) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float* xi = x + i * dim;
+    float sum = 0;
+    for (int64_t c = 0; c < dim; ++c) sum += xi[c] * xi[c];
+    const float scale = 1.0f / std::sqrt(sum / static_cast<float>(dim) + eps);
+    for (int64_t c = 0; c < dim; ++c) out[i * dim + c] = weight[c] * (xi[c] * scale);
+  }
+}
+
+// x (one head, head_dim wide) rotated in place by the rotate-half RoPE at one position.
+void Rope(float* x, const float* cos, const float* sin, int64_t dim) {
+  const int64_t half = dim / 2;
+  for (int64_t j = 0; j < half; ++j) {
+    const float a = x[j], b = x[j + half];
+    x[j] = a * cos[j] - b * sin[j];
+    x[j + half] = b * cos[j + half] + a * sin[j + half];
+  }
+}
+
+// RoPE on each row's q and k heads, and k, v written to the row's cache row.
+void RopeAndCache(const ModelShape& m, const DecoderLayer& l, const DecodeRows& b, float* qkv) {
+  const int64_t width = (m.heads + 2 * m.kv_heads) * m.head_dim, kv = m.kv_heads * m.head_dim;
+  for (int64_t i = 0; i < b.n; ++i) {
+    float* row = qkv + i * width;
+    const float* cos = b.cos + b.positions[i] * m.head_dim;
+    const float* sin = b.sin + b.positions[i] * m.head_dim;
+    for (int64_t h = 0; h < m.heads + m.kv_heads; ++h) Rope(row + h * m.head_dim, cos, sin, m.head_dim);
+    const float* k = row + m.heads * m.head_dim;
+    std::memcpy(l.k_cache + b.token_slots[i] * kv, k, kv * sizeof(float));
+    std::memcpy(l.v_cache + b.token_slots[i] * kv, k + kv, kv * sizeof(float));
+  }
+}
+
+// Attention of query head `head` of row `i` over its sequence's cached keys (the window's last
+// keys where the layer has one): softmax(q . k / sqrt(d)) . v into `out`.
+void AttendHead(const ModelShape& m, const DecoderLayer& l, const DecodeRows& b, const float* qkv,
+                int64_t i, int64_t head, std::vector<float>* scores, float* out) {
+  const int64_t d = m.head_dim, kv = m.kv_heads * d;
+  const int64_t kv_head = head / (m.heads / m.kv_heads), ctx = b.context_lens[i];
+  const int64_t first = l.window > 0 && ctx > l.window ? ctx - l.window : 0;
+  const float* q = qkv + i * (m.heads + 2 * m.kv_heads) * d + head * d;
+  const int64_t* pages = b.page_table + b.slots[i] * b.table_stride;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  scores->resize(ctx - first);
+  float* s = scores->data();
+  float top = -INFINITY;
+  for (int64_t t = first; t < ctx; ++t) {
+    const int64_t cache_row = pages[t / b.page_size] * b.page_size + t % b.page_size;
+    const float* k = l.k_cache + cache_row * kv + kv_head * d;
+    float dot = 0;
+    for (int64_t e = 0; e < d; ++e) dot += q[e] * k[e];
+    s[t - first] = dot * scale;
+    top = s[t - first] > top ? s[t - first] : top;
+  }
+  float total = 0;
+  for (int64_t t = 0; t < ctx - first; ++t) total += (s[t] = std::exp(s[t] - top));
+  for (int64_t e = 0; e < d; ++e) out[e] = 0;
+  for (int64_t t = first; t < ctx; ++t) {
+    const int64_t cache_row = pages[t / b.page_size] * b.page_size + t % b.page_size;
+    const float* v = l.v_cache + cache_row * kv + kv_head * d;
+    const float p = s[t - first] / total;
+    for (int64_t e = 0; e < d; ++e) out[e] += p * v[e];
+  }
+}
+
+// Scratch of one step, sized for `n` rows.
+struct StepBuffers {
+  std::vector<float> normed, qkv, attn, proj, gate_up, act;
+  StepBuffers(const ModelShape& m, int64_t n)
+      : normed(n * m.hidden), qkv(n * (m.heads + 2 * m.kv_heads) * m.head_dim),
+        attn(n * m.heads * m.head_dim), proj(n * m.hidden), gate_up(n * 2 * m.inter),
+        act(n * m.inter) {}
+};
+
+// hidden[i] += o(attention(norm(hidden[i]))), by every thread of the team.
+void AttentionBlock(const ModelShape& m, const DecoderLayer& l, const DecodeRows& b, float* hidden,
+                    StepBuffers* buf, int simd, Team team, std::vector<float>* scores) {
+  if (team.thread == 0) RmsNorm(hidden, l.attn_norm, b.n, m.hidden, m.eps, buf->normed.data());
+  Barrier();
+  LinearShare(l.qkv, buf->normed.data(), b.n, buf->qkv.data(), simd, team);
+  Barrier();
+  if (team.thread == 0) RopeAndCache(m, l, b, buf->qkv.data());
+  Barrier();
+  const Share heads = ShareOf(b.n * m.heads, team.thread, team.threads);
+  for (int64_t job = heads.begin; job < heads.end; ++job)
+    AttendHead(m, l, b, buf->qkv.data(), job / m.heads, job % m.heads, scores,
+               buf->attn.data() + job * m.head_dim);
+  Barrier();
+  LinearShare(l.o, buf->attn.data(), b.n, buf->proj.data(), simd, team);
+  Barrier();
+  if (team.thread == 0)
+    for (int64_t e = 0; e < b.n * m.hidden; ++e) hidden[e] += buf->proj[e];
+}
+
+// hidden[i] += down(silu(gate) * up) of norm(hidden[i]), by every thread of the team.
+void MlpBlock(const ModelShape& m, const DecoderLayer& l, int64_t n, float* hidden, StepBuffers* buf,
+              int simd, Team team) {
+  if (team.thread == 0) RmsNorm(hidden, l.mlp_norm, n, m.hidden, m.eps, buf->normed.data());
+  Barrier();
+  LinearShare(l.gate_up, buf->normed.data(), n, buf->gate_up.data(), simd, team);
+  Barrier();
+  const Share s = ShareOf(n * m.inter, team.thread, team.threads);
+  for (int64_t e = s.begin; e < s.end; ++e) {
+    const int64_t i = e / m.inter, c = e % m.inter;
+    const float gate = buf->gate_up[i * 2 * m.inter + c], up = buf->gate_up[i * 2 * m.inter + m.inter + c];
+    buf->act[e] = gate / (1.0f + std::exp(-gate)) * up;
+  }
+  Barrier();
+  LinearShare(l.down, buf->act.data(), n, buf->proj.data(), simd, team);
+  Barrier();
+  if (team.thread == 0)
+    for (int64_t e = 0; e < n * m.hidden; ++e) hidden[e] += buf->proj[e];
+  Barrier();
+}
+
+}  // namespace
+
+extern "C" {
+
+// Runs `num_layers` decoder layers over the residual stream `hidden` [n, hidden] in place: the
+// decode step of `rows` (one new token a sequence). Returns 0, or -1 for an unsupported layer.
+int sgq_decode_layers(const ModelShape* shape, const DecoderLayer* layers, int64_t num_layers,
+                      const DecodeRows* rows, float* hidden, int threads, int simd) {
+  const ModelShape& m = *shape;
+  Format f;
+  for (int64_t i = 0; i < num_layers; ++i)
+    for (const Linear* l : {&layers[i].qkv, &layers[i].o, &layers[i].gate_up, &layers[i].down})
+      if (!FormatOf(l->type, &f) || l->cols % f.block_elems != 0) return -1;
+  if (m.heads % m.kv_heads != 0 || m.head_dim % 2 != 0) return -1;
+  const int vec = simd < SimdLevel() ? simd : SimdLevel();
+  StepBuffers buf(m, rows->n);
+#pragma omp parallel num_threads(threads)
+  {
+    const Team team = ThisTeam();
+    std::vector<float> scores;
+    for (int64_t i = 0; i < num_layers; ++i) {
+      AttentionBlock(m, layers[i], *rows, hidden, &buf, vec, team, &scores);
+      MlpBlock(m, layers[i], rows->n, hidden, &buf, vec, team);
+    }
+  }
   return 0;
 }
 

@@ -1,0 +1,40 @@
+"""The native CPU decode step's inputs (kernels/cpu_decode.py) from a model's projections,
+KV cache and attention batch; which layers are eligible is the model's own business
+(`LlamaModel.cpu_decoder`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from structgen.engine.attention import AttentionBatch
+from structgen.engine.kernels import batch_invariant
+from structgen.engine.kernels.cpu_decode import DecodeRows, PackedMatrix
+from structgen.engine.kv_cache import KVCache
+from structgen.engine.models.quantized import QuantizedLinear
+
+if TYPE_CHECKING:
+    from structgen.engine.models.llama import RotaryEmbedding
+
+
+def is_decode_step(hidden: torch.Tensor, batch: AttentionBatch) -> bool:
+    """One new token a sequence, on the CPU, outside the batch-invariant mode (where a row's
+    numbers must not depend on the kind of step)."""
+    return (hidden.device.type == "cpu" and batch.max_q == 1 and hidden.shape[0] == batch.slots.shape[0]
+            and not batch_invariant())
+
+
+def packed_matrix(linear: torch.nn.Module) -> PackedMatrix | None:
+    """A projection's weight as the native decoder takes it; None unless packed in one format run."""
+    if not isinstance(linear, QuantizedLinear) or len(linear.parts) != 1:
+        return None
+    part = linear.parts[0]
+    bias = None if linear.bias is None else linear.bias.data
+    return PackedMatrix(part.packed, part.qtype, part.cols, bias)
+
+
+def decode_rows(batch: AttentionBatch, rope: RotaryEmbedding, kv: KVCache) -> DecodeRows:
+    """The native step's view of a decode batch."""
+    return DecodeRows(batch.positions, batch.token_slots, batch.slots, batch.context_lens, batch.page_table,
+                      kv.pages.page_size, rope.cos, rope.sin)
