@@ -28,6 +28,7 @@ namespace {
 constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14;
 constexpr int kMaxBlock = 256;  // elements in the largest block (the K formats' super-block)
 constexpr int kRowGroup = 4;    // activation rows multiplied together against one weight block
+constexpr int kWeightRows = 4;  // weight rows multiplied together against one activation row
 // Products smaller than this many multiply-adds run on the calling thread: waking the others
 // costs more than they would save.
 constexpr int64_t kParallelWork = 1 << 16;
@@ -321,6 +322,43 @@ SGQ_AVX512 void MatmulRowAvx512(const uint8_t* row, int64_t cols, const float* x
   }
 }
 
+// One activation row against kWeightRows weight rows: independent accumulator chains (one
+// row's chain alone waits on each FMA's latency), each summing in MatmulRowAvx's order, so a
+// row's result is the same as MatmulRowAvx's whatever its neighbours.
+template <int kType, int kBytes>
+SGQ_AVX2 void WeightRowsAvx(const uint8_t* w, int64_t row_bytes, int64_t cols, const float* x, float* y) {
+  __m256 acc[kWeightRows];
+  for (int r = 0; r < kWeightRows; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t c = 0, blk = 0; c < cols; c += 32, ++blk) {
+    const __m256 x0 = _mm256_loadu_ps(x + c), x1 = _mm256_loadu_ps(x + c + 8);
+    const __m256 x2 = _mm256_loadu_ps(x + c + 16), x3 = _mm256_loadu_ps(x + c + 24);
+    for (int r = 0; r < kWeightRows; ++r) {
+      __m256 wv[4];
+      BlockAvx<kType>(w + r * row_bytes + blk * kBytes, wv);
+      __m256 a = _mm256_fmadd_ps(wv[0], x0, acc[r]);
+      a = _mm256_fmadd_ps(wv[1], x1, a);
+      a = _mm256_fmadd_ps(wv[2], x2, a);
+      acc[r] = _mm256_fmadd_ps(wv[3], x3, a);
+    }
+  }
+  for (int r = 0; r < kWeightRows; ++r) y[r] = HorizontalSum(acc[r]);
+}
+
+template <int kType, int kBytes>
+SGQ_AVX512 void WeightRowsAvx512(const uint8_t* w, int64_t row_bytes, int64_t cols, const float* x, float* y) {
+  __m512 acc[kWeightRows];
+  for (int r = 0; r < kWeightRows; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t c = 0, blk = 0; c < cols; c += 32, ++blk) {
+    const __m512 x0 = _mm512_loadu_ps(x + c), x1 = _mm512_loadu_ps(x + c + 16);
+    for (int r = 0; r < kWeightRows; ++r) {
+      __m512 wv[2];
+      BlockAvx512<kType>(w + r * row_bytes + blk * kBytes, wv);
+      acc[r] = _mm512_fmadd_ps(wv[1], x1, _mm512_fmadd_ps(wv[0], x0, acc[r]));
+    }
+  }
+  for (int r = 0; r < kWeightRows; ++r) y[r] = _mm512_reduce_add_ps(acc[r]);
+}
+
 // 2 where AVX-512F kernels run, 1 for AVX2/FMA/F16C, 0 for the scalar code.
 int SimdLevel() {
   static const int level = !(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
@@ -352,6 +390,34 @@ void MatmulRow(int type, const Format& f, const uint8_t* row, int64_t cols, cons
 #endif
   MatmulRowBuffered(ScalarDequant(type), f, row, cols, x, n, y, y_stride);
 }
+
+// Rows [begin, end) of W (rows `row_bytes` apart from `w`) against x [n, cols] into y[i * y_stride + r];
+// a single activation row takes the weight rows kWeightRows at a time.
+void MatmulRows(int type, const Format& f, const uint8_t* w, int64_t row_bytes, int64_t begin, int64_t end,
+                int64_t cols, const float* x, int64_t n, float* y, int64_t y_stride, int simd) {
+  int64_t r = begin;
+#ifdef SGQ_X86
+  if (n == 1 && simd >= 1 && SmallBlocks(type)) {
+    for (; r + kWeightRows <= end; r += kWeightRows) {
+      const uint8_t* rw = w + r * row_bytes;
+      if (simd >= 2) {
+        if (type == kQ4_1) WeightRowsAvx512<kQ4_1, 20>(rw, row_bytes, cols, x, y + r);
+        else if (type == kQ4_0) WeightRowsAvx512<kQ4_0, 18>(rw, row_bytes, cols, x, y + r);
+        else WeightRowsAvx512<kQ8_0, 34>(rw, row_bytes, cols, x, y + r);
+      } else {
+        if (type == kQ4_1) WeightRowsAvx<kQ4_1, 20>(rw, row_bytes, cols, x, y + r);
+        else if (type == kQ4_0) WeightRowsAvx<kQ4_0, 18>(rw, row_bytes, cols, x, y + r);
+        else WeightRowsAvx<kQ8_0, 34>(rw, row_bytes, cols, x, y + r);
+      }
+    }
+  }
+#endif
+  for (; r < end; ++r) MatmulRow(type, f, w + r * row_bytes, cols, x, n, y + r, y_stride, simd);
+}
+
+// The row groups of a product of `rows` rows, and group g's rows.
+int64_t RowGroups(int64_t rows) { return (rows + kWeightRows - 1) / kWeightRows; }
+int64_t GroupEnd(int64_t g, int64_t rows) { return (g + 1) * kWeightRows < rows ? (g + 1) * kWeightRows : rows; }
 
 void DequantRow(int type, const Format& f, const uint8_t* row, int64_t cols, float* out,
                 int simd) {
@@ -389,7 +455,8 @@ int sgq_matmul(int type, const uint8_t* w, int64_t rows, int64_t cols, int64_t r
   if (!FormatOf(type, &f) || cols % f.block_elems != 0) return -1;
   const int vec = simd < SimdLevel() ? simd : SimdLevel();
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows * cols * n >= kParallelWork)
-  for (int64_t r = 0; r < rows; ++r) MatmulRow(type, f, w + r * row_bytes, cols, x, n, y + r, y_stride, vec);
+  for (int64_t g = 0; g < RowGroups(rows); ++g)
+    MatmulRows(type, f, w, row_bytes, g * kWeightRows, GroupEnd(g, rows), cols, x, n, y, y_stride, vec);
   return 0;
 }
 
@@ -495,12 +562,12 @@ void Barrier() {
 void LinearShare(const Linear& l, const float* x, int64_t n, float* y, int simd, Team team) {
   Format f;
   FormatOf(l.type, &f);
-  const Share s = ShareOf(l.rows, team.thread, team.threads);
-  for (int64_t r = s.begin; r < s.end; ++r) {
-    MatmulRow(l.type, f, l.w + r * l.row_bytes, l.cols, x, n, y + r, l.rows, simd);
-    if (l.bias)
+  const Share s = ShareOf(RowGroups(l.rows), team.thread, team.threads);
+  const int64_t begin = s.begin * kWeightRows, end = s.begin < s.end ? GroupEnd(s.end - 1, l.rows) : begin;
+  MatmulRows(l.type, f, l.w, l.row_bytes, begin, end, l.cols, x, n, y, l.rows, simd);
+  if (l.bias)
+    for (int64_t r = begin; r < end; ++r)
       for (int64_t i = 0; i < n; ++i) y[i * l.rows + r] += l.bias[r];
-  }
 }
 
 // out[i] = x[i] * rsqrt(mean(x[i]^2) + eps) * weight, row by row.
@@ -570,54 +637,55 @@ void AttendHead(const ModelShape& m, const DecoderLayer& l, const DecodeRows& b,
   }
 }
 
-// Scratch of one step, sized for `n` rows.
-struct StepBuffers {
-  std::vector<float> normed, qkv, attn, proj, gate_up, act;
-  StepBuffers(const ModelShape& m, int64_t n)
-      : normed(n * m.hidden), qkv(n * (m.heads + 2 * m.kv_heads) * m.head_dim),
-        attn(n * m.heads * m.head_dim), proj(n * m.hidden), gate_up(n * 2 * m.inter),
-        act(n * m.inter) {}
+// Buffers the threads share: the products each thread writes its share of rows into.
+struct SharedBuffers {
+  std::vector<float> qkv, attn, proj, gate_up;
+  SharedBuffers(const ModelShape& m, int64_t n)
+      : qkv(n * (m.heads + 2 * m.kv_heads) * m.head_dim), attn(n * m.heads * m.head_dim), proj(n * m.hidden),
+        gate_up(n * 2 * m.inter) {}
 };
 
-// hidden[i] += o(attention(norm(hidden[i]))), by every thread of the team.
-void AttentionBlock(const ModelShape& m, const DecoderLayer& l, const DecodeRows& b, float* hidden,
-                    StepBuffers* buf, int simd, Team team, std::vector<float>* scores) {
-  if (team.thread == 0) RmsNorm(hidden, l.attn_norm, b.n, m.hidden, m.eps, buf->normed.data());
-  Barrier();
-  LinearShare(l.qkv, buf->normed.data(), b.n, buf->qkv.data(), simd, team);
+// What every thread keeps for itself: its copy of the residual stream and of the small
+// element-wise results, computed redundantly (a few thousand floats) instead of once behind
+// a barrier; every copy sees the same operations, so the copies stay equal.
+struct ThreadState {
+  std::vector<float> hidden, normed, act, scores;
+  ThreadState(const ModelShape& m, int64_t n, const float* stream)
+      : hidden(stream, stream + n * m.hidden), normed(n * m.hidden), act(n * m.inter) {}
+};
+
+// hidden += o(attention(norm(hidden))), the residual stream of this thread's copy.
+void AttentionBlock(const ModelShape& m, const DecoderLayer& l, const DecodeRows& b, SharedBuffers* buf,
+                    ThreadState* own, int simd, Team team) {
+  RmsNorm(own->hidden.data(), l.attn_norm, b.n, m.hidden, m.eps, own->normed.data());
+  LinearShare(l.qkv, own->normed.data(), b.n, buf->qkv.data(), simd, team);
   Barrier();
   if (team.thread == 0) RopeAndCache(m, l, b, buf->qkv.data());
   Barrier();
   const Share heads = ShareOf(b.n * m.heads, team.thread, team.threads);
   for (int64_t job = heads.begin; job < heads.end; ++job)
-    AttendHead(m, l, b, buf->qkv.data(), job / m.heads, job % m.heads, scores,
+    AttendHead(m, l, b, buf->qkv.data(), job / m.heads, job % m.heads, &own->scores,
                buf->attn.data() + job * m.head_dim);
   Barrier();
   LinearShare(l.o, buf->attn.data(), b.n, buf->proj.data(), simd, team);
   Barrier();
-  if (team.thread == 0)
-    for (int64_t e = 0; e < b.n * m.hidden; ++e) hidden[e] += buf->proj[e];
+  for (int64_t e = 0; e < b.n * m.hidden; ++e) own->hidden[e] += buf->proj[e];
 }
 
-// hidden[i] += down(silu(gate) * up) of norm(hidden[i]), by every thread of the team.
-void MlpBlock(const ModelShape& m, const DecoderLayer& l, int64_t n, float* hidden, StepBuffers* buf,
+// hidden += down(silu(gate) * up) of norm(hidden), the residual stream of this thread's copy.
+void MlpBlock(const ModelShape& m, const DecoderLayer& l, int64_t n, SharedBuffers* buf, ThreadState* own,
               int simd, Team team) {
-  if (team.thread == 0) RmsNorm(hidden, l.mlp_norm, n, m.hidden, m.eps, buf->normed.data());
+  RmsNorm(own->hidden.data(), l.mlp_norm, n, m.hidden, m.eps, own->normed.data());
+  LinearShare(l.gate_up, own->normed.data(), n, buf->gate_up.data(), simd, team);
   Barrier();
-  LinearShare(l.gate_up, buf->normed.data(), n, buf->gate_up.data(), simd, team);
-  Barrier();
-  const Share s = ShareOf(n * m.inter, team.thread, team.threads);
-  for (int64_t e = s.begin; e < s.end; ++e) {
-    const int64_t i = e / m.inter, c = e % m.inter;
-    const float gate = buf->gate_up[i * 2 * m.inter + c], up = buf->gate_up[i * 2 * m.inter + m.inter + c];
-    buf->act[e] = gate / (1.0f + std::exp(-gate)) * up;
+  for (int64_t i = 0; i < n; ++i) {
+    const float* gate = buf->gate_up.data() + i * 2 * m.inter;
+    for (int64_t c = 0; c < m.inter; ++c)
+      own->act[i * m.inter + c] = gate[c] / (1.0f + std::exp(-gate[c])) * gate[m.inter + c];
   }
+  LinearShare(l.down, own->act.data(), n, buf->proj.data(), simd, team);
   Barrier();
-  LinearShare(l.down, buf->act.data(), n, buf->proj.data(), simd, team);
-  Barrier();
-  if (team.thread == 0)
-    for (int64_t e = 0; e < n * m.hidden; ++e) hidden[e] += buf->proj[e];
-  Barrier();
+  for (int64_t e = 0; e < n * m.hidden; ++e) own->hidden[e] += buf->proj[e];
 }
 
 }  // namespace
@@ -635,15 +703,17 @@ int sgq_decode_layers(const ModelShape* shape, const DecoderLayer* layers, int64
       if (!FormatOf(l->type, &f) || l->cols % f.block_elems != 0) return -1;
   if (m.heads % m.kv_heads != 0 || m.head_dim % 2 != 0) return -1;
   const int vec = simd < SimdLevel() ? simd : SimdLevel();
-  StepBuffers buf(m, rows->n);
+  SharedBuffers buf(m, rows->n);
 #pragma omp parallel num_threads(threads)
   {
     const Team team = ThisTeam();
-    std::vector<float> scores;
+    ThreadState own(m, rows->n, hidden);
     for (int64_t i = 0; i < num_layers; ++i) {
-      AttentionBlock(m, layers[i], *rows, hidden, &buf, vec, team, &scores);
-      MlpBlock(m, layers[i], rows->n, hidden, &buf, vec, team);
+      AttentionBlock(m, layers[i], *rows, &buf, &own, vec, team);
+      MlpBlock(m, layers[i], rows->n, &buf, &own, vec, team);
     }
+    Barrier();  // every thread has read `hidden` into its copy before thread 0 overwrites it
+    if (team.thread == 0) std::memcpy(hidden, own.hidden.data(), own.hidden.size() * sizeof(float));
   }
   return 0;
 }

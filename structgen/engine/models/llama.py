@@ -261,6 +261,9 @@ class LlamaModel(nn.Module):
 
     # `load_hf_weights` takes packed GGUF weights (`QuantizedWeight`) on the CPU.
     takes_packed_weights = True
+    # (its KV cache, the native CPU decoder over it): a class default, so models that share another's
+    # modules without running this __init__ (speculative/draft_model.py) have it too.
+    _cpu_decoder: tuple[KVCache, CpuDecoder | None] | None = None
 
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
@@ -272,7 +275,6 @@ class LlamaModel(nn.Module):
         self.rope = RotaryEmbedding(cfg, max_positions)
         self.fused = False  # Triton kernels and timed GEMVs (use_fused_kernels)
         self.tensor_parallel = None  # this rank's group where the model is sharded (models/sharding.py)
-        self._cpu_decoder: tuple[KVCache, CpuDecoder | None] | None = None  # (its cache, the decoder)
 
     def forward(self, input_ids: torch.Tensor, batch: AttentionBatch, kv: KVCache) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
