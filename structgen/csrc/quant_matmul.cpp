@@ -332,6 +332,7 @@ SGQ_AVX2 void WeightRowsAvx(const uint8_t* w, int64_t row_bytes, int64_t cols, c
   for (int64_t c = 0, blk = 0; c < cols; c += 32, ++blk) {
     const __m256 x0 = _mm256_loadu_ps(x + c), x1 = _mm256_loadu_ps(x + c + 8);
     const __m256 x2 = _mm256_loadu_ps(x + c + 16), x3 = _mm256_loadu_ps(x + c + 24);
+    _mm_prefetch(reinterpret_cast<const char*>(w + kWeightRows * (row_bytes + blk * kBytes)), _MM_HINT_T0);
     for (int r = 0; r < kWeightRows; ++r) {
       __m256 wv[4];
       BlockAvx<kType>(w + r * row_bytes + blk * kBytes, wv);
@@ -350,6 +351,7 @@ SGQ_AVX512 void WeightRowsAvx512(const uint8_t* w, int64_t row_bytes, int64_t co
   for (int r = 0; r < kWeightRows; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t c = 0, blk = 0; c < cols; c += 32, ++blk) {
     const __m512 x0 = _mm512_loadu_ps(x + c), x1 = _mm512_loadu_ps(x + c + 16);
+    _mm_prefetch(reinterpret_cast<const char*>(w + kWeightRows * (row_bytes + blk * kBytes)), _MM_HINT_T0);
     for (int r = 0; r < kWeightRows; ++r) {
       __m512 wv[2];
       BlockAvx512<kType>(w + r * row_bytes + blk * kBytes, wv);
