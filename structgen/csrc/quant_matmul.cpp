@@ -8,6 +8,9 @@
 // keeps one OpenMP runtime. AVX2/FMA/F16C code is chosen at run time, with a scalar fallback.
 //
 // Block layouts are ggml's (ggml-common.h); types are passed as ggml type ids.
+//
+// The last section, sgq_decode_layers, runs a whole Llama-family decode step over these products
+// (structgen/engine/kernels/cpu_decode.py).
 
 #include <cmath>
 #include <cstdint>
