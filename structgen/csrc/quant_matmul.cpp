@@ -521,13 +521,13 @@ struct ModelShape {
   int32_t pad;
 };
 
-// One new token for each of `n` sequences.
+// `n` new tokens (rows) of any sequences: each attends to its sequence's keys up to its own
+// position, the step's new keys included (decode rows, draft rows to verify, short prompts).
 struct DecodeRows {
   int64_t n;
   const int64_t* positions;     // [n]
   const int64_t* token_slots;   // [n] cache row of each new token
-  const int64_t* slots;         // [n] page-table row of each sequence
-  const int64_t* context_lens;  // [n] tokens in cache after this step
+  const int64_t* slots;         // [n] page-table row of each row's sequence
   const int64_t* page_table;    // [slots + 1, table_stride]
   int64_t table_stride, page_size;
   const float* cos;  // [positions, head_dim] (rotate-half layout)
@@ -610,12 +610,12 @@ void RopeAndCache(const ModelShape& m, const DecoderLayer& l, const DecodeRows& 
   }
 }
 
-// Attention of query head `head` of row `i` over its sequence's cached keys (the window's last
-// keys where the layer has one): softmax(q . k / sqrt(d)) . v into `out`.
+// Attention of query head `head` of row `i` over its sequence's cached keys up to its position
+// (the window's last keys where the layer has one): softmax(q . k / sqrt(d)) . v into `out`.
 void AttendHead(const ModelShape& m, const DecoderLayer& l, const DecodeRows& b, const float* qkv,
                 int64_t i, int64_t head, std::vector<float>* scores, float* out) {
   const int64_t d = m.head_dim, kv = m.kv_heads * d;
-  const int64_t kv_head = head / (m.heads / m.kv_heads), ctx = b.context_lens[i];
+  const int64_t kv_head = head / (m.heads / m.kv_heads), ctx = b.positions[i] + 1;
   const int64_t first = l.window > 0 && ctx > l.window ? ctx - l.window : 0;
   const float* q = qkv + i * (m.heads + 2 * m.kv_heads) * d + head * d;
   const int64_t* pages = b.page_table + b.slots[i] * b.table_stride;
@@ -697,8 +697,8 @@ void MlpBlock(const ModelShape& m, const DecoderLayer& l, int64_t n, SharedBuffe
 
 extern "C" {
 
-// Runs `num_layers` decoder layers over the residual stream `hidden` [n, hidden] in place: the
-// decode step of `rows` (one new token a sequence). Returns 0, or -1 for an unsupported layer.
+// Runs `num_layers` decoder layers over the residual stream `hidden` [n, hidden] of `rows` in
+// place. Returns 0, or -1 for an unsupported layer.
 int sgq_decode_layers(const ModelShape* shape, const DecoderLayer* layers, int64_t num_layers,
                       const DecodeRows* rows, float* hidden, int threads, int simd) {
   const ModelShape& m = *shape;

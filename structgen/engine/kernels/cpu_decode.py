@@ -1,4 +1,4 @@
-"""A Llama-family decode step on the CPU as one native call (`sgq_decode_layers` in
+"""A Llama-family decode step (or any step of a few rows) on the CPU as one native call (`sgq_decode_layers` in
 `structgen/csrc/quant_matmul.cpp`): every layer's norms, packed products, RoPE, KV write,
 attention over the paged cache, SiLU * up and residual adds, in one OpenMP region.
 
@@ -38,8 +38,8 @@ class _Shape(ctypes.Structure):
 
 class _Rows(ctypes.Structure):
     _fields_ = [("n", _i64), ("positions", _ptr), ("token_slots", _ptr), ("slots", _ptr),
-                ("context_lens", _ptr), ("page_table", _ptr), ("table_stride", _i64),
-                ("page_size", _i64), ("cos", _ptr), ("sin", _ptr)]
+                ("page_table", _ptr), ("table_stride", _i64), ("page_size", _i64), ("cos", _ptr),
+                ("sin", _ptr)]
 
 
 @dataclass(frozen=True)
@@ -81,13 +81,14 @@ class DecoderLayerWeights:
 
 @dataclass(frozen=True)
 class DecodeRows:
-    """One new token for each of `positions.numel()` sequences (int64 CPU tensors), with the
-    page table and the RoPE tables (fp32 `[positions, head_dim]`, rotate-half layout)."""
+    """A step's new tokens, one row each (int64 CPU tensors): position, cache row and the
+    page-table row of its sequence; each attends to its sequence's keys up to its position, so
+    several rows of one sequence (drafts to verify, a short prompt) are causal among themselves.
+    With the page table and the RoPE tables (fp32 `[positions, head_dim]`, rotate-half layout)."""
 
     positions: torch.Tensor
     token_slots: torch.Tensor
     slots: torch.Tensor
-    context_lens: torch.Tensor
     page_table: torch.Tensor
     page_size: int
     cos: torch.Tensor
@@ -117,11 +118,12 @@ class CpuDecoder:
             for w in layers])
 
     def run(self, hidden: torch.Tensor, rows: DecodeRows, threads: int = 0) -> torch.Tensor:
-        """`hidden` ([n, hidden] fp32, contiguous), the residual stream after the embedding,
-        becomes the last layer's output stream; k and v of every layer go to the cache."""
+        """`hidden` ([n, hidden] fp32, contiguous), the residual stream of the step's rows after
+        the embedding, becomes the last layer's output stream; k and v of every layer go to the
+        cache."""
         if hidden.dtype != torch.float32 or not hidden.is_contiguous():
             raise ValueError("the CPU decoder runs on a contiguous fp32 residual stream")
-        longs = (rows.positions, rows.token_slots, rows.slots, rows.context_lens)
+        longs = (rows.positions, rows.token_slots, rows.slots)
         if any(t.dtype != torch.int64 or not t.is_contiguous() for t in (*longs, rows.page_table)):
             raise ValueError("the CPU decoder's row tensors are contiguous int64")
         spec = _Rows(hidden.shape[0], *(t.data_ptr() for t in longs), rows.page_table.data_ptr(),

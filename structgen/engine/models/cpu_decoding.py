@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from structgen.engine.attention import AttentionBatch
-from structgen.engine.kernels import batch_invariant
+from structgen.engine.kernels import batch_invariant, cpu_quant
 from structgen.engine.kernels.cpu_decode import DecodeRows, PackedMatrix
 from structgen.engine.kv_cache import KVCache
 from structgen.engine.models.quantized import QuantizedLinear
@@ -18,11 +18,11 @@ if TYPE_CHECKING:
     from structgen.engine.models.llama import RotaryEmbedding
 
 
-def is_decode_step(hidden: torch.Tensor, batch: AttentionBatch) -> bool:
-    """One new token a sequence, on the CPU, outside the batch-invariant mode (where a row's
-    numbers must not depend on the kind of step)."""
-    return (hidden.device.type == "cpu" and batch.max_q == 1 and hidden.shape[0] == batch.slots.shape[0]
-            and not batch_invariant())
+def runs_natively(hidden: torch.Tensor) -> bool:
+    """A step of a few rows (decode rows, drafts to verify, a short prompt: the rows the packed
+    products multiply inside the kernel) on the CPU, outside the batch-invariant mode (where a
+    row's numbers must not depend on the kind of step)."""
+    return hidden.device.type == "cpu" and hidden.shape[0] <= cpu_quant.MAX_KERNEL_ROWS and not batch_invariant()
 
 
 def packed_matrix(linear: torch.nn.Module) -> PackedMatrix | None:
@@ -35,6 +35,7 @@ def packed_matrix(linear: torch.nn.Module) -> PackedMatrix | None:
 
 
 def decode_rows(batch: AttentionBatch, rope: RotaryEmbedding, kv: KVCache) -> DecodeRows:
-    """The native step's view of a decode batch."""
-    return DecodeRows(batch.positions, batch.token_slots, batch.slots, batch.context_lens, batch.page_table,
-                      kv.pages.page_size, rope.cos, rope.sin)
+    """The native step's view of a batch: each row's sequence from its padded index."""
+    slots = batch.slots if batch.max_q == 1 else batch.slots[batch.pad_index // batch.max_q]
+    return DecodeRows(batch.positions, batch.token_slots, slots, batch.page_table, kv.pages.page_size,
+                      rope.cos, rope.sin)
