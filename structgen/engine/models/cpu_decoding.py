@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from structgen.engine.attention import AttentionBatch
-from structgen.engine.kernels import batch_invariant, cpu_quant
+from structgen.engine.kernels import batch_invariant
 from structgen.engine.kernels.cpu_decode import DecodeRows, PackedMatrix
 from structgen.engine.kv_cache import KVCache
 from structgen.engine.models.quantized import QuantizedLinear
@@ -18,11 +18,15 @@ if TYPE_CHECKING:
     from structgen.engine.models.llama import RotaryEmbedding
 
 
+# Steps of more rows run the torch layers, whose products de-quantize each weight once for
+# torch's GEMM: past about this many rows that beats the packed kernel (docs/performance.md).
+MAX_NATIVE_ROWS = 64
+
+
 def runs_natively(hidden: torch.Tensor) -> bool:
-    """A step of a few rows (decode rows, drafts to verify, a short prompt: the rows the packed
-    products multiply inside the kernel) on the CPU, outside the batch-invariant mode (where a
-    row's numbers must not depend on the kind of step)."""
-    return hidden.device.type == "cpu" and hidden.shape[0] <= cpu_quant.MAX_KERNEL_ROWS and not batch_invariant()
+    """A step of a few rows (decode rows, drafts to verify, a short prompt) on the CPU, outside
+    the batch-invariant mode (where a row's numbers must not depend on the kind of step)."""
+    return hidden.device.type == "cpu" and hidden.shape[0] <= MAX_NATIVE_ROWS and not batch_invariant()
 
 
 def packed_matrix(linear: torch.nn.Module) -> PackedMatrix | None:
