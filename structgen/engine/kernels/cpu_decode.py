@@ -1,6 +1,7 @@
-"""A Llama-family decode step (or any step of a few rows) on the CPU as one native call (`sgq_decode_layers` in
-`structgen/csrc/quant_matmul.cpp`): every layer's norms, packed products, RoPE, KV write,
-attention over the paged cache, SiLU * up and residual adds, in one OpenMP region.
+"""A Llama-family step of a few rows (a decode step, drafts to verify, a short prompt) on the
+CPU as one native call (`sgq_decode_layers` in `structgen/csrc/quant_matmul.cpp`): every
+layer's norms, packed products, RoPE, KV write, attention over the paged cache, SiLU * up and
+residual adds, in one OpenMP region.
 
 A CPU decode step of a small model is bound by the host cost of the ~50 small torch ops each of
 its layers runs, not by its weights; here a layer costs a few barriers instead. The torch

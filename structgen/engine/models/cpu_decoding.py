@@ -1,6 +1,6 @@
-"""The native CPU decode step's inputs (kernels/cpu_decode.py) from a model's projections,
-KV cache and attention batch; which layers are eligible is the model's own business
-(`LlamaModel.cpu_decoder`)."""
+"""Which steps run as the native CPU step (kernels/cpu_decode.py), and its inputs from a
+model's projections, KV cache and attention batch; which layers are eligible is the model's own
+business (`LlamaModel.cpu_decoder`)."""
 
 from __future__ import annotations
 

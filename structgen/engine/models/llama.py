@@ -286,8 +286,9 @@ class LlamaModel(nn.Module):
         return self.norm.add_forward(x, residual)[0]
 
     def cpu_decoder(self, kv: KVCache) -> CpuDecoder | None:
-        """The native CPU decode step of this model over `kv` (models/cpu_decoding.py), built on
-        first use for each cache; None where the model's layers are not all eligible."""
+        """The native CPU step of this model over `kv` (kernels/cpu_decode.py; steps of up to
+        `cpu_decoding.MAX_NATIVE_ROWS` rows), built on first use for each cache; None where the
+        model's layers are not all eligible."""
         if self._cpu_decoder is None or self._cpu_decoder[0] is not kv:
             self._cpu_decoder = (kv, self._build_cpu_decoder(kv))
         return self._cpu_decoder[1]
