@@ -1,6 +1,7 @@
 """Native sources, shipped as package data and compiled lazily on first use (never at install):
 `grammar_step.cpp`, the CPU pool of xgrammar mask fills (grammar/native.py), `quant_matmul.cpp`,
-the CPU products with GGUF-packed weights (engine/kernels/cpu_quant.py), and `hostfunc.cpp`,
+the CPU products with GGUF-packed weights (engine/kernels/cpu_quant.py) and the CPU decode
+step built on them (engine/kernels/cpu_decode.py), and `hostfunc.cpp`,
 `mask.cu`, `gate.cu`, the CUDA extension (engine/kernels/csrc_ext.py). The loaders find their
 sources here, so a regular (non-editable) install keeps the native paths."""
 

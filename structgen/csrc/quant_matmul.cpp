@@ -8,9 +8,18 @@
 // keeps one OpenMP runtime. AVX2/FMA/F16C code is chosen at run time, with a scalar fallback.
 //
 // Block layouts are ggml's (ggml-common.h); types are passed as ggml type ids.
+//
+// The last section, sgq_decode_layers, runs a whole Llama-family decode step over these products
+// (structgen/engine/kernels/cpu_decode.py).
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -22,6 +31,7 @@ namespace {
 constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14;
 constexpr int kMaxBlock = 256;  // elements in the largest block (the K formats' super-block)
 constexpr int kRowGroup = 4;    // activation rows multiplied together against one weight block
+constexpr int kWeightRows = 4;  // weight rows multiplied together against one activation row
 // Products smaller than this many multiply-adds run on the calling thread: waking the others
 // costs more than they would save.
 constexpr int64_t kParallelWork = 1 << 16;
@@ -315,6 +325,45 @@ SGQ_AVX512 void MatmulRowAvx512(const uint8_t* row, int64_t cols, const float* x
   }
 }
 
+// One activation row against kWeightRows weight rows: independent accumulator chains (one
+// row's chain alone waits on each FMA's latency), each summing in MatmulRowAvx's order, so a
+// row's result is the same as MatmulRowAvx's whatever its neighbours.
+template <int kType, int kBytes>
+SGQ_AVX2 void WeightRowsAvx(const uint8_t* w, int64_t row_bytes, int64_t cols, const float* x, float* y) {
+  __m256 acc[kWeightRows];
+  for (int r = 0; r < kWeightRows; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t c = 0, blk = 0; c < cols; c += 32, ++blk) {
+    const __m256 x0 = _mm256_loadu_ps(x + c), x1 = _mm256_loadu_ps(x + c + 8);
+    const __m256 x2 = _mm256_loadu_ps(x + c + 16), x3 = _mm256_loadu_ps(x + c + 24);
+    _mm_prefetch(reinterpret_cast<const char*>(w + kWeightRows * (row_bytes + blk * kBytes)), _MM_HINT_T0);
+    for (int r = 0; r < kWeightRows; ++r) {
+      __m256 wv[4];
+      BlockAvx<kType>(w + r * row_bytes + blk * kBytes, wv);
+      __m256 a = _mm256_fmadd_ps(wv[0], x0, acc[r]);
+      a = _mm256_fmadd_ps(wv[1], x1, a);
+      a = _mm256_fmadd_ps(wv[2], x2, a);
+      acc[r] = _mm256_fmadd_ps(wv[3], x3, a);
+    }
+  }
+  for (int r = 0; r < kWeightRows; ++r) y[r] = HorizontalSum(acc[r]);
+}
+
+template <int kType, int kBytes>
+SGQ_AVX512 void WeightRowsAvx512(const uint8_t* w, int64_t row_bytes, int64_t cols, const float* x, float* y) {
+  __m512 acc[kWeightRows];
+  for (int r = 0; r < kWeightRows; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t c = 0, blk = 0; c < cols; c += 32, ++blk) {
+    const __m512 x0 = _mm512_loadu_ps(x + c), x1 = _mm512_loadu_ps(x + c + 16);
+    _mm_prefetch(reinterpret_cast<const char*>(w + kWeightRows * (row_bytes + blk * kBytes)), _MM_HINT_T0);
+    for (int r = 0; r < kWeightRows; ++r) {
+      __m512 wv[2];
+      BlockAvx512<kType>(w + r * row_bytes + blk * kBytes, wv);
+      acc[r] = _mm512_fmadd_ps(wv[1], x1, _mm512_fmadd_ps(wv[0], x0, acc[r]));
+    }
+  }
+  for (int r = 0; r < kWeightRows; ++r) y[r] = _mm512_reduce_add_ps(acc[r]);
+}
+
 // 2 where AVX-512F kernels run, 1 for AVX2/FMA/F16C, 0 for the scalar code.
 int SimdLevel() {
   static const int level = !(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
@@ -346,6 +395,34 @@ void MatmulRow(int type, const Format& f, const uint8_t* row, int64_t cols, cons
 #endif
   MatmulRowBuffered(ScalarDequant(type), f, row, cols, x, n, y, y_stride);
 }
+
+// Rows [begin, end) of W (rows `row_bytes` apart from `w`) against x [n, cols] into y[i * y_stride + r];
+// a single activation row takes the weight rows kWeightRows at a time.
+void MatmulRows(int type, const Format& f, const uint8_t* w, int64_t row_bytes, int64_t begin, int64_t end,
+                int64_t cols, const float* x, int64_t n, float* y, int64_t y_stride, int simd) {
+  int64_t r = begin;
+#ifdef SGQ_X86
+  if (n == 1 && simd >= 1 && SmallBlocks(type)) {
+    for (; r + kWeightRows <= end; r += kWeightRows) {
+      const uint8_t* rw = w + r * row_bytes;
+      if (simd >= 2) {
+        if (type == kQ4_1) WeightRowsAvx512<kQ4_1, 20>(rw, row_bytes, cols, x, y + r);
+        else if (type == kQ4_0) WeightRowsAvx512<kQ4_0, 18>(rw, row_bytes, cols, x, y + r);
+        else WeightRowsAvx512<kQ8_0, 34>(rw, row_bytes, cols, x, y + r);
+      } else {
+        if (type == kQ4_1) WeightRowsAvx<kQ4_1, 20>(rw, row_bytes, cols, x, y + r);
+        else if (type == kQ4_0) WeightRowsAvx<kQ4_0, 18>(rw, row_bytes, cols, x, y + r);
+        else WeightRowsAvx<kQ8_0, 34>(rw, row_bytes, cols, x, y + r);
+      }
+    }
+  }
+#endif
+  for (; r < end; ++r) MatmulRow(type, f, w + r * row_bytes, cols, x, n, y + r, y_stride, simd);
+}
+
+// The row groups of a product of `rows` rows, and group g's rows.
+int64_t RowGroups(int64_t rows) { return (rows + kWeightRows - 1) / kWeightRows; }
+int64_t GroupEnd(int64_t g, int64_t rows) { return (g + 1) * kWeightRows < rows ? (g + 1) * kWeightRows : rows; }
 
 void DequantRow(int type, const Format& f, const uint8_t* row, int64_t cols, float* out,
                 int simd) {
@@ -383,7 +460,8 @@ int sgq_matmul(int type, const uint8_t* w, int64_t rows, int64_t cols, int64_t r
   if (!FormatOf(type, &f) || cols % f.block_elems != 0) return -1;
   const int vec = simd < SimdLevel() ? simd : SimdLevel();
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows * cols * n >= kParallelWork)
-  for (int64_t r = 0; r < rows; ++r) MatmulRow(type, f, w + r * row_bytes, cols, x, n, y + r, y_stride, vec);
+  for (int64_t g = 0; g < RowGroups(rows); ++g)
+    MatmulRows(type, f, w, row_bytes, g * kWeightRows, GroupEnd(g, rows), cols, x, n, y, y_stride, vec);
   return 0;
 }
 
@@ -406,6 +484,242 @@ int sgq_dequantize(int type, const uint8_t* w, int64_t rows, int64_t cols, int64
   const int vec = simd < SimdLevel() ? simd : SimdLevel();
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows * cols >= kParallelWork)
   for (int64_t r = 0; r < rows; ++r) DequantRow(type, f, w + r * row_bytes, cols, out + r * cols, vec);
+  return 0;
+}
+
+}  // extern "C"
+
+// ---- one decode step of a Llama-family decoder: every layer in one call ----
+//
+// A CPU decode step of a small model is bound by the host cost of its many small torch ops, not
+// by its weights, so the step's per-layer work (norms, packed products, RoPE, the KV write,
+// attention over the paged cache, SiLU * up, residual adds) runs here in one OpenMP region.
+
+namespace {
+
+// A packed weight, as sgq_matmul takes it, with an optional fp32 bias.
+struct Linear {
+  int32_t type;
+  int32_t pad;
+  const uint8_t* w;
+  int64_t rows, cols, row_bytes;
+  const float* bias;  // [rows] or null
+};
+
+struct DecoderLayer {
+  Linear qkv, o, gate_up, down;
+  const float* attn_norm;  // [hidden]
+  const float* mlp_norm;   // [hidden]
+  float* k_cache;          // [cache rows, kv_heads, head_dim]
+  float* v_cache;
+  int64_t window;          // sliding window in keys, 0: none
+};
+
+struct ModelShape {
+  int64_t hidden, heads, kv_heads, head_dim, inter;
+  float eps;
+  int32_t pad;
+};
+
+// `n` new tokens (rows) of any sequences: each attends to its sequence's keys up to its own
+// position, the step's new keys included (decode rows, draft rows to verify, short prompts).
+struct DecodeRows {
+  int64_t n;
+  const int64_t* positions;     // [n]
+  const int64_t* token_slots;   // [n] cache row of each new token
+  const int64_t* slots;         // [n] page-table row of each row's sequence
+  const int64_t* page_table;    // [slots + 1, table_stride]
+  int64_t table_stride, page_size;
+  const float* cos;  // [positions, head_dim] (rotate-half layout)
+  const float* sin;
+};
+
+// Work split of a parallel loop over `count` items: this thread's [begin, end).
+struct Share {
+  int64_t begin, end;
+};
+
+Share ShareOf(int64_t count, int thread, int threads) {
+  const int64_t per = count / threads, extra = count % threads;
+  const int64_t begin = thread * per + (thread < extra ? thread : extra);
+  return {begin, begin + per + (thread < extra ? 1 : 0)};
+}
+
+struct Team {
+  int thread, threads;
+};
+
+Team ThisTeam() {
+#ifdef _OPENMP
+  return {omp_get_thread_num(), omp_get_num_threads()};
+#else
+  return {0, 1};
+#endif
+}
+
+void Barrier() {
+#ifdef _OPENMP
+#pragma omp barrier
+#endif
+}
+
+// y[i, r] = x[i, :] . W[r, :] (+ bias[r]) for this thread's share of the rows r.
+void LinearShare(const Linear& l, const float* x, int64_t n, float* y, int simd, Team team) {
+  Format f;
+  FormatOf(l.type, &f);
+  const Share s = ShareOf(RowGroups(l.rows), team.thread, team.threads);
+  const int64_t begin = s.begin * kWeightRows, end = s.begin < s.end ? GroupEnd(s.end - 1, l.rows) : begin;
+  MatmulRows(l.type, f, l.w, l.row_bytes, begin, end, l.cols, x, n, y, l.rows, simd);
+  if (l.bias)
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t i = 0; i < n; ++i) y[i * l.rows + r] += l.bias[r];
+}
+
+// out[i] = x[i] * rsqrt(mean(x[i]^2) + eps) * weight, row by row.
+void RmsNorm(const float* x, const float* weight, int64_t n, int64_t dim, float eps, float* out) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float* xi = x + i * dim;
+    float sum = 0;
+    for (int64_t c = 0; c < dim; ++c) sum += xi[c] * xi[c];
+    const float scale = 1.0f / std::sqrt(sum / static_cast<float>(dim) + eps);
+    for (int64_t c = 0; c < dim; ++c) out[i * dim + c] = weight[c] * (xi[c] * scale);
+  }
+}
+
+// x (one head, head_dim wide) rotated in place by the rotate-half RoPE at one position.
+void Rope(float* x, const float* cos, const float* sin, int64_t dim) {
+  const int64_t half = dim / 2;
+  for (int64_t j = 0; j < half; ++j) {
+    const float a = x[j], b = x[j + half];
+    x[j] = a * cos[j] - b * sin[j];
+    x[j + half] = b * cos[j + half] + a * sin[j + half];
+  }
+}
+
+// RoPE on each row's q and k heads, and k, v written to the row's cache row.
+void RopeAndCache(const ModelShape& m, const DecoderLayer& l, const DecodeRows& b, float* qkv) {
+  const int64_t width = (m.heads + 2 * m.kv_heads) * m.head_dim, kv = m.kv_heads * m.head_dim;
+  for (int64_t i = 0; i < b.n; ++i) {
+    float* row = qkv + i * width;
+    const float* cos = b.cos + b.positions[i] * m.head_dim;
+    const float* sin = b.sin + b.positions[i] * m.head_dim;
+    for (int64_t h = 0; h < m.heads + m.kv_heads; ++h) Rope(row + h * m.head_dim, cos, sin, m.head_dim);
+    const float* k = row + m.heads * m.head_dim;
+    std::memcpy(l.k_cache + b.token_slots[i] * kv, k, kv * sizeof(float));
+    std::memcpy(l.v_cache + b.token_slots[i] * kv, k + kv, kv * sizeof(float));
+  }
+}
+
+// Attention of query head `head` of row `i` over its sequence's cached keys up to its position
+// (the window's last keys where the layer has one): softmax(q . k / sqrt(d)) . v into `out`.
+void AttendHead(const ModelShape& m, const DecoderLayer& l, const DecodeRows& b, const float* qkv,
+                int64_t i, int64_t head, std::vector<float>* scores, float* out) {
+  const int64_t d = m.head_dim, kv = m.kv_heads * d;
+  const int64_t kv_head = head / (m.heads / m.kv_heads), ctx = b.positions[i] + 1;
+  const int64_t first = l.window > 0 && ctx > l.window ? ctx - l.window : 0;
+  const float* q = qkv + i * (m.heads + 2 * m.kv_heads) * d + head * d;
+  const int64_t* pages = b.page_table + b.slots[i] * b.table_stride;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  scores->resize(ctx - first);
+  float* s = scores->data();
+  float top = -INFINITY;
+  for (int64_t t = first; t < ctx; ++t) {
+    const int64_t cache_row = pages[t / b.page_size] * b.page_size + t % b.page_size;
+    const float* k = l.k_cache + cache_row * kv + kv_head * d;
+    float dot = 0;
+    for (int64_t e = 0; e < d; ++e) dot += q[e] * k[e];
+    s[t - first] = dot * scale;
+    top = s[t - first] > top ? s[t - first] : top;
+  }
+  float total = 0;
+  for (int64_t t = 0; t < ctx - first; ++t) total += (s[t] = std::exp(s[t] - top));
+  for (int64_t e = 0; e < d; ++e) out[e] = 0;
+  for (int64_t t = first; t < ctx; ++t) {
+    const int64_t cache_row = pages[t / b.page_size] * b.page_size + t % b.page_size;
+    const float* v = l.v_cache + cache_row * kv + kv_head * d;
+    const float p = s[t - first] / total;
+    for (int64_t e = 0; e < d; ++e) out[e] += p * v[e];
+  }
+}
+
+// Buffers the threads share: the products each thread writes its share of rows into.
+struct SharedBuffers {
+  std::vector<float> qkv, attn, proj, gate_up;
+  SharedBuffers(const ModelShape& m, int64_t n)
+      : qkv(n * (m.heads + 2 * m.kv_heads) * m.head_dim), attn(n * m.heads * m.head_dim), proj(n * m.hidden),
+        gate_up(n * 2 * m.inter) {}
+};
+
+// What every thread keeps for itself: its copy of the residual stream and of the small
+// element-wise results, computed redundantly (a few thousand floats) instead of once behind
+// a barrier; every copy sees the same operations, so the copies stay equal.
+struct ThreadState {
+  std::vector<float> hidden, normed, act, scores;
+  ThreadState(const ModelShape& m, int64_t n, const float* stream)
+      : hidden(stream, stream + n * m.hidden), normed(n * m.hidden), act(n * m.inter) {}
+};
+
+// hidden += o(attention(norm(hidden))), the residual stream of this thread's copy.
+void AttentionBlock(const ModelShape& m, const DecoderLayer& l, const DecodeRows& b, SharedBuffers* buf,
+                    ThreadState* own, int simd, Team team) {
+  RmsNorm(own->hidden.data(), l.attn_norm, b.n, m.hidden, m.eps, own->normed.data());
+  LinearShare(l.qkv, own->normed.data(), b.n, buf->qkv.data(), simd, team);
+  Barrier();
+  if (team.thread == 0) RopeAndCache(m, l, b, buf->qkv.data());
+  Barrier();
+  const Share heads = ShareOf(b.n * m.heads, team.thread, team.threads);
+  for (int64_t job = heads.begin; job < heads.end; ++job)
+    AttendHead(m, l, b, buf->qkv.data(), job / m.heads, job % m.heads, &own->scores,
+               buf->attn.data() + job * m.head_dim);
+  Barrier();
+  LinearShare(l.o, buf->attn.data(), b.n, buf->proj.data(), simd, team);
+  Barrier();
+  for (int64_t e = 0; e < b.n * m.hidden; ++e) own->hidden[e] += buf->proj[e];
+}
+
+// hidden += down(silu(gate) * up) of norm(hidden), the residual stream of this thread's copy.
+void MlpBlock(const ModelShape& m, const DecoderLayer& l, int64_t n, SharedBuffers* buf, ThreadState* own,
+              int simd, Team team) {
+  RmsNorm(own->hidden.data(), l.mlp_norm, n, m.hidden, m.eps, own->normed.data());
+  LinearShare(l.gate_up, own->normed.data(), n, buf->gate_up.data(), simd, team);
+  Barrier();
+  for (int64_t i = 0; i < n; ++i) {
+    const float* gate = buf->gate_up.data() + i * 2 * m.inter;
+    for (int64_t c = 0; c < m.inter; ++c)
+      own->act[i * m.inter + c] = gate[c] / (1.0f + std::exp(-gate[c])) * gate[m.inter + c];
+  }
+  LinearShare(l.down, own->act.data(), n, buf->proj.data(), simd, team);
+  Barrier();
+  for (int64_t e = 0; e < n * m.hidden; ++e) own->hidden[e] += buf->proj[e];
+}
+
+}  // namespace
+
+extern "C" {
+
+// Runs `num_layers` decoder layers over the residual stream `hidden` [n, hidden] of `rows` in
+// place. Returns 0, or -1 for an unsupported layer.
+int sgq_decode_layers(const ModelShape* shape, const DecoderLayer* layers, int64_t num_layers,
+                      const DecodeRows* rows, float* hidden, int threads, int simd) {
+  const ModelShape& m = *shape;
+  Format f;
+  for (int64_t i = 0; i < num_layers; ++i)
+    for (const Linear* l : {&layers[i].qkv, &layers[i].o, &layers[i].gate_up, &layers[i].down})
+      if (!FormatOf(l->type, &f) || l->cols % f.block_elems != 0) return -1;
+  if (m.heads % m.kv_heads != 0 || m.head_dim % 2 != 0) return -1;
+  const int vec = simd < SimdLevel() ? simd : SimdLevel();
+  SharedBuffers buf(m, rows->n);
+#pragma omp parallel num_threads(threads)
+  {
+    const Team team = ThisTeam();
+    ThreadState own(m, rows->n, hidden);
+    for (int64_t i = 0; i < num_layers; ++i) {
+      AttentionBlock(m, layers[i], *rows, &buf, &own, vec, team);
+      MlpBlock(m, layers[i], rows->n, &buf, &own, vec, team);
+    }
+    Barrier();  // every thread has read `hidden` into its copy before thread 0 overwrites it
+    if (team.thread == 0) std::memcpy(hidden, own.hidden.data(), own.hidden.size() * sizeof(float));
+  }
   return 0;
 }
 

@@ -79,6 +79,18 @@ def test_matmul_equals_dequantize_then_matmul(kernels, qtype: str, rows: int, n:
     torch.testing.assert_close(got, cpu_quant.matmul_reference(x, packed, qtype), rtol=1e-4, atol=1e-3)
 
 
+@pytest.mark.parametrize("qtype", sorted(LAYOUT))
+@pytest.mark.parametrize("simd", SIMD_LEVELS, ids=SIMD_IDS)
+def test_one_activation_row_sums_like_several(kernels, qtype: str, simd: int) -> None:
+    """A single activation row runs weight rows several at a time (a decode step's GEMV);
+    each output still sums in the order of the several-row kernel, bit for bit, rows not a
+    multiple of the group included."""
+    k = at_level(kernels, simd)
+    packed = random_blocks(qtype, 37, seed=5)
+    x = torch.randn(2, COLS, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(k.matmul(x[:1], packed, qtype, COLS), k.matmul(x, packed, qtype, COLS)[:1])
+
+
 def test_matmul_writes_into_a_column_slice(kernels) -> None:
     packed = random_blocks("Q4_1", 7)
     x = torch.randn(2, COLS)

@@ -77,6 +77,12 @@ class QuantKernels:
                                       ids.numel(), out.data_ptr(), torch.get_num_threads(), self.simd)
         return out
 
+    def decode_layers(self, shape: object, layers: object, num_layers: int, rows: object, hidden: int,
+                      threads: int) -> int:
+        """`sgq_decode_layers` on ctypes structures (kernels/cpu_decode.py builds them): 0, or -1
+        for a layer the native decoder does not run."""
+        return int(self._lib.sgq_decode_layers(shape, layers, num_layers, rows, hidden, threads, self.simd))
+
     def at_simd_level(self, level: int) -> QuantKernels:
         """The same library capped at SIMD `level` (tests compare every path to the reference)."""
         capped = QuantKernels(self._lib)
@@ -112,6 +118,7 @@ def load() -> QuantKernels | None:
     lib.sgq_matmul.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, i64, ptr, i64, ctypes.c_int, ctypes.c_int]
     lib.sgq_dequantize.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, ctypes.c_int, ctypes.c_int]
     lib.sgq_dequantize_rows.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, ctypes.c_int, ctypes.c_int]
+    lib.sgq_decode_layers.argtypes = [ptr, ptr, i64, ptr, ptr, ctypes.c_int, ctypes.c_int]
     return QuantKernels(lib)
 
 

@@ -22,7 +22,9 @@ from torch import nn
 
 from structgen.engine.attention import AttentionBatch, attend
 from structgen.engine.config import ModelConfig
+from structgen.engine.kernels.cpu_decode import CpuDecoder, DecoderLayerWeights, DecoderShape
 from structgen.engine.kv_cache import KVCache
+from structgen.engine.models import cpu_decoding
 from structgen.engine.models.quantized import (
     QUANTIZED_LINEARS,
     QuantizedWeight,
@@ -219,6 +221,21 @@ class DecoderLayer(nn.Module):
         """A row-parallel projection's output: the ranks' partial sums added up."""
         return x if self.tensor_parallel is None else self.tensor_parallel.all_reduce(x)
 
+    def cpu_decoder_weights(self, kv: KVCache) -> DecoderLayerWeights | None:
+        """This layer as the native CPU decoder runs it; None where it is not this file's plain
+        layer with packed projections."""
+        attn, mlp = self.self_attn, self.mlp
+        if (type(self) is not DecoderLayer or type(attn) is not Attention or type(mlp) is not MLP
+                or attn.q_norm is not None or self.tensor_parallel is not None
+                or {type(self.input_layernorm), type(self.post_attention_layernorm)} != {RMSNorm}):
+            return None
+        projections = [cpu_decoding.packed_matrix(p) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        if any(p is None for p in projections) or projections[1].bias is not None:
+            return None
+        i = attn.layer_idx
+        return DecoderLayerWeights(*projections, self.input_layernorm.weight.data, self.post_attention_layernorm.weight.data,
+                                   kv.k[i], kv.v[i], attn.window or 0)
+
     def forward(self, x, rope, batch, kv):
         out, residual = self.forward_residual(x, None, rope, batch, kv)
         return residual + out
@@ -244,6 +261,9 @@ class LlamaModel(nn.Module):
 
     # `load_hf_weights` takes packed GGUF weights (`QuantizedWeight`) on the CPU.
     takes_packed_weights = True
+    # (its KV cache, the native CPU decoder over it): a class default, so models that share another's
+    # modules without running this __init__ (speculative/draft_model.py) have it too.
+    _cpu_decoder: tuple[KVCache, CpuDecoder | None] | None = None
 
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
@@ -258,9 +278,37 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, batch: AttentionBatch, kv: KVCache) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
+        decoder = self.cpu_decoder(kv) if cpu_decoding.runs_natively(x) else None
+        if decoder is not None:
+            return self.norm(decoder.run(x.contiguous(), cpu_decoding.decode_rows(batch, self.rope, kv)))
         for layer in self.layers:
             x, residual = layer.forward_residual(x, residual, self.rope, batch, kv)
         return self.norm.add_forward(x, residual)[0]
+
+    def cpu_decoder(self, kv: KVCache) -> CpuDecoder | None:
+        """The native CPU step of this model over `kv` (kernels/cpu_decode.py; steps of up to
+        `cpu_decoding.MAX_NATIVE_ROWS` rows), built on first use for each cache; None where the
+        model's layers are not all eligible."""
+        if self._cpu_decoder is None or self._cpu_decoder[0] is not kv:
+            self._cpu_decoder = (kv, self._build_cpu_decoder(kv))
+        return self._cpu_decoder[1]
+
+    def _build_cpu_decoder(self, kv: KVCache) -> CpuDecoder | None:
+        """Eligible: the plain layers of this file (RMSNorm, rotate-half RoPE, SiLU-gated MLP, no
+        per-head q/k norms, no tensor parallelism), every projection packed in one GGUF format,
+        fp32 activations and cache."""
+        from structgen.engine.kernels import cpu_quant
+
+        kernels = cpu_quant.load()
+        if (kernels is None or type(self.rope) is not RotaryEmbedding or self.tensor_parallel is not None
+                or kv.k[0].dtype != torch.float32 or self.norm.weight.dtype != torch.float32):
+            return None
+        layers = [layer.cpu_decoder_weights(kv) for layer in self.layers]
+        if any(w is None for w in layers):
+            return None
+        a, mlp = self.layers[0].self_attn, self.layers[0].mlp
+        shape = DecoderShape(self.config.hidden_size, a.n_heads, a.n_kv, a.head_dim, mlp.inter, self.norm.eps)
+        return CpuDecoder(kernels, shape, layers)
 
     def use_fused_kernels(self, enabled: bool, projection_rows: int = FUSED_ROWS) -> None:
         """Route norms, RoPE + KV write and SiLU * up through the Triton kernels (CUDA); steps

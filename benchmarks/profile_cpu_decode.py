@@ -1,0 +1,86 @@
+"""Where a CPU decode step of the default model (packed GGUF weights, batch 1) spends its time:
+the engine's whole step, the model's forward through the native decoder (kernels/cpu_decode.py)
+and through the torch layers on the same batch, the layers' packed products alone (one call
+each, as the torch layers make them), the LM head alone, and the rest of the step (the LM head's
+weight read cold, sampling, bookkeeping) by difference. Best of `--repeats`.
+
+    python -m benchmarks.profile_cpu_decode --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+
+from structgen.engine.attention import AttentionBatch
+from structgen.engine.config import EngineConfig
+from structgen.engine.models.quantized import QuantizedLinear
+from structgen.engine.request import Request
+from structgen.engine.sampler import SamplingParams
+
+PROMPT = "Extract the person as JSON: Ana Lopes is 31 years old, lives in Lisbon and likes tea and chess."
+
+
+def best_ms(fn: Callable[[], object], repeats: int, inner: int = 20) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / inner)
+    return 1e3 * best
+
+
+@torch.inference_mode()
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    from structgen import LLM
+
+    llm = LLM(config=EngineConfig(device="cpu", dtype="float32", max_seq_len=1024, prefix_caching=False))
+    eng, tok = llm.engine, llm.tokenizer
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": PROMPT}], tokenize=False,
+                                             add_generation_prompt=True), add_special_tokens=False)
+    steps = []
+    for _ in range(args.repeats + 1):
+        req = Request(ids, SamplingParams(max_tokens=48, jump_forward=False), None, frozenset())
+        eng.run([req])
+        steps.append(1e3 * req.stats.decode_s / (req.num_output - 1))
+    step = min(steps[1:])
+
+    model, kv = eng.runner.model, eng.runner.kv
+    slot = kv.pages.allocate_slot()
+    kv.pages.cover(slot, len(ids) + 1)
+    batch = AttentionBatch.build([(slot, len(ids), 1)], kv.pages)
+    token = torch.tensor([ids[-1]])
+
+    def torch_layers() -> torch.Tensor:
+        x, residual = model.embed_tokens(token), None
+        for layer in model.layers:
+            x, residual = layer.forward_residual(x, residual, model.rope, batch, kv)
+        return model.norm.add_forward(x, residual)[0]
+
+    native = best_ms(lambda: model(token, batch, kv), args.repeats)
+    layers = best_ms(torch_layers, args.repeats)
+    linears = [m for name, m in model.named_modules() if isinstance(m, QuantizedLinear) and name != "lm_head"]
+    x = {m.in_features: torch.randn(1, m.in_features) for m in linears}
+    products = best_ms(lambda: [m(x[m.in_features]) for m in linears], args.repeats)
+    head = best_ms(lambda: model.lm_head(x[model.lm_head.in_features]), args.repeats)
+    kv.pages.release_slot(slot)
+    print(f"threads {torch.get_num_threads()}; ms per decode step (best of {args.repeats}):")
+    print(f"  engine step                                   {step:6.2f}")
+    print(f"  forward through the native decoder            {native:6.2f}")
+    print(f"  forward through the torch layers (old path)   {layers:6.2f}")
+    print(f"  the layers' packed products, one call each    {products:6.2f}")
+    print(f"  LM head alone (its weight warm in the cache)  {head:6.2f}")
+    print(f"  step - native forward - LM head               {step - native - head:6.2f}")
+
+
+if __name__ == "__main__":
+    main()

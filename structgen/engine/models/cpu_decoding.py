@@ -1,0 +1,45 @@
+"""Which steps run as the native CPU step (kernels/cpu_decode.py), and its inputs from a
+model's projections, KV cache and attention batch; which layers are eligible is the model's own
+business (`LlamaModel.cpu_decoder`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from structgen.engine.attention import AttentionBatch
+from structgen.engine.kernels import batch_invariant
+from structgen.engine.kernels.cpu_decode import DecodeRows, PackedMatrix
+from structgen.engine.kv_cache import KVCache
+from structgen.engine.models.quantized import QuantizedLinear
+
+if TYPE_CHECKING:
+    from structgen.engine.models.llama import RotaryEmbedding
+
+
+# Steps of more rows run the torch layers, whose products de-quantize each weight once for
+# torch's GEMM: past about this many rows that beats the packed kernel (docs/performance.md).
+MAX_NATIVE_ROWS = 64
+
+
+def runs_natively(hidden: torch.Tensor) -> bool:
+    """A step of a few rows (decode rows, drafts to verify, a short prompt) on the CPU, outside
+    the batch-invariant mode (where a row's numbers must not depend on the kind of step)."""
+    return hidden.device.type == "cpu" and hidden.shape[0] <= MAX_NATIVE_ROWS and not batch_invariant()
+
+
+def packed_matrix(linear: torch.nn.Module) -> PackedMatrix | None:
+    """A projection's weight as the native decoder takes it; None unless packed in one format run."""
+    if not isinstance(linear, QuantizedLinear) or len(linear.parts) != 1:
+        return None
+    part = linear.parts[0]
+    bias = None if linear.bias is None else linear.bias.data
+    return PackedMatrix(part.packed, part.qtype, part.cols, bias)
+
+
+def decode_rows(batch: AttentionBatch, rope: RotaryEmbedding, kv: KVCache) -> DecodeRows:
+    """The native step's view of a batch: each row's sequence from its padded index."""
+    slots = batch.slots if batch.max_q == 1 else batch.slots[batch.pad_index // batch.max_q]
+    return DecodeRows(batch.positions, batch.token_slots, slots, batch.page_table, kv.pages.page_size,
+                      rope.cos, rope.sin)

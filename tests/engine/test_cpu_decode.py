@@ -1,0 +1,70 @@
+"""The native CPU step (kernels/cpu_decode.py) against the model's torch layers: the default
+model, packed, two sequences of different lengths, a decode token each (with and without a
+sliding window) or several new tokens for one; logits, the greedy token and the K/V written."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from structgen.engine.attention import AttentionBatch
+from structgen.engine.config import EngineConfig
+from structgen.engine.engine import Engine
+from structgen.engine.model_runner import ExtendSeq
+
+PROMPTS = ["What is the capital of France?", "Give me a JSON object with a name and an age. Keep it short."]
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: Path) -> Engine:
+    from structgen.engine.models.loader import load_model_config
+
+    return Engine(load_model_config(model_dir), EngineConfig(device="cpu", max_batch_size=4, max_seq_len=256), model_dir)
+
+
+@torch.inference_mode()
+def torch_layers_logits(engine: Engine, spans: list[tuple[int, int, int]], tokens: list[int]) -> torch.Tensor:
+    """The step through the model's torch layers (what `LlamaModel.forward` runs for a step of
+    many rows)."""
+    runner = engine.runner
+    model, kv = runner.model, runner.kv
+    batch = AttentionBatch.build(spans, kv.pages)
+    x, residual = model.embed_tokens(torch.tensor(tokens)), None
+    for layer in model.layers:
+        x, residual = layer.forward_residual(x, residual, model.rope, batch, kv)
+    return model.logits(model.norm.add_forward(x, residual)[0])
+
+
+@pytest.mark.parametrize("window,new_tokens", [(0, (1, 1)), (6, (1, 1)), (0, (3, 1))],
+                         ids=["decode", "decode-sliding-window", "verify-rows"])
+def test_native_step_equals_the_torch_layers(engine: Engine, tokenizer, window: int, new_tokens: tuple[int, int]) -> None:
+    """One step over two sequences after their prompts: a new token each (a decode step), or
+    three new tokens for one (drafts to verify: causal among themselves) and one for the other."""
+    runner = engine.runner
+    model, kv = runner.model, runner.kv
+    for layer in model.layers:
+        layer.self_attn.window = window or None
+    model._cpu_decoder = None  # the decoder takes each layer's window when it is built
+    assert model.cpu_decoder(kv) is not None
+    ids = [tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
+    slots = [kv.pages.allocate_slot() for _ in ids]
+    for slot, p in zip(slots, ids, strict=True):
+        runner.extend([ExtendSeq(slot, 0, p, num_logits=1)])
+    new = [tokenizer.encode(" Paris is the capital", add_special_tokens=False)[:new_tokens[0]],
+           tokenizer.encode("{", add_special_tokens=False)[:new_tokens[1]]]
+    spans = [(slot, len(p), len(t)) for slot, p, t in zip(slots, ids, new, strict=True)]
+    for slot, start, n in spans:
+        kv.pages.cover(slot, start + n)
+    reference = torch_layers_logits(engine, spans, [t for ts in new for t in ts])
+    rows = [int(r) for slot, start, n in spans for r in kv.pages.token_slots(slot, start, n)]
+    layers = (0, len(model.layers) - 1)
+    k_ref = torch.stack([kv.k[i].view(-1, *kv.k[i].shape[2:])[rows].clone() for i in layers])
+    native = runner.extend([ExtendSeq(slot, start, t, num_logits=len(t)) for (slot, start, _), t in zip(spans, new, strict=True)])
+    k_native = torch.stack([kv.k[i].view(-1, *kv.k[i].shape[2:])[rows] for i in layers])
+    torch.testing.assert_close(native, reference, rtol=0, atol=2e-3)
+    assert torch.equal(native.argmax(-1), reference.argmax(-1))
+    torch.testing.assert_close(k_native, k_ref, rtol=0, atol=1e-4)
+    for slot in slots:
+        kv.pages.release_slot(slot)
