@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from structgen.grammar.backends.base import allocate_bitmask
+from structgen.grammar.backends.base import allocate_bitmask, would_accept
 
 if TYPE_CHECKING:
     from structgen.grammar import GrammarMatcher
@@ -174,7 +174,7 @@ class CompletionSearch:
             if kind in kinds or not m.accept_token(c):
                 continue
             kinds.add(kind)
-            ends = m.is_completed() or any(self._accepts(m, t) for t in enders)
+            ends = m.is_completed() or any(would_accept(m, t) for t in enders)
             m.rollback(1)
             grown.append([*path, c])
             if ends:
@@ -191,13 +191,6 @@ class CompletionSearch:
         m.rollback(taken)
         m.accept_tokens(chars)
         return chars
-
-    @staticmethod
-    def _accepts(m: GrammarMatcher, token: int) -> bool:
-        if not m.accept_token(token):
-            return False
-        m.rollback(1)
-        return True
 
     def _candidates(self, m: GrammarMatcher) -> list[int]:
         m.fill_bitmask(self._row, 0)

@@ -53,6 +53,7 @@ from structgen.grammar.backends.base import (
     allocate_bitmask,
     allowed_ids,
     allows_only,
+    would_accept,
 )
 from structgen.sampling import SamplingParams
 
@@ -64,13 +65,6 @@ log = logging.getLogger("structgen.engine")
 # A rejected token is a dead end of the constraint (not an engine fault) only where none of the
 # tokens the mask allows is accepted; beyond this many allowed tokens it is not a dead end.
 DEAD_END_PROBES = 256
-
-
-def _accepts_and_undoes(matcher, token: int) -> bool:
-    if not matcher.accept_token(token):
-        return False
-    matcher.rollback(1)
-    return True
 
 
 _NOT_PLAIN = ACCEPTED | TERMINATED | COMPLETED | FAILED  # of these bits, a plain step's rows have ACCEPTED only
@@ -614,7 +608,7 @@ class Engine:
         m.fill_bitmask(self._one_row, 0)
         allowed = allowed_ids(self._one_row[0].numpy().view(np.uint32))
         if not m.is_completed() and len(allowed) <= DEAD_END_PROBES and not any(
-                _accepts_and_undoes(m, int(t)) for t in allowed):
+                would_accept(m, int(t)) for t in allowed):
             raise UnsatisfiableConstraintError(
                 f"the constraint cannot be continued after {req.num_output} output token(s): "
                 "no token of this model's vocabulary spells the text it requires next (often a "

@@ -126,6 +126,14 @@ def allowed_ids(words: np.ndarray) -> np.ndarray:
     return np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little"))
 
 
+def would_accept(matcher: GrammarMatcher, token: int) -> bool:
+    """Whether `matcher` accepts `token` now; the matcher is left as it was."""
+    if not matcher.accept_token(token):
+        return False
+    matcher.rollback(1)
+    return True
+
+
 class GrammarMatcher(ABC):
     """Per-request grammar state: which tokens may come next, given the tokens so far.
 
