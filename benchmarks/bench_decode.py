@@ -29,8 +29,6 @@ model's `model_weight_gb`: each rank draws only its shard's random weights, on i
 GPU's memory in use once the engine is up, and the engine's build time. `--cpu` runs the
 tensor-parallel rows on the CPU (gloo, `tiny-llama-shape`): a dry run of the code path whose
 times mean nothing (scripts/device/multi_gpu.sh --dry-run).
-`--all-reduce one-shot,nccl` runs each size twice, with the one-shot symmetric-memory
-all-reduce (the default) and with NCCL's (rows `structgen-tpN-nccl`).
     python -m benchmarks.bench_decode --models llama-8b-shape,llama-8b-shape-fp8,llama-8b-shape-int4 --batches 1,64 --no-peers
 """
 
@@ -141,13 +139,13 @@ def load(model: str, tok_dir: Path | None) -> tuple[Any, Any, Path | None, set[i
 
 def build_engine(cfg, model_dir: Path | None, stop: set[int], graphs: bool, prefill_in_graphs: bool = True,
                  tensor_parallel: int = 1, quantization: str | None = None,
-                 batch_invariant: bool = False, one_shot_all_reduce: bool = True) -> Engine:
+                 batch_invariant: bool = False) -> Engine:
     if tensor_parallel > 1:
         # Every rank captures its graphs while it is built, with its own random shard
         # (`init_random_weights`): the worker ranks could not follow a later capture.
         ec = EngineConfig(max_batch_size=64, max_seq_len=1024, jump_forward=False, use_cuda_graphs=graphs,
-                          batch_invariant=batch_invariant, tensor_parallel=tensor_parallel,
-                          tuning=EngineTuning(prefill_in_graphs=prefill_in_graphs, one_shot_all_reduce=one_shot_all_reduce))
+                          batch_invariant=batch_invariant, tuning=EngineTuning(prefill_in_graphs=prefill_in_graphs),
+                          tensor_parallel=tensor_parallel)
         return Engine(cfg, ec, model_dir, stop_token_ids=stop)
     ec = EngineConfig(max_batch_size=64, max_seq_len=1024, jump_forward=False, use_cuda_graphs=False,
                       quantization=quantization, batch_invariant=batch_invariant,
@@ -254,24 +252,21 @@ def self_check(cfg, model_dir, stop, tokenizer, grammar) -> dict[str, Any]:
 
 
 def tensor_parallel_rows(model: str, cfg, model_dir: Path | None, stop: set[int], prompt_ids: list[int], grammar,
-                         batches: list[int], size: int, bandwidth: float, steps: int,
-                         one_shot: bool = True) -> tuple[list[dict], float]:
-    """ms per decode step, free and constrained, with the model split over `size` GPUs (the
-    small all-reduces one-shot or NCCL's: `one_shot`); returns the rows and their floor: the
-    weight bytes over `size` times the copy bandwidth (each GPU reads its share at once)."""
+                         batches: list[int], size: int, bandwidth: float, steps: int) -> tuple[list[dict], float]:
+    """ms per decode step, free and constrained, with the model split over `size` GPUs;
+    returns the rows and their floor: the weight bytes over `size` times the copy bandwidth
+    (each GPU reads its share at once)."""
     floor = hbm_floor_ms(decode_weight_bytes(cfg, torch.bfloat16), bandwidth) / size
     t_build = time.perf_counter()
-    engine = build_engine(cfg, model_dir, stop, graphs=torch.cuda.is_available(), tensor_parallel=size,
-                          one_shot_all_reduce=one_shot)
-    built = {"build_s": round(time.perf_counter() - t_build, 1), **shard_check(engine, cfg, size),
-             "one_shot_all_reduce": engine.runner.tensor_parallel.one_shot is not None}
+    engine = build_engine(cfg, model_dir, stop, graphs=torch.cuda.is_available(), tensor_parallel=size)
+    built = {"build_s": round(time.perf_counter() - t_build, 1), **shard_check(engine, cfg, size)}
     print(f"[{model} TP {size}] built: {built}", flush=True)
     rows = []
     try:
         for batch in batches:
             for constrained in (False, True):
                 r = time_decode(engine, prompt_ids, batch, grammar if constrained else None, steps)
-                rows.append({"system": f"structgen-tp{size}" + ("" if one_shot else "-nccl"), "model": model, "batch": batch,
+                rows.append({"system": f"structgen-tp{size}", "model": model, "batch": batch,
                              "constrained": constrained, "metric": "ms_per_step", "tensor_parallel": size,
                              **r, "floor_ms": floor, **built})
                 print(rows[-1], flush=True)
@@ -357,8 +352,6 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--tensor-parallel", default="1",
                     help="comma-separated tensor-parallel sizes to run each model at (GPUs of this host)")
-    ap.add_argument("--all-reduce", default="one-shot",
-                    help="tensor-parallel rows: 'one-shot', 'nccl' or both comma-separated (EngineTuning.one_shot_all_reduce)")
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--peer-tokens", type=int, default=32)
     ap.add_argument("--no-peers", action="store_true")
@@ -385,7 +378,6 @@ def main() -> None:
 
     batches = [int(b) for b in args.batches.split(",")]
     tp_sizes = [int(n) for n in args.tensor_parallel.split(",")]
-    all_reduces = [kind == "one-shot" for kind in args.all_reduce.split(",")]
     assert args.cpu or max(tp_sizes) <= torch.cuda.device_count(), f"--tensor-parallel {max(tp_sizes)} needs that many GPUs"
     bandwidth = measure_copy_bandwidth_gbps()
     rows: list[dict[str, Any]] = []
@@ -405,9 +397,9 @@ def main() -> None:
         floors[model] = hbm_floor_ms(decode_weight_bytes(cfg, torch.bfloat16), bandwidth)
         prompt_ids = tok.encode(chat(tok, PROMPT), add_special_tokens=False)
         grammar = GrammarCompiler(tok, cfg.vocab_size, sorted(stop)).compile(to_constraint(JsonSchema(SCHEMA)))
-        for size, one_shot in ((n, o) for n in tp_sizes if n > 1 for o in all_reduces):
+        for size in (n for n in tp_sizes if n > 1):
             tp_rows, floors[f"{model}-tp{size}"] = tensor_parallel_rows(
-                model, cfg, model_dir, stop, prompt_ids, grammar, batches, size, bandwidth, args.steps, one_shot)
+                model, cfg, model_dir, stop, prompt_ids, grammar, batches, size, bandwidth, args.steps)
             rows += tp_rows
             if args.dump is not None:  # each size's rows kept as soon as they exist
                 args.dump.write_text(json.dumps({"rows": rows, "floors": floors, "extra": extra}, default=str))

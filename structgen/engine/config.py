@@ -287,9 +287,6 @@ class EngineTuning:
     # de-quantized to bf16 at load: off until the packed multi-row GEMM matches its reference
     # on the GPU (docs/performance.md, "Quantized weights on the GPU").
     gguf_packed_on_cuda: bool = False
-    # Under tensor parallelism on CUDA, a decode step's small all-reduces run PyTorch's one-shot
-    # symmetric-memory kernel instead of NCCL's (engine/parallel.py; docs/guide/multi-gpu.md).
-    one_shot_all_reduce: bool = True
 
     def __post_init__(self) -> None:
         from structgen.errors import InvalidParameterError

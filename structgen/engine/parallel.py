@@ -7,11 +7,7 @@ and only run forwards. Before each forward rank 0 announces it on a host-side gl
 eager `extend` with its rows (slot, start, token ids, logits wanted), or a decode-graph replay
 by bucket, whose token ids, positions and slots the graph broadcasts itself from rank 0's
 device buffers (cuda_graphs.py). Every rank then runs the same forward, whose all-reduces and
-logits gather meet on the device group (NCCL on CUDA, gloo on the CPU). On CUDA a decode step's
-all-reduces, a few KB to a MB each, take PyTorch's one-shot symmetric-memory all-reduce
-(`OneShotAllReduce`): every rank reads its peers' buffers over NVLink in one kernel, where
-NCCL's ring pays a latency per hop that a step of small all-reduces adds up
-(docs/guide/multi-gpu.md).
+logits gather meet on the device group (NCCL on CUDA, gloo on the CPU).
 
 Ranks are processes the engine spawns (one host, `EngineConfig.tensor_parallel=N`) or that
 `torchrun` launched (any hosts: the rendezvous is MASTER_ADDR:MASTER_PORT, and ranks above 0
@@ -64,37 +60,6 @@ SHUTDOWN_TIMEOUT_S = 10.0
 POLL_S = 0.02
 # all_gather_into_tensor's newer name (the old one warns from torch 2.10 on).
 _all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-# The largest all-reduce the one-shot kernel takes: each rank reads every peer's copy, so past
-# a decode step's sizes NCCL's ring moves fewer bytes.
-ONE_SHOT_MAX_BYTES = 1 << 20
-
-
-class OneShotAllReduce:
-    """Sums of small tensors over the ranks through a buffer every rank maps (PyTorch's
-    symmetric memory, `torch.ops.symm_mem.one_shot_all_reduce_copy_out`): one kernel copies the
-    local tensor in, waits for the peers, and sums their copies read over NVLink. Capturable in
-    CUDA graphs. Set up collectively, on every rank at the same point (`TensorParallel.
-    prepare_all_reduce`)."""
-
-    def __init__(self, group: dist.ProcessGroup, dtype: torch.dtype, device: torch.device,
-                 max_bytes: int = ONE_SHOT_MAX_BYTES):
-        import torch.distributed._symmetric_memory as symm_mem
-
-        self.group_name = group.group_name
-        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)  # needed before torch 2.10
-        if enable is not None:
-            enable(self.group_name)
-        self.buffer = symm_mem.empty(max_bytes // dtype.itemsize, dtype=dtype, device=device)
-        symm_mem.rendezvous(self.buffer, self.group_name)
-
-    def takes(self, x: torch.Tensor) -> bool:
-        return x.dtype == self.buffer.dtype and x.is_contiguous() and x.numel() <= self.buffer.numel()
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum over the ranks, into `x` (each element is read into the buffer before the
-        same thread writes its sum)."""
-        staged = self.buffer[: x.numel()].view(x.shape)
-        return torch.ops.symm_mem.one_shot_all_reduce_copy_out(staged, x, "sum", self.group_name, x)
 
 
 @dataclass(frozen=True)
@@ -172,7 +137,6 @@ class TensorParallel:
         self.left = False  # this rank has left the process groups
         self.pages: PageTable | None = None  # the runner's KV pages, which rank 0 sends with forwards
         self._pages_sent = -1  # the version of rank 0's table the workers have
-        self.one_shot: OneShotAllReduce | None = None  # small all-reduces, once prepared (CUDA)
 
     def _join(self, rendezvous: Rendezvous, store: dist.Store | None) -> None:
         """Meet the other ranks: through torchrun's store, or through rank 0's, where rank 0
@@ -230,25 +194,8 @@ class TensorParallel:
     def weight_shard(self) -> WeightShard:
         return WeightShard(self.rank, self.world_size)
 
-    def prepare_all_reduce(self, dtype: torch.dtype, one_shot: bool) -> None:
-        """Set up the one-shot all-reduce for the model's `dtype` (every rank, at the same point:
-        it is collective). Where symmetric memory cannot be mapped here, every rank keeps NCCL."""
-        if not one_shot or self.device.type != "cuda" or not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out"):
-            return
-        try:
-            candidate: OneShotAllReduce | None = OneShotAllReduce(dist.group.WORLD, dtype, self.device)
-        except RuntimeError as e:
-            log.warning("tensor parallelism: symmetric memory is unavailable here (%s); all-reduces stay on NCCL", e)
-            candidate = None
-        everywhere = torch.tensor([int(candidate is not None)], dtype=torch.int64)
-        work = dist.all_reduce(everywhere, op=dist.ReduceOp.MIN, group=self.commands, async_op=True)
-        self._finish(work, "set up their all-reduce", STARTUP_TIMEOUT_S, watch_workers=True)
-        self.one_shot = candidate if everywhere.item() else None
-
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum of `x` over the ranks, in place (one-shot where it takes `x`, else NCCL's)."""
-        if self.one_shot is not None and self.one_shot.takes(x):
-            return self.one_shot(x)
+        """The sum of `x` over the ranks, in place."""
         dist.all_reduce(x)
         return x
 
