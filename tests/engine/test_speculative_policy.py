@@ -108,6 +108,15 @@ def test_batch_64_resumes_drafting_when_acceptance_rises():
     assert sim.kinds[-50:] == ["pays"] * 50 and not sim.violations
 
 
+def test_a_choice_of_no_drafts_stands_for_its_shape_until_acceptance_news():
+    sim = Simulation(DraftPolicy(BUCKETS), batch=64, accept=0.6).run(30)
+    held = sim.policy.held
+    assert held is not None and held.shape == (64, 64, 192) and held.until > sim.policy.steps
+    assert sim.policy.draft_lengths(list(range(32)), [3] * 32, rows=32) == [0] * 32  # another shape: weighed
+    sim.policy.record_verified(0, 3, 3)
+    assert sim.policy.held is None
+
+
 def test_batch_16_drafts_where_its_measured_cost_pays():
     sim = Simulation(DraftPolicy(BUCKETS), batch=16, accept=0.8).run(200)
     assert sim.kinds[-100:] == ["pays"] * 100 and not sim.violations

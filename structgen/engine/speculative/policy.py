@@ -44,6 +44,7 @@ STAY_MARGIN = 0.02  # and goes on while it still beats them by this fraction
 EXPLORE_TRIES = 3  # steps an unmeasured verify bucket is drafted to (the first is a warm-up)
 RETRY_STEPS = 64  # decisions before a verify bucket that lost is tried again
 VERIFY_OVERHEAD = 1.25  # a verify step priced from plain steps of its rows costs this much more
+HOLD_STEPS = 8  # decisions a choice of no drafts stands for steps of its shape, unless news comes
 
 
 @dataclass
@@ -114,6 +115,15 @@ def lower_bound(points: dict[int, float], bucket: int) -> float:
 
 
 @dataclass(frozen=True)
+class Held:
+    """A choice of no drafts that stands, without weighing drafts again, for steps of the same
+    `shape` (plain bucket, sampling requests, draft budget) until decision `until`."""
+
+    shape: tuple[int, int, int]
+    until: int
+
+
+@dataclass(frozen=True)
 class Choice:
     """One step's decision: `drafts` tokens in all, the step's row `bucket`, and `kind`:
     untimed (the plain bucket is not measured yet), plain, pays (by measured or pessimistic
@@ -140,6 +150,7 @@ class DraftPolicy:
         self.retry_at: dict[int, int] = {}  # verify bucket -> the decision it may be tried again
         self.decisions: Counter[str] = Counter()  # Choice.kind -> steps
         self.steps = 0  # decisions made: the clock of retries
+        self.held: Held | None = None  # dropped by any news on acceptance or verify costs
 
     def bucket(self, rows: int) -> int:
         """The row count a step of `rows` rows runs as: its decode-graph bucket, else the next
@@ -155,18 +166,25 @@ class DraftPolicy:
 
     def draft_lengths(self, reqs: list[object], budgets: list[int], rows: int) -> list[int]:
         """How many tokens each of `reqs` drafts, at most its budget (0: it does not sample
-        this step); `rows`: the step's rows without drafts."""
+        this step); `rows`: the step's rows without drafts. A choice of no drafts stands
+        HOLD_STEPS steps while nothing it was made from changes but the plain step's mean,
+        which saves weighing every draft at a batch where none pays."""
+        lengths = [0] * len(reqs)
+        shape = (self.bucket(rows), sum(k > 0 for k in budgets), sum(budgets))
+        if not shape[2]:
+            return lengths
+        if self.held is not None and self.held.shape == shape and self.steps < self.held.until:
+            self.steps += 1
+            self.decisions["plain"] += 1
+            return lengths
         worths = []  # (worth, request index): a request's j-th draft token is worth a^j
         for i, (req, k) in enumerate(zip(reqs, budgets, strict=True)):
             a = self.acceptance(req)
             worths += [(a**j, i) for j in range(1, k + 1)]
-        lengths = [0] * len(reqs)
-        if not worths:
-            return lengths
         worths.sort(key=lambda w: -w[0])  # stable: within a request, j ascending
-        sampling = sum(k > 0 for k in budgets)
-        choice = self.choose([w for w, _ in worths], sampling, rows)
+        choice = self.choose([w for w, _ in worths], shape[1], rows)
         self.decisions[choice.kind] += 1
+        self.held = Held(shape, self.steps + HOLD_STEPS) if choice.kind == "plain" else None
         for _, i in worths[: choice.drafts]:
             lengths[i] += 1
         return lengths
@@ -245,10 +263,13 @@ class DraftPolicy:
             self.requests[req] = Acceptance(self.engine_wide.accepted, self.engine_wide.rejected)
         self.requests[req].update(drafted, accepted)
         self.engine_wide.update(drafted, accepted)
+        self.held = None
 
     def record_step(self, rows: int, seconds: float, drafts: int = 0) -> None:
         """A step of `rows` rows, `drafts` of them draft tokens, took `seconds`."""
         (self.verify if drafts > 0 else self.plain).record(self.bucket(rows), seconds)
+        if drafts > 0:
+            self.held = None
 
     def release(self, req: object) -> None:
         self.requests.pop(req, None)
