@@ -318,6 +318,7 @@ def test_rejection_sampling_keeps_the_distribution(tokenizer, aware):
     junk = sorted({t for o in outputs for t in o})
     drafter = RandomGuess(outputs, weights, junk)
     engine.speculator = Speculator(engine, SpeculativeConfig(method="custom", drafter=drafter, grammar_aware=aware))
+    engine.speculator.adaptive = False  # every step drafts (the policy follows this machine's timings)
 
     n = 600
     reqs = [Request(prompt, SamplingParams(max_tokens=8, temperature=1.0), grammar.matcher(), frozenset(stop))
@@ -364,6 +365,7 @@ def run_with_drafter(drafter, max_tokens: int) -> tuple[Engine, list[Request], l
     base = [Request(p, SamplingParams(max_tokens=max_tokens)) for p in prompts]
     eng.run(base)
     eng.speculator = Speculator(eng, SpeculativeConfig(method="custom", drafter=drafter))
+    eng.speculator.adaptive = False  # the drafter is asked every step, whatever steps cost here
     reqs = [Request(p, SamplingParams(max_tokens=max_tokens)) for p in prompts]
     eng.run(reqs)
     return eng, base, reqs
