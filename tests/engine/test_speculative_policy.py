@@ -9,6 +9,8 @@ import random
 from structgen.engine.speculative.policy import (
     ENTER_MARGIN,
     EXPLORE_TRIES,
+    HOLD_STEPS,
+    RETRY_STEPS,
     DraftPolicy,
     lower_bound,
     upper_bound,
@@ -121,6 +123,21 @@ def test_batch_16_drafts_where_its_measured_cost_pays():
     sim = Simulation(DraftPolicy(BUCKETS), batch=16, accept=0.8).run(200)
     assert sim.kinds[-100:] == ["pays"] * 100 and not sim.violations
     assert sim.speedup > 1.5
+
+
+def test_a_verify_bucket_measured_as_a_loss_is_drafted_to_only_on_rare_retries():
+    """At batch 64 (acceptance 0.5) bucket 128 emits 96 tokens for 2.0 and bucket 256 112 for
+    3.0, against 64 for 1.0 without drafts: both lose. Bucket 128 is retried once RETRY_STEPS
+    decisions have passed (bucket 256 never: even at bucket 128's slope it would lose), then
+    only after twice as long."""
+    policy = measured({64: 1.0}, {128: 2.0, 256: 3.0})
+    reqs, tried = list(range(64)), []
+    for step in range(4 * RETRY_STEPS + HOLD_STEPS):
+        if sum(policy.draft_lengths(reqs, [3] * 64, rows=64)):
+            tried.append(step)
+    assert policy.decisions["pays"] == 0 and len(tried) == 2
+    assert RETRY_STEPS <= tried[0] <= RETRY_STEPS + HOLD_STEPS
+    assert tried[1] - tried[0] >= 2 * RETRY_STEPS
 
 
 def test_a_step_of_a_size_not_timed_yet_runs_without_drafts_first():

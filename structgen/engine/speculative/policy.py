@@ -125,11 +125,10 @@ class Held:
 
 @dataclass(frozen=True)
 class Choice:
-    """One step's decision: `drafts` tokens in all, the step's row `bucket`, and `kind`:
-    untimed (the plain bucket is not measured yet), plain, pays (by measured or pessimistic
-    costs) or trial (drafted to measure the bucket)."""
+    """One step's decision: `drafts` tokens in all, and `kind`: untimed (the plain bucket is
+    not measured yet), plain, pays (by measured or pessimistic costs) or trial (drafted to
+    measure a verify bucket)."""
 
-    bucket: int
     drafts: int
     kind: str
 
@@ -146,7 +145,7 @@ class DraftPolicy:
         self.plain = StepCosts()  # steps without drafts
         self.verify = StepCosts()  # steps with drafts
         self.drafting: dict[int, bool] = {}  # plain bucket -> whether its last decision drafted
-        self.tries: Counter[int] = Counter()  # verify bucket -> steps drafted to it untested
+        self.tries: Counter[int] = Counter()  # verify bucket -> steps drafted to it on trial
         self.retry_at: dict[int, int] = {}  # verify bucket -> the decision it may be tried again
         self.decisions: Counter[str] = Counter()  # Choice.kind -> steps
         self.steps = 0  # decisions made: the clock of retries
@@ -196,22 +195,23 @@ class DraftPolicy:
         plain_bucket = self.bucket(rows)
         plain = self.plain.seconds.get(plain_bucket)
         if plain is None:  # time the plain step first
-            return Choice(plain_bucket, 0, "untimed")
+            return Choice(0, "untimed")
         tokens = list(itertools.accumulate(worths, initial=float(sampling)))  # by drafts kept
         options = self._options(rows, len(worths))
         plain_rate = sampling / plain
         margin = STAY_MARGIN if self.drafting.get(plain_bucket) else ENTER_MARGIN
         bucket, drafts = max(options, key=lambda o: tokens[o[1]] / self._verify_cost(o[0]))
-        self.drafting[plain_bucket] = tokens[drafts] / self._verify_cost(bucket) > plain_rate * (1 + margin)
-        if self.drafting[plain_bucket]:
-            return Choice(bucket, drafts, "pays")
+        pays = tokens[drafts] / self._verify_cost(bucket) > plain_rate * (1 + margin)
+        self.drafting[plain_bucket] = pays
+        if pays:
+            return Choice(drafts, "pays")
         tryable = [o for o in options if self._may_try(o[0])]
         if tryable:
             bucket, drafts = max(tryable, key=lambda o: tokens[o[1]] / self._trial_cost(o[0]))
             if tokens[drafts] / self._trial_cost(bucket) > plain_rate * (1 + ENTER_MARGIN):
                 self._tried(bucket)
-                return Choice(bucket, drafts, "trial")
-        return Choice(plain_bucket, 0, "plain")
+                return Choice(drafts, "trial")
+        return Choice(0, "plain")
 
     def _options(self, rows: int, most: int) -> list[tuple[int, int]]:
         """(verify bucket, drafts) for every bucket `rows` plus 1..`most` drafts reach, each
@@ -251,9 +251,9 @@ class DraftPolicy:
         return self.steps >= self.retry_at.setdefault(bucket, self.steps + RETRY_STEPS)
 
     def _tried(self, bucket: int) -> None:
+        """A step drafts to `bucket` on trial: its next retry waits twice as long as the last."""
         self.tries[bucket] += 1
-        waits = max(0, self.tries[bucket] - EXPLORE_TRIES)
-        self.retry_at[bucket] = self.steps + (RETRY_STEPS << min(waits, 16))
+        self.retry_at[bucket] = self.steps + (RETRY_STEPS << min(self.tries[bucket], 16))
 
     def record_verified(self, req: object, drafted: int, accepted: int) -> None:
         """The target's verdict on `req`'s draft this step."""
