@@ -177,6 +177,18 @@ def test_drafts_of_requests_that_are_rarely_accepted_go_first():
     assert policy.draft_lengths(["copying", "guessing"], [3, 3], rows=2) == [2, 0]
 
 
+def test_draft_tokens_asked_for_and_not_produced_count_as_rejected():
+    """The drafter found one token where the policy asked for three: the step emitted two
+    tokens for four rows, not the whole run a fully accepted one-token draft would suggest."""
+    rates = []
+    for produced in (3, 1):
+        policy = measured({1: 1.0}, {4: 1.05})
+        assert policy.draft_lengths(["r"], [3], rows=1) == [3]
+        policy.record_verified("r", produced, produced)
+        rates.append(policy.acceptance("r"))
+    assert rates[1] < 0.7 * rates[0]
+
+
 def test_a_new_request_starts_from_the_engine_wide_acceptance_and_forgets_old_steps():
     policy = DraftPolicy(BUCKETS)
     start = policy.acceptance("new")

@@ -26,7 +26,8 @@ construction, so:
   `RETRY_STEPS` decisions later, the wait doubling with every try.
 
 Each request's acceptance rate is a decayed count of its accepted and rejected drafts, starting
-from the engine-wide one. `decisions` counts the steps by what was chosen (benchmarks print it).
+from the engine-wide one; a draft token the policy asked for and the drafter did not produce
+counts as rejected, since the rows it was priced for emit nothing. `decisions` counts the steps by what was chosen (benchmarks print it).
 """
 
 from __future__ import annotations
@@ -150,6 +151,7 @@ class DraftPolicy:
         self.decisions: Counter[str] = Counter()  # Choice.kind -> steps
         self.steps = 0  # decisions made: the clock of retries
         self.held: Held | None = None  # dropped by any news on acceptance or verify costs
+        self.asked: dict[object, int] = {}  # request -> draft tokens the last decision gave it
 
     def bucket(self, rows: int) -> int:
         """The row count a step of `rows` rows runs as: its decode-graph bucket, else the next
@@ -169,6 +171,7 @@ class DraftPolicy:
         HOLD_STEPS steps while nothing it was made from changes but the plain step's mean,
         which saves weighing every draft at a batch where none pays."""
         lengths = [0] * len(reqs)
+        self.asked = {}
         shape = (self.bucket(rows), sum(k > 0 for k in budgets), sum(budgets))
         if not shape[2]:
             return lengths
@@ -186,6 +189,7 @@ class DraftPolicy:
         self.held = Held(shape, self.steps + HOLD_STEPS) if choice.kind == "plain" else None
         for _, i in worths[: choice.drafts]:
             lengths[i] += 1
+        self.asked = {req: k for req, k in zip(reqs, lengths, strict=True) if k}
         return lengths
 
     def choose(self, worths: list[float], sampling: int, rows: int) -> Choice:
@@ -256,7 +260,9 @@ class DraftPolicy:
         self.retry_at[bucket] = self.steps + (RETRY_STEPS << min(self.tries[bucket], 16))
 
     def record_verified(self, req: object, drafted: int, accepted: int) -> None:
-        """The target's verdict on `req`'s draft this step."""
+        """The target's verdict on `req`'s draft this step, counted against the draft tokens
+        the policy asked for if the drafter produced fewer."""
+        drafted = max(drafted, self.asked.pop(req, 0))
         if drafted <= 0:
             return
         if req not in self.requests:
@@ -273,3 +279,4 @@ class DraftPolicy:
 
     def release(self, req: object) -> None:
         self.requests.pop(req, None)
+        self.asked.pop(req, None)
