@@ -25,9 +25,12 @@ construction, so:
   `EXPLORE_TRIES` steps; after that, and for a bucket measured as a loss, a try comes only
   `RETRY_STEPS` decisions later, the wait doubling with every try.
 
-Each request's acceptance rate is a decayed count of its accepted and rejected drafts, starting
-from the engine-wide one; a draft token the policy asked for and the drafter did not produce
-counts as rejected, since the rows it was priced for emit nothing. `decisions` counts the steps by what was chosen (benchmarks print it).
+A choice of no drafts stands `HOLD_STEPS` steps of the same shape unless acceptance or verify
+costs change, so a batch where nothing pays spends little host time here. Each request's
+acceptance rate is a decayed count of its accepted and rejected drafts, starting from the
+engine-wide one; a draft token the policy asked for and the drafter did not produce counts as
+rejected, since the rows it was priced for emit nothing. `decisions` counts the steps by what
+was chosen (benchmarks print it).
 """
 
 from __future__ import annotations
