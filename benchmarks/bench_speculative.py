@@ -21,6 +21,9 @@ each `--modes` (batch_invariant off, the default, and on; one engine per mode, b
 the mode is process-wide): (a) the prompts at batch 1: decode speedup and how many greedy
 outputs equal plain decoding's; (b) `--target-batches` (16, 64) over as many requests (the
 prompts repeated): tokens/s with speculation over without (the target: never below 1.0x).
+Each row counts the speculative run's steps by the draft policy's choice (`steps_untimed`:
+its plain bucket not timed yet, `steps_plain`, `steps_pays`: drafted because it pays,
+`steps_trial`: drafted to time a verify bucket; speculative/policy.py).
 It writes benchmarks/results/speculative_targets-<device>-<date>.json.
 
 Metrics: `mean_acceptance_length` = tokens sampled per verify step (accepted drafts + the
@@ -270,8 +273,10 @@ def timed_pair(llm: LLM, spec: Speculator, cases: list[Case], batch: int, max_to
     for name, speculator in (("plain", None), ("ngram", spec)):
         eng.speculator = speculator
         run(llm, cases[:batch], batch, True, max_tokens)  # warm-up: Triton JIT, graphs, allocator
+        before = spec.policy.decisions.copy()
         result[name] = run(llm, cases, batch, True, max_tokens)
     eng.speculator = None
+    decided = spec.policy.decisions - before  # the measured run's steps by the policy's choice
     (plain_s, plain), (spec_s, spec_reqs) = result["plain"], result["ngram"]
     plain_tokens, spec_tokens = sum(r.num_output for r in plain), sum(r.num_output for r in spec_reqs)
     decode = [sum(r.stats.decode_s for r in reqs) / max(sum(r.num_output - 1 for r in reqs), 1)
@@ -282,7 +287,8 @@ def timed_pair(llm: LLM, spec: Speculator, cases: list[Case], batch: int, max_to
             "tokens_per_s_ratio": (spec_tokens / spec_s) / (plain_tokens / plain_s),
             "decode_ms_per_token_plain": 1e3 * decode[0], "decode_ms_per_token_ngram": 1e3 * decode[1],
             "decode_speedup": decode[0] / decode[1] if decode[1] else None,
-            "errors": sum(r.finish_reason == "error" for r in (*plain, *spec_reqs))}
+            "errors": sum(r.finish_reason == "error" for r in (*plain, *spec_reqs))} | {
+            f"steps_{kind}": decided[kind] for kind in ("untimed", "plain", "pays", "trial")}
 
 
 def measure_targets(args: argparse.Namespace, invariant: bool) -> list[dict[str, Any]]:
@@ -316,7 +322,8 @@ def run_targets(args: argparse.Namespace) -> None:
         rows += measure_targets(args, invariant=mode == "invariant")
         gc.collect()
     shown = ["batch_invariant", "batch", "requests", "complete", "identical", "decode_speedup",
-             "tokens_per_s_ratio", "plain_tokens_per_s", "ngram_tokens_per_s", "errors"]
+             "tokens_per_s_ratio", "plain_tokens_per_s", "ngram_tokens_per_s", "errors",
+             "steps_untimed", "steps_plain", "steps_pays", "steps_trial"]
     print_table([{c: r.get(c) for c in shown} for r in rows])
     if not args.no_write:
         path = write_results("speculative_targets", rows, extra={

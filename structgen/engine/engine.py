@@ -253,7 +253,7 @@ class Engine:
     def _speculative_step(self, batch: list[tuple[Request, int]]) -> list[Request]:
         """Draft, then verify every draft in one forward (speculative/); where nobody drafts
         (the draft policy found drafts do not pay at this batch), a plain decode step, timed
-        for the policy like a verify step."""
+        for the policy as what a step without drafts costs."""
         spec = self.speculator
         assert spec is not None
         started = time.perf_counter()

@@ -71,6 +71,17 @@ def complete(llm: LLM, spec: SpeculativeConfig | None, output_type, prompt: str,
         speculate(llm, None)
 
 
+def submit_all(llm: LLM, ids: list[list[int]], max_tokens: list[int]) -> list[Request]:
+    """Greedy requests of these prompts run together to the end, through the LLM's own
+    engine loop: once an earlier test started it, a direct `engine.run` would step the engine
+    from two threads at once."""
+    reqs = [Request(p, SamplingParams(max_tokens=n), stop_token_ids=frozenset(llm.engine.stop_token_ids))
+            for p, n in zip(ids, max_tokens, strict=True)]
+    for future in [llm.loop.submit(r) for r in reqs]:
+        future.result(timeout=300)
+    return reqs
+
+
 def test_greedy_constrained_output_is_unchanged(llm):
     """The same tokens with and without speculation (n-gram, with and without grammar-aware
     drafting, jump-forward on), and the drafts really were used."""
@@ -98,14 +109,11 @@ def test_where_no_draft_pays_steps_run_as_plain_decode_steps(llm):
     def run(spec: SpeculativeConfig | None, costs: dict[int, float]) -> list[Request]:
         speculate(llm, spec)
         if spec is not None:
-            for rows, seconds in costs.items():
-                llm.engine.speculator.policy.record_step(rows, seconds)  # a bucket's first is dropped
-                llm.engine.speculator.policy.record_step(rows, seconds)
-        reqs = [Request(p, SamplingParams(max_tokens=30), stop_token_ids=frozenset(llm.engine.stop_token_ids)) for p in ids]
+            for rows, seconds in costs.items():  # two rows: a plain step; more: a verify step
+                for _ in range(2):  # a bucket's first is dropped
+                    llm.engine.speculator.policy.record_step(rows, seconds, drafts=rows - 2)
         try:
-            for future in [llm.loop.submit(r) for r in reqs]:
-                future.result(timeout=300)
-            return reqs
+            return submit_all(llm, ids, [30] * len(ids))
         finally:
             if spec is not None:
                 run.policy = llm.engine.speculator.policy
@@ -116,7 +124,7 @@ def test_where_no_draft_pays_steps_run_as_plain_decode_steps(llm):
     assert [r.output_ids for r in got] == [r.output_ids for r in base]
     for r in got:
         assert r.stats.verify_steps <= r.stats.forward_passes // 2  # every pass was one before
-    assert run.policy.step_seconds[2] < 1.0  # plain steps replaced the made-up cost of two rows
+    assert run.policy.plain.seconds[2] < 1.0  # plain steps replaced the made-up cost of two rows
 
 
 FSTAB_ENTRY = {"type": "object", "properties": {
@@ -161,11 +169,7 @@ def test_greedy_unconstrained_output_is_unchanged(llm):
         speculate(llm, spec)
         if spec is not None:  # every step drafts its budget (the policy follows this machine's timings)
             llm.engine.speculator.adaptive = False
-        reqs = [Request(p, SamplingParams(max_tokens=40), stop_token_ids=frozenset(llm.engine.stop_token_ids)) for p in ids]
-        # Through the LLM's own engine loop: once an earlier test started it, a direct
-        # `engine.run` here would step the engine from two threads at once.
-        for future in [llm.loop.submit(r) for r in reqs]:
-            future.result(timeout=300)
+        reqs = submit_all(llm, ids, [40] * len(ids))
         speculate(llm, None)
         return reqs
 
@@ -174,6 +178,25 @@ def test_greedy_unconstrained_output_is_unchanged(llm):
     assert [r.output_ids for r in spec] == [r.output_ids for r in base]
     assert [r.finish_reason for r in spec] == [r.finish_reason for r in base]
     assert sum(r.stats.accepted_tokens for r in spec) > 0
+
+
+def test_the_draft_policy_over_a_shrinking_batch_keeps_greedy_outputs(llm):
+    """Three requests of different lengths (the batch walks down from three rows to one) with
+    the draft policy choosing per step between plain steps, trials of verify buckets and
+    drafts that pay: the plain engine's outputs, whatever this machine's timings make it pick."""
+    prompts = ["Repeat this sentence twice: the quick brown fox jumps over the lazy dog.",
+               f"Summarise in one sentence: {SOURCE}", PROMPT]
+    ids, lengths = [llm.encode_prompt(p) for p in prompts], [12, 32, 20]
+    base = submit_all(llm, ids, lengths)
+    speculate(llm, SpeculativeConfig(num_draft_tokens=3))
+    try:
+        got = submit_all(llm, ids, lengths)
+        decisions = llm.engine.speculator.policy.decisions
+    finally:
+        speculate(llm, None)
+    assert [r.output_ids for r in got] == [r.output_ids for r in base]
+    assert decisions["untimed"] >= 2 and decisions["trial"] >= 1  # plain steps timed, then a bucket tried
+    assert sum(r.stats.drafted_tokens for r in got) > 0
 
 
 @pytest.mark.slow
@@ -295,6 +318,7 @@ def test_rejection_sampling_keeps_the_distribution(tokenizer, aware):
     junk = sorted({t for o in outputs for t in o})
     drafter = RandomGuess(outputs, weights, junk)
     engine.speculator = Speculator(engine, SpeculativeConfig(method="custom", drafter=drafter, grammar_aware=aware))
+    engine.speculator.adaptive = False  # every step drafts (the policy follows this machine's timings)
 
     n = 600
     reqs = [Request(prompt, SamplingParams(max_tokens=8, temperature=1.0), grammar.matcher(), frozenset(stop))
@@ -341,6 +365,7 @@ def run_with_drafter(drafter, max_tokens: int) -> tuple[Engine, list[Request], l
     base = [Request(p, SamplingParams(max_tokens=max_tokens)) for p in prompts]
     eng.run(base)
     eng.speculator = Speculator(eng, SpeculativeConfig(method="custom", drafter=drafter))
+    eng.speculator.adaptive = False  # the drafter is asked every step, whatever steps cost here
     reqs = [Request(p, SamplingParams(max_tokens=max_tokens)) for p in prompts]
     eng.run(reqs)
     return eng, base, reqs

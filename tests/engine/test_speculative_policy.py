@@ -1,27 +1,143 @@
 """The draft policy (speculative/policy.py): drafts only where the rows they add pay for
-themselves, judged by measured step costs and each request's acceptance rate."""
+themselves against the plain step's measured cost, with exploration bounded, judged by step
+costs of a realistic shape fed to it as a clock would."""
 
 from __future__ import annotations
 
-from structgen.engine.speculative.policy import DraftPolicy
+import random
+
+from structgen.engine.speculative.policy import (
+    ENTER_MARGIN,
+    EXPLORE_TRIES,
+    HOLD_STEPS,
+    RETRY_STEPS,
+    DraftPolicy,
+    lower_bound,
+    upper_bound,
+)
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# Seconds of a plain step by row bucket: flat while the weights' read dominates, then
+# proportional to rows (a 4-row step ~1.05x a 1-row step; a 64 x 4 step ~3x a 64-row step).
+STEP = {1: 1.0, 2: 1.02, 4: 1.05, 8: 1.1, 16: 1.2, 32: 1.4, 64: 1.8, 128: 3.0, 256: 5.4}
+VERIFY = 1.02  # a verify step costs a little more than a plain step of its rows
 
 
-def measured(costs: dict[int, float]) -> DraftPolicy:
+def measured(plain: dict[int, float], verify: dict[int, float] | None = None) -> DraftPolicy:
     """A policy that has seen steps of these buckets take these seconds (each bucket's first,
     warm-up step is dropped, so every one is recorded twice)."""
     policy = DraftPolicy(BUCKETS)
-    for rows, seconds in costs.items():
-        policy.record_step(rows, 100.0)  # the warm-up step: dropped
-        policy.record_step(rows, seconds)
+    for table, drafts in ((plain, 0), (verify or {}, 1)):
+        for rows, seconds in table.items():
+            policy.record_step(rows, 100.0, drafts)  # the warm-up step: dropped
+            policy.record_step(rows, seconds, drafts)
     return policy
 
 
+class Simulation:
+    """`batch` requests decoding on the clock of STEP: each step asks the policy for drafts,
+    accepts each draft token with probability `accept` (a run ends at the first rejection),
+    and reports the step's cost and verdicts back."""
+
+    def __init__(self, policy: DraftPolicy, batch: int, accept: float, budget: int = 3):
+        self.policy, self.batch, self.accept, self.budget = policy, batch, accept, budget
+        self.rng = random.Random(0)
+        self.seconds = self.tokens = 0.0
+        self.kinds: list[str] = []  # each step's decision
+        self.violations: list[int] = []  # steps that drafted to a bucket whose costs say it loses
+
+    def step(self) -> list[int]:
+        reqs = list(range(self.batch))
+        before = self.policy.decisions.copy()
+        rates = [self.policy.acceptance(r) for r in reqs]
+        lengths = self.policy.draft_lengths(reqs, [self.budget] * self.batch, rows=self.batch)
+        kind = next(iter((self.policy.decisions - before).elements()))
+        self.kinds.append(kind)
+        drafts = sum(lengths)
+        bucket = self.policy.bucket(self.batch + drafts)
+        cost = STEP[bucket] * (VERIFY if drafts else 1.0)
+        if kind == "pays":  # expected tokens at the true cost beat the plain step's
+            expected = self.batch + sum(a**j for a, k in zip(rates, lengths, strict=True) for j in range(1, k + 1))
+            if expected / cost <= self.batch / STEP[self.policy.bucket(self.batch)]:
+                self.violations.append(len(self.kinds))
+        self.policy.record_step(self.batch + drafts, cost, drafts)
+        for req, k in zip(reqs, lengths, strict=True):
+            accepted = 0
+            while accepted < k and self.rng.random() < self.accept:
+                accepted += 1
+            self.policy.record_verified(req, k, accepted)
+            self.tokens += 1 + accepted
+        self.seconds += cost
+        return lengths
+
+    def run(self, steps: int) -> Simulation:
+        for _ in range(steps):
+            self.step()
+        return self
+
+    @property
+    def speedup(self) -> float:
+        """Tokens/s over plain decoding's at this batch."""
+        return (self.tokens / self.seconds) / (self.batch / STEP[self.policy.bucket(self.batch)])
+
+
 def test_batch_one_drafts_its_whole_budget_where_rows_are_nearly_free():
-    policy = measured({1: 1.0, 2: 1.01, 4: 1.03, 64: 1.5})
-    assert policy.draft_lengths(["r"], [3], rows=1) == [3]
-    assert policy.draft_lengths(["r", "prefill"], [3, 0], rows=40) == [3, 0]  # a prompt chunk rides along
+    sim = Simulation(DraftPolicy(BUCKETS), batch=1, accept=0.7).run(200)
+    assert sim.kinds[:2] == ["untimed", "untimed"]  # the plain step is timed first
+    assert sim.kinds[2] == "trial" and sim.kinds[-150:] == ["pays"] * 150
+    assert sim.step() == [3]
+    assert sim.speedup > 1.5 and not sim.violations
+
+
+def test_batch_64_stops_drafting_within_a_few_steps_and_never_falls_below_plain():
+    sim = Simulation(DraftPolicy(BUCKETS), batch=64, accept=0.6).run(400)
+    drafting = [i for i, kind in enumerate(sim.kinds) if kind in ("pays", "trial")]
+    assert "pays" not in sim.kinds and not sim.violations
+    assert len([i for i in drafting if i < 20]) <= 2 * EXPLORE_TRIES  # each verify bucket measured
+    assert len([i for i in drafting if i >= 20]) <= 4  # then only rare retries
+    assert sim.speedup > 0.97
+
+
+def test_batch_64_resumes_drafting_when_acceptance_rises():
+    sim = Simulation(DraftPolicy(BUCKETS), batch=64, accept=0.6).run(100)
+    assert sim.step() == [0] * 64
+    sim.accept = 1.0
+    for _ in range(10):  # drafts now always accepted (seen on other steps)
+        for req in range(64):
+            sim.policy.record_verified(req, 3, 3)
+    assert sim.step() == [3] * 64 and sim.kinds[-1] == "pays"  # 4 tokens for ~3x the cost
+    sim.run(50)
+    assert sim.kinds[-50:] == ["pays"] * 50 and not sim.violations
+
+
+def test_a_choice_of_no_drafts_stands_for_its_shape_until_acceptance_news():
+    sim = Simulation(DraftPolicy(BUCKETS), batch=64, accept=0.6).run(30)
+    held = sim.policy.held
+    assert held is not None and held.shape == (64, 64, 192) and held.until > sim.policy.steps
+    assert sim.policy.draft_lengths(list(range(32)), [3] * 32, rows=32) == [0] * 32  # another shape: weighed
+    sim.policy.record_verified(0, 3, 3)
+    assert sim.policy.held is None
+
+
+def test_batch_16_drafts_where_its_measured_cost_pays():
+    sim = Simulation(DraftPolicy(BUCKETS), batch=16, accept=0.8).run(200)
+    assert sim.kinds[-100:] == ["pays"] * 100 and not sim.violations
+    assert sim.speedup > 1.5
+
+
+def test_a_verify_bucket_measured_as_a_loss_is_drafted_to_only_on_rare_retries():
+    """At batch 64 (acceptance 0.5) bucket 128 emits 96 tokens for 2.0 and bucket 256 112 for
+    3.0, against 64 for 1.0 without drafts: both lose. Bucket 128 is retried once RETRY_STEPS
+    decisions have passed (bucket 256 never: even at bucket 128's slope it would lose), then
+    only after twice as long."""
+    policy = measured({64: 1.0}, {128: 2.0, 256: 3.0})
+    reqs, tried = list(range(64)), []
+    for step in range(4 * RETRY_STEPS + HOLD_STEPS):
+        if sum(policy.draft_lengths(reqs, [3] * 64, rows=64)):
+            tried.append(step)
+    assert policy.decisions["pays"] == 0 and len(tried) == 2
+    assert RETRY_STEPS <= tried[0] <= RETRY_STEPS + HOLD_STEPS
+    assert tried[1] - tried[0] >= 2 * RETRY_STEPS
 
 
 def test_a_step_of_a_size_not_timed_yet_runs_without_drafts_first():
@@ -30,24 +146,47 @@ def test_a_step_of_a_size_not_timed_yet_runs_without_drafts_first():
     policy.record_step(1, 100.0)  # warm-up: dropped
     assert policy.draft_lengths(["r"], [3], rows=1) == [0]
     policy.record_step(1, 1.0)
-    assert policy.draft_lengths(["r"], [3], rows=1) == [3]  # bucket 4 priced from bucket 1
+    assert policy.draft_lengths(["r"], [3], rows=1) == [3]  # a trial: bucket 4 is not measured
+    assert policy.decisions == {"untimed": 2, "trial": 1}
 
 
-def test_a_large_batch_stops_drafting_where_its_rows_cost_what_they_emit():
-    reqs = list(range(64))
-    costly = measured({64: 1.0, 128: 2.0, 256: 4.0})  # a step's cost follows its rows
-    assert costly.draft_lengths(reqs, [3] * 64, rows=64) == [0] * 64
-    cheap = measured({64: 1.0, 128: 1.05, 256: 1.1})  # still reading the weights once
-    assert cheap.draft_lengths(reqs, [3] * 64, rows=64) == [3] * 64
+def test_drafting_starts_past_a_margin_and_stops_only_below_a_smaller_one():
+    """At batch 16 (the prior acceptance, 0.5), 48 drafts emit 30 tokens for the verify
+    bucket 64's cost; a plain step emits 16 for 1.0 (and 16 drafts lose in bucket 32)."""
+    reqs = list(range(16))
+
+    def drafts(verify_64: float, policy: DraftPolicy | None = None) -> int:
+        policy = policy or measured({16: 1.0})
+        policy.verify.seconds.update({32: 10.0, 64: verify_64})
+        return sum(policy.draft_lengths(reqs, [3] * 16, rows=16))
+
+    between = 30 / (16 * (1 + ENTER_MARGIN / 2))  # beats plain by half the entry margin
+    assert drafts(between) == 0
+    started = measured({16: 1.0})
+    assert drafts(30 / (16 * 1.2), started) == 48
+    assert drafts(between, started) == 48  # already drafting: kept
+    assert drafts(30 / 16, started) == 0  # no gain: stopped
 
 
 def test_drafts_of_requests_that_are_rarely_accepted_go_first():
-    policy = measured({2: 1.25, 4: 1.5, 8: 2.0})
+    policy = measured({2: 1.25}, {4: 1.5, 8: 2.0})
     for _ in range(20):
         policy.record_verified("copying", 3, 3)
         policy.record_verified("guessing", 3, 0)
     assert policy.acceptance("copying") > 0.9 and policy.acceptance("guessing") < 0.1
     assert policy.draft_lengths(["copying", "guessing"], [3, 3], rows=2) == [2, 0]
+
+
+def test_draft_tokens_asked_for_and_not_produced_count_as_rejected():
+    """The drafter found one token where the policy asked for three: the step emitted two
+    tokens for four rows, not the whole run a fully accepted one-token draft would suggest."""
+    rates = []
+    for produced in (3, 1):
+        policy = measured({1: 1.0}, {4: 1.05})
+        assert policy.draft_lengths(["r"], [3], rows=1) == [3]
+        policy.record_verified("r", produced, produced)
+        rates.append(policy.acceptance("r"))
+    assert rates[1] < 0.7 * rates[0]
 
 
 def test_a_new_request_starts_from_the_engine_wide_acceptance_and_forgets_old_steps():
@@ -63,8 +202,11 @@ def test_a_new_request_starts_from_the_engine_wide_acceptance_and_forgets_old_st
     assert "old" not in policy.requests
 
 
-def test_unmeasured_buckets_are_priced_from_the_nearest_measured_one():
-    policy = measured({4: 2.0})
-    assert policy.cost(3) == 2.0  # bucket 4
-    assert 2.0 < policy.cost(8) < policy.cost(64)
+def test_unmeasured_buckets_are_priced_high_for_drafting_and_low_for_trying():
+    points = {16: 1.2, 64: 1.8}
+    assert upper_bound(points, 32) == 1.8  # the next measured bucket up
+    assert upper_bound(points, 256) == 1.8 * 4  # proportional: above the slope's 1.8 + 0.6
+    assert upper_bound({64: 1.0, 128: 3.0}, 256) == 7.0  # the slope: above proportional's 6.0
+    assert lower_bound(points, 32) == 1.2  # the next measured bucket down
+    assert lower_bound(points, 256) == 1.8 + 0.6 / 48 * 192  # extended by the slope
     assert DraftPolicy().bucket(33) == 64  # no graphs: powers of two

@@ -1,32 +1,54 @@
-"""How many tokens each request drafts this step: as many as pay for the rows they add.
+"""How many tokens each request drafts this step: only as many as pay for the rows they add,
+judged against what the same step costs without drafts, as measured.
 
 A verify step emits, for a request whose drafts are each accepted with probability a (given the
 ones before), 1 + a + a^2 + ... + a^k tokens for k drafted: its j-th draft token is worth a^j
 tokens. It also runs k more rows, and what a row costs depends on the step: at batch 1 a decode
 step reads the weights once whatever its row count, so drafts are nearly free; at batch 64 a
 step of 64 x (1 + k) rows can cost several plain steps, and the drafts lose (docs/performance.md,
-"Speculative decoding"). So per step the policy ranks every request's candidate draft tokens by
-worth, and keeps the top D, the D (0 included) that maximises expected tokens per second:
+"Speculative decoding"). Steps run in row buckets (the decode graphs' batch sizes, or powers of
+two), so per step the policy ranks every request's draft tokens by worth and, for each verify
+bucket the step could run in, fills it with the best ones. Speculation must be safe by
+construction, so:
 
-    (sampling requests + sum of the D best worths) / cost(bucket(rows + D))
+- Two cost tables, by bucket: `plain` (steps without drafts: what not drafting costs) and
+  `verify` (steps with drafts). Each is a mean of measured wall times, a bucket's first step
+  dropped as warm-up. Until the plain step of this step's bucket is measured, nobody drafts.
+- A verify bucket pays when its expected tokens per second beat the plain step's measured rate
+  by `ENTER_MARGIN`; once drafting at a plain bucket, by `STAY_MARGIN` (hysteresis, so it does
+  not flap). A verify bucket not measured yet is priced pessimistically: as the next measured
+  bucket above it, and above them all by the larger of proportional scaling and the slope of
+  the two largest; plain steps count at `VERIFY_OVERHEAD` times their cost.
+- Where nothing pays, a verify bucket may be *tried*: drafted to so that it gets measured, if
+  it could pay at the cheapest cost its neighbours allow (the largest measured bucket below it,
+  extended by the slope of the two largest). An unmeasured bucket is tried at most
+  `EXPLORE_TRIES` steps; after that, and for a bucket measured as a loss, a try comes only
+  `RETRY_STEPS` decisions later, the wait doubling with every try.
 
-`cost` is the measured mean wall time of steps of that row bucket (the decode graphs' batch
-sizes, or powers of two), and where a bucket has not been measured yet, a linear model
-`(FIXED_ROWS + rows)` scaled to the nearest measured bucket. A step whose rows without drafts
-fall in a bucket not measured yet drafts nothing: the comparison needs the plain step's cost.
-Each request's acceptance rate is a decayed count of its accepted and rejected drafts,
-starting from the engine-wide one.
+A choice of no drafts stands `HOLD_STEPS` steps of the same shape unless acceptance or verify
+costs change, so a batch where nothing pays spends little host time here. Each request's
+acceptance rate is a decayed count of its accepted and rejected drafts, starting from the
+engine-wide one; a draft token the policy asked for and the drafter did not produce counts as
+rejected, since the rows it was priced for emit nothing. `decisions` counts the steps by what
+was chosen (benchmarks print it).
 """
 
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+import itertools
+from collections import Counter
+from dataclasses import dataclass, field
 
-FIXED_ROWS = 64.0  # the prior: a step costs as much as FIXED_ROWS rows before it runs any
 DECAY = 0.8  # weight of past verify steps in an acceptance rate, per step
 STEP_EMA = 0.2  # weight of the newest step in a bucket's mean cost
-PRIOR = (1.4, 0.6)  # (accepted, rejected) pseudo-counts a new engine starts from: a = 0.7
+PRIOR = (1.0, 1.0)  # (accepted, rejected) pseudo-counts a new engine starts from: a = 0.5
+ENTER_MARGIN = 0.10  # drafting starts where it beats plain steps' tokens/s by this fraction
+STAY_MARGIN = 0.02  # and goes on while it still beats them by this fraction
+EXPLORE_TRIES = 3  # steps an unmeasured verify bucket is drafted to (the first is a warm-up)
+RETRY_STEPS = 64  # decisions before a verify bucket that lost is tried again
+VERIFY_OVERHEAD = 1.25  # a verify step priced from plain steps of its rows costs this much more
+HOLD_STEPS = 8  # decisions a choice of no drafts stands for steps of its shape, unless news comes
 
 
 @dataclass
@@ -47,16 +69,92 @@ class Acceptance:
         self.rejected = DECAY * self.rejected + (accepted < drafted)
 
 
+@dataclass
+class StepCosts:
+    """Mean wall time of steps by row bucket; each bucket's first step is dropped (it
+    compiles and warms up)."""
+
+    seconds: dict[int, float] = field(default_factory=dict)
+    warmed: set[int] = field(default_factory=set)
+
+    def record(self, bucket: int, seconds: float) -> None:
+        if bucket not in self.warmed:
+            self.warmed.add(bucket)
+            return
+        old = self.seconds.get(bucket)
+        self.seconds[bucket] = seconds if old is None else (1 - STEP_EMA) * old + STEP_EMA * seconds
+
+
+def upper_bound(points: dict[int, float], bucket: int) -> float:
+    """What a step of `bucket` rows costs at most, given measured `points` (non-empty) and
+    that more rows never cost less: the next measured bucket up; above them all, the larger of
+    proportional scaling and the slope of the two largest."""
+    if bucket in points:
+        return points[bucket]
+    above = [b for b in points if b > bucket]
+    if above:
+        return points[min(above)]
+    ordered = sorted(points)
+    top = ordered[-1]
+    cost = points[top] * bucket / top
+    if len(ordered) > 1:
+        prev = ordered[-2]
+        cost = max(cost, points[top] + (points[top] - points[prev]) / (top - prev) * (bucket - top))
+    return cost
+
+
+def lower_bound(points: dict[int, float], bucket: int) -> float:
+    """What a step of `bucket` rows costs at least, given measured `points` (non-empty), that
+    more rows never cost less, and that a row never costs less than the rows before it: the
+    largest measured bucket below, extended by the slope of the two largest below."""
+    below = sorted(b for b in points if b <= bucket)
+    if not below:  # nothing measured below: the nearest measured bucket
+        return points[min(points)]
+    top = below[-1]
+    if len(below) == 1 or top == bucket:
+        return points[top]
+    prev = below[-2]
+    slope = max(0.0, (points[top] - points[prev]) / (top - prev))
+    return points[top] + slope * (bucket - top)
+
+
+@dataclass(frozen=True)
+class Held:
+    """A choice of no drafts that stands, without weighing drafts again, for steps of the same
+    `shape` (plain bucket, sampling requests, draft budget) until decision `until`."""
+
+    shape: tuple[int, int, int]
+    until: int
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One step's decision: `drafts` tokens in all, and `kind`: untimed (the plain bucket is
+    not measured yet), plain, pays (by measured or pessimistic costs) or trial (drafted to
+    measure a verify bucket)."""
+
+    drafts: int
+    kind: str
+
+
 class DraftPolicy:
     """Per step, the draft length of every request (`draft_lengths`), from its acceptance rate
-    (`record_verified`) and the measured cost of steps by row bucket (`record_step`)."""
+    (`record_verified`) and the measured cost of steps with and without drafts by row bucket
+    (`record_step`)."""
 
     def __init__(self, buckets: tuple[int, ...] = ()):
         self.buckets = tuple(sorted(buckets))  # the decode graphs' row counts, if any
         self.engine_wide = Acceptance(*PRIOR)
         self.requests: dict[object, Acceptance] = {}
-        self.step_seconds: dict[int, float] = {}  # bucket -> mean wall time of its steps
-        self._seen: set[int] = set()  # buckets whose first (warm-up) step was dropped
+        self.plain = StepCosts()  # steps without drafts
+        self.verify = StepCosts()  # steps with drafts
+        self.drafting: dict[int, bool] = {}  # plain bucket -> whether its last decision drafted
+        self.tries: Counter[int] = Counter()  # verify bucket -> steps drafted to it on trial
+        self.retry_at: dict[int, int] = {}  # verify bucket -> the decision it may be tried again
+        self.decisions: Counter[str] = Counter()  # Choice.kind -> steps
+        self.steps = 0  # decisions made: the clock of retries
+        self.held: Held | None = None  # dropped by any news on acceptance or verify costs
+        self.asked: dict[object, int] = {}  # request -> draft tokens the last decision gave it
 
     def bucket(self, rows: int) -> int:
         """The row count a step of `rows` rows runs as: its decode-graph bucket, else the next
@@ -66,61 +164,122 @@ class DraftPolicy:
             return self.buckets[i]
         return 1 << max(0, rows - 1).bit_length()
 
-    def cost(self, rows: int) -> float:
-        """Seconds a step of `rows` rows is expected to take (relative, where nothing is
-        measured yet)."""
-        b = self.bucket(rows)
-        if b in self.step_seconds:
-            return self.step_seconds[b]
-        if not self.step_seconds:
-            return FIXED_ROWS + b
-        near = min(self.step_seconds, key=lambda m: abs(m - b))
-        return self.step_seconds[near] * (FIXED_ROWS + b) / (FIXED_ROWS + near)
-
     def acceptance(self, req: object) -> float:
         known = self.requests.get(req)
         return (known or self.engine_wide).rate
 
     def draft_lengths(self, reqs: list[object], budgets: list[int], rows: int) -> list[int]:
         """How many tokens each of `reqs` drafts, at most its budget (0: it does not sample
-        this step); `rows`: the step's rows without drafts."""
-        if self.bucket(rows) not in self.step_seconds:  # time the plain step first
-            return [0] * len(reqs)
+        this step); `rows`: the step's rows without drafts. A choice of no drafts stands
+        HOLD_STEPS steps while nothing it was made from changes but the plain step's mean,
+        which saves weighing every draft at a batch where none pays."""
+        lengths = [0] * len(reqs)
+        self.asked = {}
+        shape = (self.bucket(rows), sum(k > 0 for k in budgets), sum(budgets))
+        if not shape[2]:
+            return lengths
+        if self.held is not None and self.held.shape == shape and self.steps < self.held.until:
+            self.steps += 1
+            self.decisions["plain"] += 1
+            return lengths
         worths = []  # (worth, request index): a request's j-th draft token is worth a^j
         for i, (req, k) in enumerate(zip(reqs, budgets, strict=True)):
             a = self.acceptance(req)
             worths += [(a**j, i) for j in range(1, k + 1)]
         worths.sort(key=lambda w: -w[0])  # stable: within a request, j ascending
-        sampling = sum(k > 0 for k in budgets)
-        best, best_rate, tokens = 0, sampling / self.cost(rows), float(sampling)
-        for d, (worth, _) in enumerate(worths, start=1):
-            tokens += worth
-            rate = tokens / self.cost(rows + d)
-            if rate > best_rate:
-                best, best_rate = d, rate
-        lengths = [0] * len(reqs)
-        for _, i in worths[:best]:
+        choice = self.choose([w for w, _ in worths], shape[1], rows)
+        self.decisions[choice.kind] += 1
+        self.held = Held(shape, self.steps + HOLD_STEPS) if choice.kind == "plain" else None
+        for _, i in worths[: choice.drafts]:
             lengths[i] += 1
+        self.asked = {req: k for req, k in zip(reqs, lengths, strict=True) if k}
         return lengths
 
+    def choose(self, worths: list[float], sampling: int, rows: int) -> Choice:
+        """The step's drafts (the first of `worths`, best first) and why; `sampling`: requests
+        that sample this step, `rows`: its rows without drafts."""
+        self.steps += 1
+        plain_bucket = self.bucket(rows)
+        plain = self.plain.seconds.get(plain_bucket)
+        if plain is None:  # time the plain step first
+            return Choice(0, "untimed")
+        tokens = list(itertools.accumulate(worths, initial=float(sampling)))  # by drafts kept
+        options = self._options(rows, len(worths))
+        plain_rate = sampling / plain
+        margin = STAY_MARGIN if self.drafting.get(plain_bucket) else ENTER_MARGIN
+        bucket, drafts = max(options, key=lambda o: tokens[o[1]] / self._verify_cost(o[0]))
+        pays = tokens[drafts] / self._verify_cost(bucket) > plain_rate * (1 + margin)
+        self.drafting[plain_bucket] = pays
+        if pays:
+            return Choice(drafts, "pays")
+        tryable = [o for o in options if self._may_try(o[0])]
+        if tryable:
+            bucket, drafts = max(tryable, key=lambda o: tokens[o[1]] / self._trial_cost(o[0]))
+            if tokens[drafts] / self._trial_cost(bucket) > plain_rate * (1 + ENTER_MARGIN):
+                self._tried(bucket)
+                return Choice(drafts, "trial")
+        return Choice(0, "plain")
+
+    def _options(self, rows: int, most: int) -> list[tuple[int, int]]:
+        """(verify bucket, drafts) for every bucket `rows` plus 1..`most` drafts reach, each
+        filled with as many drafts as it holds (within a bucket a step costs the same)."""
+        options, bucket = [], self.bucket(rows + 1)
+        while True:
+            drafts = min(bucket - rows, most)
+            options.append((bucket, drafts))
+            if drafts == most:
+                return options
+            bucket = self.bucket(bucket + 1)
+
+    def _verify_cost(self, bucket: int) -> float:
+        """A verify step's measured cost, else its pessimistic price (the module docstring)."""
+        measured = self.verify.seconds.get(bucket)
+        if measured is not None:
+            return measured
+        points = {b: VERIFY_OVERHEAD * s for b, s in self.plain.seconds.items()}
+        for b, s in self.verify.seconds.items():
+            points[b] = max(s, points.get(b, s))
+        return upper_bound(points, bucket)
+
+    def _trial_cost(self, bucket: int) -> float:
+        """The least a verify step of `bucket` could cost, judged from every other measurement
+        (its own, if any, is what a retry re-checks)."""
+        points = dict(self.plain.seconds)
+        for b, s in self.verify.seconds.items():
+            if b != bucket:
+                points[b] = min(s, points.get(b, s))
+        return lower_bound(points, bucket)
+
+    def _may_try(self, bucket: int) -> bool:
+        """An unmeasured bucket for its first EXPLORE_TRIES steps; after that, or once
+        measured as a loss, when its retry is due (the first wait starts now)."""
+        if bucket not in self.verify.seconds and self.tries[bucket] < EXPLORE_TRIES:
+            return True
+        return self.steps >= self.retry_at.setdefault(bucket, self.steps + RETRY_STEPS)
+
+    def _tried(self, bucket: int) -> None:
+        """A step drafts to `bucket` on trial: its next retry waits twice as long as the last."""
+        self.tries[bucket] += 1
+        self.retry_at[bucket] = self.steps + (RETRY_STEPS << min(self.tries[bucket], 16))
+
     def record_verified(self, req: object, drafted: int, accepted: int) -> None:
-        """The target's verdict on `req`'s draft this step."""
+        """The target's verdict on `req`'s draft this step, counted against the draft tokens
+        the policy asked for if the drafter produced fewer."""
+        drafted = max(drafted, self.asked.pop(req, 0))
         if drafted <= 0:
             return
         if req not in self.requests:
             self.requests[req] = Acceptance(self.engine_wide.accepted, self.engine_wide.rejected)
         self.requests[req].update(drafted, accepted)
         self.engine_wide.update(drafted, accepted)
+        self.held = None
 
-    def record_step(self, rows: int, seconds: float) -> None:
-        """A step of `rows` rows (drafts included) took `seconds`; each bucket's first step is
-        dropped (it compiles and warms up)."""
-        b = self.bucket(rows)
-        if b not in self._seen:
-            self._seen.add(b)
-            return
-        old = self.step_seconds.get(b)
-        self.step_seconds[b] = seconds if old is None else (1 - STEP_EMA) * old + STEP_EMA * seconds
+    def record_step(self, rows: int, seconds: float, drafts: int = 0) -> None:
+        """A step of `rows` rows, `drafts` of them draft tokens, took `seconds`."""
+        (self.verify if drafts > 0 else self.plain).record(self.bucket(rows), seconds)
+        if drafts > 0:
+            self.held = None
 
     def release(self, req: object) -> None:
         self.requests.pop(req, None)
+        self.asked.pop(req, None)

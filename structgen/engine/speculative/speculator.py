@@ -252,7 +252,8 @@ class Speculator:
                 if first is not None:
                     return self._run_loop(first, bucket, done)
         finished = self._verify(batch, drafts)
-        self.policy.record_step(step_tokens(batch, drafts), time.perf_counter() - started)
+        self.policy.record_step(step_tokens(batch, drafts), time.perf_counter() - started,
+                                sum(len(d) for d in drafts))
         return finished
 
     def _verify(self, batch: list[tuple[Request, int]], drafts: list[list[int]]) -> list[Request]:
