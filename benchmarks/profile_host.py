@@ -15,6 +15,7 @@ passes) shows as the growth from batch 16 to 64: `us_per_request` divides by the
     python -m benchmarks.profile_host                       # batches 1, 16, 64; free and JSON
     python -m benchmarks.profile_host --batches 64 --grammar-workers 2
     python -m benchmarks.profile_host --serving 256 --max-tokens 64   # the whole front, see below
+    python -m benchmarks.profile_host --serving 256 --one-schema --acomplete --profile /tmp/front.prof
 
 `--serving N` runs the whole in-process path on the same stubbed device: N streams
 (`LLM.astream`) with distinct MaskBench schemas submitted at once, through the asyncio front,
@@ -203,58 +204,109 @@ def tiny_engine(tokenizer: Any, max_batch_size: int, max_seq_len: int = 1024, **
     return engine
 
 
-def serving_run(tokenizer: Any, n: int, max_tokens: int, grammar_threads: int) -> dict[str, Any]:
-    """`n` streams with distinct schemas at once through `LLM.astream` on the stubbed device."""
+def serving_run(tokenizer: Any, n: int, max_tokens: int, grammar_threads: int, one_schema: bool = False,
+                acomplete: bool = False, profile_path: Path | None = None) -> dict[str, Any]:
+    """`n` requests at once through `LLM.astream` (or `LLM.acomplete`) on the stubbed device,
+    with distinct schemas or (`one_schema`) bench_serving's json-one workload; with
+    `profile_path`, cProfile of the event loop's thread into that file and of the engine
+    loop's thread into that file + ".engine"."""
     import asyncio
+    import cProfile
 
-    from benchmarks.bench_serving import json_workload
+    from benchmarks.bench_serving import json_one_workload, json_workload
     from benchmarks.common import maskbench_dir
-    from structgen import LLM, IncompleteOutputError, JsonSchema, StructgenError
+    from structgen import LLM
 
     engine = tiny_engine(tokenizer, n, tuning=EngineTuning(grammar_threads=grammar_threads))
     llm = LLM.from_engine(engine, tokenizer, "stub")
     stub = RandomAllowedDevice(engine, tokenizer, "", min(engine.stop_token_ids))
-    steps: list[float] = []
-    step = engine.step
-
-    def timed_step() -> list[Request]:
-        stub_before, t = stub.seconds, time.perf_counter()
-        try:
-            return step()
-        finally:
-            steps.append(time.perf_counter() - t - (stub.seconds - stub_before))
-
-    engine.step = timed_step
-    requests = json_workload(n, maskbench_dir())
-    ttft: list[float] = []
-    failed: list[str] = []
-
-    async def one(req: Any) -> None:
-        t0, first = time.perf_counter(), None
-        try:
-            async for _ in llm.astream(JsonSchema(req.schema), req.messages, max_tokens=max_tokens):
-                first = first or time.perf_counter() - t0
-        except IncompleteOutputError:  # an output cut at max_tokens raises at its end
-            pass
-        except StructgenError as exc:  # refused (a full compile queue, a compile budget spent)
-            failed.append(type(exc).__name__)
-        ttft.append(first if first is not None else float("nan"))
-
-    async def run_all() -> float:
-        t = time.perf_counter()
-        await asyncio.gather(*(one(r) for r in requests))
-        return time.perf_counter() - t
-
+    steps = StepLog(engine, stub)
+    requests = json_one_workload(n) if one_schema else json_workload(n, maskbench_dir())
+    client = ServingClient(llm, max_tokens, acomplete)
+    profilers = (cProfile.Profile(), cProfile.Profile()) if profile_path else None
+    if profilers:  # the engine thread starts at the first submit, running `_run` as it is then
+        run = llm.loop._run
+        llm.loop._run = functools.partial(profilers[1].runcall, run)
+        profilers[0].enable()
     try:
-        wall = asyncio.run(run_all())
+        wall = asyncio.run(client.run_all(requests))
     finally:
         llm.close()
-    busy = [x for x in steps if x > 0]
-    return {"streams": n, "wall_s": round(wall, 2), "steps": len(busy),
-            "host_ms_per_step": round(1e3 * float(np.median(busy)), 2),
+        if profilers:
+            profilers[0].disable()
+            profilers[0].dump_stats(profile_path)
+            profilers[1].dump_stats(f"{profile_path}.engine")
+    busy = [x for x in steps.seconds if x > 0]
+    ttft = client.ttft
+    return {"streams": n, "api": "acomplete" if acomplete else "astream", "wall_s": round(wall, 2),
+            "output_tokens": client.tokens, "host_tok_per_s": round(client.tokens / wall, 1),
+            "steps": len(busy), "steps_per_s": round(len(busy) / wall, 1),
+            "rows_per_step": round(client.tokens / max(len(busy), 1), 1),
+            "steps_to_admit_all": steps.first_full, "host_ms_per_step": round(1e3 * float(np.median(busy)), 2),
             "engine_busy_s": round(sum(busy), 2), "ttft_p50_s": round(float(np.nanmedian(ttft)), 2),
             "ttft_max_s": round(float(np.nanmax(ttft)), 2), "no_output": int(np.isnan(ttft).sum()),
-            "failed": dict(Counter(failed))}
+            "failed": dict(Counter(client.failed))}
+
+
+class StepLog:
+    """The engine's host seconds per step (the stub's time taken out), and the first step at
+    which every request of the run was in the running batch."""
+
+    def __init__(self, engine: Engine, stub: StubDevice):
+        self.engine, self.stub, self._step = engine, stub, engine.step
+        self.seconds: list[float] = []
+        self.first_full: int | None = None
+        engine.step = self.step
+
+    def step(self) -> list[Request]:
+        stub_before, t = self.stub.seconds, time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self.seconds.append(time.perf_counter() - t - (self.stub.seconds - stub_before))
+            running = len(self.engine.scheduler.running)
+            if self.first_full is None and running == self.engine.config.max_batch_size:
+                self.first_full = len(self.seconds)
+
+
+class ServingClient:
+    """The callers of `serving_run`: each request through `astream` or `acomplete`; their
+    TTFTs (for `acomplete`, the wall time less the decode time, as bench_serving counts it),
+    output tokens and refusals."""
+
+    def __init__(self, llm: Any, max_tokens: int, acomplete: bool):
+        self.llm, self.max_tokens, self.acomplete = llm, max_tokens, acomplete
+        self.ttft: list[float] = []
+        self.tokens = 0
+        self.failed: list[str] = []
+
+    async def one(self, req: Any) -> None:
+        from structgen import IncompleteOutputError, JsonSchema, StructgenError
+
+        t0, first, stats = time.perf_counter(), None, None
+        try:
+            if self.acomplete:
+                stats = (await self.llm.acomplete(JsonSchema(req.schema), req.messages, max_tokens=self.max_tokens)).stats
+                first = time.perf_counter() - t0 - stats.decode_s
+            else:
+                stream = self.llm.astream(JsonSchema(req.schema), req.messages, max_tokens=self.max_tokens)
+                async for _ in stream:
+                    first = first or time.perf_counter() - t0
+                stats = stream.completion.stats
+        except IncompleteOutputError as exc:  # an output cut at max_tokens raises at its end
+            stats = exc.stats
+            first = first or time.perf_counter() - t0 - stats.decode_s
+        except StructgenError as exc:  # refused (a full compile queue, a compile budget spent)
+            self.failed.append(type(exc).__name__)
+        self.tokens += stats.output_tokens if stats is not None else 0
+        self.ttft.append(first if first is not None else float("nan"))
+
+    async def run_all(self, requests: list[Any]) -> float:
+        import asyncio
+
+        t = time.perf_counter()
+        await asyncio.gather(*(self.one(r) for r in requests))
+        return time.perf_counter() - t
 
 
 # -- the HTTP server on the stubbed device -------------------------------------------------------
@@ -417,9 +469,11 @@ def main() -> None:
     ap.add_argument("--tokenizer-dir", type=Path, default=None, help="SmolLM2 tokenizer files (default: the model's)")
     ap.add_argument("--serving", type=int, default=0, metavar="N", help="N streams through the whole front (see above)")
     ap.add_argument("--max-tokens", type=int, default=64, help="--serving: max_tokens of each stream")
+    ap.add_argument("--one-schema", action="store_true", help="--serving: bench_serving's json-one workload")
+    ap.add_argument("--acomplete", action="store_true", help="--serving: LLM.acomplete instead of LLM.astream")
     ap.add_argument("--http", type=int, default=0, metavar="N", help="N streams over HTTP to the stubbed server")
     ap.add_argument("--rate", type=float, default=None, help="--http: Poisson arrivals per second (default: all at once)")
-    ap.add_argument("--profile", type=Path, default=None, help="--http: cProfile the server's event loop into this file")
+    ap.add_argument("--profile", type=Path, default=None, help="--http, --serving: cProfile the event loop into this file (--serving: the engine thread into FILE.engine)")
     ap.add_argument("--serve-stubbed", type=int, default=0, metavar="PORT", help=argparse.SUPPRESS)
     ap.add_argument("--max-batch", type=int, default=256, help=argparse.SUPPRESS)
     ap.add_argument("--stats-out", type=Path, default=None, help=argparse.SUPPRESS)
@@ -440,7 +494,10 @@ def main() -> None:
 
     tokenizer = load_tokenizer(args.tokenizer_dir or resolve_model(progress=False))
     if args.serving:
-        print(serving_run(tokenizer, args.serving, args.max_tokens, args.grammar_threads))
+        print(serving_run(tokenizer, args.serving, args.max_tokens, args.grammar_threads, args.one_schema,
+                          args.acomplete, args.profile))
+        if args.profile:
+            print_profile(Path(f"{args.profile}.engine"))
         return
     batches = [int(b) for b in args.batches.split(",")]
     engine = tiny_engine(tokenizer, max(batches), jump_forward=False,
