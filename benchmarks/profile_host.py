@@ -61,6 +61,9 @@ from structgen.sampling import SamplingParams
 
 INSTANCE = {"name": "Ada Lovelace", "age": 36, "city": "London", "email": "ada.lovelace@example.com",
             "tags": ["mathematics", "poetry", "engines"], "active": True}
+# What the default model writes for a json-one prompt: the stub follows it, so outputs have the
+# real length and jump-forward its real share.
+PERSON_TEXT = '{"name": "Ada Lovelace", "age": 20, "height_m": 1.50, "member": false, "tier": "bronze"}'
 PHASES = (("Engine", "_fill_masks"), ("Engine", "_advance_all"), ("Scheduler", "schedule"))
 
 
@@ -123,6 +126,17 @@ class RandomAllowedDevice(StubDevice):
         word = int(self.rng.choice(nonzero))
         bits = [b for b in range(32) if int(words[word]) >> b & 1]
         return word * 32 + int(self.rng.choice(bits))
+
+
+class TextFollowingDevice(RandomAllowedDevice):
+    """The stub following `text` where the row's mask allows its next token (a first token
+    from the real sampler, or jump-forward's spelling, can leave it), else a random allowed one."""
+
+    def next_token_at(self, row: int, req: Request) -> int:
+        token = self.next_token(req.output_ids)
+        if int(self.graphs._bitmask_words[row][token // 32]) >> (token % 32) & 1:
+            return token
+        return super().next_token_at(row, req)
 
 
 class PhaseTimer:
@@ -219,7 +233,8 @@ def serving_run(tokenizer: Any, n: int, max_tokens: int, grammar_threads: int, o
 
     engine = tiny_engine(tokenizer, n, tuning=EngineTuning(grammar_threads=grammar_threads))
     llm = LLM.from_engine(engine, tokenizer, "stub")
-    stub = RandomAllowedDevice(engine, tokenizer, "", min(engine.stop_token_ids))
+    stop = min(engine.stop_token_ids)
+    stub = TextFollowingDevice(engine, tokenizer, PERSON_TEXT, stop) if one_schema else RandomAllowedDevice(engine, tokenizer, "", stop)
     steps = StepLog(engine, stub)
     requests = json_one_workload(n) if one_schema else json_workload(n, maskbench_dir())
     client = ServingClient(llm, max_tokens, acomplete)
@@ -241,7 +256,7 @@ def serving_run(tokenizer: Any, n: int, max_tokens: int, grammar_threads: int, o
     return {"streams": n, "api": "acomplete" if acomplete else "astream", "wall_s": round(wall, 2),
             "output_tokens": client.tokens, "host_tok_per_s": round(client.tokens / wall, 1),
             "steps": len(busy), "steps_per_s": round(len(busy) / wall, 1),
-            "rows_per_step": round(client.tokens / max(len(busy), 1), 1),
+            "tokens_per_step": round(client.tokens / max(len(busy), 1), 1),
             "steps_to_admit_all": steps.first_full, "host_ms_per_step": round(1e3 * float(np.median(busy)), 2),
             "engine_busy_s": round(sum(busy), 2), "ttft_p50_s": round(float(np.nanmedian(ttft)), 2),
             "ttft_max_s": round(float(np.nanmax(ttft)), 2), "no_output": int(np.isnan(ttft).sum()),
@@ -297,7 +312,7 @@ class ServingClient:
             stats = exc.stats
             first = first or time.perf_counter() - t0 - stats.decode_s
         except StructgenError as exc:  # refused (a full compile queue, a compile budget spent)
-            self.failed.append(type(exc).__name__)
+            self.failed.append(f"{type(exc).__name__}: {str(exc)[:120]}")
         self.tokens += stats.output_tokens if stats is not None else 0
         self.ttft.append(first if first is not None else float("nan"))
 
