@@ -556,9 +556,12 @@ class LLM:
     # -- async ------------------------------------------------------------------------------
     async def _acomplete(self, output_type: Any, prompt: Prompt, options: Options) -> Completion[Any]:
         req, constraint = await self._arequest(output_type, prompt, options)
-        future = self.loop.submit(req)
+        aloop = asyncio.get_running_loop()
+        finished = aloop.create_future()
+        req.on_update = self._waker(aloop).finisher(finished)
+        self.loop.submit(req)
         try:
-            await asyncio.wrap_future(future)
+            await finished
         except asyncio.CancelledError:
             self.loop.abort(req)
             raise

@@ -53,6 +53,16 @@ class LoopWaker:
         `asyncio.Queue`, or what takes each update at once on the event loop)."""
         return functools.partial(self._push, updates)
 
+    def finisher(self, finished: asyncio.Future[Any]) -> Callable[[Any], None]:
+        """The `on_update` callback that resolves `finished` with the request once it has
+        finished (its other updates cost one attribute read): the requests that finish in one
+        step wake the event loop once, not once each."""
+        return functools.partial(self._push_finished, _FutureSink(finished))
+
+    def _push_finished(self, sink: _FutureSink, req: Any) -> None:
+        if req.finished:
+            self._push(sink, req)
+
     def _push(self, updates: UpdateSink, req: Any) -> None:
         with self._lock:
             self._pending.append((updates, req))
@@ -75,6 +85,17 @@ class LoopWaker:
             pending, self._pending = self._pending, []
         for updates, req in pending:
             updates.put_nowait(req)
+
+
+class _FutureSink:
+    """An `UpdateSink` that resolves an asyncio future with the first update it gets."""
+
+    def __init__(self, future: asyncio.Future[Any]):
+        self.future = future
+
+    def put_nowait(self, item: Any) -> None:
+        if not self.future.done():  # (a cancelled caller's future is done)
+            self.future.set_result(item)
 
 
 class CompileGate:
