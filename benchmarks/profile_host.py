@@ -257,20 +257,23 @@ def serving_run(tokenizer: Any, n: int, max_tokens: int, grammar_threads: int, o
             "output_tokens": client.tokens, "host_tok_per_s": round(client.tokens / wall, 1),
             "steps": len(busy), "steps_per_s": round(len(busy) / wall, 1),
             "tokens_per_step": round(client.tokens / max(len(busy), 1), 1),
-            "steps_to_admit_all": steps.first_full, "host_ms_per_step": round(1e3 * float(np.median(busy)), 2),
+            "steps_to_admit_all": steps.first_full,
+            "steps_to_prefill_all": steps.prefilled, "host_ms_per_step": round(1e3 * float(np.median(busy)), 2),
             "engine_busy_s": round(sum(busy), 2), "ttft_p50_s": round(float(np.nanmedian(ttft)), 2),
             "ttft_max_s": round(float(np.nanmax(ttft)), 2), "no_output": int(np.isnan(ttft).sum()),
             "failed": dict(Counter(client.failed))}
 
 
 class StepLog:
-    """The engine's host seconds per step (the stub's time taken out), and the first step at
-    which every request of the run was in the running batch."""
+    """The engine's host seconds per step (the stub's time taken out), the first step at
+    which every request of the run was in the running batch, and the first after which every
+    prompt had been run."""
 
     def __init__(self, engine: Engine, stub: StubDevice):
         self.engine, self.stub, self._step = engine, stub, engine.step
         self.seconds: list[float] = []
         self.first_full: int | None = None
+        self.prefilled: int | None = None  # the step by which every prompt had been run
         engine.step = self.step
 
     def step(self) -> list[Request]:
@@ -279,9 +282,12 @@ class StepLog:
             return self._step()
         finally:
             self.seconds.append(time.perf_counter() - t - (self.stub.seconds - stub_before))
-            running = len(self.engine.scheduler.running)
-            if self.first_full is None and running == self.engine.config.max_batch_size:
+            scheduler = self.engine.scheduler
+            if self.first_full is None and len(scheduler.running) == self.engine.config.max_batch_size:
                 self.first_full = len(self.seconds)
+            if self.first_full is not None and self.prefilled is None and not scheduler.waiting and all(
+                    r.num_cached >= r.num_prompt for r in scheduler.running):
+                self.prefilled = len(self.seconds)
 
 
 class ServingClient:

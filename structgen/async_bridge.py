@@ -88,14 +88,16 @@ class LoopWaker:
 
 
 class _FutureSink:
-    """An `UpdateSink` that resolves an asyncio future with the first update it gets."""
+    """An `UpdateSink` that resolves an asyncio future with the first update it gets, then
+    lets go of it (a request the engine still holds must not keep the event loop alive)."""
 
     def __init__(self, future: asyncio.Future[Any]):
-        self.future = future
+        self.future: asyncio.Future[Any] | None = future
 
     def put_nowait(self, item: Any) -> None:
-        if not self.future.done():  # (a cancelled caller's future is done)
-            self.future.set_result(item)
+        future, self.future = self.future, None
+        if future is not None and not future.done():  # (a cancelled caller's future is done)
+            future.set_result(item)
 
 
 class CompileGate:
