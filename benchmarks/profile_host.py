@@ -219,11 +219,13 @@ def tiny_engine(tokenizer: Any, max_batch_size: int, max_seq_len: int = 1024, **
 
 
 def serving_run(tokenizer: Any, n: int, max_tokens: int, grammar_threads: int, one_schema: bool = False,
-                acomplete: bool = False, profile_path: Path | None = None) -> dict[str, Any]:
+                acomplete: bool = False, profile_path: Path | None = None,
+                graph_rows: tuple[int, ...] | None = None) -> dict[str, Any]:
     """`n` requests at once through `LLM.astream` (or `LLM.acomplete`) on the stubbed device,
     with distinct schemas or (`one_schema`) bench_serving's json-one workload; with
     `profile_path`, cProfile of the event loop's thread into that file and of the engine
-    loop's thread into that file + ".engine"."""
+    loop's thread into that file + ".engine". `graph_rows`: the decode graphs' row buckets
+    (`EngineTuning.cuda_graph_batch_sizes`; the largest caps a step's rows)."""
     import asyncio
     import cProfile
 
@@ -231,7 +233,8 @@ def serving_run(tokenizer: Any, n: int, max_tokens: int, grammar_threads: int, o
     from benchmarks.common import maskbench_dir
     from structgen import LLM
 
-    engine = tiny_engine(tokenizer, n, tuning=EngineTuning(grammar_threads=grammar_threads))
+    sizes = {"cuda_graph_batch_sizes": graph_rows} if graph_rows else {}
+    engine = tiny_engine(tokenizer, n, tuning=EngineTuning(grammar_threads=grammar_threads, **sizes))
     llm = LLM.from_engine(engine, tokenizer, "stub")
     stop = min(engine.stop_token_ids)
     stub = TextFollowingDevice(engine, tokenizer, PERSON_TEXT, stop) if one_schema else RandomAllowedDevice(engine, tokenizer, "", stop)
@@ -255,7 +258,7 @@ def serving_run(tokenizer: Any, n: int, max_tokens: int, grammar_threads: int, o
     ttft = client.ttft
     return {"streams": n, "api": "acomplete" if acomplete else "astream", "wall_s": round(wall, 2),
             "output_tokens": client.tokens, "host_tok_per_s": round(client.tokens / wall, 1),
-            "steps": len(busy), "steps_per_s": round(len(busy) / wall, 1),
+            "steps": len(busy), "eager_steps": len(busy) - engine.runner.graphs.steps, "steps_per_s": round(len(busy) / wall, 1),
             "tokens_per_step": round(client.tokens / max(len(busy), 1), 1),
             "steps_to_admit_all": steps.first_full,
             "steps_to_prefill_all": steps.prefilled, "host_ms_per_step": round(1e3 * float(np.median(busy)), 2),
@@ -480,6 +483,11 @@ def print_profile(path: Path, top: int = 30) -> None:
         pstats.Stats(str(path)).sort_stats(key).print_stats(top)
 
 
+def parse_rows(text: str | None) -> tuple[int, ...] | None:
+    """`--graph-rows` ("1,2,4,...") as `EngineTuning.cuda_graph_batch_sizes`, or None (the default)."""
+    return tuple(int(r) for r in text.split(",")) if text else None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", default="1,16,64")
@@ -492,6 +500,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64, help="--serving: max_tokens of each stream")
     ap.add_argument("--one-schema", action="store_true", help="--serving: bench_serving's json-one workload")
     ap.add_argument("--acomplete", action="store_true", help="--serving: LLM.acomplete instead of LLM.astream")
+    ap.add_argument("--graph-rows", default=None, help="--serving: decode graph row buckets, e.g. 1,2,4,...,1024")
     ap.add_argument("--http", type=int, default=0, metavar="N", help="N streams over HTTP to the stubbed server")
     ap.add_argument("--rate", type=float, default=None, help="--http: Poisson arrivals per second (default: all at once)")
     ap.add_argument("--profile", type=Path, default=None, help="--http, --serving: cProfile the event loop into this file (--serving: the engine thread into FILE.engine)")
@@ -516,7 +525,7 @@ def main() -> None:
     tokenizer = load_tokenizer(args.tokenizer_dir or resolve_model(progress=False))
     if args.serving:
         print(serving_run(tokenizer, args.serving, args.max_tokens, args.grammar_threads, args.one_schema,
-                          args.acomplete, args.profile))
+                          args.acomplete, args.profile, parse_rows(args.graph_rows)))
         if args.profile:
             print_profile(Path(f"{args.profile}.engine"))
         return
