@@ -293,6 +293,9 @@ def _parse_args() -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--max-batch-size", type=int, default=256)
     ap.add_argument("--device", default=None)
+    ap.add_argument("--graph-rows", default=None,
+                    help="decode graph row buckets (EngineTuning.cuda_graph_batch_sizes), e.g. 1,2,4,...,1024: "
+                         "the largest caps a step's rows, prompt rows included (in process only)")
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--data-dir", type=Path, default=None, help="MaskBench jsonl folder (default: ../shared)")
     ap.add_argument("--no-bound", action="store_true", help="skip the decode-step bound")
@@ -307,11 +310,12 @@ def _parse_args() -> argparse.Namespace:
 def main() -> None:
     args = _parse_args()
     from structgen import LLM
-    from structgen.engine.config import EngineConfig
+    from structgen.engine.config import EngineConfig, EngineTuning
 
     data_dir = args.data_dir or maskbench_dir()
+    tuning = EngineTuning(cuda_graph_batch_sizes=tuple(int(r) for r in args.graph_rows.split(","))) if args.graph_rows else None
     cfg = EngineConfig(max_batch_size=args.max_batch_size, max_seq_len=4096,
-                       **({"device": args.device} if args.device else {}))
+                       **({"device": args.device} if args.device else {}), **({"tuning": tuning} if tuning else {}))
     results = Results({k: str(v) for k, v in vars(args).items()}, write=not args.no_write)
     with LLM(config=cfg) as llm:
         workloads = {"json": lambda: json_workload(args.requests, data_dir),
