@@ -161,7 +161,8 @@ class LLM:
         # Async callers' compiles handed to the pool at once: enough to keep every worker busy;
         # the rest wait their turn outside, where no compile budget runs.
         self._compile_gate = CompileGate(2 * _COMPILE_WORKERS)
-        # Async callers' tokenizing and schema normalizing, a burst's calls in a few thread jobs.
+        # Async callers' prompt tokenizing, a burst's calls in a few thread jobs (schemas are
+        # normalized one a thread: a hostile one must not hold up the others of its burst).
         self._blocking = ThreadBatch()
         self.loop = EngineLoop(engine)
         # Per running event loop, what hands it the engine's stream updates (weak: a finished
@@ -297,7 +298,7 @@ class LLM:
         if isinstance(output_type, Constraint):  # built already (`aprepare`): cached work, no thread
             constraint = self._constraint(output_type, strict, loop_guards)
         else:
-            constraint = await self._blocking.run(self._constraint, output_type, strict, loop_guards)
+            constraint = await asyncio.to_thread(self._constraint, output_type, strict, loop_guards)
         if constraint.kind == "text":
             return constraint, None
         hit = self.grammars.cached(constraint)  # a cached grammar waits behind no compile

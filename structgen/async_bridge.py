@@ -7,9 +7,10 @@ hand each other, so that hundreds of async callers cost the engine thread little
 - `CompileGate`: async callers hand the compile pool only as many compiles as it can start
   soon; the rest wait in order on their own event loops, where waiting costs nothing of a
   compile's time budget, instead of failing on a full compile queue;
-- `ThreadBatch`: the blocking calls (prompt tokenizing, schema normalizing) that a burst of
-  callers makes within one turn of their event loop run in a few worker-thread jobs with one
-  wake-up of the loop each, not a thread hop and a wake-up per call.
+- `ThreadBatch`: the blocking calls (prompt tokenizing) that a burst of callers makes within
+  one turn of their event loop run in a few worker-thread jobs with one wake-up of the loop
+  each, not a thread hop and a wake-up per call; a call that may run long (normalizing a
+  hostile schema) does not belong in one, where it holds up the calls after it.
 """
 
 from __future__ import annotations
