@@ -3,6 +3,7 @@ and over HTTP with the official `openai` client (issue 30).
 
     python -m benchmarks.bench_serving --device cuda                      # everything
     python -m benchmarks.bench_serving --workloads json --modes inprocess --requests 64
+    python -m benchmarks.bench_serving --workloads json-one --modes inprocess --arrivals closed --requests 256
 
 Workloads:
 - `json`: MaskBench JME, Glaiveai2K and Github_easy schemas (round robin), one extraction or
@@ -11,7 +12,10 @@ Workloads:
   built from Glaiveai2K function schemas) and asks for a tool call (a JSON object naming one
   of the tools), as a function-calling agent's turns do;
 - `agent-short`: the same turns and schema with a one-line system prompt, the baseline of
-  issue 30's agent target (TTFT within 1.5x of it, concurrent and one at a time).
+  issue 30's agent target (TTFT within 1.5x of it, concurrent and one at a time);
+- `json-one`: issue 30's first target, every request with the same 5-field schema (a string,
+  an integer, a number, a boolean and an enum: one compile, then cache hits) and its own short
+  extraction prompt, so what is measured is decoding many streams, not compiling.
 
 Arrivals: `closed` submits every request at once; `serial` sends them one at a time; a rate
 (requests/s) sends them as a Poisson process. For each (workload, mode, arrival): output tokens/s, requests/s, TTFT and TPOT p50 /
@@ -105,6 +109,27 @@ def json_workload(n: int, data_dir: Path, max_schema_chars: int = 4_000) -> list
         pool = pools[i % len(pools)]
         entry = pool[(i // len(pools)) % len(pool)]
         out.append(ServingRequest([{"role": "user", "content": _prompt(entry)}], entry["schema"]))
+    return out
+
+
+PERSON_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "height_m": {"type": "number"},
+                   "member": {"type": "boolean"}, "tier": {"enum": ["bronze", "silver", "gold"]}},
+    "required": ["name", "age", "height_m", "member", "tier"], "additionalProperties": False,
+}
+_NAMES = ("Ada Lovelace", "Alan Turing", "Grace Hopper", "Edsger Dijkstra", "Barbara Liskov", "Donald Knuth",
+          "Frances Allen", "John Backus", "Margaret Hamilton", "Ken Thompson", "Radia Perlman")
+
+
+def json_one_workload(n: int) -> list[ServingRequest]:
+    """`n` extraction requests sharing PERSON_SCHEMA, each prompt a different person."""
+    out = []
+    for i in range(n):
+        name, tier = _NAMES[i % len(_NAMES)], PERSON_SCHEMA["properties"]["tier"]["enum"][i % 3]
+        text = (f"Extract the person as JSON. {name} is {20 + i % 60} years old and {1.5 + (i % 50) / 100:.2f} m "
+                f"tall, {'a' if i % 2 else 'not a'} member, tier {tier}.")
+        out.append(ServingRequest([{"role": "user", "content": text}], PERSON_SCHEMA))
     return out
 
 
@@ -268,6 +293,9 @@ def _parse_args() -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--max-batch-size", type=int, default=256)
     ap.add_argument("--device", default=None)
+    ap.add_argument("--graph-rows", default=None,
+                    help="decode graph row buckets (EngineTuning.cuda_graph_batch_sizes), e.g. 1,2,4,...,1024: "
+                         "the largest caps a step's rows, prompt rows included (in process only)")
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--data-dir", type=Path, default=None, help="MaskBench jsonl folder (default: ../shared)")
     ap.add_argument("--no-bound", action="store_true", help="skip the decode-step bound")
@@ -282,14 +310,16 @@ def _parse_args() -> argparse.Namespace:
 def main() -> None:
     args = _parse_args()
     from structgen import LLM
-    from structgen.engine.config import EngineConfig
+    from structgen.engine.config import EngineConfig, EngineTuning
 
     data_dir = args.data_dir or maskbench_dir()
+    tuning = EngineTuning(cuda_graph_batch_sizes=tuple(int(r) for r in args.graph_rows.split(","))) if args.graph_rows else None
     cfg = EngineConfig(max_batch_size=args.max_batch_size, max_seq_len=4096,
-                       **({"device": args.device} if args.device else {}))
+                       **({"device": args.device} if args.device else {}), **({"tuning": tuning} if tuning else {}))
     results = Results({k: str(v) for k, v in vars(args).items()}, write=not args.no_write)
     with LLM(config=cfg) as llm:
         workloads = {"json": lambda: json_workload(args.requests, data_dir),
+                     "json-one": lambda: json_one_workload(args.requests),
                      "agent": lambda: agent_workload(args.requests, data_dir, llm.tokenizer),
                      "agent-short": lambda: agent_workload(args.requests, data_dir, llm.tokenizer, catalogue=False)}
         on_gpu = torch.cuda.is_available() and args.device in (None, "cuda")

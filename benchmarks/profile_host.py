@@ -15,6 +15,7 @@ passes) shows as the growth from batch 16 to 64: `us_per_request` divides by the
     python -m benchmarks.profile_host                       # batches 1, 16, 64; free and JSON
     python -m benchmarks.profile_host --batches 64 --grammar-workers 2
     python -m benchmarks.profile_host --serving 256 --max-tokens 64   # the whole front, see below
+    python -m benchmarks.profile_host --serving 256 --one-schema --acomplete --profile /tmp/front.prof
 
 `--serving N` runs the whole in-process path on the same stubbed device: N streams
 (`LLM.astream`) with distinct MaskBench schemas submitted at once, through the asyncio front,
@@ -60,6 +61,9 @@ from structgen.sampling import SamplingParams
 
 INSTANCE = {"name": "Ada Lovelace", "age": 36, "city": "London", "email": "ada.lovelace@example.com",
             "tags": ["mathematics", "poetry", "engines"], "active": True}
+# What the default model writes for a json-one prompt: the stub follows it, so outputs have the
+# real length and jump-forward its real share.
+PERSON_TEXT = '{"name": "Ada Lovelace", "age": 20, "height_m": 1.50, "member": false, "tier": "bronze"}'
 PHASES = (("Engine", "_fill_masks"), ("Engine", "_advance_all"), ("Scheduler", "schedule"))
 
 
@@ -122,6 +126,17 @@ class RandomAllowedDevice(StubDevice):
         word = int(self.rng.choice(nonzero))
         bits = [b for b in range(32) if int(words[word]) >> b & 1]
         return word * 32 + int(self.rng.choice(bits))
+
+
+class TextFollowingDevice(RandomAllowedDevice):
+    """The stub following `text` where the row's mask allows its next token (a first token
+    from the real sampler, or jump-forward's spelling, can leave it), else a random allowed one."""
+
+    def next_token_at(self, row: int, req: Request) -> int:
+        token = self.next_token(req.output_ids)
+        if int(self.graphs._bitmask_words[row][token // 32]) >> (token % 32) & 1:
+            return token
+        return super().next_token_at(row, req)
 
 
 class PhaseTimer:
@@ -203,58 +218,119 @@ def tiny_engine(tokenizer: Any, max_batch_size: int, max_seq_len: int = 1024, **
     return engine
 
 
-def serving_run(tokenizer: Any, n: int, max_tokens: int, grammar_threads: int) -> dict[str, Any]:
-    """`n` streams with distinct schemas at once through `LLM.astream` on the stubbed device."""
+def serving_run(tokenizer: Any, n: int, max_tokens: int, grammar_threads: int, one_schema: bool = False,
+                acomplete: bool = False, profile_path: Path | None = None,
+                graph_rows: tuple[int, ...] | None = None) -> dict[str, Any]:
+    """`n` requests at once through `LLM.astream` (or `LLM.acomplete`) on the stubbed device,
+    with distinct schemas or (`one_schema`) bench_serving's json-one workload; with
+    `profile_path`, cProfile of the event loop's thread into that file and of the engine
+    loop's thread into that file + ".engine". `graph_rows`: the decode graphs' row buckets
+    (`EngineTuning.cuda_graph_batch_sizes`; the largest caps a step's rows)."""
     import asyncio
+    import cProfile
 
-    from benchmarks.bench_serving import json_workload
+    from benchmarks.bench_serving import json_one_workload, json_workload
     from benchmarks.common import maskbench_dir
-    from structgen import LLM, IncompleteOutputError, JsonSchema, StructgenError
+    from structgen import LLM
 
-    engine = tiny_engine(tokenizer, n, tuning=EngineTuning(grammar_threads=grammar_threads))
+    sizes = {"cuda_graph_batch_sizes": graph_rows} if graph_rows else {}
+    engine = tiny_engine(tokenizer, n, tuning=EngineTuning(grammar_threads=grammar_threads, **sizes))
     llm = LLM.from_engine(engine, tokenizer, "stub")
-    stub = RandomAllowedDevice(engine, tokenizer, "", min(engine.stop_token_ids))
-    steps: list[float] = []
-    step = engine.step
-
-    def timed_step() -> list[Request]:
-        stub_before, t = stub.seconds, time.perf_counter()
-        try:
-            return step()
-        finally:
-            steps.append(time.perf_counter() - t - (stub.seconds - stub_before))
-
-    engine.step = timed_step
-    requests = json_workload(n, maskbench_dir())
-    ttft: list[float] = []
-    failed: list[str] = []
-
-    async def one(req: Any) -> None:
-        t0, first = time.perf_counter(), None
-        try:
-            async for _ in llm.astream(JsonSchema(req.schema), req.messages, max_tokens=max_tokens):
-                first = first or time.perf_counter() - t0
-        except IncompleteOutputError:  # an output cut at max_tokens raises at its end
-            pass
-        except StructgenError as exc:  # refused (a full compile queue, a compile budget spent)
-            failed.append(type(exc).__name__)
-        ttft.append(first if first is not None else float("nan"))
-
-    async def run_all() -> float:
-        t = time.perf_counter()
-        await asyncio.gather(*(one(r) for r in requests))
-        return time.perf_counter() - t
-
+    stop = min(engine.stop_token_ids)
+    stub = TextFollowingDevice(engine, tokenizer, PERSON_TEXT, stop) if one_schema else RandomAllowedDevice(engine, tokenizer, "", stop)
+    steps = StepLog(engine, stub)
+    requests = json_one_workload(n) if one_schema else json_workload(n, maskbench_dir())
+    client = ServingClient(llm, max_tokens, acomplete)
+    profilers = (cProfile.Profile(), cProfile.Profile()) if profile_path else None
+    if profilers:  # the engine thread starts at the first submit, running `_run` as it is then
+        run = llm.loop._run
+        llm.loop._run = functools.partial(profilers[1].runcall, run)
+        profilers[0].enable()
     try:
-        wall = asyncio.run(run_all())
+        wall = asyncio.run(client.run_all(requests))
     finally:
         llm.close()
-    busy = [x for x in steps if x > 0]
-    return {"streams": n, "wall_s": round(wall, 2), "steps": len(busy),
-            "host_ms_per_step": round(1e3 * float(np.median(busy)), 2),
+        if profilers:
+            profilers[0].disable()
+            profilers[0].dump_stats(profile_path)
+            profilers[1].dump_stats(f"{profile_path}.engine")
+    busy = [x for x in steps.seconds if x > 0]
+    ttft = client.ttft
+    return {"streams": n, "api": "acomplete" if acomplete else "astream", "wall_s": round(wall, 2),
+            "output_tokens": client.tokens, "host_tok_per_s": round(client.tokens / wall, 1),
+            "steps": len(busy), "eager_steps": len(busy) - engine.runner.graphs.steps, "steps_per_s": round(len(busy) / wall, 1),
+            "tokens_per_step": round(client.tokens / max(len(busy), 1), 1),
+            "steps_to_admit_all": steps.first_full,
+            "steps_to_prefill_all": steps.prefilled, "host_ms_per_step": round(1e3 * float(np.median(busy)), 2),
             "engine_busy_s": round(sum(busy), 2), "ttft_p50_s": round(float(np.nanmedian(ttft)), 2),
             "ttft_max_s": round(float(np.nanmax(ttft)), 2), "no_output": int(np.isnan(ttft).sum()),
-            "failed": dict(Counter(failed))}
+            "failed": dict(Counter(client.failed))}
+
+
+class StepLog:
+    """The engine's host seconds per step (the stub's time taken out), the first step at
+    which every request of the run was in the running batch, and the first after which every
+    prompt had been run."""
+
+    def __init__(self, engine: Engine, stub: StubDevice):
+        self.engine, self.stub, self._step = engine, stub, engine.step
+        self.seconds: list[float] = []
+        self.first_full: int | None = None
+        self.prefilled: int | None = None  # the step by which every prompt had been run
+        engine.step = self.step
+
+    def step(self) -> list[Request]:
+        stub_before, t = self.stub.seconds, time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self.seconds.append(time.perf_counter() - t - (self.stub.seconds - stub_before))
+            scheduler = self.engine.scheduler
+            if self.first_full is None and len(scheduler.running) == self.engine.config.max_batch_size:
+                self.first_full = len(self.seconds)
+            if self.first_full is not None and self.prefilled is None and not scheduler.waiting and all(
+                    r.num_cached >= r.num_prompt for r in scheduler.running):
+                self.prefilled = len(self.seconds)
+
+
+class ServingClient:
+    """The callers of `serving_run`: each request through `astream` or `acomplete`; their
+    TTFTs (for `acomplete`, the wall time less the decode time, as bench_serving counts it),
+    output tokens and refusals."""
+
+    def __init__(self, llm: Any, max_tokens: int, acomplete: bool):
+        self.llm, self.max_tokens, self.acomplete = llm, max_tokens, acomplete
+        self.ttft: list[float] = []
+        self.tokens = 0
+        self.failed: list[str] = []
+
+    async def one(self, req: Any) -> None:
+        from structgen import IncompleteOutputError, JsonSchema, StructgenError
+
+        t0, first, stats = time.perf_counter(), None, None
+        try:
+            if self.acomplete:
+                stats = (await self.llm.acomplete(JsonSchema(req.schema), req.messages, max_tokens=self.max_tokens)).stats
+                first = time.perf_counter() - t0 - stats.decode_s
+            else:
+                stream = self.llm.astream(JsonSchema(req.schema), req.messages, max_tokens=self.max_tokens)
+                async for _ in stream:
+                    first = first or time.perf_counter() - t0
+                stats = stream.completion.stats
+        except IncompleteOutputError as exc:  # an output cut at max_tokens raises at its end
+            stats = exc.stats
+            first = first or time.perf_counter() - t0 - stats.decode_s
+        except StructgenError as exc:  # refused (a full compile queue, a compile budget spent)
+            self.failed.append(f"{type(exc).__name__}: {str(exc)[:120]}")
+        self.tokens += stats.output_tokens if stats is not None else 0
+        self.ttft.append(first if first is not None else float("nan"))
+
+    async def run_all(self, requests: list[Any]) -> float:
+        import asyncio
+
+        t = time.perf_counter()
+        await asyncio.gather(*(self.one(r) for r in requests))
+        return time.perf_counter() - t
 
 
 # -- the HTTP server on the stubbed device -------------------------------------------------------
@@ -407,6 +483,31 @@ def print_profile(path: Path, top: int = 30) -> None:
         pstats.Stats(str(path)).sort_stats(key).print_stats(top)
 
 
+def serving_main(tokenizer: Any, args: argparse.Namespace) -> None:
+    """`--serving`: the fastest of `--repeat` runs, printed and (unless `--no-write`) written."""
+    runs = []
+    for _ in range(args.repeat):
+        runs.append(serving_run(tokenizer, args.serving, args.max_tokens, args.grammar_threads, args.one_schema,
+                                args.acomplete, args.profile, parse_rows(args.graph_rows)))
+        print(runs[-1], flush=True)
+    if args.profile:
+        print_profile(Path(f"{args.profile}.engine"))
+    best = max(runs, key=lambda r: r["host_tok_per_s"])
+    if not args.no_write:
+        workload = "json-one" if args.one_schema else "json"
+        row = {"system": "structgen", "model": "smollm2-135m", "workload": workload, "metric": "tokens_per_s",
+               "value": best["host_tok_per_s"], "graph_rows": args.graph_rows or "default", **best}
+        print("wrote", write_results("host_serving", [row], extra={
+            "device": "cpu", "runs": args.repeat,
+            "note": "the whole in-process front on a stubbed device (no forward): host time only; the "
+                    "fastest of `runs`; CPU figures on a shared machine: noisy"}))
+
+
+def parse_rows(text: str | None) -> tuple[int, ...] | None:
+    """`--graph-rows` ("1,2,4,...") as `EngineTuning.cuda_graph_batch_sizes`, or None (the default)."""
+    return tuple(int(r) for r in text.split(",")) if text else None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", default="1,16,64")
@@ -417,9 +518,12 @@ def main() -> None:
     ap.add_argument("--tokenizer-dir", type=Path, default=None, help="SmolLM2 tokenizer files (default: the model's)")
     ap.add_argument("--serving", type=int, default=0, metavar="N", help="N streams through the whole front (see above)")
     ap.add_argument("--max-tokens", type=int, default=64, help="--serving: max_tokens of each stream")
+    ap.add_argument("--one-schema", action="store_true", help="--serving: bench_serving's json-one workload")
+    ap.add_argument("--acomplete", action="store_true", help="--serving: LLM.acomplete instead of LLM.astream")
+    ap.add_argument("--graph-rows", default=None, help="--serving: decode graph row buckets, e.g. 1,2,4,...,1024")
     ap.add_argument("--http", type=int, default=0, metavar="N", help="N streams over HTTP to the stubbed server")
     ap.add_argument("--rate", type=float, default=None, help="--http: Poisson arrivals per second (default: all at once)")
-    ap.add_argument("--profile", type=Path, default=None, help="--http: cProfile the server's event loop into this file")
+    ap.add_argument("--profile", type=Path, default=None, help="--http, --serving: cProfile the event loop into this file (--serving: the engine thread into FILE.engine)")
     ap.add_argument("--serve-stubbed", type=int, default=0, metavar="PORT", help=argparse.SUPPRESS)
     ap.add_argument("--max-batch", type=int, default=256, help=argparse.SUPPRESS)
     ap.add_argument("--stats-out", type=Path, default=None, help=argparse.SUPPRESS)
@@ -440,7 +544,7 @@ def main() -> None:
 
     tokenizer = load_tokenizer(args.tokenizer_dir or resolve_model(progress=False))
     if args.serving:
-        print(serving_run(tokenizer, args.serving, args.max_tokens, args.grammar_threads))
+        serving_main(tokenizer, args)
         return
     batches = [int(b) for b in args.batches.split(",")]
     engine = tiny_engine(tokenizer, max(batches), jump_forward=False,

@@ -31,7 +31,7 @@ from structgen.arguments import (
     check_prompt,
     checked_keywords,
 )
-from structgen.async_bridge import CompileGate, LoopWaker
+from structgen.async_bridge import CompileGate, LoopWaker, ThreadBatch
 from structgen.completion import (  # Completion re-exported for `from structgen.api import`
     Completion,
     ReasoningDelta,
@@ -161,6 +161,9 @@ class LLM:
         # Async callers' compiles handed to the pool at once: enough to keep every worker busy;
         # the rest wait their turn outside, where no compile budget runs.
         self._compile_gate = CompileGate(2 * _COMPILE_WORKERS)
+        # Async callers' prompt tokenizing, a burst's calls in a few thread jobs (schemas are
+        # normalized one a thread: a hostile one must not hold up the others of its burst).
+        self._blocking = ThreadBatch()
         self.loop = EngineLoop(engine)
         # Per running event loop, what hands it the engine's stream updates (weak: a finished
         # event loop takes its waker with it).
@@ -277,7 +280,7 @@ class LLM:
         if isinstance(prompt, EncodedPrompt):  # nothing to tokenize: no worker thread
             ids = self.encode_prompt(prompt, tools=options.tools)
         else:
-            ids = await asyncio.to_thread(self.encode_prompt, prompt, chat=options.chat, tools=options.tools)
+            ids = await self._blocking.run(self.encode_prompt, prompt, chat=options.chat, tools=options.tools)
         return self._new_request(ids, options.params, matcher, constraint), constraint
 
     async def aprepare(self, output_type: Any, *, strict: bool = True) -> Constraint:
@@ -301,15 +304,22 @@ class LLM:
         hit = self.grammars.cached(constraint)  # a cached grammar waits behind no compile
         if hit is not None:
             return constraint, hit
+        joined = self.grammars.join(constraint)  # one compile in flight: no place in the gate
+        if joined is not None:
+            return constraint, await self._await_compile(output_type, joined)
         async with self._compile_gate:
-            future = self.grammars.submit(constraint)
-            try:
-                return constraint, await asyncio.wrap_future(future)
-            except asyncio.CancelledError:
-                future.cancel()
-                raise
-            except Exception as e:
-                raise _grammar_error(output_type, e) from e
+            return constraint, await self._await_compile(output_type, self.grammars.submit(constraint))
+
+    @staticmethod
+    async def _await_compile(output_type: Any, future: Future[CompiledGrammar]) -> CompiledGrammar:
+        """The compiled grammar; a caller that goes away cancels its share of the compile."""
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            future.cancel()
+            raise
+        except Exception as e:
+            raise _grammar_error(output_type, e) from e
 
     def _waker(self, aloop: asyncio.AbstractEventLoop) -> LoopWaker:
         with self._wakers_lock:
@@ -547,9 +557,12 @@ class LLM:
     # -- async ------------------------------------------------------------------------------
     async def _acomplete(self, output_type: Any, prompt: Prompt, options: Options) -> Completion[Any]:
         req, constraint = await self._arequest(output_type, prompt, options)
-        future = self.loop.submit(req)
+        aloop = asyncio.get_running_loop()
+        finished = aloop.create_future()
+        req.on_update = self._waker(aloop).finisher(finished)
+        self.loop.submit(req)
         try:
-            await asyncio.wrap_future(future)
+            await finished
         except asyncio.CancelledError:
             self.loop.abort(req)
             raise

@@ -6,13 +6,18 @@ hand each other, so that hundreds of async callers cost the engine thread little
   on which the engine thread lets the event loop take the GIL);
 - `CompileGate`: async callers hand the compile pool only as many compiles as it can start
   soon; the rest wait in order on their own event loops, where waiting costs nothing of a
-  compile's time budget, instead of failing on a full compile queue.
+  compile's time budget, instead of failing on a full compile queue;
+- `ThreadBatch`: the blocking calls (prompt tokenizing) that a burst of callers makes within
+  one turn of their event loop run in a few worker-thread jobs with one wake-up of the loop
+  each, not a thread hop and a wake-up per call; a call that may run long (normalizing a
+  hostile schema) does not belong in one, where it holds up the calls after it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import math
 import threading
 import weakref
 from collections import deque
@@ -21,6 +26,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from structgen.engine.loop import EngineLoop
+
+# Worker-thread jobs one burst of calls is split into: a few, so long prompts tokenize in
+# parallel (the tokenizer lets go of the GIL), not one job per call.
+BATCH_JOBS = 4
 
 
 class UpdateSink(Protocol):
@@ -45,6 +54,16 @@ class LoopWaker:
         `asyncio.Queue`, or what takes each update at once on the event loop)."""
         return functools.partial(self._push, updates)
 
+    def finisher(self, finished: asyncio.Future[Any]) -> Callable[[Any], None]:
+        """The `on_update` callback that resolves `finished` with the request once it has
+        finished (its other updates cost one attribute read): the requests that finish in one
+        step wake the event loop once, not once each."""
+        return functools.partial(self._push_finished, _FutureSink(finished))
+
+    def _push_finished(self, sink: _FutureSink, req: Any) -> None:
+        if req.finished:
+            self._push(sink, req)
+
     def _push(self, updates: UpdateSink, req: Any) -> None:
         with self._lock:
             self._pending.append((updates, req))
@@ -67,6 +86,19 @@ class LoopWaker:
             pending, self._pending = self._pending, []
         for updates, req in pending:
             updates.put_nowait(req)
+
+
+class _FutureSink:
+    """An `UpdateSink` that resolves an asyncio future with the first update it gets, then
+    lets go of it (a request the engine still holds must not keep the event loop alive)."""
+
+    def __init__(self, future: asyncio.Future[Any]):
+        self.future: asyncio.Future[Any] | None = future
+
+    def put_nowait(self, item: Any) -> None:
+        future, self.future = self.future, None
+        if future is not None and not future.done():  # (a cancelled caller's future is done)
+            future.set_result(item)
 
 
 class CompileGate:
@@ -122,3 +154,60 @@ class CompileGate:
             self._release()
         else:
             future.set_result(None)
+
+
+_Call = tuple[Callable[[], Any], "asyncio.Future[Any]"]
+
+
+class ThreadBatch:
+    """`await batch.run(fn, *args)` runs `fn(*args)` in a worker thread, together with the
+    other calls made on the same event loop before it next polls: the burst is split into at
+    most BATCH_JOBS jobs of the loop's default executor, each handing all its results back
+    with one wake-up. A call's exception is raised in its own caller only."""
+
+    def __init__(self) -> None:
+        self._pending: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, list[_Call]] = (
+            weakref.WeakKeyDictionary())
+        self._lock = threading.Lock()
+
+    async def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        aloop = asyncio.get_running_loop()
+        future = aloop.create_future()
+        with self._lock:
+            pending = self._pending.setdefault(aloop, [])
+        pending.append((functools.partial(fn, *args, **kwargs), future))
+        if len(pending) == 1:  # the first of this turn: the rest join it until the loop polls
+            aloop.call_soon(self._flush, aloop)
+        return await future
+
+    def _flush(self, aloop: asyncio.AbstractEventLoop) -> None:
+        with self._lock:
+            calls = self._pending.pop(aloop, [])
+        size = math.ceil(len(calls) / BATCH_JOBS)
+        for start in range(0, len(calls), size):
+            aloop.run_in_executor(None, self._run_job, aloop, calls[start : start + size])
+
+    @staticmethod
+    def _run_job(aloop: asyncio.AbstractEventLoop, calls: list[_Call]) -> None:
+        outcomes: list[tuple[asyncio.Future[Any], Any, BaseException | None]] = []
+        for call, future in calls:
+            if future.cancelled():  # its caller left while it waited
+                continue
+            try:
+                outcomes.append((future, call(), None))
+            except BaseException as e:  # handed to that call's caller
+                outcomes.append((future, None, e))
+        try:
+            aloop.call_soon_threadsafe(_settle, outcomes)
+        except RuntimeError:  # the event loop closed: nobody waits for the results
+            pass
+
+
+def _settle(outcomes: list[tuple[asyncio.Future[Any], Any, BaseException | None]]) -> None:
+    for future, result, error in outcomes:
+        if future.done():
+            continue
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)

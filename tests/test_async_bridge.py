@@ -11,7 +11,7 @@ import threading
 import pytest
 
 import structgen
-from structgen.async_bridge import CompileGate, LoopWaker
+from structgen.async_bridge import BATCH_JOBS, CompileGate, LoopWaker, ThreadBatch
 from structgen.engine.config import EngineConfig
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -146,3 +146,94 @@ def test_closing_the_llm_ends_a_stream_in_progress(model_dir):
         return await asyncio.wait_for(task, 30)
 
     assert asyncio.run(main()) == "RequestCancelledError"
+
+
+def test_a_burst_of_blocking_calls_runs_in_a_few_thread_jobs_each_caller_getting_its_own_outcome():
+    batch = ThreadBatch()
+    threads: set[int] = set()
+
+    def work(i: int) -> int:
+        threads.add(threading.get_ident())
+        if i == 7:
+            raise ValueError("seven")
+        return i * i
+
+    async def one(i: int) -> int | str:
+        try:
+            return await batch.run(work, i)
+        except ValueError as exc:
+            return str(exc)
+
+    async def main() -> list:
+        return await asyncio.gather(*(one(i) for i in range(50)))
+
+    got = asyncio.run(main())
+    assert got == [i * i if i != 7 else "seven" for i in range(50)]
+    assert 1 <= len(threads) <= BATCH_JOBS  # one job per part of the burst, not a thread hop per call
+
+
+def test_requests_finishing_in_one_step_resolve_their_callers_with_one_wake_up():
+    class Update:
+        def __init__(self, finished: bool):
+            self.finished = finished
+
+    async def main() -> tuple[list, int]:
+        aloop = asyncio.get_running_loop()
+        engine_loop = OneStep()
+        waker = LoopWaker(aloop, engine_loop)
+        wake_ups, deliver = 0, waker._deliver
+
+        def counted() -> None:
+            nonlocal wake_ups
+            wake_ups += 1
+            deliver()
+
+        waker._deliver = counted
+        futures = [aloop.create_future() for _ in range(4)]
+        finishers = [waker.finisher(f) for f in futures]
+        last = [Update(True) for _ in futures]
+
+        def engine_thread() -> None:
+            for finish in finishers:  # a step where nobody finished: nothing to wake for
+                finish(Update(False))
+            engine_loop.end()
+            for finish, update in zip(finishers, last, strict=True):
+                finish(update)
+            engine_loop.end()
+
+        thread = threading.Thread(target=engine_thread)
+        thread.start()
+        got = [await f for f in futures]
+        thread.join()
+        return [g is u for g, u in zip(got, last, strict=True)], wake_ups
+
+    same, wake_ups = asyncio.run(main())
+    assert same == [True] * 4 and wake_ups == 1
+
+
+def test_256_concurrent_acompletes_of_one_schema_enter_the_batch_within_the_first_steps_and_validate(model_dir):
+    """Issue 30's burst: the callers' front work (normalizing, one shared compile, tokenizing)
+    hands the engine the whole burst in a few steps, and every output is a valid value."""
+    burst = 256
+    schema = {"type": "object", "properties": {"tier": {"enum": ["bronze", "silver", "gold"]}},
+              "required": ["tier"], "additionalProperties": False}
+    llm = structgen.LLM(model_dir, config=EngineConfig(max_batch_size=burst, max_seq_len=64))
+    engine, running = llm.engine, []
+    step = engine.step
+
+    def observed_step() -> list:  # records the batch size each step ran with
+        running.append(len(engine.scheduler.running))
+        return step()
+
+    engine.step = observed_step
+
+    async def main() -> list:
+        return await asyncio.gather(*(llm.acomplete(schema, f"Customer {i}: which tier?", max_tokens=12, chat=False)
+                                      for i in range(burst)))
+
+    try:
+        done = asyncio.run(main())
+    finally:
+        llm.close()
+    assert all(c.value["tier"] in ("bronze", "silver", "gold") for c in done)
+    assert burst in running[: BATCH_JOBS + 2]  # the burst arrives in a few parts, not one request a step

@@ -154,13 +154,12 @@ class Scheduler:
         tool catalogue arrive together)."""
         if self.pages.cache is None:
             return False
-        size, prompt = self.pages.page_size, req.token_ids[: req.num_prompt]
+        size, prompt = self.pages.page_size, req.token_ids
         for other in self.running:
             if other.num_cached >= other.num_prompt:
                 continue
-            theirs, shared = other.token_ids[: other.num_prompt], cached
-            while shared + size <= min(len(prompt), len(theirs)) and (
-                    prompt[shared : shared + size] == theirs[shared : shared + size]):
+            theirs, shared, end = other.token_ids, cached, min(req.num_prompt, other.num_prompt)
+            while shared + size <= end and prompt[shared : shared + size] == theirs[shared : shared + size]:
                 shared += size
             if shared - cached >= MIN_SHARED_PAGES * size:
                 return True

@@ -88,6 +88,18 @@ class CompilePool:
             job.waiters.append(future)
         return future
 
+    def join(self, constraint: Any, backend: str | None) -> Future[CompiledGrammar] | None:
+        """A Future sharing the compile of `constraint` already in flight, or None where none
+        is (joining adds nothing to the queue, so it needs no place in it)."""
+        key = (constraint.key, backend or self._compiler.backend)
+        with self._lock:
+            job = self._jobs.get(key)
+            if job is None or job.budget.cancelled:
+                return None
+            future = CompileFuture(self, job)
+            job.waiters.append(future)
+        return future
+
     def _start(self, job: _CompileJob, output: Any, backend: str | None, strict: bool) -> None:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(self._workers, thread_name_prefix="structgen-compile")

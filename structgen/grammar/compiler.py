@@ -98,6 +98,12 @@ class GrammarCompiler:
         `max_queued` compiles are already waiting or running."""
         return self._pool.submit(output, backend, strict)
 
+    def join(self, constraint: Constraint, backend: str | None = None) -> Future[CompiledGrammar] | None:
+        """A Future of `constraint`'s compile where one is in flight already (shared, as
+        `submit` would share it, cancelled alike), else None: many callers of one new schema
+        wait for its one compile without each taking a place in the queue."""
+        return self._pool.join(constraint, backend)
+
     def compile(self, constraint: Constraint, backend: str | None = None) -> CompiledGrammar:
         """The compiled grammar for `constraint` (from the cache when seen before).
 

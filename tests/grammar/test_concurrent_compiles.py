@@ -57,3 +57,13 @@ def test_grammars_compiled_on_threads_equal_those_compiled_one_by_one(grammar_co
     with ThreadPoolExecutor(4) as pool:
         parallel = list(pool.map(lambda c: backend.compile(c).xgr_compiled.serialize_json(), constraints))
     assert parallel == serial
+
+
+def test_a_caller_of_a_schema_already_compiling_joins_that_compile_and_gets_its_grammar(grammar_compiler):
+    constraint = to_constraint(_patterned_object("joined"))  # a few hundred ms: still compiling when joined
+    assert grammar_compiler.join(constraint) is None  # nothing in flight to join
+    first = grammar_compiler.submit(constraint)
+    joined = grammar_compiler.join(constraint)
+    assert joined is not None
+    assert joined.result(120) is first.result(120)
+    assert grammar_compiler.join(constraint) is None  # compiled: the cache answers, not a join
