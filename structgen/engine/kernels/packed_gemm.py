@@ -73,10 +73,17 @@ class Block(NamedTuple):
 # [rows, n, j] float32 product reduced once after the loop, scales loaded once per group,
 # "magic" turning int4 nibbles into floats by bit operations ("halves" int4 layout only)
 GEMV_FORMS = ("stream", "reduce", "cvt", "magic")
-# The GEMV's default launch per code (benchmarks/tune_packed.py sweeps the candidates); rows are
-# set per call; splits=0: the stream GEMV picks its split-K from the multiprocessor count
-GEMV_BLOCKS = {"int4": Block(1, 16, 512, 4, 3, "stream", 0), "int8": Block(1, 16, 512, 4, 3, "stream", 0),
-               "fp8": Block(1, 16, 512, 4, 3, "stream", 0)}
+# The GEMV's default launch per code and row count (1, 2, 4: rows rounded up to a power of two),
+# the table benchmarks/tune_packed.py's summary prints; splits=0: the stream GEMV picks its
+# split-K from the multiprocessor count
+GEMV_BLOCKS = {
+    "int4": {1: Block(1, 16, 512, 4, 3, "stream", 0), 2: Block(2, 16, 512, 4, 3, "stream", 0),
+             4: Block(4, 16, 256, 4, 3, "stream", 0)},
+    "int8": {1: Block(1, 16, 512, 4, 3, "stream", 0), 2: Block(2, 16, 512, 4, 3, "stream", 0),
+             4: Block(4, 16, 256, 4, 3, "stream", 0)},
+    "fp8": {1: Block(1, 16, 512, 4, 3, "stream", 0), 2: Block(2, 16, 512, 4, 3, "stream", 0),
+            4: Block(4, 16, 256, 4, 3, "stream", 0)},
+}
 FALLBACK_BLOCKS = {"int4": Block(1, 16, 256, 4, 2, "magic"), "int8": Block(1, 16, 256, 4, 2, "magic"),
                    "fp8": Block(1, 16, 512, 4, 3, "reduce")}  # for weights the stream GEMV cannot read
 
@@ -85,7 +92,7 @@ def gemv_block(weight: PackedWeight, rows: int) -> Block:
     """The GEMV's default launch for `weight` (its form where the group layout allows it)."""
     m = triton.next_power_of_2(rows)
     if packed_gemv.stream_fits(weight):
-        return GEMV_BLOCKS[weight.code]._replace(m=m)
+        return GEMV_BLOCKS[weight.code][m]
     block = FALLBACK_BLOCKS[weight.code]
     # every form holds a float32 product per row and weight: fewer columns per chunk as rows grow
     block = block._replace(m=m, j=max(64, block.j // m))
