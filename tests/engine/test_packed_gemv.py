@@ -52,10 +52,10 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.double().cpu() - ref.double().cpu()).norm() / ref.double().cpu().norm())
 
 
-def stream(rows: int, j: int, splits: int, n: int = 8):
+def stream(rows: int, j: int, splits: int, stages: int = 1, n: int = 8):
     from structgen.engine.kernels import packed_gemm
 
-    return packed_gemm.Block(rows, n, j, 4, 1, "stream", splits)
+    return packed_gemm.Block(rows, n, j, 4, stages, "stream", splits)
 
 
 # (weight, columns per chunk): K = 200 / 448 / 330 are not multiples of the chunk, groups of
@@ -74,9 +74,10 @@ WEIGHTS = {
 @pytest.mark.gpu
 @needs_kernels
 @pytest.mark.parametrize("name", list(WEIGHTS))
-@pytest.mark.parametrize("rows,splits", [(1, 1), (2, 3), (3, 0), (4, 2)])
-def test_stream_gemv_equals_dequantize_then_matmul(name: str, rows: int, splits: int) -> None:
-    """Every weight form at 1-4 rows, split-K off (1), forced (2, 3) and automatic (0)."""
+@pytest.mark.parametrize("rows,splits,stages", [(1, 1, 1), (2, 3, 2), (3, 0, 1), (4, 2, 3)])
+def test_stream_gemv_equals_dequantize_then_matmul(name: str, rows: int, splits: int, stages: int) -> None:
+    """Every weight form at 1-4 rows, split-K off (1), forced (2, 3) and automatic (0), the
+    next chunk prefetched (stages > 1) or not."""
     from structgen.engine.kernels import packed_gemm
 
     make, j = WEIGHTS[name]
@@ -84,7 +85,7 @@ def test_stream_gemv_equals_dequantize_then_matmul(name: str, rows: int, splits:
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, w.cols, generator=g).to(DEVICE)
     b = torch.randn(ROWS, generator=g).to(DEVICE)
-    out = packed_gemm.matmul(x, w, b, block=stream(rows, j, splits))
+    out = packed_gemm.matmul(x, w, b, block=stream(rows, j, splits, stages))
     assert out.shape == (rows, ROWS)
     assert rel_err(out, x @ w.dequantize().T + b) < 1e-6
 

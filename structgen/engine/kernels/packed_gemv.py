@@ -71,7 +71,8 @@ def stream_gemv(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None
         target.stride(-2), GROUP_N=weight.group_rows, GROUP_K=weight.group_cols, INT4=weight.code == "int4",
         HAS_OFFSET=weight.offsets is not None, ROW_SCALE=row_scale, HAS_BIAS=bias is not None and splits == 1,
         BLOCK_M=triton.next_power_of_2(rows), BLOCK_N=block.n, RUNS=block_k // run_cols,
-        RUN=run_cols // unit_cols, UNIT=unit_cols, num_warps=block.warps, num_stages=block.stages)
+        RUN=run_cols // unit_cols, UNIT=unit_cols, PREFETCH=block.stages > 1, num_warps=block.warps,
+        num_stages=block.stages)
     if splits > 1:
         sum_splits(target, bias, y)
 
@@ -117,42 +118,73 @@ def _sum_splits_kernel(P, B, Y, N, SPLITS, stride_ps, stride_pm, stride_ym, HAS_
 
 
 @triton.jit
-def _int4_run_products(C, X, crow, xrow, cmask, mmask, unit, K, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, RUNS: tl.constexpr, RUN: tl.constexpr):
-    """For words `unit` ([RUNS, RUN]) of rows `crow`: the [rows, BLOCK_N, RUNS, RUN] products
-    of each word's 8 columns with x, and x's [rows, RUNS, RUN] column sums."""
-    words = tl.load(crow + unit[None, :, :], mask=cmask, other=0)
-    high = words >> 16  # nibbles 4-7 at the bit positions of nibbles 0-3
-    products = tl.zeros([BLOCK_M, BLOCK_N, RUNS, RUN], tl.float32)
-    x_sum = tl.zeros([BLOCK_M, RUNS, RUN], tl.float32)
-    for p in tl.static_range(8):
-        if p < 4:
-            src = words
-        else:
-            src = high
-        # the nibble in the mantissa of 2^23: the float is 2^23 + q * 16^(p % 4), exactly
-        q = ((src & (0xF << (4 * (p % 4)))) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-        col = unit * 8 + p
-        xp = tl.load(xrow + col[None, :, :], mask=mmask[:, None, None] & (col < K)[None, :, :], other=0.0)
-        xp = xp.to(tl.float32)
-        x_sum += xp
-        products += (xp * (1.0 / (1 << (4 * (p % 4)))))[:, None, :, :] * q[None, :, :, :]
-    return products, x_sum
+def _load_tile(crow, nmask, unit, limit, col, K, INT4: tl.constexpr):
+    """The codes of units `unit` ([RUNS, RUN]) below `limit` of rows `crow`: int32 words
+    [BLOCK_N, RUNS, RUN], or byte codes [BLOCK_N, RUNS, RUN, UNIT] at columns `col`."""
+    umask = nmask[:, None, None] & (unit < limit)[None, :, :]
+    if INT4:
+        tile = tl.load(crow + unit[None, :, :], mask=umask, other=0)
+    else:
+        cmask = umask[:, :, :, None] & (col < K)[None, :, :, :]
+        tile = tl.load(crow[:, :, :, None] + col[None, :, :, :], mask=cmask, other=0.0)
+    return tile
 
 
 @triton.jit
-def _byte_run_products(C, X, crow, xrow, cmask, mmask, unit, K, UNIT: tl.constexpr):
-    """For units `unit` ([RUNS, RUN]) of UNIT byte codes (FP8 / int8) of rows `crow`: the
-    [rows, BLOCK_N, RUNS, RUN] products summed over each unit, and x's column sums."""
-    e = tl.arange(0, UNIT)
-    col = unit[:, :, None] * UNIT + e[None, None, :]
-    kmask = col < K
-    codes = tl.load(crow[:, :, :, None] + col[None, :, :, :], mask=cmask[:, :, :, None] & kmask[None, :, :, :],
-                    other=0.0).to(tl.float32)
-    xs = tl.load(xrow[:, :, :, None] + col[None, :, :, :], mask=mmask[:, None, None, None] & kmask[None, :, :, :],
-                 other=0.0).to(tl.float32)
-    products = tl.sum(xs[:, None, :, :, :] * codes[None, :, :, :, :], axis=4)
-    return products, tl.sum(xs, axis=3)
+def _tile_values(tile, INT4: tl.constexpr):
+    """The tile's codes as float32 [BLOCK_N, RUNS, RUN, UNIT]; int4 nibble p as `q * 16^(p % 4)`
+    (x's column p is scaled by `16^-(p % 4)` to match)."""
+    if INT4:
+        values = _nibble_values(tile)
+    else:
+        values = tile.to(tl.float32)
+    return values
+
+
+@triton.jit
+def _nibble_values(tile):
+    """int32 words [BLOCK_N, RUNS, RUN] as float32 [BLOCK_N, RUNS, RUN, 8] (see _tile_values)."""
+    high = tile >> 16  # nibbles 4-7 at the bit positions of nibbles 0-3
+    # a nibble masked in place and OR-ed into the mantissa of 2^23: 2^23 + q * 16^(p % 4), exactly
+    q0 = ((tile & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    q1 = ((tile & 0xF0) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    q2 = ((tile & 0xF00) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    q3 = ((tile & 0xF000) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    q4 = ((high & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    q5 = ((high & 0xF0) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    q6 = ((high & 0xF00) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    q7 = ((high & 0xF000) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    # joined so that the trailing axes (a, b, c) hold nibble 4a + 2b + c, kept in one thread
+    q = tl.join(tl.join(tl.join(q0, q4), tl.join(q2, q6)), tl.join(tl.join(q1, q5), tl.join(q3, q7)))
+    return tl.reshape(q, [tile.shape[0], tile.shape[1], tile.shape[2], 8])
+
+
+@triton.jit
+def _accumulate_row(acc, values, xrow, col, kmask, x_weights, scale, offset, HAS_OFFSET: tl.constexpr,
+                    ROW_SCALE: tl.constexpr):
+    """`acc` after one chunk of one row of x (`xrow`): each unit's products summed, scaled per
+    run, and the run's offset times x's sum over the unit."""
+    x = tl.load(xrow + col, mask=kmask, other=0.0).to(tl.float32)
+    products = tl.sum(values * (x * x_weights[None, None, :])[None, :, :, :], axis=3)
+    if ROW_SCALE:
+        acc += products
+    else:
+        acc += products * scale[:, :, None]
+        if HAS_OFFSET:
+            acc += offset[:, :, None] * tl.sum(x, axis=2)[None, :, :]
+    return acc
+
+
+@triton.jit
+def _store_row(Y, r, M, n, nmask, acc, S, B, stride_sn, stride_ym, ROW_SCALE: tl.constexpr,
+               HAS_BIAS: tl.constexpr):
+    """Row r of the output (or of the program's split-K slice `Y`): the accumulator reduced."""
+    out = tl.sum(tl.sum(acc, axis=2), axis=1)
+    if ROW_SCALE:
+        out *= tl.load(S + n * stride_sn, mask=nmask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        out += tl.load(B + n, mask=nmask, other=0.0).to(tl.float32)
+    tl.store(Y + r * stride_ym + n, out.to(Y.dtype.element_ty), mask=nmask & (tl.zeros_like(n) + r < M))
 
 
 @triton.jit
@@ -160,45 +192,63 @@ def _stream_gemv_kernel(X, C, S, OFF, B, Y, M, N, K, UNITS, CHUNKS, stride_xm, s
                         stride_ys, stride_ym, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
                         INT4: tl.constexpr, HAS_OFFSET: tl.constexpr, ROW_SCALE: tl.constexpr,
                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        RUNS: tl.constexpr, RUN: tl.constexpr, UNIT: tl.constexpr):
+                        RUNS: tl.constexpr, RUN: tl.constexpr, UNIT: tl.constexpr, PREFETCH: tl.constexpr):
     """Program (i, s): rows [i * BLOCK_N, (i + 1) * BLOCK_N) of W over chunks
-    [s * CHUNKS, (s + 1) * CHUNKS) of RUNS * RUN units, into Y's slice s."""
+    [s * CHUNKS, (s + 1) * CHUNKS) of RUNS * RUN units, into Y's slice s. Every tensor keeps
+    the weight tile's layout (one accumulator per row of x, not a rows axis), so the products
+    need no layout conversion between the loads and the sums; with PREFETCH the next chunk's
+    codes load while this one is multiplied."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
-    m = tl.arange(0, BLOCK_M)
-    mmask = m < M
     runs = tl.arange(0, RUNS)
     within = runs[:, None] * RUN + tl.arange(0, RUN)[None, :]
+    e = tl.arange(0, UNIT)
+    x_weights = tl.exp2(-4.0 * (e % 4).to(tl.float32)) if INT4 else tl.full([UNIT], 1.0, tl.float32)
     crow = C + n[:, None, None].to(tl.int64) * stride_cn
-    xrow = X + m[:, None, None].to(tl.int64) * stride_xm
     srow = (n // GROUP_N)[:, None] * stride_sn
-    acc = tl.zeros([BLOCK_M, BLOCK_N, RUNS, RUN], tl.float32)
-    acc_offset = tl.zeros([BLOCK_M, BLOCK_N, RUNS], tl.float32)
+    acc0 = tl.zeros([BLOCK_N, RUNS, RUN], tl.float32)
+    acc1 = tl.zeros([BLOCK_N, RUNS, RUN], tl.float32)
+    acc2 = tl.zeros([BLOCK_N, RUNS, RUN], tl.float32)
+    acc3 = tl.zeros([BLOCK_N, RUNS, RUN], tl.float32)
     chunk_units: tl.constexpr = RUNS * RUN
     first = tl.program_id(1) * CHUNKS * chunk_units
-    for u0 in range(first, tl.minimum(first + CHUNKS * chunk_units, UNITS), chunk_units):
+    last = tl.minimum(first + CHUNKS * chunk_units, UNITS)
+    col = (first + within)[:, :, None] * UNIT + e[None, None, :]
+    tile = _load_tile(crow, nmask, first + within, last, col, K, INT4)
+    for u0 in range(first, last, chunk_units):
         unit = u0 + within
-        cmask = nmask[:, None, None] & (unit < UNITS)[None, :, :]
-        if INT4:
-            products, x_sum = _int4_run_products(C, X, crow, xrow, cmask, mmask, unit, K, BLOCK_M, BLOCK_N,
-                                                 RUNS, RUN)
+        col = unit[:, :, None] * UNIT + e[None, None, :]
+        kmask = col < K
+        if PREFETCH:
+            upcoming = _load_tile(crow, nmask, unit + chunk_units, last, col + chunk_units * UNIT, K, INT4)
         else:
-            products, x_sum = _byte_run_products(C, X, crow, xrow, cmask, mmask, unit, K, UNIT)
-        if ROW_SCALE:
-            acc += products
-        else:
+            tile = _load_tile(crow, nmask, unit, last, col, K, INT4)
+        values = _tile_values(tile, INT4)
+        scale = srow  # unused with ROW_SCALE
+        offset = srow
+        if not ROW_SCALE:
             run_col = (u0 + runs * RUN) * UNIT
             gmask = nmask[:, None] & (run_col < K)[None, :]
             idx = srow + (run_col // GROUP_K)[None, :]
             scale = tl.load(S + idx, mask=gmask, other=0.0).to(tl.float32)
-            acc += products * scale[None, :, :, None]
             if HAS_OFFSET:
                 offset = tl.load(OFF + idx, mask=gmask, other=0.0).to(tl.float32)
-                acc_offset += offset[None, :, :] * tl.sum(x_sum, axis=2)[:, None, :]
-    out = tl.sum(tl.sum(acc, axis=3), axis=2) + tl.sum(acc_offset, axis=2)
-    if ROW_SCALE:
-        out *= tl.load(S + n * stride_sn, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    if HAS_BIAS:
-        out += tl.load(B + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    y = Y + tl.program_id(1) * stride_ys + m[:, None] * stride_ym + n[None, :]
-    tl.store(y, out.to(Y.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+        # rows past M read row r % M (valid memory) and are never stored
+        acc0 = _accumulate_row(acc0, values, X, col, kmask, x_weights, scale, offset, HAS_OFFSET, ROW_SCALE)
+        if BLOCK_M > 1:
+            acc1 = _accumulate_row(acc1, values, X + (1 % M) * stride_xm, col, kmask, x_weights, scale, offset,
+                                   HAS_OFFSET, ROW_SCALE)
+        if BLOCK_M > 2:
+            acc2 = _accumulate_row(acc2, values, X + (2 % M) * stride_xm, col, kmask, x_weights, scale, offset,
+                                   HAS_OFFSET, ROW_SCALE)
+            acc3 = _accumulate_row(acc3, values, X + (3 % M) * stride_xm, col, kmask, x_weights, scale, offset,
+                                   HAS_OFFSET, ROW_SCALE)
+        if PREFETCH:
+            tile = upcoming
+    Y += tl.program_id(1) * stride_ys
+    _store_row(Y, 0, M, n, nmask, acc0, S, B, stride_sn, stride_ym, ROW_SCALE, HAS_BIAS)
+    if BLOCK_M > 1:
+        _store_row(Y, 1, M, n, nmask, acc1, S, B, stride_sn, stride_ym, ROW_SCALE, HAS_BIAS)
+    if BLOCK_M > 2:
+        _store_row(Y, 2, M, n, nmask, acc2, S, B, stride_sn, stride_ym, ROW_SCALE, HAS_BIAS)
+        _store_row(Y, 3, M, n, nmask, acc3, S, B, stride_sn, stride_ym, ROW_SCALE, HAS_BIAS)
