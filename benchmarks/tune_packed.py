@@ -39,8 +39,9 @@ from structgen.engine.kernels import tinygemm
 from structgen.engine.models.packed import QUANTIZERS, PackedWeight, to_words
 
 # (n, j, warps, stages) of the stream GEMV; each with split-K off (1) and automatic (0)
-STREAM_TILES = ((8, 512, 4, 3), (16, 256, 4, 3), (16, 512, 4, 3), (16, 1024, 4, 3), (32, 256, 4, 3),
-                (32, 512, 8, 3), (64, 256, 8, 3), (16, 512, 4, 1), (16, 512, 4, 4))
+STREAM_TILES = ((8, 256, 4, 3), (8, 512, 4, 3), (8, 1024, 4, 3), (16, 256, 4, 3), (16, 512, 4, 3),
+                (16, 1024, 4, 3), (32, 256, 4, 3), (32, 256, 8, 3), (32, 512, 8, 3), (64, 256, 8, 3),
+                (16, 256, 4, 1), (16, 512, 4, 1), (8, 512, 2, 3), (16, 256, 2, 3))
 TINYGEMM = "tinygemm"  # PyTorch's int4 kernel on its own layout
 HALVES = "halves-default"  # the default launch on the "halves" int4 layout (the previous one)
 

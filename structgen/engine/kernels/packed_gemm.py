@@ -1,14 +1,19 @@
 """`y = x @ W.T` for W kept as int4 / int8 / FP8 codes with group scales (models/packed.py),
 de-quantized in registers (Triton), so a decode step reads the packed bytes only.
 
-Every program loops over the column pairs `(j, j + cols / 2)`: an int4 byte holds both, the
-byte formats read them from the two halves of a row, and x's two halves are read alike, so
-every load is contiguous whatever the code. Two kinds of kernel:
+This module is the entry (`matmul`) and holds the kernels of the "halves" layout. Their
+programs loop over the column pairs `(j, j + cols / 2)`: an int4 byte holds both, the byte
+formats read them from the two halves of a row, and x's two halves are read alike, so every
+load is contiguous whatever the code (an int4 weight repacked to "words" is gathered from its
+words instead). The kinds of kernel:
 
-- the GEMV (1-4 rows, W read once for every row), in the forms of `GEMV_FORMS`: the grouped
-  ones load one scale (and offset) per run of columns that share it and reduce their float32
-  products once after the loop, optionally split along the columns (split-K) where a
-  projection has too few output blocks to keep every multiprocessor reading;
+- the GEMV (1-4 rows, W read once for every row), in the forms of `GEMV_FORMS`: by default the
+  "stream" GEMV of kernels/packed_gemv.py (int4 "words", FP8 / int8 codes: 16-byte loads, built
+  for bandwidth); the grouped forms here load one scale (and offset) per run of columns that
+  share it and reduce their float32 products once after the loop, optionally split along the
+  columns (split-K) where a projection has too few output blocks to keep every multiprocessor
+  reading;
+- PyTorch's int4 kernel for a `tinygemm.TinyGemmWeight` (a candidate the benchmark times);
 - the tiled GEMM (more rows): each W tile de-quantized to x's dtype and fed to `tl.dot`,
   rows in blocks of 16 to 64.
 
@@ -55,8 +60,10 @@ class PackedWeight(Protocol):
 
 
 class Block(NamedTuple):
-    """A launch shape: rows, output features and column pairs per program; warps; stages;
-    for the GEMV also its form (`GEMV_FORMS`) and the programs that split each row's columns."""
+    """A launch shape: rows, output features and column pairs per program (the "stream" GEMV:
+    columns per chunk); warps; stages (the "stream" GEMV: > 1 prefetches the next chunk);
+    for the GEMV also its form (`GEMV_FORMS`) and the programs that split each row's columns
+    (the "stream" GEMV: 0 picks them from the multiprocessor count)."""
 
     m: int
     n: int
@@ -77,11 +84,11 @@ GEMV_FORMS = ("stream", "reduce", "cvt", "magic")
 # the table benchmarks/tune_packed.py's summary prints; splits=0: the stream GEMV picks its
 # split-K from the multiprocessor count
 GEMV_BLOCKS = {
-    "int4": {1: Block(1, 16, 512, 4, 3, "stream", 0), 2: Block(2, 16, 512, 4, 3, "stream", 0),
+    "int4": {1: Block(1, 16, 256, 4, 3, "stream", 0), 2: Block(2, 16, 256, 4, 3, "stream", 0),
              4: Block(4, 16, 256, 4, 3, "stream", 0)},
-    "int8": {1: Block(1, 16, 512, 4, 3, "stream", 0), 2: Block(2, 16, 512, 4, 3, "stream", 0),
+    "int8": {1: Block(1, 16, 256, 4, 3, "stream", 0), 2: Block(2, 16, 256, 4, 3, "stream", 0),
              4: Block(4, 16, 256, 4, 3, "stream", 0)},
-    "fp8": {1: Block(1, 16, 512, 4, 3, "stream", 0), 2: Block(2, 16, 512, 4, 3, "stream", 0),
+    "fp8": {1: Block(1, 16, 256, 4, 3, "stream", 0), 2: Block(2, 16, 256, 4, 3, "stream", 0),
             4: Block(4, 16, 256, 4, 3, "stream", 0)},
 }
 FALLBACK_BLOCKS = {"int4": Block(1, 16, 256, 4, 2, "magic"), "int8": Block(1, 16, 256, 4, 2, "magic"),
