@@ -121,10 +121,11 @@ def to_words(weight: PackedWeight) -> PackedWeight:
     multiple of 8, which the kernels multiply by x's absent columns, never read)."""
     if weight.code != "int4" or weight.layout == "words":
         return weight
-    q = unpack_int4(weight.codes).to(torch.int32)
+    q = unpack_int4(weight.codes)  # uint8: a byte per code, the largest temporary
     q = F.pad(q, (0, -q.shape[1] % WORD_COLS)).reshape(q.shape[0], -1, WORD_COLS)
-    shifts = torch.arange(0, 32, 4, device=q.device, dtype=torch.int32)
-    words = (q << shifts).sum(-1, dtype=torch.int64)  # bit 31 set: the sum overflows int32, so int64 first
+    words = torch.zeros(q.shape[:2], dtype=torch.int64, device=q.device)  # bit 31 set overflows int32
+    for i in range(WORD_COLS):
+        words |= q[:, :, i].to(torch.int64) << (4 * i)
     words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
     return replace(weight, codes=words, layout="words")
 
