@@ -280,7 +280,7 @@ def matmul(x: torch.Tensor, weight: PackedWeight | tinygemm.TinyGemmWeight, bias
     benchmarks/tune_packed.py), `out` may be a column slice of a wider output. A
     `TinyGemmWeight` runs PyTorch's int4 kernel (kernels/tinygemm.py)."""
     if isinstance(weight, tinygemm.TinyGemmWeight):
-        return tinygemm.matmul(x, weight, bias, out)
+        return _add_bias_into(tinygemm.matmul(x, weight), bias, out)
     rows = x.shape[0]
     if block is None and x.is_cuda and rows >= SCALED_MM_ROWS and rows % 16 == 0 and scaled_mm_fits(weight):
         return scaled_mm(x, weight, bias, out)
@@ -365,6 +365,11 @@ def scaled_mm(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None =
     x8 = (x.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     y = torch._scaled_mm(x8, weight.codes.t(), scale_a=x_scale, scale_b=weight.scales.float().reshape(1, -1),
                          out_dtype=x.dtype)
+    return _add_bias_into(y, bias, out)
+
+
+def _add_bias_into(y: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
+    """A torch kernel's product `y` with the bias added, copied into `out` where one is given."""
     if bias is not None:
         y += bias
     if out is None:

@@ -65,14 +65,7 @@ def to_tinygemm(weight: PackedWeight) -> TinyGemmWeight:
     return TinyGemmWeight(packed, scales_and_zeros, weight.group_cols, weight.shape[0], weight.cols)
 
 
-def matmul(x: torch.Tensor, weight: TinyGemmWeight, bias: torch.Tensor | None = None,
-           out: torch.Tensor | None = None) -> torch.Tensor:
-    """`x @ W.T (+ bias)` by tinygemm (x computed in bf16, returned in x's dtype)."""
-    y = torch._weight_int4pack_mm(x.to(torch.bfloat16).contiguous(), weight.packed, weight.group,
-                                  weight.scales_and_zeros).to(x.dtype)
-    if bias is not None:
-        y += bias
-    if out is None:
-        return y
-    out.copy_(y)
-    return out
+def matmul(x: torch.Tensor, weight: TinyGemmWeight) -> torch.Tensor:
+    """`x @ W.T` by tinygemm (x computed in bf16, returned in x's dtype)."""
+    return torch._weight_int4pack_mm(x.to(torch.bfloat16).contiguous(), weight.packed, weight.group,
+                                     weight.scales_and_zeros).to(x.dtype)
