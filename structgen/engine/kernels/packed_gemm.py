@@ -84,7 +84,7 @@ GEMV_FORMS = ("stream", "reduce", "cvt", "magic")
 # the table benchmarks/tune_packed.py's summary prints; splits=0: the stream GEMV picks its
 # split-K from the multiprocessor count
 GEMV_BLOCKS = {
-    "int4": {1: Block(1, 16, 256, 4, 3, "stream", 0), 2: Block(2, 16, 256, 4, 3, "stream", 0),
+    "int4": {1: Block(1, 32, 256, 4, 3, "stream", 0), 2: Block(2, 32, 256, 4, 3, "stream", 0),
              4: Block(4, 16, 256, 4, 3, "stream", 0)},
     "int8": {1: Block(1, 16, 256, 4, 3, "stream", 0), 2: Block(2, 16, 256, 4, 3, "stream", 0),
              4: Block(4, 16, 256, 4, 3, "stream", 0)},

@@ -131,45 +131,71 @@ def _load_tile(crow, nmask, unit, limit, col, K, INT4: tl.constexpr):
 
 
 @triton.jit
-def _tile_values(tile, INT4: tl.constexpr):
-    """The tile's codes as float32 [BLOCK_N, RUNS, RUN, UNIT]; int4 nibble p as `q * 16^(p % 4)`
-    (x's column p is scaled by `16^-(p % 4)` to match)."""
-    if INT4:
-        values = _nibble_values(tile)
-    else:
-        values = tile.to(tl.float32)
-    return values
+def _nibble(src, k: tl.constexpr):
+    """Nibble k of every int32 word of `src` (already OR-ed with the bits of 2^23) as float32,
+    exactly: kept in place among the mantissa bits of 2^23 it is the float `2^23 + q * 16^k`,
+    which one multiply-add by `16^-k` and `-2^(23 - 4k)` (powers of two: no rounding) turns
+    into q. `(w | C) & (M | C)` is `(w & M) | C` with a single constant per logic op."""
+    f = (src & ((0xF << (4 * k)) | 0x4B000000)).to(tl.float32, bitcast=True)
+    return tl.fma(f, 1.0 / (1 << (4 * k)), -8388608.0 / (1 << (4 * k)))
 
 
 @triton.jit
-def _nibble_values(tile):
-    """int32 words [BLOCK_N, RUNS, RUN] as float32 [BLOCK_N, RUNS, RUN, 8] (see _tile_values)."""
-    high = tile >> 16  # nibbles 4-7 at the bit positions of nibbles 0-3
-    # a nibble masked in place and OR-ed into the mantissa of 2^23: 2^23 + q * 16^(p % 4), exactly
-    q0 = ((tile & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-    q1 = ((tile & 0xF0) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-    q2 = ((tile & 0xF00) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-    q3 = ((tile & 0xF000) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-    q4 = ((high & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-    q5 = ((high & 0xF0) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-    q6 = ((high & 0xF00) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-    q7 = ((high & 0xF000) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-    # joined so that the trailing axes (a, b, c) hold nibble 4a + 2b + c, kept in one thread
-    q = tl.join(tl.join(tl.join(q0, q4), tl.join(q2, q6)), tl.join(tl.join(q1, q5), tl.join(q3, q7)))
-    return tl.reshape(q, [tile.shape[0], tile.shape[1], tile.shape[2], 8])
+def _nibble_planes(tile):
+    """The 8 nibbles of every word of `tile` ([BLOCK_N, RUNS, RUN] int32): 8 float32 planes,
+    plane p holding column 8 w + p of word w."""
+    low = tile | 0x4B000000
+    high = (tile >> 16) | 0x4B000000  # nibbles 4-7 at the bit positions of nibbles 0-3
+    return (_nibble(low, 0), _nibble(low, 1), _nibble(low, 2), _nibble(low, 3),
+            _nibble(high, 0), _nibble(high, 1), _nibble(high, 2), _nibble(high, 3))
 
 
 @triton.jit
-def _accumulate_row(acc, values, xrow, col, kmask, x_weights, scale, offset, HAS_OFFSET: tl.constexpr,
-                    ROW_SCALE: tl.constexpr):
+def _split8(x):
+    """x [RUNS, RUN, 8] as its 8 planes along the last axis (tl.split halves the last axis)."""
+    runs: tl.constexpr = x.shape[0]
+    run: tl.constexpr = x.shape[1]
+    even, odd = tl.split(tl.reshape(x, [runs, run, 4, 2]))
+    x04, x26 = tl.split(tl.reshape(even, [runs, run, 2, 2]))
+    x15, x37 = tl.split(tl.reshape(odd, [runs, run, 2, 2]))
+    x0, x4 = tl.split(x04)
+    x2, x6 = tl.split(x26)
+    x1, x5 = tl.split(x15)
+    x3, x7 = tl.split(x37)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _int4_row_products(planes, x):
+    """Each word's 8 products with x's row chunk `x` ([RUNS, RUN, 8]) summed in one multiply-add
+    chain: [BLOCK_N, RUNS, RUN]."""
+    x0, x1, x2, x3, x4, x5, x6, x7 = _split8(x)
+    shape: tl.constexpr = planes[0].shape
+    products = planes[0] * x0[None, :, :]
+    products = tl.fma(planes[1], tl.broadcast_to(x1[None, :, :], shape), products)
+    products = tl.fma(planes[2], tl.broadcast_to(x2[None, :, :], shape), products)
+    products = tl.fma(planes[3], tl.broadcast_to(x3[None, :, :], shape), products)
+    products = tl.fma(planes[4], tl.broadcast_to(x4[None, :, :], shape), products)
+    products = tl.fma(planes[5], tl.broadcast_to(x5[None, :, :], shape), products)
+    products = tl.fma(planes[6], tl.broadcast_to(x6[None, :, :], shape), products)
+    return tl.fma(planes[7], tl.broadcast_to(x7[None, :, :], shape), products)
+
+
+@triton.jit
+def _accumulate_row(acc, values, xrow, col, kmask, scale, offset, INT4: tl.constexpr,
+                    HAS_OFFSET: tl.constexpr, ROW_SCALE: tl.constexpr):
     """`acc` after one chunk of one row of x (`xrow`): each unit's products summed, scaled per
-    run, and the run's offset times x's sum over the unit."""
+    run, and the run's offset times x's sum over the unit. `values`: the int4 nibble planes,
+    or the byte codes as float32 [BLOCK_N, RUNS, RUN, UNIT]."""
     x = tl.load(xrow + col, mask=kmask, other=0.0).to(tl.float32)
-    products = tl.sum(values * (x * x_weights[None, None, :])[None, :, :, :], axis=3)
+    if INT4:
+        products = _int4_row_products(values, x)
+    else:
+        products = tl.sum(values * x[None, :, :, :], axis=3)
     if ROW_SCALE:
         acc += products
     else:
-        acc += products * scale[:, :, None]
+        acc = tl.fma(products, tl.broadcast_to(scale[:, :, None], acc.shape), acc)
         if HAS_OFFSET:
             acc += offset[:, :, None] * tl.sum(x, axis=2)[None, :, :]
     return acc
@@ -203,7 +229,6 @@ def _stream_gemv_kernel(X, C, S, OFF, B, Y, M, N, K, UNITS, CHUNKS, stride_xm, s
     runs = tl.arange(0, RUNS)
     within = runs[:, None] * RUN + tl.arange(0, RUN)[None, :]
     e = tl.arange(0, UNIT)
-    x_weights = tl.exp2(-4.0 * (e % 4).to(tl.float32)) if INT4 else tl.full([UNIT], 1.0, tl.float32)
     crow = C + n[:, None, None].to(tl.int64) * stride_cn
     srow = (n // GROUP_N)[:, None] * stride_sn
     acc0 = tl.zeros([BLOCK_N, RUNS, RUN], tl.float32)
@@ -223,7 +248,10 @@ def _stream_gemv_kernel(X, C, S, OFF, B, Y, M, N, K, UNITS, CHUNKS, stride_xm, s
             upcoming = _load_tile(crow, nmask, unit + chunk_units, last, col + chunk_units * UNIT, K, INT4)
         else:
             tile = _load_tile(crow, nmask, unit, last, col, K, INT4)
-        values = _tile_values(tile, INT4)
+        if INT4:
+            values = _nibble_planes(tile)
+        else:
+            values = tile.to(tl.float32)
         scale = srow  # unused with ROW_SCALE
         offset = srow
         if not ROW_SCALE:
@@ -234,14 +262,14 @@ def _stream_gemv_kernel(X, C, S, OFF, B, Y, M, N, K, UNITS, CHUNKS, stride_xm, s
             if HAS_OFFSET:
                 offset = tl.load(OFF + idx, mask=gmask, other=0.0).to(tl.float32)
         # rows past M read row r % M (valid memory) and are never stored
-        acc0 = _accumulate_row(acc0, values, X, col, kmask, x_weights, scale, offset, HAS_OFFSET, ROW_SCALE)
+        acc0 = _accumulate_row(acc0, values, X, col, kmask, scale, offset, INT4, HAS_OFFSET, ROW_SCALE)
         if BLOCK_M > 1:
-            acc1 = _accumulate_row(acc1, values, X + (1 % M) * stride_xm, col, kmask, x_weights, scale, offset,
+            acc1 = _accumulate_row(acc1, values, X + (1 % M) * stride_xm, col, kmask, scale, offset, INT4,
                                    HAS_OFFSET, ROW_SCALE)
         if BLOCK_M > 2:
-            acc2 = _accumulate_row(acc2, values, X + (2 % M) * stride_xm, col, kmask, x_weights, scale, offset,
+            acc2 = _accumulate_row(acc2, values, X + (2 % M) * stride_xm, col, kmask, scale, offset, INT4,
                                    HAS_OFFSET, ROW_SCALE)
-            acc3 = _accumulate_row(acc3, values, X + (3 % M) * stride_xm, col, kmask, x_weights, scale, offset,
+            acc3 = _accumulate_row(acc3, values, X + (3 % M) * stride_xm, col, kmask, scale, offset, INT4,
                                    HAS_OFFSET, ROW_SCALE)
         if PREFETCH:
             tile = upcoming
