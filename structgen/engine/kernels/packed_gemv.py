@@ -8,12 +8,16 @@ rows and walks its share of the columns in chunks of `Block.j` columns:
 - the chunk is a `[BLOCK_N, RUNS, RUN]` tile of vector units, K-contiguous per row, so every
   thread issues 16-byte loads (a unit is an int32 word of 8 nibbles, or 16 FP8 / int8 codes);
   RUN units share one scale, loaded once per run;
-- int4 nibbles become floats without the int-to-float unit: a nibble masked in place and OR-ed
-  into the mantissa of 2^23 is `2^23 + q * 16^p` exactly, so one logic op and one subtraction
-  give `q * 16^p`, and x's column is scaled by `16^-p` (exact) once per chunk instead;
+- int4 nibbles become floats without the int-to-float unit: a nibble kept in place among the
+  mantissa bits of 2^23 is the float `2^23 + q * 16^k`, so one logic op and one exact
+  multiply-add give q; each word's 8 products with x (one 16-byte load of x per word, split
+  into 8 planes) are one multiply-add chain;
 - each run's products are summed in float32 registers, scaled, and added to a float32
   accumulator that is reduced across the chunk once, after the loop; offsets multiply the
   run's sum of x instead of every weight;
+- every tensor keeps the weight tile's register layout (one accumulator per row of x, not a
+  rows axis), so products never move through shared memory; with `Block.stages` > 1 the next
+  chunk's codes load while this one is multiplied;
 - split-K: with `splits` > 1, program (i, s) sums its slice of the chunks into float32
   partials `[splits, rows, N]` and a second launch adds them in a fixed order (no atomics:
   the same sum every run). `splits=0` picks the count from the multiprocessors.
