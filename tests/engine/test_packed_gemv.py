@@ -47,6 +47,13 @@ def fp8(cols: int, block_rows: int = 0, seed: int = 0) -> PackedWeight:
     return PackedWeight("fp8", codes, scales, None, cols, 64, block_rows)
 
 
+def int8(cols: int, group: int, seed: int = 0) -> PackedWeight:
+    """Signed int8 codes with float16 group scales (GGUF Q8_0's layout)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (ROWS, cols), generator=g).to(torch.int8)
+    return PackedWeight("int8", q, (torch.rand(ROWS, -(-cols // group), generator=g) * 1e-3).half(), None, cols, group)
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     assert not torch.isnan(out).any()
     return float((out.double().cpu() - ref.double().cpu()).norm() / ref.double().cpu().norm())
@@ -59,7 +66,8 @@ def stream(rows: int, j: int, splits: int, stages: int = 1, n: int = 8):
 
 
 # (weight, columns per chunk): K = 200 / 448 / 330 are not multiples of the chunk, groups of
-# 32 / 64 / 128 columns, whole-row scales with and without offsets, FP8 per channel and per block
+# 32 / 64 / 128 columns, whole-row scales with and without offsets, FP8 per channel and per block,
+# int8 in groups of 32
 WEIGHTS = {
     "int4-g32": (lambda: int4(200, 32), 64),
     "int4-g64": (lambda: int4(448, 64), 256),
@@ -68,6 +76,7 @@ WEIGHTS = {
     "int4-row-offset": (lambda: int4(200, 200), 64),
     "fp8-channel": (lambda: fp8(200), 128),
     "fp8-block": (lambda: fp8(448, block_rows=16), 128),
+    "int8-g32": (lambda: int8(200, 32), 64),
 }
 
 
