@@ -1,12 +1,18 @@
 """The packed products' launch shapes on the GPU (kernels/packed_gemm.py), per projection of
 the Llama-8B and Llama-70B shapes: each code (int4 in groups of 128 with offsets, FP8 per
-channel) at 1 row (a decode step's GEMV) and 64 rows (a batch's GEMM), every candidate block
-(form, tile, warps, stages, split-K) timed with L2 flushed before each call (a forward reads
-every matrix cold), beside cuBLAS on the bf16 weight and the floor (packed bytes over the
-measured copy bandwidth). The summary names, per code and row count, the one block with the
-least total time over the 8B shapes: the candidate for `packed_gemm.GEMV_BLOCKS` / `dot_block`.
+channel) at 1, 2 and 4 rows (a decode step's GEMV) and 64 rows (a batch's GEMM), every candidate
+timed with L2 flushed before each call (a forward reads every matrix cold), beside cuBLAS on
+the bf16 weight and the floor (packed bytes over the measured copy bandwidth).
 
-    python -m benchmarks.tune_packed [--models llama-8b,llama-70b] [--rows 1,64] [--codes int4,fp8] [--budget-s 120]
+GEMV candidates: the default (`packed_gemm.GEMV_BLOCKS`), the stream GEMV's launch shapes
+(kernels/packed_gemv.py: int4 in the "words" layout, FP8 codes as stored; split-K off and
+automatic), the previous default ("magic" / "reduce" on the "halves" layout) and, for int4,
+tinygemm (kernels/tinygemm.py). GEMM rows: the default on the layout a CUDA model loads
+against the "halves" layout. Each candidate's error against the de-quantize reference is
+printed and kept; only those under 2e-2 are timed. The summary names, per code and row count,
+the block with the least total time over the 8B shapes, with the `GEMV_BLOCKS` entry to paste.
+
+    python -m benchmarks.tune_packed [--models llama-8b,llama-70b] [--rows 1,2,4,64] [--codes int4,fp8] [--budget-s 120]
 
 Writes benchmarks/results/tune_packed-<device>-<date>.json (and a copy under $OUT if set).
 """
@@ -29,33 +35,43 @@ from benchmarks.bench_gemv import matrices
 from benchmarks.common import measure_copy_bandwidth_gbps, print_table, write_results
 from structgen.engine.kernels import gemv as G
 from structgen.engine.kernels import packed_gemm as P
-from structgen.engine.models.packed import QUANTIZERS, PackedWeight
+from structgen.engine.kernels import tinygemm
+from structgen.engine.models.packed import QUANTIZERS, PackedWeight, to_words
 
-# (n, j, warps) of the grouped forms; each also split along the columns 2 and 4 ways
-GROUPED_TILES = ((8, 256, 4), (8, 512, 4), (16, 256, 4), (16, 512, 4), (32, 128, 4), (32, 256, 4),
-                 (16, 256, 8), (32, 512, 8))
-REDUCE_TILES = ((8, 512, 4), (16, 512, 4), (4, 256, 4))
-DOT_TILES = ((32, 64), (64, 64), (32, 128), (64, 32))
-SCALED_MM = "scaled_mm"  # FP8 per channel on the FP8 tensor cores (x rounded to FP8 per row)
+# (n, j, warps, stages) of the stream GEMV; each with split-K off (1) and automatic (0)
+STREAM_TILES = ((8, 256, 4, 3), (8, 512, 4, 3), (8, 1024, 4, 3), (16, 256, 4, 3), (16, 512, 4, 3),
+                (16, 1024, 4, 3), (32, 256, 4, 3), (32, 256, 8, 3), (32, 512, 8, 3), (64, 256, 8, 3),
+                (16, 256, 4, 1), (16, 512, 4, 1), (8, 512, 2, 3), (16, 256, 2, 3))
+TINYGEMM = "tinygemm"  # PyTorch's int4 kernel on its own layout
+HALVES = "halves-default"  # the default launch on the "halves" int4 layout (the previous one)
 
 
 def candidates(code: str, rows: int) -> list[P.Block | str | None]:
     """None (the default) and the blocks tried for `rows` rows of a `code` weight."""
-    if rows <= P.GEMV_ROWS:
-        m = 1 if rows == 1 else 4
-        grouped = [P.Block(m, n, j, w, 2, form, s) for (n, j, w), s, form in
-                   itertools.product(GROUPED_TILES, (1, 2, 4), ("magic",))]
-        extra = [P.Block(m, 16, 256, 4, 2, "cvt")] if code == "int4" else []
-        return [None, *grouped, *extra, *(P.Block(m, n, j, w, 3, "reduce") for n, j, w in REDUCE_TILES)]
-    m = P.dot_block(rows).m
-    dots = [P.Block(m, n, j, 4, s) for (n, j), s in itertools.product(DOT_TILES, (3, 4))]
-    return [None, *dots, *([SCALED_MM] if code == "fp8" and rows % 16 == 0 else [])]
+    if rows > P.GEMV_ROWS:
+        return [None, *([HALVES] if code == "int4" else [])]
+    m = 1 << (rows - 1).bit_length()
+    stream = [P.Block(m, n, j, w, st, "stream", k) for (n, j, w, st), k in itertools.product(STREAM_TILES, (1, 0))]
+    return [None, *stream, P.FALLBACK_BLOCKS[code]._replace(m=m), *([TINYGEMM] if code == "int4" else [])]
 
 
-def run_block(weight: PackedWeight, x: torch.Tensor, block: P.Block | str | None) -> torch.Tensor:
-    if block == SCALED_MM:
-        return P.scaled_mm(x, weight)
-    return P.matmul(x, weight, block=block)
+class Forms:
+    """One weight in each layout a candidate reads (int4: "halves", "words", tinygemm's)."""
+
+    def __init__(self, weight: PackedWeight):
+        self.halves = weight
+        self.words = to_words(weight)
+        self.tiny = tinygemm.to_tinygemm(weight) if tinygemm.tinygemm_fits(weight) else None
+
+    def run(self, x: torch.Tensor, block: P.Block | str | None) -> torch.Tensor:
+        if block == TINYGEMM:
+            if self.tiny is None:
+                raise ValueError("tinygemm cannot hold this weight")
+            return P.matmul(x, self.tiny)
+        if block == HALVES:
+            return P.matmul(x, self.halves)
+        on_halves = isinstance(block, P.Block) and block.form != "stream"
+        return P.matmul(x, self.halves if on_halves else self.words, block=block)
 
 
 def label(block: P.Block | str | None) -> str:
@@ -80,22 +96,35 @@ def tune_case(model: str, name: str, w: torch.Tensor, weight: PackedWeight, m: i
     x = torch.randn(m, w.shape[1], device=device, dtype=torch.bfloat16)
     ref = x.float() @ weight.dequantize().T
     bf16_us = G.time_all(lambda _: F.linear(x, w), [None], device)[None] * 1e3
+    forms = Forms(weight)
     errors = {}
     for b in candidates(weight.code, m):
         try:
-            errors[b] = float((run_block(weight, x, b).float() - ref).norm() / ref.norm())
+            errors[b] = float((forms.run(x, b).float() - ref).norm() / ref.norm())
         except Exception as e:  # a block the compiler or the layout refuses is skipped, not fatal
             print(f"  {weight.code} {name} m={m} {label(b)}: {type(e).__name__}: {str(e)[:120]}", flush=True)
     del ref
-    times = G.time_all(lambda b: run_block(weight, x, b), [b for b, e in errors.items() if e < 2e-2], device)
+    wrong = {label(b): f"{e:.1e}" for b, e in errors.items() if not e < 2e-2}
+    if wrong:
+        print(f"  {weight.code} {name} m={m} errors over 2e-2 (not timed): {wrong}", flush=True)
+    times = G.time_all(lambda b: forms.run(x, b), [b for b, e in errors.items() if e < 2e-2], device)
     floor_us = weight.nbytes / bandwidth / 1e3
     best = min(times, key=times.__getitem__)
     print(f"{model} {name} {weight.code} m={m}: default {times.get(None, float('nan')) * 1e3:.1f} us, best "
           f"{label(best)} {times[best] * 1e3:.1f} us = {times[best] * 1e3 / floor_us:.2f}x floor "
-          f"{floor_us:.1f} us, bf16 {bf16_us:.1f} us", flush=True)
+          f"{floor_us:.1f} us (err {errors[best]:.1e}), bf16 {bf16_us:.1f} us", flush=True)
     return [{"model": model, "matrix": name, "code": weight.code, "rows": m, "block": label(b), "us": t * 1e3,
              "x_floor": t * 1e3 / floor_us, "floor_us": floor_us, "bf16_us": bf16_us, "err": errors[b]}
             for b, t in times.items()]
+
+
+def table_entry(block_label: str, m: int) -> str:
+    """The `packed_gemm.GEMV_BLOCKS` entry of a Block's `label` (other candidates: the label)."""
+    form, *fields = block_label.split()
+    if form not in P.GEMV_FORMS:
+        return f"{block_label!r} (not a Block)"
+    n, j, warps, stages, splits = (int(f[1:]) for f in fields)
+    return f"Block({1 << (m - 1).bit_length()}, {n}, {j}, {warps}, {stages}, {form!r}, {splits})"
 
 
 def summary(rows: list[dict[str, Any]], model: str) -> list[dict[str, Any]]:
@@ -115,8 +144,12 @@ def summary(rows: list[dict[str, Any]], model: str) -> list[dict[str, Any]]:
         if not full:
             continue
         best = min(full, key=lambda b: sum(r["us"] for r in full[b]))
-        for b in dict.fromkeys(["default", best]):
-            v = full.get(b, [])
+        if m <= P.GEMV_ROWS:
+            print(f"GEMV_BLOCKS[{code!r}][{m}] = {table_entry(best, m)}  # {model}", flush=True)
+        for b in dict.fromkeys(["default", HALVES, TINYGEMM, best]):
+            if b not in full:
+                continue
+            v = full[b]
             out.append({"model": f"{model}-shape", "code": code, "rows": m, "block": b,
                         "us": sum(r["us"] for r in v), "floor_us": sum(r["floor_us"] for r in v),
                         "x_floor": sum(r["us"] for r in v) / max(sum(r["floor_us"] for r in v), 1e-9),
@@ -127,7 +160,7 @@ def summary(rows: list[dict[str, Any]], model: str) -> list[dict[str, Any]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="llama-8b,llama-70b")
-    ap.add_argument("--rows", default="1,64")
+    ap.add_argument("--rows", default="1,2,4,64")
     ap.add_argument("--codes", default="int4,fp8")
     ap.add_argument("--budget-s", type=float, default=float("inf"),
                     help="start no new matrix after this many seconds (the results so far are written)")

@@ -4,7 +4,9 @@
 - `fused.py`: residual add + RMSNorm, RoPE + KV-cache write, SiLU(gate) * up.
 - `gemv.py`: projections of 1-16 rows (GEMV and a skinny GEMM, timed against cuBLAS).
 - `fused_gemv.py`: few-row projections with the norm before them and RoPE / SiLU * up after.
-- `packed_gemm.py`: projections by int4 / int8 / FP8 weights, de-quantized in registers.
+- `packed_gemm.py`: projections by int4 / int8 / FP8 weights, de-quantized in registers;
+  `packed_gemv.py` its bandwidth GEMV of 1-4 rows, `tinygemm.py` PyTorch's int4 kernel as a
+  candidate.
 - `sampling.py`: grammar bitmask + temperature + Gumbel noise + argmax in one pass.
 - `moe.py`: a mixture of experts' router (softmax + top-k) and its experts, every (token,
   chosen expert) pair of a step in one launch per projection.

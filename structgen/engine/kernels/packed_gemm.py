@@ -1,14 +1,19 @@
 """`y = x @ W.T` for W kept as int4 / int8 / FP8 codes with group scales (models/packed.py),
 de-quantized in registers (Triton), so a decode step reads the packed bytes only.
 
-Every program loops over the column pairs `(j, j + cols / 2)`: an int4 byte holds both, the
-byte formats read them from the two halves of a row, and x's two halves are read alike, so
-every load is contiguous whatever the code. Two kinds of kernel:
+This module is the entry (`matmul`) and holds the kernels of the "halves" layout. Their
+programs loop over the column pairs `(j, j + cols / 2)`: an int4 byte holds both, the byte
+formats read them from the two halves of a row, and x's two halves are read alike, so every
+load is contiguous whatever the code (an int4 weight repacked to "words" is gathered from its
+words instead). The kinds of kernel:
 
-- the GEMV (1-4 rows, W read once for every row), in the forms of `GEMV_FORMS`: the grouped
-  ones load one scale (and offset) per run of columns that share it and reduce their float32
-  products once after the loop, optionally split along the columns (split-K) where a
-  projection has too few output blocks to keep every multiprocessor reading;
+- the GEMV (1-4 rows, W read once for every row), in the forms of `GEMV_FORMS`: by default the
+  "stream" GEMV of kernels/packed_gemv.py (int4 "words", FP8 / int8 codes: 16-byte loads, built
+  for bandwidth); the grouped forms here load one scale (and offset) per run of columns that
+  share it and reduce their float32 products once after the loop, optionally split along the
+  columns (split-K) where a projection has too few output blocks to keep every multiprocessor
+  reading;
+- PyTorch's int4 kernel for a `tinygemm.TinyGemmWeight` (a candidate the benchmark times);
 - the tiled GEMM (more rows): each W tile de-quantized to x's dtype and fed to `tl.dot`,
   rows in blocks of 16 to 64.
 
@@ -27,11 +32,13 @@ import torch
 import triton
 import triton.language as tl
 
+from structgen.engine.kernels import packed_gemv, tinygemm
 from structgen.errors import InvalidParameterError
 
 GEMV_ROWS = 4  # the GEMV keeps a [rows, BLOCK_N, BLOCK_J] product in registers: few rows only
 SCALED_MM_ROWS = 128  # from here FP8 per-channel products run on the FP8 tensor cores
 _CODE_IDS = {"int4": 0, "int8": 1, "fp8": 1}  # int8 and FP8 codes both load and convert to float
+WORDS_CODE_ID = 2  # int4 codes in the "words" layout
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 
 
@@ -46,14 +53,17 @@ class PackedWeight(Protocol):
     cols: int
     group_cols: int
     group_rows: int
+    layout: str
 
     @property
     def shape(self) -> tuple[int, int]: ...
 
 
 class Block(NamedTuple):
-    """A launch shape: rows, output features and column pairs per program; warps; stages;
-    for the GEMV also its form (`GEMV_FORMS`) and the programs that split each row's columns."""
+    """A launch shape: rows, output features and column pairs per program (the "stream" GEMV:
+    columns per chunk); warps; stages (the "stream" GEMV: > 1 prefetches the next chunk);
+    for the GEMV also its form (`GEMV_FORMS`) and the programs that split each row's columns
+    (the "stream" GEMV: 0 picks them from the multiprocessor count)."""
 
     m: int
     n: int
@@ -64,22 +74,37 @@ class Block(NamedTuple):
     splits: int = 1
 
 
-# "reduce": products summed across the chunk every iteration, scales gathered per weight (any
-# group layout); "cvt" / "magic": a [rows, n, j] float32 product reduced once after the loop,
-# scales loaded once per group; "magic" turns int4 nibbles into floats by bit operations
-# (the int-to-float conversion unit is slower than the memory for int4)
-GEMV_FORMS = ("reduce", "cvt", "magic")
-GEMV_BLOCKS = {"int4": Block(1, 16, 256, 4, 2, "magic"), "int8": Block(1, 16, 256, 4, 2, "magic"),
-               "fp8": Block(1, 16, 512, 4, 3, "reduce")}  # rows are set per call
+# "stream": kernels/packed_gemv.py, 16-byte loads of int4 words or byte codes, `j` columns per
+# chunk ("words" int4 layout, groups of a power of two); "reduce": products summed across the
+# chunk every iteration, scales gathered per weight (any group layout); "cvt" / "magic": a
+# [rows, n, j] float32 product reduced once after the loop, scales loaded once per group,
+# "magic" turning int4 nibbles into floats by bit operations ("halves" int4 layout only)
+GEMV_FORMS = ("stream", "reduce", "cvt", "magic")
+# The GEMV's default launch per code and row count (1, 2, 4: rows rounded up to a power of two),
+# the table benchmarks/tune_packed.py's summary prints; splits=0: the stream GEMV picks its
+# split-K from the multiprocessor count
+GEMV_BLOCKS = {
+    "int4": {1: Block(1, 32, 256, 4, 3, "stream", 0), 2: Block(2, 32, 256, 4, 3, "stream", 0),
+             4: Block(4, 16, 256, 4, 3, "stream", 0)},
+    "int8": {1: Block(1, 16, 256, 4, 3, "stream", 0), 2: Block(2, 16, 256, 4, 3, "stream", 0),
+             4: Block(4, 16, 256, 4, 3, "stream", 0)},
+    "fp8": {1: Block(1, 16, 256, 4, 3, "stream", 0), 2: Block(2, 16, 256, 4, 3, "stream", 0),
+            4: Block(4, 16, 256, 4, 3, "stream", 0)},
+}
+FALLBACK_BLOCKS = {"int4": Block(1, 16, 256, 4, 2, "magic"), "int8": Block(1, 16, 256, 4, 2, "magic"),
+                   "fp8": Block(1, 16, 512, 4, 3, "reduce")}  # for weights the stream GEMV cannot read
 
 
 def gemv_block(weight: PackedWeight, rows: int) -> Block:
     """The GEMV's default launch for `weight` (its form where the group layout allows it)."""
     m = triton.next_power_of_2(rows)
-    block = GEMV_BLOCKS[weight.code]
+    if packed_gemv.stream_fits(weight):
+        return GEMV_BLOCKS[weight.code][m]
+    block = FALLBACK_BLOCKS[weight.code]
     # every form holds a float32 product per row and weight: fewer columns per chunk as rows grow
     block = block._replace(m=m, j=max(64, block.j // m))
-    return block if block.form == "reduce" or grouped_fits(weight, block.j) else block._replace(form="reduce")
+    fits = weight.layout == "halves" and grouped_fits(weight, block.j)
+    return block if block.form == "reduce" or fits else block._replace(form="reduce")
 
 
 def dot_block(rows: int, dtype: torch.dtype = torch.bfloat16) -> Block:
@@ -113,6 +138,10 @@ def _weights(C, S, OFF, n, nmask, j, jmask, HALF, stride_cn, stride_sn, GROUP_N:
         b = tl.load(row + j[None, :], mask=mask, other=0)
         lo = (b & 0xF).to(tl.float32)
         hi = (b >> 4).to(tl.float32)
+    elif CODE == 2:  # int4 "words": column c is nibble c % 8 of int32 word c // 8
+        lo = ((tl.load(row + (j >> 3)[None, :], mask=mask, other=0) >> ((j & 7) * 4)[None, :]) & 0xF).to(tl.float32)
+        jh = j + HALF
+        hi = ((tl.load(row + (jh >> 3)[None, :], mask=mask, other=0) >> ((jh & 7) * 4)[None, :]) & 0xF).to(tl.float32)
     else:  # a byte per code, the halves of the row
         lo = tl.load(row + j[None, :], mask=mask, other=0.0).to(tl.float32)
         hi = tl.load(row + HALF + j[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -245,25 +274,13 @@ def _grouped_gemv_kernel(X, C, S, OFF, B, Y, M, N, HALF, CHUNKS, stride_xm, stri
     tl.store(y, out.to(Y.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
 
 
-@triton.jit
-def _sum_splits_kernel(P, B, Y, N, SPLITS, stride_ps, stride_pm, stride_ym, HAS_BIAS: tl.constexpr,
-                       BLOCK: tl.constexpr):
-    """Y's row `program_id(1)`: the split-K partial sums (float32 `[splits, rows, N]`) added up."""
-    n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = n < N
-    m = tl.program_id(1)
-    acc = tl.zeros([BLOCK], tl.float32)
-    for s in range(SPLITS):
-        acc += tl.load(P + s * stride_ps + m * stride_pm + n, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(B + n, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Y + m * stride_ym + n, acc.to(Y.dtype.element_ty), mask=mask)
-
-
-def matmul(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None, *,
+def matmul(x: torch.Tensor, weight: PackedWeight | tinygemm.TinyGemmWeight, bias: torch.Tensor | None = None, *,
            block: Block | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """`x [M, cols] @ W.T (+ bias)` in x's dtype; `block` forces a launch shape (tests,
-    benchmarks/tune_packed.py), `out` may be a column slice of a wider output."""
+    benchmarks/tune_packed.py), `out` may be a column slice of a wider output. A
+    `TinyGemmWeight` runs PyTorch's int4 kernel (kernels/tinygemm.py)."""
+    if isinstance(weight, tinygemm.TinyGemmWeight):
+        return _add_bias_into(tinygemm.matmul(x, weight), bias, out)
     rows = x.shape[0]
     if block is None and x.is_cuda and rows >= SCALED_MM_ROWS and rows % 16 == 0 and scaled_mm_fits(weight):
         return scaled_mm(x, weight, bias, out)
@@ -274,6 +291,13 @@ def matmul(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = No
         return y
     if block is None:
         block = gemv_block(weight, rows) if rows <= GEMV_ROWS else dot_block(rows, x.dtype)
+    if block.m <= GEMV_ROWS and block.form == "stream":
+        if not packed_gemv.stream_fits(weight):
+            raise InvalidParameterError(f"the stream GEMV cannot read a {weight.code} weight in the {weight.layout!r} "
+                                        f"layout with groups of {weight.group_cols} columns; use Block(form='reduce') "
+                                        f"(or models.packed.to_words for int4)")
+        packed_gemv.stream_gemv(x, weight, bias, y, block)
+        return y
     if block.m <= GEMV_ROWS and block.form != "reduce":
         _grouped_gemv(x, weight, bias, y, block)
         return y
@@ -294,7 +318,8 @@ def matmul(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = No
 def _layout(weight: PackedWeight) -> dict[str, object]:
     """The kernels' constants that describe `weight`'s codes and groups."""
     row_scale = weight.offsets is None and weight.group_rows == 1 and weight.group_cols >= weight.cols
-    return {"GROUP_N": weight.group_rows, "GROUP_K": weight.group_cols, "CODE": _CODE_IDS[weight.code],
+    code_id = WORDS_CODE_ID if weight.layout == "words" else _CODE_IDS[weight.code]
+    return {"GROUP_N": weight.group_rows, "GROUP_K": weight.group_cols, "CODE": code_id,
             "HAS_OFFSET": weight.offsets is not None, "ROW_SCALE": row_scale}
 
 
@@ -304,6 +329,9 @@ def _grouped_gemv(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | No
     sums and a second launch that adds them (no atomics: the same sum every run)."""
     rows, n, half = x.shape[0], weight.shape[0], weight.cols // 2
     block_j = min(block.j, triton.next_power_of_2(half))
+    if weight.layout != "halves":
+        raise InvalidParameterError(f"the {block.form!r} GEMV reads int4 codes in the 'halves' layout, not "
+                                    f"{weight.layout!r}; use Block(form='stream') or Block(form='reduce')")
     if not grouped_fits(weight, block_j):
         raise InvalidParameterError(f"the {block.form!r} GEMV cannot read groups of {weight.group_cols} columns in chunks of "
                          f"{block_j}; use Block(form='reduce') for this weight")
@@ -320,9 +348,7 @@ def _grouped_gemv(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | No
         MAGIC=block.form == "magic", MAGIC_INT4=block.form == "magic" and weight.code == "int4",
         BLOCK_M=triton.next_power_of_2(rows), BLOCK_N=block.n, BLOCK_J=block_j, RUN=run, RUNS=block_j // run, num_warps=block.warps, num_stages=block.stages)
     if splits > 1:
-        _sum_splits_kernel[(triton.cdiv(n, 1024), rows)](
-            target, bias if bias is not None else scales, y, n, splits, target.stride(0), target.stride(1), y.stride(0),
-            HAS_BIAS=bias is not None, BLOCK=1024)
+        packed_gemv.sum_splits(target, bias, y)
 
 
 def scaled_mm_fits(weight: PackedWeight) -> bool:
@@ -339,6 +365,11 @@ def scaled_mm(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None =
     x8 = (x.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     y = torch._scaled_mm(x8, weight.codes.t(), scale_a=x_scale, scale_b=weight.scales.float().reshape(1, -1),
                          out_dtype=x.dtype)
+    return _add_bias_into(y, bias, out)
+
+
+def _add_bias_into(y: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
+    """A torch kernel's product `y` with the bias added, copied into `out` where one is given."""
     if bias is not None:
         y += bias
     if out is None:

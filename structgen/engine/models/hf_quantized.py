@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from structgen.engine.models.packed import QUANTIZERS, PackedWeight, int4_weight
+from structgen.engine.models.packed import QUANTIZERS, PackedWeight, int4_weight, unpack_nibbles
 from structgen.errors import ModelLoadError
 
 AWQ_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # the nibble that holds each of 8 consecutive columns
@@ -107,12 +107,6 @@ def _take(weights: dict[str, Any], name: str) -> torch.Tensor:
         raise ModelLoadError(f"quantized weight {name!r} missing from the checkpoint; the files do not match "
                              "config.json's quantization_config")
     return weights.pop(name)
-
-
-def unpack_nibbles(words: torch.Tensor) -> torch.Tensor:
-    """int32 words `[..., w]` as their 8 nibbles in bit order: `[..., w, 8]` (values 0..15)."""
-    shifts = torch.arange(0, 32, 4, device=words.device, dtype=torch.int32)
-    return (words.to(torch.int32)[..., None] >> shifts) & 0xF
 
 
 def _awq_columns(words: torch.Tensor) -> torch.Tensor:

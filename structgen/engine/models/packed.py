@@ -6,7 +6,10 @@ A `PackedWeight` is a `[rows, cols]` weight as integer or FP8 codes with scales 
 - "int4": codes 0..15, two per byte: byte `[n, j]` holds column `j` in its low nibble and
   column `j + cols // 2` in its high one, so a kernel reads both halves of x contiguously.
   AWQ, GPTQ and GGUF Q4_0 / Q4_1 weights all map to it (a zero point z becomes the offset
-  `-z * scale`, GGUF's minimum is the offset itself).
+  `-z * scale`, GGUF's minimum is the offset itself). On CUDA a `PackedLinear` repacks them
+  to the "words" layout (`to_words`): int32 `[rows, ceil(cols / 8)]`, nibble i of word w
+  holding column `8 w + i`, which the bandwidth GEMV (kernels/packed_gemv.py) streams in
+  16-byte loads.
 - "int8": signed codes `[rows, cols]` (GGUF Q8_0).
 - "fp8": e4m3 codes `[rows, cols]` with scales per output channel or per 2D block (HF FP8
   checkpoints, or a float model quantized at load).
@@ -28,6 +31,8 @@ from torch import nn
 from structgen.errors import ModelLoadError
 
 CODES = ("int4", "int8", "fp8")
+LAYOUTS = ("halves", "words")  # where an int4 weight's nibbles sit (the module docstring)
+WORD_COLS = 8  # int4 columns per int32 word of the "words" layout
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 INT4_GROUP = 128  # columns per scale when a float weight is quantized to int4 at load
 
@@ -43,10 +48,14 @@ class PackedWeight:
     cols: int
     group_cols: int
     group_rows: int = 1
+    layout: str = "halves"
 
     def __post_init__(self) -> None:
         if self.code not in CODES:
             raise ModelLoadError(f"unknown packed weight code {self.code!r}; one of {CODES}")
+        if self.layout not in LAYOUTS or (self.layout == "words" and self.code != "int4"):
+            raise ModelLoadError(f"layout {self.layout!r} of a {self.code} weight: use 'halves', or 'words' "
+                                 f"for int4 codes (to_words repacks them)")
         if self.code == "int4" and self.cols % 2:
             raise ModelLoadError(f"an int4 weight needs an even column count, got {self.cols}")
         for name in ("codes", "scales", "offsets"):  # the kernels step along rows by stride, columns by 1
@@ -69,6 +78,8 @@ class PackedWeight:
 
     def code_values(self) -> torch.Tensor:
         """The codes as float32 `[rows, cols]`."""
+        if self.layout == "words":
+            return unpack_nibbles(self.codes).reshape(self.codes.shape[0], -1)[:, :self.cols].float()
         if self.code == "int4":
             return unpack_int4(self.codes).float()
         return self.codes.float()
@@ -97,6 +108,26 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
 def unpack_int4(codes: torch.Tensor) -> torch.Tensor:
     """The `[rows, cols]` uint8 codes 0..15 of `pack_int4`'s bytes."""
     return torch.cat([codes & 0xF, codes >> 4], dim=1)
+
+
+def unpack_nibbles(words: torch.Tensor) -> torch.Tensor:
+    """int32 words `[..., w]` as their 8 nibbles in bit order: `[..., w, 8]` (values 0..15)."""
+    shifts = torch.arange(0, 32, 4, device=words.device, dtype=torch.int32)
+    return (words.to(torch.int32)[..., None] >> shifts) & 0xF
+
+
+def to_words(weight: PackedWeight) -> PackedWeight:
+    """An int4 weight in the "words" layout (the same values; columns padded with code 0 to a
+    multiple of 8, which the kernels multiply by x's absent columns, never read)."""
+    if weight.code != "int4" or weight.layout == "words":
+        return weight
+    q = unpack_int4(weight.codes)  # uint8: a byte per code, the largest temporary
+    q = F.pad(q, (0, -q.shape[1] % WORD_COLS)).reshape(q.shape[0], -1, WORD_COLS)
+    words = torch.zeros(q.shape[:2], dtype=torch.int64, device=q.device)  # bit 31 set overflows int32
+    for i in range(WORD_COLS):
+        words |= q[:, :, i].to(torch.int64) << (4 * i)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return replace(weight, codes=words, layout="words")
 
 
 def compact(t: torch.Tensor) -> torch.Tensor:
@@ -183,7 +214,7 @@ def stack_rows(parts: list[PackedWeight]) -> PackedWeight | None:
     """The row concatenation of `parts` (fused q/k/v, gate/up) as one weight, or None where
     their formats differ (the caller de-quantizes them)."""
     first = parts[0]
-    same = all(p.code == first.code and p.cols == first.cols and p.group_cols == first.group_cols
+    same = all(p.code == first.code and p.layout == first.layout and p.cols == first.cols and p.group_cols == first.group_cols
                and p.group_rows == first.group_rows and p.scales.dtype == first.scales.dtype
                and (p.offsets is None) == (first.offsets is None)
                and (p.offsets is None or p.offsets.dtype == first.offsets.dtype) for p in parts)
@@ -199,7 +230,8 @@ class PackedLinear(nn.Module):
 
     def __init__(self, weight: PackedWeight, bias: torch.Tensor | None = None):
         super().__init__()
-        self.weight_packed = weight
+        # the GEMV streams int4 codes as int32 words on CUDA; the CPU keeps the layout it loaded
+        self.weight_packed = to_words(weight) if weight.codes.is_cuda else weight
         self.in_features = weight.cols
         self.out_features = weight.shape[0]
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
