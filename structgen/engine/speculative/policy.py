@@ -25,6 +25,14 @@ construction, so:
   `EXPLORE_TRIES` steps; after that, and for a bucket measured as a loss, a try comes only
   `RETRY_STEPS` decisions later, the wait doubling with every try.
 
+Step costs are what the policy can time, and a model of what drafting earns; neither sees all
+that a verify step adds to the engine's loop. So the policy also keeps, per plain bucket, the
+*realized* rate of each mode: tokens a step emitted over the wall time from its decision to the
+next decision (`RealizedRate`). Where drafting's realized rate, over `REALIZED_STEPS` steps or
+more, does not beat plain steps' (realized, or until that is known, from their timed cost),
+drafting stops at that bucket whatever the model says,
+and is measured again only `RETRY_STEPS` decisions later, the wait doubling each time.
+
 A choice of no drafts stands `HOLD_STEPS` steps of the same shape unless acceptance or verify
 costs change, so a batch where nothing pays spends little host time here. Each request's
 acceptance rate is a decayed count of its accepted and rejected drafts, starting from the
@@ -37,7 +45,10 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections import Counter
+import statistics
+import time
+from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 DECAY = 0.8  # weight of past verify steps in an acceptance rate, per step
@@ -49,6 +60,9 @@ EXPLORE_TRIES = 3  # steps an unmeasured verify bucket is drafted to (the first 
 RETRY_STEPS = 64  # decisions before a verify bucket that lost is tried again
 VERIFY_OVERHEAD = 1.25  # a verify step priced from plain steps of its rows costs this much more
 HOLD_STEPS = 8  # decisions a choice of no drafts stands for steps of its shape, unless news comes
+REALIZED_STEPS = 8  # steps of each mode at a bucket before their realized rates are compared
+REALIZED_WINDOW = 32  # the newest steps a realized rate is taken over
+OUTLIER = 3.0  # a step interval this many times above or below the window's median is left out
 
 
 @dataclass
@@ -118,6 +132,36 @@ def lower_bound(points: dict[int, float], bucket: int) -> float:
     return points[top] + slope * (bucket - top)
 
 
+@dataclass
+class RealizedRate:
+    """Tokens emitted over wall seconds of a mode's newest steps at one plain bucket, each step
+    from its decision to the next; intervals far from the median (a kernel's first compile, the
+    engine idling between requests; a decision taken again for a step whose plan was dropped)
+    are left out."""
+
+    steps: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=REALIZED_WINDOW))
+
+    def add(self, tokens: float, seconds: float) -> None:
+        self.steps.append((tokens, seconds))
+
+    @property
+    def rate(self) -> float:
+        median = statistics.median(s for _, s in self.steps)
+        kept = [(t, s) for t, s in self.steps if median / OUTLIER <= s <= median * OUTLIER]
+        return sum(t for t, _ in kept) / max(sum(s for _, s in kept), 1e-12)
+
+
+@dataclass
+class OpenStep:
+    """The step decided last, until the next decision closes it: its plain bucket, whether it
+    drafted, the tokens it emitted so far (sampled, then accepted drafts) and when it began."""
+
+    bucket: int
+    drafted: bool
+    tokens: float
+    started: float
+
+
 @dataclass(frozen=True)
 class Held:
     """A choice of no drafts that stands, without weighing drafts again, for steps of the same
@@ -142,8 +186,13 @@ class DraftPolicy:
     (`record_verified`) and the measured cost of steps with and without drafts by row bucket
     (`record_step`)."""
 
-    def __init__(self, buckets: tuple[int, ...] = ()):
+    def __init__(self, buckets: tuple[int, ...] = (), clock: Callable[[], float] = time.perf_counter):
         self.buckets = tuple(sorted(buckets))  # the decode graphs' row counts, if any
+        self.clock = clock
+        self.realized: dict[tuple[int, bool], RealizedRate] = {}  # (plain bucket, drafted) -> rate
+        self.open: OpenStep | None = None
+        self.blocked_until: dict[int, int] = {}  # plain bucket -> the decision drafting may resume
+        self.blocks: Counter[int] = Counter()  # plain bucket -> times drafting was stopped there
         self.engine_wide = Acceptance(*PRIOR)
         self.requests: dict[object, Acceptance] = {}
         self.plain = StepCosts()  # steps without drafts
@@ -176,8 +225,11 @@ class DraftPolicy:
         lengths = [0] * len(reqs)
         self.asked = {}
         shape = (self.bucket(rows), sum(k > 0 for k in budgets), sum(budgets))
+        now = self.clock()
+        self._close_step(now)
         if not shape[2]:
             return lengths
+        self.open = OpenStep(shape[0], False, float(shape[1]), now)
         if self.held is not None and self.held.shape == shape and self.steps < self.held.until:
             self.steps += 1
             self.decisions["plain"] += 1
@@ -190,6 +242,7 @@ class DraftPolicy:
         choice = self.choose([w for w, _ in worths], shape[1], rows)
         self.decisions[choice.kind] += 1
         self.held = Held(shape, self.steps + HOLD_STEPS) if choice.kind == "plain" else None
+        self.open.drafted = choice.drafts > 0
         for _, i in worths[: choice.drafts]:
             lengths[i] += 1
         self.asked = {req: k for req, k in zip(reqs, lengths, strict=True) if k}
@@ -209,6 +262,8 @@ class DraftPolicy:
         margin = STAY_MARGIN if self.drafting.get(plain_bucket) else ENTER_MARGIN
         bucket, drafts = max(options, key=lambda o: tokens[o[1]] / self._verify_cost(o[0]))
         pays = tokens[drafts] / self._verify_cost(bucket) > plain_rate * (1 + margin)
+        if self._realized_loss(plain_bucket, plain_rate):
+            return Choice(0, "plain")
         self.drafting[plain_bucket] = pays
         if pays:
             return Choice(drafts, "pays")
@@ -219,6 +274,31 @@ class DraftPolicy:
                 self._tried(bucket)
                 return Choice(drafts, "trial")
         return Choice(0, "plain")
+
+    def _realized_loss(self, plain_bucket: int, timed_plain_rate: float) -> bool:
+        """Whether drafting at `plain_bucket` is stopped: while a stop lasts, and where
+        drafting's realized rate is known and does not beat plain steps' (realized where known,
+        else from their timed cost: a bound, since the realized rate counts more time)."""
+        if self.steps < self.blocked_until.get(plain_bucket, 0):
+            return True
+        drafting, plain = self.realized.get((plain_bucket, True)), self.realized.get((plain_bucket, False))
+        if drafting is None or len(drafting.steps) < REALIZED_STEPS:
+            return False
+        known = plain is not None and len(plain.steps) >= REALIZED_STEPS
+        if drafting.rate > (plain.rate if known else timed_plain_rate):
+            return False
+        del self.realized[(plain_bucket, True)]  # measured afresh once the stop ends
+        self.blocked_until[plain_bucket] = self.steps + (RETRY_STEPS << min(self.blocks[plain_bucket], 16))
+        self.blocks[plain_bucket] += 1
+        self.drafting[plain_bucket] = False
+        return True
+
+    def _close_step(self, now: float) -> None:
+        """The step decided last ends where the next decision begins: its realized rate."""
+        step, self.open = self.open, None
+        if step is not None and now > step.started:
+            rate = self.realized.setdefault((step.bucket, step.drafted), RealizedRate())
+            rate.add(step.tokens, now - step.started)
 
     def _options(self, rows: int, most: int) -> list[tuple[int, int]]:
         """(verify bucket, drafts) for every bucket `rows` plus 1..`most` drafts reach, each
@@ -268,6 +348,10 @@ class DraftPolicy:
         drafted = max(drafted, self.asked.pop(req, 0))
         if drafted <= 0:
             return
+        if self.open is not None and self.open.drafted:
+            # a drafting step's bonus tokens; where the verdict comes after the next step was
+            # planned, they count for that one, and are lost where it is plain (the safe side)
+            self.open.tokens += accepted
         if req not in self.requests:
             self.requests[req] = Acceptance(self.engine_wide.accepted, self.engine_wide.rejected)
         self.requests[req].update(drafted, accepted)
