@@ -220,12 +220,13 @@ def tiny_engine(tokenizer: Any, max_batch_size: int, max_seq_len: int = 1024, **
 
 def serving_run(tokenizer: Any, n: int, max_tokens: int, grammar_threads: int, one_schema: bool = False,
                 acomplete: bool = False, profile_path: Path | None = None,
-                graph_rows: tuple[int, ...] | None = None) -> dict[str, Any]:
+                graph_rows: tuple[int, ...] | None = None, warm: bool = False) -> dict[str, Any]:
     """`n` requests at once through `LLM.astream` (or `LLM.acomplete`) on the stubbed device,
     with distinct schemas or (`one_schema`) bench_serving's json-one workload; with
     `profile_path`, cProfile of the event loop's thread into that file and of the engine
     loop's thread into that file + ".engine". `graph_rows`: the decode graphs' row buckets
-    (`EngineTuning.cuda_graph_batch_sizes`; the largest caps a step's rows)."""
+    (`EngineTuning.cuda_graph_batch_sizes`; the largest caps a step's rows). `warm`: the
+    same burst runs once before the measured one, whose prompts then hit the prefix cache."""
     import asyncio
     import cProfile
 
@@ -238,8 +239,11 @@ def serving_run(tokenizer: Any, n: int, max_tokens: int, grammar_threads: int, o
     llm = LLM.from_engine(engine, tokenizer, "stub")
     stop = min(engine.stop_token_ids)
     stub = TextFollowingDevice(engine, tokenizer, PERSON_TEXT, stop) if one_schema else RandomAllowedDevice(engine, tokenizer, "", stop)
-    steps = StepLog(engine, stub)
     requests = json_one_workload(n) if one_schema else json_workload(n, maskbench_dir())
+    if warm:
+        asyncio.run(ServingClient(llm, max_tokens, acomplete).run_all(requests))
+    graph_steps = engine.runner.graphs.steps
+    steps = StepLog(engine, stub)
     client = ServingClient(llm, max_tokens, acomplete)
     profilers = (cProfile.Profile(), cProfile.Profile()) if profile_path else None
     if profilers:  # the engine thread starts at the first submit, running `_run` as it is then
@@ -258,7 +262,7 @@ def serving_run(tokenizer: Any, n: int, max_tokens: int, grammar_threads: int, o
     ttft = client.ttft
     return {"streams": n, "api": "acomplete" if acomplete else "astream", "wall_s": round(wall, 2),
             "output_tokens": client.tokens, "host_tok_per_s": round(client.tokens / wall, 1),
-            "steps": len(busy), "eager_steps": len(busy) - engine.runner.graphs.steps, "steps_per_s": round(len(busy) / wall, 1),
+            "steps": len(busy), "eager_steps": len(busy) - (engine.runner.graphs.steps - graph_steps), "steps_per_s": round(len(busy) / wall, 1),
             "tokens_per_step": round(client.tokens / max(len(busy), 1), 1),
             "steps_to_admit_all": steps.first_full,
             "steps_to_prefill_all": steps.prefilled, "host_ms_per_step": round(1e3 * float(np.median(busy)), 2),
@@ -488,7 +492,7 @@ def serving_main(tokenizer: Any, args: argparse.Namespace) -> None:
     runs = []
     for _ in range(args.repeat):
         runs.append(serving_run(tokenizer, args.serving, args.max_tokens, args.grammar_threads, args.one_schema,
-                                args.acomplete, args.profile, parse_rows(args.graph_rows)))
+                                args.acomplete, args.profile, parse_rows(args.graph_rows), args.warm))
         print(runs[-1], flush=True)
     if args.profile:
         print_profile(Path(f"{args.profile}.engine"))
@@ -521,6 +525,7 @@ def main() -> None:
     ap.add_argument("--one-schema", action="store_true", help="--serving: bench_serving's json-one workload")
     ap.add_argument("--acomplete", action="store_true", help="--serving: LLM.acomplete instead of LLM.astream")
     ap.add_argument("--graph-rows", default=None, help="--serving: decode graph row buckets, e.g. 1,2,4,...,1024")
+    ap.add_argument("--warm", action="store_true", help="--serving: measure the burst's second run (prefix cache hits)")
     ap.add_argument("--http", type=int, default=0, metavar="N", help="N streams over HTTP to the stubbed server")
     ap.add_argument("--rate", type=float, default=None, help="--http: Poisson arrivals per second (default: all at once)")
     ap.add_argument("--profile", type=Path, default=None, help="--http, --serving: cProfile the event loop into this file (--serving: the engine thread into FILE.engine)")

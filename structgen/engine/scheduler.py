@@ -63,7 +63,9 @@ class Scheduler:
     def schedule(self, token_budget: int | None = None) -> list[tuple[Request, int]]:
         """Fit the running requests' pages, admit what fits, then return (request, tokens to
         run) for this step; prefill chunks stop at `chunk_tokens`, or at `token_budget` tokens
-        for the whole step when smaller."""
+        for the whole step when smaller. A `token_budget` (the largest decode graph) also caps
+        the decode rows: a request whose forced tokens would overflow it takes its turn first
+        next step, so the step stays in the graphs instead of running eagerly."""
         self._fit_running()
         self._admit()
         budget = self.chunk_tokens if token_budget is None else min(self.chunk_tokens, token_budget)
@@ -72,9 +74,10 @@ class Scheduler:
         prefilling = [r for r in self.running if r.num_cached < r.num_prompt]
         # Decode rows first (short, latency-critical), but where prompts wait they leave them a
         # share of the budget, taking turns for the rest, so a burst's prompts are not starved
-        # by the requests already decoding.
-        decode_budget = budget - int(budget * PROMPT_SHARE) if prefilling else None
-        start = self._next_turn % len(decoding) if decoding and prefilling else 0
+        # by the requests already decoding; with no prompt waiting they take turns within the
+        # step's token budget (forced tokens add rows).
+        decode_budget = budget - int(budget * PROMPT_SHARE) if prefilling else token_budget
+        start = self._next_turn % len(decoding) if decoding and decode_budget is not None else 0
         ran = 0
         for req in decoding[start:] + decoding[:start]:
             n = req.num_pending

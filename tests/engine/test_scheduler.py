@@ -95,3 +95,30 @@ def test_prompts_keep_a_share_of_the_step_while_decode_rows_take_turns() -> None
             if r is not prompt:
                 r.append([5])
     assert ran[0] | ran[1] == {r.id for r in decoders}  # every decode row ran within two steps
+
+
+def test_decode_rows_with_forced_tokens_stay_within_the_step_budget_and_take_turns() -> None:
+    """The step budget is the largest decode graph: a step of more rows would run eagerly, so
+    requests whose forced tokens would overflow it run first in the next step."""
+    from structgen.engine.page_table import PageTable
+    from structgen.engine.scheduler import Scheduler
+
+    pages = PageTable(128, 4, 8, 64, torch.device("cpu"))
+    sched = Scheduler(pages, max_batch_size=8, chunk_tokens=64)
+    decoders = [Request([1, 2, 3], SamplingParams(max_tokens=20)) for _ in range(8)]
+    for r in decoders:
+        sched.add(r)
+    for r, n in sched.schedule(token_budget=64):  # their prompts, in one step
+        r.num_cached += n
+    for i, r in enumerate(decoders):
+        r.append([5] if i % 2 else [5, 6, 7])  # four of them with two forced tokens after the sampled one
+    ran: list[set[int]] = []
+    for _ in range(3):
+        batch = sched.schedule(token_budget=8)
+        assert sum(n for _, n in batch) <= 8 and batch
+        ran.append({r.id for r, _ in batch})
+        for r, n in batch:
+            r.num_cached += n
+            r.append([5])
+    assert ran[0] | ran[1] == {r.id for r in decoders}  # every request ran within two steps
+    assert len(sched.schedule()) == 8  # without a budget: every request, forced tokens and all
