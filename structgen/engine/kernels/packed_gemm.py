@@ -88,7 +88,7 @@ GEMV_BLOCKS = {
              4: Block(4, 16, 256, 4, 3, "stream", 0)},
     "int8": {1: Block(1, 16, 256, 4, 3, "stream", 0), 2: Block(2, 16, 256, 4, 3, "stream", 0),
              4: Block(4, 16, 256, 4, 3, "stream", 0)},
-    "fp8": {1: Block(1, 16, 256, 4, 3, "stream", 0), 2: Block(2, 16, 256, 4, 3, "stream", 0),
+    "fp8": {1: Block(1, 8, 512, 4, 3, "stream", 0), 2: Block(2, 16, 256, 4, 3, "stream", 0),
             4: Block(4, 16, 256, 4, 3, "stream", 0)},
 }
 FALLBACK_BLOCKS = {"int4": Block(1, 16, 256, 4, 2, "magic"), "int8": Block(1, 16, 256, 4, 2, "magic"),
