@@ -56,6 +56,7 @@ from structgen.grammar import CompiledGrammar, GrammarCompiler, GrammarMatcher
 from structgen.grammar.backends.base import token_bytes
 from structgen.grammar.digit_bounds import bound_integers, reached_bound
 from structgen.partial import PartialStream, partial_tracker
+from structgen.prompt_encoding import SegmentEncoder
 from structgen.repair import FieldRepair
 from structgen.sampling import SamplingParams
 from structgen.schema.budget import CompileBudget, within
@@ -155,6 +156,8 @@ class LLM:
         self.engine = engine
         self.tokenizer = tokenizer
         self._decode = _raw_decoder(tokenizer)
+        # Chat prompts' long messages (an agent's tool catalogue) are encoded once.
+        self._prompt_encoder = SegmentEncoder(tokenizer)
         self.model_name = name
         self.grammars = GrammarCompiler(tokenizer, engine.vocab_size, sorted(engine.stop_token_ids), backend=backend,
                                         workers=_COMPILE_WORKERS)
@@ -246,7 +249,7 @@ class LLM:
             )
         kw = {"tools": tools} if tools else {}
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kw)
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return self._prompt_encoder.encode(text)
 
     def count_prompt_tokens(self, prompt: Prompt, chat: bool | None = None, tools: list[dict[str, Any]] | None = None) -> int:
         return len(self.encode_prompt(prompt, chat=chat, tools=tools))

@@ -1,0 +1,132 @@
+"""Tokenizing rendered chat prompts without encoding their long messages again.
+
+An agent's turns repeat the same long system message (a tool catalogue of thousands of
+tokens) and differ only in the last messages; the prefix cache spares the forward of the
+shared part, but the tokenizer still encodes all of it on every turn, a few milliseconds of
+each time to the first token. A fast tokenizer splits its input at added tokens (the chat
+template's `<|im_start|>`, `<|im_end|>` ...) before anything else, so the text between two of
+them is encoded on its own: `SegmentEncoder` keeps the ids of long pieces and encodes only the
+rest.
+
+It is exact by check, not by assumption: a piece is kept only after an encoding of the whole
+text showed every piece of it encoding on its own to the same ids in place, and a tokenizer
+where that fails once (added tokens that strip the spaces beside them, a prefix space added
+to the input's first piece only) is encoded whole from then on. A long piece is learnt the
+second time it is seen, so prompts that never repeat pay for no checks.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from collections import OrderedDict
+from typing import Any
+
+log = logging.getLogger("structgen")
+
+MIN_CACHED_CHARS = 2_000  # pieces shorter than this encode faster than a lookup pays for
+CACHED_PIECES = 64  # pieces kept (least recently used out): a few agents' system messages
+SEEN_PIECES = 4_096  # fingerprints of long pieces seen once, the candidates to learn
+
+
+class SegmentEncoder:
+    """`encode(text)` equals `tokenizer.encode(text, add_special_tokens=False)`, with the ids
+    of long pieces between added tokens kept from earlier texts. Thread-safe (prompts are
+    tokenized on worker threads)."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.special_ids = _splitting_tokens(tokenizer)
+        self.enabled = bool(self.special_ids)
+        pattern = "|".join(re.escape(t) for t in sorted(self.special_ids, key=len, reverse=True))
+        self._split = re.compile(f"({pattern})") if self.enabled else None
+        self._pieces: OrderedDict[tuple[str, bool], tuple[int, ...]] = OrderedDict()
+        self._seen: OrderedDict[int, None] = OrderedDict()  # hash of a long piece seen once
+        self._lock = threading.Lock()
+        self.hits = 0  # texts encoded from kept pieces
+
+    def encode(self, text: str) -> list[int]:
+        if not self.enabled or len(text) < MIN_CACHED_CHARS:
+            return self._encode(text)
+        parts = self._split.split(text)  # text, special, text, special, ..., text
+        pieces = [(p, i == 0) for i, p in enumerate(parts[0::2])]
+        long = [piece for piece in pieces if len(piece[0]) >= MIN_CACHED_CHARS]
+        if not long:
+            return self._encode(text)
+        with self._lock:
+            kept = {piece: self._pieces.get(piece) for piece in long}
+            for piece, ids in kept.items():
+                if ids is not None:
+                    self._pieces.move_to_end(piece)
+        if any(ids is None for ids in kept.values()):
+            ids = self._encode(text)
+            if self._seen_before([piece for piece, got in kept.items() if got is None]):
+                self._learn(parts, pieces, ids)
+            return ids
+        self.hits += 1
+        out: list[int] = []
+        for i, piece in enumerate(pieces):
+            out += kept.get(piece) or (self._encode(piece[0]) if piece[0] else [])
+            if 2 * i + 1 < len(parts):
+                out.append(self.special_ids[parts[2 * i + 1]])
+        return out
+
+    def _seen_before(self, pieces: list[tuple[str, bool]]) -> bool:
+        """Whether any of these long pieces was seen before (each is remembered now)."""
+        with self._lock:
+            before = False
+            for piece in pieces:
+                key = hash(piece)
+                before = before or key in self._seen
+                self._seen[key] = None
+                self._seen.move_to_end(key)
+            while len(self._seen) > SEEN_PIECES:
+                self._seen.popitem(last=False)
+            return before
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _learn(self, parts: list[str], pieces: list[tuple[str, bool]], ids: list[int]) -> None:
+        """Keep the long pieces of a text encoded whole, where every piece encodes on its own to
+        the ids between its added tokens; else stop splitting for this tokenizer."""
+        specials = [self.special_ids[p] for p in parts[1::2]]
+        found: list[list[int]] = [[]]
+        for t in ids:
+            if len(found) <= len(specials) and t == specials[len(found) - 1]:
+                found.append([])
+            else:
+                found[-1].append(t)
+        same = len(found) == len(pieces) and all(
+            self._encode(text) == got for (text, _), got in zip(pieces, found, strict=True))
+        if not same:
+            self.enabled = False
+            log.info("prompt pieces between added tokens do not encode on their own with this tokenizer; "
+                     "prompts are encoded whole")
+            return
+        with self._lock:
+            for piece, got in zip(pieces, found, strict=True):
+                if len(piece[0]) >= MIN_CACHED_CHARS:
+                    self._pieces[piece] = tuple(got)
+                    self._pieces.move_to_end(piece)
+            while len(self._pieces) > CACHED_PIECES:
+                self._pieces.popitem(last=False)
+
+
+def _splitting_tokens(tokenizer: Any) -> dict[str, int]:
+    """The added tokens a fast tokenizer splits its input at, by text; empty (no splitting)
+    where one of them strips the spaces beside it, matches single words only or is matched
+    after normalization: the text between them then depends on its neighbours."""
+    added = getattr(tokenizer, "added_tokens_decoder", None)
+    if not added:
+        return {}
+    out: dict[str, int] = {}
+    for token_id, token in added.items():
+        content = getattr(token, "content", None)
+        if not content:
+            continue
+        if any(getattr(token, flag, False) for flag in ("lstrip", "rstrip", "single_word", "normalized")):
+            return {}
+        out[content] = int(token_id)
+    return out

@@ -1,0 +1,89 @@
+"""Chat prompts whose long messages are encoded once (structgen/prompt_encoding.py): the ids
+always equal the tokenizer's own encoding of the whole text, on real tokenizers and on one
+whose pieces do not encode on their own."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from structgen.prompt_encoding import MIN_CACHED_CHARS, SegmentEncoder
+
+# A tool catalogue as agents send it: long, with newlines, indentation, quotes and non-ASCII.
+CATALOGUE = "You can call these tools:\n" + "\n".join(
+    f'- "tool_{i}": looks up item {i} — params {{"id": int, "note": "ünïcode {i}"}}\n\t(returns JSON)'
+    for i in range(60))
+TURNS = ["What is item 3?", " leading space", "\nnewline first", "<not a special token>", ""]
+
+
+def chat_texts(tokenizer) -> list[str]:
+    return [tokenizer.apply_chat_template([{"role": "system", "content": CATALOGUE}, {"role": "user", "content": u}],
+                                          add_generation_prompt=True, tokenize=False) for u in TURNS]
+
+
+def test_agent_turns_equal_the_whole_encoding_and_reuse_the_catalogue(tokenizer):
+    assert len(CATALOGUE) >= MIN_CACHED_CHARS
+    encoder = SegmentEncoder(tokenizer)
+    for text in chat_texts(tokenizer):
+        assert encoder.encode(text) == list(tokenizer.encode(text, add_special_tokens=False))
+    # the catalogue is learnt at its second sighting, and reused from the third turn on
+    assert encoder.enabled and encoder.hits == len(TURNS) - 2
+
+
+def test_short_texts_are_encoded_whole_and_long_ones_reused_with_or_without_added_tokens(tokenizer):
+    encoder = SegmentEncoder(tokenizer)
+    for text in ("hi", "<|im_start|>user\nhi<|im_end|>", CATALOGUE, CATALOGUE + "<|im_end|>" + CATALOGUE):
+        for _ in range(3):
+            assert encoder.encode(text) == list(tokenizer.encode(text, add_special_tokens=False))
+    assert encoder.hits == 2  # the third encoding of each long text
+
+
+def test_the_llm_encodes_chat_prompts_through_it(llm_for_encoding):
+    llm = llm_for_encoding
+    messages = [{"role": "system", "content": CATALOGUE}, {"role": "user", "content": "hi"}]
+    text = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    before = llm._prompt_encoder.hits
+    for _ in range(3):
+        assert llm.encode_prompt(messages) == list(llm.tokenizer.encode(text, add_special_tokens=False))
+    assert llm._prompt_encoder.hits == before + 1
+
+
+def test_added_tokens_that_strip_spaces_turn_splitting_off(tokenizer):
+    from tokenizers import AddedToken
+
+    stripping = copy.deepcopy(tokenizer)
+    stripping.add_tokens([AddedToken("<tool>", lstrip=True, rstrip=True)])
+    encoder = SegmentEncoder(stripping)
+    assert not encoder.enabled
+    text = f"{CATALOGUE} <tool> {CATALOGUE}"
+    assert encoder.encode(text) == list(stripping.encode(text, add_special_tokens=False))
+
+
+def test_a_tokenizer_whose_pieces_do_not_encode_alone_is_found_out_and_encoded_whole():
+    # a prefix space on the input's first piece only: a piece after an added token encodes
+    # differently on its own
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE(unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    backend.train_from_iterator(["hello world tools and more tools " * 20],
+                                trainers.BpeTrainer(special_tokens=["<unk>", "<s>", "</s>"], vocab_size=100))
+    fast = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    encoder = SegmentEncoder(fast)
+    assert encoder.enabled
+    long = "hello world " * (MIN_CACHED_CHARS // 10)
+    for user in ("tools", "more tools", "hello"):
+        text = f"<s>{long}</s><s>{user}</s>"
+        assert encoder.encode(text) == list(fast.encode(text, add_special_tokens=False))
+    assert not encoder.enabled and encoder.hits == 0
+
+
+@pytest.fixture(scope="module")
+def llm_for_encoding(model_dir):
+    from structgen import LLM
+    from structgen.engine.config import EngineConfig
+
+    with LLM(model_dir, config=EngineConfig(device="cpu", max_batch_size=1, max_seq_len=4096)) as llm:
+        yield llm
