@@ -12,6 +12,7 @@ import pytest
 
 import structgen
 from structgen.engine.config import EngineConfig
+from structgen.prompt_encoding import SegmentEncoder
 from structgen_server.app import create_app
 
 
@@ -33,6 +34,7 @@ class CountingTokenizer:
 def counted(model_dir):
     llm = structgen.LLM(model_dir, config=EngineConfig(max_batch_size=2, max_seq_len=1024))
     llm.tokenizer = CountingTokenizer(llm.tokenizer)
+    llm._prompt_encoder = SegmentEncoder(llm.tokenizer)  # chat prompts encode through it
     yield llm, create_app(llm)
     llm.close()
 
