@@ -397,12 +397,6 @@ def main() -> None:
         floors[model] = hbm_floor_ms(decode_weight_bytes(cfg, torch.bfloat16), bandwidth)
         prompt_ids = tok.encode(chat(tok, PROMPT), add_special_tokens=False)
         grammar = GrammarCompiler(tok, cfg.vocab_size, sorted(stop)).compile(to_constraint(JsonSchema(SCHEMA)))
-        for size in (n for n in tp_sizes if n > 1):
-            tp_rows, floors[f"{model}-tp{size}"] = tensor_parallel_rows(
-                model, cfg, model_dir, stop, prompt_ids, grammar, batches, size, bandwidth, args.steps)
-            rows += tp_rows
-            if args.dump is not None:  # each size's rows kept as soon as they exist
-                args.dump.write_text(json.dumps({"rows": rows, "floors": floors, "extra": extra}, default=str))
         if 1 not in tp_sizes:
             continue  # a shape that only fits split (llama-70b-shape)
         invariant = args.batch_invariant == "on"
@@ -486,6 +480,18 @@ def main() -> None:
             torch.cuda.empty_cache()
         if args.dump is not None:
             args.dump.write_text(json.dumps({"rows": rows, "floors": floors, "extra": extra}, default=str))
+    # The split sizes after every one-GPU row: on an H100 host a one-GPU engine built after a
+    # tensor-parallel one had closed never finished building, and its rows were lost.
+    for model in args.models.split(","):
+        cfg, tok, model_dir, stop = load(model, args.tokenizer_dir)
+        prompt_ids = tok.encode(chat(tok, PROMPT), add_special_tokens=False)
+        grammar = GrammarCompiler(tok, cfg.vocab_size, sorted(stop)).compile(to_constraint(JsonSchema(SCHEMA)))
+        for size in (n for n in tp_sizes if n > 1):
+            tp_rows, floors[f"{model}-tp{size}"] = tensor_parallel_rows(
+                model, cfg, model_dir, stop, prompt_ids, grammar, batches, size, bandwidth, args.steps)
+            rows += tp_rows
+            if args.dump is not None:  # each size's rows kept as soon as they exist
+                args.dump.write_text(json.dumps({"rows": rows, "floors": floors, "extra": extra}, default=str))
 
     table = [{k: r.get(k) for k in ("system", "model", "batch", "constrained", "metric", "value", "floor_ms")}
              for r in rows]
