@@ -27,23 +27,9 @@ if [[ $DRY == 0 ]]; then
   nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader >> "$SUMMARY"
 fi
 
-left() { echo $(( BUDGET_S - SECONDS > 10 ? BUDGET_S - SECONDS : 10 )); }
-
-# piece NAME LIMIT_S LOG CMD...: run CMD under `timeout`, note its status and tail in the summary.
-piece() {
-  local name=$1 limit=$2 log=$3 start=$SECONDS rc from
-  shift 3
-  (( limit > $(left) )) && limit=$(left)
-  echo "== $name (limit ${limit}s) $*" >> "$log"
-  from=$(wc -l < "$log")
-  timeout -k 10 "$limit" "$@" >> "$log" 2>&1
-  rc=$?
-  {
-    echo "== $name: rc=$rc$([[ $rc == 124 || $rc == 137 ]] && echo ' TIMED OUT') in $((SECONDS - start))s"
-    tail -n +"$((from + 1))" "$log" \
-      | grep -E "passed|failed|error|x floor|faster|grammar overhead|built:|DP [0-9]+ vs|Error" | tail -n 14
-  } >> "$SUMMARY"
-}
+# `piece` and `left` (scripts/device/pieces.sh): each piece under its own timeout, its tail in the summary.
+PIECE_PATTERN="passed|failed|error|x floor|faster|grammar overhead|built:|DP [0-9]+ vs|Error"
+source scripts/device/pieces.sh
 
 if [[ $DRY == 1 ]]; then
   PYTEST=(python3 -m pytest -q -x -p no:cacheprovider tests/engine/test_tensor_parallel.py -k "greedy or closing")

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The one-GPU measurements of the open issues, in one call of at most 10 minutes, most wanted
+# first (call 2 of the two-call GGUF carry, scripts/device/README.md, with .carry/mbs):
+#   a. GPU tests the last changes touch: speculation == plain greedy on 20 JME prompts, the
+#      stream GEMV, the decode graphs;
+#   b. issue 32's targets, both modes (bench_speculative --targets);
+#   c. issue 30: 256 requests of one schema at once, cold then warm (bench_serving json-one),
+#      and the agent workload against its short-prompt twin, one at a time and Poisson;
+#   d. regressions and issue 35: bench_decode, SmolLM2 batch 1/64 and Llama-8B int4 / FP8.
+# Each piece runs under its own timeout (scripts/device/pieces.sh) and leaves its log and
+# results files under $OUT as soon as it ends.
+#
+#     export STRUCTGEN_COMMIT=<short hash, computed here>; bash scripts/device/one_gpu.sh
+#     bash scripts/device/one_gpu.sh --dry-run     # here, on the CPU: tiny runs of each piece
+set -u
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+DRY=0
+[[ "${1:-}" == "--dry-run" ]] && DRY=1
+OUT=${OUT:-/tmp/one_gpu_out}
+mkdir -p "$OUT"
+BUDGET_S=${BUDGET_S:-560}
+SUMMARY="$OUT/summary.txt"
+LOG="$OUT/run.log"  # every piece's output (few files: only about 8 come back from $OUT)
+: > "$SUMMARY"
+PIECE_PATTERN="passed|failed|error|Error|x floor|grammar overhead|^False|^True|json-one|agent|identical"
+source scripts/device/pieces.sh
+if [[ -d .carry/mbs ]]; then  # MaskBench, for the JME prompts and schemas
+  mkdir -p /tmp/sh/data && cp -r .carry/mbs /tmp/sh/data/maskbench
+  export STRUCTGEN_SHARED=/tmp/sh
+fi
+
+if [[ $DRY == 1 ]]; then
+  TESTS=(python3 -m pytest -q -x -p no:cacheprovider tests/engine/test_speculative_policy.py tests/engine/test_scheduler.py)
+  SPEC=(python3 -m benchmarks.bench_speculative --targets --limit 2 --target-batches 2 --modes default
+        --max-tokens 24 --device cpu --no-write)
+  JSON_ONE=(python3 -m benchmarks.bench_serving --workloads json-one --modes inprocess --arrivals closed
+            --requests 4 --max-tokens 24 --device cpu --no-bound --no-write)
+  AGENT=(python3 -m benchmarks.bench_serving --workloads agent,agent-short --modes inprocess --arrivals serial
+         --requests 2 --max-tokens 16 --device cpu --no-bound --no-write)
+  DECODE=(python3 -m benchmarks.bench_decode --cpu --models tiny-llama-shape --batches 1 --steps 4 --no-peers --no-write)
+else
+  source scripts/device/setup.sh > /tmp/setup.log 2>&1 || exit 1
+  nvidia-smi --query-gpu=name --format=csv,noheader >> "$SUMMARY"
+  TESTS=(python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_speculative_graphs.py
+         tests/engine/test_packed_gemv.py tests/engine/test_cuda_graphs.py)
+  SPEC=(python3 -m benchmarks.bench_speculative --targets --target-batches-invariant)
+  JSON_ONE=(python3 -m benchmarks.bench_serving --workloads json-one --modes inprocess --arrivals closed,closed
+            --requests 256 --max-tokens 128)
+  AGENT=(python3 -m benchmarks.bench_serving --workloads agent,agent-short --modes inprocess,http
+         --arrivals serial,100 --requests 200 --max-tokens 64)
+  DECODE=(python3 -m benchmarks.bench_decode --models smollm2-135m,llama-8b-shape-int4,llama-8b-shape-fp8
+          --batches 1,64 --steps 32 --no-peers)
+fi
+
+keep() { find benchmarks/results -name "$1" -newer "$SUMMARY" -exec cp {} "$OUT/" \; ; }
+piece "a: GPU tests" 120 "$LOG" "${TESTS[@]}"
+piece "b: speculation targets" 150 "$LOG" "${SPEC[@]}"
+keep 'speculative_targets-*.json'
+piece "c: json-one, 256 at once, cold then warm" 80 "$LOG" "${JSON_ONE[@]}"
+keep 'serving-*.json' && mv -f "$OUT"/serving-*.json "$OUT/serving-json-one.json" 2>/dev/null
+piece "c: agent against agent-short" 110 "$LOG" "${AGENT[@]}"
+keep 'serving-*.json'
+piece "d: decode steps" 150 "$LOG" "${DECODE[@]}"
+keep 'decode-*.json'
+
+echo "== total ${SECONDS}s" >> "$SUMMARY"
+cat "$SUMMARY"

@@ -1,0 +1,22 @@
+# Sourced by the device scripts (multi_gpu.sh, one_gpu.sh): `left` says how many of BUDGET_S
+# seconds are left, `piece` runs one measurement under its own timeout and notes its status and
+# the lines of its log that match PIECE_PATTERN in $SUMMARY, so a hang loses only that piece.
+# Needs BUDGET_S, SUMMARY and PIECE_PATTERN set.
+
+left() { echo $(( BUDGET_S - SECONDS > 10 ? BUDGET_S - SECONDS : 10 )); }
+
+# piece NAME LIMIT_S LOG CMD...: run CMD under `timeout`, note its status and tail in the summary.
+piece() {
+  local name=$1 limit=$2 log=$3 start=$SECONDS rc from
+  shift 3
+  (( limit > $(left) )) && limit=$(left)
+  echo "== $name (limit ${limit}s) $*" >> "$log"
+  from=$(wc -l < "$log")
+  timeout -k 10 "$limit" "$@" >> "$log" 2>&1
+  rc=$?
+  {
+    echo "== $name: rc=$rc$([[ $rc == 124 || $rc == 137 ]] && echo ' TIMED OUT') in $((SECONDS - start))s"
+    tail -n +"$((from + 1))" "$log" \
+      | grep -E "$PIECE_PATTERN" | tail -n 14
+  } >> "$SUMMARY"
+}
