@@ -14,22 +14,14 @@
 #     bash scripts/device/multi_gpu.sh --dry-run   # here, on the CPU: gloo, tiny shapes
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
-DRY=0
-[[ "${1:-}" == "--dry-run" ]] && DRY=1
-OUT=${OUT:-/tmp/multi_gpu_out}
-mkdir -p "$OUT"
 BUDGET_S=${BUDGET_S:-525}
-SUMMARY="$OUT/summary.txt"
-: > "$SUMMARY"
+PIECE_PATTERN="passed|failed|error|x floor|faster|grammar overhead|built:|DP [0-9]+ vs|Error"
+source scripts/device/pieces.sh "$@"  # DRY, OUT, SUMMARY; `piece` and `left`
 if [[ $DRY == 0 ]]; then
   source scripts/device/setup.sh || exit 1
   export NCCL_NVLS_ENABLE=0
   nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader >> "$SUMMARY"
 fi
-
-# `piece` and `left` (scripts/device/pieces.sh): each piece under its own timeout, its tail in the summary.
-PIECE_PATTERN="passed|failed|error|x floor|faster|grammar overhead|built:|DP [0-9]+ vs|Error"
-source scripts/device/pieces.sh
 
 if [[ $DRY == 1 ]]; then
   PYTEST=(python3 -m pytest -q -x -p no:cacheprovider tests/engine/test_tensor_parallel.py -k "greedy or closing")

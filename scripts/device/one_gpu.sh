@@ -14,16 +14,10 @@
 #     bash scripts/device/one_gpu.sh --dry-run     # here, on the CPU: tiny runs of each piece
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
-DRY=0
-[[ "${1:-}" == "--dry-run" ]] && DRY=1
-OUT=${OUT:-/tmp/one_gpu_out}
-mkdir -p "$OUT"
 BUDGET_S=${BUDGET_S:-560}
-SUMMARY="$OUT/summary.txt"
-LOG="$OUT/run.log"  # every piece's output (few files: only about 8 come back from $OUT)
-: > "$SUMMARY"
 PIECE_PATTERN="passed|failed|error|Error|x floor|grammar overhead|^False|^True|json-one|agent|identical"
-source scripts/device/pieces.sh
+source scripts/device/pieces.sh "$@"  # DRY, OUT, SUMMARY; `piece` and `left`
+LOG="$OUT/run.log"  # every piece's output (few files: only about 8 come back from $OUT)
 if [[ -d .carry/mbs ]]; then  # MaskBench, for the JME prompts and schemas
   mkdir -p /tmp/sh/data && cp -r .carry/mbs /tmp/sh/data/maskbench
   export STRUCTGEN_SHARED=/tmp/sh

@@ -1,7 +1,15 @@
-# Sourced by the device scripts (multi_gpu.sh, one_gpu.sh): `left` says how many of BUDGET_S
-# seconds are left, `piece` runs one measurement under its own timeout and notes its status and
-# the lines of its log that match PIECE_PATTERN in $SUMMARY, so a hang loses only that piece.
-# Needs BUDGET_S, SUMMARY and PIECE_PATTERN set.
+# Sourced by the device scripts (multi_gpu.sh, one_gpu.sh) with their arguments, after they set
+# BUDGET_S and PIECE_PATTERN: sets DRY (1 with --dry-run), OUT (default /tmp/<script>_out) and an
+# empty $SUMMARY; `left` says how many of BUDGET_S seconds are left, `piece` runs one measurement
+# under its own timeout and notes its status and the lines of its log that match PIECE_PATTERN
+# in $SUMMARY, so a hang loses only that piece.
+
+DRY=0
+[[ "${1:-}" == "--dry-run" ]] && DRY=1
+OUT=${OUT:-/tmp/$(basename "$0" .sh)_out}
+mkdir -p "$OUT"
+SUMMARY="$OUT/summary.txt"
+: > "$SUMMARY"
 
 left() { echo $(( BUDGET_S - SECONDS > 10 ? BUDGET_S - SECONDS : 10 )); }
 
