@@ -278,7 +278,7 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, batch: AttentionBatch, kv: KVCache) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
-        decoder = self.cpu_decoder(kv) if cpu_decoding.runs_natively(x) else None
+        decoder = self.cpu_decoder(kv) if cpu_decoding.runs_natively(x, batch) else None
         if decoder is not None:
             return self.norm(decoder.run(x.contiguous(), cpu_decoding.decode_rows(batch, self.rope, kv)))
         for layer in self.layers:
