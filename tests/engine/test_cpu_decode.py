@@ -73,7 +73,7 @@ def test_native_step_equals_the_torch_layers(engine: Engine, tokenizer, window: 
 def test_steps_that_attend_over_long_contexts_run_the_torch_layers() -> None:
     """The native step attends row by row: an agent turn's tail of 30 new tokens over a 3,000-token
     cached catalogue ran 3-4x slower there than through SDPA in the torch layers."""
-    from structgen.engine.models.cpu_decoding import MAX_NATIVE_PAIRS, runs_natively
+    from structgen.engine.models.cpu_decoding import LONG_CONTEXT, runs_natively
     from structgen.engine.page_table import PageTable
 
     pages = PageTable(256, 16, 2, 4096, torch.device("cpu"))
@@ -84,6 +84,6 @@ def test_steps_that_attend_over_long_contexts_run_the_torch_layers() -> None:
         return runs_natively(torch.zeros(n, 8), AttentionBatch.build([(slot, start, n)], pages))
 
     assert native(0, 30)  # a short prompt
-    assert native(MAX_NATIVE_PAIRS - 1, 1)  # a decode row over a context of MAX_NATIVE_PAIRS keys
+    assert native(LONG_CONTEXT - 1, 1) and native(LONG_CONTEXT - 4, 4)  # a decode row, and drafts to verify
     assert not native(2970, 30)  # the agent turn's tail
     assert not native(2999, 1)  # a decode row over 3,000 keys

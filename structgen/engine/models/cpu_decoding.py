@@ -22,21 +22,18 @@ if TYPE_CHECKING:
 # torch's GEMM: past about this many rows that beats the packed kernel (docs/performance.md).
 MAX_NATIVE_ROWS = 64
 # The native step attends row by row, reading a row's keys and values from the cache for each
-# of its heads: past contexts of about this many keys they leave the core's cache, and past
-# about MAX_NATIVE_PAIRS (row, key) pairs in all SDPA in the torch layers is faster
-# (docs/performance.md, "Quantized weights on the CPU").
-LONG_CONTEXT = 1_024
-MAX_NATIVE_PAIRS = 2_048
+# of its heads: past contexts of about this many keys SDPA in the torch layers is faster
+# (docs/performance.md, "Quantized weights on the CPU"). The choice follows the context only,
+# not the step's rows, so a verify step's rows take the path their plain decode steps take.
+LONG_CONTEXT = 2_048
 
 
 def runs_natively(hidden: torch.Tensor, batch: AttentionBatch) -> bool:
     """A step of a few rows (decode rows, drafts to verify, a short prompt) on the CPU, outside
     the batch-invariant mode (where a row's numbers must not depend on the kind of step), whose
-    attention is short: contexts within LONG_CONTEXT keys, or few (row, key) pairs in all."""
-    rows = hidden.shape[0]
-    if hidden.device.type != "cpu" or rows > MAX_NATIVE_ROWS or batch_invariant():
-        return False
-    return batch.max_ctx <= LONG_CONTEXT or rows * batch.max_ctx <= MAX_NATIVE_PAIRS
+    contexts are within LONG_CONTEXT keys."""
+    return (hidden.device.type == "cpu" and hidden.shape[0] <= MAX_NATIVE_ROWS and not batch_invariant()
+            and batch.max_ctx <= LONG_CONTEXT)
 
 
 def packed_matrix(linear: torch.nn.Module) -> PackedMatrix | None:
