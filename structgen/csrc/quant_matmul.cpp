@@ -378,6 +378,62 @@ int SimdLevel() { return 0; }
 
 bool SmallBlocks(int type) { return type == kQ4_0 || type == kQ4_1 || type == kQ8_0; }
 
+// Attention's two vector operations over one head's dims: q . k, and out += p * v. Vectorized
+// where the CPU allows (the sums then run in another order than the scalar loop's, the same for
+// every row of every step).
+#ifdef SGQ_X86
+SGQ_AVX2 float DotAvx2(const float* a, const float* b, int64_t d) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t e = 0;
+  for (; e + 8 <= d; e += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + e), _mm256_loadu_ps(b + e), acc);
+  float sum = HorizontalSum(acc);
+  for (; e < d; ++e) sum += a[e] * b[e];
+  return sum;
+}
+
+SGQ_AVX2 void AxpyAvx2(float p, const float* v, float* out, int64_t d) {
+  const __m256 pv = _mm256_set1_ps(p);
+  int64_t e = 0;
+  for (; e + 8 <= d; e += 8) _mm256_storeu_ps(out + e, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + e), _mm256_loadu_ps(out + e)));
+  for (; e < d; ++e) out[e] += p * v[e];
+}
+
+SGQ_AVX512 float DotAvx512(const float* a, const float* b, int64_t d) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t e = 0;
+  for (; e + 16 <= d; e += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + e), _mm512_loadu_ps(b + e), acc);
+  float sum = _mm512_reduce_add_ps(acc);
+  for (; e < d; ++e) sum += a[e] * b[e];
+  return sum;
+}
+
+SGQ_AVX512 void AxpyAvx512(float p, const float* v, float* out, int64_t d) {
+  const __m512 pv = _mm512_set1_ps(p);
+  int64_t e = 0;
+  for (; e + 16 <= d; e += 16)
+    _mm512_storeu_ps(out + e, _mm512_fmadd_ps(pv, _mm512_loadu_ps(v + e), _mm512_loadu_ps(out + e)));
+  for (; e < d; ++e) out[e] += p * v[e];
+}
+#endif
+
+float Dot(const float* a, const float* b, int64_t d, int simd) {
+#ifdef SGQ_X86
+  if (simd >= 2) return DotAvx512(a, b, d);
+  if (simd >= 1) return DotAvx2(a, b, d);
+#endif
+  float sum = 0;
+  for (int64_t e = 0; e < d; ++e) sum += a[e] * b[e];
+  return sum;
+}
+
+void Axpy(float p, const float* v, float* out, int64_t d, int simd) {
+#ifdef SGQ_X86
+  if (simd >= 2) return AxpyAvx512(p, v, out, d);
+  if (simd >= 1) return AxpyAvx2(p, v, out, d);
+#endif
+  for (int64_t e = 0; e < d; ++e) out[e] += p * v[e];
+}
+
 void MatmulRow(int type, const Format& f, const uint8_t* row, int64_t cols, const float* x,
                int64_t n, float* y, int64_t y_stride, int simd) {
 #ifdef SGQ_X86
@@ -613,7 +669,7 @@ void RopeAndCache(const ModelShape& m, const DecoderLayer& l, const DecodeRows& 
 // Attention of query head `head` of row `i` over its sequence's cached keys up to its position
 // (the window's last keys where the layer has one): softmax(q . k / sqrt(d)) . v into `out`.
 void AttendHead(const ModelShape& m, const DecoderLayer& l, const DecodeRows& b, const float* qkv,
-                int64_t i, int64_t head, std::vector<float>* scores, float* out) {
+                int64_t i, int64_t head, int simd, std::vector<float>* scores, float* out) {
   const int64_t d = m.head_dim, kv = m.kv_heads * d;
   const int64_t kv_head = head / (m.heads / m.kv_heads), ctx = b.positions[i] + 1;
   const int64_t first = l.window > 0 && ctx > l.window ? ctx - l.window : 0;
@@ -626,9 +682,7 @@ void AttendHead(const ModelShape& m, const DecoderLayer& l, const DecodeRows& b,
   for (int64_t t = first; t < ctx; ++t) {
     const int64_t cache_row = pages[t / b.page_size] * b.page_size + t % b.page_size;
     const float* k = l.k_cache + cache_row * kv + kv_head * d;
-    float dot = 0;
-    for (int64_t e = 0; e < d; ++e) dot += q[e] * k[e];
-    s[t - first] = dot * scale;
+    s[t - first] = Dot(q, k, d, simd) * scale;
     top = s[t - first] > top ? s[t - first] : top;
   }
   float total = 0;
@@ -637,8 +691,7 @@ void AttendHead(const ModelShape& m, const DecoderLayer& l, const DecodeRows& b,
   for (int64_t t = first; t < ctx; ++t) {
     const int64_t cache_row = pages[t / b.page_size] * b.page_size + t % b.page_size;
     const float* v = l.v_cache + cache_row * kv + kv_head * d;
-    const float p = s[t - first] / total;
-    for (int64_t e = 0; e < d; ++e) out[e] += p * v[e];
+    Axpy(s[t - first] / total, v, out, d, simd);
   }
 }
 
@@ -669,7 +722,7 @@ void AttentionBlock(const ModelShape& m, const DecoderLayer& l, const DecodeRows
   Barrier();
   const Share heads = ShareOf(b.n * m.heads, team.thread, team.threads);
   for (int64_t job = heads.begin; job < heads.end; ++job)
-    AttendHead(m, l, b, buf->qkv.data(), job / m.heads, job % m.heads, &own->scores,
+    AttendHead(m, l, b, buf->qkv.data(), job / m.heads, job % m.heads, simd, &own->scores,
                buf->attn.data() + job * m.head_dim);
   Barrier();
   LinearShare(l.o, buf->attn.data(), b.n, buf->proj.data(), simd, team);
