@@ -21,19 +21,22 @@ if TYPE_CHECKING:
 # Steps of more rows run the torch layers, whose products de-quantize each weight once for
 # torch's GEMM: past about this many rows that beats the packed kernel (docs/performance.md).
 MAX_NATIVE_ROWS = 64
-# The native step attends row by row, reading a row's keys and values from the cache for each
-# of its heads: past contexts of about this many keys SDPA in the torch layers is faster
-# (docs/performance.md, "Quantized weights on the CPU"). The choice follows the context only,
-# not the step's rows, so a verify step's rows take the path their plain decode steps take.
+# The native step attends row by row: over contexts past LONG_CONTEXT keys a step of many rows
+# (a prompt's tail after a long cached prefix) runs faster through SDPA in the torch layers,
+# while a lone decode row, or a request's drafts to verify, still runs faster natively
+# (docs/performance.md, "Quantized weights on the CPU").
 LONG_CONTEXT = 2_048
+FEW_ROWS = 4  # a decode row and three drafts to verify: the same path as the decode rows alone
 
 
 def runs_natively(hidden: torch.Tensor, batch: AttentionBatch) -> bool:
     """A step of a few rows (decode rows, drafts to verify, a short prompt) on the CPU, outside
     the batch-invariant mode (where a row's numbers must not depend on the kind of step), whose
-    contexts are within LONG_CONTEXT keys."""
-    return (hidden.device.type == "cpu" and hidden.shape[0] <= MAX_NATIVE_ROWS and not batch_invariant()
-            and batch.max_ctx <= LONG_CONTEXT)
+    contexts are within LONG_CONTEXT keys or whose rows are FEW_ROWS at most."""
+    rows = hidden.shape[0]
+    if hidden.device.type != "cpu" or rows > MAX_NATIVE_ROWS or batch_invariant():
+        return False
+    return rows <= FEW_ROWS or batch.max_ctx <= LONG_CONTEXT
 
 
 def packed_matrix(linear: torch.nn.Module) -> PackedMatrix | None:
