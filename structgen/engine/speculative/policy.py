@@ -256,14 +256,14 @@ class DraftPolicy:
         plain = self.plain.seconds.get(plain_bucket)
         if plain is None:  # time the plain step first
             return Choice(0, "untimed")
+        plain_rate = sampling / plain
+        if self._realized_loss(plain_bucket, plain_rate):  # stopped: no drafts to weigh
+            return Choice(0, "plain")
         tokens = list(itertools.accumulate(worths, initial=float(sampling)))  # by drafts kept
         options = self._options(rows, len(worths))
-        plain_rate = sampling / plain
         margin = STAY_MARGIN if self.drafting.get(plain_bucket) else ENTER_MARGIN
         bucket, drafts = max(options, key=lambda o: tokens[o[1]] / self._verify_cost(o[0]))
         pays = tokens[drafts] / self._verify_cost(bucket) > plain_rate * (1 + margin)
-        if self._realized_loss(plain_bucket, plain_rate):
-            return Choice(0, "plain")
         self.drafting[plain_bucket] = pays
         if pays:
             return Choice(drafts, "pays")
