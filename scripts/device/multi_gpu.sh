@@ -48,12 +48,12 @@ CUDA_VISIBLE_DEVICES=0,1 piece "a: TP=2 == TP=1 (NCCL, graphs)" 150 "$OUT/pytest
 A_PID=$!
 CUDA_VISIBLE_DEVICES=2,3 piece "d: DP=2 vs 1 replica" 160 "$OUT/bench_dp.log" "${DP[@]}" --dump "$OUT/dp.json"
 wait "$A_PID"
-find benchmarks/results -name 'replicas-*.json' -newer "$SUMMARY" -exec cp {} "$OUT/" \;
+keep 'replicas-*.json'
 
 piece "b: Llama-8B shape TP 1/2/4" 170 "$OUT/bench_tp.log" "${TP_SMALL[@]}" --dump "$OUT/tp_decode.json"
 piece "c: Llama-70B shape TP 4" 170 "$OUT/bench_tp.log" "${TP_LARGE[@]}" \
   --merge "$OUT/tp_decode.json" --dump "$OUT/tp_decode.json"
-find benchmarks/results -name 'decode-*.json' -newer "$SUMMARY" -exec cp {} "$OUT/" \;
+keep 'decode-*.json'
 
 echo "== total ${SECONDS}s" >> "$SUMMARY"
 cat "$SUMMARY"

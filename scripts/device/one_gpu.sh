@@ -46,7 +46,6 @@ else
           --batches 1,64 --steps 32 --no-peers)
 fi
 
-keep() { find benchmarks/results -name "$1" -newer "$SUMMARY" -exec cp {} "$OUT/" \; ; }
 piece "a: GPU tests" 120 "$LOG" "${TESTS[@]}"
 piece "b: speculation targets" 150 "$LOG" "${SPEC[@]}"
 keep 'speculative_targets-*.json'
