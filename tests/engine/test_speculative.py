@@ -99,19 +99,20 @@ def test_greedy_constrained_output_is_unchanged(llm):
 
 
 def test_where_no_draft_pays_steps_run_as_plain_decode_steps(llm):
-    """Two requests at a batch where the policy finds that drafts cost more than they emit
-    (here: every bucket past two rows priced at ten plain steps) run the engine's plain decode
+    """Requests at a batch where the policy finds that drafts cost more than they emit (every
+    bucket past the plain step's rows priced at ten plain steps) run the engine's plain decode
     steps, not verify steps without drafts: the plain outputs, half the passes or fewer as
-    verify steps (the prompts' steps still are, and so are a lone request's), and the plain
-    steps are timed for the policy."""
-    ids = [llm.encode_prompt(p) for p in (PROMPT, f"Summarise in one sentence: {SOURCE}")]
+    verify steps (the prompts' steps still are), and the plain steps are timed for the policy.
+    Two requests, and a lone one: its steps stay verify steps only where it was given drafts."""
+    prompts = [llm.encode_prompt(p) for p in (PROMPT, f"Summarise in one sentence: {SOURCE}")]
 
-    def run(spec: SpeculativeConfig | None, costs: dict[int, float]) -> list[Request]:
+    def run(spec: SpeculativeConfig | None, ids: list[list[int]]) -> list[Request]:
         speculate(llm, spec)
         if spec is not None:
-            for rows, seconds in costs.items():  # two rows: a plain step; more: a verify step
+            rows = len(ids)  # a plain step's rows; a step of more is a verify step
+            for bucket, seconds in ((rows, 1.0), (2 * rows, 10.0), (4 * rows, 10.0)):
                 for _ in range(2):  # a bucket's first is dropped
-                    llm.engine.speculator.policy.record_step(rows, seconds, drafts=rows - 2)
+                    llm.engine.speculator.policy.record_step(bucket, seconds, drafts=bucket - rows)
         try:
             return submit_all(llm, ids, [30] * len(ids))
         finally:
@@ -119,12 +120,13 @@ def test_where_no_draft_pays_steps_run_as_plain_decode_steps(llm):
                 run.policy = llm.engine.speculator.policy
             speculate(llm, None)
 
-    base = run(None, {})
-    got = run(SpeculativeConfig(num_draft_tokens=3), {2: 1.0, 4: 10.0, 8: 10.0})
-    assert [r.output_ids for r in got] == [r.output_ids for r in base]
-    for r in got:
-        assert r.stats.verify_steps <= r.stats.forward_passes // 2  # every pass was one before
-    assert run.policy.plain.seconds[2] < 1.0  # plain steps replaced the made-up cost of two rows
+    for ids in (prompts, prompts[:1]):
+        base = run(None, ids)
+        got = run(SpeculativeConfig(num_draft_tokens=3), ids)
+        assert [r.output_ids for r in got] == [r.output_ids for r in base]
+        for r in got:
+            assert r.stats.verify_steps <= r.stats.forward_passes // 2  # every pass was one before
+        assert run.policy.plain.seconds[len(ids)] < 1.0  # plain steps replaced the made-up cost
 
 
 FSTAB_ENTRY = {"type": "object", "properties": {

@@ -76,6 +76,9 @@ def test_graph_verify_equals_eager_and_no_speculation():
     reference = {tuple(p): o for p, o in zip(prompts, base, strict=True)}
     for graphs in (True, False):
         eng = engine(graphs, SpeculativeConfig(method="custom", drafter=ReplayDrafter(reference), num_draft_tokens=3))
+        # Fixed draft lengths: the policy's timed ones vary run to run, and with them the rows a
+        # step runs, whose float32 rounding a sampled token near a tie turns on.
+        eng.speculator.adaptive = False
         assert (eng.runner.graphs is not None) == graphs
         for batch in (prompts[:1], prompts):  # 4 rows a step; 24 rows a step
             assert_same_up_to_ties(eng, batch, generate(eng, batch), base[: len(batch)])

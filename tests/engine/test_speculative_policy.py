@@ -117,6 +117,18 @@ def test_drafting_stops_where_its_realized_rate_loses_though_its_timed_steps_say
     assert one.kinds[-100:] == ["pays"] * 100 and one.speedup > 1.5
 
 
+def test_a_plain_step_timed_slower_than_a_larger_ones_is_priced_at_the_larger_cost():
+    # 32 requests, one draft each: 48 tokens expected from a 64-row verify step of 2.6 s. Against
+    # a 32-row plain step timed at 3.0 s drafting pays; but a 64-row plain step took 1.8 s, so
+    # the 32-row one costs at most that, and drafting loses (48 / 2.6 < 32 / 1.8 * 1.1).
+    reqs, budgets = list(range(32)), [1] * 32
+    alone = measured({32: 3.0}, {64: 2.6})
+    assert sum(alone.draft_lengths(reqs, budgets, rows=32)) == 32
+    bounded = measured({32: 3.0, 64: 1.8}, {64: 2.6})
+    assert sum(bounded.draft_lengths(reqs, budgets, rows=32)) == 0
+    assert bounded.decisions["plain"] == 1
+
+
 def test_batch_64_resumes_drafting_when_acceptance_rises():
     sim = Simulation(DraftPolicy(BUCKETS), batch=64, accept=0.6).run(100)
     assert sim.step() == [0] * 64

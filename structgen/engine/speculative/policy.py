@@ -13,7 +13,8 @@ construction, so:
 
 - Two cost tables, by bucket: `plain` (steps without drafts: what not drafting costs) and
   `verify` (steps with drafts). Each is a mean of measured wall times, a bucket's first step
-  dropped as warm-up. Until the plain step of this step's bucket is measured, nobody drafts.
+  dropped as warm-up. Until the plain step of this step's bucket is measured, nobody drafts;
+  a plain step is priced at no more than any larger bucket's (more rows never cost less).
 - A verify bucket pays when its expected tokens per second beat the plain step's measured rate
   by `ENTER_MARGIN`; once drafting at a plain bucket, by `STAY_MARGIN` (hysteresis, so it does
   not flap). A verify bucket not measured yet is priced pessimistically: as the next measured
@@ -217,6 +218,12 @@ class DraftPolicy:
         known = self.requests.get(req)
         return (known or self.engine_wide).rate
 
+    @property
+    def chose_drafts(self) -> bool:
+        """Whether the last decision gave anyone drafts (whether the drafter produced them
+        or not)."""
+        return self.open is not None and self.open.drafted
+
     def draft_lengths(self, reqs: list[object], budgets: list[int], rows: int) -> list[int]:
         """How many tokens each of `reqs` drafts, at most its budget (0: it does not sample
         this step); `rows`: the step's rows without drafts. A choice of no drafts stands
@@ -253,7 +260,7 @@ class DraftPolicy:
         that sample this step, `rows`: its rows without drafts."""
         self.steps += 1
         plain_bucket = self.bucket(rows)
-        plain = self.plain.seconds.get(plain_bucket)
+        plain = self._plain_cost(plain_bucket)
         if plain is None:  # time the plain step first
             return Choice(0, "untimed")
         plain_rate = sampling / plain
@@ -292,6 +299,15 @@ class DraftPolicy:
         self.blocks[plain_bucket] += 1
         self.drafting[plain_bucket] = False
         return True
+
+    def _plain_cost(self, bucket: int) -> float | None:
+        """The plain step's cost at `bucket` once timed: its mean, or less where a larger
+        bucket measured less (more rows never cost less; a few slow steps, e.g. the first after
+        a prefill, would otherwise make drafting look like it pays)."""
+        own = self.plain.seconds.get(bucket)
+        if own is None:
+            return None
+        return min(s for b, s in self.plain.seconds.items() if b >= bucket)
 
     def _close_step(self, now: float) -> None:
         """The step decided last ends where the next decision begins: its realized rate."""

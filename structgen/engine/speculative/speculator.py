@@ -227,12 +227,13 @@ class Speculator:
     def skips_verify(self, batch: list[tuple[Request, int]], drafts: list[list[int]]) -> bool:
         """Whether this step, where nobody drafts, runs as a plain decode step (the engine's
         own path, whose next forward is launched ahead and whose masks are filled during the
-        forward). Only with several requests: one request's steps stay verify steps, whose
-        next forward this speculator plans. Only for a drafter that runs on the host (a draft
+        forward). One request's step does only where the policy chose no drafts: where it asked
+        for drafts and the drafter found none, the step stays a verify step, whose next
+        forward this speculator plans. Only for a drafter that runs on the host (a draft
         model keeps a KV cache of its own that follows every step), not in the capturable
         mode, nor with fixed draft lengths."""
-        return (len(batch) > 1 and not any(drafts) and self.adaptive and not self.capturable
-                and getattr(self.drafter, "host_only", False))
+        return ((len(batch) > 1 or not self.policy.chose_drafts) and not any(drafts) and self.adaptive
+                and not self.capturable and getattr(self.drafter, "host_only", False))
 
     def plans_plain_step(self, batch: list[tuple[Request, int]]) -> bool:
         """Whether the next step, `batch`, will be a plain decode step; its drafts are proposed
