@@ -296,6 +296,10 @@ def _parse_args() -> argparse.Namespace:
     ap.add_argument("--graph-rows", default=None,
                     help="decode graph row buckets (EngineTuning.cuda_graph_batch_sizes), e.g. 1,2,4,...,1024: "
                          "the largest caps a step's rows, prompt rows included (in process only)")
+    ap.add_argument("--tuning", action="append", default=[], metavar="FIELD=VALUE",
+                    help="an EngineTuning field for this run, e.g. eager_prefill_backlog=1024 (in process only)")
+    ap.add_argument("--prefill-chunk-tokens", type=int, default=None,
+                    help="EngineConfig.prefill_chunk_tokens: most tokens of an eager prefill step")
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--data-dir", type=Path, default=None, help="MaskBench jsonl folder (default: ../shared)")
     ap.add_argument("--no-bound", action="store_true", help="skip the decode-step bound")
@@ -307,15 +311,33 @@ def _parse_args() -> argparse.Namespace:
     return ap.parse_args()
 
 
+def _tuning_value(item: str) -> tuple[str, object]:
+    """`FIELD=VALUE` of --tuning as the field's name and value: an int, a float, true / false,
+    or a comma-separated tuple of ints."""
+    name, _, text = item.partition("=")
+    if text.lower() in ("true", "false"):
+        return name, text.lower() == "true"
+    if "," in text:
+        return name, tuple(int(v) for v in text.split(",") if v)
+    try:
+        return name, int(text)
+    except ValueError:
+        return name, float(text)
+
+
 def main() -> None:
     args = _parse_args()
     from structgen import LLM
     from structgen.engine.config import EngineConfig, EngineTuning
 
     data_dir = args.data_dir or maskbench_dir()
-    tuning = EngineTuning(cuda_graph_batch_sizes=tuple(int(r) for r in args.graph_rows.split(","))) if args.graph_rows else None
-    cfg = EngineConfig(max_batch_size=args.max_batch_size, max_seq_len=4096,
-                       **({"device": args.device} if args.device else {}), **({"tuning": tuning} if tuning else {}))
+    tuning = dict(_tuning_value(item) for item in args.tuning)
+    if args.graph_rows:
+        tuning["cuda_graph_batch_sizes"] = tuple(int(r) for r in args.graph_rows.split(","))
+    extra = {"device": args.device} if args.device else {}
+    if args.prefill_chunk_tokens:
+        extra["prefill_chunk_tokens"] = args.prefill_chunk_tokens
+    cfg = EngineConfig(max_batch_size=args.max_batch_size, max_seq_len=4096, tuning=EngineTuning(**tuning), **extra)
     results = Results({k: str(v) for k, v in vars(args).items()}, write=not args.no_write)
     with LLM(config=cfg) as llm:
         workloads = {"json": lambda: json_workload(args.requests, data_dir),
