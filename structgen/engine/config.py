@@ -265,10 +265,6 @@ class EngineTuning:
     # instead of as eager extends, whose kernel launches set a small model's time to the first
     # token (docs/performance.md, "Prefill and time to first token").
     prefill_in_graphs: bool = True
-    # Where more prompt tokens wait than this (a burst of requests), a step runs them eagerly,
-    # up to `EngineConfig.prefill_chunk_tokens` tokens, instead of as graph replays capped at
-    # the largest bucket: one launch-bound forward beats many replays there. 0: never.
-    eager_prefill_backlog: int = 0
     # Speculative verify steps with a host-side drafter run as a loop of CUDA graphs with the
     # grammar work as host callbacks inside (engine/guided_loop.py; needs the csrc extension);
     # opt-in because it did not beat the usual path (docs/performance.md, "Speculative decoding").

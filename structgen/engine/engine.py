@@ -210,7 +210,10 @@ class Engine:
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[Request]:
         """Run one forward over every running request; return requests that finished."""
-        batch = self.scheduler.schedule(token_budget=self._step_token_budget())
+        graphs = self.runner.graphs
+        # With prompts in the graphs, a step's tokens are capped at the largest bucket.
+        budget = graphs.max_batch_size if graphs is not None and self.config.tuning.prefill_in_graphs else None
+        batch = self.scheduler.schedule(token_budget=budget)
         if not batch:
             return []
         if self.speculator is not None:
@@ -246,28 +249,6 @@ class Engine:
             if not req.finished:
                 self._notify(req)
         return finished
-
-    def _step_token_budget(self) -> int | None:
-        """The step's token cap: with prompts in the graphs, the largest bucket, unless a
-        burst's prompt tokens wait beyond `EngineTuning.eager_prefill_backlog` (then none: the
-        step takes up to `prefill_chunk_tokens` and runs eagerly)."""
-        graphs, tuning = self.runner.graphs, self.config.tuning
-        if graphs is None or not tuning.prefill_in_graphs:
-            return None
-        if tuning.eager_prefill_backlog and self._prompt_backlog(tuning.eager_prefill_backlog) > tuning.eager_prefill_backlog:
-            return None
-        return graphs.max_batch_size
-
-    def _prompt_backlog(self, enough: int) -> int:
-        """Prompt tokens not yet computed, of running and waiting requests (a waiting request's
-        prefix-cache hit not counted off), counted up to past `enough`."""
-        total = 0
-        for reqs in (self.scheduler.running, self.scheduler.waiting):
-            for req in reqs:
-                total += max(0, req.num_prompt - req.num_cached)
-                if total > enough:
-                    return total
-        return total
 
     def _speculative_step(self, batch: list[tuple[Request, int]]) -> list[Request]:
         """Draft, then verify every draft in one forward (speculative/); where nobody drafts

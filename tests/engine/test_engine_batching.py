@@ -512,27 +512,3 @@ def allowed_token(matcher, vocab_size: int) -> int:
     matcher.fill_bitmask(mask, 0)
     bits = np.unpackbits(mask[0].numpy().view(np.uint8), bitorder="little")
     return int(np.flatnonzero(bits)[0])
-
-
-def test_a_burst_of_prompts_runs_eagerly_in_large_steps_and_then_the_graphs_take_over():
-    """With prompts in the decode graphs a step is capped at the largest bucket; where more
-    prompt tokens wait than `eager_prefill_backlog`, the step takes up to
-    `prefill_chunk_tokens` (an eager forward), until the backlog is back under the bound."""
-    from structgen.engine.config import ModelConfig
-    from structgen.engine.cuda_graphs import DecodeGraphs
-
-    cfg = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, eos_token_id=[])
-    tuning = EngineTuning(prefill_in_graphs=True, eager_prefill_backlog=100)
-    eng = Engine(cfg, EngineConfig(device="cpu", max_batch_size=8, max_seq_len=256, prefill_chunk_tokens=120,
-                                   use_cuda_graphs=False, tuning=tuning), model_dir=None, stop_token_ids=set())
-    eng.runner.graphs = DecodeGraphs(eng.runner, (1, 2, 4, 8), capture=False)
-    for i in range(5):
-        eng.scheduler.add(Request([(7 * i + j) % 500 + 1 for j in range(60)], SamplingParams(max_tokens=4)))
-    steps = []
-    while eng.scheduler.has_work() and len(steps) < 3:
-        batch = eng.scheduler.schedule(token_budget=eng._step_token_budget())
-        steps.append(sum(n for _, n in batch))
-        for req, n in batch:
-            req.num_cached += n
-    assert steps == [120, 120, 8]  # 300 prompt tokens wait: two eager steps; 60: graph-sized
