@@ -225,6 +225,10 @@ class SpeculativeConfig:
 
     method: str = "ngram"  # "ngram" | "draft_model" | "self_draft" | "custom"
     num_draft_tokens: int = 3  # k: most tokens proposed per step
+    # Steps of more requests than this run as plain decode steps: with many rows a step is
+    # no longer nearly free, and drafts lose more than they earn there (docs/performance.md,
+    # "Speculative decoding"). 0: no limit, the draft policy alone decides.
+    max_requests: int = 8
     grammar_aware: bool = True  # cut/mask drafts with the request's grammar before verifying
     # n-gram / prompt lookup
     ngram_max: int = 4  # longest suffix n-gram matched against the context
@@ -244,6 +248,8 @@ class SpeculativeConfig:
             raise InvalidParameterError(f"speculative method must be one of {methods}, got {self.method!r}")
         if self.num_draft_tokens < 1:
             raise InvalidParameterError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
+        if self.max_requests < 0:
+            raise InvalidParameterError(f"max_requests must be >= 0 (0: no limit), got {self.max_requests}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise InvalidParameterError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
         if self.method == "draft_model" and not self.draft_model:

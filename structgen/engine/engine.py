@@ -216,7 +216,7 @@ class Engine:
         batch = self.scheduler.schedule(token_budget=budget)
         if not batch:
             return []
-        if self.speculator is not None:
+        if self.speculator is not None and self.speculator.runs(batch):
             return self._speculative_step(batch)
         if self._is_decode_step(batch):
             return self._decode_step(batch)
@@ -409,7 +409,8 @@ class Engine:
             batch = self.scheduler.peek()
             if not batch or not self._is_decode_step(batch):
                 return None
-            if self.speculator is not None and not self.speculator.plans_plain_step(batch):
+            spec = self.speculator
+            if spec is not None and spec.runs(batch) and not spec.plans_plain_step(batch):
                 return None  # a verify step comes next (its drafts are kept for it)
             return self._decode_rows(batch)[0]
         except Exception:  # pragma: no cover - planning must never fail the step

@@ -129,6 +129,24 @@ def test_where_no_draft_pays_steps_run_as_plain_decode_steps(llm):
         assert run.policy.plain.seconds[len(ids)] < 1.0  # plain steps replaced the made-up cost
 
 
+def test_steps_of_more_requests_than_max_requests_run_without_speculation(llm):
+    """A step of more requests than `SpeculativeConfig.max_requests` is the engine's plain step:
+    a short request that runs only beside two others never sees a verify step (its prompt's
+    step would be one), and outputs equal plain decoding's; the limit off (0), it does."""
+    prompts = [llm.encode_prompt(p) for p in (PROMPT, f"Summarise in one sentence: {SOURCE}", f"Who is this? {SOURCE}")]
+    budgets = [6, 24, 24]
+    speculate(llm, None)
+    base = submit_all(llm, prompts, budgets)
+    for cap, verified in ((2, False), (0, True)):
+        speculate(llm, SpeculativeConfig(num_draft_tokens=3, max_requests=cap))
+        try:
+            got = submit_all(llm, prompts, budgets)
+        finally:
+            speculate(llm, None)
+        assert [r.output_ids for r in got] == [r.output_ids for r in base]
+        assert (got[0].stats.verify_steps > 0) == verified, f"max_requests={cap}"
+
+
 FSTAB_ENTRY = {"type": "object", "properties": {
     "device": {"type": "string"}, "mount_point": {"type": "string"}, "file_system_type": {"type": "string"},
     "options": {"type": "string"}, "dump": {"type": "string", "pattern": "^[0-1]$"},

@@ -224,6 +224,13 @@ class Speculator:
         drafts = self._planned_drafts(batch)
         return self.propose(batch) if drafts is None else drafts
 
+    def runs(self, batch: list[tuple[Request, int]]) -> bool:
+        """Whether speculation runs this step at all: at most `max_requests` requests (more
+        run the engine's plain step, which this speculator does not see), or with fixed draft
+        lengths (every step drafts)."""
+        cap = self.config.max_requests
+        return not self.adaptive or not cap or len(batch) <= cap
+
     def skips_verify(self, batch: list[tuple[Request, int]], drafts: list[list[int]]) -> bool:
         """Whether this step, where nobody drafts, runs as a plain decode step (the engine's
         own path, whose next forward is launched ahead and whose masks are filled during the
