@@ -64,6 +64,7 @@ class Outcome:
     refused: bool = False  # a clear refusal of the request's schema (400), not a lost request
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens the prefix cache held
+    text: str = ""  # the output, validated once the run's clock has stopped (`drive`)
 
 
 @dataclass
@@ -153,12 +154,21 @@ def agent_workload(n: int, data_dir: Path, tokenizer: Any, catalogue: bool = Tru
 
 
 # -- runners -----------------------------------------------------------------------------------
-def _valid(text: str, schema: dict[str, Any]) -> bool:
-    try:
-        jsonschema.validate(json.loads(text), schema)
-        return True
-    except (ValueError, jsonschema.ValidationError, jsonschema.SchemaError):
-        return False
+def validate_outcomes(outcomes: list[Outcome], requests: list[ServingRequest]) -> None:
+    """Set each complete outcome's `valid`, one validator per schema. After the run, not in
+    it: in-process requests share the engine's process, and `jsonschema.validate` checks the
+    schema itself on every call (milliseconds each), time the engine thread would lose."""
+    validators: dict[str, Any] = {}
+    for outcome, req in zip(outcomes, requests, strict=True):
+        if outcome.error:
+            continue
+        key = json.dumps(req.schema, sort_keys=True)
+        if key not in validators:
+            validators[key] = jsonschema.validators.validator_for(req.schema)(req.schema)
+        try:
+            outcome.valid = validators[key].is_valid(json.loads(outcome.text))
+        except (ValueError, jsonschema.SchemaError):
+            outcome.valid = False
 
 
 def inprocess_runner(llm: Any, max_tokens: int) -> Callable[[ServingRequest], Awaitable[Outcome]]:
@@ -173,8 +183,8 @@ def inprocess_runner(llm: Any, max_tokens: int) -> Callable[[ServingRequest], Aw
             return Outcome(latency, latency - st.decode_s, st.output_tokens, incomplete=True,
                            prompt_tokens=st.prompt_tokens, cached_tokens=st.cached_prompt_tokens)
         latency, st = time.perf_counter() - t0, c.stats
-        return Outcome(latency, latency - st.decode_s, st.output_tokens, _valid(c.text, req.schema),
-                       prompt_tokens=st.prompt_tokens, cached_tokens=st.cached_prompt_tokens)
+        return Outcome(latency, latency - st.decode_s, st.output_tokens, prompt_tokens=st.prompt_tokens,
+                       cached_tokens=st.cached_prompt_tokens, text=c.text)
 
     return run
 
@@ -196,7 +206,7 @@ def http_runner(client: Any, model: str, max_tokens: int) -> Callable[[ServingRe
                 usage, tokens = chunk.usage, chunk.usage.completion_tokens
         text = "".join(parts)
         details = getattr(usage, "prompt_tokens_details", None)
-        return Outcome(time.perf_counter() - t0, ttft, tokens, _valid(text, req.schema), finish == "length",
+        return Outcome(time.perf_counter() - t0, ttft, tokens, incomplete=finish == "length", text=text,
                        prompt_tokens=usage.prompt_tokens if usage is not None else 0,
                        cached_tokens=(getattr(details, "cached_tokens", None) or 0) if details is not None else 0)
 
@@ -225,13 +235,16 @@ async def drive(run: Callable[[ServingRequest], Awaitable[Outcome]], requests: l
 
     t0 = time.perf_counter()
     if rate == "serial":
-        return RunResult([await one(r, 0.0) for r in requests], time.perf_counter() - t0)
-    delays, t = [], 0.0
-    for _ in requests:
-        delays.append(t)
-        t += rng.expovariate(rate) if isinstance(rate, float) else 0.0
-    outcomes = await asyncio.gather(*(one(r, d) for r, d in zip(requests, delays, strict=True)))
-    return RunResult(list(outcomes), time.perf_counter() - t0)
+        outcomes = [await one(r, 0.0) for r in requests]
+    else:
+        delays, t = [], 0.0
+        for _ in requests:
+            delays.append(t)
+            t += rng.expovariate(rate) if isinstance(rate, float) else 0.0
+        outcomes = await asyncio.gather(*(one(r, d) for r, d in zip(requests, delays, strict=True)))
+    wall = time.perf_counter() - t0
+    validate_outcomes(list(outcomes), requests)
+    return RunResult(list(outcomes), wall)
 
 
 def _refusal(exc: BaseException) -> bool:
