@@ -103,36 +103,73 @@ def dequantize_words(weight: PackedWeight, dtype: torch.dtype) -> torch.Tensor:
 
 
 @triton.jit
+def _plane(half, i: tl.constexpr):
+    """Nibble i of every word as float32, from `half`: the word's half holding it (shifted to
+    the low 16 bits) OR-ed with the bits of 2^23. A nibble kept in place among the mantissa
+    bits of 2^23 is the float `2^23 + q * 16^p` (p its place in the half), which one
+    multiply-add by powers of two turns into q exactly: no int-to-float conversion.
+    `(w | C) & (M | C)` is `(w & M) | C` with one constant per logic op."""
+    place: tl.constexpr = (i % 4) * 4
+    f = (half & ((0xF << place) | 0x4B000000)).to(tl.float32, bitcast=True)
+    return f * (1.0 / (1 << place)) - 8388608.0 / (1 << place)
+
+
+@triton.jit
+def _group_values(S, srow, k0, K, i: tl.constexpr, GROUP_K: tl.constexpr, EVEN_K: tl.constexpr,
+                  BLOCK_K: tl.constexpr, RUN: tl.constexpr):
+    """The scales (or offsets) `S` of nibble plane i of the chunk at column k0: one per row
+    (`[BLOCK_N, 1]`) where a run spans the chunk, else one per word (`[BLOCK_N, BLOCK_K / 8]`)."""
+    if RUN >= BLOCK_K:
+        values = tl.load(S + srow + k0 // GROUP_K).to(tl.float32)[:, None]
+    else:
+        col = k0 + tl.arange(0, BLOCK_K // 8) * 8 + (0 if RUN >= 8 else i)
+        idx = srow[:, None] + (col // GROUP_K)[None, :]
+        if EVEN_K:
+            values = tl.load(S + idx).to(tl.float32)
+        else:
+            values = tl.load(S + idx, mask=(col < K)[None, :], other=0.0).to(tl.float32)
+    return values
+
+
+@triton.jit
+def _weight_plane(half, i: tl.constexpr, S, OFF, srow, k0, K, GROUP_K: tl.constexpr, HAS_OFFSET: tl.constexpr,
+                  ROW_SCALE: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, RUN: tl.constexpr):
+    """Column 8 w + i of every word w: the code times its group's scale (+ offset), or the code
+    alone with ROW_SCALE."""
+    values = _plane(half, i)
+    if not ROW_SCALE:
+        values *= _group_values(S, srow, k0, K, i, GROUP_K, EVEN_K, BLOCK_K, RUN)
+        if HAS_OFFSET:
+            values += _group_values(OFF, srow, k0, K, i, GROUP_K, EVEN_K, BLOCK_K, RUN)
+    return values
+
+
+@triton.jit
 def _weight_tile(crow, srow, S, OFF, k0, K, WORDS, GROUP_K: tl.constexpr, HAS_OFFSET: tl.constexpr,
-                 SCALED: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, RUN: tl.constexpr):
+                 ROW_SCALE: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, RUN: tl.constexpr):
     """Columns [k0, k0 + BLOCK_K) of the W rows at `crow` (`[BLOCK_N, 1]` pointers to their
-    words) as float32 `[BLOCK_N, BLOCK_K]`: codes times their group's scale (+ offset), or the
-    codes alone without SCALED. `srow` (`[BLOCK_N]`): each row's first scale."""
+    words) as float32 `[BLOCK_N, BLOCK_K]`. Each word's 8 columns are computed as planes in
+    the words' own layout and joined along new axes that stay in each thread's registers, so
+    a thread scales whole words with one scale per row it holds."""
     block_n: tl.constexpr = crow.shape[0]
     word = k0 // 8 + tl.arange(0, BLOCK_K // 8)
     if EVEN_K:
         words = tl.load(crow + word[None, :])
     else:
         words = tl.load(crow + word[None, :], mask=(word < WORDS)[None, :], other=0)
-    nibbles = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF
-    # the nibble among the mantissa bits of 2^23 is the float 2^23 + q: no int-to-float unit
-    codes = (nibbles | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-    if not SCALED:
-        return tl.reshape(codes, [block_n, BLOCK_K])
-    runs = k0 + tl.arange(0, BLOCK_K // RUN) * RUN
-    idx = srow[:, None] + (runs // GROUP_K)[None, :]
-    if EVEN_K:
-        scale = tl.load(S + idx).to(tl.float32)
-    else:
-        scale = tl.load(S + idx, mask=(runs < K)[None, :], other=0.0).to(tl.float32)
-    values = tl.reshape(codes, [block_n, BLOCK_K // RUN, RUN]) * scale[:, :, None]
-    if HAS_OFFSET:
-        if EVEN_K:
-            offset = tl.load(OFF + idx).to(tl.float32)
-        else:
-            offset = tl.load(OFF + idx, mask=(runs < K)[None, :], other=0.0).to(tl.float32)
-        values += offset[:, :, None]
-    return tl.reshape(values, [block_n, BLOCK_K])
+    low = words | 0x4B000000
+    high = (words >> 16) | 0x4B000000
+    p0 = _weight_plane(low, 0, S, OFF, srow, k0, K, GROUP_K, HAS_OFFSET, ROW_SCALE, EVEN_K, BLOCK_K, RUN)
+    p1 = _weight_plane(low, 1, S, OFF, srow, k0, K, GROUP_K, HAS_OFFSET, ROW_SCALE, EVEN_K, BLOCK_K, RUN)
+    p2 = _weight_plane(low, 2, S, OFF, srow, k0, K, GROUP_K, HAS_OFFSET, ROW_SCALE, EVEN_K, BLOCK_K, RUN)
+    p3 = _weight_plane(low, 3, S, OFF, srow, k0, K, GROUP_K, HAS_OFFSET, ROW_SCALE, EVEN_K, BLOCK_K, RUN)
+    p4 = _weight_plane(high, 4, S, OFF, srow, k0, K, GROUP_K, HAS_OFFSET, ROW_SCALE, EVEN_K, BLOCK_K, RUN)
+    p5 = _weight_plane(high, 5, S, OFF, srow, k0, K, GROUP_K, HAS_OFFSET, ROW_SCALE, EVEN_K, BLOCK_K, RUN)
+    p6 = _weight_plane(high, 6, S, OFF, srow, k0, K, GROUP_K, HAS_OFFSET, ROW_SCALE, EVEN_K, BLOCK_K, RUN)
+    p7 = _weight_plane(high, 7, S, OFF, srow, k0, K, GROUP_K, HAS_OFFSET, ROW_SCALE, EVEN_K, BLOCK_K, RUN)
+    # tl.join adds the last axis: plane 4 c + 2 a + b lands at [..., c, a, b], column 8 w + 4 c + 2 a + b
+    tile = tl.join(tl.join(tl.join(p0, p4), tl.join(p2, p6)), tl.join(tl.join(p1, p5), tl.join(p3, p7)))
+    return tl.reshape(tile, [block_n, BLOCK_K])
 
 
 @triton.jit
@@ -155,7 +192,7 @@ def _words_gemm_kernel(X, C, S, OFF, B, Y, M, N, K, WORDS, CHUNKS, stride_xm, st
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     first = tl.program_id(2) * CHUNKS * BLOCK_K
     for k0 in range(first, tl.minimum(first + CHUNKS * BLOCK_K, K), BLOCK_K):
-        w = _weight_tile(crow, srow, S, OFF, k0, K, WORDS, GROUP_K, HAS_OFFSET, not ROW_SCALE, EVEN_K,
+        w = _weight_tile(crow, srow, S, OFF, k0, K, WORDS, GROUP_K, HAS_OFFSET, ROW_SCALE, EVEN_K,
                          BLOCK_K, RUN).to(X.dtype.element_ty)
         k = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
@@ -186,7 +223,7 @@ def _dequantize_kernel(C, S, OFF, W, N, K, WORDS, stride_cn, stride_sn, stride_w
     k0 = tl.program_id(1) * BLOCK_K
     crow = C + (n % N)[:, None].to(tl.int64) * stride_cn
     srow = ((n % N) // GROUP_N) * stride_sn
-    w = _weight_tile(crow, srow, S, OFF, k0, K, WORDS, GROUP_K, HAS_OFFSET, True, EVEN_K, BLOCK_K, RUN)
+    w = _weight_tile(crow, srow, S, OFF, k0, K, WORDS, GROUP_K, HAS_OFFSET, False, EVEN_K, BLOCK_K, RUN)
     k = k0 + tl.arange(0, BLOCK_K)
     tl.store(W + n[:, None].to(tl.int64) * stride_wn + k[None, :], w.to(W.dtype.element_ty),
              mask=(n < N)[:, None] & (k < K)[None, :])
