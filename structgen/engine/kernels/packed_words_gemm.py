@@ -145,6 +145,16 @@ def _weight_plane(half, i: tl.constexpr, S, OFF, srow, k0, K, GROUP_K: tl.conste
 
 
 @triton.jit
+def _weight_pair(low, high, i: tl.constexpr, S, OFF, srow, k0, K, GROUP_K: tl.constexpr,
+                 HAS_OFFSET: tl.constexpr, ROW_SCALE: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr,
+                 RUN: tl.constexpr):
+    """Columns 8 w + i and 8 w + i + 4 of every word w, joined along a new last axis."""
+    lo = _weight_plane(low, i, S, OFF, srow, k0, K, GROUP_K, HAS_OFFSET, ROW_SCALE, EVEN_K, BLOCK_K, RUN)
+    hi = _weight_plane(high, i + 4, S, OFF, srow, k0, K, GROUP_K, HAS_OFFSET, ROW_SCALE, EVEN_K, BLOCK_K, RUN)
+    return tl.join(lo, hi)
+
+
+@triton.jit
 def _weight_tile(crow, srow, S, OFF, k0, K, WORDS, GROUP_K: tl.constexpr, HAS_OFFSET: tl.constexpr,
                  ROW_SCALE: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, RUN: tl.constexpr):
     """Columns [k0, k0 + BLOCK_K) of the W rows at `crow` (`[BLOCK_N, 1]` pointers to their
@@ -159,16 +169,13 @@ def _weight_tile(crow, srow, S, OFF, k0, K, WORDS, GROUP_K: tl.constexpr, HAS_OF
         words = tl.load(crow + word[None, :], mask=(word < WORDS)[None, :], other=0)
     low = words | 0x4B000000
     high = (words >> 16) | 0x4B000000
-    p0 = _weight_plane(low, 0, S, OFF, srow, k0, K, GROUP_K, HAS_OFFSET, ROW_SCALE, EVEN_K, BLOCK_K, RUN)
-    p1 = _weight_plane(low, 1, S, OFF, srow, k0, K, GROUP_K, HAS_OFFSET, ROW_SCALE, EVEN_K, BLOCK_K, RUN)
-    p2 = _weight_plane(low, 2, S, OFF, srow, k0, K, GROUP_K, HAS_OFFSET, ROW_SCALE, EVEN_K, BLOCK_K, RUN)
-    p3 = _weight_plane(low, 3, S, OFF, srow, k0, K, GROUP_K, HAS_OFFSET, ROW_SCALE, EVEN_K, BLOCK_K, RUN)
-    p4 = _weight_plane(high, 4, S, OFF, srow, k0, K, GROUP_K, HAS_OFFSET, ROW_SCALE, EVEN_K, BLOCK_K, RUN)
-    p5 = _weight_plane(high, 5, S, OFF, srow, k0, K, GROUP_K, HAS_OFFSET, ROW_SCALE, EVEN_K, BLOCK_K, RUN)
-    p6 = _weight_plane(high, 6, S, OFF, srow, k0, K, GROUP_K, HAS_OFFSET, ROW_SCALE, EVEN_K, BLOCK_K, RUN)
-    p7 = _weight_plane(high, 7, S, OFF, srow, k0, K, GROUP_K, HAS_OFFSET, ROW_SCALE, EVEN_K, BLOCK_K, RUN)
-    # tl.join adds the last axis: plane 4 c + 2 a + b lands at [..., c, a, b], column 8 w + 4 c + 2 a + b
-    tile = tl.join(tl.join(tl.join(p0, p4), tl.join(p2, p6)), tl.join(tl.join(p1, p5), tl.join(p3, p7)))
+    p0 = _weight_pair(low, high, 0, S, OFF, srow, k0, K, GROUP_K, HAS_OFFSET, ROW_SCALE, EVEN_K, BLOCK_K, RUN)
+    p1 = _weight_pair(low, high, 1, S, OFF, srow, k0, K, GROUP_K, HAS_OFFSET, ROW_SCALE, EVEN_K, BLOCK_K, RUN)
+    p2 = _weight_pair(low, high, 2, S, OFF, srow, k0, K, GROUP_K, HAS_OFFSET, ROW_SCALE, EVEN_K, BLOCK_K, RUN)
+    p3 = _weight_pair(low, high, 3, S, OFF, srow, k0, K, GROUP_K, HAS_OFFSET, ROW_SCALE, EVEN_K, BLOCK_K, RUN)
+    # each tl.join adds a last axis: the pairs' (c), then a, then b, so that column
+    # 8 w + 4 c + 2 a + b lands at [w, c, a, b], which the reshape reads in that order
+    tile = tl.join(tl.join(p0, p2), tl.join(p1, p3))
     return tl.reshape(tile, [block_n, BLOCK_K])
 
 
