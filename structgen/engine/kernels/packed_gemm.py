@@ -104,7 +104,7 @@ GEMM_FORMS = ("tiles", *packed_words_gemm.FORMS)
 # The words GEMM's default launch per row count (rows rounded up to a power of two, at most 128),
 # the table benchmarks/tune_packed.py's summary prints
 WORDS_GEMM_BLOCKS = {16: Block(16, 64, 128, 4, 4, "w-by-x", 0), 32: Block(32, 64, 128, 4, 4, "w-by-x", 0),
-                     64: Block(64, 64, 128, 4, 4, "w-by-x", 0), 128: Block(128, 128, 64, 8, 3, "x-by-w", 1)}
+                     64: Block(64, 64, 128, 4, 4, "w-by-x", 0), 128: Block(128, 128, 64, 8, 3, "x-by-w", 0)}
 DEQUANTIZE_ROWS = 1024  # from here W is de-quantized once and cuBLAS runs the compute-bound product
 
 

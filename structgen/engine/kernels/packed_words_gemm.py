@@ -18,9 +18,10 @@ tile. The forms (`Block.form`):
 Runs are the largest power of two that divides the group (whole chunks for a group of the whole
 row), so any group layout reads right; a group of a power of two of at least BLOCK_K columns
 takes one scale per row per chunk. Rows of W past N and of x past M re-read valid rows and are
-never stored, so the loads need no row mask. Split-K (`Block.splits` > 1, 0: from the
-multiprocessor count) sums each program's slice of the chunks into float32 partials that
-`packed_gemv.sum_splits` adds in a fixed order (no atomics: the same sum every run).
+never stored, so the loads need no row mask. Split-K (`Block.splits` > 1; 0: enough programs
+for PROGRAMS_PER_SM on each multiprocessor) sums each program's slice of the chunks into
+float32 partials that `packed_gemv.sum_splits` adds in a fixed order (no atomics: the same sum
+every run).
 
 Capturable in CUDA graphs: no host synchronisation, no allocation but the output and the
 partials. The tests compare every form with `PackedWeight.dequantize` followed by a matmul.
@@ -43,6 +44,9 @@ WORD_COLS = 8  # int4 columns per int32 word
 FORMS = ("x-by-w", "w-by-x", "dequantize")
 MIN_DOT = 16  # tl.dot's smallest side
 DEQUANTIZE_TILE = (64, 128)  # (output features, columns) per program of the de-quantizing copy
+# the split-K target of splits=0: a tile keeps its stages of loads in flight, so fewer programs
+# per multiprocessor than the GEMV's (packed_gemv.PROGRAMS_PER_SM) keep the memory busy
+PROGRAMS_PER_SM = 2
 
 
 def run_cols(weight: PackedWeight, block_k: int) -> int:
@@ -66,7 +70,9 @@ def words_gemm(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None,
     block_k = chunk_cols(weight, block)
     chunks_total = triton.cdiv(cols, block_k)
     programs = triton.cdiv(n, block.n) * triton.cdiv(rows, block.m)
-    splits = block.splits or packed_gemv.auto_splits(programs, chunks_total, x.device)
+    # the GEMV's rule counts its programs at packed_gemv.PROGRAMS_PER_SM to a multiprocessor
+    splits = block.splits or packed_gemv.auto_splits(programs * packed_gemv.PROGRAMS_PER_SM // PROGRAMS_PER_SM,
+                                                     chunks_total, x.device)
     chunks = triton.cdiv(chunks_total, splits)
     splits = triton.cdiv(chunks_total, chunks)
     target = y if splits == 1 else torch.empty(splits, rows, n, dtype=torch.float32, device=x.device)
