@@ -123,7 +123,7 @@ def test_packed_matmul_writes_into_a_column_slice() -> None:
 @pytest.mark.parametrize("rows", [5, 16, 33, 64, 200])
 @pytest.mark.parametrize("group", [32, 128, 204])
 @pytest.mark.parametrize("offsets,bias", [(True, False), (False, True)])
-@pytest.mark.parametrize("dtype", [torch.float32, LOW])
+@pytest.mark.parametrize("dtype", [torch.float32, LOW], ids=str)
 def test_words_gemm_equals_dequantize_then_matmul(rows: int, group: int, offsets: bool, bias: bool,
                                                   dtype: torch.dtype) -> None:
     """The default GEMM of an int4 weight in the "words" layout (what a CUDA model loads) at
