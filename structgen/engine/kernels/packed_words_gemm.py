@@ -4,10 +4,11 @@ rows of x than the GEMV takes (a batch's decode step, a prompt).
 
 Program (i, j, s) owns BLOCK_N output features and BLOCK_M rows of x and walks its share of the
 columns in chunks of BLOCK_K contiguous columns. Per chunk it loads the `[BLOCK_N, BLOCK_K / 8]`
-words in one contiguous load, expands their nibbles with shifts to `[BLOCK_N, BLOCK_K]`, scales
-each run of RUN columns that share a group (one `[BLOCK_N]` scale, and offset, per run, in
-float32), converts the tile to x's dtype and feeds it to `tl.dot` with x's `[BLOCK_M, BLOCK_K]`
-tile. The forms (`Block.form`):
+words in one contiguous load, turns each word's 8 nibbles into floats by bit operations (8
+planes in the words' own layout, joined into `[BLOCK_N, BLOCK_K]` along axes that stay in each
+thread's registers), scales them in float32 (one `[BLOCK_N]` scale, and offset, per run of
+columns that share a group), converts the tile to x's dtype and feeds it to `tl.dot` with x's
+`[BLOCK_M, BLOCK_K]` tile. The forms (`Block.form`):
 
 - "x-by-w": `tl.dot(x, W.T)`, the rows of x the left side of the product;
 - "w-by-x": `tl.dot(W, x.T)`, the de-quantized tile the left operand (which the tensor cores
@@ -16,8 +17,8 @@ tile. The forms (`Block.form`):
   then cuBLAS: for a prompt's many rows, where the product is compute-bound.
 
 Runs are the largest power of two that divides the group (whole chunks for a group of the whole
-row), so any group layout reads right; a group of a power of two of at least BLOCK_K columns
-takes one scale per row per chunk. Rows of W past N and of x past M re-read valid rows and are
+row), so any group layout reads right: a group of a multiple of BLOCK_K columns takes one scale
+per row and chunk, one of a multiple of 8 one per word, any other one per column. Rows of W past N and of x past M re-read valid rows and are
 never stored, so the loads need no row mask. Split-K (`Block.splits` > 1; 0: enough programs
 for PROGRAMS_PER_SM on each multiprocessor) sums each program's slice of the chunks into
 float32 partials that `packed_gemv.sum_splits` adds in a fixed order (no atomics: the same sum
@@ -40,7 +41,6 @@ from structgen.engine.kernels import packed_gemv
 if TYPE_CHECKING:
     from structgen.engine.kernels.packed_gemm import Block, PackedWeight
 
-WORD_COLS = 8  # int4 columns per int32 word
 FORMS = ("x-by-w", "w-by-x", "dequantize")
 MIN_DOT = 16  # tl.dot's smallest side
 DEQUANTIZE_TILE = (64, 128)  # (output features, columns) per program of the de-quantizing copy
