@@ -174,6 +174,24 @@ def test_words_gemm_refuses_the_halves_layout() -> None:
         packed_gemm.matmul(torch.randn(8, COLS).to(DEVICE), w, block=packed_gemm.Block(16, 32, 64, 4, 1, "w-by-x"))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="captures a CUDA graph")
+@pytest.mark.parametrize("rows", [16, 64])
+def test_words_gemm_replays_in_a_cuda_graph(rows: int) -> None:
+    """A decode step's GEMM (split-K partials included) captured once and replayed on new rows."""
+    from structgen.engine.kernels import packed_gemm
+
+    w = words_weight(128, offsets=True, cols=512).to(DEVICE)
+    x = torch.randn(rows, w.cols, device=DEVICE, dtype=torch.bfloat16)
+    packed_gemm.matmul(x, w)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = packed_gemm.matmul(x, w)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert rel_err(out, x.float() @ w.dequantize().T) < 1e-2
+
+
 def test_scaled_mm_path_stays_close_to_the_weight_only_product() -> None:
     """Prompt rows of an FP8 per-channel weight on the FP8 tensor cores: x is rounded to FP8
     per row too, so the product is close, not equal (e4m3 keeps 3 mantissa bits)."""
