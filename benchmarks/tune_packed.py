@@ -1,18 +1,23 @@
 """The packed products' launch shapes on the GPU (kernels/packed_gemm.py), per projection of
 the Llama-8B and Llama-70B shapes: each code (int4 in groups of 128 with offsets, FP8 per
-channel) at 1, 2 and 4 rows (a decode step's GEMV) and 64 rows (a batch's GEMM), every candidate
-timed with L2 flushed before each call (a forward reads every matrix cold), beside cuBLAS on
-the bf16 weight and the floor (packed bytes over the measured copy bandwidth).
+channel) at 1, 2 and 4 rows (a decode step's GEMV) and more rows (a batch's or a prompt's GEMM:
+64 by default), every candidate timed with L2 flushed before each call (a forward reads every
+matrix cold), beside cuBLAS on the bf16 weight and the floor (packed bytes over the measured
+copy bandwidth).
 
 GEMV candidates: the default (`packed_gemm.GEMV_BLOCKS`), the stream GEMV's launch shapes
 (kernels/packed_gemv.py: int4 in the "words" layout, FP8 codes as stored; split-K off and
 automatic), the previous default ("magic" / "reduce" on the "halves" layout) and, for int4,
-tinygemm (kernels/tinygemm.py). GEMM rows: the default on the layout a CUDA model loads
-against the "halves" layout. Each candidate's error against the de-quantize reference is
+tinygemm (kernels/tinygemm.py). GEMM rows: the default, the "tiles" GEMM on the "halves" and
+"words" layouts (the previous defaults) and, for int4, the words GEMM's launch shapes
+(kernels/packed_words_gemm.py: both operand orders, split-K off and automatic) and W
+de-quantized once then cuBLAS. Each candidate's error against the de-quantize reference is
 printed and kept; only those under 2e-2 are timed. The summary names, per code and row count,
-the block with the least total time over the 8B shapes, with the `GEMV_BLOCKS` entry to paste.
+the block with the least total time over the 8B shapes, with the `GEMV_BLOCKS` /
+`WORDS_GEMM_BLOCKS` entry to paste.
 
     python -m benchmarks.tune_packed [--models llama-8b,llama-70b] [--rows 1,2,4,64] [--codes int4,fp8] [--budget-s 120]
+    python -m benchmarks.tune_packed --models llama-8b --rows 16,64,256 --codes int4   # the int4 GEMM
 
 Writes benchmarks/results/tune_packed-<device>-<date>.json (and a copy under $OUT if set).
 """
@@ -42,6 +47,8 @@ from structgen.engine.models.packed import QUANTIZERS, PackedWeight, to_words
 STREAM_TILES = ((8, 256, 4, 3), (8, 512, 4, 3), (8, 1024, 4, 3), (16, 256, 4, 3), (16, 512, 4, 3),
                 (16, 1024, 4, 3), (32, 256, 4, 3), (32, 256, 8, 3), (32, 512, 8, 3), (64, 256, 8, 3),
                 (16, 256, 4, 1), (16, 512, 4, 1), (8, 512, 2, 3), (16, 256, 2, 3))
+# (n, j, warps, stages) of the words GEMM; each in both operand orders with automatic split-K
+WORDS_TILES = ((64, 128, 4, 4), (128, 128, 4, 3), (64, 256, 4, 3), (128, 64, 4, 4), (128, 128, 8, 3), (256, 64, 8, 3))
 TINYGEMM = "tinygemm"  # PyTorch's int4 kernel on its own layout
 HALVES = "halves-default"  # the default launch on the "halves" int4 layout (the previous one)
 
@@ -49,10 +56,19 @@ HALVES = "halves-default"  # the default launch on the "halves" int4 layout (the
 def candidates(code: str, rows: int) -> list[P.Block | str | None]:
     """None (the default) and the blocks tried for `rows` rows of a `code` weight."""
     if rows > P.GEMV_ROWS:
-        return [None, *([HALVES] if code == "int4" else [])]
+        return [None, *(gemm_candidates(rows) if code == "int4" else [])]
     m = 1 << (rows - 1).bit_length()
     stream = [P.Block(m, n, j, w, st, "stream", k) for (n, j, w, st), k in itertools.product(STREAM_TILES, (1, 0))]
     return [None, *stream, P.FALLBACK_BLOCKS[code]._replace(m=m), *([TINYGEMM] if code == "int4" else [])]
+
+
+def gemm_candidates(rows: int) -> list[P.Block | str]:
+    """The int4 GEMM's: the previous defaults ("tiles" on either layout), W de-quantized then
+    cuBLAS, and the words GEMM's launch shapes."""
+    m = min(128, max(16, 1 << (rows - 1).bit_length()))
+    words = [P.Block(m, n, j, w, st, form, k) for form in ("w-by-x", "x-by-w")
+             for (n, j, w, st), k in [*((t, 0) for t in WORDS_TILES), (WORDS_TILES[0], 1)]]
+    return [HALVES, P.dot_block(rows), P.Block(rows, 0, 0, 0, 0, "dequantize"), *words]
 
 
 class Forms:
@@ -70,14 +86,15 @@ class Forms:
             return P.matmul(x, self.tiny)
         if block == HALVES:
             return P.matmul(x, self.halves)
-        on_halves = isinstance(block, P.Block) and block.form != "stream"
+        # the GEMV's grouped forms read "halves"; "tiles" runs on "words", as a CUDA model loaded it
+        on_halves = isinstance(block, P.Block) and block.form in P.GEMV_FORMS and block.form != "stream"
         return P.matmul(x, self.halves if on_halves else self.words, block=block)
 
 
 def label(block: P.Block | str | None) -> str:
     if block is None or isinstance(block, str):
         return block or "default"
-    return f"{block.form} n{block.n} j{block.j} w{block.warps} s{block.stages} k{block.splits}"
+    return f"{block.form} m{block.m} n{block.n} j{block.j} w{block.warps} s{block.stages} k{block.splits}"
 
 
 def tune_matrix(model: str, name: str, n: int, k: int, codes: list[str], rows: list[int],
@@ -110,21 +127,24 @@ def tune_case(model: str, name: str, w: torch.Tensor, weight: PackedWeight, m: i
     times = G.time_all(lambda b: forms.run(x, b), [b for b, e in errors.items() if e < 2e-2], device)
     floor_us = weight.nbytes / bandwidth / 1e3
     best = min(times, key=times.__getitem__)
+    previous = P.dot_block(m) if m > P.GEMV_ROWS and weight.code == "int4" else None
+    old = f", old {times[previous] * 1e3:.1f} us" if previous in times else ""
     print(f"{model} {name} {weight.code} m={m}: default {times.get(None, float('nan')) * 1e3:.1f} us, best "
           f"{label(best)} {times[best] * 1e3:.1f} us = {times[best] * 1e3 / floor_us:.2f}x floor "
-          f"{floor_us:.1f} us (err {errors[best]:.1e}), bf16 {bf16_us:.1f} us", flush=True)
+          f"{floor_us:.1f} us (err {errors[best]:.1e}), bf16 {bf16_us:.1f} us{old}", flush=True)
     return [{"model": model, "matrix": name, "code": weight.code, "rows": m, "block": label(b), "us": t * 1e3,
              "x_floor": t * 1e3 / floor_us, "floor_us": floor_us, "bf16_us": bf16_us, "err": errors[b]}
             for b, t in times.items()]
 
 
-def table_entry(block_label: str, m: int) -> str:
-    """The `packed_gemm.GEMV_BLOCKS` entry of a Block's `label` (other candidates: the label)."""
+def table_entry(block_label: str) -> str:
+    """The `GEMV_BLOCKS` / `WORDS_GEMM_BLOCKS` entry of a Block's `label` (other candidates:
+    the label)."""
     form, *fields = block_label.split()
-    if form not in P.GEMV_FORMS:
+    if form not in (*P.GEMV_FORMS, *P.GEMM_FORMS):
         return f"{block_label!r} (not a Block)"
-    n, j, warps, stages, splits = (int(f[1:]) for f in fields)
-    return f"Block({1 << (m - 1).bit_length()}, {n}, {j}, {warps}, {stages}, {form!r}, {splits})"
+    m, n, j, warps, stages, splits = (int(f[1:]) for f in fields)
+    return f"Block({m}, {n}, {j}, {warps}, {stages}, {form!r}, {splits})"
 
 
 def summary(rows: list[dict[str, Any]], model: str) -> list[dict[str, Any]]:
@@ -145,8 +165,14 @@ def summary(rows: list[dict[str, Any]], model: str) -> list[dict[str, Any]]:
             continue
         best = min(full, key=lambda b: sum(r["us"] for r in full[b]))
         if m <= P.GEMV_ROWS:
-            print(f"GEMV_BLOCKS[{code!r}][{m}] = {table_entry(best, m)}  # {model}", flush=True)
-        for b in dict.fromkeys(["default", HALVES, TINYGEMM, best]):
+            print(f"GEMV_BLOCKS[{code!r}][{m}] = {table_entry(best)}  # {model}", flush=True)
+        elif best.startswith("dequantize"):
+            print(f"DEQUANTIZE_ROWS <= {m}  # {model}: W de-quantized then cuBLAS is the fastest", flush=True)
+        elif code == "int4":
+            print(f"WORDS_GEMM_BLOCKS[{min(128, 1 << (m - 1).bit_length())}] = {table_entry(best)}  # {model}, "
+                  f"{m} rows", flush=True)
+        previous = [label(P.dot_block(m))] if m > P.GEMV_ROWS else []
+        for b in dict.fromkeys(["default", HALVES, *previous, TINYGEMM, best]):
             if b not in full:
                 continue
             v = full[b]

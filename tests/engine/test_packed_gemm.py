@@ -1,6 +1,7 @@
 """The packed-weight products (kernels/packed_gemm.py) against their torch definition,
 `PackedWeight.dequantize` then a matmul: every code (int4 with offsets, int8, FP8 per channel
-and per block), the GEMV and GEMM forms, with and without a bias.
+and per block; int4 in the "words" layout a CUDA model loads), the GEMV and GEMM forms, with
+and without a bias.
 
 GPU tests: they skip without CUDA; with `TRITON_INTERPRET=1` they run on the CPU through
 Triton's interpreter (float32 / float16 activations: the interpreter mis-computes bf16 dots).
@@ -14,7 +15,7 @@ import os
 import pytest
 import torch
 
-from structgen.engine.models.packed import PackedWeight, int4_weight, quantize_fp8
+from structgen.engine.models.packed import PackedWeight, int4_weight, quantize_fp8, to_words
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 CUDA = torch.cuda.is_available()
@@ -37,6 +38,16 @@ def weight(code: str, seed: int = 0) -> PackedWeight:
         return quantize_fp8(torch.randn(ROWS, COLS, generator=g))
     codes = (torch.randn(ROWS, COLS, generator=g) * 50).to(torch.float8_e4m3fn)  # "fp8-block": 32 x 64 blocks
     return PackedWeight("fp8", codes, torch.rand(-(-ROWS // 32), COLS // 64, generator=g) * 0.01, None, COLS, 64, 32)
+
+
+def words_weight(group: int, offsets: bool, cols: int = 204, seed: int = 0) -> PackedWeight:
+    """An int4 weight in the "words" layout, ROWS x `cols` (204: the last word padded, the
+    last group short), groups of `group` columns, with or without offsets."""
+    g = torch.Generator().manual_seed(seed)
+    groups = -(-cols // group)
+    w = int4_weight(torch.randint(0, 16, (ROWS, cols), generator=g), torch.rand(ROWS, groups, generator=g) * 0.02,
+                    -torch.rand(ROWS, groups, generator=g) * 0.1, group)
+    return to_words(w if offsets else PackedWeight("int4", w.codes, w.scales, None, cols, group))
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -105,6 +116,80 @@ def test_packed_matmul_writes_into_a_column_slice() -> None:
     packed_gemm.matmul(x, w, out=out[:, 4:4 + ROWS])
     assert rel_err(out[:, 4:4 + ROWS], x @ w.dequantize().T) < 1e-5
     assert not out[:, :4].any() and not out[:, 4 + ROWS:].any()
+
+
+@pytest.mark.gpu
+@needs_kernels
+@pytest.mark.parametrize("rows", [5, 16, 33, 64, 200])
+@pytest.mark.parametrize("group", [32, 128, 204])
+@pytest.mark.parametrize("offsets,bias", [(True, False), (False, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, LOW], ids=str)
+def test_words_gemm_equals_dequantize_then_matmul(rows: int, group: int, offsets: bool, bias: bool,
+                                                  dtype: torch.dtype) -> None:
+    """The default GEMM of an int4 weight in the "words" layout (what a CUDA model loads) at
+    each row bucket of `WORDS_GEMM_BLOCKS`; a group of the whole row without offsets scales
+    the output instead of the tiles."""
+    from structgen.engine.kernels import packed_gemm
+
+    w = words_weight(group, offsets, seed=rows).to(DEVICE)
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, w.cols, generator=g).to(DEVICE, dtype)
+    b = torch.randn(ROWS, generator=g).to(DEVICE, dtype) if bias else None
+    assert packed_gemm.gemm_block(w, rows, dtype).form in ("x-by-w", "w-by-x")
+    out = packed_gemm.matmul(x, w, b)
+    assert out.dtype == dtype and out.shape == (rows, ROWS)
+    ref = x.float() @ w.dequantize().T + (b.float() if bias else 0)
+    assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.gpu
+@needs_kernels
+@pytest.mark.parametrize("form", ["x-by-w", "w-by-x", "dequantize", "tiles"])
+@pytest.mark.parametrize("group,splits", [(24, 1), (100, 3), (64, 0), (6, 2)])
+def test_every_words_gemm_form_reads_any_group(form: str, group: int, splits: int) -> None:
+    """Groups that straddle a chunk (24, 100: runs of 8 and 4 columns; 6: of 2) or are a power
+    of two smaller than it, with split-K (3 splits of 4 chunks: one program's share is short),
+    into a column slice of a wider output."""
+    from structgen.engine.kernels import packed_gemm
+
+    w = words_weight(group, offsets=True, cols=248, seed=group).to(DEVICE)
+    g = torch.Generator().manual_seed(group)
+    x = torch.randn(20, w.cols, generator=g).to(DEVICE)
+    b = torch.randn(ROWS, generator=g).to(DEVICE)
+    out = torch.zeros(20, ROWS + 10, device=DEVICE)
+    packed_gemm.matmul(x, w, b, block=packed_gemm.Block(16, 32, 64, 4, 1, form, splits), out=out[:, 4:4 + ROWS])
+    assert rel_err(out[:, 4:4 + ROWS], x @ w.dequantize().T + b) < 1e-5
+    assert not out[:, :4].any() and not out[:, 4 + ROWS:].any()
+
+
+@pytest.mark.gpu
+@needs_kernels
+def test_words_gemm_refuses_the_halves_layout() -> None:
+    from structgen.engine.kernels import packed_gemm
+    from structgen.errors import InvalidParameterError
+
+    w = weight("int4").to(DEVICE)
+    assert packed_gemm.gemm_block(w, 64).form == "tiles"
+    with pytest.raises(InvalidParameterError, match="to_words"):
+        packed_gemm.matmul(torch.randn(8, COLS).to(DEVICE), w, block=packed_gemm.Block(16, 32, 64, 4, 1, "w-by-x"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="captures a CUDA graph")
+@pytest.mark.parametrize("rows", [16, 64])
+def test_words_gemm_replays_in_a_cuda_graph(rows: int) -> None:
+    """A decode step's GEMM (split-K partials included) captured once and replayed on new rows."""
+    from structgen.engine.kernels import packed_gemm
+
+    w = words_weight(128, offsets=True, cols=512).to(DEVICE)
+    x = torch.randn(rows, w.cols, device=DEVICE, dtype=torch.bfloat16)
+    packed_gemm.matmul(x, w)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = packed_gemm.matmul(x, w)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert rel_err(out, x.float() @ w.dequantize().T) < 1e-2
 
 
 def test_scaled_mm_path_stays_close_to_the_weight_only_product() -> None:

@@ -14,8 +14,10 @@ words instead). The kinds of kernel:
   columns (split-K) where a projection has too few output blocks to keep every multiprocessor
   reading;
 - PyTorch's int4 kernel for a `tinygemm.TinyGemmWeight` (a candidate the benchmark times);
-- the tiled GEMM (more rows): each W tile de-quantized to x's dtype and fed to `tl.dot`,
-  rows in blocks of 16 to 64.
+- the tiled GEMMs (more rows): int4 "words" by kernels/packed_words_gemm.py (contiguous chunks
+  of words expanded to tiles, launch shapes in `WORDS_GEMM_BLOCKS`, W de-quantized once then
+  cuBLAS from `DEQUANTIZE_ROWS` rows); other layouts by the "tiles" form here, each W tile
+  de-quantized to x's dtype and fed to `tl.dot`, rows in blocks of 16 to 64.
 
 FP8 weights with one scale per output channel take `torch._scaled_mm` from
 `SCALED_MM_ROWS` rows on CUDA (a prompt's rows are compute-bound): x is scaled to FP8 per row
@@ -32,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from structgen.engine.kernels import packed_gemv, tinygemm
+from structgen.engine.kernels import packed_gemv, packed_words_gemm, tinygemm
 from structgen.errors import InvalidParameterError
 
 GEMV_ROWS = 4  # the GEMV keeps a [rows, BLOCK_N, BLOCK_J] product in registers: few rows only
@@ -60,10 +62,11 @@ class PackedWeight(Protocol):
 
 
 class Block(NamedTuple):
-    """A launch shape: rows, output features and column pairs per program (the "stream" GEMV:
-    columns per chunk); warps; stages (the "stream" GEMV: > 1 prefetches the next chunk);
-    for the GEMV also its form (`GEMV_FORMS`) and the programs that split each row's columns
-    (the "stream" GEMV: 0 picks them from the multiprocessor count)."""
+    """A launch shape: rows, output features and column pairs per program (the "stream" GEMV
+    and the words GEMM: columns per chunk); warps; stages (the "stream" GEMV: > 1 prefetches
+    the next chunk); its form (`GEMV_FORMS`, `GEMM_FORMS`) and the programs that split each
+    row's columns (the "stream" GEMV and the words GEMM: 0 picks them from the multiprocessor
+    count)."""
 
     m: int
     n: int
@@ -95,6 +98,16 @@ FALLBACK_BLOCKS = {"int4": Block(1, 16, 256, 4, 2, "magic"), "int8": Block(1, 16
                    "fp8": Block(1, 16, 512, 4, 3, "reduce")}  # for weights the stream GEMV cannot read
 
 
+# "tiles": the GEMM here (any layout; int4 "words" gathered per column pair); the forms of
+# kernels/packed_words_gemm.py ("words" int4 only)
+GEMM_FORMS = ("tiles", *packed_words_gemm.FORMS)
+# The words GEMM's default launch per row count (rows rounded up to a power of two, at most 128),
+# the table benchmarks/tune_packed.py's summary prints
+WORDS_GEMM_BLOCKS = {16: Block(16, 64, 128, 4, 4, "w-by-x", 0), 32: Block(32, 64, 128, 4, 4, "w-by-x", 0),
+                     64: Block(64, 64, 128, 4, 4, "w-by-x", 0), 128: Block(128, 128, 64, 8, 3, "x-by-w", 0)}
+DEQUANTIZE_ROWS = 1024  # from here W is de-quantized once and cuBLAS runs the compute-bound product
+
+
 def gemv_block(weight: PackedWeight, rows: int) -> Block:
     """The GEMV's default launch for `weight` (its form where the group layout allows it)."""
     m = triton.next_power_of_2(rows)
@@ -107,13 +120,23 @@ def gemv_block(weight: PackedWeight, rows: int) -> Block:
     return block if block.form == "reduce" or fits else block._replace(form="reduce")
 
 
+def gemm_block(weight: PackedWeight, rows: int, dtype: torch.dtype = torch.bfloat16) -> Block:
+    """The GEMM's default launch for `rows` (more than GEMV_ROWS) rows of `weight`."""
+    if weight.layout != "words":
+        return dot_block(rows, dtype)
+    if rows >= DEQUANTIZE_ROWS:
+        return Block(rows, 0, 0, 0, 0, "dequantize")
+    block = WORDS_GEMM_BLOCKS[min(128, max(16, triton.next_power_of_2(rows)))]
+    # float32 tiles (tests, CPU-sized models) are not pipelined: their stages overflow shared memory
+    return block._replace(stages=1) if dtype == torch.float32 else block
+
+
 def dot_block(rows: int, dtype: torch.dtype = torch.bfloat16) -> Block:
-    """The GEMM's tile for `rows` rows: 16 rows (tl.dot's smallest) up to 64 per program;
-    narrower in N while the rows fit one tile, so a decode step still has programs enough to
-    keep every multiprocessor reading W. float32 tiles (tests, CPU-sized models) are not
-    pipelined: three stages of them overflow shared memory."""
+    """The "tiles" GEMM's tile for `rows` rows: 16 rows (tl.dot's smallest) up to 64 per
+    program; narrower in N while the rows fit one tile, so a decode step still has programs
+    enough to keep every multiprocessor reading W. float32 tiles are not pipelined."""
     m = 16 if rows <= 16 else 32 if rows <= 32 else 64
-    return Block(m, 32 if rows <= 64 else 64, 64, 4, 1 if dtype == torch.float32 else 3)
+    return Block(m, 32 if rows <= 64 else 64, 64, 4, 1 if dtype == torch.float32 else 3, "tiles")
 
 
 def grouped_fits(weight: PackedWeight, block_j: int) -> bool:
@@ -286,11 +309,13 @@ def matmul(x: torch.Tensor, weight: PackedWeight | tinygemm.TinyGemmWeight, bias
         return scaled_mm(x, weight, bias, out)
     x = x.contiguous()
     n = weight.shape[0]
-    y = torch.empty(rows, n, dtype=x.dtype, device=x.device) if out is None else out
     if rows == 0:
-        return y
+        return torch.empty(rows, n, dtype=x.dtype, device=x.device) if out is None else out
     if block is None:
-        block = gemv_block(weight, rows) if rows <= GEMV_ROWS else dot_block(rows, x.dtype)
+        block = gemv_block(weight, rows) if rows <= GEMV_ROWS else gemm_block(weight, rows, x.dtype)
+    if block.form in packed_words_gemm.FORMS:
+        return _words_matmul(x, weight, bias, block, out)
+    y = torch.empty(rows, n, dtype=x.dtype, device=x.device) if out is None else out
     if block.m <= GEMV_ROWS and block.form == "stream":
         if not packed_gemv.stream_fits(weight):
             raise InvalidParameterError(f"the stream GEMV cannot read a {weight.code} weight in the {weight.layout!r} "
@@ -312,6 +337,20 @@ def matmul(x: torch.Tensor, weight: PackedWeight | tinygemm.TinyGemmWeight, bias
               "num_warps": block.warps, "num_stages": block.stages}
     grid = (triton.cdiv(n, block.n), triton.cdiv(rows, block.m))
     _packed_kernel[grid](*args, DOT=block.m > GEMV_ROWS, BLOCK_M=block.m, **consts)
+    return y
+
+
+def _words_matmul(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None, block: Block,
+                  out: torch.Tensor | None) -> torch.Tensor:
+    """The forms of kernels/packed_words_gemm.py (int4 "words" only)."""
+    if weight.layout != "words":
+        raise InvalidParameterError(f"the {block.form!r} GEMM reads int4 codes in the 'words' layout, not a "
+                                    f"{weight.code} weight in {weight.layout!r}; use models.packed.to_words "
+                                    f"or Block(form='tiles')")
+    if block.form == "dequantize":
+        return _add_bias_into(x @ packed_words_gemm.dequantize_words(weight, x.dtype).T, bias, out)
+    y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device) if out is None else out
+    packed_words_gemm.words_gemm(x, weight, bias, y, block)
     return y
 
 
