@@ -103,9 +103,9 @@ FALLBACK_BLOCKS = {"int4": Block(1, 16, 256, 4, 2, "magic"), "int8": Block(1, 16
 GEMM_FORMS = ("tiles", *packed_words_gemm.FORMS)
 # The words GEMM's default launch per row count (rows rounded up to a power of two, at most 128),
 # the table benchmarks/tune_packed.py's summary prints
-WORDS_GEMM_BLOCKS = {16: Block(16, 64, 128, 4, 4, "w-by-x", 0), 32: Block(32, 64, 128, 4, 4, "w-by-x", 0),
-                     64: Block(64, 64, 128, 4, 4, "w-by-x", 0), 128: Block(128, 128, 64, 8, 3, "x-by-w", 0)}
-DEQUANTIZE_ROWS = 1024  # from here W is de-quantized once and cuBLAS runs the compute-bound product
+WORDS_GEMM_BLOCKS = {16: Block(16, 128, 128, 4, 3, "w-by-x", 0), 32: Block(32, 128, 128, 4, 3, "w-by-x", 0),
+                     64: Block(64, 128, 128, 4, 3, "x-by-w", 0), 128: Block(128, 128, 64, 8, 3, "x-by-w", 0)}
+DEQUANTIZE_ROWS = 256  # from here W is de-quantized once and cuBLAS runs the compute-bound product
 
 
 def gemv_block(weight: PackedWeight, rows: int) -> Block:
