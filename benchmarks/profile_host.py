@@ -241,7 +241,7 @@ def serving_run(tokenizer: Any, n: int, max_tokens: int, grammar_threads: int, w
     """`n` requests at once (`serial`: one at a time) through `LLM.astream` (or `LLM.acomplete`)
     on the stubbed device, of bench_serving's `workload` (WORKLOADS); with
     `profile_path`, cProfile of the event loop's thread into that file and of the engine
-    loop's thread into that file + ".engine". `graph_rows`: the decode graphs' row buckets
+    steps into that file + ".engine". `graph_rows`: the decode graphs' row buckets
     (`EngineTuning.cuda_graph_batch_sizes`; the largest caps a step's rows). `warm`: the
     same burst runs once before the measured one, whose prompts then hit the prefix cache."""
     import asyncio
@@ -263,9 +263,8 @@ def serving_run(tokenizer: Any, n: int, max_tokens: int, grammar_threads: int, w
     steps = StepLog(engine, stub)
     client = ServingClient(llm, max_tokens, acomplete, serial)
     profilers = (cProfile.Profile(), cProfile.Profile()) if profile_path else None
-    if profilers:  # the engine thread starts at the first submit, running `_run` as it is then
-        run = llm.loop._run
-        llm.loop._run = functools.partial(profilers[1].runcall, run)
+    if profilers:  # each engine step, as the engine thread may have started in the warm-up run
+        engine.step = functools.partial(profilers[1].runcall, engine.step)
         profilers[0].enable()
     try:
         wall = asyncio.run(client.run_all(requests))
