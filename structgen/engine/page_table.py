@@ -147,18 +147,13 @@ class PageTable:
         return self.cache.evict() if self.cache is not None else None
 
     def _hold(self, slot: int, page: int) -> None:
-        self._hold_run(slot, [page])
-
-    def _hold_run(self, slot: int, new_pages: list[int]) -> None:
-        """Append `new_pages` to `slot`'s pages: one table write for a whole cached prefix."""
-        for page in new_pages:
-            self._refs[page] += 1
-            if self._refs[page] == 1 and self.cache is not None:
-                self.cache.use(page)
+        self._refs[page] += 1
+        if self._refs[page] == 1 and self.cache is not None:
+            self.cache.use(page)
         pages = self._pages[slot]
         self._changing(slot)
-        self._host_np[slot, len(pages) : len(pages) + len(new_pages)] = new_pages
-        pages.extend(new_pages)
+        self._host_np[slot, len(pages)] = page
+        pages.append(page)
 
     def _let_go(self, page: int) -> None:
         self._refs[page] -= 1
@@ -175,10 +170,14 @@ class PageTable:
         that token is run again, so the request has logits to sample from."""
         if self.cache is None:
             return 0
-        pages, hashes = self.cache.find_chain(token_ids, self.page_size, (num_prompt - 1) // self.page_size)
-        if pages:
-            self._hold_run(slot, pages)
-            self._keyed[slot].extend(hashes)
+        parent = ROOT_HASH
+        for key in page_keys(token_ids, self.page_size, (num_prompt - 1) // self.page_size):
+            page = self.cache.find(key)
+            if page is None:
+                break
+            self._hold(slot, page)
+            parent = hash(key)
+            self._keyed[slot].append(parent)
         return len(self._keyed[slot]) * self.page_size
 
     def publish(self, slot: int, token_ids: list[int], num_computed: int, num_prompt: int) -> None:

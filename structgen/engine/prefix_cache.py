@@ -34,7 +34,6 @@ class PrefixCache:
     def __init__(self) -> None:
         self._page_of: dict[PageKey, int] = {}
         self._key_of: dict[int, PageKey] = {}
-        self._hash_of: dict[int, int] = {}  # page -> hash of its key: the next page's parent
         self._idle: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; oldest first
 
     def __len__(self) -> int:
@@ -48,22 +47,6 @@ class PrefixCache:
     def find(self, key: PageKey) -> int | None:
         return self._page_of.get(key)
 
-    def find_chain(self, tokens: Sequence[int], page_size: int, max_pages: int) -> tuple[list[int], list[int]]:
-        """The cached pages that `tokens` start with (at most `max_pages`) and their key hashes,
-        up to the first page not cached: each key is built and hashed once, and none past a miss
-        (a long shared prompt's lookup is on every request's way to its first token)."""
-        pages: list[int] = []
-        hashes: list[int] = []
-        parent = ROOT_HASH
-        for i in range(max_pages):
-            page = self._page_of.get((parent, tuple(tokens[i * page_size : (i + 1) * page_size])))
-            if page is None:
-                break
-            parent = self._hash_of[page]
-            pages.append(page)
-            hashes.append(parent)
-        return pages, hashes
-
     def holds(self, page: int) -> bool:
         return page in self._key_of
 
@@ -73,7 +56,6 @@ class PrefixCache:
             return False
         self._page_of[key] = page
         self._key_of[page] = key
-        self._hash_of[page] = hash(key)
         return True
 
     def use(self, page: int) -> None:
@@ -90,5 +72,4 @@ class PrefixCache:
             return None
         page, _ = self._idle.popitem(last=False)
         del self._page_of[self._key_of.pop(page)]
-        del self._hash_of[page]
         return page
