@@ -251,7 +251,7 @@ def serving_run(tokenizer: Any, n: int, max_tokens: int, grammar_threads: int, w
 
     sizes = {"cuda_graph_batch_sizes": graph_rows} if graph_rows else {}
     requests = serving_workload(workload, n, tokenizer)
-    seq_len = 4096 if workload == "agent" else 1024  # the catalogue is about 3,000 tokens
+    seq_len = 4096 if workload.startswith("agent") else 1024  # the catalogue is about 3,000 tokens; one engine for both twins
     engine = tiny_engine(tokenizer, n, seq_len, tuning=EngineTuning(grammar_threads=grammar_threads, **sizes))
     llm = LLM.from_engine(engine, tokenizer, "stub")
     stop = min(engine.stop_token_ids)
