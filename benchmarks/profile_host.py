@@ -16,6 +16,7 @@ passes) shows as the growth from batch 16 to 64: `us_per_request` divides by the
     python -m benchmarks.profile_host --batches 64 --grammar-workers 2
     python -m benchmarks.profile_host --serving 256 --max-tokens 64   # the whole front, see below
     python -m benchmarks.profile_host --serving 256 --one-schema --acomplete --profile /tmp/front.prof
+    python -m benchmarks.profile_host --serving 64 --workload agent --serial --warm --no-write
 
 `--serving N` runs the whole in-process path on the same stubbed device: N streams
 (`LLM.astream`) with distinct MaskBench schemas submitted at once, through the asyncio front,
@@ -218,37 +219,52 @@ def tiny_engine(tokenizer: Any, max_batch_size: int, max_seq_len: int = 1024, **
     return engine
 
 
-def serving_run(tokenizer: Any, n: int, max_tokens: int, grammar_threads: int, one_schema: bool = False,
+WORKLOADS = ("json", "json-one", "agent", "agent-short")
+
+
+def serving_workload(name: str, n: int, tokenizer: Any) -> list[Any]:
+    """bench_serving's requests of workload `name` (one of WORKLOADS)."""
+    from benchmarks.bench_serving import agent_workload, json_one_workload, json_workload
+    from benchmarks.common import maskbench_dir
+
+    if name == "json-one":
+        return json_one_workload(n)
+    if name in ("agent", "agent-short"):
+        return agent_workload(n, maskbench_dir(), tokenizer, catalogue=name == "agent")
+    return json_workload(n, maskbench_dir())
+
+
+def serving_run(tokenizer: Any, n: int, max_tokens: int, grammar_threads: int, workload: str = "json",
                 acomplete: bool = False, profile_path: Path | None = None,
-                graph_rows: tuple[int, ...] | None = None, warm: bool = False) -> dict[str, Any]:
-    """`n` requests at once through `LLM.astream` (or `LLM.acomplete`) on the stubbed device,
-    with distinct schemas or (`one_schema`) bench_serving's json-one workload; with
+                graph_rows: tuple[int, ...] | None = None, warm: bool = False,
+                serial: bool = False) -> dict[str, Any]:
+    """`n` requests at once (`serial`: one at a time) through `LLM.astream` (or `LLM.acomplete`)
+    on the stubbed device, of bench_serving's `workload` (WORKLOADS); with
     `profile_path`, cProfile of the event loop's thread into that file and of the engine
-    loop's thread into that file + ".engine". `graph_rows`: the decode graphs' row buckets
+    steps into that file + ".engine". `graph_rows`: the decode graphs' row buckets
     (`EngineTuning.cuda_graph_batch_sizes`; the largest caps a step's rows). `warm`: the
     same burst runs once before the measured one, whose prompts then hit the prefix cache."""
     import asyncio
     import cProfile
 
-    from benchmarks.bench_serving import json_one_workload, json_workload
-    from benchmarks.common import maskbench_dir
     from structgen import LLM
 
     sizes = {"cuda_graph_batch_sizes": graph_rows} if graph_rows else {}
-    engine = tiny_engine(tokenizer, n, tuning=EngineTuning(grammar_threads=grammar_threads, **sizes))
+    requests = serving_workload(workload, n, tokenizer)
+    seq_len = 4096 if workload.startswith("agent") else 1024  # the catalogue is about 3,000 tokens; one engine for both twins
+    engine = tiny_engine(tokenizer, n, seq_len, tuning=EngineTuning(grammar_threads=grammar_threads, **sizes))
     llm = LLM.from_engine(engine, tokenizer, "stub")
     stop = min(engine.stop_token_ids)
+    one_schema = workload == "json-one"
     stub = TextFollowingDevice(engine, tokenizer, PERSON_TEXT, stop) if one_schema else RandomAllowedDevice(engine, tokenizer, "", stop)
-    requests = json_one_workload(n) if one_schema else json_workload(n, maskbench_dir())
     if warm:
-        asyncio.run(ServingClient(llm, max_tokens, acomplete).run_all(requests))
+        asyncio.run(ServingClient(llm, max_tokens, acomplete, serial).run_all(requests))
     graph_steps = engine.runner.graphs.steps
     steps = StepLog(engine, stub)
-    client = ServingClient(llm, max_tokens, acomplete)
+    client = ServingClient(llm, max_tokens, acomplete, serial)
     profilers = (cProfile.Profile(), cProfile.Profile()) if profile_path else None
-    if profilers:  # the engine thread starts at the first submit, running `_run` as it is then
-        run = llm.loop._run
-        llm.loop._run = functools.partial(profilers[1].runcall, run)
+    if profilers:  # each engine step, as the engine thread may have started in the warm-up run
+        engine.step = functools.partial(profilers[1].runcall, engine.step)
         profilers[0].enable()
     try:
         wall = asyncio.run(client.run_all(requests))
@@ -260,13 +276,14 @@ def serving_run(tokenizer: Any, n: int, max_tokens: int, grammar_threads: int, o
             profilers[1].dump_stats(f"{profile_path}.engine")
     busy = [x for x in steps.seconds if x > 0]
     ttft = client.ttft
-    return {"streams": n, "api": "acomplete" if acomplete else "astream", "wall_s": round(wall, 2),
+    return {"workload": workload, "serial": serial, "streams": n, "api": "acomplete" if acomplete else "astream", "wall_s": round(wall, 2),
             "output_tokens": client.tokens, "host_tok_per_s": round(client.tokens / wall, 1),
             "steps": len(busy), "eager_steps": len(busy) - (engine.runner.graphs.steps - graph_steps), "steps_per_s": round(len(busy) / wall, 1),
             "tokens_per_step": round(client.tokens / max(len(busy), 1), 1),
             "steps_to_admit_all": steps.first_full,
             "steps_to_prefill_all": steps.prefilled, "host_ms_per_step": round(1e3 * float(np.median(busy)), 2),
-            "engine_busy_s": round(sum(busy), 2), "ttft_p50_s": round(float(np.nanmedian(ttft)), 2),
+            "engine_busy_s": round(sum(busy), 2), "ttft_p50_ms": round(1e3 * float(np.nanmedian(ttft)), 2),
+            "host_ms_per_request": round(1e3 * sum(busy) / n, 2),
             "ttft_max_s": round(float(np.nanmax(ttft)), 2), "no_output": int(np.isnan(ttft).sum()),
             "failed": dict(Counter(client.failed))}
 
@@ -302,8 +319,8 @@ class ServingClient:
     TTFTs (for `acomplete`, the wall time less the decode time, as bench_serving counts it),
     output tokens and refusals."""
 
-    def __init__(self, llm: Any, max_tokens: int, acomplete: bool):
-        self.llm, self.max_tokens, self.acomplete = llm, max_tokens, acomplete
+    def __init__(self, llm: Any, max_tokens: int, acomplete: bool, serial: bool = False):
+        self.llm, self.max_tokens, self.acomplete, self.serial = llm, max_tokens, acomplete, serial
         self.ttft: list[float] = []
         self.tokens = 0
         self.failed: list[str] = []
@@ -333,7 +350,11 @@ class ServingClient:
         import asyncio
 
         t = time.perf_counter()
-        await asyncio.gather(*(self.one(r) for r in requests))
+        if self.serial:
+            for r in requests:
+                await self.one(r)
+        else:
+            await asyncio.gather(*(self.one(r) for r in requests))
         return time.perf_counter() - t
 
 
@@ -491,15 +512,14 @@ def serving_main(tokenizer: Any, args: argparse.Namespace) -> None:
     """`--serving`: the fastest of `--repeat` runs, printed and (unless `--no-write`) written."""
     runs = []
     for _ in range(args.repeat):
-        runs.append(serving_run(tokenizer, args.serving, args.max_tokens, args.grammar_threads, args.one_schema,
-                                args.acomplete, args.profile, parse_rows(args.graph_rows), args.warm))
+        runs.append(serving_run(tokenizer, args.serving, args.max_tokens, args.grammar_threads, args.workload,
+                                args.acomplete, args.profile, parse_rows(args.graph_rows), args.warm, args.serial))
         print(runs[-1], flush=True)
     if args.profile:
         print_profile(Path(f"{args.profile}.engine"))
     best = max(runs, key=lambda r: r["host_tok_per_s"])
     if not args.no_write:
-        workload = "json-one" if args.one_schema else "json"
-        row = {"system": "structgen", "model": "smollm2-135m", "workload": workload, "metric": "tokens_per_s",
+        row = {"system": "structgen", "model": "smollm2-135m", "workload": args.workload, "metric": "tokens_per_s",
                "value": best["host_tok_per_s"], "graph_rows": args.graph_rows or "default", **best}
         print("wrote", write_results("host_serving", [row], extra={
             "device": "cpu", "runs": args.repeat,
@@ -522,7 +542,9 @@ def main() -> None:
     ap.add_argument("--tokenizer-dir", type=Path, default=None, help="SmolLM2 tokenizer files (default: the model's)")
     ap.add_argument("--serving", type=int, default=0, metavar="N", help="N streams through the whole front (see above)")
     ap.add_argument("--max-tokens", type=int, default=64, help="--serving: max_tokens of each stream")
-    ap.add_argument("--one-schema", action="store_true", help="--serving: bench_serving's json-one workload")
+    ap.add_argument("--workload", default="json", choices=WORKLOADS, help="--serving: bench_serving's workload")
+    ap.add_argument("--one-schema", dest="workload", action="store_const", const="json-one", help="--serving: --workload json-one")
+    ap.add_argument("--serial", action="store_true", help="--serving: one request at a time (default: all at once)")
     ap.add_argument("--acomplete", action="store_true", help="--serving: LLM.acomplete instead of LLM.astream")
     ap.add_argument("--graph-rows", default=None, help="--serving: decode graph row buckets, e.g. 1,2,4,...,1024")
     ap.add_argument("--warm", action="store_true", help="--serving: measure the burst's second run (prefix cache hits)")

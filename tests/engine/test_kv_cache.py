@@ -163,6 +163,28 @@ def test_a_rollback_into_shared_pages_lets_go_of_them_for_recomputation():
     assert pages.cover(b, 8) and pages.host[b, 1].item() != shared
 
 
+def test_a_matched_prefix_holds_the_pages_and_keys_that_publishing_it_gave_and_stops_at_a_fork():
+    pages = table(num_pages=12, slots=4)
+    prompt = list(range(200, 217))  # four full pages and one token
+    a = pages.allocate_slot()
+    assert pages.cover(a, len(prompt))
+    pages.publish(a, prompt, len(prompt), len(prompt))
+    b = pages.allocate_slot()
+    assert pages.match_prefix(b, prompt, len(prompt)) == 4 * PAGE
+    assert pages.host[b].tolist() == pages.host[a].tolist()[:4] + [SCRATCH_PAGE] * (pages.max_pages_per_seq - 4)
+    assert pages._keyed[b] == pages._keyed[a] == [hash(k) for k in page_keys(prompt, PAGE, 4)]
+    # A prompt that forks inside page 2 finds pages 0 and 1 only, and its own page 2 extends
+    # the chain from the shared page 1's key.
+    fork = prompt[:9] + [7] + prompt[10:]
+    c = pages.allocate_slot()
+    assert pages.match_prefix(c, fork, len(fork)) == 2 * PAGE
+    assert pages.host[c, :3].tolist() == pages.host[a, :2].tolist() + [SCRATCH_PAGE]
+    assert pages.cover(c, len(fork))
+    pages.publish(c, fork, len(fork), len(fork))
+    assert pages._keyed[c] == [hash(k) for k in page_keys(fork, PAGE, 4)]
+    assert pages.match_prefix(pages.allocate_slot(), fork, len(fork)) == 4 * PAGE
+
+
 # ------------------------------------------------------------------------------ the Triton kernel
 
 
