@@ -174,12 +174,12 @@ class GraphFloor:
         self.on = False
         original = DecodeGraphs.run
 
-        def counted(this, token_ids, *a, **kw):
+        def counted(this, step, *a, **kw):
             if self.on and this is self.graphs:
-                bs = this.bucket(len(token_ids))
+                bs = this.bucket(len(step.rows))
                 if bs is not None and bs <= 16:
                     self.counts[bs] = self.counts.get(bs, 0) + 1
-            return original(this, token_ids, *a, **kw)
+            return original(this, step, *a, **kw)
 
         DecodeGraphs.run = counted
         self._ms: dict[int, float] = {}
