@@ -39,7 +39,7 @@ else
   source scripts/device/setup.sh > /tmp/setup.log 2>&1 || exit 1
   nvidia-smi --query-gpu=name --format=csv,noheader >> "$SUMMARY"
   TESTS=(python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_speculative_graphs.py)
-  SPEC=(python3 -m benchmarks.bench_speculative --targets --target-batches-invariant)
+  SPEC=(python3 -m benchmarks.bench_speculative --targets --target-batches-invariant --target-rounds 3)
   JSON_ONE=(python3 -m benchmarks.bench_serving --workloads json-one --modes inprocess --arrivals closed,closed
             --requests 256 --max-tokens 128)
   AGENT=(python3 -m benchmarks.bench_serving --workloads agent,agent-short --modes inprocess,http
