@@ -6,7 +6,8 @@
 #   c. issue 30: 256 requests of one schema at once, cold then warm (bench_serving json-one),
 #      and the agent workload against its short-prompt twin, one at a time and Poisson;
 #   d. regressions and issue 35: bench_decode, SmolLM2 batch 1/64 and Llama-8B int4 / FP8;
-#   e. issue 32 item 2: the verify forward launched ahead against launched late, batch 1.
+#   e. issue 32 item 2: the verify forward launched ahead against launched late, batch 1;
+#   f. issue 30: the agent workload's engine steps, prompt steps apart from decode-only ones.
 # PIECES="b d" runs only those pieces.
 # Each piece runs under its own timeout (scripts/device/pieces.sh) and leaves its log and
 # results files under $OUT as soon as it ends.
@@ -35,6 +36,7 @@ if [[ $DRY == 1 ]]; then
   DECODE=(python3 -m benchmarks.bench_decode --cpu --models tiny-llama-shape --batches 1 --steps 4 --no-peers --no-write)
   LATE=(python3 -m benchmarks.bench_speculative --limit 1 --methods ngram --jump-forward on --max-tokens 16
         --device cpu --no-write)
+  STEPS=(python3 -m benchmarks.agent_steps --requests 3 --max-tokens 8 --device cpu)
 else
   source scripts/device/setup.sh > /tmp/setup.log 2>&1 || exit 1
   nvidia-smi --query-gpu=name --format=csv,noheader >> "$SUMMARY"
@@ -47,8 +49,9 @@ else
   DECODE=(python3 -m benchmarks.bench_decode --models smollm2-135m,llama-8b-shape-int4,llama-8b-shape-fp8
           --batches 1,64 --steps 32 --no-peers)
   LATE=(python3 -m benchmarks.bench_speculative --limit 8 --methods ngram --jump-forward on)
+  STEPS=(python3 -m benchmarks.agent_steps --requests 200 --out "$OUT/agent_steps.json")
 fi
-want() { [[ " ${PIECES:-a b c d e} " == *" $1 "* ]]; }  # PIECES="b d": only those
+want() { [[ " ${PIECES:-a b c d e f} " == *" $1 "* ]]; }  # PIECES="b d": only those
 
 want a && piece "a: GPU tests" 120 "$LOG" "${TESTS[@]}"
 want b && piece "b: speculation targets" 150 "$LOG" "${SPEC[@]}" && keep 'speculative_targets-*.json'
@@ -60,6 +63,7 @@ if want c; then
 fi
 want d && piece "d: decode steps" 150 "$LOG" "${DECODE[@]}" && keep 'decode-*.json'
 want e && piece "e: verify forward launched ahead or late" 100 "$LOG" "${LATE[@]}" && keep 'speculative-*.json'
+want f && piece "f: agent steps" 100 "$LOG" "${STEPS[@]}"
 
 echo "== total ${SECONDS}s" >> "$SUMMARY"
 cat "$SUMMARY"
