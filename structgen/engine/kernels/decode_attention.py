@@ -17,6 +17,7 @@ that hold keys (both compute them from the sequence's length, `_share`).
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -132,17 +133,31 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def num_splits_for(batch: int, kv_heads: int, max_seq_len: int, device: torch.device) -> int:
-    """Splits per sequence: enough programs to cover every SM about twice, never more than
-    the cache has key blocks. A function of shapes only, so a captured graph stays valid. In
-    the batch-invariant mode, the cap whatever the batch: where a sequence's keys are cut, and
-    so the order its softmax sums in, then depends on its own length only."""
-    cap = max(1, min(32, triton.cdiv(max_seq_len, 4 * BLOCK_N)))
+@dataclass(frozen=True)
+class SplitRule:
+    """How a launch cuts each sequence's keys: `programs_per_sm` programs for every SM (at most
+    `max_splits` a sequence) and at least `min_keys` keys a split."""
+
+    programs_per_sm: int
+    max_splits: int
+    min_keys: int
+
+
+SPLITS = SplitRule(programs_per_sm=2, max_splits=32, min_keys=BLOCK_N)
+
+
+def split_plan(batch: int, kv_heads: int, max_seq_len: int, device: torch.device) -> tuple[int, int]:
+    """(splits per sequence, least keys a split): enough programs to cover every SM
+    `SPLITS.programs_per_sm` times, never more than the cache has key blocks. A function of
+    shapes only, so a captured graph stays valid. In the batch-invariant mode, the cap whatever
+    the batch: where a sequence's keys are cut, and so the order its softmax sums in, then
+    depends on its own length only."""
+    cap = max(1, min(SPLITS.max_splits, triton.cdiv(max_seq_len, 4 * BLOCK_N)))
     if batch_invariant():
-        return cap
+        return cap, INVARIANT_SPLIT_KEYS
     sms = _num_sms(device.index or 0) if device.type == "cuda" else 8
-    want = triton.cdiv(2 * sms, batch * kv_heads)
-    return max(1, min(want, cap))
+    want = triton.cdiv(SPLITS.programs_per_sm * sms, batch * kv_heads)
+    return max(1, min(want, cap)), SPLITS.min_keys
 
 
 def decode_attention(
@@ -171,8 +186,7 @@ def decode_attention(
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and q.stride(-1) == 1 and page_table.stride(-1) == 1
     k_rows, v_rows = k_cache.view(-1, kv_heads, dim), v_cache.view(-1, kv_heads, dim)
     group = heads // kv_heads
-    splits = num_splits_for(batch, kv_heads, page_table.shape[1] * page_size, q.device)
-    min_keys = INVARIANT_SPLIT_KEYS if batch_invariant() else BLOCK_N  # a share is a block at least
+    splits, min_keys = split_plan(batch, kv_heads, page_table.shape[1] * page_size, q.device)
     out = torch.empty_like(q)
     if splits == 1:
         part_o = part_ml = out  # unused
