@@ -31,11 +31,12 @@ CASES: dict[str, list[tuple[int, int]]] = {
     "agent Poisson: a tail + 16 decode rows": [(30, 2921)] + [(1, 2990)] * 16,
     "16 decode rows, 3k keys": [(1, 2990)] * 16,
     "json burst, 256 rows, 100 keys": [(1, 100)] * 256,
+    "json decode, 64 rows, 100 keys": [(1, 100)] * 64,
     "json prompts, 256 rows of 8 prompts": [(32, 16)] * 8,
     "256 decode rows, 3k keys": [(1, 2990)] * 256,
 }
 DEFAULT = attention.SPLITS
-RULES = [attention.SplitRule(p, 32, k) for p, k in itertools.product((2, 4, 8, 16), (32, 128))]
+RULES = [attention.SplitRule(p, 32, k) for p, k in itertools.product((2, 4, 8, 16), (32, 128, 256))]
 
 
 def case_tensors(seqs: list[tuple[int, int]], heads: int, kv_heads: int, dim: int) -> tuple[torch.Tensor, ...]:

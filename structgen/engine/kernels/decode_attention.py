@@ -97,11 +97,17 @@ def _split_kernel(
         tl.store(Out + b * stride_on + heads[:, None] * stride_oh + d[None, :],
                  out.to(Out.dtype.element_ty), mask=hmask[:, None])
     else:
+        # A sequence whose keys fit one split gets its output here, and the merge skips it
+        # (the same bits: the merge of one split divides the same sums); the tests as vectors,
+        # which Triton's interpreter needs to combine them with a vector mask.
+        lone = tl.zeros_like(g) + used == 1
+        omask = hmask & lone & (tl.zeros_like(g) + split == 0)
+        tl.store(Out + b * stride_on + heads[:, None] * stride_oh + d[None, :],
+                 (acc / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(Out.dtype.element_ty), mask=omask[:, None])
         # PartO [B, H, splits, D], PartML [B, H, splits, 2]
         row = (b * NUM_HEADS + heads) * num_splits + split
-        # A split with no keys writes nothing (the merge skips it); the test as a vector, which
-        # Triton's interpreter needs to combine it with a vector mask.
-        wmask = hmask & (tl.zeros_like(g) + split < used)
+        # A split with no keys writes nothing (the merge skips it).
+        wmask = hmask & (tl.zeros_like(g) + used > 1) & (tl.zeros_like(g) + split < used)
         tl.store(PartO + row[:, None] * HEAD_DIM + d[None, :], acc, mask=wmask[:, None])
         tl.store(PartML + row * 2, m_i, mask=wmask)
         tl.store(PartML + row * 2 + 1, l_i, mask=wmask)
@@ -116,16 +122,16 @@ def _merge_kernel(
     h = tl.program_id(1)
     used = _share(tl.load(lens_ptr + b).to(tl.int32), window, num_splits, min_keys, BLOCK)[2]
     s = tl.arange(0, SPLITS_PAD)
-    smask = s < used
+    smask = (s < used) & (s * 0 + used > 1)  # one split's output is already written
     d = tl.arange(0, HEAD_DIM)
     row = (b * NUM_HEADS + h) * num_splits + s
     m = tl.load(PartML + row * 2, mask=smask, other=float("-inf"))
     lsum = tl.load(PartML + row * 2 + 1, mask=smask, other=0.0)
-    m_max = tl.max(m, 0)
+    m_max = tl.maximum(tl.max(m, 0), -1e30)  # finite where no split is read
     w = tl.where(smask & (lsum > 0), tl.exp2(m - m_max), 0.0)  # empty splits weigh nothing
     acc = tl.load(PartO + row[:, None] * HEAD_DIM + d[None, :], mask=smask[:, None], other=0.0)
     out = tl.sum(acc * w[:, None], 0) / tl.sum(lsum * w, 0)
-    tl.store(Out + b * stride_on + h * stride_oh + d, out.to(Out.dtype.element_ty))
+    tl.store(Out + b * stride_on + h * stride_oh + d, out.to(Out.dtype.element_ty), mask=(d * 0 + used) > 1)
 
 
 @functools.cache
