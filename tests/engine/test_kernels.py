@@ -896,10 +896,10 @@ def test_decode_attention_of_a_sequence_is_the_same_in_any_batch(invariant):
     from structgen.engine.kernels.decode_attention import (
         decode_attention,
         decode_attention_reference,
-        split_plan,
+        num_splits_for,
     )
 
-    assert len({split_plan(b, 8, 2048, DEVICE) for b in range(1, 65)}) == 1
+    assert len({num_splits_for(b, 8, 2048, DEVICE) for b in range(1, 65)}) == 1
     g = torch.Generator().manual_seed(3)
     heads, kv_heads, dim, max_len, slots_total = 8, 2, 64, 512, 17
     k = torch.randn(slots_total, max_len, kv_heads, dim, generator=g).to(DEVICE, LOW)

@@ -15,7 +15,7 @@
 the same way whatever number of rows share the launch: projections take `gemv.invariant_gemm`
 (one GEMM form for every row count), the norm-fused projections are off, and decode attention
 splits a sequence's keys by the cache shape and its own length only
-(`decode_attention.split_plan`, `INVARIANT_SPLIT_KEYS`). Like
+(`decode_attention.num_splits_for`, `INVARIANT_SPLIT_KEYS`). Like
 `torch.use_deterministic_algorithms` it is process-wide: engines in one process share it.
 
 `triton_enabled(device)` is the one switch: True on CUDA when Triton imports, and on the CPU

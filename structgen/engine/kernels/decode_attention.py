@@ -17,7 +17,6 @@ that hold keys (both compute them from the sequence's length, `_share`).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -97,17 +96,11 @@ def _split_kernel(
         tl.store(Out + b * stride_on + heads[:, None] * stride_oh + d[None, :],
                  out.to(Out.dtype.element_ty), mask=hmask[:, None])
     else:
-        # A sequence whose keys fit one split gets its output here, and the merge skips it
-        # (the same bits: the merge of one split divides the same sums); the tests as vectors,
-        # which Triton's interpreter needs to combine them with a vector mask.
-        lone = tl.zeros_like(g) + used == 1
-        omask = hmask & lone & (tl.zeros_like(g) + split == 0)
-        tl.store(Out + b * stride_on + heads[:, None] * stride_oh + d[None, :],
-                 (acc / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(Out.dtype.element_ty), mask=omask[:, None])
         # PartO [B, H, splits, D], PartML [B, H, splits, 2]
         row = (b * NUM_HEADS + heads) * num_splits + split
-        # A split with no keys writes nothing (the merge skips it).
-        wmask = hmask & (tl.zeros_like(g) + used > 1) & (tl.zeros_like(g) + split < used)
+        # A split with no keys writes nothing (the merge skips it); the test as a vector, which
+        # Triton's interpreter needs to combine it with a vector mask.
+        wmask = hmask & (tl.zeros_like(g) + split < used)
         tl.store(PartO + row[:, None] * HEAD_DIM + d[None, :], acc, mask=wmask[:, None])
         tl.store(PartML + row * 2, m_i, mask=wmask)
         tl.store(PartML + row * 2 + 1, l_i, mask=wmask)
@@ -122,16 +115,16 @@ def _merge_kernel(
     h = tl.program_id(1)
     used = _share(tl.load(lens_ptr + b).to(tl.int32), window, num_splits, min_keys, BLOCK)[2]
     s = tl.arange(0, SPLITS_PAD)
-    smask = (s < used) & (s * 0 + used > 1)  # one split's output is already written
+    smask = s < used
     d = tl.arange(0, HEAD_DIM)
     row = (b * NUM_HEADS + h) * num_splits + s
     m = tl.load(PartML + row * 2, mask=smask, other=float("-inf"))
     lsum = tl.load(PartML + row * 2 + 1, mask=smask, other=0.0)
-    m_max = tl.maximum(tl.max(m, 0), -1e30)  # finite where no split is read
+    m_max = tl.max(m, 0)
     w = tl.where(smask & (lsum > 0), tl.exp2(m - m_max), 0.0)  # empty splits weigh nothing
     acc = tl.load(PartO + row[:, None] * HEAD_DIM + d[None, :], mask=smask[:, None], other=0.0)
     out = tl.sum(acc * w[:, None], 0) / tl.sum(lsum * w, 0)
-    tl.store(Out + b * stride_on + h * stride_oh + d, out.to(Out.dtype.element_ty), mask=(d * 0 + used) > 1)
+    tl.store(Out + b * stride_on + h * stride_oh + d, out.to(Out.dtype.element_ty))
 
 
 @functools.cache
@@ -139,31 +132,17 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-@dataclass(frozen=True)
-class SplitRule:
-    """How a launch cuts each sequence's keys: `programs_per_sm` programs for every SM (at most
-    `max_splits` a sequence) and at least `min_keys` keys a split."""
-
-    programs_per_sm: int
-    max_splits: int
-    min_keys: int
-
-
-SPLITS = SplitRule(programs_per_sm=2, max_splits=32, min_keys=BLOCK_N)
-
-
-def split_plan(batch: int, kv_heads: int, max_seq_len: int, device: torch.device) -> tuple[int, int]:
-    """(splits per sequence, least keys a split): enough programs to cover every SM
-    `SPLITS.programs_per_sm` times, never more than the cache has key blocks. A function of
-    shapes only, so a captured graph stays valid. In the batch-invariant mode, the cap whatever
-    the batch: where a sequence's keys are cut, and so the order its softmax sums in, then
-    depends on its own length only."""
-    cap = max(1, min(SPLITS.max_splits, triton.cdiv(max_seq_len, 4 * BLOCK_N)))
+def num_splits_for(batch: int, kv_heads: int, max_seq_len: int, device: torch.device) -> int:
+    """Splits per sequence: enough programs to cover every SM about twice, never more than
+    the cache has key blocks. A function of shapes only, so a captured graph stays valid. In
+    the batch-invariant mode, the cap whatever the batch: where a sequence's keys are cut, and
+    so the order its softmax sums in, then depends on its own length only."""
+    cap = max(1, min(32, triton.cdiv(max_seq_len, 4 * BLOCK_N)))
     if batch_invariant():
-        return cap, INVARIANT_SPLIT_KEYS
+        return cap
     sms = _num_sms(device.index or 0) if device.type == "cuda" else 8
-    want = triton.cdiv(SPLITS.programs_per_sm * sms, batch * kv_heads)
-    return max(1, min(want, cap)), SPLITS.min_keys
+    want = triton.cdiv(2 * sms, batch * kv_heads)
+    return max(1, min(want, cap))
 
 
 def decode_attention(
@@ -192,7 +171,8 @@ def decode_attention(
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and q.stride(-1) == 1 and page_table.stride(-1) == 1
     k_rows, v_rows = k_cache.view(-1, kv_heads, dim), v_cache.view(-1, kv_heads, dim)
     group = heads // kv_heads
-    splits, min_keys = split_plan(batch, kv_heads, page_table.shape[1] * page_size, q.device)
+    splits = num_splits_for(batch, kv_heads, page_table.shape[1] * page_size, q.device)
+    min_keys = INVARIANT_SPLIT_KEYS if batch_invariant() else BLOCK_N  # a share is a block at least
     out = torch.empty_like(q)
     if splits == 1:
         part_o = part_ml = out  # unused
