@@ -121,46 +121,6 @@ def test_decode_attention_with_a_sliding_window_reads_only_the_last_keys(window,
     assert rel_err(out, ref) < tol
 
 
-# (slot, first position, rows): consecutive tokens of one sequence where rows > 1
-ROW_LAYOUTS = {
-    "one prompt tail": [(0, 200, 8)],
-    "tails, decode rows and padding": [(1, 50, 1), (0, 180, 19), (2, 3, 1), (3, 250, 1), (4, 0, 1), (4, 0, 1),
-                                       (4, 0, 1), (4, 0, 1)],
-    "two tails across a block": [(0, 100, 12), (1, 30, 12)],
-}
-
-
-@pytest.mark.parametrize("layout", ROW_LAYOUTS)
-@pytest.mark.parametrize("kv_heads", [1, 2])
-def test_decode_attention_reads_a_sequences_consecutive_rows_together(layout, kv_heads):
-    """Rows that are one sequence's consecutive tokens (a prompt's tail, a draft to verify)
-    share their key reads, and every row still gets its own attention up to its own position,
-    beside single rows of other sequences and padding rows of one scratch slot (NaN past a
-    sequence's last written key would show); with one split and with several."""
-    from structgen.engine.kernels.decode_attention import (
-        block_rows,
-        decode_attention,
-        decode_attention_reference,
-    )
-
-    spans = ROW_LAYOUTS[layout]
-    g = torch.Generator().manual_seed(len(spans) * 10 + kv_heads)
-    heads, dim, max_len = 3 * kv_heads, 64, 288
-    slots = torch.tensor([slot for slot, _, n in spans for _ in range(n)], device=DEVICE)
-    lens = torch.tensor([pos + 1 + j for _, pos, n in spans for j in range(n)], device=DEVICE)
-    assert block_rows(len(slots), 3, 0) == 8  # the shared path runs
-    k = torch.randn(5, max_len, kv_heads, dim, generator=g).to(DEVICE, LOW)
-    v = torch.randn(5, max_len, kv_heads, dim, generator=g).to(DEVICE, LOW)
-    for slot in range(5):
-        written = max((n for s, n in zip(slots.tolist(), lens.tolist(), strict=True) if s == slot), default=0)
-        k[slot, written:] = v[slot, written:] = float("nan")
-    q = torch.randn(len(slots), heads, dim, generator=g).to(DEVICE, LOW)
-    k, v, table = paged(k, v, 16, g)
-    out = decode_attention(q, k, v, table, slots, lens)
-    ref = decode_attention_reference(q, k, v, table, slots, lens)
-    assert rel_err(out, ref) < 1e-2
-
-
 # ----------------------------------------------------------------------------- fused element-wise
 
 

@@ -11,14 +11,6 @@ replaying a captured graph with new lengths and pages is correct. Short contexts
 most splits empty: they read no keys, write no partial, and the merge reads only the splits
 that hold keys (both compute them from the sequence's length, `_share`).
 
-A step's rows are not all different sequences: a prompt runs as a row per token, and a draft
-to verify as a row per draft token, each attending up to its own position. Where an aligned
-block of `block_rows` rows belongs to one sequence, the block's first program reads each key
-block once for all its rows (a tile of rows x query heads), its splits cut at the block's
-longest length, and the block's other programs exit; otherwise every row reads for itself. So
-an agent turn's 30-token tail over a 3,000-token cached tool catalogue reads the catalogue
-about 4 times a layer, not 30.
-
 `decode_attention_reference` is the torch definition the kernel is tested against.
 """
 
@@ -37,7 +29,6 @@ BLOCK_N = 32  # keys per inner iteration
 # every batch size, and a large batch of short sequences would otherwise write and merge a
 # partial for every few keys.
 INVARIANT_SPLIT_KEYS = 2 * BLOCK_N
-BLOCK_TILE = 32  # query heads (rows x heads of a KV group) a program of consecutive rows takes
 
 
 @triton.jit
@@ -52,126 +43,77 @@ def _share(ctx, window, num_splits, min_keys, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _block_of(b, slots_ptr, lens_ptr, batch, ROWS: tl.constexpr):
-    """(first row, whether rows [first, first + ROWS) all attend over one sequence's cache,
-    their longest context) of row `b`'s aligned block of ROWS rows."""
-    first = (b // ROWS) * ROWS
-    r = first + tl.arange(0, ROWS)
-    inside = r < batch
-    slots = tl.load(slots_ptr + r, mask=inside, other=-1)
-    lens = tl.load(lens_ptr + r, mask=inside, other=0)
-    same = tl.sum((slots == tl.load(slots_ptr + first)).to(tl.int32), 0) == ROWS
-    return first, same, tl.max(lens, 0).to(tl.int32)
-
-
-@triton.jit
-def _attend(
-    Q, K, V, pages, lens_ptr, Out, PartO, PartML,
-    stride_qn, stride_qh, stride_kt, stride_vt, stride_on, stride_oh,
-    first, kvh, split, start, end, used, num_splits, qk_scale,
-    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_POW2: tl.constexpr, ROWS: tl.constexpr,
-    TILE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, PAGE: tl.constexpr,
-    SINGLE_SPLIT: tl.constexpr,
-):
-    """Keys [start, end) of one sequence's cache for the query heads of KV head `kvh` of rows
-    [first, first + ROWS) (its consecutive tokens, each attending up to its own length): each
-    key block is read once for them all. A tile row is (row, head) = divmod(i, GROUP_POW2)."""
-    i = tl.arange(0, TILE)
-    rows_q = first + i // GROUP_POW2
-    heads = kvh * GROUP + i % GROUP_POW2
-    valid = (i // GROUP_POW2 < ROWS) & (i % GROUP_POW2 < GROUP)
-    ctx = tl.load(lens_ptr + rows_q, mask=valid, other=0)
-    d = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + rows_q[:, None] * stride_qn + heads[:, None] * stride_qh + d[None, :], mask=valid[:, None], other=0.0)
-
-    m_i = tl.full([TILE], float("-inf"), tl.float32)
-    l_i = tl.zeros([TILE], tl.float32)
-    acc = tl.zeros([TILE, HEAD_DIM], tl.float32)
-    for n0 in range(start, end, BLOCK):
-        offs = n0 + tl.arange(0, BLOCK)
-        nmask = offs < end
-        page = tl.load(pages + offs // PAGE, mask=nmask, other=0).to(tl.int64)
-        key_rows = page * PAGE + offs % PAGE  # each key's row of the flattened pool
-        k = tl.load(K + key_rows[:, None] * stride_kt + d[None, :], mask=nmask[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * qk_scale  # [TILE, BLOCK] fp32
-        s = tl.where(nmask[None, :] & (offs[None, :] < ctx[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row none of whose keys came yet
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + key_rows[:, None] * stride_vt + d[None, :], mask=nmask[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-
-    if SINGLE_SPLIT:
-        out = acc / l_i[:, None]
-        tl.store(Out + rows_q[:, None] * stride_on + heads[:, None] * stride_oh + d[None, :],
-                 out.to(Out.dtype.element_ty), mask=valid[:, None])
-    else:
-        # PartO [B, H, splits, D], PartML [B, H, splits, 2]
-        part = (rows_q * NUM_HEADS + heads) * num_splits + split
-        # A split with no keys writes nothing (the merge skips it); the test as a vector, which
-        # Triton's interpreter needs to combine it with a vector mask.
-        wmask = valid & (tl.zeros_like(i) + split < used)
-        tl.store(PartO + part[:, None] * HEAD_DIM + d[None, :], acc, mask=wmask[:, None])
-        tl.store(PartML + part * 2, m_i, mask=wmask)
-        tl.store(PartML + part * 2 + 1, l_i, mask=wmask)
-
-
-@triton.jit
 def _split_kernel(
     Q, K, V, table_ptr, slots_ptr, lens_ptr, Out, PartO, PartML,
     stride_qn, stride_qh, stride_table,
     stride_kt, stride_kh,
     stride_vt, stride_vh,
     stride_on, stride_oh,
-    batch, num_splits, sm_scale, window, min_keys,
-    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_POW2: tl.constexpr, GROUP_PAD: tl.constexpr,
-    ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, PAGE: tl.constexpr,
-    SINGLE_SPLIT: tl.constexpr,
+    num_splits, sm_scale, window, min_keys,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, PAGE: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    ctx = tl.load(lens_ptr + b).to(tl.int32)
+    lo, per_split, used = _share(ctx, window, num_splits, min_keys, BLOCK)
+    start = lo + split * per_split
+    end = tl.minimum(start + per_split, ctx)
+
+    g = tl.arange(0, GROUP_PAD)
+    heads = kvh * GROUP + g
+    hmask = g < GROUP
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + b * stride_qn + heads[:, None] * stride_qh + d[None, :], mask=hmask[:, None], other=0.0)
     qk_scale = sm_scale * 1.4426950408889634  # softmax in the exp2 domain
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    pages = table_ptr + slot * stride_table
     k_base = K + kvh * stride_kh
     v_base = V + kvh * stride_vh
-    shared = False
-    if ROWS > 1:  # a block of one sequence's rows: its first row's program reads for them all
-        first, shared, longest = _block_of(b, slots_ptr, lens_ptr, batch, ROWS)
-        if shared & (b == first):
-            lo, per_split, used = _share(longest, 0, num_splits, min_keys, BLOCK)
-            start = split * per_split
-            pages = table_ptr + tl.load(slots_ptr + b).to(tl.int64) * stride_table
-            _attend(Q, k_base, v_base, pages, lens_ptr, Out, PartO, PartML,
-                    stride_qn, stride_qh, stride_kt, stride_vt, stride_on, stride_oh,
-                    first, kvh, split, start, tl.minimum(start + per_split, longest), used, num_splits, qk_scale,
-                    NUM_HEADS, GROUP, GROUP_POW2, ROWS, ROWS * GROUP_POW2, HEAD_DIM, BLOCK, PAGE, SINGLE_SPLIT)
-    if not shared:
-        ctx = tl.load(lens_ptr + b).to(tl.int32)
-        lo, per_split, used = _share(ctx, window, num_splits, min_keys, BLOCK)
-        start = lo + split * per_split
-        pages = table_ptr + tl.load(slots_ptr + b).to(tl.int64) * stride_table
-        _attend(Q, k_base, v_base, pages, lens_ptr, Out, PartO, PartML,
-                stride_qn, stride_qh, stride_kt, stride_vt, stride_on, stride_oh,
-                b, kvh, split, start, tl.minimum(start + per_split, ctx), used, num_splits, qk_scale,
-                NUM_HEADS, GROUP, GROUP_POW2, 1, GROUP_PAD, HEAD_DIM, BLOCK, PAGE, SINGLE_SPLIT)
+    for n0 in range(start, end, BLOCK):
+        offs = n0 + tl.arange(0, BLOCK)
+        nmask = offs < end
+        page = tl.load(pages + offs // PAGE, mask=nmask, other=0).to(tl.int64)
+        rows = page * PAGE + offs % PAGE  # each key's row of the flattened pool
+        k = tl.load(k_base + rows[:, None] * stride_kt + d[None, :], mask=nmask[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale  # [GROUP_PAD, BLOCK] fp32
+        s = tl.where(nmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + rows[:, None] * stride_vt + d[None, :], mask=nmask[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    if SINGLE_SPLIT:
+        out = acc / l_i[:, None]
+        tl.store(Out + b * stride_on + heads[:, None] * stride_oh + d[None, :],
+                 out.to(Out.dtype.element_ty), mask=hmask[:, None])
+    else:
+        # PartO [B, H, splits, D], PartML [B, H, splits, 2]
+        row = (b * NUM_HEADS + heads) * num_splits + split
+        # A split with no keys writes nothing (the merge skips it); the test as a vector, which
+        # Triton's interpreter needs to combine it with a vector mask.
+        wmask = hmask & (tl.zeros_like(g) + split < used)
+        tl.store(PartO + row[:, None] * HEAD_DIM + d[None, :], acc, mask=wmask[:, None])
+        tl.store(PartML + row * 2, m_i, mask=wmask)
+        tl.store(PartML + row * 2 + 1, l_i, mask=wmask)
 
 
 @triton.jit
 def _merge_kernel(
-    PartO, PartML, Out, slots_ptr, lens_ptr, stride_on, stride_oh, batch, num_splits, window, min_keys,
+    PartO, PartML, Out, lens_ptr, stride_on, stride_oh, num_splits, window, min_keys,
     NUM_HEADS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
-    ROWS: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
-    ctx = tl.load(lens_ptr + b).to(tl.int32)
-    if ROWS > 1:  # a row of a one-sequence block was cut as the block's longest row
-        first, shared, longest = _block_of(b, slots_ptr, lens_ptr, batch, ROWS)
-        ctx = tl.where(shared, longest, ctx)
-    used = _share(ctx, window, num_splits, min_keys, BLOCK)[2]
+    used = _share(tl.load(lens_ptr + b).to(tl.int32), window, num_splits, min_keys, BLOCK)[2]
     s = tl.arange(0, SPLITS_PAD)
     smask = s < used
     d = tl.arange(0, HEAD_DIM)
@@ -201,17 +143,6 @@ def num_splits_for(batch: int, kv_heads: int, max_seq_len: int, device: torch.de
     sms = _num_sms(device.index or 0) if device.type == "cuda" else 8
     want = triton.cdiv(2 * sms, batch * kv_heads)
     return max(1, min(want, cap))
-
-
-def block_rows(batch: int, group: int, window: int) -> int:
-    """Rows a program reads a sequence's keys for at once where they are that many of its
-    consecutive tokens (a prompt's or a draft's rows): a tile of BLOCK_TILE query heads; 1
-    (every row on its own) in the batch-invariant mode, where a row's sums must not depend on
-    its neighbours, on sliding-window layers and in batches of fewer rows."""
-    rows = BLOCK_TILE // triton.next_power_of_2(group)
-    if batch_invariant() or window > 0 or rows < 2 or batch < rows:
-        return 1
-    return rows
 
 
 def decode_attention(
@@ -248,23 +179,21 @@ def decode_attention(
     else:
         part_o = torch.empty(batch, heads, splits, dim, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(batch, heads, splits, 2, dtype=torch.float32, device=q.device)
-    rows = block_rows(batch, group, window)
     _split_kernel[(batch, kv_heads, splits)](
         q, k_rows, v_rows, page_table, slots, context_lens, out, part_o, part_ml,
         q.stride(0), q.stride(1), page_table.stride(0),
         k_rows.stride(0), k_rows.stride(1),
         v_rows.stride(0), v_rows.stride(1),
         out.stride(0), out.stride(1),
-        batch, splits, dim**-0.5, window, min_keys,
-        NUM_HEADS=heads, GROUP=group, GROUP_POW2=triton.next_power_of_2(group),
-        GROUP_PAD=max(16, triton.next_power_of_2(group)), ROWS=rows,
+        splits, dim**-0.5, window, min_keys,
+        NUM_HEADS=heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=dim, BLOCK=BLOCK_N, PAGE=page_size, SINGLE_SPLIT=splits == 1,
         num_warps=4, num_stages=2,
     )
     if splits > 1:
         _merge_kernel[(batch, heads)](
-            part_o, part_ml, out, slots, context_lens, out.stride(0), out.stride(1), batch, splits, window, min_keys,
-            NUM_HEADS=heads, SPLITS_PAD=triton.next_power_of_2(splits), HEAD_DIM=dim, BLOCK=BLOCK_N, ROWS=rows,
+            part_o, part_ml, out, context_lens, out.stride(0), out.stride(1), splits, window, min_keys,
+            NUM_HEADS=heads, SPLITS_PAD=triton.next_power_of_2(splits), HEAD_DIM=dim, BLOCK=BLOCK_N,
             num_warps=1,
         )
     return out
