@@ -25,6 +25,10 @@ import triton.language as tl
 from structgen.engine.kernels import batch_invariant
 
 BLOCK_N = 32  # keys per inner iteration
+# Keys per inner iteration where a launch has fewer splits than its cap (many rows): each
+# program then walks a long share of a long context, one dependent page-and-key load after
+# another, and wider blocks halve that chain (docs/performance.md, "Serving under load").
+WIDE_BLOCK_N = 64
 # Keys per split at least, in the batch-invariant mode: there the split count is the cap at
 # every batch size, and a large batch of short sequences would otherwise write and merge a
 # partial for every few keys.
@@ -132,12 +136,24 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def split_cap(max_seq_len: int) -> int:
+    """The most splits a sequence is cut into: 32, or fewer where the cache holds fewer than
+    32 shares of 4 key blocks."""
+    return max(1, min(32, triton.cdiv(max_seq_len, 4 * BLOCK_N)))
+
+
+def keys_per_iteration(splits: int, max_seq_len: int) -> int:
+    """BLOCK_N, or WIDE_BLOCK_N where `splits` is below the cap (in the batch-invariant mode
+    never: there a row's summation order must not follow the batch)."""
+    return WIDE_BLOCK_N if splits < split_cap(max_seq_len) and not batch_invariant() else BLOCK_N
+
+
 def num_splits_for(batch: int, kv_heads: int, max_seq_len: int, device: torch.device) -> int:
     """Splits per sequence: enough programs to cover every SM about twice, never more than
     the cache has key blocks. A function of shapes only, so a captured graph stays valid. In
     the batch-invariant mode, the cap whatever the batch: where a sequence's keys are cut, and
     so the order its softmax sums in, then depends on its own length only."""
-    cap = max(1, min(32, triton.cdiv(max_seq_len, 4 * BLOCK_N)))
+    cap = split_cap(max_seq_len)
     if batch_invariant():
         return cap
     sms = _num_sms(device.index or 0) if device.type == "cuda" else 8
@@ -171,8 +187,10 @@ def decode_attention(
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and q.stride(-1) == 1 and page_table.stride(-1) == 1
     k_rows, v_rows = k_cache.view(-1, kv_heads, dim), v_cache.view(-1, kv_heads, dim)
     group = heads // kv_heads
-    splits = num_splits_for(batch, kv_heads, page_table.shape[1] * page_size, q.device)
-    min_keys = INVARIANT_SPLIT_KEYS if batch_invariant() else BLOCK_N  # a share is a block at least
+    max_seq_len = page_table.shape[1] * page_size
+    splits = num_splits_for(batch, kv_heads, max_seq_len, q.device)
+    block = keys_per_iteration(splits, max_seq_len)
+    min_keys = INVARIANT_SPLIT_KEYS if batch_invariant() else block  # a share is a block at least
     out = torch.empty_like(q)
     if splits == 1:
         part_o = part_ml = out  # unused
@@ -187,13 +205,13 @@ def decode_attention(
         out.stride(0), out.stride(1),
         splits, dim**-0.5, window, min_keys,
         NUM_HEADS=heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=dim, BLOCK=BLOCK_N, PAGE=page_size, SINGLE_SPLIT=splits == 1,
+        HEAD_DIM=dim, BLOCK=block, PAGE=page_size, SINGLE_SPLIT=splits == 1,
         num_warps=4, num_stages=2,
     )
     if splits > 1:
         _merge_kernel[(batch, heads)](
             part_o, part_ml, out, context_lens, out.stride(0), out.stride(1), splits, window, min_keys,
-            NUM_HEADS=heads, SPLITS_PAD=triton.next_power_of_2(splits), HEAD_DIM=dim, BLOCK=BLOCK_N,
+            NUM_HEADS=heads, SPLITS_PAD=triton.next_power_of_2(splits), HEAD_DIM=dim, BLOCK=block,
             num_warps=1,
         )
     return out
