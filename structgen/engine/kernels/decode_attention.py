@@ -25,10 +25,11 @@ import triton.language as tl
 from structgen.engine.kernels import batch_invariant
 
 BLOCK_N = 32  # keys per inner iteration
-# Keys per inner iteration where a launch has fewer splits than its cap (many rows): each
-# program then walks a long share of a long context, one dependent page-and-key load after
-# another, and wider blocks halve that chain (docs/performance.md, "Serving under load").
+# A program whose share of a context is at least WIDE_MIN_KEYS keys walks it WIDE_BLOCK_N keys
+# an iteration: its walk is a chain of dependent page-and-key loads, bound by their latency
+# (many rows over long contexts: an agent turn's tail; docs/performance.md, "Serving under load").
 WIDE_BLOCK_N = 64
+WIDE_MIN_KEYS = 8 * BLOCK_N
 # Keys per split at least, in the batch-invariant mode: there the split count is the cap at
 # every batch size, and a large batch of short sequences would otherwise write and merge a
 # partial for every few keys.
@@ -47,38 +48,11 @@ def _share(ctx, window, num_splits, min_keys, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _split_kernel(
-    Q, K, V, table_ptr, slots_ptr, lens_ptr, Out, PartO, PartML,
-    stride_qn, stride_qh, stride_table,
-    stride_kt, stride_kh,
-    stride_vt, stride_vh,
-    stride_on, stride_oh,
-    num_splits, sm_scale, window, min_keys,
-    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, PAGE: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
-):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
-    slot = tl.load(slots_ptr + b).to(tl.int64)
-    ctx = tl.load(lens_ptr + b).to(tl.int32)
-    lo, per_split, used = _share(ctx, window, num_splits, min_keys, BLOCK)
-    start = lo + split * per_split
-    end = tl.minimum(start + per_split, ctx)
-
-    g = tl.arange(0, GROUP_PAD)
-    heads = kvh * GROUP + g
-    hmask = g < GROUP
+def _walk(q, m_i, l_i, acc, pages, k_base, v_base, start, end, stride_kt, stride_vt, qk_scale,
+          HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, PAGE: tl.constexpr):
+    """The online softmax of `q` over keys [start, end) of one sequence, BLOCK keys at a time:
+    (max, sum, unnormalised output) updated from the given ones."""
     d = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + b * stride_qn + heads[:, None] * stride_qh + d[None, :], mask=hmask[:, None], other=0.0)
-    qk_scale = sm_scale * 1.4426950408889634  # softmax in the exp2 domain
-
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    pages = table_ptr + slot * stride_table
-    k_base = K + kvh * stride_kh
-    v_base = V + kvh * stride_vh
     for n0 in range(start, end, BLOCK):
         offs = n0 + tl.arange(0, BLOCK)
         nmask = offs < end
@@ -94,6 +68,48 @@ def _split_kernel(
         v = tl.load(v_base + rows[:, None] * stride_vt + d[None, :], mask=nmask[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _split_kernel(
+    Q, K, V, table_ptr, slots_ptr, lens_ptr, Out, PartO, PartML,
+    stride_qn, stride_qh, stride_table,
+    stride_kt, stride_kh,
+    stride_vt, stride_vh,
+    stride_on, stride_oh,
+    num_splits, sm_scale, window, min_keys, wide_min,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, WIDE_BLOCK: tl.constexpr, PAGE: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    ctx = tl.load(lens_ptr + b).to(tl.int32)
+    lo, per_split, used = _share(ctx, window, num_splits, min_keys, BLOCK)
+    start = lo + split * per_split
+    end = tl.minimum(start + per_split, ctx)
+
+    g = tl.arange(0, GROUP_PAD)
+    heads = kvh * GROUP + g
+    hmask = g < GROUP
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + b * stride_qn + heads[:, None] * stride_qh + d[None, :], mask=hmask[:, None], other=0.0)
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    pages = table_ptr + slot * stride_table
+    k_base = K + kvh * stride_kh
+    v_base = V + kvh * stride_vh
+    qk_scale = sm_scale * 1.4426950408889634  # softmax in the exp2 domain
+    wide_end = tl.where(end - start >= wide_min, end, start)  # a long share walks wide blocks
+    m_i, l_i, acc = _walk(q, m_i, l_i, acc, pages, k_base, v_base, start, wide_end, stride_kt, stride_vt,
+                          qk_scale, HEAD_DIM, WIDE_BLOCK, PAGE)
+    m_i, l_i, acc = _walk(q, m_i, l_i, acc, pages, k_base, v_base, wide_end, end, stride_kt, stride_vt,
+                          qk_scale, HEAD_DIM, BLOCK, PAGE)
 
     if SINGLE_SPLIT:
         out = acc / l_i[:, None]
@@ -136,24 +152,12 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def split_cap(max_seq_len: int) -> int:
-    """The most splits a sequence is cut into: 32, or fewer where the cache holds fewer than
-    32 shares of 4 key blocks."""
-    return max(1, min(32, triton.cdiv(max_seq_len, 4 * BLOCK_N)))
-
-
-def keys_per_iteration(splits: int, max_seq_len: int) -> int:
-    """BLOCK_N, or WIDE_BLOCK_N where `splits` is below the cap (in the batch-invariant mode
-    never: there a row's summation order must not follow the batch)."""
-    return WIDE_BLOCK_N if splits < split_cap(max_seq_len) and not batch_invariant() else BLOCK_N
-
-
 def num_splits_for(batch: int, kv_heads: int, max_seq_len: int, device: torch.device) -> int:
     """Splits per sequence: enough programs to cover every SM about twice, never more than
     the cache has key blocks. A function of shapes only, so a captured graph stays valid. In
     the batch-invariant mode, the cap whatever the batch: where a sequence's keys are cut, and
     so the order its softmax sums in, then depends on its own length only."""
-    cap = split_cap(max_seq_len)
+    cap = max(1, min(32, triton.cdiv(max_seq_len, 4 * BLOCK_N)))
     if batch_invariant():
         return cap
     sms = _num_sms(device.index or 0) if device.type == "cuda" else 8
@@ -187,10 +191,8 @@ def decode_attention(
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and q.stride(-1) == 1 and page_table.stride(-1) == 1
     k_rows, v_rows = k_cache.view(-1, kv_heads, dim), v_cache.view(-1, kv_heads, dim)
     group = heads // kv_heads
-    max_seq_len = page_table.shape[1] * page_size
-    splits = num_splits_for(batch, kv_heads, max_seq_len, q.device)
-    block = keys_per_iteration(splits, max_seq_len)
-    min_keys = INVARIANT_SPLIT_KEYS if batch_invariant() else block  # a share is a block at least
+    splits = num_splits_for(batch, kv_heads, page_table.shape[1] * page_size, q.device)
+    min_keys = INVARIANT_SPLIT_KEYS if batch_invariant() else BLOCK_N  # a share is a block at least
     out = torch.empty_like(q)
     if splits == 1:
         part_o = part_ml = out  # unused
@@ -204,14 +206,15 @@ def decode_attention(
         v_rows.stride(0), v_rows.stride(1),
         out.stride(0), out.stride(1),
         splits, dim**-0.5, window, min_keys,
+        WIDE_MIN_KEYS if not batch_invariant() else 1 << 30,  # the invariant mode's order of sums is fixed
         NUM_HEADS=heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=dim, BLOCK=block, PAGE=page_size, SINGLE_SPLIT=splits == 1,
+        HEAD_DIM=dim, BLOCK=BLOCK_N, WIDE_BLOCK=WIDE_BLOCK_N, PAGE=page_size, SINGLE_SPLIT=splits == 1,
         num_warps=4, num_stages=2,
     )
     if splits > 1:
         _merge_kernel[(batch, heads)](
             part_o, part_ml, out, context_lens, out.stride(0), out.stride(1), splits, window, min_keys,
-            NUM_HEADS=heads, SPLITS_PAD=triton.next_power_of_2(splits), HEAD_DIM=dim, BLOCK=block,
+            NUM_HEADS=heads, SPLITS_PAD=triton.next_power_of_2(splits), HEAD_DIM=dim, BLOCK=BLOCK_N,
             num_warps=1,
         )
     return out
