@@ -45,6 +45,7 @@ import argparse
 import json
 import re
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -159,6 +160,39 @@ def summarize(name: str, batch: int, jf: bool, k: int, wall: float, reqs: list[R
         spec_s = sum(a.stats.decode_s for a, _ in same)
         row["decode_speedup_identical"] = sum(b.stats.decode_s for _, b in same) / spec_s if spec_s else None
     return row
+
+
+class PolicyTrace:
+    """What the draft policy chose in one run: steps by total drafts asked for, and its cost
+    tables at the end (us per step by row bucket, without and with drafts): why an adaptive
+    run reads slower than `-fixed`."""
+
+    def __init__(self, speculator: Speculator | None) -> None:
+        self.policy = speculator.policy if speculator is not None and speculator.adaptive else None
+        self.drafts: Counter[int] = Counter()
+
+    def __enter__(self) -> PolicyTrace:
+        if self.policy is not None:
+            decide = self.policy.draft_lengths
+
+            def traced(reqs: list[object], budgets: list[int], rows: int) -> list[int]:
+                lengths = decide(reqs, budgets, rows)
+                self.drafts[sum(lengths)] += 1
+                return lengths
+
+            self.policy.draft_lengths = traced
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.policy is not None:
+            del self.policy.draft_lengths  # the class's method again
+
+    def row(self) -> dict[str, Any]:
+        if self.policy is None:
+            return {}
+        costs = {name: {b: round(1e6 * t, 1) for b, t in sorted(table.seconds.items())}
+                 for name, table in (("plain", self.policy.plain), ("verify", self.policy.verify))}
+        return {"steps_by_drafts": dict(sorted(self.drafts.items())), "policy_costs_us": costs}
 
 
 class GraphFloor:
@@ -424,12 +458,14 @@ def main() -> None:
                     profile.report("warm-up")  # dropped
                 if floor is not None:
                     floor.on, floor.counts = True, {}
-                wall, reqs = run(llm, kept, batch, jf, args.max_tokens)
+                with PolicyTrace(speculators[name]) as trace:
+                    wall, reqs = run(llm, kept, batch, jf, args.max_tokens)
                 if floor is not None:
                     floor.on = False
                 if profile:
                     profile.report(f"{name} batch={batch} jf={jf}")
                 row = summarize(name, batch, jf, 0 if spec is None else spec.num_draft_tokens, wall, reqs, base)
+                row.update(trace.row())
                 base = base or reqs
                 if floor is not None and "-capturable" not in name:  # its loop steps are not `run`s
                     row.update(floor.take(sum(r.num_output - 1 for r in reqs)))
@@ -447,7 +483,8 @@ def main() -> None:
     eng.speculator = None
     shown = ["system", "batch", "jump_forward", "tokens", "identical", "mean_acceptance_length",
              "forward_passes_per_token", "ms_per_token", "speedup", "decode_ms_per_token", "decode_speedup",
-             "decode_speedup_identical", "identical_to_usual_mode", "graph_floor_ms_per_token", "x_graph_floor", "errors"]
+             "decode_speedup_identical", "identical_to_usual_mode", "graph_floor_ms_per_token", "x_graph_floor", "errors",
+             "steps_by_drafts"]
     print_table([{c: r.get(c) for c in shown} for r in rows])
     if not args.no_write:
         path = write_results("speculative", rows, extra={"settings": vars(args) | {"data": str(args.data)}})
