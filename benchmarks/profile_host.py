@@ -442,9 +442,11 @@ async def drive_http(url: str, requests: list[Any], max_tokens: int, rate: float
     return list(out), time.perf_counter() - t0
 
 
-def http_run(n: int, max_tokens: int, rate: float | None, profile_path: Path | None) -> dict[str, Any]:
-    """`n` agent-workload streams against `structgen serve`'s app on the stubbed device (a
-    child process), driven from this one; the server's event loop CPU per request and token."""
+def http_run(n: int, max_tokens: int, rate: float | None, profile_path: Path | None,
+             workload: str = "agent") -> dict[str, Any]:
+    """`n` streams of the agent workload (or its short-prompt twin, `workload="agent-short"`)
+    against `structgen serve`'s app on the stubbed device (a child process), driven from this
+    one; the server's event loop CPU per request and token."""
     import asyncio
     import json
     import signal
@@ -465,7 +467,8 @@ def http_run(n: int, max_tokens: int, rate: float | None, profile_path: Path | N
     child = subprocess.Popen(cmd)
     try:
         _wait_healthy(httpx, f"http://127.0.0.1:{port}/health", child)
-        requests = agent_workload(n, maskbench_dir(), load_tokenizer(resolve_model(progress=False)))
+        requests = agent_workload(n, maskbench_dir(), load_tokenizer(resolve_model(progress=False)),
+                                  catalogue=workload == "agent")
         results, wall = asyncio.run(drive_http(f"http://127.0.0.1:{port}", requests, max_tokens, rate))
     finally:
         child.send_signal(signal.SIGINT)
@@ -475,7 +478,8 @@ def http_run(n: int, max_tokens: int, rate: float | None, profile_path: Path | N
     loop_cpu = server["loop_cpu_s"]
     tokens, events = sum(r["tokens"] for r in ok), sum(r["events"] for r in ok)
     ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
-    return {"streams": n, "arrival": "closed" if rate is None else f"poisson {rate:g}/s", "wall_s": round(wall, 2),
+    return {"workload": workload, "streams": n, "arrival": "closed" if rate is None else f"poisson {rate:g}/s",
+            "wall_s": round(wall, 2),
             "lost": len(results) - len(ok), "tokens": tokens, "sse_events": events,
             "tok_per_s": round(tokens / wall, 1),
             "ttft_p50_s": round(float(np.median(ttft)), 3) if ttft else None,
@@ -561,7 +565,8 @@ def main() -> None:
         serve_stubbed(args.serve_stubbed, args.max_batch, args.stats_out, args.profile_out)
         return
     if args.http:
-        print(http_run(args.http, args.max_tokens, args.rate, args.profile))
+        workload = args.workload if args.workload.startswith("agent") else "agent"
+        print(http_run(args.http, args.max_tokens, args.rate, args.profile, workload))
         if args.profile:
             print_profile(args.profile)
         return
