@@ -5,7 +5,8 @@
 // Plain C ABI (loaded with ctypes by structgen/engine/kernels/cpu_quant.py); no Python or
 // torch headers, so g++ builds it in a few seconds on first use. Output rows are spread over
 // OpenMP threads: torch's own libgomp is already loaded when this library is, so the process
-// keeps one OpenMP runtime. AVX2/FMA/F16C code is chosen at run time, with a scalar fallback.
+// keeps one OpenMP runtime. AVX2/FMA/F16C code is chosen at run time, with a scalar fallback;
+// products of several rows may run on int8 activations (AVX512-VNNI or AVX-VNNI, see below).
 //
 // Block layouts are ggml's (ggml-common.h); types are passed as ggml type ids.
 //
@@ -490,6 +491,222 @@ void DequantRow(int type, const Format& f, const uint8_t* row, int64_t cols, flo
     dequant(row + blk * f.block_bytes, out + c);
 }
 
+// ---- int8 activations: products of several rows on VNNI integer dot products ----
+//
+// Each activation row is quantized per 32-block (scale d = max|x| / 127, int8 q, and d * sum(q)),
+// each weight block unpacked to unsigned bytes u with its scale and an offset m (Q4_0: the
+// nibbles, m = -8 d; Q4_1: the nibbles, m = the block's min; Q8_0: q + 128, m = -128 d), so a
+// block's product is d_w d_x (u . q) + m d_x sum(q): u . q is an exact int32 dot product
+// (vpdpbusd, four times the fp32 multiply rate), and the result equals the product of the
+// de-quantized operands up to float rounding. Only the quantized activations differ from the fp32 path.
+
+#if defined(SGQ_X86) && ((!defined(__clang__) && __GNUC__ >= 11) || (defined(__clang__) && __clang_major__ >= 12))
+#define SGQ_VNNI 1
+#define SGQ_VNNI512 __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma,f16c")))
+#define SGQ_AVXVNNI __attribute__((target("avxvnni,avx2,fma,f16c")))
+#endif
+
+constexpr int kInt8TileRows = 4;  // activation rows of a tile; the AVX-VNNI tile takes 2 (16 registers)
+
+// Activation rows quantized per 32-block; rows padded to a tile multiple and blocks to an even
+// count with zeros, so a 512-bit load takes two blocks without a tail.
+struct Int8Rows {
+  std::vector<int8_t> q;      // [rows, pair_blocks * 32]
+  std::vector<float> scale8;  // [rows, pair_blocks * 8]: each block's d, once per int32 lane
+  std::vector<float> sum;     // [rows, blocks]: d * sum(q)
+  int64_t n = 0, rows = 0, blocks = 0, pair_blocks = 0;
+};
+
+// Up to kWeightRows weight rows unpacked for the tiles, in Int8Rows' block layout.
+struct Int8Weights {
+  std::vector<uint8_t> u;     // [kWeightRows, pair_blocks * 32]
+  std::vector<float> scale8;  // [kWeightRows, pair_blocks * 8]
+  std::vector<float> offset;  // [kWeightRows, blocks]
+};
+
+// 2 where the AVX512-VNNI tiles run, 1 for the AVX-VNNI ones, 0 where neither may (the fp32 kernels).
+int Int8Level(int simd) {
+#ifdef SGQ_VNNI
+  static const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                             __builtin_cpu_supports("avx512vnni");
+  static const bool avx256 = __builtin_cpu_supports("avxvnni");
+  if (simd >= 2 && avx512) return 2;
+  if (simd >= 1 && avx256) return 1;
+#endif
+  (void)simd;
+  return 0;
+}
+
+#ifdef SGQ_VNNI
+SGQ_AVX2 void QuantizeBlocks(const float* x, int64_t blocks, int8_t* q, float* scale8, float* sum) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleave
+  for (int64_t b = 0; b < blocks; ++b, x += 32, q += 32) {
+    __m256 v[4], amax = _mm256_setzero_ps();
+    for (int k = 0; k < 4; ++k) {
+      v[k] = _mm256_loadu_ps(x + 8 * k);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[k]));
+    }
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    const float d = _mm_cvtss_f32(m) / 127.0f;
+    const __m256 inverse = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+    __m256i n[4];
+    for (int k = 0; k < 4; ++k) n[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], inverse));  // nearest even
+    const __m256i total = _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3]));
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(bytes, order));
+    _mm256_storeu_ps(scale8 + 8 * b, _mm256_set1_ps(d));
+    sum[b] = d * static_cast<float>(HorizontalSum(_mm256_cvtepi32_ps(total)));
+  }
+}
+
+// x [n, cols] quantized into `out`, its buffers grown as needed and its padding zeroed.
+void QuantizeRows(const float* x, int64_t n, int64_t cols, Int8Rows* out) {
+  out->n = n;
+  out->rows = (n + kInt8TileRows - 1) / kInt8TileRows * kInt8TileRows;
+  out->blocks = cols / 32;
+  out->pair_blocks = (out->blocks + 1) / 2 * 2;
+  out->q.assign(out->rows * out->pair_blocks * 32, 0);
+  out->scale8.assign(out->rows * out->pair_blocks * 8, 0.0f);
+  out->sum.assign(out->rows * out->blocks, 0.0f);
+  for (int64_t i = 0; i < n; ++i)
+    QuantizeBlocks(x + i * cols, out->blocks, out->q.data() + i * out->pair_blocks * 32,
+                   out->scale8.data() + i * out->pair_blocks * 8, out->sum.data() + i * out->blocks);
+}
+
+SGQ_AVX2 void UnpackRow(int type, const uint8_t* row, int64_t blocks, int64_t pair_blocks, uint8_t* u,
+                        float* scale8, float* offset) {
+  const int bytes = type == kQ8_0 ? 34 : type == kQ4_1 ? 20 : 18;
+  const __m128i low = _mm_set1_epi8(0xf);
+  for (int64_t b = 0; b < blocks; ++b, row += bytes) {
+    const float d = _cvtsh_ss(Load16(row));
+    if (type == kQ8_0) {
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 2));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(u + 32 * b), _mm256_xor_si256(q, _mm256_set1_epi8(-128)));
+      offset[b] = -128.0f * d;
+    } else {
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + (type == kQ4_1 ? 4 : 2)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(u + 32 * b), _mm_and_si128(raw, low));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(u + 32 * b + 16), _mm_and_si128(_mm_srli_epi16(raw, 4), low));
+      offset[b] = type == kQ4_1 ? _cvtsh_ss(Load16(row + 2)) : -8.0f * d;
+    }
+    _mm256_storeu_ps(scale8 + 8 * b, _mm256_set1_ps(d));
+  }
+  if (blocks < pair_blocks) {  // the padding block multiplies zero activations; keep it finite
+    std::memset(u + 32 * blocks, 0, 32);
+    std::memset(scale8 + 8 * blocks, 0, 8 * sizeof(float));
+  }
+}
+
+// The unpacked weight rows' operands, row r at u + r * u_stride and so on.
+struct Int8Operands {
+  const uint8_t* u;
+  const float* scale8;
+  const float* offset;
+  int64_t u_stride, scale_stride, offset_stride;
+};
+
+// y[i * y_stride + r] for activation rows i0 .. i0 + 4 (those below x.n) and weight rows r < R.
+template <int R>
+SGQ_VNNI512 void Int8TileAvx512(const Int8Rows& x, int64_t i0, const Int8Operands& w, float* y, int64_t y_stride) {
+  const int64_t q_stride = x.pair_blocks * 32, s_stride = x.pair_blocks * 8;
+  __m512 acc[kInt8TileRows][R];
+  for (int i = 0; i < kInt8TileRows; ++i)
+    for (int r = 0; r < R; ++r) acc[i][r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < x.pair_blocks; b += 2) {
+    for (int i = 0; i < kInt8TileRows; ++i) {
+      const __m512i a = _mm512_loadu_si512(x.q.data() + (i0 + i) * q_stride + 32 * b);
+      const __m512 da = _mm512_loadu_ps(x.scale8.data() + (i0 + i) * s_stride + 8 * b);
+      for (int r = 0; r < R; ++r) {
+        const __m512i u = _mm512_loadu_si512(w.u + r * w.u_stride + 32 * b);
+        const __m512 scale = _mm512_mul_ps(da, _mm512_loadu_ps(w.scale8 + r * w.scale_stride + 8 * b));
+        const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, a);
+        acc[i][r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(dot), acc[i][r]);
+      }
+    }
+  }
+  for (int i = 0; i < kInt8TileRows && i0 + i < x.n; ++i)
+    for (int r = 0; r < R; ++r)
+      y[(i0 + i) * y_stride + r] = _mm512_reduce_add_ps(acc[i][r]) +
+                                   DotAvx512(w.offset + r * w.offset_stride, x.sum.data() + (i0 + i) * x.blocks, x.blocks);
+}
+
+constexpr int kAvxVnniTileRows = 2;
+
+template <int R>
+SGQ_AVXVNNI void Int8TileAvxVnni(const Int8Rows& x, int64_t i0, const Int8Operands& w, float* y, int64_t y_stride) {
+  const int64_t q_stride = x.pair_blocks * 32, s_stride = x.pair_blocks * 8;
+  __m256 acc[kAvxVnniTileRows][R];
+  for (int i = 0; i < kAvxVnniTileRows; ++i)
+    for (int r = 0; r < R; ++r) acc[i][r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < x.blocks; ++b) {
+    for (int i = 0; i < kAvxVnniTileRows; ++i) {
+      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + (i0 + i) * q_stride + 32 * b));
+      const __m256 da = _mm256_loadu_ps(x.scale8.data() + (i0 + i) * s_stride + 8 * b);
+      for (int r = 0; r < R; ++r) {
+        const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.u + r * w.u_stride + 32 * b));
+        const __m256 scale = _mm256_mul_ps(da, _mm256_loadu_ps(w.scale8 + r * w.scale_stride + 8 * b));
+        const __m256i dot = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, a);
+        acc[i][r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dot), acc[i][r]);
+      }
+    }
+  }
+  for (int i = 0; i < kAvxVnniTileRows && i0 + i < x.n; ++i)
+    for (int r = 0; r < R; ++r)
+      y[(i0 + i) * y_stride + r] = HorizontalSum(acc[i][r]) +
+                                   DotAvx2(w.offset + r * w.offset_stride, x.sum.data() + (i0 + i) * x.blocks, x.blocks);
+}
+
+// Every activation row of `x` against the weight rows `w.u ...` (count of them, from weight row
+// `first` of the output).
+void Int8Tiles(const Int8Rows& x, const Int8Operands& w, int64_t count, float* y, int64_t y_stride, int level) {
+  const int step = level == 2 ? kInt8TileRows : kAvxVnniTileRows;
+  for (int64_t i0 = 0; i0 < x.n; i0 += step) {
+    if (count == kWeightRows) {
+      if (level == 2) Int8TileAvx512<kWeightRows>(x, i0, w, y, y_stride);
+      else Int8TileAvxVnni<kWeightRows>(x, i0, w, y, y_stride);
+      continue;
+    }
+    for (int64_t r = 0; r < count; ++r) {
+      const Int8Operands row = {w.u + r * w.u_stride, w.scale8 + r * w.scale_stride, w.offset + r * w.offset_stride,
+                                w.u_stride, w.scale_stride, w.offset_stride};
+      if (level == 2) Int8TileAvx512<1>(x, i0, row, y + r, y_stride);
+      else Int8TileAvxVnni<1>(x, i0, row, y + r, y_stride);
+    }
+  }
+}
+
+// Weight rows [begin, end) against the quantized rows `x`, kWeightRows rows unpacked at a time into `scratch`.
+void Int8MatmulRows(int type, const uint8_t* w, int64_t row_bytes, int64_t begin, int64_t end, const Int8Rows& x,
+                    float* y, int64_t y_stride, int level, Int8Weights* scratch) {
+  const int64_t u_stride = x.pair_blocks * 32, s_stride = x.pair_blocks * 8;
+  scratch->u.resize(kWeightRows * u_stride);
+  scratch->scale8.resize(kWeightRows * s_stride);
+  scratch->offset.resize(kWeightRows * x.blocks);
+  const Int8Operands ops = {scratch->u.data(), scratch->scale8.data(), scratch->offset.data(), u_stride, s_stride,
+                            x.blocks};
+  for (int64_t r0 = begin; r0 < end; r0 += kWeightRows) {
+    const int64_t count = end - r0 < kWeightRows ? end - r0 : kWeightRows;
+    for (int64_t k = 0; k < count; ++k)
+      UnpackRow(type, w + (r0 + k) * row_bytes, x.blocks, x.pair_blocks, scratch->u.data() + k * u_stride,
+                scratch->scale8.data() + k * s_stride, scratch->offset.data() + k * x.blocks);
+    Int8Tiles(x, ops, count, y + r0, y_stride, level);
+  }
+}
+#else
+void QuantizeRows(const float*, int64_t, int64_t, Int8Rows*) {}
+void Int8MatmulRows(int, const uint8_t*, int64_t, int64_t, int64_t, const Int8Rows&, float*, int64_t, int,
+                    Int8Weights*) {}
+#endif
+
+// The int8 level a product of `n` rows of format `type` runs at: 0 (the fp32 kernels) below
+// `int8_rows` rows (0: never), for the K formats, or without VNNI.
+int Int8LevelFor(int type, int64_t n, int64_t int8_rows, int simd) {
+  return int8_rows > 0 && n >= int8_rows && SmallBlocks(type) ? Int8Level(simd) : 0;
+}
+
 }  // namespace
 
 extern "C" {
@@ -508,13 +725,30 @@ int sgq_block_elems(int type) {
 // The best SIMD level this CPU runs: 2 AVX-512F, 1 AVX2/FMA/F16C, 0 scalar only.
 int sgq_simd() { return SimdLevel(); }
 
+// The int8 products' level under SIMD cap `simd`: 2 AVX512-VNNI, 1 AVX-VNNI, 0 none (fp32 kernels).
+int sgq_int8_level(int simd) { return Int8Level(simd < SimdLevel() ? simd : SimdLevel()); }
+
 // y[i * y_stride + r] = sum_c x[i * cols + c] * W[r, c] for i < n, r < rows, where W's rows are
-// `row_bytes` apart in `w`. `simd` caps the SIMD level (0: the scalar path). Returns 0, or -1 for a bad type.
+// `row_bytes` apart in `w`. `simd` caps the SIMD level (0: the scalar path); products of at least
+// `int8_rows` rows (0: none) run on int8 activations where the CPU has VNNI. Returns 0, or -1 for a bad type.
 int sgq_matmul(int type, const uint8_t* w, int64_t rows, int64_t cols, int64_t row_bytes,
-               const float* x, int64_t n, float* y, int64_t y_stride, int threads, int simd) {
+               const float* x, int64_t n, float* y, int64_t y_stride, int threads, int simd, int64_t int8_rows) {
   Format f;
   if (!FormatOf(type, &f) || cols % f.block_elems != 0) return -1;
   const int vec = simd < SimdLevel() ? simd : SimdLevel();
+  const int int8 = Int8LevelFor(type, n, int8_rows, vec);
+  if (int8) {
+    Int8Rows quantized;
+    QuantizeRows(x, n, cols, &quantized);
+#pragma omp parallel num_threads(threads) if (rows * cols * n >= kParallelWork)
+    {
+      Int8Weights scratch;
+#pragma omp for schedule(static)
+      for (int64_t g = 0; g < RowGroups(rows); ++g)
+        Int8MatmulRows(type, w, row_bytes, g * kWeightRows, GroupEnd(g, rows), quantized, y, y_stride, int8, &scratch);
+    }
+    return 0;
+  }
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows * cols * n >= kParallelWork)
   for (int64_t g = 0; g < RowGroups(rows); ++g)
     MatmulRows(type, f, w, row_bytes, g * kWeightRows, GroupEnd(g, rows), cols, x, n, y, y_stride, vec);
@@ -619,13 +853,27 @@ void Barrier() {
 #endif
 }
 
+// What each thread keeps for the int8 products: its quantized copy of the activations, the
+// weight rows it unpacks, and the fewest rows a product runs on int8 activations (0: never).
+struct Int8Scratch {
+  Int8Rows rows;
+  Int8Weights weights;
+  int64_t int8_rows;
+};
+
 // y[i, r] = x[i, :] . W[r, :] (+ bias[r]) for this thread's share of the rows r.
-void LinearShare(const Linear& l, const float* x, int64_t n, float* y, int simd, Team team) {
+void LinearShare(const Linear& l, const float* x, int64_t n, float* y, int simd, Team team, Int8Scratch* int8) {
   Format f;
   FormatOf(l.type, &f);
   const Share s = ShareOf(RowGroups(l.rows), team.thread, team.threads);
   const int64_t begin = s.begin * kWeightRows, end = s.begin < s.end ? GroupEnd(s.end - 1, l.rows) : begin;
-  MatmulRows(l.type, f, l.w, l.row_bytes, begin, end, l.cols, x, n, y, l.rows, simd);
+  const int level = Int8LevelFor(l.type, n, int8->int8_rows, simd);
+  if (level) {  // every thread quantizes its own copy: cheaper than a barrier
+    QuantizeRows(x, n, l.cols, &int8->rows);
+    Int8MatmulRows(l.type, l.w, l.row_bytes, begin, end, int8->rows, y, l.rows, level, &int8->weights);
+  } else {
+    MatmulRows(l.type, f, l.w, l.row_bytes, begin, end, l.cols, x, n, y, l.rows, simd);
+  }
   if (l.bias)
     for (int64_t r = begin; r < end; ++r)
       for (int64_t i = 0; i < n; ++i) y[i * l.rows + r] += l.bias[r];
@@ -708,15 +956,16 @@ struct SharedBuffers {
 // a barrier; every copy sees the same operations, so the copies stay equal.
 struct ThreadState {
   std::vector<float> hidden, normed, act, scores;
-  ThreadState(const ModelShape& m, int64_t n, const float* stream)
-      : hidden(stream, stream + n * m.hidden), normed(n * m.hidden), act(n * m.inter) {}
+  Int8Scratch int8;
+  ThreadState(const ModelShape& m, int64_t n, const float* stream, int64_t int8_rows)
+      : hidden(stream, stream + n * m.hidden), normed(n * m.hidden), act(n * m.inter), int8{{}, {}, int8_rows} {}
 };
 
 // hidden += o(attention(norm(hidden))), the residual stream of this thread's copy.
 void AttentionBlock(const ModelShape& m, const DecoderLayer& l, const DecodeRows& b, SharedBuffers* buf,
                     ThreadState* own, int simd, Team team) {
   RmsNorm(own->hidden.data(), l.attn_norm, b.n, m.hidden, m.eps, own->normed.data());
-  LinearShare(l.qkv, own->normed.data(), b.n, buf->qkv.data(), simd, team);
+  LinearShare(l.qkv, own->normed.data(), b.n, buf->qkv.data(), simd, team, &own->int8);
   Barrier();
   if (team.thread == 0) RopeAndCache(m, l, b, buf->qkv.data());
   Barrier();
@@ -725,7 +974,7 @@ void AttentionBlock(const ModelShape& m, const DecoderLayer& l, const DecodeRows
     AttendHead(m, l, b, buf->qkv.data(), job / m.heads, job % m.heads, simd, &own->scores,
                buf->attn.data() + job * m.head_dim);
   Barrier();
-  LinearShare(l.o, buf->attn.data(), b.n, buf->proj.data(), simd, team);
+  LinearShare(l.o, buf->attn.data(), b.n, buf->proj.data(), simd, team, &own->int8);
   Barrier();
   for (int64_t e = 0; e < b.n * m.hidden; ++e) own->hidden[e] += buf->proj[e];
 }
@@ -734,14 +983,14 @@ void AttentionBlock(const ModelShape& m, const DecoderLayer& l, const DecodeRows
 void MlpBlock(const ModelShape& m, const DecoderLayer& l, int64_t n, SharedBuffers* buf, ThreadState* own,
               int simd, Team team) {
   RmsNorm(own->hidden.data(), l.mlp_norm, n, m.hidden, m.eps, own->normed.data());
-  LinearShare(l.gate_up, own->normed.data(), n, buf->gate_up.data(), simd, team);
+  LinearShare(l.gate_up, own->normed.data(), n, buf->gate_up.data(), simd, team, &own->int8);
   Barrier();
   for (int64_t i = 0; i < n; ++i) {
     const float* gate = buf->gate_up.data() + i * 2 * m.inter;
     for (int64_t c = 0; c < m.inter; ++c)
       own->act[i * m.inter + c] = gate[c] / (1.0f + std::exp(-gate[c])) * gate[m.inter + c];
   }
-  LinearShare(l.down, own->act.data(), n, buf->proj.data(), simd, team);
+  LinearShare(l.down, own->act.data(), n, buf->proj.data(), simd, team, &own->int8);
   Barrier();
   for (int64_t e = 0; e < n * m.hidden; ++e) own->hidden[e] += buf->proj[e];
 }
@@ -751,9 +1000,10 @@ void MlpBlock(const ModelShape& m, const DecoderLayer& l, int64_t n, SharedBuffe
 extern "C" {
 
 // Runs `num_layers` decoder layers over the residual stream `hidden` [n, hidden] of `rows` in
-// place. Returns 0, or -1 for an unsupported layer.
+// place; a step of at least `int8_rows` rows (0: none) multiplies on int8 activations where the
+// CPU has VNNI. Returns 0, or -1 for an unsupported layer.
 int sgq_decode_layers(const ModelShape* shape, const DecoderLayer* layers, int64_t num_layers,
-                      const DecodeRows* rows, float* hidden, int threads, int simd) {
+                      const DecodeRows* rows, float* hidden, int threads, int simd, int64_t int8_rows) {
   const ModelShape& m = *shape;
   Format f;
   for (int64_t i = 0; i < num_layers; ++i)
@@ -765,7 +1015,7 @@ int sgq_decode_layers(const ModelShape* shape, const DecoderLayer* layers, int64
 #pragma omp parallel num_threads(threads)
   {
     const Team team = ThisTeam();
-    ThreadState own(m, rows->n, hidden);
+    ThreadState own(m, rows->n, hidden, int8_rows);
     for (int64_t i = 0; i < num_layers; ++i) {
       AttentionBlock(m, layers[i], *rows, &buf, &own, vec, team);
       MlpBlock(m, layers[i], rows->n, &buf, &own, vec, team);

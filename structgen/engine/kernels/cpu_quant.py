@@ -43,16 +43,18 @@ class QuantKernels:
         self.simd = int(lib.sgq_simd())  # 2: AVX-512F, 1: AVX2/FMA/F16C, 0: scalar code
 
     def matmul(self, x: torch.Tensor, packed: torch.Tensor, qtype: str, cols: int,
-               out: torch.Tensor | None = None, threads: int = 0) -> torch.Tensor:
+               out: torch.Tensor | None = None, threads: int = 0, int8_rows: int = 0) -> torch.Tensor:
         """`x @ W.T` for fp32 `x` [n, cols] and W packed as `packed` [rows, row_bytes];
-        `out` may be a column slice of a larger [n, *] fp32 tensor with unit column stride."""
+        `out` may be a column slice of a larger [n, *] fp32 tensor with unit column stride. A
+        product of at least `int8_rows` rows (0: none) in Q4_0 / Q4_1 / Q8_0 multiplies `x`
+        quantized to int8 (`int8_matmul_reference`) where the CPU has VNNI (`int8_level`)."""
         x = x.float().contiguous()
         n, rows = x.shape[0], packed.shape[0]
         if out is None:
             out = torch.empty(n, rows, dtype=torch.float32)
         rc = self._lib.sgq_matmul(FORMATS[qtype], packed.data_ptr(), rows, cols, packed.stride(0),
                                   x.data_ptr(), n, out.data_ptr(), out.stride(0),
-                                  threads or torch.get_num_threads(), self.simd)
+                                  threads or torch.get_num_threads(), self.simd, int8_rows)
         if rc != 0:
             raise ValueError(f"{qtype} matmul of {cols} columns is not supported")
         return out
@@ -78,10 +80,17 @@ class QuantKernels:
         return out
 
     def decode_layers(self, shape: object, layers: object, num_layers: int, rows: object, hidden: int,
-                      threads: int) -> int:
+                      threads: int, int8_rows: int = 0) -> int:
         """`sgq_decode_layers` on ctypes structures (kernels/cpu_decode.py builds them): 0, or -1
         for a layer the native decoder does not run."""
-        return int(self._lib.sgq_decode_layers(shape, layers, num_layers, rows, hidden, threads, self.simd))
+        return int(self._lib.sgq_decode_layers(shape, layers, num_layers, rows, hidden, threads, self.simd,
+                                               int8_rows))
+
+    @property
+    def int8_level(self) -> int:
+        """2 where products run on AVX512-VNNI int8 dot products, 1 on AVX-VNNI, 0 where
+        `int8_rows` changes nothing (no VNNI, or the SIMD level capped below it)."""
+        return int(self._lib.sgq_int8_level(self.simd))
 
     def at_simd_level(self, level: int) -> QuantKernels:
         """The same library capped at SIMD `level` (tests compare every path to the reference)."""
@@ -103,6 +112,21 @@ def matmul_reference(x: torch.Tensor, packed: torch.Tensor, qtype: str) -> torch
     return x.float() @ dequantize_reference(packed, qtype).T
 
 
+def quantize_activations_reference(x: torch.Tensor) -> torch.Tensor:
+    """fp32 `x` [n, cols] rounded as the int8 products round it: per block of 32, scale
+    d = max|x| / 127 and q = round-half-even(x * (1 / d)), returned de-quantized (q * d)."""
+    blocks = x.float().reshape(x.shape[0], -1, 32)
+    d = blocks.abs().amax(dim=-1, keepdim=True) / 127
+    inverse = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    return (torch.round(blocks * inverse) * d).reshape(x.shape)
+
+
+def int8_matmul_reference(x: torch.Tensor, packed: torch.Tensor, qtype: str) -> torch.Tensor:
+    """What `QuantKernels.matmul(..., int8_rows=...)` must equal: `x` quantized per 32-block
+    to int8, both operands de-quantized, multiplied in float64."""
+    return (quantize_activations_reference(x).double() @ dequantize_reference(packed, qtype).double().T).float()
+
+
 @functools.cache
 def load() -> QuantKernels | None:
     """The kernels, built on first use; None (logged once) where they cannot be had."""
@@ -115,10 +139,11 @@ def load() -> QuantKernels | None:
                     "at load (more memory, slower steps). Install g++ to get them.", exc)
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.sgq_matmul.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, i64, ptr, i64, ctypes.c_int, ctypes.c_int]
+    lib.sgq_matmul.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, i64, ptr, i64, ctypes.c_int, ctypes.c_int, i64]
     lib.sgq_dequantize.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, ctypes.c_int, ctypes.c_int]
     lib.sgq_dequantize_rows.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, ctypes.c_int, ctypes.c_int]
-    lib.sgq_decode_layers.argtypes = [ptr, ptr, i64, ptr, ptr, ctypes.c_int, ctypes.c_int]
+    lib.sgq_decode_layers.argtypes = [ptr, ptr, i64, ptr, ptr, ctypes.c_int, ctypes.c_int, i64]
+    lib.sgq_int8_level.argtypes = [ctypes.c_int]
     return QuantKernels(lib)
 
 
