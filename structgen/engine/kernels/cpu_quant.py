@@ -32,6 +32,10 @@ FORMATS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
 # Products of more rows than this de-quantize the weight once and use torch's matmul: a prompt's
 # rows amortise the de-quantization and torch's GEMM reuses each weight across many rows.
 MAX_KERNEL_ROWS = 32
+# Products of at least this many rows may run on int8 activations (`QuantKernels.matmul`'s
+# `int8_rows`, EngineTuning.int8_prompt_products): below it the fp32 kernel is as fast.
+INT8_ROWS = 8
+INT8_FORMATS = frozenset({"Q4_0", "Q4_1", "Q8_0"})  # the K formats keep the fp32 kernel
 
 
 class QuantKernels:

@@ -75,6 +75,7 @@ class QuantizedLinear(nn.Module):
         self.kernels = cpu_quant.load()
         if self.kernels is None:
             raise _kernels_missing()
+        self.int8_rows = 0  # products of at least this many rows on int8 activations (use_int8_activations)
 
     @property
     def weight_bytes(self) -> int:
@@ -83,19 +84,35 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead, dtype = x.shape[:-1], x.dtype
         x2 = x.reshape(-1, self.in_features).float()
-        if x2.shape[0] > cpu_quant.MAX_KERNEL_ROWS:
-            products = [x2 @ p.dequantize().T for p in self.parts]
-            y = products[0] if len(products) == 1 else torch.cat(products, dim=-1)
-        else:
-            y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
-            start = 0
-            for p in self.parts:
-                rows = p.shape[0]
-                self.kernels.matmul(x2, p.packed, p.qtype, p.cols, out=y[:, start:start + rows])
-                start += rows
+        y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
+        start = 0
+        for p in self.parts:
+            out = y[:, start:start + p.shape[0]]
+            if x2.shape[0] > cpu_quant.MAX_KERNEL_ROWS and not self._int8(p, x2.shape[0]):
+                torch.matmul(x2, p.dequantize().T, out=out)
+            else:
+                self.kernels.matmul(x2, p.packed, p.qtype, p.cols, out=out, int8_rows=self.int8_rows)
+            start += p.shape[0]
         if self.bias is not None:
             y += self.bias
         return y.reshape(*lead, self.out_features).to(dtype)
+
+
+    def _int8(self, part: QuantizedWeight, rows: int) -> bool:
+        """Whether a product of `rows` rows with `part` runs on int8 activations."""
+        return (0 < self.int8_rows <= rows and part.qtype in cpu_quant.INT8_FORMATS
+                and self.kernels.int8_level > 0)
+
+
+def use_int8_activations(model: nn.Module, min_rows: int) -> None:
+    """Products of at least `min_rows` rows (0: none) on int8 activations where the CPU has
+    VNNI (`EngineTuning.int8_prompt_products`): every `QuantizedLinear` of `model`, and the
+    model's native CPU step where it has one (`cpu_int8_rows`)."""
+    for m in model.modules():
+        if isinstance(m, QuantizedLinear):
+            m.int8_rows = min_rows
+    if hasattr(model, "cpu_int8_rows"):
+        model.cpu_int8_rows = min_rows
 
 
 class QuantizedEmbedding(nn.Module):
