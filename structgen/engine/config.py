@@ -293,11 +293,11 @@ class EngineTuning:
     # de-quantized to bf16 at load: off until the packed multi-row GEMM matches its reference
     # on the GPU (docs/performance.md, "Quantized weights on the GPU").
     gguf_packed_on_cuda: bool = False
-    # CPU products of several rows (prompts, rows to verify) with GGUF Q4_0 / Q4_1 / Q8_0 weights
-    # multiply activations quantized to int8 per block of 32, as llama.cpp does, on VNNI dot
-    # products: a shorter time to the first token for slightly different numbers; decode rows
-    # keep fp32 activations (docs/performance.md, "Quantized weights on the CPU").
-    int8_prompt_products: bool = True
+    # CPU products of 8 rows or more (prompts, batched decode steps) with GGUF Q4_0 / Q4_1 / Q8_0
+    # weights multiply activations quantized to int8 per block of 32, as llama.cpp does, on VNNI
+    # dot products: about half the time to the first token, but greedy outputs drift from the
+    # fp32-activation path's, so it is opt-in (docs/performance.md, "Quantized weights on the CPU").
+    int8_prompt_products: bool = False
 
     def __post_init__(self) -> None:
         from structgen.errors import InvalidParameterError
