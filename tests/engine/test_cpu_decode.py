@@ -88,3 +88,38 @@ def test_steps_of_many_rows_over_long_contexts_run_the_torch_layers() -> None:
     assert native(LONG_CONTEXT - 30, 30)  # a prompt's tail within LONG_CONTEXT keys
     assert not native(2970, 30)  # the agent turn's tail
     assert native(2999, 1) and native(2996, FEW_ROWS)  # a decode row over 3,000 keys, and drafts to verify
+
+
+
+@torch.inference_mode()
+def test_int8_prompt_products_stay_near_the_fp32_activations(model_dir: Path, tokenizer) -> None:
+    """With `int8_prompt_products`, a prompt's native step multiplies int8 activations: its
+    logits move (rounding flips cascade through the layers, so they move about as much for any
+    two int8 runs) but stay near the fp32-activation logits, with the same top token on most rows."""
+    from structgen.engine.config import EngineTuning
+    from structgen.engine.kernels import cpu_quant
+    from structgen.engine.models.loader import load_model_config
+    from structgen.engine.models.quantized import use_int8_activations
+
+    engine = Engine(load_model_config(model_dir), EngineConfig(device="cpu", max_batch_size=4, max_seq_len=256,
+                                                               tuning=EngineTuning(int8_prompt_products=True)), model_dir)
+    runner, kernels = engine.runner, cpu_quant.load()
+    if kernels is None or kernels.int8_level == 0:
+        pytest.skip("this CPU has no VNNI int8 products")
+    ids = tokenizer.encode(" ".join(PROMPTS), add_special_tokens=False)
+    assert len(ids) >= cpu_quant.INT8_ROWS and runner.model.cpu_decoder(runner.kv) is not None
+
+    def prompt_logits() -> torch.Tensor:
+        slot = runner.kv.pages.allocate_slot()
+        runner.kv.pages.cover(slot, len(ids))
+        logits = runner.extend([ExtendSeq(slot, 0, ids, num_logits=len(ids))])
+        runner.kv.pages.release_slot(slot)
+        return logits
+
+    int8 = prompt_logits()
+    use_int8_activations(runner.model, 0)
+    runner.model._cpu_decoder = None  # rebuilt without int8 products
+    fp32 = prompt_logits()
+    diff = (int8 - fp32).abs()
+    assert 1e-2 < diff.max() < 3 and diff.mean() < 0.3, (diff.max(), diff.mean())
+    assert (int8.argmax(-1) == fp32.argmax(-1)).float().mean() >= 0.85
