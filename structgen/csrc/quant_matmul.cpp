@@ -435,6 +435,90 @@ void Axpy(float p, const float* v, float* out, int64_t d, int simd) {
   for (int64_t e = 0; e < d; ++e) out[e] += p * v[e];
 }
 
+// e^x by x = k ln2 + r and a degree-6 polynomial in r (Cephes' expf, within 2 ulp), for the
+// softmax and SiLU of the native step, whose std::exp calls cost more than its products.
+#ifdef SGQ_X86
+SGQ_AVX512 inline __m512 Exp512(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-87.3365447504f));
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, k);
+}
+
+SGQ_AVX2 inline __m256 Exp256(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-87.3365447504f));
+  const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  // 2^k for k in [-127, 128): the exponent field; the clamp keeps k there.
+  const __m256i two_k = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_k));
+}
+
+// s[t] = e^(s[t] - shift) for t < count; returns their sum.
+SGQ_AVX512 float ExpShiftedAvx512(float* s, int64_t count, float shift) {
+  const __m512 vshift = _mm512_set1_ps(shift);
+  __m512 total = _mm512_setzero_ps();
+  for (int64_t t = 0; t < count; t += 16) {
+    const __mmask16 mask = count - t >= 16 ? 0xffff : static_cast<__mmask16>((1u << (count - t)) - 1);
+    const __m512 e = Exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + t), vshift));
+    _mm512_mask_storeu_ps(s + t, mask, e);
+    total = _mm512_add_ps(total, _mm512_maskz_mov_ps(mask, e));
+  }
+  return _mm512_reduce_add_ps(total);
+}
+
+// out[c] = silu(gate[c]) * up[c] for c < count.
+SGQ_AVX512 void SiluMulAvx512(const float* gate, const float* up, int64_t count, float* out) {
+  for (int64_t c = 0; c < count; c += 16) {
+    const __mmask16 mask = count - c >= 16 ? 0xffff : static_cast<__mmask16>((1u << (count - c)) - 1);
+    const __m512 g = _mm512_maskz_loadu_ps(mask, gate + c);
+    const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), Exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+    _mm512_mask_storeu_ps(out + c, mask, _mm512_mul_ps(silu, _mm512_maskz_loadu_ps(mask, up + c)));
+  }
+}
+
+SGQ_AVX2 void SiluMulAvx2(const float* gate, const float* up, int64_t count, float* out) {
+  int64_t c = 0;
+  for (; c + 8 <= count; c += 8) {
+    const __m256 g = _mm256_loadu_ps(gate + c);
+    const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), Exp256(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+    _mm256_storeu_ps(out + c, _mm256_mul_ps(silu, _mm256_loadu_ps(up + c)));
+  }
+  for (; c < count; ++c) out[c] = gate[c] / (1.0f + std::exp(-gate[c])) * up[c];
+}
+#endif
+
+float ExpShifted(float* s, int64_t count, float shift, int simd) {
+#ifdef SGQ_X86
+  if (simd >= 2) return ExpShiftedAvx512(s, count, shift);
+#endif
+  (void)simd;
+  float total = 0;
+  for (int64_t t = 0; t < count; ++t) total += (s[t] = std::exp(s[t] - shift));
+  return total;
+}
+
+void SiluMul(const float* gate, const float* up, int64_t count, float* out, int simd) {
+#ifdef SGQ_X86
+  if (simd >= 2) return SiluMulAvx512(gate, up, count, out);
+  if (simd >= 1) return SiluMulAvx2(gate, up, count, out);
+#endif
+  (void)simd;
+  for (int64_t c = 0; c < count; ++c) out[c] = gate[c] / (1.0f + std::exp(-gate[c])) * up[c];
+}
+
 void MatmulRow(int type, const Format& f, const uint8_t* row, int64_t cols, const float* x,
                int64_t n, float* y, int64_t y_stride, int simd) {
 #ifdef SGQ_X86
@@ -880,11 +964,10 @@ void LinearShare(const Linear& l, const float* x, int64_t n, float* y, int simd,
 }
 
 // out[i] = x[i] * rsqrt(mean(x[i]^2) + eps) * weight, row by row.
-void RmsNorm(const float* x, const float* weight, int64_t n, int64_t dim, float eps, float* out) {
+void RmsNorm(const float* x, const float* weight, int64_t n, int64_t dim, float eps, float* out, int simd) {
   for (int64_t i = 0; i < n; ++i) {
     const float* xi = x + i * dim;
-    float sum = 0;
-    for (int64_t c = 0; c < dim; ++c) sum += xi[c] * xi[c];
+    const float sum = Dot(xi, xi, dim, simd);
     const float scale = 1.0f / std::sqrt(sum / static_cast<float>(dim) + eps);
     for (int64_t c = 0; c < dim; ++c) out[i * dim + c] = weight[c] * (xi[c] * scale);
   }
@@ -933,8 +1016,7 @@ void AttendHead(const ModelShape& m, const DecoderLayer& l, const DecodeRows& b,
     s[t - first] = Dot(q, k, d, simd) * scale;
     top = s[t - first] > top ? s[t - first] : top;
   }
-  float total = 0;
-  for (int64_t t = 0; t < ctx - first; ++t) total += (s[t] = std::exp(s[t] - top));
+  const float total = ExpShifted(s, ctx - first, top, simd);
   for (int64_t e = 0; e < d; ++e) out[e] = 0;
   for (int64_t t = first; t < ctx; ++t) {
     const int64_t cache_row = pages[t / b.page_size] * b.page_size + t % b.page_size;
@@ -945,26 +1027,26 @@ void AttendHead(const ModelShape& m, const DecoderLayer& l, const DecodeRows& b,
 
 // Buffers the threads share: the products each thread writes its share of rows into.
 struct SharedBuffers {
-  std::vector<float> qkv, attn, proj, gate_up;
+  std::vector<float> qkv, attn, proj, gate_up, act;
   SharedBuffers(const ModelShape& m, int64_t n)
       : qkv(n * (m.heads + 2 * m.kv_heads) * m.head_dim), attn(n * m.heads * m.head_dim), proj(n * m.hidden),
-        gate_up(n * 2 * m.inter) {}
+        gate_up(n * 2 * m.inter), act(n * m.inter) {}
 };
 
 // What every thread keeps for itself: its copy of the residual stream and of the small
 // element-wise results, computed redundantly (a few thousand floats) instead of once behind
 // a barrier; every copy sees the same operations, so the copies stay equal.
 struct ThreadState {
-  std::vector<float> hidden, normed, act, scores;
+  std::vector<float> hidden, normed, scores;
   Int8Scratch int8;
   ThreadState(const ModelShape& m, int64_t n, const float* stream, int64_t int8_rows)
-      : hidden(stream, stream + n * m.hidden), normed(n * m.hidden), act(n * m.inter), int8{{}, {}, int8_rows} {}
+      : hidden(stream, stream + n * m.hidden), normed(n * m.hidden), int8{{}, {}, int8_rows} {}
 };
 
 // hidden += o(attention(norm(hidden))), the residual stream of this thread's copy.
 void AttentionBlock(const ModelShape& m, const DecoderLayer& l, const DecodeRows& b, SharedBuffers* buf,
                     ThreadState* own, int simd, Team team) {
-  RmsNorm(own->hidden.data(), l.attn_norm, b.n, m.hidden, m.eps, own->normed.data());
+  RmsNorm(own->hidden.data(), l.attn_norm, b.n, m.hidden, m.eps, own->normed.data(), simd);
   LinearShare(l.qkv, own->normed.data(), b.n, buf->qkv.data(), simd, team, &own->int8);
   Barrier();
   if (team.thread == 0) RopeAndCache(m, l, b, buf->qkv.data());
@@ -982,15 +1064,16 @@ void AttentionBlock(const ModelShape& m, const DecoderLayer& l, const DecodeRows
 // hidden += down(silu(gate) * up) of norm(hidden), the residual stream of this thread's copy.
 void MlpBlock(const ModelShape& m, const DecoderLayer& l, int64_t n, SharedBuffers* buf, ThreadState* own,
               int simd, Team team) {
-  RmsNorm(own->hidden.data(), l.mlp_norm, n, m.hidden, m.eps, own->normed.data());
+  RmsNorm(own->hidden.data(), l.mlp_norm, n, m.hidden, m.eps, own->normed.data(), simd);
   LinearShare(l.gate_up, own->normed.data(), n, buf->gate_up.data(), simd, team, &own->int8);
   Barrier();
+  const Share cols = ShareOf(m.inter, team.thread, team.threads);  // SiLU's exps cost too much to repeat per thread
   for (int64_t i = 0; i < n; ++i) {
-    const float* gate = buf->gate_up.data() + i * 2 * m.inter;
-    for (int64_t c = 0; c < m.inter; ++c)
-      own->act[i * m.inter + c] = gate[c] / (1.0f + std::exp(-gate[c])) * gate[m.inter + c];
+    const float* gate = buf->gate_up.data() + i * 2 * m.inter + cols.begin;
+    SiluMul(gate, gate + m.inter, cols.end - cols.begin, buf->act.data() + i * m.inter + cols.begin, simd);
   }
-  LinearShare(l.down, own->act.data(), n, buf->proj.data(), simd, team, &own->int8);
+  Barrier();
+  LinearShare(l.down, buf->act.data(), n, buf->proj.data(), simd, team, &own->int8);
   Barrier();
   for (int64_t e = 0; e < n * m.hidden; ++e) own->hidden[e] += buf->proj[e];
 }
