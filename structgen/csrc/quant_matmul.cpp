@@ -593,20 +593,21 @@ void DequantRow(int type, const Format& f, const uint8_t* row, int64_t cols, flo
 constexpr int kInt8TileRows = 4;  // activation rows of a tile; the AVX-VNNI tile takes 2 (16 registers)
 
 // Activation rows quantized per 32-block; rows padded to a tile multiple and blocks to an even
-// count with zeros, so a 512-bit load takes two blocks without a tail.
+// count (a multiple of 4 for the sums) with zeros, so vector loads need no tail.
 struct Int8Rows {
   std::vector<int8_t> q;      // [rows, pair_blocks * 32]
   std::vector<float> scale8;  // [rows, pair_blocks * 8]: each block's d, once per int32 lane
-  std::vector<float> sum;     // [rows, blocks]: d * sum(q)
-  int64_t n = 0, rows = 0, blocks = 0, pair_blocks = 0;
+  std::vector<float> sum4;    // [rows, quad_blocks * 4]: d * sum(q), once per weight row of a tile
+  int64_t n = 0, rows = 0, blocks = 0, pair_blocks = 0, quad_blocks = 0;
 };
 
 // Up to kWeightRows weight rows unpacked for the tiles, in Int8Rows' block layout.
 struct Int8Weights {
-  std::vector<uint8_t> u;     // [kWeightRows, pair_blocks * 32]
-  std::vector<float> scale8;  // [kWeightRows, pair_blocks * 8]
-  std::vector<float> offset;  // [kWeightRows, blocks]
+  std::vector<uint8_t> u;      // [kWeightRows, pair_blocks * 32]
+  std::vector<float> scale8;   // [kWeightRows, pair_blocks * 8]
+  std::vector<float> offset4;  // [quad_blocks, kWeightRows]: the rows' offsets block by block
 };
+static_assert(kWeightRows == 4, "the int8 tiles' offsets and sums interleave four weight rows");
 
 // 2 where the AVX512-VNNI tiles run, 1 for the AVX-VNNI ones, 0 where neither may (the fp32 kernels).
 int Int8Level(int simd) {
@@ -622,7 +623,7 @@ int Int8Level(int simd) {
 }
 
 #ifdef SGQ_VNNI
-SGQ_AVX2 void QuantizeBlocks(const float* x, int64_t blocks, int8_t* q, float* scale8, float* sum) {
+SGQ_AVX2 void QuantizeBlocks(const float* x, int64_t blocks, int8_t* q, float* scale8, float* sum4) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleave
   for (int64_t b = 0; b < blocks; ++b, x += 32, q += 32) {
@@ -642,7 +643,7 @@ SGQ_AVX2 void QuantizeBlocks(const float* x, int64_t blocks, int8_t* q, float* s
     const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(bytes, order));
     _mm256_storeu_ps(scale8 + 8 * b, _mm256_set1_ps(d));
-    sum[b] = d * static_cast<float>(HorizontalSum(_mm256_cvtepi32_ps(total)));
+    _mm_storeu_ps(sum4 + 4 * b, _mm_set1_ps(d * HorizontalSum(_mm256_cvtepi32_ps(total))));
   }
 }
 
@@ -652,16 +653,17 @@ void QuantizeRows(const float* x, int64_t n, int64_t cols, Int8Rows* out) {
   out->rows = (n + kInt8TileRows - 1) / kInt8TileRows * kInt8TileRows;
   out->blocks = cols / 32;
   out->pair_blocks = (out->blocks + 1) / 2 * 2;
+  out->quad_blocks = (out->blocks + 3) / 4 * 4;
   out->q.assign(out->rows * out->pair_blocks * 32, 0);
   out->scale8.assign(out->rows * out->pair_blocks * 8, 0.0f);
-  out->sum.assign(out->rows * out->blocks, 0.0f);
+  out->sum4.assign(out->rows * out->quad_blocks * 4, 0.0f);
   for (int64_t i = 0; i < n; ++i)
     QuantizeBlocks(x + i * cols, out->blocks, out->q.data() + i * out->pair_blocks * 32,
-                   out->scale8.data() + i * out->pair_blocks * 8, out->sum.data() + i * out->blocks);
+                   out->scale8.data() + i * out->pair_blocks * 8, out->sum4.data() + i * out->quad_blocks * 4);
 }
 
 SGQ_AVX2 void UnpackRow(int type, const uint8_t* row, int64_t blocks, int64_t pair_blocks, uint8_t* u,
-                        float* scale8, float* offset) {
+                        float* scale8, float* offset4) {
   const int bytes = type == kQ8_0 ? 34 : type == kQ4_1 ? 20 : 18;
   const __m128i low = _mm_set1_epi8(0xf);
   for (int64_t b = 0; b < blocks; ++b, row += bytes) {
@@ -669,12 +671,12 @@ SGQ_AVX2 void UnpackRow(int type, const uint8_t* row, int64_t blocks, int64_t pa
     if (type == kQ8_0) {
       const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 2));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(u + 32 * b), _mm256_xor_si256(q, _mm256_set1_epi8(-128)));
-      offset[b] = -128.0f * d;
+      offset4[kWeightRows * b] = -128.0f * d;
     } else {
       const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + (type == kQ4_1 ? 4 : 2)));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(u + 32 * b), _mm_and_si128(raw, low));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(u + 32 * b + 16), _mm_and_si128(_mm_srli_epi16(raw, 4), low));
-      offset[b] = type == kQ4_1 ? _cvtsh_ss(Load16(row + 2)) : -8.0f * d;
+      offset4[kWeightRows * b] = type == kQ4_1 ? _cvtsh_ss(Load16(row + 2)) : -8.0f * d;
     }
     _mm256_storeu_ps(scale8 + 8 * b, _mm256_set1_ps(d));
   }
@@ -684,13 +686,33 @@ SGQ_AVX2 void UnpackRow(int type, const uint8_t* row, int64_t blocks, int64_t pa
   }
 }
 
-// The unpacked weight rows' operands, row r at u + r * u_stride and so on.
+// The unpacked weight rows' operands: row r at u + r * u_stride, scale8 + r * scale_stride and
+// offset4 + r (its blocks kWeightRows apart).
 struct Int8Operands {
   const uint8_t* u;
   const float* scale8;
-  const float* offset;
-  int64_t u_stride, scale_stride, offset_stride;
+  const float* offset4;
+  int64_t u_stride, scale_stride;
 };
+
+// sum_b m[b] d_x[b] sum(q)[b] of one weight row and one activation row, both kWeightRows apart.
+float OffsetTerm(const float* offset4, const float* sum4, int64_t blocks) {
+  float total = 0;
+  for (int64_t b = 0; b < blocks; ++b) total += offset4[kWeightRows * b] * sum4[kWeightRows * b];
+  return total;
+}
+
+// The sums of 4 vectors (as y's 4 floats at one activation row) plus the offsets' term `offsets`,
+// whose 128-bit lanes hold partial sums of the same 4 rows.
+SGQ_AVX512 inline __m128 SumsOfFour(const __m512* acc, __m512 offsets) {
+  const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(acc[0], acc[1]), _mm512_unpackhi_ps(acc[0], acc[1]));
+  const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(acc[2], acc[3]), _mm512_unpackhi_ps(acc[2], acc[3]));
+  const __m512d p0 = _mm512_castps_pd(t0), p1 = _mm512_castps_pd(t1);
+  const __m512 t = _mm512_add_ps(offsets, _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(p0, p1)),
+                                                        _mm512_castpd_ps(_mm512_unpackhi_pd(p0, p1))));
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(t), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(t), 1)));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
 
 // y[i * y_stride + r] for activation rows i0 .. i0 + 4 (those below x.n) and weight rows r < R.
 template <int R>
@@ -711,10 +733,18 @@ SGQ_VNNI512 void Int8TileAvx512(const Int8Rows& x, int64_t i0, const Int8Operand
       }
     }
   }
-  for (int i = 0; i < kInt8TileRows && i0 + i < x.n; ++i)
-    for (int r = 0; r < R; ++r)
-      y[(i0 + i) * y_stride + r] = _mm512_reduce_add_ps(acc[i][r]) +
-                                   DotAvx512(w.offset + r * w.offset_stride, x.sum.data() + (i0 + i) * x.blocks, x.blocks);
+  for (int i = 0; i < kInt8TileRows && i0 + i < x.n; ++i) {
+    const float* sum4 = x.sum4.data() + (i0 + i) * x.quad_blocks * 4;
+    if constexpr (R == kWeightRows) {
+      __m512 offsets = _mm512_setzero_ps();
+      for (int64_t b = 0; b < x.quad_blocks; b += 4)
+        offsets = _mm512_fmadd_ps(_mm512_loadu_ps(w.offset4 + 4 * b), _mm512_loadu_ps(sum4 + 4 * b), offsets);
+      _mm_storeu_ps(y + (i0 + i) * y_stride, SumsOfFour(acc[i], offsets));
+    } else {
+      for (int r = 0; r < R; ++r)
+        y[(i0 + i) * y_stride + r] = _mm512_reduce_add_ps(acc[i][r]) + OffsetTerm(w.offset4 + r, sum4, x.blocks);
+    }
+  }
 }
 
 constexpr int kAvxVnniTileRows = 2;
@@ -740,7 +770,7 @@ SGQ_AVXVNNI void Int8TileAvxVnni(const Int8Rows& x, int64_t i0, const Int8Operan
   for (int i = 0; i < kAvxVnniTileRows && i0 + i < x.n; ++i)
     for (int r = 0; r < R; ++r)
       y[(i0 + i) * y_stride + r] = HorizontalSum(acc[i][r]) +
-                                   DotAvx2(w.offset + r * w.offset_stride, x.sum.data() + (i0 + i) * x.blocks, x.blocks);
+                                   OffsetTerm(w.offset4 + r, x.sum4.data() + (i0 + i) * x.quad_blocks * 4, x.blocks);
 }
 
 // Every activation row of `x` against the weight rows `w.u ...` (count of them, from weight row
@@ -754,8 +784,8 @@ void Int8Tiles(const Int8Rows& x, const Int8Operands& w, int64_t count, float* y
       continue;
     }
     for (int64_t r = 0; r < count; ++r) {
-      const Int8Operands row = {w.u + r * w.u_stride, w.scale8 + r * w.scale_stride, w.offset + r * w.offset_stride,
-                                w.u_stride, w.scale_stride, w.offset_stride};
+      const Int8Operands row = {w.u + r * w.u_stride, w.scale8 + r * w.scale_stride, w.offset4 + r, w.u_stride,
+                                w.scale_stride};
       if (level == 2) Int8TileAvx512<1>(x, i0, row, y + r, y_stride);
       else Int8TileAvxVnni<1>(x, i0, row, y + r, y_stride);
     }
@@ -768,14 +798,13 @@ void Int8MatmulRows(int type, const uint8_t* w, int64_t row_bytes, int64_t begin
   const int64_t u_stride = x.pair_blocks * 32, s_stride = x.pair_blocks * 8;
   scratch->u.resize(kWeightRows * u_stride);
   scratch->scale8.resize(kWeightRows * s_stride);
-  scratch->offset.resize(kWeightRows * x.blocks);
-  const Int8Operands ops = {scratch->u.data(), scratch->scale8.data(), scratch->offset.data(), u_stride, s_stride,
-                            x.blocks};
+  scratch->offset4.resize(kWeightRows * x.quad_blocks);
+  const Int8Operands ops = {scratch->u.data(), scratch->scale8.data(), scratch->offset4.data(), u_stride, s_stride};
   for (int64_t r0 = begin; r0 < end; r0 += kWeightRows) {
     const int64_t count = end - r0 < kWeightRows ? end - r0 : kWeightRows;
     for (int64_t k = 0; k < count; ++k)
       UnpackRow(type, w + (r0 + k) * row_bytes, x.blocks, x.pair_blocks, scratch->u.data() + k * u_stride,
-                scratch->scale8.data() + k * s_stride, scratch->offset.data() + k * x.blocks);
+                scratch->scale8.data() + k * s_stride, scratch->offset4.data() + k);
     Int8Tiles(x, ops, count, y + r0, y_stride, level);
   }
 }
