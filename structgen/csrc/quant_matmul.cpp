@@ -733,17 +733,22 @@ SGQ_VNNI512 void Int8TileAvx512(const Int8Rows& x, int64_t i0, const Int8Operand
       }
     }
   }
-  for (int i = 0; i < kInt8TileRows && i0 + i < x.n; ++i) {
-    const float* sum4 = x.sum4.data() + (i0 + i) * x.quad_blocks * 4;
-    if constexpr (R == kWeightRows) {
-      __m512 offsets = _mm512_setzero_ps();
-      for (int64_t b = 0; b < x.quad_blocks; b += 4)
-        offsets = _mm512_fmadd_ps(_mm512_loadu_ps(w.offset4 + 4 * b), _mm512_loadu_ps(sum4 + 4 * b), offsets);
-      _mm_storeu_ps(y + (i0 + i) * y_stride, SumsOfFour(acc[i], offsets));
-    } else {
-      for (int r = 0; r < R; ++r)
-        y[(i0 + i) * y_stride + r] = _mm512_reduce_add_ps(acc[i][r]) + OffsetTerm(w.offset4 + r, sum4, x.blocks);
+  const float* sum4 = x.sum4.data() + i0 * x.quad_blocks * 4;
+  if constexpr (R == kWeightRows) {
+    __m512 offsets[kInt8TileRows];  // one accumulator per row: four chains of FMAs, not one
+    for (int i = 0; i < kInt8TileRows; ++i) offsets[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < x.quad_blocks; b += 4) {
+      const __m512 m = _mm512_loadu_ps(w.offset4 + 4 * b);
+      for (int i = 0; i < kInt8TileRows; ++i)
+        offsets[i] = _mm512_fmadd_ps(m, _mm512_loadu_ps(sum4 + i * x.quad_blocks * 4 + 4 * b), offsets[i]);
     }
+    for (int i = 0; i < kInt8TileRows && i0 + i < x.n; ++i)
+      _mm_storeu_ps(y + (i0 + i) * y_stride, SumsOfFour(acc[i], offsets[i]));
+  } else {
+    for (int i = 0; i < kInt8TileRows && i0 + i < x.n; ++i)
+      for (int r = 0; r < R; ++r)
+        y[(i0 + i) * y_stride + r] = _mm512_reduce_add_ps(acc[i][r]) +
+                                     OffsetTerm(w.offset4 + r, sum4 + i * x.quad_blocks * 4, x.blocks);
   }
 }
 
