@@ -810,6 +810,10 @@ void Int8MatmulRows(int type, const uint8_t* w, int64_t row_bytes, int64_t begin
     for (int64_t k = 0; k < count; ++k)
       UnpackRow(type, w + (r0 + k) * row_bytes, x.blocks, x.pair_blocks, scratch->u.data() + k * u_stride,
                 scratch->scale8.data() + k * s_stride, scratch->offset4.data() + k);
+    // The next group's packed bytes come from memory while this group's tiles run.
+    const int64_t next = end - r0 - count < kWeightRows ? end - r0 - count : kWeightRows;
+    for (int64_t byte = 0; byte < next * row_bytes; byte += 64)
+      __builtin_prefetch(w + (r0 + count) * row_bytes + byte);
     Int8Tiles(x, ops, count, y + r0, y_stride, level);
   }
 }
@@ -1017,10 +1021,10 @@ void Rope(float* x, const float* cos, const float* sin, int64_t dim) {
   }
 }
 
-// RoPE on each row's q and k heads, and k, v written to the row's cache row.
-void RopeAndCache(const ModelShape& m, const DecoderLayer& l, const DecodeRows& b, float* qkv) {
+// RoPE on the q and k heads of the rows in `rows`, and their k, v written to their cache rows.
+void RopeAndCache(const ModelShape& m, const DecoderLayer& l, const DecodeRows& b, float* qkv, Share rows) {
   const int64_t width = (m.heads + 2 * m.kv_heads) * m.head_dim, kv = m.kv_heads * m.head_dim;
-  for (int64_t i = 0; i < b.n; ++i) {
+  for (int64_t i = rows.begin; i < rows.end; ++i) {
     float* row = qkv + i * width;
     const float* cos = b.cos + b.positions[i] * m.head_dim;
     const float* sin = b.sin + b.positions[i] * m.head_dim;
@@ -1083,10 +1087,10 @@ void AttentionBlock(const ModelShape& m, const DecoderLayer& l, const DecodeRows
   RmsNorm(own->hidden.data(), l.attn_norm, b.n, m.hidden, m.eps, own->normed.data(), simd);
   LinearShare(l.qkv, own->normed.data(), b.n, buf->qkv.data(), simd, team, &own->int8);
   Barrier();
-  if (team.thread == 0) RopeAndCache(m, l, b, buf->qkv.data());
+  RopeAndCache(m, l, b, buf->qkv.data(), ShareOf(b.n, team.thread, team.threads));
   Barrier();
-  const Share heads = ShareOf(b.n * m.heads, team.thread, team.threads);
-  for (int64_t job = heads.begin; job < heads.end; ++job)
+  // Jobs dealt round-robin: a prompt's later rows attend to more keys than its first ones.
+  for (int64_t job = team.thread; job < b.n * m.heads; job += team.threads)
     AttendHead(m, l, b, buf->qkv.data(), job / m.heads, job % m.heads, simd, &own->scores,
                buf->attn.data() + job * m.head_dim);
   Barrier();
