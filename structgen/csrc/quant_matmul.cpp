@@ -583,6 +583,8 @@ void DequantRow(int type, const Format& f, const uint8_t* row, int64_t cols, flo
 // block's product is d_w d_x (u . q) + m d_x sum(q): u . q is an exact int32 dot product
 // (vpdpbusd, four times the fp32 multiply rate), and the result equals the product of the
 // de-quantized operands up to float rounding. Only the quantized activations differ from the fp32 path.
+// With two planes an activation is q + q_low / 256 (q_low rounding what q left, in [-0.5, 0.5]
+// quanta): 16-bit activations, whose block dot 256 (u . q) + u . q_low is two int8 dot products.
 
 #if defined(SGQ_X86) && ((!defined(__clang__) && __GNUC__ >= 11) || (defined(__clang__) && __clang_major__ >= 12))
 #define SGQ_VNNI 1
@@ -596,9 +598,11 @@ constexpr int kInt8TileRows = 4;  // activation rows of a tile; the AVX-VNNI til
 // count (a multiple of 4 for the sums) with zeros, so vector loads need no tail.
 struct Int8Rows {
   std::vector<int8_t> q;      // [rows, pair_blocks * 32]
-  std::vector<float> scale8;  // [rows, pair_blocks * 8]: each block's d, once per int32 lane
-  std::vector<float> sum4;    // [rows, quad_blocks * 4]: d * sum(q), once per weight row of a tile
+  std::vector<int8_t> q_low;  // [rows, pair_blocks * 32] with two planes, else empty
+  std::vector<float> scale8;  // [rows, pair_blocks * 8]: each block's scale of its integer codes, once per int32 lane
+  std::vector<float> sum4;    // [rows, quad_blocks * 4]: the scale * sum(codes), once per weight row of a tile
   int64_t n = 0, rows = 0, blocks = 0, pair_blocks = 0, quad_blocks = 0;
+  int planes = 1;
 };
 
 // Up to kWeightRows weight rows unpacked for the tiles, in Int8Rows' block layout.
@@ -623,9 +627,16 @@ int Int8Level(int simd) {
 }
 
 #ifdef SGQ_VNNI
-SGQ_AVX2 void QuantizeBlocks(const float* x, int64_t blocks, int8_t* q, float* scale8, float* sum4) {
-  const __m256 sign = _mm256_set1_ps(-0.0f);
+// Four vectors of eight int32 (each within int8) as 32 bytes in order.
+SGQ_AVX2 inline void StoreBytes(const __m256i* n, int8_t* out) {
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleave
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_permutevar8x32_epi32(bytes, order));
+}
+
+// One activation row's blocks: q = round(x / d) and, with `q_low`, q_low = round(256 (x / d - q)).
+SGQ_AVX2 void QuantizeBlocks(const float* x, int64_t blocks, int8_t* q, int8_t* q_low, float* scale8, float* sum4) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int64_t b = 0; b < blocks; ++b, x += 32, q += 32) {
     __m256 v[4], amax = _mm256_setzero_ps();
     for (int k = 0; k < 4; ++k) {
@@ -637,29 +648,43 @@ SGQ_AVX2 void QuantizeBlocks(const float* x, int64_t blocks, int8_t* q, float* s
     m = _mm_max_ss(m, _mm_movehdup_ps(m));
     const float d = _mm_cvtss_f32(m) / 127.0f;
     const __m256 inverse = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
-    __m256i n[4];
-    for (int k = 0; k < 4; ++k) n[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], inverse));  // nearest even
-    const __m256i total = _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3]));
-    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(bytes, order));
-    _mm256_storeu_ps(scale8 + 8 * b, _mm256_set1_ps(d));
-    _mm_storeu_ps(sum4 + 4 * b, _mm_set1_ps(d * HorizontalSum(_mm256_cvtepi32_ps(total))));
+    __m256i n[4], low[4];
+    for (int k = 0; k < 4; ++k) {
+      const __m256 scaled = _mm256_mul_ps(v[k], inverse);
+      n[k] = _mm256_cvtps_epi32(scaled);  // nearest even
+      // What q left, in 1/256 quanta (saturated to int8 by the packs, as the reference clamps).
+      low[k] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_sub_ps(scaled, _mm256_cvtepi32_ps(n[k])), _mm256_set1_ps(256.0f)));
+    }
+    StoreBytes(n, q);
+    __m256i total = _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3]));
+    float scale = d;
+    if (q_low) {
+      for (int k = 0; k < 4; ++k) low[k] = _mm256_max_epi32(_mm256_min_epi32(low[k], _mm256_set1_epi32(127)), _mm256_set1_epi32(-128));
+      StoreBytes(low, q_low + 32 * b);
+      const __m256i low_total = _mm256_add_epi32(_mm256_add_epi32(low[0], low[1]), _mm256_add_epi32(low[2], low[3]));
+      total = _mm256_add_epi32(_mm256_slli_epi32(total, 8), low_total);
+      scale = d / 256.0f;
+    }
+    _mm256_storeu_ps(scale8 + 8 * b, _mm256_set1_ps(scale));
+    _mm_storeu_ps(sum4 + 4 * b, _mm_set1_ps(scale * HorizontalSum(_mm256_cvtepi32_ps(total))));
   }
 }
 
-// x [n, cols] quantized into `out`, its buffers grown as needed and its padding zeroed.
-void QuantizeRows(const float* x, int64_t n, int64_t cols, Int8Rows* out) {
+// x [n, cols] quantized into `out` in `planes` int8 planes, its buffers grown as needed and its padding zeroed.
+void QuantizeRows(const float* x, int64_t n, int64_t cols, int planes, Int8Rows* out) {
   out->n = n;
+  out->planes = planes;
   out->rows = (n + kInt8TileRows - 1) / kInt8TileRows * kInt8TileRows;
   out->blocks = cols / 32;
   out->pair_blocks = (out->blocks + 1) / 2 * 2;
   out->quad_blocks = (out->blocks + 3) / 4 * 4;
   out->q.assign(out->rows * out->pair_blocks * 32, 0);
+  out->q_low.assign(planes == 2 ? out->q.size() : 0, 0);
   out->scale8.assign(out->rows * out->pair_blocks * 8, 0.0f);
   out->sum4.assign(out->rows * out->quad_blocks * 4, 0.0f);
   for (int64_t i = 0; i < n; ++i)
     QuantizeBlocks(x + i * cols, out->blocks, out->q.data() + i * out->pair_blocks * 32,
-                   out->scale8.data() + i * out->pair_blocks * 8, out->sum4.data() + i * out->quad_blocks * 4);
+                   planes == 2 ? out->q_low.data() + i * out->pair_blocks * 32 : nullptr, out->scale8.data() + i * out->pair_blocks * 8, out->sum4.data() + i * out->quad_blocks * 4);
 }
 
 SGQ_AVX2 void UnpackRow(int type, const uint8_t* row, int64_t blocks, int64_t pair_blocks, uint8_t* u,
@@ -714,8 +739,9 @@ SGQ_AVX512 inline __m128 SumsOfFour(const __m512* acc, __m512 offsets) {
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
-// y[i * y_stride + r] for activation rows i0 .. i0 + 4 (those below x.n) and weight rows r < R.
-template <int R>
+// y[i * y_stride + r] for activation rows i0 .. i0 + 4 (those below x.n) and weight rows r < R,
+// the activations in kPlanes int8 planes.
+template <int R, int kPlanes>
 SGQ_VNNI512 void Int8TileAvx512(const Int8Rows& x, int64_t i0, const Int8Operands& w, float* y, int64_t y_stride) {
   const int64_t q_stride = x.pair_blocks * 32, s_stride = x.pair_blocks * 8;
   __m512 acc[kInt8TileRows][R];
@@ -724,11 +750,14 @@ SGQ_VNNI512 void Int8TileAvx512(const Int8Rows& x, int64_t i0, const Int8Operand
   for (int64_t b = 0; b < x.pair_blocks; b += 2) {
     for (int i = 0; i < kInt8TileRows; ++i) {
       const __m512i a = _mm512_loadu_si512(x.q.data() + (i0 + i) * q_stride + 32 * b);
+      __m512i a_low = _mm512_setzero_si512();
+      if constexpr (kPlanes == 2) a_low = _mm512_loadu_si512(x.q_low.data() + (i0 + i) * q_stride + 32 * b);
       const __m512 da = _mm512_loadu_ps(x.scale8.data() + (i0 + i) * s_stride + 8 * b);
       for (int r = 0; r < R; ++r) {
         const __m512i u = _mm512_loadu_si512(w.u + r * w.u_stride + 32 * b);
         const __m512 scale = _mm512_mul_ps(da, _mm512_loadu_ps(w.scale8 + r * w.scale_stride + 8 * b));
-        const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, a);
+        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, a);
+        if constexpr (kPlanes == 2) dot = _mm512_dpbusd_epi32(_mm512_slli_epi32(dot, 8), u, a_low);
         acc[i][r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(dot), acc[i][r]);
       }
     }
@@ -754,7 +783,7 @@ SGQ_VNNI512 void Int8TileAvx512(const Int8Rows& x, int64_t i0, const Int8Operand
 
 constexpr int kAvxVnniTileRows = 2;
 
-template <int R>
+template <int R, int kPlanes>
 SGQ_AVXVNNI void Int8TileAvxVnni(const Int8Rows& x, int64_t i0, const Int8Operands& w, float* y, int64_t y_stride) {
   const int64_t q_stride = x.pair_blocks * 32, s_stride = x.pair_blocks * 8;
   __m256 acc[kAvxVnniTileRows][R];
@@ -762,12 +791,16 @@ SGQ_AVXVNNI void Int8TileAvxVnni(const Int8Rows& x, int64_t i0, const Int8Operan
     for (int r = 0; r < R; ++r) acc[i][r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < x.blocks; ++b) {
     for (int i = 0; i < kAvxVnniTileRows; ++i) {
-      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + (i0 + i) * q_stride + 32 * b));
+      const int64_t at = (i0 + i) * q_stride + 32 * b;
+      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + at));
+      __m256i a_low = _mm256_setzero_si256();
+      if constexpr (kPlanes == 2) a_low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q_low.data() + at));
       const __m256 da = _mm256_loadu_ps(x.scale8.data() + (i0 + i) * s_stride + 8 * b);
       for (int r = 0; r < R; ++r) {
         const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.u + r * w.u_stride + 32 * b));
         const __m256 scale = _mm256_mul_ps(da, _mm256_loadu_ps(w.scale8 + r * w.scale_stride + 8 * b));
-        const __m256i dot = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, a);
+        __m256i dot = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, a);
+        if constexpr (kPlanes == 2) dot = _mm256_dpbusd_avx_epi32(_mm256_slli_epi32(dot, 8), u, a_low);
         acc[i][r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dot), acc[i][r]);
       }
     }
@@ -778,21 +811,27 @@ SGQ_AVXVNNI void Int8TileAvxVnni(const Int8Rows& x, int64_t i0, const Int8Operan
                                    OffsetTerm(w.offset4 + r, x.sum4.data() + (i0 + i) * x.quad_blocks * 4, x.blocks);
 }
 
-// Every activation row of `x` against the weight rows `w.u ...` (count of them, from weight row
-// `first` of the output).
+// One tile at the CPU's level and the activations' plane count.
+template <int R>
+void Int8Tile(const Int8Rows& x, int64_t i0, const Int8Operands& w, float* y, int64_t y_stride, int level) {
+  if (level == 2 && x.planes == 2) Int8TileAvx512<R, 2>(x, i0, w, y, y_stride);
+  else if (level == 2) Int8TileAvx512<R, 1>(x, i0, w, y, y_stride);
+  else if (x.planes == 2) Int8TileAvxVnni<R, 2>(x, i0, w, y, y_stride);
+  else Int8TileAvxVnni<R, 1>(x, i0, w, y, y_stride);
+}
+
+// Every activation row of `x` against the `count` unpacked weight rows of `w`.
 void Int8Tiles(const Int8Rows& x, const Int8Operands& w, int64_t count, float* y, int64_t y_stride, int level) {
   const int step = level == 2 ? kInt8TileRows : kAvxVnniTileRows;
   for (int64_t i0 = 0; i0 < x.n; i0 += step) {
     if (count == kWeightRows) {
-      if (level == 2) Int8TileAvx512<kWeightRows>(x, i0, w, y, y_stride);
-      else Int8TileAvxVnni<kWeightRows>(x, i0, w, y, y_stride);
+      Int8Tile<kWeightRows>(x, i0, w, y, y_stride, level);
       continue;
     }
     for (int64_t r = 0; r < count; ++r) {
       const Int8Operands row = {w.u + r * w.u_stride, w.scale8 + r * w.scale_stride, w.offset4 + r, w.u_stride,
                                 w.scale_stride};
-      if (level == 2) Int8TileAvx512<1>(x, i0, row, y + r, y_stride);
-      else Int8TileAvxVnni<1>(x, i0, row, y + r, y_stride);
+      Int8Tile<1>(x, i0, row, y + r, y_stride, level);
     }
   }
 }
@@ -818,7 +857,7 @@ void Int8MatmulRows(int type, const uint8_t* w, int64_t row_bytes, int64_t begin
   }
 }
 #else
-void QuantizeRows(const float*, int64_t, int64_t, Int8Rows*) {}
+void QuantizeRows(const float*, int64_t, int64_t, int, Int8Rows*) {}
 void Int8MatmulRows(int, const uint8_t*, int64_t, int64_t, int64_t, const Int8Rows&, float*, int64_t, int,
                     Int8Weights*) {}
 #endif
@@ -852,16 +891,17 @@ int sgq_int8_level(int simd) { return Int8Level(simd < SimdLevel() ? simd : Simd
 
 // y[i * y_stride + r] = sum_c x[i * cols + c] * W[r, c] for i < n, r < rows, where W's rows are
 // `row_bytes` apart in `w`. `simd` caps the SIMD level (0: the scalar path); products of at least
-// `int8_rows` rows (0: none) run on int8 activations where the CPU has VNNI. Returns 0, or -1 for a bad type.
-int sgq_matmul(int type, const uint8_t* w, int64_t rows, int64_t cols, int64_t row_bytes,
-               const float* x, int64_t n, float* y, int64_t y_stride, int threads, int simd, int64_t int8_rows) {
+// `int8_rows` rows (0: none) run on activations in `planes` int8 planes (1: int8, 2: 16-bit) where
+// the CPU has VNNI. Returns 0, or -1 for a bad type.
+int sgq_matmul(int type, const uint8_t* w, int64_t rows, int64_t cols, int64_t row_bytes, const float* x,
+               int64_t n, float* y, int64_t y_stride, int threads, int simd, int64_t int8_rows, int planes) {
   Format f;
-  if (!FormatOf(type, &f) || cols % f.block_elems != 0) return -1;
+  if (!FormatOf(type, &f) || cols % f.block_elems != 0 || planes < 1 || planes > 2) return -1;
   const int vec = simd < SimdLevel() ? simd : SimdLevel();
   const int int8 = Int8LevelFor(type, n, int8_rows, vec);
   if (int8) {
     Int8Rows quantized;
-    QuantizeRows(x, n, cols, &quantized);
+    QuantizeRows(x, n, cols, planes, &quantized);
 #pragma omp parallel num_threads(threads) if (rows * cols * n >= kParallelWork)
     {
       Int8Weights scratch;
@@ -981,6 +1021,7 @@ struct Int8Scratch {
   Int8Rows rows;
   Int8Weights weights;
   int64_t int8_rows;
+  int planes;
 };
 
 // y[i, r] = x[i, :] . W[r, :] (+ bias[r]) for this thread's share of the rows r.
@@ -991,7 +1032,7 @@ void LinearShare(const Linear& l, const float* x, int64_t n, float* y, int simd,
   const int64_t begin = s.begin * kWeightRows, end = s.begin < s.end ? GroupEnd(s.end - 1, l.rows) : begin;
   const int level = Int8LevelFor(l.type, n, int8->int8_rows, simd);
   if (level) {  // every thread quantizes its own copy: cheaper than a barrier
-    QuantizeRows(x, n, l.cols, &int8->rows);
+    QuantizeRows(x, n, l.cols, int8->planes, &int8->rows);
     Int8MatmulRows(l.type, l.w, l.row_bytes, begin, end, int8->rows, y, l.rows, level, &int8->weights);
   } else {
     MatmulRows(l.type, f, l.w, l.row_bytes, begin, end, l.cols, x, n, y, l.rows, simd);
@@ -1077,8 +1118,8 @@ struct SharedBuffers {
 struct ThreadState {
   std::vector<float> hidden, normed, scores;
   Int8Scratch int8;
-  ThreadState(const ModelShape& m, int64_t n, const float* stream, int64_t int8_rows)
-      : hidden(stream, stream + n * m.hidden), normed(n * m.hidden), int8{{}, {}, int8_rows} {}
+  ThreadState(const ModelShape& m, int64_t n, const float* stream, int64_t int8_rows, int planes)
+      : hidden(stream, stream + n * m.hidden), normed(n * m.hidden), int8{{}, {}, int8_rows, planes} {}
 };
 
 // hidden += o(attention(norm(hidden))), the residual stream of this thread's copy.
@@ -1121,22 +1162,23 @@ void MlpBlock(const ModelShape& m, const DecoderLayer& l, int64_t n, SharedBuffe
 extern "C" {
 
 // Runs `num_layers` decoder layers over the residual stream `hidden` [n, hidden] of `rows` in
-// place; a step of at least `int8_rows` rows (0: none) multiplies on int8 activations where the
-// CPU has VNNI. Returns 0, or -1 for an unsupported layer.
+// place; a step of at least `int8_rows` rows (0: none) multiplies activations in `planes` int8
+// planes where the CPU has VNNI (as sgq_matmul). Returns 0, or -1 for an unsupported layer.
 int sgq_decode_layers(const ModelShape* shape, const DecoderLayer* layers, int64_t num_layers,
-                      const DecodeRows* rows, float* hidden, int threads, int simd, int64_t int8_rows) {
+                      const DecodeRows* rows, float* hidden, int threads, int simd, int64_t int8_rows,
+                      int planes) {
   const ModelShape& m = *shape;
   Format f;
   for (int64_t i = 0; i < num_layers; ++i)
     for (const Linear* l : {&layers[i].qkv, &layers[i].o, &layers[i].gate_up, &layers[i].down})
       if (!FormatOf(l->type, &f) || l->cols % f.block_elems != 0) return -1;
-  if (m.heads % m.kv_heads != 0 || m.head_dim % 2 != 0) return -1;
+  if (m.heads % m.kv_heads != 0 || m.head_dim % 2 != 0 || planes < 1 || planes > 2) return -1;
   const int vec = simd < SimdLevel() ? simd : SimdLevel();
   SharedBuffers buf(m, rows->n);
 #pragma omp parallel num_threads(threads)
   {
     const Team team = ThisTeam();
-    ThreadState own(m, rows->n, hidden, int8_rows);
+    ThreadState own(m, rows->n, hidden, int8_rows, planes);
     for (int64_t i = 0; i < num_layers; ++i) {
       AttentionBlock(m, layers[i], *rows, &buf, &own, vec, team);
       MlpBlock(m, layers[i], rows->n, &buf, &own, vec, team);

@@ -264,8 +264,8 @@ class LlamaModel(nn.Module):
     # (its KV cache, the native CPU decoder over it): a class default, so models that share another's
     # modules without running this __init__ (speculative/draft_model.py) have it too.
     _cpu_decoder: tuple[KVCache, CpuDecoder | None] | None = None
-    # Native steps of at least this many rows multiply on int8 activations (quantized.use_int8_activations).
-    cpu_int8_rows = 0
+    # What the native step's products of several rows multiply (quantized.use_integer_activations).
+    cpu_activations = None
 
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
@@ -310,7 +310,7 @@ class LlamaModel(nn.Module):
             return None
         a, mlp = self.layers[0].self_attn, self.layers[0].mlp
         shape = DecoderShape(self.config.hidden_size, a.n_heads, a.n_kv, a.head_dim, mlp.inter, self.norm.eps)
-        return CpuDecoder(kernels, shape, layers, self.cpu_int8_rows)
+        return CpuDecoder(kernels, shape, layers, self.cpu_activations)
 
     def use_fused_kernels(self, enabled: bool, projection_rows: int = FUSED_ROWS) -> None:
         """Route norms, RoPE + KV write and SiLU * up through the Triton kernels (CUDA); steps

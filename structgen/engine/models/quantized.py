@@ -75,7 +75,7 @@ class QuantizedLinear(nn.Module):
         self.kernels = cpu_quant.load()
         if self.kernels is None:
             raise _kernels_missing()
-        self.int8_rows = 0  # products of at least this many rows on int8 activations (use_int8_activations)
+        self.activations: cpu_quant.IntegerActivations | None = None  # use_integer_activations
 
     @property
     def weight_bytes(self) -> int:
@@ -88,31 +88,31 @@ class QuantizedLinear(nn.Module):
         start = 0
         for p in self.parts:
             out = y[:, start:start + p.shape[0]]
-            if x2.shape[0] > cpu_quant.MAX_KERNEL_ROWS and not self._int8(p, x2.shape[0]):
+            if x2.shape[0] > cpu_quant.MAX_KERNEL_ROWS and not self._integer(p, x2.shape[0]):
                 torch.matmul(x2, p.dequantize().T, out=out)
             else:
-                self.kernels.matmul(x2, p.packed, p.qtype, p.cols, out=out, int8_rows=self.int8_rows)
+                self.kernels.matmul(x2, p.packed, p.qtype, p.cols, out=out, activations=self.activations)
             start += p.shape[0]
         if self.bias is not None:
             y += self.bias
         return y.reshape(*lead, self.out_features).to(dtype)
 
 
-    def _int8(self, part: QuantizedWeight, rows: int) -> bool:
-        """Whether a product of `rows` rows with `part` runs on int8 activations."""
-        return (0 < self.int8_rows <= rows and part.qtype in cpu_quant.INT8_FORMATS
-                and self.kernels.int8_level > 0)
+    def _integer(self, part: QuantizedWeight, rows: int) -> bool:
+        """Whether a product of `rows` rows with `part` runs on integer activations."""
+        return (self.activations is not None and self.activations.min_rows <= rows
+                and part.qtype in cpu_quant.INT8_FORMATS and self.kernels.int8_level > 0)
 
 
-def use_int8_activations(model: nn.Module, min_rows: int) -> None:
-    """Products of at least `min_rows` rows (0: none) on int8 activations where the CPU has
-    VNNI (`EngineTuning.int8_prompt_products`): every `QuantizedLinear` of `model`, and the
-    model's native CPU step where it has one (`cpu_int8_rows`)."""
+def use_integer_activations(model: nn.Module, activations: cpu_quant.IntegerActivations | None) -> None:
+    """What the CPU products of several rows multiply (`EngineTuning.prompt_activations`; None:
+    fp32): every `QuantizedLinear` of `model`, and the model's native CPU step where it has one
+    (`cpu_activations`, read when the step is built)."""
     for m in model.modules():
         if isinstance(m, QuantizedLinear):
-            m.int8_rows = min_rows
-    if hasattr(model, "cpu_int8_rows"):
-        model.cpu_int8_rows = min_rows
+            m.activations = activations
+    if hasattr(model, "cpu_activations"):
+        model.cpu_activations = activations
 
 
 class QuantizedEmbedding(nn.Module):
