@@ -6,9 +6,10 @@ format, for the default model (SmolLM2-135M, shipped as a Q4_1 GGUF).
 - "fp8" / "int4": those float weights quantized at load (`EngineConfig(quantization=...)`),
   run through the Triton kernels on CUDA and their torch reference on CPU;
 - "gguf-packed": the GGUF's own blocks kept packed (CPU: the native kernels with fp32
-  activations; CUDA: `EngineTuning(gguf_packed_on_cuda=True)`, the int4 / int8 kernels);
-- "gguf-packed-int8" (CPU): the same with `EngineTuning(int8_prompt_products=True)`, prompts'
-  products on int8 activations; also compared with "gguf-packed" (`vs_fp32_activations`).
+  activations, `EngineTuning(prompt_activations="fp32")`; CUDA: `EngineTuning(gguf_packed_on_cuda=True)`,
+  the int4 / int8 kernels);
+- "gguf-packed-int16", "gguf-packed-int8" (CPU): the same with the products of several rows on
+  16-bit (the default) or int8 activations; also compared with "gguf-packed" (`vs_fp32_activations`).
 
 Quantization changes outputs, so nothing here is asserted; a format whose agreement falls far
 below the others' or whose perplexity rises by more than a few percent has a bug to look for.
@@ -55,9 +56,11 @@ def formats(device: str) -> dict[str, EngineConfig]:
     base = {"device": device, "dtype": dtype, "max_batch_size": 16, "max_seq_len": 512}
     configs = {"float": EngineConfig(**base, tuning=EngineTuning(quantized_weights=False)),
                "gguf-packed": EngineConfig(**base, tuning=EngineTuning(gguf_packed_on_cuda=device != "cpu",
-                                                                        int8_prompt_products=False))}
+                                                                        prompt_activations="fp32"))}
     if device == "cpu":
-        configs["gguf-packed-int8"] = EngineConfig(**base, tuning=EngineTuning(int8_prompt_products=True))
+        for activations in ("int16", "int8"):
+            configs[f"gguf-packed-{activations}"] = EngineConfig(
+                **base, tuning=EngineTuning(prompt_activations=activations))
     return {**configs, "fp8": EngineConfig(**base, quantization="fp8"),
             "int4": EngineConfig(**base, quantization="int4")}
 
@@ -92,7 +95,7 @@ def main() -> None:
             ref_ppl = ppl
         outputs_of[name] = outputs
         match = agreement(outputs, outputs_of["float"], args.tokens)
-        if name == "gguf-packed-int8" and "gguf-packed" in outputs_of:
+        if name in ("gguf-packed-int16", "gguf-packed-int8") and "gguf-packed" in outputs_of:
             fp32 = rows[[r["system"] for r in rows].index("structgen-gguf-packed")]
             match["vs_fp32_activations"] = {**agreement(outputs, outputs_of["gguf-packed"], args.tokens),
                                             "perplexity_delta": ppl - fp32["perplexity"]}

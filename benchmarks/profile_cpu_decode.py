@@ -4,8 +4,8 @@ and through the torch layers on the same batch, the layers' packed products alon
 each, as the torch layers make them), the LM head alone, and the rest of the step (the LM head's
 weight read cold, sampling, bookkeeping) by difference. Best of `--repeats`.
 
-Then where the time to the first token of a `--prompt-tokens` prompt goes, with fp32 and with int8
-activations (`EngineTuning(int8_prompt_products=...)`): the engine's whole one-token generation,
+Then where the time to the first token of a `--prompt-tokens` prompt goes, with fp32, 16-bit and
+int8 activations (`EngineTuning(prompt_activations=...)`): the engine's whole one-token generation,
 the model's forward over the prompt (the native step), its layers' packed products alone (one
 call per projection, as many rows) and the LM head on the last row.
 
@@ -87,13 +87,13 @@ def main() -> None:
     print(f"  the layers' packed products, one call each    {products:6.2f}")
     print(f"  LM head alone (its weight warm in the cache)  {head:6.2f}")
     print(f"  step - native forward - LM head               {step - native - head:6.2f}")
-    for int8 in (False, True):
+    for activations in ("fp32", "int16", "int8"):
         prompt_profile(LLM(config=EngineConfig(device="cpu", dtype="float32", max_seq_len=1024, prefix_caching=False,
-                                               tuning=EngineTuning(int8_prompt_products=int8))),
-                       args.prompt_tokens, args.repeats, int8)
+                                               tuning=EngineTuning(prompt_activations=activations))),
+                       args.prompt_tokens, args.repeats, activations)
 
 
-def prompt_profile(llm: object, tokens: int, repeats: int, int8: bool) -> None:
+def prompt_profile(llm: object, tokens: int, repeats: int, activations: str) -> None:
     """Where the time to the first token of a `tokens`-token prompt goes."""
     from benchmarks.bench_cpu import PERPLEXITY_TEXT, time_to_first_token
 
@@ -111,10 +111,10 @@ def prompt_profile(llm: object, tokens: int, repeats: int, int8: bool) -> None:
     kv.pages.release_slot(slot)
     linears = [m for name, m in model.named_modules() if isinstance(m, QuantizedLinear) and name != "lm_head"]
     x = {m.in_features: torch.randn(len(ids), m.in_features) for m in linears}
-    kernels, rows = cpu_quant.load(), cpu_quant.INT8_ROWS if int8 else 0
-    products = best_ms(lambda: [kernels.matmul(x[m.in_features], p.packed, p.qtype, p.cols, int8_rows=rows)
+    kernels, integer = cpu_quant.load(), cpu_quant.PROMPT_ACTIVATIONS[activations]
+    products = best_ms(lambda: [kernels.matmul(x[m.in_features], p.packed, p.qtype, p.cols, activations=integer)
                                 for m in linears for p in m.parts], repeats, inner=1)
-    print(f"{len(ids)}-token prompt, {'int8' if int8 else 'fp32'} activations: ms (best of {repeats}):")
+    print(f"{len(ids)}-token prompt, {activations} activations: ms (best of {repeats}):")
     print(f"  time to first token (engine)                  {ttft:6.2f}")
     print(f"  forward over the prompt (native step)         {forward:6.2f}")
     print(f"  the layers' packed products, one call each    {products:6.2f}")
