@@ -437,33 +437,19 @@ void Axpy(float p, const float* v, float* out, int64_t d, int simd) {
 
 // e^x by x = k ln2 + r and a degree-6 polynomial in r (Cephes' expf, within 2 ulp), for the
 // softmax and SiLU of the native step, whose std::exp calls cost more than its products.
+constexpr float kExpMax = 88.3762626647949f, kExpMin = -87.3365447504f, kLog2e = 1.44269504088896341f;
+constexpr float kLn2High = 0.693359375f, kLn2Low = -2.12194440e-4f;  // ln 2 split for an exact k ln2
+constexpr float kExpPoly[] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f,
+                              1.6666665459e-1f, 5.0000001201e-1f};
+
 #ifdef SGQ_X86
 SGQ_AVX512 inline __m512 Exp512(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-87.3365447504f));
-  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, k);
-}
-
-SGQ_AVX2 inline __m256 Exp256(__m256 x) {
-  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-87.3365447504f));
-  const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  // 2^k for k in [-127, 128): the exponent field; the clamp keeps k there.
-  const __m256i two_k = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_k));
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(kExpMax)), _mm512_set1_ps(kExpMin));
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(kLn2Low), _mm512_fnmadd_ps(k, _mm512_set1_ps(kLn2High), x));
+  __m512 p = _mm512_set1_ps(kExpPoly[0]);
+  for (int c = 1; c < 6; ++c) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[c]));
+  return _mm512_scalef_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f))), k);
 }
 
 // s[t] = e^(s[t] - shift) for t < count; returns their sum.
@@ -489,15 +475,6 @@ SGQ_AVX512 void SiluMulAvx512(const float* gate, const float* up, int64_t count,
   }
 }
 
-SGQ_AVX2 void SiluMulAvx2(const float* gate, const float* up, int64_t count, float* out) {
-  int64_t c = 0;
-  for (; c + 8 <= count; c += 8) {
-    const __m256 g = _mm256_loadu_ps(gate + c);
-    const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), Exp256(_mm256_sub_ps(_mm256_setzero_ps(), g))));
-    _mm256_storeu_ps(out + c, _mm256_mul_ps(silu, _mm256_loadu_ps(up + c)));
-  }
-  for (; c < count; ++c) out[c] = gate[c] / (1.0f + std::exp(-gate[c])) * up[c];
-}
 #endif
 
 float ExpShifted(float* s, int64_t count, float shift, int simd) {
@@ -513,7 +490,6 @@ float ExpShifted(float* s, int64_t count, float shift, int simd) {
 void SiluMul(const float* gate, const float* up, int64_t count, float* out, int simd) {
 #ifdef SGQ_X86
   if (simd >= 2) return SiluMulAvx512(gate, up, count, out);
-  if (simd >= 1) return SiluMulAvx2(gate, up, count, out);
 #endif
   (void)simd;
   for (int64_t c = 0; c < count; ++c) out[c] = gate[c] / (1.0f + std::exp(-gate[c])) * up[c];
