@@ -624,18 +624,17 @@ SGQ_AVX2 void QuantizeBlocks(const float* x, int64_t blocks, int8_t* q, int8_t* 
     m = _mm_max_ss(m, _mm_movehdup_ps(m));
     const float d = _mm_cvtss_f32(m) / 127.0f;
     const __m256 inverse = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+    __m256 scaled[4];
     __m256i n[4], low[4];
-    for (int k = 0; k < 4; ++k) {
-      const __m256 scaled = _mm256_mul_ps(v[k], inverse);
-      n[k] = _mm256_cvtps_epi32(scaled);  // nearest even
-      // What q left, in 1/256 quanta (saturated to int8 by the packs, as the reference clamps).
-      low[k] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_sub_ps(scaled, _mm256_cvtepi32_ps(n[k])), _mm256_set1_ps(256.0f)));
-    }
+    for (int k = 0; k < 4; ++k) n[k] = _mm256_cvtps_epi32(scaled[k] = _mm256_mul_ps(v[k], inverse));  // nearest even
     StoreBytes(n, q);
     __m256i total = _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3]));
     float scale = d;
-    if (q_low) {
-      for (int k = 0; k < 4; ++k) low[k] = _mm256_max_epi32(_mm256_min_epi32(low[k], _mm256_set1_epi32(127)), _mm256_set1_epi32(-128));
+    if (q_low) {  // what q left, in 1/256 quanta, clamped to int8 as the reference clamps
+      for (int k = 0; k < 4; ++k) {
+        low[k] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_sub_ps(scaled[k], _mm256_cvtepi32_ps(n[k])), _mm256_set1_ps(256.0f)));
+        low[k] = _mm256_max_epi32(_mm256_min_epi32(low[k], _mm256_set1_epi32(127)), _mm256_set1_epi32(-128));
+      }
       StoreBytes(low, q_low + 32 * b);
       const __m256i low_total = _mm256_add_epi32(_mm256_add_epi32(low[0], low[1]), _mm256_add_epi32(low[2], low[3]));
       total = _mm256_add_epi32(_mm256_slli_epi32(total, 8), low_total);
