@@ -23,6 +23,7 @@ from torch import nn
 from structgen.engine.attention import AttentionBatch, attend
 from structgen.engine.config import ModelConfig
 from structgen.engine.kernels.cpu_decode import CpuDecoder, DecoderLayerWeights, DecoderShape
+from structgen.engine.kernels.cpu_quant import IntegerActivations
 from structgen.engine.kv_cache import KVCache
 from structgen.engine.models import cpu_decoding
 from structgen.engine.models.quantized import (
@@ -265,7 +266,7 @@ class LlamaModel(nn.Module):
     # modules without running this __init__ (speculative/draft_model.py) have it too.
     _cpu_decoder: tuple[KVCache, CpuDecoder | None] | None = None
     # What the native step's products of several rows multiply (quantized.use_integer_activations).
-    cpu_activations = None
+    cpu_activations: IntegerActivations | None = None
 
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
