@@ -1,12 +1,16 @@
 """CPU benchmark of the default model at batch 1: start-up of `LLM()` cold (GGUF converted into
 an empty cache) and warm, the converted cache's size, ms per generated token (free text and a
 JSON schema) and time to first token for a 50-token prompt, for structgen with its weights kept
-quantized (the default) and de-quantized to fp32 (`EngineTuning(quantized_weights=False)`, the old path),
+quantized (the default: prompts' products on 16-bit activations), the same with its prompts'
+products on int8 activations ("structgen-int8") and on fp32 ones ("structgen-fp32act",
+`EngineTuning(prompt_activations=...)`), and with its weights de-quantized to fp32
+(`EngineTuning(quantized_weights=False)`, the old path),
 beside llama.cpp (llama-cpp-python, when installed) and transformers eager `generate` (with and
 without xgrammar / Outlines) on the same GGUF, prompt tokens, threads and greedy decoding.
 
-Quality of the quantized path against the fp32-de-quantized one: greedy agreement over 32
-tokens on a handful of prompts, and the perplexity of both on a fixed text.
+Quality of the quantized path (fp32 activations) against the fp32-de-quantized one, and of the
+16-bit and int8 activations against fp32 ones: greedy agreement over 32 tokens on a handful of prompts, and the perplexity
+of both on a fixed text (benchmarks/eval_quantized.py runs 50 prompts).
 
 Every system is timed the same way: wall time of one whole generation (prefill included, no
 prefix cache) divided by its new tokens, after a warm-up generation. Free text runs a fixed number of tokens
@@ -112,7 +116,8 @@ def perplexity(llm: Any, ids: list[int]) -> float:
 
 
 def quality(quantized: Any, dequantized: Any) -> dict[str, Any]:
-    """Greedy agreement over 32 tokens and the perplexity delta, quantized vs fp32 weights."""
+    """Greedy agreement over 32 tokens and the perplexity delta of `quantized` against its reference
+    `dequantized` (quantized vs fp32 weights, or int8 vs fp32 activations)."""
     tok = quantized.tokenizer
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                                   add_generation_prompt=True), add_special_tokens=False)
@@ -223,22 +228,28 @@ def main() -> None:
 
     # No prefix cache: every timed run prefills its whole prompt, as llama.cpp's peer does (it
     # resets its context before each run), and the TTFT repeats do not hit the warm-up's pages.
-    llms = {q: LLM(config=EngineConfig(device="cpu", dtype="float32", max_seq_len=1024, prefix_caching=False,
-                                       tuning=EngineTuning(quantized_weights=q)))
-            for q in (True, False)}
-    tok = llms[True].tokenizer
+    tunings = {"structgen": EngineTuning(), "structgen-int8": EngineTuning(prompt_activations="int8"),
+               "structgen-fp32act": EngineTuning(prompt_activations="fp32"),
+               "structgen-fp32": EngineTuning(quantized_weights=False)}
+    llms = {name: LLM(config=EngineConfig(device="cpu", dtype="float32", max_seq_len=1024, prefix_caching=False,
+                                          tuning=tuning))
+            for name, tuning in tunings.items()}
+    tok = llms["structgen"].tokenizer
     text = tok.apply_chat_template([{"role": "user", "content": PROMPT}], tokenize=False, add_generation_prompt=True)
     prompt_ids = tok.encode(text, add_special_tokens=False)
     ttft_ids = tok.encode(" ".join([PERPLEXITY_TEXT] * 2), add_special_tokens=False)[:TTFT_TOKENS]
-    rows = structgen_rows(llms[True], "structgen", prompt_ids, ttft_ids, args.tokens)
-    rows += structgen_rows(llms[False], "structgen-fp32", prompt_ids, ttft_ids, args.tokens)
+    rows = [r for name, llm in llms.items() for r in structgen_rows(llm, name, prompt_ids, ttft_ids, args.tokens)]
     json_tokens = rows[1]["tokens"]
     rows += llamacpp_rows(torch.get_num_threads(), prompt_ids, ttft_ids, args.tokens, json_tokens,
-                          sorted(llms[True].engine.stop_token_ids))
+                          sorted(llms["structgen"].engine.stop_token_ids))
     if not args.no_transformers:
-        rows += transformers_rows(llms[True], text, args.tokens, json_tokens)
-    extra["quality"] = quality(llms[True], llms[False])
-    print("quality (quantized vs fp32-de-quantized):", extra["quality"])
+        rows += transformers_rows(llms["structgen"], text, args.tokens, json_tokens)
+    extra["quality"] = quality(llms["structgen-fp32act"], llms["structgen-fp32"])
+    extra["quality_int16"] = quality(llms["structgen"], llms["structgen-fp32act"])
+    extra["quality_int8"] = quality(llms["structgen-int8"], llms["structgen-fp32act"])
+    for key, what in (("quality", "quantized vs fp32-de-quantized"), ("quality_int16", "16-bit vs fp32 activations"),
+                      ("quality_int8", "int8 vs fp32 activations")):
+        print(f"quality ({what}):", extra[key])
     print_table([{k: r.get(k) for k in ("system", "constrained", "metric", "value", "tokens")} for r in rows])
     if not args.no_write:
         print("wrote", write_results("cpu", rows, extra=extra))

@@ -4,6 +4,11 @@ and through the torch layers on the same batch, the layers' packed products alon
 each, as the torch layers make them), the LM head alone, and the rest of the step (the LM head's
 weight read cold, sampling, bookkeeping) by difference. Best of `--repeats`.
 
+Then where the time to the first token of a `--prompt-tokens` prompt goes, with fp32, 16-bit and
+int8 activations (`EngineTuning(prompt_activations=...)`): the engine's whole one-token generation,
+the model's forward over the prompt (the native step), its layers' packed products alone (one
+call per projection, as many rows) and the LM head on the last row.
+
     python -m benchmarks.profile_cpu_decode --threads 2
 """
 
@@ -16,7 +21,8 @@ from collections.abc import Callable
 import torch
 
 from structgen.engine.attention import AttentionBatch
-from structgen.engine.config import EngineConfig
+from structgen.engine.config import EngineConfig, EngineTuning
+from structgen.engine.kernels import cpu_quant
 from structgen.engine.models.quantized import QuantizedLinear
 from structgen.engine.request import Request
 from structgen.engine.sampler import SamplingParams
@@ -39,6 +45,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--prompt-tokens", type=int, default=50)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from structgen import LLM
@@ -80,6 +87,39 @@ def main() -> None:
     print(f"  the layers' packed products, one call each    {products:6.2f}")
     print(f"  LM head alone (its weight warm in the cache)  {head:6.2f}")
     print(f"  step - native forward - LM head               {step - native - head:6.2f}")
+    for activations in ("fp32", "int16", "int8"):
+        prompt_profile(LLM(config=EngineConfig(device="cpu", dtype="float32", max_seq_len=1024, prefix_caching=False,
+                                               tuning=EngineTuning(prompt_activations=activations))),
+                       args.prompt_tokens, args.repeats, activations)
+
+
+def prompt_profile(llm: object, tokens: int, repeats: int, activations: str) -> None:
+    """Where the time to the first token of a `tokens`-token prompt goes."""
+    from benchmarks.bench_cpu import PERPLEXITY_TEXT, time_to_first_token
+
+    eng = llm.engine
+    model, kv = eng.runner.model, eng.runner.kv
+    ids = llm.tokenizer.encode(" ".join([PERPLEXITY_TEXT] * 4), add_special_tokens=False)[:tokens]
+    ttft = time_to_first_token(llm, ids, repeats)
+    slot = kv.pages.allocate_slot()
+    kv.pages.cover(slot, len(ids))
+    batch = AttentionBatch.build([(slot, 0, len(ids))], kv.pages)
+    prompt = torch.tensor(ids)
+    forward = best_ms(lambda: model(prompt, batch, kv), repeats, inner=3)
+    hidden = model(prompt, batch, kv)
+    head = best_ms(lambda: model.logits(hidden[-1:]), repeats)
+    kv.pages.release_slot(slot)
+    linears = [m for name, m in model.named_modules() if isinstance(m, QuantizedLinear) and name != "lm_head"]
+    x = {m.in_features: torch.randn(len(ids), m.in_features) for m in linears}
+    kernels, integer = cpu_quant.load(), cpu_quant.PROMPT_ACTIVATIONS[activations]
+    products = best_ms(lambda: [kernels.matmul(x[m.in_features], p.packed, p.qtype, p.cols, activations=integer)
+                                for m in linears for p in m.parts], repeats, inner=1)
+    print(f"{len(ids)}-token prompt, {activations} activations: ms (best of {repeats}):")
+    print(f"  time to first token (engine)                  {ttft:6.2f}")
+    print(f"  forward over the prompt (native step)         {forward:6.2f}")
+    print(f"  the layers' packed products, one call each    {products:6.2f}")
+    print(f"  LM head on the last row                       {head:6.2f}")
+    print(f"  TTFT - forward - LM head (host, sampling)     {ttft - forward - head:6.2f}")
 
 
 if __name__ == "__main__":

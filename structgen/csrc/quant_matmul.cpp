@@ -5,7 +5,8 @@
 // Plain C ABI (loaded with ctypes by structgen/engine/kernels/cpu_quant.py); no Python or
 // torch headers, so g++ builds it in a few seconds on first use. Output rows are spread over
 // OpenMP threads: torch's own libgomp is already loaded when this library is, so the process
-// keeps one OpenMP runtime. AVX2/FMA/F16C code is chosen at run time, with a scalar fallback.
+// keeps one OpenMP runtime. AVX2/FMA/F16C code is chosen at run time, with a scalar fallback;
+// products of several rows may run on int8 activations (AVX512-VNNI or AVX-VNNI, see below).
 //
 // Block layouts are ggml's (ggml-common.h); types are passed as ggml type ids.
 //
@@ -434,6 +435,66 @@ void Axpy(float p, const float* v, float* out, int64_t d, int simd) {
   for (int64_t e = 0; e < d; ++e) out[e] += p * v[e];
 }
 
+// e^x by x = k ln2 + r and a degree-6 polynomial in r (Cephes' expf, within 2 ulp), for the
+// softmax and SiLU of the native step, whose std::exp calls cost more than its products.
+constexpr float kExpMax = 88.3762626647949f, kExpMin = -87.3365447504f, kLog2e = 1.44269504088896341f;
+constexpr float kLn2High = 0.693359375f, kLn2Low = -2.12194440e-4f;  // ln 2 split for an exact k ln2
+constexpr float kExpPoly[] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f,
+                              1.6666665459e-1f, 5.0000001201e-1f};
+
+#ifdef SGQ_X86
+SGQ_AVX512 inline __m512 Exp512(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(kExpMax)), _mm512_set1_ps(kExpMin));
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(kLn2Low), _mm512_fnmadd_ps(k, _mm512_set1_ps(kLn2High), x));
+  __m512 p = _mm512_set1_ps(kExpPoly[0]);
+  for (int c = 1; c < 6; ++c) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[c]));
+  return _mm512_scalef_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f))), k);
+}
+
+// s[t] = e^(s[t] - shift) for t < count; returns their sum.
+SGQ_AVX512 float ExpShiftedAvx512(float* s, int64_t count, float shift) {
+  const __m512 vshift = _mm512_set1_ps(shift);
+  __m512 total = _mm512_setzero_ps();
+  for (int64_t t = 0; t < count; t += 16) {
+    const __mmask16 mask = count - t >= 16 ? 0xffff : static_cast<__mmask16>((1u << (count - t)) - 1);
+    const __m512 e = Exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + t), vshift));
+    _mm512_mask_storeu_ps(s + t, mask, e);
+    total = _mm512_add_ps(total, _mm512_maskz_mov_ps(mask, e));
+  }
+  return _mm512_reduce_add_ps(total);
+}
+
+// out[c] = silu(gate[c]) * up[c] for c < count.
+SGQ_AVX512 void SiluMulAvx512(const float* gate, const float* up, int64_t count, float* out) {
+  for (int64_t c = 0; c < count; c += 16) {
+    const __mmask16 mask = count - c >= 16 ? 0xffff : static_cast<__mmask16>((1u << (count - c)) - 1);
+    const __m512 g = _mm512_maskz_loadu_ps(mask, gate + c);
+    const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), Exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+    _mm512_mask_storeu_ps(out + c, mask, _mm512_mul_ps(silu, _mm512_maskz_loadu_ps(mask, up + c)));
+  }
+}
+
+#endif
+
+float ExpShifted(float* s, int64_t count, float shift, int simd) {
+#ifdef SGQ_X86
+  if (simd >= 2) return ExpShiftedAvx512(s, count, shift);
+#endif
+  (void)simd;
+  float total = 0;
+  for (int64_t t = 0; t < count; ++t) total += (s[t] = std::exp(s[t] - shift));
+  return total;
+}
+
+void SiluMul(const float* gate, const float* up, int64_t count, float* out, int simd) {
+#ifdef SGQ_X86
+  if (simd >= 2) return SiluMulAvx512(gate, up, count, out);
+#endif
+  (void)simd;
+  for (int64_t c = 0; c < count; ++c) out[c] = gate[c] / (1.0f + std::exp(-gate[c])) * up[c];
+}
+
 void MatmulRow(int type, const Format& f, const uint8_t* row, int64_t cols, const float* x,
                int64_t n, float* y, int64_t y_stride, int simd) {
 #ifdef SGQ_X86
@@ -490,6 +551,298 @@ void DequantRow(int type, const Format& f, const uint8_t* row, int64_t cols, flo
     dequant(row + blk * f.block_bytes, out + c);
 }
 
+// ---- int8 activations: products of several rows on VNNI integer dot products ----
+//
+// Each activation row is quantized per 32-block (scale d = max|x| / 127, int8 q, and d * sum(q)),
+// each weight block unpacked to unsigned bytes u with its scale and an offset m (Q4_0: the
+// nibbles, m = -8 d; Q4_1: the nibbles, m = the block's min; Q8_0: q + 128, m = -128 d), so a
+// block's product is d_w d_x (u . q) + m d_x sum(q): u . q is an exact int32 dot product
+// (vpdpbusd, four times the fp32 multiply rate), and the result equals the product of the
+// de-quantized operands up to float rounding. Only the quantized activations differ from the fp32 path.
+// With two planes an activation is q + q_low / 256 (q_low rounding what q left, in [-0.5, 0.5]
+// quanta): 16-bit activations, whose block dot 256 (u . q) + u . q_low is two int8 dot products.
+
+#if defined(SGQ_X86) && ((!defined(__clang__) && __GNUC__ >= 11) || (defined(__clang__) && __clang_major__ >= 12))
+#define SGQ_VNNI 1
+#define SGQ_VNNI512 __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma,f16c")))
+#define SGQ_AVXVNNI __attribute__((target("avxvnni,avx2,fma,f16c")))
+#endif
+
+constexpr int kInt8TileRows = 4;  // activation rows of a tile; the AVX-VNNI tile takes 2 (16 registers)
+
+// Activation rows quantized per 32-block; rows padded to a tile multiple and blocks to an even
+// count (a multiple of 4 for the sums) with zeros, so vector loads need no tail.
+struct Int8Rows {
+  std::vector<int8_t> q;      // [rows, pair_blocks * 32]
+  std::vector<int8_t> q_low;  // [rows, pair_blocks * 32] with two planes, else empty
+  std::vector<float> scale8;  // [rows, pair_blocks * 8]: each block's scale of its integer codes, once per int32 lane
+  std::vector<float> sum4;    // [rows, quad_blocks * 4]: the scale * sum(codes), once per weight row of a tile
+  int64_t n = 0, rows = 0, blocks = 0, pair_blocks = 0, quad_blocks = 0;
+  int planes = 1;
+};
+
+// Up to kWeightRows weight rows unpacked for the tiles, in Int8Rows' block layout.
+struct Int8Weights {
+  std::vector<uint8_t> u;      // [kWeightRows, pair_blocks * 32]
+  std::vector<float> scale8;   // [kWeightRows, pair_blocks * 8]
+  std::vector<float> offset4;  // [quad_blocks, kWeightRows]: the rows' offsets block by block
+};
+static_assert(kWeightRows == 4, "the int8 tiles' offsets and sums interleave four weight rows");
+
+// 2 where the AVX512-VNNI tiles run, 1 for the AVX-VNNI ones, 0 where neither may (the fp32 kernels).
+int Int8Level(int simd) {
+#ifdef SGQ_VNNI
+  static const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                             __builtin_cpu_supports("avx512vnni");
+  static const bool avx256 = __builtin_cpu_supports("avxvnni");
+  if (simd >= 2 && avx512) return 2;
+  if (simd >= 1 && avx256) return 1;
+#endif
+  (void)simd;
+  return 0;
+}
+
+#ifdef SGQ_VNNI
+// Four vectors of eight int32 (each within int8) as 32 bytes in order.
+SGQ_AVX2 inline void StoreBytes(const __m256i* n, int8_t* out) {
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleave
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_permutevar8x32_epi32(bytes, order));
+}
+
+// One activation row's blocks: q = round(x / d) and, with `q_low`, q_low = round(256 (x / d - q)).
+SGQ_AVX2 void QuantizeBlocks(const float* x, int64_t blocks, int8_t* q, int8_t* q_low, float* scale8, float* sum4) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t b = 0; b < blocks; ++b, x += 32, q += 32) {
+    __m256 v[4], amax = _mm256_setzero_ps();
+    for (int k = 0; k < 4; ++k) {
+      v[k] = _mm256_loadu_ps(x + 8 * k);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[k]));
+    }
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    const float d = _mm_cvtss_f32(m) / 127.0f;
+    const __m256 inverse = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+    __m256 scaled[4];
+    __m256i n[4], low[4];
+    for (int k = 0; k < 4; ++k) n[k] = _mm256_cvtps_epi32(scaled[k] = _mm256_mul_ps(v[k], inverse));  // nearest even
+    StoreBytes(n, q);
+    __m256i total = _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3]));
+    float scale = d;
+    if (q_low) {  // what q left, in 1/256 quanta, clamped to int8 as the reference clamps
+      for (int k = 0; k < 4; ++k) {
+        low[k] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_sub_ps(scaled[k], _mm256_cvtepi32_ps(n[k])), _mm256_set1_ps(256.0f)));
+        low[k] = _mm256_max_epi32(_mm256_min_epi32(low[k], _mm256_set1_epi32(127)), _mm256_set1_epi32(-128));
+      }
+      StoreBytes(low, q_low + 32 * b);
+      const __m256i low_total = _mm256_add_epi32(_mm256_add_epi32(low[0], low[1]), _mm256_add_epi32(low[2], low[3]));
+      total = _mm256_add_epi32(_mm256_slli_epi32(total, 8), low_total);
+      scale = d / 256.0f;
+    }
+    _mm256_storeu_ps(scale8 + 8 * b, _mm256_set1_ps(scale));
+    _mm_storeu_ps(sum4 + 4 * b, _mm_set1_ps(scale * HorizontalSum(_mm256_cvtepi32_ps(total))));
+  }
+}
+
+// x [n, cols] quantized into `out` in `planes` int8 planes, its buffers grown as needed and its padding zeroed.
+void QuantizeRows(const float* x, int64_t n, int64_t cols, int planes, Int8Rows* out) {
+  out->n = n;
+  out->planes = planes;
+  out->rows = (n + kInt8TileRows - 1) / kInt8TileRows * kInt8TileRows;
+  out->blocks = cols / 32;
+  out->pair_blocks = (out->blocks + 1) / 2 * 2;
+  out->quad_blocks = (out->blocks + 3) / 4 * 4;
+  out->q.assign(out->rows * out->pair_blocks * 32, 0);
+  out->q_low.assign(planes == 2 ? out->q.size() : 0, 0);
+  out->scale8.assign(out->rows * out->pair_blocks * 8, 0.0f);
+  out->sum4.assign(out->rows * out->quad_blocks * 4, 0.0f);
+  for (int64_t i = 0; i < n; ++i)
+    QuantizeBlocks(x + i * cols, out->blocks, out->q.data() + i * out->pair_blocks * 32,
+                   planes == 2 ? out->q_low.data() + i * out->pair_blocks * 32 : nullptr, out->scale8.data() + i * out->pair_blocks * 8, out->sum4.data() + i * out->quad_blocks * 4);
+}
+
+SGQ_AVX2 void UnpackRow(int type, const uint8_t* row, int64_t blocks, int64_t pair_blocks, uint8_t* u,
+                        float* scale8, float* offset4) {
+  const int bytes = type == kQ8_0 ? 34 : type == kQ4_1 ? 20 : 18;
+  const __m128i low = _mm_set1_epi8(0xf);
+  for (int64_t b = 0; b < blocks; ++b, row += bytes) {
+    const float d = _cvtsh_ss(Load16(row));
+    if (type == kQ8_0) {
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 2));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(u + 32 * b), _mm256_xor_si256(q, _mm256_set1_epi8(-128)));
+      offset4[kWeightRows * b] = -128.0f * d;
+    } else {
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + (type == kQ4_1 ? 4 : 2)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(u + 32 * b), _mm_and_si128(raw, low));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(u + 32 * b + 16), _mm_and_si128(_mm_srli_epi16(raw, 4), low));
+      offset4[kWeightRows * b] = type == kQ4_1 ? _cvtsh_ss(Load16(row + 2)) : -8.0f * d;
+    }
+    _mm256_storeu_ps(scale8 + 8 * b, _mm256_set1_ps(d));
+  }
+  if (blocks < pair_blocks) {  // the padding block multiplies zero activations; keep it finite
+    std::memset(u + 32 * blocks, 0, 32);
+    std::memset(scale8 + 8 * blocks, 0, 8 * sizeof(float));
+  }
+}
+
+// The unpacked weight rows' operands: row r at u + r * u_stride, scale8 + r * scale_stride and
+// offset4 + r (its blocks kWeightRows apart).
+struct Int8Operands {
+  const uint8_t* u;
+  const float* scale8;
+  const float* offset4;
+  int64_t u_stride, scale_stride;
+};
+
+// sum_b m[b] d_x[b] sum(q)[b] of one weight row and one activation row, both kWeightRows apart.
+float OffsetTerm(const float* offset4, const float* sum4, int64_t blocks) {
+  float total = 0;
+  for (int64_t b = 0; b < blocks; ++b) total += offset4[kWeightRows * b] * sum4[kWeightRows * b];
+  return total;
+}
+
+// The sums of 4 vectors (as y's 4 floats at one activation row) plus the offsets' term `offsets`,
+// whose 128-bit lanes hold partial sums of the same 4 rows.
+SGQ_AVX512 inline __m128 SumsOfFour(const __m512* acc, __m512 offsets) {
+  const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(acc[0], acc[1]), _mm512_unpackhi_ps(acc[0], acc[1]));
+  const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(acc[2], acc[3]), _mm512_unpackhi_ps(acc[2], acc[3]));
+  const __m512d p0 = _mm512_castps_pd(t0), p1 = _mm512_castps_pd(t1);
+  const __m512 t = _mm512_add_ps(offsets, _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(p0, p1)),
+                                                        _mm512_castpd_ps(_mm512_unpackhi_pd(p0, p1))));
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(t), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(t), 1)));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// y[i * y_stride + r] for activation rows i0 .. i0 + 4 (those below x.n) and weight rows r < R,
+// the activations in kPlanes int8 planes.
+template <int R, int kPlanes>
+SGQ_VNNI512 void Int8TileAvx512(const Int8Rows& x, int64_t i0, const Int8Operands& w, float* y, int64_t y_stride) {
+  const int64_t q_stride = x.pair_blocks * 32, s_stride = x.pair_blocks * 8;
+  __m512 acc[kInt8TileRows][R];
+  for (int i = 0; i < kInt8TileRows; ++i)
+    for (int r = 0; r < R; ++r) acc[i][r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < x.pair_blocks; b += 2) {
+    for (int i = 0; i < kInt8TileRows; ++i) {
+      const __m512i a = _mm512_loadu_si512(x.q.data() + (i0 + i) * q_stride + 32 * b);
+      __m512i a_low = _mm512_setzero_si512();
+      if constexpr (kPlanes == 2) a_low = _mm512_loadu_si512(x.q_low.data() + (i0 + i) * q_stride + 32 * b);
+      const __m512 da = _mm512_loadu_ps(x.scale8.data() + (i0 + i) * s_stride + 8 * b);
+      for (int r = 0; r < R; ++r) {
+        const __m512i u = _mm512_loadu_si512(w.u + r * w.u_stride + 32 * b);
+        const __m512 scale = _mm512_mul_ps(da, _mm512_loadu_ps(w.scale8 + r * w.scale_stride + 8 * b));
+        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, a);
+        if constexpr (kPlanes == 2) dot = _mm512_dpbusd_epi32(_mm512_slli_epi32(dot, 8), u, a_low);
+        acc[i][r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(dot), acc[i][r]);
+      }
+    }
+  }
+  const float* sum4 = x.sum4.data() + i0 * x.quad_blocks * 4;
+  if constexpr (R == kWeightRows) {
+    __m512 offsets[kInt8TileRows];  // one accumulator per row: four chains of FMAs, not one
+    for (int i = 0; i < kInt8TileRows; ++i) offsets[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < x.quad_blocks; b += 4) {
+      const __m512 m = _mm512_loadu_ps(w.offset4 + 4 * b);
+      for (int i = 0; i < kInt8TileRows; ++i)
+        offsets[i] = _mm512_fmadd_ps(m, _mm512_loadu_ps(sum4 + i * x.quad_blocks * 4 + 4 * b), offsets[i]);
+    }
+    for (int i = 0; i < kInt8TileRows && i0 + i < x.n; ++i)
+      _mm_storeu_ps(y + (i0 + i) * y_stride, SumsOfFour(acc[i], offsets[i]));
+  } else {
+    for (int i = 0; i < kInt8TileRows && i0 + i < x.n; ++i)
+      for (int r = 0; r < R; ++r)
+        y[(i0 + i) * y_stride + r] = _mm512_reduce_add_ps(acc[i][r]) +
+                                     OffsetTerm(w.offset4 + r, sum4 + i * x.quad_blocks * 4, x.blocks);
+  }
+}
+
+constexpr int kAvxVnniTileRows = 2;
+
+template <int R, int kPlanes>
+SGQ_AVXVNNI void Int8TileAvxVnni(const Int8Rows& x, int64_t i0, const Int8Operands& w, float* y, int64_t y_stride) {
+  const int64_t q_stride = x.pair_blocks * 32, s_stride = x.pair_blocks * 8;
+  __m256 acc[kAvxVnniTileRows][R];
+  for (int i = 0; i < kAvxVnniTileRows; ++i)
+    for (int r = 0; r < R; ++r) acc[i][r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < x.blocks; ++b) {
+    for (int i = 0; i < kAvxVnniTileRows; ++i) {
+      const int64_t at = (i0 + i) * q_stride + 32 * b;
+      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + at));
+      __m256i a_low = _mm256_setzero_si256();
+      if constexpr (kPlanes == 2) a_low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q_low.data() + at));
+      const __m256 da = _mm256_loadu_ps(x.scale8.data() + (i0 + i) * s_stride + 8 * b);
+      for (int r = 0; r < R; ++r) {
+        const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.u + r * w.u_stride + 32 * b));
+        const __m256 scale = _mm256_mul_ps(da, _mm256_loadu_ps(w.scale8 + r * w.scale_stride + 8 * b));
+        __m256i dot = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, a);
+        if constexpr (kPlanes == 2) dot = _mm256_dpbusd_avx_epi32(_mm256_slli_epi32(dot, 8), u, a_low);
+        acc[i][r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dot), acc[i][r]);
+      }
+    }
+  }
+  for (int i = 0; i < kAvxVnniTileRows && i0 + i < x.n; ++i)
+    for (int r = 0; r < R; ++r)
+      y[(i0 + i) * y_stride + r] = HorizontalSum(acc[i][r]) +
+                                   OffsetTerm(w.offset4 + r, x.sum4.data() + (i0 + i) * x.quad_blocks * 4, x.blocks);
+}
+
+// One tile at the CPU's level and the activations' plane count.
+template <int R>
+void Int8Tile(const Int8Rows& x, int64_t i0, const Int8Operands& w, float* y, int64_t y_stride, int level) {
+  if (level == 2 && x.planes == 2) Int8TileAvx512<R, 2>(x, i0, w, y, y_stride);
+  else if (level == 2) Int8TileAvx512<R, 1>(x, i0, w, y, y_stride);
+  else if (x.planes == 2) Int8TileAvxVnni<R, 2>(x, i0, w, y, y_stride);
+  else Int8TileAvxVnni<R, 1>(x, i0, w, y, y_stride);
+}
+
+// Every activation row of `x` against the `count` unpacked weight rows of `w`.
+void Int8Tiles(const Int8Rows& x, const Int8Operands& w, int64_t count, float* y, int64_t y_stride, int level) {
+  const int step = level == 2 ? kInt8TileRows : kAvxVnniTileRows;
+  for (int64_t i0 = 0; i0 < x.n; i0 += step) {
+    if (count == kWeightRows) {
+      Int8Tile<kWeightRows>(x, i0, w, y, y_stride, level);
+      continue;
+    }
+    for (int64_t r = 0; r < count; ++r) {
+      const Int8Operands row = {w.u + r * w.u_stride, w.scale8 + r * w.scale_stride, w.offset4 + r, w.u_stride,
+                                w.scale_stride};
+      Int8Tile<1>(x, i0, row, y + r, y_stride, level);
+    }
+  }
+}
+
+// Weight rows [begin, end) against the quantized rows `x`, kWeightRows rows unpacked at a time into `scratch`.
+void Int8MatmulRows(int type, const uint8_t* w, int64_t row_bytes, int64_t begin, int64_t end, const Int8Rows& x,
+                    float* y, int64_t y_stride, int level, Int8Weights* scratch) {
+  const int64_t u_stride = x.pair_blocks * 32, s_stride = x.pair_blocks * 8;
+  scratch->u.resize(kWeightRows * u_stride);
+  scratch->scale8.resize(kWeightRows * s_stride);
+  scratch->offset4.resize(kWeightRows * x.quad_blocks);
+  const Int8Operands ops = {scratch->u.data(), scratch->scale8.data(), scratch->offset4.data(), u_stride, s_stride};
+  for (int64_t r0 = begin; r0 < end; r0 += kWeightRows) {
+    const int64_t count = end - r0 < kWeightRows ? end - r0 : kWeightRows;
+    for (int64_t k = 0; k < count; ++k)
+      UnpackRow(type, w + (r0 + k) * row_bytes, x.blocks, x.pair_blocks, scratch->u.data() + k * u_stride,
+                scratch->scale8.data() + k * s_stride, scratch->offset4.data() + k);
+    // The next group's packed bytes come from memory while this group's tiles run.
+    const int64_t next = end - r0 - count < kWeightRows ? end - r0 - count : kWeightRows;
+    for (int64_t byte = 0; byte < next * row_bytes; byte += 64)
+      __builtin_prefetch(w + (r0 + count) * row_bytes + byte);
+    Int8Tiles(x, ops, count, y + r0, y_stride, level);
+  }
+}
+#else
+void QuantizeRows(const float*, int64_t, int64_t, int, Int8Rows*) {}
+void Int8MatmulRows(int, const uint8_t*, int64_t, int64_t, int64_t, const Int8Rows&, float*, int64_t, int,
+                    Int8Weights*) {}
+#endif
+
+// The int8 level a product of `n` rows of format `type` runs at: 0 (the fp32 kernels) below
+// `int8_rows` rows (0: never), for the K formats, or without VNNI.
+int Int8LevelFor(int type, int64_t n, int64_t int8_rows, int simd) {
+  return int8_rows > 0 && n >= int8_rows && SmallBlocks(type) ? Int8Level(simd) : 0;
+}
+
 }  // namespace
 
 extern "C" {
@@ -508,13 +861,31 @@ int sgq_block_elems(int type) {
 // The best SIMD level this CPU runs: 2 AVX-512F, 1 AVX2/FMA/F16C, 0 scalar only.
 int sgq_simd() { return SimdLevel(); }
 
+// The int8 products' level under SIMD cap `simd`: 2 AVX512-VNNI, 1 AVX-VNNI, 0 none (fp32 kernels).
+int sgq_int8_level(int simd) { return Int8Level(simd < SimdLevel() ? simd : SimdLevel()); }
+
 // y[i * y_stride + r] = sum_c x[i * cols + c] * W[r, c] for i < n, r < rows, where W's rows are
-// `row_bytes` apart in `w`. `simd` caps the SIMD level (0: the scalar path). Returns 0, or -1 for a bad type.
-int sgq_matmul(int type, const uint8_t* w, int64_t rows, int64_t cols, int64_t row_bytes,
-               const float* x, int64_t n, float* y, int64_t y_stride, int threads, int simd) {
+// `row_bytes` apart in `w`. `simd` caps the SIMD level (0: the scalar path); products of at least
+// `int8_rows` rows (0: none) run on activations in `planes` int8 planes (1: int8, 2: 16-bit) where
+// the CPU has VNNI. Returns 0, or -1 for a bad type.
+int sgq_matmul(int type, const uint8_t* w, int64_t rows, int64_t cols, int64_t row_bytes, const float* x,
+               int64_t n, float* y, int64_t y_stride, int threads, int simd, int64_t int8_rows, int planes) {
   Format f;
-  if (!FormatOf(type, &f) || cols % f.block_elems != 0) return -1;
+  if (!FormatOf(type, &f) || cols % f.block_elems != 0 || planes < 1 || planes > 2) return -1;
   const int vec = simd < SimdLevel() ? simd : SimdLevel();
+  const int int8 = Int8LevelFor(type, n, int8_rows, vec);
+  if (int8) {
+    Int8Rows quantized;
+    QuantizeRows(x, n, cols, planes, &quantized);
+#pragma omp parallel num_threads(threads) if (rows * cols * n >= kParallelWork)
+    {
+      Int8Weights scratch;
+#pragma omp for schedule(static)
+      for (int64_t g = 0; g < RowGroups(rows); ++g)
+        Int8MatmulRows(type, w, row_bytes, g * kWeightRows, GroupEnd(g, rows), quantized, y, y_stride, int8, &scratch);
+    }
+    return 0;
+  }
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows * cols * n >= kParallelWork)
   for (int64_t g = 0; g < RowGroups(rows); ++g)
     MatmulRows(type, f, w, row_bytes, g * kWeightRows, GroupEnd(g, rows), cols, x, n, y, y_stride, vec);
@@ -619,24 +990,38 @@ void Barrier() {
 #endif
 }
 
+// What each thread keeps for the int8 products: its quantized copy of the activations, the
+// weight rows it unpacks, and the fewest rows a product runs on int8 activations (0: never).
+struct Int8Scratch {
+  Int8Rows rows;
+  Int8Weights weights;
+  int64_t int8_rows;
+  int planes;
+};
+
 // y[i, r] = x[i, :] . W[r, :] (+ bias[r]) for this thread's share of the rows r.
-void LinearShare(const Linear& l, const float* x, int64_t n, float* y, int simd, Team team) {
+void LinearShare(const Linear& l, const float* x, int64_t n, float* y, int simd, Team team, Int8Scratch* int8) {
   Format f;
   FormatOf(l.type, &f);
   const Share s = ShareOf(RowGroups(l.rows), team.thread, team.threads);
   const int64_t begin = s.begin * kWeightRows, end = s.begin < s.end ? GroupEnd(s.end - 1, l.rows) : begin;
-  MatmulRows(l.type, f, l.w, l.row_bytes, begin, end, l.cols, x, n, y, l.rows, simd);
+  const int level = Int8LevelFor(l.type, n, int8->int8_rows, simd);
+  if (level) {  // every thread quantizes its own copy: cheaper than a barrier
+    QuantizeRows(x, n, l.cols, int8->planes, &int8->rows);
+    Int8MatmulRows(l.type, l.w, l.row_bytes, begin, end, int8->rows, y, l.rows, level, &int8->weights);
+  } else {
+    MatmulRows(l.type, f, l.w, l.row_bytes, begin, end, l.cols, x, n, y, l.rows, simd);
+  }
   if (l.bias)
     for (int64_t r = begin; r < end; ++r)
       for (int64_t i = 0; i < n; ++i) y[i * l.rows + r] += l.bias[r];
 }
 
 // out[i] = x[i] * rsqrt(mean(x[i]^2) + eps) * weight, row by row.
-void RmsNorm(const float* x, const float* weight, int64_t n, int64_t dim, float eps, float* out) {
+void RmsNorm(const float* x, const float* weight, int64_t n, int64_t dim, float eps, float* out, int simd) {
   for (int64_t i = 0; i < n; ++i) {
     const float* xi = x + i * dim;
-    float sum = 0;
-    for (int64_t c = 0; c < dim; ++c) sum += xi[c] * xi[c];
+    const float sum = Dot(xi, xi, dim, simd);
     const float scale = 1.0f / std::sqrt(sum / static_cast<float>(dim) + eps);
     for (int64_t c = 0; c < dim; ++c) out[i * dim + c] = weight[c] * (xi[c] * scale);
   }
@@ -652,10 +1037,10 @@ void Rope(float* x, const float* cos, const float* sin, int64_t dim) {
   }
 }
 
-// RoPE on each row's q and k heads, and k, v written to the row's cache row.
-void RopeAndCache(const ModelShape& m, const DecoderLayer& l, const DecodeRows& b, float* qkv) {
+// RoPE on the q and k heads of the rows in `rows`, and their k, v written to their cache rows.
+void RopeAndCache(const ModelShape& m, const DecoderLayer& l, const DecodeRows& b, float* qkv, Share rows) {
   const int64_t width = (m.heads + 2 * m.kv_heads) * m.head_dim, kv = m.kv_heads * m.head_dim;
-  for (int64_t i = 0; i < b.n; ++i) {
+  for (int64_t i = rows.begin; i < rows.end; ++i) {
     float* row = qkv + i * width;
     const float* cos = b.cos + b.positions[i] * m.head_dim;
     const float* sin = b.sin + b.positions[i] * m.head_dim;
@@ -685,8 +1070,7 @@ void AttendHead(const ModelShape& m, const DecoderLayer& l, const DecodeRows& b,
     s[t - first] = Dot(q, k, d, simd) * scale;
     top = s[t - first] > top ? s[t - first] : top;
   }
-  float total = 0;
-  for (int64_t t = 0; t < ctx - first; ++t) total += (s[t] = std::exp(s[t] - top));
+  const float total = ExpShifted(s, ctx - first, top, simd);
   for (int64_t e = 0; e < d; ++e) out[e] = 0;
   for (int64_t t = first; t < ctx; ++t) {
     const int64_t cache_row = pages[t / b.page_size] * b.page_size + t % b.page_size;
@@ -697,35 +1081,36 @@ void AttendHead(const ModelShape& m, const DecoderLayer& l, const DecodeRows& b,
 
 // Buffers the threads share: the products each thread writes its share of rows into.
 struct SharedBuffers {
-  std::vector<float> qkv, attn, proj, gate_up;
+  std::vector<float> qkv, attn, proj, gate_up, act;
   SharedBuffers(const ModelShape& m, int64_t n)
       : qkv(n * (m.heads + 2 * m.kv_heads) * m.head_dim), attn(n * m.heads * m.head_dim), proj(n * m.hidden),
-        gate_up(n * 2 * m.inter) {}
+        gate_up(n * 2 * m.inter), act(n * m.inter) {}
 };
 
 // What every thread keeps for itself: its copy of the residual stream and of the small
 // element-wise results, computed redundantly (a few thousand floats) instead of once behind
 // a barrier; every copy sees the same operations, so the copies stay equal.
 struct ThreadState {
-  std::vector<float> hidden, normed, act, scores;
-  ThreadState(const ModelShape& m, int64_t n, const float* stream)
-      : hidden(stream, stream + n * m.hidden), normed(n * m.hidden), act(n * m.inter) {}
+  std::vector<float> hidden, normed, scores;
+  Int8Scratch int8;
+  ThreadState(const ModelShape& m, int64_t n, const float* stream, int64_t int8_rows, int planes)
+      : hidden(stream, stream + n * m.hidden), normed(n * m.hidden), int8{{}, {}, int8_rows, planes} {}
 };
 
 // hidden += o(attention(norm(hidden))), the residual stream of this thread's copy.
 void AttentionBlock(const ModelShape& m, const DecoderLayer& l, const DecodeRows& b, SharedBuffers* buf,
                     ThreadState* own, int simd, Team team) {
-  RmsNorm(own->hidden.data(), l.attn_norm, b.n, m.hidden, m.eps, own->normed.data());
-  LinearShare(l.qkv, own->normed.data(), b.n, buf->qkv.data(), simd, team);
+  RmsNorm(own->hidden.data(), l.attn_norm, b.n, m.hidden, m.eps, own->normed.data(), simd);
+  LinearShare(l.qkv, own->normed.data(), b.n, buf->qkv.data(), simd, team, &own->int8);
   Barrier();
-  if (team.thread == 0) RopeAndCache(m, l, b, buf->qkv.data());
+  RopeAndCache(m, l, b, buf->qkv.data(), ShareOf(b.n, team.thread, team.threads));
   Barrier();
-  const Share heads = ShareOf(b.n * m.heads, team.thread, team.threads);
-  for (int64_t job = heads.begin; job < heads.end; ++job)
+  // Jobs dealt round-robin: a prompt's later rows attend to more keys than its first ones.
+  for (int64_t job = team.thread; job < b.n * m.heads; job += team.threads)
     AttendHead(m, l, b, buf->qkv.data(), job / m.heads, job % m.heads, simd, &own->scores,
                buf->attn.data() + job * m.head_dim);
   Barrier();
-  LinearShare(l.o, buf->attn.data(), b.n, buf->proj.data(), simd, team);
+  LinearShare(l.o, buf->attn.data(), b.n, buf->proj.data(), simd, team, &own->int8);
   Barrier();
   for (int64_t e = 0; e < b.n * m.hidden; ++e) own->hidden[e] += buf->proj[e];
 }
@@ -733,15 +1118,16 @@ void AttentionBlock(const ModelShape& m, const DecoderLayer& l, const DecodeRows
 // hidden += down(silu(gate) * up) of norm(hidden), the residual stream of this thread's copy.
 void MlpBlock(const ModelShape& m, const DecoderLayer& l, int64_t n, SharedBuffers* buf, ThreadState* own,
               int simd, Team team) {
-  RmsNorm(own->hidden.data(), l.mlp_norm, n, m.hidden, m.eps, own->normed.data());
-  LinearShare(l.gate_up, own->normed.data(), n, buf->gate_up.data(), simd, team);
+  RmsNorm(own->hidden.data(), l.mlp_norm, n, m.hidden, m.eps, own->normed.data(), simd);
+  LinearShare(l.gate_up, own->normed.data(), n, buf->gate_up.data(), simd, team, &own->int8);
   Barrier();
+  const Share cols = ShareOf(m.inter, team.thread, team.threads);  // SiLU's exps cost too much to repeat per thread
   for (int64_t i = 0; i < n; ++i) {
-    const float* gate = buf->gate_up.data() + i * 2 * m.inter;
-    for (int64_t c = 0; c < m.inter; ++c)
-      own->act[i * m.inter + c] = gate[c] / (1.0f + std::exp(-gate[c])) * gate[m.inter + c];
+    const float* gate = buf->gate_up.data() + i * 2 * m.inter + cols.begin;
+    SiluMul(gate, gate + m.inter, cols.end - cols.begin, buf->act.data() + i * m.inter + cols.begin, simd);
   }
-  LinearShare(l.down, own->act.data(), n, buf->proj.data(), simd, team);
+  Barrier();
+  LinearShare(l.down, buf->act.data(), n, buf->proj.data(), simd, team, &own->int8);
   Barrier();
   for (int64_t e = 0; e < n * m.hidden; ++e) own->hidden[e] += buf->proj[e];
 }
@@ -751,21 +1137,23 @@ void MlpBlock(const ModelShape& m, const DecoderLayer& l, int64_t n, SharedBuffe
 extern "C" {
 
 // Runs `num_layers` decoder layers over the residual stream `hidden` [n, hidden] of `rows` in
-// place. Returns 0, or -1 for an unsupported layer.
+// place; a step of at least `int8_rows` rows (0: none) multiplies activations in `planes` int8
+// planes where the CPU has VNNI (as sgq_matmul). Returns 0, or -1 for an unsupported layer.
 int sgq_decode_layers(const ModelShape* shape, const DecoderLayer* layers, int64_t num_layers,
-                      const DecodeRows* rows, float* hidden, int threads, int simd) {
+                      const DecodeRows* rows, float* hidden, int threads, int simd, int64_t int8_rows,
+                      int planes) {
   const ModelShape& m = *shape;
   Format f;
   for (int64_t i = 0; i < num_layers; ++i)
     for (const Linear* l : {&layers[i].qkv, &layers[i].o, &layers[i].gate_up, &layers[i].down})
       if (!FormatOf(l->type, &f) || l->cols % f.block_elems != 0) return -1;
-  if (m.heads % m.kv_heads != 0 || m.head_dim % 2 != 0) return -1;
+  if (m.heads % m.kv_heads != 0 || m.head_dim % 2 != 0 || planes < 1 || planes > 2) return -1;
   const int vec = simd < SimdLevel() ? simd : SimdLevel();
   SharedBuffers buf(m, rows->n);
 #pragma omp parallel num_threads(threads)
   {
     const Team team = ThisTeam();
-    ThreadState own(m, rows->n, hidden);
+    ThreadState own(m, rows->n, hidden, int8_rows, planes);
     for (int64_t i = 0; i < num_layers; ++i) {
       AttentionBlock(m, layers[i], *rows, &buf, &own, vec, team);
       MlpBlock(m, layers[i], rows->n, &buf, &own, vec, team);

@@ -293,12 +293,21 @@ class EngineTuning:
     # de-quantized to bf16 at load: off until the packed multi-row GEMM matches its reference
     # on the GPU (docs/performance.md, "Quantized weights on the GPU").
     gguf_packed_on_cuda: bool = False
+    # What CPU products of 8 rows or more (prompts, batched decode steps) with GGUF Q4_0 / Q4_1 /
+    # Q8_0 weights multiply, where the CPU has VNNI: "int16", activations rounded per block of 32
+    # to 16-bit codes, two int8 dot products each (greedy text as with fp32 activations); "int8",
+    # one, as llama.cpp (faster, but greedy text drifts); "fp32", the fp32 kernels
+    # (docs/performance.md, "Quantized weights on the CPU").
+    prompt_activations: str = "int16"
 
     def __post_init__(self) -> None:
         from structgen.errors import InvalidParameterError
 
         if self.mask_prefetch not in ("auto", "on", "off"):
             raise InvalidParameterError(f"mask_prefetch must be 'auto', 'on' or 'off', got {self.mask_prefetch!r}")
+        if self.prompt_activations not in ("int16", "int8", "fp32"):
+            raise InvalidParameterError(f"prompt_activations must be 'int16', 'int8' or 'fp32', "
+                                        f"got {self.prompt_activations!r}")
         if self.grammar_threads < 0:
             raise InvalidParameterError(f"grammar_threads must be >= 0 (0: auto), got {self.grammar_threads}")
 

@@ -84,6 +84,11 @@ class ModelRunner:
         # others (Phi-3-mini's 96) run eagerly through torch and SDPA.
         self.head_dim_fits_kernels = model_config.head_dim & (model_config.head_dim - 1) == 0
         self.model.use_fused_kernels(triton_enabled(self.device) and self.head_dim_fits_kernels)
+        if self.device.type == "cpu":
+            from structgen.engine.kernels.cpu_quant import PROMPT_ACTIVATIONS
+            from structgen.engine.models.quantized import use_integer_activations
+
+            use_integer_activations(self.model, PROMPT_ACTIVATIONS[config.tuning.prompt_activations])
         self.graphs = None  # DecodeGraphs once captured (CUDA + use_cuda_graphs)
         self._eager_bitmask: torch.Tensor | None = None  # the eager decode path's mask rows
         self._token_gate: tuple | None = None  # (quiet tokens, min allowed) once asked for

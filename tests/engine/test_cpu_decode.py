@@ -88,3 +88,39 @@ def test_steps_of_many_rows_over_long_contexts_run_the_torch_layers() -> None:
     assert native(LONG_CONTEXT - 30, 30)  # a prompt's tail within LONG_CONTEXT keys
     assert not native(2970, 30)  # the agent turn's tail
     assert native(2999, 1) and native(2996, FEW_ROWS)  # a decode row over 3,000 keys, and drafts to verify
+
+
+
+
+@torch.inference_mode()
+def test_integer_prompt_activations_stay_near_the_fp32_ones(model_dir: Path, tokenizer) -> None:
+    """A prompt's native step with its products on 16-bit activations (the default) gives the
+    fp32-activation logits to within a few thousandths and the same top tokens; on int8 ones
+    the logits move further (rounding flips cascade through the layers) but stay near."""
+    from structgen.engine.kernels import cpu_quant
+    from structgen.engine.models.loader import load_model_config
+    from structgen.engine.models.quantized import use_integer_activations
+
+    engine = Engine(load_model_config(model_dir), EngineConfig(device="cpu", max_batch_size=4, max_seq_len=256),
+                    model_dir)
+    runner, kernels = engine.runner, cpu_quant.load()
+    if kernels is None or kernels.int8_level == 0:
+        pytest.skip("this CPU has no VNNI int8 products")
+    ids = tokenizer.encode(" ".join(PROMPTS), add_special_tokens=False)
+    assert len(ids) >= cpu_quant.INT8_ROWS and runner.model.cpu_activations is not None
+
+    def prompt_logits(activations: str) -> torch.Tensor:
+        use_integer_activations(runner.model, cpu_quant.PROMPT_ACTIVATIONS[activations])
+        runner.model._cpu_decoder = None  # rebuilt with these activations
+        slot = runner.kv.pages.allocate_slot()
+        runner.kv.pages.cover(slot, len(ids))
+        logits = runner.extend([ExtendSeq(slot, 0, ids, num_logits=len(ids))])
+        runner.kv.pages.release_slot(slot)
+        return logits
+
+    fp32, int16, int8 = prompt_logits("fp32"), prompt_logits("int16"), prompt_logits("int8")
+    assert 1e-4 < (int16 - fp32).abs().max() < 2e-2
+    assert torch.equal(int16.argmax(-1), fp32.argmax(-1))
+    diff = (int8 - fp32).abs()
+    assert 1e-1 < diff.max() < 3 and diff.mean() < 0.3, (diff.max(), diff.mean())
+    assert (int8.argmax(-1) == fp32.argmax(-1)).float().mean() >= 0.85

@@ -115,6 +115,69 @@ def test_linear_of_mixed_formats_equals_reference(kernels, n: int) -> None:
     assert_same_product(layer(x) - bias, x, w)
 
 
+INT8_FORMATS = sorted(cpu_quant.INT8_FORMATS)
+INT8_LEVELS, INT8_IDS = [1, 2], ["avx-vnni", "avx512-vnni"]
+
+
+def int8_at_level(kernels: cpu_quant.QuantKernels, level: int) -> cpu_quant.QuantKernels:
+    k = kernels.at_simd_level(level)
+    if k.int8_level != level:
+        pytest.skip(f"this CPU has no {INT8_IDS[level - 1]} int8 products")
+    return k
+
+
+@pytest.mark.parametrize("qtype", INT8_FORMATS)
+@pytest.mark.parametrize("rows,n,cols", [(37, 9, 96), (8, 5, COLS), (13, 50, 160)])
+@pytest.mark.parametrize("level", INT8_LEVELS, ids=INT8_IDS)
+@pytest.mark.parametrize("planes", [1, 2], ids=["int8", "int16"])
+def test_integer_matmul_equals_its_reference(kernels, qtype: str, rows: int, n: int, cols: int, level: int,
+                                             planes: int) -> None:
+    """Activations rounded per 32-block to int8 codes (or 16-bit codes as two int8 planes)
+    against the packed blocks: the int32 dot products are exact, so the kernel equals the fp64
+    product of both de-quantized operands up to fp32 rounding, for weight rows and activation
+    rows that fill no whole tile and an odd block count; and it is not the fp32-activation product."""
+    k = int8_at_level(kernels, level)
+    packed = random_blocks(qtype, rows, cols, seed=rows + n)
+    x = torch.randn(n, cols, generator=torch.Generator().manual_seed(n)) * torch.linspace(0.1, 4, cols)
+    got = k.matmul(x, packed, qtype, cols, activations=cpu_quant.IntegerActivations(n, planes))
+    xq, w = cpu_quant.quantize_activations_reference(x, planes), cpu_quant.dequantize_reference(packed, qtype)
+    assert_same_product(got, xq, w)
+    reference = cpu_quant.int8_matmul_reference(x, packed, qtype, planes)
+    torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-5)
+    off = (got - reference).abs().max()
+    assert (got - cpu_quant.matmul_reference(x, packed, qtype)).abs().max() > 10 * off
+
+
+@pytest.mark.parametrize("level", INT8_LEVELS, ids=INT8_IDS)
+def test_integer_products_leave_fewer_rows_and_k_formats_on_fp32(kernels, level: int) -> None:
+    k = int8_at_level(kernels, level)
+    x = torch.randn(7, COLS, generator=torch.Generator().manual_seed(3))
+    q41, q4k = random_blocks("Q4_1", 12), random_blocks("Q4_K", 12)
+    assert torch.equal(k.matmul(x, q41, "Q4_1", COLS, activations=cpu_quant.IntegerActivations(8, 2)),
+                       k.matmul(x, q41, "Q4_1", COLS))
+    assert torch.equal(k.matmul(x, q4k, "Q4_K", COLS, activations=cpu_quant.IntegerActivations(2, 1)),
+                       k.matmul(x, q4k, "Q4_K", COLS))
+
+
+def test_integer_linear_past_the_kernel_rows_equals_reference(kernels) -> None:
+    """A fused projection of a Q4_1 and a Q8_0 part (each into its column slice) with a bias:
+    with integer activations, a prompt of more than MAX_KERNEL_ROWS rows multiplies them
+    instead of a de-quantized weight; a Q4_K part keeps the fp32 product."""
+    if kernels.int8_level == 0:
+        pytest.skip("this CPU has no VNNI int8 products")
+    parts = [QuantizedWeight("Q4_1", random_blocks("Q4_1", 9), COLS),
+             QuantizedWeight("Q8_0", random_blocks("Q8_0", 6), COLS),
+             QuantizedWeight("Q4_K", random_blocks("Q4_K", 5), COLS)]
+    bias = torch.randn(20)
+    layer = QuantizedLinear(parts, bias)
+    layer.activations = cpu_quant.PROMPT_ACTIVATIONS["int8"]
+    x = torch.randn(cpu_quant.MAX_KERNEL_ROWS + 3, COLS)
+    y = layer(x) - bias
+    int8 = torch.cat([cpu_quant.int8_matmul_reference(x, p.packed, p.qtype) for p in parts[:2]], dim=1)
+    torch.testing.assert_close(y[:, :15], int8, rtol=1e-5, atol=1e-4)
+    assert_same_product(y[:, 15:], x, cpu_quant.dequantize_reference(parts[2].packed, "Q4_K"))
+
+
 def test_converted_default_model_stays_quantized_on_disk(model_dir: Path) -> None:
     from safetensors import safe_open
 
@@ -131,8 +194,9 @@ PROMPTS = ["What is the capital of France?", "Give me a JSON object with a name 
 
 
 def test_quantized_model_matches_dequantized_model(model_dir: Path, tokenizer) -> None:
-    """The default model with packed weights against the same weights de-quantized to fp32:
-    logits of a prompt equal up to fp32 summation order, and greedy continuations agree."""
+    """The default model with packed weights against the same weights de-quantized to fp32
+    (fp32 activations on both): logits of a prompt equal up to fp32 summation order, and greedy
+    continuations agree."""
     from structgen.engine.engine import Engine
     from structgen.engine.model_runner import ExtendSeq
     from structgen.engine.models.loader import load_model_config
@@ -141,7 +205,7 @@ def test_quantized_model_matches_dequantized_model(model_dir: Path, tokenizer) -
 
     cfg = load_model_config(model_dir)
     engines = [Engine(cfg, EngineConfig(device="cpu", max_batch_size=4, max_seq_len=256,
-                                        tuning=EngineTuning(quantized_weights=q)),
+                                        tuning=EngineTuning(quantized_weights=q, prompt_activations="fp32")),
                       model_dir) for q in (True, False)]
     assert isinstance(engines[0].runner.model.layers[0].mlp.down_proj, QuantizedLinear)
     assert not isinstance(engines[1].runner.model.layers[0].mlp.down_proj, QuantizedLinear)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from structgen.engine.kernels.cpu_quant import FORMATS, QuantKernels
+from structgen.engine.kernels.cpu_quant import FORMATS, IntegerActivations, QuantKernels
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
@@ -105,12 +105,14 @@ class CpuDecoder:
     """The decoder layers of one model over one KV cache, run as a decode step in place on the
     residual stream. Holds the tensors whose addresses the native side keeps."""
 
-    def __init__(self, kernels: QuantKernels, shape: DecoderShape, layers: list[DecoderLayerWeights]):
+    def __init__(self, kernels: QuantKernels, shape: DecoderShape, layers: list[DecoderLayerWeights],
+                 activations: IntegerActivations | None = None):
         for layer in layers:
             for t in (layer.attn_norm, layer.mlp_norm, layer.k_cache, layer.v_cache):
                 if t.dtype != torch.float32 or not t.is_contiguous():
                     raise ValueError("the CPU decoder takes contiguous fp32 norms and KV caches")
-        self._kernels, self._layers = kernels, layers
+        # What steps of several rows multiply (QuantKernels.matmul); None: fp32 activations.
+        self._kernels, self._layers, self._activations = kernels, layers, activations
         self._shape = _Shape(shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.intermediate,
                              shape.eps, 0)
         self._specs = (_Layer * len(layers))(*[
@@ -131,7 +133,7 @@ class CpuDecoder:
                      rows.page_table.stride(0), rows.page_size, rows.cos.data_ptr(), rows.sin.data_ptr())
         rc = self._kernels.decode_layers(ctypes.byref(self._shape), self._specs, len(self._layers),
                                          ctypes.byref(spec), hidden.data_ptr(),
-                                         threads or torch.get_num_threads())
+                                         threads or torch.get_num_threads(), self._activations)
         if rc != 0:
             raise ValueError("a layer's weight format or shape is not one the CPU decoder runs")
         return hidden

@@ -23,6 +23,7 @@ from torch import nn
 from structgen.engine.attention import AttentionBatch, attend
 from structgen.engine.config import ModelConfig
 from structgen.engine.kernels.cpu_decode import CpuDecoder, DecoderLayerWeights, DecoderShape
+from structgen.engine.kernels.cpu_quant import IntegerActivations
 from structgen.engine.kv_cache import KVCache
 from structgen.engine.models import cpu_decoding
 from structgen.engine.models.quantized import (
@@ -264,6 +265,8 @@ class LlamaModel(nn.Module):
     # (its KV cache, the native CPU decoder over it): a class default, so models that share another's
     # modules without running this __init__ (speculative/draft_model.py) have it too.
     _cpu_decoder: tuple[KVCache, CpuDecoder | None] | None = None
+    # What the native step's products of several rows multiply (quantized.use_integer_activations).
+    cpu_activations: IntegerActivations | None = None
 
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
@@ -308,7 +311,7 @@ class LlamaModel(nn.Module):
             return None
         a, mlp = self.layers[0].self_attn, self.layers[0].mlp
         shape = DecoderShape(self.config.hidden_size, a.n_heads, a.n_kv, a.head_dim, mlp.inter, self.norm.eps)
-        return CpuDecoder(kernels, shape, layers)
+        return CpuDecoder(kernels, shape, layers, self.cpu_activations)
 
     def use_fused_kernels(self, enabled: bool, projection_rows: int = FUSED_ROWS) -> None:
         """Route norms, RoPE + KV write and SiLU * up through the Triton kernels (CUDA); steps

@@ -75,6 +75,7 @@ class QuantizedLinear(nn.Module):
         self.kernels = cpu_quant.load()
         if self.kernels is None:
             raise _kernels_missing()
+        self.activations: cpu_quant.IntegerActivations | None = None  # use_integer_activations
 
     @property
     def weight_bytes(self) -> int:
@@ -83,19 +84,35 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead, dtype = x.shape[:-1], x.dtype
         x2 = x.reshape(-1, self.in_features).float()
-        if x2.shape[0] > cpu_quant.MAX_KERNEL_ROWS:
-            products = [x2 @ p.dequantize().T for p in self.parts]
-            y = products[0] if len(products) == 1 else torch.cat(products, dim=-1)
-        else:
-            y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
-            start = 0
-            for p in self.parts:
-                rows = p.shape[0]
-                self.kernels.matmul(x2, p.packed, p.qtype, p.cols, out=y[:, start:start + rows])
-                start += rows
+        y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
+        start = 0
+        for p in self.parts:
+            out = y[:, start:start + p.shape[0]]
+            if x2.shape[0] > cpu_quant.MAX_KERNEL_ROWS and not self._integer(p, x2.shape[0]):
+                torch.matmul(x2, p.dequantize().T, out=out)
+            else:
+                self.kernels.matmul(x2, p.packed, p.qtype, p.cols, out=out, activations=self.activations)
+            start += p.shape[0]
         if self.bias is not None:
             y += self.bias
         return y.reshape(*lead, self.out_features).to(dtype)
+
+
+    def _integer(self, part: QuantizedWeight, rows: int) -> bool:
+        """Whether a product of `rows` rows with `part` runs on integer activations."""
+        return (self.activations is not None and self.activations.min_rows <= rows
+                and part.qtype in cpu_quant.INT8_FORMATS and self.kernels.int8_level > 0)
+
+
+def use_integer_activations(model: nn.Module, activations: cpu_quant.IntegerActivations | None) -> None:
+    """What the CPU products of several rows multiply (`EngineTuning.prompt_activations`; None:
+    fp32): every `QuantizedLinear` of `model`, and the model's native CPU step where it has one
+    (`cpu_activations`, read when the step is built)."""
+    for m in model.modules():
+        if isinstance(m, QuantizedLinear):
+            m.activations = activations
+    if hasattr(model, "cpu_activations"):
+        model.cpu_activations = activations
 
 
 class QuantizedEmbedding(nn.Module):
