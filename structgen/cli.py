@@ -181,6 +181,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "serve":
             from structgen_server.app import run_server
+            from structgen_server.process import PARENT_PID_ENV, exit_with_parent
+
+            if os.environ.get(PARENT_PID_ENV, "").isdigit():  # a data-parallel replica
+                exit_with_parent(int(os.environ[PARENT_PID_ENV]))
 
             run_server(
                 args.model,

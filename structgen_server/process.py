@@ -5,14 +5,36 @@ from __future__ import annotations
 
 import os
 import resource
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import httpx
+
+# A child server started with this variable set to its parent's pid stops when that parent is
+# gone, however it went (a data-parallel front end killed outright leaves no replica behind).
+PARENT_PID_ENV = "STRUCTGEN_PARENT_PID"
+PARENT_POLL_S = 0.5
+
+
+def exit_with_parent(parent_pid: int, poll_s: float = PARENT_POLL_S) -> threading.Thread:
+    """Watch, from a daemon thread, that this process's parent is still `parent_pid`; once it
+    is not (the parent died and the process was re-parented), send this process SIGTERM, which
+    the server takes as a graceful stop."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(poll_s)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    thread = threading.Thread(target=watch, name="exit-with-parent", daemon=True)
+    thread.start()
+    return thread
 
 
 def free_port(host: str = "127.0.0.1") -> int:

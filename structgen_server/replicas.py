@@ -31,7 +31,7 @@ from structgen_server.connection import KEEP_ALIVE_S, MAX_HEAD_BYTES, http_proto
 from structgen_server.errors import APIError
 from structgen_server.guard import GuardConfig, RequestGuard
 from structgen_server.metrics import Metrics
-from structgen_server.process import ServerProcess
+from structgen_server.process import PARENT_PID_ENV, ServerProcess
 
 log = logging.getLogger("structgen.server")
 
@@ -63,8 +63,9 @@ class Replica:
     up: bool = False
 
     def start(self) -> None:
-        """Start the process and wait until it is healthy (blocking)."""
-        self.process = ServerProcess(self.args, env=self.env).start()
+        """Start the process and wait until it is healthy (blocking); it stops by itself if
+        this front end dies."""
+        self.process = ServerProcess(self.args, env={**self.env, PARENT_PID_ENV: str(os.getpid())}).start()
         self.up = True
 
     def exited(self) -> bool:
@@ -168,8 +169,13 @@ class ReplicaSet:
             log.error("replica %d did not restart: %s", replica.index, e)
 
     def stop(self) -> None:
+        """Ask every replica to stop at once, then wait for each (a slow one does not hold up
+        the others' shutdown)."""
         for replica in self.replicas:
             replica.up = False
+            if replica.process is not None and replica.process.proc is not None and replica.process.proc.poll() is None:
+                replica.process.proc.terminate()
+        for replica in self.replicas:
             if replica.process is not None:
                 replica.process.stop()
 
