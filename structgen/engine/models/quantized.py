@@ -97,7 +97,6 @@ class QuantizedLinear(nn.Module):
             y += self.bias
         return y.reshape(*lead, self.out_features).to(dtype)
 
-
     def _integer(self, part: QuantizedWeight, rows: int) -> bool:
         """Whether a product of `rows` rows with `part` runs on integer activations."""
         return (self.activations is not None and self.activations.min_rows <= rows
