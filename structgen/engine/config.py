@@ -327,8 +327,9 @@ class EngineConfig:
     jump_forward: bool = True  # append grammar-forced text without a decode step per token
     # A token's logits do not depend on the rows that share its forward (other requests, its
     # own draft or forced tokens), so greedy outputs are the same with or without speculative
-    # decoding and in any batch. CUDA only: the CPU's matrix products still sum
-    # differently per row count (docs/guide/engine-settings.md, "Batch invariance"). Off by
+    # decoding and in any batch. On the CPU it only keeps products of several rows on float32
+    # activations: torch's products there still sum differently per row count
+    # (docs/guide/engine-settings.md, "Batch invariance"). Off by
     # default: it costs more than the 5 % budget (docs/performance.md, "Batch invariance").
     batch_invariant: bool = False
     seed: int | None = None

@@ -88,7 +88,9 @@ class ModelRunner:
             from structgen.engine.kernels.cpu_quant import PROMPT_ACTIVATIONS
             from structgen.engine.models.quantized import use_integer_activations
 
-            use_integer_activations(self.model, PROMPT_ACTIVATIONS[config.tuning.prompt_activations])
+            # Integer activations round a row differently by the step's row count.
+            chosen = "fp32" if config.batch_invariant else config.tuning.prompt_activations
+            use_integer_activations(self.model, PROMPT_ACTIVATIONS[chosen])
         self.graphs = None  # DecodeGraphs once captured (CUDA + use_cuda_graphs)
         self._eager_bitmask: torch.Tensor | None = None  # the eager decode path's mask rows
         self._token_gate: tuple | None = None  # (quiet tokens, min allowed) once asked for

@@ -124,3 +124,30 @@ def test_integer_prompt_activations_stay_near_the_fp32_ones(model_dir: Path, tok
     diff = (int8 - fp32).abs()
     assert 1e-1 < diff.max() < 3 and diff.mean() < 0.3, (diff.max(), diff.mean())
     assert (int8.argmax(-1) == fp32.argmax(-1)).float().mean() >= 0.85
+
+
+def test_batch_invariant_engines_keep_cpu_products_on_fp32_activations(model_dir: Path) -> None:
+    """The batch-invariant mode's promise (a row's logits whatever rows share its step) covers
+    the CPU's products of several rows: integer activations, which round a step of 8 rows or
+    more differently from a lone row's fp32 product, are off there whatever
+    `prompt_activations` asks."""
+    from structgen.engine.config import EngineTuning
+    from structgen.engine.kernels import use_batch_invariant
+    from structgen.engine.models.loader import load_model_config
+    from structgen.engine.models.quantized import QuantizedLinear
+
+    def built(invariant: bool) -> torch.nn.Module:
+        config = EngineConfig(device="cpu", max_batch_size=2, max_seq_len=128, batch_invariant=invariant,
+                              tuning=EngineTuning(prompt_activations="int8"))
+        return Engine(load_model_config(model_dir), config, model_dir).runner.model
+
+    try:
+        for invariant in (False, True):
+            model = built(invariant)
+            linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+            assert linears, "the default model's GGUF weights stay packed on the CPU"
+            wanted = None if invariant else model.cpu_activations
+            assert invariant or wanted is not None
+            assert model.cpu_activations is wanted and all(m.activations is wanted for m in linears)
+    finally:
+        use_batch_invariant(False)
