@@ -991,12 +991,14 @@ void Barrier() {
 }
 
 // What each thread keeps for the int8 products: its quantized copy of the activations, the
-// weight rows it unpacks, and the fewest rows a product runs on int8 activations (0: never).
+// weight rows it unpacks, the fewest rows a product runs on int8 activations (0: never) and how
+// many of a step's leading rows may (the rest stay on fp32 whatever the step's size).
 struct Int8Scratch {
   Int8Rows rows;
   Int8Weights weights;
   int64_t int8_rows;
   int planes;
+  int64_t lead;
 };
 
 // y[i, r] = x[i, :] . W[r, :] (+ bias[r]) for this thread's share of the rows r.
@@ -1005,10 +1007,14 @@ void LinearShare(const Linear& l, const float* x, int64_t n, float* y, int simd,
   FormatOf(l.type, &f);
   const Share s = ShareOf(RowGroups(l.rows), team.thread, team.threads);
   const int64_t begin = s.begin * kWeightRows, end = s.begin < s.end ? GroupEnd(s.end - 1, l.rows) : begin;
-  const int level = Int8LevelFor(l.type, n, int8->int8_rows, simd);
+  const int64_t lead = int8->lead < n ? int8->lead : n;
+  const int level = Int8LevelFor(l.type, lead, int8->int8_rows, simd);
   if (level) {  // every thread quantizes its own copy: cheaper than a barrier
-    QuantizeRows(x, n, l.cols, int8->planes, &int8->rows);
+    QuantizeRows(x, lead, l.cols, int8->planes, &int8->rows);
     Int8MatmulRows(l.type, l.w, l.row_bytes, begin, end, int8->rows, y, l.rows, level, &int8->weights);
+    if (lead < n)
+      MatmulRows(l.type, f, l.w, l.row_bytes, begin, end, l.cols, x + lead * l.cols, n - lead, y + lead * l.rows,
+                 l.rows, simd);
   } else {
     MatmulRows(l.type, f, l.w, l.row_bytes, begin, end, l.cols, x, n, y, l.rows, simd);
   }
@@ -1093,8 +1099,8 @@ struct SharedBuffers {
 struct ThreadState {
   std::vector<float> hidden, normed, scores;
   Int8Scratch int8;
-  ThreadState(const ModelShape& m, int64_t n, const float* stream, int64_t int8_rows, int planes)
-      : hidden(stream, stream + n * m.hidden), normed(n * m.hidden), int8{{}, {}, int8_rows, planes} {}
+  ThreadState(const ModelShape& m, int64_t n, const float* stream, int64_t int8_rows, int planes, int64_t lead)
+      : hidden(stream, stream + n * m.hidden), normed(n * m.hidden), int8{{}, {}, int8_rows, planes, lead} {}
 };
 
 // hidden += o(attention(norm(hidden))), the residual stream of this thread's copy.
@@ -1137,11 +1143,12 @@ void MlpBlock(const ModelShape& m, const DecoderLayer& l, int64_t n, SharedBuffe
 extern "C" {
 
 // Runs `num_layers` decoder layers over the residual stream `hidden` [n, hidden] of `rows` in
-// place; a step of at least `int8_rows` rows (0: none) multiplies activations in `planes` int8
-// planes where the CPU has VNNI (as sgq_matmul). Returns 0, or -1 for an unsupported layer.
+// place; where its first `lead` rows are at least `int8_rows` (0: none), their products multiply
+// activations in `planes` int8 planes where the CPU has VNNI (as sgq_matmul), the other rows'
+// stay fp32. Returns 0, or -1 for an unsupported layer.
 int sgq_decode_layers(const ModelShape* shape, const DecoderLayer* layers, int64_t num_layers,
                       const DecodeRows* rows, float* hidden, int threads, int simd, int64_t int8_rows,
-                      int planes) {
+                      int planes, int64_t lead) {
   const ModelShape& m = *shape;
   Format f;
   for (int64_t i = 0; i < num_layers; ++i)
@@ -1153,7 +1160,7 @@ int sgq_decode_layers(const ModelShape* shape, const DecoderLayer* layers, int64
 #pragma omp parallel num_threads(threads)
   {
     const Team team = ThisTeam();
-    ThreadState own(m, rows->n, hidden, int8_rows, planes);
+    ThreadState own(m, rows->n, hidden, int8_rows, planes, lead);
     for (int64_t i = 0; i < num_layers; ++i) {
       AttentionBlock(m, layers[i], *rows, &buf, &own, vec, team);
       MlpBlock(m, layers[i], rows->n, &buf, &own, vec, team);

@@ -293,8 +293,9 @@ class EngineTuning:
     # de-quantized to bf16 at load: off until the packed multi-row GEMM matches its reference
     # on the GPU (docs/performance.md, "Quantized weights on the GPU").
     gguf_packed_on_cuda: bool = False
-    # What CPU products of 8 rows or more (prompts, batched decode steps) with GGUF Q4_0 / Q4_1 /
-    # Q8_0 weights multiply, where the CPU has VNNI: "int16", activations rounded per block of 32
+    # What a prompt's CPU products (a sequence's run of 16+ new tokens in a step; every row of a
+    # step past the native step's 64) with GGUF Q4_0 / Q4_1 / Q8_0 weights multiply, where the CPU
+    # has VNNI; decode rows, drafts to verify and the LM head stay fp32: "int16", activations rounded per block of 32
     # to 16-bit codes, two int8 dot products each (greedy text as with fp32 activations); "int8",
     # one, as llama.cpp (faster, but greedy text drifts); "fp32", the fp32 kernels
     # (docs/performance.md, "Quantized weights on the CPU").

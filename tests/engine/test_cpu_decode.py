@@ -144,10 +144,40 @@ def test_batch_invariant_engines_keep_cpu_products_on_fp32_activations(model_dir
     try:
         for invariant in (False, True):
             model = built(invariant)
-            linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+            linears = [m for m in model.modules() if isinstance(m, QuantizedLinear) and m is not model.lm_head]
             assert linears, "the default model's GGUF weights stay packed on the CPU"
             wanted = None if invariant else model.cpu_activations
             assert invariant or wanted is not None
             assert model.cpu_activations is wanted and all(m.activations is wanted for m in linears)
+            assert getattr(model.lm_head, "activations", None) is None  # the sampling rows stay fp32
     finally:
         use_batch_invariant(False)
+
+
+def test_a_decode_row_beside_a_prompt_computes_what_it_computes_alone(model_dir: Path, tokenizer) -> None:
+    """With integer prompt activations (the default), one native step of another request's
+    23-token prompt and a decode row gives the decode row the logits it gets alone, bit for
+    bit, and the prompt's rows those of the prompt alone: only a prompt's rows round their
+    activations, so a request's numbers do not follow what runs beside it."""
+    from structgen.engine.kernels import cpu_quant
+    from structgen.engine.models.loader import load_model_config
+
+    engine = Engine(load_model_config(model_dir), EngineConfig(device="cpu", max_batch_size=4, max_seq_len=256),
+                    model_dir)
+    runner, kernels = engine.runner, cpu_quant.load()
+    if kernels is None or kernels.int8_level == 0:
+        pytest.skip("this CPU has no VNNI int8 products")
+    prompt = tokenizer.encode(" ".join(PROMPTS), add_special_tokens=False)
+    context = prompt[:5]
+    pages = runner.kv.pages
+    fresh, decoding = pages.allocate_slot(), pages.allocate_slot()
+    pages.cover(decoding, len(context) + 1)
+    pages.cover(fresh, len(prompt))
+    runner.extend([ExtendSeq(decoding, 0, context, num_logits=1)])
+    decode = ExtendSeq(decoding, len(context), [prompt[7]], num_logits=1)
+    whole = ExtendSeq(fresh, 0, prompt, num_logits=len(prompt))
+    decode_alone, prompt_alone = runner.extend([decode]), runner.extend([whole])
+    together = runner.extend([whole, decode])
+    assert runner.model.cpu_activations is not None and len(prompt) >= 16
+    assert torch.equal(together[-1:], decode_alone)
+    assert torch.equal(together[:-1], prompt_alone)

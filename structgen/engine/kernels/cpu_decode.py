@@ -12,7 +12,7 @@ forward on the same cache.
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -95,6 +95,11 @@ class DecodeRows:
     cos: torch.Tensor
     sin: torch.Tensor
 
+    def reordered(self, order: torch.Tensor) -> DecodeRows:
+        """These rows in `order` (row i of the result is row order[i])."""
+        return replace(self, positions=self.positions[order].contiguous(),
+                       token_slots=self.token_slots[order].contiguous(), slots=self.slots[order].contiguous())
+
 
 def _linear(m: PackedMatrix) -> _Linear:
     bias = None if m.bias is None else m.bias.data_ptr()
@@ -120,20 +125,36 @@ class CpuDecoder:
                    w.mlp_norm.data_ptr(), w.k_cache.data_ptr(), w.v_cache.data_ptr(), w.window)
             for w in layers])
 
-    def run(self, hidden: torch.Tensor, rows: DecodeRows, threads: int = 0) -> torch.Tensor:
+    def run(self, hidden: torch.Tensor, rows: DecodeRows, threads: int = 0,
+            integer_rows: torch.Tensor | None = None) -> torch.Tensor:
         """`hidden` ([n, hidden] fp32, contiguous), the residual stream of the step's rows after
         the embedding, becomes the last layer's output stream; k and v of every layer go to the
-        cache."""
+        cache. `integer_rows` (bool [n]; None: all) says which rows' products may multiply
+        integer activations (the decoder's `activations`); the others' stay fp32 in any step."""
         if hidden.dtype != torch.float32 or not hidden.is_contiguous():
             raise ValueError("the CPU decoder runs on a contiguous fp32 residual stream")
         longs = (rows.positions, rows.token_slots, rows.slots)
         if any(t.dtype != torch.int64 or not t.is_contiguous() for t in (*longs, rows.page_table)):
             raise ValueError("the CPU decoder's row tensors are contiguous int64")
-        spec = _Rows(hidden.shape[0], *(t.data_ptr() for t in longs), rows.page_table.data_ptr(),
-                     rows.page_table.stride(0), rows.page_size, rows.cos.data_ptr(), rows.sin.data_ptr())
+        lead, order = hidden.shape[0], None
+        if integer_rows is not None:
+            lead = int(integer_rows.sum())
+            if 0 < lead < hidden.shape[0]:  # the native side takes the integer rows first
+                order = torch.cat([integer_rows.nonzero().flatten(), (~integer_rows).nonzero().flatten()])
+                hidden, rows = hidden[order].contiguous(), rows.reordered(order)
+        self._run(hidden, rows, threads, lead)
+        if order is None:
+            return hidden
+        restored = torch.empty_like(hidden)
+        restored[order] = hidden
+        return restored
+
+    def _run(self, hidden: torch.Tensor, rows: DecodeRows, threads: int, lead: int) -> None:
+        spec = _Rows(hidden.shape[0], rows.positions.data_ptr(), rows.token_slots.data_ptr(), rows.slots.data_ptr(),
+                     rows.page_table.data_ptr(), rows.page_table.stride(0), rows.page_size, rows.cos.data_ptr(),
+                     rows.sin.data_ptr())
         rc = self._kernels.decode_layers(ctypes.byref(self._shape), self._specs, len(self._layers),
                                          ctypes.byref(spec), hidden.data_ptr(),
-                                         threads or torch.get_num_threads(), self._activations)
+                                         threads or torch.get_num_threads(), self._activations, lead)
         if rc != 0:
             raise ValueError("a layer's weight format or shape is not one the CPU decoder runs")
-        return hidden

@@ -101,11 +101,12 @@ class QuantKernels:
         return out
 
     def decode_layers(self, shape: object, layers: object, num_layers: int, rows: object, hidden: int,
-                      threads: int, activations: IntegerActivations | None = None) -> int:
-        """`sgq_decode_layers` on ctypes structures (kernels/cpu_decode.py builds them): 0, or -1
+                      threads: int, activations: IntegerActivations | None = None, lead: int = 0) -> int:
+        """`sgq_decode_layers` on ctypes structures (kernels/cpu_decode.py builds them), with
+        `activations` for the step's first `lead` rows (the others' products stay fp32): 0, or -1
         for a layer the native decoder does not run."""
         return int(self._lib.sgq_decode_layers(shape, layers, num_layers, rows, hidden, threads, self.simd,
-                                               *_integer_args(activations)))
+                                               *_integer_args(activations), lead))
 
     @property
     def int8_level(self) -> int:
@@ -175,7 +176,7 @@ def load() -> QuantKernels | None:
                                ctypes.c_int]
     lib.sgq_dequantize.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, ctypes.c_int, ctypes.c_int]
     lib.sgq_dequantize_rows.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, ctypes.c_int, ctypes.c_int]
-    lib.sgq_decode_layers.argtypes = [ptr, ptr, i64, ptr, ptr, ctypes.c_int, ctypes.c_int, i64, ctypes.c_int]
+    lib.sgq_decode_layers.argtypes = [ptr, ptr, i64, ptr, ptr, ctypes.c_int, ctypes.c_int, i64, ctypes.c_int, i64]
     lib.sgq_int8_level.argtypes = [ctypes.c_int]
     return QuantKernels(lib)
 

@@ -27,6 +27,9 @@ MAX_NATIVE_ROWS = 64
 # (docs/performance.md, "Quantized weights on the CPU").
 LONG_CONTEXT = 2_048
 FEW_ROWS = 4  # a decode row and three drafts to verify: the same path as the decode rows alone
+# A sequence's run of this many new tokens in one step is a prompt's chunk (a request's drafts to
+# verify are fewer), whose products may multiply integer activations (`prompt_rows`).
+PROMPT_RUN = 16
 
 
 def runs_natively(hidden: torch.Tensor, batch: AttentionBatch) -> bool:
@@ -46,6 +49,15 @@ def packed_matrix(linear: torch.nn.Module) -> PackedMatrix | None:
     part = linear.parts[0]
     bias = None if linear.bias is None else linear.bias.data
     return PackedMatrix(part.packed, part.qtype, part.cols, bias)
+
+
+def prompt_rows(batch: AttentionBatch) -> torch.Tensor:
+    """The rows (bool [n]) of sequences running PROMPT_RUN new tokens or more in this step: a
+    prompt's chunk. Only their products may round activations to integers, so a decode row, or
+    a request's drafts to verify, computes the same numbers whatever runs beside it."""
+    n = batch.positions.shape[0]
+    seq = torch.arange(n) if batch.max_q == 1 else batch.pad_index // batch.max_q
+    return torch.bincount(seq)[seq] >= PROMPT_RUN
 
 
 def decode_rows(batch: AttentionBatch, rope: RotaryEmbedding, kv: KVCache) -> DecodeRows:

@@ -283,7 +283,8 @@ class LlamaModel(nn.Module):
         x, residual = self.embed_tokens(input_ids), None
         decoder = self.cpu_decoder(kv) if cpu_decoding.runs_natively(x, batch) else None
         if decoder is not None:
-            return self.norm(decoder.run(x.contiguous(), cpu_decoding.decode_rows(batch, self.rope, kv)))
+            rows = cpu_decoding.decode_rows(batch, self.rope, kv)
+            return self.norm(decoder.run(x.contiguous(), rows, integer_rows=cpu_decoding.prompt_rows(batch)))
         for layer in self.layers:
             x, residual = layer.forward_residual(x, residual, self.rope, batch, kv)
         return self.norm.add_forward(x, residual)[0]

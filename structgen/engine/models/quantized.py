@@ -105,10 +105,13 @@ class QuantizedLinear(nn.Module):
 
 def use_integer_activations(model: nn.Module, activations: cpu_quant.IntegerActivations | None) -> None:
     """What the CPU products of several rows multiply (`EngineTuning.prompt_activations`; None:
-    fp32): every `QuantizedLinear` of `model`, and the model's native CPU step where it has one
-    (`cpu_activations`, read when the step is built)."""
+    fp32): every `QuantizedLinear` of `model` but its LM head, and the model's native CPU step
+    where it has one (`cpu_activations`, read when the step is built). The LM head runs the
+    rows that sample (a step's decode rows, a prompt's last one), which stay on fp32 however
+    many share the step."""
+    head = getattr(model, "lm_head", None)
     for m in model.modules():
-        if isinstance(m, QuantizedLinear):
+        if isinstance(m, QuantizedLinear) and m is not head:
             m.activations = activations
     if hasattr(model, "cpu_activations"):
         model.cpu_activations = activations
