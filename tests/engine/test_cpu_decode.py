@@ -12,7 +12,7 @@ import torch
 from structgen.engine.attention import AttentionBatch
 from structgen.engine.config import EngineConfig
 from structgen.engine.engine import Engine
-from structgen.engine.model_runner import ExtendSeq
+from structgen.engine.model_runner import ExtendSeq, ModelRunner
 
 PROMPTS = ["What is the capital of France?", "Give me a JSON object with a name and an age. Keep it short."]
 
@@ -93,19 +93,26 @@ def test_steps_of_many_rows_over_long_contexts_run_the_torch_layers() -> None:
 
 
 @torch.inference_mode()
+def _runner_with_vnni(model_dir: Path) -> ModelRunner:
+    """A CPU engine's runner of the default model, where the CPU has VNNI int8 products (skip)."""
+    from structgen.engine.kernels import cpu_quant
+    from structgen.engine.models.loader import load_model_config
+
+    kernels = cpu_quant.load()
+    if kernels is None or kernels.int8_level == 0:
+        pytest.skip("this CPU has no VNNI int8 products")
+    config = EngineConfig(device="cpu", max_batch_size=4, max_seq_len=256)
+    return Engine(load_model_config(model_dir), config, model_dir).runner
+
+
 def test_integer_prompt_activations_stay_near_the_fp32_ones(model_dir: Path, tokenizer) -> None:
     """A prompt's native step with its products on 16-bit activations (the default) gives the
     fp32-activation logits to within a few thousandths and the same top tokens; on int8 ones
     the logits move further (rounding flips cascade through the layers) but stay near."""
     from structgen.engine.kernels import cpu_quant
-    from structgen.engine.models.loader import load_model_config
     from structgen.engine.models.quantized import use_integer_activations
 
-    engine = Engine(load_model_config(model_dir), EngineConfig(device="cpu", max_batch_size=4, max_seq_len=256),
-                    model_dir)
-    runner, kernels = engine.runner, cpu_quant.load()
-    if kernels is None or kernels.int8_level == 0:
-        pytest.skip("this CPU has no VNNI int8 products")
+    runner = _runner_with_vnni(model_dir)
     ids = tokenizer.encode(" ".join(PROMPTS), add_special_tokens=False)
     assert len(ids) >= cpu_quant.INT8_ROWS and runner.model.cpu_activations is not None
 
@@ -159,14 +166,7 @@ def test_a_decode_row_beside_a_prompt_computes_what_it_computes_alone(model_dir:
     23-token prompt and a decode row gives the decode row the logits it gets alone, bit for
     bit, and the prompt's rows those of the prompt alone: only a prompt's rows round their
     activations, so a request's numbers do not follow what runs beside it."""
-    from structgen.engine.kernels import cpu_quant
-    from structgen.engine.models.loader import load_model_config
-
-    engine = Engine(load_model_config(model_dir), EngineConfig(device="cpu", max_batch_size=4, max_seq_len=256),
-                    model_dir)
-    runner, kernels = engine.runner, cpu_quant.load()
-    if kernels is None or kernels.int8_level == 0:
-        pytest.skip("this CPU has no VNNI int8 products")
+    runner = _runner_with_vnni(model_dir)
     prompt = tokenizer.encode(" ".join(PROMPTS), add_special_tokens=False)
     context = prompt[:5]
     pages = runner.kv.pages
