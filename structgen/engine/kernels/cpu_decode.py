@@ -137,7 +137,7 @@ class CpuDecoder:
         if any(t.dtype != torch.int64 or not t.is_contiguous() for t in (*longs, rows.page_table)):
             raise ValueError("the CPU decoder's row tensors are contiguous int64")
         lead, order = hidden.shape[0], None
-        if integer_rows is not None:
+        if integer_rows is not None and self._activations is not None:  # fp32 activations: no reorder
             lead = int(integer_rows.sum())
             if 0 < lead < hidden.shape[0]:  # the native side takes the integer rows first
                 order = torch.cat([integer_rows.nonzero().flatten(), (~integer_rows).nonzero().flatten()])
