@@ -300,10 +300,6 @@ class EngineTuning:
     # one, as llama.cpp (faster, but greedy text drifts); "fp32", the fp32 kernels
     # (docs/performance.md, "Quantized weights on the CPU").
     prompt_activations: str = "int16"
-    # How tensor-parallel ranks sum a step's activations: "auto", small tensors in one kernel
-    # over memory the GPUs of one host map from each other (engine/all_reduce.py), the rest
-    # through NCCL; "nccl", all through NCCL (docs/performance.md, "Tensor parallelism").
-    tensor_parallel_all_reduce: str = "auto"
 
     def __post_init__(self) -> None:
         from structgen.errors import InvalidParameterError
@@ -313,9 +309,6 @@ class EngineTuning:
         if self.prompt_activations not in ("int16", "int8", "fp32"):
             raise InvalidParameterError(f"prompt_activations must be 'int16', 'int8' or 'fp32', "
                                         f"got {self.prompt_activations!r}")
-        if self.tensor_parallel_all_reduce not in ("auto", "nccl"):
-            raise InvalidParameterError(f"tensor_parallel_all_reduce must be 'auto' or 'nccl', "
-                                        f"got {self.tensor_parallel_all_reduce!r}")
         if self.grammar_threads < 0:
             raise InvalidParameterError(f"grammar_threads must be >= 0 (0: auto), got {self.grammar_threads}")
 

@@ -79,7 +79,6 @@ class ModelRunner:
         self.kv = KVCache(self.rank_config, pages, self.dtype, self.device)
         if tensor_parallel is not None:
             tensor_parallel.pages = pages
-            tensor_parallel.prepare_all_reduce(self.dtype, config.tuning.tensor_parallel_all_reduce)
         self.forward_passes = 0
         # The Triton kernels (and so the graphs, which use them) take power-of-two head sizes;
         # others (Phi-3-mini's 96) run eagerly through torch and SDPA.

@@ -34,7 +34,6 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from structgen.engine.all_reduce import OneShotAllReduce
 from structgen.engine.models.sharding import WeightShard, rank_config
 from structgen.errors import EngineError
 
@@ -126,10 +125,8 @@ class TensorParallel:
         self.workers = workers  # the processes rank 0 spawned (None under torchrun, and on workers)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-            # NVLink SHARP needs multicast memory, which containers and some drivers refuse;
-            # the one-shot all-reduce (all_reduce.py) maps peers' memory without it.
+            # NVLink SHARP needs multicast memory, which containers and some drivers refuse.
             os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-            os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         self._join(rendezvous, store)
         self.commands = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
         self._header = torch.zeros(HEADER_INTS, dtype=torch.int64)
@@ -140,7 +137,6 @@ class TensorParallel:
         self.left = False  # this rank has left the process groups
         self.pages: PageTable | None = None  # the runner's KV pages, which rank 0 sends with forwards
         self._pages_sent = -1  # the version of rank 0's table the workers have
-        self.one_shot: OneShotAllReduce | None = None  # small all-reduces, where the GPUs map each other
 
     def _join(self, rendezvous: Rendezvous, store: dist.Store | None) -> None:
         """Meet the other ranks: through torchrun's store, or through rank 0's, where rank 0
@@ -198,18 +194,8 @@ class TensorParallel:
     def weight_shard(self) -> WeightShard:
         return WeightShard(self.rank, self.world_size)
 
-    def prepare_all_reduce(self, dtype: torch.dtype, mode: str) -> None:
-        """Map the one-shot all-reduce's buffers (`mode` "auto") where every rank can; else,
-        or with "nccl", every all-reduce runs through NCCL (gloo on the CPU)."""
-        buffer = OneShotAllReduce.buffer_for(self.device, dtype, self.world_size) if mode == "auto" else None
-        if self.smallest(int(buffer is not None), "agree on the all-reduce"):
-            self.one_shot = OneShotAllReduce(buffer)
-
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum of `x` over the ranks: in one shot where it fits, else in place by NCCL.
-        Every rank takes the same path, since the choice depends on the shape only."""
-        if self.one_shot is not None and self.one_shot.fits(x):
-            return self.one_shot(x)
+        """The sum of `x` over the ranks, in place."""
         dist.all_reduce(x)
         return x
 
@@ -284,12 +270,12 @@ class TensorParallel:
         finally:
             self._announcing.release()
 
-    def smallest(self, value: int, what: str = "load their shards") -> int:
+    def smallest(self, value: int) -> int:
         """The smallest of the ranks' `value`s (the KV slots every rank's memory fits); it also
         waits for every rank to have loaded its shard, before the collectives of graph capture."""
         t = torch.tensor([value], dtype=torch.int64)
         work = dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.commands, async_op=True)
-        self._finish(work, what, STARTUP_TIMEOUT_S, watch_workers=True)
+        self._finish(work, "load their shards", STARTUP_TIMEOUT_S, watch_workers=True)
         self.ready = True
         return int(t.item())
 
@@ -315,7 +301,6 @@ class TensorParallel:
         if self.left:
             return
         self.left = True
-        self.one_shot = None
         abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
         if (clean and self.device.type != "cuda") or abort is None:
             dist.destroy_process_group()
