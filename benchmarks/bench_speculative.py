@@ -253,7 +253,8 @@ class StepProfile:
     device does not overlap."""
 
     PHASES = {
-        "structgen.engine.speculative.speculator:Speculator": ("propose", "_forward_and_sample", "_accept", "_fill_masks"),
+        "structgen.engine.speculative.speculator:Speculator": ("propose", "_forward_and_sample", "_accept", "_plan_next"),
+        "structgen.engine.speculative.speculator:VerifyStep": ("fill_masks", "plan_next"),
         "structgen.engine.engine:Engine": ("step", "_decode_step", "_advance", "_fill_masks"),
         "structgen.engine.scheduler:Scheduler": ("schedule",),
         "structgen.engine.cuda_graphs:DecodeGraphs": ("run",),
