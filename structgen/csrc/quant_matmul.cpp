@@ -13,6 +13,7 @@
 // The last section, sgq_decode_layers, runs a whole Llama-family decode step over these products
 // (structgen/engine/kernels/cpu_decode.py).
 
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -589,6 +590,26 @@ struct Int8Weights {
 };
 static_assert(kWeightRows == 4, "the int8 tiles' offsets and sums interleave four weight rows");
 
+// Where a block's codes and scales sit in a row of Int8Rows / Int8Weights. Blocks go in groups of
+// four: the group's 128 bytes hold the first 16 codes of each of its blocks, then the last 16, so
+// two dot products into one accumulator sum 8 codes per int32 lane and one fp32 conversion,
+// scale and FMA serve four blocks (16 lanes, 4 per block; scales repeated 4 times); a last
+// pair of blocks that fills no group keeps block order (8 lanes per block, scales 8 times).
+struct BlockPlace {
+  int64_t first, second;  // bytes of codes 0-15 and 16-31
+  int64_t scale;          // first float of the scale's copies
+  int copies;
+};
+
+// The blocks in whole groups of four of a row padded to `pair_blocks` blocks.
+int64_t GroupedBlocks(int64_t pair_blocks) { return pair_blocks / 4 * 4; }
+
+BlockPlace PlaceOf(int64_t b, int64_t grouped) {
+  if (b >= grouped) return {32 * b, 32 * b + 16, 8 * b, 8};
+  const int64_t group = b & ~int64_t{3}, j = b & 3;
+  return {32 * group + 16 * j, 32 * group + 64 + 16 * j, 8 * group + 4 * j, 4};
+}
+
 // 2 where the AVX512-VNNI tiles run, 1 for the AVX-VNNI ones, 0 where neither may (the fp32 kernels).
 int Int8Level(int simd) {
 #ifdef SGQ_VNNI
@@ -603,17 +624,26 @@ int Int8Level(int simd) {
 }
 
 #ifdef SGQ_VNNI
-// Four vectors of eight int32 (each within int8) as 32 bytes in order.
-SGQ_AVX2 inline void StoreBytes(const __m256i* n, int8_t* out) {
+// Four vectors of eight int32 (each within int8) as 32 bytes in order, the block's place's two halves.
+SGQ_AVX2 inline void StoreBytes(const __m256i* n, int8_t* row, const BlockPlace& at) {
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleave
-  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_permutevar8x32_epi32(bytes, order));
+  const __m256i bytes = _mm256_permutevar8x32_epi32(
+      _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3])), order);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(row + at.first), _mm256_castsi256_si128(bytes));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(row + at.second), _mm256_extracti128_si256(bytes, 1));
 }
 
-// One activation row's blocks: q = round(x / d) and, with `q_low`, q_low = round(256 (x / d - q)).
-SGQ_AVX2 void QuantizeBlocks(const float* x, int64_t blocks, int8_t* q, int8_t* q_low, float* scale8, float* sum4) {
+SGQ_AVX2 inline void StoreScale(float scale, float* row, const BlockPlace& at) {
+  for (int c = 0; c < at.copies; c += 4) _mm_storeu_ps(row + at.scale + c, _mm_set1_ps(scale));
+}
+
+// One activation row's blocks: q = round(x / d) and, with `q_low`, q_low = round(256 (x / d - q)),
+// placed as PlaceOf says for a row of `grouped` blocks in groups.
+SGQ_AVX2 void QuantizeBlocks(const float* x, int64_t blocks, int64_t grouped, int8_t* q, int8_t* q_low, float* scale8,
+                             float* sum4) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
-  for (int64_t b = 0; b < blocks; ++b, x += 32, q += 32) {
+  for (int64_t b = 0; b < blocks; ++b, x += 32) {
+    const BlockPlace at = PlaceOf(b, grouped);
     __m256 v[4], amax = _mm256_setzero_ps();
     for (int k = 0; k < 4; ++k) {
       v[k] = _mm256_loadu_ps(x + 8 * k);
@@ -627,7 +657,7 @@ SGQ_AVX2 void QuantizeBlocks(const float* x, int64_t blocks, int8_t* q, int8_t* 
     __m256 scaled[4];
     __m256i n[4], low[4];
     for (int k = 0; k < 4; ++k) n[k] = _mm256_cvtps_epi32(scaled[k] = _mm256_mul_ps(v[k], inverse));  // nearest even
-    StoreBytes(n, q);
+    StoreBytes(n, q, at);
     __m256i total = _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3]));
     float scale = d;
     if (q_low) {  // what q left, in 1/256 quanta, clamped to int8 as the reference clamps
@@ -635,12 +665,12 @@ SGQ_AVX2 void QuantizeBlocks(const float* x, int64_t blocks, int8_t* q, int8_t* 
         low[k] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_sub_ps(scaled[k], _mm256_cvtepi32_ps(n[k])), _mm256_set1_ps(256.0f)));
         low[k] = _mm256_max_epi32(_mm256_min_epi32(low[k], _mm256_set1_epi32(127)), _mm256_set1_epi32(-128));
       }
-      StoreBytes(low, q_low + 32 * b);
+      StoreBytes(low, q_low, at);
       const __m256i low_total = _mm256_add_epi32(_mm256_add_epi32(low[0], low[1]), _mm256_add_epi32(low[2], low[3]));
       total = _mm256_add_epi32(_mm256_slli_epi32(total, 8), low_total);
       scale = d / 256.0f;
     }
-    _mm256_storeu_ps(scale8 + 8 * b, _mm256_set1_ps(scale));
+    StoreScale(scale, scale8, at);
     _mm_storeu_ps(sum4 + 4 * b, _mm_set1_ps(scale * HorizontalSum(_mm256_cvtepi32_ps(total))));
   }
 }
@@ -658,7 +688,7 @@ void QuantizeRows(const float* x, int64_t n, int64_t cols, int planes, Int8Rows*
   out->scale8.assign(out->rows * out->pair_blocks * 8, 0.0f);
   out->sum4.assign(out->rows * out->quad_blocks * 4, 0.0f);
   for (int64_t i = 0; i < n; ++i)
-    QuantizeBlocks(x + i * cols, out->blocks, out->q.data() + i * out->pair_blocks * 32,
+    QuantizeBlocks(x + i * cols, out->blocks, GroupedBlocks(out->pair_blocks), out->q.data() + i * out->pair_blocks * 32,
                    planes == 2 ? out->q_low.data() + i * out->pair_blocks * 32 : nullptr, out->scale8.data() + i * out->pair_blocks * 8, out->sum4.data() + i * out->quad_blocks * 4);
 }
 
@@ -666,23 +696,31 @@ SGQ_AVX2 void UnpackRow(int type, const uint8_t* row, int64_t blocks, int64_t pa
                         float* scale8, float* offset4) {
   const int bytes = type == kQ8_0 ? 34 : type == kQ4_1 ? 20 : 18;
   const __m128i low = _mm_set1_epi8(0xf);
+  const int64_t grouped = GroupedBlocks(pair_blocks);
   for (int64_t b = 0; b < blocks; ++b, row += bytes) {
     const float d = _cvtsh_ss(Load16(row));
+    const BlockPlace at = PlaceOf(b, grouped);
+    __m128i first, second;
     if (type == kQ8_0) {
-      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 2));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(u + 32 * b), _mm256_xor_si256(q, _mm256_set1_epi8(-128)));
+      const __m128i flip = _mm_set1_epi8(-128);
+      first = _mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2)), flip);
+      second = _mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 18)), flip);
       offset4[kWeightRows * b] = -128.0f * d;
     } else {
       const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + (type == kQ4_1 ? 4 : 2)));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(u + 32 * b), _mm_and_si128(raw, low));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(u + 32 * b + 16), _mm_and_si128(_mm_srli_epi16(raw, 4), low));
+      first = _mm_and_si128(raw, low);
+      second = _mm_and_si128(_mm_srli_epi16(raw, 4), low);
       offset4[kWeightRows * b] = type == kQ4_1 ? _cvtsh_ss(Load16(row + 2)) : -8.0f * d;
     }
-    _mm256_storeu_ps(scale8 + 8 * b, _mm256_set1_ps(d));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(u + at.first), first);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(u + at.second), second);
+    StoreScale(d, scale8, at);
   }
   if (blocks < pair_blocks) {  // the padding block multiplies zero activations; keep it finite
-    std::memset(u + 32 * blocks, 0, 32);
-    std::memset(scale8 + 8 * blocks, 0, 8 * sizeof(float));
+    const BlockPlace at = PlaceOf(blocks, grouped);
+    std::memset(u + at.first, 0, 16);
+    std::memset(u + at.second, 0, 16);
+    std::memset(scale8 + at.scale, 0, at.copies * sizeof(float));
   }
 }
 
@@ -714,29 +752,45 @@ SGQ_AVX512 inline __m128 SumsOfFour(const __m512* acc, __m512 offsets) {
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
+// One unit of blocks at block b (kChunks 2: a group of four, 1: the last pair; PlaceOf) of
+// activation rows i0 .. i0 + 4 against weight rows r < R, added into acc.
+template <int R, int kPlanes, int kChunks>
+SGQ_VNNI512 inline void Int8UnitAvx512(const Int8Rows& x, int64_t i0, const Int8Operands& w, int64_t b,
+                                       __m512 (*acc)[R]) {
+  const int64_t q_stride = x.pair_blocks * 32, s_stride = x.pair_blocks * 8;
+  __m512i u[R][kChunks];  // loaded once for the tile's rows: the loads, not the dots, would bound it
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kChunks; ++c) u[r][c] = _mm512_loadu_si512(w.u + r * w.u_stride + 32 * b + 64 * c);
+  for (int i = 0; i < kInt8TileRows; ++i) {
+    __m512i a[kChunks], a_low[kChunks];
+    for (int c = 0; c < kChunks; ++c) {
+      a[c] = _mm512_loadu_si512(x.q.data() + (i0 + i) * q_stride + 32 * b + 64 * c);
+      if constexpr (kPlanes == 2) a_low[c] = _mm512_loadu_si512(x.q_low.data() + (i0 + i) * q_stride + 32 * b + 64 * c);
+    }
+    const __m512 da = _mm512_loadu_ps(x.scale8.data() + (i0 + i) * s_stride + 8 * b);
+    for (int r = 0; r < R; ++r) {
+      const __m512 scale = _mm512_mul_ps(da, _mm512_loadu_ps(w.scale8 + r * w.scale_stride + 8 * b));
+      __m512i dot = _mm512_setzero_si512();
+      for (int c = 0; c < kChunks; ++c) dot = _mm512_dpbusd_epi32(dot, u[r][c], a[c]);
+      if constexpr (kPlanes == 2) {
+        dot = _mm512_slli_epi32(dot, 8);
+        for (int c = 0; c < kChunks; ++c) dot = _mm512_dpbusd_epi32(dot, u[r][c], a_low[c]);
+      }
+      acc[i][r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(dot), acc[i][r]);
+    }
+  }
+}
+
 // y[i * y_stride + r] for activation rows i0 .. i0 + 4 (those below x.n) and weight rows r < R,
 // the activations in kPlanes int8 planes.
 template <int R, int kPlanes>
 SGQ_VNNI512 void Int8TileAvx512(const Int8Rows& x, int64_t i0, const Int8Operands& w, float* y, int64_t y_stride) {
-  const int64_t q_stride = x.pair_blocks * 32, s_stride = x.pair_blocks * 8;
   __m512 acc[kInt8TileRows][R];
   for (int i = 0; i < kInt8TileRows; ++i)
     for (int r = 0; r < R; ++r) acc[i][r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < x.pair_blocks; b += 2) {
-    for (int i = 0; i < kInt8TileRows; ++i) {
-      const __m512i a = _mm512_loadu_si512(x.q.data() + (i0 + i) * q_stride + 32 * b);
-      __m512i a_low = _mm512_setzero_si512();
-      if constexpr (kPlanes == 2) a_low = _mm512_loadu_si512(x.q_low.data() + (i0 + i) * q_stride + 32 * b);
-      const __m512 da = _mm512_loadu_ps(x.scale8.data() + (i0 + i) * s_stride + 8 * b);
-      for (int r = 0; r < R; ++r) {
-        const __m512i u = _mm512_loadu_si512(w.u + r * w.u_stride + 32 * b);
-        const __m512 scale = _mm512_mul_ps(da, _mm512_loadu_ps(w.scale8 + r * w.scale_stride + 8 * b));
-        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, a);
-        if constexpr (kPlanes == 2) dot = _mm512_dpbusd_epi32(_mm512_slli_epi32(dot, 8), u, a_low);
-        acc[i][r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(dot), acc[i][r]);
-      }
-    }
-  }
+  const int64_t grouped = GroupedBlocks(x.pair_blocks);
+  for (int64_t b = 0; b < grouped; b += 4) Int8UnitAvx512<R, kPlanes, 2>(x, i0, w, b, acc);
+  if (grouped < x.pair_blocks) Int8UnitAvx512<R, kPlanes, 1>(x, i0, w, grouped, acc);
   const float* sum4 = x.sum4.data() + i0 * x.quad_blocks * 4;
   if constexpr (R == kWeightRows) {
     __m512 offsets[kInt8TileRows];  // one accumulator per row: four chains of FMAs, not one
@@ -758,28 +812,45 @@ SGQ_VNNI512 void Int8TileAvx512(const Int8Rows& x, int64_t i0, const Int8Operand
 
 constexpr int kAvxVnniTileRows = 2;
 
+// Int8UnitAvx512's unit in 256-bit halves: `half` 0 or 1, the unit's first or second 8 lanes.
+template <int R, int kPlanes, int kChunks>
+SGQ_AVXVNNI inline void Int8UnitAvxVnni(const Int8Rows& x, int64_t i0, const Int8Operands& w, int64_t b, int half,
+                                        __m256 (*acc)[R]) {
+  const int64_t q_stride = x.pair_blocks * 32, s_stride = x.pair_blocks * 8, at = 32 * b + 32 * half;
+  for (int i = 0; i < kAvxVnniTileRows; ++i) {
+    __m256i a[kChunks], a_low[kChunks];
+    for (int c = 0; c < kChunks; ++c) {
+      a[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + (i0 + i) * q_stride + at + 64 * c));
+      if constexpr (kPlanes == 2)
+        a_low[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q_low.data() + (i0 + i) * q_stride + at + 64 * c));
+    }
+    const __m256 da = _mm256_loadu_ps(x.scale8.data() + (i0 + i) * s_stride + 8 * b + 8 * half);
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* u = w.u + r * w.u_stride + at;
+      const __m256 scale = _mm256_mul_ps(da, _mm256_loadu_ps(w.scale8 + r * w.scale_stride + 8 * b + 8 * half));
+      __m256i dot = _mm256_setzero_si256();
+      for (int c = 0; c < kChunks; ++c)
+        dot = _mm256_dpbusd_avx_epi32(dot, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + 64 * c)), a[c]);
+      if constexpr (kPlanes == 2) {
+        dot = _mm256_slli_epi32(dot, 8);
+        for (int c = 0; c < kChunks; ++c)
+          dot = _mm256_dpbusd_avx_epi32(dot, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + 64 * c)), a_low[c]);
+      }
+      acc[i][r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dot), acc[i][r]);
+    }
+  }
+}
+
 template <int R, int kPlanes>
 SGQ_AVXVNNI void Int8TileAvxVnni(const Int8Rows& x, int64_t i0, const Int8Operands& w, float* y, int64_t y_stride) {
-  const int64_t q_stride = x.pair_blocks * 32, s_stride = x.pair_blocks * 8;
   __m256 acc[kAvxVnniTileRows][R];
   for (int i = 0; i < kAvxVnniTileRows; ++i)
     for (int r = 0; r < R; ++r) acc[i][r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < x.blocks; ++b) {
-    for (int i = 0; i < kAvxVnniTileRows; ++i) {
-      const int64_t at = (i0 + i) * q_stride + 32 * b;
-      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + at));
-      __m256i a_low = _mm256_setzero_si256();
-      if constexpr (kPlanes == 2) a_low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q_low.data() + at));
-      const __m256 da = _mm256_loadu_ps(x.scale8.data() + (i0 + i) * s_stride + 8 * b);
-      for (int r = 0; r < R; ++r) {
-        const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.u + r * w.u_stride + 32 * b));
-        const __m256 scale = _mm256_mul_ps(da, _mm256_loadu_ps(w.scale8 + r * w.scale_stride + 8 * b));
-        __m256i dot = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, a);
-        if constexpr (kPlanes == 2) dot = _mm256_dpbusd_avx_epi32(_mm256_slli_epi32(dot, 8), u, a_low);
-        acc[i][r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dot), acc[i][r]);
-      }
-    }
-  }
+  const int64_t grouped = GroupedBlocks(x.pair_blocks);
+  for (int64_t b = 0; b < grouped; b += 4)
+    for (int half = 0; half < 2; ++half) Int8UnitAvxVnni<R, kPlanes, 2>(x, i0, w, b, half, acc);
+  if (grouped < x.pair_blocks)
+    for (int half = 0; half < 2; ++half) Int8UnitAvxVnni<R, kPlanes, 1>(x, i0, w, grouped, half, acc);
   for (int i = 0; i < kAvxVnniTileRows && i0 + i < x.n; ++i)
     for (int r = 0; r < R; ++r)
       y[(i0 + i) * y_stride + r] = HorizontalSum(acc[i][r]) +
@@ -990,6 +1061,33 @@ void Barrier() {
 #endif
 }
 
+// Where a step's time goes, on thread 0 (sgq_profile_phases; benchmarks/profile_cpu_decode.py):
+// the phases in the order sgq_phase_seconds reports them. Off, a lap is one branch.
+enum Phase { kNormPhase, kQuantizePhase, kQkvPhase, kOPhase, kGateUpPhase, kDownPhase, kRopePhase,
+             kAttentionPhase, kSiluPhase, kResidualPhase, kWaitPhase, kStartPhase, kPhases };
+bool g_profiling = false;
+double g_phase_seconds[kPhases];
+
+struct PhaseClock {
+  bool on;
+  std::chrono::steady_clock::time_point last = std::chrono::steady_clock::now();
+
+  // The time since the last lap goes to `phase`.
+  void Lap(Phase phase) {
+    if (!on) return;
+    const auto now = std::chrono::steady_clock::now();
+    g_phase_seconds[phase] += std::chrono::duration<double>(now - last).count();
+    last = now;
+  }
+
+  // `phase` ends and the thread waits for the others (the wait counted apart).
+  void Wait(Phase phase) {
+    Lap(phase);
+    Barrier();
+    Lap(kWaitPhase);
+  }
+};
+
 // What each thread keeps for the int8 products: its quantized copy of the activations, the
 // weight rows it unpacks, the fewest rows a product runs on int8 activations (0: never) and how
 // many of a step's leading rows may (the rest stay on fp32 whatever the step's size).
@@ -1002,7 +1100,8 @@ struct Int8Scratch {
 };
 
 // y[i, r] = x[i, :] . W[r, :] (+ bias[r]) for this thread's share of the rows r.
-void LinearShare(const Linear& l, const float* x, int64_t n, float* y, int simd, Team team, Int8Scratch* int8) {
+void LinearShare(const Linear& l, const float* x, int64_t n, float* y, int simd, Team team, Int8Scratch* int8,
+                 PhaseClock* clock) {
   Format f;
   FormatOf(l.type, &f);
   const Share s = ShareOf(RowGroups(l.rows), team.thread, team.threads);
@@ -1011,6 +1110,7 @@ void LinearShare(const Linear& l, const float* x, int64_t n, float* y, int simd,
   const int level = Int8LevelFor(l.type, lead, int8->int8_rows, simd);
   if (level) {  // every thread quantizes its own copy: cheaper than a barrier
     QuantizeRows(x, lead, l.cols, int8->planes, &int8->rows);
+    clock->Lap(kQuantizePhase);
     Int8MatmulRows(l.type, l.w, l.row_bytes, begin, end, int8->rows, y, l.rows, level, &int8->weights);
     if (lead < n)
       MatmulRows(l.type, f, l.w, l.row_bytes, begin, end, l.cols, x + lead * l.cols, n - lead, y + lead * l.rows,
@@ -1099,43 +1199,52 @@ struct SharedBuffers {
 struct ThreadState {
   std::vector<float> hidden, normed, scores;
   Int8Scratch int8;
-  ThreadState(const ModelShape& m, int64_t n, const float* stream, int64_t int8_rows, int planes, int64_t lead)
-      : hidden(stream, stream + n * m.hidden), normed(n * m.hidden), int8{{}, {}, int8_rows, planes, lead} {}
+  PhaseClock clock;
+  ThreadState(const ModelShape& m, int64_t n, const float* stream, int64_t int8_rows, int planes, int64_t lead,
+              bool timed)
+      : hidden(stream, stream + n * m.hidden), normed(n * m.hidden), int8{{}, {}, int8_rows, planes, lead},
+        clock{timed} {}
 };
 
 // hidden += o(attention(norm(hidden))), the residual stream of this thread's copy.
 void AttentionBlock(const ModelShape& m, const DecoderLayer& l, const DecodeRows& b, SharedBuffers* buf,
                     ThreadState* own, int simd, Team team) {
+  PhaseClock* clock = &own->clock;
   RmsNorm(own->hidden.data(), l.attn_norm, b.n, m.hidden, m.eps, own->normed.data(), simd);
-  LinearShare(l.qkv, own->normed.data(), b.n, buf->qkv.data(), simd, team, &own->int8);
-  Barrier();
+  clock->Lap(kNormPhase);
+  LinearShare(l.qkv, own->normed.data(), b.n, buf->qkv.data(), simd, team, &own->int8, clock);
+  clock->Wait(kQkvPhase);
   RopeAndCache(m, l, b, buf->qkv.data(), ShareOf(b.n, team.thread, team.threads));
-  Barrier();
+  clock->Wait(kRopePhase);
   // Jobs dealt round-robin: a prompt's later rows attend to more keys than its first ones.
   for (int64_t job = team.thread; job < b.n * m.heads; job += team.threads)
     AttendHead(m, l, b, buf->qkv.data(), job / m.heads, job % m.heads, simd, &own->scores,
                buf->attn.data() + job * m.head_dim);
-  Barrier();
-  LinearShare(l.o, buf->attn.data(), b.n, buf->proj.data(), simd, team, &own->int8);
-  Barrier();
+  clock->Wait(kAttentionPhase);
+  LinearShare(l.o, buf->attn.data(), b.n, buf->proj.data(), simd, team, &own->int8, clock);
+  clock->Wait(kOPhase);
   for (int64_t e = 0; e < b.n * m.hidden; ++e) own->hidden[e] += buf->proj[e];
+  clock->Lap(kResidualPhase);
 }
 
 // hidden += down(silu(gate) * up) of norm(hidden), the residual stream of this thread's copy.
 void MlpBlock(const ModelShape& m, const DecoderLayer& l, int64_t n, SharedBuffers* buf, ThreadState* own,
               int simd, Team team) {
+  PhaseClock* clock = &own->clock;
   RmsNorm(own->hidden.data(), l.mlp_norm, n, m.hidden, m.eps, own->normed.data(), simd);
-  LinearShare(l.gate_up, own->normed.data(), n, buf->gate_up.data(), simd, team, &own->int8);
-  Barrier();
+  clock->Lap(kNormPhase);
+  LinearShare(l.gate_up, own->normed.data(), n, buf->gate_up.data(), simd, team, &own->int8, clock);
+  clock->Wait(kGateUpPhase);
   const Share cols = ShareOf(m.inter, team.thread, team.threads);  // SiLU's exps cost too much to repeat per thread
   for (int64_t i = 0; i < n; ++i) {
     const float* gate = buf->gate_up.data() + i * 2 * m.inter + cols.begin;
     SiluMul(gate, gate + m.inter, cols.end - cols.begin, buf->act.data() + i * m.inter + cols.begin, simd);
   }
-  Barrier();
-  LinearShare(l.down, buf->act.data(), n, buf->proj.data(), simd, team, &own->int8);
-  Barrier();
+  clock->Wait(kSiluPhase);
+  LinearShare(l.down, buf->act.data(), n, buf->proj.data(), simd, team, &own->int8, clock);
+  clock->Wait(kDownPhase);
   for (int64_t e = 0; e < n * m.hidden; ++e) own->hidden[e] += buf->proj[e];
+  clock->Lap(kResidualPhase);
 }
 
 }  // namespace
@@ -1156,11 +1265,17 @@ int sgq_decode_layers(const ModelShape* shape, const DecoderLayer* layers, int64
       if (!FormatOf(l->type, &f) || l->cols % f.block_elems != 0) return -1;
   if (m.heads % m.kv_heads != 0 || m.head_dim % 2 != 0 || planes < 1 || planes > 2) return -1;
   const int vec = simd < SimdLevel() ? simd : SimdLevel();
+  const auto called = std::chrono::steady_clock::now();
   SharedBuffers buf(m, rows->n);
 #pragma omp parallel num_threads(threads)
   {
     const Team team = ThisTeam();
-    ThreadState own(m, rows->n, hidden, int8_rows, planes, lead);
+    ThreadState own(m, rows->n, hidden, int8_rows, planes, lead, g_profiling && team.thread == 0);
+    if (g_profiling) {  // the call's set-up and the team's start, up to every thread's arrival
+      Barrier();
+      own.clock.last = called;
+      own.clock.Lap(kStartPhase);
+    }
     for (int64_t i = 0; i < num_layers; ++i) {
       AttentionBlock(m, layers[i], *rows, &buf, &own, vec, team);
       MlpBlock(m, layers[i], rows->n, &buf, &own, vec, team);
@@ -1169,6 +1284,20 @@ int sgq_decode_layers(const ModelShape* shape, const DecoderLayer* layers, int64
     if (team.thread == 0) std::memcpy(hidden, own.hidden.data(), own.hidden.size() * sizeof(float));
   }
   return 0;
+}
+
+// Profiling of sgq_decode_layers' phases on its thread 0 on (`on` 1, the sums reset) or off (the sums kept).
+void sgq_profile_phases(int on) {
+  g_profiling = on != 0;
+  if (g_profiling)
+    for (double& t : g_phase_seconds) t = 0;
+}
+
+// The seconds each phase took since profiling began, into `out` (up to `capacity`); returns the
+// number of phases.
+int sgq_phase_seconds(double* out, int capacity) {
+  for (int p = 0; p < kPhases && p < capacity; ++p) out[p] = g_phase_seconds[p];
+  return kPhases;
 }
 
 }  // extern "C"
