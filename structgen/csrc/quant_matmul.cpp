@@ -589,25 +589,47 @@ struct Int8Weights {
   std::vector<float> offset4;  // [quad_blocks, kWeightRows]: the rows' offsets block by block
 };
 static_assert(kWeightRows == 4, "the int8 tiles' offsets and sums interleave four weight rows");
+static_assert(kInt8TileRows == kWeightRows, "activation and weight rows share one tile layout (PlaceOf)");
 
-// Where a block's codes and scales sit in a row of Int8Rows / Int8Weights. Blocks go in groups of
-// four: the group's 128 bytes hold the first 16 codes of each of its blocks, then the last 16, so
-// two dot products into one accumulator sum 8 codes per int32 lane and one fp32 conversion,
-// scale and FMA serve four blocks (16 lanes, 4 per block; scales repeated 4 times); a last
-// pair of blocks that fills no group keeps block order (8 lanes per block, scales 8 times).
+// Where a block's codes and scales sit in Int8Rows / Int8Weights. Four rows (a tile's) go together,
+// unit by unit: a unit is a group of four blocks, or a last pair that fills no group, and holds
+// the unit's codes of the tile's first row, then of its second, and so on, so that a tile reads
+// its rows' operands from one place. A group's 128 bytes of one row hold the first 16 codes of
+// each of its blocks, then the last 16: two dot products into one accumulator sum 8 codes per
+// int32 lane, and one fp32 conversion, scale and FMA serve four blocks (16 lanes, 4 per block;
+// scales repeated 4 times). A pair keeps block order (8 lanes per block, scales 8 times).
 struct BlockPlace {
-  int64_t first, second;  // bytes of codes 0-15 and 16-31
-  int64_t scale;          // first float of the scale's copies
+  int64_t first, second;  // bytes of codes 0-15 and 16-31 from the tile's start
+  int64_t scale;          // first float of the scale's copies from the tile's start
   int copies;
 };
 
 // The blocks in whole groups of four of a row padded to `pair_blocks` blocks.
 int64_t GroupedBlocks(int64_t pair_blocks) { return pair_blocks / 4 * 4; }
 
-BlockPlace PlaceOf(int64_t b, int64_t grouped) {
-  if (b >= grouped) return {32 * b, 32 * b + 16, 8 * b, 8};
-  const int64_t group = b & ~int64_t{3}, j = b & 3;
-  return {32 * group + 16 * j, 32 * group + 64 + 16 * j, 8 * group + 4 * j, 4};
+// Where the unit that starts at block b sits in a tile: its first row's codes and scales from
+// the tile's start, and how far apart its rows are (bytes, floats).
+struct UnitPlace {
+  int64_t codes, row_bytes, scales, row_floats;
+};
+
+UnitPlace UnitAt(int64_t b, int64_t grouped) {
+  const int64_t blocks = b < grouped ? 4 : 2;
+  return {kInt8TileRows * 32 * b, 32 * blocks, kInt8TileRows * 8 * b, 8 * blocks};
+}
+
+// Block b of a tile's row k.
+BlockPlace PlaceOf(int64_t b, int64_t grouped, int64_t k) {
+  if (b >= grouped) {
+    const int64_t start = b & ~int64_t{1};
+    const UnitPlace unit = UnitAt(start, grouped);
+    const int64_t first = unit.codes + k * unit.row_bytes + 32 * (b - start);
+    return {first, first + 16, unit.scales + k * unit.row_floats + 8 * (b - start), 8};
+  }
+  const int64_t start = b & ~int64_t{3}, j = b & 3;
+  const UnitPlace unit = UnitAt(start, grouped);
+  const int64_t first = unit.codes + k * unit.row_bytes + 16 * j;
+  return {first, first + 64, unit.scales + k * unit.row_floats + 4 * j, 4};
 }
 
 // 2 where the AVX512-VNNI tiles run, 1 for the AVX-VNNI ones, 0 where neither may (the fp32 kernels).
@@ -638,12 +660,12 @@ SGQ_AVX2 inline void StoreScale(float scale, float* row, const BlockPlace& at) {
 }
 
 // One activation row's blocks: q = round(x / d) and, with `q_low`, q_low = round(256 (x / d - q)),
-// placed as PlaceOf says for a row of `grouped` blocks in groups.
-SGQ_AVX2 void QuantizeBlocks(const float* x, int64_t blocks, int64_t grouped, int8_t* q, int8_t* q_low, float* scale8,
-                             float* sum4) {
+// placed as PlaceOf says for row k of a tile (q, q_low and scale8 at the tile's start).
+SGQ_AVX2 void QuantizeBlocks(const float* x, int64_t blocks, int64_t grouped, int64_t k, int8_t* q, int8_t* q_low,
+                             float* scale8, float* sum4) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int64_t b = 0; b < blocks; ++b, x += 32) {
-    const BlockPlace at = PlaceOf(b, grouped);
+    const BlockPlace at = PlaceOf(b, grouped, k);
     __m256 v[4], amax = _mm256_setzero_ps();
     for (int k = 0; k < 4; ++k) {
       v[k] = _mm256_loadu_ps(x + 8 * k);
@@ -687,19 +709,24 @@ void QuantizeRows(const float* x, int64_t n, int64_t cols, int planes, Int8Rows*
   out->q_low.assign(planes == 2 ? out->q.size() : 0, 0);
   out->scale8.assign(out->rows * out->pair_blocks * 8, 0.0f);
   out->sum4.assign(out->rows * out->quad_blocks * 4, 0.0f);
-  for (int64_t i = 0; i < n; ++i)
-    QuantizeBlocks(x + i * cols, out->blocks, GroupedBlocks(out->pair_blocks), out->q.data() + i * out->pair_blocks * 32,
-                   planes == 2 ? out->q_low.data() + i * out->pair_blocks * 32 : nullptr, out->scale8.data() + i * out->pair_blocks * 8, out->sum4.data() + i * out->quad_blocks * 4);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t tile = i - i % kInt8TileRows;
+    QuantizeBlocks(x + i * cols, out->blocks, GroupedBlocks(out->pair_blocks), i % kInt8TileRows,
+                   out->q.data() + tile * out->pair_blocks * 32,
+                   planes == 2 ? out->q_low.data() + tile * out->pair_blocks * 32 : nullptr,
+                   out->scale8.data() + tile * out->pair_blocks * 8, out->sum4.data() + i * out->quad_blocks * 4);
+  }
 }
 
-SGQ_AVX2 void UnpackRow(int type, const uint8_t* row, int64_t blocks, int64_t pair_blocks, uint8_t* u,
+// Weight row `row` unpacked as row k of Int8Weights' tile.
+SGQ_AVX2 void UnpackRow(int type, const uint8_t* row, int64_t blocks, int64_t pair_blocks, int64_t k, uint8_t* u,
                         float* scale8, float* offset4) {
   const int bytes = type == kQ8_0 ? 34 : type == kQ4_1 ? 20 : 18;
   const __m128i low = _mm_set1_epi8(0xf);
   const int64_t grouped = GroupedBlocks(pair_blocks);
   for (int64_t b = 0; b < blocks; ++b, row += bytes) {
     const float d = _cvtsh_ss(Load16(row));
-    const BlockPlace at = PlaceOf(b, grouped);
+    const BlockPlace at = PlaceOf(b, grouped, k);
     __m128i first, second;
     if (type == kQ8_0) {
       const __m128i flip = _mm_set1_epi8(-128);
@@ -717,20 +744,20 @@ SGQ_AVX2 void UnpackRow(int type, const uint8_t* row, int64_t blocks, int64_t pa
     StoreScale(d, scale8, at);
   }
   if (blocks < pair_blocks) {  // the padding block multiplies zero activations; keep it finite
-    const BlockPlace at = PlaceOf(blocks, grouped);
+    const BlockPlace at = PlaceOf(blocks, grouped, k);
     std::memset(u + at.first, 0, 16);
     std::memset(u + at.second, 0, 16);
     std::memset(scale8 + at.scale, 0, at.copies * sizeof(float));
   }
 }
 
-// The unpacked weight rows' operands: row r at u + r * u_stride, scale8 + r * scale_stride and
-// offset4 + r (its blocks kWeightRows apart).
+// The unpacked weight rows' operands (a tile's layout, PlaceOf): rows first, first + 1, ... of the
+// tile at u and scale8, their offsets at offset4 + first (blocks kWeightRows apart).
 struct Int8Operands {
   const uint8_t* u;
   const float* scale8;
   const float* offset4;
-  int64_t u_stride, scale_stride;
+  int64_t first;
 };
 
 // sum_b m[b] d_x[b] sum(q)[b] of one weight row and one activation row, both kWeightRows apart.
@@ -757,19 +784,24 @@ SGQ_AVX512 inline __m128 SumsOfFour(const __m512* acc, __m512 offsets) {
 template <int R, int kPlanes, int kChunks>
 SGQ_VNNI512 inline void Int8UnitAvx512(const Int8Rows& x, int64_t i0, const Int8Operands& w, int64_t b,
                                        __m512 (*acc)[R]) {
-  const int64_t q_stride = x.pair_blocks * 32, s_stride = x.pair_blocks * 8;
+  const UnitPlace unit = UnitAt(b, GroupedBlocks(x.pair_blocks));
+  const int8_t* q = x.q.data() + i0 * x.pair_blocks * 32 + unit.codes;
+  const int8_t* q_low = kPlanes == 2 ? x.q_low.data() + i0 * x.pair_blocks * 32 + unit.codes : nullptr;
+  const float* da = x.scale8.data() + i0 * x.pair_blocks * 8 + unit.scales;
+  const uint8_t* wu = w.u + unit.codes + w.first * unit.row_bytes;
+  const float* dw = w.scale8 + unit.scales + w.first * unit.row_floats;
   __m512i u[R][kChunks];  // loaded once for the tile's rows: the loads, not the dots, would bound it
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < kChunks; ++c) u[r][c] = _mm512_loadu_si512(w.u + r * w.u_stride + 32 * b + 64 * c);
+    for (int c = 0; c < kChunks; ++c) u[r][c] = _mm512_loadu_si512(wu + r * unit.row_bytes + 64 * c);
   for (int i = 0; i < kInt8TileRows; ++i) {
     __m512i a[kChunks], a_low[kChunks];
     for (int c = 0; c < kChunks; ++c) {
-      a[c] = _mm512_loadu_si512(x.q.data() + (i0 + i) * q_stride + 32 * b + 64 * c);
-      if constexpr (kPlanes == 2) a_low[c] = _mm512_loadu_si512(x.q_low.data() + (i0 + i) * q_stride + 32 * b + 64 * c);
+      a[c] = _mm512_loadu_si512(q + i * unit.row_bytes + 64 * c);
+      if constexpr (kPlanes == 2) a_low[c] = _mm512_loadu_si512(q_low + i * unit.row_bytes + 64 * c);
     }
-    const __m512 da = _mm512_loadu_ps(x.scale8.data() + (i0 + i) * s_stride + 8 * b);
+    const __m512 da_i = _mm512_loadu_ps(da + i * unit.row_floats);
     for (int r = 0; r < R; ++r) {
-      const __m512 scale = _mm512_mul_ps(da, _mm512_loadu_ps(w.scale8 + r * w.scale_stride + 8 * b));
+      const __m512 scale = _mm512_mul_ps(da_i, _mm512_loadu_ps(dw + r * unit.row_floats));
       __m512i dot = _mm512_setzero_si512();
       for (int c = 0; c < kChunks; ++c) dot = _mm512_dpbusd_epi32(dot, u[r][c], a[c]);
       if constexpr (kPlanes == 2) {
@@ -806,7 +838,7 @@ SGQ_VNNI512 void Int8TileAvx512(const Int8Rows& x, int64_t i0, const Int8Operand
     for (int i = 0; i < kInt8TileRows && i0 + i < x.n; ++i)
       for (int r = 0; r < R; ++r)
         y[(i0 + i) * y_stride + r] = _mm512_reduce_add_ps(acc[i][r]) +
-                                     OffsetTerm(w.offset4 + r, sum4 + i * x.quad_blocks * 4, x.blocks);
+                                     OffsetTerm(w.offset4 + w.first + r, sum4 + i * x.quad_blocks * 4, x.blocks);
   }
 }
 
@@ -816,18 +848,23 @@ constexpr int kAvxVnniTileRows = 2;
 template <int R, int kPlanes, int kChunks>
 SGQ_AVXVNNI inline void Int8UnitAvxVnni(const Int8Rows& x, int64_t i0, const Int8Operands& w, int64_t b, int half,
                                         __m256 (*acc)[R]) {
-  const int64_t q_stride = x.pair_blocks * 32, s_stride = x.pair_blocks * 8, at = 32 * b + 32 * half;
+  const UnitPlace unit = UnitAt(b, GroupedBlocks(x.pair_blocks));
+  const int64_t tile = i0 - i0 % kInt8TileRows, k0 = i0 % kInt8TileRows;  // this tile's rows in the layout's tile
+  const int64_t codes = tile * x.pair_blocks * 32 + unit.codes + k0 * unit.row_bytes + 32 * half;
+  const float* da = x.scale8.data() + tile * x.pair_blocks * 8 + unit.scales + k0 * unit.row_floats + 8 * half;
+  const uint8_t* wu = w.u + unit.codes + w.first * unit.row_bytes + 32 * half;
+  const float* dw = w.scale8 + unit.scales + w.first * unit.row_floats + 8 * half;
   for (int i = 0; i < kAvxVnniTileRows; ++i) {
     __m256i a[kChunks], a_low[kChunks];
     for (int c = 0; c < kChunks; ++c) {
-      a[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + (i0 + i) * q_stride + at + 64 * c));
-      if constexpr (kPlanes == 2)
-        a_low[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q_low.data() + (i0 + i) * q_stride + at + 64 * c));
+      const int64_t at = codes + i * unit.row_bytes + 64 * c;
+      a[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + at));
+      if constexpr (kPlanes == 2) a_low[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q_low.data() + at));
     }
-    const __m256 da = _mm256_loadu_ps(x.scale8.data() + (i0 + i) * s_stride + 8 * b + 8 * half);
+    const __m256 da_i = _mm256_loadu_ps(da + i * unit.row_floats);
     for (int r = 0; r < R; ++r) {
-      const uint8_t* u = w.u + r * w.u_stride + at;
-      const __m256 scale = _mm256_mul_ps(da, _mm256_loadu_ps(w.scale8 + r * w.scale_stride + 8 * b + 8 * half));
+      const uint8_t* u = wu + r * unit.row_bytes;
+      const __m256 scale = _mm256_mul_ps(da_i, _mm256_loadu_ps(dw + r * unit.row_floats));
       __m256i dot = _mm256_setzero_si256();
       for (int c = 0; c < kChunks; ++c)
         dot = _mm256_dpbusd_avx_epi32(dot, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + 64 * c)), a[c]);
@@ -854,7 +891,7 @@ SGQ_AVXVNNI void Int8TileAvxVnni(const Int8Rows& x, int64_t i0, const Int8Operan
   for (int i = 0; i < kAvxVnniTileRows && i0 + i < x.n; ++i)
     for (int r = 0; r < R; ++r)
       y[(i0 + i) * y_stride + r] = HorizontalSum(acc[i][r]) +
-                                   OffsetTerm(w.offset4 + r, x.sum4.data() + (i0 + i) * x.quad_blocks * 4, x.blocks);
+                                   OffsetTerm(w.offset4 + w.first + r, x.sum4.data() + (i0 + i) * x.quad_blocks * 4, x.blocks);
 }
 
 // One tile at the CPU's level and the activations' plane count.
@@ -875,8 +912,7 @@ void Int8Tiles(const Int8Rows& x, const Int8Operands& w, int64_t count, float* y
       continue;
     }
     for (int64_t r = 0; r < count; ++r) {
-      const Int8Operands row = {w.u + r * w.u_stride, w.scale8 + r * w.scale_stride, w.offset4 + r, w.u_stride,
-                                w.scale_stride};
+      const Int8Operands row = {w.u, w.scale8, w.offset4, w.first + r};
       Int8Tile<1>(x, i0, row, y + r, y_stride, level);
     }
   }
@@ -889,12 +925,12 @@ void Int8MatmulRows(int type, const uint8_t* w, int64_t row_bytes, int64_t begin
   scratch->u.resize(kWeightRows * u_stride);
   scratch->scale8.resize(kWeightRows * s_stride);
   scratch->offset4.resize(kWeightRows * x.quad_blocks);
-  const Int8Operands ops = {scratch->u.data(), scratch->scale8.data(), scratch->offset4.data(), u_stride, s_stride};
+  const Int8Operands ops = {scratch->u.data(), scratch->scale8.data(), scratch->offset4.data(), 0};
   for (int64_t r0 = begin; r0 < end; r0 += kWeightRows) {
     const int64_t count = end - r0 < kWeightRows ? end - r0 : kWeightRows;
     for (int64_t k = 0; k < count; ++k)
-      UnpackRow(type, w + (r0 + k) * row_bytes, x.blocks, x.pair_blocks, scratch->u.data() + k * u_stride,
-                scratch->scale8.data() + k * s_stride, scratch->offset4.data() + k);
+      UnpackRow(type, w + (r0 + k) * row_bytes, x.blocks, x.pair_blocks, k, scratch->u.data(), scratch->scale8.data(),
+                scratch->offset4.data() + k);
     // The next group's packed bytes come from memory while this group's tiles run.
     const int64_t next = end - r0 - count < kWeightRows ? end - r0 - count : kWeightRows;
     for (int64_t byte = 0; byte < next * row_bytes; byte += 64)
