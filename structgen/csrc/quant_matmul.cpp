@@ -698,7 +698,8 @@ SGQ_AVX2 void QuantizeBlocks(const float* x, int64_t blocks, int64_t grouped, in
 }
 
 // x [n, cols] quantized into `out` in `planes` int8 planes, its buffers grown as needed and its padding zeroed.
-void QuantizeRows(const float* x, int64_t n, int64_t cols, int planes, Int8Rows* out) {
+// `out` sized for n rows of `cols` in `planes` planes, zeroed (its padding stays so).
+void SizeRows(int64_t n, int64_t cols, int planes, Int8Rows* out) {
   out->n = n;
   out->planes = planes;
   out->rows = (n + kInt8TileRows - 1) / kInt8TileRows * kInt8TileRows;
@@ -709,13 +710,22 @@ void QuantizeRows(const float* x, int64_t n, int64_t cols, int planes, Int8Rows*
   out->q_low.assign(planes == 2 ? out->q.size() : 0, 0);
   out->scale8.assign(out->rows * out->pair_blocks * 8, 0.0f);
   out->sum4.assign(out->rows * out->quad_blocks * 4, 0.0f);
-  for (int64_t i = 0; i < n; ++i) {
+}
+
+// Rows [begin, end) of x [out->n, cols] quantized into `out` (sized by SizeRows).
+void QuantizeRowRange(const float* x, int64_t cols, int64_t begin, int64_t end, Int8Rows* out) {
+  for (int64_t i = begin; i < end; ++i) {
     const int64_t tile = i - i % kInt8TileRows;
     QuantizeBlocks(x + i * cols, out->blocks, GroupedBlocks(out->pair_blocks), i % kInt8TileRows,
                    out->q.data() + tile * out->pair_blocks * 32,
-                   planes == 2 ? out->q_low.data() + tile * out->pair_blocks * 32 : nullptr,
+                   out->planes == 2 ? out->q_low.data() + tile * out->pair_blocks * 32 : nullptr,
                    out->scale8.data() + tile * out->pair_blocks * 8, out->sum4.data() + i * out->quad_blocks * 4);
   }
+}
+
+void QuantizeRows(const float* x, int64_t n, int64_t cols, int planes, Int8Rows* out) {
+  SizeRows(n, cols, planes, out);
+  QuantizeRowRange(x, cols, 0, n, out);
 }
 
 // Weight row `row` unpacked as row k of Int8Weights' tile.
@@ -939,6 +949,8 @@ void Int8MatmulRows(int type, const uint8_t* w, int64_t row_bytes, int64_t begin
   }
 }
 #else
+void SizeRows(int64_t, int64_t, int, Int8Rows*) {}
+void QuantizeRowRange(const float*, int64_t, int64_t, int64_t, Int8Rows*) {}
 void QuantizeRows(const float*, int64_t, int64_t, int, Int8Rows*) {}
 void Int8MatmulRows(int, const uint8_t*, int64_t, int64_t, int64_t, const Int8Rows&, float*, int64_t, int,
                     Int8Weights*) {}
@@ -1124,11 +1136,10 @@ struct PhaseClock {
   }
 };
 
-// What each thread keeps for the int8 products: its quantized copy of the activations, the
-// weight rows it unpacks, the fewest rows a product runs on int8 activations (0: never) and how
-// many of a step's leading rows may (the rest stay on fp32 whatever the step's size).
+// What each thread keeps for the int8 products: the weight rows it unpacks, the fewest rows a
+// product runs on int8 activations (0: never) and how many of a step's leading rows may (the
+// rest stay on fp32 whatever the step's size).
 struct Int8Scratch {
-  Int8Rows rows;
   Int8Weights weights;
   int64_t int8_rows;
   int planes;
@@ -1136,18 +1147,21 @@ struct Int8Scratch {
 };
 
 // y[i, r] = x[i, :] . W[r, :] (+ bias[r]) for this thread's share of the rows r.
+// `codes`, shared by the threads and sized for the step's integer rows and x's columns, takes x's
+// integer rows, each thread quantizing its share.
 void LinearShare(const Linear& l, const float* x, int64_t n, float* y, int simd, Team team, Int8Scratch* int8,
-                 PhaseClock* clock) {
+                 Int8Rows* codes, PhaseClock* clock) {
   Format f;
   FormatOf(l.type, &f);
   const Share s = ShareOf(RowGroups(l.rows), team.thread, team.threads);
   const int64_t begin = s.begin * kWeightRows, end = s.begin < s.end ? GroupEnd(s.end - 1, l.rows) : begin;
   const int64_t lead = int8->lead < n ? int8->lead : n;
   const int level = Int8LevelFor(l.type, lead, int8->int8_rows, simd);
-  if (level) {  // every thread quantizes its own copy: cheaper than a barrier
-    QuantizeRows(x, lead, l.cols, int8->planes, &int8->rows);
-    clock->Lap(kQuantizePhase);
-    Int8MatmulRows(l.type, l.w, l.row_bytes, begin, end, int8->rows, y, l.rows, level, &int8->weights);
+  if (level) {
+    const Share mine = ShareOf(lead, team.thread, team.threads);
+    QuantizeRowRange(x, l.cols, mine.begin, mine.end, codes);
+    clock->Wait(kQuantizePhase);  // every row quantized before any tile reads it
+    Int8MatmulRows(l.type, l.w, l.row_bytes, begin, end, *codes, y, l.rows, level, &int8->weights);
     if (lead < n)
       MatmulRows(l.type, f, l.w, l.row_bytes, begin, end, l.cols, x + lead * l.cols, n - lead, y + lead * l.rows,
                  l.rows, simd);
@@ -1221,12 +1235,20 @@ void AttendHead(const ModelShape& m, const DecoderLayer& l, const DecodeRows& b,
   }
 }
 
-// Buffers the threads share: the products each thread writes its share of rows into.
+// Buffers the threads share: the products each thread writes its share of rows into, and the
+// integer codes of the products' inputs (the normed stream, attention's output, SiLU * up) for
+// the step's first `lead` rows where they multiply integer activations (unsized otherwise).
 struct SharedBuffers {
   std::vector<float> qkv, attn, proj, gate_up, act;
-  SharedBuffers(const ModelShape& m, int64_t n)
+  Int8Rows normed_codes, attn_codes, act_codes;
+  SharedBuffers(const ModelShape& m, int64_t n, int64_t lead, bool integer, int planes)
       : qkv(n * (m.heads + 2 * m.kv_heads) * m.head_dim), attn(n * m.heads * m.head_dim), proj(n * m.hidden),
-        gate_up(n * 2 * m.inter), act(n * m.inter) {}
+        gate_up(n * 2 * m.inter), act(n * m.inter) {
+    if (!integer) return;
+    SizeRows(lead, m.hidden, planes, &normed_codes);
+    SizeRows(lead, m.heads * m.head_dim, planes, &attn_codes);
+    SizeRows(lead, m.inter, planes, &act_codes);
+  }
 };
 
 // What every thread keeps for itself: its copy of the residual stream and of the small
@@ -1238,7 +1260,7 @@ struct ThreadState {
   PhaseClock clock;
   ThreadState(const ModelShape& m, int64_t n, const float* stream, int64_t int8_rows, int planes, int64_t lead,
               bool timed)
-      : hidden(stream, stream + n * m.hidden), normed(n * m.hidden), int8{{}, {}, int8_rows, planes, lead},
+      : hidden(stream, stream + n * m.hidden), normed(n * m.hidden), int8{{}, int8_rows, planes, lead},
         clock{timed} {}
 };
 
@@ -1248,7 +1270,7 @@ void AttentionBlock(const ModelShape& m, const DecoderLayer& l, const DecodeRows
   PhaseClock* clock = &own->clock;
   RmsNorm(own->hidden.data(), l.attn_norm, b.n, m.hidden, m.eps, own->normed.data(), simd);
   clock->Lap(kNormPhase);
-  LinearShare(l.qkv, own->normed.data(), b.n, buf->qkv.data(), simd, team, &own->int8, clock);
+  LinearShare(l.qkv, own->normed.data(), b.n, buf->qkv.data(), simd, team, &own->int8, &buf->normed_codes, clock);
   clock->Wait(kQkvPhase);
   RopeAndCache(m, l, b, buf->qkv.data(), ShareOf(b.n, team.thread, team.threads));
   clock->Wait(kRopePhase);
@@ -1257,7 +1279,7 @@ void AttentionBlock(const ModelShape& m, const DecoderLayer& l, const DecodeRows
     AttendHead(m, l, b, buf->qkv.data(), job / m.heads, job % m.heads, simd, &own->scores,
                buf->attn.data() + job * m.head_dim);
   clock->Wait(kAttentionPhase);
-  LinearShare(l.o, buf->attn.data(), b.n, buf->proj.data(), simd, team, &own->int8, clock);
+  LinearShare(l.o, buf->attn.data(), b.n, buf->proj.data(), simd, team, &own->int8, &buf->attn_codes, clock);
   clock->Wait(kOPhase);
   for (int64_t e = 0; e < b.n * m.hidden; ++e) own->hidden[e] += buf->proj[e];
   clock->Lap(kResidualPhase);
@@ -1269,7 +1291,8 @@ void MlpBlock(const ModelShape& m, const DecoderLayer& l, int64_t n, SharedBuffe
   PhaseClock* clock = &own->clock;
   RmsNorm(own->hidden.data(), l.mlp_norm, n, m.hidden, m.eps, own->normed.data(), simd);
   clock->Lap(kNormPhase);
-  LinearShare(l.gate_up, own->normed.data(), n, buf->gate_up.data(), simd, team, &own->int8, clock);
+  LinearShare(l.gate_up, own->normed.data(), n, buf->gate_up.data(), simd, team, &own->int8, &buf->normed_codes,
+              clock);
   clock->Wait(kGateUpPhase);
   const Share cols = ShareOf(m.inter, team.thread, team.threads);  // SiLU's exps cost too much to repeat per thread
   for (int64_t i = 0; i < n; ++i) {
@@ -1277,7 +1300,7 @@ void MlpBlock(const ModelShape& m, const DecoderLayer& l, int64_t n, SharedBuffe
     SiluMul(gate, gate + m.inter, cols.end - cols.begin, buf->act.data() + i * m.inter + cols.begin, simd);
   }
   clock->Wait(kSiluPhase);
-  LinearShare(l.down, buf->act.data(), n, buf->proj.data(), simd, team, &own->int8, clock);
+  LinearShare(l.down, buf->act.data(), n, buf->proj.data(), simd, team, &own->int8, &buf->act_codes, clock);
   clock->Wait(kDownPhase);
   for (int64_t e = 0; e < n * m.hidden; ++e) own->hidden[e] += buf->proj[e];
   clock->Lap(kResidualPhase);
@@ -1302,7 +1325,8 @@ int sgq_decode_layers(const ModelShape* shape, const DecoderLayer* layers, int64
   if (m.heads % m.kv_heads != 0 || m.head_dim % 2 != 0 || planes < 1 || planes > 2) return -1;
   const int vec = simd < SimdLevel() ? simd : SimdLevel();
   const auto called = std::chrono::steady_clock::now();
-  SharedBuffers buf(m, rows->n);
+  const int64_t integer_rows = lead < rows->n ? lead : rows->n;
+  SharedBuffers buf(m, rows->n, integer_rows, int8_rows > 0 && integer_rows >= int8_rows, planes);
 #pragma omp parallel num_threads(threads)
   {
     const Team team = ThisTeam();
