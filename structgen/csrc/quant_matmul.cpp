@@ -1207,6 +1207,46 @@ void RopeAndCache(const ModelShape& m, const DecoderLayer& l, const DecodeRows& 
   }
 }
 
+// Where a row's keys and values are: its page table, and one kv head's place in a cache row.
+struct KvSpan {
+  const float *k_cache, *v_cache;
+  const int64_t* pages;
+  int64_t page_size, row_floats, head_offset;
+
+  int64_t Offset(int64_t t) const { return (pages[t / page_size] * page_size + t % page_size) * row_floats + head_offset; }
+};
+
+#ifdef SGQ_X86
+// AttendHead's loops for a head of D dims (a multiple of 16) with q and the output in registers:
+// the same operations in the same order as Dot, ExpShifted and Axpy make there, without their
+// loads and stores of q and the output at every key.
+template <int D>
+SGQ_AVX512 void AttendHeadAvx512(const float* q, const KvSpan& kv, int64_t first, int64_t ctx, float scale, float* s,
+                                 float* out) {
+  constexpr int kVectors = D / 16;
+  __m512 qv[kVectors], o[kVectors];
+  for (int v = 0; v < kVectors; ++v) {
+    qv[v] = _mm512_loadu_ps(q + 16 * v);
+    o[v] = _mm512_setzero_ps();
+  }
+  float top = -INFINITY;
+  for (int64_t t = first; t < ctx; ++t) {
+    const float* k = kv.k_cache + kv.Offset(t);
+    __m512 acc = _mm512_setzero_ps();
+    for (int v = 0; v < kVectors; ++v) acc = _mm512_fmadd_ps(qv[v], _mm512_loadu_ps(k + 16 * v), acc);
+    s[t - first] = _mm512_reduce_add_ps(acc) * scale;
+    top = s[t - first] > top ? s[t - first] : top;
+  }
+  const float total = ExpShiftedAvx512(s, ctx - first, top);
+  for (int64_t t = first; t < ctx; ++t) {
+    const float* value = kv.v_cache + kv.Offset(t);
+    const __m512 p = _mm512_set1_ps(s[t - first] / total);
+    for (int v = 0; v < kVectors; ++v) o[v] = _mm512_fmadd_ps(p, _mm512_loadu_ps(value + 16 * v), o[v]);
+  }
+  for (int v = 0; v < kVectors; ++v) _mm512_storeu_ps(out + 16 * v, o[v]);
+}
+#endif
+
 // Attention of query head `head` of row `i` over its sequence's cached keys up to its position
 // (the window's last keys where the layer has one): softmax(q . k / sqrt(d)) . v into `out`.
 void AttendHead(const ModelShape& m, const DecoderLayer& l, const DecodeRows& b, const float* qkv,
@@ -1219,6 +1259,11 @@ void AttendHead(const ModelShape& m, const DecoderLayer& l, const DecodeRows& b,
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   scores->resize(ctx - first);
   float* s = scores->data();
+#ifdef SGQ_X86
+  const KvSpan span = {l.k_cache, l.v_cache, pages, b.page_size, kv, kv_head * d};
+  if (simd >= 2 && d == 64) return AttendHeadAvx512<64>(q, span, first, ctx, scale, s, out);
+  if (simd >= 2 && d == 128) return AttendHeadAvx512<128>(q, span, first, ctx, scale, s, out);
+#endif
   float top = -INFINITY;
   for (int64_t t = first; t < ctx; ++t) {
     const int64_t cache_row = pages[t / b.page_size] * b.page_size + t % b.page_size;
