@@ -586,7 +586,8 @@ struct Int8Rows {
 struct Int8Weights {
   std::vector<uint8_t> u;      // [kWeightRows, pair_blocks * 32]
   std::vector<float> scale8;   // [kWeightRows, pair_blocks * 8]
-  std::vector<float> offset4;  // [quad_blocks, kWeightRows]: the rows' offsets block by block
+  std::vector<float> offsets_t;  // [blocks, offsets_stride]: the offsets m of a share's rows, block by block
+  int64_t offsets_stride = 0;
 };
 static_assert(kWeightRows == 4, "the int8 tiles' offsets and sums interleave four weight rows");
 static_assert(kInt8TileRows == kWeightRows, "activation and weight rows share one tile layout (PlaceOf)");
@@ -730,7 +731,7 @@ void QuantizeRows(const float* x, int64_t n, int64_t cols, int planes, Int8Rows*
 
 // Weight row `row` unpacked as row k of Int8Weights' tile.
 SGQ_AVX2 void UnpackRow(int type, const uint8_t* row, int64_t blocks, int64_t pair_blocks, int64_t k, uint8_t* u,
-                        float* scale8, float* offset4) {
+                        float* scale8, float* offsets_t, int64_t offsets_stride) {
   const int bytes = type == kQ8_0 ? 34 : type == kQ4_1 ? 20 : 18;
   const __m128i low = _mm_set1_epi8(0xf);
   const int64_t grouped = GroupedBlocks(pair_blocks);
@@ -742,12 +743,12 @@ SGQ_AVX2 void UnpackRow(int type, const uint8_t* row, int64_t blocks, int64_t pa
       const __m128i flip = _mm_set1_epi8(-128);
       first = _mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2)), flip);
       second = _mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 18)), flip);
-      offset4[kWeightRows * b] = -128.0f * d;
+      offsets_t[offsets_stride * b] = -128.0f * d;
     } else {
       const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + (type == kQ4_1 ? 4 : 2)));
       first = _mm_and_si128(raw, low);
       second = _mm_and_si128(_mm_srli_epi16(raw, 4), low);
-      offset4[kWeightRows * b] = type == kQ4_1 ? _cvtsh_ss(Load16(row + 2)) : -8.0f * d;
+      offsets_t[offsets_stride * b] = type == kQ4_1 ? _cvtsh_ss(Load16(row + 2)) : -8.0f * d;
     }
     _mm_storeu_si128(reinterpret_cast<__m128i*>(u + at.first), first);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(u + at.second), second);
@@ -762,29 +763,76 @@ SGQ_AVX2 void UnpackRow(int type, const uint8_t* row, int64_t blocks, int64_t pa
 }
 
 // The unpacked weight rows' operands (a tile's layout, PlaceOf): rows first, first + 1, ... of the
-// tile at u and scale8, their offsets at offset4 + first (blocks kWeightRows apart).
+// tile at u and scale8.
 struct Int8Operands {
   const uint8_t* u;
   const float* scale8;
-  const float* offset4;
   int64_t first;
 };
 
-// sum_b m[b] d_x[b] sum(q)[b] of one weight row and one activation row, both kWeightRows apart.
-float OffsetTerm(const float* offset4, const float* sum4, int64_t blocks) {
-  float total = 0;
-  for (int64_t b = 0; b < blocks; ++b) total += offset4[kWeightRows * b] * sum4[kWeightRows * b];
-  return total;
+// y[i, c] += sum_b m[c, b] d_x[i, b] sum(q)[i, b], the offsets' term, for activation rows i < x.n and
+// columns c < cols whose offsets m `m_t` holds ([blocks, stride]). One GEMM after a share's tiles,
+// as broadcast FMAs into y: in each tile it cost as much as a sixth of the tile's dot products.
+SGQ_AVX2 void AddOffsetsAvx2(const Int8Rows& x, const float* m_t, int64_t stride, int64_t cols, float* y,
+                             int64_t y_stride) {
+  constexpr int kRows = 4, kVectors = 2;  // 8 accumulators and their operands in AVX2's 16 registers
+  int64_t c = 0;
+  for (; c + 8 * kVectors <= cols; c += 8 * kVectors)
+    for (int64_t i0 = 0; i0 < x.n; i0 += kRows) {
+      const int rows = x.n - i0 < kRows ? static_cast<int>(x.n - i0) : kRows;
+      __m256 acc[kRows][kVectors];
+      for (int i = 0; i < rows; ++i)
+        for (int v = 0; v < kVectors; ++v) acc[i][v] = _mm256_loadu_ps(y + (i0 + i) * y_stride + c + 8 * v);
+      for (int64_t b = 0; b < x.blocks; ++b) {
+        __m256 m[kVectors];
+        for (int v = 0; v < kVectors; ++v) m[v] = _mm256_loadu_ps(m_t + b * stride + c + 8 * v);
+        for (int i = 0; i < rows; ++i) {
+          const __m256 sum = _mm256_set1_ps(x.sum4[(i0 + i) * x.quad_blocks * 4 + 4 * b]);
+          for (int v = 0; v < kVectors; ++v) acc[i][v] = _mm256_fmadd_ps(sum, m[v], acc[i][v]);
+        }
+      }
+      for (int i = 0; i < rows; ++i)
+        for (int v = 0; v < kVectors; ++v) _mm256_storeu_ps(y + (i0 + i) * y_stride + c + 8 * v, acc[i][v]);
+    }
+  for (; c < cols; ++c)
+    for (int64_t i = 0; i < x.n; ++i) {
+      float total = 0;
+      for (int64_t b = 0; b < x.blocks; ++b) total += m_t[b * stride + c] * x.sum4[i * x.quad_blocks * 4 + 4 * b];
+      y[i * y_stride + c] += total;
+    }
 }
 
-// The sums of 4 vectors (as y's 4 floats at one activation row) plus the offsets' term `offsets`,
-// whose 128-bit lanes hold partial sums of the same 4 rows.
-SGQ_AVX512 inline __m128 SumsOfFour(const __m512* acc, __m512 offsets) {
+// AddOffsetsAvx2 in AVX-512's 32 registers: 4 rows of 64 columns a tile.
+SGQ_AVX512 void AddOffsetsAvx512(const Int8Rows& x, const float* m_t, int64_t stride, int64_t cols, float* y,
+                                 int64_t y_stride) {
+  constexpr int kRows = 4, kVectors = 4;
+  const int64_t whole = cols / (16 * kVectors) * (16 * kVectors);
+  for (int64_t c = 0; c < whole; c += 16 * kVectors)
+    for (int64_t i0 = 0; i0 < x.n; i0 += kRows) {
+      const int rows = x.n - i0 < kRows ? static_cast<int>(x.n - i0) : kRows;
+      __m512 acc[kRows][kVectors];
+      for (int i = 0; i < rows; ++i)
+        for (int v = 0; v < kVectors; ++v) acc[i][v] = _mm512_loadu_ps(y + (i0 + i) * y_stride + c + 16 * v);
+      for (int64_t b = 0; b < x.blocks; ++b) {
+        __m512 m[kVectors];
+        for (int v = 0; v < kVectors; ++v) m[v] = _mm512_loadu_ps(m_t + b * stride + c + 16 * v);
+        for (int i = 0; i < rows; ++i) {
+          const __m512 sum = _mm512_set1_ps(x.sum4[(i0 + i) * x.quad_blocks * 4 + 4 * b]);
+          for (int v = 0; v < kVectors; ++v) acc[i][v] = _mm512_fmadd_ps(sum, m[v], acc[i][v]);
+        }
+      }
+      for (int i = 0; i < rows; ++i)
+        for (int v = 0; v < kVectors; ++v) _mm512_storeu_ps(y + (i0 + i) * y_stride + c + 16 * v, acc[i][v]);
+    }
+  AddOffsetsAvx2(x, m_t + whole, stride, cols - whole, y + whole, y_stride);
+}
+
+// The sums of 4 vectors, as y's 4 floats at one activation row.
+SGQ_AVX512 inline __m128 SumsOfFour(const __m512* acc) {
   const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(acc[0], acc[1]), _mm512_unpackhi_ps(acc[0], acc[1]));
   const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(acc[2], acc[3]), _mm512_unpackhi_ps(acc[2], acc[3]));
   const __m512d p0 = _mm512_castps_pd(t0), p1 = _mm512_castps_pd(t1);
-  const __m512 t = _mm512_add_ps(offsets, _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(p0, p1)),
-                                                        _mm512_castpd_ps(_mm512_unpackhi_pd(p0, p1))));
+  const __m512 t = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(p0, p1)), _mm512_castpd_ps(_mm512_unpackhi_pd(p0, p1)));
   const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(t), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(t), 1)));
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
@@ -833,22 +881,12 @@ SGQ_VNNI512 void Int8TileAvx512(const Int8Rows& x, int64_t i0, const Int8Operand
   const int64_t grouped = GroupedBlocks(x.pair_blocks);
   for (int64_t b = 0; b < grouped; b += 4) Int8UnitAvx512<R, kPlanes, 2>(x, i0, w, b, acc);
   if (grouped < x.pair_blocks) Int8UnitAvx512<R, kPlanes, 1>(x, i0, w, grouped, acc);
-  const float* sum4 = x.sum4.data() + i0 * x.quad_blocks * 4;
-  if constexpr (R == kWeightRows) {
-    __m512 offsets[kInt8TileRows];  // one accumulator per row: four chains of FMAs, not one
-    for (int i = 0; i < kInt8TileRows; ++i) offsets[i] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < x.quad_blocks; b += 4) {
-      const __m512 m = _mm512_loadu_ps(w.offset4 + 4 * b);
-      for (int i = 0; i < kInt8TileRows; ++i)
-        offsets[i] = _mm512_fmadd_ps(m, _mm512_loadu_ps(sum4 + i * x.quad_blocks * 4 + 4 * b), offsets[i]);
+  for (int i = 0; i < kInt8TileRows && i0 + i < x.n; ++i) {
+    if constexpr (R == kWeightRows) {
+      _mm_storeu_ps(y + (i0 + i) * y_stride, SumsOfFour(acc[i]));
+    } else {
+      for (int r = 0; r < R; ++r) y[(i0 + i) * y_stride + r] = _mm512_reduce_add_ps(acc[i][r]);
     }
-    for (int i = 0; i < kInt8TileRows && i0 + i < x.n; ++i)
-      _mm_storeu_ps(y + (i0 + i) * y_stride, SumsOfFour(acc[i], offsets[i]));
-  } else {
-    for (int i = 0; i < kInt8TileRows && i0 + i < x.n; ++i)
-      for (int r = 0; r < R; ++r)
-        y[(i0 + i) * y_stride + r] = _mm512_reduce_add_ps(acc[i][r]) +
-                                     OffsetTerm(w.offset4 + w.first + r, sum4 + i * x.quad_blocks * 4, x.blocks);
   }
 }
 
@@ -900,8 +938,7 @@ SGQ_AVXVNNI void Int8TileAvxVnni(const Int8Rows& x, int64_t i0, const Int8Operan
     for (int half = 0; half < 2; ++half) Int8UnitAvxVnni<R, kPlanes, 1>(x, i0, w, grouped, half, acc);
   for (int i = 0; i < kAvxVnniTileRows && i0 + i < x.n; ++i)
     for (int r = 0; r < R; ++r)
-      y[(i0 + i) * y_stride + r] = HorizontalSum(acc[i][r]) +
-                                   OffsetTerm(w.offset4 + w.first + r, x.sum4.data() + (i0 + i) * x.quad_blocks * 4, x.blocks);
+      y[(i0 + i) * y_stride + r] = HorizontalSum(acc[i][r]);
 }
 
 // One tile at the CPU's level and the activations' plane count.
@@ -922,7 +959,7 @@ void Int8Tiles(const Int8Rows& x, const Int8Operands& w, int64_t count, float* y
       continue;
     }
     for (int64_t r = 0; r < count; ++r) {
-      const Int8Operands row = {w.u, w.scale8, w.offset4, w.first + r};
+      const Int8Operands row = {w.u, w.scale8, w.first + r};
       Int8Tile<1>(x, i0, row, y + r, y_stride, level);
     }
   }
@@ -931,22 +968,26 @@ void Int8Tiles(const Int8Rows& x, const Int8Operands& w, int64_t count, float* y
 // Weight rows [begin, end) against the quantized rows `x`, kWeightRows rows unpacked at a time into `scratch`.
 void Int8MatmulRows(int type, const uint8_t* w, int64_t row_bytes, int64_t begin, int64_t end, const Int8Rows& x,
                     float* y, int64_t y_stride, int level, Int8Weights* scratch) {
-  const int64_t u_stride = x.pair_blocks * 32, s_stride = x.pair_blocks * 8;
-  scratch->u.resize(kWeightRows * u_stride);
-  scratch->scale8.resize(kWeightRows * s_stride);
-  scratch->offset4.resize(kWeightRows * x.quad_blocks);
-  const Int8Operands ops = {scratch->u.data(), scratch->scale8.data(), scratch->offset4.data(), 0};
+  scratch->u.resize(kWeightRows * x.pair_blocks * 32);
+  scratch->scale8.resize(kWeightRows * x.pair_blocks * 8);
+  // A cache line more than the rows: columns a multiple of 4 KB apart would share one L1 set.
+  const int64_t stride = (end - begin + 15) / 16 * 16 + 16;
+  scratch->offsets_t.resize(x.blocks * stride);
+  float* m_t = scratch->offsets_t.data();
+  const Int8Operands ops = {scratch->u.data(), scratch->scale8.data(), 0};
   for (int64_t r0 = begin; r0 < end; r0 += kWeightRows) {
     const int64_t count = end - r0 < kWeightRows ? end - r0 : kWeightRows;
     for (int64_t k = 0; k < count; ++k)
       UnpackRow(type, w + (r0 + k) * row_bytes, x.blocks, x.pair_blocks, k, scratch->u.data(), scratch->scale8.data(),
-                scratch->offset4.data() + k);
+                m_t + r0 + k - begin, stride);
     // The next group's packed bytes come from memory while this group's tiles run.
     const int64_t next = end - r0 - count < kWeightRows ? end - r0 - count : kWeightRows;
     for (int64_t byte = 0; byte < next * row_bytes; byte += 64)
       __builtin_prefetch(w + (r0 + count) * row_bytes + byte);
     Int8Tiles(x, ops, count, y + r0, y_stride, level);
   }
+  if (level == 2) AddOffsetsAvx512(x, m_t, stride, end - begin, y + begin, y_stride);
+  else AddOffsetsAvx2(x, m_t, stride, end - begin, y + begin, y_stride);
 }
 #else
 void SizeRows(int64_t, int64_t, int, Int8Rows*) {}
@@ -955,6 +996,35 @@ void QuantizeRows(const float*, int64_t, int64_t, int, Int8Rows*) {}
 void Int8MatmulRows(int, const uint8_t*, int64_t, int64_t, int64_t, const Int8Rows&, float*, int64_t, int,
                     Int8Weights*) {}
 #endif
+
+// Work split of a parallel loop over `count` items: this thread's [begin, end).
+struct Share {
+  int64_t begin, end;
+};
+
+Share ShareOf(int64_t count, int thread, int threads) {
+  const int64_t per = count / threads, extra = count % threads;
+  const int64_t begin = thread * per + (thread < extra ? thread : extra);
+  return {begin, begin + per + (thread < extra ? 1 : 0)};
+}
+
+struct Team {
+  int thread, threads;
+};
+
+Team ThisTeam() {
+#ifdef _OPENMP
+  return {omp_get_thread_num(), omp_get_num_threads()};
+#else
+  return {0, 1};
+#endif
+}
+
+void Barrier() {
+#ifdef _OPENMP
+#pragma omp barrier
+#endif
+}
 
 // The int8 level a product of `n` rows of format `type` runs at: 0 (the fp32 kernels) below
 // `int8_rows` rows (0: never), for the K formats, or without VNNI.
@@ -999,9 +1069,11 @@ int sgq_matmul(int type, const uint8_t* w, int64_t rows, int64_t cols, int64_t r
 #pragma omp parallel num_threads(threads) if (rows * cols * n >= kParallelWork)
     {
       Int8Weights scratch;
-#pragma omp for schedule(static)
-      for (int64_t g = 0; g < RowGroups(rows); ++g)
-        Int8MatmulRows(type, w, row_bytes, g * kWeightRows, GroupEnd(g, rows), quantized, y, y_stride, int8, &scratch);
+      const Team team = ThisTeam();
+      const Share s = ShareOf(RowGroups(rows), team.thread, team.threads);  // whole shares: one offsets GEMM each
+      if (s.begin < s.end)
+        Int8MatmulRows(type, w, row_bytes, s.begin * kWeightRows, GroupEnd(s.end - 1, rows), quantized, y, y_stride,
+                       int8, &scratch);
     }
     return 0;
   }
@@ -1079,35 +1151,6 @@ struct DecodeRows {
   const float* cos;  // [positions, head_dim] (rotate-half layout)
   const float* sin;
 };
-
-// Work split of a parallel loop over `count` items: this thread's [begin, end).
-struct Share {
-  int64_t begin, end;
-};
-
-Share ShareOf(int64_t count, int thread, int threads) {
-  const int64_t per = count / threads, extra = count % threads;
-  const int64_t begin = thread * per + (thread < extra ? thread : extra);
-  return {begin, begin + per + (thread < extra ? 1 : 0)};
-}
-
-struct Team {
-  int thread, threads;
-};
-
-Team ThisTeam() {
-#ifdef _OPENMP
-  return {omp_get_thread_num(), omp_get_num_threads()};
-#else
-  return {0, 1};
-#endif
-}
-
-void Barrier() {
-#ifdef _OPENMP
-#pragma omp barrier
-#endif
-}
 
 // Where a step's time goes, on thread 0 (sgq_profile_phases; benchmarks/profile_cpu_decode.py):
 // the phases in the order sgq_phase_seconds reports them. Off, a lap is one branch.
