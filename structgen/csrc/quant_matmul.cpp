@@ -614,13 +614,13 @@ struct UnitPlace {
   int64_t codes, row_bytes, scales, row_floats;
 };
 
-UnitPlace UnitAt(int64_t b, int64_t grouped) {
+inline UnitPlace UnitAt(int64_t b, int64_t grouped) {
   const int64_t blocks = b < grouped ? 4 : 2;
   return {kInt8TileRows * 32 * b, 32 * blocks, kInt8TileRows * 8 * b, 8 * blocks};
 }
 
 // Block b of a tile's row k.
-BlockPlace PlaceOf(int64_t b, int64_t grouped, int64_t k) {
+inline BlockPlace PlaceOf(int64_t b, int64_t grouped, int64_t k) {
   if (b >= grouped) {
     const int64_t start = b & ~int64_t{1};
     const UnitPlace unit = UnitAt(start, grouped);
@@ -729,17 +729,19 @@ void QuantizeRows(const float* x, int64_t n, int64_t cols, int planes, Int8Rows*
   QuantizeRowRange(x, cols, 0, n, out);
 }
 
-// Weight row `row` unpacked as row k of Int8Weights' tile.
-SGQ_AVX2 void UnpackRow(int type, const uint8_t* row, int64_t blocks, int64_t pair_blocks, int64_t k, uint8_t* u,
-                        float* scale8, float* offsets_t, int64_t offsets_stride) {
-  const int bytes = type == kQ8_0 ? 34 : type == kQ4_1 ? 20 : 18;
+// Weight row `row` unpacked as row k of Int8Weights' tile, its blocks' offsets m into offsets_t,
+// offsets_stride apart.
+template <int type>
+SGQ_AVX2 void UnpackRowOf(const uint8_t* row, int64_t blocks, int64_t pair_blocks, int64_t k, uint8_t* u,
+                          float* scale8, float* offsets_t, int64_t offsets_stride) {
+  constexpr int bytes = type == kQ8_0 ? 34 : type == kQ4_1 ? 20 : 18;
   const __m128i low = _mm_set1_epi8(0xf);
   const int64_t grouped = GroupedBlocks(pair_blocks);
   for (int64_t b = 0; b < blocks; ++b, row += bytes) {
     const float d = _cvtsh_ss(Load16(row));
     const BlockPlace at = PlaceOf(b, grouped, k);
     __m128i first, second;
-    if (type == kQ8_0) {
+    if constexpr (type == kQ8_0) {
       const __m128i flip = _mm_set1_epi8(-128);
       first = _mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2)), flip);
       second = _mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 18)), flip);
@@ -760,6 +762,13 @@ SGQ_AVX2 void UnpackRow(int type, const uint8_t* row, int64_t blocks, int64_t pa
     std::memset(u + at.second, 0, 16);
     std::memset(scale8 + at.scale, 0, at.copies * sizeof(float));
   }
+}
+
+void UnpackRow(int type, const uint8_t* row, int64_t blocks, int64_t pair_blocks, int64_t k, uint8_t* u,
+               float* scale8, float* offsets_t, int64_t offsets_stride) {
+  if (type == kQ4_1) return UnpackRowOf<kQ4_1>(row, blocks, pair_blocks, k, u, scale8, offsets_t, offsets_stride);
+  if (type == kQ4_0) return UnpackRowOf<kQ4_0>(row, blocks, pair_blocks, k, u, scale8, offsets_t, offsets_stride);
+  UnpackRowOf<kQ8_0>(row, blocks, pair_blocks, k, u, scale8, offsets_t, offsets_stride);
 }
 
 // The unpacked weight rows' operands (a tile's layout, PlaceOf): rows first, first + 1, ... of the
