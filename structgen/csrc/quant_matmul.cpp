@@ -191,6 +191,8 @@ void MatmulRowBuffered(BlockDequant dequant, const Format& f, const uint8_t* row
 
 #ifdef SGQ_X86
 #define SGQ_AVX2 __attribute__((target("avx2,fma,f16c")))
+// Inlined into its caller whatever the heuristics say (small helpers of the vector loops).
+#define SGQ_INLINE inline __attribute__((always_inline))
 
 SGQ_AVX2 inline float HalfToFloatAvx(const uint8_t* p) { return _cvtsh_ss(Load16(p)); }
 
@@ -729,15 +731,68 @@ void QuantizeRows(const float* x, int64_t n, int64_t cols, int planes, Int8Rows*
   QuantizeRowRange(x, cols, 0, n, out);
 }
 
+constexpr int BlockBytes(int type) { return type == kQ8_0 ? 34 : type == kQ4_1 ? 20 : 18; }
+
+// The four fp16 at p, p + step, p + 2 step, p + 3 step as floats.
+SGQ_VNNI512 SGQ_INLINE __m128 FourHalves(const uint8_t* p, int step) {
+  return _mm_cvtph_ps(_mm_setr_epi16(static_cast<int16_t>(Load16(p)), static_cast<int16_t>(Load16(p + step)),
+                                     static_cast<int16_t>(Load16(p + 2 * step)),
+                                     static_cast<int16_t>(Load16(p + 3 * step)), 0, 0, 0, 0));
+}
+
+// 16 bytes at p, p + step, p + 2 step, p + 3 step side by side.
+SGQ_VNNI512 SGQ_INLINE __m512i FourLanes(const uint8_t* p, int step) {
+  const __m512i v = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i v1 = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + step)), 1);
+  const __m512i v2 = _mm512_inserti32x4(v1, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * step)), 2);
+  return _mm512_inserti32x4(v2, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 3 * step)), 3);
+}
+
+// A whole group of four blocks at `blocks` unpacked at once, as UnpackRowOf would block by block:
+// codes at `u` (the group's 128 bytes of this row), scales at `scale` (16 floats), offsets m at
+// offsets_t, offsets_stride apart.
+template <int type>
+SGQ_VNNI512 void UnpackGroupAvx512(const uint8_t* blocks, uint8_t* u, float* scale, float* offsets_t,
+                                  int64_t offsets_stride) {
+  constexpr int bytes = BlockBytes(type);
+  const __m128 d = FourHalves(blocks, bytes);
+  const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  _mm512_storeu_ps(scale, _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(d)));
+  __m512i first, second;
+  __m128 m;
+  if constexpr (type == kQ8_0) {
+    const __m512i flip = _mm512_set1_epi8(-128);
+    first = _mm512_xor_si512(FourLanes(blocks + 2, bytes), flip);
+    second = _mm512_xor_si512(FourLanes(blocks + 18, bytes), flip);
+    m = _mm_mul_ps(d, _mm_set1_ps(-128.0f));
+  } else {
+    const __m512i raw = FourLanes(blocks + (type == kQ4_1 ? 4 : 2), bytes), low = _mm512_set1_epi8(0xf);
+    first = _mm512_and_si512(raw, low);
+    second = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+    m = type == kQ4_1 ? FourHalves(blocks + 2, bytes) : _mm_mul_ps(d, _mm_set1_ps(-8.0f));
+  }
+  _mm512_storeu_si512(u, first);
+  _mm512_storeu_si512(u + 64, second);
+  alignas(16) float ms[4];
+  _mm_store_ps(ms, m);
+  for (int j = 0; j < 4; ++j) offsets_t[offsets_stride * j] = ms[j];
+}
+
 // Weight row `row` unpacked as row k of Int8Weights' tile, its blocks' offsets m into offsets_t,
-// offsets_stride apart.
+// offsets_stride apart; whole groups at once where AVX-512 runs (`avx512`).
 template <int type>
 SGQ_AVX2 void UnpackRowOf(const uint8_t* row, int64_t blocks, int64_t pair_blocks, int64_t k, uint8_t* u,
-                          float* scale8, float* offsets_t, int64_t offsets_stride) {
-  constexpr int bytes = type == kQ8_0 ? 34 : type == kQ4_1 ? 20 : 18;
+                          float* scale8, float* offsets_t, int64_t offsets_stride, bool avx512) {
+  constexpr int bytes = BlockBytes(type);
   const __m128i low = _mm_set1_epi8(0xf);
   const int64_t grouped = GroupedBlocks(pair_blocks);
-  for (int64_t b = 0; b < blocks; ++b, row += bytes) {
+  int64_t b = 0;
+  if (avx512)
+    for (; b + 4 <= blocks && b < grouped; b += 4, row += 4 * bytes) {
+      const BlockPlace at = PlaceOf(b, grouped, k);
+      UnpackGroupAvx512<type>(row, u + at.first, scale8 + at.scale, offsets_t + offsets_stride * b, offsets_stride);
+    }
+  for (; b < blocks; ++b, row += bytes) {
     const float d = _cvtsh_ss(Load16(row));
     const BlockPlace at = PlaceOf(b, grouped, k);
     __m128i first, second;
@@ -765,10 +820,10 @@ SGQ_AVX2 void UnpackRowOf(const uint8_t* row, int64_t blocks, int64_t pair_block
 }
 
 void UnpackRow(int type, const uint8_t* row, int64_t blocks, int64_t pair_blocks, int64_t k, uint8_t* u,
-               float* scale8, float* offsets_t, int64_t offsets_stride) {
-  if (type == kQ4_1) return UnpackRowOf<kQ4_1>(row, blocks, pair_blocks, k, u, scale8, offsets_t, offsets_stride);
-  if (type == kQ4_0) return UnpackRowOf<kQ4_0>(row, blocks, pair_blocks, k, u, scale8, offsets_t, offsets_stride);
-  UnpackRowOf<kQ8_0>(row, blocks, pair_blocks, k, u, scale8, offsets_t, offsets_stride);
+               float* scale8, float* offsets_t, int64_t offsets_stride, bool avx512) {
+  if (type == kQ4_1) return UnpackRowOf<kQ4_1>(row, blocks, pair_blocks, k, u, scale8, offsets_t, offsets_stride, avx512);
+  if (type == kQ4_0) return UnpackRowOf<kQ4_0>(row, blocks, pair_blocks, k, u, scale8, offsets_t, offsets_stride, avx512);
+  UnpackRowOf<kQ8_0>(row, blocks, pair_blocks, k, u, scale8, offsets_t, offsets_stride, avx512);
 }
 
 // The unpacked weight rows' operands (a tile's layout, PlaceOf): rows first, first + 1, ... of the
@@ -988,7 +1043,7 @@ void Int8MatmulRows(int type, const uint8_t* w, int64_t row_bytes, int64_t begin
     const int64_t count = end - r0 < kWeightRows ? end - r0 : kWeightRows;
     for (int64_t k = 0; k < count; ++k)
       UnpackRow(type, w + (r0 + k) * row_bytes, x.blocks, x.pair_blocks, k, scratch->u.data(), scratch->scale8.data(),
-                m_t + r0 + k - begin, stride);
+                m_t + r0 + k - begin, stride, level == 2);
     // The next group's packed bytes come from memory while this group's tiles run.
     const int64_t next = end - r0 - count < kWeightRows ? end - r0 - count : kWeightRows;
     for (int64_t byte = 0; byte < next * row_bytes; byte += 64)
