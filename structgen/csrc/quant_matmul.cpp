@@ -935,7 +935,7 @@ SGQ_AVX512 inline __m128 SumsOfFour(const __m512* acc) {
 
 // One unit of blocks at block b (kChunks 2: a group of four, 1: the last pair; PlaceOf) of
 // activation rows i0 .. i0 + 4 against weight rows r < R, added into acc.
-template <int R, int kPlanes, int kChunks>
+template <int R, int kPlanes, int kChunks, int kRows>
 SGQ_VNNI512 inline void Int8UnitAvx512(const Int8Rows& x, int64_t i0, const Int8Operands& w, int64_t b,
                                        __m512 (*acc)[R]) {
   const UnitPlace unit = UnitAt(b, GroupedBlocks(x.pair_blocks));
@@ -947,7 +947,7 @@ SGQ_VNNI512 inline void Int8UnitAvx512(const Int8Rows& x, int64_t i0, const Int8
   __m512i u[R][kChunks];  // loaded once for the tile's rows: the loads, not the dots, would bound it
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < kChunks; ++c) u[r][c] = _mm512_loadu_si512(wu + r * unit.row_bytes + 64 * c);
-  for (int i = 0; i < kInt8TileRows; ++i) {
+  for (int i = 0; i < kRows; ++i) {
     __m512i a[kChunks], a_low[kChunks];
     for (int c = 0; c < kChunks; ++c) {
       a[c] = _mm512_loadu_si512(q + i * unit.row_bytes + 64 * c);
@@ -969,15 +969,16 @@ SGQ_VNNI512 inline void Int8UnitAvx512(const Int8Rows& x, int64_t i0, const Int8
 
 // y[i * y_stride + r] for activation rows i0 .. i0 + 4 (those below x.n) and weight rows r < R,
 // the activations in kPlanes int8 planes.
-template <int R, int kPlanes>
+// kRows of them: a step's last tile takes only the rows it has.
+template <int R, int kPlanes, int kRows = kInt8TileRows>
 SGQ_VNNI512 void Int8TileAvx512(const Int8Rows& x, int64_t i0, const Int8Operands& w, float* y, int64_t y_stride) {
-  __m512 acc[kInt8TileRows][R];
-  for (int i = 0; i < kInt8TileRows; ++i)
+  __m512 acc[kRows][R];
+  for (int i = 0; i < kRows; ++i)
     for (int r = 0; r < R; ++r) acc[i][r] = _mm512_setzero_ps();
   const int64_t grouped = GroupedBlocks(x.pair_blocks);
-  for (int64_t b = 0; b < grouped; b += 4) Int8UnitAvx512<R, kPlanes, 2>(x, i0, w, b, acc);
-  if (grouped < x.pair_blocks) Int8UnitAvx512<R, kPlanes, 1>(x, i0, w, grouped, acc);
-  for (int i = 0; i < kInt8TileRows && i0 + i < x.n; ++i) {
+  for (int64_t b = 0; b < grouped; b += 4) Int8UnitAvx512<R, kPlanes, 2, kRows>(x, i0, w, b, acc);
+  if (grouped < x.pair_blocks) Int8UnitAvx512<R, kPlanes, 1, kRows>(x, i0, w, grouped, acc);
+  for (int i = 0; i < kRows && i0 + i < x.n; ++i) {
     if constexpr (R == kWeightRows) {
       _mm_storeu_ps(y + (i0 + i) * y_stride, SumsOfFour(acc[i]));
     } else {
@@ -1040,8 +1041,18 @@ SGQ_AVXVNNI void Int8TileAvxVnni(const Int8Rows& x, int64_t i0, const Int8Operan
 // One tile at the CPU's level and the activations' plane count.
 template <int R>
 void Int8Tile(const Int8Rows& x, int64_t i0, const Int8Operands& w, float* y, int64_t y_stride, int level) {
-  if (level == 2 && x.planes == 2) Int8TileAvx512<R, 2>(x, i0, w, y, y_stride);
-  else if (level == 2) Int8TileAvx512<R, 1>(x, i0, w, y, y_stride);
+  if (level == 2) {
+    const int64_t rows = x.n - i0;  // fewer than a tile's in the last
+    if (x.planes == 2) {
+      if (rows == 1) Int8TileAvx512<R, 2, 1>(x, i0, w, y, y_stride);
+      else if (rows == 2) Int8TileAvx512<R, 2, 2>(x, i0, w, y, y_stride);
+      else Int8TileAvx512<R, 2>(x, i0, w, y, y_stride);
+    } else {
+      if (rows == 1) Int8TileAvx512<R, 1, 1>(x, i0, w, y, y_stride);
+      else if (rows == 2) Int8TileAvx512<R, 1, 2>(x, i0, w, y, y_stride);
+      else Int8TileAvx512<R, 1>(x, i0, w, y, y_stride);
+    }
+  }
   else if (x.planes == 2) Int8TileAvxVnni<R, 2>(x, i0, w, y, y_stride);
   else Int8TileAvxVnni<R, 1>(x, i0, w, y, y_stride);
 }
