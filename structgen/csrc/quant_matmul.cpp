@@ -564,6 +564,9 @@ void DequantRow(int type, const Format& f, const uint8_t* row, int64_t cols, flo
 // de-quantized operands up to float rounding. Only the quantized activations differ from the fp32 path.
 // With two planes an activation is q + q_low / 256 (q_low rounding what q left, in [-0.5, 0.5]
 // quanta): 16-bit activations, whose block dot 256 (u . q) + u . q_low is two int8 dot products.
+// A thread takes a share of the weight rows: it unpacks them four at a time, runs the tiles of
+// the first term over every activation row (Int8TileAvx512), and adds the second term, the
+// offsets', for its whole share at the end as one small fp32 GEMM (AddOffsetsAvx512).
 
 #if defined(SGQ_X86) && ((!defined(__clang__) && __GNUC__ >= 11) || (defined(__clang__) && __clang_major__ >= 12))
 #define SGQ_VNNI 1
@@ -579,8 +582,8 @@ struct Int8Rows {
   std::vector<int8_t> q;      // [rows, pair_blocks * 32]
   std::vector<int8_t> q_low;  // [rows, pair_blocks * 32] with two planes, else empty
   std::vector<float> scale8;  // [rows, pair_blocks * 8]: each block's scale of its integer codes, once per int32 lane
-  std::vector<float> sum4;    // [rows, quad_blocks * 4]: the scale * sum(codes), once per weight row of a tile
-  int64_t n = 0, rows = 0, blocks = 0, pair_blocks = 0, quad_blocks = 0;
+  std::vector<float> sums;    // [rows, blocks]: each block's scale * sum(codes), for the offsets' term
+  int64_t n = 0, rows = 0, blocks = 0, pair_blocks = 0;
   int planes = 1;
 };
 
@@ -665,7 +668,7 @@ SGQ_AVX2 inline void StoreScale(float scale, float* row, const BlockPlace& at) {
 // One activation row's blocks: q = round(x / d) and, with `q_low`, q_low = round(256 (x / d - q)),
 // placed as PlaceOf says for row k of a tile (q, q_low and scale8 at the tile's start).
 SGQ_AVX2 void QuantizeBlocks(const float* x, int64_t blocks, int64_t grouped, int64_t k, int8_t* q, int8_t* q_low,
-                             float* scale8, float* sum4) {
+                             float* scale8, float* sums) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int64_t b = 0; b < blocks; ++b, x += 32) {
     const BlockPlace at = PlaceOf(b, grouped, k);
@@ -696,7 +699,7 @@ SGQ_AVX2 void QuantizeBlocks(const float* x, int64_t blocks, int64_t grouped, in
       scale = d / 256.0f;
     }
     StoreScale(scale, scale8, at);
-    _mm_storeu_ps(sum4 + 4 * b, _mm_set1_ps(scale * HorizontalSum(_mm256_cvtepi32_ps(total))));
+    sums[b] = scale * HorizontalSum(_mm256_cvtepi32_ps(total));
   }
 }
 
@@ -708,16 +711,15 @@ void SizeRows(int64_t n, int64_t cols, int planes, Int8Rows* out) {
   out->rows = (n + kInt8TileRows - 1) / kInt8TileRows * kInt8TileRows;
   out->blocks = cols / 32;
   out->pair_blocks = (out->blocks + 1) / 2 * 2;
-  out->quad_blocks = (out->blocks + 3) / 4 * 4;
   out->q.assign(out->rows * out->pair_blocks * 32, 0);
   out->q_low.assign(planes == 2 ? out->q.size() : 0, 0);
   out->scale8.assign(out->rows * out->pair_blocks * 8, 0.0f);
-  out->sum4.assign(out->rows * out->quad_blocks * 4, 0.0f);
+  out->sums.assign(out->rows * out->blocks, 0.0f);
 }
 
 // QuantizeBlocks with AVX-512: the same operations on 16 lanes, the codes narrowed by vpmovsdb.
 SGQ_VNNI512 void QuantizeBlocksAvx512(const float* x, int64_t blocks, int64_t grouped, int64_t k, int8_t* q,
-                                      int8_t* q_low, float* scale8, float* sum4) {
+                                      int8_t* q_low, float* scale8, float* sums) {
   for (int64_t b = 0; b < blocks; ++b, x += 32) {
     const BlockPlace at = PlaceOf(b, grouped, k);
     const __m512 v[2] = {_mm512_loadu_ps(x), _mm512_loadu_ps(x + 16)};
@@ -742,7 +744,7 @@ SGQ_VNNI512 void QuantizeBlocksAvx512(const float* x, int64_t blocks, int64_t gr
     }
     StoreScale(scale, scale8, at);
     // The codes' sum is an integer below 2^24: exact in fp32 whatever the order it is summed in.
-    _mm_storeu_ps(sum4 + 4 * b, _mm_set1_ps(scale * static_cast<float>(_mm512_reduce_add_epi32(total))));
+    sums[b] = scale * static_cast<float>(_mm512_reduce_add_epi32(total));
   }
 }
 
@@ -754,7 +756,7 @@ void QuantizeRowRange(const float* x, int64_t cols, int64_t begin, int64_t end, 
     (level == 2 ? QuantizeBlocksAvx512 : QuantizeBlocks)(x + i * cols, out->blocks, GroupedBlocks(out->pair_blocks), i % kInt8TileRows,
                    out->q.data() + tile * out->pair_blocks * 32,
                    out->planes == 2 ? out->q_low.data() + tile * out->pair_blocks * 32 : nullptr,
-                   out->scale8.data() + tile * out->pair_blocks * 8, out->sum4.data() + i * out->quad_blocks * 4);
+                   out->scale8.data() + tile * out->pair_blocks * 8, out->sums.data() + i * out->blocks);
   }
 }
 
@@ -883,7 +885,7 @@ SGQ_AVX2 void AddOffsetsAvx2(const Int8Rows& x, const float* m_t, int64_t stride
         __m256 m[kVectors];
         for (int v = 0; v < kVectors; ++v) m[v] = _mm256_loadu_ps(m_t + b * stride + c + 8 * v);
         for (int i = 0; i < rows; ++i) {
-          const __m256 sum = _mm256_set1_ps(x.sum4[(i0 + i) * x.quad_blocks * 4 + 4 * b]);
+          const __m256 sum = _mm256_set1_ps(x.sums[(i0 + i) * x.blocks + b]);
           for (int v = 0; v < kVectors; ++v) acc[i][v] = _mm256_fmadd_ps(sum, m[v], acc[i][v]);
         }
       }
@@ -893,7 +895,7 @@ SGQ_AVX2 void AddOffsetsAvx2(const Int8Rows& x, const float* m_t, int64_t stride
   for (; c < cols; ++c)
     for (int64_t i = 0; i < x.n; ++i) {
       float total = 0;
-      for (int64_t b = 0; b < x.blocks; ++b) total += m_t[b * stride + c] * x.sum4[i * x.quad_blocks * 4 + 4 * b];
+      for (int64_t b = 0; b < x.blocks; ++b) total += m_t[b * stride + c] * x.sums[i * x.blocks + b];
       y[i * y_stride + c] += total;
     }
 }
@@ -913,7 +915,7 @@ SGQ_AVX512 void AddOffsetsAvx512(const Int8Rows& x, const float* m_t, int64_t st
         __m512 m[kVectors];
         for (int v = 0; v < kVectors; ++v) m[v] = _mm512_loadu_ps(m_t + b * stride + c + 16 * v);
         for (int i = 0; i < rows; ++i) {
-          const __m512 sum = _mm512_set1_ps(x.sum4[(i0 + i) * x.quad_blocks * 4 + 4 * b]);
+          const __m512 sum = _mm512_set1_ps(x.sums[(i0 + i) * x.blocks + b]);
           for (int v = 0; v < kVectors; ++v) acc[i][v] = _mm512_fmadd_ps(sum, m[v], acc[i][v]);
         }
       }
