@@ -7,7 +7,9 @@ weight read cold, sampling, bookkeeping) by difference. Best of `--repeats`.
 Then where the time to the first token of a `--prompt-tokens` prompt goes, with fp32, 16-bit and
 int8 activations (`EngineTuning(prompt_activations=...)`): the engine's whole one-token generation,
 the model's forward over the prompt (the native step), its layers' packed products alone (one
-call per projection, as many rows) and the LM head on the last row.
+call per projection, as many rows), the LM head on the last row, and the native step's phases
+timed on its first thread (`QuantKernels.profile_phases`: the tiles of each projection, the
+activations' rounding, attention, the element-wise phases, the waits at barriers).
 
     python -m benchmarks.profile_cpu_decode --threads 2
 """
