@@ -7,7 +7,9 @@ weight read cold, sampling, bookkeeping) by difference. Best of `--repeats`.
 Then where the time to the first token of a `--prompt-tokens` prompt goes, with fp32, 16-bit and
 int8 activations (`EngineTuning(prompt_activations=...)`): the engine's whole one-token generation,
 the model's forward over the prompt (the native step), its layers' packed products alone (one
-call per projection, as many rows) and the LM head on the last row.
+call per projection, as many rows), the LM head on the last row, and the native step's phases
+timed on its first thread (`QuantKernels.profile_phases`: the tiles of each projection, the
+activations' rounding, attention, the element-wise phases, the waits at barriers).
 
     python -m benchmarks.profile_cpu_decode --threads 2
 """
@@ -106,6 +108,7 @@ def prompt_profile(llm: object, tokens: int, repeats: int, activations: str) -> 
     batch = AttentionBatch.build([(slot, 0, len(ids))], kv.pages)
     prompt = torch.tensor(ids)
     forward = best_ms(lambda: model(prompt, batch, kv), repeats, inner=3)
+    phases = native_phases(lambda: model(prompt, batch, kv), repeats)
     hidden = model(prompt, batch, kv)
     head = best_ms(lambda: model.logits(hidden[-1:]), repeats)
     kv.pages.release_slot(slot)
@@ -120,6 +123,20 @@ def prompt_profile(llm: object, tokens: int, repeats: int, activations: str) -> 
     print(f"  the layers' packed products, one call each    {products:6.2f}")
     print(f"  LM head on the last row                       {head:6.2f}")
     print(f"  TTFT - forward - LM head (host, sampling)     {ttft - forward - head:6.2f}")
+    print(f"  the native step's phases on its first thread (mean of {repeats}; {sum(phases.values()):.2f} in all):")
+    for name, ms in phases.items():
+        print(f"    {name:<12} {ms:6.2f}")
+
+
+def native_phases(forward: Callable[[], object], repeats: int) -> dict[str, float]:
+    """ms per call of each phase of the native step (`QuantKernels.phase_seconds`), mean of `repeats` calls."""
+    kernels = cpu_quant.load()
+    forward()
+    kernels.profile_phases(True)
+    for _ in range(repeats):
+        forward()
+    kernels.profile_phases(False)
+    return {name: 1e3 * s / repeats for name, s in kernels.phase_seconds().items()}
 
 
 if __name__ == "__main__":

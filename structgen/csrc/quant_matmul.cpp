@@ -13,6 +13,7 @@
 // The last section, sgq_decode_layers, runs a whole Llama-family decode step over these products
 // (structgen/engine/kernels/cpu_decode.py).
 
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -190,6 +191,8 @@ void MatmulRowBuffered(BlockDequant dequant, const Format& f, const uint8_t* row
 
 #ifdef SGQ_X86
 #define SGQ_AVX2 __attribute__((target("avx2,fma,f16c")))
+// Inlined into its caller whatever the heuristics say (small helpers of the vector loops).
+#define SGQ_INLINE inline __attribute__((always_inline))
 
 SGQ_AVX2 inline float HalfToFloatAvx(const uint8_t* p) { return _cvtsh_ss(Load16(p)); }
 
@@ -561,6 +564,9 @@ void DequantRow(int type, const Format& f, const uint8_t* row, int64_t cols, flo
 // de-quantized operands up to float rounding. Only the quantized activations differ from the fp32 path.
 // With two planes an activation is q + q_low / 256 (q_low rounding what q left, in [-0.5, 0.5]
 // quanta): 16-bit activations, whose block dot 256 (u . q) + u . q_low is two int8 dot products.
+// A thread takes a share of the weight rows: it unpacks them four at a time, runs the tiles of
+// the first term over every activation row (Int8TileAvx512), and adds the second term, the
+// offsets', for its whole share at the end as one small fp32 GEMM (AddOffsetsAvx512).
 
 #if defined(SGQ_X86) && ((!defined(__clang__) && __GNUC__ >= 11) || (defined(__clang__) && __clang_major__ >= 12))
 #define SGQ_VNNI 1
@@ -576,8 +582,8 @@ struct Int8Rows {
   std::vector<int8_t> q;      // [rows, pair_blocks * 32]
   std::vector<int8_t> q_low;  // [rows, pair_blocks * 32] with two planes, else empty
   std::vector<float> scale8;  // [rows, pair_blocks * 8]: each block's scale of its integer codes, once per int32 lane
-  std::vector<float> sum4;    // [rows, quad_blocks * 4]: the scale * sum(codes), once per weight row of a tile
-  int64_t n = 0, rows = 0, blocks = 0, pair_blocks = 0, quad_blocks = 0;
+  std::vector<float> sums;    // [rows, blocks]: each block's scale * sum(codes), for the offsets' term
+  int64_t n = 0, rows = 0, blocks = 0, pair_blocks = 0;
   int planes = 1;
 };
 
@@ -585,9 +591,52 @@ struct Int8Rows {
 struct Int8Weights {
   std::vector<uint8_t> u;      // [kWeightRows, pair_blocks * 32]
   std::vector<float> scale8;   // [kWeightRows, pair_blocks * 8]
-  std::vector<float> offset4;  // [quad_blocks, kWeightRows]: the rows' offsets block by block
+  std::vector<float> offsets_t;  // [blocks, offsets_stride]: the offsets m of a share's rows, block by block
+  int64_t offsets_stride = 0;
 };
 static_assert(kWeightRows == 4, "the int8 tiles' offsets and sums interleave four weight rows");
+static_assert(kInt8TileRows == kWeightRows, "activation and weight rows share one tile layout (PlaceOf)");
+
+// Where a block's codes and scales sit in Int8Rows / Int8Weights. Four rows (a tile's) go together,
+// unit by unit: a unit is a group of four blocks, or a last pair that fills no group, and holds
+// the unit's codes of the tile's first row, then of its second, and so on, so that a tile reads
+// its rows' operands from one place. A group's 128 bytes of one row hold the first 16 codes of
+// each of its blocks, then the last 16: two dot products into one accumulator sum 8 codes per
+// int32 lane, and one fp32 conversion, scale and FMA serve four blocks (16 lanes, 4 per block;
+// scales repeated 4 times). A pair keeps block order (8 lanes per block, scales 8 times).
+struct BlockPlace {
+  int64_t first, second;  // bytes of codes 0-15 and 16-31 from the tile's start
+  int64_t scale;          // first float of the scale's copies from the tile's start
+  int copies;
+};
+
+// The blocks in whole groups of four of a row padded to `pair_blocks` blocks.
+int64_t GroupedBlocks(int64_t pair_blocks) { return pair_blocks / 4 * 4; }
+
+// Where the unit that starts at block b sits in a tile: its first row's codes and scales from
+// the tile's start, and how far apart its rows are (bytes, floats).
+struct UnitPlace {
+  int64_t codes, row_bytes, scales, row_floats;
+};
+
+inline UnitPlace UnitAt(int64_t b, int64_t grouped) {
+  const int64_t blocks = b < grouped ? 4 : 2;
+  return {kInt8TileRows * 32 * b, 32 * blocks, kInt8TileRows * 8 * b, 8 * blocks};
+}
+
+// Block b of a tile's row k.
+inline BlockPlace PlaceOf(int64_t b, int64_t grouped, int64_t k) {
+  if (b >= grouped) {
+    const int64_t start = b & ~int64_t{1};
+    const UnitPlace unit = UnitAt(start, grouped);
+    const int64_t first = unit.codes + k * unit.row_bytes + 32 * (b - start);
+    return {first, first + 16, unit.scales + k * unit.row_floats + 8 * (b - start), 8};
+  }
+  const int64_t start = b & ~int64_t{3}, j = b & 3;
+  const UnitPlace unit = UnitAt(start, grouped);
+  const int64_t first = unit.codes + k * unit.row_bytes + 16 * j;
+  return {first, first + 64, unit.scales + k * unit.row_floats + 4 * j, 4};
+}
 
 // 2 where the AVX512-VNNI tiles run, 1 for the AVX-VNNI ones, 0 where neither may (the fp32 kernels).
 int Int8Level(int simd) {
@@ -603,17 +652,26 @@ int Int8Level(int simd) {
 }
 
 #ifdef SGQ_VNNI
-// Four vectors of eight int32 (each within int8) as 32 bytes in order.
-SGQ_AVX2 inline void StoreBytes(const __m256i* n, int8_t* out) {
+// Four vectors of eight int32 (each within int8) as 32 bytes in order, the block's place's two halves.
+SGQ_AVX2 inline void StoreBytes(const __m256i* n, int8_t* row, const BlockPlace& at) {
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleave
-  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_permutevar8x32_epi32(bytes, order));
+  const __m256i bytes = _mm256_permutevar8x32_epi32(
+      _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3])), order);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(row + at.first), _mm256_castsi256_si128(bytes));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(row + at.second), _mm256_extracti128_si256(bytes, 1));
 }
 
-// One activation row's blocks: q = round(x / d) and, with `q_low`, q_low = round(256 (x / d - q)).
-SGQ_AVX2 void QuantizeBlocks(const float* x, int64_t blocks, int8_t* q, int8_t* q_low, float* scale8, float* sum4) {
+SGQ_AVX2 inline void StoreScale(float scale, float* row, const BlockPlace& at) {
+  for (int c = 0; c < at.copies; c += 4) _mm_storeu_ps(row + at.scale + c, _mm_set1_ps(scale));
+}
+
+// One activation row's blocks: q = round(x / d) and, with `q_low`, q_low = round(256 (x / d - q)),
+// placed as PlaceOf says for row k of a tile (q, q_low and scale8 at the tile's start).
+SGQ_AVX2 void QuantizeBlocks(const float* x, int64_t blocks, int64_t grouped, int64_t k, int8_t* q, int8_t* q_low,
+                             float* scale8, float* sums) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
-  for (int64_t b = 0; b < blocks; ++b, x += 32, q += 32) {
+  for (int64_t b = 0; b < blocks; ++b, x += 32) {
+    const BlockPlace at = PlaceOf(b, grouped, k);
     __m256 v[4], amax = _mm256_setzero_ps();
     for (int k = 0; k < 4; ++k) {
       v[k] = _mm256_loadu_ps(x + 8 * k);
@@ -627,7 +685,7 @@ SGQ_AVX2 void QuantizeBlocks(const float* x, int64_t blocks, int8_t* q, int8_t* 
     __m256 scaled[4];
     __m256i n[4], low[4];
     for (int k = 0; k < 4; ++k) n[k] = _mm256_cvtps_epi32(scaled[k] = _mm256_mul_ps(v[k], inverse));  // nearest even
-    StoreBytes(n, q);
+    StoreBytes(n, q, at);
     __m256i total = _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3]));
     float scale = d;
     if (q_low) {  // what q left, in 1/256 quanta, clamped to int8 as the reference clamps
@@ -635,162 +693,368 @@ SGQ_AVX2 void QuantizeBlocks(const float* x, int64_t blocks, int8_t* q, int8_t* 
         low[k] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_sub_ps(scaled[k], _mm256_cvtepi32_ps(n[k])), _mm256_set1_ps(256.0f)));
         low[k] = _mm256_max_epi32(_mm256_min_epi32(low[k], _mm256_set1_epi32(127)), _mm256_set1_epi32(-128));
       }
-      StoreBytes(low, q_low + 32 * b);
+      StoreBytes(low, q_low, at);
       const __m256i low_total = _mm256_add_epi32(_mm256_add_epi32(low[0], low[1]), _mm256_add_epi32(low[2], low[3]));
       total = _mm256_add_epi32(_mm256_slli_epi32(total, 8), low_total);
       scale = d / 256.0f;
     }
-    _mm256_storeu_ps(scale8 + 8 * b, _mm256_set1_ps(scale));
-    _mm_storeu_ps(sum4 + 4 * b, _mm_set1_ps(scale * HorizontalSum(_mm256_cvtepi32_ps(total))));
+    StoreScale(scale, scale8, at);
+    sums[b] = scale * HorizontalSum(_mm256_cvtepi32_ps(total));
   }
 }
 
 // x [n, cols] quantized into `out` in `planes` int8 planes, its buffers grown as needed and its padding zeroed.
-void QuantizeRows(const float* x, int64_t n, int64_t cols, int planes, Int8Rows* out) {
+// `out` sized for n rows of `cols` in `planes` planes, zeroed (its padding stays so).
+void SizeRows(int64_t n, int64_t cols, int planes, Int8Rows* out) {
   out->n = n;
   out->planes = planes;
   out->rows = (n + kInt8TileRows - 1) / kInt8TileRows * kInt8TileRows;
   out->blocks = cols / 32;
   out->pair_blocks = (out->blocks + 1) / 2 * 2;
-  out->quad_blocks = (out->blocks + 3) / 4 * 4;
   out->q.assign(out->rows * out->pair_blocks * 32, 0);
   out->q_low.assign(planes == 2 ? out->q.size() : 0, 0);
   out->scale8.assign(out->rows * out->pair_blocks * 8, 0.0f);
-  out->sum4.assign(out->rows * out->quad_blocks * 4, 0.0f);
-  for (int64_t i = 0; i < n; ++i)
-    QuantizeBlocks(x + i * cols, out->blocks, out->q.data() + i * out->pair_blocks * 32,
-                   planes == 2 ? out->q_low.data() + i * out->pair_blocks * 32 : nullptr, out->scale8.data() + i * out->pair_blocks * 8, out->sum4.data() + i * out->quad_blocks * 4);
+  out->sums.assign(out->rows * out->blocks, 0.0f);
 }
 
-SGQ_AVX2 void UnpackRow(int type, const uint8_t* row, int64_t blocks, int64_t pair_blocks, uint8_t* u,
-                        float* scale8, float* offset4) {
-  const int bytes = type == kQ8_0 ? 34 : type == kQ4_1 ? 20 : 18;
+// QuantizeBlocks with AVX-512: the same operations on 16 lanes, the codes narrowed by vpmovsdb.
+SGQ_VNNI512 void QuantizeBlocksAvx512(const float* x, int64_t blocks, int64_t grouped, int64_t k, int8_t* q,
+                                      int8_t* q_low, float* scale8, float* sums) {
+  for (int64_t b = 0; b < blocks; ++b, x += 32) {
+    const BlockPlace at = PlaceOf(b, grouped, k);
+    const __m512 v[2] = {_mm512_loadu_ps(x), _mm512_loadu_ps(x + 16)};
+    const float d = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1]))) / 127.0f;
+    const __m512 inverse = _mm512_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+    const __m512 scaled[2] = {_mm512_mul_ps(v[0], inverse), _mm512_mul_ps(v[1], inverse)};
+    const __m512i n[2] = {_mm512_cvtps_epi32(scaled[0]), _mm512_cvtps_epi32(scaled[1])};  // nearest even
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + at.first), _mm512_cvtsepi32_epi8(n[0]));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + at.second), _mm512_cvtsepi32_epi8(n[1]));
+    __m512i total = _mm512_add_epi32(n[0], n[1]);
+    float scale = d;
+    if (q_low) {  // what q left, in 1/256 quanta, clamped to int8 as the reference clamps
+      __m512i low[2];
+      for (int h = 0; h < 2; ++h) {
+        low[h] = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(scaled[h], _mm512_cvtepi32_ps(n[h])), _mm512_set1_ps(256.0f)));
+        low[h] = _mm512_max_epi32(_mm512_min_epi32(low[h], _mm512_set1_epi32(127)), _mm512_set1_epi32(-128));
+      }
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q_low + at.first), _mm512_cvtsepi32_epi8(low[0]));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q_low + at.second), _mm512_cvtsepi32_epi8(low[1]));
+      total = _mm512_add_epi32(_mm512_slli_epi32(total, 8), _mm512_add_epi32(low[0], low[1]));
+      scale = d / 256.0f;
+    }
+    StoreScale(scale, scale8, at);
+    // The codes' sum is an integer below 2^24: exact in fp32 whatever the order it is summed in.
+    sums[b] = scale * static_cast<float>(_mm512_reduce_add_epi32(total));
+  }
+}
+
+// Rows [begin, end) of x [out->n, cols] quantized into `out` (sized by SizeRows), with the int8
+// products' `level`'s instructions.
+void QuantizeRowRange(const float* x, int64_t cols, int64_t begin, int64_t end, Int8Rows* out, int level) {
+  for (int64_t i = begin; i < end; ++i) {
+    const int64_t tile = i - i % kInt8TileRows;
+    (level == 2 ? QuantizeBlocksAvx512 : QuantizeBlocks)(x + i * cols, out->blocks, GroupedBlocks(out->pair_blocks), i % kInt8TileRows,
+                   out->q.data() + tile * out->pair_blocks * 32,
+                   out->planes == 2 ? out->q_low.data() + tile * out->pair_blocks * 32 : nullptr,
+                   out->scale8.data() + tile * out->pair_blocks * 8, out->sums.data() + i * out->blocks);
+  }
+}
+
+void QuantizeRows(const float* x, int64_t n, int64_t cols, int planes, Int8Rows* out, int level) {
+  SizeRows(n, cols, planes, out);
+  QuantizeRowRange(x, cols, 0, n, out, level);
+}
+
+constexpr int BlockBytes(int type) { return type == kQ8_0 ? 34 : type == kQ4_1 ? 20 : 18; }
+
+// The four fp16 at p, p + step, p + 2 step, p + 3 step as floats.
+SGQ_VNNI512 SGQ_INLINE __m128 FourHalves(const uint8_t* p, int step) {
+  return _mm_cvtph_ps(_mm_setr_epi16(static_cast<int16_t>(Load16(p)), static_cast<int16_t>(Load16(p + step)),
+                                     static_cast<int16_t>(Load16(p + 2 * step)),
+                                     static_cast<int16_t>(Load16(p + 3 * step)), 0, 0, 0, 0));
+}
+
+// 16 bytes at p, p + step, p + 2 step, p + 3 step side by side.
+SGQ_VNNI512 SGQ_INLINE __m512i FourLanes(const uint8_t* p, int step) {
+  const __m512i v = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i v1 = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + step)), 1);
+  const __m512i v2 = _mm512_inserti32x4(v1, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * step)), 2);
+  return _mm512_inserti32x4(v2, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 3 * step)), 3);
+}
+
+// A whole group of four blocks at `blocks` unpacked at once, as UnpackRowOf would block by block:
+// codes at `u` (the group's 128 bytes of this row), scales at `scale` (16 floats), offsets m at
+// offsets_t, offsets_stride apart.
+template <int type>
+SGQ_VNNI512 void UnpackGroupAvx512(const uint8_t* blocks, uint8_t* u, float* scale, float* offsets_t,
+                                  int64_t offsets_stride) {
+  constexpr int bytes = BlockBytes(type);
+  const __m128 d = FourHalves(blocks, bytes);
+  const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  _mm512_storeu_ps(scale, _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(d)));
+  __m512i first, second;
+  __m128 m;
+  if constexpr (type == kQ8_0) {
+    const __m512i flip = _mm512_set1_epi8(-128);
+    first = _mm512_xor_si512(FourLanes(blocks + 2, bytes), flip);
+    second = _mm512_xor_si512(FourLanes(blocks + 18, bytes), flip);
+    m = _mm_mul_ps(d, _mm_set1_ps(-128.0f));
+  } else {
+    const __m512i raw = FourLanes(blocks + (type == kQ4_1 ? 4 : 2), bytes), low = _mm512_set1_epi8(0xf);
+    first = _mm512_and_si512(raw, low);
+    second = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+    m = type == kQ4_1 ? FourHalves(blocks + 2, bytes) : _mm_mul_ps(d, _mm_set1_ps(-8.0f));
+  }
+  _mm512_storeu_si512(u, first);
+  _mm512_storeu_si512(u + 64, second);
+  alignas(16) float ms[4];
+  _mm_store_ps(ms, m);
+  for (int j = 0; j < 4; ++j) offsets_t[offsets_stride * j] = ms[j];
+}
+
+// Weight row `row` unpacked as row k of Int8Weights' tile, its blocks' offsets m into offsets_t,
+// offsets_stride apart; whole groups at once where AVX-512 runs (`avx512`).
+template <int type>
+SGQ_AVX2 void UnpackRowOf(const uint8_t* row, int64_t blocks, int64_t pair_blocks, int64_t k, uint8_t* u,
+                          float* scale8, float* offsets_t, int64_t offsets_stride, bool avx512) {
+  constexpr int bytes = BlockBytes(type);
   const __m128i low = _mm_set1_epi8(0xf);
-  for (int64_t b = 0; b < blocks; ++b, row += bytes) {
+  const int64_t grouped = GroupedBlocks(pair_blocks);
+  int64_t b = 0;
+  if (avx512)
+    for (; b + 4 <= blocks && b < grouped; b += 4, row += 4 * bytes) {
+      const BlockPlace at = PlaceOf(b, grouped, k);
+      UnpackGroupAvx512<type>(row, u + at.first, scale8 + at.scale, offsets_t + offsets_stride * b, offsets_stride);
+    }
+  for (; b < blocks; ++b, row += bytes) {
     const float d = _cvtsh_ss(Load16(row));
-    if (type == kQ8_0) {
-      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 2));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(u + 32 * b), _mm256_xor_si256(q, _mm256_set1_epi8(-128)));
-      offset4[kWeightRows * b] = -128.0f * d;
+    const BlockPlace at = PlaceOf(b, grouped, k);
+    __m128i first, second;
+    if constexpr (type == kQ8_0) {
+      const __m128i flip = _mm_set1_epi8(-128);
+      first = _mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2)), flip);
+      second = _mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 18)), flip);
+      offsets_t[offsets_stride * b] = -128.0f * d;
     } else {
       const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + (type == kQ4_1 ? 4 : 2)));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(u + 32 * b), _mm_and_si128(raw, low));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(u + 32 * b + 16), _mm_and_si128(_mm_srli_epi16(raw, 4), low));
-      offset4[kWeightRows * b] = type == kQ4_1 ? _cvtsh_ss(Load16(row + 2)) : -8.0f * d;
+      first = _mm_and_si128(raw, low);
+      second = _mm_and_si128(_mm_srli_epi16(raw, 4), low);
+      offsets_t[offsets_stride * b] = type == kQ4_1 ? _cvtsh_ss(Load16(row + 2)) : -8.0f * d;
     }
-    _mm256_storeu_ps(scale8 + 8 * b, _mm256_set1_ps(d));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(u + at.first), first);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(u + at.second), second);
+    StoreScale(d, scale8, at);
   }
   if (blocks < pair_blocks) {  // the padding block multiplies zero activations; keep it finite
-    std::memset(u + 32 * blocks, 0, 32);
-    std::memset(scale8 + 8 * blocks, 0, 8 * sizeof(float));
+    const BlockPlace at = PlaceOf(blocks, grouped, k);
+    std::memset(u + at.first, 0, 16);
+    std::memset(u + at.second, 0, 16);
+    std::memset(scale8 + at.scale, 0, at.copies * sizeof(float));
   }
 }
 
-// The unpacked weight rows' operands: row r at u + r * u_stride, scale8 + r * scale_stride and
-// offset4 + r (its blocks kWeightRows apart).
+void UnpackRow(int type, const uint8_t* row, int64_t blocks, int64_t pair_blocks, int64_t k, uint8_t* u,
+               float* scale8, float* offsets_t, int64_t offsets_stride, bool avx512) {
+  if (type == kQ4_1) return UnpackRowOf<kQ4_1>(row, blocks, pair_blocks, k, u, scale8, offsets_t, offsets_stride, avx512);
+  if (type == kQ4_0) return UnpackRowOf<kQ4_0>(row, blocks, pair_blocks, k, u, scale8, offsets_t, offsets_stride, avx512);
+  UnpackRowOf<kQ8_0>(row, blocks, pair_blocks, k, u, scale8, offsets_t, offsets_stride, avx512);
+}
+
+// The unpacked weight rows' operands (a tile's layout, PlaceOf): rows first, first + 1, ... of the
+// tile at u and scale8.
 struct Int8Operands {
   const uint8_t* u;
   const float* scale8;
-  const float* offset4;
-  int64_t u_stride, scale_stride;
+  int64_t first;
 };
 
-// sum_b m[b] d_x[b] sum(q)[b] of one weight row and one activation row, both kWeightRows apart.
-float OffsetTerm(const float* offset4, const float* sum4, int64_t blocks) {
-  float total = 0;
-  for (int64_t b = 0; b < blocks; ++b) total += offset4[kWeightRows * b] * sum4[kWeightRows * b];
-  return total;
+// y[i, c] += sum_b m[c, b] d_x[i, b] sum(q)[i, b], the offsets' term, for activation rows i < x.n and
+// columns c < cols whose offsets m `m_t` holds ([blocks, stride]). One GEMM after a share's tiles,
+// as broadcast FMAs into y: in each tile it cost as much as a sixth of the tile's dot products.
+SGQ_AVX2 void AddOffsetsAvx2(const Int8Rows& x, const float* m_t, int64_t stride, int64_t cols, float* y,
+                             int64_t y_stride) {
+  constexpr int kRows = 4, kVectors = 2;  // 8 accumulators and their operands in AVX2's 16 registers
+  int64_t c = 0;
+  for (; c + 8 * kVectors <= cols; c += 8 * kVectors)
+    for (int64_t i0 = 0; i0 < x.n; i0 += kRows) {
+      const int rows = x.n - i0 < kRows ? static_cast<int>(x.n - i0) : kRows;
+      __m256 acc[kRows][kVectors];
+      for (int i = 0; i < rows; ++i)
+        for (int v = 0; v < kVectors; ++v) acc[i][v] = _mm256_loadu_ps(y + (i0 + i) * y_stride + c + 8 * v);
+      for (int64_t b = 0; b < x.blocks; ++b) {
+        __m256 m[kVectors];
+        for (int v = 0; v < kVectors; ++v) m[v] = _mm256_loadu_ps(m_t + b * stride + c + 8 * v);
+        for (int i = 0; i < rows; ++i) {
+          const __m256 sum = _mm256_set1_ps(x.sums[(i0 + i) * x.blocks + b]);
+          for (int v = 0; v < kVectors; ++v) acc[i][v] = _mm256_fmadd_ps(sum, m[v], acc[i][v]);
+        }
+      }
+      for (int i = 0; i < rows; ++i)
+        for (int v = 0; v < kVectors; ++v) _mm256_storeu_ps(y + (i0 + i) * y_stride + c + 8 * v, acc[i][v]);
+    }
+  for (; c < cols; ++c)
+    for (int64_t i = 0; i < x.n; ++i) {
+      float total = 0;
+      for (int64_t b = 0; b < x.blocks; ++b) total += m_t[b * stride + c] * x.sums[i * x.blocks + b];
+      y[i * y_stride + c] += total;
+    }
 }
 
-// The sums of 4 vectors (as y's 4 floats at one activation row) plus the offsets' term `offsets`,
-// whose 128-bit lanes hold partial sums of the same 4 rows.
-SGQ_AVX512 inline __m128 SumsOfFour(const __m512* acc, __m512 offsets) {
+// AddOffsetsAvx2 in AVX-512's 32 registers: 4 rows of 64 columns a tile.
+SGQ_AVX512 void AddOffsetsAvx512(const Int8Rows& x, const float* m_t, int64_t stride, int64_t cols, float* y,
+                                 int64_t y_stride) {
+  constexpr int kRows = 4, kVectors = 4;
+  const int64_t whole = cols / (16 * kVectors) * (16 * kVectors);
+  for (int64_t c = 0; c < whole; c += 16 * kVectors)
+    for (int64_t i0 = 0; i0 < x.n; i0 += kRows) {
+      const int rows = x.n - i0 < kRows ? static_cast<int>(x.n - i0) : kRows;
+      __m512 acc[kRows][kVectors];
+      for (int i = 0; i < rows; ++i)
+        for (int v = 0; v < kVectors; ++v) acc[i][v] = _mm512_loadu_ps(y + (i0 + i) * y_stride + c + 16 * v);
+      for (int64_t b = 0; b < x.blocks; ++b) {
+        __m512 m[kVectors];
+        for (int v = 0; v < kVectors; ++v) m[v] = _mm512_loadu_ps(m_t + b * stride + c + 16 * v);
+        for (int i = 0; i < rows; ++i) {
+          const __m512 sum = _mm512_set1_ps(x.sums[(i0 + i) * x.blocks + b]);
+          for (int v = 0; v < kVectors; ++v) acc[i][v] = _mm512_fmadd_ps(sum, m[v], acc[i][v]);
+        }
+      }
+      for (int i = 0; i < rows; ++i)
+        for (int v = 0; v < kVectors; ++v) _mm512_storeu_ps(y + (i0 + i) * y_stride + c + 16 * v, acc[i][v]);
+    }
+  AddOffsetsAvx2(x, m_t + whole, stride, cols - whole, y + whole, y_stride);
+}
+
+// The sums of 4 vectors, as y's 4 floats at one activation row.
+SGQ_AVX512 inline __m128 SumsOfFour(const __m512* acc) {
   const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(acc[0], acc[1]), _mm512_unpackhi_ps(acc[0], acc[1]));
   const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(acc[2], acc[3]), _mm512_unpackhi_ps(acc[2], acc[3]));
   const __m512d p0 = _mm512_castps_pd(t0), p1 = _mm512_castps_pd(t1);
-  const __m512 t = _mm512_add_ps(offsets, _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(p0, p1)),
-                                                        _mm512_castpd_ps(_mm512_unpackhi_pd(p0, p1))));
+  const __m512 t = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(p0, p1)), _mm512_castpd_ps(_mm512_unpackhi_pd(p0, p1)));
   const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(t), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(t), 1)));
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
-// y[i * y_stride + r] for activation rows i0 .. i0 + 4 (those below x.n) and weight rows r < R,
-// the activations in kPlanes int8 planes.
-template <int R, int kPlanes>
-SGQ_VNNI512 void Int8TileAvx512(const Int8Rows& x, int64_t i0, const Int8Operands& w, float* y, int64_t y_stride) {
-  const int64_t q_stride = x.pair_blocks * 32, s_stride = x.pair_blocks * 8;
-  __m512 acc[kInt8TileRows][R];
-  for (int i = 0; i < kInt8TileRows; ++i)
-    for (int r = 0; r < R; ++r) acc[i][r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < x.pair_blocks; b += 2) {
-    for (int i = 0; i < kInt8TileRows; ++i) {
-      const __m512i a = _mm512_loadu_si512(x.q.data() + (i0 + i) * q_stride + 32 * b);
-      __m512i a_low = _mm512_setzero_si512();
-      if constexpr (kPlanes == 2) a_low = _mm512_loadu_si512(x.q_low.data() + (i0 + i) * q_stride + 32 * b);
-      const __m512 da = _mm512_loadu_ps(x.scale8.data() + (i0 + i) * s_stride + 8 * b);
-      for (int r = 0; r < R; ++r) {
-        const __m512i u = _mm512_loadu_si512(w.u + r * w.u_stride + 32 * b);
-        const __m512 scale = _mm512_mul_ps(da, _mm512_loadu_ps(w.scale8 + r * w.scale_stride + 8 * b));
-        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, a);
-        if constexpr (kPlanes == 2) dot = _mm512_dpbusd_epi32(_mm512_slli_epi32(dot, 8), u, a_low);
-        acc[i][r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(dot), acc[i][r]);
+// One unit of blocks at block b (kChunks 2: a group of four, 1: the last pair; PlaceOf) of
+// activation rows i0 .. i0 + 4 against weight rows r < R, added into acc.
+template <int R, int kPlanes, int kChunks, int kRows>
+SGQ_VNNI512 inline void Int8UnitAvx512(const Int8Rows& x, int64_t i0, const Int8Operands& w, int64_t b,
+                                       __m512 (*acc)[R]) {
+  const UnitPlace unit = UnitAt(b, GroupedBlocks(x.pair_blocks));
+  const int8_t* q = x.q.data() + i0 * x.pair_blocks * 32 + unit.codes;
+  const int8_t* q_low = kPlanes == 2 ? x.q_low.data() + i0 * x.pair_blocks * 32 + unit.codes : nullptr;
+  const float* da = x.scale8.data() + i0 * x.pair_blocks * 8 + unit.scales;
+  const uint8_t* wu = w.u + unit.codes + w.first * unit.row_bytes;
+  const float* dw = w.scale8 + unit.scales + w.first * unit.row_floats;
+  __m512i u[R][kChunks];  // loaded once for the tile's rows: the loads, not the dots, would bound it
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kChunks; ++c) u[r][c] = _mm512_loadu_si512(wu + r * unit.row_bytes + 64 * c);
+  for (int i = 0; i < kRows; ++i) {
+    __m512i a[kChunks], a_low[kChunks];
+    for (int c = 0; c < kChunks; ++c) {
+      a[c] = _mm512_loadu_si512(q + i * unit.row_bytes + 64 * c);
+      if constexpr (kPlanes == 2) a_low[c] = _mm512_loadu_si512(q_low + i * unit.row_bytes + 64 * c);
+    }
+    const __m512 da_i = _mm512_loadu_ps(da + i * unit.row_floats);
+    for (int r = 0; r < R; ++r) {
+      const __m512 scale = _mm512_mul_ps(da_i, _mm512_loadu_ps(dw + r * unit.row_floats));
+      __m512i dot = _mm512_setzero_si512();
+      for (int c = 0; c < kChunks; ++c) dot = _mm512_dpbusd_epi32(dot, u[r][c], a[c]);
+      if constexpr (kPlanes == 2) {
+        dot = _mm512_slli_epi32(dot, 8);
+        for (int c = 0; c < kChunks; ++c) dot = _mm512_dpbusd_epi32(dot, u[r][c], a_low[c]);
       }
+      acc[i][r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(dot), acc[i][r]);
     }
   }
-  const float* sum4 = x.sum4.data() + i0 * x.quad_blocks * 4;
-  if constexpr (R == kWeightRows) {
-    __m512 offsets[kInt8TileRows];  // one accumulator per row: four chains of FMAs, not one
-    for (int i = 0; i < kInt8TileRows; ++i) offsets[i] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < x.quad_blocks; b += 4) {
-      const __m512 m = _mm512_loadu_ps(w.offset4 + 4 * b);
-      for (int i = 0; i < kInt8TileRows; ++i)
-        offsets[i] = _mm512_fmadd_ps(m, _mm512_loadu_ps(sum4 + i * x.quad_blocks * 4 + 4 * b), offsets[i]);
+}
+
+// y[i * y_stride + r] for activation rows i0 .. i0 + 4 (those below x.n) and weight rows r < R,
+// the activations in kPlanes int8 planes.
+// kRows of them: a step's last tile takes only the rows it has.
+template <int R, int kPlanes, int kRows = kInt8TileRows>
+SGQ_VNNI512 void Int8TileAvx512(const Int8Rows& x, int64_t i0, const Int8Operands& w, float* y, int64_t y_stride) {
+  __m512 acc[kRows][R];
+  for (int i = 0; i < kRows; ++i)
+    for (int r = 0; r < R; ++r) acc[i][r] = _mm512_setzero_ps();
+  const int64_t grouped = GroupedBlocks(x.pair_blocks);
+  for (int64_t b = 0; b < grouped; b += 4) Int8UnitAvx512<R, kPlanes, 2, kRows>(x, i0, w, b, acc);
+  if (grouped < x.pair_blocks) Int8UnitAvx512<R, kPlanes, 1, kRows>(x, i0, w, grouped, acc);
+  for (int i = 0; i < kRows && i0 + i < x.n; ++i) {
+    if constexpr (R == kWeightRows) {
+      _mm_storeu_ps(y + (i0 + i) * y_stride, SumsOfFour(acc[i]));
+    } else {
+      for (int r = 0; r < R; ++r) y[(i0 + i) * y_stride + r] = _mm512_reduce_add_ps(acc[i][r]);
     }
-    for (int i = 0; i < kInt8TileRows && i0 + i < x.n; ++i)
-      _mm_storeu_ps(y + (i0 + i) * y_stride, SumsOfFour(acc[i], offsets[i]));
-  } else {
-    for (int i = 0; i < kInt8TileRows && i0 + i < x.n; ++i)
-      for (int r = 0; r < R; ++r)
-        y[(i0 + i) * y_stride + r] = _mm512_reduce_add_ps(acc[i][r]) +
-                                     OffsetTerm(w.offset4 + r, sum4 + i * x.quad_blocks * 4, x.blocks);
   }
 }
 
 constexpr int kAvxVnniTileRows = 2;
 
+// Int8UnitAvx512's unit in 256-bit halves: `half` 0 or 1, the unit's first or second 8 lanes.
+template <int R, int kPlanes, int kChunks>
+SGQ_AVXVNNI inline void Int8UnitAvxVnni(const Int8Rows& x, int64_t i0, const Int8Operands& w, int64_t b, int half,
+                                        __m256 (*acc)[R]) {
+  const UnitPlace unit = UnitAt(b, GroupedBlocks(x.pair_blocks));
+  const int64_t tile = i0 - i0 % kInt8TileRows, k0 = i0 % kInt8TileRows;  // this tile's rows in the layout's tile
+  const int64_t codes = tile * x.pair_blocks * 32 + unit.codes + k0 * unit.row_bytes + 32 * half;
+  const float* da = x.scale8.data() + tile * x.pair_blocks * 8 + unit.scales + k0 * unit.row_floats + 8 * half;
+  const uint8_t* wu = w.u + unit.codes + w.first * unit.row_bytes + 32 * half;
+  const float* dw = w.scale8 + unit.scales + w.first * unit.row_floats + 8 * half;
+  for (int i = 0; i < kAvxVnniTileRows; ++i) {
+    __m256i a[kChunks], a_low[kChunks];
+    for (int c = 0; c < kChunks; ++c) {
+      const int64_t at = codes + i * unit.row_bytes + 64 * c;
+      a[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + at));
+      if constexpr (kPlanes == 2) a_low[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q_low.data() + at));
+    }
+    const __m256 da_i = _mm256_loadu_ps(da + i * unit.row_floats);
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* u = wu + r * unit.row_bytes;
+      const __m256 scale = _mm256_mul_ps(da_i, _mm256_loadu_ps(dw + r * unit.row_floats));
+      __m256i dot = _mm256_setzero_si256();
+      for (int c = 0; c < kChunks; ++c)
+        dot = _mm256_dpbusd_avx_epi32(dot, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + 64 * c)), a[c]);
+      if constexpr (kPlanes == 2) {
+        dot = _mm256_slli_epi32(dot, 8);
+        for (int c = 0; c < kChunks; ++c)
+          dot = _mm256_dpbusd_avx_epi32(dot, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + 64 * c)), a_low[c]);
+      }
+      acc[i][r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dot), acc[i][r]);
+    }
+  }
+}
+
 template <int R, int kPlanes>
 SGQ_AVXVNNI void Int8TileAvxVnni(const Int8Rows& x, int64_t i0, const Int8Operands& w, float* y, int64_t y_stride) {
-  const int64_t q_stride = x.pair_blocks * 32, s_stride = x.pair_blocks * 8;
   __m256 acc[kAvxVnniTileRows][R];
   for (int i = 0; i < kAvxVnniTileRows; ++i)
     for (int r = 0; r < R; ++r) acc[i][r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < x.blocks; ++b) {
-    for (int i = 0; i < kAvxVnniTileRows; ++i) {
-      const int64_t at = (i0 + i) * q_stride + 32 * b;
-      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + at));
-      __m256i a_low = _mm256_setzero_si256();
-      if constexpr (kPlanes == 2) a_low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q_low.data() + at));
-      const __m256 da = _mm256_loadu_ps(x.scale8.data() + (i0 + i) * s_stride + 8 * b);
-      for (int r = 0; r < R; ++r) {
-        const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.u + r * w.u_stride + 32 * b));
-        const __m256 scale = _mm256_mul_ps(da, _mm256_loadu_ps(w.scale8 + r * w.scale_stride + 8 * b));
-        __m256i dot = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, a);
-        if constexpr (kPlanes == 2) dot = _mm256_dpbusd_avx_epi32(_mm256_slli_epi32(dot, 8), u, a_low);
-        acc[i][r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dot), acc[i][r]);
-      }
-    }
-  }
+  const int64_t grouped = GroupedBlocks(x.pair_blocks);
+  for (int64_t b = 0; b < grouped; b += 4)
+    for (int half = 0; half < 2; ++half) Int8UnitAvxVnni<R, kPlanes, 2>(x, i0, w, b, half, acc);
+  if (grouped < x.pair_blocks)
+    for (int half = 0; half < 2; ++half) Int8UnitAvxVnni<R, kPlanes, 1>(x, i0, w, grouped, half, acc);
   for (int i = 0; i < kAvxVnniTileRows && i0 + i < x.n; ++i)
     for (int r = 0; r < R; ++r)
-      y[(i0 + i) * y_stride + r] = HorizontalSum(acc[i][r]) +
-                                   OffsetTerm(w.offset4 + r, x.sum4.data() + (i0 + i) * x.quad_blocks * 4, x.blocks);
+      y[(i0 + i) * y_stride + r] = HorizontalSum(acc[i][r]);
 }
 
 // One tile at the CPU's level and the activations' plane count.
 template <int R>
 void Int8Tile(const Int8Rows& x, int64_t i0, const Int8Operands& w, float* y, int64_t y_stride, int level) {
-  if (level == 2 && x.planes == 2) Int8TileAvx512<R, 2>(x, i0, w, y, y_stride);
-  else if (level == 2) Int8TileAvx512<R, 1>(x, i0, w, y, y_stride);
+  if (level == 2) {
+    const int64_t rows = x.n - i0;  // fewer than a tile's in the last
+    if (x.planes == 2) {
+      if (rows == 1) Int8TileAvx512<R, 2, 1>(x, i0, w, y, y_stride);
+      else if (rows == 2) Int8TileAvx512<R, 2, 2>(x, i0, w, y, y_stride);
+      else Int8TileAvx512<R, 2>(x, i0, w, y, y_stride);
+    } else {
+      if (rows == 1) Int8TileAvx512<R, 1, 1>(x, i0, w, y, y_stride);
+      else if (rows == 2) Int8TileAvx512<R, 1, 2>(x, i0, w, y, y_stride);
+      else Int8TileAvx512<R, 1>(x, i0, w, y, y_stride);
+    }
+  }
   else if (x.planes == 2) Int8TileAvxVnni<R, 2>(x, i0, w, y, y_stride);
   else Int8TileAvxVnni<R, 1>(x, i0, w, y, y_stride);
 }
@@ -804,8 +1068,7 @@ void Int8Tiles(const Int8Rows& x, const Int8Operands& w, int64_t count, float* y
       continue;
     }
     for (int64_t r = 0; r < count; ++r) {
-      const Int8Operands row = {w.u + r * w.u_stride, w.scale8 + r * w.scale_stride, w.offset4 + r, w.u_stride,
-                                w.scale_stride};
+      const Int8Operands row = {w.u, w.scale8, w.first + r};
       Int8Tile<1>(x, i0, row, y + r, y_stride, level);
     }
   }
@@ -814,28 +1077,63 @@ void Int8Tiles(const Int8Rows& x, const Int8Operands& w, int64_t count, float* y
 // Weight rows [begin, end) against the quantized rows `x`, kWeightRows rows unpacked at a time into `scratch`.
 void Int8MatmulRows(int type, const uint8_t* w, int64_t row_bytes, int64_t begin, int64_t end, const Int8Rows& x,
                     float* y, int64_t y_stride, int level, Int8Weights* scratch) {
-  const int64_t u_stride = x.pair_blocks * 32, s_stride = x.pair_blocks * 8;
-  scratch->u.resize(kWeightRows * u_stride);
-  scratch->scale8.resize(kWeightRows * s_stride);
-  scratch->offset4.resize(kWeightRows * x.quad_blocks);
-  const Int8Operands ops = {scratch->u.data(), scratch->scale8.data(), scratch->offset4.data(), u_stride, s_stride};
+  scratch->u.resize(kWeightRows * x.pair_blocks * 32);
+  scratch->scale8.resize(kWeightRows * x.pair_blocks * 8);
+  // A cache line more than the rows: columns a multiple of 4 KB apart would share one L1 set.
+  const int64_t stride = (end - begin + 15) / 16 * 16 + 16;
+  scratch->offsets_t.resize(x.blocks * stride);
+  float* m_t = scratch->offsets_t.data();
+  const Int8Operands ops = {scratch->u.data(), scratch->scale8.data(), 0};
   for (int64_t r0 = begin; r0 < end; r0 += kWeightRows) {
     const int64_t count = end - r0 < kWeightRows ? end - r0 : kWeightRows;
     for (int64_t k = 0; k < count; ++k)
-      UnpackRow(type, w + (r0 + k) * row_bytes, x.blocks, x.pair_blocks, scratch->u.data() + k * u_stride,
-                scratch->scale8.data() + k * s_stride, scratch->offset4.data() + k);
+      UnpackRow(type, w + (r0 + k) * row_bytes, x.blocks, x.pair_blocks, k, scratch->u.data(), scratch->scale8.data(),
+                m_t + r0 + k - begin, stride, level == 2);
     // The next group's packed bytes come from memory while this group's tiles run.
     const int64_t next = end - r0 - count < kWeightRows ? end - r0 - count : kWeightRows;
     for (int64_t byte = 0; byte < next * row_bytes; byte += 64)
       __builtin_prefetch(w + (r0 + count) * row_bytes + byte);
     Int8Tiles(x, ops, count, y + r0, y_stride, level);
   }
+  if (level == 2) AddOffsetsAvx512(x, m_t, stride, end - begin, y + begin, y_stride);
+  else AddOffsetsAvx2(x, m_t, stride, end - begin, y + begin, y_stride);
 }
 #else
-void QuantizeRows(const float*, int64_t, int64_t, int, Int8Rows*) {}
+void SizeRows(int64_t, int64_t, int, Int8Rows*) {}
+void QuantizeRowRange(const float*, int64_t, int64_t, int64_t, Int8Rows*, int) {}
+void QuantizeRows(const float*, int64_t, int64_t, int, Int8Rows*, int) {}
 void Int8MatmulRows(int, const uint8_t*, int64_t, int64_t, int64_t, const Int8Rows&, float*, int64_t, int,
                     Int8Weights*) {}
 #endif
+
+// Work split of a parallel loop over `count` items: this thread's [begin, end).
+struct Share {
+  int64_t begin, end;
+};
+
+Share ShareOf(int64_t count, int thread, int threads) {
+  const int64_t per = count / threads, extra = count % threads;
+  const int64_t begin = thread * per + (thread < extra ? thread : extra);
+  return {begin, begin + per + (thread < extra ? 1 : 0)};
+}
+
+struct Team {
+  int thread, threads;
+};
+
+Team ThisTeam() {
+#ifdef _OPENMP
+  return {omp_get_thread_num(), omp_get_num_threads()};
+#else
+  return {0, 1};
+#endif
+}
+
+void Barrier() {
+#ifdef _OPENMP
+#pragma omp barrier
+#endif
+}
 
 // The int8 level a product of `n` rows of format `type` runs at: 0 (the fp32 kernels) below
 // `int8_rows` rows (0: never), for the K formats, or without VNNI.
@@ -876,13 +1174,15 @@ int sgq_matmul(int type, const uint8_t* w, int64_t rows, int64_t cols, int64_t r
   const int int8 = Int8LevelFor(type, n, int8_rows, vec);
   if (int8) {
     Int8Rows quantized;
-    QuantizeRows(x, n, cols, planes, &quantized);
+    QuantizeRows(x, n, cols, planes, &quantized, int8);
 #pragma omp parallel num_threads(threads) if (rows * cols * n >= kParallelWork)
     {
       Int8Weights scratch;
-#pragma omp for schedule(static)
-      for (int64_t g = 0; g < RowGroups(rows); ++g)
-        Int8MatmulRows(type, w, row_bytes, g * kWeightRows, GroupEnd(g, rows), quantized, y, y_stride, int8, &scratch);
+      const Team team = ThisTeam();
+      const Share s = ShareOf(RowGroups(rows), team.thread, team.threads);  // whole shares: one offsets GEMM each
+      if (s.begin < s.end)
+        Int8MatmulRows(type, w, row_bytes, s.begin * kWeightRows, GroupEnd(s.end - 1, rows), quantized, y, y_stride,
+                       int8, &scratch);
     }
     return 0;
   }
@@ -961,40 +1261,37 @@ struct DecodeRows {
   const float* sin;
 };
 
-// Work split of a parallel loop over `count` items: this thread's [begin, end).
-struct Share {
-  int64_t begin, end;
+// Where a step's time goes, on thread 0 (sgq_profile_phases; benchmarks/profile_cpu_decode.py):
+// the phases in the order sgq_phase_seconds reports them. Off, a lap is one branch.
+enum Phase { kNormPhase, kQuantizePhase, kQkvPhase, kOPhase, kGateUpPhase, kDownPhase, kRopePhase,
+             kAttentionPhase, kSiluPhase, kResidualPhase, kWaitPhase, kStartPhase, kPhases };
+bool g_profiling = false;
+double g_phase_seconds[kPhases];
+
+struct PhaseClock {
+  bool on;
+  std::chrono::steady_clock::time_point last = std::chrono::steady_clock::now();
+
+  // The time since the last lap goes to `phase`.
+  void Lap(Phase phase) {
+    if (!on) return;
+    const auto now = std::chrono::steady_clock::now();
+    g_phase_seconds[phase] += std::chrono::duration<double>(now - last).count();
+    last = now;
+  }
+
+  // `phase` ends and the thread waits for the others (the wait counted apart).
+  void Wait(Phase phase) {
+    Lap(phase);
+    Barrier();
+    Lap(kWaitPhase);
+  }
 };
 
-Share ShareOf(int64_t count, int thread, int threads) {
-  const int64_t per = count / threads, extra = count % threads;
-  const int64_t begin = thread * per + (thread < extra ? thread : extra);
-  return {begin, begin + per + (thread < extra ? 1 : 0)};
-}
-
-struct Team {
-  int thread, threads;
-};
-
-Team ThisTeam() {
-#ifdef _OPENMP
-  return {omp_get_thread_num(), omp_get_num_threads()};
-#else
-  return {0, 1};
-#endif
-}
-
-void Barrier() {
-#ifdef _OPENMP
-#pragma omp barrier
-#endif
-}
-
-// What each thread keeps for the int8 products: its quantized copy of the activations, the
-// weight rows it unpacks, the fewest rows a product runs on int8 activations (0: never) and how
-// many of a step's leading rows may (the rest stay on fp32 whatever the step's size).
+// What each thread keeps for the int8 products: the weight rows it unpacks, the fewest rows a
+// product runs on int8 activations (0: never) and how many of a step's leading rows may (the
+// rest stay on fp32 whatever the step's size).
 struct Int8Scratch {
-  Int8Rows rows;
   Int8Weights weights;
   int64_t int8_rows;
   int planes;
@@ -1002,16 +1299,21 @@ struct Int8Scratch {
 };
 
 // y[i, r] = x[i, :] . W[r, :] (+ bias[r]) for this thread's share of the rows r.
-void LinearShare(const Linear& l, const float* x, int64_t n, float* y, int simd, Team team, Int8Scratch* int8) {
+// `codes`, shared by the threads and sized for the step's integer rows and x's columns, takes x's
+// integer rows, each thread quantizing its share.
+void LinearShare(const Linear& l, const float* x, int64_t n, float* y, int simd, Team team, Int8Scratch* int8,
+                 Int8Rows* codes, PhaseClock* clock) {
   Format f;
   FormatOf(l.type, &f);
   const Share s = ShareOf(RowGroups(l.rows), team.thread, team.threads);
   const int64_t begin = s.begin * kWeightRows, end = s.begin < s.end ? GroupEnd(s.end - 1, l.rows) : begin;
   const int64_t lead = int8->lead < n ? int8->lead : n;
   const int level = Int8LevelFor(l.type, lead, int8->int8_rows, simd);
-  if (level) {  // every thread quantizes its own copy: cheaper than a barrier
-    QuantizeRows(x, lead, l.cols, int8->planes, &int8->rows);
-    Int8MatmulRows(l.type, l.w, l.row_bytes, begin, end, int8->rows, y, l.rows, level, &int8->weights);
+  if (level) {
+    const Share mine = ShareOf(lead, team.thread, team.threads);
+    QuantizeRowRange(x, l.cols, mine.begin, mine.end, codes, level);
+    clock->Wait(kQuantizePhase);  // every row quantized before any tile reads it
+    Int8MatmulRows(l.type, l.w, l.row_bytes, begin, end, *codes, y, l.rows, level, &int8->weights);
     if (lead < n)
       MatmulRows(l.type, f, l.w, l.row_bytes, begin, end, l.cols, x + lead * l.cols, n - lead, y + lead * l.rows,
                  l.rows, simd);
@@ -1057,6 +1359,46 @@ void RopeAndCache(const ModelShape& m, const DecoderLayer& l, const DecodeRows& 
   }
 }
 
+// Where a row's keys and values are: its page table, and one kv head's place in a cache row.
+struct KvSpan {
+  const float *k_cache, *v_cache;
+  const int64_t* pages;
+  int64_t page_size, row_floats, head_offset;
+
+  int64_t Offset(int64_t t) const { return (pages[t / page_size] * page_size + t % page_size) * row_floats + head_offset; }
+};
+
+#ifdef SGQ_X86
+// AttendHead's loops for a head of D dims (a multiple of 16) with q and the output in registers:
+// the same operations in the same order as Dot, ExpShifted and Axpy make there, without their
+// loads and stores of q and the output at every key.
+template <int D>
+SGQ_AVX512 void AttendHeadAvx512(const float* q, const KvSpan& kv, int64_t first, int64_t ctx, float scale, float* s,
+                                 float* out) {
+  constexpr int kVectors = D / 16;
+  __m512 qv[kVectors], o[kVectors];
+  for (int v = 0; v < kVectors; ++v) {
+    qv[v] = _mm512_loadu_ps(q + 16 * v);
+    o[v] = _mm512_setzero_ps();
+  }
+  float top = -INFINITY;
+  for (int64_t t = first; t < ctx; ++t) {
+    const float* k = kv.k_cache + kv.Offset(t);
+    __m512 acc = _mm512_setzero_ps();
+    for (int v = 0; v < kVectors; ++v) acc = _mm512_fmadd_ps(qv[v], _mm512_loadu_ps(k + 16 * v), acc);
+    s[t - first] = _mm512_reduce_add_ps(acc) * scale;
+    top = s[t - first] > top ? s[t - first] : top;
+  }
+  const float total = ExpShiftedAvx512(s, ctx - first, top);
+  for (int64_t t = first; t < ctx; ++t) {
+    const float* value = kv.v_cache + kv.Offset(t);
+    const __m512 p = _mm512_set1_ps(s[t - first] / total);
+    for (int v = 0; v < kVectors; ++v) o[v] = _mm512_fmadd_ps(p, _mm512_loadu_ps(value + 16 * v), o[v]);
+  }
+  for (int v = 0; v < kVectors; ++v) _mm512_storeu_ps(out + 16 * v, o[v]);
+}
+#endif
+
 // Attention of query head `head` of row `i` over its sequence's cached keys up to its position
 // (the window's last keys where the layer has one): softmax(q . k / sqrt(d)) . v into `out`.
 void AttendHead(const ModelShape& m, const DecoderLayer& l, const DecodeRows& b, const float* qkv,
@@ -1069,6 +1411,11 @@ void AttendHead(const ModelShape& m, const DecoderLayer& l, const DecodeRows& b,
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   scores->resize(ctx - first);
   float* s = scores->data();
+#ifdef SGQ_X86
+  const KvSpan span = {l.k_cache, l.v_cache, pages, b.page_size, kv, kv_head * d};
+  if (simd >= 2 && d == 64) return AttendHeadAvx512<64>(q, span, first, ctx, scale, s, out);
+  if (simd >= 2 && d == 128) return AttendHeadAvx512<128>(q, span, first, ctx, scale, s, out);
+#endif
   float top = -INFINITY;
   for (int64_t t = first; t < ctx; ++t) {
     const int64_t cache_row = pages[t / b.page_size] * b.page_size + t % b.page_size;
@@ -1085,12 +1432,20 @@ void AttendHead(const ModelShape& m, const DecoderLayer& l, const DecodeRows& b,
   }
 }
 
-// Buffers the threads share: the products each thread writes its share of rows into.
+// Buffers the threads share: the products each thread writes its share of rows into, and the
+// integer codes of the products' inputs (the normed stream, attention's output, SiLU * up) for
+// the step's first `lead` rows where they multiply integer activations (unsized otherwise).
 struct SharedBuffers {
   std::vector<float> qkv, attn, proj, gate_up, act;
-  SharedBuffers(const ModelShape& m, int64_t n)
+  Int8Rows normed_codes, attn_codes, act_codes;
+  SharedBuffers(const ModelShape& m, int64_t n, int64_t lead, bool integer, int planes)
       : qkv(n * (m.heads + 2 * m.kv_heads) * m.head_dim), attn(n * m.heads * m.head_dim), proj(n * m.hidden),
-        gate_up(n * 2 * m.inter), act(n * m.inter) {}
+        gate_up(n * 2 * m.inter), act(n * m.inter) {
+    if (!integer) return;
+    SizeRows(lead, m.hidden, planes, &normed_codes);
+    SizeRows(lead, m.heads * m.head_dim, planes, &attn_codes);
+    SizeRows(lead, m.inter, planes, &act_codes);
+  }
 };
 
 // What every thread keeps for itself: its copy of the residual stream and of the small
@@ -1099,43 +1454,53 @@ struct SharedBuffers {
 struct ThreadState {
   std::vector<float> hidden, normed, scores;
   Int8Scratch int8;
-  ThreadState(const ModelShape& m, int64_t n, const float* stream, int64_t int8_rows, int planes, int64_t lead)
-      : hidden(stream, stream + n * m.hidden), normed(n * m.hidden), int8{{}, {}, int8_rows, planes, lead} {}
+  PhaseClock clock;
+  ThreadState(const ModelShape& m, int64_t n, const float* stream, int64_t int8_rows, int planes, int64_t lead,
+              bool timed)
+      : hidden(stream, stream + n * m.hidden), normed(n * m.hidden), int8{{}, int8_rows, planes, lead},
+        clock{timed} {}
 };
 
 // hidden += o(attention(norm(hidden))), the residual stream of this thread's copy.
 void AttentionBlock(const ModelShape& m, const DecoderLayer& l, const DecodeRows& b, SharedBuffers* buf,
                     ThreadState* own, int simd, Team team) {
+  PhaseClock* clock = &own->clock;
   RmsNorm(own->hidden.data(), l.attn_norm, b.n, m.hidden, m.eps, own->normed.data(), simd);
-  LinearShare(l.qkv, own->normed.data(), b.n, buf->qkv.data(), simd, team, &own->int8);
-  Barrier();
+  clock->Lap(kNormPhase);
+  LinearShare(l.qkv, own->normed.data(), b.n, buf->qkv.data(), simd, team, &own->int8, &buf->normed_codes, clock);
+  clock->Wait(kQkvPhase);
   RopeAndCache(m, l, b, buf->qkv.data(), ShareOf(b.n, team.thread, team.threads));
-  Barrier();
+  clock->Wait(kRopePhase);
   // Jobs dealt round-robin: a prompt's later rows attend to more keys than its first ones.
   for (int64_t job = team.thread; job < b.n * m.heads; job += team.threads)
     AttendHead(m, l, b, buf->qkv.data(), job / m.heads, job % m.heads, simd, &own->scores,
                buf->attn.data() + job * m.head_dim);
-  Barrier();
-  LinearShare(l.o, buf->attn.data(), b.n, buf->proj.data(), simd, team, &own->int8);
-  Barrier();
+  clock->Wait(kAttentionPhase);
+  LinearShare(l.o, buf->attn.data(), b.n, buf->proj.data(), simd, team, &own->int8, &buf->attn_codes, clock);
+  clock->Wait(kOPhase);
   for (int64_t e = 0; e < b.n * m.hidden; ++e) own->hidden[e] += buf->proj[e];
+  clock->Lap(kResidualPhase);
 }
 
 // hidden += down(silu(gate) * up) of norm(hidden), the residual stream of this thread's copy.
 void MlpBlock(const ModelShape& m, const DecoderLayer& l, int64_t n, SharedBuffers* buf, ThreadState* own,
               int simd, Team team) {
+  PhaseClock* clock = &own->clock;
   RmsNorm(own->hidden.data(), l.mlp_norm, n, m.hidden, m.eps, own->normed.data(), simd);
-  LinearShare(l.gate_up, own->normed.data(), n, buf->gate_up.data(), simd, team, &own->int8);
-  Barrier();
+  clock->Lap(kNormPhase);
+  LinearShare(l.gate_up, own->normed.data(), n, buf->gate_up.data(), simd, team, &own->int8, &buf->normed_codes,
+              clock);
+  clock->Wait(kGateUpPhase);
   const Share cols = ShareOf(m.inter, team.thread, team.threads);  // SiLU's exps cost too much to repeat per thread
   for (int64_t i = 0; i < n; ++i) {
     const float* gate = buf->gate_up.data() + i * 2 * m.inter + cols.begin;
     SiluMul(gate, gate + m.inter, cols.end - cols.begin, buf->act.data() + i * m.inter + cols.begin, simd);
   }
-  Barrier();
-  LinearShare(l.down, buf->act.data(), n, buf->proj.data(), simd, team, &own->int8);
-  Barrier();
+  clock->Wait(kSiluPhase);
+  LinearShare(l.down, buf->act.data(), n, buf->proj.data(), simd, team, &own->int8, &buf->act_codes, clock);
+  clock->Wait(kDownPhase);
   for (int64_t e = 0; e < n * m.hidden; ++e) own->hidden[e] += buf->proj[e];
+  clock->Lap(kResidualPhase);
 }
 
 }  // namespace
@@ -1156,11 +1521,18 @@ int sgq_decode_layers(const ModelShape* shape, const DecoderLayer* layers, int64
       if (!FormatOf(l->type, &f) || l->cols % f.block_elems != 0) return -1;
   if (m.heads % m.kv_heads != 0 || m.head_dim % 2 != 0 || planes < 1 || planes > 2) return -1;
   const int vec = simd < SimdLevel() ? simd : SimdLevel();
-  SharedBuffers buf(m, rows->n);
+  const auto called = std::chrono::steady_clock::now();
+  const int64_t integer_rows = lead < rows->n ? lead : rows->n;
+  SharedBuffers buf(m, rows->n, integer_rows, int8_rows > 0 && integer_rows >= int8_rows, planes);
 #pragma omp parallel num_threads(threads)
   {
     const Team team = ThisTeam();
-    ThreadState own(m, rows->n, hidden, int8_rows, planes, lead);
+    ThreadState own(m, rows->n, hidden, int8_rows, planes, lead, g_profiling && team.thread == 0);
+    if (g_profiling) {  // the call's set-up and the team's start, up to every thread's arrival
+      Barrier();
+      own.clock.last = called;
+      own.clock.Lap(kStartPhase);
+    }
     for (int64_t i = 0; i < num_layers; ++i) {
       AttentionBlock(m, layers[i], *rows, &buf, &own, vec, team);
       MlpBlock(m, layers[i], rows->n, &buf, &own, vec, team);
@@ -1169,6 +1541,20 @@ int sgq_decode_layers(const ModelShape* shape, const DecoderLayer* layers, int64
     if (team.thread == 0) std::memcpy(hidden, own.hidden.data(), own.hidden.size() * sizeof(float));
   }
   return 0;
+}
+
+// Profiling of sgq_decode_layers' phases on its thread 0 on (`on` 1, the sums reset) or off (the sums kept).
+void sgq_profile_phases(int on) {
+  g_profiling = on != 0;
+  if (g_profiling)
+    for (double& t : g_phase_seconds) t = 0;
+}
+
+// The seconds each phase took since profiling began, into `out` (up to `capacity`); returns the
+// number of phases.
+int sgq_phase_seconds(double* out, int capacity) {
+  for (int p = 0; p < kPhases && p < capacity; ++p) out[p] = g_phase_seconds[p];
+  return kPhases;
 }
 
 }  // extern "C"

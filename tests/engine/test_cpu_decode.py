@@ -70,6 +70,26 @@ def test_native_step_equals_the_torch_layers(engine: Engine, tokenizer, window: 
         kv.pages.release_slot(slot)
 
 
+@torch.inference_mode()
+def test_native_step_times_its_phases_only_while_profiling(engine: Engine, tokenizer) -> None:
+    """`QuantKernels.profile_phases` times a prompt's native step phase by phase (what
+    benchmarks/profile_cpu_decode.py prints); once it is off, a step adds nothing."""
+    from structgen.engine.kernels import cpu_quant
+
+    runner, kernels = engine.runner, cpu_quant.load()
+    ids = tokenizer.encode(PROMPTS[1], add_special_tokens=False)
+    slot = runner.kv.pages.allocate_slot()
+    kernels.profile_phases(True)
+    runner.extend([ExtendSeq(slot, 0, ids, num_logits=1)])
+    kernels.profile_phases(False)
+    timed = kernels.phase_seconds()
+    runner.extend([ExtendSeq(slot, len(ids), ids[:1], num_logits=1)])
+    runner.kv.pages.release_slot(slot)
+    assert set(timed) == set(cpu_quant.PHASES)
+    assert all(timed[p] > 0 for p in ("norm", "qkv", "o", "gate_up", "down", "attention", "silu", "start"))
+    assert kernels.phase_seconds() == timed
+
+
 def test_steps_of_many_rows_over_long_contexts_run_the_torch_layers() -> None:
     """The native step attends row by row: an agent turn's tail of 30 new tokens over a 3,000-token
     cached catalogue ran about 2x slower there than through SDPA in the torch layers, while a

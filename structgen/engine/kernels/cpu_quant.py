@@ -37,6 +37,11 @@ MAX_KERNEL_ROWS = 32
 # below it the fp32 kernel is as fast.
 INT8_ROWS = 8
 INT8_FORMATS = frozenset({"Q4_0", "Q4_1", "Q8_0"})  # the K formats keep the fp32 kernel
+# The native step's phases as `QuantKernels.phase_seconds` names them (quant_matmul.cpp's Phase):
+# the products' tiles per projection, the activations' rounding to integers, the waits at barriers
+# and the call's set-up with the threads' start.
+PHASES = ("norm", "quantize", "qkv", "o", "gate_up", "down", "rope_kv", "attention", "silu", "residual",
+          "wait", "start")
 
 
 @dataclass(frozen=True)
@@ -108,6 +113,16 @@ class QuantKernels:
         return int(self._lib.sgq_decode_layers(shape, layers, num_layers, rows, hidden, threads, self.simd,
                                                *_integer_args(activations), lead))
 
+    def profile_phases(self, enabled: bool) -> None:
+        """Start (sums reset) or stop timing `decode_layers`' phases on its first thread."""
+        self._lib.sgq_profile_phases(int(enabled))
+
+    def phase_seconds(self) -> dict[str, float]:
+        """Seconds per phase of `decode_layers` since `profile_phases(True)`, by `PHASES` name."""
+        out = (ctypes.c_double * len(PHASES))()
+        self._lib.sgq_phase_seconds(out, len(PHASES))
+        return dict(zip(PHASES, out, strict=True))
+
     @property
     def int8_level(self) -> int:
         """2 where products run on AVX512-VNNI int8 dot products, 1 on AVX-VNNI, 0 where
@@ -178,6 +193,8 @@ def load() -> QuantKernels | None:
     lib.sgq_dequantize_rows.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, ctypes.c_int, ctypes.c_int]
     lib.sgq_decode_layers.argtypes = [ptr, ptr, i64, ptr, ptr, ctypes.c_int, ctypes.c_int, i64, ctypes.c_int, i64]
     lib.sgq_int8_level.argtypes = [ctypes.c_int]
+    lib.sgq_profile_phases.argtypes = [ctypes.c_int]
+    lib.sgq_phase_seconds.argtypes = [ptr, ctypes.c_int]
     return QuantKernels(lib)
 
 
