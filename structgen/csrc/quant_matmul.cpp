@@ -892,11 +892,11 @@ SGQ_AVX2 void AddOffsetsAvx2(const Int8Rows& x, const float* m_t, int64_t stride
       for (int i = 0; i < rows; ++i)
         for (int v = 0; v < kVectors; ++v) _mm256_storeu_ps(y + (i0 + i) * y_stride + c + 8 * v, acc[i][v]);
     }
-  for (; c < cols; ++c)
+  for (; c < cols; ++c)  // the vector loops' FMAs in their order, so a column's sum is the same wherever a share ends
     for (int64_t i = 0; i < x.n; ++i) {
-      float total = 0;
-      for (int64_t b = 0; b < x.blocks; ++b) total += m_t[b * stride + c] * x.sums[i * x.blocks + b];
-      y[i * y_stride + c] += total;
+      float total = y[i * y_stride + c];
+      for (int64_t b = 0; b < x.blocks; ++b) total = std::fma(x.sums[i * x.blocks + b], m_t[b * stride + c], total);
+      y[i * y_stride + c] = total;
     }
 }
 
@@ -1298,25 +1298,58 @@ struct Int8Scratch {
   int64_t lead;
 };
 
-// y[i, r] = x[i, :] . W[r, :] (+ bias[r]) for this thread's share of the rows r.
+// A product's leading rows that multiply integer activations (0: none) and the int8 level they run at.
+struct IntegerPart {
+  int64_t rows;
+  int level;
+};
+
+IntegerPart IntegerPartOf(const Linear& l, int64_t n, const Int8Scratch& int8, int simd) {
+  const int64_t lead = int8.lead < n ? int8.lead : n;
+  const int level = Int8LevelFor(l.type, lead, int8.int8_rows, simd);
+  return {level ? lead : 0, level};
+}
+
+// This thread's weight rows of `l`: whole groups of kWeightRows, the threads' shares about equal.
+Share WeightShare(const Linear& l, Team team) {
+  const Share s = ShareOf(RowGroups(l.rows), team.thread, team.threads);
+  const int64_t begin = s.begin * kWeightRows;
+  return {begin, s.begin < s.end ? GroupEnd(s.end - 1, l.rows) : begin};
+}
+
+// Weight row `r` of the fused qkv moved to the start of the k head it falls inside, if any.
+int64_t OutsideKHeads(const ModelShape& m, int64_t r) {
+  const int64_t k_begin = m.heads * m.head_dim, k_end = k_begin + m.kv_heads * m.head_dim;
+  return r <= k_begin || r >= k_end ? r : k_begin + (r - k_begin) / m.head_dim * m.head_dim;
+}
+
+// WeightShare of the fused qkv with no k head split between two threads, so that each thread
+// can rotate and cache the k heads of its own share without waiting for the others.
+Share QkvShare(const ModelShape& m, const Linear& l, Team team) {
+  const Share s = WeightShare(l, team);
+  const int64_t end = team.thread + 1 == team.threads ? l.rows : OutsideKHeads(m, s.end);
+  return {team.thread == 0 ? 0 : OutsideKHeads(m, s.begin), end};
+}
+
+// y[i, r] = x[i, :] . W[r, :] (+ bias[r]) for the weight rows r in `share`.
 // `codes`, shared by the threads and sized for the step's integer rows and x's columns, takes x's
-// integer rows, each thread quantizing its share.
-void LinearShare(const Linear& l, const float* x, int64_t n, float* y, int simd, Team team, Int8Scratch* int8,
-                 Int8Rows* codes, PhaseClock* clock) {
+// integer rows, each thread quantizing its share, unless the caller has `quantized` them already.
+void LinearShare(const Linear& l, const float* x, int64_t n, float* y, int simd, Team team, Share share,
+                 Int8Scratch* int8, Int8Rows* codes, bool quantized, PhaseClock* clock) {
   Format f;
   FormatOf(l.type, &f);
-  const Share s = ShareOf(RowGroups(l.rows), team.thread, team.threads);
-  const int64_t begin = s.begin * kWeightRows, end = s.begin < s.end ? GroupEnd(s.end - 1, l.rows) : begin;
-  const int64_t lead = int8->lead < n ? int8->lead : n;
-  const int level = Int8LevelFor(l.type, lead, int8->int8_rows, simd);
-  if (level) {
-    const Share mine = ShareOf(lead, team.thread, team.threads);
-    QuantizeRowRange(x, l.cols, mine.begin, mine.end, codes, level);
-    clock->Wait(kQuantizePhase);  // every row quantized before any tile reads it
-    Int8MatmulRows(l.type, l.w, l.row_bytes, begin, end, *codes, y, l.rows, level, &int8->weights);
-    if (lead < n)
-      MatmulRows(l.type, f, l.w, l.row_bytes, begin, end, l.cols, x + lead * l.cols, n - lead, y + lead * l.rows,
-                 l.rows, simd);
+  const int64_t begin = share.begin, end = share.end;
+  const IntegerPart part = IntegerPartOf(l, n, *int8, simd);
+  if (part.level) {
+    if (!quantized) {
+      const Share mine = ShareOf(part.rows, team.thread, team.threads);
+      QuantizeRowRange(x, l.cols, mine.begin, mine.end, codes, part.level);
+      clock->Wait(kQuantizePhase);  // every row quantized before any tile reads it
+    }
+    Int8MatmulRows(l.type, l.w, l.row_bytes, begin, end, *codes, y, l.rows, part.level, &int8->weights);
+    if (part.rows < n)
+      MatmulRows(l.type, f, l.w, l.row_bytes, begin, end, l.cols, x + part.rows * l.cols, n - part.rows,
+                 y + part.rows * l.rows, l.rows, simd);
   } else {
     MatmulRows(l.type, f, l.w, l.row_bytes, begin, end, l.cols, x, n, y, l.rows, simd);
   }
@@ -1345,17 +1378,22 @@ void Rope(float* x, const float* cos, const float* sin, int64_t dim) {
   }
 }
 
-// RoPE on the q and k heads of the rows in `rows`, and their k, v written to their cache rows.
-void RopeAndCache(const ModelShape& m, const DecoderLayer& l, const DecodeRows& b, float* qkv, Share rows) {
+// RoPE on the k heads inside the qkv columns `share` (whole heads, QkvShare) of every row, and
+// those columns' k and v written to the rows' cache rows.
+void RopeAndCacheKv(const ModelShape& m, const DecoderLayer& l, const DecodeRows& b, float* qkv, Share share) {
   const int64_t width = (m.heads + 2 * m.kv_heads) * m.head_dim, kv = m.kv_heads * m.head_dim;
-  for (int64_t i = rows.begin; i < rows.end; ++i) {
+  const int64_t k_begin = m.heads * m.head_dim, v_begin = k_begin + kv;
+  const int64_t k_first = share.begin > k_begin ? share.begin : k_begin, k_last = share.end < v_begin ? share.end : v_begin;
+  const int64_t v_first = share.begin > v_begin ? share.begin : v_begin, v_last = share.end;
+  for (int64_t i = 0; i < b.n; ++i) {
     float* row = qkv + i * width;
     const float* cos = b.cos + b.positions[i] * m.head_dim;
     const float* sin = b.sin + b.positions[i] * m.head_dim;
-    for (int64_t h = 0; h < m.heads + m.kv_heads; ++h) Rope(row + h * m.head_dim, cos, sin, m.head_dim);
-    const float* k = row + m.heads * m.head_dim;
-    std::memcpy(l.k_cache + b.token_slots[i] * kv, k, kv * sizeof(float));
-    std::memcpy(l.v_cache + b.token_slots[i] * kv, k + kv, kv * sizeof(float));
+    for (int64_t c = k_first; c < k_last; c += m.head_dim) Rope(row + c, cos, sin, m.head_dim);
+    if (k_first < k_last)
+      std::memcpy(l.k_cache + b.token_slots[i] * kv + (k_first - k_begin), row + k_first, (k_last - k_first) * sizeof(float));
+    if (v_first < v_last)
+      std::memcpy(l.v_cache + b.token_slots[i] * kv + (v_first - v_begin), row + v_first, (v_last - v_first) * sizeof(float));
   }
 }
 
@@ -1400,13 +1438,15 @@ SGQ_AVX512 void AttendHeadAvx512(const float* q, const KvSpan& kv, int64_t first
 #endif
 
 // Attention of query head `head` of row `i` over its sequence's cached keys up to its position
-// (the window's last keys where the layer has one): softmax(q . k / sqrt(d)) . v into `out`.
-void AttendHead(const ModelShape& m, const DecoderLayer& l, const DecodeRows& b, const float* qkv,
+// (the window's last keys where the layer has one): softmax(q . k / sqrt(d)) . v into `out`,
+// q rotated by RoPE in place first (each row's head is one job's).
+void AttendHead(const ModelShape& m, const DecoderLayer& l, const DecodeRows& b, float* qkv,
                 int64_t i, int64_t head, int simd, std::vector<float>* scores, float* out) {
   const int64_t d = m.head_dim, kv = m.kv_heads * d;
   const int64_t kv_head = head / (m.heads / m.kv_heads), ctx = b.positions[i] + 1;
   const int64_t first = l.window > 0 && ctx > l.window ? ctx - l.window : 0;
-  const float* q = qkv + i * (m.heads + 2 * m.kv_heads) * d + head * d;
+  float* q = qkv + i * (m.heads + 2 * m.kv_heads) * d + head * d;
+  Rope(q, b.cos + b.positions[i] * d, b.sin + b.positions[i] * d, d);
   const int64_t* pages = b.page_table + b.slots[i] * b.table_stride;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   scores->resize(ctx - first);
@@ -1461,25 +1501,65 @@ struct ThreadState {
         clock{timed} {}
 };
 
+// Attention of every row and head into buf->attn, the rows that o multiplies on integers
+// quantized as they finish: those rows dealt whole to the threads, back and forth (a prompt's
+// later rows attend to more keys), the other rows' jobs (row, head) round-robin.
+void Attention(const ModelShape& m, const DecoderLayer& l, const DecodeRows& b, SharedBuffers* buf, ThreadState* own,
+               int simd, Team team) {
+  const IntegerPart part = IntegerPartOf(l.o, b.n, own->int8, simd);
+  const int64_t width = m.heads * m.head_dim;
+  for (int64_t round = 0; round * team.threads < part.rows; ++round) {
+    const int64_t i = round * team.threads + (round % 2 ? team.threads - 1 - team.thread : team.thread);
+    if (i >= part.rows) continue;
+    for (int64_t head = 0; head < m.heads; ++head)
+      AttendHead(m, l, b, buf->qkv.data(), i, head, simd, &own->scores, buf->attn.data() + i * width + head * m.head_dim);
+    own->clock.Lap(kAttentionPhase);
+    QuantizeRowRange(buf->attn.data(), width, i, i + 1, &buf->attn_codes, part.level);
+    own->clock.Lap(kQuantizePhase);
+  }
+  for (int64_t job = part.rows * m.heads + team.thread; job < b.n * m.heads; job += team.threads)
+    AttendHead(m, l, b, buf->qkv.data(), job / m.heads, job % m.heads, simd, &own->scores,
+               buf->attn.data() + job * m.head_dim);
+}
+
 // hidden += o(attention(norm(hidden))), the residual stream of this thread's copy.
 void AttentionBlock(const ModelShape& m, const DecoderLayer& l, const DecodeRows& b, SharedBuffers* buf,
                     ThreadState* own, int simd, Team team) {
   PhaseClock* clock = &own->clock;
   RmsNorm(own->hidden.data(), l.attn_norm, b.n, m.hidden, m.eps, own->normed.data(), simd);
   clock->Lap(kNormPhase);
-  LinearShare(l.qkv, own->normed.data(), b.n, buf->qkv.data(), simd, team, &own->int8, &buf->normed_codes, clock);
-  clock->Wait(kQkvPhase);
-  RopeAndCache(m, l, b, buf->qkv.data(), ShareOf(b.n, team.thread, team.threads));
-  clock->Wait(kRopePhase);
-  // Jobs dealt round-robin: a prompt's later rows attend to more keys than its first ones.
-  for (int64_t job = team.thread; job < b.n * m.heads; job += team.threads)
-    AttendHead(m, l, b, buf->qkv.data(), job / m.heads, job % m.heads, simd, &own->scores,
-               buf->attn.data() + job * m.head_dim);
+  const Share qkv_rows = QkvShare(m, l.qkv, team);
+  LinearShare(l.qkv, own->normed.data(), b.n, buf->qkv.data(), simd, team, qkv_rows, &own->int8, &buf->normed_codes,
+              false, clock);
+  clock->Lap(kQkvPhase);
+  RopeAndCacheKv(m, l, b, buf->qkv.data(), qkv_rows);
+  clock->Wait(kRopePhase);  // every key cached before any row attends to it
+  Attention(m, l, b, buf, own, simd, team);
   clock->Wait(kAttentionPhase);
-  LinearShare(l.o, buf->attn.data(), b.n, buf->proj.data(), simd, team, &own->int8, &buf->attn_codes, clock);
+  LinearShare(l.o, buf->attn.data(), b.n, buf->proj.data(), simd, team, WeightShare(l.o, team), &own->int8,
+              &buf->attn_codes, true, clock);
   clock->Wait(kOPhase);
   for (int64_t e = 0; e < b.n * m.hidden; ++e) own->hidden[e] += buf->proj[e];
   clock->Lap(kResidualPhase);
+}
+
+// act = silu(gate) * up, the rows that down multiplies on integers quantized as they finish
+// (those rows split between the threads, the others' columns).
+void SiluMulRows(const ModelShape& m, int64_t n, SharedBuffers* buf, ThreadState* own, int simd, Team team,
+                 const IntegerPart& part) {
+  const Share rows = ShareOf(part.rows, team.thread, team.threads);
+  for (int64_t i = rows.begin; i < rows.end; ++i) {
+    const float* gate = buf->gate_up.data() + i * 2 * m.inter;
+    SiluMul(gate, gate + m.inter, m.inter, buf->act.data() + i * m.inter, simd);
+  }
+  own->clock.Lap(kSiluPhase);
+  QuantizeRowRange(buf->act.data(), m.inter, rows.begin, rows.end, &buf->act_codes, part.level);
+  own->clock.Lap(kQuantizePhase);
+  const Share cols = ShareOf(m.inter, team.thread, team.threads);  // SiLU's exps cost too much to repeat per thread
+  for (int64_t i = part.rows; i < n; ++i) {
+    const float* gate = buf->gate_up.data() + i * 2 * m.inter + cols.begin;
+    SiluMul(gate, gate + m.inter, cols.end - cols.begin, buf->act.data() + i * m.inter + cols.begin, simd);
+  }
 }
 
 // hidden += down(silu(gate) * up) of norm(hidden), the residual stream of this thread's copy.
@@ -1488,16 +1568,13 @@ void MlpBlock(const ModelShape& m, const DecoderLayer& l, int64_t n, SharedBuffe
   PhaseClock* clock = &own->clock;
   RmsNorm(own->hidden.data(), l.mlp_norm, n, m.hidden, m.eps, own->normed.data(), simd);
   clock->Lap(kNormPhase);
-  LinearShare(l.gate_up, own->normed.data(), n, buf->gate_up.data(), simd, team, &own->int8, &buf->normed_codes,
-              clock);
+  LinearShare(l.gate_up, own->normed.data(), n, buf->gate_up.data(), simd, team, WeightShare(l.gate_up, team),
+              &own->int8, &buf->normed_codes, false, clock);
   clock->Wait(kGateUpPhase);
-  const Share cols = ShareOf(m.inter, team.thread, team.threads);  // SiLU's exps cost too much to repeat per thread
-  for (int64_t i = 0; i < n; ++i) {
-    const float* gate = buf->gate_up.data() + i * 2 * m.inter + cols.begin;
-    SiluMul(gate, gate + m.inter, cols.end - cols.begin, buf->act.data() + i * m.inter + cols.begin, simd);
-  }
+  SiluMulRows(m, n, buf, own, simd, team, IntegerPartOf(l.down, n, own->int8, simd));
   clock->Wait(kSiluPhase);
-  LinearShare(l.down, buf->act.data(), n, buf->proj.data(), simd, team, &own->int8, &buf->act_codes, clock);
+  LinearShare(l.down, buf->act.data(), n, buf->proj.data(), simd, team, WeightShare(l.down, team), &own->int8,
+              &buf->act_codes, true, clock);
   clock->Wait(kDownPhase);
   for (int64_t e = 0; e < n * m.hidden; ++e) own->hidden[e] += buf->proj[e];
   clock->Lap(kResidualPhase);
