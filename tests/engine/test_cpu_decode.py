@@ -201,3 +201,37 @@ def test_a_decode_row_beside_a_prompt_computes_what_it_computes_alone(model_dir:
     assert runner.model.cpu_activations is not None and len(prompt) >= 16
     assert torch.equal(together[-1:], decode_alone)
     assert torch.equal(together[:-1], prompt_alone)
+
+
+@torch.inference_mode()
+def test_the_native_step_computes_the_same_at_any_thread_count(model_dir: Path, tokenizer) -> None:
+    """A prompt's integer-activation rows and a decode row beside them give the same logits and
+    write the same keys bit for bit at 1, 2 and 7 threads: the threads' shares of each product
+    (at 7, one of the fused qkv's splits moves to a k head's start), of attention's rows and of
+    SiLU's rows change where each number is computed, not how."""
+    runner = _runner_with_vnni(model_dir)
+    kv, pages = runner.kv, runner.kv.pages
+    prompt = tokenizer.encode(" ".join(PROMPTS), add_special_tokens=False)
+    context = prompt[:5]
+    results = []
+    for threads in (1, 2, 7):
+        fresh, decoding = pages.allocate_slot(), pages.allocate_slot()
+        pages.cover(decoding, len(context) + 1)
+        pages.cover(fresh, len(prompt))
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            runner.extend([ExtendSeq(decoding, 0, context, num_logits=1)])
+            logits = runner.extend([ExtendSeq(fresh, 0, prompt, num_logits=len(prompt)),
+                                    ExtendSeq(decoding, len(context), [prompt[7]], num_logits=1)])
+        finally:
+            torch.set_num_threads(previous)
+        rows = [int(r) for r in pages.token_slots(fresh, 0, len(prompt))]
+        keys = torch.stack([kv.k[i].view(-1, *kv.k[i].shape[2:])[rows].clone() for i in (0, len(kv.k) - 1)])
+        results.append((logits, keys))
+        pages.release_slot(fresh)
+        pages.release_slot(decoding)
+    assert runner.model.cpu_activations is not None and len(prompt) >= 16
+    for logits, keys in results[1:]:
+        assert torch.equal(logits, results[0][0])
+        assert torch.equal(keys, results[0][1])
