@@ -8,7 +8,7 @@ Then where the time to the first token of a `--prompt-tokens` prompt goes, with 
 int8 activations (`EngineTuning(prompt_activations=...)`): the engine's whole one-token generation,
 the model's forward over the prompt (the native step), its layers' packed products alone (one
 call per projection, as many rows), the LM head on the last row, and the native step's phases
-timed on its first thread (`QuantKernels.profile_phases`: the tiles of each projection, the
+timed on each of its threads (`QuantKernels.profile_phases`: the tiles of each projection, the
 activations' rounding, attention, the element-wise phases, the waits at barriers).
 
     python -m benchmarks.profile_cpu_decode --threads 2
@@ -108,7 +108,8 @@ def prompt_profile(llm: object, tokens: int, repeats: int, activations: str) -> 
     batch = AttentionBatch.build([(slot, 0, len(ids))], kv.pages)
     prompt = torch.tensor(ids)
     forward = best_ms(lambda: model(prompt, batch, kv), repeats, inner=3)
-    phases = native_phases(lambda: model(prompt, batch, kv), repeats)
+    phases = [native_phases(lambda: model(prompt, batch, kv), repeats, thread)
+              for thread in range(torch.get_num_threads())]
     hidden = model(prompt, batch, kv)
     head = best_ms(lambda: model.logits(hidden[-1:]), repeats)
     kv.pages.release_slot(slot)
@@ -123,16 +124,18 @@ def prompt_profile(llm: object, tokens: int, repeats: int, activations: str) -> 
     print(f"  the layers' packed products, one call each    {products:6.2f}")
     print(f"  LM head on the last row                       {head:6.2f}")
     print(f"  TTFT - forward - LM head (host, sampling)     {ttft - forward - head:6.2f}")
-    print(f"  the native step's phases on its first thread (mean of {repeats}; {sum(phases.values()):.2f} in all):")
-    for name, ms in phases.items():
-        print(f"    {name:<12} {ms:6.2f}")
+    totals = " / ".join(f"{sum(p.values()):.2f}" for p in phases)
+    print(f"  the native step's phases on each thread (mean of {repeats}; {totals} in all):")
+    for name in phases[0]:
+        print(f"    {name:<12} " + " ".join(f"{p[name]:6.2f}" for p in phases))
 
 
-def native_phases(forward: Callable[[], object], repeats: int) -> dict[str, float]:
-    """ms per call of each phase of the native step (`QuantKernels.phase_seconds`), mean of `repeats` calls."""
+def native_phases(forward: Callable[[], object], repeats: int, thread: int = 0) -> dict[str, float]:
+    """ms per call of each phase of the native step on its thread `thread` (`QuantKernels.phase_seconds`),
+    mean of `repeats` calls."""
     kernels = cpu_quant.load()
     forward()
-    kernels.profile_phases(True)
+    kernels.profile_phases(True, thread)
     for _ in range(repeats):
         forward()
     kernels.profile_phases(False)

@@ -1261,11 +1261,12 @@ struct DecodeRows {
   const float* sin;
 };
 
-// Where a step's time goes, on thread 0 (sgq_profile_phases; benchmarks/profile_cpu_decode.py):
+// Where a step's time goes, on one thread (sgq_profile_phases; benchmarks/profile_cpu_decode.py):
 // the phases in the order sgq_phase_seconds reports them. Off, a lap is one branch.
 enum Phase { kNormPhase, kQuantizePhase, kQkvPhase, kOPhase, kGateUpPhase, kDownPhase, kRopePhase,
              kAttentionPhase, kSiluPhase, kResidualPhase, kWaitPhase, kStartPhase, kPhases };
 bool g_profiling = false;
+int g_profiled_thread = 0;
 double g_phase_seconds[kPhases];
 
 struct PhaseClock {
@@ -1604,7 +1605,7 @@ int sgq_decode_layers(const ModelShape* shape, const DecoderLayer* layers, int64
 #pragma omp parallel num_threads(threads)
   {
     const Team team = ThisTeam();
-    ThreadState own(m, rows->n, hidden, int8_rows, planes, lead, g_profiling && team.thread == 0);
+    ThreadState own(m, rows->n, hidden, int8_rows, planes, lead, g_profiling && team.thread == g_profiled_thread);
     if (g_profiling) {  // the call's set-up and the team's start, up to every thread's arrival
       Barrier();
       own.clock.last = called;
@@ -1620,11 +1621,13 @@ int sgq_decode_layers(const ModelShape* shape, const DecoderLayer* layers, int64
   return 0;
 }
 
-// Profiling of sgq_decode_layers' phases on its thread 0 on (`on` 1, the sums reset) or off (the sums kept).
+// Profiling of sgq_decode_layers' phases on its thread `on` - 1 on (`on` >= 1, the sums reset)
+// or off (`on` 0, the sums kept).
 void sgq_profile_phases(int on) {
-  g_profiling = on != 0;
-  if (g_profiling)
-    for (double& t : g_phase_seconds) t = 0;
+  g_profiling = on > 0;
+  if (!g_profiling) return;
+  g_profiled_thread = on - 1;
+  for (double& t : g_phase_seconds) t = 0;
 }
 
 // The seconds each phase took since profiling began, into `out` (up to `capacity`); returns the

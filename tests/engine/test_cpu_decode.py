@@ -84,10 +84,23 @@ def test_native_step_times_its_phases_only_while_profiling(engine: Engine, token
     kernels.profile_phases(False)
     timed = kernels.phase_seconds()
     runner.extend([ExtendSeq(slot, len(ids), ids[:1], num_logits=1)])
-    runner.kv.pages.release_slot(slot)
     assert set(timed) == set(cpu_quant.PHASES)
     assert all(timed[p] > 0 for p in ("norm", "qkv", "o", "gate_up", "down", "attention", "silu", "start"))
     assert kernels.phase_seconds() == timed
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    seconds = {}
+    try:  # each thread of the two is timed on request; a thread past the team's is never
+        for thread in (1, 2):
+            kernels.profile_phases(True, thread=thread)
+            runner.extend([ExtendSeq(slot, 0, ids, num_logits=1)])
+            kernels.profile_phases(False)
+            seconds[thread] = kernels.phase_seconds()
+    finally:
+        torch.set_num_threads(previous)
+    runner.kv.pages.release_slot(slot)
+    assert all(seconds[1][p] > 0 for p in ("qkv", "o", "gate_up", "down", "attention"))
+    assert not any(seconds[2].values())
 
 
 def test_steps_of_many_rows_over_long_contexts_run_the_torch_layers() -> None:

@@ -113,9 +113,9 @@ class QuantKernels:
         return int(self._lib.sgq_decode_layers(shape, layers, num_layers, rows, hidden, threads, self.simd,
                                                *_integer_args(activations), lead))
 
-    def profile_phases(self, enabled: bool) -> None:
-        """Start (sums reset) or stop timing `decode_layers`' phases on its first thread."""
-        self._lib.sgq_profile_phases(int(enabled))
+    def profile_phases(self, enabled: bool, thread: int = 0) -> None:
+        """Start (sums reset) or stop timing `decode_layers`' phases on its thread `thread`."""
+        self._lib.sgq_profile_phases(thread + 1 if enabled else 0)
 
     def phase_seconds(self) -> dict[str, float]:
         """Seconds per phase of `decode_layers` since `profile_phases(True)`, by `PHASES` name."""
