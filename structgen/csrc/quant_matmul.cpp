@@ -13,6 +13,7 @@
 // The last section, sgq_decode_layers, runs a whole Llama-family decode step over these products
 // (structgen/engine/kernels/cpu_decode.py).
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -1379,18 +1380,29 @@ void Rope(float* x, const float* cos, const float* sin, int64_t dim) {
   }
 }
 
-// RoPE on the k heads inside the qkv columns `share` (whole heads, QkvShare) of every row, and
-// those columns' k and v written to the rows' cache rows.
-void RopeAndCacheKv(const ModelShape& m, const DecoderLayer& l, const DecodeRows& b, float* qkv, Share share) {
+// Whether q or k head `head` lies wholly in one thread's QkvShare (else attention rotates it).
+bool InOneShare(const ModelShape& m, const Linear& qkv, int threads, int64_t head) {
+  for (int t = 0; t < threads; ++t) {
+    const Share s = QkvShare(m, qkv, {t, threads});
+    if (s.begin <= head * m.head_dim && (head + 1) * m.head_dim <= s.end) return true;
+  }
+  return false;
+}
+
+// RoPE on the q and k heads wholly inside the qkv columns `share` (k heads always are,
+// QkvShare) of every row, and those columns' k and v written to the rows' cache rows.
+void RopeAndCache(const ModelShape& m, const DecoderLayer& l, const DecodeRows& b, float* qkv, Share share) {
   const int64_t width = (m.heads + 2 * m.kv_heads) * m.head_dim, kv = m.kv_heads * m.head_dim;
   const int64_t k_begin = m.heads * m.head_dim, v_begin = k_begin + kv;
-  const int64_t k_first = share.begin > k_begin ? share.begin : k_begin, k_last = share.end < v_begin ? share.end : v_begin;
-  const int64_t v_first = share.begin > v_begin ? share.begin : v_begin, v_last = share.end;
+  const int64_t first_head = (share.begin + m.head_dim - 1) / m.head_dim;
+  const int64_t end_head = std::min(share.end / m.head_dim, m.heads + m.kv_heads);
+  const int64_t k_first = std::max(share.begin, k_begin), k_last = std::min(share.end, v_begin);
+  const int64_t v_first = std::max(share.begin, v_begin), v_last = share.end;
   for (int64_t i = 0; i < b.n; ++i) {
     float* row = qkv + i * width;
     const float* cos = b.cos + b.positions[i] * m.head_dim;
     const float* sin = b.sin + b.positions[i] * m.head_dim;
-    for (int64_t c = k_first; c < k_last; c += m.head_dim) Rope(row + c, cos, sin, m.head_dim);
+    for (int64_t h = first_head; h < end_head; ++h) Rope(row + h * m.head_dim, cos, sin, m.head_dim);
     if (k_first < k_last)
       std::memcpy(l.k_cache + b.token_slots[i] * kv + (k_first - k_begin), row + k_first, (k_last - k_first) * sizeof(float));
     if (v_first < v_last)
@@ -1439,15 +1451,15 @@ SGQ_AVX512 void AttendHeadAvx512(const float* q, const KvSpan& kv, int64_t first
 #endif
 
 // Attention of query head `head` of row `i` over its sequence's cached keys up to its position
-// (the window's last keys where the layer has one): softmax(q . k / sqrt(d)) . v into `out`,
-// q rotated by RoPE in place first (each row's head is one job's).
-void AttendHead(const ModelShape& m, const DecoderLayer& l, const DecodeRows& b, float* qkv,
-                int64_t i, int64_t head, int simd, std::vector<float>* scores, float* out) {
+// (the window's last keys where the layer has one): softmax(q . k / sqrt(d)) . v into `out`;
+// q rotated by RoPE in place first unless `rotated` (each row's head is one job's).
+void AttendHead(const ModelShape& m, const DecoderLayer& l, const DecodeRows& b, float* qkv, int64_t i,
+                int64_t head, bool rotated, int simd, std::vector<float>* scores, float* out) {
   const int64_t d = m.head_dim, kv = m.kv_heads * d;
   const int64_t kv_head = head / (m.heads / m.kv_heads), ctx = b.positions[i] + 1;
   const int64_t first = l.window > 0 && ctx > l.window ? ctx - l.window : 0;
   float* q = qkv + i * (m.heads + 2 * m.kv_heads) * d + head * d;
-  Rope(q, b.cos + b.positions[i] * d, b.sin + b.positions[i] * d, d);
+  if (!rotated) Rope(q, b.cos + b.positions[i] * d, b.sin + b.positions[i] * d, d);
   const int64_t* pages = b.page_table + b.slots[i] * b.table_stride;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   scores->resize(ctx - first);
@@ -1494,6 +1506,7 @@ struct SharedBuffers {
 // a barrier; every copy sees the same operations, so the copies stay equal.
 struct ThreadState {
   std::vector<float> hidden, normed, scores;
+  std::vector<char> rotated;  // per q head: whether the qkv phase has rotated it
   Int8Scratch int8;
   PhaseClock clock;
   ThreadState(const ModelShape& m, int64_t n, const float* stream, int64_t int8_rows, int planes, int64_t lead,
@@ -1509,17 +1522,21 @@ void Attention(const ModelShape& m, const DecoderLayer& l, const DecodeRows& b, 
                int simd, Team team) {
   const IntegerPart part = IntegerPartOf(l.o, b.n, own->int8, simd);
   const int64_t width = m.heads * m.head_dim;
+  std::vector<char>& rotated = own->rotated;
+  rotated.resize(m.heads);
+  for (int64_t head = 0; head < m.heads; ++head) rotated[head] = InOneShare(m, l.qkv, team.threads, head);
   for (int64_t round = 0; round * team.threads < part.rows; ++round) {
     const int64_t i = round * team.threads + (round % 2 ? team.threads - 1 - team.thread : team.thread);
     if (i >= part.rows) continue;
     for (int64_t head = 0; head < m.heads; ++head)
-      AttendHead(m, l, b, buf->qkv.data(), i, head, simd, &own->scores, buf->attn.data() + i * width + head * m.head_dim);
+      AttendHead(m, l, b, buf->qkv.data(), i, head, rotated[head], simd, &own->scores,
+                 buf->attn.data() + i * width + head * m.head_dim);
     own->clock.Lap(kAttentionPhase);
     QuantizeRowRange(buf->attn.data(), width, i, i + 1, &buf->attn_codes, part.level);
     own->clock.Lap(kQuantizePhase);
   }
   for (int64_t job = part.rows * m.heads + team.thread; job < b.n * m.heads; job += team.threads)
-    AttendHead(m, l, b, buf->qkv.data(), job / m.heads, job % m.heads, simd, &own->scores,
+    AttendHead(m, l, b, buf->qkv.data(), job / m.heads, job % m.heads, rotated[job % m.heads], simd, &own->scores,
                buf->attn.data() + job * m.head_dim);
 }
 
@@ -1533,7 +1550,7 @@ void AttentionBlock(const ModelShape& m, const DecoderLayer& l, const DecodeRows
   LinearShare(l.qkv, own->normed.data(), b.n, buf->qkv.data(), simd, team, qkv_rows, &own->int8, &buf->normed_codes,
               false, clock);
   clock->Lap(kQkvPhase);
-  RopeAndCacheKv(m, l, b, buf->qkv.data(), qkv_rows);
+  RopeAndCache(m, l, b, buf->qkv.data(), qkv_rows);
   clock->Wait(kRopePhase);  // every key cached before any row attends to it
   Attention(m, l, b, buf, own, simd, team);
   clock->Wait(kAttentionPhase);
