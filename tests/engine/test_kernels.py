@@ -550,6 +550,36 @@ def test_cuda_graph_decode_equals_eager():
         assert run[-1] == outputs[True][1][-1]
 
 
+@needs_cuda
+def test_dependent_launch_changes_no_output():
+    """Kernels that start while the one before them drains (programmatic dependent launch,
+    Hopper and later) give every token that launches in stream order give, through the graphs:
+    each waits for its inputs before it reads them."""
+    from structgen.engine.kernels.dependent_launch import dependent_launch, use_dependent_launch
+    from structgen.engine.request import Request
+    from structgen.sampling import SamplingParams
+
+    if not dependent_launch(torch.device("cuda")):
+        pytest.skip("programmatic dependent launch needs a Hopper or later GPU")
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 4096, (int(n),), generator=g).tolist() for n in torch.randint(3, 60, (6,), generator=g)]
+    outputs = {}
+    try:
+        for pdl in (True, False):
+            use_dependent_launch(pdl)
+            eng = _tiny_engine(True)
+            reqs = [Request(p, SamplingParams(max_tokens=16)) for p in prompts]
+            alone = Request(prompts[0], SamplingParams(max_tokens=16))
+            eng.run(reqs)
+            eng.run([alone])
+            outputs[pdl] = [r.output_ids for r in (*reqs, alone)]
+            del eng
+            torch.cuda.empty_cache()
+    finally:
+        use_dependent_launch(True)
+    assert outputs[True] == outputs[False]
+
+
 def test_prelaunched_forward_after_multi_row_steps_equals_launching_late():
     """Steps that run several rows of one sequence (jump-forward text) still pre-launch the
     next step's forward (one row per sequence, gathered inside the sampler); where the next

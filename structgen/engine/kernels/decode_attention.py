@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from structgen.engine.kernels import batch_invariant
+from structgen.engine.kernels.dependent_launch import launch_args, wait_for_inputs
 
 BLOCK_N = 32  # keys per inner iteration
 # A program whose share of a context is at least WIDE_MIN_KEYS keys walks it WIDE_BLOCK_N keys
@@ -81,8 +82,9 @@ def _split_kernel(
     num_splits, sm_scale, window, min_keys, wide_min,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, WIDE_BLOCK: tl.constexpr, PAGE: tl.constexpr,
-    SINGLE_SPLIT: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -130,7 +132,9 @@ def _split_kernel(
 def _merge_kernel(
     PartO, PartML, Out, lens_ptr, stride_on, stride_oh, num_splits, window, min_keys,
     NUM_HEADS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     used = _share(tl.load(lens_ptr + b).to(tl.int32), window, num_splits, min_keys, BLOCK)[2]
@@ -209,13 +213,13 @@ def decode_attention(
         WIDE_MIN_KEYS if not batch_invariant() else 1 << 30,  # the invariant mode's order of sums is fixed
         NUM_HEADS=heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=dim, BLOCK=BLOCK_N, WIDE_BLOCK=WIDE_BLOCK_N, PAGE=page_size, SINGLE_SPLIT=splits == 1,
-        num_warps=4, num_stages=2,
+        num_warps=4, num_stages=2, **launch_args(q.device),
     )
     if splits > 1:
         _merge_kernel[(batch, heads)](
             part_o, part_ml, out, context_lens, out.stride(0), out.stride(1), splits, window, min_keys,
             NUM_HEADS=heads, SPLITS_PAD=triton.next_power_of_2(splits), HEAD_DIM=dim, BLOCK=BLOCK_N,
-            num_warps=1,
+            num_warps=1, **launch_args(q.device),
         )
     return out
 

@@ -17,10 +17,14 @@ import torch
 import triton
 import triton.language as tl
 
+from structgen.engine.kernels.dependent_launch import launch_args, wait_for_inputs
+
 
 @triton.jit
 def _rms_norm_kernel(X, R, W, Out, ROut, stride_x, stride_r, stride_o, stride_ro, n_cols, eps,
-                     HAS_RESIDUAL: tl.constexpr, UNIT_OFFSET: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, UNIT_OFFSET: tl.constexpr, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -53,7 +57,7 @@ def rms_norm(
     _rms_norm_kernel[(n,)](
         x, r, weight, out, res_out, x.stride(0), r.stride(0), out.stride(0), res_out.stride(0), cols, eps,
         HAS_RESIDUAL=residual is not None, UNIT_OFFSET=unit_offset, BLOCK=triton.next_power_of_2(cols),
-        num_warps=4 if cols <= 2048 else 8,
+        num_warps=4 if cols <= 2048 else 8, **launch_args(x.device),
     )
     return out, res_out
 
@@ -88,7 +92,9 @@ def _rope_kv_kernel(QKV, Pos, Rows, Cos, Sin, QOut, KC, VC, QNorm, KNorm, eps,
                     stride_qkv, stride_cos, stride_qo_n, stride_qo_h,
                     stride_cr, stride_ch,
                     N_HEADS: tl.constexpr, N_KV: tl.constexpr, HEADS_PAD: tl.constexpr,
-                    HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr):
+                    HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr,
+                    PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     n = tl.program_id(0).to(tl.int64)
     pos = tl.load(Pos + n).to(tl.int64)
     cache_row = tl.load(Rows + n).to(tl.int64)
@@ -164,13 +170,14 @@ def rope_and_cache(
         k_cache.stride(0), k_cache.stride(1),
         N_HEADS=n_heads, N_KV=n_kv, HEADS_PAD=triton.next_power_of_2(max(n_heads, n_kv)),
         HEAD_DIM=head_dim, HAS_NORM=norms is not None, UNIT_OFFSET=norms is not None and norms.unit_offset,
-        num_warps=4,
+        num_warps=4, **launch_args(qkv.device),
     )
     return q
 
 
 @triton.jit
-def _act_mul_kernel(X, Out, stride_x, stride_o, inter, GELU: tl.constexpr, BLOCK: tl.constexpr):
+def _act_mul_kernel(X, Out, stride_x, stride_o, inter, GELU: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -192,7 +199,7 @@ def _act_mul(x: torch.Tensor, gelu: bool) -> torch.Tensor:
     out = torch.empty(n, inter, dtype=x.dtype, device=x.device)
     block = 1024
     _act_mul_kernel[(n, triton.cdiv(inter, block))](x, out, x.stride(0), out.stride(0), inter, GELU=gelu, BLOCK=block,
-                                                    num_warps=4)
+                                                    num_warps=4, **launch_args(x.device))
     return out
 
 

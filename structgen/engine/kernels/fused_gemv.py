@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from structgen.engine.kernels.dependent_launch import launch_args, wait_for_inputs
+
 MAX_ROWS = 4
 EPI_SILU, EPI_ROPE = tl.constexpr(1), tl.constexpr(2)  # constexpr: the kernel reads them
 # (block_n, block_k, num_warps, num_stages): block_n output features (and their partners) per
@@ -45,11 +47,39 @@ _plans: dict[tuple, tuple[int, int, int, int]] = {}
 
 
 @triton.jit
+def _weight_pair_chunk(w_lo, w_hi, k, K, EVEN_K: tl.constexpr):
+    """Columns `k` of a program's rows of W and of their partners, in float32; no mask on K
+    where chunks divide it (masked loads streamed W slower, gemv.py)."""
+    if EVEN_K:
+        return tl.load(w_lo + k[None, :]).to(tl.float32), tl.load(w_hi + k[None, :]).to(tl.float32)
+    kmask = (k < K)[None, :]
+    return (tl.load(w_lo + k[None, :], mask=kmask, other=0.0).to(tl.float32),
+            tl.load(w_hi + k[None, :], mask=kmask, other=0.0).to(tl.float32))
+
+
+@triton.jit
+def _normed_x_chunk(X, R, NW, ROut, m, mmask, k, K, stride_xm, stride_rm, writes_residual,
+                    HAS_RES: tl.constexpr, EVEN_K: tl.constexpr):
+    """(columns `k` of x (+ residual) times the norm weight, in float32; their squares summed
+    per row). With a residual, `writes_residual` (one program) stores x + residual."""
+    kmask = (k < K) | EVEN_K
+    xmask = mmask[:, None] & kmask[None, :]
+    x = tl.load(X + m[:, None] * stride_xm + k[None, :], mask=xmask, other=0.0)
+    if HAS_RES:  # the residual add, rounded to the model dtype like `fused.rms_norm`
+        r = tl.load(R + m[:, None] * stride_rm + k[None, :], mask=xmask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        if writes_residual:
+            tl.store(ROut + m[:, None] * stride_xm + k[None, :], x, mask=xmask)
+    xf = x.to(tl.float32)
+    return xf * tl.load(NW + k, mask=kmask, other=0.0).to(tl.float32)[None, :], tl.sum(xf * xf, 1)
+
+
+@triton.jit
 def _fused_gemv_kernel(
     X, R, NW, W, B, Y, ROut, M, K, stride_xm, stride_rm, stride_wn, stride_ym, eps, pair_offset,
     Pos, Rows, Cos, Sin, KC, VC, stride_cos, stride_cr, stride_ch,
     HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, EPI: tl.constexpr, EVEN_K: tl.constexpr,
-    N_HEADS: tl.constexpr, N_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
+    N_HEADS: tl.constexpr, N_KV: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -68,31 +98,20 @@ def _fused_gemv_kernel(
     # Each chunk's products are summed at once, not kept element-wise to the end as gemv.py
     # does for large matrices: with two accumulators the late sum made the forward graph slower
     # at 2 and 4 rows.
-    acc_lo = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc_hi = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    ss = tl.zeros([BLOCK_M], tl.float32)
     w_lo = W + lo[:, None].to(tl.int64) * stride_wn
     w_hi = W + hi[:, None].to(tl.int64) * stride_wn
-    for k0 in range(0, K, BLOCK_K):
+    # The first chunk of W is loaded before waiting for x: no kernel writes weights.
+    k = tl.arange(0, BLOCK_K)
+    w, w2 = _weight_pair_chunk(w_lo, w_hi, k, K, EVEN_K)
+    wait_for_inputs(PDL)
+    xf, ss = _normed_x_chunk(X, R, NW, ROut, m, mmask, k, K, stride_xm, stride_rm, pid == 0, HAS_RES, EVEN_K)
+    acc_lo = tl.sum(xf[:, None, :] * w[None, :, :], axis=2)
+    acc_hi = tl.sum(xf[:, None, :] * w2[None, :, :], axis=2)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        # No mask on K where chunks divide it: masked loads streamed W slower (gemv.py).
-        kmask = (k < K) | EVEN_K
-        xmask = mmask[:, None] & kmask[None, :]
-        x = tl.load(X + m[:, None] * stride_xm + k[None, :], mask=xmask, other=0.0)
-        if HAS_RES:  # the residual add, rounded to the model dtype like `fused.rms_norm`
-            r = tl.load(R + m[:, None] * stride_rm + k[None, :], mask=xmask, other=0.0)
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-            if pid == 0:
-                tl.store(ROut + m[:, None] * stride_xm + k[None, :], x, mask=xmask)
-        xf = x.to(tl.float32)
-        ss += tl.sum(xf * xf, 1)
-        xf = xf * tl.load(NW + k, mask=kmask, other=0.0).to(tl.float32)[None, :]
-        if EVEN_K:
-            w = tl.load(w_lo + k[None, :]).to(tl.float32)
-            w2 = tl.load(w_hi + k[None, :]).to(tl.float32)
-        else:
-            w = tl.load(w_lo + k[None, :], mask=kmask[None, :], other=0.0).to(tl.float32)
-            w2 = tl.load(w_hi + k[None, :], mask=kmask[None, :], other=0.0).to(tl.float32)
+        w, w2 = _weight_pair_chunk(w_lo, w_hi, k, K, EVEN_K)
+        xf, sq = _normed_x_chunk(X, R, NW, ROut, m, mmask, k, K, stride_xm, stride_rm, pid == 0, HAS_RES, EVEN_K)
+        ss += sq
         acc_lo += tl.sum(xf[:, None, :] * w[None, :, :], axis=2)
         acc_hi += tl.sum(xf[:, None, :] * w2[None, :, :], axis=2)
     inv = 1.0 / tl.sqrt(ss / K + eps)
@@ -153,7 +172,7 @@ def _launch(x, weight, bias, out, *, norm_weight, residual, eps, epi, grid, pair
         HAS_RES=residual is not None, HAS_BIAS=bias is not None, EPI=epi.value,
         N_HEADS=heads[0], N_KV=heads[1], HEAD_DIM=heads[2],
         EVEN_K=k % block_k == 0, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=bn, BLOCK_K=block_k,
-        num_warps=nw, num_stages=ns,
+        num_warps=nw, num_stages=ns, **launch_args(x.device),
     )
     return res_out
 

@@ -42,6 +42,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from structgen.engine.kernels.dependent_launch import launch_args, wait_for_inputs
+
 log = logging.getLogger(__name__)
 MAX_ROWS = 16
 GEMV_ROWS = 4  # the GEMV forms keep a [rows, n, k] or [rows, n] accumulator: few rows only
@@ -176,8 +178,25 @@ def _load_chunk(w_ptr, X, stride_xm, m, mmask, nmask, k, K, EVEN_K: tl.constexpr
 
 
 @triton.jit
+def _load_row_chunk(w_ptr, nmask, k, K, EVEN_K: tl.constexpr):
+    """W's [BLOCK_N, BLOCK_K] chunk at columns `k` of the one-row form, masked on K only
+    where the chunks do not divide it (masked loads streamed W slower)."""
+    if EVEN_K:
+        return tl.load(w_ptr + k[None, :], mask=nmask[:, None], other=0.0)
+    return tl.load(w_ptr + k[None, :], mask=nmask[:, None] & (k < K)[None, :], other=0.0)
+
+
+@triton.jit
+def _load_x_chunk(X, k, K, EVEN_K: tl.constexpr):
+    """x's chunk at columns `k` of the one-row form."""
+    if EVEN_K:
+        return tl.load(X + k)
+    return tl.load(X + k, mask=k < K, other=0.0)
+
+
+@triton.jit
 def _gemv_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS: tl.constexpr,
-                 EVEN_K: tl.constexpr, SUM_LATE: tl.constexpr,
+                 EVEN_K: tl.constexpr, SUM_LATE: tl.constexpr, PDL: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -193,6 +212,7 @@ def _gemv_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS:
     # "Decode step at batch 1"). Two to four rows of a matrix can take either form (`plan`
     # times both).
     if not SUM_LATE:
+        wait_for_inputs(PDL)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
@@ -205,6 +225,7 @@ def _gemv_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS:
         tl.store(Y + m[:, None] * stride_ym + n[None, :], acc.to(Y.dtype.element_ty),
                  mask=mmask[:, None] & nmask[None, :])
     elif BLOCK_M > 1:  # 2-4 rows: W streamed once for every row, products summed after the loop
+        wait_for_inputs(PDL)
         acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
         for k0 in range(0, K, BLOCK_K):
             w, x = _load_chunk(w_ptr, X, stride_xm, m, mmask, nmask, k0 + tl.arange(0, BLOCK_K), K, EVEN_K)
@@ -215,16 +236,15 @@ def _gemv_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS:
         tl.store(Y + m[:, None] * stride_ym + n[None, :], out2.to(Y.dtype.element_ty),
                  mask=mmask[:, None] & nmask[None, :])
     else:  # one row of a large matrix
-        acc1 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        # The first chunk of W is loaded before waiting for x: no kernel writes weights.
+        k = tl.arange(0, BLOCK_K)
+        w = _load_row_chunk(w_ptr, nmask, k, K, EVEN_K)
+        wait_for_inputs(PDL)
+        acc1 = _load_x_chunk(X, k, K, EVEN_K).to(tl.float32)[None, :] * w.to(tl.float32)
+        for k0 in range(BLOCK_K, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
-            if EVEN_K:
-                w = tl.load(w_ptr + k[None, :], mask=nmask[:, None], other=0.0)
-                x = tl.load(X + k)
-            else:
-                w = tl.load(w_ptr + k[None, :], mask=nmask[:, None] & (k < K)[None, :], other=0.0)
-                x = tl.load(X + k, mask=k < K, other=0.0)
-            acc1 += x.to(tl.float32)[None, :] * w.to(tl.float32)
+            w = _load_row_chunk(w_ptr, nmask, k, K, EVEN_K)
+            acc1 += _load_x_chunk(X, k, K, EVEN_K).to(tl.float32)[None, :] * w.to(tl.float32)
         out = tl.sum(acc1, 1)
         if HAS_BIAS:
             out += tl.load(B + n, mask=nmask, other=0.0).to(tl.float32)
@@ -251,17 +271,18 @@ def _dot_tile(X, W, B, Y, m, n, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BI
 
 @triton.jit
 def _dot_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS: tl.constexpr,
-                EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                EVEN_K: tl.constexpr, PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The skinny GEMM: rows padded to BLOCK_M (16, tl.dot's smallest), W streamed once through
     the tensor cores, so 16 rows cost about what 2 do."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    wait_for_inputs(PDL)
     _dot_tile(X, W, B, Y, tl.arange(0, BLOCK_M), n, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS, EVEN_K,
               BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 @triton.jit(do_not_specialize=["M"])
 def _invariant_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS: tl.constexpr,
-                      EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      EVEN_K: tl.constexpr, PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """`_dot_kernel` over row tiles: program p takes row tile p % tiles and feature block
     p // tiles, so the tiles that read one slab of W run side by side and share it in L2. A
     row's sums never involve another row, and the code is the same for every row count."""
@@ -269,6 +290,7 @@ def _invariant_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_
     tiles = tl.cdiv(M, BLOCK_M)
     n = (pid // tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = (pid % tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
+    wait_for_inputs(PDL)
     _dot_tile(X, W, B, Y, m, n, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
@@ -340,7 +362,7 @@ def invariant_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     _invariant_kernel[grid](x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0),
                             weight.stride(0), y.stride(0), HAS_BIAS=bias is not None, EVEN_K=k % bk == 0,
                             BLOCK_M=tile_rows, BLOCK_N=block.n, BLOCK_K=bk,
-                            num_warps=block.warps, num_stages=block.stages)
+                            num_warps=block.warps, num_stages=block.stages, **launch_args(x.device))
     return y
 
 
@@ -358,11 +380,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     grid = (triton.cdiv(n, block.n),)
     if dot:
         _dot_kernel[grid](*args, HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, BLOCK_M=DOT_ROWS,
-                          BLOCK_N=block.n, BLOCK_K=bk, num_warps=block.warps, num_stages=block.stages)
+                          BLOCK_N=block.n, BLOCK_K=bk, num_warps=block.warps, num_stages=block.stages,
+                          **launch_args(x.device))
         return y
     _gemv_kernel[grid](
         *args, HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, SUM_LATE=block.form == "late",
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block.n, BLOCK_K=bk,
-        num_warps=block.warps, num_stages=block.stages,
+        num_warps=block.warps, num_stages=block.stages, **launch_args(x.device),
     )
     return y

@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from structgen.engine.kernels.dependent_launch import launch_args, wait_for_inputs
+
 # Up to this many (token, expert) pairs a step takes the pair kernels (no sort): decode batches.
 PAIR_MAX = 64
 
@@ -120,9 +122,11 @@ def align_by_expert_reference(topk_ids: torch.Tensor, num_experts: int, block_m:
 
 @triton.jit
 def _route_kernel(Logits, Weights, Ids, stride_l, num_experts,
-                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, NORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr):
+                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, NORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
+                  PDL: tl.constexpr):
     """One token's router: softmax over the experts in float32, the top k by probability
     (highest first), renormalised to sum to one where NORMALIZE."""
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, BLOCK_E)
     logits = tl.load(Logits + row * stride_l + experts, mask=experts < num_experts, other=float("-inf"))
@@ -154,7 +158,7 @@ def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tens
     ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
     _route_kernel[(tokens,)](logits, weights, ids, logits.stride(0), num_experts, TOP_K=top_k,
                              K_PAD=triton.next_power_of_2(top_k), NORMALIZE=normalize,
-                             BLOCK_E=triton.next_power_of_2(num_experts), num_warps=1)
+                             BLOCK_E=triton.next_power_of_2(num_experts), num_warps=1, **launch_args(logits.device))
     return weights, ids
 
 
@@ -224,11 +228,13 @@ def _down_kernel(H, W, RouteWeights, Out, SortedPairs, BlockExperts, PaddedTotal
 
 @triton.jit
 def _gate_up_pairs_kernel(X, W, Ids, Out, stride_x, stride_we, stride_wn, stride_o, inter, hidden,
-                          TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                          TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                          PDL: tl.constexpr):
     """Out[pair, n] = silu(x[token] . W[e, n]) * (x[token] . W[e, inter + n]) for BLOCK_N
     features of one pair: the gate and up rows streamed once in BLOCK_K chunks, products
     summed once after the loop (a sum per chunk puts a barrier between two loads of W)."""
     pair, pid_n = tl.program_id(0), tl.program_id(1)
+    wait_for_inputs(PDL)  # the expert ids are the router's output
     token = (pair // TOP_K).to(tl.int64)
     expert = tl.load(Ids + pair).to(tl.int64)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -260,12 +266,13 @@ def _gate_up_pairs_kernel(X, W, Ids, Out, stride_x, stride_we, stride_wn, stride
 @triton.jit
 def _down_tokens_kernel(H, W, Ids, RouteWeights, Out, stride_h, stride_we, stride_wn, stride_o, hidden, inter,
                         TOP_K: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        EVEN_K: tl.constexpr):
+                        EVEN_K: tl.constexpr, PDL: tl.constexpr):
     """Out[token, n] = sum_k route_weight[pair k] * (h[pair k] . W[e_k, n]) for BLOCK_N
     features of one token: its top_k experts' rows streamed in one loop of TOP_K * CHUNKS
     chunks, the weights folded into h, every product summed in float32 in a fixed order (no
     atomics) and rounded once."""
     token, pid_n = tl.program_id(0), tl.program_id(1)
+    wait_for_inputs(PDL)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < hidden
     w_rows = W + n[:, None].to(tl.int64) * stride_wn
@@ -414,7 +421,7 @@ class _PairLaunches:
         _gate_up_pairs_kernel[(pairs, triton.cdiv(inter, tiles.n))](
             x, w, self.ids, h, x.stride(0), w.stride(0), w.stride(1), h.stride(0), inter, hidden,
             TOP_K=self.top_k, BLOCK_N=tiles.n, BLOCK_K=bk, EVEN_K=hidden % bk == 0,
-            num_warps=tiles.warps, num_stages=tiles.stages)
+            num_warps=tiles.warps, num_stages=tiles.stages, **launch_args(x.device))
         return h
 
     def down(self, h: torch.Tensor, w: torch.Tensor, tiles: Tiles) -> torch.Tensor:
@@ -424,7 +431,7 @@ class _PairLaunches:
         _down_tokens_kernel[(self.tokens, triton.cdiv(hidden, tiles.n))](
             h, w, self.ids, self.weights, out, h.stride(0), w.stride(0), w.stride(1), out.stride(0), hidden, inter,
             TOP_K=self.top_k, CHUNKS=triton.cdiv(inter, bk), BLOCK_N=tiles.n, BLOCK_K=bk, EVEN_K=inter % bk == 0,
-            num_warps=tiles.warps, num_stages=tiles.stages)
+            num_warps=tiles.warps, num_stages=tiles.stages, **launch_args(h.device))
         return out
 
 
