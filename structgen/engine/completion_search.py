@@ -104,6 +104,7 @@ class CompletionSearch:
         self.enders = _single_tokens('"]},', self.encode)  # a probe's goal: what ends a value
         self.quote = self.enders[:1]  # a looping string's goal
         self.probe_nodes_left = 0  # what the current search's probes may still spend
+        self.searches = 0  # searches run, for the stats and the tests
 
     def encode(self, text: str) -> tuple[int, ...]:
         """`text`'s token ids as the tokenizer spells it (kept: the same texts recur)."""
@@ -123,6 +124,7 @@ class CompletionSearch:
         """The search from `m`'s state, stopped where its path reaches `limit` tokens; what it
         found, for this limit and any other (`Completion`). `m` is left as it was. The limit
         only stops the search: the path it takes is the same under any limit."""
+        self.searches += 1
         path: list[int] = []
         longest = -1  # the longest path seen unfinished: a limit up to it stops the search
         self.probe_nodes_left = SEARCH_MAX_PROBE_NODES
