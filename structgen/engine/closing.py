@@ -105,7 +105,8 @@ class BudgetCloser:
         where the matcher takes it and is complete after it."""
         m, history = req.matcher, req.answer_ids
         kept = len(history) - dropped
-        key = self.completions.key(m.grammar, history[:kept]) if req.matcher_from_start and kept >= 0 else None
+        known = req.matcher_from_start and kept >= 0  # else the matcher's tokens are not known
+        key = self.completions.key(m.grammar, history[:kept]) if known else None
         found = self.completions.get(key, limit)
         if found is None or not _completes(m, found.within(limit)):
             found = self.search.search(m, limit)

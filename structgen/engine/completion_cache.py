@@ -39,7 +39,8 @@ class CompletionCache:
         self.max_entries, self.max_history = max_entries, max_history
         self._entries: OrderedDict[StateKey, Completion] = OrderedDict()
         # A number per grammar, never reused: an entry of a grammar gone can match no other.
-        self._grammar_ids: weakref.WeakKeyDictionary[CompiledGrammar, int] = weakref.WeakKeyDictionary()
+        self._grammar_ids: weakref.WeakKeyDictionary[CompiledGrammar, int]
+        self._grammar_ids = weakref.WeakKeyDictionary()
         self._next_id = itertools.count()
         self.hits = 0
         self.misses = 0

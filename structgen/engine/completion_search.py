@@ -99,8 +99,8 @@ class CompletionSearch:
         head = self.order[:HEAD_CANDIDATES]
         self._head_words, self._head_bits = head >> 5, (head & 31).astype(np.uint32)
         self._row = allocate_bitmask(1, vocab_size, host_only=True)
-        self.probe_chars = [[(t, kinds[c]) for c in PROBE_ALPHABET for t in _single_tokens(c, self.encode)]
-                            for kinds in (_COARSE_KINDS, _FINE_KINDS)]
+        self.probe_chars = [[(t, kinds[c]) for c in PROBE_ALPHABET
+                             for t in _single_tokens(c, self.encode)] for kinds in (_COARSE_KINDS, _FINE_KINDS)]
         self.enders = _single_tokens('"]},', self.encode)  # a probe's goal: what ends a value
         self.quote = self.enders[:1]  # a looping string's goal
         self.probe_nodes_left = 0  # what the current search's probes may still spend
@@ -259,7 +259,8 @@ class CompletionSearch:
             bits = np.unpackbits(words.view(np.uint8), bitorder="little")
             return self.order[bits[self.order].astype(bool)][:SEARCH_CANDIDATES].tolist()
         nonzero = np.flatnonzero(words)
-        rows, cols = np.nonzero(np.unpackbits(words[nonzero].view(np.uint8), bitorder="little").reshape(-1, 32))
+        bits = np.unpackbits(words[nonzero].view(np.uint8), bitorder="little").reshape(-1, 32)
+        rows, cols = np.nonzero(bits)
         ids = nonzero[rows] * 32 + cols
         ranked = self._rank_of[ids[ids < len(self._rank_of)]]
         ranked = ranked[ranked < len(self.order)]
