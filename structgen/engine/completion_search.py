@@ -156,7 +156,8 @@ class CompletionSearch:
             del path[1 - SEARCH_LOOP_RUN :]
             candidates = self._candidates(m)
         if probing and (looping or not any(self.ranks[t] < _ENDS_VALUE_RANK for t in candidates)):
-            probed = self._probe(m, self.quote if looping else self.enders)
+            mask = self._row[0].numpy().view(np.uint32)  # `m`'s mask, as `_candidates` filled it
+            probed = self._probe(m, self.quote if looping else self.enders, mask)
             path += probed
             if probed:
                 return True
@@ -194,17 +195,22 @@ class CompletionSearch:
                 first = t
         return first
 
-    def _probe(self, m: GrammarMatcher, enders: list[int]) -> list[int]:
+    def _probe(self, m: GrammarMatcher, enders: list[int], mask: np.ndarray) -> list[int]:
         """The fewest probe characters after which a value may end (one of `enders` may come,
         or the grammar is complete), breadth first over the coarse kinds, then the fine ones;
         the matcher takes them, respelt in fewer tokens where the tokenizer's spelling is
-        accepted. [] where none is found."""
+        accepted. [] where none is found. `mask`: `m`'s mask (its uint32 words), which rules
+        out most first characters without asking the matcher."""
         for chars in self.probe_chars:
-            if found := self._breadth_first(m, enders, chars):
+            first = [(c, kind) for c, kind in chars if mask[c >> 5] >> (c & 31) & 1]
+            if found := self._breadth_first(m, enders, chars, first):
                 return self._take(m, found)
         return []
 
-    def _breadth_first(self, m: GrammarMatcher, enders: list[int], chars: list[tuple[int, str]]) -> list[int]:
+    def _breadth_first(self, m: GrammarMatcher, enders: list[int], chars: list[tuple[int, str]],
+                       first: list[tuple[int, str]]) -> list[int]:
+        """The shortest path of `chars` (its first character one of `first`) after which one
+        of `enders` may come; [] where the probe's nodes run out first."""
         frontier: list[list[int]] = [[]]
         nodes = 0
         most = min(PROBE_MAX_NODES, self.probe_nodes_left)
@@ -214,7 +220,7 @@ class CompletionSearch:
                 nodes += 1
                 self.probe_nodes_left -= 1
                 taken = m.accept_tokens(path)
-                found = taken == len(path) and self._extend(m, path, grown, enders, chars)
+                found = taken == len(path) and self._extend(m, path, grown, enders, chars if path else first)
                 m.rollback(taken)
                 if found:
                     return grown[-1]
