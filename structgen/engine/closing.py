@@ -19,7 +19,8 @@ The loop guard (`SamplingParams.loop_guards`) adds a check every `LOOP_CHECK_EVE
 tail that repeats one short token pattern (a digit, a phrase, an array item) closes the request
 early the same way, and the stats say so.
 
-The completion comes from `completion_search.CompletionSearch`.
+The completion comes from `completion_search.CompletionSearch`; requests in the same grammar
+state (every request of one schema at admission) share one search (`completion_cache`).
 """
 
 from __future__ import annotations
@@ -28,12 +29,14 @@ import logging
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from structgen.engine.completion_cache import CompletionCache
 from structgen.engine.completion_search import SEARCH_MAX_FILLS, CompletionSearch
 from structgen.errors import EngineError
 from structgen.grammar.backends.base import control_token_ids, token_bytes
 
 if TYPE_CHECKING:
     from structgen.engine.request import GenerationStats, Request
+    from structgen.grammar.backends.base import GrammarMatcher
     from structgen.sampling import SamplingParams
 
 log = logging.getLogger("structgen.engine")
@@ -61,6 +64,7 @@ class BudgetCloser:
 
     def __init__(self) -> None:
         self.search: CompletionSearch | None = None  # set by `use_tokenizer`
+        self.completions = CompletionCache()
 
     def use_tokenizer(self, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int]) -> None:
         """Closing needs the tokens' text to rank its search; without it requests end at
@@ -88,11 +92,26 @@ class BudgetCloser:
         (before forced text or the model open what the budget cannot close) and the next check
         is set from it; a completion that only just fits leaves the check due at once."""
         left = req.params.max_tokens - req.num_output
-        plan = self.search.shortest(req.matcher, left)
+        plan = self.shortest(req, left)
         if plan is not None:
             req.safe_point = req.num_output
             if len(plan) + CLOSING_MARGIN < left:
                 req.budget_check_at = self._halfway(req, left, plan)
+
+    def shortest(self, req: Request, limit: int, dropped: int = 0) -> list[int] | None:
+        """The search's completion from the state of the request's matcher (which has rolled
+        back its last `dropped` output tokens), at most `limit` tokens; None where it found
+        none. Requests in the same state share one search; a kept completion is used only
+        where the matcher takes it and is complete after it."""
+        m, history = req.matcher, req.answer_ids
+        kept = len(history) - dropped
+        known = req.matcher_from_start and kept >= 0  # else the matcher's tokens are not known
+        key = self.completions.key(m.grammar, history[:kept]) if known else None
+        found = self.completions.get(key, limit)
+        if found is None or not _completes(m, found.within(limit)):
+            found = self.search.search(m, limit)
+            self.completions.put(key, found)
+        return found.within(limit)
 
     @staticmethod
     def _halfway(req: Request, left: int, plan: list[int]) -> int:
@@ -123,7 +142,7 @@ class BudgetCloser:
             return
         looped = p.loop_guards and self._looped(req)
         if looped or (p.close_at_budget and req.num_output >= req.budget_check_at):
-            plan = self.search.shortest(m, left)
+            plan = self.shortest(req, left)
             if plan is not None and (looped or len(plan) + CLOSING_MARGIN >= left):
                 self._close(req, plan, "repetition" if looped else "budget_closing")
                 return
@@ -194,11 +213,11 @@ class BudgetCloser:
         m, p = req.matcher, req.params
         back = req.num_output - req.safe_point
         m.rollback(back)
-        plan = self.search.shortest(m, p.max_tokens - req.safe_point)
+        plan = self.shortest(req, p.max_tokens - req.safe_point, back)
         while plan is None and back < min(req.num_output, req.num_output - req.safe_point + SAFE_POINT_SLACK):
             back += 1
             m.rollback(1)
-            plan = self.search.shortest(m, p.max_tokens - (req.num_output - back))
+            plan = self.shortest(req, p.max_tokens - (req.num_output - back), back)
         if plan is None:
             m.accept_tokens(req.token_ids[len(req.token_ids) - back:])  # as it was: ends at max_tokens
             req.safe_point = None
@@ -233,8 +252,19 @@ class BudgetCloser:
         if completed or req.matcher is None or self.search is None or req.matcher.is_terminated():
             return
         self._looped(req)
-        plan = self.search.shortest(req.matcher, SEARCH_MAX_FILLS)
+        plan = self.shortest(req, SEARCH_MAX_FILLS)
         req.stats.shortest_completion = len(plan) if plan is not None else None
+
+
+def _completes(m: GrammarMatcher, plan: list[int] | None) -> bool:
+    """Whether `m` takes `plan` and is complete after it (None: nothing to check); `m` is
+    left as it was."""
+    if plan is None:
+        return True
+    taken = m.accept_tokens(plan)
+    done = taken == len(plan) and m.is_completed()
+    m.rollback(taken)
+    return done
 
 
 def find_loop(ids: Sequence[int]) -> int | None:

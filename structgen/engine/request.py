@@ -94,6 +94,8 @@ class Request:
         self.num_prompt = len(prompt_ids)
         self.params = params
         self.matcher = matcher
+        # The matcher had taken no tokens yet: its state is its grammar's after `answer_ids`.
+        self.matcher_from_start = matcher is not None and matcher.version == 0
         self.stop_token_ids = stop_token_ids
         self.on_update = on_update
         self.status = RequestStatus.WAITING

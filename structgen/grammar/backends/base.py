@@ -145,6 +145,9 @@ class GrammarMatcher(ABC):
     # Bumped by every call that may change the state (accept, rollback, reset): a mask filled
     # earlier (grammar/prefetch.py) is still this matcher's mask while the version is unchanged.
     version: int = 0
+    # The compiled grammar that made this matcher (`CompiledGrammar.matcher`): with the tokens
+    # taken since, it names the matcher's state (engine/completion_cache.py keys on it).
+    grammar: CompiledGrammar | None = None
 
     @abstractmethod
     def accept_token(self, token_id: int) -> bool:

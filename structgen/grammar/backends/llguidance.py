@@ -156,7 +156,9 @@ class LLGuidanceCompiledGrammar(CompiledGrammar):
         self._stop_token_ids = stop_ids
 
     def matcher(self) -> LLGuidanceMatcher:
-        return LLGuidanceMatcher(self._template.deep_copy(), self._stop_token_ids)
+        m = LLGuidanceMatcher(self._template.deep_copy(), self._stop_token_ids)
+        m.grammar = self
+        return m
 
     def accepts(self, text: str) -> bool:
         m = self._template.deep_copy()

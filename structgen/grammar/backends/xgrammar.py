@@ -113,9 +113,11 @@ class XGrammarCompiledGrammar(CompiledGrammar):
         self._words = words
 
     def matcher(self) -> XGrammarMatcher:
-        return XGrammarMatcher(
+        m = XGrammarMatcher(
             xgr.GrammarMatcher(self.xgr_compiled), self._stop_token_ids, self._words, self.forced_text_bounded
         )
+        m.grammar = self
+        return m
 
     def accepts(self, text: str) -> bool:
         m = xgr.GrammarMatcher(self.xgr_compiled)
