@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one-GPU measurements of the open issues, in one call of at most 10 minutes, most wanted
 # first (call 2 of the two-call GGUF carry, scripts/device/README.md, with .carry/mbs):
-#   a. GPU tests of speculation: == plain greedy on 20 JME prompts, graph verify == eager;
+#   a. GPU tests of the real model through the graphs: constrained JSON == eager, speculation
+#      == plain greedy on 20 JME prompts, graph verify == eager;
 #   b. issue 32's targets, both modes (bench_speculative --targets);
 #   c. issue 30: 256 requests of one schema at once, cold then warm (bench_serving json-one),
 #      and the agent workload against its short-prompt twin, one at a time and Poisson;
@@ -40,7 +41,8 @@ if [[ $DRY == 1 ]]; then
 else
   source scripts/device/setup.sh > /tmp/setup.log 2>&1 || exit 1
   nvidia-smi --query-gpu=name --format=csv,noheader >> "$SUMMARY"
-  TESTS=(python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_speculative_graphs.py)
+  TESTS=(python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_cuda_graphs.py
+         tests/engine/test_speculative_graphs.py)
   SPEC=(python3 -m benchmarks.bench_speculative --targets --target-batches-invariant --target-rounds 3)
   JSON_ONE=(python3 -m benchmarks.bench_serving --workloads json-one --modes inprocess --arrivals closed,closed
             --requests 256 --max-tokens 128)
@@ -53,7 +55,7 @@ else
 fi
 want() { [[ " ${PIECES:-a b c d e f} " == *" $1 "* ]]; }  # PIECES="b d": only those
 
-want a && piece "a: GPU tests" 120 "$LOG" "${TESTS[@]}"
+want a && piece "a: GPU tests" 150 "$LOG" "${TESTS[@]}"
 want b && piece "b: speculation targets" 150 "$LOG" "${SPEC[@]}" && keep 'speculative_targets-*.json'
 if want c; then
   piece "c: json-one, 256 at once, cold then warm" 80 "$LOG" "${JSON_ONE[@]}"
