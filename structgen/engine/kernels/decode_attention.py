@@ -213,13 +213,13 @@ def decode_attention(
         WIDE_MIN_KEYS if not batch_invariant() else 1 << 30,  # the invariant mode's order of sums is fixed
         NUM_HEADS=heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=dim, BLOCK=BLOCK_N, WIDE_BLOCK=WIDE_BLOCK_N, PAGE=page_size, SINGLE_SPLIT=splits == 1,
-        num_warps=4, num_stages=2, **launch_args(q.device),
+        num_warps=4, num_stages=2, **launch_args(q.device, batch),
     )
     if splits > 1:
         _merge_kernel[(batch, heads)](
             part_o, part_ml, out, context_lens, out.stride(0), out.stride(1), splits, window, min_keys,
             NUM_HEADS=heads, SPLITS_PAD=triton.next_power_of_2(splits), HEAD_DIM=dim, BLOCK=BLOCK_N,
-            num_warps=1, **launch_args(q.device),
+            num_warps=1, **launch_args(q.device, batch),
         )
     return out
 

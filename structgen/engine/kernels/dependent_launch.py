@@ -12,8 +12,12 @@ another kernel reads, so the order of the step is unchanged; the projections fir
 loads of their first chunk of weights, which no kernel writes, so those bytes arrive while the
 kernel before them finishes.
 
-A kernel takes a `PDL: tl.constexpr` argument and is launched with `**launch_args(device)`.
-The switch is process-wide (`use_dependent_launch`), on by default where the GPU has it.
+A kernel takes a `PDL: tl.constexpr` argument and is launched with `**launch_args(device,
+rows)`. Only steps of up to MAX_ROWS rows take it: there every projection is one of our
+kernels, so the whole layer is a chain of them; larger steps' projections run on cuBLAS, which
+does not take part, and there the dependent launches cost a little instead (docs/performance.md,
+"Decode step at batch 1"). The switch is process-wide (`use_dependent_launch`), on by default
+where the GPU has it.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ try:
 except ImportError:  # pragma: no cover - a Triton without PDL: the kernels never call them
     gdc_launch_dependents = gdc_wait = None
 
+MAX_ROWS = 16  # kernels/gemv.py's MAX_ROWS: the most rows our projection kernels take
 _enabled = True
 
 
@@ -50,10 +55,10 @@ def dependent_launch(device: torch.device) -> bool:
     return _enabled and device.type == "cuda" and _supported(device.index or 0)
 
 
-def launch_args(device: torch.device) -> dict[str, bool]:
-    """The keyword arguments of a launch on `device`: the kernel's `PDL` constexpr, and
-    Triton's `launch_pdl` where it is on."""
-    if dependent_launch(device):
+def launch_args(device: torch.device, rows: int) -> dict[str, bool]:
+    """The keyword arguments of a launch of `rows` rows (tokens, sequences) on `device`: the
+    kernel's `PDL` constexpr, and Triton's `launch_pdl` where it is on."""
+    if rows <= MAX_ROWS and dependent_launch(device):
         return {"PDL": True, "launch_pdl": True}
     return {"PDL": False}
 

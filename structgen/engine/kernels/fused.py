@@ -57,7 +57,7 @@ def rms_norm(
     _rms_norm_kernel[(n,)](
         x, r, weight, out, res_out, x.stride(0), r.stride(0), out.stride(0), res_out.stride(0), cols, eps,
         HAS_RESIDUAL=residual is not None, UNIT_OFFSET=unit_offset, BLOCK=triton.next_power_of_2(cols),
-        num_warps=4 if cols <= 2048 else 8, **launch_args(x.device),
+        num_warps=4 if cols <= 2048 else 8, **launch_args(x.device, n),
     )
     return out, res_out
 
@@ -170,7 +170,7 @@ def rope_and_cache(
         k_cache.stride(0), k_cache.stride(1),
         N_HEADS=n_heads, N_KV=n_kv, HEADS_PAD=triton.next_power_of_2(max(n_heads, n_kv)),
         HEAD_DIM=head_dim, HAS_NORM=norms is not None, UNIT_OFFSET=norms is not None and norms.unit_offset,
-        num_warps=4, **launch_args(qkv.device),
+        num_warps=4, **launch_args(qkv.device, n),
     )
     return q
 
@@ -199,7 +199,7 @@ def _act_mul(x: torch.Tensor, gelu: bool) -> torch.Tensor:
     out = torch.empty(n, inter, dtype=x.dtype, device=x.device)
     block = 1024
     _act_mul_kernel[(n, triton.cdiv(inter, block))](x, out, x.stride(0), out.stride(0), inter, GELU=gelu, BLOCK=block,
-                                                    num_warps=4, **launch_args(x.device))
+                                                    num_warps=4, **launch_args(x.device, n))
     return out
 
 

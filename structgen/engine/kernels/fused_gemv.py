@@ -172,7 +172,7 @@ def _launch(x, weight, bias, out, *, norm_weight, residual, eps, epi, grid, pair
         HAS_RES=residual is not None, HAS_BIAS=bias is not None, EPI=epi.value,
         N_HEADS=heads[0], N_KV=heads[1], HEAD_DIM=heads[2],
         EVEN_K=k % block_k == 0, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=bn, BLOCK_K=block_k,
-        num_warps=nw, num_stages=ns, **launch_args(x.device),
+        num_warps=nw, num_stages=ns, **launch_args(x.device, m),
     )
     return res_out
 

@@ -362,7 +362,7 @@ def invariant_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     _invariant_kernel[grid](x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0),
                             weight.stride(0), y.stride(0), HAS_BIAS=bias is not None, EVEN_K=k % bk == 0,
                             BLOCK_M=tile_rows, BLOCK_N=block.n, BLOCK_K=bk,
-                            num_warps=block.warps, num_stages=block.stages, **launch_args(x.device))
+                            num_warps=block.warps, num_stages=block.stages, **launch_args(x.device, m))
     return y
 
 
@@ -381,11 +381,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if dot:
         _dot_kernel[grid](*args, HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, BLOCK_M=DOT_ROWS,
                           BLOCK_N=block.n, BLOCK_K=bk, num_warps=block.warps, num_stages=block.stages,
-                          **launch_args(x.device))
+                          **launch_args(x.device, m))
         return y
     _gemv_kernel[grid](
         *args, HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, SUM_LATE=block.form == "late",
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block.n, BLOCK_K=bk,
-        num_warps=block.warps, num_stages=block.stages, **launch_args(x.device),
+        num_warps=block.warps, num_stages=block.stages, **launch_args(x.device, m),
     )
     return y

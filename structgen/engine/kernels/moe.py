@@ -158,7 +158,7 @@ def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tens
     ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
     _route_kernel[(tokens,)](logits, weights, ids, logits.stride(0), num_experts, TOP_K=top_k,
                              K_PAD=triton.next_power_of_2(top_k), NORMALIZE=normalize,
-                             BLOCK_E=triton.next_power_of_2(num_experts), num_warps=1, **launch_args(logits.device))
+                             BLOCK_E=triton.next_power_of_2(num_experts), num_warps=1, **launch_args(logits.device, tokens))
     return weights, ids
 
 
@@ -421,7 +421,7 @@ class _PairLaunches:
         _gate_up_pairs_kernel[(pairs, triton.cdiv(inter, tiles.n))](
             x, w, self.ids, h, x.stride(0), w.stride(0), w.stride(1), h.stride(0), inter, hidden,
             TOP_K=self.top_k, BLOCK_N=tiles.n, BLOCK_K=bk, EVEN_K=hidden % bk == 0,
-            num_warps=tiles.warps, num_stages=tiles.stages, **launch_args(x.device))
+            num_warps=tiles.warps, num_stages=tiles.stages, **launch_args(x.device, self.tokens))
         return h
 
     def down(self, h: torch.Tensor, w: torch.Tensor, tiles: Tiles) -> torch.Tensor:
@@ -431,7 +431,7 @@ class _PairLaunches:
         _down_tokens_kernel[(self.tokens, triton.cdiv(hidden, tiles.n))](
             h, w, self.ids, self.weights, out, h.stride(0), w.stride(0), w.stride(1), out.stride(0), hidden, inter,
             TOP_K=self.top_k, CHUNKS=triton.cdiv(inter, bk), BLOCK_N=tiles.n, BLOCK_K=bk, EVEN_K=inter % bk == 0,
-            num_warps=tiles.warps, num_stages=tiles.stages, **launch_args(h.device))
+            num_warps=tiles.warps, num_stages=tiles.stages, **launch_args(h.device, self.tokens))
         return out
 
 
