@@ -10,6 +10,8 @@
 - `sampling.py`: grammar bitmask + temperature + Gumbel noise + argmax in one pass.
 - `moe.py`: a mixture of experts' router (softmax + top-k) and its experts, every (token,
   chosen expert) pair of a step in one launch per projection.
+- `dependent_launch.py`: programmatic dependent launch, so that on Hopper each kernel of a
+  small step starts while the one before it drains.
 
 `use_batch_invariant(True)` (`EngineConfig.batch_invariant`) makes every kernel compute a row
 the same way whatever number of rows share the launch: projections take `gemv.invariant_gemm`
