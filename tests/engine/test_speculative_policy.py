@@ -145,15 +145,15 @@ def test_a_choice_of_no_drafts_stands_for_its_plain_bucket_until_acceptance_news
     """Held steps weigh nobody's drafts, whatever the batch within the bucket (fewer requests,
     smaller budgets); another bucket is weighed, and acceptance news ends the hold."""
     sim = Simulation(DraftPolicy(BUCKETS), batch=64, accept=0.6).run(30)
-    held, policy = sim.policy.held, sim.policy
-    assert held is not None and held.bucket == 64 and held.until > policy.steps
+    policy = sim.policy
+    assert list(policy.held) == [64] and policy.held[64] > policy.steps
     weighed = policy.weighed
     assert policy.draft_lengths(list(range(40)), [1] * 40, rows=40) == [0] * 40  # bucket 64: held
     assert policy.weighed == weighed
     assert policy.draft_lengths(list(range(32)), [3] * 32, rows=32) == [0] * 32  # bucket 32: weighed
     assert policy.weighed == weighed + 1
     policy.record_verified(0, 3, 3)
-    assert policy.held is None
+    assert not policy.held
 
 
 def test_batch_16_drafts_where_its_measured_cost_pays():

@@ -34,10 +34,11 @@ more, does not beat plain steps' (realized, or until that is known, from their t
 drafting stops at that bucket whatever the model says,
 and is measured again only `RETRY_STEPS` decisions later, the wait doubling each time.
 
-A choice of no drafts stands `HOLD_STEPS` steps at the same plain bucket unless acceptance or
-verify costs change, so a batch where nothing pays spends little host time here: a held step
-weighs no drafts, whatever its requests (the batch shrinking, forced text adding rows within the
-bucket, budgets running out), and the speculator then asks the drafter about nobody. Each request's
+A choice of no drafts stands `HOLD_STEPS` decisions at its plain bucket (each bucket's choice
+its own) unless acceptance or verify costs change, so a batch where nothing pays spends little
+host time here: a held step weighs no drafts, whatever its requests (the batch shrinking, forced
+text moving it between buckets, budgets running out), and the speculator then asks the drafter
+about nobody. Each request's
 acceptance rate is a decayed count of its accepted and rejected drafts, starting from the
 engine-wide one; a draft token the policy asked for and the drafter did not produce counts as
 rejected, since the rows it was priced for emit nothing. `decisions` counts the steps by what
@@ -166,15 +167,6 @@ class OpenStep:
 
 
 @dataclass(frozen=True)
-class Held:
-    """A choice of no drafts that stands, without weighing drafts again, for steps of the same
-    plain `bucket` until decision `until`."""
-
-    bucket: int
-    until: int
-
-
-@dataclass(frozen=True)
 class Choice:
     """One step's decision: `drafts` tokens in all, and `kind`: untimed (the plain bucket is
     not measured yet), plain, pays (by measured or pessimistic costs) or trial (drafted to
@@ -206,7 +198,9 @@ class DraftPolicy:
         self.decisions: Counter[str] = Counter()  # Choice.kind -> steps
         self.weighed = 0  # decisions that weighed every request's drafts (not held)
         self.steps = 0  # decisions made: the clock of retries
-        self.held: Held | None = None  # dropped by any news on acceptance or verify costs
+        # plain bucket -> the decision its choice of no drafts stands until; emptied by any news
+        # on acceptance or verify costs
+        self.held: dict[int, int] = {}
         self.asked: dict[object, int] = {}  # request -> draft tokens the last decision gave it
 
     def bucket(self, rows: int) -> int:
@@ -252,7 +246,10 @@ class DraftPolicy:
         worths.sort(key=lambda w: -w[0])  # stable: within a request, j ascending
         choice = self.choose([w for w, _ in worths], sampling, rows)
         self.decisions[choice.kind] += 1
-        self.held = Held(plain_bucket, self.steps + HOLD_STEPS) if choice.kind == "plain" else None
+        if choice.kind == "plain":
+            self.held[plain_bucket] = self.steps + HOLD_STEPS
+        else:
+            self.held.pop(plain_bucket, None)
         self.open.drafted = choice.drafts > 0
         for _, i in worths[: choice.drafts]:
             lengths[i] += 1
@@ -261,8 +258,7 @@ class DraftPolicy:
 
     def holds(self, rows: int) -> bool:
         """Whether a choice of no drafts stands for a step of `rows` rows without drafts."""
-        held = self.held
-        return held is not None and held.bucket == self.bucket(rows) and self.steps < held.until
+        return self.steps < self.held.get(self.bucket(rows), 0)
 
     def choose(self, worths: list[float], sampling: int, rows: int) -> Choice:
         """The step's drafts (the first of `worths`, best first) and why; `sampling`: requests
@@ -381,13 +377,13 @@ class DraftPolicy:
             self.requests[req] = Acceptance(self.engine_wide.accepted, self.engine_wide.rejected)
         self.requests[req].update(drafted, accepted)
         self.engine_wide.update(drafted, accepted)
-        self.held = None
+        self.held.clear()
 
     def record_step(self, rows: int, seconds: float, drafts: int = 0) -> None:
         """A step of `rows` rows, `drafts` of them draft tokens, took `seconds`."""
         (self.verify if drafts > 0 else self.plain).record(self.bucket(rows), seconds)
         if drafts > 0:
-            self.held = None
+            self.held.clear()
 
     def release(self, req: object) -> None:
         self.requests.pop(req, None)
