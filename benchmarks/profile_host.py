@@ -43,7 +43,9 @@ engine running an n-gram `Speculator` that sees every step (`max_requests=0`) an
 policy drafts nothing (drafts priced as never accepted): a burst of `--batches`' largest count
 of JSON requests with jump-forward on and budgets spread so the batch shrinks, the two engines
 alternated `--repeat` times. A speculative step without drafts should cost what the plain one
-does; `drafter_requests` counts the requests the drafter was asked about (0 here).
+does; `speculator_us` is the time inside the speculator's calls per step, `weighed` the policy's
+decisions that weighed drafts (the others held a choice of no drafts), `drafter_calls` the
+drafts the drafter was asked for (0 here).
 
     python -m benchmarks.profile_host --speculative --batches 64 --repeat 4
 """
@@ -541,10 +543,12 @@ def serving_main(tokenizer: Any, args: argparse.Namespace) -> None:
 
 
 class MethodTimer:
-    """Wall seconds spent in some methods of one object (wrappers set on the instance)."""
+    """Wall seconds spent in, and calls of, some methods of one object (wrappers set on the
+    instance)."""
 
     def __init__(self, obj: Any, names: tuple[str, ...]):
         self.seconds = 0.0
+        self.calls = 0
         for name in names:
             setattr(obj, name, self._wrap(getattr(obj, name)))
 
@@ -552,6 +556,7 @@ class MethodTimer:
         @functools.wraps(f)
         def timed(*args, **kwargs):
             t = time.perf_counter()
+            self.calls += 1
             try:
                 return f(*args, **kwargs)
             finally:
@@ -600,6 +605,7 @@ def speculative_main(tokenizer: Any, args: argparse.Namespace) -> None:
     spec.use_tokenizer(tokenizer)
     spec.policy.engine_wide = Acceptance(0.0, 1.0)  # drafts never accepted: none pays
     timer = MethodTimer(spec, ("drafts", "skips_verify", "plans_plain_step"))  # the engine's calls
+    asked = MethodTimer(spec.drafter, ("candidates",))  # a draft for one request
     prompt = tokenizer.encode(chat(tokenizer, f"{PROMPT} Source: {text}"), add_special_tokens=False)
     rows = []
     for speculator in (None, spec):  # warm-up
@@ -613,12 +619,11 @@ def speculative_main(tokenizer: Any, args: argparse.Namespace) -> None:
             print(rows[-1], flush=True)
     engine.speculator = None
     print_table(rows)
-    print("decisions", dict(spec.policy.decisions), "weighed", spec.policy.weighed,
-          "drafter_requests", len(spec.drafter.indexes))
+    print("decisions", dict(spec.policy.decisions), "weighed", spec.policy.weighed, "drafter_calls", asked.calls)
     if not args.no_write:
         print("wrote", write_results("host_speculative", rows, extra={
             "device": "cpu", "decisions": dict(spec.policy.decisions), "weighed": spec.policy.weighed,
-            "drafter_requests": len(spec.drafter.indexes),
+            "drafter_calls": asked.calls,
             "note": "host microseconds per step, device stubbed, JSON rows with jump-forward; plain engine "
                     "and n-gram speculation whose policy drafts nothing, alternated; CPU figures on a "
                     "shared machine: noisy"}))

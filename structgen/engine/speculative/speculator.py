@@ -398,13 +398,19 @@ class Speculator:
     def _plan_next(self) -> list[ExtendSeq] | None:
         """The next verify step's rows, drafts included, when that step is sure (nobody to admit
         or prefill) and fits the decode graphs, so its forward is launched as soon as this
-        step's tokens are taken in. Its drafts are proposed here and kept for that step. Only
-        for drafters that run on the host: a draft model's forwards would queue behind it."""
+        step's tokens are taken in; where nobody drafts, the rows of the engine's plain step
+        that will run instead (with jump-forward's guess rows, which a verify step has not), so
+        its launched forward is the one it uses. Its drafts are proposed here and kept for that
+        step. Only for drafters that run on the host: a draft model's forwards would queue
+        behind it."""
         try:
             proposed = self._propose_next()
             if proposed is None:
                 return None
             batch, drafts = proposed
+            eng = self.engine
+            if self.skips_verify(batch, drafts) and eng._is_decode_step(batch):
+                return eng._decode_rows(batch)[0]  # the engine's plain step comes: its rows, guesses too
             spans = sampling_spans(batch, drafts)
             if any(s is None for s in spans):
                 return None
