@@ -302,16 +302,48 @@ class StepProfile:
 TARGET_K = 3
 
 
+class StepClock:
+    """Wall time of every engine step while installed (a wrapper on the engine instance), split
+    by the batch's tail: steps with at most `tail` requests running or waiting."""
+
+    def __init__(self, engine: Any, tail: int) -> None:
+        self.engine, self.tail = engine, tail
+        self.steps: list[tuple[int, float]] = []  # (requests, seconds)
+
+    def __enter__(self) -> StepClock:
+        step, sched = self.engine.step, self.engine.scheduler
+
+        def timed() -> list[Request]:
+            n, t = len(sched.running) + len(sched.waiting), time.perf_counter()
+            try:
+                return step()
+            finally:
+                self.steps.append((n, time.perf_counter() - t))
+
+        self.engine.step = timed
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        del self.engine.step
+
+    def row(self, name: str) -> dict[str, Any]:
+        tail = [s for n, s in self.steps if n <= self.tail]
+        return {f"{name}_tail_ms": 1e3 * sum(tail), f"{name}_tail_steps": len(tail),
+                f"{name}_steps": len(self.steps), f"{name}_longest_step_ms": 1e3 * max(s for _, s in self.steps)}
+
+
 def timed_pair(llm: LLM, spec: Speculator, cases: list[Case], batch: int, max_tokens: int) -> dict[str, Any]:
     """Plain decoding then n-gram speculation over `cases`, `batch` at a time (each after a
-    warm-up at that batch): the ratios the targets are about and the identical outputs."""
-    eng, result = llm.engine, {}
+    warm-up at that batch): the ratios the targets are about and the identical outputs, and
+    where each run's time went (its tail of `max_requests` or fewer requests, its longest step)."""
+    eng, result, clocks = llm.engine, {}, {}
     for name, speculator in (("plain", None), ("ngram", spec)):
         eng.speculator = speculator
         run(llm, cases[:batch], batch, True, max_tokens)  # warm-up: Triton JIT, graphs, allocator
         gc.collect()  # a collection inside a sub-second run moves its rate by several percent
         before = spec.policy.decisions.copy()
-        result[name] = run(llm, cases, batch, True, max_tokens)
+        with StepClock(eng, spec.config.max_requests) as clocks[name]:
+            result[name] = run(llm, cases, batch, True, max_tokens)
     eng.speculator = None
     decided = spec.policy.decisions - before  # the measured run's steps by the policy's choice
     (plain_s, plain), (spec_s, spec_reqs) = result["plain"], result["ngram"]
@@ -325,7 +357,8 @@ def timed_pair(llm: LLM, spec: Speculator, cases: list[Case], batch: int, max_to
             "decode_ms_per_token_plain": 1e3 * decode[0], "decode_ms_per_token_ngram": 1e3 * decode[1],
             "decode_speedup": decode[0] / decode[1] if decode[1] else None,
             "errors": sum(r.finish_reason == "error" for r in (*plain, *spec_reqs))} | {
-            f"steps_{kind}": decided[kind] for kind in ("untimed", "plain", "pays", "trial")}
+            f"steps_{kind}": decided[kind] for kind in ("untimed", "plain", "pays", "trial")} | (
+            clocks["plain"].row("plain") | clocks["ngram"].row("ngram"))
 
 
 def measure_targets(args: argparse.Namespace, invariant: bool) -> list[dict[str, Any]]:
@@ -349,9 +382,9 @@ def measure_targets(args: argparse.Namespace, invariant: bool) -> list[dict[str,
     if not invariant or args.target_batches_invariant:
         for batch in (int(b) for b in args.target_batches.split(",") if b):
             work = (kept * -(-batch // max(len(kept), 1)))[:batch]
-            rounds = sorted((timed_pair(llm, spec, work, batch, args.max_tokens) for _ in range(args.target_rounds)),
-                            key=lambda r: r["tokens_per_s_ratio"])
-            ratios = [round(r["tokens_per_s_ratio"], 3) for r in rounds]
+            rounds = [timed_pair(llm, spec, work, batch, args.max_tokens) for _ in range(args.target_rounds)]
+            ratios = [round(r["tokens_per_s_ratio"], 3) for r in rounds]  # in run order: warm-up effects show
+            rounds.sort(key=lambda r: r["tokens_per_s_ratio"])
             rows.append(mode | rounds[len(rounds) // 2] | {"rounds_tokens_per_s_ratio": ratios})
     llm.close()
     return rows
@@ -365,7 +398,8 @@ def run_targets(args: argparse.Namespace) -> None:
         gc.collect()
     shown = ["batch_invariant", "max_requests", "batch", "requests", "complete", "identical", "decode_speedup",
              "tokens_per_s_ratio", "plain_tokens_per_s", "ngram_tokens_per_s", "errors",
-             "steps_untimed", "steps_plain", "steps_pays", "steps_trial"]
+             "steps_untimed", "steps_plain", "steps_pays", "steps_trial", "plain_tail_ms", "ngram_tail_ms",
+             "plain_longest_step_ms", "ngram_longest_step_ms"]
     print_table([{c: r.get(c) for c in shown} for r in rows])
     if not args.no_write:
         path = write_results("speculative_targets", rows, extra={
