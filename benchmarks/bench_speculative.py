@@ -23,7 +23,11 @@ outputs equal plain decoding's; (b) `--target-batches` (16, 64) over as many req
 prompts repeated): tokens/s with speculation over without (the target: never below 1.0x).
 Each row counts the speculative run's steps by the draft policy's choice (`steps_untimed`:
 its plain bucket not timed yet, `steps_plain`, `steps_pays`: drafted because it pays,
-`steps_trial`: drafted to time a verify bucket; speculative/policy.py).
+`steps_trial`: drafted to time a verify bucket; speculative/policy.py), and each engine's
+time in the batch's tail (`*_tail_ms`: steps with `max_requests` or fewer requests left, the
+only ones the speculator sees) and its longest step (`*_longest_step_ms`: a stall or a compile).
+`--target-max-requests 0` lets the speculator see every step; `rounds_tokens_per_s_ratio` is in
+run order.
 It writes benchmarks/results/speculative_targets-<device>-<date>.json.
 
 Metrics: `mean_acceptance_length` = tokens sampled per verify step (accepted drafts + the
