@@ -403,7 +403,7 @@ def run_targets(args: argparse.Namespace) -> None:
     shown = ["batch_invariant", "max_requests", "batch", "requests", "complete", "identical", "decode_speedup",
              "tokens_per_s_ratio", "plain_tokens_per_s", "ngram_tokens_per_s", "errors",
              "steps_untimed", "steps_plain", "steps_pays", "steps_trial", "plain_tail_ms", "ngram_tail_ms",
-             "plain_longest_step_ms", "ngram_longest_step_ms"]
+             "plain_longest_step_ms", "ngram_longest_step_ms", "rounds_tokens_per_s_ratio"]
     print_table([{c: r.get(c) for c in shown} for r in rows])
     if not args.no_write:
         path = write_results("speculative_targets", rows, extra={
