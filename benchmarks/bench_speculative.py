@@ -23,7 +23,11 @@ outputs equal plain decoding's; (b) `--target-batches` (16, 64) over as many req
 prompts repeated): tokens/s with speculation over without (the target: never below 1.0x).
 Each row counts the speculative run's steps by the draft policy's choice (`steps_untimed`:
 its plain bucket not timed yet, `steps_plain`, `steps_pays`: drafted because it pays,
-`steps_trial`: drafted to time a verify bucket; speculative/policy.py).
+`steps_trial`: drafted to time a verify bucket; speculative/policy.py), and each engine's
+time in the batch's tail (`*_tail_ms`: steps with `max_requests` or fewer requests left, the
+only ones the speculator sees) and its longest step (`*_longest_step_ms`: a stall or a compile).
+`--target-max-requests 0` lets the speculator see every step; `rounds_tokens_per_s_ratio` is in
+run order.
 It writes benchmarks/results/speculative_targets-<device>-<date>.json.
 
 Metrics: `mean_acceptance_length` = tokens sampled per verify step (accepted drafts + the
@@ -42,6 +46,7 @@ no mode that only moves the host's work (the capturable one) can go below the fl
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import re
 import time
@@ -301,15 +306,48 @@ class StepProfile:
 TARGET_K = 3
 
 
+class StepClock:
+    """Wall time of every engine step while installed (a wrapper on the engine instance), split
+    by the batch's tail: steps with at most `tail` requests running or waiting."""
+
+    def __init__(self, engine: Any, tail: int) -> None:
+        self.engine, self.tail = engine, tail
+        self.steps: list[tuple[int, float]] = []  # (requests, seconds)
+
+    def __enter__(self) -> StepClock:
+        step, sched = self.engine.step, self.engine.scheduler
+
+        def timed() -> list[Request]:
+            n, t = len(sched.running) + len(sched.waiting), time.perf_counter()
+            try:
+                return step()
+            finally:
+                self.steps.append((n, time.perf_counter() - t))
+
+        self.engine.step = timed
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        del self.engine.step
+
+    def row(self, name: str) -> dict[str, Any]:
+        tail = [s for n, s in self.steps if n <= self.tail]
+        return {f"{name}_tail_ms": 1e3 * sum(tail), f"{name}_tail_steps": len(tail),
+                f"{name}_steps": len(self.steps), f"{name}_longest_step_ms": 1e3 * max(s for _, s in self.steps)}
+
+
 def timed_pair(llm: LLM, spec: Speculator, cases: list[Case], batch: int, max_tokens: int) -> dict[str, Any]:
     """Plain decoding then n-gram speculation over `cases`, `batch` at a time (each after a
-    warm-up at that batch): the ratios the targets are about and the identical outputs."""
-    eng, result = llm.engine, {}
+    warm-up at that batch): the ratios the targets are about and the identical outputs, and
+    where each run's time went (its tail of `max_requests` or fewer requests, its longest step)."""
+    eng, result, clocks = llm.engine, {}, {}
     for name, speculator in (("plain", None), ("ngram", spec)):
         eng.speculator = speculator
         run(llm, cases[:batch], batch, True, max_tokens)  # warm-up: Triton JIT, graphs, allocator
+        gc.collect()  # a collection inside a sub-second run moves its rate by several percent
         before = spec.policy.decisions.copy()
-        result[name] = run(llm, cases, batch, True, max_tokens)
+        with StepClock(eng, spec.config.max_requests) as clocks[name]:
+            result[name] = run(llm, cases, batch, True, max_tokens)
     eng.speculator = None
     decided = spec.policy.decisions - before  # the measured run's steps by the policy's choice
     (plain_s, plain), (spec_s, spec_reqs) = result["plain"], result["ngram"]
@@ -323,7 +361,8 @@ def timed_pair(llm: LLM, spec: Speculator, cases: list[Case], batch: int, max_to
             "decode_ms_per_token_plain": 1e3 * decode[0], "decode_ms_per_token_ngram": 1e3 * decode[1],
             "decode_speedup": decode[0] / decode[1] if decode[1] else None,
             "errors": sum(r.finish_reason == "error" for r in (*plain, *spec_reqs))} | {
-            f"steps_{kind}": decided[kind] for kind in ("untimed", "plain", "pays", "trial")}
+            f"steps_{kind}": decided[kind] for kind in ("untimed", "plain", "pays", "trial")} | (
+            clocks["plain"].row("plain") | clocks["ngram"].row("ngram"))
 
 
 def measure_targets(args: argparse.Namespace, invariant: bool) -> list[dict[str, Any]]:
@@ -336,16 +375,20 @@ def measure_targets(args: argparse.Namespace, invariant: bool) -> list[dict[str,
     _, first = run(llm, cases, 1, True, args.max_tokens)
     # Only prompts whose greedy output completes: a looping output is trivially easy to draft.
     kept = [c for c, r in zip(cases, first, strict=True) if r.finish_reason == "stop"]
-    spec = Speculator(eng, SpeculativeConfig(num_draft_tokens=TARGET_K))
+    config = SpeculativeConfig(num_draft_tokens=TARGET_K)
+    if args.target_max_requests is not None:
+        config = SpeculativeConfig(num_draft_tokens=TARGET_K, max_requests=args.target_max_requests)
+    spec = Speculator(eng, config)
     spec.use_tokenizer(llm.tokenizer)
-    mode = {"batch_invariant": invariant, "prompts": len(cases), "complete": len(kept), "draft_len": TARGET_K}
+    mode = {"batch_invariant": invariant, "prompts": len(cases), "complete": len(kept), "draft_len": TARGET_K,
+            "max_requests": config.max_requests}
     rows = [mode | timed_pair(llm, spec, kept, 1, args.max_tokens)]
     if not invariant or args.target_batches_invariant:
         for batch in (int(b) for b in args.target_batches.split(",") if b):
             work = (kept * -(-batch // max(len(kept), 1)))[:batch]
-            rounds = sorted((timed_pair(llm, spec, work, batch, args.max_tokens) for _ in range(args.target_rounds)),
-                            key=lambda r: r["tokens_per_s_ratio"])
-            ratios = [round(r["tokens_per_s_ratio"], 3) for r in rounds]
+            rounds = [timed_pair(llm, spec, work, batch, args.max_tokens) for _ in range(args.target_rounds)]
+            ratios = [round(r["tokens_per_s_ratio"], 3) for r in rounds]  # in run order: warm-up effects show
+            rounds.sort(key=lambda r: r["tokens_per_s_ratio"])
             rows.append(mode | rounds[len(rounds) // 2] | {"rounds_tokens_per_s_ratio": ratios})
     llm.close()
     return rows
@@ -353,15 +396,14 @@ def measure_targets(args: argparse.Namespace, invariant: bool) -> list[dict[str,
 
 def run_targets(args: argparse.Namespace) -> None:
     """`--targets`: every mode in turn, one table, one results file."""
-    import gc
-
     rows: list[dict[str, Any]] = []
     for mode in args.modes.split(","):
         rows += measure_targets(args, invariant=mode == "invariant")
         gc.collect()
-    shown = ["batch_invariant", "batch", "requests", "complete", "identical", "decode_speedup",
+    shown = ["batch_invariant", "max_requests", "batch", "requests", "complete", "identical", "decode_speedup",
              "tokens_per_s_ratio", "plain_tokens_per_s", "ngram_tokens_per_s", "errors",
-             "steps_untimed", "steps_plain", "steps_pays", "steps_trial"]
+             "steps_untimed", "steps_plain", "steps_pays", "steps_trial", "plain_tail_ms", "ngram_tail_ms",
+             "plain_longest_step_ms", "ngram_longest_step_ms", "rounds_tokens_per_s_ratio"]
     print_table([{c: r.get(c) for c in shown} for r in rows])
     if not args.no_write:
         path = write_results("speculative_targets", rows, extra={
@@ -396,6 +438,9 @@ def main() -> None:
     ap.add_argument("--target-rounds", type=int, default=1,
                     help="--targets: rounds of (b), each plain then n-gram; the row keeps the round of the "
                          "median tokens/s ratio (one round of 64 requests moves by several percent)")
+    ap.add_argument("--target-max-requests", type=int, default=None,
+                    help="--targets: SpeculativeConfig.max_requests (default: its default; 0: the speculator "
+                         "sees every step, its policy alone decides)")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     if args.targets:

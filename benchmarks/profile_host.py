@@ -37,6 +37,17 @@ count) and prints its top functions.
 
     python -m benchmarks.profile_host --http 256 --max-tokens 48 --profile /tmp/server.prof
     python -m benchmarks.profile_host --http 400 --max-tokens 48 --rate 100
+
+`--speculative` compares the host time of a decode step of the plain engine with the same
+engine running an n-gram `Speculator` that sees every step (`max_requests=0`) and whose draft
+policy drafts nothing (drafts priced as never accepted): a burst of `--batches`' largest count
+of JSON requests with jump-forward on and budgets spread so the batch shrinks, the two engines
+alternated `--repeat` times. A speculative step without drafts should cost what the plain one
+does; `speculator_us` is the time inside the speculator's calls per step, `weighed` the policy's
+decisions that weighed drafts (the others held a choice of no drafts), `drafter_calls` the
+drafts the drafter was asked for (0 here).
+
+    python -m benchmarks.profile_host --speculative --batches 64 --repeat 4
 """
 
 from __future__ import annotations
@@ -531,6 +542,93 @@ def serving_main(tokenizer: Any, args: argparse.Namespace) -> None:
                     "fastest of `runs`; CPU figures on a shared machine: noisy"}))
 
 
+class MethodTimer:
+    """Wall seconds spent in, and calls of, some methods of one object (wrappers set on the
+    instance)."""
+
+    def __init__(self, obj: Any, names: tuple[str, ...]):
+        self.seconds = 0.0
+        self.calls = 0
+        for name in names:
+            setattr(obj, name, self._wrap(getattr(obj, name)))
+
+    def _wrap(self, f):
+        @functools.wraps(f)
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            self.calls += 1
+            try:
+                return f(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t
+
+        return timed
+
+
+def burst_host_us(engine: Engine, stub: StubDevice, prompt: list[int], grammar: Any, batch: int,
+                  spec_timer: MethodTimer) -> dict[str, Any]:
+    """Host microseconds per step (the stub's time taken out) of `batch` JSON requests whose
+    budgets run from 8 to 7 + `batch` tokens, run to the end: the median and mean step, and
+    the mean time inside the speculator's per-step calls (`spec_timer`)."""
+    stop = frozenset(engine.stop_token_ids)
+    spec_before = spec_timer.seconds
+    reqs = [Request(prompt, SamplingParams(max_tokens=8 + i), grammar.matcher(), stop) for i in range(batch)]
+    for r in reqs:
+        engine.add_request(r)
+    each: list[float] = []
+    while engine.has_work():
+        stub_before, t = stub.seconds, time.perf_counter()
+        engine.step()
+        each.append(time.perf_counter() - t - (stub.seconds - stub_before))
+    return {"host_us_per_step": 1e6 * float(np.median(each)), "mean_us": 1e6 * sum(each) / len(each),
+            "speculator_us": 1e6 * (spec_timer.seconds - spec_before) / len(each),
+            "steps": len(each), "tokens": sum(r.num_output for r in reqs)}
+
+
+def speculative_main(tokenizer: Any, args: argparse.Namespace) -> None:
+    """`--speculative` (the module docstring): plain and no-draft speculative steps alternated."""
+    from structgen.engine.config import SpeculativeConfig
+    from structgen.engine.speculative.policy import Acceptance
+    from structgen.engine.speculative.speculator import Speculator
+    from structgen.grammar import GrammarCompiler, dump_json
+    from structgen.types import JsonSchema, to_constraint
+
+    batch = max(int(b) for b in args.batches.split(","))
+    engine = tiny_engine(tokenizer, batch, tuning=EngineTuning(grammar_threads=args.grammar_threads,
+                                                                mask_prefetch=args.mask_prefetch))
+    engine.use_tokenizer(tokenizer)
+    grammar = GrammarCompiler(tokenizer, engine.model_config.vocab_size, sorted(engine.stop_token_ids)).compile(
+        to_constraint(JsonSchema(SCHEMA)))
+    text = dump_json(INSTANCE, SCHEMA)
+    stub = TextFollowingDevice(engine, tokenizer, text, min(engine.stop_token_ids))
+    spec = Speculator(engine, SpeculativeConfig(max_requests=0))
+    spec.use_tokenizer(tokenizer)
+    spec.policy.engine_wide = Acceptance(0.0, 1.0)  # drafts never accepted: none pays
+    timer = MethodTimer(spec, ("drafts", "skips_verify", "plans_plain_step"))  # the engine's calls
+    asked = MethodTimer(spec.drafter, ("candidates",))  # a draft for one request
+    prompt = tokenizer.encode(chat(tokenizer, f"{PROMPT} Source: {text}"), add_special_tokens=False)
+    rows = []
+    for speculator in (None, spec):  # warm-up
+        engine.speculator = speculator
+        burst_host_us(engine, stub, prompt, grammar, batch, timer)
+    for rnd in range(args.repeat):
+        for name, speculator in (("plain", None), ("speculative", spec)):
+            engine.speculator = speculator
+            rows.append({"engine": name, "batch": batch, "round": rnd,
+                         **{k: round(v, 1) for k, v in burst_host_us(engine, stub, prompt, grammar, batch, timer).items()}})
+            print(rows[-1], flush=True)
+    engine.speculator = None
+    print_table(rows)
+    print("decisions", dict(spec.policy.decisions), "weighed", spec.policy.weighed, "drafter_calls", asked.calls)
+    if not args.no_write:
+        print("wrote", write_results("host_speculative", rows, extra={
+            "device": "cpu", "decisions": dict(spec.policy.decisions), "weighed": spec.policy.weighed,
+            "drafter_calls": asked.calls,
+            "note": "host microseconds per step, device stubbed, JSON rows with jump-forward; plain engine "
+                    "and n-gram speculation whose policy drafts nothing, alternated; CPU figures on a "
+                    "shared machine: noisy"}))
+
+
 def parse_rows(text: str | None) -> tuple[int, ...] | None:
     """`--graph-rows` ("1,2,4,...") as `EngineTuning.cuda_graph_batch_sizes`, or None (the default)."""
     return tuple(int(r) for r in text.split(",")) if text else None
@@ -559,6 +657,7 @@ def main() -> None:
     ap.add_argument("--max-batch", type=int, default=256, help=argparse.SUPPRESS)
     ap.add_argument("--stats-out", type=Path, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--profile-out", type=Path, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--speculative", action="store_true", help="plain vs no-draft speculative steps (see above)")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     if args.serve_stubbed:
@@ -577,6 +676,9 @@ def main() -> None:
     tokenizer = load_tokenizer(args.tokenizer_dir or resolve_model(progress=False))
     if args.serving:
         serving_main(tokenizer, args)
+        return
+    if args.speculative:
+        speculative_main(tokenizer, args)
         return
     batches = [int(b) for b in args.batches.split(",")]
     engine = tiny_engine(tokenizer, max(batches), jump_forward=False,

@@ -129,6 +129,42 @@ def test_where_no_draft_pays_steps_run_as_plain_decode_steps(llm):
         assert run.policy.plain.seconds[len(ids)] < 1.0  # plain steps replaced the made-up cost
 
 
+class CountingNgramDrafter(NgramDrafter):
+    """The n-gram drafter, counting the requests it is asked to draft for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: Counter[int] = Counter()  # request id -> steps it was asked about
+
+    def candidates(self, req: Request, k: int):
+        self.asked[req.id] += 1
+        return super().candidates(req, k)
+
+
+def test_steps_without_drafts_ask_the_drafter_about_nobody(llm):
+    """Where the draft policy gives nobody drafts (every verify bucket measured at ten plain
+    steps), a speculative engine's steps do no per-request drafting work: the drafter is asked
+    about no request, and most steps do not weigh drafts at all (a choice of no drafts stands
+    for its plain bucket); the outputs are plain decoding's, without a verify step."""
+    prompts = [llm.encode_prompt(p) for p in (PROMPT, f"Summarise in one sentence: {SOURCE}")]
+    speculate(llm, None)
+    base = submit_all(llm, prompts, [24, 24])
+    drafter = CountingNgramDrafter()
+    speculate(llm, SpeculativeConfig(method="custom", drafter=drafter, num_draft_tokens=3, max_requests=0))
+    policy = llm.engine.speculator.policy
+    for bucket, seconds in ((2, 1.0), (4, 10.0), (8, 10.0)):  # 2 rows: plain; more: a verify step
+        for _ in range(2):  # a bucket's first is dropped
+            policy.record_step(bucket, seconds, drafts=bucket - 2)
+    try:
+        got = submit_all(llm, prompts, [24, 24])
+    finally:
+        speculate(llm, None)
+    assert [r.output_ids for r in got] == [r.output_ids for r in base]
+    assert all(r.stats.verify_steps <= 1 and r.stats.forward_passes > 15 for r in got)
+    assert policy.decisions["plain"] >= 15 and not drafter.asked
+    assert policy.weighed <= policy.decisions.total() // 3
+
+
 def test_steps_of_more_requests_than_max_requests_run_without_speculation(llm):
     """A step of more requests than `SpeculativeConfig.max_requests` is the engine's plain step:
     a short request that runs only beside two others never sees a verify step (its prompt's

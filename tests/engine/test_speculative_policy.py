@@ -141,13 +141,19 @@ def test_batch_64_resumes_drafting_when_acceptance_rises():
     assert sim.kinds[-50:] == ["pays"] * 50 and not sim.violations
 
 
-def test_a_choice_of_no_drafts_stands_for_its_shape_until_acceptance_news():
+def test_a_choice_of_no_drafts_stands_for_its_plain_bucket_until_acceptance_news():
+    """Held steps weigh nobody's drafts, whatever the batch within the bucket (fewer requests,
+    smaller budgets); another bucket is weighed, and acceptance news ends the hold."""
     sim = Simulation(DraftPolicy(BUCKETS), batch=64, accept=0.6).run(30)
-    held = sim.policy.held
-    assert held is not None and held.shape == (64, 64, 192) and held.until > sim.policy.steps
-    assert sim.policy.draft_lengths(list(range(32)), [3] * 32, rows=32) == [0] * 32  # another shape: weighed
-    sim.policy.record_verified(0, 3, 3)
-    assert sim.policy.held is None
+    policy = sim.policy
+    assert list(policy.held) == [64] and policy.held[64] > policy.steps
+    weighed = policy.weighed
+    assert policy.draft_lengths(list(range(40)), [1] * 40, rows=40) == [0] * 40  # bucket 64: held
+    assert policy.weighed == weighed
+    assert policy.draft_lengths(list(range(32)), [3] * 32, rows=32) == [0] * 32  # bucket 32: weighed
+    assert policy.weighed == weighed + 1
+    policy.record_verified(0, 3, 3)
+    assert not policy.held
 
 
 def test_batch_16_drafts_where_its_measured_cost_pays():

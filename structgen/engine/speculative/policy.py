@@ -34,8 +34,11 @@ more, does not beat plain steps' (realized, or until that is known, from their t
 drafting stops at that bucket whatever the model says,
 and is measured again only `RETRY_STEPS` decisions later, the wait doubling each time.
 
-A choice of no drafts stands `HOLD_STEPS` steps of the same shape unless acceptance or verify
-costs change, so a batch where nothing pays spends little host time here. Each request's
+A choice of no drafts stands `HOLD_STEPS` decisions at its plain bucket (each bucket's choice
+its own) unless acceptance or verify costs change, so a batch where nothing pays spends little
+host time here: a held step weighs no drafts, whatever its requests (the batch shrinking, forced
+text moving it between buckets, budgets running out), and the speculator then asks the drafter
+about nobody. Each request's
 acceptance rate is a decayed count of its accepted and rejected drafts, starting from the
 engine-wide one; a draft token the policy asked for and the drafter did not produce counts as
 rejected, since the rows it was priced for emit nothing. `decisions` counts the steps by what
@@ -60,7 +63,7 @@ STAY_MARGIN = 0.02  # and goes on while it still beats them by this fraction
 EXPLORE_TRIES = 3  # steps an unmeasured verify bucket is drafted to (the first is a warm-up)
 RETRY_STEPS = 64  # decisions before a verify bucket that lost is tried again
 VERIFY_OVERHEAD = 1.25  # a verify step priced from plain steps of its rows costs this much more
-HOLD_STEPS = 8  # decisions a choice of no drafts stands for steps of its shape, unless news comes
+HOLD_STEPS = 8  # decisions a choice of no drafts stands for steps of its plain bucket, unless news comes
 REALIZED_STEPS = 8  # steps of each mode at a bucket before their realized rates are compared
 REALIZED_WINDOW = 32  # the newest steps a realized rate is taken over
 OUTLIER = 3.0  # a step interval this many times above or below the window's median is left out
@@ -164,15 +167,6 @@ class OpenStep:
 
 
 @dataclass(frozen=True)
-class Held:
-    """A choice of no drafts that stands, without weighing drafts again, for steps of the same
-    `shape` (plain bucket, sampling requests, draft budget) until decision `until`."""
-
-    shape: tuple[int, int, int]
-    until: int
-
-
-@dataclass(frozen=True)
 class Choice:
     """One step's decision: `drafts` tokens in all, and `kind`: untimed (the plain bucket is
     not measured yet), plain, pays (by measured or pessimistic costs) or trial (drafted to
@@ -202,8 +196,11 @@ class DraftPolicy:
         self.tries: Counter[int] = Counter()  # verify bucket -> steps drafted to it on trial
         self.retry_at: dict[int, int] = {}  # verify bucket -> the decision it may be tried again
         self.decisions: Counter[str] = Counter()  # Choice.kind -> steps
+        self.weighed = 0  # decisions that weighed every request's drafts (not held)
         self.steps = 0  # decisions made: the clock of retries
-        self.held: Held | None = None  # dropped by any news on acceptance or verify costs
+        # plain bucket -> the decision its choice of no drafts stands until; emptied by any news
+        # on acceptance or verify costs
+        self.held: dict[int, int] = {}
         self.asked: dict[object, int] = {}  # request -> draft tokens the last decision gave it
 
     def bucket(self, rows: int) -> int:
@@ -227,33 +224,41 @@ class DraftPolicy:
     def draft_lengths(self, reqs: list[object], budgets: list[int], rows: int) -> list[int]:
         """How many tokens each of `reqs` drafts, at most its budget (0: it does not sample
         this step); `rows`: the step's rows without drafts. A choice of no drafts stands
-        HOLD_STEPS steps while nothing it was made from changes but the plain step's mean,
-        which saves weighing every draft at a batch where none pays."""
+        HOLD_STEPS steps at its plain bucket until news on acceptance or verify costs comes
+        (`holds`), which saves weighing every draft at a batch where none pays."""
         lengths = [0] * len(reqs)
         self.asked = {}
-        shape = (self.bucket(rows), sum(k > 0 for k in budgets), sum(budgets))
+        plain_bucket, sampling = self.bucket(rows), sum(k > 0 for k in budgets)
         now = self.clock()
         self._close_step(now)
-        if not shape[2]:
+        if not sampling:
             return lengths
-        self.open = OpenStep(shape[0], False, float(shape[1]), now)
-        if self.held is not None and self.held.shape == shape and self.steps < self.held.until:
+        self.open = OpenStep(plain_bucket, False, float(sampling), now)
+        if self.holds(rows):
             self.steps += 1
             self.decisions["plain"] += 1
             return lengths
+        self.weighed += 1
         worths = []  # (worth, request index): a request's j-th draft token is worth a^j
         for i, (req, k) in enumerate(zip(reqs, budgets, strict=True)):
             a = self.acceptance(req)
             worths += [(a**j, i) for j in range(1, k + 1)]
         worths.sort(key=lambda w: -w[0])  # stable: within a request, j ascending
-        choice = self.choose([w for w, _ in worths], shape[1], rows)
+        choice = self.choose([w for w, _ in worths], sampling, rows)
         self.decisions[choice.kind] += 1
-        self.held = Held(shape, self.steps + HOLD_STEPS) if choice.kind == "plain" else None
+        if choice.kind == "plain":
+            self.held[plain_bucket] = self.steps + HOLD_STEPS
+        else:
+            self.held.pop(plain_bucket, None)
         self.open.drafted = choice.drafts > 0
         for _, i in worths[: choice.drafts]:
             lengths[i] += 1
         self.asked = {req: k for req, k in zip(reqs, lengths, strict=True) if k}
         return lengths
+
+    def holds(self, rows: int) -> bool:
+        """Whether a choice of no drafts stands for a step of `rows` rows without drafts."""
+        return self.steps < self.held.get(self.bucket(rows), 0)
 
     def choose(self, worths: list[float], sampling: int, rows: int) -> Choice:
         """The step's drafts (the first of `worths`, best first) and why; `sampling`: requests
@@ -372,13 +377,13 @@ class DraftPolicy:
             self.requests[req] = Acceptance(self.engine_wide.accepted, self.engine_wide.rejected)
         self.requests[req].update(drafted, accepted)
         self.engine_wide.update(drafted, accepted)
-        self.held = None
+        self.held.clear()
 
     def record_step(self, rows: int, seconds: float, drafts: int = 0) -> None:
         """A step of `rows` rows, `drafts` of them draft tokens, took `seconds`."""
         (self.verify if drafts > 0 else self.plain).record(self.bucket(rows), seconds)
         if drafts > 0:
-            self.held = None
+            self.held.clear()
 
     def release(self, req: object) -> None:
         self.requests.pop(req, None)

@@ -127,13 +127,13 @@ class Speculator:
         MAX_FAILURES_IN_A_ROW steps in a row is switched off (`disabled` says why), rather
         than paying for it, and logging a traceback, on every step."""
         self._release_gone()
-        ks = [self._budget(req, n) for req, n in batch]
+        ks = self._budgets(batch)
         if self.adaptive:  # only the drafts that pay for their rows (policy.py)
             ks = self.policy.draft_lengths([req for req, _ in batch], ks, sum(n for _, n in batch))
-        todo = [i for i, k in enumerate(ks) if k > 0]
         drafts: list[list[int]] = [[] for _ in batch]
-        if not todo or self.disabled is not None:
+        if not any(ks) or self.disabled is not None:  # the drafter is asked about nobody
             return drafts
+        todo = [i for i, k in enumerate(ks) if k > 0]
         reqs = [batch[i][0] for i in todo]
         self._tracked.update(reqs)
         candidates = getattr(self.drafter, "candidates", None)
@@ -158,12 +158,14 @@ class Speculator:
         self._failing = 0
         return drafts
 
-    def _budget(self, req: Request, n: int) -> int:
-        """Most draft tokens for this request now: 0 unless its logits row is a sampling
-        position; never more than max_tokens leaves room for (drafts + the bonus token)."""
-        if n != req.num_pending or req.num_cached + n < req.num_prompt:
-            return 0
-        return max(0, min(self.config.num_draft_tokens, req.tokens_left - 1))
+    def _budgets(self, batch: list[tuple[Request, int]]) -> list[int]:
+        """Most draft tokens for each request now: 0 unless its logits row is a sampling
+        position (it runs all its pending tokens, its prompt done); never more than max_tokens
+        leaves room for (drafts + the bonus token). One pass, plain attributes: it runs on
+        every step the speculator sees, drafts or not."""
+        k = self.config.num_draft_tokens
+        return [max(0, min(k, r.params.max_tokens - (len(r.token_ids) - r.num_prompt) - 1))
+                if r.num_cached + n == len(r.token_ids) >= r.num_prompt else 0 for r, n in batch]
 
     def _best_candidate(self, req: Request, cands: Iterable[list[int]]) -> list[int]:
         """The candidate with the longest grammar-valid prefix, cut there. `cands` is read
@@ -246,7 +248,7 @@ class Speculator:
         """Whether the next step, `batch`, will be a plain decode step; its drafts are proposed
         now and kept for it either way (`drafts`)."""
         drafts = self.propose(batch)
-        self._planned = (self._batch_key(batch), drafts)
+        self._planned = (self._batch_key(batch, drafts), drafts)
         return self.skips_verify(batch, drafts)
 
     def verify_step(self, batch: list[tuple[Request, int]], drafts: list[list[int]], started: float) -> list[Request]:
@@ -396,13 +398,19 @@ class Speculator:
     def _plan_next(self) -> list[ExtendSeq] | None:
         """The next verify step's rows, drafts included, when that step is sure (nobody to admit
         or prefill) and fits the decode graphs, so its forward is launched as soon as this
-        step's tokens are taken in. Its drafts are proposed here and kept for that step. Only
-        for drafters that run on the host: a draft model's forwards would queue behind it."""
+        step's tokens are taken in; where nobody drafts, the rows of the engine's plain step
+        that will run instead (with jump-forward's guess rows, which a verify step has not), so
+        its launched forward is the one it uses. Its drafts are proposed here and kept for that
+        step. Only for drafters that run on the host: a draft model's forwards would queue
+        behind it."""
         try:
             proposed = self._propose_next()
             if proposed is None:
                 return None
             batch, drafts = proposed
+            eng = self.engine
+            if self.skips_verify(batch, drafts) and eng._is_decode_step(batch):
+                return eng._decode_rows(batch)[0]  # the engine's plain step comes: its rows, guesses too
             spans = sampling_spans(batch, drafts)
             if any(s is None for s in spans):
                 return None
@@ -419,19 +427,24 @@ class Speculator:
         if not batch:
             return None
         drafts = self.propose(batch)
-        self._planned = (self._batch_key(batch), drafts)
+        self._planned = (self._batch_key(batch, drafts), drafts)
         return batch, drafts
 
     def _planned_drafts(self, batch: list[tuple[Request, int]]) -> list[list[int]] | None:
         """Drafts proposed for this very batch by the previous step's plan, if any."""
         planned, self._planned = self._planned, None
-        if planned is None or planned[0] != self._batch_key(batch):
+        if planned is None or planned[0] != self._batch_key(batch, planned[1]):
             return None
         return planned[1]
 
     @staticmethod
-    def _batch_key(batch: list[tuple[Request, int]]) -> tuple:
-        """What a proposal depends on: the requests, the tokens each runs, and their tokens."""
+    def _batch_key(batch: list[tuple[Request, int]], drafts: list[list[int]]) -> tuple:
+        """What a proposal of `drafts` depends on: the requests, the tokens each runs, and their
+        tokens. A proposal of no drafts keys on the batch's size and rows alone: a different
+        batch of that shape then runs without drafts too, which is always safe, and a step
+        without drafts builds no per-request key."""
+        if not any(drafts):
+            return len(batch), sum(n for _, n in batch)
         return tuple((id(r), n, len(r.token_ids)) for r, n in batch)
 
     def _in_graphs(self, batch: list[tuple[Request, int]], num_tokens: int) -> bool:
