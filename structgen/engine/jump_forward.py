@@ -70,6 +70,9 @@ MAX_BACKOFF = 4  # output tokens re-encoded with the forced text; merges span on
 # mask fill (far dearer, and on the critical path of a jump step) unless a sample is allowed.
 PROBE_EXTENSIONS = 32
 PROBE_SAMPLE = 8  # with more candidates, this many (spread over them) are tried before the mask
+# Re-encodings kept (`JumpForward._encode`): a schema's jumps re-encode the same few tails and
+# keys over and over; the cache starts afresh when full.
+ENCODINGS_KEPT = 4096
 # What one attempt at a jump did. After HELD_BACK the forced text alone is not tried: its last
 # token is the one just held back, in the same grammar state (on MaskBench replays every such
 # retry, 67 of 67, was held back again, each a second encode + advance on the critical path).
@@ -109,7 +112,8 @@ class VocabBytes:
     def __init__(self, tokenizer: Any, vocab_size: int, exclude: set[int]):
         self.tokens = token_bytes(tokenizer, vocab_size)
         self.special = set(exclude) | control_token_ids(tokenizer, vocab_size)
-        self.longest = max(map(len, self.tokens), default=1)  # bytes of the longest token
+        self._lengths = [len(b) for b in self.tokens]
+        self.longest = max(self._lengths, default=1)  # bytes of the longest token
         order = sorted((b, i) for i, b in enumerate(self.tokens) if b and i not in self.special)
         self._sorted = [b for b, _ in order]
         self._sorted_ids = np.array([i for _, i in order], dtype=np.int64)
@@ -125,7 +129,7 @@ class VocabBytes:
         return b"".join([self.tokens[t] for t in ids])
 
     def length(self, ids: list[int]) -> int:
-        return sum(len(self.tokens[t]) for t in ids)
+        return sum(map(self._lengths.__getitem__, ids))
 
     def bitmask_of(self, ids: np.ndarray) -> np.ndarray:
         """Packed bitmask (uint32 words, the grammar bitmask layout) of token ids (int64)."""
@@ -192,6 +196,7 @@ class JumpForward:
         # The Rust `tokenizers.Tokenizer` behind a fast HF tokenizer: much cheaper per call.
         self._fast = getattr(tokenizer, "backend_tokenizer", None)
         self._mask = None
+        self._encoded: dict[bytes, tuple[int, ...] | None] = {}  # `_encode`'s answers by text
         # Per token, an extension the grammar allowed last time it was asked (`_allows_extension`):
         # tried first, it mostly answers with one accept instead of a sample or a mask fill.
         self._allowed_before: dict[int, int] = {}
@@ -440,7 +445,19 @@ class JumpForward:
         return True
 
     def _encode(self, text: bytes) -> list[int] | None:
-        """Token ids spelling exactly `text`, or None (not UTF-8, or the tokenizer changes it)."""
+        """Token ids spelling exactly `text`, or None (not UTF-8, or the tokenizer changes it);
+        remembered by text, as the tokenizer answers a text the same every time."""
+        if text in self._encoded:
+            ids = self._encoded[text]
+            return None if ids is None else list(ids)
+        if len(self._encoded) >= ENCODINGS_KEPT:
+            self._encoded.clear()
+        ids = self._encode_now(text)
+        self._encoded[text] = None if ids is None else tuple(ids)
+        return ids
+
+    def _encode_now(self, text: bytes) -> list[int] | None:
+        """`_encode` without the cache: the tokenizer's answer."""
         try:
             s = text.decode("utf-8")
         except UnicodeDecodeError:

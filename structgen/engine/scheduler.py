@@ -52,6 +52,9 @@ class Scheduler:
         # Where decode rows did not all fit last step (prompts took their share), the first
         # that did not: it goes first this step.
         self._next_turn = 0
+        # Per slot of a prefilling request, its (num_cached, end, mapped positions) after its
+        # last fit: while those stay, fitting it again would change nothing (`_fit_running`).
+        self._fitted: dict[int, tuple[int, int, int]] = {}
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -110,6 +113,8 @@ class Scheduler:
             first, last = settled[req.slot]
             if first <= end <= last and req.num_cached >= req.num_prompt:
                 continue  # nothing to publish, to give back or to take; a rollback stays in its output
+            if self._fitted.get(req.slot) == (req.num_cached, end, pages.num_mapped(req.slot)):
+                continue  # a prompt waiting for its turn, fitted already: no new page computed or needed
             pages.publish(req.slot, req.token_ids, req.num_cached, req.num_prompt)
             req.num_cached = pages.writable_from(req.slot, req.num_cached)
             pages.shrink(req.slot, end)
@@ -118,6 +123,8 @@ class Scheduler:
                 self.preempt(victim)
                 if victim is req:
                     break
+            if req.slot is not None and req.num_cached < req.num_prompt:
+                self._fitted[req.slot] = (req.num_cached, end, pages.num_mapped(req.slot))
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_batch_size:
@@ -135,6 +142,7 @@ class Scheduler:
         slot = pages.allocate_slot()
         if slot is None:
             return False
+        self._fitted.pop(slot, None)  # (a slot another request had)
         cached = pages.match_prefix(slot, req.token_ids, len(req.token_ids))  # (a preempted one's output too)
         if self._prefix_in_flight(req, cached):
             pages.release_slot(slot)  # (the cached pages it took go back with the slot)

@@ -213,6 +213,55 @@ def test_rehearsed_jumps_equal_the_hooks_own(llm, backend, monkeypatch):
         assert_matcher_consistent(llm, req, RECORD, backend)
 
 
+def write_token_by_token(llm: LLM, hook: JumpForward, text: str, backend: str) -> tuple[Request, list[tuple]]:
+    """A request that writes `text` of RECORD the way the engine takes sampled tokens, with
+    `hook` after each (closing quotes sampled alone, so re-encodings merge them); returns it
+    and, after every token, its tokens, forced-token count and whether it finished."""
+    req = sampled(llm, RECORD, "", backend)
+    hook(llm.engine, req)  # the opening `{"name": "` rides with the prompt
+    quote, trace = llm.tokenizer.encode('"', add_special_tokens=False)[0], []
+    while not req.finished and len(text_of(llm, req)) < len(text):
+        tok = llm.tokenizer.encode(text[len(text_of(llm, req)):], add_special_tokens=False)[0]
+        if llm.tokenizer.decode([tok]) in ('",', '"]'):
+            tok = quote
+        assert req.matcher.accept_token(tok)
+        req.append([tok])
+        hook(llm.engine, req)
+        trace.append((list(req.token_ids), req.stats.forced_tokens, req.finished))
+    assert text_of(llm, req) == text
+    return req, trace
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_remembered_re_encodings_jump_as_the_tokenizer_would(llm, backend, monkeypatch):
+    """A hook that has seen a schema's jumps answers their re-encodings from memory (no
+    tokenizer call the second time through); every step of a second output, with other
+    values, still holds the tokens and grammar state of a hook that asks the tokenizer each
+    time."""
+    def fresh() -> JumpForward:
+        hook = JumpForward(llm.tokenizer, llm.engine.vocab_size, llm.engine.stop_token_ids,
+                           vocab=llm.engine.jump_forward_hook.vocab)
+        hook.guesses = False
+        return hook
+
+    other = RECORD_TEXT.replace("Ann Lee", "Bo").replace("42", "7").replace('"y z"', '"w"')
+    remembering, asking = fresh(), fresh()
+    monkeypatch.setattr(asking, "_encode", asking._encode_now)  # the tokenizer, every time
+    write_token_by_token(llm, remembering, RECORD_TEXT, backend)
+    asked: list[bytes] = []
+    real_encode_now = remembering._encode_now
+    monkeypatch.setattr(remembering, "_encode_now", lambda text: asked.append(text) or real_encode_now(text))
+    write_token_by_token(llm, remembering, RECORD_TEXT, backend)
+    assert not asked  # the same output again: every re-encoding remembered
+    req, trace = write_token_by_token(llm, remembering, other, backend)
+    ref, ref_trace = write_token_by_token(llm, asking, other, backend)
+    assert len(remembering._encoded) > len(asked) > 0  # some remembered, some new
+    assert trace == ref_trace
+    assert req.stats.forced_tokens > 10
+    for r in (req, ref):
+        assert_matcher_consistent(llm, r, RECORD, backend)
+
+
 # -- held-back tokens as guesses -----------------------------------------------------------------
 def token(llm: LLM, text: str) -> int:
     (tid,) = llm.tokenizer.encode(text, add_special_tokens=False)

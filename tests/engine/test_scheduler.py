@@ -122,3 +122,54 @@ def test_decode_rows_with_forced_tokens_stay_within_the_step_budget_and_take_tur
             r.append([5])
     assert ran[0] | ran[1] == {r.id for r in decoders}  # every request ran within two steps
     assert len(sched.schedule()) == 8  # without a budget: every request, forced tokens and all
+
+
+def _page_state(sched, index: dict[int, int]) -> tuple:
+    """What a fit can change: each running request's (by its `index`) slot and cached tokens,
+    who waits, every slot's pages and keyed pages, the free pages and the host table."""
+    pages = sched.pages
+    return ([(index[r.id], r.slot, r.num_cached) for r in sched.running], [index[r.id] for r in sched.waiting],
+            [list(p) for p in pages._pages], [list(k) for k in pages._keyed], sorted(pages._free_pages),
+            list(pages.settled), pages.free_pages, pages.host.tolist())
+
+
+def test_prompts_waiting_for_their_turn_are_fitted_as_if_fitted_anew_every_step(tokenizer) -> None:
+    """`_fit_running` skips a prompt whose cached tokens, length and pages are as it left them:
+    a burst of real prompts sharing their start (published pages, a waiting request's prompt
+    in flight), a token budget that leaves most prompts waiting for steps, a forward that maps
+    pages ahead of a waiting prompt (as the decode graphs do) and a pool small enough to
+    preempt give every step the same batch and page table as a scheduler that refits every
+    request every step."""
+    from structgen.engine.page_table import PageTable
+    from structgen.engine.scheduler import Scheduler
+
+    system = "You are a careful assistant that answers with one JSON object describing the person. "
+    prompts = [tokenizer.encode(system + f"Person number {i} lives in city {i * 7}.", add_special_tokens=False)
+               for i in range(12)]
+    runs = []
+    for refit_always in (False, True):
+        sched = Scheduler(PageTable(48, 4, 12, 128, torch.device("cpu")), max_batch_size=12, chunk_tokens=64)
+        reqs = [Request(list(p), SamplingParams(max_tokens=12)) for p in prompts]
+        index = {r.id: i for i, r in enumerate(reqs)}
+        for r in reqs:
+            sched.add(r)
+        states = []
+        for _ in range(60):
+            if refit_always:
+                sched._fitted.clear()  # the shortcut's memory gone: every request is fitted again
+            batch = sched.schedule(token_budget=12)
+            states.append(([(index[r.id], n) for r, n in batch], _page_state(sched, index)))
+            for r, n in batch:
+                r.num_cached += n
+                if r.num_cached >= r.num_prompt:
+                    r.append([tokenizer.encode(" x", add_special_tokens=False)[0]])
+                    if r.num_output >= r.params.max_tokens:
+                        r.finish("length")
+                        sched.remove(r)
+            ran = {r.id for r, _ in batch}
+            waiting = [r for r in sched.running if r.num_cached < r.num_prompt and r.id not in ran]
+            if waiting:  # a forward mapping positions ahead of the newest waiting prompt
+                sched.pages.cover(waiting[-1].slot, len(waiting[-1].token_ids) + 8)
+        runs.append(states)
+    assert sum(1 for batch, _ in runs[0] if batch) > 20  # the burst ran through many steps
+    assert runs[0] == runs[1]
