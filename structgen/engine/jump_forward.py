@@ -200,6 +200,7 @@ class JumpForward:
         # Per token, an extension the grammar allowed last time it was asked (`_allows_extension`):
         # tried first, it mostly answers with one accept instead of a sample or a mask fill.
         self._allowed_before: dict[int, int] = {}
+        self._probe_lists: dict[int, tuple[bool, list[int]]] = {}  # `_probes`' answers by token
         self._triggers: Counter[int] = Counter()  # sampled tokens after which text was forced
         self._rehearsal: Rehearsal | None = None
         self.guesses = True  # propose held-back tokens as guesses (`Engine.use_tokenizer` sets it)
@@ -498,18 +499,15 @@ class JumpForward:
     def _allows_extension(self, m: Any, tid: int) -> bool:
         """Does the grammar, in its current state, allow a token that extends token `tid`?"""
         before = self._allowed_before.get(tid)
-        if before is not None and m.accept_token(before):
-            m.rollback(1)
+        if before is not None and m.first_accepted((before,)) is not None:
             return True
-        ids = self.vocab.extension_ids(tid)
-        few = len(ids) <= PROBE_EXTENSIONS
+        few, probes = self._probes(tid)
         # Many extensions (a space has ~32,000 in SmolLM2's vocabulary): a spread sample first,
         # as free text allows nearly all of them; the mask decides only when it is refused.
-        for t in (ids if few else ids[:: -(-len(ids) // PROBE_SAMPLE)]).tolist():
-            if m.accept_token(t):
-                m.rollback(1)
-                self._allowed_before[tid] = t
-                return True
+        t = m.first_accepted(probes)
+        if t is not None:
+            self._allowed_before[tid] = t
+            return True
         if few:
             return False
         words = np.bitwise_and(self._allowed(m), self.vocab.extensions(tid))
@@ -519,6 +517,16 @@ class JumpForward:
         w = int(hit[0])
         self._allowed_before[tid] = 32 * w + (int(words[w]) & -int(words[w])).bit_length() - 1
         return True
+
+    def _probes(self, tid: int) -> tuple[bool, list[int]]:
+        """Whether token `tid` has few extensions, and the ones `_allows_extension` tries one by
+        one (all of few, else a spread sample); kept per token as a list, built once."""
+        entry = self._probe_lists.get(tid)
+        if entry is None:
+            ids = self.vocab.extension_ids(tid)
+            few = len(ids) <= PROBE_EXTENSIONS
+            entry = self._probe_lists[tid] = (few, (ids if few else ids[:: -(-len(ids) // PROBE_SAMPLE)]).tolist())
+        return entry
 
     def _allowed(self, m: Any) -> np.ndarray:
         """The matcher's allowed-token bitmask as uint32 words (a view of a reused buffer)."""

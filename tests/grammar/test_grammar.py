@@ -80,6 +80,40 @@ def test_matcher_walk_stop_and_rollback(grammar_compiler, tokenizer, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_accepts_and_probes_equal_one_token_at_a_time(grammar_compiler, tokenizer, backend):
+    """`accept_tokens` and `first_accepted` (the backends' fast loops) against the base class's
+    token-by-token `accept_token`: the same counts, the same first accepted token, the same state
+    after (mask, forced text, completion), through a rejected token and a stop token."""
+    from structgen.grammar.backends.base import GrammarMatcher
+
+    g = grammar_compiler.compile(to_constraint(Person), backend=backend)
+    eos, bracket = tokenizer.eos_token_id, tokenizer.encode("[")[0]
+    ids = tokenizer.encode(dump_json(PERSON.model_dump()))
+    fast, slow = g.matcher(), g.matcher()
+    masks = allocate_bitmask(2, tokenizer.vocab_size)
+
+    def same_state() -> None:
+        fast.fill_bitmask(masks, 0)
+        slow.fill_bitmask(masks, 1)
+        assert masks[0].tolist() == masks[1].tolist()
+        assert fast.jump_forward_string() == slow.jump_forward_string()
+        assert (fast.is_completed(), fast.is_terminated()) == (slow.is_completed(), slow.is_terminated())
+
+    probes = [bracket, eos, *ids[:8], *tokenizer.encode(' "a')]
+    for i, tid in enumerate(ids):
+        assert fast.first_accepted(probes) == GrammarMatcher.first_accepted(slow, probes), i
+        same_state()
+        assert fast.accept_tokens([tid]) == GrammarMatcher.accept_tokens(slow, [tid]) == 1
+    same_state()
+    fast.rollback(len(ids))
+    slow.rollback(len(ids))
+    for seq, taken in ((ids[:3] + [bracket] + ids[3:], 3), (ids[3:], len(ids) - 3), ([eos, ids[0]], 1)):
+        assert fast.accept_tokens(seq) == GrammarMatcher.accept_tokens(slow, seq) == taken
+        same_state()
+    assert fast.is_terminated() and fast.first_accepted(probes) is None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_jump_forward_string_follows_the_schema(grammar_compiler, tokenizer, backend):
     g = grammar_compiler.compile(to_constraint(Person), backend=backend)
     m = g.matcher()

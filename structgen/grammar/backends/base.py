@@ -164,6 +164,15 @@ class GrammarMatcher(ABC):
                 return n
         return len(token_ids)
 
+    def first_accepted(self, token_ids: Sequence[int]) -> int | None:
+        """The first of `token_ids` the grammar accepts now, or None; the state is left as it
+        was (jump-forward's hold-back asks this of a token's extensions)."""
+        for tid in token_ids:
+            if self.accept_token(tid):
+                self.rollback(1)
+                return tid
+        return None
+
     @abstractmethod
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into `bitmask[row]` (CPU int32, see module doc).
