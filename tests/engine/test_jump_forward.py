@@ -262,6 +262,35 @@ def test_remembered_re_encodings_jump_as_the_tokenizer_would(llm, backend, monke
         assert_matcher_consistent(llm, r, RECORD, backend)
 
 
+def test_fast_grammar_loops_jump_as_one_token_at_a_time(llm, monkeypatch):
+    """xgrammar's fast `accept_tokens` and `first_accepted` (the jumps' splices and hold-back
+    probes) leave every step of an output as the base class's token-by-token loops do: the
+    same tokens, forced tokens, guesses and remembered extensions."""
+    from structgen.grammar.backends.base import GrammarMatcher
+    from structgen.grammar.backends.xgrammar import XGrammarMatcher
+
+    def write(text: str) -> tuple[list[tuple], list[int | None], dict[int, int]]:
+        hook = JumpForward(llm.tokenizer, llm.engine.vocab_size, llm.engine.stop_token_ids,
+                           vocab=llm.engine.jump_forward_hook.vocab)
+        guesses: list[int | None] = []
+
+        def guessing_hook(engine, req: Request) -> None:
+            req.guess = None
+            hook(engine, req)
+            guesses.append(req.guess)
+
+        _, trace = write_token_by_token(llm, guessing_hook, text, "xgrammar")
+        return trace, guesses, dict(hook._allowed_before)
+
+    other = RECORD_TEXT.replace("Ann Lee", "Bo").replace("42", "7")
+    fast = [write(t) for t in (RECORD_TEXT, other)]
+    monkeypatch.setattr(XGrammarMatcher, "accept_tokens", GrammarMatcher.accept_tokens)
+    monkeypatch.setattr(XGrammarMatcher, "first_accepted", GrammarMatcher.first_accepted)
+    slow = [write(t) for t in (RECORD_TEXT, other)]
+    assert fast == slow
+    assert any(g is not None for g in fast[0][1]) and fast[0][2]  # guesses and probes did happen
+
+
 # -- held-back tokens as guesses -----------------------------------------------------------------
 def token(llm: LLM, text: str) -> int:
     (tid,) = llm.tokenizer.encode(text, add_special_tokens=False)
