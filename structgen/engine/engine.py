@@ -536,11 +536,7 @@ class Engine:
         token is left."""
         if plain:
             for req, tok in zip(reqs, tokens, strict=True):
-                req.append([tok])
-                if req.thinking:  # HOOK(reasoning): the closing tag, a stop token or the budget
-                    self.reasoner.after_token(req)
-                if req.num_output >= req.close_at:  # HOOK(closing): a loop or budget check due
-                    self.closer.at_budget(req, completed=False)  # (a plain row's grammar is not complete)
+                self._append_plain(req, tok)
         else:
             if taken is None:
                 hook = self.jump_forward_hook is not None and any(r.jump_forward for r in reqs)
@@ -552,7 +548,10 @@ class Engine:
                         exc = errors[i]
                         raise exc if isinstance(exc, (EngineError, InvalidConstraintError)) else EngineError(
                             f"grammar failed while computing the token mask: {exc}")
-                    self._advance(req, tok, status=taken[i], jump_checked=True)
+                    if self._takes_plainly(req, tok, taken[i]):
+                        self._append_plain(req, tok)
+                    else:
+                        self._advance(req, tok, status=taken[i], jump_checked=True)
                 except InvalidConstraintError as exc:  # the request's own fault: no traceback in the log
                     log.info("request %d failed: %s", req.id, exc)
                     req.finish("error", exc)
@@ -567,6 +566,24 @@ class Engine:
             self.scheduler.remove(req)
             self._notify(req)
         return finished
+
+    @staticmethod
+    def _takes_plainly(req: Request, tok: int, status: int | None) -> bool:
+        """Whether `req` passes `_plain_next_step`'s test alone: its matcher accepted `tok`
+        (`status`, from `_take_tokens`), nothing is forced after it and it cannot finish
+        here; then the rest of `_advance` would find nothing to do (a batch of 256 nearly
+        always has a row that jumps, so the whole-step test rarely passes)."""
+        return (status is not None and status & _NOT_PLAIN == ACCEPTED
+                and not (status & JUMPS and req.jump_forward) and not req.may_finish_at(tok))
+
+    def _append_plain(self, req: Request, tok: int) -> None:
+        """Append a token its grammar accepted, after which nothing is forced and the request
+        cannot finish (`_plain_next_step`'s rows): only the hooks a token passes are left."""
+        req.append([tok])
+        if req.thinking:  # HOOK(reasoning): the closing tag, a stop token or the budget
+            self.reasoner.after_token(req)
+        if req.num_output >= req.close_at:  # HOOK(closing): a loop or budget check due
+            self.closer.at_budget(req, completed=False)  # (a plain row's grammar is not complete)
 
     def _advance(self, req: Request, tok: int, jump_forward: bool = True, status: int | None = None,
                  jump_checked: bool = False) -> None:

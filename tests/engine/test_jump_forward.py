@@ -291,6 +291,33 @@ def test_fast_grammar_loops_jump_as_one_token_at_a_time(llm, monkeypatch):
     assert any(g is not None for g in fast[0][1]) and fast[0][2]  # guesses and probes did happen
 
 
+def test_rows_taken_plainly_beside_jumping_rows_change_nothing(llm, monkeypatch):
+    """In a batch where some rows jump, the rows that only append their token skip the rest
+    of `Engine._advance` (`_takes_plainly`): outputs, finish reasons and forced tokens equal
+    those of an engine that advances every row in full (seeded sampling, budgets that cut
+    some outputs off)."""
+    from structgen.engine.engine import Engine
+
+    grammar = llm.grammars.compile(to_constraint(JsonSchema(RECORD)))
+    prompt = llm.tokenizer.encode("A user record as JSON:", add_special_tokens=False)
+    stop = frozenset(llm.engine.stop_token_ids)
+    plainly: list[bool] = []
+    real = Engine._takes_plainly
+
+    def run() -> list[tuple]:
+        reqs = [Request(list(prompt), SamplingParams(max_tokens=n, temperature=0.8, seed=s), grammar.matcher(), stop)
+                for n, s in ((24, 1), (40, 2), (12, 3), (40, 4))]
+        llm.engine.run(reqs)
+        return [(r.output_ids, r.finish_reason, r.stats.forced_tokens) for r in reqs]
+
+    monkeypatch.setattr(Engine, "_takes_plainly", staticmethod(lambda *a: plainly.append(real(*a)) or plainly[-1]))
+    shortcut = run()
+    assert sum(plainly) > 10 and not all(plainly)  # rows of both kinds
+    monkeypatch.setattr(Engine, "_takes_plainly", staticmethod(lambda *a: False))
+    assert run() == shortcut
+    assert any(forced for _, _, forced in shortcut) and any(why == "length" for _, why, _ in shortcut)
+
+
 # -- held-back tokens as guesses -----------------------------------------------------------------
 def token(llm: LLM, text: str) -> int:
     (tid,) = llm.tokenizer.encode(text, add_special_tokens=False)
