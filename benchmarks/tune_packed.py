@@ -1,14 +1,15 @@
 """The packed products' launch shapes on the GPU (kernels/packed_gemm.py), per projection of
 the Llama-8B and Llama-70B shapes: each code (int4 in groups of 128 with offsets, FP8 per
 channel) at 1, 2 and 4 rows (a decode step's GEMV) and more rows (a batch's or a prompt's GEMM:
-64 by default), every candidate timed with L2 flushed before each call (a forward reads every
-matrix cold), beside cuBLAS on the bf16 weight and the floor (packed bytes over the measured
-copy bandwidth).
+64 by default), beside cuBLAS on the bf16 weight and the floor (packed bytes over the measured
+copy bandwidth). Each candidate is timed as a forward runs it: inside a CUDA graph, one call
+after another (dependent launches on where the GPU has them) over enough copies of the matrix
+that none of them is still in L2 when its turn comes again.
 
-GEMV candidates: the default (`packed_gemm.GEMV_BLOCKS`), the stream GEMV's launch shapes
+GEMV candidates: the default (`packed_gemm.GEMV_BLOCKS`, `ROW_SCALED_BLOCKS`), the stream GEMV's launch shapes
 (kernels/packed_gemv.py: int4 in the "words" layout, FP8 codes as stored; split-K off and
 automatic), the previous default ("magic" / "reduce" on the "halves" layout) and, for int4,
-tinygemm (kernels/tinygemm.py). GEMM rows: the default, the "tiles" GEMM on the "halves" and
+tinygemm (kernels/tinygemm.py), and for FP8 per channel the "late" GEMV (kernels/gemv.py's). GEMM rows: the default, the "tiles" GEMM on the "halves" and
 "words" layouts (the previous defaults) and, for int4, the words GEMM's launch shapes
 (kernels/packed_words_gemm.py: both operand orders, split-K off and automatic) and W
 de-quantized once then cuBLAS. Each candidate's error against the de-quantize reference is
@@ -30,6 +31,7 @@ import os
 import shutil
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +40,6 @@ import torch.nn.functional as F
 
 from benchmarks.bench_gemv import matrices
 from benchmarks.common import measure_copy_bandwidth_gbps, print_table, write_results
-from structgen.engine.kernels import gemv as G
 from structgen.engine.kernels import packed_gemm as P
 from structgen.engine.kernels import tinygemm
 from structgen.engine.models.packed import QUANTIZERS, PackedWeight, to_words
@@ -47,19 +48,25 @@ from structgen.engine.models.packed import QUANTIZERS, PackedWeight, to_words
 STREAM_TILES = ((8, 256, 4, 3), (8, 512, 4, 3), (8, 1024, 4, 3), (16, 256, 4, 3), (16, 512, 4, 3),
                 (16, 1024, 4, 3), (32, 256, 4, 3), (32, 256, 8, 3), (32, 512, 8, 3), (64, 256, 8, 3),
                 (16, 256, 4, 1), (16, 512, 4, 1), (8, 512, 2, 3), (16, 256, 2, 3))
+# (n, j at one row, warps, stages) of the "late" GEMV (codes with one scale per output channel;
+# j halves as rows double: it keeps a [rows, n, j] float32 product in registers)
+LATE_TILES = ((4, 1024, 4, 4), (2, 2048, 4, 4), (8, 1024, 4, 4), (16, 512, 4, 4), (4, 2048, 8, 3))
+COPIES_BYTES = 600 << 20  # the copies of a matrix a chain walks: several times the L2
 # (n, j, warps, stages) of the words GEMM; each in both operand orders with automatic split-K
 WORDS_TILES = ((64, 128, 4, 4), (128, 128, 4, 3), (64, 256, 4, 3), (128, 64, 4, 4), (128, 128, 8, 3), (256, 64, 8, 3))
 TINYGEMM = "tinygemm"  # PyTorch's int4 kernel on its own layout
 HALVES = "halves-default"  # the default launch on the "halves" int4 layout (the previous one)
 
 
-def candidates(code: str, rows: int) -> list[P.Block | str | None]:
-    """None (the default) and the blocks tried for `rows` rows of a `code` weight."""
+def candidates(weight: PackedWeight, rows: int) -> list[P.Block | str | None]:
+    """None (the default) and the blocks tried for `rows` rows of `weight`."""
+    code = weight.code
     if rows > P.GEMV_ROWS:
         return [None, *(gemm_candidates(rows) if code == "int4" else [])]
     m = 1 << (rows - 1).bit_length()
     stream = [P.Block(m, n, j, w, st, "stream", k) for (n, j, w, st), k in itertools.product(STREAM_TILES, (1, 0))]
-    return [None, *stream, P.FALLBACK_BLOCKS[code]._replace(m=m), *([TINYGEMM] if code == "int4" else [])]
+    late = [P.Block(m, n, j // m, w, st, "late") for n, j, w, st in LATE_TILES] if P.row_scaled(weight) else []
+    return [None, *stream, *late, P.FALLBACK_BLOCKS[code]._replace(m=m), *([TINYGEMM] if code == "int4" else [])]
 
 
 def gemm_candidates(rows: int) -> list[P.Block | str]:
@@ -72,23 +79,50 @@ def gemm_candidates(rows: int) -> list[P.Block | str]:
 
 
 class Forms:
-    """One weight in each layout a candidate reads (int4: "halves", "words", tinygemm's)."""
+    """Copies of one weight in each layout a candidate reads (int4: "halves", "words",
+    tinygemm's); copy 0 is the weight itself, the others random of the same shape and code."""
 
-    def __init__(self, weight: PackedWeight):
-        self.halves = weight
-        self.words = to_words(weight)
-        self.tiny = tinygemm.to_tinygemm(weight) if tinygemm.tinygemm_fits(weight) else None
+    def __init__(self, weight: PackedWeight, copies: list[PackedWeight]):
+        self.halves = [weight, *copies]
+        self.words = [to_words(w) for w in self.halves]
+        fits = tinygemm.tinygemm_fits(weight)
+        self.tiny = [tinygemm.to_tinygemm(w) for w in self.halves] if fits else None
 
-    def run(self, x: torch.Tensor, block: P.Block | str | None) -> torch.Tensor:
+    def run(self, x: torch.Tensor, block: P.Block | str | None, copy: int = 0) -> torch.Tensor:
         if block == TINYGEMM:
             if self.tiny is None:
                 raise ValueError("tinygemm cannot hold this weight")
-            return P.matmul(x, self.tiny)
+            return P.matmul(x, self.tiny[copy])
         if block == HALVES:
-            return P.matmul(x, self.halves)
+            return P.matmul(x, self.halves[copy])
         # the GEMV's grouped forms read "halves"; "tiles" runs on "words", as a CUDA model loaded it
-        on_halves = isinstance(block, P.Block) and block.form in P.GEMV_FORMS and block.form != "stream"
-        return P.matmul(x, self.halves if on_halves else self.words, block=block)
+        on_halves = isinstance(block, P.Block) and block.form in P.GEMV_FORMS and block.form not in ("stream", "late")
+        return P.matmul(x, (self.halves if on_halves else self.words)[copy], block=block)
+
+
+def time_chain(run: Callable[[int], object], copies: int, reps: int = 5) -> float:
+    """Microseconds a call of `run(copy)` takes inside a CUDA graph that calls it for every copy
+    in turn, three times over (the best of `reps` timings of four replays)."""
+    for i in range(copies):  # compiles, and times any plan outside the capture
+        run(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(3):
+            for i in range(copies):
+                run(i)
+    for _ in range(3):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(reps):
+        start.record()
+        for _ in range(4):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / (4 * 3 * copies))
+    return best
 
 
 def label(block: P.Block | str | None) -> str:
@@ -101,21 +135,32 @@ def tune_matrix(model: str, name: str, n: int, k: int, codes: list[str], rows: l
                 bandwidth: float) -> list[dict[str, Any]]:
     """Every candidate of every code and row count on one projection, the bf16 product beside."""
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-    out = [r for code in codes for m in rows for r in tune_case(f"{model}-shape", name, w, QUANTIZERS[code](w), m, bandwidth)]
-    torch.cuda.empty_cache()
+    out = []
+    for code in codes:
+        weight = QUANTIZERS[code](w)
+        copies = [QUANTIZERS[code](torch.randn_like(w) * 0.02) for _ in range(-(-COPIES_BYTES // weight.nbytes) - 1)]
+        forms = Forms(weight, copies)
+        out += [r for m in rows for r in tune_case(f"{model}-shape", name, w, forms, m, bandwidth)]
+        del forms, copies
+        torch.cuda.empty_cache()
     return out
 
 
-def tune_case(model: str, name: str, w: torch.Tensor, weight: PackedWeight, m: int,
+def bf16_chain_us(x: torch.Tensor, w: torch.Tensor) -> float:
+    """cuBLAS on the bf16 weight (and copies of it), timed as `time_chain` times the candidates."""
+    weights = [w, *(torch.randn_like(w) for _ in range(-(-COPIES_BYTES // (w.numel() * 2)) - 1))]
+    return time_chain(lambda i: F.linear(x, weights[i]), len(weights))
+
+
+def tune_case(model: str, name: str, w: torch.Tensor, forms: Forms, m: int,
               bandwidth: float) -> list[dict[str, Any]]:
     """One code at one row count: each candidate's time, x floor and error (right ones only)."""
-    device = w.device
-    x = torch.randn(m, w.shape[1], device=device, dtype=torch.bfloat16)
+    weight = forms.halves[0]
+    x = torch.randn(m, w.shape[1], device=w.device, dtype=torch.bfloat16)
     ref = x.float() @ weight.dequantize().T
-    bf16_us = G.time_all(lambda _: F.linear(x, w), [None], device)[None] * 1e3
-    forms = Forms(weight)
+    bf16_us = bf16_chain_us(x, w)
     errors = {}
-    for b in candidates(weight.code, m):
+    for b in candidates(weight, m):
         try:
             errors[b] = float((forms.run(x, b).float() - ref).norm() / ref.norm())
         except Exception as e:  # a block the compiler or the layout refuses is skipped, not fatal
@@ -124,7 +169,8 @@ def tune_case(model: str, name: str, w: torch.Tensor, weight: PackedWeight, m: i
     wrong = {label(b): f"{e:.1e}" for b, e in errors.items() if not e < 2e-2}
     if wrong:
         print(f"  {weight.code} {name} m={m} errors over 2e-2 (not timed): {wrong}", flush=True)
-    times = G.time_all(lambda b: forms.run(x, b), [b for b, e in errors.items() if e < 2e-2], device)
+    copies = len(forms.halves)
+    times = {b: time_chain(lambda i, b=b: forms.run(x, b, i), copies) / 1e3 for b, e in errors.items() if e < 2e-2}
     floor_us = weight.nbytes / bandwidth / 1e3
     best = min(times, key=times.__getitem__)
     previous = P.dot_block(m) if m > P.GEMV_ROWS and weight.code == "int4" else None
@@ -165,7 +211,8 @@ def summary(rows: list[dict[str, Any]], model: str) -> list[dict[str, Any]]:
             continue
         best = min(full, key=lambda b: sum(r["us"] for r in full[b]))
         if m <= P.GEMV_ROWS:
-            print(f"GEMV_BLOCKS[{code!r}][{m}] = {table_entry(best)}  # {model}", flush=True)
+            table = "ROW_SCALED_BLOCKS" if best.startswith("late") else f"GEMV_BLOCKS[{code!r}]"
+            print(f"{table}[{m}] = {table_entry(best)}  # {model}", flush=True)
         elif best.startswith("dequantize"):
             print(f"DEQUANTIZE_ROWS <= {m}  # {model}: W de-quantized then cuBLAS is the fastest", flush=True)
         elif code == "int4":

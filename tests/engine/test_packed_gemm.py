@@ -94,6 +94,28 @@ def test_every_gemv_form_equals_dequantize_then_matmul(code: str, form: str, spl
 
 @pytest.mark.gpu
 @needs_kernels
+@pytest.mark.parametrize("rows", [1, 2, 4])
+def test_late_gemv_reads_fp8_codes_scaled_per_channel(rows: int) -> None:
+    """The "late" form (kernels/gemv.py on FP8 codes, each output scaled by its channel's
+    scale), written into a column slice; it refuses FP8 with 2D block scales."""
+    from structgen.engine.kernels import packed_gemm
+    from structgen.errors import InvalidParameterError
+
+    w = weight("fp8", seed=rows).to(DEVICE)
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, COLS, generator=g).to(DEVICE)
+    b = torch.randn(ROWS, generator=g).to(DEVICE)
+    wide = torch.zeros(rows, ROWS + 8, device=DEVICE)
+    block = packed_gemm.Block(rows, 4, 64, 4, 2, "late")
+    out = packed_gemm.matmul(x, w, b, block=block, out=wide[:, 8:])
+    assert out.data_ptr() == wide[:, 8:].data_ptr() and not wide[:, :8].any()
+    assert rel_err(out, x @ w.dequantize().T + b) < 1e-5
+    with pytest.raises(InvalidParameterError, match="one scale per output channel"):
+        packed_gemm.matmul(x, weight("fp8-block").to(DEVICE), block=block)
+
+
+@pytest.mark.gpu
+@needs_kernels
 def test_grouped_gemv_refuses_groups_that_straddle_its_runs() -> None:
     from structgen.engine.kernels import packed_gemm
     from structgen.errors import InvalidParameterError

@@ -195,8 +195,8 @@ def _load_x_chunk(X, k, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _gemv_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS: tl.constexpr,
-                 EVEN_K: tl.constexpr, SUM_LATE: tl.constexpr, PDL: tl.constexpr,
+def _gemv_kernel(X, W, B, S, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS: tl.constexpr,
+                 HAS_SCALE: tl.constexpr, EVEN_K: tl.constexpr, SUM_LATE: tl.constexpr, PDL: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -220,6 +220,8 @@ def _gemv_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS:
             w = tl.load(w_ptr + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
             x = tl.load(X + m[:, None] * stride_xm + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
             acc += tl.sum(x.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
+        if HAS_SCALE:
+            acc *= tl.load(S + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
         if HAS_BIAS:
             acc += tl.load(B + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
         tl.store(Y + m[:, None] * stride_ym + n[None, :], acc.to(Y.dtype.element_ty),
@@ -231,6 +233,8 @@ def _gemv_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS:
             w, x = _load_chunk(w_ptr, X, stride_xm, m, mmask, nmask, k0 + tl.arange(0, BLOCK_K), K, EVEN_K)
             acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
         out2 = tl.sum(acc3, 2)
+        if HAS_SCALE:
+            out2 *= tl.load(S + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
         if HAS_BIAS:
             out2 += tl.load(B + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
         tl.store(Y + m[:, None] * stride_ym + n[None, :], out2.to(Y.dtype.element_ty),
@@ -246,6 +250,8 @@ def _gemv_kernel(X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS:
             w = _load_row_chunk(w_ptr, nmask, k, K, EVEN_K)
             acc1 += _load_x_chunk(X, k, K, EVEN_K).to(tl.float32)[None, :] * w.to(tl.float32)
         out = tl.sum(acc1, 1)
+        if HAS_SCALE:
+            out *= tl.load(S + n, mask=nmask, other=0.0).to(tl.float32)
         if HAS_BIAS:
             out += tl.load(B + n, mask=nmask, other=0.0).to(tl.float32)
         tl.store(Y + n, out.to(Y.dtype.element_ty), mask=nmask)
@@ -367,24 +373,29 @@ def invariant_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-         block: Block = DEFAULT) -> torch.Tensor:
+         block: Block = DEFAULT, scale: torch.Tensor | None = None,
+         out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (M <= GEMV_ROWS, or DOT_ROWS for the skinny GEMM), weight [N, K] -> [M, N] in
-    x's dtype."""
+    x's dtype. `scale` [N] multiplies each output feature (FP8 codes with a scale per output
+    channel: the GEMV forms only); `out` may be given, e.g. a column slice of a wider output."""
     m, k = x.shape
     n = weight.shape[0]
     dot = block.form == "dot"
     assert m <= (DOT_ROWS if dot else GEMV_ROWS) and x.stride(-1) == 1 and weight.stride(-1) == 1
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    assert scale is None or (not dot and scale.numel() == n)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
     bk = min(block.k, triton.next_power_of_2(k))
-    args = (x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0))
+    b = bias if bias is not None else weight
+    sizes = (m, n, k, x.stride(0), weight.stride(0), y.stride(0))
     grid = (triton.cdiv(n, block.n),)
     if dot:
-        _dot_kernel[grid](*args, HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, BLOCK_M=DOT_ROWS,
+        _dot_kernel[grid](x, weight, b, y, *sizes, HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, BLOCK_M=DOT_ROWS,
                           BLOCK_N=block.n, BLOCK_K=bk, num_warps=block.warps, num_stages=block.stages,
                           **launch_args(x.device, m))
         return y
     _gemv_kernel[grid](
-        *args, HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, SUM_LATE=block.form == "late",
+        x, weight, b, scale if scale is not None else weight, y, *sizes, HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, EVEN_K=k % bk == 0,
+        SUM_LATE=block.form == "late",
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block.n, BLOCK_K=bk,
         num_warps=block.warps, num_stages=block.stages, **launch_args(x.device, m),
     )

@@ -13,6 +13,9 @@ words instead). The kinds of kernel:
   share it and reduce their float32 products once after the loop, optionally split along the
   columns (split-K) where a projection has too few output blocks to keep every multiprocessor
   reading;
+- FP8 codes with a scale per output channel: the "late" form, the bf16 GEMV of kernels/gemv.py
+  reading FP8 codes (a few output features per program, products summed once after the loop)
+  with the scale applied to each output;
 - PyTorch's int4 kernel for a `tinygemm.TinyGemmWeight` (a candidate the benchmark times);
 - the tiled GEMMs (more rows): int4 "words" by kernels/packed_words_gemm.py (contiguous chunks
   of words expanded to tiles, launch shapes in `WORDS_GEMM_BLOCKS`, W de-quantized once then
@@ -34,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from structgen.engine.kernels import packed_gemv, packed_words_gemm, tinygemm
+from structgen.engine.kernels import gemv, packed_gemv, packed_words_gemm, tinygemm
 from structgen.errors import InvalidParameterError
 
 GEMV_ROWS = 4  # the GEMV keeps a [rows, BLOCK_N, BLOCK_J] product in registers: few rows only
@@ -82,18 +85,23 @@ class Block(NamedTuple):
 # chunk every iteration, scales gathered per weight (any group layout); "cvt" / "magic": a
 # [rows, n, j] float32 product reduced once after the loop, scales loaded once per group,
 # "magic" turning int4 nibbles into floats by bit operations ("halves" int4 layout only)
-GEMV_FORMS = ("stream", "reduce", "cvt", "magic")
+# "late" (FP8 per output channel only): kernels/gemv.py's GEMV, `n` features and `j` columns per
+# chunk, scaled per feature at the end
+GEMV_FORMS = ("stream", "reduce", "cvt", "magic", "late")
 # The GEMV's default launch per code and row count (1, 2, 4: rows rounded up to a power of two),
 # the table benchmarks/tune_packed.py's summary prints; splits=0: the stream GEMV picks its
 # split-K from the multiprocessor count
 GEMV_BLOCKS = {
-    "int4": {1: Block(1, 32, 256, 4, 3, "stream", 0), 2: Block(2, 32, 256, 4, 3, "stream", 0),
-             4: Block(4, 16, 256, 4, 3, "stream", 0)},
+    "int4": {1: Block(1, 16, 512, 4, 3, "stream", 0), 2: Block(2, 16, 512, 4, 3, "stream", 0),
+             4: Block(4, 16, 512, 4, 3, "stream", 1)},
     "int8": {1: Block(1, 16, 256, 4, 3, "stream", 0), 2: Block(2, 16, 256, 4, 3, "stream", 0),
              4: Block(4, 16, 256, 4, 3, "stream", 0)},
     "fp8": {1: Block(1, 8, 512, 4, 3, "stream", 0), 2: Block(2, 16, 256, 4, 3, "stream", 0),
             4: Block(4, 16, 256, 4, 3, "stream", 0)},
 }
+# Codes with one scale per output channel (`row_scaled`) take the "late" GEMV at these row counts
+# (it streamed the 8B shape's FP8 matrices faster at one row; the stream GEMV won at 2 and 4)
+ROW_SCALED_BLOCKS = {1: Block(1, 4, 1024, 4, 4, "late")}
 FALLBACK_BLOCKS = {"int4": Block(1, 16, 256, 4, 2, "magic"), "int8": Block(1, 16, 256, 4, 2, "magic"),
                    "fp8": Block(1, 16, 512, 4, 3, "reduce")}  # for weights the stream GEMV cannot read
 
@@ -111,6 +119,8 @@ DEQUANTIZE_ROWS = 256  # from here W is de-quantized once and cuBLAS runs the co
 def gemv_block(weight: PackedWeight, rows: int) -> Block:
     """The GEMV's default launch for `weight` (its form where the group layout allows it)."""
     m = triton.next_power_of_2(rows)
+    if m in ROW_SCALED_BLOCKS and row_scaled(weight):
+        return ROW_SCALED_BLOCKS[m]
     if packed_gemv.stream_fits(weight):
         return GEMV_BLOCKS[weight.code][m]
     block = FALLBACK_BLOCKS[weight.code]
@@ -315,6 +325,8 @@ def matmul(x: torch.Tensor, weight: PackedWeight | tinygemm.TinyGemmWeight, bias
         block = gemv_block(weight, rows) if rows <= GEMV_ROWS else gemm_block(weight, rows, x.dtype)
     if block.form in packed_words_gemm.FORMS:
         return _words_matmul(x, weight, bias, block, out)
+    if block.form == "late":
+        return _late_gemv(x, weight, bias, block, out)
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device) if out is None else out
     if block.m <= GEMV_ROWS and block.form == "stream":
         if not packed_gemv.stream_fits(weight):
@@ -338,6 +350,23 @@ def matmul(x: torch.Tensor, weight: PackedWeight | tinygemm.TinyGemmWeight, bias
     grid = (triton.cdiv(n, block.n), triton.cdiv(rows, block.m))
     _packed_kernel[grid](*args, DOT=block.m > GEMV_ROWS, BLOCK_M=block.m, **consts)
     return y
+
+
+def row_scaled(weight: PackedWeight) -> bool:
+    """FP8 or int8 codes with one scale per output channel and no offsets."""
+    return (weight.code in ("fp8", "int8") and weight.offsets is None and weight.group_rows == 1
+            and weight.group_cols >= weight.cols)
+
+
+def _late_gemv(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None, block: Block,
+               out: torch.Tensor | None) -> torch.Tensor:
+    """The "late" form: kernels/gemv.py's GEMV on the codes, each output scaled by its channel's scale."""
+    if not row_scaled(weight) or block.m > GEMV_ROWS:
+        raise InvalidParameterError(f"the 'late' GEMV reads FP8 or int8 codes with one scale per output channel "
+                                    f"for up to {GEMV_ROWS} rows, not a {weight.code} weight with groups of "
+                                    f"{weight.group_cols}x{weight.group_rows}; use Block(form='stream')")
+    g_block = gemv.Block(block.n, block.j, block.warps, block.stages, "late")
+    return gemv.gemv(x, weight.codes, bias, block=g_block, scale=weight.scales.reshape(-1), out=out)
 
 
 def _words_matmul(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None, block: Block,

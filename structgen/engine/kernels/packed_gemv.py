@@ -22,7 +22,8 @@ rows and walks its share of the columns in chunks of `Block.j` columns:
   partials `[splits, rows, N]` and a second launch adds them in a fixed order (no atomics:
   the same sum every run). `splits=0` picks the count from the multiprocessors.
 
-Capturable in CUDA graphs: no host synchronisation, no allocation but the output and the
+On Hopper both launches take programmatic dependent launch (kernels/dependent_launch.py): the
+first chunk of codes loads while the kernel before finishes. Capturable in CUDA graphs: no host synchronisation, no allocation but the output and the
 partials. The tests compare it with `PackedWeight.dequantize` followed by a matmul.
 """
 
@@ -34,6 +35,8 @@ from typing import TYPE_CHECKING
 import torch
 import triton
 import triton.language as tl
+
+from structgen.engine.kernels.dependent_launch import launch_args, wait_for_inputs
 
 if TYPE_CHECKING:
     from structgen.engine.kernels.packed_gemm import Block, PackedWeight
@@ -76,7 +79,7 @@ def stream_gemv(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None
         HAS_OFFSET=weight.offsets is not None, ROW_SCALE=row_scale, HAS_BIAS=bias is not None and splits == 1,
         BLOCK_M=triton.next_power_of_2(rows), BLOCK_N=block.n, RUNS=block_k // run_cols,
         RUN=run_cols // unit_cols, UNIT=unit_cols, PREFETCH=block.stages > 1, num_warps=block.warps,
-        num_stages=block.stages)
+        num_stages=block.stages, **launch_args(x.device, rows))
     if splits > 1:
         sum_splits(target, bias, y)
 
@@ -103,16 +106,17 @@ def sum_splits(partials: torch.Tensor, bias: torch.Tensor | None, y: torch.Tenso
     splits, rows, n = partials.shape
     _sum_splits_kernel[(triton.cdiv(n, 1024), rows)](
         partials, bias if bias is not None else partials, y, n, splits, partials.stride(0), partials.stride(1),
-        y.stride(0), HAS_BIAS=bias is not None, BLOCK=1024)
+        y.stride(0), HAS_BIAS=bias is not None, BLOCK=1024, **launch_args(y.device, rows))
 
 
 @triton.jit
 def _sum_splits_kernel(P, B, Y, N, SPLITS, stride_ps, stride_pm, stride_ym, HAS_BIAS: tl.constexpr,
-                       BLOCK: tl.constexpr):
+                       PDL: tl.constexpr, BLOCK: tl.constexpr):
     """Y's row `program_id(1)`: the split-K partial sums (float32 `[splits, rows, N]`) added up."""
     n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = n < N
     m = tl.program_id(1)
+    wait_for_inputs(PDL)
     acc = tl.zeros([BLOCK], tl.float32)
     for s in range(SPLITS):
         acc += tl.load(P + s * stride_ps + m * stride_pm + n, mask=mask, other=0.0)
@@ -222,7 +226,8 @@ def _stream_gemv_kernel(X, C, S, OFF, B, Y, M, N, K, UNITS, CHUNKS, stride_xm, s
                         stride_ys, stride_ym, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
                         INT4: tl.constexpr, HAS_OFFSET: tl.constexpr, ROW_SCALE: tl.constexpr,
                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        RUNS: tl.constexpr, RUN: tl.constexpr, UNIT: tl.constexpr, PREFETCH: tl.constexpr):
+                        RUNS: tl.constexpr, RUN: tl.constexpr, UNIT: tl.constexpr, PREFETCH: tl.constexpr,
+                        PDL: tl.constexpr):
     """Program (i, s): rows [i * BLOCK_N, (i + 1) * BLOCK_N) of W over chunks
     [s * CHUNKS, (s + 1) * CHUNKS) of RUNS * RUN units, into Y's slice s. Every tensor keeps
     the weight tile's layout (one accumulator per row of x, not a rows axis), so the products
@@ -244,6 +249,8 @@ def _stream_gemv_kernel(X, C, S, OFF, B, Y, M, N, K, UNITS, CHUNKS, stride_xm, s
     last = tl.minimum(first + CHUNKS * chunk_units, UNITS)
     col = (first + within)[:, :, None] * UNIT + e[None, None, :]
     tile = _load_tile(crow, nmask, first + within, last, col, K, INT4)
+    # the first codes are loaded before waiting for x: no kernel writes weights
+    wait_for_inputs(PDL)
     for u0 in range(first, last, chunk_units):
         unit = u0 + within
         col = unit[:, :, None] * UNIT + e[None, None, :]
