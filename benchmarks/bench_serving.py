@@ -312,7 +312,7 @@ def _parse_args() -> argparse.Namespace:
                     help="decode graph row buckets (EngineTuning.cuda_graph_batch_sizes), e.g. 1,2,4,...,1024: "
                          "the largest caps a step's rows, prompt rows included (in process only)")
     ap.add_argument("--tuning", action="append", default=[], metavar="FIELD=VALUE",
-                    help="an EngineTuning field for this run, e.g. eager_prefill_backlog=1024 (in process only)")
+                    help="an EngineTuning field for this run, e.g. prefill_in_graphs=false (in process only)")
     ap.add_argument("--prefill-chunk-tokens", type=int, default=None,
                     help="EngineConfig.prefill_chunk_tokens: most tokens of an eager prefill step")
     ap.add_argument("--timeout", type=float, default=600.0)

@@ -266,7 +266,8 @@ class EngineTuning:
 
     # Row counts captured as decode graphs on CUDA: rows, not requests, since forced, guessed
     # and draft tokens ride as extra rows (docs/performance.md, "Decode step at batch 64").
-    cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    # Those up to 4 rows a KV slot are captured (at least 256 with `prefill_in_graphs`).
+    cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
     # Prompts run through the decode graphs, a row per token, in chunks of the largest bucket,
     # instead of as eager extends, whose kernel launches set a small model's time to the first
     # token (docs/performance.md, "Prefill and time to first token").

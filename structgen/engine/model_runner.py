@@ -33,6 +33,9 @@ if TYPE_CHECKING:
     from structgen.engine.parallel import TensorParallel
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# With prompts in the decode graphs, graphs up to this many rows are captured however few the
+# KV slots: the largest graph caps a step's prompt tokens.
+PREFILL_ROWS = 256
 
 
 @dataclass
@@ -256,13 +259,16 @@ class ModelRunner:
 
     def capture_decode_graphs(self, capture: bool = True) -> None:
         """Capture decode graphs at the configured sizes a step can use: rows are requests
-        plus their forced or draft tokens, so sizes up to the first >= 4x the slot count; all
-        of them with `prefill_in_graphs` (a prompt is a row per token)."""
+        plus their forced or draft tokens, so sizes up to the first >= 4x the slot count, and
+        with `prefill_in_graphs` (a prompt is a row per token) at least up to PREFILL_ROWS: the
+        largest graph is a step's token budget, which a burst of prompts fills."""
         from structgen.engine.cuda_graphs import DecodeGraphs
 
         sizes = sorted(self.config.tuning.cuda_graph_batch_sizes)
         rows = 4 * self.kv.num_slots  # a step's rows: requests x (1 + forced or draft tokens)
-        keep = sizes if self.config.tuning.prefill_in_graphs else [b for b in sizes if b < rows] + [b for b in sizes if b >= rows][:1]
+        if self.config.tuning.prefill_in_graphs:
+            rows = max(rows, PREFILL_ROWS)
+        keep = [b for b in sizes if b < rows] + [b for b in sizes if b >= rows][:1]
         if keep:
             self.graphs = DecodeGraphs(self, tuple(keep), capture=capture, tensor_parallel=self.tensor_parallel)
             log.info("captured decode graphs for batch sizes %s", keep)

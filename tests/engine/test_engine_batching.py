@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from structgen.engine.config import EngineConfig, EngineTuning
+from structgen.engine.config import EngineConfig, EngineTuning, ModelConfig
 from structgen.engine.engine import Engine
 from structgen.engine.models.loader import load_model_config
 from structgen.engine.request import Request
@@ -512,3 +512,19 @@ def allowed_token(matcher, vocab_size: int) -> int:
     matcher.fill_bitmask(mask, 0)
     bits = np.unpackbits(mask[0].numpy().view(np.uint8), bitorder="little")
     return int(np.flatnonzero(bits)[0])
+
+
+@pytest.mark.parametrize("slots,in_graphs,largest", [(8, False, 32), (8, True, 256), (64, True, 256),
+                                                     (256, True, 1024), (256, False, 1024)])
+def test_graphs_are_captured_up_to_four_rows_a_slot_and_a_prompt_budget(slots: int, in_graphs: bool,
+                                                                        largest: int) -> None:
+    """The default buckets are kept up to 4 rows a KV slot (forced, guessed and draft tokens
+    ride as rows) and, with prompts in the graphs, up to at least 256 rows (a step's prompt
+    budget), so a burst of prompts on many slots is not cut into 256-token steps."""
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, eos_token_id=[])
+    ec = EngineConfig(device="cpu", dtype="float32", max_batch_size=slots, max_seq_len=16, use_cuda_graphs=False,
+                      tuning=EngineTuning(prefill_in_graphs=in_graphs))
+    eng = Engine(cfg, ec, model_dir=None, stop_token_ids=set())
+    eng.runner.capture_decode_graphs(capture=False)
+    assert max(eng.runner.graphs.batch_sizes) == largest

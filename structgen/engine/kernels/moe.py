@@ -265,32 +265,37 @@ def _gate_up_pairs_kernel(X, W, Ids, Out, stride_x, stride_we, stride_wn, stride
 
 @triton.jit
 def _down_tokens_kernel(H, W, Ids, RouteWeights, Out, stride_h, stride_we, stride_wn, stride_o, hidden, inter,
-                        TOP_K: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         EVEN_K: tl.constexpr, PDL: tl.constexpr):
     """Out[token, n] = sum_k route_weight[pair k] * (h[pair k] . W[e_k, n]) for BLOCK_N
-    features of one token: its top_k experts' rows streamed in one loop of TOP_K * CHUNKS
-    chunks, the weights folded into h, every product summed in float32 in a fixed order (no
-    atomics) and rounded once."""
+    features of one token: its top_k experts' rows (BLOCK_E, top_k rounded up to a power of
+    two) streamed side by side in BLOCK_K chunks, the weights folded into h, every product
+    summed in float32 in a fixed order (no atomics) and rounded once. The expert ids are
+    loaded once, before the loop, so no load of W waits on a load of an id."""
     token, pid_n = tl.program_id(0), tl.program_id(1)
     wait_for_inputs(PDL)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < hidden
-    w_rows = W + n[:, None].to(tl.int64) * stride_wn
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for i in range(0, TOP_K * CHUNKS):
-        pair = token * TOP_K + i // CHUNKS
-        k = (i % CHUNKS) * BLOCK_K + tl.arange(0, BLOCK_K)
-        expert = tl.load(Ids + pair).to(tl.int64)
-        route = tl.load(RouteWeights + pair)
+    e = tl.arange(0, BLOCK_E)
+    e_ok = e < TOP_K
+    pairs = token.to(tl.int64) * TOP_K + e
+    experts = tl.load(Ids + pairs, mask=e_ok, other=0).to(tl.int64)
+    route = tl.load(RouteWeights + pairs, mask=e_ok, other=0.0)
+    w_rows = W + experts[None, :, None] * stride_we + n[:, None, None].to(tl.int64) * stride_wn
+    h_rows = H + pairs[:, None] * stride_h
+    w_ok = n_ok[:, None, None] & e_ok[None, :, None]
+    acc = tl.zeros((BLOCK_N, BLOCK_E, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
-            h_k = tl.load(H + pair.to(tl.int64) * stride_h + k)
-            w_k = tl.load(w_rows + expert * stride_we + k[None, :], mask=n_ok[:, None], other=0.0)
+            h_k = tl.load(h_rows + k[None, :], mask=e_ok[:, None], other=0.0)
+            w_k = tl.load(w_rows + k[None, None, :], mask=w_ok, other=0.0)
         else:
             k_ok = k < inter
-            h_k = tl.load(H + pair.to(tl.int64) * stride_h + k, mask=k_ok, other=0.0)
-            w_k = tl.load(w_rows + expert * stride_we + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += w_k.to(tl.float32) * (h_k.to(tl.float32) * route)[None, :]
-    tl.store(Out + token.to(tl.int64) * stride_o + n, tl.sum(acc, 1).to(Out.dtype.element_ty), mask=n_ok)
+            h_k = tl.load(h_rows + k[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0)
+            w_k = tl.load(w_rows + k[None, None, :], mask=w_ok & k_ok[None, None, :], other=0.0)
+        acc += w_k.to(tl.float32) * (h_k.to(tl.float32) * route[:, None])[None, :, :]
+    tl.store(Out + token.to(tl.int64) * stride_o + n, tl.sum(tl.sum(acc, 2), 1).to(Out.dtype.element_ty), mask=n_ok)
 
 
 class Tiles(NamedTuple):
@@ -307,8 +312,9 @@ class Tiles(NamedTuple):
 # few features with long K chunks, as the dense GEMV's winners do; the grouped kernels' are
 # tensor-core tiles over BLOCK_M rows.
 PAIR_GATE_UP = (Tiles(4, 1024, 4, 4), Tiles(2, 2048, 8, 2), Tiles(8, 512, 4, 3), Tiles(4, 512, 4, 4))
-PAIR_DOWN = (Tiles(4, 256, 4, 4), Tiles(2, 256, 4, 4), Tiles(8, 256, 4, 3), Tiles(16, 128, 4, 3),
-             Tiles(4, 512, 4, 3))
+# The down kernel holds a [n, top_k, k] float32 product: n * k stays small.
+PAIR_DOWN = (Tiles(2, 256, 4, 4), Tiles(4, 256, 4, 3), Tiles(1, 256, 4, 4), Tiles(4, 128, 4, 4),
+             Tiles(8, 128, 4, 3), Tiles(2, 512, 4, 3))
 GROUPED = (Tiles(64, 64, 4, 3), Tiles(64, 128, 4, 3), Tiles(128, 64, 4, 3), Tiles(32, 128, 4, 4))
 # Steps of up to this many tokens (decode batches) have their tiles timed, once per power of two.
 TIMED_MAX_TOKENS = 64
@@ -430,7 +436,8 @@ class _PairLaunches:
         bk = min(tiles.k, triton.next_power_of_2(inter))
         _down_tokens_kernel[(self.tokens, triton.cdiv(hidden, tiles.n))](
             h, w, self.ids, self.weights, out, h.stride(0), w.stride(0), w.stride(1), out.stride(0), hidden, inter,
-            TOP_K=self.top_k, CHUNKS=triton.cdiv(inter, bk), BLOCK_N=tiles.n, BLOCK_K=bk, EVEN_K=inter % bk == 0,
+            TOP_K=self.top_k, BLOCK_E=triton.next_power_of_2(self.top_k), BLOCK_N=tiles.n, BLOCK_K=bk,
+            EVEN_K=inter % bk == 0,
             num_warps=tiles.warps, num_stages=tiles.stages, **launch_args(h.device, self.tokens))
         return out
 
