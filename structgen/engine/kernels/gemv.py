@@ -384,6 +384,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     assert m <= (DOT_ROWS if dot else GEMV_ROWS) and x.stride(-1) == 1 and weight.stride(-1) == 1
     assert scale is None or (not dot and scale.numel() == n)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
+    assert y.shape == (m, n) and y.stride(-1) == 1
     bk = min(block.k, triton.next_power_of_2(k))
     b = bias if bias is not None else weight
     sizes = (m, n, k, x.stride(0), weight.stride(0), y.stride(0))
