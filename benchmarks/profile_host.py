@@ -22,7 +22,14 @@ passes) shows as the growth from batch 16 to 64: `us_per_request` divides by the
 (`LLM.astream`) with distinct MaskBench schemas submitted at once, through the asyncio front,
 grammar compiles, the engine loop, scheduling, masks and detokenization; constrained rows take
 a random token their mask allows. It reports the wall time, the engine's median host step and
-the time to the first token (compiles included).
+the time to the first token (compiles included), with the engine's part of it
+(`ttft_engine_p50_ms`: from the request's creation, prompt tokenized and grammar compiled, to
+its first token). `--device-ms FIXED,PER_1K_ROWS` gives each forward device time (the sampler
+sleeps, the GIL released, until it has passed), so the front's threads and the engine's host
+work overlap as they do beside a GPU:
+
+    python -m benchmarks.profile_host --serving 256 --one-schema --acomplete --max-tokens 128 \
+        --graph-rows 1,2,4,8,16,32,64,128,256,512,1024 --device-ms 2,2 --no-write
 
 `--http N` does the same over HTTP: `structgen serve`'s app with its uvicorn settings
 (`server_config`) on the stubbed device in a child process, and N streamed chat completions
@@ -86,17 +93,29 @@ class StubDevice:
     step, so the rest is re-encoded), a random token for a free row, and advances the
     metadata as the real sampler does."""
 
-    def __init__(self, engine: Engine, tokenizer: Any, text: str, stop: int):
+    def __init__(self, engine: Engine, tokenizer: Any, text: str, stop: int,
+                 device_ms: tuple[float, float] = (0.0, 0.0)):
+        """`device_ms`: (fixed, per 1,024 rows) milliseconds a forward of a bucket keeps the
+        device busy; the sampler sleeps (the GIL released, as in a wait for the GPU) until
+        that time after the forward's launch has passed."""
         self.engine, self.tokenizer, self.text, self.stop = engine, tokenizer, text, stop
         self._next: dict[tuple[int, ...], int] = {}  # output so far -> next token
         self.graphs = engine.runner.graphs
         self.rng = np.random.default_rng(0)
         self.seconds = 0.0
+        self.device_ms = device_ms
+        self._busy_until = 0.0
         for bs in self.graphs.batch_sizes:
-            self.graphs._steps[bs] = (lambda: None, functools.partial(self._sample, bs))
+            self.graphs._steps[bs] = (functools.partial(self._forward, bs), functools.partial(self._sample, bs))
+
+    def _forward(self, bs: int) -> None:
+        fixed, per_1k_rows = self.device_ms
+        self._busy_until = time.perf_counter() + 1e-3 * (fixed + per_1k_rows * bs / 1024)
 
     def _sample(self, bs: int) -> None:
         t = time.perf_counter()
+        if self._busy_until > t:
+            time.sleep(self._busy_until - t)
         g, m = self.graphs, self.graphs.meta
         by_slot = {r.slot: r for r in self.engine.scheduler.running}
         out = np.zeros(bs, dtype=np.int64)
@@ -248,13 +267,16 @@ def serving_workload(name: str, n: int, tokenizer: Any) -> list[Any]:
 def serving_run(tokenizer: Any, n: int, max_tokens: int, grammar_threads: int, workload: str = "json",
                 acomplete: bool = False, profile_path: Path | None = None,
                 graph_rows: tuple[int, ...] | None = None, warm: bool = False,
-                serial: bool = False) -> dict[str, Any]:
+                serial: bool = False, device_ms: tuple[float, float] = (0.0, 0.0)) -> dict[str, Any]:
     """`n` requests at once (`serial`: one at a time) through `LLM.astream` (or `LLM.acomplete`)
     on the stubbed device, of bench_serving's `workload` (WORKLOADS); with
     `profile_path`, cProfile of the event loop's thread into that file and of the engine
     steps into that file + ".engine". `graph_rows`: the decode graphs' row buckets
     (`EngineTuning.cuda_graph_batch_sizes`; the largest caps a step's rows). `warm`: the
-    same burst runs once before the measured one, whose prompts then hit the prefix cache."""
+    same burst runs once before the measured one, whose prompts then hit the prefix cache.
+    `device_ms`: the stub's device time per forward (StubDevice). As bench_serving's decode
+    bound does, a small schema is compiled and a text tokenized before the burst, so a cold
+    burst pays for its own schema's grammar, not for the first use of the grammar library."""
     import asyncio
     import cProfile
 
@@ -267,7 +289,10 @@ def serving_run(tokenizer: Any, n: int, max_tokens: int, grammar_threads: int, w
     llm = LLM.from_engine(engine, tokenizer, "stub")
     stop = min(engine.stop_token_ids)
     one_schema = workload == "json-one"
-    stub = TextFollowingDevice(engine, tokenizer, PERSON_TEXT, stop) if one_schema else RandomAllowedDevice(engine, tokenizer, "", stop)
+    stub = (TextFollowingDevice(engine, tokenizer, PERSON_TEXT, stop, device_ms) if one_schema
+            else RandomAllowedDevice(engine, tokenizer, "", stop, device_ms))
+    llm.compile({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]})
+    tokenizer.encode("Say something as JSON.")
     if warm:
         asyncio.run(ServingClient(llm, max_tokens, acomplete, serial).run_all(requests))
     graph_steps = engine.runner.graphs.steps
@@ -296,6 +321,10 @@ def serving_run(tokenizer: Any, n: int, max_tokens: int, grammar_threads: int, w
             "host_cpu_ms_per_step": round(1e3 * float(np.median([c for c, x in zip(steps.cpu_seconds, steps.seconds, strict=True)
                                                                   if x > 0])), 2),
             "engine_busy_s": round(sum(busy), 2), "ttft_p50_ms": round(1e3 * float(np.nanmedian(ttft)), 2),
+            "ttft_p99_ms": round(1e3 * float(np.nanquantile(ttft, 0.99)), 2),
+            # From the request's creation (prompt tokenized, grammar compiled) to its first token.
+            "ttft_engine_p50_ms": round(1e3 * float(np.median(client.engine_ttft)), 2) if client.engine_ttft else None,
+            "tpot_p99_ms": round(1e3 * float(np.quantile(client.tpot, 0.99)), 2) if client.tpot else None,
             "host_ms_per_request": round(1e3 * sum(busy) / n, 2),
             "ttft_max_s": round(float(np.nanmax(ttft)), 2), "no_output": int(np.isnan(ttft).sum()),
             "failed": dict(Counter(client.failed))}
@@ -339,6 +368,8 @@ class ServingClient:
     def __init__(self, llm: Any, max_tokens: int, acomplete: bool, serial: bool = False):
         self.llm, self.max_tokens, self.acomplete, self.serial = llm, max_tokens, acomplete, serial
         self.ttft: list[float] = []
+        self.engine_ttft: list[float] = []  # the engine's part of each TTFT (`GenerationStats.ttft_s`)
+        self.tpot: list[float] = []
         self.tokens = 0
         self.failed: list[str] = []
 
@@ -362,6 +393,9 @@ class ServingClient:
             self.failed.append(f"{type(exc).__name__}: {str(exc)[:120]}")
         self.tokens += stats.output_tokens if stats is not None else 0
         self.ttft.append(first if first is not None else float("nan"))
+        if stats is not None and stats.output_tokens > 1:
+            self.engine_ttft.append(stats.ttft_s)
+            self.tpot.append(stats.decode_s / (stats.output_tokens - 1))
 
     async def run_all(self, requests: list[Any]) -> float:
         import asyncio
@@ -534,7 +568,8 @@ def serving_main(tokenizer: Any, args: argparse.Namespace) -> None:
     runs = []
     for _ in range(args.repeat):
         runs.append(serving_run(tokenizer, args.serving, args.max_tokens, args.grammar_threads, args.workload,
-                                args.acomplete, args.profile, parse_rows(args.graph_rows), args.warm, args.serial))
+                                args.acomplete, args.profile, parse_rows(args.graph_rows), args.warm, args.serial,
+                                parse_device_ms(args.device_ms)))
         print(runs[-1], flush=True)
     if args.profile:
         print_profile(Path(f"{args.profile}.engine"))
@@ -635,6 +670,14 @@ def speculative_main(tokenizer: Any, args: argparse.Namespace) -> None:
                     "shared machine: noisy"}))
 
 
+def parse_device_ms(text: str | None) -> tuple[float, float]:
+    """`--device-ms` ("FIXED,PER_1K_ROWS") as StubDevice's `device_ms`; none: (0, 0)."""
+    if not text:
+        return (0.0, 0.0)
+    fixed, per_1k_rows = (float(v) for v in text.split(","))
+    return (fixed, per_1k_rows)
+
+
 def parse_rows(text: str | None) -> tuple[int, ...] | None:
     """`--graph-rows` ("1,2,4,...") as `EngineTuning.cuda_graph_batch_sizes`, or None (the default)."""
     return tuple(int(r) for r in text.split(",")) if text else None
@@ -655,6 +698,8 @@ def main() -> None:
     ap.add_argument("--serial", action="store_true", help="--serving: one request at a time (default: all at once)")
     ap.add_argument("--acomplete", action="store_true", help="--serving: LLM.acomplete instead of LLM.astream")
     ap.add_argument("--graph-rows", default=None, help="--serving: decode graph row buckets, e.g. 1,2,4,...,1024")
+    ap.add_argument("--device-ms", default=None, metavar="FIXED,PER_1K_ROWS",
+                    help="--serving: device milliseconds a forward takes, e.g. 2,2 (default: none, host time only)")
     ap.add_argument("--warm", action="store_true", help="--serving: measure the burst's second run (prefix cache hits)")
     ap.add_argument("--http", type=int, default=0, metavar="N", help="N streams over HTTP to the stubbed server")
     ap.add_argument("--rate", type=float, default=None, help="--http: Poisson arrivals per second (default: all at once)")
