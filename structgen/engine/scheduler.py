@@ -36,6 +36,38 @@ MIN_SHARED_PAGES = 2
 PROMPT_SHARE = 0.5
 
 
+class PrefillingPrefixes:
+    """The running requests' prompt windows of `width` tokens still to be prefilled, by start
+    position, collected once per start for one admission pass: a burst's admission looks a
+    waiting prompt's next pages up, instead of comparing them with every running prompt."""
+
+    def __init__(self, running: list[Request], width: int):
+        self.running, self.width = running, width
+        self._by_start: dict[int, set[tuple[int, ...]]] = {}
+
+    def computing(self, req: Request, start: int) -> bool:
+        """Whether a running prefilling request's prompt holds `req`'s prompt tokens
+        [start, start + width)."""
+        end = start + self.width
+        if end > req.num_prompt:
+            return False
+        windows = self._by_start.get(start)
+        if windows is None:
+            windows = self._by_start[start] = set()
+            for other in self.running:
+                self._collect(other, start, windows)
+        return tuple(req.token_ids[start:end]) in windows
+
+    def add(self, req: Request) -> None:
+        """`req` joined the running requests."""
+        for start, windows in self._by_start.items():
+            self._collect(req, start, windows)
+
+    def _collect(self, req: Request, start: int, windows: set[tuple[int, ...]]) -> None:
+        if req.num_cached < req.num_prompt and start + self.width <= req.num_prompt:
+            windows.add(tuple(req.token_ids[start : start + self.width]))
+
+
 class Scheduler:
     def __init__(self, pages: PageTable, max_batch_size: int, chunk_tokens: int, lookahead: int = 2):
         """`lookahead`: positions past a request's tokens that a step may write before the
@@ -127,15 +159,17 @@ class Scheduler:
                 self._fitted[req.slot] = (req.num_cached, end, pages.num_mapped(req.slot))
 
     def _admit(self) -> None:
+        in_flight = PrefillingPrefixes(self.running, MIN_SHARED_PAGES * self.pages.page_size)
         while self.waiting and len(self.running) < self.max_batch_size:
             req = self._next_waiting()
-            if not self._place(req):
+            if not self._place(req, in_flight):
                 break
             self._remove_waiting(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            in_flight.add(req)
 
-    def _place(self, req: Request) -> bool:
+    def _place(self, req: Request, in_flight: PrefillingPrefixes) -> bool:
         """Give `req` a slot, the cached pages its prompt starts with and pages for the rest of
         its tokens; False (nothing taken) where the pool cannot hold them now."""
         pages = self.pages
@@ -144,7 +178,7 @@ class Scheduler:
             return False
         self._fitted.pop(slot, None)  # (a slot another request had)
         cached = pages.match_prefix(slot, req.token_ids, len(req.token_ids))  # (a preempted one's output too)
-        if self._prefix_in_flight(req, cached):
+        if self._prefix_in_flight(req, cached, in_flight):
             pages.release_slot(slot)  # (the cached pages it took go back with the slot)
             return False
         end = len(req.token_ids) + self.lookahead
@@ -158,23 +192,12 @@ class Scheduler:
             req.stats.cached_prompt_tokens = min(cached, req.num_prompt)  # (forced tokens may follow the prompt)
         return True
 
-    def _prefix_in_flight(self, req: Request, cached: int) -> bool:
-        """Whether a running request is still prefilling pages of the prompt `req` starts
-        with (beyond the `cached` tokens it found): `req` then waits for them to be computed
-        once and published, instead of computing them again beside it (agent turns sharing a
-        tool catalogue arrive together)."""
-        if self.pages.cache is None:
-            return False
-        size, prompt = self.pages.page_size, req.token_ids
-        for other in self.running:
-            if other.num_cached >= other.num_prompt:
-                continue
-            theirs, shared, end = other.token_ids, cached, min(req.num_prompt, other.num_prompt)
-            while shared + size <= end and prompt[shared : shared + size] == theirs[shared : shared + size]:
-                shared += size
-            if shared - cached >= MIN_SHARED_PAGES * size:
-                return True
-        return False
+    def _prefix_in_flight(self, req: Request, cached: int, in_flight: PrefillingPrefixes) -> bool:
+        """Whether a running request is still prefilling at least MIN_SHARED_PAGES pages of
+        the prompt `req` starts with (beyond the `cached` tokens it found): `req` then waits
+        for them to be computed once and published, instead of computing them again beside
+        it (agent turns sharing a tool catalogue arrive together)."""
+        return self.pages.cache is not None and in_flight.computing(req, cached)
 
     def preempt(self, req: Request) -> None:
         """Free a running request's pages and queue it first, to be recomputed from its tokens."""

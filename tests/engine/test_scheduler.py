@@ -133,6 +133,35 @@ def _page_state(sched, index: dict[int, int]) -> tuple:
             list(pages.settled), pages.free_pages, pages.host.tolist())
 
 
+def run_burst(sched, prompts: list[list[int]], tokenizer, steps: int = 60, refit_always: bool = False) -> list:
+    """Each step's batch and page state of a burst of `prompts` (12 output tokens each) under
+    a token budget of 12, with a forward that maps pages ahead of the newest waiting prompt
+    (as the decode graphs do); `refit_always`: `_fit_running`'s shortcut memory cleared before
+    every step."""
+    reqs = [Request(list(p), SamplingParams(max_tokens=12)) for p in prompts]
+    index = {r.id: i for i, r in enumerate(reqs)}
+    for r in reqs:
+        sched.add(r)
+    states = []
+    for _ in range(steps):
+        if refit_always:
+            sched._fitted.clear()  # the shortcut's memory gone: every request is fitted again
+        batch = sched.schedule(token_budget=12)
+        states.append(([(index[r.id], n) for r, n in batch], _page_state(sched, index)))
+        for r, n in batch:
+            r.num_cached += n
+            if r.num_cached >= r.num_prompt:
+                r.append([tokenizer.encode(" x", add_special_tokens=False)[0]])
+                if r.num_output >= r.params.max_tokens:
+                    r.finish("length")
+                    sched.remove(r)
+        ran = {r.id for r, _ in batch}
+        waiting = [r for r in sched.running if r.num_cached < r.num_prompt and r.id not in ran]
+        if waiting:  # a forward mapping positions ahead of the newest waiting prompt
+            sched.pages.cover(waiting[-1].slot, len(waiting[-1].token_ids) + 8)
+    return states
+
+
 def test_prompts_waiting_for_their_turn_are_fitted_as_if_fitted_anew_every_step(tokenizer) -> None:
     """`_fit_running` skips a prompt whose cached tokens, length and pages are as it left them:
     a burst of real prompts sharing their start (published pages, a waiting request's prompt
@@ -146,30 +175,47 @@ def test_prompts_waiting_for_their_turn_are_fitted_as_if_fitted_anew_every_step(
     system = "You are a careful assistant that answers with one JSON object describing the person. "
     prompts = [tokenizer.encode(system + f"Person number {i} lives in city {i * 7}.", add_special_tokens=False)
                for i in range(12)]
-    runs = []
-    for refit_always in (False, True):
-        sched = Scheduler(PageTable(48, 4, 12, 128, torch.device("cpu")), max_batch_size=12, chunk_tokens=64)
-        reqs = [Request(list(p), SamplingParams(max_tokens=12)) for p in prompts]
-        index = {r.id: i for i, r in enumerate(reqs)}
-        for r in reqs:
-            sched.add(r)
-        states = []
-        for _ in range(60):
-            if refit_always:
-                sched._fitted.clear()  # the shortcut's memory gone: every request is fitted again
-            batch = sched.schedule(token_budget=12)
-            states.append(([(index[r.id], n) for r, n in batch], _page_state(sched, index)))
-            for r, n in batch:
-                r.num_cached += n
-                if r.num_cached >= r.num_prompt:
-                    r.append([tokenizer.encode(" x", add_special_tokens=False)[0]])
-                    if r.num_output >= r.params.max_tokens:
-                        r.finish("length")
-                        sched.remove(r)
-            ran = {r.id for r, _ in batch}
-            waiting = [r for r in sched.running if r.num_cached < r.num_prompt and r.id not in ran]
-            if waiting:  # a forward mapping positions ahead of the newest waiting prompt
-                sched.pages.cover(waiting[-1].slot, len(waiting[-1].token_ids) + 8)
-        runs.append(states)
+    runs = [run_burst(Scheduler(PageTable(48, 4, 12, 128, torch.device("cpu")), max_batch_size=12, chunk_tokens=64),
+                      prompts, tokenizer, refit_always=refit_always) for refit_always in (False, True)]
     assert sum(1 for batch, _ in runs[0] if batch) > 20  # the burst ran through many steps
     assert runs[0] == runs[1]
+
+
+def test_admission_waits_for_a_shared_prompt_start_in_flight_as_comparing_every_running_prompt_does(tokenizer) -> None:
+    """`PrefillingPrefixes` looks a waiting prompt's next pages up among the prompts being
+    prefilled: a burst of real prompts that share starts of 0 to 5 pages with each other
+    (some in flight, some published, slots and pages short enough to admit over many steps)
+    gets every step the batch and page table it gets from comparing the waiting prompt with
+    every running prompt page by page."""
+    from structgen.engine.page_table import PageTable
+    from structgen.engine.scheduler import MIN_SHARED_PAGES, Scheduler
+
+    class EveryRunningPrompt(Scheduler):
+        def _prefix_in_flight(self, req, cached, in_flight) -> bool:
+            size, prompt = self.pages.page_size, req.token_ids
+            for other in self.running:
+                if other.num_cached >= other.num_prompt:
+                    continue
+                theirs, shared, end = other.token_ids, cached, min(req.num_prompt, other.num_prompt)
+                while shared + size <= end and prompt[shared : shared + size] == theirs[shared : shared + size]:
+                    shared += size
+                if shared - cached >= MIN_SHARED_PAGES * size:
+                    return True
+            return False
+
+    starts = ["You are a careful assistant. Answer with JSON. ", "You are a careful assistant. ", "Hello. ",
+              "You are a careful assistant. Answer with JSON. Be brief and exact in every field. "]
+    prompts = [tokenizer.encode(starts[i % 4] + f"Person {i} lives in city {i * 7}.", add_special_tokens=False)
+               for i in range(16)]
+    waited = []
+
+    class Counted(Scheduler):
+        def _prefix_in_flight(self, req, cached, in_flight) -> bool:
+            waited.append(super()._prefix_in_flight(req, cached, in_flight))
+            return waited[-1]
+
+    runs = [run_burst(cls(PageTable(64, 4, 6, 128, torch.device("cpu")), max_batch_size=6, chunk_tokens=64),
+                      prompts, tokenizer, steps=90) for cls in (Counted, EveryRunningPrompt)]
+    assert runs[0] == runs[1]
+    assert any(waited) and not all(waited)  # prompts waited for a start in flight, and were admitted
+    assert not runs[0][-1][1][0]  # every request ran to its end
