@@ -267,14 +267,16 @@ def serving_workload(name: str, n: int, tokenizer: Any) -> list[Any]:
 def serving_run(tokenizer: Any, n: int, max_tokens: int, grammar_threads: int, workload: str = "json",
                 acomplete: bool = False, profile_path: Path | None = None,
                 graph_rows: tuple[int, ...] | None = None, warm: bool = False,
-                serial: bool = False, device_ms: tuple[float, float] = (0.0, 0.0)) -> dict[str, Any]:
+                serial: bool = False, device_ms: tuple[float, float] = (0.0, 0.0),
+                timeline: bool = False) -> dict[str, Any]:
     """`n` requests at once (`serial`: one at a time) through `LLM.astream` (or `LLM.acomplete`)
     on the stubbed device, of bench_serving's `workload` (WORKLOADS); with
     `profile_path`, cProfile of the event loop's thread into that file and of the engine
     steps into that file + ".engine". `graph_rows`: the decode graphs' row buckets
     (`EngineTuning.cuda_graph_batch_sizes`; the largest caps a step's rows). `warm`: the
     same burst runs once before the measured one, whose prompts then hit the prefix cache.
-    `device_ms`: the stub's device time per forward (StubDevice). As bench_serving's decode
+    `device_ms`: the stub's device time per forward (StubDevice); `timeline`: print each
+    step of the measured burst (`print_timeline`). As bench_serving's decode
     bound does, a small schema is compiled and a text tokenized before the burst, so a cold
     burst pays for its own schema's grammar, not for the first use of the grammar library."""
     import asyncio
@@ -312,6 +314,8 @@ def serving_run(tokenizer: Any, n: int, max_tokens: int, grammar_threads: int, w
             profilers[1].dump_stats(f"{profile_path}.engine")
     busy = [x for x in steps.seconds if x > 0]
     ttft = client.ttft
+    if timeline:
+        print_timeline(steps, client.started)
     return {"workload": workload, "serial": serial, "streams": n, "api": "acomplete" if acomplete else "astream", "wall_s": round(wall, 2),
             "output_tokens": client.tokens, "host_tok_per_s": round(client.tokens / wall, 1),
             "steps": len(busy), "eager_steps": len(busy) - (engine.runner.graphs.steps - graph_steps), "steps_per_s": round(len(busy) / wall, 1),
@@ -343,21 +347,44 @@ class StepLog:
         self.cpu_seconds: list[float] = []
         self.first_full: int | None = None
         self.prefilled: int | None = None  # the step by which every prompt had been run
+        # Per step: its start, its rows, prompt tokens and prompts, and how many requests
+        # got their first token in it.
+        self.timeline: list[tuple[float, int, int, int, int]] = []
+        self._batch: list[tuple[Request, int]] = []
+        self._schedule = engine.scheduler.schedule
+        engine.scheduler.schedule = self.schedule
         engine.step = self.step
+
+    def schedule(self, token_budget: int | None = None) -> list[tuple[Request, int]]:
+        self._batch = self._schedule(token_budget)
+        return self._batch
 
     def step(self) -> list[Request]:
         stub_before, t, cpu = self.stub.seconds, time.perf_counter(), time.thread_time()
+        self._batch = []
         try:
             return self._step()
         finally:
             self.seconds.append(time.perf_counter() - t - (self.stub.seconds - stub_before))
             self.cpu_seconds.append(time.thread_time() - cpu)
+            prompts = [n for r, n in self._batch if r.num_cached - n < r.num_prompt]  # (num_cached: after the step)
+            firsts = sum(1 for r, _ in self._batch if r.first_token_at is not None and r.first_token_at >= t)
+            self.timeline.append((t, sum(n for _, n in self._batch), sum(prompts), len(prompts), firsts))
             scheduler = self.engine.scheduler
             if self.first_full is None and len(scheduler.running) == self.engine.config.max_batch_size:
                 self.first_full = len(self.seconds)
             if self.first_full is not None and self.prefilled is None and not scheduler.waiting and all(
                     r.num_cached >= r.num_prompt for r in scheduler.running):
                 self.prefilled = len(self.seconds)
+
+
+def print_timeline(steps: StepLog, started: float) -> None:
+    """Each step of a burst until two steps after its last prompt ran: its start after the
+    burst's, host time, rows, prompt tokens (and prompts) and first tokens."""
+    last = max((i for i, row in enumerate(steps.timeline) if row[3]), default=0)
+    for i, (t, rows, prompt_tokens, prompts, firsts) in enumerate(steps.timeline[: last + 3]):
+        print(f"step {i:3d} at {1e3 * (t - started):7.1f} ms  host {1e3 * steps.seconds[i]:5.1f} ms  rows {rows:5d}  "
+              f"prompt tokens {prompt_tokens:5d} ({prompts:3d} prompts)  first tokens {firsts:3d}")
 
 
 class ServingClient:
@@ -370,6 +397,7 @@ class ServingClient:
         self.ttft: list[float] = []
         self.engine_ttft: list[float] = []  # the engine's part of each TTFT (`GenerationStats.ttft_s`)
         self.tpot: list[float] = []
+        self.started = 0.0  # when the last `run_all` began
         self.tokens = 0
         self.failed: list[str] = []
 
@@ -400,7 +428,7 @@ class ServingClient:
     async def run_all(self, requests: list[Any]) -> float:
         import asyncio
 
-        t = time.perf_counter()
+        t = self.started = time.perf_counter()
         if self.serial:
             for r in requests:
                 await self.one(r)
@@ -569,7 +597,7 @@ def serving_main(tokenizer: Any, args: argparse.Namespace) -> None:
     for _ in range(args.repeat):
         runs.append(serving_run(tokenizer, args.serving, args.max_tokens, args.grammar_threads, args.workload,
                                 args.acomplete, args.profile, parse_rows(args.graph_rows), args.warm, args.serial,
-                                parse_device_ms(args.device_ms)))
+                                parse_device_ms(args.device_ms), args.timeline))
         print(runs[-1], flush=True)
     if args.profile:
         print_profile(Path(f"{args.profile}.engine"))
@@ -700,6 +728,7 @@ def main() -> None:
     ap.add_argument("--graph-rows", default=None, help="--serving: decode graph row buckets, e.g. 1,2,4,...,1024")
     ap.add_argument("--device-ms", default=None, metavar="FIXED,PER_1K_ROWS",
                     help="--serving: device milliseconds a forward takes, e.g. 2,2 (default: none, host time only)")
+    ap.add_argument("--timeline", action="store_true", help="--serving: print the measured burst's steps")
     ap.add_argument("--warm", action="store_true", help="--serving: measure the burst's second run (prefix cache hits)")
     ap.add_argument("--http", type=int, default=0, metavar="N", help="N streams over HTTP to the stubbed server")
     ap.add_argument("--rate", type=float, default=None, help="--http: Poisson arrivals per second (default: all at once)")
