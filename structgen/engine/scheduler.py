@@ -4,6 +4,11 @@ moment they finish.
 Each step every running request gets its pending tokens scheduled: decode requests one token
 (or their forced jump-forward tokens), prefilling requests a chunk of their prompt from what
 is left of the step's token budget, so a long prompt never stalls everyone else's decoding.
+A request decodes after the prompts that were waiting before its first token, though: a
+burst's first requests to decode leave the steps to the burst's other prompts until those
+have run (the burst's time to first token), while a prompt that arrives later takes only
+the share of the step that decode rows leave it (`PROMPT_SHARE`), so a request is held up by
+a bounded amount of prompt work, never by a stream of new arrivals.
 
 Admission is by pages (page_table.py): a request joins when the pool has pages for all its
 tokens plus `lookahead` positions, after taking the pages its prompt's start shares with the
@@ -107,6 +112,9 @@ class Scheduler:
         batch: list[tuple[Request, int]] = []
         decoding = [r for r in self.running if r.num_cached >= r.num_prompt]
         prefilling = [r for r in self.running if r.num_cached < r.num_prompt]
+        if prefilling:  # (the module docstring: decoding after the prompts older than its first token)
+            oldest = min(r.arrival for r in prefilling)
+            decoding = [r for r in decoding if r.first_token_at is None or r.first_token_at < oldest]
         # Decode rows first (short, latency-critical), but where prompts wait they leave them a
         # share of the budget, taking turns for the rest, so a burst's prompts are not starved
         # by the requests already decoding; with no prompt waiting they take turns within the

@@ -97,6 +97,82 @@ def test_prompts_keep_a_share_of_the_step_while_decode_rows_take_turns() -> None
     assert ran[0] | ran[1] == {r.id for r in decoders}  # every decode row ran within two steps
 
 
+def test_a_request_decodes_after_the_prompts_that_were_waiting_before_its_first_token() -> None:
+    """A burst's early requests yield the step to the burst's prompts (their time to first
+    token), but only to prompts that arrived before their own first token: a prompt that
+    arrives later gets the share of the step decode rows leave it, so no stream of new
+    prompts can stall a decoding request for longer than the older prompts take."""
+    from structgen.engine.page_table import PageTable
+    from structgen.engine.scheduler import PROMPT_SHARE, Scheduler
+
+    sched = Scheduler(PageTable(64, 4, 8, 64, torch.device("cpu")), max_batch_size=8, chunk_tokens=8)
+    decoders = [Request([1, 2, 3], SamplingParams(max_tokens=20)) for _ in range(4)]
+    for r in decoders:
+        sched.add(r)
+    while any(r.num_cached < r.num_prompt for r in decoders):  # their prompts
+        for r, n in sched.schedule():
+            r.num_cached += n
+    older = Request(list(range(10, 34)), SamplingParams(max_tokens=4))  # of the burst: 24 tokens, 3 steps
+    for r in decoders:
+        r.append([5])  # their first tokens, after `older` arrived
+    newer = Request(list(range(40, 64)), SamplingParams(max_tokens=4))
+    sched.add(older)
+    sched.add(newer)
+    steps = []
+    for _ in range(9):
+        batch = sched.schedule()
+        steps.append(([n for r, n in batch if r is older], [n for r, n in batch if r is newer],
+                      sum(r in decoders for r, _ in batch)))
+        for r, n in batch:
+            r.num_cached += n
+            if r.num_cached >= r.num_prompt:
+                r.append([5])
+    assert [d for _, _, d in steps[:3]] == [0, 0, 0]  # while `older` prefills, the decoders yield
+    assert sum(sum(o) for o, _, _ in steps[:3]) == older.num_prompt
+    shared = 8 - int(8 * PROMPT_SHARE)
+    assert [d for _, n, d in steps[3:] if n] == [shared] * len([n for _, n, _ in steps[3:] if n])
+    assert sum(sum(n) for _, n, _ in steps) == newer.num_prompt  # ... then share the step with `newer`
+
+
+def test_a_burst_whose_decoders_yield_to_its_prompts_gives_each_request_its_output_alone(
+        model_dir, tokenizer, grammar_compiler) -> None:
+    """Real model, real grammar, greedy: a burst of JSON requests whose prompts take several
+    steps (small prefill chunks), so the first to decode yield to the others' prompts, gives
+    every request the output it gets running alone."""
+    from structgen.engine.models.loader import load_model_config
+    from structgen.types import JsonSchema, to_constraint
+
+    grammar = grammar_compiler.compile(to_constraint(JsonSchema(
+        {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+         "required": ["name", "age"]})))
+    engine = Engine(load_model_config(model_dir), EngineConfig(device="cpu", max_batch_size=4, max_seq_len=256,
+                                                               prefill_chunk_tokens=24), model_dir)
+    stop = frozenset({tokenizer.eos_token_id})
+    prompts = [tokenizer.encode(f"{who} is {age} years old. As JSON:", add_special_tokens=False)
+               for who, age in (("Ada", 36), ("Grace Hopper", 85), ("Alan", 41), ("Edsger Dijkstra", 72))]
+
+    def new(prompt: list[int]) -> Request:
+        return Request(list(prompt), SamplingParams(max_tokens=24, temperature=0.0), grammar.matcher(), stop)
+
+    burst = [new(p) for p in prompts]
+    yielded = []
+    schedule = engine.scheduler.schedule
+
+    def watched(token_budget=None):
+        batch = schedule(token_budget)
+        ran = {r.id for r, _ in batch}
+        yielded.append(any(r.num_cached >= r.num_prompt and r.id not in ran for r in engine.scheduler.running))
+        return batch
+
+    engine.scheduler.schedule = watched
+    engine.run(burst)
+    engine.scheduler.schedule = schedule
+    assert any(yielded)  # some request decoded only after the others' prompts
+    alone = [engine.run([new(p)])[0] for p in prompts]
+    assert [r.output_ids for r in burst] == [r.output_ids for r in alone]
+    assert all(r.finish_reason == "stop" for r in burst)
+
+
 def test_decode_rows_with_forced_tokens_stay_within_the_step_budget_and_take_turns() -> None:
     """The step budget is the largest decode graph: a step of more rows would run eagerly, so
     requests whose forced tokens would overflow it run first in the next step."""
