@@ -67,18 +67,25 @@ def test_the_group_comes_from_the_context_when_not_passed() -> None:
     assert Request([1, 2], SamplingParams()).group is None
 
 
-def test_prompts_keep_a_share_of_the_step_while_decode_rows_take_turns() -> None:
+def prefilled(count: int):
+    """A scheduler of 8 slots, 8 tokens a step, and `count` requests whose prompts have run."""
     from structgen.engine.page_table import PageTable
-    from structgen.engine.scheduler import PROMPT_SHARE, Scheduler
+    from structgen.engine.scheduler import Scheduler
 
-    pages = PageTable(64, 4, 8, 64, torch.device("cpu"))
-    sched = Scheduler(pages, max_batch_size=8, chunk_tokens=8)
-    decoders = [Request([1, 2, 3], SamplingParams(max_tokens=20)) for _ in range(6)]
+    sched = Scheduler(PageTable(64, 4, 8, 64, torch.device("cpu")), max_batch_size=8, chunk_tokens=8)
+    decoders = [Request([1, 2, 3], SamplingParams(max_tokens=20)) for _ in range(count)]
     for r in decoders:
         sched.add(r)
     while any(r.num_cached < r.num_prompt for r in decoders):  # their prompts
         for r, n in sched.schedule():
             r.num_cached += n
+    return sched, decoders
+
+
+def test_prompts_keep_a_share_of_the_step_while_decode_rows_take_turns() -> None:
+    from structgen.engine.scheduler import PROMPT_SHARE
+
+    sched, decoders = prefilled(6)
     for r in decoders:
         r.append([5])  # each sampled its first token: one decode row a step from here
     prompt = Request(list(range(10, 30)), SamplingParams(max_tokens=4))
@@ -102,16 +109,9 @@ def test_a_request_decodes_after_the_prompts_that_were_waiting_before_its_first_
     token), but only to prompts that arrived before their own first token: a prompt that
     arrives later gets the share of the step decode rows leave it, so no stream of new
     prompts can stall a decoding request for longer than the older prompts take."""
-    from structgen.engine.page_table import PageTable
-    from structgen.engine.scheduler import PROMPT_SHARE, Scheduler
+    from structgen.engine.scheduler import PROMPT_SHARE
 
-    sched = Scheduler(PageTable(64, 4, 8, 64, torch.device("cpu")), max_batch_size=8, chunk_tokens=8)
-    decoders = [Request([1, 2, 3], SamplingParams(max_tokens=20)) for _ in range(4)]
-    for r in decoders:
-        sched.add(r)
-    while any(r.num_cached < r.num_prompt for r in decoders):  # their prompts
-        for r, n in sched.schedule():
-            r.num_cached += n
+    sched, decoders = prefilled(4)
     older = Request(list(range(10, 34)), SamplingParams(max_tokens=4))  # of the burst: 24 tokens, 3 steps
     for r in decoders:
         r.append([5])  # their first tokens, after `older` arrived
