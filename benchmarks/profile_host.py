@@ -22,7 +22,14 @@ passes) shows as the growth from batch 16 to 64: `us_per_request` divides by the
 (`LLM.astream`) with distinct MaskBench schemas submitted at once, through the asyncio front,
 grammar compiles, the engine loop, scheduling, masks and detokenization; constrained rows take
 a random token their mask allows. It reports the wall time, the engine's median host step and
-the time to the first token (compiles included).
+the time to the first token (compiles included), with the engine's part of it
+(`ttft_engine_p50_ms`: from the request's creation, prompt tokenized and grammar compiled, to
+its first token). `--device-ms FIXED,PER_1K_ROWS` gives each forward device time (the sampler
+sleeps, the GIL released, until it has passed), so the front's threads and the engine's host
+work overlap as they do beside a GPU:
+
+    python -m benchmarks.profile_host --serving 256 --one-schema --acomplete --max-tokens 128 \
+        --graph-rows 1,2,4,8,16,32,64,128,256,512,1024 --device-ms 2,2 --no-write
 
 `--http N` does the same over HTTP: `structgen serve`'s app with its uvicorn settings
 (`server_config`) on the stubbed device in a child process, and N streamed chat completions
@@ -86,17 +93,29 @@ class StubDevice:
     step, so the rest is re-encoded), a random token for a free row, and advances the
     metadata as the real sampler does."""
 
-    def __init__(self, engine: Engine, tokenizer: Any, text: str, stop: int):
+    def __init__(self, engine: Engine, tokenizer: Any, text: str, stop: int,
+                 device_ms: tuple[float, float] = (0.0, 0.0)):
+        """`device_ms`: (fixed, per 1,024 rows) milliseconds a forward of a bucket keeps the
+        device busy; the sampler sleeps (the GIL released, as in a wait for the GPU) until
+        that time after the forward's launch has passed."""
         self.engine, self.tokenizer, self.text, self.stop = engine, tokenizer, text, stop
         self._next: dict[tuple[int, ...], int] = {}  # output so far -> next token
         self.graphs = engine.runner.graphs
         self.rng = np.random.default_rng(0)
         self.seconds = 0.0
+        self.device_ms = device_ms
+        self._busy_until = 0.0
         for bs in self.graphs.batch_sizes:
-            self.graphs._steps[bs] = (lambda: None, functools.partial(self._sample, bs))
+            self.graphs._steps[bs] = (functools.partial(self._forward, bs), functools.partial(self._sample, bs))
+
+    def _forward(self, bs: int) -> None:
+        fixed, per_1k_rows = self.device_ms
+        self._busy_until = time.perf_counter() + 1e-3 * (fixed + per_1k_rows * bs / 1024)
 
     def _sample(self, bs: int) -> None:
         t = time.perf_counter()
+        if self._busy_until > t:
+            time.sleep(self._busy_until - t)
         g, m = self.graphs, self.graphs.meta
         by_slot = {r.slot: r for r in self.engine.scheduler.running}
         out = np.zeros(bs, dtype=np.int64)
@@ -248,13 +267,18 @@ def serving_workload(name: str, n: int, tokenizer: Any) -> list[Any]:
 def serving_run(tokenizer: Any, n: int, max_tokens: int, grammar_threads: int, workload: str = "json",
                 acomplete: bool = False, profile_path: Path | None = None,
                 graph_rows: tuple[int, ...] | None = None, warm: bool = False,
-                serial: bool = False) -> dict[str, Any]:
+                serial: bool = False, device_ms: tuple[float, float] = (0.0, 0.0),
+                timeline: bool = False) -> dict[str, Any]:
     """`n` requests at once (`serial`: one at a time) through `LLM.astream` (or `LLM.acomplete`)
     on the stubbed device, of bench_serving's `workload` (WORKLOADS); with
     `profile_path`, cProfile of the event loop's thread into that file and of the engine
     steps into that file + ".engine". `graph_rows`: the decode graphs' row buckets
     (`EngineTuning.cuda_graph_batch_sizes`; the largest caps a step's rows). `warm`: the
-    same burst runs once before the measured one, whose prompts then hit the prefix cache."""
+    same burst runs once before the measured one, whose prompts then hit the prefix cache.
+    `device_ms`: the stub's device time per forward (StubDevice); `timeline`: print each
+    step of the measured burst (`print_timeline`). As bench_serving's decode
+    bound does, a small schema is compiled and a text tokenized before the burst, so a cold
+    burst pays for its own schema's grammar, not for the first use of the grammar library."""
     import asyncio
     import cProfile
 
@@ -267,7 +291,10 @@ def serving_run(tokenizer: Any, n: int, max_tokens: int, grammar_threads: int, w
     llm = LLM.from_engine(engine, tokenizer, "stub")
     stop = min(engine.stop_token_ids)
     one_schema = workload == "json-one"
-    stub = TextFollowingDevice(engine, tokenizer, PERSON_TEXT, stop) if one_schema else RandomAllowedDevice(engine, tokenizer, "", stop)
+    stub = (TextFollowingDevice(engine, tokenizer, PERSON_TEXT, stop, device_ms) if one_schema
+            else RandomAllowedDevice(engine, tokenizer, "", stop, device_ms))
+    llm.compile({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]})
+    tokenizer.encode("Say something as JSON.")
     if warm:
         asyncio.run(ServingClient(llm, max_tokens, acomplete, serial).run_all(requests))
     graph_steps = engine.runner.graphs.steps
@@ -287,6 +314,8 @@ def serving_run(tokenizer: Any, n: int, max_tokens: int, grammar_threads: int, w
             profilers[1].dump_stats(f"{profile_path}.engine")
     busy = [x for x in steps.seconds if x > 0]
     ttft = client.ttft
+    if timeline:
+        print_timeline(steps, client.started)
     return {"workload": workload, "serial": serial, "streams": n, "api": "acomplete" if acomplete else "astream", "wall_s": round(wall, 2),
             "output_tokens": client.tokens, "host_tok_per_s": round(client.tokens / wall, 1),
             "steps": len(busy), "eager_steps": len(busy) - (engine.runner.graphs.steps - graph_steps), "steps_per_s": round(len(busy) / wall, 1),
@@ -296,6 +325,10 @@ def serving_run(tokenizer: Any, n: int, max_tokens: int, grammar_threads: int, w
             "host_cpu_ms_per_step": round(1e3 * float(np.median([c for c, x in zip(steps.cpu_seconds, steps.seconds, strict=True)
                                                                   if x > 0])), 2),
             "engine_busy_s": round(sum(busy), 2), "ttft_p50_ms": round(1e3 * float(np.nanmedian(ttft)), 2),
+            "ttft_p99_ms": round(1e3 * float(np.nanquantile(ttft, 0.99)), 2),
+            # From the request's creation (prompt tokenized, grammar compiled) to its first token.
+            "ttft_engine_p50_ms": round(1e3 * float(np.median(client.engine_ttft)), 2) if client.engine_ttft else None,
+            "tpot_p99_ms": round(1e3 * float(np.quantile(client.tpot, 0.99)), 2) if client.tpot else None,
             "host_ms_per_request": round(1e3 * sum(busy) / n, 2),
             "ttft_max_s": round(float(np.nanmax(ttft)), 2), "no_output": int(np.isnan(ttft).sum()),
             "failed": dict(Counter(client.failed))}
@@ -314,21 +347,44 @@ class StepLog:
         self.cpu_seconds: list[float] = []
         self.first_full: int | None = None
         self.prefilled: int | None = None  # the step by which every prompt had been run
+        # Per step: its start, its rows, prompt tokens and prompts, and how many requests
+        # got their first token in it.
+        self.timeline: list[tuple[float, int, int, int, int]] = []
+        self._batch: list[tuple[Request, int]] = []
+        self._schedule = engine.scheduler.schedule
+        engine.scheduler.schedule = self.schedule
         engine.step = self.step
+
+    def schedule(self, token_budget: int | None = None) -> list[tuple[Request, int]]:
+        self._batch = self._schedule(token_budget)
+        return self._batch
 
     def step(self) -> list[Request]:
         stub_before, t, cpu = self.stub.seconds, time.perf_counter(), time.thread_time()
+        self._batch = []
         try:
             return self._step()
         finally:
             self.seconds.append(time.perf_counter() - t - (self.stub.seconds - stub_before))
             self.cpu_seconds.append(time.thread_time() - cpu)
+            prompts = [n for r, n in self._batch if r.num_cached - n < r.num_prompt]  # (num_cached: after the step)
+            firsts = sum(1 for r, _ in self._batch if r.first_token_at is not None and r.first_token_at >= t)
+            self.timeline.append((t, sum(n for _, n in self._batch), sum(prompts), len(prompts), firsts))
             scheduler = self.engine.scheduler
             if self.first_full is None and len(scheduler.running) == self.engine.config.max_batch_size:
                 self.first_full = len(self.seconds)
             if self.first_full is not None and self.prefilled is None and not scheduler.waiting and all(
                     r.num_cached >= r.num_prompt for r in scheduler.running):
                 self.prefilled = len(self.seconds)
+
+
+def print_timeline(steps: StepLog, started: float) -> None:
+    """Each step of a burst until two steps after its last prompt ran: its start after the
+    burst's, host time, rows, prompt tokens (and prompts) and first tokens."""
+    last = max((i for i, row in enumerate(steps.timeline) if row[3]), default=0)
+    for i, (t, rows, prompt_tokens, prompts, firsts) in enumerate(steps.timeline[: last + 3]):
+        print(f"step {i:3d} at {1e3 * (t - started):7.1f} ms  host {1e3 * steps.seconds[i]:5.1f} ms  rows {rows:5d}  "
+              f"prompt tokens {prompt_tokens:5d} ({prompts:3d} prompts)  first tokens {firsts:3d}")
 
 
 class ServingClient:
@@ -339,6 +395,9 @@ class ServingClient:
     def __init__(self, llm: Any, max_tokens: int, acomplete: bool, serial: bool = False):
         self.llm, self.max_tokens, self.acomplete, self.serial = llm, max_tokens, acomplete, serial
         self.ttft: list[float] = []
+        self.engine_ttft: list[float] = []  # the engine's part of each TTFT (`GenerationStats.ttft_s`)
+        self.tpot: list[float] = []
+        self.started = 0.0  # when the last `run_all` began
         self.tokens = 0
         self.failed: list[str] = []
 
@@ -362,11 +421,14 @@ class ServingClient:
             self.failed.append(f"{type(exc).__name__}: {str(exc)[:120]}")
         self.tokens += stats.output_tokens if stats is not None else 0
         self.ttft.append(first if first is not None else float("nan"))
+        if stats is not None and stats.output_tokens > 1:
+            self.engine_ttft.append(stats.ttft_s)
+            self.tpot.append(stats.decode_s / (stats.output_tokens - 1))
 
     async def run_all(self, requests: list[Any]) -> float:
         import asyncio
 
-        t = time.perf_counter()
+        t = self.started = time.perf_counter()
         if self.serial:
             for r in requests:
                 await self.one(r)
@@ -534,7 +596,8 @@ def serving_main(tokenizer: Any, args: argparse.Namespace) -> None:
     runs = []
     for _ in range(args.repeat):
         runs.append(serving_run(tokenizer, args.serving, args.max_tokens, args.grammar_threads, args.workload,
-                                args.acomplete, args.profile, parse_rows(args.graph_rows), args.warm, args.serial))
+                                args.acomplete, args.profile, parse_rows(args.graph_rows), args.warm, args.serial,
+                                parse_device_ms(args.device_ms), args.timeline))
         print(runs[-1], flush=True)
     if args.profile:
         print_profile(Path(f"{args.profile}.engine"))
@@ -635,6 +698,14 @@ def speculative_main(tokenizer: Any, args: argparse.Namespace) -> None:
                     "shared machine: noisy"}))
 
 
+def parse_device_ms(text: str | None) -> tuple[float, float]:
+    """`--device-ms` ("FIXED,PER_1K_ROWS") as StubDevice's `device_ms`; none: (0, 0)."""
+    if not text:
+        return (0.0, 0.0)
+    fixed, per_1k_rows = (float(v) for v in text.split(","))
+    return (fixed, per_1k_rows)
+
+
 def parse_rows(text: str | None) -> tuple[int, ...] | None:
     """`--graph-rows` ("1,2,4,...") as `EngineTuning.cuda_graph_batch_sizes`, or None (the default)."""
     return tuple(int(r) for r in text.split(",")) if text else None
@@ -655,6 +726,9 @@ def main() -> None:
     ap.add_argument("--serial", action="store_true", help="--serving: one request at a time (default: all at once)")
     ap.add_argument("--acomplete", action="store_true", help="--serving: LLM.acomplete instead of LLM.astream")
     ap.add_argument("--graph-rows", default=None, help="--serving: decode graph row buckets, e.g. 1,2,4,...,1024")
+    ap.add_argument("--device-ms", default=None, metavar="FIXED,PER_1K_ROWS",
+                    help="--serving: device milliseconds a forward takes, e.g. 2,2 (default: none, host time only)")
+    ap.add_argument("--timeline", action="store_true", help="--serving: print the measured burst's steps")
     ap.add_argument("--warm", action="store_true", help="--serving: measure the burst's second run (prefix cache hits)")
     ap.add_argument("--http", type=int, default=0, metavar="N", help="N streams over HTTP to the stubbed server")
     ap.add_argument("--rate", type=float, default=None, help="--http: Poisson arrivals per second (default: all at once)")

@@ -11,13 +11,14 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
+import json
 import os
 import queue
 import sys
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Generator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Generator, Hashable, Iterator, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
@@ -167,6 +168,7 @@ class LLM:
         # Async callers' prompt tokenizing, a burst's calls in a few thread jobs (schemas are
         # normalized one a thread: a hostile one must not hold up the others of its burst).
         self._blocking = ThreadBatch()
+        self._built = BuiltConstraints()
         self.loop = EngineLoop(engine)
         # Per running event loop, what hands it the engine's stream updates (weak: a finished
         # event loop takes its waker with it).
@@ -294,14 +296,15 @@ class LLM:
 
     async def _acompile(self, output_type: Any, strict: bool, loop_guards: bool = True,
                         ) -> tuple[Constraint, CompiledGrammar | None]:
-        """The constraint (built in a worker thread) and its grammar, compiled on the
-        compiler's own bounded pool (grammar/compile_pool.py), which the compile gate keeps
-        from overflowing in a burst of distinct schemas; a caller that goes away cancels its
-        compile. No grammar for free text."""
-        if isinstance(output_type, Constraint):  # built already (`aprepare`): cached work, no thread
+        """The constraint (built in a worker thread, unless this LLM built it before) and its
+        grammar, compiled on the compiler's own bounded pool (grammar/compile_pool.py), which
+        the compile gate keeps from overflowing in a burst of distinct schemas; a caller that
+        goes away cancels its compile. No grammar for free text."""
+        if isinstance(output_type, Constraint) or self.closed:  # built already (`aprepare`), or refused
             constraint = self._constraint(output_type, strict, loop_guards)
         else:
-            constraint = await asyncio.to_thread(self._constraint, output_type, strict, loop_guards)
+            constraint = await self._built.get(BuiltConstraints.key(output_type, strict, loop_guards),
+                                               functools.partial(self._constraint, output_type, strict, loop_guards))
         if constraint.kind == "text":
             return constraint, None
         hit = self.grammars.cached(constraint)  # a cached grammar waits behind no compile
@@ -652,6 +655,62 @@ class LLM:
             constraint = self._constraint(output_type, options.strict)
             return PartialStream(partial_tracker(output_type, constraint), deltas)
         return deltas
+
+
+class BuiltConstraints:
+    """The constraints an LLM builds, by output type, each built once in a worker thread:
+    a burst of callers with one schema would otherwise each hop to a thread (queueing before
+    the burst's tokenizing) to build it, or to find it cached. A failed build is not kept."""
+
+    MAX_ENTRIES = 1024
+
+    def __init__(self) -> None:
+        self._by_key: dict[Hashable, Future[Constraint]] = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def key(output_type: Any, strict: bool, loop_guards: bool) -> Hashable | None:
+        """What identifies the constraint `output_type` gives, or None where no key is cheap
+        (an unhashable type); a dict schema by its JSON text, as `to_constraint` keys it."""
+        schema = output_type.schema if isinstance(output_type, JsonSchema) else output_type
+        if isinstance(schema, dict):
+            try:
+                return (JsonSchema, json.dumps(schema, ensure_ascii=False), strict, loop_guards)
+            except (TypeError, ValueError):  # not JSON: building it raises the error
+                return None
+        try:
+            hash(output_type)
+        except TypeError:
+            return None
+        return (output_type, strict, loop_guards)
+
+    async def get(self, key: Hashable | None, build: Callable[[], Constraint]) -> Constraint:
+        """The constraint of `key`: built before (no thread hop), being built (awaited), or
+        built now by `build` in a worker thread."""
+        if key is None:
+            return await asyncio.to_thread(build)
+        with self._lock:
+            future = self._by_key.get(key)
+            started = future is None
+            if started:
+                if len(self._by_key) >= self.MAX_ENTRIES:  # (a service's schemas rarely reach it)
+                    self._by_key.clear()
+                future = self._by_key[key] = Future()
+        if future.done():
+            return future.result()
+        if started:  # (not awaited: a caller that goes away does not cancel it)
+            asyncio.get_running_loop().run_in_executor(None, self._build, key, future, build)
+        # Shielded: a caller that goes away does not cancel the build the others wait for.
+        return await asyncio.shield(asyncio.wrap_future(future))
+
+    def _build(self, key: Hashable, future: Future[Constraint], build: Callable[[], Constraint]) -> None:
+        try:
+            future.set_result(build())
+        except BaseException as e:
+            with self._lock:
+                if self._by_key.get(key) is future:
+                    del self._by_key[key]
+            future.set_exception(e)
 
 
 class CompletionStream:

@@ -203,6 +203,42 @@ def test_a_plain_dict_is_a_json_schema(llm):
     assert llm.compile(schema) is llm.compile(structgen.JsonSchema(schema))  # one cached grammar
 
 
+def test_async_callers_of_one_schema_build_it_once_and_get_what_sync_callers_get(llm):
+    schema = {"type": "object", "properties": {"tier": {"enum": ["gold", "silver", "bronze"]}}, "required": ["tier"]}
+    prompts = [f"Customer {name} is on the {tier} tier. As JSON." for name, tier in
+               (("Ada", "gold"), ("Bo", "silver"), ("Cy", "bronze"), ("Di", "gold"))]
+    builds = []
+    build = llm._constraint
+
+    def counted(*args):
+        builds.append(args[0])
+        return build(*args)
+
+    async def burst() -> list:
+        return await asyncio.gather(*(llm.agenerate(dict(schema), p, max_tokens=12) for p in prompts))
+
+    llm._constraint = counted
+    try:
+        got = asyncio.run(burst())
+        again = asyncio.run(burst())
+    finally:
+        del llm._constraint
+    assert len(builds) == 1  # one worker-thread build for the burst; the next burst finds it built
+    assert got == again == [llm.generate(schema, p, max_tokens=12) for p in prompts]
+
+
+def test_a_schema_that_fails_to_build_fails_each_async_caller_every_time(llm):
+    schema = {"type": "integer", "minimum": 5, "maximum": 1}
+
+    async def burst() -> list:
+        return await asyncio.gather(*(llm.agenerate(schema, "A number.") for _ in range(3)), return_exceptions=True)
+
+    for _ in range(2):  # a failed build is not kept: the second burst fails as the first did
+        errors = asyncio.run(burst())
+        assert all(isinstance(e, structgen.UnsatisfiableConstraintError) for e in errors), errors
+        assert "minimum" in str(errors[0])
+
+
 @pytest.mark.parametrize(("output_type", "prompt", "kw", "error", "fix"), [
     (Customer(name="A", age=1, email="e", address=Address(street="s", city="c", zip="12345"), tags=[], member=True),
      "p", {}, structgen.UnsupportedTypeError, "pass the class itself"),

@@ -4,6 +4,11 @@ moment they finish.
 Each step every running request gets its pending tokens scheduled: decode requests one token
 (or their forced jump-forward tokens), prefilling requests a chunk of their prompt from what
 is left of the step's token budget, so a long prompt never stalls everyone else's decoding.
+A request decodes after the prompts that were waiting before its first token, though: a
+burst's first requests to decode leave the steps to the burst's other prompts until those
+have run (the burst's time to first token), while a prompt that arrives later takes only
+the share of the step that decode rows leave it (`PROMPT_SHARE`), so a request is held up by
+a bounded amount of prompt work, never by a stream of new arrivals.
 
 Admission is by pages (page_table.py): a request joins when the pool has pages for all its
 tokens plus `lookahead` positions, after taking the pages its prompt's start shares with the
@@ -34,6 +39,38 @@ from structgen.engine.request import Request, RequestStatus
 MIN_SHARED_PAGES = 2
 # The part of a step's token budget kept for prompts while decode rows alone would fill it.
 PROMPT_SHARE = 0.5
+
+
+class PrefillingPrefixes:
+    """The running requests' prompt windows of `width` tokens still to be prefilled, by start
+    position, collected once per start for one admission pass: a burst's admission looks a
+    waiting prompt's next pages up, instead of comparing them with every running prompt."""
+
+    def __init__(self, running: list[Request], width: int):
+        self.running, self.width = running, width
+        self._by_start: dict[int, set[tuple[int, ...]]] = {}
+
+    def computing(self, req: Request, start: int) -> bool:
+        """Whether a running prefilling request's prompt holds `req`'s prompt tokens
+        [start, start + width)."""
+        end = start + self.width
+        if end > req.num_prompt:
+            return False
+        windows = self._by_start.get(start)
+        if windows is None:
+            windows = self._by_start[start] = set()
+            for other in self.running:
+                self._collect(other, start, windows)
+        return tuple(req.token_ids[start:end]) in windows
+
+    def add(self, req: Request) -> None:
+        """`req` joined the running requests."""
+        for start, windows in self._by_start.items():
+            self._collect(req, start, windows)
+
+    def _collect(self, req: Request, start: int, windows: set[tuple[int, ...]]) -> None:
+        if req.num_cached < req.num_prompt and start + self.width <= req.num_prompt:
+            windows.add(tuple(req.token_ids[start : start + self.width]))
 
 
 class Scheduler:
@@ -75,6 +112,9 @@ class Scheduler:
         batch: list[tuple[Request, int]] = []
         decoding = [r for r in self.running if r.num_cached >= r.num_prompt]
         prefilling = [r for r in self.running if r.num_cached < r.num_prompt]
+        if prefilling:  # (the module docstring: decoding after the prompts older than its first token)
+            oldest = min(r.arrival for r in prefilling)
+            decoding = [r for r in decoding if r.first_token_at is None or r.first_token_at < oldest]
         # Decode rows first (short, latency-critical), but where prompts wait they leave them a
         # share of the budget, taking turns for the rest, so a burst's prompts are not starved
         # by the requests already decoding; with no prompt waiting they take turns within the
@@ -127,15 +167,17 @@ class Scheduler:
                 self._fitted[req.slot] = (req.num_cached, end, pages.num_mapped(req.slot))
 
     def _admit(self) -> None:
+        in_flight = PrefillingPrefixes(self.running, MIN_SHARED_PAGES * self.pages.page_size)
         while self.waiting and len(self.running) < self.max_batch_size:
             req = self._next_waiting()
-            if not self._place(req):
+            if not self._place(req, in_flight):
                 break
             self._remove_waiting(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            in_flight.add(req)
 
-    def _place(self, req: Request) -> bool:
+    def _place(self, req: Request, in_flight: PrefillingPrefixes) -> bool:
         """Give `req` a slot, the cached pages its prompt starts with and pages for the rest of
         its tokens; False (nothing taken) where the pool cannot hold them now."""
         pages = self.pages
@@ -144,7 +186,7 @@ class Scheduler:
             return False
         self._fitted.pop(slot, None)  # (a slot another request had)
         cached = pages.match_prefix(slot, req.token_ids, len(req.token_ids))  # (a preempted one's output too)
-        if self._prefix_in_flight(req, cached):
+        if self._prefix_in_flight(req, cached, in_flight):
             pages.release_slot(slot)  # (the cached pages it took go back with the slot)
             return False
         end = len(req.token_ids) + self.lookahead
@@ -158,23 +200,12 @@ class Scheduler:
             req.stats.cached_prompt_tokens = min(cached, req.num_prompt)  # (forced tokens may follow the prompt)
         return True
 
-    def _prefix_in_flight(self, req: Request, cached: int) -> bool:
-        """Whether a running request is still prefilling pages of the prompt `req` starts
-        with (beyond the `cached` tokens it found): `req` then waits for them to be computed
-        once and published, instead of computing them again beside it (agent turns sharing a
-        tool catalogue arrive together)."""
-        if self.pages.cache is None:
-            return False
-        size, prompt = self.pages.page_size, req.token_ids
-        for other in self.running:
-            if other.num_cached >= other.num_prompt:
-                continue
-            theirs, shared, end = other.token_ids, cached, min(req.num_prompt, other.num_prompt)
-            while shared + size <= end and prompt[shared : shared + size] == theirs[shared : shared + size]:
-                shared += size
-            if shared - cached >= MIN_SHARED_PAGES * size:
-                return True
-        return False
+    def _prefix_in_flight(self, req: Request, cached: int, in_flight: PrefillingPrefixes) -> bool:
+        """Whether a running request is still prefilling at least MIN_SHARED_PAGES pages of
+        the prompt `req` starts with (beyond the `cached` tokens it found): `req` then waits
+        for them to be computed once and published, instead of computing them again beside
+        it (agent turns sharing a tool catalogue arrive together)."""
+        return self.pages.cache is not None and in_flight.computing(req, cached)
 
     def preempt(self, req: Request) -> None:
         """Free a running request's pages and queue it first, to be recomputed from its tokens."""

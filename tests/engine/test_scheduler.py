@@ -67,18 +67,25 @@ def test_the_group_comes_from_the_context_when_not_passed() -> None:
     assert Request([1, 2], SamplingParams()).group is None
 
 
-def test_prompts_keep_a_share_of_the_step_while_decode_rows_take_turns() -> None:
+def prefilled(count: int):
+    """A scheduler of 8 slots, 8 tokens a step, and `count` requests whose prompts have run."""
     from structgen.engine.page_table import PageTable
-    from structgen.engine.scheduler import PROMPT_SHARE, Scheduler
+    from structgen.engine.scheduler import Scheduler
 
-    pages = PageTable(64, 4, 8, 64, torch.device("cpu"))
-    sched = Scheduler(pages, max_batch_size=8, chunk_tokens=8)
-    decoders = [Request([1, 2, 3], SamplingParams(max_tokens=20)) for _ in range(6)]
+    sched = Scheduler(PageTable(64, 4, 8, 64, torch.device("cpu")), max_batch_size=8, chunk_tokens=8)
+    decoders = [Request([1, 2, 3], SamplingParams(max_tokens=20)) for _ in range(count)]
     for r in decoders:
         sched.add(r)
     while any(r.num_cached < r.num_prompt for r in decoders):  # their prompts
         for r, n in sched.schedule():
             r.num_cached += n
+    return sched, decoders
+
+
+def test_prompts_keep_a_share_of_the_step_while_decode_rows_take_turns() -> None:
+    from structgen.engine.scheduler import PROMPT_SHARE
+
+    sched, decoders = prefilled(6)
     for r in decoders:
         r.append([5])  # each sampled its first token: one decode row a step from here
     prompt = Request(list(range(10, 30)), SamplingParams(max_tokens=4))
@@ -95,6 +102,75 @@ def test_prompts_keep_a_share_of_the_step_while_decode_rows_take_turns() -> None
             if r is not prompt:
                 r.append([5])
     assert ran[0] | ran[1] == {r.id for r in decoders}  # every decode row ran within two steps
+
+
+def test_a_request_decodes_after_the_prompts_that_were_waiting_before_its_first_token() -> None:
+    """A burst's early requests yield the step to the burst's prompts (their time to first
+    token), but only to prompts that arrived before their own first token: a prompt that
+    arrives later gets the share of the step decode rows leave it, so no stream of new
+    prompts can stall a decoding request for longer than the older prompts take."""
+    from structgen.engine.scheduler import PROMPT_SHARE
+
+    sched, decoders = prefilled(4)
+    older = Request(list(range(10, 34)), SamplingParams(max_tokens=4))  # of the burst: 24 tokens, 3 steps
+    for r in decoders:
+        r.append([5])  # their first tokens, after `older` arrived
+    newer = Request(list(range(40, 64)), SamplingParams(max_tokens=4))
+    sched.add(older)
+    sched.add(newer)
+    steps = []
+    for _ in range(9):
+        batch = sched.schedule()
+        steps.append(([n for r, n in batch if r is older], [n for r, n in batch if r is newer],
+                      sum(r in decoders for r, _ in batch)))
+        for r, n in batch:
+            r.num_cached += n
+            if r.num_cached >= r.num_prompt:
+                r.append([5])
+    assert [d for _, _, d in steps[:3]] == [0, 0, 0]  # while `older` prefills, the decoders yield
+    assert sum(sum(o) for o, _, _ in steps[:3]) == older.num_prompt
+    shared = 8 - int(8 * PROMPT_SHARE)
+    assert [d for _, n, d in steps[3:] if n] == [shared] * len([n for _, n, _ in steps[3:] if n])
+    assert sum(sum(n) for _, n, _ in steps) == newer.num_prompt  # ... then share the step with `newer`
+
+
+def test_a_burst_whose_decoders_yield_to_its_prompts_gives_each_request_its_output_alone(
+        model_dir, tokenizer, grammar_compiler) -> None:
+    """Real model, real grammar, greedy: a burst of JSON requests whose prompts take several
+    steps (small prefill chunks), so the first to decode yield to the others' prompts, gives
+    every request the output it gets running alone."""
+    from structgen.engine.models.loader import load_model_config
+    from structgen.types import JsonSchema, to_constraint
+
+    grammar = grammar_compiler.compile(to_constraint(JsonSchema(
+        {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+         "required": ["name", "age"]})))
+    engine = Engine(load_model_config(model_dir), EngineConfig(device="cpu", max_batch_size=4, max_seq_len=256,
+                                                               prefill_chunk_tokens=24), model_dir)
+    stop = frozenset({tokenizer.eos_token_id})
+    prompts = [tokenizer.encode(f"{who} is {age} years old. As JSON:", add_special_tokens=False)
+               for who, age in (("Ada", 36), ("Grace Hopper", 85), ("Alan", 41), ("Edsger Dijkstra", 72))]
+
+    def new(prompt: list[int]) -> Request:
+        return Request(list(prompt), SamplingParams(max_tokens=24, temperature=0.0), grammar.matcher(), stop)
+
+    burst = [new(p) for p in prompts]
+    yielded = []
+    schedule = engine.scheduler.schedule
+
+    def watched(token_budget=None):
+        batch = schedule(token_budget)
+        ran = {r.id for r, _ in batch}
+        yielded.append(any(r.num_cached >= r.num_prompt and r.id not in ran for r in engine.scheduler.running))
+        return batch
+
+    engine.scheduler.schedule = watched
+    engine.run(burst)
+    engine.scheduler.schedule = schedule
+    assert any(yielded)  # some request decoded only after the others' prompts
+    alone = [engine.run([new(p)])[0] for p in prompts]
+    assert [r.output_ids for r in burst] == [r.output_ids for r in alone]
+    assert all(r.finish_reason == "stop" for r in burst)
 
 
 def test_decode_rows_with_forced_tokens_stay_within_the_step_budget_and_take_turns() -> None:
@@ -133,6 +209,35 @@ def _page_state(sched, index: dict[int, int]) -> tuple:
             list(pages.settled), pages.free_pages, pages.host.tolist())
 
 
+def run_burst(sched, prompts: list[list[int]], tokenizer, steps: int = 60, refit_always: bool = False) -> list:
+    """Each step's batch and page state of a burst of `prompts` (12 output tokens each) under
+    a token budget of 12, with a forward that maps pages ahead of the newest waiting prompt
+    (as the decode graphs do); `refit_always`: `_fit_running`'s shortcut memory cleared before
+    every step."""
+    reqs = [Request(list(p), SamplingParams(max_tokens=12)) for p in prompts]
+    index = {r.id: i for i, r in enumerate(reqs)}
+    for r in reqs:
+        sched.add(r)
+    states = []
+    for _ in range(steps):
+        if refit_always:
+            sched._fitted.clear()  # the shortcut's memory gone: every request is fitted again
+        batch = sched.schedule(token_budget=12)
+        states.append(([(index[r.id], n) for r, n in batch], _page_state(sched, index)))
+        for r, n in batch:
+            r.num_cached += n
+            if r.num_cached >= r.num_prompt:
+                r.append([tokenizer.encode(" x", add_special_tokens=False)[0]])
+                if r.num_output >= r.params.max_tokens:
+                    r.finish("length")
+                    sched.remove(r)
+        ran = {r.id for r, _ in batch}
+        waiting = [r for r in sched.running if r.num_cached < r.num_prompt and r.id not in ran]
+        if waiting:  # a forward mapping positions ahead of the newest waiting prompt
+            sched.pages.cover(waiting[-1].slot, len(waiting[-1].token_ids) + 8)
+    return states
+
+
 def test_prompts_waiting_for_their_turn_are_fitted_as_if_fitted_anew_every_step(tokenizer) -> None:
     """`_fit_running` skips a prompt whose cached tokens, length and pages are as it left them:
     a burst of real prompts sharing their start (published pages, a waiting request's prompt
@@ -146,30 +251,47 @@ def test_prompts_waiting_for_their_turn_are_fitted_as_if_fitted_anew_every_step(
     system = "You are a careful assistant that answers with one JSON object describing the person. "
     prompts = [tokenizer.encode(system + f"Person number {i} lives in city {i * 7}.", add_special_tokens=False)
                for i in range(12)]
-    runs = []
-    for refit_always in (False, True):
-        sched = Scheduler(PageTable(48, 4, 12, 128, torch.device("cpu")), max_batch_size=12, chunk_tokens=64)
-        reqs = [Request(list(p), SamplingParams(max_tokens=12)) for p in prompts]
-        index = {r.id: i for i, r in enumerate(reqs)}
-        for r in reqs:
-            sched.add(r)
-        states = []
-        for _ in range(60):
-            if refit_always:
-                sched._fitted.clear()  # the shortcut's memory gone: every request is fitted again
-            batch = sched.schedule(token_budget=12)
-            states.append(([(index[r.id], n) for r, n in batch], _page_state(sched, index)))
-            for r, n in batch:
-                r.num_cached += n
-                if r.num_cached >= r.num_prompt:
-                    r.append([tokenizer.encode(" x", add_special_tokens=False)[0]])
-                    if r.num_output >= r.params.max_tokens:
-                        r.finish("length")
-                        sched.remove(r)
-            ran = {r.id for r, _ in batch}
-            waiting = [r for r in sched.running if r.num_cached < r.num_prompt and r.id not in ran]
-            if waiting:  # a forward mapping positions ahead of the newest waiting prompt
-                sched.pages.cover(waiting[-1].slot, len(waiting[-1].token_ids) + 8)
-        runs.append(states)
+    runs = [run_burst(Scheduler(PageTable(48, 4, 12, 128, torch.device("cpu")), max_batch_size=12, chunk_tokens=64),
+                      prompts, tokenizer, refit_always=refit_always) for refit_always in (False, True)]
     assert sum(1 for batch, _ in runs[0] if batch) > 20  # the burst ran through many steps
     assert runs[0] == runs[1]
+
+
+def test_admission_waits_for_a_shared_prompt_start_in_flight_as_comparing_every_running_prompt_does(tokenizer) -> None:
+    """`PrefillingPrefixes` looks a waiting prompt's next pages up among the prompts being
+    prefilled: a burst of real prompts that share starts of 0 to 5 pages with each other
+    (some in flight, some published, slots and pages short enough to admit over many steps)
+    gets every step the batch and page table it gets from comparing the waiting prompt with
+    every running prompt page by page."""
+    from structgen.engine.page_table import PageTable
+    from structgen.engine.scheduler import MIN_SHARED_PAGES, Scheduler
+
+    class EveryRunningPrompt(Scheduler):
+        def _prefix_in_flight(self, req, cached, in_flight) -> bool:
+            size, prompt = self.pages.page_size, req.token_ids
+            for other in self.running:
+                if other.num_cached >= other.num_prompt:
+                    continue
+                theirs, shared, end = other.token_ids, cached, min(req.num_prompt, other.num_prompt)
+                while shared + size <= end and prompt[shared : shared + size] == theirs[shared : shared + size]:
+                    shared += size
+                if shared - cached >= MIN_SHARED_PAGES * size:
+                    return True
+            return False
+
+    starts = ["You are a careful assistant. Answer with JSON. ", "You are a careful assistant. ", "Hello. ",
+              "You are a careful assistant. Answer with JSON. Be brief and exact in every field. "]
+    prompts = [tokenizer.encode(starts[i % 4] + f"Person {i} lives in city {i * 7}.", add_special_tokens=False)
+               for i in range(16)]
+    waited = []
+
+    class Counted(Scheduler):
+        def _prefix_in_flight(self, req, cached, in_flight) -> bool:
+            waited.append(super()._prefix_in_flight(req, cached, in_flight))
+            return waited[-1]
+
+    runs = [run_burst(cls(PageTable(64, 4, 6, 128, torch.device("cpu")), max_batch_size=6, chunk_tokens=64),
+                      prompts, tokenizer, steps=90) for cls in (Counted, EveryRunningPrompt)]
+    assert runs[0] == runs[1]
+    assert any(waited) and not all(waited)  # prompts waited for a start in flight, and were admitted
+    assert not runs[0][-1][1][0]  # every request ran to its end
