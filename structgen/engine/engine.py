@@ -160,8 +160,9 @@ class Engine:
         """Build the components that read text: jump-forward (requests use it unless
         `jump_forward=False`; on CUDA the batch-1 decode graphs also get its token gate), the
         budget closer and the speculator's text drafters."""
+        # Guesses on with speculation too: its steps without drafts are plain decode steps, and a
+        # verify step drops the guesses of its requests (`Speculator._accept`).
         jump = self.jump_forward_hook = JumpForward(tokenizer, self.vocab_size, self.stop_token_ids)
-        jump.guesses = self.config.speculative is None  # its drafter proposes drafts there instead
         if self.device.type == "cuda":
             self.runner.set_token_gate(quiet_tokens(jump.vocab), QUIET_MIN_ALLOWED)
         self.closer.use_tokenizer(tokenizer, self.vocab_size, self.stop_token_ids)

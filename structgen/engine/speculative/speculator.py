@@ -535,6 +535,9 @@ class Speculator:
         """Keep the accepted prefix of the draft, emit it and the target's token through the
         engine's `_advance`; the KV cache keeps pending + accepted drafts."""
         eng = self.engine
+        # A guess (engine/drafts.py) is for the step right after its jump: this one, which ran
+        # no guess row; kept, it would run later at a position it was not proposed for.
+        req.guess = None
         try:
             if error is not None:
                 raise EngineError(f"grammar failed while computing the token mask: {error}")
