@@ -411,8 +411,8 @@ class Engine:
             if not batch or not self._is_decode_step(batch):
                 return None
             spec = self.speculator
-            if spec is not None and spec.runs(batch) and not spec.plans_plain_step(batch):
-                return None  # a verify step comes next (its drafts are kept for it)
+            if spec is not None and spec.runs(batch):
+                return spec.plan_step(batch)  # a plain or a verify step (its drafts are kept for it)
             return self._decode_rows(batch)[0]
         except Exception:  # pragma: no cover - planning must never fail the step
             log.exception("planning the next decode step failed")
