@@ -139,12 +139,12 @@ class Engine:
 
     def _mask_prefetcher(self) -> MaskPrefetcher | None:
         """Next step's masks filled on worker threads during the bookkeeping (grammar/prefetch.py).
-        Not with speculation: its steps drive the matchers through drafts and rollbacks. Nor,
-        unless forced on, where grammar.native's pool fills masks: it fills a whole step's
-        masks inline within the forward, and a prefetch only adds hand-offs
-        (docs/performance.md, "Grammar overhead")."""
+        With speculation too, for its plain steps: before it drafts or verifies, the speculator
+        lets a prefetch in flight finish (`Speculator.settle_prefetch`). Not, unless forced on,
+        where grammar.native's pool fills masks: it fills a whole step's masks inline within
+        the forward, and a prefetch only adds hand-offs (docs/performance.md, "Grammar overhead")."""
         mode = self.config.tuning.mask_prefetch
-        if self.speculator is not None or mode == "off" or (mode == "auto" and native.pool_in_use()):
+        if mode == "off" or (mode == "auto" and native.pool_in_use()):
             return None
         from structgen.grammar.prefetch import MaskPrefetcher, PrefetchTuner
 

@@ -4,6 +4,8 @@ and a verify step never leaves a guess behind for a later step (real default mod
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from structgen.api import LLM, _stop_token_ids
@@ -11,6 +13,8 @@ from structgen.engine.config import EngineConfig, SpeculativeConfig
 from structgen.engine.engine import Engine
 from structgen.engine.models.loader import load_model_config
 from structgen.engine.request import Request
+from structgen.engine.speculative.speculator import Speculator
+from structgen.grammar.prefetch import MaskPrefetcher
 from structgen.sampling import SamplingParams
 from structgen.types import JsonSchema
 
@@ -83,3 +87,59 @@ def test_a_verify_step_drops_the_guess_it_did_not_run(llm):
     finally:
         spec.adaptive = True
     assert req.output_ids == base.output_ids
+
+
+class CheckedPrefetcher(MaskPrefetcher):
+    """The mask prefetch on every plain step, however few rows, counting the prefetched
+    matchers that someone used while their fill was in flight (their `version` moved before
+    `take` or `wait`): a race with the worker filling them."""
+
+    def __init__(self) -> None:
+        super().__init__(1, min_rows=1, min_fill_s=0.0)
+        self.raced = 0
+
+    def _count_raced(self) -> None:
+        if self._pending is not None:
+            self.raced += sum(m.version != v for _, m, v in self._pending.rows.values())
+
+    def take(self, bitmask, rows):
+        self._count_raced()
+        return super().take(bitmask, rows)
+
+    def wait(self) -> None:
+        self._count_raced()
+        super().wait()
+
+
+def test_the_mask_prefetch_beside_drafting_steps_keeps_outputs(llm):
+    """With the mask prefetch on (an engine built with speculation keeps it for its plain
+    steps; here it fills every plain step's next masks on a worker, however few rows), three
+    JSON requests of different lengths run plain steps and the policy's drafting steps, which
+    let the prefetch finish before they walk the matchers (no matcher used while its fill was
+    in flight): plain decoding's outputs, with prefetched masks used and drafts verified."""
+    eng, spec = llm.engine, llm.engine.speculator
+    tuning = eng.config.tuning
+    eng.config.tuning = replace(tuning, mask_prefetch="on")
+    try:
+        assert eng._mask_prefetcher() is not None  # not dropped for speculation
+    finally:
+        eng.config.tuning = tuning
+    budgets = [16, 40, 28]
+
+    def run(speculator: Speculator | None) -> tuple[list[Request], CheckedPrefetcher]:
+        saved, eng.prefetcher = eng.prefetcher, CheckedPrefetcher()
+        eng.speculator = speculator
+        try:
+            reqs = [r for n in budgets for r in json_requests(llm, 1, n)]
+            return eng.run(reqs), eng.prefetcher
+        finally:
+            eng.prefetcher.close()
+            eng.prefetcher, eng.speculator = saved, spec
+
+    base, _ = run(None)
+    drafting = Speculator(eng, SpeculativeConfig(num_draft_tokens=3, max_requests=0))
+    drafting.use_tokenizer(llm.tokenizer)
+    got, prefetcher = run(drafting)
+    assert [r.output_ids for r in got] == [r.output_ids for r in base]
+    assert prefetcher.served > 0 and sum(r.stats.verify_steps for r in got) > 0
+    assert prefetcher.raced == 0

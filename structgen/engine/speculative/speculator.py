@@ -133,6 +133,7 @@ class Speculator:
         drafts: list[list[int]] = [[] for _ in batch]
         if not any(ks) or self.disabled is not None:  # the drafter is asked about nobody
             return drafts
+        self.settle_prefetch()
         todo = [i for i, k in enumerate(ks) if k > 0]
         reqs = [batch[i][0] for i in todo]
         self._tracked.update(reqs)
@@ -255,8 +256,17 @@ class Speculator:
             return None  # its forward runs when the step does
         return self._rows_of(batch, drafts)
 
+    def settle_prefetch(self) -> None:
+        """Let the engine's mask prefetch in flight finish, and drop it: drafting and verifying
+        walk the matchers its workers fill (grammar/prefetch.py: nobody else may use them until
+        it is taken or waited for). A step without drafts keeps it for its masks."""
+        prefetcher = self.engine.prefetcher
+        if prefetcher is not None:
+            prefetcher.wait()
+
     def verify_step(self, batch: list[tuple[Request, int]], drafts: list[list[int]], started: float) -> list[Request]:
         """`step` with its drafts chosen; `started`: when the step began (perf_counter)."""
+        self.settle_prefetch()
         if self._capturable():
             bucket = self._loop_bucket(batch)
             fitted = self._fit(batch, drafts, bucket)
