@@ -25,9 +25,11 @@ Each row counts the speculative run's steps by the draft policy's choice (`steps
 its plain bucket not timed yet, `steps_plain`, `steps_pays`: drafted because it pays,
 `steps_trial`: drafted to time a verify bucket; speculative/policy.py), and each engine's
 time in the batch's tail (`*_tail_ms`: steps with `max_requests` or fewer requests left, the
-only ones the speculator sees) and its longest step (`*_longest_step_ms`: a stall or a compile).
-`--target-max-requests 0` lets the speculator see every step; `rounds_tokens_per_s_ratio` is in
-run order.
+only ones the speculator sees; `*_tail_longest_ms` its longest step, `*_tail_ahead` its decode-graph
+steps whose forward was launched ahead, of all its decode-graph steps) and its longest step
+(`*_longest_step_ms`: a stall or a compile).
+`--target-max-requests 0` lets the speculator see every step; `rounds_tokens_per_s_ratio` and
+`rounds_tail_ms` (plain, n-gram) are in run order.
 It writes benchmarks/results/speculative_targets-<device>-<date>.json.
 
 Metrics: `mean_acceptance_length` = tokens sampled per verify step (accepted drafts + the
@@ -308,21 +310,28 @@ TARGET_K = 3
 
 class StepClock:
     """Wall time of every engine step while installed (a wrapper on the engine instance), split
-    by the batch's tail: steps with at most `tail` requests running or waiting."""
+    by the batch's tail: steps with at most `tail` requests running or waiting; and, in the
+    tail, how many steps ran in the decode graphs and how many of those found their forward
+    launched ahead (the others made the device wait for the host's bookkeeping)."""
 
     def __init__(self, engine: Any, tail: int) -> None:
         self.engine, self.tail = engine, tail
         self.steps: list[tuple[int, float]] = []  # (requests, seconds)
+        self.tail_graph_steps = self.tail_ahead = 0
 
     def __enter__(self) -> StepClock:
-        step, sched = self.engine.step, self.engine.scheduler
+        step, sched, graphs = self.engine.step, self.engine.scheduler, self.engine.runner.graphs
 
         def timed() -> list[Request]:
             n, t = len(sched.running) + len(sched.waiting), time.perf_counter()
+            runs, ahead = (graphs.steps, graphs.steps_ahead) if graphs is not None else (0, 0)
             try:
                 return step()
             finally:
                 self.steps.append((n, time.perf_counter() - t))
+                if graphs is not None and n <= self.tail:
+                    self.tail_graph_steps += graphs.steps - runs
+                    self.tail_ahead += graphs.steps_ahead - ahead
 
         self.engine.step = timed
         return self
@@ -333,6 +342,8 @@ class StepClock:
     def row(self, name: str) -> dict[str, Any]:
         tail = [s for n, s in self.steps if n <= self.tail]
         return {f"{name}_tail_ms": 1e3 * sum(tail), f"{name}_tail_steps": len(tail),
+                f"{name}_tail_longest_ms": 1e3 * max(tail, default=0.0),
+                f"{name}_tail_ahead": f"{self.tail_ahead}/{self.tail_graph_steps}",
                 f"{name}_steps": len(self.steps), f"{name}_longest_step_ms": 1e3 * max(s for _, s in self.steps)}
 
 
@@ -388,8 +399,10 @@ def measure_targets(args: argparse.Namespace, invariant: bool) -> list[dict[str,
             work = (kept * -(-batch // max(len(kept), 1)))[:batch]
             rounds = [timed_pair(llm, spec, work, batch, args.max_tokens) for _ in range(args.target_rounds)]
             ratios = [round(r["tokens_per_s_ratio"], 3) for r in rounds]  # in run order: warm-up effects show
+            tails = [(round(r["plain_tail_ms"], 1), round(r["ngram_tail_ms"], 1)) for r in rounds]
             rounds.sort(key=lambda r: r["tokens_per_s_ratio"])
-            rows.append(mode | rounds[len(rounds) // 2] | {"rounds_tokens_per_s_ratio": ratios})
+            rows.append(mode | rounds[len(rounds) // 2] | {"rounds_tokens_per_s_ratio": ratios,
+                                                            "rounds_tail_ms": tails})
     llm.close()
     return rows
 
@@ -403,7 +416,9 @@ def run_targets(args: argparse.Namespace) -> None:
     shown = ["batch_invariant", "max_requests", "batch", "requests", "complete", "identical", "decode_speedup",
              "tokens_per_s_ratio", "plain_tokens_per_s", "ngram_tokens_per_s", "errors",
              "steps_untimed", "steps_plain", "steps_pays", "steps_trial", "plain_tail_ms", "ngram_tail_ms",
-             "plain_longest_step_ms", "ngram_longest_step_ms", "rounds_tokens_per_s_ratio"]
+             "plain_tail_steps", "ngram_tail_steps", "plain_tail_longest_ms", "ngram_tail_longest_ms",
+             "plain_tail_ahead", "ngram_tail_ahead", "plain_longest_step_ms", "ngram_longest_step_ms",
+             "rounds_tokens_per_s_ratio", "rounds_tail_ms"]
     print_table([{c: r.get(c) for c in shown} for r in rows])
     if not args.no_write:
         path = write_results("speculative_targets", rows, extra={

@@ -46,15 +46,19 @@ count) and prints its top functions.
     python -m benchmarks.profile_host --http 400 --max-tokens 48 --rate 100
 
 `--speculative` compares the host time of a decode step of the plain engine with the same
-engine running an n-gram `Speculator` that sees every step (`max_requests=0`) and whose draft
+engine running an n-gram `Speculator` that sees every step (`--max-requests 0`, the default;
+8 is `SpeculativeConfig`'s default, as `bench_speculative --targets` runs) and whose draft
 policy drafts nothing (drafts priced as never accepted): a burst of `--batches`' largest count
 of JSON requests with jump-forward on and budgets spread so the batch shrinks, the two engines
 alternated `--repeat` times. A speculative step without drafts should cost what the plain one
 does; `speculator_us` is the time inside the speculator's calls per step, `weighed` the policy's
 decisions that weighed drafts (the others held a choice of no drafts), `drafter_calls` the
-drafts the drafter was asked for (0 here).
+drafts the drafter was asked for (0 here). `tail_*`: the steps the speculator sees (the
+burst's tail of `--max-requests` or fewer requests), their host time and how many of their
+decode steps (`tail_graph_steps`) found their forward launched ahead (`tail_ahead`).
 
     python -m benchmarks.profile_host --speculative --batches 64 --repeat 4
+    python -m benchmarks.profile_host --speculative --batches 64 --max-requests 8 --repeat 6
 """
 
 from __future__ import annotations
@@ -635,23 +639,35 @@ class MethodTimer:
 
 
 def burst_host_us(engine: Engine, stub: StubDevice, prompt: list[int], grammar: Any, batch: int,
-                  spec_timer: MethodTimer) -> dict[str, Any]:
+                  spec_timer: MethodTimer, tail: int) -> dict[str, Any]:
     """Host microseconds per step (the stub's time taken out) of `batch` JSON requests whose
-    budgets run from 8 to 7 + `batch` tokens, run to the end: the median and mean step, and
-    the mean time inside the speculator's per-step calls (`spec_timer`)."""
+    budgets run from 8 to 7 + `batch` tokens, run to the end: the median and mean step, the
+    mean time inside the speculator's per-step calls (`spec_timer`), and the burst's tail
+    (steps with `tail` or fewer requests running or waiting): its host time and how many of
+    its decode steps found their forward launched ahead (`ahead`: on a GPU the others make the
+    device wait for the host's bookkeeping)."""
     stop = frozenset(engine.stop_token_ids)
     spec_before = spec_timer.seconds
     reqs = [Request(prompt, SamplingParams(max_tokens=8 + i), grammar.matcher(), stop) for i in range(batch)]
     for r in reqs:
         engine.add_request(r)
+    graphs, sched = engine.runner.graphs, engine.scheduler
     each: list[float] = []
+    tail_s, tail_steps, tail_graph, tail_ahead = 0.0, 0, 0, 0
     while engine.has_work():
+        in_tail = len(sched.running) + len(sched.waiting) <= tail
+        runs, ahead = graphs.steps, graphs.steps_ahead
         stub_before, t = stub.seconds, time.perf_counter()
         engine.step()
         each.append(time.perf_counter() - t - (stub.seconds - stub_before))
+        if in_tail:
+            tail_s, tail_steps = tail_s + each[-1], tail_steps + 1
+            tail_graph, tail_ahead = tail_graph + graphs.steps - runs, tail_ahead + graphs.steps_ahead - ahead
     return {"host_us_per_step": 1e6 * float(np.median(each)), "mean_us": 1e6 * sum(each) / len(each),
             "speculator_us": 1e6 * (spec_timer.seconds - spec_before) / len(each),
-            "steps": len(each), "tokens": sum(r.num_output for r in reqs)}
+            "steps": len(each), "tokens": sum(r.num_output for r in reqs),
+            "tail_host_ms": 1e3 * tail_s, "tail_steps": tail_steps, "tail_graph_steps": tail_graph,
+            "tail_ahead": tail_ahead}
 
 
 def speculative_main(tokenizer: Any, args: argparse.Namespace) -> None:
@@ -670,21 +686,22 @@ def speculative_main(tokenizer: Any, args: argparse.Namespace) -> None:
         to_constraint(JsonSchema(SCHEMA)))
     text = dump_json(INSTANCE, SCHEMA)
     stub = TextFollowingDevice(engine, tokenizer, text, min(engine.stop_token_ids))
-    spec = Speculator(engine, SpeculativeConfig(max_requests=0))
+    spec = Speculator(engine, SpeculativeConfig(max_requests=args.max_requests))
     spec.use_tokenizer(tokenizer)
     spec.policy.engine_wide = Acceptance(0.0, 1.0)  # drafts never accepted: none pays
-    timer = MethodTimer(spec, ("drafts", "skips_verify", "plans_plain_step"))  # the engine's calls
+    timer = MethodTimer(spec, ("drafts", "skips_verify", "plan_step"))  # the engine's calls
     asked = MethodTimer(spec.drafter, ("candidates",))  # a draft for one request
     prompt = tokenizer.encode(chat(tokenizer, f"{PROMPT} Source: {text}"), add_special_tokens=False)
     rows = []
+    tail = args.max_requests or batch  # the steps the speculator sees
     for speculator in (None, spec):  # warm-up
         engine.speculator = speculator
-        burst_host_us(engine, stub, prompt, grammar, batch, timer)
+        burst_host_us(engine, stub, prompt, grammar, batch, timer, tail)
     for rnd in range(args.repeat):
         for name, speculator in (("plain", None), ("speculative", spec)):
             engine.speculator = speculator
             rows.append({"engine": name, "batch": batch, "round": rnd,
-                         **{k: round(v, 1) for k, v in burst_host_us(engine, stub, prompt, grammar, batch, timer).items()}})
+                         **{k: round(v, 1) for k, v in burst_host_us(engine, stub, prompt, grammar, batch, timer, tail).items()}})
             print(rows[-1], flush=True)
     engine.speculator = None
     print_table(rows)
@@ -692,7 +709,7 @@ def speculative_main(tokenizer: Any, args: argparse.Namespace) -> None:
     if not args.no_write:
         print("wrote", write_results("host_speculative", rows, extra={
             "device": "cpu", "decisions": dict(spec.policy.decisions), "weighed": spec.policy.weighed,
-            "drafter_calls": asked.calls,
+            "drafter_calls": asked.calls, "max_requests": args.max_requests,
             "note": "host microseconds per step, device stubbed, JSON rows with jump-forward; plain engine "
                     "and n-gram speculation whose policy drafts nothing, alternated; CPU figures on a "
                     "shared machine: noisy"}))
@@ -738,6 +755,8 @@ def main() -> None:
     ap.add_argument("--stats-out", type=Path, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--profile-out", type=Path, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--speculative", action="store_true", help="plain vs no-draft speculative steps (see above)")
+    ap.add_argument("--max-requests", type=int, default=0,
+                    help="--speculative: SpeculativeConfig.max_requests (0: the speculator sees every step)")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     if args.serve_stubbed:

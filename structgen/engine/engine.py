@@ -139,12 +139,12 @@ class Engine:
 
     def _mask_prefetcher(self) -> MaskPrefetcher | None:
         """Next step's masks filled on worker threads during the bookkeeping (grammar/prefetch.py).
-        Not with speculation: its steps drive the matchers through drafts and rollbacks. Nor,
-        unless forced on, where grammar.native's pool fills masks: it fills a whole step's
-        masks inline within the forward, and a prefetch only adds hand-offs
-        (docs/performance.md, "Grammar overhead")."""
+        With speculation too, for its plain steps: before it drafts or verifies, the speculator
+        lets a prefetch in flight finish (`Speculator.settle_prefetch`). Not, unless forced on,
+        where grammar.native's pool fills masks: it fills a whole step's masks inline within
+        the forward, and a prefetch only adds hand-offs (docs/performance.md, "Grammar overhead")."""
         mode = self.config.tuning.mask_prefetch
-        if self.speculator is not None or mode == "off" or (mode == "auto" and native.pool_in_use()):
+        if mode == "off" or (mode == "auto" and native.pool_in_use()):
             return None
         from structgen.grammar.prefetch import MaskPrefetcher, PrefetchTuner
 
@@ -160,8 +160,9 @@ class Engine:
         """Build the components that read text: jump-forward (requests use it unless
         `jump_forward=False`; on CUDA the batch-1 decode graphs also get its token gate), the
         budget closer and the speculator's text drafters."""
+        # Guesses on with speculation too: its steps without drafts are plain decode steps, and a
+        # verify step drops the guesses of its requests (`Speculator._accept`).
         jump = self.jump_forward_hook = JumpForward(tokenizer, self.vocab_size, self.stop_token_ids)
-        jump.guesses = self.config.speculative is None  # its drafter proposes drafts there instead
         if self.device.type == "cuda":
             self.runner.set_token_gate(quiet_tokens(jump.vocab), QUIET_MIN_ALLOWED)
         self.closer.use_tokenizer(tokenizer, self.vocab_size, self.stop_token_ids)
@@ -410,8 +411,8 @@ class Engine:
             if not batch or not self._is_decode_step(batch):
                 return None
             spec = self.speculator
-            if spec is not None and spec.runs(batch) and not spec.plans_plain_step(batch):
-                return None  # a verify step comes next (its drafts are kept for it)
+            if spec is not None and spec.runs(batch):
+                return spec.plan_step(batch)  # a plain or a verify step (its drafts are kept for it)
             return self._decode_rows(batch)[0]
         except Exception:  # pragma: no cover - planning must never fail the step
             log.exception("planning the next decode step failed")

@@ -203,7 +203,7 @@ class JumpForward:
         self._probe_lists: dict[int, tuple[bool, list[int]]] = {}  # `_probes`' answers by token
         self._triggers: Counter[int] = Counter()  # sampled tokens after which text was forced
         self._rehearsal: Rehearsal | None = None
-        self.guesses = True  # propose held-back tokens as guesses (`Engine.use_tokenizer` sets it)
+        self.guesses = True  # propose held-back tokens as guesses (tests turn it off)
         # Work out jumps while the device computes a batch-1 step (`rehearse`); benchmarks and
         # tests turn it off to time or compare the engine without it.
         self.rehearses = True

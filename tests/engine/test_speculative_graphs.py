@@ -105,35 +105,13 @@ def test_speculative_and_jump_forward_outputs_equal_plain_greedy_outputs_on_jme(
     tokenised canonically, which greedy decoding token by token need not pick.) And verify
     steps leave the token gate alone (its one-row forward would be wasted ahead of the next
     verify step)."""
-    import json
-
-    from structgen import LLM, JsonSchema
-    from structgen.engine.config import EngineConfig, SpeculativeConfig
-    from structgen.engine.request import Request
+    from structgen import LLM
     from structgen.engine.speculative.speculator import Speculator
-    from structgen.errors import StructgenError
-    from structgen.sampling import SamplingParams
 
     llm = LLM(model_dir, config=EngineConfig(max_seq_len=2048, max_batch_size=4, batch_invariant=True))
     eng = llm.engine
     assert eng.config.batch_invariant
-    cases = []
-    for line in (maskbench_dir / "JME.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        valid = [t["data"] for t in row["tests"] if t["valid"] and isinstance(t["data"], dict)]
-        if not valid or not isinstance(row["schema"], dict):
-            continue
-        try:
-            grammar = llm.compile(JsonSchema(row["schema"]))
-        except (StructgenError, ValueError, TypeError, RecursionError):
-            continue
-        text = f"Write this record as JSON.\nSchema: {json.dumps(row['schema'])}\nRecord: {json.dumps(valid[0])}"
-        ids = llm.encode_prompt(text)
-        if len(ids) <= 1500:
-            cases.append((ids, grammar))
-        if len(cases) == 20:
-            break
-    assert len(cases) == 20
+    cases = jme_cases(llm, maskbench_dir, 20)
     ngram = Speculator(eng, SpeculativeConfig(method="ngram", num_draft_tokens=3))
     ngram.adaptive = False  # every step a verify step (the gate check below), drafts or not
     ngram.use_tokenizer(llm.tokenizer)
@@ -168,6 +146,68 @@ def test_speculative_and_jump_forward_outputs_equal_plain_greedy_outputs_on_jme(
             assert not differ, f"{name}, jump_forward={jf}: prompts {differ} differ from no speculation: " + \
                 "; ".join(first_difference(llm.tokenizer, got[i], plain[i]) for i in differ)
     eng.jump_forward_hook.guesses = True
+
+
+def jme_cases(llm, maskbench_dir, n: int) -> list[tuple[list[int], object]]:
+    """The first `n` MaskBench JME schemas the backends compile, each with a prompt to write its
+    first valid instance (at most 1,500 tokens): (prompt ids, compiled grammar)."""
+    import json
+
+    from structgen import JsonSchema
+    from structgen.errors import StructgenError
+
+    cases = []
+    for line in (maskbench_dir / "JME.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        valid = [t["data"] for t in row["tests"] if t["valid"] and isinstance(t["data"], dict)]
+        if not valid or not isinstance(row["schema"], dict):
+            continue
+        try:
+            grammar = llm.compile(JsonSchema(row["schema"]))
+        except (StructgenError, ValueError, TypeError, RecursionError):
+            continue
+        text = f"Write this record as JSON.\nSchema: {json.dumps(row['schema'])}\nRecord: {json.dumps(valid[0])}"
+        ids = llm.encode_prompt(text)
+        if len(ids) <= 1500:
+            cases.append((ids, grammar))
+        if len(cases) == n:
+            break
+    assert len(cases) == n
+    return cases
+
+
+def test_the_draft_policy_over_batches_of_jme_keeps_plain_greedy_outputs(model_dir, maskbench_dir):
+    """Eight JME prompts, four at a time, in the batch-invariant mode with the draft policy
+    choosing per step: plain steps where nobody drafts (with jump-forward's guess rows),
+    verify steps, and verify steps whose forward a plain step launched ahead
+    (`Speculator.plan_step`) all give plain greedy decoding's tokens, and drafting ran."""
+    from structgen import LLM
+    from structgen.engine.speculative.speculator import Speculator
+
+    llm = LLM(model_dir, config=EngineConfig(max_seq_len=2048, max_batch_size=4, batch_invariant=True))
+    eng = llm.engine
+    cases = jme_cases(llm, maskbench_dir, 8)
+    ngram = Speculator(eng, SpeculativeConfig(method="ngram", num_draft_tokens=3))
+    ngram.use_tokenizer(llm.tokenizer)
+
+    def outputs(speculator: Speculator | None) -> list[list[int]]:
+        eng.speculator = speculator
+        done = []
+        for i in range(0, len(cases), 4):
+            reqs = [Request(ids, SamplingParams(max_tokens=96, jump_forward=True), grammar.matcher(),
+                            frozenset(eng.stop_token_ids)) for ids, grammar in cases[i : i + 4]]
+            eng.run(reqs)
+            assert all(r.finish_reason != "error" for r in reqs), [r.error for r in reqs]
+            done += [r.output_ids for r in reqs]
+        return done
+
+    plain = outputs(None)
+    got = outputs(ngram)
+    eng.speculator = None
+    differ = [i for i, (a, b) in enumerate(zip(got, plain, strict=True)) if a != b]
+    assert not differ, f"prompts {differ} differ from no speculation: " + \
+        "; ".join(first_difference(llm.tokenizer, got[i], plain[i]) for i in differ)
+    assert ngram.policy.decisions["pays"] + ngram.policy.decisions["trial"] > 0
 
 
 def first_difference(tokenizer, got: list[int], want: list[int]) -> str:

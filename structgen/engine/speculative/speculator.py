@@ -133,6 +133,7 @@ class Speculator:
         drafts: list[list[int]] = [[] for _ in batch]
         if not any(ks) or self.disabled is not None:  # the drafter is asked about nobody
             return drafts
+        self.settle_prefetch()
         todo = [i for i, k in enumerate(ks) if k > 0]
         reqs = [batch[i][0] for i in todo]
         self._tracked.update(reqs)
@@ -244,15 +245,28 @@ class Speculator:
         return ((len(batch) > 1 or not self.policy.chose_drafts) and not any(drafts) and self.adaptive
                 and not self.capturable and getattr(self.drafter, "host_only", False))
 
-    def plans_plain_step(self, batch: list[tuple[Request, int]]) -> bool:
-        """Whether the next step, `batch`, will be a plain decode step; its drafts are proposed
-        now and kept for it either way (`drafts`)."""
+    def plan_step(self, batch: list[tuple[Request, int]]) -> list[ExtendSeq] | None:
+        """The rows of the next step, `batch`, planned from a plain step: its drafts are
+        proposed now and kept for it (`drafts`), and its forward launched ahead whichever step
+        it is, the plain one or (with a drafter that runs on the host, outside the capturable
+        mode) the verify step, as a verify step plans its successor (`_plan_next`)."""
         drafts = self.propose(batch)
         self._planned = (self._batch_key(batch, drafts), drafts)
-        return self.skips_verify(batch, drafts)
+        if not self.skips_verify(batch, drafts) and (self._capturable() or not getattr(self.drafter, "host_only", False)):
+            return None  # its forward runs when the step does
+        return self._rows_of(batch, drafts)
+
+    def settle_prefetch(self) -> None:
+        """Let the engine's mask prefetch in flight finish, and drop it: drafting and verifying
+        walk the matchers its workers fill (grammar/prefetch.py: nobody else may use them until
+        it is taken or waited for). A step without drafts keeps it for its masks."""
+        prefetcher = self.engine.prefetcher
+        if prefetcher is not None:
+            prefetcher.wait()
 
     def verify_step(self, batch: list[tuple[Request, int]], drafts: list[list[int]], started: float) -> list[Request]:
         """`step` with its drafts chosen; `started`: when the step began (perf_counter)."""
+        self.settle_prefetch()
         if self._capturable():
             bucket = self._loop_bucket(batch)
             fitted = self._fit(batch, drafts, bucket)
@@ -399,26 +413,28 @@ class Speculator:
         """The next verify step's rows, drafts included, when that step is sure (nobody to admit
         or prefill) and fits the decode graphs, so its forward is launched as soon as this
         step's tokens are taken in; where nobody drafts, the rows of the engine's plain step
-        that will run instead (with jump-forward's guess rows, which a verify step has not), so
-        its launched forward is the one it uses. Its drafts are proposed here and kept for that
+        that will run instead (`_rows_of`). Its drafts are proposed here and kept for that
         step. Only for drafters that run on the host: a draft model's forwards would queue
         behind it."""
         try:
             proposed = self._propose_next()
-            if proposed is None:
-                return None
-            batch, drafts = proposed
-            eng = self.engine
-            if self.skips_verify(batch, drafts) and eng._is_decode_step(batch):
-                return eng._decode_rows(batch)[0]  # the engine's plain step comes: its rows, guesses too
-            spans = sampling_spans(batch, drafts)
-            if any(s is None for s in spans):
-                return None
-            rows, _ = token_rows(batch, drafts, spans)
-            return rows if self._in_graphs(batch, len(rows)) else None
+            return None if proposed is None else self._rows_of(*proposed)
         except Exception:  # pragma: no cover - planning must never fail the step
             log.exception("planning the next verify step failed")
             return None
+
+    def _rows_of(self, batch: list[tuple[Request, int]], drafts: list[list[int]]) -> list[ExtendSeq] | None:
+        """The rows of the step `batch` with `drafts` will run: the engine's plain step where
+        nobody drafts (with jump-forward's guess rows, which a verify step has not), else the
+        verify step's where it fits the decode graphs; None where neither is in the graphs."""
+        eng = self.engine
+        if self.skips_verify(batch, drafts) and eng._is_decode_step(batch):
+            return eng._decode_rows(batch)[0]  # the engine's plain step comes: its rows, guesses too
+        spans = sampling_spans(batch, drafts)
+        if any(s is None for s in spans):
+            return None
+        rows, _ = token_rows(batch, drafts, spans)
+        return rows if self._in_graphs(batch, len(rows)) else None
 
     def _propose_next(self) -> tuple[list[tuple[Request, int]], list[list[int]]] | None:
         """The next step's batch and its drafts, when that step is sure (nobody to admit or
@@ -535,6 +551,9 @@ class Speculator:
         """Keep the accepted prefix of the draft, emit it and the target's token through the
         engine's `_advance`; the KV cache keeps pending + accepted drafts."""
         eng = self.engine
+        # A guess (engine/drafts.py) is for the step right after its jump: this one, which ran
+        # no guess row; kept, it would run later at a position it was not proposed for.
+        req.guess = None
         try:
             if error is not None:
                 raise EngineError(f"grammar failed while computing the token mask: {error}")
