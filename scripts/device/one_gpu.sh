@@ -58,7 +58,7 @@ want() { [[ " ${PIECES:-a b c d e f} " == *" $1 "* ]]; }  # PIECES="b d": only t
 want a && piece "a: GPU tests" 150 "$LOG" "${TESTS[@]}"
 want b && piece "b: speculation targets" 150 "$LOG" "${SPEC[@]}" && keep 'speculative_targets-*.json'
 if want c; then
-  piece "c: json-one, 256 at once, cold then warm" 80 "$LOG" "${JSON_ONE[@]}"
+  piece "c: json-one, 256 at once, cold then warm" 130 "$LOG" "${JSON_ONE[@]}"
   keep 'serving-*.json' && mv -f "$OUT"/serving-*.json "$OUT/serving-json-one.json" 2>/dev/null
   piece "c: agent against agent-short" 110 "$LOG" "${AGENT[@]}"
   keep 'serving-*.json'
