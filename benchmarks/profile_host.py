@@ -303,6 +303,7 @@ def serving_run(tokenizer: Any, n: int, max_tokens: int, grammar_threads: int, w
         asyncio.run(ServingClient(llm, max_tokens, acomplete, serial).run_all(requests))
     graph_steps = engine.runner.graphs.steps
     steps = StepLog(engine, stub)
+    front = FrontTimes(llm)
     client = ServingClient(llm, max_tokens, acomplete, serial)
     profilers = (cProfile.Profile(), cProfile.Profile()) if profile_path else None
     if profilers:  # each engine step, as the engine thread may have started in the warm-up run
@@ -335,7 +336,44 @@ def serving_run(tokenizer: Any, n: int, max_tokens: int, grammar_threads: int, w
             "tpot_p99_ms": round(1e3 * float(np.quantile(client.tpot, 0.99)), 2) if client.tpot else None,
             "host_ms_per_request": round(1e3 * sum(busy) / n, 2),
             "ttft_max_s": round(float(np.nanmax(ttft)), 2), "no_output": int(np.isnan(ttft).sum()),
-            "failed": dict(Counter(client.failed))}
+            "failed": dict(Counter(client.failed)), **front.medians_ms(client.started)}
+
+
+class FrontTimes:
+    """When each request of a burst passed the asyncio front's stages: its constraint and
+    grammar found (`grammar`), its prompt tokenized and engine request made (`request`), the
+    request handed to the engine loop (`submitted`); reported as medians from the burst's
+    start. Wrappers set on the LLM instance, keyed by the caller's task."""
+
+    def __init__(self, llm: Any):
+        self.llm = llm
+        self.at: dict[Any, dict[str, float]] = defaultdict(dict)
+        self._acompile, self._arequest, self._submit = llm._acompile, llm._arequest, llm.loop.submit
+        llm._acompile, llm._arequest, llm.loop.submit = self.acompile, self.arequest, self.submit
+
+    def _mark(self, stage: str) -> None:
+        import asyncio
+
+        self.at[asyncio.current_task()][stage] = time.perf_counter()
+
+    async def acompile(self, *args: Any, **kwargs: Any) -> Any:
+        out = await self._acompile(*args, **kwargs)
+        self._mark("grammar")
+        return out
+
+    async def arequest(self, *args: Any, **kwargs: Any) -> Any:
+        out = await self._arequest(*args, **kwargs)
+        self._mark("request")
+        return out
+
+    def submit(self, request: Request) -> Any:
+        self._mark("submitted")
+        return self._submit(request)
+
+    def medians_ms(self, started: float) -> dict[str, float]:
+        stages = ("grammar", "request", "submitted")
+        return {f"front_{s}_p50_ms": round(1e3 * (float(np.median([t[s] for t in self.at.values() if s in t])) - started), 2)
+                for s in stages if any(s in t for t in self.at.values())}
 
 
 class StepLog:

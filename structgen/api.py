@@ -9,6 +9,8 @@ comes back cut off, with `finish_reason="length"`."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import functools
 import itertools
 import json
@@ -32,7 +34,7 @@ from structgen.arguments import (
     check_prompt,
     checked_keywords,
 )
-from structgen.async_bridge import CompileGate, LoopWaker, ThreadBatch
+from structgen.async_bridge import CompileGate, LoopWaker, Outcome, ThreadBatch
 from structgen.completion import (  # Completion re-exported for `from structgen.api import`
     Completion,
     ReasoningDelta,
@@ -57,7 +59,7 @@ from structgen.grammar import CompiledGrammar, GrammarCompiler, GrammarMatcher
 from structgen.grammar.backends.base import token_bytes
 from structgen.grammar.digit_bounds import bound_integers, reached_bound
 from structgen.partial import PartialStream, partial_tracker
-from structgen.prompt_encoding import SegmentEncoder
+from structgen.prompt_encoding import SegmentEncoder, encode_texts
 from structgen.repair import FieldRepair
 from structgen.sampling import SamplingParams
 from structgen.schema.budget import CompileBudget, within
@@ -77,12 +79,35 @@ _POLL_S = 0.1
 # No token is longer than this many characters in any tokenizer we load, so a prompt longer
 # than this many characters per context token cannot fit; refused before tokenizing it.
 _MAX_CHARS_PER_TOKEN = 32
+# Worker-thread jobs a burst of async callers' prompts is tokenized in: one batched tokenizer
+# call spreads a burst over the tokenizer's own threads.
+PROMPT_JOBS = 1
 # Threads compiling grammars: compiles are native code that releases the GIL, so a burst of
 # distinct schemas compiles on several cores, leaving the rest to the engine and the front.
 _COMPILE_WORKERS = max(2, min(8, (os.cpu_count() or 2) // 2))
 # Tokens before the new ones that a stream decodes again with them: a tokenizer's decoding of a
 # token can depend on the token before it (a leading space, a multi-byte character's bytes).
 _DECODE_CONTEXT_TOKENS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class RenderedPrompt:
+    """A prompt's text to tokenize: `chat`, rendered by the chat template (which wrote its
+    special tokens); else a raw string, to which the tokenizer adds its own."""
+
+    text: str
+    chat: bool
+
+
+@contextlib.contextmanager
+def _prompt_errors() -> Iterator[None]:
+    """Tokenizer and template failures on what the caller passed, as `InvalidParameterError`."""
+    try:
+        yield
+    except StructgenError:
+        raise
+    except Exception as e:
+        raise InvalidParameterError(f"the prompt could not be rendered and tokenized: {e}") from e
 
 
 class LLM:
@@ -165,9 +190,9 @@ class LLM:
         # Async callers' compiles handed to the pool at once: enough to keep every worker busy;
         # the rest wait their turn outside, where no compile budget runs.
         self._compile_gate = CompileGate(2 * _COMPILE_WORKERS)
-        # Async callers' prompt tokenizing, a burst's calls in a few thread jobs (schemas are
-        # normalized one a thread: a hostile one must not hold up the others of its burst).
-        self._blocking = ThreadBatch()
+        # Async callers' prompts, a burst's in one thread job, tokenized in one batched call
+        # (schemas are normalized one a thread: a hostile one must not hold up its burst).
+        self._prompts = ThreadBatch(self._encode_prompts, jobs=PROMPT_JOBS)
         self._built = BuiltConstraints()
         self.loop = EngineLoop(engine)
         # Per running event loop, what hands it the engine's stream updates (weak: a finished
@@ -224,34 +249,70 @@ class LLM:
         the chat template; `chat=False` sends a string as raw text; an `EncodedPrompt` is
         its ids. A prompt far longer than the context is refused (`PromptTooLongError`) before
         it is tokenized."""
-        check_prompt(prompt, self.engine.max_seq_len * _MAX_CHARS_PER_TOKEN)
         if isinstance(prompt, EncodedPrompt):
-            if tools:
-                raise InvalidParameterError(
-                    "tools were given with an encoded prompt, which the chat template already "
-                    "rendered; pass the tools to encode_prompt instead")
-            return list(prompt.token_ids)
-        try:
-            return self._tokenize(prompt, chat, tools)
-        except StructgenError:
-            raise
-        except Exception as e:  # tokenizer or template failures on what the caller passed
-            raise InvalidParameterError(f"the prompt could not be rendered and tokenized: {e}") from e
+            return self._encoded_ids(prompt, tools)
+        rendered = self._render(prompt, chat, tools)
+        return self._tokenized([rendered])[0]
 
-    def _tokenize(self, prompt: Prompt, chat: bool | None, tools: list[dict[str, Any]] | None) -> list[int]:
+    def _encoded_ids(self, prompt: EncodedPrompt, tools: list[dict[str, Any]] | None) -> list[int]:
+        check_prompt(prompt, self.engine.max_seq_len * _MAX_CHARS_PER_TOKEN)
+        if tools:
+            raise InvalidParameterError(
+                "tools were given with an encoded prompt, which the chat template already "
+                "rendered; pass the tools to encode_prompt instead")
+        return list(prompt.token_ids)
+
+    def _render(self, prompt: str | list[dict[str, Any]], chat: bool | None,
+                tools: list[dict[str, Any]] | None) -> RenderedPrompt:
+        """The text to tokenize: a chat prompt through the chat template; a raw string as it is."""
+        check_prompt(prompt, self.engine.max_seq_len * _MAX_CHARS_PER_TOKEN)
         has_template = bool(getattr(self.tokenizer, "chat_template", None))
         if isinstance(prompt, str) and (chat is False or (chat is None and not has_template)):
-            # The tokenizer's own prefix (Gemma's <bos>, without which it degenerates); the
-            # chat templates below write theirs into the text.
-            return list(self.tokenizer.encode(prompt, add_special_tokens=True))
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+            return RenderedPrompt(prompt, chat=False)
         if not has_template:
             raise InvalidParameterError(
                 "this tokenizer has no chat template; pass the prompt as a string with chat=False"
             )
         kw = {"tools": tools} if tools else {}
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kw)
-        return self._prompt_encoder.encode(text)
+        with _prompt_errors():
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kw)
+        return RenderedPrompt(text, chat=True)
+
+    def _tokenized(self, prompts: list[RenderedPrompt]) -> list[list[int]]:
+        """Token ids of rendered prompts, each kind in one batched tokenizer call: a raw string
+        with the tokenizer's own prefix (Gemma's <bos>, without which it degenerates), a chat
+        prompt as rendered (the template wrote its special tokens into the text)."""
+        ids: list[list[int]] = [[] for _ in prompts]
+        raw = [i for i, p in enumerate(prompts) if not p.chat]
+        chats = [i for i, p in enumerate(prompts) if p.chat]
+        with _prompt_errors():
+            for i, got in zip(raw, encode_texts(self.tokenizer, [prompts[i].text for i in raw], True), strict=True):
+                ids[i] = got
+            for i, got in zip(chats, self._prompt_encoder.encode_batch([prompts[i].text for i in chats]), strict=True):
+                ids[i] = got
+        return ids
+
+    def _encode_prompts(self, calls: list[tuple[Prompt, bool | None, list[dict[str, Any]] | None]]) -> list[Outcome]:
+        """`encode_prompt` of a burst's calls (the `ThreadBatch` process of async callers):
+        each rendered on its own, all tokenized together; a call's error is its own."""
+        outcomes: list[Outcome] = [(None, None)] * len(calls)
+        rendered: dict[int, RenderedPrompt] = {}
+        for i, (prompt, chat, tools) in enumerate(calls):
+            try:
+                rendered[i] = self._render(prompt, chat, tools)
+            except Exception as e:
+                outcomes[i] = (None, e)
+        try:
+            for i, ids in zip(rendered, self._tokenized(list(rendered.values())), strict=True):
+                outcomes[i] = (ids, None)
+        except Exception:  # one of them fails to tokenize: each on its own, its error to its caller
+            for i, prompt in rendered.items():
+                try:
+                    outcomes[i] = (self._tokenized([prompt])[0], None)
+                except Exception as e:
+                    outcomes[i] = (None, e)
+        return outcomes
 
     def count_prompt_tokens(self, prompt: Prompt, chat: bool | None = None, tools: list[dict[str, Any]] | None = None) -> int:
         return len(self.encode_prompt(prompt, chat=chat, tools=tools))
@@ -283,9 +344,9 @@ class LLM:
         constraint, compiled = await self._acompile(output_type, options.strict, options.params.loop_guards)
         matcher = compiled.matcher() if compiled is not None else None
         if isinstance(prompt, EncodedPrompt):  # nothing to tokenize: no worker thread
-            ids = self.encode_prompt(prompt, tools=options.tools)
+            ids = self._encoded_ids(prompt, options.tools)
         else:
-            ids = await self._blocking.run(self.encode_prompt, prompt, chat=options.chat, tools=options.tools)
+            ids = await self._prompts.add((prompt, options.chat, options.tools))
         return self._new_request(ids, options.params, matcher, constraint), constraint
 
     async def aprepare(self, output_type: Any, *, strict: bool = True) -> Constraint:

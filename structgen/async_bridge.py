@@ -7,9 +7,9 @@ hand each other, so that hundreds of async callers cost the engine thread little
 - `CompileGate`: async callers hand the compile pool only as many compiles as it can start
   soon; the rest wait in order on their own event loops, where waiting costs nothing of a
   compile's time budget, instead of failing on a full compile queue;
-- `ThreadBatch`: the blocking calls (prompt tokenizing) that a burst of callers makes within
-  one turn of their event loop run in a few worker-thread jobs with one wake-up of the loop
-  each, not a thread hop and a wake-up per call; a call that may run long (normalizing a
+- `ThreadBatch`: the blocking work (prompt tokenizing) that a burst of callers asks for within
+  one turn of their event loop runs in a few worker-thread jobs, each one batched call with
+  one wake-up of the loop, not a thread hop and a wake-up per caller; a call that may run long (normalizing a
   hostile schema) does not belong in one, where it holds up the calls after it.
 """
 
@@ -156,47 +156,65 @@ class CompileGate:
             future.set_result(None)
 
 
-_Call = tuple[Callable[[], Any], "asyncio.Future[Any]"]
+# What a batch's `process` gives for each of its items: a result, or the error to raise in
+# that item's caller.
+Outcome = tuple[Any, BaseException | None]
+
+
+def run_each(calls: list[Callable[[], Any]]) -> list[Outcome]:
+    """`ThreadBatch`'s default `process`: each item is a call, run on its own."""
+    outcomes: list[Outcome] = []
+    for call in calls:
+        try:
+            outcomes.append((call(), None))
+        except BaseException as e:  # handed to that call's caller
+            outcomes.append((None, e))
+    return outcomes
 
 
 class ThreadBatch:
-    """`await batch.run(fn, *args)` runs `fn(*args)` in a worker thread, together with the
-    other calls made on the same event loop before it next polls: the burst is split into at
-    most BATCH_JOBS jobs of the loop's default executor, each handing all its results back
-    with one wake-up. A call's exception is raised in its own caller only."""
+    """`await batch.add(item)` hands `item` to `process(items)` in a worker thread, together
+    with the other items added on the same event loop before it next polls: the burst is split
+    into at most `jobs` jobs of the loop's default executor, each handing all its results back
+    with one wake-up. `process` returns one `Outcome` per item; an item's error is raised in
+    its own caller only. With the default `process`, `await batch.run(fn, *args)` runs
+    `fn(*args)` so."""
 
-    def __init__(self) -> None:
-        self._pending: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, list[_Call]] = (
+    def __init__(self, process: Callable[[list[Any]], list[Outcome]] = run_each, jobs: int = BATCH_JOBS) -> None:
+        self.process = process
+        self.jobs = jobs
+        self._pending: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, list[tuple[Any, asyncio.Future[Any]]]] = (
             weakref.WeakKeyDictionary())
         self._lock = threading.Lock()
 
     async def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return await self.add(functools.partial(fn, *args, **kwargs))
+
+    async def add(self, item: Any) -> Any:
         aloop = asyncio.get_running_loop()
         future = aloop.create_future()
         with self._lock:
             pending = self._pending.setdefault(aloop, [])
-        pending.append((functools.partial(fn, *args, **kwargs), future))
+        pending.append((item, future))
         if len(pending) == 1:  # the first of this turn: the rest join it until the loop polls
             aloop.call_soon(self._flush, aloop)
         return await future
 
     def _flush(self, aloop: asyncio.AbstractEventLoop) -> None:
         with self._lock:
-            calls = self._pending.pop(aloop, [])
-        size = math.ceil(len(calls) / BATCH_JOBS)
-        for start in range(0, len(calls), size):
-            aloop.run_in_executor(None, self._run_job, aloop, calls[start : start + size])
+            items = self._pending.pop(aloop, [])
+        size = math.ceil(len(items) / self.jobs)
+        for start in range(0, len(items), size):
+            aloop.run_in_executor(None, self._run_job, aloop, items[start : start + size])
 
-    @staticmethod
-    def _run_job(aloop: asyncio.AbstractEventLoop, calls: list[_Call]) -> None:
-        outcomes: list[tuple[asyncio.Future[Any], Any, BaseException | None]] = []
-        for call, future in calls:
-            if future.cancelled():  # its caller left while it waited
-                continue
-            try:
-                outcomes.append((future, call(), None))
-            except BaseException as e:  # handed to that call's caller
-                outcomes.append((future, None, e))
+    def _run_job(self, aloop: asyncio.AbstractEventLoop, items: list[tuple[Any, asyncio.Future[Any]]]) -> None:
+        items = [(item, future) for item, future in items if not future.cancelled()]  # callers gone
+        futures = [future for _, future in items]
+        try:
+            results = self.process([item for item, _ in items])
+        except BaseException as e:  # a failure of the whole batch reaches each of its callers
+            results = [(None, e)] * len(items)
+        outcomes = [(future, result, error) for future, (result, error) in zip(futures, results, strict=True)]
         try:
             aloop.call_soon_threadsafe(_settle, outcomes)
         except RuntimeError:  # the event loop closed: nobody waits for the results

@@ -72,6 +72,15 @@ class SegmentEncoder:
                 out.append(self.special_ids[parts[2 * i + 1]])
         return out
 
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """`encode` of each text; the texts without a long piece in one batched tokenizer call
+        (a fast tokenizer encodes a batch on its own threads, the GIL released)."""
+        out: list[list[int] | None] = [None] * len(texts)
+        whole = [i for i, text in enumerate(texts) if not self.enabled or len(text) < MIN_CACHED_CHARS]
+        for i, ids in zip(whole, encode_texts(self.tokenizer, [texts[i] for i in whole], False), strict=True):
+            out[i] = ids
+        return [ids if ids is not None else self.encode(texts[i]) for i, ids in enumerate(out)]
+
     def _seen_before(self, pieces: list[tuple[str, bool]]) -> bool:
         """Whether any of these long pieces was seen before (each is remembered now)."""
         with self._lock:
@@ -112,6 +121,17 @@ class SegmentEncoder:
                     self._pieces.move_to_end(piece)
             while len(self._pieces) > CACHED_PIECES:
                 self._pieces.popitem(last=False)
+
+
+def encode_texts(tokenizer: Any, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+    """`tokenizer.encode(text, add_special_tokens=...)` of each text, in one call of the
+    tokenizer's batch path (the one its `encode` takes for a batch of one)."""
+    if not texts:
+        return []
+    if len(texts) == 1:
+        return [list(tokenizer.encode(texts[0], add_special_tokens=add_special_tokens))]
+    batch = tokenizer(texts, add_special_tokens=add_special_tokens, return_attention_mask=False)
+    return [list(ids) for ids in batch["input_ids"]]
 
 
 def _splitting_tokens(tokenizer: Any) -> dict[str, int]:

@@ -172,6 +172,28 @@ def test_a_burst_of_blocking_calls_runs_in_a_few_thread_jobs_each_caller_getting
     assert 1 <= len(threads) <= BATCH_JOBS  # one job per part of the burst, not a thread hop per call
 
 
+def test_a_burst_handed_to_a_batch_process_is_one_call_per_job_and_each_caller_gets_its_outcome():
+    batches: list[list[int]] = []
+
+    def squares(items: list[int]) -> list:
+        batches.append(items)
+        return [(None, ValueError(f"no {i}")) if i == 3 else (i * i, None) for i in items]
+
+    batch = ThreadBatch(squares, jobs=1)
+
+    async def one(i: int) -> int | str:
+        try:
+            return await batch.add(i)
+        except ValueError as exc:
+            return str(exc)
+
+    async def main() -> list:
+        return await asyncio.gather(*(one(i) for i in range(20)))
+
+    assert asyncio.run(main()) == [i * i if i != 3 else "no 3" for i in range(20)]
+    assert batches == [list(range(20))]
+
+
 def test_requests_finishing_in_one_step_resolve_their_callers_with_one_wake_up():
     class Update:
         def __init__(self, finished: bool):

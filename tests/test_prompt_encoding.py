@@ -8,7 +8,8 @@ import copy
 
 import pytest
 
-from structgen.prompt_encoding import MIN_CACHED_CHARS, SegmentEncoder
+import structgen
+from structgen.prompt_encoding import MIN_CACHED_CHARS, SegmentEncoder, encode_texts
 
 # A tool catalogue as agents send it: long, with newlines, indentation, quotes and non-ASCII.
 CATALOGUE = "You can call these tools:\n" + "\n".join(
@@ -87,3 +88,52 @@ def llm_for_encoding(model_dir):
 
     with LLM(model_dir, config=EngineConfig(device="cpu", max_batch_size=1, max_seq_len=4096)) as llm:
         yield llm
+
+
+TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "Look an item up.",
+                                           "parameters": {"type": "object", "properties": {"id": {"type": "integer"}}}}}]
+
+
+def test_a_burst_of_async_prompts_gets_exactly_the_ids_each_prompt_gets_alone(llm_for_encoding):
+    import asyncio
+
+    llm, tok = llm_for_encoding, llm_for_encoding.tokenizer
+    calls = [(u, None, None) for u in TURNS if u]  # chat prompts from strings
+    calls += [(u, False, None) for u in ("raw text", " raw with a leading space", "ünïcode <|im_end|> raw")]
+    calls += [([{"role": "system", "content": s}, {"role": "user", "content": u}], None, None)
+              for s in ("Be brief.", CATALOGUE) for u in ("What is item 3?", "\nnewline first")]
+    calls += [([{"role": "user", "content": "Find item 7."}], None, TOOLS)]
+    calls += [([{"role": "assistant"}], None, None)]  # no content: the template fails on this one only
+
+    def alone(prompt, chat, tools) -> list[int]:
+        if chat is False:
+            return list(tok.encode(prompt, add_special_tokens=True))
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        kw = {"tools": tools} if tools else {}
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kw)
+        return list(tok.encode(text, add_special_tokens=False))
+
+    async def burst() -> list:
+        return await asyncio.gather(*(llm._prompts.add(c) for c in calls), return_exceptions=True)
+
+    for _ in range(2):  # the second time the catalogue's ids are reused
+        got = asyncio.run(burst())
+        assert got[:-1] == [alone(*c) for c in calls[:-1]]
+        assert isinstance(got[-1], structgen.InvalidParameterError)
+        assert [llm.encode_prompt(p, chat=chat, tools=tools) for p, chat, tools in calls[:-1]] == got[:-1]
+
+
+def test_batched_encoding_equals_encoding_each_text_with_and_without_special_tokens():
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE(unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    backend.train_from_iterator(["hello world tools and more tools " * 20],
+                                trainers.BpeTrainer(special_tokens=["<unk>", "<s>", "</s>"], vocab_size=100))
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    texts = ["hello world", " tools", "", "<s>more</s> tools", "hello " * 300]
+    for special in (True, False):
+        assert encode_texts(fast, texts, special) == [list(fast.encode(t, add_special_tokens=special)) for t in texts]
+    assert encode_texts(fast, texts, True)[0][0] == 1  # the tokenizer's own prefix, as a raw prompt gets it
