@@ -371,9 +371,14 @@ class FrontTimes:
         return self._submit(request)
 
     def medians_ms(self, started: float) -> dict[str, float]:
-        stages = ("grammar", "request", "submitted")
-        return {f"front_{s}_p50_ms": round(1e3 * (float(np.median([t[s] for t in self.at.values() if s in t])) - started), 2)
-                for s in stages if any(s in t for t in self.at.values())}
+        """Each stage's median and (`_first`, `_last`) its spread, in ms from `started`."""
+        out = {}
+        for stage in ("grammar", "request", "submitted"):
+            times = [1e3 * (t[stage] - started) for t in self.at.values() if stage in t]
+            if times:
+                out[f"front_{stage}_p50_ms"] = round(float(np.median(times)), 2)
+                out[f"front_{stage}_first_last_ms"] = (round(min(times), 1), round(max(times), 1))
+        return out
 
 
 class StepLog:

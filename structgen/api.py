@@ -340,13 +340,19 @@ class LLM:
         return Request(ids, params, matcher, frozenset(self.engine.stop_token_ids), validator=validator)
 
     async def _arequest(self, output_type: Any, prompt: Prompt, options: Options) -> tuple[Request, Constraint]:
-        """`_request` for asyncio: tokenizing and grammar work off the event loop."""
-        constraint, compiled = await self._acompile(output_type, options.strict, options.params.loop_guards)
+        """`_request` for asyncio: tokenizing and grammar work off the event loop, the prompt
+        tokenized while its grammar is found or compiled (a grammar error is raised first)."""
+        tokens = None
+        if not isinstance(prompt, EncodedPrompt):  # (an encoded one has nothing to tokenize)
+            tokens = self._prompts.submit((prompt, options.chat, options.tools))
+        try:
+            constraint, compiled = await self._acompile(output_type, options.strict, options.params.loop_guards)
+        except BaseException:
+            if tokens is not None:
+                tokens.cancel()
+            raise
         matcher = compiled.matcher() if compiled is not None else None
-        if isinstance(prompt, EncodedPrompt):  # nothing to tokenize: no worker thread
-            ids = self._encoded_ids(prompt, options.tools)
-        else:
-            ids = await self._prompts.add((prompt, options.chat, options.tools))
+        ids = self._encoded_ids(prompt, options.tools) if tokens is None else await tokens
         return self._new_request(ids, options.params, matcher, constraint), constraint
 
     async def aprepare(self, output_type: Any, *, strict: bool = True) -> Constraint:

@@ -191,6 +191,10 @@ class ThreadBatch:
         return await self.add(functools.partial(fn, *args, **kwargs))
 
     async def add(self, item: Any) -> Any:
+        return await self.submit(item)
+
+    def submit(self, item: Any) -> asyncio.Future[Any]:
+        """`add` without waiting: the future of `item`'s result (cancel it if no longer wanted)."""
         aloop = asyncio.get_running_loop()
         future = aloop.create_future()
         with self._lock:
@@ -198,7 +202,7 @@ class ThreadBatch:
         pending.append((item, future))
         if len(pending) == 1:  # the first of this turn: the rest join it until the loop polls
             aloop.call_soon(self._flush, aloop)
-        return await future
+        return future
 
     def _flush(self, aloop: asyncio.AbstractEventLoop) -> None:
         with self._lock:

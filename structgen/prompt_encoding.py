@@ -47,23 +47,39 @@ class SegmentEncoder:
         self.hits = 0  # texts encoded from kept pieces
 
     def encode(self, text: str) -> list[int]:
+        return self.encode_batch([text])[0]
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """`encode` of each text: from kept pieces where every long piece is kept, the others
+        whole in one batched tokenizer call (a fast tokenizer encodes a batch on its own
+        threads, the GIL released), then their long pieces learnt where seen before."""
+        found = [self._from_pieces(text) for text in texts]
+        whole = [i for i, ids in enumerate(found) if ids is None]
+        encoded = dict(zip(whole, encode_texts(self.tokenizer, [texts[i] for i in whole], False), strict=True))
+        for i, ids in encoded.items():
+            self._note(texts[i], ids)
+        return [ids if ids is not None else encoded[i] for i, ids in enumerate(found)]
+
+    def _split_long(self, text: str) -> tuple[list[str], list[tuple[str, bool]], list[tuple[str, bool]]]:
+        """The text's parts (text, special, ..., text), its pieces between added tokens (with
+        whether each is the first) and the long ones of them; none where nothing is kept."""
         if not self.enabled or len(text) < MIN_CACHED_CHARS:
-            return self._encode(text)
+            return [], [], []
         parts = self._split.split(text)  # text, special, text, special, ..., text
         pieces = [(p, i == 0) for i, p in enumerate(parts[0::2])]
-        long = [piece for piece in pieces if len(piece[0]) >= MIN_CACHED_CHARS]
+        return parts, pieces, [piece for piece in pieces if len(piece[0]) >= MIN_CACHED_CHARS]
+
+    def _from_pieces(self, text: str) -> list[int] | None:
+        """The ids of a text whose long pieces are all kept; None where it is encoded whole."""
+        parts, pieces, long = self._split_long(text)
         if not long:
-            return self._encode(text)
+            return None
         with self._lock:
             kept = {piece: self._pieces.get(piece) for piece in long}
-            for piece, ids in kept.items():
-                if ids is not None:
-                    self._pieces.move_to_end(piece)
-        if any(ids is None for ids in kept.values()):
-            ids = self._encode(text)
-            if self._seen_before([piece for piece, got in kept.items() if got is None]):
-                self._learn(parts, pieces, ids)
-            return ids
+            if any(ids is None for ids in kept.values()):
+                return None
+            for piece in kept:
+                self._pieces.move_to_end(piece)
         self.hits += 1
         out: list[int] = []
         for i, piece in enumerate(pieces):
@@ -72,14 +88,13 @@ class SegmentEncoder:
                 out.append(self.special_ids[parts[2 * i + 1]])
         return out
 
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        """`encode` of each text; the texts without a long piece in one batched tokenizer call
-        (a fast tokenizer encodes a batch on its own threads, the GIL released)."""
-        out: list[list[int] | None] = [None] * len(texts)
-        whole = [i for i, text in enumerate(texts) if not self.enabled or len(text) < MIN_CACHED_CHARS]
-        for i, ids in zip(whole, encode_texts(self.tokenizer, [texts[i] for i in whole], False), strict=True):
-            out[i] = ids
-        return [ids if ids is not None else self.encode(texts[i]) for i, ids in enumerate(out)]
+    def _note(self, text: str, ids: list[int]) -> None:
+        """After a text was encoded whole: learn its long pieces not kept, where seen before."""
+        parts, pieces, long = self._split_long(text)
+        with self._lock:
+            missing = [piece for piece in long if piece not in self._pieces]
+        if missing and self._seen_before(missing):
+            self._learn(parts, pieces, ids)
 
     def _seen_before(self, pieces: list[tuple[str, bool]]) -> bool:
         """Whether any of these long pieces was seen before (each is remembered now)."""

@@ -32,6 +32,16 @@ def test_agent_turns_equal_the_whole_encoding_and_reuse_the_catalogue(tokenizer)
     assert encoder.enabled and encoder.hits == len(TURNS) - 2
 
 
+def test_a_batch_of_agent_turns_equals_the_whole_encodings_and_learns_the_catalogue_once(tokenizer):
+    encoder = SegmentEncoder(tokenizer)
+    texts = chat_texts(tokenizer) + ["short", "<|im_start|>user\nhi<|im_end|>"]
+    whole = [list(tokenizer.encode(text, add_special_tokens=False)) for text in texts]
+    assert encoder.encode_batch(texts) == whole  # all encoded whole, the catalogue learnt
+    assert encoder.hits == 0
+    assert encoder.encode_batch(texts) == whole
+    assert encoder.hits == len(TURNS)  # every turn from the kept catalogue
+
+
 def test_short_texts_are_encoded_whole_and_long_ones_reused_with_or_without_added_tokens(tokenizer):
     encoder = SegmentEncoder(tokenizer)
     for text in ("hi", "<|im_start|>user\nhi<|im_end|>", CATALOGUE, CATALOGUE + "<|im_end|>" + CATALOGUE):
