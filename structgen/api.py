@@ -79,9 +79,6 @@ _POLL_S = 0.1
 # No token is longer than this many characters in any tokenizer we load, so a prompt longer
 # than this many characters per context token cannot fit; refused before tokenizing it.
 _MAX_CHARS_PER_TOKEN = 32
-# Worker-thread jobs a burst of async callers' prompts is tokenized in: one batched tokenizer
-# call spreads a burst over the tokenizer's own threads.
-PROMPT_JOBS = 1
 # Threads compiling grammars: compiles are native code that releases the GIL, so a burst of
 # distinct schemas compiles on several cores, leaving the rest to the engine and the front.
 _COMPILE_WORKERS = max(2, min(8, (os.cpu_count() or 2) // 2))
@@ -192,7 +189,7 @@ class LLM:
         self._compile_gate = CompileGate(2 * _COMPILE_WORKERS)
         # Async callers' prompts, a burst's in one thread job, tokenized in one batched call
         # (schemas are normalized one a thread: a hostile one must not hold up its burst).
-        self._prompts = ThreadBatch(self._encode_prompts, jobs=PROMPT_JOBS)
+        self._prompts = ThreadBatch(self._encode_prompts)
         self._built = BuiltConstraints()
         self.loop = EngineLoop(engine)
         # Per running event loop, what hands it the engine's stream updates (weak: a finished

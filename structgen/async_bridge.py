@@ -8,16 +8,15 @@ hand each other, so that hundreds of async callers cost the engine thread little
   soon; the rest wait in order on their own event loops, where waiting costs nothing of a
   compile's time budget, instead of failing on a full compile queue;
 - `ThreadBatch`: the blocking work (prompt tokenizing) that a burst of callers asks for within
-  one turn of their event loop runs in a few worker-thread jobs, each one batched call with
-  one wake-up of the loop, not a thread hop and a wake-up per caller; a call that may run long (normalizing a
-  hostile schema) does not belong in one, where it holds up the calls after it.
+  one turn of their event loop runs as one batched call in one worker-thread job with one
+  wake-up of the loop, not a thread hop and a wake-up per caller; work that may run long
+  (normalizing a hostile schema) does not belong in one, where it holds up the rest.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import math
 import threading
 import weakref
 from collections import deque
@@ -27,9 +26,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from structgen.engine.loop import EngineLoop
 
-# Worker-thread jobs one burst of calls is split into: a few, so long prompts tokenize in
-# parallel (the tokenizer lets go of the GIL), not one job per call.
-BATCH_JOBS = 4
+# What a `ThreadBatch`'s process gives for each of its items: a result, or the error to raise
+# in that item's caller.
+Outcome = tuple[Any, BaseException | None]
 
 
 class UpdateSink(Protocol):
@@ -156,39 +155,18 @@ class CompileGate:
             future.set_result(None)
 
 
-# What a batch's `process` gives for each of its items: a result, or the error to raise in
-# that item's caller.
-Outcome = tuple[Any, BaseException | None]
-
-
-def run_each(calls: list[Callable[[], Any]]) -> list[Outcome]:
-    """`ThreadBatch`'s default `process`: each item is a call, run on its own."""
-    outcomes: list[Outcome] = []
-    for call in calls:
-        try:
-            outcomes.append((call(), None))
-        except BaseException as e:  # handed to that call's caller
-            outcomes.append((None, e))
-    return outcomes
-
-
 class ThreadBatch:
     """`await batch.add(item)` hands `item` to `process(items)` in a worker thread, together
-    with the other items added on the same event loop before it next polls: the burst is split
-    into at most `jobs` jobs of the loop's default executor, each handing all its results back
-    with one wake-up. `process` returns one `Outcome` per item; an item's error is raised in
-    its own caller only. With the default `process`, `await batch.run(fn, *args)` runs
-    `fn(*args)` so."""
+    with the other items added on the same event loop before it next polls: a burst of callers
+    costs one job of the loop's default executor, one batched call and one wake-up of the
+    loop, not a thread hop and a wake-up per caller. `process` returns one `Outcome` per item;
+    an item's error is raised in its own caller only."""
 
-    def __init__(self, process: Callable[[list[Any]], list[Outcome]] = run_each, jobs: int = BATCH_JOBS) -> None:
+    def __init__(self, process: Callable[[list[Any]], list[Outcome]]) -> None:
         self.process = process
-        self.jobs = jobs
         self._pending: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, list[tuple[Any, asyncio.Future[Any]]]] = (
             weakref.WeakKeyDictionary())
         self._lock = threading.Lock()
-
-    async def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        return await self.add(functools.partial(fn, *args, **kwargs))
 
     async def add(self, item: Any) -> Any:
         return await self.submit(item)
@@ -207,9 +185,7 @@ class ThreadBatch:
     def _flush(self, aloop: asyncio.AbstractEventLoop) -> None:
         with self._lock:
             items = self._pending.pop(aloop, [])
-        size = math.ceil(len(items) / self.jobs)
-        for start in range(0, len(items), size):
-            aloop.run_in_executor(None, self._run_job, aloop, items[start : start + size])
+        aloop.run_in_executor(None, self._run_job, aloop, items)
 
     def _run_job(self, aloop: asyncio.AbstractEventLoop, items: list[tuple[Any, asyncio.Future[Any]]]) -> None:
         items = [(item, future) for item, future in items if not future.cancelled()]  # callers gone

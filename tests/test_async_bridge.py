@@ -11,7 +11,7 @@ import threading
 import pytest
 
 import structgen
-from structgen.async_bridge import BATCH_JOBS, CompileGate, LoopWaker, ThreadBatch
+from structgen.async_bridge import CompileGate, LoopWaker, ThreadBatch
 from structgen.engine.config import EngineConfig
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -148,38 +148,16 @@ def test_closing_the_llm_ends_a_stream_in_progress(model_dir):
     assert asyncio.run(main()) == "RequestCancelledError"
 
 
-def test_a_burst_of_blocking_calls_runs_in_a_few_thread_jobs_each_caller_getting_its_own_outcome():
-    batch = ThreadBatch()
-    threads: set[int] = set()
-
-    def work(i: int) -> int:
-        threads.add(threading.get_ident())
-        if i == 7:
-            raise ValueError("seven")
-        return i * i
-
-    async def one(i: int) -> int | str:
-        try:
-            return await batch.run(work, i)
-        except ValueError as exc:
-            return str(exc)
-
-    async def main() -> list:
-        return await asyncio.gather(*(one(i) for i in range(50)))
-
-    got = asyncio.run(main())
-    assert got == [i * i if i != 7 else "seven" for i in range(50)]
-    assert 1 <= len(threads) <= BATCH_JOBS  # one job per part of the burst, not a thread hop per call
-
-
-def test_a_burst_handed_to_a_batch_process_is_one_call_per_job_and_each_caller_gets_its_outcome():
+def test_a_burst_is_one_batched_call_in_a_worker_thread_and_each_caller_gets_its_own_outcome():
     batches: list[list[int]] = []
+    threads: set[int] = set()
 
     def squares(items: list[int]) -> list:
         batches.append(items)
+        threads.add(threading.get_ident())
         return [(None, ValueError(f"no {i}")) if i == 3 else (i * i, None) for i in items]
 
-    batch = ThreadBatch(squares, jobs=1)
+    batch = ThreadBatch(squares)
 
     async def one(i: int) -> int | str:
         try:
@@ -191,7 +169,7 @@ def test_a_burst_handed_to_a_batch_process_is_one_call_per_job_and_each_caller_g
         return await asyncio.gather(*(one(i) for i in range(20)))
 
     assert asyncio.run(main()) == [i * i if i != 3 else "no 3" for i in range(20)]
-    assert batches == [list(range(20))]
+    assert batches == [list(range(20))] and threading.get_ident() not in threads
 
 
 def test_requests_finishing_in_one_step_resolve_their_callers_with_one_wake_up():
@@ -258,4 +236,4 @@ def test_256_concurrent_acompletes_of_one_schema_enter_the_batch_within_the_firs
     finally:
         llm.close()
     assert all(c.value["tier"] in ("bronze", "silver", "gold") for c in done)
-    assert burst in running[: BATCH_JOBS + 2]  # the burst arrives in a few parts, not one request a step
+    assert burst in running[:3]  # the burst arrives at once, not one request a step
