@@ -24,7 +24,9 @@ grammar compiles, the engine loop, scheduling, masks and detokenization; constra
 a random token their mask allows. It reports the wall time, the engine's median host step and
 the time to the first token (compiles included), with the engine's part of it
 (`ttft_engine_p50_ms`: from the request's creation, prompt tokenized and grammar compiled, to
-its first token). `--device-ms FIXED,PER_1K_ROWS` gives each forward device time (the sampler
+its first token), and when the median request passed the asyncio front's stages
+(`front_grammar_p50_ms`, `front_request_p50_ms`: prompt tokenized and request made,
+`front_submitted_p50_ms`; with each stage's first and last, from the burst's start). `--device-ms FIXED,PER_1K_ROWS` gives each forward device time (the sampler
 sleeps, the GIL released, until it has passed), so the front's threads and the engine's host
 work overlap as they do beside a GPU:
 
@@ -346,15 +348,18 @@ class FrontTimes:
     start. Wrappers set on the LLM instance, keyed by the caller's task."""
 
     def __init__(self, llm: Any):
-        self.llm = llm
         self.at: dict[Any, dict[str, float]] = defaultdict(dict)
-        self._acompile, self._arequest, self._submit = llm._acompile, llm._arequest, llm.loop.submit
-        llm._acompile, llm._arequest, llm.loop.submit = self.acompile, self.arequest, self.submit
+        self._by_request: dict[int, dict[str, float]] = {}
+        self._acompile, self._arequest = llm._acompile, llm._arequest
+        llm._acompile, llm._arequest = self.acompile, self.arequest
+        self._submit, llm.loop.submit = llm.loop.submit, self.submit
 
-    def _mark(self, stage: str) -> None:
+    def _mark(self, stage: str) -> dict[str, float]:
         import asyncio
 
-        self.at[asyncio.current_task()][stage] = time.perf_counter()
+        times = self.at[asyncio.current_task()]
+        times[stage] = time.perf_counter()
+        return times
 
     async def acompile(self, *args: Any, **kwargs: Any) -> Any:
         out = await self._acompile(*args, **kwargs)
@@ -363,11 +368,11 @@ class FrontTimes:
 
     async def arequest(self, *args: Any, **kwargs: Any) -> Any:
         out = await self._arequest(*args, **kwargs)
-        self._mark("request")
+        self._by_request[id(out[0])] = self._mark("request")
         return out
 
     def submit(self, request: Request) -> Any:
-        self._mark("submitted")
+        self._by_request.get(id(request), {})["submitted"] = time.perf_counter()
         return self._submit(request)
 
     def medians_ms(self, started: float) -> dict[str, float]:
