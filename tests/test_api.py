@@ -239,6 +239,22 @@ def test_a_schema_that_fails_to_build_fails_each_async_caller_every_time(llm):
         assert "minimum" in str(errors[0])
 
 
+def test_an_async_caller_with_a_bad_schema_and_a_bad_prompt_hears_of_the_schema_and_others_are_unharmed(llm):
+    # (its prompt is tokenized while the grammar builds; the grammar's error comes first)
+    bad_schema = {"type": "integer", "minimum": 5, "maximum": 1}
+    good = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+
+    async def burst() -> list:
+        return await asyncio.gather(llm.agenerate(bad_schema, "  "), llm.agenerate(good, "  "),
+                                    llm.agenerate(good, "A JSON object with n = 3.", max_tokens=20),
+                                    return_exceptions=True)
+
+    schema_error, prompt_error, value = asyncio.run(burst())
+    assert isinstance(schema_error, structgen.UnsatisfiableConstraintError)
+    assert isinstance(prompt_error, structgen.InvalidParameterError) and "prompt is empty" in str(prompt_error)
+    assert value == llm.generate(good, "A JSON object with n = 3.", max_tokens=20)
+
+
 @pytest.mark.parametrize(("output_type", "prompt", "kw", "error", "fix"), [
     (Customer(name="A", age=1, email="e", address=Address(street="s", city="c", zip="12345"), tags=[], member=True),
      "p", {}, structgen.UnsupportedTypeError, "pass the class itself"),
