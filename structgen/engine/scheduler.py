@@ -112,8 +112,11 @@ class Scheduler:
         batch: list[tuple[Request, int]] = []
         decoding = [r for r in self.running if r.num_cached >= r.num_prompt]
         prefilling = [r for r in self.running if r.num_cached < r.num_prompt]
-        if prefilling:  # (the module docstring: decoding after the prompts older than its first token)
-            oldest = min(r.arrival for r in prefilling)
+        # (the module docstring: decoding after the prompts older than its first token; a
+        # preempted request recomputing its tokens has had its first token and holds nobody up)
+        first_prompts = [r.arrival for r in prefilling if r.first_token_at is None]
+        if first_prompts:
+            oldest = min(first_prompts)
             decoding = [r for r in decoding if r.first_token_at is None or r.first_token_at < oldest]
         # Decode rows first (short, latency-critical), but where prompts wait they leave them a
         # share of the budget, taking turns for the rest, so a burst's prompts are not starved

@@ -134,6 +134,24 @@ def test_a_request_decodes_after_the_prompts_that_were_waiting_before_its_first_
     assert sum(sum(n) for _, n, _ in steps) == newer.num_prompt  # ... then share the step with `newer`
 
 
+def test_a_preempted_request_recomputing_its_tokens_holds_no_decoder_up() -> None:
+    """Only prompts still waiting for their first token take the step from decoding requests:
+    a request preempted after its first token (memory pressure) recomputes beside them, so
+    repeated preemptions cannot stall every request that decodes."""
+    sched, decoders = prefilled(3)
+    old = Request(list(range(10, 20)), SamplingParams(max_tokens=4))  # 10 tokens: 2 full pages of 4
+    sched.add(old)
+    while old.num_cached < old.num_prompt:
+        for r, n in sched.schedule():
+            r.num_cached += n
+    for r in [old, *decoders]:
+        r.append([5])  # first tokens, the decoders' after `old` arrived
+    sched.preempt(old)
+    batch = sched.schedule()
+    assert old in [r for r, _ in batch] and old.num_cached < old.num_prompt  # recomputing what no page kept
+    assert sum(r in decoders for r, _ in batch) == len(decoders)
+
+
 def test_a_burst_whose_decoders_yield_to_its_prompts_gives_each_request_its_output_alone(
         model_dir, tokenizer, grammar_compiler) -> None:
     """Real model, real grammar, greedy: a burst of JSON requests whose prompts take several
