@@ -316,15 +316,33 @@ class LLM:
 
     # -- generation -------------------------------------------------------------------------
     def _request(self, output_type: Any, prompt: Prompt, options: Options) -> tuple[Request, Constraint]:
-        constraint = self._constraint(output_type, options.strict, options.params.loop_guards)
-        matcher = None
-        if constraint.kind != "text":
-            try:
-                matcher = self.grammars.compile(constraint).matcher()
-            except Exception as e:
-                raise _grammar_error(output_type, e) from e
+        constraint, grammar = self._compiled(output_type, options)
         ids = self.encode_prompt(prompt, chat=options.chat, tools=options.tools)
-        return self._new_request(ids, options.params, matcher, constraint), constraint
+        return self._new_request(ids, options.params, grammar.matcher() if grammar is not None else None, constraint), constraint
+
+    def _compiled(self, output_type: Any, options: Options) -> tuple[Constraint, CompiledGrammar | None]:
+        """The constraint of `output_type` and its compiled grammar (None for free text)."""
+        constraint = self._constraint(output_type, options.strict, options.params.loop_guards)
+        if constraint.kind == "text":
+            return constraint, None
+        try:
+            return constraint, self.grammars.compile(constraint)
+        except Exception as e:
+            raise _grammar_error(output_type, e) from e
+
+    def _encode_all(self, prompts: list[Prompt], chat: bool | None, tools: list[dict[str, Any]] | None) -> list[list[int]]:
+        """`encode_prompt` of each prompt, the rendered ones tokenized in one batched call; the
+        first bad prompt's error is raised."""
+        ids: list[list[int]] = [[] for _ in prompts]
+        rendered: dict[int, RenderedPrompt] = {}
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, EncodedPrompt):
+                ids[i] = self._encoded_ids(prompt, tools)
+            else:
+                rendered[i] = self._render(prompt, chat, tools)
+        for i, got in zip(rendered, self._tokenized(list(rendered.values())), strict=True):
+            ids[i] = got
+        return ids
 
     def _new_request(self, ids: list[int], params: SamplingParams, matcher: GrammarMatcher | None,
                      constraint: Constraint) -> Request:
@@ -512,10 +530,11 @@ class LLM:
     def _complete_batch(self, output_type: Any, prompts: Sequence[Prompt], options: Options) -> list[Completion[Any]]:
         if isinstance(prompts, str):
             raise InvalidParameterError("prompts must be a list of prompts, got one string; wrap it: [prompt]")
-        built = [self._request(output_type, p, options) for p in prompts]
-        requests = [r for r, _ in built]
+        constraint, grammar = self._compiled(output_type, options)
+        requests = [self._new_request(ids, options.params, grammar.matcher() if grammar is not None else None, constraint)
+                    for ids in self._encode_all(list(prompts), options.chat, options.tools)]
         self._wait([self.loop.submit(r) for r in requests], requests)
-        return [self._finish(r, c) for r, c in built]
+        return [self._finish(r, constraint) for r in requests]
 
     @overload
     def complete_batch(

@@ -148,6 +148,23 @@ def test_chat_messages_batch_and_module_shortcut(llm):
     assert isinstance(structgen.generate(Sentiment, "Review: 'Terrible.' Sentiment?"), Sentiment)
 
 
+def test_a_batch_tokenizes_its_prompts_together_as_each_alone_and_refuses_as_one_would(llm):
+    """`complete_batch` tokenizes its rendered prompts in one call: every kind of prompt gets the
+    ids and the greedy output it gets alone, and a bad prompt fails the batch with its own error."""
+    from structgen.arguments import EncodedPrompt
+
+    prompts = [f"Give {c} and its population as JSON." for c in ("Oslo", "Lima")]
+    prompts += [[{"role": "system", "content": "You answer in JSON."}, {"role": "user", "content": "Perth?"}],
+                EncodedPrompt(tuple(llm.encode_prompt("Quito and its population as JSON.")))]
+    batch = llm.complete_batch(City, prompts, max_tokens=40, temperature=0.0)
+    alone = [llm.complete(City, p, max_tokens=40, temperature=0.0) for p in prompts]
+    assert [c.stats.prompt_tokens for c in batch] == [len(llm.encode_prompt(p) if not isinstance(p, EncodedPrompt)
+                                                         else p.token_ids) for p in prompts]
+    assert [c.text for c in batch] == [c.text for c in alone]
+    with pytest.raises(structgen.PromptTooLongError):
+        llm.complete_batch(City, [prompts[0], "word " * (llm.engine.max_seq_len * 8)], max_tokens=8)
+
+
 def test_compile_accepts(llm):
     grammar = llm.compile(Customer)
     good = ('{"name": "A", "age": 3, "email": "a@b.c", "address": {"street": "s", "city": "c", '
