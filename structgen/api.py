@@ -331,16 +331,13 @@ class LLM:
             raise _grammar_error(output_type, e) from e
 
     def _encode_all(self, prompts: list[Prompt], chat: bool | None, tools: list[dict[str, Any]] | None) -> list[list[int]]:
-        """`encode_prompt` of each prompt, the rendered ones tokenized in one batched call; the
-        first bad prompt's error is raised."""
-        ids: list[list[int]] = [[] for _ in prompts]
-        rendered: dict[int, RenderedPrompt] = {}
-        for i, prompt in enumerate(prompts):
-            if isinstance(prompt, EncodedPrompt):
-                ids[i] = self._encoded_ids(prompt, tools)
-            else:
-                rendered[i] = self._render(prompt, chat, tools)
-        for i, got in zip(rendered, self._tokenized(list(rendered.values())), strict=True):
+        """`encode_prompt` of each prompt, the others than encoded ones as an async burst's
+        (`_encode_prompts`: tokenized in one batched call); the first bad prompt's error is raised."""
+        ids = [self._encoded_ids(p, tools) if isinstance(p, EncodedPrompt) else [] for p in prompts]
+        todo = [i for i, p in enumerate(prompts) if not isinstance(p, EncodedPrompt)]
+        for i, (got, error) in zip(todo, self._encode_prompts([(prompts[i], chat, tools) for i in todo]), strict=True):
+            if error is not None:
+                raise error
             ids[i] = got
         return ids
 
