@@ -356,6 +356,9 @@ def main() -> None:
     ap.add_argument("--peer-tokens", type=int, default=32)
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--no-write", action="store_true", help="print only (debug runs)")
+    ap.add_argument("--name", default="decode",
+                    help="the results file's benchmark name (decode_tp: a multi-GPU host's rows, beside the "
+                         "same card's one-GPU file)")
     ap.add_argument("--dump", type=Path, default=None, help="also write rows/floors here after each model")
     ap.add_argument("--merge", type=Path, default=None, help="start from rows/floors dumped by an earlier run")
     ap.add_argument("--batch-invariant", choices=("on", "off"), default="off",
@@ -501,7 +504,7 @@ def main() -> None:
     if "self_check" in extra:
         print("self-check (greedy, graphs on == off):", json.dumps(extra["self_check"]))
     if not args.no_write:
-        print("wrote", write_results("decode", rows, floors, extra))
+        print("wrote", write_results(args.name, rows, floors, extra))
 
 
 if __name__ == "__main__":

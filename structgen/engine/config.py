@@ -285,6 +285,11 @@ class EngineTuning:
     # grammar.native's pool fills the masks), "on" where fills have been costly, "off" never
     # (docs/performance.md, "Grammar overhead").
     mask_prefetch: str = "auto"
+    # How tensor-parallel ranks sum a step's activations: "auto", up to 64 rows in one kernel
+    # with the norm after it, over memory the GPUs of one host map from each other
+    # (kernels/peer_sum.py), larger steps through NCCL; "nccl", every sum through NCCL
+    # (docs/performance.md, "Past one GPU").
+    tensor_parallel_all_reduce: str = "auto"
     # Quantized weights stay packed and are de-quantized inside the products: GGUF blocks on
     # the CPU (models/quantized.py), GGUF Q4/Q8 and AWQ / GPTQ / FP8 checkpoints as the GPU's
     # int4 / int8 / FP8 weights (models/packed.py); False de-quantizes them at load
@@ -307,6 +312,9 @@ class EngineTuning:
 
         if self.mask_prefetch not in ("auto", "on", "off"):
             raise InvalidParameterError(f"mask_prefetch must be 'auto', 'on' or 'off', got {self.mask_prefetch!r}")
+        if self.tensor_parallel_all_reduce not in ("auto", "nccl"):
+            raise InvalidParameterError("tensor_parallel_all_reduce must be 'auto' or 'nccl', "
+                                        f"got {self.tensor_parallel_all_reduce!r}")
         if self.prompt_activations not in ("int16", "int8", "fp32"):
             raise InvalidParameterError(f"prompt_activations must be 'int16', 'int8' or 'fp32', "
                                         f"got {self.prompt_activations!r}")

@@ -77,6 +77,8 @@ class ModelRunner:
         num_pages = self._num_pages()
         if tensor_parallel is not None:  # every rank the same pages, so the same page decisions
             num_pages = tensor_parallel.smallest(num_pages)
+            tensor_parallel.prepare_peer_sum(self.dtype, model_config.hidden_size,
+                                             config.tuning.tensor_parallel_all_reduce)
         pages = PageTable(num_pages, PAGE_SIZE, config.max_batch_size, self.max_seq_len, self.device,
                           prefix_caching=self._prefix_caching())
         self.kv = KVCache(self.rank_config, pages, self.dtype, self.device)

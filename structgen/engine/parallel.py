@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from structgen.engine.kernels.peer_sum import PeerSum
 from structgen.engine.models.sharding import WeightShard, rank_config
 from structgen.errors import EngineError
 
@@ -57,9 +58,14 @@ STARTUP_TIMEOUT_S = 600.0
 # An announcement is a few bytes into each worker's socket; only a stuck worker delays it.
 ANNOUNCE_TIMEOUT_S = 30.0
 SHUTDOWN_TIMEOUT_S = 10.0
+# Leaving the process groups: NCCL's teardown, orderly or aborted, can wait for good once
+# collectives were captured in CUDA graphs (pytorch#115388; both ranks of an H100 pair sat in
+# `_abort_process_group` for minutes), so it runs in a thread given this long.
+LEAVE_TIMEOUT_S = 5.0
 POLL_S = 0.02
 # all_gather_into_tensor's newer name (the old one warns from torch 2.10 on).
 _all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_stuck_teardown = False  # a `leave` of this process outlasted LEAVE_TIMEOUT_S
 
 
 @dataclass(frozen=True)
@@ -125,8 +131,10 @@ class TensorParallel:
         self.workers = workers  # the processes rank 0 spawned (None under torchrun, and on workers)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-            # NVLink SHARP needs multicast memory, which containers and some drivers refuse.
+            # NVLink SHARP needs multicast memory, which containers and some drivers refuse;
+            # the peer sum (kernels/peer_sum.py) maps peers' memory without it.
             os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+            os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         self._join(rendezvous, store)
         self.commands = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
         self._header = torch.zeros(HEADER_INTS, dtype=torch.int64)
@@ -137,6 +145,7 @@ class TensorParallel:
         self.left = False  # this rank has left the process groups
         self.pages: PageTable | None = None  # the runner's KV pages, which rank 0 sends with forwards
         self._pages_sent = -1  # the version of rank 0's table the workers have
+        self.peer_sum: PeerSum | None = None  # small sums + norm in one kernel, where the GPUs map each other
 
     def _join(self, rendezvous: Rendezvous, store: dist.Store | None) -> None:
         """Meet the other ranks: through torchrun's store, or through rank 0's, where rank 0
@@ -193,6 +202,18 @@ class TensorParallel:
 
     def weight_shard(self) -> WeightShard:
         return WeightShard(self.rank, self.world_size)
+
+    def prepare_peer_sum(self, dtype: torch.dtype, cols: int, mode: str) -> None:
+        """Map the peer sum's buffers (`mode` "auto") where every rank can; else, or with
+        "nccl", every sum runs through NCCL (gloo on the CPU) and the norm after it apart."""
+        usable = mode == "auto" and PeerSum.usable(self.device, self.world_size, dtype, cols)
+        if self.smallest(int(usable), "agree on how to sum activations"):
+            self.peer_sum = PeerSum.build(self.device, dtype, cols)
+
+    def start_forward(self) -> None:
+        """A forward begins (the peer sum's regions alternate within it)."""
+        if self.peer_sum is not None:
+            self.peer_sum.start_forward()
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of `x` over the ranks, in place."""
@@ -270,12 +291,12 @@ class TensorParallel:
         finally:
             self._announcing.release()
 
-    def smallest(self, value: int) -> int:
+    def smallest(self, value: int, what: str = "load their shards") -> int:
         """The smallest of the ranks' `value`s (the KV slots every rank's memory fits); it also
         waits for every rank to have loaded its shard, before the collectives of graph capture."""
         t = torch.tensor([value], dtype=torch.int64)
         work = dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.commands, async_op=True)
-        self._finish(work, "load their shards", STARTUP_TIMEOUT_S, watch_workers=True)
+        self._finish(work, what, STARTUP_TIMEOUT_S, watch_workers=True)
         self.ready = True
         return int(t.item())
 
@@ -296,16 +317,25 @@ class TensorParallel:
         self.leave(clean=stopped)
 
     def leave(self, clean: bool) -> None:
-        """Leave the process groups. NCCL's orderly teardown waits on peers that may be gone,
-        so on CUDA, and after a failure, the groups are aborted, which never waits."""
+        """Leave the process groups, within LEAVE_TIMEOUT_S. NCCL's orderly teardown waits on
+        peers that may be gone, so on CUDA, and after a failure, the groups are aborted; either
+        can hang on work captured in CUDA graphs, so it runs in a daemon thread, and a teardown
+        that outlasts the bound is left to the operating system at exit (this process then
+        cannot start another split engine: `start_tensor_parallel` says so)."""
+        global _stuck_teardown
         if self.left:
             return
         self.left = True
+        self.peer_sum = None
         abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-        if (clean and self.device.type != "cuda") or abort is None:
-            dist.destroy_process_group()
-        else:
-            abort()
+        teardown = dist.destroy_process_group if (clean and self.device.type != "cuda") or abort is None else abort
+        thread = threading.Thread(target=_run_teardown, args=(teardown,), name="structgen-tp-leave", daemon=True)
+        thread.start()
+        thread.join(LEAVE_TIMEOUT_S)
+        if thread.is_alive():
+            _stuck_teardown = True
+            log.warning("leaving the tensor-parallel process group did not finish within %.0f s (NCCL's "
+                        "teardown); the operating system frees it when this process exits", LEAVE_TIMEOUT_S)
 
     # -- worker ranks ------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -393,6 +423,9 @@ def start_tensor_parallel(model_config: ModelConfig, config: EngineConfig, model
     spawns the worker ranks on this host. Refuses a size that does not split the model before
     starting anything."""
     rank_config(model_config, config.tensor_parallel)
+    if dist.is_initialized() and _stuck_teardown:
+        raise EngineError("an earlier tensor-parallel engine of this process could not leave its NCCL group "
+                          "(its teardown hung); start the new split engine in a new process")
     if dist.is_initialized():
         raise EngineError("this process already belongs to a tensor-parallel group (another engine with "
                           "tensor_parallel > 1 is open); close that LLM first")
@@ -424,17 +457,13 @@ def _spawned_worker(rendezvous: Rendezvous, model_config: ModelConfig, config: E
     runner = ModelRunner(model_config, config, model_dir, tensor_parallel=tp)
     tp.serve(runner)
     _leave(runner)
-    # Nothing is left to do: exit without Python's teardown, which frees CUDA graphs, NCCL
-    # communicators and the shard one by one and outlasted rank 0's wait on an H100 host (the
-    # operating system frees them at once).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    _exit_now()
 
 
 def run_worker(model: str | Path | None, config: EngineConfig) -> None:
     """A worker rank of a torchrun launch (rank > 0): load this rank's shard of `model` and
-    run the forwards rank 0 announces until its engine closes."""
+    run the forwards rank 0 announces until its engine closes. On CUDA the process then exits
+    at once, with status 0 (`_exit_now`); elsewhere this returns."""
     from structgen.engine.model_runner import ModelRunner
     from structgen.engine.models.loader import load_model_config, resolve_model
 
@@ -446,11 +475,32 @@ def run_worker(model: str | Path | None, config: EngineConfig) -> None:
     runner = ModelRunner(load_model_config(model_dir), replace(config, speculative=None), model_dir, tensor_parallel=tp)
     tp.serve(runner)
     _leave(runner)
+    if runner.device.type == "cuda":
+        _exit_now()
+
+
+def _exit_now() -> None:
+    """A worker rank's end: exit without Python's teardown, which frees CUDA graphs, NCCL
+    communicators and the shard one by one and outlasted rank 0's wait on an H100 host (the
+    operating system frees them at once)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _leave(runner: ModelRunner) -> None:
     """A worker rank told to stop: finish its device work and leave the groups without
-    waiting on any peer."""
+    waiting on any peer. On CUDA it leaves nothing to tear down: its process exits next, and
+    the operating system frees the communicators at once (NCCL's teardown can hang, `leave`)."""
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
+        runner.tensor_parallel.left = True
+        return
     runner.tensor_parallel.leave(clean=True)
+
+
+def _run_teardown(teardown: Callable[[], None]) -> None:
+    try:
+        teardown()
+    except Exception as e:  # a group already gone: nothing is left to leave
+        log.debug("tensor-parallel teardown: %s", e)

@@ -228,7 +228,9 @@ def max_rows(gate_up: torch.Tensor, head_dim: int) -> int:
         return 0
     if gate_up.numel() <= TIMED_ABOVE:
         return MAX_ROWS
-    return 1 if gate_up.numel() <= 64 << 20 else 0
+    # One row up to the 1B shape's 33.5M elements, where they win; the 8B shape's shard at
+    # tensor parallel 2 (58.7M) reads W slower through them (docs/performance.md, "Past one GPU").
+    return 1 if gate_up.numel() <= 40 << 20 else 0
 
 
 def plan(kind: str, rows: int, weight: torch.Tensor,

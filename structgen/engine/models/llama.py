@@ -15,6 +15,7 @@ import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,9 @@ from structgen.engine.models.quantized import (
     cat_rows,
     quantized_embedding,
 )
+
+if TYPE_CHECKING:
+    from structgen.engine.parallel import TensorParallel
 
 FUSED_ROWS = 4  # steps of up to this many rows run norms inside the projections (fused_gemv.MAX_ROWS)
 
@@ -239,21 +243,38 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, rope, batch, kv):
         out, residual = self.forward_residual(x, None, rope, batch, kv)
-        return residual + out
+        return residual + self.reduce(out)
 
     def forward_residual(self, x, residual, rope, batch, kv):
         """The layer with its output add left to the caller: returns (mlp output, residual
-        stream), so the model fuses that add into the next layer's input norm."""
+        stream), so the model fuses that add into the next layer's input norm. Under tensor
+        parallelism the mlp output is this rank's part, and `x` the last layer's: the sum over
+        the ranks is fused into the norm after it (`reduce_add_norm`)."""
         if x.dim() == 2 and x.shape[0] <= self.fused_rows and self.self_attn.q_norm is None:
+            x = x if residual is None else self.reduce(x)
             h, residual = self.self_attn.norm_forward(x, residual, self.input_layernorm, rope, batch, kv)
             h, residual = self.mlp.norm_forward(self.reduce(h), residual, self.post_attention_layernorm)
-            return self.reduce(h), residual
+            return h, residual
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
-            h, residual = self.input_layernorm.add_forward(x, residual)
-        h, residual = self.post_attention_layernorm.add_forward(self.reduce(self.self_attn(h, rope, batch, kv)), residual)
-        return self.reduce(self.mlp(h)), residual
+            h, residual = reduce_add_norm(self.tensor_parallel, x, residual, self.input_layernorm)
+        h, residual = reduce_add_norm(self.tensor_parallel, self.self_attn(h, rope, batch, kv), residual,
+                                      self.post_attention_layernorm)
+        return self.mlp(h), residual
+
+
+def reduce_add_norm(tensor_parallel: TensorParallel | None, x: torch.Tensor, residual: torch.Tensor,
+                    norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + residual), x + residual), where `x` is first summed over the ranks of a split
+    model: in one kernel with the add and the norm where the GPUs map each other's memory
+    (kernels/peer_sum.py), else NCCL's sum and then the norm."""
+    if tensor_parallel is None:
+        return norm.add_forward(x, residual)
+    peer_sum = tensor_parallel.peer_sum
+    if peer_sum is not None and peer_sum.fits(x):
+        return peer_sum.sum_add_norm(x, residual, norm.weight, norm.eps, norm.unit_offset)
+    return norm.add_forward(tensor_parallel.all_reduce(x), residual)
 
 
 class LlamaModel(nn.Module):
@@ -285,9 +306,11 @@ class LlamaModel(nn.Module):
         if decoder is not None:
             rows = cpu_decoding.decode_rows(batch, self.rope, kv)
             return self.norm(decoder.run(x.contiguous(), rows, integer_rows=cpu_decoding.prompt_rows(batch)))
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.start_forward()
         for layer in self.layers:
             x, residual = layer.forward_residual(x, residual, self.rope, batch, kv)
-        return self.norm.add_forward(x, residual)[0]
+        return reduce_add_norm(self.tensor_parallel, x, residual, self.norm)[0]
 
     def cpu_decoder(self, kv: KVCache) -> CpuDecoder | None:
         """The native CPU step of this model over `kv` (kernels/cpu_decode.py; steps of up to
