@@ -232,14 +232,15 @@ PEER_SUM_SCRIPT = """
 import json, sys
 from structgen import LLM
 from structgen.engine.config import EngineConfig, EngineTuning
-config = EngineConfig(tensor_parallel=2, device="cuda", dtype="bfloat16", max_batch_size=4, max_seq_len=256,
-                      tuning=EngineTuning(tensor_parallel_all_reduce=sys.argv[2]))
-prompts = json.loads(sys.argv[3])
-with LLM(sys.argv[1], config=config) as llm:
-    summed_by_peers = llm.engine.tensor_parallel.peer_sum is not None
-    texts = [llm.complete(str, p, max_tokens=24, chat=False).token_ids for p in prompts]
-    texts += [c.token_ids for c in llm.complete_batch(str, prompts * 3, max_tokens=16, chat=False)]
-print("OUTPUT", json.dumps([summed_by_peers, texts]))
+if __name__ == "__main__":  # the worker rank is a spawned process, which imports this file
+    config = EngineConfig(tensor_parallel=2, device="cuda", dtype="bfloat16", max_batch_size=4, max_seq_len=256,
+                          tuning=EngineTuning(tensor_parallel_all_reduce=sys.argv[2]))
+    prompts = json.loads(sys.argv[3])
+    with LLM(sys.argv[1], config=config) as llm:
+        summed_by_peers = llm.engine.tensor_parallel.peer_sum is not None
+        texts = [llm.complete(str, p, max_tokens=24, chat=False).token_ids for p in prompts]
+        texts += [c.token_ids for c in llm.complete_batch(str, prompts * 3, max_tokens=16, chat=False)]
+    print("OUTPUT", json.dumps([summed_by_peers, texts]))
 """
 
 
