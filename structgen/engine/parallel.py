@@ -19,6 +19,7 @@ so start-up and `close` end within seconds of a rank dying or hanging.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import sys
@@ -62,10 +63,13 @@ SHUTDOWN_TIMEOUT_S = 10.0
 # collectives were captured in CUDA graphs (pytorch#115388; both ranks of an H100 pair sat in
 # `_abort_process_group` for minutes), so it runs in a thread given this long.
 LEAVE_TIMEOUT_S = 5.0
+# At exit, a teardown still running is waited for this long: a daemon thread that returns from
+# C++ while the interpreter finalizes aborts the process ("terminate called").
+EXIT_WAIT_S = 60.0
 POLL_S = 0.02
 # all_gather_into_tensor's newer name (the old one warns from torch 2.10 on).
 _all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-_stuck_teardown = False  # a `leave` of this process outlasted LEAVE_TIMEOUT_S
+_pending_teardown: threading.Thread | None = None  # a `leave` that outlasted LEAVE_TIMEOUT_S
 
 
 @dataclass(frozen=True)
@@ -318,11 +322,12 @@ class TensorParallel:
 
     def leave(self, clean: bool) -> None:
         """Leave the process groups, within LEAVE_TIMEOUT_S. NCCL's orderly teardown waits on
-        peers that may be gone, so on CUDA, and after a failure, the groups are aborted; either
-        can hang on work captured in CUDA graphs, so it runs in a daemon thread, and a teardown
-        that outlasts the bound is left to the operating system at exit (this process then
-        cannot start another split engine: `start_tensor_parallel` says so)."""
-        global _stuck_teardown
+        peers that may be gone, so on CUDA, and after a failure, the groups are aborted; after
+        graph capture either can take many seconds (pytorch#115388), so it runs in a daemon
+        thread. One that outlasts the bound goes on in the background (until it ends this
+        process cannot start another split engine: `start_tensor_parallel` says so), and the
+        process's exit waits for it (`_finish_teardown_at_exit`)."""
+        global _pending_teardown
         if self.left:
             return
         self.left = True
@@ -333,9 +338,10 @@ class TensorParallel:
         thread.start()
         thread.join(LEAVE_TIMEOUT_S)
         if thread.is_alive():
-            _stuck_teardown = True
-            log.warning("leaving the tensor-parallel process group did not finish within %.0f s (NCCL's "
-                        "teardown); the operating system frees it when this process exits", LEAVE_TIMEOUT_S)
+            _pending_teardown = thread
+            atexit.register(_finish_teardown_at_exit)
+            log.info("leaving the tensor-parallel process group goes on in the background (NCCL's teardown "
+                     "took more than %.0f s)", LEAVE_TIMEOUT_S)
 
     # -- worker ranks ------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -423,9 +429,10 @@ def start_tensor_parallel(model_config: ModelConfig, config: EngineConfig, model
     spawns the worker ranks on this host. Refuses a size that does not split the model before
     starting anything."""
     rank_config(model_config, config.tensor_parallel)
-    if dist.is_initialized() and _stuck_teardown:
-        raise EngineError("an earlier tensor-parallel engine of this process could not leave its NCCL group "
-                          "(its teardown hung); start the new split engine in a new process")
+    if _pending_teardown is not None and _pending_teardown.is_alive():
+        raise EngineError("the last tensor-parallel engine of this process is still leaving its NCCL group "
+                          "(NCCL's teardown can take a minute after CUDA graphs); try again later, or start "
+                          "the new split engine in a new process")
     if dist.is_initialized():
         raise EngineError("this process already belongs to a tensor-parallel group (another engine with "
                           "tensor_parallel > 1 is open); close that LLM first")
@@ -497,6 +504,20 @@ def _leave(runner: ModelRunner) -> None:
         runner.tensor_parallel.left = True
         return
     runner.tensor_parallel.leave(clean=True)
+
+
+def _finish_teardown_at_exit() -> None:
+    """Let a teardown still running end before the interpreter finalizes; one that does not
+    end within EXIT_WAIT_S is cut short by leaving the process at once, with status 1."""
+    thread = _pending_teardown
+    if thread is None or not thread.is_alive():
+        return
+    thread.join(EXIT_WAIT_S)
+    if thread.is_alive():
+        log.error("NCCL's teardown did not end within %.0f s of exit; leaving the process without it", EXIT_WAIT_S)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
 
 def _run_teardown(teardown: Callable[[], None]) -> None:
