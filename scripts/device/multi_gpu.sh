@@ -37,7 +37,7 @@ else
   TP_SMALL=(python3 -m benchmarks.bench_decode --models llama-8b-shape --tensor-parallel 1,2,4
             --batches 1,64 --steps 32 --no-peers --no-write)
   TP_LARGE=(python3 -m benchmarks.bench_decode --models llama-70b-shape --tensor-parallel 4
-            --batches 1,16,64 --steps 32 --no-peers)
+            --batches 1,16,64 --steps 32 --no-peers --name decode_tp)
   # The default model converted once, before two processes would convert it side by side.
   piece "prepare: the default model" 60 "$OUT/pytest.txt" \
     python3 -c "from structgen.engine.models.loader import resolve_model; print(resolve_model(None, progress=False))"
@@ -53,7 +53,7 @@ keep 'replicas-*.json'
 piece "b: Llama-8B shape TP 1/2/4" 170 "$OUT/bench_tp.log" "${TP_SMALL[@]}" --dump "$OUT/tp_decode.json"
 piece "c: Llama-70B shape TP 4" 170 "$OUT/bench_tp.log" "${TP_LARGE[@]}" \
   --merge "$OUT/tp_decode.json" --dump "$OUT/tp_decode.json"
-keep 'decode-*.json'
+keep 'decode_tp-*.json'
 
 echo "== total ${SECONDS}s" >> "$SUMMARY"
 cat "$SUMMARY"

@@ -214,11 +214,6 @@ class TensorParallel:
         if self.smallest(int(usable), "agree on how to sum activations"):
             self.peer_sum = PeerSum.build(self.device, dtype, cols)
 
-    def start_forward(self) -> None:
-        """A forward begins (the peer sum's regions alternate within it)."""
-        if self.peer_sum is not None:
-            self.peer_sum.start_forward()
-
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of `x` over the ranks, in place."""
         dist.all_reduce(x)

@@ -8,10 +8,12 @@ part straight into every peer's buffer (PyTorch's symmetric memory maps them) an
 others' parts from its own. A buffer's words start as a sentinel, the bits of -0.0, which no
 part holds (a part's -0.0 is written as +0.0), so the data is its own flag: a reader polls its
 words until none is the sentinel, and no barrier is needed (TensorRT-LLM's "Lamport"
-all-reduce). The reader puts the sentinel back after reading. Two regions alternate by call
-(`PeerSum.start_forward`: a forward makes an even number of calls, two a layer), and two are
-enough: a rank writes its part of call n + 2 only after it read this rank's part of call n + 1,
-which this rank wrote after it had reset the words of call n.
+all-reduce). The reader puts the sentinel back after reading. Two regions alternate, per row:
+each rank keeps a phase word for every row in its own memory, which the program of that row
+reads and flips, so eager calls and graph replays alike alternate with no host state, and the
+ranks' phases stay equal because they make the same calls. Two regions are enough: a rank
+writes a row's part of call n + 2 only after it read this rank's part of that row for call
+n + 1, which this rank wrote after it had reset the row's words of call n.
 
 A program owns a row: it sums the ranks' parts in rank order, so every rank holds the same
 bits, then adds the residual and normalises as `fused._rms_norm_kernel` does. A rank that never
@@ -60,12 +62,14 @@ def _take(buf, offs, mask, spins):
 
 
 @triton.jit
-def _peer_sum_norm_kernel(X, R, W, Out, ROut, Own, B0, B1, B2, B3, stride_x, stride_r, stride_o, stride_ro,
-                          region_offset, rank_stride, n_cols, eps, spins,
+def _peer_sum_norm_kernel(X, R, W, Out, ROut, Phase, Own, B0, B1, B2, B3, stride_x, stride_r, stride_o, stride_ro,
+                          rank_stride, n_cols, eps, spins,
                           RANK: tl.constexpr, WORLD: tl.constexpr, UNIT_OFFSET: tl.constexpr,
                           BLOCK: tl.constexpr, PDL: tl.constexpr):
     wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
+    phase = tl.load(Phase + row)
+    region_offset = phase.to(tl.int64) * WORLD * rank_stride
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
@@ -100,6 +104,7 @@ def _peer_sum_norm_kernel(X, R, W, Out, ROut, Own, B0, B1, B2, B3, stride_x, str
     else:
         y = (hf * inv).to(dt).to(tl.float32) * w.to(tl.float32)
     tl.store(Out + row * stride_o + cols, y.to(Out.dtype.element_ty), mask=mask)
+    tl.store(Phase + row, 1 - phase)  # this row's next call uses the other region
 
 
 class PeerSum:
@@ -108,9 +113,10 @@ class PeerSum:
 
     def __init__(self, buffers: list[torch.Tensor], rank: int, cols: int, dtype: torch.dtype):
         self.buffers = buffers  # rank q's buffer, as this rank maps it: [2 regions, ranks, MAX_ROWS, cols]
+        self.spins = SPINS
         self.rank, self.world_size, self.cols, self.dtype = rank, len(buffers), cols, dtype
         self.rank_stride = MAX_ROWS * cols
-        self.calls = 0  # calls since the forward began: their parity picks the region
+        self.phase = torch.zeros(MAX_ROWS, dtype=torch.int32, device=buffers[rank].device)  # each row's region
 
     @classmethod
     def build(cls, device: torch.device, dtype: torch.dtype, cols: int) -> PeerSum:
@@ -143,9 +149,6 @@ class PeerSum:
         here = device.index if device.index is not None else torch.cuda.current_device()
         return all(torch.cuda.can_device_access_peer(here, other) for other in range(world_size) if other != here)
 
-    def start_forward(self) -> None:
-        self.calls = 0
-
     def fits(self, x: torch.Tensor) -> bool:
         return (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.shape[1] == self.cols and x.dtype == self.dtype
                 and x.stride(1) == 1)
@@ -155,13 +158,11 @@ class PeerSum:
         """(norm(sum of x over the ranks + residual) * weight, that sum + residual), every rank
         the same bits; `x` must `fit`."""
         rows, cols = x.shape
-        region = self.calls % 2
-        self.calls += 1
         out, res_out = torch.empty_like(x), torch.empty_like(x)
         b = self.buffers + [self.buffers[0]] * (MAX_WORLD - self.world_size)
         _peer_sum_norm_kernel[(rows,)](
-            x, residual, weight, out, res_out, self.buffers[self.rank], *b, x.stride(0), residual.stride(0), out.stride(0), res_out.stride(0),
-            region * self.world_size * self.rank_stride, self.rank_stride, cols, eps, SPINS,
+            x, residual, weight, out, res_out, self.phase, self.buffers[self.rank], *b,
+            x.stride(0), residual.stride(0), out.stride(0), res_out.stride(0), self.rank_stride, cols, eps, self.spins,
             RANK=self.rank, WORLD=self.world_size, UNIT_OFFSET=unit_offset, BLOCK=triton.next_power_of_2(cols),
             num_warps=4 if cols <= 2048 else 8, **launch_args(x.device, rows),
         )

@@ -306,8 +306,6 @@ class LlamaModel(nn.Module):
         if decoder is not None:
             rows = cpu_decoding.decode_rows(batch, self.rope, kv)
             return self.norm(decoder.run(x.contiguous(), rows, integer_rows=cpu_decoding.prompt_rows(batch)))
-        if self.tensor_parallel is not None:
-            self.tensor_parallel.start_forward()
         for layer in self.layers:
             x, residual = layer.forward_residual(x, residual, self.rope, batch, kv)
         return reduce_add_norm(self.tensor_parallel, x, residual, self.norm)[0]
