@@ -386,3 +386,13 @@ def test_a_pattern_too_complex_for_the_lexer_fails_its_request_naming_the_fix(ll
     assert isinstance(heavy, ConstraintTooLargeError), heavy
     assert "lexer" in str(heavy) and "backend='xgrammar'" in str(heavy)
     assert isinstance(plain, dict) and isinstance(plain["n"], int)
+
+
+def test_a_schema_whose_every_value_is_endless_fails_its_request_as_the_constraints_fault(llm):
+    """A required property that refers back to its own object: no finite value fits, and
+    llguidance's parser gives up at the first token (found by the server fuzz as an HTTP 500)."""
+    endless = {"type": "object", "properties": {"self": {"$ref": "#"}, "x": {"enum": []}}, "required": ["self"],
+               "additionalProperties": False}
+    with pytest.raises(ConstraintTooLargeError, match="parser") as caught:
+        llm.generate(JsonSchema(endless), "Anything.", max_tokens=1)
+    assert "make the recursion optional" in str(caught.value)

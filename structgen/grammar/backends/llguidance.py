@@ -103,14 +103,23 @@ class LLGuidanceMatcher(GrammarMatcher):
 
     def _failure(self, action: str) -> EngineError | ConstraintTooLargeError:
         """The error for a matcher that failed while `action`: the constraint's own fault where
-        llguidance's lexer grew past its limit (a bounded repeat of a group in a regex multiplies
-        its states: seen with `(?:\\S+\\s+){0,99}` in a MaskBench schema), else ours."""
+        llguidance's lexer or parser grew past its limit (a bounded repeat of a group in a regex
+        multiplies the lexer's states: seen with `(?:\\S+\\s+){0,99}` in a MaskBench schema; a
+        required property that refers back to its own object makes every value endless, and the
+        parser's items grow without bound), else ours."""
         error = self.ll_matcher.get_error()
         if "too many expressions" in error or "LexerTooComplex" in error:
             return ConstraintTooLargeError(
                 f"the constraint grew too complex for llguidance's lexer while {action} ({error.splitlines()[0]}); "
                 "simplify its regex patterns (bounded repeats of groups, such as (?:\\S+\\s+){0,99}, multiply "
                 "the lexer's states) or compile it with backend='xgrammar'"
+            )
+        if "Too many items" in error or "ParserTooComplex" in error:
+            return ConstraintTooLargeError(
+                f"the constraint grew too complex for llguidance's parser while {action} ({error.splitlines()[0]}); "
+                "a schema whose required properties lead back to the same object ({'$ref': '#'} under "
+                "'required') has no finite value: make the recursion optional; else simplify the constraint "
+                "or compile it with backend='xgrammar'"
             )
         return EngineError(f"grammar failed while {action}: {error}")
 
