@@ -23,7 +23,6 @@ engine's liveness check reports the rank (engine/parallel.py).
 
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
@@ -33,19 +32,12 @@ import triton.language as tl
 
 from structgen.engine.kernels.dependent_launch import launch_args, wait_for_inputs
 
-log = logging.getLogger("structgen.engine")
-
 SENTINEL = -32768  # the 16-bit pattern of -0.0 in bf16 and fp16
 _SENTINEL = tl.constexpr(SENTINEL)  # as the kernels read it
 MAX_WORLD = 4  # ranks whose buffers a launch takes
 MAX_ROWS = 64  # rows summed here; a prompt's larger steps go through NCCL
 MAX_COLS = 16384
 SPINS = 1 << 22  # polls of a part before a reader gives up on its writer
-
-
-@triton.jit
-def _put(buf, offs, bits, mask):
-    tl.store(buf + offs, bits, mask=mask)
 
 
 @triton.jit
@@ -79,13 +71,13 @@ def _peer_sum_norm_kernel(X, R, W, Out, ROut, Phase, Own, B0, B1, B2, B3, stride
     # compare with zero may be folded away, since -0.0 == 0)
     mine = region_offset + RANK * rank_stride + row * n_cols + cols  # my part's words in any buffer
     if RANK != 0:
-        _put(B0, mine, bits, mask)
+        tl.store(B0 + mine, bits, mask=mask)
     if RANK != 1:
-        _put(B1, mine, bits, mask)
+        tl.store(B1 + mine, bits, mask=mask)
     if WORLD > 2 and RANK != 2:
-        _put(B2, mine, bits, mask)
+        tl.store(B2 + mine, bits, mask=mask)
     if WORLD > 3 and RANK != 3:
-        _put(B3, mine, bits, mask)
+        tl.store(B3 + mine, bits, mask=mask)
     acc = tl.zeros([BLOCK], tl.float32)
     for q in tl.static_range(WORLD):  # in rank order on every rank: the same bits everywhere
         if q == RANK:
