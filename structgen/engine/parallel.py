@@ -59,9 +59,9 @@ STARTUP_TIMEOUT_S = 600.0
 # An announcement is a few bytes into each worker's socket; only a stuck worker delays it.
 ANNOUNCE_TIMEOUT_S = 30.0
 SHUTDOWN_TIMEOUT_S = 10.0
-# Leaving the process groups: NCCL's teardown, orderly or aborted, can wait for good once
+# Leaving the process groups: NCCL's teardown, orderly or aborted, can take minutes once
 # collectives were captured in CUDA graphs (pytorch#115388; both ranks of an H100 pair sat in
-# `_abort_process_group` for minutes), so it runs in a thread given this long.
+# `_abort_process_group`), so it runs in a thread given this long.
 LEAVE_TIMEOUT_S = 5.0
 # At exit, a teardown still running is waited for this long: a daemon thread that returns from
 # C++ while the interpreter finalizes aborts the process ("terminate called").
@@ -334,7 +334,6 @@ class TensorParallel:
         thread.join(LEAVE_TIMEOUT_S)
         if thread.is_alive():
             _pending_teardown = thread
-            atexit.register(_finish_teardown_at_exit)
             log.info("leaving the tensor-parallel process group goes on in the background (NCCL's teardown "
                      "took more than %.0f s)", LEAVE_TIMEOUT_S)
 
@@ -501,6 +500,7 @@ def _leave(runner: ModelRunner) -> None:
     runner.tensor_parallel.leave(clean=True)
 
 
+@atexit.register
 def _finish_teardown_at_exit() -> None:
     """Let a teardown still running end before the interpreter finalizes; one that does not
     end within EXIT_WAIT_S is cut short by leaving the process at once, with status 1."""
