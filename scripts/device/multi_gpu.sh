@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 34 on one 4-GPU host (nvidia-h100-x4), in one call of at most 9 minutes:
-#   a. the NCCL GPU test: TP=2 greedy output == TP=1 (tests/engine/test_tensor_parallel.py -m gpu);
+#   a. the GPU tests of tensor parallelism: TP=2 greedy output == TP=1, the peer sum against
+#      NCCL and against its torch definition (test_tensor_parallel.py, test_peer_sum.py);
 #   d. DP=2 against one replica on a JSON serving workload, 0 lost requests (bench_replicas);
 #      a and d run side by side, a on GPUs 0-1 and d on GPUs 2-3, before the timed decode rows;
 #   b. Llama-8B shape at TP 1, 2, 4, batch 1 and 64, free and JSON, with floors (bench_decode);
@@ -32,7 +33,7 @@ if [[ $DRY == 1 ]]; then
   TP_LARGE=(python3 -m benchmarks.bench_decode --cpu --models tiny-llama-shape --tensor-parallel 2
             --batches 1,4 --steps 4 --no-peers --no-write)
 else
-  PYTEST=(python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_tensor_parallel.py)
+  PYTEST=(python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_tensor_parallel.py tests/engine/test_peer_sum.py)
   DP=(python3 -m benchmarks.bench_replicas --replicas 2 --requests 256 --max-tokens 128)
   TP_SMALL=(python3 -m benchmarks.bench_decode --models llama-8b-shape --tensor-parallel 1,2,4
             --batches 1,64 --steps 32 --no-peers --no-write)
