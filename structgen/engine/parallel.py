@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import multiprocessing
 import os
 import sys
 import threading
@@ -423,6 +424,10 @@ def start_tensor_parallel(model_config: ModelConfig, config: EngineConfig, model
     spawns the worker ranks on this host. Refuses a size that does not split the model before
     starting anything."""
     rank_config(model_config, config.tensor_parallel)
+    if getattr(multiprocessing.current_process(), "_inheriting", False):  # as multiprocessing.spawn tests it
+        raise EngineError("this process is a tensor-parallel worker importing the script that started the engine, "
+                          "and the script starts an engine as it is imported: create the LLM under "
+                          "`if __name__ == \"__main__\":` (each worker rank is a new process that imports the script)")
     if _pending_teardown is not None and _pending_teardown.is_alive():
         raise EngineError("the last tensor-parallel engine of this process is still leaving its NCCL group "
                           "(NCCL's teardown can take a minute after CUDA graphs); try again later, or start "

@@ -159,6 +159,23 @@ def test_a_slow_teardown_goes_on_in_the_background_and_holds_off_the_next_split_
     assert not torch.distributed.is_initialized()
     parallel._finish_teardown_at_exit()  # nothing left to wait for: returns at once
 
+
+def test_a_script_without_a_main_guard_is_told_to_add_one(tiny_llama_dir, tmp_path):
+    """Each worker rank is a spawned process that imports the script; a script that builds
+    its split engine as it is imported would start one in every worker."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "unguarded.py"
+    script.write_text("from structgen import LLM\n"
+                      "from structgen.engine.config import EngineConfig\n"
+                      f"llm = LLM({str(tiny_llama_dir)!r}, config=EngineConfig(tensor_parallel=2, max_seq_len=64))\n"
+                      "llm.close()\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert 'if __name__ == "__main__":' in done.stderr and "worker" in done.stderr
+
 # Both ranks build the decode graphs' step functions (uncaptured, so they run on the CPU under
 # TRITON_INTERPRET=1): rank 0 announces each graph forward, and each forward takes rank 0's rows.
 GRAPH_STEPS_SCRIPT = """
