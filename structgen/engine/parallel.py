@@ -485,13 +485,13 @@ def run_worker(model: str | Path | None, config: EngineConfig) -> None:
         _exit_now()
 
 
-def _exit_now() -> None:
-    """A worker rank's end: exit without Python's teardown, which frees CUDA graphs, NCCL
-    communicators and the shard one by one and outlasted rank 0's wait on an H100 host (the
-    operating system frees them at once)."""
+def _exit_now(status: int = 0) -> None:
+    """Exit without Python's teardown, which frees CUDA graphs, NCCL communicators and the
+    shard one by one and outlasted rank 0's wait on an H100 host (the operating system frees
+    them at once): a worker rank's end, or a process whose NCCL teardown did not end."""
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(status)
 
 
 def _leave(runner: ModelRunner) -> None:
@@ -515,9 +515,7 @@ def _finish_teardown_at_exit() -> None:
     thread.join(EXIT_WAIT_S)
     if thread.is_alive():
         log.error("NCCL's teardown did not end within %.0f s of exit; leaving the process without it", EXIT_WAIT_S)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
+        _exit_now(1)
 
 
 def _run_teardown(teardown: Callable[[], None]) -> None:
