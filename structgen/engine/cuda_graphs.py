@@ -323,6 +323,21 @@ class DecodeGraphs:
         """Whether the next step's forward is queued (pre-launched or planned)."""
         return self._ahead is not None
 
+    def release(self) -> None:
+        """Destroy every graph (an executing one is freed when it completes); nothing may
+        replay them afterwards."""
+        self.token_gate = None
+        for loop in self._loops.values():
+            loop.release()
+        for forward, sample in self._graph_pairs.values():
+            forward.reset()
+            sample.reset()
+        self._loops.clear()
+        self._graph_pairs.clear()
+        self._steps.clear()
+        self._captured.clear()
+        self._forward_one = self._ahead = None
+
     def discard_ahead(self) -> None:
         """Another forward ran (or will): the pre-launched one no longer matches the cache."""
         self._ahead = None

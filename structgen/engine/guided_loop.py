@@ -172,6 +172,12 @@ class GuidedLoop:
         self.graph, self._logits = graph, logits
         self._events = [torch.cuda.Event() for _ in range(DEPTH)]
 
+    def release(self) -> None:
+        """Destroy the captured graph (DecodeGraphs.release)."""
+        if self.graph is not None:
+            self.graph.reset()
+            self.graph = None
+
     def run(self, first: LoopStep, max_steps: int) -> int:
         """Run `first` and the steps its `take` plans, at most `max_steps`; returns how many
         ran. Raises what a callback raised, after the run has drained."""

@@ -274,8 +274,17 @@ class ModelRunner:
         if keep:
             self.graphs = DecodeGraphs(self, tuple(keep), capture=capture, tensor_parallel=self.tensor_parallel)
             log.info("captured decode graphs for batch sizes %s", keep)
+            if self.tensor_parallel is not None:
+                self.tensor_parallel.graph_holders.append(self)
             if self._token_gate is not None:
                 self.graphs.enable_token_gate(*self._token_gate)
+
+    def release_graphs(self) -> None:
+        """Destroy the decode graphs (a split engine leaving its NCCL groups); forwards run
+        eagerly afterwards."""
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
 
     def set_token_gate(self, quiet: np.ndarray, min_allowed: int) -> None:
         """Jump-forward at batch 1: let the device run the next forward at once after tokens

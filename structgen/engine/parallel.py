@@ -31,7 +31,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
@@ -60,9 +60,9 @@ STARTUP_TIMEOUT_S = 600.0
 # An announcement is a few bytes into each worker's socket; only a stuck worker delays it.
 ANNOUNCE_TIMEOUT_S = 30.0
 SHUTDOWN_TIMEOUT_S = 10.0
-# Leaving the process groups: NCCL's teardown, orderly or aborted, can take minutes once
-# collectives were captured in CUDA graphs (pytorch#115388; both ranks of an H100 pair sat in
-# `_abort_process_group`), so it runs in a thread given this long.
+# Leaving the process groups: NCCL's teardown waits for every CUDA graph that captured one of
+# its collectives to be destroyed (commDestroySync, NCCL 2.26 on), so `leave` releases the
+# graphs first; the teardown still runs in a thread given this long, in case it stalls anyway.
 LEAVE_TIMEOUT_S = 5.0
 # At exit, a teardown still running is waited for this long: a daemon thread that returns from
 # C++ while the interpreter finalizes aborts the process ("terminate called").
@@ -71,6 +71,11 @@ POLL_S = 0.02
 # all_gather_into_tensor's newer name (the old one warns from torch 2.10 on).
 _all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 _pending_teardown: threading.Thread | None = None  # a `leave` that outlasted LEAVE_TIMEOUT_S
+
+
+class ReleasesGraphs(Protocol):
+    def release_graphs(self) -> None:
+        """Destroy the CUDA graphs; nothing may replay them afterwards."""
 
 
 @dataclass(frozen=True)
@@ -148,6 +153,9 @@ class TensorParallel:
         self.broken: str | None = None  # why the ranks may no longer run the same collectives
         self.closed = False  # no more forwards: stopped, or closing
         self.left = False  # this rank has left the process groups
+        # CUDA graphs that captured this rank's collectives: NCCL (2.26 on) does not free a
+        # communicator while a graph that used it lives, so `leave` releases them first.
+        self.graph_holders: list[ReleasesGraphs] = []
         self.pages: PageTable | None = None  # the runner's KV pages, which rank 0 sends with forwards
         self._pages_sent = -1  # the version of rank 0's table the workers have
         self.peer_sum: PeerSum | None = None  # small sums + norm in one kernel, where the GPUs map each other
@@ -318,16 +326,20 @@ class TensorParallel:
 
     def leave(self, clean: bool) -> None:
         """Leave the process groups, within LEAVE_TIMEOUT_S. NCCL's orderly teardown waits on
-        peers that may be gone, so on CUDA, and after a failure, the groups are aborted; after
-        graph capture either can take many seconds (pytorch#115388), so it runs in a daemon
-        thread. One that outlasts the bound goes on in the background (until it ends this
-        process cannot start another split engine: `start_tensor_parallel` says so), and the
-        process's exit waits for it (`_finish_teardown_at_exit`)."""
+        peers that may be gone, so on CUDA, and after a failure, the groups are aborted, after
+        the CUDA graphs that captured collectives are released (NCCL frees no communicator a
+        live graph used: the abort never returned). It runs in a daemon thread; one that
+        outlasts the bound goes on in the background (until it ends this process cannot start
+        another split engine: `start_tensor_parallel` says so), and the process's exit waits for
+        it (`_finish_teardown_at_exit`)."""
         global _pending_teardown
         if self.left:
             return
         self.left = True
         self.peer_sum = None
+        for holder in self.graph_holders:
+            holder.release_graphs()
+        self.graph_holders.clear()
         abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
         teardown = dist.destroy_process_group if (clean and self.device.type != "cuda") or abort is None else abort
         thread = threading.Thread(target=_run_teardown, args=(teardown,), name="structgen-tp-leave", daemon=True)

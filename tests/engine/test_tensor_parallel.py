@@ -160,6 +160,26 @@ def test_a_slow_teardown_goes_on_in_the_background_and_holds_off_the_next_split_
     parallel._finish_teardown_at_exit()  # nothing left to wait for: returns at once
 
 
+def test_leaving_releases_the_graphs_before_the_process_groups(tiny_llama_dir, two_ranks, monkeypatch):
+    # NCCL (2.26 on) frees no communicator while a CUDA graph that captured one of its
+    # collectives lives: a teardown before the release never returns.
+    two_ranks.close()
+    llm = LLM(tiny_llama_dir, config=_config(2))
+    events: list[str] = []
+
+    class Graphs:
+        def release_graphs(self) -> None:
+            events.append("graphs released")
+
+    destroy = torch.distributed.destroy_process_group
+    llm.engine.tensor_parallel.graph_holders.append(Graphs())
+    monkeypatch.setattr(torch.distributed, "destroy_process_group",
+                        lambda *args, **kwargs: (events.append("groups left"), destroy())[-1])
+    llm.close()
+    assert events == ["graphs released", "groups left"]
+    assert not llm.engine.tensor_parallel.graph_holders
+
+
 def test_a_script_without_a_main_guard_is_told_to_add_one(tiny_llama_dir, tmp_path):
     """Each worker rank is a spawned process that imports the script; a script that builds
     its split engine as it is imported would start one in every worker."""
@@ -259,6 +279,9 @@ if __name__ == "__main__":  # the worker rank is a spawned process, which import
         summed_by_peers = llm.engine.tensor_parallel.peer_sum is not None
         texts = [llm.complete(str, p, max_tokens=24, chat=False).token_ids for p in prompts]
         texts += [c.token_ids for c in llm.complete_batch(str, prompts * 3, max_tokens=16, chat=False)]
+    # Closing released the graphs, so NCCL's teardown ended within the bound, not at exit.
+    from structgen.engine import parallel
+    assert parallel._pending_teardown is None, "NCCL's teardown outlasted close"
     print("OUTPUT", json.dumps([summed_by_peers, texts]))
 """
 
