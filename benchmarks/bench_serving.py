@@ -22,6 +22,12 @@ Arrivals: `closed` submits every request at once; `serial` sends them one at a t
 p99, valid outputs (jsonschema), lost requests. The decode-step bound beside them is the
 engine's constrained step at the run's batch size, measured in the same process
 (on a GPU; `--no-bound` to skip): what the GPU allows if every step were full.
+
+Over HTTP the requests leave from `--http-clients` processes (default 4; 1 sends them all
+from this one): one process's openai client spends more CPU per streamed request than the
+server does (its httpx pool re-scans every connection on each request's start and end, and
+pydantic builds every chunk), so from one process a burst of hundreds of streams measures the
+client. `client_cpu_ms_per_request` says what the senders spent.
 """
 
 from __future__ import annotations
@@ -30,9 +36,10 @@ import argparse
 import asyncio
 import json
 import random
+import threading
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +95,7 @@ class Results:
 class RunResult:
     outcomes: list[Outcome] = field(default_factory=list)
     wall_s: float = 0.0
+    client_cpu_s: float | None = None  # HTTP: CPU time of the client process(es) during the run
 
 
 # -- workloads ---------------------------------------------------------------------------------
@@ -223,11 +231,19 @@ def _arrival(text: str) -> Arrival:
     return None if text == "closed" else text if text == "serial" else float(text)
 
 
-async def drive(run: Callable[[ServingRequest], Awaitable[Outcome]], requests: list[ServingRequest],
-                rate: Arrival, timeout_s: float, seed: int = 0) -> RunResult:
-    """All requests at once (`rate` None), one at a time ("serial") or as a Poisson process
-    of `rate` requests/s."""
-    rng = random.Random(seed)
+def arrival_delays(n: int, rate: float | None, seed: int = 0) -> list[float]:
+    """When each of `n` requests is sent, in seconds from the start: all at once (`rate` None)
+    or as a Poisson process of `rate` requests/s."""
+    rng, delays, t = random.Random(seed), [], 0.0
+    for _ in range(n):
+        delays.append(t)
+        t += rng.expovariate(rate) if rate else 0.0
+    return delays
+
+
+async def send_all(run: Callable[[ServingRequest], Awaitable[Outcome]], requests: list[ServingRequest],
+                   delays: list[float] | None, timeout_s: float) -> list[Outcome]:
+    """Each request sent `delays[i]` seconds from now, or (`delays` None) one at a time."""
 
     async def one(req: ServingRequest, delay: float) -> Outcome:
         await asyncio.sleep(delay)
@@ -236,18 +252,21 @@ async def drive(run: Callable[[ServingRequest], Awaitable[Outcome]], requests: l
         except Exception as exc:  # counted, and the run goes on
             return Outcome(error=f"{type(exc).__name__}: {str(exc)[:200]}", refused=_refusal(exc))
 
+    if delays is None:
+        return [await one(r, 0.0) for r in requests]
+    return list(await asyncio.gather(*(one(r, d) for r, d in zip(requests, delays, strict=True))))
+
+
+async def drive(run: Callable[[ServingRequest], Awaitable[Outcome]], requests: list[ServingRequest],
+                rate: Arrival, timeout_s: float, seed: int = 0) -> RunResult:
+    """All requests at once (`rate` None), one at a time ("serial") or as a Poisson process
+    of `rate` requests/s."""
+    delays = None if rate == "serial" else arrival_delays(len(requests), rate if isinstance(rate, float) else None, seed)
     t0 = time.perf_counter()
-    if rate == "serial":
-        outcomes = [await one(r, 0.0) for r in requests]
-    else:
-        delays, t = [], 0.0
-        for _ in requests:
-            delays.append(t)
-            t += rng.expovariate(rate) if isinstance(rate, float) else 0.0
-        outcomes = await asyncio.gather(*(one(r, d) for r, d in zip(requests, delays, strict=True)))
+    outcomes = await send_all(run, requests, delays, timeout_s)
     wall = time.perf_counter() - t0
-    validate_outcomes(list(outcomes), requests)
-    return RunResult(list(outcomes), wall)
+    validate_outcomes(outcomes, requests)
+    return RunResult(outcomes, wall)
 
 
 def _refusal(exc: BaseException) -> bool:
@@ -284,6 +303,8 @@ def summarize(res: RunResult) -> dict[str, Any]:
         "ttft_engine_p50_ms": _pct([o.engine_ttft_s for o in ok if o.engine_ttft_s is not None], 0.5),
         "tpot_p50_ms": _pct(tpot, 0.5), "tpot_p99_ms": _pct(tpot, 0.99),
         "mean_output_tokens": round(tokens / len(ok), 1) if ok else None,
+        "client_cpu_ms_per_request": round(1e3 * res.client_cpu_s / len(res.outcomes), 2)
+        if res.client_cpu_s is not None and res.outcomes else None,
         "first_errors": sorted({o.error for o in res.outcomes if o.error})[:3],
     }
 
@@ -319,6 +340,9 @@ def _parse_args() -> argparse.Namespace:
                     help="an EngineTuning field for this run, e.g. prefill_in_graphs=false (in process only)")
     ap.add_argument("--prefill-chunk-tokens", type=int, default=None,
                     help="EngineConfig.prefill_chunk_tokens: most tokens of an eager prefill step")
+    ap.add_argument("--http-clients", type=int, default=4, metavar="N",
+                    help="client processes sending the HTTP requests (1: all from this process; a serial run "
+                         "uses one)")
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--data-dir", type=Path, default=None, help="MaskBench jsonl folder (default: ../shared)")
     ap.add_argument("--no-bound", action="store_true", help="skip the decode-step bound")
@@ -393,7 +417,8 @@ def run_mode(llm: Any, mode: str, workload: str, requests: list[ServingRequest],
     server_args = ["--max-batch-size", str(args.max_batch_size), "--max-seq-len", "4096", "--log-level", "warning"]
     with ServerProcess([*server_args, *(["--device", args.device] if args.device else [])]) as server:
         for rate in arrivals:
-            res = asyncio.run(_http(server.url, llm.model_name, requests, rate, args))
+            res = http_drive(server.url, llm.model_name, requests, rate, args.max_tokens, args.timeout,
+                             args.http_clients)
             results.add(_row(workload, mode, rate, res, bound))
 
 
@@ -403,19 +428,83 @@ def run_peer(peer: str, workload: str, requests: list[ServingRequest], args: arg
     name, _, url = peer.partition("=")
     for a in args.arrivals.split(","):
         rate = _arrival(a)
-        res = asyncio.run(_http(url, args.peer_model, requests, rate, args))
+        res = http_drive(url, args.peer_model, requests, rate, args.max_tokens, args.timeout, args.http_clients)
         results.add(_row(workload, "http", rate, res, bound, system=name))
 
 
-async def _http(url: str, model: str, requests: list[ServingRequest], rate: Arrival,
-                args: argparse.Namespace) -> RunResult:
+def http_drive(url: str, model: str, requests: list[ServingRequest], rate: Arrival, max_tokens: int,
+               timeout_s: float, processes: int = 1) -> RunResult:
+    """The requests over HTTP with the official openai client, from this process
+    (`processes` 1, or a serial run) or spread round robin over `processes` client processes
+    that start together and keep the arrival times: one process parsing every stream's chunks
+    can be what bounds a burst, rather than the server."""
+    if processes <= 1 or rate == "serial":
+        cpu = time.process_time()
+        res = asyncio.run(_http(url, model, requests, rate, max_tokens, timeout_s))
+        res.client_cpu_s = time.process_time() - cpu
+        return res
+    import multiprocessing
+    import queue
+
+    delays = arrival_delays(len(requests), rate if isinstance(rate, float) else None)
+    ctx = multiprocessing.get_context("spawn")  # no fork of a process holding an engine's threads
+    start, results = ctx.Barrier(processes + 1), ctx.Queue()
+    shards = [list(range(k, len(requests), processes)) for k in range(processes)]
+    procs = [ctx.Process(target=_client_process, daemon=True, args=(
+        k, url, model, [requests[i] for i in shard], [delays[i] for i in shard], max_tokens, timeout_s, start, results))
+        for k, shard in enumerate(shards)]
+    for p in procs:
+        p.start()
+    try:
+        start.wait(timeout=300)
+        t0 = time.monotonic()
+        merged: list[Outcome] = [Outcome()] * len(requests)
+        ends, cpu = [], 0.0
+        for _ in procs:
+            k, outcomes, end, cpu_s = results.get(timeout=timeout_s + 300)
+            for i, outcome in zip(shards[k], outcomes, strict=True):
+                merged[i] = Outcome(**outcome)
+            ends.append(end)
+            cpu += cpu_s
+    except (queue.Empty, threading.BrokenBarrierError) as exc:
+        codes = [p.exitcode for p in procs]
+        raise RuntimeError(f"a client process did not report (exit codes {codes})") from exc
+    finally:
+        for p in procs:
+            p.join(10)
+    validate_outcomes(merged, requests)
+    return RunResult(merged, max(ends) - t0, cpu)
+
+
+def _client_process(k: int, url: str, model: str, requests: list[ServingRequest], delays: list[float],
+                    max_tokens: int, timeout_s: float, start: Any, results: Any) -> None:
+    """One client process of `http_drive`: its share of the requests once every process is
+    ready; (k, outcomes as dicts, monotonic end, CPU seconds) to `results`."""
+
+    async def run() -> tuple[list[dict[str, Any]], float, float]:
+        async with _openai_client(url, timeout_s) as client:
+            start.wait()
+            cpu = time.process_time()
+            outcomes = await send_all(http_runner(client, model, max_tokens), requests, delays, timeout_s)
+            end, cpu = time.monotonic(), time.process_time() - cpu
+            return [asdict(o) for o in outcomes], end, cpu
+
+    results.put((k, *asyncio.run(run())))
+
+
+def _openai_client(url: str, timeout_s: float) -> Any:
     import httpx
     import openai
 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0,
-                                  http_client=httpx.AsyncClient(limits=limits, timeout=args.timeout)) as client:
-        return await drive(http_runner(client, model, args.max_tokens), requests, rate, args.timeout)
+    return openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0,
+                              http_client=httpx.AsyncClient(limits=limits, timeout=timeout_s))
+
+
+async def _http(url: str, model: str, requests: list[ServingRequest], rate: Arrival, max_tokens: int,
+                timeout_s: float) -> RunResult:
+    async with _openai_client(url, timeout_s) as client:
+        return await drive(http_runner(client, model, max_tokens), requests, rate, timeout_s)
 
 
 def _row(workload: str, mode: str, rate: Arrival, res: RunResult, bound: float | None,

@@ -42,10 +42,15 @@ token: the host work the HTTP front adds, which holds the GIL the engine thread 
 whole server process's CPU time per request (every thread: prompt tokenizing in worker threads
 and the stubbed engine's host work too).
 `--profile FILE` records the event loop with cProfile (CPU time, so waits for the GIL do not
-count) and prints its top functions.
+count) and prints its top functions. `--workload json-one` serves bench_serving's one-schema
+burst instead, the stub writing what the default model writes. `client_cpu_ms_per_request` is
+the sending side's CPU: by default httpx reading the SSE lines with `json.loads`; `--client
+openai` drives with bench_serving's HTTP driver (the official client) from
+`--client-processes` processes, so a burst can be weighed as bench_serving sends it.
 
     python -m benchmarks.profile_host --http 256 --max-tokens 48 --profile /tmp/server.prof
     python -m benchmarks.profile_host --http 400 --max-tokens 48 --rate 100
+    python -m benchmarks.profile_host --http 256 --workload json-one --max-tokens 128 --client openai --client-processes 4
 
 `--speculative` compares the host time of a decode step of the plain engine with the same
 engine running an n-gram `Speculator` that sees every step (`--max-requests 0`, the default;
@@ -490,9 +495,12 @@ class ServingClient:
 
 
 # -- the HTTP server on the stubbed device -------------------------------------------------------
-def serve_stubbed(port: int, max_batch_size: int, stats_path: Path, profile_path: Path | None) -> None:
+def serve_stubbed(port: int, max_batch_size: int, stats_path: Path, profile_path: Path | None,
+                  workload: str = "agent") -> None:
     """The child of `--http`: the real app and uvicorn settings (`server_config`) on the stubbed
-    device until SIGINT/SIGTERM; then the event loop thread's CPU seconds (and its cProfile)."""
+    device until SIGINT/SIGTERM; then the event loop thread's CPU seconds (and its cProfile).
+    For json-one the stub writes what the default model writes (PERSON_TEXT), else random
+    allowed tokens."""
     import cProfile
     import json
 
@@ -504,7 +512,11 @@ def serve_stubbed(port: int, max_batch_size: int, stats_path: Path, profile_path
 
     tokenizer = load_tokenizer(resolve_model(progress=False))
     engine = tiny_engine(tokenizer, max_batch_size, max_seq_len=4096)
-    RandomAllowedDevice(engine, tokenizer, "", min(engine.stop_token_ids))
+    stop = min(engine.stop_token_ids)
+    if workload == "json-one":
+        TextFollowingDevice(engine, tokenizer, PERSON_TEXT, stop)
+    else:
+        RandomAllowedDevice(engine, tokenizer, "", stop)
     llm = LLM.from_engine(engine, tokenizer, "stub")
     server = uvicorn.Server(server_config(create_app(llm), "127.0.0.1", port, "warning"))
     profiler = cProfile.Profile(time.thread_time) if profile_path else None  # CPU, not GIL waits
@@ -574,10 +586,12 @@ async def drive_http(url: str, requests: list[Any], max_tokens: int, rate: float
 
 
 def http_run(n: int, max_tokens: int, rate: float | None, profile_path: Path | None,
-             workload: str = "agent") -> dict[str, Any]:
-    """`n` streams of the agent workload (or its short-prompt twin, `workload="agent-short"`)
-    against `structgen serve`'s app on the stubbed device (a child process), driven from this
-    one; the server's event loop CPU per request and token."""
+             workload: str = "agent", client: str = "httpx", client_processes: int = 1) -> dict[str, Any]:
+    """`n` streams of bench_serving's `workload` against `structgen serve`'s app on the stubbed
+    device (a child process): the server's event loop CPU per request and token, and the
+    client's CPU per request. `client` "httpx" reads the SSE lines with `json.loads`;
+    "openai" is bench_serving's HTTP driver (the official client, from `client_processes`
+    processes)."""
     import asyncio
     import json
     import signal
@@ -587,37 +601,49 @@ def http_run(n: int, max_tokens: int, rate: float | None, profile_path: Path | N
 
     import httpx
 
-    from benchmarks.bench_serving import agent_workload
-    from benchmarks.common import maskbench_dir
+    from benchmarks.bench_serving import http_drive
     from structgen.engine.models.loader import load_tokenizer, resolve_model
     from structgen_server.process import free_port
 
     port, stats = free_port(), Path(tempfile.mkstemp(suffix=".json")[1])
     cmd = [sys.executable, "-m", "benchmarks.profile_host", "--serve-stubbed", str(port), "--max-batch", str(n),
-           "--stats-out", str(stats), *(["--profile-out", str(profile_path)] if profile_path else [])]
+           "--workload", workload, "--stats-out", str(stats),
+           *(["--profile-out", str(profile_path)] if profile_path else [])]
     child = subprocess.Popen(cmd)
+    url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(httpx, f"http://127.0.0.1:{port}/health", child)
-        requests = agent_workload(n, maskbench_dir(), load_tokenizer(resolve_model(progress=False)),
-                                  catalogue=workload == "agent")
-        results, wall = asyncio.run(drive_http(f"http://127.0.0.1:{port}", requests, max_tokens, rate))
+        _wait_healthy(httpx, f"{url}/health", child)
+        requests = serving_workload(workload, n, load_tokenizer(resolve_model(progress=False)))
+        if client == "openai":
+            res = http_drive(f"{url}/v1", "stub", requests, rate, max_tokens, 600.0, client_processes)
+            results = [{"error": o.error} if o.error else
+                       {"ttft_s": o.ttft_s, "tokens": o.output_tokens, "events": None, "valid": o.valid}
+                       for o in res.outcomes]
+            wall, client_cpu = res.wall_s, res.client_cpu_s or 0.0
+        else:
+            cpu = time.process_time()
+            results, wall = asyncio.run(drive_http(url, requests, max_tokens, rate))
+            client_cpu = time.process_time() - cpu
     finally:
         child.send_signal(signal.SIGINT)
         child.wait(60)
     ok = [r for r in results if "error" not in r]
     server = json.loads(stats.read_text())
     loop_cpu = server["loop_cpu_s"]
-    tokens, events = sum(r["tokens"] for r in ok), sum(r["events"] for r in ok)
-    ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
+    tokens = sum(r["tokens"] for r in ok)
+    events = sum(r["events"] for r in ok) if client == "httpx" else None
+    ttft = [r["ttft_s"] for r in ok if r["ttft_s"]]
     return {"workload": workload, "streams": n, "arrival": "closed" if rate is None else f"poisson {rate:g}/s",
-            "wall_s": round(wall, 2),
+            "client": client if client == "httpx" else f"openai x{client_processes}", "wall_s": round(wall, 2),
             "lost": len(results) - len(ok), "tokens": tokens, "sse_events": events,
+            **({"valid": sum(r["valid"] for r in ok)} if client == "openai" else {}),
             "tok_per_s": round(tokens / wall, 1),
             "ttft_p50_s": round(float(np.median(ttft)), 3) if ttft else None,
             "ttft_p99_s": round(float(np.quantile(ttft, 0.99)), 3) if ttft else None,
             "loop_cpu_s": round(loop_cpu, 2), "loop_ms_per_request": round(1e3 * loop_cpu / max(len(ok), 1), 2),
             "loop_us_per_token": round(1e6 * loop_cpu / max(tokens, 1), 1),
             "server_cpu_ms_per_request": round(1e3 * server["process_cpu_s"] / max(len(ok), 1), 2),
+            "client_cpu_ms_per_request": round(1e3 * client_cpu / max(len(results), 1), 2),
             "first_errors": sorted({r["error"] for r in results if "error" in r})[:3]}
 
 
@@ -798,6 +824,9 @@ def main() -> None:
     ap.add_argument("--http", type=int, default=0, metavar="N", help="N streams over HTTP to the stubbed server")
     ap.add_argument("--rate", type=float, default=None, help="--http: Poisson arrivals per second (default: all at once)")
     ap.add_argument("--profile", type=Path, default=None, help="--http, --serving: cProfile the event loop into this file (--serving: the engine thread into FILE.engine)")
+    ap.add_argument("--client", default="httpx", choices=["httpx", "openai"],
+                    help="--http: SSE lines read with json.loads, or bench_serving's openai client driver")
+    ap.add_argument("--client-processes", type=int, default=1, help="--http --client openai: client processes")
     ap.add_argument("--serve-stubbed", type=int, default=0, metavar="PORT", help=argparse.SUPPRESS)
     ap.add_argument("--max-batch", type=int, default=256, help=argparse.SUPPRESS)
     ap.add_argument("--stats-out", type=Path, default=None, help=argparse.SUPPRESS)
@@ -808,11 +837,12 @@ def main() -> None:
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     if args.serve_stubbed:
-        serve_stubbed(args.serve_stubbed, args.max_batch, args.stats_out, args.profile_out)
+        serve_stubbed(args.serve_stubbed, args.max_batch, args.stats_out, args.profile_out, args.workload)
         return
     if args.http:
-        workload = args.workload if args.workload.startswith("agent") else "agent"
-        print(http_run(args.http, args.max_tokens, args.rate, args.profile, workload))
+        workload = "agent" if args.workload == "json" else args.workload  # --http's default: agent
+        print(http_run(args.http, args.max_tokens, args.rate, args.profile, workload, args.client,
+                       args.client_processes))
         if args.profile:
             print_profile(args.profile)
         return
