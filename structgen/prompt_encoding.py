@@ -12,7 +12,8 @@ It is exact by check, not by assumption: a piece is kept only after an encoding 
 text showed every piece of it encoding on its own to the same ids in place, and a tokenizer
 where that fails once (added tokens that strip the spaces beside them, a prefix space added
 to the input's first piece only) is encoded whole from then on. A long piece is learnt the
-second time it is seen, so prompts that never repeat pay for no checks.
+second time it is seen, so prompts that never repeat pay for no checks; in a burst (one batch)
+the first text holding a piece that others hold too is encoded before them and teaches it.
 """
 
 from __future__ import annotations
@@ -50,15 +51,43 @@ class SegmentEncoder:
         return self.encode_batch([text])[0]
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        """`encode` of each text: from kept pieces where every long piece is kept, the others
-        whole in one batched tokenizer call (a fast tokenizer encodes a batch on its own
-        threads, the GIL released), then their long pieces learnt where seen before."""
-        found = [self._from_pieces(text) for text in texts]
+        """`encode` of each text: from kept pieces where every long piece is kept; where a long
+        piece not kept recurs within the batch (a burst of agent turns), one text with it is
+        encoded whole first and the piece learnt from it, so that the others reuse it; the rest
+        whole in one batched tokenizer call (a fast tokenizer encodes a batch on its own threads,
+        the GIL released), then their long pieces learnt where seen before."""
+        found: list[list[int] | None] = [self._from_pieces(text) for text in texts]
         whole = [i for i, ids in enumerate(found) if ids is None]
-        encoded = dict(zip(whole, encode_texts(self.tokenizer, [texts[i] for i in whole], False), strict=True))
-        for i, ids in encoded.items():
-            self._note(texts[i], ids)
-        return [ids if ids is not None else encoded[i] for i, ids in enumerate(found)]
+        teachers = self._teachers(texts, whole)
+        if teachers:
+            self._encode_whole(texts, teachers, found, repeated=True)
+            for i in whole:
+                if found[i] is None:
+                    found[i] = self._from_pieces(texts[i])
+            whole = [i for i in whole if found[i] is None]
+        self._encode_whole(texts, whole, found)
+        out = [ids for ids in found if ids is not None]
+        assert len(out) == len(texts)
+        return out
+
+    def _teachers(self, texts: list[str], indices: list[int]) -> list[int]:
+        """Of `texts[indices]`, one text for each long piece not kept that two or more of them
+        hold: encoding it whole teaches the piece to the others."""
+        holders: dict[tuple[str, bool], list[int]] = {}
+        for i in indices:
+            for piece in self._split_long(texts[i])[2]:
+                holders.setdefault(piece, []).append(i)
+        with self._lock:
+            repeated = [held[0] for piece, held in holders.items() if len(held) > 1 and piece not in self._pieces]
+        return sorted(set(repeated))
+
+    def _encode_whole(self, texts: list[str], indices: list[int], found: list[list[int] | None],
+                      repeated: bool = False) -> None:
+        """Encode `texts[indices]` whole in one batched call into `found`, then learn their long
+        pieces: seen before, or (`repeated`) known to recur in this batch."""
+        for i, ids in zip(indices, encode_texts(self.tokenizer, [texts[i] for i in indices], False), strict=True):
+            found[i] = ids
+            self._note(texts[i], ids, repeated)
 
     def _split_long(self, text: str) -> tuple[list[str], list[tuple[str, bool]], list[tuple[str, bool]]]:
         """The text's parts (text, special, ..., text), its pieces between added tokens (with
@@ -88,12 +117,13 @@ class SegmentEncoder:
                 out.append(self.special_ids[parts[2 * i + 1]])
         return out
 
-    def _note(self, text: str, ids: list[int]) -> None:
-        """After a text was encoded whole: learn its long pieces not kept, where seen before."""
+    def _note(self, text: str, ids: list[int], repeated: bool = False) -> None:
+        """After a text was encoded whole: learn its long pieces not kept, where seen before
+        (or `repeated`: recurring in the batch at hand)."""
         parts, pieces, long = self._split_long(text)
         with self._lock:
             missing = [piece for piece in long if piece not in self._pieces]
-        if missing and self._seen_before(missing):
+        if missing and (self._seen_before(missing) or repeated):
             self._learn(parts, pieces, ids)
 
     def _seen_before(self, pieces: list[tuple[str, bool]]) -> bool:

@@ -36,10 +36,28 @@ def test_a_batch_of_agent_turns_equals_the_whole_encodings_and_learns_the_catalo
     encoder = SegmentEncoder(tokenizer)
     texts = chat_texts(tokenizer) + ["short", "<|im_start|>user\nhi<|im_end|>"]
     whole = [list(tokenizer.encode(text, add_special_tokens=False)) for text in texts]
-    assert encoder.encode_batch(texts) == whole  # all encoded whole, the catalogue learnt
-    assert encoder.hits == 0
+    # a cold burst: the first turn is encoded whole and teaches the catalogue to the others
     assert encoder.encode_batch(texts) == whole
-    assert encoder.hits == len(TURNS)  # every turn from the kept catalogue
+    assert encoder.hits == len(TURNS) - 1
+    assert encoder.encode_batch(texts) == whole
+    assert encoder.hits == 2 * len(TURNS) - 1  # every turn from the kept catalogue
+
+
+def test_a_cold_batch_encodes_whole_one_text_per_recurring_piece(tokenizer):
+    """Two catalogues, each in three turns, and one text whose long piece recurs nowhere: the
+    tokenizer sees one text of each catalogue whole, the lone text whole, the rest in pieces."""
+    other = CATALOGUE.replace("tool_", "fn_")
+    texts = [tokenizer.apply_chat_template([{"role": "system", "content": c}, {"role": "user", "content": u}],
+                                           add_generation_prompt=True, tokenize=False)
+             for c in (CATALOGUE, other) for u in TURNS[:3]]
+    texts.append(other + "<|im_end|>" + CATALOGUE[::-1])
+    seen: list[str] = []
+    encoder = SegmentEncoder(tokenizer)
+    encode = encoder._encode
+    encoder._encode = lambda text: (seen.append(text), encode(text))[1]  # the pieces' own encodings
+    assert encoder.encode_batch(texts) == [list(tokenizer.encode(t, add_special_tokens=False)) for t in texts]
+    assert encoder.hits == 4  # two turns of each catalogue from its kept ids
+    assert CATALOGUE[::-1] not in seen  # the lone piece was never checked nor learnt
 
 
 def test_short_texts_are_encoded_whole_and_long_ones_reused_with_or_without_added_tokens(tokenizer):
