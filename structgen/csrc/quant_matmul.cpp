@@ -589,21 +589,40 @@ void DequantRow(int type, const Format& f, const uint8_t* row, int64_t cols, flo
 
 constexpr int kInt8TileRows = 4;  // activation rows of a tile; the AVX-VNNI tile takes 2 (16 registers)
 
+// Cache-line aligned storage for the tiles' operands: their 64-byte loads, unaligned, would
+// each touch two lines (which halved the tiles' speed).
+template <typename T>
+struct LineAligned {
+  using value_type = T;
+  LineAligned() = default;
+  template <typename U>
+  LineAligned(const LineAligned<U>&) {}
+  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t{64})); }
+  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t{64}); }
+  template <typename U>
+  bool operator==(const LineAligned<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const LineAligned<U>&) const { return false; }
+};
+template <typename T>
+using AlignedVector = std::vector<T, LineAligned<T>>;
+
 // Activation rows quantized per 32-block; rows padded to a tile multiple and blocks to an even
 // count (a multiple of 4 for the sums) with zeros, so vector loads need no tail.
 struct Int8Rows {
-  std::vector<int8_t> q;      // [rows, pair_blocks * 32]
-  std::vector<int8_t> q_low;  // [rows, pair_blocks * 32] with two planes, else empty
-  std::vector<float> scale8;  // [rows, pair_blocks * 8]: each block's scale of its integer codes, once per int32 lane
+  AlignedVector<int8_t> q;      // [rows, pair_blocks * 32]
+  AlignedVector<int8_t> q_low;  // [rows, pair_blocks * 32] with two planes, else empty
+  AlignedVector<float> scale8;  // [rows, pair_blocks * 8]: each block's scale of its integer codes, once per int32 lane
   std::vector<float> sums;    // [rows, blocks]: each block's scale * sum(codes), for the offsets' term
   int64_t n = 0, rows = 0, blocks = 0, pair_blocks = 0;
+  int64_t wide = 0, grouped = 0;  // the blocks in units of 16, then those up to the last pair (PlaceOf)
   int planes = 1;
 };
 
 // Up to kWeightRows weight rows unpacked for the tiles, in Int8Rows' block layout.
 struct Int8Weights {
-  std::vector<uint8_t> u;      // [kWeightRows, pair_blocks * 32]
-  std::vector<float> scale8;   // [kWeightRows, pair_blocks * 8]
+  AlignedVector<uint8_t> u;      // [kWeightRows, pair_blocks * 32]
+  AlignedVector<float> scale8;   // [kWeightRows, pair_blocks * 8]
   std::vector<float> offsets_t;  // [blocks, offsets_stride]: the offsets m of a share's rows, block by block
   int64_t offsets_stride = 0;
 };
@@ -611,20 +630,35 @@ static_assert(kWeightRows == 4, "the int8 tiles' offsets and sums interleave fou
 static_assert(kInt8TileRows == kWeightRows, "activation and weight rows share one tile layout (PlaceOf)");
 
 // Where a block's codes and scales sit in Int8Rows / Int8Weights. Four rows (a tile's) go together,
-// unit by unit: a unit is a group of four blocks, or a last pair that fills no group, and holds
-// the unit's codes of the tile's first row, then of its second, and so on, so that a tile reads
-// its rows' operands from one place. A group's 128 bytes of one row hold the first 16 codes of
-// each of its blocks, then the last 16: two dot products into one accumulator sum 8 codes per
-// int32 lane, and one fp32 conversion, scale and FMA serve four blocks (16 lanes, 4 per block;
-// scales repeated 4 times). A pair keeps block order (8 lanes per block, scales 8 times).
+// unit by unit: a unit is a wide unit of 16 blocks (AVX-512 only), a group of four blocks, or a
+// last pair that fills no group, and holds the unit's codes of the tile's first row, then of its
+// second, and so on, so that a tile reads its rows' operands from one place. A wide unit's 512
+// bytes of one row are 8 steps of 64: step s holds codes 4s .. 4s + 3 of each of its 16 blocks,
+// so that 8 dot products (16 with two planes) chain in one accumulator, one int32 lane per block,
+// before one fp32 conversion, scale and FMA serve the 16 blocks (scales once each). A group's 128
+// bytes of one row hold the first 16 codes of each of its blocks, then the last 16: two dot
+// products into one accumulator sum 8 codes per int32 lane, and one conversion, scale and FMA
+// serve four blocks (16 lanes, 4 per block; scales repeated 4 times). A pair keeps block order
+// (8 lanes per block, scales 8 times).
 struct BlockPlace {
   int64_t first, second;  // bytes of codes 0-15 and 16-31 from the tile's start
   int64_t scale;          // first float of the scale's copies from the tile's start
-  int copies;
+  int copies;             // 1: a wide unit's block, its codes 4 bytes a step (kWideStep apart)
 };
 
-// The blocks in whole groups of four of a row padded to `pair_blocks` blocks.
-int64_t GroupedBlocks(int64_t pair_blocks) { return pair_blocks / 4 * 4; }
+constexpr int kWideBlocks = 16, kWideStep = 64;
+
+// The blocks in wide units and in whole groups of four of a row of `blocks` blocks padded to
+// `pair_blocks`: wide units where the AVX512-VNNI tiles run (`level` 2), the AVX-VNNI tiles
+// take groups and pairs only.
+struct BlockLayout {
+  int64_t wide, grouped;
+};
+
+BlockLayout LayoutOf(int64_t blocks, int64_t pair_blocks, int level) {
+  const int64_t wide = level == 2 ? blocks / kWideBlocks * kWideBlocks : 0;
+  return {wide, wide + (pair_blocks - wide) / 4 * 4};
+}
 
 // Where the unit that starts at block b sits in a tile: its first row's codes and scales from
 // the tile's start, and how far apart its rows are (bytes, floats).
@@ -632,21 +666,28 @@ struct UnitPlace {
   int64_t codes, row_bytes, scales, row_floats;
 };
 
-inline UnitPlace UnitAt(int64_t b, int64_t grouped) {
-  const int64_t blocks = b < grouped ? 4 : 2;
+inline UnitPlace UnitAt(int64_t b, const BlockLayout& at) {
+  const int64_t blocks = b < at.wide ? kWideBlocks : b < at.grouped ? 4 : 2;
   return {kInt8TileRows * 32 * b, 32 * blocks, kInt8TileRows * 8 * b, 8 * blocks};
 }
 
 // Block b of a tile's row k.
-inline BlockPlace PlaceOf(int64_t b, int64_t grouped, int64_t k) {
+inline BlockPlace PlaceOf(int64_t b, const BlockLayout& layout, int64_t k) {
+  if (b < layout.wide) {
+    const int64_t start = b / kWideBlocks * kWideBlocks, j = b - start;
+    const UnitPlace unit = UnitAt(start, layout);
+    const int64_t first = unit.codes + k * unit.row_bytes + 4 * j;
+    return {first, first + 4 * kWideStep, unit.scales + k * unit.row_floats + j, 1};
+  }
+  const int64_t grouped = layout.grouped;
   if (b >= grouped) {
     const int64_t start = b & ~int64_t{1};
-    const UnitPlace unit = UnitAt(start, grouped);
+    const UnitPlace unit = UnitAt(start, layout);
     const int64_t first = unit.codes + k * unit.row_bytes + 32 * (b - start);
     return {first, first + 16, unit.scales + k * unit.row_floats + 8 * (b - start), 8};
   }
   const int64_t start = b & ~int64_t{3}, j = b & 3;
-  const UnitPlace unit = UnitAt(start, grouped);
+  const UnitPlace unit = UnitAt(start, layout);
   const int64_t first = unit.codes + k * unit.row_bytes + 16 * j;
   return {first, first + 64, unit.scales + k * unit.row_floats + 4 * j, 4};
 }
@@ -675,16 +716,28 @@ SGQ_AVX2 inline void StoreBytes(const __m256i* n, int8_t* row, const BlockPlace&
 }
 
 SGQ_AVX2 inline void StoreScale(float scale, float* row, const BlockPlace& at) {
-  for (int c = 0; c < at.copies; c += 4) _mm_storeu_ps(row + at.scale + c, _mm_set1_ps(scale));
+  if (at.copies == 1) row[at.scale] = scale;
+  for (int c = 0; c + 4 <= at.copies; c += 4) _mm_storeu_ps(row + at.scale + c, _mm_set1_ps(scale));
+}
+
+// 16 codes in order at `at` (the place's first or second half, `half`): contiguous, or a wide
+// unit's 4 a step.
+SGQ_AVX2 inline void StoreHalf(__m128i codes, int8_t* row, const BlockPlace& at, int half) {
+  int8_t* out = row + (half ? at.second : at.first);
+  if (at.copies != 1) return _mm_storeu_si128(reinterpret_cast<__m128i*>(out), codes);
+  alignas(16) int8_t bytes[16];
+  _mm_store_si128(reinterpret_cast<__m128i*>(bytes), codes);
+  for (int s = 0; s < 4; ++s) std::memcpy(out + s * kWideStep, bytes + 4 * s, 4);
 }
 
 // One activation row's blocks: q = round(x / d) and, with `q_low`, q_low = round(256 (x / d - q)),
 // placed as PlaceOf says for row k of a tile (q, q_low and scale8 at the tile's start).
-SGQ_AVX2 void QuantizeBlocks(const float* x, int64_t blocks, int64_t grouped, int64_t k, int8_t* q, int8_t* q_low,
-                             float* scale8, float* sums) {
+// Its layout has no wide units (the AVX-VNNI tiles'; StoreBytes writes contiguous halves).
+SGQ_AVX2 void QuantizeBlocks(const float* x, int64_t blocks, const BlockLayout& layout, int64_t k, int8_t* q,
+                             int8_t* q_low, float* scale8, float* sums) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int64_t b = 0; b < blocks; ++b, x += 32) {
-    const BlockPlace at = PlaceOf(b, grouped, k);
+    const BlockPlace at = PlaceOf(b, layout, k);
     __m256 v[4], amax = _mm256_setzero_ps();
     for (int k = 0; k < 4; ++k) {
       v[k] = _mm256_loadu_ps(x + 8 * k);
@@ -718,12 +771,16 @@ SGQ_AVX2 void QuantizeBlocks(const float* x, int64_t blocks, int64_t grouped, in
 
 // x [n, cols] quantized into `out` in `planes` int8 planes, its buffers grown as needed and its padding zeroed.
 // `out` sized for n rows of `cols` in `planes` planes, zeroed (its padding stays so).
-void SizeRows(int64_t n, int64_t cols, int planes, Int8Rows* out) {
+// `level`: the int8 products' (the layout's wide units are AVX-512's).
+void SizeRows(int64_t n, int64_t cols, int planes, int level, Int8Rows* out) {
   out->n = n;
   out->planes = planes;
   out->rows = (n + kInt8TileRows - 1) / kInt8TileRows * kInt8TileRows;
   out->blocks = cols / 32;
   out->pair_blocks = (out->blocks + 1) / 2 * 2;
+  const BlockLayout layout = LayoutOf(out->blocks, out->pair_blocks, level);
+  out->wide = layout.wide;
+  out->grouped = layout.grouped;
   out->q.assign(out->rows * out->pair_blocks * 32, 0);
   out->q_low.assign(planes == 2 ? out->q.size() : 0, 0);
   out->scale8.assign(out->rows * out->pair_blocks * 8, 0.0f);
@@ -731,17 +788,17 @@ void SizeRows(int64_t n, int64_t cols, int planes, Int8Rows* out) {
 }
 
 // QuantizeBlocks with AVX-512: the same operations on 16 lanes, the codes narrowed by vpmovsdb.
-SGQ_VNNI512 void QuantizeBlocksAvx512(const float* x, int64_t blocks, int64_t grouped, int64_t k, int8_t* q,
-                                      int8_t* q_low, float* scale8, float* sums) {
+SGQ_VNNI512 void QuantizeBlocksAvx512(const float* x, int64_t blocks, const BlockLayout& layout, int64_t k,
+                                      int8_t* q, int8_t* q_low, float* scale8, float* sums) {
   for (int64_t b = 0; b < blocks; ++b, x += 32) {
-    const BlockPlace at = PlaceOf(b, grouped, k);
+    const BlockPlace at = PlaceOf(b, layout, k);
     const __m512 v[2] = {_mm512_loadu_ps(x), _mm512_loadu_ps(x + 16)};
     const float d = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1]))) / 127.0f;
     const __m512 inverse = _mm512_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
     const __m512 scaled[2] = {_mm512_mul_ps(v[0], inverse), _mm512_mul_ps(v[1], inverse)};
     const __m512i n[2] = {_mm512_cvtps_epi32(scaled[0]), _mm512_cvtps_epi32(scaled[1])};  // nearest even
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + at.first), _mm512_cvtsepi32_epi8(n[0]));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + at.second), _mm512_cvtsepi32_epi8(n[1]));
+    StoreHalf(_mm512_cvtsepi32_epi8(n[0]), q, at, 0);
+    StoreHalf(_mm512_cvtsepi32_epi8(n[1]), q, at, 1);
     __m512i total = _mm512_add_epi32(n[0], n[1]);
     float scale = d;
     if (q_low) {  // what q left, in 1/256 quanta, clamped to int8 as the reference clamps
@@ -750,8 +807,8 @@ SGQ_VNNI512 void QuantizeBlocksAvx512(const float* x, int64_t blocks, int64_t gr
         low[h] = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(scaled[h], _mm512_cvtepi32_ps(n[h])), _mm512_set1_ps(256.0f)));
         low[h] = _mm512_max_epi32(_mm512_min_epi32(low[h], _mm512_set1_epi32(127)), _mm512_set1_epi32(-128));
       }
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q_low + at.first), _mm512_cvtsepi32_epi8(low[0]));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q_low + at.second), _mm512_cvtsepi32_epi8(low[1]));
+      StoreHalf(_mm512_cvtsepi32_epi8(low[0]), q_low, at, 0);
+      StoreHalf(_mm512_cvtsepi32_epi8(low[1]), q_low, at, 1);
       total = _mm512_add_epi32(_mm512_slli_epi32(total, 8), _mm512_add_epi32(low[0], low[1]));
       scale = d / 256.0f;
     }
@@ -766,7 +823,7 @@ SGQ_VNNI512 void QuantizeBlocksAvx512(const float* x, int64_t blocks, int64_t gr
 void QuantizeRowRange(const float* x, int64_t cols, int64_t begin, int64_t end, Int8Rows* out, int level) {
   for (int64_t i = begin; i < end; ++i) {
     const int64_t tile = i - i % kInt8TileRows;
-    (level == 2 ? QuantizeBlocksAvx512 : QuantizeBlocks)(x + i * cols, out->blocks, GroupedBlocks(out->pair_blocks), i % kInt8TileRows,
+    (level == 2 ? QuantizeBlocksAvx512 : QuantizeBlocks)(x + i * cols, out->blocks, {out->wide, out->grouped}, i % kInt8TileRows,
                    out->q.data() + tile * out->pair_blocks * 32,
                    out->planes == 2 ? out->q_low.data() + tile * out->pair_blocks * 32 : nullptr,
                    out->scale8.data() + tile * out->pair_blocks * 8, out->sums.data() + i * out->blocks);
@@ -774,7 +831,7 @@ void QuantizeRowRange(const float* x, int64_t cols, int64_t begin, int64_t end, 
 }
 
 void QuantizeRows(const float* x, int64_t n, int64_t cols, int planes, Int8Rows* out, int level) {
-  SizeRows(n, cols, planes, out);
+  SizeRows(n, cols, planes, level, out);
   QuantizeRowRange(x, cols, 0, n, out, level);
 }
 
@@ -825,23 +882,68 @@ SGQ_VNNI512 void UnpackGroupAvx512(const uint8_t* blocks, uint8_t* u, float* sca
   for (int j = 0; j < 4; ++j) offsets_t[offsets_stride * j] = ms[j];
 }
 
-// Weight row `row` unpacked as row k of Int8Weights' tile, its blocks' offsets m into offsets_t,
-// offsets_stride apart; whole groups at once where AVX-512 runs (`avx512`).
+// The 4 bytes at p, p + step, ... p + 15 step as 16 int32 lanes: scalar loads through the stack,
+// a seventh of vpgatherdd's time on Zen 4 (whose gathers took 15% of a prompt's products).
+SGQ_VNNI512 SGQ_INLINE __m512i SixteenDwords(const uint8_t* p, int step) {
+  alignas(64) uint32_t lanes[kWideBlocks];
+  for (int j = 0; j < kWideBlocks; ++j) std::memcpy(lanes + j, p + j * step, 4);
+  return _mm512_load_si512(lanes);
+}
+
+// A wide unit of 16 blocks at `blocks` unpacked at once: codes at `u` (the unit's 512 bytes of
+// this row), scales at `scale` (16 floats), offsets m at offsets_t, offsets_stride apart.
 template <int type>
-SGQ_AVX2 void UnpackRowOf(const uint8_t* row, int64_t blocks, int64_t pair_blocks, int64_t k, uint8_t* u,
-                          float* scale8, float* offsets_t, int64_t offsets_stride, bool avx512) {
+SGQ_VNNI512 void UnpackWideAvx512(const uint8_t* blocks, uint8_t* u, float* scale, float* offsets_t,
+                                  int64_t offsets_stride) {
+  constexpr int bytes = BlockBytes(type);
+  const __m512i head = SixteenDwords(blocks, bytes);  // d, then Q4_1's m (or the codes' first bytes)
+  const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head));
+  _mm512_storeu_ps(scale, d);
+  __m512 m;
+  if constexpr (type == kQ8_0) {
+    m = _mm512_mul_ps(d, _mm512_set1_ps(-128.0f));
+    for (int s = 0; s < 8; ++s)
+      _mm512_storeu_si512(u + s * kWideStep,
+                          _mm512_xor_si512(SixteenDwords(blocks + 2 + 4 * s, bytes), _mm512_set1_epi8(-128)));
+  } else {
+    m = type == kQ4_1 ? _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(head, 16)))
+                      : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+    const __m512i low = _mm512_set1_epi8(0xf);
+    for (int s = 0; s < 4; ++s) {  // byte t's low nibble is code t, its high nibble code t + 16
+      const __m512i raw = SixteenDwords(blocks + (type == kQ4_1 ? 4 : 2) + 4 * s, bytes);
+      _mm512_storeu_si512(u + s * kWideStep, _mm512_and_si512(raw, low));
+      _mm512_storeu_si512(u + (s + 4) * kWideStep, _mm512_and_si512(_mm512_srli_epi16(raw, 4), low));
+    }
+  }
+  alignas(64) float ms[kWideBlocks];
+  _mm512_store_ps(ms, m);
+  for (int j = 0; j < kWideBlocks; ++j) offsets_t[offsets_stride * j] = ms[j];
+}
+
+// Weight row `row` unpacked as row k of Int8Weights' tile in `layout`, its blocks' offsets m into
+// offsets_t, offsets_stride apart; wide units and whole groups at once where AVX-512 runs
+// (`avx512`, which a layout with wide units needs).
+template <int type>
+SGQ_AVX2 void UnpackRowOf(const uint8_t* row, int64_t blocks, int64_t pair_blocks, const BlockLayout& layout,
+                          int64_t k, uint8_t* u, float* scale8, float* offsets_t, int64_t offsets_stride,
+                          bool avx512) {
   constexpr int bytes = BlockBytes(type);
   const __m128i low = _mm_set1_epi8(0xf);
-  const int64_t grouped = GroupedBlocks(pair_blocks);
+  const int64_t grouped = layout.grouped;
   int64_t b = 0;
-  if (avx512)
+  if (avx512) {
+    for (; b < layout.wide; b += kWideBlocks, row += kWideBlocks * bytes) {
+      const BlockPlace at = PlaceOf(b, layout, k);
+      UnpackWideAvx512<type>(row, u + at.first, scale8 + at.scale, offsets_t + offsets_stride * b, offsets_stride);
+    }
     for (; b + 4 <= blocks && b < grouped; b += 4, row += 4 * bytes) {
-      const BlockPlace at = PlaceOf(b, grouped, k);
+      const BlockPlace at = PlaceOf(b, layout, k);
       UnpackGroupAvx512<type>(row, u + at.first, scale8 + at.scale, offsets_t + offsets_stride * b, offsets_stride);
     }
+  }
   for (; b < blocks; ++b, row += bytes) {
     const float d = _cvtsh_ss(Load16(row));
-    const BlockPlace at = PlaceOf(b, grouped, k);
+    const BlockPlace at = PlaceOf(b, layout, k);
     __m128i first, second;
     if constexpr (type == kQ8_0) {
       const __m128i flip = _mm_set1_epi8(-128);
@@ -859,18 +961,21 @@ SGQ_AVX2 void UnpackRowOf(const uint8_t* row, int64_t blocks, int64_t pair_block
     StoreScale(d, scale8, at);
   }
   if (blocks < pair_blocks) {  // the padding block multiplies zero activations; keep it finite
-    const BlockPlace at = PlaceOf(blocks, grouped, k);
+    const BlockPlace at = PlaceOf(blocks, layout, k);  // never in a wide unit
     std::memset(u + at.first, 0, 16);
     std::memset(u + at.second, 0, 16);
     std::memset(scale8 + at.scale, 0, at.copies * sizeof(float));
   }
 }
 
-void UnpackRow(int type, const uint8_t* row, int64_t blocks, int64_t pair_blocks, int64_t k, uint8_t* u,
-               float* scale8, float* offsets_t, int64_t offsets_stride, bool avx512) {
-  if (type == kQ4_1) return UnpackRowOf<kQ4_1>(row, blocks, pair_blocks, k, u, scale8, offsets_t, offsets_stride, avx512);
-  if (type == kQ4_0) return UnpackRowOf<kQ4_0>(row, blocks, pair_blocks, k, u, scale8, offsets_t, offsets_stride, avx512);
-  UnpackRowOf<kQ8_0>(row, blocks, pair_blocks, k, u, scale8, offsets_t, offsets_stride, avx512);
+void UnpackRow(int type, const uint8_t* row, const Int8Rows& x, int64_t k, uint8_t* u, float* scale8,
+               float* offsets_t, int64_t offsets_stride, bool avx512) {
+  const BlockLayout layout = {x.wide, x.grouped};
+  if (type == kQ4_1)
+    return UnpackRowOf<kQ4_1>(row, x.blocks, x.pair_blocks, layout, k, u, scale8, offsets_t, offsets_stride, avx512);
+  if (type == kQ4_0)
+    return UnpackRowOf<kQ4_0>(row, x.blocks, x.pair_blocks, layout, k, u, scale8, offsets_t, offsets_stride, avx512);
+  UnpackRowOf<kQ8_0>(row, x.blocks, x.pair_blocks, layout, k, u, scale8, offsets_t, offsets_stride, avx512);
 }
 
 // The unpacked weight rows' operands (a tile's layout, PlaceOf): rows first, first + 1, ... of the
@@ -953,7 +1058,7 @@ SGQ_AVX512 inline __m128 SumsOfFour(const __m512* acc) {
 template <int R, int kPlanes, int kChunks, int kRows>
 SGQ_VNNI512 inline void Int8UnitAvx512(const Int8Rows& x, int64_t i0, const Int8Operands& w, int64_t b,
                                        __m512 (*acc)[R]) {
-  const UnitPlace unit = UnitAt(b, GroupedBlocks(x.pair_blocks));
+  const UnitPlace unit = UnitAt(b, {x.wide, x.grouped});
   const int8_t* q = x.q.data() + i0 * x.pair_blocks * 32 + unit.codes;
   const int8_t* q_low = kPlanes == 2 ? x.q_low.data() + i0 * x.pair_blocks * 32 + unit.codes : nullptr;
   const float* da = x.scale8.data() + i0 * x.pair_blocks * 8 + unit.scales;
@@ -982,6 +1087,59 @@ SGQ_VNNI512 inline void Int8UnitAvx512(const Int8Rows& x, int64_t i0, const Int8
   }
 }
 
+// Rows i0 + p .. i0 + p + kPair of the wide unit `unit` against weight rows r < R, added into
+// acc[p ..]: each lane's int32 chain sums one block's codes (the high plane's, shifted, then the
+// low plane's), so one conversion, scale and FMA serve 8 (16) dot products. Two rows at a time:
+// their 8 chains, the 4 weight vectors and the tile's 16 fp32 sums fit the 32 registers.
+template <int R, int kPlanes, int kPair>
+SGQ_VNNI512 SGQ_INLINE void Int8WideRowsAvx512(const Int8Rows& x, int64_t i0, int p, const UnitPlace& unit,
+                                               const Int8Operands& w, __m512 (*acc)[R]) {
+  const int64_t codes = i0 * x.pair_blocks * 32 + unit.codes + p * unit.row_bytes;
+  const uint8_t* wu = w.u + unit.codes + w.first * unit.row_bytes;
+  __m512i dot[kPair][R], low[kPair][R];  // the planes' chains side by side: each weight load serves both
+  for (int i = 0; i < kPair; ++i)
+    for (int r = 0; r < R; ++r) dot[i][r] = low[i][r] = _mm512_setzero_si512();
+  for (int s = 0; s < 8; ++s) {
+    __m512i u[R];
+    for (int r = 0; r < R; ++r) u[r] = _mm512_loadu_si512(wu + r * unit.row_bytes + s * kWideStep);
+    for (int i = 0; i < kPair; ++i) {
+      const int64_t at = codes + i * unit.row_bytes + s * kWideStep;
+      const __m512i a = _mm512_loadu_si512(x.q.data() + at);
+      for (int r = 0; r < R; ++r) dot[i][r] = _mm512_dpbusd_epi32(dot[i][r], u[r], a);
+      if constexpr (kPlanes == 2) {
+        const __m512i a_low = _mm512_loadu_si512(x.q_low.data() + at);
+        for (int r = 0; r < R; ++r) low[i][r] = _mm512_dpbusd_epi32(low[i][r], u[r], a_low);
+      }
+    }
+  }
+  if constexpr (kPlanes == 2)
+    for (int i = 0; i < kPair; ++i)
+      for (int r = 0; r < R; ++r) dot[i][r] = _mm512_add_epi32(_mm512_slli_epi32(dot[i][r], 8), low[i][r]);
+  const float* da = x.scale8.data() + i0 * x.pair_blocks * 8 + unit.scales + p * unit.row_floats;
+  const float* dw = w.scale8 + unit.scales + w.first * unit.row_floats;
+  for (int i = 0; i < kPair; ++i) {
+    const __m512 da_i = _mm512_loadu_ps(da + i * unit.row_floats);
+    for (int r = 0; r < R; ++r) {
+      const __m512 scale = _mm512_mul_ps(da_i, _mm512_loadu_ps(dw + r * unit.row_floats));
+      acc[p + i][r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(dot[i][r]), acc[p + i][r]);
+    }
+  }
+}
+
+// The wide unit at block b (PlaceOf) of activation rows i0 .. i0 + kRows against weight rows r < R.
+template <int R, int kPlanes, int kRows>
+SGQ_VNNI512 inline void Int8WideUnitAvx512(const Int8Rows& x, int64_t i0, const Int8Operands& w, int64_t b,
+                                           __m512 (*acc)[R]) {
+  const UnitPlace unit = UnitAt(b, {x.wide, x.grouped});
+  if constexpr (kPlanes == 2) {  // one row at a time: its 8 chains of each plane
+    for (int p = 0; p < kRows; ++p) Int8WideRowsAvx512<R, kPlanes, 1>(x, i0, p, unit, w, acc);
+    return;
+  }
+  if constexpr (kRows >= 2) Int8WideRowsAvx512<R, kPlanes, 2>(x, i0, 0, unit, w, acc);
+  if constexpr (kRows == 4) Int8WideRowsAvx512<R, kPlanes, 2>(x, i0, 2, unit, w, acc);
+  if constexpr (kRows == 1 || kRows == 3) Int8WideRowsAvx512<R, kPlanes, 1>(x, i0, kRows - 1, unit, w, acc);
+}
+
 // y[i * y_stride + r] for activation rows i0 .. i0 + 4 (those below x.n) and weight rows r < R,
 // the activations in kPlanes int8 planes.
 // kRows of them: a step's last tile takes only the rows it has.
@@ -990,8 +1148,9 @@ SGQ_VNNI512 void Int8TileAvx512(const Int8Rows& x, int64_t i0, const Int8Operand
   __m512 acc[kRows][R];
   for (int i = 0; i < kRows; ++i)
     for (int r = 0; r < R; ++r) acc[i][r] = _mm512_setzero_ps();
-  const int64_t grouped = GroupedBlocks(x.pair_blocks);
-  for (int64_t b = 0; b < grouped; b += 4) Int8UnitAvx512<R, kPlanes, 2, kRows>(x, i0, w, b, acc);
+  const int64_t grouped = x.grouped;
+  for (int64_t b = 0; b < x.wide; b += kWideBlocks) Int8WideUnitAvx512<R, kPlanes, kRows>(x, i0, w, b, acc);
+  for (int64_t b = x.wide; b < grouped; b += 4) Int8UnitAvx512<R, kPlanes, 2, kRows>(x, i0, w, b, acc);
   if (grouped < x.pair_blocks) Int8UnitAvx512<R, kPlanes, 1, kRows>(x, i0, w, grouped, acc);
   for (int i = 0; i < kRows && i0 + i < x.n; ++i) {
     if constexpr (R == kWeightRows) {
@@ -1008,7 +1167,7 @@ constexpr int kAvxVnniTileRows = 2;
 template <int R, int kPlanes, int kChunks>
 SGQ_AVXVNNI inline void Int8UnitAvxVnni(const Int8Rows& x, int64_t i0, const Int8Operands& w, int64_t b, int half,
                                         __m256 (*acc)[R]) {
-  const UnitPlace unit = UnitAt(b, GroupedBlocks(x.pair_blocks));
+  const UnitPlace unit = UnitAt(b, {x.wide, x.grouped});
   const int64_t tile = i0 - i0 % kInt8TileRows, k0 = i0 % kInt8TileRows;  // this tile's rows in the layout's tile
   const int64_t codes = tile * x.pair_blocks * 32 + unit.codes + k0 * unit.row_bytes + 32 * half;
   const float* da = x.scale8.data() + tile * x.pair_blocks * 8 + unit.scales + k0 * unit.row_floats + 8 * half;
@@ -1043,7 +1202,7 @@ SGQ_AVXVNNI void Int8TileAvxVnni(const Int8Rows& x, int64_t i0, const Int8Operan
   __m256 acc[kAvxVnniTileRows][R];
   for (int i = 0; i < kAvxVnniTileRows; ++i)
     for (int r = 0; r < R; ++r) acc[i][r] = _mm256_setzero_ps();
-  const int64_t grouped = GroupedBlocks(x.pair_blocks);
+  const int64_t grouped = x.grouped;  // no wide units at this level (LayoutOf)
   for (int64_t b = 0; b < grouped; b += 4)
     for (int half = 0; half < 2; ++half) Int8UnitAvxVnni<R, kPlanes, 2>(x, i0, w, b, half, acc);
   if (grouped < x.pair_blocks)
@@ -1073,6 +1232,7 @@ void Int8Tile(const Int8Rows& x, int64_t i0, const Int8Operands& w, float* y, in
 }
 
 // Every activation row of `x` against the `count` unpacked weight rows of `w`.
+// Every activation row of `x` against the `count` unpacked weight rows of `w`.
 void Int8Tiles(const Int8Rows& x, const Int8Operands& w, int64_t count, float* y, int64_t y_stride, int level) {
   const int step = level == 2 ? kInt8TileRows : kAvxVnniTileRows;
   for (int64_t i0 = 0; i0 < x.n; i0 += step) {
@@ -1100,8 +1260,8 @@ void Int8MatmulRows(int type, const uint8_t* w, int64_t row_bytes, int64_t begin
   for (int64_t r0 = begin; r0 < end; r0 += kWeightRows) {
     const int64_t count = end - r0 < kWeightRows ? end - r0 : kWeightRows;
     for (int64_t k = 0; k < count; ++k)
-      UnpackRow(type, w + (r0 + k) * row_bytes, x.blocks, x.pair_blocks, k, scratch->u.data(), scratch->scale8.data(),
-                m_t + r0 + k - begin, stride, level == 2);
+      UnpackRow(type, w + (r0 + k) * row_bytes, x, k, scratch->u.data(), scratch->scale8.data(), m_t + r0 + k - begin,
+                stride, level == 2);
     // The next group's packed bytes come from memory while this group's tiles run.
     const int64_t next = end - r0 - count < kWeightRows ? end - r0 - count : kWeightRows;
     for (int64_t byte = 0; byte < next * row_bytes; byte += 64)
@@ -1112,7 +1272,7 @@ void Int8MatmulRows(int type, const uint8_t* w, int64_t row_bytes, int64_t begin
   else AddOffsetsAvx2(x, m_t, stride, end - begin, y + begin, y_stride);
 }
 #else
-void SizeRows(int64_t, int64_t, int, Int8Rows*) {}
+void SizeRows(int64_t, int64_t, int, int, Int8Rows*) {}
 void QuantizeRowRange(const float*, int64_t, int64_t, int64_t, Int8Rows*, int) {}
 void QuantizeRows(const float*, int64_t, int64_t, int, Int8Rows*, int) {}
 void Int8MatmulRows(int, const uint8_t*, int64_t, int64_t, int64_t, const Int8Rows&, float*, int64_t, int,
@@ -1503,13 +1663,13 @@ void AttendHead(const ModelShape& m, const DecoderLayer& l, const DecodeRows& b,
 struct SharedBuffers {
   std::vector<float> qkv, attn, proj, gate_up, act;
   Int8Rows normed_codes, attn_codes, act_codes;
-  SharedBuffers(const ModelShape& m, int64_t n, int64_t lead, bool integer, int planes)
+  SharedBuffers(const ModelShape& m, int64_t n, int64_t lead, bool integer, int planes, int level)
       : qkv(n * (m.heads + 2 * m.kv_heads) * m.head_dim), attn(n * m.heads * m.head_dim), proj(n * m.hidden),
         gate_up(n * 2 * m.inter), act(n * m.inter) {
     if (!integer) return;
-    SizeRows(lead, m.hidden, planes, &normed_codes);
-    SizeRows(lead, m.heads * m.head_dim, planes, &attn_codes);
-    SizeRows(lead, m.inter, planes, &act_codes);
+    SizeRows(lead, m.hidden, planes, level, &normed_codes);
+    SizeRows(lead, m.heads * m.head_dim, planes, level, &attn_codes);
+    SizeRows(lead, m.inter, planes, level, &act_codes);
   }
 };
 
@@ -1630,7 +1790,7 @@ int sgq_decode_layers(const ModelShape* shape, const DecoderLayer* layers, int64
   const int vec = simd < SimdLevel() ? simd : SimdLevel();
   const auto called = std::chrono::steady_clock::now();
   const int64_t integer_rows = lead < rows->n ? lead : rows->n;
-  SharedBuffers buf(m, rows->n, integer_rows, int8_rows > 0 && integer_rows >= int8_rows, planes);
+  SharedBuffers buf(m, rows->n, integer_rows, int8_rows > 0 && integer_rows >= int8_rows, planes, Int8Level(vec));
 #pragma omp parallel num_threads(threads)
   {
     const Team team = ThisTeam();

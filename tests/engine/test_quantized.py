@@ -127,7 +127,8 @@ def int8_at_level(kernels: cpu_quant.QuantKernels, level: int) -> cpu_quant.Quan
 
 
 @pytest.mark.parametrize("qtype", INT8_FORMATS)
-@pytest.mark.parametrize("rows,n,cols", [(37, 9, 96), (8, 5, COLS), (13, 50, 160), (150, 7, 576)])
+@pytest.mark.parametrize("rows,n,cols", [(37, 9, 96), (8, 5, COLS), (13, 50, 160), (150, 7, 576),
+                                         (12, 50, 672), (6, 9, 1536)])
 @pytest.mark.parametrize("level", INT8_LEVELS, ids=INT8_IDS)
 @pytest.mark.parametrize("planes", [1, 2], ids=["int8", "int16"])
 def test_integer_matmul_equals_its_reference(kernels, qtype: str, rows: int, n: int, cols: int, level: int,
@@ -136,7 +137,8 @@ def test_integer_matmul_equals_its_reference(kernels, qtype: str, rows: int, n: 
     against the packed blocks: the int32 dot products are exact, so the kernel equals the fp64
     product of both de-quantized operands up to fp32 rounding, for weight rows and activation
     rows that fill no whole tile (a last tile of 1, 2 or 3 rows), block counts that fill no
-    group of four (3, 5 and the default model's 18: padding inside a group, a last pair), and a
+    group of four (3, 5 and the default model's 18: padding inside a group, a last pair), wide
+    units of 16 before groups and a padded pair (21) or alone (48), and a
     thread's share of rows past the offsets' 64-column tiles; and it is not the fp32-activation product."""
     k = int8_at_level(kernels, level)
     packed = random_blocks(qtype, rows, cols, seed=rows + n)
