@@ -251,6 +251,16 @@ class LLM:
         rendered = self._render(prompt, chat, tools)
         return self._tokenized([rendered])[0]
 
+    async def aencode_prompt(self, prompt: Prompt, *, chat: bool | None = None,
+                             tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """`encode_prompt` for asyncio: off the event loop, and the calls of one burst (those
+        made before the loop next polls) rendered and tokenized together, in one batched
+        tokenizer call that learns a long system message shared by several of them once."""
+        if isinstance(prompt, EncodedPrompt):
+            return self._encoded_ids(prompt, tools)
+        ids: list[int] = await self._prompts.add((prompt, chat, tools))
+        return ids
+
     def _encoded_ids(self, prompt: EncodedPrompt, tools: list[dict[str, Any]] | None) -> list[int]:
         check_prompt(prompt, self.engine.max_seq_len * _MAX_CHARS_PER_TOKEN)
         if tools:

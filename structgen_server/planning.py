@@ -7,7 +7,6 @@ for other requests), then its length in tokens against the context.
 
 from __future__ import annotations
 
-import asyncio
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -140,7 +139,7 @@ async def plan(state: ServerState, body: SamplingFields) -> tuple[list[serving.J
     _check_partial(body, output_type, rc)
     jobs = []
     for prompt in prompts:
-        encoded = await asyncio.to_thread(_encode, state.llm, prompt, chat, rc.tools)
+        encoded = await _encode(state.llm, prompt, chat, rc.tools)
         if not encoded.token_ids:
             raise APIError(400, "the prompt is empty; send at least one token of text", param=param)
         sampling = _sampling(state, body, len(encoded.token_ids), param)
@@ -168,15 +167,16 @@ def _check_partial(body: SamplingFields, output_type: Any, rc: RequestConstraint
         )
 
 
-def _encode(llm: Any, prompt: str | list[dict[str, Any]], chat: bool,
-            tools: list[dict[str, Any]] | None) -> EncodedPrompt:
-    """The prompt as the engine gets it: rendered (with the tools, if any) and tokenized, once;
-    run in a worker thread, as tokenizing a long prompt takes a while."""
+async def _encode(llm: Any, prompt: str | list[dict[str, Any]], chat: bool,
+                  tools: list[dict[str, Any]] | None) -> EncodedPrompt:
+    """The prompt as the engine gets it: rendered (with the tools, if any) and tokenized, once,
+    off the event loop with the other requests' prompts of the same moment (`aencode_prompt`:
+    a burst of agent turns learns their shared tool catalogue once)."""
     template_tools = None
     if tools:
         prompt, template_tools = tool_format.render_messages(llm.tokenizer, prompt, tools)
     try:
-        return EncodedPrompt(tuple(llm.encode_prompt(prompt, chat=chat, tools=template_tools)))
+        return EncodedPrompt(tuple(await llm.aencode_prompt(prompt, chat=chat, tools=template_tools)))
     except TemplateError as e:  # e.g. a template that wants alternating roles
         raise APIError(400, f"the model's chat template cannot render these messages: {e}", param="messages") from e
 

@@ -9,6 +9,7 @@ import copy
 import pytest
 
 import structgen
+from structgen.arguments import EncodedPrompt
 from structgen.prompt_encoding import MIN_CACHED_CHARS, SegmentEncoder, encode_texts
 
 # A tool catalogue as agents send it: long, with newlines, indentation, quotes and non-ASCII.
@@ -149,6 +150,27 @@ def test_a_burst_of_async_prompts_gets_exactly_the_ids_each_prompt_gets_alone(ll
         assert got[:-1] == [alone(*c) for c in calls[:-1]]
         assert isinstance(got[-1], structgen.InvalidParameterError)
         assert [llm.encode_prompt(p, chat=chat, tools=tools) for p, chat, tools in calls[:-1]] == got[:-1]
+
+
+def test_aencode_prompt_learns_a_catalogue_shared_by_a_cold_burst(llm_for_encoding):
+    """The server tokenizes through `aencode_prompt`: agent turns arriving together share one
+    batched call, and the first of them teaches the others their catalogue."""
+    import asyncio
+
+    llm = llm_for_encoding
+    catalogue = CATALOGUE.replace("tool_", "burst_tool_")  # not learnt by another test
+    turns = [[{"role": "system", "content": catalogue}, {"role": "user", "content": f"Find item {i}."}]
+             for i in range(6)]
+
+    async def burst() -> list[list[int]]:
+        return await asyncio.gather(*(llm.aencode_prompt(t) for t in turns))
+
+    before = llm._prompt_encoder.hits
+    got = asyncio.run(burst())
+    assert got == [llm.encode_prompt(t) for t in turns]
+    assert llm._prompt_encoder.hits - before >= len(turns) - 1 + len(turns)  # the burst's five, then every check
+    ids = llm.encode_prompt(turns[0])
+    assert asyncio.run(llm.aencode_prompt(EncodedPrompt(tuple(ids)))) == ids
 
 
 def test_batched_encoding_equals_encoding_each_text_with_and_without_special_tokens():
