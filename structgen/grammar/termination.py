@@ -182,11 +182,12 @@ def check_terminates(lengths: GrammarLengths, constraint: Constraint) -> None:
             "can be generated; fix the pattern so that at least one string matches it"
         )
     if constraint.kind == "json_schema":
-        culprit = _json_culprit(stuck, json.loads(constraint.source))
+        schema = json.loads(constraint.source)
         raise UnsatisfiableConstraintError(
-            f"{what} has no finite instance: {culprit} refers back to itself through required "
-            "properties or items with no way to stop, so any output would be infinite. Make the "
-            "self-referring property optional, or allow null or an empty array there"
+            f"{what} has no finite instance: {_json_culprit(stuck, schema)} refers back to itself "
+            "through required properties or items with no way to stop, so any output would be "
+            "infinite. Make the self-referring property optional, or allow null or an empty array "
+            f"there{_untyped_note(schema)}"
         )
     root = lengths.names[lengths.reachable[0]]
     where = f"its start rule {root!r}" if stuck[0] == root else f"rule {stuck[0]!r} (reachable from {root!r})"
@@ -211,6 +212,22 @@ def _json_culprit(stuck: list[str], schema: Any) -> str:
             return f"required property {props[int(index)]!r} of the schema at {refs[base]!r}"
     ref = next((refs[name] for name in stuck if name in refs and name != "root"), None)
     return f"the schema at $ref {ref!r}" if ref else f"the part of the schema compiled as {stuck[0]!r}"
+
+
+def _untyped_note(schema: Any) -> str:
+    """Where an object schema on the way has `required` but no `type`: JSON Schema would take
+    any non-object there (`5` is an instance), the grammar reads it as an object; say so."""
+    nodes = [schema]
+    for ref in _refs(schema):
+        try:
+            nodes.append(resolve_ref(schema, ref))
+        except Exception:  # a remote or broken $ref: the note is only a hint
+            continue
+    if any(isinstance(n, dict) and "required" in n and "type" not in n for n in nodes):
+        return ('. The grammar reads a schema with "required" and no "type" as an object (JSON '
+                'Schema alone would also take any non-object there); if other values are meant, '
+                'list their types in "type"')
+    return ""
 
 
 def _refs(schema: Any) -> list[str]:

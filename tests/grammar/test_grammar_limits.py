@@ -71,6 +71,16 @@ def test_a_schema_whose_required_property_refers_back_to_itself_is_refused_namin
     assert "'next'" in message and "#/$defs/n" in message and "optional" in message
 
 
+def test_an_untyped_self_requiring_schema_is_refused_saying_how_it_was_read(grammar_compiler):
+    """Without "type", JSON Schema would take any non-object (`5`); the grammar reads the
+    schema as an object, and the message says so beside the usual fix."""
+    untyped = {"properties": {"self": {"$ref": "#"}}, "required": ["self"]}
+    message = refused(grammar_compiler, JsonSchema(untyped), UnsatisfiableConstraintError)
+    assert "'self'" in message and 'no "type"' in message and "non-object" in message
+    typed = refused(grammar_compiler, JsonSchema({**untyped, "type": "object"}), UnsatisfiableConstraintError)
+    assert "'self'" in typed and 'no "type"' not in typed
+
+
 def test_the_same_schema_with_an_optional_property_compiles(grammar_compiler):
     optional = json.loads(json.dumps(SELF_REQUIRED))
     del optional["$defs"]["n"]["required"]
