@@ -22,6 +22,7 @@ import logging
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Iterable
 from typing import Any
 
 log = logging.getLogger("structgen")
@@ -56,14 +57,13 @@ class SegmentEncoder:
         encoded whole first and the piece learnt from it, so that the others reuse it; the rest
         whole in one batched tokenizer call (a fast tokenizer encodes a batch on its own threads,
         the GIL released), then their long pieces learnt where seen before."""
-        found: list[list[int] | None] = [self._from_pieces(text) for text in texts]
+        found: list[list[int] | None] = [None] * len(texts)
+        self._from_pieces(texts, range(len(texts)), found)
         whole = [i for i, ids in enumerate(found) if ids is None]
         teachers = self._teachers(texts, whole)
         if teachers:
             self._encode_whole(texts, teachers, found, repeated=True)
-            for i in whole:
-                if found[i] is None:
-                    found[i] = self._from_pieces(texts[i])
+            self._from_pieces(texts, [i for i in whole if found[i] is None], found)
             whole = [i for i in whole if found[i] is None]
         self._encode_whole(texts, whole, found)
         out = [ids for ids in found if ids is not None]
@@ -98,24 +98,41 @@ class SegmentEncoder:
         pieces = [(p, i == 0) for i, p in enumerate(parts[0::2])]
         return parts, pieces, [piece for piece in pieces if len(piece[0]) >= MIN_CACHED_CHARS]
 
-    def _from_pieces(self, text: str) -> list[int] | None:
-        """The ids of a text whose long pieces are all kept; None where it is encoded whole."""
+    def _from_pieces(self, texts: list[str], indices: Iterable[int], found: list[list[int] | None]) -> None:
+        """Into `found`, the ids of each of `texts[indices]` whose long pieces are all kept: its
+        other pieces encoded in one batched call with the other texts' (each distinct one once,
+        a burst's turns share most of them), spliced between the kept ids and added tokens."""
+        plans = [(i, plan) for i in indices if (plan := self._kept_pieces(texts[i])) is not None]
+        short = sorted({text for _, (_, pieces, kept) in plans for text, first in pieces
+                        if text and (text, first) not in kept})
+        encoded = dict(zip(short, encode_texts(self.tokenizer, short, False), strict=True))
+        for i, (parts, pieces, kept) in plans:
+            out: list[int] = []
+            for j, piece in enumerate(pieces):
+                ids = kept.get(piece)
+                out += ids if ids is not None else encoded.get(piece[0], [])
+                if 2 * j + 1 < len(parts):
+                    out.append(self.special_ids[parts[2 * j + 1]])
+            found[i] = out
+        self.hits += len(plans)
+
+    def _kept_pieces(self, text: str) -> tuple[list[str], list[tuple[str, bool]],
+                                               dict[tuple[str, bool], tuple[int, ...]]] | None:
+        """A text's parts, pieces and the kept ids of its long pieces, where every long piece is
+        kept; None where it is encoded whole."""
         parts, pieces, long = self._split_long(text)
         if not long:
             return None
+        kept: dict[tuple[str, bool], tuple[int, ...]] = {}
         with self._lock:
-            kept = {piece: self._pieces.get(piece) for piece in long}
-            if any(ids is None for ids in kept.values()):
-                return None
+            for piece in long:
+                ids = self._pieces.get(piece)
+                if ids is None:
+                    return None
+                kept[piece] = ids
             for piece in kept:
                 self._pieces.move_to_end(piece)
-        self.hits += 1
-        out: list[int] = []
-        for i, piece in enumerate(pieces):
-            out += kept.get(piece) or (self._encode(piece[0]) if piece[0] else [])
-            if 2 * i + 1 < len(parts):
-                out.append(self.special_ids[parts[2 * i + 1]])
-        return out
+        return parts, pieces, kept
 
     def _note(self, text: str, ids: list[int], repeated: bool = False) -> None:
         """After a text was encoded whole: learn its long pieces not kept, where seen before
