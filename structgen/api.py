@@ -489,6 +489,7 @@ class LLM:
 
     def _complete(self, output_type: Any, prompt: Prompt, options: Options) -> Completion[Any]:
         req, constraint = self._request(output_type, prompt, options)
+        req.progress_updates = False  # waited for whole
         self._wait([self.loop.submit(req)], [req])
         return self._finish(req, constraint)
 
@@ -540,6 +541,8 @@ class LLM:
         constraint, grammar = self._compiled(output_type, options)
         requests = [self._new_request(ids, options.params, grammar.matcher() if grammar is not None else None, constraint)
                     for ids in self._encode_all(list(prompts), options.chat, options.tools)]
+        for r in requests:
+            r.progress_updates = False  # waited for whole
         self._wait([self.loop.submit(r) for r in requests], requests)
         return [self._finish(r, constraint) for r in requests]
 
@@ -656,6 +659,7 @@ class LLM:
         aloop = asyncio.get_running_loop()
         finished = aloop.create_future()
         req.on_update = self._waker(aloop).finisher(finished)
+        req.progress_updates = False
         self.loop.submit(req)
         try:
             await finished

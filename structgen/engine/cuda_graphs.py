@@ -90,6 +90,16 @@ def step_rows(rows: list[ExtendSeq]) -> StepRows:
     return [s.token_ids[0] for s in rows], [s.start for s in rows], [s.slot for s in rows]
 
 
+def _put_rows(meta: np.ndarray, n: int, token_ids: list[int], positions: list[int], slots: list[int]) -> None:
+    """Write n one-token rows into the metadata rows IDS..LENS of `meta`: live, each attending
+    up to its own position."""
+    meta[IDS, :n] = token_ids
+    meta[POSITIONS, :n] = positions
+    meta[SLOTS, :n] = slots
+    meta[LIVE, :n] = 1
+    np.add(meta[POSITIONS, :n], 1, out=meta[LENS, :n])
+
+
 
 @dataclass(frozen=True)
 class _Native:
@@ -401,10 +411,15 @@ class DecodeGraphs:
         n = len(token_ids)
         self._set_padding(n, bs)
         last = [i for i in range(n) if i == n - 1 or slots[i + 1] != slots[i]]  # a sequence's last row
-        # The rows in IDS.. order, one numpy call (each costs microseconds on a slow host).
-        self._meta_np[:GUESS, :n] = (token_ids, positions, slots, [1] * n, [p + 1 for p in positions], step.seeds,
-                                     step.has_mask, last + [self.pad_column] * (n - len(last)))
-        self._meta_np[GUESS, :2] = step.guess if step.guess is not None else (-1, 0)
+        meta = self._meta_np
+        _put_rows(meta, n, token_ids, positions, slots)
+        # Row by row: numpy converts a tuple of lists element by element through a generic
+        # path, several times slower than one list a row at a step's hundreds of rows.
+        meta[SEEDS, :n] = step.seeds
+        meta[HAS_MASK, :n] = step.has_mask
+        meta[NEXT, : len(last)] = last
+        meta[NEXT, len(last) : n] = self.pad_column
+        meta[GUESS, :2] = step.guess if step.guess is not None else (-1, 0)
         self._temp_np[:n] = step.temperatures
         return last
 
@@ -503,7 +518,7 @@ class DecodeGraphs:
         pages.sync()
         plan = self._plan_np  # whole rows (contiguous, one copy), padding from row n on
         self._set_padding(n, None, plan)
-        plan[:, :n] = (token_ids, positions, slots, [1] * n, [p + 1 for p in positions])
+        _put_rows(plan, n, token_ids, positions, slots)
         if self._native is not None:
             self._native.ext.copy_async(*self._native.plan_copy, 0, 0, 0, self._native.stream)
         else:

@@ -196,7 +196,8 @@ class EngineDecodeStep(DecodeStep):
         request advances by its token (`Engine._advance_all`); `fill_next`: the next step's
         masks are filled on the way where the grammar's pool can."""
         toks = self.request_tokens(tokens)
-        errors = {i: self.row_errors[row] for i, row in enumerate(self.sampled_rows) if row in self.row_errors}
+        errors = {i: self.row_errors[row] for i, row in enumerate(self.sampled_rows)
+                  if row in self.row_errors} if self.row_errors else {}
         errors |= self.failed
         for req, n in self.chunks:
             req.num_cached += n

@@ -643,7 +643,7 @@ class Engine:
         return allows_only(self._one_row[0].numpy().view(np.uint32), self.stop_token_ids, self.vocab_size)
 
     def _notify(self, req: Request) -> None:
-        if req.on_update is not None:
+        if req.on_update is not None and (req.progress_updates or req.finished):
             try:
                 req.on_update(req)
             except Exception:  # a broken callback must not break the loop

@@ -38,7 +38,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 PREFILL_ROWS = 256
 
 
-@dataclass
+@dataclass(slots=True)  # a step builds one a row (a burst's prefill steps: a thousand)
 class ExtendSeq:
     slot: int
     start: int  # position of the first new token (= tokens already cached)

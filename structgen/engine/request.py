@@ -98,6 +98,9 @@ class Request:
         self.matcher_from_start = matcher is not None and matcher.version == 0
         self.stop_token_ids = stop_token_ids
         self.on_update = on_update
+        # False: `on_update` is called once the request has finished, not after every step
+        # (a caller that waits for the whole output: a batch of 256 made 256 calls a step).
+        self.progress_updates = True
         self.status = RequestStatus.WAITING
         self.slot: int | None = None
         self.num_cached = 0  # leading tokens whose K/V are in the cache
@@ -204,7 +207,9 @@ class Request:
     def may_finish_at(self, token: int) -> bool:
         """Whether taking `token` in could finish this request whatever its grammar says: it
         is the last token `max_tokens` allows, or an unconstrained request's stop token."""
-        return self.tokens_left <= 1 or self.ends_at(token, terminated=False)
+        if self.params.max_tokens - len(self.token_ids) + self.num_prompt <= 1:  # `tokens_left`, inline:
+            return True  # asked of every row twice a step
+        return self.matcher is None and self.ends_at(token, terminated=False)  # (False wherever a grammar decides)
 
     def finish_if_done(self, complete: bool, nothing_follows: Callable[[], bool]) -> bool:
         """After tokens were appended: at `max_tokens` an output the grammar may end with here

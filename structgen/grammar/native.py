@@ -75,17 +75,26 @@ class NativeGrammar:
 
     def __init__(self, lib: ctypes.CDLL):
         self._lib = lib
+        # The pool's size, kept here: asked every step (`pool_in_use`), and a ctypes call
+        # lets the GIL go, so the engine thread would wait to take it back behind any other.
+        self._threads = 0
+        # A forked child's pool is one thread (grammar_step.cpp's fork handler).
+        os.register_at_fork(after_in_child=self._read_threads)
+
+    def _read_threads(self) -> None:
+        self._threads = self._lib.sg_threads()
 
     @property
     def threads(self) -> int:
         """Threads a batch is spread over, the caller's included."""
-        return self._lib.sg_threads()
+        return self._threads
 
     def set_threads(self, threads: int, spin_us: int = SPIN_US) -> None:
         """Restart the pool with `threads` threads whose workers stay awake `spin_us` after a
         batch; no call may be in flight."""
         if self._lib.sg_init(MATCHER_TYPE_KEY.encode(), max(1, threads), spin_us) != 0:
             raise NativeGrammarError(self.take_error())
+        self._read_threads()
 
     def take_error(self) -> str:
         """The first matcher error since the last call that took it ("" if none)."""

@@ -96,6 +96,20 @@ def test_abort_frees_slot_and_spares_others(engine, tokenizer):
     assert engine.runner.kv.pages.free_slots == engine.runner.kv.num_slots
 
 
+def test_a_request_without_progress_updates_is_told_only_of_its_finish(engine, tokenizer):
+    """A caller that waits for the whole output (`progress_updates` False) hears from the engine
+    once, finished; beside it a streaming request hears of every step, with the same tokens."""
+    ids = chat_ids(tokenizer, PROMPTS[0])
+    heard: dict[str, list[bool]] = {"whole": [], "stream": []}
+    whole = Request(ids, SamplingParams(max_tokens=8), on_update=lambda r: heard["whole"].append(r.finished))
+    whole.progress_updates = False
+    stream = Request(ids, SamplingParams(max_tokens=8), on_update=lambda r: heard["stream"].append(r.finished))
+    engine.run([whole, stream])
+    assert heard["whole"] == [True]
+    assert len(heard["stream"]) > 1 and heard["stream"][-1] and not any(heard["stream"][:-1])
+    assert whole.output_ids == stream.output_ids and whole.finish_reason == stream.finish_reason == "length"
+
+
 @pytest.mark.parametrize("kw", [{"max_tokens": 0}, {"temperature": -1.0}, {"top_p": 0.0}, {"top_k": -2}])
 def test_bad_sampling_params_name_the_parameter(kw):
     with pytest.raises(InvalidParameterError, match=next(iter(kw))):
