@@ -207,9 +207,8 @@ class Request:
     def may_finish_at(self, token: int) -> bool:
         """Whether taking `token` in could finish this request whatever its grammar says: it
         is the last token `max_tokens` allows, or an unconstrained request's stop token."""
-        if self.params.max_tokens - len(self.token_ids) + self.num_prompt <= 1:  # `tokens_left`, inline:
-            return True  # asked of every row twice a step
-        return self.matcher is None and self.ends_at(token, terminated=False)  # (False wherever a grammar decides)
+        # A grammar decides a constrained request's end (`ends_at` is False for it here).
+        return self.tokens_left <= 1 or (self.matcher is None and self.ends_at(token, terminated=False))
 
     def finish_if_done(self, complete: bool, nothing_follows: Callable[[], bool]) -> bool:
         """After tokens were appended: at `max_tokens` an output the grammar may end with here
