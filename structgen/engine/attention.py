@@ -7,7 +7,8 @@ torch path gathers each sequence's pages (its row of the page table) into a cont
 [batch, max_ctx] view of its keys, pads queries to [batch, max_new_tokens] and keys to the
 longest context in the batch, so it reads only valid KV (up to padding), never the full
 `max_seq_len`. CUDA decode uses the Triton kernel in `kernels/decode_attention.py`, which reads
-the pages in place through the page table.
+the pages in place through the page table, and reads a prefix that every row shares once per
+block of rows instead of once per row (its cascade; `cascade_prefix` picks the prefix).
 
 Why it matters: an eager step (an extend, a CPU step) pays a host launch for every small
 torch op, so for a small model's many layers the host, not the GPU, sets its time
@@ -25,6 +26,29 @@ import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from structgen.engine.page_table import PageTable
+
+
+# The decode kernel's cascade runs where it pays for its extra launch and partials: a common
+# prefix of a whole prefix split at least (kernels/decode_attention.py, PREFIX_MIN_KEYS), read
+# once instead of by each of 8 rows or more (below that, per-row reads cost about what the
+# prefix programs' mostly empty query tiles and the merge of their partials do).
+CASCADE_MIN_KEYS = 256
+CASCADE_MIN_ROWS = 8
+
+
+def cascade_prefix(pages: PageTable, slots: np.ndarray, positions: np.ndarray) -> int:
+    """Keys of the step's common prefix for the decode kernel (`decode_attention`'s
+    `prefix_len`), given each row's slot and position: the leading pages that every row's slot
+    maps to the same pages, whole pages before every row's position (a row attends to its
+    prefix with no causal mask); 0 where it is shorter than CASCADE_MIN_KEYS or the step has
+    fewer than CASCADE_MIN_ROWS rows."""
+    if len(slots) < CASCADE_MIN_ROWS:
+        return 0
+    limit = int(positions.min()) // pages.page_size
+    if limit * pages.page_size < CASCADE_MIN_KEYS:
+        return 0
+    keys = pages.common_pages(slots, limit) * pages.page_size
+    return keys if keys >= CASCADE_MIN_KEYS else 0
 
 
 @dataclass
@@ -45,14 +69,18 @@ class AttentionBatch:
     block_table: torch.Tensor | None = None
     # One sequence whose pages are consecutive: the first, so its keys are a view of the pool.
     first_page: int | None = None
+    # [1] the step's common prefix for the decode kernel (`cascade_prefix`); None: none.
+    prefix_len: torch.Tensor | None = None
     # This batch seen through a sliding window, by window size: built on first use, shared by
     # every layer with that window.
     _windowed: dict[int, AttentionBatch] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def build(cls, seqs: list[tuple[int, int, int]], pages: PageTable, decode_kernel: bool = False) -> AttentionBatch:
+    def build(cls, seqs: list[tuple[int, int, int]], pages: PageTable, decode_kernel: bool = False,
+              cascade: bool = False) -> AttentionBatch:
         """`seqs`: (slot, start position, number of new tokens) per sequence, whose pages
-        `pages` maps already. Brings the device copy of the page table up to date first."""
+        `pages` maps already. Brings the device copy of the page table up to date first.
+        `cascade`: the decode kernel reads the rows' common prefix once (`cascade_prefix`)."""
         pages.sync()
         device = pages.table.device
         max_q = max(n for _, _, n in seqs)
@@ -67,7 +95,10 @@ class AttentionBatch:
         slots = torch.tensor(slot_list, **as_long)
         starts = torch.tensor([s for _, s, _ in seqs], **as_long)
         lens = torch.tensor([s + n for _, s, n in seqs], **as_long)
-        block_table = first_page = None
+        block_table = first_page = prefix_len = None
+        if decode_kernel and cascade:
+            prefix = cascade_prefix(pages, np.array(slot_list), np.array([s for _, s, _ in seqs]))
+            prefix_len = torch.tensor([prefix], **as_long) if prefix else None
         if not decode_kernel:
             rows = pages.host.numpy()[slot_list, : pages.pages_for(max_ctx)]
             block_table = torch.from_numpy(rows).to(device)
@@ -97,6 +128,7 @@ class AttentionBatch:
             slot=seqs[0][0] if one else None,
             block_table=block_table,
             first_page=first_page,
+            prefix_len=prefix_len,
         )
 
     def windowed(self, window: int) -> AttentionBatch:
@@ -123,8 +155,9 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch:
     if batch.decode_kernel:
         from structgen.engine.kernels.decode_attention import decode_attention
 
+        prefix = batch.prefix_len if batch.prefix_len is not None else 0
         return decode_attention(q, k_cache, v_cache, batch.page_table, batch.slots, batch.context_lens,
-                                window=window or 0)
+                                window=window or 0, prefix_len=prefix)
     if window is not None:
         batch = batch.windowed(window)
     n, heads, dim = q.shape

@@ -272,6 +272,10 @@ class EngineTuning:
     # instead of as eager extends, whose kernel launches set a small model's time to the first
     # token (docs/performance.md, "Prefill and time to first token").
     prefill_in_graphs: bool = True
+    # Decode attention reads a prefix every row of a step shares (prefix-cached system prompts)
+    # once per block of rows, not once per row (kernels/decode_attention.py, the cascade);
+    # False reads it per row, as before, for an A/B (docs/performance.md, "Cascade attention").
+    cascade_attention: bool = True
     # Speculative verify steps with a host-side drafter run as a loop of CUDA graphs with the
     # grammar work as host callbacks inside (engine/guided_loop.py; needs the csrc extension);
     # opt-in because it did not beat the usual path (docs/performance.md, "Speculative decoding").

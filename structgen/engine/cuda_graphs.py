@@ -60,7 +60,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from structgen.engine.attention import AttentionBatch
+from structgen.engine.attention import CASCADE_MIN_ROWS, AttentionBatch, cascade_prefix
 from structgen.engine.graph_metadata import (  # the rows of the metadata buffer
     CARRIED,
     GUESS,
@@ -70,6 +70,7 @@ from structgen.engine.graph_metadata import (  # the rows of the metadata buffer
     LIVE,
     NEXT,
     POSITIONS,
+    PREFIX,
     SEEDS,
     SLOTS,
 )
@@ -123,12 +124,14 @@ def _announced(tensor_parallel: TensorParallel, bucket: int, forward: Callable[[
 
 class DecodeGraphs:
     def __init__(self, runner: ModelRunner, batch_sizes: tuple[int, ...], capture: bool = True,
-                 prelaunch: bool | None = None, tensor_parallel: TensorParallel | None = None):
+                 prelaunch: bool | None = None, tensor_parallel: TensorParallel | None = None,
+                 cascade: bool = True):
         self.model, self.kv, self.device = runner.model, runner.kv, runner.device
         # Under tensor parallelism every rank captures the same graphs; each forward first
         # takes rank 0's step rows, and rank 0 announces every launch (engine/parallel.py).
         self.tensor_parallel = tensor_parallel
         self.text_vocab_size = runner.text_vocab_size
+        self.cascade = cascade  # steps set their common prefix (PREFIX, EngineTuning.cascade_attention)
         self.batch_sizes = sorted(set(batch_sizes))
         self.max_batch_size = self.batch_sizes[-1]
         self.capture_graphs = capture
@@ -151,9 +154,9 @@ class DecodeGraphs:
         self._meta_np = self.host_meta.numpy()
         self._temp_np = self.host_temperature.numpy()
         self._tokens_np = self.host_tokens.numpy()
-        # Staging for a planned next step's forward rows (IDS..LENS), apart from host_meta: its
+        # Staging for a planned next step's forward rows (IDS..PREFIX), apart from host_meta: its
         # copy may still be in flight when the next `run` rewrites host_meta.
-        self.host_plan = torch.zeros(LENS + 1, n + 1, dtype=torch.int64, pin_memory=pin)
+        self.host_plan = torch.zeros(PREFIX + 1, n + 1, dtype=torch.int64, pin_memory=pin)
         self._plan_np = self.host_plan.numpy()
         # bucket -> (launch forward, launch sampler); the graphs and their logits stay alive here.
         self._steps: dict[int, tuple[Callable[[], None], Callable[[], None]]] = {}
@@ -191,10 +194,13 @@ class DecodeGraphs:
         if self.tensor_parallel is not None:
             self.tensor_parallel.broadcast_(m)
         slots, positions = m[SLOTS, :bs], m[POSITIONS, :bs]
+        # A bucket too small for the rule to pick a prefix keeps the plain kernel's launches.
+        cascade = self.cascade and bs >= CASCADE_MIN_ROWS
         batch = AttentionBatch(
             positions=positions, token_slots=table[slots, positions // page] * page + positions % page,
             slots=slots, page_table=table, context_lens=m[LENS, :bs], pad_index=m[POSITIONS, :0], mask=None,
             max_q=1, max_ctx=self.kv.max_seq_len, decode_kernel=True,
+            prefix_len=m[PREFIX, :1] if cascade else None,
         )
         hidden = self.model(m[IDS, :bs], batch, self.kv)
         # Model dtype: the sampler reads it without a cast pass.
@@ -413,6 +419,7 @@ class DecodeGraphs:
         last = [i for i in range(n) if i == n - 1 or slots[i + 1] != slots[i]]  # a sequence's last row
         meta = self._meta_np
         _put_rows(meta, n, token_ids, positions, slots)
+        meta[PREFIX, 0] = self._prefix(meta, n)
         # Row by row: numpy converts a tuple of lists element by element through a generic
         # path, several times slower than one list a row at a step's hundreds of rows.
         meta[SEEDS, :n] = step.seeds
@@ -423,10 +430,16 @@ class DecodeGraphs:
         self._temp_np[:n] = step.temperatures
         return last
 
+    def _prefix(self, meta: np.ndarray, n: int) -> int:
+        """The common prefix of the first `n` rows staged in `meta`, which the decode attention
+        reads once for all of them (0: none)."""
+        return cascade_prefix(self.kv.pages, meta[SLOTS, :n], meta[POSITIONS, :n]) if self.cascade else 0
+
     def _copy_step(self, cuda: bool) -> None:
         """The staged metadata and temperatures to the device. Whole buffers: one contiguous
         copy each. When the forward is already queued this copy lands behind it and rewrites
-        the rows it read with the same values."""
+        the rows it read with the same values (PREFIX may grow, as fewer sequences can share
+        more pages; the one the forward read holds for its rows too)."""
         native = self._native
         if native is not None:
             native.ext.copy_async(*native.step_copies, native.stream)
@@ -519,9 +532,10 @@ class DecodeGraphs:
         plan = self._plan_np  # whole rows (contiguous, one copy), padding from row n on
         self._set_padding(n, None, plan)
         _put_rows(plan, n, token_ids, positions, slots)
+        plan[PREFIX, 0] = self._prefix(plan, n)
         if self._native is not None:
             self._native.ext.copy_async(*self._native.plan_copy, 0, 0, 0, self._native.stream)
         else:
-            self.meta[: LENS + 1].copy_(self.host_plan, non_blocking=self.device.type == "cuda")
+            self.meta[: PREFIX + 1].copy_(self.host_plan, non_blocking=self.device.type == "cuda")
         self._steps[bs][0]()
         self._ahead = (bs, tuple(slots), tuple(positions), tuple(token_ids))

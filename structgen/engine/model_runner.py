@@ -231,7 +231,8 @@ class ModelRunner:
         spans = [(s.slot, s.start, len(s.token_ids)) for s in seqs]
         if batch_invariant() and self._use_decode_kernel([]):  # every token attends as its own row
             spans = [(slot, start + j, 1) for slot, start, n in spans for j in range(n)]
-        batch = AttentionBatch.build(spans, pages, decode_kernel=self._use_decode_kernel(spans))
+        batch = AttentionBatch.build(spans, pages, decode_kernel=self._use_decode_kernel(spans),
+                                     cascade=self.config.tuning.cascade_attention)
         input_ids = torch.tensor(flat, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, batch, self.kv)
         if len(logit_rows) != hidden.shape[0]:
@@ -272,7 +273,8 @@ class ModelRunner:
             rows = max(rows, PREFILL_ROWS)
         keep = [b for b in sizes if b < rows] + [b for b in sizes if b >= rows][:1]
         if keep:
-            self.graphs = DecodeGraphs(self, tuple(keep), capture=capture, tensor_parallel=self.tensor_parallel)
+            self.graphs = DecodeGraphs(self, tuple(keep), capture=capture, tensor_parallel=self.tensor_parallel,
+                                       cascade=self.config.tuning.cascade_attention)
             log.info("captured decode graphs for batch sizes %s", keep)
             if self.tensor_parallel is not None:
                 self.tensor_parallel.graph_holders.append(self)

@@ -204,6 +204,20 @@ class PageTable:
         pos = np.arange(start, start + n)
         return self._host_np[slot, pos // self.page_size] * self.page_size + pos % self.page_size
 
+    def common_pages(self, slots: np.ndarray, limit: int) -> int:
+        """How many leading pages, up to `limit`, every one of `slots` maps to the same pages
+        (prefix caching maps a shared prompt's pages into each request that starts with it).
+        A step's rows of one slot are adjacent: each run of them is compared once."""
+        if limit <= 0:
+            return 0
+        first_of_run = np.empty(len(slots), dtype=bool)
+        first_of_run[0] = True
+        np.not_equal(slots[1:], slots[:-1], out=first_of_run[1:])
+        rows = self._host_np[slots[first_of_run], :limit]
+        if (rows == rows[0]).all():  # the usual answer: no need to find where rows part
+            return limit
+        return int((rows != rows[0]).any(axis=0).argmax())
+
     def host_to_replace(self) -> torch.Tensor:
         """The host copy, for another rank's table to be written into it in place (a
         tensor-parallel worker follows rank 0's pages), once the last copy to the device has

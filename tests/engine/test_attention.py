@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -74,3 +75,59 @@ def test_paged_attend_matches_naive_causal_attention_on_contiguous_keys(seqs):
         want = reference(q[row : row + n], *contiguous[slot], list(range(start, start + n)))
         torch.testing.assert_close(out[row : row + n], want, atol=1e-5, rtol=1e-4)
         row += n
+
+
+# ----------------------------------------------------------------------------- the cascade's prefix
+
+
+def agent_turns(prompts: list[list[int]]) -> tuple[PageTable, list[int]]:
+    """A prefix-caching page table (16-token pages) holding each prompt in a slot of its own, as
+    the engine admits them one after another: each maps the cached pages its prompt starts with,
+    covers the rest and publishes its full pages. Returns the table and the slots."""
+    pages = PageTable(200, 16, 12, 1024, torch.device("cpu"))
+    slots = []
+    for prompt in prompts:
+        slot = pages.allocate_slot()
+        pages.match_prefix(slot, prompt, len(prompt))
+        assert pages.cover(slot, len(prompt))
+        pages.publish(slot, prompt, len(prompt), len(prompt))
+        slots.append(slot)
+    return pages, slots
+
+
+SYSTEM = list(range(1000, 1300))  # 300 tokens: 18 whole pages
+
+
+def test_common_pages_are_the_leading_pages_every_slot_maps_alike():
+    """Prompts sharing a 300-token system prompt share its 18 whole pages; with another system
+    prompt nothing; the same prompt all of its pages but the last (which match_prefix never
+    maps, so its last token is run again); `limit` caps the count."""
+    turns = [SYSTEM + [7, i, 8] for i in range(4)]
+    pages, slots = agent_turns(turns + [list(range(2000, 2300)), turns[0]])
+    four = np.array(slots[:4])
+    assert pages.common_pages(four, 100) == 18
+    assert pages.common_pages(four, 5) == 5
+    assert pages.common_pages(np.append(four, slots[4]), 100) == 0
+    assert pages.common_pages(np.array([slots[0], slots[5]]), 100) == 18
+    assert pages.common_pages(np.array([slots[1]] * 3), 19) == 19  # one slot shares all its pages with itself
+
+
+def test_cascade_prefix_is_the_shared_pages_before_every_rows_position():
+    """A step's rows over prompts sharing SYSTEM get its whole pages (288 keys); a row whose
+    position lies inside those pages caps the prefix at its own page (then too short to pay);
+    a step of few rows, or whose prompts share nothing, gets none."""
+    from structgen.engine.attention import CASCADE_MIN_ROWS, cascade_prefix
+
+    pages, slots = agent_turns([SYSTEM + [7, i, 8] for i in range(10)] + [list(range(2000, 2310))])
+
+    def prefix(rows: list[tuple[int, int]]) -> int:  # (slot, position) per row
+        return cascade_prefix(pages, np.array([s for s, _ in rows]), np.array([p for _, p in rows]))
+
+    decode = [(s, 303 + i) for i, s in enumerate(slots[:10])]
+    assert prefix(decode) == 288
+    assert prefix([(s, p) for s in slots[:9] for p in (300, 301, 302)]) == 288  # prompt tails
+    assert prefix(decode[:9] + [(slots[9], 280)]) == 272  # 17 whole pages before 280
+    assert prefix(decode[:9] + [(slots[9], 100)]) == 0  # 96 keys: below CASCADE_MIN_KEYS
+    assert prefix(decode[: CASCADE_MIN_ROWS - 1]) == 0
+    assert prefix(decode[:9] + [(slots[10], 303)]) == 0
+    assert prefix([(slots[0], p) for p in range(290, 302)]) == 288  # one sequence's tail

@@ -121,6 +121,87 @@ def test_decode_attention_with_a_sliding_window_reads_only_the_last_keys(window,
     assert rel_err(out, ref) < tol
 
 
+# The cascade (`prefix_len`): rows of several sequences whose first pages are the same pages.
+# Layouts: (rows of each sequence, each sequence's last context length), after `prefix_pages`
+# shared pages of 16 keys.
+CASCADE_LAYOUTS = {
+    "decode rows": ([1] * 12, [330, 321, 400, 500, 333, 350, 420, 390, 321, 480, 360, 345]),  # 321: just past
+    "prompt tails": ([1, 25, 7, 25, 3, 12], [340, 380, 420, 345, 330, 500]),
+    "two long rows": ([1, 2], [700, 330]),  # few rows: each walks its own keys in several splits
+    "a burst's tails": ([25] * 12, [350 + 3 * i for i in range(12)]),  # enough rows for one split on a GPU too
+}
+
+
+def shared_prefix_rows(rows: list[int], ctx: list[int], prefix_pages: int, kv_heads: int, dim: int,
+                       dtype: torch.dtype, g: torch.Generator, page: int = 16):
+    """(k pool, v pool, page table, slots, context lengths): sequence i holds the same first
+    `prefix_pages` pages as every other, then pages of its own in shuffled order, and runs
+    rows[i] rows, its last positions up to ctx[i] (each row attends up to itself). Pool rows
+    no row may read (page 0, past a sequence's length in its own pages) hold NaN."""
+    per_seq = max(-(-n // page) for n in ctx)
+    own = [per_seq - prefix_pages] * len(rows)
+    order = torch.randperm(prefix_pages + sum(own), generator=g) + 1
+    table = torch.zeros(len(rows), per_seq, dtype=torch.long)
+    table[:, :prefix_pages] = order[:prefix_pages]
+    table[:, prefix_pages:] = order[prefix_pages:].view(len(rows), -1)
+    k = torch.randn(len(order) + 2, page, kv_heads, dim, generator=g)
+    v = torch.randn(len(order) + 2, page, kv_heads, dim, generator=g)
+    k[0] = v[0] = float("nan")
+    for i, n in enumerate(ctx):  # past each sequence's length, in its own pages
+        past = torch.arange(max(n, prefix_pages * page), per_seq * page)
+        rows_past = table[i, past // page] * page + past % page
+        k.view(-1, kv_heads, dim)[rows_past] = v.view(-1, kv_heads, dim)[rows_past] = float("nan")
+    slots = torch.tensor([i for i, r in enumerate(rows) for _ in range(r)])
+    lens = torch.tensor([n - r + 1 + j for r, n in zip(rows, ctx, strict=True) for j in range(r)])
+    return k.to(DEVICE, dtype), v.to(DEVICE, dtype), table.to(DEVICE), slots.to(DEVICE), lens.to(DEVICE)
+
+
+@pytest.mark.parametrize("layout", list(CASCADE_LAYOUTS))
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 64), (4, 1, 256)])
+def test_cascade_over_a_shared_prefix_matches_the_reference(layout, heads, kv_heads, dim):
+    """Rows of several sequences sharing their first 20 pages (decode rows, one of them just
+    past the prefix; prompt tails of 1 to 25 rows; two rows whose own keys take several
+    splits, 300 rows that take one), GQA groups 3, 4 and Gemma 3's: the output
+    with a prefix of no page, one page or all 20 is the reference attention, and with none it
+    is the plain kernel's."""
+    from structgen.engine.kernels.decode_attention import (
+        decode_attention,
+        decode_attention_reference,
+    )
+
+    g = torch.Generator().manual_seed(heads + len(layout))
+    k, v, table, slots, lens = shared_prefix_rows(*CASCADE_LAYOUTS[layout], 20, kv_heads, dim, LOW, g)
+    q = torch.randn(len(slots), heads, dim, generator=g).to(DEVICE, LOW)
+    ref = decode_attention_reference(q, k, v, table, slots, lens)
+    plain = decode_attention(q, k, v, table, slots, lens)
+    for prefix in (0, 16, 320):
+        out = decode_attention(q, k, v, table, slots, lens, prefix_len=torch.tensor([prefix], device=DEVICE))
+        assert rel_err(out, ref) < 1e-2, prefix
+        if prefix == 0:  # the same sums; on CUDA the merge's wider reduction may round a bf16 ulp apart
+            assert rel_err(out, plain) < (1e-3 if CUDA else 1e-6)
+
+
+def test_cascade_reads_the_prefix_once_through_the_first_rows_pages():
+    """With a prefix, a row reads its keys before it only through row 0's pages (the prefix
+    programs'): other rows' table entries there point at NaN, and the output is still the
+    reference's over the shared pages. A row whose context ends inside the prefix (a graph's
+    padding row) attends to its own keys as without one."""
+    from structgen.engine.kernels.decode_attention import (
+        decode_attention,
+        decode_attention_reference,
+    )
+
+    g = torch.Generator().manual_seed(7)
+    k, v, table, slots, lens = shared_prefix_rows([1, 25, 4, 1], [400, 360, 330, 10], 20, 3, 64, torch.float32, g)
+    q = torch.randn(len(slots), 9, 64, generator=g).to(DEVICE)
+    ref = decode_attention_reference(q, k, v, table, slots, lens)
+    blind = table.clone()
+    blind[1:3, :20] = 0  # page 0 holds NaN
+    out = decode_attention(q, k, v, blind, slots, lens, prefix_len=torch.tensor([320], device=DEVICE))
+    tol = 1e-4 if not CUDA else 1e-2
+    assert rel_err(out, ref) < tol
+
+
 # ----------------------------------------------------------------------------- fused element-wise
 
 
@@ -851,6 +932,49 @@ def test_prefill_in_graphs_equals_eager_prefill():
     # Both eager prefill steps ran in the graphs, and the 45-token prompt took one step more
     # there: the join step holds 32 rows (2 decode + 9 + 3 + 18), the next one its other 27.
     assert graph_steps[True] == graph_steps[False] + eager_steps[False] + 1
+
+
+def test_cascade_in_the_graphs_reads_agent_turns_shared_prompt_once_and_changes_no_output(monkeypatch):
+    """Nine agent turns sharing a system prompt that a first turn computed (prefix caching):
+    their prompt tails and decode steps run in the graphs with its 4 cached pages as the step's
+    common prefix (the metadata's PREFIX; the rule's minimum lowered to that, to keep the
+    interpreter's run short), and their greedy tokens are those of `cascade_attention=False`,
+    whose steps carry none. Runs on the CPU under TRITON_INTERPRET=1 (graphs eager) and on the
+    GPU."""
+    from structgen.engine import attention
+    from structgen.engine.config import EngineConfig, EngineTuning, ModelConfig
+    from structgen.engine.engine import Engine
+    from structgen.engine.graph_metadata import PREFIX
+    from structgen.engine.request import Request
+    from structgen.sampling import SamplingParams
+
+    monkeypatch.setattr(attention, "CASCADE_MIN_KEYS", 64)
+    cfg = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=6, num_key_value_heads=2, head_dim=16, eos_token_id=[])
+    g = torch.Generator().manual_seed(4)
+    system = torch.randint(0, 512, (70,), generator=g).tolist()  # 4 whole pages
+    turns = [system + torch.randint(0, 512, (int(n),), generator=g).tolist() for n in range(3, 12)]
+    outputs, prefixes = {}, {}
+    for cascade in (True, False):
+        ec = EngineConfig(device=str(DEVICE), dtype="float32", max_batch_size=10, max_seq_len=256,
+                          use_cuda_graphs=False,
+                          tuning=EngineTuning(cuda_graph_batch_sizes=(1, 2, 4, 8, 16, 32, 64, 128),
+                                              cascade_attention=cascade))
+        eng = Engine(cfg, ec, model_dir=None, stop_token_ids=set())
+        eng.runner.capture_decode_graphs(capture=CUDA)
+        eng.run([Request(system + [1, 2], SamplingParams(max_tokens=1))])  # caches the system prompt
+        reqs = [Request(t, SamplingParams(max_tokens=5)) for t in turns]
+        for r in reqs:
+            eng.add_request(r)
+        eng.step()
+        assert all(r.num_cached >= 64 for r in reqs)  # each ran only its tail
+        seen = {int(eng.runner.graphs.host_meta[PREFIX, 0])}
+        while not all(r.finished for r in reqs):
+            eng.step()
+            seen.add(int(eng.runner.graphs.host_meta[PREFIX, 0]))
+        outputs[cascade], prefixes[cascade] = [r.output_ids for r in reqs], seen
+    assert outputs[True] == outputs[False]
+    assert prefixes[True] == {64} and prefixes[False] == {0}
 
 
 # ----------------------------------------------------------------------------- batch invariance

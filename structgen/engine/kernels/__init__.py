@@ -1,6 +1,7 @@
 """Optional GPU kernels (Triton), each with a torch definition the tests compare it to:
 
-- `decode_attention.py`: flash-decoding over the paged KV cache (one query token per sequence).
+- `decode_attention.py`: flash-decoding over the paged KV cache (one query token per sequence),
+  with a prefix every row shares read once per block of rows (the cascade).
 - `fused.py`: residual add + RMSNorm, RoPE + KV-cache write, SiLU(gate) * up.
 - `gemv.py`: projections of 1-16 rows (GEMV and a skinny GEMM, timed against cuBLAS).
 - `fused_gemv.py`: few-row projections with the norm before them and RoPE / SiLU * up after.
@@ -17,7 +18,8 @@
 the same way whatever number of rows share the launch: projections take `gemv.invariant_gemm`
 (one GEMM form for every row count), the norm-fused projections are off, and decode attention
 splits a sequence's keys by the cache shape and its own length only
-(`decode_attention.num_splits_for`, `INVARIANT_SPLIT_KEYS`). Like
+(`decode_attention.num_splits_for`, `INVARIANT_SPLIT_KEYS`) and never cascades over a prefix
+shared with its neighbours. Like
 `torch.use_deterministic_algorithms` it is process-wide: engines in one process share it.
 
 `triton_enabled(device)` is the one switch: True on CUDA when Triton imports, and on the CPU

@@ -90,7 +90,8 @@ class DraftModelDrafter:
 
             owner = SimpleNamespace(model=model, kv=kv, device=self.device, model_config=model.config,
                                     text_vocab_size=runner.text_vocab_size)
-            self.graphs = DecodeGraphs(owner, tuple(runner.graphs.batch_sizes), capture=runner.graphs.capture_graphs)
+            self.graphs = DecodeGraphs(owner, tuple(runner.graphs.batch_sizes), capture=runner.graphs.capture_graphs,
+                                       cascade=runner.graphs.cascade)
 
     @classmethod
     def self_draft(cls, runner: ModelRunner, num_layers: int, grammar_aware: bool = True) -> DraftModelDrafter:
