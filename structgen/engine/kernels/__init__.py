@@ -3,7 +3,8 @@
 - `decode_attention.py`: flash-decoding over the paged KV cache (one query token per sequence).
 - `fused.py`: residual add + RMSNorm, RoPE + KV-cache write, SiLU(gate) * up.
 - `gemv.py`: projections of 1-16 rows (GEMV and a skinny GEMM, timed against cuBLAS).
-- `fused_gemv.py`: few-row projections with the norm before them and RoPE / SiLU * up after.
+- `fused_gemv.py`: few-row projections with the norm before them and RoPE (+ q/k norms) /
+  SiLU * up after, or nothing (a router).
 - `packed_gemm.py`: projections by int4 / int8 / FP8 weights, de-quantized in registers;
   `packed_gemv.py` its bandwidth GEMV of 1-4 rows, `tinygemm.py` PyTorch's int4 kernel as a
   candidate.
