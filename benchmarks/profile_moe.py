@@ -11,9 +11,13 @@ Two parts, one GPU run:
    under torch.profiler: one layer's kernels in launch order (a layer is the stretch between
    two router kernels), each kernel's mean time over the middle layers and the idle gap before
    it, and the step's time against the weight bytes a step reads (its floor at the copy
-   bandwidth).
+   bandwidth). Once per `--variants`: "fused", a sparse layer's norms inside the kernels after
+   them at few rows (models/moe.py, `sparse_fused_rows`: 8 kernels a layer at one row, 9
+   where the qkv timing keeps RoPE apart, `fused_gemv.SPLIT`), and
+   "unfused", each norm its own kernel (11), in that order, a fresh engine each.
 
-    python -m benchmarks.profile_moe                      # both parts, --layers 8
+    python -m benchmarks.profile_moe                      # both parts, --layers 8, both variants
+    python -m benchmarks.profile_moe --skip-sweep --batches 1 --steps 50   # fused against unfused
     python -m benchmarks.profile_moe --skip-step --tokens 1,8
     python -m benchmarks.profile_moe --out /tmp/moe.json
 """
@@ -38,10 +42,13 @@ from benchmarks.common import (
 from structgen.engine.config import EngineConfig, ModelConfig
 from structgen.engine.kernels.gemv import time_cold
 from structgen.engine.kernels.moe import PAIR_MAX, fastest_tiles
+from structgen.engine.models.llama import FUSED_ROWS
 from structgen.engine.request import Request
 from structgen.sampling import SamplingParams
 
 SHAPE = "qwen3-30b-a3b"
+# Step-profile variants: the most rows of a step that run the norms inside the projections.
+VARIANTS = {"fused": FUSED_ROWS, "unfused": 0}
 
 
 def shape_config(layers: int | None = None) -> ModelConfig:
@@ -102,15 +109,24 @@ def sparse_layer_times(cfg: ModelConfig) -> dict[str, float]:
     return out
 
 
-def step_profile(layers: int, batch: int, steps: int, bandwidth: float) -> dict[str, Any]:
-    """One layer's kernels in a graph-replayed decode step at `batch` (see the module doc)."""
+def variant_engine(cfg: ModelConfig, batch: int, variant: str):
+    """An engine whose decode graphs are captured with `variant`'s projection rows."""
     from structgen.engine.engine import Engine
 
+    config = EngineConfig(max_batch_size=max(batch, 8), max_seq_len=512, jump_forward=False, use_cuda_graphs=False)
+    engine = Engine(cfg, config, stop_token_ids=set())
+    engine.runner.model.use_fused_kernels(True, projection_rows=VARIANTS[variant])
+    engine.runner.capture_decode_graphs()
+    return engine
+
+
+def step_profile(layers: int, batch: int, steps: int, bandwidth: float, variant: str) -> dict[str, Any]:
+    """One layer's kernels in a graph-replayed decode step at `batch` (see the module doc)."""
     cfg = shape_config(layers)
-    engine = Engine(cfg, EngineConfig(max_batch_size=max(batch, 8), max_seq_len=512, jump_forward=False),
-                    stop_token_ids=set())
+    engine = variant_engine(cfg, batch, variant)
+    fused_rows = max(layer.fused_rows for layer in engine.runner.model.layers)
     prompt = [100 + i for i in range(32)]
-    reqs = [Request(prompt, SamplingParams(max_tokens=steps + 40)) for _ in range(batch)]
+    reqs = [Request(prompt, SamplingParams(max_tokens=2 * steps + 16)) for _ in range(batch)]  # none finishes
     for r in reqs:
         engine.add_request(r)
     for _ in range(8):  # prefill and warm-up steps
@@ -132,10 +148,11 @@ def step_profile(layers: int, batch: int, steps: int, bandwidth: float) -> dict[
     floor = hbm_floor_ms(decode_weight_bytes(cfg, torch.bfloat16), bandwidth)
     kernels = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                       if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda k: k[0])
-    out = {"batch": batch, "layers": layers, "ms_per_step": wall_ms, "floor_ms": floor,
-           "kernels_per_step": len(kernels) / steps, "layer": one_layer(kernels)}
-    print(f"batch {batch}: {wall_ms:.3f} ms/step over {layers} layers (floor {floor:.3f} ms, "
-          f"{wall_ms / floor:.2f}x), {out['kernels_per_step']:.0f} kernels a step", flush=True)
+    out = {"variant": variant, "fused_rows": fused_rows, "batch": batch, "layers": layers, "ms_per_step": wall_ms,
+           "floor_ms": floor, "kernels_per_step": len(kernels) / steps, "layer": one_layer(kernels)}
+    print(f"{variant} (norms inside up to {fused_rows} rows), batch {batch}: {wall_ms:.3f} ms/step over {layers} "
+          f"layers (floor {floor:.3f} ms, {wall_ms / floor:.2f}x), {out['kernels_per_step']:.0f} kernels a step, "
+          f"{len(out['layer']['kernels'])} a layer", flush=True)
     for row in out["layer"]["kernels"]:
         print(f"  {row['us']:7.2f} us  gap {row['gap_us']:5.2f} us  {row['name'][:90]}")
     print(f"  layer: {out['layer']['us']:.1f} us ({out['layer']['kernel_us']:.1f} in kernels)", flush=True)
@@ -170,17 +187,21 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8, help="layers of the profiled model (real shape otherwise)")
     ap.add_argument("--batches", default="1,64", help="decode batches of the step profile")
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"step-profile variants, of {', '.join(VARIANTS)}")
     ap.add_argument("--skip-step", action="store_true", help="the kernel sweep only")
+    ap.add_argument("--skip-sweep", action="store_true", help="the step profile only")
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "profile_moe times the GPU kernels; run it on a CUDA machine"
     bandwidth = measure_copy_bandwidth_gbps()
     cfg = shape_config()
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "copy_bandwidth_gbps": bandwidth}
-    result["sweep"] = kernel_sweep(cfg, [int(t) for t in args.tokens.split(",")], bandwidth)
-    result.update(sparse_layer_times(cfg))
+    if not args.skip_sweep:
+        result["sweep"] = kernel_sweep(cfg, [int(t) for t in args.tokens.split(",")], bandwidth)
+        result.update(sparse_layer_times(cfg))
     if not args.skip_step:
-        result["steps"] = [step_profile(args.layers, int(b), args.steps, bandwidth) for b in args.batches.split(",")]
+        result["steps"] = [step_profile(args.layers, int(b), args.steps, bandwidth, v)
+                           for b in args.batches.split(",") for v in args.variants.split(",")]
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=1, default=str))
         print("wrote", args.out)

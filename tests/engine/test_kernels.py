@@ -420,6 +420,84 @@ def test_norm_qkv_rope_gemv_matches_the_unfused_stages(rows, bias):
         assert k_rows[~written].isnan().all() and v_rows[~written].isnan().all()
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_norm_qkv_rope_gemv_with_head_norms_matches_the_unfused_stages(rows):
+    """Qwen3's layout: rmsnorm -> qkv -> per-head q/k norms -> RoPE -> k, v into the cache, in
+    one kernel whose programs each own a whole head, against the torch stages, for every
+    chunk shape the device may time (some longer than K), and in the two launches it is timed
+    against (`SPLIT`); other rows' cache entries are left alone."""
+    import torch.nn.functional as F
+
+    from structgen.engine.config import ModelConfig
+    from structgen.engine.kernels.fused import HeadNorms
+    from structgen.engine.kernels.fused_gemv import HEAD_CONFIGS, SPLIT, norm_qkv_rope_gemv
+    from structgen.engine.models.llama import RMSNorm, RotaryEmbedding
+
+    heads, kv_heads, dim, hidden = 4, 2, 128, 192  # Qwen3's head size
+    cfg = ModelConfig(num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=dim)
+    rope = RotaryEmbedding(cfg, 256).to(DEVICE)
+    norm, q_norm, k_norm = (RMSNorm(n, 1e-6).to(DEVICE, LOW) for n in (hidden, dim, dim))
+    with torch.no_grad():
+        for n in (norm, q_norm, k_norm):
+            n.weight.normal_(1.0, 0.3)
+    q_size, kv_size = heads * dim, kv_heads * dim
+    w = (torch.randn(q_size + 2 * kv_size, hidden, device=DEVICE) * 0.05).to(LOW)
+    x = torch.randn(rows, hidden, device=DEVICE).to(LOW)
+    r = torch.randn(rows, hidden, device=DEVICE).to(LOW)
+    positions = torch.tensor([5, 200, 17][:rows], device=DEVICE)
+    token_slots = torch.tensor([1, 0, 2][:rows], device=DEVICE) * 256 + positions  # cache rows
+    with torch.no_grad():
+        q_ref, k_ref, v_ref = F.linear(norm(x + r), w).split([q_size, kv_size, kv_size], dim=-1)
+        q_ref = rope(q_norm(q_ref.reshape(rows, heads, dim)), positions)
+        k_ref = rope(k_norm(k_ref.reshape(rows, kv_heads, dim)), positions)
+    norms = HeadNorms(q_norm.weight, k_norm.weight, 1e-6)
+    for block in [(dim // 2, *c) for c in HEAD_CONFIGS] + [SPLIT]:
+        kc = torch.full((64, 16, kv_heads, dim), float("nan"), device=DEVICE).to(LOW)  # a pool of 64 pages
+        vc = kc.clone()
+        with torch.inference_mode():
+            q, res = norm_qkv_rope_gemv(x, w, None, norm.weight, 1e-6, r, positions, token_slots,
+                                        rope.cos, rope.sin, kc, vc, heads, kv_heads, dim, cfg=block,
+                                        head_norms=norms)
+        assert torch.equal(res, x + r)
+        assert rel_err(q, q_ref) < 2e-2, block
+        k_rows, v_rows = kc.view(-1, kv_heads, dim), vc.view(-1, kv_heads, dim)
+        assert rel_err(k_rows[token_slots], k_ref) < 2e-2, block
+        assert rel_err(v_rows[token_slots], v_ref.reshape(rows, kv_heads, dim)) < 2e-2, block
+        written = torch.zeros(64 * 16, dtype=torch.bool, device=DEVICE)
+        written[token_slots] = True
+        assert k_rows[~written].isnan().all() and v_rows[~written].isnan().all()
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("features", [128, 8, 12])
+def test_norm_gemv_matches_norm_then_linear(rows, features):
+    """rmsnorm(x + r) @ W.T (+ bias) with the residual stream written once, for a router's row
+    counts: 128 experts, 8 (a program owns 4 rows and their partners) and 12 (a narrower
+    block, 2)."""
+    import torch.nn.functional as F
+
+    from structgen.engine.kernels.fused_gemv import norm_gemv
+    from structgen.engine.models.llama import RMSNorm
+
+    hidden = 576
+    norm = RMSNorm(hidden, 1e-6).to(DEVICE, LOW)
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.3)
+    w = (torch.randn(features, hidden, device=DEVICE) * 0.05).to(LOW)
+    x = torch.randn(rows, hidden, device=DEVICE).to(LOW)
+    r = torch.randn(rows, hidden, device=DEVICE).to(LOW)
+    with torch.no_grad():
+        ref = F.linear(norm(x + r), w)
+    b = torch.randn(features, device=DEVICE).to(LOW)
+    with torch.inference_mode():
+        out, res = norm_gemv(x, w, norm.weight, 1e-6, r)
+        alone, same = norm_gemv(x, w, norm.weight, 1e-6, bias=b)
+    assert out.shape == (rows, features) and torch.equal(res, x + r)
+    assert rel_err(out, ref) < 2e-2
+    with torch.no_grad():
+        assert rel_err(alone, F.linear(norm(x), w, b)) < 2e-2 and same is x
+
+
 def test_fused_projections_are_kept_to_the_shapes_they_win_on():
     """`max_rows`: up to 4 rows for small models, 1 row for mid-sized ones, never for an 8B
     shape or where no block width divides the intermediate size or half a head; the model

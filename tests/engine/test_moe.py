@@ -5,6 +5,7 @@ reference; and the same checkpoint as a llama.cpp `qwen3moe` GGUF."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Literal
@@ -12,7 +13,7 @@ from typing import Literal
 import pytest
 import torch
 
-from structgen.engine.config import EngineConfig
+from structgen.engine.config import EngineConfig, ModelConfig
 from structgen.engine.engine import Engine
 from structgen.engine.models.loader import load_model_config
 from structgen.engine.request import Request
@@ -324,3 +325,189 @@ def test_decode_graph_steps_equal_transformers_in_float32(tiny_moe, greedy_throu
     path, ref = tiny_moe
     ours = greedy_through_graph_steps(path, PROMPTS, 20)
     assert ours == [reference_greedy(ref, p, 20) for p in PROMPTS]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not KERNELS, reason="needs CUDA (or TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("tokens,hidden", [(1, 64), (3, 96), (5, 96)])
+def test_experts_with_the_norm_inside_equal_norm_then_experts(tokens, hidden):
+    """The post-attention norm recomputed inside the pair gate_up kernel, for every launch
+    shape it may be timed with (hidden 96: no chunk divides it), top-3 of 8, float32: the
+    torch norm and then the experts."""
+    from structgen.engine.kernels.moe import (
+        PAIR_DOWN,
+        PAIR_GATE_UP,
+        ExpertTiles,
+        InputNorm,
+        grouped_experts,
+    )
+    from structgen.engine.models.llama import RMSNorm
+    from structgen.engine.models.moe import experts_reference
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator(device=device).manual_seed(tokens)
+    x = torch.randn(tokens, hidden, device=device, generator=g) * 3
+    gate_up = torch.randn(8, 2 * 40, hidden, device=device, generator=g) * 0.1
+    down = torch.randn(8, hidden, 40, device=device, generator=g) * 0.1
+    weights, ids = torch.randn(tokens, 8, device=device, generator=g).softmax(-1).topk(3, dim=-1)
+    norm = RMSNorm(hidden, 1e-6).to(device)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(hidden, device=device, generator=g) * 0.3 + 1.0)
+        expected = experts_reference(norm(x), ids, weights, gate_up, down)
+    for tiles in PAIR_GATE_UP:
+        out = grouped_experts(x, ids, weights, gate_up, down, ExpertTiles(tiles, PAIR_DOWN[0]),
+                              norm=InputNorm(norm.weight.detach(), 1e-6))
+        assert torch.allclose(out, expected, atol=1e-4, rtol=1e-4), tiles
+
+
+def tiny_moe_config(qk_norm: bool) -> ModelConfig:
+    """Qwen3-MoE's layout (q/k norms, a dense layer between sparse ones) or Mixtral's (neither)."""
+    return ModelConfig(architecture="Qwen3MoeForCausalLM" if qk_norm else "MixtralForCausalLM", vocab_size=300,
+                       hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, qk_norm=qk_norm, num_experts=8, num_experts_per_tok=2,
+                       moe_intermediate_size=32, dense_layers=(1,) if qk_norm else ())
+
+
+def decode_logits(model, prompts: list[list[int]], tokens: list[list[int]] | None, steps: int) -> tuple[list, list]:
+    """(logits of every decode step, the tokens fed): each prompt prefilled alone, then `steps`
+    decode steps of one row per sequence, fed `tokens` (teacher forcing) or else greedy."""
+    from structgen.engine.attention import AttentionBatch
+    from structgen.engine.kv_cache import PAGE_SIZE, KVCache
+    from structgen.engine.page_table import PageTable
+
+    device = model.embed_tokens.weight.device
+    pages = PageTable(3 * 128 // PAGE_SIZE + 1, PAGE_SIZE, 3, 128, device)
+    kv = KVCache(model.config, pages, dtype=model.embed_tokens.weight.dtype, device=device)
+    fed = tokens or [[] for _ in prompts]
+    last, out = [], []
+    with torch.inference_mode():
+        for slot, prompt in enumerate(prompts, start=1):
+            assert pages.cover(slot, len(prompt) + steps + 1)
+            batch = AttentionBatch.build([(slot, 0, len(prompt))], pages)
+            hidden = model(torch.tensor(prompt, device=device), batch, kv)
+            last.append(int(model.logits(hidden[-1:]).argmax()))
+        for step in range(steps):
+            ids = [fed[i][step] if tokens else last[i] for i in range(len(prompts))]
+            if not tokens:
+                for i, t in enumerate(ids):
+                    fed[i].append(t)
+            seqs = [(slot, len(p) + step, 1) for slot, p in enumerate(prompts, start=1)]
+            batch = AttentionBatch.build(seqs, pages, decode_kernel=True)
+            logits = model.logits(model(torch.tensor(ids, device=device), batch, kv))
+            out.append(logits)
+            last = logits.argmax(-1).tolist()
+    return out, fed
+
+
+def random_moe(qk_norm: bool, dtype: torch.dtype = torch.float32):
+    """A random-weight `tiny_moe_config` model on the kernels' device, its routers far from ties
+    and its norms far from ones."""
+    from structgen.engine.models.llama import skip_init
+    from structgen.engine.models.moe import MoeModel, SparseMoE
+
+    with skip_init(dtype), torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = MoeModel(tiny_moe_config(qk_norm), 128)
+    model.init_random_weights(std=0.05)
+    with torch.no_grad():
+        for layer in model.layers:
+            if isinstance(layer.mlp, SparseMoE):
+                layer.mlp.gate.weight.normal_(0.0, 0.5)
+            layer.post_attention_layernorm.weight.normal_(1.0, 0.3)
+            layer.input_layernorm.weight.normal_(1.0, 0.3)
+    return model
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not KERNELS, reason="needs CUDA (or TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("qk_norm", [True, False])
+@pytest.mark.parametrize("rows", [1, 2])
+def test_fused_sparse_layers_decode_with_the_unfused_logits(qk_norm, rows):
+    """Greedy decoding of a random-weight mixture of experts, one and two rows a step, float32:
+    with the norms inside the projections (qkv with q/k norms, RoPE and the KV write; router;
+    experts' gate_up) the tokens and the logits of every step are the unfused path's."""
+    from structgen.engine.models.moe import SparseMoE
+
+    model = random_moe(qk_norm)
+    prompts = [[1, 17, 201, 45, 9, 88, 120, 7], [1, 40, 3]][:rows]
+    model.use_fused_kernels(True, projection_rows=0)
+    assert all(layer.fused_rows == 0 for layer in model.layers)
+    expected, tokens = decode_logits(model, prompts, None, 6)
+    model.use_fused_kernels(True)
+    sparse = [layer for layer in model.layers if isinstance(layer.mlp, SparseMoE)]
+    assert sparse and all(layer.fused_rows >= rows for layer in sparse)
+    ours, fed = decode_logits(model, prompts, None, 6)
+    assert fed == tokens
+    for step, (a, b) in enumerate(zip(ours, expected, strict=True)):
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), step
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fused_sparse_layers_in_bf16_stay_within_rounding_of_the_unfused_path():
+    """In bf16 (the norm scales fp32 dot products instead of x rounded to bf16): fed the
+    unfused path's greedy tokens, the fused path's logits are within bf16 rounding of its
+    logits at the median step (a token routed otherwise at a near tie moves one step's)."""
+    import statistics
+
+    model = random_moe(True, torch.bfloat16)
+    prompts = [[1, 17, 201, 45, 9, 88, 120, 7], [1, 40, 3]]
+    model.use_fused_kernels(True, projection_rows=0)
+    expected, tokens = decode_logits(model, prompts, None, 8)
+    model.use_fused_kernels(True)
+    ours, _ = decode_logits(model, prompts, tokens, 8)
+    errors = [float((a - b).norm() / b.norm()) for a, b in zip(ours, expected, strict=True)]
+    assert statistics.median(errors) < 3e-2, errors
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_fused_sparse_layer_launches_three_kernels_fewer():
+    """One decode row through the tiny Qwen3-MoE layout (two sparse layers, one dense):
+    folding the two norms into the projections and the q/k norms into qkv leaves each sparse
+    layer eight kernels (qkv, attention's two, o, router, top-k, gate_up, down) instead of
+    eleven; the dense layer is unchanged."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = random_moe(True)
+    counts = {}
+    for rows in (0, 4):
+        model.use_fused_kernels(True, projection_rows=rows)
+        decode_logits(model, [[1, 17, 201, 45, 9]], None, 2)  # compiles and times everything first
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            decode_logits(model, [[1, 17, 201, 45, 9]], None, 1)
+            torch.cuda.synchronize()
+        counts[rows] = sum(e.device_type == torch.autograd.DeviceType.CUDA and "emcpy" not in e.name
+                           and "emset" not in e.name for e in prof.events())
+    assert counts[0] - counts[4] == 2 * 3, counts
+
+
+def test_sparse_layers_fuse_their_norms_at_few_rows_only():
+    """`sparse_fused_rows`: the Qwen3-30B-A3B shape at one row (its qkv is a mid-sized matrix),
+    a tiny one up to four; none when asked for none, in the batch-invariant mode, or where the
+    block widths do not divide half a head and no q/k norms make programs own whole heads."""
+    pytest.importorskip("triton")
+    from structgen.engine.kernels import batch_invariant, use_batch_invariant
+    from structgen.engine.kernels.fused_gemv import MAX_ROWS
+    from structgen.engine.models.llama import skip_init
+    from structgen.engine.models.moe import MoeModel
+
+    def sparse_rows(cfg: ModelConfig, projection_rows: int = MAX_ROWS) -> list[int]:
+        with skip_init(torch.bfloat16), torch.device("meta"):
+            model = MoeModel(cfg, 64)
+        model.use_fused_kernels(True, projection_rows)
+        return [layer.fused_rows for i, layer in enumerate(model.layers) if cfg.is_moe_layer(i)]
+
+    qwen3_30b = ModelConfig(architecture="Qwen3MoeForCausalLM", hidden_size=2048, num_hidden_layers=2,
+                            num_attention_heads=32, num_key_value_heads=4, head_dim=128, qk_norm=True,
+                            num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768)
+    assert sparse_rows(qwen3_30b) == [1, 1]
+    assert sparse_rows(tiny_moe_config(True)) == [MAX_ROWS, MAX_ROWS]
+    assert sparse_rows(tiny_moe_config(True), projection_rows=0) == [0, 0]
+    odd_heads = dataclasses.replace(tiny_moe_config(False), head_dim=12)
+    assert sparse_rows(odd_heads) == [0, 0, 0]  # half a head of 6: 4 and 8 do not divide it
+    before = batch_invariant()
+    use_batch_invariant(True)
+    try:
+        assert sparse_rows(tiny_moe_config(True)) == [0, 0]
+    finally:
+        use_batch_invariant(before)

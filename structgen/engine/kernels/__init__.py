@@ -4,7 +4,8 @@
   with a prefix every row shares read once per block of rows (the cascade).
 - `fused.py`: residual add + RMSNorm, RoPE + KV-cache write, SiLU(gate) * up.
 - `gemv.py`: projections of 1-16 rows (GEMV and a skinny GEMM, timed against cuBLAS).
-- `fused_gemv.py`: few-row projections with the norm before them and RoPE / SiLU * up after.
+- `fused_gemv.py`: few-row projections with the norm before them and RoPE (+ q/k norms) /
+  SiLU * up after, or nothing (a router).
 - `packed_gemm.py`: projections by int4 / int8 / FP8 weights, de-quantized in registers;
   `packed_gemv.py` its bandwidth GEMV of 1-4 rows, `tinygemm.py` PyTorch's int4 kernel as a
   candidate.

@@ -63,7 +63,7 @@ def rms_norm(
 
 
 @triton.jit
-def _head_rms_norm(x1, x2, W, eps, HALF: tl.constexpr, UNIT_OFFSET: tl.constexpr, dt: tl.constexpr):
+def head_rms_norm(x1, x2, W, eps, HALF: tl.constexpr, UNIT_OFFSET: tl.constexpr, dt: tl.constexpr):
     """Per-head RMSNorm of a [heads, head_dim] tile held as its two halves (float32), rounded
     to the model dtype where `RMSNorm` / `GemmaRMSNorm` round."""
     d = tl.arange(0, HALF)
@@ -114,7 +114,7 @@ def _rope_kv_kernel(QKV, Pos, Rows, Cos, Sin, QOut, KC, VC, QNorm, KNorm, eps,
     x1 = tl.load(row + h[:, None] * HEAD_DIM + d[None, :], mask=qm, other=0.0).to(tl.float32)
     x2 = tl.load(row + h[:, None] * HEAD_DIM + half + d[None, :], mask=qm, other=0.0).to(tl.float32)
     if HAS_NORM:
-        x1, x2 = _head_rms_norm(x1, x2, QNorm, eps, half, UNIT_OFFSET, dt)
+        x1, x2 = head_rms_norm(x1, x2, QNorm, eps, half, UNIT_OFFSET, dt)
     o1, o2 = _rotate_half(x1, x2, c1, c2, s1, s2, dt)
     qo = QOut + n * stride_qo_n + h[:, None] * stride_qo_h + d[None, :]
     tl.store(qo, o1, mask=qm)
@@ -125,7 +125,7 @@ def _rope_kv_kernel(QKV, Pos, Rows, Cos, Sin, QOut, KC, VC, QNorm, KNorm, eps,
     x1 = tl.load(kbase + h[:, None] * HEAD_DIM + d[None, :], mask=km, other=0.0).to(tl.float32)
     x2 = tl.load(kbase + h[:, None] * HEAD_DIM + half + d[None, :], mask=km, other=0.0).to(tl.float32)
     if HAS_NORM:
-        x1, x2 = _head_rms_norm(x1, x2, KNorm, eps, half, UNIT_OFFSET, dt)
+        x1, x2 = head_rms_norm(x1, x2, KNorm, eps, half, UNIT_OFFSET, dt)
     o1, o2 = _rotate_half(x1, x2, c1, c2, s1, s2, dt)
     cache_off = cache_row * stride_cr + h[:, None] * stride_ch + d[None, :]
     tl.store(KC + cache_off, o1.to(KC.dtype.element_ty), mask=km)

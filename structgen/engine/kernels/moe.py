@@ -6,7 +6,8 @@ over (pair, feature block), each program streaming its expert's gate and up rows
 down over (token, feature block), each program streaming the rows of the token's top_k
 experts in turn, the routing weights applied and the top-k sum done in registers in a fixed
 order (deterministic, no atomics, no second launch). At one token that reads each routed
-expert's weights once, the floor of the step.
+expert's weights once, the floor of the step. Where a layer folds its post-attention norm into
+the kernels after it (models/moe.py), gate_up normalises its token's row itself (`InputNorm`).
 
 Larger steps (prefills) sort the pairs by expert and pad each expert's run to whole blocks
 of BLOCK_M rows (`align_by_expert`), so a program multiplies one block of rows by one
@@ -227,12 +228,14 @@ def _down_kernel(H, W, RouteWeights, Out, SortedPairs, BlockExperts, PaddedTotal
 
 
 @triton.jit
-def _gate_up_pairs_kernel(X, W, Ids, Out, stride_x, stride_we, stride_wn, stride_o, inter, hidden,
+def _gate_up_pairs_kernel(X, W, Ids, NW, Out, stride_x, stride_we, stride_wn, stride_o, inter, hidden, eps,
                           TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                          PDL: tl.constexpr):
+                          HAS_NORM: tl.constexpr, PDL: tl.constexpr):
     """Out[pair, n] = silu(x[token] . W[e, n]) * (x[token] . W[e, inter + n]) for BLOCK_N
     features of one pair: the gate and up rows streamed once in BLOCK_K chunks, products
-    summed once after the loop (a sum per chunk puts a barrier between two loads of W)."""
+    summed once after the loop (a sum per chunk puts a barrier between two loads of W).
+    HAS_NORM: x[token] is RMS-normed first (weight NW), as `fused_gemv` does: x times the
+    norm weight in the products, its squares summed on the way, the sums scaled by 1/rms."""
     pair, pid_n = tl.program_id(0), tl.program_id(1)
     wait_for_inputs(PDL)  # the expert ids are the router's output
     token = (pair // TOP_K).to(tl.int64)
@@ -243,22 +246,30 @@ def _gate_up_pairs_kernel(X, W, Ids, Out, stride_x, stride_we, stride_wn, stride
     w_up = w_gate + inter * stride_wn
     acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
-            x_k = tl.load(X + token * stride_x + k)
+            x_k = tl.load(X + token * stride_x + k).to(tl.float32)
             gate_k = tl.load(w_gate + k[None, :], mask=n_ok[:, None], other=0.0)
             up_k = tl.load(w_up + k[None, :], mask=n_ok[:, None], other=0.0)
         else:
             k_ok = k < hidden
-            x_k = tl.load(X + token * stride_x + k, mask=k_ok, other=0.0)
+            x_k = tl.load(X + token * stride_x + k, mask=k_ok, other=0.0).to(tl.float32)
             gate_k = tl.load(w_gate + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             up_k = tl.load(w_up + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc_gate += gate_k.to(tl.float32) * x_k.to(tl.float32)[None, :]
-        acc_up += up_k.to(tl.float32) * x_k.to(tl.float32)[None, :]
+        if HAS_NORM:
+            squares += x_k * x_k
+            x_k = x_k * tl.load(NW + k, mask=(k < hidden) | EVEN_K, other=0.0).to(tl.float32)
+        acc_gate += gate_k.to(tl.float32) * x_k[None, :]
+        acc_up += up_k.to(tl.float32) * x_k[None, :]
+    gate, up = tl.sum(acc_gate, 1), tl.sum(acc_up, 1)
+    if HAS_NORM:
+        inv = 1.0 / tl.sqrt(tl.sum(squares, 0) / hidden + eps)
+        gate, up = gate * inv, up * inv
     dt = Out.dtype.element_ty
     # Rounded to the model dtype where the torch path rounds: the projection, then SiLU * up.
-    gate, up = tl.sum(acc_gate, 1).to(dt).to(tl.float32), tl.sum(acc_up, 1).to(dt).to(tl.float32)
+    gate, up = gate.to(dt).to(tl.float32), up.to(dt).to(tl.float32)
     h = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32) * up
     tl.store(Out + pair.to(tl.int64) * stride_o + n, h.to(dt), mask=n_ok)
 
@@ -395,16 +406,26 @@ def block_m_for(pairs: int) -> int:
     return 16 if pairs <= 512 else 64
 
 
+class InputNorm(NamedTuple):
+    """An RMSNorm (`weight`, `eps`) the experts apply to their input rows themselves."""
+
+    weight: torch.Tensor
+    eps: float
+
+
 def grouped_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                    gate_up: torch.Tensor, down: torch.Tensor, tiles: ExpertTiles | None = None) -> torch.Tensor:
+                    gate_up: torch.Tensor, down: torch.Tensor, tiles: ExpertTiles | None = None,
+                    norm: InputNorm | None = None) -> torch.Tensor:
     """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) for SwiGLU experts stored
     stacked: gate_up [E, 2I, H] (gate rows then up rows), down [E, H, I]; launched with
-    `tiles`, by default `expert_tiles`'."""
+    `tiles`, by default `expert_tiles`'. With `norm`, of rmsnorm(x[t]) instead, the norm
+    recomputed inside the gate_up kernel (decode steps: at most PAIR_MAX pairs)."""
     tokens, top_k = topk_ids.shape
     tiles = tiles or expert_tiles(tokens, top_k, gate_up, down)
     if tokens * top_k <= PAIR_MAX:
-        step = _PairLaunches(x, topk_ids, topk_weights)
+        step = _PairLaunches(x, topk_ids, topk_weights, norm)
     else:
+        assert norm is None, f"the norm is fused into the pair kernels only (at most {PAIR_MAX} pairs)"
         step = _SortedLaunches(x, topk_ids, topk_weights, gate_up.shape[0])
     return step.down(step.gate_up(gate_up, tiles.gate_up), down, tiles.down)
 
@@ -413,20 +434,23 @@ class _PairLaunches:
     """A step's two launches over its (token, chosen expert) pairs, unsorted: gate_up per
     (pair, feature block), down per (token, feature block) over the token's experts."""
 
-    def __init__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
+    def __init__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                 norm: InputNorm | None = None):
         self.x = x.contiguous()
         self.ids = topk_ids.contiguous().view(-1)
         self.weights = topk_weights.to(torch.float32).contiguous().view(-1)
         self.tokens, self.top_k = topk_ids.shape
+        self.norm = norm
 
     def gate_up(self, w: torch.Tensor, tiles: Tiles) -> torch.Tensor:
-        x, (_, two_inter, hidden) = self.x, w.shape
+        x, norm, (_, two_inter, hidden) = self.x, self.norm, w.shape
         inter, pairs = two_inter // 2, self.ids.numel()
         h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
         bk = min(tiles.k, triton.next_power_of_2(hidden))
         _gate_up_pairs_kernel[(pairs, triton.cdiv(inter, tiles.n))](
-            x, w, self.ids, h, x.stride(0), w.stride(0), w.stride(1), h.stride(0), inter, hidden,
-            TOP_K=self.top_k, BLOCK_N=tiles.n, BLOCK_K=bk, EVEN_K=hidden % bk == 0,
+            x, w, self.ids, norm.weight if norm else x, h, x.stride(0), w.stride(0), w.stride(1), h.stride(0),
+            inter, hidden, norm.eps if norm else 0.0, TOP_K=self.top_k, BLOCK_N=tiles.n, BLOCK_K=bk,
+            EVEN_K=hidden % bk == 0, HAS_NORM=norm is not None,
             num_warps=tiles.warps, num_stages=tiles.stages, **launch_args(x.device, self.tokens))
         return h
 

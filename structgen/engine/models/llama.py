@@ -36,6 +36,7 @@ from structgen.engine.models.quantized import (
 )
 
 if TYPE_CHECKING:
+    from structgen.engine.kernels.fused import HeadNorms
     from structgen.engine.parallel import TensorParallel
 
 FUSED_ROWS = 4  # steps of up to this many rows run norms inside the projections (fused_gemv.MAX_ROWS)
@@ -164,25 +165,31 @@ class Attention(nn.Module):
                              kv: KVCache) -> torch.Tensor:
         """q after RoPE, with k and v written to the cache, in one Triton kernel (kernels/fused.py)
         that also applies the per-head q/k norms (Qwen3, Gemma 3)."""
-        from structgen.engine.kernels.fused import HeadNorms, rope_and_cache
+        from structgen.engine.kernels.fused import rope_and_cache
 
-        norms = None
-        if self.q_norm is not None:
-            norms = HeadNorms(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.unit_offset)
         i = self.layer_idx
         return rope_and_cache(qkv, batch.positions, batch.token_slots, rope.cos, rope.sin, kv.k[i], kv.v[i],
-                              self.n_heads, self.n_kv, self.head_dim, norms)
+                              self.n_heads, self.n_kv, self.head_dim, self.head_norms())
+
+    def head_norms(self) -> HeadNorms | None:
+        """The per-head q/k norms as the kernels take them; None without them."""
+        from structgen.engine.kernels.fused import HeadNorms
+
+        if self.q_norm is None:
+            return None
+        return HeadNorms(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.unit_offset)
 
     def norm_forward(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, rope: RotaryEmbedding,
                      batch: AttentionBatch, kv: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """(self(norm(x + residual)), x + residual) for a few rows: norm, qkv, RoPE and the KV
-        write in one kernel (kernels/fused_gemv.py)."""
+        """(self(norm(x + residual)), x + residual) for a few rows: norm, qkv, the q/k norms
+        where the model has them, RoPE and the KV write in one kernel (kernels/fused_gemv.py)."""
         from structgen.engine.kernels.fused_gemv import norm_qkv_rope_gemv
 
         i, n = self.layer_idx, x.shape[0]
         q, residual = norm_qkv_rope_gemv(
             x, self.qkv_proj.weight, self.qkv_proj.bias, norm.weight, norm.eps, residual, batch.positions,
-            batch.token_slots, rope.cos, rope.sin, kv.k[i], kv.v[i], self.n_heads, self.n_kv, self.head_dim)
+            batch.token_slots, rope.cos, rope.sin, kv.k[i], kv.v[i], self.n_heads, self.n_kv, self.head_dim,
+            head_norms=self.head_norms())
         out = attend(q, kv.k[i], kv.v[i], batch, self.window)
         return project(self.o_proj, out.reshape(n, self.q_size), True), residual
 
@@ -250,7 +257,7 @@ class DecoderLayer(nn.Module):
         stream), so the model fuses that add into the next layer's input norm. Under tensor
         parallelism the mlp output is this rank's part, and `x` the last layer's: the sum over
         the ranks is fused into the norm after it (`reduce_add_norm`)."""
-        if x.dim() == 2 and x.shape[0] <= self.fused_rows and self.self_attn.q_norm is None:
+        if x.dim() == 2 and x.shape[0] <= self.fused_rows:
             x = x if residual is None else self.reduce(x)
             h, residual = self.self_attn.norm_forward(x, residual, self.input_layernorm, rope, batch, kv)
             h, residual = self.mlp.norm_forward(self.reduce(h), residual, self.post_attention_layernorm)
@@ -338,7 +345,10 @@ class LlamaModel(nn.Module):
     def use_fused_kernels(self, enabled: bool, projection_rows: int = FUSED_ROWS) -> None:
         """Route norms, RoPE + KV write and SiLU * up through the Triton kernels (CUDA); steps
         of up to `projection_rows` rows run them inside the projections (fused_gemv.py), except
-        in the batch-invariant mode (a row's numbers would depend on its step's row count)."""
+        in the batch-invariant mode (a row's numbers would depend on its step's row count).
+        Dense layers with per-head q/k norms (Qwen3) stay unfused: with them the fused qkv runs
+        one program a head (fewer, longer programs); a mixture of experts, whose layers are
+        bound by their kernel count, takes that form (models/moe.py)."""
         from structgen.engine.kernels import batch_invariant
 
         for m in self.modules():
@@ -348,7 +358,8 @@ class LlamaModel(nn.Module):
                 m.fused_rows = 0
                 dense = isinstance(m.self_attn.qkv_proj, nn.Linear) and isinstance(
                     getattr(m.mlp, "gate_up_proj", None), nn.Linear)  # not packed, not experts (MoE)
-                if enabled and projection_rows and dense and not batch_invariant():  # fused rows sum differently
+                plain = dense and m.self_attn.q_norm is None
+                if enabled and projection_rows and plain and not batch_invariant():  # fused rows sum differently
                     from structgen.engine.kernels.fused_gemv import max_rows
 
                     m.fused_rows = min(projection_rows, max_rows(m.mlp.gate_up_proj.weight, m.self_attn.head_dim))

@@ -8,6 +8,14 @@ weighted sum of those experts' SwiGLU outputs. Experts are stored stacked, gate 
 `gate_up` [E, 2I, H], `down` [E, H, I]. On CUDA one grouped Triton kernel runs every expert
 of a step (kernels/moe.py, fixed shapes: inside the CUDA graphs); elsewhere the torch loop over
 the experts a step routes to (`experts_reference`), which the tests compare the kernel to.
+
+A decode step of a few rows is bound by its kernel count, so there a sparse layer runs its two
+norms inside the kernels after them, each recomputing its row's norm (`sparse_fused_rows`):
+the input norm inside qkv with the q/k norms, RoPE and the KV write (kernels/fused_gemv.py),
+the post-attention norm inside both the router's projection (which also writes the residual
+stream, the add done once) and the experts' gate_up (which reads that stream). A layer at one
+row is then eight kernels: qkv, attention (two), o, router, top-k, gate_up, down (nine where
+timing keeps the q/k norms and RoPE in a kernel of their own: `fused_gemv.SPLIT`).
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from structgen.engine.config import ModelConfig
-from structgen.engine.models.llama import LlamaModel, project
+from structgen.engine.models.llama import FUSED_ROWS, DecoderLayer, LlamaModel, RMSNorm, project
 
 # HF names of a sparse layer's tensors inside `model.layers.N.` in released checkpoints, per
 # family: (router, per-expert prefix, gate, up, down).
@@ -89,6 +97,36 @@ class SparseMoE(nn.Module):
             return grouped_experts(x, ids, weights, self.gate_up, self.down)
         return experts_reference(x, ids, weights, self.gate_up, self.down)
 
+    def norm_forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(norm(x + residual)), x + residual) for a few rows, with no norm kernel: the
+        router's projection normalises x + residual itself and writes that sum out (the one
+        add), and the experts' gate_up kernel reads the sum and normalises it again."""
+        from structgen.engine.kernels.fused_gemv import norm_gemv
+        from structgen.engine.kernels.moe import InputNorm, grouped_experts, route
+
+        logits, residual = norm_gemv(x, self.gate.weight, norm.weight, norm.eps, residual)
+        weights, ids = route(logits, self.top_k, self.norm_topk_prob)
+        out = grouped_experts(residual, ids, weights, self.gate_up, self.down, norm=InputNorm(norm.weight, norm.eps))
+        return out, residual
+
+
+def sparse_fused_rows(layer: DecoderLayer, projection_rows: int) -> int:
+    """The most rows a step may have for this sparse layer to run its norms inside its kernels
+    (module doc): up to `projection_rows`, as many as the fused qkv takes for its size
+    (`fused_gemv.rows_for`), and as the experts' pair kernels take (PAIR_MAX pairs); 0 for
+    packed projections, block widths that do not divide half a head (without q/k norms,
+    whose programs own whole heads) or an odd number of experts (the router's kernel pairs
+    its rows)."""
+    from structgen.engine.kernels.fused_gemv import rows_for, widths_divide
+    from structgen.engine.kernels.moe import PAIR_MAX
+
+    attn, moe = layer.self_attn, layer.mlp
+    if not isinstance(attn.qkv_proj, nn.Linear) or moe.gate.weight.shape[0] % 2:
+        return 0
+    if attn.q_norm is None and not widths_divide(attn.head_dim // 2):
+        return 0
+    return min(projection_rows, PAIR_MAX // moe.top_k, rows_for(attn.qkv_proj.weight))
+
 
 class MoeModel(LlamaModel):
     """`LlamaModel` whose sparse layers (`ModelConfig.is_moe_layer`) have a `SparseMoE` as
@@ -102,10 +140,17 @@ class MoeModel(LlamaModel):
             if cfg.is_moe_layer(i):
                 layer.mlp = SparseMoE(cfg)  # the dense MLP Llama built is dropped here
 
-    def use_fused_kernels(self, enabled: bool, projection_rows: int = 0) -> None:
-        """Llama's fused kernels and the grouped expert kernel; no norm-in-projection GEMVs
-        (they fuse a dense gate/up)."""
-        super().use_fused_kernels(enabled, projection_rows=0)
+    def use_fused_kernels(self, enabled: bool, projection_rows: int = FUSED_ROWS) -> None:
+        """Llama's fused kernels and the grouped expert kernel; steps of up to `projection_rows`
+        rows run a sparse layer's norms inside its kernels (`sparse_fused_rows`; not in the
+        batch-invariant mode, where a row's sums must not depend on its step's row count)."""
+        from structgen.engine.kernels import batch_invariant
+
+        super().use_fused_kernels(enabled, projection_rows)
+        for layer in self.layers:
+            if isinstance(layer.mlp, SparseMoE):
+                fits = enabled and not batch_invariant()
+                layer.fused_rows = sparse_fused_rows(layer, projection_rows) if fits else 0
 
     @torch.no_grad()
     def init_random_weights(self, std: float = 0.02, seed: int = 0) -> None:
