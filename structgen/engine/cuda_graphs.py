@@ -131,7 +131,11 @@ class DecodeGraphs:
         # takes rank 0's step rows, and rank 0 announces every launch (engine/parallel.py).
         self.tensor_parallel = tensor_parallel
         self.text_vocab_size = runner.text_vocab_size
-        self.cascade = cascade  # steps set their common prefix (PREFIX, EngineTuning.cascade_attention)
+        # Steps set their common prefix (PREFIX, EngineTuning.cascade_attention), and a bucket of
+        # CASCADE_MIN_ROWS rows or more also captures a forward that reads it once (`_cascades`):
+        # its extra launch costs a 64-row step ~5 % where no prefix is shared. Off under tensor
+        # parallelism, whose workers replay the forward rank 0 announces by bucket alone.
+        self.cascade = cascade and tensor_parallel is None
         self.batch_sizes = sorted(set(batch_sizes))
         self.max_batch_size = self.batch_sizes[-1]
         self.capture_graphs = capture
@@ -162,6 +166,10 @@ class DecodeGraphs:
         self._steps: dict[int, tuple[Callable[[], None], Callable[[], None]]] = {}
         self._captured: list[object] = []
         self._graph_pairs: dict[int, tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph]] = {}
+        # bucket -> the cascade forward (graph, launch), writing the plain forward's logits.
+        self._cascade_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._cascades: dict[int, Callable[[], None]] = {}
+        self._prefix_staged = 0  # the last staged PREFIX: a pre-launched next step keeps it
         self.pool = None  # the graphs' shared memory pool, once captured
         self._loops: dict[int, GuidedLoop] = {}  # the capturable mode's graphs (guided_loop.py)
         # The step whose forward is already queued: (bucket, slots, positions, token ids).
@@ -189,13 +197,11 @@ class DecodeGraphs:
                            for bs, (forward, sample) in self._steps.items()}
 
     # -- the step functions the graphs hold -------------------------------------------------
-    def _forward(self, bs: int) -> torch.Tensor:
+    def _forward(self, bs: int, cascade: bool = False) -> torch.Tensor:
         m, table, page = self.meta, self.kv.pages.table, self.kv.pages.page_size
         if self.tensor_parallel is not None:
             self.tensor_parallel.broadcast_(m)
         slots, positions = m[SLOTS, :bs], m[POSITIONS, :bs]
-        # A bucket too small for the rule to pick a prefix keeps the plain kernel's launches.
-        cascade = self.cascade and bs >= CASCADE_MIN_ROWS
         batch = AttentionBatch(
             positions=positions, token_slots=table[slots, positions // page] * page + positions % page,
             slots=slots, page_table=table, context_lens=m[LENS, :bs], pad_index=m[POSITIONS, :0], mask=None,
@@ -249,10 +255,27 @@ class DecodeGraphs:
             with torch.cuda.graph(sample, pool=pool):
                 self._sample(bs, logits)
             self._steps[bs] = (forward.replay, sample.replay)
+            if self.cascade and bs >= CASCADE_MIN_ROWS:
+                self._capture_cascade(bs, logits, pool)
             self._graph_pairs[bs] = (forward, sample)
             self._captured += [forward, sample, logits]
         torch.cuda.synchronize(self.device)
         self._use_native()
+
+    def _capture_cascade(self, bs: int, logits: torch.Tensor, pool: Any) -> None:
+        """Bucket `bs`'s forward with the cascade, into the plain forward's logits (which its
+        sampler graph reads)."""
+        self._forward(bs, cascade=True)  # warm-up: compiles the prefix kernel
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            logits.copy_(self._forward(bs, cascade=True))
+        self._cascade_graphs[bs] = graph
+        self._cascades[bs] = graph.replay
+
+    def _forward_launch(self, bs: int, prefix: int) -> Callable[[], None]:
+        """The launch of bucket `bs`'s forward for rows whose common prefix is `prefix` keys:
+        the cascade where they share one, else the plain kernels."""
+        return self._cascades[bs] if prefix and bs in self._cascades else self._steps[bs][0]
 
     def _use_native(self) -> None:
         """Launch the captured graphs and do the step's copies through the csrc extension
@@ -271,6 +294,8 @@ class DecodeGraphs:
             fwd, smp = forward.raw_cuda_graph_exec(), sample.raw_cuda_graph_exec()
             self._steps[bs] = (functools.partial(ext.graph_launch, fwd, stream),
                                functools.partial(ext.graph_launch, smp, stream))
+        for bs, graph in self._cascade_graphs.items():
+            self._cascades[bs] = functools.partial(ext.graph_launch, graph.raw_cuda_graph_exec(), stream)
         self.mask_copied.record()  # torch creates its events lazily: make them exist
         self.step_done.record()
         torch.cuda.synchronize(self.device)
@@ -288,8 +313,8 @@ class DecodeGraphs:
     def _eager_step(self, bs: int) -> tuple[Callable[[], None], Callable[[], None]]:
         logits: list[torch.Tensor] = []
 
-        def forward() -> None:
-            logits[:] = [self._forward(bs)]
+        def forward() -> None:  # the cascade kernels read PREFIX (0: the plain result)
+            logits[:] = [self._forward(bs, cascade=self.cascade and bs >= CASCADE_MIN_ROWS)]
 
         def sample() -> None:
             self._sample(bs, logits[0])
@@ -348,6 +373,10 @@ class DecodeGraphs:
         for forward, sample in self._graph_pairs.values():
             forward.reset()
             sample.reset()
+        for graph in self._cascade_graphs.values():
+            graph.reset()
+        self._cascade_graphs.clear()
+        self._cascades.clear()
         self._loops.clear()
         self._graph_pairs.clear()
         self._steps.clear()
@@ -383,7 +412,8 @@ class DecodeGraphs:
         self.steps += 1
         self.steps_ahead += predicted
         last = self._stage(step, token_ids, positions, slots, bs)
-        forward, sample = self._steps[bs]
+        sample = self._steps[bs][1]
+        forward = self._forward_launch(bs, self._prefix_staged)
         cuda = self.device.type == "cuda"
         prelaunch = step.predict_next and self.prelaunch and len(set(slots)) == len(last)
         self.kv.pages.sync()
@@ -398,7 +428,8 @@ class DecodeGraphs:
         next_bs = self.bucket(len(last))
         gate = self._gate(step, prelaunch, last)
         if prelaunch and not step.plans_next:
-            self._steps[next_bs][0]()  # step i+1's forward, from the metadata the sampler advanced
+            # step i+1's forward, from the metadata the sampler advanced (this step's PREFIX)
+            self._forward_launch(next_bs, self._prefix_staged)()
         elif gate is not None:
             gate.launch()  # the same forward, run or skipped by the device on the sampled token
         if cuda:
@@ -419,7 +450,7 @@ class DecodeGraphs:
         last = [i for i in range(n) if i == n - 1 or slots[i + 1] != slots[i]]  # a sequence's last row
         meta = self._meta_np
         _put_rows(meta, n, token_ids, positions, slots)
-        meta[PREFIX, 0] = self._prefix(meta, n)
+        meta[PREFIX, 0] = self._prefix_staged = self._prefix(meta, n)
         # Row by row: numpy converts a tuple of lists element by element through a generic
         # path, several times slower than one list a row at a step's hundreds of rows.
         meta[SEEDS, :n] = step.seeds
@@ -511,7 +542,7 @@ class DecodeGraphs:
             if planned != predicted:
                 self._launch_planned(*planned)  # forced text, or fewer sequences
                 return
-            self._steps[next_bs][0]()  # the predicted step: the sampler advanced its metadata
+            self._forward_launch(next_bs, self._prefix_staged)()  # the predicted step: the sampler advanced its metadata
         self._ahead = (next_bs, tuple(sl), tuple(pos), tuple(ids))
 
     @staticmethod
@@ -532,10 +563,10 @@ class DecodeGraphs:
         plan = self._plan_np  # whole rows (contiguous, one copy), padding from row n on
         self._set_padding(n, None, plan)
         _put_rows(plan, n, token_ids, positions, slots)
-        plan[PREFIX, 0] = self._prefix(plan, n)
+        plan[PREFIX, 0] = prefix = self._prefix(plan, n)
         if self._native is not None:
             self._native.ext.copy_async(*self._native.plan_copy, 0, 0, 0, self._native.stream)
         else:
             self.meta[: PREFIX + 1].copy_(self.host_plan, non_blocking=self.device.type == "cuda")
-        self._steps[bs][0]()
+        self._forward_launch(bs, prefix)()
         self._ahead = (bs, tuple(slots), tuple(positions), tuple(token_ids))
