@@ -213,6 +213,18 @@ def test_grouped_expert_kernel_equals_the_torch_reference(tokens):
     assert torch.allclose(grouped_experts(x, ids, weights, gate_up, down), expected, atol=1e-4, rtol=1e-4)
 
 
+
+def _random_experts(tokens: int, hidden: int, x_scale: float = 1.0):
+    """A step's tokens and 8 experts of width 40 (seeded by `tokens`), each token routed to its
+    top 3: (device, its generator for more draws, x, gate_up, down, routing weights, expert ids)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator(device=device).manual_seed(tokens)
+    x = torch.randn(tokens, hidden, device=device, generator=g) * x_scale
+    gate_up = torch.randn(8, 2 * 40, hidden, device=device, generator=g) * 0.1
+    down = torch.randn(8, hidden, 40, device=device, generator=g) * 0.1
+    weights, ids = torch.randn(tokens, 8, device=device, generator=g).softmax(-1).topk(3, dim=-1)
+    return device, g, x, gate_up, down, weights, ids
+
 @pytest.mark.skipif(not KERNELS, reason="needs CUDA (or TRITON_INTERPRET=1)")
 @pytest.mark.parametrize("tokens", [1, 5, 40])
 def test_every_candidate_tile_shape_equals_the_torch_reference(tokens):
@@ -229,12 +241,7 @@ def test_every_candidate_tile_shape_equals_the_torch_reference(tokens):
     )
     from structgen.engine.models.moe import experts_reference
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    g = torch.Generator(device=device).manual_seed(tokens)
-    x = torch.randn(tokens, 96, device=device, generator=g)
-    gate_up = torch.randn(8, 2 * 40, 96, device=device, generator=g) * 0.1
-    down = torch.randn(8, 96, 40, device=device, generator=g) * 0.1
-    weights, ids = torch.randn(tokens, 8, device=device, generator=g).softmax(-1).topk(3, dim=-1)
+    device, _, x, gate_up, down, weights, ids = _random_experts(tokens, 96)
     expected = experts_reference(x, ids, weights, gate_up, down)
     firsts, seconds = (PAIR_GATE_UP, PAIR_DOWN) if tokens * 3 <= PAIR_MAX else (GROUPED, GROUPED)
     shapes = [ExpertTiles(t, seconds[0]) for t in firsts] + [ExpertTiles(firsts[0], t) for t in seconds[1:]]
@@ -344,12 +351,7 @@ def test_experts_with_the_norm_inside_equal_norm_then_experts(tokens, hidden):
     from structgen.engine.models.llama import RMSNorm
     from structgen.engine.models.moe import experts_reference
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    g = torch.Generator(device=device).manual_seed(tokens)
-    x = torch.randn(tokens, hidden, device=device, generator=g) * 3
-    gate_up = torch.randn(8, 2 * 40, hidden, device=device, generator=g) * 0.1
-    down = torch.randn(8, hidden, 40, device=device, generator=g) * 0.1
-    weights, ids = torch.randn(tokens, 8, device=device, generator=g).softmax(-1).topk(3, dim=-1)
+    device, g, x, gate_up, down, weights, ids = _random_experts(tokens, hidden, x_scale=3.0)
     norm = RMSNorm(hidden, 1e-6).to(device)
     with torch.no_grad():
         norm.weight.copy_(torch.randn(hidden, device=device, generator=g) * 0.3 + 1.0)
