@@ -1017,7 +1017,7 @@ def test_cascade_in_the_graphs_reads_agent_turns_shared_prompt_once_and_changes_
     their prompt tails and decode steps run in the graphs with its 4 cached pages as the step's
     common prefix (the metadata's PREFIX; the rule's minimum lowered to that, to keep the
     interpreter's run short), and their greedy tokens are those of `cascade_attention=False`,
-    whose steps carry none. Runs on the CPU under TRITON_INTERPRET=1 (graphs eager) and on the
+    whose steps carry none; with captured graphs those steps replay the cascade forward. Runs on the CPU under TRITON_INTERPRET=1 (graphs eager) and on the
     GPU."""
     from structgen.engine import attention
     from structgen.engine.config import EngineConfig, EngineTuning, ModelConfig
@@ -1040,6 +1040,15 @@ def test_cascade_in_the_graphs_reads_agent_turns_shared_prompt_once_and_changes_
                                               cascade_attention=cascade))
         eng = Engine(cfg, ec, model_dir=None, stop_token_ids=set())
         eng.runner.capture_decode_graphs(capture=CUDA)
+        graphs, chose_cascade = eng.runner.graphs, []
+        plain_or_cascade = graphs._forward_launch
+
+        def launch_spy(bs: int, prefix: int, pick=plain_or_cascade, graphs=graphs, chose=chose_cascade):
+            launch = pick(bs, prefix)
+            chose.append(launch is graphs._cascades.get(bs))
+            return launch
+
+        monkeypatch.setattr(graphs, "_forward_launch", launch_spy)
         eng.run([Request(system + [1, 2], SamplingParams(max_tokens=1))])  # caches the system prompt
         reqs = [Request(t, SamplingParams(max_tokens=5)) for t in turns]
         for r in reqs:
@@ -1051,6 +1060,9 @@ def test_cascade_in_the_graphs_reads_agent_turns_shared_prompt_once_and_changes_
             eng.step()
             seen.add(int(eng.runner.graphs.host_meta[PREFIX, 0]))
         outputs[cascade], prefixes[cascade] = [r.output_ids for r in reqs], seen
+        # Captured graphs: a step whose rows share the prefix replays the bucket's cascade
+        # forward (eager steps have none: their kernels read PREFIX themselves).
+        assert any(chose_cascade) == (cascade and CUDA)
     assert outputs[True] == outputs[False]
     assert prefixes[True] == {64} and prefixes[False] == {0}
 
