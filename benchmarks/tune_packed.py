@@ -54,7 +54,11 @@ LATE_TILES = ((4, 1024, 4, 4), (2, 2048, 4, 4), (8, 1024, 4, 4), (16, 512, 4, 4)
 COPIES_BYTES = 600 << 20  # the copies of a matrix a chain walks: several times the L2
 # (n, j, warps, stages) of the words GEMM; each in both operand orders with automatic split-K
 WORDS_TILES = ((64, 128, 4, 4), (128, 128, 4, 3), (64, 256, 4, 3), (128, 64, 4, 4), (128, 128, 8, 3), (256, 64, 8, 3))
+# (n, j, warps, stages) of the "tiles" GEMM (FP8 / int8 codes); each with split-K off and automatic
+TILE_SHAPES = ((32, 64, 4, 3), (64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3),
+               (64, 64, 4, 4), (128, 64, 4, 4), (128, 128, 8, 2), (256, 64, 8, 3), (64, 128, 8, 4))
 TINYGEMM = "tinygemm"  # PyTorch's int4 kernel on its own layout
+SCALED_MM = "scaled_mm"  # FP8 per channel: x rounded to FP8 per row, the FP8 tensor cores (cuBLAS)
 HALVES = "halves-default"  # the default launch on the "halves" int4 layout (the previous one)
 
 
@@ -62,7 +66,7 @@ def candidates(weight: PackedWeight, rows: int) -> list[P.Block | str | None]:
     """None (the default) and the blocks tried for `rows` rows of `weight`."""
     code = weight.code
     if rows > P.GEMV_ROWS:
-        return [None, *(gemm_candidates(rows) if code == "int4" else [])]
+        return [None, *(gemm_candidates(rows) if code == "int4" else tile_candidates(weight, rows))]
     m = 1 << (rows - 1).bit_length()
     stream = [P.Block(m, n, j, w, st, "stream", k) for (n, j, w, st), k in itertools.product(STREAM_TILES, (1, 0))]
     late = [P.Block(m, n, j // m, w, st, "late") for n, j, w, st in LATE_TILES] if P.row_scaled(weight) else []
@@ -76,6 +80,14 @@ def gemm_candidates(rows: int) -> list[P.Block | str]:
     words = [P.Block(m, n, j, w, st, form, k) for form in ("w-by-x", "x-by-w")
              for (n, j, w, st), k in [*((t, 0) for t in WORDS_TILES), (WORDS_TILES[0], 1)]]
     return [HALVES, P.dot_block(rows), P.Block(rows, 0, 0, 0, 0, "dequantize"), *words]
+
+
+def tile_candidates(weight: PackedWeight, rows: int) -> list[P.Block | str]:
+    """The byte codes' GEMM: the "tiles" launch shapes and, for FP8 per channel, the FP8 tensor
+    cores (another product: x rounded to FP8)."""
+    m = P.dot_block(rows).m
+    tiles = [P.Block(m, n, j, w, st, "tiles", k) for (n, j, w, st), k in itertools.product(TILE_SHAPES, (1, 0))]
+    return [*tiles, *([SCALED_MM] if P.scaled_mm_fits(weight) else [])]
 
 
 class Forms:
@@ -95,6 +107,8 @@ class Forms:
             return P.matmul(x, self.tiny[copy])
         if block == HALVES:
             return P.matmul(x, self.halves[copy])
+        if block == SCALED_MM:
+            return P.scaled_mm(x, self.halves[copy])
         # the GEMV's grouped forms read "halves"; "tiles" runs on "words", as a CUDA model loaded it
         on_halves = isinstance(block, P.Block) and block.form in P.GEMV_FORMS and block.form not in ("stream", "late")
         return P.matmul(x, (self.halves if on_halves else self.words)[copy], block=block)
@@ -215,11 +229,13 @@ def summary(rows: list[dict[str, Any]], model: str) -> list[dict[str, Any]]:
             print(f"{table}[{m}] = {table_entry(best)}  # {model}", flush=True)
         elif best.startswith("dequantize"):
             print(f"DEQUANTIZE_ROWS <= {m}  # {model}: W de-quantized then cuBLAS is the fastest", flush=True)
+        elif best.startswith("tiles") and code != "int4":
+            print(f"TILES_BLOCKS[{code!r}][{P.dot_block(m).m}] = {table_entry(best)}  # {model}, {m} rows", flush=True)
         elif code == "int4":
             print(f"WORDS_GEMM_BLOCKS[{min(128, 1 << (m - 1).bit_length())}] = {table_entry(best)}  # {model}, "
                   f"{m} rows", flush=True)
         previous = [label(P.dot_block(m))] if m > P.GEMV_ROWS else []
-        for b in dict.fromkeys(["default", HALVES, *previous, TINYGEMM, best]):
+        for b in dict.fromkeys(["default", HALVES, *previous, TINYGEMM, SCALED_MM, best]):
             if b not in full:
                 continue
             v = full[b]

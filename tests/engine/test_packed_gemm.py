@@ -94,6 +94,39 @@ def test_every_gemv_form_equals_dequantize_then_matmul(code: str, form: str, spl
 
 @pytest.mark.gpu
 @needs_kernels
+@pytest.mark.parametrize("code", ["int8", "fp8", "fp8-block"])
+@pytest.mark.parametrize("splits", [1, 2, 0])
+def test_tiles_gemm_split_k_equals_dequantize_then_matmul(code: str, splits: int) -> None:
+    """The byte codes' "tiles" GEMM split along the columns (2 splits of 3 chunks: one share is
+    short; 0: the count from the multiprocessors), bias added once, into a column slice."""
+    from structgen.engine.kernels import packed_gemm
+
+    w = weight(code, seed=7).to(DEVICE)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(20, COLS, generator=g).to(DEVICE)
+    b = torch.randn(ROWS, generator=g).to(DEVICE)
+    out = torch.zeros(20, ROWS + 10, device=DEVICE)
+    packed_gemm.matmul(x, w, b, block=packed_gemm.Block(16, 32, 32, 4, 1, "tiles", splits), out=out[:, 4:4 + ROWS])
+    assert rel_err(out[:, 4:4 + ROWS], x @ w.dequantize().T + b) < 1e-5
+    assert not out[:, :4].any() and not out[:, 4 + ROWS:].any()
+
+
+def test_gemm_block_takes_a_codes_timed_tile(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A code's entry in TILES_BLOCKS replaces `dot_block` for its row bucket only; float32
+    activations keep one stage (their pipelined tiles overflow shared memory)."""
+    from structgen.engine.kernels import packed_gemm
+
+    tuned = packed_gemm.Block(64, 128, 64, 8, 4, "tiles", 0)
+    monkeypatch.setattr(packed_gemm, "TILES_BLOCKS", {"fp8": {64: tuned}})
+    w = weight("fp8")
+    assert packed_gemm.gemm_block(w, 40) == tuned and packed_gemm.gemm_block(w, 100) == tuned
+    assert packed_gemm.gemm_block(w, 40, torch.float32) == tuned._replace(stages=1)
+    assert packed_gemm.gemm_block(w, 16) == packed_gemm.dot_block(16)
+    assert packed_gemm.gemm_block(weight("int8"), 40) == packed_gemm.dot_block(40)
+
+
+@pytest.mark.gpu
+@needs_kernels
 @pytest.mark.parametrize("rows", [1, 2, 4])
 def test_late_gemv_reads_fp8_codes_scaled_per_channel(rows: int) -> None:
     """The "late" form (kernels/gemv.py on FP8 codes, each output scaled by its channel's

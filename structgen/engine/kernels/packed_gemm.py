@@ -114,6 +114,10 @@ GEMM_FORMS = ("tiles", *packed_words_gemm.FORMS)
 WORDS_GEMM_BLOCKS = {16: Block(16, 128, 128, 4, 3, "w-by-x", 0), 32: Block(32, 128, 128, 4, 3, "w-by-x", 0),
                      64: Block(64, 128, 128, 4, 3, "x-by-w", 0), 128: Block(128, 128, 64, 8, 3, "x-by-w", 0)}
 DEQUANTIZE_ROWS = 256  # from here W is de-quantized once and cuBLAS runs the compute-bound product
+# The "tiles" GEMM's launch per code where timing chose other than `dot_block` (rows rounded up to
+# 16, 32 or 64; more rows take the 64 entry), the table benchmarks/tune_packed.py's summary prints
+TILES_BLOCKS: dict[str, dict[int, Block]] = {}
+TILE_PROGRAMS_PER_SM = 2  # the split-K target of splits=0, as the words GEMM's
 
 
 def gemv_block(weight: PackedWeight, rows: int) -> Block:
@@ -133,7 +137,10 @@ def gemv_block(weight: PackedWeight, rows: int) -> Block:
 def gemm_block(weight: PackedWeight, rows: int, dtype: torch.dtype = torch.bfloat16) -> Block:
     """The GEMM's default launch for `rows` (more than GEMV_ROWS) rows of `weight`."""
     if weight.layout != "words":
-        return dot_block(rows, dtype)
+        tuned = TILES_BLOCKS.get(weight.code, {}).get(dot_block(rows).m)
+        if tuned is None:
+            return dot_block(rows, dtype)
+        return tuned._replace(stages=1) if dtype == torch.float32 else tuned
     if rows >= DEQUANTIZE_ROWS:
         return Block(rows, 0, 0, 0, 0, "dequantize")
     block = WORDS_GEMM_BLOCKS[min(128, max(16, triton.next_power_of_2(rows)))]
@@ -191,20 +198,22 @@ def _weights(C, S, OFF, n, nmask, j, jmask, HALF, stride_cn, stride_sn, GROUP_N:
 
 
 @triton.jit
-def _packed_kernel(X, C, S, OFF, B, Y, M, N, HALF, stride_xm, stride_cn, stride_sn, stride_ym,
+def _packed_kernel(X, C, S, OFF, B, Y, M, N, HALF, CHUNKS, stride_xm, stride_cn, stride_sn, stride_ys, stride_ym,
                    GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
                    CODE: tl.constexpr, HAS_OFFSET: tl.constexpr, ROW_SCALE: tl.constexpr,
                    HAS_BIAS: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr):
     """Both forms: DOT feeds W's tiles (in x's dtype) to `tl.dot`, else float32 products are
-    summed per chunk (the GEMV: one program for all rows, W read once)."""
+    summed per chunk (the GEMV: one program for all rows, W read once). Program (i, r, s) sums
+    chunks [s * CHUNKS, (s + 1) * CHUNKS) into Y's slice s (split-K; one slice: the output)."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
     m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     mmask = m < M
     x_row = X + m[:, None].to(tl.int64) * stride_xm
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for j0 in range(0, HALF, BLOCK_J):
+    first = tl.program_id(2) * CHUNKS * BLOCK_J
+    for j0 in range(first, tl.minimum(first + CHUNKS * BLOCK_J, HALF), BLOCK_J):
         j = j0 + tl.arange(0, BLOCK_J)
         jmask = j < HALF
         w_lo, w_hi = _weights(C, S, OFF, n, nmask, j, jmask, HALF, stride_cn, stride_sn, GROUP_N, GROUP_K,
@@ -222,7 +231,8 @@ def _packed_kernel(X, C, S, OFF, B, Y, M, N, HALF, stride_xm, stride_cn, stride_
         acc *= tl.load(S + n * stride_sn, mask=nmask, other=0.0).to(tl.float32)[None, :]
     if HAS_BIAS:
         acc += tl.load(B + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    tl.store(Y + m[:, None] * stride_ym + n[None, :], acc.to(Y.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+    y = Y + tl.program_id(2) * stride_ys + m[:, None] * stride_ym + n[None, :]
+    tl.store(y, acc.to(Y.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
 
 
 @triton.jit
@@ -338,18 +348,34 @@ def matmul(x: torch.Tensor, weight: PackedWeight | tinygemm.TinyGemmWeight, bias
     if block.m <= GEMV_ROWS and block.form != "reduce":
         _grouped_gemv(x, weight, bias, y, block)
         return y
-    half = weight.cols // 2
+    _tiles(x, weight, bias, y, block)
+    return y
+
+
+def _tiles(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None, y: torch.Tensor, block: Block) -> None:
+    """The "tiles" GEMM (and the "reduce" GEMV) into `y`; with `block.splits` other than 1
+    (0: from the multiprocessors) through float32 partial sums added by a second launch."""
+    rows, n, half = x.shape[0], weight.shape[0], weight.cols // 2
+    block_j = min(block.j, triton.next_power_of_2(half))
+    chunks_total = triton.cdiv(half, block_j)
+    programs = triton.cdiv(n, block.n) * triton.cdiv(rows, block.m)
+    splits = block.splits or packed_gemv.auto_splits(programs * packed_gemv.PROGRAMS_PER_SM // TILE_PROGRAMS_PER_SM,
+                                                     chunks_total, x.device)
+    chunks = triton.cdiv(chunks_total, splits)
+    splits = triton.cdiv(chunks_total, chunks)
+    target = y if splits == 1 else torch.empty(splits, rows, n, dtype=torch.float32, device=x.device)
     args = (x, weight.codes, weight.scales, weight.offsets if weight.offsets is not None else weight.scales,
-            bias if bias is not None else weight.scales, y, rows, n, half, x.stride(0), weight.codes.stride(0),
-            weight.scales.stride(0), y.stride(0))
+            bias if bias is not None else weight.scales, target, rows, n, half, chunks, x.stride(0),
+            weight.codes.stride(0), weight.scales.stride(0), target.stride(0) if splits > 1 else 0, target.stride(-2))
     # group sizes are constants so the scale index is a shift, not a division per weight; float32
     # products stay float32 (tl.dot would round them to TF32 on the GPU)
     consts = {**_layout(weight), "PRECISION": "ieee" if x.dtype == torch.float32 else "tf32",
-              "HAS_BIAS": bias is not None, "BLOCK_N": block.n, "BLOCK_J": min(block.j, triton.next_power_of_2(half)),
+              "HAS_BIAS": bias is not None and splits == 1, "BLOCK_N": block.n, "BLOCK_J": block_j,
               "num_warps": block.warps, "num_stages": block.stages}
-    grid = (triton.cdiv(n, block.n), triton.cdiv(rows, block.m))
+    grid = (triton.cdiv(n, block.n), triton.cdiv(rows, block.m), splits)
     _packed_kernel[grid](*args, DOT=block.m > GEMV_ROWS, BLOCK_M=block.m, **consts)
-    return y
+    if splits > 1:
+        packed_gemv.sum_splits(target, bias, y)
 
 
 def row_scaled(weight: PackedWeight) -> bool:
