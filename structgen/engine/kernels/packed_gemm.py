@@ -116,7 +116,10 @@ WORDS_GEMM_BLOCKS = {16: Block(16, 128, 128, 4, 3, "w-by-x", 0), 32: Block(32, 1
 DEQUANTIZE_ROWS = 256  # from here W is de-quantized once and cuBLAS runs the compute-bound product
 # The "tiles" GEMM's launch per code where timing chose other than `dot_block` (rows rounded up to
 # 16, 32 or 64; more rows take the 64 entry), the table benchmarks/tune_packed.py's summary prints
-TILES_BLOCKS: dict[str, dict[int, Block]] = {}
+TILES_BLOCKS: dict[str, dict[int, Block]] = {
+    "fp8": {16: Block(16, 64, 128, 4, 3, "tiles", 0), 32: Block(32, 128, 128, 8, 3, "tiles", 0),
+            64: Block(64, 128, 64, 4, 3, "tiles", 0)},
+}
 TILE_PROGRAMS_PER_SM = 2  # the split-K target of splits=0, as the words GEMM's
 
 
