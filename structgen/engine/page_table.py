@@ -122,8 +122,7 @@ class PageTable:
             return
         if keep < len(self._keyed[slot]):
             self._published[slot] = False
-        for page in reversed(pages[keep:]):  # a chain's tail becomes idle, so is evicted, first
-            self._let_go(page)
+        self._let_go(pages[keep:][::-1])  # a chain's tail becomes idle, so is evicted, first
         del pages[keep:]
         del self._keyed[slot][keep:]
         self._changing(slot)
@@ -158,13 +157,17 @@ class PageTable:
         self._host_np[slot, len(pages) : len(pages) + len(new)] = new
         pages += new
 
-    def _let_go(self, page: int) -> None:
-        self._refs[page] -= 1
-        if self._refs[page] == 0:
-            if self.cache is not None and self.cache.holds(page):
-                self.cache.idle(page)
-            else:
-                self._free_pages.append(page)
+    def _let_go(self, pages: list[int]) -> None:
+        """Drop one hold of each of `pages`, in order: a page nobody holds goes to the prefix
+        cache's LRU where cached, else back to the free list."""
+        refs, cache, free = self._refs, self.cache, self._free_pages
+        for page in pages:
+            refs[page] -= 1
+            if refs[page] == 0:
+                if cache is not None and cache.holds(page):
+                    cache.idle(page)
+                else:
+                    free.append(page)
 
     # -- the prefix cache -------------------------------------------------------------------
     def match_prefix(self, slot: int, token_ids: list[int], num_prompt: int) -> int:

@@ -112,15 +112,15 @@ class PrefixCache:
 
 
 def common_pages(a: list[int], b: list[int], page_size: int, limit: int) -> int:
-    """How many leading pages, up to `limit`, of token lists `a` and `b` are equal: a few
-    comparisons of list slices (bisected where they part), each one C loop."""
-    if a[: limit * page_size] == b[: limit * page_size]:  # the usual answer: one shared start
-        return limit
-    equal, differ = 0, limit  # the first `equal` pages are equal, the first `differ` are not
-    while differ - equal > 1:
-        mid = (equal + differ) // 2
-        if a[: mid * page_size] == b[: mid * page_size]:
+    """How many leading pages, up to `limit`, of token lists `a` and `b` are equal: list
+    comparisons (each one C loop), bisecting where the lists part; each comparison covers only
+    the pages not yet known equal, so the whole search reads about twice the lists' length."""
+    equal, differ = 0, limit + 1  # pages [0, equal) are equal; [0, differ) are not
+    mid = limit  # the usual answer first: a burst's turns share their whole start
+    while equal < mid < differ:
+        if a[equal * page_size : mid * page_size] == b[equal * page_size : mid * page_size]:
             equal = mid
         else:
             differ = mid
+        mid = (equal + differ) // 2
     return equal
