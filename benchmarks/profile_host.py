@@ -334,6 +334,10 @@ def serving_run(tokenizer: Any, n: int, max_tokens: int, grammar_threads: int, w
             "tokens_per_step": round(client.tokens / max(len(busy), 1), 1),
             "steps_to_admit_all": steps.first_full,
             "steps_to_prefill_all": steps.prefilled, "host_ms_per_step": round(1e3 * float(np.median(busy)), 2),
+            # The engine's host time until every prompt had run: admission, prefix matching,
+            # prompt chunks (the part of the burst's TTFT the engine spends on the host).
+            "host_ms_prompt_steps": round(1e3 * sum(steps.seconds[: steps.prefilled or 0]), 2),
+            "host_cpu_ms_prompt_steps": round(1e3 * sum(steps.cpu_seconds[: steps.prefilled or 0]), 2),
             "host_cpu_ms_per_step": round(1e3 * float(np.median([c for c, x in zip(steps.cpu_seconds, steps.seconds, strict=True)
                                                                   if x > 0])), 2),
             "engine_busy_s": round(sum(busy), 2),

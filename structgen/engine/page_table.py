@@ -102,7 +102,7 @@ class PageTable:
             if page is None:
                 self._settle(slot)
                 return False
-            self._hold(slot, page)
+            self._hold(slot, [page])
         self._settle(slot)
         return True
 
@@ -122,8 +122,7 @@ class PageTable:
             return
         if keep < len(self._keyed[slot]):
             self._published[slot] = False
-        for page in reversed(pages[keep:]):  # a chain's tail becomes idle, so is evicted, first
-            self._let_go(page)
+        self._let_go(pages[keep:][::-1])  # a chain's tail becomes idle, so is evicted, first
         del pages[keep:]
         del self._keyed[slot][keep:]
         self._changing(slot)
@@ -146,22 +145,29 @@ class PageTable:
             return self._free_pages.pop()
         return self.cache.evict() if self.cache is not None else None
 
-    def _hold(self, slot: int, page: int) -> None:
-        self._refs[page] += 1
-        if self._refs[page] == 1 and self.cache is not None:
-            self.cache.use(page)
+    def _hold(self, slot: int, new: list[int]) -> None:
+        """Map `new` pages after `slot`'s last one (a matched prefix's hundreds at once)."""
+        refs, cache = self._refs, self.cache
+        for page in new:
+            refs[page] += 1
+            if refs[page] == 1 and cache is not None:
+                cache.use(page)
         pages = self._pages[slot]
         self._changing(slot)
-        self._host_np[slot, len(pages)] = page
-        pages.append(page)
+        self._host_np[slot, len(pages) : len(pages) + len(new)] = new
+        pages += new
 
-    def _let_go(self, page: int) -> None:
-        self._refs[page] -= 1
-        if self._refs[page] == 0:
-            if self.cache is not None and self.cache.holds(page):
-                self.cache.idle(page)
-            else:
-                self._free_pages.append(page)
+    def _let_go(self, pages: list[int]) -> None:
+        """Drop one hold of each of `pages`, in order: a page nobody holds goes to the prefix
+        cache's LRU where cached, else back to the free list."""
+        refs, cache, free = self._refs, self.cache, self._free_pages
+        for page in pages:
+            refs[page] -= 1
+            if refs[page] == 0:
+                if cache is not None and cache.holds(page):
+                    cache.idle(page)
+                else:
+                    free.append(page)
 
     # -- the prefix cache -------------------------------------------------------------------
     def match_prefix(self, slot: int, token_ids: list[int], num_prompt: int) -> int:
@@ -170,15 +176,10 @@ class PageTable:
         that token is run again, so the request has logits to sample from."""
         if self.cache is None:
             return 0
-        parent = ROOT_HASH
-        for key in page_keys(token_ids, self.page_size, (num_prompt - 1) // self.page_size):
-            page = self.cache.find(key)
-            if page is None:
-                break
-            self._hold(slot, page)
-            parent = hash(key)
-            self._keyed[slot].append(parent)
-        return len(self._keyed[slot]) * self.page_size
+        chain = self.cache.match(token_ids, self.page_size, (num_prompt - 1) // self.page_size)
+        self._hold(slot, chain.pages)
+        self._keyed[slot] += chain.hashes
+        return len(chain.pages) * self.page_size
 
     def publish(self, slot: int, token_ids: list[int], num_computed: int, num_prompt: int) -> None:
         """Put `slot`'s full pages whose K/V are computed (the first `num_computed` tokens) and

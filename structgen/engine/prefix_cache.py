@@ -5,12 +5,19 @@ the page's tokens), so equal keys mean equal tokens from the start of the sequen
 are part of the key, compared on lookup; only the parent is a hash). A page enters the cache
 once its K/V are computed and stays there while requests use it; when no request holds it
 any more it waits in LRU order, still findable, until the pool needs a page and evicts it.
+
+A burst of requests sharing a long prompt start (agent turns with one tool catalogue) would
+hash the same hundreds of pages once per request: `match` remembers the chain it found last and
+takes its pages for a new sequence whose tokens equal it page for page (a comparison of token
+lists, not a hash per page), hashing only the pages past it. Equal tokens make equal keys, so
+the pages are the ones a walk would find, as long as none was evicted since.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 PageKey = tuple[int, tuple[int, ...]]  # (hash of the previous page's key, this page's tokens)
 ROOT_HASH = 0  # the parent hash of a sequence's first page
@@ -28,6 +35,15 @@ def page_keys(tokens: Sequence[int], page_size: int, num_pages: int, parent: int
     return keys
 
 
+@dataclass(frozen=True)
+class Chain:
+    """Cached pages a token sequence starts with: their tokens, pages and key hashes."""
+
+    tokens: list[int]
+    pages: list[int]
+    hashes: list[int]
+
+
 class PrefixCache:
     """Which page holds which key, and the LRU order of cached pages no request holds."""
 
@@ -35,6 +51,7 @@ class PrefixCache:
         self._page_of: dict[PageKey, int] = {}
         self._key_of: dict[int, PageKey] = {}
         self._idle: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; oldest first
+        self._last = Chain([], [], [])  # what `match` found last, while none of it may be evicted
 
     def __len__(self) -> int:
         return len(self._page_of)
@@ -46,6 +63,24 @@ class PrefixCache:
 
     def find(self, key: PageKey) -> int | None:
         return self._page_of.get(key)
+
+    def match(self, tokens: list[int], page_size: int, num_pages: int) -> Chain:
+        """The longest run of cached pages that `tokens`' first `num_pages` pages are: the
+        pages of the last chain found that `tokens` start with, then a walk of the hash chain
+        from there until a page is missing."""
+        last = self._last
+        known = common_pages(tokens, last.tokens, page_size, min(num_pages, len(last.pages)))
+        pages, hashes = last.pages[:known], last.hashes[:known]
+        parent = hashes[-1] if hashes else ROOT_HASH
+        for i in range(known, num_pages):
+            page = self._page_of.get(key := (parent, tuple(tokens[i * page_size : (i + 1) * page_size])))
+            if page is None:
+                break
+            parent = hash(key)
+            pages.append(page)
+            hashes.append(parent)
+        self._last = Chain(tokens[: len(pages) * page_size], pages, hashes)
+        return self._last
 
     def holds(self, page: int) -> bool:
         return page in self._key_of
@@ -72,4 +107,20 @@ class PrefixCache:
             return None
         page, _ = self._idle.popitem(last=False)
         del self._page_of[self._key_of.pop(page)]
+        self._last = Chain([], [], [])
         return page
+
+
+def common_pages(a: list[int], b: list[int], page_size: int, limit: int) -> int:
+    """How many leading pages, up to `limit`, of token lists `a` and `b` are equal: list
+    comparisons (each one C loop), bisecting where the lists part; each comparison covers only
+    the pages not yet known equal, so the whole search reads about twice the lists' length."""
+    equal, differ = 0, limit + 1  # pages [0, equal) are equal; [0, differ) are not
+    mid = limit  # the usual answer first: a burst's turns share their whole start
+    while equal < mid < differ:
+        if a[equal * page_size : mid * page_size] == b[equal * page_size : mid * page_size]:
+            equal = mid
+        else:
+            differ = mid
+        mid = (equal + differ) // 2
+    return equal

@@ -185,6 +185,62 @@ def test_a_matched_prefix_holds_the_pages_and_keys_that_publishing_it_gave_and_s
     assert pages.match_prefix(pages.allocate_slot(), fork, len(fork)) == 4 * PAGE
 
 
+def walked(pages: PageTable, tokens: list[int], num_pages: int) -> list[int]:
+    """The cached pages `tokens` start with, found by hashing every page's key in turn."""
+    found = []
+    for key in page_keys(tokens, pages.page_size, num_pages):
+        page = pages.cache.find(key)
+        if page is None:
+            break
+        found.append(page)
+    return found
+
+
+def matched(pages: PageTable, tokens: list[int]) -> list[int]:
+    """`match_prefix` into a new slot: the pages it mapped, checked against the walk and its keys."""
+    slot = pages.allocate_slot()
+    n = pages.match_prefix(slot, tokens, len(tokens)) // pages.page_size
+    got = pages.host[slot, :n].tolist()
+    assert got == walked(pages, tokens, (len(tokens) - 1) // pages.page_size)
+    assert pages._keyed[slot] == [hash(k) for k in page_keys(tokens, pages.page_size, n)]
+    return got
+
+
+def test_a_prefix_found_from_the_last_chain_is_the_one_a_walk_of_the_hash_chain_finds():
+    pages = PageTable(40, PAGE, 8, 256, CPU)
+    prompt = list(range(300, 341))  # ten full pages and one token
+    a = pages.allocate_slot()
+    assert pages.cover(a, len(prompt))
+    pages.publish(a, prompt, len(prompt), len(prompt))
+    assert len(matched(pages, prompt)) == 10
+    assert len(matched(pages, prompt[:30] + [1, 2, 3])) == 7  # the last chain's first pages
+    assert len(matched(pages, prompt[:13] + [5] + prompt[14:])) == 3  # parts inside page 3
+    assert len(matched(pages, [7] + prompt[1:])) == 0
+    assert len(matched(pages, prompt)) == 10  # past the last chain: found by the walk again
+    for slot in range(1, 6):
+        pages.release_slot(slot)
+    pages.release_slot(a)  # every page of the chain idle: a hog evicts its tail,
+    hog = pages.allocate_slot()
+    assert pages.cover(hog, 32 * PAGE)
+    assert len(pages.cache) == 7 and len(matched(pages, prompt)) == 7  # which the last chain held
+
+
+def test_an_agent_bursts_prompts_find_the_pages_a_walk_of_the_hash_chain_finds(maskbench_dir, tokenizer):
+    """bench_serving's agent turns (one tool catalogue, ~3,000 tokens): each turn's match, in
+    burst order after the first turn's prompt was published, maps the walk's pages."""
+    from benchmarks.bench_serving import agent_workload
+
+    turns = agent_workload(24, maskbench_dir, tokenizer)
+    texts = [tokenizer.apply_chat_template(t.messages, add_generation_prompt=True, tokenize=False) for t in turns]
+    prompts = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
+    pages = PageTable(8 * 256, PAGE_SIZE, 32, 4096, CPU)
+    first = pages.allocate_slot()
+    assert pages.cover(first, len(prompts[0]))
+    pages.publish(first, prompts[0], len(prompts[0]), len(prompts[0]))
+    shared = [len(matched(pages, p)) for p in prompts[1:] + prompts[:1]]
+    assert min(shared) * PAGE_SIZE > 2_500 and shared[-1] == (len(prompts[0]) - 1) // PAGE_SIZE
+
+
 # ------------------------------------------------------------------------------ the Triton kernel
 
 
