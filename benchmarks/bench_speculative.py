@@ -318,6 +318,7 @@ class StepClock:
         self.engine, self.tail = engine, tail
         self.steps: list[tuple[int, float]] = []  # (requests, seconds)
         self.tail_graph_steps = self.tail_ahead = 0
+        self.tail_traced: list[tuple[float, str]] = []  # (seconds, what the step was)
 
     def __enter__(self) -> StepClock:
         step, sched, graphs = self.engine.step, self.engine.scheduler, self.engine.runner.graphs
@@ -325,13 +326,19 @@ class StepClock:
         def timed() -> list[Request]:
             n, t = len(sched.running) + len(sched.waiting), time.perf_counter()
             runs, ahead = (graphs.steps, graphs.steps_ahead) if graphs is not None else (0, 0)
+            spec = self.engine.speculator
+            decided = spec.policy.decisions.copy() if spec is not None else Counter()
             try:
                 return step()
             finally:
-                self.steps.append((n, time.perf_counter() - t))
-                if graphs is not None and n <= self.tail:
-                    self.tail_graph_steps += graphs.steps - runs
-                    self.tail_ahead += graphs.steps_ahead - ahead
+                seconds = time.perf_counter() - t
+                self.steps.append((n, seconds))
+                if n <= self.tail:
+                    ran, early = (graphs.steps - runs, graphs.steps_ahead - ahead) if graphs is not None else (0, 0)
+                    self.tail_graph_steps += ran
+                    self.tail_ahead += early
+                    kinds = ",".join(sorted((spec.policy.decisions - decided) if spec is not None else ())) or "-"
+                    self.tail_traced.append((seconds, f"{n} requests, decided {kinds}, graph steps {ran} (ahead {early})"))
 
         self.engine.step = timed
         return self
@@ -344,7 +351,9 @@ class StepClock:
         return {f"{name}_tail_ms": 1e3 * sum(tail), f"{name}_tail_steps": len(tail),
                 f"{name}_tail_longest_ms": 1e3 * max(tail, default=0.0),
                 f"{name}_tail_ahead": f"{self.tail_ahead}/{self.tail_graph_steps}",
-                f"{name}_steps": len(self.steps), f"{name}_longest_step_ms": 1e3 * max(s for _, s in self.steps)}
+                f"{name}_steps": len(self.steps), f"{name}_longest_step_ms": 1e3 * max(s for _, s in self.steps),
+                # where a tail's time went: its slowest steps, and what each was
+                f"{name}_tail_slowest": [f"{1e3 * s:.2f} ms: {what}" for s, what in sorted(self.tail_traced)[::-1][:3]]}
 
 
 def timed_pair(llm: LLM, spec: Speculator, cases: list[Case], batch: int, max_tokens: int) -> dict[str, Any]:
@@ -420,6 +429,9 @@ def run_targets(args: argparse.Namespace) -> None:
              "plain_tail_ahead", "ngram_tail_ahead", "plain_longest_step_ms", "ngram_longest_step_ms",
              "rounds_tokens_per_s_ratio", "rounds_tail_ms"]
     print_table([{c: r.get(c) for c in shown} for r in rows])
+    for r in rows:
+        print(f"batch {r['batch']}, invariant {r['batch_invariant']}: slowest tail steps, plain "
+              f"{r['plain_tail_slowest']}, n-gram {r['ngram_tail_slowest']}")
     if not args.no_write:
         path = write_results("speculative_targets", rows, extra={
             "settings": vars(args) | {"data": str(args.data)},
