@@ -490,6 +490,38 @@ def test_ngram_index_never_trusts_entries_made_stale_by_a_cut():
     assert next(lazy) == [9, 6]  # a generator: later candidates are never computed
 
 
+def reference_continuations(tokens: list[int], classes: list[int] | None, n_min: int, n_max: int,
+                            k: int, max_scan: int) -> list[list[int]]:
+    """What an n-gram index must yield: a plain search of `tokens` for the suffixes of
+    `tokens`, longest first, latest occurrence first, at most `max_scan` each."""
+    cls = (lambda t: t) if classes is None else (lambda t: classes[t] if t < len(classes) else t)
+    ids = [cls(t) for t in tokens]
+    found: list[list[int]] = []
+    for n in range(min(n_max, len(ids)), n_min - 1, -1):
+        hits = [p for p in range(n, len(ids)) if ids[p - n : p] == ids[len(ids) - n :]]
+        for p in reversed(hits[-max_scan:]):
+            if tokens[p : p + k] not in found:
+                found.append(tokens[p : p + k])
+    return found
+
+
+def test_ngram_index_equals_a_plain_search_through_growth_and_rollbacks():
+    """Random token lists (small vocabularies, so n-grams repeat; ids whose bytes overlap
+    across token boundaries, e.g. 0 and 256; ids past the class table), grown, cut back and
+    regrown between updates: every lookup yields what a plain search of the list finds."""
+    rng = random.Random(7)
+    classes = [t // 2 for t in range(300)]  # pairs of ids share a class
+    for vocab, table in ((6, None), (40, classes), (600, classes)):
+        index = NgramIndex(1, 4, table, max_scan=8)
+        tokens: list[int] = []
+        for _ in range(200):
+            if tokens and rng.random() < 0.2:
+                del tokens[len(tokens) - rng.randint(1, min(8, len(tokens))) :]  # a rollback
+            tokens += [rng.choice((0, 256, 1, 65536, rng.randrange(vocab))) for _ in range(rng.randint(1, 30))]
+            index.update(tokens)
+            assert list(index.continuations(tokens, tokens, 3)) == reference_continuations(tokens, table, 1, 4, 3, 8)
+
+
 def test_ngram_matches_across_a_dropped_leading_space(tokenizer):
     """Prose has ` Office` (with a space), the JSON string starts `"Office`: exact ids do not
     match, space classes do, and the continuation is the prose's own tokens."""

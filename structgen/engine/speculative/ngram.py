@@ -10,67 +10,100 @@ go to a small pool that later requests also search (same schema, same keys and p
 
 from __future__ import annotations
 
+from array import array
 from collections import deque
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 if TYPE_CHECKING:
     from structgen.engine.request import Request
 
 
+RECHECK = 16  # an update re-maps this many tokens before the last one seen: a rollback's reach
+BULK = 64  # token lists at least this long are mapped to classes in numpy
+
+
+@dataclass(frozen=True)
+class TokenClasses:
+    """Token id -> class id (`space_classes`): a list for a few tokens at a time, an array for
+    a whole prompt at once."""
+
+    ids: list[int]
+    array: np.ndarray
+
+    @classmethod
+    def of(cls, ids: list[int]) -> TokenClasses:
+        return cls(list(ids), np.asarray(ids, dtype=np.int32))
+
+
 class NgramIndex:
-    """n-gram (a tuple of n_min..n_max tokens) -> positions just after each of its occurrences,
-    over one token list that grows (and is sometimes cut back). Entries made stale by a cut
-    are re-checked against the tokens at lookup time, never trusted. With `classes`, n-grams
-    are keyed by token class (see `space_classes`) instead of token id.
+    """The class ids of one token list that grows (and is sometimes cut back), searched for the
+    positions right after each occurrence of an n-gram (n_min..n_max tokens). With `classes`,
+    n-grams match by token class (see `space_classes`) instead of token id.
+
+    The ids are kept as 4-byte integers in a bytearray: taking in a 1,000-token prompt is one
+    vectorized map (a dict of every n-gram cost ~2 us a token, and a speculative step's first
+    look at eight long prompts stalled the device for ~10 ms), and a lookup is `rfind` of the
+    n-gram's bytes, latest occurrence first (one C loop; a match not on a 4-byte boundary is
+    skipped). An update re-maps the last RECHECK tokens it saw, so a rollback and regrowth
+    between updates is followed; a candidate is checked against the tokens it is taken from
+    all the same.
 
     Lookups are lazy (`continuations` is a generator): grammar-aware drafting stops at the
     first candidate the grammar takes whole, usually the first one, so a step rarely pays
-    for more than a few probes. A common short n-gram (`", "`) occurs hundreds of times in
+    for more than a few searches. A common short n-gram (`", "`) occurs hundreds of times in
     a long prompt; only its latest `max_scan` occurrences are looked at."""
 
-    def __init__(self, n_min: int, n_max: int, classes: list[int] | None = None, max_scan: int = 32):
+    def __init__(self, n_min: int, n_max: int, classes: TokenClasses | list[int] | None = None, max_scan: int = 32):
         self.n_min, self.n_max = n_min, n_max
-        self.classes = classes
+        self.classes = TokenClasses.of(classes) if isinstance(classes, list) else classes
         self.max_scan = max_scan
-        self.table: dict[tuple[int, ...], list[int]] = {}
-        self.indexed = 1  # continuation positions below this are in the table
+        self.ids = bytearray()  # the class id of every token seen, 4 bytes each
 
     def key(self, tokens: list[int]) -> tuple[int, ...]:
-        c = self.classes
-        if c is None:
+        if self.classes is None:
             return tuple(tokens)
+        c = self.classes.ids
         try:
             return tuple(map(c.__getitem__, tokens))
         except IndexError:  # an id past the tokenizer's vocabulary is its own class
             return tuple(c[t] if t < len(c) else t for t in tokens)
 
+    def _bytes(self, tokens: list[int]) -> bytes:
+        if len(tokens) < BULK or self.classes is None:
+            return array("i", self.key(tokens)).tobytes()
+        ids, c = np.asarray(tokens, dtype=np.int64), self.classes.array
+        inside = ids < len(c)
+        return np.where(inside, c[np.where(inside, ids, 0)], ids).astype(np.int32).tobytes()
+
     def update(self, tokens: list[int]) -> None:
-        """Index every continuation position p < len(tokens) not indexed yet."""
-        self.indexed = min(self.indexed, max(len(tokens), 1))  # after a truncation
-        if self.indexed >= len(tokens):
-            return
-        lo = max(self.indexed - self.n_max, 0)
-        keys = self.key(tokens[lo:])  # class ids of tokens[lo:], mapped once
-        table = self.table
-        for p in range(self.indexed, len(tokens)):
-            for n in range(self.n_min, min(self.n_max, p) + 1):
-                table.setdefault(keys[p - n - lo : p - lo], []).append(p)
-        self.indexed = len(tokens)
+        """Take in `tokens`: the ones past the last update, and the last RECHECK before them."""
+        start = max(min(len(self.ids) // 4, len(tokens)) - RECHECK, 0)
+        self.ids[4 * start :] = self._bytes(tokens[start:])
 
     def continuations(self, tokens: list[int], context: list[int], k: int) -> Iterator[list[int]]:
         """Distinct continuations (of up to k tokens, taken from `tokens`) of the longest
-        suffixes of `context` found in the table; longer matches and later occurrences first."""
+        suffixes of `context` found in the tokens seen; longer matches and later occurrences
+        first."""
         seen: set[tuple[int, ...]] = set()
         tail = self.key(context[-self.n_max :])
-        for n in range(min(self.n_max, len(context)), self.n_min - 1, -1):
-            key = tail[len(tail) - n :]
-            hits = self.table.get(key)
-            if not hits:
-                continue
-            for p in reversed(hits[-self.max_scan :]):
+        tail_bytes, ids, last = array("i", tail).tobytes(), self.ids, len(self.ids) - 4
+        for n in range(len(tail), self.n_min - 1, -1):
+            key, pattern = tail[len(tail) - n :], tail_bytes[4 * (len(tail) - n) :]
+            end = last  # an occurrence has a token after it
+            for _ in range(self.max_scan):
+                pos = ids.rfind(pattern, 0, end)
+                while pos > 0 and pos % 4:  # inside a token: search on before it
+                    pos = ids.rfind(pattern, 0, pos + 4 * n - 1)
+                if pos < 0:
+                    break
+                end = pos + 4 * n - 1
+                p = pos // 4 + n
                 if p >= len(tokens) or self.key(tokens[p - n : p]) != key:
-                    continue  # stale: the tokens were cut back since
+                    continue  # the tokens changed since the last update
                 cont = tuple(tokens[p : p + k])
                 if cont and cont not in seen:
                     seen.add(cont)
@@ -114,13 +147,13 @@ class NgramDrafter:
         self.n_min, self.n_max = n_min, n_max
         self.shared = shared
         self.max_candidates = max_candidates
-        self.token_classes = token_classes
+        self.token_classes = None if token_classes is None else TokenClasses.of(token_classes)
         self.indexes: dict[int, NgramIndex] = {}
         self.pool: deque[tuple[list[int], NgramIndex]] = deque(maxlen=pool_size)
 
     def use_tokenizer(self, tokenizer: Any) -> None:
         """Match n-grams modulo leading spaces (see `space_classes`)."""
-        self.token_classes = space_classes(tokenizer)
+        self.token_classes = TokenClasses.of(space_classes(tokenizer))
 
     def candidates(self, req: Request, k: int) -> Iterator[list[int]]:
         """Alternative drafts of up to k tokens, best first, produced lazily (the grammar-aware
