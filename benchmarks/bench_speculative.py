@@ -366,6 +366,7 @@ def timed_pair(llm: LLM, spec: Speculator, cases: list[Case], batch: int, max_to
         run(llm, cases[:batch], batch, True, max_tokens)  # warm-up: Triton JIT, graphs, allocator
         gc.collect()  # a collection inside a sub-second run moves its rate by several percent
         before = spec.policy.decisions.copy()
+        stops, shadowed = spec.policy.blocks.total(), spec.policy.shadowed
         with StepClock(eng, spec.config.max_requests) as clocks[name]:
             result[name] = run(llm, cases, batch, True, max_tokens)
     eng.speculator = None
@@ -381,7 +382,9 @@ def timed_pair(llm: LLM, spec: Speculator, cases: list[Case], batch: int, max_to
             "decode_ms_per_token_plain": 1e3 * decode[0], "decode_ms_per_token_ngram": 1e3 * decode[1],
             "decode_speedup": decode[0] / decode[1] if decode[1] else None,
             "errors": sum(r.finish_reason == "error" for r in (*plain, *spec_reqs))} | {
-            f"steps_{kind}": decided[kind] for kind in ("untimed", "plain", "pays", "trial")} | (
+            f"steps_{kind}": decided[kind] for kind in ("untimed", "plain", "pays", "trial")} | {
+            # drafting stopped by its realized rate; drafts scored unseen (speculative/policy.py)
+            "realized_stops": spec.policy.blocks.total() - stops, "unseen_drafts": spec.policy.shadowed - shadowed} | (
             clocks["plain"].row("plain") | clocks["ngram"].row("ngram"))
 
 
@@ -424,7 +427,8 @@ def run_targets(args: argparse.Namespace) -> None:
         gc.collect()
     shown = ["batch_invariant", "max_requests", "batch", "requests", "complete", "identical", "decode_speedup",
              "tokens_per_s_ratio", "plain_tokens_per_s", "ngram_tokens_per_s", "errors",
-             "steps_untimed", "steps_plain", "steps_pays", "steps_trial", "plain_tail_ms", "ngram_tail_ms",
+             "steps_untimed", "steps_plain", "steps_pays", "steps_trial", "realized_stops", "unseen_drafts",
+             "plain_tail_ms", "ngram_tail_ms",
              "plain_tail_steps", "ngram_tail_steps", "plain_tail_longest_ms", "ngram_tail_longest_ms",
              "plain_tail_ahead", "ngram_tail_ahead", "plain_longest_step_ms", "ngram_longest_step_ms",
              "rounds_tokens_per_s_ratio", "rounds_tail_ms"]

@@ -165,6 +165,51 @@ def test_steps_without_drafts_ask_the_drafter_about_nobody(llm):
     assert policy.weighed <= policy.decisions.total() // 3
 
 
+class WindowDrafter:
+    """Proposes a known output (`reference`), every token wrong at output positions
+    [lo, hi); records the output position of each verified draft and what it kept."""
+
+    host_only = True
+
+    def __init__(self, reference: list[int], lo: int, hi: int) -> None:
+        self.reference, self.lo, self.hi = reference, lo, hi
+        self.verified: list[tuple[int, int]] = []  # (output position, accepted)
+
+    def propose(self, req: Request, k: int) -> list[int]:
+        n = req.num_output
+        return [t + 1 if self.lo <= n + j < self.hi else t for j, t in enumerate(self.reference[n : n + k])]
+
+    def on_verified(self, req: Request, drafted: int, accepted: int) -> None:
+        self.verified.append((req.num_output, accepted))
+
+
+def test_drafting_resumes_after_a_stretch_the_drafter_gets_wrong(llm):
+    """A drafter wrong for output tokens 6-21 and right elsewhere: drafting stops in the wrong
+    stretch (its acceptance falls) and resumes after it, because the drafts it is not given
+    are checked against the tokens the request emits; outputs equal plain decoding's. Step
+    costs are fixed (a verify step of 4 rows 1.3x a plain one) so acceptance alone decides."""
+    ids = [llm.encode_prompt(PROMPT)]
+    speculate(llm, None)
+    base = submit_all(llm, ids, [48])[0]
+    drafter = WindowDrafter(base.output_ids, 6, 22)
+    speculate(llm, SpeculativeConfig(method="custom", drafter=drafter, num_draft_tokens=3))
+    policy = llm.engine.speculator.policy
+    for bucket, seconds, drafts in ((1, 1.0, 0), (2, 1.0, 0), (2, 1.25, 1), (4, 1.3, 3)):
+        for _ in range(2):  # a bucket's first is dropped
+            policy.record_step(bucket, seconds, drafts)
+    policy.record_step = lambda *args, **kw: None
+    policy._realized_loss = lambda *args: False  # wall time on this machine decides nothing
+    try:
+        got = submit_all(llm, ids, [48])[0]
+    finally:
+        speculate(llm, None)
+    assert got.output_ids == base.output_ids
+    positions = [n for n, _ in drafter.verified]
+    assert any(6 <= n < 22 for n in positions)  # drafted into the wrong stretch, and stopped:
+    assert sum(6 <= n < 22 for n in positions) < 10
+    assert sum(accepted for n, accepted in drafter.verified if n >= 22) >= 8  # then drafted again
+
+
 def test_steps_of_more_requests_than_max_requests_run_without_speculation(llm):
     """A step of more requests than `SpeculativeConfig.max_requests` is the engine's plain step:
     a short request that runs only beside two others never sees a verify step (its prompt's

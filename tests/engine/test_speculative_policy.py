@@ -44,6 +44,7 @@ class Simulation:
         policy.clock = lambda: self.seconds  # the simulated wall clock: steps take their cost
         self.rng = random.Random(0)
         self.hidden = 0.0  # wall seconds a drafting step adds that its timed step does not show
+        self.shadow = False  # a request given no drafts has its unseen draft scored (the speculator's)
         self.seconds = self.tokens = 0.0
         self.kinds: list[str] = []  # each step's decision
         self.violations: list[int] = []  # steps that drafted to a bucket whose costs say it loses
@@ -65,10 +66,15 @@ class Simulation:
         self.policy.record_step(self.batch + drafts, cost, drafts)
         for req, k in zip(reqs, lengths, strict=True):
             accepted = 0
-            while accepted < k and self.rng.random() < self.accept:
+            while accepted < (k or self.budget) and self.rng.random() < self.accept:
                 accepted += 1
-            self.policy.record_verified(req, k, accepted)
-            self.tokens += 1 + accepted
+            if k:
+                self.policy.record_verified(req, k, accepted)
+                self.tokens += 1 + accepted
+            else:
+                if self.shadow:
+                    self.policy.record_shadow(req, self.budget, accepted)
+                self.tokens += 1
         self.seconds += cost + (self.hidden if drafts else 0.0)
         return lengths
 
@@ -115,6 +121,23 @@ def test_drafting_stops_where_its_realized_rate_loses_though_its_timed_steps_say
     one.hidden = 0.1
     one.run(200)
     assert one.kinds[-100:] == ["pays"] * 100 and one.speedup > 1.5
+
+
+def test_a_request_that_stopped_drafting_resumes_when_its_unseen_drafts_would_be_accepted():
+    """An extraction writes text its prompt does not hold (drafts rejected: drafting stops),
+    then copies a span (drafts would be accepted). Drafts scored unseen on its plain steps
+    bring drafting back within a few steps; without them the rate that stopped it stays."""
+    ends = {}
+    for shadow in (False, True):
+        sim = Simulation(DraftPolicy(BUCKETS), batch=1, accept=0.9)
+        sim.shadow = shadow
+        for accept, steps in ((0.9, 40), (0.0, 20), (0.9, 60)):
+            sim.accept = accept
+            sim.run(steps)
+        ends[shadow] = sim.kinds[-60:]
+        assert "plain" in sim.kinds[-70:-60]  # the rejected stretch stopped drafting
+    assert ends[False] == ["plain"] * 60  # stuck: no draft, no news
+    assert ends[True][5:] == ["pays"] * 55
 
 
 def test_a_plain_step_timed_slower_than_a_larger_ones_is_priced_at_the_larger_cost():

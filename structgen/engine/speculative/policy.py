@@ -41,7 +41,10 @@ text moving it between buckets, budgets running out), and the speculator then as
 about nobody. Each request's
 acceptance rate is a decayed count of its accepted and rejected drafts, starting from the
 engine-wide one; a draft token the policy asked for and the drafter did not produce counts as
-rejected, since the rows it was priced for emit nothing. `decisions` counts the steps by what
+rejected, since the rows it was priced for emit nothing. A request that stopped drafting would
+keep the rate that stopped it for good (text a prompt does not hold, then a long copied span,
+is the usual shape of an extraction), so the speculator drafts for it unseen while it runs
+plain steps and checks the draft against the tokens it emits (`record_shadow`). `decisions` counts the steps by what
 was chosen (benchmarks print it).
 """
 
@@ -197,6 +200,7 @@ class DraftPolicy:
         self.retry_at: dict[int, int] = {}  # verify bucket -> the decision it may be tried again
         self.decisions: Counter[str] = Counter()  # Choice.kind -> steps
         self.weighed = 0  # decisions that weighed every request's drafts (not held)
+        self.shadowed = 0  # unseen drafts scored (`record_shadow`)
         self.steps = 0  # decisions made: the clock of retries
         # plain bucket -> the decision its choice of no drafts stands until; emptied by any news
         # on acceptance or verify costs
@@ -373,6 +377,29 @@ class DraftPolicy:
             # a drafting step's bonus tokens; where the verdict comes after the next step was
             # planned, they count for that one, and are lost where it is plain (the safe side)
             self.open.tokens += accepted
+        if req not in self.requests:
+            self.requests[req] = Acceptance(self.engine_wide.accepted, self.engine_wide.rejected)
+        self.requests[req].update(drafted, accepted)
+        self.engine_wide.update(drafted, accepted)
+        self.held.clear()
+
+    def could_pay(self, budgets: list[int], rows: int) -> bool:
+        """Whether drafting would pay at a step of `rows` rows (without drafts) if every draft
+        token of `budgets` were accepted: where it would not, acceptance is not what stops it,
+        and unseen drafts (`record_shadow`) are not worth their host time."""
+        plain_bucket, sampling = self.bucket(rows), sum(k > 0 for k in budgets)
+        plain = self._plain_cost(plain_bucket)
+        if plain is None or not sampling or self.steps < self.blocked_until.get(plain_bucket, 0):
+            return False
+        best = max((sampling + drafts) / self._verify_cost(bucket) for bucket, drafts in self._options(rows, sum(budgets)))
+        return best > sampling / plain * (1 + ENTER_MARGIN)
+
+    def record_shadow(self, req: object, drafted: int, accepted: int) -> None:
+        """A draft `req` was not given, checked against the tokens it went on to emit: news on
+        its acceptance rate (and the engine's), not on any step's cost or tokens."""
+        if drafted <= 0:
+            return
+        self.shadowed += 1
         if req not in self.requests:
             self.requests[req] = Acceptance(self.engine_wide.accepted, self.engine_wide.rejected)
         self.requests[req].update(drafted, accepted)

@@ -109,6 +109,9 @@ class Speculator:
         self._failing = 0  # of those, in a row
         self.disabled: str | None = None  # why drafting stopped for good, if it did
         self._planned: tuple[tuple, list[list[int]]] | None = None  # (batch key, drafts) from _plan_next
+        # request -> (its length when drafted for, the draft): drafts the policy did not give,
+        # checked against the tokens the request emits (`_check_shadows`)
+        self._shadows: dict[Request, tuple[int, list[int]]] = {}
         self.capturable = engine.config.tuning.capturable_guided  # verify steps in guided_loop.py's loop
         graphs = engine.runner.graphs
         self.policy = DraftPolicy(tuple(graphs.batch_sizes) if graphs is not None else ())
@@ -127,11 +130,16 @@ class Speculator:
         MAX_FAILURES_IN_A_ROW steps in a row is switched off (`disabled` says why), rather
         than paying for it, and logging a traceback, on every step."""
         self._release_gone()
-        ks = self._budgets(batch)
+        ks = budgets = self._budgets(batch)
         if self.adaptive:  # only the drafts that pay for their rows (policy.py)
-            ks = self.policy.draft_lengths([req for req, _ in batch], ks, sum(n for _, n in batch))
+            self._check_shadows(batch)
+            ks = self.policy.draft_lengths([req for req, _ in batch], budgets, sum(n for _, n in batch))
         drafts: list[list[int]] = [[] for _ in batch]
-        if not any(ks) or self.disabled is not None:  # the drafter is asked about nobody
+        if self.disabled is not None:
+            return drafts
+        if self.adaptive:
+            self._draft_unseen(batch, budgets, ks)
+        if not any(ks):  # the drafter is asked about nobody
             return drafts
         self.settle_prefetch()
         todo = [i for i, k in enumerate(ks) if k > 0]
@@ -158,6 +166,40 @@ class Speculator:
             return [[] for _ in batch]
         self._failing = 0
         return drafts
+
+    def _draft_unseen(self, batch: list[tuple[Request, int]], budgets: list[int], ks: list[int]) -> None:
+        """Draft, without running it, for the requests that could draft and were given none
+        where their drafts would pay if accepted: their acceptance rate keeps following their
+        text (policy.py). Only with a drafter that runs on the host (a lookup of microseconds);
+        a failure costs nothing but the check."""
+        if not getattr(self.drafter, "host_only", False) or all(ks) or not self.policy.could_pay(
+                budgets, sum(n for _, n in batch)):
+            return
+        for (req, _), budget, k in zip(batch, budgets, ks, strict=True):
+            if budget > 0 and k == 0 and req not in self._shadows:
+                try:
+                    draft = [int(t) for t in self.drafter.propose(req, budget)[:budget]]
+                except Exception:  # a shadow draft is advice: the real drafting reports failures
+                    return
+                self._tracked.add(req)
+                self._shadows[req] = (len(req.token_ids), draft)
+
+    def _check_shadows(self, batch: list[tuple[Request, int]]) -> None:
+        """Score each unseen draft of `batch`'s requests against the tokens emitted since, once
+        they differ or the whole draft is covered (a draft of nothing scores as rejected)."""
+        for req, _ in batch:
+            shadow = self._shadows.get(req)
+            if shadow is None:
+                continue
+            start, draft = shadow
+            if len(req.token_ids) < start:  # rolled back past it: no verdict
+                del self._shadows[req]
+                continue
+            emitted = req.token_ids[start : start + len(draft)]
+            agree = next((j for j, (a, b) in enumerate(zip(emitted, draft, strict=False)) if a != b), len(emitted))
+            if agree < len(emitted) or len(emitted) == len(draft):
+                del self._shadows[req]
+                self.policy.record_shadow(req, max(len(draft), 1), agree)
 
     def _budgets(self, batch: list[tuple[Request, int]]) -> list[int]:
         """Most draft tokens for each request now: 0 unless its logits row is a sampling
@@ -209,6 +251,7 @@ class Speculator:
         gone = [r for r in self._tracked if r.finished]
         for r in gone:
             self._tracked.discard(r)
+            self._shadows.pop(r, None)
             self.policy.release(r)
             drafter_hooks.release(self.drafter, r)
 
