@@ -39,6 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from structgen.engine.graph_metadata import HAS_MASK, IDS, LENS, LIVE, NEXT, POSITIONS, SEEDS, SLOTS
@@ -134,8 +135,8 @@ class GuidedLoop:
         nxt = None
         try:
             nxt = step.take(tokens, self._left > 0)
-            if nxt is not None and not 0 < len(nxt.token_ids) <= self.bucket:
-                nxt = None  # the engine's own path runs it
+            if nxt is not None and not (0 < len(nxt.token_ids) <= self.bucket and self._mapped(nxt)):
+                nxt = None  # the engine's own path runs it (its schedule maps the pages first)
         except BaseException as exc:  # noqa: BLE001 - a callback has no caller to raise into
             log.exception("a guided loop step failed")
             self.error, nxt = exc, None
@@ -143,6 +144,13 @@ class GuidedLoop:
         self._stage(nxt)
         if nxt is None:
             self.stopped = True
+
+    def _mapped(self, step: LoopStep) -> bool:
+        """Whether every row of `step` lies in the pages its request holds. A run maps no
+        pages (its callbacks make no CUDA calls, so no page table copy): the runner reserves
+        them before it starts (`ModelRunner.run_guided`), and a step reaching past them ends
+        the run rather than write the scratch page and read it back as the request's K/V."""
+        return self.graphs.kv.pages.maps(np.asarray(step.slots), np.asarray(step.positions))
 
     # -- capture and run ----------------------------------------------------------------------
     @torch.inference_mode()

@@ -296,11 +296,14 @@ class ModelRunner:
         if self.graphs is not None:
             self.graphs.enable_token_gate(quiet, min_allowed)
 
-    def run_guided(self, first: LoopStep, bucket: int, max_steps: int) -> int:
+    def run_guided(self, first: LoopStep, bucket: int, max_steps: int,
+                   joining: dict[int, tuple[int, int]] | None = None) -> int:
         """Run `first` and the steps its `take` plans in the capturable mode's loop
-        (guided_loop.py) over `bucket` rows; returns how many steps ran."""
+        (guided_loop.py) over `bucket` rows; returns how many steps ran. `joining`: slot ->
+        (most rows a step, last position now) of the requests not in `first` that later
+        steps may run."""
         loop = self.graphs.guided_loop(bucket)
-        max_steps = self._reserve_pages(first, max_steps)
+        max_steps = self._reserve_pages(first, max_steps, joining or {})
         before = loop.steps
         try:
             return loop.run(first, max_steps)
@@ -308,12 +311,13 @@ class ModelRunner:
             self.forward_passes += loop.steps - before
             self.graphs.steps += loop.steps - before
 
-    def _reserve_pages(self, first: LoopStep, max_steps: int) -> int:
-        """Pages for the positions a guided loop of `max_steps` steps like `first` may reach
-        (its steps are planned in host callbacks, which cannot copy a page table); where the
-        pool cannot hold them, the loop runs one step."""
+    def _reserve_pages(self, first: LoopStep, max_steps: int, joining: dict[int, tuple[int, int]]) -> int:
+        """Pages for the positions a guided loop of `max_steps` steps like `first`, with the
+        `joining` requests too, may reach (its steps are planned in host callbacks, which
+        cannot copy a page table; a step reaching past them ends the run); where the pool
+        cannot hold them, the loop runs one step."""
         pages = self.kv.pages
-        ends: dict[int, tuple[int, int]] = {}  # slot -> (rows a step, last position)
+        ends = dict(joining)  # slot -> (rows a step, last position)
         for slot, pos in zip(first.slots, first.positions, strict=True):
             rows, last = ends.get(slot, (0, 0))
             ends[slot] = (rows + 1, max(last, pos))

@@ -205,6 +205,14 @@ class PageTable:
         pos = np.arange(start, start + n)
         return self._host_np[slot, pos // self.page_size] * self.page_size + pos % self.page_size
 
+    def maps(self, slots: np.ndarray, positions: np.ndarray) -> bool:
+        """Whether every position lies in a page its slot holds: a row outside them would
+        write, and its request then read, the scratch page."""
+        cols = positions // self.page_size
+        if cols.size and cols.max() >= self.max_pages_per_seq:
+            return False
+        return bool((self._host_np[slots, cols] != SCRATCH_PAGE).all())
+
     def common_pages(self, slots: np.ndarray, limit: int) -> int:
         """How many leading pages, up to `limit`, every one of `slots` maps to the same pages
         (prefix caching maps a shared prompt's pages into each request that starts with it).

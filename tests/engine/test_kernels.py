@@ -878,7 +878,10 @@ def test_speculative_prelaunched_verify_equals_launching_late():
     assert early == late
     if not CUDA:  # exact on the CPU; on a GPU verify rows may round differently (ties)
         assert late == base
-    assert steps >= 5 and ahead_early == steps - 1  # all but the first graph step (after the prefill)
+    # All but the first two graph steps: slot 1's prompt, a chunk and then its last token with
+    # its drafts, while the scheduler holds slot 0's decoding back for it; no step is planned
+    # while a prompt is still prefilling (Scheduler.peek).
+    assert steps >= 5 and ahead_early == steps - 2
     assert drafter.calls == calls_late  # planned drafts are the ones verified, not proposed again
 
 
@@ -946,11 +949,14 @@ def test_capturable_guided_loop_equals_the_engines_path():
         eng.step()
     assert [r.output_ids for r in reqs] == usual
 
-    # A step that needs more rows than the loop's bucket ends the run; so does a take that raises
-    # (after the run, on the caller's thread).
+    # A step that needs more rows than the loop's bucket ends the run; so do a step past its
+    # slot's pages (a run maps none) and a take that raises (after the run, on the caller's thread).
     from structgen.engine.guided_loop import LoopStep
 
     loop = eng.runner.graphs.guided_loop(2)
+    pages = eng.runner.kv.pages
+    slot = pages.allocate_slot()
+    assert pages.cover(slot, 4)
     taken: list[list[int]] = []
 
     def step(n: int, then: int) -> LoopStep:
@@ -960,7 +966,7 @@ def test_capturable_guided_loop_equals_the_engines_path():
                 raise ValueError("broken take")
             return step(then, then - 1 if then > 1 else 3) if plan else None
 
-        return LoopStep([1] * n, list(range(n)), [0] * n, [0.0] * n, [0] * n, [False] * n, lambda bm: None, take)
+        return LoopStep([1] * n, list(range(n)), [slot] * n, [0.0] * n, [0] * n, [False] * n, lambda bm: None, take)
 
     assert loop.run(step(1, 2), 10) == 3 and [len(t) for t in taken] == [1, 2, 1]  # then 3 rows > 2
     taken.clear()
@@ -968,6 +974,9 @@ def test_capturable_guided_loop_equals_the_engines_path():
     with pytest.raises(ValueError, match="broken take"):
         loop.run(step(1, -1), 10)
     assert loop.stopped
+    past = LoopStep([1], [pages.num_mapped(slot)], [slot], [0.0], [0], [False], lambda bm: None, lambda t, plan: None)
+    assert loop.run(LoopStep([1], [0], [slot], [0.0], [0], [False], lambda bm: None, lambda t, plan: past), 10) == 1
+    pages.release_slot(slot)
 
 
 def test_prefill_in_graphs_equals_eager_prefill():

@@ -311,13 +311,14 @@ class Speculator:
         """`step` with its drafts chosen; `started`: when the step began (perf_counter)."""
         self.settle_prefetch()
         if self._capturable():
-            bucket = self._loop_bucket(batch)
+            joining = self._joining(batch)
+            bucket = self._loop_bucket(len(batch) + len(joining))
             fitted = self._fit(batch, drafts, bucket)
             if fitted is not None:
                 done: list[Request] = []
                 first = self._loop_step(batch, fitted, sampling_spans(batch, fitted), done, bucket)
                 if first is not None:
-                    return self._run_loop(first, bucket, done)
+                    return self._run_loop(first, bucket, done, joining)
         finished = self._verify(batch, drafts)
         self.policy.record_step(step_tokens(batch, drafts), time.perf_counter() - started,
                                 sum(len(d) for d in drafts))
@@ -381,10 +382,17 @@ class Speculator:
 
         return csrc_ext.available()
 
-    def _loop_bucket(self, batch: list[tuple[Request, int]]) -> int:
+    def _joining(self, batch: list[tuple[Request, int]]) -> list[Request]:
+        """The running requests outside `batch` whose prompts have run: the loop's later steps
+        (`scheduler.peek`) bring them in, as where the scheduler held their decoding back for
+        this step's prompt (scheduler.py), so the loop's bucket and pages are for them too."""
+        stepping = {id(req) for req, _ in batch}
+        return [r for r in self.engine.scheduler.running if id(r) not in stepping and r.num_cached >= r.num_prompt]
+
+    def _loop_bucket(self, requests: int) -> int:
         """The loop's rows: 1 + k a request (steps with more are cut to fit, see `_fit`)."""
         graphs = self.engine.runner.graphs
-        return graphs.bucket(min(len(batch) * (1 + self.config.num_draft_tokens), graphs.max_batch_size))
+        return graphs.bucket(min(requests * (1 + self.config.num_draft_tokens), graphs.max_batch_size))
 
     @staticmethod
     def _fit(batch: list[tuple[Request, int]], drafts: list[list[int]], rows: int) -> list[list[int]] | None:
@@ -438,12 +446,13 @@ class Speculator:
         return LoopStep([r.token_ids[0] for r in rows], [r.start for r in rows], [r.slot for r in rows],
                         g.temperatures, g.seeds, g.has_mask, fill, take)
 
-    def _run_loop(self, first: LoopStep, bucket: int, finished: list[Request]) -> list[Request]:
+    def _run_loop(self, first: LoopStep, bucket: int, finished: list[Request], joining: list[Request]) -> list[Request]:
         """Run verify steps in the loop from `first` until one cannot continue it; returns the
-        requests that finished."""
+        requests that finished. `joining`: requests not in `first` that later steps may run."""
         eng = self.engine
+        rows = 1 + self.config.num_draft_tokens  # a joining request's pending token and drafts a step
         try:
-            eng.runner.run_guided(first, bucket, LOOP_STEPS)
+            eng.runner.run_guided(first, bucket, LOOP_STEPS, {r.slot: (rows, len(r.token_ids) - 1) for r in joining})
         except Exception as exc:  # a broken loop fails the running requests, not the engine
             log.exception("capturable guided loop failed")
             for req in list(eng.scheduler.running):
