@@ -187,14 +187,8 @@ class SegmentEncoder:
         """Keep the long pieces of a text encoded whole (`ids`), where every piece encodes on its
         own (`alone`, by text) to the ids between its added tokens; else stop splitting for
         this tokenizer. Whether the check held."""
-        specials = [self.special_ids[p] for p in cut.parts[1::2]]
-        found: list[list[int]] = [[]]
-        for t in ids:
-            if len(found) <= len(specials) and t == specials[len(found) - 1]:
-                found.append([])
-            else:
-                found[-1].append(t)
-        same = len(found) == len(cut.pieces) and all(
+        found = _cut_ids(ids, [self.special_ids[p] for p in cut.parts[1::2]])
+        same = found is not None and all(
             alone.get(text, []) == got for (text, _), got in zip(cut.pieces, found, strict=True))
         if not same:
             self.enabled = False
@@ -202,13 +196,28 @@ class SegmentEncoder:
                      "prompts are encoded whole")
             return False
         with self._lock:
-            for piece, got in zip(cut.pieces, found, strict=True):
+            for piece, got in zip(cut.pieces, found, strict=True):  # type: ignore[arg-type]
                 if len(piece[0]) >= MIN_CACHED_CHARS:
                     self._pieces[piece] = tuple(got)
                     self._pieces.move_to_end(piece)
             while len(self._pieces) > CACHED_PIECES:
                 self._pieces.popitem(last=False)
         return True
+
+
+def _cut_ids(ids: list[int], specials: list[int]) -> list[list[int]] | None:
+    """`ids` cut at the first occurrence of each of `specials` in turn: the ids between a
+    text's added tokens; None where one is missing."""
+    out, start = [], 0
+    for special in specials:
+        try:
+            at = ids.index(special, start)
+        except ValueError:
+            return None
+        out.append(ids[start:at])
+        start = at + 1
+    out.append(ids[start:])
+    return out
 
 
 def encode_texts(tokenizer: Any, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
