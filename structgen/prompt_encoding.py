@@ -82,21 +82,23 @@ class SegmentEncoder:
         encoded whole beside its pieces alone, and the others are spliced once that check
         holds. The rest are encoded whole, and their long pieces learnt where seen before."""
         cuts = [self._cut(text) for text in texts]  # (each text cut once: they are long)
-        plan = self._plan(cuts, self._kept(cuts))
+        kept = self._kept(cuts)
+        plan = self._plan(cuts, kept)
         wholes = [texts[i] for i in (*plan.teachers, *plan.whole)]
         ids = encode_texts(self.tokenizer, wholes + plan.alone, False)
         found: list[list[int] | None] = [None] * len(texts)
         for i, got in zip((*plan.teachers, *plan.whole), ids, strict=False):
             found[i] = got
         alone = dict(zip(plan.alone, ids[len(wholes):], strict=True))
-        checks = [self._learn(cuts[i], found[i], alone) for i in plan.teachers]  # type: ignore[arg-type]
-        kept = self._kept(cuts)
-        spliced = [i for i in plan.spliced if all(piece in kept for piece in cuts[i].long)]
-        for i in spliced:
-            found[i] = self._splice(cuts[i], kept, alone)
-        self.hits += len(spliced)
-        if not all(checks):  # a taught piece failed its check: its learners are encoded whole
-            self._encode_whole(texts, cuts, [i for i in plan.spliced if found[i] is None], found)
+        taught = [self._learn(cuts[i], found[i], alone) for i in plan.teachers]  # type: ignore[arg-type]
+        if all(learnt is not None for learnt in taught):
+            for learnt in taught:
+                kept.update(learnt)  # type: ignore[arg-type]
+            for i in plan.spliced:
+                found[i] = self._splice(cuts[i], kept, alone)
+            self.hits += len(plan.spliced)
+        else:  # a piece did not encode on its own as in place: no text of the batch is spliced
+            self._encode_whole(texts, cuts, plan.spliced, found)
         for i in plan.whole:
             self._note(cuts[i], found[i])  # type: ignore[arg-type]
         return found  # type: ignore[return-value]
@@ -147,8 +149,10 @@ class SegmentEncoder:
         out: list[int] = []
         parts = cut.parts
         for j, piece in enumerate(cut.pieces):
-            ids = kept.get(piece)
-            out += ids if ids is not None else alone.get(piece[0], ())
+            if len(piece[0]) >= MIN_CACHED_CHARS:
+                out += kept[piece]
+            elif piece[0]:
+                out += alone[piece[0]]
             if 2 * j + 1 < len(parts):
                 out.append(self.special_ids[parts[2 * j + 1]])
         return out
@@ -183,10 +187,10 @@ class SegmentEncoder:
                 self._seen.popitem(last=False)
             return before
 
-    def _learn(self, cut: Cut, ids: list[int], alone: dict[str, list[int]]) -> bool:
+    def _learn(self, cut: Cut, ids: list[int], alone: dict[str, list[int]]) -> dict[tuple[str, bool], tuple[int, ...]] | None:
         """Keep the long pieces of a text encoded whole (`ids`), where every piece encodes on its
-        own (`alone`, by text) to the ids between its added tokens; else stop splitting for
-        this tokenizer. Whether the check held."""
+        own (`alone`, by text) to the ids between its added tokens, and return them; else stop
+        splitting for this tokenizer (None)."""
         found = _cut_ids(ids, [self.special_ids[p] for p in cut.parts[1::2]])
         same = found is not None and all(
             alone.get(text, []) == got for (text, _), got in zip(cut.pieces, found, strict=True))
@@ -194,15 +198,16 @@ class SegmentEncoder:
             self.enabled = False
             log.info("prompt pieces between added tokens do not encode on their own with this tokenizer; "
                      "prompts are encoded whole")
-            return False
+            return None
+        learnt = {piece: tuple(got) for piece, got in zip(cut.pieces, found, strict=True)  # type: ignore[arg-type]
+                  if len(piece[0]) >= MIN_CACHED_CHARS}
         with self._lock:
-            for piece, got in zip(cut.pieces, found, strict=True):  # type: ignore[arg-type]
-                if len(piece[0]) >= MIN_CACHED_CHARS:
-                    self._pieces[piece] = tuple(got)
-                    self._pieces.move_to_end(piece)
+            for piece, got in learnt.items():
+                self._pieces[piece] = got
+                self._pieces.move_to_end(piece)
             while len(self._pieces) > CACHED_PIECES:
                 self._pieces.popitem(last=False)
-        return True
+        return learnt
 
 
 def _cut_ids(ids: list[int], specials: list[int]) -> list[list[int]] | None:

@@ -92,6 +92,20 @@ def test_a_warm_batch_encodes_only_the_turns_own_pieces(tokenizer):
     assert len(spy.calls) == 1 and all(len(t) < MIN_CACHED_CHARS for t in spy.calls[0])
 
 
+def test_a_cold_batch_teaching_more_catalogues_than_are_kept_still_splices_exactly(tokenizer):
+    """More catalogues recurring in one batch than the encoder keeps: learning the last ones
+    pushes the first out, yet every turn gets its own ids."""
+    from structgen.prompt_encoding import CACHED_PIECES
+
+    encoder = SegmentEncoder(tokenizer)
+    catalogues = [CATALOGUE.replace("tool_", f"t{k}_") for k in range(CACHED_PIECES + 6)]
+    texts = [tokenizer.apply_chat_template([{"role": "system", "content": c}, {"role": "user", "content": u}],
+                                           add_generation_prompt=True, tokenize=False)
+             for c in catalogues for u in TURNS[:2]]
+    assert encoder.encode_batch(texts) == [list(tokenizer.encode(t, add_special_tokens=False)) for t in texts]
+    assert encoder.hits == len(catalogues)
+
+
 def test_short_texts_are_encoded_whole_and_long_ones_reused_with_or_without_added_tokens(tokenizer):
     encoder = SegmentEncoder(tokenizer)
     for text in ("hi", "<|im_start|>user\nhi<|im_end|>", CATALOGUE, CATALOGUE + "<|im_end|>" + CATALOGUE):
