@@ -13,7 +13,10 @@ text showed every piece of it encoding on its own to the same ids in place, and 
 where that fails once (added tokens that strip the spaces beside them, a prefix space added
 to the input's first piece only) is encoded whole from then on. A long piece is learnt the
 second time it is seen, so prompts that never repeat pay for no checks; in a burst (one batch)
-the first text holding a piece that others hold too is encoded before them and teaches it.
+the first text holding a piece that others hold too teaches it: it is encoded whole, and each
+of its pieces alone, in the same tokenizer call as the others' own pieces, and they are spliced
+once its check holds. A batch costs one tokenizer call, and each text is cut at its added
+tokens once.
 """
 
 from __future__ import annotations
