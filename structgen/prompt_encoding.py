@@ -77,13 +77,14 @@ class SegmentEncoder:
         return self.encode_batch([text])[0]
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        """`encode` of each text, the tokenizer called once for the whole batch (a fast
-        tokenizer encodes a batch on its own threads, the GIL released). A text whose long
-        pieces are all kept is spliced from their ids and its other pieces' (each distinct
-        piece encoded once: a burst's turns share most of them). A long piece not kept that
-        two or more texts hold (a cold burst of agent turns) is taught by the first of them,
-        encoded whole beside its pieces alone, and the others are spliced once that check
-        holds. The rest are encoded whole, and their long pieces learnt where seen before."""
+        """`encode` of each text, in one batched tokenizer call (a fast tokenizer encodes a
+        batch on its own threads, the GIL released; a second call only to learn a piece seen
+        in an earlier batch, or after a failed check). A text whose long pieces are all kept
+        is spliced from their ids and its other pieces' (each distinct piece encoded once: a
+        burst's turns share most of them). A long piece not kept that two or more texts hold
+        (a cold burst of agent turns) is taught by the first of them, encoded whole beside its
+        pieces alone, and the others are spliced once that check holds. The rest are encoded
+        whole, and their long pieces learnt where seen before."""
         cuts = [self._cut(text) for text in texts]  # (each text cut once: they are long)
         kept = self._kept(cuts)
         plan = self._plan(cuts, kept)
