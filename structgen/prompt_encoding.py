@@ -13,7 +13,10 @@ text showed every piece of it encoding on its own to the same ids in place, and 
 where that fails once (added tokens that strip the spaces beside them, a prefix space added
 to the input's first piece only) is encoded whole from then on. A long piece is learnt the
 second time it is seen, so prompts that never repeat pay for no checks; in a burst (one batch)
-the first text holding a piece that others hold too is encoded before them and teaches it.
+the first text holding a piece that others hold too teaches it: it is encoded whole, and each
+of its pieces alone, in the same tokenizer call as the others' own pieces, and they are spliced
+once its check holds. A batch costs one tokenizer call, and each text is cut at its added
+tokens once.
 """
 
 from __future__ import annotations
@@ -22,14 +25,36 @@ import logging
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 log = logging.getLogger("structgen")
 
 MIN_CACHED_CHARS = 2_000  # pieces shorter than this encode faster than a lookup pays for
 CACHED_PIECES = 64  # pieces kept (least recently used out): a few agents' system messages
 SEEN_PIECES = 4_096  # fingerprints of long pieces seen once, the candidates to learn
+
+
+class Cut(NamedTuple):
+    """A text cut at its added tokens: `parts` alternate text and added token (text, token,
+    ..., text), `pieces` are the texts between them, each with whether it is the first, and
+    `long` those worth keeping (`MIN_CACHED_CHARS` or more). All empty for a text not cut
+    (short, or splitting turned off)."""
+
+    parts: list[str]
+    pieces: list[tuple[str, bool]]
+    long: list[tuple[str, bool]]
+
+
+class BatchPlan(NamedTuple):
+    """How `encode_batch` gets each text's ids, by index: `teachers` encoded whole and each of
+    their pieces alone (the check that teaches their long pieces), `spliced` from long pieces
+    kept or taught and their other pieces encoded alone, `whole` encoded whole; `alone` the
+    distinct pieces encoded on their own."""
+
+    teachers: list[int]
+    spliced: list[int]
+    whole: list[int]
+    alone: list[str]
 
 
 class SegmentEncoder:
@@ -52,96 +77,106 @@ class SegmentEncoder:
         return self.encode_batch([text])[0]
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        """`encode` of each text: from kept pieces where every long piece is kept; where a long
-        piece not kept recurs within the batch (a burst of agent turns), one text with it is
-        encoded whole first and the piece learnt from it, so that the others reuse it; the rest
-        whole in one batched tokenizer call (a fast tokenizer encodes a batch on its own threads,
-        the GIL released), then their long pieces learnt where seen before."""
+        """`encode` of each text, in one batched tokenizer call (a fast tokenizer encodes a
+        batch on its own threads, the GIL released; a second call only to learn a piece seen
+        in an earlier batch, or after a failed check). A text whose long pieces are all kept
+        is spliced from their ids and its other pieces' (each distinct piece encoded once: a
+        burst's turns share most of them). A long piece not kept that two or more texts hold
+        (a cold burst of agent turns) is taught by the first of them, encoded whole beside its
+        pieces alone, and the others are spliced once that check holds. The rest are encoded
+        whole, and their long pieces learnt where seen before."""
+        cuts = [self._cut(text) for text in texts]  # (each text cut once: they are long)
+        kept = self._kept(cuts)
+        plan = self._plan(cuts, kept)
+        wholes = [texts[i] for i in (*plan.teachers, *plan.whole)]
+        ids = encode_texts(self.tokenizer, wholes + plan.alone, False)
         found: list[list[int] | None] = [None] * len(texts)
-        self._from_pieces(texts, range(len(texts)), found)
-        whole = [i for i, ids in enumerate(found) if ids is None]
-        teachers = self._teachers(texts, whole)
-        if teachers:
-            self._encode_whole(texts, teachers, found, repeated=True)
-            self._from_pieces(texts, [i for i in whole if found[i] is None], found)
-            whole = [i for i in whole if found[i] is None]
-        self._encode_whole(texts, whole, found)
-        out = [ids for ids in found if ids is not None]
-        assert len(out) == len(texts)
-        return out
+        for i, got in zip((*plan.teachers, *plan.whole), ids, strict=False):
+            found[i] = got
+        alone = dict(zip(plan.alone, ids[len(wholes):], strict=True))
+        taught = [self._learn(cuts[i], found[i], alone) for i in plan.teachers]  # type: ignore[arg-type]
+        if all(learnt is not None for learnt in taught):
+            for learnt in taught:
+                kept.update(learnt)  # type: ignore[arg-type]
+            for i in plan.spliced:
+                found[i] = self._splice(cuts[i], kept, alone)
+            self.hits += len(plan.spliced)
+        else:  # a piece did not encode on its own as in place: no text of the batch is spliced
+            self._encode_whole(texts, cuts, plan.spliced, found)
+        for i in plan.whole:
+            self._note(cuts[i], found[i])  # type: ignore[arg-type]
+        return found  # type: ignore[return-value]
 
-    def _teachers(self, texts: list[str], indices: list[int]) -> list[int]:
-        """Of `texts[indices]`, one text for each long piece not kept that two or more of them
-        hold: encoding it whole teaches the piece to the others."""
+    def _plan(self, cuts: list[Cut], kept: dict[tuple[str, bool], tuple[int, ...]]) -> BatchPlan:
+        """`encode_batch`'s plan: one teacher (the first holder) per long piece not kept that
+        two or more texts hold; spliced, the other texts whose long pieces are all kept or
+        taught; the rest whole."""
         holders: dict[tuple[str, bool], list[int]] = {}
-        for i in indices:
-            for piece in self._split_long(texts[i])[2]:
-                holders.setdefault(piece, []).append(i)
-        with self._lock:
-            repeated = [held[0] for piece, held in holders.items() if len(held) > 1 and piece not in self._pieces]
-        return sorted(set(repeated))
+        for i, cut in enumerate(cuts):
+            for piece in cut.long:
+                if piece not in kept:
+                    holders.setdefault(piece, []).append(i)
+        teachers = sorted({held[0] for held in holders.values() if len(held) > 1})
+        taught = {piece for i in teachers for piece in cuts[i].long}
+        is_teacher = set(teachers)
+        spliced = [i for i, cut in enumerate(cuts) if cut.long and i not in is_teacher
+                   and all(piece in kept or piece in taught for piece in cut.long)]
+        done = is_teacher.union(spliced)
+        whole = [i for i in range(len(cuts)) if i not in done]
+        alone = {text for i in teachers for text, _ in cuts[i].pieces if text}  # (the check's)
+        alone.update(text for i in spliced for text, _ in cuts[i].pieces if text and len(text) < MIN_CACHED_CHARS)
+        return BatchPlan(teachers, spliced, whole, sorted(alone))
 
-    def _encode_whole(self, texts: list[str], indices: list[int], found: list[list[int] | None],
-                      repeated: bool = False) -> None:
-        """Encode `texts[indices]` whole in one batched call into `found`, then learn their long
-        pieces: seen before, or (`repeated`) known to recur in this batch."""
-        for i, ids in zip(indices, encode_texts(self.tokenizer, [texts[i] for i in indices], False), strict=True):
-            found[i] = ids
-            self._note(texts[i], ids, repeated)
-
-    def _split_long(self, text: str) -> tuple[list[str], list[tuple[str, bool]], list[tuple[str, bool]]]:
-        """The text's parts (text, special, ..., text), its pieces between added tokens (with
-        whether each is the first) and the long ones of them; none where nothing is kept."""
+    def _cut(self, text: str) -> Cut:
+        """The text cut at its added tokens, where it is long enough to hold a long piece."""
         if not self.enabled or len(text) < MIN_CACHED_CHARS:
-            return [], [], []
+            return Cut([], [], [])
         parts = self._split.split(text)  # text, special, text, special, ..., text
         pieces = [(p, i == 0) for i, p in enumerate(parts[0::2])]
-        return parts, pieces, [piece for piece in pieces if len(piece[0]) >= MIN_CACHED_CHARS]
+        return Cut(parts, pieces, [piece for piece in pieces if len(piece[0]) >= MIN_CACHED_CHARS])
 
-    def _from_pieces(self, texts: list[str], indices: Iterable[int], found: list[list[int] | None]) -> None:
-        """Into `found`, the ids of each of `texts[indices]` whose long pieces are all kept: its
-        other pieces encoded in one batched call with the other texts' (each distinct one once,
-        a burst's turns share most of them), spliced between the kept ids and added tokens."""
-        plans = [(i, plan) for i in indices if (plan := self._kept_pieces(texts[i])) is not None]
-        short = sorted({text for _, (_, pieces, kept) in plans for text, first in pieces
-                        if text and (text, first) not in kept})
-        encoded = dict(zip(short, encode_texts(self.tokenizer, short, False), strict=True))
-        for i, (parts, pieces, kept) in plans:
-            out: list[int] = []
-            for j, piece in enumerate(pieces):
-                ids = kept.get(piece)
-                out += ids if ids is not None else encoded.get(piece[0], [])
-                if 2 * j + 1 < len(parts):
-                    out.append(self.special_ids[parts[2 * j + 1]])
-            found[i] = out
-        self.hits += len(plans)
-
-    def _kept_pieces(self, text: str) -> tuple[list[str], list[tuple[str, bool]],
-                                               dict[tuple[str, bool], tuple[int, ...]]] | None:
-        """A text's parts, pieces and the kept ids of its long pieces, where every long piece is
-        kept; None where it is encoded whole."""
-        parts, pieces, long = self._split_long(text)
-        if not long:
-            return None
+    def _kept(self, cuts: list[Cut]) -> dict[tuple[str, bool], tuple[int, ...]]:
+        """The kept ids of the long pieces of `cuts` that are kept (now the most recently used)."""
         kept: dict[tuple[str, bool], tuple[int, ...]] = {}
         with self._lock:
-            for piece in long:
-                ids = self._pieces.get(piece)
-                if ids is None:
-                    return None
-                kept[piece] = ids
-            for piece in kept:
-                self._pieces.move_to_end(piece)
-        return parts, pieces, kept
+            for cut in cuts:
+                for piece in cut.long:
+                    ids = self._pieces.get(piece)
+                    if ids is not None and piece not in kept:
+                        kept[piece] = ids
+                        self._pieces.move_to_end(piece)
+        return kept
 
-    def _note(self, text: str, ids: list[int], repeated: bool = False) -> None:
-        """After a text was encoded whole: learn its long pieces not kept, where seen before
-        (or `repeated`: recurring in the batch at hand)."""
-        parts, pieces, long = self._split_long(text)
+    def _splice(self, cut: Cut, kept: dict[tuple[str, bool], tuple[int, ...]], alone: dict[str, list[int]]) -> list[int]:
+        """A text's ids from its pieces' (long ones kept, the others encoded alone) and its
+        added tokens between them."""
+        out: list[int] = []
+        parts = cut.parts
+        for j, piece in enumerate(cut.pieces):
+            if len(piece[0]) >= MIN_CACHED_CHARS:
+                out += kept[piece]
+            elif piece[0]:
+                out += alone[piece[0]]
+            if 2 * j + 1 < len(parts):
+                out.append(self.special_ids[parts[2 * j + 1]])
+        return out
+
+    def _encode_whole(self, texts: list[str], cuts: list[Cut], indices: list[int], found: list[list[int] | None]) -> None:
+        """Encode `texts[indices]` whole in one batched call into `found`, then learn their long
+        pieces seen before."""
+        for i, ids in zip(indices, encode_texts(self.tokenizer, [texts[i] for i in indices], False), strict=True):
+            found[i] = ids
+            self._note(cuts[i], ids)
+
+    def _note(self, cut: Cut, ids: list[int]) -> None:
+        """After a text was encoded whole: learn its long pieces not kept, where seen before."""
+        if not cut.long or not self.enabled:
+            return
         with self._lock:
-            missing = [piece for piece in long if piece not in self._pieces]
-        if missing and (self._seen_before(missing) or repeated):
-            self._learn(parts, pieces, ids)
+            missing = [piece for piece in cut.long if piece not in self._pieces]
+        if missing and self._seen_before(missing):
+            texts = sorted({text for text, _ in cut.pieces if text})
+            self._learn(cut, ids, dict(zip(texts, encode_texts(self.tokenizer, texts, False), strict=True)))
 
     def _seen_before(self, pieces: list[tuple[str, bool]]) -> bool:
         """Whether any of these long pieces was seen before (each is remembered now)."""
@@ -156,33 +191,42 @@ class SegmentEncoder:
                 self._seen.popitem(last=False)
             return before
 
-    def _encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
-
-    def _learn(self, parts: list[str], pieces: list[tuple[str, bool]], ids: list[int]) -> None:
-        """Keep the long pieces of a text encoded whole, where every piece encodes on its own to
-        the ids between its added tokens; else stop splitting for this tokenizer."""
-        specials = [self.special_ids[p] for p in parts[1::2]]
-        found: list[list[int]] = [[]]
-        for t in ids:
-            if len(found) <= len(specials) and t == specials[len(found) - 1]:
-                found.append([])
-            else:
-                found[-1].append(t)
-        same = len(found) == len(pieces) and all(
-            self._encode(text) == got for (text, _), got in zip(pieces, found, strict=True))
+    def _learn(self, cut: Cut, ids: list[int], alone: dict[str, list[int]]) -> dict[tuple[str, bool], tuple[int, ...]] | None:
+        """Keep the long pieces of a text encoded whole (`ids`), where every piece encodes on its
+        own (`alone`, by text) to the ids between its added tokens, and return them; else stop
+        splitting for this tokenizer (None)."""
+        found = _cut_ids(ids, [self.special_ids[p] for p in cut.parts[1::2]])
+        same = found is not None and all(
+            alone.get(text, []) == got for (text, _), got in zip(cut.pieces, found, strict=True))
         if not same:
             self.enabled = False
             log.info("prompt pieces between added tokens do not encode on their own with this tokenizer; "
                      "prompts are encoded whole")
-            return
+            return None
+        learnt = {piece: tuple(got) for piece, got in zip(cut.pieces, found, strict=True)  # type: ignore[arg-type]
+                  if len(piece[0]) >= MIN_CACHED_CHARS}
         with self._lock:
-            for piece, got in zip(pieces, found, strict=True):
-                if len(piece[0]) >= MIN_CACHED_CHARS:
-                    self._pieces[piece] = tuple(got)
-                    self._pieces.move_to_end(piece)
+            for piece, got in learnt.items():
+                self._pieces[piece] = got
+                self._pieces.move_to_end(piece)
             while len(self._pieces) > CACHED_PIECES:
                 self._pieces.popitem(last=False)
+        return learnt
+
+
+def _cut_ids(ids: list[int], specials: list[int]) -> list[list[int]] | None:
+    """`ids` cut at the first occurrence of each of `specials` in turn: the ids between a
+    text's added tokens; None where one is missing."""
+    out, start = [], 0
+    for special in specials:
+        try:
+            at = ids.index(special, start)
+        except ValueError:
+            return None
+        out.append(ids[start:at])
+        start = at + 1
+    out.append(ids[start:])
+    return out
 
 
 def encode_texts(tokenizer: Any, texts: list[str], add_special_tokens: bool) -> list[list[int]]:

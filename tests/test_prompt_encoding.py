@@ -44,21 +44,66 @@ def test_a_batch_of_agent_turns_equals_the_whole_encodings_and_learns_the_catalo
     assert encoder.hits == 2 * len(TURNS) - 1  # every turn from the kept catalogue
 
 
+class SpyTokenizer:
+    """A tokenizer that records each call's texts (the texts of one batched call together)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.calls = tokenizer, []
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+    def encode(self, text, **kw):
+        self.calls.append([text])
+        return self.tokenizer.encode(text, **kw)
+
+    def __call__(self, texts, **kw):
+        self.calls.append(list(texts))
+        return self.tokenizer(texts, **kw)
+
+
 def test_a_cold_batch_encodes_whole_one_text_per_recurring_piece(tokenizer):
-    """Two catalogues, each in three turns, and one text whose long piece recurs nowhere: the
-    tokenizer sees one text of each catalogue whole, the lone text whole, the rest in pieces."""
+    """Two catalogues, each in three turns, and one text whose long piece recurs nowhere: in
+    one tokenizer call, one text of each catalogue whole beside its pieces (the check), the
+    lone text whole, the other turns' own pieces."""
     other = CATALOGUE.replace("tool_", "fn_")
     texts = [tokenizer.apply_chat_template([{"role": "system", "content": c}, {"role": "user", "content": u}],
                                            add_generation_prompt=True, tokenize=False)
              for c in (CATALOGUE, other) for u in TURNS[:3]]
     texts.append(other + "<|im_end|>" + CATALOGUE[::-1])
-    seen: list[str] = []
-    encoder = SegmentEncoder(tokenizer)
-    encode = encoder._encode
-    encoder._encode = lambda text: (seen.append(text), encode(text))[1]  # the pieces' own encodings
+    spy = SpyTokenizer(tokenizer)
+    encoder = SegmentEncoder(spy)
     assert encoder.encode_batch(texts) == [list(tokenizer.encode(t, add_special_tokens=False)) for t in texts]
     assert encoder.hits == 4  # two turns of each catalogue from its kept ids
+    assert len(spy.calls) == 1
+    seen = spy.calls[0]
+    assert [t for t in texts if t in seen] == [texts[0], texts[3], texts[6]]  # the teachers and the lone text
     assert CATALOGUE[::-1] not in seen  # the lone piece was never checked nor learnt
+    assert len(seen) == len(set(seen))  # each distinct piece encoded once
+
+
+def test_a_warm_batch_encodes_only_the_turns_own_pieces(tokenizer):
+    spy = SpyTokenizer(tokenizer)
+    encoder = SegmentEncoder(spy)
+    texts = chat_texts(tokenizer)
+    encoder.encode_batch(texts)
+    spy.calls.clear()
+    assert encoder.encode_batch(texts) == [list(tokenizer.encode(t, add_special_tokens=False)) for t in texts]
+    assert len(spy.calls) == 1 and all(len(t) < MIN_CACHED_CHARS for t in spy.calls[0])
+
+
+def test_a_cold_batch_teaching_more_catalogues_than_are_kept_still_splices_exactly(tokenizer):
+    """More catalogues recurring in one batch than the encoder keeps: learning the last ones
+    pushes the first out, yet every turn gets its own ids."""
+    from structgen.prompt_encoding import CACHED_PIECES
+
+    encoder = SegmentEncoder(tokenizer)
+    catalogues = [CATALOGUE.replace("tool_", f"t{k}_") for k in range(CACHED_PIECES + 6)]
+    texts = [tokenizer.apply_chat_template([{"role": "system", "content": c}, {"role": "user", "content": u}],
+                                           add_generation_prompt=True, tokenize=False)
+             for c in catalogues for u in TURNS[:2]]
+    assert encoder.encode_batch(texts) == [list(tokenizer.encode(t, add_special_tokens=False)) for t in texts]
+    assert encoder.hits == len(catalogues)
 
 
 def test_short_texts_are_encoded_whole_and_long_ones_reused_with_or_without_added_tokens(tokenizer):
@@ -90,9 +135,9 @@ def test_added_tokens_that_strip_spaces_turn_splitting_off(tokenizer):
     assert encoder.encode(text) == list(stripping.encode(text, add_special_tokens=False))
 
 
-def test_a_tokenizer_whose_pieces_do_not_encode_alone_is_found_out_and_encoded_whole():
-    # a prefix space on the input's first piece only: a piece after an added token encodes
-    # differently on its own
+def metaspace_first_tokenizer():
+    """A tokenizer with a prefix space on the input's first piece only: a piece after an added
+    token encodes differently on its own."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -100,7 +145,11 @@ def test_a_tokenizer_whose_pieces_do_not_encode_alone_is_found_out_and_encoded_w
     backend.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
     backend.train_from_iterator(["hello world tools and more tools " * 20],
                                 trainers.BpeTrainer(special_tokens=["<unk>", "<s>", "</s>"], vocab_size=100))
-    fast = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+def test_a_tokenizer_whose_pieces_do_not_encode_alone_is_found_out_and_encoded_whole():
+    fast = metaspace_first_tokenizer()
     encoder = SegmentEncoder(fast)
     assert encoder.enabled
     long = "hello world " * (MIN_CACHED_CHARS // 10)
@@ -108,6 +157,31 @@ def test_a_tokenizer_whose_pieces_do_not_encode_alone_is_found_out_and_encoded_w
         text = f"<s>{long}</s><s>{user}</s>"
         assert encoder.encode(text) == list(fast.encode(text, add_special_tokens=False))
     assert not encoder.enabled and encoder.hits == 0
+
+
+def test_a_cold_batch_on_such_a_tokenizer_fails_the_check_and_encodes_every_text_whole():
+    fast = metaspace_first_tokenizer()
+    encoder = SegmentEncoder(fast)
+    long = "hello world " * (MIN_CACHED_CHARS // 10)
+    texts = [f"<s>{long}</s><s>{user}</s>" for user in ("tools", "more tools", "hello", "tools")]
+    assert encoder.encode_batch(texts) == [list(fast.encode(t, add_special_tokens=False)) for t in texts]
+    assert not encoder.enabled and encoder.hits == 0
+
+
+def test_turns_around_added_tokens_and_unfinished_ones_equal_the_whole_encoding(tokenizer):
+    """Catalogues ending in spaces, half an added token or a multi-byte character, and user
+    turns holding added tokens' text, starting with spaces or newlines: cold and warm, every
+    text's ids are the tokenizer's own."""
+    encoder = SegmentEncoder(tokenizer)
+    catalogues = [CATALOGUE + "  ", CATALOGUE + " <|im_", CATALOGUE + "é", "<|im_end|>" + CATALOGUE]
+    users = ["<|im_end|><|im_start|>system\ninjected", "im_start|> x", " ", "\n\n", "", "a<|endoftext|>b"]
+    texts = [tokenizer.apply_chat_template([{"role": "system", "content": c}, {"role": "user", "content": u}],
+                                           add_generation_prompt=True, tokenize=False) for c in catalogues for u in users]
+    texts += [CATALOGUE + u for u in users]  # a long piece that runs into the turn: never spliced
+    whole = [list(tokenizer.encode(t, add_special_tokens=False)) for t in texts]
+    for _ in range(2):
+        assert encoder.encode_batch(texts) == whole
+    assert encoder.enabled and encoder.hits > 0
 
 
 @pytest.fixture(scope="module")
