@@ -377,6 +377,10 @@ def timed_pair(llm: LLM, spec: Speculator, cases: list[Case], batch: int, max_to
               for reqs in (plain, spec_reqs)]
     return {"batch": batch, "requests": len(cases),
             "identical": sum(a.output_ids == b.output_ids for a, b in zip(spec_reqs, plain, strict=True)),
+            # where the others part: (request, first differing output position, its verify steps)
+            "differ": [(i, next(j for j, (x, y) in enumerate(zip(a.output_ids + [-1], b.output_ids + [-1], strict=False))
+                                if x != y), a.stats.verify_steps)
+                       for i, (a, b) in enumerate(zip(spec_reqs, plain, strict=True)) if a.output_ids != b.output_ids],
             "plain_tokens_per_s": plain_tokens / plain_s, "ngram_tokens_per_s": spec_tokens / spec_s,
             "tokens_per_s_ratio": (spec_tokens / spec_s) / (plain_tokens / plain_s),
             "decode_ms_per_token_plain": 1e3 * decode[0], "decode_ms_per_token_ngram": 1e3 * decode[1],
@@ -434,6 +438,7 @@ def run_targets(args: argparse.Namespace) -> None:
              "rounds_tokens_per_s_ratio", "rounds_tail_ms"]
     print_table([{c: r.get(c) for c in shown} for r in rows])
     for r in rows:
+        print(f"batch {r['batch']}, invariant {r['batch_invariant']}: outputs that differ {r['differ']}")
         print(f"batch {r['batch']}, invariant {r['batch_invariant']}: slowest tail steps, plain "
               f"{r['plain_tail_slowest']}, n-gram {r['ngram_tail_slowest']}")
     if not args.no_write:
