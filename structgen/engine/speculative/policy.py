@@ -31,8 +31,10 @@ that a verify step adds to the engine's loop. So the policy also keeps, per plai
 *realized* rate of each mode: tokens a step emitted over the wall time from its decision to the
 next decision (`RealizedRate`). Where drafting's realized rate, over `REALIZED_STEPS` steps or
 more, does not beat plain steps' (realized, or until that is known, from their timed cost),
-drafting stops at that bucket whatever the model says,
-and is measured again only `RETRY_STEPS` decisions later, the wait doubling each time.
+drafting stops at that bucket whatever the model says, and is measured again only
+`RETRY_STEPS` decisions later, the wait doubling each time. The rates are compared every
+`REALIZED_CHECK` decisions: at batch 1 a decision is on the path from one step's tokens to the
+next step's launch (speculator.py `_plan_next`), where every microsecond idles the device.
 
 A choice of no drafts stands `HOLD_STEPS` decisions at its plain bucket (each bucket's choice
 its own) unless acceptance or verify costs change, so a batch where nothing pays spends little
@@ -68,6 +70,7 @@ RETRY_STEPS = 64  # decisions before a verify bucket that lost is tried again
 VERIFY_OVERHEAD = 1.25  # a verify step priced from plain steps of its rows costs this much more
 HOLD_STEPS = 8  # decisions a choice of no drafts stands for steps of its plain bucket, unless news comes
 REALIZED_STEPS = 8  # steps of each mode at a bucket before their realized rates are compared
+REALIZED_CHECK = 4  # decisions between two comparisons of realized rates (each a median of a window)
 REALIZED_WINDOW = 32  # the newest steps a realized rate is taken over
 OUTLIER = 3.0  # a step interval this many times above or below the window's median is left out
 
@@ -297,6 +300,8 @@ class DraftPolicy:
         else from their timed cost: a bound, since the realized rate counts more time)."""
         if self.steps < self.blocked_until.get(plain_bucket, 0):
             return True
+        if self.steps % REALIZED_CHECK:  # a window's rate moves little a step; its median costs
+            return False
         drafting, plain = self.realized.get((plain_bucket, True)), self.realized.get((plain_bucket, False))
         if drafting is None or len(drafting.steps) < REALIZED_STEPS:
             return False
