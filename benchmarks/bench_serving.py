@@ -75,6 +75,10 @@ class Outcome:
     # In process: the part of `ttft_s` after the request was built (prompt tokenized, grammar
     # compiled) and handed to the engine; the rest is the asyncio front's.
     engine_ttft_s: float | None = None
+    # In process: the call to the engine request made (`front_s`), and the engine's finish to
+    # the call's return (`delivery_s`): `ttft_s` (latency less decode) holds both.
+    front_s: float | None = None
+    delivery_s: float | None = None
 
 
 @dataclass
@@ -182,8 +186,33 @@ def validate_outcomes(outcomes: list[Outcome], requests: list[ServingRequest]) -
             outcome.valid = False
 
 
+class RequestClock:
+    """When each in-process call's engine request was made (prompt tokenized, grammar found),
+    by the caller's task: a wrapper on the LLM instance's `_arequest` (as profile_host's
+    FrontTimes), over the class's method so that runners never stack."""
+
+    def __init__(self, llm: Any):
+        self.made: dict[Any, float] = {}
+        self._arequest = type(llm)._arequest.__get__(llm)
+        llm._arequest = self.arequest
+
+    async def arequest(self, *args: Any, **kwargs: Any) -> Any:
+        out = await self._arequest(*args, **kwargs)
+        self.made[asyncio.current_task()] = time.perf_counter()
+        return out
+
+    def split(self, t0: float, latency: float, stats: Any) -> dict[str, float | None]:
+        """This task's front and delivery seconds (None where its request was never made)."""
+        made = self.made.pop(asyncio.current_task(), None)
+        if made is None:
+            return {"front_s": None, "delivery_s": None}
+        return {"front_s": made - t0, "delivery_s": latency - (made - t0) - stats.ttft_s - stats.decode_s}
+
+
 def inprocess_runner(llm: Any, max_tokens: int) -> Callable[[ServingRequest], Awaitable[Outcome]]:
     from structgen import IncompleteOutputError, JsonSchema
+
+    clock = RequestClock(llm)
 
     async def run(req: ServingRequest) -> Outcome:
         t0 = time.perf_counter()
@@ -192,10 +221,12 @@ def inprocess_runner(llm: Any, max_tokens: int) -> Callable[[ServingRequest], Aw
         except IncompleteOutputError as exc:
             latency, st = time.perf_counter() - t0, exc.stats
             return Outcome(latency, latency - st.decode_s, st.output_tokens, incomplete=True, engine_ttft_s=st.ttft_s,
-                           prompt_tokens=st.prompt_tokens, cached_tokens=st.cached_prompt_tokens)
+                           prompt_tokens=st.prompt_tokens, cached_tokens=st.cached_prompt_tokens,
+                           **clock.split(t0, latency, st))
         latency, st = time.perf_counter() - t0, c.stats
         return Outcome(latency, latency - st.decode_s, st.output_tokens, prompt_tokens=st.prompt_tokens,
-                       cached_tokens=st.cached_prompt_tokens, text=c.text, engine_ttft_s=st.ttft_s)
+                       cached_tokens=st.cached_prompt_tokens, text=c.text, engine_ttft_s=st.ttft_s,
+                       **clock.split(t0, latency, st))
 
     return run
 
@@ -301,6 +332,8 @@ def summarize(res: RunResult) -> dict[str, Any]:
         "tok_per_s": round(tokens / res.wall_s, 1), "req_per_s": round(len(ok) / res.wall_s, 2),
         "ttft_p50_ms": _pct([o.ttft_s for o in ok], 0.5), "ttft_p99_ms": _pct([o.ttft_s for o in ok], 0.99),
         "ttft_engine_p50_ms": _pct([o.engine_ttft_s for o in ok if o.engine_ttft_s is not None], 0.5),
+        "front_p50_ms": _pct([o.front_s for o in ok if o.front_s is not None], 0.5),
+        "delivery_p50_ms": _pct([o.delivery_s for o in ok if o.delivery_s is not None], 0.5),
         "tpot_p50_ms": _pct(tpot, 0.5), "tpot_p99_ms": _pct(tpot, 0.99),
         "mean_output_tokens": round(tokens / len(ok), 1) if ok else None,
         "client_cpu_ms_per_request": round(1e3 * res.client_cpu_s / len(res.outcomes), 2)
