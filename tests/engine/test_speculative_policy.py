@@ -140,6 +140,32 @@ def test_a_request_that_stopped_drafting_resumes_when_its_unseen_drafts_would_be
     assert ends[True][5:] == ["pays"] * 55
 
 
+def test_a_choice_of_every_draft_stands_without_changing_any_decision(monkeypatch):
+    """Where drafting every token pays by far, that choice stands a few decisions (no weighing
+    on the path to the next launch) while acceptance holds: over stretches of high and zero
+    acceptance the decisions are the ones weighing every step makes, also where a few
+    rejections change them (a verify step priced at twice a plain one), and at batch 1 with
+    drafts mostly accepted most steps are not weighed."""
+    import structgen.engine.speculative.policy as policy_module
+
+    def run(verify_cost: float) -> Simulation:
+        monkeypatch.setitem(STEP, 4, verify_cost)
+        sim = Simulation(DraftPolicy(BUCKETS), batch=1, accept=0.9)
+        sim.shadow = True
+        for accept, steps in ((0.9, 60), (0.0, 30), (0.95, 60), (0.5, 40)):
+            sim.accept = accept
+            sim.run(steps)
+        return sim
+
+    cheap, costly = run(1.05), run(2.0)
+    monkeypatch.setattr(policy_module, "HOLD_MARGIN", float("inf"))  # no choice of drafts stands
+    assert costly.kinds == run(2.0).kinds
+    assert "plain" in costly.kinds[60:90] and costly.kinds[-30:].count("pays") > 10
+    every_step = run(1.05)
+    assert cheap.kinds == every_step.kinds
+    assert cheap.policy.weighed < every_step.policy.weighed / 2
+
+
 def test_a_plain_step_timed_slower_than_a_larger_ones_is_priced_at_the_larger_cost():
     # 32 requests, one draft each: 48 tokens expected from a 64-row verify step of 2.6 s. Against
     # a 32-row plain step timed at 3.0 s drafting pays; but a 64-row plain step took 1.8 s, so

@@ -33,21 +33,24 @@ next decision (`RealizedRate`). Where drafting's realized rate, over `REALIZED_S
 more, does not beat plain steps' (realized, or until that is known, from their timed cost),
 drafting stops at that bucket whatever the model says, and is measured again only
 `RETRY_STEPS` decisions later, the wait doubling each time. The rates are compared every
-`REALIZED_CHECK` decisions: at batch 1 a decision is on the path from one step's tokens to the
-next step's launch (speculator.py `_plan_next`), where every microsecond idles the device.
+`REALIZED_CHECK` weighed decisions: at batch 1 a decision is on the path from one step's tokens
+to the next step's launch (speculator.py `_plan_next`), where every microsecond idles the device.
 
 A choice of no drafts stands `HOLD_STEPS` decisions at its plain bucket (each bucket's choice
 its own) unless acceptance or verify costs change, so a batch where nothing pays spends little
 host time here: a held step weighs no drafts, whatever its requests (the batch shrinking, forced
 text moving it between buckets, budgets running out), and the speculator then asks the drafter
-about nobody. Each request's
+about nobody. For the same reason a choice of every draft token that paid by `HOLD_MARGIN`
+stands `HOLD_STEPS` decisions for steps of the same budgets while no request's acceptance
+falls below the lowest it was weighed at (`FullHold`): drafting at batch 1 then costs a few
+lookups a step. Each request's
 acceptance rate is a decayed count of its accepted and rejected drafts, starting from the
 engine-wide one; a draft token the policy asked for and the drafter did not produce counts as
 rejected, since the rows it was priced for emit nothing. A request that stopped drafting would
 keep the rate that stopped it for good (text a prompt does not hold, then a long copied span,
 is the usual shape of an extraction), so the speculator drafts for it unseen while it runs
-plain steps and checks the draft against the tokens it emits (`record_shadow`). `decisions` counts the steps by what
-was chosen (benchmarks print it).
+plain steps and checks the draft against the tokens it emits (`record_shadow`). `decisions`
+counts the steps by what was chosen (benchmarks print it).
 """
 
 from __future__ import annotations
@@ -69,8 +72,9 @@ EXPLORE_TRIES = 3  # steps an unmeasured verify bucket is drafted to (the first 
 RETRY_STEPS = 64  # decisions before a verify bucket that lost is tried again
 VERIFY_OVERHEAD = 1.25  # a verify step priced from plain steps of its rows costs this much more
 HOLD_STEPS = 8  # decisions a choice of no drafts stands for steps of its plain bucket, unless news comes
+HOLD_MARGIN = 0.25  # a choice of every draft token stands where it beat plain steps by this fraction
 REALIZED_STEPS = 8  # steps of each mode at a bucket before their realized rates are compared
-REALIZED_CHECK = 4  # decisions between two comparisons of realized rates (each a median of a window)
+REALIZED_CHECK = 4  # weighed decisions between two comparisons of realized rates (a window's median)
 REALIZED_WINDOW = 32  # the newest steps a realized rate is taken over
 OUTLIER = 3.0  # a step interval this many times above or below the window's median is left out
 
@@ -176,10 +180,21 @@ class OpenStep:
 class Choice:
     """One step's decision: `drafts` tokens in all, and `kind`: untimed (the plain bucket is
     not measured yet), plain, pays (by measured or pessimistic costs) or trial (drafted to
-    measure a verify bucket)."""
+    measure a verify bucket); `wide`: it pays by HOLD_MARGIN or more."""
 
     drafts: int
     kind: str
+    wide: bool = False
+
+
+@dataclass(frozen=True)
+class FullHold:
+    """A choice of every draft token that stands at its plain bucket until decision `until`,
+    for steps with these `budgets` whose requests' acceptance rates are all `floor` or more."""
+
+    until: int
+    budgets: tuple[int, ...]
+    floor: float
 
 
 class DraftPolicy:
@@ -208,6 +223,7 @@ class DraftPolicy:
         # plain bucket -> the decision its choice of no drafts stands until; emptied by any news
         # on acceptance or verify costs
         self.held: dict[int, int] = {}
+        self.full_held: dict[int, FullHold] = {}  # plain bucket -> a standing choice of every draft
         self.asked: dict[object, int] = {}  # request -> draft tokens the last decision gave it
 
     def bucket(self, rows: int) -> int:
@@ -245,6 +261,12 @@ class DraftPolicy:
             self.steps += 1
             self.decisions["plain"] += 1
             return lengths
+        if self._holds_full(plain_bucket, reqs, budgets):
+            self.steps += 1
+            self.decisions["pays"] += 1
+            self.open.drafted = True
+            self.asked = {req: k for req, k in zip(reqs, budgets, strict=True) if k}
+            return list(budgets)
         self.weighed += 1
         worths = []  # (worth, request index): a request's j-th draft token is worth a^j
         for i, (req, k) in enumerate(zip(reqs, budgets, strict=True)):
@@ -257,6 +279,10 @@ class DraftPolicy:
             self.held[plain_bucket] = self.steps + HOLD_STEPS
         else:
             self.held.pop(plain_bucket, None)
+        self.full_held.pop(plain_bucket, None)
+        if choice.wide and choice.drafts == sum(budgets):
+            floor = min(self.acceptance(req) for req, k in zip(reqs, budgets, strict=True) if k)
+            self.full_held[plain_bucket] = FullHold(self.steps + HOLD_STEPS, tuple(budgets), floor)
         self.open.drafted = choice.drafts > 0
         for _, i in worths[: choice.drafts]:
             lengths[i] += 1
@@ -266,6 +292,15 @@ class DraftPolicy:
     def holds(self, rows: int) -> bool:
         """Whether a choice of no drafts stands for a step of `rows` rows without drafts."""
         return self.steps < self.held.get(self.bucket(rows), 0)
+
+    def _holds_full(self, plain_bucket: int, reqs: list[object], budgets: list[int]) -> bool:
+        """Whether a choice of every draft token stands for this step: made at its plain
+        bucket within HOLD_STEPS decisions, for the same budgets, and no request's acceptance
+        rate below the lowest it was weighed at (more accepted drafts only pay more)."""
+        hold = self.full_held.get(plain_bucket)
+        if hold is None or self.steps >= hold.until or tuple(budgets) != hold.budgets:
+            return False
+        return all(self.acceptance(req) >= hold.floor for req, k in zip(reqs, budgets, strict=True) if k)
 
     def choose(self, worths: list[float], sampling: int, rows: int) -> Choice:
         """The step's drafts (the first of `worths`, best first) and why; `sampling`: requests
@@ -282,10 +317,11 @@ class DraftPolicy:
         options = self._options(rows, len(worths))
         margin = STAY_MARGIN if self.drafting.get(plain_bucket) else ENTER_MARGIN
         bucket, drafts = max(options, key=lambda o: tokens[o[1]] / self._verify_cost(o[0]))
-        pays = tokens[drafts] / self._verify_cost(bucket) > plain_rate * (1 + margin)
+        rate = tokens[drafts] / self._verify_cost(bucket)
+        pays = rate > plain_rate * (1 + margin)
         self.drafting[plain_bucket] = pays
         if pays:
-            return Choice(drafts, "pays")
+            return Choice(drafts, "pays", wide=rate > plain_rate * (1 + HOLD_MARGIN))
         tryable = [o for o in options if self._may_try(o[0])]
         if tryable:
             bucket, drafts = max(tryable, key=lambda o: tokens[o[1]] / self._trial_cost(o[0]))
@@ -300,7 +336,7 @@ class DraftPolicy:
         else from their timed cost: a bound, since the realized rate counts more time)."""
         if self.steps < self.blocked_until.get(plain_bucket, 0):
             return True
-        if self.steps % REALIZED_CHECK:  # a window's rate moves little a step; its median costs
+        if self.weighed % REALIZED_CHECK:  # a window's rate moves little a step; its median costs
             return False
         drafting, plain = self.realized.get((plain_bucket, True)), self.realized.get((plain_bucket, False))
         if drafting is None or len(drafting.steps) < REALIZED_STEPS:
