@@ -170,8 +170,10 @@ class Speculator:
     def _draft_unseen(self, batch: list[tuple[Request, int]], budgets: list[int], ks: list[int]) -> None:
         """Draft, without running it, for the requests that could draft and were given none
         where their drafts would pay if accepted: their acceptance rate keeps following their
-        text (policy.py). Only with a drafter that runs on the host (a lookup of microseconds);
-        a failure costs nothing but the check."""
+        text (policy.py). The drafter's first proposal, not cut by the grammar (a token the
+        grammar forbids is one the request cannot emit: it scores as rejected, as it would be).
+        Only with a drafter that runs on the host (a lookup of microseconds); a failure costs
+        nothing but the check."""
         if not getattr(self.drafter, "host_only", False) or all(ks) or not self.policy.could_pay(
                 budgets, sum(n for _, n in batch)):
             return
