@@ -297,13 +297,13 @@ class ModelRunner:
             self.graphs.enable_token_gate(quiet, min_allowed)
 
     def run_guided(self, first: LoopStep, bucket: int, max_steps: int,
-                   joining: dict[int, tuple[int, int]] | None = None) -> int:
+                   running: dict[int, tuple[int, int]] | None = None) -> int:
         """Run `first` and the steps its `take` plans in the capturable mode's loop
-        (guided_loop.py) over `bucket` rows; returns how many steps ran. `joining`: slot ->
-        (most rows a step, last position now) of the requests not in `first` that later
-        steps may run."""
+        (guided_loop.py) over `bucket` rows; returns how many steps ran. `running`: slot ->
+        (most rows a step, last position now) of the requests the loop's steps may run, in
+        `first` or joining later (a request in `first` reserves at least its rows there)."""
         loop = self.graphs.guided_loop(bucket)
-        max_steps = self._reserve_pages(first, max_steps, joining or {})
+        max_steps = self._reserve_pages(first, max_steps, running or {})
         before = loop.steps
         try:
             return loop.run(first, max_steps)
@@ -311,16 +311,20 @@ class ModelRunner:
             self.forward_passes += loop.steps - before
             self.graphs.steps += loop.steps - before
 
-    def _reserve_pages(self, first: LoopStep, max_steps: int, joining: dict[int, tuple[int, int]]) -> int:
+    def _reserve_pages(self, first: LoopStep, max_steps: int, running: dict[int, tuple[int, int]]) -> int:
         """Pages for the positions a guided loop of `max_steps` steps like `first`, with the
-        `joining` requests too, may reach (its steps are planned in host callbacks, which
+        `running` requests' rows, may reach (its steps are planned in host callbacks, which
         cannot copy a page table; a step reaching past them ends the run); where the pool
         cannot hold them, the loop runs one step."""
         pages = self.kv.pages
-        ends = dict(joining)  # slot -> (rows a step, last position)
+        in_first: dict[int, tuple[int, int]] = {}  # slot -> (its rows in `first`, last position)
         for slot, pos in zip(first.slots, first.positions, strict=True):
-            rows, last = ends.get(slot, (0, 0))
-            ends[slot] = (rows + 1, max(last, pos))
+            rows, last = in_first.get(slot, (0, 0))
+            in_first[slot] = (rows + 1, max(last, pos))
+        ends = dict(running)  # slot -> (rows a step, last position)
+        for slot, (rows, last) in in_first.items():
+            most, now = ends.get(slot, (0, 0))
+            ends[slot] = (max(most, rows), max(now, last))
         if not all(pages.cover(slot, last + 1 + max_steps * rows) for slot, (rows, last) in ends.items()):
             max_steps = 1
         pages.sync()

@@ -320,7 +320,7 @@ class Speculator:
                 done: list[Request] = []
                 first = self._loop_step(batch, fitted, sampling_spans(batch, fitted), done, bucket)
                 if first is not None:
-                    return self._run_loop(first, bucket, done, joining)
+                    return self._run_loop(first, bucket, done, [req for req, _ in batch] + joining)
         finished = self._verify(batch, drafts)
         self.policy.record_step(step_tokens(batch, drafts), time.perf_counter() - started,
                                 sum(len(d) for d in drafts))
@@ -448,13 +448,15 @@ class Speculator:
         return LoopStep([r.token_ids[0] for r in rows], [r.start for r in rows], [r.slot for r in rows],
                         g.temperatures, g.seeds, g.has_mask, fill, take)
 
-    def _run_loop(self, first: LoopStep, bucket: int, finished: list[Request], joining: list[Request]) -> list[Request]:
+    def _run_loop(self, first: LoopStep, bucket: int, finished: list[Request], running: list[Request]) -> list[Request]:
         """Run verify steps in the loop from `first` until one cannot continue it; returns the
-        requests that finished. `joining`: requests not in `first` that later steps may run."""
+        requests that finished. `running`: the requests its steps may run, in `first` or
+        joining later; each reserves pages for a full step's rows (a request that drafted
+        nothing in `first` may draft its budget later)."""
         eng = self.engine
-        rows = 1 + self.config.num_draft_tokens  # a joining request's pending token and drafts a step
+        rows = 1 + self.config.num_draft_tokens  # a request's pending token and drafts a step
         try:
-            eng.runner.run_guided(first, bucket, LOOP_STEPS, {r.slot: (rows, len(r.token_ids) - 1) for r in joining})
+            eng.runner.run_guided(first, bucket, LOOP_STEPS, {r.slot: (rows, len(r.token_ids) - 1) for r in running})
         except Exception as exc:  # a broken loop fails the running requests, not the engine
             log.exception("capturable guided loop failed")
             for req in list(eng.scheduler.running):
