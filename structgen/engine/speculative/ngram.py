@@ -3,9 +3,9 @@ and propose what followed them there.
 
 Structured extraction is its best case: the output copies spans of the prompt (names, dates,
 numbers from the source text; keys from the schema). Nothing runs on the device. Each request
-has an incremental index (n-gram -> positions right after each occurrence), so a lookup costs
-a dict probe however long the prompt is. With `shared=True`, the outputs of finished requests
-go to a small pool that later requests also search (same schema, same keys and phrasing).
+keeps its tokens' class ids in an index that follows its growth (`NgramIndex`), searched from
+the latest occurrence back. With `shared=True`, the outputs of finished requests go to a small
+pool that later requests also search (same schema, same keys and phrasing).
 """
 
 from __future__ import annotations

@@ -418,11 +418,7 @@ class DraftPolicy:
             # a drafting step's bonus tokens; where the verdict comes after the next step was
             # planned, they count for that one, and are lost where it is plain (the safe side)
             self.open.tokens += accepted
-        if req not in self.requests:
-            self.requests[req] = Acceptance(self.engine_wide.accepted, self.engine_wide.rejected)
-        self.requests[req].update(drafted, accepted)
-        self.engine_wide.update(drafted, accepted)
-        self.held.clear()
+        self._update_acceptance(req, drafted, accepted)
 
     def could_pay(self, budgets: list[int], rows: int) -> bool:
         """Whether drafting would pay at a step of `rows` rows (without drafts) if every draft
@@ -441,6 +437,11 @@ class DraftPolicy:
         if drafted <= 0:
             return
         self.shadowed += 1
+        self._update_acceptance(req, drafted, accepted)
+
+    def _update_acceptance(self, req: object, drafted: int, accepted: int) -> None:
+        """`req`'s and the engine's acceptance rates take a verdict (news: no choice of no
+        drafts stands past it)."""
         if req not in self.requests:
             self.requests[req] = Acceptance(self.engine_wide.accepted, self.engine_wide.rejected)
         self.requests[req].update(drafted, accepted)
