@@ -356,6 +356,11 @@ class StepClock:
                 f"{name}_tail_slowest": [f"{1e3 * s:.2f} ms: {what}" for s, what in sorted(self.tail_traced)[::-1][:3]]}
 
 
+def parting(a: list[int], b: list[int]) -> int:
+    """The first position where token lists `a` and `b` differ (one ending counts)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
 def timed_pair(llm: LLM, spec: Speculator, cases: list[Case], batch: int, max_tokens: int) -> dict[str, Any]:
     """Plain decoding then n-gram speculation over `cases`, `batch` at a time (each after a
     warm-up at that batch): the ratios the targets are about and the identical outputs, and
@@ -378,8 +383,7 @@ def timed_pair(llm: LLM, spec: Speculator, cases: list[Case], batch: int, max_to
     return {"batch": batch, "requests": len(cases),
             "identical": sum(a.output_ids == b.output_ids for a, b in zip(spec_reqs, plain, strict=True)),
             # where the others part: (request, first differing output position, its verify steps)
-            "differ": [(i, next(j for j, (x, y) in enumerate(zip(a.output_ids + [-1], b.output_ids + [-1], strict=False))
-                                if x != y), a.stats.verify_steps)
+            "differ": [(i, parting(a.output_ids, b.output_ids), a.stats.verify_steps)
                        for i, (a, b) in enumerate(zip(spec_reqs, plain, strict=True)) if a.output_ids != b.output_ids],
             "plain_tokens_per_s": plain_tokens / plain_s, "ngram_tokens_per_s": spec_tokens / spec_s,
             "tokens_per_s_ratio": (spec_tokens / spec_s) / (plain_tokens / plain_s),
