@@ -362,11 +362,7 @@ def _tiles(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None, y: 
     block_j = min(block.j, triton.next_power_of_2(half))
     chunks_total = triton.cdiv(half, block_j)
     programs = triton.cdiv(n, block.n) * triton.cdiv(rows, block.m)
-    splits = block.splits or packed_gemv.auto_splits(programs * packed_gemv.PROGRAMS_PER_SM // TILE_PROGRAMS_PER_SM,
-                                                     chunks_total, x.device)
-    chunks = triton.cdiv(chunks_total, splits)
-    splits = triton.cdiv(chunks_total, chunks)
-    target = y if splits == 1 else torch.empty(splits, rows, n, dtype=torch.float32, device=x.device)
+    splits, chunks, target = packed_gemv.split_k(block.splits, programs, TILE_PROGRAMS_PER_SM, chunks_total, y, rows, n)
     args = (x, weight.codes, weight.scales, weight.offsets if weight.offsets is not None else weight.scales,
             bias if bias is not None else weight.scales, target, rows, n, half, chunks, x.stride(0),
             weight.codes.stride(0), weight.scales.stride(0), target.stride(0) if splits > 1 else 0, target.stride(-2))

@@ -65,10 +65,7 @@ def stream_gemv(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None
     run_cols = block_k if weight.group_cols >= cols else min(weight.group_cols, block_k)
     units = weight.codes.shape[1] if weight.code == "int4" else triton.cdiv(cols, unit_cols)
     chunks_total = triton.cdiv(cols, block_k)
-    splits = block.splits or auto_splits(triton.cdiv(n, block.n), chunks_total, x.device)
-    chunks = triton.cdiv(chunks_total, splits)
-    splits = triton.cdiv(chunks_total, chunks)
-    target = y if splits == 1 else torch.empty(splits, rows, n, dtype=torch.float32, device=x.device)
+    splits, chunks, target = split_k(block.splits, triton.cdiv(n, block.n), PROGRAMS_PER_SM, chunks_total, y, rows, n)
     row_scale = weight.offsets is None and weight.group_rows == 1 and weight.group_cols >= cols
     scales = weight.scales
     _stream_gemv_kernel[(triton.cdiv(n, block.n), splits)](
@@ -82,6 +79,19 @@ def stream_gemv(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None
         num_stages=block.stages, **launch_args(x.device, rows))
     if splits > 1:
         sum_splits(target, bias, y)
+
+
+def split_k(splits: int, programs: int, programs_per_sm: int, chunks_total: int, y: torch.Tensor, rows: int,
+            n: int) -> tuple[int, int, torch.Tensor]:
+    """(splits, chunks a split, where the products go) for `chunks_total` chunks of columns:
+    `splits`, or with 0 a count that brings `programs` programs (`programs_per_sm` of them a
+    multiprocessor's fill) up to the GPU's; none left empty. The products go to `y` itself, or,
+    split, to float32 partials `[splits, rows, n]` that `sum_splits` adds."""
+    splits = splits or auto_splits(programs * PROGRAMS_PER_SM // programs_per_sm, chunks_total, y.device)
+    chunks = triton.cdiv(chunks_total, splits)
+    splits = triton.cdiv(chunks_total, chunks)
+    target = y if splits == 1 else torch.empty(splits, rows, n, dtype=torch.float32, device=y.device)
+    return splits, chunks, target
 
 
 def auto_splits(programs: int, chunks: int, device: torch.device) -> int:

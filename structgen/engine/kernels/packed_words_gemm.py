@@ -70,12 +70,7 @@ def words_gemm(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None,
     block_k = chunk_cols(weight, block)
     chunks_total = triton.cdiv(cols, block_k)
     programs = triton.cdiv(n, block.n) * triton.cdiv(rows, block.m)
-    # the GEMV's rule counts its programs at packed_gemv.PROGRAMS_PER_SM to a multiprocessor
-    splits = block.splits or packed_gemv.auto_splits(programs * packed_gemv.PROGRAMS_PER_SM // PROGRAMS_PER_SM,
-                                                     chunks_total, x.device)
-    chunks = triton.cdiv(chunks_total, splits)
-    splits = triton.cdiv(chunks_total, chunks)
-    target = y if splits == 1 else torch.empty(splits, rows, n, dtype=torch.float32, device=x.device)
+    splits, chunks, target = packed_gemv.split_k(block.splits, programs, PROGRAMS_PER_SM, chunks_total, y, rows, n)
     scales = weight.scales
     row_scale = weight.offsets is None and weight.group_rows == 1 and weight.group_cols >= cols
     _words_gemm_kernel[(triton.cdiv(n, block.n), triton.cdiv(rows, block.m), splits)](
