@@ -163,17 +163,21 @@ class BudgetCloser:
     @staticmethod
     def forced_text_end(req: Request) -> int:
         """How many output tokens jump-forward's forced text may fill up to: the token before
-        the next budget check ahead, where the closer must see the output before the budget is
-        spent (forced text running past it to max_tokens left nothing to close with). So the
-        token at the check is a sampled one and the check runs exactly there, as it does where
-        a verify step's drafts or plain decoding bring the output to it: where checks fall, and
-        so whether and where an output is closed, does not depend on how many tokens each step
-        adds. A check already due runs at the next token, and a closer that finds the output
-        too long drops back."""
+        the next budget or loop check ahead, where the closer must see the output (forced text
+        running past a budget check to max_tokens left nothing to close with). So the token at
+        a check is a sampled one and the check runs exactly there, as it does where a verify
+        step's drafts or plain decoding bring the output to it: where checks fall, and so
+        whether and where an output is closed, does not depend on how many tokens each step
+        adds (a loop check run past its place moved every later one, and a repeating output
+        was closed a period apart with and without speculation). A check already due runs at
+        the next token, and a closer that finds the output too long drops back."""
         p = req.params
-        if not p.close_at_budget or req.budget_check_at <= req.num_output:
-            return p.max_tokens
-        return min(p.max_tokens, req.budget_check_at - 1)
+        end = p.max_tokens
+        if p.close_at_budget and req.budget_check_at > req.num_output:
+            end = min(end, req.budget_check_at - 1)
+        if p.loop_guards and req.num_output < req.close_at < p.max_tokens:
+            end = min(end, req.close_at - 1)
+        return end
 
     @staticmethod
     def room_for(req: Request, tokens: int) -> bool:

@@ -258,6 +258,25 @@ def test_an_output_closed_at_its_budget_is_the_same_with_speculation(llm):
     assert spec.token_ids == base.token_ids
 
 
+def test_an_output_closed_for_repeating_is_the_same_with_speculation(llm, maskbench_dir):
+    """The loop guard looks at the output every LOOP_CHECK_EVERY tokens; jump-forward's forced
+    text stops short of the next check, as it does of a budget check, so checks fall on the
+    same tokens whether steps add one token, forced text or a verify step's drafts. MaskBench
+    JME_1 in bench_speculative's extraction prompt repeats a field until the guard closes it:
+    with speculation it was closed a repetition later (plain decoding's forced text had run
+    past a check, which moved every later one)."""
+    from benchmarks.bench_speculative import extraction_prompt
+
+    rows = [json.loads(line) for line in (maskbench_dir / "JME.jsonl").read_text().splitlines()]
+    row = next(r for r in rows if r["id"] == "JME_1")
+    instance = next(t["data"] for t in row["tests"] if t["valid"] and isinstance(t["data"], dict) and t["data"])
+    prompt, schema = extraction_prompt(row["schema"], instance), JsonSchema(row["schema"])
+    base = complete(llm, None, schema, prompt, max_tokens=256)
+    spec = complete(llm, SpeculativeConfig(num_draft_tokens=3), schema, prompt, fixed=True, max_tokens=256)
+    assert "repetition" in base.stats.guards_fired and spec.stats.accepted_tokens > 0
+    assert spec.token_ids == base.token_ids
+
+
 def test_greedy_unconstrained_output_is_unchanged(llm):
     """Plain text, batched: every request keeps its greedy tokens, stop tokens included."""
     prompts = [
