@@ -29,7 +29,7 @@ only ones the speculator sees; `*_tail_longest_ms` its longest step, `*_tail_ahe
 steps whose forward was launched ahead, of all its decode-graph steps) and its longest step
 (`*_longest_step_ms`: a stall or a compile).
 `--target-max-requests 0` lets the speculator see every step; `rounds_tokens_per_s_ratio` and
-`rounds_tail_ms` (plain, n-gram) are in run order.
+`rounds_tail_ms` (plain, n-gram) are in run order (odd rounds run n-gram first).
 It writes benchmarks/results/speculative_targets-<device>-<date>.json.
 
 Metrics: `mean_acceptance_length` = tokens sampled per verify step (accepted drafts + the
@@ -361,12 +361,15 @@ def parting(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
-def timed_pair(llm: LLM, spec: Speculator, cases: list[Case], batch: int, max_tokens: int) -> dict[str, Any]:
-    """Plain decoding then n-gram speculation over `cases`, `batch` at a time (each after a
-    warm-up at that batch): the ratios the targets are about and the identical outputs, and
-    where each run's time went (its tail of `max_requests` or fewer requests, its longest step)."""
+def timed_pair(llm: LLM, spec: Speculator, cases: list[Case], batch: int, max_tokens: int,
+               ngram_first: bool = False) -> dict[str, Any]:
+    """Plain decoding and n-gram speculation over `cases`, `batch` at a time (each after a
+    warm-up at that batch), plain first unless `ngram_first`: the ratios the targets are about
+    and the identical outputs, and where each run's time went (its tail of `max_requests` or
+    fewer requests, its longest step)."""
     eng, result, clocks = llm.engine, {}, {}
-    for name, speculator in (("plain", None), ("ngram", spec)):
+    pair = (("plain", None), ("ngram", spec))
+    for name, speculator in pair[::-1] if ngram_first else pair:
         eng.speculator = speculator
         run(llm, cases[:batch], batch, True, max_tokens)  # warm-up: Triton JIT, graphs, allocator
         gc.collect()  # a collection inside a sub-second run moves its rate by several percent
@@ -417,7 +420,10 @@ def measure_targets(args: argparse.Namespace, invariant: bool) -> list[dict[str,
     if not invariant or args.target_batches_invariant:
         for batch in (int(b) for b in args.target_batches.split(",") if b):
             work = (kept * -(-batch // max(len(kept), 1)))[:batch]
-            rounds = [timed_pair(llm, spec, work, batch, args.max_tokens) for _ in range(args.target_rounds)]
+            # Rounds alternate which engine runs first, so drift within a round (clocks, the
+            # allocator, Python's heap) does not favour one of them.
+            rounds = [timed_pair(llm, spec, work, batch, args.max_tokens, ngram_first=i % 2 == 1)
+                      for i in range(args.target_rounds)]
             ratios = [round(r["tokens_per_s_ratio"], 3) for r in rounds]  # in run order: warm-up effects show
             tails = [(round(r["plain_tail_ms"], 1), round(r["ngram_tail_ms"], 1)) for r in rounds]
             rounds.sort(key=lambda r: r["tokens_per_s_ratio"])
@@ -476,8 +482,8 @@ def main() -> None:
     ap.add_argument("--target-batches-invariant", action="store_true",
                     help="--targets: (b) in the invariant mode too (by default in the default mode only)")
     ap.add_argument("--target-rounds", type=int, default=1,
-                    help="--targets: rounds of (b), each plain then n-gram; the row keeps the round of the "
-                         "median tokens/s ratio (one round of 64 requests moves by several percent)")
+                    help="--targets: rounds of (b), plain then n-gram and the other way round in turn; the row "
+                         "keeps the round of the median tokens/s ratio (one round of 64 requests moves by several percent)")
     ap.add_argument("--target-max-requests", type=int, default=None,
                     help="--targets: SpeculativeConfig.max_requests (default: its default; 0: the speculator "
                          "sees every step, its policy alone decides)")

@@ -15,9 +15,11 @@ required fields its budget cannot close), the tokens since the last check that f
 fits are dropped and the output is closed there. `length` is left only where no check found a
 completion that fits the budget.
 
-The loop guard (`SamplingParams.loop_guards`) adds a check every `LOOP_CHECK_EVERY` tokens: a
-tail that repeats one short token pattern (a digit, a phrase, an array item) closes the request
-early the same way, and the stats say so.
+The loop guard (`SamplingParams.loop_guards`) adds a check at every multiple of
+`LOOP_CHECK_EVERY` output tokens: a tail that repeats one short token pattern (a digit, a
+phrase, an array item) closes the request early the same way, and the stats say so. Forced text
+runs over these checks; each then runs on the output up to its place (`after_forced_text`), so
+where an output is closed depends on its tokens only, not on how many each step added.
 
 The completion comes from `completion_search.CompletionSearch`; requests in the same grammar
 state (every request of one schema at admission) share one search (`completion_cache`).
@@ -155,29 +157,51 @@ class BudgetCloser:
 
     @staticmethod
     def _schedule(req: Request, now: int) -> None:
-        """`close_at`: the sooner of the next budget check and the next loop check."""
+        """`close_at`: the sooner of the next budget check and the next loop check, at the next
+        multiple of LOOP_CHECK_EVERY output tokens (a grid, so budget checks and forced text
+        do not move it)."""
         p = req.params
         req.close_at = min(p.max_tokens, req.budget_check_at if p.close_at_budget else p.max_tokens,
-                           now + LOOP_CHECK_EVERY if p.loop_guards else p.max_tokens)
+                           (now // LOOP_CHECK_EVERY + 1) * LOOP_CHECK_EVERY if p.loop_guards else p.max_tokens)
+
+    def after_forced_text(self, req: Request, forced: int) -> None:
+        """Jump-forward appended `forced` tokens (after re-spelt ones), which may run over loop
+        checks (it stops short of budget checks only, `forced_text_end`). Each check passed
+        runs on the output up to its own place, as where sampled tokens bring the output to
+        it, and one that finds a loop there drops the tokens after it and closes the output at
+        that place: whether and where an output is closed is a function of its tokens, not of
+        how many each step adds (so with and without speculation alike), and forced text is
+        cut only where the output loops."""
+        p = req.params
+        end = min(p.max_tokens, req.budget_check_at if p.close_at_budget else p.max_tokens)
+        while (p.loop_guards and not req.finished and req.num_output >= req.close_at and req.close_at < end
+               and req.matcher is not None and self.search is not None):
+            at = req.close_at
+            start = req.num_prompt + at
+            if find_loop(req.token_ids[max(req.num_prompt, start - 4 * LOOP_MAX_PERIOD) : start]) is None:
+                self._schedule(req, at)
+                continue
+            back = req.num_output - at
+            req.matcher.rollback(back)
+            req.truncate(len(req.token_ids) - back)
+            req.stats.forced_tokens -= min(back, forced)
+            self._check(req, req.matcher.is_completed())  # as at a sampled token: closes there
 
     @staticmethod
     def forced_text_end(req: Request) -> int:
         """How many output tokens jump-forward's forced text may fill up to: the token before
-        the next budget or loop check ahead, where the closer must see the output (forced text
-        running past a budget check to max_tokens left nothing to close with). So the token at
-        a check is a sampled one and the check runs exactly there, as it does where a verify
-        step's drafts or plain decoding bring the output to it: where checks fall, and so
-        whether and where an output is closed, does not depend on how many tokens each step
-        adds (a loop check run past its place moved every later one, and a repeating output
-        was closed a period apart with and without speculation). A check already due runs at
-        the next token, and a closer that finds the output too long drops back."""
+        the next budget check ahead, where the closer must see the output before the budget is
+        spent (forced text running past it to max_tokens left nothing to close with). So the
+        token at the check is a sampled one and the check runs exactly there, as it does where
+        a verify step's drafts or plain decoding bring the output to it: where checks fall, and
+        so whether and where an output is closed, does not depend on how many tokens each step
+        adds. A check already due runs at the next token, and a closer that finds the output
+        too long drops back. Loop checks do not stop forced text: they run on the output up
+        to their place after it (`after_forced_text`)."""
         p = req.params
-        end = p.max_tokens
-        if p.close_at_budget and req.budget_check_at > req.num_output:
-            end = min(end, req.budget_check_at - 1)
-        if p.loop_guards and req.num_output < req.close_at < p.max_tokens:
-            end = min(end, req.close_at - 1)
-        return end
+        if not p.close_at_budget or req.budget_check_at <= req.num_output:
+            return p.max_tokens
+        return min(p.max_tokens, req.budget_check_at - 1)
 
     @staticmethod
     def room_for(req: Request, tokens: int) -> bool:

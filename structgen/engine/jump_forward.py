@@ -209,29 +209,45 @@ class JumpForward:
         self.rehearses = True
 
     def __call__(self, engine: Engine, req: Request) -> None:
+        """Append the text `req`'s grammar forces now, if any, then run the loop checks it ran
+        over (`BudgetCloser.after_forced_text`, before anything else may end the output or
+        move a check) and propose the held-back token as the next step's guess."""
+        forced = req.stats.forced_tokens
+        plan = self._jump(req)
+        if plan is None:
+            return
+        if req.stats.forced_tokens > forced:
+            engine.closer.after_forced_text(req, req.stats.forced_tokens - forced)
+        if plan[2]:
+            self._maybe_finish(req)
+        self._propose(req, plan[3])
+
+    def _jump(self, req: Request) -> Plan | None:
+        """Decide (or replay a rehearsed decision) and splice the jump; the plan applied."""
         m = req.matcher
         if m is None or req.finished or m.is_terminated():
-            return
+            return None
         rehearsal, self._rehearsal = self._rehearsal, None
         max_bytes = self.forced_bytes_limit(req.num_prompt + BudgetCloser.forced_text_end(req) - len(req.token_ids))
         if max_bytes <= 0:
-            return
+            return None
         try:
             forced = m.jump_forward_string(max_bytes)
         except UnicodeDecodeError:  # forced bytes end inside a character: nothing to encode
-            return
+            return None
         if not forced:
-            return
+            return None
         text = forced.encode("utf-8")
         if rehearsal is not None and rehearsal.req is req and rehearsal.version + 1 == m.version:
             # The matcher took one token (the sampled one) since the rehearsal: where that
             # token was rehearsed, only the rehearsed outcome is left to replay.
-            plan = rehearsal.plans.get(req.token_ids[-1], False)
-            if plan is not False and plan[0] == text and self._replay(req, plan[1]):
-                return
+            rehearsed = rehearsal.plans.get(req.token_ids[-1], False)
+            if rehearsed is not False and rehearsed[0] == text and self._replay(req, rehearsed[1]):
+                return rehearsed[1]
         plan = self._decide(m, req.token_ids, req.grammar_start, req.num_prompt + BudgetCloser.forced_text_end(req), text)
         if plan is not None:
-            self._apply(req, *plan)
+            self._apply(req, *plan[:3])
+        return plan
 
     def forced_bytes_limit(self, tokens_left: int) -> int:
         """The most forced text worth asking for with `tokens_left` tokens of budget: what
@@ -259,11 +275,9 @@ class JumpForward:
             return len(ids), 0, [], held
         return (len(ids) - k, c, kept, held) if outcome == JUMPED else None
 
-    def _apply(self, req: Request, start: int, c: int, kept: list[int], held: int | None) -> None:
-        """Splice a decided jump into the request (the matcher has it already), and propose
-        its held-back token as the request's guess."""
+    def _apply(self, req: Request, start: int, c: int, kept: list[int]) -> None:
+        """Splice a decided jump into the request (the matcher has it already)."""
         if not kept:
-            self._propose(req, held)
             return
         old = len(req.token_ids) - start
         if req.num_output:
@@ -274,8 +288,6 @@ class JumpForward:
             req.append(kept[c : c + replaced])
         if len(kept) > c + replaced:
             req.append(kept[c + replaced :], forced=True)
-        self._maybe_finish(req)
-        self._propose(req, held)
 
     # -- the held-back token as a guess ---------------------------------------------------------
     def _propose(self, req: Request, held: int | None) -> None:
@@ -429,12 +441,9 @@ class JumpForward:
 
     def _replay(self, req: Request, plan: Plan | None) -> bool:
         """Apply a rehearsed outcome; False (nothing changed) if the grammar now disagrees."""
-        if plan is None:
+        if plan is None or not plan[2]:
             return True
-        start, c, kept, held = plan
-        if not kept:
-            self._propose(req, held)
-            return True
+        start, c, kept, _ = plan
         m, old = req.matcher, req.token_ids[start:]
         if c < len(old):
             m.rollback(len(old) - c)
@@ -442,7 +451,7 @@ class JumpForward:
         if taken != len(kept) - c:  # pragma: no cover - the rehearsal took the same tokens
             self._restore(m, taken, old[c:])
             return False
-        self._apply(req, start, c, kept, held)
+        self._apply(req, start, c, kept)
         return True
 
     def _encode(self, text: bytes) -> list[int] | None:

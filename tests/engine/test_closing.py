@@ -268,3 +268,52 @@ def test_a_safe_point_that_respelt_tokens_moved_past_an_opened_item_still_closes
               "'relativeangle': 180.0, 'ejectmass': False}]")
     c = llm.complete(JsonSchema(schema), [{"role": "user", "content": prompt}], max_tokens=48)
     assert c.finish_reason == "stop" and c.stats.dropped_tokens > 0 and len(c.value) >= 1
+
+
+def _feed(llm: LLM, text: str, chunks: list[int]) -> Request:
+    """A request whose output is `text`'s tokens, `chunks` of them at a time (1: sampled
+    tokens, each followed by the closer's check where one is due; more: forced text, then
+    `after_forced_text`), as the engine's steps would bring them."""
+    cfg = CFG('root ::= "[" item ("," item)* "]"\nitem ::= [a-z] "-and-some-forced-text"')
+    matcher = llm.grammars.compile(to_constraint(cfg)).matcher()
+    req = Request(llm.encode_prompt("Items:"), SamplingParams(max_tokens=200), matcher,
+                  frozenset(llm.engine.stop_token_ids))
+    closer = llm.engine.closer
+    closer.admit(req)
+    ids = llm.tokenizer.encode(text, add_special_tokens=False)
+    at = 0
+    for n in chunks:
+        if req.finished or at >= len(ids):
+            break
+        part = ids[at : at + n]
+        at += len(part)
+        assert matcher.accept_tokens(part) == len(part)
+        req.append(part, forced=n > 1)
+        if n > 1:
+            closer.after_forced_text(req, len(part))
+        elif req.num_output >= req.close_at:
+            closer.at_budget(req, matcher.is_completed())
+    return req
+
+
+def test_a_loop_check_that_forced_text_runs_over_closes_where_plain_decoding_would(llm: LLM) -> None:
+    """Loop checks sit at every LOOP_CHECK_EVERY output tokens; forced text runs over them
+    and each then runs on the output up to its place: a repeating output is closed at the
+    same token, with the same tokens, whether they came one a step or in long forced runs."""
+    text = "[" + ",".join(["a-and-some-forced-text"] * 12)
+    one_by_one = _feed(llm, text, [1] * 400)
+    forced_runs = _feed(llm, text, [1, 9, 1, 13, 1, 29, 1, 40, 1, 60, 1, 70])
+    assert "repetition" in one_by_one.stats.guards_fired and one_by_one.finished
+    assert forced_runs.token_ids == one_by_one.token_ids and forced_runs.finished
+    assert forced_runs.num_output < len(llm.tokenizer.encode(text, add_special_tokens=False))  # forced text was cut
+    assert json.loads(llm.tokenizer.decode(forced_runs.output_ids).replace("-and-some-forced-text", "").replace(
+        "a", '"a"'))  # closed into a whole list
+
+
+def test_forced_text_over_a_loop_check_stays_where_the_output_does_not_loop(llm: LLM) -> None:
+    """A check that finds no loop leaves the forced text whole and moves to the next place."""
+    text = "[" + ",".join(f"{c}-and-some-forced-text" for c in "abcdefgh")
+    n = len(llm.tokenizer.encode(text, add_special_tokens=False))
+    req = _feed(llm, text, [1, n - 1])
+    assert not req.finished and req.num_output == n and req.stats.guards_fired == []
+    assert req.close_at > req.num_output and req.close_at % 16 == 0
