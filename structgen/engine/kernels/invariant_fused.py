@@ -8,7 +8,7 @@ them back inside the invariant GEMM, for every row count, so they stay invariant
 
 - `norm_gemm`: `W @ rms_norm(x + residual)`. Each program streams its rows of x (plus the
   residual) through the tile, sums x^2 on the way and scales its dot products by 1/rms at
-  the end (`fused_gemv.py`'s prologue); the programs of the first feature block also write
+  the end (`fused_gemv.py`'s prologue); the programs of the first feature block then write
   `x + residual` out as the new residual stream.
 - `silu_gemm`: `W @ (silu(gate) * up)` from the gate_up projection's output, the product
   formed chunk by chunk as the tile loads it.
@@ -46,7 +46,6 @@ def _prologue_kernel(X, R, G, W, B, Y, RO, M, N, K, stride_xm, stride_rm, stride
     n = block_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m = (pid % tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
     nmask, mmask = n < N, m < M
-    writes = mmask & (m * 0 + block_n == 0)  # rows whose residual sum this program writes
     w_ptr = W + n[:, None].to(tl.int64) * stride_wn
     x_ptr = X + m[:, None].to(tl.int64) * stride_xm
     wait_for_inputs(PDL)
@@ -66,7 +65,6 @@ def _prologue_kernel(X, R, G, W, B, Y, RO, M, N, K, stride_xm, stride_rm, stride
             if HAS_RES:
                 r = tl.load(R + m[:, None].to(tl.int64) * stride_rm + k[None, :], mask=xmask, other=0.0)
                 x = (x.to(tl.float32) + r.to(tl.float32)).to(dt)
-                tl.store(RO + m[:, None].to(tl.int64) * stride_rom + k[None, :], x, mask=xmask & writes[:, None])
             xf = x.to(tl.float32)
             squares += tl.sum(xf * xf, 1)
             g = tl.load(G + k, mask=kmask, other=0.0).to(tl.float32)
@@ -78,6 +76,15 @@ def _prologue_kernel(X, R, G, W, B, Y, RO, M, N, K, stride_xm, stride_rm, stride
         acc = tl.dot(a, tl.trans(w), acc)
     if PROLOGUE == PRO_NORM:
         acc = acc * (1.0 / tl.sqrt(squares / K + eps))[:, None]
+        if HAS_RES:  # after the loop: a store in it would stop its loads' pipelining
+            if block_n == 0:
+                for k0 in range(0, K, BLOCK_K):
+                    k = k0 + tl.arange(0, BLOCK_K)
+                    xmask = mmask[:, None] & (k < K)[None, :]
+                    x = tl.load(x_ptr + k[None, :], mask=xmask, other=0.0)
+                    r = tl.load(R + m[:, None].to(tl.int64) * stride_rm + k[None, :], mask=xmask, other=0.0)
+                    tl.store(RO + m[:, None].to(tl.int64) * stride_rom + k[None, :],
+                             (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype), mask=xmask)
     if HAS_BIAS:
         acc += tl.load(B + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
     y_ptr = Y + m[:, None].to(tl.int64) * stride_ym + n[None, :]
