@@ -1142,48 +1142,6 @@ def test_invariant_gemm_computes_each_row_as_it_would_alone(n, k, bias, tiling):
             assert torch.equal(singles[i, tile_rows], rows[i]), (tiling, m, i)
 
 
-@pytest.mark.parametrize("n,k,bias,residual", [(40, 96, True, True), (300, 256, False, True), (72, 128, False, False)])
-def test_norm_and_silu_gemms_compute_each_row_as_it_would_alone(n, k, bias, residual):
-    """kernels/invariant_fused.py: the norm-fused (with and without the residual add) and the
-    SiLU * up-fused invariant GEMMs equal their unfused definitions, and row i of an M-row
-    launch equals that row alone, for every row count the engine launches."""
-    import torch.nn.functional as F
-
-    from structgen.engine.kernels.gemv import invariant_block
-    from structgen.engine.kernels.invariant_fused import norm_gemm, silu_gemm
-
-    g = torch.Generator().manual_seed(n + k)
-    w = (torch.randn(n, k, generator=g) * k**-0.5).to(DEVICE, LOW)
-    b = torch.randn(n, generator=g).to(DEVICE, LOW) if bias else None
-    gain = (torch.rand(k, generator=g) + 0.5).to(DEVICE, LOW)
-    rows = max(ROW_COUNTS)
-    x, r = (torch.randn(rows, k, generator=g).to(DEVICE, LOW) for _ in range(2))
-    gate_up = torch.randn(rows, 2 * k, generator=g).to(DEVICE, LOW)
-    res = r if residual else None
-
-    y, summed = norm_gemm(x, w, b, gain, 1e-6, res)
-    h = (x.double() + r.double()).to(LOW) if residual else x
-    assert torch.equal(summed, h)
-    normed = h.double() * torch.rsqrt(h.double().pow(2).mean(-1, keepdim=True) + 1e-6) * gain.double()
-    ref = F.linear(normed, w.double(), None if b is None else b.double())
-    assert rel_err(y, ref) < 1e-2
-    act = (F.silu(gate_up[:, :k].double()).to(LOW).double() * gate_up[:, k:].double()).to(LOW)
-    assert rel_err(silu_gemm(gate_up, w), F.linear(act.double(), w.double())) < 1e-2
-
-    def one(m: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        tile_rows = invariant_block(w, m)[0]
-        xs, gs = alone(x, i, tile_rows), alone(gate_up, i, tile_rows)
-        rs = alone(r, i, tile_rows) if residual else None
-        return norm_gemm(xs, w, b, gain, 1e-6, rs)[0][-1], silu_gemm(gs, w)[-1]
-
-    for m in ROW_COUNTS:
-        ym = norm_gemm(x[:m], w, b, gain, 1e-6, r[:m] if residual else None)[0]
-        zm = silu_gemm(gate_up[:m], w)
-        for i in range(m) if CUDA else sorted({0, m // 2, m - 1}):
-            yi, zi = one(m, i)
-            assert torch.equal(yi, ym[i]) and torch.equal(zi, zm[i]), (m, i)
-
-
 def test_decode_attention_of_a_sequence_is_the_same_in_any_batch(invariant):
     """The split count no longer follows the batch size, and a sequence's attention output is
     the same bits in a batch of 1, 4 or 16 sequences, with and without a sliding window; the
@@ -1254,8 +1212,7 @@ FAMILIES = {
 def test_a_verify_steps_rows_get_the_logits_of_one_row_decode_steps(invariant, family):
     """The whole model in the batch-invariant mode: a token's logits are the same bits whether
     it runs as a one-row decode step or as a row of a four-row step (a verify step's draft
-    rows, or jump-forward's forced rows); the per-row-count fused norm projections are off,
-    and Llama's and Phi-3's layers take the invariant ones (kernels/invariant_fused.py)."""
+    rows, or jump-forward's forced rows), and the fused norm projections are off."""
     from structgen.engine.attention import AttentionBatch
     from structgen.engine.config import ModelConfig
     from structgen.engine.kv_cache import PAGE_SIZE, KVCache
@@ -1270,7 +1227,6 @@ def test_a_verify_steps_rows_get_the_logits_of_one_row_decode_steps(invariant, f
     model.init_random_weights(std=0.05)
     model.use_fused_kernels(True)
     assert all(getattr(layer, "fused_rows", 0) == 0 for layer in model.layers)
-    assert all(getattr(layer, "invariant_fused", False) == (family in ("llama", "phi3")) for layer in model.layers)
     pages = PageTable(2 * 64 // PAGE_SIZE + 1, PAGE_SIZE, 2, 64, DEVICE)
     assert pages.cover(1, 16)
     kv = KVCache(cfg, pages, dtype=LOW, device=DEVICE)

@@ -193,17 +193,6 @@ class Attention(nn.Module):
         out = attend(q, kv.k[i], kv.v[i], batch, self.window)
         return project(self.o_proj, out.reshape(n, self.q_size), True), residual
 
-    def invariant_norm_forward(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
-                               rope: RotaryEmbedding, batch: AttentionBatch, kv: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """`norm_forward` in the batch-invariant mode, for any row count: the norm inside the
-        invariant qkv GEMM, then RoPE and the KV write (kernels/invariant_fused.py)."""
-        from structgen.engine.kernels.invariant_fused import norm_gemm
-
-        qkv, residual = norm_gemm(x, self.qkv_proj.weight, self.qkv_proj.bias, norm.weight, norm.eps, residual)
-        i = self.layer_idx
-        out = attend(self.fused_rope_and_cache(qkv, rope, batch, kv), kv.k[i], kv.v[i], batch, self.window)
-        return project(self.o_proj, out.reshape(x.shape[0], self.q_size), True), residual
-
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -229,15 +218,6 @@ class MLP(nn.Module):
         h, residual = norm_silu_gemv(x, self.gate_up_proj.weight, norm.weight, norm.eps, residual)
         return project(self.down_proj, h, True), residual
 
-    def invariant_norm_forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
-                               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`norm_forward` in the batch-invariant mode, for any row count: the norm inside the
-        invariant gate_up GEMM, SiLU * up inside the down one (kernels/invariant_fused.py)."""
-        from structgen.engine.kernels.invariant_fused import norm_gemm, silu_gemm
-
-        gate_up, residual = norm_gemm(x, self.gate_up_proj.weight, None, norm.weight, norm.eps, residual)
-        return silu_gemm(gate_up, self.down_proj.weight), residual
-
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
@@ -247,7 +227,6 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
         self.fused_rows = 0  # steps of up to this many rows take the fused projections
-        self.invariant_fused = False  # the batch-invariant mode's norm-fused projections, any row count
         self.tensor_parallel = None  # this rank's group where the model is sharded (models/sharding.py)
 
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -278,9 +257,6 @@ class DecoderLayer(nn.Module):
         stream), so the model fuses that add into the next layer's input norm. Under tensor
         parallelism the mlp output is this rank's part, and `x` the last layer's: the sum over
         the ranks is fused into the norm after it (`reduce_add_norm`)."""
-        if self.invariant_fused and x.dim() == 2 and self.tensor_parallel is None:
-            h, residual = self.self_attn.invariant_norm_forward(x, residual, self.input_layernorm, rope, batch, kv)
-            return self.mlp.invariant_norm_forward(h, residual, self.post_attention_layernorm)
         if x.dim() == 2 and x.shape[0] <= self.fused_rows:
             x = x if residual is None else self.reduce(x)
             h, residual = self.self_attn.norm_forward(x, residual, self.input_layernorm, rope, batch, kv)
@@ -369,9 +345,7 @@ class LlamaModel(nn.Module):
     def use_fused_kernels(self, enabled: bool, projection_rows: int = FUSED_ROWS) -> None:
         """Route norms, RoPE + KV write and SiLU * up through the Triton kernels (CUDA); steps
         of up to `projection_rows` rows run them inside the projections (fused_gemv.py), except
-        in the batch-invariant mode (a row's numbers would depend on its step's row count),
-        where steps of any row count run the norms and SiLU * up inside the invariant GEMM
-        (invariant_fused.py).
+        in the batch-invariant mode (a row's numbers would depend on its step's row count).
         Dense layers with per-head q/k norms (Qwen3) stay unfused: with them the fused qkv runs
         one program a head (fewer, longer programs); a mixture of experts, whose layers are
         bound by their kernel count, takes that form (models/moe.py)."""
@@ -381,13 +355,10 @@ class LlamaModel(nn.Module):
             if hasattr(m, "fused"):
                 m.fused = enabled
             if isinstance(m, DecoderLayer):
-                m.fused_rows, m.invariant_fused = 0, False
+                m.fused_rows = 0
                 dense = isinstance(m.self_attn.qkv_proj, nn.Linear) and isinstance(
                     getattr(m.mlp, "gate_up_proj", None), nn.Linear)  # not packed, not experts (MoE)
                 plain = dense and m.self_attn.q_norm is None
-                if enabled and plain and batch_invariant() and type(m) is DecoderLayer and type(m.mlp) is MLP and {
-                        type(m.input_layernorm), type(m.post_attention_layernorm)} == {RMSNorm}:
-                    m.invariant_fused = True
                 if enabled and projection_rows and plain and not batch_invariant():  # fused rows sum differently
                     from structgen.engine.kernels.fused_gemv import max_rows
 
