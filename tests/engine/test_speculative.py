@@ -637,3 +637,40 @@ def test_greedy_reasoning_output_is_unchanged(llm):
     spec = complete(llm, SpeculativeConfig(num_draft_tokens=3), JsonSchema(SCHEMA), prompt, fixed=True, **kw)
     assert base.reasoning and spec.stats.accepted_tokens > 0
     assert (spec.reasoning, spec.text) == (base.reasoning, base.text)
+
+
+def test_accepted_drafts_over_forced_text_stand_only_where_jump_forward_spells_it_alike(llm):
+    """After an accepted draft token the grammar forces text (`, "age":`): jump-forward splices
+    it spelt as plain decoding spells it. The drafts after that token stand where they spell
+    it the same way (and go on past it); from the first one spelt otherwise they are dropped,
+    their K/V with them. Where the model spelt forced text its own way, speculation changed
+    greedy outputs (an H200, batch 16, invariant mode)."""
+    eng, tok = llm.engine, llm.tokenizer
+    spec = Speculator(eng, SpeculativeConfig(num_draft_tokens=12))
+
+    def verify(pieces: list[str]) -> tuple[Request, int]:
+        """A request at `{"name": "Maria Gonzalez` whose draft is `pieces` (a token each),
+        every one the target's token too; the request and its length before the step."""
+        matcher = llm.grammars.compile(to_constraint(JsonSchema(SCHEMA))).matcher()
+        req = Request(llm.encode_prompt(PROMPT), SamplingParams(max_tokens=64), matcher, frozenset(eng.stop_token_ids))
+        req.jump_forward = True
+        eng.closer.admit(req)
+        sampled = tok.encode('{"name": "Maria Gonzalez', add_special_tokens=False)
+        assert matcher.accept_tokens(sampled) == len(sampled)
+        req.append(sampled)
+        req.num_cached = len(req.token_ids) - 1  # the last token is the step's pending one
+        draft = [tok.convert_tokens_to_ids(tok.tokenize(p))[0] for p in pieces]
+        assert tok.decode(draft) == "".join(pieces) and len(draft) == len(pieces)
+        base = len(req.token_ids)
+        spec._accept(req, 1, draft, [*draft, draft[0]], None)
+        return req, base
+
+    canonical = [tok.decode([t]) for t in tok.encode('", "age": 34, "city', add_special_tokens=False)]
+    req, base = verify(canonical)  # spelt as jump-forward spells it: the drafts go on
+    assert tok.decode(req.output_ids).startswith('{"name": "Maria Gonzalez", "age": 34, "city')
+    assert req.stats.forced_tokens > 0 and req.num_cached == base + len(canonical)
+    req, base = verify([canonical[0], canonical[1], "a", "ge", '":', " ", "3", "4"])  # `age` in two tokens
+    assert tok.decode(req.output_ids) == '{"name": "Maria Gonzalez", "age":'  # the space is held back
+    assert req.num_cached == base + 2  # `",`, then ` "` as the splice spells it
+    plain = llm.grammars.compile(to_constraint(JsonSchema(SCHEMA))).matcher()
+    assert plain.accept_tokens(req.output_ids) == len(req.output_ids)  # the matcher followed the splice
