@@ -605,9 +605,7 @@ class Speculator:
 
     def _accept(self, req: Request, n: int, draft: list[int], tokens: list[int], error: BaseException | None) -> None:
         """Keep the accepted prefix of the draft, emit it and the target's token through the
-        engine's `_advance`; the KV cache keeps pending + accepted drafts. Where jump-forward
-        splices forced text after an emitted token, the later ones stand only where they spell
-        it as the splice does (`_forced_after`)."""
+        engine's `_advance`; the KV cache keeps pending + accepted drafts."""
         eng = self.engine
         # A guess (engine/drafts.py) is for the step right after its jump: this one, which ran
         # no guess row; kept, it would run later at a position it was not proposed for.
@@ -618,57 +616,22 @@ class Speculator:
             emitted = accept_draft(tokens, draft)
             accepted = len(emitted) - 1
             req.num_cached += n + accepted  # rejected drafts' K/V are overwritten later
-            cached = req.num_cached
             req.stats.drafted_tokens += len(draft)
             req.stats.accepted_tokens += accepted
             req.stats.verify_steps += 1
             drafter_hooks.notify_verified(self.drafter, req, len(draft), accepted)
             self.policy.record_verified(req, len(draft), accepted)
             base, thinking = len(req.token_ids), req.thinking
-            j = 0
-            while j < len(emitted):
-                eng._advance(req, emitted[j])
+            for j, tok in enumerate(emitted):
+                eng._advance(req, tok, jump_forward=j == len(emitted) - 1)
                 if req.finished:
                     break
                 if thinking and not req.thinking:  # the think section closed: the grammar takes the rest
                     req.num_cached = min(req.num_cached, base + j + 1, len(req.token_ids))
                     break
-                spliced = self._forced_after(req, base + j + 1, emitted[j], emitted[j + 1 :], cached)
-                if spliced is None:
-                    if j < len(emitted) - 1:
-                        req.guess = None  # a guess is for the step after its jump: the next token is here
-                    j += 1
-                elif spliced > 0:  # the drafts spelt the forced text as jump-forward does, and go on past it
-                    req.guess = None
-                    j += 1 + spliced
-                else:
-                    break
         except Exception as exc:
             log.exception("request %d failed", req.id)
             req.finish("error", exc if isinstance(exc, EngineError) else EngineError(str(exc)))
-
-    @staticmethod
-    def _forced_after(req: Request, at: int, tok: int, rest: list[int], cached: int) -> int | None:
-        """After `_advance` took the emitted `tok`, the request's `at`-th token: None where
-        nothing was spliced after it. Else jump-forward spliced the text the grammar forces,
-        spelt as plain decoding spells it, and this step's later tokens `rest` stand only where
-        they spell it the same way (their K/V, of the step's `cached` tokens, was computed for
-        these very tokens; the splice's truncate moved `num_cached` back to it): how many of
-        `rest` the forced tokens cover where the drafts go on past them, else 0 (the step's
-        tokens end here; K/V is kept for the forced tokens they matched). Drafts that spelt
-        forced text the model's way changed greedy outputs against plain decoding."""
-        ids = req.token_ids
-        if req.num_cached < min(at, cached) or len(ids) < at or ids[at - 1] != tok:
-            return 0  # re-spelt from `tok` or before it: the splice's truncate moved `num_cached` back
-        if len(ids) == at:
-            return None
-        forced = ids[at:]
-        same = next((i for i, (a, b) in enumerate(zip(forced, rest, strict=False)) if a != b), min(len(forced), len(rest)))
-        if same == len(forced) and same < len(rest):
-            req.num_cached = cached
-            return same
-        req.num_cached = min(cached, at + same)
-        return 0
 
 
 class VerifyStep(DecodeStep):
