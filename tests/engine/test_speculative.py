@@ -9,6 +9,7 @@ import random
 from collections import Counter
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
@@ -637,3 +638,25 @@ def test_greedy_reasoning_output_is_unchanged(llm):
     spec = complete(llm, SpeculativeConfig(num_draft_tokens=3), JsonSchema(SCHEMA), prompt, fixed=True, **kw)
     assert base.reasoning and spec.stats.accepted_tokens > 0
     assert (spec.reasoning, spec.text) == (base.reasoning, base.text)
+
+
+def test_a_speculator_set_on_a_built_engine_reserves_the_pages_its_drafts_write(llm, monkeypatch):
+    """Every row of a verify step lies in a page its request holds before the forward: a
+    speculator set on an engine built without SpeculativeConfig (as benchmarks and these
+    tests do) makes the scheduler reserve its drafts' positions. It reserved two, and on the
+    GPU a draft past them wrote its K/V to the scratch page and read it back."""
+    from structgen.engine.speculative.verify_rows import token_rows
+
+    pages, unmapped = llm.engine.runner.kv.pages, []
+    real = Speculator._forward_and_sample
+
+    def checked(self, batch, drafts, spans, take):
+        rows, _ = token_rows(batch, drafts, spans)
+        slots, positions = np.array([r.slot for r in rows]), np.array([r.start for r in rows])
+        if not pages.maps(slots, positions):
+            unmapped.append(positions.max())
+        return real(self, batch, drafts, spans, take)
+
+    monkeypatch.setattr(Speculator, "_forward_and_sample", checked)
+    out = complete(llm, SpeculativeConfig(num_draft_tokens=6), JsonSchema(SCHEMA), PROMPT, fixed=True, max_tokens=96)
+    assert out.stats.verify_steps > 5 and unmapped == []
