@@ -218,7 +218,7 @@ class JumpForward:
             return
         if req.stats.forced_tokens > forced:
             engine.closer.after_forced_text(req, req.stats.forced_tokens - forced)
-        if plan[2]:
+        if plan[2] and not req.finished:  # (a loop check may have closed it)
             self._maybe_finish(req)
         self._propose(req, plan[3])
 
