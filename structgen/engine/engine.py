@@ -102,12 +102,10 @@ class Engine:
             raise
         self.device = self.runner.device
         self.vocab_size = model_config.vocab_size
-        # A step may write past a request's tokens: a draft and the forward launched ahead, or
-        # the speculator's drafts.
-        spec = self.config.speculative
-        lookahead = 2 + (spec.num_draft_tokens if spec is not None else 0)
+        # A step may write past a request's tokens: a draft and the forward launched ahead (a
+        # speculator raises this for its drafts, `Speculator.__init__`).
         self.scheduler = Scheduler(self.runner.kv.pages, self.runner.kv.num_slots, self.config.prefill_chunk_tokens,
-                                   lookahead)
+                                   lookahead=2)
         self.max_seq_len = self.runner.max_seq_len
         self.jump_forward_hook: JumpForward | None = None  # built by use_tokenizer
         self.closer = BudgetCloser()  # closes outputs near max_tokens once given the tokenizer

@@ -117,9 +117,9 @@ class Speculator:
         self.policy = DraftPolicy(tuple(graphs.batch_sizes) if graphs is not None else ())
         self.adaptive = True  # draft lengths from `policy`; False: always the budget (benchmarks)
         # A verify step writes its drafts' K/V past a request's tokens: the scheduler reserves
-        # their pages. An engine built without this config (benchmarks and tests set a
-        # speculator on it) reserved two positions only, so a third draft at a new page wrote
-        # to the scratch page in the decode graphs and read it back: greedy outputs changed.
+        # their pages, here, however the speculator came to the engine (benchmarks and tests
+        # set one on a built engine, which reserved two positions: a third draft at a new page
+        # wrote to the scratch page in the decode graphs and read it back).
         scheduler = engine.scheduler
         scheduler.lookahead = max(scheduler.lookahead, 2 + config.num_draft_tokens)
 
