@@ -347,7 +347,7 @@ def test_gemv_matches_linear(n, k):
             assert rel_err(gemv(x, w, b, block=block), F.linear(x, w, b)) < 1e-2, (rows, block)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3])
+@pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_norm_silu_gemv_matches_the_unfused_stages(rows, with_residual):
     """rmsnorm(x + r) -> gate_up -> silu(gate) * up in one kernel, against the three torch

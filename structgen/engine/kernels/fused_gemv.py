@@ -58,7 +58,6 @@ CONFIGS = ((4, 1024, 4, 4), (2, 2048, 4, 4), (8, 512, 4, 4), (4, 2048, 8, 3), (2
 HEAD_CONFIGS = ((128, 8, 3), (256, 8, 2), (256, 16, 2), (64, 4, 4), (128, 4, 4), (512, 16, 1))
 SPLIT = (0, 0, 0, 0)  # not a block shape: `norm_gemv` then `fused.rope_and_cache`, two launches
 TIMED_ABOVE = 4 << 20  # weight elements
-MIN_CHUNK = 32  # columns: the shortest chunk `chunk_columns` gives
 _plans: dict[tuple, tuple[int, int, int, int]] = {}
 
 
@@ -186,8 +185,7 @@ def _launch(x, weight, bias, out, *, norm_weight, residual, eps, epi, grid, pair
     assert m <= MAX_ROWS and x.stride(-1) == 1 and weight.stride(-1) == 1
     res_out = torch.empty_like(x) if residual is not None else x  # written only with a residual
     bn, bk, nw, ns = cfg
-    block_m = triton.next_power_of_2(m)
-    block_k = min(chunk_columns(bk, block_m), triton.next_power_of_2(k))
+    block_k = min(bk, triton.next_power_of_2(k))
     pos, token_slots, cos, sin, kc, vc = rope or (x, x, x, x, x, x)
     stride_c = kc.stride() if rope else (0, 0, 0)
     q_norm, k_norm = (head_norms.q_weight, head_norms.k_weight) if head_norms else (x, x)
@@ -200,18 +198,10 @@ def _launch(x, weight, bias, out, *, norm_weight, residual, eps, epi, grid, pair
         HAS_RES=residual is not None, HAS_BIAS=bias is not None, EPI=epi.value,
         N_HEADS=heads[0], N_KV=heads[1], HEAD_DIM=heads[2], HEAD_NORM=head_norms is not None,
         UNIT_OFFSET=head_norms is not None and head_norms.unit_offset,
-        EVEN_K=k % block_k == 0, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=block_k,
+        EVEN_K=k % block_k == 0, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=bn, BLOCK_K=block_k,
         num_warps=nw, num_stages=ns, **launch_args(x.device, m),
     )
     return res_out
-
-
-def chunk_columns(block_k: int, block_m: int) -> int:
-    """Columns of a chunk for `block_m` rows of a shape chosen at one row (`block_k`): a
-    chunk's products (rows x features x columns, in registers) keep the one-row size, so more
-    rows take shorter chunks instead of spilling registers (SmolLM2's 4-row verify forward
-    cost 1.38x its one-row forward with 1,024-column chunks: docs/performance.md)."""
-    return max(block_k // block_m, MIN_CHUNK)
 
 
 def norm_silu_gemv(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor, eps: float,
