@@ -501,10 +501,10 @@ def test_norm_gemv_matches_norm_then_linear(rows, features):
 def test_fused_projections_are_kept_to_the_shapes_they_win_on():
     """`max_rows`: up to 4 rows for small models, 1 row for mid-sized ones, never for an 8B
     shape or where no block width divides the intermediate size or half a head; the model
-    takes that rule layer by layer."""
+    takes that rule layer by layer, up to FUSED_ROWS rows unless asked for more."""
     from structgen.engine.config import ModelConfig
     from structgen.engine.kernels.fused_gemv import MAX_ROWS, max_rows
-    from structgen.engine.models.llama import LlamaModel, skip_init
+    from structgen.engine.models.llama import FUSED_ROWS, LlamaModel, skip_init
 
     def gate_up(hidden: int, inter: int) -> torch.Tensor:
         return torch.empty(2 * inter, hidden, device="meta")
@@ -519,6 +519,8 @@ def test_fused_projections_are_kept_to_the_shapes_they_win_on():
     with skip_init(LOW):
         model = LlamaModel(cfg, 32)
     model.use_fused_kernels(True)
+    assert [layer.fused_rows for layer in model.layers] == [FUSED_ROWS, FUSED_ROWS] == [2, 2]
+    model.use_fused_kernels(True, projection_rows=MAX_ROWS)
     assert [layer.fused_rows for layer in model.layers] == [MAX_ROWS, MAX_ROWS]
     model.use_fused_kernels(True, projection_rows=1)
     assert [layer.fused_rows for layer in model.layers] == [1, 1]

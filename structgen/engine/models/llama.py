@@ -39,7 +39,10 @@ if TYPE_CHECKING:
     from structgen.engine.kernels.fused import HeadNorms
     from structgen.engine.parallel import TensorParallel
 
-FUSED_ROWS = 4  # steps of up to this many rows run norms inside the projections (fused_gemv.MAX_ROWS)
+# Steps of up to this many rows run norms inside the projections (fused_gemv.py takes up to
+# its MAX_ROWS): at 4 rows they lost to the unfused kernels on every card timed, by up to half
+# again on one H100 (docs/performance.md, "Decode step at batch 1").
+FUSED_ROWS = 2
 
 
 class RMSNorm(nn.Module):
