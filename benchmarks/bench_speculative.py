@@ -29,7 +29,8 @@ only ones the speculator sees; `*_tail_longest_ms` its longest step, `*_tail_ahe
 steps whose forward was launched ahead, of all its decode-graph steps) and its longest step
 (`*_longest_step_ms`: a stall or a compile).
 `--target-max-requests 0` lets the speculator see every step; `rounds_tokens_per_s_ratio` and
-`rounds_tail_ms` (plain, n-gram) are in run order (odd rounds run n-gram first).
+`rounds_tail_ms` (plain, n-gram) are in run order (odd rounds run n-gram first); a row is its
+median round, with `pooled_tokens_per_s_ratio` over all its rounds' tokens and time.
 It writes benchmarks/results/speculative_targets-<device>-<date>.json.
 
 Metrics: `mean_acceptance_length` = tokens sampled per verify step (accepted drafts + the
@@ -388,6 +389,7 @@ def timed_pair(llm: LLM, spec: Speculator, cases: list[Case], batch: int, max_to
             # where the others part: (request, first differing output position, its verify steps)
             "differ": [(i, parting(a.output_ids, b.output_ids), a.stats.verify_steps)
                        for i, (a, b) in enumerate(zip(spec_reqs, plain, strict=True)) if a.output_ids != b.output_ids],
+            "plain_tokens": plain_tokens, "plain_s": plain_s, "ngram_tokens": spec_tokens, "ngram_s": spec_s,
             "plain_tokens_per_s": plain_tokens / plain_s, "ngram_tokens_per_s": spec_tokens / spec_s,
             "tokens_per_s_ratio": (spec_tokens / spec_s) / (plain_tokens / plain_s),
             "decode_ms_per_token_plain": 1e3 * decode[0], "decode_ms_per_token_ngram": 1e3 * decode[1],
@@ -397,6 +399,20 @@ def timed_pair(llm: LLM, spec: Speculator, cases: list[Case], batch: int, max_to
             # drafting stopped by its realized rate; drafts scored unseen (speculative/policy.py)
             "realized_stops": spec.policy.blocks.total() - stops, "unseen_drafts": spec.policy.shadowed - shadowed} | (
             clocks["plain"].row("plain") | clocks["ngram"].row("ngram"))
+
+
+def median_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """The round of the median tokens/s ratio."""
+    return sorted(rounds, key=lambda r: r["tokens_per_s_ratio"])[len(rounds) // 2]
+
+
+def pooled_ratio(rounds: list[dict[str, Any]]) -> float:
+    """N-gram speculation's tokens/s over plain decoding's, each over all its rounds' tokens and
+    time: a round's ratio moves by tens of percent at batch 64 (a sub-second run), the pooled
+    one by what the rounds share."""
+    def rate(name: str) -> float:
+        return sum(r[f"{name}_tokens"] for r in rounds) / sum(r[f"{name}_s"] for r in rounds)
+    return rate("ngram") / rate("plain")
 
 
 def measure_targets(args: argparse.Namespace, invariant: bool) -> list[dict[str, Any]]:
@@ -426,9 +442,8 @@ def measure_targets(args: argparse.Namespace, invariant: bool) -> list[dict[str,
                       for i in range(args.target_rounds)]
             ratios = [round(r["tokens_per_s_ratio"], 3) for r in rounds]  # in run order: warm-up effects show
             tails = [(round(r["plain_tail_ms"], 1), round(r["ngram_tail_ms"], 1)) for r in rounds]
-            rounds.sort(key=lambda r: r["tokens_per_s_ratio"])
-            rows.append(mode | rounds[len(rounds) // 2] | {"rounds_tokens_per_s_ratio": ratios,
-                                                            "rounds_tail_ms": tails})
+            rows.append(mode | median_round(rounds) | {"rounds_tokens_per_s_ratio": ratios, "rounds_tail_ms": tails,
+                                                       "pooled_tokens_per_s_ratio": pooled_ratio(rounds)})
     llm.close()
     return rows
 
@@ -445,7 +460,7 @@ def run_targets(args: argparse.Namespace) -> None:
              "plain_tail_ms", "ngram_tail_ms",
              "plain_tail_steps", "ngram_tail_steps", "plain_tail_longest_ms", "ngram_tail_longest_ms",
              "plain_tail_ahead", "ngram_tail_ahead", "plain_longest_step_ms", "ngram_longest_step_ms",
-             "rounds_tokens_per_s_ratio", "rounds_tail_ms"]
+             "rounds_tokens_per_s_ratio", "pooled_tokens_per_s_ratio", "rounds_tail_ms"]
     print_table([{c: r.get(c) for c in shown} for r in rows])
     for r in rows:
         print(f"batch {r['batch']}, invariant {r['batch_invariant']}: outputs that differ {r['differ']}")
@@ -455,7 +470,7 @@ def run_targets(args: argparse.Namespace) -> None:
         path = write_results("speculative_targets", rows, extra={
             "settings": vars(args) | {"data": str(args.data)},
             "targets": "batch 1: identical == complete and decode_speedup >= 1.8; batches 16, 64: "
-                       "tokens_per_s_ratio >= 1.0"})
+                       "tokens_per_s_ratio (the median round) and pooled_tokens_per_s_ratio >= 1.0"})
         print(f"wrote {path}")
 
 
