@@ -216,11 +216,12 @@ class JumpForward:
         plan = self._jump(req)
         if plan is None:
             return
+        _, _, kept, held = plan
         if req.stats.forced_tokens > forced:
             engine.closer.after_forced_text(req, req.stats.forced_tokens - forced)
-        if plan[2] and not req.finished:  # (a loop check may have closed it)
+        if kept and not req.finished:  # (a loop check may have closed it)
             self._maybe_finish(req)
-        self._propose(req, plan[3])
+        self._propose(req, held)
 
     def _jump(self, req: Request) -> Plan | None:
         """Decide (or replay a rehearsed decision) and splice the jump; the plan applied."""
