@@ -1,9 +1,11 @@
 """Forward-only benchmark: ms per decode forward (one CUDA-graph replay, no host in the loop)
-per bucket of rows, against the HBM floor, in three variants in the same process: the default
-(fused projections of `kernels/fused_gemv.py`, and 2-16 rows through `kernels/gemv.py` where
-timed faster than cuBLAS), without the fused projections, with cuBLAS for every product of
-more than one row, and the batch-invariant mode (`EngineConfig.batch_invariant`: every product
-through `gemv.invariant_gemm`, no fused projections, attention split as at batch 1).
+per bucket of rows, against the HBM floor, in these variants in the same process: the default
+(fused projections of `kernels/fused_gemv.py` up to `FUSED_ROWS` rows, and 2-16 rows through
+`kernels/gemv.py` where timed faster than cuBLAS), without the fused projections, with cuBLAS
+for every product of more than one row, the batch-invariant mode (`EngineConfig.batch_invariant`:
+every product through `gemv.invariant_gemm`, no fused projections, attention split as at batch
+1), and the fused projections at every row count they take (`fused_max_rows`: the check on
+`FUSED_ROWS`, on each card).
 
 This isolates the GPU side of a decode step: bench_decode's ms/step also holds the sampler and
 whatever the host does between steps. Random weights of real shapes; no tokenizer or files.
@@ -30,7 +32,7 @@ from benchmarks.common import (
     write_results,
 )
 from structgen.engine.config import EngineConfig, EngineTuning
-from structgen.engine.kernels import gemv, use_batch_invariant
+from structgen.engine.kernels import fused_gemv, gemv, use_batch_invariant
 from structgen.engine.model_runner import ModelRunner
 from structgen.engine.models.llama import FUSED_ROWS
 
@@ -80,6 +82,8 @@ def main() -> None:
         # the batch-invariant mode)
         variants = {"default": (FUSED_ROWS, gemv.MAX_ROWS, False), "unfused": (0, gemv.MAX_ROWS, False),
                     "cublas_multirow": (FUSED_ROWS, 1, False), "batch_invariant": (FUSED_ROWS, gemv.MAX_ROWS, True)}
+        if FUSED_ROWS < fused_gemv.MAX_ROWS:  # the fused projections at every row count they take
+            variants["fused_max_rows"] = (fused_gemv.MAX_ROWS, gemv.MAX_ROWS, False)
         for _ in range(2):  # each variant twice, interleaved: the better of two captures each
             for name, (fused_rows, gemv_rows, invariant) in variants.items():
                 use_batch_invariant(invariant)
