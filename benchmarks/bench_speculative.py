@@ -29,8 +29,11 @@ only ones the speculator sees; `*_tail_longest_ms` its longest step, `*_tail_ahe
 steps whose forward was launched ahead, of all its decode-graph steps) and its longest step
 (`*_longest_step_ms`: a stall or a compile).
 `--target-max-requests 0` lets the speculator see every step; `rounds_tokens_per_s_ratio` and
-`rounds_tail_ms` (plain, n-gram) are in run order (odd rounds run n-gram first); a row is its
-median round, with `pooled_tokens_per_s_ratio` over all its rounds' tokens and time.
+`rounds_tail_ms` (plain, n-gram) are in run order (the 2nd, 4th, ... rounds run n-gram first;
+`--target-rounds` is rounded up to an even count); a row is its median round, with
+`pooled_tokens_per_s_ratio` over all its rounds' tokens and time, and `order_effect`: that
+ratio over the rounds that ran plain decoding first, divided by the same over the others
+(1.0 where nothing drifts within a round).
 It writes benchmarks/results/speculative_targets-<device>-<date>.json.
 
 Metrics: `mean_acceptance_length` = tokens sampled per verify step (accepted drafts + the
@@ -436,14 +439,18 @@ def measure_targets(args: argparse.Namespace, invariant: bool) -> list[dict[str,
     if not invariant or args.target_batches_invariant:
         for batch in (int(b) for b in args.target_batches.split(",") if b):
             work = (kept * -(-batch // max(len(kept), 1)))[:batch]
-            # Rounds alternate which engine runs first, so drift within a round (clocks, the
-            # allocator, Python's heap) does not favour one of them.
+            # Rounds alternate which engine runs first, as many of each, so drift within a round
+            # (clocks, the allocator, Python's heap) does not favour one of them: the engine that
+            # ran second was the slower by about 8 % at batch 64 on an H200 (`order_effect`).
             rounds = [timed_pair(llm, spec, work, batch, args.max_tokens, ngram_first=i % 2 == 1)
-                      for i in range(args.target_rounds)]
+                      for i in range(2 * -(-args.target_rounds // 2))]
             ratios = [round(r["tokens_per_s_ratio"], 3) for r in rounds]  # in run order: warm-up effects show
             tails = [(round(r["plain_tail_ms"], 1), round(r["ngram_tail_ms"], 1)) for r in rounds]
-            rows.append(mode | median_round(rounds) | {"rounds_tokens_per_s_ratio": ratios, "rounds_tail_ms": tails,
-                                                       "pooled_tokens_per_s_ratio": pooled_ratio(rounds)})
+            rows.append(mode | median_round(rounds) | {
+                "rounds_tokens_per_s_ratio": ratios, "rounds_tail_ms": tails,
+                "pooled_tokens_per_s_ratio": pooled_ratio(rounds),
+                # the pooled ratio of the rounds that ran plain decoding first over the others'
+                "order_effect": pooled_ratio(rounds[::2]) / pooled_ratio(rounds[1::2])})
     llm.close()
     return rows
 
@@ -460,7 +467,7 @@ def run_targets(args: argparse.Namespace) -> None:
              "plain_tail_ms", "ngram_tail_ms",
              "plain_tail_steps", "ngram_tail_steps", "plain_tail_longest_ms", "ngram_tail_longest_ms",
              "plain_tail_ahead", "ngram_tail_ahead", "plain_longest_step_ms", "ngram_longest_step_ms",
-             "rounds_tokens_per_s_ratio", "pooled_tokens_per_s_ratio", "rounds_tail_ms"]
+             "rounds_tokens_per_s_ratio", "pooled_tokens_per_s_ratio", "order_effect", "rounds_tail_ms"]
     print_table([{c: r.get(c) for c in shown} for r in rows])
     for r in rows:
         print(f"batch {r['batch']}, invariant {r['batch_invariant']}: outputs that differ {r['differ']}")
@@ -496,9 +503,10 @@ def main() -> None:
     ap.add_argument("--target-batches", default="16,64", help="--targets: the batches of (b)")
     ap.add_argument("--target-batches-invariant", action="store_true",
                     help="--targets: (b) in the invariant mode too (by default in the default mode only)")
-    ap.add_argument("--target-rounds", type=int, default=1,
-                    help="--targets: rounds of (b), plain then n-gram and the other way round in turn; the row "
-                         "keeps the round of the median tokens/s ratio (one round of 64 requests moves by several percent)")
+    ap.add_argument("--target-rounds", type=int, default=2,
+                    help="--targets: rounds of (b), plain then n-gram and the other way round in turn (rounded up to "
+                         "an even count); the row keeps the round of the median tokens/s ratio (one round of 64 "
+                         "requests moves by several percent) and the pooled ratio")
     ap.add_argument("--target-max-requests", type=int, default=None,
                     help="--targets: SpeculativeConfig.max_requests (default: its default; 0: the speculator "
                          "sees every step, its policy alone decides)")
