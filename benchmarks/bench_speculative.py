@@ -440,8 +440,8 @@ def measure_targets(args: argparse.Namespace, invariant: bool) -> list[dict[str,
         for batch in (int(b) for b in args.target_batches.split(",") if b):
             work = (kept * -(-batch // max(len(kept), 1)))[:batch]
             # Rounds alternate which engine runs first, as many of each, so drift within a round
-            # (clocks, the allocator, Python's heap) does not favour one of them: the engine that
-            # ran second was the slower by about 8 % at batch 64 on an H200 (`order_effect`).
+            # (clocks, the allocator, Python's heap) favours neither: it moved batch 64 more than
+            # speculation did (docs/performance.md, "On the H200 after 940d5c7"; `order_effect`).
             rounds = [timed_pair(llm, spec, work, batch, args.max_tokens, ngram_first=i % 2 == 1)
                       for i in range(2 * -(-args.target_rounds // 2))]
             ratios = [round(r["tokens_per_s_ratio"], 3) for r in rounds]  # in run order: warm-up effects show
