@@ -9,7 +9,7 @@ that none of them is still in L2 when its turn comes again.
 GEMV candidates: the default (`packed_gemm.GEMV_BLOCKS`, `ROW_SCALED_BLOCKS`), the stream GEMV's launch shapes
 (kernels/packed_gemv.py: int4 in the "words" layout, FP8 codes as stored; split-K off and
 automatic), the previous default ("magic" / "reduce" on the "halves" layout) and, for int4,
-tinygemm (kernels/tinygemm.py), and for FP8 per channel the "late" GEMV (kernels/gemv.py's). GEMM rows: the default, the "tiles" GEMM on the "halves" and
+the CUDA GEMV (kernels/int4_gemv.py, the default where it fits) and tinygemm (kernels/tinygemm.py), and for FP8 per channel the "late" GEMV (kernels/gemv.py's). GEMM rows: the default, the "tiles" GEMM on the "halves" and
 "words" layouts (the previous defaults) and, for int4, the words GEMM's launch shapes
 (kernels/packed_words_gemm.py: both operand orders, split-K off and automatic) and W
 de-quantized once then cuBLAS. Each candidate's error against the de-quantize reference is
@@ -70,7 +70,8 @@ def candidates(weight: PackedWeight, rows: int) -> list[P.Block | str | None]:
     m = 1 << (rows - 1).bit_length()
     stream = [P.Block(m, n, j, w, st, "stream", k) for (n, j, w, st), k in itertools.product(STREAM_TILES, (1, 0))]
     late = [P.Block(m, n, j // m, w, st, "late") for n, j, w, st in LATE_TILES] if P.row_scaled(weight) else []
-    return [None, *stream, *late, P.FALLBACK_BLOCKS[code]._replace(m=m), *([TINYGEMM] if code == "int4" else [])]
+    int4 = [P.Block(m, 16, 512, 4, 3, "cuda"), TINYGEMM] if code == "int4" else []
+    return [None, *stream, *late, P.FALLBACK_BLOCKS[code]._replace(m=m), *int4]
 
 
 def gemm_candidates(rows: int) -> list[P.Block | str]:
@@ -110,7 +111,7 @@ class Forms:
         if block == SCALED_MM:
             return P.scaled_mm(x, self.halves[copy])
         # the GEMV's grouped forms read "halves"; "tiles" runs on "words", as a CUDA model loaded it
-        on_halves = isinstance(block, P.Block) and block.form in P.GEMV_FORMS and block.form not in ("stream", "late")
+        on_halves = isinstance(block, P.Block) and block.form in P.GEMV_FORMS and block.form not in ("stream", "late", "cuda")
         return P.matmul(x, (self.halves if on_halves else self.words)[copy], block=block)
 
 

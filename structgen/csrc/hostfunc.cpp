@@ -44,6 +44,12 @@ uintptr_t sg_token_gate_build(uintptr_t body, uintptr_t row, uintptr_t tokens, u
                               uintptr_t quiet, int64_t vocab, uintptr_t check);
 void sg_gate_destroy(uintptr_t exec);
 
+// Defined in int4_gemv.cu (raw pointers; returns a cudaError_t).
+int sg_int4_gemv(const int32_t* words, int64_t word_stride, int64_t units, const void* scales,
+                 const void* offsets, int64_t scale_stride, int group_shift, int scales_half,
+                 int offsets_half, const void* x, int64_t x_stride, int rows, const void* bias, void* y,
+                 int64_t y_stride, int64_t n, int pdl, void* stream);
+
 namespace {
 
 struct HostCall {
@@ -229,6 +235,18 @@ void mask_apply(uintptr_t logits, int dtype, int64_t rows, int64_t vocab, int64_
   check(static_cast<cudaError_t>(err), "structgen mask kernel launch");
 }
 
+void int4_gemv(uintptr_t words, int64_t word_stride, int64_t units, uintptr_t scales, uintptr_t offsets,
+               int64_t scale_stride, int group_shift, int scales_half, int offsets_half, uintptr_t x,
+               int64_t x_stride, int rows, uintptr_t bias, uintptr_t y, int64_t y_stride, int64_t n, int pdl,
+               uintptr_t stream) {
+  const int err = sg_int4_gemv(reinterpret_cast<const int32_t*>(words), word_stride, units,
+                               reinterpret_cast<const void*>(scales), reinterpret_cast<const void*>(offsets),
+                               scale_stride, group_shift, scales_half, offsets_half,
+                               reinterpret_cast<const void*>(x), x_stride, rows, reinterpret_cast<const void*>(bias),
+                               reinterpret_cast<void*>(y), y_stride, n, pdl, reinterpret_cast<void*>(stream));
+  check(static_cast<cudaError_t>(err), "structgen int4 GEMV launch");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -262,4 +280,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("bitmask_words"), py::arg("flags"), py::arg("flag_kind"), py::arg("d2t"),
         py::arg("d2t_is64"), py::arg("temperature"), py::arg("argmax_out"),
         py::arg("workspace"), py::arg("write"), py::arg("stream"));
+  m.def("int4_gemv", &int4_gemv, py::arg("words"), py::arg("word_stride"), py::arg("units"), py::arg("scales"),
+        py::arg("offsets"), py::arg("scale_stride"), py::arg("group_shift"), py::arg("scales_half"),
+        py::arg("offsets_half"), py::arg("x"), py::arg("x_stride"), py::arg("rows"), py::arg("bias"), py::arg("y"),
+        py::arg("y_stride"), py::arg("n"), py::arg("pdl"), py::arg("stream"),
+        "y = x @ W.T (+ bias) for 1-4 bf16 rows of x and int4 words (csrc/int4_gemv.cu).");
 }

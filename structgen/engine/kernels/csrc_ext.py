@@ -1,4 +1,5 @@
-"""Lazy loader of the CUDA extension built from `structgen/csrc/` (`hostfunc.cpp`, `mask.cu`, `gate.cu`).
+"""Lazy loader of the CUDA extension built from `structgen/csrc/` (`hostfunc.cpp`, `mask.cu`, `gate.cu`,
+`int4_gemv.cu`).
 
 Built with `torch.utils.cpp_extension.load` on first use on a GPU machine, never at install
 time, into a cached build directory (`$STRUCTGEN_CSRC_DIR`, else `$TORCH_EXTENSIONS_DIR/
@@ -23,7 +24,7 @@ import torch
 
 from structgen.csrc import DIR as CSRC_DIR
 
-SOURCES = ("hostfunc.cpp", "mask.cu", "gate.cu")
+SOURCES = ("hostfunc.cpp", "mask.cu", "gate.cu", "int4_gemv.cu")
 NAME = "structgen_csrc"
 
 

@@ -9,7 +9,8 @@ words instead). The kinds of kernel:
 
 - the GEMV (1-4 rows, W read once for every row), in the forms of `GEMV_FORMS`: by default the
   "stream" GEMV of kernels/packed_gemv.py (int4 "words", FP8 / int8 codes: 16-byte loads, built
-  for bandwidth); the grouped forms here load one scale (and offset) per run of columns that
+  for bandwidth), or for int4 words and bf16 x on a GPU the CUDA GEMV of kernels/int4_gemv.py
+  (a third of the stream GEMV's instructions a weight); the grouped forms here load one scale (and offset) per run of columns that
   share it and reduce their float32 products once after the loop, optionally split along the
   columns (split-K) where a projection has too few output blocks to keep every multiprocessor
   reading;
@@ -37,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from structgen.engine.kernels import gemv, packed_gemv, packed_words_gemm, tinygemm
+from structgen.engine.kernels import gemv, int4_gemv, packed_gemv, packed_words_gemm, tinygemm
 from structgen.errors import InvalidParameterError
 
 GEMV_ROWS = 4  # the GEMV keeps a [rows, BLOCK_N, BLOCK_J] product in registers: few rows only
@@ -86,8 +87,9 @@ class Block(NamedTuple):
 # [rows, n, j] float32 product reduced once after the loop, scales loaded once per group,
 # "magic" turning int4 nibbles into floats by bit operations ("halves" int4 layout only)
 # "late" (FP8 per output channel only): kernels/gemv.py's GEMV, `n` features and `j` columns per
-# chunk, scaled per feature at the end
-GEMV_FORMS = ("stream", "reduce", "cvt", "magic", "late")
+# chunk, scaled per feature at the end; "cuda": kernels/int4_gemv.py (int4 words, bf16 x; its
+# launch is fixed), which a default "stream" launch of int4 takes wherever it fits
+GEMV_FORMS = ("stream", "reduce", "cvt", "magic", "late", "cuda")
 # The GEMV's default launch per code and row count (1, 2, 4: rows rounded up to a power of two),
 # the table benchmarks/tune_packed.py's summary prints; splits=0: the stream GEMV picks its
 # split-K from the multiprocessor count
@@ -334,6 +336,7 @@ def matmul(x: torch.Tensor, weight: PackedWeight | tinygemm.TinyGemmWeight, bias
     n = weight.shape[0]
     if rows == 0:
         return torch.empty(rows, n, dtype=x.dtype, device=x.device) if out is None else out
+    default = block is None
     if block is None:
         block = gemv_block(weight, rows) if rows <= GEMV_ROWS else gemm_block(weight, rows, x.dtype)
     if block.form in packed_words_gemm.FORMS:
@@ -341,6 +344,15 @@ def matmul(x: torch.Tensor, weight: PackedWeight | tinygemm.TinyGemmWeight, bias
     if block.form == "late":
         return _late_gemv(x, weight, bias, block, out)
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device) if out is None else out
+    if block.form == "stream" and default and int4_gemv.fits(x, weight, bias, y):
+        block = block._replace(form="cuda")
+    if block.form == "cuda":
+        if not int4_gemv.fits(x, weight, bias, y):
+            raise InvalidParameterError(f"the 'cuda' GEMV reads 1-{int4_gemv.MAX_ROWS} bf16 rows and int4 words in "
+                                        f"groups of a power of two of at least {int4_gemv.LANE_COLS} columns, built on "
+                                        f"a GPU; use Block(form='stream')")
+        int4_gemv.gemv(x, weight, bias, y)
+        return y
     if block.m <= GEMV_ROWS and block.form == "stream":
         if not packed_gemv.stream_fits(weight):
             raise InvalidParameterError(f"the stream GEMV cannot read a {weight.code} weight in the {weight.layout!r} "
