@@ -116,8 +116,8 @@ def test_cuda_gemv_refuses_what_it_cannot_read() -> None:
         packed_gemm.matmul(x32, w, block=cuda_block(1))
     x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
     y = torch.empty(1, 64, device="cuda", dtype=torch.bfloat16)
-    assert not int4_gemv.fits(x, weight(64, 1024, 16, True), None, y)
+    small_groups = weight(64, 1024, 16, True)
+    assert not int4_gemv.fits(x, small_groups, None, y)
     odd = weight(64, 1000, 1000, True)
     assert not int4_gemv.fits(torch.randn(1, 1000, device="cuda", dtype=torch.bfloat16), odd, None, y)
-    assert rel_err(packed_gemm.matmul(x, weight(64, 1024, 16, True)),
-                   x.float() @ weight(64, 1024, 16, True).dequantize().T) < 1e-2
+    assert rel_err(packed_gemm.matmul(x, small_groups), x.float() @ small_groups.dequantize().T) < 1e-2

@@ -1,9 +1,10 @@
 """The CUDA int4 GEMV (`csrc/int4_gemv.cu`): `y = x @ W.T (+ bias)` for 1-4 bf16 rows of x and
 an int4 weight in the "words" layout, the default for those rows where it `fits`.
 
-It spends about a third of the stream GEMV's instructions a weight (bf16x2 arithmetic on
-nibbles kept in bf16 mantissas, x held in registers in the order the nibbles come out), which
-is what bounds an int4 GEMV at one row on Hopper (docs/performance.md, "Int4 at one row").
+It spends about half the stream GEMV's instructions a weight (bf16x2 arithmetic on nibbles
+kept in bf16 mantissas, x held in registers in the order the nibbles come out), and
+instructions, not bytes, bounded the stream GEMV at one row on Hopper (docs/performance.md,
+"Int4 at one row: a CUDA GEMV").
 Its products are bf16 with float32 sums per 32 columns, so it is close to the float32
 reference, not equal (the tests bound the error); the Triton stream GEMV remains the path for
 float32 activations, the CPU interpreter, and shapes this one refuses.
@@ -28,8 +29,7 @@ _GROUP_DTYPES = (torch.float16, torch.float32)
 def fits(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None, y: torch.Tensor) -> bool:
     """Whether the kernel takes this product: CUDA, bf16 x of 1-4 rows, int4 words in rows of
     whole 16-byte loads with groups of a power of two of at least 32 columns (or whole rows),
-    scales and offsets in float16 or float32, 16-byte aligned operands, the
-    extension built."""
+    scales and offsets in float16 or float32, 16-byte aligned operands, the extension built."""
     if not (x.is_cuda and x.dtype == torch.bfloat16 and 1 <= x.shape[0] <= MAX_ROWS and y.dtype == torch.bfloat16):
         return False
     if weight.code != "int4" or weight.layout != "words" or weight.group_rows != 1:

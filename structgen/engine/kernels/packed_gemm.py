@@ -10,10 +10,10 @@ words instead). The kinds of kernel:
 - the GEMV (1-4 rows, W read once for every row), in the forms of `GEMV_FORMS`: by default the
   "stream" GEMV of kernels/packed_gemv.py (int4 "words", FP8 / int8 codes: 16-byte loads, built
   for bandwidth), or for int4 words and bf16 x on a GPU the CUDA GEMV of kernels/int4_gemv.py
-  (a third of the stream GEMV's instructions a weight); the grouped forms here load one scale (and offset) per run of columns that
-  share it and reduce their float32 products once after the loop, optionally split along the
-  columns (split-K) where a projection has too few output blocks to keep every multiprocessor
-  reading;
+  (half the stream GEMV's instructions a weight); the grouped forms here load one scale (and
+  offset) per run of columns that share it and reduce their float32 products once after the
+  loop, optionally split along the columns (split-K) where a projection has too few output
+  blocks to keep every multiprocessor reading;
 - FP8 codes with a scale per output channel: the "late" form, the bf16 GEMV of kernels/gemv.py
   reading FP8 codes (a few output features per program, products summed once after the loop)
   with the scale applied to each output;
@@ -344,13 +344,12 @@ def matmul(x: torch.Tensor, weight: PackedWeight | tinygemm.TinyGemmWeight, bias
     if block.form == "late":
         return _late_gemv(x, weight, bias, block, out)
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device) if out is None else out
-    if block.form == "stream" and default and int4_gemv.fits(x, weight, bias, y):
-        block = block._replace(form="cuda")
-    if block.form == "cuda":
-        if not int4_gemv.fits(x, weight, bias, y):
-            raise InvalidParameterError(f"the 'cuda' GEMV reads 1-{int4_gemv.MAX_ROWS} bf16 rows and int4 words in "
-                                        f"groups of a power of two of at least {int4_gemv.LANE_COLS} columns, built on "
-                                        f"a GPU; use Block(form='stream')")
+    cuda = (block.form == "cuda" or (default and block.form == "stream")) and int4_gemv.fits(x, weight, bias, y)
+    if block.form == "cuda" and not cuda:
+        raise InvalidParameterError(f"the 'cuda' GEMV reads 1-{int4_gemv.MAX_ROWS} bf16 rows and int4 words in groups "
+                                    f"of a power of two of at least {int4_gemv.LANE_COLS} columns, built on a GPU; "
+                                    f"use Block(form='stream')")
+    if cuda:
         int4_gemv.gemv(x, weight, bias, y)
         return y
     if block.m <= GEMV_ROWS and block.form == "stream":
