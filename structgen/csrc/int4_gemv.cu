@@ -2,12 +2,11 @@
 // K-contiguous nibbles (models/packed.py's "words" layout) with a float scale (and offset) per
 // group of columns.
 //
-// Why CUDA and not Triton: an H200 streams int4 weights at its bandwidth only if an SM spends
-// at most ~3.5 instructions a weight (132 SMs issuing 128 lane-instructions a cycle against
-// 4.8 TB/s), and the Triton stream GEMV spent ~6: a float32 conversion and product per nibble,
-// and x moved between register layouts through shared memory every chunk (docs/performance.md,
-// "Int4 at one row: a CUDA GEMV"). Here a lane keeps x in registers in the order its nibbles
-// come out, and a word's 8 products are bf16x2 arithmetic (about 3 instructions a weight):
+// Why CUDA and not Triton: at Hopper's bandwidth an SM may spend only a few instructions on
+// each int4 weight, and the Triton stream GEMV spent about twice that: a float32 conversion and
+// product per nibble, and x moved between register layouts through shared memory every chunk
+// (docs/performance.md, "Int4 at one row: a CUDA GEMV", has the counts). Here a lane keeps x in
+// registers in the order its nibbles come out, and a word's 8 products are bf16x2 arithmetic:
 //
 // - `(w >> 4i) & 0x000F000F | 0x43004300` is the bf16 pair (128 + q[i], 128 + q[i + 4]) (a
 //   nibble inside a bf16's 7 mantissa bits), one fused-multiply-add takes the 128 (and the
