@@ -116,12 +116,13 @@ __device__ __forceinline__ float word_dot(const __nv_bfloat162 (&q)[4], const Wo
   return __bfloat162float(__hadd(__low2bfloat16(s), __high2bfloat16(s)));
 }
 
-__device__ __forceinline__ void nibbles(uint32_t w, __nv_bfloat162 bias, __nv_bfloat162 (&q)[4]) {
+// A word's nibbles as the bf16 pairs (q[i] - c, q[i + 4] - c): `minus` is -(128 + c), exact.
+__device__ __forceinline__ void nibbles(uint32_t w, __nv_bfloat162 minus, __nv_bfloat162 (&q)[4]) {
   const __nv_bfloat162 one = __float2bfloat162_rn(1.f);
-  q[0] = __hfma2(as_bf162(lop_nibbles(w)), one, bias);
-  q[1] = __hfma2(as_bf162(lop_nibbles(w >> 4)), one, bias);
-  q[2] = __hfma2(as_bf162(lop_nibbles(w >> 8)), one, bias);
-  q[3] = __hfma2(as_bf162(lop_nibbles(w >> 12)), one, bias);
+  q[0] = __hfma2(as_bf162(lop_nibbles(w)), one, minus);
+  q[1] = __hfma2(as_bf162(lop_nibbles(w >> 4)), one, minus);
+  q[2] = __hfma2(as_bf162(lop_nibbles(w >> 8)), one, minus);
+  q[3] = __hfma2(as_bf162(lop_nibbles(w >> 12)), one, minus);
 }
 
 // No offsets: w = scale * q.
@@ -138,8 +139,8 @@ __global__ void __launch_bounds__(kWarps * 32) int4_gemv_kernel(const Int4GemvAr
   const uint4* words = reinterpret_cast<const uint4*>(a.words + first * a.word_stride + lane_word);
   const int64_t word_stride = a.word_stride / kLaneWords;
   constexpr bool OFFSETS = !std::is_same_v<Offset, NoOffsets>;
-  // the centre 8 makes (q - 8) small where offsets follow (less cancellation in bf16)
-  const __nv_bfloat162 bias = __float2bfloat162_rn(OFFSETS ? -136.f : -128.f);
+  // the centre c = 8 makes (q - c) small where offsets follow (less cancellation in bf16)
+  const __nv_bfloat162 minus = __float2bfloat162_rn(OFFSETS ? -136.f : -128.f);
   const int words_left = static_cast<int>(a.units) - lane_word;  // > 0: the lane has words
   const Scale* scales = static_cast<const Scale*>(a.scales);
   const Offset* offsets = static_cast<const Offset*>(a.offsets);
@@ -185,7 +186,7 @@ __global__ void __launch_bounds__(kWarps * 32) int4_gemv_kernel(const Int4GemvAr
 #pragma unroll
       for (int k = 0; k < kLaneWords; ++k) {
         __nv_bfloat162 q[4];
-        nibbles(ws[k], bias, q);
+        nibbles(ws[k], minus, q);
 #pragma unroll
         for (int m = 0; m < M; ++m) dot[m] += word_dot(q, x[m][k]);
       }
