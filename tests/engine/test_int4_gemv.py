@@ -44,8 +44,9 @@ def cuda_block(rows: int):
 
 
 # (rows of W, cols, group): groups of 32 (GGUF Q4), 128 (AWQ / GPTQ), whole rows; W's row count
-# not a multiple of a block's 16 features; columns not a multiple of a warp's 1,024
-SHAPES = [(37, 4096, 128), (200, 1056, 32), (64, 2048, 2048), (1000, 512, 64)]
+# not a multiple of a block's 8 features; one step of a block's 4,096 columns, less, and more
+# than two (9,248: the third step's words reach only some of the warps)
+SHAPES = [(37, 4096, 128), (200, 1056, 32), (64, 2048, 2048), (1000, 512, 64), (45, 9248, 32)]
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
