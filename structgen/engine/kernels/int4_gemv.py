@@ -34,16 +34,21 @@ def fits(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None, y: to
         return False
     if weight.code != "int4" or weight.layout != "words" or weight.group_rows != 1:
         return False
+    if weight.codes.device != x.device or y.device != x.device:  # raw pointers: one device
+        return False
     cols, group = weight.cols, weight.group_cols
     if cols % LANE_COLS or not (group >= cols or (group % LANE_COLS == 0 and group & (group - 1) == 0)):
         return False
     offsets = weight.offsets
     if weight.scales.dtype not in _GROUP_DTYPES or (offsets is not None and offsets.dtype not in _GROUP_DTYPES):
         return False
+    if weight.scales.shape[0] * weight.scales.stride(0) >= 2**31:  # the kernel indexes scales in int32
+        return False
     codes = weight.codes
     if codes.stride(0) % 4 or codes.data_ptr() % 16 or x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
         return False
-    if y.stride(1) != 1 or (bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous())):
+    if y.stride(1) != 1 or (bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()
+                                                   or bias.device != x.device)):
         return False
     from structgen.engine.kernels import csrc_ext
 
