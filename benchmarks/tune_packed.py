@@ -224,10 +224,18 @@ def summary(rows: list[dict[str, Any]], model: str) -> list[dict[str, Any]]:
         full = {b: v for b, v in per_block.items() if len(v) == n_mats}
         if not full:
             continue
-        best = min(full, key=lambda b: sum(r["us"] for r in full[b]))
+        total = {b: sum(r["us"] for r in v) for b, v in full.items()}
+        best = min(total, key=total.__getitem__)
+        cuda = [b for b in full if b.startswith("cuda")]
         if m <= P.GEMV_ROWS:
-            table = "ROW_SCALED_BLOCKS" if best.startswith("late") else f"GEMV_BLOCKS[{code!r}]"
-            print(f"{table}[{m}] = {table_entry(best)}  # {model}", flush=True)
+            # the CUDA GEMV has no table entry: matmul takes it by default wherever it fits, and
+            # the table holds the launch for weights it does not fit (so "default" is it too)
+            kept = [b for b in full if not cuda or not (b.startswith("cuda") or b == "default")]
+            entry = min(kept, key=total.__getitem__)
+            table = "ROW_SCALED_BLOCKS" if entry.startswith("late") else f"GEMV_BLOCKS[{code!r}]"
+            print(f"{table}[{m}] = {table_entry(entry)}  # {model}", flush=True)
+            if cuda:
+                print(f"  the CUDA GEMV: {total[cuda[0]]:.1f} us against that entry's {total[entry]:.1f}", flush=True)
         elif best.startswith("dequantize"):
             print(f"DEQUANTIZE_ROWS <= {m}  # {model}: W de-quantized then cuBLAS is the fastest", flush=True)
         elif best.startswith("tiles") and code != "int4":
@@ -236,7 +244,7 @@ def summary(rows: list[dict[str, Any]], model: str) -> list[dict[str, Any]]:
             print(f"WORDS_GEMM_BLOCKS[{min(128, 1 << (m - 1).bit_length())}] = {table_entry(best)}  # {model}, "
                   f"{m} rows", flush=True)
         previous = [label(P.dot_block(m))] if m > P.GEMV_ROWS else []
-        for b in dict.fromkeys(["default", HALVES, *previous, TINYGEMM, SCALED_MM, best]):
+        for b in dict.fromkeys(["default", HALVES, *previous, *cuda, TINYGEMM, SCALED_MM, best]):
             if b not in full:
                 continue
             v = full[b]
