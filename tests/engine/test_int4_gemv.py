@@ -43,10 +43,14 @@ def cuda_block(rows: int):
     return packed_gemm.Block(rows, 16, 512, 4, 3, "cuda")
 
 
-# (rows of W, cols, group): groups of 32 (GGUF Q4), 128 (AWQ / GPTQ), whole rows; W's row count
-# not a multiple of a block's 8 features; one step of a block's 4,096 columns, less, and more
-# than two (9,248: the third step's words reach only some of the warps)
-SHAPES = [(37, 4096, 128), (200, 1056, 32), (64, 2048, 2048), (1000, 512, 64), (45, 9248, 32)]
+# (rows of W, cols, group). Groups of 32 and 64 (GGUF Q4) take the CUDA-core form: one step of
+# its 4,096 columns, less, and more than two (9,248: the third step's words reach only some of
+# the warps). Groups of 128 or more (AWQ / GPTQ) and whole rows in 128-column tiles take the
+# tensor-core form: whole 512-column chunks for every warp and fewer (5 tiles), more chunks
+# than warps (14,336: Llama-8B's down), a group over two tiles; W's row counts not a multiple
+# of either form's features (8, 16).
+SHAPES = [(37, 4096, 128), (200, 1056, 32), (64, 2048, 2048), (1000, 512, 64), (45, 9248, 32),
+          (300, 14336, 128), (17, 1152, 1152), (40, 640, 256), (24, 1056, 1056)]
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
@@ -68,6 +72,23 @@ def test_cuda_gemv_is_close_to_the_reference(rows: int, shape: tuple[int, int, i
     assert out.shape == (rows, n) and out.dtype == torch.bfloat16
     assert rel_err(out, ref) < 1e-2
     assert rel_err(out, ref) < 2 * rel_err(stream, ref) + 2e-3
+
+
+@pytest.mark.parametrize("rows", [2, 3, 4])
+@pytest.mark.parametrize("shape", [s for s in SHAPES if s[2] >= 128])
+def test_tensor_core_form_is_as_close_as_the_stream_gemv(rows: int, shape: tuple[int, int, int]) -> None:
+    """2-4 rows with groups of 128 columns or more take the tensor-core form, whose products are
+    exact in float32: as close to the reference as the stream GEMV, where the CUDA-core form's
+    bf16 products are about twice as far."""
+    from structgen.engine.kernels import packed_gemm
+
+    n, cols, group = shape
+    w = weight(n, cols, group, True, seed=rows)
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows)).to("cuda", torch.bfloat16)
+    ref = x.float() @ w.dequantize().T
+    out = packed_gemm.matmul(x, w, block=cuda_block(rows))
+    stream = packed_gemm.matmul(x, w, block=packed_gemm.Block(rows, 16, 512, 4, 3, "stream", 0))
+    assert rel_err(out, ref) < 1.3 * rel_err(stream, ref) + 2e-4
 
 
 @pytest.mark.parametrize("half_scales,half_offsets", [(True, True), (True, False), (False, True), (False, False)])

@@ -1,13 +1,17 @@
 """The CUDA int4 GEMV (`csrc/int4_gemv.cu`): `y = x @ W.T (+ bias)` for 1-4 bf16 rows of x and
 an int4 weight in the "words" layout, the default for those rows where it `fits`.
 
-It spends about half the stream GEMV's instructions a weight (bf16x2 arithmetic on nibbles
-kept in bf16 mantissas, x held in registers in the order the nibbles come out), and
-instructions, not bytes, bounded the stream GEMV at one row on Hopper (docs/performance.md,
-"Int4 at one row: a CUDA GEMV").
-Its products are bf16 with float32 sums per 32 columns, so it is close to the float32
-reference, not equal (the tests bound the error); the Triton stream GEMV remains the path for
-float32 activations, the CPU interpreter, and shapes this one refuses.
+Two forms, chosen by the launch (csrc/int4_gemv.cu says how each works):
+- one row, and groups under 128 columns (GGUF's Q4 formats): bf16x2 arithmetic on the CUDA
+  cores, about half the stream GEMV's instructions a weight (instructions, not bytes, bounded
+  the stream GEMV at one row on Hopper: docs/performance.md, "Int4 at one row: a CUDA GEMV");
+  bf16 products with float32 sums per 32 columns, so close to the float32 reference, not equal;
+- 2-4 rows with groups of 128 columns or more, in whole 128-column tiles (AWQ / GPTQ, and
+  weights quantized at load): tensor-core mma whose n holds the rows, so a 4-row verify step
+  costs about what one row does; its products are exact in float32 sums, as close to the
+  reference as the stream GEMV (docs/performance.md, "Int4 at 2-4 rows: a tensor-core GEMV").
+The tests bound both forms' error; the Triton stream GEMV remains the path for float32
+activations, the CPU interpreter, and shapes this one refuses.
 """
 
 from __future__ import annotations
