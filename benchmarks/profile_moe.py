@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -39,6 +38,7 @@ from benchmarks.common import (
     hf_config,
     measure_copy_bandwidth_gbps,
 )
+from benchmarks.kernel_timeline import cuda_kernels, one_layer
 from structgen.engine.config import EngineConfig, ModelConfig
 from structgen.engine.kernels.gemv import time_cold
 from structgen.engine.kernels.moe import PAIR_MAX, fastest_tiles
@@ -146,10 +146,9 @@ def step_profile(layers: int, batch: int, steps: int, bandwidth: float, variant:
     for r in reqs:
         engine.abort(r)
     floor = hbm_floor_ms(decode_weight_bytes(cfg, torch.bfloat16), bandwidth)
-    kernels = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                      if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda k: k[0])
+    kernels = cuda_kernels(prof)
     out = {"variant": variant, "fused_rows": fused_rows, "batch": batch, "layers": layers, "ms_per_step": wall_ms,
-           "floor_ms": floor, "kernels_per_step": len(kernels) / steps, "layer": one_layer(kernels)}
+           "floor_ms": floor, "kernels_per_step": len(kernels) / steps, "layer": one_layer(kernels, lambda name: "_route_kernel" in name)}
     print(f"{variant} (norms inside up to {fused_rows} rows), batch {batch}: {wall_ms:.3f} ms/step over {layers} "
           f"layers (floor {floor:.3f} ms, {wall_ms / floor:.2f}x), {out['kernels_per_step']:.0f} kernels a step, "
           f"{len(out['layer']['kernels'])} a layer", flush=True)
@@ -160,25 +159,6 @@ def step_profile(layers: int, batch: int, steps: int, bandwidth: float, variant:
     del engine
     torch.cuda.empty_cache()
     return out
-
-
-def one_layer(kernels: list[tuple[float, float, str]]) -> dict[str, Any]:
-    """A layer's kernels (router kernel to router kernel), averaged over the stretches of the
-    most common length: mean µs of each and the idle gap before it."""
-    marks = [i for i, k in enumerate(kernels) if "_route_kernel" in k[2]]
-    spans = [(a, b) for a, b in zip(marks, marks[1:], strict=False)]
-    if not spans:
-        return {"kernels": [], "us": 0.0, "kernel_us": 0.0, "note": "no router kernels profiled"}
-    length = statistics.mode(b - a for a, b in spans)
-    spans = [(a, b) for a, b in spans if b - a == length]
-    rows = []
-    for j in range(length):
-        runs = [kernels[a + j] for a, _ in spans]
-        gaps = [kernels[a + j][0] - kernels[a + j - 1][1] for a, _ in spans if a + j > 0]
-        rows.append({"name": runs[0][2], "us": statistics.mean(e - s for s, e, _ in runs),
-                     "gap_us": statistics.mean(gaps) if gaps else 0.0})
-    period = statistics.mean(kernels[b][0] - kernels[a][0] for a, b in spans)
-    return {"kernels": rows, "us": period, "kernel_us": sum(r["us"] for r in rows), "spans": len(spans)}
 
 
 def main() -> None:
