@@ -13,10 +13,42 @@ from __future__ import annotations
 
 import collections
 import statistics
+import time
 from collections.abc import Callable
 from typing import Any
 
 Kernel = tuple[float, float, str]
+
+
+def profiled_steps(engine: Any, batch: int, steps: int, prompt_tokens: int) -> tuple[float, list[Kernel]]:
+    """(ms a decode step on the wall clock, the kernels of `steps` more under the profiler) for
+    `batch` requests of a `prompt_tokens`-token prompt that none of the steps finishes, after a
+    prefill and warm-up; the requests are aborted after."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from structgen.engine.request import Request
+    from structgen.sampling import SamplingParams
+
+    prompt = [100 + i for i in range(prompt_tokens)]
+    reqs = [Request(prompt, SamplingParams(max_tokens=2 * steps + 16)) for _ in range(batch)]
+    for r in reqs:
+        engine.add_request(r)
+    for _ in range(8):  # prefill and warm-up steps
+        engine.step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    ms = (time.perf_counter() - t0) * 1e3 / steps
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    for r in reqs:
+        engine.abort(r)
+    return ms, cuda_kernels(prof)
 
 
 def cuda_kernels(prof: Any) -> list[Kernel]:

@@ -17,47 +17,24 @@ spans add up to more than the period; the period and the step are what to compar
 from __future__ import annotations
 
 import argparse
-import time
 from typing import Any
 
 import torch
 
 from benchmarks.bench_decode import build_engine, packed_floor_ms, quantization_of
 from benchmarks.common import measure_copy_bandwidth_gbps, model_config, write_results
-from benchmarks.kernel_timeline import cuda_kernels, layer_marker, one_layer, step_level
-from structgen.engine.request import Request
-from structgen.sampling import SamplingParams
+from benchmarks.kernel_timeline import layer_marker, one_layer, profiled_steps, step_level
 
 PROMPT_TOKENS = 50
 
 
 def profile_model(model: str, batch: int, steps: int, bandwidth: float) -> dict[str, Any]:
     """One model's step time, floor and layer profile at `batch` rows (see the module doc)."""
-    from torch.profiler import ProfilerActivity, profile
-
     cfg = model_config(model.split("-shape")[0])
     engine = build_engine(cfg, None, set(), graphs=True, quantization=quantization_of(model))
     floor = packed_floor_ms(engine, bandwidth)
-    prompt = [100 + i for i in range(PROMPT_TOKENS)]
-    reqs = [Request(prompt, SamplingParams(max_tokens=2 * steps + 16)) for _ in range(batch)]  # none finishes
-    for r in reqs:
-        engine.add_request(r)
-    for _ in range(8):  # prefill and warm-up steps
-        engine.step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    torch.cuda.synchronize()
-    ms = (time.perf_counter() - t0) * 1e3 / steps
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            engine.step()
-        torch.cuda.synchronize()
-    for r in reqs:
-        engine.abort(r)
+    ms, kernels = profiled_steps(engine, batch, steps, PROMPT_TOKENS)
     engine.close()
-    kernels = cuda_kernels(prof)
     launches = cfg.num_hidden_layers * steps
     marker = layer_marker(kernels, launches)
     layer = one_layer(kernels, lambda name: name == marker)

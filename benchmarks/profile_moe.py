@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -38,13 +37,11 @@ from benchmarks.common import (
     hf_config,
     measure_copy_bandwidth_gbps,
 )
-from benchmarks.kernel_timeline import cuda_kernels, one_layer
+from benchmarks.kernel_timeline import one_layer, profiled_steps
 from structgen.engine.config import EngineConfig, ModelConfig
 from structgen.engine.kernels.gemv import time_cold
 from structgen.engine.kernels.moe import PAIR_MAX, fastest_tiles
 from structgen.engine.models.llama import FUSED_ROWS
-from structgen.engine.request import Request
-from structgen.sampling import SamplingParams
 
 SHAPE = "qwen3-30b-a3b"
 # Step-profile variants: the most rows of a step that run the norms inside the projections.
@@ -125,28 +122,8 @@ def step_profile(layers: int, batch: int, steps: int, bandwidth: float, variant:
     cfg = shape_config(layers)
     engine = variant_engine(cfg, batch, variant)
     fused_rows = max(layer.fused_rows for layer in engine.runner.model.layers)
-    prompt = [100 + i for i in range(32)]
-    reqs = [Request(prompt, SamplingParams(max_tokens=2 * steps + 16)) for _ in range(batch)]  # none finishes
-    for r in reqs:
-        engine.add_request(r)
-    for _ in range(8):  # prefill and warm-up steps
-        engine.step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    torch.cuda.synchronize()
-    wall_ms = (time.perf_counter() - t0) * 1e3 / steps
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            engine.step()
-        torch.cuda.synchronize()
-    for r in reqs:
-        engine.abort(r)
+    wall_ms, kernels = profiled_steps(engine, batch, steps, prompt_tokens=32)
     floor = hbm_floor_ms(decode_weight_bytes(cfg, torch.bfloat16), bandwidth)
-    kernels = cuda_kernels(prof)
     out = {"variant": variant, "fused_rows": fused_rows, "batch": batch, "layers": layers, "ms_per_step": wall_ms,
            "floor_ms": floor, "kernels_per_step": len(kernels) / steps, "layer": one_layer(kernels, lambda name: "_route_kernel" in name)}
     print(f"{variant} (norms inside up to {fused_rows} rows), batch {batch}: {wall_ms:.3f} ms/step over {layers} "
