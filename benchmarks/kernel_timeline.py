@@ -17,6 +17,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from structgen.engine.request import Request
+from structgen.sampling import SamplingParams
+
 Kernel = tuple[float, float, str]
 
 
@@ -24,12 +30,6 @@ def profiled_steps(engine: Any, batch: int, steps: int, prompt_tokens: int) -> t
     """(ms a decode step on the wall clock, the kernels of `steps` more under the profiler) for
     `batch` requests of a `prompt_tokens`-token prompt that none of the steps finishes, after a
     prefill and warm-up; the requests are aborted after."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    from structgen.engine.request import Request
-    from structgen.sampling import SamplingParams
-
     prompt = [100 + i for i in range(prompt_tokens)]
     reqs = [Request(prompt, SamplingParams(max_tokens=2 * steps + 16)) for _ in range(batch)]
     for r in reqs:
@@ -53,8 +53,6 @@ def profiled_steps(engine: Any, batch: int, steps: int, prompt_tokens: int) -> t
 
 def cuda_kernels(prof: Any) -> list[Kernel]:
     """The CUDA kernels (and copies) of a finished `torch.profiler.profile`, in launch order."""
-    import torch
-
     return sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                    if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda k: k[0])
 
