@@ -91,7 +91,7 @@ class ModelConfig:
             **_shape(d),
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             rope_theta=d.get("rope_theta", (d.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
-            rope_scaling=d.get("rope_scaling"),
+            rope_scaling=_rope_scaling(d),
             max_position_embeddings=d.get("max_position_embeddings", 4096),
             tie_word_embeddings=d.get("tie_word_embeddings", False),
             attention_bias=d.get("attention_bias", arch == "Qwen2ForCausalLM"),
@@ -211,6 +211,30 @@ def _shape(d: dict[str, Any]) -> dict[str, int]:
         "num_key_value_heads": d.get("num_key_value_heads") or n_heads,
         "head_dim": d.get("head_dim") or d["hidden_size"] // n_heads,
     }
+
+
+# Rope scalings the Llama-layout models implement (models/llama.py's `rope_inv_freq`); Phi-3's
+# longrope has its own path.
+ROPE_SCALINGS = ("llama3", "linear")
+
+
+def _rope_scaling(d: dict[str, Any]) -> dict[str, Any] | None:
+    """A Llama-layout config's rope scaling, from transformers 4's `rope_scaling` or 5's
+    `rope_parameters` (which carries rope_theta too); None for plain rope. A kind the model
+    would need and structgen does not compute is refused: ignored, it would give a model that
+    runs and answers wrongly."""
+    from structgen.errors import ModelLoadError
+
+    params = {k: v for k, v in (d.get("rope_parameters") or {}).items() if k != "rope_theta"}
+    scaling = d.get("rope_scaling") or params or None
+    kind = scaling.get("rope_type", scaling.get("type")) if scaling else None
+    if kind in (None, "default"):
+        return None
+    if kind not in ROPE_SCALINGS:
+        raise ModelLoadError(f"rope scaling {kind!r} is not supported: structgen computes "
+                             f"{', '.join(map(repr, ROPE_SCALINGS))} scaling for this architecture; a checkpoint "
+                             "with rope_scaling null (or one of those) runs")
+    return scaling
 
 
 def _id_list(ids: int | list[int] | None) -> list[int]:

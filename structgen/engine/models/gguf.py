@@ -28,7 +28,7 @@ import numpy as np
 from structgen.errors import ModelLoadError
 
 # Bump when the output of `convert_gguf` changes; it is part of the cache key.
-CONVERSION_VERSION = 2
+CONVERSION_VERSION = 3  # 3: a GGUF's rope scaling metadata is read (linear) or refused (yarn, ...)
 # Safetensors metadata key: JSON {tensor name: [GGUF format, columns]} of the packed tensors.
 PACKED_METADATA_KEY = "gguf_formats"
 # Formats kept packed in the cache (the CPU kernels' formats, kernels/cpu_quant.FORMATS).
@@ -84,8 +84,19 @@ _QWEN3MOE_BLOCK_NAMES = {
     "attn_k_norm.weight": "self_attn.k_norm.weight",
     **_EXPERT_BLOCK_NAMES,
 }
+# Qwen3 (dense): Llama's tensors and the q/k norms. Qwen2 is Llama's with the q/k/v biases.
+_QWEN3_BLOCK_NAMES = {
+    **_BLOCK_NAMES,
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
 _BLOCK_NAMES_BY_ARCH = {"llama": {**_BLOCK_NAMES, **_EXPERT_BLOCK_NAMES}, "gemma3": _GEMMA3_BLOCK_NAMES,
-                        "phi3": _PHI3_BLOCK_NAMES, "qwen3moe": _QWEN3MOE_BLOCK_NAMES}
+                        "phi3": _PHI3_BLOCK_NAMES, "qwen2": _BLOCK_NAMES, "qwen3": _QWEN3_BLOCK_NAMES,
+                        "qwen3moe": _QWEN3MOE_BLOCK_NAMES}
+# The architectures whose GGUF config is Llama's keys under their own prefix (with these HF
+# names), and whose q/k rows llama.cpp's converter left in HF's order (it permutes llama's only).
+_LLAMA_LIKE = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+               "qwen3": ("Qwen3ForCausalLM", "qwen3"), "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe")}
 # LongRoPE's factors, which llama.cpp stores as tensors: config values, not parameters.
 _PHI3_ROPE_FACTORS = {"rope_factors_long.weight": "long_factor", "rope_factors_short.weight": "short_factor"}
 SUPPORTED_GGUF_ARCHITECTURES = tuple(_BLOCK_NAMES_BY_ARCH)
@@ -132,7 +143,7 @@ def to_hf_layout(arch: str, gguf_name: str, w: np.ndarray, n_heads: int, n_kv: i
     by the weight where Gemma multiplies by one plus it."""
     if arch == "gemma3":
         return w - 1.0 if gguf_name.endswith("norm.weight") else w
-    if arch == "qwen3moe":  # llama.cpp's converter permutes only the llama architecture's q/k
+    if arch != "llama":  # llama.cpp's converter permutes only the llama architecture's q/k
         return w
     if ".attn_q." in gguf_name:
         return unpermute_rotary(w, n_heads)
@@ -189,7 +200,7 @@ def gguf_config(reader: Any, tensor_names: set[str], n_vocab: int) -> dict[str, 
         return gemma3_gguf_config(reader, tensor_names, n_vocab)
     if arch == "phi3":
         return phi3_gguf_config(reader, tensor_names, n_vocab)
-    if arch not in ("llama", "qwen3moe"):
+    if arch not in _LLAMA_LIKE:
         raise ModelLoadError(
             f"GGUF architecture {arch!r} is not supported; structgen converts "
             f"{', '.join(map(repr, SUPPORTED_GGUF_ARCHITECTURES))} GGUFs (or pass an HF directory)")
@@ -205,9 +216,10 @@ def gguf_config(reader: Any, tensor_names: set[str], n_vocab: int) -> dict[str, 
         eos.append(int(eot))
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
     pad = _field(reader, "tokenizer.ggml.padding_token_id")
+    hf_arch, model_type = _LLAMA_LIKE[arch]
     cfg: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [hf_arch],
+        "model_type": model_type,
         "hidden_size": hidden,
         "intermediate_size": int(_field(reader, p + "feed_forward_length")),
         "num_hidden_layers": int(_field(reader, p + "block_count")),
@@ -217,7 +229,7 @@ def gguf_config(reader: Any, tensor_names: set[str], n_vocab: int) -> dict[str, 
         # GGUF stores eps as float32 (9.9999997e-06); print it back as the author wrote it.
         "rms_norm_eps": float(f"{eps:.6g}"),
         "rope_theta": theta,
-        "rope_scaling": None,
+        "rope_scaling": _gguf_rope_scaling(reader, p),
         "max_position_embeddings": int(_field(reader, p + "context_length", 4096)),
         "vocab_size": int(_field(reader, p + "vocab_size", n_vocab)),
         "tie_word_embeddings": "output.weight" not in tensor_names,
@@ -231,9 +243,23 @@ def gguf_config(reader: Any, tensor_names: set[str], n_vocab: int) -> dict[str, 
     }
     if arch == "qwen3moe":
         cfg.update(qwen3moe_gguf_fields(reader))
-    elif _field(reader, p + "expert_count"):
+    elif arch == "llama" and _field(reader, p + "expert_count"):
         cfg.update(mixtral_gguf_fields(reader))
     return cfg
+
+
+def _gguf_rope_scaling(reader: Any, prefix: str) -> dict[str, Any] | None:
+    """The rope scaling a GGUF's metadata names (`<arch>.rope.scaling.type`): linear as HF's,
+    none as None; any other kind (yarn, ...) is refused rather than ignored. Llama 3's scaling
+    comes from its `rope_freqs` tensor instead (`convert_gguf`)."""
+    kind = _field(reader, prefix + "rope.scaling.type")
+    factor = float(_field(reader, prefix + "rope.scaling.factor", 1.0))
+    if kind in (None, "none") or (kind == "linear" and factor == 1.0):
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": factor}
+    raise ModelLoadError(f"GGUF rope scaling {kind!r} is not supported: structgen converts GGUFs with linear "
+                         "scaling or none (and Llama 3's); pass an HF directory of a checkpoint it runs")
 
 
 def qwen3moe_gguf_fields(reader: Any) -> dict[str, Any]:
@@ -242,8 +268,6 @@ def qwen3moe_gguf_fields(reader: Any) -> dict[str, Any]:
     p = "qwen3moe."
     expert_inter = int(_field(reader, p + "expert_feed_forward_length"))
     return {
-        "architectures": ["Qwen3MoeForCausalLM"],
-        "model_type": "qwen3_moe",
         "intermediate_size": int(_field(reader, p + "feed_forward_length", expert_inter)),
         "moe_intermediate_size": expert_inter,
         "num_experts": int(_field(reader, p + "expert_count")),

@@ -1,0 +1,154 @@
+"""The dense Llama-layout families against transformers on tiny random-weight checkpoints (CPU,
+float32): Llama 3 (its rope scaling), Mistral, Qwen2 (q/k/v biases), Qwen3 (per-head q/k
+norms) give transformers' greedy tokens and logits; and each as llama.cpp's converter writes
+its GGUF (`llama` with q/k rows permuted, `qwen2`, `qwen3`) converts to the same model."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from structgen.engine.config import EngineConfig
+from structgen.engine.engine import Engine
+from structgen.engine.models.loader import load_model_config, resolve_model
+from structgen.engine.request import Request
+from structgen.sampling import SamplingParams
+
+STEPS = 32
+PROMPTS = [[1, 17, 301, 45, 9, 88, 120, 7, 33, 250, 61, 5], [1, 400, 3, 77]]
+SHAPE = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+         "bos_token_id": 1, "eos_token_id": None, "tie_word_embeddings": False}
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+
+def tiny(family: str, path: Path) -> torch.nn.Module:
+    """A tiny random checkpoint of `family` saved to `path`, its weights far from uniform so a
+    wrong layout changes the tokens."""
+    import transformers
+
+    if family == "llama3":
+        cfg = transformers.LlamaConfig(**SHAPE, rope_parameters=LLAMA3_ROPE)
+        model = transformers.LlamaForCausalLM(cfg)
+    elif family == "mistral":
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**SHAPE, sliding_window=None))
+    elif family == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**SHAPE))
+    else:
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**SHAPE, head_dim=16))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0 if "norm" in name else 0.0, 0.3 if "norm" in name else 0.08)
+    model.eval().save_pretrained(path)
+    return model
+
+
+def write_gguf(model: torch.nn.Module, out: Path, arch: str, extra: Callable[[Any], object] | None = None) -> None:
+    """The checkpoint as llama.cpp's converter writes it: gguf-py's tensor names, the `llama`
+    architecture's q/k rows in interleaved rotary pairs, float32 tensors, and a small
+    SentencePiece-style vocabulary; `extra(writer)` adds metadata."""
+    import gguf
+
+    cfg = model.config
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    if extra is not None:
+        extra(w)
+    w.add_tokenizer_model("llama")
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + [f"\u2581w{i}" for i in range(253)]
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * 259 + [-float(i) for i in range(253)])
+    w.add_token_types([2, 3, 3] + [6] * 256 + [1] * 253)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), cfg.num_hidden_layers)
+    heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}
+    for name, tensor in model.state_dict().items():
+        kind = name.split(".")[-2]
+        if arch == "llama" and kind in heads:  # rotate-half rows to interleaved pairs
+            rows = tensor.shape[0]
+            tensor = tensor.reshape(heads[kind], 2, rows // heads[kind] // 2, -1).swapaxes(1, 2).reshape(tensor.shape)
+        w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), tensor.float().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("family,architecture", [
+    ("llama3", "LlamaForCausalLM"), ("mistral", "MistralForCausalLM"), ("qwen2", "Qwen2ForCausalLM"),
+    ("qwen3", "Qwen3ForCausalLM")])
+def test_greedy_tokens_and_logits_equal_transformers(tmp_path, family, architecture,
+                                                     greedy_and_logits_match_transformers):
+    ref = tiny(family, tmp_path)
+    cfg = load_model_config(tmp_path)
+    assert cfg.architecture == architecture
+    assert cfg.attention_bias == (family == "qwen2") and cfg.qk_norm == (family == "qwen3")
+    greedy_and_logits_match_transformers(tmp_path, ref, PROMPTS, STEPS)
+
+
+@pytest.mark.parametrize("family,arch", [("mistral", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3")])
+def test_a_gguf_converts_to_the_same_model(tmp_path, family, arch):
+    """llama.cpp's GGUF of each family (Mistral as `llama`, its q/k permuted; Qwen2 with its
+    biases; Qwen3 with its q/k norms, neither permuted) converts to a directory our engine runs
+    with transformers' greedy tokens."""
+    ref = tiny(family, tmp_path / "hf")
+    write_gguf(ref, tmp_path / f"tiny-{family}.gguf", arch)
+    model_dir = resolve_model(tmp_path / f"tiny-{family}.gguf", cache_dir=tmp_path / "cache", progress=False)
+    cfg = load_model_config(model_dir)
+    assert cfg.attention_bias == (family == "qwen2") and cfg.qk_norm == (family == "qwen3")
+    engine = Engine(cfg, EngineConfig(device="cpu", max_batch_size=1, max_seq_len=64), model_dir)
+    req = Request(PROMPTS[0], SamplingParams(max_tokens=16))
+    engine.run([req])
+    with torch.no_grad():
+        out = ref.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
+    assert req.output_ids == out[0, len(PROMPTS[0]):].tolist()
+
+
+def test_rope_scaling_is_read_from_either_key_and_unknown_kinds_are_refused():
+    """transformers 5 writes the scaling into `rope_parameters` (with rope_theta beside it), 4 into
+    `rope_scaling`; a kind the model does not compute (YaRN, dynamic NTK) is refused, not
+    ignored: ignored, the model would run and answer wrongly."""
+    from structgen.engine.config import ModelConfig
+    from structgen.errors import ModelLoadError
+
+    base = {"architectures": ["LlamaForCausalLM"], **SHAPE, "head_dim": 16, "eos_token_id": 2}
+    v5 = ModelConfig.from_dict({**base, "rope_parameters": LLAMA3_ROPE})
+    v4 = ModelConfig.from_dict({**base, "rope_theta": 500000.0,
+                                "rope_scaling": {k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"}})
+    assert v5.rope_scaling == v4.rope_scaling and v5.rope_theta == v4.rope_theta == 500000.0
+    assert ModelConfig.from_dict({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}).rope_scaling is None
+    for scaling in ({"rope_type": "yarn", "factor": 4.0}, {"type": "dynamic", "factor": 2.0}):
+        with pytest.raises(ModelLoadError, match=f"rope scaling '{scaling.get('rope_type', scaling.get('type'))}'"):
+            ModelConfig.from_dict({**base, "rope_scaling": scaling})
+
+
+def test_a_gguf_with_yarn_rope_scaling_is_refused(tmp_path):
+    """A `qwen2` GGUF whose metadata names YaRN scaling (as long-context Qwen2.5 GGUFs do) is
+    refused with the reason, not converted without it."""
+    import gguf
+
+    from structgen.errors import ModelLoadError
+
+    ref = tiny("qwen2", tmp_path / "hf")
+    path = tmp_path / "yarn.gguf"
+    write_gguf(ref, path, "qwen2", extra=lambda w: (w.add_rope_scaling_type(gguf.RopeScalingType.YARN),
+                                                    w.add_rope_scaling_factor(4.0)))
+    with pytest.raises(ModelLoadError, match="rope scaling 'yarn'"):
+        resolve_model(path, cache_dir=tmp_path / "cache", progress=False)
