@@ -98,6 +98,7 @@ class ModelConfig:
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=_id_list(d.get("eos_token_id")),
+            **_dense_window(d, arch),
         )
         return config._with_experts(d) if arch in ("Qwen3MoeForCausalLM", "MixtralForCausalLM") else config
 
@@ -235,6 +236,20 @@ def _rope_scaling(d: dict[str, Any]) -> dict[str, Any] | None:
                              f"{', '.join(map(repr, ROPE_SCALINGS))} scaling for this architecture; a checkpoint "
                              "with rope_scaling null (or one of those) runs")
     return scaling
+
+
+def _dense_window(d: dict[str, Any], arch: str) -> dict[str, Any]:
+    """Mistral's sliding window (every layer; Mistral 7B v0.1 has 4,096) as the window fields;
+    Qwen2 / Qwen3's `use_sliding_window` (windows on some layers only) is refused, not ignored."""
+    from structgen.errors import ModelLoadError
+
+    window = d.get("sliding_window")
+    if arch == "MistralForCausalLM" and window:
+        return {"layer_types": (SLIDING,) * d["num_hidden_layers"], "sliding_window": window}
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and window and d.get("use_sliding_window"):
+        raise ModelLoadError(f"{arch} with use_sliding_window true is not supported; structgen runs checkpoints "
+                             "whose config has use_sliding_window false (as the released ones have)")
+    return {}
 
 
 def _id_list(ids: int | list[int] | None) -> list[int]:

@@ -27,16 +27,16 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "lo
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 
 
-def tiny(family: str, path: Path) -> torch.nn.Module:
+def tiny(family: str, path: Path, window: int | None = 8) -> torch.nn.Module:
     """A tiny random checkpoint of `family` saved to `path`, its weights far from uniform so a
-    wrong layout changes the tokens."""
+    wrong layout changes the tokens; Mistral's `window` on every layer (v0.1's; None: v0.2's)."""
     import transformers
 
     if family == "llama3":
         cfg = transformers.LlamaConfig(**SHAPE, rope_parameters=LLAMA3_ROPE)
         model = transformers.LlamaForCausalLM(cfg)
-    elif family == "mistral":
-        model = transformers.MistralForCausalLM(transformers.MistralConfig(**SHAPE, sliding_window=None))
+    elif family == "mistral":  # a window shorter than the sequence
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**SHAPE, sliding_window=window))
     elif family == "qwen2":
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**SHAPE))
     else:
@@ -100,15 +100,16 @@ def test_greedy_tokens_and_logits_equal_transformers(tmp_path, family, architect
     cfg = load_model_config(tmp_path)
     assert cfg.architecture == architecture
     assert cfg.attention_bias == (family == "qwen2") and cfg.qk_norm == (family == "qwen3")
+    assert [cfg.window_of(i) for i in range(3)] == [8 if family == "mistral" else None] * 3
     greedy_and_logits_match_transformers(tmp_path, ref, PROMPTS, STEPS)
 
 
 @pytest.mark.parametrize("family,arch", [("mistral", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3")])
 def test_a_gguf_converts_to_the_same_model(tmp_path, family, arch):
-    """llama.cpp's GGUF of each family (Mistral as `llama`, its q/k permuted; Qwen2 with its
+    """llama.cpp's GGUF of each family (Mistral v0.2+ as `llama`, its q/k permuted; Qwen2 with its
     biases; Qwen3 with its q/k norms, neither permuted) converts to a directory our engine runs
     with transformers' greedy tokens."""
-    ref = tiny(family, tmp_path / "hf")
+    ref = tiny(family, tmp_path / "hf", window=None)  # llama.cpp keeps no window for Mistral
     write_gguf(ref, tmp_path / f"tiny-{family}.gguf", arch)
     model_dir = resolve_model(tmp_path / f"tiny-{family}.gguf", cache_dir=tmp_path / "cache", progress=False)
     cfg = load_model_config(model_dir)
@@ -152,3 +153,14 @@ def test_a_gguf_with_yarn_rope_scaling_is_refused(tmp_path):
                                                     w.add_rope_scaling_factor(4.0)))
     with pytest.raises(ModelLoadError, match="rope scaling 'yarn'"):
         resolve_model(path, cache_dir=tmp_path / "cache", progress=False)
+
+
+def test_qwen_layer_windows_are_refused():
+    """Qwen2 / Qwen3's `use_sliding_window` windows only some layers: refused with the reason."""
+    from structgen.engine.config import ModelConfig
+    from structgen.errors import ModelLoadError
+
+    d = {"architectures": ["Qwen2ForCausalLM"], **SHAPE, "eos_token_id": 2, "sliding_window": 4096}
+    assert ModelConfig.from_dict(d).layer_types == ()  # released configs: use_sliding_window false
+    with pytest.raises(ModelLoadError, match="use_sliding_window"):
+        ModelConfig.from_dict({**d, "use_sliding_window": True})
