@@ -1,7 +1,8 @@
 """The dense Llama-layout families against transformers on tiny random-weight checkpoints (CPU,
-float32): Llama 3 (its rope scaling), Mistral, Qwen2 (q/k/v biases), Qwen3 (per-head q/k
-norms) give transformers' greedy tokens and logits; and each as llama.cpp's converter writes
-its GGUF (`llama` with q/k rows permuted, `qwen2`, `qwen3`) converts to the same model."""
+float32): Llama 3 (its rope scaling) and Llama with linear scaling, Mistral (a sliding
+window), Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms) give transformers' greedy tokens and
+logits; and each as llama.cpp's converter writes its GGUF (`llama` with q/k rows permuted,
+`qwen2`, `qwen3`) converts to the same model."""
 
 from __future__ import annotations
 
@@ -33,8 +34,10 @@ def tiny(family: str, path: Path, window: int | None = 8) -> torch.nn.Module:
     import transformers
 
     if family == "llama3":
-        cfg = transformers.LlamaConfig(**SHAPE, rope_parameters=LLAMA3_ROPE)
-        model = transformers.LlamaForCausalLM(cfg)
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SHAPE, rope_parameters=LLAMA3_ROPE))
+    elif family == "llama-linear":  # linear rope scaling (extended-context fine-tunes)
+        rope = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SHAPE, rope_parameters=rope))
     elif family == "mistral":  # a window shorter than the sequence
         model = transformers.MistralForCausalLM(transformers.MistralConfig(**SHAPE, sliding_window=window))
     elif family == "qwen2":
@@ -92,7 +95,7 @@ def write_gguf(model: torch.nn.Module, out: Path, arch: str, extra: Callable[[An
 
 
 @pytest.mark.parametrize("family,architecture", [
-    ("llama3", "LlamaForCausalLM"), ("mistral", "MistralForCausalLM"), ("qwen2", "Qwen2ForCausalLM"),
+    ("llama3", "LlamaForCausalLM"), ("llama-linear", "LlamaForCausalLM"), ("mistral", "MistralForCausalLM"), ("qwen2", "Qwen2ForCausalLM"),
     ("qwen3", "Qwen3ForCausalLM")])
 def test_greedy_tokens_and_logits_equal_transformers(tmp_path, family, architecture,
                                                      greedy_and_logits_match_transformers):
