@@ -86,6 +86,7 @@ class ModelConfig:
             return cls._gemma3(d)
         if arch == "Phi3ForCausalLM":
             return cls._phi3(d)
+        _refuse_biases(d, arch)
         config = cls(
             architecture=arch,
             **_shape(d),
@@ -236,6 +237,21 @@ def _rope_scaling(d: dict[str, Any]) -> dict[str, Any] | None:
                              f"{', '.join(map(repr, ROPE_SCALINGS))} scaling for this architecture; a checkpoint "
                              "with rope_scaling null (or one of those) runs")
     return scaling
+
+
+def _refuse_biases(d: dict[str, Any], arch: str) -> None:
+    """Biases the Llama-layout model does not hold: the feed-forward's (`mlp_bias`) and, where
+    `attention_bias` means every attention projection (Llama, Mistral; Qwen2's cover q/k/v
+    only), the output projection's. Loaded without them, the model would answer wrongly."""
+    from structgen.errors import ModelLoadError
+
+    if d.get("mlp_bias"):
+        raise ModelLoadError(f"{arch} with mlp_bias true is not supported; structgen runs checkpoints whose "
+                             "config has mlp_bias false (as the released ones have)")
+    if d.get("attention_bias") and arch in ("LlamaForCausalLM", "MistralForCausalLM"):
+        raise ModelLoadError(f"{arch} with attention_bias true (biases on q/k/v and the output projection) is not "
+                             "supported; structgen runs checkpoints whose config has attention_bias false, and "
+                             "Qwen2's q/k/v biases")
 
 
 def _dense_window(d: dict[str, Any], arch: str) -> dict[str, Any]:

@@ -167,3 +167,17 @@ def test_qwen_layer_windows_are_refused():
     assert ModelConfig.from_dict(d).layer_types == ()  # released configs: use_sliding_window false
     with pytest.raises(ModelLoadError, match="use_sliding_window"):
         ModelConfig.from_dict({**d, "use_sliding_window": True})
+
+
+@pytest.mark.parametrize("flags,message", [({"attention_bias": True}, "attention_bias true"),
+                                           ({"mlp_bias": True}, "mlp_bias true")])
+def test_biases_the_model_does_not_hold_are_refused(tmp_path, flags, message):
+    """A Llama checkpoint with biases on every attention projection (the output's too) or on the
+    feed-forward is refused with the reason: loaded without them it ran and answered wrongly."""
+    import transformers
+
+    from structgen.errors import ModelLoadError
+
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**SHAPE, **flags)).save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match=message):
+        load_model_config(tmp_path)
