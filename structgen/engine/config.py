@@ -86,7 +86,7 @@ class ModelConfig:
             return cls._gemma3(d)
         if arch == "Phi3ForCausalLM":
             return cls._phi3(d)
-        _refuse_biases(d, arch)
+        _refuse_unsupported(d, arch)
         config = cls(
             architecture=arch,
             **_shape(d),
@@ -239,12 +239,17 @@ def _rope_scaling(d: dict[str, Any]) -> dict[str, Any] | None:
     return scaling
 
 
-def _refuse_biases(d: dict[str, Any], arch: str) -> None:
-    """Biases the Llama-layout model does not hold: the feed-forward's (`mlp_bias`) and, where
-    `attention_bias` means every attention projection (Llama, Mistral; Qwen2's cover q/k/v
-    only), the output projection's. Loaded without them, the model would answer wrongly."""
+def _refuse_unsupported(d: dict[str, Any], arch: str) -> None:
+    """What a Llama-layout config may name that the model does not compute: an activation other
+    than SiLU, the feed-forward's biases (`mlp_bias`) and, where `attention_bias` means every
+    attention projection (Llama, Mistral; Qwen2's cover q/k/v only), the output projection's.
+    Ignored, any of them would give a model that runs and answers wrongly."""
     from structgen.errors import ModelLoadError
 
+    act = d.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ModelLoadError(f"{arch} with hidden_act {act!r} is not supported; structgen runs this architecture "
+                             "with hidden_act 'silu'")
     if d.get("mlp_bias"):
         raise ModelLoadError(f"{arch} with mlp_bias true is not supported; structgen runs checkpoints whose "
                              "config has mlp_bias false (as the released ones have)")

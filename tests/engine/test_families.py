@@ -170,10 +170,12 @@ def test_qwen_layer_windows_are_refused():
 
 
 @pytest.mark.parametrize("flags,message", [({"attention_bias": True}, "attention_bias true"),
-                                           ({"mlp_bias": True}, "mlp_bias true")])
-def test_biases_the_model_does_not_hold_are_refused(tmp_path, flags, message):
+                                           ({"mlp_bias": True}, "mlp_bias true"),
+                                           ({"hidden_act": "gelu"}, "hidden_act 'gelu'")])
+def test_what_the_model_does_not_compute_is_refused(tmp_path, flags, message):
     """A Llama checkpoint with biases on every attention projection (the output's too) or on the
-    feed-forward is refused with the reason: loaded without them it ran and answered wrongly."""
+    feed-forward, or another activation, is refused with the reason: loaded without them it ran
+    and answered wrongly."""
     import transformers
 
     from structgen.errors import ModelLoadError
