@@ -230,7 +230,8 @@ def _rope_scaling(d: dict[str, Any]) -> dict[str, Any] | None:
     params = {k: v for k, v in (d.get("rope_parameters") or {}).items() if k != "rope_theta"}
     scaling = d.get("rope_scaling") or params or None
     kind = scaling.get("rope_type", scaling.get("type")) if scaling else None
-    if kind in (None, "default"):
+    # dynamic NTK changes nothing up to max_position_embeddings, where the runner caps sequences
+    if kind in (None, "default", "dynamic"):
         return None
     if kind not in ROPE_SCALINGS:
         raise ModelLoadError(f"rope scaling {kind!r} is not supported: structgen computes "

@@ -127,7 +127,8 @@ def test_a_gguf_converts_to_the_same_model(tmp_path, family, arch):
 
 def test_rope_scaling_is_read_from_either_key_and_unknown_kinds_are_refused():
     """transformers 5 writes the scaling into `rope_parameters` (with rope_theta beside it), 4 into
-    `rope_scaling`; a kind the model does not compute (YaRN, dynamic NTK) is refused, not
+    `rope_scaling`; dynamic NTK is plain rope up to max_position_embeddings, where the runner caps
+    sequences; a kind the model does not compute (YaRN, LongRoPE outside Phi-3) is refused, not
     ignored: ignored, the model would run and answer wrongly."""
     from structgen.engine.config import ModelConfig
     from structgen.errors import ModelLoadError
@@ -138,7 +139,8 @@ def test_rope_scaling_is_read_from_either_key_and_unknown_kinds_are_refused():
                                 "rope_scaling": {k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"}})
     assert v5.rope_scaling == v4.rope_scaling and v5.rope_theta == v4.rope_theta == 500000.0
     assert ModelConfig.from_dict({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}).rope_scaling is None
-    for scaling in ({"rope_type": "yarn", "factor": 4.0}, {"type": "dynamic", "factor": 2.0}):
+    assert ModelConfig.from_dict({**base, "rope_scaling": {"type": "dynamic", "factor": 2.0}}).rope_scaling is None
+    for scaling in ({"rope_type": "yarn", "factor": 4.0}, {"type": "longrope", "factor": 2.0}):
         with pytest.raises(ModelLoadError, match=f"rope scaling '{scaling.get('rope_type', scaling.get('type'))}'"):
             ModelConfig.from_dict({**base, "rope_scaling": scaling})
 
