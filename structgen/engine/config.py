@@ -230,9 +230,11 @@ def _rope_scaling(d: dict[str, Any]) -> dict[str, Any] | None:
     params = {k: v for k, v in (d.get("rope_parameters") or {}).items() if k != "rope_theta"}
     scaling = d.get("rope_scaling") or params or None
     kind = scaling.get("rope_type", scaling.get("type")) if scaling else None
-    # dynamic NTK changes nothing up to max_position_embeddings, where the runner caps sequences
-    if kind in (None, "default", "dynamic"):
+    if kind in (None, "default"):
         return None
+    max_positions = d.get("max_position_embeddings", 4096)
+    if kind == "dynamic" and scaling.get("original_max_position_embeddings", max_positions) >= max_positions:
+        return None  # dynamic NTK changes nothing up to there, and the runner caps sequences there
     if kind not in ROPE_SCALINGS:
         raise ModelLoadError(f"rope scaling {kind!r} is not supported: structgen computes "
                              f"{', '.join(map(repr, ROPE_SCALINGS))} scaling for this architecture; a checkpoint "

@@ -140,7 +140,8 @@ def test_rope_scaling_is_read_from_either_key_and_unknown_kinds_are_refused():
     assert v5.rope_scaling == v4.rope_scaling and v5.rope_theta == v4.rope_theta == 500000.0
     assert ModelConfig.from_dict({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}).rope_scaling is None
     assert ModelConfig.from_dict({**base, "rope_scaling": {"type": "dynamic", "factor": 2.0}}).rope_scaling is None
-    for scaling in ({"rope_type": "yarn", "factor": 4.0}, {"type": "longrope", "factor": 2.0}):
+    for scaling in ({"rope_type": "yarn", "factor": 4.0}, {"type": "longrope", "factor": 2.0},
+                    {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 64}):
         with pytest.raises(ModelLoadError, match=f"rope scaling '{scaling.get('rope_type', scaling.get('type'))}'"):
             ModelConfig.from_dict({**base, "rope_scaling": scaling})
 
