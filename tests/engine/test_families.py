@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from llama_cpp_gguf import gguf_writer, tensor_names
 
 from structgen.engine.config import EngineConfig
 from structgen.engine.engine import Engine
@@ -53,45 +54,22 @@ def tiny(family: str, path: Path, window: int | None = 8) -> torch.nn.Module:
 
 
 def write_gguf(model: torch.nn.Module, out: Path, arch: str, extra: Callable[[Any], object] | None = None) -> None:
-    """The checkpoint as llama.cpp's converter writes it: gguf-py's tensor names, the `llama`
-    architecture's q/k rows in interleaved rotary pairs, float32 tensors, and a small
-    SentencePiece-style vocabulary; `extra(writer)` adds metadata."""
-    import gguf
-
+    """The checkpoint as llama.cpp's converter writes it (llama_cpp_gguf.py), the `llama`
+    architecture's q/k rows in interleaved rotary pairs; `extra(writer)` adds metadata."""
     cfg = model.config
-    w = gguf.GGUFWriter(str(out), arch)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    if extra is not None:
-        extra(w)
-    w.add_tokenizer_model("llama")
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + [f"\u2581w{i}" for i in range(253)]
-    w.add_token_list(tokens)
-    w.add_token_scores([0.0] * 259 + [-float(i) for i in range(253)])
-    w.add_token_types([2, 3, 3] + [6] * 256 + [1] * 253)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), cfg.num_hidden_layers)
     heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}
-    for name, tensor in model.state_dict().items():
-        kind = name.split(".")[-2]
-        if arch == "llama" and kind in heads:  # rotate-half rows to interleaved pairs
-            rows = tensor.shape[0]
-            tensor = tensor.reshape(heads[kind], 2, rows // heads[kind] // 2, -1).swapaxes(1, 2).reshape(tensor.shape)
-        w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), tensor.float().numpy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    with gguf_writer(out, arch, cfg, head_dim=head_dim) as w:
+        w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+        if extra is not None:
+            extra(w)
+        names = tensor_names(arch, cfg.num_hidden_layers)
+        for name, tensor in model.state_dict().items():
+            kind = name.split(".")[-2]
+            if arch == "llama" and kind in heads:  # rotate-half rows to interleaved pairs
+                rows = tensor.shape[0]
+                tensor = tensor.reshape(heads[kind], 2, rows // heads[kind] // 2, -1).swapaxes(1, 2).reshape(tensor.shape)
+            w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), tensor.float().numpy())
 
 
 @pytest.mark.parametrize("family,architecture", [

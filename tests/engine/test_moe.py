@@ -12,6 +12,7 @@ from typing import Literal
 
 import pytest
 import torch
+from llama_cpp_gguf import gguf_writer, tensor_names
 
 from structgen.engine.config import EngineConfig, ModelConfig
 from structgen.engine.engine import Engine
@@ -129,47 +130,23 @@ def llama_cpp_tensor(arch: str, name: str, tensor: torch.Tensor, cfg) -> torch.T
 
 def write_moe_gguf(model: torch.nn.Module, out: Path, arch: str) -> None:
     """The tiny checkpoint as llama.cpp's converter writes it (`qwen3moe`, or Mixtral as
-    `llama`): gguf-py's tensor names with gate and up experts stacked apart, float32 tensors,
-    the expert counts, and a small SentencePiece-style vocabulary."""
-    import gguf
-
+    `llama`; llama_cpp_gguf.py): gate and up experts stacked apart, and the expert counts."""
     cfg = model.config
-    w = gguf.GGUFWriter(str(out), arch)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    if arch == "qwen3moe":
-        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
-    w.add_expert_count(cfg.num_experts)
-    w.add_expert_used_count(cfg.num_experts_per_tok)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
     head_dim = cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    w.add_tokenizer_model("llama")
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + [f"\u2581w{i}" for i in range(253)]
-    w.add_token_list(tokens)
-    w.add_token_scores([0.0] * 259 + [-float(i) for i in range(253)])
-    w.add_token_types([2, 3, 3] + [6] * 256 + [1] * 253)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3MOE if arch == "qwen3moe" else gguf.MODEL_ARCH.LLAMA,
-                                     cfg.num_hidden_layers)
-    for name, tensor in model.state_dict().items():
-        if name.endswith("experts.gate_up_proj"):  # llama.cpp stores the two halves apart
-            for half, part in zip(("gate_proj", "up_proj"), tensor.chunk(2, dim=1), strict=True):
-                w.add_tensor(names.get_name(name.replace("gate_up_proj", half)) + ".weight", part.float().numpy())
-        else:
-            w.add_tensor(names.get_name(name, try_suffixes=(".weight",)) + (".weight" * ("experts" in name)),
-                         llama_cpp_tensor(arch, name, tensor, cfg).float().numpy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    with gguf_writer(out, arch, cfg, head_dim=head_dim) as w:
+        if arch == "qwen3moe":
+            w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+        names = tensor_names(arch, cfg.num_hidden_layers)
+        for name, tensor in model.state_dict().items():
+            if name.endswith("experts.gate_up_proj"):  # llama.cpp stores the two halves apart
+                for half, part in zip(("gate_proj", "up_proj"), tensor.chunk(2, dim=1), strict=True):
+                    w.add_tensor(names.get_name(name.replace("gate_up_proj", half)) + ".weight", part.float().numpy())
+            else:
+                w.add_tensor(names.get_name(name, try_suffixes=(".weight",)) + (".weight" * ("experts" in name)),
+                             llama_cpp_tensor(arch, name, tensor, cfg).float().numpy())
 
 
 @pytest.mark.parametrize("arch", ["qwen3moe", pytest.param("llama", marks=pytest.mark.slow)])

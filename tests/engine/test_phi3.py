@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from llama_cpp_gguf import gguf_writer, tensor_names
 
 from structgen.engine.config import EngineConfig
 from structgen.engine.engine import Engine
@@ -70,41 +71,19 @@ def test_long_factors_take_over_at_the_pretraining_context(tmp_path):
 
 
 def write_phi3_gguf(model: torch.nn.Module, out: Path) -> None:
-    """The tiny checkpoint as llama.cpp's converter writes a Phi-3 GGUF: its tensor names
-    (from gguf-py's own name map), float32 tensors, LongRoPE factors as tensors, and a small
-    SentencePiece-style vocabulary."""
-    import gguf
-
+    """The tiny checkpoint as llama.cpp's converter writes a Phi-3 GGUF (llama_cpp_gguf.py), its
+    rotary dimensions and LongRoPE factors (as tensors) besides."""
     cfg = model.config
     rope = cfg.rope_parameters
-    w = gguf.GGUFWriter(str(out), "phi3")
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_dimension_count(int(32 * rope["partial_rotary_factor"]))
-    w.add_rope_freq_base(rope["rope_theta"])
-    w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-    w.add_tokenizer_model("llama")
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + [f"\u2581w{i}" for i in range(253)]
-    w.add_token_list(tokens)
-    w.add_token_scores([0.0] * 3 + [0.0] * 256 + [-float(i) for i in range(253)])
-    w.add_token_types([2, 3, 3] + [6] * 256 + [1] * 253)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.PHI3, cfg.num_hidden_layers)
-    for name, tensor in model.state_dict().items():
-        w.add_tensor(names.get_name(name, try_suffixes=(".weight",)), tensor.float().numpy())
-    w.add_tensor("rope_factors_long.weight", torch.tensor(rope["long_factor"]).float().numpy())
-    w.add_tensor("rope_factors_short.weight", torch.tensor(rope["short_factor"]).float().numpy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    with gguf_writer(out, "phi3", cfg) as w:
+        w.add_rope_dimension_count(int(32 * rope["partial_rotary_factor"]))
+        w.add_rope_freq_base(rope["rope_theta"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        names = tensor_names("phi3", cfg.num_hidden_layers)
+        for name, tensor in model.state_dict().items():
+            w.add_tensor(names.get_name(name, try_suffixes=(".weight",)), tensor.float().numpy())
+        w.add_tensor("rope_factors_long.weight", torch.tensor(rope["long_factor"]).float().numpy())
+        w.add_tensor("rope_factors_short.weight", torch.tensor(rope["short_factor"]).float().numpy())
 
 
 def test_a_phi3_gguf_converts_to_the_same_model(tmp_path):
