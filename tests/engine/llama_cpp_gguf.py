@@ -50,3 +50,23 @@ def tensor_names(arch: str, layers: int) -> Any:
     import gguf
 
     return gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), layers)
+
+
+def greedy_tokens_both_ways(model_dir: Path, reference: Any, prompt: list[int], steps: int = 16) -> tuple[list[int], list[int]]:
+    """(our engine's greedy tokens from the converted `model_dir`, transformers' from
+    `reference`), on the CPU: what a conversion test compares."""
+    import torch
+
+    from structgen.engine.config import EngineConfig
+    from structgen.engine.engine import Engine
+    from structgen.engine.models.loader import load_model_config
+    from structgen.engine.request import Request
+    from structgen.sampling import SamplingParams
+
+    engine = Engine(load_model_config(model_dir), EngineConfig(device="cpu", max_batch_size=1, max_seq_len=64),
+                    model_dir)
+    req = Request(prompt, SamplingParams(max_tokens=steps))
+    engine.run([req])
+    with torch.no_grad():
+        out = reference.generate(torch.tensor([prompt]), max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
+    return req.output_ids, out[0, len(prompt):].tolist()
