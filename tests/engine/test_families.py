@@ -40,7 +40,7 @@ def tiny(family: str, path: Path, window: int | None = 8) -> torch.nn.Module:
     elif family == "qwen2":
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**SHAPE))
     else:
-        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**SHAPE, head_dim=16))
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**SHAPE, head_dim=32))  # as Qwen3-0.6B: wider than hidden / heads
     torch.manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
