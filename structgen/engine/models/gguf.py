@@ -300,8 +300,6 @@ def gemma3_gguf_config(reader: Any, tensor_names: set[str], n_vocab: int) -> dic
     head_dim = int(_field(reader, p + "attention.key_length", 256))
     n_layers = int(_field(reader, p + "block_count"))
     eps = float(_field(reader, p + "attention.layer_norm_rms_epsilon", 1e-6))
-    scaling = _field(reader, p + "rope.scaling.type")
-    factor = float(_field(reader, p + "rope.scaling.factor", 1.0))
     tokens = _field(reader, "tokenizer.ggml.tokens") or []
     eos = [int(_field(reader, "tokenizer.ggml.eos_token_id", 1))]
     if "<end_of_turn>" in tokens and tokens.index("<end_of_turn>") not in eos:
@@ -319,7 +317,7 @@ def gemma3_gguf_config(reader: Any, tensor_names: set[str], n_vocab: int) -> dic
         "rms_norm_eps": float(f"{eps:.6g}"),
         "rope_theta": float(_field(reader, p + "rope.freq_base", 1_000_000.0)),
         "rope_local_base_freq": 10_000.0,
-        "rope_scaling": {"rope_type": "linear", "factor": factor} if scaling == "linear" and factor != 1.0 else None,
+        "rope_scaling": _gguf_rope_scaling(reader, p),
         "sliding_window": int(_field(reader, p + "attention.sliding_window", 4096)),
         "sliding_window_pattern": int(_field(reader, p + "attention.sliding_window_pattern", 6)),
         "query_pre_attn_scalar": hidden // n_heads if is_27b else head_dim,
