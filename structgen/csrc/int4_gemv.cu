@@ -1,4 +1,4 @@
-// The int4 GEMV for 1-4 rows of bf16 x: y = x @ W.T (+ bias), W kept as int32 words of 8
+// The int4 GEMV for 1-8 rows of bf16 x: y = x @ W.T (+ bias), W kept as int32 words of 8
 // K-contiguous nibbles (models/packed.py's "words" layout) with a float scale (and offset) per
 // group of columns. Two forms, both starting from the same trick: `(w >> 4i) & 0x000F000F |
 // 0x43004300` is the bf16 pair (128 + q[i], 128 + q[i + 4]) (a nibble inside a bf16's 7
@@ -8,8 +8,8 @@
 //   formats have): bf16x2 products on the CUDA cores. Why CUDA and not Triton: at Hopper's
 //   bandwidth an SM may spend only a few instructions on each int4 weight, and the Triton stream
 //   GEMV spent about twice that (docs/performance.md, "Int4 at one row: a CUDA GEMV").
-// - The tensor-core form (2-4 rows, groups of 128 columns or more, as AWQ / GPTQ have): the
-//   pairs go to mma.m16n8k16 whose n holds x's rows, so 2 and 4 rows cost what one does
+// - The tensor-core form (2-8 rows, groups of 128 columns or more, as AWQ / GPTQ have): the
+//   pairs go to mma.m16n8k16 whose n holds x's rows, so 2 and 8 rows cost about the same
 //   (docs/performance.md, "Int4 at 2-4 rows: a tensor-core GEMV"). Its comment is below.
 //
 // The CUDA-core form:
@@ -227,9 +227,9 @@ __global__ void __launch_bounds__(kWarps * 32) int4_gemv_kernel(const Int4GemvAr
   }
 }
 
-// The tensor-core form, for 2-4 rows of x and groups of 128 columns or more: a warp multiplies
-// 16 features by 128-column tiles of x with mma.m16n8k16 (x's rows are the mma's n, so 2 and 4
-// rows cost the same), its A operand the nibbles as the bf16 pairs (128 + q[i], 128 + q[i + 4])
+// The tensor-core form, for 2-8 rows of x and groups of 128 columns or more: a warp multiplies
+// 16 features by 128-column tiles of x with mma.m16n8k16 (x's rows are the mma's n, so 2 and 8
+// rows cost about the same; 5-8 rows share the 8-row build), its A operand the nibbles as the bf16 pairs (128 + q[i], 128 + q[i + 4])
 // straight out of lop3, nothing subtracted: the products are exact in the mma's float32 sums,
 // and a second mma of ones by the same x gives the tile's sum of x, so that per tile (inside one
 // scale group)
@@ -244,6 +244,8 @@ constexpr int kMmaWarps = 8;     // warps a block: they take turns over chunks o
 constexpr int kMmaRows = 16;     // features a block (an mma's m)
 constexpr int kTileWords = 16;   // words a row has in a 128-column tile
 constexpr int kChunkTiles = 2;   // tiles a warp reads at once (32 bytes a lane a feature)
+constexpr int kCudaCoreRows = 4;  // rows of x the CUDA-core form takes (its products are per row)
+constexpr int kMaxRows = 8;       // rows of x the tensor-core form takes (the mma's n)
 
 __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm volatile(
@@ -379,7 +381,11 @@ cudaError_t launch(const Int4GemvArgs& a, cudaStream_t stream) {
       return cudaLaunchKernelEx(&config, int4_mma_kernel<M, Scale, Offset>, a);
     }
   }
-  return cudaLaunchKernelEx(&config, int4_gemv_kernel<M, Scale, Offset>, a);
+  if constexpr (M > kCudaCoreRows) {
+    return cudaErrorInvalidValue;  // only the tensor-core form takes more rows
+  } else {
+    return cudaLaunchKernelEx(&config, int4_gemv_kernel<M, Scale, Offset>, a);
+  }
 }
 
 template <typename Scale, typename Offset>
@@ -389,6 +395,7 @@ cudaError_t launch_rows(const Int4GemvArgs& a, cudaStream_t stream) {
     case 2: return launch<2, Scale, Offset>(a, stream);
     case 3: return launch<3, Scale, Offset>(a, stream);
     case 4: return launch<4, Scale, Offset>(a, stream);
+    case 5: case 6: case 7: case 8: return launch<8, Scale, Offset>(a, stream);  // rows past x's are not written
     default: return cudaErrorInvalidValue;
   }
 }
@@ -409,7 +416,8 @@ int sg_int4_gemv(const int32_t* words, int64_t word_stride, int64_t units, const
                  int offsets_half, const void* x, int64_t x_stride, int rows, const void* bias, void* y,
                  int64_t y_stride, int64_t n, int pdl, void* stream) {
   if (n <= 0 || units <= 0) return cudaSuccess;
-  if (rows < 1 || rows > 4 || units % kLaneWords || units >= (int64_t(1) << 30) || group_shift < 2 ||
+  // more than kCudaCoreRows rows: the launch refuses a weight the tensor-core form cannot take
+  if (rows < 1 || rows > kMaxRows || units % kLaneWords || units >= (int64_t(1) << 30) || group_shift < 2 ||
       group_shift > 30 || n * scale_stride >= (int64_t(1) << 31))
     return cudaErrorInvalidValue;
   Int4GemvArgs a{words, word_stride, units, scales, offsets, scale_stride, group_shift, scales_half, offsets_half,

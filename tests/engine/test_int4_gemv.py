@@ -75,12 +75,12 @@ def test_cuda_gemv_is_close_to_the_reference(rows: int, shape: tuple[int, int, i
     assert rel_err(out, ref) < 2 * rel_err(stream, ref) + 2e-3
 
 
-@pytest.mark.parametrize("rows", [2, 3, 4])
+@pytest.mark.parametrize("rows", [2, 3, 4, 5, 8])
 @pytest.mark.parametrize("shape", [s for s in SHAPES if s[2] >= 128 and s[1] % 128 == 0])
 def test_tensor_core_form_is_as_close_as_the_stream_gemv(rows: int, shape: tuple[int, int, int]) -> None:
-    """2-4 rows with groups of 128 columns or more take the tensor-core form, whose products are
-    exact in float32: as close to the reference as the stream GEMV, where the CUDA-core form's
-    bf16 products are about twice as far."""
+    """2-8 rows with groups of 128 columns or more take the tensor-core form (the default launch
+    too, past the CUDA-core form's 4 rows), whose products are exact in float32: as close to the
+    reference as the stream GEMV, where the CUDA-core form's bf16 products are about twice as far."""
     from structgen.engine.kernels import packed_gemm
 
     n, cols, group = shape
@@ -88,8 +88,10 @@ def test_tensor_core_form_is_as_close_as_the_stream_gemv(rows: int, shape: tuple
     x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows)).to("cuda", torch.bfloat16)
     ref = x.float() @ w.dequantize().T
     out = packed_gemm.matmul(x, w, block=cuda_block(rows))
-    stream = packed_gemm.matmul(x, w, block=packed_gemm.Block(rows, 16, 512, 4, 3, "stream", 0))
-    assert rel_err(out, ref) < 1.3 * rel_err(stream, ref) + 2e-4
+    assert torch.equal(packed_gemm.matmul(x, w), out)
+    stream = packed_gemm.matmul(x[:4], w, block=packed_gemm.Block(4, 16, 512, 4, 3, "stream", 0))
+    assert rel_err(out[:4], ref[:4]) < 1.3 * rel_err(stream, ref[:4]) + 2e-4
+    assert rel_err(out, ref) < 1.3 * rel_err(stream, ref[:4]) + 4e-4
 
 
 @pytest.mark.parametrize("half_scales,half_offsets", [(True, True), (True, False), (False, True), (False, False)])
@@ -144,3 +146,14 @@ def test_cuda_gemv_refuses_what_it_cannot_read() -> None:
     odd = weight(64, 1000, 1000, True)
     assert not int4_gemv.fits(torch.randn(1, 1000, device="cuda", dtype=torch.bfloat16), odd, None, y)
     assert rel_err(packed_gemm.matmul(x, small_groups), x.float() @ small_groups.dequantize().T) < 1e-2
+    # 5-8 rows only in whole 128-column tiles of groups of 128 or more: groups of 32 keep the
+    # words GEMM by default, and a forced launch says what to use
+    q4 = weight(64, 1024, 32, True)
+    x5 = torch.randn(5, 1024, device="cuda", dtype=torch.bfloat16)
+    y5 = torch.empty(5, 64, device="cuda", dtype=torch.bfloat16)
+    assert not int4_gemv.fits(x5, q4, None, y5) and int4_gemv.fits(x5, w, None, y5)
+    with pytest.raises(InvalidParameterError, match="form='stream'"):
+        packed_gemm.matmul(x5, q4, block=cuda_block(5))
+    assert rel_err(packed_gemm.matmul(x5, q4), x5.float() @ q4.dequantize().T) < 1e-2
+    assert not int4_gemv.fits(torch.randn(9, 1024, device="cuda", dtype=torch.bfloat16), w, None,
+                              torch.empty(9, 64, device="cuda", dtype=torch.bfloat16))

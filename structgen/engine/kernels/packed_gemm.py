@@ -337,6 +337,12 @@ def matmul(x: torch.Tensor, weight: PackedWeight | tinygemm.TinyGemmWeight, bias
     if rows == 0:
         return torch.empty(rows, n, dtype=x.dtype, device=x.device) if out is None else out
     default = block is None
+    if default and GEMV_ROWS < rows <= int4_gemv.MAX_ROWS:  # 5-8 rows: the tensor-core int4 GEMV where it fits
+        y = torch.empty(rows, n, dtype=x.dtype, device=x.device) if out is None else out
+        if int4_gemv.fits(x, weight, bias, y):
+            int4_gemv.gemv(x, weight, bias, y)
+            return y
+        out = y
     if block is None:
         block = gemv_block(weight, rows) if rows <= GEMV_ROWS else gemm_block(weight, rows, x.dtype)
     if block.form in packed_words_gemm.FORMS:
@@ -346,8 +352,10 @@ def matmul(x: torch.Tensor, weight: PackedWeight | tinygemm.TinyGemmWeight, bias
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device) if out is None else out
     cuda = (block.form == "cuda" or (default and block.form == "stream")) and int4_gemv.fits(x, weight, bias, y)
     if block.form == "cuda" and not cuda:
-        raise InvalidParameterError(f"the 'cuda' GEMV reads 1-{int4_gemv.MAX_ROWS} bf16 rows and int4 words in groups "
-                                    f"of a power of two of at least {int4_gemv.LANE_COLS} columns, built on a GPU; "
+        raise InvalidParameterError(f"the 'cuda' GEMV reads 1-{int4_gemv.CUDA_CORE_ROWS} bf16 rows (up to "
+                                    f"{int4_gemv.MAX_ROWS} in whole {int4_gemv.TILE_COLS}-column groups) and int4 "
+                                    f"words in groups of a power of two of at least {int4_gemv.LANE_COLS} columns, "
+                                    "built on a GPU; "
                                     f"use Block(form='stream')")
     if cuda:
         int4_gemv.gemv(x, weight, bias, y)
