@@ -10,7 +10,7 @@
 //   GEMV spent about twice that (docs/performance.md, "Int4 at one row: a CUDA GEMV").
 // - The tensor-core form (2-8 rows, groups of 128 columns or more, as AWQ / GPTQ have): the
 //   pairs go to mma.m16n8k16 whose n holds x's rows, so 2 and 8 rows cost about the same
-//   (docs/performance.md, "Int4 at 2-4 rows: a tensor-core GEMV"). Its comment is below.
+//   (docs/performance.md, "Int4 at 2-8 rows: a tensor-core GEMV"). Its comment is below.
 //
 // The CUDA-core form:
 // - one fused-multiply-add takes 128 + 8 off the pair exactly: (q - 8) is small, so the bf16

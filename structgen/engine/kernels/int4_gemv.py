@@ -9,7 +9,7 @@ Two forms, chosen by the launch (csrc/int4_gemv.cu says how each works):
 - 2-8 rows with groups of 128 columns or more, in whole 128-column tiles (AWQ / GPTQ, and
   weights quantized at load): tensor-core mma whose n holds the rows, so a 4-row verify step
   costs about what one row does (5-8 rows only here: the CUDA-core form stops at 4); its products are exact in float32 sums, as close to the
-  reference as the stream GEMV (docs/performance.md, "Int4 at 2-4 rows: a tensor-core GEMV").
+  reference as the stream GEMV (docs/performance.md, "Int4 at 2-8 rows: a tensor-core GEMV").
 The tests bound both forms' error; the Triton stream GEMV remains the path for float32
 activations, the CPU interpreter, and shapes this one refuses.
 """
