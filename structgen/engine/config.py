@@ -39,7 +39,8 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int = 8192
     tie_word_embeddings: bool = True
-    attention_bias: bool = False  # Qwen2 has q/k/v biases
+    attention_bias: bool = False  # biases on q/k/v (Qwen2's always; Llama's and Qwen3's where the config says)
+    attention_output_bias: bool = False  # ... and on the output projection (Llama's and Qwen3's, not Qwen2's)
     qk_norm: bool = False  # Qwen3 normalises q and k per head
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
@@ -95,7 +96,7 @@ class ModelConfig:
             rope_scaling=_rope_scaling(d),
             max_position_embeddings=d.get("max_position_embeddings", 4096),
             tie_word_embeddings=d.get("tie_word_embeddings", False),
-            attention_bias=d.get("attention_bias", arch == "Qwen2ForCausalLM"),
+            **_attention_biases(d, arch),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=_id_list(d.get("eos_token_id")),
@@ -242,11 +243,25 @@ def _rope_scaling(d: dict[str, Any]) -> dict[str, Any] | None:
     return scaling
 
 
+def _attention_biases(d: dict[str, Any], arch: str) -> dict[str, bool]:
+    """Which attention projections carry biases, as transformers builds each architecture:
+    Qwen2 q/k/v always; Llama and Qwen3 (dense and MoE) all four where `attention_bias` is true;
+    Mistral and Mixtral none (their modules ignore the key). A GGUF's converted config names the
+    output projection's apart (`attention_output_bias`): llama.cpp's `llama` files may carry
+    q/k/v biases alone."""
+    if arch == "Qwen2ForCausalLM":
+        qkv, output = True, False
+    elif arch in ("MistralForCausalLM", "MixtralForCausalLM"):
+        qkv = output = False
+    else:
+        qkv = output = bool(d.get("attention_bias"))
+    return {"attention_bias": qkv, "attention_output_bias": bool(d.get("attention_output_bias", output))}
+
+
 def _refuse_unsupported(d: dict[str, Any], arch: str) -> None:
     """What a Llama-layout config may name that the model does not compute: an activation other
-    than SiLU, the feed-forward's biases (`mlp_bias`) and, where `attention_bias` means every
-    attention projection (Llama, Mistral; Qwen2's cover q/k/v only), the output projection's.
-    Ignored, any of them would give a model that runs and answers wrongly."""
+    than SiLU and the feed-forward's biases (`mlp_bias`). Ignored, either would give a model that
+    runs and answers wrongly."""
     from structgen.errors import ModelLoadError
 
     act = d.get("hidden_act", "silu")
@@ -256,10 +271,6 @@ def _refuse_unsupported(d: dict[str, Any], arch: str) -> None:
     if d.get("mlp_bias"):
         raise ModelLoadError(f"{arch} with mlp_bias true is not supported; structgen runs checkpoints whose "
                              "config has mlp_bias false (as the released ones have)")
-    if d.get("attention_bias") and arch in ("LlamaForCausalLM", "MistralForCausalLM"):
-        raise ModelLoadError(f"{arch} with attention_bias true (biases on q/k/v and the output projection) is not "
-                             "supported; structgen runs checkpoints whose config has attention_bias false, and "
-                             "Qwen2's q/k/v biases")
 
 
 def _dense_window(d: dict[str, Any], arch: str) -> dict[str, Any]:

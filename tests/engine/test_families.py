@@ -1,8 +1,9 @@
 """The dense Llama-layout families against transformers on tiny random-weight checkpoints (CPU,
-float32): Llama 3 (its rope scaling) and Llama with linear scaling, Mistral (a sliding
-window), Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms) give transformers' greedy tokens and
-logits; and each as llama.cpp's converter writes its GGUF (`llama` with q/k rows permuted,
-`qwen2`, `qwen3`) converts to the same model."""
+float32): Llama 3 (its rope scaling), Llama with linear scaling and Llama with attention biases
+(`attention_bias`: q/k/v and the output projection), Mistral (a sliding window), Qwen2 (q/k/v
+biases), Qwen3 (per-head q/k norms) give transformers' greedy tokens and logits; and each as
+llama.cpp's converter writes its GGUF (`llama` with q/k rows permuted, `qwen2`, `qwen3`)
+converts to the same model."""
 
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ def tiny(family: str, path: Path, window: int | None = 8) -> torch.nn.Module:
 
     if family == "llama3":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SHAPE, rope_parameters=LLAMA3_ROPE))
+    elif family == "llama-bias":  # attention_bias: biases on q/k/v and on the output projection
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SHAPE, attention_bias=True))
     elif family == "llama-linear":  # linear rope scaling (extended-context fine-tunes)
         rope = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SHAPE, rope_parameters=rope))
@@ -69,30 +72,71 @@ def write_gguf(model: torch.nn.Module, out: Path, arch: str, extra: Callable[[An
 
 
 @pytest.mark.parametrize("family,architecture", [
-    ("llama3", "LlamaForCausalLM"), ("llama-linear", "LlamaForCausalLM"), ("mistral", "MistralForCausalLM"), ("qwen2", "Qwen2ForCausalLM"),
-    ("qwen3", "Qwen3ForCausalLM")])
+    ("llama3", "LlamaForCausalLM"), ("llama-linear", "LlamaForCausalLM"), ("llama-bias", "LlamaForCausalLM"),
+    ("mistral", "MistralForCausalLM"), ("qwen2", "Qwen2ForCausalLM"), ("qwen3", "Qwen3ForCausalLM")])
 def test_greedy_tokens_and_logits_equal_transformers(tmp_path, family, architecture,
                                                      greedy_and_logits_match_transformers):
     ref = tiny(family, tmp_path)
     cfg = load_model_config(tmp_path)
     assert cfg.architecture == architecture
-    assert cfg.attention_bias == (family == "qwen2") and cfg.qk_norm == (family == "qwen3")
+    assert cfg.attention_bias == (family in ("qwen2", "llama-bias")) and cfg.qk_norm == (family == "qwen3")
+    assert cfg.attention_output_bias == (family == "llama-bias")
     assert [cfg.window_of(i) for i in range(3)] == [8 if family == "mistral" else None] * 3
     greedy_and_logits_match_transformers(tmp_path, ref, PROMPTS, STEPS)
 
 
-@pytest.mark.parametrize("family,arch", [("mistral", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3")])
+@pytest.mark.parametrize("family,arch", [("mistral", "llama"), ("llama-bias", "llama"), ("qwen2", "qwen2"),
+                                         ("qwen3", "qwen3")])
 def test_a_gguf_converts_to_the_same_model(tmp_path, family, arch):
-    """llama.cpp's GGUF of each family (Mistral v0.2+ as `llama`, its q/k permuted; Qwen2 with its
-    biases; Qwen3 with its q/k norms, neither permuted) converts to a directory our engine runs
-    with transformers' greedy tokens."""
+    """llama.cpp's GGUF of each family (Mistral v0.2+ as `llama`, its q/k permuted, a Llama with
+    attention biases too; Qwen2 with its biases; Qwen3 with its q/k norms, neither permuted)
+    converts to a directory our engine runs with transformers' greedy tokens."""
     ref = tiny(family, tmp_path / "hf", window=None)  # llama.cpp keeps no window for Mistral
     write_gguf(ref, tmp_path / f"tiny-{family}.gguf", arch)
     model_dir = resolve_model(tmp_path / f"tiny-{family}.gguf", cache_dir=tmp_path / "cache", progress=False)
     cfg = load_model_config(model_dir)
-    assert cfg.attention_bias == (family == "qwen2") and cfg.qk_norm == (family == "qwen3")
+    assert cfg.attention_bias == (family in ("qwen2", "llama-bias")) and cfg.qk_norm == (family == "qwen3")
+    assert cfg.attention_output_bias == (family == "llama-bias")
     ours, theirs = greedy_tokens_both_ways(model_dir, ref, PROMPTS[0])
     assert ours == theirs
+
+
+def test_a_llama_gguf_with_q_k_v_biases_alone_runs_them(tmp_path):
+    """A `llama` GGUF may carry q/k/v biases without an output bias (which an HF Llama config
+    cannot say): the conversion names the two apart, and the model equals a Llama whose output
+    bias is zero."""
+    ref = tiny("llama-bias", tmp_path / "hf")
+    with torch.no_grad():
+        for layer in ref.model.layers:
+            layer.self_attn.o_proj.bias.zero_()
+    no_output_bias = {k: v for k, v in ref.state_dict().items() if not k.endswith("o_proj.bias")}
+
+    class Checkpoint:  # what write_gguf reads: the config and the tensors llama.cpp would write
+        config = ref.config
+
+        @staticmethod
+        def state_dict() -> dict[str, torch.Tensor]:
+            return no_output_bias
+
+    write_gguf(Checkpoint, tmp_path / "tiny-qkv-bias.gguf", "llama")
+    model_dir = resolve_model(tmp_path / "tiny-qkv-bias.gguf", cache_dir=tmp_path / "cache", progress=False)
+    cfg = load_model_config(model_dir)
+    assert cfg.attention_bias and not cfg.attention_output_bias
+    ours, theirs = greedy_tokens_both_ways(model_dir, ref, PROMPTS[0])
+    assert ours == theirs
+
+
+def test_mistral_and_mixtral_ignore_attention_bias_as_transformers_does():
+    """transformers builds Mistral's and Mixtral's attention without biases whatever the config
+    says (a key some exported configs carry), Qwen2's q/k/v always with them."""
+    from structgen.engine.config import ModelConfig
+
+    base = {**SHAPE, "attention_bias": True}
+    for arch in ("MistralForCausalLM", "MixtralForCausalLM"):
+        cfg = ModelConfig.from_dict({**base, "architectures": [arch], "num_local_experts": 4, "num_experts_per_tok": 2})
+        assert not cfg.attention_bias and not cfg.attention_output_bias
+    cfg = ModelConfig.from_dict({**SHAPE, "architectures": ["Qwen2ForCausalLM"]})
+    assert cfg.attention_bias and not cfg.attention_output_bias
 
 
 def test_rope_scaling_is_read_from_either_key_and_unknown_kinds_are_refused():
@@ -142,13 +186,11 @@ def test_qwen_layer_windows_are_refused():
         ModelConfig.from_dict({**d, "use_sliding_window": True})
 
 
-@pytest.mark.parametrize("flags,message", [({"attention_bias": True}, "attention_bias true"),
-                                           ({"mlp_bias": True}, "mlp_bias true"),
+@pytest.mark.parametrize("flags,message", [({"mlp_bias": True}, "mlp_bias true"),
                                            ({"hidden_act": "gelu"}, "hidden_act 'gelu'")])
 def test_what_the_model_does_not_compute_is_refused(tmp_path, flags, message):
-    """A Llama checkpoint with biases on every attention projection (the output's too) or on the
-    feed-forward, or another activation, is refused with the reason: loaded without them it ran
-    and answered wrongly."""
+    """A Llama checkpoint with biases on the feed-forward, or another activation, is refused with
+    the reason: loaded without them it ran and answered wrongly."""
     import transformers
 
     from structgen.errors import ModelLoadError

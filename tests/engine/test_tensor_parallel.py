@@ -57,6 +57,24 @@ def test_a_size_that_does_not_divide_the_heads_is_refused_before_any_process_sta
         Engine(load_model_config(model_dir), EngineConfig(tensor_parallel=2), model_dir)
 
 
+def test_the_output_projection_bias_is_added_once_over_the_ranks():
+    """o_proj is row-parallel: each rank's output is a partial sum, and the all-reduce adds
+    them, so rank 0 alone holds the bias (Llama's `attention_bias`) and the sum equals the
+    whole projection."""
+    from structgen.engine.models.sharding import WeightShard
+
+    torch.manual_seed(0)
+    w, b, x = torch.randn(8, 6), torch.randn(8), torch.randn(3, 6)
+    name = "model.layers.0.self_attn.o_proj."
+    total = torch.zeros(3, 8)
+    for rank in range(2):
+        shard = WeightShard(rank, 2)
+        w_r, b_r = shard(name + "weight", w), shard(name + "bias", b)
+        assert torch.equal(b_r, b if rank == 0 else torch.zeros(8))
+        total += torch.nn.functional.linear(x[:, rank * 3:(rank + 1) * 3], w_r, b_r)
+    torch.testing.assert_close(total, torch.nn.functional.linear(x, w, b))
+
+
 def test_each_rank_holds_its_share_of_the_heads_and_vocabulary(two_ranks):
     runner = two_ranks.engine.runner
     assert runner.rank_config.num_attention_heads == 2 and runner.rank_config.num_key_value_heads == 1

@@ -140,7 +140,7 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.q_size, self.kv_size = self.n_heads * self.head_dim, self.n_kv * self.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_output_bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.window = cfg.window_of(layer_idx)  # sliding-window layers (Phi-3's config says so)
@@ -403,6 +403,8 @@ class LlamaModel(nn.Module):
             if attn.qkv_proj.bias is not None:
                 put(attn.qkv_proj.bias, torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
             adopt_linear(attn, "o_proj", take(p + "self_attn.o_proj.weight"))
+            if attn.o_proj.bias is not None:
+                put(attn.o_proj.bias, take(p + "self_attn.o_proj.bias"))
             if attn.q_norm is not None:
                 put(attn.q_norm.weight, take(p + "self_attn.q_norm.weight"))
                 put(attn.k_norm.weight, take(p + "self_attn.k_norm.weight"))

@@ -27,6 +27,9 @@ if TYPE_CHECKING:
 SHARDABLE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 COLUMN_PARALLEL = ("self_attn.q_proj.", "self_attn.k_proj.", "self_attn.v_proj.", "mlp.gate_proj.", "mlp.up_proj.")
 ROW_PARALLEL = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+# A row-parallel projection's bias: rank 0 adds it, the others hold zeros, so the sum of the
+# ranks' partial outputs carries it once.
+ROW_PARALLEL_BIAS = ("self_attn.o_proj.bias",)
 VOCAB_PARALLEL = ("model.embed_tokens.weight", "lm_head.weight")
 
 
@@ -71,6 +74,9 @@ class WeightShard:
             rows = vocab_rows(shape[0], self.world_size)
             part = tensor[self.rank * rows : min((self.rank + 1) * rows, shape[0])]
             return F.pad(part, (0, 0, 0, rows - part.shape[0]))
+        if name.endswith(ROW_PARALLEL_BIAS):
+            bias = tensor[:]
+            return bias if self.rank == 0 else torch.zeros_like(bias)
         split = 0 if any(k in name for k in COLUMN_PARALLEL) else 1 if name.endswith(ROW_PARALLEL) else None
         if split is None:
             return tensor[:]  # norms: every rank holds them whole
