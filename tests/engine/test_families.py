@@ -1,7 +1,7 @@
 """The dense Llama-layout families against transformers on tiny random-weight checkpoints (CPU,
 float32): Llama 3 (its rope scaling), Llama with linear scaling and Llama with attention biases
 (`attention_bias`: q/k/v and the output projection), Mistral (a sliding window), Qwen2 (q/k/v
-biases), Qwen3 (per-head q/k norms) give transformers' greedy tokens and logits; and each as
+biases), Qwen3 (per-head q/k norms; with and without attention biases) give transformers' greedy tokens and logits; and each as
 llama.cpp's converter writes its GGUF (`llama` with q/k rows permuted, `qwen2`, `qwen3`)
 converts to the same model."""
 
@@ -42,8 +42,9 @@ def tiny(family: str, path: Path, window: int | None = 8) -> torch.nn.Module:
         model = transformers.MistralForCausalLM(transformers.MistralConfig(**SHAPE, sliding_window=window))
     elif family == "qwen2":
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**SHAPE))
-    else:
-        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**SHAPE, head_dim=32))  # as Qwen3-0.6B: wider than hidden / heads
+    else:  # head_dim as Qwen3-0.6B's, wider than hidden / heads; "qwen3-bias": all four projections biased
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**SHAPE, head_dim=32,
+                                                                       attention_bias=family == "qwen3-bias"))
     torch.manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -73,14 +74,15 @@ def write_gguf(model: torch.nn.Module, out: Path, arch: str, extra: Callable[[An
 
 @pytest.mark.parametrize("family,architecture", [
     ("llama3", "LlamaForCausalLM"), ("llama-linear", "LlamaForCausalLM"), ("llama-bias", "LlamaForCausalLM"),
-    ("mistral", "MistralForCausalLM"), ("qwen2", "Qwen2ForCausalLM"), ("qwen3", "Qwen3ForCausalLM")])
+    ("mistral", "MistralForCausalLM"), ("qwen2", "Qwen2ForCausalLM"), ("qwen3", "Qwen3ForCausalLM"),
+    ("qwen3-bias", "Qwen3ForCausalLM")])
 def test_greedy_tokens_and_logits_equal_transformers(tmp_path, family, architecture,
                                                      greedy_and_logits_match_transformers):
     ref = tiny(family, tmp_path)
     cfg = load_model_config(tmp_path)
     assert cfg.architecture == architecture
-    assert cfg.attention_bias == (family in ("qwen2", "llama-bias")) and cfg.qk_norm == (family == "qwen3")
-    assert cfg.attention_output_bias == (family == "llama-bias")
+    assert cfg.attention_bias == (family in ("qwen2", "llama-bias", "qwen3-bias"))
+    assert cfg.attention_output_bias == family.endswith("-bias") and cfg.qk_norm == family.startswith("qwen3")
     assert [cfg.window_of(i) for i in range(3)] == [8 if family == "mistral" else None] * 3
     greedy_and_logits_match_transformers(tmp_path, ref, PROMPTS, STEPS)
 
