@@ -28,7 +28,7 @@ import numpy as np
 from structgen.errors import ModelLoadError
 
 # Bump when the output of `convert_gguf` changes; it is part of the cache key.
-CONVERSION_VERSION = 3  # 3: a GGUF's rope scaling metadata is read (linear) or refused (yarn, ...)
+CONVERSION_VERSION = 4  # 4: the output projection's bias named apart (attention_output_bias); 3: rope scaling read
 # Safetensors metadata key: JSON {tensor name: [GGUF format, columns]} of the packed tensors.
 PACKED_METADATA_KEY = "gguf_formats"
 # Formats kept packed in the cache (the CPU kernels' formats, kernels/cpu_quant.FORMATS).
