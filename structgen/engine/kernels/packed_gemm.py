@@ -88,7 +88,7 @@ class Block(NamedTuple):
 # "magic" turning int4 nibbles into floats by bit operations ("halves" int4 layout only)
 # "late" (FP8 per output channel only): kernels/gemv.py's GEMV, `n` features and `j` columns per
 # chunk, scaled per feature at the end; "cuda": kernels/int4_gemv.py (int4 words, bf16 x; its
-# launch is fixed), which a default "stream" launch of int4 takes wherever it fits
+# launch is fixed), which the default launch of 1-8 rows takes wherever it fits
 GEMV_FORMS = ("stream", "reduce", "cvt", "magic", "late", "cuda")
 # The GEMV's default launch per code and row count (1, 2, 4: rows rounded up to a power of two),
 # the table benchmarks/tune_packed.py's summary prints; splits=0: the stream GEMV picks its
@@ -336,13 +336,17 @@ def matmul(x: torch.Tensor, weight: PackedWeight | tinygemm.TinyGemmWeight, bias
     n = weight.shape[0]
     if rows == 0:
         return torch.empty(rows, n, dtype=x.dtype, device=x.device) if out is None else out
-    default = block is None
-    if default and GEMV_ROWS < rows <= int4_gemv.MAX_ROWS:  # 5-8 rows: the tensor-core int4 GEMV where it fits
-        y = torch.empty(rows, n, dtype=x.dtype, device=x.device) if out is None else out
-        if int4_gemv.fits(x, weight, bias, y):
-            int4_gemv.gemv(x, weight, bias, y)
-            return y
-        out = y
+    # The CUDA int4 GEMV: the default for the 1-8 rows it takes (kernels/int4_gemv.py), or forced.
+    if (rows <= int4_gemv.MAX_ROWS) if block is None else block.form == "cuda":
+        out = torch.empty(rows, n, dtype=x.dtype, device=x.device) if out is None else out
+        if int4_gemv.fits(x, weight, bias, out):
+            int4_gemv.gemv(x, weight, bias, out)
+            return out
+        if block is not None:
+            raise InvalidParameterError(f"the 'cuda' GEMV reads 1-{int4_gemv.CUDA_CORE_ROWS} bf16 rows (up to "
+                                        f"{int4_gemv.MAX_ROWS} in whole {int4_gemv.TILE_COLS}-column groups) and "
+                                        f"int4 words in groups of a power of two of at least {int4_gemv.LANE_COLS} "
+                                        "columns, built on a GPU; use Block(form='stream')")
     if block is None:
         block = gemv_block(weight, rows) if rows <= GEMV_ROWS else gemm_block(weight, rows, x.dtype)
     if block.form in packed_words_gemm.FORMS:
@@ -350,16 +354,6 @@ def matmul(x: torch.Tensor, weight: PackedWeight | tinygemm.TinyGemmWeight, bias
     if block.form == "late":
         return _late_gemv(x, weight, bias, block, out)
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device) if out is None else out
-    cuda = (block.form == "cuda" or (default and block.form == "stream")) and int4_gemv.fits(x, weight, bias, y)
-    if block.form == "cuda" and not cuda:
-        raise InvalidParameterError(f"the 'cuda' GEMV reads 1-{int4_gemv.CUDA_CORE_ROWS} bf16 rows (up to "
-                                    f"{int4_gemv.MAX_ROWS} in whole {int4_gemv.TILE_COLS}-column groups) and int4 "
-                                    f"words in groups of a power of two of at least {int4_gemv.LANE_COLS} columns, "
-                                    "built on a GPU; "
-                                    f"use Block(form='stream')")
-    if cuda:
-        int4_gemv.gemv(x, weight, bias, y)
-        return y
     if block.m <= GEMV_ROWS and block.form == "stream":
         if not packed_gemv.stream_fits(weight):
             raise InvalidParameterError(f"the stream GEMV cannot read a {weight.code} weight in the {weight.layout!r} "
