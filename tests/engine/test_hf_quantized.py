@@ -246,3 +246,33 @@ def test_default_model_with_gpu_packed_weights_decodes_like_dequantized(model_di
         e.run(reqs)
         outputs.append([r.output_ids for r in reqs])
     assert outputs[0] == outputs[1]
+
+
+def test_packed_weights_loaded_after_the_kernels_were_chosen_turn_the_fused_projections_off():
+    """Fused projections read a float W: a model whose kernels were chosen (`use_fused_kernels`)
+    before packed weights replaced its projections must not take them (it once did, and
+    failed on `PackedLinear.weight` under Triton's CPU interpreter)."""
+    from structgen.engine.config import ModelConfig
+    from structgen.engine.models.llama import FUSED_ROWS, LlamaModel, skip_init
+    from structgen.engine.models.packed import PackedLinear, quantize_int4
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    with skip_init(torch.float32):
+        model = LlamaModel(cfg, 32)
+    model.use_fused_kernels(True)
+    assert [layer.fused_rows for layer in model.layers] == [FUSED_ROWS, FUSED_ROWS]
+    g = torch.Generator().manual_seed(0)
+    shapes = {"q": (64, 64), "k": (32, 64), "v": (32, 64), "o": (64, 64), "gate": (128, 64), "up": (128, 64),
+              "down": (64, 128)}
+    weights: dict = {"model.embed_tokens.weight": torch.randn(64, 64, generator=g), "model.norm.weight": torch.ones(64)}
+    for i in range(2):
+        p = f"model.layers.{i}."
+        for name, shape in shapes.items():
+            kind = "mlp" if name in ("gate", "up", "down") else "self_attn"
+            weights[f"{p}{kind}.{name}_proj.weight"] = quantize_int4(torch.randn(*shape, generator=g))
+        weights[p + "input_layernorm.weight"] = weights[p + "post_attention_layernorm.weight"] = torch.ones(64)
+    model.load_hf_weights(weights)
+    assert isinstance(model.layers[0].self_attn.qkv_proj, PackedLinear)
+    assert [layer.fused_rows for layer in model.layers] == [0, 0]
+    assert model.fused  # the other kernels stay on

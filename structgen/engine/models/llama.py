@@ -298,6 +298,9 @@ class LlamaModel(nn.Module):
     _cpu_decoder: tuple[KVCache, CpuDecoder | None] | None = None
     # What the native step's products of several rows multiply (quantized.use_integer_activations).
     cpu_activations: IntegerActivations | None = None
+    # The last `use_fused_kernels` arguments: `load_hf_weights` applies them again, since which
+    # layers may fuse depends on what their projections hold (packed weights never fuse).
+    fused_setting: tuple[bool, int] | None = None
 
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
@@ -354,6 +357,7 @@ class LlamaModel(nn.Module):
         bound by their kernel count, takes that form (models/moe.py)."""
         from structgen.engine.kernels import batch_invariant
 
+        self.fused_setting = (enabled, projection_rows)
         for m in self.modules():
             if hasattr(m, "fused"):
                 m.fused = enabled
@@ -413,6 +417,8 @@ class LlamaModel(nn.Module):
                 adopt_linear(layer.mlp, "down_proj", take(p + "mlp.down_proj.weight"))
             put(layer.input_layernorm.weight, take(p + "input_layernorm.weight"))
             put(layer.post_attention_layernorm.weight, take(p + "post_attention_layernorm.weight"))
+        if self.fused_setting is not None:  # weights adopted after the kernels were chosen
+            self.use_fused_kernels(*self.fused_setting)
 
     def _adopt_embeddings(self, embed: torch.Tensor | QuantizedWeight, lm_head: torch.Tensor | QuantizedWeight | None) -> None:
         """The token embedding and the LM head (the embedding itself when tied)."""
