@@ -3,7 +3,7 @@ float32): Llama 3 (its rope scaling), Llama with linear scaling and Llama with a
 (`attention_bias`: q/k/v and the output projection), Mistral (a sliding window), Qwen2 (q/k/v
 biases), Qwen3 (per-head q/k norms; with and without attention biases) give transformers' greedy tokens and logits; and each as
 llama.cpp's converter writes its GGUF (`llama` with q/k rows permuted, `qwen2`, `qwen3`)
-converts to the same model."""
+converts to the same model. On a GPU, each in bf16 through the CUDA graphs as well."""
 
 from __future__ import annotations
 
@@ -85,6 +85,18 @@ def test_greedy_tokens_and_logits_equal_transformers(tmp_path, family, architect
     assert cfg.attention_output_bias == family.endswith("-bias") and cfg.qk_norm == family.startswith("qwen3")
     assert [cfg.window_of(i) for i in range(3)] == [8 if family == "mistral" else None] * 3
     greedy_and_logits_match_transformers(tmp_path, ref, PROMPTS, STEPS)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", ["llama3", "llama-bias", "mistral", "qwen2", "qwen3", "qwen3-bias"])
+def test_cuda_graphs_in_bf16_match_eager_and_transformers(tmp_path, family, bf16_graphs_match_eager_and_transformers):
+    """On the device in bf16, each family through the CUDA graphs, the fused projections and
+    the decode kernel (its attention biases, the output projection's included; Mistral's
+    window): greedy tokens equal the eager path's, and the logits are within bf16 tolerance of
+    transformers'."""
+    model = tiny(family, tmp_path / "hf")
+    bf16_graphs_match_eager_and_transformers(tmp_path / "hf", model, PROMPTS, STEPS)
 
 
 @pytest.mark.parametrize("family,arch", [("mistral", "llama"), ("llama-bias", "llama"), ("qwen2", "qwen2"),
