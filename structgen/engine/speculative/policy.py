@@ -12,8 +12,10 @@ bucket the step could run in, fills it with the best ones. Speculation must be s
 construction, so:
 
 - Two cost tables, by bucket: `plain` (steps without drafts: what not drafting costs) and
-  `verify` (steps with drafts). Each is a mean of measured wall times, a bucket's first step
-  dropped as warm-up. Until the plain step of this step's bucket is measured, nobody drafts;
+  `verify` (steps with drafts). Each is the median of a bucket's newest measured wall times, its
+  first step dropped as warm-up: one stalled step (a garbage collection, the host descheduled)
+  priced into the best bucket would otherwise turn the policy away from it for good, since a
+  bucket not chosen is not measured again. Until the plain step of this step's bucket is measured, nobody drafts;
   a plain step is priced at no more than any larger bucket's (more rows never cost less).
 - A verify bucket pays when its expected tokens per second beat the plain step's measured rate
   by `ENTER_MARGIN`; once drafting at a plain bucket, by `STAY_MARGIN` (hysteresis, so it does
@@ -24,7 +26,10 @@ construction, so:
   it could pay at the cheapest cost its neighbours allow (the largest measured bucket below it,
   extended by the slope of the two largest). An unmeasured bucket is tried at most
   `EXPLORE_TRIES` steps; after that, and for a bucket measured as a loss, a try comes only
-  `RETRY_STEPS` decisions later, the wait doubling with every try.
+  `RETRY_STEPS` decisions later, the wait doubling with every try. Where drafting pays, a
+  measured bucket that would beat the chosen one at that cheapest cost is retried the same
+  way: its measurement may be stale (taken while the host was slow), and a retry measures it
+  afresh.
 
 Step costs are what the policy can time, and a model of what drafting earns; neither sees all
 that a verify step adds to the engine's loop. So the policy also keeps, per plain bucket, the
@@ -64,7 +69,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 DECAY = 0.8  # weight of past verify steps in an acceptance rate, per step
-STEP_EMA = 0.2  # weight of the newest step in a bucket's mean cost
+COST_WINDOW = 8  # a bucket's cost: the median of its newest steps
 PRIOR = (1.0, 1.0)  # (accepted, rejected) pseudo-counts a new engine starts from: a = 0.5
 ENTER_MARGIN = 0.10  # drafting starts where it beats plain steps' tokens/s by this fraction
 STAY_MARGIN = 0.02  # and goes on while it still beats them by this fraction
@@ -99,18 +104,28 @@ class Acceptance:
 
 @dataclass
 class StepCosts:
-    """Mean wall time of steps by row bucket; each bucket's first step is dropped (it
-    compiles and warms up)."""
+    """Wall time of steps by row bucket: the median of each bucket's newest COST_WINDOW steps
+    (`seconds`); each bucket's first step is dropped (it compiles and warms up)."""
 
     seconds: dict[int, float] = field(default_factory=dict)
     warmed: set[int] = field(default_factory=set)
+    recent: dict[int, deque[float]] = field(default_factory=dict)
+    stale: set[int] = field(default_factory=set)  # buckets whose next step replaces their window
 
     def record(self, bucket: int, seconds: float) -> None:
         if bucket not in self.warmed:
             self.warmed.add(bucket)
             return
-        old = self.seconds.get(bucket)
-        self.seconds[bucket] = seconds if old is None else (1 - STEP_EMA) * old + STEP_EMA * seconds
+        window = self.recent.setdefault(bucket, deque(maxlen=COST_WINDOW))
+        if bucket in self.stale:
+            self.stale.discard(bucket)
+            window.clear()
+        window.append(seconds)
+        self.seconds[bucket] = statistics.median(window)
+
+    def remeasure(self, bucket: int) -> None:
+        """`bucket`'s next step replaces its measurements (its cost stands until then)."""
+        self.stale.add(bucket)
 
 
 def upper_bound(points: dict[int, float], bucket: int) -> float:
@@ -320,14 +335,17 @@ class DraftPolicy:
         rate = tokens[drafts] / self._verify_cost(bucket)
         pays = rate > plain_rate * (1 + margin)
         self.drafting[plain_bucket] = pays
+        best = rate if pays else plain_rate  # what a trial must beat, by the entry margin
+        # where drafting pays, only measured buckets are retried: a measurement may be stale
+        tryable = [o for o in options if self._may_try(o[0])
+                   and not (pays and (o[0] == bucket or o[0] not in self.verify.seconds))]
+        if tryable:
+            tried, tried_drafts = max(tryable, key=lambda o: tokens[o[1]] / self._trial_cost(o[0]))
+            if tokens[tried_drafts] / self._trial_cost(tried) > best * (1 + ENTER_MARGIN):
+                self._tried(tried)
+                return Choice(tried_drafts, "trial")
         if pays:
             return Choice(drafts, "pays", wide=rate > plain_rate * (1 + HOLD_MARGIN))
-        tryable = [o for o in options if self._may_try(o[0])]
-        if tryable:
-            bucket, drafts = max(tryable, key=lambda o: tokens[o[1]] / self._trial_cost(o[0]))
-            if tokens[drafts] / self._trial_cost(bucket) > plain_rate * (1 + ENTER_MARGIN):
-                self._tried(bucket)
-                return Choice(drafts, "trial")
         return Choice(0, "plain")
 
     def _realized_loss(self, plain_bucket: int, timed_plain_rate: float) -> bool:
@@ -404,7 +422,10 @@ class DraftPolicy:
         return self.steps >= self.retry_at.setdefault(bucket, self.steps + RETRY_STEPS)
 
     def _tried(self, bucket: int) -> None:
-        """A step drafts to `bucket` on trial: its next retry waits twice as long as the last."""
+        """A step drafts to `bucket` on trial: a measured bucket is measured afresh (its old
+        steps may be what the host was doing then), and its next retry waits twice as long as
+        the last."""
+        self.verify.remeasure(bucket)
         self.tries[bucket] += 1
         self.retry_at[bucket] = self.steps + (RETRY_STEPS << min(self.tries[bucket], 16))
 
