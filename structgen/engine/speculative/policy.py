@@ -47,8 +47,11 @@ host time here: a held step weighs no drafts, whatever its requests (the batch s
 text moving it between buckets, budgets running out), and the speculator then asks the drafter
 about nobody. For the same reason a choice of every draft token that paid by `HOLD_MARGIN`
 stands `HOLD_STEPS` decisions for steps of the same budgets while no request's acceptance
-falls below the lowest it was weighed at (`FullHold`): drafting at batch 1 then costs a few
-lookups a step. Each request's
+falls below the lowest it was weighed at (`FullHold`); where one request drafts, below the
+lowest rate at which weighing, on the costs of the moment, would still give it every draft
+token: drafting at batch 1 then costs a few lookups a step, also through the rejections that
+lower its rate a little (weighing is on the path from one step's tokens to the next step's
+launch, and cost about 80 us there). Each request's
 acceptance rate is a decayed count of its accepted and rejected drafts, starting from the
 engine-wide one; a draft token the policy asked for and the drafter did not produce counts as
 rejected, since the rows it was priced for emit nothing. A request that stopped drafting would
@@ -78,6 +81,7 @@ RETRY_STEPS = 64  # decisions before a verify bucket that lost is tried again
 VERIFY_OVERHEAD = 1.25  # a verify step priced from plain steps of its rows costs this much more
 HOLD_STEPS = 8  # decisions a choice of no drafts stands for steps of its plain bucket, unless news comes
 HOLD_MARGIN = 0.25  # a choice of every draft token stands where it beat plain steps by this fraction
+FLOOR_HALVINGS = 10  # bisection steps of the lowest rate a lone request's choice of every draft holds at
 REALIZED_STEPS = 8  # steps of each mode at a bucket before their realized rates are compared
 REALIZED_CHECK = 4  # weighed decisions between two comparisons of realized rates (a window's median)
 REALIZED_WINDOW = 32  # the newest steps a realized rate is taken over
@@ -296,7 +300,8 @@ class DraftPolicy:
             self.held.pop(plain_bucket, None)
         self.full_held.pop(plain_bucket, None)
         if choice.wide and choice.drafts == sum(budgets):
-            floor = min(self.acceptance(req) for req, k in zip(reqs, budgets, strict=True) if k)
+            rates = [self.acceptance(req) for req, k in zip(reqs, budgets, strict=True) if k]
+            floor = min(rates) if len(rates) > 1 else self._lowest_full_rate(rows, sampling, choice.drafts, rates[0])
             self.full_held[plain_bucket] = FullHold(self.steps + HOLD_STEPS, tuple(budgets), floor)
         self.open.drafted = choice.drafts > 0
         for _, i in worths[: choice.drafts]:
@@ -316,6 +321,27 @@ class DraftPolicy:
         if hold is None or self.steps >= hold.until or tuple(budgets) != hold.budgets:
             return False
         return all(self.acceptance(req) >= hold.floor for req, k in zip(reqs, budgets, strict=True) if k)
+
+    def _lowest_full_rate(self, rows: int, sampling: int, drafts: int, rate: float) -> float:
+        """For one request drafting `drafts` tokens (`sampling` requests, `rows` rows without
+        drafts): about the lowest acceptance rate, `rate` at most, at which `choose` would still
+        give it every draft token and call that paying (the choice is monotone in the rate:
+        more drafts gain more from it). On today's costs, which a hold keeps."""
+        options = self._options(rows, drafts)
+        costs = [self._verify_cost(bucket) for bucket, _ in options]
+        plain_rate = sampling / self._plain_cost(self.bucket(rows))
+
+        def full(a: float) -> bool:
+            tokens = list(itertools.accumulate((a**j for j in range(1, drafts + 1)), initial=float(sampling)))
+            rates = [tokens[d] / cost for (_, d), cost in zip(options, costs, strict=True)]
+            best = max(range(len(options)), key=rates.__getitem__)  # the first of equals, as `choose`
+            return options[best][1] == drafts and rates[best] > plain_rate * (1 + STAY_MARGIN)
+
+        low, high = 0.0, rate
+        for _ in range(FLOOR_HALVINGS):
+            mid = (low + high) / 2
+            low, high = (low, mid) if full(mid) else (mid, high)
+        return high
 
     def choose(self, worths: list[float], sampling: int, rows: int) -> Choice:
         """The step's drafts (the first of `worths`, best first) and why; `sampling`: requests
