@@ -94,18 +94,26 @@ def device_name() -> str:
 
 
 def host() -> dict[str, Any]:
-    """The CPU the figures came from (its model name as the kernel reports it) and its cores: CPU
-    figures, and host-bound GPU ones, move with it (two 2-core VMs gave 4.25 and 7.3 ms a token
-    to the same commit)."""
-    model = ""
+    """The CPU the figures came from (its model name as the kernel reports it, and its family and
+    model numbers: a VM's name can be a bare "AMD EPYC" whichever core generation it runs on)
+    and its cores: CPU figures, and host-bound GPU ones, move with it (two 2-core VMs gave 4.25
+    and 7.3 ms a token to the same commit)."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+            for line in f:
+                if not line.strip():  # the first processor's fields only
+                    break
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
     except OSError:  # not Linux
         import platform
 
-        model = platform.processor()
-    return {"cpu": model, "cores": os.cpu_count()}
+        fields["model name"] = platform.processor()
+    info: dict[str, Any] = {"cpu": fields.get("model name", ""), "cores": os.cpu_count()}
+    if "cpu family" in fields:
+        info["family_model"] = f"{fields['cpu family']}/{fields.get('model', '?')}"
+    return info
 
 
 def git_commit() -> str:
