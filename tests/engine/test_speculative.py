@@ -153,9 +153,11 @@ def test_steps_without_drafts_ask_the_drafter_about_nobody(llm):
     drafter = CountingNgramDrafter()
     speculate(llm, SpeculativeConfig(method="custom", drafter=drafter, num_draft_tokens=3, max_requests=0))
     policy = llm.engine.speculator.policy
-    for bucket, seconds in ((2, 1.0), (4, 10.0), (8, 10.0)):  # 2 rows: plain; more: a verify step
+    # 2 rows: a plain step; a verify step of every bucket either request could draft to (a lone
+    # request's one draft is bucket 2), at ten plain steps
+    for bucket, seconds, drafts in ((2, 1.0, 0), (2, 10.0, 1), (4, 10.0, 2), (8, 10.0, 6)):
         for _ in range(2):  # a bucket's first is dropped
-            policy.record_step(bucket, seconds, drafts=bucket - 2)
+            policy.record_step(bucket, seconds, drafts=drafts)
     try:
         got = submit_all(llm, prompts, [24, 24])
     finally:

@@ -15,8 +15,9 @@ construction, so:
   `verify` (steps with drafts). Each is the median of a bucket's newest measured wall times, its
   first step dropped as warm-up: one stalled step (a garbage collection, the host descheduled)
   priced into the best bucket would otherwise turn the policy away from it for good, since a
-  bucket not chosen is not measured again. Until the plain step of this step's bucket is measured, nobody drafts;
-  a plain step is priced at no more than any larger bucket's (more rows never cost less).
+  bucket not chosen is not measured again. Until the plain step of this step's bucket is
+  measured, nobody drafts; a plain step is priced at no more than any larger bucket's (more
+  rows never cost less).
 - A verify bucket pays when its expected tokens per second beat the plain step's measured rate
   by `ENTER_MARGIN`; once drafting at a plain bucket, by `STAY_MARGIN` (hysteresis, so it does
   not flap). A verify bucket not measured yet is priced pessimistically: as the next measured
@@ -363,8 +364,8 @@ class DraftPolicy:
         self.drafting[plain_bucket] = pays
         best = rate if pays else plain_rate  # what a trial must beat, by the entry margin
         # where drafting pays, only measured buckets are retried: a measurement may be stale
-        tryable = [o for o in options if self._may_try(o[0])
-                   and not (pays and (o[0] == bucket or o[0] not in self.verify.seconds))]
+        tryable = [o for o in options if not (pays and (o[0] == bucket or o[0] not in self.verify.seconds))
+                   and self._may_try(o[0])]  # (which starts a bucket's retry wait: asked last)
         if tryable:
             tried, tried_drafts = max(tryable, key=lambda o: tokens[o[1]] / self._trial_cost(o[0]))
             if tokens[tried_drafts] / self._trial_cost(tried) > best * (1 + ENTER_MARGIN):
@@ -451,7 +452,8 @@ class DraftPolicy:
         """A step drafts to `bucket` on trial: a measured bucket is measured afresh (its old
         steps may be what the host was doing then), and its next retry waits twice as long as
         the last."""
-        self.verify.remeasure(bucket)
+        if bucket in self.verify.seconds:
+            self.verify.remeasure(bucket)
         self.tries[bucket] += 1
         self.retry_at[bucket] = self.steps + (RETRY_STEPS << min(self.tries[bucket], 16))
 
