@@ -194,13 +194,13 @@ def test_a_choice_of_every_draft_stands_without_changing_any_decision(monkeypatc
 
 def test_a_lone_request_drafting_everything_is_weighed_once_a_hold_through_its_rejections(monkeypatch):
     """At batch 1 with 3 drafts in 10 rejected, a rejection lowers the request's rate a little
-    and every draft still pays by far: the choice stands through it (weighing costs about 80 us
-    on the path to the next launch), so about one decision in HOLD_STEPS is weighed, and every
-    decision is the one weighing would have made."""
+    and every draft still pays by far: the choice stands through it (weighing costs about 90 us
+    on the path to the next launch), so about one decision in LONE_HOLD_STEPS is weighed, and
+    every decision is the one weighing would have made."""
     import structgen.engine.speculative.policy as policy_module
 
     sim = Simulation(DraftPolicy(BUCKETS), batch=1, accept=0.7).run(400)
-    assert sim.policy.weighed <= 400 // HOLD_STEPS + 8
+    assert sim.policy.weighed <= 400 // policy_module.LONE_HOLD_STEPS + 8
     monkeypatch.setattr(policy_module, "HOLD_MARGIN", float("inf"))  # no choice of drafts stands
     every_step = Simulation(DraftPolicy(BUCKETS), batch=1, accept=0.7).run(400)
     assert every_step.policy.weighed == 400 and sim.kinds == every_step.kinds

@@ -50,9 +50,9 @@ about nobody. For the same reason a choice of every draft token that paid by `HO
 stands `HOLD_STEPS` decisions for steps of the same budgets while no request's acceptance
 falls below the lowest it was weighed at (`FullHold`); where one request drafts, below the
 lowest rate at which weighing, on the costs of the moment, would still give it every draft
-token: drafting at batch 1 then costs a few lookups a step, also through the rejections that
-lower its rate a little (weighing is on the path from one step's tokens to the next step's
-launch, and cost about 80 us there). Each request's
+token, and for `LONE_HOLD_STEPS` decisions: drafting at batch 1 then costs a few lookups a
+step, also through the rejections that lower its rate a little (weighing is on the path from
+one step's tokens to the next step's launch, and cost about 90 us there). Each request's
 acceptance rate is a decayed count of its accepted and rejected drafts, starting from the
 engine-wide one; a draft token the policy asked for and the drafter did not produce counts as
 rejected, since the rows it was priced for emit nothing. A request that stopped drafting would
@@ -82,6 +82,7 @@ RETRY_STEPS = 64  # decisions before a verify bucket that lost is tried again
 VERIFY_OVERHEAD = 1.25  # a verify step priced from plain steps of its rows costs this much more
 HOLD_STEPS = 8  # decisions a choice of no drafts stands for steps of its plain bucket, unless news comes
 HOLD_MARGIN = 0.25  # a choice of every draft token stands where it beat plain steps by this fraction
+LONE_HOLD_STEPS = 32  # decisions such a choice stands for one request, its floor exact (costs are kept)
 FLOOR_HALVINGS = 10  # bisection steps of the lowest rate a lone request's choice of every draft holds at
 REALIZED_STEPS = 8  # steps of each mode at a bucket before their realized rates are compared
 REALIZED_CHECK = 4  # weighed decisions between two comparisons of realized rates (a window's median)
@@ -302,8 +303,12 @@ class DraftPolicy:
         self.full_held.pop(plain_bucket, None)
         if choice.wide and choice.drafts == sum(budgets):
             rates = [self.acceptance(req) for req, k in zip(reqs, budgets, strict=True) if k]
-            floor = min(rates) if len(rates) > 1 else self._lowest_full_rate(rows, sampling, choice.drafts, rates[0])
-            self.full_held[plain_bucket] = FullHold(self.steps + HOLD_STEPS, tuple(budgets), floor)
+            if len(rates) > 1:
+                hold = FullHold(self.steps + HOLD_STEPS, tuple(budgets), min(rates))
+            else:
+                floor = self._lowest_full_rate(rows, sampling, choice.drafts, rates[0])
+                hold = FullHold(self.steps + LONE_HOLD_STEPS, tuple(budgets), floor)
+            self.full_held[plain_bucket] = hold
         self.open.drafted = choice.drafts > 0
         for _, i in worths[: choice.drafts]:
             lengths[i] += 1
@@ -316,8 +321,9 @@ class DraftPolicy:
 
     def _holds_full(self, plain_bucket: int, reqs: list[object], budgets: list[int]) -> bool:
         """Whether a choice of every draft token stands for this step: made at its plain
-        bucket within HOLD_STEPS decisions, for the same budgets, and no request's acceptance
-        rate below the lowest it was weighed at (more accepted drafts only pay more)."""
+        bucket within HOLD_STEPS decisions (LONE_HOLD_STEPS for one request), for the same
+        budgets, and no request's acceptance rate below its floor (more accepted drafts only
+        pay more)."""
         hold = self.full_held.get(plain_bucket)
         if hold is None or self.steps >= hold.until or tuple(budgets) != hold.budgets:
             return False
