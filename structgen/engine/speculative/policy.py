@@ -122,7 +122,9 @@ class StepCosts:
         if bucket not in self.warmed:
             self.warmed.add(bucket)
             return
-        window = self.recent.setdefault(bucket, deque(maxlen=COST_WINDOW))
+        window = self.recent.get(bucket)
+        if window is None:
+            window = self.recent[bucket] = deque(maxlen=COST_WINDOW)
         if bucket in self.stale:
             self.stale.discard(bucket)
             window.clear()
@@ -414,7 +416,10 @@ class DraftPolicy:
         """The step decided last ends where the next decision begins: its realized rate."""
         step, self.open = self.open, None
         if step is not None and now > step.started:
-            rate = self.realized.setdefault((step.bucket, step.drafted), RealizedRate())
+            key = (step.bucket, step.drafted)
+            rate = self.realized.get(key)
+            if rate is None:  # (not setdefault: that would build one every step)
+                rate = self.realized[key] = RealizedRate()
             rate.add(step.tokens, now - step.started)
 
     def _options(self, rows: int, most: int) -> list[tuple[int, int]]:
