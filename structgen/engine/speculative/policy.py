@@ -154,6 +154,15 @@ def upper_bound(points: dict[int, float], bucket: int) -> float:
     return cost
 
 
+def best_option(tokens: list[float], options: list[tuple[int, int]], costs: list[float]) -> tuple[tuple[int, int], float]:
+    """The (verify bucket, drafts) of `options` that emits the most tokens per second, the first
+    of equals, and that rate; `tokens[d]`: tokens expected with d drafts, `costs`: each
+    option's seconds. `choose` and a full hold's floor weigh by it alike."""
+    rates = [tokens[drafts] / cost for (_, drafts), cost in zip(options, costs, strict=True)]
+    best = max(range(len(options)), key=rates.__getitem__)
+    return options[best], rates[best]
+
+
 def lower_bound(points: dict[int, float], bucket: int) -> float:
     """What a step of `bucket` rows costs at least, given measured `points` (non-empty), that
     more rows never cost less, and that a row never costs less than the rows before it: the
@@ -342,9 +351,8 @@ class DraftPolicy:
 
         def full(a: float) -> bool:
             tokens = list(itertools.accumulate((a**j for j in range(1, drafts + 1)), initial=float(sampling)))
-            rates = [tokens[d] / cost for (_, d), cost in zip(options, costs, strict=True)]
-            best = max(range(len(options)), key=rates.__getitem__)  # the first of equals, as `choose`
-            return options[best][1] == drafts and rates[best] > plain_rate * (1 + STAY_MARGIN)
+            (_, chosen), rate = best_option(tokens, options, costs)  # as `choose` weighs
+            return chosen == drafts and rate > plain_rate * (1 + STAY_MARGIN)
 
         low, high = 0.0, rate
         for _ in range(FLOOR_HALVINGS):
@@ -366,8 +374,7 @@ class DraftPolicy:
         tokens = list(itertools.accumulate(worths, initial=float(sampling)))  # by drafts kept
         options = self._options(rows, len(worths))
         margin = STAY_MARGIN if self.drafting.get(plain_bucket) else ENTER_MARGIN
-        bucket, drafts = max(options, key=lambda o: tokens[o[1]] / self._verify_cost(o[0]))
-        rate = tokens[drafts] / self._verify_cost(bucket)
+        (bucket, drafts), rate = best_option(tokens, options, [self._verify_cost(b) for b, _ in options])
         pays = rate > plain_rate * (1 + margin)
         self.drafting[plain_bucket] = pays
         best = rate if pays else plain_rate  # what a trial must beat, by the entry margin
