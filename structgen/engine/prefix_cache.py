@@ -79,6 +79,8 @@ class PrefixCache:
             parent = hash(key)
             pages.append(page)
             hashes.append(parent)
+        if len(pages) == known == len(last.pages):
+            return last  # the chain found last, whole (a burst's turns): no copy of its tokens
         self._last = Chain(tokens[: len(pages) * page_size], pages, hashes)
         return self._last
 
@@ -118,7 +120,8 @@ def common_pages(a: list[int], b: list[int], page_size: int, limit: int) -> int:
     equal, differ = 0, limit + 1  # pages [0, equal) are equal; [0, differ) are not
     mid = limit  # the usual answer first: a burst's turns share their whole start
     while equal < mid < differ:
-        if a[equal * page_size : mid * page_size] == b[equal * page_size : mid * page_size]:
+        lo, hi = equal * page_size, mid * page_size
+        if a[lo:hi] == (b if lo == 0 and hi == len(b) else b[lo:hi]):  # (all of b: no copy of it)
             equal = mid
         else:
             differ = mid
