@@ -23,6 +23,15 @@ p99, valid outputs (jsonschema), lost requests. The decode-step bound beside the
 engine's constrained step at the run's batch size, measured in the same process
 (on a GPU; `--no-bound` to skip): what the GPU allows if every step were full.
 
+`--paired A,B --bursts N` compares two workloads in process, all at once, as issue 30's agent
+target does (agent against agent-short): a cold burst of each, then N rounds of one warm burst
+of each, the order alternating by round, so that the host's drift between bursts (a third of a
+burst's TTFT on the lent H200 hosts) falls on both alike; a row per workload holds the median of
+each figure over its warm bursts (`bursts_ttft_p50_ms` lists them), and A's row the ratio of
+its median TTFT p50 to B's (`ttft_p50_ratio`, with each round's in `rounds_ttft_p50_ratio`):
+
+    python -m benchmarks.bench_serving --paired agent,agent-short --bursts 8 --requests 256 --max-tokens 128
+
 Over HTTP the requests leave from `--http-clients` processes (default 4; 1 sends them all
 from this one): one process's openai client spends more CPU per streamed request than the
 server does (its httpx pool re-scans every connection on each request's start and end, and
@@ -36,6 +45,7 @@ import argparse
 import asyncio
 import json
 import random
+import statistics
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -383,6 +393,10 @@ def _parse_args() -> argparse.Namespace:
                     help="also run the HTTP workloads against this OpenAI-compatible server (e.g. "
                          "vllm=http://127.0.0.1:8100/v1), serving the same weights as --peer-model")
     ap.add_argument("--peer-model", default="smollm2", help="the model name the peers serve")
+    ap.add_argument("--paired", default=None, metavar="A,B",
+                    help="two workloads' warm bursts alternated in process (the module docstring); "
+                         "--workloads, --modes and --arrivals are then not used")
+    ap.add_argument("--bursts", type=int, default=8, help="--paired: warm bursts of each workload")
     ap.add_argument("--no-write", action="store_true")
     return ap.parse_args()
 
@@ -425,7 +439,10 @@ def main() -> None:
                      "agent-short": lambda: agent_workload(args.requests, data_dir, llm.tokenizer, catalogue=False)}
         on_gpu = torch.cuda.is_available() and args.device in (None, "cuda")
         bound = decode_bound_tok_per_s(llm, min(args.max_batch_size, args.requests)) if on_gpu and not args.no_bound else None
-        for name in args.workloads.split(","):
+        if args.paired:
+            a, b = args.paired.split(",")
+            run_paired(llm, {a: workloads[a](), b: workloads[b]()}, args.bursts, args, bound, results)
+        for name in args.workloads.split(",") if not args.paired else ():
             requests = workloads[name]()
             for mode in args.modes.split(","):
                 run_mode(llm, mode, name, requests, args, bound, results)
@@ -453,6 +470,46 @@ def run_mode(llm: Any, mode: str, workload: str, requests: list[ServingRequest],
             res = http_drive(server.url, llm.model_name, requests, rate, args.max_tokens, args.timeout,
                              args.http_clients)
             results.add(_row(workload, mode, rate, res, bound))
+
+
+def run_paired(llm: Any, requests: dict[str, list[ServingRequest]], bursts: int, args: argparse.Namespace,
+               bound: float | None, results: Results) -> None:
+    """`--paired`: a cold burst of each of the two workloads, then `bursts` rounds of a warm
+    burst of each, alternating which goes first; rows as the module docstring says."""
+    run = inprocess_runner(llm, args.max_tokens)
+    names = list(requests)
+    for name in names:
+        results.add(_row(name, "inprocess", None, asyncio.run(drive(run, requests[name], None, args.timeout)), bound)
+                    | {"burst": "cold"})
+    warm: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    for i in range(bursts):
+        for name in names if i % 2 == 0 else names[::-1]:
+            warm[name].append(summarize(asyncio.run(drive(run, requests[name], None, args.timeout))))
+            print(name, "warm burst", i, json.dumps(warm[name][-1]), flush=True)
+    rows = [paired_row(name, warm[name], bound) for name in names]
+    a, b = (warm[name] for name in names)
+    rows[0]["ttft_p50_ratio"] = round(rows[0]["ttft_p50_ms"] / rows[1]["ttft_p50_ms"], 3)
+    rows[0]["rounds_ttft_p50_ratio"] = [round(x["ttft_p50_ms"] / y["ttft_p50_ms"], 3) for x, y in zip(a, b, strict=True)]
+    for row in rows:
+        results.add(row)
+
+
+def paired_row(workload: str, bursts: list[dict[str, Any]], bound: float | None) -> dict[str, Any]:
+    """A workload's row over its warm bursts: the median of each numeric figure, the counts of
+    requests summed, and every burst's TTFT p50."""
+    summed = ("requests", "refused", "lost", "valid", "invalid", "incomplete", "output_tokens")
+    figures: dict[str, Any] = {}
+    for key, first in bursts[0].items():
+        values = [b[key] for b in bursts]
+        if key in summed:
+            figures[key] = sum(values)
+        elif isinstance(first, (int, float)) and all(isinstance(v, (int, float)) for v in values):
+            figures[key] = round(statistics.median(values), 3)
+    figures["first_errors"] = sorted({e for b in bursts for e in b["first_errors"]})[:3]
+    return {"system": "structgen", "model": "smollm2-135m", "workload": workload, "mode": "inprocess",
+            "arrival": "closed", "burst": f"median of {len(bursts)} warm", **figures,
+            "bursts_ttft_p50_ms": [b["ttft_p50_ms"] for b in bursts], "decode_bound_tok_per_s": bound,
+            "share_of_bound": round(figures["tok_per_s"] / bound, 3) if bound else None}
 
 
 def run_peer(peer: str, workload: str, requests: list[ServingRequest], args: argparse.Namespace,

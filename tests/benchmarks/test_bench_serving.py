@@ -30,3 +30,36 @@ def test_arrival_delays_are_all_zero_for_a_burst_and_increasing_for_a_rate() -> 
     assert arrival_delays(3, None) == [0.0, 0.0, 0.0]
     delays = arrival_delays(5, 10.0)
     assert delays[0] == 0.0 and delays == sorted(delays) and delays[-1] > 0
+
+
+def test_paired_bursts_alternate_their_order_and_report_the_medians_and_their_ratio(monkeypatch) -> None:
+    """`--paired A,B`: a cold burst of each, then warm bursts A B, B A, A B ...; each workload's
+    row holds the median of its warm bursts, A's the ratio of the TTFT medians and each
+    round's ratio."""
+    import argparse
+
+    from benchmarks import bench_serving
+    from benchmarks.bench_serving import Outcome, Results, RunResult, ServingRequest, run_paired
+
+    order: list[str] = []
+    ttft = {"agent": iter([0.300, 0.120, 0.100, 0.140, 0.110]), "short": iter([0.090, 0.050, 0.060, 0.070, 0.040])}
+
+    async def fake_drive(run, requests, rate, timeout_s):
+        name = requests[0].messages[0]["content"]
+        order.append(name)
+        t = next(ttft[name])
+        return RunResult([Outcome(latency_s=t + 0.2, ttft_s=t, output_tokens=21)] * 2, wall_s=1.0)
+
+    monkeypatch.setattr(bench_serving, "drive", fake_drive)
+    monkeypatch.setattr(bench_serving, "inprocess_runner", lambda llm, max_tokens: None)
+    requests = {name: [ServingRequest([{"role": "user", "content": name}], {})] for name in ("agent", "short")}
+    results = Results({}, write=False)
+    args = argparse.Namespace(max_tokens=16, timeout=60.0)
+    run_paired(None, requests, 4, args, None, results)
+    assert order == ["agent", "short", "agent", "short", "short", "agent", "agent", "short", "short", "agent"]
+    cold_a, cold_b, a, b = results.rows
+    assert (cold_a["burst"], cold_a["ttft_p50_ms"], cold_b["ttft_p50_ms"]) == ("cold", 300.0, 90.0)
+    assert a["burst"] == "median of 4 warm" and a["bursts_ttft_p50_ms"] == [120.0, 100.0, 140.0, 110.0]
+    assert (a["ttft_p50_ms"], b["ttft_p50_ms"], a["requests"], a["output_tokens"]) == (115.0, 55.0, 8, 168)
+    assert a["ttft_p50_ratio"] == round(115 / 55, 3)
+    assert a["rounds_ttft_p50_ratio"] == [round(x / y, 3) for x, y in ((120, 50), (100, 60), (140, 70), (110, 40))]
