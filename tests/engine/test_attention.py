@@ -112,6 +112,73 @@ def test_common_pages_are_the_leading_pages_every_slot_maps_alike():
     assert pages.common_pages(np.array([slots[1]] * 3), 19) == 19  # one slot shares all its pages with itself
 
 
+def test_common_pages_kept_between_steps_equal_a_fresh_comparison_whatever_changes():
+    """`common_pages` keeps its last answer for the same slots until a column it compared
+    changes: along random admissions, growth, rollbacks and releases of turns sharing a
+    prefix (one of them computing a copy of a shared page of its own), every answer equals
+    comparing the table afresh."""
+    rng = np.random.default_rng(0)
+    pages = PageTable(400, 16, 12, 1024, torch.device("cpu"))
+    running: dict[int, list[int]] = {}  # slot -> its tokens
+
+    def fresh(slots: np.ndarray, limit: int) -> int:
+        rows = pages._host_np[np.unique(slots), :limit]
+        parted = (rows != rows[0]).any(axis=0)
+        return int(parted.argmax()) if parted.any() else limit
+
+    for _ in range(2000):
+        op = rng.integers(5)
+        if op == 0 and pages.free_slots:  # admit a turn over SYSTEM, or its own prompt
+            tokens = (SYSTEM if rng.random() < 0.8 else list(range(5000, 5100))) + [int(t) for t in rng.integers(0, 9, 20)]
+            slot = pages.allocate_slot()
+            if rng.random() < 0.2:  # computed whole beside the cached copy: pages of its own
+                pages.match_prefix(slot, [], 0)
+            else:
+                pages.match_prefix(slot, tokens, len(tokens))
+            if pages.cover(slot, len(tokens)):
+                pages.publish(slot, tokens, len(tokens), len(tokens))
+                running[slot] = tokens
+            else:
+                pages.release_slot(slot)
+        elif op == 1 and running:  # a turn grows
+            slot = int(rng.choice(list(running)))
+            running[slot] += [int(t) for t in rng.integers(0, 9, int(rng.integers(1, 160)))]
+            if not pages.cover(slot, len(running[slot])):
+                pages.release_slot(slot)
+                del running[slot]
+        elif op == 2 and running:  # a rollback
+            slot = int(rng.choice(list(running)))
+            keep = int(rng.integers(1, len(running[slot]) + 1))
+            running[slot] = running[slot][:keep]
+            pages.shrink(slot, keep)
+        elif op == 3 and running:  # a turn leaves
+            slot = int(rng.choice(list(running)))
+            pages.release_slot(slot)
+            del running[slot]
+        elif running:  # a step over some of them
+            chosen = [int(s) for s in rng.choice(list(running), int(rng.integers(1, len(running) + 1)), replace=False)]
+            slots = np.array(sorted(chosen * 2))
+            limit = min(len(running[s]) for s in chosen) // 16
+            assert pages.common_pages(slots, limit) == fresh(slots, limit)
+        if running:  # and a step over all of them after every change, two rows each
+            slots = np.array(sorted(list(running) * 2))
+            limit = min(len(t) for t in running.values()) // 16
+            assert pages.common_pages(slots, limit) == fresh(slots, limit)
+
+
+def test_common_pages_see_a_shared_page_replaced_by_a_rollback_and_regrowth():
+    """Three turns share SYSTEM's 18 pages; one rolls back into them and grows again into
+    pages of its own: the same slots' next answer parts there, at page 7, not the 18 kept."""
+    turns = [SYSTEM + [7, i, 8] for i in range(3)]
+    pages, slots = agent_turns(turns)
+    rows = np.array(sorted(slots * 2))
+    assert pages.common_pages(rows, 18) == 18
+    pages.shrink(slots[1], 112)  # keeps pages 0-6
+    assert pages.common_pages(rows, 7) == 7
+    assert pages.cover(slots[1], 320)  # its own pages from page 7 on
+    assert pages.common_pages(rows, 19) == 7
+
+
 def test_cascade_prefix_is_the_shared_pages_before_every_rows_position():
     """A step's rows over prompts sharing SYSTEM get its whole pages (288 keys); a row whose
     position lies inside those pages caps the prefix at its own page (then too short to pay);
