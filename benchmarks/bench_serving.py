@@ -442,12 +442,13 @@ def main() -> None:
         if args.paired:
             a, b = args.paired.split(",")
             run_paired(llm, {a: workloads[a](), b: workloads[b]()}, args.bursts, args, bound, results)
-        for name in args.workloads.split(",") if not args.paired else ():
-            requests = workloads[name]()
-            for mode in args.modes.split(","):
-                run_mode(llm, mode, name, requests, args, bound, results)
-            for peer in args.peer:
-                run_peer(peer, name, requests, args, bound, results)
+        else:
+            for name in args.workloads.split(","):
+                requests = workloads[name]()
+                for mode in args.modes.split(","):
+                    run_mode(llm, mode, name, requests, args, bound, results)
+                for peer in args.peer:
+                    run_peer(peer, name, requests, args, bound, results)
     print_table(results.rows)
     if results.write:
         print("wrote", write_results("serving", results.rows, extra={"settings": results.settings}))

@@ -382,8 +382,8 @@ class DraftPolicy:
         tryable = [o for o in options if not (pays and (o[0] == bucket or o[0] not in self.verify.seconds))
                    and self._may_try(o[0])]  # (which starts a bucket's retry wait: asked last)
         if tryable:
-            tried, tried_drafts = max(tryable, key=lambda o: tokens[o[1]] / self._trial_cost(o[0]))
-            if tokens[tried_drafts] / self._trial_cost(tried) > best * (1 + ENTER_MARGIN):
+            (tried, tried_drafts), trial_rate = best_option(tokens, tryable, [self._trial_cost(b) for b, _ in tryable])
+            if trial_rate > best * (1 + ENTER_MARGIN):
                 self._tried(tried)
                 return Choice(tried_drafts, "trial")
         if pays:
