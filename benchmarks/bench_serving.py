@@ -28,7 +28,8 @@ target does (agent against agent-short): a cold burst of each, then N rounds of 
 of each, the order alternating by round, so that the host's drift between bursts (a third of a
 burst's TTFT on the lent H200 hosts) falls on both alike; a row per workload holds the median of
 each figure over its warm bursts (`bursts_ttft_p50_ms` lists them), and A's row the ratio of
-its median TTFT p50 to B's (`ttft_p50_ratio`, with each round's in `rounds_ttft_p50_ratio`):
+its median TTFT p50 to B's (`ttft_p50_ratio`, with each round's in `rounds_ttft_p50_ratio`),
+written to `serving_paired-<card>-<date>.json`:
 
     python -m benchmarks.bench_serving --paired agent,agent-short --bursts 8 --requests 256 --max-tokens 128
 
@@ -98,11 +99,12 @@ class Results:
     settings: dict[str, str]
     write: bool = True
     rows: list[dict[str, Any]] = field(default_factory=list)
+    benchmark: str = "serving"  # the file's name; `--paired` writes its medians apart
 
     def add(self, row: dict[str, Any]) -> None:
         self.rows.append(row)
         if self.write:
-            write_results("serving", self.rows, extra={"settings": self.settings})
+            write_results(self.benchmark, self.rows, extra={"settings": self.settings})
 
 
 @dataclass
@@ -431,7 +433,8 @@ def main() -> None:
     if args.prefill_chunk_tokens:
         extra["prefill_chunk_tokens"] = args.prefill_chunk_tokens
     cfg = EngineConfig(max_batch_size=args.max_batch_size, max_seq_len=4096, tuning=EngineTuning(**tuning), **extra)
-    results = Results({k: str(v) for k, v in vars(args).items()}, write=not args.no_write)
+    results = Results({k: str(v) for k, v in vars(args).items()}, write=not args.no_write,
+                      benchmark="serving_paired" if args.paired else "serving")
     with LLM(config=cfg) as llm:
         workloads = {"json": lambda: json_workload(args.requests, data_dir),
                      "json-one": lambda: json_one_workload(args.requests),
@@ -451,7 +454,7 @@ def main() -> None:
                     run_peer(peer, name, requests, args, bound, results)
     print_table(results.rows)
     if results.write:
-        print("wrote", write_results("serving", results.rows, extra={"settings": results.settings}))
+        print("wrote", write_results(results.benchmark, results.rows, extra={"settings": results.settings}))
 
 
 def run_mode(llm: Any, mode: str, workload: str, requests: list[ServingRequest], args: argparse.Namespace,

@@ -384,6 +384,11 @@ class EngineTuning:
     # one, as llama.cpp (faster, but greedy text drifts); "fp32", the fp32 kernels
     # (docs/performance.md, "Quantized weights on the CPU").
     prompt_activations: str = "int16"
+    # While the engine has work, Python's full (oldest-generation) garbage collections are held
+    # off and run once it is idle or every 10 s of work (engine/garbage_collection.py): a full
+    # collection in the middle of a burst walks every request's prompt (docs/performance.md,
+    # "Serving under load"). False leaves the collector's thresholds alone.
+    hold_full_collections: bool = True
 
     def __post_init__(self) -> None:
         from structgen.errors import InvalidParameterError

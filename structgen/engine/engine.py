@@ -12,8 +12,6 @@ launched before the engine goes back to scheduling."""
 
 from __future__ import annotations
 
-import atexit
-import gc
 import logging
 import random
 import time
@@ -28,6 +26,7 @@ from structgen.engine.closing import BudgetCloser
 from structgen.engine.config import EngineConfig, ModelConfig
 from structgen.engine.decode_step import EngineDecodeStep
 from structgen.engine.drafts import fill_guess_rows, take_guesses
+from structgen.engine.garbage_collection import freeze_heap
 from structgen.engine.jump_forward import QUIET_MIN_ALLOWED, JumpForward, quiet_tokens
 from structgen.engine.model_runner import ExtendSeq, ModelRunner
 from structgen.engine.reasoning import Reasoner
@@ -659,29 +658,6 @@ class Engine:
 
 def _nobody_waits() -> bool:
     return False
-
-
-_HEAP_FROZEN = False
-
-
-def freeze_heap() -> None:
-    """Take the objects alive before the first engine (torch, transformers, xgrammar and the
-    rest of what was imported: a large heap of container objects) out of the cyclic garbage
-    collector's sight, once per process (`gc.freeze`).
-
-    The step loop allocates enough to trigger full collections, and each walked that whole
-    heap: long stalls in the middle of requests, worst with jump-forward on (the notebook in
-    docs/notes/, "Garbage collection").
-    `Engine.__new__` calls it before the engine object exists, so engines are never frozen:
-    one that is dropped is still collected, reference cycles and GPU memory included."""
-    global _HEAP_FROZEN
-    if not _HEAP_FROZEN:
-        gc.collect()
-        gc.freeze()
-        # At exit the frozen objects go back to the collector, so the interpreter's final
-        # collection still finalises them (nanobind modules report "leaked" objects otherwise).
-        atexit.register(gc.unfreeze)
-        _HEAP_FROZEN = True
 
 
 __all__ = ["Engine", "Request", "RequestStatus", "SamplingParams", "freeze_heap"]

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from structgen.engine.engine import Engine
+from structgen.engine.garbage_collection import FULL_COLLECTIONS, FullCollectionHold
 from structgen.engine.request import Request
 from structgen.errors import EngineError
 
@@ -39,6 +40,7 @@ class EngineLoop:
         # Run once after the step in progress (deduplicated): update callbacks that batch
         # their hand-over to another thread put it here.
         self._after_step: dict[Callable[[], None], None] = {}
+        self._holding = False  # this loop holds full garbage collections off (it has work)
         engine.interrupted = self._has_news
         _OPEN_LOOPS.add(self)
 
@@ -105,7 +107,21 @@ class EngineLoop:
             self._thread.start()
 
     def _run(self) -> None:
+        holds = self.engine.config.tuning.hold_full_collections
+        try:
+            self._serve(FULL_COLLECTIONS if holds else None)
+        finally:
+            if holds and self._holding:
+                self._holding = False
+                FULL_COLLECTIONS.release()
+
+    def _serve(self, collections: FullCollectionHold | None) -> None:
+        """Step while there is work; `collections`: held off while there is
+        (engine/garbage_collection.py)."""
         while True:
+            if self._holding and not self._has_news() and not self.engine.has_work():
+                self._holding = False  # out of work: the held collection may run now (not
+                collections.release()  # under the lock, which submitting callers take)
             with self._cond:
                 while not (self._incoming or self._aborts or self._closing or self.engine.has_work()):
                     self._cond.wait()
@@ -116,6 +132,11 @@ class EngineLoop:
                 self._abort_all(incoming)
                 self._run_after_step()  # the aborted streams' last updates
                 return
+            if collections is not None:
+                if not self._holding:
+                    self._holding = True
+                    collections.acquire()
+                collections.at_step()
             for req in incoming:
                 try:
                     self.engine.add_request(req)
