@@ -8,11 +8,12 @@ time taken from the steps and from the callers making requests:
 - `FULL_COLLECTIONS`: while any engine has work, collections of the oldest generation are held
   off; the young generations are collected as usual. A full collection walks every live object,
   and CPython starts one whenever the objects that survived into the oldest generation grew by
-  a quarter, which a burst of requests does: 256 agent turns hold 256 prompts of 3,000 token
-  ids, and the full collection in the middle of such a burst took 23-39 ms of the event loop
-  making the turns (docs/performance.md, "Serving under load"). The held collection runs when
-  the last busy engine goes idle, and at least every `FULL_COLLECTION_EVERY_S` of work without
-  a pause, so cyclic garbage stays bounded under a load that never lets up.
+  a quarter, which a burst of requests does: a burst of agent turns holds hundreds of prompts
+  of thousands of token ids, and the collection stalled the thread making the turns
+  (docs/performance.md, "Serving under load"). The held collection runs when the last busy
+  engine goes idle, and at least every `FULL_COLLECTION_EVERY_S` of work without a pause, so
+  cyclic garbage stays bounded under a load that never lets up. (Written for the generations
+  of CPython 3.10-3.13; 3.14 collects its old generation incrementally.)
 """
 
 from __future__ import annotations
