@@ -27,6 +27,8 @@ import threading
 from collections import OrderedDict
 from typing import Any, NamedTuple
 
+from structgen.engine.garbage_collection import untracked_ints
+
 log = logging.getLogger("structgen")
 
 MIN_CACHED_CHARS = 2_000  # pieces shorter than this encode faster than a lookup pays for
@@ -105,7 +107,8 @@ class SegmentEncoder:
             self._encode_whole(texts, cuts, plan.spliced, found)
         for i in plan.whole:
             self._note(cuts[i], found[i])  # type: ignore[arg-type]
-        return found  # type: ignore[return-value]
+        # Lists of ints only: out of the cyclic collector's sight while the requests are made.
+        return [untracked_ints(ids) for ids in found]  # type: ignore[arg-type]
 
     def _plan(self, cuts: list[Cut], kept: dict[tuple[str, bool], tuple[int, ...]]) -> BatchPlan:
         """`encode_batch`'s plan: one teacher (the first holder) per long piece not kept that

@@ -14,14 +14,22 @@ time taken from the steps and from the callers making requests:
   engine goes idle, and at least every `FULL_COLLECTION_EVERY_S` of work without a pause, so
   cyclic garbage stays bounded under a load that never lets up. (Written for the generations
   of CPython 3.10-3.13; 3.14 collects its old generation incrementally.)
+- `untracked_ints`: a list of token ids is taken out of the collector's sight. A young
+  collection walks every reference of every new container, and a 3,000-token prompt is a
+  list of 3,000: each turn of an agent burst was walked twice (young, then middle
+  generation), time the thread making the other turns and the engine thread waited for
+  (docs/performance.md, "Serving under load").
 """
 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import gc
+import sys
 import threading
 import time
+from collections.abc import Callable
 
 # Seconds of uninterrupted work after which a held full collection runs at the next step.
 FULL_COLLECTION_EVERY_S = 10.0
@@ -29,6 +37,31 @@ FULL_COLLECTION_EVERY_S = 10.0
 HELD_THRESHOLD = 1 << 30
 
 _HEAP_FROZEN = False
+
+
+def _untrack_call() -> Callable[[object], None] | None:
+    """CPython's `PyObject_GC_UnTrack` (called with the GIL held, as `ctypes.pythonapi` calls
+    are); None on other interpreters."""
+    if sys.implementation.name != "cpython":
+        return None
+    call = ctypes.pythonapi.PyObject_GC_UnTrack
+    call.argtypes, call.restype = [ctypes.py_object], None
+    return call
+
+
+_gc_untrack = _untrack_call()
+
+
+def untracked_ints(values: list[int]) -> list[int]:
+    """`values`, no longer tracked by the cyclic collector (appends do not track it again).
+
+    A list that holds only ints can be in no reference cycle, so walking it finds nothing:
+    the collector skips it from now on, while reference counting frees it as before. The
+    caller keeps the promise that only ints (or other objects the collector does not track,
+    such as numpy scalars) ever go into it. Outside CPython, `values` as it is."""
+    if _gc_untrack is not None:
+        _gc_untrack(values)
+    return values
 
 
 def freeze_heap() -> None:

@@ -19,6 +19,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from structgen.engine.garbage_collection import untracked_ints
+
 PageKey = tuple[int, tuple[int, ...]]  # (hash of the previous page's key, this page's tokens)
 ROOT_HASH = 0  # the parent hash of a sequence's first page
 
@@ -81,7 +83,9 @@ class PrefixCache:
             hashes.append(parent)
         if len(pages) == known == len(last.pages):
             return last  # the chain found last, whole (a burst's turns): no copy of its tokens
-        self._last = Chain(tokens[: len(pages) * page_size], pages, hashes)
+        # (lists of ints only: out of the cyclic collector's sight, as requests' tokens are)
+        self._last = Chain(untracked_ints(tokens[: len(pages) * page_size]), untracked_ints(pages),
+                           untracked_ints(hashes))
         return self._last
 
     def holds(self, page: int) -> bool:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
+from structgen.engine.garbage_collection import untracked_ints
 from structgen.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -86,7 +87,8 @@ class Request:
     ):
         self.id = next(_ids)
         self.group = group if group is not None else request_group.get()
-        self.token_ids: list[int] = list(prompt_ids)
+        # Only ever ints: out of the cyclic collector's sight (a long prompt is thousands).
+        self.token_ids: list[int] = untracked_ints(list(prompt_ids))
         # Odd while `truncate` drops tokens, and grown by 2 by each: a reader on another thread
         # that sees the same even count before and after reading the tokens knows that none it
         # read before were dropped since (structgen/api.py `_OutputTokens`).
