@@ -10,13 +10,18 @@ A burst of requests sharing a long prompt start (agent turns with one tool catal
 hash the same hundreds of pages once per request: `match` remembers the chain it found last and
 takes its pages for a new sequence whose tokens equal it page for page (a comparison of token
 lists, not a hash per page), hashing only the pages past it. Equal tokens make equal keys, so
-the pages are the ones a walk would find, as long as none was evicted since.
+the pages are the ones a walk would find, as long as none was evicted since. The turns' ids
+are mostly the same int objects (the prompt encoder splices one kept copy of a long message),
+so the comparison looks at the lists' item pointers first (`_same_items`): a memcmp, where
+slicing a list of thousands of ints to compare it writes every int's reference count.
 """
 
 from __future__ import annotations
 
+import ctypes
+import sys
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from structgen.engine.garbage_collection import untracked_ints
@@ -117,15 +122,48 @@ class PrefixCache:
         return page
 
 
+def _item_pointers() -> tuple[int, Callable[[int, int, int], int]] | None:
+    """(offset of a list's item-array address in the list object, libc's memcmp called with
+    the GIL held), checked on a list; None where CPython's list layout or memcmp is not there."""
+    if sys.implementation.name != "cpython":
+        return None
+    try:
+        memcmp = ctypes.PyDLL(None).memcmp
+    except (OSError, AttributeError):
+        return None
+    memcmp.argtypes, memcmp.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int
+    offset = 3 * ctypes.sizeof(ctypes.c_ssize_t)  # after the reference count, type and size
+    probe = [object()]
+    items = ctypes.c_void_p.from_address(id(probe) + offset).value
+    return (offset, memcmp) if items and ctypes.c_void_p.from_address(items).value == id(probe[0]) else None
+
+
+_ITEM_POINTERS = _item_pointers()
+_POINTER = ctypes.sizeof(ctypes.c_void_p)
+
+
+def _same_items(a: list[int], b: list[int], lo: int, hi: int) -> bool:
+    """Whether `a[lo:hi]` and `b[lo:hi]` (both in range) are the same objects, hence equal:
+    their item pointers compared, nothing copied. False says nothing (equal ints may be
+    distinct objects), and always False where `_ITEM_POINTERS` is None."""
+    if _ITEM_POINTERS is None:
+        return False
+    offset, memcmp = _ITEM_POINTERS
+    pa = ctypes.c_void_p.from_address(id(a) + offset).value
+    pb = ctypes.c_void_p.from_address(id(b) + offset).value
+    return bool(pa and pb) and memcmp(pa + _POINTER * lo, pb + _POINTER * lo, _POINTER * (hi - lo)) == 0
+
+
 def common_pages(a: list[int], b: list[int], page_size: int, limit: int) -> int:
     """How many leading pages, up to `limit`, of token lists `a` and `b` are equal: list
-    comparisons (each one C loop), bisecting where the lists part; each comparison covers only
-    the pages not yet known equal, so the whole search reads about twice the lists' length."""
+    comparisons (the item pointers first, then the values), bisecting where the lists part;
+    each comparison covers only the pages not yet known equal, so the whole search reads
+    about twice the lists' length."""
     equal, differ = 0, limit + 1  # pages [0, equal) are equal; [0, differ) are not
     mid = limit  # the usual answer first: a burst's turns share their whole start
     while equal < mid < differ:
         lo, hi = equal * page_size, mid * page_size
-        if a[lo:hi] == (b if lo == 0 and hi == len(b) else b[lo:hi]):  # (all of b: no copy of it)
+        if _same_items(a, b, lo, hi) or a[lo:hi] == (b if lo == 0 and hi == len(b) else b[lo:hi]):
             equal = mid
         else:
             differ = mid

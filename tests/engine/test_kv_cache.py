@@ -17,7 +17,7 @@ from structgen.engine.engine import Engine
 from structgen.engine.kv_cache import PAGE_SIZE
 from structgen.engine.models.loader import load_model_config
 from structgen.engine.page_table import SCRATCH_PAGE, PageTable
-from structgen.engine.prefix_cache import page_keys
+from structgen.engine.prefix_cache import common_pages, page_keys
 from structgen.engine.request import Request
 from structgen.sampling import SamplingParams
 
@@ -223,6 +223,26 @@ def test_a_prefix_found_from_the_last_chain_is_the_one_a_walk_of_the_hash_chain_
     hog = pages.allocate_slot()
     assert pages.cover(hog, 32 * PAGE)
     assert len(pages.cache) == 7 and len(matched(pages, prompt)) == 7  # which the last chain held
+
+
+def test_common_pages_counts_equal_pages_whether_the_ids_are_the_same_objects_or_equal_ones():
+    """The item-pointer comparison is a shortcut only: lists of the same int objects, of equal
+    but distinct ones (as two tokenizer calls give), or of both mixed, count the pages a
+    page-by-page comparison of values counts, wherever they part."""
+    import random
+
+    rng, page = random.Random(0), 4
+    base = [rng.randrange(1_000, 50_000) for _ in range(40 * page)]
+    for _ in range(300):
+        b = list(base)  # the same objects
+        for i in rng.sample(range(len(b)), rng.randrange(0, 6)):
+            b[i] = int(str(b[i]))  # equal, another object
+        if rng.random() < 0.7:
+            b[rng.randrange(len(b))] += 1  # a different token
+        limit = rng.randrange(0, 41)
+        a = base + [7] * rng.randrange(0, 9)
+        expected = next((i for i in range(limit) if a[i * page : (i + 1) * page] != b[i * page : (i + 1) * page]), limit)
+        assert common_pages(a, b[: rng.randrange(limit * page, len(b) + 1)], page, limit) == expected
 
 
 def test_an_agent_bursts_prompts_find_the_pages_a_walk_of_the_hash_chain_finds(maskbench_dir, tokenizer):
