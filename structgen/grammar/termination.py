@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from structgen.errors import UnsatisfiableConstraintError
+from structgen.errors import EngineError, UnsatisfiableConstraintError
 from structgen.grammar.backends.base import FORCED_TEXT_MAX_BYTES, allocate_bitmask, count_allowed
 from structgen.schema.budget import check_budget
 from structgen.schema.keywords import resolve_ref
@@ -265,9 +265,13 @@ def check_not_empty(compiled: CompiledGrammar, vocab_size: int) -> None:
     if m.is_completed():
         return
     mask = allocate_bitmask(1, vocab_size, host_only=True)
-    m.fill_bitmask(mask, 0)
-    if count_allowed(mask[0].numpy().view("uint32")) == 0:
+    try:
+        m.fill_bitmask(mask, 0)
+        allowed = count_allowed(mask[0].numpy().view("uint32"))
         why = m.error() or "no token can start an output and the empty output is not allowed"
+    except EngineError as e:  # llguidance stops a grammar with no way forward (NoExtensionBias)
+        allowed, why = 0, f"{compiled.backend} found no first token: {str(e).splitlines()[0]}"
+    if allowed == 0:
         raise UnsatisfiableConstraintError(
             f"{compiled.constraint.description} matches nothing, so nothing can be generated "
             f"({why}); fix the constraint so that at least one output matches it"

@@ -107,6 +107,22 @@ def test_a_regex_that_matches_nothing_is_refused(grammar_compiler):
     assert "matches no string" in message
 
 
+def test_a_schema_only_llguidance_reads_and_that_matches_nothing_is_refused_not_failed(
+        grammar_compiler, monkeypatch):
+    """A `$ref` that resolves to itself, with no content: xgrammar 0.2.9 cannot read it
+    ("Circular $ref chain"), so the termination check is skipped and llguidance compiles it;
+    its fresh matcher then stops before any token (NoExtensionBias). That is a constraint
+    nothing can satisfy (a 400 from the server), not an engine failure (a 500, which the
+    server fuzz found). Forced here whatever xgrammar's version reads."""
+    from structgen.grammar import compiler as compiler_module
+
+    monkeypatch.setattr(compiler_module, "analyse", lambda constraint: None)
+    nested = {"$defs": {"d": {"$defs": {"d": {"type": "string"}}, "$ref": "#/$defs/d"}}, "$ref": "#/$defs/d"}
+    with pytest.raises(UnsatisfiableConstraintError) as caught:
+        grammar_compiler.compile(to_constraint(JsonSchema(nested)), backend="llguidance")
+    assert "matches nothing" in str(caught.value) and "llguidance found no first token" in str(caught.value)
+
+
 # -- schemas that crashed a native compiler: compiled in a child process ----------------------
 # Each compile runs in its own interpreter, so a regression fails the test instead of killing
 # pytest with the process. The child prints, per (backend, strict), "compiled" or the
