@@ -18,7 +18,12 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-from structgen.errors import InvalidConstraintError, StructgenError, UnsupportedSchemaError
+from structgen.errors import (
+    InvalidConstraintError,
+    StructgenError,
+    UnsatisfiableConstraintError,
+    UnsupportedSchemaError,
+)
 from structgen.grammar.backends.base import CompiledGrammar, GrammarBackend
 from structgen.grammar.compile_pool import CompilePool
 from structgen.grammar.large_stack import call_on_large_stack
@@ -175,7 +180,15 @@ class GrammarCompiler:
                 continue
             check_budget()
             compiled.forced_text_bounded = lengths is not None and lengths.forced_text_bounded()
-            check_not_empty(compiled, self.vocab_size)
+            try:
+                check_not_empty(compiled, self.vocab_size)
+            except UnsatisfiableConstraintError as e:
+                if not errors:
+                    raise
+                # the backends before it may have said why more plainly (xgrammar names a
+                # `$ref` chain that resolves to itself where llguidance only stops)
+                said = "; ".join(f"{name} refused it: {error}" for name, error in errors)
+                raise UnsatisfiableConstraintError(f"{e}; {said}") from e
             return compiled
         if len(errors) == 1:
             raise errors[0][1]

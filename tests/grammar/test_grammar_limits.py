@@ -121,6 +121,16 @@ def test_a_schema_only_llguidance_reads_and_that_matches_nothing_is_refused_not_
     with pytest.raises(UnsatisfiableConstraintError) as caught:
         grammar_compiler.compile(to_constraint(JsonSchema(nested)), backend="llguidance")
     assert "matches nothing" in str(caught.value) and "llguidance found no first token" in str(caught.value)
+    # where xgrammar refused it first (as 0.2.9 does), its plainer reason comes along
+    circular = "xgrammar cannot compile JSON schema: Circular $ref chain with no schema content"
+
+    def refuse(constraint):
+        raise InvalidConstraintError(circular)
+
+    monkeypatch.setattr(grammar_compiler.adapter("xgrammar"), "compile", refuse)
+    with pytest.raises(UnsatisfiableConstraintError) as caught:
+        grammar_compiler.compile(to_constraint(JsonSchema(nested)))
+    assert "matches nothing" in str(caught.value) and f"xgrammar refused it: {circular}" in str(caught.value)
 
 
 # -- schemas that crashed a native compiler: compiled in a child process ----------------------
