@@ -129,7 +129,7 @@ def _item_pointers() -> tuple[int, Callable[[int, int, int], int]] | None:
         return None
     try:
         memcmp = ctypes.PyDLL(None).memcmp
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):  # (no process-wide symbols to load: Windows)
         return None
     memcmp.argtypes, memcmp.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int
     offset = 3 * ctypes.sizeof(ctypes.c_ssize_t)  # after the reference count, type and size

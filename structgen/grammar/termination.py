@@ -267,12 +267,13 @@ def check_not_empty(compiled: CompiledGrammar, vocab_size: int) -> None:
     mask = allocate_bitmask(1, vocab_size, host_only=True)
     try:
         m.fill_bitmask(mask, 0)
-        allowed = count_allowed(mask[0].numpy().view("uint32"))
-        why = m.error() or "no token can start an output and the empty output is not allowed"
     except EngineError as e:  # llguidance stops a grammar with no way forward (NoExtensionBias)
-        allowed, why = 0, f"{compiled.backend} found no first token: {str(e).splitlines()[0]}"
-    if allowed == 0:
-        raise UnsatisfiableConstraintError(
-            f"{compiled.constraint.description} matches nothing, so nothing can be generated "
-            f"({why}); fix the constraint so that at least one output matches it"
-        )
+        why = f"{compiled.backend} found no first token: {str(e).splitlines()[0]}"
+    else:
+        if count_allowed(mask[0].numpy().view("uint32")) > 0:
+            return
+        why = m.error() or "no token can start an output and the empty output is not allowed"
+    raise UnsatisfiableConstraintError(
+        f"{compiled.constraint.description} matches nothing, so nothing can be generated "
+        f"({why}); fix the constraint so that at least one output matches it"
+    )
