@@ -272,9 +272,9 @@ def raw_fingerprint() -> str:
     from importlib.metadata import version
 
     import structgen.grammar as grammar
+    import structgen.schema.json_format as json_format
 
-    root = Path(grammar.__file__).parent
-    files = sorted((root / "backends").glob("*.py")) + [root / "json_format.py"]
+    files = sorted((Path(grammar.__file__).parent / "backends").glob("*.py")) + [Path(json_format.__file__)]
     h = hashlib.sha1()
     for f in files:
         h.update(f.read_bytes())
