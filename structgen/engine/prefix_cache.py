@@ -24,6 +24,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from structgen.engine.garbage_collection import untracked_ints
 
 PageKey = tuple[int, tuple[int, ...]]  # (hash of the previous page's key, this page's tokens)
@@ -44,11 +46,22 @@ def page_keys(tokens: Sequence[int], page_size: int, num_pages: int, parent: int
 
 @dataclass(frozen=True)
 class Chain:
-    """Cached pages a token sequence starts with: their tokens, pages and key hashes."""
+    """Cached pages a token sequence starts with: their tokens, pages (as a list and as the
+    array the page table takes them in) and key hashes."""
 
     tokens: list[int]
     pages: list[int]
     hashes: list[int]
+    page_array: np.ndarray
+
+    @classmethod
+    def of(cls, tokens: list[int], pages: list[int], hashes: list[int]) -> Chain:
+        # (lists of ints only: out of the cyclic collector's sight, as requests' tokens are)
+        return cls(untracked_ints(tokens), untracked_ints(pages), untracked_ints(hashes),
+                   np.array(pages, dtype=np.int64))
+
+
+NO_CHAIN = Chain.of([], [], [])
 
 
 class PrefixCache:
@@ -58,7 +71,7 @@ class PrefixCache:
         self._page_of: dict[PageKey, int] = {}
         self._key_of: dict[int, PageKey] = {}
         self._idle: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; oldest first
-        self._last = Chain([], [], [])  # what `match` found last, while none of it may be evicted
+        self._last = NO_CHAIN  # what `match` found last, while none of it may be evicted
 
     def __len__(self) -> int:
         return len(self._page_of)
@@ -88,9 +101,7 @@ class PrefixCache:
             hashes.append(parent)
         if len(pages) == known == len(last.pages):
             return last  # the chain found last, whole (a burst's turns): no copy of its tokens
-        # (lists of ints only: out of the cyclic collector's sight, as requests' tokens are)
-        self._last = Chain(untracked_ints(tokens[: len(pages) * page_size]), untracked_ints(pages),
-                           untracked_ints(hashes))
+        self._last = Chain.of(tokens[: len(pages) * page_size], pages, hashes)
         return self._last
 
     def holds(self, page: int) -> bool:
@@ -118,7 +129,7 @@ class PrefixCache:
             return None
         page, _ = self._idle.popitem(last=False)
         del self._page_of[self._key_of.pop(page)]
-        self._last = Chain([], [], [])
+        self._last = NO_CHAIN
         return page
 
 

@@ -148,6 +148,29 @@ def test_published_prompt_pages_are_shared_then_kept_idle_then_evicted_tail_firs
     assert not pages.cover(hog, 8 * PAGE)  # the head is held again: nothing left to evict
 
 
+def test_a_shared_page_stays_held_until_its_last_holder_lets_go():
+    pages = table(num_pages=12, slots=4)
+    prompt = list(range(200, 213))  # three full pages
+    owner = pages.allocate_slot()
+    pages.cover(owner, 15)
+    pages.publish(owner, prompt, 13, 13)
+    sharers = [pages.allocate_slot() for _ in range(3)]
+    for slot in sharers:
+        assert pages.match_prefix(slot, prompt, 13) == 3 * PAGE
+        assert pages.cover(slot, 15)  # its own fourth page
+    assert pages.slot_pages(sharers[0])[:3] == pages.slot_pages(owner)[:3]
+    assert pages.free_pages == 11 - 4 - 3
+    pages.release_slot(owner)  # its own last page goes back; the shared three stay held
+    pages.release_slot(sharers[0])
+    assert pages.cache.num_idle == 0 and pages.free_pages == 11 - 3 - 2
+    pages.release_slot(sharers[1])
+    assert pages.cache.num_idle == 0
+    pages.release_slot(sharers[2])  # the last holder: all three idle, still cached
+    assert pages.cache.num_idle == 3 and pages.free_pages == 11
+    again = pages.allocate_slot()
+    assert pages.match_prefix(again, prompt, 13) == 3 * PAGE and pages.cache.num_idle == 0
+
+
 def test_a_rollback_into_shared_pages_lets_go_of_them_for_recomputation():
     pages = table()
     prompt = list(range(13))

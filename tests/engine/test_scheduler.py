@@ -223,7 +223,7 @@ def _page_state(sched, index: dict[int, int]) -> tuple:
     who waits, every slot's pages and keyed pages, the free pages and the host table."""
     pages = sched.pages
     return ([(index[r.id], r.slot, r.num_cached) for r in sched.running], [index[r.id] for r in sched.waiting],
-            [list(p) for p in pages._pages], [list(k) for k in pages._keyed], sorted(pages._free_pages),
+            [pages.slot_pages(s) for s in range(pages.num_slots + 1)], [list(k) for k in pages._keyed], sorted(pages._free_pages),
             list(pages.settled), pages.free_pages, pages.host.tolist())
 
 
