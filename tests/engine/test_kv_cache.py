@@ -287,9 +287,10 @@ def test_an_agent_bursts_prompts_find_the_pages_a_walk_of_the_hash_chain_finds(m
 # ------------------------------------------------------------------------------ the Triton kernel
 
 
-# Triton's interpreter before 3.9 turns a loop bound computed in the kernel into an int with
-# `int(array)`, which numpy 2.4 refuses for the 1-element arrays it holds there
-# (triton-lang/triton#9171): no kernel with such a loop can run under it.
+# Triton's interpreter in some releases (3.6, the lent GPU hosts'; 3.9 has the fix) turns a
+# loop bound computed in the kernel into an int with `int(array)`, which numpy 2.4 refuses for
+# the 1-element arrays it holds there (triton-lang/triton#9171): no kernel with such a loop can
+# run under it.
 INTERPRETER_PROBE = """
 import torch, triton, triton.language as tl
 
