@@ -133,7 +133,7 @@ class PageTable:
             return
         if keep < len(self._keyed[slot]):
             self._published[slot] = False
-        self._let_go(self._host_np[slot, keep:mapped][::-1].copy())  # a chain's tail becomes idle, so is evicted, first
+        self._let_go(self._host_np[slot, keep:mapped][::-1])  # a chain's tail becomes idle, so is evicted, first
         self._mapped[slot] = keep
         del self._keyed[slot][keep:]
         self._changing(slot, column=keep)
@@ -163,7 +163,7 @@ class PageTable:
             return
         n = self._mapped[slot]
         self._changing(slot, column=n)
-        for i, page in enumerate(new):  # (a few pages: scalar writes beat an array's conversion)
+        for i, page in enumerate(new):  # (mostly a page or a few: scalar writes beat an array's conversion)
             self._refs[page] = 1
             self._host_np[slot, n + i] = page
         self._mapped[slot] = n + len(new)
