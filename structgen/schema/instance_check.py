@@ -17,7 +17,7 @@ invalid, for its error message: so only "valid" is ever taken from here.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jsonschema
@@ -55,11 +55,13 @@ def instance_check(schema: Any, validator_cls: type) -> Check | None:
     keywords is not covered. A `$ref` cycle that consumes nothing raises RecursionError when
     called, as jsonschema does."""
     draft = _DRAFTS.get(validator_cls)
-    if draft is None or _moves_scope(schema, top=True):
+    if draft is None:
         return None
     try:
+        if _moves_scope(schema, top=True):
+            return None
         return _Compiler(schema, draft, validator_cls.VALIDATORS).compile(schema)
-    except (_NotCompiled, re.error, RecursionError):
+    except Exception:  # _NotCompiled, a pattern Python's re refuses, a schema nested too deeply
         return None
 
 
@@ -76,7 +78,9 @@ def _moves_scope(node: Any, top: bool = False) -> bool:
 
 
 class _Compiler:
-    def __init__(self, root: Any, draft: int, asserted: Any):
+    """Compiles the subschemas of `root` (one JSON-schema `draft`), each into a `Check`."""
+
+    def __init__(self, root: Any, draft: int, asserted: Mapping[str, Any]):
         self.root, self.draft = root, draft
         self.asserted = asserted  # the keywords this draft's validator asserts
         self.refs: dict[str, Check] = {}  # compiled `$ref` targets by ref, looked up when called (recursion)
