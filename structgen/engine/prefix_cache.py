@@ -72,6 +72,9 @@ class PrefixCache:
         self._key_of: dict[int, PageKey] = {}
         self._idle: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; oldest first
         self._last = NO_CHAIN  # what `match` found last, while none of it may be evicted
+        # Pages the last two matched sequences shared: where the next one likely parts from the
+        # last (a burst's turns part where their shared system message ends).
+        self._parted: int | None = None
 
     def __len__(self) -> int:
         return len(self._page_of)
@@ -89,7 +92,8 @@ class PrefixCache:
         pages of the last chain found that `tokens` start with, then a walk of the hash chain
         from there until a page is missing."""
         last = self._last
-        known = common_pages(tokens, last.tokens, page_size, min(num_pages, len(last.pages)))
+        known = common_pages(tokens, last.tokens, page_size, min(num_pages, len(last.pages)), self._parted)
+        self._parted = known
         pages, hashes = last.pages[:known], last.hashes[:known]
         parent = hashes[-1] if hashes else ROOT_HASH
         for i in range(known, num_pages):
@@ -165,18 +169,23 @@ def _same_items(a: list[int], b: list[int], lo: int, hi: int) -> bool:
     return bool(pa and pb) and memcmp(pa + _POINTER * lo, pb + _POINTER * lo, _POINTER * (hi - lo)) == 0
 
 
-def common_pages(a: list[int], b: list[int], page_size: int, limit: int) -> int:
+def common_pages(a: list[int], b: list[int], page_size: int, limit: int, guess: int | None = None) -> int:
     """How many leading pages, up to `limit`, of token lists `a` and `b` are equal: list
     comparisons (the item pointers first, then the values), bisecting where the lists part;
     each comparison covers only the pages not yet known equal, so the whole search reads
-    about twice the lists' length."""
+    about twice the lists' length. `guess`: the likely answer, tried first (two comparisons
+    where it is right, instead of a bisection's eight or so over a 3,000-token prompt)."""
     equal, differ = 0, limit + 1  # pages [0, equal) are equal; [0, differ) are not
-    mid = limit  # the usual answer first: a burst's turns share their whole start
-    while equal < mid < differ:
+    # The usual answer first: the guess, else the whole of `limit` (a burst's turns share their start).
+    probes = [guess, guess + 1] if guess is not None and 0 < guess < limit else [limit]
+    while True:
+        while probes and not equal < probes[0] < differ:
+            probes.pop(0)
+        mid = probes.pop(0) if probes else (equal + differ) // 2
+        if not equal < mid < differ:
+            return equal
         lo, hi = equal * page_size, mid * page_size
         if _same_items(a, b, lo, hi) or a[lo:hi] == (b if lo == 0 and hi == len(b) else b[lo:hi]):
             equal = mid
         else:
             differ = mid
-        mid = (equal + differ) // 2
-    return equal

@@ -251,7 +251,8 @@ def test_a_prefix_found_from_the_last_chain_is_the_one_a_walk_of_the_hash_chain_
 def test_common_pages_counts_equal_pages_whether_the_ids_are_the_same_objects_or_equal_ones():
     """The item-pointer comparison is a shortcut only: lists of the same int objects, of equal
     but distinct ones (as two tokenizer calls give), or of both mixed, count the pages a
-    page-by-page comparison of values counts, wherever they part."""
+    page-by-page comparison of values counts, wherever they part, and a guess of where they
+    part (right, wrong or out of range) changes only how it is found."""
     import random
 
     rng, page = random.Random(0), 4
@@ -265,7 +266,10 @@ def test_common_pages_counts_equal_pages_whether_the_ids_are_the_same_objects_or
         limit = rng.randrange(0, 41)
         a = base + [7] * rng.randrange(0, 9)
         expected = next((i for i in range(limit) if a[i * page : (i + 1) * page] != b[i * page : (i + 1) * page]), limit)
-        assert common_pages(a, b[: rng.randrange(limit * page, len(b) + 1)], page, limit) == expected
+        b = b[: rng.randrange(limit * page, len(b) + 1)]
+        assert common_pages(a, b, page, limit) == expected
+        for guess in {expected, expected - 1, expected + 1, rng.randrange(-1, limit + 3)}:
+            assert common_pages(a, b, page, limit, guess) == expected, guess
 
 
 def test_an_agent_bursts_prompts_find_the_pages_a_walk_of_the_hash_chain_finds(maskbench_dir, tokenizer):
