@@ -55,10 +55,14 @@ class Chain:
     page_array: np.ndarray
 
     @classmethod
-    def of(cls, tokens: list[int], pages: list[int], hashes: list[int]) -> Chain:
+    def of(cls, tokens: list[int], pages: list[int], hashes: list[int], head: np.ndarray | None = None) -> Chain:
+        """`head`: the array of `pages`' first pages, if known (a burst's turn holds the last
+        turn's catalogue pages and a few of its own: only those few are converted)."""
+        n = 0 if head is None else len(head)
+        array = np.array(pages[n:], dtype=np.int64)
         # (lists of ints only: out of the cyclic collector's sight, as requests' tokens are)
         return cls(untracked_ints(tokens), untracked_ints(pages), untracked_ints(hashes),
-                   np.array(pages, dtype=np.int64))
+                   np.concatenate((head, array)) if n else array)
 
 
 NO_CHAIN = Chain.of([], [], [])
@@ -105,7 +109,7 @@ class PrefixCache:
             hashes.append(parent)
         if len(pages) == known == len(last.pages):
             return last  # the chain found last, whole (a burst's turns): no copy of its tokens
-        self._last = Chain.of(tokens[: len(pages) * page_size], pages, hashes)
+        self._last = Chain.of(tokens[: len(pages) * page_size], pages, hashes, last.page_array[:known])
         return self._last
 
     def holds(self, page: int) -> bool:
