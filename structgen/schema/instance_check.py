@@ -156,7 +156,7 @@ class _Compiler:
             for name in required:
                 if name not in v:
                     return False
-            if not lo <= len(v) or (hi is not None and len(v) > hi):
+            if len(v) < lo or (hi is not None and len(v) > hi):
                 return False
             for name, c in prop_checks:
                 if name in v and not c(v[name]):
@@ -218,12 +218,12 @@ class _Compiler:
                 hi, xhi = None, hi
             else:
                 xhi = None
-        bounds = (lo, hi, xlo, xhi)
-        if not all(b is None or _TYPE_TESTS["number"](b) for b in bounds):
+        is_number = _TYPE_TESTS["number"]
+        if not all(b is None or is_number(b) for b in (lo, hi, xlo, xhi)):
             raise _NotCompiled
 
         def check(v: Any) -> bool:
-            if not _TYPE_TESTS["number"](v):
+            if not is_number(v):
                 return True
             return not ((lo is not None and v < lo) or (hi is not None and v > hi)
                         or (xlo is not None and v <= xlo) or (xhi is not None and v >= xhi))
@@ -264,6 +264,7 @@ _GROUP_KEYWORDS = {
     "string": ("minLength", "maxLength", "pattern"),
     "number": ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"),
 }
+
 
 def _subschemas(value: Any) -> list[Any]:
     if not isinstance(value, list) or not value:
