@@ -311,8 +311,9 @@ def _json_schema_constraint(schema: dict[str, Any] | bool | str, strict: bool) -
     _check_bounds(schema)
     generated, tightened, relaxed = _generation_schema(schema, strict)
     validator = validator_cls(schema)
-    # jsonschema walks the schema anew per output (~20 us for five fields): a compiled check
-    # says "valid" first where it covers the schema; jsonschema decides the rest, with the message.
+    # jsonschema walks the schema anew for each output: a compiled check says "valid" first
+    # where it covers the schema; jsonschema decides the rest, with the message
+    # (docs/performance.md, "Serving under load").
     check = instance_check(schema, validator_cls)
 
     def parse(text: str) -> Any:

@@ -178,7 +178,7 @@ def common_pages(a: list[int], b: list[int], page_size: int, limit: int, guess: 
     comparisons (the item pointers first, then the values), bisecting where the lists part;
     each comparison covers only the pages not yet known equal, so the whole search reads
     about twice the lists' length. `guess`: the likely answer, tried first (two comparisons
-    where it is right, instead of a bisection's eight or so over a 3,000-token prompt)."""
+    where it is right, instead of a bisection's several over a long prompt)."""
     equal, differ = 0, limit + 1  # pages [0, equal) are equal; [0, differ) are not
     # The usual answer first: the guess, else the whole of `limit` (a burst's turns share their start).
     probes = [guess, guess + 1] if guess is not None and 0 < guess < limit else [limit]

@@ -1,10 +1,10 @@
 """A JSON schema compiled into a predicate with jsonschema's verdict, for the common keywords.
 
 Every output of a JSON-schema constraint is validated before it is returned, and jsonschema
-walks the schema anew for each instance (a validator object per subschema): about 20 us for a
-five-field object, most of the host work of finishing a request, run on the event loop when
-256 requests finish together. `instance_check` compiles the schema once into nested closures
-that answer `valid?` in a few microseconds.
+walks the schema anew for each instance (a validator object per subschema): most of the host
+work of finishing a request, run on the event loop when a batch of requests finishes
+together. `instance_check` compiles the schema once into nested closures that answer `valid?`
+several times faster (docs/performance.md, "Serving under load", has the figures).
 
 Exact by construction, not by approximation: a keyword jsonschema asserts is either compiled to
 the same test jsonschema runs (the same type checks, comparisons, `re.search` and equality,
