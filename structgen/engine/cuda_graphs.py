@@ -87,8 +87,22 @@ StepRows = tuple[list[int], list[int], list[int]]  # a step's rows: (token ids, 
 
 
 def step_rows(rows: list[ExtendSeq]) -> StepRows:
-    """One-token rows as (token ids, positions, slots)."""
-    return [s.token_ids[0] for s in rows], [s.start for s in rows], [s.slot for s in rows]
+    """Rows as (token ids, positions, slots), a row per token: a run of n tokens (a prompt
+    chunk, forced text) is n rows at consecutive positions of its slot."""
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    for s in rows:
+        tokens = s.token_ids
+        if len(tokens) == 1:
+            ids.append(tokens[0])
+            positions.append(s.start)
+            slots.append(s.slot)
+        else:
+            ids += tokens
+            positions += range(s.start, s.start + len(tokens))
+            slots += [s.slot] * len(tokens)
+    return ids, positions, slots
 
 
 def _put_rows(meta: np.ndarray, n: int, token_ids: list[int], positions: list[int], slots: list[int]) -> None:
@@ -447,9 +461,13 @@ class DecodeGraphs:
         sequence's last row."""
         n = len(token_ids)
         self._set_padding(n, bs)
-        last = [i for i in range(n) if i == n - 1 or slots[i + 1] != slots[i]]  # a sequence's last row
         meta = self._meta_np
         _put_rows(meta, n, token_ids, positions, slots)
+        if n < 64:  # each sequence's last row (numpy's fixed cost pays only for many rows)
+            last = [i for i in range(n) if i == n - 1 or slots[i + 1] != slots[i]]
+        else:
+            staged = meta[SLOTS, :n]
+            last = [*np.flatnonzero(staged[1:] != staged[:-1]).tolist(), n - 1]
         meta[PREFIX, 0] = self._prefix_staged = self._prefix(meta, n)
         # Row by row: numpy converts a tuple of lists element by element through a generic
         # path, several times slower than one list a row at a step's hundreds of rows.
@@ -557,7 +575,8 @@ class DecodeGraphs:
         n = len(token_ids)
         bs = self.bucket(n)
         pages = self.kv.pages
-        if bs is None or n == 0 or not all(pages.cover(s, p + 1) for s, p in zip(slots, positions, strict=True)):
+        ends = dict(zip(slots, positions, strict=True))  # each slot's last row: its rows are adjacent, in order
+        if bs is None or n == 0 or not all(pages.cover(s, p + 1) for s, p in ends.items()):
             return  # (no page for forced text: the next schedule makes room first)
         pages.sync()
         plan = self._plan_np  # whole rows (contiguous, one copy), padding from row n on

@@ -37,7 +37,8 @@ log = logging.getLogger("structgen.engine")
 
 @dataclass
 class DecodeStep:
-    """One-token rows, row i sampled at `temperatures[i]` (0: greedy) with noise seed
+    """Rows of one token each (an `ExtendSeq` of n tokens is n rows), row i sampled at
+    `temperatures[i]` (0: greedy) with noise seed
     `seeds[i]`, under its grammar mask where `has_mask[i]`. `predict_next`: every request's
     rows are adjacent with consecutive positions and it will likely decode again, so the
     graphs may launch the next step's forward early (cuda_graphs.py). `plans_next`: ask
@@ -55,6 +56,9 @@ class DecodeStep:
     guess: tuple[int, int] | None = None
     gate_next: bool = True
 
+    def __post_init__(self) -> None:
+        self.num_rows = len(self.temperatures)  # a row per token of `rows` (`cuda_graphs.step_rows`)
+
     def fill_masks(self, bitmask: torch.Tensor) -> None:
         """Fill row i of the int32 [len(rows), W] host tensor for every i with `has_mask[i]`;
         called after the forward is launched, so on CUDA it overlaps the device."""
@@ -64,7 +68,7 @@ class DecodeStep:
         has finished. Called on the graphs' path only."""
 
     def plan_next(self, tokens: list[int]) -> list[ExtendSeq] | None:
-        """Given every row's sampled token: the next step's one-token rows (None: launch
+        """Given every row's sampled token: the next step's rows (None: launch
         nothing). Called only where `plans_next` and the graphs pre-launch; callers must not
         count on it."""
         return None
@@ -96,7 +100,8 @@ class EngineDecodeStep(DecodeStep):
         # Behind a guess, the token gate runs the next forward (after the guess's row) only
         # where the model picked the guess.
         check = (self.sampled_rows[0], self.reqs[0].guess) if self.guessed and len(self.reqs) == 1 else None
-        super().__init__(rows, *self._sampling(len(rows)), predict_next=not self.chunks, plans_next=plans,
+        num_rows = sum(n for _, n in batch) + len(self.guessed)
+        super().__init__(rows, *self._sampling(num_rows), predict_next=not self.chunks, plans_next=plans,
                          guess=check)
         self.rehearses = plans and self._rehearses()
         self.rehearsed_guess = self.reqs[0].guess if self.rehearses and self.guessed else None

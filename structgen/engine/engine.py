@@ -295,7 +295,7 @@ class Engine:
     def _decode_step(self, batch: list[tuple[Request, int]]) -> list[Request]:
         step = EngineDecodeStep(self, batch)
         if self.prefetcher is not None and len(step.constrained) >= self.prefetcher.min_rows:
-            graphs, n = self.runner.graphs, len(step.rows)
+            graphs, n = self.runner.graphs, step.num_rows
             self._time_step((graphs.bucket(n) if graphs is not None else n, len(step.constrained) // 16))
         else:
             self._time_step(None)
@@ -319,22 +319,24 @@ class Engine:
 
     @staticmethod
     def _decode_rows(batch: list[tuple[Request, int]]) -> tuple[list[ExtendSeq], list[int | None]]:
-        """One row per token run: a row attends to its slot up to its own position, and
-        every row's K/V is written before any attention reads it, so rows of one request are
-        exactly a causal multi-token extend. Returns the rows and each request's sampled row
-        (its last pending token's), or None for a prompt chunk that stops short of its pending
-        tokens. A request's guess runs as the row after its sampled row."""
+        """A request's tokens as one run, laid out as a row per token (`cuda_graphs.step_rows`):
+        a row attends to its slot up to its own position, and every row's K/V is written before
+        any attention reads it, so rows of one request are exactly a causal multi-token extend.
+        Returns the runs and each request's sampled row, counted in rows (its last pending
+        token's), or None for a prompt chunk that stops short of its pending tokens. A
+        request's guess runs as the row after its sampled row."""
         seqs: list[ExtendSeq] = []
         last: list[int | None] = []
+        rows = 0
         for r, n in batch:
             start, ids = r.num_cached, r.token_ids
-            if n == 1 and start == len(ids) - 1:  # the common case: one sampled token (a step
-                seqs.append(ExtendSeq(r.slot, start, [ids[start]]))  # at batch 64 is host-bound)
-            else:
-                seqs += [ExtendSeq(r.slot, start + j, [t]) for j, t in enumerate(ids[start : start + n])]
-            last.append(len(seqs) - 1 if start + n == len(ids) else None)
-            if r.guess is not None and start + n == len(ids):  # sampled too: the row after the last
+            seqs.append(ExtendSeq(r.slot, start, ids[start : start + n], n))
+            rows += n
+            sampled = start + n == len(ids)
+            last.append(rows - 1 if sampled else None)
+            if r.guess is not None and sampled:  # the row after the last
                 seqs.append(ExtendSeq(r.slot, len(ids), [r.guess]))
+                rows += 1
         return seqs, last
 
     def _plain_next_step(self, reqs: list[Request], tokens: list[int]

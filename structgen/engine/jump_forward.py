@@ -353,8 +353,8 @@ class JumpForward:
         new = self._encode(old_bytes + forced)
         if new is None:
             return FAILED, 0, [], None
-        c = 0  # tokens shared with the old tail stay (and stay cached)
-        while c < min(len(old), len(new)) and old[c] == new[c]:
+        c, shared = 0, min(len(old), len(new))  # tokens shared with the old tail stay (and stay cached)
+        while c < shared and old[c] == new[c]:
             c += 1
         if c < len(old):
             m.rollback(len(old) - c)

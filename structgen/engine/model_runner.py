@@ -38,7 +38,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 PREFILL_ROWS = 256
 
 
-@dataclass(slots=True)  # a step builds one a row (a burst's prefill steps: a thousand)
+@dataclass(slots=True)  # a step builds one a request (a decode step of 256 requests: 256)
 class ExtendSeq:
     slot: int
     start: int  # position of the first new token (= tokens already cached)
@@ -336,12 +336,12 @@ class ModelRunner:
         exactly one new token, sampled as `step` says under its grammar mask (decode_step.py).
         Through the decode graphs where a captured size fits (`step`'s other phases run there),
         else an eager `extend` and the same sampling rule."""
-        if self.graphs is not None and self.graphs.bucket(len(step.rows)) is not None:
+        if self.graphs is not None and self.graphs.bucket(step.num_rows) is not None:
             self.forward_passes += 1
             return self.graphs.run(step)
         from structgen.engine.sampler import sample_tokens_reference
 
-        seqs = step.rows
+        seqs = [ExtendSeq(s.slot, s.start + j, [t]) for s in step.rows for j, t in enumerate(s.token_ids)]
         logits = self.extend(seqs)
         bitmask = self.mask_buffer(len(seqs))[: len(seqs)]
         if any(step.has_mask):
