@@ -165,6 +165,23 @@ def test_seeded_sampling_does_not_depend_on_the_batch(engine, grammar, tokenizer
     assert different.output_ids != alone.output_ids
 
 
+def test_decode_rows_lay_a_request_out_a_row_per_token():
+    """A step's rows as the decode graphs stage them: a request's pending tokens (a prompt
+    chunk, forced text) are one run, laid out a row per token at consecutive positions of its
+    slot; its guess is the row after its sampled row, which is its last pending token's (a
+    prompt chunk that stops short samples nothing)."""
+    from types import SimpleNamespace
+
+    from structgen.engine.cuda_graphs import step_rows
+
+    chunk = SimpleNamespace(slot=3, num_cached=2, token_ids=[10, 11, 12, 13, 14, 15], guess=None)
+    forced = SimpleNamespace(slot=1, num_cached=5, token_ids=[0, 1, 2, 3, 4, 20, 21, 22], guess=23)
+    plain = SimpleNamespace(slot=0, num_cached=4, token_ids=[0, 1, 2, 3, 30], guess=None)
+    rows, sampled = Engine._decode_rows([(chunk, 2), (forced, 3), (plain, 1)])
+    assert step_rows(rows) == ([12, 13, 20, 21, 22, 23, 30], [2, 3, 5, 6, 7, 8, 4], [3, 3, 1, 1, 1, 1, 0])
+    assert sampled == [None, 4, 6]
+
+
 def test_planned_decode_steps_are_the_steps_the_engine_runs(engine, grammar, tokenizer):
     """With jump-forward, a decode step takes its sampled tokens in (advance, jump) inside the
     runner's `plan_next` callback, before the next forward is launched, and returns the next
