@@ -23,15 +23,16 @@ p99, valid outputs (jsonschema), lost requests. The decode-step bound beside the
 engine's constrained step at the run's batch size, measured in the same process
 (on a GPU; `--no-bound` to skip): what the GPU allows if every step were full.
 
-`--paired A,B --bursts N` compares two workloads in process, all at once, as issue 30's agent
+`--paired A,B[,C...] --bursts N` compares workloads in process, all at once, as issue 30's agent
 target does (agent against agent-short): a cold burst of each, then N rounds of one warm burst
-of each, the order alternating by round, so that the host's drift between bursts (a third of a
-burst's TTFT on the lent H200 hosts) falls on both alike; a row per workload holds the median of
-each figure over its warm bursts (`bursts_ttft_p50_ms` lists them), and A's row the ratio of
-its median TTFT p50 to B's (`ttft_p50_ratio`, with each round's in `rounds_ttft_p50_ratio`),
-written to `serving_paired-<card>-<date>.json`:
+of each, the order reversed every other round, so that the host's drift between bursts (a third
+of a burst's TTFT on the lent H200 hosts) falls on all alike; a row per workload holds the
+median of each figure over its warm bursts (`bursts_ttft_p50_ms` lists them) and its share of
+the decode-step bound, and A's row the ratio of its median TTFT p50 to B's (`ttft_p50_ratio`,
+with each round's in `rounds_ttft_p50_ratio`), written to `serving_paired-<card>-<date>.json`.
+A third workload puts issue 30's two concurrent targets in one file from one process:
 
-    python -m benchmarks.bench_serving --paired agent,agent-short --bursts 8 --requests 256 --max-tokens 128
+    python -m benchmarks.bench_serving --paired agent,agent-short,json-one --bursts 8 --requests 256 --max-tokens 128
 
 Over HTTP the requests leave from `--http-clients` processes (default 4; 1 sends them all
 from this one): one process's openai client spends more CPU per streamed request than the
@@ -178,6 +179,9 @@ def agent_workload(n: int, data_dir: Path, tokenizer: Any, catalogue: bool = Tru
     return [ServingRequest([{"role": "system", "content": text},
                             {"role": "user", "content": f"Request {i}: call the tool that fits task {i}."}],
                            schema) for i in range(n)]
+
+
+WORKLOADS = ("json", "json-one", "agent", "agent-short")  # by the names the options take
 
 
 # -- runners -----------------------------------------------------------------------------------
@@ -395,12 +399,19 @@ def _parse_args() -> argparse.Namespace:
                     help="also run the HTTP workloads against this OpenAI-compatible server (e.g. "
                          "vllm=http://127.0.0.1:8100/v1), serving the same weights as --peer-model")
     ap.add_argument("--peer-model", default="smollm2", help="the model name the peers serve")
-    ap.add_argument("--paired", default=None, metavar="A,B",
-                    help="two workloads' warm bursts alternated in process (the module docstring); "
-                         "--workloads, --modes and --arrivals are then not used")
+    ap.add_argument("--paired", default=None, metavar="A,B[,C...]",
+                    help="two or more workloads' warm bursts alternated in process, A's TTFT against B's "
+                         "(the module docstring); --workloads, --modes and --arrivals are then not used")
     ap.add_argument("--bursts", type=int, default=8, help="--paired: warm bursts of each workload")
     ap.add_argument("--no-write", action="store_true")
-    return ap.parse_args()
+    args = ap.parse_args()
+    if args.paired is not None:
+        names = args.paired.split(",")
+        unknown = [name for name in names if name not in WORKLOADS]
+        if len(names) < 2 or unknown:
+            ap.error(f"--paired takes two or more of {', '.join(WORKLOADS)}, comma-separated "
+                     f"(got {args.paired!r})")
+    return args
 
 
 def _tuning_value(item: str) -> tuple[str, object]:
@@ -443,8 +454,8 @@ def main() -> None:
         on_gpu = torch.cuda.is_available() and args.device in (None, "cuda")
         bound = decode_bound_tok_per_s(llm, min(args.max_batch_size, args.requests)) if on_gpu and not args.no_bound else None
         if args.paired:
-            a, b = args.paired.split(",")
-            run_paired(llm, {a: workloads[a](), b: workloads[b]()}, args.bursts, args, bound, results)
+            run_paired(llm, {name: workloads[name]() for name in args.paired.split(",")}, args.bursts, args, bound,
+                       results)
         else:
             for name in args.workloads.split(","):
                 requests = workloads[name]()
@@ -478,8 +489,9 @@ def run_mode(llm: Any, mode: str, workload: str, requests: list[ServingRequest],
 
 def run_paired(llm: Any, requests: dict[str, list[ServingRequest]], bursts: int, args: argparse.Namespace,
                bound: float | None, results: Results) -> None:
-    """`--paired`: a cold burst of each of the two workloads, then `bursts` rounds of a warm
-    burst of each, alternating which goes first; rows as the module docstring says."""
+    """`--paired`: a cold burst of each workload, then `bursts` rounds of a warm burst of each,
+    in reverse order every other round; rows as the module docstring says (the first
+    workload's TTFT against the second's)."""
     run = inprocess_runner(llm, args.max_tokens)
     names = list(requests)
     for name in names:
@@ -491,7 +503,7 @@ def run_paired(llm: Any, requests: dict[str, list[ServingRequest]], bursts: int,
             warm[name].append(summarize(asyncio.run(drive(run, requests[name], None, args.timeout))))
             print(name, "warm burst", i, json.dumps(warm[name][-1]), flush=True)
     rows = [paired_row(name, warm[name], bound) for name in names]
-    a, b = (warm[name] for name in names)
+    a, b = warm[names[0]], warm[names[1]]
     rows[0]["ttft_p50_ratio"] = round(rows[0]["ttft_p50_ms"] / rows[1]["ttft_p50_ms"], 3)
     rows[0]["rounds_ttft_p50_ratio"] = [round(x["ttft_p50_ms"] / y["ttft_p50_ms"], 3) for x, y in zip(a, b, strict=True)]
     for row in rows:

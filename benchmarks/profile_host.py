@@ -81,6 +81,7 @@ import numpy as np
 import torch
 
 from benchmarks.bench_decode import PROMPT, SCHEMA, chat
+from benchmarks.bench_serving import WORKLOADS
 from benchmarks.common import model_config, print_table, write_results
 from structgen.engine import graph_metadata as meta
 from structgen.engine.config import EngineConfig, EngineTuning
@@ -258,9 +259,6 @@ def tiny_engine(tokenizer: Any, max_batch_size: int, max_seq_len: int = 1024, **
     engine.runner.capture_decode_graphs(capture=False)
     engine.runner.graphs.prelaunch = True  # the GPU path: next forward queued behind the sampler
     return engine
-
-
-WORKLOADS = ("json", "json-one", "agent", "agent-short")
 
 
 def serving_workload(name: str, n: int, tokenizer: Any) -> list[Any]:

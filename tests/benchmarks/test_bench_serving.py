@@ -63,3 +63,44 @@ def test_paired_bursts_alternate_their_order_and_report_the_medians_and_their_ra
     assert (a["ttft_p50_ms"], b["ttft_p50_ms"], a["requests"], a["output_tokens"]) == (115.0, 55.0, 8, 168)
     assert a["ttft_p50_ratio"] == round(115 / 55, 3)
     assert a["rounds_ttft_p50_ratio"] == [round(x / y, 3) for x, y in ((120, 50), (100, 60), (140, 70), (110, 40))]
+
+
+def test_a_third_paired_workload_gets_its_own_row_and_share_of_the_bound(monkeypatch) -> None:
+    """`--paired agent,short,one`: every workload's bursts alternate in order and reverse; the
+    third has its own medians and share of the bound, and only the first a ratio (to the second)."""
+    import argparse
+
+    from benchmarks import bench_serving
+    from benchmarks.bench_serving import Outcome, Results, RunResult, ServingRequest, run_paired
+
+    order: list[str] = []
+    ttft = {"agent": 0.100, "short": 0.050, "one": 0.070}
+
+    async def fake_drive(run, requests, rate, timeout_s):
+        name = requests[0].messages[0]["content"]
+        order.append(name)
+        return RunResult([Outcome(latency_s=ttft[name] + 0.2, ttft_s=ttft[name], output_tokens=50)] * 4, wall_s=0.5)
+
+    monkeypatch.setattr(bench_serving, "drive", fake_drive)
+    monkeypatch.setattr(bench_serving, "inprocess_runner", lambda llm, max_tokens: None)
+    requests = {name: [ServingRequest([{"role": "user", "content": name}], {})] for name in ("agent", "short", "one")}
+    results = Results({}, write=False)
+    run_paired(None, requests, 2, argparse.Namespace(max_tokens=16, timeout=60.0), 1000.0, results)
+    assert order == ["agent", "short", "one", "agent", "short", "one", "one", "short", "agent"]
+    rows = {row["workload"]: row for row in results.rows if row.get("burst") != "cold"}
+    assert rows["agent"]["ttft_p50_ratio"] == 2.0 and "ttft_p50_ratio" not in rows["one"]
+    assert (rows["one"]["ttft_p50_ms"], rows["one"]["tok_per_s"], rows["one"]["share_of_bound"]) == (70.0, 400.0, 0.4)
+
+
+def test_paired_needs_two_known_workloads(capsys) -> None:
+    import sys
+
+    import pytest
+
+    from benchmarks import bench_serving
+
+    for bad in ("agent", "agent,nope"):
+        sys.argv = ["bench_serving", "--paired", bad]
+        with pytest.raises(SystemExit):
+            bench_serving._parse_args()
+        assert "--paired" in capsys.readouterr().err
