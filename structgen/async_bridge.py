@@ -38,8 +38,10 @@ class UpdateSink(Protocol):
 
 
 class LoopWaker:
-    """Puts request updates from the engine thread on one event loop's queues, all the
-    updates of a step with one wake-up, sent when the step ends."""
+    """Puts request updates from the engine thread on one event loop's queues: a step's
+    progress updates with one wake-up, sent when the step ends; a finish at once, with the
+    updates pending beside it (the step that closes a burst's outputs is a long one, and the
+    wake-up then waits for the GIL while the step goes on, not after it)."""
 
     def __init__(self, aloop: asyncio.AbstractEventLoop, engine_loop: EngineLoop):
         # Weakly: the LLM keeps wakers in a dict keyed weakly by their loops, which a strong
@@ -47,6 +49,8 @@ class LoopWaker:
         self._aloop, self._engine_loop = weakref.ref(aloop), engine_loop
         self._lock = threading.Lock()
         self._pending: list[tuple[UpdateSink, Any]] = []
+        self._sent = False  # a wake-up is on its way to the event loop, not yet delivered
+        self._at_step_end = False  # one is due when the step in progress ends
 
     def pusher(self, updates: UpdateSink) -> Callable[[Any], None]:
         """The `on_update` callback that puts a request's updates on `updates` (an
@@ -64,13 +68,29 @@ class LoopWaker:
             self._push(sink, req)
 
     def _push(self, updates: UpdateSink, req: Any) -> None:
+        now = req.finished
         with self._lock:
             self._pending.append((updates, req))
-            if len(self._pending) > 1:
-                return  # a wake-up is on its way
-        self._engine_loop.after_step(self._wake)
+            if self._sent or (self._at_step_end and not now):
+                return  # a wake-up on its way, or due soon enough, takes this one too
+            if now:
+                self._sent = True
+            else:
+                self._at_step_end = True
+        if now:
+            self._send()
+        else:
+            self._engine_loop.after_step(self._wake_at_step_end)
 
-    def _wake(self) -> None:
+    def _wake_at_step_end(self) -> None:
+        with self._lock:
+            self._at_step_end = False
+            if self._sent or not self._pending:
+                return  # a finish sent them already
+            self._sent = True
+        self._send()
+
+    def _send(self) -> None:
         aloop = self._aloop()
         try:
             if aloop is None:
@@ -79,10 +99,12 @@ class LoopWaker:
         except RuntimeError:  # the event loop is closed or gone: nobody waits for the updates
             with self._lock:
                 self._pending.clear()
+                self._sent = False
 
     def _deliver(self) -> None:
         with self._lock:
             pending, self._pending = self._pending, []
+            self._sent = False
         for updates, req in pending:
             updates.put_nowait(req)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -80,15 +81,18 @@ def test_a_steps_updates_reach_the_event_loop_in_order_with_one_wake_up():
 
         waker._deliver = counted
 
+        class Progress(tuple):  # a request's update that is not its finish
+            finished = False
+
         def engine_thread() -> None:
             for step in range(2):
                 for i, push in enumerate(pushers):
-                    push((step, i))
+                    push(Progress((step, i)))
                 engine_loop.end()
 
         thread = threading.Thread(target=engine_thread)
         thread.start()
-        got = [[await q.get() for _ in range(2)] for q in queues]
+        got = [[tuple(await q.get()) for _ in range(2)] for q in queues]
         thread.join()
         return got, wake_ups
 
@@ -172,12 +176,16 @@ def test_a_burst_is_one_batched_call_in_a_worker_thread_and_each_caller_gets_its
     assert batches == [list(range(20))] and threading.get_ident() not in threads
 
 
-def test_requests_finishing_in_one_step_resolve_their_callers_with_one_wake_up():
+def test_a_finish_reaches_its_caller_before_the_step_ends_and_finishes_pushed_meanwhile_share_its_wake_up():
+    """A finish wakes the event loop at once, not when the step ends (the step that closes a
+    burst's outputs is a long one); the finishes pushed before that wake-up is delivered go
+    with it, and a step where nobody finished wakes nobody."""
+
     class Update:
         def __init__(self, finished: bool):
             self.finished = finished
 
-    async def main() -> tuple[list, int]:
+    async def main() -> tuple[bool, list, int]:
         aloop = asyncio.get_running_loop()
         engine_loop = OneStep()
         waker = LoopWaker(aloop, engine_loop)
@@ -189,26 +197,34 @@ def test_requests_finishing_in_one_step_resolve_their_callers_with_one_wake_up()
             deliver()
 
         waker._deliver = counted
+        first = aloop.create_future()
+        heard = threading.Event()
+        first.add_done_callback(lambda _: heard.set())
         futures = [aloop.create_future() for _ in range(4)]
         finishers = [waker.finisher(f) for f in futures]
         last = [Update(True) for _ in futures]
+        before_step_end = []
 
         def engine_thread() -> None:
             for finish in finishers:  # a step where nobody finished: nothing to wake for
                 finish(Update(False))
             engine_loop.end()
+            waker.finisher(first)(Update(True))
+            before_step_end.append(heard.wait(10))  # the step has not ended
+            engine_loop.end()
             for finish, update in zip(finishers, last, strict=True):
                 finish(update)
-            engine_loop.end()
 
         thread = threading.Thread(target=engine_thread)
         thread.start()
+        await first
+        time.sleep(0.3)  # the event loop busy while the other four finish: one wake-up takes them
         got = [await f for f in futures]
         thread.join()
-        return [g is u for g, u in zip(got, last, strict=True)], wake_ups
+        return before_step_end == [True], [g is u for g, u in zip(got, last, strict=True)], wake_ups
 
-    same, wake_ups = asyncio.run(main())
-    assert same == [True] * 4 and wake_ups == 1
+    heard_early, same, wake_ups = asyncio.run(main())
+    assert heard_early and same == [True] * 4 and wake_ups == 2
 
 
 def test_256_concurrent_acompletes_of_one_schema_enter_the_batch_within_the_first_steps_and_validate(model_dir):

@@ -537,6 +537,8 @@ class Engine:
         if plain:
             for req, tok in zip(reqs, tokens, strict=True):
                 self._append_plain(req, tok)
+                if req.finished and req.validator is None:  # closed at its budget: as below
+                    self._notify(req)
         else:
             if taken is None:
                 hook = self.jump_forward_hook is not None and any(r.jump_forward for r in reqs)
@@ -558,13 +560,19 @@ class Engine:
                 except Exception as exc:
                     log.exception("request %d failed", req.id)
                     req.finish("error", EngineError(str(exc)))
+                if req.finished and req.validator is None:
+                    # Its caller hears now, not after the rest of the step (a burst's outputs
+                    # close together, and the step that closes them is long); only its slot is
+                    # left to free, below. A validator may yet reopen it (repair).
+                    self._notify(req)
         if prefetch and self.prefetcher is not None:
             self._prefetch_masks()
         # HOOK(repair): a rejected output goes back to its bad field, keeping its slot.
         finished = [req for req in reqs if req.finished and not reopen_if_rejected(self, req)]
         for req in finished:
             self.scheduler.remove(req)
-            self._notify(req)
+            if req.validator is not None:
+                self._notify(req)
         return finished
 
     @staticmethod

@@ -143,6 +143,26 @@ def test_cancel_and_failing_grammars_spare_other_rows(engine, grammar, tokenizer
     assert engine.runner.kv.pages.free_slots == engine.runner.kv.num_slots
 
 
+def test_a_finished_request_is_announced_before_the_rest_of_its_step(engine, grammar, tokenizer):
+    """A request that finishes in a step tells its caller at once, before the requests after
+    it in the step take their tokens in (an async caller's answer does not wait for the rest
+    of a long step); its slot is freed after, and the others' outputs are as without it."""
+    alone = solo(tokenizer, engine, grammar, 2)
+    short, other = make(tokenizer, engine, grammar, 0, max_tokens=4), make(tokenizer, engine, grammar, 2)
+    seen: list[tuple[int, bool]] = []  # at the announcement: the other's output length, the slot held
+    short.progress_updates = False
+    short.on_update = lambda req: seen.append((other.num_output, req.slot is not None))
+    for r in (short, other):
+        engine.add_request(r)
+    while not short.finished:
+        before = other.num_output
+        engine.step()
+    assert seen == [(before, True)] and other.num_output > before and short.slot is None
+    while not other.finished:
+        engine.step()
+    assert other.output_ids == alone
+
+
 def test_seeded_sampling_does_not_depend_on_the_batch(engine, grammar, tokenizer):
     def seeded() -> Request:
         return make(tokenizer, engine, grammar, 0, temperature=0.8, seed=11)
