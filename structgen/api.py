@@ -353,13 +353,15 @@ class LLM:
 
     def _new_request(self, ids: list[int], params: SamplingParams, matcher: GrammarMatcher | None,
                      constraint: Constraint) -> Request:
-        """The engine request; with `repair`, a JSON output is validated where it would finish
-        and a rejected field decoded again (structgen/repair.py)."""
+        """The engine request, which takes `ids` (made for it by the prompt's encoding) as its
+        own; with `repair`, a JSON output is validated where it would finish and a rejected
+        field decoded again (structgen/repair.py)."""
         validator = None
         if params.repair and constraint.kind == "json_schema":
             vocab = token_bytes(self.tokenizer, self.engine.vocab_size)
             validator = FieldRepair(constraint, vocab, params.repair)
-        return Request(ids, params, matcher, frozenset(self.engine.stop_token_ids), validator=validator)
+        return Request(ids, params, matcher, frozenset(self.engine.stop_token_ids), validator=validator,
+                       adopt_prompt_ids=True)
 
     async def _arequest(self, output_type: Any, prompt: Prompt, options: Options) -> tuple[Request, Constraint]:
         """`_request` for asyncio: tokenizing and grammar work off the event loop, the prompt

@@ -84,11 +84,15 @@ class Request:
         on_update: Callable[[Request], None] | None = None,
         group: Hashable | None = None,
         validator: OutputValidator | None = None,
+        adopt_prompt_ids: bool = False,
     ):
         self.id = next(_ids)
         self.group = group if group is not None else request_group.get()
         # Only ever ints: out of the cyclic collector's sight (a long prompt is thousands).
-        self.token_ids: list[int] = untracked_ints(list(prompt_ids))
+        # `adopt_prompt_ids`: the caller made the list for this request and lets it go (the
+        # API's tokenizer output), so it is kept rather than copied: an agent's turn is
+        # thousands of ids, a burst of them milliseconds of copying on the event loop.
+        self.token_ids: list[int] = untracked_ints(prompt_ids if adopt_prompt_ids else list(prompt_ids))
         # Odd while `truncate` drops tokens, and grown by 2 by each: a reader on another thread
         # that sees the same even count before and after reading the tokens knows that none it
         # read before were dropped since (structgen/api.py `_OutputTokens`).

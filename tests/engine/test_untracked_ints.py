@@ -22,6 +22,15 @@ pytestmark = pytest.mark.skipif(sys.implementation.name != "cpython", reason="un
 PROMPT = list(range(1_000, 4_000))  # ids past the small ints CPython shares
 
 
+@pytest.fixture(scope="module")
+def llm():
+    from structgen import LLM
+    from structgen.engine.config import EngineConfig
+
+    with LLM(config=EngineConfig(device="cpu", max_batch_size=2, max_seq_len=256)) as llm:
+        yield llm
+
+
 def test_a_requests_tokens_stay_untracked_as_the_output_grows_and_is_cut_back() -> None:
     req = Request(PROMPT, SamplingParams())
     assert req.token_ids == PROMPT and req.token_ids is not PROMPT  # still its own copy
@@ -31,6 +40,25 @@ def test_a_requests_tokens_stay_untracked_as_the_output_grows_and_is_cut_back() 
     req.append([5_002])
     assert req.token_ids[-2:] == [5_000, 5_002] and not gc.is_tracked(req.token_ids)
     assert gc.is_tracked(req)  # the request itself is walked as before
+
+
+def test_a_request_adopts_ids_made_for_it_and_the_api_never_shares_a_callers_list(llm) -> None:
+    """`adopt_prompt_ids`: the list is the request's own, untracked, not a copy. The API
+    adopts only lists its prompt encoding made: a caller's encoded prompt and a second call
+    with the same text each get a list of their own."""
+    from structgen.arguments import EncodedPrompt
+
+    ids = list(PROMPT)
+    req = Request(ids, SamplingParams(), adopt_prompt_ids=True)
+    assert req.token_ids is ids and not gc.is_tracked(ids)
+    caller = list(llm.encode_prompt("Name a city."))
+    first = llm._new_request(llm._encode_all([EncodedPrompt(tuple(caller))], None, None)[0], SamplingParams(), None,
+                             llm._constraint(str, True))
+    again = [llm._new_request(got, SamplingParams(), None, llm._constraint(str, True))
+             for got in llm._encode_all(["Name a city.", "Name a city."], None, None)]
+    first.append([7])
+    assert first.token_ids[:-1] == caller and len(caller) == first.num_prompt
+    assert again[0].token_ids is not again[1].token_ids and again[0].token_ids == caller
 
 
 def test_a_cycle_through_a_request_is_still_collected() -> None:
