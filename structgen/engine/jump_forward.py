@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from structgen.engine.closing import BudgetCloser
+from structgen.engine.garbage_collection import untracked_ints
 from structgen.grammar.backends.base import (
     FORCED_TEXT_MAX_BYTES,
     allocate_bitmask,
@@ -112,10 +113,12 @@ class VocabBytes:
     def __init__(self, tokenizer: Any, vocab_size: int, exclude: set[int]):
         self.tokens = token_bytes(tokenizer, vocab_size)
         self.special = set(exclude) | control_token_ids(tokenizer, vocab_size)
-        self._lengths = [len(b) for b in self.tokens]
+        # A list per token, of ints and bytes only: untracked, as a full collection would
+        # otherwise walk every entry (engine/garbage_collection.py).
+        self._lengths = untracked_ints([len(b) for b in self.tokens])
         self.longest = max(self._lengths, default=1)  # bytes of the longest token
         order = sorted((b, i) for i, b in enumerate(self.tokens) if b and i not in self.special)
-        self._sorted = [b for b, _ in order]
+        self._sorted = untracked_ints([b for b, _ in order])
         self._sorted_ids = np.array([i for _, i in order], dtype=np.int64)
         self._extensions: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 

@@ -27,6 +27,9 @@ log = logging.getLogger("structgen.engine")
 # Seconds `close` waits for the step in progress: longer than the slowest step (a CPU prefill
 # of a full context).
 CLOSE_TIMEOUT_S = 30.0
+# Seconds without a request before the engine, out of work, lets the full collection it held
+# back run (engine/garbage_collection.py).
+IDLE_BEFORE_COLLECTION_S = 0.1
 
 
 class EngineLoop:
@@ -58,6 +61,11 @@ class EngineLoop:
                 _cb(req)
             if req.finished and not future.done():
                 future.set_result(req)
+                # The future holds the request now: dropping this callback breaks the cycle
+                # request -> callback -> future -> request, which reference counting cannot
+                # free, so a burst's requests are not left to the next full collection
+                # (on the engine thread, tens of milliseconds after a burst).
+                req.on_update = None
 
         request.on_update = on_update
         with self._cond:
@@ -119,7 +127,7 @@ class EngineLoop:
         """Step while there is work; `collections`: held off while there is
         (engine/garbage_collection.py)."""
         while True:
-            if self._holding and not self._has_news() and not self.engine.has_work():
+            if self._holding and not self._has_news() and not self.engine.has_work() and self._stays_idle():
                 self._holding = False  # out of work: the held collection may run now (not
                 collections.release()  # under the lock, which submitting callers take)
             with self._cond:
@@ -137,19 +145,30 @@ class EngineLoop:
                     self._holding = True
                     collections.acquire()
                 collections.at_step()
-            for req in incoming:
-                try:
-                    self.engine.add_request(req)
-                except Exception as exc:  # refused (prompt too long...): finished with the error,
-                    req.finish("error", exc)  # so waiters and streams all hear of it
-                    self.engine._notify(req)
-            for req in aborts:
-                self.engine.abort(req)
+            self._take_in(incoming, aborts)
+            del incoming, aborts  # (not kept alive while the loop waits for the next work)
             try:
                 self.engine.step()
             except Exception:  # pragma: no cover - step guards its own failures
                 log.exception("engine step failed")
             self._run_after_step()
+
+    def _take_in(self, incoming: list[Request], aborts: list[Request]) -> None:
+        for req in incoming:
+            try:
+                self.engine.add_request(req)
+            except Exception as exc:  # refused (prompt too long...): finished with the error,
+                req.finish("error", exc)  # so waiters and streams all hear of it
+                self.engine._notify(req)
+        for req in aborts:
+            self.engine.abort(req)
+
+    def _stays_idle(self) -> bool:
+        """Whether no request comes within `IDLE_BEFORE_COLLECTION_S`: the held full collection
+        (tens of milliseconds on the engine thread, the GIL held) waits for a pause, not for the
+        end of each burst, where the next burst's callers would wait for it."""
+        with self._cond:
+            return not self._cond.wait_for(self._has_news, IDLE_BEFORE_COLLECTION_S)
 
     def _abort_all(self, incoming: list[Request]) -> None:
         """Finish every request the loop holds as aborted, so that no waiter hangs."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from structgen.engine.garbage_collection import untracked_ints
 from structgen.engine.prefix_cache import ROOT_HASH, PrefixCache, page_keys
 
 SCRATCH_PAGE = 0
@@ -49,7 +50,9 @@ class PageTable:
         self._changed_rows: set[int] = set()  # rows of `host` written since the last sync
         self._copied = torch.cuda.Event() if cuda else None  # recorded behind the last copy
         self._copy_pending = False
-        self._free_pages = list(range(num_pages - 1, SCRATCH_PAGE, -1))
+        # Tens of thousands of ids: out of the cyclic collector's sight, or every full collection
+        # walks them (engine/garbage_collection.py).
+        self._free_pages = untracked_ints(list(range(num_pages - 1, SCRATCH_PAGE, -1)))
         # Holds of each page; an array, so a matched prefix's hundreds of pages are counted in
         # one operation, not a Python loop per page (256 agent turns a burst each take ~190).
         self._refs = np.zeros(num_pages, dtype=np.int32)

@@ -136,3 +136,27 @@ def test_an_engine_loop_holds_full_collections_while_it_has_work(model_dir, defa
             assert wait_for(lambda: refs[0]() is None)
     finally:
         loop.close()
+
+
+def test_a_finished_request_is_freed_without_the_cyclic_collector(model_dir) -> None:
+    """The loop's future holds a finished request, and the request no longer holds the loop's
+    callback: once its caller lets go, reference counting frees it (and its matcher, stats
+    and prompt), so a burst leaves no cycles for a full collection to find."""
+    cfg = load_model_config(model_dir)
+    cfg.num_hidden_layers = 1
+    loop = EngineLoop(Engine(cfg, EngineConfig(device="cpu", max_batch_size=2, max_seq_len=64)))
+    try:
+        heard: list[bool] = []
+        req = Request([1, 2, 3, 4], SamplingParams(max_tokens=4, temperature=0.0),
+                      on_update=lambda r: heard.append(r.finished))
+        future = loop.submit(req)
+        assert future.result(timeout=60) is req and heard[-1] and req.on_update is None
+        ref = weakref.ref(req)
+        gc.disable()
+        try:
+            del req, future
+            assert wait_for(lambda: ref() is None)  # (the loop thread may still be in the step's end)
+        finally:
+            gc.enable()
+    finally:
+        loop.close()
