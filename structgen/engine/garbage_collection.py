@@ -11,7 +11,8 @@ time taken from the steps and from the callers making requests:
   a quarter, which a burst of requests does: a burst of agent turns holds hundreds of prompts
   of thousands of token ids, and the collection stalled the thread making the turns
   (docs/performance.md, "Serving under load"). The held collection runs when the last busy
-  engine goes idle, and at least every `FULL_COLLECTION_EVERY_S` of work without a pause, so
+  engine has been idle a moment (`loop.IDLE_BEFORE_COLLECTION_S`: a burst that follows another
+  does not wait for it), and at least every `FULL_COLLECTION_EVERY_S` of work without a pause, so
   cyclic garbage stays bounded under a load that never lets up. (Written for the generations
   of CPython 3.10-3.13; 3.14 collects its old generation incrementally.)
 - `untracked_ints`: a list of token ids is taken out of the collector's sight. A young
