@@ -537,8 +537,7 @@ class Engine:
         if plain:
             for req, tok in zip(reqs, tokens, strict=True):
                 self._append_plain(req, tok)
-                if req.finished and req.validator is None:  # closed at its budget: as below
-                    self._notify(req)
+                self._announce_finish(req)  # (the closer may have closed it at its budget)
         else:
             if taken is None:
                 hook = self.jump_forward_hook is not None and any(r.jump_forward for r in reqs)
@@ -560,11 +559,7 @@ class Engine:
                 except Exception as exc:
                     log.exception("request %d failed", req.id)
                     req.finish("error", EngineError(str(exc)))
-                if req.finished and req.validator is None:
-                    # Its caller hears now, not after the rest of the step (a burst's outputs
-                    # close together, and the step that closes them is long); only its slot is
-                    # left to free, below. A validator may yet reopen it (repair).
-                    self._notify(req)
+                self._announce_finish(req)
         if prefetch and self.prefetcher is not None:
             self._prefetch_masks()
         # HOOK(repair): a rejected output goes back to its bad field, keeping its slot.
@@ -574,6 +569,14 @@ class Engine:
             if req.validator is not None:
                 self._notify(req)
         return finished
+
+    def _announce_finish(self, req: Request) -> None:
+        """Tell the caller of a request that finished while the step advanced it, now rather
+        than after the rest of the step (a burst's outputs close together, and the step that
+        closes them is long); its slot is freed after. One with a validator is told after
+        `reopen_if_rejected`, which may yet reopen it (repair)."""
+        if req.finished and req.validator is None:
+            self._notify(req)
 
     @staticmethod
     def _takes_plainly(req: Request, tok: int, status: int | None) -> bool:

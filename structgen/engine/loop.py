@@ -154,6 +154,8 @@ class EngineLoop:
             self._run_after_step()
 
     def _take_in(self, incoming: list[Request], aborts: list[Request]) -> None:
+        """Add the submitted requests to the engine (a refused one finishes with its error) and
+        abort the cancelled ones."""
         for req in incoming:
             try:
                 self.engine.add_request(req)
