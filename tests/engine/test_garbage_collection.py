@@ -138,6 +138,31 @@ def test_an_engine_loop_holds_full_collections_while_it_has_work(model_dir, defa
         loop.close()
 
 
+def test_a_request_soon_after_the_last_keeps_the_full_collection_held(model_dir, default_thresholds,
+                                                                     monkeypatch) -> None:
+    """Out of work, the loop lets the held full collection run only after a pause without
+    requests (`IDLE_BEFORE_COLLECTION_S`): a request that comes sooner finds it still held, so
+    back-to-back bursts do not wait for it; after the pause it runs."""
+    from structgen.engine import loop as engine_loop
+
+    monkeypatch.setattr(engine_loop, "IDLE_BEFORE_COLLECTION_S", 2.0)
+    releases: list[float] = []
+    release = FullCollectionHold.release
+    monkeypatch.setattr(FullCollectionHold, "release", lambda self: (releases.append(time.monotonic()), release(self)))
+    cfg = load_model_config(model_dir)
+    cfg.num_hidden_layers = 1
+    loop = EngineLoop(Engine(cfg, EngineConfig(device="cpu", max_batch_size=1, max_seq_len=64)))
+    try:
+        for _ in range(2):
+            loop.submit(Request([1, 2, 3, 4], SamplingParams(max_tokens=4, temperature=0.0))).result(timeout=60)
+            assert releases == [] and gc.get_threshold()[2] == HELD_THRESHOLD
+        done = time.monotonic()
+        assert wait_for(lambda: releases != [])
+        assert releases[0] - done > 1.0 and gc.get_threshold() == (700, 10, 10)
+    finally:
+        loop.close()
+
+
 def test_a_finished_request_is_freed_without_the_cyclic_collector(model_dir) -> None:
     """The loop's future holds a finished request, and the request no longer holds the loop's
     callback: once its caller lets go, reference counting frees it (and its matcher, stats
