@@ -1,5 +1,5 @@
 """xgrammar backend: the default. Compiles a pushdown automaton with precomputed token masks;
-matchers are C++ objects whose mask filling releases the GIL."""
+matchers are C++ objects; batch mask fills run outside the GIL, per-matcher calls keep it."""
 
 from __future__ import annotations
 
@@ -31,6 +31,9 @@ if TYPE_CHECKING:
     from structgen.types import Constraint
 
 ANY_TEXT_REGEX = r"[\s\S]*"
+# Matcher methods of a few microseconds that keep the GIL (`keep_gil_for_matcher_calls`).
+GIL_KEEPING_METHODS = ("accept_token", "rollback", "find_jump_forward_string", "is_completed", "is_terminated",
+                       "fill_next_token_bitmask", "reset")
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # "[09:00:51] /project/cpp/x.cc:83: "
 
 
@@ -38,9 +41,8 @@ class XGrammarMatcher(GrammarMatcher):
     """Thin wrapper: xgrammar's matcher already has the semantics the engine wants.
 
     Termination is tracked here (xgrammar terminates exactly when it accepts one of the stop
-    tokens its tokenizer info was built with, the ones given here): every native call lets
-    the GIL go and takes it back, which is cheap alone but dear while mask-filling threads
-    run (grammar/prefetch.py), and the engine asks every row every step."""
+    tokens its tokenizer info was built with, the ones given here): the engine asks every row
+    every step, and an attribute costs less than a native call."""
 
     backend = "xgrammar"
 
@@ -160,6 +162,7 @@ class XGrammarBackend(GrammarBackend):
         self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int], threads: int = 8
     ):
         super().__init__(tokenizer, vocab_size, stop_token_ids)
+        keep_gil_for_matcher_calls()
         # A model whose embedding is wider than its tokenizer (padded vocabularies, or a
         # random-weight 128k-vocab shape with a 49k tokenizer): xgrammar would treat every
         # padding id as a special token and check it on every step (much slower fills). Give
@@ -203,6 +206,30 @@ class XGrammarBackend(GrammarBackend):
             return compiler.compile_grammar(grammar)
         finally:
             self._idle.put(compiler)
+
+
+def keep_gil_for_matcher_calls() -> bool:
+    """Make xgrammar's per-matcher calls keep the GIL, process-wide; False where this
+    xgrammar's matchers are not apache-tvm-ffi objects (nothing changed).
+
+    tvm-ffi releases the GIL around every call by default. A call of a microsecond that lets
+    it go must then take it back, and while another thread runs Python (the event loop
+    settling a burst's finished requests, a server streaming) it waits for that thread's
+    switch interval, 5 ms: an accept and a rollback went from 0.8 us to 0.4-0.6 ms beside one
+    busy thread, and a jump makes about fifteen such calls (docs/performance.md, "Serving
+    under load"). A single row's fill is kept too (microseconds; the engine thread's
+    jump-forward and finish checks make them); the batch fills, long and run on worker
+    threads, still let the GIL go."""
+    try:
+        from xgrammar.tvm_ffi_binding._ffi_api import GrammarMatcher as FfiMatcher
+
+        methods = {m.name: m.func for m in FfiMatcher.__tvm_ffi_type_info__.methods}
+    except (ImportError, AttributeError):
+        return False
+    for name in GIL_KEEPING_METHODS:
+        if hasattr(methods.get(name), "release_gil"):
+            methods[name].release_gil = False
+    return True
 
 
 def build_grammar(constraint: Constraint) -> xgr.Grammar:
