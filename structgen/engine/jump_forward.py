@@ -206,6 +206,8 @@ class JumpForward:
         self._probe_lists: dict[int, tuple[bool, list[int]]] = {}  # `_probes`' answers by token
         self._triggers: Counter[int] = Counter()  # sampled tokens after which text was forced
         self._rehearsal: Rehearsal | None = None
+        self._only_stop_at: tuple[Any, int] | None = None  # `_only_stop`'s matcher and version
+        self._only_stop_answer = False
         self.guesses = True  # propose held-back tokens as guesses (tests turn it off)
         # Work out jumps while the device computes a batch-1 step (`rehearse`); benchmarks and
         # tests turn it off to time or compare the engine without it.
@@ -490,7 +492,12 @@ class JumpForward:
     def _hold_back(self, m: Any, kept: list[int], c: int, old_len: int) -> list[int]:
         """Drop trailing forced tokens that a grammar-allowed longer token extends: the model
         must be free to choose ` "(` where the forced text ends in ` "`. Never drops into the
-        sampled text (`old_len` bytes)."""
+        sampled text (`old_len` bytes). Where the forced text completes the grammar and only a
+        stop token may follow, no byte can follow its last token, so no longer token can
+        either: the finish check after the jump (`_only_stop`) answers with its one mask fill,
+        instead of rolling back and probing the last token's extensions (`"}` has dozens)."""
+        if m.is_completed() and self._only_stop(m):
+            return kept
         length = self.vocab.length(kept)
         while len(kept) > c:
             last = kept[-1]
@@ -553,7 +560,15 @@ class JumpForward:
         """A jump can complete the grammar (a closing brace) or reach max_tokens: finish now
         rather than spend a forward that could only sample the stop token."""
         m = req.matcher
-        req.finish_if_done(m.is_completed(), lambda: allows_only(self._allowed(m), self.stop_token_ids, self.vocab_size))
+        req.finish_if_done(m.is_completed(), lambda: self._only_stop(m))
+
+    def _only_stop(self, m: Any) -> bool:
+        """Whether `m` allows only stop tokens next: one mask fill, its answer kept while the
+        matcher stays at this version (the hold-back and the finish check of a jump ask both)."""
+        if self._only_stop_at != (m, m.version):
+            self._only_stop_answer = allows_only(self._allowed(m), self.stop_token_ids, self.vocab_size)
+            self._only_stop_at = (m, m.version)
+        return self._only_stop_answer
 
 
 # Tokens with none of these bytes, sampled where the grammar allows this many tokens or more

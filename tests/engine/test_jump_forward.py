@@ -98,6 +98,27 @@ def test_forced_closing_quote_merges_and_finishes(llm, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_jump_that_completes_the_output_fills_one_mask_and_probes_nothing(llm, backend, monkeypatch):
+    """The enum's rest and the closing brace are forced. The last forced token `"}` has longer
+    tokens (`"},`, `"}}` ...), but after it only a stop token may follow: it is kept without
+    probing any of them, and the request finishes on the same one mask fill."""
+    schema = {"type": "object", "properties": {"tier": {"enum": ["bronze", "silver"]}},
+              "required": ["tier"], "additionalProperties": False}
+    req = sampled(llm, schema, '{"tier": "b', backend)
+    hook = llm.engine.jump_forward_hook
+    assert len(hook.vocab.extension_ids(token(llm, '"}'))) > 0
+    fills, probes = [], []
+    real_allowed, real_first = hook._allowed, req.matcher.first_accepted
+    monkeypatch.setattr(hook, "_allowed", lambda m: fills.append(1) or real_allowed(m))
+    monkeypatch.setattr(req.matcher, "first_accepted", lambda ids: probes.append(ids) or real_first(ids))
+    hook(llm.engine, req)
+    assert text_of(llm, req) == '{"tier": "bronze"}'
+    assert llm.tokenizer.convert_ids_to_tokens(req.output_ids[-1:]) == ['"}']
+    assert req.finished and req.finish_reason == "stop"
+    assert (len(fills), probes) == (1, [])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_string_that_must_be_closed_after_forced_text(llm, backend):
     """enum ["cm", "cms"]: the grammar forces `{"unit": "cm` and leaves `"` vs `s"` open.
     `cm` is held back (the model may want the single token `cms`), and the model can still
