@@ -179,9 +179,8 @@ def test_fill_bitmasks_batch_equals_one_by_one(grammar_compiler, tokenizer):
 
 def test_xgrammar_matcher_calls_keep_the_gil_and_batch_fills_let_it_go(grammar_compiler, tokenizer):
     """A microsecond call that lets the GIL go waits for it back while another thread runs
-    Python (an accept and a rollback: 0.8 us alone, 0.4-0.6 ms beside a busy thread): the
-    backend makes xgrammar's per-matcher calls keep it; the batch fills, which run on worker
-    threads for milliseconds, still release it."""
+    Python: the backend makes xgrammar's per-matcher calls keep it; the batch fills, which
+    run on worker threads for milliseconds, still release it."""
     from xgrammar.tvm_ffi_binding import _ffi_api
 
     from structgen.grammar.backends.xgrammar import GIL_KEEPING_METHODS

@@ -214,12 +214,11 @@ def keep_gil_for_matcher_calls() -> bool:
 
     tvm-ffi releases the GIL around every call by default. A call of a microsecond that lets
     it go must then take it back, and while another thread runs Python (the event loop
-    settling a burst's finished requests, a server streaming) it waits for that thread's
-    switch interval, 5 ms: an accept and a rollback went from 0.8 us to 0.4-0.6 ms beside one
-    busy thread, and a jump makes about fifteen such calls (docs/performance.md, "Serving
-    under load"). A single row's fill is kept too (microseconds; the engine thread's
-    jump-forward and finish checks make them); the batch fills, long and run on worker
-    threads, still let the GIL go."""
+    settling a burst's finished requests, a server streaming) it waits up to that thread's
+    switch interval, hundreds of times the call itself; a jump makes a dozen such calls
+    (docs/performance.md, "Serving under load"). A single row's fill is kept too (the engine
+    thread's jump-forward and finish checks make them); the batch fills, long and run on
+    worker threads, still let the GIL go."""
     try:
         from xgrammar.tvm_ffi_binding._ffi_api import GrammarMatcher as FfiMatcher
 
