@@ -232,15 +232,44 @@ def _cut_ids(ids: list[int], specials: list[int]) -> list[list[int]] | None:
     return out
 
 
+# Where transformers' fast tokenizers define the encoding they hand to the Rust tokenizer
+# (`_encode_plus`, 5.x; `_batch_encode_plus`, 4.x): a tokenizer whose class overrides it may
+# change the input or the ids in Python, and is encoded through its own call.
+_PLAIN_ENCODERS = ("transformers.tokenization_utils_tokenizers", "transformers.tokenization_utils_fast")
+
+
 def encode_texts(tokenizer: Any, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
     """`tokenizer.encode(text, add_special_tokens=...)` of each text, in one call of the
-    tokenizer's batch path (the one its `encode` takes for a batch of one)."""
+    tokenizer's batch path (the one its `encode` takes for a batch of one): the Rust
+    tokenizer's offset-free batch call where that is all the call does (`_plain_backend`),
+    a third less time for a burst of short prompts."""
     if not texts:
         return []
+    backend = _plain_backend(tokenizer)
+    if backend is not None:
+        return [encoding.ids for encoding in backend.encode_batch_fast(texts, add_special_tokens=add_special_tokens)]
     if len(texts) == 1:
         return [list(tokenizer.encode(texts[0], add_special_tokens=add_special_tokens))]
     batch = tokenizer(texts, add_special_tokens=add_special_tokens, return_attention_mask=False)
     return [list(ids) for ids in batch["input_ids"]]
+
+
+def _plain_backend(tokenizer: Any) -> Any:
+    """The Rust tokenizer behind `tokenizer`, where its own batch call would only pass the
+    texts to it: the encoding is transformers' own (not a subclass's), and the Rust side is in
+    the state that call sets (no truncation or padding, added tokens matched as the tokenizer
+    says). None otherwise."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or not hasattr(backend, "encode_batch_fast"):
+        return None
+    for name in ("_encode_plus", "_batch_encode_plus"):
+        owner = next((c for c in type(tokenizer).__mro__ if name in c.__dict__), None)
+        if owner is not None and owner.__module__ not in _PLAIN_ENCODERS:
+            return None
+    split = bool(getattr(tokenizer, "split_special_tokens", False))
+    if backend.truncation is not None or backend.padding is not None or backend.encode_special_tokens != split:
+        return None
+    return backend
 
 
 def _splitting_tokens(tokenizer: Any) -> dict[str, int]:

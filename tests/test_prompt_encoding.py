@@ -45,10 +45,12 @@ def test_a_batch_of_agent_turns_equals_the_whole_encodings_and_learns_the_catalo
 
 
 class SpyTokenizer:
-    """A tokenizer that records each call's texts (the texts of one batched call together)."""
+    """A tokenizer that records each call's texts (the texts of one batched call together),
+    its Rust tokenizer's batch calls included."""
 
     def __init__(self, tokenizer):
         self.tokenizer, self.calls = tokenizer, []
+        self.backend_tokenizer = SpyBackend(tokenizer.backend_tokenizer, self.calls)
 
     def __getattr__(self, name):
         return getattr(self.tokenizer, name)
@@ -60,6 +62,20 @@ class SpyTokenizer:
     def __call__(self, texts, **kw):
         self.calls.append(list(texts))
         return self.tokenizer(texts, **kw)
+
+
+class SpyBackend:
+    """A Rust tokenizer that records the texts of each batch call in `calls`."""
+
+    def __init__(self, backend, calls):
+        self.backend, self.calls = backend, calls
+
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
+
+    def encode_batch_fast(self, texts, **kw):
+        self.calls.append(list(texts))
+        return self.backend.encode_batch_fast(texts, **kw)
 
 
 def test_a_cold_batch_encodes_whole_one_text_per_recurring_piece(tokenizer):
@@ -261,3 +277,39 @@ def test_batched_encoding_equals_encoding_each_text_with_and_without_special_tok
     for special in (True, False):
         assert encode_texts(fast, texts, special) == [list(fast.encode(t, add_special_tokens=special)) for t in texts]
     assert encode_texts(fast, texts, True)[0][0] == 1  # the tokenizer's own prefix, as a raw prompt gets it
+
+
+def test_batches_skip_the_python_wrapper_only_where_it_adds_nothing(tokenizer):
+    """The Rust tokenizer's batch call stands in for the tokenizer's own where that call would
+    only hand it the texts; a subclass that encodes in Python, a backend left truncating, or
+    added tokens to be split take the tokenizer's call, and every way gives its ids."""
+    from structgen.prompt_encoding import _plain_backend
+
+    texts = ["<|im_start|>user\nhello<|im_end|>", "plain text, twice as plain", ""]
+    expected = [list(tokenizer.encode(t, add_special_tokens=False)) for t in texts]
+    assert _plain_backend(tokenizer) is tokenizer.backend_tokenizer
+    assert encode_texts(tokenizer, texts, False) == expected
+
+    class Shouting(type(tokenizer)):
+        def _encode_plus(self, text, *args, **kwargs):
+            upper = [t.upper() for t in text] if isinstance(text, list) else text.upper()
+            return super()._encode_plus(upper, *args, **kwargs)
+
+    shouting = copy.deepcopy(tokenizer)
+    shouting.__class__ = Shouting
+    assert _plain_backend(shouting) is None
+    assert encode_texts(shouting, texts, False) == [list(tokenizer.encode(t.upper(), add_special_tokens=False))
+                                                    for t in texts]
+
+    truncating = copy.deepcopy(tokenizer)
+    truncating.backend_tokenizer.enable_truncation(3)
+    assert _plain_backend(truncating) is None
+    assert encode_texts(truncating, texts, False) == expected  # the tokenizer's call turns it off
+
+    splitting = copy.deepcopy(tokenizer)
+    splitting.split_special_tokens = True
+    assert _plain_backend(splitting) is None  # until its own call has set the Rust side so
+    split = encode_texts(splitting, texts, False)
+    assert split[0] != expected[0] and split[1:] == expected[1:]
+    assert _plain_backend(splitting) is splitting.backend_tokenizer
+    assert encode_texts(splitting, texts, False) == split
