@@ -19,7 +19,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from structgen.engine.closing import BudgetCloser
@@ -49,9 +48,9 @@ from structgen.grammar.backends.base import (
     FILLED,
     JUMPS,
     TERMINATED,
+    HostMaskRow,
     allocate_bitmask,
     allowed_ids,
-    allows_only,
     would_accept,
 )
 from structgen.sampling import SamplingParams
@@ -113,7 +112,7 @@ class Engine:
         # runs of steps that do not come back to `step` between them stop for it.
         self.interrupted: Callable[[], bool] = _nobody_waits
         self._rng = random.Random(self.config.seed)  # noise seeds of unseeded sampled rows
-        self._one_row: torch.Tensor | None = None  # scratch bitmask row for _only_stop_allowed
+        self._mask_row: HostMaskRow | None = None  # what one matcher allows (finish checks, errors)
         # Masks of the next decode step filled while the last one's tokens were taken in
         # (`_take_tokens`): the buffer and, as grammar.prefetch records them, which rows.
         self._prefilled: tuple[torch.Tensor, dict] | None = None
@@ -632,10 +631,7 @@ class Engine:
         (the mask is empty, or llguidance's mask over-approximates), the constraint needs text
         this model's vocabulary cannot spell: the request's constraint is at fault."""
         m = req.matcher
-        if self._one_row is None:
-            self._one_row = allocate_bitmask(1, self.vocab_size, host_only=True)
-        m.fill_bitmask(self._one_row, 0)
-        allowed = allowed_ids(self._one_row[0].numpy().view(np.uint32))
+        allowed = allowed_ids(self._host_mask_row().fill(m))
         if not m.is_completed() and len(allowed) <= DEAD_END_PROBES and not any(
                 would_accept(m, int(t)) for t in allowed):
             raise UnsatisfiableConstraintError(
@@ -647,10 +643,12 @@ class Engine:
                           + (f" ({m.backend}: {why})" if why else ""))
 
     def _only_stop_allowed(self, matcher) -> bool:
-        if self._one_row is None:
-            self._one_row = allocate_bitmask(1, self.vocab_size, host_only=True)
-        matcher.fill_bitmask(self._one_row, 0)
-        return allows_only(self._one_row[0].numpy().view(np.uint32), self.stop_token_ids, self.vocab_size)
+        return self._host_mask_row().only_stop(matcher)
+
+    def _host_mask_row(self) -> HostMaskRow:
+        if self._mask_row is None:
+            self._mask_row = HostMaskRow(self.vocab_size, self.stop_token_ids)
+        return self._mask_row
 
     def _notify(self, req: Request) -> None:
         if req.on_update is not None and (req.progress_updates or req.finished):

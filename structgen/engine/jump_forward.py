@@ -53,9 +53,8 @@ from structgen.engine.closing import BudgetCloser
 from structgen.engine.garbage_collection import untracked_ints
 from structgen.grammar.backends.base import (
     FORCED_TEXT_MAX_BYTES,
-    allocate_bitmask,
+    HostMaskRow,
     allowed_ids,
-    allows_only,
     control_token_ids,
     count_allowed,
     token_bytes,
@@ -198,12 +197,13 @@ class JumpForward:
         self.vocab = vocab or VocabBytes(tokenizer, vocab_size, self.stop_token_ids)
         # The Rust `tokenizers.Tokenizer` behind a fast HF tokenizer: much cheaper per call.
         self._fast = getattr(tokenizer, "backend_tokenizer", None)
-        self._mask = None
+        self._mask_row: HostMaskRow | None = None  # `_allowed`'s row
         self._encoded: dict[bytes, tuple[int, ...] | None] = {}  # `_encode`'s answers by text
         # Per token, an extension the grammar allowed last time it was asked (`_allows_extension`):
         # tried first, it mostly answers with one accept instead of a sample or a mask fill.
         self._allowed_before: dict[int, int] = {}
         self._probe_lists: dict[int, tuple[bool, list[int]]] = {}  # `_probes`' answers by token
+        self._candidates: dict[int, list[int]] = {}  # `_guess_candidates`' answers by token
         self._triggers: Counter[int] = Counter()  # sampled tokens after which text was forced
         self._rehearsal: Rehearsal | None = None
         self._only_stop_at: tuple[Any, int] | None = None  # `_only_stop`'s matcher and version
@@ -309,13 +309,8 @@ class JumpForward:
         if held is None or not self.guesses or req.finished or not BudgetCloser.room_for(req, 2):
             return
         m = req.matcher
-        text = self.vocab.tokens[held]
-        longer = [text + b'"'] if text[-1:] in OPENERS else []
-        if text[-1:] == b"[":
-            longer.append(text + b"{")
-        candidates = [t for t in (self.vocab.token_id(b) for b in longer) if t is not None] + [held]
-        for d in candidates:
-            if d in self.vocab.special or not m.accept_token(d):
+        for d in self._guess_candidates(held):
+            if not m.accept_token(d):
                 continue
             try:
                 ok = not m.is_terminated() and not m.is_completed() and not m.jump_forward_string()
@@ -326,6 +321,19 @@ class JumpForward:
             if ok:
                 req.guess = d
                 return
+
+    def _guess_candidates(self, held: int) -> list[int]:
+        """The guesses `_propose` tries for a held-back token, the longer ones first, special tokens
+        left out; a function of the token, kept per token."""
+        candidates = self._candidates.get(held)
+        if candidates is None:
+            text = self.vocab.tokens[held]
+            longer = [text + b'"'] if text[-1:] in OPENERS else []
+            if text[-1:] == b"[":
+                longer.append(text + b"{")
+            found = [t for t in (self.vocab.token_id(b) for b in longer) if t is not None] + [held]
+            candidates = self._candidates[held] = [t for t in found if t not in self.vocab.special]
+        return candidates
 
     def _held_back_alone(self, m: Any, ids: list[int], num_output: int, forced: bytes) -> int | None:
         """Whether `forced` is one token that hold-back would take back anyway: it starts with
@@ -550,10 +558,12 @@ class JumpForward:
 
     def _allowed(self, m: Any) -> np.ndarray:
         """The matcher's allowed-token bitmask as uint32 words (a view of a reused buffer)."""
-        if self._mask is None:
-            self._mask = allocate_bitmask(1, self.vocab_size, host_only=True)
-        m.fill_bitmask(self._mask, 0)  # writes the whole row
-        return self._mask[0].numpy().view(np.uint32)
+        return self._host_mask_row().fill(m)
+
+    def _host_mask_row(self) -> HostMaskRow:
+        if self._mask_row is None:
+            self._mask_row = HostMaskRow(self.vocab_size, self.stop_token_ids)
+        return self._mask_row
 
     # -- after the jump ---------------------------------------------------------------------------
     def _maybe_finish(self, req: Request) -> None:
@@ -566,7 +576,7 @@ class JumpForward:
         """Whether `m` allows only stop tokens next: one mask fill, its answer kept while the
         matcher stays at this version (the hold-back and the finish check of a jump ask both)."""
         if self._only_stop_at != (m, m.version):
-            self._only_stop_answer = allows_only(self._allowed(m), self.stop_token_ids, self.vocab_size)
+            self._only_stop_answer = self._host_mask_row().only_stop(m)
             self._only_stop_at = (m, m.version)
         return self._only_stop_answer
 

@@ -114,6 +114,41 @@ def test_accepts_and_probes_equal_one_token_at_a_time(grammar_compiler, tokenize
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_a_host_mask_row_sees_when_only_a_stop_token_may_follow(grammar_compiler, tokenizer, backend):
+    """The finish check's question, on a real matcher (a complete object whose grammar allows
+    only the stop token next, then one that may go on) and on masks written by hand: a stop
+    token alone, beside another token, and beside bits past the vocabulary (padding ids)."""
+    from structgen.grammar.backends.base import HostMaskRow
+
+    vocab = len(tokenizer)
+    eos = tokenizer.eos_token_id
+    row = HostMaskRow(vocab, [eos])
+    m = grammar_compiler.compile(to_constraint(Person), backend=backend).matcher()
+    ids = tokenizer.encode(dump_json(PERSON.model_dump()))
+    assert m.accept_tokens(ids) == len(ids) and m.is_completed()
+    assert row.only_stop(m)
+    m.rollback(1)  # before the closing brace: more keys may follow
+    assert not row.only_stop(m)
+    assert eos not in allowed(row.tensor, 0, vocab)  # the row holds that fill
+
+    size = vocab - 5  # a vocabulary ending inside a word of the row
+    assert size % 32
+
+    class Written:  # a matcher that allows the given ids, and every id past the vocabulary
+        def __init__(self, ids):
+            self.ids = ids
+
+        def fill_bitmask(self, bitmask, index):
+            bitmask[index] = 0
+            for t in [*self.ids, *range(size, 32 * bitmask.shape[1])]:
+                bitmask[index, t // 32] |= (1 << (t % 32)) - (1 << 32 if t % 32 == 31 else 0)
+
+    padded = HostMaskRow(size, [eos])
+    assert padded.only_stop(Written([eos])) and not padded.only_stop(Written([eos, 7]))
+    assert not padded.only_stop(Written([size - 1])) and padded.only_stop(Written([]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_jump_forward_string_follows_the_schema(grammar_compiler, tokenizer, backend):
     g = grammar_compiler.compile(to_constraint(Person), backend=backend)
     m = g.matcher()

@@ -98,17 +98,33 @@ def set_only_tokens(bitmask: torch.Tensor, row: int, token_ids: Sequence[int]) -
             words[row, word] |= np.uint32(1 << bit)
 
 
-def allows_only(words: np.ndarray, token_ids: Iterable[int], vocab_size: int) -> bool:
-    """Does a bitmask row (`words`: its uint32 view) allow nothing outside `token_ids`? Bits
-    past `vocab_size` in the last word are ignored. numpy on purpose: torch's CPU ops start
-    its thread pool for a 49k-bit unpack, milliseconds on a many-core host."""
-    rest = words[: bitmask_words(vocab_size)].copy()
-    for t in token_ids:
-        if t < vocab_size:
-            rest[t >> 5] &= ~np.uint32(1 << (t & 31))
-    if vocab_size % 32:
-        rest[-1] &= np.uint32((1 << (vocab_size % 32)) - 1)
-    return not rest.any()
+class HostMaskRow:
+    """A host-only bitmask row kept with its uint32 view, for asking what a matcher allows
+    next outside a batch fill (jump-forward, finish checks). numpy on purpose: torch's CPU ops
+    start its thread pool for a 49k-bit unpack, milliseconds on a many-core host; and the view
+    is made once, as making it costs more than the check."""
+
+    def __init__(self, vocab_size: int, stop_token_ids: Iterable[int]):
+        self.tensor = allocate_bitmask(1, vocab_size, host_only=True)
+        self.words: np.ndarray = self.tensor.numpy().view(np.uint32)[0]
+        # Every token of the vocabulary but the stop tokens: what `only_stop` finds nothing of.
+        self._others = np.full(bitmask_words(vocab_size), 0xFFFFFFFF, dtype=np.uint32)
+        if vocab_size % 32:
+            self._others[-1] = np.uint32((1 << (vocab_size % 32)) - 1)
+        for t in stop_token_ids:
+            if 0 <= t < vocab_size:
+                self._others[t >> 5] &= ~np.uint32(1 << (t & 31))
+        self._scratch = np.empty_like(self._others)
+
+    def fill(self, matcher: GrammarMatcher) -> np.ndarray:
+        """`matcher`'s allowed tokens as uint32 words (this row's view: valid until the next fill)."""
+        matcher.fill_bitmask(self.tensor, 0)
+        return self.words
+
+    def only_stop(self, matcher: GrammarMatcher) -> bool:
+        """Whether `matcher` allows nothing but stop tokens next (bits past the vocabulary
+        ignored): one fill, one vectorised AND."""
+        return not np.bitwise_and(self.fill(matcher), self._others, out=self._scratch).any()
 
 
 _BYTE_BITS = np.array([bin(i).count("1") for i in range(256)], dtype=np.int64)
