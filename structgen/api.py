@@ -272,6 +272,11 @@ class LLM:
     def _render(self, prompt: str | list[dict[str, Any]], chat: bool | None,
                 tools: list[dict[str, Any]] | None) -> RenderedPrompt:
         """The text to tokenize: a chat prompt through the chat template; a raw string as it is."""
+        messages = self._messages(prompt, chat)
+        return messages if isinstance(messages, RenderedPrompt) else self._templated([messages], tools)[0]
+
+    def _messages(self, prompt: str | list[dict[str, Any]], chat: bool | None) -> RenderedPrompt | list[dict[str, Any]]:
+        """A checked prompt: raw text as it is, or the messages the chat template renders."""
         check_prompt(prompt, self.engine.max_seq_len * _MAX_CHARS_PER_TOKEN)
         has_template = bool(getattr(self.tokenizer, "chat_template", None))
         if isinstance(prompt, str) and (chat is False or (chat is None and not has_template)):
@@ -280,11 +285,15 @@ class LLM:
             raise InvalidParameterError(
                 "this tokenizer has no chat template; pass the prompt as a string with chat=False"
             )
+        return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+
+    def _templated(self, conversations: list[list[dict[str, Any]]],
+                   tools: list[dict[str, Any]] | None) -> list[RenderedPrompt]:
+        """Conversations through the chat template in one call (its per-call work paid once)."""
         kw = {"tools": tools} if tools else {}
         with _prompt_errors():
-            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kw)
-        return RenderedPrompt(text, chat=True)
+            texts = self.tokenizer.apply_chat_template(conversations, add_generation_prompt=True, tokenize=False, **kw)
+        return [RenderedPrompt(text, chat=True) for text in texts]
 
     def _tokenized(self, prompts: list[RenderedPrompt]) -> list[list[int]]:
         """Token ids of rendered prompts, each kind in one batched tokenizer call: a raw string
@@ -302,14 +311,31 @@ class LLM:
 
     def _encode_prompts(self, calls: list[tuple[Prompt, bool | None, list[dict[str, Any]] | None]]) -> list[Outcome]:
         """`encode_prompt` of a burst's calls (the `ThreadBatch` process of async callers):
-        each rendered on its own, all tokenized together; a call's error is its own."""
+        the chat prompts without tools rendered in one template call, the others each on its
+        own, all tokenized together; a call's error is its own."""
         outcomes: list[Outcome] = [(None, None)] * len(calls)
         rendered: dict[int, RenderedPrompt] = {}
+        chats: dict[int, list[dict[str, Any]]] = {}  # chat prompts without tools, rendered together
         for i, (prompt, chat, tools) in enumerate(calls):
             try:
-                rendered[i] = self._render(prompt, chat, tools)
+                messages = self._messages(prompt, chat)
+                if isinstance(messages, RenderedPrompt):
+                    rendered[i] = messages
+                elif tools:
+                    rendered[i] = self._templated([messages], tools)[0]
+                else:
+                    chats[i] = messages
             except Exception as e:
                 outcomes[i] = (None, e)
+        try:
+            if chats:
+                rendered.update(zip(chats, self._templated(list(chats.values()), None), strict=True))
+        except Exception:  # one of them fails to render: each on its own, its error to its caller
+            for i, messages in chats.items():
+                try:
+                    rendered[i] = self._templated([messages], None)[0]
+                except Exception as e:
+                    outcomes[i] = (None, e)
         try:
             for i, ids in zip(rendered, self._tokenized(list(rendered.values())), strict=True):
                 outcomes[i] = (ids, None)

@@ -165,6 +165,32 @@ def test_a_batch_tokenizes_its_prompts_together_as_each_alone_and_refuses_as_one
         llm.complete_batch(City, [prompts[0], "word " * (llm.engine.max_seq_len * 8)], max_tokens=8)
 
 
+def test_a_burst_renders_its_chat_prompts_in_one_template_call_and_a_failing_one_fails_alone(llm, monkeypatch):
+    """The prompts of one async burst: chat prompts without tools go through the chat template
+    in one call, and each gets the ids it gets alone; where the template fails on one of them,
+    that caller gets its error and the others their ids."""
+    prompts = ["Oslo?", [{"role": "system", "content": "Answer in JSON."}, {"role": "user", "content": "Lima?"}],
+               "a raw prompt", "Perth? (the template fails here)"]
+    calls = [(prompts[0], None, None), (prompts[1], None, None), (prompts[2], False, None), (prompts[3], None, None)]
+    alone = [llm.encode_prompt(p, chat=c) for p, c, _ in calls[:3]]
+    template = llm.tokenizer.apply_chat_template
+    batches = []
+
+    def failing(conversations, **kw):
+        batches.append(len(conversations))
+        if any("fails" in m["content"] for c in conversations for m in c):
+            raise ValueError("the template fails on this one")
+        return template(conversations, **kw)
+
+    monkeypatch.setattr(llm.tokenizer, "apply_chat_template", failing)
+    outcomes = llm._encode_prompts(calls)
+    assert [ids for ids, _ in outcomes[:3]] == alone and [e for _, e in outcomes[:3]] == [None] * 3
+    assert outcomes[3][0] is None and "the template fails" in str(outcomes[3][1])
+    assert batches == [3, 1, 1, 1]  # the chat prompts together, then each alone after the failure
+    batches.clear()
+    assert [ids for ids, _ in llm._encode_prompts(calls[:3])] == alone and batches == [2]
+
+
 def test_compile_accepts(llm):
     grammar = llm.compile(Customer)
     good = ('{"name": "A", "age": 3, "email": "a@b.c", "address": {"street": "s", "city": "c", '
