@@ -67,7 +67,9 @@ def test_paired_bursts_alternate_their_order_and_report_the_medians_and_their_ra
 
 def test_a_third_paired_workload_gets_its_own_row_and_share_of_the_bound(monkeypatch) -> None:
     """`--paired agent,short,one`: every workload's bursts alternate in order and reverse; the
-    third has its own medians and share of the bound, and only the first a ratio (to the second)."""
+    third has its own medians, and only the first a ratio (to the second). The bound is
+    measured before the cold bursts and after each round, and each burst's share is taken of
+    its own round's bound."""
     import argparse
 
     from benchmarks import bench_serving
@@ -85,11 +87,23 @@ def test_a_third_paired_workload_gets_its_own_row_and_share_of_the_bound(monkeyp
     monkeypatch.setattr(bench_serving, "inprocess_runner", lambda llm, max_tokens: None)
     requests = {name: [ServingRequest([{"role": "user", "content": name}], {})] for name in ("agent", "short", "one")}
     results = Results({}, write=False)
-    run_paired(None, requests, 2, argparse.Namespace(max_tokens=16, timeout=60.0), 1000.0, results)
-    assert order == ["agent", "short", "one", "agent", "short", "one", "one", "short", "agent"]
+    bounds = iter([1000.0, 800.0, 1000.0])
+
+    def bound() -> float:
+        order.append("bound")
+        return next(bounds)
+
+    run_paired(None, requests, 2, argparse.Namespace(max_tokens=16, timeout=60.0), bound, results)
+    assert order == ["bound", "agent", "short", "one", "agent", "short", "one", "bound",
+                     "one", "short", "agent", "bound"]
+    cold = {row["workload"]: row for row in results.rows if row.get("burst") == "cold"}
     rows = {row["workload"]: row for row in results.rows if row.get("burst") != "cold"}
+    assert cold["one"]["share_of_bound"] == 0.4  # 400 tok/s of the first bound
     assert rows["agent"]["ttft_p50_ratio"] == 2.0 and "ttft_p50_ratio" not in rows["one"]
-    assert (rows["one"]["ttft_p50_ms"], rows["one"]["tok_per_s"], rows["one"]["share_of_bound"]) == (70.0, 400.0, 0.4)
+    assert (rows["one"]["ttft_p50_ms"], rows["one"]["tok_per_s"]) == (70.0, 400.0)
+    assert rows["one"]["rounds_decode_bound_tok_per_s"] == [800.0, 1000.0]
+    assert rows["one"]["rounds_share_of_bound"] == [0.5, 0.4]
+    assert (rows["one"]["decode_bound_tok_per_s"], rows["one"]["share_of_bound"]) == (900.0, 0.45)
 
 
 def test_paired_needs_two_known_workloads(capsys) -> None:
