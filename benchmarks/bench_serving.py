@@ -31,9 +31,10 @@ median of each figure over its warm bursts (`bursts_ttft_p50_ms` lists them) and
 the decode-step bound, and A's row the ratio of its median TTFT p50 to B's (`ttft_p50_ratio`,
 with each round's in `rounds_ttft_p50_ratio`), written to `serving_paired-<card>-<date>.json`.
 The bound is measured after every round, on a twin engine of the same config in the same
-process, and the share is the median of each round's bursts against its round's bound
-(`rounds_share_of_bound`): on the lent hosts one process's bound moved from 65k to 100k tok/s
-between measurements a second apart, so a bound taken once set the share more than the bursts.
+process, and the share is the median tok/s against the median bound
+(`rounds_decode_bound_tok_per_s` lists them): on the lent hosts one process's bound moved
+from 61k to 100k tok/s between measurements seconds apart, apart from the bursts, so a bound
+taken once set the share more than the bursts did.
 A third workload puts issue 30's two concurrent targets in one file from one process:
 
     python -m benchmarks.bench_serving --paired agent,agent-short,json-one --bursts 8 --requests 256 --max-tokens 128
@@ -531,9 +532,9 @@ def run_paired(llm: Any, requests: dict[str, list[ServingRequest]], bursts: int,
 def paired_row(workload: str, bursts: list[dict[str, Any]], bounds: list[float]) -> dict[str, Any]:
     """A workload's row over its warm bursts: the median of each numeric figure, the counts of
     requests summed, and every burst's TTFT p50; with the decode-step bound of each round
-    (`bounds`, none without), its median and the median of the rounds' shares of it (each
-    burst against the bound measured beside it: on a host whose speed drifts, the bound
-    moves as the bursts do, 65-100k tok/s in one process on the lent H200 hosts)."""
+    (`bounds`, none without), the share of the median tok/s in the median bound: one
+    measurement of the bound moved 61-100k tok/s within a process on the lent H200 hosts,
+    apart from the bursts, so one taken once set the share more than the bursts did."""
     summed = ("requests", "refused", "lost", "valid", "invalid", "incomplete", "output_tokens")
     figures: dict[str, Any] = {}
     for key, first in bursts[0].items():
@@ -543,14 +544,13 @@ def paired_row(workload: str, bursts: list[dict[str, Any]], bounds: list[float])
         elif isinstance(first, (int, float)) and all(isinstance(v, (int, float)) for v in values):
             figures[key] = round(statistics.median(values), 3)
     figures["first_errors"] = sorted({e for b in bursts for e in b["first_errors"]})[:3]
-    shares = [round(b["tok_per_s"] / bound, 3) for b, bound in zip(bursts, bounds, strict=False)]
+    bound = round(statistics.median(bounds), 1) if bounds else None
     return {"system": "structgen", "model": "smollm2-135m", "workload": workload, "mode": "inprocess",
             "arrival": "closed", "burst": f"median of {len(bursts)} warm", **figures,
             "bursts_ttft_p50_ms": [b["ttft_p50_ms"] for b in bursts],
-            "decode_bound_tok_per_s": round(statistics.median(bounds), 1) if bounds else None,
+            "bursts_tok_per_s": [b["tok_per_s"] for b in bursts], "decode_bound_tok_per_s": bound,
             "rounds_decode_bound_tok_per_s": bounds or None,
-            "share_of_bound": round(statistics.median(shares), 3) if shares else None,
-            "rounds_share_of_bound": shares or None}
+            "share_of_bound": round(figures["tok_per_s"] / bound, 3) if bound else None}
 
 
 def run_peer(peer: str, workload: str, requests: list[ServingRequest], args: argparse.Namespace,
