@@ -17,14 +17,28 @@ from structgen_server.app import create_app
 
 
 class CountingTokenizer:
-    """The real tokenizer, counting its `encode` calls."""
+    """The real tokenizer, counting the texts it encodes: by its `encode`, or by its Rust
+    tokenizer's batch call (which `prompt_encoding.encode_texts` takes where it can)."""
 
     def __init__(self, inner: Any):
         self.inner, self.encoded = inner, 0
+        self.backend_tokenizer = CountingBackend(inner.backend_tokenizer, self)
 
     def encode(self, *args: Any, **kwargs: Any) -> list[int]:
         self.encoded += 1
         return self.inner.encode(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+class CountingBackend:
+    def __init__(self, inner: Any, counter: CountingTokenizer):
+        self.inner, self.counter = inner, counter
+
+    def encode_batch_fast(self, texts: list[str], **kwargs: Any) -> list[Any]:
+        self.counter.encoded += len(texts)
+        return self.inner.encode_batch_fast(texts, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
