@@ -42,6 +42,7 @@ last position only.
 from __future__ import annotations
 
 import bisect
+import weakref
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -63,6 +64,7 @@ from structgen.grammar.backends.base import (
 if TYPE_CHECKING:
     from structgen.engine.engine import Engine
     from structgen.engine.request import Request
+    from structgen.grammar.backends.base import CompiledGrammar
 
 MAX_BACKOFF = 4  # output tokens re-encoded with the forced text; merges span one pre-token
 # Hold-back asks "does the grammar allow any longer token starting with this one?". Up to this
@@ -73,6 +75,7 @@ PROBE_SAMPLE = 8  # with more candidates, this many (spread over them) are tried
 # Re-encodings kept (`JumpForward._encode`): a schema's jumps re-encode the same few tails and
 # keys over and over; the cache starts afresh when full.
 ENCODINGS_KEPT = 4096
+OPENINGS_KEPT = 16  # first jumps kept per grammar (one per budget left for it)
 # What one attempt at a jump did. After HELD_BACK the forced text alone is not tried: its last
 # token is the one just held back, in the same grammar state (on MaskBench replays every such
 # retry, 67 of 67, was held back again, each a second encode + advance on the critical path).
@@ -204,6 +207,10 @@ class JumpForward:
         self._allowed_before: dict[int, int] = {}
         self._probe_lists: dict[int, tuple[bool, list[int]]] = {}  # `_probes`' answers by token
         self._candidates: dict[int, list[int]] = {}  # `_guess_candidates`' answers by token
+        # Per grammar, its first jump's forced text and outcome by the room left for it
+        # (`_remember_opening`); weakly, so an evicted grammar takes its entries with it.
+        self._openings: weakref.WeakKeyDictionary[CompiledGrammar, dict[int, tuple[bytes, Plan | None]]] = (
+            weakref.WeakKeyDictionary())
         self._triggers: Counter[int] = Counter()  # sampled tokens after which text was forced
         self._rehearsal: Rehearsal | None = None
         self._only_stop_at: tuple[Any, int] | None = None  # `_only_stop`'s matcher and version
@@ -234,7 +241,8 @@ class JumpForward:
         if m is None or req.finished or m.is_terminated():
             return None
         rehearsal, self._rehearsal = self._rehearsal, None
-        max_bytes = self.forced_bytes_limit(req.num_prompt + BudgetCloser.forced_text_end(req) - len(req.token_ids))
+        room = req.num_prompt + BudgetCloser.forced_text_end(req) - len(req.token_ids)  # tokens a jump may add
+        max_bytes = self.forced_bytes_limit(room)
         if max_bytes <= 0:
             return None
         try:
@@ -250,10 +258,30 @@ class JumpForward:
             rehearsed = rehearsal.plans.get(req.token_ids[-1], False)
             if rehearsed is not False and rehearsed[0] == text and self._replay(req, rehearsed[1]):
                 return rehearsed[1]
+        opening = m.version == 0 and len(req.token_ids) == req.grammar_start and m.grammar is not None
+        if opening:  # the grammar's first jump: its outcome was worked out for an earlier request
+            known = self._openings.get(m.grammar, {}).get(room)
+            if known is not None and known[0] == text:
+                plan = None if known[1] is None else (len(req.token_ids), *known[1][1:])
+                if self._replay(req, plan):
+                    return plan
         plan = self._decide(m, req.token_ids, req.grammar_start, req.num_prompt + BudgetCloser.forced_text_end(req), text)
+        if opening:
+            self._remember_opening(m.grammar, room, text, plan)
         if plan is not None:
             self._apply(req, *plan[:3])
         return plan
+
+    def _remember_opening(self, grammar: CompiledGrammar, room: int, text: bytes, plan: Plan | None) -> None:
+        """Keep a grammar's first jump: from a fresh matcher with nothing taken, the outcome
+        depends on the grammar and the tokens the budget leaves it (`room`) only, so the
+        other requests of a burst with that grammar replay it instead of deciding it again
+        (a re-encoding and hold-back probes each, on the way to their first token). Checked
+        on replay against the forced text asked for, as the rehearsals are."""
+        openings = self._openings.setdefault(grammar, {})
+        if len(openings) >= OPENINGS_KEPT:  # budgets that vary request by request
+            openings.clear()
+        openings[room] = (text, None if plan is None else (0, *plan[1:]))
 
     def forced_bytes_limit(self, tokens_left: int) -> int:
         """The most forced text worth asking for with `tokens_left` tokens of budget: what

@@ -84,6 +84,33 @@ def test_quote_comma_boundary_is_retokenized(llm, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_a_grammars_first_jump_is_decided_once_and_replayed_as_decided(llm, backend, monkeypatch):
+    """Every request of a grammar starts in the same state, so its first jump (`{"a": "`,
+    the ` "` held back as a guess) is decided for the first request and replayed for the next
+    ones with as much budget left: each ends where the deciding one did. A request whose
+    budget leaves less room decides again."""
+    engine = llm.engine
+    hook = JumpForward(llm.tokenizer, engine.vocab_size, engine.stop_token_ids, vocab=engine.jump_forward_hook.vocab)
+    decided = []
+    real = hook._decide
+    monkeypatch.setattr(hook, "_decide", lambda *args: decided.append(1) or real(*args))
+    first, second = sampled(llm, TWO_STRINGS, "", backend), sampled(llm, TWO_STRINGS, "", backend)
+    assert first.matcher.grammar is second.matcher.grammar
+    hook(engine, first)
+    hook(engine, second)
+    assert len(decided) == 1
+    assert text_of(llm, second) == text_of(llm, first) == '{"a":'
+    assert (second.token_ids, second.stats.forced_tokens, second.guess) == (
+        first.token_ids, first.stats.forced_tokens, first.guess)
+    assert second.guess is not None
+    assert_matcher_consistent(llm, second, TWO_STRINGS, backend)
+    tight = sampled(llm, TWO_STRINGS, "", backend, max_tokens=2)
+    hook(engine, tight)
+    assert len(decided) == 2
+    assert_matcher_consistent(llm, tight, TWO_STRINGS, backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_forced_closing_quote_merges_and_finishes(llm, backend):
     """maxLength reached: the grammar forces `"}`. It must merge with nothing it should not,
     end in the model's own `"}` token, and finish the request without another forward."""
