@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import itertools
 import json
+import logging
 import os
 import queue
 import sys
@@ -1087,9 +1088,36 @@ def _raw_decoder(tokenizer: Any) -> Callable[[list[int]], str]:
     up no spaces, its Rust decoder called directly, as the Python wrapper costs more than the
     decoding of the few tokens a stream decodes each step."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+    if backend is not None and _cleans_up_nothing(tokenizer):
         return functools.partial(backend.decode, skip_special_tokens=False)
     return functools.partial(tokenizer.decode, skip_special_tokens=False)
+
+
+# Text that `clean_up_tokenization` would change at every pattern it replaces.
+_CLEANUP_PROBE = "a , b . c ! d ? e ' f n't g 'm h 's i 've j 're"
+_cleans_up: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+
+def _cleans_up_nothing(tokenizer: Any) -> bool:
+    """Whether the tokenizer's decoding equals its Rust decoder's: its clean-up of spaces is
+    off, or on and skipped (transformers 5.x keeps SmolLM2's `clean_up_tokenization_spaces`
+    set and skips it for BPE models, with a warning). Checked once per tokenizer on a text
+    that every clean-up pattern changes; the skipped clean-up's warning is kept out of the
+    user's log, as it concerns a setting that changes nothing here."""
+    if not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return True
+    known = _cleans_up.get(tokenizer)
+    if known is None:
+        ids = tokenizer.backend_tokenizer.encode(_CLEANUP_PROBE, add_special_tokens=False).ids
+        transformers_log = logging.getLogger("transformers")
+        level = transformers_log.level
+        transformers_log.setLevel(logging.ERROR)
+        try:
+            wrapped = tokenizer.decode(ids, skip_special_tokens=False)
+        finally:
+            transformers_log.setLevel(level)
+        known = _cleans_up[tokenizer] = wrapped != tokenizer.backend_tokenizer.decode(ids, skip_special_tokens=False)
+    return not known
 
 
 def _held_tail(text: str, hold: str) -> int:

@@ -163,3 +163,36 @@ def test_a_feed_wakes_its_stream_only_with_text_and_joins_the_updates_that_came_
         assert await feed.next() == [] and feed.final
 
     asyncio.run(main())
+
+
+def test_decoding_skips_the_python_wrapper_only_where_its_clean_up_changes_nothing(tokenizer):
+    """The Rust decoder stands in for `tokenizer.decode` where that adds nothing: clean-up off,
+    or on and skipped (transformers 5.x keeps SmolLM2's flag set and skips it for BPE). A
+    tokenizer whose clean-up changes text keeps its own decode, and outputs are what
+    `tokenizer.decode` gives either way."""
+    import copy
+
+    from structgen.api import _raw_decoder
+
+    ids = tokenizer.encode('{"note": "a , b . c ?"}', add_special_tokens=False)
+
+    class Cleaning:  # a tokenizer whose decoding cleans up spaces before punctuation
+        clean_up_tokenization_spaces = True
+
+        def __init__(self, inner):
+            self.inner, self.backend_tokenizer = inner, inner.backend_tokenizer
+
+        def decode(self, ids, **kw):
+            return self.inner.clean_up_tokenization(self.inner.decode(ids, **kw))
+
+    flagged = copy.deepcopy(tokenizer)
+    flagged.clean_up_tokenization_spaces = True  # as transformers 5.17 loads SmolLM2's
+    cleaning = Cleaning(tokenizer)
+    tokenizers = {"plain": tokenizer, "flagged": flagged, "cleaning": cleaning}
+    decoders = {name: _raw_decoder(tok) for name, tok in tokenizers.items()}
+    for name, tok in tokenizers.items():
+        assert decoders[name](ids) == tok.decode(ids, skip_special_tokens=False)
+    direct = {name: d.func == tokenizers[name].backend_tokenizer.decode for name, d in decoders.items()}
+    skipped = flagged.decode(ids) == flagged.backend_tokenizer.decode(ids)  # transformers 5.x: BPE skips it
+    assert direct == {"plain": True, "flagged": skipped, "cleaning": False}
+    assert cleaning.decode(ids) == '{"note": "a, b. c?"}'
