@@ -1108,15 +1108,18 @@ def _cleans_up_nothing(tokenizer: Any) -> bool:
         return True
     known = _cleans_up.get(tokenizer)
     if known is None:
-        ids = tokenizer.backend_tokenizer.encode(_CLEANUP_PROBE, add_special_tokens=False).ids
         transformers_log = logging.getLogger("transformers")
         level = transformers_log.level
         transformers_log.setLevel(logging.ERROR)
         try:
-            wrapped = tokenizer.decode(ids, skip_special_tokens=False)
+            ids = tokenizer.backend_tokenizer.encode(_CLEANUP_PROBE, add_special_tokens=False).ids
+            known = tokenizer.decode(ids, skip_special_tokens=False) != tokenizer.backend_tokenizer.decode(
+                ids, skip_special_tokens=False)
+        except Exception:  # a tokenizer that cannot take the probe keeps its own decode
+            known = True
         finally:
             transformers_log.setLevel(level)
-        known = _cleans_up[tokenizer] = wrapped != tokenizer.backend_tokenizer.decode(ids, skip_special_tokens=False)
+        _cleans_up[tokenizer] = known
     return not known
 
 

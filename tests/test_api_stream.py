@@ -196,3 +196,12 @@ def test_decoding_skips_the_python_wrapper_only_where_its_clean_up_changes_nothi
     skipped = flagged.decode(ids) == flagged.backend_tokenizer.decode(ids)  # transformers 5.x: BPE skips it
     assert direct == {"plain": True, "flagged": skipped, "cleaning": False}
     assert cleaning.decode(ids) == '{"note": "a, b. c?"}'
+
+    class Unprobed(Cleaning):  # its Rust tokenizer cannot encode the probe: its own decode stays
+        def __init__(self, inner):
+            super().__init__(inner)
+            self.backend_tokenizer = type("Backend", (), {"encode": lambda *a, **k: 1 / 0,
+                                                          "decode": inner.backend_tokenizer.decode})()
+
+    unprobed = Unprobed(tokenizer)
+    assert _raw_decoder(unprobed).func == unprobed.decode
