@@ -112,7 +112,7 @@ class Engine:
         # runs of steps that do not come back to `step` between them stop for it.
         self.interrupted: Callable[[], bool] = _nobody_waits
         self._rng = random.Random(self.config.seed)  # noise seeds of unseeded sampled rows
-        self._mask_row: HostMaskRow | None = None  # what one matcher allows (finish checks, errors)
+        self._mask_row = HostMaskRow(self.vocab_size, self.stop_token_ids)  # one matcher's next tokens (finish checks, errors)
         # Masks of the next decode step filled while the last one's tokens were taken in
         # (`_take_tokens`): the buffer and, as grammar.prefetch records them, which rows.
         self._prefilled: tuple[torch.Tensor, dict] | None = None
@@ -631,7 +631,7 @@ class Engine:
         (the mask is empty, or llguidance's mask over-approximates), the constraint needs text
         this model's vocabulary cannot spell: the request's constraint is at fault."""
         m = req.matcher
-        allowed = allowed_ids(self._host_mask_row().fill(m))
+        allowed = allowed_ids(self._mask_row.fill(m))
         if not m.is_completed() and len(allowed) <= DEAD_END_PROBES and not any(
                 would_accept(m, int(t)) for t in allowed):
             raise UnsatisfiableConstraintError(
@@ -643,12 +643,7 @@ class Engine:
                           + (f" ({m.backend}: {why})" if why else ""))
 
     def _only_stop_allowed(self, matcher) -> bool:
-        return self._host_mask_row().only_stop(matcher)
-
-    def _host_mask_row(self) -> HostMaskRow:
-        if self._mask_row is None:
-            self._mask_row = HostMaskRow(self.vocab_size, self.stop_token_ids)
-        return self._mask_row
+        return self._mask_row.only_stop(matcher)
 
     def _notify(self, req: Request) -> None:
         if req.on_update is not None and (req.progress_updates or req.finished):

@@ -200,7 +200,7 @@ class JumpForward:
         self.vocab = vocab or VocabBytes(tokenizer, vocab_size, self.stop_token_ids)
         # The Rust `tokenizers.Tokenizer` behind a fast HF tokenizer: much cheaper per call.
         self._fast = getattr(tokenizer, "backend_tokenizer", None)
-        self._mask_row: HostMaskRow | None = None  # `_allowed`'s row
+        self._mask_row = HostMaskRow(vocab_size, self.stop_token_ids)  # `_allowed`'s and `_only_stop`'s row
         self._encoded: dict[bytes, tuple[int, ...] | None] = {}  # `_encode`'s answers by text
         # Per token, an extension the grammar allowed last time it was asked (`_allows_extension`):
         # tried first, it mostly answers with one accept instead of a sample or a mask fill.
@@ -265,7 +265,7 @@ class JumpForward:
                 plan = None if known[1] is None else (len(req.token_ids), *known[1][1:])
                 if self._replay(req, plan):
                     return plan
-        plan = self._decide(m, req.token_ids, req.grammar_start, req.num_prompt + BudgetCloser.forced_text_end(req), text)
+        plan = self._decide(m, req.token_ids, req.grammar_start, len(req.token_ids) + room, text)
         if opening:
             self._remember_opening(m.grammar, room, text, plan)
         if plan is not None:
@@ -586,12 +586,7 @@ class JumpForward:
 
     def _allowed(self, m: Any) -> np.ndarray:
         """The matcher's allowed-token bitmask as uint32 words (a view of a reused buffer)."""
-        return self._host_mask_row().fill(m)
-
-    def _host_mask_row(self) -> HostMaskRow:
-        if self._mask_row is None:
-            self._mask_row = HostMaskRow(self.vocab_size, self.stop_token_ids)
-        return self._mask_row
+        return self._mask_row.fill(m)
 
     # -- after the jump ---------------------------------------------------------------------------
     def _maybe_finish(self, req: Request) -> None:
@@ -604,7 +599,7 @@ class JumpForward:
         """Whether `m` allows only stop tokens next: one mask fill, its answer kept while the
         matcher stays at this version (the hold-back and the finish check of a jump ask both)."""
         if self._only_stop_at != (m, m.version):
-            self._only_stop_answer = self._host_mask_row().only_stop(m)
+            self._only_stop_answer = self._mask_row.only_stop(m)
             self._only_stop_at = (m, m.version)
         return self._only_stop_answer
 

@@ -135,7 +135,7 @@ def test_jump_that_completes_the_output_fills_one_mask_and_probes_nothing(llm, b
     hook = llm.engine.jump_forward_hook
     assert len(hook.vocab.extension_ids(token(llm, '"}'))) > 0
     fills, probes = [], []
-    row = hook._host_mask_row()  # every mask jump-forward fills goes through it
+    row = hook._mask_row  # every mask jump-forward fills goes through it
     real_fill, real_first = row.fill, req.matcher.first_accepted
     monkeypatch.setattr(row, "fill", lambda m: fills.append(1) or real_fill(m))
     monkeypatch.setattr(req.matcher, "first_accepted", lambda ids: probes.append(ids) or real_first(ids))
