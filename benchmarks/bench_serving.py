@@ -34,7 +34,10 @@ The bound is measured after every round, on a twin engine of the same config in 
 process, and the share is the median tok/s against the median bound
 (`rounds_decode_bound_tok_per_s` lists them): on the lent hosts one process's bound moved
 from 61k to 100k tok/s between measurements seconds apart, apart from the bursts, so a bound
-taken once set the share more than the bursts did.
+taken once set the share more than the bursts did. Before each burst and each bound a fixed
+Python loop is timed (`host_speed_ms`, `bursts_host_speed_ms`, `rounds_bound_host_speed_ms`):
+those hosts' single-core speed moves about 2x from one burst to the next, and the host-bound
+figures with it.
 A third workload puts issue 30's two concurrent targets in one file from one process:
 
     python -m benchmarks.bench_serving --paired agent,agent-short,json-one --bursts 8 --requests 256 --max-tokens 128
@@ -65,7 +68,7 @@ from typing import Any
 import jsonschema
 import torch
 
-from benchmarks.common import maskbench_dir, print_table, write_results
+from benchmarks.common import host_speed_ms, maskbench_dir, print_table, write_results
 
 JSON_CATEGORIES = ("JME", "Glaiveai2K", "Github_easy")
 CATALOGUE_TOKENS = 3_000
@@ -423,16 +426,18 @@ def _parse_args() -> argparse.Namespace:
 
 def _tuning_value(item: str) -> tuple[str, object]:
     """`FIELD=VALUE` of --tuning as the field's name and value: an int, a float, true / false,
-    or a comma-separated tuple of ints."""
+    a comma-separated tuple of ints, or else the text (`mask_prefetch=on`)."""
     name, _, text = item.partition("=")
     if text.lower() in ("true", "false"):
         return name, text.lower() == "true"
     if "," in text:
         return name, tuple(int(v) for v in text.split(",") if v)
-    try:
-        return name, int(text)
-    except ValueError:
-        return name, float(text)
+    for kind in (int, float):
+        try:
+            return name, kind(text)
+        except ValueError:
+            pass
+    return name, text
 
 
 def main() -> None:
@@ -514,14 +519,19 @@ def run_paired(llm: Any, requests: dict[str, list[ServingRequest]], bursts: int,
                     | {"burst": "cold"})
     warm: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     bounds: list[float] = []
+    bound_speeds: list[float] = []  # host_speed_ms beside each bound
     for i in range(bursts):
         for name in names if i % 2 == 0 else names[::-1]:
-            warm[name].append(summarize(asyncio.run(drive(run, requests[name], None, args.timeout))))
+            speed = host_speed_ms()
+            warm[name].append(summarize(asyncio.run(drive(run, requests[name], None, args.timeout)))
+                              | {"host_speed_ms": speed})
             print(name, "warm burst", i, json.dumps(warm[name][-1]), flush=True)
         if bound is not None:
+            bound_speeds.append(host_speed_ms())
             bounds.append(bound())
-            print("decode-step bound after round", i, bounds[-1], flush=True)
-    rows = [paired_row(name, warm[name], bounds) for name in names]
+            print("decode-step bound after round", i, bounds[-1], "host_speed_ms", bound_speeds[-1], flush=True)
+    rows = [paired_row(name, warm[name], bounds) | {"rounds_bound_host_speed_ms": bound_speeds or None}
+            for name in names]
     a, b = warm[names[0]], warm[names[1]]
     rows[0]["ttft_p50_ratio"] = round(rows[0]["ttft_p50_ms"] / rows[1]["ttft_p50_ms"], 3)
     rows[0]["rounds_ttft_p50_ratio"] = [round(x["ttft_p50_ms"] / y["ttft_p50_ms"], 3) for x, y in zip(a, b, strict=True)]
@@ -548,7 +558,9 @@ def paired_row(workload: str, bursts: list[dict[str, Any]], bounds: list[float])
     return {"system": "structgen", "model": "smollm2-135m", "workload": workload, "mode": "inprocess",
             "arrival": "closed", "burst": f"median of {len(bursts)} warm", **figures,
             "bursts_ttft_p50_ms": [b["ttft_p50_ms"] for b in bursts],
-            "bursts_tok_per_s": [b["tok_per_s"] for b in bursts], "decode_bound_tok_per_s": bound,
+            "bursts_tok_per_s": [b["tok_per_s"] for b in bursts],
+            "bursts_host_speed_ms": [b["host_speed_ms"] for b in bursts if "host_speed_ms" in b] or None,
+            "decode_bound_tok_per_s": bound,
             "rounds_decode_bound_tok_per_s": bounds or None,
             "share_of_bound": round(figures["tok_per_s"] / bound, 3) if bound else None}
 

@@ -116,6 +116,18 @@ def host() -> dict[str, Any]:
     return info
 
 
+def host_speed_ms(loops: int = 200_000) -> float:
+    """Milliseconds of a fixed pure-Python loop: how fast one core of this host runs the
+    interpreter right now. On the lent GPU hosts (KVM guests, no steal reported) it moved
+    from 29 to 60 ms between bursts a second apart, and host-bound figures move with it; a
+    benchmark records it beside them so a slow figure can be told from a slow moment."""
+    start = time.perf_counter()
+    total = 0
+    for k in range(loops):
+        total += k * k
+    return round(1e3 * (time.perf_counter() - start), 2)
+
+
 def git_commit() -> str:
     """HEAD of this checkout; the device's copy has no .git, so STRUCTGEN_COMMIT overrides."""
     if os.environ.get("STRUCTGEN_COMMIT"):

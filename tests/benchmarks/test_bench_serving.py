@@ -69,7 +69,8 @@ def test_a_third_paired_workload_gets_its_own_row_and_share_of_the_bound(monkeyp
     """`--paired agent,short,one`: every workload's bursts alternate in order and reverse; the
     third has its own medians, and only the first a ratio (to the second). The bound is
     measured before the cold bursts and after each round, and the warm rows' share is of the
-    rounds' median bound."""
+    rounds' median bound. The host's speed is timed just before each warm burst and each
+    round's bound, and reported beside them."""
     import argparse
 
     from benchmarks import bench_serving
@@ -93,9 +94,18 @@ def test_a_third_paired_workload_gets_its_own_row_and_share_of_the_bound(monkeyp
         order.append("bound")
         return next(bounds)
 
+    speeds = iter([30.0, 31.0, 32.0, 50.0, 33.0, 34.0, 35.0, 60.0])
+
+    def host_speed_ms() -> float:
+        order.append("speed")
+        return next(speeds)
+
+    monkeypatch.setattr(bench_serving, "host_speed_ms", host_speed_ms)
     run_paired(None, requests, 2, argparse.Namespace(max_tokens=16, timeout=60.0), bound, results)
-    assert order == ["bound", "agent", "short", "one", "agent", "short", "one", "bound",
-                     "one", "short", "agent", "bound"]
+    assert [x for x in order if x != "speed"] == ["bound", "agent", "short", "one", "agent", "short", "one", "bound",
+                                                  "one", "short", "agent", "bound"]
+    assert order[4:] == ["speed", "agent", "speed", "short", "speed", "one", "speed", "bound",
+                         "speed", "one", "speed", "short", "speed", "agent", "speed", "bound"]
     cold = {row["workload"]: row for row in results.rows if row.get("burst") == "cold"}
     rows = {row["workload"]: row for row in results.rows if row.get("burst") != "cold"}
     assert cold["one"]["share_of_bound"] == 0.4  # 400 tok/s of the first bound
@@ -103,6 +113,25 @@ def test_a_third_paired_workload_gets_its_own_row_and_share_of_the_bound(monkeyp
     assert (rows["one"]["ttft_p50_ms"], rows["one"]["tok_per_s"]) == (70.0, 400.0)
     assert rows["one"]["rounds_decode_bound_tok_per_s"] == [800.0, 1000.0]
     assert (rows["one"]["decode_bound_tok_per_s"], rows["one"]["share_of_bound"]) == (900.0, 0.444)
+    assert rows["one"]["bursts_host_speed_ms"] == [32.0, 33.0] and rows["one"]["host_speed_ms"] == 32.5
+    assert rows["agent"]["bursts_host_speed_ms"] == [30.0, 35.0]
+    assert rows["agent"]["rounds_bound_host_speed_ms"] == [50.0, 60.0]
+
+
+def test_host_speed_is_the_time_of_a_fixed_loop() -> None:
+    from benchmarks.common import host_speed_ms
+
+    short, long = host_speed_ms(20_000), host_speed_ms(400_000)
+    assert 0 < short < long
+
+
+def test_tuning_values_are_parsed_by_their_form() -> None:
+    from benchmarks.bench_serving import _tuning_value
+
+    assert _tuning_value("grammar_threads=4") == ("grammar_threads", 4)
+    assert _tuning_value("cuda_graph_batch_sizes=1,2,4") == ("cuda_graph_batch_sizes", (1, 2, 4))
+    assert _tuning_value("cascade_attention=false") == ("cascade_attention", False)
+    assert _tuning_value("mask_prefetch=on") == ("mask_prefetch", "on")
 
 
 def test_paired_needs_two_known_workloads(capsys) -> None:
