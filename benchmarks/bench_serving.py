@@ -37,7 +37,8 @@ from 61k to 100k tok/s between measurements seconds apart, apart from the bursts
 taken once set the share more than the bursts did. Before each burst and each bound a fixed
 Python loop is timed (`host_speed_ms`, `bursts_host_speed_ms`, `rounds_bound_host_speed_ms`):
 those hosts' single-core speed moves about 2x from one burst to the next, and the host-bound
-figures with it.
+figures with it. `--timeline` prints a line per warm burst on where its engine steps went
+(benchmarks/step_timeline.py).
 A third workload puts issue 30's two concurrent targets in one file from one process:
 
     python -m benchmarks.bench_serving --paired agent,agent-short,json-one --bursts 8 --requests 256 --max-tokens 128
@@ -69,6 +70,7 @@ import jsonschema
 import torch
 
 from benchmarks.common import host_speed_ms, maskbench_dir, print_table, write_results
+from benchmarks.step_timeline import StepTimeline
 
 JSON_CATEGORIES = ("JME", "Glaiveai2K", "Github_easy")
 CATALOGUE_TOKENS = 3_000
@@ -413,6 +415,8 @@ def _parse_args() -> argparse.Namespace:
                     help="two or more workloads' warm bursts alternated in process, A's TTFT against B's "
                          "(the module docstring); --workloads, --modes and --arrivals are then not used")
     ap.add_argument("--bursts", type=int, default=8, help="--paired: warm bursts of each workload")
+    ap.add_argument("--timeline", action="store_true",
+                    help="--paired: print where each warm burst's engine steps went (benchmarks/step_timeline.py)")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     if args.paired is not None:
@@ -520,16 +524,23 @@ def run_paired(llm: Any, requests: dict[str, list[ServingRequest]], bursts: int,
     warm: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     bounds: list[float] = []
     bound_speeds: list[float] = []  # host_speed_ms beside each bound
+    timeline = StepTimeline(llm.engine) if getattr(args, "timeline", False) else None
     for i in range(bursts):
         for name in names if i % 2 == 0 else names[::-1]:
             speed = host_speed_ms()
+            if timeline is not None:
+                timeline.reset()
             warm[name].append(summarize(asyncio.run(drive(run, requests[name], None, args.timeout)))
                               | {"host_speed_ms": speed})
             print(name, "warm burst", i, json.dumps(warm[name][-1]), flush=True)
+            if timeline is not None:
+                print(name, "steps", i, json.dumps(timeline.summary()), flush=True)
         if bound is not None:
             bound_speeds.append(host_speed_ms())
             bounds.append(bound())
             print("decode-step bound after round", i, bounds[-1], "host_speed_ms", bound_speeds[-1], flush=True)
+    if timeline is not None:
+        timeline.close()
     rows = [paired_row(name, warm[name], bounds) | {"rounds_bound_host_speed_ms": bound_speeds or None}
             for name in names]
     a, b = warm[names[0]], warm[names[1]]

@@ -146,3 +146,45 @@ def test_paired_needs_two_known_workloads(capsys) -> None:
         with pytest.raises(SystemExit):
             bench_serving._parse_args()
         assert "--paired" in capsys.readouterr().err
+
+
+def test_the_step_timeline_records_each_step_and_groups_the_burst_by_requests() -> None:
+    """StepTimeline wraps an engine's step and schedule: each step's requests, rows and prompt
+    tokens (a request counted as in its prompt while the step ran part of it), grouped by
+    request count after the prompt steps; `close` puts the engine's own methods back."""
+    import types
+
+    from benchmarks.step_timeline import StepTimeline
+
+    class Req:
+        def __init__(self, num_prompt: int, num_cached: int):
+            self.num_prompt, self.num_cached = num_prompt, num_cached
+
+    plan = [[(Req(10, 10), 10), (Req(10, 4), 4)],  # one prompt done this step, one half-way
+            [(Req(10, 11), 1)] * 20, [(Req(10, 12), 1)] * 3, [(Req(10, 13), 1)] * 3]
+
+    class Scheduler:
+        def schedule(self, token_budget=None):
+            return plan.pop(0)
+
+    class Engine:
+        def __init__(self):
+            self.scheduler = Scheduler()
+            self.runner = types.SimpleNamespace(graphs=None)
+
+        def step(self):
+            return self.scheduler.schedule(token_budget=None)
+
+    engine = Engine()
+    timeline = StepTimeline(engine)
+    for _ in range(4):
+        engine.step()
+    assert [(s.requests, s.rows, s.prompt_tokens, s.ahead) for s in timeline.steps] == [
+        (2, 14, 14, False), (20, 20, 0, False), (3, 3, 0, False), (3, 3, 0, False)]
+    summary = timeline.summary()
+    assert (summary["steps"], summary["prompt_steps"]) == (4, 1) and summary["first_step_ms"] >= 0
+    assert summary["<=4"]["steps"] == 2 and summary["<=64"]["steps"] == 1 and "<=16" not in summary
+    timeline.close()
+    assert engine.step.__func__ is Engine.step and engine.scheduler.schedule.__func__ is Scheduler.schedule
+    timeline.reset()
+    assert timeline.summary()["steps"] == 0
