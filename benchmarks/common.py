@@ -118,9 +118,10 @@ def host() -> dict[str, Any]:
 
 def host_speed_ms(loops: int = 200_000) -> float:
     """Milliseconds of a fixed pure-Python loop: how fast one core of this host runs the
-    interpreter right now. On the lent GPU hosts (KVM guests, no steal reported) it moved
-    from 29 to 60 ms between bursts a second apart, and host-bound figures move with it; a
-    benchmark records it beside them so a slow figure can be told from a slow moment."""
+    interpreter right now. On the lent GPU hosts (KVM guests, no steal reported) it read 11 or
+    20 ms from one serving burst to the next, and host-bound figures move with it; a benchmark
+    records it beside them so a slow figure can be told from a slow moment
+    (docs/performance.md, "Serving under load")."""
     start = time.perf_counter()
     total = 0
     for k in range(loops):
