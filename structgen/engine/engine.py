@@ -33,6 +33,7 @@ from structgen.engine.repair import ban_rejected, reopen_if_rejected
 from structgen.engine.request import Request, RequestStatus
 from structgen.engine.sampler import apply_bitmask_, sample, step_seed
 from structgen.engine.scheduler import Scheduler
+from structgen.engine.thread_guard import ThreadGuard
 from structgen.errors import (
     EngineError,
     InvalidConstraintError,
@@ -111,6 +112,8 @@ class Engine:
         # Whether someone waits to hand the engine requests or aborts (EngineLoop sets it):
         # runs of steps that do not come back to `step` between them stop for it.
         self.interrupted: Callable[[], bool] = _nobody_waits
+        # step, add_request and abort on one thread at a time (EngineLoop holds it while it works)
+        self.thread_guard = ThreadGuard()
         self._rng = random.Random(self.config.seed)  # noise seeds of unseeded sampled rows
         self._mask_row = HostMaskRow(self.vocab_size, self.stop_token_ids)  # one matcher's next tokens (finish checks, errors)
         # Masks of the next decode step filled while the last one's tokens were taken in
@@ -168,6 +171,14 @@ class Engine:
 
     def add_request(self, request: Request) -> Request:
         """Queue a request; raises PromptTooLongError before it takes any resources."""
+        took = self.thread_guard.enter()
+        try:
+            return self._add_request(request)
+        finally:
+            if took:
+                self.thread_guard.leave()
+
+    def _add_request(self, request: Request) -> Request:
         need = request.num_prompt + request.params.max_tokens
         if request.num_prompt == 0:
             raise EngineError("empty prompt: at least one token is needed")
@@ -196,10 +207,15 @@ class Engine:
         return request
 
     def abort(self, request: Request, reason: str = "abort", error: BaseException | None = None) -> None:
-        if not request.finished:
-            request.finish(reason, error)
-        self.scheduler.remove(request)
-        self._notify(request)
+        took = self.thread_guard.enter()
+        try:
+            if not request.finished:
+                request.finish(reason, error)
+            self.scheduler.remove(request)
+            self._notify(request)
+        finally:
+            if took:
+                self.thread_guard.leave()
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -207,6 +223,14 @@ class Engine:
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[Request]:
         """Run one forward over every running request; return requests that finished."""
+        took = self.thread_guard.enter()
+        try:
+            return self._step()
+        finally:
+            if took:
+                self.thread_guard.leave()
+
+    def _step(self) -> list[Request]:
         graphs = self.runner.graphs
         # With prompts in the graphs, a step's tokens are capped at the largest bucket.
         budget = graphs.max_batch_size if graphs is not None and self.config.tuning.prefill_in_graphs else None

@@ -137,7 +137,8 @@ class EngineLoop:
                 aborts, self._aborts = list(self._aborts), deque()
                 closing = self._closing
             if closing:
-                self._abort_all(incoming)
+                with self.engine.thread_guard.holding():
+                    self._abort_all(incoming)
                 self._run_after_step()  # the aborted streams' last updates
                 return
             if collections is not None:
@@ -145,12 +146,13 @@ class EngineLoop:
                     self._holding = True
                     collections.acquire()
                 collections.at_step()
-            self._take_in(incoming, aborts)
-            del incoming, aborts  # (not kept alive while the loop waits for the next work)
-            try:
-                self.engine.step()
-            except Exception:  # pragma: no cover - step guards its own failures
-                log.exception("engine step failed")
+            with self.engine.thread_guard.holding():  # (another thread's direct step: wait for it)
+                self._take_in(incoming, aborts)
+                del incoming, aborts  # (not kept alive while the loop waits for the next work)
+                try:
+                    self.engine.step()
+                except Exception:  # pragma: no cover - step guards its own failures
+                    log.exception("engine step failed")
             self._run_after_step()
 
     def _take_in(self, incoming: list[Request], aborts: list[Request]) -> None:

@@ -138,3 +138,70 @@ def test_the_heap_is_frozen_once_and_dropped_engines_are_still_collected(model_d
     assert ref() is None
     Engine(cfg, ec)  # a second engine does not freeze again
     assert gc.get_freeze_count() == frozen
+
+
+def test_a_second_thread_gets_a_clear_error_while_the_engine_steps(engine, tokenizer):
+    """While one thread is inside a step, another thread's step, add_request or abort is
+    refused with an EngineError saying to use the LLM's methods (two threads in the grammar
+    matchers at once used to corrupt native memory); the step in progress finishes, and the
+    engine serves the other thread once it is free."""
+    import threading
+
+    from structgen.errors import EngineError
+
+    inside, release = threading.Event(), threading.Event()
+    schedule = engine.scheduler.schedule
+
+    def held_schedule(token_budget=None):
+        inside.set()
+        release.wait(30)
+        return schedule(token_budget=token_budget)
+
+    first = Request(chat_ids(tokenizer, PROMPTS[0]), SamplingParams(max_tokens=4))
+    engine.add_request(first)
+    engine.scheduler.schedule = held_schedule
+    stepping = threading.Thread(target=engine.step)
+    try:
+        stepping.start()
+        assert inside.wait(30)
+        other = Request(chat_ids(tokenizer, PROMPTS[1]), SamplingParams(max_tokens=4))
+        for call in (engine.step, lambda: engine.add_request(other), lambda: engine.abort(first)):
+            with pytest.raises(EngineError, match="another thread.*LLM's methods"):
+                call()
+        assert not first.finished and other not in engine.scheduler.waiting
+    finally:
+        release.set()
+        stepping.join(30)
+        del engine.scheduler.schedule
+    assert first.num_cached > 0  # the held step ran its prompt
+    engine.run([other])
+    while not first.finished:
+        engine.step()
+    assert len(other.output_ids) == 4 and len(first.output_ids) == 4
+
+
+def test_the_loop_thread_waits_for_a_direct_step_instead_of_failing(engine, tokenizer):
+    """An LLM's loop thread that finds another thread inside the engine waits for it to
+    leave, then serves its own requests: nothing fails on either side."""
+    import threading
+
+    from structgen.engine.loop import EngineLoop
+
+    loop = EngineLoop(engine)
+    try:
+        mine = Request(chat_ids(tokenizer, PROMPTS[2]), SamplingParams(max_tokens=4))
+        with engine.thread_guard.holding():  # this thread is "stepping" the engine
+            future = loop.submit(Request(chat_ids(tokenizer, PROMPTS[0]), SamplingParams(max_tokens=4)))
+            engine.add_request(mine)  # (the holder's own calls go through)
+            assert not future.done()
+            threading.Event().wait(0.2)  # the loop thread is waiting for the engine, not stepping
+            assert mine.num_cached == 0 and not future.done()
+        served = future.result(timeout=60)
+        assert served.finish_reason in ("stop", "length") and served.error is None
+        for _ in range(6000):  # the loop thread steps it too (at most a minute)
+            if mine.finished:
+                break
+            threading.Event().wait(0.01)
+        assert mine.finished and len(mine.output_ids) == 4
+    finally:
+        loop.close()
