@@ -33,7 +33,7 @@ from structgen.engine.repair import ban_rejected, reopen_if_rejected
 from structgen.engine.request import Request, RequestStatus
 from structgen.engine.sampler import apply_bitmask_, sample, step_seed
 from structgen.engine.scheduler import Scheduler
-from structgen.engine.thread_guard import ThreadGuard
+from structgen.engine.thread_guard import ThreadGuard, one_thread
 from structgen.errors import (
     EngineError,
     InvalidConstraintError,
@@ -169,16 +169,9 @@ class Engine:
         if self.speculator is not None:
             self.speculator.use_tokenizer(tokenizer)
 
+    @one_thread
     def add_request(self, request: Request) -> Request:
         """Queue a request; raises PromptTooLongError before it takes any resources."""
-        took = self.thread_guard.enter()
-        try:
-            return self._add_request(request)
-        finally:
-            if took:
-                self.thread_guard.leave()
-
-    def _add_request(self, request: Request) -> Request:
         need = request.num_prompt + request.params.max_tokens
         if request.num_prompt == 0:
             raise EngineError("empty prompt: at least one token is needed")
@@ -206,31 +199,20 @@ class Engine:
         self.scheduler.add(request)
         return request
 
+    @one_thread
     def abort(self, request: Request, reason: str = "abort", error: BaseException | None = None) -> None:
-        took = self.thread_guard.enter()
-        try:
-            if not request.finished:
-                request.finish(reason, error)
-            self.scheduler.remove(request)
-            self._notify(request)
-        finally:
-            if took:
-                self.thread_guard.leave()
+        if not request.finished:
+            request.finish(reason, error)
+        self.scheduler.remove(request)
+        self._notify(request)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
     # -- the step ---------------------------------------------------------------------------
+    @one_thread
     def step(self) -> list[Request]:
         """Run one forward over every running request; return requests that finished."""
-        took = self.thread_guard.enter()
-        try:
-            return self._step()
-        finally:
-            if took:
-                self.thread_guard.leave()
-
-    def _step(self) -> list[Request]:
         graphs = self.runner.graphs
         # With prompts in the graphs, a step's tokens are capped at the largest bucket.
         budget = graphs.max_batch_size if graphs is not None and self.config.tuning.prefill_in_graphs else None

@@ -7,9 +7,11 @@ thread itself waits its turn (`holding`) rather than fail its steps."""
 
 from __future__ import annotations
 
+import functools
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from structgen.errors import EngineError
 
@@ -50,3 +52,22 @@ class ThreadGuard:
             yield
         finally:
             self.leave()
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def one_thread(method: Callable[Concatenate[Any, P], R]) -> Callable[Concatenate[Any, P], R]:
+    """An engine method that runs only on the thread holding the engine's `thread_guard`."""
+
+    @functools.wraps(method)
+    def guarded(self: Any, *args: P.args, **kwargs: P.kwargs) -> R:
+        took = self.thread_guard.enter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            if took:
+                self.thread_guard.leave()
+
+    return guarded
