@@ -48,6 +48,9 @@ def cycle_in_oldest_generation() -> weakref.ref:
 
 @pytest.fixture
 def default_thresholds():
+    # An engine loop left by an earlier test may still hold the process-wide hold; its
+    # release, landing mid-test, would restore the threshold this test's own hold raised.
+    assert wait_for(lambda: not garbage_collection.FULL_COLLECTIONS.held), "an engine loop still holds full collections"
     saved = gc.get_threshold()
     gc.set_threshold(700, 10, 10)
     yield
