@@ -34,6 +34,7 @@ from structgen.arguments import (
     Options,
     check_prompt,
     checked_keywords,
+    with_text_content,
 )
 from structgen.async_bridge import CompileGate, LoopWaker, Outcome, ThreadBatch
 from structgen.completion import (  # Completion re-exported for `from structgen.api import`
@@ -286,12 +287,12 @@ class LLM:
             raise InvalidParameterError(
                 "this tokenizer has no chat template; pass the prompt as a string with chat=False"
             )
-        return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else with_text_content(prompt)
 
     def _templated(self, conversations: list[list[dict[str, Any]]],
                    tools: list[dict[str, Any]] | None) -> list[RenderedPrompt]:
         """Conversations through the chat template in one call (its per-call work paid once)."""
-        kw = {"tools": tools} if tools else {}
+        kw = {"tools": _tool_dicts(tools)} if tools else {}
         with _prompt_errors():
             texts = self.tokenizer.apply_chat_template(conversations, add_generation_prompt=True, tokenize=False, **kw)
         return [RenderedPrompt(text, chat=True) for text in texts]
@@ -1199,3 +1200,13 @@ def generate(output_type: Any, prompt: Prompt, **options: Any) -> Any:
     """`LLM().generate` on a shared default model (loaded once per process); keyword
     arguments as `LLM.generate`."""
     return default_llm().generate(output_type, prompt, **options)
+
+
+def _tool_dicts(tools: list[Any]) -> list[dict[str, Any]]:
+    """Tools for the chat template as OpenAI dicts: a `@structgen.tool` or a plain function
+    too, as `llm.call` takes them (the template reads dicts only)."""
+    if all(isinstance(t, dict) for t in tools):
+        return tools
+    from structgen.tools import as_tool
+
+    return [t if isinstance(t, dict) else as_tool(t).to_openai() for t in tools]

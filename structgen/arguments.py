@@ -194,7 +194,7 @@ def check_prompt(prompt: Any, max_chars: int) -> None:
         raise InvalidParameterError("prompt is an empty list of messages; add at least one")
     for i, message in enumerate(prompt):
         _check_message(i, message)
-    _check_length(sum(len(str(m.get("content") or "")) for m in prompt), max_chars)
+    _check_length(sum(len(str(m.get("content") or "")) for m in with_text_content(prompt)), max_chars)
 
 
 def _check_length(chars: int, max_chars: int) -> None:
@@ -221,10 +221,29 @@ def _check_message(i: int, message: Any) -> None:
             f"message {i} ({role}) has no 'content'; add the message text as 'content'"
         )
     content = message.get("content")
+    if isinstance(content, list):
+        content = _parts_text(i, content)
     if isinstance(content, str):
         check_text(content, f"message {i} content")
     elif content is None and not (role == "assistant" and message.get("tool_calls")):
         raise InvalidParameterError(f"message {i} ({role}) has content None; pass its text")
+
+
+def with_text_content(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages whose content is OpenAI content parts (`[{"type": "text", "text": ...}]`) with
+    the parts' text joined, as the server reads them: chat templates take text content."""
+    return [{**m, "content": _parts_text(i, m["content"])} if isinstance(m.get("content"), list) else m
+            for i, m in enumerate(messages)]
+
+
+def _parts_text(i: int, parts: list[Any]) -> str:
+    for part in parts:
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise InvalidParameterError(
+                f"message {i} has a content part of type {kind!r}; only text parts "
+                "{'type': 'text', 'text': '...'} are supported (or pass the content as a string)")
+    return "".join(part["text"] for part in parts)
 
 
 def check_text(text: str, where: str) -> None:

@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     kind.add_argument("--schema", help="JSON Schema: a file path or inline JSON")
     kind.add_argument("--regex", help="a regular expression")
     kind.add_argument("--grammar", help="a grammar file (EBNF/GBNF or Lark)")
-    kind.add_argument("--choice", nargs="+", help="one of these strings")
+    kind.add_argument("--choice", nargs="+", help="one of these strings (after the prompt: the list takes every word that follows)")
     gen.add_argument("--max-tokens", type=int, default=256)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("prompt")

@@ -49,6 +49,7 @@ from structgen.errors import (
     UnsupportedTypeError,
 )
 from structgen.partial import PartialStream, partial_tracker
+from structgen.sampling import SamplingParams
 from structgen.types import Choice, Constraint, to_constraint
 
 T = TypeVar("T")
@@ -372,6 +373,10 @@ class RemoteLLM:
     def _sampling(
         self, max_tokens: int, temperature: float, top_p: float, top_k: int, seed: int | None, jump_forward: bool | None
     ) -> dict[str, Any]:
+        # Checked here as in process: a bad value is the caller's InvalidParameterError, not
+        # a JSON encoder's ValueError (inf) or a round trip to the server.
+        SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                       jump_forward=jump_forward)
         fields: dict[str, Any] = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p}
         if top_k:
             fields["top_k"] = top_k

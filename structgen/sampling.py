@@ -38,7 +38,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1, None)
-        _check_number("temperature", self.temperature, 0.0, None)
+        _check_number("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
         _check_number("top_p", self.top_p, 0.0, 1.0, open_low=True)
         _check_int("top_k", self.top_k, 0, None)
         _check_int("repair", self.repair, 0, None)
@@ -79,6 +79,9 @@ class SamplingParams:
 
 
 MAX_SEED = 2**63 - 1  # seeds are int64 on the device
+# Past a few units the draw is already all but uniform over the tokens the grammar allows;
+# far past it (1e39 overflows float32) the scaled logits become NaN and sampling breaks.
+MAX_TEMPERATURE = 100.0
 
 
 def _check_int(name: str, value: object, low: int, high: int | None) -> None:

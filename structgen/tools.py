@@ -17,6 +17,7 @@ of turning JSON into Python values, not a retry loop.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 import re
@@ -28,7 +29,13 @@ from typing import Any, Literal
 import pydantic
 
 from structgen import tool_format
-from structgen.errors import IncompleteOutputError, OutputValidationError, UnsupportedTypeError
+from structgen.arguments import with_text_content
+from structgen.errors import (
+    IncompleteOutputError,
+    InvalidParameterError,
+    OutputValidationError,
+    UnsupportedTypeError,
+)
 
 
 class Tool:
@@ -135,12 +142,31 @@ class ToolCall:
     id: str = field(default_factory=tool_format.new_call_id)
 
     def invoke(self) -> Any:
-        """Run the tool's function with these arguments (typed values, not their JSON)."""
+        """Run the tool's function with these arguments (typed values, not their JSON); an
+        `async def` tool runs to completion on an event loop of its own (inside a running loop,
+        `await ainvoke()` instead)."""
+        result = self.tool(**self._kwargs())
+        if not inspect.isawaitable(result):
+            return result
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # no loop in this thread: run the coroutine on one of its own
+            return asyncio.run(_awaited(result))
+        if inspect.iscoroutine(result):
+            result.close()  # never awaited otherwise: no "was never awaited" warning later
+        raise InvalidParameterError(
+            f"tool {self.name!r} is async and this thread runs an event loop: `await call.ainvoke()` "
+            "instead of call.invoke()")
+
+    async def ainvoke(self) -> Any:
+        """`invoke` for async callers: an `async def` tool is awaited, a plain one called."""
+        result = self.tool(**self._kwargs())
+        return await result if inspect.isawaitable(result) else result
+
+    def _kwargs(self) -> dict[str, Any]:
         if isinstance(self.arguments, pydantic.BaseModel):
-            kwargs = {k: getattr(self.arguments, k) for k in type(self.arguments).model_fields}
-        else:
-            kwargs = dict(self.arguments)
-        return self.tool(**kwargs)
+            return {k: getattr(self.arguments, k) for k in type(self.arguments).model_fields}
+        return dict(self.arguments)
 
     def arguments_json(self) -> str:
         if isinstance(self.arguments, pydantic.BaseModel):
@@ -260,6 +286,9 @@ def run_tools(
     (then one last turn with tool_choice="none" asks for the answer). `tool_choice` applies
     to the first round (e.g. "required" to force a lookup first); later rounds are "auto".
     A turn that hits `max_tokens` ends the run with what was done so far (no exception)."""
+    if isinstance(max_rounds, bool) or not isinstance(max_rounds, int) or max_rounds < 0:
+        raise InvalidParameterError(
+            f"max_rounds must be an integer >= 0 (0: answer without calling tools), got {max_rounds!r}")
     specs = [as_tool(t) for t in tools]
     run = ToolRun("", [], _as_messages(prompt))
     for round_ in range(max_rounds + 1):
@@ -284,8 +313,12 @@ def run_tools(
     raise AssertionError("unreachable: the last round has tool_choice='none', so it makes no calls")
 
 
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
+
+
 def _as_messages(prompt: str | Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else with_text_content(prompt)
 
 
 def _result_text(result: Any) -> str:

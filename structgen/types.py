@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import inspect
 import json
 import os
 import re
@@ -195,6 +196,15 @@ def _check_is_a_type(output_type: Any) -> None:
         raise UnsupportedTypeError(
             f"got the {kind} {output_type!r:.60}, not a type; write {kind}[{inner}] for a {kind} "
             "of those, or Choice([...]) for one of fixed values"
+        )
+    if inspect.isroutine(output_type) or isinstance(output_type, functools.partial):
+        # pydantic would take a function as its arguments and call it with the model's
+        # output: generate(get_weather, p) would run the tool instead of refusing.
+        name = getattr(output_type, "__name__", None) or type(output_type).__name__
+        raise UnsupportedTypeError(
+            f"got the function {name}, not a type; for the model to call it use "
+            f"llm.call(prompt, [{name}]) or run_tools (docs/guide/tools.md); for a value of its "
+            "return type pass that type"
         )
     if isinstance(output_type, (int, float, bytes)) or output_type is None:
         raise UnsupportedTypeError(

@@ -298,6 +298,14 @@ def test_an_async_caller_with_a_bad_schema_and_a_bad_prompt_hears_of_the_schema_
     assert value == llm.generate(good, "A JSON object with n = 3.", max_tokens=20)
 
 
+_tool_calls: list[int] = []
+
+
+def _a_tool_function(x: int) -> int:
+    _tool_calls.append(x)  # (pydantic would call a function given as the output type)
+    return x
+
+
 @pytest.mark.parametrize(("output_type", "prompt", "kw", "error", "fix"), [
     (Customer(name="A", age=1, email="e", address=Address(street="s", city="c", zip="12345"), tags=[], member=True),
      "p", {}, structgen.UnsupportedTypeError, "pass the class itself"),
@@ -312,12 +320,34 @@ def test_an_async_caller_with_a_bad_schema_and_a_bad_prompt_hears_of_the_schema_
     (int, "p", {"temprature": 0.5}, structgen.InvalidParameterError, "did you mean temperature"),
     (int, "p", {"seed": 2**63}, structgen.InvalidParameterError, "seed must be between 0 and"),
     (int, "bad \ud800 text", {}, structgen.InvalidParameterError, "lone surrogate"),
+    (int, "p", {"temperature": float("inf")}, structgen.InvalidParameterError, "temperature must be >= 0.0 and <= 100.0"),
+    (int, "p", {"temperature": 1e39}, structgen.InvalidParameterError, "temperature must be >= 0.0 and <= 100.0"),
+    (lambda: 1, "p", {}, structgen.UnsupportedTypeError, "not a type; for the model to call it use llm.call"),
+    (_a_tool_function, "p", {}, structgen.UnsupportedTypeError, "llm.call(prompt, [_a_tool_function])"),
+    (int, [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], {},
+     structgen.InvalidParameterError, "content part of type 'image_url'; only text parts"),
 ])  # fmt: skip
 def test_mistakes_raise_a_structgen_error_that_names_the_fix(llm, output_type, prompt, kw, error, fix):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a string output type must not be evaluated (SyntaxWarning)
         with pytest.raises(error, match=re.escape(fix)):
             llm.generate(output_type, prompt, **kw)
+    assert _tool_calls == []  # a function given as the output type is refused, not run
+
+
+def test_openai_content_parts_are_read_as_their_text(llm):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Is the sky blue? "},
+                                          {"type": "text", "text": "Answer yes or no."}]}]
+    joined = [{"role": "user", "content": "Is the sky blue? Answer yes or no."}]
+    assert llm.encode_prompt(parts) == llm.encode_prompt(joined)
+    assert llm.generate(Literal["yes", "no"], parts) == llm.generate(Literal["yes", "no"], joined)
+
+
+def test_accepts_takes_text_and_names_the_fix_for_a_value(llm):
+    grammar = llm.compile(int)
+    assert grammar.accepts("42") and not grammar.accepts("4x")
+    with pytest.raises(TypeError, match=re.escape("pass its JSON text (json.dumps(value))")):
+        grammar.accepts(None)
 
 
 def test_a_prompt_far_over_the_context_is_refused_before_tokenizing(llm):

@@ -14,6 +14,7 @@ import pytest
 from structgen.errors import (
     IncompleteOutputError,
     InvalidConstraintError,
+    InvalidParameterError,
     ModelNotFoundError,
     PromptTooLongError,
     UnsupportedSchemaError,
@@ -34,6 +35,13 @@ class Person(pydantic.BaseModel):
 def remote(server_url: str):
     with RemoteLLM(server_url, MODEL) as llm:
         yield llm
+
+
+@pytest.mark.parametrize("temperature", [float("inf"), float("nan"), 1e39])
+def test_sampling_values_are_checked_before_anything_is_sent(temperature: float) -> None:
+    client = RemoteLLM("http://127.0.0.1:9", "m")  # nothing listens there: a send would fail otherwise
+    with pytest.raises(InvalidParameterError, match="temperature must be"):
+        client.generate(int, "p", temperature=temperature)
 
 
 def test_generate_pydantic(remote: RemoteLLM) -> None:

@@ -3,6 +3,7 @@ constraint, parser) and `call` / `run_tools` on the real default model."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from enum import Enum
 from pathlib import Path
@@ -12,6 +13,7 @@ import jsonschema
 import pydantic
 import pytest
 
+import structgen
 from structgen import tool_format
 from structgen.errors import InvalidConstraintError, UnsupportedTypeError
 from structgen.tools import Tool, ToolCall, ToolCalls, as_tool, call, run_tools, tool
@@ -84,6 +86,32 @@ def test_validate_and_invoke() -> None:
     assert isinstance(args.origin, Place)
     assert ToolCall("distance_km", args, distance).invoke() == 343.5
     assert ToolCall("get_weather", get_weather.validate({"city": "Oslo", "unit": "F"}), get_weather).invoke() == "21 degrees F in Oslo"
+
+
+@tool
+async def slow_double(x: int) -> int:
+    """Double x, as an async service would."""
+    await asyncio.sleep(0)
+    return 2 * x
+
+
+def test_an_async_tool_is_awaited_by_invoke_and_ainvoke() -> None:
+    call = ToolCall("slow_double", slow_double.validate({"x": 21}), slow_double)
+    assert call.invoke() == 42
+    assert asyncio.run(call.ainvoke()) == 42
+    assert ToolCall("get_weather", get_weather.validate({"city": "Oslo"}), get_weather).invoke() == "21 degrees C in Oslo"
+
+    async def inside_a_loop() -> None:
+        with pytest.raises(structgen.InvalidParameterError, match="await call.ainvoke"):
+            call.invoke()
+
+    asyncio.run(inside_a_loop())
+
+
+@pytest.mark.parametrize("rounds", [-1, 1.5, True])
+def test_run_tools_refuses_a_bad_round_limit(rounds) -> None:
+    with pytest.raises(structgen.InvalidParameterError, match="max_rounds must be an integer >= 0"):
+        run_tools(object(), "hi", [get_weather], max_rounds=rounds)
 
 
 # --------------------------------------------------------------------------- the tool format
@@ -165,6 +193,11 @@ def test_render_messages_without_native_tool_template(tokenizer) -> None:
 
 
 # --------------------------------------------------------------------------- on the model
+
+
+def test_generate_takes_tools_for_the_template_as_call_does(llm) -> None:
+    as_dicts = llm.encode_prompt("Weather in Oslo?", tools=[get_weather.to_openai(), distance.to_openai()])
+    assert llm.encode_prompt("Weather in Oslo?", tools=[get_weather, distance]) == as_dicts
 
 
 def test_call_required_returns_typed_calls(llm) -> None:

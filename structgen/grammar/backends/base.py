@@ -238,9 +238,16 @@ class CompiledGrammar(ABC):
     def matcher(self) -> GrammarMatcher:
         """A fresh matcher at the start of the grammar (cheap: microseconds)."""
 
-    @abstractmethod
     def accepts(self, text: str) -> bool:
         """Is `text` a complete output of this grammar? (Tests and evaluation use it.)"""
+        if not isinstance(text, str):
+            raise TypeError(f"accepts() takes an output's text, a str, got {type(text).__name__}; "
+                            "for a value, pass its JSON text (json.dumps(value))")
+        return self._accepts_text(text)
+
+    @abstractmethod
+    def _accepts_text(self, text: str) -> bool:
+        """`accepts` once `text` is known to be a str."""
 
     def __repr__(self) -> str:
         return (

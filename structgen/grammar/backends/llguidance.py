@@ -169,7 +169,7 @@ class LLGuidanceCompiledGrammar(CompiledGrammar):
         m.grammar = self
         return m
 
-    def accepts(self, text: str) -> bool:
+    def _accepts_text(self, text: str) -> bool:
         m = self._template.deep_copy()
         ids = self._tokenizer.tokenize_str(text)
         return m.try_consume_tokens(ids) == len(ids) and m.is_accepting()

@@ -148,7 +148,7 @@ class XGrammarCompiledGrammar(CompiledGrammar):
         m.grammar = self
         return m
 
-    def accepts(self, text: str) -> bool:
+    def _accepts_text(self, text: str) -> bool:
         m = xgr.GrammarMatcher(self.xgr_compiled)
         return m.accept_string(text) and m.is_completed()
 
