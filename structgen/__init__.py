@@ -30,25 +30,26 @@ from structgen.errors import (
 )
 from structgen.partial import Partial, PartialStream
 from structgen.sampling import SamplingParams
-from structgen.tools import run_tools, tool
+from structgen.tools import Tool, ToolCall, ToolCalls, ToolRun, run_tools, tool
 from structgen.types import CFG, Choice, JsonSchema, Regex
 
 if TYPE_CHECKING:
-    from structgen.remote import RemoteLLM
+    from structgen.remote import RemoteLLM, RemoteStats
 
 
 def __getattr__(name: str) -> Any:
     # The HTTP client loads only for those who use it.
-    if name == "RemoteLLM":
-        from structgen.remote import RemoteLLM
+    if name in ("RemoteLLM", "RemoteStats"):
+        from structgen import remote
 
-        return RemoteLLM
+        return getattr(remote, name)
     raise AttributeError(f"module 'structgen' has no attribute {name!r}")
 
 
 __all__ = [
     "LLM",
     "RemoteLLM",
+    "RemoteStats",
     "generate",
     "Completion",
     "ReasoningDelta",
@@ -66,6 +67,10 @@ __all__ = [
     "Choice",
     "tool",
     "run_tools",
+    "Tool",
+    "ToolCall",
+    "ToolCalls",
+    "ToolRun",
     "StructgenError",
     "StructgenWarning",
     "UnsupportedSchemaError",

@@ -4,24 +4,28 @@ from a server (`LLM.remote`), so it lives below both."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import TYPE_CHECKING, Generic
+
+from typing_extensions import TypeVar
 
 if TYPE_CHECKING:
-    from structgen.engine.request import GenerationStats
-    from structgen.remote import RemoteStats
+    from structgen.engine.request import GenerationStats  # noqa: F401  (the default of Stats)
 
 T = TypeVar("T")
+# The stats' type: the engine's `GenerationStats` in process, `RemoteStats` (None where the
+# server does not say) from `LLM.remote`; a default, so `Completion[Invoice]` is the local one.
+Stats = TypeVar("Stats", default="GenerationStats")
 
 
 @dataclass
-class Completion(Generic[T]):
+class Completion(Generic[T, Stats]):
     """One finished generation: the typed, validated `value` and how it was made."""
 
     value: T
     text: str
     token_ids: list[int]
     finish_reason: str  # "stop", or "length" for free text cut off by max_tokens
-    stats: GenerationStats | RemoteStats  # RemoteStats: from `LLM.remote`, None where unknown
+    stats: Stats
     relaxed: tuple[str, ...] = ()  # strict=False: schema keywords left out of the grammar
     # What a reasoning model wrote in its think section, apart from the answer (`text`,
     # `token_ids`); None where the request did not reason.

@@ -32,6 +32,7 @@ from typing import Any, Literal, TypeVar, overload
 import httpx
 
 from structgen import tool_format
+from structgen.arguments import checked_keywords
 from structgen.completion import Completion, ReasoningDelta
 from structgen.errors import (
     CompilerBusyError,
@@ -50,7 +51,10 @@ from structgen.errors import (
 )
 from structgen.partial import PartialStream, partial_tracker
 from structgen.sampling import SamplingParams
-from structgen.types import Choice, Constraint, to_constraint
+from structgen.types import CFG, Choice, Constraint, Regex, to_constraint
+
+if typing.TYPE_CHECKING:
+    from structgen.tools import ToolCalls
 
 T = TypeVar("T")
 
@@ -102,6 +106,13 @@ class RemoteStats:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}
         d["mean_acceptance_length"] = self.mean_acceptance_length
         return d
+
+
+def _no_remote_repair(repair: int) -> None:
+    if repair:
+        raise InvalidParameterError(
+            "repair re-decodes a rejected field with the engine's own grammar state, so it runs "
+            "in process only; LLM.remote takes repair=0 (validate and retry on your side)")
 
 
 @dataclass
@@ -167,6 +178,13 @@ class RemoteLLM:
         return f"RemoteLLM({self.base_url!r}, {self.model_name!r})"
 
     # -- generation -------------------------------------------------------------------------
+    @overload
+    def complete(self, output_type: Regex | CFG, prompt: Prompt, **kw: Any) -> Completion[str, RemoteStats]: ...
+    @overload
+    def complete(self, output_type: type[T], prompt: Prompt, **kw: Any) -> Completion[T, RemoteStats]: ...
+    @overload
+    def complete(self, output_type: object, prompt: Prompt, **kw: Any) -> Completion[Any, RemoteStats]: ...
+    @checked_keywords
     def complete(
         self,
         output_type: Any,
@@ -184,11 +202,16 @@ class RemoteLLM:
         max_reasoning_tokens: int | None = None,
         chat: bool | None = None,
         tools: list[dict[str, Any]] | None = None,
-    ) -> Completion:
+        strict: bool = True,
+        repair: int = 0,
+    ) -> Completion[Any, RemoteStats]:
         """Generate one output of `output_type` on the server; same contract as `LLM.complete`
         (returns a validated value; truncation raises `IncompleteOutputError`, except for `str`,
-        which comes back cut with finish_reason "length")."""
-        wire = self._wire_request(output_type, prompt, chat, tools)
+        which comes back cut with finish_reason "length"). `strict=False` sends the schema
+        without the keywords no backend enforces and validates the reply against all of it
+        here, as in process (`Completion.relaxed`)."""
+        _no_remote_repair(repair)
+        wire = self._wire_request(output_type, prompt, chat, tools, strict)
         wire.body.update(self._sampling(max_tokens, temperature, top_p, top_k, seed, jump_forward))
         wire.body.update(self._guards(close_at_budget, loop_guards))
         wire.body.update(self._reasoning(reasoning, max_reasoning_tokens))
@@ -209,6 +232,7 @@ class RemoteLLM:
     def stream(
         self, output_type: object, prompt: Prompt, *, partial: Literal[False] = ..., **kw: Any
     ) -> RemoteCompletionStream: ...
+    @checked_keywords
     def stream(
         self,
         output_type: Any,
@@ -226,6 +250,8 @@ class RemoteLLM:
         max_reasoning_tokens: int | None = None,
         chat: bool | None = None,
         tools: list[dict[str, Any]] | None = None,
+        strict: bool = True,
+        repair: int = 0,
         partial: bool = False,
     ) -> RemoteCompletionStream | PartialStream[Any]:
         """`for delta in llm.stream(...)` (or `async for` over `llm.astream(...)`): text deltas
@@ -233,7 +259,8 @@ class RemoteLLM:
         `complete` when the stream ends. `partial=True` (JSON output types) yields `Partial`
         snapshots instead, parsed and validated here from the text deltas, so any
         OpenAI-compatible server will do."""
-        wire = self._wire_request(output_type, prompt, chat, tools)
+        _no_remote_repair(repair)
+        wire = self._wire_request(output_type, prompt, chat, tools, strict)
         wire.body.update(self._sampling(max_tokens, temperature, top_p, top_k, seed, jump_forward))
         wire.body.update(self._guards(close_at_budget, loop_guards))
         wire.body.update(self._reasoning(reasoning, max_reasoning_tokens))
@@ -252,26 +279,59 @@ class RemoteLLM:
     # `.completion`, as with `LLM.astream`.
     astream = stream
 
+    @overload
+    def generate(self, output_type: Regex | CFG, prompt: Prompt, **kw: Any) -> str: ...
+    @overload
+    def generate(self, output_type: type[T], prompt: Prompt, **kw: Any) -> T: ...
+    @overload
+    def generate(self, output_type: object, prompt: Prompt, **kw: Any) -> Any: ...
     def generate(self, output_type: Any, prompt: Prompt, **kw: Any) -> Any:
         """Generate and return just the typed value."""
         return self.complete(output_type, prompt, **kw).value
 
-    def complete_batch(self, output_type: Any, prompts: Sequence[Prompt], **kw: Any) -> list[Completion]:
+    @overload
+    def complete_batch(
+        self, output_type: Regex | CFG, prompts: Sequence[Prompt], **kw: Any) -> list[Completion[str, RemoteStats]]: ...
+    @overload
+    def complete_batch(
+        self, output_type: type[T], prompts: Sequence[Prompt], **kw: Any) -> list[Completion[T, RemoteStats]]: ...
+    @overload
+    def complete_batch(
+        self, output_type: object, prompts: Sequence[Prompt], **kw: Any) -> list[Completion[Any, RemoteStats]]: ...
+    def complete_batch(self, output_type: Any, prompts: Sequence[Prompt], **kw: Any) -> list[Completion[Any, RemoteStats]]:
         """Send the prompts concurrently (the server batches them); results in prompt order."""
         with ThreadPoolExecutor(max_workers=max(1, min(self.max_concurrency, len(prompts)))) as pool:
             return list(pool.map(lambda p: self.complete(output_type, p, **kw), prompts))
 
+    @overload
+    def generate_batch(self, output_type: Regex | CFG, prompts: Sequence[Prompt], **kw: Any) -> list[str]: ...
+    @overload
+    def generate_batch(self, output_type: type[T], prompts: Sequence[Prompt], **kw: Any) -> list[T]: ...
+    @overload
+    def generate_batch(self, output_type: object, prompts: Sequence[Prompt], **kw: Any) -> list[Any]: ...
     def generate_batch(self, output_type: Any, prompts: Sequence[Prompt], **kw: Any) -> list[Any]:
         return [c.value for c in self.complete_batch(output_type, prompts, **kw)]
 
-    async def acomplete(self, output_type: Any, prompt: Prompt, **kw: Any) -> Completion:
+    @overload
+    async def acomplete(self, output_type: Regex | CFG, prompt: Prompt, **kw: Any) -> Completion[str, RemoteStats]: ...
+    @overload
+    async def acomplete(self, output_type: type[T], prompt: Prompt, **kw: Any) -> Completion[T, RemoteStats]: ...
+    @overload
+    async def acomplete(self, output_type: object, prompt: Prompt, **kw: Any) -> Completion[Any, RemoteStats]: ...
+    async def acomplete(self, output_type: Any, prompt: Prompt, **kw: Any) -> Completion[Any, RemoteStats]:
         """`complete` for asyncio (a worker thread per call; httpx's sync client is thread-safe)."""
         return await asyncio.to_thread(lambda: self.complete(output_type, prompt, **kw))
 
+    @overload
+    async def agenerate(self, output_type: Regex | CFG, prompt: Prompt, **kw: Any) -> str: ...
+    @overload
+    async def agenerate(self, output_type: type[T], prompt: Prompt, **kw: Any) -> T: ...
+    @overload
+    async def agenerate(self, output_type: object, prompt: Prompt, **kw: Any) -> Any: ...
     async def agenerate(self, output_type: Any, prompt: Prompt, **kw: Any) -> Any:
         return (await self.acomplete(output_type, prompt, **kw)).value
 
-    def call(self, prompt: Prompt, tools: Sequence[Any], **kw: Any) -> Any:
+    def call(self, prompt: Prompt, tools: Sequence[Any], **kw: Any) -> ToolCalls:
         """Tool calls, as `LLM.call`: see `structgen.tools.call`."""
         from structgen.tools import call
 
@@ -329,9 +389,12 @@ class RemoteLLM:
 
     # -- wire format ------------------------------------------------------------------------
     def _wire_request(
-        self, output_type: Any, prompt: Prompt, chat: bool | None, tools: list[dict] | None
+        self, output_type: Any, prompt: Prompt, chat: bool | None, tools: list[dict] | None, strict: bool = True
     ) -> _WireRequest:
-        constraint = to_constraint(output_type)
+        self._check_open()
+        if not isinstance(strict, bool):
+            raise InvalidParameterError(f"strict must be True or False, got {strict!r}")
+        constraint = to_constraint(output_type, strict=strict)
         body: dict[str, Any] = {"model": self.model_name}
         if isinstance(prompt, str) and chat is False:
             path = "/completions"
@@ -401,7 +464,12 @@ class RemoteLLM:
         fields = {"reasoning": reasoning, "max_reasoning_tokens": max_reasoning_tokens}
         return {k: v for k, v in fields.items() if v is not None}
 
+    def _check_open(self) -> None:
+        if self._client.is_closed:
+            raise StructgenError("this RemoteLLM is closed; create a new one with structgen.LLM.remote(...)")
+
     def _post(self, path: str, body: dict[str, Any]) -> httpx.Response:
+        self._check_open()
         try:
             resp = self._client.post(path, json=body)
         except httpx.HTTPError as e:
@@ -410,7 +478,7 @@ class RemoteLLM:
         return resp
 
     def _finish(self, wire: _WireRequest, text: str, finish_reason: str | None, stats: RemoteStats,
-                reasoning: str | None = None) -> Completion:
+                reasoning: str | None = None) -> Completion[Any, RemoteStats]:
         """The reply as a validated `Completion`; truncation raises as in-process, except for
         free text, which comes back cut with finish_reason "length" (as OpenAI does)."""
         if finish_reason == "length":
@@ -423,7 +491,8 @@ class RemoteLLM:
             )
         if wire.unwrap:
             text = _unwrapped_text(text, wire.unwrap)
-        return Completion(wire.constraint.parse(text), text, [], finish_reason or "stop", stats, reasoning=reasoning)
+        return Completion(wire.constraint.parse(text), text, [], finish_reason or "stop", stats,
+                          wire.constraint.relaxed, reasoning=reasoning)
 
     def _raise_for_error(self, resp: httpx.Response) -> None:
         """Raise the structgen exception an error response stands for."""
@@ -463,7 +532,7 @@ class RemoteCompletionStream:
 
     def __init__(self, llm: RemoteLLM, wire: _WireRequest):
         self._llm, self._wire = llm, wire
-        self.completion: Completion | None = None
+        self.completion: Completion[Any, RemoteStats] | None = None
         self._deltas: Generator[str, None, None] | None = None
 
     def __iter__(self) -> RemoteCompletionStream:
@@ -557,7 +626,7 @@ class _StreamEvents:
             self.pieces.append(delta)
         return [d for d in (ReasoningDelta(thought), delta) if d]
 
-    def completion(self) -> Completion:
+    def completion(self) -> Completion[Any, RemoteStats]:
         end = time.perf_counter()
         stats = _usage_stats(self.usage, wall_s=end - self.sent_at)
         if self.first_text_at is not None:

@@ -111,7 +111,12 @@ class Tool:
         return f"Tool({self.name!r})"
 
 
-def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None, description: str | None = None) -> Any:
+@typing.overload
+def tool(fn: Callable[..., Any], *, name: str | None = None, description: str | None = None) -> Tool: ...
+@typing.overload
+def tool(fn: None = None, *, name: str | None = None, description: str | None = None) -> Callable[[Callable[..., Any]], Tool]: ...
+def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None,
+         description: str | None = None) -> Tool | Callable[[Callable[..., Any]], Tool]:
     """Decorator: `@tool` or `@tool(name=..., description=...)` makes a `Tool` of a function.
     The description defaults to the docstring's first paragraph; `Args:` lines in the
     docstring become parameter descriptions."""

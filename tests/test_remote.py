@@ -17,6 +17,7 @@ from structgen.errors import (
     InvalidParameterError,
     ModelNotFoundError,
     PromptTooLongError,
+    StructgenError,
     UnsupportedSchemaError,
 )
 from structgen.remote import RemoteLLM
@@ -42,6 +43,25 @@ def test_sampling_values_are_checked_before_anything_is_sent(temperature: float)
     client = RemoteLLM("http://127.0.0.1:9", "m")  # nothing listens there: a send would fail otherwise
     with pytest.raises(InvalidParameterError, match="temperature must be"):
         client.generate(int, "p", temperature=temperature)
+
+
+def test_strict_false_and_the_in_process_keywords_work_or_are_named(remote: RemoteLLM) -> None:
+    with pytest.raises(UnsupportedSchemaError, match="strict=False"):
+        remote.generate(set[str], "List three fruits as a JSON array.", max_tokens=30)
+    done = remote.complete(set[str], "List three fruits as a JSON array.", max_tokens=30, strict=False)
+    assert isinstance(done.value, set) and done.relaxed == ("uniqueItems at #",)
+    with pytest.raises(InvalidParameterError, match="repair .* runs in process only"):
+        remote.complete(int, "p", repair=1)
+    with pytest.raises(InvalidParameterError, match="did you mean max_tokens"):
+        remote.complete(int, "p", max_new_tokens=5)
+
+
+def test_a_closed_client_says_so(server_url: str) -> None:
+    client = RemoteLLM(server_url, MODEL)
+    client.close()
+    for use in (lambda: client.generate(int, "p"), lambda: list(client.stream(int, "p"))):
+        with pytest.raises(StructgenError, match="this RemoteLLM is closed"):
+            use()
 
 
 def test_generate_pydantic(remote: RemoteLLM) -> None:

@@ -78,6 +78,12 @@ async def typed_calls(llm: structgen.LLM) -> None:
         assert_type(city.value, City)
     assert_type(partial_stream.completion, structgen.Completion[City] | None)
 
+    stats = llm.complete(Customer, "p").stats
+    assert_type(stats.ttft_s * 1000, float)
+    assert_type(stats.guards_fired, list[str])
+    assert_type(llm.call("p", [tools_of_mine]), structgen.ToolCalls)
+    assert_type(tools_of_mine, structgen.Tool)
+
     assert_type(structgen.generate(Customer, "p"), Customer)
     assert_type(structgen.generate(structgen.Regex("a"), "p"), str)
     with structgen.LLM() as local:
@@ -91,9 +97,29 @@ def errors_are_exported() -> tuple[type[structgen.StructgenError], ...]:
     )  # fmt: skip
 
 
-def remote_and_speculative(remote: structgen.RemoteLLM) -> structgen.SpeculativeConfig | None:
+@structgen.tool
+def tools_of_mine(city: str) -> str:
+    return city
+
+
+@structgen.tool(name="lookup")
+def named_tool(city: str) -> str:
+    return city
+
+
+async def remote_and_speculative(remote: structgen.RemoteLLM) -> structgen.SpeculativeConfig | None:
     for snapshot in remote.stream(Customer, "p", partial=True):
         assert_type(snapshot.value, Customer)
+    assert_type(remote.generate(Customer, "p"), Customer)
+    assert_type(remote.generate(structgen.Regex("a"), "p"), str)
+    assert_type(await remote.agenerate(int, "p"), int)
+    assert_type(remote.generate_batch(City, ["p"]), list[City])
+    completion = remote.complete(Customer, "p")
+    assert_type(completion.value, Customer)
+    assert_type(completion.stats.ttft_s, float | None)  # unknown where the server does not say
+    assert_type((await remote.acomplete(Customer, "p")).stats, structgen.RemoteStats)
+    assert_type(remote.call("p", [named_tool]), structgen.ToolCalls)
+    assert_type(named_tool, structgen.Tool)
     return None
 
 
