@@ -49,7 +49,6 @@ _SCALARS: dict[type, tuple[str, Callable[[str], Any]]] = {
     float: (FLOAT_REGEX, float),
     bool: (BOOL_REGEX, lambda text: text == "true"),
 }
-_REGEX_META = set("\\.^$|?*+()[]{}/")
 _EBNF_RULE = re.compile(r"^\s*[A-Za-z_][\w.-]*\s*::=", re.MULTILINE)
 
 
@@ -247,10 +246,14 @@ def _build(output_type: Any, strict: bool) -> Constraint:
 def _pydantic_constraint(output_type: Any, strict: bool) -> Constraint:
     """Models, dataclasses, TypedDicts and containers of them, through a pydantic TypeAdapter
     (which gives both the JSON schema and the validating parser)."""
+    # Formats and key types pydantic validates but the backends would not enforce become
+    # patterns there (see `schema.pydantic_types`).
+    from structgen.schema.pydantic_types import grammar_json_schema
+
     name = getattr(output_type, "__name__", None) or repr(output_type)
     try:
         adapter = pydantic.TypeAdapter(_portable_typeddicts(output_type))
-        schema = adapter.json_schema()
+        schema, unenforced = grammar_json_schema(adapter, strict)
     except (pydantic.PydanticSchemaGenerationError, pydantic.PydanticUserError, TypeError) as e:
         raise UnsupportedTypeError(
             f"cannot generate a {name}: it has no JSON schema ({_one_line(e)}). Use a pydantic "
@@ -258,7 +261,9 @@ def _pydantic_constraint(output_type: Any, strict: bool) -> Constraint:
             "Regex/CFG/Choice"
         ) from e
     generated, tightened, relaxed = _generation_schema(close_objects(schema), strict)
-    return _json_constraint(generated, tightened, f"JSON {name}", strict, adapter.validate_json, relaxed)
+    return _json_constraint(
+        generated, tightened, f"JSON {name}", strict, adapter.validate_json, unenforced + relaxed
+    )
 
 
 def _portable_typeddicts(tp: Any) -> Any:
@@ -630,7 +635,9 @@ def _choice_constraint(options: list[Any], values: list[Any], name: str) -> Cons
         texts[text] = value
     # Longest first: both backends' alternations are unordered, but it keeps the regex readable
     # and deterministic.
-    pattern = "|".join(_escape_regex(t) for t in sorted(texts, key=lambda t: (-len(t), t)))
+    from structgen.schema.patterns import escape_regex
+
+    pattern = "|".join(escape_regex(t) for t in sorted(texts, key=lambda t: (-len(t), t)))
 
     def parse(text: str) -> Any:
         if text not in texts:
@@ -653,24 +660,6 @@ def _option_text(option: Any, name: str) -> str:
     raise InvalidConstraintError(
         f"{name} options must be strings, numbers, bools or None, got {option!r}"
     )
-
-
-def _escape_regex(text: str) -> str:
-    """Escape only true metacharacters: both backends' dialects (ECMAScript-like and Rust)
-    reject some escapes Python's `re.escape` writes."""
-    out = []
-    for ch in text:
-        if ch in _REGEX_META:
-            out.append("\\" + ch)
-        elif ch == "\n":
-            out.append("\\n")
-        elif ch == "\t":
-            out.append("\\t")
-        elif ch == "\r":
-            out.append("\\r")
-        else:
-            out.append(ch)
-    return "".join(out)
 
 
 def _one_line(e: BaseException) -> str:

@@ -181,3 +181,24 @@ def _exactly_one(languages: list[Language | None]) -> Language | None:
             return None
         pieces.append(language.intersect(others.complement()))
     return _union(pieces)
+
+
+REGEX_META = set("\\.^$|?*+()[]{}/")
+
+
+def escape_regex(text: str) -> str:
+    """Escape only true metacharacters: both backends' dialects (ECMAScript-like and Rust)
+    reject some escapes Python's `re.escape` writes."""
+    out = []
+    for ch in text:
+        if ch in REGEX_META:
+            out.append("\\" + ch)
+        elif ch == "\n":
+            out.append("\\n")
+        elif ch == "\t":
+            out.append("\\t")
+        elif ch == "\r":
+            out.append("\\r")
+        else:
+            out.append(ch)
+    return "".join(out)
