@@ -72,6 +72,7 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack
 
     from structgen.remote import RemoteLLM
+    from structgen.tools import ToolCalls
 
 T = TypeVar("T")
 Prompt = str | Sequence[dict[str, Any]] | EncodedPrompt
@@ -230,7 +231,7 @@ class LLM:
 
         return RemoteLLM(base_url, model, api_key=api_key, **kw)
 
-    def call(self, prompt: Prompt, tools: Sequence[Any], **kw: Any) -> Any:
+    def call(self, prompt: Prompt, tools: Sequence[Any], **kw: Any) -> ToolCalls:
         """Typed tool calls (see `structgen.tools.call`): arguments validated against each
         tool's signature; `tool_choice` "required" (default), "auto", "none" or a name."""
         from structgen.tools import call
