@@ -923,14 +923,16 @@ class _OutputDeltas:
     ends), then its answer's text as plain `str`. Sent text cannot be taken back, so the
     answer's tokens that budget closing may still drop (`BudgetCloser.retractable_from`)
     wait until they are kept or the request ends: the deltas add up to the final text (but
-    for a closing that steps back past its safe point, `SAFE_POINT_SLACK`). Each update costs
-    the tokens it adds, not the whole output."""
+    for a closing that steps back past the first safe point of an output that streamed
+    before it had one, `SAFE_POINT_SLACK`). Each update costs the tokens it adds, not the
+    whole output."""
 
     def __init__(self, tokenizer: Any):
         self.tokens = _OutputTokens()
         self.reasoning = _DeltaDecoder(tokenizer, hold=CLOSE_TAG)
         self.answer = _DeltaDecoder(tokenizer)
         self.final = False  # the last call saw the request finished: nothing more comes
+        self._released = 0  # the output tokens the answer's deltas have covered so far
 
     def deltas(self, req: Request) -> list[str]:
         # Read `finished` before the tokens: a request that finishes meanwhile sends one more
@@ -948,17 +950,25 @@ class _OutputDeltas:
             self.reasoning.changed(changed)
             self.answer.changed(changed)
         if phase is None:
-            end = len(ids) if kept is None else min(kept, len(ids))
+            end = self._answer_end(kept, len(ids), 0)
             return [d] if (d := self.answer.delta(ids, 0, end, final=final)) else []
         out: list[str] = []
         think_end = len(ids) if phase.end is None else min(phase.end, len(ids))
         if d := self.reasoning.delta(ids, phase.start, think_end, final=final or not phase.thinking):
             out.append(ReasoningDelta(d))
         if phase.answer_start is not None:
-            end = len(ids) if kept is None else max(phase.answer_start, min(kept, len(ids)))
+            end = self._answer_end(kept, len(ids), phase.answer_start)
             if d := self.answer.delta(ids, phase.answer_start, end, final=final):
                 out.append(d)
         return out
+
+    def _answer_end(self, kept: int | None, n: int, start: int) -> int:
+        """Where the answer's deltas may end now (`n` output tokens, `kept` of them safe,
+        the answer from `start`): never short of what they already covered while those
+        tokens stand, since a section decoded to a shorter end sends its tail again."""
+        end = n if kept is None else min(n, max(start, kept, self._released))
+        self._released = end
+        return end
 
 
 class _OutputTokens:

@@ -5,7 +5,8 @@ Each request carries `close_at`, the output length at which the engine next asks
 (`BudgetCloser.at_budget`); until then the only cost is one integer comparison per request and
 step. At a check the closer searches the grammar for a short completion from
 the request's state (`CompletionSearch`): while the budget is far it only schedules the next
-check (halfway to where closing must start, so checks get denser as the end nears); once the
+check (halfway to where closing must start, so checks get denser as the end nears, and at most
+`CHECK_EVERY` tokens on, so a stream's held-back text is released every few tokens); once the
 tokens left are within that completion's length plus `CLOSING_MARGIN`, it appends the
 completion without sampling it and finishes the request with `stop` (an open string ends, arrays
 and objects close, optional fields are skipped). The request then needs no further forward, so
@@ -59,6 +60,11 @@ LOOP_CHECK_EVERY = 16
 SAFE_POINT_SLACK = 3
 LOOP_MAX_PERIOD = 32
 LOOP_MIN_RUN = 16
+# The most output tokens between two budget checks once a request has a safe point: a stream
+# holds back the text after it until the next check (`retractable_from`), so this bounds that
+# wait, for a search per this many tokens near the budget (alike streamed or not, so that
+# where an output is closed does not depend on whether it is streamed).
+CHECK_EVERY = 4
 
 
 class BudgetCloser:
@@ -98,7 +104,7 @@ class BudgetCloser:
         if plan is not None:
             req.safe_point = req.num_output
             if len(plan) + CLOSING_MARGIN < left:
-                req.budget_check_at = self._halfway(req, left, plan)
+                req.budget_check_at = self._next_check(req, left, plan)
 
     def shortest(self, req: Request, limit: int, dropped: int = 0) -> list[int] | None:
         """The search's completion from the state of the request's matcher (which has rolled
@@ -116,10 +122,12 @@ class BudgetCloser:
         return found.within(limit)
 
     @staticmethod
-    def _halfway(req: Request, left: int, plan: list[int]) -> int:
+    def _next_check(req: Request, left: int, plan: list[int]) -> int:
         """The next budget check: halfway to where closing must start, so checks get denser
-        as the end nears."""
-        return req.num_output + max(1, (left - len(plan) - CLOSING_MARGIN) // 2)
+        as the end nears, and at most CHECK_EVERY tokens on, so that each check moves the safe
+        point and a stream releases the text it held back since."""
+        gap = max(1, (left - len(plan) - CLOSING_MARGIN) // 2)
+        return req.num_output + min(gap, CHECK_EVERY)
 
     def at_budget(self, req: Request, completed: bool) -> None:
         """The request's output reached `req.close_at` (`completed`: its grammar may end
@@ -152,7 +160,7 @@ class BudgetCloser:
                 return
             if plan is not None:
                 req.safe_point = req.num_output
-            req.budget_check_at = p.max_tokens if plan is None else self._halfway(req, left, plan)
+            req.budget_check_at = p.max_tokens if plan is None else self._next_check(req, left, plan)
         self._schedule(req, req.num_output)
 
     @staticmethod
@@ -221,14 +229,13 @@ class BudgetCloser:
     @staticmethod
     def retractable_from(req: Request) -> int | None:
         """The output length past which closing may still drop the request's tokens (back to
-        its safe point, `_close_at_safe_point`); None where it drops none. Safe points only
-        move forward, so text before the one read here is not taken back, but for a closing
-        that finds no completion there and steps back up to `SAFE_POINT_SLACK` tokens more."""
+        its safe point, or up to `SAFE_POINT_SLACK` tokens before it: `_close_at_safe_point`);
+        None where it drops none. Safe points only move forward, so text before the length
+        read here is not taken back; a reader that already sent text past it (sent while there
+        was no safe point) keeps that, as the closer cannot know it."""
         if not req.params.close_at_budget or req.safe_point is None:
             return None
-        # Not minus SAFE_POINT_SLACK: tokens before the first safe point went out while there
-        # was none, and holding the slack back would take them back from the stream.
-        return req.safe_point
+        return max(0, req.safe_point - SAFE_POINT_SLACK)
 
     def _close_at_safe_point(self, req: Request) -> bool:
         """No completion fits from here (since the last check the output opened more than its

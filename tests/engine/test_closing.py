@@ -317,3 +317,40 @@ def test_forced_text_over_a_loop_check_stays_where_the_output_does_not_loop(llm:
     req = _feed(llm, text, [1, n - 1])
     assert not req.finished and req.num_output == n and req.stats.guards_fired == []
     assert req.close_at > req.num_output and req.close_at % 16 == 0
+
+
+class Person(BaseModel):
+    name: str
+    age: int
+
+
+def _stream_all(llm: LLM, output_type: object, prompt: str, **options: object) -> tuple[list[str], object]:
+    """The deltas of a typed stream and its completion."""
+    stream = llm.stream(output_type, prompt, **options)
+    deltas = []
+    while True:
+        try:
+            deltas.append(next(stream))
+        except StopIteration as end:
+            return deltas, end.value
+
+
+@pytest.mark.parametrize("max_tokens", [24, 40, 64])
+def test_a_typed_stream_at_a_small_budget_sends_its_text_as_it_goes(llm: LLM, max_tokens: int) -> None:
+    """A budget at most FIRST_CHECK_WINDOW makes the empty output a safe point, and the stream
+    holds back what follows it until a check moves it: a stream's checks come every few
+    tokens, so its text comes in several deltas, not all at the end (one delta of the whole
+    value before)."""
+    deltas, c = _stream_all(llm, Person, "Ada Lovelace is 36 years old.", max_tokens=max_tokens)
+    assert c.finish_reason == "stop" and isinstance(c.value, Person)
+    assert "".join(deltas) == c.text
+    assert len(deltas) >= 3, deltas
+
+
+@pytest.mark.parametrize("max_tokens", [20, 28, 36, 44])
+def test_a_stream_closed_at_a_small_budget_never_takes_back_text(llm: LLM, max_tokens: int) -> None:
+    """Closing drops the items opened past the budget; the stream held them back, so its
+    deltas add up to the final text, at every small budget."""
+    deltas, c = _stream_all(llm, list[Scientist], SCIENTISTS_PROMPT, max_tokens=max_tokens)
+    assert c.finish_reason == "stop" and "budget_closing" in c.stats.guards_fired
+    assert "".join(deltas) == c.text
