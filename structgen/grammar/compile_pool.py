@@ -11,6 +11,7 @@ cancelled, the job's `CompileBudget` is, and its Python-side work stops at the n
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +29,7 @@ class _CompileJob:
     def __init__(self, budget: CompileBudget):
         self.budget = budget
         self.waiters: list[CompileFuture] = []
+        self.queued_at = time.monotonic()
 
 
 class CompileFuture(Future):
@@ -111,7 +113,7 @@ class CompilePool:
         result: CompiledGrammar | None = None
         error: BaseException | None = None
         try:
-            job.budget.check()  # cancelled or out of time while queued
+            self._started(job)
             with within(job.budget):
                 result = self._compiler.compile(to_constraint(output, strict=strict), backend)
         except BaseException as e:  # handed to the waiters, whatever it is
@@ -127,6 +129,19 @@ class CompilePool:
                 future.set_result(result)
             else:
                 future.set_exception(error)
+
+    def _started(self, job: _CompileJob) -> None:
+        """A job leaving the queue: cancelled meanwhile, or queued longer than a compile may
+        take (the workers were busy: the caller's constraint is not at fault, so not
+        ConstraintTooLargeError), it stops; else its time budget starts now."""
+        if job.budget.cancelled:
+            job.budget.check()  # (raises that it was cancelled)
+        waited = time.monotonic() - job.queued_at
+        if waited > self._compiler.compile_timeout:
+            raise CompilerBusyError(
+                f"the grammar compiler was busy with other constraints for {waited:.0f} s before it "
+                f"could start on {job.budget.description}; retry shortly")
+        job.budget.restart()
 
     def forget(self, job: _CompileJob) -> None:
         """A waiter of `job` cancelled: cancel the job when none is left."""

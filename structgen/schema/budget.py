@@ -27,6 +27,10 @@ class CompileBudget:
         self.deadline = time.monotonic() + seconds
         self._cancelled = threading.Event()
 
+    def restart(self) -> None:
+        """Start the `seconds` afresh (a compile that waited in a queue: the wait is not its own)."""
+        self.deadline = time.monotonic() + self.seconds
+
     def cancel(self) -> None:
         self._cancelled.set()
 

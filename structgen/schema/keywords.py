@@ -350,14 +350,20 @@ def xgrammar_compile_cost(schema: Any) -> str | None:
     """Why xgrammar's ahead-of-time compile would take seconds to minutes for `schema`, if it
     would; llguidance builds its lexer lazily and compiles the same schemas in milliseconds.
 
-    xgrammar precomputes token masks for every grammar state, and two shapes multiply the
+    xgrammar precomputes token masks for every grammar state, and three shapes multiply the
     states: an open object that lists optional properties (every optional property may be
-    followed by any other key; compile time grows steeply with their number) and long bounded
-    repetitions (`maxLength: 100` is 100 states); `benchmarks/eval_grammar.py` reports
-    compile times.
+    followed by any other key; compile time grows steeply with their number), long bounded
+    repetitions (`maxLength: 100` is 100 states) and many characters of property names (a
+    state per character: 3-5 ms each on a 2-core VM, so one 10,000-character key kept a
+    compile worker busy past the time budget, which cannot stop native work);
+    `benchmarks/eval_grammar.py` reports compile times.
     """
+    key_chars = 0
     for node, path in walk(schema):
         props = node.get("properties")
+        key_chars += sum(len(k) for k in props) if isinstance(props, dict) else 0
+        if key_chars >= _MANY_KEY_CHARS:
+            return f"{key_chars}+ characters of property names up to {path}"
         required = node.get("required") if isinstance(node.get("required"), list) else []
         optional = isinstance(props, dict) and any(k not in required for k in props)
         if optional and node.get("additionalProperties") is not False:
@@ -376,6 +382,7 @@ def xgrammar_compile_cost(schema: Any) -> str | None:
 
 
 _LONG_REPEAT = 32
+_MANY_KEY_CHARS = 400  # property-name characters in a whole schema: about 1-2 s of xgrammar compile
 
 
 def xgrammar_narrows(schema: Any) -> str | None:

@@ -67,3 +67,46 @@ def test_a_caller_of_a_schema_already_compiling_joins_that_compile_and_gets_its_
     assert joined is not None
     assert joined.result(120) is first.result(120)
     assert grammar_compiler.join(constraint) is None  # compiled: the cache answers, not a join
+
+
+def _one_worker_compiler(tokenizer, model_dir: Path, timeout_s: float, monkeypatch, compile_s: dict[str, float]):
+    """A compiler of one worker whose compiles take `compile_s[description]` seconds (the
+    budget checked at their end, as after a native compile) instead of compiling."""
+    from structgen.engine.models.loader import load_model_config
+    from structgen.grammar import GrammarCompiler
+    from structgen.schema.budget import check_budget
+
+    compiler = GrammarCompiler(tokenizer, load_model_config(model_dir).vocab_size, [tokenizer.eos_token_id],
+                               compile_timeout=timeout_s, workers=1)
+
+    def slow_compile(constraint, backend=None):
+        time.sleep(compile_s[constraint.description])
+        check_budget()
+        return constraint.description
+
+    monkeypatch.setattr(compiler, "compile", slow_compile)
+    return compiler
+
+
+def _named(name: str):
+    from structgen.types import Constraint
+
+    return Constraint("regex", name, description=name)
+
+
+def test_a_compile_that_waited_in_the_queue_gets_its_whole_budget(tokenizer, model_dir, monkeypatch):
+    compiler = _one_worker_compiler(tokenizer, model_dir, 1.0, monkeypatch, {"first": 0.6, "second": 0.6})
+    first, second = compiler.submit(_named("first")), compiler.submit(_named("second"))
+    assert first.result(timeout=10) == "first"
+    assert second.result(timeout=10) == "second"  # 1.2 s after it was submitted, 0.6 s of its own
+
+
+def test_a_compile_queued_past_the_budget_hears_the_compiler_was_busy(tokenizer, model_dir, monkeypatch):
+    from structgen.errors import CompilerBusyError
+
+    compiler = _one_worker_compiler(tokenizer, model_dir, 0.5, monkeypatch, {"slow": 0.8, "innocent": 0.0})
+    slow, innocent = compiler.submit(_named("slow")), compiler.submit(_named("innocent"))
+    with pytest.raises(Exception, match="compile time budget"):
+        slow.result(timeout=10)
+    with pytest.raises(CompilerBusyError, match="busy with other constraints"):
+        innocent.result(timeout=10)

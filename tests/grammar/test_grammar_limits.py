@@ -276,6 +276,19 @@ def test_an_enum_over_the_limit_is_refused_naming_the_limit_and_how_to_raise_it(
     assert "20,000" in message and "max_enum_values=10,000" in message and "ConstraintLimits" in message
 
 
+@pytest.mark.parametrize("keys", [["k" * 10_000], [f"field_{i:04d}" for i in range(300)]], ids=["one long", "many"])
+def test_many_characters_of_property_names_compile_in_a_fraction_of_a_second(grammar_compiler, keys):
+    """xgrammar's compile takes milliseconds per character of property names (a 10,000-character
+    key held a compile worker for minutes, out of the time budget's reach); auto compiles such
+    schemas with llguidance instead."""
+    schema = JsonSchema({"type": "object", "properties": {k: {"type": "integer"} for k in keys}, "required": keys})
+    start = time.perf_counter()
+    grammar = grammar_compiler.compile(to_constraint(schema))
+    assert grammar.backend == "llguidance" and time.perf_counter() - start < 2.0
+    text = "{" + ", ".join(f'"{k}": 1' for k in keys) + "}"
+    assert grammar.accepts(text) and not grammar.accepts(text.replace('"k', '"x', 1).replace('"f', '"x', 1))
+
+
 def test_a_9000_value_enum_is_built_and_compiled_in_seconds(grammar_compiler):
     start = time.perf_counter()
     grammar = grammar_compiler.compile(to_constraint(JsonSchema({"enum": [f"value-{i}" for i in range(9_000)]})))
