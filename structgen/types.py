@@ -260,6 +260,7 @@ def _pydantic_constraint(output_type: Any, strict: bool) -> Constraint:
             "model, dataclass, TypedDict, int/float/bool/str, Literal, Enum, or JsonSchema/"
             "Regex/CFG/Choice"
         ) from e
+    _check_bounds(schema)  # contradictory Field bounds: the caller's error, as for a dict schema
     generated, tightened, relaxed = _generation_schema(close_objects(schema), strict)
     return _json_constraint(
         generated, tightened, f"JSON {name}", strict, adapter.validate_json, unenforced + relaxed

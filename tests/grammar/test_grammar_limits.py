@@ -13,7 +13,9 @@ import sys
 import time
 from concurrent.futures import CancelledError
 from pathlib import Path
+from typing import Annotated
 
+import pydantic
 import pytest
 
 from structgen import LLM, JsonSchema
@@ -287,6 +289,16 @@ def test_many_characters_of_property_names_compile_in_a_fraction_of_a_second(gra
     assert grammar.backend == "llguidance" and time.perf_counter() - start < 2.0
     text = "{" + ", ".join(f'"{k}": 1' for k in keys) + "}"
     assert grammar.accepts(text) and not grammar.accepts(text.replace('"k', '"x', 1).replace('"f', '"x', 1))
+
+
+@pytest.mark.parametrize("output_type", [
+    Annotated[int, pydantic.Field(ge=5, le=3)], Annotated[str, pydantic.Field(min_length=5, max_length=2)],
+    Annotated[list[int], pydantic.Field(min_length=3, max_length=1)], JsonSchema({"not": {}}),
+    JsonSchema({"allOf": [{"type": "string"}, {"type": "integer"}]}),
+], ids=["int", "str", "list", "not", "allOf"])  # fmt: skip
+def test_a_type_no_value_satisfies_is_refused_as_unsatisfiable_pydantic_or_schema(grammar_compiler, output_type):
+    with pytest.raises(UnsatisfiableConstraintError):
+        grammar_compiler.compile(to_constraint(output_type))
 
 
 def test_a_9000_value_enum_is_built_and_compiled_in_seconds(grammar_compiler):

@@ -14,6 +14,7 @@ from structgen.errors import (
     ConstraintTooLargeError,
     EngineError,
     InvalidConstraintError,
+    UnsatisfiableConstraintError,
     UnsupportedSchemaError,
 )
 from structgen.grammar.backends.base import (
@@ -234,6 +235,10 @@ class LLGuidanceBackend(GrammarBackend):
             what = (
                 f"llguidance cannot compile {constraint.description}: {_clean(matcher.get_error())}"
             )
+            if constraint.kind == "json_schema" and "Unsatisfiable schema" in matcher.get_error():
+                # a schema nothing satisfies (`{"not": {}}`, contradictory `allOf`): the caller's
+                # to fix, not a keyword another backend or strict=False could take
+                raise UnsatisfiableConstraintError(f"{what}; no JSON value satisfies it")
             if constraint.kind == "json_schema":
                 raise UnsupportedSchemaError(
                     what, keyword=_unimplemented_keyword(matcher.get_error())
@@ -292,8 +297,12 @@ def _lark_json_schemas(source: str) -> Iterator[Any]:
 
 
 def _clean(message: str) -> str:
-    """First lines of llguidance's message (it appends parser state dumps)."""
-    return " ".join(message.strip().split("\n<state>")[0].split())[:600]
+    """First lines of llguidance's message (it appends parser state dumps), its own option
+    names put as ours."""
+    text = " ".join(message.strip().split("\n<state>")[0].split())[:600]
+    return text.replace("Enable 'coerce_one_of' option to approximate oneOf with anyOf",
+                        "(branches no value can match twice); pass strict=False to generate it as anyOf "
+                        "and validate the output against the oneOf afterwards")
 
 
 def _unimplemented_keyword(message: str) -> str | None:
