@@ -37,6 +37,8 @@ from structgen.errors import (
     UnsupportedTypeError,
 )
 
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
 
 class Tool:
     """A function the model may call: its name, description and JSON-schema parameters, and
@@ -50,6 +52,10 @@ class Tool:
         fn: Callable[..., Any] | None = None,
         arguments_model: type[pydantic.BaseModel] | None = None,
     ):
+        if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
+            raise InvalidParameterError(
+                f"tool name {name!r} is not 1-64 letters, digits, '_', '-' or '.' (OpenAI's rule, which "
+                "chat templates and clients assume); rename it, e.g. {'get_weather'!r}")
         self.name = name
         self.description = description
         self.parameters = parameters or {"type": "object", "properties": {}}
@@ -84,6 +90,9 @@ class Tool:
     def from_openai(cls, spec: dict[str, Any]) -> Tool:
         """A tool from an OpenAI tool dict; its calls carry plain dict arguments."""
         fn = tool_format.function_of(spec)
+        if not isinstance(fn, dict) or "name" not in fn:
+            raise InvalidParameterError(
+                "an OpenAI tool needs a name: {'type': 'function', 'function': {'name': ..., 'parameters': {...}}}")
         return cls(fn["name"], fn.get("description") or "", tool_format.parameters_of(spec))
 
     def to_openai(self) -> dict[str, Any]:

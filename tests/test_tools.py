@@ -108,6 +108,17 @@ def test_an_async_tool_is_awaited_by_invoke_and_ainvoke() -> None:
     asyncio.run(inside_a_loop())
 
 
+@pytest.mark.parametrize("spec", [
+    {"type": "function", "function": {"name": "get weather", "parameters": {"type": "object"}}},
+    {"type": "function", "function": {"name": "", "parameters": {"type": "object"}}},
+    {"type": "function", "function": {"name": "x" * 65}},
+    {"type": "function", "function": {"parameters": {"type": "object"}}},
+], ids=["space", "empty", "too-long", "no-name"])  # fmt: skip
+def test_a_tool_whose_name_openai_would_refuse_is_refused_naming_the_rule(spec) -> None:
+    with pytest.raises(structgen.InvalidParameterError, match="name"):
+        as_tool(spec)
+
+
 @pytest.mark.parametrize("rounds", [-1, 1.5, True])
 def test_run_tools_refuses_a_bad_round_limit(rounds) -> None:
     with pytest.raises(structgen.InvalidParameterError, match="max_rounds must be an integer >= 0"):
