@@ -414,7 +414,7 @@ class EngineConfig:
     dtype: str | None = None  # None: bfloat16 on CUDA, float32 on CPU
     max_batch_size: int = 64  # concurrent requests (KV slots)
     max_seq_len: int = 4096  # per-request prompt + output tokens (capped by the model)
-    kv_cache_memory_fraction: float = 0.5  # of free GPU memory, when sizing slots on CUDA
+    kv_cache_memory_fraction: float = 0.5  # of free GPU memory (CPU: of available memory) for the KV pool
     prefill_chunk_tokens: int = 2048  # longest prefill piece scheduled in one step
     use_cuda_graphs: bool = True  # decode/verify graphs on CUDA; ignored on CPU
     jump_forward: bool = True  # append grammar-forced text without a decode step per token
@@ -439,8 +439,8 @@ class EngineConfig:
     # request whose prompt starts like an earlier one (a system prompt, a tool catalogue, the
     # previous chat turns) skips prefilling that part (engine/prefix_cache.py).
     prefix_caching: bool = True
-    # Size of the KV page pool in tokens (None: a full max_seq_len for every request, on CUDA
-    # no more than kv_cache_memory_fraction of free memory holds). When requests outgrow it,
+    # Size of the KV page pool in tokens (None: a full max_seq_len for every request, no more
+    # than kv_cache_memory_fraction of free memory holds). When requests outgrow it,
     # the newest is preempted and recomputed later.
     kv_cache_tokens: int | None = None
 

@@ -172,21 +172,23 @@ class ModelRunner:
 
     def _num_pages(self) -> int:
         """Pages of the KV pool, the scratch page included: `kv_cache_tokens` where set, else
-        a full context for every request, on CUDA no more than `kv_cache_memory_fraction` of the
-        free memory holds (untouched pages of a torch.empty pool cost no memory on the CPU)."""
+        a full context for every request, but no more than `kv_cache_memory_fraction` of the
+        free memory holds (GPU memory on CUDA; on the CPU the memory available to processes:
+        the pool's pages cost memory once used, and the prefix cache keeps them, so a CPU
+        server's resident size grew toward the whole pool, 12 GB for SmolLM2's defaults)."""
         from structgen.errors import EngineError
 
         per_seq = -(-self.max_seq_len // PAGE_SIZE)
         full = self.config.max_batch_size * per_seq
+        fraction = self.config.kv_cache_memory_fraction
         if self.config.kv_cache_tokens is not None:
             fit, source = self.config.kv_cache_tokens // PAGE_SIZE, f"kv_cache_tokens={self.config.kv_cache_tokens}"
-        elif self.device.type != "cuda":
-            return full + 1
         else:
-            free, _ = torch.cuda.mem_get_info(self.device)
-            fit = min(full, int(free * self.config.kv_cache_memory_fraction) // KVCache.bytes_per_page(
-                self.rank_config, PAGE_SIZE, self.dtype))
-            source = f"kv_cache_memory_fraction={self.config.kv_cache_memory_fraction} of free GPU memory"
+            free, where = _free_memory(self.device)
+            if free is None:
+                return full + 1
+            fit = min(full, int(free * fraction) // KVCache.bytes_per_page(self.rank_config, PAGE_SIZE, self.dtype))
+            source = f"kv_cache_memory_fraction={fraction} of free {where}"
         if fit < per_seq:
             raise EngineError(f"the KV cache holds {fit} pages of {PAGE_SIZE} tokens ({source}), fewer than one "
                               f"context of max_seq_len={self.max_seq_len} needs ({per_seq}); lower max_seq_len "
@@ -358,3 +360,18 @@ class ModelRunner:
 
             return sample_tokens(logits, *args).tolist()
         return sample_tokens_reference(logits, *args).tolist()
+
+
+def _free_memory(device: torch.device) -> tuple[int | None, str]:
+    """Bytes the KV pool may draw on: free GPU memory, or the memory the OS says is available
+    to new allocations (Linux `MemAvailable`; None where unknown: the pool is then not capped)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0], "GPU memory"
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "memory (MemAvailable)"
+    except OSError:
+        pass
+    return None, ""

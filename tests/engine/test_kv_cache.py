@@ -19,6 +19,7 @@ from structgen.engine.models.loader import load_model_config
 from structgen.engine.page_table import SCRATCH_PAGE, PageTable
 from structgen.engine.prefix_cache import common_pages, page_keys
 from structgen.engine.request import Request
+from structgen.errors import EngineError
 from structgen.sampling import SamplingParams
 
 PAGE = 4
@@ -422,6 +423,21 @@ def test_a_pool_too_small_for_every_request_preempts_and_keeps_the_outputs(model
     assert [r.output_ids for r in squeezed] == [r.output_ids for r in roomy]
     assert all(r.finish_reason in ("stop", "length") for r in squeezed)
     assert tight.runner.kv.pages.free_pages == tight.runner.kv.pages.num_pages - 1
+
+
+def test_on_the_cpu_the_pool_takes_at_most_its_share_of_the_available_memory(model_dir, monkeypatch):
+    """The prefix cache keeps the pages it used, so the pool's size is the memory a long-running
+    CPU server ends up holding: a share of what the machine has free, not slots x max_seq_len."""
+    from structgen.engine import model_runner
+    from structgen.engine.kv_cache import KVCache
+
+    per_page = KVCache.bytes_per_page(load_model_config(model_dir), PAGE_SIZE, torch.float32)
+    monkeypatch.setattr(model_runner, "_free_memory", lambda device: (10**6 * per_page, "memory"))
+    assert engine(model_dir).runner.kv.pages.num_pages == 4 * 4096 // PAGE_SIZE + 1  # every context fits
+    monkeypatch.setattr(model_runner, "_free_memory", lambda device: (1000 * per_page, "memory"))
+    assert engine(model_dir).runner.kv.pages.num_pages == 500 + 1  # half of it, not the 1,024 pages of four contexts
+    with pytest.raises(EngineError, match="lower max_seq_len or give the cache more room"):
+        engine(model_dir, kv_cache_memory_fraction=0.01)
 
 
 @pytest.mark.gpu
