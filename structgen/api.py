@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Callable, Generator, Hashable, Iterat
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, overload
 
 from structgen.arguments import (
     DEFAULTS,
@@ -758,8 +758,17 @@ class LLM:
     ) -> PartialStream[Any]: ...
     @overload
     def astream(
+        self, output_type: Regex | CFG, prompt: Prompt, *, partial: Literal[False] = ...,
+        **options: Unpack[GenerateOptions],
+    ) -> CompletionStream[str]: ...
+    @overload
+    def astream(
+        self, output_type: type[T], prompt: Prompt, *, partial: Literal[False] = ..., **options: Unpack[GenerateOptions]
+    ) -> CompletionStream[T]: ...
+    @overload
+    def astream(
         self, output_type: object, prompt: Prompt, *, partial: Literal[False] = ..., **options: Unpack[GenerateOptions]
-    ) -> CompletionStream: ...
+    ) -> CompletionStream[Any]: ...
     @checked_keywords
     def astream(
         self, output_type: Any, prompt: Prompt, *, max_tokens: int = DEFAULTS.max_tokens,
@@ -769,13 +778,13 @@ class LLM:
         reasoning: bool | None = None, max_reasoning_tokens: int | None = None, repair: int = 0,
         strict: bool = True, chat: bool | None = None, tools: list[dict[str, Any]] | None = None,
         params: SamplingParams | None = None, partial: bool = False,
-    ) -> CompletionStream | PartialStream[Any]:  # fmt: skip
+    ) -> CompletionStream[Any] | PartialStream[Any]:  # fmt: skip
         """Async iterator of text deltas; `.completion` holds the final Completion after.
         `partial=True` (JSON output types) yields `Partial` snapshots instead."""
         options = Options.of(max_tokens, temperature, top_p, top_k, seed, jump_forward, strict, chat, tools, params,
                              close_at_budget, loop_guards, reasoning, max_reasoning_tokens, repair)
         _no_repair_in_streams(options)
-        deltas = CompletionStream(self, output_type, prompt, options)
+        deltas: CompletionStream[Any] = CompletionStream(self, output_type, prompt, options)
         if partial:
             constraint = self._constraint(output_type, options.strict)
             return PartialStream(partial_tracker(output_type, constraint), deltas)
@@ -838,13 +847,13 @@ class BuiltConstraints:
             future.set_exception(e)
 
 
-class CompletionStream:
+class CompletionStream(Generic[T]):
     """`async for delta in llm.astream(...)`; then `.completion`. Breaking out of the loop or
     cancelling the consuming task aborts the request."""
 
     def __init__(self, llm: LLM, output_type: Any, prompt: Prompt, options: Options):
         self._llm, self._args = llm, (output_type, prompt, options)
-        self.completion: Completion[Any] | None = None
+        self.completion: Completion[T] | None = None
         self.request: Request | None = None
 
     def __aiter__(self) -> AsyncIterator[str]:

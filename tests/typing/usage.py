@@ -77,6 +77,11 @@ async def typed_calls(llm: structgen.LLM) -> None:
     async for city in partial_stream:
         assert_type(city.value, City)
     assert_type(partial_stream.completion, structgen.Completion[City] | None)
+    text_stream = llm.astream(Customer, "p")
+    async for delta in text_stream:
+        assert_type(delta, str)
+    assert_type(text_stream.completion, structgen.Completion[Customer] | None)
+    assert_type(llm.astream(structgen.Regex("a"), "p").completion, structgen.Completion[str] | None)
 
     stats = llm.complete(Customer, "p").stats
     assert_type(stats.ttft_s * 1000, float)
