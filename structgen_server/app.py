@@ -5,16 +5,15 @@ Every request runs on the LLM's shared engine loop through its async API, so con
 requests are batched together exactly like concurrent in-process callers; each HTTP request is
 its own admission group, so the engine shares free slots fairly between requests however many
 generations one asks for. A request passes the guard (guard.py: Host, API key, body size), is
-validated (protocol.py), checked, bounded and turned into jobs (planning.py: its output type
-from constraints.py, its prompt rendered and tokenized off the event loop), run (serving.py)
-and formatted back (responses.py); any failure becomes an OpenAI-shaped error for that request
-alone (errors.py).
+read and validated (body.py: Content-Type and JSON; protocol.py: the fields), checked, bounded
+and turned into jobs (planning.py: its output type from constraints.py, its prompt rendered and
+tokenized off the event loop), run (serving.py) and formatted back (responses.py); any failure
+becomes an OpenAI-shaped error for that request alone (errors.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -23,11 +22,14 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from structgen.engine.request import request_group
 from structgen.partial import partial_tracker
 from structgen_server import responses, serving
+from structgen_server.body import parse_body, validation_error
 from structgen_server.connection import KEEP_ALIVE_S, MAX_HEAD_BYTES, http_protocol
 from structgen_server.constraints import RequestConstraint
 from structgen_server.errors import APIError, new_request_id, to_api_error
@@ -96,15 +98,41 @@ def create_app(
         check_model(state, model_id)
         return ModelCard(id=state.model_name)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+    @app.post("/v1/chat/completions", openapi_extra=_request_body(ChatCompletionRequest))
+    async def chat_completions(request: Request) -> Any:
+        body = parse_body(request.headers.get("content-type"), await request.body(), ChatCompletionRequest)
         return await _serve(state, "chat", body, request)
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Any:
+    @app.post("/v1/completions", openapi_extra=_request_body(CompletionRequest))
+    async def completions(request: Request) -> Any:
+        body = parse_body(request.headers.get("content-type"), await request.body(), CompletionRequest)
         return await _serve(state, "completions", body, request)
 
+    _document_request_models(app, [ChatCompletionRequest, CompletionRequest])
     return app
+
+
+def _request_body(model: type[BaseModel]) -> dict[str, Any]:
+    """The OpenAPI request body of a route that parses `model` itself (`parse_body`)."""
+    schema = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def _document_request_models(app: FastAPI, models: list[type[BaseModel]]) -> None:
+    """Add the request models (and the models they hold) to the OpenAPI document's schemas,
+    which FastAPI lists only for body parameters it parses itself."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            doc = build()
+            _, defs = models_json_schema([(m, "validation") for m in models],
+                                         ref_template="#/components/schemas/{model}")
+            doc.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
+            app.openapi_schema = doc
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def _engine_load(llm: Any) -> dict[str, int]:
@@ -216,7 +244,7 @@ def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
-        err = _validation_error(exc)
+        err = validation_error(list(exc.errors()))
         state.metrics.rejected(_endpoint(request), err.status, err.code or err.type)
         return err.response()
 
@@ -227,8 +255,8 @@ def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        state.metrics.rejected(_endpoint(request), exc.status_code, code or "http_error")
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        state.metrics.rejected(_endpoint(request), exc.status_code, code)
         where = f"{request.method} {request.url.path[:200]}"
         return APIError(exc.status_code, f"{exc.detail}: {where}", code=code).response()
 
@@ -241,36 +269,6 @@ def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
 
 def _endpoint(request: Request) -> str:
     return endpoint_label(request.url.path)
-
-
-_TYPE_ERRORS = {"bool_type", "int_type", "float_type", "string_type", "int_from_float", "literal_error"}
-
-
-def _json_preview(value: Any) -> str:
-    try:
-        text = json.dumps(value)
-    except (TypeError, ValueError):
-        text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _validation_error(exc: RequestValidationError) -> APIError:
-    """A 400 naming the first invalid field, or the JSON syntax error."""
-    errors = exc.errors()
-    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    if first.get("type") == "json_invalid":
-        ctx = first.get("ctx") or {}
-        return APIError(400, f"request body is not valid JSON: {ctx.get('error', first['msg'])}", code="invalid_json")
-    if not loc and first.get("type") == "missing":
-        return APIError(400, "request body is missing; send a JSON object", code="invalid_request")
-    param = ".".join(loc) or None
-    message = f"{param}: {first['msg']}" if param else first["msg"]
-    if param and first.get("type") in _TYPE_ERRORS:  # say what was sent: "yes" is no boolean
-        message += f", got {_json_preview(first.get('input'))}"
-    if len(errors) > 1:
-        message += f" (and {len(errors) - 1} more problems)"
-    return APIError(400, message, param=param, code="invalid_request")
 
 
 # --------------------------------------------------------------------------- running

@@ -55,28 +55,57 @@ def _choice(options: list[str], param: str) -> Choice:
     return Choice(list(options))
 
 
+# response_format type -> the fields it reads; a field of another type would be ignored
+_FORMAT_FIELDS: dict[str, tuple[str, ...]] = {
+    "text": (), "json_object": (), "json_schema": ("json_schema",), "regex": ("regex", "pattern"),
+    "grammar": ("grammar", "syntax"), "ebnf": ("grammar", "syntax"), "lark": ("grammar", "syntax"),
+    "choice": ("choices", "choice"),
+}  # fmt: skip
+_FORMAT_OF_FIELD = {"json_schema": "json_schema", "regex": "regex", "pattern": "regex", "grammar": "grammar",
+                    "syntax": "grammar", "choices": "choice", "choice": "choice"}
+
+
+def _check_format_fields(rf: ResponseFormat) -> None:
+    """Refuse a response_format field its type does not read (`{"type": "json_object",
+    "json_schema": ...}` would silently drop the schema)."""
+    for name, meant in _FORMAT_OF_FIELD.items():
+        if getattr(rf, name) is not None and name not in _FORMAT_FIELDS[rf.type]:
+            raise APIError(
+                400,
+                f"response_format type {rf.type!r} does not read `{name}`, which would be ignored; send type "
+                f"{meant!r} to use it, or drop it",
+                param=f"response_format.{name}",
+                code="invalid_response_format",
+            )
+
+
 def _from_response_format(rf: ResponseFormat) -> Any:
     """The output type of an OpenAI-style `response_format` (or one of its extension types)."""
     p = "response_format"
+    _check_format_fields(rf)
     if rf.type == "text":
         return None
     if rf.type == "json_object":
         return JsonSchema({"type": "object"})
     if rf.type == "json_schema":
         if rf.json_schema is None or rf.json_schema.schema_ is None:
-            raise APIError(400, "response_format type 'json_schema' needs json_schema.schema", param=f"{p}.json_schema")
+            where = f"{p}.json_schema" + ("" if rf.json_schema is None else ".schema")
+            raise APIError(400, "response_format type 'json_schema' needs json_schema.schema, a JSON Schema "
+                           "object", param=where, code="invalid_response_format")
         schema = _json_schema(rf.json_schema.schema_, f"{p}.json_schema.schema")
         return JsonSchema(close_objects(schema.schema)) if rf.json_schema.strict else schema
     if rf.type == "regex":
         pattern = rf.regex if rf.regex is not None else rf.pattern
         if not pattern:
-            raise APIError(400, "response_format type 'regex' needs a `regex` pattern", param=f"{p}.regex")
+            raise APIError(400, "response_format type 'regex' needs a `regex` pattern", param=f"{p}.regex",
+                           code="invalid_response_format")
         return Regex(pattern)
     if rf.type == "choice":
         return _choice(rf.choices or rf.choice or [], f"{p}.choices")
     # grammar / ebnf / lark
     if not rf.grammar:
-        raise APIError(400, f"response_format type {rf.type!r} needs a `grammar`", param=f"{p}.grammar")
+        raise APIError(400, f"response_format type {rf.type!r} needs a `grammar`", param=f"{p}.grammar",
+                       code="invalid_response_format")
     syntax = rf.syntax or {"ebnf": "ebnf", "lark": "lark"}.get(rf.type, "auto")
     return CFG(rf.grammar, syntax=syntax)
 
@@ -127,13 +156,15 @@ def request_constraint(req: SamplingFields) -> RequestConstraint:
     found = _sources(req)
     if len(found) > 1:
         names = ", ".join(name for name, _ in found)
-        raise APIError(400, f"conflicting output constraints ({names}); send only one", param=found[1][0])
+        raise APIError(400, f"conflicting output constraints ({names}); send only one", param=found[1][0],
+                       code="conflicting_parameters")
     output_type, param = (found[0][1], found[0][0]) if found else (None, None)
     rf = req.response_format
     strict = not (param == "response_format" and rf and rf.json_schema and rf.json_schema.strict is False)
     if not isinstance(req, ChatCompletionRequest) or not req.tools:
         if isinstance(req, ChatCompletionRequest) and req.tool_choice not in (None, "none"):
-            raise APIError(400, "tool_choice is set but `tools` is empty", param="tool_choice")
+            raise APIError(400, "tool_choice is set but `tools` is empty; send tools or drop tool_choice",
+                           param="tool_choice", code="invalid_parameter")
         return RequestConstraint(output_type, param, strict=strict)
     tools = [t.model_dump(exclude_none=True) for t in req.tools]
     tool_choice = req.tool_choice.model_dump() if hasattr(req.tool_choice, "model_dump") else req.tool_choice
@@ -155,5 +186,6 @@ def request_constraint(req: SamplingFields) -> RequestConstraint:
             "response_format together with tool_choice='auto' is not supported; use tool_choice "
             "'required' or 'none', or drop response_format",
             param=param,
+            code="unsupported_parameter",
         )
     return RequestConstraint(tool_type, "tools", tools, choice)

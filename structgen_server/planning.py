@@ -53,23 +53,103 @@ def check_model(state: ServerState, model: str) -> None:
         )
 
 
+_UNSUPPORTED_WHY = {
+    "presence_penalty": " (only 0)", "frequency_penalty": " (only 0)",
+    "logprobs": " (it returns no logprobs)", "top_logprobs": " (it needs logprobs, which this server does not return)",
+}  # fmt: skip
+
+
 def _check_supported(body: SamplingFields) -> None:
     """Refuse OpenAI parameters we cannot honour rather than silently ignoring them."""
+    logprobs = getattr(body, "logprobs", None)
     unsupported = {
         "presence_penalty": body.presence_penalty not in (None, 0, 0.0),
         "frequency_penalty": body.frequency_penalty not in (None, 0, 0.0),
         "logit_bias": bool(body.logit_bias),
-        "logprobs": bool(getattr(body, "logprobs", None)),
+        # chat's is a bool (False asks for nothing); completions' an int (0 still asks for the
+        # sampled tokens' logprobs)
+        "logprobs": logprobs is True or (isinstance(body, CompletionRequest) and logprobs is not None),
+        "top_logprobs": bool(getattr(body, "top_logprobs", None)),
         "echo": bool(getattr(body, "echo", False)),
         "suffix": getattr(body, "suffix", None) is not None,
         "best_of": getattr(body, "best_of", None) not in (None, 1),
     }
     for param, bad in unsupported.items():
         if bad:
-            raise APIError(400, f"{param} is not supported by this server", param=param, code="unsupported_parameter")
+            why = _UNSUPPORTED_WHY.get(param, "")
+            raise APIError(400, f"{param} is not supported by this server{why}; drop {param}", param=param,
+                           code="unsupported_parameter")
     n_prompts = len(body.prompts()) if isinstance(body, CompletionRequest) else 1
     if body.stream and (body.n > 1 or n_prompts > 1):
-        raise APIError(400, "stream=true supports one prompt and n=1", param="n" if body.n > 1 else "prompt")
+        raise APIError(400, "stream=true supports one prompt and n=1; send one prompt with n=1, or drop stream",
+                       param="n" if body.n > 1 else "prompt", code="unsupported_parameter")
+    _check_extras(body)
+    _check_limits(body)
+
+
+# fields of the other endpoint (or OpenAI's deprecated names), which this one would ignore:
+# field -> the fix
+_CHAT_ONLY = {name: "send the request to /v1/chat/completions (with `messages`)"
+              for name in ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "messages",
+                           "top_logprobs", "modalities", "audio", "web_search_options")}
+_COMPLETIONS_ONLY = {name: "send the request to /v1/completions (with `prompt`)"
+                     for name in ("prompt", "suffix", "echo", "best_of")}
+_CHAT_UNSUPPORTED = {
+    "functions": "it is OpenAI's deprecated name: send `tools` instead",
+    "function_call": "it is OpenAI's deprecated name: send `tool_choice` instead",
+    "audio": "this server generates text only; drop it",
+    "web_search_options": "this server does not search the web; drop it",
+}
+
+
+def _check_extras(body: SamplingFields) -> None:
+    """Refuse unknown fields that ask for something: another endpoint's fields, OpenAI's
+    deprecated function-calling names and outputs other than text. Unknown fields that ask for
+    nothing (vendor extras, `metadata`, `store`, null values) stay accepted."""
+    chat = isinstance(body, ChatCompletionRequest)
+    misplaced = _COMPLETIONS_ONLY if chat else _CHAT_ONLY
+    extra = body.model_extra or {}
+    for name in [*misplaced, *_CHAT_UNSUPPORTED, "modalities"]:  # in this order: `tools` before `tool_choice`
+        value = extra.get(name)
+        if value is None or value is False:
+            continue
+        message = _extra_refusal(name, value, chat, misplaced)
+        if message:
+            raise APIError(400, message, param=name, code="unsupported_parameter")
+
+
+def _extra_refusal(name: str, value: Any, chat: bool, misplaced: dict[str, str]) -> str | None:
+    """Why the unknown field `name` (sent with `value`) is refused; None: it is not."""
+    if name in misplaced:
+        endpoint = "/v1/chat/completions" if chat else "/v1/completions"
+        return f"{name} is not a field of {endpoint}, which would ignore it; {misplaced[name]}"
+    if not chat:
+        return None
+    if name in _CHAT_UNSUPPORTED:
+        return f"{name} is not supported by this server; {_CHAT_UNSUPPORTED[name]}"
+    if name == "modalities" and not (isinstance(value, list) and all(m == "text" for m in value)):
+        return 'modalities other than ["text"] are not supported; this server generates text only'
+    return None
+
+
+def _check_limits(body: SamplingFields) -> None:
+    """Two budgets that disagree, and usage asked for a response that is not streamed."""
+    if body.max_tokens is not None and body.max_completion_tokens not in (None, body.max_tokens):
+        raise APIError(
+            400,
+            f"max_tokens={body.max_tokens} and max_completion_tokens={body.max_completion_tokens} disagree; "
+            "send one of them (they mean the same budget here)",
+            param="max_completion_tokens",
+            code="conflicting_parameters",
+        )
+    if body.stream_options and body.stream_options.include_usage and not body.stream:
+        raise APIError(
+            400,
+            "stream_options.include_usage needs stream=true (a response that is not streamed always "
+            "carries usage); set stream or drop stream_options",
+            param="stream_options.include_usage",
+            code="invalid_parameter",
+        )
 
 
 def _check_size(state: ServerState, body: SamplingFields) -> None:
@@ -141,7 +221,8 @@ async def plan(state: ServerState, body: SamplingFields) -> tuple[list[serving.J
     for prompt in prompts:
         encoded = await _encode(state.llm, prompt, chat, rc.tools)
         if not encoded.token_ids:
-            raise APIError(400, "the prompt is empty; send at least one token of text", param=param)
+            raise APIError(400, "the prompt is empty; send at least one token of text", param=param,
+                           code="empty_prompt")
         sampling = _sampling(state, body, len(encoded.token_ids), param)
         for j in range(body.n):
             # distinct but reproducible samples per choice, still a 64-bit seed
@@ -157,13 +238,15 @@ def _check_partial(body: SamplingFields, output_type: Any, rc: RequestConstraint
         return
     param = "stream_options.include_partial"
     if not body.stream:
-        raise APIError(400, f"{param} needs stream=true; set stream or drop stream_options", param=param)
+        raise APIError(400, f"{param} needs stream=true; set stream or drop stream_options", param=param,
+                       code="invalid_parameter")
     if getattr(output_type, "kind", None) != "json_schema" or rc.param == "tools":
         raise APIError(
             400,
             f"{param} needs a JSON output: set response_format to a json_schema or json_object "
             "(or guided_json / structured_outputs.json), or drop include_partial",
             param=param,
+            code="invalid_parameter",
         )
 
 
@@ -178,17 +261,19 @@ async def _encode(llm: Any, prompt: str | list[dict[str, Any]], chat: bool,
     try:
         return EncodedPrompt(tuple(await llm.aencode_prompt(prompt, chat=chat, tools=template_tools)))
     except TemplateError as e:  # e.g. a template that wants alternating roles
-        raise APIError(400, f"the model's chat template cannot render these messages: {e}", param="messages") from e
+        raise APIError(400, f"the model's chat template cannot render these messages: {e}", param="messages",
+                       code="invalid_messages") from e
 
 
 def _chat_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
     """The request's messages as plain dicts for the chat template."""
     out = []
     for i, m in enumerate(body.messages):
-        try:
-            content = m.text()
-        except ValueError as e:
-            raise APIError(400, str(e), param=f"messages.{i}.content") from e
+        if (part := m.unsupported_part()) is not None:
+            raise APIError(400, f"content part type {part[1]!r} is not supported by this server; send text "
+                           '(parts of type "text", or a string)', param=f"messages.{i}.content.{part[0]}.type",
+                           code="unsupported_content")
+        content = m.text()
         role = {"developer": "system", "function": "tool"}.get(m.role, m.role)
         msg: dict[str, Any] = {"role": role, "content": content}
         if m.tool_calls:

@@ -21,7 +21,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
-SEED_RANGE = (-(2**63), 2**63 - 1)  # a 64-bit signed integer, as OpenAI's `seed`
+from structgen.sampling import MAX_SEED
+
+# OpenAI's `seed` is any int64, but the engine takes 0..MAX_SEED: checked here so the 400 names `seed`
+SEED_RANGE = (0, MAX_SEED)
 
 # --------------------------------------------------------------------------- requests
 
@@ -116,15 +119,21 @@ class ChatMessage(_Lenient):
     tool_call_id: str | None = None
 
     def text(self) -> str:
-        """The message's text, with content parts joined (only text parts are supported)."""
+        """The message's text, with content parts joined (only text parts are supported:
+        see `unsupported_part`)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        for part in self.content:
-            if part.type != "text":
-                raise ValueError(f"content part type {part.type!r} is not supported; send text")
         return "".join(p.text or "" for p in self.content)
+
+    def unsupported_part(self) -> tuple[int, str] | None:
+        """(index, type) of the first content part that is not text, if any."""
+        if isinstance(self.content, list):
+            for i, part in enumerate(self.content):
+                if part.type != "text":
+                    return i, part.type
+        return None
 
 
 class StreamOptions(_Lenient):
@@ -150,6 +159,9 @@ class SamplingFields(BaseModel):
 
     model: str
     max_tokens: StrictInt | None = Field(default=None, ge=1)
+    # OpenAI's newer name of max_tokens (chat only there); honoured on /v1/completions too, since
+    # a client sending it asks for that budget and falling back to the default would break it
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0, strict=True)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0, strict=True)
     top_k: StrictInt | None = Field(default=None, ge=-1)  # extension; 0 or -1 = off (vLLM uses -1)
@@ -191,6 +203,11 @@ class SamplingFields(BaseModel):
             raise ValueError("stop must be a non-empty string")
         return v
 
+    def token_limit(self) -> int | None:
+        """The output budget asked for (planning refuses max_tokens and max_completion_tokens
+        that differ)."""
+        return self.max_completion_tokens or self.max_tokens
+
     def stop_strings(self) -> list[str]:
         if self.stop is None:
             return []
@@ -209,26 +226,19 @@ class SamplingFields(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool = True
     logprobs: StrictBool | None = None
-    top_logprobs: StrictInt | None = None
-
-    def token_limit(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)  # OpenAI's range; >0 is refused
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] = Field(min_length=1)
     echo: StrictBool = False
     suffix: str | None = None
-    best_of: StrictInt | None = None
-    logprobs: StrictInt | None = None
-
-    def token_limit(self) -> int | None:
-        return self.max_tokens
+    best_of: StrictInt | None = Field(default=None, ge=1)
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=5)  # OpenAI's range; any is refused
 
     def prompts(self) -> list[str]:
         return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)

@@ -104,6 +104,10 @@ BAD_BODIES: list[tuple[str, str, dict[str, Any], int, str, str | None, tuple[str
     ("max_tokens as a bool", "/v1/chat/completions", chat(max_tokens=True), 400, "invalid_request", "max_tokens", ("integer", "true")),
     ("n as a float", "/v1/chat/completions", chat(n=2.0), 400, "invalid_request", "n", ("integer",)),
     ("seed past 64 bits", "/v1/chat/completions", chat(seed=2**63), 400, "invalid_request", "seed", ("9223372036854775807",)),
+    ("negative seed", "/v1/chat/completions", chat(seed=-1), 400, "invalid_request", "seed", ("greater than or equal to 0",)),
+    ("tools on completions", "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 2, "tool_choice": "required",
+     "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "unsupported_parameter", "tools",
+     ("/v1/chat/completions",)),
     ("misspelled response_format", "/v1/chat/completions", chat(response_fromat={"type": "json_object"}),
      400, "unknown_field", "response_fromat", ("did you mean 'response_format'",)),
     ("misspelled response_format (2)", "/v1/chat/completions", chat(reponse_format={"type": "json_object"}),
@@ -130,6 +134,16 @@ def test_bad_body_is_a_400_naming_the_fix(server: Server, case) -> None:
     assert err["code"] == code and (param is None or err["param"] == param), err
     for word in words:
         assert word.lower() in err["message"].lower(), err
+    server.good_request_is_served()
+
+
+def test_a_form_encoded_body_is_a_415_naming_the_content_type(server: Server) -> None:
+    # what `curl -d '{...}'` sends without -H 'Content-Type: application/json'
+    headers = {**AUTH, "content-type": "application/x-www-form-urlencoded"}
+    r = server.post("/v1/chat/completions", content=json.dumps(GOOD).encode(), headers=headers)
+    assert r.status_code == 415, r.text
+    err = error_of(r)
+    assert err["code"] == "unsupported_media_type" and "Content-Type: application/json" in err["message"], err
     server.good_request_is_served()
 
 
