@@ -260,7 +260,10 @@ def test_a_safe_point_that_respelt_tokens_moved_past_an_opened_item_still_closes
     """Jump-forward respells `true` + `},` as `true},` after the check that found `}]` fits, so
     the safe point's token count lands after the comma that opens a second item (MaskBench
     Github_easy o23494); the rollback steps back a token more and closes the list."""
-    line = next(s for s in (maskbench_dir / "Github_easy.jsonl").read_text().splitlines() if '"Github_easy---o23494"' in s)
+    line = next((s for s in (maskbench_dir / "Github_easy.jsonl").read_text().splitlines()
+                 if '"Github_easy---o23494"' in s), None)
+    if line is None:  # a partial copy of the corpus (the device carries its first lines)
+        pytest.skip(f"MaskBench record Github_easy---o23494 is not in {maskbench_dir}")
     schema = json.loads(line)["schema"]
     prompt = ("Extract the record as JSON from this text. [{'childno': 1, 'split': False, 'pause': True, "
               "'relativeangle': 90.0, 'ejectmass': False}, {'childno': 2, 'split': True, 'pause': False, "
