@@ -229,6 +229,16 @@ def test_unsupported_gguf_is_a_load_error(tmp_path: Path) -> None:
         resolve_model(bad, cache_dir=tmp_path / "cache", progress=False)
 
 
+def test_a_truncated_gguf_is_a_load_error_that_says_so(tmp_path: Path) -> None:
+    from structgen.engine.models.loader import default_gguf_path
+
+    cut = tmp_path / "cut.gguf"
+    with open(default_gguf_path(), "rb") as whole:
+        cut.write_bytes(whole.read(20_000_000))  # past the header, short of the tensors
+    with pytest.raises(ModelLoadError, match="20,000,000 bytes.*truncated or corrupt"):
+        resolve_model(cut, cache_dir=tmp_path / "cache", progress=False)
+
+
 def test_llama3_rope_scaling_recovered_from_rope_freqs() -> None:
     """Llama 3.x GGUFs keep only llama.cpp's precomputed factors; check we recover the params
     (factors built here with convert_hf_to_gguf.py's loop, for Llama-3.2-1B's settings)."""

@@ -504,7 +504,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> No
     try:
         reader = gguf.GGUFReader(str(gguf_path))
     except Exception as e:  # corrupt or truncated file, wrong magic
-        raise ModelLoadError(f"cannot read GGUF file {gguf_path}: {e}") from e
+        size = gguf_path.stat().st_size if gguf_path.exists() else 0
+        raise ModelLoadError(f"cannot read GGUF file {gguf_path} ({size:,} bytes): {e}; the file is truncated or "
+                             "corrupt (an interrupted download or copy?): fetch it again") from e
     names = {t.name for t in reader.tensors}
     n_vocab = len(reader.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in reader.fields else 0
     cfg = gguf_config(reader, names, n_vocab)
