@@ -14,6 +14,7 @@ relaxed (pydantic validates the output afterwards).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from pydantic import TypeAdapter
@@ -171,20 +172,21 @@ class GrammarJsonSchema(GenerateJsonSchema):
         return string_pattern(_DATE)
 
     def time_schema(self, schema: core_schema.TimeSchema) -> JsonSchemaValue:
-        bound = self._bounded(schema, "time")
-        tz = schema.get("tz_constraint")
-        if bound or tz not in _TZ_SUFFIX:
-            why = bound or f"a time with the fixed UTC offset {tz!r}"
-            return self.unenforceable(why, "format", super().time_schema(schema))
-        return string_pattern(_CLOCK + _TZ_SUFFIX[tz])
+        return self._zoned(schema, "time", _CLOCK, super().time_schema)
 
     def datetime_schema(self, schema: core_schema.DatetimeSchema) -> JsonSchemaValue:
-        bound = self._bounded(schema, "datetime")
+        return self._zoned(schema, "datetime", f"{_DATE}T{_CLOCK}", super().datetime_schema)
+
+    def _zoned(self, schema: Any, name: str, body: str,
+               pydantic_schema: Callable[[Any], JsonSchemaValue]) -> JsonSchemaValue:
+        """A time or datetime: `body` and the time zone its `tz_constraint` asks for; a bound
+        or a fixed offset no pattern expresses goes to `unenforceable` with pydantic's schema."""
+        bound = self._bounded(schema, name)
         tz = schema.get("tz_constraint")
         if bound or tz not in _TZ_SUFFIX:
-            why = bound or f"a datetime with the fixed UTC offset {tz!r}"
-            return self.unenforceable(why, "format", super().datetime_schema(schema))
-        return string_pattern(f"{_DATE}T{_CLOCK}{_TZ_SUFFIX[tz]}")
+            why = bound or f"a {name} with the fixed UTC offset {tz!r}"
+            return self.unenforceable(why, "format", pydantic_schema(schema))
+        return string_pattern(body + _TZ_SUFFIX[tz])
 
     def timedelta_schema(self, schema: core_schema.TimedeltaSchema) -> JsonSchemaValue:
         base = super().timedelta_schema(schema)
