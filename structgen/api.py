@@ -122,7 +122,8 @@ class LLM:
         Grammar backend: "auto" (per schema, one that enforces every keyword), "xgrammar" or
         "llguidance".
     config:
-        Engine settings (device, dtype, batch size, context length, CUDA graphs...).
+        Engine settings (device, dtype, batch size, context length, CUDA graphs...): an
+        `EngineConfig`, or a dict of its fields.
 
     Generation methods take the output type first and the prompt second, then these keyword
     arguments:
@@ -153,10 +154,15 @@ class LLM:
     params: a ready `SamplingParams`, instead of the sampling keywords.
     """
 
-    def __init__(self, model: str | Path | None = None, *, backend: str = "auto", config: EngineConfig | None = None):
+    def __init__(self, model: str | Path | None = None, *, backend: str = "auto",
+                 config: EngineConfig | dict[str, Any] | None = None):
         from structgen.engine.models.loader import load_model_config, load_tokenizer, resolve_model
         from structgen.engine.tokenizer_conformance import check_tokenizer
+        from structgen.grammar.compiler import check_backend_name
 
+        # Both checked before the model loads: a typo must not cost a load first.
+        check_backend_name(backend)
+        config = EngineConfig.coerce(config)
         t0 = time.perf_counter()
         model_dir = resolve_model(model)
         tokenizer = load_tokenizer(model_dir)

@@ -3,11 +3,17 @@ the engine runs it (EngineConfig). Plain data; no behaviour beyond parsing and d
 
 from __future__ import annotations
 
+import difflib
 import functools
 import json
+import os
+import re
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+from structgen.errors import InvalidParameterError
+from structgen.sampling import MAX_SEED, _check_int, _check_number
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -291,6 +297,100 @@ def _id_list(ids: int | list[int] | None) -> list[int]:
     return [] if ids is None else ([ids] if isinstance(ids, int) else list(ids))
 
 
+# -- checks of the engine settings -----------------------------------------------------------
+# Each setting is checked when its dataclass is built, so a bad value is an InvalidParameterError
+# naming the field, never a raw error from deep inside the engine at load or at the first call.
+
+# A batch's grammar work cannot use more threads than cores; past a few hundred, thread stacks
+# and start-up alone cost more than any host gains (the engine also clamps to the usable cores).
+MAX_GRAMMAR_THREADS = 256
+MAX_DRAFT_TOKENS = 64  # a verify step runs 1 + k rows a request; past this drafts only waste it
+MAX_NGRAM = 64  # longest suffix an n-gram drafter matches
+MAX_TENSOR_PARALLEL = 1024  # one process (GPU) a rank
+MIN_SEQ_LEN = 2  # one prompt token and one generated token
+# What `dtype` accepts, and the torch dtype name each stands for.
+DTYPE_ALIASES = {
+    "float32": "float32", "fp32": "float32",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "fp16": "float16", "half": "float16",
+}
+_CUDA_DEVICE = re.compile(r"cuda(:\d+)?")
+_T = TypeVar("_T")
+
+
+def _check_bools(obj: object, owner: str, names: tuple[str, ...]) -> None:
+    """Flags must be real booleans: `jump_forward="no"` is truthy and would turn it on."""
+    for name in names:
+        value = getattr(obj, name)
+        if not isinstance(value, bool):
+            raise InvalidParameterError(f"{owner}.{name} must be True or False, got {value!r}")
+
+
+def _device_name(device: object) -> str | None:
+    """`device` lower-cased where it names one structgen runs on: None, "cpu", "cuda" or
+    "cuda:N" (whether that GPU exists is checked when the engine is built)."""
+    if device is None:
+        return None
+    name = device.strip().lower() if isinstance(device, str) else None
+    if name is not None and (name == "cpu" or _CUDA_DEVICE.fullmatch(name)):
+        return name
+    hint = {"gpu": " (for a GPU pass 'cuda')", "mps": " (Apple GPUs are not supported; pass 'cpu')"}.get(name or "", "")
+    raise InvalidParameterError(f"EngineConfig.device must be None (auto: 'cuda' if available, else 'cpu'), "
+                                f"'cpu', 'cuda' or 'cuda:N', got {device!r}{hint}")
+
+
+def _dtype_name(dtype: object) -> str | None:
+    """`dtype` as the torch name of one of the aliases structgen accepts (None: the device's default)."""
+    if dtype is None:
+        return None
+    name = DTYPE_ALIASES.get(dtype.strip().lower()) if isinstance(dtype, str) else None
+    if name is None:
+        raise InvalidParameterError(f"EngineConfig.dtype must be None (auto: bfloat16 on CUDA, float32 on the "
+                                    f"CPU) or one of {', '.join(map(repr, DTYPE_ALIASES))}, got {dtype!r}")
+    return name
+
+
+def _graph_sizes(sizes: object) -> tuple[int, ...]:
+    """`cuda_graph_batch_sizes` as a tuple of positive row counts (a list is accepted)."""
+    if isinstance(sizes, (str, bytes)) or not isinstance(sizes, (tuple, list)) or not sizes:
+        raise InvalidParameterError("EngineTuning.cuda_graph_batch_sizes must be a non-empty tuple of row counts "
+                                    f"(e.g. (1, 2, 4, 8)), got {sizes!r}")
+    for size in sizes:
+        _check_int("each of EngineTuning.cuda_graph_batch_sizes", size, 1, None)
+    return tuple(int(s) for s in sizes)
+
+
+def _built(name: str, value: object, cls: type[_T], default: _T | None) -> _T | None:
+    """`value` as a `cls`: itself, `cls(**value)` for a dict, `default` for None; the user may
+    write settings as plain data (a JSON file's), so a dict is taken, not refused."""
+    if value is None:
+        return default
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, dict):
+        _check_field_names(cls, value)
+        return cls(**value)
+    raise InvalidParameterError(f"{name} must be {cls.__name__}(...) or a dict of its fields, got {value!r}")
+
+
+def _speculative(value: object) -> SpeculativeConfig | None:
+    """`EngineConfig.speculative`: a SpeculativeConfig, a dict of its fields, or a method name
+    alone ("ngram"), whose other fields keep their defaults."""
+    if isinstance(value, str):
+        return SpeculativeConfig(method=value)
+    return _built("speculative", value, SpeculativeConfig, None)
+
+
+def _check_field_names(cls: type, names: Any) -> None:
+    """Refuse a name that is no field of `cls`, with the nearest one as a hint."""
+    known = [f.name for f in fields(cls) if f.init]
+    for name in names:
+        if name not in known:
+            close = difflib.get_close_matches(str(name), known, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; the fields are {', '.join(known)}"
+            raise InvalidParameterError(f"{cls.__name__} has no field {name!r}{hint}")
+
+
 @dataclass
 class SpeculativeConfig:
     """Speculative decoding (structgen/engine/speculative/): a drafter proposes up to
@@ -315,17 +415,20 @@ class SpeculativeConfig:
     drafter: Any = None  # "custom": any object implementing speculative.drafter.Drafter
 
     def __post_init__(self) -> None:
-        from structgen.errors import InvalidParameterError
-
         methods = ("ngram", "draft_model", "self_draft", "custom")
         if self.method not in methods:
             raise InvalidParameterError(f"speculative method must be one of {methods}, got {self.method!r}")
-        if self.num_draft_tokens < 1:
-            raise InvalidParameterError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
-        if self.max_requests < 0:
-            raise InvalidParameterError(f"max_requests must be >= 0 (0: no limit), got {self.max_requests}")
-        if not 1 <= self.ngram_min <= self.ngram_max:
+        _check_int("SpeculativeConfig.num_draft_tokens", self.num_draft_tokens, 1, MAX_DRAFT_TOKENS)
+        _check_int("SpeculativeConfig.max_requests (0: no limit)", self.max_requests, 0, None)
+        _check_int("SpeculativeConfig.ngram_min", self.ngram_min, 1, MAX_NGRAM)
+        _check_int("SpeculativeConfig.ngram_max", self.ngram_max, 1, MAX_NGRAM)
+        if self.ngram_min > self.ngram_max:
             raise InvalidParameterError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+        _check_int("SpeculativeConfig.self_draft_layers", self.self_draft_layers, 1, None)
+        _check_bools(self, "SpeculativeConfig", ("grammar_aware", "ngram_shared"))
+        if self.draft_model is not None and not isinstance(self.draft_model, (str, os.PathLike)):
+            raise InvalidParameterError("SpeculativeConfig.draft_model must be a checkpoint path (str or Path) or "
+                                        f"None, got {self.draft_model!r}")
         if self.method == "draft_model" and not self.draft_model:
             raise InvalidParameterError("method='draft_model' needs draft_model= (a checkpoint path)")
         if self.method == "custom" and self.drafter is None:
@@ -391,8 +494,10 @@ class EngineTuning:
     hold_full_collections: bool = True
 
     def __post_init__(self) -> None:
-        from structgen.errors import InvalidParameterError
-
+        self.cuda_graph_batch_sizes = _graph_sizes(self.cuda_graph_batch_sizes)
+        _check_bools(self, "EngineTuning", ("prefill_in_graphs", "cascade_attention", "capturable_guided",
+                                            "quantized_weights", "gguf_packed_on_cuda", "hold_full_collections"))
+        _check_int("EngineTuning.grammar_threads (0: auto)", self.grammar_threads, 0, MAX_GRAMMAR_THREADS)
         if self.mask_prefetch not in ("auto", "on", "off"):
             raise InvalidParameterError(f"mask_prefetch must be 'auto', 'on' or 'off', got {self.mask_prefetch!r}")
         if self.tensor_parallel_all_reduce not in ("auto", "nccl"):
@@ -401,8 +506,6 @@ class EngineTuning:
         if self.prompt_activations not in ("int16", "int8", "fp32"):
             raise InvalidParameterError(f"prompt_activations must be 'int16', 'int8' or 'fp32', "
                                         f"got {self.prompt_activations!r}")
-        if self.grammar_threads < 0:
-            raise InvalidParameterError(f"grammar_threads must be >= 0 (0: auto), got {self.grammar_threads}")
 
 
 @dataclass
@@ -445,17 +548,33 @@ class EngineConfig:
     kv_cache_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        from structgen.errors import InvalidParameterError
-
+        self.device = _device_name(self.device)
+        self.dtype = _dtype_name(self.dtype)
+        _check_int("EngineConfig.max_batch_size", self.max_batch_size, 1, None)
+        _check_int("EngineConfig.max_seq_len (prompt + output tokens)", self.max_seq_len, MIN_SEQ_LEN, None)
+        _check_number("EngineConfig.kv_cache_memory_fraction", self.kv_cache_memory_fraction, 0.0, 1.0,
+                      open_low=True)
+        _check_int("EngineConfig.prefill_chunk_tokens", self.prefill_chunk_tokens, 1, None)
+        _check_bools(self, "EngineConfig", ("use_cuda_graphs", "jump_forward", "batch_invariant", "prefix_caching"))
+        if self.seed is not None:
+            _check_int("EngineConfig.seed", self.seed, 0, MAX_SEED)
+        if self.kv_cache_tokens is not None:
+            _check_int("EngineConfig.kv_cache_tokens (None: sized from kv_cache_memory_fraction)",
+                       self.kv_cache_tokens, 1, None)
+        self.speculative = _speculative(self.speculative)
+        self.tuning = _built("tuning", self.tuning, EngineTuning, EngineTuning())
         if self.quantization not in (None, "fp8", "int4"):
             raise InvalidParameterError(f"quantization must be None, 'fp8' or 'int4', got {self.quantization!r}")
         self._check_tensor_parallel()
 
-    def _check_tensor_parallel(self) -> None:
-        from structgen.errors import InvalidParameterError
+    @classmethod
+    def coerce(cls, config: EngineConfig | dict[str, Any] | None) -> EngineConfig:
+        """`config` as an EngineConfig: None gives the defaults, a dict its fields
+        (`LLM(config={"device": "cpu"})`); anything else is refused."""
+        return _built("config", config, cls, None) or cls()
 
-        if self.tensor_parallel < 1:
-            raise InvalidParameterError(f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
+    def _check_tensor_parallel(self) -> None:
+        _check_int("EngineConfig.tensor_parallel", self.tensor_parallel, 1, MAX_TENSOR_PARALLEL)
         if self.tensor_parallel == 1:
             return
         if self.speculative is not None and self.speculative.method == "self_draft":
@@ -477,8 +596,6 @@ _dataclass_init = EngineConfig.__init__
 
 @functools.wraps(_dataclass_init)
 def _engine_config_init(self: EngineConfig, *args: Any, **kwargs: Any) -> None:
-    from structgen.errors import InvalidParameterError
-
     for name in kwargs:
         if name in _MOVED_TO_TUNING:
             raise InvalidParameterError(f"EngineConfig({name}=...) moved to the tuning knobs: pass "
@@ -489,6 +606,7 @@ def _engine_config_init(self: EngineConfig, *args: Any, **kwargs: Any) -> None:
         if name in _RETIRED:
             raise InvalidParameterError(f"EngineConfig({name}=...) is no longer a setting (it is always on); "
                                         "remove it")
+    _check_field_names(EngineConfig, kwargs)
     _dataclass_init(self, *args, **kwargs)
 
 

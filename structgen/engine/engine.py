@@ -69,6 +69,26 @@ DEAD_END_PROBES = 256
 _NOT_PLAIN = ACCEPTED | TERMINATED | COMPLETED | FAILED  # of these bits, a plain step's rows have ACCEPTED only
 
 
+def _check_host(config: EngineConfig) -> None:
+    """Refuse a device this host lacks, and more tensor-parallel ranks than it can spawn (one
+    GPU each on CUDA, one core each on the CPU); a torchrun launch brings its own ranks."""
+    from structgen.engine.model_runner import pick_device
+
+    device = pick_device(config)
+    if config.tensor_parallel == 1:
+        return
+    from structgen.engine.parallel import Rendezvous
+
+    if Rendezvous.from_torchrun() is not None:
+        return
+    have = torch.cuda.device_count() if device.type == "cuda" else native.usable_cores()
+    unit = "GPUs" if device.type == "cuda" else "usable CPU cores"
+    if config.tensor_parallel > have:
+        raise InvalidParameterError(f"EngineConfig.tensor_parallel={config.tensor_parallel} spawns a process per "
+                                    f"rank on this host, which has {have} {unit}; pass at most {have}, or launch "
+                                    "the ranks with torchrun across hosts (docs/guide/multi-gpu.md)")
+
+
 class Engine:
     def __new__(cls, *args: object, **kwargs: object) -> Engine:
         freeze_heap()  # before this engine exists: a dropped engine must stay collectable
@@ -83,8 +103,11 @@ class Engine:
         text_vocab_size: int | None = None,
     ):
         self.stop_token_ids = set(stop_token_ids if stop_token_ids is not None else model_config.eos_token_id)
-        self.config = config or EngineConfig()
+        self.config = EngineConfig.coerce(config)
         self.model_config = model_config
+        # Settings this host cannot run are refused before any process, weight or cache exists.
+        self.grammar_threads = self._grammar_threads()
+        _check_host(self.config)
         # text_vocab_size: the tokenizer's ids (TokenizerReport); a wider LM head's extra
         # logits are never sampled.
         # Tensor parallelism: this process is rank 0 of a group whose other ranks run the same
@@ -124,17 +147,19 @@ class Engine:
             from structgen.engine.speculative.speculator import Speculator
 
             self.speculator = Speculator(self, self.config.speculative)
-        self.grammar_threads = self._size_grammar_threads()
+        if self.config.tuning.grammar_threads:
+            native.size_pool(self.grammar_threads.pool)  # the pool is process-wide: LLM.close() leaves it
         self.prefetcher = self._mask_prefetcher()
 
-    def _size_grammar_threads(self) -> GrammarThreads:
-        """The threads of the grammar work (`EngineTuning.grammar_threads`); a configured
-        number also resizes grammar.native's process-wide pool."""
+    def _grammar_threads(self) -> GrammarThreads:
+        """The threads of the grammar work (`EngineTuning.grammar_threads`, or the auto sizes,
+        `$STRUCTGEN_GRAMMAR_THREADS` among them), refused past `native.thread_limit()`; a
+        configured number also resizes grammar.native's process-wide pool once the model is
+        built."""
         configured = self.config.tuning.grammar_threads
-        threads = GrammarThreads.resolve(configured)
         if configured:
-            native.size_pool(threads.pool)
-        return threads
+            native.check_threads(configured)
+        return GrammarThreads.resolve(configured)
 
     def _mask_prefetcher(self) -> MaskPrefetcher | None:
         """Next step's masks filled on worker threads during the bookkeeping (grammar/prefetch.py).

@@ -24,6 +24,7 @@ from structgen.engine.kv_cache import PAGE_SIZE, KVCache
 from structgen.engine.models.llama import skip_init
 from structgen.engine.page_table import PageTable
 from structgen.engine.sampler import mask_padding_
+from structgen.errors import InvalidParameterError
 
 log = logging.getLogger("structgen.engine")
 
@@ -47,9 +48,26 @@ class ExtendSeq:
 
 
 def pick_device(config: EngineConfig) -> torch.device:
-    if config.device:
-        return torch.device(config.device)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """The configured device where this host has it (`InvalidParameterError` naming those it
+    has otherwise), else CUDA if available, else the CPU."""
+    if not config.device:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(config.device)  # EngineConfig checked the name: "cpu", "cuda" or "cuda:N"
+    if device.type == "cuda" and not _cuda_has(device.index):
+        seen = f"torch sees {torch.cuda.device_count()} GPU(s)" if torch.cuda.is_available() else "torch sees no CUDA GPU"
+        raise InvalidParameterError(f"EngineConfig.device={config.device!r}, but {seen} on this host; pass one of "
+                                    f"{', '.join(map(repr, available_devices()))} (or None for the default)")
+    return device
+
+
+def _cuda_has(index: int | None) -> bool:
+    return torch.cuda.is_available() and (index or 0) < torch.cuda.device_count()
+
+
+def available_devices() -> list[str]:
+    """The `EngineConfig.device` values this host can run: "cpu" and each visible GPU."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return ["cpu"] + (["cuda"] + [f"cuda:{i}" for i in range(gpus)] if gpus else [])
 
 
 def pick_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
@@ -72,6 +90,7 @@ class ModelRunner:
         self.device = pick_device(config) if tensor_parallel is None else tensor_parallel.device
         self.dtype = pick_dtype(config, self.device)
         self.max_seq_len = min(config.max_seq_len, model_config.max_position_embeddings)
+        self._check_sizes()  # before anything is allocated
         use_batch_invariant(config.batch_invariant)  # before the model picks its kernels
         self.model = self._build_model(model_dir)
         num_pages = self._num_pages()
@@ -194,6 +213,47 @@ class ModelRunner:
                               f"context of max_seq_len={self.max_seq_len} needs ({per_seq}); lower max_seq_len "
                               "or give the cache more room")
         return fit + 1
+
+    def _check_sizes(self) -> None:
+        """Refuse a `max_batch_size` whose per-request tables, or a `kv_cache_tokens` whose KV
+        pool, cannot fit this host before anything is allocated: the allocation's own failure
+        (a bare MemoryError, or terabytes asked of the OS) names no setting to lower."""
+        slots = self.config.max_batch_size
+        host_free, where = _free_memory(torch.device("cpu"))
+        per_slot = self._bytes_per_slot()
+        if host_free is not None and slots * per_slot > host_free:
+            raise InvalidParameterError(
+                f"EngineConfig.max_batch_size={slots} needs {_size(slots * per_slot)} of per-request tables "
+                f"({_size(per_slot)} a request at max_seq_len={self.max_seq_len}), more than the {_size(host_free)} "
+                f"of free {where}; at most about {host_free // per_slot:,} requests fit: lower max_batch_size "
+                "(requests past it wait in a queue)")
+        tokens = self.config.kv_cache_tokens
+        if tokens is None:
+            return
+        per_page = KVCache.bytes_per_page(self.rank_config, PAGE_SIZE, self.dtype)
+        need = (tokens // PAGE_SIZE + 1) * per_page
+        room, what = self._kv_room()
+        if room is not None and need > room:
+            raise InvalidParameterError(
+                f"EngineConfig.kv_cache_tokens={tokens} needs a KV pool of {_size(need)} "
+                f"({_size(per_page // PAGE_SIZE)} a token for this model in {str(self.dtype).removeprefix('torch.')}), "
+                f"more than the {_size(room)} of {what}; at most about {room // per_page * PAGE_SIZE:,} tokens "
+                "fit: lower kv_cache_tokens, or leave it None to size the pool from kv_cache_memory_fraction")
+
+    def _bytes_per_slot(self) -> int:
+        """Memory a KV slot's own tables take however many pages it uses: its page-table row
+        (and its device copy on CUDA) and its rows of the eager grammar mask."""
+        pages = -(-self.max_seq_len // PAGE_SIZE)
+        mask_words = -(-self.model_config.vocab_size // 32)
+        return pages * 8 * (2 if self.device.type == "cuda" else 1) + mask_words * 4
+
+    def _kv_room(self) -> tuple[int | None, str]:
+        """What an explicit KV pool may take: free GPU memory on CUDA (it is allocated at once);
+        on the CPU the host's total memory, since its untouched pages cost nothing until used."""
+        if self.device.type == "cuda":
+            return torch.cuda.mem_get_info(self.device)[0], "free GPU memory"
+        total = _meminfo("MemTotal")
+        return total, "memory on this host (MemTotal)"
 
     def _prefix_caching(self) -> bool:
         """Whether pages are shared through the prefix cache: as configured, but not with a
@@ -367,11 +427,27 @@ def _free_memory(device: torch.device) -> tuple[int | None, str]:
     to new allocations (Linux `MemAvailable`; None where unknown: the pool is then not capped)."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0], "GPU memory"
+    available = _meminfo("MemAvailable")
+    return (available, "memory (MemAvailable)") if available is not None else (None, "")
+
+
+def _meminfo(key: str) -> int | None:
+    """Bytes of a Linux /proc/meminfo line (None where there is none)."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024, "memory (MemAvailable)"
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return None, ""
+    return None
+
+
+def _size(n: int) -> str:
+    """Bytes for a message: 1.5 GiB, 20.9 TiB."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.1f} {unit}" if unit != "B" else f"{n} B"
+        value /= 1024
+    return f"{n} B"

@@ -8,6 +8,7 @@ request.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import json
 import logging
@@ -18,8 +19,10 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
+from structgen.engine.config import MAX_GRAMMAR_THREADS
 from structgen.errors import (
     InvalidConstraintError,
+    InvalidParameterError,
     StructgenError,
     UnsatisfiableConstraintError,
     UnsupportedSchemaError,
@@ -28,10 +31,15 @@ from structgen.grammar.backends.base import CompiledGrammar, GrammarBackend
 from structgen.grammar.compile_pool import CompilePool
 from structgen.grammar.large_stack import call_on_large_stack
 from structgen.grammar.termination import analyse, check_not_empty
+from structgen.sampling import _check_int, _check_number
 from structgen.schema import keywords
 from structgen.schema.budget import CompileBudget, check_budget, current_budget, within
 from structgen.schema.keywords import BACKENDS, unsupported_schema_error
 from structgen.schema.limits import DEFAULT_LIMITS, ConstraintLimits, check_source
+
+# Compiles are CPU-bound and hold the GIL for part of their time: past a few dozen threads more
+# only queue, and each is a thread the process keeps.
+MAX_COMPILE_WORKERS = 64
 
 if TYPE_CHECKING:
     from structgen.types import Constraint
@@ -74,7 +82,8 @@ class GrammarCompiler:
         workers: int = 2,
         max_queued: int = 64,
     ):
-        _check_backend_name(backend)
+        check_backend_name(backend)
+        _check_compiler_sizes(threads, workers, max_queued, cache_size, compile_timeout)
         if not stop_token_ids:
             raise ValueError("stop_token_ids must name at least one token (e.g. the EOS id)")
         self.tokenizer = tokenizer
@@ -230,7 +239,7 @@ def candidate_backends(constraint: Constraint, backend: str = "auto") -> list[st
 
     Raises `UnsupportedSchemaError` when none qualifies (strict constraints only).
     """
-    _check_backend_name(backend)
+    check_backend_name(backend)
     allowed = list(BACKENDS) if backend == "auto" else [backend]
     kind = constraint.kind
     if kind == "json_schema":
@@ -259,8 +268,23 @@ def candidate_backends(constraint: Constraint, backend: str = "auto") -> list[st
     return allowed
 
 
-def _check_backend_name(name: str) -> None:
-    if name != "auto" and name not in BACKENDS:
-        raise ValueError(
-            f"unknown grammar backend {name!r}; use 'auto', {', '.join(map(repr, BACKENDS))}"
-        )
+def check_backend_name(name: object) -> None:
+    """Refuse a backend that is not 'auto' or one of BACKENDS, with the nearest as a hint."""
+    if name == "auto" or name in BACKENDS:
+        return
+    close = difflib.get_close_matches(name, ["auto", *BACKENDS], n=1) if isinstance(name, str) else []
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    raise InvalidParameterError(
+        f"unknown grammar backend {name!r}; use 'auto', {', '.join(map(repr, BACKENDS))}{hint}"
+    )
+
+
+def _check_compiler_sizes(threads: int, workers: int, max_queued: int, cache_size: int,
+                          compile_timeout: float) -> None:
+    """Each is a thread count, a queue or a cache the user sizes: a bound keeps one argument
+    from starting thousands of threads or holding every grammar ever compiled."""
+    _check_int("GrammarCompiler threads (0: auto)", threads, 0, MAX_GRAMMAR_THREADS)
+    _check_int("GrammarCompiler workers", workers, 1, MAX_COMPILE_WORKERS)
+    _check_int("GrammarCompiler max_queued", max_queued, 1, None)
+    _check_int("GrammarCompiler cache_size", cache_size, 0, None)
+    _check_number("GrammarCompiler compile_timeout (seconds)", compile_timeout, 0.0, None)

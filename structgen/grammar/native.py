@@ -29,6 +29,8 @@ from typing import Any
 import numpy as np
 
 from structgen.csrc import build_library, source
+from structgen.engine.config import MAX_GRAMMAR_THREADS
+from structgen.errors import InvalidParameterError
 
 log = logging.getLogger("structgen.grammar")
 
@@ -46,16 +48,59 @@ class NativeGrammarError(RuntimeError):
 
 def default_threads() -> int:
     """The pool's auto size (`EngineTuning.grammar_threads` 0): `$STRUCTGEN_GRAMMAR_THREADS`
-    where set, else half the cores, at most 8, where fills stopped getting faster
-    (docs/performance.md, "Grammar overhead"); a 2-core machine gets one, and so xgrammar's call."""
-    if os.environ.get("STRUCTGEN_GRAMMAR_THREADS"):
-        return max(1, int(os.environ["STRUCTGEN_GRAMMAR_THREADS"]))
+    where set (checked as `check_threads` checks a configured count), else half the cores, at
+    most 8, where fills stopped getting faster (docs/performance.md, "Grammar overhead"); a
+    2-core machine gets one, and so xgrammar's call."""
+    text = os.environ.get("STRUCTGEN_GRAMMAR_THREADS", "").strip()
+    if text:
+        return _env_threads(text)
     return max(1, min(8, (os.cpu_count() or 2) // 2))
+
+
+def _env_threads(text: str) -> int:
+    source = "$STRUCTGEN_GRAMMAR_THREADS"
+    try:
+        threads = int(text)
+    except ValueError:
+        threads = 0
+    if threads < 1:
+        raise InvalidParameterError(f"{source} must be a whole number of threads from 1 to {thread_limit()}, got "
+                                    f"{text!r}; or unset it for the auto size (half the cores, at most 8)")
+    check_threads(threads, source)
+    return threads
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity mask, where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def thread_limit() -> int:
+    """The most grammar threads this host takes: 4 a usable core (oversubscribing for an
+    experiment is fine; past that, workers that spin between steps only take turns), and never
+    more than `MAX_GRAMMAR_THREADS`, however many cores."""
+    return min(MAX_GRAMMAR_THREADS, 4 * usable_cores())
+
+
+def check_threads(threads: int, source: str = "EngineTuning.grammar_threads") -> None:
+    """Refuse more grammar threads than `thread_limit()`: each is an OS thread that lives as
+    long as the process (the pool is process-wide), so an unbounded count exhausts the host."""
+    limit = thread_limit()
+    if threads > limit:
+        raise InvalidParameterError(
+            f"{source}={threads} is more grammar threads than this host takes: at most {limit} (4 for each of its "
+            f"{usable_cores()} usable cores, never over {MAX_GRAMMAR_THREADS}); pass a smaller number, or 0 for the "
+            "auto size")
 
 
 def size_pool(threads: int) -> None:
     """Restart the process-wide pool with `threads` threads where it builds and has another
-    size (`EngineTuning.grammar_threads`); no batch may be in flight."""
+    size (`EngineTuning.grammar_threads`); no batch may be in flight. The pool outlives the
+    engine: `LLM.close()` leaves it (other LLMs of the process share it), its workers asleep
+    once they have spun `SPIN_US` after a batch; the next engine built resizes it."""
     pool = load()
     if pool is not None and pool.threads != threads:
         pool.set_threads(threads)
@@ -92,6 +137,7 @@ class NativeGrammar:
     def set_threads(self, threads: int, spin_us: int = SPIN_US) -> None:
         """Restart the pool with `threads` threads whose workers stay awake `spin_us` after a
         batch; no call may be in flight."""
+        check_threads(threads)
         if self._lib.sg_init(MATCHER_TYPE_KEY.encode(), max(1, threads), spin_us) != 0:
             raise NativeGrammarError(self.take_error())
         self._read_threads()
@@ -188,6 +234,7 @@ def load() -> NativeGrammar | None:
     (logged once) where it cannot be had."""
     if os.environ.get("STRUCTGEN_DISABLE_NATIVE") == "1":
         return None
+    threads = default_threads()  # outside the try: a bad $STRUCTGEN_GRAMMAR_THREADS is the user's error
     try:
         lib = ctypes.CDLL(str(_build()))
         lib.sg_init.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int]
@@ -199,7 +246,7 @@ def load() -> NativeGrammar | None:
         import xgrammar  # noqa: F401  (registers the matcher type with tvm-ffi)
 
         native = NativeGrammar(lib)
-        native.set_threads(default_threads())
+        native.set_threads(threads)
         return native
     except Exception as exc:  # no compiler, no tvm-ffi headers, an xgrammar of another make
         log.warning("native grammar mask fills unavailable (%s); using xgrammar's batch fill", exc)

@@ -27,7 +27,7 @@ def test_user_fields_construct_by_keyword_and_tuning_sits_apart():
         EngineConfig(grammar_workers=2)
     with pytest.raises(InvalidParameterError, match="always on"):
         EngineConfig(token_gate=False)
-    with pytest.raises(TypeError):
+    with pytest.raises(InvalidParameterError, match="no field 'no_such_field'"):
         EngineConfig(no_such_field=1)
     with pytest.raises(InvalidParameterError, match="grammar_threads"):
         EngineTuning(grammar_threads=-1)
