@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from structgen.errors import InvalidParameterError
+from structgen.grammar.native import MAX_GRAMMAR_THREADS
 from structgen.sampling import MAX_SEED, _check_int, _check_number
 
 SUPPORTED_ARCHITECTURES = (
@@ -301,9 +302,6 @@ def _id_list(ids: int | list[int] | None) -> list[int]:
 # Each setting is checked when its dataclass is built, so a bad value is an InvalidParameterError
 # naming the field, never a raw error from deep inside the engine at load or at the first call.
 
-# A batch's grammar work cannot use more threads than cores; past a few hundred, thread stacks
-# and start-up alone cost more than any host gains (the engine also clamps to the usable cores).
-MAX_GRAMMAR_THREADS = 256
 MAX_DRAFT_TOKENS = 64  # a verify step runs 1 + k rows a request; past this drafts only waste it
 MAX_NGRAM = 64  # longest suffix an n-gram drafter matches
 MAX_TENSOR_PARALLEL = 1024  # one process (GPU) a rank

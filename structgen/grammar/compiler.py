@@ -19,7 +19,6 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-from structgen.engine.config import MAX_GRAMMAR_THREADS
 from structgen.errors import (
     InvalidConstraintError,
     InvalidParameterError,
@@ -30,6 +29,7 @@ from structgen.errors import (
 from structgen.grammar.backends.base import CompiledGrammar, GrammarBackend
 from structgen.grammar.compile_pool import CompilePool
 from structgen.grammar.large_stack import call_on_large_stack
+from structgen.grammar.native import MAX_GRAMMAR_THREADS
 from structgen.grammar.termination import analyse, check_not_empty
 from structgen.sampling import _check_int, _check_number
 from structgen.schema import keywords

@@ -29,11 +29,13 @@ from typing import Any
 import numpy as np
 
 from structgen.csrc import build_library, source
-from structgen.engine.config import MAX_GRAMMAR_THREADS
 from structgen.errors import InvalidParameterError
 
 log = logging.getLogger("structgen.grammar")
 
+# A batch's grammar work cannot use more threads than cores; past a few hundred, thread stacks
+# and start-up alone cost more than any host gains (the engine also clamps to the usable cores).
+MAX_GRAMMAR_THREADS = 256
 SOURCE = source("grammar_step.cpp")
 MATCHER_TYPE_KEY = "xgrammar.tvm_ffi_binding.GrammarMatcher"
 # Workers stay awake this long after a batch: the next decode step's comes within a
