@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -96,15 +98,110 @@ def _output_type(args: argparse.Namespace) -> object:
     from structgen.types import CFG, Choice, JsonSchema, Regex
 
     if args.schema:
-        path = Path(args.schema)
-        return JsonSchema(path.read_text() if path.exists() else args.schema)
+        return JsonSchema(_schema_text(args.schema))
     if args.regex:
         return Regex(args.regex)
     if args.grammar:
-        return CFG(Path(args.grammar).read_text())
+        return CFG(_read_user_file("--grammar", args.grammar, "an EBNF/GBNF or Lark grammar file"))
     if args.choice:
         return Choice(args.choice)
     return str
+
+
+def _schema_text(value: str) -> str:
+    """--schema's JSON Schema text: the file it names, else the value itself as inline JSON."""
+    from structgen.errors import InvalidParameterError
+
+    path = Path(value).expanduser()
+    if path.exists():
+        return _read_user_file("--schema", value, "a JSON Schema file or inline JSON")
+    if _looks_like_path(value):  # a mistyped file name would otherwise fail as "not JSON"
+        raise InvalidParameterError(f"--schema {value}: no such file; pass an existing JSON Schema file or inline JSON")
+    return value
+
+
+def _looks_like_path(value: str) -> bool:
+    """A value that is no inline JSON (no object or array) but names a .json file or a folder."""
+    text = value.strip()
+    if text.startswith(("{", "[")):
+        return False
+    return text.endswith(".json") or os.sep in text or "/" in text
+
+
+def _read_user_file(flag: str, value: str, what: str) -> str:
+    """The text of a file the user named, an unreadable one an `InvalidParameterError`."""
+    from structgen.errors import InvalidParameterError
+
+    path = Path(value).expanduser()
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError as e:
+        raise InvalidParameterError(f"{flag} {value}: no such file; pass the path of {what}") from e
+    except IsADirectoryError as e:
+        raise InvalidParameterError(f"{flag} {value} is a directory; pass the path of {what}") from e
+    except OSError as e:
+        raise InvalidParameterError(f"cannot read {flag} {value}: {e.strerror}; pass a readable file") from e
+    except UnicodeDecodeError as e:
+        raise InvalidParameterError(f"{flag} {value} is not UTF-8 text; pass {what}") from e
+
+
+# (flag, attribute, smallest value accepted) of the numeric serve flags: below it a server starts but answers nothing useful
+_SERVE_MINIMUMS: list[tuple[str, str, int]] = [
+    ("--default-max-tokens", "default_max_tokens", 1),
+    ("--max-body-bytes", "max_body_bytes", 1),
+    ("--max-generations-per-request", "max_generations_per_request", 1),
+    ("--max-client-errors", "max_client_errors", 0),
+    ("--data-parallel", "data_parallel", 1),
+]
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """Refuse numeric flags out of range before the (slow) model load, naming the flag."""
+    from structgen.errors import InvalidParameterError
+
+    checks = [("--tensor-parallel", "tensor_parallel", 1)]
+    if args.command == "serve":
+        checks += _SERVE_MINIMUMS
+        if not 0 <= args.port <= 65535:
+            raise InvalidParameterError(f"--port {args.port} is out of range; pass 0-65535 (0: any free port)")
+        if not args.host.strip():
+            raise InvalidParameterError("--host is empty; pass an address such as 127.0.0.1 or 0.0.0.0")
+    elif args.max_tokens < 1:
+        raise InvalidParameterError(f"--max-tokens {args.max_tokens} must be at least 1")
+    for flag, attr, least in checks:
+        if getattr(args, attr) < least:
+            raise InvalidParameterError(f"{flag} {getattr(args, attr)} must be at least {least}")
+
+
+def _check_address(host: str, port: int) -> None:
+    """Bind `host`:`port` once and let go, so that an unknown host or a port in use is reported
+    before the model loads rather than by uvicorn after it."""
+    from structgen.errors import InvalidParameterError
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as e:
+        raise InvalidParameterError(f"--host {host} is not an address or a name this machine resolves; "
+                                    "pass e.g. 127.0.0.1 or 0.0.0.0") from e
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            if family == socket.AF_INET6:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                s.bind(address)
+            except OSError as e:
+                raise InvalidParameterError(_bind_error(host, port, e)) from e
+
+
+def _bind_error(host: str, port: int, e: OSError) -> str:
+    if e.errno == errno.EADDRINUSE:
+        return f"port {port} on {host} is already in use; stop the other server or pass another --port"
+    if e.errno == errno.EACCES:
+        return f"no permission to bind port {port} on {host}; pass a --port above 1023"
+    if e.errno == errno.EADDRNOTAVAIL:
+        return f"--host {host} is not an address of this machine; pass one of its addresses or 0.0.0.0"
+    return f"cannot bind {host}:{port}: {e.strerror}; pass another --host or --port"
 
 
 def _api_key(args: argparse.Namespace) -> str | None:
@@ -171,46 +268,62 @@ def main(argv: list[str] | None = None) -> int:
     from structgen.errors import StructgenError
 
     try:
-        if _is_torchrun_worker(args):
-            from structgen.engine.parallel import run_worker
-
-            run_worker(args.model, _engine_config(args))  # rank 0 runs the command itself
-            return 0
-        if args.command == "serve" and args.data_parallel > 1:
-            _serve_replicas(args)
-            return 0
-        if args.command == "serve":
-            from structgen_server.app import run_server
-            from structgen_server.process import PARENT_PID_ENV, exit_with_parent
-
-            if os.environ.get(PARENT_PID_ENV, "").isdigit():  # a data-parallel replica
-                exit_with_parent(int(os.environ[PARENT_PID_ENV]))
-
-            run_server(
-                args.model,
-                host=args.host,
-                port=args.port,
-                served_model_name=args.served_model_name,
-                backend=args.backend,
-                config=_engine_config(args),
-                default_max_tokens=args.default_max_tokens,
-                api_key=_api_key(args),
-                allowed_hosts=args.allowed_hosts.split(",") if args.allowed_hosts else None,
-                max_body_bytes=args.max_body_bytes,
-                max_generations=args.max_generations_per_request,
-                max_client_errors=args.max_client_errors,
-                log_level=args.log_level,
-            )
-            return 0
-        from structgen.api import LLM
-
-        with LLM(args.model, backend=args.backend, config=_engine_config(args)) as llm:  # stops worker ranks
-            c = llm.complete(_output_type(args), args.prompt, max_tokens=args.max_tokens, temperature=args.temperature)
-        print(c.text if isinstance(c.value, str) else json.dumps(c.value, default=str))
-        return 0
+        return _run(args)
     except StructgenError as e:
         print(f"structgen: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: the `with`/`finally` blocks already aborted the work
+        print("structgen: interrupted", file=sys.stderr)
+        return 130
+
+
+def _run(args: argparse.Namespace) -> int:
+    _check_flags(args)
+    config = _engine_config(args)  # invalid engine settings fail here, before the model loads
+    if _is_torchrun_worker(args):
+        from structgen.engine.parallel import run_worker
+
+        run_worker(args.model, config)  # rank 0 runs the command itself
+        return 0
+    if args.command == "serve":
+        _serve(args, config)
+        return 0
+    output_type = _output_type(args)  # a missing schema or grammar file fails before the model loads
+    from structgen.api import LLM
+
+    with LLM(args.model, backend=args.backend, config=config) as llm:  # stops worker ranks
+        c = llm.complete(output_type, args.prompt, max_tokens=args.max_tokens, temperature=args.temperature)
+    print(c.text if isinstance(c.value, str) else json.dumps(c.value, default=str))
+    return 0
+
+
+def _serve(args: argparse.Namespace, config: EngineConfig) -> None:
+    api_key = _api_key(args)
+    _check_address(args.host, args.port)
+    if args.data_parallel > 1:
+        _serve_replicas(args)
+        return
+    from structgen_server.app import run_server
+    from structgen_server.process import PARENT_PID_ENV, exit_with_parent
+
+    if os.environ.get(PARENT_PID_ENV, "").isdigit():  # a data-parallel replica
+        exit_with_parent(int(os.environ[PARENT_PID_ENV]))
+
+    run_server(
+        args.model,
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name,
+        backend=args.backend,
+        config=config,
+        default_max_tokens=args.default_max_tokens,
+        api_key=api_key,
+        allowed_hosts=args.allowed_hosts.split(",") if args.allowed_hosts else None,
+        max_body_bytes=args.max_body_bytes,
+        max_generations=args.max_generations_per_request,
+        max_client_errors=args.max_client_errors,
+        log_level=args.log_level,
+    )
 
 
 if __name__ == "__main__":

@@ -168,6 +168,13 @@ async def _serve(state: ServerState, endpoint: str, body: SamplingFields, reques
     except serving.ClientDisconnected:
         status, error_type = 499, "client_disconnected"
         return APIError(499, "client disconnected", code="client_disconnected").response()
+    except asyncio.CancelledError:
+        if not state.stopping:
+            raise
+        _uncancel()  # answered below: the cancellation is handled, not lost
+        err = shutting_down_error()
+        status, error_type = err.status, err.code
+        return err.response()
     except Exception as exc:
         err = to_api_error(exc)
         status, error_type = err.status, err.code or err.type
@@ -176,6 +183,20 @@ async def _serve(state: ServerState, endpoint: str, body: SamplingFields, reques
         if not streaming:
             state.metrics.finished(endpoint, status, time.perf_counter() - t0, error_type)
 
+
+
+def shutting_down_error() -> APIError:
+    """The answer to a request still running when the server's graceful stop timed out."""
+    return APIError(503, "the server is shutting down and stopped this request before it finished; "
+                    "send it again once the server is back", type="server_error", code="server_shutting_down")
+
+
+def _uncancel() -> None:
+    """Clear the current task's pending cancellation once it has been answered, so that it
+    does not cancel a later `asyncio.timeout` in the same task (Python 3.11+)."""
+    task = asyncio.current_task()
+    if task is not None and hasattr(task, "uncancel"):
+        task.uncancel()
 
 
 async def _run_all(llm: Any, jobs: list[serving.Job]) -> list[serving.Generation]:
@@ -224,7 +245,16 @@ async def _start_stream(
             status, error_type = err.status, err.code or err.type
             yield responses.error_event({"message": err.message, "type": err.type, "param": err.param, "code": err.code})
             yield responses.sse("[DONE]")
-        except BaseException:  # cancelled: the client went away
+        except asyncio.CancelledError:
+            if not state.stopping:  # cancelled: the client went away
+                status, error_type = 499, "client_disconnected"
+                raise
+            _uncancel()  # the server's graceful timeout ran out: end the stream with an error event
+            err = shutting_down_error()
+            status, error_type = err.status, err.code
+            yield responses.error_event({"message": err.message, "type": err.type, "param": err.param, "code": err.code})
+            yield responses.sse("[DONE]")
+        except BaseException:
             status, error_type = 499, "client_disconnected"
             raise
         finally:
@@ -292,8 +322,6 @@ def run_server(
 ) -> None:
     """Load the model, then serve it with uvicorn until interrupted. `allowed_hosts` None:
     the loopback names when bound to loopback, any Host otherwise; ["*"]: any."""
-    import uvicorn
-
     from structgen import LLM
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -314,9 +342,22 @@ def run_server(
         max_client_errors=max_client_errors,
     )
     try:
-        uvicorn.Server(server_config(app, host, port, log_level)).run()
+        stoppable_server(server_config(app, host, port, log_level), app.state.server).run()
     finally:
         llm.close()  # also stops tensor-parallel worker ranks
+
+
+def stoppable_server(config: Any, state: ServerState) -> Any:
+    """A `uvicorn.Server` that marks `state` as stopping when SIGINT or SIGTERM arrives, so
+    requests it cancels after the graceful timeout get a JSON 503 instead of a plain-text 500."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            state.stopping = True
+            super().handle_exit(sig, frame)
+
+    return Server(config)
 
 
 def server_config(app: FastAPI, host: str, port: int, log_level: str = "info") -> Any:

@@ -37,6 +37,9 @@ class ServerState:
     default_max_tokens: int
     max_generations: int
     metrics: Metrics
+    # a stop signal arrived: a request cancelled from now on is the server's graceful timeout
+    # running out, answered 503 rather than taken for a client that went away
+    stopping: bool = False
 
     @property
     def max_seq_len(self) -> int:

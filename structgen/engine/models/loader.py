@@ -286,8 +286,14 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     if not path.is_file():
         raise ModelNotFoundError(f"{path} not found; pass a directory from resolve_model()")
     try:
-        return ModelConfig.from_file(path)
-    except (KeyError, ValueError) as e:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # unreadable, not UTF-8 or not JSON: name the file, not json's frames
+        raise ModelLoadError(f"cannot read {path}: {e}; pass a model directory with a valid config.json") from e
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path} holds a JSON {type(data).__name__}, not an object; it is not a model config")
+    try:
+        return ModelConfig.from_dict(data)
+    except (KeyError, ValueError, TypeError) as e:
         raise ModelLoadError(f"{path} is not a Llama-style config: {e!r}") from e
 
 

@@ -1,0 +1,127 @@
+"""A request still running when the server's graceful stop times out (uvicorn cancels its task
+after `timeout_graceful_shutdown`) is answered with OpenAI's JSON error, 503
+`server_shutting_down`, not uvicorn's plain-text 500; a stream ends with that error event and
+`[DONE]`. In process, on a stub LLM whose generations never end, cancelling the request's task
+as uvicorn does once the stop signal marked the server as stopping."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
+from typing import Any
+
+from structgen_server.app import create_app
+
+MODEL = "stub-model"
+
+
+class EndlessLLM:
+    """Just enough of `structgen.LLM`: generations start (`started` is set) and never end."""
+
+    model_name = MODEL
+
+    def __init__(self) -> None:
+        self.engine = SimpleNamespace(max_seq_len=4096)
+        self.started = asyncio.Event()
+        self.cancelled = 0
+
+    async def aencode_prompt(self, prompt: Any, chat: bool = False, tools: Any = None) -> list[int]:
+        return [1, 2, 3]
+
+    async def aprepare(self, output_type: Any, strict: bool = True) -> Any:
+        return output_type
+
+    async def acomplete(self, output_type: Any, prompt: Any, **kwargs: Any) -> Any:
+        await self._forever()
+
+    def astream(self, output_type: Any, prompt: Any, **kwargs: Any) -> AsyncIterator[str]:
+        async def pieces() -> AsyncIterator[str]:
+            yield "Hel"
+            await self._forever()
+            yield "never"
+        return pieces()
+
+    async def _forever(self) -> None:
+        self.started.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled += 1  # the engine request would be aborted here
+            raise
+
+
+async def call_then_stop(body: dict[str, Any], stopping: bool) -> tuple[list[dict[str, Any]], EndlessLLM]:
+    """POST `body` to the app, cancel the request's task once its generation runs (as uvicorn
+    does when the graceful timeout runs out), and return the ASGI messages it sent."""
+    llm = EndlessLLM()
+    app = create_app(llm)
+    raw = json.dumps(body).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
+             "query_string": b"", "root_path": "", "headers": [(b"host", b"localhost"),
+                                                               (b"content-type", b"application/json")],
+             "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000)}
+    requests = [{"type": "http.request", "body": raw, "more_body": False}]
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        if requests:
+            return requests.pop(0)
+        await asyncio.Event().wait()  # the client stays connected
+        raise AssertionError
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    task = asyncio.ensure_future(app(scope, receive, send))
+    await asyncio.wait_for(llm.started.wait(), 10)
+    await asyncio.sleep(0.05)  # let a stream send its first event
+    app.state.server.stopping = stopping
+    task.cancel(msg="Task cancelled, timeout graceful shutdown exceeded")
+    try:
+        await asyncio.wait_for(task, 10)
+    except asyncio.CancelledError:
+        pass
+    return sent, llm
+
+
+BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10}
+
+
+def test_a_request_cut_by_the_graceful_stop_gets_a_json_503() -> None:
+    sent, llm = asyncio.run(call_then_stop(BODY, stopping=True))
+    start, body = sent[0], b"".join(m.get("body", b"") for m in sent[1:])
+    assert start["status"] == 503
+    assert (b"content-type", b"application/json") in start["headers"]
+    error = json.loads(body)["error"]
+    assert error["code"] == "server_shutting_down" and error["type"] == "server_error", error
+    assert llm.cancelled == 1  # its generation was cancelled, not left running
+
+
+def test_a_stream_cut_by_the_graceful_stop_ends_with_an_error_event() -> None:
+    sent, llm = asyncio.run(call_then_stop({**BODY, "stream": True}, stopping=True))
+    assert sent[0]["status"] == 200 and sent[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
+    events = [m["body"].decode() for m in sent[1:] if m.get("body")]
+    assert events[-1] == "data: [DONE]\n\n"
+    error = json.loads(events[-2].removeprefix("data: "))["error"]
+    assert error["code"] == "server_shutting_down", error
+    assert llm.cancelled == 1
+
+
+def test_a_cancellation_while_not_stopping_is_not_taken_for_a_stop() -> None:
+    sent, _ = asyncio.run(call_then_stop(BODY, stopping=False))
+    assert not any(m.get("status") == 503 for m in sent)
+
+
+def test_the_stop_signal_marks_the_server_as_stopping() -> None:
+    import signal
+
+    from structgen_server.app import server_config, stoppable_server
+
+    app = create_app(EndlessLLM())
+    server = stoppable_server(server_config(app, "127.0.0.1", 0), app.state.server)
+    server.handle_exit(signal.SIGTERM, None)
+    assert app.state.server.stopping and server.should_exit
+
