@@ -354,9 +354,9 @@ def xgrammar_compile_cost(schema: Any) -> str | None:
     states: an open object that lists optional properties (every optional property may be
     followed by any other key; compile time grows steeply with their number), long bounded
     repetitions (`maxLength: 100` is 100 states) and many characters of property names (a
-    state per character: 3-5 ms each on a 2-core VM, so one 10,000-character key kept a
-    compile worker busy past the time budget, which cannot stop native work);
-    `benchmarks/eval_grammar.py` reports compile times.
+    state per character: one 10,000-character key kept a compile worker busy past the time
+    budget, which cannot stop native work; docs/performance.md, "Property names cost
+    xgrammar's compile"); `benchmarks/eval_grammar.py` reports compile times.
     """
     key_chars = 0
     for node, path in walk(schema):
@@ -382,7 +382,7 @@ def xgrammar_compile_cost(schema: Any) -> str | None:
 
 
 _LONG_REPEAT = 32
-_MANY_KEY_CHARS = 400  # property-name characters in a whole schema: about 1-2 s of xgrammar compile
+_MANY_KEY_CHARS = 400  # property-name characters in a whole schema: seconds of xgrammar compile
 
 
 def xgrammar_narrows(schema: Any) -> str | None:
