@@ -37,13 +37,13 @@ class SamplingParams:
     repair: int = 0
 
     def __post_init__(self) -> None:
-        _check_int("max_tokens", self.max_tokens, 1, None)
-        _check_number("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
-        _check_number("top_p", self.top_p, 0.0, 1.0, open_low=True)
-        _check_int("top_k", self.top_k, 0, None)
-        _check_int("repair", self.repair, 0, None)
+        check_int("max_tokens", self.max_tokens, 1, None)
+        check_number("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
+        check_number("top_p", self.top_p, 0.0, 1.0, open_low=True)
+        check_int("top_k", self.top_k, 0, None)
+        check_int("repair", self.repair, 0, None)
         if self.seed is not None:
-            _check_int("seed", self.seed, 0, MAX_SEED)
+            check_int("seed", self.seed, 0, MAX_SEED)
         if self.jump_forward is not None and not isinstance(self.jump_forward, bool):
             raise InvalidParameterError(
                 f"jump_forward must be True, False or None, got {self.jump_forward!r}"
@@ -84,7 +84,7 @@ MAX_SEED = 2**63 - 1  # seeds are int64 on the device
 MAX_TEMPERATURE = 100.0
 
 
-def _check_int(name: str, value: object, low: int, high: int | None) -> None:
+def check_int(name: str, value: object, low: int, high: int | None) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise InvalidParameterError(f"{name} must be an integer, got {value!r}")
     number = int(value)
@@ -93,7 +93,7 @@ def _check_int(name: str, value: object, low: int, high: int | None) -> None:
         raise InvalidParameterError(f"{name} must be {bound}, got {value}")
 
 
-def _check_number(name: str, value: object, low: float, high: float | None, open_low: bool = False) -> None:
+def check_number(name: str, value: object, low: float, high: float | None, open_low: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or value != value:
         raise InvalidParameterError(f"{name} must be a number, got {value!r}")
     number = float(value)

@@ -185,6 +185,12 @@ async def _serve(state: ServerState, endpoint: str, body: SamplingFields, reques
 
 
 
+def _error_end(err: APIError) -> tuple[str, str]:
+    """The events that end a stream with `err` once its headers are sent (as OpenAI does)."""
+    error = {"message": err.message, "type": err.type, "param": err.param, "code": err.code}
+    return responses.error_event(error), responses.sse("[DONE]")
+
+
 def shutting_down_error() -> APIError:
     """The answer to a request still running when the server's graceful stop timed out."""
     return APIError(503, "the server is shutting down and stopped this request before it finished; "
@@ -243,8 +249,8 @@ async def _start_stream(
         except Exception as exc:  # after the headers: report in-band, as OpenAI does
             err = to_api_error(exc)
             status, error_type = err.status, err.code or err.type
-            yield responses.error_event({"message": err.message, "type": err.type, "param": err.param, "code": err.code})
-            yield responses.sse("[DONE]")
+            for event in _error_end(err):
+                yield event
         except asyncio.CancelledError:
             if not state.stopping:  # cancelled: the client went away
                 status, error_type = 499, "client_disconnected"
@@ -252,8 +258,8 @@ async def _start_stream(
             _uncancel()  # the server's graceful timeout ran out: end the stream with an error event
             err = shutting_down_error()
             status, error_type = err.status, err.code
-            yield responses.error_event({"message": err.message, "type": err.type, "param": err.param, "code": err.code})
-            yield responses.sse("[DONE]")
+            for event in _error_end(err):
+                yield event
         except BaseException:
             status, error_type = 499, "client_disconnected"
             raise

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from structgen.errors import InvalidParameterError
 from structgen.grammar.native import MAX_GRAMMAR_THREADS
-from structgen.sampling import MAX_SEED, _check_int, _check_number
+from structgen.sampling import MAX_SEED, check_int, check_number
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -354,7 +354,7 @@ def _graph_sizes(sizes: object) -> tuple[int, ...]:
         raise InvalidParameterError("EngineTuning.cuda_graph_batch_sizes must be a non-empty tuple of row counts "
                                     f"(e.g. (1, 2, 4, 8)), got {sizes!r}")
     for size in sizes:
-        _check_int("each of EngineTuning.cuda_graph_batch_sizes", size, 1, None)
+        check_int("each of EngineTuning.cuda_graph_batch_sizes", size, 1, None)
     return tuple(int(s) for s in sizes)
 
 
@@ -416,13 +416,13 @@ class SpeculativeConfig:
         methods = ("ngram", "draft_model", "self_draft", "custom")
         if self.method not in methods:
             raise InvalidParameterError(f"speculative method must be one of {methods}, got {self.method!r}")
-        _check_int("SpeculativeConfig.num_draft_tokens", self.num_draft_tokens, 1, MAX_DRAFT_TOKENS)
-        _check_int("SpeculativeConfig.max_requests (0: no limit)", self.max_requests, 0, None)
-        _check_int("SpeculativeConfig.ngram_min", self.ngram_min, 1, MAX_NGRAM)
-        _check_int("SpeculativeConfig.ngram_max", self.ngram_max, 1, MAX_NGRAM)
+        check_int("SpeculativeConfig.num_draft_tokens", self.num_draft_tokens, 1, MAX_DRAFT_TOKENS)
+        check_int("SpeculativeConfig.max_requests (0: no limit)", self.max_requests, 0, None)
+        check_int("SpeculativeConfig.ngram_min", self.ngram_min, 1, MAX_NGRAM)
+        check_int("SpeculativeConfig.ngram_max", self.ngram_max, 1, MAX_NGRAM)
         if self.ngram_min > self.ngram_max:
             raise InvalidParameterError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
-        _check_int("SpeculativeConfig.self_draft_layers", self.self_draft_layers, 1, None)
+        check_int("SpeculativeConfig.self_draft_layers", self.self_draft_layers, 1, None)
         _check_bools(self, "SpeculativeConfig", ("grammar_aware", "ngram_shared"))
         if self.draft_model is not None and not isinstance(self.draft_model, (str, os.PathLike)):
             raise InvalidParameterError("SpeculativeConfig.draft_model must be a checkpoint path (str or Path) or "
@@ -495,7 +495,7 @@ class EngineTuning:
         self.cuda_graph_batch_sizes = _graph_sizes(self.cuda_graph_batch_sizes)
         _check_bools(self, "EngineTuning", ("prefill_in_graphs", "cascade_attention", "capturable_guided",
                                             "quantized_weights", "gguf_packed_on_cuda", "hold_full_collections"))
-        _check_int("EngineTuning.grammar_threads (0: auto)", self.grammar_threads, 0, MAX_GRAMMAR_THREADS)
+        check_int("EngineTuning.grammar_threads (0: auto)", self.grammar_threads, 0, MAX_GRAMMAR_THREADS)
         if self.mask_prefetch not in ("auto", "on", "off"):
             raise InvalidParameterError(f"mask_prefetch must be 'auto', 'on' or 'off', got {self.mask_prefetch!r}")
         if self.tensor_parallel_all_reduce not in ("auto", "nccl"):
@@ -548,16 +548,16 @@ class EngineConfig:
     def __post_init__(self) -> None:
         self.device = _device_name(self.device)
         self.dtype = _dtype_name(self.dtype)
-        _check_int("EngineConfig.max_batch_size", self.max_batch_size, 1, None)
-        _check_int("EngineConfig.max_seq_len (prompt + output tokens)", self.max_seq_len, MIN_SEQ_LEN, None)
-        _check_number("EngineConfig.kv_cache_memory_fraction", self.kv_cache_memory_fraction, 0.0, 1.0,
+        check_int("EngineConfig.max_batch_size", self.max_batch_size, 1, None)
+        check_int("EngineConfig.max_seq_len (prompt + output tokens)", self.max_seq_len, MIN_SEQ_LEN, None)
+        check_number("EngineConfig.kv_cache_memory_fraction", self.kv_cache_memory_fraction, 0.0, 1.0,
                       open_low=True)
-        _check_int("EngineConfig.prefill_chunk_tokens", self.prefill_chunk_tokens, 1, None)
+        check_int("EngineConfig.prefill_chunk_tokens", self.prefill_chunk_tokens, 1, None)
         _check_bools(self, "EngineConfig", ("use_cuda_graphs", "jump_forward", "batch_invariant", "prefix_caching"))
         if self.seed is not None:
-            _check_int("EngineConfig.seed", self.seed, 0, MAX_SEED)
+            check_int("EngineConfig.seed", self.seed, 0, MAX_SEED)
         if self.kv_cache_tokens is not None:
-            _check_int("EngineConfig.kv_cache_tokens (None: sized from kv_cache_memory_fraction)",
+            check_int("EngineConfig.kv_cache_tokens (None: sized from kv_cache_memory_fraction)",
                        self.kv_cache_tokens, 1, None)
         self.speculative = _speculative(self.speculative)
         self.tuning = _built("tuning", self.tuning, EngineTuning, EngineTuning())
@@ -572,7 +572,7 @@ class EngineConfig:
         return _built("config", config, cls, None) or cls()
 
     def _check_tensor_parallel(self) -> None:
-        _check_int("EngineConfig.tensor_parallel", self.tensor_parallel, 1, MAX_TENSOR_PARALLEL)
+        check_int("EngineConfig.tensor_parallel", self.tensor_parallel, 1, MAX_TENSOR_PARALLEL)
         if self.tensor_parallel == 1:
             return
         if self.speculative is not None and self.speculative.method == "self_draft":

@@ -31,7 +31,7 @@ from structgen.grammar.compile_pool import CompilePool
 from structgen.grammar.large_stack import call_on_large_stack
 from structgen.grammar.native import MAX_GRAMMAR_THREADS
 from structgen.grammar.termination import analyse, check_not_empty
-from structgen.sampling import _check_int, _check_number
+from structgen.sampling import check_int, check_number
 from structgen.schema import keywords
 from structgen.schema.budget import CompileBudget, check_budget, current_budget, within
 from structgen.schema.keywords import BACKENDS, unsupported_schema_error
@@ -283,8 +283,8 @@ def _check_compiler_sizes(threads: int, workers: int, max_queued: int, cache_siz
                           compile_timeout: float) -> None:
     """Each is a thread count, a queue or a cache the user sizes: a bound keeps one argument
     from starting thousands of threads or holding every grammar ever compiled."""
-    _check_int("GrammarCompiler threads (0: auto)", threads, 0, MAX_GRAMMAR_THREADS)
-    _check_int("GrammarCompiler workers", workers, 1, MAX_COMPILE_WORKERS)
-    _check_int("GrammarCompiler max_queued", max_queued, 1, None)
-    _check_int("GrammarCompiler cache_size", cache_size, 0, None)
-    _check_number("GrammarCompiler compile_timeout (seconds)", compile_timeout, 0.0, None)
+    check_int("GrammarCompiler threads (0: auto)", threads, 0, MAX_GRAMMAR_THREADS)
+    check_int("GrammarCompiler workers", workers, 1, MAX_COMPILE_WORKERS)
+    check_int("GrammarCompiler max_queued", max_queued, 1, None)
+    check_int("GrammarCompiler cache_size", cache_size, 0, None)
+    check_number("GrammarCompiler compile_timeout (seconds)", compile_timeout, 0.0, None)
