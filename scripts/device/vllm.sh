@@ -32,7 +32,9 @@ case "$cmd" in
   serve)
     port=${2:-8100} backend=${3:-guidance}
     [[ -f "$hf/config.json" ]] || python3 scripts/device/export_float.py "$hf" || exit 1
-    PYTHONPATH=$site VLLM_USE_FLASHINFER_SAMPLER=0 nohup python3 -m vllm.entrypoints.openai.api_server \
+    # setsid: the device kills what a call leaves running unless it has its own session, so the
+    # server then outlives this call and the next call's benchmark can use it.
+    PYTHONPATH=$site VLLM_USE_FLASHINFER_SAMPLER=0 setsid nohup python3 -m vllm.entrypoints.openai.api_server \
       --model "$hf" --served-model-name smollm2 --dtype bfloat16 --max-model-len 4096 \
       --structured-outputs-config "{\"backend\": \"$backend\", \"disable_any_whitespace\": true}" \
       --gpu-memory-utilization 0.45 --port "$port" > /tmp/vllm.log 2>&1 &
