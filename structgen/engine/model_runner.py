@@ -52,12 +52,15 @@ def pick_device(config: EngineConfig) -> torch.device:
     has otherwise), else CUDA if available, else the CPU."""
     if not config.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(config.device)  # EngineConfig checked the name: "cpu", "cuda" or "cuda:N"
-    if device.type == "cuda" and not _cuda_has(device.index):
+    # EngineConfig checked the name: "cpu", "cuda" or "cuda:N". N is read here, not by torch,
+    # which keeps a device index in 8 bits: torch.device("cuda:4096") is cuda:0.
+    kind, _, number = config.device.partition(":")
+    index = int(number) if number else None
+    if kind == "cuda" and not _cuda_has(index):
         seen = f"torch sees {torch.cuda.device_count()} GPU(s)" if torch.cuda.is_available() else "torch sees no CUDA GPU"
         raise InvalidParameterError(f"EngineConfig.device={config.device!r}, but {seen} on this host; pass one of "
                                     f"{', '.join(map(repr, available_devices()))} (or None for the default)")
-    return device
+    return torch.device(kind, index)
 
 
 def _cuda_has(index: int | None) -> bool:

@@ -146,6 +146,21 @@ def test_a_gpu_this_host_lacks_is_refused_at_build_naming_the_devices(device):
         _build(device=device)
 
 
+@pytest.mark.parametrize("device", ["cuda:1", "cuda:256", "cuda:4096"])
+def test_a_gpu_index_past_the_hosts_is_refused_however_large(monkeypatch, device):
+    # torch keeps a device index in 8 bits (torch.device("cuda:4096") is cuda:0), so a
+    # one-GPU host once built "cuda:4096" on its first GPU
+    import torch
+
+    from structgen.engine.model_runner import pick_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(InvalidParameterError, match=r"torch sees 1 GPU\(s\).*pass one of 'cpu', 'cuda', 'cuda:0'"):
+        pick_device(EngineConfig(device=device))
+    assert pick_device(EngineConfig(device="cuda:0")) == torch.device("cuda", 0)
+
+
 @pytest.mark.parametrize(("field", "value", "names"), [
     ("max_batch_size", 10**9, "per-request tables"),
     ("kv_cache_tokens", 10**12, "KV pool"),
