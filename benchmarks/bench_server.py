@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import json
 import multiprocessing
-import resource
 import statistics
 import time
 from typing import Any
@@ -35,7 +34,7 @@ import jsonschema
 
 from benchmarks.common import print_table, write_results
 from benchmarks.server_attacks import attack_process
-from structgen_server.process import ServerProcess
+from structgen_server.process import ServerProcess, cap_address_space
 
 # Small extraction schemas with bounded fields, so outputs finish within a small max_tokens.
 SCHEMAS: list[dict[str, Any]] = [
@@ -214,8 +213,9 @@ def _parse_args() -> argparse.Namespace:
                     help="seconds before a good request counts as lost")
     ap.add_argument("--server-pid", type=int, help="with --url: the server's pid, for its peak RSS")
     ap.add_argument("--server-memory-gb", type=float, default=None,
-                    help="address-space cap of a started server, so that a runaway request cannot "
-                         "take the host (default 8 on CPU; none on CUDA, whose driver maps more)")
+                    help="address space a started server may add to what it holds once up, so that a "
+                         "runaway request cannot take the host (default 6 on CPU; none on CUDA, whose "
+                         "driver maps more as it goes)")
     ap.add_argument("--max-client-errors", type=int, default=None,
                     help="a started server's --max-client-errors (default: the server's default)")
     ap.add_argument("--no-write", action="store_true", help="print the table only")
@@ -231,10 +231,9 @@ def main() -> None:
             extra += ["--max-client-errors", str(args.max_client_errors)]
         server = ServerProcess([*extra, "--max-batch-size", str(args.concurrency), "--max-seq-len", "1024",
                                 "--log-level", "warning"]).start()
-        cap_gb = args.server_memory_gb if args.server_memory_gb is not None else 0 if args.device == "cuda" else 8
-        if cap_gb > 0:
-            cap = int(cap_gb * 2**30)
-            resource.prlimit(server.proc.pid, resource.RLIMIT_AS, (cap, cap))
+        headroom_gb = args.server_memory_gb if args.server_memory_gb is not None else 0 if args.device == "cuda" else 6
+        if headroom_gb > 0:
+            cap_address_space(server.proc.pid, int(headroom_gb * 2**30))
     url = args.url or server.url
     pid = server.proc.pid if server is not None else args.server_pid
     try:

@@ -43,13 +43,26 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def cap_address_space(pid: int, headroom: int) -> int:
+    """Cap process `pid`'s virtual memory (RLIMIT_AS) at its current size plus `headroom`
+    bytes and return the cap. Relative, not absolute: what a started server maps depends on the
+    host (a 16-core GPU host's CUDA libraries and per-thread malloc arenas held more than the 6
+    GiB a 2-core CPU host's cap allowed, and every request failed)."""
+    with open(f"/proc/{pid}/status") as status:
+        size_kb = next(int(line.split()[1]) for line in status if line.startswith("VmSize:"))
+    cap = size_kb * 1024 + headroom
+    resource.prlimit(pid, resource.RLIMIT_AS, (cap, cap))
+    return cap
+
+
 class ServerProcess:
     """`with ServerProcess(["--device", "cpu"]) as server: server.url` (".../v1").
 
     The server's output goes to `log_path`; a server that exits or stays unhealthy for
     `startup_timeout` seconds raises with that path in the message. `env` adds environment
-    variables; `address_space_bytes` caps the process's virtual memory (RLIMIT_AS), so a
-    request that would take the host's memory fails inside the server instead."""
+    variables; `address_space_headroom` caps the process's virtual memory (RLIMIT_AS) at what
+    it holds once healthy plus that many bytes (`cap_address_space`), so a request that would
+    take the host's memory fails inside the server instead."""
 
     def __init__(
         self,
@@ -57,14 +70,14 @@ class ServerProcess:
         host: str = "127.0.0.1",
         startup_timeout: float = 300.0,
         env: dict[str, str] | None = None,
-        address_space_bytes: int | None = None,
+        address_space_headroom: int | None = None,
     ):
         self.host = host
         self.port = free_port(host)
         self.args = list(args or [])
         self.startup_timeout = startup_timeout
         self.env = {**os.environ, **(env or {})}
-        self.address_space_bytes = address_space_bytes
+        self.address_space_headroom = address_space_headroom
         self.log_path = Path(tempfile.gettempdir()) / f"structgen-server-{self.port}.log"
         self.proc: subprocess.Popen | None = None
 
@@ -79,15 +92,15 @@ class ServerProcess:
     def start(self) -> ServerProcess:
         cmd = [sys.executable, "-m", "structgen_server", "--host", self.host, "--port", str(self.port), *self.args]
         with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, preexec_fn=self._limit_memory
-            )
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env)
         deadline = time.monotonic() + self.startup_timeout
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}; see {self.log_path}")
             try:
                 if httpx.get(f"{self.root}/health", timeout=1).status_code == 200:
+                    if self.address_space_headroom is not None:
+                        cap_address_space(self.proc.pid, self.address_space_headroom)
                     return self
             except httpx.HTTPError:
                 pass
@@ -95,12 +108,6 @@ class ServerProcess:
                 self.stop()
                 raise RuntimeError(f"server not healthy after {self.startup_timeout:.0f} s; see {self.log_path}")
             time.sleep(0.25)
-
-    def _limit_memory(self) -> None:
-        """Runs in the child before exec."""
-        if self.address_space_bytes is not None:
-            limit = self.address_space_bytes
-            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:

@@ -11,7 +11,6 @@ Generations stay short: `max_tokens` is always sent, at most 8 where it is a val
 from __future__ import annotations
 
 import json
-import resource
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -27,7 +26,7 @@ from structgen.errors import StructgenError
 MAX_EXAMPLES = 60
 # Wall-clock seconds each fuzz test may spend on examples (`WallBudget`).
 WALL_BUDGET_S = 150.0
-ADDRESS_SPACE_BYTES = 6 * 2**30
+ADDRESS_SPACE_HEADROOM = 4 * 2**30  # over what the started server holds
 REQUEST_TIMEOUT_S = 60.0
 FUZZ_SETTINGS = settings(
     max_examples=MAX_EXAMPLES,
@@ -268,10 +267,8 @@ def fuzz_server(model_dir) -> Iterator[FuzzServer]:
 
     # --max-client-errors 0: every fuzzed body must reach the checks, not the throttle's 429
     args = "--device cpu --max-seq-len 1024 --max-batch-size 8 --max-client-errors 0 --log-level warning".split()
-    with ServerProcess(args) as server, httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:
-        resource.prlimit(
-            server.proc.pid, resource.RLIMIT_AS, (ADDRESS_SPACE_BYTES, ADDRESS_SPACE_BYTES)
-        )
+    with ServerProcess(args, address_space_headroom=ADDRESS_SPACE_HEADROOM) as server, \
+            httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:
         model = client.get(f"{server.url}/models").json()["data"][0]["id"]
         fuzz = FuzzServer(server.root, model, client)
         yield fuzz

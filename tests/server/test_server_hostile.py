@@ -74,7 +74,7 @@ def server(model_dir) -> Iterator[Server]:
     # The module's own bad requests stay under the throttle's limit (tested from another address).
     args = ["--device", "cpu", "--max-seq-len", str(MAX_SEQ_LEN), "--max-batch-size", "4",
             "--max-client-errors", str(CLIENT_ERROR_LIMIT), "--log-level", "warning"]
-    with ServerProcess(args, env={"STRUCTGEN_API_KEY": KEY}, address_space_bytes=6 * 2**30) as process, httpx.Client() as client:
+    with ServerProcess(args, env={"STRUCTGEN_API_KEY": KEY}, address_space_headroom=4 * 2**30) as process, httpx.Client() as client:
         s = Server(process, client)
         times = []
         for _ in range(3):
