@@ -198,9 +198,12 @@ class LLM:
         self._compile_gate = CompileGate(2 * _COMPILE_WORKERS)
         # Async callers' prompts, a burst's in one thread job, tokenized in one batched call
         # (schemas are normalized one a thread: a hostile one must not hold up its burst).
-        self._prompts = ThreadBatch(self._encode_prompts)
+        self._prompts = ThreadBatch(_weak_method(self._encode_prompts))
         self._built = BuiltConstraints()
         self.loop = EngineLoop(engine)
+        # Dropped unclosed, an LLM still ends its engine thread, which holds the engine (and so
+        # the model) for as long as it runs.
+        weakref.finalize(self, self.loop.stop)
         # Per running event loop, what hands it the engine's stream updates (weak: a finished
         # event loop takes its waker with it).
         self._wakers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopWaker] = weakref.WeakKeyDictionary()
@@ -210,12 +213,15 @@ class LLM:
 
     # -- lifetime ---------------------------------------------------------------------------
     def close(self) -> None:
-        """Abort requests in flight, stop the engine thread and the mask workers; idempotent.
-        Generating afterwards raises `StructgenError`."""
+        """Abort requests in flight and compiles under way, stop the engine thread, the compile
+        workers and the mask workers; idempotent. Generating afterwards raises
+        `StructgenError`. The process-wide grammar fill pools (grammar/native.py, llguidance's)
+        stay for the next LLM."""
         if self.closed:
             return
         self.closed = True
         self.loop.close()
+        self.grammars.close()
         self.engine.close()
         if self.engine.prefetcher is not None:
             self.engine.prefetcher.close()
@@ -1148,6 +1154,21 @@ def _cleans_up_nothing(tokenizer: Any) -> bool:
             transformers_log.setLevel(level)
         _cleans_up[tokenizer] = known
     return not known
+
+
+def _weak_method(method: Callable[[list[Any]], list[Outcome]]) -> Callable[[list[Any]], list[Outcome]]:
+    """`method`, without a strong reference to its LLM: a part the LLM owns that held one would
+    make a cycle, and a dropped LLM would wait for the cyclic collector, which never frees the
+    first LLM of a process (created before `freeze_heap`, so frozen with the heap)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(items: list[Any]) -> list[Outcome]:
+        bound = ref()
+        if bound is None:  # (a job of callers that are all gone: nobody waits for it)
+            return []
+        return bound(items)
+
+    return call
 
 
 def _held_tail(text: str, hold: str) -> int:

@@ -148,7 +148,8 @@ class Engine:
 
             self.speculator = Speculator(self, self.config.speculative)
         if self.config.tuning.grammar_threads:
-            native.size_pool(self.grammar_threads.pool)  # the pool is process-wide: LLM.close() leaves it
+            native.size_pool(self.grammar_threads.pool, self)  # the pool is process-wide: LLM.close() leaves it
+        native.use_pool(self)
         self.prefetcher = self._mask_prefetcher()
 
     def _grammar_threads(self) -> GrammarThreads:
@@ -175,7 +176,9 @@ class Engine:
         return MaskPrefetcher(self.grammar_threads.prefetch, tuner=PrefetchTuner() if mode == "auto" else None)
 
     def close(self) -> None:
-        """Stop the tensor-parallel worker ranks, if any; idempotent."""
+        """Stop the tensor-parallel worker ranks, if any, and leave the grammar pool's users;
+        idempotent."""
+        native.release_pool(self)
         if self.tensor_parallel is not None:
             self.tensor_parallel.close()
 

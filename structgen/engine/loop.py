@@ -99,12 +99,17 @@ class EngineLoop:
             self._aborts.append(request)
             self._cond.notify()
 
-    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
-        """Abort every queued and running request and stop the loop thread, waiting up to
-        `timeout` seconds for the step in progress; later `submit`s raise EngineError."""
+    def stop(self) -> None:
+        """Abort every queued and running request and let the loop thread end after the step in
+        progress, without waiting for it; later `submit`s raise EngineError. An LLM dropped
+        unclosed calls this (the thread holds the engine, so would keep the model alive)."""
         with self._cond:
             self._closing = True
             self._cond.notify()
+
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """`stop`, then wait up to `timeout` seconds for the loop thread to end."""
+        self.stop()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)

@@ -5,7 +5,8 @@ constraint in flight, and cancellation.
 Each `submit` gets its own Future; the Futures of one constraint share one `_CompileJob`. A
 Future is cancelled like any pending one (it never runs itself); when every Future of a job is
 cancelled, the job's `CompileBudget` is, and its Python-side work stops at the next
-`check_budget()`.
+`check_budget()`. `close` cancels every job and ends the workers (`LLM.close()`), so that each
+LLM's compile threads end with it.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from structgen.errors import CompilerBusyError
+from structgen.errors import CompilerBusyError, StructgenError
 from structgen.schema.budget import CompileBudget, within
 
 if TYPE_CHECKING:
@@ -59,6 +60,7 @@ class CompilePool:
         self._executor: ThreadPoolExecutor | None = None  # started on first use
         self._jobs: dict[tuple, _CompileJob] = {}
         self._lock = threading.Lock()
+        self._closed = False
 
     def submit(self, output: Any, backend: str | None, strict: bool = True) -> Future[CompiledGrammar]:
         from structgen.types import Constraint
@@ -74,6 +76,7 @@ class CompilePool:
         else:  # an output type: `to_constraint` runs on the pool too (normalization is slow)
             key = ("output type", output, strict, name) if _hashable(output) else None
         with self._lock:
+            self._check_open()
             job = self._jobs.get(key) if key is not None else None
             if job is None or job.budget.cancelled:  # a cancelled job is not joined: start anew
                 if len(self._jobs) >= self._max_queued:
@@ -101,6 +104,23 @@ class CompilePool:
             future = CompileFuture(self, job)
             job.waiters.append(future)
         return future
+
+    def close(self) -> None:
+        """Cancel every job (their waiters get `RequestCancelledError`) and end the workers,
+        waiting for a compile in progress to reach its next budget check (a native compile, to
+        end); later `submit`s that need a compile raise (cache hits are still served). Idempotent."""
+        with self._lock:
+            self._closed = True
+            for job in self._jobs.values():
+                job.budget.cancel()
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True)  # queued jobs still run, and fail at once as cancelled
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StructgenError("this GrammarCompiler is closed (its close(), which LLM.close() calls); "
+                                 "create a new structgen.LLM() or GrammarCompiler to compile on")
 
     def _start(self, job: _CompileJob, output: Any, backend: str | None, strict: bool) -> None:
         if self._executor is None:

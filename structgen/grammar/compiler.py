@@ -118,6 +118,13 @@ class GrammarCompiler:
         wait for its one compile without each taking a place in the queue."""
         return self._pool.join(constraint, backend)
 
+    def close(self) -> None:
+        """Cancel the compiles `submit` has in flight (their Futures raise
+        `RequestCancelledError`) and end its worker threads (`LLM.close()` calls it); later
+        `submit`s that need a compile raise `StructgenError`, while `compile` still runs on the
+        caller's thread. Idempotent."""
+        self._pool.close()
+
     def compile(self, constraint: Constraint, backend: str | None = None) -> CompiledGrammar:
         """The compiled grammar for `constraint` (from the cache when seen before).
 

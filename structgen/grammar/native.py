@@ -8,6 +8,11 @@ call a batch (ctypes lets the GIL go for it), spread over native threads that st
 between steps. With one thread it is no faster than xgrammar's batch call, so the backend
 uses it only where the pool has two threads or more.
 
+The pool is one per process, shared by every LLM by design: it is sized to the host's cores, not
+to a model, and a pool per LLM would multiply workers that spin between steps. It is built once
+(`load`); a configured size (`size_pool`, at most `thread_limit()` threads) restarts it only
+where no other LLM uses it, and `LLM.close()` leaves it, its workers asleep, for the next LLM.
+
 Built with the system C++ compiler on first use (no torch or Python headers)
 into `~/.cache/structgen/native/` (`$STRUCTGEN_CACHE/native`), one file per source and
 tvm-ffi version. `load()` returns None where it cannot be built (no compiler, an xgrammar
@@ -22,6 +27,7 @@ import functools
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -98,14 +104,34 @@ def check_threads(threads: int, source: str = "EngineTuning.grammar_threads") ->
             "auto size")
 
 
-def size_pool(threads: int) -> None:
+# The engines that may fill on the pool now (`use_pool`): a restart replaces the pool under
+# them, so it waits until the engine sizing it is the only one.
+_POOL_USERS: weakref.WeakSet[object] = weakref.WeakSet()
+
+
+def use_pool(engine: object) -> None:
+    """Count `engine` among the pool's users until `release_pool(engine)` or until it is freed."""
+    _POOL_USERS.add(engine)
+
+
+def release_pool(engine: object) -> None:
+    _POOL_USERS.discard(engine)
+
+
+def size_pool(threads: int, engine: object) -> None:
     """Restart the process-wide pool with `threads` threads where it builds and has another
-    size (`EngineTuning.grammar_threads`); no batch may be in flight. The pool outlives the
-    engine: `LLM.close()` leaves it (other LLMs of the process share it), its workers asleep
-    once they have spun `SPIN_US` after a batch; the next engine built resizes it."""
+    size (`EngineTuning.grammar_threads`), unless another engine uses it: a restart frees the
+    pool and its workers while that engine's steps may be filling on them, so the pool then
+    keeps its size (a warning says so). The pool outlives the engine (see the module's
+    docstring): its workers sleep once they have spun `SPIN_US` after a batch."""
     pool = load()
-    if pool is not None and pool.threads != threads:
-        pool.set_threads(threads)
+    if pool is None or pool.threads == threads:
+        return
+    if any(user is not engine for user in list(_POOL_USERS)):
+        log.warning("grammar_threads=%d: the process-wide grammar pool keeps its %d threads while another LLM "
+                    "of this process uses it (close that LLM first to resize it)", threads, pool.threads)
+        return
+    pool.set_threads(threads)
 
 
 def pool_in_use() -> bool:
