@@ -171,7 +171,7 @@ async def _serve(state: ServerState, endpoint: str, body: SamplingFields, reques
     except asyncio.CancelledError:
         if not state.stopping:
             raise
-        _uncancel()  # answered below: the cancellation is handled, not lost
+        uncancel()  # answered below: the cancellation is handled, not lost
         err = shutting_down_error()
         status, error_type = err.status, err.code
         return err.response()
@@ -185,7 +185,7 @@ async def _serve(state: ServerState, endpoint: str, body: SamplingFields, reques
 
 
 
-def _error_end(err: APIError) -> tuple[str, str]:
+def stream_error_end(err: APIError) -> tuple[str, str]:
     """The events that end a stream with `err` once its headers are sent (as OpenAI does)."""
     error = {"message": err.message, "type": err.type, "param": err.param, "code": err.code}
     return responses.error_event(error), responses.sse("[DONE]")
@@ -197,7 +197,7 @@ def shutting_down_error() -> APIError:
                     "send it again once the server is back", type="server_error", code="server_shutting_down")
 
 
-def _uncancel() -> None:
+def uncancel() -> None:
     """Clear the current task's pending cancellation once it has been answered, so that it
     does not cancel a later `asyncio.timeout` in the same task (Python 3.11+)."""
     task = asyncio.current_task()
@@ -249,16 +249,16 @@ async def _start_stream(
         except Exception as exc:  # after the headers: report in-band, as OpenAI does
             err = to_api_error(exc)
             status, error_type = err.status, err.code or err.type
-            for event in _error_end(err):
+            for event in stream_error_end(err):
                 yield event
         except asyncio.CancelledError:
             if not state.stopping:  # cancelled: the client went away
                 status, error_type = 499, "client_disconnected"
                 raise
-            _uncancel()  # the server's graceful timeout ran out: end the stream with an error event
+            uncancel()  # the server's graceful timeout ran out: end the stream with an error event
             err = shutting_down_error()
             status, error_type = err.status, err.code
-            for event in _error_end(err):
+            for event in stream_error_end(err):
                 yield event
         except BaseException:
             status, error_type = 499, "client_disconnected"

@@ -9,6 +9,11 @@ one did (the same tool catalogue and system prompt) goes to the replica that ser
 prefix, whose prefix cache holds its KV pages, unless that replica's outstanding tokens exceed
 the least loaded one's by more than `affinity_slack_tokens`. A replica that exits is restarted; the requests it was
 running end with a 503 (or, mid-stream, an error event) that names it, never a hang.
+
+SIGINT or SIGTERM drains the front end (`draining_server`): it keeps listening and answers new
+requests with a JSON 503 `server_shutting_down` while the running ones finish (for `DRAIN_S` at
+most; any still running then end with the single server's 503 or error event), then stops the
+replicas and returns, so that the process exits 0 after SIGTERM (130 after Ctrl-C).
 """
 
 from __future__ import annotations
@@ -18,17 +23,23 @@ import hashlib
 import json
 import logging
 import os
+import signal
+import socket
+import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from structgen_server.app import shutting_down_error, stream_error_end, uncancel
 from structgen_server.connection import KEEP_ALIVE_S, MAX_HEAD_BYTES, http_protocol
 from structgen_server.errors import APIError
+from structgen_server.event_stream import EventStream
 from structgen_server.guard import GuardConfig, RequestGuard
 from structgen_server.metrics import Metrics
 from structgen_server.process import PARENT_PID_ENV, ServerProcess
@@ -47,6 +58,9 @@ AFFINITY_ENTRIES = 65536  # prefix blocks remembered, least recently routed forg
 AFFINITY_SLACK_TOKENS = 4096
 # Headers that describe one hop of the connection, not the request or response itself.
 HOP_HEADERS = frozenset({"host", "content-length", "connection", "keep-alive", "transfer-encoding", "upgrade"})
+# After a stop signal, how long the running requests get to finish: a single server's graceful
+# timeout (app.server_config), so that a client sees the same stop behind either.
+DRAIN_S = 5.0
 
 
 @dataclass
@@ -64,9 +78,14 @@ class Replica:
 
     def start(self) -> None:
         """Start the process and wait until it is healthy (blocking); it stops by itself if
-        this front end dies."""
-        self.process = ServerProcess(self.args, env={**self.env, PARENT_PID_ENV: str(os.getpid())}).start()
+        this front end dies. The process is known while it starts, so that a stop ends it."""
+        self.process = ServerProcess(self.args, env={**self.env, PARENT_PID_ENV: str(os.getpid())})
+        self.process.start()
         self.up = True
+
+    def release(self, tokens: int) -> None:
+        """A request it was running ended: its tokens are no longer outstanding."""
+        self.outstanding = max(0, self.outstanding - tokens)
 
     def exited(self) -> bool:
         return self.process is not None and self.process.proc is not None and self.process.proc.poll() is not None
@@ -120,6 +139,7 @@ class ReplicaSet:
         self.replicas = replicas
         self.affinity = PrefixAffinity()
         self.affinity_slack_tokens = affinity_slack_tokens
+        self.stopping = False  # a stop signal arrived: no new requests, no restarts
 
     def start(self) -> None:
         from concurrent.futures import ThreadPoolExecutor
@@ -130,7 +150,9 @@ class ReplicaSet:
     def pick(self, route: Route, refused: frozenset[int] = frozenset()) -> Replica:
         """The live replica (but those in `refused`) that served the route's prefix, unless
         it is more than the slack busier than the least loaded one, which is picked then
-        (ties: the one relayed fewer requests); it takes the route's cost."""
+        (ties: the one relayed fewer requests); it takes the route's cost. A 503 while stopping."""
+        if self.stopping:
+            raise no_new_requests_error()
         live = [r for r in self.replicas if r.up and not r.exited() and r.index not in refused]
         if not live:
             raise APIError(503, "no engine replica is running (one is restarting); retry in a few seconds",
@@ -146,10 +168,13 @@ class ReplicaSet:
         return replica
 
     async def watch(self) -> None:
-        """Restart every replica that exits. Its requests in flight fail on their own: the
-        kernel closes its connections, and the relay turns that into an error naming it."""
+        """Restart every replica that exits, until the server stops (a replica that exits then
+        may have had the stop signal too). Its requests in flight fail on their own: the kernel
+        closes its connections, and the relay turns that into an error naming it."""
         while True:
             await asyncio.sleep(WATCH_INTERVAL_S)
+            if self.stopping:
+                return
             for replica in self.replicas:
                 if replica.up and replica.exited():
                     replica.up = False
@@ -180,7 +205,7 @@ class ReplicaSet:
                 replica.process.stop()
 
     def health(self) -> dict:
-        return {"status": "ok" if any(r.up for r in self.replicas) else "unavailable",
+        return {"status": "stopping" if self.stopping else "ok" if any(r.up for r in self.replicas) else "unavailable",
                 "replicas": [{"index": r.index, "up": r.up, "pid": r.process.proc.pid if r.process and r.process.proc else None,
                               "outstanding_tokens": r.outstanding, "requests": r.requests, "restarts": r.restarts}
                              for r in self.replicas]}
@@ -237,34 +262,89 @@ def request_cost(body: bytes, parsed: dict, default_max_tokens: int) -> int:
 
 class Relay:
     """One request relayed to one replica: the answer streamed back, the replica's
-    outstanding tokens given back at the end, and a replica failure turned into an error
-    that names it."""
+    outstanding tokens given back at the end, and a replica failure or a stop that cuts it
+    turned into an error that says so."""
 
-    def __init__(self, replica: Replica, cost: int, response: httpx.Response):
-        self.replica, self.cost, self.response = replica, cost, response
+    def __init__(self, replicas: ReplicaSet, replica: Replica, cost: int, response: httpx.Response):
+        self.replicas, self.replica, self.cost, self.response = replicas, replica, cost, response
+
+    @property
+    def streaming(self) -> bool:
+        content_type = self.response.headers.get("content-type", "")
+        return self.response.status_code == 200 and content_type.startswith("text/event-stream")
 
     async def body(self) -> AsyncIterator[bytes]:
-        streaming = self.response.headers.get("content-type", "").startswith("text/event-stream")
+        """A whole answer's bytes, as they come."""
         try:
             async for chunk in self.response.aiter_raw():
                 yield chunk
-        except httpx.HTTPError:
-            if not streaming:
-                raise
-            error = _replica_failed(self.replica)
-            event = {"error": {"message": error.message, "type": error.type, "code": error.code}}
-            yield f"data: {json.dumps(event)}\n\n".encode()
         finally:
-            self.release()
-            await self.response.aclose()
+            await self.close()
 
-    def release(self) -> None:
-        self.replica.outstanding = max(0, self.replica.outstanding - self.cost)
+    async def events(self) -> AsyncIterator[str]:
+        """A stream's server-sent events, each whole (so that an error event can follow any of
+        them), as they come. A replica that fails ends it with an error event naming the
+        replica; a stop that cuts it, with the single server's error event and [DONE]."""
+        pending = b""
+        try:
+            async for chunk in self.response.aiter_raw():
+                events, end, pending = (pending + chunk).rpartition(b"\n\n")
+                if end:
+                    yield (events + end).decode()
+        except httpx.HTTPError:
+            error_event, _ = stream_error_end(_replica_failed(self.replica))
+            yield error_event
+        except asyncio.CancelledError:
+            if not self.replicas.stopping:  # the client went away
+                raise
+            uncancel()  # the drain ran out: end the stream as a single server does
+            for event in stream_error_end(shutting_down_error()):
+                yield event
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        self.replica.release(self.cost)
+        await self.response.aclose()
 
 
 def _replica_failed(replica: Replica) -> APIError:
     return APIError(503, f"engine replica {replica.index} failed while serving this request (it is being "
                          "restarted); retry the request", type="server_error", code="replica_failed")
+
+
+def no_new_requests_error() -> APIError:
+    """The answer to a request that arrives while the server drains before it stops."""
+    return APIError(503, "the server is shutting down and takes no new requests; send this request again "
+                         "once the server is back", type="server_error", code="server_shutting_down",
+                    headers={"Connection": "close"})
+
+
+async def send_to_replica(client: httpx.AsyncClient, replicas: ReplicaSet, route: Route, request: Request,
+                          path: str, body: bytes) -> Relay:
+    """Send the request to the replica `pick` chooses (to the next one where a replica refuses
+    the connection: it never saw the request) and return its answer once its headers arrive."""
+    headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+    refused: set[int] = set()
+    for _ in replicas.replicas:
+        replica = replicas.pick(route, frozenset(refused))
+        upstream = client.build_request(request.method, f"{replica.process.root}/{path}", headers=headers,
+                                        params=request.query_params, content=body)
+        try:
+            return Relay(replicas, replica, route.cost, await client.send(upstream, stream=True))
+        except httpx.ConnectError:
+            replica.release(route.cost)
+            refused.add(replica.index)
+        except httpx.HTTPError as e:
+            replica.release(route.cost)
+            raise _replica_failed(replica) from e
+        except asyncio.CancelledError:
+            replica.release(route.cost)
+            if not replicas.stopping:  # the client went away
+                raise
+            uncancel()  # the drain ran out: answer as a single server does
+            raise shutting_down_error() from None
+    raise _replica_failed(replica)
 
 
 def create_front_app(replicas: ReplicaSet, default_max_tokens: int) -> FastAPI:
@@ -277,6 +357,7 @@ def create_front_app(replicas: ReplicaSet, default_max_tokens: int) -> FastAPI:
         yield
         watch.cancel()
         await client.aclose()
+        await asyncio.to_thread(replicas.stop)  # here, so that a replica being restarted stops too
 
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
 
@@ -293,35 +374,45 @@ def create_front_app(replicas: ReplicaSet, default_max_tokens: int) -> FastAPI:
     async def relay(path: str, request: Request) -> Response:
         body = await request.body()
         route = Route.of(body, default_max_tokens) if request.method == "POST" else Route(0)
-        cost = route.cost
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
-        refused: set[int] = set()
-        for _ in replicas.replicas:  # a replica that refuses the connection never saw the request
-            replica = replicas.pick(route, frozenset(refused))
-            upstream = client.build_request(request.method, f"{replica.process.root}/{path}", headers=headers,
-                                            params=request.query_params, content=body)
-            try:
-                response = await client.send(upstream, stream=True)
-                break
-            except httpx.HTTPError as e:
-                replica.outstanding = max(0, replica.outstanding - cost)
-                if not isinstance(e, httpx.ConnectError):
-                    raise _replica_failed(replica) from e
-                refused.add(replica.index)
-        else:
-            raise _replica_failed(replica)
-        relay = Relay(replica, cost, response)
-        kept = {k: v for k, v in response.headers.items() if k.lower() not in HOP_HEADERS}
-        return StreamingResponse(relay.body(), status_code=response.status_code, headers=kept)
+        answer = await send_to_replica(client, replicas, route, request, path, body)
+        if answer.streaming:
+            return EventStream(answer.events())
+        kept = {k: v for k, v in answer.response.headers.items() if k.lower() not in HOP_HEADERS}
+        return StreamingResponse(answer.body(), status_code=answer.response.status_code, headers=kept)
 
     return app
+
+
+def draining_server(config: Any, replicas: ReplicaSet) -> Any:
+    """A `uvicorn.Server` that drains when SIGINT or SIGTERM arrives: its listener stays open,
+    `replicas` refuses new requests (a 503) and the running ones get `DRAIN_S` to finish before
+    uvicorn's own stop, which cuts what still runs. A second signal stops it without waiting.
+    Unlike uvicorn's, it does not raise the signal again once stopped (SIGTERM's would kill the
+    process before the replicas are stopped): `run` returns, and `stop_signal` says which came."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        stop_signal: int | None = None
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            self.stop_signal = self.stop_signal or sig
+            self.force_exit = self.should_exit
+            self.should_exit = replicas.stopping = True
+
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            deadline = time.monotonic() + DRAIN_S
+            while self.server_state.tasks and not self.force_exit and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            await super().shutdown(sockets)
+
+    return Server(config)
 
 
 def run_replicated_server(replica_args: list[str], count: int, *, host: str, port: int, api_key: str | None,
                           allowed_hosts: frozenset[str] | None, max_body_bytes: int, max_client_errors: int,
                           default_max_tokens: int, gpus_per_replica: int, log_level: str = "info") -> None:
     """Start `count` replicas (GPUs split among them where there are any), then serve the
-    front end on host:port until interrupted; the replicas stop with it."""
+    front end on host:port until a stop signal has drained it; the replicas stop with it."""
     import uvicorn
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -334,14 +425,19 @@ def run_replicated_server(replica_args: list[str], count: int, *, host: str, por
     guard = GuardConfig(api_key=api_key, allowed_hosts=allowed_hosts, max_body_bytes=max_body_bytes,
                         max_client_errors=max_client_errors)
     app = RequestGuard(create_front_app(replicas, default_max_tokens), guard, Metrics("replicas"))
+    # The replicas' connection settings: a keep-alive longer than clients' (a request sent on a
+    # connection the server is closing is lost), a deadline for request heads. The graceful
+    # timeout is short: it follows the drain, which was the wait for running requests.
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=1,
+                            http=http_protocol(), timeout_keep_alive=KEEP_ALIVE_S, access_log=False, backlog=4096,
+                            h11_max_incomplete_event_size=MAX_HEAD_BYTES)
+    server = draining_server(config, replicas)
     try:
-        # The replicas' connection settings: a keep-alive longer than clients' (a request sent on
-        # a connection the server is closing is lost), a deadline for request heads.
-        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
-                    http=http_protocol(), timeout_keep_alive=KEEP_ALIVE_S, access_log=False, backlog=4096,
-                    h11_max_incomplete_event_size=MAX_HEAD_BYTES)
+        server.run()
     finally:
-        replicas.stop()
+        replicas.stop()  # where the lifespan's stop did not run (a forced stop, a failed start)
+    if server.stop_signal == signal.SIGINT:
+        raise KeyboardInterrupt  # Ctrl-C: "interrupted" and status 130, as after a single server
 
 
 def _replica_gpus(gpus: list[str], index: int, gpus_per_replica: int) -> dict[str, str]:
