@@ -1,6 +1,7 @@
 """A request -> the jobs to run (one per choice), checked and bounded before any decoding:
-the model name, parameters the server cannot honour, misspelled constraint fields, the number
-of generations, the prompt's length in characters (before tokenizing), its constraint built and
+the model name, parameters the server cannot honour, the reasoning fields (`reasoning_effort` as
+a reasoning budget; a budget for a request that will not reason refused), misspelled constraint
+fields, the number of generations, the prompt's length in characters (before tokenizing), its constraint built and
 compiled and its prompt rendered and tokenized (once) in worker threads (so the event loop stays free
 for other requests), then its length in tokens against the context.
 """
@@ -19,7 +20,12 @@ from structgen_server import serving
 from structgen_server.constraints import RequestConstraint, request_constraint
 from structgen_server.errors import APIError, to_api_error
 from structgen_server.metrics import Metrics
-from structgen_server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from structgen_server.protocol import (
+    REASONING_EFFORT_TOKENS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+)
 
 # a token is rarely longer than this many characters, so a prompt of more characters than the
 # context's tokens times this can never fit: refused before any tokenizing
@@ -44,6 +50,12 @@ class ServerState:
     @property
     def max_seq_len(self) -> int:
         return int(self.llm.engine.max_seq_len)
+
+    @property
+    def model_thinks(self) -> bool:
+        """Whether the model reasons unasked (its chat template writes think tags); any model
+        reasons when a request sets `reasoning`."""
+        return bool(self.llm.engine.reasoner.template_thinks)
 
 
 def check_model(state: ServerState, model: str) -> None:
@@ -204,6 +216,7 @@ async def plan(state: ServerState, body: SamplingFields) -> tuple[list[serving.J
     check_model(state, body.model)
     _check_supported(body)
     _check_size(state, body)
+    reasoning = _reasoning(state, body)
     if isinstance(body, ChatCompletionRequest):
         prompts, chat, param = [_chat_messages(body)], True, "messages"
     else:
@@ -226,7 +239,7 @@ async def plan(state: ServerState, body: SamplingFields) -> tuple[list[serving.J
         if not encoded.token_ids:
             raise APIError(400, "the prompt is empty; send at least one token of text", param=param,
                            code="empty_prompt")
-        sampling = _sampling(state, body, len(encoded.token_ids), param)
+        sampling = {**_sampling(state, body, len(encoded.token_ids), param), **reasoning}
         for j in range(body.n):
             # distinct but reproducible samples per choice, still a 64-bit seed
             seed = None if sampling["seed"] is None else sampling["seed"] ^ j
@@ -313,7 +326,36 @@ def _sampling(state: ServerState, body: SamplingFields, prompt_tokens: int, para
         "jump_forward": body.jump_forward,
         "close_at_budget": body.close_at_budget,
         "loop_guards": body.loop_guards,
-        "reasoning": body.reasoning,
-        "max_reasoning_tokens": body.max_reasoning_tokens,
     }
 
+
+def _reasoning(state: ServerState, body: SamplingFields) -> dict[str, Any]:
+    """The `SamplingParams` reasoning fields: `reasoning_effort` turned into them, and refused
+    where it or `max_reasoning_tokens` would be ignored (the request would not reason) or
+    contradicts the other fields."""
+    effort, budget = body.reasoning_effort, body.max_reasoning_tokens
+    if effort is not None and budget is not None:
+        raise APIError(400, "reasoning_effort and max_reasoning_tokens both set the reasoning budget; send one of them",
+                       param="reasoning_effort", code="conflicting_parameters")
+    if effort == "none":
+        if body.reasoning:
+            raise APIError(400, 'reasoning_effort "none" turns reasoning off and reasoning=true turns it on; send '
+                           "one of them", param="reasoning_effort", code="conflicting_parameters")
+        return {"reasoning": False, "max_reasoning_tokens": None}
+    if effort is not None:
+        _check_reasons(state, body.reasoning, "reasoning_effort")
+        budget = REASONING_EFFORT_TOKENS[effort]
+    elif budget is not None:
+        _check_reasons(state, body.reasoning, "max_reasoning_tokens")
+    return {"reasoning": body.reasoning, "max_reasoning_tokens": budget}
+
+
+def _check_reasons(state: ServerState, reasoning: bool | None, param: str) -> None:
+    """Refuse `param`, a reasoning budget, for a request that will not reason."""
+    if reasoning is False:
+        raise APIError(400, f"{param} sets the reasoning budget, and reasoning=false turns reasoning off; drop one "
+                       "of them", param=param, code="conflicting_parameters")
+    if reasoning is None and not state.model_thinks:
+        raise APIError(400, f"{param} is not supported with this model: {state.model_name} does not reason (its "
+                       f"chat template has no think tags); drop {param}, or send reasoning=true with it to make "
+                       "the model think first anyway", param=param, code="unsupported_parameter")

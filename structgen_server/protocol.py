@@ -25,6 +25,16 @@ from structgen.sampling import MAX_SEED
 
 # OpenAI's `seed` is any int64, but the engine takes 0..MAX_SEED: checked here so the 400 names `seed`
 SEED_RANGE = (0, MAX_SEED)
+# The reasoning budgets (max_reasoning_tokens) of OpenAI's reasoning_effort levels: Gemini's
+# OpenAI-compatible API thinks this long at low, medium and high, so a client tuned against a
+# hosted reasoning model gets about the thinking it expects (minimal: half of low).
+REASONING_EFFORT_TOKENS = {"minimal": 512, "low": 1024, "medium": 8192, "high": 24576}
+REASONING_EFFORT_HELP = (
+    'OpenAI\'s reasoning effort, on a model that reasons: "none" turns reasoning off; '
+    + ", ".join(f'"{level}" thinks for at most {tokens} tokens' for level, tokens in REASONING_EFFORT_TOKENS.items())
+    + " (and never past what max_tokens leaves after the answer's room), as max_reasoning_tokens would. "
+    "A model whose chat template does not think refuses a level unless `reasoning` is true."
+)
 
 # --------------------------------------------------------------------------- requests
 
@@ -193,6 +203,8 @@ class SamplingFields(BaseModel):
     # structgen: reasoning models (SamplingParams); the thinking comes back as reasoning_content
     reasoning: StrictBool | None = None
     max_reasoning_tokens: StrictInt | None = Field(default=None, ge=0)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = Field(
+        default=None, description=REASONING_EFFORT_HELP)
 
     @field_validator("stop")
     @classmethod
