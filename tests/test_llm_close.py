@@ -126,3 +126,15 @@ def test_the_grammar_pool_is_not_resized_under_another_llm(caplog):
         _use(first)
     with structgen.LLM(config={**CONFIG, "tuning": {"grammar_threads": 3}}):  # alone now: resized
         assert pool.threads == 3
+
+
+def test_a_closed_llm_still_referenced_holds_no_model_memory():
+    # A notebook's output history keeps a closed LLM alive: its weights and KV cache must not be.
+    llm = structgen.LLM(config=CONFIG)
+    _use(llm)
+    weight = weakref.ref(next(llm.engine.runner.model.parameters()))
+    kv = weakref.ref(llm.engine.runner.kv)
+    llm.close()
+    gc.collect()
+    assert weight() is None and kv() is None
+    llm.close()  # again: harmless

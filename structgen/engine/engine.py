@@ -175,12 +175,17 @@ class Engine:
 
         return MaskPrefetcher(self.grammar_threads.prefetch, tuner=PrefetchTuner() if mode == "auto" else None)
 
-    def close(self) -> None:
+    def close(self, release_memory: bool = False) -> None:
         """Stop the tensor-parallel worker ranks, if any, and leave the grammar pool's users;
-        idempotent."""
+        with `release_memory` (nothing steps this engine any more), also drop the model, its KV
+        cache, graphs and drafter, so a closed LLM that is still referenced holds no device
+        memory; idempotent."""
         native.release_pool(self)
         if self.tensor_parallel is not None:
             self.tensor_parallel.close()
+        if release_memory:
+            self.speculator = None
+            self.runner.release_memory()
 
     # -- requests -------------------------------------------------------------------------
     def use_tokenizer(self, tokenizer: Any) -> None:

@@ -107,12 +107,14 @@ class EngineLoop:
             self._closing = True
             self._cond.notify()
 
-    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
-        """`stop`, then wait up to `timeout` seconds for the loop thread to end."""
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> bool:
+        """`stop`, then wait up to `timeout` seconds for the loop thread to end; whether it has
+        (so that nothing steps the engine any more)."""
         self.stop()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
+        return thread is None or not thread.is_alive()
 
     def _ensure_thread(self) -> None:
         if self._thread is None or not self._thread.is_alive():

@@ -346,6 +346,13 @@ class ModelRunner:
             if self._token_gate is not None:
                 self.graphs.enable_token_gate(*self._token_gate)
 
+    def release_memory(self) -> None:
+        """Drop the graphs, the model and the KV cache (the engine is closed: nothing runs a
+        forward again); idempotent."""
+        self.release_graphs()
+        self.__dict__.pop("model", None)
+        self.__dict__.pop("kv", None)
+
     def release_graphs(self) -> None:
         """Destroy the decode graphs (a split engine leaving its NCCL groups); forwards run
         eagerly afterwards."""
