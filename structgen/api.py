@@ -214,15 +214,16 @@ class LLM:
     # -- lifetime ---------------------------------------------------------------------------
     def close(self) -> None:
         """Abort requests in flight and compiles under way, stop the engine thread, the compile
-        workers and the mask workers; idempotent. Generating afterwards raises
-        `StructgenError`. The process-wide grammar fill pools (grammar/native.py, llguidance's)
-        stay for the next LLM."""
+        workers and the mask workers, and free the model's memory (its weights, KV cache and
+        graphs: on a GPU, `torch.cuda.memory_allocated()` drops as if it were deleted);
+        idempotent. Generating afterwards raises `StructgenError`. The process-wide grammar fill
+        pools (grammar/native.py, llguidance's) stay for the next LLM."""
         if self.closed:
             return
         self.closed = True
-        self.loop.close()
+        stopped = self.loop.close()
         self.grammars.close()
-        self.engine.close()
+        self.engine.close(release_memory=stopped)
         if self.engine.prefetcher is not None:
             self.engine.prefetcher.close()
         if self.engine.device.type == "cuda":
@@ -397,12 +398,22 @@ class LLM:
         """The engine request, which takes `ids` (made for it by the prompt's encoding) as its
         own; with `repair`, a JSON output is validated where it would finish and a rejected
         field decoded again (structgen/repair.py)."""
+        self._check_reasoning(params)
         validator = None
         if params.repair and constraint.kind == "json_schema":
             vocab = token_bytes(self.tokenizer, self.engine.vocab_size)
             validator = FieldRepair(constraint, vocab, params.repair)
         return Request(ids, params, matcher, frozenset(self.engine.stop_token_ids), validator=validator,
                        adopt_prompt_ids=True)
+
+    def _check_reasoning(self, params: SamplingParams) -> None:
+        """Refuse a reasoning budget that would be ignored: this model does not think unasked."""
+        if params.max_reasoning_tokens is not None and params.reasoning is None \
+                and not self.engine.reasoner.template_thinks:
+            raise InvalidParameterError(
+                f"max_reasoning_tokens={params.max_reasoning_tokens} would be ignored: {self.model_name} does not "
+                "reason by itself (its chat template writes no think tags); pass reasoning=True with it to make "
+                "the model think first, or leave it out")
 
     async def _arequest(self, output_type: Any, prompt: Prompt, options: Options) -> tuple[Request, Constraint]:
         """`_request` for asyncio: tokenizing and grammar work off the event loop, the prompt

@@ -190,6 +190,8 @@ def test_chat_template_with_think_tags_turns_reasoning_on(thinking_template_llm)
     ({"max_reasoning_tokens": 1.5}, "integer >= 0"),
     ({"reasoning": "yes"}, "True, False or None"),
     ({"reasoning": False, "max_reasoning_tokens": 8}, "pass reasoning=True"),
+    # the default model's template does not think: a budget alone was silently ignored
+    ({"max_reasoning_tokens": 8}, "does not reason by itself.*pass reasoning=True with it"),
 ])
 def test_bad_reasoning_parameters_name_the_fix(llm, params, fix):
     with pytest.raises(InvalidParameterError, match=fix):
