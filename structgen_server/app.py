@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -32,6 +33,7 @@ from structgen_server import responses, serving
 from structgen_server.body import parse_body, validation_error
 from structgen_server.connection import KEEP_ALIVE_S, MAX_HEAD_BYTES, http_protocol
 from structgen_server.constraints import RequestConstraint
+from structgen_server.draining import draining_server, no_new_requests_error, shutting_down_error
 from structgen_server.errors import APIError, new_request_id, to_api_error
 from structgen_server.event_stream import EventStream
 from structgen_server.guard import (
@@ -81,7 +83,9 @@ def create_app(
     _install_error_handlers(app, state)
 
     @app.get("/health")
-    async def health() -> dict[str, Any]:
+    async def health() -> Any:
+        if state.stopping:  # a load balancer takes it out of rotation
+            return JSONResponse({"status": "stopping", "model": state.model_name}, status_code=503)
         return {"status": "ok", "model": state.model_name, **_engine_load(state.llm)}
 
     @app.get("/metrics")
@@ -154,6 +158,8 @@ async def _serve(state: ServerState, endpoint: str, body: SamplingFields, reques
     request_group.set(new_request_id())  # this request's generations share admission fairly
     status, error_type, streaming = 200, None, False
     try:
+        if state.stopping:
+            raise no_new_requests_error()
         jobs, rc = await plan(state, body)
         if body.stream:
             response = await _start_stream(state, endpoint, body, jobs, rc, t0)
@@ -189,12 +195,6 @@ def stream_error_end(err: APIError) -> tuple[str, str]:
     """The events that end a stream with `err` once its headers are sent (as OpenAI does)."""
     error = {"message": err.message, "type": err.type, "param": err.param, "code": err.code}
     return responses.error_event(error), responses.sse("[DONE]")
-
-
-def shutting_down_error() -> APIError:
-    """The answer to a request still running when the server's graceful stop timed out."""
-    return APIError(503, "the server is shutting down and stopped this request before it finished; "
-                    "send it again once the server is back", type="server_error", code="server_shutting_down")
 
 
 def uncancel() -> None:
@@ -347,23 +347,13 @@ def run_server(
         max_generations=max_generations,
         max_client_errors=max_client_errors,
     )
+    server = draining_server(server_config(app, host, port, log_level), app.state.server.mark_stopping)
     try:
-        stoppable_server(server_config(app, host, port, log_level), app.state.server).run()
+        server.run()
     finally:
         llm.close()  # also stops tensor-parallel worker ranks
-
-
-def stoppable_server(config: Any, state: ServerState) -> Any:
-    """A `uvicorn.Server` that marks `state` as stopping when SIGINT or SIGTERM arrives, so
-    requests it cancels after the graceful timeout get a JSON 503 instead of a plain-text 500."""
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig: int, frame: Any) -> None:
-            state.stopping = True
-            super().handle_exit(sig, frame)
-
-    return Server(config)
+    if server.stop_signal == signal.SIGINT:
+        raise KeyboardInterrupt  # Ctrl-C: the command says "interrupted" and exits 130
 
 
 def server_config(app: FastAPI, host: str, port: int, log_level: str = "info") -> Any:
@@ -381,5 +371,5 @@ def server_config(app: FastAPI, host: str, port: int, log_level: str = "info") -
         access_log=False,  # a line per request is noise at hundreds of requests a second
         backlog=4096,  # a burst of new connections waits in the kernel, not refused
         h11_max_incomplete_event_size=MAX_HEAD_BYTES,
-        timeout_graceful_shutdown=5,
+        timeout_graceful_shutdown=1,  # after the drain (draining.py), which waited for running requests
     )

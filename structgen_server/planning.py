@@ -43,9 +43,12 @@ class ServerState:
     default_max_tokens: int
     max_generations: int
     metrics: Metrics
-    # a stop signal arrived: a request cancelled from now on is the server's graceful timeout
-    # running out, answered 503 rather than taken for a client that went away
+    # a stop signal arrived (draining.py): new requests are refused, and one cancelled from now
+    # on is the drain running out, answered 503 rather than taken for a client that went away
     stopping: bool = False
+
+    def mark_stopping(self) -> None:
+        self.stopping = True
 
     @property
     def max_seq_len(self) -> int:

@@ -10,10 +10,8 @@ prefix, whose prefix cache holds its KV pages, unless that replica's outstanding
 the least loaded one's by more than `affinity_slack_tokens`. A replica that exits is restarted; the requests it was
 running end with a 503 (or, mid-stream, an error event) that names it, never a hang.
 
-SIGINT or SIGTERM drains the front end (`draining_server`): it keeps listening and answers new
-requests with a JSON 503 `server_shutting_down` while the running ones finish (for `DRAIN_S` at
-most; any still running then end with the single server's 503 or error event), then stops the
-replicas and returns, so that the process exits 0 after SIGTERM (130 after Ctrl-C).
+A stop signal drains the front end as it does a single server (draining.py), then stops the
+replicas; none is restarted meanwhile.
 """
 
 from __future__ import annotations
@@ -24,20 +22,21 @@ import json
 import logging
 import os
 import signal
-import socket
-import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from structgen_server.app import shutting_down_error, stream_error_end, uncancel
-from structgen_server.connection import KEEP_ALIVE_S, MAX_HEAD_BYTES, http_protocol
+from structgen_server.app import server_config, stream_error_end, uncancel
+from structgen_server.draining import (
+    draining_server,
+    no_new_requests_error,
+    shutting_down_error,
+)
 from structgen_server.errors import APIError
 from structgen_server.event_stream import EventStream
 from structgen_server.guard import GuardConfig, RequestGuard
@@ -58,9 +57,6 @@ AFFINITY_ENTRIES = 65536  # prefix blocks remembered, least recently routed forg
 AFFINITY_SLACK_TOKENS = 4096
 # Headers that describe one hop of the connection, not the request or response itself.
 HOP_HEADERS = frozenset({"host", "content-length", "connection", "keep-alive", "transfer-encoding", "upgrade"})
-# After a stop signal, how long the running requests get to finish: a single server's graceful
-# timeout (app.server_config), so that a client sees the same stop behind either.
-DRAIN_S = 5.0
 
 
 @dataclass
@@ -146,6 +142,10 @@ class ReplicaSet:
 
         with ThreadPoolExecutor(len(self.replicas)) as pool:
             list(pool.map(Replica.start, self.replicas))
+
+    def mark_stopping(self) -> None:
+        """A stop signal arrived (`draining_server`): no new requests, no restarts."""
+        self.stopping = True
 
     def pick(self, route: Route, refused: frozenset[int] = frozenset()) -> Replica:
         """The live replica (but those in `refused`) that served the route's prefix, unless
@@ -313,13 +313,6 @@ def _replica_failed(replica: Replica) -> APIError:
                          "restarted); retry the request", type="server_error", code="replica_failed")
 
 
-def no_new_requests_error() -> APIError:
-    """The answer to a request that arrives while the server drains before it stops."""
-    return APIError(503, "the server is shutting down and takes no new requests; send this request again "
-                         "once the server is back", type="server_error", code="server_shutting_down",
-                    headers={"Connection": "close"})
-
-
 async def send_to_replica(client: httpx.AsyncClient, replicas: ReplicaSet, route: Route, request: Request,
                           path: str, body: bytes) -> Relay:
     """Send the request to the replica `pick` chooses (to the next one where a replica refuses
@@ -383,38 +376,11 @@ def create_front_app(replicas: ReplicaSet, default_max_tokens: int) -> FastAPI:
     return app
 
 
-def draining_server(config: Any, replicas: ReplicaSet) -> Any:
-    """A `uvicorn.Server` that drains when SIGINT or SIGTERM arrives: its listener stays open,
-    `replicas` refuses new requests (a 503) and the running ones get `DRAIN_S` to finish before
-    uvicorn's own stop, which cuts what still runs. A second signal stops it without waiting.
-    Unlike uvicorn's, it does not raise the signal again once stopped (SIGTERM's would kill the
-    process before the replicas are stopped): `run` returns, and `stop_signal` says which came."""
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        stop_signal: int | None = None
-
-        def handle_exit(self, sig: int, frame: Any) -> None:
-            self.stop_signal = self.stop_signal or sig
-            self.force_exit = self.should_exit
-            self.should_exit = replicas.stopping = True
-
-        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-            deadline = time.monotonic() + DRAIN_S
-            while self.server_state.tasks and not self.force_exit and time.monotonic() < deadline:
-                await asyncio.sleep(0.1)
-            await super().shutdown(sockets)
-
-    return Server(config)
-
-
 def run_replicated_server(replica_args: list[str], count: int, *, host: str, port: int, api_key: str | None,
                           allowed_hosts: frozenset[str] | None, max_body_bytes: int, max_client_errors: int,
                           default_max_tokens: int, gpus_per_replica: int, log_level: str = "info") -> None:
     """Start `count` replicas (GPUs split among them where there are any), then serve the
     front end on host:port until a stop signal has drained it; the replicas stop with it."""
-    import uvicorn
-
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     env = {"STRUCTGEN_API_KEY": api_key} if api_key else {}
     gpus = visible_gpus()
@@ -425,13 +391,8 @@ def run_replicated_server(replica_args: list[str], count: int, *, host: str, por
     guard = GuardConfig(api_key=api_key, allowed_hosts=allowed_hosts, max_body_bytes=max_body_bytes,
                         max_client_errors=max_client_errors)
     app = RequestGuard(create_front_app(replicas, default_max_tokens), guard, Metrics("replicas"))
-    # The replicas' connection settings: a keep-alive longer than clients' (a request sent on a
-    # connection the server is closing is lost), a deadline for request heads. The graceful
-    # timeout is short: it follows the drain, which was the wait for running requests.
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=1,
-                            http=http_protocol(), timeout_keep_alive=KEEP_ALIVE_S, access_log=False, backlog=4096,
-                            h11_max_incomplete_event_size=MAX_HEAD_BYTES)
-    server = draining_server(config, replicas)
+    config = server_config(app, host, port, log_level)  # a single server's connection settings
+    server = draining_server(config, replicas.mark_stopping)
     try:
         server.run()
     finally:

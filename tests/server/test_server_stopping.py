@@ -1,5 +1,6 @@
-"""A request still running when the server's graceful stop times out (uvicorn cancels its task
-after `timeout_graceful_shutdown`) is answered with OpenAI's JSON error, 503
+"""A request that arrives while the server drains after a stop signal (draining.py) gets the
+JSON 503 `server_shutting_down`; one still running when the drain runs out (uvicorn cancels its
+task after `timeout_graceful_shutdown`) is answered with OpenAI's JSON error, 503
 `server_shutting_down`, not uvicorn's plain-text 500; a stream ends with that error event and
 `[DONE]`. In process, on a stub LLM whose generations never end, cancelling the request's task
 as uvicorn does once the stop signal marked the server as stopping."""
@@ -115,13 +116,27 @@ def test_a_cancellation_while_not_stopping_is_not_taken_for_a_stop() -> None:
     assert not any(m.get("status") == 503 for m in sent)
 
 
-def test_the_stop_signal_marks_the_server_as_stopping() -> None:
+def test_the_stop_signal_marks_the_server_as_stopping_and_it_refuses_new_requests() -> None:
     import signal
 
-    from structgen_server.app import server_config, stoppable_server
+    import httpx
+
+    from structgen_server.app import server_config
+    from structgen_server.draining import draining_server
 
     app = create_app(EndlessLLM())
-    server = stoppable_server(server_config(app, "127.0.0.1", 0), app.state.server)
+    server = draining_server(server_config(app, "127.0.0.1", 0), app.state.server.mark_stopping)
     server.handle_exit(signal.SIGTERM, None)
-    assert app.state.server.stopping and server.should_exit
+    assert app.state.server.stopping and server.should_exit and not server.force_exit
+    server.handle_exit(signal.SIGTERM, None)  # a second signal: stop without waiting
+    assert server.force_exit and server.stop_signal == signal.SIGTERM
 
+    async def ask() -> tuple[httpx.Response, httpx.Response]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
+            return await client.post("/v1/chat/completions", json=BODY), await client.get("/health")
+
+    answer, health = asyncio.run(ask())
+    assert answer.status_code == 503 and answer.headers["connection"] == "close"
+    assert answer.json()["error"]["code"] == "server_shutting_down"
+    assert health.status_code == 503 and health.json()["status"] == "stopping"
