@@ -8,7 +8,8 @@
 #                stack); carried by every call that imports structgen, beside a GGUF half from
 #                split_model.sh, so it must stay under 12 MiB (a call carries 64 MiB, the repo
 #                itself about 3.5).
-#   .whl-client/ the official `openai` client (the server tests' and bench_serving's), carried
+#   .whl-client/ the official `openai` client and its HTTP stack's newer deps (the server tests' and
+#                bench_serving's), carried
 #                by the call with the second GGUF half: beside the first it does not fit.
 #   .whl-peers/  Outlines and its deps, a peer the benchmarks time beside us; carried only by
 #                calls that time peers (random-weight shapes: no GGUF half in those calls).
@@ -28,7 +29,9 @@ CORE=(
   fastapi starlette uvicorn opentelemetry-api
   jiter httpx httpcore httpx2 httpcore2 sniffio  # the client's dependencies (small)
 )
-CLIENT=(openai)
+# openai's own HTTP stack (httpx2) needs truststore, idna >= 3.18 and anyio >= 4.10, which the
+# device image lacks or has older: without them `openai.OpenAI()` fails as it is built.
+CLIENT=(openai truststore idna anyio h11)
 PEERS=(outlines outlines-core genson diskcache cloudpickle pillow)
 
 fetch() {  # fetch DEST MAX_MIB PACKAGE...
