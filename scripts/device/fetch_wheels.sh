@@ -31,7 +31,7 @@ CORE=(
 )
 # openai's own HTTP stack (httpx2) needs truststore, idna >= 3.18 and anyio >= 4.10, which the
 # device image lacks or has older: without them `openai.OpenAI()` fails as it is built.
-CLIENT=(openai truststore idna anyio h11)
+CLIENT=(openai truststore idna anyio h11 httptools)  # httptools: the server's HTTP/1.1 parser (no room in .whl)
 PEERS=(outlines outlines-core genson diskcache cloudpickle pillow)
 
 fetch() {  # fetch DEST MAX_MIB PACKAGE...
