@@ -193,6 +193,29 @@ def server_url(model_dir: Path):
 
 
 @pytest.fixture(scope="session")
+def thinking_llm(model_dir: Path, tokenizer):
+    """The default model on the CPU with a chat template that opens the think section in the
+    generation prompt (as Qwen3 and DeepSeek-R1 templates do), so it reasons unasked."""
+    import copy
+
+    from structgen import LLM
+    from structgen.api import default_llm
+    from structgen.engine.config import EngineConfig
+    from structgen.engine.engine import Engine
+    from structgen.engine.models.loader import load_model_config
+
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = tokenizer.chat_template.replace(
+        "'<|im_start|>assistant\n'", "'<|im_start|>assistant\n<think>\n'")
+    assert tok.chat_template != tokenizer.chat_template, "the template's generation prompt moved; update the test"
+    tok.chat_template += "{# reasoning in <think> ... </think> #}"
+    config = EngineConfig(device="cpu", max_seq_len=512, max_batch_size=2)
+    engine = Engine(load_model_config(model_dir), config, model_dir, stop_token_ids=default_llm().engine.stop_token_ids)
+    with LLM.from_engine(engine, tok, "think-template") as llm:
+        yield llm
+
+
+@pytest.fixture(scope="session")
 def grammar_compiler(model_dir: Path, tokenizer):
     """A `GrammarCompiler` (backend "auto") for the default model: its vocab size and EOS."""
     from structgen.engine.models.loader import load_model_config

@@ -36,23 +36,6 @@ def llm(model_dir) -> LLM:
     return default_llm()
 
 
-@pytest.fixture(scope="module")
-def thinking_template_llm(model_dir, tokenizer, llm) -> LLM:
-    """The default model with a chat template that opens the think section in the
-    generation prompt (as Qwen3 and DeepSeek-R1 templates do)."""
-    from structgen.engine.models.loader import load_model_config
-
-    tok = copy.deepcopy(tokenizer)
-    tok.chat_template = tokenizer.chat_template.replace(
-        "'<|im_start|>assistant\n'", "'<|im_start|>assistant\n<think>\n'")
-    assert tok.chat_template != tokenizer.chat_template, "the template's generation prompt moved; update the test"
-    tok.chat_template += "{# reasoning in <think> ... </think> #}"
-    config = EngineConfig(device="cpu", max_seq_len=512, max_batch_size=2)
-    engine = Engine(load_model_config(model_dir), config, model_dir, stop_token_ids=llm.engine.stop_token_ids)
-    with LLM.from_engine(engine, tok, "think-template") as thinking:
-        yield thinking
-
-
 def test_reasoning_request_thinks_then_returns_a_valid_typed_value(llm):
     c = llm.complete(City, PROMPT, max_tokens=80, reasoning=True, max_reasoning_tokens=24)
     assert isinstance(c.value, City)
@@ -174,8 +157,8 @@ def test_stop_token_while_thinking_ends_the_thinking_not_the_request(llm):
     assert req.output_ids[-len(reasoner.tags.close_ids):] == list(reasoner.tags.close_ids)
 
 
-def test_chat_template_with_think_tags_turns_reasoning_on(thinking_template_llm):
-    llm = thinking_template_llm
+def test_chat_template_with_think_tags_turns_reasoning_on(thinking_llm):
+    llm = thinking_llm
     assert llm.engine.reasoner.template_thinks
     req = _thinking_request(llm)
     assert req.num_output == 0  # the template opened the think section: no tag appended

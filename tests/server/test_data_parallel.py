@@ -17,6 +17,7 @@ import pytest
 
 from structgen_server.process import ServerProcess
 from structgen_server.replicas import AFFINITY_SLACK_TOKENS, Replica, ReplicaSet, Route
+from tests.server.asgi_client import running
 
 TOOL_CATALOGUE = [{"type": "function", "function": {"name": f"lookup_{i}", "description": "Look a record up " * 8,
                                                    "parameters": {"type": "object", "properties": {}}}}
@@ -117,15 +118,6 @@ def test_a_replica_that_dies_mid_stream_fails_its_request_and_is_restarted(repli
     assert replicas[busy["index"]]["up"] and replicas[busy["index"]]["pid"] != busy["pid"]
 
 
-def _running(pid: int) -> bool:
-    """Whether `pid` is a live process (an exited one that nobody reaped yet is not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads process states from /proc (Linux)")
 def test_replicas_stop_when_the_front_end_is_killed_outright(tiny_llama_dir):
     """A front end killed with SIGKILL, which gives it no time to stop its replicas, leaves
@@ -133,10 +125,10 @@ def test_replicas_stop_when_the_front_end_is_killed_outright(tiny_llama_dir):
     with ServerProcess(["--data-parallel", "2", "--device", "cpu", "--model", str(tiny_llama_dir),
                         "--served-model-name", "tiny"], startup_timeout=240) as server:
         pids = [r["pid"] for r in httpx.get(f"{server.root}/health", timeout=10).json()["replicas"]]
-        assert len(pids) == 2 and all(_running(p) for p in pids)
+        assert len(pids) == 2 and all(running(p) for p in pids)
         server.proc.kill()
         server.proc.wait()
     deadline = time.monotonic() + 30
-    while any(_running(p) for p in pids) and time.monotonic() < deadline:
+    while any(running(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not any(_running(p) for p in pids), "a replica outlived its killed front end"
+    assert not any(running(p) for p in pids), "a replica outlived its killed front end"

@@ -10,7 +10,6 @@ with a chat template that thinks, and on the real server."""
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 from types import SimpleNamespace
 from typing import Any
@@ -123,24 +122,9 @@ def test_reasoning_fields_that_contradict_each_other_are_a_400_naming_one(fields
 
 
 @pytest.fixture(scope="module")
-def thinking_app(model_dir, tokenizer) -> Any:
-    """The server over the default model with a chat template that opens the think section in
-    the generation prompt (as Qwen3 and DeepSeek-R1 templates do)."""
-    from structgen import LLM
-    from structgen.api import default_llm
-    from structgen.engine.config import EngineConfig
-    from structgen.engine.engine import Engine
-    from structgen.engine.models.loader import load_model_config
-
-    tok = copy.deepcopy(tokenizer)
-    tok.chat_template = tokenizer.chat_template.replace(
-        "'<|im_start|>assistant\n'", "'<|im_start|>assistant\n<think>\n'")
-    assert tok.chat_template != tokenizer.chat_template, "the template's generation prompt moved; update the test"
-    tok.chat_template += "{# reasoning in <think> ... </think> #}"
-    config = EngineConfig(device="cpu", max_seq_len=512, max_batch_size=2)
-    engine = Engine(load_model_config(model_dir), config, model_dir, stop_token_ids=default_llm().engine.stop_token_ids)
-    with LLM.from_engine(engine, tok, "think-template") as llm:
-        yield create_app(llm, max_client_errors=0)
+def thinking_app(thinking_llm) -> Any:
+    """The server over the default model with a chat template that thinks (tests/conftest.py)."""
+    return create_app(thinking_llm, max_client_errors=0)
 
 
 def _city_message(app: Any, effort: str) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from structgen_server.app import create_app
+from tests.server.asgi_client import post_and_stay
 
 MODEL = "stub-model"
 
@@ -58,25 +59,7 @@ async def call_then_stop(body: dict[str, Any], stopping: bool) -> tuple[list[dic
     does when the graceful timeout runs out), and return the ASGI messages it sent."""
     llm = EndlessLLM()
     app = create_app(llm)
-    raw = json.dumps(body).encode()
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
-             "method": "POST", "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
-             "query_string": b"", "root_path": "", "headers": [(b"host", b"localhost"),
-                                                               (b"content-type", b"application/json")],
-             "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000)}
-    requests = [{"type": "http.request", "body": raw, "more_body": False}]
-    sent: list[dict[str, Any]] = []
-
-    async def receive() -> dict[str, Any]:
-        if requests:
-            return requests.pop(0)
-        await asyncio.Event().wait()  # the client stays connected
-        raise AssertionError
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
-    task = asyncio.ensure_future(app(scope, receive, send))
+    task, sent = post_and_stay(app, body)
     await asyncio.wait_for(llm.started.wait(), 10)
     await asyncio.sleep(0.05)  # let a stream send its first event
     app.state.server.stopping = stopping

@@ -21,21 +21,13 @@ import pytest
 from structgen_server.draining import DRAIN_S
 from structgen_server.process import ServerProcess
 from structgen_server.replicas import Replica, ReplicaSet, create_front_app
+from tests.server.asgi_client import post_and_stay, running
 
 MODEL = "m"
 ARGS = ["--device", "cpu", "--max-seq-len", "1024", "--max-batch-size", "2", "--served-model-name", MODEL]
 LONG = {"model": MODEL, "messages": [{"role": "user", "content": "Write a's and b's."}], "max_tokens": 200,
         "regex": "[ab]{4000}"}  # never ends before max_tokens
 SHORT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi."}], "max_tokens": 4}
-
-
-def _running(pid: int) -> bool:
-    """Whether `pid` is a live process (an exited one that nobody reaped yet is not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def _shutting_down(r: httpx.Response) -> None:
@@ -79,7 +71,7 @@ def test_a_stop_signal_lets_the_stream_in_flight_finish_and_answers_new_requests
         assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"  # it ran to its end
         assert server.proc.wait(timeout=30) == 0
         assert time.monotonic() - stopped_at < DRAIN_S + 10
-        assert not any(_running(p) for p in pids), "the front end exited before stopping its replicas"
+        assert not any(running(p) for p in pids), "the front end exited before stopping its replicas"
 
 
 # --------------------------------------------------------------------------- the drain runs out
@@ -97,29 +89,10 @@ async def relay_then_cut(replica_server: ServerProcess, body: dict[str, Any]) ->
     the drain and its graceful timeout ran out; the ASGI messages it sent, and the replica."""
     replicas = ReplicaSet([Replica(0, [], {}, process=replica_server, up=True)])
     app = create_front_app(replicas, default_max_tokens=16)
-    raw = json.dumps(body).encode()
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-             "method": "POST", "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
-             "query_string": b"", "root_path": "", "headers": [(b"host", b"localhost"), (b"content-length",
-                                                                                        str(len(raw)).encode()),
-                                                               (b"content-type", b"application/json")],
-             "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000)}
-    requests = [{"type": "http.request", "body": raw, "more_body": False}]
-    sent: list[dict[str, Any]] = []
-
-    async def receive() -> dict[str, Any]:
-        if requests:
-            return requests.pop(0)
-        await asyncio.Event().wait()  # the client stays connected
-        raise AssertionError
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
-    task = asyncio.ensure_future(app(scope, receive, send))
-    running = (lambda: any(m.get("body") for m in sent)) if body.get("stream") else (lambda: replicas.replicas[0].outstanding)
+    task, sent = post_and_stay(app, body)
+    started = (lambda: any(m.get("body") for m in sent)) if body.get("stream") else (lambda: replicas.replicas[0].outstanding)
     deadline = time.monotonic() + 30
-    while not running() and time.monotonic() < deadline:
+    while not started() and time.monotonic() < deadline:
         await asyncio.sleep(0.005)
     replicas.stopping = True
     task.cancel(msg="Task cancelled, timeout graceful shutdown exceeded")
