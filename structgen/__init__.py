@@ -24,13 +24,14 @@ from structgen.errors import (
     RequestCancelledError,
     StructgenError,
     StructgenWarning,
+    ToolTimeoutError,
     UnsatisfiableConstraintError,
     UnsupportedSchemaError,
     UnsupportedTypeError,
 )
 from structgen.partial import Partial, PartialStream
 from structgen.sampling import SamplingParams
-from structgen.tools import Tool, ToolCall, ToolCalls, ToolRun, run_tools, tool
+from structgen.tools import Tool, ToolCall, ToolCalls, ToolError, ToolRun, run_tools, tool
 from structgen.types import CFG, Choice, JsonSchema, Regex
 
 if TYPE_CHECKING:
@@ -70,6 +71,7 @@ __all__ = [
     "Tool",
     "ToolCall",
     "ToolCalls",
+    "ToolError",
     "ToolRun",
     "StructgenError",
     "StructgenWarning",
@@ -86,4 +88,5 @@ __all__ = [
     "PromptTooLongError",
     "RequestCancelledError",
     "EngineError",
+    "ToolTimeoutError",
 ]

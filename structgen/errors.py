@@ -92,6 +92,11 @@ class CompilerBusyError(StructgenError):
     retry shortly. Servers answer 503."""
 
 
+class ToolTimeoutError(StructgenError, TimeoutError):
+    """A tool did not return within its timeout (`run_tools(tool_timeout=...)`,
+    `ToolCall.invoke(timeout=...)`); an async tool is cancelled, a sync one left to finish."""
+
+
 class StructgenWarning(UserWarning):
     """Something structgen accepted but that is probably not what was meant (e.g. an unknown
     JSON-Schema keyword, which validators ignore); the message names the likely intent."""

@@ -18,26 +18,36 @@ of turning JSON into Python values, not a retry loop.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import inspect
 import json
 import re
+import threading
 import typing
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import pydantic
+import pydantic_core
+from pydantic.json_schema import GenerateJsonSchema
 
 from structgen import tool_format
 from structgen.arguments import with_text_content
 from structgen.errors import (
     IncompleteOutputError,
+    InvalidConstraintError,
     InvalidParameterError,
     OutputValidationError,
+    PromptTooLongError,
+    ToolTimeoutError,
     UnsupportedTypeError,
 )
 
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_MODES = ("none", "auto", "required")
 
 
 class Tool:
@@ -55,7 +65,8 @@ class Tool:
         if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
             raise InvalidParameterError(
                 f"tool name {name!r} is not 1-64 letters, digits, '_', '-' or '.' (OpenAI's rule, which "
-                "chat templates and clients assume); rename it, e.g. {'get_weather'!r}")
+                "chat templates and clients assume); rename it, e.g. 'get_weather' (for a function or "
+                "lambda: structgen.tool(fn, name='get_weather'))")
         self.name = name
         self.description = description
         self.parameters = parameters or {"type": "object", "properties": {}}
@@ -64,23 +75,18 @@ class Tool:
 
     @classmethod
     def from_function(cls, fn: Callable[..., Any], name: str | None = None, description: str | None = None) -> Tool:
-        """Build a tool from a type-hinted function: the arguments model has one field per
-        parameter (defaults kept, `*args`/`**kwargs` refused: a schema cannot express them)."""
-        doc = inspect.getdoc(fn) or ""
-        summary, arg_docs = _parse_docstring(doc)
-        hints = typing.get_type_hints(fn, include_extras=True)
-        fields: dict[str, Any] = {}
-        for p in inspect.signature(fn).parameters.values():
-            if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-                raise UnsupportedTypeError(f"tool {fn.__name__!r}: *args/**kwargs cannot be described by a schema")
-            default = ... if p.default is p.empty else p.default
-            fields[p.name] = (hints.get(p.name, Any), pydantic.Field(default, description=arg_docs.get(p.name)))
-        tool_name = name or fn.__name__
-        model = pydantic.create_model(  # type: ignore[call-overload]
-            f"{tool_name}_arguments", __config__=pydantic.ConfigDict(extra="forbid"), **fields
-        )
+        """Build a tool from a type-hinted callable (a function, a bound or static method, a
+        `functools.partial`, an object with `__call__`): the arguments model has one field per
+        parameter, defaults kept, keywords a `partial` binds hidden from the model. Refused with
+        `UnsupportedTypeError`: `*args`/`**kwargs` (a schema cannot express them), generators,
+        methods taken from their class (`self` would be an argument), types with no JSON schema."""
+        if isinstance(fn, Tool) and fn.fn is not None:  # @tool applied twice
+            fn = fn.fn
+        tool_name = name or _default_name(fn)
+        summary, arg_docs = _parse_docstring(inspect.getdoc(_unwrapped(fn)) or "")
+        model = _arguments_model(tool_name, _parameters(fn, tool_name), _hints(fn, tool_name), arg_docs)
         try:
-            schema = model.model_json_schema()
+            schema = model.model_json_schema(schema_generator=_ToolSchema)
         except pydantic.PydanticUserError as e:  # e.g. a parameter type pydantic cannot describe
             raise UnsupportedTypeError(f"tool {tool_name!r}: {e}") from e
         schema.pop("title", None)
@@ -103,13 +109,24 @@ class Tool:
         }
 
     def validate(self, arguments: dict[str, Any]) -> Any:
-        """JSON arguments -> the pydantic arguments model (or the dict for schema-only tools)."""
+        """JSON arguments -> the pydantic arguments model (or the dict for schema-only tools);
+        `OutputValidationError` names the tool and each field that failed."""
         if self.arguments_model is None:
             return arguments
         try:
             return self.arguments_model.model_validate(arguments)
         except pydantic.ValidationError as e:
-            raise OutputValidationError(f"arguments of {self.name!r} do not validate: {e}", text=json.dumps(arguments)) from e
+            raise OutputValidationError(f"arguments of {self.name!r} do not validate: {_field_errors(e)}",
+                                        text=json.dumps(arguments, default=str)) from e
+
+    def _bind(self, values: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
+        """Arguments by parameter name -> `(args, kwargs)` for the function: positional-only
+        parameters by position, the others by keyword."""
+        if self.fn is None:
+            return [], dict(values)
+        kwargs = dict(values)
+        params = inspect.signature(self.fn).parameters.values()
+        return [kwargs.pop(p.name) for p in params if p.kind is p.POSITIONAL_ONLY and p.name in kwargs], kwargs
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.fn is None:
@@ -120,6 +137,118 @@ class Tool:
         return f"Tool({self.name!r})"
 
 
+class _ToolSchema(GenerateJsonSchema):
+    """Parameter schemas without pydantic's per-field titles ("city" -> "City"): they repeat
+    the name and cost prompt tokens for every tool in the catalogue."""
+
+    def field_title_should_be_set(self, schema: Any) -> bool:
+        return False
+
+
+def _unwrapped(fn: Any) -> Any:
+    return fn.func if isinstance(fn, functools.partial) else fn
+
+
+def _default_name(fn: Any) -> str:
+    target = _unwrapped(fn)
+    return getattr(target, "__name__", None) or type(target).__name__
+
+
+def _parameters(fn: Any, tool_name: str) -> list[inspect.Parameter]:
+    """The parameters the model fills, refusing what a tool cannot be."""
+    if not callable(fn):
+        raise UnsupportedTypeError(
+            f"tool {tool_name!r}: {fn!r} is not callable; pass a function (a classmethod: make the tool once "
+            "the class exists, structgen.tool(MyClass.method))")
+    target = _hinted(fn)
+    if inspect.isgeneratorfunction(target) or inspect.isasyncgenfunction(target):
+        raise UnsupportedTypeError(
+            f"tool {tool_name!r} is a generator function: the model needs one result; return a list instead")
+    try:
+        signature = inspect.signature(fn)
+    except ValueError as e:  # a builtin that publishes no signature
+        raise UnsupportedTypeError(f"tool {tool_name!r}: its signature cannot be read ({e}); wrap it in a "
+                                   "typed function") from e
+    bound = fn.keywords if isinstance(fn, functools.partial) else {}
+    params = [p for p in signature.parameters.values() if p.name not in bound]
+    for p in params:
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            raise UnsupportedTypeError(
+                f"tool {tool_name!r}: *args/**kwargs cannot be described by a schema; name the parameters")
+    if params and params[0].name in ("self", "cls"):
+        raise UnsupportedTypeError(
+            f"tool {tool_name!r}: its first parameter is {params[0].name!r}, so it is a method taken from its "
+            f"class and the model would have to fill {params[0].name!r}; pass the method of an instance "
+            f"(structgen.tool(obj.{_default_name(fn)})) or make it a @staticmethod")
+    return params
+
+
+def _hinted(fn: Any) -> Any:
+    """What carries the type hints: the function itself, a partial's function, or the
+    `__call__` of a callable object."""
+    target = _unwrapped(fn)
+    return target if inspect.isroutine(target) or inspect.isclass(target) else type(target).__call__
+
+
+def _hints(fn: Any, tool_name: str) -> dict[str, Any]:
+    try:
+        return typing.get_type_hints(_hinted(fn), include_extras=True)
+    except Exception as e:  # NameError for a name the annotations use that is not importable
+        raise UnsupportedTypeError(
+            f"tool {tool_name!r}: its type hints do not resolve ({type(e).__name__}: {e}); define the types "
+            "they name at module level") from e
+
+
+def _arguments_model(tool_name: str, params: list[inspect.Parameter], hints: dict[str, Any],
+                     docs: dict[str, str]) -> type[pydantic.BaseModel]:
+    """One field per parameter; a name pydantic reserves (`_x`, `model_config`) becomes the
+    field `arg_<name>` whose alias, the name the model sees, is the parameter's."""
+    names = _field_names([p.name for p in params])
+    fields = {
+        names[p.name]: (hints.get(p.name, Any), pydantic.Field(
+            ... if p.default is p.empty else p.default, description=docs.get(p.name),
+            alias=p.name if names[p.name] != p.name else None))
+        for p in params
+    }
+    try:
+        with warnings.catch_warnings():  # a parameter named `schema` or `json` works; pydantic warns
+            warnings.filterwarnings("ignore", message="Field name .* shadows an attribute", category=UserWarning)
+            return pydantic.create_model(  # type: ignore[call-overload]
+                f"{tool_name}_arguments", __config__=pydantic.ConfigDict(extra="forbid"), **fields)
+    except pydantic.PydanticUserError as e:
+        raise UnsupportedTypeError(
+            f"tool {tool_name!r}: a parameter type has no JSON schema ({str(e).splitlines()[0]}); use JSON "
+            "types, pydantic models, dataclasses or typing_extensions.TypedDict") from e
+
+
+def _field_names(names: list[str]) -> dict[str, str]:
+    taken = set(names)
+    out = {}
+    for name in names:
+        field_name = name
+        if name.startswith("_") or (name.startswith("model_") and hasattr(pydantic.BaseModel, name)):
+            field_name = "arg_" + name.lstrip("_")
+            while field_name in taken:
+                field_name += "_"
+            taken.add(field_name)
+        out[name] = field_name
+    return out
+
+
+def _field_errors(e: pydantic.ValidationError) -> str:
+    """`field: message (got value)` for each error, without pydantic's URLs."""
+    parts = []
+    for err in e.errors(include_url=False):
+        where = ".".join(str(x) for x in err["loc"]) or "arguments"
+        got = "" if err["type"] == "missing" else f" (got {_short(repr(err['input']), 80)})"
+        parts.append(f"{where}: {err['msg']}{got}")
+    return "; ".join(parts)
+
+
+def _short(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 @typing.overload
 def tool(fn: Callable[..., Any], *, name: str | None = None, description: str | None = None) -> Tool: ...
 @typing.overload
@@ -127,8 +256,8 @@ def tool(fn: None = None, *, name: str | None = None, description: str | None = 
 def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None,
          description: str | None = None) -> Tool | Callable[[Callable[..., Any]], Tool]:
     """Decorator: `@tool` or `@tool(name=..., description=...)` makes a `Tool` of a function.
-    The description defaults to the docstring's first paragraph; `Args:` lines in the
-    docstring become parameter descriptions."""
+    The description defaults to the docstring's text before its first section; its parameter
+    section (Google `Args:`, NumPy `Parameters`, Sphinx `:param x:`) describes the parameters."""
     if fn is None:
         return lambda f: Tool.from_function(f, name=name, description=description)
     return Tool.from_function(fn, name=name, description=description)
@@ -155,17 +284,19 @@ class ToolCall:
     tool: Tool = field(repr=False)
     id: str = field(default_factory=tool_format.new_call_id)
 
-    def invoke(self) -> Any:
+    def invoke(self, timeout: float | None = None) -> Any:
         """Run the tool's function with these arguments (typed values, not their JSON); an
         `async def` tool runs to completion on an event loop of its own (inside a running loop,
-        `await ainvoke()` instead)."""
-        result = self.tool(**self._kwargs())
+        `await ainvoke()` instead). With `timeout` (seconds) the call runs on a worker thread and
+        `TimeoutError` is raised when it has not returned by then: an async tool is cancelled, a
+        sync one cannot be stopped and finishes on its (daemon) thread."""
+        if timeout is not None:
+            return _on_thread(self, _checked_timeout(timeout))
+        result = self._start()
         if not inspect.isawaitable(result):
             return result
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:  # no loop in this thread: run the coroutine on one of its own
-            return asyncio.run(_awaited(result))
+        if not _loop_running():
+            return asyncio.run(_awaited(result, None))
         if inspect.iscoroutine(result):
             result.close()  # never awaited otherwise: no "was never awaited" warning later
         raise InvalidParameterError(
@@ -174,17 +305,23 @@ class ToolCall:
 
     async def ainvoke(self) -> Any:
         """`invoke` for async callers: an `async def` tool is awaited, a plain one called."""
-        result = self.tool(**self._kwargs())
+        result = self._start()
         return await result if inspect.isawaitable(result) else result
 
-    def _kwargs(self) -> dict[str, Any]:
+    def _start(self) -> Any:
+        args, kwargs = self.tool._bind(self._values())
+        return self.tool(*args, **kwargs)
+
+    def _values(self) -> dict[str, Any]:
+        """The arguments by parameter name (a field's alias where pydantic reserves the name)."""
         if isinstance(self.arguments, pydantic.BaseModel):
-            return {k: getattr(self.arguments, k) for k in type(self.arguments).model_fields}
+            fields = type(self.arguments).model_fields
+            return {f.alias or k: getattr(self.arguments, k) for k, f in fields.items()}
         return dict(self.arguments)
 
     def arguments_json(self) -> str:
         if isinstance(self.arguments, pydantic.BaseModel):
-            return self.arguments.model_dump_json()
+            return self.arguments.model_dump_json(by_alias=True)
         return json.dumps(self.arguments)
 
     def to_openai(self) -> dict[str, Any]:
@@ -237,20 +374,27 @@ def call(
     seed: int | None = None,
 ) -> ToolCalls:
     """Ask the model for tool calls: `tool_choice` is "required" (at least one call, the
-    default), "auto" (a call or a text answer), "none", a tool name, or OpenAI's
-    `{"type": "function", "function": {"name": ...}}`. Works on `LLM` and `RemoteLLM`."""
-    specs = [as_tool(t) for t in tools]
+    default), "auto" (a call or a text answer), "none", a tool's name or `Tool`, or OpenAI's
+    `{"type": "function", "function": {"name": ...}}` (the only way to force a tool named
+    "none", "auto" or "required": those strings are modes). Works on `LLM` and `RemoteLLM`;
+    a catalogue that does not fit the context raises `PromptTooLongError` with its size."""
+    specs = _as_tools(tools)
     messages = _as_messages(prompt)
-    if isinstance(tool_choice, str) and tool_choice in {t.name for t in specs}:
-        tool_choice = {"type": "function", "function": {"name": tool_choice}}
+    tool_choice = _named_choice(tool_choice, specs)
     sampling = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-    if hasattr(llm, "chat_tools"):  # a RemoteLLM: the server applies the tool format
-        return llm.chat_tools(messages, specs, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls, **sampling)
-    openai_tools = [t.to_openai() for t in specs]
-    choice = tool_format.resolve_tool_choice(tool_choice, openai_tools)
-    output_type = tool_format.tool_output_type(openai_tools, choice, parallel_tool_calls) or str
-    rendered, template_tools = tool_format.render_messages(llm.tokenizer, messages, openai_tools)
-    completion = llm.complete(output_type, rendered, tools=template_tools, **sampling)
+    try:
+        if hasattr(llm, "chat_tools"):  # a RemoteLLM: the server applies the tool format
+            return llm.chat_tools(messages, specs, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls,
+                                  **sampling)
+        openai_tools = [t.to_openai() for t in specs]
+        choice = tool_format.resolve_tool_choice(tool_choice, openai_tools)
+        output_type = tool_format.tool_output_type(openai_tools, choice, parallel_tool_calls) or str
+        rendered, template_tools = tool_format.render_messages(llm.tokenizer, messages, openai_tools)
+        completion = llm.complete(output_type, rendered, tools=template_tools, **sampling)
+    except PromptTooLongError as e:
+        if not specs or not messages:
+            raise
+        raise PromptTooLongError(f"{e}; {_prompt_sizes(specs, messages)}") from e
     return to_tool_calls(completion.text, specs, choice, completion)
 
 
@@ -263,7 +407,59 @@ def to_tool_calls(text: str, specs: Sequence[Tool], choice: tool_format.ToolChoi
     return ToolCalls(calls, content, completion, finish_reason)
 
 
+def _as_tools(tools: Sequence[Any]) -> list[Tool]:
+    """`tools` as `Tool`s with distinct names (a later one would shadow an earlier one)."""
+    if tools is None or isinstance(tools, (str, dict, Tool)) or callable(tools):
+        raise InvalidParameterError(f"tools must be a list of tools, e.g. tools=[get_weather]; got {_short(repr(tools), 80)}")
+    specs = [as_tool(t) for t in tools]
+    first: dict[str, int] = {}
+    for i, t in enumerate(specs):
+        if t.name in first:
+            raise InvalidParameterError(
+                f"tools {first[t.name]} and {i} are both named {t.name!r}; tool names must be unique: name one "
+                f"otherwise, e.g. structgen.tool(fn, name='{t.name}_2')")
+        first[t.name] = i
+    return specs
+
+
+def _named_choice(tool_choice: Any, specs: Sequence[Tool]) -> Any:
+    """A tool's name or `Tool` as OpenAI's named `tool_choice`; the modes stay modes."""
+    name = tool_choice.name if isinstance(tool_choice, Tool) else tool_choice
+    if not isinstance(name, str) or name in _MODES:
+        return tool_choice
+    names = [t.name for t in specs]
+    if name not in names:
+        raise InvalidConstraintError(
+            f"tool_choice {name!r} is not 'none', 'auto', 'required' or the name of a tool "
+            f"({', '.join(names) or 'no tools given'})")
+    return {"type": "function", "function": {"name": name}}
+
+
+def _prompt_sizes(specs: Sequence[Tool], messages: list[dict[str, Any]]) -> str:
+    """Where a prompt that does not fit the context spends its characters."""
+    tools = sorted(((len(json.dumps(t.to_openai(), ensure_ascii=False)), t.name) for t in specs), reverse=True)
+    texts = [len(json.dumps(m, ensure_ascii=False, default=str)) for m in messages]
+    longest = max(range(len(texts)), key=texts.__getitem__)
+    return (f"of it, the catalogue of {len(specs)} tools is {sum(n for n, _ in tools)} characters (largest: "
+            f"{', '.join(f'{name} {n}' for n, name in tools[:3])}) and the {len(messages)} messages {sum(texts)} "
+            f"(longest: #{longest}, {messages[longest].get('role')}, {texts[longest]}): pass only the tools a turn "
+            "needs, or shorten descriptions or messages (run_tools: lower max_result_chars)")
+
+
 ToolRunFinish = Literal["stop", "length", "max_rounds"]
+
+
+@dataclass
+class ToolError:
+    """A call `run_tools` could not complete: its arguments did not validate against the
+    tool's signature (`OutputValidationError`, for validators the schema cannot express), the
+    tool raised, or it ran past `tool_timeout` (`TimeoutError`). The model read the error in
+    the call's `tool` message and the run went on."""
+
+    id: str
+    name: str
+    arguments: dict[str, Any]  # the JSON arguments the model wrote
+    error: Exception
 
 
 @dataclass
@@ -275,13 +471,15 @@ class ToolRun:
     `finish_reason` says how the run ended: "stop" (the model answered in text), "max_rounds"
     (the round limit was reached; `answer` is the reply to one last turn with tools off) or
     "length" (a turn hit max_tokens: `answer` is "", that turn's cut text is `partial_text`, and
-    the calls made before it are kept)."""
+    the calls made before it are kept). `calls` holds the calls that returned; `errors` those
+    that failed, whose error the model was shown instead of a result."""
 
     answer: str
     calls: list[tuple[ToolCall, Any]]
     messages: list[dict[str, Any]]
     finish_reason: ToolRunFinish = "stop"
     partial_text: str | None = None
+    errors: list[ToolError] = field(default_factory=list)
 
 
 def run_tools(
@@ -294,22 +492,33 @@ def run_tools(
     max_tokens: int = 512,
     temperature: float = 0.0,
     seed: int | None = None,
+    parallel_tool_calls: bool = True,
+    tool_timeout: float | None = None,
+    max_result_chars: int | None = 20_000,
+    on_tool_error: Literal["feed", "raise"] = "feed",
 ) -> ToolRun:
     """The agent loop: let the model call tools, run them, append their results as `tool`
     messages, and repeat until it answers in text or `max_rounds` rounds of calls were made
     (then one last turn with tool_choice="none" asks for the answer). `tool_choice` applies
     to the first round (e.g. "required" to force a lookup first); later rounds are "auto".
-    A turn that hits `max_tokens` ends the run with what was done so far (no exception)."""
-    if isinstance(max_rounds, bool) or not isinstance(max_rounds, int) or max_rounds < 0:
-        raise InvalidParameterError(
-            f"max_rounds must be an integer >= 0 (0: answer without calling tools), got {max_rounds!r}")
-    specs = [as_tool(t) for t in tools]
+    A turn that hits `max_tokens` ends the run with what was done so far (no exception).
+
+    A call whose arguments fail the function's validation, that raises, or that runs past
+    `tool_timeout` seconds (see `ToolCall.invoke`) shows the model its error, so it can try
+    again, and is kept in `ToolRun.errors`; `on_tool_error="raise"` raises it instead. A
+    result is fed back as JSON (str as is), cut at `max_result_chars` with a note saying so
+    (`calls` keeps it whole). Inside a running event loop the tools run on a worker thread."""
+    _check_run_options(max_rounds, tool_timeout, max_result_chars, on_tool_error)
+    specs = _runnable(tools)
+    invoker = _Invoker({t.name: t for t in specs}, tool_timeout, max_result_chars, on_tool_error)
+    shapes = [Tool(t.name, t.description, t.parameters) for t in specs]  # JSON arguments: validated one by one
     run = ToolRun("", [], _as_messages(prompt))
     for round_ in range(max_rounds + 1):
         last = round_ == max_rounds
         choice = "none" if last else tool_choice if round_ == 0 else "auto"
         try:
-            turn = call(llm, run.messages, specs, tool_choice=choice, max_tokens=max_tokens, temperature=temperature, seed=seed)
+            turn = call(llm, run.messages, shapes, tool_choice=choice, parallel_tool_calls=parallel_tool_calls,
+                        max_tokens=max_tokens, temperature=temperature, seed=seed)
         except IncompleteOutputError as e:
             run.finish_reason, run.partial_text = "length", e.partial_text
             return run
@@ -320,15 +529,112 @@ def run_tools(
         if not turn:
             run.answer, run.finish_reason = turn.text or "", "max_rounds" if last else "stop"
             return run
-        for c in turn:
-            result = c.invoke()
-            run.calls.append((c, result))
-            run.messages.append({"role": "tool", "tool_call_id": c.id, "content": _result_text(result)})
+        run.messages.extend(invoker.message(c, run) for c in turn)
     raise AssertionError("unreachable: the last round has tool_choice='none', so it makes no calls")
 
 
-async def _awaited(awaitable: Any) -> Any:
-    return await awaitable
+@dataclass
+class _Invoker:
+    """Runs the calls of a `run_tools` loop: validation, the call itself, the `tool` message."""
+
+    tools: dict[str, Tool]
+    timeout: float | None
+    max_result_chars: int | None
+    on_error: str
+
+    def message(self, raw: ToolCall, run: ToolRun) -> dict[str, Any]:
+        """Validate and run one call (JSON arguments), record it in `run`, and return the
+        `tool` message that carries its result or its error to the model."""
+        tool = self.tools[raw.name]
+        try:
+            typed = ToolCall(raw.name, tool.validate(raw.arguments), tool, raw.id)
+            result = _on_thread(typed, self.timeout) if self.timeout is not None or _loop_running() else typed.invoke()
+        except Exception as e:
+            if self.on_error == "raise":
+                raise
+            run.errors.append(ToolError(raw.id, raw.name, raw.arguments, e))
+            return self._reply(raw, f"error: {type(e).__name__}: {e}")
+        run.calls.append((typed, result))
+        return self._reply(raw, _result_text(result))
+
+    def _reply(self, raw: ToolCall, text: str) -> dict[str, Any]:
+        limit = self.max_result_chars
+        if limit is not None and len(text) > limit:
+            text = f"{text[:limit]}\n[... {len(text) - limit} more characters cut: {len(text)} in all, max_result_chars={limit}]"
+        return {"role": "tool", "tool_call_id": raw.id, "content": text}
+
+
+def _runnable(tools: Sequence[Any]) -> list[Tool]:
+    specs = _as_tools(tools)
+    if not specs:
+        raise InvalidParameterError("run_tools needs at least one tool; for a plain answer use llm.generate(str, prompt)")
+    for t in specs:
+        if t.fn is None:
+            raise InvalidParameterError(
+                f"run_tools runs the tools, and tool {t.name!r} (an OpenAI dict) has no function: pass the Python "
+                "function (structgen.tool(fn)), or use llm.call for one turn of calls")
+    return specs
+
+
+def _check_run_options(max_rounds: Any, tool_timeout: Any, max_result_chars: Any, on_tool_error: Any) -> None:
+    if isinstance(max_rounds, bool) or not isinstance(max_rounds, int) or max_rounds < 0:
+        raise InvalidParameterError(
+            f"max_rounds must be an integer >= 0 (0: answer without calling tools), got {max_rounds!r}")
+    if tool_timeout is not None:
+        _checked_timeout(tool_timeout)
+    if max_result_chars is not None and (
+            isinstance(max_result_chars, bool) or not isinstance(max_result_chars, int) or max_result_chars < 1):
+        raise InvalidParameterError(
+            f"max_result_chars must be an integer >= 1 (or None: results whole), got {max_result_chars!r}")
+    if on_tool_error not in ("feed", "raise"):
+        raise InvalidParameterError(
+            f"on_tool_error must be 'feed' (show the model the error) or 'raise', got {on_tool_error!r}")
+
+
+def _checked_timeout(timeout: Any) -> float:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise InvalidParameterError(f"a tool timeout is a number of seconds > 0 (or None: no limit), got {timeout!r}")
+    return float(timeout)
+
+
+class _TimedOut(Exception):
+    """An async tool cancelled at its timeout on the worker thread."""
+
+
+def _on_thread(call: ToolCall, timeout: float | None) -> Any:
+    """Run `call` on a daemon thread and wait for it up to `timeout` seconds."""
+    done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    worker = threading.Thread(target=_settle, args=(call, done, timeout), name=f"structgen-tool-{call.name}", daemon=True)
+    worker.start()
+    concurrent.futures.wait([done], timeout)
+    if not done.done() or isinstance(done.exception(), _TimedOut):
+        raise ToolTimeoutError(f"tool {call.name!r} did not return within {timeout:g} s")
+    return done.result()
+
+
+def _settle(call: ToolCall, done: concurrent.futures.Future[Any], timeout: float | None) -> None:
+    try:
+        result = call._start()
+        done.set_result(asyncio.run(_awaited(result, timeout)) if inspect.isawaitable(result) else result)
+    except BaseException as e:  # the waiting thread re-raises it
+        done.set_exception(e)
+
+
+async def _awaited(awaitable: Awaitable[Any], timeout: float | None) -> Any:
+    task = asyncio.ensure_future(awaitable)
+    await asyncio.wait({task}, timeout=timeout)
+    if not task.done():
+        task.cancel()
+        raise _TimedOut
+    return task.result()
+
+
+def _loop_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _as_messages(prompt: str | Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -336,32 +642,63 @@ def _as_messages(prompt: str | Sequence[dict[str, Any]]) -> list[dict[str, Any]]
 
 
 def _result_text(result: Any) -> str:
+    """A tool's result as the model reads it: a str as is, anything else as JSON (datetimes,
+    models, dataclasses, sets...; `str()` of what has no JSON form)."""
     if isinstance(result, str):
         return result
-    if isinstance(result, pydantic.BaseModel):
-        return result.model_dump_json()
     try:
-        return json.dumps(result)
-    except TypeError:
-        return str(result)
+        return pydantic_core.to_json(result, fallback=str).decode()
+    except pydantic_core.PydanticSerializationError:  # e.g. bytes that are not UTF-8
+        return repr(result)
 
 
-_ARG_LINE = re.compile(r"^\s{0,8}(\w+)\s*(?:\([^)]*\))?\s*:\s*(.+)$")
+_PARAM_SECTIONS = {"args", "arguments", "parameters", "params", "keyword args", "keyword arguments", "other parameters"}
+_SECTIONS = _PARAM_SECTIONS | {"returns", "return", "yields", "raises", "examples", "example", "notes", "note",
+                               "attributes", "see also", "warnings", "warning", "references"}
+_SPHINX_FIELD = re.compile(r":(param|parameter|arg|argument|key|keyword|type|returns?|rtype|raises?)\b")
+_GOOGLE_ENTRY = re.compile(r"(?P<name>\w+)\s*(?:\([^)]*\))?\s*:\s*(?P<desc>.*)")
+_NUMPY_ENTRY = re.compile(r"(?P<name>\w+)(?:\s*:.*)?")
+_SPHINX_ENTRY = re.compile(r":(?:param|parameter|arg|argument|key|keyword)\s+(?:[^:]*\s)?(?P<name>\w+)\s*:\s*(?P<desc>.*)")
 
 
 def _parse_docstring(doc: str) -> tuple[str, dict[str, str]]:
-    """The summary paragraph and Google-style `Args:` descriptions of a docstring."""
-    summary = doc.split("\n\n", 1)[0].strip()
+    """The description (the text before the first section) and the parameter descriptions of
+    a Google (`Args:`), NumPy (`Parameters` underlined) or Sphinx (`:param x:`) docstring."""
+    lines = doc.splitlines()
+    starts = [i for i in range(len(lines)) if _is_section(lines, i)]
     args: dict[str, str] = {}
-    in_args = False
-    for line in doc.splitlines():
-        if line.strip() in ("Args:", "Arguments:", "Parameters:"):
-            in_args = True
+    for i in starts:
+        head = lines[i].strip()
+        if head.startswith(":"):
+            args.update(_entries(lines[i:], _SPHINX_ENTRY))
+        elif head.rstrip(":").lower() in _PARAM_SECTIONS:
+            args.update(_entries(lines[i + 1:], _GOOGLE_ENTRY) if head.endswith(":") else _entries(lines[i + 2:], _NUMPY_ENTRY))
+    return "\n".join(lines[: starts[0] if starts else len(lines)]).strip(), args
+
+
+def _is_section(lines: list[str], i: int) -> bool:
+    head = lines[i].strip()
+    underlined = i + 1 < len(lines) and set(lines[i + 1].strip()) == {"-"}
+    return (bool(_SPHINX_FIELD.match(head)) or (head.endswith(":") and head[:-1].lower() in _SECTIONS)
+            or (underlined and head.lower() in _SECTIONS))
+
+
+def _entries(lines: list[str], entry: re.Pattern[str]) -> dict[str, str]:
+    """`name: description` entries: an entry starts at the first line's indent and deeper
+    lines continue it; a shallower line, or one that is no entry, ends the section."""
+    out: dict[str, list[str]] = {}
+    base, current = None, None
+    for line in lines:
+        if not line.strip():
             continue
-        if in_args:
-            if line.strip() and not line.startswith((" ", "\t")):
-                break  # the next section
-            m = _ARG_LINE.match(line)
-            if m:
-                args[m.group(1)] = m.group(2).strip()
-    return summary, args
+        indent = len(line) - len(line.lstrip())
+        base = indent if base is None else base
+        if indent > base and current is not None:
+            out[current].append(line.strip())
+            continue
+        m = entry.fullmatch(line.strip()) if indent == base else None
+        if m is None:
+            break
+        current = m["name"]
+        out[current] = [m.groupdict().get("desc") or ""]
+    return {name: " ".join(p for p in parts if p) for name, parts in out.items()}
