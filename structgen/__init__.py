@@ -31,7 +31,8 @@ from structgen.errors import (
 )
 from structgen.partial import Partial, PartialStream
 from structgen.sampling import SamplingParams
-from structgen.tools import Tool, ToolCall, ToolCalls, ToolError, ToolRun, run_tools, tool
+from structgen.tool_runs import ToolError, ToolRun, run_tools
+from structgen.tools import Tool, ToolCall, ToolCalls, tool
 from structgen.types import CFG, Choice, JsonSchema, Regex
 
 if TYPE_CHECKING:

@@ -1,6 +1,6 @@
 """Tools for in-process agents: `@structgen.tool` turns a typed Python function into a tool,
-`call(llm, prompt, tools)` returns validated, typed tool calls, and `run_tools` runs the
-call -> invoke -> feed back loop.
+`call(llm, prompt, tools)` returns validated, typed tool calls, and a call's `invoke` runs it
+(with a timeout where asked). The agent loop, `run_tools`, is structgen/tool_runs.py.
 
     @structgen.tool
     def get_weather(city: str, unit: Literal["C", "F"] = "C") -> str:
@@ -28,16 +28,15 @@ import typing
 import warnings
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import pydantic
-import pydantic_core
 from pydantic.json_schema import GenerateJsonSchema
 
 from structgen import tool_format
 from structgen.arguments import with_text_content
+from structgen.docstrings import parse_docstring
 from structgen.errors import (
-    IncompleteOutputError,
     InvalidConstraintError,
     InvalidParameterError,
     OutputValidationError,
@@ -83,7 +82,7 @@ class Tool:
         if isinstance(fn, Tool) and fn.fn is not None:  # @tool applied twice
             fn = fn.fn
         tool_name = name or _default_name(fn)
-        summary, arg_docs = _parse_docstring(inspect.getdoc(_unwrapped(fn)) or "")
+        summary, arg_docs = parse_docstring(inspect.getdoc(_unwrapped(fn)) or "")
         model = _arguments_model(tool_name, _parameters(fn, tool_name), _hints(fn, tool_name), arg_docs)
         try:
             schema = model.model_json_schema(schema_generator=_ToolSchema)
@@ -291,11 +290,11 @@ class ToolCall:
         `TimeoutError` is raised when it has not returned by then: an async tool is cancelled, a
         sync one cannot be stopped and finishes on its (daemon) thread."""
         if timeout is not None:
-            return _on_thread(self, _checked_timeout(timeout))
+            return invoke_on_thread(self, checked_timeout(timeout))
         result = self._start()
         if not inspect.isawaitable(result):
             return result
-        if not _loop_running():
+        if not loop_running():
             return asyncio.run(_awaited(result, None))
         if inspect.iscoroutine(result):
             result.close()  # never awaited otherwise: no "was never awaited" warning later
@@ -378,8 +377,8 @@ def call(
     `{"type": "function", "function": {"name": ...}}` (the only way to force a tool named
     "none", "auto" or "required": those strings are modes). Works on `LLM` and `RemoteLLM`;
     a catalogue that does not fit the context raises `PromptTooLongError` with its size."""
-    specs = _as_tools(tools)
-    messages = _as_messages(prompt)
+    specs = as_tools(tools)
+    messages = as_messages(prompt)
     tool_choice = _named_choice(tool_choice, specs)
     sampling = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     try:
@@ -407,7 +406,7 @@ def to_tool_calls(text: str, specs: Sequence[Tool], choice: tool_format.ToolChoi
     return ToolCalls(calls, content, completion, finish_reason)
 
 
-def _as_tools(tools: Sequence[Any]) -> list[Tool]:
+def as_tools(tools: Sequence[Any]) -> list[Tool]:
     """`tools` as `Tool`s with distinct names (a later one would shadow an earlier one)."""
     if tools is None or isinstance(tools, (str, dict, Tool)) or callable(tools):
         raise InvalidParameterError(f"tools must be a list of tools, e.g. tools=[get_weather]; got {_short(repr(tools), 80)}")
@@ -446,152 +445,7 @@ def _prompt_sizes(specs: Sequence[Tool], messages: list[dict[str, Any]]) -> str:
             "needs, or shorten descriptions or messages (run_tools: lower max_result_chars)")
 
 
-ToolRunFinish = Literal["stop", "length", "max_rounds"]
-
-
-@dataclass
-class ToolError:
-    """A call `run_tools` could not complete: its arguments did not validate against the
-    tool's signature (`OutputValidationError`, for validators the schema cannot express), the
-    tool raised, or it ran past `tool_timeout` (`TimeoutError`). The model read the error in
-    the call's `tool` message and the run went on."""
-
-    id: str
-    name: str
-    arguments: dict[str, Any]  # the JSON arguments the model wrote
-    error: Exception
-
-
-@dataclass
-class ToolRun:
-    """The outcome of `run_tools`: the final answer, every call with its result, and the
-    conversation (OpenAI messages, every assistant turn included) that produced them, ready to
-    send back to a model.
-
-    `finish_reason` says how the run ended: "stop" (the model answered in text), "max_rounds"
-    (the round limit was reached; `answer` is the reply to one last turn with tools off) or
-    "length" (a turn hit max_tokens: `answer` is "", that turn's cut text is `partial_text`, and
-    the calls made before it are kept). `calls` holds the calls that returned; `errors` those
-    that failed, whose error the model was shown instead of a result."""
-
-    answer: str
-    calls: list[tuple[ToolCall, Any]]
-    messages: list[dict[str, Any]]
-    finish_reason: ToolRunFinish = "stop"
-    partial_text: str | None = None
-    errors: list[ToolError] = field(default_factory=list)
-
-
-def run_tools(
-    llm: Any,
-    prompt: str | Sequence[dict[str, Any]],
-    tools: Sequence[Any],
-    *,
-    tool_choice: Any = "auto",
-    max_rounds: int = 4,
-    max_tokens: int = 512,
-    temperature: float = 0.0,
-    seed: int | None = None,
-    parallel_tool_calls: bool = True,
-    tool_timeout: float | None = None,
-    max_result_chars: int | None = 20_000,
-    on_tool_error: Literal["feed", "raise"] = "feed",
-) -> ToolRun:
-    """The agent loop: let the model call tools, run them, append their results as `tool`
-    messages, and repeat until it answers in text or `max_rounds` rounds of calls were made
-    (then one last turn with tool_choice="none" asks for the answer). `tool_choice` applies
-    to the first round (e.g. "required" to force a lookup first); later rounds are "auto".
-    A turn that hits `max_tokens` ends the run with what was done so far (no exception).
-
-    A call whose arguments fail the function's validation, that raises, or that runs past
-    `tool_timeout` seconds (see `ToolCall.invoke`) shows the model its error, so it can try
-    again, and is kept in `ToolRun.errors`; `on_tool_error="raise"` raises it instead. A
-    result is fed back as JSON (str as is), cut at `max_result_chars` with a note saying so
-    (`calls` keeps it whole). Inside a running event loop the tools run on a worker thread."""
-    _check_run_options(max_rounds, tool_timeout, max_result_chars, on_tool_error)
-    specs = _runnable(tools)
-    invoker = _Invoker({t.name: t for t in specs}, tool_timeout, max_result_chars, on_tool_error)
-    shapes = [Tool(t.name, t.description, t.parameters) for t in specs]  # JSON arguments: validated one by one
-    run = ToolRun("", [], _as_messages(prompt))
-    for round_ in range(max_rounds + 1):
-        last = round_ == max_rounds
-        choice = "none" if last else tool_choice if round_ == 0 else "auto"
-        try:
-            turn = call(llm, run.messages, shapes, tool_choice=choice, parallel_tool_calls=parallel_tool_calls,
-                        max_tokens=max_tokens, temperature=temperature, seed=seed)
-        except IncompleteOutputError as e:
-            run.finish_reason, run.partial_text = "length", e.partial_text
-            return run
-        if turn.finish_reason == "length":  # a text turn cut at max_tokens
-            run.finish_reason, run.partial_text = "length", turn.text or ""
-            return run
-        run.messages.append(turn.to_message())
-        if not turn:
-            run.answer, run.finish_reason = turn.text or "", "max_rounds" if last else "stop"
-            return run
-        run.messages.extend(invoker.message(c, run) for c in turn)
-    raise AssertionError("unreachable: the last round has tool_choice='none', so it makes no calls")
-
-
-@dataclass
-class _Invoker:
-    """Runs the calls of a `run_tools` loop: validation, the call itself, the `tool` message."""
-
-    tools: dict[str, Tool]
-    timeout: float | None
-    max_result_chars: int | None
-    on_error: str
-
-    def message(self, raw: ToolCall, run: ToolRun) -> dict[str, Any]:
-        """Validate and run one call (JSON arguments), record it in `run`, and return the
-        `tool` message that carries its result or its error to the model."""
-        tool = self.tools[raw.name]
-        try:
-            typed = ToolCall(raw.name, tool.validate(raw.arguments), tool, raw.id)
-            result = _on_thread(typed, self.timeout) if self.timeout is not None or _loop_running() else typed.invoke()
-        except Exception as e:
-            if self.on_error == "raise":
-                raise
-            run.errors.append(ToolError(raw.id, raw.name, raw.arguments, e))
-            return self._reply(raw, f"error: {type(e).__name__}: {e}")
-        run.calls.append((typed, result))
-        return self._reply(raw, _result_text(result))
-
-    def _reply(self, raw: ToolCall, text: str) -> dict[str, Any]:
-        limit = self.max_result_chars
-        if limit is not None and len(text) > limit:
-            text = f"{text[:limit]}\n[... {len(text) - limit} more characters cut: {len(text)} in all, max_result_chars={limit}]"
-        return {"role": "tool", "tool_call_id": raw.id, "content": text}
-
-
-def _runnable(tools: Sequence[Any]) -> list[Tool]:
-    specs = _as_tools(tools)
-    if not specs:
-        raise InvalidParameterError("run_tools needs at least one tool; for a plain answer use llm.generate(str, prompt)")
-    for t in specs:
-        if t.fn is None:
-            raise InvalidParameterError(
-                f"run_tools runs the tools, and tool {t.name!r} (an OpenAI dict) has no function: pass the Python "
-                "function (structgen.tool(fn)), or use llm.call for one turn of calls")
-    return specs
-
-
-def _check_run_options(max_rounds: Any, tool_timeout: Any, max_result_chars: Any, on_tool_error: Any) -> None:
-    if isinstance(max_rounds, bool) or not isinstance(max_rounds, int) or max_rounds < 0:
-        raise InvalidParameterError(
-            f"max_rounds must be an integer >= 0 (0: answer without calling tools), got {max_rounds!r}")
-    if tool_timeout is not None:
-        _checked_timeout(tool_timeout)
-    if max_result_chars is not None and (
-            isinstance(max_result_chars, bool) or not isinstance(max_result_chars, int) or max_result_chars < 1):
-        raise InvalidParameterError(
-            f"max_result_chars must be an integer >= 1 (or None: results whole), got {max_result_chars!r}")
-    if on_tool_error not in ("feed", "raise"):
-        raise InvalidParameterError(
-            f"on_tool_error must be 'feed' (show the model the error) or 'raise', got {on_tool_error!r}")
-
-
-def _checked_timeout(timeout: Any) -> float:
+def checked_timeout(timeout: Any) -> float:
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise InvalidParameterError(f"a tool timeout is a number of seconds > 0 (or None: no limit), got {timeout!r}")
     return float(timeout)
@@ -601,7 +455,7 @@ class _TimedOut(Exception):
     """An async tool cancelled at its timeout on the worker thread."""
 
 
-def _on_thread(call: ToolCall, timeout: float | None) -> Any:
+def invoke_on_thread(call: ToolCall, timeout: float | None) -> Any:
     """Run `call` on a daemon thread and wait for it up to `timeout` seconds."""
     done: concurrent.futures.Future[Any] = concurrent.futures.Future()
     worker = threading.Thread(target=_settle, args=(call, done, timeout), name=f"structgen-tool-{call.name}", daemon=True)
@@ -629,7 +483,7 @@ async def _awaited(awaitable: Awaitable[Any], timeout: float | None) -> Any:
     return task.result()
 
 
-def _loop_running() -> bool:
+def loop_running() -> bool:
     try:
         asyncio.get_running_loop()
     except RuntimeError:
@@ -637,68 +491,7 @@ def _loop_running() -> bool:
     return True
 
 
-def _as_messages(prompt: str | Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+def as_messages(prompt: str | Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else with_text_content(prompt)
 
 
-def _result_text(result: Any) -> str:
-    """A tool's result as the model reads it: a str as is, anything else as JSON (datetimes,
-    models, dataclasses, sets...; `str()` of what has no JSON form)."""
-    if isinstance(result, str):
-        return result
-    try:
-        return pydantic_core.to_json(result, fallback=str).decode()
-    except pydantic_core.PydanticSerializationError:  # e.g. bytes that are not UTF-8
-        return repr(result)
-
-
-_PARAM_SECTIONS = {"args", "arguments", "parameters", "params", "keyword args", "keyword arguments", "other parameters"}
-_SECTIONS = _PARAM_SECTIONS | {"returns", "return", "yields", "raises", "examples", "example", "notes", "note",
-                               "attributes", "see also", "warnings", "warning", "references"}
-_SPHINX_FIELD = re.compile(r":(param|parameter|arg|argument|key|keyword|type|returns?|rtype|raises?)\b")
-_GOOGLE_ENTRY = re.compile(r"(?P<name>\w+)\s*(?:\([^)]*\))?\s*:\s*(?P<desc>.*)")
-_NUMPY_ENTRY = re.compile(r"(?P<name>\w+)(?:\s*:.*)?")
-_SPHINX_ENTRY = re.compile(r":(?:param|parameter|arg|argument|key|keyword)\s+(?:[^:]*\s)?(?P<name>\w+)\s*:\s*(?P<desc>.*)")
-
-
-def _parse_docstring(doc: str) -> tuple[str, dict[str, str]]:
-    """The description (the text before the first section) and the parameter descriptions of
-    a Google (`Args:`), NumPy (`Parameters` underlined) or Sphinx (`:param x:`) docstring."""
-    lines = doc.splitlines()
-    starts = [i for i in range(len(lines)) if _is_section(lines, i)]
-    args: dict[str, str] = {}
-    for i in starts:
-        head = lines[i].strip()
-        if head.startswith(":"):
-            args.update(_entries(lines[i:], _SPHINX_ENTRY))
-        elif head.rstrip(":").lower() in _PARAM_SECTIONS:
-            args.update(_entries(lines[i + 1:], _GOOGLE_ENTRY) if head.endswith(":") else _entries(lines[i + 2:], _NUMPY_ENTRY))
-    return "\n".join(lines[: starts[0] if starts else len(lines)]).strip(), args
-
-
-def _is_section(lines: list[str], i: int) -> bool:
-    head = lines[i].strip()
-    underlined = i + 1 < len(lines) and set(lines[i + 1].strip()) == {"-"}
-    return (bool(_SPHINX_FIELD.match(head)) or (head.endswith(":") and head[:-1].lower() in _SECTIONS)
-            or (underlined and head.lower() in _SECTIONS))
-
-
-def _entries(lines: list[str], entry: re.Pattern[str]) -> dict[str, str]:
-    """`name: description` entries: an entry starts at the first line's indent and deeper
-    lines continue it; a shallower line, or one that is no entry, ends the section."""
-    out: dict[str, list[str]] = {}
-    base, current = None, None
-    for line in lines:
-        if not line.strip():
-            continue
-        indent = len(line) - len(line.lstrip())
-        base = indent if base is None else base
-        if indent > base and current is not None:
-            out[current].append(line.strip())
-            continue
-        m = entry.fullmatch(line.strip()) if indent == base else None
-        if m is None:
-            break
-        current = m["name"]
-        out[current] = [m.groupdict().get("desc") or ""]
-    return {name: " ".join(p for p in parts if p) for name, parts in out.items()}

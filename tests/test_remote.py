@@ -21,7 +21,8 @@ from structgen.errors import (
     UnsupportedSchemaError,
 )
 from structgen.remote import RemoteLLM
-from structgen.tools import run_tools, tool
+from structgen.tool_runs import run_tools
+from structgen.tools import tool
 from structgen.types import CFG, Choice, JsonSchema, Regex
 
 MODEL = "SmolLM2-135M-Instruct"

@@ -16,7 +16,8 @@ import pytest
 import structgen
 from structgen import tool_format
 from structgen.errors import InvalidConstraintError, UnsupportedTypeError
-from structgen.tools import Tool, ToolCall, ToolCalls, as_tool, call, run_tools, tool
+from structgen.tool_runs import run_tools
+from structgen.tools import Tool, ToolCall, ToolCalls, as_tool, call, tool
 from structgen.types import CFG, JsonSchema
 
 DATA = Path(__file__).parent / "data" / "maskbench"  # a few records of the corpus

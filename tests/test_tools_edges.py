@@ -25,7 +25,8 @@ from structgen.errors import (
     PromptTooLongError,
     UnsupportedTypeError,
 )
-from structgen.tools import Tool, ToolCall, ToolError, call, run_tools, tool
+from structgen.tool_runs import ToolError, run_tools
+from structgen.tools import Tool, ToolCall, call, tool
 
 
 @pytest.fixture(scope="module")
