@@ -59,7 +59,8 @@ def layer_of(module: str) -> int:
     if parts[:2] == ["structgen", "engine"]:
         return 4
     if module in ("structgen.api", "structgen.async_bridge", "structgen.remote", "structgen.tools", "structgen.completion",
-                  "structgen.tool_format", "structgen.repair", "structgen.prompt_encoding") or parts[:2] == ["structgen", "partial"]:
+                  "structgen.tool_format", "structgen.tool_runs", "structgen.docstrings", "structgen.repair",
+                  "structgen.prompt_encoding") or parts[:2] == ["structgen", "partial"]:
         return 5
     if parts[0] == "structgen_server" or module == "structgen.cli":
         return 6
