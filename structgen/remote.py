@@ -20,15 +20,22 @@ first token and decode time when streaming); anything neither knows is `None`.
 from __future__ import annotations
 
 import asyncio
+import codecs
+import contextlib
+import email.utils
 import enum
 import json
+import math
+import socket
+import threading
 import time
 import typing
-from collections.abc import AsyncIterator, Generator, Sequence
+from collections.abc import AsyncIterator, Generator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar, overload
 
+import anyio
 import httpx
 
 from structgen import tool_format
@@ -54,7 +61,7 @@ from structgen.sampling import SamplingParams
 from structgen.types import CFG, Choice, Constraint, Regex, to_constraint
 
 if typing.TYPE_CHECKING:
-    from structgen.tools import ToolCalls
+    from structgen.tools import ToolCall, ToolCalls
 
 T = TypeVar("T")
 
@@ -74,6 +81,14 @@ _ERROR_CODES: dict[str, type[StructgenError]] = {
     "context_length_exceeded": PromptTooLongError,
     "model_not_found": ModelNotFoundError,
 }
+
+# Statuses that say "busy, ask again later": the request was not processed, so resending is safe.
+_BUSY_STATUSES = (429, 503)
+# Refusals of those statuses that a retry cannot cure: our server's throttle answers 429 to a
+# client whose requests keep failing, and retrying would only keep it throttled.
+_NOT_TRANSIENT = frozenset({"too_many_failed_requests"})
+# What is read of an error reply: enough for its message, never a hostile server's gigabytes.
+_ERROR_BODY_BYTES = 64 * 1024
 
 # scalar types -> the JSON schema that carries them where regexes cannot travel
 _SCALAR_SCHEMAS: dict[type, dict[str, str]] = {bool: {"type": "boolean"}, int: {"type": "integer"}, float: {"type": "number"}}
@@ -144,6 +159,19 @@ class RemoteLLM:
         "sglang" (top-level `regex`/`ebnf`), "openai" (JSON schemas only: choices, Literal,
         Enum and scalars travel as a JSON schema wrapped in an object; regexes and grammars
         are refused).
+    timeout:
+        The most seconds one call may take, from sending the request to the last byte of the
+        reply (a stream's included), retries included; past it the call raises `EngineError`.
+    max_response_bytes:
+        The most bytes one reply may have; a larger or endless one raises `EngineError`
+        without being read further.
+    max_retries:
+        How many times a request the server answered "busy" (429, 503) is sent again, after
+        the wait its Retry-After asks for (or 0.5 s, 1 s, 2 s, ...) where that fits `timeout`.
+    max_concurrency:
+        The most requests `complete_batch` / `generate_batch` have in flight at once.
+
+    Redirects are not followed: the api key and the prompt go to `base_url`'s origin only.
     """
 
     def __init__(
@@ -154,16 +182,19 @@ class RemoteLLM:
         *,
         dialect: Dialect = "structgen",
         timeout: float = 600.0,
+        max_response_bytes: int = 64 * 1024 * 1024,
+        max_retries: int = 2,
         max_concurrency: int = 32,
     ):
+        _check_limits(timeout, max_response_bytes, max_retries)
         base = base_url.rstrip("/")
         self.base_url = base if base.endswith("/v1") else base + "/v1"
         self.model_name = model
         self.dialect = dialect
+        self.timeout, self.max_response_bytes, self.max_retries = timeout, max_response_bytes, max_retries
         self.max_concurrency = max_concurrency
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._timeout = timeout
-        self._client = httpx.Client(base_url=self.base_url, headers=self._headers, timeout=timeout)
+        self._client = httpx.Client(base_url=self.base_url, headers=self._headers, follow_redirects=False)
 
     def close(self) -> None:
         self._client.close()
@@ -216,13 +247,13 @@ class RemoteLLM:
         wire.body.update(self._guards(close_at_budget, loop_guards))
         wire.body.update(self._reasoning(reasoning, max_reasoning_tokens))
         t0 = time.perf_counter()
-        resp = self._post(wire.path, wire.body)
-        data = resp.json()
-        choice = data["choices"][0]
-        message = choice.get("message") or {}
-        text = (message.get("content") if wire.path == "/chat/completions" else choice.get("text")) or ""
+        data = self._fetch_json(wire.path, wire.body)
+        message, text, finish_reason = self._first_choice(data, chat=wire.path == "/chat/completions")
         stats = _usage_stats(data.get("usage"), wall_s=time.perf_counter() - t0)
-        return self._finish(wire, text, choice.get("finish_reason"), stats, _reasoning_of(message))
+        refusal = message.get("refusal")
+        if text is None and isinstance(refusal, str):
+            raise OutputValidationError(f"the model behind {self.base_url} refused: {_excerpt(refusal)}", stats=stats)
+        return self._finish(wire, text or "", finish_reason, stats, _reasoning_of(message))
 
     @overload
     def stream(self, output_type: type[T], prompt: Prompt, *, partial: Literal[True], **kw: Any) -> PartialStream[T]: ...
@@ -339,9 +370,11 @@ class RemoteLLM:
 
     def models(self) -> list[str]:
         """Ids of the models the server lists."""
-        resp = self._client.get("/models")
-        self._raise_for_error(resp)
-        return [m["id"] for m in resp.json().get("data", [])]
+        listed = self._expect(self._fetch_json("/models"), dict, "a JSON object")
+        ids = []
+        for model in self._expect(listed.get("data"), list, '"data", a list of models'):
+            ids.append(self._expect(self._expect(model, dict, "each model an object").get("id"), str, "a model id"))
+        return ids
 
     # -- tools (used by structgen.tools.call) ----------------------------------------------
     def chat_tools(
@@ -359,7 +392,7 @@ class RemoteLLM:
     ) -> Any:
         """One tool-calling turn on the server: it renders the tools and constrains the calls;
         arguments are validated again here into each tool's pydantic model."""
-        from structgen.tools import ToolCall, ToolCalls
+        from structgen.tools import ToolCalls
 
         by_name = {t.name: t for t in tools}
         body: dict[str, Any] = {
@@ -370,22 +403,40 @@ class RemoteLLM:
             "parallel_tool_calls": parallel_tool_calls,
             **self._sampling(max_tokens, temperature, top_p, top_k, seed, None),
         }
-        data = self._post("/chat/completions", body).json()
-        choice = data["choices"][0]
-        text = choice["message"].get("content")
-        if choice.get("finish_reason") == "length":
+        data = self._fetch_json("/chat/completions", body)
+        message, text, finish_reason = self._first_choice(data, chat=True)
+        if finish_reason == "length":
             if tool_choice == "none":  # a plain text answer: cut, as `str` is in-process
                 return ToolCalls([], text or "", data, "length")
             raise IncompleteOutputError(f"tool call hit max_tokens={max_tokens}; raise max_tokens", partial_text=text or "")
-        calls = []
-        for tc in choice["message"].get("tool_calls") or []:
-            fn = tc["function"]
-            tool = by_name.get(fn["name"])
-            if tool is None:
-                raise OutputValidationError(f"server returned a call of unknown tool {fn['name']!r}", text=json.dumps(tc))
-            call_id = tc.get("id") or tool_format.new_call_id()
-            calls.append(ToolCall(fn["name"], tool.validate(json.loads(fn["arguments"])), tool, call_id))
+        listed = self._expect(message.get("tool_calls") or [], list, '"tool_calls", a list')
+        calls = [self._tool_call(call, by_name) for call in listed]
         return ToolCalls(calls, None if calls else text, data)
+
+    def _tool_call(self, call: Any, by_name: dict[str, Any]) -> ToolCall:
+        """One call of a reply, its arguments validated into the tool's arguments model: a
+        call the model got wrong is an `OutputValidationError`, one the server garbled an
+        `EngineError`."""
+        from structgen.tools import ToolCall
+
+        fn = self._expect(self._expect(call, dict, "each tool call an object").get("function"), dict,
+                          'a tool call\'s "function", an object')
+        name = self._expect(fn.get("name"), str, "a tool call's function name, a string")
+        arguments = self._expect(fn.get("arguments"), str, "a tool call's arguments, a JSON string")
+        tool = by_name.get(name)
+        if tool is None:
+            raise OutputValidationError(f"{self.base_url} returned a call of unknown tool {_excerpt(name, 60)}; "
+                                        f"the tools offered were {sorted(by_name)}", text=json.dumps(call))
+        try:
+            args = json.loads(arguments)
+        except (ValueError, RecursionError) as e:
+            raise OutputValidationError(f"in the reply of {self.base_url}, the arguments of {name!r} are not JSON: "
+                                        f"{_excerpt(arguments)}", text=arguments) from e
+        if not isinstance(args, dict):
+            raise OutputValidationError(f"in the reply of {self.base_url}, the arguments of {name!r} are not a JSON object: "
+                                        f"{_excerpt(arguments)}", text=arguments)
+        call_id = call.get("id") if isinstance(call.get("id"), str) else tool_format.new_call_id()
+        return ToolCall(name, tool.validate(args), tool, call_id)
 
     # -- wire format ------------------------------------------------------------------------
     def _wire_request(
@@ -468,14 +519,148 @@ class RemoteLLM:
         if self._client.is_closed:
             raise StructgenError("this RemoteLLM is closed; create a new one with structgen.LLM.remote(...)")
 
-    def _post(self, path: str, body: dict[str, Any]) -> httpx.Response:
+    # -- the HTTP exchange: every reply bounded in time and bytes ------------------------------
+    def _fetch_json(self, path: str, body: dict[str, Any] | None = None) -> Any:
+        """The JSON reply to a POST of `body` (a GET where None), read within the limits."""
+        with self._open(path, body, _Deadline(self.timeout)) as resp:
+            reply = _ReplyText(self, resp)
+            text = "".join([reply.text(chunk) for chunk in resp.iter_bytes()]) + reply.text(b"", final=True)
+        kind = resp.headers.get("content-type", "no content-type")
+        return self._json(text, f"answered {resp.status_code} with a body that is not JSON ({kind})")
+
+    @contextlib.contextmanager
+    def _open(self, path: str, body: dict[str, Any] | None, deadline: _Deadline) -> Iterator[httpx.Response]:
+        """The response to a request, its body open for reading until `deadline` (see `_send`);
+        network failures and the deadline raise `EngineError`."""
         self._check_open()
+        with self._network_errors(deadline):
+            resp = self._send(path, body, deadline)
+            try:
+                with _Watchdog(resp, deadline) as watchdog:
+                    yield resp
+                if watchdog.fired:  # the body may look whole: one that ends at the close ends where it was cut
+                    raise TimeoutError
+            finally:
+                resp.close()
+
+    def _send(self, path: str, body: dict[str, Any] | None, deadline: _Deadline) -> httpx.Response:
+        """The first response under 300 to a request, unread: sent again while the server is
+        busy; any other status raises what it stands for."""
+        attempt = 0
+        while True:
+            resp = self._client.send(self._request(self._client, path, body, deadline), stream=True)
+            if resp.status_code < 300:
+                return resp
+            with _Watchdog(resp, deadline), contextlib.closing(resp):
+                head = _head(resp.iter_bytes())
+            time.sleep(self._retry_delay(resp, head, attempt, deadline))
+            attempt += 1
+
+    @contextlib.asynccontextmanager
+    async def _aopen(self, client: httpx.AsyncClient, path: str, body: dict[str, Any] | None,
+                     deadline: _Deadline) -> AsyncIterator[httpx.Response]:
+        """`_open` on an async client: read its body with `_next_chunk`, which keeps to `deadline`."""
+        self._check_open()
+        with self._network_errors(deadline):
+            resp = await self._asend(client, path, body, deadline)
+            try:
+                yield resp
+            finally:
+                await resp.aclose()
+
+    async def _asend(self, client: httpx.AsyncClient, path: str, body: dict[str, Any] | None,
+                     deadline: _Deadline) -> httpx.Response:
+        attempt = 0
+        while True:
+            resp = await client.send(self._request(client, path, body, deadline), stream=True)
+            if resp.status_code < 300:
+                return resp
+            try:
+                with anyio.fail_after(deadline.left()):
+                    head = await _ahead(resp.aiter_bytes())
+            finally:
+                await resp.aclose()
+            await anyio.sleep(self._retry_delay(resp, head, attempt, deadline))
+            attempt += 1
+
+    def _request(self, client: httpx.Client | httpx.AsyncClient, path: str, body: dict[str, Any] | None,
+                 deadline: _Deadline) -> httpx.Request:
+        """A POST of `body` (a GET where None); until the headers come back, each of connecting,
+        sending and waiting is bounded by the time left."""
+        method = "GET" if body is None else "POST"
+        return client.build_request(method, path, json=body, timeout=httpx.Timeout(max(deadline.left(), 1e-3)))
+
+    def _retry_delay(self, resp: httpx.Response, head: bytes, attempt: int, deadline: _Deadline) -> float:
+        """Seconds to wait before sending a refused request again: what a busy server's
+        Retry-After asks (else a backoff), while a retry and the time are left; otherwise
+        raises the error the response stands for, `head` being its body's first bytes."""
+        code = _error_message(head)[1]
+        if resp.status_code not in _BUSY_STATUSES or (isinstance(code, str) and code in _NOT_TRANSIENT):
+            raise self._refusal(resp, head)
+        delay = _retry_after(resp.headers.get("retry-after"), default=0.5 * 2**attempt)
+        if attempt < self.max_retries and delay < deadline.left():
+            return delay
+        if attempt < self.max_retries:
+            note = (f" (it asks to wait {delay:g} s, more than is left of timeout={self.timeout:g} s): try again "
+                    "later, or raise timeout")
+        else:
+            note = (f" (answered {resp.status_code} {attempt + 1} times, max_retries={self.max_retries}): the "
+                    "server is busy or limits this key's rate; send fewer requests at once (max_concurrency), "
+                    "or raise max_retries")
+        raise self._refusal(resp, head, note)
+
+    def _refusal(self, resp: httpx.Response, head: bytes, note: str = "") -> StructgenError:
+        """The structgen exception for a response from 300 on, `head` being its body's first
+        bytes. Redirects are refused, not followed: the api key and the prompt go to base_url only."""
+        if resp.status_code < 400:
+            where = _clip(resp.headers.get("location", "nowhere"), 300)
+            return EngineError(f"{self.base_url} returned {resp.status_code}: a redirect to {where}; redirects "
+                               "are not followed (the api key and the prompt go to base_url only): set base_url "
+                               "to the API's own address")
+        message, code = _error_message(head)
+        return self._error(resp.status_code, message, code, note)
+
+    @contextlib.contextmanager
+    def _network_errors(self, deadline: _Deadline) -> Iterator[None]:
+        """httpx's failures, and the deadline passing, as `EngineError`s that say which."""
         try:
-            resp = self._client.post(path, json=body)
-        except httpx.HTTPError as e:
-            raise EngineError(f"cannot reach {self.base_url}: {e}") from e
-        self._raise_for_error(resp)
-        return resp
+            yield
+        except (httpx.HTTPError, TimeoutError) as e:
+            if isinstance(e, (httpx.TimeoutException, TimeoutError)) or deadline.left() == 0:
+                raise EngineError(
+                    f"no complete reply from {self.base_url} within timeout={self.timeout:g} s (retries "
+                    "included): the server is slow, stalled or sending slowly; raise timeout= if it is only slow"
+                ) from e
+            if isinstance(e, httpx.ConnectError):
+                raise EngineError(f"cannot reach {self.base_url}: {e}; check base_url and that the server is up") from e
+            raise EngineError(f"the connection to {self.base_url} broke off: {e}") from e
+
+    # -- what came back -------------------------------------------------------------------------
+    def _json(self, text: str, problem: str) -> Any:
+        try:
+            return json.loads(text)
+        except (ValueError, RecursionError) as e:
+            raise EngineError(f"{self.base_url} {problem}: {_excerpt(text)}; check that base_url is the API root "
+                              "of an OpenAI-compatible server (…/v1)") from e
+
+    def _expect(self, value: Any, kind: type | tuple[type, ...], what: str) -> Any:
+        """`value` where it is a `kind`; else the server does not speak OpenAI's protocol."""
+        if isinstance(value, kind):
+            return value
+        raise EngineError(f"{self.base_url} sent something that is not an OpenAI-compatible reply: expected {what}, "
+                          f"got {_excerpt(json.dumps(value))}; check that base_url is the API root of an "
+                          "OpenAI-compatible server (…/v1)")
+
+    def _first_choice(self, data: Any, chat: bool) -> tuple[dict[str, Any], str | None, str | None]:
+        """(message, its text, finish_reason) of a completion's first choice (the choice itself
+        is the message of a text completion)."""
+        data = self._expect(data, dict, "a JSON object")
+        choices = self._expect(data.get("choices"), list, '"choices", a list')
+        choice = self._expect(choices[0] if choices else None, dict, "choices[0], an object")
+        message = self._expect(choice.get("message"), dict, "choices[0].message, an object") if chat else choice
+        text = self._expect(message.get("content" if chat else "text"), (str, type(None)), "the text, a string or null")
+        finish_reason = self._expect(choice.get("finish_reason"), (str, type(None)), "finish_reason, a string or null")
+        return message, text, finish_reason
 
     def _finish(self, wire: _WireRequest, text: str, finish_reason: str | None, stats: RemoteStats,
                 reasoning: str | None = None) -> Completion[Any, RemoteStats]:
@@ -489,35 +674,33 @@ class RemoteLLM:
                 partial_text=text,
                 stats=stats,
             )
-        if wire.unwrap:
-            text = _unwrapped_text(text, wire.unwrap)
-        return Completion(wire.constraint.parse(text), text, [], finish_reason or "stop", stats,
-                          wire.constraint.relaxed, reasoning=reasoning)
-
-    def _raise_for_error(self, resp: httpx.Response) -> None:
-        """Raise the structgen exception an error response stands for."""
-        if resp.status_code < 400:
-            return
         try:
-            err = resp.json().get("error") or {}
-            message = err.get("message") if isinstance(err, dict) else str(err)
-            code = err.get("code") if isinstance(err, dict) else None
-        except (ValueError, AttributeError):
-            message, code = resp.text[:500], None
-        raise self._error(resp.status_code, str(message), code)
+            parsed = _unwrapped_text(text, wire.unwrap) if wire.unwrap else text
+            value = wire.constraint.parse(parsed)
+        except OutputValidationError as e:
+            why = (f"strict=False left {', '.join(wire.constraint.relaxed)} to be checked here, not by the server"
+                   if wire.constraint.relaxed else "the server did not hold its output to the constraint sent: "
+                   f"check that it supports structured output as dialect={self.dialect!r} sends it")
+            raise OutputValidationError(f"{self.base_url} returned text that does not match the requested type "
+                                        f"({_clip(str(e), 300)}); {why}. The text was {_excerpt(text)}",
+                                        text=text, stats=stats) from e
+        return Completion(value, parsed, [], finish_reason or "stop", stats, wire.constraint.relaxed,
+                          reasoning=reasoning)
 
-    def _error(self, status: int | None, message: str, code: Any) -> StructgenError:
+    def _error(self, status: int | None, message: str, code: Any, note: str = "") -> StructgenError:
         """The structgen exception for an error the server reported (`status` is None for an
         error event inside a stream, after the response status was sent)."""
         where = f"{self.base_url} returned {status}" if status else f"{self.base_url} stream failed"
-        message = f"{where}: {message}"
+        message = f"{where}: {_clip(message, 500)}{note}"
         cls = _ERROR_CODES.get(str(code))
         if cls is None:
             if status == 404:
                 cls = ModelNotFoundError
+            elif status in (401, 403):
+                cls, message = InvalidParameterError, message + " (check api_key: the server refused it)"
             elif status and status < 500 and "context length" in message.lower():
                 cls = PromptTooLongError
-            elif status and status < 500:
+            elif status and status < 500 and status not in _BUSY_STATUSES:
                 cls = InvalidParameterError
             else:
                 cls = EngineError
@@ -552,71 +735,146 @@ class RemoteCompletionStream:
             self._deltas.close()
 
     def _read(self) -> Generator[str, None, None]:
-        events = _StreamEvents(self._llm, self._wire)
-        try:
-            with self._llm._client.stream("POST", self._wire.path, json=self._wire.body) as resp:
-                if resp.status_code >= 400:
-                    resp.read()
-                    self._llm._raise_for_error(resp)
-                for line in resp.iter_lines():
-                    yield from events.feed(line)
-        except httpx.HTTPError as e:
-            raise EngineError(f"stream from {self._llm.base_url} broke off: {e}") from e
+        llm, sent_at = self._llm, time.perf_counter()
+        with llm._open(self._wire.path, self._wire.body, _Deadline(llm.timeout)) as resp:
+            events = _StreamEvents(llm, self._wire, _ReplyText(llm, resp), resp.headers.get("content-type"), sent_at)
+            for chunk in resp.iter_bytes():
+                yield from events.feed(chunk)
+                if events.done:  # what follows [DONE], if anything, is not read
+                    break
+        yield from events.feed(b"", final=True)
         self.completion = events.completion()
 
     async def _aread(self) -> AsyncIterator[str]:
-        llm = self._llm
-        events = _StreamEvents(llm, self._wire)
-        try:
-            async with httpx.AsyncClient(base_url=llm.base_url, headers=llm._headers, timeout=llm._timeout) as client:
-                async with client.stream("POST", self._wire.path, json=self._wire.body) as resp:
-                    if resp.status_code >= 400:
-                        await resp.aread()
-                        llm._raise_for_error(resp)
-                    async for line in resp.aiter_lines():
-                        for delta in events.feed(line):
-                            yield delta
-        except httpx.HTTPError as e:
-            raise EngineError(f"stream from {llm.base_url} broke off: {e}") from e
+        llm, sent_at, deadline = self._llm, time.perf_counter(), _Deadline(self._llm.timeout)
+        async with httpx.AsyncClient(base_url=llm.base_url, headers=llm._headers, follow_redirects=False) as client:
+            async with llm._aopen(client, self._wire.path, self._wire.body, deadline) as resp:
+                reply = _ReplyText(llm, resp)
+                events = _StreamEvents(llm, self._wire, reply, resp.headers.get("content-type"), sent_at)
+                chunks = resp.aiter_bytes()
+                while not events.done and (chunk := await _next_chunk(chunks, deadline)) is not None:
+                    for delta in events.feed(chunk):
+                        yield delta
+        for delta in events.feed(b"", final=True):
+            yield delta
         self.completion = events.completion()
+
+
+class _Deadline:
+    """When a call must be done, on the monotonic clock."""
+
+    def __init__(self, seconds: float):
+        self.at = time.monotonic() + seconds
+
+    def left(self) -> float:
+        return max(0.0, self.at - time.monotonic())
+
+
+class _Watchdog:
+    """Shuts a sync reply's socket when its deadline passes, which ends a read that waits on a
+    silent or trickling server: httpx's timeouts bound each read, not the reply."""
+
+    def __init__(self, resp: httpx.Response, deadline: _Deadline):
+        stream = resp.extensions.get("network_stream")
+        sock = stream.get_extra_info("socket") if stream is not None else None
+        self._timer = threading.Timer(deadline.left(), self._fire, (sock,)) if sock is not None else None
+        self.fired = False
+
+    def __enter__(self) -> _Watchdog:
+        if self._timer is not None:
+            self._timer.daemon = True
+            self._timer.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def _fire(self, sock: socket.socket) -> None:
+        self.fired = True
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+
+
+class _ReplyText:
+    """A reply's body as text, chunk by chunk: counted against `max_response_bytes` and decoded
+    as strict UTF-8 (a server's reply is trusted to be neither small nor text), and split into
+    lines for event streams."""
+
+    def __init__(self, llm: RemoteLLM, resp: httpx.Response):
+        self._llm = llm
+        self._left = llm.max_response_bytes
+        self._decoder = codecs.getincrementaldecoder("utf-8")()
+        self._line: list[str] = []  # the pieces of the line not yet ended
+        if int(resp.headers.get("content-length", 0)) > self._left:
+            raise self._too_big()
+
+    def text(self, chunk: bytes, final: bool = False) -> str:
+        self._left -= len(chunk)
+        if self._left < 0:
+            raise self._too_big()
+        try:
+            return self._decoder.decode(chunk, final)
+        except UnicodeDecodeError as e:
+            raise EngineError(f"{self._llm.base_url} sent bytes that are not UTF-8 text ({e.reason}); check the "
+                              "server, or the proxy in between") from e
+
+    def lines(self, chunk: bytes, final: bool = False) -> list[str]:
+        """The lines `chunk` ends (and where `final`, the last one, ended or not)."""
+        self._line.append(self.text(chunk, final))
+        if "\n" not in self._line[-1] and not final:
+            return []
+        *lines, rest = "".join(self._line).split("\n")
+        self._line = [rest]
+        return [line.removesuffix("\r") for line in (lines + [rest] if final else lines)]
+
+    def _too_big(self) -> EngineError:
+        return EngineError(f"{self._llm.base_url} sent a reply of more than max_response_bytes="
+                           f"{self._llm.max_response_bytes} bytes; raise max_response_bytes where replies that "
+                           "long are meant (a large max_tokens), else check the server")
 
 
 @dataclass
 class _StreamEvents:
-    """Reads a server-sent event stream line by line: the text so far (and the thinking, from
-    `reasoning_content` deltas), the finish reason, the usage chunk and the client-side times."""
+    """Reads a server-sent event stream: the text so far (and the thinking, from
+    `reasoning_content` deltas), the finish reason, the usage chunk and the client-side times.
+    A stream is whole once it says `[DONE]` or gives a finish reason."""
 
     llm: RemoteLLM
     wire: _WireRequest
+    reply: _ReplyText
+    content_type: str | None
+    sent_at: float
     pieces: list[str] = field(default_factory=list)
     thinking: list[str] | None = None
     finish_reason: str | None = None
     usage: dict[str, Any] | None = None
-    sent_at: float = field(default_factory=time.perf_counter)
     first_text_at: float | None = None
+    done: bool = False  # `data: [DONE]` came
 
-    def feed(self, line: str) -> list[str]:
-        """The deltas of one event line: `ReasoningDelta`s of thinking, then the answer's text
-        (none for other lines and events)."""
-        if not line.startswith("data:"):
+    def feed(self, chunk: bytes, final: bool = False) -> list[str]:
+        """The deltas of the events `chunk` ends: `ReasoningDelta`s of thinking, then the
+        answer's text (none once the stream said `[DONE]`)."""
+        if self.done:
+            return []
+        return [delta for line in self.reply.lines(chunk, final) for delta in self._event(line)]
+
+    def _event(self, line: str) -> list[str]:
+        if not line.startswith("data:") or self.done:
             return []
         data = line[len("data:") :].strip()
         if data == "[DONE]":
+            self.done = True
             return []
-        try:
-            event = json.loads(data)
-        except json.JSONDecodeError as e:
-            raise EngineError(f"{self.llm.base_url} sent a stream event that is not JSON: {data[:200]!r}") from e
+        event = self.llm._expect(self.llm._json(data, "sent a stream event that is not JSON"), dict, "an event object")
         if "error" in event:
             err = event["error"] if isinstance(event["error"], dict) else {"message": str(event["error"])}
             raise self.llm._error(None, str(err.get("message")), err.get("code"))
         self.usage = event.get("usage") or self.usage
         delta, thought = "", ""
-        for choice in event.get("choices") or []:
-            part = choice.get("delta", {}).get("content") if "delta" in choice else choice.get("text")
-            delta += part or ""
-            thought += _reasoning_of(choice.get("delta") or {}) or ""
-            self.finish_reason = choice.get("finish_reason") or self.finish_reason
+        for choice in self.llm._expect(event.get("choices") or [], list, '"choices", a list'):
+            part, reasoning = self._choice_delta(choice)
+            delta, thought = delta + part, thought + reasoning
         if delta or thought:
             self.first_text_at = self.first_text_at or time.perf_counter()
         if thought:
@@ -626,7 +884,22 @@ class _StreamEvents:
             self.pieces.append(delta)
         return [d for d in (ReasoningDelta(thought), delta) if d]
 
+    def _choice_delta(self, choice: Any) -> tuple[str, str]:
+        """(text, thinking) of one choice of an event: a chat `delta`, or a completion's `text`;
+        notes its finish reason."""
+        expect = self.llm._expect
+        choice = expect(choice, dict, "each choice an object")
+        part = expect(choice["delta"], dict, "a choice's delta, an object") if "delta" in choice else choice
+        text = expect(part.get("content" if "delta" in choice else "text"), (str, type(None)), "the text, a string or null")
+        finish_reason = expect(choice.get("finish_reason"), (str, type(None)), "finish_reason, a string or null")
+        self.finish_reason = finish_reason or self.finish_reason
+        return text or "", _reasoning_of(part) or ""
+
     def completion(self) -> Completion[Any, RemoteStats]:
+        if not (self.done or self.finish_reason):
+            raise EngineError(f"the event stream from {self.llm.base_url} ended before the server finished it (no "
+                              f"finish_reason, no [DONE]; content-type {self.content_type!r}): the connection was "
+                              "cut, or the server does not stream")
         end = time.perf_counter()
         stats = _usage_stats(self.usage, wall_s=end - self.sent_at)
         if self.first_text_at is not None:
@@ -642,12 +915,93 @@ def _reasoning_of(message: dict[str, Any]) -> str | None:
     return text if isinstance(text, str) else None
 
 
-def _usage_stats(usage: dict[str, Any] | None, wall_s: float) -> RemoteStats:
-    """Stats from an OpenAI `usage` object (None where it is missing) and the wall time."""
-    usage = usage or {}
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-    return RemoteStats(prompt_tokens=usage.get("prompt_tokens"), output_tokens=usage.get("completion_tokens"),
-                       cached_prompt_tokens=cached, wall_s=wall_s)
+def _usage_stats(usage: Any, wall_s: float) -> RemoteStats:
+    """Stats from an OpenAI `usage` object and the wall time; a count that is missing or not a
+    whole number is None (unknown: statistics are no reason to fail a reply)."""
+    usage = usage if isinstance(usage, dict) else {}
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return RemoteStats(prompt_tokens=_count(usage.get("prompt_tokens")), output_tokens=_count(usage.get("completion_tokens")),
+                       cached_prompt_tokens=_count(cached), wall_s=wall_s)
+
+
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _check_limits(timeout: float, max_response_bytes: int, max_retries: int) -> None:
+    """Refuse limits that do not bound: each names what it limits."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+        raise InvalidParameterError(f"timeout must be a number of seconds above 0 (the most one call may take), "
+                                    f"got {timeout!r}")
+    if isinstance(max_response_bytes, bool) or not isinstance(max_response_bytes, int) or max_response_bytes < 1:
+        raise InvalidParameterError(f"max_response_bytes must be a whole number of bytes, 1 or more, got "
+                                    f"{max_response_bytes!r}")
+    if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
+        raise InvalidParameterError(f"max_retries must be a whole number, 0 or more, got {max_retries!r}")
+
+
+def _head(chunks: Iterator[bytes]) -> bytes:
+    """The first `_ERROR_BODY_BYTES` of a body."""
+    head = b""
+    for chunk in chunks:
+        head += chunk
+        if len(head) >= _ERROR_BODY_BYTES:
+            break
+    return head[:_ERROR_BODY_BYTES]
+
+
+async def _ahead(chunks: AsyncIterator[bytes]) -> bytes:
+    head = b""
+    async for chunk in chunks:
+        head += chunk
+        if len(head) >= _ERROR_BODY_BYTES:
+            break
+    return head[:_ERROR_BODY_BYTES]
+
+
+async def _next_chunk(chunks: AsyncIterator[bytes], deadline: _Deadline) -> bytes | None:
+    """The next chunk of an async body (None at its end), waited for until `deadline` only."""
+    with anyio.fail_after(deadline.left()):
+        return await anext(chunks, None)
+
+
+def _retry_after(value: str | None, default: float) -> float:
+    """The seconds a Retry-After header asks for (a number, or an HTTP date), else `default`."""
+    if value is None:
+        return default
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            seconds = email.utils.parsedate_to_datetime(value).timestamp() - time.time()
+        except (TypeError, ValueError):
+            return default
+    return max(0.0, seconds) if math.isfinite(seconds) else default
+
+
+def _error_message(head: bytes) -> tuple[str, Any]:
+    """(message, code) of an error body: OpenAI's `{"error": {"message", "code"}}`, else its text."""
+    text = head.decode("utf-8", "replace")
+    try:
+        err = json.loads(text).get("error")
+    except (ValueError, RecursionError, AttributeError):
+        return text, None
+    if isinstance(err, dict):
+        return str(err.get("message") or text), err.get("code")
+    return str(err or text), None
+
+
+def _clip(text: str, limit: int) -> str:
+    """`text` cut to `limit` characters, its control characters escaped: a server's words,
+    fit for a one-line error message."""
+    shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[:limit])
+    return shown + ("…" if len(text) > limit else "")
+
+
+def _excerpt(text: str, limit: int = 200) -> str:
+    """`text` quoted and cut to `limit` characters (a reply can be megabytes long)."""
+    return repr(text[:limit]) + (f"… ({len(text)} characters)" if len(text) > limit else "")
 
 
 def _json_schema_format(output_type: Any, schema: dict[str, Any]) -> dict[str, Any]:
