@@ -42,6 +42,7 @@ from structgen_server.event_stream import EventStream
 from structgen_server.guard import GuardConfig, RequestGuard
 from structgen_server.metrics import Metrics
 from structgen_server.process import PARENT_PID_ENV, ServerProcess
+from structgen_server.serving import ClientDisconnected, cancel_on_disconnect
 
 log = logging.getLogger("structgen.server")
 
@@ -367,7 +368,10 @@ def create_front_app(replicas: ReplicaSet, default_max_tokens: int) -> FastAPI:
     async def relay(path: str, request: Request) -> Response:
         body = await request.body()
         route = Route.of(body, default_max_tokens) if request.method == "POST" else Route(0)
-        answer = await send_to_replica(client, replicas, route, request, path, body)
+        try:  # a non-streamed answer's headers come when it is done: until then, watch the client
+            answer = await cancel_on_disconnect(send_to_replica(client, replicas, route, request, path, body), request)
+        except ClientDisconnected:  # the relay was cancelled, which the replica takes as a disconnect too
+            return Response(status_code=499)
         if answer.streaming:
             return EventStream(answer.events())
         kept = {k: v for k, v in answer.response.headers.items() if k.lower() not in HOP_HEADERS}

@@ -9,10 +9,10 @@ from typing import Any
 
 
 def post_and_stay(app: Any, body: dict[str, Any], path: str = "/v1/chat/completions",
-                  ) -> tuple[asyncio.Future[Any], list[dict[str, Any]]]:
-    """Start POSTing `body` to `app` from a client that never disconnects: the request's task
-    (to cancel as uvicorn does) and the list its ASGI messages are appended to as it sends them.
-    Call it inside a running event loop."""
+                  leave: asyncio.Event | None = None) -> tuple[asyncio.Future[Any], list[dict[str, Any]]]:
+    """Start POSTing `body` to `app` from a client that stays connected (until `leave` is set,
+    where given): the request's task (to cancel as uvicorn does) and the list its ASGI messages
+    are appended to as it sends them. Call it inside a running event loop."""
     raw = json.dumps(body).encode()
     scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
              "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
@@ -25,8 +25,8 @@ def post_and_stay(app: Any, body: dict[str, Any], path: str = "/v1/chat/completi
     async def receive() -> dict[str, Any]:
         if requests:
             return requests.pop(0)
-        await asyncio.Event().wait()  # the client stays connected
-        raise AssertionError
+        await (leave or asyncio.Event()).wait()  # the client stays connected until it leaves
+        return {"type": "http.disconnect"}
 
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)

@@ -3,8 +3,9 @@
 meanwhile gets the JSON 503 `server_shutting_down` (on a new connection or a kept-alive one,
 never a reset), `/health` says "stopping", the engine or the replicas are stopped and the
 process exits 0. A request the drain cannot wait for ends with a 503, or its error event and
-[DONE] once streaming. The servers serve the default model on the CPU, whose 200-token stream
-takes a second or two there: long enough to send requests while it runs, well inside the drain."""
+[DONE] once streaming. And a client that leaves a relayed request stops its generation on the
+replica. The servers serve the default model on the CPU, whose 200-token stream takes a second
+or two there: long enough to send requests while it runs, well inside the drain."""
 
 from __future__ import annotations
 
@@ -121,3 +122,32 @@ def test_a_stream_the_drain_cannot_wait_for_ends_with_an_error_event_and_done(re
     assert error["code"] == "server_shutting_down", error
     assert all(e.startswith("data: ") and e.endswith("\n\n") for e in events)  # whole events, never a torn one
     assert replica.outstanding == 0
+
+
+# --------------------------------------------------------------------------- a client that leaves
+
+
+def test_a_client_leaving_a_relayed_request_stops_its_generation_on_the_replica(replica_server):
+    # A non-streamed answer's headers come only when it is done, so the front end once waited
+    # for them while the replica generated for a client long gone.
+    async def leave_midway() -> list[dict[str, Any]]:
+        replicas = ReplicaSet([Replica(0, [], {}, process=replica_server, up=True)])
+        leave = asyncio.Event()
+        task, sent = post_and_stay(create_front_app(replicas, default_max_tokens=16), {**LONG, "max_tokens": 900},
+                                   leave=leave)
+        while not _replica_running(replica_server):
+            await asyncio.sleep(0.01)
+        leave.set()
+        await asyncio.wait_for(task, 5)
+        return sent
+
+    sent = asyncio.run(leave_midway())
+    assert sent[0]["status"] == 499
+    deadline = time.monotonic() + 5  # the 900 tokens take ten seconds or more on the CPU
+    while _replica_running(replica_server) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _replica_running(replica_server), "the replica kept generating for a client that left"
+
+
+def _replica_running(server: ServerProcess) -> int:
+    return httpx.get(f"{server.root}/health", timeout=5).json()["running"]
