@@ -332,12 +332,9 @@ async def send_to_replica(client: httpx.AsyncClient, replicas: ReplicaSet, route
         except httpx.HTTPError as e:
             replica.release(route.cost)
             raise _replica_failed(replica) from e
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:  # the client went away, or the drain ran out (the relay answers)
             replica.release(route.cost)
-            if not replicas.stopping:  # the client went away
-                raise
-            uncancel()  # the drain ran out: answer as a single server does
-            raise shutting_down_error() from None
+            raise
     raise _replica_failed(replica)
 
 
@@ -372,6 +369,11 @@ def create_front_app(replicas: ReplicaSet, default_max_tokens: int) -> FastAPI:
             answer = await cancel_on_disconnect(send_to_replica(client, replicas, route, request, path, body), request)
         except ClientDisconnected:  # the relay was cancelled, which the replica takes as a disconnect too
             return Response(status_code=499)
+        except asyncio.CancelledError:
+            if not replicas.stopping:
+                raise
+            uncancel()  # the drain ran out: answer as a single server does
+            raise shutting_down_error() from None
         if answer.streaming:
             return EventStream(answer.events())
         kept = {k: v for k, v in answer.response.headers.items() if k.lower() not in HOP_HEADERS}
