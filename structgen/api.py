@@ -209,6 +209,7 @@ class LLM:
         self._wakers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopWaker] = weakref.WeakKeyDictionary()
         self._wakers_lock = threading.Lock()
         self.closed = False
+        self._pid = os.getpid()  # the process whose threads serve this LLM
         engine.use_tokenizer(tokenizer)
 
     # -- lifetime ---------------------------------------------------------------------------
@@ -443,7 +444,8 @@ class LLM:
         grammar, compiled on the compiler's own bounded pool (grammar/compile_pool.py), which
         the compile gate keeps from overflowing in a burst of distinct schemas; a caller that
         goes away cancels its compile. No grammar for free text."""
-        if isinstance(output_type, Constraint) or self.closed:  # built already (`aprepare`), or refused
+        self._check_usable()
+        if isinstance(output_type, Constraint):  # built already (`aprepare`)
             constraint = self._constraint(output_type, strict, loop_guards)
         else:
             constraint = await self._built.get(BuiltConstraints.key(output_type, strict, loop_guards),
@@ -481,8 +483,7 @@ class LLM:
         """`to_constraint` under the compiler's time budget (normalizing a hostile schema is
         Python work that could otherwise run for minutes); with `loop_guards`, its unbounded
         integers bounded (grammar/digit_bounds.py)."""
-        if self.closed:
-            raise StructgenError("this LLM is closed; create a new structgen.LLM() to generate again")
+        self._check_usable()
         budget = CompileBudget(self.grammars.compile_timeout, f"{output_type!r:.80}")
         try:
             self._check_size(output_type)
@@ -491,6 +492,18 @@ class LLM:
                 return bound_integers(constraint) if loop_guards else constraint
         except Exception as e:
             raise _grammar_error(output_type, e) from e
+
+    def _check_usable(self) -> None:
+        """Refuse work this LLM cannot do: closed, or inherited by a forked child, where its
+        engine and compile threads do not exist (a request would wait for them forever)."""
+        if self.closed:
+            raise StructgenError("this LLM is closed; create a new structgen.LLM() to generate again")
+        if os.getpid() != self._pid:
+            raise StructgenError(
+                f"this LLM was created in process {self._pid}, and this process ({os.getpid()}) is a fork of it, "
+                "to which its engine and compile threads did not pass; create a new structgen.LLM() in this "
+                "process (after the fork: gunicorn without --preload, celery's worker_process_init), or start "
+                "processes with multiprocessing's 'spawn' method")
 
     def _check_size(self, output_type: Any) -> None:
         """This compiler's size limits on a JSON schema before building it: normalizing a
@@ -515,7 +528,8 @@ class LLM:
                 stats=req.stats,
             )
         if req.finish_reason == "abort":
-            raise RequestCancelledError("request was cancelled")
+            raise RequestCancelledError("request was cancelled: this LLM was closed" if self.closed
+                                        else "request was cancelled")
         if req.finish_reason == "error":
             raise req.error if isinstance(req.error, StructgenError) else EngineError(str(req.error))
         value = _validated(req, constraint, text)
@@ -862,12 +876,21 @@ class BuiltConstraints:
 
     def _build(self, key: Hashable, future: Future[Constraint], build: Callable[[], Constraint]) -> None:
         try:
-            future.set_result(build())
+            constraint = build()
         except BaseException as e:
             with self._lock:
                 if self._by_key.get(key) is future:
                     del self._by_key[key]
             future.set_exception(e)
+            return
+        # Kept as a Future of its own: the waiters' callbacks stay on `future`, and with them
+        # their event loops, which would otherwise live as long as the entry.
+        built: Future[Constraint] = Future()
+        built.set_result(constraint)
+        with self._lock:
+            if self._by_key.get(key) is future:
+                self._by_key[key] = built
+        future.set_result(constraint)
 
 
 class CompletionStream(Generic[T]):
@@ -1240,10 +1263,10 @@ _default_lock = threading.Lock()
 
 
 def default_llm() -> LLM:
-    """The shared default LLM, created on first use (again after it was closed)."""
+    """The shared default LLM, created on first use (again after it was closed, and in a forked child)."""
     global _default
     with _default_lock:
-        if _default is None or _default.closed:
+        if _default is None or _default.closed or _default._pid != os.getpid():
             _default = LLM()
         return _default
 

@@ -97,9 +97,18 @@ class LoopWaker:
                 raise RuntimeError("the event loop is gone")
             aloop.call_soon_threadsafe(self._deliver)
         except RuntimeError:  # the event loop is closed or gone: nobody waits for the updates
-            with self._lock:
-                self._pending.clear()
-                self._sent = False
+            self._abort_pending()
+
+    def _abort_pending(self) -> None:
+        """Drop the updates that cannot reach their event loop and abort their requests: a
+        stream left open on a closed event loop would otherwise hold its slot and decode to
+        its last token for nobody. (An abort's own update comes back here, finished.)"""
+        with self._lock:
+            pending, self._pending = self._pending, []
+            self._sent = False
+        for _, req in pending:
+            if not req.finished:
+                self._engine_loop.abort(req)
 
     def _deliver(self) -> None:
         with self._lock:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import gc
+import os
 import sys
 import threading
 import time
@@ -136,5 +137,16 @@ class FullCollectionHold:
         if gc.get_count()[2] > saved:
             gc.collect()
 
+    def forget_holders(self) -> None:
+        """In a forked child: the engine threads that held collections stayed in the parent,
+        and would never let go; the hold ends, its threshold restored."""
+        self._lock = threading.Lock()
+        self._holders = 0
+        saved, self._saved = self._saved, None
+        young, middle, oldest = gc.get_threshold()
+        if saved is not None and oldest == HELD_THRESHOLD:
+            gc.set_threshold(young, middle, saved)
+
 
 FULL_COLLECTIONS = FullCollectionHold()
+os.register_at_fork(after_in_child=FULL_COLLECTIONS.forget_holders)

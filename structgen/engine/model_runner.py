@@ -9,7 +9,9 @@ on CUDA and through `extend` + the same sampling rule elsewhere."""
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -37,6 +39,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 # With prompts in the decode graphs, graphs up to this many rows are captured however few the
 # KV slots: the largest graph caps a step's prompt tokens.
 PREFILL_ROWS = 256
+# Set in a child forked after a model ran here: its torch runs on one thread (`_guard_forks`).
+_FORKED_AFTER_A_MODEL = False
 
 
 @dataclass(slots=True)  # a step builds one a request (a decode step of 256 requests: 256)
@@ -94,6 +98,11 @@ class ModelRunner:
         self.dtype = pick_dtype(config, self.device)
         self.max_seq_len = min(config.max_seq_len, model_config.max_position_embeddings)
         self._check_sizes()  # before anything is allocated
+        _guard_forks()
+        if _FORKED_AFTER_A_MODEL:
+            log.warning("this process is a fork of one that ran a model, so torch runs on one thread here (its "
+                        "thread pool does not pass to a fork); to use every core, fork before creating any "
+                        "LLM (gunicorn without --preload), or start processes with multiprocessing's 'spawn'")
         use_batch_invariant(config.batch_invariant)  # before the model picks its kernels
         self.model = self._build_model(model_dir)
         num_pages = self._num_pages()
@@ -461,3 +470,18 @@ def _size(n: int) -> str:
             return f"{value:.1f} {unit}" if unit != "B" else f"{n} B"
         value /= 1024
     return f"{n} B"
+
+
+@functools.cache
+def _guard_forks() -> None:
+    """Once a model is built in this process, a child forked from it runs torch on one thread:
+    torch's CPU thread pool (OpenMP) does not pass to a fork, and the child's first parallel
+    op would wait for the parent's threads forever (PyTorch's DataLoader workers and the
+    tokenizers library go single-threaded in a forked child too)."""
+    os.register_at_fork(after_in_child=_one_torch_thread)
+
+
+def _one_torch_thread() -> None:
+    global _FORKED_AFTER_A_MODEL
+    torch.set_num_threads(1)
+    _FORKED_AFTER_A_MODEL = True
