@@ -3,6 +3,9 @@
 - Lookaround and `^`/`$` inside a pattern: neither backend implements them (llguidance
   refuses, xgrammar ignores the anchor); where `regex_dfa` reads the pattern, it is written
   back as the same language without them.
+- An optional group that ends in a repetition: xgrammar lets a string skip what precedes the
+  repetition (`a(xb+)?` accepts "ab", `\\d{1,3}(\\.\\d{1,2})?` "1234"). Every `(...)?` is written
+  `(...|)`, the same language, which xgrammar matches exactly.
 - Several patterns on one string (a `pattern` and `allOf` parts that only add patterns, as
   `oneOf` branches made exclusive get; or a string schema that combines patterns with
   `anyOf`/`oneOf`/`not`/`$ref`): llguidance must decide whether their combination is empty
@@ -31,11 +34,50 @@ def patterns_for_backends(node: dict[str, Any]) -> None:
 
 
 def backend_pattern(pattern: str) -> str:
-    if not (regex_issue(pattern) or has_inner_anchor(pattern)):
-        return pattern
-    language = Language.of_pattern(pattern)
-    rewritten = language.to_pattern() if language is not None else None
-    return pattern if rewritten is None else rewritten
+    if regex_issue(pattern) or has_inner_anchor(pattern):
+        language = Language.of_pattern(pattern)
+        rewritten = language.to_pattern() if language is not None else None
+        pattern = pattern if rewritten is None else rewritten
+    return optional_groups_as_alternatives(pattern)
+
+
+_LOOKAROUND_OPENERS = ("(?=", "(?!", "(?<=", "(?<!")
+
+
+def optional_groups_as_alternatives(pattern: str) -> str:
+    """Every `(...)?` (and lazy `(...)??`) of `pattern` written `(...|)`, the same language
+    (a quantified lookaround is left alone)."""
+    out: list[str] = []
+    openers: list[str] = []
+    i = 0
+    while i < len(pattern):
+        ch = pattern[i]
+        end = i + 1
+        if ch == "\\":
+            end = i + 2
+        elif ch == "[":
+            end = _class_end(pattern, i)
+        elif ch == "(":
+            openers.append(pattern[i : i + 4])
+        elif ch == ")" and openers:
+            lookaround = openers.pop().startswith(_LOOKAROUND_OPENERS)
+            if pattern.startswith("?", end) and not lookaround:
+                out.append("|)")
+                i = end + 2 if pattern.startswith("??", end) else end + 1
+                continue
+        out.append(pattern[i:end])
+        i = end
+    return "".join(out)
+
+
+def _class_end(pattern: str, start: int) -> int:
+    """The index after the character class that opens at `start` (a `]` first is literal)."""
+    i = start + 1
+    i += pattern.startswith("^", i)
+    i += pattern.startswith("]", i)
+    while i < len(pattern) and pattern[i] != "]":
+        i += 2 if pattern[i] == "\\" else 1
+    return i + 1
 
 
 def merge_string_patterns(node: dict[str, Any]) -> None:

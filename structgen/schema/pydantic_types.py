@@ -5,20 +5,24 @@ that no backend enforces as pydantic validates (non-spec formats are stripped, s
 looser or differ), and it drops dict key types that are not strings (`dict[int, str]` keys
 become any string). `GrammarJsonSchema` writes such types as a `pattern` (dict keys as
 `patternProperties` with `additionalProperties: false`) that accepts a subset of what
-pydantic accepts in JSON mode, so both backends enforce it. Types no pattern can express
-(time-dependent or filesystem-dependent checks, bounds on dates) raise
-`UnsupportedSchemaError`, or with strict=False keep pydantic's schema and are listed as
-relaxed (pydantic validates the output afterwards).
+pydantic accepts in JSON mode, so both backends enforce it. So are types pydantic checks in a
+validator function beyond their schema (base64 types, `ByteSize`, `Json[...]`, digit limits
+of a `Decimal`), and numbers get bounds where an exponent could make them infinite. Types no
+pattern can express (time-, filesystem- or environment-dependent checks, bounds on dates, a
+checksum) raise `UnsupportedSchemaError`, or with strict=False keep pydantic's schema and
+are listed as relaxed (pydantic validates the output afterwards).
+tests/test_pydantic_sampled.py checks every kind of field type against pydantic by sampling.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any, ClassVar
 
-from pydantic import TypeAdapter
+from pydantic import ByteSize, TypeAdapter
 from pydantic.json_schema import GenerateJsonSchema, JsonSchemaValue
+from pydantic.types import Base64Encoder, Base64UrlEncoder, EncodedBytes, EncodedStr
 from pydantic_core import core_schema
 
 from structgen.errors import UnsupportedSchemaError
@@ -97,16 +101,184 @@ _DURATION = f"-?P(({_DURATION_DATE})(T({_DURATION_TIME}))?|T({_DURATION_TIME}))"
 # crate) accepts more.
 _LABEL = "[a-zA-Z0-9]([a-zA-Z0-9-]{0,30}[a-zA-Z0-9])?"
 _URL_CHAR = "[a-zA-Z0-9._~!$&'()*+,;=:@%-]"
-_URL_REST = rf"(:[0-9]{{1,4}})?(/{_URL_CHAR}*)*(\?({_URL_CHAR}|/|\?)*)?(#({_URL_CHAR}|/|\?)*)?"
-_ANY_SCHEME = "[a-zA-Z][a-zA-Z0-9+.-]{0,15}"
+_URL_HOST = rf"{_LABEL}(\.{_LABEL})*"
+_URL_PORT = "(:[0-9]{1,4})?"
+_URL_PATH = rf"(/{_URL_CHAR}*)*(\?({_URL_CHAR}|/|\?)*)?(#({_URL_CHAR}|/|\?)*)?"
+# Any scheme; a file URL takes no port, so "file" (in any case) is apart.
+_FILE_SCHEME = "[fF][iI][lL][eE]"
+_SCHEME_CHAR = "[a-zA-Z0-9+.-]"
+_PORTED_SCHEME = "|".join(
+    (
+        f"[a-zA-Z]({_SCHEME_CHAR}{{0,2}}|{_SCHEME_CHAR}{{4,15}})",
+        f"[a-eg-zA-EG-Z]{_SCHEME_CHAR}{{3}}",
+        f"[fF][a-hj-zA-HJ-Z0-9+.-]{_SCHEME_CHAR}{{2}}",
+        f"[fF][iI][a-km-zA-KM-Z0-9+.-]{_SCHEME_CHAR}",
+        "[fF][iI][lL][a-df-zA-DF-Z0-9+.-]",
+    )
+)
+
+# Numbers in strings, with exponents short enough to stay finite.
+_UNSIGNED = r"(0|[1-9][0-9]{0,15})(\.[0-9]{1,16})?([eE][+-]?[0-9]{1,2})?"
 
 # Dict keys arrive as strings; pydantic parses them into the key type.
 _INT_KEY = "-?(0|[1-9][0-9]{0,17})"
-_FLOAT_KEY = r"-?(0|[1-9][0-9]{0,15})(\.[0-9]{1,16})?([eE][+-]?[0-9]{1,2})?"
+_FLOAT_KEY = f"-?{_UNSIGNED}"
 _BOOL_KEY = "true|false"
 
-# Formats pydantic writes for types whose schema it builds by a function (IP addresses).
+# A JSON number's exponent is unbounded, and pydantic refuses the infinity a long one makes
+# for a Decimal, or a float with allow_inf_nan=False: with a bound, both backends write the
+# number without one. Decimals are also strings of digits, as are `complex` and `Fraction`.
+_COMPLEX = rf"-?{_UNSIGNED}([+-]({_UNSIGNED})?j)?|-?({_UNSIGNED})?j"
+_FRACTION = r"-?[0-9]{1,18}(/[1-9][0-9]{0,17}|\.[0-9]{1,18})?"
+_DECIMAL = r"-?(0|[1-9][0-9]{0,17})(\.[0-9]{1,18})?"
+_FINITE_BOUND = 1e15  # past about 1e18 llguidance cannot write a number range
+
+# `ByteSize`: a number and a unit of `ByteSize.byte_sizes`, in any case.
+_BYTE_UNIT = "|".join(
+    "".join(f"[{c.lower()}{c.upper()}]" for c in unit)
+    for unit in sorted(ByteSize.byte_sizes, key=lambda u: (-len(u), u))
+)
+_BYTE_SIZE = rf"[0-9]{{1,18}}(\.[0-9]{{1,18}})? ?({_BYTE_UNIT})?"
+
+# JSON text inside a string (`Json[...]`), without whitespace; strings of printable ASCII
+# without escapes.
+_JSON_STRING = r'"[ !#-\[\]-~]*"'
+_JSON_SCALARS = {
+    "integer": _INT_KEY,
+    "number": _FLOAT_KEY,
+    "boolean": _BOOL_KEY,
+    "null": "null",
+    "string": _JSON_STRING,
+}
+_JSON_SCALAR = "|".join(_JSON_SCALARS.values())
+
+_B64_LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"
+_B64_ALPHABETS = {Base64Encoder: _B64_LETTERS + "+/", Base64UrlEncoder: _B64_LETTERS + "-_"}
+
+
+def _sextets(alphabet: str, keep: Callable[[int], bool] = lambda value: True) -> str:
+    """A class of the base64 characters whose 6-bit value is kept, as ranges."""
+    runs: list[list[str]] = []
+    for c in sorted(c for value, c in enumerate(alphabet) if keep(value)):
+        if runs and ord(c) == ord(runs[-1][1]) + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return "[" + "".join(_class_run(a, b) for a, b in runs) + "]"
+
+
+def _class_run(first: str, last: str) -> str:
+    inner = "".join(_in_class(chr(p)) for p in range(ord(first), ord(last) + 1))
+    return inner if len(inner) <= 2 else f"{_in_class(first)}-{_in_class(last)}"
+
+
+def _in_class(c: str) -> str:
+    return "\\" + c if c in "\\]^-[" else c
+
+
+def base64_pattern(alphabet: str, ascii_only: bool) -> str:
+    """What Python's `b64decode` decodes (groups of four characters, the last one padded);
+    `ascii_only`: only encodings of ASCII text, which decodes as UTF-8 (`Base64Str`): the top
+    bit of each byte is bit 5 of the group's 1st character, bit 3 of its 2nd, bit 1 of its 3rd."""
+    if not ascii_only:
+        any_ = _sextets(alphabet)
+        return f"({any_}{{4}})*({any_}{{2}}==|{any_}{{3}}=)?"
+    first = _sextets(alphabet, lambda v: not v & 32)
+    second = _sextets(alphabet, lambda v: not v & 8)
+    third = _sextets(alphabet, lambda v: not v & 2)
+    any_ = _sextets(alphabet)
+    return f"({first}{second}{third}{any_})*({first}{any_}==|{first}{second}{any_}=)?"
+
+
+def url_pattern(schemes: list[str] | None) -> str:
+    """URLs of `schemes` (None: any), a port only where the scheme is not "file"."""
+    if schemes:
+        ported = "|".join(escape_regex(s) for s in schemes if s != "file")
+        file = "file" if "file" in schemes else ""
+    else:
+        ported, file = _PORTED_SCHEME, _FILE_SCHEME
+    urls = [f"({ported})://{_URL_HOST}{_URL_PORT}{_URL_PATH}"] if ported else []
+    if file:
+        urls.append(f"({file})://{_URL_HOST}{_URL_PATH}")
+    return "|".join(urls)
+
+
+def json_text_pattern(content: JsonSchemaValue) -> str | None:
+    """JSON texts valid against `content` (scalars, arrays and string-keyed objects of them,
+    `anyOf`; `{}` is any scalar, or an array or object of scalars), as a pattern; None for
+    other schemas."""
+    live = {k: v for k, v in content.items() if k not in ("title", "description")}
+    declared = live.get("type")
+    if not live:
+        return f"{_JSON_SCALAR}|{_json_array(_JSON_SCALAR)}|{_json_object(_JSON_SCALAR)}"
+    if set(live) == {"anyOf"}:
+        branches = [json_text_pattern(b) for b in live["anyOf"]]
+        return None if None in branches else "|".join(f"({b})" for b in branches)
+    if set(live) == {"type"} and declared in _JSON_SCALARS:
+        return _JSON_SCALARS[declared]
+    if declared == "array" and set(live) <= {"type", "items"}:
+        items = json_text_pattern(live.get("items", {}))
+        return None if items is None else _json_array(items)
+    if declared == "object" and set(live) <= {"type", "additionalProperties"}:
+        values = json_text_pattern(live.get("additionalProperties", {}))
+        return None if values is None else _json_object(values)
+    return None
+
+
+def _json_array(items: str) -> str:
+    return rf"\[(({items})(,({items}))*)?\]"
+
+
+def _json_object(values: str) -> str:
+    member = f"{_JSON_STRING}:({values})"
+    return rf"\{{({member}(,{member})*)?\}}"
+
+
+def decimal_pattern(digits: int | None, places: int | None, lower: str | None) -> str:
+    """Decimals in plain notation within pydantic's `max_digits` (`digits`) and
+    `decimal_places` (`places`; with both, at most digits - places before the point);
+    `lower`: None, "ge" (no sign) or "gt" (no sign, not zero)."""
+    if digits is None:
+        shapes = [(18, 18 if places is None else places)]
+    elif places is not None:
+        shapes = [(max(digits - places, 0), places)]
+    else:
+        shapes = [(digits - fraction, fraction) for fraction in range(digits + 1)]
+    alternatives = [a for w, f in shapes for a in _decimal_shapes(w, f, lower == "gt")]
+    return ("" if lower else "-?") + "(" + "|".join(dict.fromkeys(alternatives)) + ")"
+
+
+def _decimal_shapes(whole: int, fraction: int, positive: bool) -> list[str]:
+    """At most `whole` digits before the point and `fraction` after it. A fraction ends in a
+    nonzero digit (trailing zeros change nothing for pydantic), so a number with one is not
+    zero."""
+    tail = rf"\.{_up_to('[0-9]', fraction - 1)}[1-9]" if fraction else ""
+    out = [f"[1-9]{_up_to('[0-9]', whole - 1)}" + (f"({tail})?" if tail else "")] if whole else []
+    if tail:
+        out.append("0" + tail)
+    if not positive:
+        out.append("0")
+    return out
+
+
+def _up_to(atom: str, count: int) -> str:
+    return f"{atom}{{0,{count}}}" if count > 0 else ""
+
+
+def _finite_number(bounds: JsonSchemaValue) -> JsonSchemaValue:
+    """A JSON number with `bounds`, and ±_FINITE_BOUND where it has none (see _UNSIGNED)."""
+    out = {"type": "number", **bounds}
+    if "minimum" not in out and "exclusiveMinimum" not in out:
+        out["minimum"] = -_FINITE_BOUND
+    if "maximum" not in out and "exclusiveMaximum" not in out:
+        out["maximum"] = _FINITE_BOUND
+    return out
+
+
+# Formats pydantic writes for types whose schema it builds by a function (IP addresses,
+# fractions).
 FORMAT_PATTERNS: dict[str, str] = {
+    "fraction": _FRACTION,
     "ipv4": _IPV4,
     "ipv6": _IPV6,
     "ipvanyaddress": f"{_IPV4}|{_IPV6}",
@@ -123,6 +295,15 @@ UNENFORCEABLE_FORMATS: dict[str, str] = {
     "directory-path": "an existing directory (DirectoryPath)",
     "socket-path": "an existing socket (SocketPath)",
     "multi-host-uri": "a multi-host URL / DSN (PostgresDsn, ...)",
+    "zoneinfo": "an IANA time zone (ZoneInfo; which exist depends on the tz database, use a "
+    "Literal of the zones you need)",
+}
+# pydantic types whose validity is decided by a validator function, by its qualified name.
+UNENFORCEABLE_VALIDATORS: dict[str, str] = {
+    "PaymentCardNumber.validate": "a payment card number (PaymentCardNumber: a Luhn checksum)",
+    "import_string": "an importable object path (ImportString)",
+    "PathType.validate_new": "a path that does not exist yet (NewPath)",
+    "PathType.validate_socket": "an existing socket (SocketPath)",
 }
 _UUID_VERSION_FORMAT = re.compile("uuid[1-8]")
 _VALIDATION_KEYWORDS = ("le", "ge", "lt", "gt", "now_op", "now_utc_offset")
@@ -210,16 +391,18 @@ class GrammarJsonSchema(GenerateJsonSchema):
             or schema.get("default_port")
         ):
             return self.unenforceable("a URL with host defaults", "format", base)
-        schemes = schema.get("allowed_schemes")
-        scheme = "|".join(schemes) if schemes else _ANY_SCHEME
-        out = string_pattern(f"({scheme})://({_LABEL}(\\.{_LABEL})*){_URL_REST}")
+        out = string_pattern(url_pattern(schema.get("allowed_schemes")))
         if isinstance(base.get("maxLength"), int):
             out["maxLength"] = base["maxLength"]
         return out
 
     def generate_inner(self, schema: Any) -> JsonSchemaValue:
-        """Types whose JSON schema pydantic writes in a function (IP addresses, paths) are
-        only recognisable by their `format`, after it is written."""
+        """Types pydantic validates by a function (`ByteSize`, base64) are recognised by it,
+        before pydantic writes their schema; types whose JSON schema pydantic writes in a
+        function (IP addresses, paths) only by their `format`, after it is written."""
+        validated = self._pydantic_validated(schema)
+        if validated is not None:
+            return validated
         out = super().generate_inner(schema)
         fmt = out.get("format") if isinstance(out, dict) else None
         if isinstance(fmt, str) and "pattern" in out and _UUID_VERSION_FORMAT.fullmatch(fmt):
@@ -231,6 +414,98 @@ class GrammarJsonSchema(GenerateJsonSchema):
         elif fmt in UNENFORCEABLE_FORMATS:
             out = self.unenforceable(UNENFORCEABLE_FORMATS[fmt], "format", out)
         return out
+
+    # -- numbers ------------------------------------------------------------------------
+    def float_schema(self, schema: core_schema.FloatSchema) -> JsonSchemaValue:
+        out = super().float_schema(schema)
+        allowed = schema.get("allow_inf_nan")
+        finite = not (self._config.allow_inf_nan if allowed is None else allowed)
+        return _finite_number(out) if finite else out
+
+    def decimal_schema(self, schema: core_schema.DecimalSchema) -> JsonSchemaValue:
+        """Bounds and `multiple_of` on a JSON number; digit limits as a pattern on the
+        string form (with no bound but a lower one of 0)."""
+        base = super().decimal_schema(schema)
+        digits, places = schema.get("max_digits"), schema.get("decimal_places")
+        bounds = {k: schema[k] for k in ("gt", "ge", "lt", "le") if schema.get(k) is not None}
+        if digits is None and places is None:
+            number = _finite_number(next(b for b in base["anyOf"] if b.get("type") == "number"))
+            if bounds or schema.get("multiple_of") is not None:
+                return number  # (pydantic's string form ignores them)
+            return {"anyOf": [number, string_pattern(_DECIMAL)]}
+        lower = next(iter(bounds), None)
+        if (
+            schema.get("multiple_of") is not None
+            or len(bounds) > 1
+            or bounds and (lower not in ("ge", "gt") or bounds[lower] != 0)
+        ):
+            what = "a Decimal with max_digits/decimal_places and bounds other than gt=0/ge=0"
+            return self.unenforceable(what, "pattern", base)
+        return string_pattern(decimal_pattern(digits, places, lower))
+
+    def complex_schema(self, schema: core_schema.ComplexSchema) -> JsonSchemaValue:
+        return string_pattern(_COMPLEX)
+
+    def bytes_schema(self, schema: core_schema.BytesSchema) -> JsonSchemaValue:
+        """Bytes as the string `val_json_bytes` decodes. pydantic counts bytes where JSON
+        Schema counts characters: length limits hold for ASCII, and for hex digit pairs."""
+        out = super().bytes_schema(schema)
+        low, high = schema.get("min_length"), schema.get("max_length")
+        counts = f"{{{low or 0},{'' if high is None else high}}}"
+        encoding = self._config.val_json_bytes
+        if encoding == "hex":
+            return string_pattern(f"({_HEX}{_HEX}){counts}")
+        if encoding == "base64" and (low is not None or high is not None):
+            return self.unenforceable("base64 bytes with a length limit", "pattern", out)
+        if encoding == "base64":
+            return string_pattern(base64_pattern(_B64_ALPHABETS[Base64Encoder], ascii_only=False))
+        return out if low is None and high is None else string_pattern(f"[ -~]{counts}")
+
+    # -- types validated by a function ----------------------------------------------------
+    def _pydantic_validated(self, schema: Any) -> JsonSchemaValue | None:
+        """pydantic's types whose validator function decides what is valid (`ByteSize`, the
+        base64 types), recognised by the function; those no pattern expresses go to
+        `unenforceable`. None for other schemas."""
+        function = schema.get("function")
+        function = function.get("function") if isinstance(function, dict) else None
+        name = getattr(function, "__qualname__", "")
+        owner = getattr(function, "__self__", None)
+        if name == "ByteSize._validate":
+            return {"anyOf": [string_pattern(_BYTE_SIZE), {"type": "integer", "minimum": 0}]}
+        if isinstance(owner, (EncodedStr, EncodedBytes)):
+            alphabet = _B64_ALPHABETS.get(owner.encoder)
+            if alphabet is not None:
+                text = isinstance(owner, EncodedStr)
+                return string_pattern(base64_pattern(alphabet, ascii_only=text))
+            what = f"a value of the encoder {owner.encoder.__name__}"
+            return self.unenforceable(what, "format", super().generate_inner(schema))
+        if name in UNENFORCEABLE_VALIDATORS and function.__module__.startswith("pydantic."):
+            what = UNENFORCEABLE_VALIDATORS[name]
+            return self.unenforceable(what, "format", super().generate_inner(schema))
+        return None
+
+    def json_schema(self, schema: core_schema.JsonSchema) -> JsonSchemaValue:
+        """`Json[T]`: a string holding JSON text valid for T, where a pattern expresses it."""
+        base = super().json_schema(schema)
+        content = self._resolved(base.get("contentSchema", {}))
+        pattern = json_text_pattern(content)
+        if pattern is None:
+            what = (
+                "a Json[...] of a type other than Any, a JSON scalar, or a list or str-keyed "
+                "dict of them"
+            )
+            return self.unenforceable(what, "contentSchema", base)
+        return string_pattern(pattern)
+
+    def chain_schema(self, schema: core_schema.ChainSchema) -> JsonSchemaValue:
+        """`Hashable` is any JSON value pydantic finds hashable: not an array or object."""
+        hashable = any(
+            step.get("type") == "is-instance" and step.get("cls") is Hashable
+            for step in schema["steps"]
+        )
+        if hashable:
+            return {"type": ["string", "number", "boolean", "null"]}
+        return super().chain_schema(schema)
 
     # -- dict keys ----------------------------------------------------------------------
     def dict_schema(self, schema: core_schema.DictSchema) -> JsonSchemaValue:
