@@ -13,7 +13,6 @@ import enum
 import fractions
 import importlib.util
 import ipaddress
-import json
 import pathlib
 import random
 import re
@@ -340,37 +339,13 @@ def invalid_outputs(model: type[pydantic.BaseModel], outputs: Sequence[str]) -> 
     return invalid
 
 
-def xgrammar_gaps(node: Any) -> list[str]:
-    """Where xgrammar (0.2) admits invalid JSON in a schema, and structgen's keyword table does
-    not yet keep it away (grammar/compiler.py `candidate_backends`, schema/keywords.py): it
-    writes a pattern's `"` and `\\` unescaped into the JSON string, and lets a length-bounded
-    string without a pattern hold raw control characters."""
-    if isinstance(node, list):
-        return [gap for item in node for gap in xgrammar_gaps(item)]
-    if not isinstance(node, dict):
-        return []
-    gaps = [gap for value in node.values() for gap in xgrammar_gaps(value)]
-    patterns = [node.get("pattern"), *(node.get("patternProperties") or {})]
-    if any(isinstance(p, str) and ('"' in p or "\\\\" in p) for p in patterns):
-        gaps.append("a quote or backslash in a pattern is written unescaped")
-    bounded = {"minLength", "maxLength"} & set(node)
-    if node.get("type") == "string" and bounded and "pattern" not in node:
-        gaps.append("a length-bounded string admits raw control characters")
-    return gaps
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("field_type", FIELD_TYPES, ids=type_id)
-def test_every_output_drawn_from_a_pydantic_types_grammar_validates(
-    grammar_compiler, sampler, field_type, backend, request
-):
+def test_every_output_drawn_from_a_pydantic_types_grammar_validates(grammar_compiler, sampler, field_type, backend):
     model = pydantic.create_model("M", x=(field_type, ...))
     grammar = compiled_or_refused(grammar_compiler, model, backend)
     if grammar is None:
         return
-    gaps = xgrammar_gaps(json.loads(grammar.constraint.source)) if backend == "xgrammar" else []
-    if gaps:
-        request.applymarker(pytest.mark.xfail(reason=f"xgrammar: {gaps[0]}", strict=False))
     outputs = sampler.outputs(grammar)
     assert outputs, f"none of {SAMPLES} draws ended within {MAX_TOKENS} tokens"
     assert not invalid_outputs(model, outputs)

@@ -241,8 +241,8 @@ def candidate_backends(constraint: Constraint, backend: str = "auto") -> list[st
     """The backends `GrammarCompiler.compile` tries for `constraint`, in order: for JSON
     schemas, those that enforce every keyword (see `keywords`), so "auto" never falls back to
     one that would silently ignore a keyword; xgrammar (fastest masks) first, unless its
-    compile would be slow for this schema (`keywords.xgrammar_compile_cost`) or its grammar
-    stricter than the schema (`keywords.xgrammar_narrows`). Needs no tokenizer.
+    compile would be slow for this schema (`keywords.xgrammar_compile_cost`). Needs no
+    tokenizer.
 
     Raises `UnsupportedSchemaError` when none qualifies (strict constraints only).
     """
@@ -257,11 +257,8 @@ def candidate_backends(constraint: Constraint, backend: str = "auto") -> list[st
         ok = [b for b in allowed if not issues[b]]
         if not ok:
             raise unsupported_schema_error(issues)
-        if backend == "auto" and ok[0] == "xgrammar" and (
-            keywords.xgrammar_compile_cost(schema) or keywords.xgrammar_narrows(schema)
-        ):
-            ok.reverse()  # both enforce it; llguidance compiles in ms where xgrammar takes
-            # seconds, or admits strings xgrammar does not
+        if backend == "auto" and ok[0] == "xgrammar" and keywords.xgrammar_compile_cost(schema):
+            ok.reverse()  # both enforce it; llguidance compiles in ms where xgrammar takes seconds
         return ok
     if kind == "regex" and keywords.regex_issue(constraint.source) and "xgrammar" in allowed:
         if backend == "xgrammar":

@@ -385,20 +385,6 @@ _LONG_REPEAT = 32
 _MANY_KEY_CHARS = 400  # property-name characters in a whole schema: seconds of xgrammar compile
 
 
-def xgrammar_narrows(schema: Any) -> str | None:
-    """Where xgrammar's grammar for `schema` is stricter than the schema, if it is: a string
-    with `minLength` / `maxLength` (and no `pattern`, which xgrammar prefers over them) gets
-    no escape sequences, so `"a \\"b\\""` or a newline is refused there (xgrammar 0.1.x;
-    MaskBench Github_hard 242: an HTML snippet in a `minLength: 1` string). Still sound,
-    so not an issue for `find_issues`; "auto" then tries llguidance first."""
-    for node, path in walk(schema):
-        if "pattern" in node or node.get("type") not in ("string", ["string"]):
-            continue
-        if any(isinstance(node.get(kw), int) for kw in ("minLength", "maxLength")):
-            return f"length-bounded string at {path}"
-    return None
-
-
 def strip_annotation_formats(schema: Any) -> Any:
     """A copy of `schema` without `format` values outside the JSON-Schema spec (annotations
     such as "int32" that llguidance would refuse). Walks every position, $defs included."""
@@ -460,10 +446,14 @@ def _xgrammar_rules(node: dict, implied_type: str | None = None) -> Iterator[tup
         for kw in ("minLength", "maxLength"):
             if kw in node:
                 yield kw, "ignored next to 'pattern'"
+    elif "string" in types:
+        for kw in ("minLength", "maxLength"):
+            if kw in node:
+                yield kw, "a length-bounded string admits raw control characters (invalid JSON)"
     for pattern, where in _patterns(node):
         why = regex_issue(pattern) or (
             None if _anchored(pattern) else "matched against the whole string, not searched"
-        )
+        ) or _raw_quote_or_backslash(pattern)
         if why:
             yield where, why
     if "multipleOf" in node and types & {"number", "integer"}:
@@ -506,6 +496,31 @@ def _anchored(pattern: str) -> bool:
     except (re.error, RecursionError, OverflowError):
         return False
     return edge(parsed, sre.AT_BEGINNING, 0) and edge(parsed, sre.AT_END, -1)
+
+
+def _raw_quote_or_backslash(pattern: str) -> str | None:
+    """Why xgrammar would write invalid JSON for `pattern`: a `"` or `\\` it matches outside a
+    character class goes into the JSON string unescaped (`^"a"$` accepts `""a""`; in a class
+    xgrammar leaves them out, which is stricter but sound)."""
+    import re._parser as sre  # the stdlib's regex parser, for the structure
+
+    repeats = {sre.MAX_REPEAT, sre.MIN_REPEAT, getattr(sre, "POSSESSIVE_REPEAT", sre.MAX_REPEAT)}
+
+    def raw(items: Iterable) -> bool:
+        for op, av in items:
+            if op is sre.LITERAL and av in (0x22, 0x5C):
+                return True
+            if (op is sre.SUBPATTERN and raw(av[-1])) or (op in repeats and raw(av[2])):
+                return True
+            if op is sre.BRANCH and any(raw(branch) for branch in av[1]):
+                return True
+        return False
+
+    try:
+        found = raw(sre.parse(pattern))
+    except (re.error, RecursionError, OverflowError):
+        return None
+    return "a literal '\"' or '\\' in the pattern, which xgrammar writes unescaped (invalid JSON)" if found else None
 
 
 def _llguidance_rules(node: dict) -> Iterator[tuple[str, str]]:

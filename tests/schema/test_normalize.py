@@ -363,16 +363,23 @@ def test_not_property_names_is_some_named_key(grammar_compiler):
         assert grammar.accepts(dump_json(value, json.loads(constraint.source))) == expected
 
 
-def test_auto_prefers_llguidance_where_xgrammar_drops_escapes(grammar_compiler):
-    """Github_hard 242: xgrammar allows no escape sequence in a length-bounded string."""
-    schema = {"type": "object", "properties": {"html": {"type": "string", "minLength": 1}}}
-    constraint = to_constraint(JsonSchema(schema))
-    assert candidate_backends(constraint) == ["llguidance", "xgrammar"]
-    text = dump_json({"html": '<a href="x">\n</a>'}, schema)
-    assert grammar_compiler.compile(constraint).accepts(text)
-    assert not grammar_compiler.compile(constraint, backend="xgrammar").accepts(text)
-    plain = to_constraint(JsonSchema({"type": "array", "items": {"type": "string"}}))
-    assert candidate_backends(plain)[0] == "xgrammar"
+def test_xgrammar_is_kept_from_strings_it_would_write_as_invalid_json(grammar_compiler):
+    """xgrammar lets a length-bounded string hold raw control characters (and allows no escape
+    there: Github_hard 242, an HTML snippet in a `minLength: 1` string), and writes a literal
+    quote or backslash of a pattern unescaped (`^"a"$` accepted `""a""`)."""
+    bounded = {"type": "object", "properties": {"html": {"type": "string", "minLength": 1}}}
+    for schema in (bounded, {"type": "string", "pattern": '^"a"$'}, {"type": "string", "pattern": r"^a\\b$"}):
+        constraint = to_constraint(JsonSchema(schema))
+        assert candidate_backends(constraint) == ["llguidance"], schema
+        with pytest.raises(UnsupportedSchemaError, match="invalid JSON"):
+            grammar_compiler.compile(constraint, backend="xgrammar")
+    grammar = grammar_compiler.compile(to_constraint(JsonSchema(bounded)))
+    assert grammar.accepts(dump_json({"html": '<a href="x">\n</a>'}, bounded))
+    assert not grammar.accepts('{"html": "a\x01b"}')  # a raw control character: not JSON
+    quoted = grammar_compiler.compile(to_constraint(JsonSchema({"type": "string", "pattern": '^"a"$'})))
+    assert quoted.accepts(r'"\"a\""') and not quoted.accepts('""a""')
+    classes = to_constraint(JsonSchema({"type": "array", "items": {"type": "string", "pattern": '^[^"]+$'}}))
+    assert candidate_backends(classes)[0] == "xgrammar"  # a class leaves the quote out: sound
 
 
 def test_xgrammar_is_not_used_for_searched_patterns(grammar_compiler):
