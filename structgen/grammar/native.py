@@ -118,6 +118,11 @@ def release_pool(engine: object) -> None:
     _POOL_USERS.discard(engine)
 
 
+def pool_has_users() -> bool:
+    """Whether an engine of this process uses the pool now (so `size_pool` would keep its size)."""
+    return len(_POOL_USERS) > 0
+
+
 def size_pool(threads: int, engine: object) -> None:
     """Restart the process-wide pool with `threads` threads where it builds and has another
     size (`EngineTuning.grammar_threads`), unless another engine uses it: a restart frees the

@@ -289,6 +289,23 @@ FORMAT_PATTERNS: dict[str, str] = {
     "ipv6interface": _IPV6_INTERFACE,
     "ipvanyinterface": f"{_IPV4_INTERFACE}|{_IPV6_INTERFACE}",
 }
+def _format_patterned(schema: Any) -> JsonSchemaValue | None:
+    """`schema` with its `format` from FORMAT_PATTERNS written as a pattern, where it is such a
+    string; an `anyOf` with such a string among its branches becomes that string alone (pydantic
+    2.14 writes Fraction as a number or a "fraction" string, 2.13 as the string)."""
+    if not isinstance(schema, dict):
+        return None
+    fmt = schema.get("format")
+    if fmt in FORMAT_PATTERNS and schema.get("type") == "string":
+        out = {k: v for k, v in schema.items() if k != "format"}
+        out["pattern"] = anchored(FORMAT_PATTERNS[fmt])
+        return out
+    branches = schema.get("anyOf")
+    if isinstance(branches, list):
+        return next(filter(None, map(_format_patterned, branches)), None)
+    return None
+
+
 # Formats whose validity depends on more than the text (the filesystem, installed packages).
 UNENFORCEABLE_FORMATS: dict[str, str] = {
     "file-path": "an existing file (FilePath)",
@@ -408,9 +425,8 @@ class GrammarJsonSchema(GenerateJsonSchema):
         if isinstance(fmt, str) and "pattern" in out and _UUID_VERSION_FORMAT.fullmatch(fmt):
             # `UuidVersion` writes its format over the pattern `uuid_schema` wrote
             out = {k: v for k, v in out.items() if k != "format"}
-        elif fmt in FORMAT_PATTERNS and out.get("type") == "string":
-            out = {k: v for k, v in out.items() if k != "format"}
-            out["pattern"] = anchored(FORMAT_PATTERNS[fmt])
+        elif _format_patterned(out) is not None:
+            out = _format_patterned(out)
         elif fmt in UNENFORCEABLE_FORMATS:
             out = self.unenforceable(UNENFORCEABLE_FORMATS[fmt], "format", out)
         return out
