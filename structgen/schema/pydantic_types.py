@@ -184,11 +184,12 @@ class GrammarJsonSchema(GenerateJsonSchema):
             return validated
         out = super().generate_inner(schema)
         fmt = out.get("format") if isinstance(out, dict) else None
+        patterned = _format_patterned(out)
         if isinstance(fmt, str) and "pattern" in out and _UUID_VERSION_FORMAT.fullmatch(fmt):
             # `UuidVersion` writes its format over the pattern `uuid_schema` wrote
             out = {k: v for k, v in out.items() if k != "format"}
-        elif _format_patterned(out) is not None:
-            out = _format_patterned(out)
+        elif patterned is not None:
+            out = patterned
         elif fmt in UNENFORCEABLE_FORMATS:
             out = self.unenforceable(UNENFORCEABLE_FORMATS[fmt], "format", out)
         return out
