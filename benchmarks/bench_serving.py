@@ -386,7 +386,9 @@ def _parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--workloads", default="json,agent")
-    ap.add_argument("--modes", default="inprocess,http")
+    ap.add_argument("--modes", default="inprocess,http",
+                    help="inprocess, http (`structgen serve`), http-fronts (`serve --front-processes`)")
+    ap.add_argument("--front-processes", type=int, default=4, help="http-fronts: the server's front processes")
     ap.add_argument("--arrivals", default="closed,50,100",
                     help="closed (all at once), serial (one at a time) and/or request rates per second")
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -419,6 +421,8 @@ def _parse_args() -> argparse.Namespace:
                     help="--paired: print where each warm burst's engine steps went (benchmarks/step_timeline.py)")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
+    if unknown_modes := set(args.modes.split(",")) - {"inprocess", "http", "http-fronts"}:
+        ap.error(f"--modes takes inprocess, http and http-fronts, comma-separated (got {', '.join(unknown_modes)})")
     if args.paired is not None:
         names = args.paired.split(",")
         unknown = [name for name in names if name not in WORKLOADS]
@@ -502,6 +506,8 @@ def run_mode(llm: Any, mode: str, workload: str, requests: list[ServingRequest],
     from structgen_server.process import ServerProcess
 
     server_args = ["--max-batch-size", str(args.max_batch_size), "--max-seq-len", "4096", "--log-level", "warning"]
+    if mode == "http-fronts":  # the HTTP server in processes of its own
+        server_args += ["--front-processes", str(args.front_processes)]
     with ServerProcess([*server_args, *(["--device", args.device] if args.device else [])]) as server:
         for rate in arrivals:
             res = http_drive(server.url, llm.model_name, requests, rate, args.max_tokens, args.timeout,

@@ -501,11 +501,12 @@ class ServingClient:
 
 # -- the HTTP server on the stubbed device -------------------------------------------------------
 def serve_stubbed(port: int, max_batch_size: int, stats_path: Path, profile_path: Path | None,
-                  workload: str = "agent") -> None:
+                  workload: str = "agent", front_processes: int = 0) -> None:
     """The child of `--http`: the real app and uvicorn settings (`server_config`) on the stubbed
     device until SIGINT/SIGTERM; then the event loop thread's CPU seconds (and its cProfile).
     For json-one the stub writes what the default model writes (PERSON_TEXT), else random
-    allowed tokens."""
+    allowed tokens. With `front_processes` the HTTP server runs in processes of its own and the
+    figures are the engine process's (its main thread serves the fronts' calls)."""
     import cProfile
     import json
 
@@ -523,13 +524,19 @@ def serve_stubbed(port: int, max_batch_size: int, stats_path: Path, profile_path
     else:
         RandomAllowedDevice(engine, tokenizer, "", stop)
     llm = LLM.from_engine(engine, tokenizer, "stub")
-    server = uvicorn.Server(server_config(create_app(llm), "127.0.0.1", port, "warning"))
+    if front_processes:
+        from structgen_server.fronts import serve_with_fronts
+
+        def serve() -> None:
+            serve_with_fronts(llm, front_processes, "127.0.0.1", port, {}, "warning")
+    else:
+        serve = uvicorn.Server(server_config(create_app(llm), "127.0.0.1", port, "warning")).run
     profiler = cProfile.Profile(time.thread_time) if profile_path else None  # CPU, not GIL waits
     cpu, process_cpu = time.thread_time(), time.process_time()
     if profiler:
         profiler.enable()
     try:
-        server.run()
+        serve()
     except KeyboardInterrupt:  # uvicorn shuts down gracefully, then re-raises the signal
         pass
     finally:
@@ -591,7 +598,8 @@ async def drive_http(url: str, requests: list[Any], max_tokens: int, rate: float
 
 
 def http_run(n: int, max_tokens: int, rate: float | None, profile_path: Path | None,
-             workload: str = "agent", client: str = "httpx", client_processes: int = 1) -> dict[str, Any]:
+             workload: str = "agent", client: str = "httpx", client_processes: int = 1,
+             front_processes: int = 0) -> dict[str, Any]:
     """`n` streams of bench_serving's `workload` against `structgen serve`'s app on the stubbed
     device (a child process): the server's event loop CPU per request and token, and the
     client's CPU per request. `client` "httpx" reads the SSE lines with `json.loads`;
@@ -612,7 +620,7 @@ def http_run(n: int, max_tokens: int, rate: float | None, profile_path: Path | N
 
     port, stats = free_port(), Path(tempfile.mkstemp(suffix=".json")[1])
     cmd = [sys.executable, "-m", "benchmarks.profile_host", "--serve-stubbed", str(port), "--max-batch", str(n),
-           "--workload", workload, "--stats-out", str(stats),
+           "--workload", workload, "--stats-out", str(stats), "--front-processes", str(front_processes),
            *(["--profile-out", str(profile_path)] if profile_path else [])]
     child = subprocess.Popen(cmd)
     url = f"http://127.0.0.1:{port}"
@@ -639,6 +647,7 @@ def http_run(n: int, max_tokens: int, rate: float | None, profile_path: Path | N
     events = sum(r["events"] for r in ok) if client == "httpx" else None
     ttft = [r["ttft_s"] for r in ok if r["ttft_s"]]
     return {"workload": workload, "streams": n, "arrival": "closed" if rate is None else f"poisson {rate:g}/s",
+            "front_processes": front_processes,
             "client": client if client == "httpx" else f"openai x{client_processes}", "wall_s": round(wall, 2),
             "lost": len(results) - len(ok), "tokens": tokens, "sse_events": events,
             **({"valid": sum(r["valid"] for r in ok)} if client == "openai" else {}),
@@ -832,6 +841,7 @@ def main() -> None:
     ap.add_argument("--client", default="httpx", choices=["httpx", "openai"],
                     help="--http: SSE lines read with json.loads, or bench_serving's openai client driver")
     ap.add_argument("--client-processes", type=int, default=1, help="--http --client openai: client processes")
+    ap.add_argument("--front-processes", type=int, default=0, help="--http: `structgen serve --front-processes`")
     ap.add_argument("--serve-stubbed", type=int, default=0, metavar="PORT", help=argparse.SUPPRESS)
     ap.add_argument("--max-batch", type=int, default=256, help=argparse.SUPPRESS)
     ap.add_argument("--stats-out", type=Path, default=None, help=argparse.SUPPRESS)
@@ -842,12 +852,13 @@ def main() -> None:
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     if args.serve_stubbed:
-        serve_stubbed(args.serve_stubbed, args.max_batch, args.stats_out, args.profile_out, args.workload)
+        serve_stubbed(args.serve_stubbed, args.max_batch, args.stats_out, args.profile_out, args.workload,
+                      args.front_processes)
         return
     if args.http:
         workload = "agent" if args.workload == "json" else args.workload  # --http's default: agent
         print(http_run(args.http, args.max_tokens, args.rate, args.profile, workload, args.client,
-                       args.client_processes))
+                       args.client_processes, args.front_processes))
         if args.profile:
             print_profile(args.profile)
         return

@@ -34,6 +34,7 @@ from structgen_server.body import parse_body, validation_error
 from structgen_server.connection import KEEP_ALIVE_S, MAX_HEAD_BYTES, http_protocol
 from structgen_server.constraints import RequestConstraint
 from structgen_server.draining import draining_server, no_new_requests_error, shutting_down_error
+from structgen_server.engine_client import EngineClient, MetricsRelay
 from structgen_server.errors import APIError, new_request_id, to_api_error
 from structgen_server.event_stream import EventStream
 from structgen_server.guard import (
@@ -43,7 +44,7 @@ from structgen_server.guard import (
     RequestGuard,
     default_allowed_hosts,
 )
-from structgen_server.metrics import Metrics, endpoint_label
+from structgen_server.metrics import Metrics, endpoint_label, engine_load
 from structgen_server.planning import DEFAULT_MAX_GENERATIONS, ServerState, check_model, plan
 from structgen_server.protocol import (
     ChatCompletionRequest,
@@ -73,7 +74,8 @@ def create_app(
     `max_generations` caps prompts x n of one request; a client (by address) whose requests
     got `max_client_errors` 4xx answers within 10 s is answered 429 for a while (0: never)."""
     name = served_model_name or llm.model_name
-    metrics = Metrics(name)
+    # fronts of one engine (`--front-processes`) keep their metrics together, in its process
+    metrics = MetricsRelay(llm) if isinstance(llm, EngineClient) else Metrics(name)
     state = ServerState(llm, name, frozenset({name, llm.model_name}), default_max_tokens, max_generations, metrics)
     app = FastAPI(title="structgen", version="0.1.0")
     app.state.server = state
@@ -86,11 +88,14 @@ def create_app(
     async def health() -> Any:
         if state.stopping:  # a load balancer takes it out of rotation
             return JSONResponse({"status": "stopping", "model": state.model_name}, status_code=503)
-        return {"status": "ok", "model": state.model_name, **_engine_load(state.llm)}
+        return {"status": "ok", "model": state.model_name, **(await _engine_load(state.llm))}
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        text = state.metrics.render(engine=_engine_load(state.llm))
+        if isinstance(state.llm, EngineClient):
+            text = await state.llm.metrics_text()
+        else:
+            text = state.metrics.render(engine=engine_load(state.llm))
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
@@ -139,13 +144,11 @@ def _document_request_models(app: FastAPI, models: list[type[BaseModel]]) -> Non
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-def _engine_load(llm: Any) -> dict[str, int]:
-    """Requests the engine holds right now (running ones own a KV slot); read without a lock,
-    so a snapshot that may be one step old."""
-    scheduler = getattr(getattr(llm, "engine", None), "scheduler", None)
-    if scheduler is None:
-        return {}
-    return {"running": len(scheduler.running), "waiting": len(scheduler.waiting)}
+async def _engine_load(llm: Any) -> dict[str, int]:
+    """The engine's running and waiting requests, from its process where that is another."""
+    if isinstance(llm, EngineClient):
+        return await llm.engine_load()
+    return engine_load(llm)
 
 
 # --------------------------------------------------------------------------- handlers
@@ -325,9 +328,11 @@ def run_server(
     max_generations: int = DEFAULT_MAX_GENERATIONS,
     max_client_errors: int = DEFAULT_MAX_CLIENT_ERRORS,
     log_level: str = "info",
+    front_processes: int = 0,
 ) -> None:
     """Load the model, then serve it with uvicorn until interrupted. `allowed_hosts` None:
-    the loopback names when bound to loopback, any Host otherwise; ["*"]: any."""
+    the loopback names when bound to loopback, any Host otherwise; ["*"]: any.
+    `front_processes` > 0 runs the HTTP server in that many processes of its own (fronts.py)."""
     from structgen import LLM
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -337,26 +342,26 @@ def run_server(
         hosts = default_allowed_hosts(host, port)
     else:
         hosts = None if "*" in allowed_hosts else frozenset(h.strip().lower() for h in allowed_hosts)
-    app = create_app(
-        llm,
-        served_model_name=served_model_name,
-        default_max_tokens=default_max_tokens,
-        api_key=api_key,
-        allowed_hosts=hosts,
-        max_body_bytes=max_body_bytes,
-        max_generations=max_generations,
-        max_client_errors=max_client_errors,
-    )
-    server = draining_server(server_config(app, host, port, log_level), app.state.server.mark_stopping)
+    options = {"served_model_name": served_model_name, "default_max_tokens": default_max_tokens, "api_key": api_key,
+               "allowed_hosts": hosts, "max_body_bytes": max_body_bytes, "max_generations": max_generations,
+               "max_client_errors": max_client_errors}  # fmt: skip
     try:
-        server.run()
+        if front_processes > 0:
+            from structgen_server.fronts import serve_with_fronts
+
+            stop_signal = serve_with_fronts(llm, front_processes, host, port, options, log_level)
+        else:
+            app = create_app(llm, **options)
+            server = draining_server(server_config(app, host, port, log_level), app.state.server.mark_stopping)
+            server.run()
+            stop_signal = server.stop_signal
     finally:
         llm.close()  # also stops tensor-parallel worker ranks
-    if server.stop_signal == signal.SIGINT:
+    if stop_signal == signal.SIGINT:
         raise KeyboardInterrupt  # Ctrl-C: the command says "interrupted" and exits 130
 
 
-def server_config(app: FastAPI, host: str, port: int, log_level: str = "info") -> Any:
+def server_config(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> Any:
     """The uvicorn settings of `run_server` (a `uvicorn.Config`), apart so that the
     server benchmark serves with exactly them."""
     import uvicorn

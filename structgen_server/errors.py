@@ -10,8 +10,10 @@ request: the server and the other requests in its batch carry on.
 
 from __future__ import annotations
 
+import functools
 import logging
 import uuid
+from typing import Any
 
 from fastapi.responses import JSONResponse
 
@@ -56,6 +58,11 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.headers = headers
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # keyword arguments: pickle's default would call APIError(message) (the engine link)
+        kw = {"type": self.type, "param": self.param, "code": self.code, "headers": self.headers}
+        return (functools.partial(APIError, **kw), (self.status, self.message))
 
     def response(self) -> JSONResponse:
         body = ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code))

@@ -23,6 +23,7 @@ from typing import Any
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from structgen_server.engine_client import MetricsRelay
 from structgen_server.errors import APIError
 from structgen_server.metrics import Metrics, endpoint_label
 from structgen_server.throttle import ClientThrottle
@@ -65,7 +66,7 @@ class RequestGuard:
     """ASGI middleware applying a `GuardConfig` to every HTTP request; the body it has read
     (and bounded) is handed to the app unchanged."""
 
-    def __init__(self, app: ASGIApp, config: GuardConfig, metrics: Metrics):
+    def __init__(self, app: ASGIApp, config: GuardConfig, metrics: Metrics | MetricsRelay):
         self.app = app
         self.config = config
         self.metrics = metrics

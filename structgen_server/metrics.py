@@ -54,6 +54,15 @@ STATS_COUNTERS = {
 }
 
 
+def engine_load(llm: Any) -> dict[str, int]:
+    """Requests the engine holds right now (running ones own a KV slot); read without a lock,
+    so a snapshot that may be one step old."""
+    scheduler = getattr(getattr(llm, "engine", None), "scheduler", None)
+    if scheduler is None:
+        return {}
+    return {"running": len(scheduler.running), "waiting": len(scheduler.waiting)}
+
+
 class Histogram:
     """Cumulative-bucket histogram, as Prometheus expects."""
 

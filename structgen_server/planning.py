@@ -18,6 +18,7 @@ from structgen import tool_format
 from structgen.arguments import EncodedPrompt
 from structgen_server import serving
 from structgen_server.constraints import RequestConstraint, request_constraint
+from structgen_server.engine_client import EngineClient, MetricsRelay
 from structgen_server.errors import APIError, to_api_error
 from structgen_server.metrics import Metrics
 from structgen_server.protocol import (
@@ -42,7 +43,7 @@ class ServerState:
     aliases: frozenset[str]
     default_max_tokens: int
     max_generations: int
-    metrics: Metrics
+    metrics: Metrics | MetricsRelay
     # a stop signal arrived (draining.py): new requests are refused, and one cancelled from now
     # on is the drain running out, answered 503 rather than taken for a client that went away
     stopping: bool = False
@@ -52,12 +53,16 @@ class ServerState:
 
     @property
     def max_seq_len(self) -> int:
+        if isinstance(self.llm, EngineClient):
+            return self.llm.facts.max_seq_len
         return int(self.llm.engine.max_seq_len)
 
     @property
     def model_thinks(self) -> bool:
         """Whether the model reasons unasked (its chat template writes think tags); any model
         reasons when a request sets `reasoning`."""
+        if isinstance(self.llm, EngineClient):
+            return self.llm.facts.template_thinks
         return bool(self.llm.engine.reasoner.template_thinks)
 
 

@@ -18,9 +18,11 @@ from typing import Any, TypeVar
 from starlette.requests import Request as HTTPRequest
 from starlette.types import Receive
 
+from structgen.api import CompletionStream
 from structgen.arguments import EncodedPrompt
 from structgen.completion import ReasoningDelta
 from structgen.errors import IncompleteOutputError
+from structgen_server.engine_link import StreamEnd
 
 T = TypeVar("T")
 
@@ -121,14 +123,22 @@ class GenerationStream:
                 finish = "length"
         if len(text) > sent:
             yield text[sent:]
-        completion = getattr(inner, "completion", None)
-        request = getattr(inner, "request", None)
-        stats = completion.stats if completion is not None else getattr(request, "stats", None)
-        n_out = len(request.output_ids) if request is not None else 0
+        end = stream_end(inner)
         reasoning = "".join(thinking) or None
-        if completion is not None:  # finished without a stop string: trust the engine
-            text, finish, reasoning = completion.text, completion.finish_reason, completion.reasoning
-        self.result = Generation(text, finish, job.prompt_tokens, n_out, stats, reasoning)
+        if end.text is not None and end.finish_reason is not None:  # finished without a stop string: trust the engine
+            text, finish, reasoning = end.text, end.finish_reason, end.reasoning
+        self.result = Generation(text, finish, job.prompt_tokens, end.output_tokens, end.stats, reasoning)
+
+
+def stream_end(stream: Any) -> StreamEnd:
+    """How a stream of `LLM.astream` (or the engine link's `RemoteStream`) ended, so far."""
+    if not isinstance(stream, CompletionStream):
+        return getattr(stream, "end", None) or StreamEnd(None, None, None, 0, None)
+    completion, request = stream.completion, stream.request
+    n_out = len(request.output_ids) if request is not None else 0
+    if completion is None:
+        return StreamEnd(None, None, None, n_out, getattr(request, "stats", None))
+    return StreamEnd(completion.text, completion.finish_reason, completion.reasoning, n_out, completion.stats)
 
 
 def _find_stop(text: str, stops: list[str], start: int) -> int | None:

@@ -22,7 +22,7 @@ import pytest
 from structgen_server.draining import DRAIN_S
 from structgen_server.process import ServerProcess
 from structgen_server.replicas import Replica, ReplicaSet, create_front_app
-from tests.server.asgi_client import post_and_stay, running
+from tests.server.asgi_client import children, post_and_stay, running
 
 MODEL = "m"
 ARGS = ["--device", "cpu", "--max-seq-len", "1024", "--max-batch-size", "2", "--served-model-name", MODEL]
@@ -49,11 +49,13 @@ def _stopping_health(server: ServerProcess) -> dict[str, Any]:
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads process states from /proc (Linux)")
-@pytest.mark.parametrize("replicas", [0, 2], ids=["single server", "data-parallel front end"])
-def test_a_stop_signal_lets_the_stream_in_flight_finish_and_answers_new_requests_503(replicas):
-    extra = ["--data-parallel", str(replicas)] if replicas else []
+@pytest.mark.parametrize("extra", [[], ["--data-parallel", "2"], ["--front-processes", "2"]],
+                         ids=["single server", "data-parallel front end", "front processes"])
+def test_a_stop_signal_lets_the_stream_in_flight_finish_and_answers_new_requests_503(extra):
+    replicas = "--data-parallel" in extra
     with ServerProcess([*extra, *ARGS], startup_timeout=240) as server:
         pids = [r["pid"] for r in httpx.get(f"{server.root}/health", timeout=10).json().get("replicas", [])]
+        pids += children(server.proc.pid) if "--front-processes" in extra else []
         with httpx.Client(base_url=server.url, timeout=60) as kept:
             assert kept.post("/chat/completions", json=SHORT).status_code == 200  # kept alive, idle at the signal
             with httpx.stream("POST", f"{server.url}/chat/completions", json={**LONG, "stream": True},
@@ -72,7 +74,7 @@ def test_a_stop_signal_lets_the_stream_in_flight_finish_and_answers_new_requests
         assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"  # it ran to its end
         assert server.proc.wait(timeout=30) == 0
         assert time.monotonic() - stopped_at < DRAIN_S + 10
-        assert not any(running(p) for p in pids), "the front end exited before stopping its replicas"
+        assert not any(running(p) for p in pids), "the server exited before stopping its replicas or fronts"
 
 
 # --------------------------------------------------------------------------- the drain runs out
