@@ -512,7 +512,7 @@ def run_mode(llm: Any, mode: str, workload: str, requests: list[ServingRequest],
         for rate in arrivals:
             res = http_drive(server.url, llm.model_name, requests, rate, args.max_tokens, args.timeout,
                              args.http_clients)
-            results.add(_row(workload, mode, rate, res, bound))
+            results.add(_row(workload, mode, rate, res, bound, http_clients=args.http_clients))
 
 
 def run_paired(llm: Any, requests: dict[str, list[ServingRequest]], bursts: int, args: argparse.Namespace,
@@ -589,7 +589,7 @@ def run_peer(peer: str, workload: str, requests: list[ServingRequest], args: arg
     for a in args.arrivals.split(","):
         rate = _arrival(a)
         res = http_drive(url, args.peer_model, requests, rate, args.max_tokens, args.timeout, args.http_clients)
-        results.add(_row(workload, "http", rate, res, bound, system=name))
+        results.add(_row(workload, "http", rate, res, bound, system=name, http_clients=args.http_clients))
 
 
 def http_drive(url: str, model: str, requests: list[ServingRequest], rate: Arrival, max_tokens: int,
@@ -668,10 +668,12 @@ async def _http(url: str, model: str, requests: list[ServingRequest], rate: Arri
 
 
 def _row(workload: str, mode: str, rate: Arrival, res: RunResult, bound: float | None,
-         system: str = "structgen") -> dict[str, Any]:
+         system: str = "structgen", http_clients: int | None = None) -> dict[str, Any]:
     figures = summarize(res)
     print(system, workload, mode, rate or "closed", json.dumps(figures), flush=True)  # progress on long runs
-    return {"system": system, "model": "smollm2-135m", "workload": workload, "mode": mode,
+    # the sending processes: a burst's TTFT is theirs too (12-27 ms of client CPU a streamed request)
+    senders = {"http_clients": http_clients} if http_clients else {}
+    return {"system": system, "model": "smollm2-135m", "workload": workload, "mode": mode, **senders,
             "arrival": "closed" if rate is None else rate if isinstance(rate, str) else f"poisson {rate:g}/s", **figures,
             "decode_bound_tok_per_s": bound,
             "share_of_bound": round(figures["tok_per_s"] / bound, 3) if bound else None}
