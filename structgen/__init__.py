@@ -31,7 +31,7 @@ from structgen.errors import (
 )
 from structgen.partial import Partial, PartialStream
 from structgen.sampling import SamplingParams
-from structgen.tool_runs import ToolError, ToolRun, run_tools
+from structgen.tool_runs import ToolError, ToolRun, ToolRunTooLongError, run_tools
 from structgen.tools import Tool, ToolCall, ToolCalls, tool
 from structgen.types import CFG, Choice, JsonSchema, Regex
 
@@ -74,6 +74,7 @@ __all__ = [
     "ToolCalls",
     "ToolError",
     "ToolRun",
+    "ToolRunTooLongError",
     "StructgenError",
     "StructgenWarning",
     "UnsupportedSchemaError",

@@ -19,7 +19,6 @@ first token and decode time when streaming); anything neither knows is `None`.
 
 from __future__ import annotations
 
-import asyncio
 import codecs
 import contextlib
 import email.utils
@@ -241,19 +240,11 @@ class RemoteLLM:
         which comes back cut with finish_reason "length"). `strict=False` sends the schema
         without the keywords no backend enforces and validates the reply against all of it
         here, as in process (`Completion.relaxed`)."""
-        _no_remote_repair(repair)
-        wire = self._wire_request(output_type, prompt, chat, tools, strict)
-        wire.body.update(self._sampling(max_tokens, temperature, top_p, top_k, seed, jump_forward))
-        wire.body.update(self._guards(close_at_budget, loop_guards))
-        wire.body.update(self._reasoning(reasoning, max_reasoning_tokens))
-        t0 = time.perf_counter()
-        data = self._fetch_json(wire.path, wire.body)
-        message, text, finish_reason = self._first_choice(data, chat=wire.path == "/chat/completions")
-        stats = _usage_stats(data.get("usage"), wall_s=time.perf_counter() - t0)
-        refusal = message.get("refusal")
-        if text is None and isinstance(refusal, str):
-            raise OutputValidationError(f"the model behind {self.base_url} refused: {_excerpt(refusal)}", stats=stats)
-        return self._finish(wire, text or "", finish_reason, stats, _reasoning_of(message))
+        wire = self._generation_wire(output_type, prompt, max_tokens, temperature, top_p, top_k, seed, jump_forward,
+                                     close_at_budget, loop_guards, reasoning, max_reasoning_tokens, chat, tools, strict,
+                                     repair)
+        sent_at = time.perf_counter()
+        return self._completion(wire, self._fetch_json(wire.path, wire.body), sent_at)
 
     @overload
     def stream(self, output_type: type[T], prompt: Prompt, *, partial: Literal[True], **kw: Any) -> PartialStream[T]: ...
@@ -290,11 +281,9 @@ class RemoteLLM:
         `complete` when the stream ends. `partial=True` (JSON output types) yields `Partial`
         snapshots instead, parsed and validated here from the text deltas, so any
         OpenAI-compatible server will do."""
-        _no_remote_repair(repair)
-        wire = self._wire_request(output_type, prompt, chat, tools, strict)
-        wire.body.update(self._sampling(max_tokens, temperature, top_p, top_k, seed, jump_forward))
-        wire.body.update(self._guards(close_at_budget, loop_guards))
-        wire.body.update(self._reasoning(reasoning, max_reasoning_tokens))
+        wire = self._generation_wire(output_type, prompt, max_tokens, temperature, top_p, top_k, seed, jump_forward,
+                                     close_at_budget, loop_guards, reasoning, max_reasoning_tokens, chat, tools, strict,
+                                     repair)
         wire.body.update(stream=True, stream_options={"include_usage": True})
         if not partial:
             return RemoteCompletionStream(self, wire)
@@ -349,9 +338,35 @@ class RemoteLLM:
     async def acomplete(self, output_type: type[T], prompt: Prompt, **kw: Any) -> Completion[T, RemoteStats]: ...
     @overload
     async def acomplete(self, output_type: object, prompt: Prompt, **kw: Any) -> Completion[Any, RemoteStats]: ...
-    async def acomplete(self, output_type: Any, prompt: Prompt, **kw: Any) -> Completion[Any, RemoteStats]:
-        """`complete` for asyncio (a worker thread per call; httpx's sync client is thread-safe)."""
-        return await asyncio.to_thread(lambda: self.complete(output_type, prompt, **kw))
+    @checked_keywords
+    async def acomplete(
+        self,
+        output_type: Any,
+        prompt: Prompt,
+        *,
+        max_tokens: int = 512,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        jump_forward: bool | None = None,
+        close_at_budget: bool = True,
+        loop_guards: bool = True,
+        reasoning: bool | None = None,
+        max_reasoning_tokens: int | None = None,
+        chat: bool | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        strict: bool = True,
+        repair: int = 0,
+    ) -> Completion[Any, RemoteStats]:
+        """`complete` for asyncio, on the running loop (no worker thread): cancelling the task
+        (or a `wait_for` timeout) closes the connection at once, which the server takes as a
+        cancellation."""
+        wire = self._generation_wire(output_type, prompt, max_tokens, temperature, top_p, top_k, seed, jump_forward,
+                                     close_at_budget, loop_guards, reasoning, max_reasoning_tokens, chat, tools, strict,
+                                     repair)
+        sent_at = time.perf_counter()
+        return self._completion(wire, await self._afetch_json(wire.path, wire.body), sent_at)
 
     @overload
     async def agenerate(self, output_type: Regex | CFG, prompt: Prompt, **kw: Any) -> str: ...
@@ -439,6 +454,20 @@ class RemoteLLM:
         return ToolCall(name, tool.validate(args), tool, call_id)
 
     # -- wire format ------------------------------------------------------------------------
+    def _generation_wire(
+        self, output_type: Any, prompt: Prompt, max_tokens: int, temperature: float, top_p: float, top_k: int,
+        seed: int | None, jump_forward: bool | None, close_at_budget: bool, loop_guards: bool, reasoning: bool | None,
+        max_reasoning_tokens: int | None, chat: bool | None, tools: list[dict[str, Any]] | None, strict: bool,
+        repair: int,
+    ) -> _WireRequest:  # fmt: skip
+        """The request of one generation (`complete`, `acomplete`, `stream`), its keywords checked."""
+        _no_remote_repair(repair)
+        wire = self._wire_request(output_type, prompt, chat, tools, strict)
+        wire.body.update(self._sampling(max_tokens, temperature, top_p, top_k, seed, jump_forward))
+        wire.body.update(self._guards(close_at_budget, loop_guards))
+        wire.body.update(self._reasoning(reasoning, max_reasoning_tokens))
+        return wire
+
     def _wire_request(
         self, output_type: Any, prompt: Prompt, chat: bool | None, tools: list[dict] | None, strict: bool = True
     ) -> _WireRequest:
@@ -525,8 +554,27 @@ class RemoteLLM:
         with self._open(path, body, _Deadline(self.timeout)) as resp:
             reply = _ReplyText(self, resp)
             text = "".join([reply.text(chunk) for chunk in resp.iter_bytes()]) + reply.text(b"", final=True)
+        return self._body_json(resp, text)
+
+    async def _afetch_json(self, path: str, body: dict[str, Any] | None = None) -> Any:
+        """`_fetch_json` on the running loop: a cancelled caller closes the connection as it leaves."""
+        deadline = _Deadline(self.timeout)
+        async with self._async_client() as client, self._aopen(client, path, body, deadline) as resp:
+            reply, chunks = _ReplyText(self, resp), resp.aiter_bytes()
+            pieces: list[str] = []
+            while (chunk := await _next_chunk(chunks, deadline)) is not None:
+                pieces.append(reply.text(chunk))
+            text = "".join(pieces) + reply.text(b"", final=True)
+        return self._body_json(resp, text)
+
+    def _body_json(self, resp: httpx.Response, text: str) -> Any:
         kind = resp.headers.get("content-type", "no content-type")
         return self._json(text, f"answered {resp.status_code} with a body that is not JSON ({kind})")
+
+    def _async_client(self) -> httpx.AsyncClient:
+        """A client for one async call: an async client belongs to one event loop, and a
+        caller's calls may run on several."""
+        return httpx.AsyncClient(base_url=self.base_url, headers=self._headers, follow_redirects=False)
 
     @contextlib.contextmanager
     def _open(self, path: str, body: dict[str, Any] | None, deadline: _Deadline) -> Iterator[httpx.Response]:
@@ -662,10 +710,21 @@ class RemoteLLM:
         finish_reason = self._expect(choice.get("finish_reason"), (str, type(None)), "finish_reason, a string or null")
         return message, text, finish_reason
 
+    def _completion(self, wire: _WireRequest, data: Any, sent_at: float) -> Completion[Any, RemoteStats]:
+        """The validated `Completion` of a whole (not streamed) reply to `wire`, sent at `sent_at`."""
+        message, text, finish_reason = self._first_choice(data, chat=wire.path == "/chat/completions")
+        stats = _usage_stats(data.get("usage"), wall_s=time.perf_counter() - sent_at)
+        refusal = message.get("refusal")
+        return self._finish(wire, text or "", finish_reason, stats, _reasoning_of(message),
+                            refusal if isinstance(refusal, str) else None)
+
     def _finish(self, wire: _WireRequest, text: str, finish_reason: str | None, stats: RemoteStats,
-                reasoning: str | None = None) -> Completion[Any, RemoteStats]:
-        """The reply as a validated `Completion`; truncation raises as in-process, except for
-        free text, which comes back cut with finish_reason "length" (as OpenAI does)."""
+                reasoning: str | None = None, refusal: str | None = None) -> Completion[Any, RemoteStats]:
+        """The reply as a validated `Completion`; a refusal with no text (OpenAI's `refusal`
+        field) raises `OutputValidationError` quoting it; truncation raises as in-process, except
+        for free text, which comes back cut with finish_reason "length" (as OpenAI does)."""
+        if refusal and not text:
+            raise OutputValidationError(f"the model behind {self.base_url} refused: {_excerpt(refusal)}", stats=stats)
         if finish_reason == "length":
             if wire.constraint.kind == "text":
                 return Completion(text, text, [], "length", stats, reasoning=reasoning)
@@ -747,7 +806,7 @@ class RemoteCompletionStream:
 
     async def _aread(self) -> AsyncIterator[str]:
         llm, sent_at, deadline = self._llm, time.perf_counter(), _Deadline(self._llm.timeout)
-        async with httpx.AsyncClient(base_url=llm.base_url, headers=llm._headers, follow_redirects=False) as client:
+        async with llm._async_client() as client:
             async with llm._aopen(client, self._wire.path, self._wire.body, deadline) as resp:
                 reply = _ReplyText(llm, resp)
                 events = _StreamEvents(llm, self._wire, reply, resp.headers.get("content-type"), sent_at)
@@ -838,7 +897,8 @@ class _ReplyText:
 class _StreamEvents:
     """Reads a server-sent event stream: the text so far (and the thinking, from
     `reasoning_content` deltas), the finish reason, the usage chunk and the client-side times.
-    A stream is whole once it says `[DONE]` or gives a finish reason."""
+    A stream is whole once it says `[DONE]` or gives a finish reason. A chat stream's `refusal`
+    deltas are kept apart from the text, to be reported as the whole reply's refusal is."""
 
     llm: RemoteLLM
     wire: _WireRequest
@@ -847,6 +907,7 @@ class _StreamEvents:
     sent_at: float
     pieces: list[str] = field(default_factory=list)
     thinking: list[str] | None = None
+    refusal: list[str] = field(default_factory=list)
     finish_reason: str | None = None
     usage: dict[str, Any] | None = None
     first_text_at: float | None = None
@@ -886,10 +947,12 @@ class _StreamEvents:
 
     def _choice_delta(self, choice: Any) -> tuple[str, str]:
         """(text, thinking) of one choice of an event: a chat `delta`, or a completion's `text`;
-        notes its finish reason."""
+        notes its finish reason and its piece of a refusal."""
         expect = self.llm._expect
         choice = expect(choice, dict, "each choice an object")
         part = expect(choice["delta"], dict, "a choice's delta, an object") if "delta" in choice else choice
+        if isinstance(part.get("refusal"), str):
+            self.refusal.append(part["refusal"])
         text = expect(part.get("content" if "delta" in choice else "text"), (str, type(None)), "the text, a string or null")
         finish_reason = expect(choice.get("finish_reason"), (str, type(None)), "finish_reason, a string or null")
         self.finish_reason = finish_reason or self.finish_reason
@@ -905,7 +968,8 @@ class _StreamEvents:
         if self.first_text_at is not None:
             stats.ttft_s, stats.decode_s = self.first_text_at - self.sent_at, end - self.first_text_at
         thinking = None if self.thinking is None else "".join(self.thinking)
-        return self.llm._finish(self.wire, "".join(self.pieces), self.finish_reason, stats, thinking)
+        return self.llm._finish(self.wire, "".join(self.pieces), self.finish_reason, stats, thinking,
+                                "".join(self.refusal))
 
 
 def _reasoning_of(message: dict[str, Any]) -> str | None:

@@ -4,16 +4,20 @@ to it as `tool` messages, until it answers in text or the rounds run out. One tu
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+import functools
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import pydantic_core
 
-from structgen.errors import IncompleteOutputError, InvalidParameterError
+from structgen.errors import IncompleteOutputError, InvalidParameterError, PromptTooLongError
 from structgen.tools import (
     Tool,
     ToolCall,
+    ainvoke_within,
     as_messages,
     as_tools,
     call,
@@ -22,7 +26,10 @@ from structgen.tools import (
     loop_running,
 )
 
-ToolRunFinish = Literal["stop", "length", "max_rounds"]
+ToolRunFinish = Literal["stop", "length", "max_rounds", "context"]
+
+# The most threads the sync calls of one turn run on at once; further calls wait for a free one.
+_TOOL_THREADS = 8
 
 
 @dataclass
@@ -47,8 +54,9 @@ class ToolRun:
     `finish_reason` says how the run ended: "stop" (the model answered in text), "max_rounds"
     (the round limit was reached; `answer` is the reply to one last turn with tools off) or
     "length" (a turn hit max_tokens: `answer` is "", that turn's cut text is `partial_text`, and
-    the calls made before it are kept). `calls` holds the calls that returned; `errors` those
-    that failed, whose error the model was shown instead of a result."""
+    the calls made before it are kept) or "context" (only on the `run` of a `ToolRunTooLongError`:
+    the next turn's prompt did not fit the context). `calls` holds the calls that returned;
+    `errors` those that failed, whose error the model was shown instead of a result."""
 
     answer: str
     calls: list[tuple[ToolCall, Any]]
@@ -56,6 +64,16 @@ class ToolRun:
     finish_reason: ToolRunFinish = "stop"
     partial_text: str | None = None
     errors: list[ToolError] = field(default_factory=list)
+
+
+class ToolRunTooLongError(PromptTooLongError):
+    """`run_tools` stopped because a turn's prompt, the conversation so far, does not fit the
+    model's context. `run` is the `ToolRun` up to that turn (finish_reason "context", `answer`
+    ""): the calls made, their results and errors, and the messages."""
+
+    def __init__(self, message: str, run: ToolRun):
+        super().__init__(message)
+        self.run = run
 
 
 def run_tools(
@@ -77,13 +95,19 @@ def run_tools(
     messages, and repeat until it answers in text or `max_rounds` rounds of calls were made
     (then one last turn with tool_choice="none" asks for the answer). `tool_choice` applies
     to the first round (e.g. "required" to force a lookup first); later rounds are "auto".
-    A turn that hits `max_tokens` ends the run with what was done so far (no exception).
+    A turn that hits `max_tokens` ends the run with what was done so far (no exception). A turn
+    whose prompt no longer fits the context raises `ToolRunTooLongError` (a `PromptTooLongError`)
+    whose `run` holds what was done so far.
 
-    A call whose arguments fail the function's validation, that raises, or that runs past
-    `tool_timeout` seconds (see `ToolCall.invoke`) shows the model its error, so it can try
-    again, and is kept in `ToolRun.errors`; `on_tool_error="raise"` raises it instead. A
-    result is fed back as JSON (str as is), cut at `max_result_chars` with a note saying so
-    (`calls` keeps it whole). Inside a running event loop the tools run on a worker thread."""
+    The calls of one turn run at once: sync tools on up to 8 threads, async ones gathered on one
+    event loop; their results (or errors) are recorded and fed back in the calls' order. A lone
+    call runs on this thread (a worker thread where it has a timeout or this thread runs an
+    event loop). A call whose arguments fail the function's validation, that raises, or that
+    runs past `tool_timeout` seconds from its start (see `ToolCall.invoke`) shows the model its
+    error, so it can try again, and is kept in `ToolRun.errors`; `on_tool_error="raise"` raises
+    the turn's first such error, in the calls' order, once its calls are done. A result is fed
+    back as JSON (str as is), cut at `max_result_chars` with a note saying so (`calls` keeps it
+    whole)."""
     _check_run_options(max_rounds, tool_timeout, max_result_chars, on_tool_error)
     specs = _runnable(tools)
     invoker = _Invoker({t.name: t for t in specs}, tool_timeout, max_result_chars, on_tool_error)
@@ -98,6 +122,10 @@ def run_tools(
         except IncompleteOutputError as e:
             run.finish_reason, run.partial_text = "length", e.partial_text
             return run
+        except PromptTooLongError as e:
+            run.finish_reason = "context"
+            raise ToolRunTooLongError(f"{e}; this error's .run holds the run so far (its calls, results and "
+                                      "messages)", run) from e
         if turn.finish_reason == "length":  # a text turn cut at max_tokens
             run.finish_reason, run.partial_text = "length", turn.text or ""
             return run
@@ -105,7 +133,7 @@ def run_tools(
         if not turn:
             run.answer, run.finish_reason = turn.text or "", "max_rounds" if last else "stop"
             return run
-        run.messages.extend(invoker.message(c, run) for c in turn)
+        run.messages.extend(invoker.messages(turn, run))
     raise AssertionError("unreachable: the last round has tool_choice='none', so it makes no calls")
 
 
@@ -118,26 +146,97 @@ class _Invoker:
     max_result_chars: int | None
     on_error: str
 
-    def message(self, raw: ToolCall, run: ToolRun) -> dict[str, Any]:
-        """Validate and run one call (JSON arguments), record it in `run`, and return the
-        `tool` message that carries its result or its error to the model."""
+    def messages(self, turn: Sequence[ToolCall], run: ToolRun) -> list[dict[str, Any]]:
+        """Validate and run the calls of one turn (JSON arguments), record them in `run`, and
+        return the `tool` messages that carry their results or errors to the model, both in the
+        calls' order."""
+        typed = [self._typed(raw) for raw in turn]
+        ran = iter(self._run([t for t in typed if isinstance(t, ToolCall)]))
+        outcomes = [next(ran) if isinstance(t, ToolCall) else _Outcome(error=t) for t in typed]
+        return [self._record(raw, outcome, run) for raw, outcome in zip(turn, outcomes, strict=True)]
+
+    def _typed(self, raw: ToolCall) -> ToolCall | Exception:
+        """The call with its arguments validated into the tool's model, or why they are not valid."""
         tool = self.tools[raw.name]
         try:
-            typed = ToolCall(raw.name, tool.validate(raw.arguments), tool, raw.id)
-            result = invoke_on_thread(typed, self.timeout) if self.timeout is not None or loop_running() else typed.invoke()
+            return ToolCall(raw.name, tool.validate(raw.arguments), tool, raw.id)
         except Exception as e:
+            return e
+
+    def _run(self, calls: list[ToolCall]) -> list[_Outcome]:
+        if len(calls) > 1:
+            return _at_once(calls, self.timeout)
+        return [_Outcome.of(typed, self._alone) for typed in calls]
+
+    def _alone(self, typed: ToolCall) -> Any:
+        """A turn's only call: on this thread, where a tool may keep what only this thread can
+        use, unless it needs a timeout or this thread runs an event loop."""
+        if self.timeout is not None or loop_running():
+            return invoke_on_thread(typed, self.timeout)
+        return typed.invoke()
+
+    def _record(self, raw: ToolCall, outcome: _Outcome, run: ToolRun) -> dict[str, Any]:
+        """Record one call's outcome in `run` (or raise its error) and return its `tool` message."""
+        if outcome.error is not None:
             if self.on_error == "raise":
-                raise
-            run.errors.append(ToolError(raw.id, raw.name, raw.arguments, e))
-            return self._reply(raw, f"error: {type(e).__name__}: {e}")
-        run.calls.append((typed, result))
-        return self._reply(raw, _result_text(result))
+                raise outcome.error
+            run.errors.append(ToolError(raw.id, raw.name, raw.arguments, outcome.error))
+            return self._reply(raw, f"error: {type(outcome.error).__name__}: {outcome.error}")
+        assert outcome.call is not None
+        run.calls.append((outcome.call, outcome.result))
+        return self._reply(raw, _result_text(outcome.result))
 
     def _reply(self, raw: ToolCall, text: str) -> dict[str, Any]:
         limit = self.max_result_chars
         if limit is not None and len(text) > limit:
             text = f"{text[:limit]}\n[... {len(text) - limit} more characters cut: {len(text)} in all, max_result_chars={limit}]"
         return {"role": "tool", "tool_call_id": raw.id, "content": text}
+
+
+@dataclass
+class _Outcome:
+    """What became of one call: the typed call and its result, or the error it ended in."""
+
+    call: ToolCall | None = None
+    result: Any = None
+    error: Exception | None = None
+
+    @classmethod
+    def of(cls, typed: ToolCall, invoke: Callable[[ToolCall], Any]) -> _Outcome:
+        try:
+            return cls(typed, invoke(typed))
+        except Exception as e:
+            return cls(typed, error=e)
+
+
+def _at_once(calls: list[ToolCall], timeout: float | None) -> list[_Outcome]:
+    """The outcomes of several calls run at once, in the calls' order: the sync ones on up to
+    `_TOOL_THREADS` threads (each with a worker thread of its own where there is a timeout), the
+    async ones gathered on one event loop, on a thread of its own."""
+    is_async = [c.tool.is_async for c in calls]
+    sync = [c for c, a in zip(calls, is_async, strict=True) if not a]
+    coroutines = [c for c, a in zip(calls, is_async, strict=True) if a]
+    with ThreadPoolExecutor(min(_TOOL_THREADS, len(calls)), thread_name_prefix="structgen-tools") as pool:
+        gathered = pool.submit(asyncio.run, _gathered(coroutines, timeout)) if coroutines else None
+        invoke = functools.partial(_invoke_sync, timeout=timeout)
+        threaded = pool.map(lambda c: _Outcome.of(c, invoke), sync)
+        async_outcomes, sync_outcomes = iter(gathered.result() if gathered else []), iter(list(threaded))
+    return [next(async_outcomes) if a else next(sync_outcomes) for a in is_async]
+
+
+def _invoke_sync(typed: ToolCall, timeout: float | None) -> Any:
+    return typed.invoke() if timeout is None else invoke_on_thread(typed, timeout)
+
+
+async def _gathered(calls: list[ToolCall], timeout: float | None) -> list[_Outcome]:
+    return list(await asyncio.gather(*(_aoutcome(c, timeout) for c in calls)))
+
+
+async def _aoutcome(typed: ToolCall, timeout: float | None) -> _Outcome:
+    try:
+        return _Outcome(typed, await ainvoke_within(typed, timeout))
+    except Exception as e:
+        return _Outcome(typed, error=e)
 
 
 def _runnable(tools: Sequence[Any]) -> list[Tool]:

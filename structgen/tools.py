@@ -127,6 +127,11 @@ class Tool:
         params = inspect.signature(self.fn).parameters.values()
         return [kwargs.pop(p.name) for p in params if p.kind is p.POSITIONAL_ONLY and p.name in kwargs], kwargs
 
+    @property
+    def is_async(self) -> bool:
+        """Whether the function is an `async def` (or an object whose `__call__` is one)."""
+        return self.fn is not None and inspect.iscoroutinefunction(_hinted(self.fn))
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.fn is None:
             raise TypeError(f"tool {self.name!r} has no Python function to call")
@@ -462,8 +467,21 @@ def invoke_on_thread(call: ToolCall, timeout: float | None) -> Any:
     worker.start()
     concurrent.futures.wait([done], timeout)
     if not done.done() or isinstance(done.exception(), _TimedOut):
-        raise ToolTimeoutError(f"tool {call.name!r} did not return within {timeout:g} s")
+        raise _timeout_error(call, timeout)
     return done.result()
+
+
+async def ainvoke_within(call: ToolCall, timeout: float | None) -> Any:
+    """`await call.ainvoke()` on the running loop, cancelled with `ToolTimeoutError` where it
+    has not returned within `timeout` seconds; for async tools (a sync one would block the loop)."""
+    try:
+        return await _awaited(call.ainvoke(), timeout)
+    except _TimedOut:
+        raise _timeout_error(call, timeout) from None
+
+
+def _timeout_error(call: ToolCall, timeout: float | None) -> ToolTimeoutError:
+    return ToolTimeoutError(f"tool {call.name!r} did not return within {timeout:g} s")
 
 
 def _settle(call: ToolCall, done: concurrent.futures.Future[Any], timeout: float | None) -> None:

@@ -250,6 +250,26 @@ def test_a_reply_that_never_ends_is_cut_at_the_timeout(serve, reply: Reply, way:
     assert 0.5 < seconds < 0.9
 
 
+def test_a_cancelled_acomplete_hangs_up_at_once_and_keeps_no_thread_busy(serve) -> None:
+    hangups = threading.Semaphore(0)
+
+    def stall_then_note_the_hangup(seen: Seen, wire: Wire) -> None:
+        stall_after_headers(seen, wire)
+        hangups.release()
+
+    server = serve(stall_then_note_the_hangup)
+    llm = RemoteLLM(server.url, "m", timeout=60)
+
+    async def cancelled() -> list[Any]:
+        calls = [asyncio.wait_for(llm.acomplete(Person, "p"), 0.8) for _ in range(3)]  # past the 0.45 s of headers
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    # asyncio.run returns only once its worker threads are done, so a thread still reading would hold it.
+    results, error, seconds = outcome(lambda: asyncio.run(cancelled()), within_s=5)
+    assert error is None and [type(r) for r in results] == [TimeoutError] * 3 and seconds < 2
+    assert all(hangups.acquire(timeout=2) for _ in range(3)), "a cancelled call kept its connection open"
+
+
 @pytest.mark.parametrize("value", [0, -1, float("inf"), float("nan"), None])
 def test_the_limits_must_be_numbers_that_bound(value: Any) -> None:
     for kw in ("timeout", "max_response_bytes", "max_retries"):
@@ -474,10 +494,24 @@ def test_text_that_ignores_the_type_is_an_output_error_with_an_excerpt(serve, ou
     assert len(str(error)) < 1500 and text[:40] in str(error) and error.text == text
 
 
-@pytest.mark.parametrize("way", PLAIN)
+def refuse(seen: Seen, wire: Wire) -> None:
+    """A refusal as OpenAI sends it: `message.refusal`, or in a stream `refusal` deltas (the
+    first one empty) beside a null `content`."""
+    words = "I can't help with that."
+    if not seen.body.get("stream"):
+        wire.send(http(200, chat(None, refusal=words)))
+        return
+    pieces = [{"role": "assistant", "content": None, "refusal": ""}, {"refusal": words[:6]}, {"refusal": words[6:]}, {}]
+    chunks = [{"choices": [{"index": 0, "delta": d, "finish_reason": "stop" if not d else None}]} for d in pieces]
+    wire.send(events(*chunks))
+
+
+@pytest.mark.parametrize("way", EVERY_WAY)
 def test_a_refusal_is_an_output_error_that_quotes_it(serve, way: Way) -> None:
-    server = serve(lambda seen, wire: wire.send(http(200, chat(None, refusal="I can't help with that."))))
-    raises(OutputValidationError, r'refused: "I can\'t help with that."', lambda: way(RemoteLLM(server.url, "m"), Person))
+    server = serve(refuse)
+    error, _ = raises(OutputValidationError, r'refused: "I can\'t help with that."',
+                      lambda: way(RemoteLLM(server.url, "m"), Person))
+    assert error.stats is not None
 
 
 # -- tool calls -------------------------------------------------------------------------------

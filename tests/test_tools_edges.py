@@ -11,7 +11,7 @@ import functools
 import json
 import threading
 import time
-from typing import Annotated
+from typing import Annotated, Literal
 
 import pydantic
 import pytest
@@ -25,7 +25,7 @@ from structgen.errors import (
     PromptTooLongError,
     UnsupportedTypeError,
 )
-from structgen.tool_runs import ToolError, run_tools
+from structgen.tool_runs import ToolError, ToolRunTooLongError, run_tools
 from structgen.tools import Tool, ToolCall, call, tool
 
 
@@ -449,3 +449,96 @@ def test_run_tools_runs_async_tools_from_inside_a_running_event_loop(llm) -> Non
     run = asyncio.run(agent())
     assert run.errors == [] and [c.name for c, _ in run.calls] == ["double"]
     assert run.calls[0][1] == 2 * run.calls[0][0].arguments.x
+
+
+def test_run_tools_that_outgrows_the_context_raises_with_the_run_so_far(llm) -> None:
+    @tool
+    def document(city: str) -> str:
+        """The full guide to a city."""
+        return "Paris has many long streets. " * 300  # about 1,800 tokens, fed back whole
+
+    with pytest.raises(PromptTooLongError) as caught:
+        run_tools(llm, "Guide to Paris?", [document], tool_choice="required", max_rounds=1, max_tokens=30,
+                  max_result_chars=None)
+    run = caught.value.run
+    assert isinstance(caught.value, ToolRunTooLongError) and isinstance(run, structgen.ToolRun)
+    assert [c.name for c, _ in run.calls] == ["document"] and run.calls[0][1].startswith("Paris has many")
+    assert [m["role"] for m in run.messages] == ["user", "assistant", "tool"] and run.errors == []
+    assert run.finish_reason == "context" and run.answer == ""
+    assert "max_result_chars" in str(caught.value)  # call()'s advice is kept
+
+
+# --------------------------------------------------------------------------- a turn of several calls
+
+TWO_CALLS = "Look up Paris, then look up Rome."  # the model calls `lookup` twice in one turn, Paris first
+
+
+def test_run_tools_runs_the_calls_of_a_turn_at_once_keeping_their_order(llm) -> None:
+    spans: dict[str, tuple[float, float]] = {}
+
+    @tool
+    def lookup(city: Literal["Paris", "Rome"]) -> str:
+        """Population of a city."""
+        start = time.monotonic()
+        time.sleep(1.0 if city == "Paris" else 0.9)  # the first call ends last
+        spans[city] = (start, time.monotonic())
+        return f"{city}: {len(spans)}"
+
+    run = run_tools(llm, TWO_CALLS, [lookup], tool_choice="required", max_rounds=1, max_tokens=40)
+    assert [(c.arguments.city, result) for c, result in run.calls] == [("Paris", "Paris: 2"), ("Rome", "Rome: 1")]
+    assert max(end for _, end in spans.values()) - min(start for start, _ in spans.values()) < 1.8  # one after the other: 1.9
+    asked = [c["id"] for c in run.messages[1]["tool_calls"]]
+    assert [(m["tool_call_id"], m["content"]) for m in run.messages[2:4]] == list(zip(asked, ["Paris: 2", "Rome: 1"], strict=True))
+
+
+@pytest.mark.parametrize("in_loop", [False, True], ids=["no-loop", "in-a-running-loop"])
+def test_run_tools_gathers_the_async_calls_of_a_turn(llm, in_loop: bool) -> None:
+    spans: dict[str, tuple[float, float]] = {}
+
+    @tool
+    async def lookup(city: Literal["Paris", "Rome"]) -> str:
+        """Population of a city."""
+        start = time.monotonic()
+        await asyncio.sleep(1.0 if city == "Paris" else 0.9)
+        spans[city] = (start, time.monotonic())
+        return city
+
+    def agent() -> structgen.ToolRun:
+        return run_tools(llm, TWO_CALLS, [lookup], tool_choice="required", max_rounds=1, max_tokens=40)
+
+    async def in_a_loop() -> structgen.ToolRun:
+        return agent()
+
+    run = asyncio.run(in_a_loop()) if in_loop else agent()
+    assert [result for _, result in run.calls] == ["Paris", "Rome"] and run.errors == []
+    assert max(end for _, end in spans.values()) - min(start for start, _ in spans.values()) < 1.8
+
+
+def test_run_tools_feeds_errors_timeouts_and_cut_results_of_a_turn_in_call_order(llm) -> None:
+    @tool
+    def lookup(city: Literal["Paris", "Rome"]) -> str:
+        """Population of a city."""
+        if city == "Paris":
+            time.sleep(0.3)  # fails after Rome returned
+            raise RuntimeError("database down")
+        return "R" * 500
+
+    run = run_tools(llm, TWO_CALLS, [lookup], tool_choice="required", max_rounds=1, max_tokens=40, max_result_chars=100)
+    assert [(e.name, e.arguments, str(e.error)) for e in run.errors] == [("lookup", {"city": "Paris"}, "database down")]
+    assert [(c.arguments.city, r) for c, r in run.calls] == [("Rome", "R" * 500)]
+    assert run.messages[2]["content"] == "error: RuntimeError: database down"
+    assert run.messages[3]["content"].startswith("R" * 100 + "\n[... 400 more characters cut")
+    with pytest.raises(RuntimeError, match="database down"):
+        run_tools(llm, TWO_CALLS, [lookup], tool_choice="required", max_rounds=1, max_tokens=40, on_tool_error="raise")
+
+    @tool(name="lookup")
+    def hang_on_paris(city: Literal["Paris", "Rome"]) -> str:
+        """Population of a city."""
+        time.sleep(5 if city == "Paris" else 0.6)
+        return city
+
+    start = time.monotonic()
+    run = run_tools(llm, TWO_CALLS, [hang_on_paris], tool_choice="required", max_rounds=1, max_tokens=40, tool_timeout=0.8)
+    assert time.monotonic() - start < 4.5
+    assert [m["content"] for m in run.messages[2:4]] == ["error: ToolTimeoutError: tool 'lookup' did not return within 0.8 s",
+                                                         "Rome"]
