@@ -458,7 +458,7 @@ class LLM:
         joined = self.grammars.join(constraint)  # one compile in flight: no place in the gate
         if joined is not None:
             return constraint, await self._await_compile(output_type, joined)
-        async with self._compile_gate:
+        async with self._compile_gate.place(quick=self.grammars.compiles_quickly(constraint)):
             return constraint, await self._await_compile(output_type, self.grammars.submit(constraint))
 
     @staticmethod
@@ -489,7 +489,9 @@ class LLM:
             self._check_size(output_type)
             with within(budget):
                 constraint = to_constraint(output_type, strict=strict)
-                return bound_integers(constraint) if loop_guards else constraint
+                constraint = bound_integers(constraint) if loop_guards else constraint
+                self.grammars.compiles_quickly(constraint)  # read here, off the event loop, for the compile gate
+                return constraint
         except Exception as e:
             raise _grammar_error(output_type, e) from e
 

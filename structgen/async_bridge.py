@@ -133,47 +133,59 @@ class _FutureSink:
 
 class CompileGate:
     """At most `limit` holders at once, across event loops; the others wait first come, first
-    served. `async with gate:` holds a place."""
+    served within their lane, the quick lane's before the slow one's. `async with gate:` (or
+    `gate.place(quick=True)`) holds a place.
+
+    Two lanes because compile times differ by 30x: in a burst of new schemas, one that
+    llguidance compiles in milliseconds must not queue behind others' xgrammar compiles of
+    hundreds (docs/performance.md, "Compiles of a burst, quick ones first")."""
 
     def __init__(self, limit: int):
         self.limit = limit
         self._lock = threading.Lock()
         self._held = 0
-        self._waiters: deque[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = deque()
+        self._lanes: tuple[deque[_Waiter], deque[_Waiter]] = (deque(), deque())  # quick, slow
 
     @property
     def waiting(self) -> int:
-        return len(self._waiters)
+        return sum(len(lane) for lane in self._lanes)
+
+    def place(self, quick: bool = False) -> _Place:
+        return _Place(self, self._lanes[0 if quick else 1])
 
     async def __aenter__(self) -> None:
-        aloop = asyncio.get_running_loop()
-        with self._lock:
-            if self._held < self.limit and not self._waiters:
-                self._held += 1
-                return
-            waiter = (aloop, aloop.create_future())
-            self._waiters.append(waiter)
-        try:
-            await waiter[1]
-        except asyncio.CancelledError:
-            with self._lock:
-                queued = waiter in self._waiters
-                if queued:
-                    self._waiters.remove(waiter)
-            if not queued and waiter[1].done() and not waiter[1].cancelled():
-                self._release()  # given a place just as it was cancelled: pass it on
-            raise
+        await self._enter(self._lanes[1])
 
     async def __aexit__(self, *exc: object) -> None:
         self._release()
 
-    def _release(self) -> None:
-        """Hand the place to the first waiter, or give it back."""
+    async def _enter(self, lane: deque[_Waiter]) -> None:
+        aloop = asyncio.get_running_loop()
         with self._lock:
-            if not self._waiters:
+            if self._held < self.limit and not self.waiting:
+                self._held += 1
+                return
+            waiter = (aloop, aloop.create_future())
+            lane.append(waiter)
+        try:
+            await waiter[1]
+        except asyncio.CancelledError:
+            with self._lock:
+                queued = waiter in lane
+                if queued:
+                    lane.remove(waiter)
+            if not queued and waiter[1].done() and not waiter[1].cancelled():
+                self._release()  # given a place just as it was cancelled: pass it on
+            raise
+
+    def _release(self) -> None:
+        """Hand the place to the first waiter of the quick lane, else of the slow one, or give it back."""
+        with self._lock:
+            lane = next((lane for lane in self._lanes if lane), None)
+            if lane is None:
                 self._held -= 1
                 return
-            aloop, future = self._waiters.popleft()
+            aloop, future = lane.popleft()
         try:
             aloop.call_soon_threadsafe(self._grant, future)
         except RuntimeError:  # that waiter's event loop is closed: the next one
@@ -184,6 +196,23 @@ class CompileGate:
             self._release()
         else:
             future.set_result(None)
+
+
+_Waiter = tuple[asyncio.AbstractEventLoop, "asyncio.Future[None]"]
+
+
+class _Place:
+    """`async with gate.place(quick):` a place in one of the gate's lanes."""
+
+    def __init__(self, gate: CompileGate, lane: deque[_Waiter]):
+        self.gate = gate
+        self.lane = lane
+
+    async def __aenter__(self) -> None:
+        await self.gate._enter(self.lane)
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.gate._release()
 
 
 class ThreadBatch:

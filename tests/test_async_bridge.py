@@ -49,6 +49,32 @@ def test_the_compile_gate_holds_its_limit_serves_in_order_and_passes_on_a_cancel
     assert most == 2
 
 
+def test_the_compile_gate_gives_a_freed_place_to_a_quick_waiter_before_earlier_slow_ones():
+    gate = CompileGate(1)
+    order: list[str] = []
+
+    async def hold(name: str, quick: bool, release: asyncio.Event) -> None:
+        async with gate.place(quick=quick):
+            order.append(name)
+            await release.wait()
+
+    async def main() -> None:
+        go = asyncio.Event()
+        go.set()
+        first = asyncio.Event()
+        tasks = [asyncio.create_task(hold("first", False, first))]
+        await asyncio.sleep(0.01)
+        tasks += [asyncio.create_task(hold(n, q, go)) for n, q in
+                  (("slow 1", False), ("slow 2", False), ("quick 1", True), ("quick 2", True))]
+        await asyncio.sleep(0.01)
+        assert gate.waiting == 4
+        first.set()
+        await asyncio.gather(*tasks)
+
+    asyncio.run(main())
+    assert order == ["first", "quick 1", "quick 2", "slow 1", "slow 2"]
+
+
 class OneStep:
     """The engine loop's side of `LoopWaker`: `after_step` callbacks run when `end` is called."""
 

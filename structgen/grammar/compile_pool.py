@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -59,6 +60,8 @@ class CompilePool:
         self._max_queued = max_queued
         self._executor: ThreadPoolExecutor | None = None  # started on first use
         self._jobs: dict[tuple, _CompileJob] = {}
+        # queued jobs, quick compiles (`GrammarCompiler.compiles_quickly`) before slow ones
+        self._queued: tuple[deque[_Queued], deque[_Queued]] = (deque(), deque())
         self._lock = threading.Lock()
         self._closed = False
 
@@ -123,9 +126,19 @@ class CompilePool:
                                  "create a new structgen.LLM() or GrammarCompiler to compile on")
 
     def _start(self, job: _CompileJob, output: Any, backend: str | None, strict: bool) -> None:
+        from structgen.types import Constraint
+
         if self._executor is None:
             self._executor = ThreadPoolExecutor(self._workers, thread_name_prefix="structgen-compile")
-        self._executor.submit(self._run, job, output, backend, strict)
+        quick = isinstance(output, Constraint) and self._compiler.compiles_quickly(output)
+        self._queued[0 if quick else 1].append((job, output, backend, strict))
+        self._executor.submit(self._run_next)  # one run per job: each takes the first queued
+
+    def _run_next(self) -> None:
+        with self._lock:
+            lane = self._queued[0] if self._queued[0] else self._queued[1]
+            job, output, backend, strict = lane.popleft()
+        self._run(job, output, backend, strict)
 
     def _run(self, job: _CompileJob, output: Any, backend: str | None, strict: bool) -> None:
         from structgen.types import to_constraint
@@ -168,6 +181,9 @@ class CompilePool:
         with self._lock:
             if job.waiters and all(f.cancelled() for f in job.waiters):
                 job.budget.cancel()
+
+
+_Queued = tuple[_CompileJob, Any, "str | None", bool]  # a job, its output type, backend and strict
 
 
 def _hashable(value: Any) -> bool:

@@ -94,6 +94,7 @@ class GrammarCompiler:
         self.threads = threads or min(8, os.cpu_count() or 1)
         self._backends: dict[str, GrammarBackend] = {}
         self._cache: OrderedDict[tuple, CompiledGrammar] = OrderedDict()
+        self._quick: OrderedDict[tuple, bool] = OrderedDict()  # `compiles_quickly`, by constraint key
         self._lock = threading.Lock()
         self.limits = limits
         self.compile_timeout = compile_timeout
@@ -169,6 +170,23 @@ class GrammarCompiler:
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
         return compiled
+
+    def compiles_quickly(self, constraint: Constraint) -> bool:
+        """Whether `constraint` compiles in milliseconds: its first backend builds its masks
+        lazily (llguidance), not ahead of time for every state (xgrammar, typically 50-700 ms
+        a JSON schema); a constraint no backend takes fails as quickly. Remembered per
+        constraint (the check reads the whole schema)."""
+        quick = self._quick.get(constraint.key)
+        if quick is None:
+            try:
+                quick = constraint.kind == "text" or candidate_backends(constraint, self.backend)[0] != "xgrammar"
+            except (StructgenError, ValueError):
+                quick = True
+            with self._lock:
+                self._quick[constraint.key] = quick
+                while len(self._quick) > 4 * self.cache_size + 64:
+                    self._quick.popitem(last=False)
+        return quick
 
     def cached(self, constraint: Constraint, backend: str | None = None) -> CompiledGrammar | None:
         """The grammar `submit(constraint, backend)` would return at once from the cache, or None."""

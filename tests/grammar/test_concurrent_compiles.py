@@ -22,6 +22,13 @@ def _patterned_object(tag: str) -> JsonSchema:
     return JsonSchema({"type": "object", "properties": properties, "required": names})
 
 
+def _string_object(tag: str) -> JsonSchema:
+    """Forty required strings: xgrammar first, a compile of a few hundred milliseconds."""
+    names = [f"{tag}{i}" for i in range(40)]
+    return JsonSchema({"type": "object", "properties": {n: {"type": "string"} for n in names}, "required": names,
+                       "additionalProperties": False})
+
+
 def _compile_on_threads(backend, constraints) -> float:
     """Process CPU seconds per wall second while each constraint compiles on its own thread."""
     cpu, wall = time.process_time(), time.perf_counter()
@@ -110,3 +117,26 @@ def test_a_compile_queued_past_the_budget_hears_the_compiler_was_busy(tokenizer,
         slow.result(timeout=10)
     with pytest.raises(CompilerBusyError, match="busy with other constraints"):
         innocent.result(timeout=10)
+
+
+def test_a_quick_compile_queued_behind_slow_ones_runs_first(tokenizer, model_dir):
+    """One worker busy with an xgrammar compile, another waiting: a schema llguidance compiles
+    in milliseconds, submitted last, is compiled next (compile_pool.py's quick lane)."""
+    from structgen.engine.models.loader import load_model_config
+    from structgen.grammar import GrammarCompiler
+
+    compiler = GrammarCompiler(tokenizer, load_model_config(model_dir).vocab_size, [tokenizer.eos_token_id],
+                               workers=1)
+    slow = [to_constraint(_string_object(t)) for t in ("busy", "queued")]
+    quick = to_constraint(JsonSchema({"type": "object", "properties": {"a": {"type": "string", "maxLength": 8}},
+                                      "required": ["a"]}))
+    assert [compiler.compiles_quickly(c) for c in (*slow, quick)] == [False, False, True]
+    done: list[str] = []
+    futures = [compiler.submit(c) for c in (*slow, quick)]
+    for name, f in zip(("busy", "queued", "quick"), futures, strict=True):
+        f.add_done_callback(lambda _, name=name: done.append(name))
+    for f in futures:
+        f.result(timeout=120)
+    assert done.index("quick") < done.index("queued"), done  # (the busy one may not have started before)
+    assert futures[2].result().backend == "llguidance" and futures[1].result().backend == "xgrammar"
+    compiler.close()
