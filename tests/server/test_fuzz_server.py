@@ -259,20 +259,35 @@ class FuzzServer:
         )
 
 
-@pytest.fixture(scope="module")
-def fuzz_server(model_dir) -> Iterator[FuzzServer]:
+@pytest.fixture(scope="module", params=[[], ["--front-processes", "2"]], ids=["single server", "front processes"])
+def fuzz_server(model_dir, request) -> Iterator[FuzzServer]:
     """A server of its own (the fuzz must not disturb the session's shared one), its address
-    space capped after start-up so that a runaway request fails instead of taking the host."""
+    space capped after start-up so that a runaway request fails instead of taking the host;
+    once as a single server, once with its HTTP server in front processes (every request then
+    crosses the engine link, engine_link.py)."""
     from structgen_server.process import ServerProcess
+    from tests.server.asgi_client import children
 
     # --max-client-errors 0: every fuzzed body must reach the checks, not the throttle's 429
     args = "--device cpu --max-seq-len 1024 --max-batch-size 8 --max-client-errors 0 --log-level warning".split()
-    with ServerProcess(args, address_space_headroom=ADDRESS_SPACE_HEADROOM) as server, \
+    with ServerProcess([*args, *request.param], address_space_headroom=ADDRESS_SPACE_HEADROOM) as server, \
             httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:
         model = client.get(f"{server.url}/models").json()["data"][0]["id"]
+        fronts = _started_children(server, 2 if request.param else 0)
         fuzz = FuzzServer(server.root, model, client)
         yield fuzz
         assert server.proc.poll() is None, f"the server died during the fuzz; see {server.log_path}"
+        assert sorted(children(server.proc.pid)) == fronts, f"a front process died during the fuzz; see {server.log_path}"
+
+
+def _started_children(server: Any, count: int) -> list[int]:
+    """The server's `count` front processes, once all have started."""
+    from tests.server.asgi_client import children
+
+    deadline = time.monotonic() + 60
+    while len(children(server.proc.pid)) < count and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return sorted(children(server.proc.pid))
 
 
 def assert_well_answered(server: FuzzServer, path: str, body: Any) -> None:
