@@ -202,8 +202,10 @@ class LLM:
         self._built = BuiltConstraints()
         self.loop = EngineLoop(engine)
         # Dropped unclosed, an LLM still ends its engine thread, which holds the engine (and so
-        # the model) for as long as it runs.
-        weakref.finalize(self, self.loop.stop)
+        # the model) for as long as it runs, and closes the engine (tensor-parallel ranks hold
+        # their GPUs until closed).
+        weakref.finalize(self, self.loop.abandon).atexit = False
+        weakref.finalize(self, self.loop.stop)  # at exit only this: the interpreter is ending anyway
         # Per running event loop, what hands it the engine's stream updates (weak: a finished
         # event loop takes its waker with it).
         self._wakers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopWaker] = weakref.WeakKeyDictionary()

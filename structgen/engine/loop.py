@@ -40,6 +40,9 @@ class EngineLoop:
         self._aborts: deque[Request] = deque()
         self._thread: threading.Thread | None = None
         self._closing = False
+        # the LLM was dropped unclosed (`abandon`): the thread closes the engine as it ends
+        self._abandoned = False
+        self._ended = False  # the loop thread has run to its end
         # Run once after the step in progress (deduplicated): update callbacks that batch
         # their hand-over to another thread put it here.
         self._after_step: dict[Callable[[], None], None] = {}
@@ -107,6 +110,18 @@ class EngineLoop:
             self._closing = True
             self._cond.notify()
 
+    def abandon(self) -> None:
+        """`stop`, for an LLM dropped unclosed, then close the engine (its tensor-parallel
+        ranks, which would otherwise keep their GPUs until this process exits, and its memory)
+        once nothing steps it: as the loop thread ends, or at once where none runs. Never
+        waits (a garbage collection on the loop thread itself may call it)."""
+        with self._cond:
+            self._closing = self._abandoned = True
+            self._cond.notify()
+            close_now = self._thread is None or self._ended
+        if close_now:
+            self.engine.close(release_memory=True)
+
     def close(self, timeout: float = CLOSE_TIMEOUT_S) -> bool:
         """`stop`, then wait up to `timeout` seconds for the loop thread to end; whether it has
         (so that nothing steps the engine any more)."""
@@ -129,6 +144,11 @@ class EngineLoop:
             if holds and self._holding:
                 self._holding = False
                 FULL_COLLECTIONS.release()
+            with self._cond:
+                self._ended = True
+                abandoned = self._abandoned
+            if abandoned:
+                self.engine.close(release_memory=True)
 
     def _serve(self, collections: FullCollectionHold | None) -> None:
         """Step while there is work; `collections`: held off while there is

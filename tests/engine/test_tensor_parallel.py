@@ -327,3 +327,23 @@ def test_bf16_greedy_text_with_the_peer_sum_equals_nccl_on_two_gpus(tiny_llama_d
         assert summed_by_peers == (mode == "auto")
         outputs.append(texts)
     assert outputs[1] == outputs[0]
+
+
+def test_an_llm_dropped_unclosed_stops_its_worker_rank(tiny_llama_dir, two_ranks):
+    # Its ranks would otherwise hold their GPUs (and this process its split engine) until exit.
+    import gc
+
+    two_ranks.close()  # one split engine per process at a time
+    for use_it in (True, False):  # the engine thread ran, or never started
+        llm = LLM(tiny_llama_dir, config=_config(2))
+        worker = llm.engine.tensor_parallel.workers.processes[0]
+        if use_it:
+            llm.generate(str, "hello", max_tokens=4, chat=False)
+        del llm
+        gc.collect()
+        worker.join(20)
+        assert worker.exitcode == 0, "the worker rank kept running after its LLM was dropped"
+        deadline = time.monotonic() + 10
+        while torch.distributed.is_initialized() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not torch.distributed.is_initialized()  # a new split engine may start in this process
