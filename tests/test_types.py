@@ -210,6 +210,22 @@ def test_json_schema_errors_name_the_problem():
     assert json.loads(to_constraint(JsonSchema(draft4)).source)["enum"] == ["GB", "AF"]
 
 
+def test_a_python_set_needs_no_unique_items_since_pydantic_merges_repeats():
+    from typing import Annotated
+
+    from pydantic import BaseModel, Field
+
+    class Tagged(BaseModel):
+        tags: set[str]
+
+    for tp, text, value in ((set[str], '["a", "b", "a"]', {"a", "b"}), (frozenset[int], "[1, 1]", frozenset({1})),
+                            (Tagged, '{"tags": ["x", "x"]}', Tagged(tags={"x"}))):
+        c = to_constraint(tp)
+        assert "uniqueItems" not in c.source and c.parse(text) == value
+    with pytest.raises(UnsupportedSchemaError, match="uniqueItems"):  # repeats could leave it short of 2
+        to_constraint(Annotated[set[str], Field(min_length=2)])
+
+
 def test_unenforceable_schema_names_keyword_and_path():
     schema = {"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}
     with pytest.raises(UnsupportedSchemaError) as e:

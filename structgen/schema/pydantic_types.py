@@ -97,6 +97,15 @@ def string_pattern(pattern: str) -> JsonSchemaValue:
     return {"type": "string", "pattern": anchored(pattern)}
 
 
+def _repeats_allowed(out: JsonSchemaValue, schema: Any) -> JsonSchemaValue:
+    """A set's array without `uniqueItems`, which no backend enforces: pydantic merges repeated
+    items into the set, so the value is right either way. Kept (and so refused, or validated
+    afterwards) where the set has a `min_length` above 1, which repeats could leave unmet."""
+    if (schema.get("min_length") or 0) <= 1:
+        out.pop("uniqueItems", None)
+    return out
+
+
 class GrammarJsonSchema(GenerateJsonSchema):
     """pydantic's JSON schema with formats and key types written as patterns the grammar
     backends enforce; what no pattern expresses raises `UnsupportedSchemaError` (strict) or
@@ -285,6 +294,13 @@ class GrammarJsonSchema(GenerateJsonSchema):
         if hashable:
             return {"type": ["string", "number", "boolean", "null"]}
         return super().chain_schema(schema)
+
+    # -- sets -------------------------------------------------------------------------------
+    def set_schema(self, schema: core_schema.SetSchema) -> JsonSchemaValue:
+        return _repeats_allowed(super().set_schema(schema), schema)
+
+    def frozenset_schema(self, schema: core_schema.FrozenSetSchema) -> JsonSchemaValue:
+        return _repeats_allowed(super().frozenset_schema(schema), schema)
 
     # -- dict keys ----------------------------------------------------------------------
     def dict_schema(self, schema: core_schema.DictSchema) -> JsonSchemaValue:
