@@ -172,10 +172,10 @@ class GrammarCompiler:
         return compiled
 
     def compiles_quickly(self, constraint: Constraint) -> bool:
-        """Whether `constraint` compiles in milliseconds: its first backend builds its masks
-        lazily (llguidance), not ahead of time for every state (xgrammar, typically 50-700 ms
-        a JSON schema); a constraint no backend takes fails as quickly. Remembered per
-        constraint (the check reads the whole schema)."""
+        """Whether `constraint` compiles quickly: its first backend builds its masks lazily
+        (llguidance), not ahead of time for every state (xgrammar; docs/performance.md,
+        "Compiles of a burst, quick ones first"); a constraint no backend takes fails as
+        quickly. Remembered per constraint (the check reads the whole schema)."""
         quick = self._quick.get(constraint.key)
         if quick is None:
             try:
