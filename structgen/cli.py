@@ -307,6 +307,11 @@ def _run(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace, config: EngineConfig) -> None:
     api_key = _api_key(args)
     _check_address(args.host, args.port)
+    if args.port == 0:  # chosen now: the default Host checks and the replicas need the port clients use
+        from structgen_server.process import free_port
+
+        args.port = free_port(args.host)
+        print(f"structgen serve: port 0 picked port {args.port}", file=sys.stderr)
     if args.data_parallel > 1:
         _serve_replicas(args)
         return

@@ -53,6 +53,9 @@ def serve_with_fronts(llm: Any, count: int, host: str, port: int, app_options: d
         "facts": dataclasses.asdict(EngineFacts.of(llm)), "app": _portable(app_options),
     }  # fmt: skip
     try:
+        bound = listener.getsockname()  # the port chosen where `port` is 0
+        log.info("serving http://%s:%d with %d front processes", host if ":" not in host else f"[{host}]", bound[1],
+                 count)
         return asyncio.run(_serve(llm, count, settings, app_options.get("served_model_name")))
     finally:
         listener.close()
@@ -70,7 +73,7 @@ async def _serve(llm: Any, count: int, settings: dict[str, Any], served_name: st
         loop.add_signal_handler(sig, _on_signal, sig, stop_signal, stopping, fronts)
     try:
         await fronts.start()
-        log.info("serving with %d front processes (pids %s)", count, ", ".join(map(str, fronts.pids())))
+        log.info("front processes started (pids %s)", ", ".join(map(str, fronts.pids())))
         await fronts.keep_running(stopping)
     finally:
         await fronts.stop()

@@ -38,7 +38,9 @@ def exit_with_parent(parent_pid: int, poll_s: float = PARENT_POLL_S) -> threadin
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
+    """A port free on `host` now (an IPv4 or IPv6 address, or a name)."""
+    family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+    with socket.socket(family) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
 

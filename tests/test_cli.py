@@ -98,3 +98,40 @@ def test_ctrl_c_stops_an_idle_server_with_one_line_and_exit_130() -> None:
             proc.kill()
             proc.wait()
     assert "Traceback" not in rest and rest.strip().splitlines()[-1] == "structgen: interrupted", rest
+
+
+@pytest.mark.parametrize("fronts", [[], ["--front-processes", "1"]], ids=["single server", "front processes"])
+def test_port_0_serves_on_the_port_it_picked_and_answers_its_loopback_names(fronts: list[str]) -> None:
+    # The default Host checks once named port 0, so every request by a loopback name was refused.
+    import re
+    import threading
+    import time
+
+    import httpx
+
+    proc = subprocess.Popen([sys.executable, "-m", "structgen_server", "--device", "cpu", "--port", "0",
+                             "--max-seq-len", "256", "--log-level", "warning", *fronts], stderr=subprocess.PIPE,
+                            text=True)
+    lines: list[str] = []
+    assert proc.stderr is not None
+    threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True).start()  # type: ignore[arg-type]
+    try:
+        deadline = time.monotonic() + 120
+        while not (found := re.search(r"picked port (\d+)", "".join(lines))):
+            assert time.monotonic() < deadline and proc.poll() is None, f"no port named: {lines[-5:]}"
+            time.sleep(0.1)
+        root = f"http://127.0.0.1:{found.group(1)}"
+        while True:
+            try:
+                if httpx.get(f"{root}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None, "the server never answered on its port"
+            time.sleep(0.25)
+        for name in ("127.0.0.1", "localhost"):
+            r = httpx.get(f"{root}/v1/models", headers={"Host": f"{name}:{found.group(1)}"}, timeout=10)
+            assert r.status_code == 200, r.text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
