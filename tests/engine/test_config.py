@@ -10,6 +10,7 @@ from structgen.engine.config import EngineConfig, EngineTuning, ModelConfig
 from structgen.engine.engine import Engine
 from structgen.errors import InvalidParameterError
 from structgen.grammar import GrammarThreads, native
+from tests.dropped_llms import settle_dropped_llms
 
 TINY = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                    num_attention_heads=2, num_key_value_heads=1, head_dim=32, eos_token_id=[])
@@ -44,6 +45,7 @@ def test_auto_grammar_threads_size_each_part_for_its_work(monkeypatch):
 
 
 def test_one_grammar_threads_setting_sizes_the_native_pool_and_the_prefetch():
+    settle_dropped_llms()
     pool = native.load()
     before = pool.threads if pool is not None else 0
     shared = native.pool_has_users()  # another engine of this test session fills on it: kept as is
