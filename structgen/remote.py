@@ -19,6 +19,7 @@ first token and decode time when streaming); anything neither knows is `None`.
 
 from __future__ import annotations
 
+import asyncio
 import codecs
 import contextlib
 import email.utils
@@ -29,6 +30,7 @@ import socket
 import threading
 import time
 import typing
+import weakref
 from collections.abc import AsyncIterator, Generator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -194,9 +196,22 @@ class RemoteLLM:
         self.max_concurrency = max_concurrency
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.Client(base_url=self.base_url, headers=self._headers, follow_redirects=False)
+        # An async client belongs to one event loop: one per loop, so a loop's calls reuse its
+        # connections (a TLS handshake a call otherwise); dropped with its loop.
+        self._async_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient] = (
+            weakref.WeakKeyDictionary())
 
     def close(self) -> None:
+        """Close the connections (the async ones are dropped: `aclose` closes this loop's)."""
         self._client.close()
+        self._async_clients.clear()
+
+    async def aclose(self) -> None:
+        """`close`, closing the running event loop's connections first."""
+        client = self._async_clients.pop(asyncio.get_running_loop(), None)
+        if client is not None:
+            await client.aclose()
+        self.close()
 
     def __enter__(self) -> RemoteLLM:
         return self
@@ -559,7 +574,7 @@ class RemoteLLM:
     async def _afetch_json(self, path: str, body: dict[str, Any] | None = None) -> Any:
         """`_fetch_json` on the running loop: a cancelled caller closes the connection as it leaves."""
         deadline = _Deadline(self.timeout)
-        async with self._async_client() as client, self._aopen(client, path, body, deadline) as resp:
+        async with self._aopen(self._async_client(), path, body, deadline) as resp:
             reply, chunks = _ReplyText(self, resp), resp.aiter_bytes()
             pieces: list[str] = []
             while (chunk := await _next_chunk(chunks, deadline)) is not None:
@@ -572,9 +587,13 @@ class RemoteLLM:
         return self._json(text, f"answered {resp.status_code} with a body that is not JSON ({kind})")
 
     def _async_client(self) -> httpx.AsyncClient:
-        """A client for one async call: an async client belongs to one event loop, and a
-        caller's calls may run on several."""
-        return httpx.AsyncClient(base_url=self.base_url, headers=self._headers, follow_redirects=False)
+        """The running event loop's client (made on its first call)."""
+        loop = asyncio.get_running_loop()
+        client = self._async_clients.get(loop)
+        if client is None or client.is_closed:
+            client = httpx.AsyncClient(base_url=self.base_url, headers=self._headers, follow_redirects=False)
+            self._async_clients[loop] = client
+        return client
 
     @contextlib.contextmanager
     def _open(self, path: str, body: dict[str, Any] | None, deadline: _Deadline) -> Iterator[httpx.Response]:
@@ -806,14 +825,13 @@ class RemoteCompletionStream:
 
     async def _aread(self) -> AsyncIterator[str]:
         llm, sent_at, deadline = self._llm, time.perf_counter(), _Deadline(self._llm.timeout)
-        async with llm._async_client() as client:
-            async with llm._aopen(client, self._wire.path, self._wire.body, deadline) as resp:
-                reply = _ReplyText(llm, resp)
-                events = _StreamEvents(llm, self._wire, reply, resp.headers.get("content-type"), sent_at)
-                chunks = resp.aiter_bytes()
-                while not events.done and (chunk := await _next_chunk(chunks, deadline)) is not None:
-                    for delta in events.feed(chunk):
-                        yield delta
+        async with llm._aopen(llm._async_client(), self._wire.path, self._wire.body, deadline) as resp:
+            reply = _ReplyText(llm, resp)
+            events = _StreamEvents(llm, self._wire, reply, resp.headers.get("content-type"), sent_at)
+            chunks = resp.aiter_bytes()
+            while not events.done and (chunk := await _next_chunk(chunks, deadline)) is not None:
+                for delta in events.feed(chunk):
+                    yield delta
         for delta in events.feed(b"", final=True):
             yield delta
         self.completion = events.completion()

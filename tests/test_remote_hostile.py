@@ -270,6 +270,48 @@ def test_a_cancelled_acomplete_hangs_up_at_once_and_keeps_no_thread_busy(serve) 
     assert all(hangups.acquire(timeout=2) for _ in range(3)), "a cancelled call kept its connection open"
 
 
+def test_async_calls_on_one_event_loop_reuse_its_connection() -> None:
+    # One connection a call would cost a TLS handshake a call against a remote API.
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    connections: list[str] = []
+    reply = json.dumps({"id": "c", "object": "chat.completion", "created": 0, "model": "m", "choices": [
+        {"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}).encode()
+
+    class KeepAlive(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def setup(self) -> None:
+            connections.append(str(self.client_address))
+            super().setup()
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["content-length"]))
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(reply)))
+            self.end_headers()
+            self.wfile.write(reply)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), KeepAlive)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    llm = RemoteLLM(f"http://127.0.0.1:{server.server_port}/v1", "m")
+
+    async def calls() -> list[str]:
+        texts = [(await llm.acomplete(str, "p")).text for _ in range(3)]
+        await llm.aclose()
+        return texts
+
+    try:
+        assert asyncio.run(calls()) == ["hi"] * 3 and len(connections) == 1, connections
+    finally:
+        server.shutdown()
+
+
 @pytest.mark.parametrize("value", [0, -1, float("inf"), float("nan"), None])
 def test_the_limits_must_be_numbers_that_bound(value: Any) -> None:
     for kw in ("timeout", "max_response_bytes", "max_retries"):
