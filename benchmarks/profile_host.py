@@ -316,7 +316,7 @@ def serving_run(tokenizer: Any, n: int, max_tokens: int, grammar_threads: int, w
         profilers[0].enable()
     try:
         wall = asyncio.run(client.run_all(requests))
-        graph_steps = engine.runner.graphs.steps - graph_steps  # before close() drops the graphs
+        graphed = engine.runner.graphs.steps - graph_steps  # before close() drops the graphs
     finally:
         llm.close()
         if profilers:
@@ -329,7 +329,7 @@ def serving_run(tokenizer: Any, n: int, max_tokens: int, grammar_threads: int, w
         print_timeline(steps, client.started)
     return {"workload": workload, "serial": serial, "streams": n, "api": "acomplete" if acomplete else "astream", "wall_s": round(wall, 2),
             "output_tokens": client.tokens, "host_tok_per_s": round(client.tokens / wall, 1),
-            "steps": len(busy), "eager_steps": len(busy) - graph_steps, "steps_per_s": round(len(busy) / wall, 1),
+            "steps": len(busy), "eager_steps": len(busy) - graphed, "steps_per_s": round(len(busy) / wall, 1),
             "tokens_per_step": round(client.tokens / max(len(busy), 1), 1),
             "steps_to_admit_all": steps.first_full,
             "steps_to_prefill_all": steps.prefilled, "host_ms_per_step": round(1e3 * float(np.median(busy)), 2),

@@ -108,26 +108,23 @@ class EngineClient:
     # -- the link ------------------------------------------------------------------------
     async def call(self, kind: str, *args: Any) -> Any:
         """Send one call and wait for its answer; cancelled here, cancelled there."""
-        outbox = await self._link()
-        rid = next(self._ids)
-        waiter = self._pending[rid] = _Call()
-        outbox.put((kind, rid, *args))
+        waiter = _Call()
+        rid = await self.send(kind, waiter, args)
         try:
             return await waiter.future
-        except asyncio.CancelledError:
-            outbox.put(("cancel", rid))
-            raise
         finally:
-            self._pending.pop(rid, None)
+            self.forget(rid, cancel=not waiter.future.done())
 
-    async def start(self, stream: RemoteStream, args: tuple[Any, ...]) -> int:
+    async def send(self, kind: str, target: _Call | RemoteStream, args: tuple[Any, ...]) -> int:
+        """Send a call whose answers go to `target`; its id."""
         outbox = await self._link()
         rid = next(self._ids)
-        self._pending[rid] = stream
-        outbox.put(("stream", rid, *args))
+        self._pending[rid] = target
+        outbox.put((kind, rid, *args))
         return rid
 
     def forget(self, rid: int, cancel: bool) -> None:
+        """Stop delivering call `rid`'s answers; with `cancel`, cancel it in the engine process."""
         self._pending.pop(rid, None)
         if cancel and self._outbox is not None:
             self._outbox.put(("cancel", rid))
@@ -191,7 +188,7 @@ class RemoteStream:
         return self._run()
 
     async def _run(self) -> AsyncIterator[str]:
-        rid = await self.client.start(self, self.args)
+        rid = await self.client.send("stream", self, self.args)
         finished = False
         try:
             while True:
