@@ -396,8 +396,9 @@ def _parse_args() -> argparse.Namespace:
                     help="closed (all at once), serial (one at a time) and/or request rates per second")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--max-batch-size", type=int, default=None,
-                    help="concurrent requests (default 256 on a GPU, 16 on the CPU: 256 slots of 4,096 "
-                         "positions hold 19 GB of CPU KV cache, and the HTTP mode's server could not fork)")
+                    help="concurrent requests (default on a GPU: the engine's, device_batch_size; 16 on the CPU: "
+                         "256 slots of 4,096 positions hold 19 GB of CPU KV cache, and the HTTP mode's server could "
+                         "not fork)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--graph-rows", default=None,
                     help="decode graph row buckets (EngineTuning.cuda_graph_batch_sizes), e.g. 1,2,4,...,1024: "
@@ -454,10 +455,11 @@ def _tuning_value(item: str) -> tuple[str, object]:
 def main() -> None:
     args = _parse_args()
     from structgen import LLM
-    from structgen.engine.config import EngineConfig, EngineTuning
+    from structgen.engine.config import EngineConfig, EngineTuning, device_batch_size
 
     if args.max_batch_size is None:
-        args.max_batch_size = 256 if torch.cuda.is_available() and args.device in (None, "cuda") else 16
+        on_gpu = torch.cuda.is_available() and args.device in (None, "cuda")
+        args.max_batch_size = device_batch_size(torch.cuda.get_device_properties(0).total_memory) if on_gpu else 16
 
     data_dir = args.data_dir or maskbench_dir()
     tuning = dict(_tuning_value(item) for item in args.tuning)

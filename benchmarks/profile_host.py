@@ -434,7 +434,7 @@ class StepLog:
             firsts = sum(1 for r, _ in self._batch if r.first_token_at is not None and r.first_token_at >= t)
             self.timeline.append((t, sum(n for _, n in self._batch), sum(prompts), len(prompts), firsts))
             scheduler = self.engine.scheduler
-            if self.first_full is None and len(scheduler.running) == self.engine.config.max_batch_size:
+            if self.first_full is None and len(scheduler.running) == scheduler.max_batch_size:
                 self.first_full = len(self.seconds)
             if self.first_full is not None and self.prefilled is None and not scheduler.waiting and all(
                     r.num_cached >= r.num_prompt for r in scheduler.running):
@@ -827,7 +827,8 @@ def main() -> None:
     ap.add_argument("--tokenizer-dir", type=Path, default=None, help="SmolLM2 tokenizer files (default: the model's)")
     ap.add_argument("--serving", type=int, default=0, metavar="N", help="N streams through the whole front (see above)")
     ap.add_argument("--max-tokens", type=int, default=64, help="--serving: max_tokens of each stream")
-    ap.add_argument("--workload", default="json", choices=WORKLOADS, help="--serving: bench_serving's workload")
+    ap.add_argument("--workload", default=None, choices=WORKLOADS,
+                    help="bench_serving's workload (default: json with --serving, agent with --http)")
     ap.add_argument("--one-schema", dest="workload", action="store_const", const="json-one", help="--serving: --workload json-one")
     ap.add_argument("--serial", action="store_true", help="--serving: one request at a time (default: all at once)")
     ap.add_argument("--acomplete", action="store_true", help="--serving: LLM.acomplete instead of LLM.astream")
@@ -852,13 +853,14 @@ def main() -> None:
                     help="--speculative: SpeculativeConfig.max_requests (0: the speculator sees every step)")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
+    if args.workload is None:
+        args.workload = "agent" if args.http else "json"
     if args.serve_stubbed:
         serve_stubbed(args.serve_stubbed, args.max_batch, args.stats_out, args.profile_out, args.workload,
                       args.front_processes)
         return
     if args.http:
-        workload = "agent" if args.workload == "json" else args.workload  # --http's default: agent
-        print(http_run(args.http, args.max_tokens, args.rate, args.profile, workload, args.client,
+        print(http_run(args.http, args.max_tokens, args.rate, args.profile, args.workload, args.client,
                        args.client_processes, args.front_processes))
         if args.profile:
             print_profile(args.profile)

@@ -19,7 +19,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="auto", choices=["auto", "xgrammar", "llguidance"], help="grammar backend")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: per device)")
-    p.add_argument("--max-batch-size", type=int, default=EngineConfig.max_batch_size, help="concurrent requests")
+    p.add_argument("--max-batch-size", type=int, default=None,
+                   help="requests decoded at once, more wait in a queue (default: by device: 1024 on GPUs of 70 GiB "
+                   "or more, 256 on smaller GPUs, 64 on the CPU)")
     p.add_argument("--max-seq-len", type=int, default=EngineConfig.max_seq_len, help="prompt + output tokens per request")
     p.add_argument("--no-jump-forward", action="store_true", help="decode grammar-forced text token by token")
     p.add_argument(
@@ -230,14 +232,13 @@ def _api_key(args: argparse.Namespace) -> str | None:
 def _replica_args(args: argparse.Namespace) -> list[str]:
     """The `structgen serve` arguments of one data-parallel replica: the engine's and the
     request limits; the front end keeps the address, Host checks and client throttle."""
-    out = ["--backend", args.backend, "--max-batch-size", str(args.max_batch_size),
-           "--max-seq-len", str(args.max_seq_len), "--tensor-parallel", str(args.tensor_parallel),
+    out = ["--backend", args.backend, "--max-seq-len", str(args.max_seq_len), "--tensor-parallel", str(args.tensor_parallel),
            "--default-max-tokens", str(args.default_max_tokens), "--max-body-bytes", str(args.max_body_bytes),
            "--max-generations-per-request", str(args.max_generations_per_request),
            "--max-client-errors", "0", "--allowed-hosts", "*", "--log-level", args.log_level,
            "--front-processes", str(args.front_processes)]
     for flag, value in (("--model", args.model), ("--device", args.device), ("--dtype", args.dtype),
-                        ("--served-model-name", args.served_model_name)):
+                        ("--max-batch-size", args.max_batch_size), ("--served-model-name", args.served_model_name)):
         if value is not None:
             out += [flag, str(value)]
     return out + (["--no-jump-forward"] if args.no_jump_forward else [])

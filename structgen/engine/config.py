@@ -506,6 +506,17 @@ class EngineTuning:
                                         f"got {self.prompt_activations!r}")
 
 
+def device_batch_size(gpu_memory_bytes: int | None) -> int:
+    """`EngineConfig.max_batch_size` when it is None, from the GPU's total memory (None: the
+    CPU). As vLLM sizes `max_num_seqs`: 1,024 on GPUs of 70 GiB or more, where a burst of a
+    thousand requests is admitted at once instead of waiting for 256 slots (TTFT p50 of 1,000
+    MaskBench requests 2.6 -> 1.7 s on an H200: docs/performance.md, "Slots by device"); 256
+    on smaller GPUs; 64 on the CPU, whose steps grow with every row."""
+    if gpu_memory_bytes is None:
+        return 64
+    return 1024 if gpu_memory_bytes >= 70 * 2**30 else 256
+
+
 @dataclass
 class EngineConfig:
     """How the engine runs a model: the user's choices. Defaults suit one user on a laptop or
@@ -513,7 +524,7 @@ class EngineConfig:
 
     device: str | None = None  # None: "cuda" if available, else "cpu"
     dtype: str | None = None  # None: bfloat16 on CUDA, float32 on CPU
-    max_batch_size: int = 64  # concurrent requests (KV slots)
+    max_batch_size: int | None = None  # concurrent requests (KV slots); None: by device (device_batch_size)
     max_seq_len: int = 4096  # per-request prompt + output tokens (capped by the model)
     kv_cache_memory_fraction: float = 0.5  # of free GPU memory (CPU: of available memory) for the KV pool
     prefill_chunk_tokens: int = 2048  # longest prefill piece scheduled in one step
@@ -548,7 +559,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         self.device = _device_name(self.device)
         self.dtype = _dtype_name(self.dtype)
-        check_int("EngineConfig.max_batch_size", self.max_batch_size, 1, None)
+        if self.max_batch_size is not None:
+            check_int("EngineConfig.max_batch_size (None: sized to the device)", self.max_batch_size, 1, None)
         check_int("EngineConfig.max_seq_len (prompt + output tokens)", self.max_seq_len, MIN_SEQ_LEN, None)
         check_number("EngineConfig.kv_cache_memory_fraction", self.kv_cache_memory_fraction, 0.0, 1.0,
                       open_low=True)

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from structgen.engine.attention import AttentionBatch
-from structgen.engine.config import EngineConfig, ModelConfig
+from structgen.engine.config import EngineConfig, ModelConfig, device_batch_size
 from structgen.engine.kernels import batch_invariant, triton_enabled, use_batch_invariant
 from structgen.engine.kv_cache import PAGE_SIZE, KVCache
 from structgen.engine.models.llama import skip_init
@@ -49,6 +49,15 @@ class ExtendSeq:
     start: int  # position of the first new token (= tokens already cached)
     token_ids: list[int]
     num_logits: int = 1  # logits for the last `num_logits` new tokens
+
+
+def batch_size_on(config: EngineConfig, device: torch.device) -> int:
+    """Requests decoded at once on `device`: `config.max_batch_size`, or where None
+    `device_batch_size` of its memory."""
+    if config.max_batch_size is not None:
+        return config.max_batch_size
+    memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    return device_batch_size(memory)
 
 
 def pick_device(config: EngineConfig) -> torch.device:
@@ -95,6 +104,7 @@ class ModelRunner:
         # The tokenizer's vocabulary (tokenizer_conformance.py); logits past it are masked.
         self.text_vocab_size = text_vocab_size or model_config.vocab_size
         self.device = pick_device(config) if tensor_parallel is None else tensor_parallel.device
+        self.max_batch_size = batch_size_on(config, self.device)
         self.dtype = pick_dtype(config, self.device)
         self.max_seq_len = min(config.max_seq_len, model_config.max_position_embeddings)
         self._check_sizes()  # before anything is allocated
@@ -110,7 +120,7 @@ class ModelRunner:
             num_pages = tensor_parallel.smallest(num_pages)
             tensor_parallel.prepare_peer_sum(self.dtype, model_config.hidden_size,
                                              config.tuning.tensor_parallel_all_reduce)
-        pages = PageTable(num_pages, PAGE_SIZE, config.max_batch_size, self.max_seq_len, self.device,
+        pages = PageTable(num_pages, PAGE_SIZE, self.max_batch_size, self.max_seq_len, self.device,
                           prefix_caching=self._prefix_caching())
         self.kv = KVCache(self.rank_config, pages, self.dtype, self.device)
         if tensor_parallel is not None:
@@ -210,7 +220,7 @@ class ModelRunner:
         from structgen.errors import EngineError
 
         per_seq = -(-self.max_seq_len // PAGE_SIZE)
-        full = self.config.max_batch_size * per_seq
+        full = self.max_batch_size * per_seq
         fraction = self.config.kv_cache_memory_fraction
         if self.config.kv_cache_tokens is not None:
             fit, source = self.config.kv_cache_tokens // PAGE_SIZE, f"kv_cache_tokens={self.config.kv_cache_tokens}"
@@ -230,7 +240,7 @@ class ModelRunner:
         """Refuse a `max_batch_size` whose per-request tables, or a `kv_cache_tokens` whose KV
         pool, cannot fit this host before anything is allocated: the allocation's own failure
         (a bare MemoryError, or terabytes asked of the OS) names no setting to lower."""
-        slots = self.config.max_batch_size
+        slots = self.max_batch_size
         host_free, where = _free_memory(torch.device("cpu"))
         per_slot = self._bytes_per_slot()
         if host_free is not None and slots * per_slot > host_free:
@@ -331,7 +341,7 @@ class ModelRunner:
         if self._eager_bitmask is None or self._eager_bitmask.shape[0] < rows:
             from structgen.grammar.backends.base import allocate_bitmask
 
-            self._eager_bitmask = allocate_bitmask(max(rows, self.config.max_batch_size), self.model_config.vocab_size)
+            self._eager_bitmask = allocate_bitmask(max(rows, self.max_batch_size), self.model_config.vocab_size)
         return self._eager_bitmask
 
     def capture_decode_graphs(self, capture: bool = True) -> None:

@@ -392,8 +392,11 @@ class WorkerProcesses:
               model_dir: Path | None) -> WorkerProcesses:
         import torch.multiprocessing as mp
 
+        from structgen.engine.model_runner import batch_size_on
+
         context = mp.get_context("spawn")
-        worker_config = replace(config, speculative=None)  # drafts are rank 0's alone
+        # Drafts are rank 0's alone; every rank the slots rank 0's scheduler fills.
+        worker_config = replace(config, speculative=None, max_batch_size=batch_size_on(config, rank_device(config, 0)))
         processes = []
         for rank in range(1, rendezvous.world_size):
             p = context.Process(target=_spawned_worker, name=f"structgen-tp-rank{rank}", daemon=True,

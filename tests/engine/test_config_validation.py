@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
 
 from structgen.engine.config import (
     MAX_GRAMMAR_THREADS,
@@ -15,6 +16,7 @@ from structgen.engine.config import (
     EngineTuning,
     ModelConfig,
     SpeculativeConfig,
+    device_batch_size,
 )
 from structgen.engine.engine import Engine
 from structgen.errors import InvalidParameterError, StructgenError
@@ -28,7 +30,7 @@ TINY = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hi
     ("dtype", "float64"), ("dtype", "int8"), ("dtype", 16),
     ("device", "gpu"), ("device", "mps"), ("device", "cuda:x"), ("device", 0),
     ("max_seq_len", -5), ("max_seq_len", 0), ("max_seq_len", 1), ("max_seq_len", None), ("max_seq_len", 2.5),
-    ("max_batch_size", 0), ("max_batch_size", -1), ("max_batch_size", None), ("max_batch_size", "8"),
+    ("max_batch_size", 0), ("max_batch_size", -1), ("max_batch_size", "8"),
     ("max_batch_size", 2.5), ("max_batch_size", True),
     ("kv_cache_tokens", 0), ("kv_cache_tokens", "1000"),
     ("kv_cache_memory_fraction", "0.5"), ("kv_cache_memory_fraction", 5.0), ("kv_cache_memory_fraction", 0.0),
@@ -138,8 +140,6 @@ def _build(**fields: object) -> Engine:
 
 @pytest.mark.parametrize("device", ["cuda", "cuda:7", "cuda:4096"])
 def test_a_gpu_this_host_lacks_is_refused_at_build_naming_the_devices(device):
-    import torch
-
     if torch.cuda.is_available() and device != "cuda:4096":
         pytest.skip("this host has a GPU")
     with pytest.raises(InvalidParameterError, match=r"EngineConfig.device=.*pass one of 'cpu'"):
@@ -180,6 +180,31 @@ def test_a_size_this_host_cannot_hold_is_refused_before_allocating(field, value,
 def test_a_size_that_fits_still_builds():
     engine = _build(device="cpu", max_batch_size=4, max_seq_len=64, kv_cache_tokens=4096)
     assert engine.runner.kv.pages.num_slots == 4
+
+
+@pytest.mark.parametrize(("memory_gib", "slots"), [(None, 64), (16, 256), (69, 256), (80, 1024), (141, 1024)])
+def test_the_default_batch_size_follows_the_device(memory_gib, slots):
+    assert device_batch_size(None if memory_gib is None else memory_gib * 2**30) == slots
+
+
+def test_a_default_config_takes_the_devices_batch_size_and_a_set_one_is_kept(monkeypatch):
+    from structgen.engine import model_runner
+
+    assert EngineConfig().max_batch_size is None  # the user's choice stays as given
+    assert _build(device="cpu", max_seq_len=64).runner.kv.pages.num_slots == 64
+    h200 = type("Properties", (), {"total_memory": 141 * 2**30})()
+    monkeypatch.setattr(model_runner.torch.cuda, "get_device_properties", lambda device: h200)
+    assert model_runner.batch_size_on(EngineConfig(), torch.device("cuda", 0)) == 1024
+    assert model_runner.batch_size_on(EngineConfig(max_batch_size=8), torch.device("cuda", 0)) == 8
+
+
+def test_a_replica_is_started_with_the_batch_size_only_where_one_was_given():
+    from structgen.cli import _replica_args, build_parser
+
+    args = build_parser().parse_args(["serve"])
+    assert args.max_batch_size is None and "--max-batch-size" not in _replica_args(args)
+    args = build_parser().parse_args(["serve", "--max-batch-size", "32"])
+    assert _replica_args(args)[_replica_args(args).index("--max-batch-size") + 1] == "32"
 
 
 def test_more_tensor_parallel_ranks_than_the_host_runs_are_refused_before_any_process_starts():
