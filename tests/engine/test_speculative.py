@@ -49,10 +49,10 @@ PROMPT = f"Extract the person as JSON with keys name, age, city, email.\n\nText:
 def llm(model_dir, tokenizer) -> LLM:
     """The real default model on CPU; each test swaps `engine.speculator` in and out."""
     cfg = EngineConfig(device="cpu", max_batch_size=4, max_seq_len=1024)
-    engine = Engine(load_model_config(model_dir), cfg, model_dir)
     from structgen.api import _stop_token_ids
 
-    engine.stop_token_ids = _stop_token_ids(tokenizer, engine.model_config.eos_token_id)
+    model_config = load_model_config(model_dir)
+    engine = Engine(model_config, cfg, model_dir, stop_token_ids=_stop_token_ids(tokenizer, model_config.eos_token_id))
     return LLM.from_engine(engine, tokenizer, "smollm2-135m")
 
 
@@ -662,3 +662,67 @@ def test_a_speculator_set_on_a_built_engine_reserves_the_pages_its_drafts_write(
     monkeypatch.setattr(Speculator, "_forward_and_sample", checked)
     out = complete(llm, SpeculativeConfig(num_draft_tokens=6), JsonSchema(SCHEMA), PROMPT, fixed=True, max_tokens=96)
     assert out.stats.verify_steps > 5 and unmapped == []
+
+
+def test_a_verify_steps_run_of_tokens_goes_in_as_it_would_token_by_token(llm):
+    """emit.py appends a run's plain tokens at once and hands the others to the engine's
+    `_advance`: from every position of a real schema's output (and of a choice's, which is
+    complete with nothing but a stop token left), every run of 1 to 4 tokens (with and without
+    jump-forward; ending at the budget; crossing a budget check; the stop token and a token
+    after it; a token the grammar rejects) leaves the request and its matcher as advancing
+    it token by token does."""
+    from structgen.engine.speculative.emit import emit
+    from structgen.grammar import dump_json
+
+    engine, stop = llm.engine, min(llm.engine.stop_token_ids)
+    person = {"name": "Maria Gonzalez", "age": 34, "city": "Barcelona", "email": "maria@example.com"}
+    outputs = [(llm.compile(JsonSchema(SCHEMA)), dump_json(person, SCHEMA), "}"),
+               (llm.compile(Choice(["red", "blue", "cyan"])), "cyan", "z")]
+    prompt = llm.encode_prompt(PROMPT)
+    mask = allocate_bitmask(1, engine.vocab_size, host_only=True)
+
+    def request(grammar, ids: list[int], start: int, max_tokens: int, jump: bool, close_at: int | None) -> Request:
+        req = Request(prompt, SamplingParams(max_tokens=max_tokens), grammar.matcher(), frozenset(engine.stop_token_ids))
+        for tok in ids[:start]:
+            engine._advance(req, tok, jump_forward=False)
+        req.jump_forward = jump
+        if close_at is not None:
+            req.close_at = close_at
+        return req
+
+    def state(req: Request, raised: BaseException | None) -> tuple:
+        m = req.matcher
+        m.fill_bitmask(mask, 0)
+        return (list(req.token_ids), req.finish_reason, req.close_at, req.guess, req.stats.output_tokens,
+                req.stats.forced_tokens, m.is_terminated(), mask.clone(), type(raised))
+
+    def advance(req: Request, run: list[int], merged: bool) -> tuple:
+        try:
+            if merged:
+                emit(engine, req, run)
+            else:
+                for j, tok in enumerate(run):
+                    engine._advance(req, tok, jump_forward=j == len(run) - 1)
+                    if req.finished:
+                        break
+        except Exception as exc:
+            return state(req, exc)
+        return state(req, None)
+
+    cases = 0
+    for grammar, text, bad in outputs:
+        ids = llm.tokenizer.encode(text, add_special_tokens=False) + [stop]
+        rejected = llm.tokenizer.encode(bad, add_special_tokens=False)[0]  # not what the grammar takes there
+        runs = [(s, ids[s : s + n]) for s in range(len(ids)) for n in range(1, 5) if s + n <= len(ids)]
+        runs += [(len(ids) - 2, ids[-2:] + [ids[0]]), (0, ids[:1] + [rejected])]
+        for start, run in runs:
+            for jump in (False, True):
+                for budget, close_at in ((200, None), (start + len(run), None), (200, start + 2)):
+                    if budget - start < len(run) or (close_at is not None and close_at > start + len(run)):
+                        continue
+                    want = advance(request(grammar, ids, start, budget, jump, close_at), run, merged=False)
+                    got = advance(request(grammar, ids, start, budget, jump, close_at), run, merged=True)
+                    assert got[:-2] == want[:-2] and torch.equal(got[-2], want[-2]) and got[-1] is want[-1], (
+                        text, start, run, jump, budget)
+                    cases += 1
+    assert cases > 200

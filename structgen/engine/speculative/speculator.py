@@ -17,9 +17,10 @@ last chunk of its prompt):
    eager `extend` with `num_logits = 1 + k`.
 3. `verify.accept_draft` keeps drafts while they equal the target's token (exact match for
    greedy, point-mass rejection sampling for sampled requests; see verify.py). The emitted
-   tokens go through the engine's `_advance` (matcher, stop, max_tokens; jump-forward after
-   the last one); `num_cached` keeps pending + accepted drafts, the rejected drafts' K/V are
-   overwritten later.
+   tokens are taken in as the engine's `_advance` takes tokens (matcher, stop, max_tokens;
+   jump-forward after the last one), a run of plain ones appended at once (emit.py);
+   `num_cached` keeps pending + accepted drafts, the rejected drafts' K/V are overwritten
+   later.
 4. With a drafter that runs on the host (`host_only`: n-gram) and a step in the decode graphs,
    3 happens inside the graphs' `plan_next`, as soon as the tokens are on the host, followed
    by 1 for the next step (`_plan_next`); that step's verify forward is launched right then,
@@ -42,6 +43,7 @@ from structgen.engine.model_runner import ExtendSeq
 from structgen.engine.sampler import apply_bitmask_, sample, step_seed
 from structgen.engine.speculative import drafter as drafter_hooks
 from structgen.engine.speculative.drafter import Drafter
+from structgen.engine.speculative.emit import emit
 from structgen.engine.speculative.policy import DraftPolicy
 from structgen.engine.speculative.verify import accept_draft
 from structgen.engine.speculative.verify_rows import (
@@ -610,8 +612,8 @@ class Speculator:
         return step_seed(req.params.seed, position)
 
     def _accept(self, req: Request, n: int, draft: list[int], tokens: list[int], error: BaseException | None) -> None:
-        """Keep the accepted prefix of the draft, emit it and the target's token through the
-        engine's `_advance`; the KV cache keeps pending + accepted drafts."""
+        """Keep the accepted prefix of the draft, emit it and the target's token (emit.py: as
+        the engine's `_advance` would); the KV cache keeps pending + accepted drafts."""
         eng = self.engine
         # A guess (engine/drafts.py) is for the step right after its jump: this one, which ran
         # no guess row; kept, it would run later at a position it was not proposed for.
@@ -627,14 +629,7 @@ class Speculator:
             req.stats.verify_steps += 1
             drafter_hooks.notify_verified(self.drafter, req, len(draft), accepted)
             self.policy.record_verified(req, len(draft), accepted)
-            base, thinking = len(req.token_ids), req.thinking
-            for j, tok in enumerate(emitted):
-                eng._advance(req, tok, jump_forward=j == len(emitted) - 1)
-                if req.finished:
-                    break
-                if thinking and not req.thinking:  # the think section closed: the grammar takes the rest
-                    req.num_cached = min(req.num_cached, base + j + 1, len(req.token_ids))
-                    break
+            emit(eng, req, emitted)
         except Exception as exc:
             log.exception("request %d failed", req.id)
             req.finish("error", exc if isinstance(exc, EngineError) else EngineError(str(exc)))
