@@ -514,10 +514,52 @@ def run_mode(llm: Any, mode: str, workload: str, requests: list[ServingRequest],
     if mode == "http-fronts":  # the HTTP server in processes of its own
         server_args += ["--front-processes", str(args.front_processes)]
     with ServerProcess([*server_args, *(["--device", args.device] if args.device else [])]) as server:
+        assert server.proc is not None
+        cpu = ServerCpu(server.proc.pid)
         for rate in arrivals:
+            before = cpu.seconds()
             res = http_drive(server.url, llm.model_name, requests, rate, args.max_tokens, args.timeout,
                              args.http_clients)
-            results.add(_row(workload, mode, rate, res, bound, http_clients=args.http_clients))
+            row = _row(workload, mode, rate, res, bound, http_clients=args.http_clients)
+            results.add({**row, **cpu.spent_since(before, res.wall_s)})
+
+
+class ServerCpu:
+    """CPU seconds a `structgen serve` process tree spends (Linux /proc; zeros elsewhere): its
+    event loop (the main thread), the whole process (the engine, compile and mask threads too)
+    and its front processes. A loop near one busy core over a burst is what bounds it."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+
+    def seconds(self) -> dict[str, float]:
+        proc = Path(f"/proc/{self.pid}")
+        children = {c for task in proc.glob("task/*") for c in _read(task / "children").split()}
+        return {"loop": _cpu_seconds(proc / "task" / str(self.pid) / "stat"), "process": _cpu_seconds(proc / "stat"),
+                "fronts": sum(_cpu_seconds(Path(f"/proc/{c}/stat")) for c in children)}
+
+    def spent_since(self, before: dict[str, float], wall_s: float) -> dict[str, float]:
+        now = self.seconds()
+        spent = {k: round(now[k] - before[k], 2) for k in now}
+        return {"server_loop_cpu_s": spent["loop"], "server_cpu_s": spent["process"], "fronts_cpu_s": spent["fronts"],
+                "server_loop_busy": round(spent["loop"] / wall_s, 2) if wall_s else None}
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+def _cpu_seconds(stat: Path) -> float:
+    """User + system time of a /proc stat file (fields 14 and 15, after the command's
+    parenthesised name), 0.0 where it is gone."""
+    text = _read(stat)
+    if not text:
+        return 0.0
+    fields = text.rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def run_paired(llm: Any, requests: dict[str, list[ServingRequest]], bursts: int, args: argparse.Namespace,

@@ -188,3 +188,43 @@ def test_the_step_timeline_records_each_step_and_groups_the_burst_by_requests() 
     assert engine.step.__func__ is Engine.step and engine.scheduler.schedule.__func__ is Scheduler.schedule
     timeline.reset()
     assert timeline.summary()["steps"] == 0
+
+
+def test_server_cpu_counts_the_main_thread_the_process_and_its_children_apart() -> None:
+    import os
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    import pytest
+
+    from benchmarks.bench_serving import ServerCpu
+
+    if not os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children"):
+        pytest.skip("this kernel has no /proc/PID/task/TID/children")
+
+    def burn(seconds: float) -> None:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    cpu = ServerCpu(os.getpid())
+    before = cpu.seconds()
+    burn(0.3)  # this (main) thread: the loop's share
+    worker = threading.Thread(target=burn, args=(0.3,))
+    worker.start()
+    worker.join()
+    child = subprocess.Popen([sys.executable, "-c", "import time\nend = time.process_time() + 0.4\n"
+                              "while time.process_time() < end: pass\ntime.sleep(30)"])
+    try:
+        deadline = time.monotonic() + 20
+        while cpu.seconds()["fronts"] - before["fronts"] < 0.4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        spent = cpu.spent_since(before, wall_s=1.0)
+    finally:
+        child.kill()
+        child.wait()
+    assert 0.25 <= spent["server_loop_cpu_s"] < spent["server_cpu_s"]  # the worker thread counts for the process only
+    assert spent["server_cpu_s"] >= 0.55
+    assert spent["fronts_cpu_s"] >= 0.4
