@@ -61,6 +61,7 @@ import functools
 import json
 import os
 import random
+import re
 import statistics
 import threading
 import time
@@ -362,6 +363,7 @@ def summarize(res: RunResult) -> dict[str, Any]:
         "prefix_hit_rate": round(sum(o.cached_tokens for o in ok) / prompt, 3) if prompt else None,
         "tok_per_s": round(tokens / res.wall_s, 1), "req_per_s": round(len(ok) / res.wall_s, 2),
         "ttft_p50_ms": _pct([o.ttft_s for o in ok], 0.5), "ttft_p99_ms": _pct([o.ttft_s for o in ok], 0.99),
+        "ttft_mean_ms": round(1e3 * statistics.fmean(o.ttft_s for o in ok), 1) if ok else None,
         "ttft_engine_p50_ms": _pct([o.engine_ttft_s for o in ok if o.engine_ttft_s is not None], 0.5),
         "front_p50_ms": _pct([o.front_s for o in ok if o.front_s is not None], 0.5),
         "delivery_p50_ms": _pct([o.delivery_s for o in ok if o.delivery_s is not None], 0.5),
@@ -515,13 +517,44 @@ def run_mode(llm: Any, mode: str, workload: str, requests: list[ServingRequest],
         server_args += ["--front-processes", str(args.front_processes)]
     with ServerProcess([*server_args, *(["--device", args.device] if args.device else [])]) as server:
         assert server.proc is not None
-        cpu = ServerCpu(server.proc.pid)
+        cpu, first_text = ServerCpu(server.proc.pid), ServerTtft(server.root, "structgen_stream_first_text_seconds")
         for rate in arrivals:
-            before = cpu.seconds()
+            before, timed = cpu.seconds(), first_text.read()
             res = http_drive(server.url, llm.model_name, requests, rate, args.max_tokens, args.timeout,
                              args.http_clients)
             row = _row(workload, mode, rate, res, bound, http_clients=args.http_clients)
-            results.add({**row, **cpu.spent_since(before, res.wall_s)})
+            results.add({**row, **cpu.spent_since(before, res.wall_s), "server_ttft_mean_ms": first_text.mean_since(timed)})
+
+
+class ServerTtft:
+    """A server's own mean time to first token over a run, from the `_sum` and `_count` of
+    its Prometheus histogram `name` (every label set added up): ours is
+    `structgen_stream_first_text_seconds` (handler start to first text), vLLM's
+    `vllm:time_to_first_token_seconds` (from the arrival time its input processor gives a
+    rendered, tokenized prompt: vllm/v1/engine/input_processor.py). Against the client's mean TTFT it splits the server's time from the
+    clients' sending and reading; None where the server exposes no such histogram."""
+
+    def __init__(self, root: str, name: str):
+        self.url, self.name = f"{root}/metrics", name
+
+    def read(self) -> tuple[float, int] | None:
+        import httpx
+
+        try:
+            text = httpx.get(self.url, timeout=10).text
+        except httpx.HTTPError:
+            return None
+        series = re.findall(rf"^{re.escape(self.name)}_(sum|count)(?:{{[^}}]*}})? (\S+)$", text, re.M)
+        if not series:
+            return None
+        return (sum(float(v) for kind, v in series if kind == "sum"),
+                sum(int(float(v)) for kind, v in series if kind == "count"))
+
+    def mean_since(self, before: tuple[float, int] | None) -> float | None:
+        after = self.read()
+        if before is None or after is None or after[1] == before[1]:
+            return None
+        return round(1e3 * (after[0] - before[0]) / (after[1] - before[1]), 1)
 
 
 class ServerCpu:
@@ -633,10 +666,13 @@ def run_peer(peer: str, workload: str, requests: list[ServingRequest], args: arg
              bound: float | None, results: Results) -> None:
     """The same HTTP requests against a peer's OpenAI-compatible server (NAME=URL)."""
     name, _, url = peer.partition("=")
+    ttft = ServerTtft(url.rstrip("/").removesuffix("/v1"), "vllm:time_to_first_token_seconds")
     for a in args.arrivals.split(","):
         rate = _arrival(a)
+        timed = ttft.read()
         res = http_drive(url, args.peer_model, requests, rate, args.max_tokens, args.timeout, args.http_clients)
-        results.add(_row(workload, "http", rate, res, bound, system=name, http_clients=args.http_clients))
+        row = _row(workload, "http", rate, res, bound, system=name, http_clients=args.http_clients)
+        results.add({**row, "server_ttft_mean_ms": ttft.mean_since(timed)})
 
 
 def http_drive(url: str, model: str, requests: list[ServingRequest], rate: Arrival, max_tokens: int,

@@ -226,6 +226,8 @@ async def _start_stream(
     except BaseException:
         await deltas.aclose()
         raise
+    if first is not None:
+        state.metrics.first_text_sent(time.perf_counter() - t0)
 
     async def pieces() -> AsyncIterator[str]:
         if first is not None:

@@ -99,6 +99,7 @@ class Metrics:
         self.stats: dict[str, int] = defaultdict(int)
         self.latency: dict[str, Histogram] = defaultdict(Histogram)
         self.ttft = Histogram()
+        self.first_text = Histogram()
         self.in_flight = 0
 
     def started(self) -> None:
@@ -134,6 +135,13 @@ class Metrics:
             if ttft:
                 self.ttft.observe(ttft)
 
+    def first_text_sent(self, seconds: float) -> None:
+        """A streamed request's first text, `seconds` after its handler started: what a client
+        waits for, the compile, tokenizing and batch-slot queues included (the engine's
+        `ttft` starts after them)."""
+        with self._lock:
+            self.first_text.observe(seconds)
+
     def render(self, engine: dict[str, int] | None = None) -> str:
         """The Prometheus text exposition of every metric; `engine` adds gauges of the
         engine's current load (running / waiting requests)."""
@@ -163,7 +171,11 @@ class Metrics:
                       "# TYPE structgen_request_latency_seconds histogram"]
             for endpoint, hist in sorted(self.latency.items()):
                 lines += hist.lines("structgen_request_latency_seconds", f'{m},endpoint="{escape_label(endpoint)}"')
-            lines += ["# HELP structgen_time_to_first_token_seconds Arrival to first output token.",
+            lines += ["# HELP structgen_time_to_first_token_seconds Engine arrival (prompt tokenized, grammar compiled) to first output token.",
                       "# TYPE structgen_time_to_first_token_seconds histogram"]
             lines += self.ttft.lines("structgen_time_to_first_token_seconds", m)
+            lines += ["# HELP structgen_stream_first_text_seconds Streamed requests: handler start to the first "
+                      "text sent (compile, tokenizing and batch-slot queues included).",
+                      "# TYPE structgen_stream_first_text_seconds histogram"]
+            lines += self.first_text.lines("structgen_stream_first_text_seconds", m)
         return "\n".join(lines) + "\n"

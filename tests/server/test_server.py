@@ -470,6 +470,31 @@ def test_json_schema_strict_follows_openai(server_url: str) -> None:
     assert closed.strict
 
 
+def first_text_metric(server_url: str) -> tuple[int, float]:
+    """The count and sum of `structgen_stream_first_text_seconds`."""
+    text = httpx.get(server_url.removesuffix("/v1") + "/metrics").text
+    count = re.search(r"^structgen_stream_first_text_seconds_count\{.*\} (\d+)$", text, re.M)
+    total = re.search(r"^structgen_stream_first_text_seconds_sum\{.*\} ([0-9.]+)$", text, re.M)
+    assert count and total, text[-2000:]
+    return int(count.group(1)), float(total.group(1))
+
+
+def test_a_streams_first_text_is_timed_once_from_the_servers_side(server_url: str, client: openai.OpenAI) -> None:
+    count, total = first_text_metric(server_url)
+    chat(client, "Hi", max_tokens=4)  # not streamed: no first text to time
+    assert first_text_metric(server_url)[0] == count
+    t0 = time.perf_counter()
+    chunks = chat(client, "Say hi as JSON.", max_tokens=12, stream=True,
+                  response_format={"type": "json_object"})
+    first = next(c for c in chunks if c.choices and c.choices[0].delta.content)
+    waited = time.perf_counter() - t0
+    assert first.choices[0].delta.content
+    list(chunks)
+    after, after_total = first_text_metric(server_url)
+    assert after == count + 1
+    assert 0 < after_total - total <= waited  # the server's share of what the client waited
+
+
 def test_metrics_count_requests_and_tokens(server_url: str, client: openai.OpenAI) -> None:
     chat(client, "Hi", max_tokens=4)
     chat(client, "Hi", max_tokens=4)  # the same prompt again: its first pages come from the prefix cache
