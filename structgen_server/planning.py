@@ -8,6 +8,7 @@ for other requests), then its length in tokens against the context.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -232,18 +233,17 @@ async def plan(state: ServerState, body: SamplingFields) -> tuple[list[serving.J
     rc = request_constraint(body)
     for prompt in prompts:
         _check_prompt_chars(state, prompt, rc.tools, param)
-    output_type: Any = str
-    if rc.output_type is not None:
-        # off the event loop, on the compiler's bounded pool, cancelled if the client leaves;
-        # errors surface as a 400 before decoding
-        try:
-            output_type = await state.llm.aprepare(rc.output_type, strict=rc.strict)
-        except Exception as exc:
-            raise to_api_error(exc, param=rc.param) from exc
-    _check_partial(body, output_type, rc)
+    # The prompts are tokenized while the grammar compiles (as `LLM.acomplete` does): a burst of
+    # new schemas waits for compiles, and its prompts need not queue behind them.
+    encodes = [asyncio.ensure_future(_encode(state.llm, prompt, chat, rc.tools)) for prompt in prompts]
+    try:
+        output_type = await _prepare(state, rc)
+        _check_partial(body, output_type, rc)
+        encoded_prompts = [await task for task in encodes]  # the first prompt's error first
+    finally:
+        await _settle(encodes)
     jobs = []
-    for prompt in prompts:
-        encoded = await _encode(state.llm, prompt, chat, rc.tools)
+    for encoded in encoded_prompts:
         if not encoded.token_ids:
             raise APIError(400, "the prompt is empty; send at least one token of text", param=param,
                            code="empty_prompt")
@@ -254,6 +254,25 @@ async def plan(state: ServerState, body: SamplingFields) -> tuple[list[serving.J
             job_sampling = {**sampling, "seed": seed}
             jobs.append(serving.Job(output_type, encoded, job_sampling, body.stop_strings()))
     return jobs, rc
+
+
+async def _prepare(state: ServerState, rc: RequestConstraint) -> Any:
+    """The request's output type prepared (off the event loop, on the compiler's bounded pool,
+    cancelled if the client leaves); its errors surface as a 400 before decoding."""
+    if rc.output_type is None:
+        return str
+    try:
+        return await state.llm.aprepare(rc.output_type, strict=rc.strict)
+    except Exception as exc:
+        raise to_api_error(exc, param=rc.param) from exc
+
+
+async def _settle(tasks: list[asyncio.Future[Any]]) -> None:
+    """Cancel what is left of `tasks` (the request failed before it needed them) and collect
+    every outcome, so none is reported as a never-retrieved exception."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _check_partial(body: SamplingFields, output_type: Any, rc: RequestConstraint) -> None:
