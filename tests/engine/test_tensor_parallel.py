@@ -341,7 +341,11 @@ def test_an_llm_dropped_unclosed_stops_its_worker_rank(tiny_llama_dir, two_ranks
             llm.generate(str, "hello", max_tokens=4, chat=False)
         del llm
         gc.collect()
-        worker.join(20)
+        # Polled, not joined: the engine's own close joins the worker from its loop thread, and
+        # a second join here could find it reaped by that one before its exit code is set.
+        deadline = time.monotonic() + 20
+        while worker.exitcode is None and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert worker.exitcode == 0, "the worker rank kept running after its LLM was dropped"
         deadline = time.monotonic() + 10
         while torch.distributed.is_initialized() and time.monotonic() < deadline:
