@@ -457,11 +457,12 @@ def _tuning_value(item: str) -> tuple[str, object]:
 def main() -> None:
     args = _parse_args()
     from structgen import LLM
-    from structgen.engine.config import EngineConfig, EngineTuning, device_batch_size
+    from structgen.engine.config import EngineConfig, EngineTuning
+    from structgen.engine.model_runner import batch_size_on
 
     if args.max_batch_size is None:
         on_gpu = torch.cuda.is_available() and args.device in (None, "cuda")
-        args.max_batch_size = device_batch_size(torch.cuda.get_device_properties(0).total_memory) if on_gpu else 16
+        args.max_batch_size = batch_size_on(EngineConfig(), torch.device("cuda")) if on_gpu else 16
 
     data_dir = args.data_dir or maskbench_dir()
     tuning = dict(_tuning_value(item) for item in args.tuning)

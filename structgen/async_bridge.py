@@ -133,8 +133,8 @@ class _FutureSink:
 
 class CompileGate:
     """At most `limit` holders at once, across event loops; the others wait first come, first
-    served within their lane, the quick lane's before the slow one's. `async with gate:` (or
-    `gate.place(quick=True)`) holds a place.
+    served within their lane, the quick lane's before the slow one's. `async with
+    gate.place(quick):` holds a place.
 
     Two lanes because compile times differ by 30x: in a burst of new schemas, one that
     llguidance compiles in milliseconds must not queue behind others' xgrammar compiles of
@@ -152,12 +152,6 @@ class CompileGate:
 
     def place(self, quick: bool = False) -> _Place:
         return _Place(self, self._lanes[0 if quick else 1])
-
-    async def __aenter__(self) -> None:
-        await self._enter(self._lanes[1])
-
-    async def __aexit__(self, *exc: object) -> None:
-        self._release()
 
     async def _enter(self, lane: deque[_Waiter]) -> None:
         aloop = asyncio.get_running_loop()

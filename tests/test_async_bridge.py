@@ -24,7 +24,7 @@ def test_the_compile_gate_holds_its_limit_serves_in_order_and_passes_on_a_cancel
 
     async def hold(name: str, release: asyncio.Event) -> None:
         nonlocal held, most
-        async with gate:
+        async with gate.place():
             held += 1
             most = max(most, held)
             order.append(name)
