@@ -405,6 +405,9 @@ def _parse_args() -> argparse.Namespace:
     ap.add_argument("--graph-rows", default=None,
                     help="decode graph row buckets (EngineTuning.cuda_graph_batch_sizes), e.g. 1,2,4,...,1024: "
                          "the largest caps a step's rows, prompt rows included (in process only)")
+    ap.add_argument("--backend", default="auto", choices=["auto", "xgrammar", "llguidance"],
+                    help="our grammar backend (LLM(backend=...), `serve --backend`): llguidance to compare with a "
+                         "peer serving with it (scripts/device/vllm.sh starts vLLM with guidance)")
     ap.add_argument("--tuning", action="append", default=[], metavar="FIELD=VALUE",
                     help="an EngineTuning field for this run, e.g. prefill_in_graphs=false (in process only)")
     ap.add_argument("--prefill-chunk-tokens", type=int, default=None,
@@ -474,7 +477,7 @@ def main() -> None:
     cfg = EngineConfig(max_batch_size=args.max_batch_size, max_seq_len=4096, tuning=EngineTuning(**tuning), **extra)
     results = Results({k: str(v) for k, v in vars(args).items()}, write=not args.no_write,
                       benchmark="serving_paired" if args.paired else "serving")
-    with LLM(config=cfg) as llm, contextlib.ExitStack() as stack:
+    with LLM(config=cfg, backend=args.backend) as llm, contextlib.ExitStack() as stack:
         workloads = {"json": lambda: json_workload(args.requests, data_dir),
                      "json-one": lambda: json_one_workload(args.requests),
                      "agent": lambda: agent_workload(args.requests, data_dir, llm.tokenizer),
@@ -485,7 +488,7 @@ def main() -> None:
             # The bound of each round on a twin engine (same config, so the same graphs and
             # kernels): stepping the serving engine from this thread between bursts could race
             # its loop thread, which finishes a burst's last step after the callers return.
-            twin = stack.enter_context(LLM(config=cfg)) if on_gpu and not args.no_bound else None
+            twin = stack.enter_context(LLM(config=cfg, backend=args.backend)) if on_gpu and not args.no_bound else None
             bound = functools.partial(decode_bound_tok_per_s, twin, rows) if twin is not None else None
             run_paired(llm, {name: workloads[name]() for name in args.paired.split(",")}, args.bursts, args, bound,
                        results)
@@ -509,11 +512,12 @@ def run_mode(llm: Any, mode: str, workload: str, requests: list[ServingRequest],
         run = inprocess_runner(llm, args.max_tokens)
         for rate in arrivals:
             res = asyncio.run(drive(run, requests, rate, args.timeout))
-            results.add(_row(workload, mode, rate, res, bound))
+            results.add({**_row(workload, mode, rate, res, bound), "backend": args.backend})
         return
     from structgen_server.process import ServerProcess
 
-    server_args = ["--max-batch-size", str(args.max_batch_size), "--max-seq-len", "4096", "--log-level", "warning"]
+    server_args = ["--max-batch-size", str(args.max_batch_size), "--max-seq-len", "4096", "--log-level", "warning",
+                   "--backend", args.backend]
     if mode == "http-fronts":  # the HTTP server in processes of its own
         server_args += ["--front-processes", str(args.front_processes)]
     with ServerProcess([*server_args, *(["--device", args.device] if args.device else [])]) as server:
@@ -524,7 +528,8 @@ def run_mode(llm: Any, mode: str, workload: str, requests: list[ServingRequest],
             res = http_drive(server.url, llm.model_name, requests, rate, args.max_tokens, args.timeout,
                              args.http_clients)
             row = _row(workload, mode, rate, res, bound, http_clients=args.http_clients)
-            results.add({**row, **cpu.spent_since(before, res.wall_s), "server_ttft_mean_ms": first_text.mean_since(timed)})
+            results.add({**row, "backend": args.backend, **cpu.spent_since(before, res.wall_s),
+                         "server_ttft_mean_ms": first_text.mean_since(timed)})
 
 
 class ServerTtft:
