@@ -522,20 +522,24 @@ def run_mode(llm: Any, mode: str, workload: str, requests: list[ServingRequest],
         server_args += ["--front-processes", str(args.front_processes)]
     with ServerProcess([*server_args, *(["--device", args.device] if args.device else [])]) as server:
         assert server.proc is not None
-        cpu, first_text = ServerCpu(server.proc.pid), ServerTtft(server.root, "structgen_stream_first_text_seconds")
+        cpu = ServerCpu(server.proc.pid)
+        first_text = HistogramMean(server.root, "structgen_stream_first_text_seconds")
+        planned = HistogramMean(server.root, "structgen_request_plan_seconds")
         for rate in arrivals:
-            before, timed = cpu.seconds(), first_text.read()
+            before, timed, plans = cpu.seconds(), first_text.read(), planned.read()
             res = http_drive(server.url, llm.model_name, requests, rate, args.max_tokens, args.timeout,
                              args.http_clients)
             row = _row(workload, mode, rate, res, bound, http_clients=args.http_clients)
             results.add({**row, "backend": args.backend, **cpu.spent_since(before, res.wall_s),
-                         "server_ttft_mean_ms": first_text.mean_since(timed)})
+                         "server_ttft_mean_ms": first_text.mean_since(timed),
+                         "server_plan_mean_ms": planned.mean_since(plans)})
 
 
-class ServerTtft:
-    """A server's own mean time to first token over a run, from the `_sum` and `_count` of
-    its Prometheus histogram `name` (every label set added up): ours is
-    `structgen_stream_first_text_seconds` (handler start to first text), vLLM's
+class HistogramMean:
+    """A server's own mean of a Prometheus histogram `name` over a run, from its `_sum` and
+    `_count` (every label set added up). For the time to first token ours is
+    `structgen_stream_first_text_seconds` (handler start to first text; of it,
+    `structgen_request_plan_seconds` is the compile and tokenizer queues), vLLM's
     `vllm:time_to_first_token_seconds` (from the arrival time its input processor gives a
     rendered, tokenized prompt: vllm/v1/engine/input_processor.py). Against the client's mean TTFT it splits the server's time from the
     clients' sending and reading; None where the server exposes no such histogram."""
@@ -672,7 +676,7 @@ def run_peer(peer: str, workload: str, requests: list[ServingRequest], args: arg
              bound: float | None, results: Results) -> None:
     """The same HTTP requests against a peer's OpenAI-compatible server (NAME=URL)."""
     name, _, url = peer.partition("=")
-    ttft = ServerTtft(url.rstrip("/").removesuffix("/v1"), "vllm:time_to_first_token_seconds")
+    ttft = HistogramMean(url.rstrip("/").removesuffix("/v1"), "vllm:time_to_first_token_seconds")
     for a in args.arrivals.split(","):
         rate = _arrival(a)
         timed = ttft.read()

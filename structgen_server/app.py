@@ -164,6 +164,7 @@ async def _serve(state: ServerState, endpoint: str, body: SamplingFields, reques
         if state.stopping:
             raise no_new_requests_error()
         jobs, rc = await plan(state, body)
+        state.metrics.request_planned(time.perf_counter() - t0)
         if body.stream:
             response = await _start_stream(state, endpoint, body, jobs, rc, t0)
             streaming = True  # the stream records its own end

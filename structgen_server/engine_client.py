@@ -226,5 +226,8 @@ class MetricsRelay:
     def record_generation(self, prompt_tokens: int, output_tokens: int, stats: Any = None) -> None:
         self.client.count("record_generation", prompt_tokens, output_tokens, stats)
 
+    def request_planned(self, seconds: float) -> None:
+        self.client.count("request_planned", seconds)
+
     def first_text_sent(self, seconds: float) -> None:
         self.client.count("first_text_sent", seconds)

@@ -32,7 +32,7 @@ log = logging.getLogger("structgen.server")
 # Prepared constraints kept for the fronts' requests that follow their `prepare`: a request
 # submits within milliseconds of it, so only thousands of other schemas in between evict one.
 MAX_PREPARED = 4096
-COUNTED = frozenset({"started", "finished", "rejected", "record_generation", "first_text_sent"})
+COUNTED = frozenset({"started", "finished", "rejected", "record_generation", "request_planned", "first_text_sent"})
 
 
 class EngineHost:

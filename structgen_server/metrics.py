@@ -100,6 +100,7 @@ class Metrics:
         self.latency: dict[str, Histogram] = defaultdict(Histogram)
         self.ttft = Histogram()
         self.first_text = Histogram()
+        self.planned = Histogram()
         self.in_flight = 0
 
     def started(self) -> None:
@@ -134,6 +135,13 @@ class Metrics:
             ttft = getattr(stats, "ttft_s", 0.0)
             if ttft:
                 self.ttft.observe(ttft)
+
+    def request_planned(self, seconds: float) -> None:
+        """A request's jobs planned, `seconds` after its handler started: its output type
+        compiled and its prompts tokenized (the compile and tokenizer queues); what is left of
+        `first_text_sent` is the engine's (batch slots, prefill, first step)."""
+        with self._lock:
+            self.planned.observe(seconds)
 
     def first_text_sent(self, seconds: float) -> None:
         """A streamed request's first text, `seconds` after its handler started: what a client
@@ -178,4 +186,8 @@ class Metrics:
                       "text sent (compile, tokenizing and batch-slot queues included).",
                       "# TYPE structgen_stream_first_text_seconds histogram"]
             lines += self.first_text.lines("structgen_stream_first_text_seconds", m)
+            lines += ["# HELP structgen_request_plan_seconds Handler start to the request planned: output type "
+                      "compiled and prompts tokenized (compile and tokenizer queues included).",
+                      "# TYPE structgen_request_plan_seconds histogram"]
+            lines += self.planned.lines("structgen_request_plan_seconds", m)
         return "\n".join(lines) + "\n"

@@ -63,20 +63,21 @@ def server():
         yield s
 
 
-def test_a_streams_first_text_is_timed_in_the_engine_process_whichever_front_sends_it(server):
-    def counted() -> int:
+def test_a_streams_plan_and_first_text_are_timed_in_the_engine_process_whichever_front_sends_it(server):
+    def counted(name: str = "structgen_stream_first_text_seconds") -> int:
         with httpx.Client(timeout=10) as fresh:
             text = fresh.get(f"{server.root}/metrics").text
-        line = next(x for x in text.splitlines() if x.startswith("structgen_stream_first_text_seconds_count"))
+        line = next(x for x in text.splitlines() if x.startswith(f"{name}_count"))
         return int(line.rsplit(" ", 1)[1])
 
-    before = counted()
+    before, planned = counted(), counted("structgen_request_plan_seconds")
     for _ in range(3):  # each on a new connection: any front may serve it
         with httpx.Client(timeout=120) as fresh, fresh.stream(
                 "POST", f"{server.url}/chat/completions", json={**PERSON, "stream": True}) as r:
             assert r.status_code == 200
             r.read()
     wait_for(lambda: counted() == before + 3, 10, "three first texts counted")
+    wait_for(lambda: counted("structgen_request_plan_seconds") == planned + 3, 10, "three plans counted")
 
 
 def test_a_json_answer_and_its_stream_agree_and_validate(server):

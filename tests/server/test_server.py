@@ -470,19 +470,19 @@ def test_json_schema_strict_follows_openai(server_url: str) -> None:
     assert closed.strict
 
 
-def first_text_metric(server_url: str) -> tuple[int, float]:
-    """The count and sum of `structgen_stream_first_text_seconds`."""
+def histogram_metric(server_url: str, name: str = "structgen_stream_first_text_seconds") -> tuple[int, float]:
+    """The count and sum of the server's histogram `name`."""
     text = httpx.get(server_url.removesuffix("/v1") + "/metrics").text
-    count = re.search(r"^structgen_stream_first_text_seconds_count\{.*\} (\d+)$", text, re.M)
-    total = re.search(r"^structgen_stream_first_text_seconds_sum\{.*\} ([0-9.]+)$", text, re.M)
+    count = re.search(rf"^{name}_count\{{.*\}} (\d+)$", text, re.M)
+    total = re.search(rf"^{name}_sum\{{.*\}} ([0-9.]+)$", text, re.M)
     assert count and total, text[-2000:]
     return int(count.group(1)), float(total.group(1))
 
 
 def test_a_streams_first_text_is_timed_once_from_the_servers_side(server_url: str, client: openai.OpenAI) -> None:
-    count, total = first_text_metric(server_url)
+    count, total = histogram_metric(server_url)
     chat(client, "Hi", max_tokens=4)  # not streamed: no first text to time
-    assert first_text_metric(server_url)[0] == count
+    assert histogram_metric(server_url)[0] == count
     t0 = time.perf_counter()
     chunks = chat(client, "Say hi as JSON.", max_tokens=12, stream=True,
                   response_format={"type": "json_object"})
@@ -490,9 +490,29 @@ def test_a_streams_first_text_is_timed_once_from_the_servers_side(server_url: st
     waited = time.perf_counter() - t0
     assert first.choices[0].delta.content
     list(chunks)
-    after, after_total = first_text_metric(server_url)
+    after, after_total = histogram_metric(server_url)
     assert after == count + 1
     assert 0 < after_total - total <= waited  # the server's share of what the client waited
+
+
+def test_a_requests_planning_is_timed_within_its_first_text(server_url: str, client: openai.OpenAI) -> None:
+    plans, plan_total = histogram_metric(server_url, "structgen_request_plan_seconds")
+    firsts, first_total = histogram_metric(server_url)
+    chat(client, "Hi", max_tokens=4)  # not streamed: planned all the same
+    assert histogram_metric(server_url, "structgen_request_plan_seconds")[0] == plans + 1
+    plans, plan_total = histogram_metric(server_url, "structgen_request_plan_seconds")
+    schema = {"type": "object", "properties": {"planned": {"type": "integer"}}, "required": ["planned"]}
+    list(chat(client, "Say a number as JSON.", max_tokens=12, stream=True,
+              response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}))
+    after, after_total = histogram_metric(server_url, "structgen_request_plan_seconds")
+    first_after, first_after_total = histogram_metric(server_url)
+    assert after == plans + 1 and first_after == firsts + 1
+    # a new schema's compile is in its plan, and the plan is part of the first text's wait
+    assert 0 < after_total - plan_total < first_after_total - first_total
+    bad = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+           "response_format": {"type": "json_schema", "json_schema": {"name": "b", "schema": {"type": "nope"}}}}
+    assert httpx.post(server_url + "/chat/completions", json=bad).status_code == 400
+    assert histogram_metric(server_url, "structgen_request_plan_seconds")[0] == after  # refused: never planned
 
 
 def test_metrics_count_requests_and_tokens(server_url: str, client: openai.OpenAI) -> None:
