@@ -36,6 +36,7 @@ from structgen.errors import (
     UnsupportedSchemaError,
     UnsupportedTypeError,
 )
+from structgen.schema.metaschema import metaschema
 
 ConstraintKind = Literal["json_schema", "regex", "grammar", "text"]
 
@@ -461,7 +462,7 @@ def _is_number(value: Any) -> typing.TypeGuard[float]:
 def _check_schema(validator_cls: Any, schema: dict[str, Any]) -> None:
     """The metaschema check, less one rule: an `enum` listing a value twice (draft 4 forbids
     it, later drafts only advise against it; it changes nothing, MaskBench Github_ultra 3)."""
-    meta = validator_cls(validator_cls.META_SCHEMA)
+    meta = validator_cls(metaschema(validator_cls))  # 2020-12's merged: the same check, faster
     errors = [
         e for e in meta.iter_errors(schema)
         if not (e.validator == "uniqueItems" and e.path and e.path[-1] == "enum")
