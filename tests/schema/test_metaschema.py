@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import random
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,17 @@ V = jsonschema.Draft202012Validator
 def best_error(meta: dict[str, Any], schema: Any) -> tuple[tuple[Any, ...], str] | None:
     error = jsonschema.exceptions.best_match(V(meta).iter_errors(schema))
     return None if error is None else (tuple(error.path), error.message)
+
+
+def objects(node: Any) -> Iterator[dict[str, Any]]:
+    """Every JSON object in `node`, itself first."""
+    if isinstance(node, dict):
+        yield node
+        for value in node.values():
+            yield from objects(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from objects(value)
 
 
 def same_verdict(schema: Any) -> tuple[tuple[Any, ...], str] | None:
@@ -76,19 +88,10 @@ def test_a_valid_schema_is_accepted_alike(schema: Any) -> None:
 
 
 def test_the_merged_metaschema_has_no_dynamic_references() -> None:
-    merged, refs = metaschema(V), []
-
-    def walk(node: Any) -> None:
-        if isinstance(node, dict):
-            assert node.get("$dynamicRef") != "#meta"
-            refs.append(node.get("$ref", "#"))
-            for value in node.values():
-                walk(value)
-        elif isinstance(node, list):
-            for value in node:
-                walk(value)
-
-    walk(merged)
+    merged = metaschema(V)
+    nodes = list(objects(merged))
+    assert all(node.get("$dynamicRef") != "#meta" for node in nodes)
+    refs = [node.get("$ref", "#") for node in nodes]
     assert "allOf" not in merged and all(isinstance(r, dict) or r.startswith("#") for r in refs)
     assert "#" in refs and "#/$defs/schemaArray" in refs  # every reference local, to one document
     assert metaschema(jsonschema.Draft7Validator) is jsonschema.Draft7Validator.META_SCHEMA
@@ -102,19 +105,7 @@ def test_to_constraint_names_the_bad_keyword() -> None:
 def _mutated(schema: dict[str, Any], rng: random.Random) -> dict[str, Any]:
     """`schema` with one keyword of one of its objects set to a value of another type."""
     schema = copy.deepcopy(schema)
-    nodes: list[dict[str, Any]] = []
-
-    def walk(node: Any) -> None:
-        if isinstance(node, dict):
-            nodes.append(node)
-            for value in node.values():
-                walk(value)
-        elif isinstance(node, list):
-            for value in node:
-                walk(value)
-
-    walk(schema)
-    node = rng.choice(nodes)
+    node = rng.choice(list(objects(schema)))
     if node:
         node[rng.choice(list(node))] = rng.choice([123, "x", [], {}, -1, 1.5, None, True, [1], {"a": 1}])
     return schema
