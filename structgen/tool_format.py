@@ -23,6 +23,7 @@ so the HTTP server and the in-process `structgen.tools` share it.
 
 from __future__ import annotations
 
+import functools
 import json
 import uuid
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from typing import Any, Literal
 import jsonschema
 
 from structgen.errors import InvalidConstraintError, OutputValidationError
+from structgen.schema.metaschema import metaschema, validator_class
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
@@ -128,9 +130,29 @@ def check_tools(tools: list[dict[str, Any]]) -> None:
         if not isinstance(params, dict):
             raise InvalidConstraintError(f"tool {name!r}: parameters must be a JSON Schema object")
         try:
-            jsonschema.validators.validator_for(params).check_schema(params)
-        except jsonschema.SchemaError as e:
-            raise InvalidConstraintError(f"tool {name!r}: invalid parameters schema: {e.message}") from e
+            error = _parameters_error(json.dumps(params))
+        except (TypeError, ValueError):  # not JSON text: checked as it is, uncached
+            error = _schema_error(params)
+        if error is not None:
+            raise InvalidConstraintError(f"tool {name!r}: invalid parameters schema: {error}")
+
+
+@functools.lru_cache(maxsize=1024)
+def _parameters_error(params_json: str) -> str | None:
+    """`_schema_error` by the schema's JSON text: an agent sends the same tools every turn, and
+    the check costs about a millisecond a tool (the VM)."""
+    return _schema_error(json.loads(params_json))
+
+
+def _schema_error(schema: dict[str, Any]) -> str | None:
+    """What `check_schema` of the schema's draft says is wrong with it (formats checked: a
+    `pattern` must be a regex), against the metaschema in its faster form (schema/metaschema.py)."""
+    try:
+        cls = validator_class(schema)
+    except InvalidConstraintError as e:
+        return str(e)
+    error = next(cls(metaschema(cls), format_checker=cls.FORMAT_CHECKER).iter_errors(schema), None)
+    return None if error is None else error.message
 
 
 # --------------------------------------------------------------------------- constraint

@@ -36,7 +36,7 @@ from structgen.errors import (
     UnsupportedSchemaError,
     UnsupportedTypeError,
 )
-from structgen.schema.metaschema import metaschema
+from structgen.schema.metaschema import metaschema, validator_class
 
 ConstraintKind = Literal["json_schema", "regex", "grammar", "text"]
 
@@ -313,9 +313,7 @@ def _json_schema_constraint(schema: dict[str, Any] | bool | str, strict: bool) -
         raise InvalidConstraintError(
             f"a JSON schema must be an object (or true), got {type(schema).__name__}: {schema!r:.80}"
         )
-    validator_cls = jsonschema.validators.validator_for(
-        schema, default=jsonschema.Draft202012Validator
-    )
+    validator_cls = validator_class(schema)
     _check_schema(validator_cls, schema)
     from structgen.schema.instance_check import instance_check
     from structgen.schema.keywords import unresolved_refs

@@ -542,3 +542,32 @@ def test_run_tools_feeds_errors_timeouts_and_cut_results_of_a_turn_in_call_order
     assert time.monotonic() - start < 4.5
     assert [m["content"] for m in run.messages[2:4]] == ["error: ToolTimeoutError: tool 'lookup' did not return within 0.8 s",
                                                          "Rome"]
+
+
+# --------------------------------------------------------------------------- parameter schemas
+
+
+def _function(name: str, params: object) -> dict[str, object]:
+    return {"type": "function", "function": {"name": name, "parameters": params}}
+
+
+@pytest.mark.parametrize(("params", "says"), [
+    ({"type": "object", "properties": {"a": {"type": "nope"}}}, "'nope' is not valid under any of the given schemas"),
+    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "("}}}, "'(' is not a 'regex'"),
+    ({"type": "object", "properties": {"a": {"minLength": -1}}}, "-1 is less than the minimum of 0"),
+    ({"$schema": True, "type": "object"}, "$schema must be the URI of a JSON Schema draft"),
+    ({"$schema": "http://json-schema.org/draft-07/schema#", "properties": {"a": {"required": "b"}}},
+     "'b' is not of type 'array'"),
+])
+def test_a_tools_bad_parameters_schema_is_refused_naming_the_tool(params: dict, says: str) -> None:
+    for _ in range(2):  # the second answer comes from the check's cache: the same refusal
+        with pytest.raises(InvalidConstraintError, match=r"tool 'lookup': invalid parameters schema: ") as info:
+            tool_format.check_tools([_function("ok", {"type": "object"}), _function("lookup", params)])
+        assert says in str(info.value)
+
+
+def test_tools_parameters_that_are_not_json_text_are_still_checked() -> None:
+    bad = {"type": "object", "properties": {"a": {"type": "nope"}}, "default": {1, 2}}  # a set: no JSON text
+    with pytest.raises(InvalidConstraintError, match="'nope' is not valid"):
+        tool_format.check_tools([_function("f", bad)])
+    tool_format.check_tools([_function("f", {"type": "object", "examples": [{1, 2}]})])

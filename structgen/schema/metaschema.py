@@ -7,8 +7,9 @@ jsonschema resolves every one of those dynamically, by URI, at every subschema, 
 check about a fifth of `to_constraint`'s time on MaskBench schemas (168 ms of ~760 for 120 on
 the 2-core VM). Their properties and `$defs` have distinct names, so merged into one schema
 with plain `$ref: "#"` they accept and refuse the same schemas, at the same paths, with the same
-messages (tests/test_metaschema.py compares both over MaskBench); about 5x faster. Other
-drafts keep their own metaschema.
+messages (tests/schema/test_metaschema.py compares both over MaskBench); about 5x faster.
+Other drafts keep their own metaschema. `validator_class` picks a schema's draft, refusing a
+`$schema` that is not text (jsonschema's lookup raises AttributeError on it).
 """
 
 from __future__ import annotations
@@ -20,7 +21,20 @@ from typing import Any
 import jsonschema
 from jsonschema_specifications import REGISTRY
 
+from structgen.errors import InvalidConstraintError
+
 _DRAFT_2020_12 = "https://json-schema.org/draft/2020-12/"
+
+
+def validator_class(schema: dict[str, Any]) -> Any:
+    """The jsonschema validator class of the draft `schema`'s `$schema` names (2020-12 where it
+    names none, or one jsonschema does not know). A `$schema` that is not text is refused here:
+    jsonschema's lookup would fail on it with an AttributeError."""
+    declared = schema.get("$schema")
+    if declared is not None and not isinstance(declared, str):
+        raise InvalidConstraintError(
+            f"$schema must be the URI of a JSON Schema draft, as a string; got {declared!r:.60}")
+    return jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
 
 
 def metaschema(validator_cls: Any) -> dict[str, Any]:

@@ -91,7 +91,9 @@ def normalize_exact(schema: Any) -> tuple[Any, bool]:
 def _normalize(schema: Any, tighten: bool) -> tuple[Any, int]:
     import jsonschema
 
-    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    from structgen.schema.metaschema import validator_class
+
+    cls = validator_class(schema) if isinstance(schema, dict) else jsonschema.Draft202012Validator
     old_drafts = (
         jsonschema.Draft3Validator,
         jsonschema.Draft4Validator,

@@ -123,3 +123,9 @@ def test_maskbench_schemas_get_the_same_verdicts(maskbench_dir: Path) -> None:
     assert len(schemas) > 300
     refused = sum(same_verdict(s) is not None for s in schemas + [_mutated(s, rng) for s in schemas])
     assert refused > len(schemas) // 4  # the mutations are mostly refused: both sides were exercised
+
+
+@pytest.mark.parametrize("declared", [True, 5, ["https://json-schema.org/draft/2020-12/schema"], {"a": 1}])
+def test_a_schema_whose_schema_keyword_is_not_text_is_refused_by_name(declared: Any) -> None:
+    with pytest.raises(InvalidConstraintError, match=r"\$schema must be the URI of a JSON Schema draft, as a string"):
+        to_constraint({"$schema": declared, "type": "object"})

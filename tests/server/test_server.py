@@ -515,6 +515,19 @@ def test_a_requests_planning_is_timed_within_its_first_text(server_url: str, cli
     assert histogram_metric(server_url, "structgen_request_plan_seconds")[0] == after  # refused: never planned
 
 
+def test_a_schema_or_tool_parameters_jsonschema_cannot_read_are_a_400(server_url: str) -> None:
+    base = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+    schema = {"$schema": True, "type": "object"}  # jsonschema's own draft lookup fails on it
+    for body, param in [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}, "response_format"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}], "tool_choice": "required"},
+         "tools"),
+    ]:
+        r = httpx.post(server_url + "/chat/completions", json={**base, **body})
+        assert r.status_code == 400, r.text
+        assert "$schema must be the URI of a JSON Schema draft" in r.json()["error"]["message"], param
+
+
 def test_metrics_count_requests_and_tokens(server_url: str, client: openai.OpenAI) -> None:
     chat(client, "Hi", max_tokens=4)
     chat(client, "Hi", max_tokens=4)  # the same prompt again: its first pages come from the prefix cache
