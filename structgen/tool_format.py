@@ -23,9 +23,11 @@ so the HTTP server and the in-process `structgen.tools` share it.
 
 from __future__ import annotations
 
-import functools
+import hashlib
 import json
+import threading
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -129,19 +131,41 @@ def check_tools(tools: list[dict[str, Any]]) -> None:
         params = parameters_of(tool)
         if not isinstance(params, dict):
             raise InvalidConstraintError(f"tool {name!r}: parameters must be a JSON Schema object")
-        try:
-            error = _parameters_error(json.dumps(params))
-        except (TypeError, ValueError):  # not JSON text: checked as it is, uncached
-            error = _schema_error(params)
+        error = _KNOWN_VALID.error(params)
         if error is not None:
             raise InvalidConstraintError(f"tool {name!r}: invalid parameters schema: {error}")
 
 
-@functools.lru_cache(maxsize=1024)
-def _parameters_error(params_json: str) -> str | None:
-    """`_schema_error` by the schema's JSON text: an agent sends the same tools every turn, and
-    the check costs about a millisecond a tool (the VM)."""
-    return _schema_error(json.loads(params_json))
+class _KnownValid:
+    """Parameter schemas that passed the check, by a digest of their JSON text: an agent sends
+    the same tools every turn, and the check costs about a millisecond a tool (the VM). Only
+    digests are kept, and only of valid schemas, so no request can make it hold more than
+    `size` x 16 bytes; refusals are checked anew."""
+
+    def __init__(self, size: int = 4096):
+        self.size = size
+        self._digests: OrderedDict[bytes, None] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def error(self, schema: dict[str, Any]) -> str | None:
+        try:
+            key = hashlib.blake2b(json.dumps(schema).encode(), digest_size=16).digest()
+        except (TypeError, ValueError):  # not JSON text: checked as it is, not kept
+            return _schema_error(schema)
+        with self._lock:
+            if key in self._digests:
+                self._digests.move_to_end(key)
+                return None
+        error = _schema_error(schema)
+        if error is None:
+            with self._lock:
+                self._digests[key] = None
+                while len(self._digests) > self.size:
+                    self._digests.popitem(last=False)
+        return error
+
+
+_KNOWN_VALID = _KnownValid()
 
 
 def _schema_error(schema: dict[str, Any]) -> str | None:

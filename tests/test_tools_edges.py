@@ -571,3 +571,14 @@ def test_tools_parameters_that_are_not_json_text_are_still_checked() -> None:
     with pytest.raises(InvalidConstraintError, match="'nope' is not valid"):
         tool_format.check_tools([_function("f", bad)])
     tool_format.check_tools([_function("f", {"type": "object", "examples": [{1, 2}]})])
+
+
+def test_the_parameters_check_keeps_only_digests_of_valid_schemas_and_at_most_its_size() -> None:
+    known = tool_format._KnownValid(size=2)
+    valid = [{"type": "object", "properties": {f"p{i}": {"type": "string", "description": "x" * 10_000}}}
+             for i in range(3)]
+    for schema in valid:
+        assert known.error(schema) is None
+    assert known.error({"type": "nope"}) is not None
+    assert len(known._digests) == 2 and all(len(k) == 16 for k in known._digests)  # the last two, digests only
+    assert known.error(valid[2]) is None and known.error({"type": "nope"}) is not None
