@@ -1,5 +1,6 @@
 """Native sources, shipped as package data and compiled lazily on first use (never at install):
-`grammar_step.cpp`, the CPU pool of xgrammar mask fills (grammar/native.py), `quant_matmul.cpp`,
+`grammar_step.cpp`, the CPU pool of xgrammar mask fills (grammar/native.py), `grammar_lengths.cpp`,
+the rules' shortest outputs (grammar/termination.py), `quant_matmul.cpp`,
 the CPU products with GGUF-packed weights (engine/kernels/cpu_quant.py) and the CPU decode
 step built on them (engine/kernels/cpu_decode.py), and `hostfunc.cpp`,
 `mask.cu`, `gate.cu`, the CUDA extension (engine/kernels/csrc_ext.py). The loaders find their

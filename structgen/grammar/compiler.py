@@ -30,7 +30,7 @@ from structgen.grammar.backends.base import CompiledGrammar, GrammarBackend
 from structgen.grammar.compile_pool import CompilePool
 from structgen.grammar.large_stack import call_on_large_stack
 from structgen.grammar.native import MAX_GRAMMAR_THREADS
-from structgen.grammar.termination import analyse, check_not_empty
+from structgen.grammar.termination import analyse, check_not_empty, native_library
 from structgen.sampling import check_int, check_number
 from structgen.schema import keywords
 from structgen.schema.budget import CompileBudget, check_budget, current_budget, within
@@ -99,6 +99,7 @@ class GrammarCompiler:
         self.limits = limits
         self.compile_timeout = compile_timeout
         self._pool = CompilePool(self, workers, max_queued)
+        native_library()  # built now (a second, once per machine), not in a burst's first compiles
 
     def submit(
         self, output: Constraint | Any, backend: str | None = None, *, strict: bool = True

@@ -8,15 +8,24 @@ finish, and xgrammar's jump-forward follows its forced text without end. `check_
 refuses such grammars at compile time. The same lengths bound jump-forward: the text a grammar
 forces is a prefix of every way to finish, so of the shortest one, which the longest shortest
 alternative (`GrammarLengths.longest_alternative`) bounds for each open rule.
+
+The fixpoint runs in C++ (csrc/grammar_lengths.cpp) without the GIL, which a burst of new
+schemas' compiles otherwise queue on; the Python one here is its reference and fallback.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import heapq
 import json
+import logging
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from structgen.csrc import build_library
 from structgen.errors import EngineError, UnsatisfiableConstraintError
 from structgen.grammar.backends.base import FORCED_TEXT_MAX_BYTES, allocate_bitmask, count_allowed
 from structgen.schema.budget import check_budget
@@ -25,6 +34,8 @@ from structgen.schema.keywords import resolve_ref
 if TYPE_CHECKING:
     from structgen.grammar.backends.base import CompiledGrammar
     from structgen.types import Constraint
+
+log = logging.getLogger("structgen.grammar")
 
 NEVER = 1 << 40  # "no finite output": lengths saturate here, so no big integers are built
 _MAX_CODEPOINT = 0x10FFFF
@@ -36,7 +47,7 @@ _BYTES, _CLASS, _CLASS_STAR, _EMPTY, _RULE_REF, _SEQUENCE, _CHOICES, _TAG_DISPAT
 class GrammarLengths:
     """Per rule, the length in bytes of its shortest output (`NEVER`: it has none)."""
 
-    names: list[str]
+    names: list[str]  # empty where computed natively (no rule is stuck there)
     shortest: list[int]
     reachable: list[int]  # rule ids reachable from the root, root first
     longest_alternative: int  # the most bytes any alternative of a reachable rule needs at least
@@ -83,13 +94,64 @@ class _Exprs:
 
 def grammar_lengths(grammar: Any) -> GrammarLengths:
     """The shortest output of every rule of an `xgrammar.Grammar`, by fixpoint iteration (a rule
-    is finite once one alternative has only finite parts; lengths only shrink)."""
-    g = _Exprs(grammar.serialize_json())
+    is finite once one alternative has only finite parts; lengths only shrink): natively where
+    the library builds (`_native_lengths`), else (and to name the rules that never end) here."""
+    serialized = grammar.serialize_json()
+    lengths = _native_lengths(serialized)
+    return lengths if lengths is not None else _python_lengths(serialized)
+
+
+def _python_lengths(serialized: str) -> GrammarLengths:
+    g = _Exprs(serialized)
     shortest = _shortest_lengths(g)
     reachable = _reachable(g)
     longest = max((_longest_alternative(g, g.body(r), shortest) for r in reachable), default=0)
     names = [rule[0] for rule in g.rules]
     return GrammarLengths(names, shortest, reachable, longest)
+
+
+@functools.cache
+def native_library() -> Any:
+    """`sg_grammar_lengths` of structgen/csrc/grammar_lengths.cpp, built on first use; None
+    (logged once) where it cannot be built or `STRUCTGEN_DISABLE_NATIVE=1`."""
+    if os.environ.get("STRUCTGEN_DISABLE_NATIVE") == "1":
+        return None
+
+    def commands(compiler: str, source: Path, output: Path) -> list[list[str]]:
+        return [[compiler, "-O2", "-std=c++17", "-shared", "-fPIC", str(source), "-o", str(output)]]
+
+    try:
+        function = ctypes.CDLL(str(build_library("grammar_lengths.cpp", commands))).sg_grammar_lengths
+    except Exception as exc:  # no compiler: the Python fixpoint, which holds the GIL
+        log.warning("native grammar lengths unavailable (%s); computing them in Python", exc)
+        return None
+    int64_p = ctypes.POINTER(ctypes.c_int64)
+    function.argtypes = [ctypes.c_char_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, int64_p, int64_p,
+                         int64_p, int64_p]
+    function.restype = ctypes.c_int64
+    return function
+
+
+def _native_lengths(serialized: str) -> GrammarLengths | None:
+    """`_python_lengths` without the GIL, for a grammar whose reachable rules all end (names left
+    out: they only say which rules never end, and the Python path answers then); None where one
+    does not, the library is not built, it reads no grammar in `serialized`, or it would run past
+    its work limit (the Python path runs under the compile budget)."""
+    function = native_library()
+    if function is None:
+        return None
+    text = serialized.encode()
+    cap = len(text) // 16 + 16  # a rule takes more than 16 bytes of the text
+    shortest, reachable = (ctypes.c_int64 * cap)(), (ctypes.c_int64 * cap)()
+    n_reachable, longest = ctypes.c_int64(), ctypes.c_int64()
+    # evaluations allowed: a grammar's fixpoint reads each expression a few times, and this many
+    # take tens of milliseconds (the call cannot be stopped by the compile budget)
+    max_visits = 4 * len(text) + 1_000_000
+    rules = function(text, len(text), cap, max_visits, shortest, reachable, ctypes.byref(n_reachable),
+                     ctypes.byref(longest))
+    if rules < 0 or any(shortest[r] >= NEVER for r in reachable[: n_reachable.value]):
+        return None
+    return GrammarLengths([], shortest[:rules], reachable[: n_reachable.value], longest.value)
 
 
 def _shortest_lengths(g: _Exprs) -> list[int]:
