@@ -341,6 +341,7 @@ def run_server(
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     llm = LLM(model, backend=backend, config=config)
     log.info("loaded %s in %.1fs", llm.model_name, getattr(llm, "load_time_s", 0.0))
+    llm.grammars.warm_up()  # not in the first requests' compiles
     if allowed_hosts is None:
         hosts = default_allowed_hosts(host, port)
     else:

@@ -195,6 +195,21 @@ def test_model_vocab_larger_than_tokenizer(model_dir, tokenizer, backend):
     assert not m.accept_token(vocab - 1)
 
 
+@pytest.mark.parametrize("backend", ["auto", "llguidance"])
+def test_warm_up_builds_what_the_first_compiles_would(tokenizer, backend):
+    from structgen.schema import charsets
+
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id], backend=backend)
+    assert compiler._backends == {}  # built on first use, unless warmed up
+    charsets.category.cache_clear()
+    compiler.warm_up()
+    assert set(compiler._backends) == ({"xgrammar", "llguidance"} if backend == "auto" else {"llguidance"})
+    assert charsets.category.cache_info().currsize == 3  # \d, \w and \s
+    adapters = dict(compiler._backends)
+    compiler.compile(to_constraint(Person))
+    assert compiler._backends == adapters  # the same adapters serve the compiles
+
+
 def test_fill_bitmasks_batch_equals_one_by_one(grammar_compiler, tokenizer):
     vocab = grammar_compiler.vocab_size
     constraints = [to_constraint(Person), to_constraint(int), to_constraint(Choice(["a", "b"]))]
