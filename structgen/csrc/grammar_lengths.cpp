@@ -230,7 +230,7 @@ struct Grammar {
         if (low <= 0) return 0;
         return each >= NEVER / low ? NEVER : std::min(NEVER, low * each);
       }
-      default: return 0;  // empty string, a class star, a tag dispatch: may end at once
+      default: return 0;  // empty string, a class star, a tag dispatch, later kinds: may end at once
     }
   }
 };

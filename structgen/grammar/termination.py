@@ -39,7 +39,10 @@ log = logging.getLogger("structgen.grammar")
 
 NEVER = 1 << 40  # "no finite output": lengths saturate here, so no big integers are built
 _MAX_CODEPOINT = 0x10FFFF
-# xgrammar's expression types (`Grammar::Impl::GrammarExprType`, serialized as the first int)
+# xgrammar's expression types (`Grammar::Impl::GrammarExprType`, serialized as the first int).
+# Those after these (tokens, a token dispatch, a regex or substring rule body: xgrammar 0.2.9
+# compiles a JSON schema's `pattern` to a regex body) are read as "may end at once": a lower
+# bound, so they never get a grammar refused, and the forced-text bound counts them as empty.
 _BYTES, _CLASS, _CLASS_STAR, _EMPTY, _RULE_REF, _SEQUENCE, _CHOICES, _TAG_DISPATCH, _REPEAT = range(9)
 
 
@@ -195,7 +198,7 @@ def _shortest(g: _Exprs, expr_id: int, rules: list[int]) -> int:
     if kind == _REPEAT:
         rule, low = args[0], args[1]
         return 0 if low <= 0 else min(NEVER, low * rules[rule])
-    return 0  # empty string, a class star, a tag dispatch (free text): may end at once
+    return 0  # empty string, a class star, a tag dispatch (free text), the kinds after _REPEAT: may end at once
 
 
 def _longest_alternative(g: _Exprs, expr_id: int, rules: list[int]) -> int:
