@@ -23,8 +23,10 @@ so the HTTP server and the in-process `structgen.tools` share it.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import re
 import threading
 import uuid
 from collections import OrderedDict
@@ -35,6 +37,7 @@ import jsonschema
 
 from structgen.errors import InvalidConstraintError, OutputValidationError
 from structgen.schema.metaschema import metaschema, validator_class
+from structgen.schema.python_patterns import python_pattern
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
@@ -175,8 +178,18 @@ def _schema_error(schema: dict[str, Any]) -> str | None:
         cls = validator_class(schema)
     except InvalidConstraintError as e:
         return str(e)
-    error = next(cls(metaschema(cls), format_checker=cls.FORMAT_CHECKER).iter_errors(schema), None)
+    error = next(cls(metaschema(cls), format_checker=_format_checker(cls)).iter_errors(schema), None)
     return None if error is None else error.message
+
+
+@functools.cache
+def _format_checker(cls: Any) -> jsonschema.FormatChecker:
+    """The draft's format checker, with "regex" as the outputs' check reads a pattern: ECMA's
+    named groups included (schema/python_patterns.py)."""
+    checker = jsonschema.FormatChecker(formats=())
+    checker.checkers = dict(cls.FORMAT_CHECKER.checkers)
+    checker.checks("regex", raises=re.error)(python_pattern)
+    return checker
 
 
 # --------------------------------------------------------------------------- constraint

@@ -317,6 +317,7 @@ def _json_schema_constraint(schema: dict[str, Any] | bool | str, strict: bool) -
     _check_schema(validator_cls, schema)
     from structgen.schema.instance_check import instance_check
     from structgen.schema.keywords import unresolved_refs
+    from structgen.schema.python_patterns import python_patterns
 
     broken = unresolved_refs(schema)
     if broken:
@@ -324,12 +325,13 @@ def _json_schema_constraint(schema: dict[str, Any] | bool | str, strict: bool) -
         raise InvalidConstraintError(f"JSON schema $ref {ref!r} at {where} points nowhere")
     _warn_unknown_keywords(schema)
     _check_bounds(schema)
+    checked = python_patterns(schema)  # the outputs' check reads its patterns with Python's re
     generated, tightened, relaxed = _generation_schema(schema, strict)
-    validator = validator_cls(schema)
+    validator = validator_cls(checked)
     # jsonschema walks the schema anew for each output: a compiled check says "valid" first
     # where it covers the schema; jsonschema decides the rest, with the message
     # (docs/performance.md, "Serving under load").
-    check = instance_check(schema, validator_cls)
+    check = instance_check(checked, validator_cls)
 
     def parse(text: str) -> Any:
         value = json.loads(text)

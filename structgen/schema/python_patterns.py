@@ -1,0 +1,92 @@
+"""A schema's patterns in the dialect of Python's `re`, with which jsonschema checks outputs.
+
+JSON Schema's patterns are ECMA-262 regexes, and so the grammar backends read them. Python's
+`re` spells one common construct otherwise, a named group: `(?<year>...)` is `(?P<year>...)`
+there, and is rewritten so for the check. A pattern `re` cannot read at all (`\\p{Lu}`,
+`\\u{1F600}`) is refused when the schema is built, naming where, rather than failing every output
+that reaches it.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from structgen.errors import UnsupportedSchemaError
+from structgen.schema.keywords import map_subschemas, walk
+
+_CONTAINERS = ("$defs", "definitions")
+
+
+def python_pattern(pattern: str) -> str:
+    """`pattern` as Python's `re` reads it; raises `re.error` where it cannot."""
+    translated = _named_groups(pattern) if "(?<" in pattern else pattern
+    re.compile(translated)
+    return translated
+
+
+def python_patterns(schema: dict[str, Any]) -> dict[str, Any]:
+    """`schema` with its patterns (`pattern`, `patternProperties`' names) as `python_pattern`
+    writes them: the same object where none needs it. Raises `UnsupportedSchemaError` naming
+    the first pattern, in document order, that Python's `re` cannot read."""
+    rewrite = False
+    for node, path in walk(schema):
+        for where, pattern in _patterns(node, path):
+            try:
+                rewrite |= python_pattern(pattern) != pattern
+            except re.error as e:
+                raise UnsupportedSchemaError(
+                    f"the JSON schema's pattern {pattern!r} at {where} uses regex syntax Python's re cannot "
+                    f"read ({e}), and every output is checked against the schema with it; write it in "
+                    "syntax both read (e.g. [A-Z] for \\p{Lu})", keyword="pattern", path=where) from e
+    return _rewritten(schema) if rewrite else schema
+
+
+def _patterns(node: dict[str, Any], path: str) -> list[tuple[str, str]]:
+    found = [(f"{path}/pattern", node["pattern"])] if isinstance(node.get("pattern"), str) else []
+    names = node.get("patternProperties")
+    if isinstance(names, dict):
+        found += [(f"{path}/patternProperties", name) for name in names]
+    return found
+
+
+def _rewritten(node: Any) -> Any:
+    if not isinstance(node, dict):
+        return node
+    out = map_subschemas(node, _rewritten, containers=_CONTAINERS)
+    if isinstance(out.get("pattern"), str):
+        out["pattern"] = _readable(out["pattern"])
+    if isinstance(out.get("patternProperties"), dict):
+        out["patternProperties"] = {_readable(name): sub for name, sub in out["patternProperties"].items()}
+    return out
+
+
+def _readable(pattern: str) -> str:
+    """`python_pattern`, or the pattern as it is where there is none (an unused definition)."""
+    try:
+        return python_pattern(pattern)
+    except re.error:
+        return pattern
+
+
+def _named_groups(pattern: str) -> str:
+    """`(?<name>` written `(?P<name>`, outside character classes and escapes; lookbehinds kept."""
+    out: list[str] = []
+    i, in_class = 0, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            out.append(pattern[i : i + 2])
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+        elif pattern.startswith("(?<", i) and pattern[i + 3 : i + 4] not in ("=", "!"):
+            out.append("(?P<")
+            i += 3
+            continue
+        out.append(c)
+        i += 1
+    return "".join(out)
