@@ -179,7 +179,9 @@ def _schema_error(schema: dict[str, Any]) -> str | None:
     except InvalidConstraintError as e:
         return str(e)
     error = next(cls(metaschema(cls), format_checker=_format_checker(cls)).iter_errors(schema), None)
-    return None if error is None else error.message
+    if error is None:
+        return None
+    return f"{error.message} (at #/{'/'.join(map(str, error.path))})" if error.path else error.message
 
 
 @functools.cache

@@ -553,7 +553,8 @@ def _function(name: str, params: object) -> dict[str, object]:
 
 @pytest.mark.parametrize(("params", "says"), [
     ({"type": "object", "properties": {"a": {"type": "nope"}}}, "'nope' is not valid under any of the given schemas"),
-    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "("}}}, "'(' is not a 'regex'"),
+    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "("}}},
+     "'(' is not a 'regex' (at #/properties/a/pattern)"),
     ({"type": "object", "properties": {"a": {"minLength": -1}}}, "-1 is less than the minimum of 0"),
     ({"$schema": True, "type": "object"}, "$schema must be the URI of a JSON Schema draft"),
     ({"$schema": "http://json-schema.org/draft-07/schema#", "properties": {"a": {"required": "b"}}},
