@@ -37,7 +37,7 @@ import jsonschema
 
 from structgen.errors import InvalidConstraintError, OutputValidationError
 from structgen.schema.metaschema import metaschema, validator_class
-from structgen.schema.python_patterns import python_pattern
+from structgen.schema.python_patterns import python_pattern, python_patterns
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
@@ -341,10 +341,10 @@ def _to_call(item: Any, tools: list[dict[str, Any]]) -> ParsedCall:
     if tool is None:
         raise OutputValidationError(f"model called unknown tool {item['name']!r}")
     args = item.get("arguments", {})
-    try:
-        jsonschema.validate(args, parameters_of(tool))
-    except jsonschema.ValidationError as e:
-        raise OutputValidationError(f"arguments of {item['name']!r} do not validate: {e.message}") from e
+    params = parameters_of(tool)  # checked by `check_tools`: only the arguments are checked here
+    error = jsonschema.exceptions.best_match(validator_class(params)(python_patterns(params)).iter_errors(args))
+    if error is not None:
+        raise OutputValidationError(f"arguments of {item['name']!r} do not validate: {error.message}")
     return ParsedCall(new_call_id(), item["name"], args)
 
 

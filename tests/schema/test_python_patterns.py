@@ -59,3 +59,11 @@ def test_lookbehinds_classes_and_escapes_are_not_named_groups(pattern):
 def test_tool_parameters_take_the_named_group_and_refuse_what_re_cannot_read():
     assert tool_format._schema_error(_string("^(?<y>[0-9]+)$")) is None
     assert "regex" in tool_format._schema_error(_string(r"\p{Lu}"))
+
+
+def test_a_tool_call_is_checked_with_the_named_group_read_as_python_reads_it():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": _string("^(?<y>[0-9]{4})$")}}]
+    tool_format.check_tools(tools)
+    assert tool_format._to_call({"name": "f", "arguments": {"a": "2024"}}, tools).arguments == {"a": "2024"}
+    with pytest.raises(OutputValidationError, match="arguments of 'f' do not validate"):
+        tool_format._to_call({"name": "f", "arguments": {"a": "20x"}}, tools)
