@@ -353,12 +353,13 @@ def equal_pass_cost_speedup(off: dict, on: dict, cases: list[str]) -> float:
 
 
 def build_llm(weights: str, tokenizer_dir: Path | None, device: str | None, graphs: bool,
-              shape: str | None = None, prefill_in_graphs: bool = True) -> tuple[LLM, str]:
+              shape: str | None = None, prefill_in_graphs: bool = True,
+              batch_invariant: bool = False) -> tuple[LLM, str]:
     """The real default model, or random weights of its shape (config.json next to the
     tokenizer) or of a `benchmarks.common` shape (`llama-1b`, `llama-8b`: the SmolLM2
     tokenizer on the real vocab width), where the forward weighs more against the host."""
     config = EngineConfig(device=device, max_batch_size=16, max_seq_len=1536, use_cuda_graphs=graphs,
-                          tuning=EngineTuning(prefill_in_graphs=prefill_in_graphs))
+                          batch_invariant=batch_invariant, tuning=EngineTuning(prefill_in_graphs=prefill_in_graphs))
     if weights == "real":
         return LLM(config=config), "smollm2-135m"
     from structgen.engine.models.loader import load_tokenizer, resolve_model
@@ -502,6 +503,9 @@ def main() -> None:
                     help="batch-1 jump-forward steps behind the device-decided gate; both: also time it off")
     ap.add_argument("--guesses", default="on", choices=["on", "off", "both"],
                     help="held-back tokens run as guesses (JumpForward.guesses); both: also time them off")
+    ap.add_argument("--batch-invariant", choices=("on", "off"), default="off",
+                    help="EngineConfig.batch_invariant: on, a jump-forward extend's rows compute what decode "
+                         "steps would, so both runs return the same text and the speedup is on equal outputs")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
 
@@ -516,7 +520,7 @@ def main() -> None:
     per_case: list[dict[str, Any]] = []
     for graphs in args.graphs.split(","):
         llm, model = build_llm(args.weights, args.tokenizer_dir, args.device, graphs == "on", args.shape,
-                               not args.eager_prefill)
+                               not args.eager_prefill, args.batch_invariant == "on")
         engine = llm.engine
         engine.jump_forward_hook = ReplayJumpForward(
             llm.tokenizer, engine.vocab_size, engine.stop_token_ids, vocab=engine.jump_forward_hook.vocab
@@ -565,7 +569,7 @@ def main() -> None:
     print("(last row per group: passes/tok = on/off ratio, wall_s = speedup off/on)")
     if not args.no_write:
         extra = {"cases": [c.id for c in cases], "weights": args.weights, "per_case_replay_batch1": per_case,
-                 "prefill_in_graphs": not args.eager_prefill,
+                 "prefill_in_graphs": not args.eager_prefill, "batch_invariant": args.batch_invariant == "on",
                  "note": "batch 1: requests one after another (latency = per request); batch 16: all at once"}
         name = "jump_forward" if args.weights == "real" else f"jump_forward-random-{model}"
         print("wrote", write_results(name, rows, extra=extra))
