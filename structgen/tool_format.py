@@ -23,10 +23,8 @@ so the HTTP server and the in-process `structgen.tools` share it.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
-import re
 import threading
 import uuid
 from collections import OrderedDict
@@ -35,9 +33,9 @@ from typing import Any, Literal
 
 import jsonschema
 
-from structgen.errors import InvalidConstraintError, OutputValidationError
-from structgen.schema.metaschema import metaschema, validator_class
-from structgen.schema.python_patterns import python_pattern, python_patterns
+from structgen.errors import InvalidConstraintError, OutputValidationError, UnsupportedSchemaError
+from structgen.schema.metaschema import schema_error, validator_class
+from structgen.schema.python_patterns import python_patterns
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
@@ -172,26 +170,17 @@ _KNOWN_VALID = _KnownValid()
 
 
 def _schema_error(schema: dict[str, Any]) -> str | None:
-    """What `check_schema` of the schema's draft says is wrong with it (formats checked: a
-    `pattern` must be a regex), against the metaschema in its faster form (schema/metaschema.py)."""
+    """What is wrong with a parameters schema, as a response format's check finds it: the
+    metaschema of its draft (schema/metaschema.py), then its patterns (schema/python_patterns.py)."""
     try:
-        cls = validator_class(schema)
-    except InvalidConstraintError as e:
+        problem = schema_error(schema)
+        if problem is None:
+            python_patterns(schema)
+            return None
+    except (InvalidConstraintError, UnsupportedSchemaError) as e:
         return str(e)
-    error = next(cls(metaschema(cls), format_checker=_format_checker(cls)).iter_errors(schema), None)
-    if error is None:
-        return None
-    return f"{error.message} (at #/{'/'.join(map(str, error.path))})" if error.path else error.message
-
-
-@functools.cache
-def _format_checker(cls: Any) -> jsonschema.FormatChecker:
-    """The draft's format checker, with "regex" as the outputs' check reads a pattern: ECMA's
-    named groups included (schema/python_patterns.py)."""
-    checker = jsonschema.FormatChecker(formats=())
-    checker.checkers = dict(cls.FORMAT_CHECKER.checkers)
-    checker.checks("regex", raises=re.error)(python_pattern)
-    return checker
+    where, message = problem
+    return f"{message} (at {where})"
 
 
 # --------------------------------------------------------------------------- constraint

@@ -36,7 +36,7 @@ from structgen.errors import (
     UnsupportedSchemaError,
     UnsupportedTypeError,
 )
-from structgen.schema.metaschema import metaschema, validator_class
+from structgen.schema.metaschema import schema_error, validator_class
 
 ConstraintKind = Literal["json_schema", "regex", "grammar", "text"]
 
@@ -314,7 +314,9 @@ def _json_schema_constraint(schema: dict[str, Any] | bool | str, strict: bool) -
             f"a JSON schema must be an object (or true), got {type(schema).__name__}: {schema!r:.80}"
         )
     validator_cls = validator_class(schema)
-    _check_schema(validator_cls, schema)
+    problem = schema_error(schema)
+    if problem is not None:
+        raise InvalidConstraintError(f"invalid JSON schema at {problem[0]}: {problem[1]}")
     from structgen.schema.instance_check import instance_check
     from structgen.schema.keywords import unresolved_refs
     from structgen.schema.python_patterns import python_patterns
@@ -457,20 +459,6 @@ def _necessary_subschemas(node: dict[str, Any], path: str) -> list[tuple[Any, st
 
 def _is_number(value: Any) -> typing.TypeGuard[float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _check_schema(validator_cls: Any, schema: dict[str, Any]) -> None:
-    """The metaschema check, less one rule: an `enum` listing a value twice (draft 4 forbids
-    it, later drafts only advise against it; it changes nothing, MaskBench Github_ultra 3)."""
-    meta = validator_cls(metaschema(validator_cls))  # 2020-12's merged: the same check, faster
-    errors = [
-        e for e in meta.iter_errors(schema)
-        if not (e.validator == "uniqueItems" and e.path and e.path[-1] == "enum")
-    ]  # fmt: skip
-    e = jsonschema.exceptions.best_match(errors)
-    if e is not None:
-        where = "#/" + "/".join(map(str, e.path)) if e.path else "#"
-        raise InvalidConstraintError(f"invalid JSON schema at {where}: {e.message}")
 
 
 def _json_constraint(

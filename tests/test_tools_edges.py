@@ -9,6 +9,7 @@ import dataclasses
 import datetime
 import functools
 import json
+import re
 import threading
 import time
 from typing import Annotated, Literal
@@ -23,10 +24,12 @@ from structgen.errors import (
     InvalidParameterError,
     OutputValidationError,
     PromptTooLongError,
+    UnsupportedSchemaError,
     UnsupportedTypeError,
 )
 from structgen.tool_runs import ToolError, ToolRunTooLongError, run_tools
 from structgen.tools import Tool, ToolCall, call, tool
+from structgen.types import JsonSchema, to_constraint
 
 
 @pytest.fixture(scope="module")
@@ -554,7 +557,9 @@ def _function(name: str, params: object) -> dict[str, object]:
 @pytest.mark.parametrize(("params", "says"), [
     ({"type": "object", "properties": {"a": {"type": "nope"}}}, "'nope' is not valid under any of the given schemas"),
     ({"type": "object", "properties": {"a": {"type": "string", "pattern": "("}}},
-     "'(' is not a 'regex' (at #/properties/a/pattern)"),
+     "pattern '(' at #/properties/a/pattern is not a regex Python's re can read"),
+    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "\\p{Lu}"}}},
+     "pattern '\\\\p{Lu}' at #/properties/a/pattern is not a regex Python's re can read"),
     ({"type": "object", "properties": {"a": {"minLength": -1}}}, "-1 is less than the minimum of 0"),
     ({"$schema": True, "type": "object"}, "$schema must be the URI of a JSON Schema draft"),
     ({"$schema": "http://json-schema.org/draft-07/schema#", "properties": {"a": {"required": "b"}}},
@@ -565,6 +570,39 @@ def test_a_tools_bad_parameters_schema_is_refused_naming_the_tool(params: dict, 
         with pytest.raises(InvalidConstraintError, match=r"tool 'lookup': invalid parameters schema: ") as info:
             tool_format.check_tools([_function("ok", {"type": "object"}), _function("lookup", params)])
         assert says in str(info.value)
+
+
+_D4 = "http://json-schema.org/draft-04/schema#"
+
+
+@pytest.mark.parametrize("params", [
+    {"type": "object", "properties": {"a": {"type": "nope"}}},
+    {"type": "object", "properties": {"a": {"type": "string", "minLength": -1}}},
+    {"type": "object", "properties": {"a": {"type": "string", "pattern": "("}}},
+    {"type": "object", "properties": {"a": {"type": "string", "pattern": "[\\p{L}]+"}}},
+    {"type": "object", "patternProperties": {"^x(": {"type": "string"}}},
+    {"type": "object", "$defs": {"w": {"type": "string", "pattern": "\\p{Lu}"}}},
+    {"$schema": 7, "type": "object"},
+    {"$schema": _D4, "type": "object", "properties": {"a": {"enum": ["x", "x"]}}},
+    {"$schema": _D4, "type": "object", "properties": {"a": {"type": "integer", "exclusiveMinimum": 3}}},
+    {"type": "object", "properties": {"a": {"type": "string", "pattern": "^(?<y>[0-9]{4})$"}}},
+    {"type": "object", "properties": {"a": {"type": "integer", "maximum": "5"}}},
+])
+def test_a_schema_gets_the_same_verdict_as_parameters_and_as_a_response_format(params: dict) -> None:
+    """One check for both: a schema refused as a response format is refused as a tool's
+    parameters, naming the same place, and one accepted there is accepted here."""
+    try:
+        to_constraint(JsonSchema(params))
+        refusal = None
+    except (InvalidConstraintError, UnsupportedSchemaError) as e:
+        refusal = str(e)
+    try:
+        tool_format.check_tools([_function("f", params)])
+        assert refusal is None, f"accepted as parameters, refused as a response format: {refusal}"
+    except InvalidConstraintError as e:
+        assert refusal is not None, f"refused as parameters, accepted as a response format: {e}"
+        where = re.search(r"#/[^ :)]*|(?<=at )#(?=[ :])", refusal)
+        assert where is None or where.group(0) in str(e), (refusal, str(e))
 
 
 def test_tools_parameters_that_are_not_json_text_are_still_checked() -> None:

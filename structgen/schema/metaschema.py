@@ -1,5 +1,5 @@
-"""The metaschema a JSON schema is checked against before it is normalized (types.py
-`_check_schema`), in a form that checks the same thing faster.
+"""The metaschema a JSON schema is checked against before it is normalized (`schema_error`, for
+response formats and tools' parameters alike), in a form that checks the same thing faster.
 
 Draft 2020-12's metaschema (the default where a schema names no `$schema`) is seven vocabulary
 metaschemas joined by `allOf`, each reaching its subschemas through `$dynamicRef: "#meta"`;
@@ -35,6 +35,24 @@ def validator_class(schema: dict[str, Any]) -> Any:
         raise InvalidConstraintError(
             f"$schema must be the URI of a JSON Schema draft, as a string; got {declared!r:.60}")
     return jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+
+
+def schema_error(schema: dict[str, Any]) -> tuple[str, str] | None:
+    """What the metaschema of `schema`'s draft finds wrong with it, as (where, message) of the
+    best-matching error; None where nothing is. One rule is waived: an `enum` listing a value
+    twice (draft 4 forbids it, later drafts only advise against it; it changes nothing, MaskBench
+    Github_ultra 3). Formats are not asserted: patterns are checked by `python_patterns`, which
+    tells a pattern Python's `re` cannot read from an invalid schema. Raises
+    InvalidConstraintError for a `$schema` that is not text."""
+    cls = validator_class(schema)
+    errors = [
+        e for e in cls(metaschema(cls)).iter_errors(schema)
+        if not (e.validator == "uniqueItems" and e.path and e.path[-1] == "enum")
+    ]  # fmt: skip
+    error = jsonschema.exceptions.best_match(errors)
+    if error is None:
+        return None
+    return ("#/" + "/".join(map(str, error.path)) if error.path else "#"), error.message
 
 
 def metaschema(validator_cls: Any) -> dict[str, Any]:

@@ -36,9 +36,9 @@ def python_patterns(schema: dict[str, Any]) -> dict[str, Any]:
                 rewrite |= python_pattern(pattern) != pattern
             except re.error as e:
                 raise UnsupportedSchemaError(
-                    f"the JSON schema's pattern {pattern!r} at {where} uses regex syntax Python's re cannot "
-                    f"read ({e}), and every output is checked against the schema with it; write it in "
-                    "syntax both read (e.g. [A-Z] for \\p{Lu})", keyword="pattern", path=where) from e
+                    f"the JSON schema's pattern {pattern!r} at {where} is not a regex Python's re can read "
+                    f"({e}), and every output is checked against the schema with it; write it in syntax "
+                    "both ECMA-262 and Python read (e.g. [A-Z] for \\p{Lu})", keyword="pattern", path=where) from e
     return _rewritten(schema) if rewrite else schema
 
 
