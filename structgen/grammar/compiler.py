@@ -306,11 +306,15 @@ def candidate_backends(constraint: Constraint, backend: str = "auto") -> list[st
         if backend == "auto" and ok[0] == "xgrammar" and keywords.xgrammar_compile_cost(schema):
             ok.reverse()  # both enforce it; llguidance compiles in ms where xgrammar takes seconds
         return ok
-    if kind == "regex" and keywords.regex_issue(constraint.source) and "xgrammar" in allowed:
+    issue = None
+    if kind == "regex":
+        issue = keywords.regex_issue(constraint.source) or keywords.ascii_class_issue(constraint.source)
+    if issue and "xgrammar" in allowed:
         if backend == "xgrammar":
             raise InvalidConstraintError(
-                f"xgrammar would silently drop the lookaround in regex {constraint.source!r}; "
-                "rewrite it without (?=...), (?!...), (?<=...), (?<!...)"
+                f"xgrammar would not enforce regex {constraint.source!r} as written ({issue}); use "
+                "backend 'llguidance' or 'auto', or rewrite it without (lookaround: (?=...), (?!...), "
+                "(?<=...), (?<!...); \\D, \\W: a class such as [^0-9])"
             )
         allowed.remove("xgrammar")
     if kind == "grammar" and constraint.syntax == "lark" and backend == "auto":

@@ -410,6 +410,18 @@ def regex_issue(pattern: str) -> str | None:
     return None
 
 
+# xgrammar reads \D and \W as the complements of ASCII classes, so they admit the Unicode
+# digits and letters that Python's re, which checks outputs, counts as \d and \w ("\u0663", "é").
+_NEGATED_UNICODE_CLASS = re.compile(r"(?<!\\)(?:\\\\)*\\[DW]")
+
+
+def ascii_class_issue(pattern: str) -> str | None:
+    """Why xgrammar would admit text the output check refuses: `\\D` or `\\W` in `pattern`."""
+    if _NEGATED_UNICODE_CLASS.search(pattern):
+        return "\\D or \\W, which xgrammar reads as ASCII classes (wider than Python's Unicode ones)"
+    return None
+
+
 def _xgrammar_rules(node: dict, implied_type: str | None = None) -> Iterator[tuple[str, str]]:
     """xgrammar's value- and sibling-dependent gaps, each found by a probe schema."""
     declared = node.get("type", implied_type)

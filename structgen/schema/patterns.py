@@ -6,6 +6,8 @@
 - An optional group that ends in a repetition: xgrammar lets a string skip what precedes the
   repetition (`a(xb+)?` accepts "ab", `\\d{1,3}(\\.\\d{1,2})?` "1234"). Every `(...)?` is written
   `(...|)`, the same language, which xgrammar matches exactly.
+- A regex output's `.`: xgrammar reads it as any character, Python's `re` (which checks the
+  output) as any but a newline; `dot_without_newline` writes it so for xgrammar.
 - Several patterns on one string (a `pattern` and `allOf` parts that only add patterns, as
   `oneOf` branches made exclusive get; or a string schema that combines patterns with
   `anyOf`/`oneOf`/`not`/`$ref`): llguidance must decide whether their combination is empty
@@ -66,6 +68,20 @@ def optional_groups_as_alternatives(pattern: str) -> str:
                 i = end + 2 if pattern.startswith("??", end) else end + 1
                 continue
         out.append(pattern[i:end])
+        i = end
+    return "".join(out)
+
+
+def dot_without_newline(pattern: str) -> str:
+    """`pattern` with each `.` outside a character class written `[^\\n]`: Python's `re`, which
+    checks a regex output, reads `.` so; xgrammar's regexes read it as any character, newline
+    included."""
+    out: list[str] = []
+    i = 0
+    while i < len(pattern):
+        ch = pattern[i]
+        end = i + 2 if ch == "\\" else _class_end(pattern, i) if ch == "[" else i + 1
+        out.append("[^\\n]" if ch == "." else pattern[i:end])
         i = end
     return "".join(out)
 

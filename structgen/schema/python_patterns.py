@@ -2,7 +2,8 @@
 
 JSON Schema's patterns are ECMA-262 regexes, and so the grammar backends read them. Python's
 `re` spells one common construct otherwise, a named group: `(?<year>...)` is `(?P<year>...)`
-there, and is rewritten so for the check. A pattern `re` cannot read at all (`\\p{Lu}`,
+there, and is rewritten so for the check; ECMA's `\\d` and `\\w` are ASCII classes, which Python's
+are not (`\\W` refuses "é", which both backends let through), and are written out. A pattern `re` cannot read at all (`\\p{Lu}`,
 `\\u{1F600}`) is refused when the schema is built, naming where, rather than failing every output
 that reaches it.
 """
@@ -21,6 +22,7 @@ _CONTAINERS = ("$defs", "definitions")
 def python_pattern(pattern: str) -> str:
     """`pattern` as Python's `re` reads it; raises `re.error` where it cannot."""
     translated = _named_groups(pattern) if "(?<" in pattern else pattern
+    translated = _ascii_classes(translated) if "\\" in translated else translated
     re.compile(translated)
     return translated
 
@@ -67,6 +69,40 @@ def _readable(pattern: str) -> str:
         return python_pattern(pattern)
     except re.error:
         return pattern
+
+
+# ECMA-262's classes (JSON Schema's patterns; no `u` flag), written out for Python's Unicode ones.
+_OUTSIDE = {"d": "[0-9]", "D": "[^0-9]", "w": "[A-Za-z0-9_]", "W": "[^A-Za-z0-9_]"}
+_INSIDE = {"d": "0-9", "w": "A-Za-z0-9_"}  # `\\D`, `\\W` inside a class stay Python's
+
+
+def _ascii_classes(pattern: str) -> str:
+    out: list[str] = []
+    i, in_class = 0, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\" and i + 1 < len(pattern):
+            letter = pattern[i + 1]
+            out.append((_INSIDE if in_class else _OUTSIDE).get(letter, pattern[i : i + 2]))
+            i += 2
+            if in_class and letter in _INSIDE and pattern.startswith("-", i) and not pattern.startswith("-]", i):
+                out.append("\\-")  # `[\\w-a]`: no range starts at a class escape; kept a literal
+                i += 1
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+            out.append(c)
+            i += 1
+            for lead in ("^", "]"):  # a leading `]` (after any `^`) is a literal
+                if pattern.startswith(lead, i):
+                    out.append(lead)
+                    i += 1
+            continue
+        out.append(c)
+        i += 1
+    return "".join(out)
 
 
 def _named_groups(pattern: str) -> str:

@@ -26,6 +26,7 @@ from structgen.grammar.backends.base import (
     truncate_utf8,
 )
 from structgen.schema.json_format import JSON_SEPARATORS
+from structgen.schema.patterns import dot_without_newline
 
 if TYPE_CHECKING:
     from structgen.types import Constraint
@@ -242,7 +243,7 @@ def build_grammar(constraint: Constraint) -> xgr.Grammar:
             constraint.source, any_whitespace=False, separators=JSON_SEPARATORS, strict_mode=False
         )
     if constraint.kind == "regex":
-        return xgr.Grammar.from_regex(constraint.source)
+        return xgr.Grammar.from_regex(dot_without_newline(constraint.source))
     if constraint.kind == "grammar" and constraint.syntax == "lark":
         return xgr.Grammar.from_lark(constraint.source)
     if constraint.kind == "grammar":
