@@ -2,7 +2,8 @@
 `LLM.acomplete` / `LLM.astream`.
 
 It adds what the wire protocol needs and the in-process API does not: `stop` strings (applied
-to the text stream, with a look-behind so a stop string split across deltas is never sent),
+to the text stream, with a look-behind so a stop string split across deltas is never sent; one
+that cuts a constrained output before it is complete fails the choice, naming it),
 truncation reported as `finish_reason="length"` with the partial text (as OpenAI does) rather
 than an exception, token counts for `usage`, and cancellation when the client goes away.
 """
@@ -21,7 +22,8 @@ from starlette.types import Receive
 from structgen.api import CompletionStream
 from structgen.arguments import EncodedPrompt
 from structgen.completion import ReasoningDelta
-from structgen.errors import IncompleteOutputError
+from structgen.errors import IncompleteOutputError, OutputValidationError, StructgenError
+from structgen.types import Constraint
 from structgen_server.engine_link import StreamEnd
 
 T = TypeVar("T")
@@ -113,6 +115,7 @@ class GenerationStream:
                     text += piece
                     cut = _find_stop(text, job.stop, start=max(sent - hold, 0))
                     if cut is not None:
+                        _check_cut(job, text, cut)
                         text = text[:cut]
                         break
                     safe = len(text) - hold if job.stop else len(text)
@@ -139,6 +142,23 @@ def stream_end(stream: Any) -> StreamEnd:
     if completion is None:
         return StreamEnd(None, None, None, n_out, getattr(request, "stats", None))
     return StreamEnd(completion.text, completion.finish_reason, completion.reasoning, n_out, completion.stats)
+
+
+def _check_cut(job: Job, text: str, cut: int) -> None:
+    """A stop string may end free text anywhere, but a constrained output only where it is a
+    whole value: else the choice fails, naming the string, rather than returning a value that
+    does not parse as finished."""
+    constraint = job.output_type
+    if not isinstance(constraint, Constraint) or constraint.kind == "text":
+        return
+    try:
+        constraint.parse(text[:cut])
+    except StructgenError as e:
+        stop = next(s for s in job.stop if text.startswith(s, cut))
+        raise OutputValidationError(
+            f"stop string {stop!r} ended the output after {cut} characters, before it was a whole value "
+            f"of {constraint.description} ({e}); the grammar ends a constrained output: leave such strings "
+            "out of `stop`", text=text[:cut]) from e
 
 
 def _find_stop(text: str, stops: list[str], start: int) -> int | None:

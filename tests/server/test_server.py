@@ -135,6 +135,29 @@ def test_stop_strings(client: openai.OpenAI) -> None:
     assert r.choices[0].finish_reason == "stop"
 
 
+def test_a_stop_string_that_cuts_a_constrained_output_fails_the_choice_naming_it(server_url: str) -> None:
+    """A stop string ends free text anywhere, a structured output only where it is whole: one
+    that cuts it (compact JSON's ",") is a 422 naming the string, streamed or not, never a
+    `finish_reason: "stop"` with text that does not parse."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
+              "required": ["a", "b"], "additionalProperties": False}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Give a=1 and b='x' as JSON."}],
+            "max_tokens": 48, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "ab", "schema": schema}}}
+    whole = httpx.post(f"{server_url}/chat/completions", json=body, timeout=120).json()["choices"][0]["message"]["content"]
+    assert set(json.loads(whole)) == {"a", "b"} and "," in whole
+    r = httpx.post(f"{server_url}/chat/completions", json={**body, "stop": [","]}, timeout=120)
+    assert r.status_code == 422 and r.json()["error"]["code"] == "output_validation_failed", r.text
+    assert "stop string ','" in r.json()["error"]["message"]
+    with httpx.stream("POST", f"{server_url}/chat/completions", json={**body, "stop": [","], "stream": True},
+                      timeout=120) as streamed:
+        events = [e.removeprefix("data: ") for e in "".join(streamed.iter_text()).split("\n\n") if e]
+    assert events[-1] == "[DONE]" and "stop string ','" in json.loads(events[-2])["error"]["message"], events
+    assert not any(json.loads(e).get("choices", [{}])[0].get("finish_reason") for e in events[:-2])
+    kept = httpx.post(f"{server_url}/chat/completions", json={**body, "stop": ["\n\n"]}, timeout=120).json()
+    assert kept["choices"][0]["message"]["content"] == whole and kept["choices"][0]["finish_reason"] == "stop"
+
+
 # --------------------------------------------------------------------------- streaming
 
 
