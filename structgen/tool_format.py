@@ -34,6 +34,7 @@ from typing import Any, Literal
 import jsonschema
 
 from structgen.errors import InvalidConstraintError, OutputValidationError, UnsupportedSchemaError
+from structgen.schema.keywords import ref_loop_error
 from structgen.schema.metaschema import schema_error, validator_class
 from structgen.schema.python_patterns import python_patterns
 
@@ -171,12 +172,13 @@ _KNOWN_VALID = _KnownValid()
 
 def _schema_error(schema: dict[str, Any]) -> str | None:
     """What is wrong with a parameters schema, as a response format's check finds it: the
-    metaschema of its draft (schema/metaschema.py), then its patterns (schema/python_patterns.py)."""
+    metaschema of its draft (schema/metaschema.py), its patterns (schema/python_patterns.py),
+    a `$ref` loop with nothing on it."""
     try:
         problem = schema_error(schema)
         if problem is None:
             python_patterns(schema)
-            return None
+            return ref_loop_error(schema)
     except (InvalidConstraintError, UnsupportedSchemaError) as e:
         return str(e)
     where, message = problem

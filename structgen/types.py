@@ -318,13 +318,16 @@ def _json_schema_constraint(schema: dict[str, Any] | bool | str, strict: bool) -
     if problem is not None:
         raise InvalidConstraintError(f"invalid JSON schema at {problem[0]}: {problem[1]}")
     from structgen.schema.instance_check import instance_check
-    from structgen.schema.keywords import unresolved_refs
+    from structgen.schema.keywords import ref_loop_error, unresolved_refs
     from structgen.schema.python_patterns import python_patterns
 
     broken = unresolved_refs(schema)
     if broken:
         ref, where = broken[0]
         raise InvalidConstraintError(f"JSON schema $ref {ref!r} at {where} points nowhere")
+    loop = ref_loop_error(schema)
+    if loop is not None:
+        raise InvalidConstraintError(f"JSON schema {loop}")
     _warn_unknown_keywords(schema)
     _check_bounds(schema)
     checked = python_patterns(schema)  # the outputs' check reads its patterns with Python's re

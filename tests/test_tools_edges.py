@@ -587,6 +587,8 @@ _D4 = "http://json-schema.org/draft-04/schema#"
     {"$schema": _D4, "type": "object", "properties": {"a": {"type": "integer", "exclusiveMinimum": 3}}},
     {"type": "object", "properties": {"a": {"type": "string", "pattern": "^(?<y>[0-9]{4})$"}}},
     {"type": "object", "properties": {"a": {"type": "integer", "maximum": "5"}}},
+    {"$ref": "#"},
+    {"type": "object", "properties": {"a": {"$ref": "#/$defs/r"}}, "$defs": {"r": {"$ref": "#/$defs/r"}}},
 ])
 def test_a_schema_gets_the_same_verdict_as_parameters_and_as_a_response_format(params: dict) -> None:
     """One check for both: a schema refused as a response format is refused as a tool's

@@ -295,6 +295,23 @@ def unresolved_refs(root: Any) -> list[tuple[str, str]]:
     ]
 
 
+def ref_loop_error(root: Any) -> str | None:
+    """What is wrong with the first chain of local `$ref`s that leads back to itself through
+    nodes that are only a `$ref` (and annotations): no schema lies anywhere on the loop, so no
+    value can take it and evaluating it never ends. None where there is none."""
+    for node, path in walk(root):
+        chain: list[str] = []
+        while isinstance(node, dict) and isinstance(node.get("$ref"), str) and set(node) - ANNOTATIONS == {"$ref"}:
+            ref = node["$ref"]
+            if ref in chain:
+                return (f"$ref chain at {path} ({' -> '.join([*chain, ref])}) leads back to itself with no "
+                        "schema on the way: no value can take that path and no validator can evaluate it; "
+                        "give one of them content (a type, properties) or drop the loop")
+            chain.append(ref)
+            node = resolve_ref(root, ref)
+    return None
+
+
 def find_issues(schema: Any, backend: str) -> list[Issue]:
     """Keywords of `schema` that `backend` would ignore or refuse, in document order."""
     column = BACKENDS.index(backend)

@@ -31,7 +31,7 @@ from structgen.grammar.backends.base import FORCED_TEXT_MAX_BYTES
 from structgen.schema.json_format import JSON_SEPARATORS
 from structgen.schema.keywords import llguidance_crash_issues
 from structgen.schema.limits import ConstraintLimits
-from structgen.types import CFG, Regex, to_constraint
+from structgen.types import CFG, Constraint, Regex, to_constraint
 
 SELF_REQUIRED = {
     "$defs": {
@@ -121,7 +121,7 @@ def test_a_schema_only_llguidance_reads_and_that_matches_nothing_is_refused_not_
     monkeypatch.setattr(compiler_module, "analyse", lambda constraint: None)
     nested = {"$defs": {"d": {"$defs": {"d": {"type": "string"}}, "$ref": "#/$defs/d"}}, "$ref": "#/$defs/d"}
     with pytest.raises(UnsatisfiableConstraintError) as caught:
-        grammar_compiler.compile(to_constraint(JsonSchema(nested)), backend="llguidance")
+        grammar_compiler.compile(Constraint("json_schema", json.dumps(nested)), backend="llguidance")
     assert "matches nothing" in str(caught.value) and "llguidance found no first token" in str(caught.value)
     # where xgrammar refused it first (as 0.2.9 does), its plainer reason comes along
     circular = "xgrammar cannot compile JSON schema: Circular $ref chain with no schema content"
@@ -131,8 +131,11 @@ def test_a_schema_only_llguidance_reads_and_that_matches_nothing_is_refused_not_
 
     monkeypatch.setattr(grammar_compiler.adapter("xgrammar"), "compile", refuse)
     with pytest.raises(UnsatisfiableConstraintError) as caught:
-        grammar_compiler.compile(to_constraint(JsonSchema(nested)))
+        grammar_compiler.compile(Constraint("json_schema", json.dumps(nested)))
     assert "matches nothing" in str(caught.value) and f"xgrammar refused it: {circular}" in str(caught.value)
+    # the schema layer names the loop before any compile (the compiler's check is for what it misses)
+    with pytest.raises(InvalidConstraintError, match=r"\$ref chain at # \(#/\$defs/d -> #/\$defs/d\)"):
+        to_constraint(JsonSchema(nested))
 
 
 # -- schemas that crashed a native compiler: compiled in a child process ----------------------

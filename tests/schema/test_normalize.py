@@ -8,12 +8,13 @@ schema is valid. Also: what stays refused, and the key order `dump_json` writes.
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import jsonschema
 import pytest
 
-from structgen.errors import UnsupportedSchemaError
+from structgen.errors import InvalidConstraintError, UnsupportedSchemaError
 from structgen.grammar import candidate_backends, dump_json
 from structgen.schema.negate import negate_pattern
 from structgen.schema.normalize import normalize_schema
@@ -437,3 +438,36 @@ def test_a_20000_value_enum_normalizes_in_linear_time():
 
 def test_enum_values_are_still_filtered_by_their_sibling_keywords():
     assert normalize_schema({"type": "string", "maxLength": 2, "enum": ["ab", "abc", 3]}) == {"enum": ["ab"]}
+
+
+@pytest.mark.parametrize(("schema", "chain", "where"), [
+    ({"$ref": "#"}, "# -> #", "#"),
+    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/r"}}, "$defs": {"r": {"$ref": "#/$defs/r"}}},
+     "#/$defs/r -> #/$defs/r", "#/properties/a"),
+    ({"type": "array", "items": {"$ref": "#/$defs/r"}, "$defs": {"r": {"$ref": "#/$defs/s", "title": "R"},
+                                                               "s": {"description": "S", "$ref": "#/$defs/r"}}},
+     "#/$defs/r -> #/$defs/s -> #/$defs/r", "#/items"),
+])
+def test_a_ref_loop_with_no_schema_on_it_is_refused_naming_it(schema: dict, chain: str, where: str) -> None:
+    """Nothing on the loop constrains anything, so no value takes it and a validator never
+    finishes evaluating it: refused before any compile (llguidance compiled such a loop under
+    a property, and the matcher found no token mid-output: an engine failure, a 500)."""
+    with pytest.raises(InvalidConstraintError, match=re.escape(f"$ref chain at {where} ({chain})")):
+        to_constraint(JsonSchema(schema))
+
+
+def test_a_ref_loop_through_a_schema_is_a_recursive_type_not_a_refusal() -> None:
+    tree = {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}}
+    through = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"anyOf": [{"type": "null"}, {"$ref": "#/$defs/a"}]}}}
+    for schema in (tree, through):
+        assert to_constraint(JsonSchema(schema)).kind == "json_schema"
+
+
+def test_a_tools_parameters_ref_loop_is_refused_when_the_request_is_built() -> None:
+    from structgen import tool_format
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"$ref": "#"}}}]
+    for choice in ("required", "auto"):
+        resolved = tool_format.resolve_tool_choice(choice, tools)
+        with pytest.raises(InvalidConstraintError, match=r"\$ref chain"):
+            to_constraint(tool_format.tool_output_type(tools, resolved, True))
