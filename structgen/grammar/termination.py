@@ -332,7 +332,7 @@ def check_not_empty(compiled: CompiledGrammar, vocab_size: int) -> None:
     mask = allocate_bitmask(1, vocab_size, host_only=True)
     try:
         m.fill_bitmask(mask, 0)
-    except EngineError as e:  # llguidance stops a grammar with no way forward (NoExtensionBias)
+    except (EngineError, UnsatisfiableConstraintError) as e:  # llguidance: no way forward (NoExtensionBias)
         why = f"{compiled.backend} found no first token: {str(e).splitlines()[0]}"
     else:
         if count_allowed(mask[0].numpy().view("uint32")) > 0:

@@ -27,7 +27,7 @@ from structgen.errors import (
     UnsatisfiableConstraintError,
 )
 from structgen.grammar import GrammarCompiler
-from structgen.grammar.backends.base import FORCED_TEXT_MAX_BYTES
+from structgen.grammar.backends.base import FORCED_TEXT_MAX_BYTES, allocate_bitmask
 from structgen.schema.json_format import JSON_SEPARATORS
 from structgen.schema.keywords import llguidance_crash_issues
 from structgen.schema.limits import ConstraintLimits
@@ -460,3 +460,17 @@ def test_a_schema_whose_every_value_is_endless_fails_its_request_as_the_constrai
     with pytest.raises(ConstraintTooLargeError, match="parser") as caught:
         llm.generate(JsonSchema(endless), "Anything.", max_tokens=1)
     assert "make the recursion optional" in str(caught.value)
+
+
+def test_a_dead_end_inside_a_grammar_fails_its_request_as_the_constraints_fault(grammar_compiler, tokenizer):
+    """llguidance compiles a `$ref` loop with nothing on it under a property (the schema layer
+    refuses it; built here without that check) and its matcher finds no token once the output
+    reaches it: the constraint matches nothing there, a 4xx, not an engine failure (a 500)."""
+    loop = {"type": "object", "properties": {"a": {"$ref": "#/$defs/r"}}, "required": ["a"],
+            "$defs": {"r": {"$ref": "#/$defs/r"}}}
+    matcher = grammar_compiler.compile(Constraint("json_schema", json.dumps(loop)), backend="llguidance").matcher()
+    ids = tokenizer.encode('{"a": ', add_special_tokens=False)
+    assert matcher.accept_tokens(ids) == len(ids)
+    mask = allocate_bitmask(1, grammar_compiler.vocab_size, host_only=True)
+    with pytest.raises(UnsatisfiableConstraintError, match="allows no token at this point"):
+        matcher.fill_bitmask(mask, 0)

@@ -102,12 +102,13 @@ class LLGuidanceMatcher(GrammarMatcher):
         if num_tokens and not self.ll_matcher.rollback(num_tokens):
             raise self._failure(f"rolling back {num_tokens} token(s)")
 
-    def _failure(self, action: str) -> EngineError | ConstraintTooLargeError:
+    def _failure(self, action: str) -> EngineError | InvalidConstraintError:
         """The error for a matcher that failed while `action`: the constraint's own fault where
         llguidance's lexer or parser grew past its limit (a bounded repeat of a group in a regex
         multiplies the lexer's states: seen with `(?:\\S+\\s+){0,99}` in a MaskBench schema; a
         required property that refers back to its own object makes every value endless, and the
-        parser's items grow without bound), else ours."""
+        parser's items grow without bound) or where it allows no token (a dead end inside it),
+        else ours."""
         error = self.ll_matcher.get_error()
         if "too many expressions" in error or "LexerTooComplex" in error:
             return ConstraintTooLargeError(
@@ -121,6 +122,12 @@ class LLGuidanceMatcher(GrammarMatcher):
                 "a schema whose required properties lead back to the same object ({'$ref': '#'} under "
                 "'required') has no finite value: make the recursion optional; else simplify the constraint "
                 "or compile it with backend='xgrammar'"
+            )
+        if "NoExtensionBias" in error:
+            return UnsatisfiableConstraintError(
+                f"the constraint allows no token at this point of the output ({error.splitlines()[0]} while "
+                f"{action}): a part of it matches nothing (an alternative no value satisfies, a $ref loop); "
+                "fix that part"
             )
         return EngineError(f"grammar failed while {action}: {error}")
 
