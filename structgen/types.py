@@ -130,9 +130,14 @@ class Constraint:
             return self.parser(text)
         except OutputValidationError:
             raise
-        except Exception as e:  # pydantic / jsonschema / json errors, all the same to a caller
+        except json.JSONDecodeError as e:
+            what = "empty" if not text.strip() else "not JSON"
             raise OutputValidationError(
-                f"output is not a valid {self.description}: {_one_line(e)}", text=text
+                f"output is {what}, where {self.description} needs a JSON value: {_one_line(e)}", text=text
+            ) from e
+        except Exception as e:  # pydantic / jsonschema errors, all the same to a caller
+            raise OutputValidationError(
+                f"output does not validate against {self.description}: {_one_line(e)}", text=text
             ) from e
 
 

@@ -553,10 +553,16 @@ def _raw_quote_or_backslash(pattern: str) -> str | None:
 
 
 def _llguidance_rules(node: dict) -> Iterator[tuple[str, str]]:
-    """llguidance refuses these with an error; listing them saves a compile and names them."""
+    """llguidance refuses these with an error, or builds something else; listing them saves a
+    compile and names them."""
     for pattern, where in _patterns(node):
         if _LOOKAROUND.search(pattern):
             yield where, "lookaround in pattern"
+    if _declares_integer(node):
+        for kw in ("minimum", "exclusiveMinimum"):
+            if _is_number(node.get(kw)) and node[kw] >= 2**63 - 1:
+                yield kw, ("an integer's lower bound past 2**63 - 1, which llguidance reads as 2**63 - 1, so "
+                           "it would write 9223372036854775807, below the bound; keep integers within 9.2e18")
 
 
 # llguidance turns integer ranges into regexes with 64-bit bounds (saturating), writing a
@@ -585,6 +591,10 @@ def llguidance_crash_issues(schema: Any) -> list[Issue]:
         for kw in _NUMBER_BOUNDS
         if kw in node and _has_int64_underflow(node[kw], integers)
     ]  # fmt: skip
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _declares_integer(node: dict) -> bool:

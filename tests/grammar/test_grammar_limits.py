@@ -25,6 +25,7 @@ from structgen.errors import (
     IncompleteOutputError,
     InvalidConstraintError,
     UnsatisfiableConstraintError,
+    UnsupportedSchemaError,
 )
 from structgen.grammar import GrammarCompiler
 from structgen.grammar.backends.base import FORCED_TEXT_MAX_BYTES, allocate_bitmask
@@ -474,3 +475,16 @@ def test_a_dead_end_inside_a_grammar_fails_its_request_as_the_constraints_fault(
     mask = allocate_bitmask(1, grammar_compiler.vocab_size, host_only=True)
     with pytest.raises(UnsatisfiableConstraintError, match="allows no token at this point"):
         matcher.fill_bitmask(mask, 0)
+
+
+@pytest.mark.parametrize("bounds", [{"minimum": 1e30, "maximum": 1e30 + 5}, {"minimum": 2**64},
+                                    {"exclusiveMinimum": 2**63 - 1}])
+def test_an_integer_above_64_bits_is_refused_by_every_backend_before_decoding(grammar_compiler, bounds: dict):
+    """llguidance saturated such a lower bound to 2**63 - 1 and wrote 9223372036854775807, which
+    the bound then refused (a 422 after decoding); xgrammar refuses it at compile."""
+    schema = {"type": "integer", **bounds}
+    for backend in ("xgrammar", "llguidance", None):
+        with pytest.raises(UnsupportedSchemaError):
+            grammar_compiler.compile(to_constraint(JsonSchema(schema)), backend=backend)
+    within = grammar_compiler.compile(to_constraint(JsonSchema({"type": "integer", "minimum": 2**62, "maximum": 2**62 + 3})))
+    assert within.accepts(str(2**62 + 1)) and not within.accepts(str(2**62 + 4))
