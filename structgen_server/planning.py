@@ -203,12 +203,21 @@ def _check_size(state: ServerState, body: SamplingFields) -> None:
 
 
 def _check_prompt_chars(state: ServerState, prompt: str | list[dict[str, Any]], tools: Any, param: str) -> None:
-    """Refuse, before tokenizing it, a prompt with more characters than the context could
-    hold even at `MAX_CHARS_PER_TOKEN` characters a token."""
+    """Refuse, before rendering and tokenizing it, a prompt the context could never hold: more
+    characters than `MAX_CHARS_PER_TOKEN` a token, or more messages than tokens (each message
+    renders to one at least, and 250,000 empty ones cost the chat template 20 s of CPU)."""
     if isinstance(prompt, str):
         chars = len(prompt)
     else:
-        chars = sum(len(str(m.get("content") or "")) for m in prompt) + (len(json.dumps(tools)) if tools else 0)
+        if len(prompt) > state.max_seq_len:
+            raise APIError(
+                400,
+                f"the conversation has {len(prompt)} messages, and each takes at least one token of this "
+                f"model's maximum context length of {state.max_seq_len} tokens; send fewer messages",
+                param=param,
+                code="context_length_exceeded",
+            )
+        chars = sum(_message_chars(m) for m in prompt) + (len(json.dumps(tools)) if tools else 0)
     limit = state.max_seq_len * MAX_CHARS_PER_TOKEN
     if chars > limit:
         raise APIError(
@@ -218,6 +227,12 @@ def _check_prompt_chars(state: ServerState, prompt: str | list[dict[str, Any]], 
             param=param,
             code="context_length_exceeded",
         )
+
+
+def _message_chars(message: dict[str, Any]) -> int:
+    """A message's text as the template renders it: its content and its past tool calls."""
+    calls = message.get("tool_calls")
+    return len(str(message.get("content") or "")) + (len(json.dumps(calls, ensure_ascii=False)) if calls else 0)
 
 
 async def plan(state: ServerState, body: SamplingFields) -> tuple[list[serving.Job], RequestConstraint]:

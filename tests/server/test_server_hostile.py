@@ -265,6 +265,25 @@ def test_huge_prompts_do_not_stall_other_requests(server: Server) -> None:
     server.good_request_is_served()
 
 
+def test_a_conversation_of_more_messages_or_tool_call_text_than_the_context_holds_is_refused_at_once(
+        server: Server) -> None:
+    """Each message renders to a token at least, and past tool calls are prompt text too: a body of
+    many tiny messages (20 s of chat template for 250,000) or of huge tool-call arguments is
+    refused before rendering, naming the field."""
+    many = {"model": MODEL, "messages": [{"role": "user", "content": ""}] * 100_000, "max_tokens": 2}
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "x" * (MAX_SEQ_LEN * 40)}}
+    history = {"model": MODEL, "max_tokens": 2, "messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"}]}
+    for body, says in ((many, "100000 messages"), (history, "characters")):
+        t0 = time.perf_counter()
+        r = server.post("/v1/chat/completions", body)
+        assert r.status_code == 400 and error_of(r)["code"] == "context_length_exceeded", r.text
+        assert says in error_of(r)["message"] and error_of(r)["param"] == "messages"
+        assert time.perf_counter() - t0 < 5.0
+    server.good_request_is_served()
+
+
 def _idle(server: Server) -> bool:
     health = server.get("/health", headers={}).json()
     return health["running"] == 0 and health["waiting"] == 0
