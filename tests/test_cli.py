@@ -17,7 +17,7 @@ TIMEOUT_S = 120
 
 
 def structgen(*argv: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "structgen.cli", *argv], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "structgen", *argv], capture_output=True, text=True,
                           timeout=TIMEOUT_S, cwd=cwd)
 
 
