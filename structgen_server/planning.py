@@ -314,7 +314,8 @@ async def _encode(llm: Any, prompt: str | list[dict[str, Any]], chat: bool,
     off the event loop with the other requests' prompts of the same moment (`aencode_prompt`:
     a burst of agent turns learns their shared tool catalogue once)."""
     template_tools = None
-    if tools:
+    if tools or (chat and any(m.get("tool_calls") or m.get("role") == "tool" for m in prompt)):
+        # past calls and results are written out even on a turn without `tools` (a final answer)
         prompt, template_tools = tool_format.render_messages(llm.tokenizer, prompt, tools)
     try:
         return EncodedPrompt(tuple(await llm.aencode_prompt(prompt, chat=chat, tools=template_tools)))

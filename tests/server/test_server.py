@@ -284,6 +284,23 @@ def test_tool_choice_auto_and_none(client: openai.OpenAI) -> None:
     assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
 
 
+def test_past_tool_calls_reach_the_model_on_a_turn_without_tools(client: openai.OpenAI) -> None:
+    """A final-answer turn often leaves `tools` out; the calls and results before it are still
+    the conversation (they were dropped: the template rendered an empty assistant turn)."""
+    def prompt_tokens(arguments: str) -> int:
+        messages = [
+            {"role": "user", "content": "What is the weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": arguments}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "21 degrees, sunny"},
+        ]
+        r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
+        return r.usage.prompt_tokens
+
+    short, long = prompt_tokens('{"city": "P"}'), prompt_tokens(json.dumps({"city": "Paris " * 100}))
+    assert long - short >= 80, (short, long)
+
+
 def test_tool_call_round_trip_and_stream(client: openai.OpenAI) -> None:
     tools = [WEATHER_TOOL]
     first = chat(client, "Weather in Oslo?", tools=tools, tool_choice="required", max_tokens=60)
