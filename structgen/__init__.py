@@ -13,6 +13,7 @@ from structgen.engine.config import EngineConfig, EngineTuning, SpeculativeConfi
 from structgen.engine.request import GenerationStats
 from structgen.errors import (
     ConstraintTooLargeError,
+    EngineBusyError,
     EngineError,
     IncompleteOutputError,
     InvalidConstraintError,
@@ -89,6 +90,7 @@ __all__ = [
     "ModelLoadError",
     "PromptTooLongError",
     "RequestCancelledError",
+    "EngineBusyError",
     "EngineError",
     "ToolTimeoutError",
 ]

@@ -43,6 +43,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         jump_forward=not args.no_jump_forward,
         tensor_parallel=args.tensor_parallel,
         batch_invariant=args.batch_invariant,
+        max_waiting=getattr(args, "max_waiting", None),
     )
 
 
@@ -71,6 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-generations-per-request", type=int, default=128,
         help="most generations (prompts x n) one request may ask for (400 beyond)",
+    )
+    serve.add_argument(
+        "--max-waiting", type=int, default=1024,
+        help="generations that may wait for a decoding slot; past it a request is answered 503 with "
+        "Retry-After, so a flood neither grows the queue without end nor delays everyone for minutes",
     )
     serve.add_argument(
         "--max-client-errors", type=int, default=64,
@@ -157,6 +163,7 @@ _SERVE_MINIMUMS: list[tuple[str, str, int]] = [
     ("--default-max-tokens", "default_max_tokens", 1),
     ("--max-body-bytes", "max_body_bytes", 1),
     ("--max-generations-per-request", "max_generations_per_request", 1),
+    ("--max-waiting", "max_waiting", 1),
     ("--max-client-errors", "max_client_errors", 0),
     ("--data-parallel", "data_parallel", 1),
     ("--front-processes", "front_processes", 0),
@@ -235,6 +242,7 @@ def _replica_args(args: argparse.Namespace) -> list[str]:
     out = ["--backend", args.backend, "--max-seq-len", str(args.max_seq_len), "--tensor-parallel", str(args.tensor_parallel),
            "--default-max-tokens", str(args.default_max_tokens), "--max-body-bytes", str(args.max_body_bytes),
            "--max-generations-per-request", str(args.max_generations_per_request),
+           "--max-waiting", str(args.max_waiting),
            "--max-client-errors", "0", "--allowed-hosts", "*", "--log-level", args.log_level,
            "--front-processes", str(args.front_processes)]
     for flag, value in (("--model", args.model), ("--device", args.device), ("--dtype", args.dtype),

@@ -92,6 +92,11 @@ class CompilerBusyError(StructgenError):
     retry shortly. Servers answer 503."""
 
 
+class EngineBusyError(StructgenError):
+    """The engine's queue is full (`EngineConfig.max_waiting` requests wait for a slot); retry
+    shortly. Servers answer 503 with Retry-After."""
+
+
 class ToolTimeoutError(StructgenError, TimeoutError):
     """A tool did not return within its timeout (`run_tools(tool_timeout=...)`,
     `ToolCall.invoke(timeout=...)`); an async tool is cancelled, a sync one left to finish."""

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse
 from structgen.errors import (
     CompilerBusyError,
     ConstraintTooLargeError,
+    EngineBusyError,
     EngineError,
     InvalidConstraintError,
     InvalidParameterError,
@@ -80,6 +81,7 @@ _MAPPING: list[tuple[type[StructgenError], int, str]] = [
     (PromptTooLongError, 400, "context_length_exceeded"),
     (ModelNotFoundError, 404, "model_not_found"),
     (CompilerBusyError, 503, "compiler_busy"),
+    (EngineBusyError, 503, "server_busy"),
     (RequestCancelledError, 499, "request_cancelled"),
     # the request's own constraint let through text it does not accept (a keyword enforced
     # only in part): the request can be fixed, the server is fine
@@ -104,7 +106,8 @@ def to_api_error(exc: BaseException, param: str | None = None) -> APIError:
                 param = "model"
             elif isinstance(exc, PromptTooLongError):
                 param = "messages"
-            return APIError(status, message, param=param, code=code)
+            retry = {"retry-after": "1"} if status == 503 else None  # busy: a moment frees room
+            return APIError(status, message, param=param, code=code, headers=retry)
     request_id = new_request_id()
     log.error("request %s failed", request_id, exc_info=exc)
     return APIError(

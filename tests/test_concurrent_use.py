@@ -337,3 +337,36 @@ def test_a_child_forked_while_the_parent_generates_collects_its_garbage_as_usual
         child_threshold = _in_forked_child(lambda: gc.get_threshold()[2])
         busy.exception(WAIT_S)  # (cut off by its budget)
     assert child_threshold != HELD_THRESHOLD
+
+
+def test_a_full_queue_refuses_the_next_request_at_once_and_serves_the_rest() -> None:
+    """`EngineConfig.max_waiting`: with one slot busy and one request waiting for it, a third is
+    refused at once (EngineBusyError, a server's 503) instead of queueing; the two finish, and
+    a batch that does not fit is refused whole (none of it left running)."""
+    from structgen.errors import EngineBusyError
+
+    config = structgen.EngineConfig(device="cpu", max_batch_size=1, max_waiting=1, max_seq_len=512)
+    with structgen.LLM(config=config) as llm:
+        def queued() -> int:
+            return len(llm.loop._incoming) + len(llm.engine.scheduler.waiting)
+
+        async def main() -> None:
+            stream = llm.astream(str, "Count from one to fifty in words.", max_tokens=48)
+            pieces = stream.__aiter__()
+            await pieces.__anext__()  # running: it holds the only slot
+            waiting = asyncio.ensure_future(llm.acomplete(str, "Say hi.", max_tokens=4))
+            deadline = time.monotonic() + 10
+            while queued() < 1 and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert queued() == 1
+            with pytest.raises(EngineBusyError, match="max_waiting"):
+                await llm.acomplete(str, "Say hi.", max_tokens=4)
+            async for _ in pieces:
+                pass
+            assert (await waiting).text
+
+        asyncio.run(main())
+        with pytest.raises(EngineBusyError):
+            llm.generate_batch(str, ["a", "b", "c"], max_tokens=2)
+        assert queued() == 0 and not llm.engine.scheduler.running
+        assert llm.generate(str, "Say hi.", max_tokens=2)

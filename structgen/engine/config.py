@@ -526,6 +526,9 @@ class EngineConfig:
     dtype: str | None = None  # None: bfloat16 on CUDA, float32 on CPU
     max_batch_size: int | None = None  # concurrent requests (KV slots); None: by device (device_batch_size)
     max_seq_len: int = 4096  # per-request prompt + output tokens (capped by the model)
+    # Requests that may wait for a slot; one more is refused at once with EngineBusyError (a
+    # server's 503), so a flood queues neither memory nor minutes of delay without end. None: no bound.
+    max_waiting: int | None = None
     kv_cache_memory_fraction: float = 0.5  # of free GPU memory (CPU: of available memory) for the KV pool
     prefill_chunk_tokens: int = 2048  # longest prefill piece scheduled in one step
     use_cuda_graphs: bool = True  # decode/verify graphs on CUDA; ignored on CPU
@@ -562,6 +565,8 @@ class EngineConfig:
         if self.max_batch_size is not None:
             check_int("EngineConfig.max_batch_size (None: sized to the device)", self.max_batch_size, 1, None)
         check_int("EngineConfig.max_seq_len (prompt + output tokens)", self.max_seq_len, MIN_SEQ_LEN, None)
+        if self.max_waiting is not None:
+            check_int("EngineConfig.max_waiting (None: no bound)", self.max_waiting, 1, None)
         check_number("EngineConfig.kv_cache_memory_fraction", self.kv_cache_memory_fraction, 0.0, 1.0,
                       open_low=True)
         check_int("EngineConfig.prefill_chunk_tokens", self.prefill_chunk_tokens, 1, None)

@@ -21,7 +21,7 @@ from concurrent.futures import Future
 from structgen.engine.engine import Engine
 from structgen.engine.garbage_collection import FULL_COLLECTIONS, FullCollectionHold
 from structgen.engine.request import Request
-from structgen.errors import EngineError
+from structgen.errors import EngineBusyError, EngineError
 
 log = logging.getLogger("structgen.engine")
 # Seconds `close` waits for the step in progress: longer than the slowest step (a CPU prefill
@@ -70,15 +70,29 @@ class EngineLoop:
                 # (on the engine thread, tens of milliseconds after a burst).
                 req.on_update = None
 
-        request.on_update = on_update
         with self._cond:
             if self._closing:
                 raise EngineError("this LLM's engine loop is closed (the interpreter is exiting or its "
                                   "close() was called); create a new LLM to generate again")
+            self.check_room(1)
+            request.on_update = on_update
             self._incoming.append(request)
             self._ensure_thread()
             self._cond.notify()
         return future
+
+    def check_room(self, requests: int) -> None:
+        """Raise EngineBusyError where `requests` more would take the queue past
+        `EngineConfig.max_waiting` (an estimate read off the loop thread: the bound is a cap on
+        a flood, not an exact count)."""
+        limit = self.engine.config.max_waiting
+        if limit is None:
+            return
+        waiting = len(self._incoming) + len(self.engine.scheduler.waiting)
+        if waiting + requests > limit:
+            raise EngineBusyError(
+                f"the engine has {waiting} requests waiting for a slot and takes at most {limit} "
+                f"(EngineConfig.max_waiting; structgen serve --max-waiting); retry in a moment")
 
     def after_step(self, callback: Callable[[], None]) -> None:
         """Run `callback` once on the loop thread when the step in progress ends (at once when

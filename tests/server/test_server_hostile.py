@@ -19,7 +19,9 @@ import httpx
 import pytest
 
 from structgen.errors import (
+    CompilerBusyError,
     ConstraintTooLargeError,
+    EngineBusyError,
     EngineError,
     InvalidParameterError,
     OutputValidationError,
@@ -220,6 +222,12 @@ def test_an_unexpected_exception_is_a_500_with_a_request_id_only(exc: Exception)
 def test_every_structgen_error_of_a_request_is_a_4xx(exc: Exception) -> None:
     err = to_api_error(exc)
     assert 400 <= err.status < 500 and err.type == "invalid_request_error" and err.message == "x"
+
+
+@pytest.mark.parametrize("exc", [EngineBusyError("full"), CompilerBusyError("full")])
+def test_a_busy_engine_or_compiler_is_a_503_to_retry_after_a_moment(exc: Exception) -> None:
+    err = to_api_error(exc)
+    assert err.status == 503 and err.message == "full" and err.headers == {"retry-after": "1"}
 
 
 # --------------------------------------------------------------------------- size and time
