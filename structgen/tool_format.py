@@ -247,22 +247,30 @@ def auto_grammar(tools: list[dict[str, Any]], parallel: bool) -> str:
 
 def hoist_defs(schema: dict[str, Any], prefix: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """Move `$defs`/`definitions` out of a sub-schema so it can be nested in a larger one,
-    renaming them with `prefix` and rewriting `$ref`s; a `#` self-reference becomes a def."""
+    renaming them with `prefix` and rewriting `$ref`s (a reference through the schema's own
+    `$id` read as local); a reference to the schema itself (`#`) or into it elsewhere
+    (`#/properties/a`) makes its body a def of its own, `{prefix}root`."""
+    base = schema.get("$id") if isinstance(schema.get("$id"), str) else None
     local = {**schema.get("definitions", {}), **schema.get("$defs", {})}
-    if not local and not _has_root_ref(schema):
+    into_body = _refs_into_body(schema, base)
+    if not local and not into_body:
         return schema, {}
-    body = {k: v for k, v in schema.items() if k not in ("$defs", "definitions")}
+    body = {k: v for k, v in schema.items() if k not in ("$defs", "definitions", "$id")}
+
+    def target(ref: str) -> str:
+        ref = ref[len(base):] if base is not None and ref.startswith(base + "#") else ref
+        for head in ("#/$defs/", "#/definitions/"):
+            if ref.startswith(head):
+                return f"#/$defs/{prefix}{ref[len(head):]}"
+        if ref == "#" or ref.startswith("#/"):
+            return f"#/$defs/{prefix}root{ref[1:]}"
+        return ref
 
     def rewrite(node: Any) -> Any:
         if isinstance(node, dict):
             out = {k: rewrite(v) for k, v in node.items()}
-            ref = node.get("$ref")
-            if isinstance(ref, str):
-                if ref == "#":
-                    out["$ref"] = f"#/$defs/{prefix}root"
-                for head in ("#/$defs/", "#/definitions/"):
-                    if ref.startswith(head):
-                        out["$ref"] = f"#/$defs/{prefix}{ref[len(head):]}"
+            if isinstance(node.get("$ref"), str):
+                out["$ref"] = target(node["$ref"])
             return out
         if isinstance(node, list):
             return [rewrite(v) for v in node]
@@ -270,17 +278,23 @@ def hoist_defs(schema: dict[str, Any], prefix: str) -> tuple[dict[str, Any], dic
 
     defs = {f"{prefix}{k}": rewrite(v) for k, v in local.items()}
     body = rewrite(body)
-    if _has_root_ref(schema):
+    if into_body:
         defs[f"{prefix}root"] = body
         return {"$ref": f"#/$defs/{prefix}root"}, defs
     return body, defs
 
 
-def _has_root_ref(node: Any) -> bool:
+def _refs_into_body(node: Any, base: str | None) -> bool:
+    """Does a `$ref` below `node` point at the schema itself or into it elsewhere than its defs?"""
     if isinstance(node, dict):
-        return node.get("$ref") == "#" or any(_has_root_ref(v) for v in node.values())
+        ref = node.get("$ref")
+        if isinstance(ref, str):
+            ref = ref[len(base):] if base is not None and ref.startswith(base + "#") else ref
+            if ref == "#" or (ref.startswith("#/") and not ref.startswith(("#/$defs/", "#/definitions/"))):
+                return True
+        return any(_refs_into_body(v, base) for v in node.values())
     if isinstance(node, list):
-        return any(_has_root_ref(v) for v in node)
+        return any(_refs_into_body(v, base) for v in node)
     return False
 
 

@@ -160,6 +160,33 @@ def test_required_schema_hoists_defs() -> None:
         jsonschema.validate([], schema)  # required: at least one call
 
 
+@pytest.mark.parametrize("params", [
+    {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"$ref": "#/properties/a"}}, "required": ["a", "b"]},
+    {"$id": "https://example.com/p", "type": "object", "properties": {"a": {"$ref": "https://example.com/p#/$defs/A"}},
+     "required": ["a"], "$defs": {"A": {"type": "integer"}}},
+    {"type": "object", "properties": {"a": {"type": "integer"}, "next": {"$ref": "#"}}, "required": ["a"]},
+])
+def test_a_tools_references_into_its_own_parameters_resolve_as_in_a_response_format(llm, params: dict) -> None:
+    """Pointers other than `#/$defs/...` (into `properties`, through the schema's `$id`, to
+    itself) pointed into the call's wrapper schema and were refused ("points nowhere"); they
+    resolve inside the parameters, the same values valid and invalid as the schema alone."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": params}}]
+    schema = tool_format.required_schema(tools, tool_format.ToolChoice("required"), parallel=True)
+    good, bad = {"a": 1, "b": 2}, {"a": 1, "b": "x"}
+    if "b" not in params["properties"]:
+        good, bad = {"a": 1, "next": {"a": 2}}, {"a": "x"}
+    jsonschema.validate(good, params)
+    jsonschema.validate([{"name": "f", "arguments": good}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "f", "arguments": bad}], schema)
+    for choice in ("required", "auto"):
+        output_type = tool_format.tool_output_type(tools, tool_format.resolve_tool_choice(choice, tools), True)
+        grammar = llm.compile(output_type)
+        call = json.dumps({"name": "f", "arguments": good}, separators=(", ", ": "))
+        text = f"[{call}]" if choice == "required" else f"<tool_call>\n{call}\n</tool_call>"
+        assert grammar.accepts(text) or grammar.accepts(text.replace(", ", ",").replace(": ", ":")), (choice, text)
+
+
 def test_auto_grammar_compiles_and_constrains(llm) -> None:
     tools = [get_weather.to_openai(), distance.to_openai()]
     grammar = llm.compile(CFG(tool_format.auto_grammar(tools, parallel=True), syntax="lark"))
