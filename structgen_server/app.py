@@ -84,7 +84,7 @@ def create_app(
     app.add_middleware(RequestGuard, config=guard, metrics=metrics)
     _install_error_handlers(app, state)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers probe with either
     async def health() -> Any:
         if state.stopping:  # a load balancer takes it out of rotation
             return JSONResponse({"status": "stopping", "model": state.model_name}, status_code=503)

@@ -125,7 +125,7 @@ class RequestGuard:
             413,
             f"request body is larger than this server's limit of {limit} bytes; send a smaller "
             "request (or start the server with a larger --max-body-bytes)",
-            code="request_too_large",
+            code="request_too_large", headers=_CLOSE,
         )
         declared = headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
@@ -139,7 +139,7 @@ class RequestGuard:
             except TimeoutError:
                 return b"", APIError(
                     408, f"request body not received within {self.config.body_timeout_s:.0f} s; send it at once",
-                    code="request_timeout",
+                    code="request_timeout", headers=_CLOSE,
                 )
             if message["type"] != "http.request":
                 return None, None
@@ -149,6 +149,10 @@ class RequestGuard:
                 return b"", too_large
             if not message.get("more_body", False):
                 return b"".join(chunks), None
+
+
+# The rest of a refused body may still be on its way: the connection cannot carry another request.
+_CLOSE = {"connection": "close"}
 
 
 class ReplayedBody:

@@ -44,6 +44,7 @@ def chat(client: openai.OpenAI, content: str, **kw):
 def test_health_models_metrics(server_url: str) -> None:
     root = server_url.removesuffix("/v1")
     assert httpx.get(f"{root}/health").json()["status"] == "ok"
+    assert httpx.head(f"{root}/health").status_code == 200  # a load balancer's probe
     models = httpx.get(f"{server_url}/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == MODEL
     text = httpx.get(f"{root}/metrics").text

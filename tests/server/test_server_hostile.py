@@ -239,6 +239,16 @@ def test_body_over_the_limit_is_a_413_by_content_length(server: Server) -> None:
     err = error_of(r)
     assert err["code"] == "request_too_large" and "--max-body-bytes" in err["message"]
     server.good_request_is_served()
+    # a declared length over the limit, the body never sent: answered, and the connection closed
+    host, port = server.root.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\nAuthorization: Bearer {KEY}\r\n"
+                     f"Content-Type: application/json\r\nContent-Length: {MAX_BODY + 1}\r\n\r\n".encode())
+        answer = b""
+        while chunk := sock.recv(65536):  # ends when the server closes the connection
+            answer += chunk
+    head = answer.split(b"\r\n\r\n")[0].lower()
+    assert head.startswith(b"http/1.1 413") and b"connection: close" in head, head
 
 
 def test_streamed_body_over_the_limit_is_a_413_while_reading(server: Server) -> None:
