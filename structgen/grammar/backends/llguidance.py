@@ -119,9 +119,10 @@ class LLGuidanceMatcher(GrammarMatcher):
         if "Too many items" in error or "ParserTooComplex" in error:
             return ConstraintTooLargeError(
                 f"the constraint grew too complex for llguidance's parser while {action} ({error.splitlines()[0]}); "
-                "a schema whose required properties lead back to the same object ({'$ref': '#'} under "
-                "'required') has no finite value: make the recursion optional; else simplify the constraint "
-                "or compile it with backend='xgrammar'"
+                "a very long repetition (\"a\"{100000} in a grammar, a huge minItems) or a schema whose required "
+                "properties lead back to the same object ({'$ref': '#'} under 'required', which has no finite "
+                "value) does this: shorten the repetition or make the recursion optional; else simplify the "
+                "constraint or compile it with backend='xgrammar'"
             )
         if "NoExtensionBias" in error:
             return UnsatisfiableConstraintError(
