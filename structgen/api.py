@@ -61,7 +61,7 @@ from structgen.grammar import CompiledGrammar, GrammarCompiler, GrammarMatcher
 from structgen.grammar.backends.base import token_bytes
 from structgen.grammar.digit_bounds import bound_integers, reached_bound
 from structgen.partial import PartialStream, partial_tracker
-from structgen.prompt_encoding import SegmentEncoder, encode_texts
+from structgen.prompt_encoding import Literals, SegmentEncoder, SpecialTexts, encode_texts
 from structgen.repair import FieldRepair
 from structgen.sampling import SamplingParams
 from structgen.schema.budget import CompileBudget, within
@@ -97,6 +97,7 @@ class RenderedPrompt:
 
     text: str
     chat: bool
+    literals: Literals | None = None  # special tokens' text the messages held, kept as text
 
 
 @contextlib.contextmanager
@@ -190,6 +191,7 @@ class LLM:
         self._decode = _raw_decoder(tokenizer)
         # Chat prompts' long messages (an agent's tool catalogue) are encoded once.
         self._prompt_encoder = SegmentEncoder(tokenizer)
+        self._special_texts = SpecialTexts(tokenizer)
         self.model_name = name
         self.grammars = GrammarCompiler(tokenizer, engine.vocab_size, sorted(engine.stop_token_ids), backend=backend,
                                         workers=_COMPILE_WORKERS)
@@ -310,9 +312,11 @@ class LLM:
                    tools: list[dict[str, Any]] | None) -> list[RenderedPrompt]:
         """Conversations through the chat template in one call (its per-call work paid once)."""
         kw = {"tools": _tool_dicts(tools)} if tools else {}
+        guarded = [self._special_texts.guard(messages) for messages in conversations]
         with _prompt_errors():
-            texts = self.tokenizer.apply_chat_template(conversations, add_generation_prompt=True, tokenize=False, **kw)
-        return [RenderedPrompt(text, chat=True) for text in texts]
+            texts = self.tokenizer.apply_chat_template([messages for messages, _ in guarded], add_generation_prompt=True,
+                                                       tokenize=False, **kw)
+        return [RenderedPrompt(text, chat=True, literals=literals) for text, (_, literals) in zip(texts, guarded, strict=True)]
 
     def _tokenized(self, prompts: list[RenderedPrompt]) -> list[list[int]]:
         """Token ids of rendered prompts, each kind in one batched tokenizer call: a raw string
@@ -320,12 +324,15 @@ class LLM:
         prompt as rendered (the template wrote its special tokens into the text)."""
         ids: list[list[int]] = [[] for _ in prompts]
         raw = [i for i, p in enumerate(prompts) if not p.chat]
-        chats = [i for i, p in enumerate(prompts) if p.chat]
+        chats = [i for i, p in enumerate(prompts) if p.chat and p.literals is None]
         with _prompt_errors():
             for i, got in zip(raw, encode_texts(self.tokenizer, [prompts[i].text for i in raw], True), strict=True):
                 ids[i] = got
             for i, got in zip(chats, self._prompt_encoder.encode_batch([prompts[i].text for i in chats]), strict=True):
                 ids[i] = got
+            for i, p in enumerate(prompts):
+                if p.chat and p.literals is not None:
+                    ids[i] = self._special_texts.encode(p.text, p.literals, self._prompt_encoder.encode_batch)
         return ids
 
     def _encode_prompts(self, calls: list[tuple[Prompt, bool | None, list[dict[str, Any]] | None]]) -> list[Outcome]:

@@ -17,12 +17,17 @@ the first text holding a piece that others hold too teaches it: it is encoded wh
 of its pieces alone, in the same tokenizer call as the others' own pieces, and they are spliced
 once its check holds. A batch costs one tokenizer call, and each text is cut at its added
 tokens once.
+
+A message's text is the user's, never the template's: a special token written in it
+(`<|im_end|>\n<|im_start|>system`) would close its turn and open another, so `SpecialTexts`
+marks such text before the template renders it and tokenizes it as plain text.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import secrets
 import threading
 from collections import OrderedDict
 from typing import Any, NamedTuple
@@ -288,3 +293,62 @@ def _splitting_tokens(tokenizer: Any) -> dict[str, int]:
             return {}
         out[content] = int(token_id)
     return out
+
+
+class Literals(NamedTuple):
+    """The special-token texts a conversation's messages held, each replaced by a marker
+    (`\\ue000{nonce}:{i}\\ue001`, private-use characters and a random nonce that no message
+    holds) until its rendered text is tokenized."""
+
+    nonce: str
+    texts: tuple[str, ...]
+
+    def pieces(self, rendered: str) -> list[str | int]:
+        """`rendered` cut at the markers: its own text, and the index of each literal."""
+        marker = re.compile(re.escape(f"\ue000{self.nonce}:") + r"(\d+)\ue001")
+        out: list[str | int] = []
+        for i, piece in enumerate(marker.split(rendered)):
+            out.append(int(piece) if i % 2 else piece)
+        return out
+
+
+class SpecialTexts:
+    """The text of a tokenizer's special tokens inside chat messages, kept as text."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        texts = sorted({t.content for t in added.values() if getattr(t, "special", False) and getattr(t, "content", "")},
+                       key=len, reverse=True)
+        self.pattern = re.compile("|".join(map(re.escape, texts))) if texts else None
+
+    def guard(self, messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], Literals | None]:
+        """`messages` with each special token's text in their content replaced by a marker,
+        and what the markers stand for; the messages themselves (and None) where none holds one."""
+        if self.pattern is None or not any(isinstance(m.get("content"), str) and self.pattern.search(m["content"])
+                                           for m in messages):
+            return messages, None
+        nonce, texts = secrets.token_hex(8), []
+
+        def mark(match: re.Match[str]) -> str:
+            texts.append(match.group(0))
+            return f"\ue000{nonce}:{len(texts) - 1}\ue001"
+
+        out = [{**m, "content": self.pattern.sub(mark, m["content"])} if isinstance(m.get("content"), str) else m
+               for m in messages]
+        return out, Literals(nonce, tuple(texts))
+
+    def encode(self, rendered: str, literals: Literals, encode_text: Any) -> list[int]:
+        """Ids of `rendered`: its own text by `encode_text` (a list of texts -> their ids, as the
+        template's text is tokenized), each literal as plain text (no special token matched)."""
+        pieces = literals.pieces(rendered)
+        texts = [p for p in pieces if isinstance(p, str)]
+        text_ids = iter(encode_text(texts))
+        ids: list[int] = []
+        for piece in pieces:
+            if isinstance(piece, str):
+                ids += next(text_ids)
+            else:
+                ids += self.tokenizer(literals.texts[piece], add_special_tokens=False,
+                                      split_special_tokens=True)["input_ids"]
+        return ids
