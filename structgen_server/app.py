@@ -84,7 +84,8 @@ def create_app(
     app.add_middleware(RequestGuard, config=guard, metrics=metrics)
     _install_error_handlers(app, state)
 
-    @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers probe with either
+    @app.get("/health")
+    @app.head("/health", include_in_schema=False)  # load balancers probe with either
     async def health() -> Any:
         if state.stopping:  # a load balancer takes it out of rotation
             return JSONResponse({"status": "stopping", "model": state.model_name}, status_code=503)

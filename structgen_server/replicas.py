@@ -356,7 +356,8 @@ def create_front_app(replicas: ReplicaSet, default_max_tokens: int) -> FastAPI:
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
         return exc.response()
 
-    @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers probe with either
+    @app.get("/health")
+    @app.head("/health", include_in_schema=False)  # load balancers probe with either
     async def health() -> JSONResponse:
         body = replicas.health()
         return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)

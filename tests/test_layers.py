@@ -62,7 +62,7 @@ def layer_of(module: str) -> int:
                   "structgen.tool_format", "structgen.tool_runs", "structgen.docstrings", "structgen.repair",
                   "structgen.prompt_encoding") or parts[:2] == ["structgen", "partial"]:
         return 5
-    if parts[0] == "structgen_server" or module == "structgen.cli":
+    if parts[0] == "structgen_server" or module in ("structgen.cli", "structgen.__main__"):
         return 6
     raise AssertionError(f"{module} has no layer: add it to layer_of() in tests/test_layers.py")
 

@@ -2,10 +2,10 @@
 
 JSON Schema's patterns are ECMA-262 regexes, and so the grammar backends read them. Python's
 `re` spells one common construct otherwise, a named group: `(?<year>...)` is `(?P<year>...)`
-there, and is rewritten so for the check; ECMA's `\\d` and `\\w` are ASCII classes, which Python's
-are not (`\\W` refuses "é", which both backends let through), and are written out. A pattern `re` cannot read at all (`\\p{Lu}`,
-`\\u{1F600}`) is refused when the schema is built, naming where, rather than failing every output
-that reaches it.
+there, and is rewritten so for the check; ECMA's `\\d` and `\\w` are ASCII classes, which
+Python's are not (`\\W` refuses "é", which both backends let through), and are written out. A
+pattern `re` cannot read at all (`\\p{Lu}`, `\\u{1F600}`) is refused when the schema is built,
+naming where, rather than failing every output that reaches it.
 """
 
 from __future__ import annotations
