@@ -17,6 +17,7 @@ from jinja2 import TemplateError
 
 from structgen import tool_format
 from structgen.arguments import EncodedPrompt
+from structgen.errors import StructgenError
 from structgen_server import serving
 from structgen_server.constraints import RequestConstraint, request_constraint
 from structgen_server.engine_client import EngineClient, MetricsRelay
@@ -254,7 +255,7 @@ async def plan(state: ServerState, body: SamplingFields) -> tuple[list[serving.J
     try:
         output_type = await _prepare(state, rc)
         _check_partial(body, output_type, rc)
-        encoded_prompts = [await task for task in encodes]  # the first prompt's error first
+        encoded_prompts = [await _encoded(task, param, i, len(encodes)) for i, task in enumerate(encodes)]
     finally:
         await _settle(encodes)
     jobs = []
@@ -269,6 +270,15 @@ async def plan(state: ServerState, body: SamplingFields) -> tuple[list[serving.J
             job_sampling = {**sampling, "seed": seed}
             jobs.append(serving.Job(output_type, encoded, job_sampling, body.stop_strings()))
     return jobs, rc
+
+
+async def _encoded(task: asyncio.Future[EncodedPrompt], param: str, index: int, count: int) -> EncodedPrompt:
+    """A prompt's ids; its error names which prompt (`prompt.1` of a list) and is the first
+    prompt's first, as they are awaited in order."""
+    try:
+        return await task
+    except StructgenError as exc:
+        raise to_api_error(exc, param=f"{param}.{index}" if count > 1 else param) from exc
 
 
 async def _prepare(state: ServerState, rc: RequestConstraint) -> Any:

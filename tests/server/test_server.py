@@ -406,6 +406,8 @@ BAD_REQUESTS: list[tuple[str, str, object, int]] = [
     ("too many stop strings", "chat/completions", {"stop": ["a", "b", "c", "d", "e"]}, 400),
     ("logprobs", "chat/completions", {"logprobs": True}, 400),
     ("presence penalty", "chat/completions", {"presence_penalty": 0.5}, 400),
+    ("presence penalty as text", "chat/completions", {"presence_penalty": "0"}, 400),
+    ("frequency penalty as text", "completions", {"frequency_penalty": "0"}, 400),
     ("unknown response_format type", "chat/completions", {"response_format": {"type": "xml"}}, 400),
     ("json_schema without schema", "chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400),
     ("json_schema schema not an object", "chat/completions",
@@ -468,6 +470,14 @@ def test_bad_input_corpus(server_url: str, client: openai.OpenAI) -> None:
     # the server is still up and serving
     r = chat(client, "Name a color.", extra_body={"choice": ["red", "blue"]})
     assert r.choices[0].message.content in ("red", "blue")
+
+
+def test_a_bad_prompt_of_a_list_is_named_by_its_place(server_url: str) -> None:
+    for prompts, param in ((["Say hi.", "   "], "prompt.1"), (["\ud800 lone"], "prompt")):
+        r = httpx.post(f"{server_url}/completions", timeout=60,
+                       content=json.dumps({"model": MODEL, "prompt": prompts, "max_tokens": 2}).encode(),
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
 def test_error_messages_name_the_problem(server_url: str) -> None:
