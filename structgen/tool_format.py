@@ -258,7 +258,7 @@ def hoist_defs(schema: dict[str, Any], prefix: str) -> tuple[dict[str, Any], dic
     body = {k: v for k, v in schema.items() if k not in ("$defs", "definitions", "$id")}
 
     def target(ref: str) -> str:
-        ref = ref[len(base):] if base is not None and ref.startswith(base + "#") else ref
+        ref = _local(ref, base)
         for head in ("#/$defs/", "#/definitions/"):
             if ref.startswith(head):
                 return f"#/$defs/{prefix}{ref[len(head):]}"
@@ -284,12 +284,17 @@ def hoist_defs(schema: dict[str, Any], prefix: str) -> tuple[dict[str, Any], dic
     return body, defs
 
 
+def _local(ref: str, base: str | None) -> str:
+    """`ref` as a local pointer where it goes through the schema's own `$id` (`base`)."""
+    return ref[len(base):] if base is not None and ref.startswith(base + "#") else ref
+
+
 def _refs_into_body(node: Any, base: str | None) -> bool:
     """Does a `$ref` below `node` point at the schema itself or into it elsewhere than its defs?"""
     if isinstance(node, dict):
         ref = node.get("$ref")
         if isinstance(ref, str):
-            ref = ref[len(base):] if base is not None and ref.startswith(base + "#") else ref
+            ref = _local(ref, base)
             if ref == "#" or (ref.startswith("#/") and not ref.startswith(("#/$defs/", "#/definitions/"))):
                 return True
         return any(_refs_into_body(v, base) for v in node.values())

@@ -21,8 +21,7 @@ _CONTAINERS = ("$defs", "definitions")
 
 def python_pattern(pattern: str) -> str:
     """`pattern` as Python's `re` reads it; raises `re.error` where it cannot."""
-    translated = _named_groups(pattern) if "(?<" in pattern else pattern
-    translated = _ascii_classes(translated) if "\\" in translated else translated
+    translated = _python_dialect(pattern) if "\\" in pattern or "(?<" in pattern else pattern
     re.compile(translated)
     return translated
 
@@ -76,7 +75,10 @@ _OUTSIDE = {"d": "[0-9]", "D": "[^0-9]", "w": "[A-Za-z0-9_]", "W": "[^A-Za-z0-9_
 _INSIDE = {"d": "0-9", "w": "A-Za-z0-9_"}  # `\\D`, `\\W` inside a class stay Python's
 
 
-def _ascii_classes(pattern: str) -> str:
+def _python_dialect(pattern: str) -> str:
+    """`pattern` with ECMA's spellings in Python's, in one walk that tracks escapes and
+    character classes: `(?<name>` written `(?P<name>` (lookbehinds kept), `\\d \\w \\D \\W` as
+    ECMA's ASCII classes."""
     out: list[str] = []
     i, in_class = 0, False
     while i < len(pattern):
@@ -91,34 +93,12 @@ def _ascii_classes(pattern: str) -> str:
             continue
         if in_class:
             in_class = c != "]"
-        elif c == "[":
-            in_class = True
-            out.append(c)
-            i += 1
-            for lead in ("^", "]"):  # a leading `]` (after any `^`) is a literal
-                if pattern.startswith(lead, i):
-                    out.append(lead)
-                    i += 1
+        elif c == "[":  # a leading `]` (after any `^`) is a literal
+            in_class, lead = True, i + 1 + pattern.startswith("^", i + 1)
+            lead += pattern.startswith("]", lead)
+            out.append(pattern[i:lead])
+            i = lead
             continue
-        out.append(c)
-        i += 1
-    return "".join(out)
-
-
-def _named_groups(pattern: str) -> str:
-    """`(?<name>` written `(?P<name>`, outside character classes and escapes; lookbehinds kept."""
-    out: list[str] = []
-    i, in_class = 0, False
-    while i < len(pattern):
-        c = pattern[i]
-        if c == "\\":
-            out.append(pattern[i : i + 2])
-            i += 2
-            continue
-        if in_class:
-            in_class = c != "]"
-        elif c == "[":
-            in_class = True
         elif pattern.startswith("(?<", i) and pattern[i + 3 : i + 4] not in ("=", "!"):
             out.append("(?P<")
             i += 3
