@@ -622,7 +622,7 @@ class LLM:
                     for ids in self._encode_all(list(prompts), options.chat, options.tools)]
         for r in requests:
             r.progress_updates = False  # waited for whole
-        self.loop.check_room(len(requests))  # all or none: no half of a batch left running
+        self.loop.check_room(requests)  # all or none: no half of a batch left running
         self._wait([self.loop.submit(r) for r in requests], requests)
         return [self._finish(r, constraint) for r in requests]
 

@@ -27,7 +27,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from structgen.engine.request import request_group
+from structgen.engine.request import request_client, request_group
 from structgen.partial import partial_tracker
 from structgen_server import responses, serving
 from structgen_server.body import parse_body, validation_error
@@ -159,7 +159,9 @@ async def _serve(state: ServerState, endpoint: str, body: SamplingFields, reques
     """Validate, run and format one request, recording its metrics."""
     t0 = time.perf_counter()
     state.metrics.started()
-    request_group.set(new_request_id())  # this request's generations share admission fairly
+    # This request's generations share admission fairly, and with other clients' (scheduler.py).
+    request_group.set(new_request_id())
+    request_client.set(request.client.host if request.client else None)
     status, error_type, streaming = 200, None, False
     try:
         if state.stopping:

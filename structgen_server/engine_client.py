@@ -17,8 +17,13 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from structgen.engine.request import request_group
+from structgen.engine.request import request_client, request_group
 from structgen_server.engine_link import Outbox, StreamEnd, engine_gone_error, read_batch
+
+
+def admission() -> tuple[Any, Any]:
+    """This context's admission group and client (engine/request.py), sent with a call."""
+    return request_group.get(), request_client.get()
 
 
 @dataclass(frozen=True)
@@ -77,11 +82,11 @@ class EngineClient:
         return ids
 
     async def acomplete(self, output_type: Any, prompt: Any, **options: Any) -> StreamEnd:
-        end: StreamEnd = await self.call("complete", request_group.get(), output_type, prompt, options)
+        end: StreamEnd = await self.call("complete", admission(), output_type, prompt, options)
         return end
 
     def astream(self, output_type: Any, prompt: Any, **options: Any) -> RemoteStream:
-        return RemoteStream(self, (request_group.get(), output_type, prompt, options))
+        return RemoteStream(self, (admission(), output_type, prompt, options))
 
     async def engine_load(self) -> dict[str, int]:
         load: dict[str, int] = await self.call("load")

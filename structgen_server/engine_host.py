@@ -3,7 +3,7 @@ processes' calls over the engine link (engine_link.py), so the HTTP work (parsin
 formatting, streaming events) runs in processes of its own and never holds the GIL the engine
 thread needs (docs/performance.md, "The HTTP front in processes of its own").
 
-Each call runs as a task of its own, under the admission group the front gave it; a front's
+Each call runs as a task of its own, under the admission group and client the front gave it; a front's
 `cancel` (its client went away) cancels the task, which aborts the engine request, and a front
 that disconnects has all its calls cancelled.
 """
@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from structgen.api import LLM
-from structgen.engine.request import request_group
+from structgen.engine.request import request_client, request_group
 from structgen.types import Constraint
 from structgen_server.engine_link import Outbox, StreamEnd, portable_error, read_batch
 from structgen_server.errors import APIError
@@ -146,15 +146,17 @@ class FrontLink:
     async def _encode(self, rid: int, prompt: Any, chat: bool | None, tools: list[dict[str, Any]] | None) -> list[int]:
         return await self.llm.aencode_prompt(prompt, chat=chat, tools=tools)
 
-    async def _complete(self, rid: int, group: Any, output_type: Any, prompt: Any, options: dict[str, Any]) -> StreamEnd:
-        request_group.set(group)
+    async def _complete(self, rid: int, admission: tuple[Any, Any], output_type: Any, prompt: Any,
+                        options: dict[str, Any]) -> StreamEnd:
+        enter_admission(admission)
         c = await self.llm.acomplete(self.host.resolve(output_type), prompt, **options)
         return StreamEnd(c.text, c.finish_reason, c.reasoning, c.stats.output_tokens, c.stats)
 
-    async def _stream(self, rid: int, group: Any, output_type: Any, prompt: Any, options: dict[str, Any]) -> StreamEnd:
+    async def _stream(self, rid: int, admission: tuple[Any, Any], output_type: Any, prompt: Any,
+                      options: dict[str, Any]) -> StreamEnd:
         """Each delta as it comes; how it ended goes before an error too (a truncated
         stream's token count and stats)."""
-        request_group.set(group)
+        enter_admission(admission)
         stream = self.llm.astream(self.host.resolve(output_type), prompt, **options)
         try:
             async with contextlib.aclosing(stream.__aiter__()) as deltas:
@@ -170,3 +172,9 @@ class FrontLink:
 
     async def _metrics(self, rid: int) -> str:
         return self.host.metrics.render(engine=engine_load(self.llm))
+
+
+def enter_admission(admission: tuple[Any, Any]) -> None:
+    """Run this task's engine requests under the front's admission group and client."""
+    request_group.set(admission[0])
+    request_client.set(admission[1])

@@ -4,8 +4,8 @@ messages. Each side sends what one turn of its event loop produced as one frame 
 256 streams' deltas of one engine step cost one write, not 256.
 
 Messages are tuples, their first item the kind. Front -> engine: `("prepare", rid, output_type,
-strict)`, `("encode", rid, prompt, chat, tools)`, `("complete" | "stream", rid, group,
-output_type, prompt, options)`, `("cancel", rid)`, `("load", rid)`, `("metrics", rid)` and
+strict)`, `("encode", rid, prompt, chat, tools)`, `("complete" | "stream", rid, (group,
+client), output_type, prompt, options)`, `("cancel", rid)`, `("load", rid)`, `("metrics", rid)` and
 `("count", method, args)` (a metric, no answer). Engine -> front: `("ok", rid, value)`,
 `("error", rid, exception)`, `("delta", rid, text)` and `("end", rid, StreamEnd)`.
 

@@ -314,11 +314,22 @@ def _replica_failed(replica: Replica) -> APIError:
                          "restarted); retry the request", type="server_error", code="replica_failed")
 
 
+def forwarded_headers(request: Request) -> dict[str, str]:
+    """The headers a replica gets: the client's, less the hop-by-hop ones, with the client's
+    address as `X-Forwarded-For` (which the replica's uvicorn trusts from this loopback front), so
+    that its client throttle and fair admission see each client, not this front. A value the
+    client sent is replaced: trusted here, it would let a client pose as any number of others."""
+    headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS and k.lower() != "x-forwarded-for"}
+    if request.client is not None:
+        headers["x-forwarded-for"] = request.client.host
+    return headers
+
+
 async def send_to_replica(client: httpx.AsyncClient, replicas: ReplicaSet, route: Route, request: Request,
                           path: str, body: bytes) -> Relay:
     """Send the request to the replica `pick` chooses (to the next one where a replica refuses
     the connection: it never saw the request) and return its answer once its headers arrive."""
-    headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+    headers = forwarded_headers(request)
     refused: set[int] = set()
     for _ in replicas.replicas:
         replica = replicas.pick(route, frozenset(refused))

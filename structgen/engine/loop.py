@@ -14,8 +14,8 @@ import atexit
 import logging
 import threading
 import weakref
-from collections import deque
-from collections.abc import Callable
+from collections import Counter, deque
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future
 
 from structgen.engine.engine import Engine
@@ -37,6 +37,7 @@ class EngineLoop:
         self.engine = engine
         self._cond = threading.Condition()
         self._incoming: deque[Request] = deque()
+        self._incoming_by_client: Counter[Hashable] = Counter()  # (changed under `_cond`)
         self._aborts: deque[Request] = deque()
         self._thread: threading.Thread | None = None
         self._closing = False
@@ -74,25 +75,57 @@ class EngineLoop:
             if self._closing:
                 raise EngineError("this LLM's engine loop is closed (the interpreter is exiting or its "
                                   "close() was called); create a new LLM to generate again")
-            self.check_room(1)
+            self.check_room([request])
             request.on_update = on_update
             self._incoming.append(request)
+            self._incoming_by_client[request.client] += 1
             self._ensure_thread()
             self._cond.notify()
         return future
 
-    def check_room(self, requests: int) -> None:
-        """Raise EngineBusyError where `requests` more would take the queue past
-        `EngineConfig.max_waiting` (an estimate read off the loop thread: the bound is a cap on
-        a flood, not an exact count)."""
+    def check_room(self, requests: Sequence[Request]) -> None:
+        """Raise EngineBusyError where `requests` (one client's) would take the queue past
+        `EngineConfig.max_waiting`, unless their client holds less than its share of it: the
+        limit over the clients waiting. Those are taken, and the loop makes room by dropping
+        the newest requests of the client that holds the most (`_make_room`), so one client's
+        flood cannot lock the others out. (An estimate read off the loop thread: the bound is a
+        cap on a flood, not an exact count.)"""
         limit = self.engine.config.max_waiting
-        if limit is None:
+        if limit is None or not requests:
             return
         waiting = len(self._incoming) + len(self.engine.scheduler.waiting)
-        if waiting + requests > limit:
-            raise EngineBusyError(
-                f"the engine has {waiting} requests waiting for a slot and takes at most {limit} "
-                f"(EngineConfig.max_waiting; structgen serve --max-waiting); retry in a moment")
+        if waiting + len(requests) <= limit:
+            return
+        client = requests[0].client
+        queued = self.engine.scheduler.waiting_by_client
+        holds = queued.get(client, 0) + self._incoming_by_client.get(client, 0)
+        clients = len({client, *queued, *self._incoming_by_client})
+        share = limit // clients
+        if holds + len(requests) <= share:
+            return
+        raise EngineBusyError(
+            f"the engine has {waiting} requests waiting for a slot and takes at most {limit} "
+            f"(EngineConfig.max_waiting; structgen serve --max-waiting)"
+            + (f"; this client holds {holds} of them, its share while {clients} clients wait is {share}"
+               if clients > 1 else "")
+            + "; retry in a moment")
+
+    def _make_room(self) -> None:
+        """Drop the newest waiting requests of the client that holds the most of the queue,
+        while the queue is past `max_waiting` and that client past its share (`check_room`
+        took another client's requests on that promise); each finishes with EngineBusyError."""
+        limit = self.engine.config.max_waiting
+        scheduler = self.engine.scheduler
+        while limit is not None and len(scheduler.waiting) > limit and len(scheduler.waiting_by_client) > 1:
+            counts = scheduler.waiting_by_client
+            victim = scheduler.newest_of_largest_client()
+            if victim is None or counts[victim.client] <= limit // len(counts):
+                return
+            self.engine.abort(victim, "error", EngineBusyError(
+                f"the engine's queue was full ({limit} requests waiting for a slot, "
+                f"EngineConfig.max_waiting; structgen serve --max-waiting) and this client held the "
+                f"most places ({counts[victim.client]}): its newest request was dropped to make room "
+                "for another client's; retry in a moment"))
 
     def after_step(self, callback: Callable[[], None]) -> None:
         """Run `callback` once on the loop thread when the step in progress ends (at once when
@@ -175,6 +208,7 @@ class EngineLoop:
                 while not (self._incoming or self._aborts or self._closing or self.engine.has_work()):
                     self._cond.wait()
                 incoming, self._incoming = list(self._incoming), deque()
+                self._incoming_by_client.clear()
                 aborts, self._aborts = list(self._aborts), deque()
                 closing = self._closing
             if closing:
@@ -207,6 +241,7 @@ class EngineLoop:
                 self.engine._notify(req)
         for req in aborts:
             self.engine.abort(req)
+        self._make_room()
 
     def _stays_idle(self) -> bool:
         """Whether no request comes within `IDLE_BEFORE_COLLECTION_S`: the held full collection

@@ -26,6 +26,10 @@ _ids = itertools.count()
 # one per HTTP request; the scheduler shares free slots fairly between groups). None: the one
 # group all in-process callers share.
 request_group: ContextVar[Hashable | None] = ContextVar("structgen_request_group", default=None)
+# Whom they are for, likewise (the server: the client's network address): the scheduler is fair
+# between clients first, then between one client's groups, and a full queue makes room for a
+# client that holds less than its share (loop.py). None: this process's own callers.
+request_client: ContextVar[Hashable | None] = ContextVar("structgen_request_client", default=None)
 
 
 class RequestStatus(Enum):
@@ -85,9 +89,11 @@ class Request:
         group: Hashable | None = None,
         validator: OutputValidator | None = None,
         adopt_prompt_ids: bool = False,
+        client: Hashable | None = None,
     ):
         self.id = next(_ids)
         self.group = group if group is not None else request_group.get()
+        self.client = client if client is not None else request_client.get()
         # Only ever ints: out of the cyclic collector's sight (a long prompt is thousands).
         # `adopt_prompt_ids`: the caller made the list for this request and lets it go (the
         # API's tokenizer output), so it is kept rather than copied: an agent's turn is

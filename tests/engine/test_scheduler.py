@@ -10,7 +10,7 @@ import torch
 from structgen.engine.config import EngineConfig
 from structgen.engine.engine import Engine
 from structgen.engine.models.loader import load_model_config
-from structgen.engine.request import Request, request_group
+from structgen.engine.request import Request, request_client, request_group
 from structgen.sampling import SamplingParams
 
 FAN_OUT = 10
@@ -48,6 +48,29 @@ def test_a_single_request_is_not_starved_by_another_groups_fan_out(engine: Engin
     assert steps[single.id] <= fan_out_ends[3] < fan_out_ends[-1]
 
 
+def test_a_clients_single_request_is_not_starved_by_another_clients_flood(engine: Engine, tokenizer) -> None:
+    """A flood is many HTTP requests (one group each) from one client: fairness between groups
+    alone would queue another client's request behind all of them."""
+    prompt = tokenizer.encode("Count to ten:", add_special_tokens=False)
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    flood = [Request(prompt, params, group=f"http-{i}", client="10.0.0.1") for i in range(FAN_OUT)]
+    single = Request(prompt, params, group="http-single", client="10.0.0.2")
+    steps = finish_steps(engine, [*flood, single])
+    flood_ends = sorted(steps[r.id] for r in flood)
+    assert steps[single.id] <= flood_ends[3] < flood_ends[-1]
+
+
+def test_one_clients_groups_still_share_its_places_fairly(engine: Engine, tokenizer) -> None:
+    """Within a client, a fan-out group does not starve the same client's single request."""
+    prompt = tokenizer.encode("Count to ten:", add_special_tokens=False)
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    fan_out = [Request(prompt, params, group="fan-out", client="10.0.0.1") for _ in range(FAN_OUT)]
+    single = Request(prompt, params, group="single", client="10.0.0.1")
+    steps = finish_steps(engine, [*fan_out, single])
+    fan_out_ends = sorted(steps[r.id] for r in fan_out)
+    assert steps[single.id] <= fan_out_ends[3] < fan_out_ends[-1]
+
+
 def test_requests_without_a_group_are_first_come_first_served(engine: Engine, tokenizer) -> None:
     prompt = tokenizer.encode("Count to ten:", add_special_tokens=False)
     requests = [Request(prompt, SamplingParams(max_tokens=4, temperature=0.0)) for _ in range(5)]
@@ -65,6 +88,12 @@ def test_the_group_comes_from_the_context_when_not_passed() -> None:
     finally:
         request_group.reset(token)
     assert Request([1, 2], SamplingParams()).group is None
+    token = request_client.set("10.0.0.1")
+    try:
+        assert Request([1, 2], SamplingParams()).client == "10.0.0.1"
+    finally:
+        request_client.reset(token)
+    assert Request([1, 2], SamplingParams()).client is None
 
 
 def prefilled(count: int):

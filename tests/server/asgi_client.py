@@ -10,16 +10,17 @@ from typing import Any
 
 
 def post_and_stay(app: Any, body: dict[str, Any], path: str = "/v1/chat/completions",
-                  leave: asyncio.Event | None = None) -> tuple[asyncio.Future[Any], list[dict[str, Any]]]:
-    """Start POSTing `body` to `app` from a client that stays connected (until `leave` is set,
-    where given): the request's task (to cancel as uvicorn does) and the list its ASGI messages
-    are appended to as it sends them. Call it inside a running event loop."""
+                  leave: asyncio.Event | None = None, client: str = "127.0.0.1",
+                  ) -> tuple[asyncio.Future[Any], list[dict[str, Any]]]:
+    """Start POSTing `body` to `app` from a client (at address `client`) that stays connected
+    (until `leave` is set, where given): the request's task (to cancel as uvicorn does) and the
+    list its ASGI messages are appended to as it sends them. Call it inside a running event loop."""
     raw = json.dumps(body).encode()
     scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
              "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
              "root_path": "", "headers": [(b"host", b"localhost"), (b"content-length", str(len(raw)).encode()),
                                           (b"content-type", b"application/json")],
-             "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000)}
+             "client": (client, 5000), "server": ("127.0.0.1", 8000)}
     requests = [{"type": "http.request", "body": raw, "more_body": False}]
     sent: list[dict[str, Any]] = []
 

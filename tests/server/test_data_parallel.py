@@ -14,9 +14,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from starlette.requests import Request
 
 from structgen_server.process import ServerProcess
-from structgen_server.replicas import AFFINITY_SLACK_TOKENS, Replica, ReplicaSet, Route
+from structgen_server.replicas import (
+    AFFINITY_SLACK_TOKENS,
+    Replica,
+    ReplicaSet,
+    Route,
+    forwarded_headers,
+)
 from tests.server.asgi_client import running
 
 TOOL_CATALOGUE = [{"type": "function", "function": {"name": f"lookup_{i}", "description": "Look a record up " * 8,
@@ -64,6 +71,16 @@ def test_the_front_end_routes_any_json_body_and_leaves_refusing_it_to_the_replic
     the problem, instead of failing the front end with a 500."""
     route = Route.of(json.dumps(body).encode(), 64)
     assert ReplicaSet([Replica(0, [], {}, up=True)]).pick(route) is not None
+
+
+def test_a_replica_is_told_the_clients_address_and_not_the_one_a_client_claims():
+    """The replica trusts X-Forwarded-For from the loopback front: the front sets it to the
+    client's address (its throttle and fair admission then see clients), replacing any a client
+    sent, and drops the hop-by-hop headers."""
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "query_string": b"",
+             "headers": [(b"host", b"front:8000"), (b"x-forwarded-for", b"10.9.9.9"), (b"authorization", b"Bearer k"),
+                         (b"connection", b"keep-alive")], "client": ("203.0.113.7", 5000)}
+    assert forwarded_headers(Request(scope)) == {"x-forwarded-for": "203.0.113.7", "authorization": "Bearer k"}
 
 
 @pytest.fixture(scope="module")
