@@ -32,6 +32,7 @@ from structgen.errors import (
 )
 from structgen.partial import Partial, PartialStream
 from structgen.sampling import SamplingParams
+from structgen.schema.limits import ConstraintLimits
 from structgen.tool_runs import ToolError, ToolRun, ToolRunTooLongError, run_tools
 from structgen.tools import Tool, ToolCall, ToolCalls, tool
 from structgen.types import CFG, Choice, JsonSchema, Regex
@@ -50,6 +51,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "ConstraintLimits",
     "LLM",
     "RemoteLLM",
     "RemoteStats",

@@ -59,13 +59,14 @@ from structgen.errors import (
 )
 from structgen.grammar import CompiledGrammar, GrammarCompiler, GrammarMatcher
 from structgen.grammar.backends.base import token_bytes
+from structgen.grammar.compiler import check_grammar_limits
 from structgen.grammar.digit_bounds import bound_integers, reached_bound
 from structgen.partial import PartialStream, partial_tracker
 from structgen.prompt_encoding import Literals, SegmentEncoder, SpecialTexts, encode_texts
 from structgen.repair import FieldRepair
 from structgen.sampling import SamplingParams
-from structgen.schema.budget import CompileBudget, within
-from structgen.schema.limits import check_schema, check_source
+from structgen.schema.budget import DEFAULT_COMPILE_TIMEOUT_S, CompileBudget, within
+from structgen.schema.limits import DEFAULT_LIMITS, ConstraintLimits, check_schema, check_source
 from structgen.types import CFG, Constraint, JsonSchema, Regex, to_constraint
 
 if TYPE_CHECKING:
@@ -125,6 +126,11 @@ class LLM:
     config:
         Engine settings (device, dtype, batch size, context length, CUDA graphs...): an
         `EngineConfig`, or a dict of its fields.
+    limits:
+        The largest constraint compiled (`ConstraintLimits`: source bytes, nesting depth, enum
+        values); over one, `ConstraintTooLargeError` before any other work.
+    compile_timeout:
+        Seconds one constraint's compile may take; past it, `ConstraintTooLargeError`.
 
     Generation methods take the output type first and the prompt second, then these keyword
     arguments:
@@ -156,13 +162,15 @@ class LLM:
     """
 
     def __init__(self, model: str | Path | None = None, *, backend: str = "auto",
-                 config: EngineConfig | dict[str, Any] | None = None):
+                 config: EngineConfig | dict[str, Any] | None = None, limits: ConstraintLimits = DEFAULT_LIMITS,
+                 compile_timeout: float = DEFAULT_COMPILE_TIMEOUT_S):
         from structgen.engine.models.loader import load_model_config, load_tokenizer, resolve_model
         from structgen.engine.tokenizer_conformance import check_tokenizer
         from structgen.grammar.compiler import check_backend_name
 
-        # Both checked before the model loads: a typo must not cost a load first.
+        # All checked before the model loads: a typo must not cost a load first.
         check_backend_name(backend)
+        check_grammar_limits(limits, compile_timeout)
         config = EngineConfig.coerce(config)
         t0 = time.perf_counter()
         model_dir = resolve_model(model)
@@ -174,18 +182,20 @@ class LLM:
         self.tokenizer_report = check_tokenizer(tokenizer, model_config.vocab_size, stop_ids)
         engine = Engine(model_config, config, model_dir, stop_token_ids=stop_ids,
                         text_vocab_size=self.tokenizer_report.text_vocab_size)
-        self._setup(engine, tokenizer, name, backend)
+        self._setup(engine, tokenizer, name, backend, limits, compile_timeout)
         self.load_time_s = time.perf_counter() - t0
 
     @classmethod
-    def from_engine(cls, engine: Engine, tokenizer: Any, name: str, backend: str = "auto") -> LLM:
+    def from_engine(cls, engine: Engine, tokenizer: Any, name: str, backend: str = "auto", *,
+                    limits: ConstraintLimits = DEFAULT_LIMITS, compile_timeout: float = DEFAULT_COMPILE_TIMEOUT_S) -> LLM:
         """Wrap an already built engine (random-weight benchmark models, custom setups)."""
         self = cls.__new__(cls)
-        self._setup(engine, tokenizer, name, backend)
+        self._setup(engine, tokenizer, name, backend, limits, compile_timeout)
         self.load_time_s = 0.0
         return self
 
-    def _setup(self, engine: Engine, tokenizer: Any, name: str, backend: str) -> None:
+    def _setup(self, engine: Engine, tokenizer: Any, name: str, backend: str, limits: ConstraintLimits,
+               compile_timeout: float) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self._decode = _raw_decoder(tokenizer)
@@ -194,7 +204,7 @@ class LLM:
         self._special_texts = SpecialTexts(tokenizer)
         self.model_name = name
         self.grammars = GrammarCompiler(tokenizer, engine.vocab_size, sorted(engine.stop_token_ids), backend=backend,
-                                        workers=_COMPILE_WORKERS)
+                                        limits=limits, compile_timeout=compile_timeout, workers=_COMPILE_WORKERS)
         # Async callers' compiles handed to the pool at once: enough to keep every worker busy;
         # the rest wait their turn outside, where no compile budget runs.
         self._compile_gate = CompileGate(2 * _COMPILE_WORKERS)

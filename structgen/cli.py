@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 
 from structgen.engine.config import EngineConfig
+from structgen.schema.budget import DEFAULT_COMPILE_TIMEOUT_S
+from structgen.schema.limits import DEFAULT_LIMITS, ConstraintLimits
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -78,6 +80,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="generations that may wait for a decoding slot; past it a request is answered 503 with "
         "Retry-After, so a flood neither grows the queue without end nor delays everyone for minutes",
     )
+    serve.add_argument("--max-constraint-bytes", type=int, default=DEFAULT_LIMITS.max_source_bytes,
+                       help="largest schema / regex / grammar text a request may send, UTF-8 bytes (400 beyond)")
+    serve.add_argument("--max-constraint-depth", type=int, default=DEFAULT_LIMITS.max_depth,
+                       help="deepest bracket nesting of a constraint's text (400 beyond)")
+    serve.add_argument("--max-enum-values", type=int, default=DEFAULT_LIMITS.max_enum_values,
+                       help="most enum / const values in one JSON schema (400 beyond)")
+    serve.add_argument("--compile-timeout", type=float, default=DEFAULT_COMPILE_TIMEOUT_S,
+                       help="seconds one constraint's compile may take (400 beyond)")
     serve.add_argument(
         "--max-client-errors", type=int, default=64,
         help="4xx answers one client address may get within 10 s before it is answered 429 for "
@@ -164,6 +174,9 @@ _SERVE_MINIMUMS: list[tuple[str, str, int]] = [
     ("--max-body-bytes", "max_body_bytes", 1),
     ("--max-generations-per-request", "max_generations_per_request", 1),
     ("--max-waiting", "max_waiting", 1),
+    ("--max-constraint-bytes", "max_constraint_bytes", 1),
+    ("--max-constraint-depth", "max_constraint_depth", 1),
+    ("--max-enum-values", "max_enum_values", 1),
     ("--max-client-errors", "max_client_errors", 0),
     ("--data-parallel", "data_parallel", 1),
     ("--front-processes", "front_processes", 0),
@@ -181,6 +194,8 @@ def _check_flags(args: argparse.Namespace) -> None:
             raise InvalidParameterError(f"--port {args.port} is out of range; pass 0-65535 (0: any free port)")
         if not args.host.strip():
             raise InvalidParameterError("--host is empty; pass an address such as 127.0.0.1 or 0.0.0.0")
+        if not args.compile_timeout > 0:
+            raise InvalidParameterError(f"--compile-timeout {args.compile_timeout} must be a positive number of seconds")
     elif args.max_tokens < 1:
         raise InvalidParameterError(f"--max-tokens {args.max_tokens} must be at least 1")
     for flag, attr, least in checks:
@@ -242,7 +257,9 @@ def _replica_args(args: argparse.Namespace) -> list[str]:
     out = ["--backend", args.backend, "--max-seq-len", str(args.max_seq_len), "--tensor-parallel", str(args.tensor_parallel),
            "--default-max-tokens", str(args.default_max_tokens), "--max-body-bytes", str(args.max_body_bytes),
            "--max-generations-per-request", str(args.max_generations_per_request),
-           "--max-waiting", str(args.max_waiting),
+           "--max-waiting", str(args.max_waiting), "--max-constraint-bytes", str(args.max_constraint_bytes),
+           "--max-constraint-depth", str(args.max_constraint_depth), "--max-enum-values", str(args.max_enum_values),
+           "--compile-timeout", str(args.compile_timeout),
            "--max-client-errors", "0", "--allowed-hosts", "*", "--log-level", args.log_level,
            "--front-processes", str(args.front_processes)]
     for flag, value in (("--model", args.model), ("--device", args.device), ("--dtype", args.dtype),
@@ -345,6 +362,8 @@ def _serve(args: argparse.Namespace, config: EngineConfig) -> None:
         max_client_errors=args.max_client_errors,
         log_level=args.log_level,
         front_processes=args.front_processes,
+        limits=ConstraintLimits(args.max_constraint_bytes, args.max_constraint_depth, args.max_enum_values),
+        compile_timeout=args.compile_timeout,
     )
 
 

@@ -31,7 +31,25 @@ class UnsatisfiableConstraintError(InvalidConstraintError):
 
 class ConstraintTooLargeError(InvalidConstraintError):
     """A schema, regex or grammar is over a size limit (bytes, enum length, nesting depth) or
-    took longer to compile than the compiler's time budget; names the limit and its value."""
+    took longer to compile than the compiler's time budget; names the limit and its value.
+
+    Where the limit is a setting (`limit`: a `ConstraintLimits` field or "compile_timeout"),
+    the message is `problem`, then `remedy` (what to change in the constraint), then how an
+    `LLM` raises it; a server names its own flag instead (structgen_server/errors.py)."""
+
+    def __init__(self, problem: str, *, limit: str | None = None, remedy: str = "make it smaller"):
+        raise_it = f" or raise the limit: {LIMIT_SETTINGS[limit]}" if limit else ""
+        super().__init__(f"{problem}; {remedy}{raise_it}" if limit else problem)
+        self.problem, self.limit, self.remedy = problem, limit, remedy
+
+
+# How an `LLM`'s user raises each limit a ConstraintTooLargeError names.
+LIMIT_SETTINGS = {
+    "max_source_bytes": "LLM(..., limits=ConstraintLimits(max_source_bytes=...))",
+    "max_depth": "LLM(..., limits=ConstraintLimits(max_depth=...))",
+    "max_enum_values": "LLM(..., limits=ConstraintLimits(max_enum_values=...))",
+    "compile_timeout": "LLM(..., compile_timeout=...) (seconds)",
+}
 
 
 class UnsupportedTypeError(StructgenError):

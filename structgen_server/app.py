@@ -29,6 +29,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from structgen.engine.request import request_client, request_group
 from structgen.partial import partial_tracker
+from structgen.schema.budget import DEFAULT_COMPILE_TIMEOUT_S
+from structgen.schema.limits import DEFAULT_LIMITS, ConstraintLimits
 from structgen_server import responses, serving
 from structgen_server.body import parse_body, validation_error
 from structgen_server.connection import KEEP_ALIVE_S, MAX_HEAD_BYTES, http_protocol
@@ -335,14 +337,17 @@ def run_server(
     max_client_errors: int = DEFAULT_MAX_CLIENT_ERRORS,
     log_level: str = "info",
     front_processes: int = 0,
+    limits: ConstraintLimits = DEFAULT_LIMITS,
+    compile_timeout: float = DEFAULT_COMPILE_TIMEOUT_S,
 ) -> None:
     """Load the model, then serve it with uvicorn until interrupted. `allowed_hosts` None:
     the loopback names when bound to loopback, any Host otherwise; ["*"]: any.
-    `front_processes` > 0 runs the HTTP server in that many processes of its own (fronts.py)."""
+    `front_processes` > 0 runs the HTTP server in that many processes of its own (fronts.py).
+    `limits`, `compile_timeout`: the largest constraint a request may send (`LLM`'s)."""
     from structgen import LLM
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    llm = LLM(model, backend=backend, config=config)
+    llm = LLM(model, backend=backend, config=config, limits=limits, compile_timeout=compile_timeout)
     log.info("loaded %s in %.1fs", llm.model_name, getattr(llm, "load_time_s", 0.0))
     llm.grammars.warm_up()  # not in the first requests' compiles
     if allowed_hosts is None:

@@ -70,6 +70,11 @@ class APIError(Exception):
         return JSONResponse(body.model_dump(), status_code=self.status, headers=self.headers)
 
 
+# The `structgen serve` flag of each limit a ConstraintTooLargeError names (its message names
+# the library's setting, which a client of the server cannot reach).
+SERVE_FLAGS = {"max_source_bytes": "--max-constraint-bytes", "max_depth": "--max-constraint-depth",
+               "max_enum_values": "--max-enum-values", "compile_timeout": "--compile-timeout"}
+
 # structgen exception -> (status, code); the first matching class wins, StructgenError last
 _MAPPING: list[tuple[type[StructgenError], int, str]] = [
     (UnsupportedSchemaError, 400, "unsupported_schema"),
@@ -100,6 +105,9 @@ def to_api_error(exc: BaseException, param: str | None = None) -> APIError:
         if isinstance(exc, cls) and not isinstance(exc, EngineError):
             if isinstance(exc, UnsupportedSchemaError) and exc.path:
                 message = f"{exc} (at {exc.path})" if exc.path not in str(exc) else str(exc)
+            elif isinstance(exc, ConstraintTooLargeError) and exc.limit in SERVE_FLAGS:
+                message = (f"{exc.problem}; {exc.remedy} (the limit is this server's: "
+                           f"structgen serve {SERVE_FLAGS[exc.limit]} sets it)")
             else:
                 message = str(exc)
             if status == 404:

@@ -64,6 +64,9 @@ def test_a_model_with_a_broken_config_json_names_the_file(tmp_path: Path, model_
     (["--data-parallel", "0"], ["--data-parallel 0"]),
     (["--data-parallel", "-1"], ["--data-parallel -1"]),
     (["--front-processes", "-1"], ["--front-processes -1", "at least 0"]),
+    (["--max-enum-values", "0"], ["--max-enum-values 0", "at least 1"]),
+    (["--max-constraint-bytes", "-1"], ["--max-constraint-bytes -1", "at least 1"]),
+    (["--compile-timeout", "0"], ["--compile-timeout 0.0", "positive number of seconds"]),
     (["--host", "no-such-host.invalid"], ["--host no-such-host.invalid"]),
 ])
 def test_serve_refuses_bad_flags_before_loading_the_model(argv: list[str], words: list[str]) -> None:

@@ -33,7 +33,13 @@ from structgen.grammar.native import MAX_GRAMMAR_THREADS
 from structgen.grammar.termination import analyse, check_not_empty, native_library
 from structgen.sampling import check_int, check_number
 from structgen.schema import keywords
-from structgen.schema.budget import CompileBudget, check_budget, current_budget, within
+from structgen.schema.budget import (
+    DEFAULT_COMPILE_TIMEOUT_S,
+    CompileBudget,
+    check_budget,
+    current_budget,
+    within,
+)
 from structgen.schema.keywords import BACKENDS, unsupported_schema_error
 from structgen.schema.limits import DEFAULT_LIMITS, ConstraintLimits, check_source
 
@@ -78,12 +84,13 @@ class GrammarCompiler:
         cache_size: int = 256,
         threads: int = 0,
         limits: ConstraintLimits = DEFAULT_LIMITS,
-        compile_timeout: float = 30.0,
+        compile_timeout: float = DEFAULT_COMPILE_TIMEOUT_S,
         workers: int = 2,
         max_queued: int = 64,
     ):
         check_backend_name(backend)
-        _check_compiler_sizes(threads, workers, max_queued, cache_size, compile_timeout)
+        check_grammar_limits(limits, compile_timeout)
+        _check_compiler_sizes(threads, workers, max_queued, cache_size)
         if not stop_token_ids:
             raise ValueError("stop_token_ids must name at least one token (e.g. the EOS id)")
         self.tokenizer = tokenizer
@@ -333,12 +340,21 @@ def check_backend_name(name: object) -> None:
     )
 
 
-def _check_compiler_sizes(threads: int, workers: int, max_queued: int, cache_size: int,
-                          compile_timeout: float) -> None:
+def check_grammar_limits(limits: ConstraintLimits, compile_timeout: float) -> None:
+    """Refuse limits that are not a `ConstraintLimits` of positive integers, or a compile
+    time budget that is not a positive number of seconds (before a model loads)."""
+    if not isinstance(limits, ConstraintLimits):
+        raise InvalidParameterError(f"limits must be a ConstraintLimits, got {type(limits).__name__}; pass e.g. "
+                                    "limits=structgen.ConstraintLimits(max_enum_values=50_000)")
+    for name in ("max_source_bytes", "max_depth", "max_enum_values"):
+        check_int(f"ConstraintLimits.{name}", getattr(limits, name), 1, None)
+    check_number("compile_timeout (seconds)", compile_timeout, 0.0, None, open_low=True)
+
+
+def _check_compiler_sizes(threads: int, workers: int, max_queued: int, cache_size: int) -> None:
     """Each is a thread count, a queue or a cache the user sizes: a bound keeps one argument
     from starting thousands of threads or holding every grammar ever compiled."""
     check_int("GrammarCompiler threads (0: auto)", threads, 0, MAX_GRAMMAR_THREADS)
     check_int("GrammarCompiler workers", workers, 1, MAX_COMPILE_WORKERS)
     check_int("GrammarCompiler max_queued", max_queued, 1, None)
     check_int("GrammarCompiler cache_size", cache_size, 0, None)
-    check_number("GrammarCompiler compile_timeout (seconds)", compile_timeout, 0.0, None)

@@ -17,6 +17,8 @@ from contextvars import ContextVar
 
 from structgen.errors import ConstraintTooLargeError, RequestCancelledError
 
+DEFAULT_COMPILE_TIMEOUT_S = 30.0  # seconds one compile may take (`GrammarCompiler`, `LLM`)
+
 
 class CompileBudget:
     """A deadline (`seconds` from now) and a cancel flag for the compile of `description`."""
@@ -45,10 +47,8 @@ class CompileBudget:
             raise RequestCancelledError(f"the compile of {self.description} was cancelled")
         if time.monotonic() > self.deadline:
             raise ConstraintTooLargeError(
-                f"compiling {self.description} took longer than the compile time budget of "
-                f"{self.seconds:g} s; simplify it (fewer enum values, less nesting) or raise "
-                "GrammarCompiler(compile_timeout=...)"
-            )
+                f"compiling {self.description} took longer than the compile time budget of {self.seconds:g} s",
+                limit="compile_timeout", remedy="simplify it (fewer enum values, less nesting)")
 
 
 _current: ContextVar[CompileBudget | None] = ContextVar("structgen_compile_budget", default=None)

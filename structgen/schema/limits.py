@@ -24,7 +24,7 @@ _ESCAPE = re.compile(r"\\.", re.DOTALL)
 @dataclass(frozen=True)
 class ConstraintLimits:
     """The largest constraint a compiler takes; each can be raised through
-    `GrammarCompiler(limits=ConstraintLimits(...))`.
+    `LLM(..., limits=ConstraintLimits(...))` (or `GrammarCompiler(limits=...)`).
 
     max_source_bytes: the schema / regex / grammar text, UTF-8.
     max_depth: bracket nesting of the text (JSON `{`/`[`, regex and grammar parentheses); a
@@ -109,9 +109,8 @@ def nesting_depth(text: str, opening: str, closing: str) -> int:
 
 
 def _too_large(description: str, limit: str, what: str, value: int) -> ConstraintTooLargeError:
-    how = (
-        "(deeper schemas would overflow Python's recursion limit)"
-        if limit == "max_depth" and value == BUILD_LIMITS.max_depth
-        else f"or raise the limit: GrammarCompiler(limits=ConstraintLimits({limit}=...))"
-    )
-    return ConstraintTooLargeError(f"{description} {what}, over the limit {limit}={value:,}; make it smaller {how}")
+    problem = f"{description} {what}, over the limit {limit}={value:,}"
+    if limit == "max_depth" and value == BUILD_LIMITS.max_depth:  # not a setting
+        return ConstraintTooLargeError(f"{problem}; make it smaller (deeper schemas would overflow Python's "
+                                       "recursion limit)")
+    return ConstraintTooLargeError(problem, limit=limit)

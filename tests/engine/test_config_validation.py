@@ -207,6 +207,16 @@ def test_a_replica_is_started_with_the_batch_size_only_where_one_was_given():
     assert _replica_args(args)[_replica_args(args).index("--max-batch-size") + 1] == "32"
 
 
+def test_a_replica_is_started_with_the_servers_constraint_limits():
+    from structgen.cli import _replica_args, build_parser
+
+    flags = ["--max-constraint-bytes", "2000", "--max-constraint-depth", "9", "--max-enum-values", "70000",
+             "--compile-timeout", "2.5"]
+    replica = build_parser().parse_args(["serve", *_replica_args(build_parser().parse_args(["serve", *flags]))])
+    assert (replica.max_constraint_bytes, replica.max_constraint_depth, replica.max_enum_values,
+            replica.compile_timeout) == (2000, 9, 70000, 2.5)
+
+
 def test_more_tensor_parallel_ranks_than_the_host_runs_are_refused_before_any_process_starts():
     with pytest.raises(InvalidParameterError, match="tensor_parallel=64 spawns a process per rank"):
         _build(device="cpu", tensor_parallel=64)
