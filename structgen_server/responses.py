@@ -19,6 +19,7 @@ from typing import Any
 
 from structgen import tool_format
 from structgen.completion import ReasoningDelta
+from structgen.errors import OutputValidationError
 from structgen.partial import Partial, PartialTracker
 from structgen_server.constraints import RequestConstraint
 from structgen_server.protocol import (
@@ -34,7 +35,7 @@ from structgen_server.protocol import (
     new_id,
     now,
 )
-from structgen_server.serving import Generation
+from structgen_server.serving import Generation, cut_error
 
 
 def assistant_turn(rc: RequestConstraint, g: Generation) -> tuple[str | None, list[ToolCall] | None, str]:
@@ -42,7 +43,12 @@ def assistant_turn(rc: RequestConstraint, g: Generation) -> tuple[str | None, li
     as text with finish_reason "length", as OpenAI does."""
     if rc.tool_choice is None or rc.tool_choice.mode == "none" or g.finish_reason == "length":
         return g.text, None, g.finish_reason
-    parsed, content = tool_format.parse_tool_calls(g.text, rc.tools or [], rc.tool_choice)
+    try:
+        parsed, content = tool_format.parse_tool_calls(g.text, rc.tools or [], rc.tool_choice)
+    except OutputValidationError as e:
+        if g.stopped_by is None:
+            raise
+        raise cut_error(g.stopped_by, g.text, "a whole tool call", e) from e
     if not parsed:
         return content, None, g.finish_reason
     calls = [ToolCall(id=p.id, function=FunctionCall(name=p.name, arguments=json.dumps(p.arguments))) for p in parsed]

@@ -62,6 +62,7 @@ class Generation:
     completion_tokens: int
     stats: Any = None  # GenerationStats when the engine finished the request
     reasoning: str | None = None  # a reasoning model's thinking, apart from `text`
+    stopped_by: str | None = None  # the stop string that ended `text`, if one did
 
 
 async def generate(llm: Any, job: Job) -> Generation:
@@ -103,7 +104,7 @@ class GenerationStream:
         inner = self.llm.astream(job.output_type, job.prompt, **job.kwargs())
         hold = max((len(s) for s in job.stop), default=1) - 1  # chars that may start a stop string
         text, sent = "", 0
-        finish = "stop"
+        finish, stopped_by = "stop", None
         thinking: list[str] = []
         async with contextlib.aclosing(inner.__aiter__()) as pieces:
             try:
@@ -115,7 +116,8 @@ class GenerationStream:
                     text += piece
                     cut = _find_stop(text, job.stop, start=max(sent - hold, 0))
                     if cut is not None:
-                        _check_cut(job, text, cut)
+                        stopped_by = next(s for s in job.stop if text.startswith(s, cut))
+                        _check_cut(job, text[:cut], stopped_by)
                         text = text[:cut]
                         break
                     safe = len(text) - hold if job.stop else len(text)
@@ -130,7 +132,7 @@ class GenerationStream:
         reasoning = "".join(thinking) or None
         if end.text is not None and end.finish_reason is not None:  # finished without a stop string: trust the engine
             text, finish, reasoning = end.text, end.finish_reason, end.reasoning
-        self.result = Generation(text, finish, job.prompt_tokens, end.output_tokens, end.stats, reasoning)
+        self.result = Generation(text, finish, job.prompt_tokens, end.output_tokens, end.stats, reasoning, stopped_by)
 
 
 def stream_end(stream: Any) -> StreamEnd:
@@ -144,21 +146,25 @@ def stream_end(stream: Any) -> StreamEnd:
     return StreamEnd(completion.text, completion.finish_reason, completion.reasoning, n_out, completion.stats)
 
 
-def _check_cut(job: Job, text: str, cut: int) -> None:
+def _check_cut(job: Job, text: str, stop: str) -> None:
     """A stop string may end free text anywhere, but a constrained output only where it is a
     whole value: else the choice fails, naming the string, rather than returning a value that
-    does not parse as finished."""
+    does not parse as finished. (A tool call's grammar parses nothing: `cut_error` names the
+    string where the call's text then fails to parse.)"""
     constraint = job.output_type
     if not isinstance(constraint, Constraint) or constraint.kind == "text":
         return
     try:
-        constraint.parse(text[:cut])
+        constraint.parse(text)
     except StructgenError as e:
-        stop = next(s for s in job.stop if text.startswith(s, cut))
-        raise OutputValidationError(
-            f"stop string {stop!r} ended the output after {cut} characters, before it was a whole value "
-            f"of {constraint.description} ({e}); the grammar ends a constrained output: leave such strings "
-            "out of `stop`", text=text[:cut]) from e
+        raise cut_error(stop, text, f"a whole value of {constraint.description}", e) from e
+
+
+def cut_error(stop: str, text: str, what: str, error: Exception) -> OutputValidationError:
+    """The error of an output that stop string `stop` cut before it was `what`."""
+    return OutputValidationError(
+        f"stop string {stop!r} ended the output after {len(text)} characters, before it was {what} ({error}); "
+        "the grammar ends a constrained output: leave such strings out of `stop`", text=text)
 
 
 def _find_stop(text: str, stops: list[str], start: int) -> int | None:

@@ -159,6 +159,24 @@ def test_a_stop_string_that_cuts_a_constrained_output_fails_the_choice_naming_it
     assert kept["choices"][0]["message"]["content"] == whole and kept["choices"][0]["finish_reason"] == "stop"
 
 
+def test_a_stop_string_that_cuts_a_tool_call_is_named() -> None:
+    """With tools in "auto" mode the grammar is a CFG, which parses nothing at the cut: the tool
+    call's own parse fails afterwards, and that error names the stop string too."""
+    from structgen.errors import OutputValidationError
+    from structgen.tool_format import ToolChoice
+    from structgen_server.constraints import RequestConstraint
+    from structgen_server.responses import assistant_turn
+    from structgen_server.serving import Generation
+
+    rc = RequestConstraint(tools=[WEATHER_TOOL], tool_choice=ToolChoice("auto"))
+    cut = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"'
+    with pytest.raises(OutputValidationError, match="stop string '}' ended the output after 65 characters, before "
+                                                    "it was a whole tool call"):
+        assistant_turn(rc, Generation(cut, "stop", 10, 20, stopped_by="}"))
+    with pytest.raises(OutputValidationError, match="^tool call is not valid JSON"):  # no stop string: as it was
+        assistant_turn(rc, Generation(cut, "stop", 10, 20))
+
+
 # --------------------------------------------------------------------------- streaming
 
 
