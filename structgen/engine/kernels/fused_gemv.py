@@ -44,6 +44,7 @@ import triton.language as tl
 
 from structgen.engine.kernels.dependent_launch import launch_args, wait_for_inputs
 from structgen.engine.kernels.fused import HeadNorms, head_rms_norm, rope_and_cache
+from structgen.engine.kernels.timed_plans import TimedPlans
 
 log = logging.getLogger(__name__)
 MAX_ROWS = 4
@@ -58,7 +59,15 @@ CONFIGS = ((4, 1024, 4, 4), (2, 2048, 4, 4), (8, 512, 4, 4), (4, 2048, 8, 3), (2
 HEAD_CONFIGS = ((128, 8, 3), (256, 8, 2), (256, 16, 2), (64, 4, 4), (128, 4, 4), (512, 16, 1))
 SPLIT = (0, 0, 0, 0)  # not a block shape: `norm_gemv` then `fused.rope_and_cache`, two launches
 TIMED_ABOVE = 4 << 20  # weight elements
-_plans: dict[tuple, tuple[int, int, int, int]] = {}
+
+
+def _decode(value: list) -> tuple[int, int, int, int]:
+    """A plan read from disk (timed_plans.py): a block shape, or SPLIT."""
+    n, k, warps, stages = value
+    return int(n), int(k), int(warps), int(stages)
+
+
+_plans: TimedPlans[tuple[int, int, int, int]] = TimedPlans("fused_gemv", __file__, list, _decode)
 
 
 @triton.jit
@@ -301,12 +310,9 @@ def plan(kind: str, rows: int, weight: torch.Tensor, run: Callable[[tuple[int, i
     for large CUDA matrices, outside any graph capture; else the first."""
     if not weight.is_cuda or weight.numel() <= TIMED_ABOVE:
         return candidates[0]
-    key = (kind, rows, tuple(weight.shape), weight.dtype, weight.device)
-    if key not in _plans:
-        if torch.cuda.is_current_stream_capturing():
-            return candidates[0]
-        _plans[key] = _time(run, candidates, weight.device)
-    return _plans[key]
+    key = (kind, rows, tuple(weight.shape), str(weight.dtype))
+    return _plans.plan_for(key, weight.device, lambda: _time(run, candidates, weight.device),
+                           during_capture=candidates[0])
 
 
 def _time(run: Callable[[tuple[int, int, int, int]], object], candidates: Sequence[tuple[int, int, int, int]],

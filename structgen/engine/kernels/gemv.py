@@ -6,8 +6,9 @@ kernels stream W slower than this one does (per-matrix figures: docs/performance
 step at batch 1"; `benchmarks/bench_gemv.py` reproduces them). The best block shape differs
 per matrix, so `plan` times cuBLAS against a few block shapes once per large matrix on the
 device, outside any graph capture (the decode graphs' warm-up runs every shape first), and
-keeps the fastest. Small matrices keep the fixed rule at one row (an earlier timing that
-picked slower shapes for them measured launch cost as much as the kernel: see `time_cold`).
+keeps the fastest (on disk too, for the next process: timed_plans.py). Small matrices keep the
+fixed rule at one row (an earlier timing that picked slower shapes for them measured launch
+cost as much as the kernel: see `time_cold`).
 
 Two to sixteen rows (forced text, speculative verify steps, small batches) are timed for every
 matrix, small ones included, per power-of-two row count: W is still read once for all rows,
@@ -43,6 +44,7 @@ import triton
 import triton.language as tl
 
 from structgen.engine.kernels.dependent_launch import launch_args, wait_for_inputs
+from structgen.engine.kernels.timed_plans import TimedPlans
 
 log = logging.getLogger(__name__)
 MAX_ROWS = 16
@@ -80,7 +82,19 @@ DOT = tuple(Block(n, k, w, s, "dot") for n, k, w, s in
             ((32, 128, 4, 5), (32, 256, 4, 4), (64, 256, 8, 3), (16, 512, 4, 3), (64, 128, 4, 4),
              (32, 512, 4, 4)))
 MARGIN = 0.97  # a block shape must beat cuBLAS by 3 %: near-ties stay with cuBLAS
-_plans: dict[tuple, Block | None] = {}
+
+
+def _decode(value: list | None) -> Block | None:
+    """A plan read from disk (timed_plans.py): None (cuBLAS) or a block shape."""
+    if value is None:
+        return None
+    n, k, warps, stages, form = value
+    if form not in ("chunk", "late", "dot"):
+        raise ValueError(f"no gemv form {form!r}")
+    return Block(int(n), int(k), int(warps), int(stages), form)
+
+
+_plans: TimedPlans[Block | None] = TimedPlans("gemv", __file__, lambda b: None if b is None else list(b), _decode)
 T = TypeVar("T")
 
 
@@ -99,12 +113,8 @@ def plan(rows: int, weight: torch.Tensor) -> Block | None:
     if use_gemv(rows, weight):
         return DEFAULT
     rows = triton.next_power_of_2(rows)
-    key = (rows, tuple(weight.shape), weight.dtype, weight.device)
-    if key not in _plans:
-        if torch.cuda.is_current_stream_capturing():  # no timing inside a capture
-            return None
-        _plans[key] = _time(rows, weight)
-    return _plans[key]
+    key = (rows, tuple(weight.shape), str(weight.dtype))
+    return _plans.plan_for(key, weight.device, lambda: _time(rows, weight), during_capture=None)
 
 
 def _time(rows: int, weight: torch.Tensor, reps: int = 15) -> Block | None:

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from structgen.engine.kernels.dependent_launch import launch_args, wait_for_inputs
+from structgen.engine.kernels.timed_plans import TimedPlans
 
 # Up to this many (token, expert) pairs a step takes the pair kernels (no sort): decode batches.
 PAIR_MAX = 64
@@ -341,7 +342,9 @@ class ExpertTiles:
     down: Tiles
 
 
-_plans: dict[tuple, ExpertTiles] = {}
+_plans: TimedPlans[ExpertTiles] = TimedPlans(
+    "moe", __file__, lambda t: [list(t.gate_up), list(t.down)],
+    lambda v: ExpertTiles(*(Tiles(*(int(x) for x in tiles)) for tiles in v)))
 
 
 def expert_tiles(tokens: int, top_k: int, gate_up: torch.Tensor, down: torch.Tensor) -> ExpertTiles:
@@ -353,12 +356,9 @@ def expert_tiles(tokens: int, top_k: int, gate_up: torch.Tensor, down: torch.Ten
     if not _worth_timing(tokens, gate_up):
         return default
     bucket = triton.next_power_of_2(tokens)
-    key = (bucket, pairs, top_k, tuple(gate_up.shape), tuple(down.shape), gate_up.dtype, gate_up.device)
-    if key not in _plans:
-        if torch.cuda.is_current_stream_capturing():
-            return default
-        _plans[key] = fastest_tiles(bucket, top_k, gate_up, down, pairs)[0]
-    return _plans[key]
+    key = (bucket, pairs, top_k, tuple(gate_up.shape), tuple(down.shape), str(gate_up.dtype))
+    return _plans.plan_for(key, gate_up.device, lambda: fastest_tiles(bucket, top_k, gate_up, down, pairs)[0],
+                           during_capture=default)
 
 
 def _worth_timing(tokens: int, gate_up: torch.Tensor) -> bool:
