@@ -205,6 +205,26 @@ def test_missing_model_names_the_install_command(tmp_path: Path) -> None:
         resolve_model("some-org/not-a-cached-model")
 
 
+def test_a_conversion_parses_the_gguf_once(model_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    """transformers' tokenizer loader would parse the file's fields again (seconds for a
+    vocabulary): it gets the conversion's reader, and writes the same tokenizer."""
+    import gguf
+
+    opened: list[str] = []
+    original = gguf.GGUFReader
+
+    def counted(path, *args, **kwargs):
+        opened.append(str(path))
+        return original(path, *args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", counted)
+    gguf_conv.convert_gguf(default_gguf_path(), tmp_path, progress=False)
+    assert opened == [str(default_gguf_path())]
+    assert gguf.GGUFReader is counted  # put back
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        assert (tmp_path / name).read_text() == (model_dir / name).read_text(), name
+
+
 @pytest.mark.slow
 def test_failed_conversion_leaves_no_cache_entry(tmp_path: Path, monkeypatch) -> None:
     """An interrupted conversion must not leave a directory a later call would trust."""
