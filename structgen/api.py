@@ -173,6 +173,7 @@ class LLM:
         check_grammar_limits(limits, compile_timeout)
         config = EngineConfig.coerce(config)
         t0 = time.perf_counter()
+        _start_native_builds()  # on a machine that has none yet, compiled while the model converts
         model_dir = resolve_model(model)
         tokenizer = load_tokenizer(model_dir)
         model_config = load_model_config(model_dir)
@@ -1235,6 +1236,20 @@ def _held_tail(text: str, hold: str) -> int:
             return len(text) - at
         at = text.find(hold[0], at + 1)
     return 0
+
+
+def _start_native_builds() -> None:
+    """Build the native libraries an LLM loads (the CPU products with GGUF-packed weights, the
+    grammar pool, the grammar lengths) in a thread, where this machine has not built them yet:
+    a newcomer's first `LLM()` otherwise ran the compilers after the model's conversion, one
+    after another (docs/performance.md, "The first LLM() in a process")."""
+    if os.environ.get("STRUCTGEN_DISABLE_NATIVE") == "1":
+        return
+    from structgen.csrc import build_in_background
+    from structgen.engine.kernels import cpu_quant
+    from structgen.grammar import native, termination
+
+    build_in_background([cpu_quant.build, native.build, termination.build_lengths_library])
 
 
 def _stop_token_ids(tokenizer: Any, eos_ids: list[int]) -> set[int]:

@@ -9,14 +9,17 @@ sources here, so a regular (non-editable) install keeps the native paths."""
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
 DIR = Path(__file__).resolve().parent
+log = logging.getLogger(__name__)
 
 
 def source(name: str) -> Path:
@@ -37,17 +40,45 @@ def build_library(name: str, commands: Callable[[str, Path, Path], list[list[str
     digest = hashlib.sha256(path.read_bytes() + compiler.encode() + key).hexdigest()[:16]
     root = Path(os.environ.get("STRUCTGEN_CACHE") or Path.home() / ".cache" / "structgen") / "native"
     out = root / f"{path.stem}-{digest}.so"
-    if out.is_file():
-        return out
-    root.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=root) as tmp:  # concurrent builders each rename whole
-        partial = Path(tmp) / out.name
-        for cmd in commands(compiler, path, partial):
-            done = subprocess.run(cmd, capture_output=True, text=True)
-            if done.returncode == 0:
-                os.replace(partial, out)
-                return out
-        raise RuntimeError(f"building {name} failed: {done.stderr.strip()[-2000:]}")
+    with _lock_of(out):  # a build in progress in this process (`build_in_background`) is waited for
+        if out.is_file():
+            return out
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=root) as tmp:  # concurrent processes each rename whole
+            partial = Path(tmp) / out.name
+            for cmd in commands(compiler, path, partial):
+                done = subprocess.run(cmd, capture_output=True, text=True)
+                if done.returncode == 0:
+                    os.replace(partial, out)
+                    return out
+            raise RuntimeError(f"building {name} failed: {done.stderr.strip()[-2000:]}")
 
 
-__all__ = ["DIR", "build_library", "source"]
+_locks: dict[Path, threading.Lock] = {}
+_locks_lock = threading.Lock()
+
+
+def _lock_of(out: Path) -> threading.Lock:
+    with _locks_lock:
+        return _locks.setdefault(out, threading.Lock())
+
+
+def build_in_background(builds: list[Callable[[], object]]) -> threading.Thread:
+    """Run `builds` (library builds, each cached once built) one after another in a daemon
+    thread: on a machine that has not built them, the compilers run while the model loads
+    instead of after it. A failure is left to the build's own caller to report, when it
+    loads the library."""
+
+    def run() -> None:
+        for build in builds:
+            try:
+                build()
+            except Exception as exc:  # noqa: BLE001 - reported by the loader that needs it
+                log.debug("background build failed: %s", exc)
+
+    thread = threading.Thread(target=run, name="structgen-native-builds", daemon=True)
+    thread.start()
+    return thread
+
+
+__all__ = ["DIR", "build_in_background", "build_library", "source"]

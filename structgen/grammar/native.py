@@ -269,7 +269,7 @@ def load() -> NativeGrammar | None:
         return None
     threads = default_threads()  # outside the try: a bad $STRUCTGEN_GRAMMAR_THREADS is the user's error
     try:
-        lib = ctypes.CDLL(str(_build()))
+        lib = ctypes.CDLL(str(build()))
         lib.sg_init.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int]
         lib.sg_fill.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64,
                                 ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
@@ -286,7 +286,8 @@ def load() -> NativeGrammar | None:
         return None
 
 
-def _build() -> Path:
+def build() -> Path:
+    """The pool's shared library, compiled once per machine (csrc.build_library)."""
     import tvm_ffi
     from tvm_ffi import libinfo
 

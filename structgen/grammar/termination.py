@@ -113,18 +113,23 @@ def _python_lengths(serialized: str) -> GrammarLengths:
     return GrammarLengths(names, shortest, reachable, longest)
 
 
+def build_lengths_library() -> Path:
+    """grammar_lengths.cpp's shared library, compiled once per machine (csrc.build_library)."""
+
+    def commands(compiler: str, source: Path, output: Path) -> list[list[str]]:
+        return [[compiler, "-O2", "-std=c++17", "-shared", "-fPIC", str(source), "-o", str(output)]]
+
+    return build_library("grammar_lengths.cpp", commands)
+
+
 @functools.cache
 def native_library() -> Any:
     """`sg_grammar_lengths` of structgen/csrc/grammar_lengths.cpp, built on first use; None
     (logged once) where it cannot be built or `STRUCTGEN_DISABLE_NATIVE=1`."""
     if os.environ.get("STRUCTGEN_DISABLE_NATIVE") == "1":
         return None
-
-    def commands(compiler: str, source: Path, output: Path) -> list[list[str]]:
-        return [[compiler, "-O2", "-std=c++17", "-shared", "-fPIC", str(source), "-o", str(output)]]
-
     try:
-        function = ctypes.CDLL(str(build_library("grammar_lengths.cpp", commands))).sg_grammar_lengths
+        function = ctypes.CDLL(str(build_lengths_library())).sg_grammar_lengths
     except Exception as exc:  # no compiler: the Python fixpoint, which holds the GIL
         log.warning("native grammar lengths unavailable (%s); computing them in Python", exc)
         return None

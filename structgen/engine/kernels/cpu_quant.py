@@ -181,7 +181,7 @@ def load() -> QuantKernels | None:
     if os.environ.get("STRUCTGEN_DISABLE_NATIVE") == "1":
         return None
     try:
-        lib = ctypes.CDLL(str(_build()))
+        lib = ctypes.CDLL(str(build()))
     except Exception as exc:  # no compiler, a failed build, a platform without shared objects
         log.warning("quantized CPU kernels unavailable (%s); GGUF weights are de-quantized to fp32 "
                     "at load (more memory, slower steps). Install g++ to get them.", exc)
@@ -198,7 +198,9 @@ def load() -> QuantKernels | None:
     return QuantKernels(lib)
 
 
-def _build() -> Path:
+def build() -> Path:
+    """The kernels' shared library, compiled once per machine (csrc.build_library)."""
+
     def commands(compiler: str, source: Path, output: Path) -> list[list[str]]:
         base = [compiler, "-O3", "-std=c++17", "-shared", "-fPIC", str(source), "-o", str(output)]
         return [[*base, "-fopenmp"], base]  # a compiler without OpenMP: one thread, still packed
