@@ -46,7 +46,7 @@ from structgen.engine.config import EngineConfig
 from structgen.engine.engine import Engine
 from structgen.engine.loop import EngineLoop
 from structgen.engine.reasoning import CLOSE_TAG
-from structgen.engine.request import Request
+from structgen.engine.request import Request, request_client
 from structgen.errors import (
     ConstraintTooLargeError,
     EngineError,
@@ -478,7 +478,7 @@ class LLM:
         joined = self.grammars.join(constraint)  # one compile in flight: no place in the gate
         if joined is not None:
             return constraint, await self._await_compile(output_type, joined)
-        async with self._compile_gate.place(quick=self.grammars.compiles_quickly(constraint)):
+        async with self._compile_gate.place(self.grammars.compiles_quickly(constraint), request_client.get()):
             return constraint, await self._await_compile(output_type, self.grammars.submit(constraint))
 
     @staticmethod

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import threading
 import weakref
-from collections import deque
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from collections import Counter, deque
+from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 if TYPE_CHECKING:
     from structgen.engine.loop import EngineLoop
@@ -132,81 +133,99 @@ class _FutureSink:
 
 
 class CompileGate:
-    """At most `limit` holders at once, across event loops; the others wait first come, first
-    served within their lane, the quick lane's before the slow one's. `async with
-    gate.place(quick):` holds a place.
+    """At most `limit` holders at once, across event loops; the others wait, the quick lane's
+    before the slow one's, and within a lane the waiter of the client holding the fewest places
+    first, then the oldest. `async with gate.place(quick, client):` holds a place.
 
     Two lanes because compile times differ by 30x: in a burst of new schemas, one that
     llguidance compiles in milliseconds must not queue behind others' xgrammar compiles of
-    hundreds (docs/performance.md, "Compiles of a burst, quick ones first")."""
+    hundreds (docs/performance.md, "Compiles of a burst, quick ones first"). Clients (the
+    server's client addresses, engine/request.py) because one client's flood of new schemas
+    must not hold another's compile until its budget runs out (`CompilerBusyError`)."""
 
     def __init__(self, limit: int):
         self.limit = limit
         self._lock = threading.Lock()
-        self._held = 0
-        self._lanes: tuple[deque[_Waiter], deque[_Waiter]] = (deque(), deque())  # quick, slow
+        self._held: Counter[Hashable] = Counter()  # places held, by client
+        # Per lane (quick, slow), the waiters by client, each client's oldest first.
+        self._lanes: tuple[dict[Hashable, deque[_Waiter]], dict[Hashable, deque[_Waiter]]] = ({}, {})
+        self._arrivals = itertools.count()
 
     @property
     def waiting(self) -> int:
-        return sum(len(lane) for lane in self._lanes)
+        return sum(len(queue) for lane in self._lanes for queue in lane.values())
 
-    def place(self, quick: bool = False) -> _Place:
-        return _Place(self, self._lanes[0 if quick else 1])
+    def place(self, quick: bool = False, client: Hashable = None) -> _Place:
+        return _Place(self, self._lanes[0 if quick else 1], client)
 
-    async def _enter(self, lane: deque[_Waiter]) -> None:
+    async def _enter(self, lane: dict[Hashable, deque[_Waiter]], client: Hashable) -> None:
         aloop = asyncio.get_running_loop()
         with self._lock:
-            if self._held < self.limit and not self.waiting:
-                self._held += 1
+            if self._held.total() < self.limit and not self.waiting:
+                self._held[client] += 1
                 return
-            waiter = (aloop, aloop.create_future())
-            lane.append(waiter)
+            waiter = _Waiter(aloop, aloop.create_future(), next(self._arrivals))
+            lane.setdefault(client, deque()).append(waiter)
         try:
-            await waiter[1]
+            await waiter.future
         except asyncio.CancelledError:
             with self._lock:
-                queued = waiter in lane
+                queue = lane.get(client)
+                queued = queue is not None and waiter in queue
                 if queued:
-                    lane.remove(waiter)
-            if not queued and waiter[1].done() and not waiter[1].cancelled():
-                self._release()  # given a place just as it was cancelled: pass it on
+                    queue.remove(waiter)
+                    if not queue:
+                        del lane[client]
+            if not queued and waiter.future.done() and not waiter.future.cancelled():
+                self._release(client)  # given a place just as it was cancelled: pass it on
             raise
 
-    def _release(self) -> None:
-        """Hand the place to the first waiter of the quick lane, else of the slow one, or give it back."""
+    def _release(self, client: Hashable) -> None:
+        """Give `client`'s place to the next waiter (the module docstring), or give it back."""
         with self._lock:
+            self._held[client] -= 1
+            if not self._held[client]:
+                del self._held[client]  # (a server meets many clients: only holders are kept)
             lane = next((lane for lane in self._lanes if lane), None)
             if lane is None:
-                self._held -= 1
                 return
-            aloop, future = lane.popleft()
+            taker = min(lane, key=lambda c: (self._held[c], lane[c][0].arrival))
+            queue = lane[taker]
+            waiter = queue.popleft()
+            if not queue:
+                del lane[taker]
+            self._held[taker] += 1
         try:
-            aloop.call_soon_threadsafe(self._grant, future)
+            waiter.loop.call_soon_threadsafe(self._grant, waiter.future, taker)
         except RuntimeError:  # that waiter's event loop is closed: the next one
-            self._release()
+            self._release(taker)
 
-    def _grant(self, future: asyncio.Future[None]) -> None:
+    def _grant(self, future: asyncio.Future[None], client: Hashable) -> None:
         if future.cancelled():
-            self._release()
+            self._release(client)
         else:
             future.set_result(None)
 
 
-_Waiter = tuple[asyncio.AbstractEventLoop, "asyncio.Future[None]"]
+class _Waiter(NamedTuple):
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[None]
+    arrival: int
 
 
 class _Place:
-    """`async with gate.place(quick):` a place in one of the gate's lanes."""
+    """`async with gate.place(quick, client):` a place in one of the gate's lanes."""
 
-    def __init__(self, gate: CompileGate, lane: deque[_Waiter]):
+    def __init__(self, gate: CompileGate, lane: dict[Hashable, deque[_Waiter]], client: Hashable):
         self.gate = gate
         self.lane = lane
+        self.client = client
 
     async def __aenter__(self) -> None:
-        await self.gate._enter(self.lane)
+        await self.gate._enter(self.lane, self.client)
 
     async def __aexit__(self, *exc: object) -> None:
-        self.gate._release()
+        self.gate._release(self.client)
 
 
 class ThreadBatch:

@@ -75,6 +75,41 @@ def test_the_compile_gate_gives_a_freed_place_to_a_quick_waiter_before_earlier_s
     assert order == ["first", "quick 1", "quick 2", "slow 1", "slow 2"]
 
 
+def test_the_compile_gate_gives_a_freed_place_to_the_client_holding_fewest_before_a_floods_earlier_waiters():
+    """One client's flood of new schemas waits behind itself, not in front of another client's
+    compile; each client's own waiters keep their order, and the quick lane still goes first."""
+    gate = CompileGate(2)
+    order: list[str] = []
+
+    async def hold(name: str, client: str, release: asyncio.Event, quick: bool = False) -> None:
+        async with gate.place(quick, client):
+            order.append(name)
+            await release.wait()
+
+    async def main() -> None:
+        events = {n: asyncio.Event() for n in ("a1", "a2", "a3", "a4", "b1", "c1")}
+        tasks = [asyncio.create_task(hold(n, n[0], events[n])) for n in ("a1", "a2", "a3", "a4")]
+        await asyncio.sleep(0.01)
+        tasks.append(asyncio.create_task(hold("b1", "b", events["b1"])))
+        await asyncio.sleep(0.01)
+        assert order == ["a1", "a2"] and gate.waiting == 3
+        events["a1"].set()  # a's place goes to b, which holds none, before a's own a3
+        await asyncio.sleep(0.01)
+        assert order == ["a1", "a2", "b1"]
+        tasks.append(asyncio.create_task(hold("c1", "c", events["c1"], quick=True)))
+        await asyncio.sleep(0.01)
+        events["a2"].set()  # a quick waiter first, whoever holds what
+        await asyncio.sleep(0.01)
+        assert order == ["a1", "a2", "b1", "c1"]
+        for e in events.values():
+            e.set()
+        await asyncio.gather(*tasks)
+        assert order == ["a1", "a2", "b1", "c1", "a3", "a4"] and gate.waiting == 0
+        assert not gate._held  # every place given back, no client kept
+
+    asyncio.run(main())
+
+
 class OneStep:
     """The engine loop's side of `LoopWaker`: `after_step` callbacks run when `end` is called."""
 
