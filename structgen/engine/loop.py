@@ -97,7 +97,7 @@ class EngineLoop:
         if waiting + len(requests) <= limit:
             return
         client = requests[0].client
-        queued = self.engine.scheduler.waiting_by_client
+        queued = self.engine.scheduler.waiting.by_client
         holds = queued.get(client, 0) + self._incoming_by_client.get(client, 0)
         clients = len({client, *queued, *self._incoming_by_client})
         share = limit // clients
@@ -116,9 +116,9 @@ class EngineLoop:
         took another client's requests on that promise); each finishes with EngineBusyError."""
         limit = self.engine.config.max_waiting
         scheduler = self.engine.scheduler
-        while limit is not None and len(scheduler.waiting) > limit and len(scheduler.waiting_by_client) > 1:
-            counts = scheduler.waiting_by_client
-            victim = scheduler.newest_of_largest_client()
+        while limit is not None and len(scheduler.waiting) > limit and len(scheduler.waiting.by_client) > 1:
+            counts = scheduler.waiting.by_client
+            victim = scheduler.waiting.newest_of_largest_client()
             if victim is None or counts[victim.client] <= limit // len(counts):
                 return
             self.engine.abort(victim, "error", EngineBusyError(

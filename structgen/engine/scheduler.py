@@ -21,21 +21,14 @@ Requests that arrive together with a shared prompt start (agent turns with one t
 compute it once: while a running request is still prefilling pages a waiting request's prompt
 starts with, admission waits for them to be published (`_prefix_in_flight`).
 
-Admission is fair across clients (`Request.client`, the server's client address), then across
-one client's request groups (`Request.group`, one per HTTP request): a free place goes to the
-client with the fewest requests running, and of its groups to the one with the fewest running,
-its oldest request first (ties: the oldest). So one client's flood of requests, or one request's
-fan-out of thousands of generations, cannot starve another's single request. Requests that share
-a group and client (all in-process callers by default) are admitted first come, first served.
+Admission is fair across clients, then across one client's request groups (waiting.py).
 """
 
 from __future__ import annotations
 
-from collections import Counter, deque
-from collections.abc import Hashable
-
 from structgen.engine.page_table import PageTable
 from structgen.engine.request import Request, RequestStatus
+from structgen.engine.waiting import WaitingRequests
 
 # Pages of a prompt another request is computing that are worth waiting for.
 MIN_SHARED_PAGES = 2
@@ -75,22 +68,6 @@ class PrefillingPrefixes:
             windows.add(tuple(req.token_ids[start : start + self.width]))
 
 
-class RunningCounts:
-    """The running requests counted by client and by (client, group), for one admission pass."""
-
-    def __init__(self, running: list[Request]):
-        self.clients: Counter[Hashable] = Counter(r.client for r in running)
-        self.groups: Counter[tuple[Hashable, Hashable]] = Counter((r.client, r.group) for r in running)
-
-    def add(self, req: Request) -> None:
-        self.clients[req.client] += 1
-        self.groups[req.client, req.group] += 1
-
-
-def _oldest(groups: dict[Hashable, deque[Request]]) -> int:
-    return min(q[0].id for q in groups.values())
-
-
 class Scheduler:
     def __init__(self, pages: PageTable, max_batch_size: int, chunk_tokens: int, lookahead: int = 2):
         """`lookahead`: positions past a request's tokens that a step may write before the
@@ -99,12 +76,8 @@ class Scheduler:
         self.max_batch_size = max_batch_size
         self.chunk_tokens = chunk_tokens
         self.lookahead = lookahead
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingRequests()
         self.running: list[Request] = []
-        # The waiting requests again, by client and group, each group oldest first: admission
-        # looks at the groups' heads only, not at every waiting request.
-        self._waiting_groups: dict[Hashable, dict[Hashable, deque[Request]]] = {}
-        self.waiting_by_client: Counter[Hashable] = Counter()  # (read by loop.py off its thread)
         # Where decode rows did not all fit last step (prompts took their share), the first
         # that did not: it goes first this step.
         self._next_turn = 0
@@ -114,8 +87,6 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
-        self._group_queue(request).append(request)
-        self.waiting_by_client[request.client] += 1
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -193,15 +164,14 @@ class Scheduler:
         if not self.waiting or len(self.running) >= self.max_batch_size:
             return
         in_flight = PrefillingPrefixes(self.running, MIN_SHARED_PAGES * self.pages.page_size)
-        running = RunningCounts(self.running)
-        while self.waiting and len(self.running) < self.max_batch_size:
-            req = self._next_waiting(running)
+        order = self.waiting.admission_order(self.running)
+        while len(self.running) < self.max_batch_size and (req := order.next()) is not None:
             if not self._place(req, in_flight):
                 break
-            self._remove_waiting(req)
+            self.waiting.remove(req)
+            order.admitted(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            running.add(req)
             in_flight.add(req)
 
     def _place(self, req: Request, in_flight: PrefillingPrefixes) -> bool:
@@ -243,8 +213,6 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.stats.preemptions += 1
         self.waiting.appendleft(req)
-        self._group_queue(req).appendleft(req)
-        self.waiting_by_client[req.client] += 1
 
     def _publish_all(self, req: Request) -> None:
         """Put the full pages of every token of `req` whose K/V are computed, output included,
@@ -252,44 +220,6 @@ class Scheduler:
         comes back, and a chat's next turn (this turn's prompt, its answer, a new message)
         finds its history."""
         self.pages.publish(req.slot, req.token_ids, req.num_cached, req.num_cached)
-
-    def _next_waiting(self, running: RunningCounts) -> Request:
-        """The oldest waiting request of the group with the fewest running, among the groups of
-        the client with the fewest running (the module docstring; preempted requests are at
-        their group's front)."""
-        clients = self._waiting_groups
-        if len(clients) == 1:
-            groups = next(iter(clients.values()))
-        else:
-            _, groups = min(clients.items(), key=lambda kv: (running.clients[kv[0]], _oldest(kv[1])))
-        if len(groups) == 1:
-            return next(iter(groups.values()))[0]
-        return min(groups.values(), key=lambda q: (running.groups[q[0].client, q[0].group], q[0].id))[0]
-
-    def newest_of_largest_client(self) -> Request | None:
-        """The newest waiting request, never started, of the client with the most requests
-        waiting: the one a full queue drops to make room for another client (loop.py)."""
-        if not self.waiting_by_client:
-            return None
-        client = max(self.waiting_by_client, key=self.waiting_by_client.__getitem__)
-        fresh = [q[-1] for q in self._waiting_groups[client].values() if not q[-1].stats.preemptions]
-        return max(fresh, key=lambda r: r.id, default=None)
-
-    def _group_queue(self, request: Request) -> deque[Request]:
-        return self._waiting_groups.setdefault(request.client, {}).setdefault(request.group, deque())
-
-    def _remove_waiting(self, request: Request) -> None:
-        self.waiting.remove(request)  # the oldest of its group: near the front
-        groups = self._waiting_groups[request.client]
-        queue = groups[request.group]
-        queue.remove(request)
-        if not queue:
-            del groups[request.group]
-            if not groups:
-                del self._waiting_groups[request.client]
-        self.waiting_by_client[request.client] -= 1
-        if not self.waiting_by_client[request.client]:
-            del self.waiting_by_client[request.client]
 
     def peek(self) -> list[tuple[Request, int]] | None:
         """What `schedule` will return, where that is certain now: nobody is waiting to be
@@ -304,7 +234,7 @@ class Scheduler:
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
-            self._remove_waiting(request)
+            self.waiting.remove(request)
         if request.slot is not None:
             if request.finish_reason != "error":
                 self._publish_all(request)

@@ -64,7 +64,7 @@ def test_a_full_queue_makes_room_for_another_client_by_dropping_the_floods_newes
             dropped = await asyncio.wait_for(asyncio.shield(waiting[1]), WAIT_S)  # the flood's newest
             assert dropped.status_code == 503, dropped.text
             assert "dropped to make room for another client's" in dropped.json()["error"]["message"]
-            assert queued(llm) == 2 and llm.engine.scheduler.waiting_by_client == {FLOOD: 1, OTHER: 1}
+            assert queued(llm) == 2 and llm.engine.scheduler.waiting.by_client == {FLOOD: 1, OTHER: 1}
 
             leave.set()  # the holder leaves: its slot goes to the queue
             await asyncio.wait_for(holder, WAIT_S)
