@@ -528,14 +528,16 @@ class LLM:
                 "processes with multiprocessing's 'spawn' method")
 
     def _check_size(self, output_type: Any) -> None:
-        """This compiler's size limits on a JSON schema before building it: normalizing a
-        schema the compiler will refuse anyway (a 20,000-value enum) costs far more than the
-        iterative check."""
+        """This compiler's size limits on a JSON schema or a regex before building it:
+        normalizing a schema the compiler will refuse anyway (a 20,000-value enum) costs far
+        more than the iterative check."""
         schema = output_type.schema if isinstance(output_type, JsonSchema) else output_type
         if isinstance(schema, dict):
             check_schema(schema, "JSON schema", self.grammars.limits)
         elif isinstance(output_type, JsonSchema) and isinstance(schema, str):
             check_source("json_schema", schema, "JSON schema", self.grammars.limits)
+        elif isinstance(output_type, Regex) and isinstance(output_type.pattern, str):
+            check_source("regex", output_type.pattern, "regex", self.grammars.limits)  # before re parses it
 
     def _finish(self, req: Request, constraint: Constraint) -> Completion[Any]:
         phase = req.reasoning  # the think section's tokens are not the answer's (engine/reasoning.py)
@@ -1239,10 +1241,11 @@ def _held_tail(text: str, hold: str) -> int:
 
 
 def _start_native_builds() -> None:
-    """Build the native libraries an LLM loads (the CPU products with GGUF-packed weights, the
-    grammar pool, the grammar lengths) in a thread, where this machine has not built them yet:
-    a newcomer's first `LLM()` otherwise ran the compilers after the model's conversion, one
-    after another (docs/performance.md, "The first LLM() in a process")."""
+    """Build the native libraries an LLM loads (the grammar pool, the grammar lengths, the
+    GGUF block kernels: the CPU's products, and the de-quantizing of a GGUF's weights for any
+    device) in a thread, where this machine has not built them yet: a newcomer's first `LLM()`
+    otherwise ran the compilers after the model's conversion, one after another
+    (docs/performance.md, "The first LLM() in a process")."""
     if os.environ.get("STRUCTGEN_DISABLE_NATIVE") == "1":
         return
     from structgen.csrc import build_in_background

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from structgen.engine.config import EngineConfig
 from structgen.schema.budget import DEFAULT_COMPILE_TIMEOUT_S
-from structgen.schema.limits import DEFAULT_LIMITS, ConstraintLimits
+from structgen.schema.limits import BUILD_LIMITS, DEFAULT_LIMITS, ConstraintLimits
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -201,6 +201,12 @@ def _check_flags(args: argparse.Namespace) -> None:
     for flag, attr, least in checks:
         if getattr(args, attr) < least:
             raise InvalidParameterError(f"{flag} {getattr(args, attr)} must be at least {least}")
+    if args.command == "serve":
+        for flag, attr, most in (("--max-constraint-bytes", "max_constraint_bytes", BUILD_LIMITS.max_source_bytes),
+                                 ("--max-constraint-depth", "max_constraint_depth", BUILD_LIMITS.max_depth)):
+            if getattr(args, attr) > most:
+                raise InvalidParameterError(f"{flag} {getattr(args, attr)} is over the most structgen takes, {most:,} "
+                                            "(deeper or larger constraints are refused whatever the limit)")
 
 
 def _check_address(host: str, port: int) -> None:

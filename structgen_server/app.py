@@ -55,6 +55,7 @@ from structgen_server.protocol import (
     ModelList,
     SamplingFields,
 )
+from structgen_server.throttle import client_key
 
 log = logging.getLogger("structgen.server")
 
@@ -163,7 +164,7 @@ async def _serve(state: ServerState, endpoint: str, body: SamplingFields, reques
     state.metrics.started()
     # This request's generations share admission fairly, and with other clients' (scheduler.py).
     request_group.set(new_request_id())
-    request_client.set(request.client.host if request.client else None)
+    request_client.set(client_key(request.client.host) if request.client else None)
     status, error_type, streaming = 200, None, False
     try:
         if state.stopping:
@@ -215,7 +216,15 @@ def uncancel() -> None:
 
 
 async def _run_all(llm: Any, jobs: list[serving.Job]) -> list[serving.Generation]:
-    return list(await asyncio.gather(*(serving.generate(llm, j) for j in jobs)))
+    """Every choice's generation; where one fails (the request is answered with its error),
+    the others are cancelled, which aborts their engine requests."""
+    tasks = [asyncio.ensure_future(serving.generate(llm, j)) for j in jobs]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        raise
 
 
 async def _start_stream(

@@ -17,13 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from structgen.engine.request import request_client, request_group
-from structgen_server.engine_link import Outbox, StreamEnd, engine_gone_error, read_batch
-
-
-def admission() -> tuple[Any, Any]:
-    """This context's admission group and client (engine/request.py), sent with a call."""
-    return request_group.get(), request_client.get()
+from structgen_server.engine_link import Admission, Outbox, StreamEnd, engine_gone_error, read_batch
 
 
 @dataclass(frozen=True)
@@ -74,7 +68,7 @@ class EngineClient:
 
     # -- the LLM's calls -------------------------------------------------------------------
     async def aprepare(self, output_type: Any, *, strict: bool = True) -> Any:
-        return await self.call("prepare", output_type, strict)
+        return await self.call("prepare", Admission.current(), output_type, strict)
 
     async def aencode_prompt(self, prompt: Any, *, chat: bool | None = None,
                              tools: list[dict[str, Any]] | None = None) -> list[int]:
@@ -82,11 +76,11 @@ class EngineClient:
         return ids
 
     async def acomplete(self, output_type: Any, prompt: Any, **options: Any) -> StreamEnd:
-        end: StreamEnd = await self.call("complete", admission(), output_type, prompt, options)
+        end: StreamEnd = await self.call("complete", Admission.current(), output_type, prompt, options)
         return end
 
     def astream(self, output_type: Any, prompt: Any, **options: Any) -> RemoteStream:
-        return RemoteStream(self, (admission(), output_type, prompt, options))
+        return RemoteStream(self, (Admission.current(), output_type, prompt, options))
 
     async def engine_load(self) -> dict[str, int]:
         load: dict[str, int] = await self.call("load")

@@ -20,9 +20,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from structgen.api import LLM
-from structgen.engine.request import request_client, request_group
 from structgen.types import Constraint
-from structgen_server.engine_link import Outbox, StreamEnd, portable_error, read_batch
+from structgen_server.engine_link import Admission, Outbox, StreamEnd, portable_error, read_batch
 from structgen_server.errors import APIError
 from structgen_server.metrics import Metrics, engine_load
 from structgen_server.serving import stream_end
@@ -140,23 +139,24 @@ class FrontLink:
             return
         self.outbox.put(("ok", rid, value))
 
-    async def _prepare(self, rid: int, output_type: Any, strict: bool) -> Constraint:
+    async def _prepare(self, rid: int, admission: Admission, output_type: Any, strict: bool) -> Constraint:
+        admission.enter()
         return self.host.keep(await self.llm.aprepare(output_type, strict=strict))
 
     async def _encode(self, rid: int, prompt: Any, chat: bool | None, tools: list[dict[str, Any]] | None) -> list[int]:
         return await self.llm.aencode_prompt(prompt, chat=chat, tools=tools)
 
-    async def _complete(self, rid: int, admission: tuple[Any, Any], output_type: Any, prompt: Any,
+    async def _complete(self, rid: int, admission: Admission, output_type: Any, prompt: Any,
                         options: dict[str, Any]) -> StreamEnd:
-        enter_admission(admission)
+        admission.enter()
         c = await self.llm.acomplete(self.host.resolve(output_type), prompt, **options)
         return StreamEnd(c.text, c.finish_reason, c.reasoning, c.stats.output_tokens, c.stats)
 
-    async def _stream(self, rid: int, admission: tuple[Any, Any], output_type: Any, prompt: Any,
+    async def _stream(self, rid: int, admission: Admission, output_type: Any, prompt: Any,
                       options: dict[str, Any]) -> StreamEnd:
         """Each delta as it comes; how it ended goes before an error too (a truncated
         stream's token count and stats)."""
-        enter_admission(admission)
+        admission.enter()
         stream = self.llm.astream(self.host.resolve(output_type), prompt, **options)
         try:
             async with contextlib.aclosing(stream.__aiter__()) as deltas:
@@ -173,8 +173,3 @@ class FrontLink:
     async def _metrics(self, rid: int) -> str:
         return self.host.metrics.render(engine=engine_load(self.llm))
 
-
-def enter_admission(admission: tuple[Any, Any]) -> None:
-    """Run this task's engine requests under the front's admission group and client."""
-    request_group.set(admission[0])
-    request_client.set(admission[1])

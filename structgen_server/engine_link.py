@@ -3,9 +3,9 @@ Unix socket in a private folder, carrying frames of a 4-byte length and a pickle
 messages. Each side sends what one turn of its event loop produced as one frame (`Outbox`), so
 256 streams' deltas of one engine step cost one write, not 256.
 
-Messages are tuples, their first item the kind. Front -> engine: `("prepare", rid, output_type,
-strict)`, `("encode", rid, prompt, chat, tools)`, `("complete" | "stream", rid, (group,
-client), output_type, prompt, options)`, `("cancel", rid)`, `("load", rid)`, `("metrics", rid)` and
+Messages are tuples, their first item the kind. Front -> engine: `("prepare", rid, admission,
+output_type, strict)`, `("encode", rid, prompt, chat, tools)`, `("complete" | "stream", rid,
+admission, output_type, prompt, options)` (`Admission`: whom the call is for), `("cancel", rid)`, `("load", rid)`, `("metrics", rid)` and
 `("count", method, args)` (a metric, no answer). Engine -> front: `("ok", rid, value)`,
 `("error", rid, exception)`, `("delta", rid, text)` and `("end", rid, StreamEnd)`.
 
@@ -20,9 +20,11 @@ import os
 import pickle
 import struct
 import tempfile
+from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
+from structgen.engine.request import request_client, request_group
 from structgen_server.errors import APIError, to_api_error
 
 # A frame larger than this is a broken peer, not a message (request bodies are capped far lower).
@@ -30,6 +32,23 @@ MAX_FRAME_BYTES = 1 << 30
 # A front that reads nothing while this much waits for it is hung: the engine drops it.
 MAX_UNSENT_BYTES = 256 << 20
 _LENGTH = struct.Struct("!I")
+
+
+class Admission(NamedTuple):
+    """The admission group and client (engine/request.py) of a front's call: the engine
+    process runs the call under them, so its compile and its slot are shared fairly."""
+
+    group: Hashable
+    client: Hashable
+
+    @classmethod
+    def current(cls) -> Admission:
+        return cls(request_group.get(), request_client.get())
+
+    def enter(self) -> None:
+        """Run this task's compiles and engine requests under them."""
+        request_group.set(self.group)
+        request_client.set(self.client)
 
 
 @dataclass

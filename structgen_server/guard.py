@@ -26,7 +26,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from structgen_server.engine_client import MetricsRelay
 from structgen_server.errors import APIError
 from structgen_server.metrics import Metrics, endpoint_label
-from structgen_server.throttle import ClientThrottle
+from structgen_server.throttle import ClientThrottle, client_key
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -76,7 +76,7 @@ class RequestGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        client = scope["client"][0] if scope.get("client") else ""
+        client = client_key(scope["client"][0]) if scope.get("client") else ""
         if self.throttle.enabled and scope["path"] not in self.config.open_paths:
             send = CountedSend(send, self.throttle, client)
             error = self.throttle.refusal(client)

@@ -11,10 +11,27 @@ address, so such a deployment raises the limit or turns it off (`max_errors=0`).
 from __future__ import annotations
 
 import collections
+import ipaddress
 import time
 from dataclasses import dataclass, field
 
 from structgen_server.errors import APIError
+
+
+def client_key(address: str) -> str:
+    """Whom an address is, for per-client limits and fair shares: an IPv4 address itself, an
+    IPv6 address its /64 network (one host is commonly given a whole /64, so its addresses
+    cost a client nothing to change)."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return address  # not an IP (a test client, a Unix socket): as it is
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+    return str(ip)
+
 
 # Statuses that say the client sent something wrong (a 429 of ours does not count again, or a
 # throttled client could never get out).

@@ -67,6 +67,7 @@ def test_a_model_with_a_broken_config_json_names_the_file(tmp_path: Path, model_
     (["--max-enum-values", "0"], ["--max-enum-values 0", "at least 1"]),
     (["--max-constraint-bytes", "-1"], ["--max-constraint-bytes -1", "at least 1"]),
     (["--compile-timeout", "0"], ["--compile-timeout 0.0", "positive number of seconds"]),
+    (["--max-constraint-depth", "65"], ["--max-constraint-depth 65", "over the most structgen takes, 64"]),
     (["--host", "no-such-host.invalid"], ["--host no-such-host.invalid"]),
 ])
 def test_serve_refuses_bad_flags_before_loading_the_model(argv: list[str], words: list[str]) -> None:

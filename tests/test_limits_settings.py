@@ -34,6 +34,22 @@ def test_an_llms_limits_refuse_a_larger_schema_naming_the_keyword_that_raises_th
     assert small.generate(JsonSchema({"enum": ["a", "b"]}), "Pick one.", max_tokens=4) in ("a", "b")
 
 
+def test_a_regex_over_the_limit_names_the_keyword_and_raising_it_takes_the_regex(model_dir) -> None:
+    """Past the default 1,000,000 bytes a regex is refused by the LLM's own limit (naming the
+    keyword), and a raised limit lets it through to the compile (structgen's own cap, checked
+    before `re` parses it, is 64 MiB)."""
+    from structgen import Regex
+    from structgen.types import to_constraint
+
+    long = Regex("(ab|cd)" * 150_000)  # 1.05 MB
+    with structgen.LLM(model_dir, config=CONFIG) as llm:
+        with pytest.raises(ConstraintTooLargeError, match=r"max_source_bytes=1,000,000; make it smaller or raise"):
+            llm.compile(long)
+    assert to_constraint(long).source == long.pattern
+    with pytest.raises(ConstraintTooLargeError, match="no constraint may be larger"):
+        to_constraint(Regex("a" * (64 << 20) + "b"))
+
+
 def test_raised_limits_take_the_schema(model_dir) -> None:
     with structgen.LLM(model_dir, config=CONFIG, limits=ConstraintLimits(max_enum_values=6)) as llm:
         assert llm.generate(JsonSchema(SIX), "Pick one.", max_tokens=4) in SIX["enum"]
@@ -47,7 +63,9 @@ def test_an_llms_compile_time_budget_is_its_keyword(model_dir) -> None:
 
 @pytest.mark.parametrize(("kwargs", "words"), [
     ({"limits": {"max_enum_values": 5}}, "limits must be a ConstraintLimits, got dict"),
-    ({"limits": ConstraintLimits(max_depth=0)}, "ConstraintLimits.max_depth must be >= 1"),
+    ({"limits": ConstraintLimits(max_depth=0)}, "ConstraintLimits.max_depth must be between 1 and 64, got 0"),
+    ({"limits": ConstraintLimits(max_depth=65)}, "ConstraintLimits.max_depth must be between 1 and 64"),
+    ({"limits": ConstraintLimits(max_source_bytes=1 << 30)}, "ConstraintLimits.max_source_bytes must be between 1"),
     ({"compile_timeout": 0}, "compile_timeout (seconds) must be > 0.0"),
     ({"compile_timeout": "30"}, "compile_timeout (seconds) must be a number"),
 ])  # fmt: skip

@@ -50,7 +50,8 @@ def test_a_failed_background_build_is_left_to_its_loader_to_report(tmp_path: Pat
 
 def test_the_llm_starts_every_library_it_loads(monkeypatch: pytest.MonkeyPatch) -> None:
     """`LLM()` hands the builds of the three libraries it loads to the thread (they are the
-    loaders' own build functions, so what is built is what is loaded)."""
+    loaders' own build functions, so what is built is what is loaded; the GGUF block kernels
+    also de-quantize a GGUF's weights for a GPU, so they are built whatever the device)."""
     from structgen import api
     from structgen.engine.kernels import cpu_quant
     from structgen.grammar import native, termination
@@ -63,3 +64,31 @@ def test_the_llm_starts_every_library_it_loads(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setenv("STRUCTGEN_DISABLE_NATIVE", "1")
     api._start_native_builds()
     assert len(started) == 1
+
+
+def test_a_child_forked_during_a_build_builds_without_waiting_for_the_parents_thread(tmp_path: Path) -> None:
+    """The parent's build thread holds its library's lock; a child forked meanwhile (a prefork
+    server) has no such thread, and must not wait for that lock forever."""
+    import os
+    import signal
+
+    runs = tmp_path / "runs"
+    started = threading.Event()
+
+    def slow(compiler: str, source: Path, output: Path) -> list[list[str]]:
+        started.set()
+        return [["sh", "-c", f'sleep 2; echo run >> "{runs}"; cp "{source}" "{output}"']]
+
+    thread = build_in_background([lambda: build_library("grammar_lengths.cpp", slow)])
+    assert started.wait(10)
+    pid = os.fork()
+    if pid == 0:  # the child: builds it itself (its own compiler run) within the alarm
+        signal.alarm(20)
+        try:
+            build_library("grammar_lengths.cpp", slow_commands(tmp_path / "child-runs"))
+            os._exit(0)
+        except BaseException:
+            os._exit(3)
+    _, status = os.waitpid(pid, 0)
+    thread.join(20)
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -40,6 +40,8 @@ def build_library(name: str, commands: Callable[[str, Path, Path], list[list[str
     digest = hashlib.sha256(path.read_bytes() + compiler.encode() + key).hexdigest()[:16]
     root = Path(os.environ.get("STRUCTGEN_CACHE") or Path.home() / ".cache" / "structgen") / "native"
     out = root / f"{path.stem}-{digest}.so"
+    if out.is_file():
+        return out
     with _lock_of(out):  # a build in progress in this process (`build_in_background`) is waited for
         if out.is_file():
             return out
@@ -61,6 +63,16 @@ _locks_lock = threading.Lock()
 def _lock_of(out: Path) -> threading.Lock:
     with _locks_lock:
         return _locks.setdefault(out, threading.Lock())
+
+
+def _forget_locks() -> None:
+    """In a forked child: a lock a build thread of the parent held would stay held for good
+    (the thread is not forked), and the child's first build of that library would hang."""
+    global _locks, _locks_lock
+    _locks, _locks_lock = {}, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_locks)
 
 
 def build_in_background(builds: list[Callable[[], object]]) -> threading.Thread:

@@ -9,9 +9,9 @@ another's single request. Requests that share a group and client (all in-process
 default) are admitted first come, first served.
 
 A burst of a thousand requests is admitted in one pass, so the pass keeps a heap of each
-client's groups and one of the clients (`AdmissionOrder`): a request costs a few heap operations,
-where comparing every group for each admission cost 130-200 ms for 1,000 single-request groups
-on a 2-core machine.
+client's groups and one of the clients (`AdmissionOrder`): a request costs a few heap
+operations, not a comparison of every group (docs/performance.md, "Fair shares between
+clients").
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ from structgen.schema.budget import (
     within,
 )
 from structgen.schema.keywords import BACKENDS, unsupported_schema_error
-from structgen.schema.limits import DEFAULT_LIMITS, ConstraintLimits, check_source
+from structgen.schema.limits import BUILD_LIMITS, DEFAULT_LIMITS, ConstraintLimits, check_source
 
 # Compiles are CPU-bound and hold the GIL for part of their time: past a few dozen threads more
 # only queue, and each is a thread the process keeps.
@@ -346,8 +346,9 @@ def check_grammar_limits(limits: ConstraintLimits, compile_timeout: float) -> No
     if not isinstance(limits, ConstraintLimits):
         raise InvalidParameterError(f"limits must be a ConstraintLimits, got {type(limits).__name__}; pass e.g. "
                                     "limits=structgen.ConstraintLimits(max_enum_values=50_000)")
-    for name in ("max_source_bytes", "max_depth", "max_enum_values"):
-        check_int(f"ConstraintLimits.{name}", getattr(limits, name), 1, None)
+    for name, most in (("max_source_bytes", BUILD_LIMITS.max_source_bytes), ("max_depth", BUILD_LIMITS.max_depth),
+                       ("max_enum_values", None)):
+        check_int(f"ConstraintLimits.{name}", getattr(limits, name), 1, most)
     check_number("compile_timeout (seconds)", compile_timeout, 0.0, None, open_low=True)
 
 

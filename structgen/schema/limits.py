@@ -28,8 +28,9 @@ class ConstraintLimits:
 
     max_source_bytes: the schema / regex / grammar text, UTF-8.
     max_depth: bracket nesting of the text (JSON `{`/`[`, regex and grammar parentheses); a
-        schema level nested through `properties` counts two. `to_constraint` refuses JSON
-        schemas deeper than the default whatever a compiler allows (`BUILD_LIMITS`).
+        schema level nested through `properties` counts two. At most the default: deeper would
+        overflow Python's recursion (`BUILD_LIMITS`, what `to_constraint` refuses whatever a
+        compiler allows, and at most 64 MiB of text).
     max_enum_values: `enum` and `const` values in a whole JSON schema.
     """
 
@@ -46,7 +47,7 @@ def check_source(kind: str, source: str, description: str, limits: ConstraintLim
     "grammar" or "text"), then, for JSON schemas, over the enum limit."""
     size = len(source.encode("utf-8", errors="surrogatepass"))
     if size > limits.max_source_bytes:
-        raise _too_large(description, "max_source_bytes", f"is {size:,} bytes", limits.max_source_bytes)
+        raise _too_large(description, "max_source_bytes", f"is {size:,} bytes", limits)
     if kind == "json_schema":
         depth = nesting_depth(_JSON_STRING.sub('""', source), "{[", "}]")
     elif kind in ("regex", "grammar"):
@@ -54,7 +55,7 @@ def check_source(kind: str, source: str, description: str, limits: ConstraintLim
     else:
         return
     if depth > limits.max_depth:
-        raise _too_large(description, "max_depth", f"nests {depth} levels deep", limits.max_depth)
+        raise _too_large(description, "max_depth", f"nests {depth} levels deep", limits)
     if kind == "json_schema":
         try:
             schema = json.loads(source)
@@ -63,9 +64,10 @@ def check_source(kind: str, source: str, description: str, limits: ConstraintLim
         check_schema(schema, description, limits)
 
 
-# What `to_constraint` refuses before its recursive work (metaschema check, normalization):
-# the default bytes and depth, not enum values (linear there; a compiler's limit counts them).
-BUILD_LIMITS = ConstraintLimits(max_enum_values=1 << 62)
+# What `to_constraint` refuses before its recursive work (metaschema check, normalization),
+# whatever a compiler allows: the deepest nesting Python's recursion takes, and a text size no
+# compiler's limit may pass; not enum values (linear there; a compiler's limit counts them).
+BUILD_LIMITS = ConstraintLimits(max_source_bytes=64 << 20, max_enum_values=1 << 62)
 
 
 def check_json_schema(schema: Any) -> None:
@@ -85,13 +87,12 @@ def check_schema(schema: Any, description: str = "JSON schema", limits: Constrai
     while stack:
         node, depth = stack.pop()
         if depth > limits.max_depth and isinstance(node, (dict, list)):
-            raise _too_large(description, "max_depth", f"nests more than {depth - 1} levels deep", limits.max_depth)
+            raise _too_large(description, "max_depth", f"nests more than {depth - 1} levels deep", limits)
         if isinstance(node, dict):
             enum = node.get("enum")
             values += (len(enum) if isinstance(enum, list) else 0) + ("const" in node)
             if values > limits.max_enum_values:
-                raise _too_large(description, "max_enum_values", f"has {values:,} enum/const values (or more)",
-                                 limits.max_enum_values)
+                raise _too_large(description, "max_enum_values", f"has {values:,} enum/const values (or more)", limits)
             stack.extend((v, depth + 1) for v in node.values())
         elif isinstance(node, list):
             stack.extend((v, depth + 1) for v in node)
@@ -108,9 +109,12 @@ def nesting_depth(text: str, opening: str, closing: str) -> int:
     return int(np.cumsum(steps).max(initial=0))
 
 
-def _too_large(description: str, limit: str, what: str, value: int) -> ConstraintTooLargeError:
+def _too_large(description: str, limit: str, what: str, limits: ConstraintLimits) -> ConstraintTooLargeError:
+    value = getattr(limits, limit)
     problem = f"{description} {what}, over the limit {limit}={value:,}"
-    if limit == "max_depth" and value == BUILD_LIMITS.max_depth:  # not a setting
-        return ConstraintTooLargeError(f"{problem}; make it smaller (deeper schemas would overflow Python's "
+    if limit == "max_depth" and value >= BUILD_LIMITS.max_depth:
+        return ConstraintTooLargeError(f"{problem}; make it smaller (deeper constraints would overflow Python's "
                                        "recursion limit)")
+    if limits is BUILD_LIMITS:
+        return ConstraintTooLargeError(f"{problem}; make it smaller (no constraint may be larger)")
     return ConstraintTooLargeError(problem, limit=limit)

@@ -217,6 +217,20 @@ def test_a_replica_is_started_with_the_servers_constraint_limits():
             replica.compile_timeout) == (2000, 9, 70000, 2.5)
 
 
+def test_every_limit_a_server_client_is_told_to_ask_for_is_a_serve_flag_that_sets_it():
+    """structgen_server/errors.py names a `structgen serve` flag for each settable limit: each
+    is a real flag, and it sets that limit."""
+    from structgen.cli import build_parser
+    from structgen.errors import LIMIT_SETTINGS
+    from structgen_server.errors import SERVE_FLAGS
+
+    assert set(SERVE_FLAGS) == set(LIMIT_SETTINGS)
+    for limit, flag in SERVE_FLAGS.items():
+        args = build_parser().parse_args(["serve", flag, "7"])
+        attr = {"max_source_bytes": "max_constraint_bytes", "max_depth": "max_constraint_depth"}.get(limit, limit)
+        assert getattr(args, attr) == 7, flag
+
+
 def test_more_tensor_parallel_ranks_than_the_host_runs_are_refused_before_any_process_starts():
     with pytest.raises(InvalidParameterError, match="tensor_parallel=64 spawns a process per rank"):
         _build(device="cpu", tensor_parallel=64)

@@ -92,3 +92,12 @@ def test_an_unwritable_cache_keeps_plans_in_memory(source: Path, cache: Path) ->
     plans = family(source)
     assert plans.plan_for(KEY, CPU, lambda: FAST, during_capture=None) == FAST
     assert plans.plan_for(KEY, CPU, never, during_capture=None) == FAST
+
+
+def test_a_plan_another_process_wrote_meanwhile_is_the_one_used(source: Path) -> None:
+    """Two replicas started together both time a shape: the second to finish runs the first's
+    plan, so both run the same kernels."""
+    first, second = family(source), family(source)
+    second.plan_for((16, *KEY[1:]), CPU, lambda: None, during_capture=None)  # (second has read the file)
+    assert first.plan_for(KEY, CPU, lambda: FAST, during_capture=None) == FAST
+    assert second.plan_for(KEY, CPU, lambda: Block(4, 1024, 4, 4, "chunk"), during_capture=None) == FAST

@@ -87,3 +87,34 @@ def test_a_full_queue_makes_room_for_another_client_by_dropping_the_floods_newes
         assert queued(llm) == 0
 
     asyncio.run(main())
+
+
+def test_when_one_choice_of_a_request_fails_its_other_choices_stop() -> None:
+    """A full queue drops one generation (the newest): the request is answered 503, and its
+    other choices (`n` > 1) must not go on decoding for nobody."""
+    from structgen.arguments import EncodedPrompt
+    from structgen.errors import EngineBusyError
+    from structgen_server.app import _run_all
+    from structgen_server.serving import Job
+
+    stopped: list[int] = []
+
+    class Engine:
+        async def acomplete(self, output_type: Any, prompt: Any, **options: Any) -> Any:
+            if options["seed"] == 1:
+                await asyncio.sleep(0.05)
+                raise EngineBusyError("dropped to make room")
+            try:
+                await asyncio.sleep(WAIT_S)
+            except asyncio.CancelledError:
+                stopped.append(options["seed"])
+                raise
+
+    async def main() -> None:
+        jobs = [Job(str, EncodedPrompt((1, 2)), {"seed": seed}) for seed in range(4)]
+        with pytest.raises(EngineBusyError):
+            await asyncio.wait_for(_run_all(Engine(), jobs), WAIT_S / 2)
+        await asyncio.sleep(0.01)
+        assert sorted(stopped) == [0, 2, 3]  # (not left to the end of the event loop)
+
+    asyncio.run(main())

@@ -195,3 +195,51 @@ def test_errors_cross_the_link_as_themselves_or_as_their_api_error():
     assert isinstance(odd, APIError) and odd.status == 400 and "bad thing" in odd.message
     api = pickle.loads(pickle.dumps(portable_error(APIError(503, "busy", code="compiler_busy", type="server_error"))))
     assert (api.status, api.message, api.code, api.type) == (503, "busy", "compiler_busy", "server_error")
+
+
+def test_a_fronts_calls_carry_its_client_and_group_to_the_engine_process() -> None:
+    """The engine process runs a front's prepare (the compile gate) and complete (the slots)
+    under the client and group the front's request had, so both are shared fairly between
+    clients as in one process (engine/waiting.py, async_bridge.CompileGate)."""
+    import contextvars
+
+    from structgen.engine.request import request_client, request_group
+    from structgen_server.engine_client import EngineClient
+    from structgen_server.engine_host import FrontLink
+    from structgen_server.engine_link import Admission
+
+    sent: list[tuple[str, tuple[Any, ...]]] = []
+
+    async def call(kind: str, *args: Any) -> Any:
+        sent.append((kind, pickle.loads(pickle.dumps(args))))  # as the link carries them
+
+    front = EngineClient.__new__(EngineClient)
+    front.call = call
+    seen: list[tuple[str, Any, Any]] = []
+
+    class Engine:
+        async def aprepare(self, output_type: Any, *, strict: bool) -> Any:
+            seen.append(("prepare", request_group.get(), request_client.get()))
+            return output_type
+
+        async def acomplete(self, output_type: Any, prompt: Any, **options: Any) -> Any:
+            seen.append(("complete", request_group.get(), request_client.get()))
+            raise StructgenError("enough")
+
+    link = FrontLink.__new__(FrontLink)
+    link.llm, link.host = Engine(), type("Host", (), {"keep": staticmethod(lambda c: c),
+                                                    "resolve": staticmethod(lambda c: c)})()
+
+    async def main() -> None:
+        request_group.set("http-7")
+        request_client.set("203.0.113.9")
+        await front.aprepare("schema")
+        await front.acomplete("schema", "hi")
+        assert [args[0] for _, args in sent] == [Admission("http-7", "203.0.113.9")] * 2
+        # each as a task of the engine process, in whose context nothing is set
+        await contextvars.Context().run(asyncio.ensure_future, link._prepare(1, *sent[0][1]))
+        with pytest.raises(StructgenError):
+            await contextvars.Context().run(asyncio.ensure_future, link._complete(2, *sent[1][1]))
+
+    asyncio.run(main())
+    assert seen == [("prepare", "http-7", "203.0.113.9"), ("complete", "http-7", "203.0.113.9")]

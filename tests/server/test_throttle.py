@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from structgen_server.throttle import ClientThrottle
+import pytest
+
+from structgen_server.throttle import ClientThrottle, client_key
 
 
 def test_refuses_after_max_errors_within_the_window_and_forgives_after_it() -> None:
@@ -39,3 +41,17 @@ def test_memory_is_bounded_by_clients_and_errors() -> None:
 
 def test_a_zero_limit_turns_it_off() -> None:
     assert not ClientThrottle(max_errors=0).enabled
+
+
+@pytest.mark.parametrize(("address", "key"), [
+    ("203.0.113.7", "203.0.113.7"),
+    ("2001:db8:1:2:3:4:5:6", "2001:db8:1:2::/64"),
+    ("2001:db8:1:2:ffff::1", "2001:db8:1:2::/64"),  # the same host's other address: the same client
+    ("2001:db8:1:3::1", "2001:db8:1:3::/64"),
+    ("::ffff:10.0.0.1", "10.0.0.1"),  # an IPv4 client on a dual-stack socket
+    ("testclient", "testclient"),
+])  # fmt: skip
+def test_a_client_is_its_ipv4_address_or_its_ipv6_64(address: str, key: str) -> None:
+    """Per-client limits (this throttle, fair admission and compiles) key an IPv6 client by its
+    /64: a host is commonly given a whole /64, so rotating addresses must not make it many clients."""
+    assert client_key(address) == key

@@ -310,7 +310,7 @@ def plan(kind: str, rows: int, weight: torch.Tensor, run: Callable[[tuple[int, i
     for large CUDA matrices, outside any graph capture; else the first."""
     if not weight.is_cuda or weight.numel() <= TIMED_ABOVE:
         return candidates[0]
-    key = (kind, rows, tuple(weight.shape), str(weight.dtype))
+    key = (kind, rows, tuple(weight.shape), str(weight.dtype), tuple(candidates))  # (by head size: rope_heads)
     return _plans.plan_for(key, weight.device, lambda: _time(run, candidates, weight.device),
                            during_capture=candidates[0])
 

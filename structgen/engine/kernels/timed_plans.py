@@ -1,10 +1,10 @@
 """Launch shapes timed on the device, kept on disk so that the next process reads them.
 
 `gemv.plan`, `fused_gemv.plan` and `moe.expert_tiles` time candidate block shapes on first use
-per matrix shape. A model has tens of such shapes, so each process spent about 2 s of its first
-`LLM()` timing them (SmolLM2 on an H200: docs/performance.md, "The first LLM() in a process"),
-and since near-tied candidates fall either way, two processes could pick different kernels
-for the same 2-16-row step, and a greedy output could differ in its last bits between runs.
+per matrix shape. A model has tens of such shapes, so every process spent seconds of its first
+`LLM()` timing them (docs/performance.md, "The first LLM() in a process"), and since near-tied
+candidates fall either way, two processes could pick different kernels for the same 2-16-row
+step, and a greedy output could differ in its last bits between runs.
 
 Each choice is written to `$STRUCTGEN_CACHE/plans` (else `~/.cache/structgen/plans`), one JSON
 file per kernel family and per *what decides a kernel's speed*: the GPU's name and compute
@@ -67,8 +67,7 @@ class TimedPlans(Generic[V]):
         if name not in known:
             if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 return during_capture
-            known[name] = time()
-            self._write(device, name, known[name])
+            known[name] = self._keep(device, name, time())
         return known[name]
 
     def remembers(self, key: tuple, device: torch.device) -> bool:
@@ -96,13 +95,18 @@ class TimedPlans(Generic[V]):
                 log.info("ignoring the timed plan %s in %s", name, self.path(device))
         return plans
 
-    def _write(self, device: torch.device, name: str, plan: V) -> None:
-        """Add one plan to the file, keeping what other processes wrote meanwhile (a race loses
-        a plan, which is then timed again: never a wrong one)."""
+    def _keep(self, device: torch.device, name: str, plan: V) -> V:
+        """Add one plan to the file and return the plan to use: the file's where another
+        process (a replica started beside this one) wrote one meanwhile, so that both run the
+        same kernels; what else they wrote is kept (a race may lose a plan, which is then timed
+        again: never a wrong one)."""
         path = self.path(device)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            plans = {n: self.encode(p) for n, p in self._read(device).items()}
+            stored = self._read(device)
+            if name in stored:
+                return stored[name]
+            plans = {n: self.encode(p) for n, p in stored.items()}
             plans[name] = self.encode(plan)
             body = json.dumps({"device": device_identity(device), "torch": torch.__version__,
                                "triton": triton.__version__, "plans": plans}, indent=1)
@@ -111,3 +115,4 @@ class TimedPlans(Generic[V]):
             os.replace(tmp.name, path)
         except OSError as exc:
             log.info("cannot keep timed plans in %s: %s", path, exc)
+        return plan

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -414,21 +415,26 @@ def _save_tokenizer(gguf_path: Path, out_dir: Path, reader: Any) -> None:
 def _reader_reused(reader: Any, gguf_path: Path) -> Iterator[None]:
     """Hand transformers' GGUF loader the reader the conversion holds: it opens the file with
     its own `gguf.GGUFReader`, once or twice per tokenizer, and each parse of a GGUF's fields
-    (a vocabulary's tens of thousands of strings) takes seconds (a third of converting the
-    default model on a 2-core machine)."""
+    (a vocabulary's tens of thousands of strings) takes seconds (docs/performance.md, "The
+    first LLM() in a process"). Conversions in other threads wait (`_READER_SWAP`): each swaps
+    the module's class and must put back the real one."""
     import gguf
 
-    original = gguf.GGUFReader
+    with _READER_SWAP:
+        original = gguf.GGUFReader
 
-    def reader_for(path: Any, *args: Any, **kwargs: Any) -> Any:
-        same = not args and not kwargs and Path(path).resolve() == gguf_path.resolve()
-        return reader if same else original(path, *args, **kwargs)
+        def reader_for(path: Any, *args: Any, **kwargs: Any) -> Any:
+            same = not args and not kwargs and Path(path).resolve() == gguf_path.resolve()
+            return reader if same else original(path, *args, **kwargs)
 
-    gguf.GGUFReader = reader_for
-    try:
-        yield
-    finally:
-        gguf.GGUFReader = original
+        gguf.GGUFReader = reader_for
+        try:
+            yield
+        finally:
+            gguf.GGUFReader = original
+
+
+_READER_SWAP = threading.Lock()
 
 
 class _ShardWriter:
