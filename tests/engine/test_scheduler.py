@@ -35,40 +35,25 @@ def finish_steps(engine: Engine, requests: list[Request]) -> dict[int, int]:
     return steps
 
 
-def test_a_single_request_is_not_starved_by_another_groups_fan_out(engine: Engine, tokenizer) -> None:
+@pytest.mark.parametrize(("crowd_group", "crowd_client", "single_group", "single_client"), [
+    ("fan-out", None, "single", None),  # one request's fan-out of generations, in process
+    ("http-{i}", "10.0.0.1", "http-single", "10.0.0.2"),  # one client's flood of HTTP requests
+    ("fan-out", "10.0.0.1", "single", "10.0.0.1"),  # a fan-out and a single request of one client
+], ids=["groups", "clients", "groups-of-one-client"])  # fmt: skip
+def test_a_single_request_is_not_starved_by_a_crowd(engine: Engine, tokenizer, crowd_group: str,
+                                                     crowd_client: str | None, single_group: str,
+                                                     single_client: str | None) -> None:
+    """Two slots: the single request takes the first slot that frees up, so it finishes with
+    the second pair of the crowd's generations (first come, first served: after all ten).
+    Fairness between groups alone would queue another client's request behind a flood."""
     prompt = tokenizer.encode("Count to ten:", add_special_tokens=False)
     params = SamplingParams(max_tokens=6, temperature=0.0)
-    fan_out = [Request(prompt, params, group="fan-out") for _ in range(FAN_OUT)]
-    single = Request(prompt, params, group="single")
-    steps = finish_steps(engine, [*fan_out, single])
+    crowd = [Request(prompt, params, group=crowd_group.format(i=i), client=crowd_client) for i in range(FAN_OUT)]
+    single = Request(prompt, params, group=single_group, client=single_client)
+    steps = finish_steps(engine, [*crowd, single])
     assert len(steps) == FAN_OUT + 1
-    # two slots: the single request takes the first slot that frees up, so it finishes with
-    # the second pair of fan-out generations (first come, first served: after all ten)
-    fan_out_ends = sorted(steps[r.id] for r in fan_out)
-    assert steps[single.id] <= fan_out_ends[3] < fan_out_ends[-1]
-
-
-def test_a_clients_single_request_is_not_starved_by_another_clients_flood(engine: Engine, tokenizer) -> None:
-    """A flood is many HTTP requests (one group each) from one client: fairness between groups
-    alone would queue another client's request behind all of them."""
-    prompt = tokenizer.encode("Count to ten:", add_special_tokens=False)
-    params = SamplingParams(max_tokens=6, temperature=0.0)
-    flood = [Request(prompt, params, group=f"http-{i}", client="10.0.0.1") for i in range(FAN_OUT)]
-    single = Request(prompt, params, group="http-single", client="10.0.0.2")
-    steps = finish_steps(engine, [*flood, single])
-    flood_ends = sorted(steps[r.id] for r in flood)
-    assert steps[single.id] <= flood_ends[3] < flood_ends[-1]
-
-
-def test_one_clients_groups_still_share_its_places_fairly(engine: Engine, tokenizer) -> None:
-    """Within a client, a fan-out group does not starve the same client's single request."""
-    prompt = tokenizer.encode("Count to ten:", add_special_tokens=False)
-    params = SamplingParams(max_tokens=6, temperature=0.0)
-    fan_out = [Request(prompt, params, group="fan-out", client="10.0.0.1") for _ in range(FAN_OUT)]
-    single = Request(prompt, params, group="single", client="10.0.0.1")
-    steps = finish_steps(engine, [*fan_out, single])
-    fan_out_ends = sorted(steps[r.id] for r in fan_out)
-    assert steps[single.id] <= fan_out_ends[3] < fan_out_ends[-1]
+    crowd_ends = sorted(steps[r.id] for r in crowd)
+    assert steps[single.id] <= crowd_ends[3] < crowd_ends[-1]
 
 
 def test_requests_without_a_group_are_first_come_first_served(engine: Engine, tokenizer) -> None:
