@@ -2,7 +2,7 @@
 connection that opens and sends nothing, or sends its headers a few bytes at a time, is closed
 after `HEAD_TIMEOUT_S` instead of being held for ever (uvicorn's keep-alive timeout starts only
 after a response, and any byte received cancels it), and one whose head grows past
-`MAX_HEAD_BYTES` is closed too.
+`MAX_HEAD_BYTES` is closed too. A head the parser refuses is answered with a JSON error.
 
 Between requests an idle kept-alive connection is closed by uvicorn's keep-alive timeout
 alone, set longer than clients keep idle connections (`KEEP_ALIVE_S`): when the server closes
@@ -16,6 +16,7 @@ streamed chunk than h11), else the h11 one.
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -23,6 +24,14 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 HEAD_TIMEOUT_S = 10.0
 MAX_HEAD_BYTES = 64 * 1024  # request line + headers
 KEEP_ALIVE_S = 20  # httpx (the openai client) keeps idle connections 5 s, aiohttp 15 s
+
+
+_MALFORMED_BODY = json.dumps({"error": {
+    "message": "malformed HTTP request: its request line or headers could not be parsed; send an HTTP/1.1 "
+               "request (the method, path and version, then one 'Name: value' header a line)",
+    "type": "invalid_request_error", "param": None, "code": "malformed_request"}}).encode()
+MALFORMED_HEAD_RESPONSE = (b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
+                           b"content-length: %d\r\nconnection: close\r\n\r\n" % len(_MALFORMED_BODY) + _MALFORMED_BODY)
 
 
 class HeadDeadline:
@@ -60,6 +69,12 @@ class HeadDeadline:
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_head_deadline()
         super().connection_lost(exc)  # type: ignore[misc]
+
+    def send_400_response(self, msg: str) -> None:
+        """A request head the parser refuses gets the JSON error every other error is (uvicorn
+        answers it in plain text), then the connection closes (its state is unknown)."""
+        self.transport.write(MALFORMED_HEAD_RESPONSE)
+        self.transport.close()
 
     def _waiting_for_head(self) -> bool:
         """A new request cycle starts once its head is complete."""

@@ -339,6 +339,25 @@ def test_a_fan_out_does_not_starve_a_normal_request(server: Server) -> None:
     server.good_request_is_served()
 
 
+@pytest.mark.parametrize("head", [
+    b"GARBAGE\r\n\r\n",
+    b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nno colon in this header\r\n\r\n",
+    b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: twelve\r\n\r\n",
+])  # fmt: skip
+def test_a_malformed_request_head_is_a_json_400_and_the_connection_closes(server: Server, head: bytes) -> None:
+    with socket.create_connection((server.process.host, server.process.port), timeout=10) as sock:
+        sock.sendall(head)
+        answer = b""
+        while chunk := sock.recv(65536):  # ends when the server closes the connection
+            answer += chunk
+    status_and_headers, _, body = answer.partition(b"\r\n\r\n")
+    assert status_and_headers.startswith(b"HTTP/1.1 400"), answer
+    assert b"content-type: application/json" in status_and_headers.lower()
+    err = json.loads(body)["error"]
+    assert err["code"] == "malformed_request" and "request line or headers" in err["message"]
+    server.good_request_is_served()
+
+
 def test_half_open_connections_are_dropped(server: Server) -> None:
     silent = socket.create_connection((server.process.host, server.process.port))
     partial = socket.create_connection((server.process.host, server.process.port))
