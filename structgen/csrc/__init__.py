@@ -22,6 +22,13 @@ DIR = Path(__file__).resolve().parent
 log = logging.getLogger(__name__)
 
 
+def cache_root() -> Path:
+    """Where structgen keeps what it builds once per machine (converted models, native
+    libraries, timed kernel plans): $STRUCTGEN_CACHE, else ~/.cache/structgen."""
+    root = os.environ.get("STRUCTGEN_CACHE")
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "structgen"
+
+
 def source(name: str) -> Path:
     """The path of native source file `name` in this package."""
     return DIR / name
@@ -38,7 +45,7 @@ def build_library(name: str, commands: Callable[[str, Path, Path], list[list[str
         raise RuntimeError("no C++ compiler (g++) on PATH")
     path = source(name)
     digest = hashlib.sha256(path.read_bytes() + compiler.encode() + key).hexdigest()[:16]
-    root = Path(os.environ.get("STRUCTGEN_CACHE") or Path.home() / ".cache" / "structgen") / "native"
+    root = cache_root() / "native"
     out = root / f"{path.stem}-{digest}.so"
     if out.is_file():
         return out
@@ -93,4 +100,4 @@ def build_in_background(builds: list[Callable[[], object]]) -> threading.Thread:
     return thread
 
 
-__all__ = ["DIR", "build_in_background", "build_library", "source"]
+__all__ = ["DIR", "build_in_background", "build_library", "cache_root", "source"]

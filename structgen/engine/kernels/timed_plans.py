@@ -27,13 +27,14 @@ from typing import Any, Generic, TypeVar
 import torch
 import triton
 
+from structgen.csrc import cache_root
+
 log = logging.getLogger(__name__)
 V = TypeVar("V")
 
 
 def plans_dir() -> Path:
-    root = os.environ.get("STRUCTGEN_CACHE")
-    return (Path(root).expanduser() if root else Path.home() / ".cache" / "structgen") / "plans"
+    return cache_root() / "plans"
 
 
 def device_identity(device: torch.device) -> str:

@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from structgen.csrc import cache_root
 from structgen.engine.config import ModelConfig
 from structgen.engine.models.gguf import CONVERSION_VERSION, PACKED_METADATA_KEY, convert_gguf
 from structgen.errors import ModelLoadError, ModelNotFoundError
@@ -45,8 +46,7 @@ HASH_CHUNK_BYTES = 1 << 20
 
 def default_cache_dir() -> Path:
     """Where converted models live: $STRUCTGEN_CACHE/models, else ~/.cache/structgen/models."""
-    root = os.environ.get("STRUCTGEN_CACHE")
-    return (Path(root).expanduser() if root else Path.home() / ".cache" / "structgen") / "models"
+    return cache_root() / "models"
 
 
 def default_gguf_path() -> Path:
