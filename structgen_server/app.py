@@ -162,7 +162,7 @@ async def _serve(state: ServerState, endpoint: str, body: SamplingFields, reques
     """Validate, run and format one request, recording its metrics."""
     t0 = time.perf_counter()
     state.metrics.started()
-    # This request's generations share admission fairly, and with other clients' (scheduler.py).
+    # This request's generations share admission fairly, and with other clients' (engine/waiting.py).
     request_group.set(new_request_id())
     request_client.set(client_key(request.client.host) if request.client else None)
     status, error_type, streaming = 200, None, False

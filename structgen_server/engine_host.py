@@ -3,9 +3,9 @@ processes' calls over the engine link (engine_link.py), so the HTTP work (parsin
 formatting, streaming events) runs in processes of its own and never holds the GIL the engine
 thread needs (docs/performance.md, "The HTTP front in processes of its own").
 
-Each call runs as a task of its own, under the admission group and client the front gave it; a front's
-`cancel` (its client went away) cancels the task, which aborts the engine request, and a front
-that disconnects has all its calls cancelled.
+Each call runs as a task of its own, under the admission group and client the front gave it;
+a front's `cancel` (its client went away) cancels the task, which aborts the engine request,
+and a front that disconnects has all its calls cancelled.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ messages. Each side sends what one turn of its event loop produced as one frame 
 
 Messages are tuples, their first item the kind. Front -> engine: `("prepare", rid, admission,
 output_type, strict)`, `("encode", rid, prompt, chat, tools)`, `("complete" | "stream", rid,
-admission, output_type, prompt, options)` (`Admission`: whom the call is for), `("cancel", rid)`, `("load", rid)`, `("metrics", rid)` and
+admission, output_type, prompt, options)` (`Admission`: whom the call is for), `("cancel",
+rid)`, `("load", rid)`, `("metrics", rid)` and
 `("count", method, args)` (a metric, no answer). Engine -> front: `("ok", rid, value)`,
 `("error", rid, exception)`, `("delta", rid, text)` and `("end", rid, StreamEnd)`.
 
